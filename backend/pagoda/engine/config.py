@@ -1,0 +1,54 @@
+"""Engine configuration: one dataclass, validated, shared by the offline API and the server.
+
+KV memory is a budget: on GPU a fraction of total device memory
+(``gpu_memory_utilization``) minus what weights and activations take; on CPU a number of
+bytes (``kv_cache_memory_bytes``). The number of blocks follows from the budget and the
+model's per-block footprint (see ``ModelRunner``); ``num_gpu_blocks_override`` pins it
+(tests use it to force preemption with a tiny cache).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
+@dataclass
+class EngineConfig:
+    model: Optional[str] = None  # a Hugging Face folder; None means the default model
+    dtype: str = "auto"  # auto | float32 | float16 | bfloat16 (auto: bf16 on GPU, fp32 on CPU)
+    device: str = "auto"  # auto | cpu | cuda
+    block_size: int = 16
+    kv_cache_memory_bytes: int = 512 * 2**20  # CPU budget
+    gpu_memory_utilization: float = 0.90  # GPU budget, fraction of device memory
+    num_gpu_blocks_override: Optional[int] = None
+    max_model_len: Optional[int] = None  # default: the model's max_position_embeddings
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    scheduling_policy: str = "fcfs"
+    seed: int = 0
+    max_block_events: int = 100_000  # retained for the fleet layer before the oldest drop
+
+    def __post_init__(self) -> None:
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise ValueError(f"block_size: must be one of 8, 16, 32, 64, 128, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs: must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens: must be >= 1, got {self.max_num_batched_tokens}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_memory_bytes <= 0:
+            raise ValueError(f"kv_cache_memory_bytes: must be > 0, got {self.kv_cache_memory_bytes}")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ValueError(f"num_gpu_blocks_override: must be >= 1, got {self.num_gpu_blocks_override}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy: must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
+        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
+            raise ValueError(f"dtype: must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device: must be auto, cpu or cuda, got {self.device!r}")

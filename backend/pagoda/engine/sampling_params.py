@@ -1,0 +1,132 @@
+"""Per-request sampling parameters, validated on construction.
+
+Mirrors vLLM's ``SamplingParams`` so that users of vLLM (and of Triton's vLLM backend,
+which passes these as a JSON ``sampling_parameters`` input) need not learn new names.
+Every invalid field raises ``ValueError`` whose message starts with the field's name.
+``from_dict`` additionally rejects unknown keys and wrong JSON types, for the server edge.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+# Upper bounds that no legitimate request approaches; past them a value is a mistake.
+MAX_N = 64
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 64
+_MAX_SEED = 2**64 - 1
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request's continuation.
+
+    Attributes mirror vLLM: ``temperature == 0`` means greedy; ``top_k`` of 0 or -1
+    disables top-k; ``top_p`` of 1 and ``min_p`` of 0 disable those filters; penalties
+    at their neutral values (1, 0, 0) do nothing. ``seed`` makes a request's samples
+    independent of what else shares its batch. ``logprobs=N`` returns the sampled
+    token's log-probability and the top N alternatives at every step.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: Optional[int] = None
+    max_tokens: Optional[int] = 16
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: Optional[int] = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self._validate()
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    def _validate(self) -> None:
+        _check_int("n", self.n, 1, MAX_N)
+        _check_float("temperature", self.temperature, 0.0, 100.0)
+        _check_float("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        _check_int("top_k", self.top_k, 0, None)
+        _check_float("min_p", self.min_p, 0.0, 1.0)
+        _check_float("repetition_penalty", self.repetition_penalty, 0.0, 100.0, low_open=True)
+        _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        if self.seed is not None:
+            _check_int("seed", self.seed, 0, _MAX_SEED)
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, 1, None)
+        _check_int("min_tokens", self.min_tokens, 0, self.max_tokens)
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop: every stop string must be a non-empty string, got {s!r}")
+        for t in self.stop_token_ids:
+            _check_int("stop_token_ids", t, 0, None)
+        _check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
+        _check_bool("ignore_eos", self.ignore_eos)
+        _check_bool("skip_special_tokens", self.skip_special_tokens)
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "SamplingParams":
+        """Build from a JSON-like dict, rejecting unknown keys with a message naming them.
+
+        Raises:
+            ValueError: on unknown keys or any invalid field.
+        """
+        if not isinstance(values, dict):
+            raise ValueError(f"sampling parameters must be a JSON object, got {type(values).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return cls(**values)
+
+    def clone(self, **changes: Any) -> "SamplingParams":
+        return dataclasses.replace(self, **changes)
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}: must be a boolean, got {value!r}")
+
+
+def _check_int(name: str, value: Any, low: Optional[int], high: Optional[int]) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name}: must be an integer, got {value!r}")
+    if low is not None and value < low:
+        raise ValueError(f"{name}: must be >= {low}, got {value}")
+    if high is not None and value > high:
+        raise ValueError(f"{name}: must be <= {high}, got {value}")
+
+
+def _check_float(name: str, value: Any, low: float, high: float, low_open: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name}: must be a number, got {value!r}")
+    if value != value:  # NaN
+        raise ValueError(f"{name}: must be a number, got NaN")
+    if (value <= low) if low_open else (value < low):
+        raise ValueError(f"{name}: must be {'>' if low_open else '>='} {low}, got {value}")
+    if value > high:
+        raise ValueError(f"{name}: must be <= {high}, got {value}")

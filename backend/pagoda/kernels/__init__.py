@@ -1,0 +1,68 @@
+"""The single dispatch point for hot-path kernels.
+
+The model calls only the four functions below. Each picks an implementation per call:
+OpenAI-Triton kernels for CUDA tensors, torch references otherwise. ``PAGODA_KERNELS``
+overrides the choice (``triton`` forces the kernels, e.g. under ``TRITON_INTERPRET=1`` on
+CPU in tests; ``torch`` forces the references, e.g. to compare on a GPU).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from pagoda.kernels import reference
+from pagoda.kernels.metadata import AttentionMetadata
+
+__all__ = ["AttentionMetadata", "paged_attention", "write_kv", "rms_norm", "apply_rotary", "use_triton"]
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """Whether the OpenAI-Triton kernels serve a call on tensor ``x``."""
+    choice = os.environ.get("PAGODA_KERNELS", "auto")
+    if choice == "torch":
+        return False
+    if choice == "triton":
+        return _triton_available()
+    return x.is_cuda and _triton_available()
+
+
+def _triton_available() -> bool:
+    try:
+        from pagoda.kernels import triton_ops  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+    if use_triton(q):
+        from pagoda.kernels import triton_ops
+
+        return triton_ops.paged_attention(q, k_cache, v_cache, meta, scale)
+    return reference.paged_attention_torch(q, k_cache, v_cache, meta, scale)
+
+
+def write_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
+    if use_triton(k):
+        from pagoda.kernels import triton_ops
+
+        return triton_ops.write_kv(k, v, k_cache, v_cache, slot_mapping)
+    return reference.write_kv(k, v, k_cache, v_cache, slot_mapping)
+
+
+def rms_norm(x, weight, eps: float, residual=None):
+    if use_triton(x):
+        from pagoda.kernels import triton_ops
+
+        return triton_ops.rms_norm(x, weight, eps, residual)
+    return reference.rms_norm(x, weight, eps, residual)
+
+
+def apply_rotary(q, k, positions, cos_sin_cache):
+    if use_triton(q):
+        from pagoda.kernels import triton_ops
+
+        return triton_ops.apply_rotary(q, k, positions, cos_sin_cache)
+    return reference.apply_rotary(q, k, positions, cos_sin_cache)

@@ -1,0 +1,79 @@
+"""Attention metadata for one engine step: the contract between ModelRunner and kernels.
+
+One step attends over a flat batch of ``num_tokens`` query tokens belonging to
+``num_seqs`` sequences, laid out back to back (decode tokens and prefill chunks mixed).
+Sequence ``s`` owns query rows ``query_start_loc[s]:query_start_loc[s+1]``; its context
+after this step holds ``seq_lens[s]`` tokens, the first ``seq_lens[s] - query_len`` of
+which were already in the paged cache before the step (a prefix hit, an earlier chunk,
+or earlier decodes). Query row ``i`` of sequence ``s`` sits at position
+``seq_lens[s] - query_len + i`` and attends causally to positions ``<=`` that.
+
+KV cache layout, per layer: ``k_cache`` and ``v_cache`` are each
+``[num_blocks, block_size, num_kv_heads, head_dim]``; the token at position ``p`` of
+sequence ``s`` lives in block ``block_tables[s, p // block_size]`` at offset
+``p % block_size``. ``slot_mapping[t] = block * block_size + offset`` is where query token
+``t``'s new K/V are written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor  # [num_seqs] int32
+    block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32, padded with 0
+    max_query_len: int
+    max_seq_len: int
+    # Host copies, so CPU paths never synchronise on device tensors.
+    query_lens_host: list[int]
+    seq_lens_host: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_host)
+
+    @classmethod
+    def build(
+        cls,
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> "AttentionMetadata":
+        """Build metadata from host lists.
+
+        Args:
+            query_lens: new tokens per sequence this step.
+            seq_lens: context length per sequence after this step (>= query_lens).
+            block_tables: block ids per sequence, covering at least ``seq_lens`` tokens.
+            block_size: tokens per block.
+        """
+        assert len(query_lens) == len(seq_lens) == len(block_tables), "ragged metadata"
+        slots: list[int] = []
+        for q_len, s_len, table in zip(query_lens, seq_lens, block_tables):
+            assert 0 < q_len <= s_len, f"bad lengths q={q_len} s={s_len}"
+            assert len(table) * block_size >= s_len, "block table too short"
+            for pos in range(s_len - q_len, s_len):
+                slots.append(table[pos // block_size] * block_size + pos % block_size)
+        max_blocks = max((len(t) for t in block_tables), default=0)
+        padded = [t + [0] * (max_blocks - len(t)) for t in block_tables]
+        starts = [0]
+        for q_len in query_lens:
+            starts.append(starts[-1] + q_len)
+        return cls(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            block_tables=torch.tensor(padded, dtype=torch.int32, device=device).reshape(len(block_tables), max_blocks),
+            max_query_len=max(query_lens, default=0),
+            max_seq_len=max(seq_lens, default=0),
+            query_lens_host=list(query_lens),
+            seq_lens_host=list(seq_lens),
+        )

@@ -1,0 +1,167 @@
+"""Torch reference implementations of every kernel: the CPU path and the ground truth.
+
+``paged_attention_ref`` is the plain per-sequence definition (used by tests, in float64).
+``paged_attention_torch`` computes the same thing faster on CPU: all single-token
+(decode) sequences in one batched SDPA call, each prefill chunk in its own call.
+All functions accumulate in float32 (or the input's dtype when that is float64) and
+return the input dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pagoda.kernels.metadata import AttentionMetadata
+
+
+def write_kv(
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens] int64
+) -> None:
+    """Store each token's K/V at its slot (block * block_size + offset)."""
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def _gather_context(cache: torch.Tensor, table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """[seq_len, num_kv_heads, head_dim] context of one sequence from the paged cache."""
+    block_size = cache.shape[1]
+    num_blocks = (seq_len + block_size - 1) // block_size
+    return cache[table[:num_blocks].long()].flatten(0, 1)[:seq_len]
+
+
+def paged_attention_ref(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """Definition of paged causal GQA attention, one sequence at a time (slow, exact)."""
+    acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    num_heads = q.shape[1]
+    out = torch.empty_like(q)
+    start = 0
+    for s, (q_len, s_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
+        qs = q[start : start + q_len].to(acc_dtype)  # [q_len, H, D]
+        ks = _gather_context(k_cache, meta.block_tables[s], s_len).to(acc_dtype)  # [S, KVH, D]
+        vs = _gather_context(v_cache, meta.block_tables[s], s_len).to(acc_dtype)
+        group = num_heads // ks.shape[1]
+        ks = ks.repeat_interleave(group, dim=1)
+        vs = vs.repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", qs, ks) * scale  # [H, q_len, S]
+        q_pos = torch.arange(s_len - q_len, s_len).unsqueeze(1)
+        k_pos = torch.arange(s_len).unsqueeze(0)
+        scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[start : start + q_len] = torch.einsum("hqk,khd->qhd", probs, vs).to(q.dtype)
+        start += q_len
+    return out
+
+
+def paged_attention_torch(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """Same result as ``paged_attention_ref``, batched for speed on CPU."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    out = torch.empty_like(q)
+    query_lens, seq_lens = meta.query_lens_host, meta.seq_lens_host
+    decode = [s for s, n in enumerate(query_lens) if n == 1]
+    starts = meta.query_start_loc.tolist()
+    if decode:
+        _decode_batch(q, k_cache, v_cache, meta, scale, decode, starts, out)
+    for s, q_len in enumerate(query_lens):
+        if q_len == 1:
+            continue
+        s_len = seq_lens[s]
+        rows = slice(starts[s], starts[s] + q_len)
+        ks = _gather_context(k_cache, meta.block_tables[s], s_len)
+        vs = _gather_context(v_cache, meta.block_tables[s], s_len)
+        qh = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
+        kh = ks.transpose(0, 1).unsqueeze(0)  # [1, KVH, S, D]
+        vh = vs.transpose(0, 1).unsqueeze(0)
+        if num_kv_heads != num_heads:
+            kh = kh.repeat_interleave(num_heads // num_kv_heads, dim=1)
+            vh = vh.repeat_interleave(num_heads // num_kv_heads, dim=1)
+        # Causal with an offset: query i sits at position s_len - q_len + i.
+        mask = torch.ones(q_len, s_len, dtype=torch.bool).tril(diagonal=s_len - q_len)
+        o = F.scaled_dot_product_attention(qh, kh.to(q.dtype), vh.to(q.dtype), attn_mask=mask, scale=scale)
+        out[rows] = o[0].transpose(0, 1)
+    return out
+
+
+def _decode_batch(q, k_cache, v_cache, meta, scale, decode, starts, out) -> None:
+    """All one-token queries at once: gather padded contexts, mask the padding."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    idx = torch.tensor(decode, dtype=torch.long)
+    lens = torch.tensor([meta.seq_lens_host[s] for s in decode], dtype=torch.long)
+    max_len = int(lens.max())
+    pos = torch.arange(max_len)
+    tables = meta.block_tables[idx].long()  # [B, max_blocks]
+    nblk = (max_len + block_size - 1) // block_size
+    slots = tables[:, :nblk].gather(1, (pos // block_size).expand(len(decode), -1)) * block_size + pos % block_size
+    ks = k_cache.view(-1, num_kv_heads, head_dim)[slots]  # [B, L, KVH, D]
+    vs = v_cache.view(-1, num_kv_heads, head_dim)[slots]
+    rows = torch.tensor([starts[s] for s in decode], dtype=torch.long)
+    qh = q[rows].unsqueeze(2)  # [B, H, 1, D]
+    kh = ks.transpose(1, 2)
+    vh = vs.transpose(1, 2)
+    if num_kv_heads != num_heads:
+        kh = kh.repeat_interleave(num_heads // num_kv_heads, dim=1)
+        vh = vh.repeat_interleave(num_heads // num_kv_heads, dim=1)
+    mask = (pos.unsqueeze(0) < lens.unsqueeze(1)).view(len(decode), 1, 1, max_len)
+    o = F.scaled_dot_product_attention(qh, kh.to(q.dtype), vh.to(q.dtype), attn_mask=mask, scale=scale)
+    out[rows] = o[:, :, 0]
+
+
+def rms_norm(
+    x: torch.Tensor,  # [num_tokens, hidden]
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [num_tokens, hidden]
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """RMSNorm, optionally fused with the residual add.
+
+    Returns:
+        ``(normed, new_residual)`` where ``new_residual = x + residual`` (None when no
+        residual was given); the norm is taken of ``new_residual`` in that case.
+    """
+    if residual is not None:
+        x = x + residual
+        residual = x
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    xf = x.to(acc)
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (normed * weight.to(acc)).to(x.dtype), residual
+
+
+def apply_rotary(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    positions: torch.Tensor,  # [num_tokens] int64
+    cos_sin_cache: torch.Tensor,  # [max_positions, head_dim]: cos in the first half, sin in the second
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary embedding, NeoX / Hugging Face Llama style (rotate the two halves)."""
+    half = cos_sin_cache.shape[1] // 2
+    cs = cos_sin_cache[positions]
+    cos = cs[:, :half].unsqueeze(1)
+    sin = cs[:, half:].unsqueeze(1)
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+        x1, x2 = x[..., :half].to(acc), x[..., half:].to(acc)
+        c, s = cos.to(acc), sin.to(acc)
+        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+
+    return rotate(q), rotate(k)
