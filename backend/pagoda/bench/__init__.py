@@ -1,0 +1,1 @@
+"""Benchmarks behind `pagoda bench ...`: each a module with `main(argv) -> int`."""
