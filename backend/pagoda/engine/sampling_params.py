@@ -49,11 +49,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        if self.top_k == -1:
+        self.stop = _as_list("stop", [self.stop] if isinstance(self.stop, str) else self.stop)
+        self.stop_token_ids = _as_list("stop_token_ids", self.stop_token_ids)
+        # Only the integer -1 means "disabled"; -1.0 or True must still fail validation.
+        if type(self.top_k) is int and self.top_k == -1:
             self.top_k = 0
         self._validate()
 
@@ -74,7 +73,9 @@ class SamplingParams:
             _check_int("seed", self.seed, 0, _MAX_SEED)
         if self.max_tokens is not None:
             _check_int("max_tokens", self.max_tokens, 1, None)
-        _check_int("min_tokens", self.min_tokens, 0, self.max_tokens)
+        _check_int("min_tokens", self.min_tokens, 0, None)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens: must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         if len(self.stop) > MAX_STOP_STRINGS:
             raise ValueError(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
         for s in self.stop:
@@ -98,13 +99,22 @@ class SamplingParams:
         if not isinstance(values, dict):
             raise ValueError(f"sampling parameters must be a JSON object, got {type(values).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
+        # str(): JSON keys are strings, but a dict built in Python may mix key types.
+        unknown = sorted(str(key) for key in set(values) - known)
         if unknown:
             raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
         return cls(**values)
 
     def clone(self, **changes: Any) -> "SamplingParams":
         return dataclasses.replace(self, **changes)
+
+
+def _as_list(name: str, value: Any) -> list:
+    if value is None:
+        return []
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"{name}: must be a list, got {type(value).__name__}")
+    return list(value)
 
 
 def _check_bool(name: str, value: Any) -> None:

@@ -1,0 +1,124 @@
+"""SamplingParams validation: every bad field raises ValueError naming the field."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from pagoda.engine.sampling_params import MAX_LOGPROBS, MAX_N, MAX_STOP_STRINGS, SamplingParams
+
+NAN = float("nan")
+INF = float("inf")
+
+# (field, bad value); every entry must be rejected both by the constructor and from_dict.
+BAD_VALUES = [
+    *[("n", v) for v in (0, -1, MAX_N + 1, 1.5, 2.0, "2", True, None)],
+    *[("temperature", v) for v in (-0.1, NAN, INF, 100.5, "1", True, None)],
+    *[("top_p", v) for v in (0.0, -0.1, 1.01, NAN, "0.5", True, None)],
+    *[("top_k", v) for v in (-2, 1.5, -1.0, 5.0, "3", True, None)],
+    *[("min_p", v) for v in (-0.1, 1.01, NAN, INF, "0", True)],
+    *[("repetition_penalty", v) for v in (0.0, -1.0, NAN, 100.5, "1", False)],
+    *[("presence_penalty", v) for v in (-2.01, 2.01, NAN, -INF, "0", True)],
+    *[("frequency_penalty", v) for v in (-2.01, 2.01, NAN, INF, "0", True)],
+    *[("seed", v) for v in (-1, 2**64, 1.0, "1", True)],
+    *[("max_tokens", v) for v in (0, -1, -100, 1.5, "16", True)],
+    *[("min_tokens", v) for v in (-1, 1.5, "1", True, None)],
+    *[("stop", v) for v in ("", [""], ["ok", ""], [1], [None], ["x"] * (MAX_STOP_STRINGS + 1), 5, {"a": 1})],
+    *[("stop_token_ids", v) for v in ([-1], [1.5], [True], ["1"], 5, "12")],
+    *[("include_stop_str_in_output", v) for v in (1, 0, "yes", None)],
+    *[("ignore_eos", v) for v in (1, "true", None)],
+    *[("skip_special_tokens", v) for v in (0, "false", None)],
+    *[("logprobs", v) for v in (-1, MAX_LOGPROBS + 1, 1.5, "5", True)],
+]
+
+
+def _case_id(case):
+    name, value = case
+    return f"{name}={value!r}"[:40]
+
+
+@pytest.mark.parametrize("case", BAD_VALUES, ids=[_case_id(c) for c in BAD_VALUES])
+def test_bad_value_raises_naming_field(case):
+    name, value = case
+    with pytest.raises(ValueError) as constructed:
+        SamplingParams(**{name: value})
+    assert str(constructed.value).startswith(f"{name}:"), str(constructed.value)
+    with pytest.raises(ValueError) as from_json:
+        SamplingParams.from_dict({name: value})
+    assert str(from_json.value).startswith(f"{name}:"), str(from_json.value)
+
+
+def test_every_field_has_a_bad_value_case():
+    tested = {name for name, _ in BAD_VALUES}
+    assert tested == {f.name for f in dataclasses.fields(SamplingParams)}
+
+
+def test_min_tokens_above_max_tokens_names_min_tokens():
+    with pytest.raises(ValueError, match=r"^min_tokens: must be <= max_tokens \(10\)"):
+        SamplingParams(min_tokens=11, max_tokens=10)
+    SamplingParams(min_tokens=10, max_tokens=10)
+    SamplingParams(min_tokens=1000, max_tokens=None)
+
+
+def test_clone_validates():
+    params = SamplingParams(temperature=0.5)
+    assert params.clone(top_k=5).top_k == 5
+    with pytest.raises(ValueError, match="^temperature:"):
+        params.clone(temperature=-1.0)
+
+
+def test_defaults_are_valid_and_vllm_like():
+    params = SamplingParams()
+    assert (params.n, params.temperature, params.top_p, params.top_k, params.min_p) == (1, 1.0, 1.0, 0, 0.0)
+    assert (params.repetition_penalty, params.presence_penalty, params.frequency_penalty) == (1.0, 0.0, 0.0)
+    assert params.seed is None and params.logprobs is None
+    assert params.max_tokens == 16 and params.min_tokens == 0
+    assert params.stop == [] and params.stop_token_ids == []
+    assert not params.ignore_eos and not params.include_stop_str_in_output and params.skip_special_tokens
+    assert not params.is_greedy
+    assert SamplingParams.from_dict({}) == params
+
+
+def test_boundary_values_are_accepted():
+    SamplingParams(n=MAX_N, temperature=0, top_p=1.0, top_k=1, min_p=1.0, repetition_penalty=100)
+    SamplingParams(presence_penalty=-2, frequency_penalty=2, seed=0, logprobs=0)
+    SamplingParams(seed=2**64 - 1, logprobs=MAX_LOGPROBS, max_tokens=None, temperature=100)
+    SamplingParams(stop=["x"] * MAX_STOP_STRINGS, stop_token_ids=[0, 2])
+
+
+def test_normalizations():
+    assert SamplingParams(top_k=-1).top_k == 0
+    assert SamplingParams(stop="###").stop == ["###"]
+    assert SamplingParams(stop=("a", "b")).stop == ["a", "b"]
+    assert SamplingParams(stop=None, stop_token_ids=None).stop == []
+    assert SamplingParams(temperature=0).is_greedy
+    assert SamplingParams(temperature=1).temperature == 1  # ints are fine where floats are expected
+
+
+def test_from_dict_rejects_unknown_keys_naming_them():
+    with pytest.raises(ValueError) as error:
+        SamplingParams.from_dict({"temperature": 0.5, "best_of": 2, "use_beam_search": True})
+    message = str(error.value)
+    assert "best_of" in message and "use_beam_search" in message
+    assert message.startswith("unknown sampling parameter(s): best_of, use_beam_search")
+
+
+def test_from_dict_unknown_non_string_key():
+    with pytest.raises(ValueError, match="unknown sampling parameter"):
+        SamplingParams.from_dict({1: 2, "zzz": 3})
+
+
+@pytest.mark.parametrize("values", [None, [], ["temperature", 1.0], "temperature=1", 3, 1.5])
+def test_from_dict_rejects_non_dict(values):
+    with pytest.raises(ValueError, match="must be a JSON object"):
+        SamplingParams.from_dict(values)
+
+
+def test_from_dict_valid_json_values():
+    params = SamplingParams.from_dict(
+        {"n": 2, "temperature": 0.7, "top_k": -1, "stop": ["\n"], "seed": 42, "logprobs": 5, "max_tokens": 32}
+    )
+    assert params.n == 2 and math.isclose(params.temperature, 0.7) and params.top_k == 0
+    assert params.stop == ["\n"] and params.seed == 42 and params.logprobs == 5 and params.max_tokens == 32
