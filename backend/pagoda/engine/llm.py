@@ -1,0 +1,80 @@
+"""The offline API, shaped like vLLM's: ``LLM(model=...).generate(prompts, params)``.
+
+``generate`` queues every prompt at once and steps the engine until all finish, so the
+prompts are continuously batched together; results come back in input order.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence, Union
+
+from pagoda.engine.config import EngineConfig
+from pagoda.engine.llm_engine import LLMEngine, PromptType
+from pagoda.engine.outputs import RequestOutput
+from pagoda.engine.sampling_params import SamplingParams
+
+
+class LLM:
+    """Offline batched generation.
+
+    Args:
+        model: a Hugging Face model folder; None uses the default model (SmolLM2-135M-Instruct).
+        **engine_kwargs: any ``EngineConfig`` field (block_size, max_num_seqs, ...).
+    """
+
+    def __init__(self, model: Optional[str] = None, **engine_kwargs: Any) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_kwargs))
+        self._next_id = 0
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Union[PromptType, Sequence[PromptType]],
+        sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+        *,
+        priority: Optional[Sequence[int]] = None,
+    ) -> list[RequestOutput]:
+        """Generate completions for one prompt or many (strings or token-id lists).
+
+        Raises:
+            ValueError: for an invalid prompt or parameters; nothing is left queued.
+        """
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if isinstance(sampling_params, SamplingParams) or sampling_params is None:
+            params_list = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"sampling_params: got {len(params_list)} for {len(prompts)} prompts")
+        priorities = list(priority) if priority is not None else [0] * len(prompts)
+        ids = []
+        try:
+            for prompt, params, prio in zip(prompts, params_list, priorities):
+                request_id = str(self._next_id)
+                self._next_id += 1
+                self.engine.add_request(request_id, prompt, params, priority=prio)
+                ids.append(request_id)
+        except ValueError:
+            self.engine.abort_request(ids)
+            while self.engine.has_unfinished_requests():
+                self.engine.step()
+            raise
+        return self._run(ids)
+
+    def chat(self, messages: list[dict], sampling_params: Optional[SamplingParams] = None) -> RequestOutput:
+        """Generate a reply to one conversation using the tokenizer's chat template."""
+        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return self.generate(self.tokenizer.encode(prompt, add_special_tokens=False), sampling_params)[0]
+
+    def _run(self, ids: list[str]) -> list[RequestOutput]:
+        final: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[i] for i in ids]

@@ -1,0 +1,398 @@
+"""LLMEngine: requests in, streamed outputs out, one ``step()`` at a time.
+
+One step = ``Scheduler.schedule()`` (which requests advance, by how many tokens) →
+``ModelRunner.execute()`` (one forward pass over the flat mixed batch) → ``Sampler`` (a
+token for every request that reached the end of its known tokens) →
+``Scheduler.update_from_output()`` (append tokens, stop checks, free finished requests) →
+incremental detokenization, stop strings, and ``RequestOutput``s with deltas and
+timestamps.
+
+A user request with ``n > 1`` becomes ``n`` scheduler requests ("children") that share
+the prompt's KV blocks through the prefix cache: child 0 is scheduled first and the others
+join once its prompt is computed, so they hit every full prompt block instead of
+recomputing it. Their outputs are reported together under the user's request id.
+
+The engine is single-threaded: a server drives it from one thread (see
+``pagoda.serving``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Iterable, Optional, Union
+
+from pagoda.engine.config import EngineConfig
+from pagoda.engine.model_runner import ModelRunner
+from pagoda.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
+from pagoda.engine.request import Request, RequestStatus
+from pagoda.engine.sampler import Sampler, SamplingRow, make_generator
+from pagoda.engine.sampling_params import SamplingParams
+from pagoda.engine.scheduler import Scheduler, SchedulerConfig
+from pagoda.models.config import ModelConfig
+from pagoda.models.gguf_import import ensure_default_model
+from pagoda.models.tokenizer import IncrementalDetokenizer, Tokenizer
+
+logger = logging.getLogger(__name__)
+
+PromptType = Union[str, list[int]]
+
+
+@dataclass
+class EngineStats:
+    num_waiting: int
+    num_running: int
+    kv_cache_usage: float
+    num_blocks: int
+    num_free_blocks: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    num_steps: int
+    max_num_running_seen: int
+    last_step_num_seqs: int
+    last_step_num_decode_seqs: int
+    last_step_num_prefill_seqs: int
+    last_step_num_tokens: int
+
+
+@dataclass
+class _Completion:
+    """Text state of one child: what has been decoded, and what has been emitted."""
+
+    request: Request
+    detokenizer: IncrementalDetokenizer
+    text: str = ""
+    num_emitted_chars: int = 0
+    num_emitted_tokens: int = 0
+    logprobs: Optional[list[TokenLogprob]] = None
+    num_emitted_logprobs: int = 0
+    cumulative_logprob: Optional[float] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[Union[int, str]] = None
+    is_reported_final: bool = False
+
+
+@dataclass
+class _Group:
+    """One user request: its children and the metrics reported under its id."""
+
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    metrics: RequestMetrics
+    completions: list[_Completion]
+    pending: list[Request] = field(default_factory=list)  # children not yet handed to the scheduler
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.completions)
+
+
+class LLMEngine:
+    def __init__(self, config: Optional[EngineConfig] = None) -> None:
+        self.config = config or EngineConfig()
+        model_path = str(self.config.model or ensure_default_model())
+        self.model_path = model_path
+        self.model_config = ModelConfig.from_pretrained(model_path)
+        self.tokenizer = Tokenizer.from_pretrained(model_path)
+        self.runner = ModelRunner(self.config, self.model_config, model_path)
+        self.max_model_len = self.config.max_model_len or self.model_config.max_position_embeddings
+        if self.max_model_len > self.model_config.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len: {self.max_model_len} exceeds the model's "
+                f"max_position_embeddings ({self.model_config.max_position_embeddings})")
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_seqs=self.config.max_num_seqs,
+            max_num_batched_tokens=self.config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            block_size=self.config.block_size,
+            num_blocks=self.runner.num_blocks,
+            enable_chunked_prefill=self.config.enable_chunked_prefill,
+            enable_prefix_caching=self.config.enable_prefix_caching,
+            policy=self.config.scheduling_policy,
+            model_id=self.model_id,
+        ))
+        self.sampler = Sampler(vocab_size=self.model_config.vocab_size, seed=self.config.seed)
+        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
+        self._groups: dict[str, _Group] = {}
+        self._child_of: dict[str, tuple[_Group, int]] = {}
+        self._aborted_outputs: list[RequestOutput] = []
+        self._num_steps = 0
+        self._num_prompt_tokens = 0
+        self._num_generation_tokens = 0
+        self._max_num_running_seen = 0
+        self._last_step = (0, 0, 0, 0)
+
+    @property
+    def model_id(self) -> str:
+        """Identity that seeds block hashes: the model folder's name."""
+        return _folder_name(self.model_path)
+
+    # ----------------------------------------------------------------- requests
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: Optional[SamplingParams] = None,
+        *,
+        arrival_time: Optional[float] = None,
+        priority: int = 0,
+        cache_salt: Optional[str] = None,
+    ) -> None:
+        """Queue a request.
+
+        Raises:
+            ValueError: duplicate id, empty prompt, token ids outside the vocabulary, or a
+                request that can never fit (prompt + max_tokens over ``max_model_len`` or
+                over the whole KV cache). Nothing is queued then.
+        """
+        params = params or SamplingParams()
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError("request_id: must be a non-empty string")
+        if request_id in self._groups:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority: must be an integer, got {priority!r}")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError("cache_salt: must be a non-empty string when given")
+        text, token_ids = self._tokenize(prompt)
+        arrival = time.time() if arrival_time is None else arrival_time
+        children = [
+            self._make_child(request_id if params.n == 1 else f"{request_id}#{i}", token_ids, params, i,
+                             arrival, priority, cache_salt)
+            for i in range(params.n)
+        ]
+        # Validates fit (raises ValueError) before anything is registered.
+        self.scheduler.add_request(children[0])
+        group = _Group(request_id, text, token_ids, params, RequestMetrics(arrival_time=arrival),
+                       [_Completion(c, IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens),
+                                    logprobs=[] if params.logprobs is not None else None,
+                                    cumulative_logprob=0.0 if params.logprobs is not None else None)
+                        for c in children])
+        self._groups[request_id] = group
+        for i, child in enumerate(children):
+            self._child_of[child.request_id] = (group, i)
+        if self.config.enable_prefix_caching:
+            group.pending = children[1:]
+        else:
+            for child in children[1:]:
+                self.scheduler.add_request(child)
+
+    def _tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt: must not be empty")
+            return prompt, self.tokenizer.encode(prompt)
+        if not isinstance(prompt, (list, tuple)) or not prompt:
+            raise ValueError("prompt: must be a non-empty string or a non-empty list of token ids")
+        vocab = self.model_config.vocab_size
+        for t in prompt:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise ValueError(f"prompt: token id {t!r} is not in the vocabulary [0, {vocab})")
+        return None, list(prompt)
+
+    def _make_child(self, child_id, token_ids, params, index, arrival, priority, cache_salt) -> Request:
+        request = Request(child_id, list(token_ids), params, eos_token_ids=self.eos_token_ids,
+                          arrival_time=arrival, priority=priority, cache_salt=cache_salt)
+        blocked = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+        request.sampling_state = SamplingRow(
+            params=params,
+            generator=make_generator(params.seed, index) if params.seed is not None else None,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=request.output_token_ids,
+            min_tokens_blocked_ids=blocked,
+        )
+        return request
+
+    def abort_request(self, request_ids: Union[str, Iterable[str]]) -> None:
+        """Abort requests (unknown or finished ids are ignored); their blocks are freed now
+        and their final outputs, with ``finish_reason == "abort"``, come from the next step()."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for request_id in request_ids:
+            group = self._groups.get(request_id)
+            if group is None:
+                continue
+            live = [c.request.request_id for c in group.completions
+                    if c.finish_reason is None and c.request not in group.pending]
+            self.scheduler.finish_requests(live, RequestStatus.FINISHED_ABORTED)
+            group.pending = []
+            now = time.time()
+            for completion in group.completions:
+                if completion.finish_reason is None:
+                    completion.finish_reason = "abort"
+            group.metrics.finished_time = now
+            self._aborted_outputs.append(self._make_output(group))
+            self._forget(group)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._groups) or bool(self._aborted_outputs)
+
+    # --------------------------------------------------------------------- step
+    def step(self) -> list[RequestOutput]:
+        """Advance every schedulable request by one iteration; return what progressed."""
+        outputs, self._aborted_outputs = self._aborted_outputs, []
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            return outputs
+        now = time.time()
+        for item in sched.scheduled:
+            group, _ = self._child_of[item.request.request_id]
+            if group.metrics.first_scheduled_time is None:
+                group.metrics.first_scheduled_time = now
+        logits = self.runner.execute(sched.scheduled)
+        sampling = [item.request for item in sched.scheduled if item.is_sampling]
+        sampled: dict[str, list[int]] = {}
+        if sampling:
+            result = self.sampler(logits, [r.sampling_state for r in sampling])
+            for request, token_id, lp in zip(sampling, result.token_ids, result.logprobs):
+                sampled[request.request_id] = [token_id]
+                if lp is not None:
+                    completion = self._completion_of(request)
+                    completion.logprobs.append(TokenLogprob(lp.token_id, lp.logprob, lp.rank, list(lp.top)))
+                    completion.cumulative_logprob += lp.logprob
+        updates = self.scheduler.update_from_output(sched, sampled)
+        self._record_step(sched)
+        now = time.time()
+        touched: dict[str, _Group] = {}
+        for update in updates:
+            group, _ = self._child_of[update.request.request_id]
+            self._absorb(update, now)
+            touched[group.request_id] = group
+        self._release_pending_children()
+        for group in touched.values():
+            outputs.append(self._make_output(group))
+            if group.finished:
+                self._forget(group)
+        return outputs
+
+    def _completion_of(self, request: Request) -> _Completion:
+        group, index = self._child_of[request.request_id]
+        return group.completions[index]
+
+    def _absorb(self, update, now: float) -> None:
+        """Detokenize a child's new tokens, apply stop strings, stamp metrics."""
+        request = update.request
+        group, index = self._child_of[request.request_id]
+        completion = group.completions[index]
+        if update.new_token_ids:
+            self._num_generation_tokens += len(update.new_token_ids)
+            m = group.metrics
+            if m.first_token_time is None:
+                m.first_token_time = now
+                self._num_prompt_tokens += len(group.prompt_token_ids)
+            else:
+                m.inter_token_latencies.append(now - m.last_token_time)
+            m.last_token_time = now
+            completion.text += completion.detokenizer.add(update.new_token_ids)
+        if update.finished:
+            completion.finish_reason = request.finish_reason
+            completion.stop_reason = request.stop_reason
+        elif group.params.stop and request.num_output_tokens >= group.params.min_tokens:
+            self._check_stop_strings(completion, group.params, len(update.new_token_ids))
+        if completion.finish_reason is not None and group.finished:
+            group.metrics.finished_time = now
+
+    def _check_stop_strings(self, completion: _Completion, params: SamplingParams, num_new_tokens: int) -> None:
+        # Only the tail can contain a new match: the part not yet scanned plus a stop
+        # string's length of overlap.
+        longest = max(len(s) for s in params.stop)
+        scan_from = max(0, completion.num_emitted_chars - longest)
+        best = None
+        for stop in params.stop:
+            pos = completion.text.find(stop, scan_from)
+            if pos != -1 and (best is None or pos < best[0]):
+                best = (pos, stop)
+        if best is None:
+            return
+        pos, stop = best
+        completion.text = completion.text[: pos + len(stop) if params.include_stop_str_in_output else pos]
+        completion.finish_reason = "stop"
+        completion.stop_reason = stop
+        self.scheduler.finish_requests([completion.request.request_id], RequestStatus.FINISHED_STOPPED)
+
+    def _release_pending_children(self) -> None:
+        """Hand n>1 siblings to the scheduler once child 0's prompt blocks are cached."""
+        for group in self._groups.values():
+            if not group.pending:
+                continue
+            first = group.completions[0].request
+            if first.num_computed_tokens >= first.num_prompt_tokens or first.status.is_finished():
+                for child in group.pending:
+                    self.scheduler.add_request(child)
+                group.pending = []
+
+    def _make_output(self, group: _Group) -> RequestOutput:
+        completions = []
+        for i, c in enumerate(group.completions):
+            finished = c.finish_reason is not None
+            # While stop strings may still match, hold back a stop string's length of text.
+            hold = 0 if finished or not group.params.stop else max(len(s) for s in group.params.stop) - 1
+            visible = max(c.num_emitted_chars, len(c.text) - hold)
+            delta_text = c.text[c.num_emitted_chars:visible]
+            c.num_emitted_chars = visible
+            token_ids = c.request.output_token_ids
+            delta_ids = token_ids[c.num_emitted_tokens:]
+            c.num_emitted_tokens = len(token_ids)
+            delta_lp = None
+            if c.logprobs is not None:
+                delta_lp = c.logprobs[c.num_emitted_logprobs:]
+                c.num_emitted_logprobs = len(c.logprobs)
+            completions.append(CompletionOutput(
+                index=i, text=c.text[:visible], token_ids=list(token_ids), delta_text=delta_text,
+                delta_token_ids=list(delta_ids), cumulative_logprob=c.cumulative_logprob,
+                logprobs=list(c.logprobs) if c.logprobs is not None else None, delta_logprobs=delta_lp,
+                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+        first = group.completions[0].request
+        return RequestOutput(
+            request_id=group.request_id, prompt=group.prompt, prompt_token_ids=group.prompt_token_ids,
+            outputs=completions, finished=group.finished, metrics=group.metrics,
+            num_cached_tokens=max(first.num_cached_tokens, 0))
+
+    def _forget(self, group: _Group) -> None:
+        self._groups.pop(group.request_id, None)
+        for c in group.completions:
+            self._child_of.pop(c.request.request_id, None)
+
+    def _record_step(self, sched) -> None:
+        self._num_steps += 1
+        num_decode = sum(1 for it in sched.scheduled if it.num_new_tokens == 1 and it.num_computed_tokens >= it.request.num_prompt_tokens)
+        self._max_num_running_seen = max(self._max_num_running_seen, len(sched.scheduled))
+        self._last_step = (len(sched.scheduled), num_decode, len(sched.scheduled) - num_decode,
+                           sched.total_num_scheduled_tokens)
+
+    # -------------------------------------------------------------------- stats
+    def get_stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(
+            num_waiting=s.num_waiting + sum(len(g.pending) for g in self._groups.values()),
+            num_running=s.num_running,
+            kv_cache_usage=s.kv_cache_usage,
+            num_blocks=self.runner.num_blocks,
+            num_free_blocks=s.num_free_blocks,
+            prefix_cache_queries=s.prefix_cache_queries,
+            prefix_cache_hits=s.prefix_cache_hits,
+            num_preemptions=s.num_preemptions_total,
+            num_prompt_tokens=self._num_prompt_tokens,
+            num_generation_tokens=self._num_generation_tokens,
+            num_steps=self._num_steps,
+            max_num_running_seen=self._max_num_running_seen,
+            last_step_num_seqs=self._last_step[0],
+            last_step_num_decode_seqs=self._last_step[1],
+            last_step_num_prefill_seqs=self._last_step[2],
+            last_step_num_tokens=self._last_step[3],
+        )
+
+    def take_block_events(self) -> list:
+        """Block events (ARCHITECTURE contract 3) since the last call, oldest first."""
+        return self.scheduler.take_events()
+
+
+def _folder_name(path: str) -> str:
+    return path.rstrip("/").rsplit("/", 1)[-1]

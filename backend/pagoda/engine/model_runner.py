@@ -1,0 +1,118 @@
+"""ModelRunner: owns device memory (weights and the paged KV cache) and runs one step.
+
+The KV cache is one preallocated pair of tensors per layer,
+``[num_blocks, block_size, num_kv_heads, head_dim]`` each, sized from the memory budget in
+``EngineConfig``: on CPU ``kv_cache_memory_bytes``; on GPU ``gpu_memory_utilization`` of
+the device's memory minus what the weights took and a reserve for activations.
+
+``execute`` turns a ``SchedulerOutput`` (a flat batch of decode tokens and prefill chunks)
+into model inputs and ``AttentionMetadata``, runs the model once, and returns the logits
+of the last token of every request that samples in this step, in batch order.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from pagoda.engine.config import EngineConfig
+from pagoda.kernels import AttentionMetadata
+from pagoda.models.config import ModelConfig
+from pagoda.models.loader import load_model
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# Memory kept free on a GPU for activations and the sampler (bytes).
+_GPU_ACTIVATION_RESERVE = 2 * 2**30
+
+
+def resolve_device(config: EngineConfig) -> torch.device:
+    if config.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if config.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device: cuda was requested but no CUDA device is available")
+    return torch.device(config.device)
+
+
+def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
+    if config.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[config.dtype]
+
+
+def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block takes across all layers (K and V)."""
+    elem = torch.tensor([], dtype=dtype).element_size()
+    per_layer = 2 * block_size * model_config.num_key_value_heads * model_config.head_dim * elem
+    return per_layer * model_config.num_hidden_layers
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, model_path: str) -> None:
+        self.config = config
+        self.model_config = model_config
+        self.device = resolve_device(config)
+        self.dtype = resolve_dtype(config, self.device)
+        self.block_size = config.block_size
+        self.model = load_model(model_path, dtype=self.dtype, device=self.device)
+        self.num_blocks = self._num_blocks_from_budget()
+        shape = (self.num_blocks, self.block_size, model_config.num_key_value_heads, model_config.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device),
+             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            for _ in range(model_config.num_hidden_layers)
+        ]
+        logger.info("KV cache: %d blocks of %d tokens on %s (%s)", self.num_blocks, self.block_size,
+                    self.device, self.dtype)
+
+    def _num_blocks_from_budget(self) -> int:
+        if self.config.num_gpu_blocks_override is not None:
+            return self.config.num_gpu_blocks_override
+        per_block = kv_bytes_per_block(self.model_config, self.block_size, self.dtype)
+        if self.device.type == "cuda":
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            budget = int(total * self.config.gpu_memory_utilization) - torch.cuda.memory_allocated(self.device)
+            budget -= _GPU_ACTIVATION_RESERVE
+        else:
+            budget = self.config.kv_cache_memory_bytes
+        num_blocks = budget // per_block
+        if num_blocks < 1:
+            raise ValueError(
+                f"KV cache budget of {budget} bytes is smaller than one block ({per_block} bytes); "
+                "raise kv_cache_memory_bytes / gpu_memory_utilization")
+        return int(num_blocks)
+
+    @torch.inference_mode()
+    def execute(self, scheduled) -> torch.Tensor:
+        """Run one step.
+
+        Args:
+            scheduled: ``SchedulerOutput.scheduled`` — per request: ``token_ids``,
+                ``num_computed_tokens`` (start position), ``num_new_tokens``,
+                ``block_ids``, ``is_sampling``.
+        Returns:
+            float32 logits ``[num_sampling_requests, vocab]`` for the requests with
+            ``is_sampling`` set, in batch order (empty when none samples).
+        """
+        input_ids: list[int] = []
+        positions: list[int] = []
+        query_lens, seq_lens, tables, sample_rows = [], [], [], []
+        for item in scheduled:
+            start, n = item.num_computed_tokens, item.num_new_tokens
+            input_ids.extend(item.token_ids)
+            positions.extend(range(start, start + n))
+            query_lens.append(n)
+            seq_lens.append(start + n)
+            tables.append(item.block_ids)
+            if item.is_sampling:
+                sample_rows.append(len(input_ids) - 1)
+        meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, self.device)
+        ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        hidden = self.model(ids, pos, self.kv_caches, meta)  # [num_tokens, hidden]
+        if not sample_rows:
+            return torch.empty(0, self.model_config.vocab_size, device=self.device)
+        rows = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
+        return self.model.compute_logits(hidden[rows]).float()

@@ -1,0 +1,67 @@
+"""Reference models for engine tests: random-weight Hugging Face checkpoints and HF greedy decoding.
+
+Random models are tiny (2 layers) but use the real SmolLM2 tokenizer files, so the
+engine loads them exactly as it loads a real model folder.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+
+# name -> (transformers config class name, config overrides)
+RANDOM_CONFIGS = {
+    "llama-gqa3-hd64": ("LlamaConfig", dict(num_attention_heads=6, num_key_value_heads=2, head_dim=64)),
+    "llama-gqa4-hd80-untied": ("LlamaConfig", dict(num_attention_heads=8, num_key_value_heads=2, head_dim=80,
+                                                   tie_word_embeddings=False)),
+    "llama3-rope-scaling": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=1, head_dim=64,
+                                                rope_theta=500000.0,
+                                                rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                                                              "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                              "original_max_position_embeddings": 64})),
+    "qwen2-qkv-bias": ("Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)),
+    "mistral": ("MistralConfig", dict(num_attention_heads=4, num_key_value_heads=1, head_dim=64, sliding_window=None)),
+}
+
+
+def make_random_model(out_dir: Path, name: str, tokenizer_dir: str, seed: int = 0) -> Path:
+    """Save a random-weight model ``name`` (see RANDOM_CONFIGS) with SmolLM2's tokenizer."""
+    import transformers
+
+    cls_name, overrides = RANDOM_CONFIGS[name]
+    kwargs = dict(vocab_size=49152, hidden_size=256, intermediate_size=384, num_hidden_layers=2,
+                  max_position_embeddings=1024, initializer_range=0.3, tie_word_embeddings=True,
+                  bos_token_id=1, eos_token_id=2)
+    kwargs.update(overrides)
+    config = getattr(transformers, cls_name)(**kwargs)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    out_dir = Path(out_dir)
+    model.save_pretrained(out_dir)
+    for f in TOKENIZER_FILES:
+        if (Path(tokenizer_dir) / f).exists():
+            shutil.copy(Path(tokenizer_dir) / f, out_dir / f)
+    # The copied generation_config names SmolLM2's eos; keep the random model's ids.
+    (out_dir / "generation_config.json").write_text('{"bos_token_id": 1, "eos_token_id": 2}')
+    return out_dir
+
+
+class HFGreedy:
+    """Greedy decoding with transformers ``generate`` that never stops early."""
+
+    def __init__(self, path: str):
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+    @torch.inference_mode()
+    def generate(self, prompt_token_ids: list[int], max_new_tokens: int) -> list[int]:
+        ids = torch.tensor([prompt_token_ids])
+        out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                  do_sample=False, eos_token_id=None, pad_token_id=0,
+                                  temperature=None, top_p=None, top_k=None)
+        return out[0, len(prompt_token_ids):].tolist()
