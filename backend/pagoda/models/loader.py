@@ -1,0 +1,103 @@
+"""Load a Hugging Face model folder (config.json + safetensors) into ``LlamaForCausalLM``.
+
+Accepts a single ``model.safetensors`` or a sharded checkpoint described by
+``model.safetensors.index.json``. Tensors are read one at a time from memory-mapped files
+and copied straight into the model's (fused) parameters, so peak memory stays near the
+model's own size. Every parameter the config implies must be present, and every tensor in
+the checkpoint must be used (apart from a few known leftovers, such as an ``lm_head``
+saved next to tied embeddings); anything else is an error naming the tensors, because a
+silently half-loaded model produces plausible-looking garbage.
+
+No transformers import: only ``safetensors``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterator, Union
+
+import torch
+from safetensors import safe_open
+
+from pagoda.models.config import ModelConfig
+from pagoda.models.llama import LlamaForCausalLM
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def load_model(
+    path: Union[str, Path],
+    dtype: torch.dtype = torch.float32,
+    device: Union[str, torch.device] = "cpu",
+) -> LlamaForCausalLM:
+    """Build the model from ``<path>/config.json`` and load its safetensors weights.
+
+    Args:
+        path: a Hugging Face model folder.
+        dtype: parameter dtype (weights are cast on load).
+        device: where the parameters live.
+    Returns:
+        the model in eval mode.
+    Raises:
+        FileNotFoundError: no config.json or no safetensors checkpoint in ``path``.
+        ValueError: unsupported config, missing, unexpected or mis-shaped weights.
+    """
+    path = Path(path)
+    config = ModelConfig.from_pretrained(path)
+    model = LlamaForCausalLM(config, dtype=dtype, device=device)
+    files = checkpoint_files(path)
+    expected = model.expected_weight_names()
+    names_in_checkpoint: set[str] = set()
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            names_in_checkpoint |= set(f.keys())
+    unexpected = sorted(n for n in names_in_checkpoint - expected if not _is_ignorable(n, config))
+    missing = sorted(expected - names_in_checkpoint)
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint {path} does not match its config ({config.architecture}, "
+            f"{config.num_hidden_layers} layers): missing {_summarise(missing)}; unexpected {_summarise(unexpected)}"
+        )
+    loaded = model.load_weights(_read_tensors(files, expected))
+    assert loaded == expected, f"loaded {len(loaded)} of {len(expected)} tensors"
+    return model.eval()
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    """The safetensors files of a folder, in a stable order."""
+    index = path / INDEX_FILE
+    if index.exists():
+        with open(index, encoding="utf-8") as f:
+            weight_map: dict[str, str] = json.load(f)["weight_map"]
+        files = [path / name for name in sorted(set(weight_map.values()))]
+        absent = [str(f) for f in files if not f.exists()]
+        if absent:
+            raise FileNotFoundError(f"{index} names shards that are missing: {', '.join(absent)}")
+        return files
+    if (path / SINGLE_FILE).exists():
+        return [path / SINGLE_FILE]
+    raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {path}")
+
+
+def _read_tensors(files: list[Path], wanted: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                if name in wanted:
+                    yield name, f.get_tensor(name)
+
+
+def _is_ignorable(name: str, config: ModelConfig) -> bool:
+    """Tensors some checkpoints carry that the model does not need."""
+    if name.endswith("rotary_emb.inv_freq"):  # older transformers saved the rotary buffer
+        return True
+    return name == "lm_head.weight" and config.tie_word_embeddings
+
+
+def _summarise(names: list[str], limit: int = 6) -> str:
+    if not names:
+        return "none"
+    shown = ", ".join(names[:limit])
+    return f"{len(names)} tensors ({shown}{', ...' if len(names) > limit else ''})"

@@ -1,0 +1,226 @@
+"""Tokenizer and incremental detokenizer, without transformers.
+
+``Tokenizer`` wraps a ``tokenizers.Tokenizer`` (from ``tokenizer.json``) with what
+``tokenizer_config.json`` and ``generation_config.json`` add: the special tokens, the
+stop ids and the Jinja chat template (rendered in a sandbox the way transformers renders
+it, so prompts are byte-identical).
+
+``IncrementalDetokenizer`` turns a stream of generated ids into text deltas.
+Algorithm: keep two offsets into the token list, ``prefix_offset <= read_offset``. The
+tokens in ``[prefix_offset, read_offset)`` were already emitted and serve as context (some
+decoders, e.g. sentencepiece's, render a token differently at the start of a string).
+Each step decodes only the window ``[prefix_offset, end)`` and emits the part of it past
+what was already emitted, minus any trailing U+FFFD: a replacement character at the end
+means a multi-byte UTF-8 character is still incomplete, so it is held back until the next
+token completes it. Once the window decodes cleanly the offsets move forward, so the work
+per token stays bounded by the window, not the sequence. The prompt's last few tokens seed
+the context, so a first output token renders as it would after the prompt.
+
+Invariant (tested): for byte-level tokenizers, the concatenation of all deltas plus
+``finish()`` equals ``tokenizer.decode(output_ids)``.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Iterable, Optional, Union
+
+from tokenizers import Tokenizer as _HFTokenizer
+
+_REPLACEMENT = "\ufffd"
+_PROMPT_CONTEXT_TOKENS = 5
+# A valid UTF-8 character spans at most 4 bytes, hence at most 4 tokens; a window still
+# incomplete after this many tokens holds invalid bytes, and is flushed as it is.
+_MAX_HELD_TOKENS = 8
+
+
+class Tokenizer:
+    """A model folder's tokenizer: encode/decode, special tokens, chat template."""
+
+    def __init__(self, backend: _HFTokenizer, config: dict[str, Any], generation_config: Optional[dict[str, Any]] = None):
+        self.backend = backend
+        self.config = config
+        self.bos_token = _token_text(config.get("bos_token"))
+        self.eos_token = _token_text(config.get("eos_token"))
+        self.pad_token = _token_text(config.get("pad_token"))
+        self.bos_token_id = self._id_of(self.bos_token)
+        self.eos_token_id = self._id_of(self.eos_token)
+        self.pad_token_id = self._id_of(self.pad_token)
+        eos_ids = {self.eos_token_id} if self.eos_token_id is not None else set()
+        generation_eos = (generation_config or {}).get("eos_token_id")
+        if isinstance(generation_eos, int):
+            eos_ids.add(generation_eos)
+        elif isinstance(generation_eos, list):
+            eos_ids.update(generation_eos)
+        if self.eos_token_id is None and eos_ids:
+            self.eos_token_id = min(eos_ids)
+        self.eos_token_ids: set[int] = eos_ids
+        self.special_ids: frozenset[int] = frozenset(
+            i for i, added in backend.get_added_tokens_decoder().items() if added.special
+        )
+        self.chat_template: Optional[str] = _pick_chat_template(config.get("chat_template"))
+
+    @classmethod
+    def from_pretrained(cls, path: Union[str, Path]) -> "Tokenizer":
+        """Load ``tokenizer.json`` (+ ``tokenizer_config.json``, ``generation_config.json``).
+
+        Raises:
+            FileNotFoundError: no tokenizer.json in ``path``.
+        """
+        path = Path(path)
+        backend = _HFTokenizer.from_file(str(path / "tokenizer.json"))
+        return cls(backend, _read_json(path / "tokenizer_config.json"), _read_json(path / "generation_config.json"))
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids the tokenizer can produce (added tokens included)."""
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def is_special(self, token_id: int) -> bool:
+        return token_id in self.special_ids
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        chat_template: Optional[str] = None,
+        **kwargs: Any,
+    ) -> str:
+        """Render a conversation to a prompt string with the model's Jinja template.
+
+        Args:
+            messages: ``[{"role": ..., "content": ...}, ...]``.
+            add_generation_prompt: end with the header of an assistant turn.
+            chat_template: overrides the model's template.
+            kwargs: extra template variables (e.g. ``tools``).
+        Raises:
+            ValueError: no template, or the template raised (e.g. a role it rejects).
+        """
+        template = chat_template or self.chat_template
+        if template is None:
+            raise ValueError("this tokenizer has no chat_template; pass one or send a plain prompt")
+        variables = {
+            "bos_token": self.bos_token or "",
+            "eos_token": self.eos_token or "",
+            "pad_token": self.pad_token or "",
+            **{k: _token_text(v) for k, v in self.config.items() if k.endswith("_token") and k not in ("bos_token", "eos_token", "pad_token")},
+            **kwargs,
+        }
+        try:
+            return _compile_template(template).render(
+                messages=messages, add_generation_prompt=add_generation_prompt, **variables
+            )
+        except TemplateError as exc:
+            raise ValueError(f"chat template: {exc}") from exc
+
+    def _id_of(self, token: Optional[str]) -> Optional[int]:
+        return None if token is None else self.backend.token_to_id(token)
+
+
+class IncrementalDetokenizer:
+    """Streams the text of generated tokens; see the module docstring for the algorithm."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.token_ids: list[int] = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.token_ids)
+        # Characters of decode(token_ids[prefix_offset:]) already emitted.
+        self.num_emitted_chars = len(self._decode(self.prefix_offset, self.read_offset))
+
+    def add(self, new_token_ids: Iterable[int]) -> str:
+        """Append generated ids; return only the text they complete (may be empty)."""
+        self.token_ids.extend(new_token_ids)
+        text = self._decode(self.prefix_offset, len(self.token_ids))
+        complete = text.rstrip(_REPLACEMENT)
+        num_held = len(self.token_ids) - self.read_offset
+        if len(complete) < len(text) and num_held <= _MAX_HELD_TOKENS:
+            delta = complete[self.num_emitted_chars :]
+            self.num_emitted_chars = max(self.num_emitted_chars, len(complete))
+            return delta
+        delta = text[self.num_emitted_chars :]
+        self._advance()
+        return delta
+
+    def finish(self) -> str:
+        """Text still held back at the end of generation (e.g. a dangling partial character)."""
+        text = self._decode(self.prefix_offset, len(self.token_ids))
+        delta = text[self.num_emitted_chars :]
+        self._advance()
+        return delta
+
+    def _advance(self) -> None:
+        """Everything is emitted: the newest tokens become the context of the next window."""
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.token_ids)
+        self.num_emitted_chars = len(self._decode(self.prefix_offset, self.read_offset))
+
+    def _decode(self, start: int, end: int) -> str:
+        if start >= end:
+            return ""
+        return self.tokenizer.decode(self.token_ids[start:end], skip_special_tokens=self.skip_special_tokens)
+
+
+# ---- helpers -------------------------------------------------------------------------
+
+
+class TemplateError(Exception):
+    """Raised by a chat template through ``raise_exception``."""
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _token_text(token: Any) -> Optional[str]:
+    """tokenizer_config gives a special token as a string or as an AddedToken dict."""
+    if isinstance(token, dict):
+        return token.get("content")
+    return token
+
+
+def _pick_chat_template(template: Any) -> Optional[str]:
+    """A config may hold one template or a list of named ones; take the default."""
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template}
+        return named.get("default")
+    return template
+
+
+@lru_cache(maxsize=8)
+def _compile_template(source: str):
+    import jinja2
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise TemplateError(message)
+
+    def tojson(value: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False) -> str:
+        # Jinja's own tojson escapes HTML characters, which templates do not expect.
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    def strftime_now(fmt: str) -> str:
+        return datetime.now().strftime(fmt)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ValueError(f"chat template does not parse: {exc}") from exc
