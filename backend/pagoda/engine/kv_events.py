@@ -1,0 +1,121 @@
+"""KV-cache block events: what a replica tells the fleet layer about its prefix cache.
+
+Three events, shaped like vLLM's KV events so external indexers can consume them:
+
+- ``BlockStored``: full blocks became reusable (their hashes entered the block pool's
+  hash map). ``block_hashes`` are in chain order; ``parent_block_hash`` is the hash of
+  the block before the first one (``None`` when the first one starts a sequence).
+- ``BlockRemoved``: blocks left the hash map (evicted for reuse).
+- ``AllBlocksCleared``: the whole prefix cache was reset.
+
+Hashes travel as lowercase hex strings (``BlockHash.hex()``). Every event is wrapped in a
+``KVEvent`` carrying a per-replica sequence number that increases by one per event, so a
+consumer that sees a gap knows it missed events and must resync.
+
+``KVEventBuffer`` holds events between the engine loop (which emits) and the publisher
+thread (which takes). It is bounded: past ``max_events`` the oldest are dropped and
+counted in ``num_dropped``; the sequence numbers still reveal the gap. It is thread-safe.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Union
+
+MEDIUM = "GPU"  # vLLM's field for the storage tier; pagoda keeps one tier
+
+
+@dataclass(frozen=True)
+class BlockStored:
+    block_hashes: list[str]
+    parent_block_hash: Optional[str]
+    token_ids: list[int]  # every token of the stored blocks, concatenated
+    block_size: int
+    lora_id: Optional[int] = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "type": "BlockStored",
+            "block_hashes": list(self.block_hashes),
+            "parent_block_hash": self.parent_block_hash,
+            "token_ids": list(self.token_ids),
+            "block_size": self.block_size,
+            "lora_id": self.lora_id,
+            "medium": MEDIUM,
+        }
+
+
+@dataclass(frozen=True)
+class BlockRemoved:
+    block_hashes: list[str]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": "BlockRemoved", "block_hashes": list(self.block_hashes), "medium": MEDIUM}
+
+
+@dataclass(frozen=True)
+class AllBlocksCleared:
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": "AllBlocksCleared"}
+
+
+BlockEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+
+
+@dataclass(frozen=True)
+class KVEvent:
+    """One event with its per-replica sequence number and emission time (seconds)."""
+
+    seq: int
+    timestamp: float
+    event: BlockEvent
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: the event's fields plus ``seq`` and ``ts``."""
+        return {"seq": self.seq, "ts": self.timestamp, **self.event.to_dict()}
+
+
+@dataclass
+class KVEventBuffer:
+    """Bounded, thread-safe FIFO of ``KVEvent``s; the oldest drop past ``max_events``.
+
+    Args:
+        max_events: how many events are retained before the oldest drop.
+        clock: seconds since the epoch; injected so tests never depend on wall time.
+    """
+
+    max_events: int = 100_000
+    clock: Callable[[], float] = time.time
+    num_dropped: int = 0
+    next_seq: int = 0  # the seq the next emitted event gets
+    _events: deque = field(default_factory=deque, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.max_events < 1:
+            raise ValueError(f"max_events: must be >= 1, got {self.max_events}")
+
+    def emit(self, event: BlockEvent) -> KVEvent:
+        """Append ``event`` with the next sequence number; returns the wrapped event."""
+        with self._lock:
+            wrapped = KVEvent(self.next_seq, self.clock(), event)
+            self.next_seq += 1
+            self._events.append(wrapped)
+            if len(self._events) > self.max_events:
+                self._events.popleft()
+                self.num_dropped += 1
+            return wrapped
+
+    def take(self) -> list[KVEvent]:
+        """Return every retained event, oldest first, and clear the buffer."""
+        with self._lock:
+            events = list(self._events)
+            self._events.clear()
+            return events
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._events)

@@ -1,0 +1,181 @@
+"""One generation request and its per-request state.
+
+A ``Request`` owns everything about one sequence that outlives a step: its token ids
+(prompt, then outputs), ``num_computed_tokens`` (how many of those tokens already have KV
+in the paged cache), its status, why it stopped, and the chained hashes of its full
+blocks. The scheduler moves ``num_computed_tokens`` toward ``num_tokens``; a step that
+reaches ``num_tokens`` samples one more token, which makes the request longer again.
+
+Block hashes: ``init_block_hashes(block_size, model_id)`` (the scheduler calls it in
+``add_request``; the model id seeds the chain's root, see ``block_hash``) hashes every
+full block of the prompt; afterwards ``append_output_token_ids`` extends
+``block_hashes`` whenever output tokens complete another block. Before that call
+``block_hashes`` is empty and stays so (prefix caching off).
+
+Engine-owned slots: ``sampling_state``, ``detokenizer`` and ``metrics`` belong to the
+engine layer; this module only creates them.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional, Union
+
+from pagoda.engine.block_hash import BlockHash, encode_extra_keys, hash_block, root_hash
+from pagoda.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH_CAPPED = 4
+    FINISHED_ABORTED = 5
+
+    def is_finished(self) -> bool:
+        """Works as ``status.is_finished()`` and as ``RequestStatus.is_finished(status)``."""
+        return self >= RequestStatus.FINISHED_STOPPED
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass
+class RequestMetrics:
+    """Timestamps (seconds) the engine fills in; ``None`` until the event happens."""
+
+    arrival_time: float = 0.0
+    first_scheduled_time: Optional[float] = None
+    first_token_time: Optional[float] = None
+    last_token_time: Optional[float] = None
+
+
+class Request:
+    """A request's tokens and scheduling state.
+
+    Args:
+        request_id: unique among live requests.
+        prompt_token_ids: the prompt (non-empty to be schedulable; the scheduler checks).
+        sampling_params: how to sample; ``max_tokens=None`` means "up to max_model_len",
+            which the scheduler resolves into ``self.max_tokens``.
+        eos_token_ids: tokens that end generation unless ``ignore_eos``.
+        arrival_time: seconds; orders FCFS ties and chooses preemption victims.
+        priority: smaller runs first (vLLM convention) under the priority policy.
+        cache_salt: tenant key; requests with different salts never share KV blocks.
+        adapter_id: adapter identity, also part of every block hash.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_ids: frozenset[int] = frozenset(),
+        arrival_time: float = 0.0,
+        priority: int = 0,
+        cache_salt: Optional[str] = None,
+        adapter_id: Optional[str] = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.arrival_time = arrival_time
+        self.priority = priority
+        self.cache_salt = cache_salt
+        self.adapter_id = adapter_id
+
+        self.output_token_ids: list[int] = []
+        self._all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.max_tokens: Optional[int] = sampling_params.max_tokens
+        self.status = RequestStatus.WAITING
+        self.stop_reason: Union[int, str, None] = None
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit at first schedule; -1 before
+        self.num_preemptions = 0
+        self.insertion_index = 0  # set by the scheduler; breaks ties between equal keys
+
+        self.block_hashes: list[BlockHash] = []
+        self._block_size = 0  # 0: hashing not initialised
+        self._root: Optional[BlockHash] = None
+        self._extra = b""
+
+        self.sampling_state: Any = None
+        self.detokenizer: Any = None
+        self.metrics = RequestMetrics(arrival_time=arrival_time)
+
+    # Tokens -----------------------------------------------------------------
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt then outputs. The live list: read it, never mutate it."""
+        return self._all_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def append_output_token_ids(self, token_ids: Union[int, Iterable[int]]) -> None:
+        """Append sampled token(s) and hash any block they complete."""
+        if isinstance(token_ids, int):
+            token_ids = [token_ids]
+        for token_id in token_ids:
+            self.output_token_ids.append(token_id)
+            self._all_token_ids.append(token_id)
+        self._extend_block_hashes()
+
+    # Status -----------------------------------------------------------------
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished()
+
+    @property
+    def finish_reason(self) -> Optional[str]:
+        """"stop", "length", "abort", or None while unfinished."""
+        return _FINISH_REASONS.get(self.status)
+
+    # Block hashes -----------------------------------------------------------
+
+    def init_block_hashes(self, block_size: int, model_id: str) -> None:
+        """Start the hash chain (root seeded by ``model_id``) and hash all full blocks.
+
+        Idempotent for the same ``block_size``; the scheduler calls it on ``add_request``.
+        """
+        assert block_size > 0, f"block_size must be positive, got {block_size}"
+        if self._block_size == block_size:
+            return
+        assert self._block_size == 0, "block hashing already initialised with another block size"
+        self._block_size = block_size
+        self._root = root_hash(model_id)
+        self._extra = encode_extra_keys(self.cache_salt, self.adapter_id)
+        self._extend_block_hashes()
+
+    def _extend_block_hashes(self) -> None:
+        size = self._block_size
+        if size == 0:
+            return
+        while (len(self.block_hashes) + 1) * size <= len(self._all_token_ids):
+            start = len(self.block_hashes) * size
+            parent = self.block_hashes[-1] if self.block_hashes else self._root
+            self.block_hashes.append(hash_block(parent, self._all_token_ids[start : start + size], self._extra))
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, outputs={self.num_output_tokens})"
+        )
