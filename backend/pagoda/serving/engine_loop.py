@@ -1,0 +1,270 @@
+"""The thread that owns the engine, and the thread that sends responses.
+
+``LLMEngine`` is not thread-safe, so exactly one thread (``EngineLoop``) touches it.
+Triton's ``execute()`` runs on other threads; it only *submits* commands through a queue.
+The loop:
+
+1. drains the command queue (``add`` / ``abort``), blocking briefly only when idle;
+2. every ``cancel_poll_interval_s`` asks each in-flight request ``is_cancelled()`` and
+   aborts the cancelled ones in the engine (their KV blocks are freed at once);
+3. while work exists, runs ``engine.step()``, turns each ``RequestOutput`` into a
+   ``Response`` (``triton_io.make_response``) and hands it to the ``ResponseSender``;
+4. after each step, refreshes the metrics from ``engine.get_stats()``.
+
+The sender thread calls the adapter's ``deliver(handle, response)``, so a slow client
+socket never stalls the engine. A failed delivery (client gone) comes back to the loop as
+an abort command.
+
+Invariants:
+- every request gets exactly one response with ``is_final`` (its last output, an error,
+  or the shutdown error); a request leaves ``_in_flight`` exactly when that is queued;
+- a bad request (``ValueError`` from ``add_request``) gets an error and nothing else;
+- an engine exception fails every in-flight request with an error and aborts them in the
+  engine; the loop keeps running, so the model keeps answering new requests;
+- ``stop()`` sets the stop event, fails what is in flight, and joins both threads.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from pagoda.serving.triton_io import ParsedRequest, Response, make_error_response, make_response
+
+logger = logging.getLogger(__name__)
+
+_STOP = object()
+
+
+@dataclass
+class ServingRequest:
+    """One request as the engine loop tracks it."""
+
+    request_id: str
+    parsed: ParsedRequest
+    handle: Any  # the adapter's response sender, opaque here
+    is_cancelled: Callable[[], bool] = lambda: False
+    arrival_time: float = field(default_factory=time.time)
+
+
+class ResponseSender:
+    """Delivers responses in order from its own thread.
+
+    Args:
+        deliver: ``deliver(handle, response)`` sends one response; raising means the
+            client is gone.
+        on_failure: called with the request id when a non-final delivery fails, so the
+            engine can abort that request.
+    """
+
+    def __init__(self, deliver: Callable[[Any, Response], None],
+                 on_failure: Callable[[str], None] = lambda request_id: None) -> None:
+        self._deliver = deliver
+        self._on_failure = on_failure
+        self._queue: "queue.Queue[Any]" = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="pagoda-response-sender", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def put(self, request: ServingRequest, response: Response) -> None:
+        self._queue.put((request, response))
+
+    def stop(self, timeout: Optional[float] = 30.0) -> None:
+        """Send what is queued, then end the thread and join it."""
+        self._queue.put(_STOP)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is _STOP:
+                return
+            request, response = item
+            try:
+                self._deliver(request.handle, response)
+            except Exception as exc:  # noqa: BLE001 - any failure means the client is unreachable
+                logger.info("response to %s not delivered: %s", request.request_id, exc)
+                if not response.is_final:
+                    self._on_failure(request.request_id)
+
+
+class EngineLoop:
+    """Owns the engine on one thread.
+
+    Args:
+        engine: an ``LLMEngine`` (or anything with its request/step/stats methods).
+        sender: where responses go.
+        metrics: a ``ServingMetrics`` or ``None``.
+        cancel_poll_interval_s: how often in-flight requests are asked ``is_cancelled()``
+            (each ask is an IPC round trip to the server, so not every step).
+        idle_wait_s: how long the loop blocks on the command queue when there is no work.
+    """
+
+    def __init__(self, engine: Any, sender: ResponseSender, metrics: Any = None,
+                 cancel_poll_interval_s: float = 0.05, idle_wait_s: float = 0.1) -> None:
+        self._engine = engine
+        self._sender = sender
+        self._metrics = metrics
+        self._cancel_poll_interval_s = cancel_poll_interval_s
+        self._idle_wait_s = idle_wait_s
+        self._commands: "queue.Queue[tuple[str, Any]]" = queue.Queue()
+        self._stop = threading.Event()
+        self._in_flight: dict[str, ServingRequest] = {}
+        self._aborting: set[str] = set()
+        self._last_cancel_poll = 0.0
+        self._num_failed_steps = 0
+        self._thread = threading.Thread(target=self._run, name="pagoda-engine-loop", daemon=True)
+
+    # ------------------------------------------------------------ any thread
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, request: ServingRequest) -> None:
+        """Queue a request for the engine (returns at once)."""
+        self._commands.put(("add", request))
+
+    def abort(self, request_id: str) -> None:
+        """Queue an abort; the request's final response follows from the loop."""
+        self._commands.put(("abort", request_id))
+
+    def stop(self, timeout: Optional[float] = 30.0) -> None:
+        """Stop the loop (in-flight requests get a shutdown error) and join it."""
+        self._stop.set()
+        self._commands.put(("wake", None))
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # ------------------------------------------------------- the loop thread
+    def _run(self) -> None:
+        self._refresh_metrics(stepped=False)
+        while not self._stop.is_set():
+            self._drain_commands(block=not self._engine.has_unfinished_requests())
+            if self._stop.is_set():
+                break
+            self._poll_cancellations()
+            if self._engine.has_unfinished_requests():
+                self._step()
+        self._fail_all("the server is shutting down", "UNAVAILABLE")
+
+    def _drain_commands(self, block: bool) -> None:
+        try:
+            command = self._commands.get(timeout=self._idle_wait_s) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(*command)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, kind: str, payload: Any) -> None:
+        if kind == "add":
+            self._add(payload)
+        elif kind == "abort":
+            self._abort(payload)
+
+    def _add(self, request: ServingRequest) -> None:
+        if self._stop.is_set():
+            self._sender.put(request, make_error_response("the server is shutting down", "UNAVAILABLE"))
+            return
+        parsed = request.parsed
+        try:
+            self._engine.add_request(request.request_id, parsed.prompt, parsed.params,
+                                     arrival_time=request.arrival_time, priority=parsed.priority,
+                                     cache_salt=parsed.cache_salt)
+        except ValueError as exc:
+            self._sender.put(request, make_error_response(str(exc)))
+            return
+        except Exception as exc:  # noqa: BLE001 - the engine failed; this request alone fails
+            logger.exception("add_request failed for %s", request.request_id)
+            self._sender.put(request, make_error_response(f"engine error while adding the request: {exc}", "INTERNAL"))
+            return
+        self._in_flight[request.request_id] = request
+
+    def _abort(self, request_id: str) -> None:
+        if request_id in self._in_flight and request_id not in self._aborting:
+            self._aborting.add(request_id)
+            try:
+                self._engine.abort_request(request_id)
+            except Exception:  # noqa: BLE001
+                logger.exception("abort_request failed for %s", request_id)
+                self._finish(request_id, make_error_response("request aborted; the engine failed to abort it", "INTERNAL"))
+
+    def _poll_cancellations(self) -> None:
+        now = time.monotonic()
+        if now - self._last_cancel_poll < self._cancel_poll_interval_s:
+            return
+        self._last_cancel_poll = now
+        for request_id, request in list(self._in_flight.items()):
+            try:
+                cancelled = request.is_cancelled()
+            except Exception:  # noqa: BLE001 - a sender we cannot ask is a client we lost
+                cancelled = True
+            if cancelled:
+                self._abort(request_id)
+
+    def _step(self) -> None:
+        try:
+            outputs = self._engine.step()
+        except Exception as exc:  # noqa: BLE001 - keep serving; fail only what was in flight
+            logger.exception("engine step failed")
+            self._num_failed_steps += 1
+            self._fail_all(f"engine error: {type(exc).__name__}: {exc}", "INTERNAL")
+            # A step that keeps failing would spin; back off a little each time.
+            self._stop.wait(min(1.0, 0.05 * self._num_failed_steps))
+            return
+        self._num_failed_steps = 0
+        for output in outputs:
+            request = self._in_flight.get(output.request_id)
+            if request is None:
+                continue
+            if self._metrics is not None:
+                try:
+                    self._metrics.record_output(output)
+                except Exception:  # noqa: BLE001 - metrics must never fail a request
+                    logger.exception("recording request metrics failed")
+            response = make_response(request.parsed, output)
+            if output.finished:
+                self._finish(output.request_id, response or make_error_response("request finished without output", "INTERNAL"))
+            elif response is not None:
+                self._sender.put(request, response)
+        self._refresh_metrics(stepped=True)
+
+    def _finish(self, request_id: str, response: Response) -> None:
+        assert response.is_final, "a request's last response must carry the final flag"
+        request = self._in_flight.pop(request_id)
+        self._aborting.discard(request_id)
+        self._sender.put(request, response)
+
+    def _fail_all(self, message: str, error_code: str) -> None:
+        request_ids = list(self._in_flight)
+        for request_id in request_ids:
+            self._finish(request_id, make_error_response(message, error_code))
+        if request_ids:
+            try:
+                self._engine.abort_request(request_ids)
+            except Exception:  # noqa: BLE001
+                logger.exception("aborting failed requests failed")
+        self._refresh_metrics(stepped=False)
+
+    def _refresh_metrics(self, stepped: bool) -> None:
+        if self._metrics is None:
+            return
+        try:
+            stats = self._engine.get_stats()
+            self._metrics.update_engine(stats)
+            if stepped:
+                self._metrics.record_step(stats)
+        except Exception:  # noqa: BLE001
+            logger.exception("refreshing engine metrics failed")

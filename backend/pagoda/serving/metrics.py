@@ -1,0 +1,152 @@
+"""Engine and request metrics on Triton's metrics port, under vLLM's names (contract 5).
+
+Created through ``pb_utils.MetricFamily`` (Triton 2.51's Python backend supports
+COUNTER, GAUGE and HISTOGRAM; all three are used). Names are those vLLM's server exposes,
+so KEDA triggers, the Gateway API Inference Extension and vLLM dashboards work unchanged;
+counters carry the ``_total`` suffix that vLLM's Prometheus client adds to its counters
+(``vllm:prompt_tokens`` is exposed as ``vllm:prompt_tokens_total``), because Triton's
+Prometheus registry does not add one. Labels: ``model_name`` (vLLM's), plus Triton's
+``model`` and ``version``.
+
+| name                                   | kind      | source                                   |
+|----------------------------------------|-----------|------------------------------------------|
+| vllm:num_requests_waiting              | gauge     | EngineStats.num_waiting                  |
+| vllm:num_requests_running              | gauge     | EngineStats.num_running                  |
+| vllm:kv_cache_usage_perc               | gauge     | EngineStats.kv_cache_usage (0..1)        |
+| vllm:prefix_cache_queries_total        | counter   | EngineStats.prefix_cache_queries (tokens)|
+| vllm:prefix_cache_hits_total           | counter   | EngineStats.prefix_cache_hits (tokens)   |
+| vllm:num_preemptions_total             | counter   | EngineStats.num_preemptions              |
+| vllm:prompt_tokens_total               | counter   | EngineStats.num_prompt_tokens            |
+| vllm:generation_tokens_total           | counter   | EngineStats.num_generation_tokens        |
+| vllm:request_success_total             | counter   | finished requests (any finish reason)    |
+| vllm:time_to_first_token_seconds       | histogram | RequestMetrics.time_to_first_token       |
+| vllm:inter_token_latency_seconds       | histogram | RequestMetrics.inter_token_latencies     |
+| vllm:e2e_request_latency_seconds       | histogram | RequestMetrics.e2e_latency               |
+| pagoda:engine_steps_total              | counter   | EngineStats.num_steps                    |
+| pagoda:batched_decode_steps_total      | counter   | steps that decoded >= 2 sequences at once|
+| pagoda:max_num_running_seen            | gauge     | EngineStats.max_num_running_seen         |
+| pagoda:kv_cache_num_blocks             | gauge     | EngineStats.num_blocks                   |
+| pagoda:kv_cache_num_free_blocks        | gauge     | EngineStats.num_free_blocks              |
+
+``pagoda:batched_decode_steps_total`` is the continuous-batching witness: it grows only
+when one engine step advanced two or more requests' decodes together.
+
+Engine counters are cumulative inside the engine; Triton counters only ``increment``, so
+this class remembers the last value seen and adds the difference. Only the engine-loop
+thread calls it (no lock needed; see ``EngineLoop``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from pagoda.engine.outputs import RequestOutput
+
+# vLLM's buckets, so dashboards' quantile queries mean the same thing.
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+               20.0, 40.0, 80.0]
+E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+               240.0, 480.0, 960.0, 1920.0, 7680.0]
+
+GAUGES = {
+    "vllm:num_requests_waiting": ("Number of requests waiting to be processed.", "num_waiting"),
+    "vllm:num_requests_running": ("Number of requests in model execution batches.", "num_running"),
+    "vllm:kv_cache_usage_perc": ("KV-cache usage. 1 means 100 percent usage.", "kv_cache_usage"),
+    "pagoda:max_num_running_seen": ("Most requests advanced by one engine step so far.", "max_num_running_seen"),
+    "pagoda:kv_cache_num_blocks": ("KV-cache blocks in the pool.", "num_blocks"),
+    "pagoda:kv_cache_num_free_blocks": ("KV-cache blocks free (or evictable cached).", "num_free_blocks"),
+}
+COUNTERS = {
+    "vllm:prefix_cache_queries_total": ("Prefix cache queries, in tokens.", "prefix_cache_queries"),
+    "vllm:prefix_cache_hits_total": ("Prefix cache hits, in tokens.", "prefix_cache_hits"),
+    "vllm:num_preemptions_total": ("Cumulative number of preemptions.", "num_preemptions"),
+    "vllm:prompt_tokens_total": ("Number of prefill tokens processed.", "num_prompt_tokens"),
+    "vllm:generation_tokens_total": ("Number of generation tokens processed.", "num_generation_tokens"),
+    "pagoda:engine_steps_total": ("Engine steps run.", "num_steps"),
+}
+HISTOGRAMS = {
+    "vllm:time_to_first_token_seconds": ("Histogram of time to first token in seconds.", TTFT_BUCKETS),
+    "vllm:inter_token_latency_seconds": ("Histogram of inter-token latency in seconds.", ITL_BUCKETS),
+    "vllm:e2e_request_latency_seconds": ("Histogram of end-to-end request latency in seconds.", E2E_BUCKETS),
+}
+
+
+class ServingMetrics:
+    """Owns the metric families and updates them from engine stats and outputs.
+
+    Args:
+        pb_utils: the ``triton_python_backend_utils`` module (or a fake with the same
+            ``MetricFamily`` API: ``MetricFamily(name, description, kind)``,
+            ``.Metric(labels, buckets=None)``, and ``COUNTER``/``GAUGE``/``HISTOGRAM``).
+        labels: label set attached to every metric.
+    """
+
+    def __init__(self, pb_utils: Any, labels: dict[str, str]) -> None:
+        mf = pb_utils.MetricFamily
+        self._families = []  # keep families alive for as long as their metrics
+        self._gauges: dict[str, tuple[Any, str]] = {}
+        self._counters: dict[str, tuple[Any, str]] = {}
+        self._last: dict[str, float] = {}
+        for name, (description, attr) in GAUGES.items():
+            self._gauges[name] = (self._metric(mf, name, description, mf.GAUGE, labels), attr)
+        for name, (description, attr) in COUNTERS.items():
+            self._counters[name] = (self._metric(mf, name, description, mf.COUNTER, labels), attr)
+            self._last[name] = 0
+        self._batched_decode_steps = self._metric(
+            mf, "pagoda:batched_decode_steps_total", "Engine steps that decoded two or more sequences together.",
+            mf.COUNTER, labels)
+        self._request_success = self._metric(
+            mf, "vllm:request_success_total", "Count of finished requests.", mf.COUNTER, labels)
+        self._histograms = {
+            name: self._metric(mf, name, description, mf.HISTOGRAM, labels, buckets)
+            for name, (description, buckets) in HISTOGRAMS.items()
+        }
+        self._last_num_steps = 0
+        # Inter-token latencies already observed, per request id.
+        self._num_itl_seen: dict[str, int] = {}
+
+    def _metric(self, mf: Any, name: str, description: str, kind: Any, labels: dict[str, str],
+                buckets: Optional[list[float]] = None) -> Any:
+        family = mf(name=name, description=description, kind=kind)
+        self._families.append(family)
+        if buckets is not None:
+            return family.Metric(labels=labels, buckets=buckets)
+        return family.Metric(labels=labels)
+
+    def update_engine(self, stats: Any) -> None:
+        """Refresh gauges and counters from ``LLMEngine.get_stats()`` after a step."""
+        for metric, attr in self._gauges.values():
+            metric.set(float(getattr(stats, attr)))
+        for name, (metric, attr) in self._counters.items():
+            value = getattr(stats, attr)
+            if value > self._last[name]:
+                metric.increment(value - self._last[name])
+                self._last[name] = value
+
+    def record_step(self, stats: Any) -> None:
+        """Count the last step if it batched decodes (a ``step()`` that scheduled nothing
+        leaves ``num_steps`` unchanged and is not counted again)."""
+        if stats.num_steps > self._last_num_steps and stats.last_step_num_decode_seqs >= 2:
+            self._batched_decode_steps.increment(1)
+        self._last_num_steps = max(self._last_num_steps, stats.num_steps)
+
+    def record_output(self, output: RequestOutput) -> None:
+        """Observe TTFT, inter-token latencies and (when finished) e2e latency."""
+        metrics = output.metrics
+        request_id = output.request_id
+        seen = self._num_itl_seen.get(request_id)
+        if seen is None and metrics.first_token_time is not None:
+            self._histograms["vllm:time_to_first_token_seconds"].observe(max(0.0, metrics.time_to_first_token))
+            seen = 0
+        if seen is not None:
+            gaps = metrics.inter_token_latencies
+            for gap in gaps[seen:]:
+                self._histograms["vllm:inter_token_latency_seconds"].observe(max(0.0, gap))
+            self._num_itl_seen[request_id] = len(gaps)
+        if output.finished:
+            self._num_itl_seen.pop(request_id, None)
+            self._request_success.increment(1)
+            if metrics.e2e_latency is not None:
+                self._histograms["vllm:e2e_request_latency_seconds"].observe(max(0.0, metrics.e2e_latency))

@@ -1,0 +1,116 @@
+"""Engine settings carried in ``config.pbtxt`` ``parameters``, both directions.
+
+The Triton model configuration is the one place a deployment states its engine settings
+(model path, block size, KV budget, batch limits, chunked prefill, prefix caching), so the
+same model repository works under ``pagoda serve``, in NVIDIA's container and under KServe.
+
+- ``engine_config_from_parameters`` reads them (as ``model.py`` receives them: a dict of
+  ``{key: {"string_value": "..."}}`` or plain ``{key: "..."}``) into an ``EngineConfig``.
+  An empty string means "the default" (for ``model``: the default SmolLM2 import).
+- ``rewrite_config_pbtxt`` sets parameter values and the instance kind in a config text;
+  ``pagoda serve`` uses it on a copy of the repository so flags override the file.
+
+Invariant: every key accepted here is an ``EngineConfig`` field (or ``served_model_name``),
+so a misspelt parameter fails the model load with a message naming it instead of being
+silently ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Mapping, Optional
+
+from pagoda.engine.config import EngineConfig
+
+# Parameters that are not EngineConfig fields but are still ours.
+SERVING_PARAMETERS = ("served_model_name",)
+
+_BOOL_TRUE = ("1", "true", "yes", "on")
+_BOOL_FALSE = ("0", "false", "no", "off")
+
+
+def _parameter_text(value: Any) -> str:
+    if isinstance(value, Mapping):
+        value = value.get("string_value", "")
+    return str(value).strip()
+
+
+def _convert(name: str, text: str, field_type: Any) -> Any:
+    type_name = field_type if isinstance(field_type, str) else getattr(field_type, "__name__", str(field_type))
+    try:
+        if "bool" in type_name:
+            low = text.lower()
+            if low in _BOOL_TRUE:
+                return True
+            if low in _BOOL_FALSE:
+                return False
+            raise ValueError(text)
+        if "int" in type_name:
+            return int(text)
+        if "float" in type_name:
+            return float(text)
+    except ValueError:
+        raise ValueError(f"config.pbtxt parameter {name}: cannot read {text!r} as {type_name}") from None
+    return text
+
+
+def engine_config_from_parameters(parameters: Mapping[str, Any]) -> EngineConfig:
+    """Build an ``EngineConfig`` from Triton model-config parameters.
+
+    Args:
+        parameters: ``model_config["parameters"]`` as Triton passes it to ``initialize``.
+
+    Returns:
+        The engine configuration; unset or empty parameters keep ``EngineConfig`` defaults.
+
+    Raises:
+        ValueError: an unknown key, an unreadable value, or an invalid setting.
+    """
+    fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
+    values: dict[str, Any] = {}
+    for name, raw in parameters.items():
+        if name in SERVING_PARAMETERS:
+            continue
+        if name not in fields:
+            raise ValueError(f"config.pbtxt parameter {name}: unknown; known: {', '.join(sorted(fields))}")
+        text = _parameter_text(raw)
+        if text == "":
+            continue
+        values[name] = _convert(name, text, fields[name].type)
+    return EngineConfig(**values)
+
+
+def served_model_name(parameters: Mapping[str, Any], default: str) -> str:
+    """The ``model_name`` label for metrics: the parameter if set, else ``default``."""
+    return _parameter_text(parameters.get("served_model_name", "")) or default
+
+
+def rewrite_config_pbtxt(text: str, overrides: Mapping[str, Optional[str]],
+                         instance_kind: Optional[str] = None) -> str:
+    """Return ``text`` with parameter values replaced (or added) and the instance kind set.
+
+    Args:
+        text: a config.pbtxt using the ``parameters { key: ... value: { string_value: ... } }``
+            form, one block per parameter.
+        overrides: parameter name -> new string value; ``None`` values are skipped.
+        instance_kind: ``"KIND_CPU"`` or ``"KIND_GPU"`` to replace the ``kind:`` in
+            ``instance_group``; ``None`` leaves it.
+
+    Returns:
+        The rewritten configuration text.
+    """
+    for name, value in overrides.items():
+        if value is None:
+            continue
+        escaped = str(value).replace("\\", "\\\\").replace('"', '\\"')
+        pattern = re.compile(
+            r'(key:\s*"' + re.escape(name) + r'"\s*value:\s*\{\s*string_value:\s*)"(?:[^"\\]|\\.)*"')
+        text, count = pattern.subn(lambda m: m.group(1) + f'"{escaped}"', text)
+        if count == 0:
+            text += f'\nparameters {{\n  key: "{name}"\n  value: {{ string_value: "{escaped}" }}\n}}\n'
+    if instance_kind is not None:
+        if instance_kind not in ("KIND_CPU", "KIND_GPU"):
+            raise ValueError(f"instance_kind: must be KIND_CPU or KIND_GPU, got {instance_kind!r}")
+        text = re.sub(r"kind:\s*KIND_[A-Z]+", f"kind: {instance_kind}", text)
+    return text

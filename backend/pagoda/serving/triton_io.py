@@ -1,0 +1,312 @@
+"""Triton request tensors -> what the engine needs, and engine outputs -> response tensors.
+
+ARCHITECTURE contract 1. Pure functions over numpy arrays, so they are tested without a
+server; ``model.py`` only fetches the tensors and wraps the results.
+
+Inputs (all optional but ``text_input``):
+
+- Triton vLLM backend style: ``text_input`` (STRING), ``stream`` (BOOL),
+  ``sampling_parameters`` (STRING holding a JSON object of ``SamplingParams`` fields, plus
+  ``priority`` and ``cache_salt``), ``exclude_input_in_output`` and the ``return_*`` flags.
+  As in that backend, numeric and boolean fields may also be given as strings
+  (``{"temperature": "0.7", "max_tokens": "64"}``) as long as the string parses exactly.
+- TensorRT-LLM style scalars: ``max_tokens``, ``min_tokens``, ``temperature``, ``top_k``,
+  ``top_p``, ``seed`` (or ``random_seed``), ``repetition_penalty``, ``presence_penalty``,
+  ``frequency_penalty``, ``stop_words`` (STRING list; empty strings ignored), ``end_id``
+  (an extra stop token id), ``bad_words`` (must be empty) and ``beam_width`` (must be 1).
+
+Precedence: a scalar input wins over the same key in ``sampling_parameters`` (it is the
+more specific, per-tensor statement; TensorRT-LLM clients never send the JSON).
+``end_id`` is added to ``stop_token_ids`` rather than replacing them.
+
+Outputs: one element per completion (``n``) in ``text_output``, ``finish_reason``,
+``cumulative_logprob``, ``logprobs`` (JSON list of ``TokenLogprob.to_dict()``) and
+``num_output_tokens``; ``num_input_tokens`` has one element. Streaming responses carry
+this step's deltas; a non-streaming response carries the whole text, with the prompt in
+front unless ``exclude_input_in_output`` is true (the vLLM backend's behaviour).
+``finish_reason`` is ``""`` until a completion finishes.
+
+Every bad input raises ``ValueError`` whose message starts with the input's (or the
+sampling field's) name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from pagoda.engine.outputs import RequestOutput
+from pagoda.engine.sampling_params import SamplingParams
+
+# A prompt longer than this many characters cannot fit any supported context; refusing it
+# here avoids tokenizing megabytes on the engine thread. The engine checks tokens exactly.
+MAX_PROMPT_CHARS = 1_000_000
+
+FLAG_INPUTS = (
+    "stream",
+    "exclude_input_in_output",
+    "return_finish_reason",
+    "return_cumulative_logprob",
+    "return_logprobs",
+    "return_num_input_tokens",
+    "return_num_output_tokens",
+)
+
+# TensorRT-LLM style scalar input -> (SamplingParams field, python type)
+SCALAR_INPUTS: dict[str, tuple[str, type]] = {
+    "max_tokens": ("max_tokens", int),
+    "min_tokens": ("min_tokens", int),
+    "temperature": ("temperature", float),
+    "top_k": ("top_k", int),
+    "top_p": ("top_p", float),
+    "seed": ("seed", int),
+    "random_seed": ("seed", int),
+    "repetition_penalty": ("repetition_penalty", float),
+    "presence_penalty": ("presence_penalty", float),
+    "frequency_penalty": ("frequency_penalty", float),
+}
+
+# Keys of the sampling_parameters JSON that are request options, not SamplingParams.
+REQUEST_OPTION_KEYS = ("priority", "cache_salt")
+
+GetInput = Callable[[str], Optional[np.ndarray]]
+
+
+@dataclass
+class ParsedRequest:
+    """Everything one Triton request asks for, validated."""
+
+    prompt: str
+    params: SamplingParams
+    stream: bool = False
+    exclude_input_in_output: bool = False
+    return_finish_reason: bool = False
+    return_cumulative_logprob: bool = False
+    return_logprobs: bool = False
+    return_num_input_tokens: bool = False
+    return_num_output_tokens: bool = False
+    priority: int = 0
+    cache_salt: Optional[str] = None
+
+
+@dataclass
+class Response:
+    """One response to send: tensors, or an error; ``is_final`` marks the request's last."""
+
+    tensors: dict[str, np.ndarray] = field(default_factory=dict)
+    error: Optional[str] = None
+    # What kind of failure ``error`` is, as a Triton error code name: INVALID_ARG (bad
+    # input, HTTP 400), INTERNAL (engine fault), UNAVAILABLE (shutting down).
+    error_code: str = "INVALID_ARG"
+    is_final: bool = False
+
+
+# ------------------------------------------------------------------------ parsing
+def parse_request(get_input: GetInput) -> ParsedRequest:
+    """Read and validate one request's inputs.
+
+    Args:
+        get_input: returns the named input as a numpy array, or ``None`` if absent.
+
+    Returns:
+        The parsed request.
+
+    Raises:
+        ValueError: naming the offending input or sampling field.
+    """
+    prompt = _read_prompt(get_input("text_input"))
+    flags = {name: _read_bool(name, get_input(name)) for name in FLAG_INPUTS}
+    values, options = _read_sampling_json(get_input("sampling_parameters"))
+    values.update(_read_scalars(get_input))
+    _apply_trtllm_words(get_input, values)
+    if flags["return_logprobs"] or flags["return_cumulative_logprob"]:
+        # The engine tracks log-probabilities only when asked; 0 alternatives suffice.
+        if values.get("logprobs") is None:
+            values["logprobs"] = 0
+    try:
+        params = SamplingParams.from_dict(values)
+    except TypeError as exc:  # a field given a value its validators cannot even compare
+        raise ValueError(f"sampling_parameters: {exc}") from None
+    return ParsedRequest(prompt=prompt, params=params, priority=options.get("priority", 0),
+                         cache_salt=options.get("cache_salt"), **flags)
+
+
+def _read_prompt(array: Optional[np.ndarray]) -> str:
+    if array is None:
+        raise ValueError("text_input: required input is missing")
+    if array.size != 1:
+        raise ValueError(f"text_input: expected exactly one string, got {array.size} elements")
+    value = array.reshape(-1)[0]
+    if isinstance(value, (bytes, bytearray)):
+        try:
+            value = bytes(value).decode("utf-8")
+        except UnicodeDecodeError:
+            raise ValueError("text_input: is not valid UTF-8") from None
+    if not isinstance(value, str):
+        raise ValueError(f"text_input: must be a string, got {type(value).__name__}")
+    if not value:
+        raise ValueError("text_input: must not be empty")
+    if len(value) > MAX_PROMPT_CHARS:
+        raise ValueError(f"text_input: prompt is too long ({len(value)} characters, at most {MAX_PROMPT_CHARS})")
+    return value
+
+
+def _read_bool(name: str, array: Optional[np.ndarray]) -> bool:
+    if array is None:
+        return False
+    if array.size != 1:
+        raise ValueError(f"{name}: expected one boolean, got {array.size} elements")
+    value = array.reshape(-1)[0]
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise ValueError(f"{name}: must be a boolean, got {value!r}")
+
+
+def _read_sampling_json(array: Optional[np.ndarray]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Return (SamplingParams values, request options) from ``sampling_parameters``."""
+    if array is None:
+        return {}, {}
+    if array.size != 1:
+        raise ValueError(f"sampling_parameters: expected one JSON string, got {array.size} elements")
+    raw = array.reshape(-1)[0]
+    if isinstance(raw, (bytes, bytearray)):
+        raw = bytes(raw).decode("utf-8", errors="replace")
+    if not str(raw).strip():
+        return {}, {}
+    try:
+        values = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"sampling_parameters: not valid JSON ({exc.msg} at position {exc.pos})") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"sampling_parameters: must be a JSON object, got {type(values).__name__}")
+    options = {key: values.pop(key) for key in REQUEST_OPTION_KEYS if key in values}
+    if "priority" in options:
+        options["priority"] = _coerce("priority", options["priority"], int)
+        if isinstance(options["priority"], bool) or not isinstance(options["priority"], int):
+            raise ValueError(f"priority: must be an integer, got {options['priority']!r}")
+    if "cache_salt" in options and (not isinstance(options["cache_salt"], str) or not options["cache_salt"]):
+        raise ValueError(f"cache_salt: must be a non-empty string, got {options['cache_salt']!r}")
+    field_types = {f.name: str(f.type) for f in dataclasses.fields(SamplingParams)}
+    for key, value in list(values.items()):
+        kind = field_types.get(key, "")
+        if isinstance(value, str) and kind.replace("Optional[", "").rstrip("]") in ("int", "float", "bool"):
+            values[key] = _coerce(key, value, {"int": int, "float": float, "bool": bool}[
+                kind.replace("Optional[", "").rstrip("]")])
+    return values, options
+
+
+def _coerce(name: str, value: Any, kind: type) -> Any:
+    """Turn a vLLM-backend style string ("0.7", "64", "true") into ``kind``."""
+    if not isinstance(value, str):
+        return value
+    text = value.strip()
+    try:
+        if kind is bool:
+            if text.lower() in ("true", "false"):
+                return text.lower() == "true"
+            raise ValueError
+        if kind is int:
+            return int(text)
+        return float(text)
+    except ValueError:
+        raise ValueError(f"{name}: must be {'a boolean' if kind is bool else 'an integer' if kind is int else 'a number'}, "
+                         f"got {value!r}") from None
+
+
+def _read_scalars(get_input: GetInput) -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    for name, (field_name, kind) in SCALAR_INPUTS.items():
+        array = get_input(name)
+        if array is None:
+            continue
+        if array.size != 1:
+            raise ValueError(f"{name}: expected one value, got {array.size} elements")
+        item = array.reshape(-1)[0]
+        if kind is int:
+            if not np.issubdtype(np.asarray(item).dtype, np.integer):
+                raise ValueError(f"{name}: must be an integer, got {item!r}")
+            values[field_name] = int(item)
+        else:
+            if not np.issubdtype(np.asarray(item).dtype, np.number):
+                raise ValueError(f"{name}: must be a number, got {item!r}")
+            values[field_name] = float(item)
+    return values
+
+
+def _strings(array: np.ndarray) -> list[str]:
+    out = []
+    for value in array.reshape(-1):
+        if isinstance(value, (bytes, bytearray)):
+            value = bytes(value).decode("utf-8", errors="replace")
+        if value:
+            out.append(str(value))
+    return out
+
+
+def _apply_trtllm_words(get_input: GetInput, values: dict[str, Any]) -> None:
+    stop_words = get_input("stop_words")
+    if stop_words is not None and _strings(stop_words):
+        values["stop"] = _strings(stop_words)
+    bad_words = get_input("bad_words")
+    if bad_words is not None and _strings(bad_words):
+        raise ValueError("bad_words: not supported by pagoda; send an empty list or omit it")
+    beam_width = get_input("beam_width")
+    if beam_width is not None and (beam_width.size != 1 or int(beam_width.reshape(-1)[0]) != 1):
+        raise ValueError("beam_width: beam search is not supported; only 1 is accepted (use n for parallel samples)")
+    end_id = get_input("end_id")
+    if end_id is not None:
+        if end_id.size != 1 or not np.issubdtype(end_id.dtype, np.integer):
+            raise ValueError(f"end_id: expected one integer, got {end_id!r}")
+        stop_ids = values.get("stop_token_ids") or []
+        if not isinstance(stop_ids, list):
+            raise ValueError(f"stop_token_ids: must be a list of integers, got {stop_ids!r}")
+        values["stop_token_ids"] = [*stop_ids, int(end_id.reshape(-1)[0])]
+
+
+# ---------------------------------------------------------------------- responses
+def _string_array(values: list[str]) -> np.ndarray:
+    return np.array([v.encode("utf-8") for v in values], dtype=np.object_)
+
+
+def make_response(parsed: ParsedRequest, output: RequestOutput) -> Optional[Response]:
+    """Tensors for one engine output of this request.
+
+    Streaming: this step's deltas; ``None`` when there is nothing to say yet (no new token
+    and not finished). Not streaming: ``None`` until the request finishes, then the whole
+    text. ``is_final`` is set on the response built from the finished output.
+    """
+    if not parsed.stream and not output.finished:
+        return None
+    completions = output.outputs
+    if parsed.stream and not output.finished and not any(c.delta_token_ids or c.delta_text for c in completions):
+        return None
+    if parsed.stream:
+        texts = [c.delta_text for c in completions]
+    else:
+        prefix = "" if parsed.exclude_input_in_output else (output.prompt or "")
+        texts = [prefix + c.text for c in completions]
+    tensors = {"text_output": _string_array(texts)}
+    if parsed.return_finish_reason:
+        tensors["finish_reason"] = _string_array([c.finish_reason or "" for c in completions])
+    if parsed.return_cumulative_logprob:
+        tensors["cumulative_logprob"] = np.array(
+            [c.cumulative_logprob if c.cumulative_logprob is not None else 0.0 for c in completions], dtype=np.float32)
+    if parsed.return_logprobs:
+        tensors["logprobs"] = _string_array([
+            json.dumps([lp.to_dict() for lp in ((c.delta_logprobs if parsed.stream else c.logprobs) or [])])
+            for c in completions])
+    if parsed.return_num_input_tokens:
+        tensors["num_input_tokens"] = np.array([len(output.prompt_token_ids)], dtype=np.uint32)
+    if parsed.return_num_output_tokens:
+        tensors["num_output_tokens"] = np.array(
+            [len(c.delta_token_ids) if parsed.stream else len(c.token_ids) for c in completions], dtype=np.uint32)
+    return Response(tensors=tensors, is_final=output.finished)
+
+
+def make_error_response(message: str, error_code: str = "INVALID_ARG") -> Response:
+    """The single, final response of a request that failed."""
+    return Response(error=message, error_code=error_code, is_final=True)

@@ -1,0 +1,91 @@
+"""Triton Python backend adapter for pagoda (decoupled).
+
+Thin by design: converts Triton tensors to our dataclasses and back, and owns the two
+threads. Parsing lives in ``pagoda.serving.triton_io``, the engine thread in
+``pagoda.serving.engine_loop``, metrics in ``pagoda.serving.metrics``.
+"""
+
+import itertools
+import json
+import logging
+
+import triton_python_backend_utils as pb_utils
+
+from pagoda.serving import triton_io
+from pagoda.serving.engine_loop import EngineLoop, ResponseSender, ServingRequest
+from pagoda.serving.metrics import ServingMetrics
+from pagoda.serving.model_config import engine_config_from_parameters, served_model_name
+
+logger = logging.getLogger("pagoda.model")
+
+_FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        model_config = json.loads(args["model_config"])
+        if not pb_utils.using_decoupled_model_transaction_policy(model_config):
+            raise pb_utils.TritonModelException("pagoda needs model_transaction_policy { decoupled: true }")
+        parameters = model_config.get("parameters", {})
+        config = engine_config_from_parameters(parameters)
+        if config.device == "auto" and args.get("model_instance_kind") == "GPU":
+            config.device = "cuda"
+        if config.device == "cuda":
+            import torch
+
+            torch.cuda.set_device(int(args.get("model_instance_device_id", 0)))
+
+        from pagoda.engine.llm_engine import LLMEngine
+
+        self.engine = LLMEngine(config)
+        labels = {
+            "model_name": served_model_name(parameters, args["model_name"]),
+            "model": args["model_name"],
+            "version": args["model_version"],
+        }
+        self.metrics = ServingMetrics(pb_utils, labels)
+        self.sender = ResponseSender(self._deliver, on_failure=lambda request_id: self.loop.abort(request_id))
+        self.loop = EngineLoop(self.engine, self.sender, self.metrics)
+        self._request_numbers = itertools.count()
+        self.sender.start()
+        self.loop.start()
+
+    def execute(self, requests):
+        for request in requests:
+            response_sender = request.get_response_sender()
+            triton_id = request.request_id() or "request"
+            request_id = f"{triton_id}-{next(self._request_numbers)}"
+            try:
+                parsed = triton_io.parse_request(lambda name: _get_input(request, name))
+            except ValueError as exc:
+                stub = ServingRequest(request_id, None, response_sender)
+                self.sender.put(stub, triton_io.make_error_response(str(exc)))
+                continue
+            self.loop.submit(ServingRequest(request_id, parsed, response_sender, response_sender.is_cancelled))
+        return None
+
+    def finalize(self):
+        self.loop.stop()
+        self.sender.stop()
+
+    @staticmethod
+    def _deliver(response_sender, response):
+        flags = _FINAL if response.is_final else 0
+        if response.error is not None:
+            code = getattr(pb_utils.TritonError, response.error_code, pb_utils.TritonError.INTERNAL)
+            response_sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(response.error, code)),
+                                 flags=flags)
+            return
+        tensors = [pb_utils.Tensor(name, array) for name, array in response.tensors.items()]
+        try:
+            response_sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=flags)
+        except Exception:
+            if response.is_final:
+                # The client is gone; still close the request on the server side.
+                response_sender.send(flags=_FINAL)
+            raise
+
+
+def _get_input(request, name):
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    return None if tensor is None else tensor.as_numpy()
