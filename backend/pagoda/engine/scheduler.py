@@ -1,0 +1,471 @@
+"""Continuous-batching scheduler: one token budget, no prefill or decode phases.
+
+Every request has ``num_computed_tokens`` catching up with ``num_tokens``. Each step,
+``schedule()`` hands out at most ``max_num_batched_tokens`` tokens and admits at most
+``max_num_seqs`` running requests:
+
+1. Running requests first, in admission order: each gets ``num_tokens -
+   num_computed_tokens`` tokens (one for a decode, a chunk for an unfinished prompt),
+   capped by the remaining budget. If the KV cache cannot hold them, the scheduler
+   preempts by recompute: the victim is the running request with the largest policy key
+   (lowest priority, then latest arrival); its blocks are freed, its
+   ``num_computed_tokens`` reset to 0 and it returns to the waiting queue (FCFS: at the
+   front). A request that is its own victim is preempted and the pass moves on: later
+   running requests have smaller keys and may still fit (e.g. in a partly filled block).
+2. Then, if nothing was preempted this step, waiting requests in policy order: a
+   prefix-cache lookup sets ``num_cached_tokens`` (first admission only) and moves
+   ``num_computed_tokens`` to the hit; the rest of the prompt is scheduled (a chunk of it
+   with chunked prefill, else all or nothing). The priority policy may preempt a
+   strictly lower-priority running request to admit a waiting one. Admission stops at
+   the first request that does not fit, so FCFS order is never violated.
+
+A step whose tokens reach the end of a request's known tokens samples (``is_sampling``).
+``update_from_output`` advances ``num_computed_tokens`` by what was scheduled, caches
+the blocks that became full, appends sampled tokens and applies stop rules.
+
+No deadlock: ``add_request`` rejects requests whose worst case exceeds the whole cache,
+so a request running alone always fits, and preemption always frees the request that
+would otherwise block the others. Preempted requests are never rescheduled in the step
+that preempted them.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator, Optional, Union
+
+from pagoda.engine.block_pool import BlockPool
+from pagoda.engine.config import SCHEDULING_POLICIES, EngineConfig
+from pagoda.engine.kv_cache_manager import KVCacheManager
+from pagoda.engine.kv_events import KVEvent, KVEventBuffer
+from pagoda.engine.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerConfig:
+    num_blocks: int  # including the reserved null block
+    max_model_len: int
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    policy: str = "fcfs"
+    model_id: str = ""  # seeds the block-hash root
+    max_block_events: int = 100_000
+
+    def __post_init__(self) -> None:
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"policy: must be one of {SCHEDULING_POLICIES}, got {self.policy!r}")
+        for name in ("num_blocks", "max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
+                f"({self.max_model_len}) when chunked prefill is disabled, or long prompts could never run"
+            )
+
+    @classmethod
+    def from_engine_config(cls, config: EngineConfig, num_blocks: int, max_model_len: int, model_id: str) -> "SchedulerConfig":
+        return cls(
+            num_blocks=num_blocks,
+            max_model_len=max_model_len,
+            block_size=config.block_size,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            enable_prefix_caching=config.enable_prefix_caching,
+            policy=config.scheduling_policy,
+            model_id=model_id,
+            max_block_events=config.max_block_events,
+        )
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_computed_tokens: int  # start position of this step's tokens
+    num_new_tokens: int
+    token_ids: list[int]  # all_token_ids[num_computed_tokens : num_computed_tokens + num_new_tokens]
+    block_ids: list[int]  # the request's whole block table
+    is_sampling: bool  # this step reaches the end of the known tokens: sample one
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    total_num_scheduled_tokens: int = 0
+    preempted_request_ids: list[str] = field(default_factory=list)
+    finished_request_ids: list[str] = field(default_factory=list)  # freed since the last step
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class RequestUpdate:
+    request: Request
+    new_token_ids: list[int]
+    finished: bool
+
+
+# Waiting queues: one small strategy class per policy -------------------------------
+
+
+class FcfsQueue:
+    """Arrival order; preempted requests go back to the front."""
+
+    def __init__(self) -> None:
+        self._queue: deque[Request] = deque()
+
+    def add(self, request: Request) -> None:
+        self._queue.append(request)
+
+    def add_preempted(self, request: Request) -> None:
+        self._queue.appendleft(request)
+
+    def peek(self) -> Request:
+        return self._queue[0]
+
+    def pop(self) -> Request:
+        return self._queue.popleft()
+
+    def remove(self, request: Request) -> None:
+        self._queue.remove(request)  # aborts only; O(n) is fine here
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._queue)
+
+
+class PriorityQueue:
+    """Smallest (priority, arrival_time, insertion_index) first; preempted ones re-sort."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[tuple, Request]] = []
+
+    def add(self, request: Request) -> None:
+        heapq.heappush(self._heap, (policy_key(request, "priority"), request))
+
+    add_preempted = add
+
+    def peek(self) -> Request:
+        return self._heap[0][1]
+
+    def pop(self) -> Request:
+        return heapq.heappop(self._heap)[1]
+
+    def remove(self, request: Request) -> None:
+        self._heap = [entry for entry in self._heap if entry[1] is not request]
+        heapq.heapify(self._heap)
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __iter__(self) -> Iterator[Request]:
+        return (entry[1] for entry in sorted(self._heap, key=lambda e: e[0]))
+
+
+def policy_key(request: Request, policy: str) -> tuple:
+    """Smaller runs first; the running request with the largest key is preempted first."""
+    order = (request.arrival_time, request.insertion_index)
+    return (request.priority, *order) if policy == "priority" else order
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.event_buffer = KVEventBuffer(max_events=config.max_block_events)
+        self.block_pool = BlockPool(config.num_blocks, config.enable_prefix_caching, self.event_buffer)
+        self.kv_cache_manager = KVCacheManager(self.block_pool, config.block_size, config.enable_prefix_caching)
+        self.waiting: Union[FcfsQueue, PriorityQueue] = PriorityQueue() if config.policy == "priority" else FcfsQueue()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}  # live (unfinished) requests by id
+        self.num_preemptions_total = 0
+        self._finished_request_ids: list[str] = []
+        self._num_added = 0
+
+    # Requests in ---------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue ``request``; resolves ``max_tokens=None`` to what max_model_len leaves.
+
+        Raises:
+            ValueError: the request could never run (empty prompt, too long for
+                max_model_len, or more KV blocks than the whole cache), or its id is live.
+        """
+        cfg = self.config
+        prompt_len = request.num_prompt_tokens
+        if prompt_len == 0:
+            raise ValueError(f"request {request.request_id!r}: the prompt is empty")
+        if request.request_id in self.requests:
+            raise ValueError(f"request {request.request_id!r}: a request with this id is already running")
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is None:
+            max_tokens = cfg.max_model_len - prompt_len
+            if max_tokens < 1:
+                raise ValueError(
+                    f"request {request.request_id!r}: prompt of {prompt_len} tokens leaves no room to generate "
+                    f"within max_model_len {cfg.max_model_len}"
+                )
+        if prompt_len + max_tokens > cfg.max_model_len:
+            raise ValueError(
+                f"request {request.request_id!r}: prompt of {prompt_len} tokens + max_tokens {max_tokens} = "
+                f"{prompt_len + max_tokens} exceeds max_model_len {cfg.max_model_len}"
+            )
+        num_blocks_needed = -(-(prompt_len + max_tokens) // cfg.block_size)
+        if num_blocks_needed > self.block_pool.num_usable_blocks:
+            raise ValueError(
+                f"request {request.request_id!r}: needs {num_blocks_needed} KV blocks for {prompt_len + max_tokens} "
+                f"tokens but the whole cache has {self.block_pool.num_usable_blocks}; lower max_tokens"
+            )
+        request.max_tokens = max_tokens
+        if cfg.enable_prefix_caching:
+            request.init_block_hashes(cfg.block_size, cfg.model_id)
+        request.insertion_index = self._num_added
+        self._num_added += 1
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def finish_requests(self, request_ids: Union[str, Iterable[str]], status: RequestStatus) -> None:
+        """Finish live requests (abort, or stop string found) from any state; frees blocks.
+
+        Unknown or already finished ids are ignored. Set ``request.stop_reason`` first if
+        it should carry a stop string.
+        """
+        if not status.is_finished():
+            raise ValueError(f"status: must be a finished status, got {status.name}")
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._free(request, status)
+
+    def _free(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self._finished_request_ids.append(request.request_id)
+
+    # One step ------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Choose this step's requests and token counts; see the module docstring."""
+        step = _Step(self.config.max_num_batched_tokens)
+        self._schedule_running(step)
+        if not step.preempted:
+            self._schedule_waiting(step)
+        output = SchedulerOutput(
+            preempted_request_ids=[r.request_id for r in step.preempted],
+            finished_request_ids=self._finished_request_ids,
+        )
+        self._finished_request_ids = []
+        for request in self.running:
+            num_new = step.num_new_tokens.get(request.request_id)
+            if num_new is None:
+                continue
+            start = request.num_computed_tokens
+            output.scheduled.append(
+                ScheduledRequest(
+                    request=request,
+                    num_computed_tokens=start,
+                    num_new_tokens=num_new,
+                    token_ids=request.all_token_ids[start : start + num_new],
+                    block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+                    is_sampling=start + num_new == request.num_tokens,
+                )
+            )
+            output.total_num_scheduled_tokens += num_new
+        assert output.total_num_scheduled_tokens <= self.config.max_num_batched_tokens, "token budget exceeded"
+        return output
+
+    def _schedule_running(self, step: "_Step") -> None:
+        for request in list(self.running):
+            if step.budget == 0:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this pass
+            num_new = min(request.num_tokens - request.num_computed_tokens, step.budget)
+            if num_new <= 0:
+                continue
+            while self.kv_cache_manager.allocate_slots(request, num_new) is None:
+                victim = max(self.running, key=lambda r: policy_key(r, self.config.policy))
+                self._preempt(victim, step)
+                if victim is request:
+                    break
+            else:
+                step.add(request, num_new)
+
+    def _schedule_waiting(self, step: "_Step") -> None:
+        cfg = self.config
+        while len(self.waiting) > 0 and step.budget > 0:
+            request = self.waiting.peek()
+            if request in step.preempted:
+                break
+            if len(self.running) >= cfg.max_num_seqs and not self._preempt_for(request, step):
+                break
+            hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit
+            if not cfg.enable_chunked_prefill and num_new > step.budget:
+                break
+            num_new = min(num_new, step.budget)
+            while self.kv_cache_manager.allocate_slots(request, num_new, hit_blocks) is None:
+                if not self._preempt_for(request, step):
+                    return
+                # The victim's blocks may have been part of the hit: look up again.
+                hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
+                num_new = request.num_tokens - num_hit
+                if not cfg.enable_chunked_prefill and num_new > step.budget:
+                    return
+                num_new = min(num_new, step.budget)
+            self.waiting.pop()
+            self.kv_cache_manager.record_prefix_lookup(request.num_tokens, num_hit)
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
+            request.num_computed_tokens = num_hit
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            step.add(request, num_new)
+
+    def _preempt_for(self, request: Request, step: "_Step") -> bool:
+        """Priority policy: preempt the lowest-priority running request if it is strictly
+        lower priority than waiting ``request``. Returns whether one was preempted."""
+        if self.config.policy != "priority" or not self.running:
+            return False
+        victim = max(self.running, key=lambda r: policy_key(r, "priority"))
+        if victim.priority <= request.priority:
+            return False
+        self._preempt(victim, step)
+        return True
+
+    def _preempt(self, request: Request, step: "_Step") -> None:
+        self.running.remove(request)
+        step.remove(request)
+        self.kv_cache_manager.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions_total += 1
+        step.preempted.append(request)
+        self.waiting.add_preempted(request)
+
+    # Results in ----------------------------------------------------------------------
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, sampled_token_ids: dict[str, list[int]]
+    ) -> list[RequestUpdate]:
+        """Apply one step's results.
+
+        Args:
+            scheduler_output: what ``schedule()`` returned for this step.
+            sampled_token_ids: request id -> sampled tokens (one, or several accepted
+                speculative tokens); only requests with ``is_sampling`` are read.
+        Returns:
+            One update per request that received tokens or finished, in batch order.
+            Finished requests are already freed.
+        """
+        updates = []
+        for scheduled in scheduler_output.scheduled:
+            request = scheduled.request
+            if request.status != RequestStatus.RUNNING:
+                continue  # finished (aborted) or preempted since the step was scheduled
+            assert request.num_computed_tokens == scheduled.num_computed_tokens, "step applied twice"
+            request.num_computed_tokens += scheduled.num_new_tokens
+            self.kv_cache_manager.cache_blocks(request)
+            if not scheduled.is_sampling:
+                continue
+            new_token_ids = []
+            status = None
+            for token_id in sampled_token_ids.get(request.request_id, []):
+                request.append_output_token_ids(token_id)
+                new_token_ids.append(token_id)
+                status = self._check_stop(request, token_id)
+                if status is not None:
+                    break
+            if status is not None:
+                self.running.remove(request)
+                self._free(request, status)
+            if new_token_ids or status is not None:
+                updates.append(RequestUpdate(request, new_token_ids, status is not None))
+        return updates
+
+    def _check_stop(self, request: Request, token_id: int) -> Optional[RequestStatus]:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if token_id in params.stop_token_ids:
+                request.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+            if not params.ignore_eos and token_id in request.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None
+
+    # Introspection -------------------------------------------------------------------
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_request(self, request_id: str) -> Optional[Request]:
+        """The live request with this id, or None (unknown or finished)."""
+        return self.requests.get(request_id)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.num_free_blocks
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.block_pool.usage
+
+    @property
+    def prefix_cache_queries(self) -> int:
+        return self.kv_cache_manager.prefix_cache_queries
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        return self.kv_cache_manager.prefix_cache_hits
+
+    def take_events(self) -> list[KVEvent]:
+        return self.event_buffer.take()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget cached blocks; False (no change) while any request holds blocks."""
+        return self.kv_cache_manager.reset_prefix_cache()
+
+
+class _Step:
+    """Bookkeeping of one ``schedule()`` call: the budget and who got what."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.num_new_tokens: dict[str, int] = {}
+        self.preempted: list[Request] = []
+
+    def add(self, request: Request, num_new_tokens: int) -> None:
+        self.num_new_tokens[request.request_id] = num_new_tokens
+        self.budget -= num_new_tokens
+
+    def remove(self, request: Request) -> None:
+        self.budget += self.num_new_tokens.pop(request.request_id, 0)
