@@ -1,0 +1,312 @@
+"""The `LLMService` CustomResourceDefinition (group pagoda.dev, version v1alpha1).
+
+This module is the single source of the CRD: the operator validates specs against
+`SPEC_SCHEMA` (see `spec.py`), and `charts/pagoda/crds/llmservices.pagoda.dev.yaml` is
+generated from `make_crd()` (`python -m pagoda_operator.crd > ...`; a test keeps them equal).
+
+Invariants of the schema:
+- the schema is structural and every object lists its properties (no
+  `x-kubernetes-preserve-unknown-fields`), so the API server rejects or prunes unknown
+  fields; `spec.py` applies the same rule and names the unknown field;
+- every field that has a sensible default declares it, so a stored object is complete;
+- cross-field rules the API server can check (replicas.min <= replicas.max) are CEL
+  `x-kubernetes-validations`; the operator re-checks them (`spec.py`) and names the field.
+
+Status is written only by the operator. kopf's own bookkeeping goes to annotations
+(see `handlers.py`), because a structural schema would prune `status.kopf`.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+GROUP = "pagoda.dev"
+VERSION = "v1alpha1"
+KIND = "LLMService"
+PLURAL = "llmservices"
+SINGULAR = "llmservice"
+SHORT_NAMES = ["llms"]
+API_VERSION = f"{GROUP}/{VERSION}"
+
+ROUTING_POLICIES = ["prefix_aware", "least_loaded", "round_robin"]
+MODES = ["Deployment", "KServe"]
+DEFAULT_REDIS_URL = "redis://pagoda-redis:6379/0"
+DEFAULT_KSERVE_RUNTIME = "pagoda"
+
+_DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+_SCHEMES = r"^(pvc|image|s3|gs|hf|https?)://.+$"
+
+
+def _obj(properties: dict[str, Any], *, required: list[str] | None = None,
+         description: str | None = None, **extra: Any) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "object", "properties": properties}
+    if required:
+        schema["required"] = required
+    if description:
+        schema["description"] = description
+    schema.update(extra)
+    return schema
+
+
+def _str(description: str, **extra: Any) -> dict[str, Any]:
+    return {"type": "string", "description": description, **extra}
+
+
+def _int(description: str, **extra: Any) -> dict[str, Any]:
+    return {"type": "integer", "format": "int32", "description": description, **extra}
+
+
+def _num(description: str, **extra: Any) -> dict[str, Any]:
+    return {"type": "number", "description": description, **extra}
+
+
+def _bool(description: str, **extra: Any) -> dict[str, Any]:
+    return {"type": "boolean", "description": description, **extra}
+
+
+_QUANTITY_MAP = {
+    "type": "object",
+    "description": "Resource name (cpu, memory, nvidia.com/gpu, ...) to quantity.",
+    "additionalProperties": {
+        "anyOf": [{"type": "integer"}, {"type": "string"}],
+        "x-kubernetes-int-or-string": True,
+        "pattern": r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$",
+    },
+}
+
+SPEC_SCHEMA: dict[str, Any] = _obj(
+    {
+        "mode": _str("Deployment: the operator runs replica Deployments and autoscales them. "
+                     "KServe: the operator renders an InferenceService (RawDeployment) "
+                     "against the chart's ServingRuntime.", enum=MODES, default="Deployment"),
+        "image": _str("Container image holding pagoda (tritonserver + the model repository).",
+                      minLength=1),
+        "imagePullPolicy": _str("Image pull policy.", enum=["Always", "IfNotPresent", "Never"],
+                                default="IfNotPresent"),
+        "model": _obj(
+            {
+                "name": _str("Served model name: the OpenAI `model` id and the Redis namespace.",
+                             pattern=_DNS_LABEL, minLength=1, maxLength=63),
+                "storageUri": _str(
+                    "Where the weights are. pvc://<claim>[/<path>] (any mode), "
+                    "image:///<path> (baked into the image, Deployment mode), "
+                    "s3:// gs:// hf:// https:// (KServe mode: its storage initializer).",
+                    pattern=_SCHEMES),
+            },
+            required=["name", "storageUri"],
+            description="The model to serve.",
+        ),
+        "engine": _obj(
+            {
+                "dtype": _str("Compute dtype.", enum=["auto", "float32", "float16", "bfloat16"],
+                              default="auto"),
+                "maxModelLen": _int("Longest sequence (prompt + output) in tokens; "
+                                    "0 means the model's own limit.",
+                                    minimum=0, maximum=1048576, default=0),
+                "maxNumSeqs": _int("Most sequences in one batch.", minimum=1, maximum=4096,
+                                   default=256),
+                "maxNumBatchedTokens": _int("Token budget of one scheduler step.",
+                                            minimum=16, maximum=1048576, default=8192),
+                "blockSize": _int("Tokens per KV cache block.", enum=[8, 16, 32, 64, 128],
+                                  default=16),
+                "gpuMemoryUtilization": _num("Fraction of GPU memory the engine may use.",
+                                             minimum=0.05, maximum=1.0, default=0.9),
+                "enablePrefixCaching": _bool("Reuse KV blocks across requests.", default=True),
+                "extraArgs": {"type": "array", "items": {"type": "string"}, "maxItems": 64,
+                              "description": "Further `pagoda serve` arguments, appended as-is."},
+            },
+            description="Engine settings passed to `pagoda serve`.",
+            default={},
+        ),
+        "resources": _obj(
+            {"requests": _QUANTITY_MAP, "limits": _QUANTITY_MAP},
+            description="Compute resources of one replica container.",
+        ),
+        "replicas": _obj(
+            {
+                "min": _int("Fewest replicas.", minimum=1, maximum=1000, default=1),
+                "max": _int("Most replicas.", minimum=1, maximum=1000, default=1),
+            },
+            description="Replica count bounds; with autoscaling disabled, `min` replicas run.",
+            default={},
+            **{"x-kubernetes-validations": [
+                {"rule": "self.min <= self.max", "message": "replicas.min must be <= replicas.max"}]},
+        ),
+        "autoscaling": _obj(
+            {
+                "enabled": _bool("Run the built-in autoscaler (Deployment mode).", default=True),
+                "targetWaitingPerReplica": _num(
+                    "Target queued (waiting) requests per replica.",
+                    minimum=0.1, maximum=10000, default=4),
+                "targetKVCacheUsage": _num("Target mean KV cache usage (0..1].",
+                                           minimum=0.05, maximum=1.0, default=0.8),
+                "ttftSLOSeconds": _num("P90 time-to-first-token objective; 0 disables it.",
+                                       minimum=0, maximum=3600, default=0),
+                "tolerance": _num("Hysteresis: ratios within 1 +/- tolerance do not scale.",
+                                  minimum=0, maximum=0.9, default=0.1),
+                "scaleUpStabilizationSeconds": _int("Window whose lowest recommendation "
+                                                    "bounds a scale-up.",
+                                                    minimum=0, maximum=3600, default=0),
+                "scaleDownStabilizationSeconds": _int("Window whose highest recommendation "
+                                                      "bounds a scale-down.",
+                                                      minimum=0, maximum=86400, default=300),
+                "maxScaleUpStep": _int("Most replicas added in one decision.",
+                                       minimum=1, maximum=1000, default=4),
+                "drainTimeoutSeconds": _int("Longest wait for a draining replica's in-flight "
+                                            "requests before it is removed anyway.",
+                                            minimum=0, maximum=86400, default=600),
+            },
+            description="Targets of the built-in autoscaler.",
+            default={},
+        ),
+        "routing": _obj(
+            {
+                "policy": _str("Router policy.", enum=ROUTING_POLICIES, default="prefix_aware"),
+                "replicas": _int("Router pods.", minimum=1, maximum=100, default=1),
+                "serviceType": _str("Router Service type.",
+                                    enum=["ClusterIP", "NodePort", "LoadBalancer"],
+                                    default="ClusterIP"),
+            },
+            description="The cache-aware router in front of the replicas.",
+            default={},
+        ),
+        "redis": _obj(
+            {
+                "url": _str("Redis holding the prefix index and heartbeats.",
+                            pattern=r"^rediss?://[^\s]+$", default=DEFAULT_REDIS_URL),
+                "passwordSecretRef": _obj(
+                    {"name": _str("Secret name.", minLength=1),
+                     "key": _str("Key in the Secret.", minLength=1, default="password")},
+                    required=["name"],
+                    description="Secret with the Redis password (same namespace).",
+                ),
+            },
+            description="Redis used by replicas, router and autoscaler.",
+            default={},
+        ),
+        "kserve": _obj(
+            {
+                "runtime": _str("ServingRuntime name (installed by the chart).",
+                                pattern=_DNS_LABEL, default=DEFAULT_KSERVE_RUNTIME),
+            },
+            description="Settings for mode KServe.",
+            default={},
+        ),
+    },
+    required=["image", "model"],
+    description="Desired state of a served model.",
+)
+
+_CONDITION = _obj(
+    {
+        "type": _str("Condition type (Ready, SpecValid, Scaling)."),
+        "status": _str("True, False or Unknown.", enum=["True", "False", "Unknown"]),
+        "reason": _str("CamelCase reason."),
+        "message": _str("Human-readable detail; names the offending field when invalid."),
+        "lastTransitionTime": _str("When status last changed.", format="date-time"),
+        "observedGeneration": {"type": "integer", "format": "int64",
+                               "description": "Generation this condition is about."},
+    },
+    required=["type", "status"],
+)
+
+STATUS_SCHEMA: dict[str, Any] = _obj(
+    {
+        "observedGeneration": {"type": "integer", "format": "int64",
+                               "description": "Last generation reconciled."},
+        "mode": _str("Mode last rendered."),
+        "replicas": _obj({"desired": _int("Replicas the operator asks for."),
+                          "ready": _int("Ready replicas.")}),
+        "conditions": {"type": "array", "items": _CONDITION,
+                       "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+        "observedLoad": _obj({
+            "source": _str("Where the load came from.", enum=["redis", "metrics", "none"]),
+            "numReplicas": _int("Replicas that reported."),
+            "waiting": _num("Waiting requests, summed over replicas."),
+            "running": _num("Running requests, summed over replicas."),
+            "kvCacheUsage": _num("Mean KV cache usage."),
+            "ttftP90Seconds": _num("Worst replica P90 time to first token."),
+            "sampledAt": _str("Sample time.", format="date-time"),
+        }),
+        "lastDecision": _obj({
+            "time": _str("Decision time.", format="date-time"),
+            "from": _int("Replicas before."),
+            "to": _int("Replicas after."),
+            "reason": _str("Why."),
+        }),
+        "drain": _obj({
+            "replicaId": _str("Replica being drained before removal."),
+            "startedAt": _str("Drain start.", format="date-time"),
+            "targetReplicas": _int("Replica count once the drain completes."),
+        }),
+        "routerService": _str("Service name of the router."),
+    },
+    description="Observed state, written by the operator.",
+)
+
+
+def make_crd() -> dict[str, Any]:
+    """Build the CustomResourceDefinition object.
+
+    Returns:
+        The CRD as a plain dict, ready for YAML/JSON serialization.
+    """
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"{PLURAL}.{GROUP}"},
+        "spec": {
+            "group": GROUP,
+            "scope": "Namespaced",
+            "names": {"kind": KIND, "listKind": f"{KIND}List", "plural": PLURAL,
+                      "singular": SINGULAR, "shortNames": SHORT_NAMES,
+                      "categories": ["pagoda"]},
+            "versions": [{
+                "name": VERSION,
+                "served": True,
+                "storage": True,
+                "subresources": {"status": {}},
+                "additionalPrinterColumns": [
+                    {"name": "Mode", "type": "string", "jsonPath": ".spec.mode"},
+                    {"name": "Model", "type": "string", "jsonPath": ".spec.model.name"},
+                    {"name": "Desired", "type": "integer", "jsonPath": ".status.replicas.desired"},
+                    {"name": "Ready", "type": "integer", "jsonPath": ".status.replicas.ready"},
+                    {"name": "Min", "type": "integer", "jsonPath": ".spec.replicas.min",
+                     "priority": 1},
+                    {"name": "Max", "type": "integer", "jsonPath": ".spec.replicas.max",
+                     "priority": 1},
+                    {"name": "Policy", "type": "string", "jsonPath": ".spec.routing.policy",
+                     "priority": 1},
+                    {"name": "Valid", "type": "string",
+                     "jsonPath": ".status.conditions[?(@.type==\"SpecValid\")].status"},
+                    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+                ],
+                "schema": {"openAPIV3Schema": {
+                    "type": "object",
+                    "description": "A model served by a fleet of pagoda replicas behind a router.",
+                    "required": ["spec"],
+                    "properties": {
+                        "apiVersion": {"type": "string"},
+                        "kind": {"type": "string"},
+                        "metadata": {"type": "object"},
+                        "spec": SPEC_SCHEMA,
+                        "status": STATUS_SCHEMA,
+                    },
+                }},
+            }],
+        },
+    }
+
+
+def main() -> int:
+    """Print the CRD as YAML (used to regenerate the chart's copy)."""
+    import yaml
+
+    sys.stdout.write("# Generated by `python -m pagoda_operator.crd`; do not edit by hand.\n")
+    sys.stdout.write(yaml.safe_dump(make_crd(), sort_keys=False, width=100))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,77 @@
+"""Reconcile one LLMService: render its children and apply them (create/update/resume).
+
+Idempotent: every child is rendered from the spec and `KubeClient.apply`d, which only
+writes when the live object differs. The replica Deployment keeps its live replica count
+(the autoscaler owns it) clamped into [min, max]. Children of the other mode are deleted
+when the mode changes (Deployment <-> KServe). All children carry an owner reference to
+the LLMService, so Kubernetes garbage-collects them when it is deleted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pagoda_operator import naming
+from pagoda_operator.kube import KubeClient, KubeError
+from pagoda_operator.render_kserve import render_inference_service
+from pagoda_operator.render_replicas import render_replica_deployment, render_replica_service
+from pagoda_operator.render_router import (render_router_deployment, render_router_role,
+                                           render_router_role_binding, render_router_service,
+                                           render_router_service_account)
+from pagoda_operator.spec import LLMService
+
+
+@dataclass(frozen=True)
+class ReconcileResult:
+    actions: dict[str, str]  # "Kind/name" -> created | patched | unchanged | deleted
+    desired_replicas: int
+    ready_replicas: int | None
+
+
+def clamp_replicas(svc: LLMService, live_replicas: int | None) -> int:
+    """Replica count to render: the live count (autoscaler's) within [min, max]; `min`
+    for a new Deployment or when autoscaling is off."""
+    if live_replicas is None or not svc.spec.autoscaling.enabled:
+        return svc.spec.min_replicas
+    return min(max(live_replicas, svc.spec.min_replicas), svc.spec.max_replicas)
+
+
+def render_children(svc: LLMService, replicas: int) -> list[dict[str, Any]]:
+    """Everything the operator owns for `svc`, in apply order (RBAC before workloads)."""
+    router = [render_router_service_account(svc), render_router_role(svc),
+              render_router_role_binding(svc), render_router_deployment(svc),
+              render_router_service(svc)]
+    if svc.spec.mode == "KServe":
+        return [render_inference_service(svc), *router]
+    return [render_replica_deployment(svc, replicas), render_replica_service(svc), *router]
+
+
+def stale_children(svc: LLMService) -> list[tuple[str, str, str]]:
+    """(apiVersion, kind, name) of the other mode's children."""
+    if svc.spec.mode == "KServe":
+        return [("apps/v1", "Deployment", naming.replicas_name(svc)),
+                ("v1", "Service", naming.replicas_name(svc))]
+    return [("serving.kserve.io/v1beta1", "InferenceService", svc.name)]
+
+
+async def reconcile(kube: KubeClient, svc: LLMService) -> ReconcileResult:
+    """Apply all children of `svc`. Raises KubeError on API failures (kopf retries)."""
+    actions: dict[str, str] = {}
+    live = None
+    if svc.spec.mode == "Deployment":
+        live = await kube.get("apps/v1", "Deployment", svc.namespace, naming.replicas_name(svc))
+    replicas = clamp_replicas(svc, (live or {}).get("spec", {}).get("replicas"))
+    for child in render_children(svc, replicas):
+        actions[f"{child['kind']}/{child['metadata']['name']}"] = await kube.apply(child)
+    for api_version, kind, name in stale_children(svc):
+        try:
+            if await kube.delete(api_version, kind, svc.namespace, name):
+                actions[f"{kind}/{name}"] = "deleted"
+        except KubeError as error:
+            if error.status not in (404, 405):  # 404: KServe's CRD is not even installed
+                raise
+    ready = None
+    if live is not None:
+        ready = int((live.get("status") or {}).get("readyReplicas") or 0)
+    return ReconcileResult(actions=actions, desired_replicas=replicas, ready_replicas=ready)

@@ -1,0 +1,161 @@
+"""Render the replica Deployment and its headless Service (mode Deployment).
+
+Pure functions of an `LLMService` (+ the replica count the autoscaler chose): no API
+calls, no clock, so they are unit-tested and the handlers stay thin.
+
+Each replica pod runs `pagoda serve` (tritonserver over our model repository) with:
+- HTTP 8000 / gRPC 8001 / metrics 8002; readiness on Triton's `/v2/health/ready`,
+  liveness on `/v2/health/live`, a startup probe long enough for a model load;
+- `PAGODA_REPLICA_ID` = the pod name, which is the `replica_id` of its Redis heartbeat,
+  so the autoscaler can map a heartbeat to the pod it drains and removes;
+- the model from a read-only PVC mounted at /mnt/models (`pvc://claim/path`), or from a
+  path baked into the image (`image:///path`);
+- a memory-backed /dev/shm: Triton's Python backend passes tensors through shared
+  memory and the container default (64 MiB) is too small.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagoda_operator import naming
+from pagoda_operator.render_redis import redis_env, redis_url_arg
+from pagoda_operator.spec import EngineSpec, LLMService
+
+COMPONENT = "replica"
+
+
+def engine_args(engine: EngineSpec) -> list[str]:
+    """`pagoda serve` flags for the engine settings (vLLM's flag names)."""
+    args = [
+        "--dtype", engine.dtype,
+        "--max-num-seqs", str(engine.max_num_seqs),
+        "--max-num-batched-tokens", str(engine.max_num_batched_tokens),
+        "--block-size", str(engine.block_size),
+        "--gpu-memory-utilization", str(engine.gpu_memory_utilization),
+        "--enable-prefix-caching" if engine.enable_prefix_caching else "--no-enable-prefix-caching",
+    ]
+    if engine.max_model_len:
+        args += ["--max-model-len", str(engine.max_model_len)]
+    return args + list(engine.extra_args)
+
+
+def model_path(svc: LLMService) -> str:
+    """Where the weights are inside the replica container."""
+    uri = svc.spec.model.storage_uri
+    if svc.spec.model.scheme == "image":
+        return uri[len("image://"):]
+    claim_and_path = uri[len("pvc://"):]
+    sub_path = claim_and_path.split("/", 1)[1] if "/" in claim_and_path else ""
+    return f"{naming.MODEL_MOUNT}/{sub_path}".rstrip("/")
+
+
+def _model_volume(svc: LLMService) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    if svc.spec.model.scheme != "pvc":
+        return [], []
+    claim = svc.spec.model.storage_uri[len("pvc://"):].split("/", 1)[0]
+    volumes = [{"name": "model",
+                "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}]
+    mounts = [{"name": "model", "mountPath": naming.MODEL_MOUNT, "readOnly": True}]
+    return volumes, mounts
+
+
+def replica_env(svc: LLMService) -> list[dict[str, Any]]:
+    return [
+        {"name": "PAGODA_REPLICA_ID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "PAGODA_POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": "PAGODA_MODEL_NAME", "value": svc.spec.model.name},
+        *redis_env(svc),
+        {"name": "PAGODA_REDIS_URL", "value": redis_url_arg(svc)},
+    ]
+
+
+def render_replica_container(svc: LLMService) -> dict[str, Any]:
+    """The tritonserver container of one replica."""
+    _, mounts = _model_volume(svc)
+    container: dict[str, Any] = {
+        "name": "pagoda",
+        "image": svc.spec.image,
+        "imagePullPolicy": svc.spec.image_pull_policy,
+        "command": ["pagoda", "serve"],
+        "args": [
+            "--model", model_path(svc),
+            "--http-port", str(naming.HTTP_PORT),
+            "--grpc-port", str(naming.GRPC_PORT),
+            "--metrics-port", str(naming.METRICS_PORT),
+            *engine_args(svc.spec.engine),
+        ],
+        "env": replica_env(svc),
+        "ports": [
+            {"name": "http", "containerPort": naming.HTTP_PORT, "protocol": "TCP"},
+            {"name": "grpc", "containerPort": naming.GRPC_PORT, "protocol": "TCP"},
+            {"name": "metrics", "containerPort": naming.METRICS_PORT, "protocol": "TCP"},
+        ],
+        "readinessProbe": {"httpGet": {"path": "/v2/health/ready", "port": "http"},
+                           "periodSeconds": 5, "failureThreshold": 3},
+        "livenessProbe": {"httpGet": {"path": "/v2/health/live", "port": "http"},
+                          "periodSeconds": 10, "failureThreshold": 6},
+        "startupProbe": {"httpGet": {"path": "/v2/health/live", "port": "http"},
+                         "periodSeconds": 10, "failureThreshold": 90},
+        "volumeMounts": [*mounts, {"name": "dshm", "mountPath": "/dev/shm"}],
+        "securityContext": {"allowPrivilegeEscalation": False},
+    }
+    if svc.spec.resources:
+        container["resources"] = dict(svc.spec.resources)
+    return container
+
+
+def render_replica_deployment(svc: LLMService, replicas: int) -> dict[str, Any]:
+    """The replica Deployment.
+
+    Args:
+        svc: the parsed LLMService.
+        replicas: pod count (the autoscaler's decision, already within [min, max]).
+    Returns:
+        An apps/v1 Deployment.
+    """
+    volumes, _ = _model_volume(svc)
+    pod_labels = naming.labels(svc, COMPONENT) | {"pagoda.dev/model": svc.spec.model.name}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": naming.metadata(svc, naming.replicas_name(svc), COMPONENT),
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": naming.selector(svc, COMPONENT)},
+            "strategy": {"type": "RollingUpdate",
+                         "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+            "template": {
+                "metadata": {
+                    "labels": pod_labels,
+                    "annotations": {"prometheus.io/scrape": "true",
+                                    "prometheus.io/port": str(naming.METRICS_PORT),
+                                    "prometheus.io/path": "/metrics"},
+                },
+                "spec": {
+                    "containers": [render_replica_container(svc)],
+                    "volumes": [*volumes, {"name": "dshm",
+                                           "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}}],
+                    "terminationGracePeriodSeconds": 60,
+                },
+            },
+        },
+    }
+
+
+def render_replica_service(svc: LLMService) -> dict[str, Any]:
+    """Headless Service: one DNS record per ready replica (discovery, metrics scraping)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": naming.metadata(svc, naming.replicas_name(svc), COMPONENT),
+        "spec": {
+            "clusterIP": "None",
+            "selector": naming.selector(svc, COMPONENT),
+            "ports": [
+                {"name": "http", "port": naming.HTTP_PORT, "targetPort": "http"},
+                {"name": "grpc", "port": naming.GRPC_PORT, "targetPort": "grpc"},
+                {"name": "metrics", "port": naming.METRICS_PORT, "targetPort": "metrics"},
+            ],
+        },
+    }

@@ -1,0 +1,121 @@
+"""Render the cache-aware router: Deployment, Service, and the RBAC its discovery needs.
+
+The router finds replicas with `--k8s-selector` (it lists/watches pods matching the
+replicas' labels in its own namespace), so it gets a ServiceAccount bound to a Role
+that may only get/list/watch pods. In mode KServe it selects the InferenceService's
+pods by KServe's `serving.kserve.io/inferenceservice` label instead.
+
+The router's Service carries the LLMService's own name: it is the endpoint clients use
+(HTTP/OpenAI on 8080, gRPC on 8081).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagoda_operator import naming
+from pagoda_operator.render_redis import redis_env, redis_url_arg
+from pagoda_operator.spec import LLMService
+
+COMPONENT = "router"
+
+
+def replica_selector(svc: LLMService) -> dict[str, str]:
+    """Labels of the pods the router sends requests to."""
+    if svc.spec.mode == "KServe":
+        return {naming.KSERVE_ISVC_LABEL: svc.name}
+    return naming.selector(svc, "replica")
+
+
+def render_router_deployment(svc: LLMService) -> dict[str, Any]:
+    """The router Deployment (`pagoda router`)."""
+    container = {
+        "name": "router",
+        "image": svc.spec.image,
+        "imagePullPolicy": svc.spec.image_pull_policy,
+        "command": ["pagoda", "router"],
+        "args": [
+            "--k8s-selector", naming.selector_string(replica_selector(svc)),
+            "--redis-url", redis_url_arg(svc),
+            "--policy", svc.spec.routing.policy,
+        ],
+        "env": [
+            {"name": "PAGODA_NAMESPACE",
+             "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+            {"name": "PAGODA_MODEL_NAME", "value": svc.spec.model.name},
+            *redis_env(svc),
+        ],
+        "ports": [
+            {"name": "http", "containerPort": naming.ROUTER_HTTP_PORT, "protocol": "TCP"},
+            {"name": "grpc", "containerPort": naming.ROUTER_GRPC_PORT, "protocol": "TCP"},
+        ],
+        "readinessProbe": {"tcpSocket": {"port": "http"}, "periodSeconds": 5},
+        "livenessProbe": {"tcpSocket": {"port": "http"}, "periodSeconds": 10,
+                          "failureThreshold": 6},
+        "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}},
+        "securityContext": {"allowPrivilegeEscalation": False},
+    }
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": naming.metadata(svc, naming.router_name(svc), COMPONENT),
+        "spec": {
+            "replicas": svc.spec.routing.replicas,
+            "selector": {"matchLabels": naming.selector(svc, COMPONENT)},
+            "template": {
+                "metadata": {"labels": naming.labels(svc, COMPONENT)},
+                "spec": {
+                    "serviceAccountName": naming.router_name(svc),
+                    "containers": [container],
+                },
+            },
+        },
+    }
+
+
+def render_router_service(svc: LLMService) -> dict[str, Any]:
+    """The client-facing Service, named after the LLMService."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": naming.metadata(svc, naming.router_service_name(svc), COMPONENT),
+        "spec": {
+            "type": svc.spec.routing.service_type,
+            "selector": naming.selector(svc, COMPONENT),
+            "ports": [
+                {"name": "http", "port": naming.ROUTER_HTTP_PORT, "targetPort": "http"},
+                {"name": "grpc", "port": naming.ROUTER_GRPC_PORT, "targetPort": "grpc"},
+            ],
+        },
+    }
+
+
+def render_router_service_account(svc: LLMService) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": naming.metadata(svc, naming.router_name(svc), COMPONENT),
+    }
+
+
+def render_router_role(svc: LLMService) -> dict[str, Any]:
+    """Least privilege for replica discovery: read pods in this namespace."""
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": naming.metadata(svc, naming.router_name(svc), COMPONENT),
+        "rules": [{"apiGroups": [""], "resources": ["pods"],
+                   "verbs": ["get", "list", "watch"]}],
+    }
+
+
+def render_router_role_binding(svc: LLMService) -> dict[str, Any]:
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": naming.metadata(svc, naming.router_name(svc), COMPONENT),
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                    "name": naming.router_name(svc)},
+        "subjects": [{"kind": "ServiceAccount", "name": naming.router_name(svc),
+                      "namespace": svc.namespace}],
+    }
