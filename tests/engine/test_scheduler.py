@@ -297,6 +297,28 @@ def test_abort_between_schedule_and_update_is_skipped():
     assert scheduler.num_free_blocks == 64
 
 
+def test_missing_sampled_token_is_a_contract_violation():
+    scheduler = make_scheduler()
+    scheduler.add_request(make_request("a", 5))
+    with pytest.raises(AssertionError, match="no sampled token"):
+        scheduler.update_from_output(scheduler.schedule(), {})
+
+
+def test_introspection_and_no_events_without_caching():
+    scheduler = make_scheduler(num_blocks=9, enable_prefix_caching=False)
+    assert not scheduler.has_unfinished_requests() and scheduler.kv_cache_usage == 0.0
+    scheduler.add_request(make_request("a", 8, max_tokens=4))
+    assert scheduler.has_unfinished_requests() and (scheduler.num_waiting, scheduler.num_running) == (1, 0)
+    out, _ = step(scheduler)
+    assert (scheduler.num_waiting, scheduler.num_running) == (0, 1)
+    assert scheduler.kv_cache_usage == pytest.approx(2 / 8) and scheduler.num_free_blocks == 6
+    assert out.scheduled[0].request.block_hashes == []
+    while scheduler.has_unfinished_requests():
+        step(scheduler)
+    assert scheduler.take_events() == [] and scheduler.prefix_cache_queries == 0
+    assert scheduler.reset_prefix_cache() is True
+
+
 # Randomized simulation -----------------------------------------------------------------
 
 

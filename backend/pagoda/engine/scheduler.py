@@ -387,9 +387,12 @@ class Scheduler:
             self.kv_cache_manager.cache_blocks(request)
             if not scheduled.is_sampling:
                 continue
+            tokens = sampled_token_ids.get(request.request_id)
+            # Without a token the request would sit at num_computed == num_tokens forever.
+            assert tokens, f"no sampled token for {request.request_id!r}, which sampled this step"
             new_token_ids = []
             status = None
-            for token_id in sampled_token_ids.get(request.request_id, []):
+            for token_id in tokens:
                 request.append_output_token_ids(token_id)
                 new_token_ids.append(token_id)
                 status = self._check_stop(request, token_id)
