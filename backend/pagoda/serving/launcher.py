@@ -318,13 +318,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     """Entry point of ``pagoda serve``; returns the process exit code."""
     options = options_from_args(make_parser().parse_args(argv))
     server = TritonServer(options)
-    stopping = {"signal": None}
-
     def on_signal(signum, frame):
-        stopping["signal"] = signum
         raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGTERM, on_signal)
+    # Install both explicitly: a launcher started in the background inherits SIGINT ignored.
+    previous = {signum: signal.signal(signum, on_signal) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
         server.start()
         print(f"pagoda is serving model '{MODEL_NAME}' ({options.model})\n"
@@ -345,7 +343,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         server.stop()
         return 1
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 if __name__ == "__main__":

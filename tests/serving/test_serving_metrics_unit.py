@@ -1,0 +1,104 @@
+"""ServingMetrics against a fake MetricFamily: names, kinds, counter deltas, histograms."""
+
+from types import SimpleNamespace
+
+from pagoda.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagoda.serving.metrics import ServingMetrics
+
+
+class FakeMetric:
+    def __init__(self, family, labels, buckets):
+        self.family, self.labels, self.buckets = family, labels, buckets
+        self.value, self.observations = 0.0, []
+
+    def increment(self, value):
+        assert self.family.kind == "COUNTER" and value > 0
+        self.value += value
+
+    def set(self, value):
+        assert self.family.kind == "GAUGE"
+        self.value = value
+
+    def observe(self, value):
+        assert self.family.kind == "HISTOGRAM"
+        self.observations.append(value)
+
+
+class FakeMetricFamily:
+    COUNTER, GAUGE, HISTOGRAM = "COUNTER", "GAUGE", "HISTOGRAM"
+    created = {}
+
+    def __init__(self, name, description, kind):
+        self.name, self.kind = name, kind
+        FakeMetricFamily.created[name] = self
+
+    def Metric(self, labels, buckets=None):
+        assert (buckets is not None) == (self.kind == "HISTOGRAM")
+        self.metric = FakeMetric(self, labels, buckets)
+        return self.metric
+
+
+def stats(**changes):
+    base = dict(num_waiting=1, num_running=2, kv_cache_usage=0.25, num_blocks=100, num_free_blocks=75,
+                prefix_cache_queries=10, prefix_cache_hits=4, num_preemptions=0, num_prompt_tokens=10,
+                num_generation_tokens=5, num_steps=3, max_num_running_seen=2, last_step_num_decode_seqs=2)
+    base.update(changes)
+    return SimpleNamespace(**base)
+
+
+def value(name):
+    return FakeMetricFamily.created[name].metric.value
+
+
+def test_names_kinds_and_labels():
+    FakeMetricFamily.created = {}
+    ServingMetrics(SimpleNamespace(MetricFamily=FakeMetricFamily), {"model_name": "pagoda"})
+    kinds = {name: f.kind for name, f in FakeMetricFamily.created.items()}
+    for name in ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc"):
+        assert kinds[name] == "GAUGE"
+    for name in ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total",
+                 "vllm:prompt_tokens_total", "vllm:generation_tokens_total"):
+        assert kinds[name] == "COUNTER"
+    for name in ("vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
+                 "vllm:e2e_request_latency_seconds"):
+        assert kinds[name] == "HISTOGRAM"
+    assert all(f.metric.labels == {"model_name": "pagoda"} for f in FakeMetricFamily.created.values())
+
+
+def test_counters_follow_cumulative_stats_and_gauges_are_set():
+    FakeMetricFamily.created = {}
+    m = ServingMetrics(SimpleNamespace(MetricFamily=FakeMetricFamily), {})
+    m.update_engine(stats())
+    m.record_step(stats())
+    m.update_engine(stats(num_generation_tokens=9, num_running=0, kv_cache_usage=0.0))
+    m.record_step(stats(num_steps=3))  # no new step: not counted again
+    m.record_step(stats(num_steps=4, last_step_num_decode_seqs=1))
+    assert value("vllm:generation_tokens_total") == 9
+    assert value("vllm:prompt_tokens_total") == 10
+    assert value("vllm:prefix_cache_hits_total") == 4
+    assert value("vllm:num_requests_running") == 0 and value("vllm:kv_cache_usage_perc") == 0.0
+    assert value("pagoda:batched_decode_steps_total") == 1
+
+
+def test_request_latencies_observed_once_each():
+    FakeMetricFamily.created = {}
+    m = ServingMetrics(SimpleNamespace(MetricFamily=FakeMetricFamily), {})
+    metrics = RequestMetrics(arrival_time=10.0)
+
+    def out(finished):
+        return RequestOutput(request_id="r", prompt="p", prompt_token_ids=[1], finished=finished, metrics=metrics,
+                             outputs=[CompletionOutput(0, "", [], "", [])])
+
+    metrics.first_token_time = 10.5
+    m.record_output(out(False))
+    metrics.inter_token_latencies += [0.1, 0.2]
+    m.record_output(out(False))
+    metrics.inter_token_latencies += [0.3]
+    metrics.finished_time = 12.0
+    m.record_output(out(True))
+    hist = {name: FakeMetricFamily.created[name].metric.observations for name in (
+        "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds", "vllm:e2e_request_latency_seconds")}
+    assert hist["vllm:time_to_first_token_seconds"] == [0.5]
+    assert hist["vllm:inter_token_latency_seconds"] == [0.1, 0.2, 0.3]
+    assert hist["vllm:e2e_request_latency_seconds"] == [2.0]
+    assert value("vllm:request_success_total") == 1

@@ -1,0 +1,64 @@
+"""config.pbtxt parameters <-> EngineConfig, and the launcher's rewrite of them."""
+
+from pathlib import Path
+
+import pytest
+
+from pagoda.serving.launcher import ServeOptions, make_parser, materialize_repository, options_from_args
+from pagoda.serving.model_config import engine_config_from_parameters, rewrite_config_pbtxt
+
+REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"
+
+
+def parameters_of(text):
+    """Parse our one-line ``parameters { key: ... value: { string_value: ... } }`` form."""
+    import re
+
+    return {m.group(1): {"string_value": m.group(2)}
+            for m in re.finditer(r'key:\s*"([^"]+)"\s*value:\s*\{\s*string_value:\s*"([^"]*)"', text)}
+
+
+def test_shipped_config_is_decoupled_and_reads_as_engine_defaults():
+    text = (REPOSITORY / "pagoda" / "config.pbtxt").read_text()
+    assert "decoupled: true" in text and "kind: KIND_CPU" in text
+    config = engine_config_from_parameters(parameters_of(text))
+    assert config.model is None and config.block_size == 16 and config.enable_prefix_caching is True
+
+
+def test_types_and_errors():
+    config = engine_config_from_parameters({"block_size": "32", "enable_chunked_prefill": {"string_value": "false"},
+                                            "gpu_memory_utilization": "0.5", "model": "/m"})
+    assert (config.block_size, config.enable_chunked_prefill, config.gpu_memory_utilization, config.model) == (
+        32, False, 0.5, "/m")
+    with pytest.raises(ValueError, match="block_sise: unknown"):
+        engine_config_from_parameters({"block_sise": "16"})
+    with pytest.raises(ValueError, match="max_num_seqs: cannot read 'many'"):
+        engine_config_from_parameters({"max_num_seqs": "many"})
+    with pytest.raises(ValueError, match="block_size: must be one of"):
+        engine_config_from_parameters({"block_size": "12"})
+
+
+def test_rewrite_replaces_adds_and_switches_kind():
+    text = (REPOSITORY / "pagoda" / "config.pbtxt").read_text()
+    out = rewrite_config_pbtxt(text, {"block_size": "32", "model": '/a "b"', "seed": "7", "dtype": None}, "KIND_GPU")
+    params = parameters_of(out)
+    assert params["block_size"]["string_value"] == "32"
+    assert params["seed"]["string_value"] == "7"
+    assert params["dtype"]["string_value"] == "auto"
+    assert 'string_value: "/a \\"b\\""' in out
+    assert "kind: KIND_GPU" in out and "KIND_CPU" not in out.split("instance_group")[1]
+
+
+def test_serve_flags_reach_the_materialized_config(tmp_path):
+    args = make_parser().parse_args(["--model", "/models/x", "--block-size", "32", "--max-num-seqs", "4",
+                                     "--no-prefix-caching", "--device", "cuda", "--http-port", "9000"])
+    options = options_from_args(args)
+    assert isinstance(options, ServeOptions) and options.http_port == 9000
+    repo = materialize_repository(REPOSITORY, tmp_path / "repo", options)
+    text = (repo / "pagoda" / "config.pbtxt").read_text()
+    config = engine_config_from_parameters(parameters_of(text))
+    assert (config.model, config.block_size, config.max_num_seqs, config.enable_prefix_caching, config.device) == (
+        "/models/x", 32, 4, False, "cuda")
+    assert config.enable_chunked_prefill is True
+    assert "kind: KIND_GPU" in text
+    assert (repo / "pagoda" / "1" / "model.py").exists()

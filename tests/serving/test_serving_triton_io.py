@@ -1,0 +1,181 @@
+"""triton_io: request tensors -> ParsedRequest, engine outputs -> response tensors (no server)."""
+
+import json
+
+import numpy as np
+import pytest
+
+from pagoda.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
+from pagoda.serving.triton_io import MAX_PROMPT_CHARS, make_error_response, make_response, parse_request
+
+
+def text(value):
+    return np.array([value.encode() if isinstance(value, str) else value], dtype=np.object_)
+
+
+def inputs(**tensors):
+    """A get_input over numpy arrays; plain python values become Triton-like arrays."""
+    arrays = {}
+    for name, value in tensors.items():
+        if isinstance(value, np.ndarray):
+            arrays[name] = value
+        elif isinstance(value, bool):
+            arrays[name] = np.array([value], dtype=bool)
+        elif isinstance(value, (str, bytes)):
+            arrays[name] = text(value)
+        elif isinstance(value, dict):
+            arrays[name] = text(json.dumps(value))
+        else:
+            raise TypeError(name)
+    return arrays.get
+
+
+def test_defaults_when_only_text_input():
+    parsed = parse_request(inputs(text_input="Hello"))
+    assert parsed.prompt == "Hello"
+    assert parsed.stream is False and parsed.exclude_input_in_output is False
+    assert parsed.params.max_tokens == 16 and parsed.params.temperature == 1.0
+    assert parsed.priority == 0 and parsed.cache_salt is None
+
+
+def test_vllm_style_json_and_flags():
+    parsed = parse_request(inputs(
+        text_input="Hi", stream=True, exclude_input_in_output=True, return_finish_reason=True,
+        return_num_output_tokens=True,
+        sampling_parameters={"temperature": 0, "max_tokens": 8, "stop": ["\n"], "seed": 3, "top_k": -1,
+                             "priority": 2, "cache_salt": "tenant-a"}))
+    assert parsed.stream and parsed.exclude_input_in_output and parsed.return_finish_reason
+    assert parsed.return_num_output_tokens and not parsed.return_logprobs
+    p = parsed.params
+    assert (p.temperature, p.max_tokens, p.stop, p.seed, p.top_k) == (0, 8, ["\n"], 3, 0)
+    assert parsed.priority == 2 and parsed.cache_salt == "tenant-a"
+
+
+def test_vllm_backend_string_values_are_accepted():
+    parsed = parse_request(inputs(text_input="Hi", sampling_parameters={
+        "temperature": "0.5", "max_tokens": "12", "ignore_eos": "true", "top_p": "0.9"}))
+    p = parsed.params
+    assert (p.temperature, p.max_tokens, p.ignore_eos, p.top_p) == (0.5, 12, True, 0.9)
+
+
+def test_trtllm_scalars_win_over_json():
+    parsed = parse_request(inputs(
+        text_input="Hi", sampling_parameters={"max_tokens": 100, "temperature": 0.9, "stop": ["x"]},
+        max_tokens=np.array([7], dtype=np.int32), temperature=np.array([0.0], dtype=np.float32),
+        top_k=np.array([5], dtype=np.int32), top_p=np.array([0.5], dtype=np.float32),
+        seed=np.array([42], dtype=np.uint64), repetition_penalty=np.array([1.1], dtype=np.float32),
+        stop_words=np.array([b"END", b""], dtype=np.object_), end_id=np.array([2], dtype=np.int32),
+        bad_words=np.array([b""], dtype=np.object_), beam_width=np.array([1], dtype=np.int32)))
+    p = parsed.params
+    assert (p.max_tokens, p.temperature, p.top_k, p.seed) == (7, 0.0, 5, 42)
+    assert p.top_p == pytest.approx(0.5) and p.repetition_penalty == pytest.approx(1.1)
+    assert p.stop == ["END"] and p.stop_token_ids == [2]
+
+
+def test_empty_stop_words_mean_none():
+    parsed = parse_request(inputs(text_input="Hi", stop_words=np.array([b""], dtype=np.object_)))
+    assert parsed.params.stop == []
+
+
+def test_logprob_flags_turn_on_engine_logprobs():
+    parsed = parse_request(inputs(text_input="Hi", return_cumulative_logprob=True))
+    assert parsed.params.logprobs == 0
+    parsed = parse_request(inputs(text_input="Hi", return_logprobs=True, sampling_parameters={"logprobs": 3}))
+    assert parsed.params.logprobs == 3
+
+
+@pytest.mark.parametrize("tensors, message", [
+    ({}, "text_input: required input is missing"),
+    ({"text_input": ""}, "text_input: must not be empty"),
+    ({"text_input": "x" * (MAX_PROMPT_CHARS + 1)}, "text_input: prompt is too long"),
+    ({"text_input": b"\xff\xfe"}, "text_input: is not valid UTF-8"),
+    ({"text_input": np.array([b"a", b"b"], dtype=np.object_)}, "text_input: expected exactly one string"),
+    ({"text_input": "Hi", "sampling_parameters": "{not json"}, "sampling_parameters: not valid JSON"),
+    ({"text_input": "Hi", "sampling_parameters": "[1, 2]"}, "sampling_parameters: must be a JSON object"),
+    ({"text_input": "Hi", "sampling_parameters": {"temprature": 0.5}}, "unknown sampling parameter(s): temprature"),
+    ({"text_input": "Hi", "sampling_parameters": {"max_tokens": "lots"}}, "max_tokens: must be an integer"),
+    ({"text_input": "Hi", "sampling_parameters": {"max_tokens": 1.5}}, "max_tokens: must be an integer"),
+    ({"text_input": "Hi", "sampling_parameters": {"temperature": [1]}}, "temperature: must be a number"),
+    ({"text_input": "Hi", "sampling_parameters": {"temperature": -1}}, "temperature: must be >= 0.0"),
+    ({"text_input": "Hi", "sampling_parameters": {"top_p": 1.5}}, "top_p: must be <= 1.0"),
+    ({"text_input": "Hi", "sampling_parameters": {"max_tokens": 0}}, "max_tokens: must be >= 1"),
+    ({"text_input": "Hi", "sampling_parameters": {"stop": [""]}}, "stop: every stop string must be a non-empty"),
+    ({"text_input": "Hi", "sampling_parameters": {"ignore_eos": "maybe"}}, "ignore_eos: must be a boolean"),
+    ({"text_input": "Hi", "sampling_parameters": {"priority": "high"}}, "priority: must be an integer"),
+    ({"text_input": "Hi", "sampling_parameters": {"cache_salt": 5}}, "cache_salt: must be a non-empty string"),
+    ({"text_input": "Hi", "stream": np.array([1], dtype=np.int32)}, "stream: must be a boolean"),
+    ({"text_input": "Hi", "max_tokens": np.array([0], dtype=np.int32)}, "max_tokens: must be >= 1"),
+    ({"text_input": "Hi", "max_tokens": np.array([1, 2], dtype=np.int32)}, "max_tokens: expected one value"),
+    ({"text_input": "Hi", "top_k": np.array([1.5], dtype=np.float32)}, "top_k: must be an integer"),
+    ({"text_input": "Hi", "temperature": np.array([b"hot"], dtype=np.object_)}, "temperature: must be a number"),
+    ({"text_input": "Hi", "bad_words": np.array([b"darn"], dtype=np.object_)}, "bad_words: not supported"),
+    ({"text_input": "Hi", "beam_width": np.array([4], dtype=np.int32)}, "beam_width: beam search is not supported"),
+])
+def test_bad_inputs_name_the_problem(tensors, message):
+    with pytest.raises(ValueError) as info:
+        parse_request(inputs(**tensors))
+    assert message in str(info.value)
+
+
+def _output(finished, texts, deltas, token_ids, delta_ids, reasons=None, logprobs=None):
+    completions = [
+        CompletionOutput(index=i, text=t, token_ids=ids, delta_text=d, delta_token_ids=dids,
+                         finish_reason=(reasons or [None] * len(texts))[i],
+                         cumulative_logprob=-1.5 if logprobs else None,
+                         logprobs=logprobs, delta_logprobs=logprobs)
+        for i, (t, d, ids, dids) in enumerate(zip(texts, deltas, token_ids, delta_ids))]
+    return RequestOutput(request_id="r", prompt="Say:", prompt_token_ids=[1, 2, 3], outputs=completions,
+                         finished=finished, metrics=RequestMetrics(arrival_time=0.0))
+
+
+def test_streaming_response_carries_deltas():
+    parsed = parse_request(inputs(text_input="Say:", stream=True, return_finish_reason=True,
+                                  return_num_input_tokens=True, return_num_output_tokens=True))
+    response = make_response(parsed, _output(False, [" a b"], [" b"], [[5, 6]], [[6]]))
+    assert not response.is_final and response.error is None
+    assert response.tensors["text_output"].tolist() == [b" b"]
+    assert response.tensors["finish_reason"].tolist() == [b""]
+    assert response.tensors["num_input_tokens"].tolist() == [3]
+    assert response.tensors["num_output_tokens"].dtype == np.uint32
+    assert response.tensors["num_output_tokens"].tolist() == [1]
+    final = make_response(parsed, _output(True, [" a b."], ["."], [[5, 6, 7]], [[7]], ["length"]))
+    assert final.is_final and final.tensors["finish_reason"].tolist() == [b"length"]
+
+
+def test_streaming_step_without_news_sends_nothing():
+    parsed = parse_request(inputs(text_input="Say:", stream=True))
+    assert make_response(parsed, _output(False, [""], [""], [[]], [[]])) is None
+
+
+def test_non_streaming_waits_for_the_end_and_prepends_prompt_unless_excluded():
+    parsed = parse_request(inputs(text_input="Say:"))
+    assert make_response(parsed, _output(False, [" a"], [" a"], [[5]], [[5]])) is None
+    final = make_response(parsed, _output(True, [" a b"], [" b"], [[5, 6]], [[6]], ["stop"]))
+    assert final.is_final and final.tensors["text_output"].tolist() == [b"Say: a b"]
+    parsed = parse_request(inputs(text_input="Say:", exclude_input_in_output=True, return_num_output_tokens=True))
+    final = make_response(parsed, _output(True, [" a b"], [" b"], [[5, 6]], [[6]], ["stop"]))
+    assert final.tensors["text_output"].tolist() == [b" a b"]
+    assert final.tensors["num_output_tokens"].tolist() == [2]
+
+
+def test_n_completions_become_one_element_each():
+    parsed = parse_request(inputs(text_input="Say:", stream=True, return_finish_reason=True))
+    response = make_response(parsed, _output(True, ["x", "y"], ["x", ""], [[1], [2]], [[1], []], ["length", "stop"]))
+    assert response.tensors["text_output"].tolist() == [b"x", b""]
+    assert response.tensors["finish_reason"].tolist() == [b"length", b"stop"]
+
+
+def test_logprob_outputs():
+    parsed = parse_request(inputs(text_input="Say:", stream=True, return_logprobs=True,
+                                  return_cumulative_logprob=True))
+    lps = [TokenLogprob(token_id=5, logprob=-1.5, rank=1, top=[])]
+    response = make_response(parsed, _output(False, ["a"], ["a"], [[5]], [[5]], logprobs=lps))
+    assert json.loads(response.tensors["logprobs"][0]) == [
+        {"token_id": 5, "logprob": -1.5, "rank": 1, "top_logprobs": []}]
+    assert response.tensors["cumulative_logprob"].dtype == np.float32
+    assert response.tensors["cumulative_logprob"].tolist() == [-1.5]
+
+
+def test_error_response_is_final():
+    response = make_error_response("text_input: must not be empty")
+    assert response.is_final and response.error_code == "INVALID_ARG" and not response.tensors
