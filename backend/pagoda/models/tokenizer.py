@@ -5,23 +5,31 @@
 stop ids and the Jinja chat template (rendered in a sandbox the way transformers renders
 it, so prompts are byte-identical).
 
-``IncrementalDetokenizer`` turns a stream of generated ids into text deltas.
-Algorithm: keep two offsets into the token list, ``prefix_offset <= read_offset``. The
-tokens in ``[prefix_offset, read_offset)`` were already emitted and serve as context (some
-decoders, e.g. sentencepiece's, render a token differently at the start of a string).
-Each step decodes only the window ``[prefix_offset, end)`` and emits the part of it past
-what was already emitted, minus any trailing U+FFFD: a replacement character at the end
-means a multi-byte UTF-8 character is still incomplete, so it is held back until the next
-token completes it. Once the window decodes cleanly the offsets move forward, so the work
-per token stays bounded by the window, not the sequence. The prompt's last few tokens seed
-the context, so a first output token renders as it would after the prompt.
+``IncrementalDetokenizer`` turns a stream of generated ids into text deltas, emitting only
+completed characters: a multi-byte UTF-8 character split across tokens is held back
+until the token that completes it arrives. Two strategies:
 
-Invariant (tested): for byte-level tokenizers, the concatenation of all deltas plus
-``finish()`` equals ``tokenizer.decode(output_ids)``.
+- Byte-level BPE (GPT-2 style, the default model's): every token maps to fixed bytes, so
+  the ids become a byte stream fed to Python's incremental UTF-8 decoder (``replace``
+  errors, like the tokenizer's own lossy decode). Exactly O(1) per token.
+- Any other decoder: keep two offsets into the token list, ``prefix_offset <=
+  read_offset``. Tokens in ``[prefix_offset, read_offset)`` were already emitted and serve
+  as context (sentencepiece decoders render a token differently at the start of a
+  string). Each step decodes only the window ``[prefix_offset, end)`` and emits what is
+  new in it, minus a trailing U+FFFD (an incomplete character). Once the window decodes
+  cleanly the offsets move forward, so the work per token is bounded by the window. The
+  prompt's last few tokens seed the context.
+
+Invariant (tested on random token sequences, invalid UTF-8 included): for byte-level
+tokenizers the concatenation of all deltas plus ``finish()`` equals
+``tokenizer.decode(output_ids)``. The window strategy meets it for valid text; on
+invalid byte runs longer than ``_MAX_HELD_TOKENS`` it flushes a U+FFFD early rather than
+let the window grow without bound.
 """
 
 from __future__ import annotations
 
+import codecs
 import json
 from datetime import datetime
 from functools import lru_cache
@@ -29,6 +37,7 @@ from pathlib import Path
 from typing import Any, Iterable, Optional, Union
 
 from tokenizers import Tokenizer as _HFTokenizer
+from tokenizers import decoders
 
 _REPLACEMENT = "\ufffd"
 _PROMPT_CONTEXT_TOKENS = 5
@@ -122,6 +131,12 @@ class Tokenizer:
         except TemplateError as exc:
             raise ValueError(f"chat template: {exc}") from exc
 
+    def token_bytes(self) -> Optional[list[bytes]]:
+        """Each id's bytes when the tokenizer is byte-level (else None); built once, lazily."""
+        if not hasattr(self, "_token_bytes"):
+            self._token_bytes = _byte_level_table(self.backend)
+        return self._token_bytes
+
     def _id_of(self, token: Optional[str]) -> Optional[int]:
         return None if token is None else self.backend.token_to_id(token)
 
@@ -132,6 +147,10 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self._token_bytes = tokenizer.token_bytes()
+        if self._token_bytes is not None:
+            self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+            return
         self.token_ids: list[int] = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.token_ids)
@@ -140,6 +159,8 @@ class IncrementalDetokenizer:
 
     def add(self, new_token_ids: Iterable[int]) -> str:
         """Append generated ids; return only the text they complete (may be empty)."""
+        if self._token_bytes is not None:
+            return self._utf8.decode(self._bytes_of(new_token_ids))
         self.token_ids.extend(new_token_ids)
         text = self._decode(self.prefix_offset, len(self.token_ids))
         complete = text.rstrip(_REPLACEMENT)
@@ -154,10 +175,17 @@ class IncrementalDetokenizer:
 
     def finish(self) -> str:
         """Text still held back at the end of generation (e.g. a dangling partial character)."""
+        if self._token_bytes is not None:
+            return self._utf8.decode(b"", final=True)
         text = self._decode(self.prefix_offset, len(self.token_ids))
         delta = text[self.num_emitted_chars :]
         self._advance()
         return delta
+
+    def _bytes_of(self, token_ids: Iterable[int]) -> bytes:
+        table, skip = self._token_bytes, self.skip_special_tokens
+        special = self.tokenizer.special_ids
+        return b"".join(table[i] for i in token_ids if 0 <= i < len(table) and not (skip and i in special))
 
     def _advance(self) -> None:
         """Everything is emitted: the newest tokens become the context of the next window."""
@@ -176,6 +204,38 @@ class IncrementalDetokenizer:
 
 class TemplateError(Exception):
     """Raised by a chat template through ``raise_exception``."""
+
+
+def _byte_level_table(backend: _HFTokenizer) -> Optional[list[bytes]]:
+    """Bytes of every id, as the ByteLevel decoder maps them; None for other decoders.
+
+    The decoder maps each character of a token through GPT-2's byte alphabet; a token
+    with a character outside that alphabet (an added token written in plain text) is
+    taken as its own UTF-8 bytes instead.
+    """
+    if not isinstance(backend.decoder, decoders.ByteLevel):
+        return None
+    byte_of_char = {c: b for b, c in _gpt2_byte_alphabet().items()}
+    table = []
+    for i in range(backend.get_vocab_size(with_added_tokens=True)):
+        token = backend.id_to_token(i) or ""
+        if all(c in byte_of_char for c in token):
+            table.append(bytes(byte_of_char[c] for c in token))
+        else:
+            table.append(token.encode("utf-8"))
+    return table
+
+
+def _gpt2_byte_alphabet() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map (printable bytes map to themselves)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    mapping = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in mapping:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -1,0 +1,67 @@
+"""Helpers for tests that drive the model directly on a paged KV cache (no engine).
+
+``run_step`` plays the part of ModelRunner for one step: it builds the positions and the
+``AttentionMetadata`` from per-sequence (new tokens, tokens already cached, block table)
+and returns the logits of every new token. Tests use it to compare prefill, decode and
+mixed batches against a full-sequence reference forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagoda.kernels import AttentionMetadata
+from pagoda.models.config import ModelConfig
+from pagoda.models.llama import KVCache, LlamaForCausalLM
+
+
+@dataclass
+class StepInput:
+    token_ids: list[int]  # the sequence's new tokens this step
+    num_computed_tokens: int  # tokens of this sequence already in the cache
+    block_table: list[int]  # block ids covering at least num_computed_tokens + len(token_ids)
+
+
+def make_kv_caches(
+    config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype = torch.float32, device: str = "cpu"
+) -> list[KVCache]:
+    """One zeroed (k_cache, v_cache) pair per layer, each [num_blocks, block_size, kv_heads, head_dim]."""
+    shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+    return [
+        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        for _ in range(config.num_hidden_layers)
+    ]
+
+
+def run_step(
+    model: LlamaForCausalLM, kv_caches: list[KVCache], seqs: list[StepInput], block_size: int
+) -> torch.Tensor:  # [total new tokens, vocab] float32
+    """Run one engine-like step over several sequences and return logits for every new token."""
+    input_ids: list[int] = []
+    positions: list[int] = []
+    for seq in seqs:
+        input_ids += seq.token_ids
+        positions += range(seq.num_computed_tokens, seq.num_computed_tokens + len(seq.token_ids))
+    meta = AttentionMetadata.build(
+        query_lens=[len(s.token_ids) for s in seqs],
+        seq_lens=[s.num_computed_tokens + len(s.token_ids) for s in seqs],
+        block_tables=[s.block_table for s in seqs],
+        block_size=block_size,
+        device=model.device,
+    )
+    hidden = model(
+        torch.tensor(input_ids, dtype=torch.int64, device=model.device),
+        torch.tensor(positions, dtype=torch.int64, device=model.device),
+        kv_caches,
+        meta,
+    )
+    return model.compute_logits(hidden)
+
+
+def ensure_test_model():
+    """The default SmolLM2 folder (imported once, cached under ``~/.cache/pagoda``)."""
+    from pagoda.models.gguf_import import ensure_default_model
+
+    return ensure_default_model()
