@@ -9,7 +9,8 @@ The loop:
    aborts the cancelled ones in the engine (their KV blocks are freed at once);
 3. while work exists, runs ``engine.step()``, turns each ``RequestOutput`` into a
    ``Response`` (``triton_io.make_response``) and hands it to the ``ResponseSender``;
-4. after each step, refreshes the metrics from ``engine.get_stats()``.
+4. after each step, refreshes the metrics from ``engine.get_stats()`` before handing that
+   step's responses over, so a client that got its final response reads current metrics.
 
 The sender thread calls the adapter's ``deliver(handle, response)``, so a slow client
 socket never stalls the engine. A failed delivery (client gone) comes back to the loop as
@@ -225,6 +226,7 @@ class EngineLoop:
             self._stop.wait(min(1.0, 0.05 * self._num_failed_steps))
             return
         self._num_failed_steps = 0
+        ready: list[tuple[ServingRequest, Response]] = []
         for output in outputs:
             request = self._in_flight.get(output.request_id)
             if request is None:
@@ -236,16 +238,23 @@ class EngineLoop:
                     logger.exception("recording request metrics failed")
             response = make_response(request.parsed, output)
             if output.finished:
-                self._finish(output.request_id, response or make_error_response("request finished without output", "INTERNAL"))
+                ready.append((self._take(output.request_id),
+                              response or make_error_response("request finished without output", "INTERNAL")))
             elif response is not None:
-                self._sender.put(request, response)
+                ready.append((request, response))
+        # Metrics first: a client that reads /metrics after its final response sees them.
         self._refresh_metrics(stepped=True)
+        for request, response in ready:
+            self._sender.put(request, response)
+
+    def _take(self, request_id: str) -> ServingRequest:
+        """Remove a request from flight; its final response must follow."""
+        self._aborting.discard(request_id)
+        return self._in_flight.pop(request_id)
 
     def _finish(self, request_id: str, response: Response) -> None:
         assert response.is_final, "a request's last response must carry the final flag"
-        request = self._in_flight.pop(request_id)
-        self._aborting.discard(request_id)
-        self._sender.put(request, response)
+        self._sender.put(self._take(request_id), response)
 
     def _fail_all(self, message: str, error_code: str) -> None:
         request_ids = list(self._in_flight)

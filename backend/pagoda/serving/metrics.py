@@ -89,6 +89,7 @@ class ServingMetrics:
         self._gauges: dict[str, tuple[Any, str]] = {}
         self._counters: dict[str, tuple[Any, str]] = {}
         self._last: dict[str, float] = {}
+        self._last_gauge: dict[str, float] = {}
         for name, (description, attr) in GAUGES.items():
             self._gauges[name] = (self._metric(mf, name, description, mf.GAUGE, labels), attr)
         for name, (description, attr) in COUNTERS.items():
@@ -117,8 +118,11 @@ class ServingMetrics:
 
     def update_engine(self, stats: Any) -> None:
         """Refresh gauges and counters from ``LLMEngine.get_stats()`` after a step."""
-        for metric, attr in self._gauges.values():
-            metric.set(float(getattr(stats, attr)))
+        for name, (metric, attr) in self._gauges.items():
+            value = float(getattr(stats, attr))
+            if self._last_gauge.get(name) != value:  # each set is an IPC round trip
+                metric.set(value)
+                self._last_gauge[name] = value
         for name, (metric, attr) in self._counters.items():
             value = getattr(stats, attr)
             if value > self._last[name]:

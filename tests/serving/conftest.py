@@ -1,0 +1,49 @@
+"""A real tritonserver serving the default model, started once per test session.
+
+The server runs our model repository exactly as ``pagoda serve`` does (same launcher), on
+free ports, with a small ``max_model_len`` so over-long prompts are cheap to produce.
+Its log goes to the session's temp dir and is printed into a failure's message.
+"""
+
+from __future__ import annotations
+
+import urllib.request
+
+import pytest
+
+from pagoda.serving.launcher import ServeOptions, TritonServer, find_free_port
+
+MAX_MODEL_LEN = 1024
+
+
+@pytest.fixture(scope="session")
+def triton_server(tmp_path_factory):
+    log_path = tmp_path_factory.mktemp("tritonserver") / "server.log"
+    options = ServeOptions(http_port=find_free_port(), grpc_port=find_free_port(), metrics_port=find_free_port(),
+                           max_model_len=MAX_MODEL_LEN, max_num_seqs=16, startup_timeout_s=600)
+    with TritonServer(options, log_path=str(log_path)) as server:
+        yield server
+    assert server.process is None
+
+
+@pytest.fixture
+def read_metrics(triton_server):
+    """A function returning the server's pagoda/vLLM metrics as ``{name: value}``.
+
+    Labels are dropped (one model, one label set); histogram buckets are skipped, their
+    ``_count`` and ``_sum`` kept.
+    """
+
+    def read() -> dict[str, float]:
+        text = urllib.request.urlopen(triton_server.metrics_url, timeout=5).read().decode()
+        values = {}
+        for line in text.splitlines():
+            if line.startswith("#") or not line.strip() or "_bucket{" in line:
+                continue
+            name_labels, value = line.rsplit(" ", 1)
+            name = name_labels.split("{", 1)[0]
+            if name.startswith(("vllm:", "pagoda:")):
+                values[name] = float(value)
+        return values
+
+    return read
