@@ -1,0 +1,23 @@
+"""OpenAI-Triton kernels behind the dispatch point, with the references' signatures.
+
+Importing this module raises ImportError when triton is not installed, which is how
+``pagoda.kernels`` falls back to the torch references. Each kernel lives in its own
+``triton_*.py`` module with its design in the docstring; docs/kernels.md has the overview.
+"""
+
+from __future__ import annotations
+
+import triton  # noqa: F401  (ImportError here selects the torch references)
+
+from pagoda.kernels import triton_attention
+from pagoda.kernels.metadata import AttentionMetadata
+from pagoda.kernels.triton_kv_write import write_kv
+from pagoda.kernels.triton_norm import rms_norm
+from pagoda.kernels.triton_rotary import apply_rotary
+
+__all__ = ["paged_attention", "write_kv", "rms_norm", "apply_rotary"]
+
+
+def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+    """Paged causal GQA attention for one step (launch shape chosen per step)."""
+    return triton_attention.paged_attention(q, k_cache, v_cache, meta, scale)

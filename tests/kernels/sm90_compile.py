@@ -1,0 +1,148 @@
+"""Compile every launch variant of the Triton kernels for sm_90 on a machine without a GPU.
+
+Run as a script *without* ``TRITON_INTERPRET`` (the test runs it in a subprocess): the
+kernels must be real ``JITFunction``s. ``JITFunction.run`` is replaced by a recorder, the
+public wrappers are called on small CPU tensors for every shape family they serve, and
+each recorded launch (the exact arguments the wrapper passes) becomes an ``ASTSource``
+compiled with ``triton.compile(..., target=GPUTarget("cuda", 90, 32))``. So the compiled
+variants are the ones the wrappers really launch, not a hand-written list that can drift.
+
+Usage: python sm90_compile.py [--shard I/N]  -> one JSON line per variant on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
+
+from pagoda.kernels import triton_attention, triton_ops
+from pagoda.kernels.metadata import AttentionMetadata
+
+H100_SMS = 132
+H100_MAX_SHARED = 227 * 1024
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+HEAD_DIMS = (64, 80, 128)
+TORCH_TO_TRITON = {
+    torch.float16: "fp16",
+    torch.bfloat16: "bf16",
+    torch.float32: "fp32",
+    torch.int32: "i32",
+    torch.int64: "i64",
+}
+
+
+def record_launches() -> list[tuple[JITFunction, tuple, dict]]:
+    launches: list[tuple[JITFunction, tuple, dict]] = []
+
+    def recorder(self, *args, grid, warmup, **kwargs):
+        launches.append((self, args, kwargs))
+
+    JITFunction.run = recorder
+    for dtype in DTYPES:
+        for head_dim in HEAD_DIMS:
+            _attention_launches(dtype, head_dim)
+            _small_launches(dtype, head_dim)
+    return launches
+
+
+def _attention_launches(dtype: torch.dtype, head_dim: int) -> None:
+    """Each dtype x head size at GQA 4 (Llama-3-8B), and GQA 1/3/8 at bf16 x 128, for two
+    step families with the configs chosen for an H100: decode at batch 1 with 4k context
+    (split-K + combine) and a mixed step of prefill chunks and decodes (no split)."""
+    head_groups = [(32, 8)]
+    if dtype == torch.bfloat16 and head_dim == 128:
+        head_groups += [(8, 8), (9, 3), (64, 8)]
+    for num_heads, num_kv_heads in head_groups:
+        for batch, num_tokens, max_query_len in ((1, 1, 1), (64, 64 + 511, 512)):
+            cfg = triton_attention.choose_config(
+                num_tokens, batch, num_heads, num_kv_heads, max_query_len, 4096, H100_SMS, dtype.itemsize
+            )
+            meta = AttentionMetadata.build([1], [4], [[0]], 16)
+            meta.max_query_len, meta.max_seq_len = max_query_len, 4096
+            q = torch.empty(1, num_heads, head_dim, dtype=dtype)
+            cache = torch.empty(2, 16, num_kv_heads, head_dim, dtype=dtype)
+            triton_attention.paged_attention(q, cache, cache, meta, 0.1, config=cfg)
+
+
+def _small_launches(dtype: torch.dtype, head_dim: int) -> None:
+    kv = torch.empty(3, 8, head_dim, dtype=dtype)
+    cache = torch.empty(2, 16, 8, head_dim, dtype=dtype)
+    triton_ops.write_kv(kv, kv, cache, cache, torch.zeros(3, dtype=torch.int64))
+    q = torch.empty(3, 32, head_dim, dtype=dtype)
+    cos_sin = torch.empty(64, head_dim, dtype=torch.float32)
+    triton_ops.apply_rotary(q, kv, torch.zeros(3, dtype=torch.int64), cos_sin)
+    if head_dim == 128:  # norm variants depend on the hidden size, not the head size
+        for hidden in (576, 4096):
+            x = torch.empty(3, hidden, dtype=dtype)
+            triton_ops.rms_norm(x, torch.empty(hidden, dtype=dtype), 1e-5)
+            triton_ops.rms_norm(x, torch.empty(hidden, dtype=dtype), 1e-5, x)
+
+
+def _arg_type(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return "*" + TORCH_TO_TRITON[value.dtype]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -(2**31) <= value < 2**31 else "i64"
+    if isinstance(value, float):
+        return "fp32"
+    raise TypeError(f"unexpected kernel argument {value!r}")
+
+
+def to_source(fn: JITFunction, args: tuple, kwargs: dict) -> tuple[ASTSource, dict, dict]:
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    values = dict(zip(fn.arg_names, args)) | kwargs
+    signature, constexprs = {}, {}
+    for param in fn.params:
+        value = values[param.name]
+        if param.is_constexpr:
+            signature[param.name] = "constexpr"
+            constexprs[param.name] = value
+        else:
+            signature[param.name] = _arg_type(value)
+    return ASTSource(fn, signature, constexprs), options, {**constexprs, **{"dtype": signature[fn.arg_names[0]]}}
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shard", default="0/1")
+    shard, num_shards = map(int, parser.parse_args(argv).shard.split("/"))
+    seen: set[str] = set()
+    variants = []
+    for fn, args, kwargs in record_launches():
+        src, options, desc = to_source(fn, args, dict(kwargs))
+        key = src.hash() + json.dumps(options, sort_keys=True)
+        if key not in seen:
+            seen.add(key)
+            variants.append((fn, src, options, desc))
+    target = GPUTarget("cuda", 90, 32)
+    for i, (fn, src, options, desc) in enumerate(variants):
+        if i % num_shards != shard:
+            continue
+        start = time.perf_counter()
+        row = {"kernel": fn.__name__, "variant": {k: str(v) for k, v in desc.items()}, "options": options}
+        try:
+            compiled = triton.compile(src, target=target, options=options)
+            shared = compiled.metadata.shared
+            row.update(ok=shared <= H100_MAX_SHARED, shared=shared, has_cubin="cubin" in compiled.asm)
+            if shared > H100_MAX_SHARED:
+                row["error"] = f"needs {shared} bytes of shared memory"
+        except Exception as exc:  # reported per variant; the test fails on any
+            row.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:2000])
+        row["seconds"] = round(time.perf_counter() - start, 2)
+        print(json.dumps(row), flush=True)
+    print(json.dumps({"total_variants": len(variants)}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
