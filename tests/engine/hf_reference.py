@@ -15,9 +15,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 # name -> (transformers config class name, config overrides)
 RANDOM_CONFIGS = {
-    "llama-gqa3-hd64": ("LlamaConfig", dict(num_attention_heads=6, num_key_value_heads=2, head_dim=64)),
-    "llama-gqa4-hd80-untied": ("LlamaConfig", dict(num_attention_heads=8, num_key_value_heads=2, head_dim=80,
-                                                   tie_word_embeddings=False)),
+    "llama-gqa3-hd64": ("LlamaConfig", dict(hidden_size=384, num_attention_heads=6, num_key_value_heads=2, head_dim=64)),
+    "llama-gqa4-hd80-untied": ("LlamaConfig", dict(hidden_size=320, num_attention_heads=4, num_key_value_heads=1,
+                                                   head_dim=80, tie_word_embeddings=False)),
     "llama3-rope-scaling": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=1, head_dim=64,
                                                 rope_theta=500000.0,
                                                 rope_scaling={"rope_type": "llama3", "factor": 8.0,

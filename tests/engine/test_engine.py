@@ -10,7 +10,7 @@ from pagoda import LLM, SamplingParams
 from pagoda.engine.config import EngineConfig
 from pagoda.engine.llm_engine import LLMEngine
 
-from .hf_reference import make_random_model
+from tests.engine.hf_reference import make_random_model
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from pagoda.engine.config import EngineConfig
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.engine.sampling_params import SamplingParams
 
-from .hf_reference import RANDOM_CONFIGS, HFGreedy, make_random_model
+from tests.engine.hf_reference import RANDOM_CONFIGS, HFGreedy, make_random_model
 
 MAX_NEW = 12
 

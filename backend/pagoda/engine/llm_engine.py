@@ -107,17 +107,8 @@ class LLMEngine:
             raise ValueError(
                 f"max_model_len: {self.max_model_len} exceeds the model's "
                 f"max_position_embeddings ({self.model_config.max_position_embeddings})")
-        self.scheduler = Scheduler(SchedulerConfig(
-            max_num_seqs=self.config.max_num_seqs,
-            max_num_batched_tokens=self.config.max_num_batched_tokens,
-            max_model_len=self.max_model_len,
-            block_size=self.config.block_size,
-            num_blocks=self.runner.num_blocks,
-            enable_chunked_prefill=self.config.enable_chunked_prefill,
-            enable_prefix_caching=self.config.enable_prefix_caching,
-            policy=self.config.scheduling_policy,
-            model_id=self.model_id,
-        ))
+        self.scheduler = Scheduler(SchedulerConfig.from_engine_config(
+            self.config, num_blocks=self.runner.num_blocks, max_model_len=self.max_model_len, model_id=self.model_id))
         self.sampler = Sampler(vocab_size=self.model_config.vocab_size, seed=self.config.seed)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
         self._groups: dict[str, _Group] = {}
@@ -374,7 +365,7 @@ class LLMEngine:
             num_waiting=s.num_waiting + sum(len(g.pending) for g in self._groups.values()),
             num_running=s.num_running,
             kv_cache_usage=s.kv_cache_usage,
-            num_blocks=self.runner.num_blocks,
+            num_blocks=self.runner.num_blocks - 1,  # block 0 is the pool's reserved null block
             num_free_blocks=s.num_free_blocks,
             prefix_cache_queries=s.prefix_cache_queries,
             prefix_cache_hits=s.prefix_cache_hits,

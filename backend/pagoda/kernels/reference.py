@@ -72,12 +72,10 @@ def paged_attention_torch(
     scale: float,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Same result as ``paged_attention_ref``, batched for speed on CPU."""
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads = k_cache.shape[2]
     out = torch.empty_like(q)
     query_lens, seq_lens = meta.query_lens_host, meta.seq_lens_host
-    decode = [s for s, n in enumerate(query_lens) if n == 1]
     starts = meta.query_start_loc.tolist()
+    decode = [s for s, n in enumerate(query_lens) if n == 1]
     if decode:
         _decode_batch(q, k_cache, v_cache, meta, scale, decode, starts, out)
     for s, q_len in enumerate(query_lens):
@@ -85,44 +83,44 @@ def paged_attention_torch(
             continue
         s_len = seq_lens[s]
         rows = slice(starts[s], starts[s] + q_len)
-        ks = _gather_context(k_cache, meta.block_tables[s], s_len)
-        vs = _gather_context(v_cache, meta.block_tables[s], s_len)
+        kh = _gather_context(k_cache, meta.block_tables[s], s_len).transpose(0, 1).unsqueeze(0)  # [1, KVH, S, D]
+        vh = _gather_context(v_cache, meta.block_tables[s], s_len).transpose(0, 1).unsqueeze(0)
         qh = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
-        kh = ks.transpose(0, 1).unsqueeze(0)  # [1, KVH, S, D]
-        vh = vs.transpose(0, 1).unsqueeze(0)
-        if num_kv_heads != num_heads:
-            kh = kh.repeat_interleave(num_heads // num_kv_heads, dim=1)
-            vh = vh.repeat_interleave(num_heads // num_kv_heads, dim=1)
         # Causal with an offset: query i sits at position s_len - q_len + i.
-        mask = torch.ones(q_len, s_len, dtype=torch.bool).tril(diagonal=s_len - q_len)
-        o = F.scaled_dot_product_attention(qh, kh.to(q.dtype), vh.to(q.dtype), attn_mask=mask, scale=scale)
+        mask = torch.ones(q_len, s_len, dtype=torch.bool, device=q.device).tril(diagonal=s_len - q_len)
+        o = F.scaled_dot_product_attention(qh, kh.to(q.dtype), vh.to(q.dtype), attn_mask=mask, scale=scale,
+                                           enable_gqa=kh.shape[1] != qh.shape[1])
         out[rows] = o[0].transpose(0, 1)
     return out
 
 
 def _decode_batch(q, k_cache, v_cache, meta, scale, decode, starts, out) -> None:
-    """All one-token queries at once: gather padded contexts, mask the padding."""
+    """All one-token queries at once: gather padded contexts, mask the padding.
+
+    The query heads that share a KV head are laid out as that KV head's query rows
+    (``[B, KVH, group, D]``), so grouped-query attention needs no K/V repetition.
+    """
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
-    idx = torch.tensor(decode, dtype=torch.long)
-    lens = torch.tensor([meta.seq_lens_host[s] for s in decode], dtype=torch.long)
-    max_len = int(lens.max())
-    pos = torch.arange(max_len)
-    tables = meta.block_tables[idx].long()  # [B, max_blocks]
+    group = num_heads // num_kv_heads
+    batch = len(decode)
+    device = q.device
+    idx = torch.tensor(decode, dtype=torch.long, device=device)
+    lens = torch.tensor([meta.seq_lens_host[s] for s in decode], dtype=torch.long, device=device)
+    max_len = max(meta.seq_lens_host[s] for s in decode)
+    pos = torch.arange(max_len, device=device)
     nblk = (max_len + block_size - 1) // block_size
-    slots = tables[:, :nblk].gather(1, (pos // block_size).expand(len(decode), -1)) * block_size + pos % block_size
-    ks = k_cache.view(-1, num_kv_heads, head_dim)[slots]  # [B, L, KVH, D]
-    vs = v_cache.view(-1, num_kv_heads, head_dim)[slots]
-    rows = torch.tensor([starts[s] for s in decode], dtype=torch.long)
-    qh = q[rows].unsqueeze(2)  # [B, H, 1, D]
-    kh = ks.transpose(1, 2)
-    vh = vs.transpose(1, 2)
-    if num_kv_heads != num_heads:
-        kh = kh.repeat_interleave(num_heads // num_kv_heads, dim=1)
-        vh = vh.repeat_interleave(num_heads // num_kv_heads, dim=1)
-    mask = (pos.unsqueeze(0) < lens.unsqueeze(1)).view(len(decode), 1, 1, max_len)
-    o = F.scaled_dot_product_attention(qh, kh.to(q.dtype), vh.to(q.dtype), attn_mask=mask, scale=scale)
-    out[rows] = o[:, :, 0]
+    tables = meta.block_tables[idx, :nblk].long()  # [B, nblk]
+    slots = (tables.unsqueeze(2) * block_size + torch.arange(block_size, device=device)).flatten(1)[:, :max_len]
+    flat = slots.reshape(-1)
+    ks = k_cache.view(-1, num_kv_heads * head_dim).index_select(0, flat).view(batch, max_len, num_kv_heads, head_dim)
+    vs = v_cache.view(-1, num_kv_heads * head_dim).index_select(0, flat).view(batch, max_len, num_kv_heads, head_dim)
+    rows = torch.tensor([starts[s] for s in decode], dtype=torch.long, device=device)
+    qh = q.index_select(0, rows).view(batch, num_kv_heads, group, head_dim)  # [B, KVH, G, D]
+    mask = (pos.unsqueeze(0) < lens.unsqueeze(1)).view(batch, 1, 1, max_len)
+    o = F.scaled_dot_product_attention(qh, ks.transpose(1, 2).to(q.dtype), vs.transpose(1, 2).to(q.dtype),
+                                       attn_mask=mask, scale=scale)  # [B, KVH, G, D]
+    out[rows] = o.reshape(batch, num_heads, head_dim)
 
 
 def rms_norm(
