@@ -1,0 +1,173 @@
+"""ModelConfig parsing and validation; loader errors; GGUF import helpers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from pagoda.models import ModelConfig, load_model
+from pagoda.models.gguf_import import _unpermute_rotary_rows, default_model_dir
+
+BASE = dict(
+    architectures=["LlamaForCausalLM"],
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=1,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    rms_norm_eps=1e-5,
+)
+
+
+def config(**overrides) -> ModelConfig:
+    return ModelConfig.from_dict({**BASE, **overrides})
+
+
+def test_defaults_and_derived_values():
+    c = config(eos_token_id=[5, 7], rope_theta=500000.0)
+    assert (c.head_dim, c.rope_theta, c.rope_type, c.rope_scaling) == (8, 500000.0, "default", None)
+    assert c.eos_token_ids == [5, 7] and config(eos_token_id=3).eos_token_ids == [3]
+    assert not c.attention_bias and not c.tie_word_embeddings
+    assert c.check_max_model_len(None) == 64 and c.check_max_model_len(32) == 32
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        c.check_max_model_len(65)
+
+
+def test_rope_theta_from_transformers5_rope_parameters():
+    c = config(rope_parameters={"rope_type": "default", "rope_theta": 12345.0})
+    assert (c.rope_theta, c.rope_scaling) == (12345.0, None)
+
+
+@pytest.mark.parametrize("layout", ["v4", "v5"])
+def test_llama3_rope_scaling_matches_transformers(layout):
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    scaling = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=16)
+    if layout == "v4":
+        c = config(rope_theta=500000.0, rope_scaling={"type": "llama3", **scaling}, hidden_size=64)
+    else:
+        c = config(rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, **scaling}, hidden_size=64)
+    hf_config = transformers.LlamaConfig(
+        **{k: v for k, v in BASE.items() if k not in ("architectures", "hidden_size")},
+        hidden_size=64,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, **scaling},
+    )
+    hf_inv_freq, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_config, "cpu")
+    assert c.rope_type == "llama3"
+    assert torch.equal(c.inv_freq(), hf_inv_freq.float())
+
+
+def test_unsupported_inputs_are_refused_by_name():
+    with pytest.raises(ValueError, match="GPT2LMHeadModel"):
+        config(architectures=["GPT2LMHeadModel"])
+    with pytest.raises(ValueError, match="yarn"):
+        config(rope_scaling={"rope_type": "yarn", "factor": 4.0})
+    with pytest.raises(ValueError, match="llama3 rope scaling is missing"):
+        config(rope_scaling={"rope_type": "llama3", "factor": 8.0})
+    with pytest.raises(ValueError, match="gelu"):
+        config(hidden_act="gelu")
+    assert config(architectures=None, model_type="mistral").architecture == "MistralForCausalLM"
+
+
+def test_qwen2_bias_and_mistral_sliding_window():
+    qwen = config(architectures=["Qwen2ForCausalLM"], sliding_window=32, use_sliding_window=False)
+    assert qwen.attention_bias and not qwen.o_proj_bias and qwen.sliding_window is None
+    llama_bias = config(attention_bias=True)
+    assert llama_bias.attention_bias and llama_bias.o_proj_bias
+    mistral = config(architectures=["MistralForCausalLM"], sliding_window=32)
+    assert mistral.check_max_model_len(None) == 32 and mistral.check_max_model_len(16) == 16
+    with pytest.raises(ValueError, match="sliding_window"):
+        mistral.check_max_model_len(48)
+
+
+def test_from_pretrained_reads_a_folder(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(BASE))
+    assert ModelConfig.from_pretrained(tmp_path).num_key_value_heads == 2
+
+
+# ---- loader ------------------------------------------------------------------------
+
+
+def write_checkpoint(folder, drop=(), extra=(), **overrides):
+    cfg = {**BASE, "tie_word_embeddings": True, **overrides}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    c = ModelConfig.from_dict(cfg)
+    from pagoda.models import LlamaForCausalLM
+
+    names = LlamaForCausalLM(c).expected_weight_names()
+    shapes = {name: _hf_shape(name, c) for name in names}
+    tensors = {n: torch.randn(s) for n, s in shapes.items() if n not in drop}
+    tensors.update({n: torch.zeros(2) for n in extra})
+    save_file(tensors, str(folder / "model.safetensors"))
+    return tensors
+
+
+def _hf_shape(name: str, c: ModelConfig) -> tuple[int, ...]:
+    kv = c.num_key_value_heads * c.head_dim
+    table = {
+        "embed_tokens": (c.vocab_size, c.hidden_size),
+        "lm_head": (c.vocab_size, c.hidden_size),
+        "q_proj": (c.num_attention_heads * c.head_dim, c.hidden_size),
+        "k_proj": (kv, c.hidden_size),
+        "v_proj": (kv, c.hidden_size),
+        "o_proj": (c.hidden_size, c.num_attention_heads * c.head_dim),
+        "gate_proj": (c.intermediate_size, c.hidden_size),
+        "up_proj": (c.intermediate_size, c.hidden_size),
+        "down_proj": (c.hidden_size, c.intermediate_size),
+    }
+    for key, shape in table.items():
+        if key in name:
+            return shape if name.endswith("weight") else shape[:1]
+    return (c.hidden_size,)  # norms
+
+
+def test_loader_fuses_weights_and_casts(tmp_path):
+    tensors = write_checkpoint(tmp_path, extra=["lm_head.weight", "model.layers.0.self_attn.rotary_emb.inv_freq"])
+    model = load_model(tmp_path, dtype=torch.bfloat16)
+    attn = model.layers[0].attn
+    assert attn.qkv_weight.dtype == torch.bfloat16
+    k = tensors["model.layers.0.self_attn.k_proj.weight"].to(torch.bfloat16)
+    assert torch.equal(attn.qkv_weight[attn.q_size : attn.q_size + attn.kv_size], k)
+    assert model.lm_head is model.embed_tokens
+
+
+def test_loader_names_missing_and_unexpected_weights(tmp_path):
+    write_checkpoint(tmp_path, drop=["model.layers.0.mlp.up_proj.weight"], extra=["model.layers.1.mlp.up_proj.weight"])
+    with pytest.raises(ValueError, match=r"missing 1 tensors \(model.layers.0.mlp.up_proj.weight\).*unexpected 1"):
+        load_model(tmp_path)
+
+
+def test_loader_rejects_wrong_shapes_and_missing_files(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        load_model(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(BASE))
+    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+        load_model(tmp_path)
+    write_checkpoint(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**BASE, "tie_word_embeddings": True, "intermediate_size": 40}))
+    with pytest.raises(ValueError, match="shape"):
+        load_model(tmp_path)
+
+
+# ---- GGUF helpers ------------------------------------------------------------------
+
+
+def test_unpermute_inverts_llama_cpp_permutation():
+    num_heads, head_dim, hidden = 3, 8, 5
+    weight = torch.arange(num_heads * head_dim * hidden, dtype=torch.float32).reshape(-1, hidden).numpy()
+    # llama.cpp's converter: per head, interleave the two rotary halves.
+    permuted = weight.reshape(num_heads, 2, head_dim // 2, hidden).swapaxes(1, 2).reshape(weight.shape)
+    assert (_unpermute_rotary_rows(permuted, num_heads) == weight).all()
+
+
+def test_default_model_dir_honours_env(monkeypatch, tmp_path):
+    monkeypatch.setenv("PAGODA_MODEL_DIR", str(tmp_path / "m"))
+    assert default_model_dir() == tmp_path / "m"
+    monkeypatch.delenv("PAGODA_MODEL_DIR")
+    assert default_model_dir().parts[-3:] == ("pagoda", "models", "SmolLM2-135M-Instruct")
