@@ -113,6 +113,12 @@ class AutoscalerPolicy:
                 best, reason = wanted, f"{name} at {ratio:.2f}x target"
         return best, reason
 
+    def _window(self, now: float, seconds: float) -> list[int]:
+        """Recommendations younger than `seconds`, always including the latest one
+        (so a zero window means "the latest only", even for samples at the same time)."""
+        latest = self._history[-1][1]
+        return [r for t, r in list(self._history)[:-1] if now - t < seconds] + [latest]
+
     def decide(self, loads: Iterable[ReplicaLoad], current: int) -> Decision:
         """Decide the replica count for this tick.
 
@@ -132,14 +138,12 @@ class AutoscalerPolicy:
 
         desired = current
         if raw > current:
-            window = [r for t, r in self._history
-                      if now - t <= self.spec.scale_up_stabilization_seconds]
+            window = self._window(now, self.spec.scale_up_stabilization_seconds)
             desired = min(max(current, min(window)), current + self.spec.max_scale_up_step)
             if desired == current:
                 reason += "; held by the scale-up window"
         elif raw < current:
-            window = [r for t, r in self._history
-                      if now - t <= self.spec.scale_down_stabilization_seconds]
+            window = self._window(now, self.spec.scale_down_stabilization_seconds)
             desired = max(min(current, max(window)), current - 1)
             if desired == current:
                 reason += "; held by the scale-down window"

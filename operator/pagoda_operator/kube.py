@@ -120,6 +120,8 @@ class KubeClient:
     async def request(self, method: str, path: str, *, body: Any = None,
                       params: dict[str, str] | None = None,
                       content_type: str = "application/json") -> Any:
+        if self._session.closed:  # the operator is shutting down
+            raise KubeError(503, "the Kubernetes client is closed")
         async with self._session.request(
                 method, self.server + path, json=body, params=params,
                 headers=self._headers(content_type if body is not None else None)) as response:

@@ -6,7 +6,8 @@ Order of a tick:
   3. if a drain is in progress (status.drain), only advance it (drain.py): nothing else
      changes the fleet until that replica is gone;
   4. otherwise ask the policy (autoscaler.py): scale up at once by patching the
-     Deployment, or start draining one replica for a scale-down.
+     Deployment, or start draining one replica for a scale-down; a drain only starts
+     once the live pods match the Deployment's count (never pick a pod already going).
 The tick returns a status patch and the events to post; the kopf timer applies them.
 Scale targets are re-clamped to the current spec's [min, max] at every write.
 """
@@ -100,6 +101,10 @@ async def autoscale_tick(*, kube: KubeClient, fleet: FleetStore, policy: Autosca
         result.events.append(("ScaledUp", f"{current} -> {decision.desired} replicas: "
                                           f"{decision.reason}"))
     elif decision.is_scale_down:
+        if pods and len(pods) != current:
+            # The Deployment has not converged (a removed pod is still listed, or new ones
+            # are starting): a victim picked now could be a pod that is already going.
+            return result
         if not pods:  # nothing runs, so nothing to drain
             await _scale(kube, svc, decision.desired)
             result.status["replicas"]["desired"] = decision.desired

@@ -1,0 +1,173 @@
+"""The operator under kopf against an emulated API server (kmock): reconcile + autoscale."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("kopf")
+pytest.importorskip("kmock")
+
+from operator_harness import (DEPLOYMENTS, LLMS, NS, FakeClock,  # noqa: E402
+                              FakeDeploymentController, FakeFleet, Operator, wait_for)
+
+from pagoda_operator import crd  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def llmservice(name: str, **spec) -> dict:
+    body = {"image": "pagoda:0.1", "model": {"name": "smollm2", "storageUri": "pvc://models/smollm2"}}
+    body.update(spec)
+    return {"apiVersion": crd.API_VERSION, "kind": crd.KIND,
+            "metadata": {"name": name, "namespace": NS}, "spec": body}
+
+
+def children(cluster, name: str) -> dict[str, dict | None]:
+    paths = {
+        "Deployment/replicas": f"{DEPLOYMENTS}/{name}-replicas",
+        "Deployment/router": f"{DEPLOYMENTS}/{name}-router",
+        "Service/replicas": f"/api/v1/namespaces/{NS}/services/{name}-replicas",
+        "Service/router": f"/api/v1/namespaces/{NS}/services/{name}",
+        "ServiceAccount": f"/api/v1/namespaces/{NS}/serviceaccounts/{name}-router",
+        "Role": f"/apis/rbac.authorization.k8s.io/v1/namespaces/{NS}/roles/{name}-router",
+        "RoleBinding": f"/apis/rbac.authorization.k8s.io/v1/namespaces/{NS}/rolebindings/{name}-router",
+    }
+    return {kind: cluster.get(path) for kind, path in paths.items()}
+
+
+def condition(body: dict, type_: str) -> dict | None:
+    for item in (body.get("status") or {}).get("conditions", []):
+        if item["type"] == type_:
+            return item
+    return None
+
+
+def test_create_renders_children_with_owner_refs_then_updates(cluster):
+    with Operator(cluster):
+        owner = cluster.create(LLMS, llmservice("chat", replicas={"min": 2, "max": 4}))
+        found = wait_for(lambda: all(children(cluster, "chat").values()) and
+                         children(cluster, "chat"), what="children")
+        for kind, child in found.items():
+            refs = child["metadata"].get("ownerReferences", [])
+            assert refs == [{"apiVersion": crd.API_VERSION, "kind": crd.KIND, "name": "chat",
+                             "uid": owner["metadata"]["uid"], "controller": True,
+                             "blockOwnerDeletion": True}], kind
+        assert found["Deployment/replicas"]["spec"]["replicas"] == 2
+        body = wait_for(lambda: condition(cluster.get(f"{LLMS}/chat"), "SpecValid")
+                        and cluster.get(f"{LLMS}/chat"), what="status")
+        assert condition(body, "SpecValid")["status"] == "True"
+        assert body["status"]["replicas"]["desired"] == 2
+
+        cluster.patch(f"{LLMS}/chat", {"spec": {"image": "pagoda:0.2",
+                                                "replicas": {"min": 3, "max": 5}}})
+
+        def updated():
+            dep = cluster.get(f"{DEPLOYMENTS}/chat-replicas")
+            router = cluster.get(f"{DEPLOYMENTS}/chat-router")
+            image = dep["spec"]["template"]["spec"]["containers"][0]["image"]
+            router_image = router["spec"]["template"]["spec"]["containers"][0]["image"]
+            return (image, router_image, dep["spec"]["replicas"]) == ("pagoda:0.2", "pagoda:0.2", 3)
+        wait_for(updated, what="image and replicas update")
+        assert cluster.events("Reconciled")
+
+
+def test_invalid_spec_sets_condition_naming_the_field(cluster):
+    with Operator(cluster):
+        cluster.create(LLMS, llmservice("bad-bounds", replicas={"min": 3, "max": 2}))
+        cluster.create(LLMS, llmservice("bad-field", engine={"maxNumSeq": 8}))
+        for name, field in (("bad-bounds", "spec.replicas.min"),
+                            ("bad-field", "spec.engine.maxNumSeq")):
+            cond = wait_for(lambda: condition(cluster.get(f"{LLMS}/{name}"), "SpecValid"),
+                            what=f"{name} condition")
+            assert cond["status"] == "False" and cond["reason"] == "InvalidSpec"
+            assert field in cond["message"]
+            assert cluster.get(f"{DEPLOYMENTS}/{name}-replicas") is None
+        assert {e["reason"] for e in cluster.events()} >= {"InvalidSpec"}
+
+
+def test_restart_resumes_without_writes(cluster):
+    with Operator(cluster):
+        cluster.create(LLMS, llmservice("steady"))
+        wait_for(lambda: all(children(cluster, "steady").values()), what="children")
+        wait_for(lambda: condition(cluster.get(f"{LLMS}/steady"), "SpecValid"), what="status")
+    before = cluster.count_writes("steady-")
+    reconciles = cluster.status_patches("steady", "conditions")
+    with Operator(cluster):
+        # The resume handler writes status (conditions) after applying the children.
+        wait_for(lambda: cluster.status_patches("steady", "conditions") > reconciles,
+                 what="resume handler")
+    assert cluster.count_writes("steady-") == before
+
+
+def test_kserve_mode_renders_inference_service(cluster):
+    with Operator(cluster):
+        owner = cluster.create(LLMS, llmservice(
+            "kchat", mode="KServe", model={"name": "smollm2", "storageUri": "hf://org/model"}))
+        isvc_path = f"/apis/serving.kserve.io/v1beta1/namespaces/{NS}/inferenceservices/kchat"
+        isvc = wait_for(lambda: cluster.get(isvc_path), what="InferenceService")
+        assert isvc["metadata"]["ownerReferences"][0]["uid"] == owner["metadata"]["uid"]
+        assert isvc["spec"]["predictor"]["model"]["runtime"] == "pagoda"
+        router = wait_for(lambda: cluster.get(f"{DEPLOYMENTS}/kchat-router"), what="router")
+        assert "serving.kserve.io/inferenceservice=kchat" in \
+            router["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert cluster.get(f"{DEPLOYMENTS}/kchat-replicas") is None
+
+
+def test_autoscaler_scales_up_then_down_after_window_draining_first(cluster):
+    fleet, clock = FakeFleet(), FakeClock()
+    busy = {"waiting": 20.0, "running": 8.0, "kv_usage": 0.9, "ts": 0.0}
+    controller = FakeDeploymentController(cluster, fleet, "auto-replicas",
+                                          on_new_pod=lambda name: fleet.set_load(name, **busy))
+    spec = dict(replicas={"min": 1, "max": 3},
+                autoscaling={"scaleDownStabilizationSeconds": 60, "drainTimeoutSeconds": 600})
+    with Operator(cluster, fleet=fleet, clock=clock, interval=0.1):
+        cluster.create(LLMS, llmservice("auto", **spec))
+        step = controller.step
+        # Synthetic load far above target: scale up, fast, but never above max.
+        wait_for(lambda: controller.replica_history[-1:] == [3], step=step,
+                 what=lambda: f"scale up: {controller.replica_history} {cluster.events()}")
+        for _ in range(10):
+            step()
+        assert max(controller.replica_history) == 3
+        assert cluster.events("ScaledUp")
+
+        # Load drops. Inside the scale-down window nothing is removed.
+        for name in list(fleet.loads):
+            fleet.set_load(name, waiting=0.0, running=2.0, kv_usage=0.05)
+        clock.advance(30)
+        for _ in range(20):
+            step()
+        assert controller.replica_history[-1] == 3 and not fleet.draining
+
+        # After the window: one replica is drained (not yet removed while it has work).
+        clock.advance(40)
+        victim = wait_for(lambda: fleet.draining and fleet.draining[0], step=step,
+                          what="drain start")
+        for _ in range(10):
+            step()
+        assert controller.replica_history[-1] == 3, "removed before its requests finished"
+        status = cluster.get(f"{LLMS}/auto")["status"]
+        assert status["drain"]["replicaId"] == victim
+
+        # Its in-flight requests finish: it is removed, and it is the one removed.
+        fleet.set_load(victim, waiting=0.0, running=0.0, kv_usage=0.05)
+        wait_for(lambda: controller.replica_history[-1] == 2, step=step, what="scale down")
+        assert controller.removed[0] == {"name": victim, "draining": True, "running": 0.0}
+        wait_for(lambda: victim in fleet.forgotten, step=step, what="index cleanup")
+
+        # Keep going: every removal drained first, and never below min.
+        for name in list(fleet.loads):
+            fleet.set_load(name, waiting=0.0, running=0.0, kv_usage=0.05)
+        clock.advance(120)
+        wait_for(lambda: controller.replica_history[-1] == 1, step=step, timeout=20,
+                 what="scale down to min")
+        clock.advance(600)
+        for _ in range(20):
+            step()
+        assert controller.replica_history[-1] == 1
+        assert all(1 <= n <= 3 for n in controller.replica_history)
+        assert all(r["draining"] and r["running"] == 0.0 for r in controller.removed), \
+            (controller.removed, [e["message"] for e in cluster.events()], fleet.draining)
+        assert {"Draining", "ScaledDown"} <= {e["reason"] for e in cluster.events()}
+        status = cluster.get(f"{LLMS}/auto")["status"]
+        assert status["lastDecision"]["to"] == 1 and status["observedLoad"]["source"] == "redis"
