@@ -1,0 +1,131 @@
+"""Triton paged attention (interpreter) vs the float64 reference across the test matrix.
+
+Each case is a whole engine step. ``MIXED_STEP`` holds, with block size 4: a decode whose
+context ends on a block boundary, a prefill chunk with no cached context ending off a
+boundary, a chunk after 8 cached tokens, a decode that fills its last block exactly, a
+chunk that ends exactly on a boundary, and a 1-token sequence with no context.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagoda.kernels import triton_attention
+from pagoda.kernels.triton_attention import AttentionConfig, choose_config
+from tests.kernels.kernel_cases import (
+    assert_close_to_reference,
+    make_paged_case,
+    poisoned_allocations,
+    reference_attention,
+)
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+HEAD_DIMS = [64, 80, 128]
+# (num_heads, num_kv_heads): GQA ratios 1, 3, 4, 8
+HEAD_GROUPS = [(4, 4), (6, 2), (8, 2), (8, 1)]
+MIXED_STEP = ([1, 7, 5, 1, 4, 1], [9, 7, 13, 4, 8, 1])
+
+
+def run_kernel(case, config=None) -> torch.Tensor:
+    with poisoned_allocations():
+        return triton_attention.paged_attention(
+            case.q, case.k_cache, case.v_cache, case.meta, case.scale, config=config
+        )
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("heads", HEAD_GROUPS, ids=lambda h: f"h{h[0]}kv{h[1]}")
+def test_mixed_step_matrix(dtype, head_dim, heads):
+    seed = hash((str(dtype), head_dim, heads)) % 2**31
+    case = make_paged_case(*MIXED_STEP, *heads, head_dim, dtype, block_size=4, seed=seed)
+    assert_close_to_reference(run_kernel(case), reference_attention(case), dtype)
+
+
+# Launch shapes the chooser does not pick on CPU: several key tiles per query tile, tiles
+# of 1 and 2 query tokens, and split-K with a split count that is not a power of two.
+CONFIGS = {
+    "small_tiles": AttentionConfig(block_q=2, block_n=16, num_splits=1),
+    "one_token_tiles": AttentionConfig(block_q=1, block_n=16, num_splits=1),
+    "split3": AttentionConfig(block_q=8, block_n=16, num_splits=3),
+}
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.parametrize("dtype,head_dim,heads", [(torch.float16, 80, (6, 2)), (torch.bfloat16, 128, (8, 1))], ids=str)
+def test_launch_configs_long_ragged(name, dtype, head_dim, heads):
+    # Contexts well past one key tile, chunks with and without cached context.
+    query_lens, seq_lens = [1, 13, 1, 6, 21], [45, 13, 37, 40, 50]
+    case = make_paged_case(query_lens, seq_lens, *heads, head_dim, dtype, block_size=16, seed=7)
+    assert_close_to_reference(run_kernel(case, CONFIGS[name]), reference_attention(case), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_decode_batch_with_split(dtype):
+    seq_lens = [1, 16, 17, 31, 32, 33, 80, 97]
+    case = make_paged_case([1] * len(seq_lens), seq_lens, 8, 2, 64, dtype, block_size=16, seed=11)
+    config = AttentionConfig(block_q=4, block_n=16, num_splits=4)
+    assert_close_to_reference(run_kernel(case, config), reference_attention(case), dtype)
+
+
+@pytest.mark.parametrize("config", [None, CONFIGS["split3"]], ids=["chooser", "split3"])
+def test_strided_block_tables(config):
+    case = make_paged_case(*MIXED_STEP, 8, 2, 64, torch.float16, block_size=4, seed=3, strided_tables=True)
+    assert_close_to_reference(run_kernel(case, config), reference_attention(case), torch.float16)
+
+
+@pytest.mark.parametrize("seed", [101, 202, 303])
+def test_random_steps(seed):
+    gen = torch.Generator().manual_seed(seed)
+    num_seqs = int(torch.randint(1, 7, (1,), generator=gen))
+    query_lens, seq_lens = [], []
+    for _ in range(num_seqs):
+        q_len = 1 if torch.rand(1, generator=gen) < 0.5 else int(torch.randint(1, 16, (1,), generator=gen))
+        query_lens.append(q_len)
+        seq_lens.append(q_len + int(torch.randint(0, 33, (1,), generator=gen)))
+    heads = HEAD_GROUPS[seed % len(HEAD_GROUPS)]
+    dtype = DTYPES[seed % len(DTYPES)]
+    block_size = [4, 8, 16][seed % 3]
+    case = make_paged_case(query_lens, seq_lens, *heads, 64, dtype, block_size, seed=seed)
+    config = AttentionConfig(block_q=2, block_n=16, num_splits=1 + seed % 3)
+    assert_close_to_reference(run_kernel(case, config), reference_attention(case), dtype)
+
+
+def test_public_wrapper_matches_reference():
+    from pagoda.kernels import triton_ops
+
+    case = make_paged_case(*MIXED_STEP, 8, 2, 64, torch.float16, block_size=4, seed=5)
+    with poisoned_allocations():
+        out = triton_ops.paged_attention(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
+    assert_close_to_reference(out, reference_attention(case), torch.float16)
+
+
+def test_rejects_mismatched_dtypes():
+    case = make_paged_case([1], [3], 4, 4, 64, torch.float16, block_size=4, seed=1)
+    with pytest.raises(ValueError, match="dtypes differ"):
+        triton_attention.paged_attention(case.q.float(), case.k_cache, case.v_cache, case.meta, case.scale)
+
+
+@pytest.mark.parametrize("heads", HEAD_GROUPS + [(32, 8), (64, 8), (9, 3)], ids=str)
+@pytest.mark.parametrize("max_query_len", [1, 4, 512])
+@pytest.mark.parametrize("element_size", [2, 4])
+def test_choose_config_shapes(heads, max_query_len, element_size):
+    num_heads, num_kv_heads = heads
+    cfg = choose_config(64, 64, num_heads, num_kv_heads, max_query_len, 4096, 132, element_size)
+    gpad = triton_attention.group_pad(num_heads, num_kv_heads)
+    block_m = cfg.block_q * gpad
+    assert block_m >= 16 and block_m & (block_m - 1) == 0, "tl.dot needs >= 16 rows, arange a power of two"
+    assert cfg.block_n >= 16 and cfg.block_n & (cfg.block_n - 1) == 0
+    assert block_m <= (64 if element_size == 2 else 32) or block_m == gpad
+
+
+def test_choose_config_splits_only_when_the_gpu_is_underfilled():
+    # Batch-1 decode at 4k context on 132 SMs: 8 tiles, so split the keys.
+    small = choose_config(1, 1, 32, 8, 1, 4096, 132)
+    assert small.num_splits > 1 and small.num_splits & (small.num_splits - 1) == 0
+    assert 4096 / small.num_splits >= triton_attention.MIN_SPLIT_LEN
+    # Many sequences, short contexts or a big prefill: enough tiles already.
+    assert choose_config(256, 256, 32, 8, 1, 4096, 132).num_splits == 1
+    assert choose_config(1, 1, 32, 8, 1, 300, 132).num_splits == 1
+    assert choose_config(4096, 1, 32, 8, 4096, 4096, 132).num_splits == 1
