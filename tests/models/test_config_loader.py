@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import save_file
 
 from pagoda.models import ModelConfig, load_model
-from pagoda.models.gguf_import import _unpermute_rotary_rows, default_model_dir
+from pagoda.models.gguf_import import IMPORT_VERSION, _is_current_import, _unpermute_rotary_rows, default_model_dir
 
 BASE = dict(
     architectures=["LlamaForCausalLM"],
@@ -171,3 +171,14 @@ def test_default_model_dir_honours_env(monkeypatch, tmp_path):
     assert default_model_dir() == tmp_path / "m"
     monkeypatch.delenv("PAGODA_MODEL_DIR")
     assert default_model_dir().parts[-3:] == ("pagoda", "models", "SmolLM2-135M-Instruct")
+
+
+def test_cached_import_is_reused_only_when_current(tmp_path):
+    def write(**cfg):
+        (tmp_path / "config.json").write_text(json.dumps(cfg))
+
+    assert not _is_current_import(tmp_path, "float32")  # nothing there yet
+    write(torch_dtype="float32")  # an older importer wrote no version
+    assert not _is_current_import(tmp_path, "float32")
+    write(torch_dtype="float32", pagoda_gguf_import_version=IMPORT_VERSION)
+    assert _is_current_import(tmp_path, "float32") and not _is_current_import(tmp_path, "bfloat16")

@@ -63,6 +63,8 @@ def test_chat_template_raise_exception_becomes_value_error(smollm2_tokenizer):
     assert smollm2_tokenizer.apply_chat_template([{"role": "user", "content": "x"}], chat_template=template) == "ok"
     with pytest.raises(ValueError, match="first must be user"):
         smollm2_tokenizer.apply_chat_template([{"role": "system", "content": "x"}], chat_template=template)
+    with pytest.raises(ValueError, match="chat template"):  # malformed messages: a user error, not a crash
+        smollm2_tokenizer.apply_chat_template([{"content": "no role"}], chat_template="{{ messages[0].role.upper() }}")
 
 
 def test_generation_config_eos_list_joins_eos_ids(smollm2_tokenizer):

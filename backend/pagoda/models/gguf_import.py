@@ -164,8 +164,9 @@ def import_gguf(gguf_path: Union[str, Path], out_dir: Union[str, Path], dtype: s
     out_dir.mkdir(parents=True, exist_ok=True)
     reader = GGUFReader(str(gguf_path))
     meta = {name: field.contents() for name, field in reader.fields.items()}
-    if meta.get("general.architecture") != "llama":
-        raise ValueError(f"{gguf_path}: architecture {meta.get('general.architecture')!r} is not supported; only 'llama'")
+    architecture = meta.get("general.architecture")
+    if architecture != "llama":
+        raise ValueError(f"{gguf_path}: architecture {architecture!r} is not supported; only 'llama'")
     tensors = _read_tensors(reader, meta, _DTYPES[dtype])
     config = _make_config(meta, tensors, dtype)
     from safetensors.torch import save_file

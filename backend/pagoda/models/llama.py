@@ -199,8 +199,9 @@ class LlamaForCausalLM(nn.Module):
             if name not in expected:
                 continue
             target, rows = self._weight_target(name)
-            if tuple(target[rows].shape) != tuple(tensor.shape):
-                raise ValueError(f"{name}: shape {tuple(tensor.shape)} does not match the config's {tuple(target[rows].shape)}")
+            want = tuple(target[rows].shape)
+            if want != tuple(tensor.shape):
+                raise ValueError(f"{name}: shape {tuple(tensor.shape)} does not match the config's {want}")
             target[rows].copy_(tensor)
             loaded.add(name)
         return loaded

@@ -36,6 +36,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterable, Optional, Union
 
+import jinja2
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import decoders
 
@@ -49,7 +50,9 @@ _MAX_HELD_TOKENS = 8
 class Tokenizer:
     """A model folder's tokenizer: encode/decode, special tokens, chat template."""
 
-    def __init__(self, backend: _HFTokenizer, config: dict[str, Any], generation_config: Optional[dict[str, Any]] = None):
+    def __init__(
+        self, backend: _HFTokenizer, config: dict[str, Any], generation_config: Optional[dict[str, Any]] = None
+    ) -> None:
         self.backend = backend
         self.config = config
         self.bos_token = _token_text(config.get("bos_token"))
@@ -117,18 +120,15 @@ class Tokenizer:
         template = chat_template or self.chat_template
         if template is None:
             raise ValueError("this tokenizer has no chat_template; pass one or send a plain prompt")
-        variables = {
-            "bos_token": self.bos_token or "",
-            "eos_token": self.eos_token or "",
-            "pad_token": self.pad_token or "",
-            **{k: _token_text(v) for k, v in self.config.items() if k.endswith("_token") and k not in ("bos_token", "eos_token", "pad_token")},
-            **kwargs,
-        }
+        # Like transformers: every *_token from the config is a template variable.
+        variables = {k: _token_text(v) for k, v in self.config.items() if k.endswith("_token")}
+        variables.update(bos_token=self.bos_token or "", eos_token=self.eos_token or "", pad_token=self.pad_token or "")
+        variables.update(kwargs)
         try:
             return _compile_template(template).render(
                 messages=messages, add_generation_prompt=add_generation_prompt, **variables
             )
-        except TemplateError as exc:
+        except (ChatTemplateError, jinja2.TemplateError) as exc:  # a request the template rejects
             raise ValueError(f"chat template: {exc}") from exc
 
     def token_bytes(self) -> Optional[list[bytes]]:
@@ -202,7 +202,7 @@ class IncrementalDetokenizer:
 # ---- helpers -------------------------------------------------------------------------
 
 
-class TemplateError(Exception):
+class ChatTemplateError(Exception):
     """Raised by a chat template through ``raise_exception``."""
 
 
@@ -228,7 +228,7 @@ def _byte_level_table(backend: _HFTokenizer) -> Optional[list[bytes]]:
 
 def _gpt2_byte_alphabet() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character map (printable bytes map to themselves)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     mapping = {b: chr(b) for b in printable}
     extra = 0
     for b in range(256):
@@ -262,14 +262,14 @@ def _pick_chat_template(template: Any) -> Optional[str]:
 
 @lru_cache(maxsize=8)
 def _compile_template(source: str):
-    import jinja2
     from jinja2.ext import loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message: str) -> None:
-        raise TemplateError(message)
+        raise ChatTemplateError(message)
 
-    def tojson(value: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False) -> str:
+    def tojson(value: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
+               sort_keys: bool = False) -> str:  # fmt: skip
         # Jinja's own tojson escapes HTML characters, which templates do not expect.
         return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
