@@ -114,6 +114,7 @@ def ensure_default_model(dtype: str = "float32") -> Path:
         return out_dir
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    tmp_dir.chmod(0o755)  # mkdtemp makes it private; a server under another user must read it
     stale_dir = tmp_dir.with_name(tmp_dir.name + ".stale")
     try:
         import_gguf(find_smollm2_gguf(), tmp_dir, dtype=dtype)
