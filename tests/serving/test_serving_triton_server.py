@@ -253,3 +253,18 @@ def test_metrics_are_consistent_with_the_traffic(triton_server, read_metrics):
     assert after["vllm:kv_cache_usage_perc"] == 0.0
     assert after["pagoda:engine_steps_total"] > before["pagoda:engine_steps_total"]
     assert after["vllm:num_preemptions_total"] == 0
+
+
+def test_n_completions_and_logprobs_over_http(triton_server):
+    status, result = http_post(triton_server, "/v2/models/pagoda/generate", {
+        "text_input": "Pick a number:", "exclude_input_in_output": True, "return_logprobs": True,
+        "return_cumulative_logprob": True, "return_num_output_tokens": True, "return_finish_reason": True,
+        "sampling_parameters": json.dumps({"n": 2, "temperature": 0.8, "seed": 1, "max_tokens": 3,
+                                           "ignore_eos": True, "logprobs": 1})})
+    assert status == 200, result
+    assert len(result["text_output"]) == 2 and result["num_output_tokens"] == [3, 3]
+    assert result["finish_reason"] == ["length", "length"]
+    for logprobs_json, cumulative in zip(result["logprobs"], result["cumulative_logprob"]):
+        logprobs = json.loads(logprobs_json)
+        assert len(logprobs) == 3 and all(len(lp["top_logprobs"]) <= 1 for lp in logprobs)
+        assert sum(lp["logprob"] for lp in logprobs) == pytest.approx(cumulative, abs=1e-4)
