@@ -136,18 +136,13 @@ def test_http_generate_and_generate_stream(triton_server, offline_texts, dialect
     assert events[-1]["finish_reason"] in ("length", "stop")
 
 
-def test_cancelled_stream_frees_its_kv_blocks(triton_server, read_metrics):
+def _cancel_grpc_after_3(server, read_metrics, prompt, params):
     from tritonclient.grpc import aio
 
-    baseline = read_metrics()
-    assert baseline["vllm:num_requests_running"] == 0
-    max_tokens = 400
-
     async def run():
-        client = aio.InferenceServerClient(triton_server.grpc_url)
+        client = aio.InferenceServerClient(server.grpc_url)
         try:
-            stream = stream_generate(client, "Tell me a very long story about a dragon.",
-                                     {"temperature": 0, "max_tokens": max_tokens, "ignore_eos": True})
+            stream = stream_generate(client, prompt, params)
             num_chunks = 0
             async for _ in stream:
                 num_chunks += 1
@@ -159,7 +154,31 @@ def test_cancelled_stream_frees_its_kv_blocks(triton_server, read_metrics):
         finally:
             await client.close()
 
-    during = asyncio.run(run())
+    return asyncio.run(run())
+
+
+def _disconnect_http_after_3(server, read_metrics, prompt, params):
+    body = {"text_input": prompt, "stream": True, "sampling_parameters": json.dumps(params)}
+    request = urllib.request.Request(f"http://{server.http_url}/v2/models/pagoda/generate_stream",
+                                     data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    response = urllib.request.urlopen(request, timeout=120)
+    num_events = 0
+    for line in response:
+        num_events += line.startswith(b"data:")
+        if num_events == 3:
+            break
+    during = read_metrics()
+    response.close()  # the client goes away mid-stream
+    return during
+
+
+@pytest.mark.parametrize("how", [_cancel_grpc_after_3, _disconnect_http_after_3], ids=["grpc-cancel", "http-disconnect"])
+def test_cancelled_stream_frees_its_kv_blocks(triton_server, read_metrics, how):
+    baseline = read_metrics()
+    assert baseline["vllm:num_requests_running"] == 0
+    max_tokens = 400
+    during = how(triton_server, read_metrics, "Tell me a very long story about a dragon.",
+                 {"temperature": 0, "max_tokens": max_tokens, "ignore_eos": True})
     assert during["vllm:num_requests_running"] == 1
     assert during["vllm:kv_cache_usage_perc"] > baseline["vllm:kv_cache_usage_perc"]
     deadline = time.monotonic() + 30
