@@ -101,6 +101,8 @@ def test_logprob_flags_turn_on_engine_logprobs():
     ({"text_input": "Hi", "sampling_parameters": {"max_tokens": 0}}, "max_tokens: must be >= 1"),
     ({"text_input": "Hi", "sampling_parameters": {"stop": [""]}}, "stop: every stop string must be a non-empty"),
     ({"text_input": "Hi", "sampling_parameters": {"ignore_eos": "maybe"}}, "ignore_eos: must be a boolean"),
+    ({"text_input": "Hi", "sampling_parameters": {"stop": 5}}, "stop: must be a JSON list"),
+    ({"text_input": "Hi", "sampling_parameters": {"stop_token_ids": 5}}, "stop_token_ids: must be a JSON list"),
     ({"text_input": "Hi", "sampling_parameters": {"priority": "high"}}, "priority: must be an integer"),
     ({"text_input": "Hi", "sampling_parameters": {"cache_salt": 5}}, "cache_salt: must be a non-empty string"),
     ({"text_input": "Hi", "stream": np.array([1], dtype=np.int32)}, "stream: must be a boolean"),

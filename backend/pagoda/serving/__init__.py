@@ -1,0 +1,9 @@
+"""Serving pagoda on Triton Inference Server (see docs/serving.md).
+
+- ``triton_io``: request tensors -> ``ParsedRequest``; engine outputs -> response tensors.
+- ``engine_loop``: the engine-owning thread and the response-sender thread.
+- ``metrics``: vLLM-named metrics through ``pb_utils.MetricFamily``.
+- ``model_config``: config.pbtxt parameters <-> ``EngineConfig``.
+- ``launcher``: ``pagoda serve`` (the tritonserver from the nvidia-pytriton wheel).
+- ``client``: a small tritonclient helper for streaming generation.
+"""

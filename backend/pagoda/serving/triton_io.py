@@ -191,11 +191,13 @@ def _read_sampling_json(array: Optional[np.ndarray]) -> tuple[dict[str, Any], di
     if "cache_salt" in options and (not isinstance(options["cache_salt"], str) or not options["cache_salt"]):
         raise ValueError(f"cache_salt: must be a non-empty string, got {options['cache_salt']!r}")
     field_types = {f.name: str(f.type) for f in dataclasses.fields(SamplingParams)}
+    scalar_types = {"int": int, "float": float, "bool": bool}
     for key, value in list(values.items()):
-        kind = field_types.get(key, "")
-        if isinstance(value, str) and kind.replace("Optional[", "").rstrip("]") in ("int", "float", "bool"):
-            values[key] = _coerce(key, value, {"int": int, "float": float, "bool": bool}[
-                kind.replace("Optional[", "").rstrip("]")])
+        kind = field_types.get(key, "").replace("Optional[", "").rstrip("]")
+        if isinstance(value, str) and kind in scalar_types:
+            values[key] = _coerce(key, value, scalar_types[kind])
+        elif kind.startswith("list[") and not isinstance(value, list) and not (key == "stop" and isinstance(value, str)):
+            raise ValueError(f"{key}: must be a JSON list, got {value!r}")
     return values, options
 
 
