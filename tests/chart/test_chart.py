@@ -1,0 +1,226 @@
+"""Helm chart, examples and operator renderers, validated offline.
+
+- `helm lint --strict` and `helm template` (default and non-default values);
+- built-in kinds: `kubernetes_validate` in strict mode (unknown fields and wrong types fail);
+- LLMService: our CRD's openAPIV3Schema via jsonschema, tightened so unknown fields fail;
+- ServingRuntime / InferenceService: KServe's CRD schemas (../shared/kserve, beside the
+  repo in CI), tightened the same way.
+Skips (does not fail) when helm, kubernetes-validate or the KServe CRDs are absent.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+yaml = pytest.importorskip("yaml")
+jsonschema = pytest.importorskip("jsonschema")
+
+from pagoda_operator import crd  # noqa: E402
+from pagoda_operator.reconcile import render_children  # noqa: E402
+from pagoda_operator.spec import parse_llmservice  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "charts" / "pagoda"
+EXAMPLES = REPO / "examples" / "k8s"
+KSERVE = REPO.parent / "shared" / "kserve"
+K8S_VERSION = "1.30.0"
+
+NON_DEFAULT = {
+    "image": {"repository": "registry.example/pagoda", "tag": "9.9.9", "pullPolicy": "Always"},
+    "imagePullSecrets": [{"name": "regcred"}],
+    "operator": {"watchNamespaces": ["team-a", "team-b"], "autoscaleIntervalSeconds": 5},
+    "redis": {"auth": {"enabled": True, "password": "s3cret"},
+              "persistence": {"enabled": True, "size": "2Gi", "storageClass": "fast"}},
+    "router": {"enabled": True, "replicas": 2, "policy": "least_loaded",
+               "service": {"type": "LoadBalancer"}},
+    "kserve": {"enabled": True},
+    "serviceMonitor": {"enabled": True, "labels": {"release": "prom"}},
+    "example": {"enabled": True, "replicas": {"min": 2, "max": 5}},
+}
+
+
+def helm() -> str:
+    path = os.environ.get("PAGODA_HELM") or str(REPO / ".tools" / "helm" / "helm")
+    if not os.access(path, os.X_OK):
+        path = shutil.which("helm") or ""
+    if not path:
+        pytest.skip("helm not installed (run .ci/install-k8s-tools.sh)")
+    return path
+
+
+def run_helm(*args: str) -> str:
+    result = subprocess.run([helm(), *args], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
+
+
+def values_file(tmp_path: Path) -> str:
+    path = tmp_path / "values.yaml"
+    path.write_text(yaml.safe_dump(NON_DEFAULT))
+    return str(path)
+
+
+def render(tmp_path: Path | None) -> list[dict]:
+    args = ["template", "pagoda", str(CHART), "--namespace", "llm", "--include-crds"]
+    if tmp_path is not None:
+        args += ["-f", values_file(tmp_path)]
+    return [d for d in yaml.safe_load_all(run_helm(*args)) if d]
+
+
+def tighten(schema: dict) -> dict:
+    """Forbid unknown fields wherever an object lists its properties (as the API server's
+    strict field validation does); leave x-kubernetes-preserve-unknown-fields alone."""
+    schema = copy.deepcopy(schema)
+
+    def walk(node):
+        if isinstance(node, dict):
+            if ("properties" in node and "additionalProperties" not in node
+                    and not node.get("x-kubernetes-preserve-unknown-fields")):
+                node["additionalProperties"] = False
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+    walk(schema)
+    return schema
+
+
+def crd_validator(crd_doc: dict):
+    version = crd_doc["spec"]["versions"][0]
+    schema = tighten(version["schema"]["openAPIV3Schema"])
+    schema["properties"]["metadata"] = {"type": "object"}  # metadata is the API server's
+    api_version = f"{crd_doc['spec']['group']}/{version['name']}"
+    return crd_doc["spec"]["names"]["kind"], api_version, jsonschema.Draft7Validator(schema)
+
+
+def kserve_validators() -> dict:
+    if not KSERVE.is_dir():
+        pytest.skip(f"KServe CRDs not found at {KSERVE}")
+    return _kserve_validators()
+
+
+@functools.lru_cache(maxsize=None)
+def _kserve_validators() -> dict:
+    result = {}
+    for name in ("serving.kserve.io_inferenceservices.yaml",
+                 "serving.kserve.io_servingruntimes.yaml"):
+        kind, api_version, validator = crd_validator(yaml.safe_load((KSERVE / name).read_text()))
+        result[kind] = (api_version, validator)
+    return result
+
+
+@functools.lru_cache(maxsize=None)
+def our_validator():
+    _, _, validator = crd_validator(crd.make_crd())
+    return validator
+
+
+def validate_custom(obj: dict, validators: dict) -> None:
+    api_version, validator = validators[obj["kind"]]
+    assert obj["apiVersion"] == api_version, obj["apiVersion"]
+    errors = sorted(validator.iter_errors(obj), key=lambda e: list(e.path))
+    assert not errors, f"{obj['kind']}/{obj['metadata']['name']}: " + "; ".join(
+        f"{'.'.join(map(str, e.path))}: {e.message}" for e in errors)
+
+
+def validate_builtin(obj: dict) -> None:
+    kv = pytest.importorskip("kubernetes_validate")
+    kv.validate(obj, K8S_VERSION, strict=True)
+
+
+def validate_any(obj: dict) -> None:
+    custom = {crd.KIND: (crd.API_VERSION, our_validator())}
+    if obj["kind"] == crd.KIND:
+        validate_custom(obj, custom)
+        parse_llmservice(obj)  # the operator's own checks (cross-field rules) too
+    elif obj["kind"] in ("InferenceService", "ServingRuntime"):
+        validate_custom(obj, kserve_validators())
+    elif obj["kind"] == "ServiceMonitor":
+        assert obj["apiVersion"] == "monitoring.coreos.com/v1"  # no schema offline
+        assert set(obj["spec"]) <= {"namespaceSelector", "selector", "endpoints"}
+    else:
+        validate_builtin(obj)
+
+
+def test_chart_crd_is_generated_from_the_operator():
+    on_disk = yaml.safe_load((CHART / "crds" / "llmservices.pagoda.dev.yaml").read_text())
+    assert on_disk == crd.make_crd(), "regenerate: python -m pagoda_operator.crd > charts/..."
+
+
+def test_crd_is_structural_without_unknown_fields():
+    text = (CHART / "crds" / "llmservices.pagoda.dev.yaml").read_text()
+    assert "x-kubernetes-preserve-unknown-fields" not in text
+    version = crd.make_crd()["spec"]["versions"][0]
+    assert version["subresources"] == {"status": {}}
+    assert crd.make_crd()["spec"]["names"]["shortNames"] == ["llms"]
+    validate_builtin(crd.make_crd())
+
+
+def test_helm_lint_strict(tmp_path):
+    run_helm("lint", "--strict", str(CHART))
+    run_helm("lint", "--strict", str(CHART), "-f", values_file(tmp_path))
+
+
+@pytest.mark.parametrize("values", ["default", "non-default"])
+def test_rendered_objects_validate(values, tmp_path):
+    objects = render(None if values == "default" else tmp_path)
+    kinds = sorted(o["kind"] for o in objects)
+    assert "CustomResourceDefinition" in kinds and "StatefulSet" in kinds
+    if values == "non-default":
+        assert {"LLMService", "ServingRuntime", "ServiceMonitor", "Secret", "Role"} <= set(kinds)
+        assert kinds.count("Role") == 3  # two watched namespaces + the router
+    for obj in objects:
+        validate_any(obj)
+
+
+def test_operator_rbac_is_least_privilege():
+    objects = render(None)
+    role = next(o for o in objects if o["kind"] == "ClusterRole"
+                and o["metadata"]["name"] == "pagoda-operator")
+    verbs = {verb for rule in role["rules"] for verb in rule["verbs"]}
+    assert "*" not in verbs and "escalate" not in verbs and "bind" not in verbs
+    secrets = [r for r in role["rules"] if "secrets" in r["resources"]]
+    assert secrets == [{"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]}]
+
+
+@pytest.mark.parametrize("path", sorted(EXAMPLES.glob("*.yaml")), ids=lambda p: p.name)
+def test_examples_validate(path):
+    for obj in yaml.safe_load_all(path.read_text()):
+        if obj:
+            validate_any(obj)
+
+
+@pytest.mark.parametrize("mode", ["Deployment", "KServe"])
+def test_operator_rendered_children_validate(mode):
+    uri = "pvc://models/smollm2" if mode == "Deployment" else "s3://bucket/smollm2"
+    svc = parse_llmservice({
+        "metadata": {"name": "chat", "namespace": "llm", "uid": "1234"},
+        "spec": {"image": "pagoda:1", "mode": mode, "model": {"name": "chat", "storageUri": uri},
+                 "resources": {"limits": {"nvidia.com/gpu": 1}},
+                 "redis": {"url": "redis://r:6379/0", "passwordSecretRef": {"name": "r"}}}})
+    for obj in render_children(svc, 2):
+        validate_any(obj)
+
+
+def test_tightened_schemas_reject_typos():
+    validators = kserve_validators()
+    isvc = yaml.safe_load((EXAMPLES / "kserve-inferenceservice.yaml").read_text())
+    isvc["spec"]["predictor"]["model"]["storageURI"] = "s3://typo"
+    with pytest.raises(AssertionError, match="storageURI"):
+        validate_custom(isvc, validators)
+    llms = yaml.safe_load((EXAMPLES / "llmservice.yaml").read_text())
+    llms["spec"]["autoscaling"]["targetWaiting"] = 3
+    with pytest.raises(AssertionError, match="targetWaiting"):
+        validate_custom(llms, {crd.KIND: (crd.API_VERSION, our_validator())})
+    llms = yaml.safe_load((EXAMPLES / "llmservice.yaml").read_text())
+    llms["spec"]["replicas"]["max"] = 0
+    with pytest.raises(AssertionError, match="replicas.max"):
+        validate_custom(llms, {crd.KIND: (crd.API_VERSION, our_validator())})
