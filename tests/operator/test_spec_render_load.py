@@ -1,0 +1,142 @@
+"""Spec parsing, pure renderers, and the load readers (Prometheus text, Redis keys)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pagoda_operator import fleet_keys
+from pagoda_operator.load import (MetricsScraper, RedisFleetStore, histogram_quantile,
+                                  parse_prometheus_text)
+from pagoda_operator.render_replicas import model_path, render_replica_deployment
+from pagoda_operator.render_router import render_router_deployment
+from pagoda_operator.spec import SpecError, parse_llmservice
+
+
+def body(**spec):
+    base = {"image": "pagoda:1", "model": {"name": "chat", "storageUri": "pvc://models/chat"}}
+    base.update(spec)
+    return {"metadata": {"name": "chat", "namespace": "llm", "uid": "u1"}, "spec": base}
+
+
+@pytest.mark.parametrize("spec, field", [
+    ({"replicas": {"min": 4, "max": 2}}, "spec.replicas.min"),
+    ({"replicas": {"min": 0, "max": 2}}, "spec.replicas.min"),
+    ({"routing": {"policy": "random"}}, "spec.routing.policy"),
+    ({"engine": {"blockSize": 7}}, "spec.engine.blockSize"),
+    ({"autoscaling": {"targetKVCacheUsage": 1.5}}, "spec.autoscaling.targetKVCacheUsage"),
+    ({"modle": {}}, "spec.modle"),
+    ({"model": {"name": "chat", "storageUri": "s3://b/k"}}, "spec.model.storageUri"),
+    ({"mode": "KServe", "model": {"name": "c", "storageUri": "image:///m"}},
+     "spec.model.storageUri"),
+    ({"redis": {"url": "http://redis"}}, "spec.redis.url"),
+])
+def test_invalid_specs_name_the_field(spec, field):
+    with pytest.raises(SpecError) as error:
+        parse_llmservice(body(**spec))
+    assert error.value.field == field
+
+
+def test_defaults_and_renderers():
+    svc = parse_llmservice(body(replicas={"min": 2, "max": 5},
+                                redis={"url": "redis://r:6379/0",
+                                       "passwordSecretRef": {"name": "redis"}}))
+    assert svc.spec.autoscaling.scale_down_stabilization_seconds == 300
+    assert model_path(svc) == "/mnt/models/chat"
+    dep = render_replica_deployment(svc, 3)
+    container = dep["spec"]["template"]["spec"]["containers"][0]
+    assert dep["spec"]["replicas"] == 3
+    assert container["readinessProbe"]["httpGet"]["path"] == "/v2/health/ready"
+    assert container["args"][:8] == ["--model", "/mnt/models/chat", "--http-port", "8000",
+                                     "--grpc-port", "8001", "--metrics-port", "8002"]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["PAGODA_REPLICA_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    assert env["PAGODA_REDIS_URL"]["value"] == "redis://:$(PAGODA_REDIS_PASSWORD)@r:6379/0"
+    router = render_router_deployment(svc)["spec"]["template"]["spec"]["containers"][0]
+    assert router["args"][:2] == ["--k8s-selector",
+                                  "app.kubernetes.io/component=replica,pagoda.dev/llmservice=chat"]
+    assert render_replica_deployment(svc, 3) == dep  # pure: same input, same output
+
+
+METRICS = """
+# HELP vllm:num_requests_waiting waiting
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{model_name="pagoda"} 3
+vllm:num_requests_running{model_name="pagoda"} 5
+vllm:kv_cache_usage_perc{model_name="pagoda"} 0.42
+vllm:time_to_first_token_seconds_bucket{le="0.1"} 50
+vllm:time_to_first_token_seconds_bucket{le="0.5"} 90
+vllm:time_to_first_token_seconds_bucket{le="1.0"} 100
+vllm:time_to_first_token_seconds_bucket{le="+Inf"} 100
+"""
+
+
+def test_prometheus_parsing_and_scrape_fallback():
+    samples = parse_prometheus_text(METRICS)
+    assert samples["vllm:num_requests_waiting"] == [({"model_name": "pagoda"}, 3.0)]
+    assert histogram_quantile(0.9, {0.1: 50, 0.5: 90, 1.0: 100, float("inf"): 100}) == 0.5
+
+    async def fetch(url: str) -> str:
+        assert url == "http://10.0.0.7:8002/metrics"
+        return METRICS
+
+    scraper = MetricsScraper(fetch=fetch, clock=lambda: 5.0)
+    loads = asyncio.run(scraper.read_loads("chat", {"pod-a": "10.0.0.7", "pod-b": None}))
+    assert list(loads) == ["pod-a"]
+    load = loads["pod-a"]
+    assert (load.waiting, load.running, load.kv_usage, load.ttft_p90) == (3, 5, 0.42, 0.5)
+
+
+class FakeRedis:
+    """Just the redis.asyncio calls RedisFleetStore makes."""
+
+    def __init__(self):
+        self.data: dict = {}
+
+    def pipeline(self, transaction=True):
+        redis, calls = self, []
+
+        class Pipe:
+            def __getattr__(self, name):
+                return lambda *args: calls.append((name, args))
+
+            async def execute(self):
+                return [await getattr(redis, name)(*args) for name, args in calls]
+        return Pipe()
+
+    async def hgetall(self, key):
+        return self.data.get(key, {})
+
+    async def set(self, key, value):
+        self.data[key] = value
+
+    async def smembers(self, key):
+        return set(self.data.get(key, set()))
+
+    async def srem(self, key, *members):
+        self.data.get(key, set()).difference_update(members)
+
+    async def delete(self, *keys):
+        for key in keys:
+            self.data.pop(key, None)
+
+
+def test_redis_store_reads_heartbeats_and_cleans_up():
+    redis = FakeRedis()
+    redis.data[fleet_keys.heartbeat_key("chat", "a")] = {
+        b"waiting": b"2", b"running": b"1", b"kv_usage": b"0.5", b"ttft_p90": b"0.2", b"ts": b"99"}
+    redis.data[fleet_keys.heartbeat_key("chat", "old")] = {b"waiting": b"9", b"ts": b"1"}
+    redis.data[fleet_keys.registry_key("chat")] = {"a", "old"}
+    redis.data[fleet_keys.replica_blocks_key("chat", "a")] = {"h1"}
+    redis.data[fleet_keys.block_owners_key("chat", "h1")] = {"a", "b"}
+    store = RedisFleetStore(redis, max_age_s=30, clock=lambda: 100.0)
+    loads = asyncio.run(store.read_loads("chat", {"a": None, "old": None}))
+    assert list(loads) == ["a"] and loads["a"].waiting == 2.0  # stale heartbeat ignored
+    asyncio.run(store.mark_draining("chat", "a"))
+    assert fleet_keys.drain_key("chat", "a") == "pagoda:chat:drain:a"
+    assert fleet_keys.drain_key("chat", "a") in redis.data
+    asyncio.run(store.forget_replica("chat", "a"))
+    assert redis.data[fleet_keys.block_owners_key("chat", "h1")] == {"b"}
+    assert redis.data[fleet_keys.registry_key("chat")] == {"old"}
+    assert fleet_keys.heartbeat_key("chat", "a") not in redis.data
