@@ -102,11 +102,8 @@ class LLMEngine:
         self.model_config = ModelConfig.from_pretrained(model_path)
         self.tokenizer = Tokenizer.from_pretrained(model_path)
         self.runner = ModelRunner(self.config, self.model_config, model_path)
-        self.max_model_len = self.config.max_model_len or self.model_config.max_position_embeddings
-        if self.max_model_len > self.model_config.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len: {self.max_model_len} exceeds the model's "
-                f"max_position_embeddings ({self.model_config.max_position_embeddings})")
+        # Refuses lengths past the model's positions (or a Mistral sliding window).
+        self.max_model_len = self.model_config.check_max_model_len(self.config.max_model_len)
         self.scheduler = Scheduler(SchedulerConfig.from_engine_config(
             self.config, num_blocks=self.runner.num_blocks, max_model_len=self.max_model_len, model_id=self.model_id))
         self.sampler = Sampler(vocab_size=self.model_config.vocab_size, seed=self.config.seed)
@@ -283,16 +280,22 @@ class LLMEngine:
             m.last_token_time = now
             completion.text += completion.detokenizer.add(update.new_token_ids)
         if update.finished:
+            completion.text += completion.detokenizer.finish()
+        # A stop string wins over a length/EOS finish reached in the same step.
+        stopped = (bool(group.params.stop) and request.num_output_tokens >= group.params.min_tokens
+                   and self._apply_stop_strings(completion, group.params))
+        if stopped and not update.finished:
+            self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
+        elif update.finished and not stopped:
             completion.finish_reason = request.finish_reason
             completion.stop_reason = request.stop_reason
-        elif group.params.stop and request.num_output_tokens >= group.params.min_tokens:
-            self._check_stop_strings(completion, group.params, len(update.new_token_ids))
         if completion.finish_reason is not None and group.finished:
             group.metrics.finished_time = now
 
-    def _check_stop_strings(self, completion: _Completion, params: SamplingParams, num_new_tokens: int) -> None:
-        # Only the tail can contain a new match: the part not yet scanned plus a stop
-        # string's length of overlap.
+    def _apply_stop_strings(self, completion: _Completion, params: SamplingParams) -> bool:
+        """Truncate at the earliest stop string in the unscanned tail; True if one matched."""
+        # Only the tail can hold a new match: the text not yet emitted plus a stop
+        # string's length of overlap with what was.
         longest = max(len(s) for s in params.stop)
         scan_from = max(0, completion.num_emitted_chars - longest)
         best = None
@@ -301,12 +304,12 @@ class LLMEngine:
             if pos != -1 and (best is None or pos < best[0]):
                 best = (pos, stop)
         if best is None:
-            return
+            return False
         pos, stop = best
         completion.text = completion.text[: pos + len(stop) if params.include_stop_str_in_output else pos]
         completion.finish_reason = "stop"
         completion.stop_reason = stop
-        self.scheduler.finish_requests([completion.request.request_id], RequestStatus.FINISHED_STOPPED)
+        return True
 
     def _release_pending_children(self) -> None:
         """Hand n>1 siblings to the scheduler once child 0's prompt blocks are cached."""
