@@ -50,6 +50,7 @@ class ServingRequest:
     handle: Any  # the adapter's response sender, opaque here
     is_cancelled: Callable[[], bool] = lambda: False
     arrival_time: float = field(default_factory=time.time)
+    traceparent: Optional[str] = None  # W3C trace context from the router (serving/tracing.py)
 
 
 class ResponseSender:
@@ -105,11 +106,14 @@ class EngineLoop:
         cancel_poll_interval_s: how often in-flight requests are asked ``is_cancelled()``
             (each ask is an IPC round trip to the server, so not every step).
         idle_wait_s: how long the loop blocks on the command queue when there is no work.
+        tracer: a ``serving.tracing.RequestTracer`` (or ``None``): finished requests that
+            carry a ``traceparent`` get engine spans.
     """
 
     def __init__(self, engine: Any, sender: ResponseSender, metrics: Any = None,
-                 cancel_poll_interval_s: float = 0.05, idle_wait_s: float = 0.1) -> None:
+                 cancel_poll_interval_s: float = 0.05, idle_wait_s: float = 0.1, tracer: Any = None) -> None:
         self._engine = engine
+        self._tracer = tracer
         self._sender = sender
         self._metrics = metrics
         self._cancel_poll_interval_s = cancel_poll_interval_s
@@ -238,6 +242,7 @@ class EngineLoop:
                     logger.exception("recording request metrics failed")
             response = make_response(request.parsed, output)
             if output.finished:
+                self._trace(request, output)
                 ready.append((self._take(output.request_id),
                               response or make_error_response("request finished without output", "INTERNAL")))
             elif response is not None:
@@ -246,6 +251,14 @@ class EngineLoop:
         self._refresh_metrics(stepped=True)
         for request, response in ready:
             self._sender.put(request, response)
+
+    def _trace(self, request: ServingRequest, output: Any) -> None:
+        if self._tracer is None or request.traceparent is None:
+            return
+        try:
+            self._tracer.record(request.traceparent, output)
+        except Exception:  # noqa: BLE001 - tracing must never fail a request
+            logger.exception("recording engine spans failed")
 
     def _take(self, request_id: str) -> ServingRequest:
         """Remove a request from flight; its final response must follow."""

@@ -15,6 +15,7 @@ from pagoda.serving import triton_io
 from pagoda.serving.engine_loop import EngineLoop, ResponseSender, ServingRequest
 from pagoda.serving.metrics import ServingMetrics
 from pagoda.serving.model_config import engine_config_from_parameters, served_model_name
+from pagoda.serving.tracing import make_request_tracer, read_traceparent
 
 logger = logging.getLogger("pagoda.model")
 
@@ -45,7 +46,8 @@ class TritonPythonModel:
         }
         self.metrics = ServingMetrics(pb_utils, labels)
         self.sender = ResponseSender(self._deliver, on_failure=lambda request_id: self.loop.abort(request_id))
-        self.loop = EngineLoop(self.engine, self.sender, self.metrics)
+        self.tracer = make_request_tracer()  # None unless an OTLP endpoint is configured
+        self.loop = EngineLoop(self.engine, self.sender, self.metrics, tracer=self.tracer)
         self._request_numbers = itertools.count()
         self.sender.start()
         self.loop.start()
@@ -61,12 +63,16 @@ class TritonPythonModel:
                 stub = ServingRequest(request_id, None, response_sender)
                 self.sender.put(stub, triton_io.make_error_response(str(exc)))
                 continue
-            self.loop.submit(ServingRequest(request_id, parsed, response_sender, response_sender.is_cancelled))
+            traceparent = read_traceparent(request.parameters()) if self.tracer is not None else None
+            self.loop.submit(ServingRequest(request_id, parsed, response_sender, response_sender.is_cancelled,
+                                            traceparent=traceparent))
         return None
 
     def finalize(self):
         self.loop.stop()
         self.sender.stop()
+        if self.tracer is not None:
+            self.tracer.shutdown()
 
     @staticmethod
     def _deliver(response_sender, response):
