@@ -16,7 +16,8 @@ sequence's query length return at once.
 Keys. A tile walks key positions ``[kv_lo, kv_hi)`` in steps of ``BLOCK_N``, where
 ``kv_hi`` is one past the last valid query's position (causality) and each key's block
 id is gathered from the block table, so ``BLOCK_N`` and the cache block size are
-independent. Online softmax in fp32 (base 2, scale folded into ``log2(e)``), fp32
+independent. Whole key tiles below the tile's first query position are visible to every
+row and skip the causal/length masks; only the diagonal and tail tiles are masked. Online softmax in fp32 (base 2, scale folded into ``log2(e)``), fp32
 accumulators; the head dimension is padded to a power of two with masks (80 -> 128).
 
 Split-K ("flash decoding"). When the step has too few tiles to fill the GPU (decode at
@@ -44,6 +45,55 @@ LOG2E = 1.4426950408889634
 # The interpreter computes bf16 tl.dot wrongly; under it (and only there) dot operands are
 # upcast to fp32. Compiled GPU code never takes that branch.
 _INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _attend_key_range(
+    acc, m_i, l_i, q, q_pos, k_base, v_base, table_row, lo, hi, kv_hi, qk_scale, dims, dim_ok,
+    stride_bt_col, stride_k_block, stride_k_slot, stride_v_block, stride_v_slot,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr,
+    PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+):  # fmt: skip
+    """Online-softmax update of (acc, m_i, l_i) over keys [lo, hi), gathered via the table.
+
+    MASKED=False is only for keys every row may see (all below the first query position
+    and below kv_hi); MASKED=True applies the causal and length masks.
+    """
+    for start in range(lo, hi, BLOCK_N):
+        k_pos = start + tl.arange(0, BLOCK_N)
+        bt_offs = (k_pos // BLOCK_SIZE) * stride_bt_col
+        if MASKED:
+            k_ok = k_pos < kv_hi
+            block_ids = tl.load(table_row + bt_offs, mask=k_ok, other=0).to(tl.int64)
+            kv_mask = k_ok[:, None] & dim_ok[None, :]
+        else:
+            block_ids = tl.load(table_row + bt_offs).to(tl.int64)
+            kv_mask = dim_ok[None, :]
+        slots = (k_pos % BLOCK_SIZE).to(tl.int64)
+        k_offs = block_ids[:, None] * stride_k_block + slots[:, None] * stride_k_slot + dims[None, :]
+        k = tl.load(k_base + k_offs, mask=kv_mask, other=0.0)
+        if DOT_UPCAST:
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        if MASKED:
+            visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
+            s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row with no visible key yet keeps max -inf; exp2(-inf - 0) = 0 avoids NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+
+        v_offs = block_ids[:, None] * stride_v_block + slots[:, None] * stride_v_slot + dims[None, :]
+        v = tl.load(v_base + v_offs, mask=kv_mask, other=0.0)
+        p_dot = p.to(v.dtype)
+        if DOT_UPCAST:
+            v = v.to(tl.float32)
+            p_dot = p_dot.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p_dot, v, input_precision=PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
 
 
 @triton.jit
@@ -123,38 +173,24 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_Q * GROUP_PAD, HEAD_PAD], tl.float32)
     qk_scale = scale * 1.4426950408889634
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
-    k_head_off = kv_head.to(tl.int64) * stride_k_head
-    v_head_off = kv_head.to(tl.int64) * stride_v_head
+    k_base = k_cache_ptr + kv_head.to(tl.int64) * stride_k_head
+    v_base = v_cache_ptr + kv_head.to(tl.int64) * stride_v_head
 
-    for start in range(kv_lo, kv_hi, BLOCK_N):
-        k_pos = start + tl.arange(0, BLOCK_N)
-        k_ok = k_pos < kv_hi
-        block_ids = tl.load(table_row + (k_pos // BLOCK_SIZE) * stride_bt_col, mask=k_ok, other=0).to(tl.int64)
-        slots = (k_pos % BLOCK_SIZE).to(tl.int64)
-        kv_mask = k_ok[:, None] & dim_ok[None, :]
-        k_offs = block_ids[:, None] * stride_k_block + slots[:, None] * stride_k_slot + k_head_off + dims[None, :]
-        k = tl.load(k_cache_ptr + k_offs, mask=kv_mask, other=0.0)
-        if DOT_UPCAST:
-            k = k.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
-        visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
-        s = tl.where(visible, s, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # A row with no visible key yet keeps max -inf; exp2(-inf - 0) = 0 avoids NaN.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-
-        v_offs = block_ids[:, None] * stride_v_block + slots[:, None] * stride_v_slot + v_head_off + dims[None, :]
-        v = tl.load(v_cache_ptr + v_offs, mask=kv_mask, other=0.0)
-        p_dot = p.to(v.dtype)
-        if DOT_UPCAST:
-            v = v.to(tl.float32)
-            p_dot = p_dot.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p_dot, v, input_precision=PRECISION)
-        m_i = m_new
+    # Whole key tiles before the tile's first query position are visible to every row:
+    # no causal or length masks there. The rest (diagonal, tail) goes through the masks.
+    first_q_pos = ctx_len + q_block * BLOCK_Q
+    num_full = tl.maximum(tl.minimum(kv_hi, first_q_pos) - kv_lo, 0) // BLOCK_N
+    full_end = kv_lo + num_full * BLOCK_N
+    acc, m_i, l_i = _attend_key_range(
+        acc, m_i, l_i, q, q_pos, k_base, v_base, table_row, kv_lo, full_end, kv_hi, qk_scale, dims, dim_ok,
+        stride_bt_col, stride_k_block, stride_k_slot, stride_v_block, stride_v_slot,
+        BLOCK_N, BLOCK_SIZE, False, PRECISION, DOT_UPCAST,
+    )  # fmt: skip
+    acc, m_i, l_i = _attend_key_range(
+        acc, m_i, l_i, q, q_pos, k_base, v_base, table_row, full_end, kv_hi, kv_hi, qk_scale, dims, dim_ok,
+        stride_bt_col, stride_k_block, stride_k_slot, stride_v_block, stride_v_slot,
+        BLOCK_N, BLOCK_SIZE, True, PRECISION, DOT_UPCAST,
+    )  # fmt: skip
 
     if IS_SPLIT:
         part = (tok_idx * num_heads + head) * num_splits + split
