@@ -1,0 +1,341 @@
+"""The router's view of its replicas: who they are, how to reach them, and whether they work.
+
+Membership comes from exactly one source, fixed at start:
+
+- ``static``: ``--replicas "id=a,grpc=h:p,http=h:p,metrics=h:p;grpc=...,http=..."``. An
+  entry without ``id=`` takes the id of the registry heartbeat that names the same gRPC
+  endpoint (so the Redis index's replica ids line up), else its gRPC endpoint.
+- ``kubernetes``: ready pods matching ``--k8s-selector`` in the router's namespace, listed
+  from the API server every few seconds (``KubernetesDiscovery``); id = pod name, the
+  replica id the operator gives each replica (``PAGODA_REPLICA_ID``).
+- ``registry``: the Redis replica registry itself (every replica with a live heartbeat).
+
+Each ``Replica`` also carries what the router learns on its own: ``in_flight`` (requests
+it routed there that have not ended: optimistic accounting, counted at decision time so a
+burst spreads before any heartbeat reports it), ``healthy`` (cleared when a connection or
+a stream to it breaks; set again by the health prober once ``ServerReady`` answers), and
+the last heartbeat load (waiting, running, KV usage, draining).
+
+Invariant: ``in_flight`` is changed only by ``ReplicaSet.acquire``/``release`` and never
+goes below zero; a replica that leaves membership keeps its object (and channel) until its
+in-flight requests end, so their accounting stays exact.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import ssl
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Optional
+
+logger = logging.getLogger(__name__)
+
+ENDPOINT_KEYS = ("grpc", "http", "metrics")
+DEFAULT_PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}
+
+
+def parse_replicas_spec(spec: str) -> list[tuple[Optional[str], dict[str, str]]]:
+    """Parse ``--replicas``: ``;``-separated entries of ``key=value`` pairs.
+
+    Returns:
+        ``[(replica_id or None, {"grpc": "h:p", "http": "h:p", ...}), ...]``.
+
+    Raises:
+        ValueError: an empty list, an unknown key, a malformed ``host:port``, or an entry
+            without both ``grpc`` and ``http``.
+    """
+    entries = []
+    for raw in (part.strip() for part in spec.split(";")):
+        if not raw:
+            continue
+        replica_id, endpoints = None, {}
+        for pair in raw.split(","):
+            key, sep, value = pair.strip().partition("=")
+            if not sep or not value:
+                raise ValueError(f"--replicas: expected key=value, got {pair.strip()!r} in {raw!r}")
+            if key == "id":
+                replica_id = value
+            elif key in ENDPOINT_KEYS:
+                host, colon, port = value.rpartition(":")
+                if not colon or not host or not port.isdigit():
+                    raise ValueError(f"--replicas: {key} must be host:port, got {value!r}")
+                endpoints[key] = value
+            else:
+                raise ValueError(f"--replicas: unknown key {key!r} (known: id, grpc, http, metrics)")
+        missing = [k for k in ("grpc", "http") if k not in endpoints]
+        if missing:
+            raise ValueError(f"--replicas: entry {raw!r} lacks {' and '.join(missing)}")
+        entries.append((replica_id, endpoints))
+    if not entries:
+        raise ValueError("--replicas: no replica given")
+    return entries
+
+
+@dataclass
+class Replica:
+    """One replica as the router sees it."""
+
+    replica_id: str
+    endpoints: dict[str, str]
+    healthy: bool = True
+    in_flight: int = 0
+    draining: bool = False
+    waiting: int = 0
+    running: int = 0
+    kv_usage: float = 0.0
+    heartbeat_ts: float = 0.0
+    unhealthy_reason: str = ""
+    unhealthy_since: float = 0.0
+    id_from_registry: bool = False
+    _grpc_stub: Any = field(default=None, repr=False)
+    _grpc_channel: Any = field(default=None, repr=False)
+
+    def grpc_stub(self) -> Any:
+        """A ``GRPCInferenceServiceStub`` on one shared channel (created on first use)."""
+        if self._grpc_stub is None:
+            import grpc
+            from tritonclient.grpc import service_pb2_grpc
+
+            options = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+            self._grpc_channel = grpc.aio.insecure_channel(self.endpoints["grpc"], options=options)
+            self._grpc_stub = service_pb2_grpc.GRPCInferenceServiceStub(self._grpc_channel)
+        return self._grpc_stub
+
+    async def close(self) -> None:
+        if self._grpc_channel is not None:
+            await self._grpc_channel.close()
+            self._grpc_channel = self._grpc_stub = None
+
+
+class ReplicaSet:
+    """Membership, health and in-flight counts of the router's replicas."""
+
+    def __init__(self, source: str) -> None:
+        assert source in ("static", "kubernetes", "registry"), f"unknown membership source {source}"
+        self.source = source
+        self._replicas: dict[str, Replica] = {}
+        self._retired: list[Replica] = []  # left membership with requests still in flight
+
+    # ---------------------------------------------------------------- membership
+    def set_members(self, members: Iterable[tuple[str, dict[str, str]]]) -> None:
+        """Make ``members`` (id, endpoints) the replica list; unknown ids are added."""
+        wanted = dict(members)
+        for replica_id in list(self._replicas):
+            if replica_id not in wanted:
+                self._retire(self._replicas.pop(replica_id))
+        for replica_id, endpoints in wanted.items():
+            replica = self._replicas.get(replica_id)
+            if replica is None:
+                self._replicas[replica_id] = Replica(replica_id, dict(endpoints))
+            elif replica.endpoints != endpoints:
+                self._retire(self._replicas.pop(replica_id))
+                self._replicas[replica_id] = Replica(replica_id, dict(endpoints))
+
+    def _retire(self, replica: Replica) -> None:
+        if replica.in_flight > 0:
+            self._retired.append(replica)
+        else:
+            _close_later(replica)
+
+    def apply_heartbeats(self, infos: Iterable[Any]) -> None:
+        """Copy heartbeat load onto members; in ``registry`` mode the heartbeats are the members.
+
+        Static entries without an explicit id adopt the id of the heartbeat whose gRPC
+        endpoint they name.
+        """
+        infos = list(infos)
+        if self.source == "registry":
+            self.set_members((info.replica_id, dict(info.endpoints)) for info in infos)
+        elif self.source == "static":
+            by_grpc = {info.endpoints.get("grpc"): info.replica_id for info in infos}
+            for replica_id, replica in list(self._replicas.items()):
+                new_id = by_grpc.get(replica.endpoints["grpc"])
+                if new_id and new_id != replica_id and new_id not in self._replicas and not replica.id_from_registry:
+                    del self._replicas[replica_id]
+                    replica.replica_id, replica.id_from_registry = new_id, True
+                    self._replicas[new_id] = replica
+        for info in infos:
+            replica = self._replicas.get(info.replica_id)
+            if replica is None:
+                continue
+            replica.waiting, replica.running = int(info.waiting), int(info.running)
+            replica.kv_usage, replica.draining = float(info.kv_usage), bool(info.draining)
+            replica.heartbeat_ts = float(info.ts)
+
+    # ---------------------------------------------------------------- queries
+    def all(self) -> list[Replica]:
+        return list(self._replicas.values())
+
+    def get(self, replica_id: str) -> Optional[Replica]:
+        return self._replicas.get(replica_id)
+
+    def routable(self, exclude: Iterable[str] = (), include_draining: bool = False) -> list[Replica]:
+        """Healthy, not excluded (and not draining unless asked), in a stable (id) order."""
+        excluded = set(exclude)
+        return sorted((r for r in self._replicas.values()
+                       if r.healthy and (include_draining or not r.draining) and r.replica_id not in excluded),
+                      key=lambda r: r.replica_id)
+
+    # ---------------------------------------------------------------- accounting
+    def acquire(self, replica: Replica) -> None:
+        replica.in_flight += 1
+
+    def release(self, replica: Replica) -> None:
+        assert replica.in_flight > 0, f"in-flight count of {replica.replica_id} would go negative"
+        replica.in_flight -= 1
+        if replica.in_flight == 0 and replica in self._retired:
+            self._retired.remove(replica)
+            _close_later(replica)
+
+    def mark_unhealthy(self, replica: Replica, reason: str) -> None:
+        if replica.healthy:
+            logger.warning("replica %s marked unhealthy: %s", replica.replica_id, reason)
+        replica.healthy = False
+        replica.unhealthy_reason = reason
+        replica.unhealthy_since = time.monotonic()
+
+    def mark_healthy(self, replica: Replica) -> None:
+        if not replica.healthy:
+            logger.info("replica %s is healthy again", replica.replica_id)
+        replica.healthy = True
+        replica.unhealthy_reason = ""
+
+    async def close(self) -> None:
+        for replica in [*self._replicas.values(), *self._retired]:
+            await replica.close()
+        self._replicas.clear()
+        self._retired.clear()
+
+
+def _close_later(replica: Replica) -> None:
+    try:
+        asyncio.get_running_loop().create_task(replica.close())
+    except RuntimeError:  # no loop running: nothing was opened on one either
+        pass
+
+
+# ---------------------------------------------------------------- Kubernetes discovery
+@dataclass
+class KubernetesConfig:
+    """Where and how to reach the API server (in-cluster defaults)."""
+
+    api_url: str
+    namespace: str
+    token: Optional[str] = None
+    ca_file: Optional[str] = None
+
+    @classmethod
+    def in_cluster(cls, namespace: Optional[str] = None) -> "KubernetesConfig":
+        """The service-account configuration a pod has.
+
+        Raises:
+            RuntimeError: not running in a pod (no ``KUBERNETES_SERVICE_HOST``).
+        """
+        host, port = os.environ.get("KUBERNETES_SERVICE_HOST"), os.environ.get("KUBERNETES_SERVICE_PORT", "443")
+        if not host:
+            raise RuntimeError("--k8s-selector needs to run in a pod (KUBERNETES_SERVICE_HOST is not set); "
+                               "pass --k8s-api to point at an API server")
+        sa = "/var/run/secrets/kubernetes.io/serviceaccount"
+        namespace = namespace or os.environ.get("PAGODA_NAMESPACE") or _read(f"{sa}/namespace") or "default"
+        if ":" in host:
+            host = f"[{host}]"
+        return cls(f"https://{host}:{port}", namespace, _read(f"{sa}/token"), f"{sa}/ca.crt")
+
+
+def _read(path: str) -> Optional[str]:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def pod_to_member(pod: dict[str, Any]) -> Optional[tuple[str, dict[str, str]]]:
+    """(replica id, endpoints) of a ready pod, or ``None`` for a pod not ready to serve."""
+    metadata, status, spec = pod.get("metadata", {}), pod.get("status", {}), pod.get("spec", {})
+    if metadata.get("deletionTimestamp") or not status.get("podIP"):
+        return None
+    conditions = {c.get("type"): c.get("status") for c in status.get("conditions", [])}
+    if conditions.get("Ready") != "True":
+        return None
+    ports = dict(DEFAULT_PORTS)
+    for container in spec.get("containers", []):
+        for port in container.get("ports", []):
+            if port.get("name") in ports:
+                ports[port["name"]] = int(port["containerPort"])
+    ip = status["podIP"]
+    host = f"[{ip}]" if ":" in ip else ip
+    return metadata["name"], {key: f"{host}:{value}" for key, value in ports.items()}
+
+
+class KubernetesDiscovery:
+    """Lists pods matching a label selector and feeds them to a ``ReplicaSet``.
+
+    Args:
+        replicas: the set to update.
+        selector: a label selector (``a=b,c=d``).
+        config: API server location and credentials.
+        interval_s: seconds between lists.
+    """
+
+    def __init__(self, replicas: ReplicaSet, selector: str, config: KubernetesConfig, interval_s: float = 5.0) -> None:
+        self.replicas = replicas
+        self.selector = selector
+        self.config = config
+        self.interval_s = interval_s
+        self.num_lists = 0
+        self._task: Optional[asyncio.Task] = None
+        self._session: Any = None
+
+    async def list_members(self) -> list[tuple[str, dict[str, str]]]:
+        """One list call; returns the ready replicas (raises on API errors)."""
+        import aiohttp
+
+        if self._session is None:
+            ssl_context: Any = None
+            if self.config.api_url.startswith("https://"):
+                ssl_context = ssl.create_default_context(cafile=self.config.ca_file) if self.config.ca_file else None
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=ssl_context)
+                                                  if ssl_context else None)
+        headers = {"Authorization": f"Bearer {self.config.token}"} if self.config.token else {}
+        url = f"{self.config.api_url}/api/v1/namespaces/{self.config.namespace}/pods"
+        async with self._session.get(url, params={"labelSelector": self.selector}, headers=headers,
+                                     timeout=aiohttp.ClientTimeout(total=10)) as response:
+            if response.status != 200:
+                raise RuntimeError(f"listing pods failed: HTTP {response.status}: {(await response.text())[:200]}")
+            body = json.loads(await response.text())
+        self.num_lists += 1
+        return [m for m in (pod_to_member(pod) for pod in body.get("items", [])) if m is not None]
+
+    async def refresh(self) -> None:
+        self.replicas.set_members(await self.list_members())
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="pagoda-k8s-discovery")
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.refresh()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - keep the last known members and retry
+                logger.warning("Kubernetes discovery failed (keeping %d known replicas): %s",
+                               len(self.replicas.all()), exc)
+            await asyncio.sleep(self.interval_s)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
