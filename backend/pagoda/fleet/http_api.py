@@ -198,6 +198,8 @@ def render_metrics(router: Router) -> str:
         *(f'pagoda_router_decision_seconds{{quantile="{q}"}} {quantile(q):.6f}' for q in (0.5, 0.9, 0.99)),
         "# TYPE pagoda_router_replica_in_flight gauge",
         *(f'pagoda_router_replica_in_flight{{replica_id="{r.replica_id}"}} {r.in_flight}' for r in router.replicas.all()),
+        "# TYPE pagoda_router_replica_requests_total counter",
+        *(f'pagoda_router_replica_requests_total{{replica_id="{r.replica_id}"}} {r.num_routed}' for r in router.replicas.all()),
         "# TYPE pagoda_router_replica_healthy gauge",
         *(f'pagoda_router_replica_healthy{{replica_id="{r.replica_id}"}} {int(r.healthy)}' for r in router.replicas.all()),
     ]

@@ -83,6 +83,7 @@ class Replica:
     endpoints: dict[str, str]
     healthy: bool = True
     in_flight: int = 0
+    num_routed: int = 0  # requests ever routed here (tests, /metrics)
     draining: bool = False
     waiting: int = 0
     running: int = 0
@@ -183,6 +184,7 @@ class ReplicaSet:
     # ---------------------------------------------------------------- accounting
     def acquire(self, replica: Replica) -> None:
         replica.in_flight += 1
+        replica.num_routed += 1
 
     def release(self, replica: Replica) -> None:
         assert replica.in_flight > 0, f"in-flight count of {replica.replica_id} would go negative"

@@ -1,0 +1,109 @@
+"""OpenAI bodies -> contract-1 requests (mapping, refusals) and outputs -> OpenAI pieces."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+
+from pagoda.fleet.grpc_proxy import read_string_input
+from pagoda.fleet.openai_io import (OpenAIError, build_chat_request, build_completion_request, chat_logprobs,
+                                    completion_logprobs, make_infer_request, read_outputs)
+
+
+class FakeTokenizer:
+    def apply_chat_template(self, messages, add_generation_prompt=True):
+        if any(m["role"] not in ("system", "user", "assistant") for m in messages):
+            raise ValueError("unknown role")
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(96 + i) for i in ids)
+
+
+def test_completion_mapping():
+    built = build_completion_request({"prompt": ["Hi"], "max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "n": 2,
+                                      "stop": "\n", "seed": 3, "presence_penalty": 0.1, "top_k": 5,
+                                      "cache_salt": "tenant", "logprobs": 2, "echo": True, "stream": True,
+                                      "stream_options": {"include_usage": True}, "user": "ignored"})
+    assert built.prompt == "Hi" and built.stream and built.n == 2 and built.include_usage
+    assert built.echo_prefix == "Hi" and built.logprobs == 2
+    assert built.sampling == {"temperature": 0.5, "top_p": 0.9, "n": 2, "seed": 3, "presence_penalty": 0.1,
+                              "top_k": 5, "cache_salt": "tenant", "max_tokens": 7, "stop": ["\n"], "logprobs": 2}
+    assert build_completion_request({"prompt": "x"}).sampling == {"max_tokens": 16}
+
+
+@pytest.mark.parametrize("body, param", [
+    ({}, "prompt"),
+    ({"prompt": ["a", "b"]}, "prompt"),
+    ({"prompt": [1, 2, 3]}, "prompt"),
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": True}, "max_tokens"),
+    ({"prompt": "x", "temperature": "hot"}, "temperature"),
+    ({"prompt": "x", "n": 0}, "n"),
+    ({"prompt": "x", "stop": [1]}, "stop"),
+    ({"prompt": "x", "best_of": 3}, "best_of"),
+    ({"prompt": "x", "suffix": "y"}, "suffix"),
+    ({"prompt": "x", "logit_bias": {"1": 5}}, "logit_bias"),
+    ({"prompt": "x", "logprobs": 50}, "logprobs"),
+    ({"prompt": "x", "stream": "yes"}, "stream"),
+])
+def test_completion_refusals(body, param):
+    with pytest.raises(OpenAIError) as info:
+        build_completion_request(body)
+    assert info.value.param == param and param.split("_")[0] in str(info.value)
+
+
+def test_chat_mapping_and_refusals():
+    tokenizer = FakeTokenizer()
+    built = build_chat_request({"messages": [{"role": "system", "content": "Be brief."},
+                                             {"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
+                                "max_completion_tokens": 5, "logprobs": True, "top_logprobs": 3}, tokenizer)
+    assert built.prompt == "<system>Be brief.<user>Hi<assistant>"
+    assert built.sampling == {"max_tokens": 5, "logprobs": 3} and built.logprobs == 3
+    assert build_chat_request({"messages": [{"role": "user", "content": "x"}]}, tokenizer).sampling == {"max_tokens": None}
+    for body, param in [({"messages": []}, "messages"),
+                        ({"messages": [{"content": "x"}]}, "messages"),
+                        ({"messages": [{"role": "robot", "content": "x"}]}, "messages"),
+                        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
+                        ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+                        ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+                         "response_format"),
+                        ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs")]:
+        with pytest.raises(OpenAIError) as info:
+            build_chat_request(body, tokenizer)
+        assert info.value.param == param
+
+
+def test_infer_request_and_outputs_round_trip():
+    from tritonclient.grpc import service_pb2
+
+    built = build_completion_request({"prompt": "Hello", "max_tokens": 3, "logprobs": 1})
+    request = make_infer_request(built, "cmpl-1")
+    assert request.model_name == "pagoda" and request.id == "cmpl-1"
+    assert read_string_input(request, "text_input") == "Hello"
+    assert json.loads(read_string_input(request, "sampling_parameters")) == {"max_tokens": 3, "logprobs": 1}
+    flags = {t.name: request.raw_input_contents[i] for i, t in enumerate(request.inputs) if t.datatype == "BOOL"}
+    assert flags["stream"] == b"\x01" and flags["return_logprobs"] == b"\x01"
+
+    response = service_pb2.ModelInferResponse()
+    response.outputs.add(name="text_output", datatype="BYTES", shape=[2])
+    response.outputs.add(name="num_output_tokens", datatype="UINT32", shape=[2])
+    response.raw_output_contents.extend([struct.pack("<I", 2) + b"ab" + struct.pack("<I", 1) + b"c",
+                                         struct.pack("<2I", 2, 1)])
+    assert read_outputs(response) == {"text_output": ["ab", "c"], "num_output_tokens": [2, 1]}
+
+
+def test_logprob_shapes():
+    entries = [{"token_id": 1, "logprob": -0.5, "rank": 1, "top_logprobs": [{"token_id": 1, "logprob": -0.5},
+                                                                          {"token_id": 2, "logprob": -1.5}]},
+               {"token_id": 3, "logprob": -0.1, "rank": 1, "top_logprobs": []}]
+    tokenizer = FakeTokenizer()
+    chat = chat_logprobs(entries, tokenizer)
+    assert chat["content"][0] == {"token": "a", "logprob": -0.5, "bytes": [97], "top_logprobs": [
+        {"token": "a", "logprob": -0.5, "bytes": [97]}, {"token": "b", "logprob": -1.5, "bytes": [98]}]}
+    legacy = completion_logprobs(entries, tokenizer, offset=10)
+    assert legacy == {"tokens": ["a", "c"], "token_logprobs": [-0.5, -0.1],
+                      "top_logprobs": [{"a": -0.5, "b": -1.5}, {}], "text_offset": [10, 11]}

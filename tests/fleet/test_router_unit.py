@@ -1,0 +1,201 @@
+"""Router pieces without servers: replica specs, membership and accounting, the decision
+with a fake fleet view (prefix vs load-only fallback), Kubernetes discovery against a fake
+API server, Redis URL expansion, BYTES decoding."""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+from types import SimpleNamespace
+
+import pytest
+
+from pagoda.engine.block_hash import hash_prompt_blocks
+from pagoda.fleet.grpc_proxy import _bytes_elements, cache_salt_of, read_string_input
+from pagoda.fleet.replicas import KubernetesConfig, KubernetesDiscovery, ReplicaSet, parse_replicas_spec, pod_to_member
+from pagoda.fleet.router import options_from_args, make_parser, resolve_redis_url
+from pagoda.fleet.router_core import NoReplicaAvailable, Router
+
+
+def test_parse_replicas_spec():
+    spec = "id=a,grpc=10.0.0.1:8001,http=10.0.0.1:8000,metrics=10.0.0.1:8002; grpc=h:1,http=h:2"
+    assert parse_replicas_spec(spec) == [
+        ("a", {"grpc": "10.0.0.1:8001", "http": "10.0.0.1:8000", "metrics": "10.0.0.1:8002"}),
+        (None, {"grpc": "h:1", "http": "h:2"})]
+    for bad, message in [("", "no replica"), ("grpc=h:1", "lacks http"), ("grpc=h,http=h:2", "host:port"),
+                         ("grpc=h:1,http=h:2,color=red", "unknown key"), ("grpc", "key=value")]:
+        with pytest.raises(ValueError, match=message):
+            parse_replicas_spec(bad)
+
+
+def test_replica_set_accounting_and_ids_from_registry():
+    replicas = ReplicaSet("static")
+    replicas.set_members([("h:1", {"grpc": "h:1", "http": "h:2"}), ("b", {"grpc": "h:3", "http": "h:4"})])
+    beat = SimpleNamespace(replica_id="pod-0", endpoints={"grpc": "h:1"}, waiting=2, running=3, kv_usage=0.5,
+                           draining=True, ts=1.0)
+    replicas.apply_heartbeats([beat])
+    assert {r.replica_id for r in replicas.all()} == {"b", "pod-0"}  # "h:1" took its heartbeat's id
+    pod = replicas.get("pod-0")
+    assert (pod.waiting, pod.running, pod.kv_usage, pod.draining) == (2, 3, 0.5, True)
+    assert [r.replica_id for r in replicas.routable()] == ["b"]
+    assert [r.replica_id for r in replicas.routable(include_draining=True)] == ["b", "pod-0"]
+    b = replicas.get("b")
+    replicas.acquire(b)
+    replicas.acquire(b)
+    replicas.release(b)
+    assert (b.in_flight, b.num_routed) == (1, 2)
+    replicas.mark_unhealthy(b, "boom")
+    assert replicas.routable() == [] and b.unhealthy_reason == "boom"
+    replicas.mark_healthy(b)
+    assert replicas.routable() == [b]
+    replicas.release(b)
+    with pytest.raises(AssertionError):
+        replicas.release(b)
+
+
+def test_registry_membership_follows_heartbeats():
+    replicas = ReplicaSet("registry")
+    beats = [SimpleNamespace(replica_id=rid, endpoints={"grpc": f"{rid}:1", "http": f"{rid}:2"}, waiting=0,
+                             running=0, kv_usage=0.0, draining=False, ts=0.0) for rid in ("x", "y")]
+    replicas.apply_heartbeats(beats)
+    assert [r.replica_id for r in replicas.all()] == ["x", "y"]
+    replicas.apply_heartbeats(beats[1:])  # x's heartbeat expired
+    assert [r.replica_id for r in replicas.all()] == ["y"]
+
+
+class FakeTokenizer:
+    def encode(self, text):
+        return [ord(c) for c in text]
+
+
+class FakeFleet:
+    """FleetView's surface: ``match`` answers from a dict, or None when 'down'."""
+
+    def __init__(self):
+        self.available = True
+        self.owners: dict[str, dict[str, int]] = {}
+
+    async def match(self, block_hashes):
+        if not self.available:
+            return None
+        return self.owners.get(block_hashes[0] if block_hashes else "", {})
+
+
+def make_router(fleet=None, policy="prefix_aware"):
+    replicas = ReplicaSet("static")
+    replicas.set_members([("a", {"grpc": "a:1", "http": "a:2"}), ("b", {"grpc": "b:1", "http": "b:2"})])
+    return Router(replicas, FakeTokenizer(), "model-x", policy, fleet, block_size=4)
+
+
+def test_analyze_hashes_like_the_engine():
+    router = make_router()
+    analysis = router.analyze("abcdefghij", cache_salt="t1")
+    assert analysis.num_prompt_tokens == 10
+    expected = hash_prompt_blocks([ord(c) for c in "abcdefghij"], 4, "model-x", cache_salt="t1")
+    assert analysis.block_hashes == [h.hex() for h in expected] and len(expected) == 2
+
+
+def test_choose_follows_prefix_then_falls_back_to_load():
+    async def scenario():
+        fleet = FakeFleet()
+        router = make_router(fleet)
+        analysis = router.analyze("x" * 64)
+        fleet.owners[analysis.block_hashes[0]] = {"b": 16}
+        first = await router.choose(analysis)
+        assert (first.replica.replica_id, first.policy, first.matched_blocks) == ("b", "prefix_aware", 16)
+        assert first.replica.in_flight == 1  # counted at decision time
+        router.release(first)
+        router.release(first)  # idempotent
+        assert first.replica.in_flight == 0
+        fleet.available = False  # Redis down: least loaded by the router's own counts
+        held = [await router.choose(analysis) for _ in range(4)]
+        assert [d.replica.replica_id for d in held] == ["a", "b", "a", "b"]
+        assert all(d.policy == "least_loaded" and not d.redis_available for d in held)
+        with pytest.raises(NoReplicaAvailable, match="tried"):
+            await router.choose(analysis, exclude=["a", "b"])
+        assert router.num_fallback_decisions == 4
+
+    asyncio.run(scenario())
+
+
+def test_non_prefix_policy_kept_without_redis():
+    async def scenario():
+        router = make_router(None, policy="round_robin")
+        chosen = [(await router.choose(None)).replica.replica_id for _ in range(4)]
+        assert chosen == ["a", "b", "a", "b"]
+
+    asyncio.run(scenario())
+
+
+def test_bytes_inputs_and_salt():
+    from tritonclient.grpc import service_pb2
+
+    request = service_pb2.ModelInferRequest()
+    for name in ("stream", "text_input", "sampling_parameters"):
+        request.inputs.add(name=name, datatype="BYTES", shape=[1])
+    request.raw_input_contents.extend([b"\x01", struct.pack("<I", 5) + "héllo".encode()[:5],
+                                       struct.pack("<I", 18) + b'{"cache_salt":"t"}'])
+    assert read_string_input(request, "text_input") == "héll"
+    assert cache_salt_of(read_string_input(request, "sampling_parameters")) == "t"
+    assert read_string_input(request, "missing") is None
+    assert _bytes_elements(struct.pack("<I", 2) + b"ab" + struct.pack("<I", 0)) == [b"ab", b""]
+    assert cache_salt_of("{not json") is None and cache_salt_of({"cache_salt": ""}) is None
+
+
+def test_redis_url_expansion_and_cli():
+    env = {"PAGODA_REDIS_PASSWORD": "s3cret"}
+    assert resolve_redis_url("redis://:$(PAGODA_REDIS_PASSWORD)@redis:6379/0", env) == "redis://:s3cret@redis:6379/0"
+    # The operator's rendered arguments parse.
+    args = make_parser().parse_args(["--k8s-selector", "app=pagoda,component=replica", "--redis-url",
+                                     "redis://:$(PAGODA_REDIS_PASSWORD)@r:6379/0", "--policy", "prefix_aware",
+                                     "--policy-knob", "load_cost_tokens=128"])
+    options = options_from_args(args)
+    assert options.k8s_selector == "app=pagoda,component=replica" and options.policy_knobs == {"load_cost_tokens": 128.0}
+    assert (options.http_port, options.grpc_port) == (8080, 8081)
+
+
+def test_pod_to_member():
+    pod = {"metadata": {"name": "llm-0"}, "spec": {"containers": [{"ports": [{"name": "grpc", "containerPort": 9001}]}]},
+           "status": {"podIP": "10.1.2.3", "conditions": [{"type": "Ready", "status": "True"}]}}
+    assert pod_to_member(pod) == ("llm-0", {"http": "10.1.2.3:8000", "grpc": "10.1.2.3:9001",
+                                            "metrics": "10.1.2.3:8002"})
+    not_ready = {**pod, "status": {"podIP": "10.1.2.3", "conditions": [{"type": "Ready", "status": "False"}]}}
+    deleting = {**pod, "metadata": {"name": "llm-0", "deletionTimestamp": "now"}}
+    assert pod_to_member(not_ready) is None and pod_to_member(deleting) is None
+
+
+def test_kubernetes_discovery_against_a_fake_api():
+    from aiohttp import web
+
+    def pod(name, ready):
+        return {"metadata": {"name": name}, "spec": {"containers": [{}]},
+                "status": {"podIP": f"10.0.0.{name[-1]}", "conditions": [{"type": "Ready", "status": str(ready)}]}}
+
+    seen = {}
+
+    async def list_pods(request):
+        seen["selector"] = request.query["labelSelector"]
+        seen["auth"] = request.headers.get("Authorization")
+        seen["namespace"] = request.match_info["ns"]
+        return web.json_response({"items": [pod("p1", True), pod("p2", False)]})
+
+    async def scenario():
+        app = web.Application()
+        app.router.add_get("/api/v1/namespaces/{ns}/pods", list_pods)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        replicas = ReplicaSet("kubernetes")
+        discovery = KubernetesDiscovery(replicas, "app=x", KubernetesConfig(f"http://127.0.0.1:{port}", "ns1", "tok"))
+        try:
+            await discovery.refresh()
+        finally:
+            await discovery.stop()
+            await runner.cleanup()
+        return replicas
+
+    replicas = asyncio.run(scenario())
+    assert [(r.replica_id, r.endpoints["grpc"]) for r in replicas.all()] == [("p1", "10.0.0.1:8001")]
+    assert seen == {"selector": "app=x", "auth": "Bearer tok", "namespace": "ns1"}

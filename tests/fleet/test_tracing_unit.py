@@ -1,0 +1,86 @@
+"""Router and engine spans with an in-memory exporter: attributes, parentage, timestamps."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("opentelemetry.sdk")
+
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter  # noqa: E402
+
+from pagoda.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput  # noqa: E402
+from pagoda.fleet.tracing import RouterTracer  # noqa: E402
+from pagoda.serving.tracing import RequestTracer, make_request_tracer, read_traceparent  # noqa: E402
+
+TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
+PARENT_ID = "b7ad6b7169203331"
+TRACEPARENT = f"00-{TRACE_ID}-{PARENT_ID}-01"
+
+
+def test_router_span_records_the_decision_and_propagates():
+    exporter = InMemorySpanExporter()
+    tracer = RouterTracer(exporter, batch=False)
+    decision = SimpleNamespace(policy="prefix_aware", replica=SimpleNamespace(replica_id="r1"), matched_blocks=12,
+                               num_prompt_tokens=200, num_prompt_blocks=12, redis_available=True, decision_s=0.0004,
+                               attempt=1)
+    with tracer.route_span("grpc", {"traceparent": TRACEPARENT}) as span:
+        span.set_decision(decision)
+        outgoing = span.traceparent
+    [finished] = exporter.get_finished_spans()
+    assert finished.name == "pagoda.router.request"
+    assert format(finished.context.trace_id, "032x") == TRACE_ID
+    assert format(finished.parent.span_id, "016x") == PARENT_ID
+    assert outgoing == f"00-{TRACE_ID}-{format(finished.context.span_id, '016x')}-01"
+    assert finished.attributes["pagoda.replica_id"] == "r1" and finished.attributes["pagoda.matched_blocks"] == 12
+    assert finished.attributes["pagoda.policy"] == "prefix_aware" and finished.attributes["pagoda.protocol"] == "grpc"
+
+    with pytest.raises(RuntimeError):
+        with tracer.route_span("http") as span:
+            raise RuntimeError("replica died")
+    assert not exporter.get_finished_spans()[-1].status.is_ok
+
+
+def test_tracing_off_forwards_the_client_context():
+    tracer = RouterTracer(None)
+    with tracer.route_span("http", {"traceparent": TRACEPARENT}) as span:
+        span.set_decision(None)  # no-op without a span
+        assert span.traceparent == TRACEPARENT
+
+
+def test_engine_spans_from_request_metrics():
+    exporter = InMemorySpanExporter()
+    tracer = RequestTracer(exporter, batch=False)
+    metrics = RequestMetrics(arrival_time=100.0, first_scheduled_time=100.5, first_token_time=101.0,
+                             last_token_time=102.0, finished_time=102.5)
+    output = RequestOutput("req-1", "hi", [1, 2, 3], [CompletionOutput(0, "x y", [4, 5], "", [], finish_reason="length")],
+                           True, metrics, num_cached_tokens=2)
+    tracer.record(TRACEPARENT, output)
+    tracer.record(None, output)  # untraced requests make no spans
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    assert set(spans) == {"pagoda.engine.request", "engine.queued", "engine.prefill", "engine.first_token",
+                          "engine.decode", "engine.finished"}
+    root = spans["pagoda.engine.request"]
+    assert format(root.parent.span_id, "016x") == PARENT_ID and format(root.context.trace_id, "032x") == TRACE_ID
+    assert (root.start_time, root.end_time) == (100_000_000_000, 102_500_000_000)
+    assert (spans["engine.queued"].start_time, spans["engine.queued"].end_time) == (100_000_000_000, 100_500_000_000)
+    assert (spans["engine.prefill"].start_time, spans["engine.prefill"].end_time) == (100_500_000_000, 101_000_000_000)
+    assert spans["engine.first_token"].start_time == spans["engine.first_token"].end_time == 101_000_000_000
+    assert spans["engine.decode"].end_time == 102_500_000_000
+    assert all(s.parent.span_id == root.context.span_id for n, s in spans.items() if n != "pagoda.engine.request")
+    assert root.attributes["pagoda.num_prompt_tokens"] == 3 and root.attributes["pagoda.num_output_tokens"] == 2
+    assert root.attributes["pagoda.num_cached_tokens"] == 2 and root.attributes["pagoda.finish_reason"] == "length"
+    tracer.shutdown()
+
+
+def test_traceparent_parameter_and_configuration(monkeypatch):
+    assert read_traceparent('{"traceparent": "%s", "x": 1}' % TRACEPARENT) == TRACEPARENT
+    assert read_traceparent("{}") is None and read_traceparent("not json") is None and read_traceparent(None) is None
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
+    monkeypatch.delenv("PAGODA_OTLP_ENDPOINT", raising=False)
+    assert make_request_tracer() is None  # no endpoint: tracing off, no cost
+    monkeypatch.setenv("PAGODA_OTLP_ENDPOINT", "127.0.0.1:4317")
+    tracer = make_request_tracer()
+    assert isinstance(tracer, RequestTracer)
+    tracer.shutdown()
