@@ -1,0 +1,108 @@
+"""The Redis key layout of the fleet layer (ARCHITECTURE contract 4): the one definition.
+
+Every key of one served model lives under the namespace ``pagoda:{model}:`` (``{model}``
+is the served model name, e.g. the LLMService's ``spec.model.name``; it is *not* a Redis
+cluster hash tag). Replicas, routers and the operator build names only through the
+functions below; ``pagoda_operator.fleet_keys`` re-exports them.
+
+::
+
+    pagoda:{model}:replicas                     SET    replica ids that ever published (the registry)
+    pagoda:{model}:replica:{replica_id}         HASH   heartbeat, expires after the replica's TTL:
+                                                       waiting, running, kv_usage (0..1),
+                                                       prefix_hit_rate (0..1), block_size,
+                                                       num_blocks, ttft_p90 (s), ts (unix s),
+                                                       endpoints (JSON {"grpc": "h:p", ...}),
+                                                       hash_model_id (seeds block hashes),
+                                                       epoch, num_dropped_events
+    pagoda:{model}:drain:{replica_id}           STRING present = draining: routers send it no
+                                                       new requests (value: when it was set)
+    pagoda:{model}:replica:{replica_id}:blocks  SET    block hashes (hex) the replica holds
+    pagoda:{model}:replica:{replica_id}:seq     STRING "{epoch}:{seq}" of the last event applied
+                                                       to the index for that replica
+    pagoda:{model}:block:{block_hash}           SET    replica ids holding that block
+    pagoda:{model}:events                       STREAM one entry per published batch: replica,
+                                                       epoch, first_seq, last_seq, events (JSON
+                                                       list of contract-3 event dicts, each with
+                                                       its "seq"); trimmed to ~max entries
+
+Invariants (kept by the atomic apply script in ``pagoda.fleet.index``):
+
+- ``r in block:{h}``  <=>  ``h in replica:{r}:blocks`` (both sides change in one script).
+- ``replica:{r}:seq`` names the last event of replica ``r`` reflected in the two sets
+  above, and the stream entry carrying that event was appended by the same script; so a
+  snapshot of (blocks, seq) plus the stream entries with a larger seq is the exact state.
+- Sequence numbers are the *publisher's*: per replica and epoch they start at 0 and grow
+  by one per event, resync events included. A new epoch (a restarted publisher) starts
+  with ``AllBlocksCleared``.
+- A heartbeat key that expired means the replica is gone; its index entries stay until
+  someone calls ``ReplicaRegistry.remove_replica`` / ``reap_expired`` (routers ignore
+  matches on replicas without a heartbeat, so stale entries cost memory, not correctness).
+"""
+
+from __future__ import annotations
+
+PREFIX = "pagoda"
+
+# Heartbeat hash fields (the operator's autoscaler reads waiting/running/kv_usage/ttft_p90/ts).
+HEARTBEAT_FIELDS = (
+    "waiting", "running", "kv_usage", "prefix_hit_rate", "block_size", "num_blocks",
+    "ttft_p90", "ts", "endpoints", "hash_model_id", "epoch", "num_dropped_events",
+)
+
+
+def fleet_key(model: str, *parts: str) -> str:
+    """The one key builder: ``pagoda:{model}:{part}:{part}...``.
+
+    Raises:
+        ValueError: an empty model name (every key must be namespaced by a model).
+    """
+    if not model:
+        raise ValueError("model: the fleet key namespace needs a non-empty model name")
+    return ":".join((PREFIX, model, *parts))
+
+
+def check_replica_id(replica_id: str) -> str:
+    """Returns ``replica_id``; raises ValueError if it is empty or holds ``:`` (a colon
+    would let ``replica:{a}:blocks`` collide with the heartbeat of replica ``a:blocks``)."""
+    if not replica_id or ":" in replica_id:
+        raise ValueError(f"replica_id: must be non-empty and contain no ':', got {replica_id!r}")
+    return replica_id
+
+
+def namespace(model: str) -> str:
+    """``pagoda:{model}``: every key of ``model`` starts with this plus ``:``."""
+    return fleet_key(model)
+
+
+def registry_key(model: str) -> str:
+    return fleet_key(model, "replicas")
+
+
+def heartbeat_key(model: str, replica_id: str) -> str:
+    return fleet_key(model, "replica", check_replica_id(replica_id))
+
+
+def drain_key(model: str, replica_id: str) -> str:
+    return fleet_key(model, "drain", check_replica_id(replica_id))
+
+
+def replica_blocks_key(model: str, replica_id: str) -> str:
+    return fleet_key(model, "replica", check_replica_id(replica_id), "blocks")
+
+
+def replica_seq_key(model: str, replica_id: str) -> str:
+    return fleet_key(model, "replica", check_replica_id(replica_id), "seq")
+
+
+def block_owners_key(model: str, block_hash: str) -> str:
+    return fleet_key(model, "block", block_hash)
+
+
+def block_owners_prefix(model: str) -> str:
+    """``block_owners_key(model, h) == block_owners_prefix(model) + h`` (used by Lua)."""
+    return block_owners_key(model, "")
+
+
+def events_stream_key(model: str) -> str:
+    return fleet_key(model, "events")

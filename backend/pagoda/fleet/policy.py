@@ -1,0 +1,204 @@
+"""Routing policies: which replica serves a request. One small strategy object per policy.
+
+Every policy answers ``choose(replicas, request) -> ReplicaState`` and nothing else, so
+the real router (``pagoda.fleet.router``) and the simulator (``pagoda.fleet.sim``) run
+the very same objects. Policies never do I/O; the router gathers their inputs.
+
+Inputs
+------
+``ReplicaState`` is the router's view of one replica: ``waiting``/``running``/
+``kv_usage`` from its last heartbeat (up to one heartbeat interval old), ``in_flight``
+(the router's own count of requests it forwarded there and that have not finished; the
+router increments it right after ``choose`` returns and decrements it when the response
+stream ends), ``healthy`` (the router could reach it) and ``draining`` (the drain flag).
+
+``RoutingRequest.matched_blocks`` is the prefix index's answer for the request's block
+hashes (``PrefixIndex.match`` / ``IndexFollower.match``): replica id -> leading blocks
+it holds. It is empty when the index is unavailable; every policy then still routes by
+load alone.
+
+Eligibility (all policies)
+--------------------------
+Only healthy replicas are ever chosen. Non-draining ones are preferred; draining ones are
+used only when no healthy replica is left undrained (finishing traffic on a replica that
+is shutting down beats failing it). No healthy replica: ``NoReplicaError``.
+
+Load
+----
+``load = max(waiting + running, in_flight)``. The heartbeat sees every router's traffic
+but lags; ``in_flight`` is exact for this router and counts a request the moment it is
+routed. Taking the maximum (not the sum, which would count this router's requests twice
+once the heartbeat catches up) is the optimistic in-flight accounting that stops a burst
+arriving between two heartbeats from herding onto the replica that looked idle.
+
+Policies
+--------
+``random``        uniform among the eligible. Knob: ``seed``.
+``round_robin``   eligible replicas in ``replica_id`` order, one after the other.
+``least_loaded``  smallest load; ties: smaller ``kv_usage``, then ``replica_id``.
+``prefix_aware``  cache-aware with load balance. For each eligible replica ``r``::
+
+        uncached(r) = num_prompt_tokens - min(matched_blocks[r] * block_size, num_prompt_tokens)
+        cost(r)     = uncached(r) + load_cost_tokens * load(r)
+
+    and the replica with the smallest cost wins (ties: smaller load, then
+    ``replica_id``, so the choice is deterministic). ``cost`` is in prompt tokens: the
+    prefill work this request would cost on ``r`` plus a token-equivalent price for the
+    queue it joins. A long cached prefix therefore outweighs a few queued requests, while
+    a short one (a chat template shared by everybody) barely matters.
+
+    Imbalance guard: before costs are compared, replicas whose load exceeds the least
+    loaded eligible replica's by more than ``max(imbalance_abs, imbalance_rel * min_load)``
+    are set aside. A hot prefix thus fills its replica up to that margin and then spills
+    to the least loaded replicas, which cache it too; the fleet never sits idle behind
+    one hot tenant, however valuable its prefix.
+
+    Knobs:
+      ``load_cost_tokens`` (default 256): prompt tokens of prefill one unit of load is
+          worth. Larger = balance load sooner, smaller = follow the cache harder. Set it
+          near (mean decode work of a queued request) / (per-token prefill cost), in
+          tokens: with prefill ~20x cheaper per token than a decode step and ~16 tokens
+          of output, ~320.
+      ``imbalance_abs`` (default 8): load margin, in requests, tolerated above the least
+          loaded replica before the guard sets a replica aside.
+      ``imbalance_rel`` (default 1.5): the same margin relative to the least loaded
+          replica's load (the larger of the two margins applies), so the guard scales
+          with fleet-wide load.
+
+``make_policy(name, **knobs)`` builds one from the ``POLICIES`` registry.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Callable, Protocol, Sequence
+
+
+class NoReplicaError(RuntimeError):
+    """No healthy replica can take the request."""
+
+
+@dataclass
+class ReplicaState:
+    replica_id: str
+    endpoints: dict[str, str] = field(default_factory=dict)
+    waiting: int = 0
+    running: int = 0
+    kv_usage: float = 0.0
+    in_flight: int = 0
+    healthy: bool = True
+    draining: bool = False
+
+    @property
+    def load(self) -> int:
+        """Optimistic load: see the module docstring."""
+        return max(self.waiting + self.running, self.in_flight)
+
+
+@dataclass
+class RoutingRequest:
+    request_id: str
+    block_hashes: list[str]
+    num_prompt_tokens: int
+    block_size: int
+    matched_blocks: dict[str, int] = field(default_factory=dict)
+
+    def matched_tokens(self, replica_id: str) -> int:
+        return min(self.matched_blocks.get(replica_id, 0) * self.block_size, self.num_prompt_tokens)
+
+
+class Policy(Protocol):
+    name: str
+
+    def choose(self, replicas: Sequence[ReplicaState], request: RoutingRequest) -> ReplicaState:
+        """The replica for ``request``. Raises ``NoReplicaError`` if none is eligible."""
+
+
+def eligible(replicas: Sequence[ReplicaState]) -> list[ReplicaState]:
+    """Healthy non-draining replicas, else healthy draining ones; sorted by id.
+
+    Raises:
+        NoReplicaError: no healthy replica at all.
+    """
+    healthy = sorted((r for r in replicas if r.healthy), key=lambda r: r.replica_id)
+    if not healthy:
+        raise NoReplicaError(f"no healthy replica among {len(replicas)}")
+    return [r for r in healthy if not r.draining] or healthy
+
+
+class RandomPolicy:
+    name = "random"
+
+    def __init__(self, seed: int | None = None) -> None:
+        self._rng = random.Random(seed)
+
+    def choose(self, replicas: Sequence[ReplicaState], request: RoutingRequest) -> ReplicaState:
+        return self._rng.choice(eligible(replicas))
+
+
+class RoundRobinPolicy:
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def choose(self, replicas: Sequence[ReplicaState], request: RoutingRequest) -> ReplicaState:
+        candidates = eligible(replicas)
+        chosen = candidates[self._next % len(candidates)]
+        self._next += 1
+        return chosen
+
+
+class LeastLoadedPolicy:
+    name = "least_loaded"
+
+    def choose(self, replicas: Sequence[ReplicaState], request: RoutingRequest) -> ReplicaState:
+        return min(eligible(replicas), key=lambda r: (r.load, r.kv_usage, r.replica_id))
+
+
+class PrefixAwarePolicy:
+    name = "prefix_aware"
+
+    def __init__(self, load_cost_tokens: float = 256.0, imbalance_abs: float = 8.0,
+                 imbalance_rel: float = 1.5) -> None:
+        if load_cost_tokens < 0 or imbalance_abs < 0 or imbalance_rel < 0:
+            raise ValueError("prefix_aware: load_cost_tokens, imbalance_abs and imbalance_rel must be >= 0")
+        self.load_cost_tokens = load_cost_tokens
+        self.imbalance_abs = imbalance_abs
+        self.imbalance_rel = imbalance_rel
+
+    def choose(self, replicas: Sequence[ReplicaState], request: RoutingRequest) -> ReplicaState:
+        candidates = eligible(replicas)
+        min_load = min(r.load for r in candidates)
+        margin = max(self.imbalance_abs, self.imbalance_rel * min_load)
+        balanced = [r for r in candidates if r.load <= min_load + margin]
+
+        def cost(r: ReplicaState) -> tuple[float, int, str]:
+            uncached = request.num_prompt_tokens - request.matched_tokens(r.replica_id)
+            return (uncached + self.load_cost_tokens * r.load, r.load, r.replica_id)
+
+        return min(balanced, key=cost)
+
+
+POLICIES: dict[str, Callable[..., Policy]] = {
+    RandomPolicy.name: RandomPolicy,
+    RoundRobinPolicy.name: RoundRobinPolicy,
+    LeastLoadedPolicy.name: LeastLoadedPolicy,
+    PrefixAwarePolicy.name: PrefixAwarePolicy,
+}
+
+
+def make_policy(name: str, **knobs) -> Policy:
+    """Build the policy registered as ``name`` with ``knobs`` (see the module docstring).
+
+    Raises:
+        ValueError: an unknown name (the message lists the known ones) or an unknown knob.
+    """
+    factory = POLICIES.get(name)
+    if factory is None:
+        raise ValueError(f"unknown routing policy {name!r}; known: {', '.join(sorted(POLICIES))}")
+    try:
+        return factory(**knobs)
+    except TypeError as exc:
+        raise ValueError(f"routing policy {name!r}: bad knobs {sorted(knobs)}: {exc}") from None
