@@ -92,6 +92,7 @@ def _engine_greedy(model_path: str, kernels: str, monkeypatch) -> dict[str, list
     return tokens
 
 
+@pytest.mark.parametrize("model_path", ["llama-gqa4-hd80-untied"], indirect=True)  # one model: time
 def test_engine_greedy_tokens_match_torch_references(model_path, monkeypatch, triton_calls):
     expected = _engine_greedy(model_path, "torch", monkeypatch)
     assert not any(triton_calls.values())
