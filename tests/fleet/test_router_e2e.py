@@ -1,0 +1,475 @@
+"""The router end to end: a real Redis, two real tritonserver replicas (default SmolLM2 on
+CPU, each publishing block events and heartbeats), and ``pagoda router`` in this process.
+
+Covers: prefix affinity (the replica holding a long prefix gets the requests sharing it:
+its ``vllm:prefix_cache_hits`` rises, the other's stays put) while unrelated requests
+spread; a router started late resyncs from the event stream; Redis killed or frozen
+mid-test -> load-only routing with no failed request, prefix routing back once Redis is;
+tritonclient gRPC stream + HTTP and the ``openai`` SDK unchanged against the router; bad
+input errors; traces (router spans in memory, the replicas' engine spans over OTLP to an
+in-test receiver, one trace id); a replica killed mid-stream (last: it kills a replica).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import queue
+import signal
+import threading
+import time
+import urllib.request
+
+import pytest
+
+from pagoda.serving.client import make_inputs
+from pagoda.serving.launcher import ServeOptions, TritonServer, find_free_port
+
+pytestmark = [pytest.mark.server, pytest.mark.redis]
+
+MODEL_NAME = "router-e2e"  # the fleet key namespace the replicas publish under
+REPLICA_IDS = ("r0", "r1")
+# ~700 tokens shared by the "tenant" requests (many full blocks of 16).
+SHARED_PREFIX = ("You are the support assistant of the Pagoda Tea House. " * 2 +
+                 " ".join(f"Rule {i}: answer politely about tea number {i} and its brewing time." for i in range(45)))
+
+
+# ------------------------------------------------------------------ fixtures
+class OtlpReceiver:
+    """An OTLP/gRPC trace receiver (TraceServiceServicer) collecting every span it gets."""
+
+    def __init__(self) -> None:
+        import grpc
+        from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+        receiver = self
+        self.spans: list = []
+        self.lock = threading.Lock()
+
+        class Servicer(trace_service_pb2_grpc.TraceServiceServicer):
+            def Export(self, request, context):  # noqa: N802
+                with receiver.lock:
+                    for resource_spans in request.resource_spans:
+                        service = {a.key: a.value.string_value for a in resource_spans.resource.attributes}
+                        for scope_spans in resource_spans.scope_spans:
+                            for span in scope_spans.spans:
+                                receiver.spans.append((service.get("service.name"), span))
+                return trace_service_pb2.ExportTraceServiceResponse()
+
+        self.server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=2))
+        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Servicer(), self.server)
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.server.start()
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def spans_of_trace(self, trace_id: bytes) -> list:
+        with self.lock:
+            return [(service, span) for service, span in self.spans if span.trace_id == trace_id]
+
+
+@pytest.fixture(scope="module")
+def otlp_receiver():
+    pytest.importorskip("opentelemetry.proto")
+    receiver = OtlpReceiver()
+    yield receiver
+    receiver.server.stop(0)
+
+
+def _start_replica(replica_id, redis_url, otlp_endpoint, log_path):
+    options = ServeOptions(http_port=find_free_port(), grpc_port=find_free_port(), metrics_port=find_free_port(),
+                           max_model_len=1024, max_num_seqs=8, startup_timeout_s=600)
+    env = {"PAGODA_REDIS_URL": redis_url, "PAGODA_REPLICA_ID": replica_id, "PAGODA_MODEL_NAME": MODEL_NAME,
+           "PAGODA_HTTP_PORT": str(options.http_port), "PAGODA_GRPC_PORT": str(options.grpc_port),
+           "PAGODA_METRICS_PORT": str(options.metrics_port), "PAGODA_HEARTBEAT_INTERVAL_S": "0.2",
+           "PAGODA_HEARTBEAT_TTL_S": "3", "OTEL_EXPORTER_OTLP_ENDPOINT": otlp_endpoint,
+           "OTEL_BSP_SCHEDULE_DELAY": "200"}
+    return TritonServer(options, log_path=str(log_path)), env
+
+
+@pytest.fixture(scope="module")
+def replicas(redis_server, otlp_receiver, tmp_path_factory, smollm2_path):
+    """Two replicas started together (the launcher copies the environment at start)."""
+    logs = tmp_path_factory.mktemp("replicas")
+    servers = []
+    saved = dict(os.environ)
+    try:
+        for replica_id in REPLICA_IDS:
+            server, env = _start_replica(replica_id, redis_server.url, otlp_receiver.endpoint,
+                                         logs / f"{replica_id}.log")
+            os.environ.update(env)
+            server.options.model = smollm2_path
+            threading.Thread(target=server.start, daemon=True).start()
+            servers.append(server)
+            time.sleep(0.5)  # the thread's Popen has copied this replica's environment
+            os.environ.clear()
+            os.environ.update(saved)
+        deadline = time.monotonic() + 600
+        while not all(_is_ready(s) for s in servers):
+            assert time.monotonic() < deadline, "replicas did not become ready"
+            time.sleep(0.5)
+        yield dict(zip(REPLICA_IDS, servers))
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+        for server in servers:
+            server.stop()
+
+
+def _is_ready(server) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://{server.http_url}/v2/models/pagoda/ready", timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def _replicas_spec(replicas) -> str:
+    return ";".join(f"id={rid},grpc={s.grpc_url},http={s.http_url},metrics={s.options.host}:{s.options.metrics_port}"
+                    for rid, s in replicas.items())
+
+
+def _memory_tracer():
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from pagoda.fleet.tracing import RouterTracer
+
+    exporter = InMemorySpanExporter()
+    return RouterTracer(exporter, batch=False), exporter
+
+
+def _make_router(replicas, redis_server, smollm2_path, **overrides):
+    from pagoda.fleet.router import BackgroundRouter, RouterOptions
+
+    tracer, exporter = _memory_tracer()
+    options = RouterOptions(model_dir=smollm2_path, model_name=MODEL_NAME, replicas=_replicas_spec(replicas),
+                            redis_url=redis_server.url, host="127.0.0.1", http_port=0, grpc_port=0,
+                            health_interval_s=0.5, registry_interval_s=0.2, **overrides)
+    background = BackgroundRouter(options, tracer=tracer)
+    background.exporter = exporter
+    return background
+
+
+@pytest.fixture(scope="module")
+def router(replicas, redis_server, smollm2_path):
+    with _make_router(replicas, redis_server, smollm2_path) as background:
+        _wait(lambda: background.run(lambda: background.service.router.fleet.available), "router sees Redis")
+        yield background
+
+
+def _wait(predicate, what, timeout_s=30.0, interval_s=0.1):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        time.sleep(interval_s)
+
+
+# ------------------------------------------------------------------ helpers
+def read_metric(server, name) -> float:
+    text = urllib.request.urlopen(f"http://{server.options.host}:{server.options.metrics_port}/metrics",
+                                  timeout=5).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") or line.startswith(name + " "))
+
+
+def grpc_generate(url, prompts, max_tokens=4, metadata=None, **sampling):
+    """Send ``prompts`` on one tritonclient gRPC stream; returns ({request id: text}, [errors])."""
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(url)
+    results: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: results.put((result, error)), headers=metadata)
+    for i, prompt in enumerate(prompts):
+        client.async_stream_infer("pagoda", make_inputs(prompt, {"max_tokens": max_tokens, "temperature": 0, **sampling}),
+                                  request_id=str(i))
+    texts: dict[str, str] = {}
+    errors = []
+    num_done = 0
+    while num_done < len(prompts):
+        result, error = results.get(timeout=120)
+        if error is not None:
+            errors.append(error)
+            num_done += 1
+            continue
+        response = result.get_response()
+        texts[response.id] = texts.get(response.id, "") + result.as_numpy("text_output")[0].decode()
+        num_done += int(response.parameters["triton_final_response"].bool_param)
+    client.stop_stream()
+    client.close()
+    return texts, errors
+
+
+def decisions(background, since=0):
+    """Router spans (finished) as attribute dicts, oldest first."""
+    spans = [s for s in background.exporter.get_finished_spans() if s.name == "pagoda.router.request"]
+    return [dict(s.attributes) for s in spans[since:]]
+
+
+def tenant_prompt(i: int) -> str:
+    return f"{SHARED_PREFIX}\nCustomer {i}: which tea should I try today?"
+
+
+def holder_of_prefix(background):
+    """The replica the index says holds the shared prefix, with its matched blocks."""
+    async def match():
+        router = background.service.router
+        analysis = router.analyze(tenant_prompt(0))
+        return await router.fleet.call(router.fleet.index.match, analysis.block_hashes, timeout_s=2)
+    matched = background.call(match())
+    return max(matched.items(), key=lambda kv: kv[1]) if matched else (None, 0)
+
+
+# ------------------------------------------------------------------ tests
+def test_prefix_affinity_and_spread(router, replicas):
+    hits_before = {rid: read_metric(s, "vllm:prefix_cache_hits") for rid, s in replicas.items()}
+    since = len(decisions(router))
+    texts, errors = grpc_generate(router.grpc_url, [tenant_prompt(0)])
+    assert not errors and texts["0"]
+    first = decisions(router, since)[-1]["pagoda.replica_id"]
+    _wait(lambda: holder_of_prefix(router)[0] == first and holder_of_prefix(router)[1] >= 30,
+          "the index shows the prefix on the first replica")
+    since = len(decisions(router))
+    for i in range(1, 5):  # one at a time: the load is equal, only the cache differs
+        texts, errors = grpc_generate(router.grpc_url, [tenant_prompt(i)])
+        assert not errors and texts["0"]
+    tenant = decisions(router, since)
+    assert [d["pagoda.replica_id"] for d in tenant] == [first] * 4
+    assert all(d["pagoda.policy"] == "prefix_aware" and d["pagoda.matched_blocks"] >= 30 for d in tenant)
+    hits_after = {rid: read_metric(s, "vllm:prefix_cache_hits") for rid, s in replicas.items()}
+    other = next(rid for rid in REPLICA_IDS if rid != first)
+    assert hits_after[first] - hits_before[first] >= 4 * 30 * 16  # four prompts, >= 30 cached blocks each
+    assert hits_after[other] == hits_before[other]
+
+    # Unrelated prompts sent together spread over both replicas (in-flight accounting).
+    since = len(decisions(router))
+    unrelated = [f"Question {i}: name a {w} animal." for i, w in enumerate(["small", "large", "fast", "slow",
+                                                                          "green", "loud"])]
+    texts, errors = grpc_generate(router.grpc_url, unrelated, max_tokens=8)
+    assert not errors and len(texts) == len(unrelated)
+    chosen = [d["pagoda.replica_id"] for d in decisions(router, since)]
+    assert set(chosen) == set(REPLICA_IDS), chosen
+
+
+def test_late_router_resyncs_from_the_stream(router, replicas, redis_server, smollm2_path):
+    holder, blocks = holder_of_prefix(router)
+    assert holder is not None and blocks >= 30, "test_prefix_affinity_and_spread warms the prefix first"
+    with _make_router(replicas, redis_server, smollm2_path, index_mode="follower") as late:
+        follower = late.service.router.fleet.follower
+        _wait(lambda: late.run(lambda: follower.is_synced and late.service.router.fleet.available), "resync")
+        assert follower.num_full_syncs >= 1
+        texts, errors = grpc_generate(late.grpc_url, [tenant_prompt(100), tenant_prompt(101)])
+        assert not errors and len(texts) == 2
+        late_decisions = decisions(late)
+        assert [d["pagoda.replica_id"] for d in late_decisions] == [holder, holder]
+        assert all(d["pagoda.matched_blocks"] >= 30 for d in late_decisions)
+
+
+def _send_many(url, prompts, max_tokens=4):
+    """Each prompt on its own thread and stream, all at once; returns the errors."""
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        outcomes = list(pool.map(lambda p: grpc_generate(url, [p], max_tokens=max_tokens), prompts))
+    return [e for _, errors in outcomes for e in errors], [t for texts, _ in outcomes for t in texts.values()]
+
+
+@pytest.mark.parametrize("fault", ["killed", "frozen"])
+def test_redis_fault_degrades_to_load_routing_and_recovers(router, replicas, redis_server, fault):
+    holder, _ = holder_of_prefix(router)
+    assert holder is not None
+    if fault == "killed":
+        redis_server.stop()
+    else:
+        os.kill(redis_server.pid, signal.SIGSTOP)
+    try:
+        # Requests arriving while the router has not noticed yet: none fails.
+        errors, texts = _send_many(router.grpc_url, [tenant_prompt(200 + i) for i in range(3)])
+        assert not errors and len(texts) == 3 and all(texts)
+        _wait(lambda: not router.run(lambda: router.service.router.fleet.available), "router notices", 10)
+        # Now the tenant's prompts route by load only: both replicas are used, nothing fails.
+        since = len(decisions(router))
+        errors, texts = _send_many(router.grpc_url, [tenant_prompt(210 + i) for i in range(4)])
+        assert not errors and len(texts) == 4 and all(texts)
+        during = decisions(router, since)
+        assert len(during) == 4
+        assert all(d["pagoda.policy"] == "least_loaded" and not d["pagoda.redis_available"] for d in during)
+        assert set(d["pagoda.replica_id"] for d in during) == set(REPLICA_IDS)
+        # No request waits on a dead or frozen Redis.
+        assert max(d["pagoda.decision_ms"] for d in during) < 100
+    finally:
+        if fault == "killed":
+            redis_server.start()
+        else:
+            os.kill(redis_server.pid, signal.SIGCONT)
+    # Redis is back (empty if it was killed: the publishers resync their blocks into it).
+    _wait(lambda: router.run(lambda: router.service.router.fleet.available), "router sees Redis again", 30)
+    _wait(lambda: holder_of_prefix(router)[1] >= 30, "the index holds the prefix again", 30)
+    holder, _ = holder_of_prefix(router)
+    since = len(decisions(router))
+    texts, errors = grpc_generate(router.grpc_url, [tenant_prompt(300)])
+    assert not errors and texts["0"]
+    [after] = decisions(router, since)
+    assert after["pagoda.policy"] == "prefix_aware" and after["pagoda.redis_available"]
+    assert after["pagoda.replica_id"] == holder and after["pagoda.matched_blocks"] >= 30
+
+
+def test_tritonclient_grpc_and_http_unchanged(router, replicas):
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+
+    direct = replicas[REPLICA_IDS[0]]
+    prompts = ["The capital of France is", "List three colors:", "def fibonacci(n):"]
+    via_router, errors = grpc_generate(router.grpc_url, prompts, max_tokens=6)
+    assert not errors
+    reference, _ = grpc_generate(direct.grpc_url, prompts, max_tokens=6)
+    assert via_router == reference  # greedy: the same text whichever replica served it
+
+    client = grpcclient.InferenceServerClient(router.grpc_url)
+    assert client.is_server_live() and client.is_server_ready() and client.is_model_ready("pagoda")
+    assert client.get_model_metadata("pagoda").name == "pagoda"
+    assert client.get_model_config("pagoda").config.model_transaction_policy.decoupled
+    client.close()
+    http = httpclient.InferenceServerClient(router.http_url)
+    assert http.is_server_live() and http.is_server_ready() and http.is_model_ready("pagoda")
+    assert http.get_model_metadata("pagoda")["name"] == "pagoda"
+    http.close()
+
+    body = {"text_input": "The capital of France is", "max_tokens": 6, "temperature": 0.0,
+            "exclude_input_in_output": True}
+    for path in ("generate", "generate_stream"):
+        answers = []
+        for url in (router.http_url, direct.http_url):
+            request = urllib.request.Request(f"http://{url}/v2/models/pagoda/{path}", data=json.dumps(
+                {**body, "stream": path.endswith("stream")}).encode(), headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=60) as response:
+                answers.append((response.headers["Content-Type"].split(";")[0], response.read()))
+        assert answers[0] == answers[1]
+
+
+def test_bad_input_errors(router):
+    # A replica's own validation error comes back unchanged over gRPC and HTTP.
+    texts, errors = grpc_generate(router.grpc_url, ["hello"], max_tokens=4, temperature=-1)
+    assert len(errors) == 1 and "temperature" in str(errors[0])
+    request = urllib.request.Request(f"http://{router.http_url}/v2/models/pagoda/generate",
+                                     data=json.dumps({"text_input": "hi", "sampling_parameters": "{bad"}).encode())
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(request, timeout=30)
+    assert info.value.code == 400 and "sampling_parameters" in json.loads(info.value.read())["error"]
+    # Not JSON at all: routed by load, Triton's own answer (it says 500) comes back as is.
+    request = urllib.request.Request(f"http://{router.http_url}/v2/models/pagoda/generate", data=b"not json")
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(request, timeout=30)
+    assert "failed to parse the request JSON" in json.loads(info.value.read())["error"]
+
+
+def test_openai_sdk(router):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"http://{router.http_url}/v1", api_key="unused", max_retries=0)
+    [model] = client.models.list().data
+    assert model.id == MODEL_NAME
+
+    completion = client.completions.create(model=MODEL_NAME, prompt="The capital of France is", max_tokens=5,
+                                           temperature=0)
+    assert completion.choices[0].text and completion.choices[0].finish_reason == "length"
+    assert completion.usage.completion_tokens == 5 and completion.usage.prompt_tokens > 0
+    stream = client.completions.create(model=MODEL_NAME, prompt="The capital of France is", max_tokens=5,
+                                       temperature=0, stream=True)
+    assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == completion.choices[0].text
+
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=8, temperature=0)
+    assert chat.choices[0].message.role == "assistant" and chat.choices[0].message.content
+    chunks = list(client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=8, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == chat.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == chat.choices[0].finish_reason
+
+    with_logprobs = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=3, temperature=0,
+                                                   logprobs=True, top_logprobs=2)
+    content = with_logprobs.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(item.top_logprobs) == 2 and item.logprob <= 0 for item in content)
+
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=-1)
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.completions.create(model="gpt-4", prompt="x", max_tokens=1)
+    with pytest.raises(openai.BadRequestError, match="messages"):
+        client.chat.completions.create(model=MODEL_NAME, messages=[], max_tokens=1)
+    with pytest.raises(openai.BadRequestError, match="tools"):
+        client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=1, tools=[
+            {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])
+    with pytest.raises(openai.BadRequestError) as info:  # longer than max_model_len: the replica's message
+        client.completions.create(model=MODEL_NAME, prompt="word " * 3000, max_tokens=1)
+    assert "1024" in str(info.value) or "long" in str(info.value)
+
+
+def test_traces_join_router_and_engine(router, otlp_receiver):
+    trace_id = os.urandom(16)
+    parent_id = os.urandom(8)
+    traceparent = f"00-{trace_id.hex()}-{parent_id.hex()}-01"
+    since = len(router.exporter.get_finished_spans())
+    texts, errors = grpc_generate(router.grpc_url, ["Tell me about green tea."], max_tokens=4,
+                                  metadata={"traceparent": traceparent})
+    assert not errors
+    [span] = [s for s in router.exporter.get_finished_spans()[since:] if s.name == "pagoda.router.request"]
+    assert span.context.trace_id == int.from_bytes(trace_id, "big")
+    assert span.parent.span_id == int.from_bytes(parent_id, "big")
+    for key in ("pagoda.policy", "pagoda.replica_id", "pagoda.matched_blocks", "pagoda.num_prompt_tokens"):
+        assert key in span.attributes
+    assert span.attributes["pagoda.num_prompt_tokens"] > 0
+
+    router_span_id = span.context.span_id.to_bytes(8, "big")
+    expected = {"pagoda.engine.request", "engine.queued", "engine.prefill", "engine.first_token",
+                "engine.decode", "engine.finished"}
+    _wait(lambda: expected <= {s.name for _, s in otlp_receiver.spans_of_trace(trace_id)}, "engine spans", 20)
+    engine = {s.name: (service, s) for service, s in otlp_receiver.spans_of_trace(trace_id)}
+    service, root = engine["pagoda.engine.request"]
+    assert service == "pagoda-replica" and root.parent_span_id == router_span_id
+    for name in expected - {"pagoda.engine.request"}:
+        assert engine[name][1].parent_span_id == root.span_id
+    assert root.start_time_unix_nano <= engine["engine.prefill"][1].start_time_unix_nano
+    assert engine["engine.decode"][1].end_time_unix_nano <= root.end_time_unix_nano
+
+    # The router's own spans over OTLP too (the production exporter).
+    from pagoda.fleet.tracing import make_router_tracer
+
+    tracer = make_router_tracer(otlp_receiver.endpoint)
+    with tracer.route_span("grpc", {"traceparent": traceparent}) as handle:
+        assert handle.traceparent.split("-")[1] == trace_id.hex()
+    tracer.shutdown()
+    _wait(lambda: any(service == "pagoda-router" for service, _ in otlp_receiver.spans_of_trace(trace_id)),
+          "router span over OTLP", 10)
+
+
+def test_replica_dying_mid_stream(router, replicas):
+    """Last in this module: it kills a replica."""
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(router.grpc_url)
+    results: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    since = len(router.exporter.get_finished_spans())
+    client.async_stream_infer("pagoda", make_inputs("Write a very long story about a dragon.",
+                                                    {"max_tokens": 400, "temperature": 0, "ignore_eos": True}),
+                              request_id="long")
+    result, error = results.get(timeout=60)
+    assert error is None
+    victim_id = next(r.replica_id for r in router.run(lambda: router.service.router.replicas.all()) if r.in_flight)
+    victim = replicas[victim_id]
+    os.killpg(victim.process.pid, signal.SIGKILL)
+    while error is None:
+        result, error = results.get(timeout=60)
+    client.stop_stream()
+    assert f"replica {victim_id}" in str(error) and "while streaming" in str(error)
+    failed = [s for s in router.exporter.get_finished_spans()[since:] if s.name == "pagoda.router.request"]
+    assert failed and not failed[-1].status.is_ok
+    assert not router.run(lambda: router.service.router.replicas.get(victim_id).healthy)
+    # New requests avoid the dead replica and succeed.
+    since = len(decisions(router))
+    texts, errors = grpc_generate(router.grpc_url, [f"Short question {i}?" for i in range(3)])
+    assert not errors and len(texts) == 3
+    survivor = next(rid for rid in REPLICA_IDS if rid != victim_id)
+    assert {d["pagoda.replica_id"] for d in decisions(router, since)} == {survivor}
