@@ -124,10 +124,10 @@ class RouterService:
             replicas.set_members((rid or endpoints["grpc"], endpoints) for rid, endpoints in parse_replicas_spec(o.replicas))
         fleet = None
         if o.redis_url:
-            import redis
+            from pagoda.fleet.index import make_redis_client
 
-            self._redis = redis.Redis.from_url(resolve_redis_url(o.redis_url), socket_timeout=1.0,
-                                               socket_connect_timeout=0.5, health_check_interval=0)
+            # Short socket timeouts, no retries: a dead Redis fails fast into load-only routing.
+            self._redis = make_redis_client(resolve_redis_url(o.redis_url))
             fleet = FleetView(self._redis, model_name, o.index_mode, o.redis_timeout_s)
             fleet.start()
         self.router = Router(replicas, tokenizer, o.hash_model_id or folder, o.policy, fleet,

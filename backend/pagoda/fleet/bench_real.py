@@ -1,0 +1,291 @@
+"""Routing measured for real: policies on two live CPU replicas, and the router's own overhead.
+
+``run_real_comparison`` starts a Redis-backed fleet of two ``tritonserver`` replicas
+(default SmolLM2, each publishing block events and heartbeats) with a deliberately small
+KV cache, and for each policy runs the same multi-tenant shared-prefix workload through a
+``pagoda router`` (in this process): ``num_tenants`` tenants, each with a long system
+prompt, send short questions from ``concurrency`` closed-loop gRPC streaming clients.
+Each policy run uses its own ``cache_salt``, so every policy starts from a cold cache
+(salted blocks share nothing). Reported per policy: the replicas' prefix-cache hit rate
+(``vllm:prefix_cache_hits`` / ``_queries`` deltas, in tokens), client-side TTFT p50/p90,
+wall time, and how the requests split over the replicas.
+
+``measure_router_overhead`` times one routing decision exactly as the router makes it
+(``Router.analyze``: tokenize with the model's tokenizer and hash the blocks; then
+``Router.choose``: index match + policy + in-flight accounting) for ~1k-token prompts,
+with the index read from Redis per request (``direct``) and from the stream-fed mirror
+(``follower``), against a real Redis holding eight replicas' worth of index entries.
+
+``main`` is what ``pagoda bench routing --real`` runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import queue
+import random
+import threading
+import time
+import urllib.request
+from typing import Any, Optional, Sequence
+
+POLICIES = ("random", "round_robin", "least_loaded", "prefix_aware")
+
+
+def _percentile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+def _words(rng: random.Random, count: int) -> str:
+    vocabulary = ("tea", "leaf", "water", "green", "black", "steep", "minute", "cup", "aroma", "garden", "spring",
+                  "harvest", "oolong", "roast", "pot", "temperature", "mountain", "mist", "flavor", "sweet")
+    return " ".join(rng.choice(vocabulary) for _ in range(count))
+
+
+# ------------------------------------------------------------------ overhead
+def measure_router_overhead(redis_url: str, model_dir: Optional[str] = None, num_samples: int = 1000,
+                            prompt_tokens: int = 1024, num_replicas: int = 8) -> dict[str, dict[str, float]]:
+    """p50/p99/max of one decision (ms) per index mode, plus tokenize+hash alone."""
+    from pagoda.engine.kv_events import BlockStored
+    from pagoda.fleet.index import PrefixIndex, make_redis_client
+    from pagoda.fleet.registry import ReplicaRegistry
+    from pagoda.fleet.replicas import ReplicaSet
+    from pagoda.fleet.router_core import FleetView, Router
+    from pagoda.models.tokenizer import Tokenizer
+
+    if model_dir is None:
+        from pagoda.models.gguf_import import ensure_default_model
+
+        model_dir = str(ensure_default_model())
+    tokenizer = Tokenizer.from_pretrained(model_dir)
+    rng = random.Random(0)
+    prompts = []
+    for _ in range(16):
+        text = _words(rng, prompt_tokens)
+        while len(tokenizer.encode(text)) > prompt_tokens:
+            text = text.rsplit(" ", 8)[0]
+        prompts.append(text)
+    namespace = f"bench-router-{rng.randrange(1 << 30):x}"
+    client = make_redis_client(redis_url)
+    index = PrefixIndex(client, namespace)
+    results: dict[str, dict[str, float]] = {}
+    try:
+        replicas = ReplicaSet("static")
+        replicas.set_members((f"r{i}", {"grpc": f"10.0.0.{i}:8001", "http": f"10.0.0.{i}:8000"})
+                             for i in range(num_replicas))
+        probe = Router(replicas, tokenizer, namespace, "prefix_aware", None, block_size=16)
+        for i, prompt in enumerate(prompts):
+            hashes = probe.analyze(prompt).block_hashes
+            for r in range(num_replicas):
+                if (i + r) % 3 == 0:
+                    keep = rng.randrange(1, len(hashes) + 1)
+                    index.apply(f"r{r}", [BlockStored(hashes[:keep], None, [], 16)], epoch="bench", first_seq=i)
+        start = time.perf_counter()
+        times = []
+        for i in range(num_samples):
+            start = time.perf_counter()
+            probe.analyze(prompts[i % len(prompts)])
+            times.append(time.perf_counter() - start)
+        results["tokenize+hash"] = _summary(times)
+        for mode in ("direct", "follower"):
+            fleet = FleetView(make_redis_client(redis_url), namespace, mode, timeout_s=0.05)
+            fleet.available = True
+            fleet.start()
+            router = Router(replicas, tokenizer, namespace, "prefix_aware", fleet, block_size=16)
+            try:
+                if fleet.follower is not None:
+                    deadline = time.monotonic() + 10
+                    while not fleet.follower.is_synced and time.monotonic() < deadline:
+                        time.sleep(0.01)
+                results[mode] = asyncio.run(_time_decisions(router, prompts, num_samples))
+            finally:
+                fleet.stop()
+    finally:
+        registry = ReplicaRegistry(client, namespace)
+        for r in range(num_replicas):
+            registry.remove_replica(f"r{r}")
+        client.delete(f"pagoda:{namespace}:events")
+    return results
+
+
+async def _time_decisions(router: Any, prompts: Sequence[str], num_samples: int) -> dict[str, float]:
+    times = []
+    for i in range(num_samples):
+        start = time.perf_counter()
+        decision = await router.choose(router.analyze(prompts[i % len(prompts)]))
+        times.append(time.perf_counter() - start)
+        router.release(decision)
+    return _summary(times)
+
+
+def _summary(times: Sequence[float]) -> dict[str, float]:
+    return {"p50_ms": _percentile(times, 0.5) * 1e3, "p99_ms": _percentile(times, 0.99) * 1e3,
+            "max_ms": max(times) * 1e3}
+
+
+# ------------------------------------------------------------------ real fleet
+@contextlib.contextmanager
+def two_replicas(redis_url: str, namespace: str, kv_cache_memory_bytes: int, log_dir: str):
+    """Two replicas publishing to ``redis_url`` under ``namespace`` (ids r0, r1)."""
+    from pagoda.serving.launcher import ServeOptions, TritonServer, find_free_port
+
+    servers, saved = [], dict(os.environ)
+    try:
+        for rid in ("r0", "r1"):
+            options = ServeOptions(http_port=find_free_port(), grpc_port=find_free_port(),
+                                   metrics_port=find_free_port(), max_model_len=2048, max_num_seqs=8,
+                                   kv_cache_memory_bytes=kv_cache_memory_bytes, startup_timeout_s=600)
+            os.environ.update({"PAGODA_REDIS_URL": redis_url, "PAGODA_REPLICA_ID": rid,
+                               "PAGODA_MODEL_NAME": namespace, "PAGODA_HTTP_PORT": str(options.http_port),
+                               "PAGODA_GRPC_PORT": str(options.grpc_port),
+                               "PAGODA_METRICS_PORT": str(options.metrics_port),
+                               "PAGODA_HEARTBEAT_INTERVAL_S": "0.2"})
+            server = TritonServer(options, log_path=os.path.join(log_dir, f"{rid}.log"))
+            threading.Thread(target=server.start, daemon=True).start()
+            servers.append((rid, server))
+            time.sleep(1.0)  # its Popen has copied the environment
+            os.environ.clear()
+            os.environ.update(saved)
+        deadline = time.monotonic() + 600
+        while not all(_ready(s) for _, s in servers):
+            if time.monotonic() > deadline:
+                raise RuntimeError("replicas did not become ready")
+            time.sleep(0.5)
+        yield dict(servers)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+        for _, server in servers:
+            server.stop()
+
+
+def _ready(server: Any) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://{server.http_url}/v2/models/pagoda/ready", timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def _metric(server: Any, name: str) -> float:
+    text = urllib.request.urlopen(f"http://{server.options.host}:{server.options.metrics_port}/metrics",
+                                  timeout=5).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+def _one_request(url: str, prompt: str, salt: str, max_tokens: int) -> float:
+    """Send one streaming request; return its TTFT in seconds (raises on error)."""
+    import tritonclient.grpc as grpcclient
+
+    from pagoda.serving.client import make_inputs
+
+    client = grpcclient.InferenceServerClient(url)
+    results: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    start = time.perf_counter()
+    client.async_stream_infer("pagoda", make_inputs(prompt, {"max_tokens": max_tokens, "temperature": 0,
+                                                             "cache_salt": salt}))
+    ttft = None
+    try:
+        while True:
+            result, error = results.get(timeout=300)
+            if error is not None:
+                raise RuntimeError(str(error))
+            ttft = ttft if ttft is not None else time.perf_counter() - start
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                return ttft
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+def run_real_comparison(redis_url: str, policies: Sequence[str] = POLICIES, num_tenants: int = 6,
+                        prefix_words: int = 300, requests_per_policy: int = 36, concurrency: int = 2,
+                        max_tokens: int = 4, kv_cache_memory_bytes: int = 96 * 1024 * 1024, seed: int = 0,
+                        log_dir: str = "/tmp") -> list[dict[str, Any]]:
+    """Run every policy over the same workload on two real replicas; one result dict per policy."""
+    from pagoda.fleet.router import BackgroundRouter, RouterOptions
+
+    rng = random.Random(seed)
+    prefixes = [f"Tenant {t} system prompt. " + _words(rng, prefix_words) for t in range(num_tenants)]
+    workload = [(rng.randrange(num_tenants), f"\nQuestion {i}: {_words(rng, 6)}?") for i in range(requests_per_policy)]
+    namespace = f"bench-real-{rng.randrange(1 << 30):x}"
+    rows = []
+    with two_replicas(redis_url, namespace, kv_cache_memory_bytes, log_dir) as servers:
+        spec = ";".join(f"id={rid},grpc={s.grpc_url},http={s.http_url}" for rid, s in servers.items())
+        for policy in policies:
+            options = RouterOptions(replicas=spec, redis_url=redis_url, model_name=namespace, policy=policy,
+                                    host="127.0.0.1", http_port=0, grpc_port=0, registry_interval_s=0.2)
+            salt = f"{policy}-{seed}"
+            before = {rid: (_metric(s, "vllm:prefix_cache_hits"), _metric(s, "vllm:prefix_cache_queries"))
+                      for rid, s in servers.items()}
+            with BackgroundRouter(options) as router:
+                jobs: queue.Queue = queue.Queue()
+                for item in workload:
+                    jobs.put(item)
+                ttfts: list[float] = []
+                errors: list[str] = []
+
+                def worker() -> None:
+                    while True:
+                        try:
+                            tenant, question = jobs.get_nowait()
+                        except queue.Empty:
+                            return
+                        try:
+                            ttfts.append(_one_request(router.grpc_url, prefixes[tenant] + question, salt, max_tokens))
+                        except Exception as exc:  # noqa: BLE001 - counted, reported
+                            errors.append(str(exc))
+
+                start = time.perf_counter()
+                threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+                wall = time.perf_counter() - start
+                split = router.run(lambda: {r.replica_id: r.num_routed for r in router.service.router.replicas.all()})
+            time.sleep(0.5)  # metrics of the last responses
+            hits = sum(_metric(s, "vllm:prefix_cache_hits") - before[rid][0] for rid, s in servers.items())
+            queries = sum(_metric(s, "vllm:prefix_cache_queries") - before[rid][1] for rid, s in servers.items())
+            rows.append({"policy": policy, "hit_rate": hits / queries if queries else 0.0,
+                         "ttft_p50_s": _percentile(ttfts, 0.5), "ttft_p90_s": _percentile(ttfts, 0.9),
+                         "wall_s": wall, "num_errors": len(errors), "split": split})
+    return rows
+
+
+def format_rows(rows: Sequence[dict[str, Any]]) -> str:
+    lines = [f"{'policy':<14}{'hit rate':>9}{'TTFT p50':>10}{'TTFT p90':>10}{'wall':>8}{'errors':>8}  split"]
+    for r in rows:
+        lines.append(f"{r['policy']:<14}{r['hit_rate']:>9.1%}{r['ttft_p50_s']:>9.2f}s{r['ttft_p90_s']:>9.2f}s"
+                     f"{r['wall_s']:>7.1f}s{r['num_errors']:>8}  {r['split']}")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """``pagoda bench routing --real`` (and ``--router-overhead``)."""
+    p = argparse.ArgumentParser(prog="pagoda bench routing --real", description=__doc__.split("\n\n")[0])
+    p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument("--tenants", type=int, default=6)
+    p.add_argument("--prefix-words", type=int, default=300)
+    p.add_argument("--requests", type=int, default=36, help="requests per policy")
+    p.add_argument("--concurrency", type=int, default=2)
+    p.add_argument("--kv-cache-mib", type=int, default=96, help="each replica's KV cache (small: capacity matters)")
+    p.add_argument("--overhead-only", action="store_true", help="only time routing decisions (no replicas)")
+    p.add_argument("--samples", type=int, default=1000, help="decisions timed per index mode")
+    args = p.parse_args([a for a in (argv or []) if a != "--real"])
+    print("router overhead, ~1k-token prompts, 8 replicas in the index (ms):")
+    for name, stats in measure_router_overhead(args.redis_url, num_samples=args.samples).items():
+        print(f"  {name:<14}" + "  ".join(f"{k}={v:.3f}" for k, v in stats.items()))
+    if args.overhead_only:
+        return 0
+    rows = run_real_comparison(args.redis_url, [x for x in args.policies.split(",") if x], args.tenants,
+                               args.prefix_words, args.requests, args.concurrency,
+                               kv_cache_memory_bytes=args.kv_cache_mib * 1024 * 1024)
+    print(format_rows(rows))
+    return 0
