@@ -13,6 +13,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
+# Mirrors pagoda.models.quant.QUANTIZATION_METHODS (a test keeps them equal); repeated
+# here because this module, like the scheduler that imports it, stays free of torch.
+QUANTIZATION_METHODS = ("int8",)
 
 
 @dataclass
@@ -32,6 +35,7 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     seed: int = 0
     max_block_events: int = 100_000  # retained for the fleet layer before the oldest drop
+    quantization: Optional[str] = None  # None | int8 (weight-only, see pagoda.models.quant)
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64, 128):
@@ -52,3 +56,5 @@ class EngineConfig:
             raise ValueError(f"dtype: must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device: must be auto, cpu or cuda, got {self.device!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization: must be None or one of {QUANTIZATION_METHODS}, got {self.quantization!r}")

@@ -56,7 +56,7 @@ class ModelRunner:
         self.device = resolve_device(config)
         self.dtype = resolve_dtype(config, self.device)
         self.block_size = config.block_size
-        self.model = load_model(model_path, dtype=self.dtype, device=self.device)
+        self.model = load_model(model_path, dtype=self.dtype, device=self.device, quantization=config.quantization)
         self.num_blocks = self._num_blocks_from_budget()
         shape = (self.num_blocks, self.block_size, model_config.num_key_value_heads, model_config.head_dim)
         self.kv_caches = [

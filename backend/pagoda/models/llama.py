@@ -7,7 +7,8 @@ laid out back to back (prefill chunks and decode tokens mixed; see
 The hot ops go through ``pagoda.kernels`` only (``rms_norm`` with the fused residual add,
 ``apply_rotary``, ``write_kv``, ``paged_attention``), so the same model code runs the
 OpenAI-Triton kernels on GPU and the torch references on CPU. Everything else is a
-matmul (``F.linear``) or an elementwise op.
+matmul (``quant.linear``: ``F.linear``, or an int8 kernel once ``quantize_model`` has
+replaced the projection weights listed in ``linear_weights``) or an elementwise op.
 
 Weights are stored fused: q/k/v in one ``qkv_proj`` and gate/up in one ``gate_up_proj``,
 which turns seven matmuls per layer into four (it matters on CPU). ``load_weights`` takes
@@ -28,11 +29,14 @@ from torch import nn
 from pagoda import kernels
 from pagoda.kernels import AttentionMetadata
 from pagoda.models.config import ModelConfig
+from pagoda.models.quant import linear
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # each [num_blocks, block_size, num_kv_heads, head_dim]
 
 
 class Attention(nn.Module):
+    linear_weights = ("qkv_weight", "o_weight")  # what quantize_model may replace
+
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
@@ -61,7 +65,7 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden]
         num_tokens = x.shape[0]
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)  # [num_tokens, q_size + 2 * kv_size]
+        qkv = linear(x, self.qkv_weight, self.qkv_bias)  # [num_tokens, q_size + 2 * kv_size]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
@@ -71,11 +75,13 @@ class Attention(nn.Module):
         # Write first: this step's queries attend to this step's keys through the cache.
         kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = kernels.paged_attention(q, k_cache, v_cache, meta, self.scale)  # [num_tokens, num_heads, head_dim]
-        return F.linear(out.reshape(num_tokens, self.q_size), self.o_weight, self.o_bias)
+        return linear(out.reshape(num_tokens, self.q_size), self.o_weight, self.o_bias)
 
 
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up in one matmul."""
+
+    linear_weights = ("gate_up_weight", "down_weight")
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
@@ -89,8 +95,8 @@ class MLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden] -> same
-        gate, up = F.linear(x, self.gate_up_weight).split(self.intermediate_size, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_weight)
+        gate, up = linear(x, self.gate_up_weight).split(self.intermediate_size, dim=-1)
+        return linear(F.silu(gate) * up, self.down_weight)
 
 
 class DecoderLayer(nn.Module):

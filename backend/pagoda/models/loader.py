@@ -8,6 +8,9 @@ the checkpoint must be used (apart from a few known leftovers, such as an ``lm_h
 saved next to tied embeddings); anything else is an error naming the tensors, because a
 silently half-loaded model produces plausible-looking garbage.
 
+With ``quantization="int8"`` the projection weights are quantized right after loading
+(``pagoda.models.quant``), so the float copies are freed once loading returns.
+
 No transformers import: only ``safetensors``.
 """
 
@@ -15,13 +18,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Iterator, Union
+from typing import Iterator, Optional, Union
 
 import torch
 from safetensors import safe_open
 
 from pagoda.models.config import ModelConfig
 from pagoda.models.llama import LlamaForCausalLM
+from pagoda.models.quant import check_quantization, quantize_model
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -31,6 +35,7 @@ def load_model(
     path: Union[str, Path],
     dtype: torch.dtype = torch.float32,
     device: Union[str, torch.device] = "cpu",
+    quantization: Optional[str] = None,
 ) -> LlamaForCausalLM:
     """Build the model from ``<path>/config.json`` and load its safetensors weights.
 
@@ -38,12 +43,15 @@ def load_model(
         path: a Hugging Face model folder.
         dtype: parameter dtype (weights are cast on load).
         device: where the parameters live.
+        quantization: ``None`` or ``"int8"`` (weight-only, per output channel).
     Returns:
         the model in eval mode.
     Raises:
         FileNotFoundError: no config.json or no safetensors checkpoint in ``path``.
-        ValueError: unsupported config, missing, unexpected or mis-shaped weights.
+        ValueError: unsupported config, missing, unexpected or mis-shaped weights, or an
+            unknown quantization method.
     """
+    check_quantization(quantization)
     path = Path(path)
     config = ModelConfig.from_pretrained(path)
     model = LlamaForCausalLM(config, dtype=dtype, device=device)
@@ -62,6 +70,8 @@ def load_model(
         )
     loaded = model.load_weights(_read_tensors(files, expected))
     assert loaded == expected, f"loaded {len(loaded)} of {len(expected)} tensors"
+    if quantization is not None:
+        quantize_model(model, quantization)
     return model.eval()
 
 
