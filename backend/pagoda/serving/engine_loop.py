@@ -108,11 +108,16 @@ class EngineLoop:
         idle_wait_s: how long the loop blocks on the command queue when there is no work.
         tracer: a ``serving.tracing.RequestTracer`` (or ``None``): finished requests that
             carry a ``traceparent`` get engine spans.
+        publisher: a ``pagoda.fleet.publisher.Publisher`` fed with each step's block
+            events and stats (it never blocks the loop); ``None`` builds one from the
+            environment when ``PAGODA_REDIS_URL`` is set (``publisher_from_env``).
     """
 
     def __init__(self, engine: Any, sender: ResponseSender, metrics: Any = None,
-                 cancel_poll_interval_s: float = 0.05, idle_wait_s: float = 0.1, tracer: Any = None) -> None:
+                 cancel_poll_interval_s: float = 0.05, idle_wait_s: float = 0.1, tracer: Any = None,
+                 publisher: Any = None) -> None:
         self._engine = engine
+        self._publisher = publisher if publisher is not None else _publisher_from_env(engine)
         self._tracer = tracer
         self._sender = sender
         self._metrics = metrics
@@ -128,6 +133,8 @@ class EngineLoop:
 
     # ------------------------------------------------------------ any thread
     def start(self) -> None:
+        if self._publisher is not None:
+            self._publisher.start()
         self._thread.start()
 
     def submit(self, request: ServingRequest) -> None:
@@ -144,6 +151,8 @@ class EngineLoop:
         self._commands.put(("wake", None))
         if self._thread.is_alive():
             self._thread.join(timeout)
+        if self._publisher is not None:
+            self._publisher.stop()
 
     @property
     def is_alive(self) -> bool:
@@ -251,6 +260,17 @@ class EngineLoop:
         self._refresh_metrics(stepped=True)
         for request, response in ready:
             self._sender.put(request, response)
+        self._publish()
+
+    def _publish(self) -> None:
+        """Hand this step's block events and stats to the fleet publisher (non-blocking)."""
+        if self._publisher is None:
+            return
+        try:
+            self._publisher.submit_events(self._engine.take_block_events())
+            self._publisher.submit_stats(self._engine.get_stats())
+        except Exception:  # noqa: BLE001 - the fleet layer must never fail a step
+            logger.exception("handing block events to the fleet publisher failed")
 
     def _trace(self, request: ServingRequest, output: Any) -> None:
         if self._tracer is None or request.traceparent is None:
@@ -290,3 +310,18 @@ class EngineLoop:
                 self._metrics.record_step(stats)
         except Exception:  # noqa: BLE001
             logger.exception("refreshing engine metrics failed")
+
+
+def _publisher_from_env(engine: Any) -> Any:
+    """``pagoda.fleet.publisher.publisher_from_env`` if configured; None (logged) on failure."""
+    import os
+
+    if not os.environ.get("PAGODA_REDIS_URL"):
+        return None
+    try:
+        from pagoda.fleet.publisher import publisher_from_env
+
+        return publisher_from_env(engine)
+    except Exception:  # noqa: BLE001 - serving without the fleet layer beats not serving
+        logger.exception("fleet publisher not started")
+        return None

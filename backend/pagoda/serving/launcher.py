@@ -113,6 +113,23 @@ class ServeOptions:
     model_repository: Optional[str] = None
     log_verbose: int = 0
     startup_timeout_s: float = 900.0
+    # Fleet layer: with a Redis URL the replica publishes block events and heartbeats.
+    redis_url: Optional[str] = None
+    replica_id: Optional[str] = None
+    fleet_model: Optional[str] = None  # key namespace (default: the model folder's name)
+    advertise_host: Optional[str] = None  # how routers reach this replica (default 127.0.0.1)
+
+    def fleet_env(self) -> dict[str, str]:
+        """Environment for ``pagoda.fleet.publisher.publisher_from_env`` in the model."""
+        if not self.redis_url:
+            return {}
+        env = {"PAGODA_REDIS_URL": self.redis_url, "PAGODA_HTTP_PORT": str(self.http_port),
+               "PAGODA_GRPC_PORT": str(self.grpc_port), "PAGODA_METRICS_PORT": str(self.metrics_port)}
+        for name, value in (("PAGODA_REPLICA_ID", self.replica_id), ("PAGODA_MODEL_NAME", self.fleet_model),
+                            ("PAGODA_ADVERTISE_HOST", self.advertise_host)):
+            if value:
+                env[name] = value
+        return env
 
     def parameter_overrides(self) -> dict[str, Optional[str]]:
         def text(value):
@@ -196,6 +213,7 @@ class TritonServer:
         env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(paths.libs), env.get("LD_LIBRARY_PATH")) if p)
         env["PATH"] = os.pathsep.join((str(Path(sys.executable).parent), env.get("PATH", "")))
         env.setdefault("HF_HUB_OFFLINE", "1")
+        env.update(self.options.fleet_env())
         command = [
             str(paths.binary),
             f"--model-repository={repository}",
@@ -299,6 +317,10 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("auto", "float32", "float16", "bfloat16"))
     p.add_argument("--model-repository", help="a model repository to use instead of the shipped one")
     p.add_argument("--log-verbose", type=int, default=0)
+    p.add_argument("--redis-url", help="publish block events and heartbeats to this Redis (fleet layer)")
+    p.add_argument("--replica-id", help="with --redis-url: this replica's id (default: host name)")
+    p.add_argument("--fleet-model", help="with --redis-url: Redis key namespace (default: model folder name)")
+    p.add_argument("--advertise-host", help="with --redis-url: host routers use to reach this replica")
     return p
 
 
@@ -311,7 +333,8 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
         enable_chunked_prefill=False if args.no_chunked_prefill else None,
         enable_prefix_caching=False if args.no_prefix_caching else None,
         device=args.device, dtype=args.dtype, model_repository=args.model_repository,
-        log_verbose=args.log_verbose)
+        log_verbose=args.log_verbose, redis_url=args.redis_url, replica_id=args.replica_id,
+        fleet_model=args.fleet_model, advertise_host=args.advertise_host)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
