@@ -110,6 +110,7 @@ class ServeOptions:
     enable_prefix_caching: Optional[bool] = None
     device: Optional[str] = None
     dtype: Optional[str] = None
+    quantization: Optional[str] = None
     model_repository: Optional[str] = None
     log_verbose: int = 0
     startup_timeout_s: float = 900.0
@@ -148,6 +149,7 @@ class ServeOptions:
             "enable_prefix_caching": text(self.enable_prefix_caching),
             "device": self.device,
             "dtype": self.dtype,
+            "quantization": self.quantization,
         }
 
 
@@ -315,6 +317,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"))
     p.add_argument("--dtype", choices=("auto", "float32", "float16", "bfloat16"))
+    p.add_argument("--quantization", choices=("int8",), help="int8: weight-only int8 linear layers")
     p.add_argument("--model-repository", help="a model repository to use instead of the shipped one")
     p.add_argument("--log-verbose", type=int, default=0)
     p.add_argument("--redis-url", help="publish block events and heartbeats to this Redis (fleet layer)")
@@ -332,7 +335,7 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_chunked_prefill=False if args.no_chunked_prefill else None,
         enable_prefix_caching=False if args.no_prefix_caching else None,
-        device=args.device, dtype=args.dtype, model_repository=args.model_repository,
+        device=args.device, dtype=args.dtype, quantization=args.quantization, model_repository=args.model_repository,
         log_verbose=args.log_verbose, redis_url=args.redis_url, replica_id=args.replica_id,
         fleet_model=args.fleet_model, advertise_host=args.advertise_host)
 
