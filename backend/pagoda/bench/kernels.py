@@ -30,15 +30,18 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from pagoda.bench import kernels_e2e
 from pagoda.kernels.metadata import AttentionMetadata
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 L2_FLUSH_BYTES = 256 * 2**20  # cycle over caches until this many bytes separate reuses
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="pagoda bench kernels", description=__doc__.split("\n\n")[0])
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                   help="cpu: only the end-to-end section, with --small (a test of the bench's logic)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: bfloat16 on cuda, float32 on cpu")
     p.add_argument("--num-heads", type=int, default=32, help="query heads (Llama-3-8B: 32)")
     p.add_argument("--num-kv-heads", type=int, default=8, help="KV heads (Llama-3-8B: 8)")
     p.add_argument("--head-dim", type=int, default=128)
@@ -47,7 +50,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--batch-sizes", default="1,2,4,8,16,32,64")
     p.add_argument("--prefill-lens", default="512,1024,2048,4096")
     p.add_argument("--iters", type=int, default=20, help="timed repetitions (median reported)")
-    return p.parse_args(argv)
+    p.add_argument("--skip-kernels", action="store_true", help="skip the attention-kernel sections")
+    p.add_argument("--skip-e2e", action="store_true", help="skip the end-to-end section")
+    kernels_e2e.add_arguments(p)
+    args = p.parse_args(argv)
+    if args.dtype is None:
+        args.dtype = "bfloat16" if args.device == "cuda" else "float32"
+    return args
 
 
 @dataclass
@@ -210,9 +219,15 @@ def prefill_rows(args: argparse.Namespace, paged_attention) -> list[str]:
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
+    if args.device == "cpu":
+        if not args.small:
+            print("--device cpu runs only the end-to-end section, on the tiny model: add --small", file=sys.stderr)
+            return 2
+        _print_lines([] if args.skip_e2e else kernels_e2e.run(args))
+        return 0
     if not torch.cuda.is_available():
-        print("pagoda bench kernels needs a CUDA GPU; none is visible (torch.cuda.is_available() is False).",
-              file=sys.stderr)  # fmt: skip
+        print("pagoda bench kernels needs a CUDA GPU; none is visible (torch.cuda.is_available() is False). "
+              "`--small --device cpu` exercises the end-to-end section on a CPU.", file=sys.stderr)  # fmt: skip
         return 2
     try:
         import triton
@@ -224,10 +239,18 @@ def main(argv: list[str]) -> int:
     if args.num_heads % args.num_kv_heads:
         print("--num-heads must be a multiple of --num-kv-heads", file=sys.stderr)
         return 2
+    if not args.skip_kernels:
+        kernel_sections(args, triton.__version__, paged_attention, choose_config)
+    if not args.skip_e2e:
+        _print_lines(kernels_e2e.run(args))
+    return 0
+
+
+def kernel_sections(args: argparse.Namespace, triton_version: str, paged_attention, choose_config) -> None:
     props = torch.cuda.get_device_properties(0)
     copy_gbs = copy_bandwidth_gbs(args.iters)
     print(f"## pagoda bench kernels: {props.name}\n")
-    print(f"torch {torch.__version__}, triton {triton.__version__}, {args.dtype}, {args.num_heads} query heads, "
+    print(f"torch {torch.__version__}, triton {triton_version}, {args.dtype}, {args.num_heads} query heads, "
           f"{args.num_kv_heads} KV heads, head_dim {args.head_dim}, block size {args.block_size}, "
           f"{props.multi_processor_count} SMs\n")  # fmt: skip
     print(f"Measured copy bandwidth (1 GiB `copy_`, read + write): **{copy_gbs:.0f} GB/s**\n")
@@ -241,7 +264,12 @@ def main(argv: list[str]) -> int:
     print("|---:|---:|---:|---:|---:|---:|")
     for row in prefill_rows(args, paged_attention):
         print(row, flush=True)
-    return 0
+    print(flush=True)
+
+
+def _print_lines(lines: list[str]) -> None:
+    for line in lines:
+        print(line, flush=True)
 
 
 if __name__ == "__main__":
