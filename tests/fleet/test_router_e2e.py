@@ -94,29 +94,30 @@ def _start_replica(replica_id, redis_url, otlp_endpoint, log_path):
 def replicas(redis_server, otlp_receiver, tmp_path_factory, smollm2_path):
     """Two replicas started together (the launcher copies the environment at start)."""
     logs = tmp_path_factory.mktemp("replicas")
-    servers = []
+    servers, starts = [], []
     saved = dict(os.environ)
+    pool = concurrent.futures.ThreadPoolExecutor(len(REPLICA_IDS))
     try:
         for replica_id in REPLICA_IDS:
             server, env = _start_replica(replica_id, redis_server.url, otlp_receiver.endpoint,
                                          logs / f"{replica_id}.log")
             os.environ.update(env)
             server.options.model = smollm2_path
-            threading.Thread(target=server.start, daemon=True).start()
+            starts.append(pool.submit(server.start))
             servers.append(server)
-            time.sleep(0.5)  # the thread's Popen has copied this replica's environment
+            while server.process is None and not starts[-1].done():
+                time.sleep(0.01)  # until its Popen has copied this replica's environment
             os.environ.clear()
             os.environ.update(saved)
-        deadline = time.monotonic() + 600
-        while not all(_is_ready(s) for s in servers):
-            assert time.monotonic() < deadline, "replicas did not become ready"
-            time.sleep(0.5)
+        for start in starts:
+            start.result()  # raises (with the log tail) if a replica failed to start
         yield dict(zip(REPLICA_IDS, servers))
     finally:
         os.environ.clear()
         os.environ.update(saved)
         for server in servers:
             server.stop()
+        pool.shutdown()
 
 
 def _is_ready(server) -> bool:
@@ -224,7 +225,7 @@ def holder_of_prefix(background):
 
 # ------------------------------------------------------------------ tests
 def test_prefix_affinity_and_spread(router, replicas):
-    hits_before = {rid: read_metric(s, "vllm:prefix_cache_hits") for rid, s in replicas.items()}
+    hits_before = {rid: read_metric(s, "vllm:prefix_cache_hits_total") for rid, s in replicas.items()}
     since = len(decisions(router))
     texts, errors = grpc_generate(router.grpc_url, [tenant_prompt(0)])
     assert not errors and texts["0"]
@@ -238,7 +239,7 @@ def test_prefix_affinity_and_spread(router, replicas):
     tenant = decisions(router, since)
     assert [d["pagoda.replica_id"] for d in tenant] == [first] * 4
     assert all(d["pagoda.policy"] == "prefix_aware" and d["pagoda.matched_blocks"] >= 30 for d in tenant)
-    hits_after = {rid: read_metric(s, "vllm:prefix_cache_hits") for rid, s in replicas.items()}
+    hits_after = {rid: read_metric(s, "vllm:prefix_cache_hits_total") for rid, s in replicas.items()}
     other = next(rid for rid in REPLICA_IDS if rid != first)
     assert hits_after[first] - hits_before[first] >= 4 * 30 * 16  # four prompts, >= 30 cached blocks each
     assert hits_after[other] == hits_before[other]

@@ -145,9 +145,11 @@ def two_replicas(redis_url: str, namespace: str, kv_cache_memory_bytes: int, log
                                "PAGODA_METRICS_PORT": str(options.metrics_port),
                                "PAGODA_HEARTBEAT_INTERVAL_S": "0.2"})
             server = TritonServer(options, log_path=os.path.join(log_dir, f"{rid}.log"))
-            threading.Thread(target=server.start, daemon=True).start()
+            thread = threading.Thread(target=server.start, daemon=True)
+            thread.start()
             servers.append((rid, server))
-            time.sleep(1.0)  # its Popen has copied the environment
+            while server.process is None and thread.is_alive():
+                time.sleep(0.01)  # until its Popen has copied this replica's environment
             os.environ.clear()
             os.environ.update(saved)
         deadline = time.monotonic() + 600
@@ -221,7 +223,7 @@ def run_real_comparison(redis_url: str, policies: Sequence[str] = POLICIES, num_
             options = RouterOptions(replicas=spec, redis_url=redis_url, model_name=namespace, policy=policy,
                                     host="127.0.0.1", http_port=0, grpc_port=0, registry_interval_s=0.2)
             salt = f"{policy}-{seed}"
-            before = {rid: (_metric(s, "vllm:prefix_cache_hits"), _metric(s, "vllm:prefix_cache_queries"))
+            before = {rid: (_metric(s, "vllm:prefix_cache_hits_total"), _metric(s, "vllm:prefix_cache_queries_total"))
                       for rid, s in servers.items()}
             with BackgroundRouter(options) as router:
                 jobs: queue.Queue = queue.Queue()
@@ -250,8 +252,8 @@ def run_real_comparison(redis_url: str, policies: Sequence[str] = POLICIES, num_
                 wall = time.perf_counter() - start
                 split = router.run(lambda: {r.replica_id: r.num_routed for r in router.service.router.replicas.all()})
             time.sleep(0.5)  # metrics of the last responses
-            hits = sum(_metric(s, "vllm:prefix_cache_hits") - before[rid][0] for rid, s in servers.items())
-            queries = sum(_metric(s, "vllm:prefix_cache_queries") - before[rid][1] for rid, s in servers.items())
+            hits = sum(_metric(s, "vllm:prefix_cache_hits_total") - before[rid][0] for rid, s in servers.items())
+            queries = sum(_metric(s, "vllm:prefix_cache_queries_total") - before[rid][1] for rid, s in servers.items())
             rows.append({"policy": policy, "hit_rate": hits / queries if queries else 0.0,
                          "ttft_p50_s": _percentile(ttfts, 0.5), "ttft_p90_s": _percentile(ttfts, 0.9),
                          "wall_s": wall, "num_errors": len(errors), "split": split})
