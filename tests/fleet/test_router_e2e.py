@@ -81,12 +81,11 @@ def otlp_receiver():
 
 def _start_replica(replica_id, redis_url, otlp_endpoint, log_path):
     options = ServeOptions(http_port=find_free_port(), grpc_port=find_free_port(), metrics_port=find_free_port(),
-                           max_model_len=1024, max_num_seqs=8, startup_timeout_s=600)
-    env = {"PAGODA_REDIS_URL": redis_url, "PAGODA_REPLICA_ID": replica_id, "PAGODA_MODEL_NAME": MODEL_NAME,
-           "PAGODA_HTTP_PORT": str(options.http_port), "PAGODA_GRPC_PORT": str(options.grpc_port),
-           "PAGODA_METRICS_PORT": str(options.metrics_port), "PAGODA_HEARTBEAT_INTERVAL_S": "0.2",
-           "PAGODA_HEARTBEAT_TTL_S": "3", "OTEL_EXPORTER_OTLP_ENDPOINT": otlp_endpoint,
-           "OTEL_BSP_SCHEDULE_DELAY": "200"}
+                           max_model_len=1024, max_num_seqs=8, startup_timeout_s=600,
+                           redis_url=redis_url, replica_id=replica_id, fleet_model=MODEL_NAME)
+    # What ServeOptions has no field for travels in the environment the launcher copies.
+    env = {"PAGODA_HEARTBEAT_INTERVAL_S": "0.2", "PAGODA_HEARTBEAT_TTL_S": "3",
+           "OTEL_EXPORTER_OTLP_ENDPOINT": otlp_endpoint, "OTEL_BSP_SCHEDULE_DELAY": "200"}
     return TritonServer(options, log_path=str(log_path)), env
 
 
@@ -152,6 +151,22 @@ def _make_router(replicas, redis_server, smollm2_path, **overrides):
     background = BackgroundRouter(options, tracer=tracer)
     background.exporter = exporter
     return background
+
+
+@pytest.fixture(scope="module")
+def published(replicas, redis_server):
+    """Both replicas' publishers are heartbeating (the index tests need their block events)."""
+    from pagoda.fleet.registry import ReplicaRegistry
+
+    registry = ReplicaRegistry(redis_server.client(), MODEL_NAME)
+    deadline = time.monotonic() + 30
+    while {info.replica_id for info in registry.list_replicas()} != set(REPLICA_IDS):
+        if time.monotonic() > deadline:
+            logs = {rid: s.log_path for rid, s in replicas.items()}
+            reasons = [line for rid, path in logs.items() for line in open(path, errors="replace")
+                       if "Error" in line or "publisher" in line][:6]
+            pytest.fail(f"the replicas' fleet publishers are not heartbeating in Redis; from their logs: {reasons}")
+        time.sleep(0.1)
 
 
 @pytest.fixture(scope="module")
@@ -224,7 +239,7 @@ def holder_of_prefix(background):
 
 
 # ------------------------------------------------------------------ tests
-def test_prefix_affinity_and_spread(router, replicas):
+def test_prefix_affinity_and_spread(published, router, replicas):
     hits_before = {rid: read_metric(s, "vllm:prefix_cache_hits_total") for rid, s in replicas.items()}
     since = len(decisions(router))
     texts, errors = grpc_generate(router.grpc_url, [tenant_prompt(0)])
@@ -254,7 +269,7 @@ def test_prefix_affinity_and_spread(router, replicas):
     assert set(chosen) == set(REPLICA_IDS), chosen
 
 
-def test_late_router_resyncs_from_the_stream(router, replicas, redis_server, smollm2_path):
+def test_late_router_resyncs_from_the_stream(published, router, replicas, redis_server, smollm2_path):
     holder, blocks = holder_of_prefix(router)
     assert holder is not None and blocks >= 30, "test_prefix_affinity_and_spread warms the prefix first"
     with _make_router(replicas, redis_server, smollm2_path, index_mode="follower") as late:
@@ -276,7 +291,7 @@ def _send_many(url, prompts, max_tokens=4):
 
 
 @pytest.mark.parametrize("fault", ["killed", "frozen"])
-def test_redis_fault_degrades_to_load_routing_and_recovers(router, replicas, redis_server, fault):
+def test_redis_fault_degrades_to_load_routing_and_recovers(published, router, replicas, redis_server, fault):
     holder, _ = holder_of_prefix(router)
     assert holder is not None
     if fault == "killed":

@@ -138,12 +138,9 @@ def two_replicas(redis_url: str, namespace: str, kv_cache_memory_bytes: int, log
         for rid in ("r0", "r1"):
             options = ServeOptions(http_port=find_free_port(), grpc_port=find_free_port(),
                                    metrics_port=find_free_port(), max_model_len=2048, max_num_seqs=8,
-                                   kv_cache_memory_bytes=kv_cache_memory_bytes, startup_timeout_s=600)
-            os.environ.update({"PAGODA_REDIS_URL": redis_url, "PAGODA_REPLICA_ID": rid,
-                               "PAGODA_MODEL_NAME": namespace, "PAGODA_HTTP_PORT": str(options.http_port),
-                               "PAGODA_GRPC_PORT": str(options.grpc_port),
-                               "PAGODA_METRICS_PORT": str(options.metrics_port),
-                               "PAGODA_HEARTBEAT_INTERVAL_S": "0.2"})
+                                   kv_cache_memory_bytes=kv_cache_memory_bytes, startup_timeout_s=600,
+                                   redis_url=redis_url, replica_id=rid, fleet_model=namespace)
+            os.environ["PAGODA_HEARTBEAT_INTERVAL_S"] = "0.2"  # no ServeOptions field
             server = TritonServer(options, log_path=os.path.join(log_dir, f"{rid}.log"))
             thread = threading.Thread(target=server.start, daemon=True)
             thread.start()
