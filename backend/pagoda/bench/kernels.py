@@ -17,6 +17,11 @@ the device name:
 Every configuration is also checked against a plain torch computation on the same data;
 the table reports the largest absolute difference. Targets from the design issue: decode
 >= 70% of copy bandwidth at 4k context, prefill within 1.5x of SDPA.
+
+Then the end-to-end section (``kernels_e2e.py``): the engine on a Llama-3-8B-shaped model
+with random bf16 weights vs Hugging Face ``generate`` on the same weights (batch-1
+decode against the roofline, the mixed workload of ``bench offline``, greedy agreement).
+``--small --device cpu`` runs that section alone on a tiny model, as a test of its logic.
 """
 
 from __future__ import annotations

@@ -20,7 +20,9 @@ Padding. Rows ``num_seqs..b-1`` are dummy sequences: token 0 at position 0, slot
 1 and block table ``[0, ...]`` (block 0 always exists; reading it is harmless). Every
 output row is thus finite and the real rows are exactly what an unpadded step computes.
 Only entries a sequence can read are refreshed: ``ceil(seq_len / block_size)`` table
-columns for a real row, column 0 for a dummy row; stale columns beyond are never read.
+columns for a real row, column 0 for a dummy row; stale columns beyond are never read,
+and only the step's widest column range is copied to the device (a 128k-token context
+has 8k columns per row; a step rarely needs them all).
 
 Launch parameters. The Triton wrappers derive grids, tile shapes and the split-K count
 from tensor shapes and from ``AttentionMetadata.num_seqs`` / ``max_query_len`` /
@@ -125,10 +127,12 @@ class DecodeInputs:
         num_seqs = len(scheduled)
         assert num_seqs <= batch_size <= self.max_batch, f"{num_seqs} sequences do not fit {batch_size}"
         tokens, seq_lens, tables, bs = self._tokens_np, self._seq_lens_np, self._tables_np, self.block_size
+        num_cols = 1  # table columns any row of this step reads
         for row, item in enumerate(scheduled):
             pos = item.num_computed_tokens
             assert item.num_new_tokens == 1 and pos < self.max_context, "not a decode row that fits"
             num_blocks = pos // bs + 1
+            num_cols = max(num_cols, num_blocks)
             tables[row, :num_blocks] = item.block_ids[:num_blocks]
             tokens[0, row] = item.token_ids[0]
             tokens[1, row] = pos
@@ -141,7 +145,7 @@ class DecodeInputs:
         self.positions[:batch_size].copy_(self._host_tokens[1, :batch_size])
         self.slot_mapping[:batch_size].copy_(self._host_tokens[2, :batch_size])
         self.seq_lens[:batch_size].copy_(self._host_seq_lens[:batch_size])
-        self.block_tables[:batch_size].copy_(self._host_tables[:batch_size])
+        self.block_tables[:batch_size, :num_cols].copy_(self._host_tables[:batch_size, :num_cols])
 
 
 class DecodeGraphs:
