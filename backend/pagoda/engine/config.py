@@ -38,8 +38,6 @@ class EngineConfig:
     quantization: Optional[str] = None  # None | int8 (weight-only, see pagoda.models.quant)
     enable_cuda_graphs: bool = True  # decode steps replay CUDA graphs (CUDA + Triton kernels only)
     load_format: str = "safetensors"  # safetensors | dummy (seeded random weights: benchmarks)
-    enable_cuda_graphs: bool = True  # decode steps replay CUDA graphs (CUDA + Triton kernels only)
-    load_format: str = "safetensors"  # safetensors | dummy (seeded random weights: benchmarks)
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64, 128):
@@ -60,8 +58,6 @@ class EngineConfig:
             raise ValueError(f"dtype: must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device: must be auto, cpu or cuda, got {self.device!r}")
-        if self.load_format not in ("safetensors", "dummy"):
-            raise ValueError(f"load_format: must be safetensors or dummy, got {self.load_format!r}")
         if self.load_format not in ("safetensors", "dummy"):
             raise ValueError(f"load_format: must be safetensors or dummy, got {self.load_format!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:

@@ -19,13 +19,10 @@ import torch
 
 from pagoda.engine.config import EngineConfig
 from pagoda.engine.cuda_graphs import DecodeGraphs
-from pagoda.engine.cuda_graphs import DecodeGraphs
 from pagoda.kernels import AttentionMetadata
 from pagoda.models.config import ModelConfig
 from pagoda.models.llama import LlamaForCausalLM
-from pagoda.models.llama import LlamaForCausalLM
 from pagoda.models.loader import load_model
-from pagoda.models.quant import quantize_model
 from pagoda.models.quant import quantize_model
 
 logger = logging.getLogger(__name__)
@@ -66,9 +63,6 @@ class ModelRunner:
         if config.load_format == "dummy":
             self.model = make_random_model(model_config, self.dtype, self.device, config.seed, config.quantization)
         else:
-            if config.load_format == "dummy":
-            self.model = make_random_model(model_config, self.dtype, self.device, config.seed, config.quantization)
-        else:
             self.model = load_model(model_path, dtype=self.dtype, device=self.device, quantization=config.quantization)
         self.num_blocks = self._num_blocks_from_budget()
         shape = (self.num_blocks, self.block_size, model_config.num_key_value_heads, model_config.head_dim)
@@ -79,7 +73,6 @@ class ModelRunner:
         ]
         logger.info("KV cache: %d blocks of %d tokens on %s (%s)", self.num_blocks, self.block_size,
                     self.device, self.dtype)
-        self.graphs = DecodeGraphs.maybe_capture(self)  # None on CPU or when disabled
         self.graphs = DecodeGraphs.maybe_capture(self)  # None on CPU or when disabled
 
     def _num_blocks_from_budget(self) -> int:
@@ -113,8 +106,6 @@ class ModelRunner:
         """
         if self.graphs is not None and self.graphs.can_run(scheduled):
             return self.graphs.execute(scheduled)
-        if self.graphs is not None and self.graphs.can_run(scheduled):
-            return self.graphs.execute(scheduled)
         input_ids: list[int] = []
         positions: list[int] = []
         query_lens, seq_lens, tables, sample_rows = [], [], [], []
@@ -135,32 +126,6 @@ class ModelRunner:
             return torch.empty(0, self.model_config.vocab_size, device=self.device)
         rows = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
         return self.model.compute_logits(hidden[rows]).float()
-
-
-def make_random_model(
-    model_config: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int, quantization: Optional[str] = None
-) -> LlamaForCausalLM:
-    """The model with seeded random weights (``load_format="dummy"``: benchmarks of a shape
-    without its checkpoint). Projections ~ N(0, 1/fan_in), embeddings ~ N(0, 1), norms 1,
-    biases 0, LM head ~ N(0, 16/hidden) so logits spread (std ~4) and greedy picks are not
-    near-ties. Drawn on ``device`` with its own generator: the same on every run of one
-    device type. ``quantization`` is applied as ``load_model`` would."""
-    model = LlamaForCausalLM(model_config, dtype=dtype, device=device)
-    generator = torch.Generator(device=device).manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():  # a tied LM head is listed once
-            if name.endswith("norm"):
-                param.fill_(1.0)
-            elif param.dim() == 1:
-                param.zero_()
-            elif name == "embed_tokens":
-                param.normal_(0.0, 1.0, generator=generator)
-            else:
-                gain = 16.0 if name == "lm_head" else 1.0
-                param.normal_(0.0, (gain / param.shape[1]) ** 0.5, generator=generator)
-    if quantization is not None:
-        quantize_model(model, quantization)
-    return model.eval()
 
 
 def make_random_model(
