@@ -9,7 +9,8 @@ Invariants:
   negative.
 - A free block may still hold a *cached* full block (``block_hash`` set and the hash map
   pointing at it): it stays reusable until the free queue hands it out again, at which
-  point its hash is evicted (``BlockRemoved``).
+  point its hash is evicted (``BlockRemoved``). An ``on_evict`` hook, when set, sees the
+  block first (the CPU tier keeps a copy; ``kv_offload``).
 - The hash map has at most one block per hash. When two requests fill blocks with the
   same content concurrently, the first one cached wins; the other block stays unhashed
   and is simply freed later.
@@ -24,7 +25,7 @@ tail nodes rather than a deque.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Optional, Sequence
 
 from pagoda.engine.block_hash import BlockHash
 from pagoda.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBuffer
@@ -132,6 +133,9 @@ class BlockPool:
         self.null_block = self.blocks[NULL_BLOCK_ID]
         self.free_block_queue = FreeBlockQueue(self.blocks[1:])
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
+        # Called with each cached block about to be evicted, while it still holds its hash
+        # and tokens (the KV offload tier copies it to host memory; kv_offload.py).
+        self.on_evict: Optional[Callable[[KVCacheBlock], None]] = None
 
     @property
     def num_usable_blocks(self) -> int:
@@ -169,6 +173,8 @@ class BlockPool:
     def _evict(self, block: KVCacheBlock) -> str:
         block_hash = block.block_hash
         assert self.cached_block_hash_to_block.get(block_hash) is block, f"{block} hashed but not in the hash map"
+        if self.on_evict is not None:
+            self.on_evict(block)
         del self.cached_block_hash_to_block[block_hash]
         block.block_hash = None
         block.token_ids = ()

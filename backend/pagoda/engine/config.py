@@ -16,6 +16,7 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 # Mirrors pagoda.models.quant.QUANTIZATION_METHODS (a test keeps them equal); repeated
 # here because this module, like the scheduler that imports it, stays free of torch.
 QUANTIZATION_METHODS = ("int8",)
+PREEMPTION_MODES = ("auto", "recompute", "swap")  # see pagoda.engine.kv_offload
 
 
 @dataclass
@@ -38,6 +39,15 @@ class EngineConfig:
     quantization: Optional[str] = None  # None | int8 (weight-only, see pagoda.models.quant)
     enable_cuda_graphs: bool = True  # decode steps replay CUDA graphs (CUDA + Triton kernels only)
     load_format: str = "safetensors"  # safetensors | dummy (seeded random weights: benchmarks)
+    # KV offload (pagoda.engine.kv_offload, docs/kv_offload.md): a host-memory tier of the
+    # KV cache for preemption by swap and for prefix blocks evicted from the device.
+    cpu_offload_bytes: int = 0  # host KV pool size; 0 disables the tier
+    preemption_mode: str = "auto"  # auto (cost model) | recompute | swap (needs cpu_offload_bytes)
+    # Cost model inputs; None: measured at start (kv_transfer.calibrate).
+    offload_copy_bandwidth: Optional[float] = None  # bytes/s, one direction
+    offload_copy_latency_s: Optional[float] = None  # fixed cost of one batched copy
+    prefill_s_per_token: Optional[float] = None  # seconds per recomputed token
+
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64, 128):
@@ -62,3 +72,19 @@ class EngineConfig:
             raise ValueError(f"load_format: must be safetensors or dummy, got {self.load_format!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"quantization: must be None or one of {QUANTIZATION_METHODS}, got {self.quantization!r}")
+        self._validate_offload()
+
+    def _validate_offload(self) -> None:
+        if isinstance(self.cpu_offload_bytes, bool) or not isinstance(self.cpu_offload_bytes, int) \
+                or self.cpu_offload_bytes < 0:
+            raise ValueError(f"cpu_offload_bytes: must be an integer >= 0 (0 disables), got {self.cpu_offload_bytes!r}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode: must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        if self.preemption_mode == "swap" and self.cpu_offload_bytes == 0:
+            raise ValueError("preemption_mode: 'swap' needs a CPU tier; set cpu_offload_bytes > 0")
+        for name in ("offload_copy_bandwidth", "prefill_s_per_token"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name}: must be > 0 when given, got {value!r}")
+        if self.offload_copy_latency_s is not None and not self.offload_copy_latency_s >= 0:
+            raise ValueError(f"offload_copy_latency_s: must be >= 0 when given, got {self.offload_copy_latency_s!r}")

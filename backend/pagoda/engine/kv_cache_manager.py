@@ -77,6 +77,7 @@ class KVCacheManager:
         request: Request,
         num_new_tokens: int,
         new_computed_blocks: Sequence[KVCacheBlock] = (),
+        num_loaded_blocks: int = 0,
     ) -> list[KVCacheBlock] | None:
         """Grow ``request``'s block table to hold its computed tokens plus ``num_new_tokens``.
 
@@ -85,14 +86,19 @@ class KVCacheManager:
             num_new_tokens: tokens to compute this step (> 0).
             new_computed_blocks: a prefix hit from ``get_computed_blocks`` (only for a
                 request that holds no blocks yet); they are shared, not copied.
+            num_loaded_blocks: prefix blocks after ``new_computed_blocks`` found in the
+                CPU tier (``kv_offload``): new blocks, counted as computed, whose contents
+                the caller copies in before the step; they are cached (hashed) at once.
         Returns:
-            The newly allocated blocks (possibly empty), or ``None`` when the pool cannot
-            supply them; then nothing changed.
+            The newly allocated blocks (possibly empty; the loaded ones first), or
+            ``None`` when the pool cannot supply them; then nothing changed.
         """
         assert num_new_tokens > 0, f"num_new_tokens must be positive, got {num_new_tokens}"
         blocks = self.req_to_blocks.get(request.request_id, [])
-        assert not (blocks and new_computed_blocks), "a prefix hit only applies to a request holding no blocks"
-        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        assert not (blocks and (new_computed_blocks or num_loaded_blocks)), \
+            "a prefix hit only applies to a request holding no blocks"
+        num_hit_blocks = len(new_computed_blocks) + num_loaded_blocks
+        num_computed = request.num_computed_tokens + num_hit_blocks * self.block_size
         num_required = -(-(num_computed + num_new_tokens) // self.block_size)
         num_new_blocks = max(0, num_required - len(blocks) - len(new_computed_blocks))
         # Reviving free cached blocks takes them out of the free queue too.
@@ -106,6 +112,10 @@ class KVCacheManager:
         blocks.extend(new_computed_blocks)
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
         blocks.extend(new_blocks)
+        if num_loaded_blocks:
+            self.block_pool.cache_full_blocks(request, blocks, len(new_computed_blocks), num_hit_blocks,
+                                              self.block_size)
+            self.num_cached_blocks[request.request_id] = num_hit_blocks
         return new_blocks
 
     def cache_blocks(self, request: Request) -> None:

@@ -30,6 +30,7 @@ from pagoda.engine.outputs import CompletionOutput, RequestMetrics, RequestOutpu
 from pagoda.engine.request import Request, RequestStatus
 from pagoda.engine.sampler import Sampler, SamplingRow, make_generator
 from pagoda.engine.sampling_params import SamplingParams
+from pagoda.engine.kv_transfer import HostKVCache, calibrate
 from pagoda.engine.scheduler import Scheduler, SchedulerConfig
 from pagoda.models.config import ModelConfig
 from pagoda.models.gguf_import import ensure_default_model
@@ -58,6 +59,14 @@ class EngineStats:
     last_step_num_decode_seqs: int
     last_step_num_prefill_seqs: int
     last_step_num_tokens: int
+    # KV offload (zero without a CPU tier); see pagoda.engine.kv_offload.
+    num_swapped_out: int = 0  # preemptions by swap
+    num_swapped_in: int = 0
+    num_recomputed_preemptions: int = 0  # preemptions by recompute (with or without the tier)
+    prefix_cache_hits_host: int = 0  # tokens, included in prefix_cache_hits
+    num_offloaded_blocks: int = 0  # cached blocks evicted from the device, copied to the host
+    num_host_blocks: int = 0
+    num_free_host_blocks: int = 0
 
 
 @dataclass
@@ -104,8 +113,10 @@ class LLMEngine:
         self.runner = ModelRunner(self.config, self.model_config, model_path)
         # Refuses lengths past the model's positions (or a Mistral sliding window).
         self.max_model_len = self.model_config.check_max_model_len(self.config.max_model_len)
+        self.host_kv_cache, cost_model = self._make_host_tier()
         self.scheduler = Scheduler(SchedulerConfig.from_engine_config(
-            self.config, num_blocks=self.runner.num_blocks, max_model_len=self.max_model_len, model_id=self.model_id))
+            self.config, num_blocks=self.runner.num_blocks, max_model_len=self.max_model_len, model_id=self.model_id,
+            num_host_blocks=self.host_kv_cache.num_blocks if self.host_kv_cache else 0), swap_cost_model=cost_model)
         self.sampler = Sampler(vocab_size=self.model_config.vocab_size, seed=self.config.seed)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
         self._groups: dict[str, _Group] = {}
@@ -227,6 +238,8 @@ class LLMEngine:
         """Advance every schedulable request by one iteration; return what progressed."""
         outputs, self._aborted_outputs = self._aborted_outputs, []
         sched = self.scheduler.schedule()
+        if self.host_kv_cache is not None:  # KV offload copies run before the forward pass
+            self.host_kv_cache.execute(sched)
         if not sched.scheduled:
             return outputs
         now = time.time()
@@ -381,7 +394,32 @@ class LLMEngine:
             last_step_num_decode_seqs=self._last_step[1],
             last_step_num_prefill_seqs=self._last_step[2],
             last_step_num_tokens=self._last_step[3],
+            num_recomputed_preemptions=s.num_recomputed_preemptions,
+            **self._offload_stats(),
         )
+
+    def _make_host_tier(self):
+        """(host KV cache, swap cost model) for ``cpu_offload_bytes > 0``, else (None, None).
+        The cost model is calibrated only for ``preemption_mode="auto"``."""
+        cfg = self.config
+        if cfg.cpu_offload_bytes == 0:
+            return None, None
+        host = HostKVCache.for_runner(self.runner, cfg.cpu_offload_bytes)
+        if cfg.preemption_mode != "auto":
+            return host, None
+        model = calibrate(host, self.runner, cfg.offload_copy_bandwidth, cfg.offload_copy_latency_s,
+                          cfg.prefill_s_per_token)
+        logger.info("KV offload: %d host blocks; swap cost model %s", host.num_blocks, model)
+        return host, model
+
+    def _offload_stats(self) -> dict:
+        offload = self.scheduler.offload
+        if offload is None:
+            return {}
+        return dict(num_swapped_out=offload.num_swapped_out, num_swapped_in=offload.num_swapped_in,
+                    prefix_cache_hits_host=offload.prefix_cache_hits_host,
+                    num_offloaded_blocks=offload.num_offloaded_blocks,
+                    num_host_blocks=offload.pool.num_blocks, num_free_host_blocks=offload.num_free_blocks)
 
     def take_block_events(self) -> list:
         """Block events (ARCHITECTURE contract 3) since the last call, oldest first."""

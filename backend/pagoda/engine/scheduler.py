@@ -23,6 +23,16 @@ A step whose tokens reach the end of a request's known tokens samples (``is_samp
 ``update_from_output`` advances ``num_computed_tokens`` by what was scheduled, caches
 the blocks that became full, appends sampled tokens and applies stop rules.
 
+KV offload (``kv_offload``, on when ``num_host_blocks > 0``): a victim may instead be
+preempted by *swap* (the cost model or ``preemption_mode`` decides): its computed blocks
+are copied to host blocks, it keeps ``num_computed_tokens`` and waits swapped out; when
+admitted again it gets fresh blocks filled from the host (``blocks_to_swap_in``), with no
+prefix lookup. A victim admitted in the same step always recomputes (its inbound copies
+have not run yet). Cached blocks the pool evicts go to the host tier
+(``blocks_to_swap_out``), and a waiting request's prefix lookup continues there after the
+device hit ends (``blocks_to_copy_back``); those blocks count as computed. The runner
+executes every device -> host copy, then every host -> device copy, before the forward.
+
 No deadlock: ``add_request`` rejects requests whose worst case exceeds the whole cache,
 so a request running alone always fits, and preemption always frees the request that
 would otherwise block the others. Preempted requests are never rescheduled in the step
@@ -40,6 +50,7 @@ from pagoda.engine.block_pool import BlockPool
 from pagoda.engine.config import SCHEDULING_POLICIES, EngineConfig
 from pagoda.engine.kv_cache_manager import KVCacheManager
 from pagoda.engine.kv_events import KVEvent, KVEventBuffer
+from pagoda.engine.kv_offload import PREEMPTION_MODES, BlockPairs, KVOffloadManager, SwapCostModel, blocks_for_tokens
 from pagoda.engine.request import Request, RequestStatus
 
 
@@ -55,10 +66,16 @@ class SchedulerConfig:
     policy: str = "fcfs"
     model_id: str = ""  # seeds the block-hash root
     max_block_events: int = 100_000
+    num_host_blocks: int = 0  # CPU tier of the KV cache (kv_offload); 0: off
+    preemption_mode: str = "auto"  # auto | recompute | swap (needs num_host_blocks > 0)
 
     def __post_init__(self) -> None:
         if self.policy not in SCHEDULING_POLICIES:
             raise ValueError(f"policy: must be one of {SCHEDULING_POLICIES}, got {self.policy!r}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode: must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        if self.num_host_blocks < 0:
+            raise ValueError(f"num_host_blocks: must be >= 0, got {self.num_host_blocks}")
         for name in ("num_blocks", "max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
@@ -69,7 +86,8 @@ class SchedulerConfig:
             )
 
     @classmethod
-    def from_engine_config(cls, config: EngineConfig, num_blocks: int, max_model_len: int, model_id: str) -> "SchedulerConfig":
+    def from_engine_config(cls, config: EngineConfig, num_blocks: int, max_model_len: int, model_id: str,
+                           num_host_blocks: int = 0) -> "SchedulerConfig":
         return cls(
             num_blocks=num_blocks,
             max_model_len=max_model_len,
@@ -81,6 +99,8 @@ class SchedulerConfig:
             policy=config.scheduling_policy,
             model_id=model_id,
             max_block_events=config.max_block_events,
+            num_host_blocks=num_host_blocks,
+            preemption_mode=config.preemption_mode,
         )
 
 
@@ -100,6 +120,10 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int = 0
     preempted_request_ids: list[str] = field(default_factory=list)
     finished_request_ids: list[str] = field(default_factory=list)  # freed since the last step
+    # KV offload copies, (src, dst) block ids, run before the forward pass in this order:
+    blocks_to_swap_out: BlockPairs = field(default_factory=list)  # device -> host (swaps, evictions)
+    blocks_to_swap_in: BlockPairs = field(default_factory=list)  # host -> device (swapped requests)
+    blocks_to_copy_back: BlockPairs = field(default_factory=list)  # host -> device (prefix hits)
 
     @property
     def is_empty(self) -> bool:
@@ -179,7 +203,12 @@ def policy_key(request: Request, policy: str) -> tuple:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig) -> None:
+    """Args:
+    config: limits and features.
+    swap_cost_model: swap-vs-recompute costs for ``preemption_mode="auto"`` (none: recompute).
+    """
+
+    def __init__(self, config: SchedulerConfig, swap_cost_model: Optional[SwapCostModel] = None) -> None:
         self.config = config
         self.event_buffer = KVEventBuffer(max_events=config.max_block_events)
         self.block_pool = BlockPool(config.num_blocks, config.enable_prefix_caching, self.event_buffer)
@@ -188,6 +217,12 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # live (unfinished) requests by id
         self.num_preemptions_total = 0
+        self.num_recomputed_preemptions = 0
+        self.offload: Optional[KVOffloadManager] = None
+        if config.num_host_blocks > 0:
+            self.offload = KVOffloadManager(config.num_host_blocks, config.block_size, config.preemption_mode,
+                                            swap_cost_model, enable_prefix_tier=config.enable_prefix_caching)
+            self.block_pool.on_evict = self.offload.on_device_evict
         self._finished_request_ids: list[str] = []
         self._num_added = 0
 
@@ -257,6 +292,8 @@ class Scheduler:
     def _free(self, request: Request, status: RequestStatus) -> None:
         request.status = status
         self.kv_cache_manager.free(request)
+        if self.offload is not None:
+            self.offload.free_request(request.request_id)
         del self.requests[request.request_id]
         self._finished_request_ids.append(request.request_id)
 
@@ -273,6 +310,9 @@ class Scheduler:
             finished_request_ids=self._finished_request_ids,
         )
         self._finished_request_ids = []
+        if self.offload is not None:
+            output.blocks_to_swap_out, output.blocks_to_swap_in, output.blocks_to_copy_back = \
+                self.offload.take_copies()
         for request in self.running:
             num_new = step.num_new_tokens.get(request.request_id)
             if num_new is None:
@@ -317,21 +357,28 @@ class Scheduler:
                 break
             if len(self.running) >= cfg.max_num_seqs and not self._preempt_for(request, step):
                 break
-            hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
+            if self.offload is not None and self.offload.is_swapped_out(request.request_id):
+                if not self._admit_swapped(request, step):
+                    return
+                continue
+            hit_blocks, host_hit, num_hit = self._lookup_prefix(request)
             num_new = request.num_tokens - num_hit
             if not cfg.enable_chunked_prefill and num_new > step.budget:
                 break
             num_new = min(num_new, step.budget)
-            while self.kv_cache_manager.allocate_slots(request, num_new, hit_blocks) is None:
+            while (new_blocks := self._allocate_with_hit(request, num_new, hit_blocks, host_hit)) is None:
                 if not self._preempt_for(request, step):
                     return
                 # The victim's blocks may have been part of the hit: look up again.
-                hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
+                hit_blocks, host_hit, num_hit = self._lookup_prefix(request)
                 num_new = request.num_tokens - num_hit
                 if not cfg.enable_chunked_prefill and num_new > step.budget:
                     return
                 num_new = min(num_new, step.budget)
             self.waiting.pop()
+            if host_hit:
+                self.offload.copy_back(host_hit, [b.block_id for b in new_blocks[:len(host_hit)]])
+            step.admitted.add(request.request_id)
             self.kv_cache_manager.record_prefix_lookup(request.num_tokens, num_hit)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
@@ -339,6 +386,52 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             step.add(request, num_new)
+
+    def _lookup_prefix(self, request: Request) -> tuple[list, list, int]:
+        """(device hit blocks, host hit blocks continuing them, hit tokens of both)."""
+        hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
+        if self.offload is None or not self.kv_cache_manager.enable_caching:
+            return hit_blocks, [], num_hit
+        max_blocks = (request.num_tokens - 1) // self.config.block_size
+        host_hit = self.offload.lookup_prefix(request.block_hashes, request.all_token_ids, len(hit_blocks), max_blocks)
+        return hit_blocks, host_hit, num_hit + len(host_hit) * self.config.block_size
+
+    def _allocate_with_hit(self, request: Request, num_new: int, hit_blocks: list, host_hit: list) -> Optional[list]:
+        """``allocate_slots`` with a prefix hit; host hits stay pinned on success."""
+        if host_hit:  # evictions during allocation must not reuse the host blocks we read
+            self.offload.pin(host_hit)
+        new_blocks = self.kv_cache_manager.allocate_slots(request, num_new, hit_blocks, len(host_hit))
+        if new_blocks is None and host_hit:
+            self.offload.unpin(host_hit)
+        return new_blocks
+
+    def _admit_swapped(self, request: Request, step: "_Step") -> bool:
+        """Admit a swapped-out request: new blocks, filled from its host blocks. False: it
+        does not fit (admission stops)."""
+        num_new = request.num_tokens - request.num_computed_tokens
+        if not self.config.enable_chunked_prefill and num_new > step.budget:
+            return False
+        num_new = min(num_new, step.budget)
+        while self.kv_cache_manager.allocate_slots(request, num_new) is None:
+            if not self._preempt_for(request, step):
+                return False
+        self.waiting.pop()
+        self.offload.swap_in(request.request_id, self.kv_cache_manager.get_block_ids(request.request_id))
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        step.add(request, num_new)
+        step.admitted.add(request.request_id)
+        return True
+
+    def _swap_out(self, request: Request, step: "_Step") -> bool:
+        """Try to preempt ``request`` by swap; False: recompute instead."""
+        if self.offload is None or request.request_id in step.admitted:
+            return False
+        num_blocks = blocks_for_tokens(request.num_computed_tokens, self.config.block_size)
+        if not self.offload.wants_swap(request.num_computed_tokens, num_blocks):
+            return False
+        return self.offload.swap_out(request.request_id,
+                                     self.kv_cache_manager.get_block_ids(request.request_id)[:num_blocks])
 
     def _preempt_for(self, request: Request, step: "_Step") -> bool:
         """Priority policy: preempt the lowest-priority running request if it is strictly
@@ -354,8 +447,10 @@ class Scheduler:
     def _preempt(self, request: Request, step: "_Step") -> None:
         self.running.remove(request)
         step.remove(request)
+        if not self._swap_out(request, step):
+            request.num_computed_tokens = 0
+            self.num_recomputed_preemptions += 1
         self.kv_cache_manager.free(request)
-        request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions_total += 1
@@ -454,8 +549,16 @@ class Scheduler:
         return self.event_buffer.take()
 
     def reset_prefix_cache(self) -> bool:
-        """Forget cached blocks; False (no change) while any request holds blocks."""
-        return self.kv_cache_manager.reset_prefix_cache()
+        """Forget cached blocks (both tiers); False (no change) while any request holds blocks."""
+        if not self.kv_cache_manager.reset_prefix_cache():
+            return False
+        if self.offload is not None:
+            self.offload.reset_prefix_cache()
+        return True
+
+    def is_swapped_out(self, request_id: str) -> bool:
+        """Whether a preempted request waits with its KV in host blocks."""
+        return self.offload is not None and self.offload.is_swapped_out(request_id)
 
 
 class _Step:
@@ -465,6 +568,9 @@ class _Step:
         self.budget = budget
         self.num_new_tokens: dict[str, int] = {}
         self.preempted: list[Request] = []
+        # Admitted this step: their blocks may still await host -> device copies (or share
+        # blocks that do), so they are never swapped out in this step.
+        self.admitted: set[str] = set()
 
     def add(self, request: Request, num_new_tokens: int) -> None:
         self.num_new_tokens[request.request_id] = num_new_tokens
