@@ -26,7 +26,7 @@ Two kernels, picked per call by the number of rows:
   only fast for 16-bit activations (fp32 activations take a scalar path ~20x slower than
   sgemm, measured), so fp32 activations are cast to bf16 for the call and the result cast
   back; the kernel also requires scales in the activation dtype, so a bf16 copy of the
-  scales is kept. On CUDA the same op has a kernel (registered since torch 2.x);
+  scales is kept. On CUDA the same op has a kernel (present in torch 2.13's dispatch table; not run here);
 * more rows (prefill chunks): dequantize the weight to the activation dtype and call
   ``F.linear``; the dequantization is O(N*K) against the matmul's O(M*N*K), so it
   amortises, while the packed kernel is slower than a BLAS sgemm at large M.
