@@ -133,6 +133,20 @@ def test_cpu_runner_never_captures(tiny_folder, kernels, monkeypatch):
     assert runner.graphs is None
 
 
+def test_failed_capture_falls_back_to_eager(tiny_folder, monkeypatch, caplog):
+    import pagoda.engine.cuda_graphs as cuda_graphs
+
+    def broken_capture(self):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(cuda_graphs, "should_use_graphs", lambda *args: True)
+    monkeypatch.setattr(DecodeGraphs, "capture", broken_capture)
+    config = EngineConfig(model=tiny_folder, device="cpu", load_format="dummy", num_gpu_blocks_override=8)
+    runner = ModelRunner(config, ModelConfig.from_dict(TINY), tiny_folder)
+    assert runner.graphs is None
+    assert "CUDA graph capture failed" in caplog.text
+
+
 class _FakeGraph:
     """Replays like a CUDA graph: re-runs the captured forward on the static buffers and
     writes the result into the tensor the capture returned."""

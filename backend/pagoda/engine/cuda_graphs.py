@@ -38,6 +38,7 @@ When. Only on CUDA with ``EngineConfig.enable_cuda_graphs`` and the Triton kerne
 serving the model (``PAGODA_KERNELS=torch`` turns graphs off: the references read host
 lists and synchronise). All sizes share one memory pool and are captured largest first,
 each after one eager warm-up at its size (compiles the Triton variants outside capture).
+If capture fails, the error is logged and the runner serves every step eagerly.
 """
 
 from __future__ import annotations
@@ -169,7 +170,12 @@ class DecodeGraphs:
             return None
         max_context = runner.model_config.check_max_model_len(config.max_model_len)
         graphs = cls(runner.model, runner.kv_caches, config.max_num_seqs, max_context, runner.block_size)
-        graphs.capture()
+        try:
+            graphs.capture()
+        except Exception:  # noqa: BLE001  (any capture failure: serve eagerly rather than not at all)
+            logger.exception("CUDA graph capture failed; decode steps run eagerly (enable_cuda_graphs=False "
+                             "silences this)")  # fmt: skip
+            return None
         return graphs
 
     @torch.inference_mode()
