@@ -93,13 +93,10 @@ class HostKVCache:
             return
         src = torch.tensor([p[0] for p in pairs], dtype=torch.int64)
         dst = torch.tensor([p[1] for p in pairs], dtype=torch.int64, device=self.device)
-        non_blocking = self.device.type == "cuda"
+        # Synchronous: the gathered rows are pageable, and the forward pass reads them next.
         for device_kv, host_kv in zip(self.device_caches, self.host_caches):
             for device_t, host_t in zip(device_kv, host_kv):
-                rows = host_t.index_select(0, src)
-                if non_blocking:
-                    rows = rows.pin_memory()
-                device_t.index_copy_(0, dst, rows.to(self.device, non_blocking=non_blocking))
+                device_t.index_copy_(0, dst, host_t.index_select(0, src).to(self.device))
 
     def time_round_trip(self, device_block_ids: Sequence[int], repeats: int = 5) -> float:
         """Median seconds of one direction (half a device -> host -> device round trip)."""
