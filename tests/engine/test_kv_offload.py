@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from pagoda.engine.config import EngineConfig
+from pagoda.engine.kv_events import BlockRemoved, BlockStored
 from pagoda.engine.kv_offload import HostBlockPool, KVOffloadManager, SwapCostModel
 from pagoda.engine.request import Request, RequestStatus
 from pagoda.engine.sampling_params import SamplingParams
@@ -157,6 +158,24 @@ def test_recompute_mode_and_full_host_pool_fall_back_to_recompute():
         assert_all_free(scheduler)
 
 
+@pytest.mark.parametrize("latency_s, expect_swap", [(1e-3, True), (1.0, False)])
+def test_auto_mode_follows_the_cost_model(latency_s, expect_swap):
+    # b is preempted with ~17 computed tokens: 17 ms to recompute vs 2 x latency to swap.
+    model = SwapCostModel(bytes_per_block=1024, copy_bandwidth_bytes_per_s=1e9, copy_latency_s=latency_s,
+                          prefill_s_per_token=1e-3)
+    scheduler = Scheduler(SchedulerConfig(num_blocks=9, max_model_len=256, block_size=4, max_num_batched_tokens=64,
+                                          num_host_blocks=16, preemption_mode="auto"), swap_cost_model=model)
+    scheduler.add_request(make_request("a", 8, max_tokens=20))
+    scheduler.add_request(make_request("b", 15, max_tokens=10, arrival=1.0))
+    while not scheduler.get_request("b").num_preemptions:
+        step(scheduler)
+    assert scheduler.is_swapped_out("b") == expect_swap
+    assert scheduler.num_recomputed_preemptions == (0 if expect_swap else 1)
+    while scheduler.has_unfinished_requests():
+        step(scheduler)
+    assert_all_free(scheduler)
+
+
 def test_abort_while_swapped_out_frees_host_blocks():
     scheduler = make_scheduler()
     scheduler.add_request(make_request("a", 8, max_tokens=20))
@@ -173,7 +192,8 @@ def test_abort_while_swapped_out_frees_host_blocks():
 def test_evicted_prefix_blocks_move_to_host_and_come_back():
     scheduler = make_scheduler(num_host_blocks=8)
     prefix = [500 + i for i in range(16)]  # 4 full blocks
-    scheduler.add_request(make_request("a", prefix + [1], max_tokens=1))
+    a = make_request("a", prefix + [1], max_tokens=1)
+    scheduler.add_request(a)
     a_block_ids = step(scheduler)[0].scheduled[0].block_ids
     assert_all_free(scheduler)
     cached = {blk.block_id for blk in scheduler.block_pool.cached_block_hash_to_block.values()}
@@ -184,6 +204,10 @@ def test_evicted_prefix_blocks_move_to_host_and_come_back():
     assert sorted(src for src, _ in out.blocks_to_swap_out) == sorted(cached)
     assert scheduler.offload.num_offloaded_blocks == 4
     host_of = {src: dst for src, dst in out.blocks_to_swap_out}
+    # Device-tier events only: the blocks moving to the host are removed from the device.
+    events = [e.event for e in scheduler.take_events()]
+    removed = [h for e in events if isinstance(e, BlockRemoved) for h in e.block_hashes]
+    assert sorted(removed) == sorted(h.hex() for h in a.block_hashes[:4])
     while scheduler.has_unfinished_requests():
         step(scheduler)
     # Device tier: b's blocks were cached after a's were evicted; a's prefix is only on the host.
@@ -196,7 +220,9 @@ def test_evicted_prefix_blocks_move_to_host_and_come_back():
     assert [dst for _, dst in out.blocks_to_copy_back] == c.block_ids[:4]
     assert scheduler.offload.prefix_cache_hits_host == 16
     assert scheduler.prefix_cache_hits == 16 and c.request.num_cached_tokens == 16
-    # The copied-back blocks are cached on the device again.
+    # The copied-back blocks are cached on the device again, and advertised as such.
+    stored = [h for e in scheduler.take_events() if isinstance(e.event, BlockStored) for h in e.event.block_hashes]
+    assert stored[:4] == [h.hex() for h in a.block_hashes[:4]]
     assert all(scheduler.block_pool.blocks[i].block_hash is not None for i in c.block_ids[:4])
     while scheduler.has_unfinished_requests():
         step(scheduler)
