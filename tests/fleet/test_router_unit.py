@@ -199,3 +199,17 @@ def test_kubernetes_discovery_against_a_fake_api():
     replicas = asyncio.run(scenario())
     assert [(r.replica_id, r.endpoints["grpc"]) for r in replicas.all()] == [("p1", "10.0.0.1:8001")]
     assert seen == {"selector": "app=x", "auth": "Bearer tok", "namespace": "ns1"}
+
+
+def test_router_tokenizes_exactly_like_the_engine(smollm2_path):
+    from pagoda.models.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_pretrained(smollm2_path)
+    replicas = ReplicaSet("static")
+    router = Router(replicas, tokenizer, "SmolLM2-135M-Instruct", "round_robin", None, block_size=16)
+    for text in ["Hello world", "  leading spaces and 12345 digits\n\ttabs", "héllo wörld ✓ " * 40,
+                 tokenizer.apply_chat_template([{"role": "user", "content": "Hi there"}])]:
+        ids = tokenizer.encode(text)  # what LLMEngine.add_request does with a text prompt
+        analysis = router.analyze(text)
+        assert analysis.num_prompt_tokens == len(ids)
+        assert analysis.block_hashes == [h.hex() for h in hash_prompt_blocks(ids, 16, "SmolLM2-135M-Instruct")]

@@ -194,9 +194,17 @@ class Router:
     # --------------------------------------------------------------- decisions
     def analyze(self, prompt: str, cache_salt: Optional[str] = None) -> Analysis:
         """Tokenize and hash a prompt (the engine's tokenization and block hashes)."""
-        token_ids = self.tokenizer.encode(prompt)
+        token_ids = self._encode(prompt)
         hashes = hash_prompt_blocks(token_ids, self.block_size, self.hash_model_id, cache_salt=cache_salt)
         return Analysis(len(token_ids), [h.hex() for h in hashes], self.block_size)
+
+    def _encode(self, prompt: str) -> list[int]:
+        # The engine's encode(prompt) ids; the batch "fast" path skips offset tracking, which
+        # routing does not need (~20% of tokenizing a 1k-token prompt).
+        backend = getattr(self.tokenizer, "backend", None)
+        if backend is not None and hasattr(backend, "encode_batch_fast"):
+            return backend.encode_batch_fast([prompt])[0].ids
+        return self.tokenizer.encode(prompt)
 
     async def choose(self, analysis: Optional[Analysis], exclude: Iterable[str] = (), attempt: int = 1) -> Decision:
         """Pick a replica and count the request in flight there.
