@@ -21,6 +21,7 @@ is forwarded unchanged, so a trace started upstream still reaches the engine.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from typing import Any, Iterator, Mapping, Optional
 
@@ -107,6 +108,9 @@ class RouterTracer:
         handle = RouteSpan(span, outgoing.get(TRACEPARENT))
         try:
             yield handle
+        except (GeneratorExit, asyncio.CancelledError):
+            span.set_attribute("pagoda.cancelled", True)  # the client went away: not an error
+            raise
         except BaseException as exc:
             handle.fail(f"{type(exc).__name__}: {exc}")
             raise
