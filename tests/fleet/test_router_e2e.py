@@ -145,9 +145,12 @@ def _make_router(replicas, redis_server, smollm2_path, **overrides):
     from pagoda.fleet.router import BackgroundRouter, RouterOptions
 
     tracer, exporter = _memory_tracer()
-    options = RouterOptions(model_dir=smollm2_path, model_name=MODEL_NAME, replicas=_replicas_spec(replicas),
-                            redis_url=redis_server.url, host="127.0.0.1", http_port=0, grpc_port=0,
-                            health_interval_s=0.5, registry_interval_s=0.2, **overrides)
+    if overrides.pop("membership", "static") == "registry":
+        overrides["replicas"] = None
+    settings = dict(model_dir=smollm2_path, model_name=MODEL_NAME, replicas=_replicas_spec(replicas),
+                    redis_url=redis_server.url, host="127.0.0.1", http_port=0, grpc_port=0,
+                    health_interval_s=0.5, registry_interval_s=0.2)
+    options = RouterOptions(**{**settings, **overrides})
     background = BackgroundRouter(options, tracer=tracer)
     background.exporter = exporter
     return background
@@ -272,9 +275,12 @@ def test_prefix_affinity_and_spread(published, router, replicas):
 def test_late_router_resyncs_from_the_stream(published, router, replicas, redis_server, smollm2_path):
     holder, blocks = holder_of_prefix(router)
     assert holder is not None and blocks >= 30, "test_prefix_affinity_and_spread warms the prefix first"
-    with _make_router(replicas, redis_server, smollm2_path, index_mode="follower") as late:
+    # No replica list: this router learns the replicas from the registry's heartbeats.
+    with _make_router(replicas, redis_server, smollm2_path, index_mode="follower", membership="registry") as late:
         follower = late.service.router.fleet.follower
         _wait(lambda: late.run(lambda: follower.is_synced and late.service.router.fleet.available), "resync")
+        members = late.run(lambda: {r.replica_id: r.endpoints["grpc"] for r in late.service.router.replicas.all()})
+        assert members == {rid: s.grpc_url for rid, s in replicas.items()}
         assert follower.num_full_syncs >= 1
         texts, errors = grpc_generate(late.grpc_url, [tenant_prompt(100), tenant_prompt(101)])
         assert not errors and len(texts) == 2
