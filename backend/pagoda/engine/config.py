@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
+SPECULATIVE_METHODS = ("draft", "ngram")
+MAX_SPECULATIVE_TOKENS = 16
 # Mirrors pagoda.models.quant.QUANTIZATION_METHODS (a test keeps them equal); repeated
 # here because this module, like the scheduler that imports it, stays free of torch.
 QUANTIZATION_METHODS = ("int8",)
@@ -36,6 +38,13 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     seed: int = 0
     max_block_events: int = 100_000  # retained for the fleet layer before the oldest drop
+    # Speculative decoding (pagoda.engine.spec_decode, docs/speculative.md).
+    speculative_method: Optional[str] = None  # None (off) | draft | ngram (prompt lookup)
+    speculative_model: Optional[str] = None  # draft folder; None: the target's own first layers
+    speculative_draft_num_layers: Optional[int] = None  # keep the draft's first N layers (+ its norm and head)
+    num_speculative_tokens: int = 4  # the largest window k
+    spec_adaptive: bool = True  # adapt k per request and step; False: always num_speculative_tokens
+    speculative_by_default: bool = True  # requests with SamplingParams.speculative=None speculate
     quantization: Optional[str] = None  # None | int8 (weight-only, see pagoda.models.quant)
     enable_cuda_graphs: bool = True  # decode steps replay CUDA graphs (CUDA + Triton kernels only)
     load_format: str = "safetensors"  # safetensors | dummy (seeded random weights: benchmarks)
@@ -47,7 +56,6 @@ class EngineConfig:
     offload_copy_bandwidth: Optional[float] = None  # bytes/s, one direction
     offload_copy_latency_s: Optional[float] = None  # fixed cost of one batched copy
     prefill_s_per_token: Optional[float] = None  # seconds per recomputed token
-
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64, 128):
@@ -72,6 +80,7 @@ class EngineConfig:
             raise ValueError(f"load_format: must be safetensors or dummy, got {self.load_format!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"quantization: must be None or one of {QUANTIZATION_METHODS}, got {self.quantization!r}")
+        self._validate_speculative()
         self._validate_offload()
 
     def _validate_offload(self) -> None:
@@ -88,3 +97,20 @@ class EngineConfig:
                 raise ValueError(f"{name}: must be > 0 when given, got {value!r}")
         if self.offload_copy_latency_s is not None and not self.offload_copy_latency_s >= 0:
             raise ValueError(f"offload_copy_latency_s: must be >= 0 when given, got {self.offload_copy_latency_s!r}")
+
+    def _validate_speculative(self) -> None:
+        method = self.speculative_method
+        if method is not None and method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_method: must be None or one of {SPECULATIVE_METHODS}, got {method!r}")
+        if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens: must be in [1, {MAX_SPECULATIVE_TOKENS}], "
+                             f"got {self.num_speculative_tokens}")
+        if self.speculative_draft_num_layers is not None and self.speculative_draft_num_layers < 1:
+            raise ValueError(f"speculative_draft_num_layers: must be >= 1, got {self.speculative_draft_num_layers}")
+        has_draft = self.speculative_model is not None or self.speculative_draft_num_layers is not None
+        if method == "draft" and not has_draft:
+            raise ValueError("speculative_method 'draft' needs speculative_model (a draft folder) and/or "
+                             "speculative_draft_num_layers (the first N layers of the target as the draft)")
+        if method != "draft" and has_draft:
+            raise ValueError("speculative_model / speculative_draft_num_layers are only used with "
+                             "speculative_method='draft'")

@@ -7,6 +7,13 @@ token for every request that reached the end of its known tokens) →
 incremental detokenization, stop strings, and ``RequestOutput``s with deltas and
 timestamps.
 
+With speculative decoding configured (``EngineConfig.speculative_method``), each step
+first asks the ``Speculator`` for drafted tokens, which the scheduler schedules as
+ordinary tokens; the speculator then verifies them from the runner's logits in place of
+the plain sampler (``pagoda.engine.spec_decode``). Several tokens may then arrive for a
+request in one step; stop strings are still matched token by token, so outputs end
+exactly where they would without speculation.
+
 A user request with ``n > 1`` becomes ``n`` scheduler requests ("children") that share
 the prompt's KV blocks through the prefix cache: child 0 is scheduled first and the others
 join once its prompt is computed, so they hit every full prompt block instead of
@@ -25,13 +32,14 @@ from dataclasses import dataclass, field
 from typing import Iterable, Optional, Union
 
 from pagoda.engine.config import EngineConfig
-from pagoda.engine.model_runner import ModelRunner
+from pagoda.engine.model_runner import ModelRunner, resolve_device, resolve_dtype
 from pagoda.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from pagoda.engine.request import Request, RequestStatus
 from pagoda.engine.sampler import Sampler, SamplingRow, make_generator
 from pagoda.engine.sampling_params import SamplingParams
 from pagoda.engine.kv_transfer import HostKVCache, calibrate
 from pagoda.engine.scheduler import Scheduler, SchedulerConfig
+from pagoda.engine.spec_decode import SpeculativePlan
 from pagoda.models.config import ModelConfig
 from pagoda.models.gguf_import import ensure_default_model
 from pagoda.models.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -59,6 +67,10 @@ class EngineStats:
     last_step_num_decode_seqs: int
     last_step_num_prefill_seqs: int
     last_step_num_tokens: int
+    # Speculative decoding (zero without it); see SpecStats.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
     # KV offload (zero without a CPU tier); see pagoda.engine.kv_offload.
     num_swapped_out: int = 0  # preemptions by swap
     num_swapped_in: int = 0
@@ -84,6 +96,7 @@ class _Completion:
     finish_reason: Optional[str] = None
     stop_reason: Optional[Union[int, str]] = None
     is_reported_final: bool = False
+    num_kept_tokens: Optional[int] = None  # set when a stop string ends the output before the last token
 
 
 @dataclass
@@ -110,7 +123,11 @@ class LLMEngine:
         self.model_path = model_path
         self.model_config = ModelConfig.from_pretrained(model_path)
         self.tokenizer = Tokenizer.from_pretrained(model_path)
-        self.runner = ModelRunner(self.config, self.model_config, model_path)
+        device = resolve_device(self.config)
+        spec_plan = SpeculativePlan.from_config(self.config, self.model_config, device,
+                                                resolve_dtype(self.config, device))
+        self.runner = ModelRunner(self.config, self.model_config, model_path,
+                                  draft_config=spec_plan.draft_config if spec_plan else None)
         # Refuses lengths past the model's positions (or a Mistral sliding window).
         self.max_model_len = self.model_config.check_max_model_len(self.config.max_model_len)
         self.host_kv_cache, cost_model = self._make_host_tier()
@@ -118,6 +135,8 @@ class LLMEngine:
             self.config, num_blocks=self.runner.num_blocks, max_model_len=self.max_model_len, model_id=self.model_id,
             num_host_blocks=self.host_kv_cache.num_blocks if self.host_kv_cache else 0), swap_cost_model=cost_model)
         self.sampler = Sampler(vocab_size=self.model_config.vocab_size, seed=self.config.seed)
+        self.speculator = spec_plan.build(self.model_config, self.runner.model, self.runner.num_blocks, self.sampler,
+                                          self.max_model_len) if spec_plan else None
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
         self._groups: dict[str, _Group] = {}
         self._child_of: dict[str, tuple[_Group, int]] = {}
@@ -147,11 +166,15 @@ class LLMEngine:
         """Queue a request.
 
         Raises:
-            ValueError: duplicate id, empty prompt, token ids outside the vocabulary, or a
+            ValueError: duplicate id, empty prompt, token ids outside the vocabulary, a
                 request that can never fit (prompt + max_tokens over ``max_model_len`` or
-                over the whole KV cache). Nothing is queued then.
+                over the whole KV cache), or ``speculative=True`` on an engine without
+                speculative decoding. Nothing is queued then.
         """
         params = params or SamplingParams()
+        if params.speculative and self.speculator is None:
+            raise ValueError("speculative: this server has no speculative decoding configured "
+                             "(EngineConfig.speculative_method is None)")
         if not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id: must be a non-empty string")
         if request_id in self._groups:
@@ -237,9 +260,12 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Advance every schedulable request by one iteration; return what progressed."""
         outputs, self._aborted_outputs = self._aborted_outputs, []
-        sched = self.scheduler.schedule()
+        drafts = self.speculator.propose(self.scheduler.running) if self.speculator else None
+        sched = self.scheduler.schedule(drafts)
         if self.host_kv_cache is not None:  # KV offload copies run before the forward pass
             self.host_kv_cache.execute(sched)
+        if self.speculator:
+            self.speculator.release(sched.finished_request_ids)
         if not sched.scheduled:
             return outputs
         now = time.time()
@@ -248,24 +274,17 @@ class LLMEngine:
             if group.metrics.first_scheduled_time is None:
                 group.metrics.first_scheduled_time = now
         logits = self.runner.execute(sched.scheduled)
-        sampling = [item.request for item in sched.scheduled if item.is_sampling]
-        sampled: dict[str, list[int]] = {}
-        if sampling:
-            result = self.sampler(logits, [r.sampling_state for r in sampling])
-            for request, token_id, lp in zip(sampling, result.token_ids, result.logprobs):
-                sampled[request.request_id] = [token_id]
-                if lp is not None:
-                    completion = self._completion_of(request)
-                    completion.logprobs.append(TokenLogprob(lp.token_id, lp.logprob, lp.rank, list(lp.top)))
-                    completion.cumulative_logprob += lp.logprob
+        sampled, logprobs = self._sample(logits, [item for item in sched.scheduled if item.is_sampling])
         updates = self.scheduler.update_from_output(sched, sampled)
         self._record_step(sched)
         now = time.time()
         touched: dict[str, _Group] = {}
         for update in updates:
             group, _ = self._child_of[update.request.request_id]
-            self._absorb(update, now)
+            self._absorb(update, now, logprobs.get(update.request.request_id, []))
             touched[group.request_id] = group
+        if self.speculator:
+            self.speculator.release(u.request.request_id for u in updates if u.request.is_finished)
         self._release_pending_children()
         for group in touched.values():
             outputs.append(self._make_output(group))
@@ -273,17 +292,24 @@ class LLMEngine:
                 self._forget(group)
         return outputs
 
-    def _completion_of(self, request: Request) -> _Completion:
-        group, index = self._child_of[request.request_id]
-        return group.completions[index]
+    def _sample(self, logits, items) -> tuple[dict[str, list[int]], dict[str, list]]:
+        """Tokens and raw logprobs (``None`` where not asked for) per sampling request."""
+        if self.speculator is not None:
+            return self.speculator.sample(logits, items)
+        if not items:
+            return {}, {}
+        result = self.sampler(logits, [item.request.sampling_state for item in items])
+        ids = [item.request.request_id for item in items]
+        return ({i: [t] for i, t in zip(ids, result.token_ids)}, {i: [lp] for i, lp in zip(ids, result.logprobs)})
 
-    def _absorb(self, update, now: float) -> None:
+    def _absorb(self, update, now: float, logprobs: list) -> None:
         """Detokenize a child's new tokens, apply stop strings, stamp metrics."""
         request = update.request
         group, index = self._child_of[request.request_id]
         completion = group.completions[index]
-        if update.new_token_ids:
-            self._num_generation_tokens += len(update.new_token_ids)
+        new_ids = update.new_token_ids
+        if new_ids:
+            self._num_generation_tokens += len(new_ids)
             m = group.metrics
             if m.first_token_time is None:
                 m.first_token_time = now
@@ -291,12 +317,30 @@ class LLMEngine:
             else:
                 m.inter_token_latencies.append(now - m.last_token_time)
             m.last_token_time = now
-            completion.text += completion.detokenizer.add(update.new_token_ids)
-        if update.finished:
-            completion.text += completion.detokenizer.finish()
-        # A stop string wins over a length/EOS finish reached in the same step.
-        stopped = (bool(group.params.stop) and request.num_output_tokens >= group.params.min_tokens
-                   and self._apply_stop_strings(completion, group.params))
+        # Several tokens at once (speculative decoding) go one at a time through the stop
+        # strings, so the output ends exactly where it would without speculation.
+        pieces = [[t] for t in new_ids] if group.params.stop and len(new_ids) > 1 else [new_ids]
+        stopped = False
+        for i, piece in enumerate(pieces):
+            if piece:
+                completion.text += completion.detokenizer.add(piece)
+            is_last = i == len(pieces) - 1
+            if update.finished and is_last:
+                completion.text += completion.detokenizer.finish()
+            num_outputs = request.num_output_tokens - (len(new_ids) - sum(len(p) for p in pieces[: i + 1]))
+            # A stop string wins over a length/EOS finish reached in the same step.
+            stopped = (bool(group.params.stop) and num_outputs >= group.params.min_tokens
+                       and self._apply_stop_strings(completion, group.params))
+            if stopped:
+                if not is_last:
+                    completion.num_kept_tokens = num_outputs
+                    self._num_generation_tokens -= request.num_output_tokens - num_outputs
+                break
+        num_new_kept = len(new_ids) if completion.num_kept_tokens is None else completion.num_kept_tokens - (
+            request.num_output_tokens - len(new_ids))
+        for lp in logprobs[:num_new_kept] if completion.logprobs is not None else ():
+            completion.logprobs.append(TokenLogprob(lp.token_id, lp.logprob, lp.rank, list(lp.top)))
+            completion.cumulative_logprob += lp.logprob
         if stopped and not update.finished:
             self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_STOPPED)
         elif update.finished and not stopped:
@@ -344,7 +388,7 @@ class LLMEngine:
             visible = max(c.num_emitted_chars, len(c.text) - hold)
             delta_text = c.text[c.num_emitted_chars:visible]
             c.num_emitted_chars = visible
-            token_ids = c.request.output_token_ids
+            token_ids = c.request.output_token_ids[: c.num_kept_tokens]
             delta_ids = token_ids[c.num_emitted_tokens:]
             c.num_emitted_tokens = len(token_ids)
             delta_lp = None
@@ -369,7 +413,8 @@ class LLMEngine:
 
     def _record_step(self, sched) -> None:
         self._num_steps += 1
-        num_decode = sum(1 for it in sched.scheduled if it.num_new_tokens == 1 and it.num_computed_tokens >= it.request.num_prompt_tokens)
+        num_decode = sum(1 for it in sched.scheduled if it.num_new_tokens - len(it.spec_token_ids) == 1
+                         and it.num_computed_tokens >= it.request.num_prompt_tokens)
         self._max_num_running_seen = max(self._max_num_running_seen, len(sched.scheduled))
         self._last_step = (len(sched.scheduled), num_decode, len(sched.scheduled) - num_decode,
                            sched.total_num_scheduled_tokens)
@@ -395,6 +440,7 @@ class LLMEngine:
             last_step_num_prefill_seqs=self._last_step[2],
             last_step_num_tokens=self._last_step[3],
             num_recomputed_preemptions=s.num_recomputed_preemptions,
+            **self._spec_stats(),
             **self._offload_stats(),
         )
 
@@ -420,6 +466,13 @@ class LLMEngine:
                     prefix_cache_hits_host=offload.prefix_cache_hits_host,
                     num_offloaded_blocks=offload.num_offloaded_blocks,
                     num_host_blocks=offload.pool.num_blocks, num_free_host_blocks=offload.num_free_blocks)
+
+    def _spec_stats(self) -> dict:
+        if self.speculator is None:
+            return {}
+        st = self.speculator.stats
+        return dict(spec_num_drafts=st.num_drafts, spec_num_draft_tokens=st.num_draft_tokens,
+                    spec_num_accepted_tokens=st.num_accepted_tokens)
 
     def take_block_events(self) -> list:
         """Block events (ARCHITECTURE contract 3) since the last call, oldest first."""

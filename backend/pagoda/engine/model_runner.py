@@ -7,7 +7,11 @@ the device's memory minus what the weights took and a reserve for activations.
 
 ``execute`` turns a ``SchedulerOutput`` (a flat batch of decode tokens and prefill chunks)
 into model inputs and ``AttentionMetadata``, runs the model once, and returns the logits
-of the last token of every request that samples in this step, in batch order.
+of the last token of every request that samples in this step, in batch order (and of
+each drafted token after it, for speculative decoding).
+
+With a draft model (speculative decoding), the draft's KV cache gets as many blocks as
+the target's, and the budget pays for both: ``draft_config`` adds its per-block bytes.
 """
 
 from __future__ import annotations
@@ -54,7 +58,9 @@ def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, model_path: str) -> None:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, model_path: str,
+                 draft_config: Optional[ModelConfig] = None) -> None:
+        self.draft_config = draft_config
         self.config = config
         self.model_config = model_config
         self.device = resolve_device(config)
@@ -79,6 +85,8 @@ class ModelRunner:
         if self.config.num_gpu_blocks_override is not None:
             return self.config.num_gpu_blocks_override
         per_block = kv_bytes_per_block(self.model_config, self.block_size, self.dtype)
+        if self.draft_config is not None:
+            per_block += kv_bytes_per_block(self.draft_config, self.block_size, self.dtype)
         if self.device.type == "cuda":
             total = torch.cuda.get_device_properties(self.device).total_memory
             budget = int(total * self.config.gpu_memory_utilization) - torch.cuda.memory_allocated(self.device)
@@ -99,10 +107,11 @@ class ModelRunner:
         Args:
             scheduled: ``SchedulerOutput.scheduled`` — per request: ``token_ids``,
                 ``num_computed_tokens`` (start position), ``num_new_tokens``,
-                ``block_ids``, ``is_sampling``.
+                ``block_ids``, ``is_sampling``, ``spec_token_ids``.
         Returns:
-            float32 logits ``[num_sampling_requests, vocab]`` for the requests with
-            ``is_sampling`` set, in batch order (empty when none samples).
+            float32 logits ``[num_rows, vocab]``, in batch order: for each request with
+            ``is_sampling`` set, ``1 + len(spec_token_ids)`` rows (its last known token,
+            then each drafted token); empty when none samples.
         """
         if self.graphs is not None and self.graphs.can_run(scheduled):
             return self.graphs.execute(scheduled)
@@ -117,7 +126,8 @@ class ModelRunner:
             seq_lens.append(start + n)
             tables.append(item.block_ids)
             if item.is_sampling:
-                sample_rows.append(len(input_ids) - 1)
+                end = len(input_ids)
+                sample_rows.extend(range(end - 1 - len(item.spec_token_ids), end))
         meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, self.device)
         ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
         pos = torch.tensor(positions, dtype=torch.int64, device=self.device)

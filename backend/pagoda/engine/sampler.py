@@ -191,16 +191,38 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """Stages 6-7 for non-greedy rows: temperature, filters, exponential race."""
-        device = logits.device
-        temperature = torch.tensor([row.params.temperature for row in rows], device=device)
+        probs = self.sample_probs(logits, rows)  # [R, V]
+        noise = self.draw_noise(rows, logits.device)  # [R, V]
+        return (probs / noise).argmax(dim=-1)
+
+    def sample_probs(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """Stage 6 for non-greedy rows: the distribution each row samples from.
+
+        Args:
+            logits: ``[R, vocab_size]`` output of ``process_logits``; not modified.
+            rows: one non-greedy ``SamplingRow`` per logits row.
+        Returns:
+            ``[R, vocab_size]`` probabilities after temperature, top-k, top-p and min-p.
+        """
+        temperature = torch.tensor([row.params.temperature for row in rows], device=logits.device)
         logits = logits / temperature[:, None]
         logits = _apply_top_k_top_p(logits, rows)
         logits = _apply_min_p(logits, rows)
-        probs = logits.softmax(dim=-1)  # [R, V]
-        noise = self._draw_noise(rows, device)  # [R, V]
-        return (probs / noise).argmax(dim=-1)
+        return logits.softmax(dim=-1)
 
-    def _draw_noise(self, rows: Sequence[SamplingRow], device: torch.device) -> torch.Tensor:
+    def compute_logprobs(
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow], token_ids: torch.Tensor
+    ) -> list[Optional[TokenLogprobs]]:
+        """Raw-mode logprobs of ``token_ids`` (one per row) for rows that ask for them.
+
+        Args:
+            logits: ``[R, >= vocab_size]`` model logits (padding columns are cut off).
+            rows: one ``SamplingRow`` per logits row.
+            token_ids: ``[R]`` the token chosen at each row.
+        """
+        return _compute_logprobs(self._cut_padding(logits, rows), rows, token_ids)
+
+    def draw_noise(self, rows: Sequence[SamplingRow], device: torch.device) -> torch.Tensor:
         """Exp(1) noise, exactly ``vocab_size`` draws per row from the row's generator."""
         vocab_size = self.vocab_size
         noise = torch.empty(len(rows), vocab_size, device=device)

@@ -27,7 +27,9 @@ class SamplingParams:
     disables top-k; ``top_p`` of 1 and ``min_p`` of 0 disable those filters; penalties
     at their neutral values (1, 0, 0) do nothing. ``seed`` makes a request's samples
     independent of what else shares its batch. ``logprobs=N`` returns the sampled
-    token's log-probability and the top N alternatives at every step.
+    token's log-probability and the top N alternatives at every step. ``speculative``
+    opts in or out of speculative decoding (``None``: the server's default); it never
+    changes greedy or seeded outputs, only how fast they come.
     """
 
     n: int = 1
@@ -47,6 +49,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: Optional[int] = None
     skip_special_tokens: bool = True
+    speculative: Optional[bool] = None
 
     def __post_init__(self) -> None:
         self.stop = _as_list("stop", [self.stop] if isinstance(self.stop, str) else self.stop)
@@ -86,6 +89,8 @@ class SamplingParams:
         _check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
         _check_bool("ignore_eos", self.ignore_eos)
         _check_bool("skip_special_tokens", self.skip_special_tokens)
+        if self.speculative is not None:
+            _check_bool("speculative", self.speculative)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
 

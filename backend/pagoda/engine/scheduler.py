@@ -20,8 +20,16 @@ Every request has ``num_computed_tokens`` catching up with ``num_tokens``. Each 
    the first request that does not fit, so FCFS order is never violated.
 
 A step whose tokens reach the end of a request's known tokens samples (``is_sampling``).
-``update_from_output`` advances ``num_computed_tokens`` by what was scheduled, caches
-the blocks that became full, appends sampled tokens and applies stop rules.
+``update_from_output`` advances ``num_computed_tokens`` by what was scheduled, appends
+sampled tokens, applies stop rules and caches the blocks that became full.
+
+Speculative decoding adds no phase either: ``schedule(spec_token_ids)`` schedules a
+decode together with its drafted tokens (``ScheduledRequest.spec_token_ids``), as many
+as the budget leaves, and only while free blocks remain for the other running requests
+(drafts never cause a preemption). ``update_from_output`` then receives the accepted
+drafts plus one token and sets ``num_computed_tokens`` back past the rejected drafts;
+their slots are overwritten later. Rejected tokens are never appended to the request, so
+no block holding them is ever hashed or cached.
 
 KV offload (``kv_offload``, on when ``num_host_blocks > 0``): a victim may instead be
 preempted by *swap* (the cost model or ``preemption_mode`` decides): its computed blocks
@@ -44,7 +52,7 @@ from __future__ import annotations
 import heapq
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Optional, Union
+from typing import Iterable, Iterator, Mapping, Optional, Sequence, Union
 
 from pagoda.engine.block_pool import BlockPool
 from pagoda.engine.config import SCHEDULING_POLICIES, EngineConfig
@@ -108,10 +116,11 @@ class SchedulerConfig:
 class ScheduledRequest:
     request: Request
     num_computed_tokens: int  # start position of this step's tokens
-    num_new_tokens: int
-    token_ids: list[int]  # all_token_ids[num_computed_tokens : num_computed_tokens + num_new_tokens]
+    num_new_tokens: int  # including spec_token_ids
+    token_ids: list[int]  # all_token_ids[num_computed_tokens : num_computed_tokens + num_new_tokens], then the drafts
     block_ids: list[int]  # the request's whole block table
     is_sampling: bool  # this step reaches the end of the known tokens: sample one
+    spec_token_ids: list[int] = field(default_factory=list)  # drafted tokens verified this step
 
 
 @dataclass
@@ -299,10 +308,15 @@ class Scheduler:
 
     # One step ------------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
-        """Choose this step's requests and token counts; see the module docstring."""
+    def schedule(self, spec_token_ids: Optional[Mapping[str, Sequence[int]]] = None) -> SchedulerOutput:
+        """Choose this step's requests and token counts; see the module docstring.
+
+        Args:
+            spec_token_ids: request id -> drafted tokens to verify after its next token
+                (speculative decoding); read only for running requests at a decode.
+        """
         step = _Step(self.config.max_num_batched_tokens)
-        self._schedule_running(step)
+        self._schedule_running(step, spec_token_ids or {})
         if not step.preempted:
             self._schedule_waiting(step)
         output = SchedulerOutput(
@@ -318,21 +332,24 @@ class Scheduler:
             if num_new is None:
                 continue
             start = request.num_computed_tokens
+            num_spec = step.num_spec_tokens.get(request.request_id, 0)
+            drafts = list(spec_token_ids[request.request_id][:num_spec]) if num_spec else []
             output.scheduled.append(
                 ScheduledRequest(
                     request=request,
                     num_computed_tokens=start,
                     num_new_tokens=num_new,
-                    token_ids=request.all_token_ids[start : start + num_new],
+                    token_ids=request.all_token_ids[start : start + num_new - num_spec] + drafts,
                     block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
-                    is_sampling=start + num_new == request.num_tokens,
+                    is_sampling=start + num_new - num_spec == request.num_tokens,
+                    spec_token_ids=drafts,
                 )
             )
             output.total_num_scheduled_tokens += num_new
         assert output.total_num_scheduled_tokens <= self.config.max_num_batched_tokens, "token budget exceeded"
         return output
 
-    def _schedule_running(self, step: "_Step") -> None:
+    def _schedule_running(self, step: "_Step", spec_token_ids: Mapping[str, Sequence[int]]) -> None:
         for request in list(self.running):
             if step.budget == 0:
                 break
@@ -341,6 +358,8 @@ class Scheduler:
             num_new = min(request.num_tokens - request.num_computed_tokens, step.budget)
             if num_new <= 0:
                 continue
+            if self._schedule_with_drafts(request, spec_token_ids.get(request.request_id), step):
+                continue
             while self.kv_cache_manager.allocate_slots(request, num_new) is None:
                 victim = max(self.running, key=lambda r: policy_key(r, self.config.policy))
                 self._preempt(victim, step)
@@ -348,6 +367,23 @@ class Scheduler:
                     break
             else:
                 step.add(request, num_new)
+
+    def _schedule_with_drafts(self, request: Request, drafts: Optional[Sequence[int]], step: "_Step") -> bool:
+        """Schedule a decode plus as many of its drafted tokens as the budget leaves.
+
+        Returns False, changing nothing, when there are no drafts, the request is not at a
+        decode, or the drafts' slots would eat into the blocks that the running requests
+        need (fewer free blocks than running requests): drafts never cause preemption.
+        """
+        if not drafts or request.num_tokens - request.num_computed_tokens != 1:
+            return False
+        num_spec = min(len(drafts), step.budget - 1)
+        if num_spec <= 0 or self.block_pool.num_free_blocks < len(self.running):
+            return False
+        if self.kv_cache_manager.allocate_slots(request, 1 + num_spec) is None:
+            return False
+        step.add(request, 1 + num_spec, num_spec)
+        return True
 
     def _schedule_waiting(self, step: "_Step") -> None:
         cfg = self.config
@@ -467,7 +503,8 @@ class Scheduler:
         Args:
             scheduler_output: what ``schedule()`` returned for this step.
             sampled_token_ids: request id -> sampled tokens (one, or several accepted
-                speculative tokens); only requests with ``is_sampling`` are read.
+                speculative tokens); only requests with ``is_sampling`` are read. For a
+                request with ``spec_token_ids``: the accepted drafts, then one token.
         Returns:
             One update per request that received tokens or finished, in batch order.
             Finished requests are already freed.
@@ -479,12 +516,17 @@ class Scheduler:
                 continue  # finished (aborted) or preempted since the step was scheduled
             assert request.num_computed_tokens == scheduled.num_computed_tokens, "step applied twice"
             request.num_computed_tokens += scheduled.num_new_tokens
-            self.kv_cache_manager.cache_blocks(request)
             if not scheduled.is_sampling:
+                self.kv_cache_manager.cache_blocks(request)
                 continue
             tokens = sampled_token_ids.get(request.request_id)
             # Without a token the request would sit at num_computed == num_tokens forever.
             assert tokens, f"no sampled token for {request.request_id!r}, which sampled this step"
+            if scheduled.spec_token_ids:
+                # Roll back the KV of the rejected drafts: their slots get overwritten later.
+                num_rejected = len(scheduled.spec_token_ids) + 1 - len(tokens)
+                assert 0 <= num_rejected <= len(scheduled.spec_token_ids), "more tokens than drafts + 1"
+                request.num_computed_tokens -= num_rejected
             new_token_ids = []
             status = None
             for token_id in tokens:
@@ -493,6 +535,10 @@ class Scheduler:
                 status = self._check_stop(request, token_id)
                 if status is not None:
                     break
+            # Accepted tokens past a stop were computed but do not belong to the request.
+            request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
+            # After appending: accepted drafts are part of the request (and hashed) only now.
+            self.kv_cache_manager.cache_blocks(request)
             if status is not None:
                 self.running.remove(request)
                 self._free(request, status)
@@ -567,14 +613,18 @@ class _Step:
     def __init__(self, budget: int) -> None:
         self.budget = budget
         self.num_new_tokens: dict[str, int] = {}
+        self.num_spec_tokens: dict[str, int] = {}  # of num_new_tokens, drafted tokens
         self.preempted: list[Request] = []
         # Admitted this step: their blocks may still await host -> device copies (or share
         # blocks that do), so they are never swapped out in this step.
         self.admitted: set[str] = set()
 
-    def add(self, request: Request, num_new_tokens: int) -> None:
+    def add(self, request: Request, num_new_tokens: int, num_spec_tokens: int = 0) -> None:
         self.num_new_tokens[request.request_id] = num_new_tokens
+        if num_spec_tokens:
+            self.num_spec_tokens[request.request_id] = num_spec_tokens
         self.budget -= num_new_tokens
 
     def remove(self, request: Request) -> None:
         self.budget += self.num_new_tokens.pop(request.request_id, 0)
+        self.num_spec_tokens.pop(request.request_id, None)

@@ -1,0 +1,271 @@
+"""The engine's speculative-decoding step: choose windows, propose, verify, keep score.
+
+Per engine step (see ``LLMEngine.step``):
+
+1. ``propose(running, budget)``, before ``Scheduler.schedule``: every running request at
+   the end of its known tokens (a decode) that speculates (``SamplingParams.speculative``,
+   else the server default) gets a window ``k`` (``window.py``; capped so that accepted
+   tokens plus the bonus never exceed ``max_tokens``), and the proposer drafts up to
+   ``k`` tokens. The result is the ``spec_token_ids`` argument of ``schedule``; drafts are
+   ordinary scheduled tokens there, inside the same token budget (the scheduler may cut
+   a draft short, or drop it rather than preempt anyone).
+2. ``sample(logits, items)``, after ``ModelRunner.execute``: requests without drafts go
+   through the plain ``Sampler`` in one batch; requests with drafts are verified from the
+   ``1 + n`` logits rows the runner returns for them (``draft.py`` for the three modes,
+   ``rejection_sampler.py`` for the math). Tokens (accepted drafts, then one more) and
+   raw logprobs go back to the engine; ``Scheduler.update_from_output`` rolls the KV of
+   rejected drafts back.
+3. ``release(ids)`` when requests finish: frees their draft KV and acceptance estimates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Optional, Union
+
+import torch
+
+from pagoda.engine.config import EngineConfig
+from pagoda.engine.request import Request, RequestStatus
+from pagoda.engine.sampler import Sampler, TokenLogprobs
+from pagoda.engine.spec_decode.draft import Draft, DraftRequest, VerifyMode, with_outputs
+from pagoda.engine.spec_decode.draft_model_proposer import DraftModelProposer, make_layer_skip_draft
+from pagoda.engine.spec_decode.ngram_proposer import NgramProposer
+from pagoda.engine.spec_decode.rejection_sampler import coupled_verify, greedy_verify, rejection_sample
+from pagoda.engine.spec_decode.window import SATURATION_TOKENS, AcceptanceEstimate, AdaptiveWindow, FixedWindow
+from pagoda.models.config import ModelConfig
+from pagoda.models.llama import LlamaForCausalLM
+
+Proposer = Union[DraftModelProposer, NgramProposer]
+# Acceptance assumed for a request before it has been observed, until the server has data.
+_PRIOR_ACCEPTANCE = 0.6
+
+
+@dataclass
+class SpecStats:
+    num_drafts: int = 0  # verifications (request-steps with drafted tokens)
+    num_draft_tokens: int = 0  # drafted tokens verified
+    num_accepted_tokens: int = 0  # of which accepted
+    num_emitted_tokens: int = 0  # tokens produced by verifications (accepted + one each)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def tokens_per_verification(self) -> float:
+        return self.num_emitted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+@dataclass
+class SpeculativePlan:
+    """What speculative decoding needs before the target's KV cache is sized.
+
+    Attributes:
+        draft_config: the draft's model config (its KV shares the memory budget), or None
+            for the n-gram proposer.
+        draft_model: a draft loaded from its own folder (loaded first, so a GPU budget sees
+            its weights), or None for a layer-skip self-draft / n-gram.
+    """
+
+    config: EngineConfig
+    draft_config: Optional[ModelConfig] = None
+    draft_model: Optional[LlamaForCausalLM] = None
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, model_config: ModelConfig, device: torch.device,
+                    dtype: torch.dtype) -> Optional["SpeculativePlan"]:
+        """None when speculation is off. Raises ValueError for an unusable draft folder."""
+        if config.speculative_method is None:
+            return None
+        if config.speculative_method == "ngram":
+            return cls(config)
+        draft_model = None
+        draft_config = model_config
+        if config.speculative_model is not None:
+            from pagoda.models.loader import load_model
+
+            if not (Path(config.speculative_model) / "config.json").exists():
+                raise ValueError(f"speculative_model: no config.json in {config.speculative_model!r}")
+            draft_model = load_model(config.speculative_model, dtype=dtype, device=device)
+            draft_config = draft_model.config
+        if config.speculative_draft_num_layers is not None:
+            draft_config = dataclasses.replace(draft_config, num_hidden_layers=config.speculative_draft_num_layers)
+        return cls(config, draft_config, draft_model)
+
+    def build(self, model_config: ModelConfig, target: LlamaForCausalLM, num_blocks: int, sampler: Sampler,
+              max_model_len: int) -> "Speculator":
+        cfg = self.config
+        if cfg.speculative_method == "ngram":
+            proposer: Proposer = NgramProposer()
+        else:
+            draft = self.draft_model if self.draft_model is not None else target
+            if cfg.speculative_draft_num_layers is not None:
+                draft = make_layer_skip_draft(draft, cfg.speculative_draft_num_layers)
+            proposer = DraftModelProposer(draft, model_config, num_blocks, cfg.block_size, sampler,
+                                          cfg.max_num_batched_tokens, max_model_len, seed=cfg.seed + 1)
+        if cfg.spec_adaptive:
+            window = AdaptiveWindow(cfg.num_speculative_tokens, proposer.draft_cost,
+                                    SATURATION_TOKENS.get(target.device.type, SATURATION_TOKENS["cuda"]))
+        else:
+            window = FixedWindow(cfg.num_speculative_tokens)
+        return Speculator(proposer, window, sampler, cfg.speculative_by_default, cfg.max_num_batched_tokens,
+                          seed=cfg.seed + 2)
+
+
+class Speculator:
+    """Args:
+    proposer: drafts tokens (``propose(list[DraftRequest]) -> {request_id: Draft}``).
+    window: chooses ``k`` per request and step.
+    sampler: the engine's sampler.
+    default_on: whether requests with ``speculative=None`` speculate.
+    max_num_batched_tokens: the scheduler's budget (load estimate for the window).
+    seed: seed of the generator used for rejection sampling of unseeded requests.
+    """
+
+    def __init__(self, proposer: Proposer, window: Union[AdaptiveWindow, FixedWindow], sampler: Sampler,
+                 default_on: bool, max_num_batched_tokens: int, seed: int = 0) -> None:
+        self.proposer = proposer
+        self.window = window
+        self.sampler = sampler
+        self.default_on = default_on
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.stats = SpecStats()
+        self._generator = torch.Generator().manual_seed(seed)
+        self._server_estimate = AcceptanceEstimate(_PRIOR_ACCEPTANCE, weight=0.05)
+        self._estimates: dict[str, AcceptanceEstimate] = {}
+        self._drafts: dict[str, Draft] = {}
+
+    def wants(self, request: Request) -> bool:
+        opt_in = request.sampling_params.speculative
+        return self.default_on if opt_in is None else opt_in
+
+    # 1. propose -------------------------------------------------------------------------
+    def propose(self, running: list[Request]) -> dict[str, list[int]]:
+        """Drafts for this step's decodes, as ``Scheduler.schedule``'s ``spec_token_ids``."""
+        num_step_tokens = min(self.max_num_batched_tokens,
+                              sum(max(0, r.num_tokens - r.num_computed_tokens) for r in running))
+        candidates = [r for r in running if r.status == RequestStatus.RUNNING
+                      and r.num_tokens - r.num_computed_tokens == 1 and self.wants(r)]
+        batch = []
+        for request in candidates:
+            # Accepted drafts plus the bonus must fit in max_tokens (and so in max_model_len).
+            cap = request.max_tokens - request.num_output_tokens - 1
+            if cap <= 0:
+                continue
+            estimate = self._estimates.setdefault(request.request_id,
+                                                  AcceptanceEstimate(self._server_estimate.value))
+            k = min(cap, self.window.choose(estimate, num_step_tokens, len(candidates)))
+            if k > 0:
+                batch.append(DraftRequest(request, k, request.sampling_state))
+        self._drafts = self.proposer.propose(batch) if batch else {}
+        return {request_id: draft.token_ids for request_id, draft in self._drafts.items()}
+
+    # 2. verify --------------------------------------------------------------------------
+    def sample(self, logits: torch.Tensor, items: list) -> tuple[dict[str, list[int]], dict[str, list]]:
+        """Tokens (and raw logprobs, ``None`` entries when not asked for) per sampling request.
+
+        Args:
+            logits: ``ModelRunner.execute``'s rows: ``1 + len(item.spec_token_ids)`` per item.
+            items: the step's ``ScheduledRequest``s with ``is_sampling``, in batch order.
+        """
+        tokens: dict[str, list[int]] = {}
+        logprobs: dict[str, list[Optional[TokenLogprobs]]] = {}
+        starts, row = [], 0
+        for item in items:
+            starts.append(row)
+            row += 1 + len(item.spec_token_ids)
+        assert row == logits.shape[0], f"expected {row} logits rows, got {logits.shape[0]}"
+        plain = [i for i, item in enumerate(items) if not item.spec_token_ids]
+        if plain:
+            rows = [items[i].request.sampling_state for i in plain]
+            result = self.sampler(logits[[starts[i] for i in plain]], rows)
+            for i, token_id, lp in zip(plain, result.token_ids, result.logprobs):
+                tokens[items[i].request.request_id] = [token_id]
+                logprobs[items[i].request.request_id] = [lp]
+        spec = [(items[i], starts[i]) for i in range(len(items)) if items[i].spec_token_ids]
+        if spec:
+            self._verify(logits, spec, tokens, logprobs)
+        self._drafts = {}
+        return tokens, logprobs
+
+    def _verify(self, logits, spec, tokens, logprobs) -> None:
+        ext_rows, raw_index = [], []
+        for item, start in spec:
+            drafts = item.spec_token_ids
+            ext_rows += [with_outputs(item.request.sampling_state, drafts[:j]) for j in range(len(drafts) + 1)]
+            raw_index += range(start, start + len(drafts) + 1)
+        raw = logits[raw_index]  # [sum(n + 1), >= V]
+        processed = self.sampler.process_logits(raw, ext_rows)  # [sum(n + 1), V]
+        random = [i for i, r in enumerate(ext_rows) if not r.params.is_greedy]
+        probs = torch.zeros_like(processed)
+        if random:
+            probs[random] = self.sampler.sample_probs(processed[random], [ext_rows[i] for i in random])
+        rejection, offset = [], 0
+        for item, _ in spec:
+            rid, drafts, n = item.request.request_id, item.spec_token_ids, len(item.spec_token_ids)
+            mode = VerifyMode.of(item.request.sampling_state)
+            rows = slice(offset, offset + n + 1)
+            if mode == VerifyMode.GREEDY:
+                tokens[rid] = greedy_verify(processed[rows].argmax(dim=-1).tolist(), drafts)
+            elif mode == VerifyMode.COUPLED:
+                row = item.request.sampling_state
+                tokens[rid] = coupled_verify(probs[rows], drafts,
+                                             lambda row=row: self.sampler.draw_noise([row], probs.device)[0])
+            else:
+                rejection.append((item, offset))
+            offset += n + 1
+        if rejection:
+            self._rejection_sample(probs, rejection, tokens)
+        offset = 0
+        for item, _ in spec:
+            rid, n = item.request.request_id, len(item.spec_token_ids)
+            out = tokens[rid]
+            self._observe(rid, n, len(out) - 1)
+            idx = list(range(offset, offset + len(out)))
+            logprobs[rid] = self.sampler.compute_logprobs(
+                raw[idx], [ext_rows[i] for i in idx], torch.tensor(out, device=raw.device))
+            offset += n + 1
+
+    def _rejection_sample(self, probs, rejection, tokens) -> None:
+        """Modified rejection sampling for all unseeded random requests in one batch."""
+        k = max(len(item.spec_token_ids) for item, _ in rejection)
+        vocab = probs.shape[1]
+        p = probs.new_zeros(len(rejection), k + 1, vocab)
+        q = probs.new_zeros(len(rejection), k, vocab)
+        x = torch.zeros(len(rejection), k, dtype=torch.int64, device=probs.device)
+        num_drafts = torch.zeros(len(rejection), dtype=torch.int64, device=probs.device)
+        for r, (item, offset) in enumerate(rejection):
+            n = len(item.spec_token_ids)
+            p[r, : n + 1] = probs[offset : offset + n + 1]
+            x[r, :n] = torch.tensor(item.spec_token_ids, device=probs.device)
+            draft = self._drafts[item.request.request_id].truncate(n)
+            if draft.probs is None:
+                q[r, torch.arange(n), x[r, :n]] = 1.0
+            else:
+                q[r, :n] = draft.probs.to(q.device)
+            num_drafts[r] = n
+        num_accepted, next_token = rejection_sample(p, q, x, num_drafts, self._generator)
+        for r, (item, _) in enumerate(rejection):
+            a = int(num_accepted[r])
+            tokens[item.request.request_id] = list(item.spec_token_ids[:a]) + [int(next_token[r])]
+
+    def _observe(self, request_id: str, num_drafted: int, num_accepted: int) -> None:
+        self.stats.num_drafts += 1
+        self.stats.num_draft_tokens += num_drafted
+        self.stats.num_accepted_tokens += num_accepted
+        self.stats.num_emitted_tokens += num_accepted + 1
+        estimate = self._estimates.get(request_id)
+        if estimate is not None:
+            estimate.observe(num_drafted, num_accepted)
+        self._server_estimate.observe(num_drafted, num_accepted)
+
+    # 3. release -------------------------------------------------------------------------
+    def release(self, request_ids: Iterable[str]) -> None:
+        """Forget finished requests (their draft KV and acceptance estimates)."""
+        request_ids = list(request_ids)
+        for request_id in request_ids:
+            self._estimates.pop(request_id, None)
+        self.proposer.release(request_ids)
