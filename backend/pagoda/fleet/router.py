@@ -141,6 +141,8 @@ class RouterService:
         if fleet is not None:
             await self._refresh_registry()
             self._tasks.append(asyncio.create_task(self._registry_loop(), name="pagoda-router-registry"))
+        # Probe once before serving, so a replica that is down at start is never tried.
+        await asyncio.gather(*(self.probe(r) for r in replicas.all()), return_exceptions=True)
         self._tasks.append(asyncio.create_task(self._health_loop(), name="pagoda-router-health"))
         self._grpc_server, self.grpc_port = make_grpc_server(GrpcProxy(self.router, self.tracer, o.max_attempts),
                                                              o.host, o.grpc_port)
