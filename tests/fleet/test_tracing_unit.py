@@ -84,3 +84,58 @@ def test_traceparent_parameter_and_configuration(monkeypatch):
     tracer = make_request_tracer()
     assert isinstance(tracer, RequestTracer)
     tracer.shutdown()
+
+
+class _OneStepEngine:
+    """Finishes every request in the step after it was added."""
+
+    def __init__(self):
+        self.pending = {}
+
+    def add_request(self, request_id, prompt, params, *, arrival_time=None, priority=0, cache_salt=None):
+        self.pending[request_id] = RequestMetrics(arrival_time=arrival_time, first_scheduled_time=arrival_time,
+                                                  first_token_time=arrival_time, finished_time=arrival_time)
+
+    def abort_request(self, request_ids):
+        pass
+
+    def has_unfinished_requests(self):
+        return bool(self.pending)
+
+    def step(self):
+        outputs = [RequestOutput(rid, "p", [1], [CompletionOutput(0, "t", [7], "t", [7], finish_reason="length")],
+                                 True, metrics) for rid, metrics in self.pending.items()]
+        self.pending.clear()
+        return outputs
+
+
+def test_engine_loop_traces_only_requests_with_a_traceparent(monkeypatch):
+    import queue
+
+    from pagoda.engine.sampling_params import SamplingParams
+    from pagoda.serving.engine_loop import EngineLoop, ResponseSender, ServingRequest
+    from pagoda.serving.triton_io import ParsedRequest
+
+    monkeypatch.delenv("PAGODA_REDIS_URL", raising=False)  # no fleet publisher in this loop
+    recorded, delivered = [], queue.Queue()
+
+    class Tracer:
+        def record(self, traceparent, output):
+            recorded.append((traceparent, output.request_id))
+            if output.request_id == "boom":
+                raise RuntimeError("exporter broke")
+
+    sender = ResponseSender(lambda handle, response: delivered.put((handle, response)))
+    loop = EngineLoop(_OneStepEngine(), sender, tracer=Tracer())
+    sender.start()
+    loop.start()
+    try:
+        parsed = ParsedRequest(prompt="hi", params=SamplingParams(max_tokens=1))
+        for request_id, traceparent in (("traced", TRACEPARENT), ("plain", None), ("boom", TRACEPARENT)):
+            loop.submit(ServingRequest(request_id, parsed, request_id, traceparent=traceparent))
+        finals = {delivered.get(timeout=10)[0] for _ in range(3)}
+    finally:
+        loop.stop()
+        sender.stop()
+    assert finals == {"traced", "plain", "boom"}  # a failing tracer fails no request
+    assert sorted(recorded) == [(TRACEPARENT, "boom"), (TRACEPARENT, "traced")]
