@@ -456,6 +456,17 @@ def test_traces_join_router_and_engine(router, otlp_receiver):
     assert root.start_time_unix_nano <= engine["engine.prefill"][1].start_time_unix_nano
     assert engine["engine.decode"][1].end_time_unix_nano <= root.end_time_unix_nano
 
+    # Over HTTP generate_stream the context travels as a top-level body key, and arrives too.
+    http_trace = os.urandom(16)
+    request = urllib.request.Request(
+        f"http://{router.http_url}/v2/models/pagoda/generate_stream",
+        data=json.dumps({"text_input": "Tell me about black tea.", "max_tokens": 3, "stream": True}).encode(),
+        headers={"Content-Type": "application/json", "traceparent": f"00-{http_trace.hex()}-{parent_id.hex()}-01"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        assert b"text_output" in response.read()
+    _wait(lambda: "pagoda.engine.request" in {s.name for _, s in otlp_receiver.spans_of_trace(http_trace)},
+          "engine spans of the HTTP request", 20)
+
     # The router's own spans over OTLP too (the production exporter).
     from pagoda.fleet.tracing import make_router_tracer
 
