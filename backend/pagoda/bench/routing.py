@@ -20,6 +20,7 @@ Other modes:
 from __future__ import annotations
 
 import argparse
+import sys
 import platform
 import random
 import time
@@ -227,6 +228,12 @@ def measure_overhead(redis_url: str, num_replicas: int = 8, prompt_tokens: int =
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--real" in argv:
+        # The same policies for real: two CPU replicas behind the router (fleet/bench_real.py).
+        from pagoda.fleet import bench_real
+
+        return bench_real.main([a for a in argv if a != "--real"])
     p = argparse.ArgumentParser(prog="pagoda bench routing", description=__doc__.split("\n\n")[0])
     p.add_argument("--replicas", default="2,8,32", help="comma-separated fleet sizes")
     p.add_argument("--policies", default=",".join(POLICY_ORDER), help=f"of {', '.join(sorted(POLICIES))}")
@@ -240,6 +247,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--step-model-out", default=None, help="with --calibrate: write the fit to this JSON")
     p.add_argument("--overhead", action="store_true", help="time routing decisions against a real Redis")
     p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    p.add_argument("--real", action="store_true",
+                   help="run the comparison on two real replicas instead (see pagoda.fleet.bench_real --help)")
     args = p.parse_args(argv)
 
     if args.calibrate:
