@@ -6,7 +6,14 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 
-PY=${PYTHON:-python3}
+# tritonserver's Python-backend stub embeds the system libpython and imports the venv's
+# packages: build the venv on that same system Python when there is one, so compiled
+# stdlib modules (_ssl, ...) match inside the server too.
+if [ -z "${PYTHON:-}" ] && [ -x /usr/bin/python3 ] && /usr/bin/python3 -c 'import venv, ensurepip' 2>/dev/null; then
+  PY=/usr/bin/python3
+else
+  PY=${PYTHON:-python3}
+fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/pip install -q --upgrade pip
 # Pin torch first: an unpinned torch pulls a multi-GB CUDA build.
