@@ -301,3 +301,17 @@ def _make_request(params):
     from pagoda.engine.request import Request
 
     return Request("x", [1, 2], params)
+
+
+@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
+def test_preemption_with_speculation_keeps_greedy_output(paths, base, preemption_mode):
+    """A cache too small for all requests at once: requests are preempted (recomputed or
+    swapped to the CPU tier) while others speculate; outputs stay those of the plain engine."""
+    prompts = _prompts(3, seed=8, lengths=(40,))
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    expected = _tokens(_run(base, [(p, params) for p in prompts]))
+    engine = _engine(paths, "draft-other", num_gpu_blocks_override=7, preemption_mode=preemption_mode,
+                     cpu_offload_bytes=2**22, enable_prefix_caching=False)
+    assert _tokens(_run(engine, [(p, params) for p in prompts])) == expected
+    stats = engine.get_stats()
+    assert stats.num_preemptions > 0 and stats.spec_num_drafts > 0

@@ -121,8 +121,10 @@ def test_adaptive_window_shrinks_with_load_and_low_acceptance():
     k_big_batch = window.choose(AcceptanceEstimate(0.9), num_step_tokens=64, num_speculating=64)
     assert k_small_batch >= 3 and k_big_batch < k_small_batch
     # Low acceptance: 0, and after probe_interval steps at 0 one probe with k = 1.
-    picks = [window.choose(low, 1, 1) for _ in range(window.probe_interval)]
-    assert picks[-1] == 1 and set(picks[:-1]) == {0}
+    picks = [window.choose(low, 1, 1) for _ in range(3 * window.probe_interval)]
+    probes = [i for i, k in enumerate(picks) if k]
+    assert probes == [window.probe_interval - 1, 3 * window.probe_interval - 1]  # then twice as long
+    assert set(picks) == {0, 1}
     est = AcceptanceEstimate(0.5)
     est.observe(num_drafted=4, num_accepted=4)
     assert est.value > 0.5

@@ -16,8 +16,10 @@ and the step's load:
 So ``k`` shrinks as acceptance falls or as the batch grows (a busy pass is compute-bound
 and every drafted token costs real time), and ``k = 0`` turns speculation off for that
 request and step. A request whose estimate keeps it at 0 is re-probed with ``k = 1``
-every ``probe_interval`` steps (when ``k = 1`` could pay off at all), so a request whose
-text turns repetitive later is noticed.
+after ``probe_interval`` steps (when ``k = 1`` could pay off at all), so a request whose
+text turns repetitive later is noticed; the interval doubles after every probe (up to
+``max_probe_interval``) until the window opens again by itself, because a probe of a
+draft model that has sat idle costs a catch-up pass over everything since.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class AcceptanceEstimate:
     value: float
     weight: float = 0.2
     num_zero_steps: int = 0  # consecutive steps the window chose k = 0
+    probe_after: int = 0  # steps at k = 0 before the next probe (0: the window's base interval)
 
     def observe(self, num_drafted: int, num_accepted: int) -> None:
         outcomes = [1.0] * num_accepted + ([0.0] if num_accepted < num_drafted else [])
@@ -61,14 +64,17 @@ class AdaptiveWindow:
     max_k: the largest window (``num_speculative_tokens``).
     draft_cost: one draft pass relative to one target pass (0 for n-gram lookup).
     saturation_tokens: ``T_sat`` of the device.
-    probe_interval: steps at k = 0 before a k = 1 probe.
+    probe_interval: steps at k = 0 before the first k = 1 probe.
+    max_probe_interval: the longest interval after repeated probes.
     """
 
-    def __init__(self, max_k: int, draft_cost: float, saturation_tokens: int, probe_interval: int = 16) -> None:
+    def __init__(self, max_k: int, draft_cost: float, saturation_tokens: int, probe_interval: int = 16,
+                 max_probe_interval: int = 256) -> None:
         self.max_k = max_k
         self.draft_cost = draft_cost
         self.saturation_tokens = saturation_tokens
         self.probe_interval = probe_interval
+        self.max_probe_interval = max_probe_interval
 
     def goodput(self, acceptance: float, k: int, num_step_tokens: int, num_speculating: int) -> float:
         """Expected tokens per unit time relative to not speculating (1.0 at k = 0)."""
@@ -81,11 +87,12 @@ class AdaptiveWindow:
         best = max(range(self.max_k + 1),
                    key=lambda k: (self.goodput(estimate.value, k, num_step_tokens, num_speculating), -k))
         if best > 0:
-            estimate.num_zero_steps = 0
+            estimate.num_zero_steps = estimate.probe_after = 0
             return best
         estimate.num_zero_steps += 1
-        if (estimate.num_zero_steps >= self.probe_interval
-                and self.goodput(1.0, 1, num_step_tokens, num_speculating) > 1.0):
+        interval = estimate.probe_after or self.probe_interval
+        if estimate.num_zero_steps >= interval and self.goodput(1.0, 1, num_step_tokens, num_speculating) > 1.0:
             estimate.num_zero_steps = 0
+            estimate.probe_after = min(2 * interval, self.max_probe_interval)
             return 1
         return 0
