@@ -49,10 +49,8 @@ that preempted them.
 
 from __future__ import annotations
 
-import heapq
-from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Mapping, Optional, Sequence, Union
+from typing import Iterable, Mapping, Optional, Sequence, Union
 
 from pagoda.engine.block_pool import BlockPool
 from pagoda.engine.config import SCHEDULING_POLICIES, EngineConfig
@@ -60,6 +58,7 @@ from pagoda.engine.kv_cache_manager import KVCacheManager
 from pagoda.engine.kv_events import KVEvent, KVEventBuffer
 from pagoda.engine.kv_offload import PREEMPTION_MODES, BlockPairs, KVOffloadManager, SwapCostModel, blocks_for_tokens
 from pagoda.engine.request import Request, RequestStatus
+from pagoda.engine.request_queue import FcfsQueue, PriorityQueue, policy_key
 
 
 @dataclass
@@ -144,71 +143,6 @@ class RequestUpdate:
     request: Request
     new_token_ids: list[int]
     finished: bool
-
-
-# Waiting queues: one small strategy class per policy -------------------------------
-
-
-class FcfsQueue:
-    """Arrival order; preempted requests go back to the front."""
-
-    def __init__(self) -> None:
-        self._queue: deque[Request] = deque()
-
-    def add(self, request: Request) -> None:
-        self._queue.append(request)
-
-    def add_preempted(self, request: Request) -> None:
-        self._queue.appendleft(request)
-
-    def peek(self) -> Request:
-        return self._queue[0]
-
-    def pop(self) -> Request:
-        return self._queue.popleft()
-
-    def remove(self, request: Request) -> None:
-        self._queue.remove(request)  # aborts only; O(n) is fine here
-
-    def __len__(self) -> int:
-        return len(self._queue)
-
-    def __iter__(self) -> Iterator[Request]:
-        return iter(self._queue)
-
-
-class PriorityQueue:
-    """Smallest (priority, arrival_time, insertion_index) first; preempted ones re-sort."""
-
-    def __init__(self) -> None:
-        self._heap: list[tuple[tuple, Request]] = []
-
-    def add(self, request: Request) -> None:
-        heapq.heappush(self._heap, (policy_key(request, "priority"), request))
-
-    add_preempted = add
-
-    def peek(self) -> Request:
-        return self._heap[0][1]
-
-    def pop(self) -> Request:
-        return heapq.heappop(self._heap)[1]
-
-    def remove(self, request: Request) -> None:
-        self._heap = [entry for entry in self._heap if entry[1] is not request]
-        heapq.heapify(self._heap)
-
-    def __len__(self) -> int:
-        return len(self._heap)
-
-    def __iter__(self) -> Iterator[Request]:
-        return (entry[1] for entry in sorted(self._heap, key=lambda e: e[0]))
-
-
-def policy_key(request: Request, policy: str) -> tuple:
-    """Smaller runs first; the running request with the largest key is preempted first."""
-    order = (request.arrival_time, request.insertion_index)
-    return (request.priority, *order) if policy == "priority" else order
 
 
 class Scheduler:
