@@ -50,7 +50,8 @@ def model_path(svc: LLMService) -> str:
     return f"{naming.MODEL_MOUNT}/{sub_path}".rstrip("/")
 
 
-def _model_volume(svc: LLMService) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def model_volume(svc: LLMService) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(volumes, mounts) that put the model at ``model_path(svc)`` (none for image models)."""
     if svc.spec.model.scheme != "pvc":
         return [], []
     claim = svc.spec.model.storage_uri[len("pvc://"):].split("/", 1)[0]
@@ -72,7 +73,7 @@ def replica_env(svc: LLMService) -> list[dict[str, Any]]:
 
 def render_replica_container(svc: LLMService) -> dict[str, Any]:
     """The tritonserver container of one replica."""
-    _, mounts = _model_volume(svc)
+    _, mounts = model_volume(svc)
     container: dict[str, Any] = {
         "name": "pagoda",
         "image": svc.spec.image,
@@ -114,7 +115,7 @@ def render_replica_deployment(svc: LLMService, replicas: int) -> dict[str, Any]:
     Returns:
         An apps/v1 Deployment.
     """
-    volumes, _ = _model_volume(svc)
+    volumes, _ = model_volume(svc)
     pod_labels = naming.labels(svc, COMPONENT) | {"pagoda.dev/model": svc.spec.model.name}
     return {
         "apiVersion": "apps/v1",

@@ -15,6 +15,7 @@ from typing import Any
 
 from pagoda_operator import naming
 from pagoda_operator.render_redis import redis_env, redis_url_arg
+from pagoda_operator.render_replicas import model_path, model_volume
 from pagoda_operator.spec import LLMService
 
 COMPONENT = "router"
@@ -28,7 +29,12 @@ def replica_selector(svc: LLMService) -> dict[str, str]:
 
 
 def render_router_deployment(svc: LLMService) -> dict[str, Any]:
-    """The router Deployment (`pagoda router`)."""
+    """The router Deployment (`pagoda router`).
+
+    It mounts the same model folder as the replicas: the router tokenizes prompts with
+    the model's own tokenizer to hash their blocks exactly as the engine does.
+    """
+    volumes, mounts = model_volume(svc)
     container = {
         "name": "router",
         "image": svc.spec.image,
@@ -38,6 +44,7 @@ def render_router_deployment(svc: LLMService) -> dict[str, Any]:
             "--k8s-selector", naming.selector_string(replica_selector(svc)),
             "--redis-url", redis_url_arg(svc),
             "--policy", svc.spec.routing.policy,
+            "--model-dir", model_path(svc),
         ],
         "env": [
             {"name": "PAGODA_NAMESPACE",
@@ -54,6 +61,7 @@ def render_router_deployment(svc: LLMService) -> dict[str, Any]:
                           "failureThreshold": 6},
         "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}},
         "securityContext": {"allowPrivilegeEscalation": False},
+        "volumeMounts": mounts,
     }
     return {
         "apiVersion": "apps/v1",
@@ -67,6 +75,7 @@ def render_router_deployment(svc: LLMService) -> dict[str, Any]:
                 "spec": {
                     "serviceAccountName": naming.router_name(svc),
                     "containers": [container],
+                    "volumes": volumes,
                 },
             },
         },

@@ -56,6 +56,11 @@ def test_defaults_and_renderers():
     router = render_router_deployment(svc)["spec"]["template"]["spec"]["containers"][0]
     assert router["args"][:2] == ["--k8s-selector",
                                   "app.kubernetes.io/component=replica,pagoda.dev/llmservice=chat"]
+    # The router tokenizes with the replicas' own model: same folder, same volume.
+    assert router["args"][router["args"].index("--model-dir") + 1] == "/mnt/models/chat"
+    router_pod = render_router_deployment(svc)["spec"]["template"]["spec"]
+    assert router_pod["volumes"] == dep["spec"]["template"]["spec"]["volumes"][:1]
+    assert router["volumeMounts"] == [m for m in container["volumeMounts"] if m["name"] == "model"]
     assert render_replica_deployment(svc, 3) == dep  # pure: same input, same output
 
 
