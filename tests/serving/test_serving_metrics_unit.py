@@ -3,6 +3,7 @@
 from types import SimpleNamespace
 
 from pagoda.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagoda.engine.llm_engine import EngineStats
 from pagoda.serving.metrics import ServingMetrics
 
 
@@ -39,11 +40,13 @@ class FakeMetricFamily:
 
 
 def stats(**changes):
+    """A real EngineStats (so a new stats field the metrics read cannot be missed here)."""
     base = dict(num_waiting=1, num_running=2, kv_cache_usage=0.25, num_blocks=100, num_free_blocks=75,
                 prefix_cache_queries=10, prefix_cache_hits=4, num_preemptions=0, num_prompt_tokens=10,
-                num_generation_tokens=5, num_steps=3, max_num_running_seen=2, last_step_num_decode_seqs=2)
+                num_generation_tokens=5, num_steps=3, max_num_running_seen=2, last_step_num_seqs=2,
+                last_step_num_decode_seqs=2, last_step_num_prefill_seqs=0, last_step_num_tokens=2)
     base.update(changes)
-    return SimpleNamespace(**base)
+    return EngineStats(**base)
 
 
 def value(name):
@@ -70,7 +73,8 @@ def test_counters_follow_cumulative_stats_and_gauges_are_set():
     m = ServingMetrics(SimpleNamespace(MetricFamily=FakeMetricFamily), {})
     m.update_engine(stats())
     m.record_step(stats())
-    m.update_engine(stats(num_generation_tokens=9, num_running=0, kv_cache_usage=0.0))
+    m.update_engine(stats(num_generation_tokens=9, num_running=0, kv_cache_usage=0.0,
+                          spec_num_accepted_tokens=7, num_swapped_out=2))
     m.record_step(stats(num_steps=3))  # no new step: not counted again
     m.record_step(stats(num_steps=4, last_step_num_decode_seqs=1))
     assert value("vllm:generation_tokens_total") == 9
@@ -78,6 +82,8 @@ def test_counters_follow_cumulative_stats_and_gauges_are_set():
     assert value("vllm:prefix_cache_hits_total") == 4
     assert value("vllm:num_requests_running") == 0 and value("vllm:kv_cache_usage_perc") == 0.0
     assert value("pagoda:batched_decode_steps_total") == 1
+    assert value("vllm:spec_decode_num_accepted_tokens_total") == 7
+    assert value("pagoda:kv_swapped_out_total") == 2
 
 
 def test_request_latencies_observed_once_each():

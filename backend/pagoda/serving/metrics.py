@@ -27,6 +27,13 @@ Prometheus registry does not add one. Labels: ``model_name`` (vLLM's), plus Trit
 | pagoda:max_num_running_seen            | gauge     | EngineStats.max_num_running_seen         |
 | pagoda:kv_cache_num_blocks             | gauge     | EngineStats.num_blocks                   |
 | pagoda:kv_cache_num_free_blocks        | gauge     | EngineStats.num_free_blocks              |
+| vllm:spec_decode_num_drafts_total      | counter   | EngineStats.spec_num_drafts              |
+| vllm:spec_decode_num_draft_tokens_total| counter   | EngineStats.spec_num_draft_tokens        |
+| vllm:spec_decode_num_accepted_tokens_total | counter | EngineStats.spec_num_accepted_tokens   |
+| pagoda:kv_swapped_out_total            | counter   | EngineStats.num_swapped_out (preemptions)|
+| pagoda:kv_swapped_in_total             | counter   | EngineStats.num_swapped_in               |
+| pagoda:recomputed_preemptions_total    | counter   | EngineStats.num_recomputed_preemptions   |
+| pagoda:prefix_cache_hits_host_total    | counter   | EngineStats.prefix_cache_hits_host (tokens, CPU tier; part of vllm:prefix_cache_hits_total) |
 
 ``pagoda:batched_decode_steps_total`` is the continuous-batching witness: it grows only
 when one engine step advanced two or more requests' decodes together.
@@ -65,6 +72,14 @@ COUNTERS = {
     "vllm:prompt_tokens_total": ("Number of prefill tokens processed.", "num_prompt_tokens"),
     "vllm:generation_tokens_total": ("Number of generation tokens processed.", "num_generation_tokens"),
     "pagoda:engine_steps_total": ("Engine steps run.", "num_steps"),
+    "vllm:spec_decode_num_drafts_total": ("Speculative drafts verified.", "spec_num_drafts"),
+    "vllm:spec_decode_num_draft_tokens_total": ("Drafted tokens verified.", "spec_num_draft_tokens"),
+    "vllm:spec_decode_num_accepted_tokens_total": ("Drafted tokens accepted.", "spec_num_accepted_tokens"),
+    "pagoda:kv_swapped_out_total": ("Preemptions that swapped KV blocks to the CPU tier.", "num_swapped_out"),
+    "pagoda:kv_swapped_in_total": ("Swapped-out requests brought back from the CPU tier.", "num_swapped_in"),
+    "pagoda:recomputed_preemptions_total": ("Preemptions resolved by recomputation.", "num_recomputed_preemptions"),
+    "pagoda:prefix_cache_hits_host_total": ("Prefix cache hits served from the CPU tier, in tokens.",
+                                            "prefix_cache_hits_host"),
 }
 HISTOGRAMS = {
     "vllm:time_to_first_token_seconds": ("Histogram of time to first token in seconds.", TTFT_BUCKETS),
