@@ -62,3 +62,28 @@ def test_serve_flags_reach_the_materialized_config(tmp_path):
     assert config.enable_chunked_prefill is True
     assert "kind: KIND_GPU" in text
     assert (repo / "pagoda" / "1" / "model.py").exists()
+
+
+def test_engine_flags_and_engine_args_reach_the_config(tmp_path):
+    args = ["--speculative-method", "ngram", "--num-speculative-tokens", "3", "--cpu-offload-bytes", "1048576",
+            "--preemption-mode", "swap", "--scheduling-policy", "priority", "--engine-arg", "spec_adaptive=false"]
+    options = options_from_args(make_parser().parse_args(args))
+    repo = materialize_repository(REPOSITORY, tmp_path / "repo", options)
+    config = engine_config_from_parameters(parameters_of((repo / "pagoda" / "config.pbtxt").read_text()))
+    assert (config.speculative_method, config.num_speculative_tokens, config.spec_adaptive) == ("ngram", 3, False)
+    assert (config.cpu_offload_bytes, config.preemption_mode, config.scheduling_policy) == (1048576, "swap", "priority")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--engine-arg", "bogus=1"], "bogus: unknown"),
+    (["--engine-arg", "novalue"], "FIELD=VALUE"),
+    (["--preemption-mode", "swap"], "cpu_offload_bytes"),
+    (["--num-speculative-tokens", "0"], "num_speculative_tokens"),
+])
+def test_bad_engine_flags_are_refused_before_tritonserver_starts(args, message, capsys):
+    from pagoda.serving.launcher import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(args)
+    assert exc.value.code != 0
+    assert message in str(exc.value.code) + capsys.readouterr().err

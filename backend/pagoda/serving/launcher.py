@@ -32,11 +32,11 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from pagoda.serving.model_config import rewrite_config_pbtxt
+from pagoda.serving.model_config import engine_config_from_parameters, rewrite_config_pbtxt
 
 MODEL_NAME = "pagoda"
 STUB_NAME = "triton_python_backend_stub"
@@ -111,6 +111,9 @@ class ServeOptions:
     device: Optional[str] = None
     dtype: Optional[str] = None
     quantization: Optional[str] = None
+    # Any other EngineConfig field, as config.pbtxt parameter text (--engine-arg and the
+    # scheduling / speculative / offload flags land here); validated by EngineConfig.
+    engine_args: dict[str, str] = field(default_factory=dict)
     model_repository: Optional[str] = None
     log_verbose: int = 0
     startup_timeout_s: float = 900.0
@@ -150,6 +153,7 @@ class ServeOptions:
             "device": self.device,
             "dtype": self.dtype,
             "quantization": self.quantization,
+            **self.engine_args,
         }
 
 
@@ -318,6 +322,15 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("auto", "cpu", "cuda"))
     p.add_argument("--dtype", choices=("auto", "float32", "float16", "bfloat16"))
     p.add_argument("--quantization", choices=("int8",), help="int8: weight-only int8 linear layers")
+    p.add_argument("--scheduling-policy", choices=("fcfs", "priority"))
+    p.add_argument("--speculative-method", choices=("ngram", "draft"),
+                   help="speculative decoding by default for every request (see docs/speculative.md)")
+    p.add_argument("--speculative-model", help="with --speculative-method draft: a draft model folder")
+    p.add_argument("--num-speculative-tokens", type=int, help="largest speculative window k")
+    p.add_argument("--cpu-offload-bytes", type=int, help="size of the CPU tier of the KV cache (0: off)")
+    p.add_argument("--preemption-mode", choices=("auto", "recompute", "swap"))
+    p.add_argument("--engine-arg", action="append", default=[], metavar="FIELD=VALUE",
+                   help="any other EngineConfig field, e.g. --engine-arg spec_adaptive=false (repeatable)")
     p.add_argument("--model-repository", help="a model repository to use instead of the shipped one")
     p.add_argument("--log-verbose", type=int, default=0)
     p.add_argument("--redis-url", help="publish block events and heartbeats to this Redis (fleet layer)")
@@ -325,6 +338,19 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--fleet-model", help="with --redis-url: Redis key namespace (default: model folder name)")
     p.add_argument("--advertise-host", help="with --redis-url: host routers use to reach this replica")
     return p
+
+
+def engine_args_from(args: argparse.Namespace) -> dict[str, str]:
+    """The engine fields given by dedicated flags and ``--engine-arg FIELD=VALUE``."""
+    values = {name: str(getattr(args, name)) for name in
+              ("scheduling_policy", "speculative_method", "speculative_model", "num_speculative_tokens",
+               "cpu_offload_bytes", "preemption_mode") if getattr(args, name) is not None}
+    for item in args.engine_arg:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise SystemExit(f"pagoda serve: --engine-arg must look like FIELD=VALUE, got {item!r}")
+        values[name.strip()] = value.strip()
+    return values
 
 
 def options_from_args(args: argparse.Namespace) -> ServeOptions:
@@ -335,15 +361,29 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_chunked_prefill=False if args.no_chunked_prefill else None,
         enable_prefix_caching=False if args.no_prefix_caching else None,
-        device=args.device, dtype=args.dtype, quantization=args.quantization, model_repository=args.model_repository,
+        device=args.device, dtype=args.dtype, quantization=args.quantization, engine_args=engine_args_from(args),
+        model_repository=args.model_repository,
         log_verbose=args.log_verbose, redis_url=args.redis_url, replica_id=args.replica_id,
         fleet_model=args.fleet_model, advertise_host=args.advertise_host)
 
 
+def check_engine_args(options: ServeOptions, parser: argparse.ArgumentParser) -> None:
+    """Refuse bad engine settings here, with the field's name, not inside tritonserver."""
+    parameters = {name: {"string_value": value} for name, value in options.parameter_overrides().items()
+                  if value is not None and name != "model"}
+    try:
+        engine_config_from_parameters(parameters)
+    except ValueError as exc:
+        parser.error(str(exc))
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     """Entry point of ``pagoda serve``; returns the process exit code."""
-    options = options_from_args(make_parser().parse_args(argv))
+    parser = make_parser()
+    options = options_from_args(parser.parse_args(argv))
+    check_engine_args(options, parser)
     server = TritonServer(options)
+
     def on_signal(signum, frame):
         raise KeyboardInterrupt
 
