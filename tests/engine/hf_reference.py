@@ -30,13 +30,24 @@ RANDOM_CONFIGS = {
 
 def make_random_model(out_dir: Path, name: str, tokenizer_dir: str, seed: int = 0) -> Path:
     """Save a random-weight model ``name`` (see RANDOM_CONFIGS) with SmolLM2's tokenizer."""
-    import transformers
-
     cls_name, overrides = RANDOM_CONFIGS[name]
     kwargs = dict(vocab_size=49152, hidden_size=256, intermediate_size=384, num_hidden_layers=2,
-                  max_position_embeddings=1024, initializer_range=0.3, tie_word_embeddings=True,
-                  bos_token_id=1, eos_token_id=2)
+                  max_position_embeddings=1024, tie_word_embeddings=True)
     kwargs.update(overrides)
+    return save_random_model(out_dir, tokenizer_dir, seed, cls_name, **kwargs)
+
+
+def save_random_model(out_dir: Path, tokenizer_dir: str, seed: int, cls_name: str = "LlamaConfig",
+                      **config_kwargs) -> Path:
+    """Save a random-weight ``cls_name`` model built from ``config_kwargs``, with SmolLM2's tokenizer.
+
+    ``initializer_range`` defaults to 0.3 (0.02 gives near-tied logits and fragile greedy
+    comparisons); bos/eos are ids 1 and 2.
+    """
+    import transformers
+
+    kwargs = dict(initializer_range=0.3, bos_token_id=1, eos_token_id=2)
+    kwargs.update(config_kwargs)
     config = getattr(transformers, cls_name)(**kwargs)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -11,8 +11,6 @@ never reach a cached block, and every block must be free at the end.
 from __future__ import annotations
 
 import random
-import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,7 +20,7 @@ from pagoda.engine.config import EngineConfig
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.engine.sampling_params import SamplingParams
 
-from tests.engine.hf_reference import TOKENIZER_FILES
+from tests.engine.hf_reference import save_random_model
 
 BLOCKS = 192
 VOCAB = 2048  # the first ids of SmolLM2's vocabulary: a small LM head keeps the tests fast
@@ -30,19 +28,10 @@ VOCAB = 2048  # the first ids of SmolLM2's vocabulary: a small LM head keeps the
 
 def make_small_model(out_dir, tokenizer_dir, seed):
     """A random 2-layer Llama over the first VOCAB token ids, saved with SmolLM2's tokenizer."""
-    import transformers
-
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                                      max_position_embeddings=512, initializer_range=0.3, tie_word_embeddings=True,
-                                      bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(seed)
-    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out_dir)
-    for name in TOKENIZER_FILES:
-        if (Path(tokenizer_dir) / name).exists():
-            shutil.copy(Path(tokenizer_dir) / name, Path(out_dir) / name)
-    (Path(out_dir) / "generation_config.json").write_text('{"bos_token_id": 1, "eos_token_id": 2}')
-    return str(out_dir)
+    return str(save_random_model(out_dir, tokenizer_dir, seed, vocab_size=VOCAB, hidden_size=128,
+                                 intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+                                 tie_word_embeddings=True))
 
 
 @pytest.fixture(scope="module")
