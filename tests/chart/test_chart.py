@@ -3,9 +3,9 @@
 - `helm lint --strict` and `helm template` (default and non-default values);
 - built-in kinds: `kubernetes_validate` in strict mode (unknown fields and wrong types fail);
 - LLMService: our CRD's openAPIV3Schema via jsonschema, tightened so unknown fields fail;
-- ServingRuntime / InferenceService: KServe's CRD schemas (../shared/kserve, beside the
-  repo in CI), tightened the same way.
-Skips (does not fail) when helm, kubernetes-validate or the KServe CRDs are absent.
+- ServingRuntime / InferenceService: KServe's CRD schemas (kept in tests/data/kserve with
+  their licence), tightened the same way.
+Skips (does not fail) when helm or kubernetes-validate are absent.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from pagoda_operator.spec import parse_llmservice  # noqa: E402
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "pagoda"
 EXAMPLES = REPO / "examples" / "k8s"
-KSERVE = REPO.parent / "shared" / "kserve"
+KSERVE = REPO / "tests" / "data" / "kserve"
 K8S_VERSION = "1.30.0"
 
 NON_DEFAULT = {
@@ -102,8 +102,7 @@ def crd_validator(crd_doc: dict):
 
 
 def kserve_validators() -> dict:
-    if not KSERVE.is_dir():
-        pytest.skip(f"KServe CRDs not found at {KSERVE}")
+    assert KSERVE.is_dir(), f"KServe CRDs missing from the repository at {KSERVE}"
     return _kserve_validators()
 
 
