@@ -21,6 +21,7 @@ from pagoda.engine.llm_engine import LLMEngine
 from pagoda.engine.sampling_params import SamplingParams
 
 from tests.engine.hf_reference import save_random_model
+from tests.numerics import assert_within, model_error_bound
 
 BLOCKS = 192
 VOCAB = 2048  # the first ids of SmolLM2's vocabulary: a small LM head keeps the tests fast
@@ -182,8 +183,11 @@ def test_rejected_drafts_never_reach_a_cached_block(paths, base):
         other = plain_pool.cached_block_hash_to_block.get(block_hash)
         if other is not None:
             for (k, v), (pk, pv) in zip(engine.runner.kv_caches, plain.runner.kv_caches):
-                torch.testing.assert_close(k[block.block_id], pk[other.block_id], atol=1e-4, rtol=1e-4)
-                torch.testing.assert_close(v[block.block_id], pv[other.block_id], atol=1e-4, rtol=1e-4)
+                for ours, theirs in ((k[block.block_id], pk[other.block_id]), (v[block.block_id], pv[other.block_id])):
+                    # Computed in different step compositions: equal up to float32 rounding.
+                    bound = 2 * model_error_bound(engine.runner.model.config, 64, torch.float32,
+                                                  theirs.abs().max().item())
+                    assert_within(ours, theirs, bound, "KV of a block written with and without speculation")
             num_compared += 1
     assert num_compared == len(plain_pool.cached_block_hash_to_block) > 0
 

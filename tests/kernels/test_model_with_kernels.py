@@ -18,6 +18,7 @@ from pagoda.kernels import triton_ops
 from pagoda.models import load_model
 from pagoda.models.testing import StepInput, make_kv_caches, run_step
 from tests.engine.hf_reference import make_random_model
+from tests.numerics import assert_within, model_error_bound
 
 BLOCK_SIZE = 16
 
@@ -67,14 +68,19 @@ def _scenario_logits(model, kernels: str, monkeypatch) -> list[torch.Tensor]:
 
 
 def test_model_logits_match_torch_references(model_path, monkeypatch, triton_calls):
+    """Both float32 paths within the derived rounding bound of a float64 run of the same
+    weights (tests/numerics.py), so the check holds whatever the CPU's reduction order."""
     model = load_model(model_path, dtype=torch.float32)
     expected = _scenario_logits(model, "torch", monkeypatch)
     assert not any(triton_calls.values())
     actual = _scenario_logits(model, "triton", monkeypatch)
     assert all(triton_calls.values()), triton_calls
-    for step, (a, e) in enumerate(zip(actual, expected)):
+    exact = _scenario_logits(load_model(model_path, dtype=torch.float64), "torch", monkeypatch)
+    for step, (a, e, x) in enumerate(zip(actual, expected, exact)):
         assert torch.equal(a.argmax(-1), e.argmax(-1)), f"greedy tokens differ at step {step}"
-        torch.testing.assert_close(a, e, atol=2e-4, rtol=2e-4, msg=f"logits differ at step {step}")
+        bound = model_error_bound(model.config, 32, torch.float32, x.abs().max().item())
+        assert_within(e, x, bound, f"torch references, step {step}")
+        assert_within(a, x, bound, f"triton kernels, step {step}")
 
 
 def _engine_greedy(model_path: str, kernels: str, monkeypatch) -> dict[str, list[int]]:

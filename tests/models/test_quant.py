@@ -5,7 +5,10 @@ end, and refusal of unknown method names."""
 from __future__ import annotations
 
 import copy
+import os
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -17,6 +20,7 @@ from pagoda.models import load_model
 from pagoda.models import quant
 from pagoda.models.quant import Int8Weight, dequantize_int8, linear, quantize_int8, quantize_model, weight_bytes
 from pagoda.models.testing import StepInput, make_kv_caches, run_step
+from tests.numerics import UNIT_ROUNDOFF, assert_within, gamma
 
 transformers = pytest.importorskip("transformers")
 
@@ -46,26 +50,84 @@ def test_round_trip_error_is_at_most_half_a_step_per_channel():
         assert torch.all((dequantize_int8(qh, sh) - wh.float()).abs().amax(dim=1) <= sh / 2 * (1 + 1e-5))
 
 
-@pytest.mark.parametrize("num_rows", [1, 5, quant.MAX_PACKED_ROWS, quant.MAX_PACKED_ROWS + 1, 80])
+ROW_COUNTS = [1, 5, quant.MAX_PACKED_ROWS, quant.MAX_PACKED_ROWS + 1, 80]
+
+
+def int8_linear_bound(x, weight, bias, dtype):
+    """Derived bound on ``|linear(x, weight, bias) - exact|`` (see tests/numerics.py).
+
+    Every path accumulates in float32 (BLAS sgemm, oneDNN bf16 GEMM and the packed kernel
+    all do): ``gamma_{K+2}`` of ``sum_k |x_k w_nk| + |b_n|``. A path that touches 16 bits
+    adds at most three 16-bit roundings of that magnitude: the activations (or the
+    dequantized weight), the 16-bit scales, and the 16-bit output (and bias add).
+    """
+    deq = dequantize_int8(weight.qweight, weight.scale, torch.float64)
+    magnitude = F.linear(x.double().abs(), deq.abs()) + bias.double().abs()
+    k = x.shape[1]
+    sixteen_bit = dtype != torch.float32 or weight.use_packed and x.shape[0] <= quant.MAX_PACKED_ROWS
+    rel = gamma(k + 2, torch.float32) + (3 * UNIT_ROUNDOFF[torch.bfloat16] if sixteen_bit else 0.0)
+    return rel * magnitude
+
+
+@pytest.mark.parametrize("num_rows", ROW_COUNTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int8_linear_matches_float64_reference(num_rows, dtype):
+@pytest.mark.parametrize("kernel", ["dequantize", "packed"])
+def test_int8_linear_matches_float64_reference(kernel, num_rows, dtype, monkeypatch):
+    """The dequantize path everywhere; the packed path only where the probe proved it on
+    this machine (where it did not, the model must have been given the dequantize path)."""
     torch.manual_seed(num_rows)
     w = torch.randn(200, 136, dtype=dtype) * 0.05
     bias = torch.randn(200, dtype=dtype)
     x = torch.randn(num_rows, 136, dtype=dtype)
     weight = Int8Weight(w)
+    if kernel == "packed":
+        decision = quant.select_int8_kernel([weight])
+        assert weight.use_packed == decision.ok and decision.reason
+        if not decision.ok:  # refused on this machine: the model would dequantize; check that path
+            assert "int8pack" in decision.reason or "probe" in decision.reason or "result" in decision.reason
     out = linear(x, weight, bias)
     assert out.dtype == dtype and out.shape == (num_rows, 200)
-    deq = dequantize_int8(weight.qweight, weight.scale, torch.float64)
-    ref = F.linear(x.double(), deq, bias.double())
-    # Error relative to sum_k |x_k * w_nk|, the natural scale of a dot product's rounding.
-    magnitude = F.linear(x.double().abs(), deq.abs()) + bias.double().abs()
-    packed = weight.use_packed and num_rows <= quant.MAX_PACKED_ROWS
-    # The packed kernel runs in 16-bit (activations, scales, output: ~3 bf16 roundings of
-    # 2^-9 each); the dequantize path is a plain matmul in the activation dtype.
-    bound = 1e-2 if packed or dtype != torch.float32 else 1e-5
-    rel = ((out.double() - ref).abs() / magnitude).max().item()
-    assert rel <= bound, f"relative error {rel:.3g} > {bound} (packed={packed})"
+    ref = F.linear(x.double(), dequantize_int8(weight.qweight, weight.scale, torch.float64), bias.double())
+    assert_within(out, ref, int8_linear_bound(x, weight, bias, dtype), f"{kernel} path, packed={weight.use_packed}")
+
+
+CHOSEN_PATH_SCRIPT = """
+import logging, sys, torch, torch.nn.functional as F
+logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")
+from pagoda.models import quant
+torch.manual_seed(0)
+shapes = [(200, 136), (96, 64)]
+weights = [quant.Int8Weight(torch.randn(o, i) * 0.05) for o, i in shapes]
+decision = quant.select_int8_kernel(weights)
+for weight, (o, i) in zip(weights, shapes):
+    for rows in ROWS:
+        x = torch.randn(rows, i)
+        out = quant.linear(x, weight)
+        exact = x.double() @ quant.dequantize_int8(weight.qweight, weight.scale, torch.float64).T
+        magnitude = x.double().abs() @ quant.dequantize_int8(weight.qweight, weight.scale, torch.float64).abs().T
+        assert bool(torch.all((out.double() - exact).abs() <= 0.02 * magnitude)), (rows, o, i)
+print("chosen:", "packed" if decision.ok else "dequantize", "-", decision.reason)
+"""
+
+
+def test_chosen_int8_path_runs_in_a_subprocess_at_decode_and_prefill_sizes():
+    """Would have caught the Xeon crash: the path this machine picks (probe included) runs at
+    1, 5, 16, 17 and 80 rows in a child process, so a segfault fails this test, not the run."""
+    env = {k: v for k, v in os.environ.items() if k != quant.KERNEL_ENV}
+    child = subprocess.run([sys.executable, "-c", f"ROWS = {ROW_COUNTS}\n" + CHOSEN_PATH_SCRIPT],
+                           capture_output=True, text=True, timeout=300, env=env)
+    assert child.returncode == 0, f"exit {child.returncode}\n{child.stdout}\n{child.stderr[-2000:]}"
+    assert "chosen:" in child.stdout and "int8 matmul on" in child.stdout, child.stdout  # the logged decision
+    print(child.stdout)
+
+
+def test_kernel_override_is_validated_and_obeyed(monkeypatch):
+    weight = Int8Weight(torch.randn(32, 32))
+    monkeypatch.setenv(quant.KERNEL_ENV, "dequantize")
+    assert not quant.select_int8_kernel([weight]).ok and not weight.use_packed
+    monkeypatch.setenv(quant.KERNEL_ENV, "fastest")
+    with pytest.raises(ValueError, match="PAGODA_INT8_KERNEL='fastest'"):
+        quant.select_int8_kernel([weight])
 
 
 def test_quantize_model_replaces_projections_only(tiny_path):

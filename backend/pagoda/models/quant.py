@@ -21,28 +21,45 @@ Forward (``linear``): the model's matmuls all go through ``linear(x, weight, bia
 which calls ``F.linear`` for a float weight and ``Int8Weight.matmul`` for a quantized one.
 Two kernels, picked per call by the number of rows:
 
-* up to ``MAX_PACKED_ROWS`` rows (decode steps): ``aten._weight_int8pack_mm``, which
-  reads the int8 weight directly (one byte per weight instead of four). Its CPU kernel is
-  only fast for 16-bit activations (fp32 activations take a scalar path ~20x slower than
-  sgemm, measured), so fp32 activations are cast to bf16 for the call and the result cast
-  back; the kernel also requires scales in the activation dtype, so a bf16 copy of the
-  scales is kept. On CUDA the same op has a kernel (present in torch 2.13's dispatch table; not run here);
-* more rows (prefill chunks): dequantize the weight to the activation dtype and call
-  ``F.linear``; the dequantization is O(N*K) against the matmul's O(M*N*K), so it
-  amortises, while the packed kernel is slower than a BLAS sgemm at large M.
+* up to ``MAX_PACKED_ROWS`` rows (decode steps), when the packed kernel was proven on this
+  machine: ``aten._weight_int8pack_mm``, which reads the int8 weight directly (one byte
+  per weight instead of four). Its CPU kernel is only fast for 16-bit activations (fp32
+  activations take a scalar path ~20x slower than sgemm, measured), so fp32 activations
+  are cast to bf16 for the call and the result cast back; the kernel also requires scales
+  in the activation dtype, so a bf16 copy of the scales is kept;
+* otherwise (prefill chunks, or no proven packed kernel): dequantize the weight to the
+  activation dtype and call ``F.linear``; the dequantization is O(N*K) against the
+  matmul's O(M*N*K), so it amortises, while the packed kernel is slower than a BLAS sgemm
+  at large M.
 
-If a build has no ``_weight_int8pack_mm`` kernel for the device, every call dequantizes.
+Which kernel (``select_int8_kernel``, once per model at ``quantize_model``): the packed
+CPU kernel is chosen by torch at run time from the CPU's instruction set, and on some CPUs
+it crashes the process or returns garbage (Intel Xeon with AVX-512/AMX, torch 2.13). So on
+CPU it is used only after ``int8_probe`` ran it in a subprocess on the model's weight
+shapes at 1, 5 and ``MAX_PACKED_ROWS`` rows and matched a float64 reference within a
+derived bound; otherwise every call dequantizes. The decision and its reason are logged
+once. ``PAGODA_INT8_KERNEL=dequantize|packed|auto`` overrides it (``packed`` skips the
+probe: for debugging only). On CUDA the dispatch table is trusted (not probed).
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagoda.models.int8_probe import ProbeResult, cpu_description, probe_packed_kernel
+
+logger = logging.getLogger(__name__)
+
 QUANTIZATION_METHODS = ("int8",)
+KERNEL_ENV = "PAGODA_INT8_KERNEL"
+# Row counts the probe proves the packed kernel at (a decode step has 1..MAX_PACKED_ROWS).
+PROBE_ROWS = (1, 5)
 # Rows at or below which the packed int8 kernel beats dequantize + BLAS (measured on CPU
 # with SmolLM2 shapes; see docs/quantization.md).
 MAX_PACKED_ROWS = 16
@@ -85,6 +102,51 @@ def _has_packed_kernel(device: torch.device) -> bool:
     return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key("aten::_weight_int8pack_mm", key)
 
 
+def choose_packed_kernel(device: torch.device, dtype: torch.dtype, shapes: set[tuple[int, int]]) -> ProbeResult:
+    """Decide whether ``Int8Weight``s of these ``(out, in)`` shapes may use the packed kernel.
+
+    Returns:
+        ``ProbeResult(ok, reason)``; ``ok`` False means dequantize + ``F.linear`` on every call.
+    Raises:
+        ValueError: ``PAGODA_INT8_KERNEL`` holds an unknown value.
+    """
+    mode = os.environ.get(KERNEL_ENV, "auto")
+    if mode not in ("auto", "packed", "dequantize"):
+        raise ValueError(f"{KERNEL_ENV}={mode!r}: expected auto, packed or dequantize")
+    if mode == "dequantize":
+        return ProbeResult(False, f"{KERNEL_ENV}=dequantize")
+    if not _has_packed_kernel(device):
+        return ProbeResult(False, f"no _weight_int8pack_mm kernel for {device.type} in this torch build")
+    if mode == "packed":
+        return ProbeResult(True, f"{KERNEL_ENV}=packed (not probed)")
+    if device.type != "cpu":
+        return ProbeResult(True, f"{device.type} kernel from the dispatch table (not probed)")
+    return probe_packed_kernel(dtype, tuple(sorted(shapes)), PROBE_ROWS + (MAX_PACKED_ROWS,))
+
+
+def select_int8_kernel(weights: list["Int8Weight"]) -> ProbeResult:
+    """Set ``use_packed`` on every weight from one decision for their device, dtype and shapes; log it once."""
+    if not weights:
+        return ProbeResult(False, "no int8 weights")
+    device, dtype = weights[0].qweight.device, weights[0].packed_dtype
+    result = choose_packed_kernel(device, dtype, {tuple(w.shape) for w in weights})
+    for w in weights:
+        w.use_packed = result.ok
+    where = cpu_description() if device.type == "cpu" else str(device)
+    kernel = f"packed _weight_int8pack_mm up to {MAX_PACKED_ROWS} rows" if result.ok else "dequantize + F.linear"
+    _log_once(logging.INFO if result.ok else logging.WARNING, f"int8 matmul on {where}: {kernel} ({result.reason})")
+    return result
+
+
+_logged: set[str] = set()
+
+
+def _log_once(level: int, message: str) -> None:
+    if message not in _logged:
+        _logged.add(message)
+        logger.log(level, message)
+
+
 class Int8Weight(nn.Module):
     """An int8 ``[out, in]`` weight with per-row float32 scales, in place of a float Parameter."""
 
@@ -97,7 +159,8 @@ class Int8Weight(nn.Module):
         # a float32 model, the model dtype otherwise.
         self.packed_dtype = torch.bfloat16 if weight.dtype == torch.float32 else weight.dtype
         self.register_buffer("packed_scale", scale.to(self.packed_dtype).to(weight.device))  # [out]
-        self.use_packed = _has_packed_kernel(weight.device)
+        # Dequantize until select_int8_kernel proves the packed kernel on this machine.
+        self.use_packed = False
 
     @property
     def shape(self) -> torch.Size:
@@ -141,13 +204,16 @@ def quantize_model(model: nn.Module, method: str = "int8") -> nn.Module:
         ValueError: unknown ``method``.
     """
     check_quantization(method)
+    weights = []
     for module in model.modules():
         for name in getattr(module, "linear_weights", ()):
             weight = getattr(module, name)
-            if isinstance(weight, Int8Weight):
-                continue
-            delattr(module, name)  # a Parameter slot cannot take a Module
-            setattr(module, name, Int8Weight(weight))
+            if not isinstance(weight, Int8Weight):
+                delattr(module, name)  # a Parameter slot cannot take a Module
+                weight = Int8Weight(weight)
+                setattr(module, name, weight)
+            weights.append(weight)
+    select_int8_kernel(weights)
     return model
 
 

@@ -1,0 +1,64 @@
+"""Error bounds derived from magnitudes and reduction lengths, for tests that compare a
+computation in float32 (or 16-bit) with a float64 reference.
+
+Why not fixed tolerances: a tolerance tuned until the suite passes on one CPU encodes that
+CPU's reduction order and thread count (a test at atol 2e-4 failed on an Intel Xeon after
+passing on an AMD EPYC). These bounds hold for any IEEE-conforming summation order:
+
+* a dot product of length ``k`` computed in a format with unit roundoff ``u`` errs by at
+  most ``gamma_k = k*u / (1 - k*u)`` times ``sum |x_i y_i|`` (Higham, Accuracy and
+  Stability of Numerical Algorithms, 3.1) — whatever order, blocking or threads;
+* a network of such reductions (first order in ``u``): each output's error is at most the
+  sum, along the deepest path, of the reduction lengths, times ``u``, times the output's
+  natural scale (the magnitude of the values combined). ``model_error_bound`` counts that
+  path for a decoder layer stack; it is a worst-case bound (observed errors sit 10-30x
+  below it), loose enough for any machine and still orders of magnitude below what a real
+  bug (a wrong mask, a missed block, a dropped split) does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+UNIT_ROUNDOFF = {
+    torch.float64: 2.0**-53,
+    torch.float32: 2.0**-24,
+    torch.float16: 2.0**-11,
+    torch.bfloat16: 2.0**-8,
+}
+
+
+def gamma(k: int, dtype: torch.dtype) -> float:
+    """Higham's ``gamma_k``: relative bound of a length-``k`` dot product (w.r.t. ``sum |x y|``)."""
+    ku = k * UNIT_ROUNDOFF[dtype]
+    assert ku < 0.5, f"reduction of {k} terms is too long for a first-order bound in {dtype}"
+    return ku / (1 - ku)
+
+
+def decoder_path_length(config, num_tokens: int) -> int:
+    """Sum of reduction lengths along the deepest path of a Llama-family forward.
+
+    Per layer: RMSNorm (hidden), qkv (hidden), scores (head_dim), softmax sum and P@V
+    (context, twice), o (heads * head_dim), RMSNorm, gate/up (hidden), down (intermediate);
+    then the final norm and the head (hidden).
+    """
+    hidden, head_dim = config.hidden_size, config.head_dim
+    per_layer = (4 * hidden + head_dim + 2 * num_tokens + config.num_attention_heads * head_dim
+                 + config.intermediate_size)
+    return config.num_hidden_layers * per_layer + 2 * hidden
+
+
+def model_error_bound(config, num_tokens: int, dtype: torch.dtype, scale: float) -> float:
+    """Worst-case first-order bound on one logit's (or activation's) rounding error."""
+    return decoder_path_length(config, num_tokens) * UNIT_ROUNDOFF[dtype] * max(scale, 1.0)
+
+
+def assert_within(actual: torch.Tensor, reference: torch.Tensor, bound, what: str) -> None:
+    """``|actual - reference| <= bound`` element-wise (``bound`` a float or a tensor), NaN fails."""
+    err = (actual.double() - reference.double()).abs()
+    bound_t = torch.as_tensor(bound, dtype=torch.float64)
+    ok = bool(torch.all(err <= bound_t))
+    if not ok:
+        ratio = float((err / bound_t).nan_to_num(float("inf")).max())
+        raise AssertionError(f"{what}: error up to {ratio:.3g}x the derived bound "
+                             f"(max |err| {float(err.nan_to_num(float('inf')).max()):.3g})")
