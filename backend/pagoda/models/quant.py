@@ -36,7 +36,7 @@ Which kernel (``select_int8_kernel``, once per model at ``quantize_model``): the
 CPU kernel is chosen by torch at run time from the CPU's instruction set, and on some CPUs
 it crashes the process or returns garbage (Intel Xeon with AVX-512/AMX, torch 2.13). So on
 CPU it is used only after ``int8_probe`` ran it in a subprocess on the model's weight
-shapes at 1, 5 and ``MAX_PACKED_ROWS`` rows and matched a float64 reference within a
+shapes at every row count from 1 to ``MAX_PACKED_ROWS`` and matched a float64 reference within a
 derived bound; otherwise every call dequantizes. The decision and its reason are logged
 once. ``PAGODA_INT8_KERNEL=dequantize|packed|auto`` overrides it (``packed`` skips the
 probe: for debugging only). On CUDA the dispatch table is trusted (not probed).
@@ -58,8 +58,9 @@ logger = logging.getLogger(__name__)
 
 QUANTIZATION_METHODS = ("int8",)
 KERNEL_ENV = "PAGODA_INT8_KERNEL"
-# Row counts the probe proves the packed kernel at (a decode step has 1..MAX_PACKED_ROWS).
-PROBE_ROWS = (1, 5)
+# The probe proves the packed kernel at every row count it may be called with
+# (1..MAX_PACKED_ROWS): on a CPU where it misbehaves, it does so for some shapes and row
+# counts only (an Intel Xeon: fine at 576x576, garbage at 200x136).
 # Rows at or below which the packed int8 kernel beats dequantize + BLAS (measured on CPU
 # with SmolLM2 shapes; see docs/quantization.md).
 MAX_PACKED_ROWS = 16
@@ -121,7 +122,7 @@ def choose_packed_kernel(device: torch.device, dtype: torch.dtype, shapes: set[t
         return ProbeResult(True, f"{KERNEL_ENV}=packed (not probed)")
     if device.type != "cpu":
         return ProbeResult(True, f"{device.type} kernel from the dispatch table (not probed)")
-    return probe_packed_kernel(dtype, tuple(sorted(shapes)), PROBE_ROWS + (MAX_PACKED_ROWS,))
+    return probe_packed_kernel(dtype, tuple(sorted(shapes)), tuple(range(1, MAX_PACKED_ROWS + 1)))
 
 
 def select_int8_kernel(weights: list["Int8Weight"]) -> ProbeResult:
