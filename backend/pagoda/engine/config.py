@@ -32,6 +32,9 @@ class EngineConfig:
     num_gpu_blocks_override: Optional[int] = None
     max_model_len: Optional[int] = None  # default: the model's max_position_embeddings
     max_num_seqs: int = 64
+    # Cap for requests that leave max_tokens unset (None: what max_model_len leaves, as
+    # vLLM); the server sets one so a request nobody waits for cannot run for minutes.
+    default_max_tokens: Optional[int] = None
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
@@ -62,6 +65,8 @@ class EngineConfig:
             raise ValueError(f"block_size: must be one of 8, 16, 32, 64, 128, got {self.block_size}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs: must be >= 1, got {self.max_num_seqs}")
+        if self.default_max_tokens is not None and self.default_max_tokens < 1:
+            raise ValueError(f"default_max_tokens: must be >= 1 when given, got {self.default_max_tokens}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens: must be >= 1, got {self.max_num_batched_tokens}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -75,6 +75,7 @@ class SchedulerConfig:
     max_block_events: int = 100_000
     num_host_blocks: int = 0  # CPU tier of the KV cache (kv_offload); 0: off
     preemption_mode: str = "auto"  # auto | recompute | swap (needs num_host_blocks > 0)
+    default_max_tokens: Optional[int] = None  # cap for max_tokens=None (EngineConfig's)
 
     def __post_init__(self) -> None:
         if self.policy not in SCHEDULING_POLICIES:
@@ -108,6 +109,7 @@ class SchedulerConfig:
             max_block_events=config.max_block_events,
             num_host_blocks=num_host_blocks,
             preemption_mode=config.preemption_mode,
+            default_max_tokens=config.default_max_tokens,
         )
 
 
@@ -172,7 +174,8 @@ class Scheduler:
     # Requests in ---------------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        """Queue ``request``; resolves ``max_tokens=None`` to what max_model_len leaves.
+        """Queue ``request``; resolves ``max_tokens=None`` to what max_model_len leaves
+        (at most ``config.default_max_tokens`` when that is set).
 
         Raises:
             ValueError: the request could never run (empty prompt, too long for
@@ -187,6 +190,8 @@ class Scheduler:
         max_tokens = request.sampling_params.max_tokens
         if max_tokens is None:
             max_tokens = cfg.max_model_len - prompt_len
+            if cfg.default_max_tokens is not None:
+                max_tokens = min(max_tokens, cfg.default_max_tokens)
             if max_tokens < 1:
                 raise ValueError(
                     f"request {request.request_id!r}: prompt of {prompt_len} tokens leaves no room to generate "

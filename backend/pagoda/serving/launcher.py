@@ -11,9 +11,20 @@ Used directly, without PyTriton's own model proxy, it needs (see shared ENVIRONM
 
 ``TritonServer`` materializes a temporary work dir with that backend directory and a copy
 of ``model_repository/`` whose ``config.pbtxt`` parameters carry the chosen engine
-settings, starts the server in its own session (so a terminal's Ctrl-C reaches only us),
-waits until the server and the model are READY, and stops it with SIGINT (then SIGKILL
-after a grace period). It is a context manager, which tests use as a fixture.
+settings, then:
+
+- refuses to start when the stub's numpy is 2.x or a port is taken (clear messages);
+- starts the server in its own process group with a parent-death signal, so it never
+  outlives the launcher (``process_tree``), and waits until the server and model are READY;
+- sends one small request through the whole path (``startup_check``) and raises, naming
+  the cause when the log shows it, if that fails: a server is never announced unanswered;
+- while serving, ``check_health`` reports a dead server or a dead stub (tritonserver 2.51
+  keeps answering READY after its stub died; the launcher then stops it);
+- stops with SIGINT, which makes tritonserver refuse new work, finish what is in flight
+  for up to ``grace_period_s`` and unload the model; then SIGKILL to the whole process
+  group, even if tritonserver already exited, so no stub is left behind.
+
+It is a context manager, which tests use as a fixture. The CLI is ``serve_cli``.
 
 The default model is imported (GGUF -> safetensors, once) here, before the server starts,
 so the backend's model load only reads a ready folder.
@@ -21,7 +32,7 @@ so the backend's model load only reads a ready folder.
 
 from __future__ import annotations
 
-import argparse
+import collections
 import os
 import shutil
 import signal
@@ -29,6 +40,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -36,7 +48,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from pagoda.serving.model_config import engine_config_from_parameters, rewrite_config_pbtxt
+from pagoda.serving import process_tree, startup_check
+from pagoda.serving.model_config import rewrite_config_pbtxt
 
 MODEL_NAME = "pagoda"
 STUB_NAME = "triton_python_backend_stub"
@@ -117,6 +130,11 @@ class ServeOptions:
     model_repository: Optional[str] = None
     log_verbose: int = 0
     startup_timeout_s: float = 900.0
+    # How long a stop waits for in-flight requests (tritonserver's --exit-timeout-secs);
+    # keep it below Kubernetes' terminationGracePeriodSeconds.
+    grace_period_s: float = 30.0
+    first_request_timeout_s: float = 300.0  # the startup check's request (a cold first step)
+    check_first_request: bool = True
     # Fleet layer: with a Redis URL the replica publishes block events and heartbeats.
     redis_url: Optional[str] = None
     replica_id: Optional[str] = None
@@ -177,7 +195,8 @@ class TritonServer:
 
     Args:
         options: ports and engine settings.
-        log_path: where server output goes; ``None`` inherits this process's stdout/stderr.
+        log_path: where server output goes; ``None`` copies it to this process's stdout
+            (and keeps a tail, so failures can name their cause).
     """
 
     def __init__(self, options: ServeOptions, log_path: Optional[str] = None) -> None:
@@ -185,7 +204,10 @@ class TritonServer:
         self.log_path = log_path
         self.workdir: Optional[Path] = None
         self.process: Optional[subprocess.Popen] = None
+        self.stub_pids: list[int] = []
         self._log_file = None
+        self._log_tail_lines: "collections.deque[str]" = collections.deque(maxlen=400)
+        self._log_pump: Optional[threading.Thread] = None
 
     @property
     def http_url(self) -> str:
@@ -200,26 +222,48 @@ class TritonServer:
         return f"http://{self.options.host}:{self.options.metrics_port}/metrics"
 
     def start(self) -> "TritonServer":
-        """Start the server and wait until it and the model are READY.
+        """Start the server, wait until it and the model are READY, check one request.
+
+        Must be called from a thread that outlives the server (the parent-death signal
+        fires when the starting thread exits).
 
         Raises:
-            RuntimeError: the server exited or did not become ready in time (the message
-                carries the tail of its log when a log file is used).
+            RuntimeError: numpy 2 in the stub's environment, a port in use, the server
+                exited or was not ready in time, or the first request failed (a
+                ``startup_check.StartupCheckError``, with the cause when it is known).
         """
         paths = find_tritonserver()
         if self.options.model is None:
             from pagoda.models.gguf_import import ensure_default_model
 
             self.options.model = str(ensure_default_model())
+        env = self._server_env(paths)
+        startup_check.check_numpy_version(startup_check.stub_numpy_version(env))
+        process_tree.check_ports_free((self.options.http_port, self.options.grpc_port, self.options.metrics_port))
         self.workdir = Path(tempfile.mkdtemp(prefix="pagoda-serve-"))
         backend_dir = make_backend_dir(paths, self.workdir / "backends")
         source = Path(self.options.model_repository) if self.options.model_repository else default_model_repository()
         repository = materialize_repository(source, self.workdir / "model_repository", self.options)
+        try:
+            self._spawn(paths, backend_dir, repository, env)
+            self._wait_ready(self.options.startup_timeout_s)
+            self.stub_pids = self._find_stubs()
+            if self.options.check_first_request:
+                self._check_first_request()
+        except BaseException:
+            self.stop(grace_s=0)
+            raise
+        return self
+
+    def _server_env(self, paths: TritonPaths) -> dict[str, str]:
         env = dict(os.environ)
         env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(paths.libs), env.get("LD_LIBRARY_PATH")) if p)
         env["PATH"] = os.pathsep.join((str(Path(sys.executable).parent), env.get("PATH", "")))
         env.setdefault("HF_HUB_OFFLINE", "1")
         env.update(self.options.fleet_env())
+        return env
+
+    def _spawn(self, paths: TritonPaths, backend_dir: Path, repository: Path, env: dict[str, str]) -> None:
         command = [
             str(paths.binary),
             f"--model-repository={repository}",
@@ -228,21 +272,35 @@ class TritonServer:
             f"--grpc-port={self.options.grpc_port}",
             f"--metrics-port={self.options.metrics_port}",
             "--allow-gpu-metrics=false",
-            "--exit-timeout-secs=15",
+            f"--exit-timeout-secs={max(1, int(round(self.options.grace_period_s)))}",
             f"--log-verbose={self.options.log_verbose}",
         ]
-        output = None
         if self.log_path is not None:
             self._log_file = open(self.log_path, "ab")
             output = self._log_file
-        self.process = subprocess.Popen(command, env=env, stdout=output, stderr=subprocess.STDOUT if output else None,
-                                        start_new_session=True)
-        try:
-            self._wait_ready(self.options.startup_timeout_s)
-        except BaseException:
-            self.stop()
-            raise
-        return self
+        else:
+            output = subprocess.PIPE
+        # Own process group: a terminal's Ctrl-C reaches only us, and we drain. The
+        # parent-death signal keeps that group from outliving us (process_tree).
+        self.process = subprocess.Popen(command, env=env, stdout=output, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, start_new_session=True,
+                                        preexec_fn=process_tree.make_preexec(os.getpid()))
+        if self.log_path is None:
+            self._log_pump = threading.Thread(target=self._pump_log, args=(self.process.stdout,),
+                                              name="pagoda-serve-log", daemon=True)
+            self._log_pump.start()
+
+    def _pump_log(self, stream) -> None:
+        """Copy the server's output to our stdout, keeping a tail for diagnoses."""
+        for raw in iter(stream.readline, b""):
+            line = raw.decode(errors="replace")
+            self._log_tail_lines.append(line)
+            try:
+                sys.stdout.write(line)
+                sys.stdout.flush()
+            except (OSError, ValueError):
+                pass
+        stream.close()
 
     def _wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -260,37 +318,93 @@ class TritonServer:
             time.sleep(0.5)
         raise RuntimeError(f"tritonserver not READY after {timeout_s:.0f} s{self._log_tail()}")
 
-    def _log_tail(self, num_chars: int = 4000) -> str:
-        if self.log_path is None:
-            return ""
+    def _check_first_request(self) -> None:
         try:
-            return "\n--- tritonserver log tail ---\n" + Path(self.log_path).read_text(errors="replace")[-num_chars:]
+            startup_check.send_first_request(self.http_url, MODEL_NAME, self.options.first_request_timeout_s)
+        except startup_check.StartupCheckError as exc:
+            time.sleep(0.5)  # let the server log the stub's last words
+            cause = startup_check.diagnose(self.log_text())
+            message = f"tritonserver is READY but cannot serve: {exc}"
+            if cause:
+                message += f"\ncause: {cause}"
+            raise startup_check.StartupCheckError(message + self._log_tail()) from None
+
+    def _find_stubs(self) -> list[int]:
+        if self.process is None:
+            return []
+        return [pid for pid in process_tree.group_members(self.process.pid)
+                if pid != self.process.pid and process_tree.process_name(pid).startswith("triton_python")]
+
+    def log_text(self, num_chars: int = 20000) -> str:
+        """The end of the server's output (empty if it is not kept)."""
+        if self.log_path is None:
+            return "".join(self._log_tail_lines)[-num_chars:]
+        if self._log_file is not None:
+            self._log_file.flush()
+        try:
+            return Path(self.log_path).read_text(errors="replace")[-num_chars:]
         except OSError:
             return ""
+
+    def _log_tail(self, num_chars: int = 4000) -> str:
+        if self.log_path is None:
+            return ""  # already on our stdout
+        return "\n--- tritonserver log tail ---\n" + self.log_text(num_chars)
 
     def is_running(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
-    def stop(self, grace_s: float = 30.0) -> Optional[int]:
-        """Stop the server: SIGINT, then SIGKILL to its process group after ``grace_s``.
+    def check_health(self) -> Optional[str]:
+        """What is wrong with a started server, or ``None`` when it can serve.
+
+        tritonserver 2.51 keeps reporting READY after its Python-backend stub died (every
+        request then fails with "Stub process ... is not healthy"), so the stub's pid is
+        watched here.
+        """
+        if self.process is None:
+            return "tritonserver is not running"
+        code = self.process.poll()
+        if code is not None:
+            return f"tritonserver exited with code {code}"
+        dead = [pid for pid in self.stub_pids if not process_tree.is_alive(pid)]
+        if dead:
+            cause = startup_check.diagnose(self.log_text())
+            return (f"the Python-backend stub (pid {', '.join(map(str, dead))}) died"
+                    + (f": {cause}" if cause and "stub died" not in cause else ""))
+        return None
+
+    def stop(self, grace_s: Optional[float] = None, force: Optional[threading.Event] = None) -> Optional[int]:
+        """Drain and stop: SIGINT, wait up to the grace period, then SIGKILL the group.
+
+        Args:
+            grace_s: how long in-flight requests may take (default: the options' grace
+                period, plus 10 s for the model to unload); 0 kills at once.
+            force: when set (a second Ctrl-C), stop waiting and kill.
 
         Returns:
-            The server's exit code (``None`` if it was never started).
+            tritonserver's exit code (``None`` if it was never started).
         """
         code = None
         if self.process is not None:
-            if self.process.poll() is None:
+            if grace_s is None:
+                grace_s = self.options.grace_period_s + 10.0
+            if self.process.poll() is None and grace_s > 0:
                 self.process.send_signal(signal.SIGINT)
-                try:
-                    self.process.wait(grace_s)
-                except subprocess.TimeoutExpired:
-                    try:
-                        os.killpg(self.process.pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-                    self.process.wait()
+                deadline = time.monotonic() + grace_s
+                while self.process.poll() is None and time.monotonic() < deadline:
+                    if force is not None and force.is_set():
+                        break
+                    time.sleep(0.1)
+            # Always, even when tritonserver is gone: its stub may not be.
+            left = process_tree.kill_group(self.process.pid)
+            if left:
+                print(f"pagoda serve: processes {left} survived SIGKILL", file=sys.stderr)
+            self.process.wait()
             code = self.process.returncode
             self.process = None
+        if self._log_pump is not None:
+            self._log_pump.join(5.0)
+            self._log_pump = None
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
@@ -304,114 +418,3 @@ class TritonServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-
-def make_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pagoda serve", description="Serve a model on Triton Inference Server.")
-    p.add_argument("--model", help="Hugging Face folder (safetensors); default: SmolLM2-135M-Instruct")
-    p.add_argument("--http-port", type=int, default=8000)
-    p.add_argument("--grpc-port", type=int, default=8001)
-    p.add_argument("--metrics-port", type=int, default=8002)
-    p.add_argument("--block-size", type=int)
-    p.add_argument("--kv-cache-memory-bytes", type=int, help="KV cache budget on CPU")
-    p.add_argument("--max-model-len", type=int)
-    p.add_argument("--max-num-seqs", type=int)
-    p.add_argument("--max-num-batched-tokens", type=int)
-    p.add_argument("--no-chunked-prefill", action="store_true")
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"))
-    p.add_argument("--dtype", choices=("auto", "float32", "float16", "bfloat16"))
-    p.add_argument("--quantization", choices=("int8",), help="int8: weight-only int8 linear layers")
-    p.add_argument("--scheduling-policy", choices=("fcfs", "priority"))
-    p.add_argument("--speculative-method", choices=("ngram", "draft"),
-                   help="speculative decoding by default for every request (see docs/speculative.md)")
-    p.add_argument("--speculative-model", help="with --speculative-method draft: a draft model folder")
-    p.add_argument("--num-speculative-tokens", type=int, help="largest speculative window k")
-    p.add_argument("--cpu-offload-bytes", type=int, help="size of the CPU tier of the KV cache (0: off)")
-    p.add_argument("--preemption-mode", choices=("auto", "recompute", "swap"))
-    p.add_argument("--engine-arg", action="append", default=[], metavar="FIELD=VALUE",
-                   help="any other EngineConfig field, e.g. --engine-arg spec_adaptive=false (repeatable)")
-    p.add_argument("--model-repository", help="a model repository to use instead of the shipped one")
-    p.add_argument("--log-verbose", type=int, default=0)
-    p.add_argument("--redis-url", help="publish block events and heartbeats to this Redis (fleet layer)")
-    p.add_argument("--replica-id", help="with --redis-url: this replica's id (default: host name)")
-    p.add_argument("--fleet-model", help="with --redis-url: Redis key namespace (default: model folder name)")
-    p.add_argument("--advertise-host", help="with --redis-url: host routers use to reach this replica")
-    return p
-
-
-def engine_args_from(args: argparse.Namespace) -> dict[str, str]:
-    """The engine fields given by dedicated flags and ``--engine-arg FIELD=VALUE``."""
-    values = {name: str(getattr(args, name)) for name in
-              ("scheduling_policy", "speculative_method", "speculative_model", "num_speculative_tokens",
-               "cpu_offload_bytes", "preemption_mode") if getattr(args, name) is not None}
-    for item in args.engine_arg:
-        name, sep, value = item.partition("=")
-        if not sep or not name:
-            raise SystemExit(f"pagoda serve: --engine-arg must look like FIELD=VALUE, got {item!r}")
-        values[name.strip()] = value.strip()
-    return values
-
-
-def options_from_args(args: argparse.Namespace) -> ServeOptions:
-    return ServeOptions(
-        model=args.model, http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
-        block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_chunked_prefill=False if args.no_chunked_prefill else None,
-        enable_prefix_caching=False if args.no_prefix_caching else None,
-        device=args.device, dtype=args.dtype, quantization=args.quantization, engine_args=engine_args_from(args),
-        model_repository=args.model_repository,
-        log_verbose=args.log_verbose, redis_url=args.redis_url, replica_id=args.replica_id,
-        fleet_model=args.fleet_model, advertise_host=args.advertise_host)
-
-
-def check_engine_args(options: ServeOptions, parser: argparse.ArgumentParser) -> None:
-    """Refuse bad engine settings here, with the field's name, not inside tritonserver."""
-    parameters = {name: {"string_value": value} for name, value in options.parameter_overrides().items()
-                  if value is not None and name != "model"}
-    try:
-        engine_config_from_parameters(parameters)
-    except ValueError as exc:
-        parser.error(str(exc))
-
-
-def main(argv: Optional[list[str]] = None) -> int:
-    """Entry point of ``pagoda serve``; returns the process exit code."""
-    parser = make_parser()
-    options = options_from_args(parser.parse_args(argv))
-    check_engine_args(options, parser)
-    server = TritonServer(options)
-
-    def on_signal(signum, frame):
-        raise KeyboardInterrupt
-
-    # Install both explicitly: a launcher started in the background inherits SIGINT ignored.
-    previous = {signum: signal.signal(signum, on_signal) for signum in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        server.start()
-        print(f"pagoda is serving model '{MODEL_NAME}' ({options.model})\n"
-              f"  HTTP    http://{server.http_url}/v2/models/{MODEL_NAME}/generate_stream\n"
-              f"  gRPC    {server.grpc_url}\n"
-              f"  metrics {server.metrics_url}\n"
-              "Ctrl-C to stop.", flush=True)
-        while server.is_running():
-            time.sleep(0.5)
-        print("tritonserver exited on its own", file=sys.stderr)
-        return server.stop() or 1
-    except KeyboardInterrupt:
-        print("stopping tritonserver ...", file=sys.stderr, flush=True)
-        server.stop()
-        return 0
-    except RuntimeError as exc:
-        print(f"pagoda serve: {exc}", file=sys.stderr)
-        server.stop()
-        return 1
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -3,11 +3,16 @@
 Thin by design: converts Triton tensors to our dataclasses and back, and owns the two
 threads. Parsing lives in ``pagoda.serving.triton_io``, the engine thread in
 ``pagoda.serving.engine_loop``, metrics in ``pagoda.serving.metrics``.
+
+The stub must not outlive tritonserver (it runs the fleet heartbeat, which would keep a
+dead replica advertised): ``process_tree.ParentWatch`` ends this process as soon as it is
+reparented.
 """
 
 import itertools
 import json
 import logging
+import os
 
 import triton_python_backend_utils as pb_utils
 
@@ -15,6 +20,7 @@ from pagoda.serving import triton_io
 from pagoda.serving.engine_loop import EngineLoop, ResponseSender, ServingRequest
 from pagoda.serving.metrics import ServingMetrics
 from pagoda.serving.model_config import engine_config_from_parameters, served_model_name
+from pagoda.serving.process_tree import ParentWatch
 from pagoda.serving.tracing import make_request_tracer, read_traceparent
 
 logger = logging.getLogger("pagoda.model")
@@ -24,6 +30,7 @@ _FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 class TritonPythonModel:
     def initialize(self, args):
+        self.parent_watch = ParentWatch(_end_orphaned_stub).start()
         model_config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(model_config):
             raise pb_utils.TritonModelException("pagoda needs model_transaction_policy { decoupled: true }")
@@ -69,6 +76,7 @@ class TritonPythonModel:
         return None
 
     def finalize(self):
+        self.parent_watch.stop()
         self.loop.stop()
         self.sender.stop()
         if self.tracer is not None:
@@ -90,6 +98,13 @@ class TritonPythonModel:
                 # The client is gone; still close the request on the server side.
                 response_sender.send(flags=_FINAL)
             raise
+
+
+def _end_orphaned_stub():
+    """tritonserver is gone: exit now, without finalize (nobody would get its responses),
+    so the heartbeat stops and the replica's Redis key expires."""
+    logging.getLogger("pagoda.model").error("tritonserver died; the Python-backend stub exits")
+    os._exit(1)
 
 
 def _get_input(request, name):

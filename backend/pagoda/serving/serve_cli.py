@@ -1,0 +1,170 @@
+"""The ``pagoda serve`` command line: flags -> ``ServeOptions`` -> a supervised ``TritonServer``.
+
+Lifecycle (see ``launcher`` and ``process_tree`` for the mechanisms):
+
+- bad engine settings are refused before anything starts; so are numpy 2 in the stub's
+  environment and ports already in use;
+- the endpoints are printed only after one request went through the whole path;
+- while serving, a dead tritonserver or a dead Python-backend stub stops the replica with
+  a message and exit code 1 (tritonserver alone would keep answering READY), so an
+  orchestrator restarts it and no router keeps it;
+- SIGTERM or Ctrl-C drains: tritonserver stops taking requests, finishes those in flight
+  for up to ``--grace-period`` seconds, unloads the model, and every process in its group
+  is gone when we return; a second signal kills at once;
+- SIGKILL of this process takes tritonserver with it (parent-death signal).
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from typing import Optional
+
+from pagoda.serving.launcher import MODEL_NAME, ServeOptions, TritonServer
+from pagoda.serving.model_config import engine_config_from_parameters
+
+HEALTH_INTERVAL_S = 0.5
+# Flags whose value goes into config.pbtxt as the EngineConfig field of the same name.
+ENGINE_FLAGS = ("scheduling_policy", "speculative_method", "speculative_model", "num_speculative_tokens",
+                "cpu_offload_bytes", "preemption_mode", "default_max_tokens", "gpu_memory_utilization")
+
+
+def make_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pagoda serve", description="Serve a model on Triton Inference Server.")
+    p.add_argument("--model", help="Hugging Face folder (safetensors); default: SmolLM2-135M-Instruct")
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--grpc-port", type=int, default=8001)
+    p.add_argument("--metrics-port", type=int, default=8002)
+    p.add_argument("--block-size", type=int)
+    p.add_argument("--kv-cache-memory-bytes", type=int, help="KV cache budget on CPU")
+    p.add_argument("--max-model-len", type=int)
+    p.add_argument("--max-num-seqs", type=int)
+    p.add_argument("--max-num-batched-tokens", type=int)
+    p.add_argument("--no-chunked-prefill", action="store_true")
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="vLLM's spelling (--no-enable-prefix-caching turns it off)")
+    p.add_argument("--gpu-memory-utilization", type=float, help="fraction of GPU memory the engine may use")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--dtype", choices=("auto", "float32", "float16", "bfloat16"))
+    p.add_argument("--quantization", choices=("int8",), help="int8: weight-only int8 linear layers")
+    p.add_argument("--scheduling-policy", choices=("fcfs", "priority"))
+    p.add_argument("--speculative-method", choices=("ngram", "draft"),
+                   help="speculative decoding by default for every request (see docs/speculative.md)")
+    p.add_argument("--speculative-model", help="with --speculative-method draft: a draft model folder")
+    p.add_argument("--num-speculative-tokens", type=int, help="largest speculative window k")
+    p.add_argument("--cpu-offload-bytes", type=int, help="size of the CPU tier of the KV cache (0: off)")
+    p.add_argument("--preemption-mode", choices=("auto", "recompute", "swap"))
+    p.add_argument("--engine-arg", action="append", default=[], metavar="FIELD=VALUE",
+                   help="any other EngineConfig field, e.g. --engine-arg spec_adaptive=false (repeatable)")
+    p.add_argument("--model-repository", help="a model repository to use instead of the shipped one")
+    p.add_argument("--log-verbose", type=int, default=0)
+    p.add_argument("--redis-url", help="publish block events and heartbeats to this Redis (fleet layer)")
+    p.add_argument("--replica-id", help="with --redis-url: this replica's id (default: host name)")
+    p.add_argument("--fleet-model", help="with --redis-url: Redis key namespace (default: model folder name)")
+    p.add_argument("--advertise-host", help="with --redis-url: host routers use to reach this replica")
+    p.add_argument("--default-max-tokens", type=int,
+                   help="cap for requests that do not set max_tokens (default: the model repository's, 1024)")
+    p.add_argument("--grace-period", type=float, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM/Ctrl-C, how long in-flight requests may finish (keep it below "
+                        "Kubernetes' terminationGracePeriodSeconds)")
+    p.add_argument("--skip-first-request-check", action="store_true",
+                   help="announce the server without sending it one request first")
+    return p
+
+
+def engine_args_from(args: argparse.Namespace) -> dict[str, str]:
+    """The engine fields given by dedicated flags and ``--engine-arg FIELD=VALUE``."""
+    values = {name: str(getattr(args, name)) for name in ENGINE_FLAGS if getattr(args, name) is not None}
+    for item in args.engine_arg:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise SystemExit(f"pagoda serve: --engine-arg must look like FIELD=VALUE, got {item!r}")
+        values[name.strip()] = value.strip()
+    return values
+
+
+def options_from_args(args: argparse.Namespace) -> ServeOptions:
+    return ServeOptions(
+        model=args.model, http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
+        block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_chunked_prefill=False if args.no_chunked_prefill else None,
+        enable_prefix_caching=False if args.no_prefix_caching else args.enable_prefix_caching,
+        device=args.device, dtype=args.dtype, quantization=args.quantization, engine_args=engine_args_from(args),
+        model_repository=args.model_repository,
+        log_verbose=args.log_verbose, redis_url=args.redis_url, replica_id=args.replica_id,
+        fleet_model=args.fleet_model, advertise_host=args.advertise_host, grace_period_s=args.grace_period,
+        check_first_request=not args.skip_first_request_check)
+
+
+def check_engine_args(options: ServeOptions, parser: argparse.ArgumentParser) -> None:
+    """Refuse bad engine settings here, with the field's name, not inside tritonserver."""
+    parameters = {name: {"string_value": value} for name, value in options.parameter_overrides().items()
+                  if value is not None and name != "model"}
+    try:
+        engine_config_from_parameters(parameters)
+    except ValueError as exc:
+        parser.error(str(exc))
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Entry point of ``pagoda serve``; returns the process exit code."""
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    if args.grace_period < 0:
+        parser.error("--grace-period: must be >= 0")
+    options = options_from_args(args)
+    check_engine_args(options, parser)
+    server = TritonServer(options)
+    stop_requested, force = threading.Event(), threading.Event()
+    starting = [True]
+
+    def on_signal(signum, frame):
+        if stop_requested.is_set():
+            force.set()  # a second signal: stop waiting for in-flight requests
+            return
+        stop_requested.set()
+        if starting[0]:
+            raise KeyboardInterrupt
+
+    # Install both explicitly: a launcher started in the background inherits SIGINT ignored.
+    previous = {signum: signal.signal(signum, on_signal) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.start()
+        starting[0] = False
+        print(f"pagoda is serving model '{MODEL_NAME}' ({options.model})\n"
+              f"  HTTP    http://{server.http_url}/v2/models/{MODEL_NAME}/generate_stream\n"
+              f"  gRPC    {server.grpc_url}\n"
+              f"  metrics {server.metrics_url}\n"
+              "Ctrl-C to stop.", flush=True)
+        problem = None
+        while problem is None and not stop_requested.wait(HEALTH_INTERVAL_S):
+            problem = server.check_health()
+        if problem is not None:
+            print(f"pagoda serve: {problem}; stopping the replica", file=sys.stderr, flush=True)
+            server.stop(grace_s=0)
+            return 1
+        print(f"stopping tritonserver: draining in-flight requests (up to {options.grace_period_s:g} s) ...",
+              file=sys.stderr, flush=True)
+        code = server.stop(force=force)
+        print(f"tritonserver stopped (exit code {code})", file=sys.stderr, flush=True)
+        return 0
+    except KeyboardInterrupt:
+        print("pagoda serve: interrupted while starting; stopping tritonserver", file=sys.stderr, flush=True)
+        server.stop(grace_s=0)
+        return 130
+    except RuntimeError as exc:
+        print(f"pagoda serve: {exc}", file=sys.stderr, flush=True)
+        server.stop(grace_s=0)
+        return 1
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,309 @@
+"""A replica's process lifecycle on a real tritonserver (CPU, default SmolLM2, short outputs).
+
+- ``pagoda serve`` refuses to announce a server whose first request fails, and says why;
+- a dead Python-backend stub is reported (tritonserver alone keeps answering READY) and
+  the replica stops, so nothing keeps routing to it;
+- SIGKILL of the launcher leaves no tritonserver or stub, and the ports are free again;
+- SIGTERM drains: a request in flight completes, then every process exits cleanly;
+- a SIGKILLed tritonserver leaves no stub, and the replica's Redis heartbeat expires;
+- a non-streaming request without max_tokens whose client left stops at the default cap
+  and frees its KV blocks (tritonserver 2.51's HTTP front end does not flag such a
+  request as cancelled: see docs/serving.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from pagoda.serving import process_tree, startup_check
+from pagoda.serving.launcher import ServeOptions, TritonServer, default_model_repository, find_free_port
+
+pytestmark = pytest.mark.server
+
+SMALL = ["--max-model-len", "512", "--max-num-seqs", "4", "--kv-cache-memory-bytes", str(64 * 2**20)]
+
+FAILING_MODEL = '''
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        raise RuntimeError("boom: this backend fails every request")
+'''
+
+FAILING_CONFIG = '''
+name: "pagoda"
+backend: "python"
+max_batch_size: 0
+input [ { name: "text_input" data_type: TYPE_STRING dims: [ 1 ] },
+        { name: "max_tokens" data_type: TYPE_INT32 dims: [ 1 ] optional: true },
+        { name: "temperature" data_type: TYPE_FP32 dims: [ 1 ] optional: true } ]
+output [ { name: "text_output" data_type: TYPE_STRING dims: [ -1 ] } ]
+instance_group [ { count: 1 kind: KIND_CPU } ]
+'''
+
+
+class ServeProcess:
+    """``pagoda serve`` as a child process, its output collected by a thread."""
+
+    def __init__(self, *args: str) -> None:
+        self.ports = [find_free_port() for _ in range(3)]
+        command = [sys.executable, "-m", "pagoda.serving.serve_cli", "--http-port", str(self.ports[0]),
+                   "--grpc-port", str(self.ports[1]), "--metrics-port", str(self.ports[2]), *args]
+        self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL)
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for raw in iter(self.proc.stdout.readline, b""):
+            self.lines.append(raw.decode(errors="replace"))
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    @property
+    def http(self) -> str:
+        return f"127.0.0.1:{self.ports[0]}"
+
+    def wait_serving(self, timeout_s: float = 600) -> None:
+        deadline = time.monotonic() + timeout_s
+        while "pagoda is serving" not in self.output:
+            assert self.proc.poll() is None, f"pagoda serve exited ({self.proc.returncode}):\n{self.output[-4000:]}"
+            assert time.monotonic() < deadline, self.output[-4000:]
+            time.sleep(0.2)
+
+    def server_pid(self) -> int:
+        children = [pid for pid in _pids() if _ppid(pid) == self.proc.pid]
+        assert len(children) == 1, children
+        return children[0]
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(30)
+        self._reader.join(10)
+
+
+def _pids() -> list[int]:
+    return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()]
+
+
+def _ppid(pid: int) -> int:
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return -1
+    return int(text[text.rfind(")") + 2:].split()[1])
+
+
+def _stub_pids(server_pid: int) -> list[int]:
+    return [pid for pid in process_tree.group_members(server_pid)
+            if process_tree.process_name(pid).startswith("triton_python")]
+
+
+def _wait_until(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
+        time.sleep(0.1)
+
+
+def _is_ready(http: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://{http}/v2/health/ready", timeout=2) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def _metric(metrics_port: int, name: str) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+def _ports_free(ports) -> bool:
+    try:
+        process_tree.check_ports_free(ports)
+    except RuntimeError:
+        return False
+    return True
+
+
+# ---------------------------------------------------------------- no server needed
+def test_known_causes_are_named():
+    crash = ("terminate called after throwing an instance of 'pybind11::error_already_set'\n  what():  error: "
+             "unpack_from requires a buffer of at least 1094795589 bytes\nAt:\n  <path> deserialize_bytes_tensor")
+    assert "numpy>=2" in startup_check.diagnose(crash)
+    assert startup_check.diagnose("all fine") is None
+    with pytest.raises(startup_check.StartupCheckError, match=r"numpy 2.1.3 .* numpy<2"):
+        startup_check.check_numpy_version("2.1.3")
+    startup_check.check_numpy_version("1.26.4")
+
+
+def test_a_taken_port_is_refused_naming_it():
+    with socket.socket() as holder:
+        holder.bind(("0.0.0.0", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        with pytest.raises(RuntimeError, match=rf"port {port} is already in use \(held by pid {os.getpid()}"):
+            process_tree.check_ports_free([port])
+
+
+# ------------------------------------------------------------------ real servers
+def test_serve_refuses_to_announce_a_server_whose_first_request_fails(tmp_path):
+    repository = tmp_path / "repo"
+    (repository / "pagoda" / "1").mkdir(parents=True)
+    (repository / "pagoda" / "config.pbtxt").write_text(FAILING_CONFIG)
+    (repository / "pagoda" / "1" / "model.py").write_text(FAILING_MODEL)
+    serve = ServeProcess("--model-repository", str(repository), "--grace-period", "2")
+    try:
+        code = serve.proc.wait(300)
+    finally:
+        serve.kill()
+    assert code == 1, serve.output[-3000:]
+    assert "pagoda is serving" not in serve.output
+    assert "tritonserver is READY but cannot serve: the first request failed" in serve.output
+    assert "boom: this backend fails every request" in serve.output
+    assert _ports_free(serve.ports)
+
+
+def test_a_dead_stub_is_reported_not_ready_and_the_replica_stops():
+    serve = ServeProcess(*SMALL)
+    try:
+        serve.wait_serving()
+        server_pid = serve.server_pid()
+        stubs = _stub_pids(server_pid)
+        assert len(stubs) == 1 and _is_ready(serve.http)
+        os.kill(stubs[0], signal.SIGKILL)
+        code = serve.proc.wait(30)
+    finally:
+        serve.kill()
+    assert code == 1
+    assert f"the Python-backend stub (pid {stubs[0]}) died; stopping the replica" in serve.output
+    assert not _is_ready(serve.http)
+    assert not process_tree.group_members(server_pid)
+    assert _ports_free(serve.ports)
+
+
+def test_sigkill_of_the_launcher_leaves_no_process_and_frees_the_ports():
+    serve = ServeProcess(*SMALL)
+    try:
+        serve.wait_serving()
+        server_pid = serve.server_pid()
+        assert _stub_pids(server_pid)
+        serve.proc.send_signal(signal.SIGKILL)
+        serve.proc.wait(10)
+        _wait_until(lambda: not process_tree.group_members(server_pid), 10, "tritonserver and its stub gone")
+        _wait_until(lambda: _ports_free(serve.ports), 10, "ports free")
+    finally:
+        serve.kill()
+        # Never leave an orphan behind, whatever failed above.
+        process_tree.kill_group(server_pid) if "server_pid" in locals() else None
+
+
+def _stream(http: str, body: dict, events: list, first_token: threading.Event) -> None:
+    request = urllib.request.Request(f"http://{http}/v2/models/pagoda/generate_stream",
+                                     data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=300) as response:
+        for line in response:
+            line = line.decode().strip()
+            if line.startswith("data:"):
+                events.append(json.loads(line[len("data:"):]))
+                first_token.set()
+
+
+def test_sigterm_completes_the_request_in_flight_then_exits_cleanly():
+    serve = ServeProcess(*SMALL, "--grace-period", "60")
+    try:
+        serve.wait_serving()
+        server_pid = serve.server_pid()
+        events: list = []
+        first_token = threading.Event()
+        body = {"text_input": "Count to one hundred:", "max_tokens": 48, "temperature": 0.0,
+                "sampling_parameters": json.dumps({"ignore_eos": True}), "return_num_output_tokens": True}
+        client = threading.Thread(target=_stream, args=(serve.http, body, events, first_token))
+        client.start()
+        assert first_token.wait(120), serve.output[-3000:]
+        serve.proc.send_signal(signal.SIGTERM)
+        client.join(300)
+        code = serve.proc.wait(120)
+    finally:
+        serve.kill()
+    assert code == 0, serve.output[-3000:]
+    assert not client.is_alive()
+    text = "".join(e["text_output"] for e in events)
+    assert sum(e["num_output_tokens"][0] if isinstance(e["num_output_tokens"], list) else e["num_output_tokens"]
+               for e in events) == 48, events[-1]
+    assert text
+    assert "Exit timeout expired" not in serve.output
+    assert "tritonserver stopped (exit code 0)" in serve.output
+    assert not process_tree.group_members(server_pid)
+    assert _ports_free(serve.ports)
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("redis-server is not installed (apt-get install -y redis-server)")
+    pytest.importorskip("redis")
+    from tests.fleet.conftest import RedisServer
+
+    server = RedisServer(binary, tmp_path)
+    server.start()
+    yield server
+    server.stop()
+
+
+def test_a_sigkilled_server_leaves_no_stub_and_its_heartbeat_expires(redis_server, monkeypatch, tmp_path):
+    from pagoda.fleet import keys
+
+    monkeypatch.setenv("PAGODA_HEARTBEAT_TTL_S", "3.0")
+    options = ServeOptions(http_port=find_free_port(), grpc_port=find_free_port(), metrics_port=find_free_port(),
+                           max_model_len=512, max_num_seqs=4, kv_cache_memory_bytes=64 * 2**20,
+                           engine_args={"default_max_tokens": "24"}, redis_url=redis_server.url,
+                           replica_id="victim", fleet_model="lifecycle", grace_period_s=5)
+    server = TritonServer(options, log_path=str(tmp_path / "server.log"))
+    client = redis_server.client()
+    heartbeat = keys.heartbeat_key("lifecycle", "victim")
+    with server:
+        _wait_until(lambda: client.exists(heartbeat), 30, "first heartbeat")
+        # A non-streaming request with no token limit (max_tokens null, as the router sends
+        # an OpenAI request without one) whose client leaves at once: it runs to the
+        # default cap (24 tokens), then its blocks are free again.
+        body = json.dumps({"text_input": "Tell me a very long story about dragons.",
+                           "sampling_parameters": json.dumps({"ignore_eos": True, "max_tokens": None})}).encode()
+        tokens_before = _metric(options.metrics_port, "vllm:generation_tokens_total")
+        with socket.create_connection(("127.0.0.1", options.http_port)) as sock:
+            sock.sendall(b"POST /v2/models/pagoda/generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        _wait_until(lambda: _metric(options.metrics_port, "vllm:generation_tokens_total") - tokens_before >= 24
+                    and _metric(options.metrics_port, "vllm:num_requests_running") == 0, 60, "capped")
+        time.sleep(0.5)
+        assert _metric(options.metrics_port, "vllm:generation_tokens_total") - tokens_before == 24
+        assert _metric(options.metrics_port, "vllm:kv_cache_usage_perc") == 0
+        server_pid = server.process.pid
+        stubs = _stub_pids(server_pid)
+        assert len(stubs) == 1
+        os.kill(server_pid, signal.SIGKILL)  # the server alone; the launcher does nothing yet
+        _wait_until(lambda: not process_tree.is_alive(stubs[0]), 5, "the orphaned stub exits")
+        _wait_until(lambda: not client.exists(heartbeat), 3.0 + 2, "heartbeat key expired")
+        assert "stub died" in server.check_health() or "exited" in server.check_health()
+    assert not process_tree.group_members(server_pid)
+    client.close()
