@@ -84,6 +84,10 @@ SPEC_SCHEMA: dict[str, Any] = _obj(
                       minLength=1),
         "imagePullPolicy": _str("Image pull policy.", enum=["Always", "IfNotPresent", "Never"],
                                 default="IfNotPresent"),
+        "terminationGracePeriodSeconds": _int(
+            "How long a stopping replica may take: `pagoda serve` drains in-flight requests "
+            "for this minus 10 s (its --grace-period), then the model unloads.",
+            minimum=15, maximum=86400, default=60),
         "model": _obj(
             {
                 "name": _str("Served model name: the OpenAI `model` id and the Redis namespace.",
@@ -180,6 +184,15 @@ SPEC_SCHEMA: dict[str, Any] = _obj(
                      "key": _str("Key in the Secret.", minLength=1, default="password")},
                     required=["name"],
                     description="Secret with the Redis password (same namespace).",
+                ),
+                "caSecretRef": _obj(
+                    {"name": _str("Secret name.", minLength=1),
+                     "key": _str("Key in the Secret.", minLength=1, default="ca.crt")},
+                    required=["name"],
+                    description="With a rediss:// url: Secret holding the CA certificate that "
+                                "signed Redis' server certificate (same namespace). It is mounted "
+                                "into replicas and routers; the operator itself reads the CA its "
+                                "chart mounted (values redis.tls).",
                 ),
             },
             description="Redis used by replicas, router and autoscaler.",

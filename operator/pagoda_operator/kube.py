@@ -23,7 +23,8 @@ PLURALS = {
     "Deployment": "deployments", "Service": "services", "ServiceAccount": "serviceaccounts",
     "Role": "roles", "RoleBinding": "rolebindings", "Pod": "pods", "Secret": "secrets",
     "ConfigMap": "configmaps", "InferenceService": "inferenceservices",
-    "LLMService": "llmservices",
+    "LLMService": "llmservices", "NetworkPolicy": "networkpolicies",
+    "PodDisruptionBudget": "poddisruptionbudgets",
 }
 SERVICE_ACCOUNT_TOKEN = "/var/run/secrets/kubernetes.io/serviceaccount/token"
 

@@ -15,6 +15,7 @@ from typing import Any
 from pagoda_operator import naming
 from pagoda_operator.kube import KubeClient, KubeError
 from pagoda_operator.render_kserve import render_inference_service
+from pagoda_operator.render_policies import render_replica_network_policy, render_replica_pdb
 from pagoda_operator.render_replicas import render_replica_deployment, render_replica_service
 from pagoda_operator.render_router import (render_router_deployment, render_router_role,
                                            render_router_role_binding, render_router_service,
@@ -44,14 +45,17 @@ def render_children(svc: LLMService, replicas: int) -> list[dict[str, Any]]:
               render_router_service(svc)]
     if svc.spec.mode == "KServe":
         return [render_inference_service(svc), *router]
-    return [render_replica_deployment(svc, replicas), render_replica_service(svc), *router]
+    return [render_replica_deployment(svc, replicas), render_replica_service(svc),
+            render_replica_network_policy(svc), render_replica_pdb(svc), *router]
 
 
 def stale_children(svc: LLMService) -> list[tuple[str, str, str]]:
     """(apiVersion, kind, name) of the other mode's children."""
     if svc.spec.mode == "KServe":
         return [("apps/v1", "Deployment", naming.replicas_name(svc)),
-                ("v1", "Service", naming.replicas_name(svc))]
+                ("v1", "Service", naming.replicas_name(svc)),
+                ("networking.k8s.io/v1", "NetworkPolicy", naming.replicas_name(svc)),
+                ("policy/v1", "PodDisruptionBudget", naming.replicas_name(svc))]
     return [("serving.kserve.io/v1beta1", "InferenceService", svc.name)]
 
 

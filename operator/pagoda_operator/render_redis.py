@@ -1,8 +1,12 @@
-"""How replicas and routers reach Redis: the `--redis-url` argument and its env.
+"""How replicas and routers reach Redis: the `--redis-url` argument, its env and volumes.
 
 A password never appears in a rendered object. With `spec.redis.passwordSecretRef`, the
 container gets `PAGODA_REDIS_PASSWORD` from the Secret and the URL carries
 `$(PAGODA_REDIS_PASSWORD)`, which the kubelet expands in `command`/`args`.
+
+TLS: a `rediss://` URL. With `spec.redis.caSecretRef`, the CA certificate is mounted
+read-only at `CA_MOUNT` and the URL gains `ssl_ca_certs=<file>`, a query argument every
+component's client (redis-py's `from_url`) passes on to its TLS connection.
 """
 
 from __future__ import annotations
@@ -12,10 +16,20 @@ from typing import Any
 from pagoda_operator.spec import LLMService
 
 PASSWORD_ENV = "PAGODA_REDIS_PASSWORD"
+CA_MOUNT = "/etc/pagoda/redis-tls"
+CA_VOLUME = "redis-ca"
 
 
 def redis_url_arg(svc: LLMService) -> str:
-    """The Redis URL as passed on a command line (password as an env reference)."""
+    """The Redis URL as passed on a command line (password as an env reference, the CA
+    file as ``ssl_ca_certs``)."""
+    url = _with_password(svc)
+    if svc.spec.redis.ca_secret_name:
+        url += ("&" if "?" in url else "?") + f"ssl_ca_certs={CA_MOUNT}/{svc.spec.redis.ca_secret_key}"
+    return url
+
+
+def _with_password(svc: LLMService) -> str:
     url = svc.spec.redis.url
     if not svc.spec.redis.password_secret_name:
         return url
@@ -36,3 +50,13 @@ def redis_env(svc: LLMService) -> list[dict[str, Any]]:
         "valueFrom": {"secretKeyRef": {"name": svc.spec.redis.password_secret_name,
                                        "key": svc.spec.redis.password_secret_key}},
     }]
+
+
+def redis_ca_volume(svc: LLMService) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(volumes, mounts) for the Redis CA certificate (none without `caSecretRef`)."""
+    if not svc.spec.redis.ca_secret_name:
+        return [], []
+    volumes = [{"name": CA_VOLUME, "secret": {"secretName": svc.spec.redis.ca_secret_name,
+                                              "items": [{"key": svc.spec.redis.ca_secret_key,
+                                                         "path": svc.spec.redis.ca_secret_key}]}}]
+    return volumes, [{"name": CA_VOLUME, "mountPath": CA_MOUNT, "readOnly": True}]

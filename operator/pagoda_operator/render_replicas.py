@@ -11,7 +11,13 @@ Each replica pod runs `pagoda serve` (tritonserver over our model repository) wi
 - the model from a read-only PVC mounted at /mnt/models (`pvc://claim/path`), or from a
   path baked into the image (`image:///path`);
 - a memory-backed /dev/shm: Triton's Python backend passes tensors through shared
-  memory and the container default (64 MiB) is too small.
+  memory and the container default (64 MiB) is too small;
+- non-root, a read-only root filesystem, no capabilities (render_security.py), with
+  emptyDirs for /tmp and the caches;
+- `terminationGracePeriodSeconds` from the spec and `--grace-period` 10 s shorter:
+  on SIGTERM `pagoda serve` drains in-flight requests that long, then the model unloads
+  and every process exits before the kubelet would SIGKILL the pod;
+- the Redis CA certificate when Redis is reached over TLS (render_redis.py).
 """
 
 from __future__ import annotations
@@ -19,10 +25,12 @@ from __future__ import annotations
 from typing import Any
 
 from pagoda_operator import naming
-from pagoda_operator.render_redis import redis_env, redis_url_arg
+from pagoda_operator import render_security
+from pagoda_operator.render_redis import redis_ca_volume, redis_env, redis_url_arg
 from pagoda_operator.spec import EngineSpec, LLMService
 
 COMPONENT = "replica"
+SHUTDOWN_MARGIN_SECONDS = 10  # model unload + process exit after the drain
 
 
 def engine_args(engine: EngineSpec) -> list[str]:
@@ -61,6 +69,11 @@ def model_volume(svc: LLMService) -> tuple[list[dict[str, Any]], list[dict[str, 
     return volumes, mounts
 
 
+def grace_period_seconds(svc: LLMService) -> int:
+    """`pagoda serve --grace-period`: the pod's termination grace minus the shutdown margin."""
+    return max(1, svc.spec.termination_grace_period_seconds - SHUTDOWN_MARGIN_SECONDS)
+
+
 def replica_env(svc: LLMService) -> list[dict[str, Any]]:
     return [
         {"name": "PAGODA_REPLICA_ID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
@@ -68,12 +81,15 @@ def replica_env(svc: LLMService) -> list[dict[str, Any]]:
         {"name": "PAGODA_MODEL_NAME", "value": svc.spec.model.name},
         *redis_env(svc),
         {"name": "PAGODA_REDIS_URL", "value": redis_url_arg(svc)},
+        *render_security.writable_env(),
     ]
 
 
 def render_replica_container(svc: LLMService) -> dict[str, Any]:
     """The tritonserver container of one replica."""
     _, mounts = model_volume(svc)
+    _, ca_mounts = redis_ca_volume(svc)
+    _, writable_mounts = render_security.writable_volumes()
     container: dict[str, Any] = {
         "name": "pagoda",
         "image": svc.spec.image,
@@ -84,6 +100,7 @@ def render_replica_container(svc: LLMService) -> dict[str, Any]:
             "--http-port", str(naming.HTTP_PORT),
             "--grpc-port", str(naming.GRPC_PORT),
             "--metrics-port", str(naming.METRICS_PORT),
+            "--grace-period", str(grace_period_seconds(svc)),
             *engine_args(svc.spec.engine),
         ],
         "env": replica_env(svc),
@@ -98,8 +115,8 @@ def render_replica_container(svc: LLMService) -> dict[str, Any]:
                           "periodSeconds": 10, "failureThreshold": 6},
         "startupProbe": {"httpGet": {"path": "/v2/health/live", "port": "http"},
                          "periodSeconds": 10, "failureThreshold": 90},
-        "volumeMounts": [*mounts, {"name": "dshm", "mountPath": "/dev/shm"}],
-        "securityContext": {"allowPrivilegeEscalation": False},
+        "volumeMounts": [*mounts, *ca_mounts, *writable_mounts, {"name": "dshm", "mountPath": "/dev/shm"}],
+        "securityContext": render_security.container_security_context(),
     }
     if svc.spec.resources:
         container["resources"] = dict(svc.spec.resources)
@@ -116,6 +133,8 @@ def render_replica_deployment(svc: LLMService, replicas: int) -> dict[str, Any]:
         An apps/v1 Deployment.
     """
     volumes, _ = model_volume(svc)
+    ca_volumes, _ = redis_ca_volume(svc)
+    writable, _ = render_security.writable_volumes()
     pod_labels = naming.labels(svc, COMPONENT) | {"pagoda.dev/model": svc.spec.model.name}
     return {
         "apiVersion": "apps/v1",
@@ -134,10 +153,11 @@ def render_replica_deployment(svc: LLMService, replicas: int) -> dict[str, Any]:
                                     "prometheus.io/path": "/metrics"},
                 },
                 "spec": {
+                    "securityContext": render_security.pod_security_context(),
                     "containers": [render_replica_container(svc)],
-                    "volumes": [*volumes, {"name": "dshm",
-                                           "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}}],
-                    "terminationGracePeriodSeconds": 60,
+                    "volumes": [*volumes, *ca_volumes, *writable,
+                                {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}}],
+                    "terminationGracePeriodSeconds": svc.spec.termination_grace_period_seconds,
                 },
             },
         },

@@ -7,14 +7,18 @@ pods by KServe's `serving.kserve.io/inferenceservice` label instead.
 
 The router's Service carries the LLMService's own name: it is the endpoint clients use
 (HTTP/OpenAI on 8080, gRPC on 8081).
+
+The router pod is hardened like the replicas (render_security.py: non-root, read-only
+root filesystem, no capabilities, an emptyDir /tmp) and mounts the Redis CA when Redis
+is reached over TLS.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from pagoda_operator import naming
-from pagoda_operator.render_redis import redis_env, redis_url_arg
+from pagoda_operator import naming, render_security
+from pagoda_operator.render_redis import redis_ca_volume, redis_env, redis_url_arg
 from pagoda_operator.render_replicas import model_path, model_volume
 from pagoda_operator.spec import LLMService
 
@@ -35,6 +39,7 @@ def render_router_deployment(svc: LLMService) -> dict[str, Any]:
     the model's own tokenizer to hash their blocks exactly as the engine does.
     """
     volumes, mounts = model_volume(svc)
+    ca_volumes, ca_mounts = redis_ca_volume(svc)
     container = {
         "name": "router",
         "image": svc.spec.image,
@@ -51,6 +56,7 @@ def render_router_deployment(svc: LLMService) -> dict[str, Any]:
              "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
             {"name": "PAGODA_MODEL_NAME", "value": svc.spec.model.name},
             *redis_env(svc),
+            {"name": "TMPDIR", "value": "/tmp"},
         ],
         "ports": [
             {"name": "http", "containerPort": naming.ROUTER_HTTP_PORT, "protocol": "TCP"},
@@ -60,8 +66,8 @@ def render_router_deployment(svc: LLMService) -> dict[str, Any]:
         "livenessProbe": {"tcpSocket": {"port": "http"}, "periodSeconds": 10,
                           "failureThreshold": 6},
         "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}},
-        "securityContext": {"allowPrivilegeEscalation": False},
-        "volumeMounts": mounts,
+        "securityContext": render_security.container_security_context(),
+        "volumeMounts": [*mounts, *ca_mounts, {"name": "tmp", "mountPath": "/tmp"}],
     }
     return {
         "apiVersion": "apps/v1",
@@ -74,8 +80,10 @@ def render_router_deployment(svc: LLMService) -> dict[str, Any]:
                 "metadata": {"labels": naming.labels(svc, COMPONENT)},
                 "spec": {
                     "serviceAccountName": naming.router_name(svc),
+                    "securityContext": render_security.pod_security_context(),
                     "containers": [container],
-                    "volumes": volumes,
+                    "volumes": [*volumes, *ca_volumes,
+                                {"name": "tmp", "emptyDir": {"sizeLimit": "256Mi"}}],
                 },
             },
         },

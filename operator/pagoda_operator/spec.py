@@ -76,6 +76,8 @@ class RedisSpec:
     url: str = crd.DEFAULT_REDIS_URL
     password_secret_name: str | None = None
     password_secret_key: str = "password"
+    ca_secret_name: str | None = None  # rediss:// only: the CA that signed Redis' certificate
+    ca_secret_key: str = "ca.crt"
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,7 @@ class LLMServiceSpec:
     model: ModelSpec
     mode: str = "Deployment"
     image_pull_policy: str = "IfNotPresent"
+    termination_grace_period_seconds: int = 60
     engine: EngineSpec = field(default_factory=EngineSpec)
     resources: dict[str, dict[str, Any]] = field(default_factory=dict)
     min_replicas: int = 1
@@ -196,6 +199,8 @@ def _check_cross_fields(spec: dict[str, Any]) -> None:
     url = urlsplit(spec["redis"]["url"])
     if not url.hostname:
         raise SpecError("spec.redis.url", "has no host")
+    if "caSecretRef" in spec["redis"] and url.scheme != "rediss":
+        raise SpecError("spec.redis.caSecretRef", "needs a TLS url (rediss://...)")
     if url.password and "passwordSecretRef" in spec["redis"]:
         raise SpecError("spec.redis.passwordSecretRef",
                         "set either a password in spec.redis.url or a passwordSecretRef, not both")
@@ -219,11 +224,13 @@ def parse_spec(raw_spec: dict[str, Any]) -> LLMServiceSpec:
     engine, auto = spec["engine"], spec["autoscaling"]
     routing, redis = spec["routing"], spec["redis"]
     secret = redis.get("passwordSecretRef") or {}
+    ca_secret = redis.get("caSecretRef") or {}
     return LLMServiceSpec(
         image=spec["image"],
         model=ModelSpec(name=spec["model"]["name"], storage_uri=spec["model"]["storageUri"]),
         mode=spec["mode"],
         image_pull_policy=spec["imagePullPolicy"],
+        termination_grace_period_seconds=spec["terminationGracePeriodSeconds"],
         engine=EngineSpec(
             dtype=engine["dtype"], max_model_len=engine["maxModelLen"],
             max_num_seqs=engine["maxNumSeqs"],
@@ -250,7 +257,8 @@ def parse_spec(raw_spec: dict[str, Any]) -> LLMServiceSpec:
         routing=RoutingSpec(policy=routing["policy"], replicas=routing["replicas"],
                             service_type=routing["serviceType"]),
         redis=RedisSpec(url=redis["url"], password_secret_name=secret.get("name"),
-                        password_secret_key=secret.get("key", "password")),
+                        password_secret_key=secret.get("key", "password"),
+                        ca_secret_name=ca_secret.get("name"), ca_secret_key=ca_secret.get("key", "ca.crt")),
         kserve_runtime=spec["kserve"]["runtime"],
     )
 

@@ -37,6 +37,7 @@ NON_DEFAULT = {
     "imagePullSecrets": [{"name": "regcred"}],
     "operator": {"watchNamespaces": ["team-a", "team-b"], "autoscaleIntervalSeconds": 5},
     "redis": {"auth": {"enabled": True, "password": "s3cret"},
+              "tls": {"enabled": True, "existingSecret": "redis-tls"},
               "persistence": {"enabled": True, "size": "2Gi", "storageClass": "fast"}},
     "router": {"enabled": True, "replicas": 2, "policy": "least_loaded",
                "service": {"type": "LoadBalancer"}},
@@ -223,3 +224,85 @@ def test_tightened_schemas_reject_typos():
     llms["spec"]["replicas"]["max"] = 0
     with pytest.raises(AssertionError, match="replicas.max"):
         validate_custom(llms, {crd.KIND: (crd.API_VERSION, our_validator())})
+
+
+def pod_specs(objects: list[dict]):
+    """(name, pod spec, container list) of every pod template the chart renders."""
+    for obj in objects:
+        if obj["kind"] in ("Deployment", "StatefulSet"):
+            pod = obj["spec"]["template"]["spec"]
+            yield obj["metadata"]["name"], pod, pod["containers"]
+        elif obj["kind"] == "ServingRuntime":
+            yield obj["metadata"]["name"], obj["spec"], obj["spec"]["containers"]
+
+
+@pytest.mark.parametrize("values", ["default", "non-default"])
+def test_every_pod_is_non_root_read_only_without_capabilities(values, tmp_path):
+    objects = render(None if values == "default" else tmp_path)
+    found = list(pod_specs(objects))
+    names = {name for name, _, _ in found}
+    assert {"pagoda-operator", "pagoda-redis"} <= names
+    if values == "non-default":
+        assert {"pagoda-router", "pagoda"} <= names  # the router and the ServingRuntime
+    for name, pod, containers in found:
+        pod_context = pod.get("securityContext", {})
+        volumes = {v["name"]: v for v in pod.get("volumes", [])}
+        for container in containers:
+            context = {**pod_context, **container["securityContext"]}
+            assert context["runAsNonRoot"] is True and context.get("runAsUser", 1) != 0, name
+            assert context["readOnlyRootFilesystem"] is True, name
+            assert context["allowPrivilegeEscalation"] is False, name
+            assert context["capabilities"] == {"drop": ["ALL"]}, name
+            assert context["seccompProfile"] == {"type": "RuntimeDefault"}, name
+            mounts = {m["mountPath"]: m["name"] for m in container.get("volumeMounts", [])}
+            writable = "/data" if name.endswith("redis") else "/tmp"
+            assert writable in mounts, name
+            claims = [t["metadata"]["name"] for o in objects if o["metadata"]["name"] == name and "spec" in o
+                      for t in o["spec"].get("volumeClaimTemplates", [])]
+            assert "emptyDir" in volumes.get(mounts[writable], {}) or mounts[writable] in claims, name
+
+
+def test_network_policies_admit_only_pagoda_to_redis_and_the_router_to_replicas(tmp_path):
+    policies = {o["metadata"]["name"]: o["spec"] for o in render(tmp_path) if o["kind"] == "NetworkPolicy"}
+    redis = policies["pagoda-redis"]
+    assert redis["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "redis"
+    assert redis["ingress"] == [{"from": [{"namespaceSelector": {},
+                                           "podSelector": {"matchLabels": {"app.kubernetes.io/name": "pagoda"}}}],
+                                 "ports": [{"protocol": "TCP", "port": 6379}]}]
+    replicas = policies["pagoda-router-replicas"]
+    assert replicas["podSelector"]["matchLabels"] == {"serving.kserve.io/inferenceservice": "smollm2"}
+    inference, metrics = replicas["ingress"]
+    assert inference["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "router"
+    assert metrics == {"ports": [{"protocol": "TCP", "port": 8002}]}
+    assert not [o for o in render(None) if o["kind"] == "NetworkPolicy" and "router" in o["metadata"]["name"]]
+
+
+def test_redis_tls_reaches_redis_router_operator_and_the_example(tmp_path):
+    objects = {(o["kind"], o["metadata"]["name"]): o for o in render(tmp_path)}
+    redis = objects[("StatefulSet", "pagoda-redis")]["spec"]["template"]["spec"]
+    assert "--tls-port 6379" in redis["containers"][0]["args"][0] and "--port 0" in redis["containers"][0]["args"][0]
+    assert {"name": "tls", "secret": {"secretName": "redis-tls"}} in redis["volumes"]
+    router = objects[("Deployment", "pagoda-router")]["spec"]["template"]["spec"]
+    url = next(a for a in router["containers"][0]["args"] if a.startswith("--redis-url="))
+    assert url == ("--redis-url=rediss://:$(PAGODA_REDIS_PASSWORD)@pagoda-redis.llm.svc:6379/0"
+                   "?ssl_ca_certs=/etc/pagoda/redis-tls/ca.crt")
+    for pod in (router, objects[("Deployment", "pagoda-operator")]["spec"]["template"]["spec"]):
+        assert {"name": "redis-ca", "secret": {"secretName": "redis-tls",
+                                               "items": [{"key": "ca.crt", "path": "ca.crt"}]}} in pod["volumes"]
+        assert {"name": "redis-ca", "mountPath": "/etc/pagoda/redis-tls", "readOnly": True} \
+            in pod["containers"][0]["volumeMounts"]
+    example = objects[("LLMService", "smollm2")]["spec"]["redis"]
+    assert example["url"].startswith("rediss://")
+    assert example["caSecretRef"] == {"name": "redis-tls", "key": "ca.crt"}
+
+
+def test_operator_may_manage_what_it_renders():
+    role = next(o for o in render(None) if o["kind"] == "ClusterRole" and o["metadata"]["name"] == "pagoda-operator")
+    granted = {(group, resource) for rule in role["rules"] for group in rule["apiGroups"]
+               for resource in rule["resources"]}
+    svc = parse_llmservice({"metadata": {"name": "c", "namespace": "n"},
+                            "spec": {"image": "p:1", "model": {"name": "c", "storageUri": "pvc://m"}}})
+    for child in render_children(svc, 1):
+        group = child["apiVersion"].rsplit("/", 1)[0] if "/" in child["apiVersion"] else ""
+        assert (group, child["kind"].lower() + "s" if not child["kind"].endswith("y")
+                else child["kind"][:-1].lower() + "ies") in granted, child["kind"]

@@ -28,13 +28,63 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 
 {{- define "pagoda.redisUrl" -}}
-{{- printf "redis://%s-redis.%s.svc:6379/0" (include "pagoda.fullname" .) .Release.Namespace -}}
+{{- printf "%s://%s-redis.%s.svc:6379/0" (ternary "rediss" "redis" .Values.redis.tls.enabled) (include "pagoda.fullname" .) .Release.Namespace -}}
+{{- end -}}
+
+{{- /* The URL a pagoda client of the chart's Redis is given: the password as an env reference
+  (the kubelet expands $(PAGODA_REDIS_PASSWORD) in args) and, with TLS, the mounted CA. */}}
+{{- define "pagoda.redisClientUrl" -}}
+{{- $auth := ternary ":$(PAGODA_REDIS_PASSWORD)@" "" .Values.redis.auth.enabled -}}
+{{- $url := printf "%s://%s%s-redis.%s.svc:6379/0" (ternary "rediss" "redis" .Values.redis.tls.enabled) $auth (include "pagoda.fullname" .) .Release.Namespace -}}
+{{- if .Values.redis.tls.enabled -}}
+{{- $url = printf "%s?ssl_ca_certs=%s/ca.crt" $url (include "pagoda.redisCaMount" .) -}}
+{{- end -}}
+{{- $url -}}
+{{- end -}}
+
+{{- define "pagoda.redisCaMount" -}}/etc/pagoda/redis-tls{{- end -}}
+
+{{- /* Pod and container hardening shared by the chart's pagoda pods. */}}
+{{- define "pagoda.podSecurityContext" -}}
+runAsNonRoot: true
+runAsUser: 1000
+runAsGroup: 1000
+fsGroup: 1000
+seccompProfile:
+  type: RuntimeDefault
+{{- end -}}
+
+{{- define "pagoda.containerSecurityContext" -}}
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true
+capabilities:
+  drop: ["ALL"]
+{{- end -}}
+
+{{- /* The Redis CA volume (TLS only), mounted at pagoda.redisCaMount. */}}
+{{- define "pagoda.redisCaVolume" -}}
+{{- if .Values.redis.tls.enabled }}
+- name: redis-ca
+  secret:
+    secretName: {{ required "redis.tls.existingSecret is required when redis.tls.enabled" .Values.redis.tls.existingSecret }}
+    items:
+      - key: ca.crt
+        path: ca.crt
+{{- end }}
+{{- end -}}
+
+{{- define "pagoda.redisCaMountEntry" -}}
+{{- if .Values.redis.tls.enabled }}
+- name: redis-ca
+  mountPath: {{ include "pagoda.redisCaMount" . }}
+  readOnly: true
+{{- end }}
 {{- end -}}
 
 {{- /* What the operator does, and nothing more:
   - read/watch LLMServices, write their status;
-  - own the children it renders (Deployments, Services, the router's ServiceAccount/Role/RoleBinding,
-    InferenceServices); it holds "pods get/list/watch" itself, so it may grant it to routers;
+  - own the children it renders (Deployments, Services, the replicas' NetworkPolicy and
+    PodDisruptionBudget, the router's ServiceAccount/Role/RoleBinding, InferenceServices); it holds "pods get/list/watch" itself, so it may grant it to routers;
   - patch a pod's deletion cost before a drained scale-in; read a Redis password Secret;
   - post events. */}}
 {{- define "pagoda.operatorRules" }}
@@ -59,6 +109,12 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 - apiGroups: [""]
   resources: ["secrets"]
   verbs: ["get"]
+- apiGroups: ["networking.k8s.io"]
+  resources: ["networkpolicies"]
+  verbs: ["get", "create", "patch", "delete"]
+- apiGroups: ["policy"]
+  resources: ["poddisruptionbudgets"]
+  verbs: ["get", "create", "patch", "delete"]
 - apiGroups: ["serving.kserve.io"]
   resources: ["inferenceservices"]
   verbs: ["get", "create", "patch", "delete"]
