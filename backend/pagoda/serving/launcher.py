@@ -72,26 +72,35 @@ class TritonPaths:
 
 
 def find_tritonserver() -> TritonPaths:
-    """Locate the tritonserver shipped in the ``nvidia-pytriton`` wheel.
+    """Locate tritonserver: the one in the ``nvidia-pytriton`` wheel, else a system
+    install (``$PAGODA_TRITONSERVER_DIR``, default ``/opt/tritonserver`` as in NVIDIA's
+    container, whose Python backend holds a stub built for the container's Python).
 
     Raises:
-        RuntimeError: the wheel is not installed, or has no stub for this Python.
+        RuntimeError: neither is installed, or the one found has no stub for this Python.
     """
     try:
         import pytriton
     except ImportError:
-        raise RuntimeError("pagoda serve needs nvidia-pytriton: pip install 'pagoda[serve]'") from None
-    root = Path(pytriton.__file__).resolve().parent / "tritonserver"
-    version = f"{sys.version_info.major}.{sys.version_info.minor}"
-    paths = TritonPaths(
-        binary=root / "bin" / "tritonserver",
-        libs=root.parent.parent / "nvidia_pytriton.libs",
-        python_backend=root / "backends" / "python",
-        stub=root / "python_backend_stubs" / version / STUB_NAME,
-    )
+        system = Path(os.environ.get("PAGODA_TRITONSERVER_DIR", "/opt/tritonserver"))
+        if not (system / "bin" / "tritonserver").exists():
+            raise RuntimeError("pagoda serve needs tritonserver: pip install 'pagoda[serve]' (nvidia-pytriton), "
+                               "or NVIDIA's container (/opt/tritonserver)") from None
+        backend = system / "backends" / "python"
+        paths = TritonPaths(binary=system / "bin" / "tritonserver", libs=system / "lib", python_backend=backend,
+                            stub=backend / STUB_NAME)
+    else:
+        root = Path(pytriton.__file__).resolve().parent / "tritonserver"
+        version = f"{sys.version_info.major}.{sys.version_info.minor}"
+        paths = TritonPaths(
+            binary=root / "bin" / "tritonserver",
+            libs=root.parent.parent / "nvidia_pytriton.libs",
+            python_backend=root / "backends" / "python",
+            stub=root / "python_backend_stubs" / version / STUB_NAME,
+        )
     for path in (paths.binary, paths.python_backend, paths.stub):
         if not path.exists():
-            raise RuntimeError(f"tritonserver from nvidia-pytriton is incomplete: {path} is missing")
+            raise RuntimeError(f"tritonserver is incomplete: {path} is missing")
     return paths
 
 
@@ -224,9 +233,6 @@ class TritonServer:
     def start(self) -> "TritonServer":
         """Start the server, wait until it and the model are READY, check one request.
 
-        Must be called from a thread that outlives the server (the parent-death signal
-        fires when the starting thread exits).
-
         Raises:
             RuntimeError: numpy 2 in the stub's environment, a port in use, the server
                 exited or was not ready in time, or the first request failed (a
@@ -282,9 +288,8 @@ class TritonServer:
             output = subprocess.PIPE
         # Own process group: a terminal's Ctrl-C reaches only us, and we drain. The
         # parent-death signal keeps that group from outliving us (process_tree).
-        self.process = subprocess.Popen(command, env=env, stdout=output, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, start_new_session=True,
-                                        preexec_fn=process_tree.make_preexec(os.getpid()))
+        self.process = process_tree.spawn(command, env=env, stdout=output, stderr=subprocess.STDOUT,
+                                          stdin=subprocess.DEVNULL, start_new_session=True)
         if self.log_path is None:
             self._log_pump = threading.Thread(target=self._pump_log, args=(self.process.stdout,),
                                               name="pagoda-serve-log", daemon=True)

@@ -8,8 +8,9 @@ runs the engine and the fleet publisher's heartbeat). Each link is guarded:
 - launcher -> tritonserver: the child is started with a parent-death signal
   (``prctl(PR_SET_PDEATHSIG, SIGKILL)``, Linux), so a SIGKILLed or OOM-killed launcher
   takes the server with it and the ports are free for the next start. Linux sends the
-  signal when the *thread* that forked the child exits, so the server must be started
-  from a thread that lives as long as the launcher (the main thread in ``pagoda serve``).
+  signal when the *thread* that forked the child exits, so ``spawn`` forks from one
+  long-lived spawner thread: a server started from a short-lived thread (a benchmark's
+  worker, a test's thread pool) does not die when that thread ends.
 - tritonserver -> stub: the stub cannot be given a parent-death signal (tritonserver
   forks it), so ``ParentWatch`` inside the stub polls ``os.getppid()`` and ends the
   process the moment it is reparented; its Redis heartbeat then stops and expires.
@@ -21,20 +22,32 @@ Everything here reads ``/proc``; on other systems the guards degrade to no-ops.
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import errno
 import logging
 import os
 import signal
 import socket
+import subprocess
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 logger = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG = 1
+
+
+def _prctl() -> Optional[Callable[..., int]]:
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _prctl()  # resolved here: a forked child must not load libraries
 
 
 def set_parent_death_signal(signum: int = signal.SIGKILL) -> bool:
@@ -43,11 +56,7 @@ def set_parent_death_signal(signum: int = signal.SIGKILL) -> bool:
     Returns:
         True if set; False where ``prctl`` is unavailable (not Linux).
     """
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(PR_SET_PDEATHSIG, int(signum), 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
+    return _PRCTL is not None and _PRCTL(PR_SET_PDEATHSIG, int(signum), 0, 0, 0) == 0
 
 
 def make_preexec(parent_pid: int) -> Callable[[], None]:
@@ -63,6 +72,17 @@ def make_preexec(parent_pid: int) -> Callable[[], None]:
             os._exit(1)
 
     return preexec
+
+
+# One thread, alive as long as the process, forks every guarded child (see module doc).
+_SPAWNER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagoda-spawner")
+
+
+def spawn(command: list[str], **popen_kwargs: Any) -> subprocess.Popen:
+    """``subprocess.Popen(command, **popen_kwargs)`` with a parent-death SIGKILL, forked
+    from the long-lived spawner thread; raises what ``Popen`` raises."""
+    parent_pid = os.getpid()
+    return _SPAWNER.submit(subprocess.Popen, command, preexec_fn=make_preexec(parent_pid), **popen_kwargs).result()
 
 
 def _stat_fields(pid: int) -> Optional[list[str]]:
