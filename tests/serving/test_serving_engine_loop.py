@@ -195,3 +195,36 @@ def test_stop_fails_in_flight_requests_with_unavailable():
     (final,) = finals(collector, "z")
     assert final.error_code == "UNAVAILABLE"
     assert engine.aborted == ["z"]
+
+
+def test_drain_refuses_new_requests_finishes_those_in_flight_then_marks_done(tmp_path):
+    engine, collector = FakeEngine(), Collector()
+    sender = ResponseSender(collector.deliver)
+    drain = tmp_path / "drain"
+    loop = EngineLoop(engine, sender, idle_wait_s=0.01, drain_path=str(drain))
+    sender.start()
+    loop.start()
+    try:
+        loop.submit(request("old", max_tokens=10_000_000))
+        while not collector.responses.get("old"):
+            time.sleep(0.001)
+        drain.touch()
+        time.sleep(EngineLoop.DRAIN_POLL_INTERVAL_S + 0.1)
+        loop.submit(request("new"))
+        collector.wait_final(["new"])
+        (refused,) = collector.responses["new"]
+        assert refused.error_code == "UNAVAILABLE" and "draining" in refused.error
+        # The request in flight keeps running, and the drain is not done while it does.
+        num_before = len(collector.responses["old"])
+        time.sleep(0.1)
+        assert len(collector.responses["old"]) > num_before and not finals(collector, "old")
+        assert not (tmp_path / "drain.done").exists()
+        loop.abort("old")  # its end (here an abort; normally its last token)
+        collector.wait_final(["old"])
+        deadline = time.monotonic() + 5
+        while not (tmp_path / "drain.done").exists():
+            assert time.monotonic() < deadline, "drain never marked done"
+            time.sleep(0.01)
+    finally:
+        loop.stop()
+        sender.stop()

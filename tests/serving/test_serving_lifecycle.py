@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import shutil
@@ -124,9 +125,9 @@ def _wait_until(predicate, timeout_s: float, what: str) -> None:
         time.sleep(0.1)
 
 
-def _is_ready(http: str) -> bool:
+def _is_ready(address: str) -> bool:
     try:
-        with urllib.request.urlopen(f"http://{http}/v2/health/ready", timeout=2) as response:
+        with urllib.request.urlopen(f"http://{address}/v2/health/ready", timeout=2) as response:
             return response.status == 200
     except (urllib.error.URLError, OSError):
         return False
@@ -238,8 +239,8 @@ def test_sigkill_of_the_launcher_leaves_no_process_and_frees_the_ports():
         process_tree.kill_group(server_pid) if "server_pid" in locals() else None
 
 
-def _stream(http: str, body: dict, events: list, first_token: threading.Event) -> None:
-    request = urllib.request.Request(f"http://{http}/v2/models/pagoda/generate_stream",
+def _stream(address: str, body: dict, events: list, first_token: threading.Event) -> None:
+    request = urllib.request.Request(f"http://{address}/v2/models/pagoda/generate_stream",
                                      data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=300) as response:
         for line in response:
@@ -249,6 +250,19 @@ def _stream(http: str, body: dict, events: list, first_token: threading.Event) -
                 first_token.set()
 
 
+def _generate(address: str, body: dict) -> tuple[int, str]:
+    """(HTTP status, body text) of a non-streaming request; status -1 when refused at connect."""
+    request = urllib.request.Request(f"http://{address}/v2/models/pagoda/generate", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+    except (urllib.error.URLError, OSError) as exc:
+        return -1, str(exc)
+
+
 def test_sigterm_completes_the_request_in_flight_then_exits_cleanly():
     serve = ServeProcess(*SMALL, "--grace-period", "60")
     try:
@@ -256,17 +270,25 @@ def test_sigterm_completes_the_request_in_flight_then_exits_cleanly():
         server_pid = serve.server_pid()
         events: list = []
         first_token = threading.Event()
-        body = {"text_input": "Count to one hundred:", "max_tokens": 48, "temperature": 0.0,
+        body = {"text_input": "Count to one hundred:", "max_tokens": 48, "temperature": 0.0, "stream": True,
                 "sampling_parameters": json.dumps({"ignore_eos": True}), "return_num_output_tokens": True}
         client = threading.Thread(target=_stream, args=(serve.http, body, events, first_token))
         client.start()
+        # An idle keep-alive connection (a client's pool) must not hold the exit.
+        idle = http.client.HTTPConnection("127.0.0.1", serve.ports[0], timeout=30)
+        idle.request("GET", "/v2/health/live")
+        assert idle.getresponse().read() is not None
         assert first_token.wait(120), serve.output[-3000:]
         serve.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        late = _generate(serve.http, {"text_input": "Hello", "max_tokens": 2})  # arrives while draining
         client.join(300)
         code = serve.proc.wait(120)
+        idle.close()
     finally:
         serve.kill()
     assert code == 0, serve.output[-3000:]
+    assert late[0] != 200 and ("draining" in late[1] or "unknown model" in late[1] or late[0] == -1), late
     assert not client.is_alive()
     text = "".join(e["text_output"] for e in events)
     assert sum(e["num_output_tokens"][0] if isinstance(e["num_output_tokens"], list) else e["num_output_tokens"]

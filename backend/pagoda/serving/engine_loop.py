@@ -11,6 +11,10 @@ The loop:
    ``Response`` (``triton_io.make_response``) and hands it to the ``ResponseSender``;
 4. after each step, refreshes the metrics from ``engine.get_stats()`` before handing that
    step's responses over, so a client that got its final response reads current metrics.
+5. with a ``drain_path`` (``pagoda serve`` sets one), once that file exists the loop is
+   *draining*: new requests get an UNAVAILABLE error saying so, those in flight run to
+   their end, and when none is left it creates ``<drain_path>.done``. The launcher then
+   unloads the model (tritonserver's own unload would cut decoupled streams short).
 
 The sender thread calls the adapter's ``deliver(handle, response)``, so a slow client
 socket never stalls the engine. A failed delivery (client gone) comes back to the loop as
@@ -28,6 +32,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -111,11 +116,14 @@ class EngineLoop:
         publisher: a ``pagoda.fleet.publisher.Publisher`` fed with each step's block
             events and stats (it never blocks the loop); ``None`` builds one from the
             environment when ``PAGODA_REDIS_URL`` is set (``publisher_from_env``).
+        drain_path: a file whose appearance starts the drain (see the module doc).
     """
+
+    DRAIN_POLL_INTERVAL_S = 0.2
 
     def __init__(self, engine: Any, sender: ResponseSender, metrics: Any = None,
                  cancel_poll_interval_s: float = 0.05, idle_wait_s: float = 0.1, tracer: Any = None,
-                 publisher: Any = None) -> None:
+                 publisher: Any = None, drain_path: Optional[str] = None) -> None:
         self._engine = engine
         self._publisher = publisher if publisher is not None else _publisher_from_env(engine)
         self._tracer = tracer
@@ -129,6 +137,10 @@ class EngineLoop:
         self._aborting: set[str] = set()
         self._last_cancel_poll = 0.0
         self._num_failed_steps = 0
+        self._drain_path = drain_path
+        self._is_draining = False
+        self._is_drained = False
+        self._last_drain_poll = 0.0
         self._thread = threading.Thread(target=self._run, name="pagoda-engine-loop", daemon=True)
 
     # ------------------------------------------------------------ any thread
@@ -165,6 +177,7 @@ class EngineLoop:
             self._drain_commands(block=not self._engine.has_unfinished_requests())
             if self._stop.is_set():
                 break
+            self._poll_drain()
             self._poll_cancellations()
             if self._engine.has_unfinished_requests():
                 self._step()
@@ -192,6 +205,11 @@ class EngineLoop:
         if self._stop.is_set():
             self._sender.put(request, make_error_response("the server is shutting down", "UNAVAILABLE"))
             return
+        if self._is_draining:
+            self._sender.put(request, make_error_response(
+                "the replica is draining (shutting down): it finishes the requests it has and takes no new "
+                "ones; retry on another replica", "UNAVAILABLE"))
+            return
         parsed = request.parsed
         try:
             self._engine.add_request(request.request_id, parsed.prompt, parsed.params,
@@ -214,6 +232,25 @@ class EngineLoop:
             except Exception:  # noqa: BLE001
                 logger.exception("abort_request failed for %s", request_id)
                 self._finish(request_id, make_error_response("request aborted; the engine failed to abort it", "INTERNAL"))
+
+    def _poll_drain(self) -> None:
+        if self._drain_path is None or self._is_drained:
+            return
+        if not self._is_draining:
+            now = time.monotonic()
+            if now - self._last_drain_poll < self.DRAIN_POLL_INTERVAL_S:
+                return
+            self._last_drain_poll = now
+            if not os.path.exists(self._drain_path):
+                return
+            self._is_draining = True
+            logger.info("draining: %d request(s) in flight, no new ones", len(self._in_flight))
+        if not self._in_flight:
+            try:
+                open(self._drain_path + ".done", "w").close()
+            except OSError:
+                logger.exception("cannot mark the drain done")
+            self._is_drained = True
 
     def _poll_cancellations(self) -> None:
         now = time.monotonic()

@@ -20,9 +20,12 @@ settings, then:
   the cause when the log shows it, if that fails: a server is never announced unanswered;
 - while serving, ``check_health`` reports a dead server or a dead stub (tritonserver 2.51
   keeps answering READY after its stub died; the launcher then stops it);
-- stops with SIGINT, which makes tritonserver refuse new work, finish what is in flight
-  for up to ``grace_period_s`` and unload the model; then SIGKILL to the whole process
-  group, even if tritonserver already exited, so no stub is left behind.
+- stops by draining (the engine loop refuses new requests and finishes those in flight,
+  up to ``grace_period_s``: see ``engine_loop``), unloading the model through the
+  repository API (explicit model control, restricted to a per-start token header), then
+  SIGINT, then SIGKILL to the whole process group, even if tritonserver already exited,
+  so no stub is left behind. tritonserver's own exit timeout is not the drain: it is
+  shared with idle keep-alive connections, which would use it all up.
 
 It is a context manager, which tests use as a fixture. The CLI is ``serve_cli``.
 
@@ -33,7 +36,9 @@ so the backend's model load only reads a ready folder.
 from __future__ import annotations
 
 import collections
+import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -53,6 +58,10 @@ from pagoda.serving.model_config import rewrite_config_pbtxt
 
 MODEL_NAME = "pagoda"
 STUB_NAME = "triton_python_backend_stub"
+EXIT_TIMEOUT_S = 3
+UNLOAD_TIMEOUT_S = 30.0  # the model's finalize after the drain
+# Only the launcher may load/unload models: the repository API needs this header.
+ADMIN_HEADER = "pagoda-launcher-token"
 
 
 def default_model_repository() -> Path:
@@ -139,8 +148,8 @@ class ServeOptions:
     model_repository: Optional[str] = None
     log_verbose: int = 0
     startup_timeout_s: float = 900.0
-    # How long a stop waits for in-flight requests (tritonserver's --exit-timeout-secs);
-    # keep it below Kubernetes' terminationGracePeriodSeconds.
+    # How long a stop waits for in-flight requests (the model's unload); keep it below
+    # Kubernetes' terminationGracePeriodSeconds.
     grace_period_s: float = 30.0
     first_request_timeout_s: float = 300.0  # the startup check's request (a cold first step)
     check_first_request: bool = True
@@ -217,6 +226,7 @@ class TritonServer:
         self._log_file = None
         self._log_tail_lines: "collections.deque[str]" = collections.deque(maxlen=400)
         self._log_pump: Optional[threading.Thread] = None
+        self._admin_token = secrets.token_hex(16)
 
     @property
     def http_url(self) -> str:
@@ -247,6 +257,7 @@ class TritonServer:
         startup_check.check_numpy_version(startup_check.stub_numpy_version(env))
         process_tree.check_ports_free((self.options.http_port, self.options.grpc_port, self.options.metrics_port))
         self.workdir = Path(tempfile.mkdtemp(prefix="pagoda-serve-"))
+        env["PAGODA_DRAIN_FILE"] = str(self.workdir / "drain")
         backend_dir = make_backend_dir(paths, self.workdir / "backends")
         source = Path(self.options.model_repository) if self.options.model_repository else default_model_repository()
         repository = materialize_repository(source, self.workdir / "model_repository", self.options)
@@ -278,7 +289,12 @@ class TritonServer:
             f"--grpc-port={self.options.grpc_port}",
             f"--metrics-port={self.options.metrics_port}",
             "--allow-gpu-metrics=false",
-            f"--exit-timeout-secs={max(1, int(round(self.options.grace_period_s)))}",
+            # The drain is the model's unload (stop()); the exit timeout then only bounds
+            # tritonserver's wait for idle keep-alive connections at exit.
+            f"--exit-timeout-secs={EXIT_TIMEOUT_S}",
+            "--model-control-mode=explicit", f"--load-model={MODEL_NAME}",
+            f"--http-restricted-api=model-repository:{ADMIN_HEADER}={self._admin_token}",
+            f"--grpc-restricted-protocol=model-repository:{ADMIN_HEADER}={self._admin_token}",
             f"--log-verbose={self.options.log_verbose}",
         ]
         if self.log_path is not None:
@@ -379,11 +395,14 @@ class TritonServer:
         return None
 
     def stop(self, grace_s: Optional[float] = None, force: Optional[threading.Event] = None) -> Optional[int]:
-        """Drain and stop: SIGINT, wait up to the grace period, then SIGKILL the group.
+        """Drain and stop: the engine takes no new requests and finishes those in flight
+        (up to ``grace_s``), the model unloads (tritonserver turns not-ready), then SIGINT
+        (tritonserver waits at most ``EXIT_TIMEOUT_S`` for idle connections), then SIGKILL
+        to the whole group.
 
         Args:
             grace_s: how long in-flight requests may take (default: the options' grace
-                period, plus 10 s for the model to unload); 0 kills at once.
+                period); 0 kills at once.
             force: when set (a second Ctrl-C), stop waiting and kill.
 
         Returns:
@@ -392,14 +411,12 @@ class TritonServer:
         code = None
         if self.process is not None:
             if grace_s is None:
-                grace_s = self.options.grace_period_s + 10.0
+                grace_s = self.options.grace_period_s
             if self.process.poll() is None and grace_s > 0:
+                self._drain(grace_s, force)
+                self._unload(UNLOAD_TIMEOUT_S, force)
                 self.process.send_signal(signal.SIGINT)
-                deadline = time.monotonic() + grace_s
-                while self.process.poll() is None and time.monotonic() < deadline:
-                    if force is not None and force.is_set():
-                        break
-                    time.sleep(0.1)
+                self._wait_exit(EXIT_TIMEOUT_S + 10.0, force)
             # Always, even when tritonserver is gone: its stub may not be.
             left = process_tree.kill_group(self.process.pid)
             if left:
@@ -417,6 +434,53 @@ class TritonServer:
             shutil.rmtree(self.workdir, ignore_errors=True)
             self.workdir = None
         return code
+
+    def _wait_exit(self, timeout_s: float, force: Optional[threading.Event]) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.process.poll() is None and time.monotonic() < deadline:
+            if force is not None and force.is_set():
+                return
+            time.sleep(0.1)
+
+    def _repository(self, action: str, timeout_s: float) -> Optional[object]:
+        """POST to the (restricted) model repository API; the JSON answer, or None."""
+        path = "index" if action == "index" else f"models/{MODEL_NAME}/{action}"
+        request = urllib.request.Request(f"http://{self.http_url}/v2/repository/{path}", data=b"{}",
+                                         headers={ADMIN_HEADER: self._admin_token,
+                                                  "Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=timeout_s) as response:
+                body = response.read()
+        except (urllib.error.URLError, OSError, ValueError):
+            return None
+        return json.loads(body) if body else {}
+
+    def _drain(self, grace_s: float, force: Optional[threading.Event]) -> None:
+        """Tell the engine loop to drain; wait until it has nothing in flight (or ``grace_s``)."""
+        drain = self.workdir / "drain"
+        try:
+            drain.touch()
+        except OSError:
+            return
+        done = Path(f"{drain}.done")
+        deadline = time.monotonic() + grace_s
+        while not done.exists() and time.monotonic() < deadline and self.process.poll() is None:
+            if force is not None and force.is_set():
+                return
+            time.sleep(0.05)
+
+    def _unload(self, grace_s: float, force: Optional[threading.Event]) -> None:
+        """Unload the model and wait (up to ``grace_s``) until Triton reports it unloaded."""
+        deadline = time.monotonic() + grace_s
+        if self._repository("unload", timeout_s=max(1.0, grace_s)) is None:
+            return
+        while time.monotonic() < deadline and self.process.poll() is None:
+            if force is not None and force.is_set():
+                return
+            index = self._repository("index", timeout_s=2.0) or []
+            if not any(m.get("name") == MODEL_NAME and m.get("state") in ("READY", "UNLOADING") for m in index):
+                return
+            time.sleep(0.1)
 
     def __enter__(self) -> "TritonServer":
         return self.start()

@@ -8,9 +8,9 @@ Lifecycle (see ``launcher`` and ``process_tree`` for the mechanisms):
 - while serving, a dead tritonserver or a dead Python-backend stub stops the replica with
   a message and exit code 1 (tritonserver alone would keep answering READY), so an
   orchestrator restarts it and no router keeps it;
-- SIGTERM or Ctrl-C drains: tritonserver stops taking requests, finishes those in flight
-  for up to ``--grace-period`` seconds, unloads the model, and every process in its group
-  is gone when we return; a second signal kills at once;
+- SIGTERM or Ctrl-C drains: the engine stops taking requests and finishes those in flight
+  for up to ``--grace-period`` seconds, the model unloads, tritonserver exits, and every
+  process in its group is gone when we return; a second signal kills at once;
 - SIGKILL of this process takes tritonserver with it (parent-death signal).
 """
 

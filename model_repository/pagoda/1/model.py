@@ -54,7 +54,9 @@ class TritonPythonModel:
         self.metrics = ServingMetrics(pb_utils, labels)
         self.sender = ResponseSender(self._deliver, on_failure=lambda request_id: self.loop.abort(request_id))
         self.tracer = make_request_tracer()  # None unless an OTLP endpoint is configured
-        self.loop = EngineLoop(self.engine, self.sender, self.metrics, tracer=self.tracer)
+        # `pagoda serve` drains through this file (engine_loop); absent elsewhere.
+        self.loop = EngineLoop(self.engine, self.sender, self.metrics, tracer=self.tracer,
+                               drain_path=os.environ.get("PAGODA_DRAIN_FILE") or None)
         self._request_numbers = itertools.count()
         self.sender.start()
         self.loop.start()
