@@ -187,6 +187,23 @@ def test_a_child_spawned_from_a_short_lived_thread_outlives_the_thread_not_the_p
     _wait_until(lambda: not process_tree.is_alive(child_pid), 5, "the orphan gets SIGKILL")
 
 
+def test_nvidias_container_tritonserver_is_found_without_pytriton(tmp_path, monkeypatch):
+    from pagoda.serving import triton_install
+
+    for name in ("bin/tritonserver", "backends/python/libtriton_python.so",
+                 "backends/python/triton_python_backend_utils.py", "backends/python/triton_python_backend_stub"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("")
+    monkeypatch.setitem(sys.modules, "pytriton", None)  # import pytriton -> ImportError
+    monkeypatch.setenv("PAGODA_TRITONSERVER_DIR", str(tmp_path))
+    paths = triton_install.find_tritonserver()
+    assert paths.binary == tmp_path / "bin" / "tritonserver" and paths.libs == tmp_path / "lib"
+    assert paths.stub == tmp_path / "backends" / "python" / "triton_python_backend_stub"
+    monkeypatch.setenv("PAGODA_TRITONSERVER_DIR", str(tmp_path / "missing"))
+    with pytest.raises(RuntimeError, match="needs tritonserver"):
+        triton_install.find_tritonserver()
+
+
 # ------------------------------------------------------------------ real servers
 def test_serve_refuses_to_announce_a_server_whose_first_request_fails(tmp_path):
     repository = tmp_path / "repo"
