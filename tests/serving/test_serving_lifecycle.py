@@ -280,8 +280,13 @@ def _generate(address: str, body: dict) -> tuple[int, str]:
         return -1, str(exc)
 
 
-def test_sigterm_completes_the_request_in_flight_then_exits_cleanly():
-    serve = ServeProcess(*SMALL, "--grace-period", "60")
+def test_sigterm_completes_the_request_in_flight_then_exits_cleanly(redis_server):
+    from pagoda.fleet import keys
+
+    serve = ServeProcess(*SMALL, "--grace-period", "60", "--redis-url", redis_server.url, "--replica-id", "leaver",
+                         "--fleet-model", "lifecycle")
+    redis = redis_server.client()
+    drain_flag, heartbeat = keys.drain_key("lifecycle", "leaver"), keys.heartbeat_key("lifecycle", "leaver")
     try:
         serve.wait_serving()
         server_pid = serve.server_pid()
@@ -297,7 +302,8 @@ def test_sigterm_completes_the_request_in_flight_then_exits_cleanly():
         assert idle.getresponse().read() is not None
         assert first_token.wait(120), serve.output[-3000:]
         serve.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.5)
+        # Routers send a draining replica nothing new: it sets its Redis drain flag.
+        _wait_until(lambda: redis.exists(drain_flag), 5, "drain flag set")
         late = _generate(serve.http, {"text_input": "Hello", "max_tokens": 2})  # arrives while draining
         client.join(300)
         code = serve.proc.wait(120)
@@ -306,6 +312,8 @@ def test_sigterm_completes_the_request_in_flight_then_exits_cleanly():
         serve.kill()
     assert code == 0, serve.output[-3000:]
     assert late[0] != 200 and ("draining" in late[1] or "unknown model" in late[1] or late[0] == -1), late
+    assert not redis.exists(drain_flag) and not redis.exists(heartbeat)  # deregistered, flag cleared
+    redis.close()
     assert not client.is_alive()
     text = "".join(e["text_output"] for e in events)
     assert sum(e["num_output_tokens"][0] if isinstance(e["num_output_tokens"], list) else e["num_output_tokens"]

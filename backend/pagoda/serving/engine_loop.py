@@ -14,7 +14,9 @@ The loop:
 5. with a ``drain_path`` (``pagoda serve`` sets one), once that file exists the loop is
    *draining*: new requests get an UNAVAILABLE error saying so, those in flight run to
    their end, and when none is left it creates ``<drain_path>.done``. The launcher then
-   unloads the model (tritonserver's own unload would cut decoupled streams short).
+   unloads the model (tritonserver's own unload would cut decoupled streams short). With
+   a fleet publisher the replica also sets its Redis drain flag (routers send it nothing
+   new; it expires after ``DRAIN_FLAG_TTL_S`` should the process die) and clears it on stop.
 
 The sender thread calls the adapter's ``deliver(handle, response)``, so a slow client
 socket never stalls the engine. A failed delivery (client gone) comes back to the loop as
@@ -120,6 +122,7 @@ class EngineLoop:
     """
 
     DRAIN_POLL_INTERVAL_S = 0.2
+    DRAIN_FLAG_TTL_S = 120
 
     def __init__(self, engine: Any, sender: ResponseSender, metrics: Any = None,
                  cancel_poll_interval_s: float = 0.05, idle_wait_s: float = 0.1, tracer: Any = None,
@@ -140,6 +143,7 @@ class EngineLoop:
         self._drain_path = drain_path
         self._is_draining = False
         self._is_drained = False
+        self._drain_flag: Optional[str] = None  # the Redis key we set, cleared on stop
         self._last_drain_poll = 0.0
         self._thread = threading.Thread(target=self._run, name="pagoda-engine-loop", daemon=True)
 
@@ -164,7 +168,8 @@ class EngineLoop:
         if self._thread.is_alive():
             self._thread.join(timeout)
         if self._publisher is not None:
-            self._publisher.stop()
+            self._publisher.stop()  # deregisters: the heartbeat goes, then the drain flag
+        self._clear_drain_flag()
 
     @property
     def is_alive(self) -> bool:
@@ -245,12 +250,36 @@ class EngineLoop:
                 return
             self._is_draining = True
             logger.info("draining: %d request(s) in flight, no new ones", len(self._in_flight))
+            threading.Thread(target=self._set_drain_flag, name="pagoda-drain-flag", daemon=True).start()
         if not self._in_flight:
             try:
                 open(self._drain_path + ".done", "w").close()
             except OSError:
                 logger.exception("cannot mark the drain done")
             self._is_drained = True
+
+    def _set_drain_flag(self) -> None:
+        """Tell routers (through Redis) to send nothing new; off the loop thread (Redis may be slow)."""
+        publisher = self._publisher
+        if publisher is None or not hasattr(publisher, "client"):
+            return
+        try:
+            from pagoda.fleet import keys
+
+            key = keys.drain_key(publisher.model_id, publisher.replica_id)
+            publisher.client.set(key, repr(time.time()), ex=self.DRAIN_FLAG_TTL_S)
+            self._drain_flag = key
+        except Exception:  # noqa: BLE001 - routers still get UNAVAILABLE from the loop
+            logger.exception("setting the fleet drain flag failed")
+
+    def _clear_drain_flag(self) -> None:
+        if self._drain_flag is None:
+            return
+        try:
+            self._publisher.client.delete(self._drain_flag)
+        except Exception:  # noqa: BLE001 - it expires on its own
+            logger.exception("clearing the fleet drain flag failed")
+        self._drain_flag = None
 
     def _poll_cancellations(self) -> None:
         now = time.monotonic()
