@@ -32,8 +32,6 @@ import pytest
 from pagoda.serving import process_tree, startup_check
 from pagoda.serving.launcher import ServeOptions, TritonServer, default_model_repository, find_free_port
 
-pytestmark = pytest.mark.server
-
 SMALL = ["--max-model-len", "512", "--max-num-seqs", "4", "--kv-cache-memory-bytes", str(64 * 2**20)]
 
 FAILING_MODEL = '''
@@ -205,6 +203,7 @@ def test_nvidias_container_tritonserver_is_found_without_pytriton(tmp_path, monk
 
 
 # ------------------------------------------------------------------ real servers
+@pytest.mark.server
 def test_serve_refuses_to_announce_a_server_whose_first_request_fails(tmp_path):
     repository = tmp_path / "repo"
     (repository / "pagoda" / "1").mkdir(parents=True)
@@ -222,6 +221,7 @@ def test_serve_refuses_to_announce_a_server_whose_first_request_fails(tmp_path):
     assert _ports_free(serve.ports)
 
 
+@pytest.mark.server
 def test_a_dead_stub_is_reported_not_ready_and_the_replica_stops():
     serve = ServeProcess(*SMALL)
     try:
@@ -240,6 +240,7 @@ def test_a_dead_stub_is_reported_not_ready_and_the_replica_stops():
     assert _ports_free(serve.ports)
 
 
+@pytest.mark.server
 def test_sigkill_of_the_launcher_leaves_no_process_and_frees_the_ports():
     serve = ServeProcess(*SMALL)
     try:
@@ -280,6 +281,7 @@ def _generate(address: str, body: dict) -> tuple[int, str]:
         return -1, str(exc)
 
 
+@pytest.mark.server
 def test_sigterm_completes_the_request_in_flight_then_exits_cleanly(redis_server):
     from pagoda.fleet import keys
 
@@ -339,6 +341,7 @@ def redis_server(tmp_path):
     server.stop()
 
 
+@pytest.mark.server
 def test_a_sigkilled_server_leaves_no_stub_and_its_heartbeat_expires(redis_server, monkeypatch, tmp_path):
     from pagoda.fleet import keys
 
