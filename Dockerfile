@@ -47,11 +47,14 @@ p.write_text(rewrite_config_pbtxt(p.read_text(), {'device': 'cuda', 'model': '${
 # Run as the image's non-root user (uid 1000, triton-server), as the chart and the operator
 # do with a read-only root filesystem: everything written goes to /tmp, /var/cache/pagoda
 # (HOME and the JIT caches) and /dev/shm, which the pods mount as emptyDirs.
-ENV HOME=/var/cache/pagoda XDG_CACHE_HOME=/var/cache/pagoda TRITON_CACHE_DIR=/var/cache/pagoda/triton
+# PAGODA_MODEL_REPOSITORY: the installed package does not carry model_repository/, so
+# `pagoda serve` (here and in the operator's replica pods) serves the GPU-switched /models.
+ENV HOME=/var/cache/pagoda XDG_CACHE_HOME=/var/cache/pagoda TRITON_CACHE_DIR=/var/cache/pagoda/triton \
+    PAGODA_MODEL_REPOSITORY=/models
 RUN mkdir -p /var/cache/pagoda && chown 1000:1000 /var/cache/pagoda
 USER 1000
 
 EXPOSE 8000 8001 8002
 # `pagoda serve` rather than bare tritonserver: it checks one request before reporting the
 # endpoints, stops the replica if the stub dies, and drains on SIGTERM.
-CMD ["pagoda", "serve", "--model-repository=/models", "--model=/opt/pagoda/models/SmolLM2-135M-Instruct"]
+CMD ["pagoda", "serve", "--model=/opt/pagoda/models/SmolLM2-135M-Instruct"]
