@@ -222,19 +222,29 @@ def test_serve_refuses_to_announce_a_server_whose_first_request_fails(tmp_path):
 
 
 @pytest.mark.server
-def test_a_dead_stub_is_reported_not_ready_and_the_replica_stops():
-    serve = ServeProcess(*SMALL)
+def test_a_dead_stub_is_restarted_not_ready_meanwhile_then_the_replica_stops_when_out_of_restarts():
+    serve = ServeProcess(*SMALL, "--max-stub-restarts", "1")
     try:
         serve.wait_serving()
         server_pid = serve.server_pid()
-        stubs = _stub_pids(server_pid)
-        assert len(stubs) == 1 and _is_ready(serve.http)
-        os.kill(stubs[0], signal.SIGKILL)
-        code = serve.proc.wait(30)
+        (first_stub,) = _stub_pids(server_pid)
+        assert _is_ready(serve.http)
+        os.kill(first_stub, signal.SIGKILL)
+        # tritonserver alone would stay READY; the launcher reloads the model: not ready meanwhile.
+        _wait_until(lambda: not _is_ready(serve.http), 10, "not ready after the stub died")
+        _wait_until(lambda: "the stub was restarted; serving again" in serve.output, 300, "restart")
+        assert _is_ready(serve.http)
+        status, text = _generate(serve.http, {"text_input": "Hello", "max_tokens": 2})
+        assert status == 200 and "text_output" in text
+        (second_stub,) = _stub_pids(server_pid)
+        assert second_stub != first_stub
+        os.kill(second_stub, signal.SIGKILL)  # out of restarts: the replica stops
+        code = serve.proc.wait(60)
     finally:
         serve.kill()
     assert code == 1
-    assert f"the Python-backend stub (pid {stubs[0]}) died; stopping the replica" in serve.output
+    assert f"the Python-backend stub (pid {first_stub}) died; restarting it" in serve.output
+    assert f"the Python-backend stub (pid {second_stub}) died (restarted 1 time(s)" in serve.output
     assert not _is_ready(serve.http)
     assert not process_tree.group_members(server_pid)
     assert _ports_free(serve.ports)

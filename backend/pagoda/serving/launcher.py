@@ -337,6 +337,22 @@ class TritonServer:
                     + (f": {cause}" if cause and "stub died" not in cause else ""))
         return None
 
+    def restart_model(self) -> None:
+        """Reload the model after its stub died: a new stub, checked with one request.
+
+        While it reloads the server is not ready and requests get "unknown model ... no
+        available versions" (404).
+
+        Raises:
+            RuntimeError: the model did not unload, load or answer again.
+        """
+        self._unload(UNLOAD_TIMEOUT_S, None)
+        if self._repository("load", timeout_s=self.options.startup_timeout_s) is None:
+            raise RuntimeError(f"reloading the model failed{self._log_tail()}")
+        self.stub_pids = self._find_stubs()
+        if self.options.check_first_request:
+            self._check_first_request()
+
     def stop(self, grace_s: Optional[float] = None, force: Optional[threading.Event] = None) -> Optional[int]:
         """Drain and stop: the engine takes no new requests and finishes those in flight
         (up to ``grace_s``), the model unloads (tritonserver turns not-ready), then SIGINT

@@ -5,8 +5,10 @@ Lifecycle (see ``launcher`` and ``process_tree`` for the mechanisms):
 - bad engine settings are refused before anything starts; so are numpy 2 in the stub's
   environment and ports already in use;
 - the endpoints are printed only after one request went through the whole path;
-- while serving, a dead tritonserver or a dead Python-backend stub stops the replica with
-  a message and exit code 1 (tritonserver alone would keep answering READY), so an
+- while serving, a dead Python-backend stub (tritonserver alone would keep answering
+  READY while failing every request) is restarted by reloading the model, not ready
+  meanwhile, at most ``--max-stub-restarts`` times in 10 minutes; beyond that, or if
+  tritonserver itself died, the replica stops with a message and exit code 1, so an
   orchestrator restarts it and no router keeps it;
 - SIGTERM or Ctrl-C drains: the engine stops taking requests and finishes those in flight
   for up to ``--grace-period`` seconds, the model unloads, tritonserver exits, and every
@@ -17,15 +19,18 @@ Lifecycle (see ``launcher`` and ``process_tree`` for the mechanisms):
 from __future__ import annotations
 
 import argparse
+import collections
 import signal
 import sys
 import threading
+import time
 from typing import Optional
 
 from pagoda.serving.launcher import MODEL_NAME, ServeOptions, TritonServer
 from pagoda.serving.model_config import engine_config_from_parameters
 
 HEALTH_INTERVAL_S = 0.5
+STUB_RESTART_WINDOW_S = 600.0
 # Flags whose value goes into config.pbtxt as the EngineConfig field of the same name.
 ENGINE_FLAGS = ("scheduling_policy", "speculative_method", "speculative_model", "num_speculative_tokens",
                 "cpu_offload_bytes", "preemption_mode", "default_max_tokens", "gpu_memory_utilization")
@@ -70,6 +75,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--grace-period", type=float, default=30.0, metavar="SECONDS",
                    help="on SIGTERM/Ctrl-C, how long in-flight requests may finish (keep it below "
                         "Kubernetes' terminationGracePeriodSeconds)")
+    p.add_argument("--max-stub-restarts", type=int, default=3,
+                   help="a dead Python-backend stub is restarted (model reload) at most this many times in "
+                        "10 minutes; beyond that (or with 0) the replica stops with exit code 1")
     p.add_argument("--skip-first-request-check", action="store_true",
                    help="announce the server without sending it one request first")
     return p
@@ -111,12 +119,41 @@ def check_engine_args(options: ServeOptions, parser: argparse.ArgumentParser) ->
         parser.error(str(exc))
 
 
+def supervise(server: TritonServer, stop_requested: threading.Event, max_stub_restarts: int) -> Optional[str]:
+    """Watch the server until a stop is requested (returns None) or it cannot serve (returns
+    why). A dead stub is restarted by reloading the model, at most ``max_stub_restarts``
+    times in ``STUB_RESTART_WINDOW_S``."""
+    restarts: "collections.deque[float]" = collections.deque()
+    while not stop_requested.wait(HEALTH_INTERVAL_S):
+        problem = server.check_health()
+        if problem is None:
+            continue
+        now = time.monotonic()
+        while restarts and now - restarts[0] > STUB_RESTART_WINDOW_S:
+            restarts.popleft()
+        if not server.is_running():
+            return problem
+        if len(restarts) >= max_stub_restarts:
+            return f"{problem} (restarted {len(restarts)} time(s) in the last {STUB_RESTART_WINDOW_S:.0f} s)"
+        print(f"pagoda serve: {problem}; restarting it (model reload; not ready meanwhile) ...",
+              file=sys.stderr, flush=True)
+        restarts.append(now)
+        try:
+            server.restart_model()
+        except RuntimeError as exc:
+            return f"{problem}; the restart failed: {exc}"
+        print("pagoda serve: the stub was restarted; serving again", file=sys.stderr, flush=True)
+    return None
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     """Entry point of ``pagoda serve``; returns the process exit code."""
     parser = make_parser()
     args = parser.parse_args(argv)
     if args.grace_period < 0:
         parser.error("--grace-period: must be >= 0")
+    if args.max_stub_restarts < 0:
+        parser.error("--max-stub-restarts: must be >= 0")
     options = options_from_args(args)
     check_engine_args(options, parser)
     server = TritonServer(options)
@@ -141,9 +178,7 @@ def main(argv: Optional[list[str]] = None) -> int:
               f"  gRPC    {server.grpc_url}\n"
               f"  metrics {server.metrics_url}\n"
               "Ctrl-C to stop.", flush=True)
-        problem = None
-        while problem is None and not stop_requested.wait(HEALTH_INTERVAL_S):
-            problem = server.check_health()
+        problem = supervise(server, stop_requested, args.max_stub_restarts)
         if problem is not None:
             print(f"pagoda serve: {problem}; stopping the replica", file=sys.stderr, flush=True)
             server.stop(grace_s=0)
