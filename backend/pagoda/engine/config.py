@@ -9,7 +9,7 @@ model's per-block footprint (see ``ModelRunner``); ``num_gpu_blocks_override`` p
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -59,6 +59,12 @@ class EngineConfig:
     offload_copy_bandwidth: Optional[float] = None  # bytes/s, one direction
     offload_copy_latency_s: Optional[float] = None  # fixed cost of one batched copy
     prefill_s_per_token: Optional[float] = None  # seconds per recomputed token
+    # Multi-LoRA (pagoda.engine.lora_manager, docs/lora.md): adapters in PEFT's format.
+    enable_lora: bool = False
+    max_loras: int = 4  # device adapter slots = most distinct adapters in one step
+    max_lora_rank: int = 16  # slots are sized for this rank; larger adapters are refused
+    max_cpu_loras: int = 64  # adapters registered (host copies) at once
+    lora_modules: dict = field(default_factory=dict)  # name -> PEFT folder, loaded at start
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64, 128):
@@ -87,6 +93,27 @@ class EngineConfig:
             raise ValueError(f"quantization: must be None or one of {QUANTIZATION_METHODS}, got {self.quantization!r}")
         self._validate_speculative()
         self._validate_offload()
+        self._validate_lora()
+
+    def _validate_lora(self) -> None:
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("lora_modules: adapters were given but enable_lora is False")
+        if not self.enable_lora:
+            return
+        for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: must be an integer >= 1, got {value!r}")
+        if self.max_lora_rank > 256:
+            raise ValueError(f"max_lora_rank: must be <= 256, got {self.max_lora_rank}")
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+        if not isinstance(self.lora_modules, dict) or not all(
+                isinstance(k, str) and k and isinstance(v, str) and v for k, v in self.lora_modules.items()):
+            raise ValueError("lora_modules: must map adapter names to folder paths (non-empty strings)")
+        if self.speculative_method is not None:
+            raise ValueError("enable_lora: speculative decoding with LoRA adapters is not supported yet; "
+                             "turn one of them off")
 
     def _validate_offload(self) -> None:
         if isinstance(self.cpu_offload_bytes, bool) or not isinstance(self.cpu_offload_bytes, int) \

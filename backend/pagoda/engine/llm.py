@@ -36,8 +36,13 @@ class LLM:
         sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
         *,
         priority: Optional[Sequence[int]] = None,
+        lora_name: Union[str, Sequence[Optional[str]], None] = None,
     ) -> list[RequestOutput]:
         """Generate completions for one prompt or many (strings or token-id lists).
+
+        ``lora_name``: one adapter for every prompt, or one per prompt (None: the base
+        model); adapters come from ``LLM(enable_lora=True, lora_modules={name: folder})``
+        or ``llm.engine.add_lora(name, folder)``.
 
         Raises:
             ValueError: for an invalid prompt or parameters; nothing is left queued.
@@ -52,12 +57,15 @@ class LLM:
             if len(params_list) != len(prompts):
                 raise ValueError(f"sampling_params: got {len(params_list)} for {len(prompts)} prompts")
         priorities = list(priority) if priority is not None else [0] * len(prompts)
+        loras = [lora_name] * len(prompts) if lora_name is None or isinstance(lora_name, str) else list(lora_name)
+        if len(loras) != len(prompts):
+            raise ValueError(f"lora_name: got {len(loras)} for {len(prompts)} prompts")
         ids = []
         try:
-            for prompt, params, prio in zip(prompts, params_list, priorities):
+            for prompt, params, prio, lora in zip(prompts, params_list, priorities, loras):
                 request_id = str(self._next_id)
                 self._next_id += 1
-                self.engine.add_request(request_id, prompt, params, priority=prio)
+                self.engine.add_request(request_id, prompt, params, priority=prio, lora_name=lora)
                 ids.append(request_id)
         except ValueError:
             self.engine.abort_request(ids)

@@ -138,6 +138,8 @@ class LLMEngine:
         self.speculator = spec_plan.build(self.model_config, self.runner.model, self.runner.num_blocks, self.sampler,
                                           self.max_model_len) if spec_plan else None
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
+        for lora_name, lora_path in self.config.lora_modules.items():
+            self.add_lora(lora_name, lora_path)
         self._groups: dict[str, _Group] = {}
         self._child_of: dict[str, tuple[_Group, int]] = {}
         self._aborted_outputs: list[RequestOutput] = []
@@ -162,14 +164,16 @@ class LLMEngine:
         arrival_time: Optional[float] = None,
         priority: int = 0,
         cache_salt: Optional[str] = None,
+        lora_name: Optional[str] = None,
     ) -> None:
-        """Queue a request.
+        """Queue a request (``lora_name``: a loaded LoRA adapter to generate with; None: the base model).
 
         Raises:
             ValueError: duplicate id, empty prompt, token ids outside the vocabulary, a
                 request that can never fit (prompt + max_tokens over ``max_model_len`` or
-                over the whole KV cache), or ``speculative=True`` on an engine without
-                speculative decoding. Nothing is queued then.
+                over the whole KV cache), ``speculative=True`` on an engine without
+                speculative decoding, or an unknown ``lora_name`` (or any on an engine
+                without LoRA). Nothing is queued then.
         """
         params = params or SamplingParams()
         if params.speculative and self.speculator is None:
@@ -183,11 +187,12 @@ class LLMEngine:
             raise ValueError(f"priority: must be an integer, got {priority!r}")
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError("cache_salt: must be a non-empty string when given")
+        self._check_lora_name(lora_name)
         text, token_ids = self._tokenize(prompt)
         arrival = time.time() if arrival_time is None else arrival_time
         children = [
             self._make_child(request_id if params.n == 1 else f"{request_id}#{i}", token_ids, params, i,
-                             arrival, priority, cache_salt)
+                             arrival, priority, cache_salt, lora_name)
             for i in range(params.n)
         ]
         # Validates fit (raises ValueError) before anything is registered.
@@ -219,9 +224,9 @@ class LLMEngine:
                 raise ValueError(f"prompt: token id {t!r} is not in the vocabulary [0, {vocab})")
         return None, list(prompt)
 
-    def _make_child(self, child_id, token_ids, params, index, arrival, priority, cache_salt) -> Request:
+    def _make_child(self, child_id, token_ids, params, index, arrival, priority, cache_salt, lora_name) -> Request:
         request = Request(child_id, list(token_ids), params, eos_token_ids=self.eos_token_ids,
-                          arrival_time=arrival, priority=priority, cache_salt=cache_salt)
+                          arrival_time=arrival, priority=priority, cache_salt=cache_salt, adapter_id=lora_name)
         blocked = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         request.sampling_state = SamplingRow(
             params=params,
@@ -231,6 +236,34 @@ class LLMEngine:
             min_tokens_blocked_ids=blocked,
         )
         return request
+
+    # ---- LoRA adapters (engine/lora_manager.py) ----------------------------------------
+
+    def _check_lora_name(self, lora_name: Optional[str]) -> None:
+        if lora_name is None:
+            return
+        if self.runner.lora is None:
+            raise ValueError(f"lora_name: {lora_name!r} was requested but this engine serves no LoRA adapters "
+                             "(start it with enable_lora / --lora)")
+        self.runner.lora.check(lora_name)
+
+    def add_lora(self, name: str, path: str) -> None:
+        """Load a PEFT LoRA adapter under ``name``. Raises ValueError (LoRA off, bad adapter, name taken)."""
+        if self.runner.lora is None:
+            raise ValueError("LoRA is not enabled on this engine (enable_lora=False)")
+        self.runner.lora.add(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        """Unload adapter ``name``. Raises ValueError when unknown or still used by a live request."""
+        if self.runner.lora is None:
+            raise ValueError("LoRA is not enabled on this engine (enable_lora=False)")
+        self.runner.lora.check(name)
+        if any(r.adapter_id == name for r in self.scheduler.requests.values()):
+            raise ValueError(f"lora_name: adapter {name!r} is in use by running or waiting requests")
+        self.runner.lora.remove(name)
+
+    def list_loras(self) -> list[str]:
+        return self.runner.lora.names() if self.runner.lora is not None else []
 
     def abort_request(self, request_ids: Union[str, Iterable[str]]) -> None:
         """Abort requests (unknown or finished ids are ignored); their blocks are freed now

@@ -23,6 +23,7 @@ import torch
 
 from pagoda.engine.config import EngineConfig
 from pagoda.engine.cuda_graphs import DecodeGraphs
+from pagoda.engine.lora_manager import LoRAManager
 from pagoda.kernels import AttentionMetadata
 from pagoda.models.config import ModelConfig
 from pagoda.models.llama import LlamaForCausalLM
@@ -79,6 +80,8 @@ class ModelRunner:
         ]
         logger.info("KV cache: %d blocks of %d tokens on %s (%s)", self.num_blocks, self.block_size,
                     self.device, self.dtype)
+        self.lora = (LoRAManager(self.model, config.max_loras, config.max_lora_rank, config.max_cpu_loras)
+                     if config.enable_lora else None)
         self.graphs = DecodeGraphs.maybe_capture(self)  # None on CPU or when disabled
 
     def _num_blocks_from_budget(self) -> int:
@@ -113,8 +116,9 @@ class ModelRunner:
             ``is_sampling`` set, ``1 + len(spec_token_ids)`` rows (its last known token,
             then each drafted token); empty when none samples.
         """
-        if self.graphs is not None and self.graphs.can_run(scheduled):
-            return self.graphs.execute(scheduled)
+        lora = self._lora_batch(scheduled)
+        if lora is None and self.graphs is not None and self.graphs.can_run(scheduled):
+            return self.graphs.execute(scheduled)  # graphs hold no LoRA: steps with adapters run eagerly
         input_ids: list[int] = []
         positions: list[int] = []
         query_lens, seq_lens, tables, sample_rows = [], [], [], []
@@ -131,11 +135,17 @@ class ModelRunner:
         meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, self.device)
         ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
         pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
-        hidden = self.model(ids, pos, self.kv_caches, meta)  # [num_tokens, hidden]
+        hidden = self.model(ids, pos, self.kv_caches, meta, lora)  # [num_tokens, hidden]
         if not sample_rows:
             return torch.empty(0, self.model_config.vocab_size, device=self.device)
         rows = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
         return self.model.compute_logits(hidden[rows]).float()
+
+    def _lora_batch(self, scheduled):
+        if self.lora is None:
+            return None
+        return self.lora.prepare([item.request.adapter_id for item in scheduled],
+                                 [item.num_new_tokens for item in scheduled], self.device)
 
 
 def make_random_model(

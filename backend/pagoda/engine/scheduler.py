@@ -57,6 +57,7 @@ from pagoda.engine.config import SCHEDULING_POLICIES, EngineConfig
 from pagoda.engine.kv_cache_manager import KVCacheManager
 from pagoda.engine.kv_events import KVEvent, KVEventBuffer
 from pagoda.engine.kv_offload import PREEMPTION_MODES, BlockPairs, KVOffloadManager, SwapCostModel, blocks_for_tokens
+from pagoda.engine.lora_manager import LoRAConstraint
 from pagoda.engine.request import Request, RequestStatus
 from pagoda.engine.request_queue import FcfsQueue, PriorityQueue, policy_key
 
@@ -76,6 +77,7 @@ class SchedulerConfig:
     num_host_blocks: int = 0  # CPU tier of the KV cache (kv_offload); 0: off
     preemption_mode: str = "auto"  # auto | recompute | swap (needs num_host_blocks > 0)
     default_max_tokens: Optional[int] = None  # cap for max_tokens=None (EngineConfig's)
+    max_loras: int = 0  # most distinct LoRA adapters running at once (device slots); 0: LoRA off
 
     def __post_init__(self) -> None:
         if self.policy not in SCHEDULING_POLICIES:
@@ -110,6 +112,7 @@ class SchedulerConfig:
             num_host_blocks=num_host_blocks,
             preemption_mode=config.preemption_mode,
             default_max_tokens=config.default_max_tokens,
+            max_loras=config.max_loras if config.enable_lora else 0,
         )
 
 
@@ -170,6 +173,7 @@ class Scheduler:
             self.block_pool.on_evict = self.offload.on_device_evict
         self._finished_request_ids: list[str] = []
         self._num_added = 0
+        self.lora_constraint = LoRAConstraint(config.max_loras) if config.max_loras > 0 else None
 
     # Requests in ---------------------------------------------------------------------
 
@@ -332,6 +336,9 @@ class Scheduler:
                 break
             if len(self.running) >= cfg.max_num_seqs and not self._preempt_for(request, step):
                 break
+            if self.lora_constraint is not None and not self.lora_constraint.can_admit(request.adapter_id,
+                                                                                        self.running):
+                break  # its adapter needs a slot: it waits until a running adapter's requests end
             if self.offload is not None and self.offload.is_swapped_out(request.request_id):
                 if not self._admit_swapped(request, step):
                     return

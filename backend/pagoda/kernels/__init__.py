@@ -1,6 +1,6 @@
 """The single dispatch point for hot-path kernels.
 
-The model calls only the four functions below. Each picks an implementation per call:
+The model calls only the functions below. Each picks an implementation per call:
 OpenAI-Triton kernels for CUDA tensors, torch references otherwise. ``PAGODA_KERNELS``
 overrides the choice (``triton`` forces the kernels, e.g. under ``TRITON_INTERPRET=1`` on
 CPU in tests; ``torch`` forces the references, e.g. to compare on a GPU).
@@ -15,7 +15,8 @@ import torch
 from pagoda.kernels import reference
 from pagoda.kernels.metadata import AttentionMetadata
 
-__all__ = ["AttentionMetadata", "paged_attention", "write_kv", "rms_norm", "apply_rotary", "use_triton"]
+__all__ = ["AttentionMetadata", "paged_attention", "write_kv", "rms_norm", "apply_rotary", "lora_apply",
+           "use_triton"]
 
 
 def use_triton(x: torch.Tensor) -> bool:
@@ -66,3 +67,12 @@ def apply_rotary(q, k, positions, cos_sin_cache):
 
         return triton_ops.apply_rotary(q, k, positions, cos_sin_cache)
     return reference.apply_rotary(q, k, positions, cos_sin_cache)
+
+
+def lora_apply(y, x, a_stack, b_stack, batch):
+    """Add each token's LoRA delta to ``y`` in place (``batch``: a ``models.lora.LoRABatch``)."""
+    if use_triton(x):
+        from pagoda.kernels import triton_ops
+
+        return triton_ops.lora_apply(y, x, a_stack, b_stack, batch.token_slots)
+    return reference.lora_apply(y, x, a_stack, b_stack, batch.groups)

@@ -163,3 +163,17 @@ def apply_rotary(
         return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
 
     return rotate(q), rotate(k)
+
+
+def lora_apply(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.Tensor,
+               groups: list) -> torch.Tensor:
+    """Multi-LoRA delta, one GEMM pair per active adapter: ``y[idx] += (x[idx] @ A[s].T) @ B[s].T``.
+
+    ``groups`` lists ``(slot, token indices)`` for the adapters of this step (built on the
+    host with the step's layout, so nothing here syncs); tokens in no group are untouched.
+    """
+    for slot, idx in groups:
+        xs = x.index_select(0, idx)
+        delta = (xs @ a_stack[slot].T) @ b_stack[slot].T  # [len(idx), out]
+        y.index_add_(0, idx, delta.to(y.dtype))
+    return y

@@ -12,6 +12,7 @@ import triton  # noqa: F401  (ImportError here selects the torch references)
 from pagoda.kernels import triton_attention
 from pagoda.kernels.metadata import AttentionMetadata
 from pagoda.kernels.triton_kv_write import write_kv
+from pagoda.kernels.triton_lora import lora_apply
 from pagoda.kernels.triton_norm import rms_norm
 from pagoda.kernels.triton_rotary import apply_rotary
 

@@ -14,13 +14,17 @@ Weights are stored fused: q/k/v in one ``qkv_proj`` and gate/up in one ``gate_up
 which turns seven matmuls per layer into four (it matters on CPU). ``load_weights`` takes
 Hugging Face parameter names and does the fusing.
 
+Multi-LoRA: ``forward(..., lora=LoRABatch)`` adds each token's adapter delta to the four
+fused projections (``projection``; adapters and slots in ``models/lora.py``); tokens
+without an adapter, and steps without a batch, run the base weights only.
+
 Residual stream, as in vLLM: each layer returns its output and the running residual
 separately, and the next ``rms_norm`` adds them, so the add is fused into the norm.
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import TYPE_CHECKING, Iterable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +35,20 @@ from pagoda.kernels import AttentionMetadata
 from pagoda.models.config import ModelConfig
 from pagoda.models.quant import linear
 
+if TYPE_CHECKING:
+    from pagoda.models.lora import LoRABatch
+
 KVCache = tuple[torch.Tensor, torch.Tensor]  # each [num_blocks, block_size, num_kv_heads, head_dim]
+
+
+def projection(owner: nn.Module, name: str, x: torch.Tensor, bias: Optional[torch.Tensor],
+               lora: Optional["LoRABatch"]) -> torch.Tensor:
+    """``linear(x, owner.<name>, bias)``, plus the step's LoRA deltas when any token has an adapter."""
+    out = linear(x, getattr(owner, name), bias)
+    if lora is not None and lora.groups:
+        a_stack, b_stack = owner.lora_stacks[name]
+        kernels.lora_apply(out, x, a_stack, b_stack, lora)
+    return out
 
 
 class Attention(nn.Module):
@@ -63,9 +80,10 @@ class Attention(nn.Module):
         cos_sin_cache: torch.Tensor,  # [max_positions, head_dim]
         kv_cache: KVCache,
         meta: AttentionMetadata,
+        lora: Optional["LoRABatch"] = None,
     ) -> torch.Tensor:  # [num_tokens, hidden]
         num_tokens = x.shape[0]
-        qkv = linear(x, self.qkv_weight, self.qkv_bias)  # [num_tokens, q_size + 2 * kv_size]
+        qkv = projection(self, "qkv_weight", x, self.qkv_bias, lora)  # [num_tokens, q_size + 2 * kv_size]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
@@ -75,7 +93,7 @@ class Attention(nn.Module):
         # Write first: this step's queries attend to this step's keys through the cache.
         kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = kernels.paged_attention(q, k_cache, v_cache, meta, self.scale)  # [num_tokens, num_heads, head_dim]
-        return linear(out.reshape(num_tokens, self.q_size), self.o_weight, self.o_bias)
+        return projection(self, "o_weight", out.reshape(num_tokens, self.q_size), self.o_bias, lora)
 
 
 class MLP(nn.Module):
@@ -94,9 +112,9 @@ class MLP(nn.Module):
             torch.empty(config.hidden_size, config.intermediate_size, **kw), requires_grad=False
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden] -> same
-        gate, up = linear(x, self.gate_up_weight).split(self.intermediate_size, dim=-1)
-        return linear(F.silu(gate) * up, self.down_weight)
+    def forward(self, x: torch.Tensor, lora: Optional["LoRABatch"] = None) -> torch.Tensor:  # [num_tokens, hidden]
+        gate, up = projection(self, "gate_up_weight", x, None, lora).split(self.intermediate_size, dim=-1)
+        return projection(self, "down_weight", F.silu(gate) * up, None, lora)
 
 
 class DecoderLayer(nn.Module):
@@ -118,15 +136,16 @@ class DecoderLayer(nn.Module):
         cos_sin_cache: torch.Tensor,
         kv_cache: KVCache,
         meta: AttentionMetadata,
+        lora: Optional["LoRABatch"] = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             h, _ = kernels.rms_norm(x, self.input_norm, self.eps)
             residual = x
         else:
             h, residual = kernels.rms_norm(x, self.input_norm, self.eps, residual)
-        h = self.attn(h, positions, cos_sin_cache, kv_cache, meta)
+        h = self.attn(h, positions, cos_sin_cache, kv_cache, meta, lora)
         h, residual = kernels.rms_norm(h, self.post_attention_norm, self.eps, residual)
-        return self.mlp(h), residual
+        return self.mlp(h, lora), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -156,13 +175,14 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,  # [num_tokens] int64
         kv_caches: list[KVCache],  # one (k_cache, v_cache) per layer
         meta: AttentionMetadata,
+        lora: Optional["LoRABatch"] = None,  # per-token adapter slots (models/lora.py); None: base model
     ) -> torch.Tensor:  # [num_tokens, hidden]
         """Run one step; writes this step's K/V into ``kv_caches`` and returns final hidden states."""
         assert len(kv_caches) == len(self.layers), f"need {len(self.layers)} KV caches, got {len(kv_caches)}"
         h = F.embedding(input_ids, self.embed_tokens)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            h, residual = layer(h, residual, positions, self.cos_sin_cache, kv_cache, meta)
+            h, residual = layer(h, residual, positions, self.cos_sin_cache, kv_cache, meta, lora)
         h, _ = kernels.rms_norm(h, self.norm, self.config.rms_norm_eps, residual)
         return h
 
