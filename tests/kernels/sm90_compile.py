@@ -50,6 +50,7 @@ def record_launches() -> list[tuple[JITFunction, tuple, dict]]:
         for head_dim in HEAD_DIMS:
             _attention_launches(dtype, head_dim)
             _small_launches(dtype, head_dim)
+        _lora_launches(dtype)
     return launches
 
 
@@ -84,6 +85,16 @@ def _small_launches(dtype: torch.dtype, head_dim: int) -> None:
             x = torch.empty(3, hidden, dtype=dtype)
             triton_ops.rms_norm(x, torch.empty(hidden, dtype=dtype), 1e-5)
             triton_ops.rms_norm(x, torch.empty(hidden, dtype=dtype), 1e-5, x)
+
+
+def _lora_launches(dtype: torch.dtype) -> None:
+    """Multi-LoRA shrink/expand at ranks 8 and 64 (x3 for the fused qkv), Llama-3-8B shapes."""
+    x = torch.empty(3, 4096, dtype=dtype)
+    slots = torch.zeros(3, dtype=torch.int64)
+    for rank in (8, 64, 3 * 64):
+        a = torch.empty(4, rank, 4096, dtype=dtype)
+        b = torch.empty(4, 6144, rank, dtype=dtype)
+        triton_ops.lora_apply(torch.empty(3, 6144, dtype=dtype), x, a, b, slots)
 
 
 def _arg_type(value) -> str:

@@ -23,6 +23,8 @@ KERNELS = {
     "_write_kv_kernel",
     "_rms_norm_kernel",
     "_rotary_kernel",
+    "_lora_shrink_kernel",
+    "_lora_expand_kernel",
 }
 NUM_SHARDS = 2
 

@@ -287,3 +287,28 @@ def test_n_completions_and_logprobs_over_http(triton_server):
         logprobs = json.loads(logprobs_json)
         assert len(logprobs) == 3 and all(len(lp["top_logprobs"]) <= 1 for lp in logprobs)
         assert sum(lp["logprob"] for lp in logprobs) == pytest.approx(cumulative, abs=1e-4)
+
+
+def test_lora_adapter_by_name_matches_offline_and_unknown_is_400(triton_server, smollm2_lora):
+    """``lora_name`` (the vLLM backend's input, here inside sampling_parameters and as the
+    input tensor's JSON field) selects the served adapter; the text equals the offline
+    engine's with the same adapter and differs from the base model's; an unknown adapter is
+    a 400 naming the loaded ones, and the server keeps serving."""
+    prompt, params = "The capital of France is", SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    llm = LLM(max_model_len=MAX_MODEL_LEN, enable_lora=True, lora_modules={"sql": smollm2_lora})
+    offline_lora, offline_base = (o.outputs[0].text for o in
+                                  llm.generate([prompt, prompt], params, lora_name=["sql", None]))
+    assert offline_lora != offline_base
+    sampling = json.dumps({"temperature": 0, "max_tokens": MAX_TOKENS})
+    status, body = http_post(triton_server, "/v2/models/pagoda/generate",
+                             {"text_input": prompt, "sampling_parameters": sampling, "lora_name": "sql"})
+    assert status == 200, body
+    assert body["text_output"].endswith(offline_lora)
+    in_json = json.dumps({"temperature": 0, "max_tokens": MAX_TOKENS, "lora_name": "sql"})
+    status, body = http_post(triton_server, "/v2/models/pagoda/generate",
+                             {"text_input": prompt, "sampling_parameters": in_json})
+    assert status == 200 and body["text_output"].endswith(offline_lora)
+    status, body = http_post(triton_server, "/v2/models/pagoda/generate",
+                             {"text_input": prompt, "sampling_parameters": sampling, "lora_name": "nope"})
+    assert status == 400 and "unknown adapter 'nope'" in body["error"] and "sql" in body["error"], body
+    assert is_ready(triton_server)

@@ -219,7 +219,7 @@ class EngineLoop:
         try:
             self._engine.add_request(request.request_id, parsed.prompt, parsed.params,
                                      arrival_time=request.arrival_time, priority=parsed.priority,
-                                     cache_salt=parsed.cache_salt)
+                                     cache_salt=parsed.cache_salt, lora_name=parsed.lora_name)
         except ValueError as exc:
             self._sender.put(request, make_error_response(str(exc)))
             return

@@ -18,6 +18,7 @@ silently ignored.
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from typing import Any, Mapping, Optional
 
@@ -50,9 +51,30 @@ def _convert(name: str, text: str, field_type: Any) -> Any:
             return int(text)
         if "float" in type_name:
             return float(text)
+        if "dict" in type_name:
+            return _read_mapping(name, text)
     except ValueError:
         raise ValueError(f"config.pbtxt parameter {name}: cannot read {text!r} as {type_name}") from None
     return text
+
+
+def _read_mapping(name: str, text: str) -> dict[str, str]:
+    """A JSON object, or ``key=value`` pairs separated by commas (``lora_modules``)."""
+    if text.startswith("{"):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"config.pbtxt parameter {name}: not a JSON object ({exc.msg})") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"config.pbtxt parameter {name}: expected a JSON object")
+        return {str(k): str(v) for k, v in value.items()}
+    pairs = {}
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip() or not value.strip():
+            raise ValueError(f"config.pbtxt parameter {name}: expected name=path pairs, got {item!r}")
+        pairs[key.strip()] = value.strip()
+    return pairs
 
 
 def engine_config_from_parameters(parameters: Mapping[str, Any]) -> EngineConfig:

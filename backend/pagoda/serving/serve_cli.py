@@ -24,6 +24,7 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Optional
 
 from pagoda.serving.launcher import MODEL_NAME, ServeOptions, TritonServer
@@ -62,6 +63,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-speculative-tokens", type=int, help="largest speculative window k")
     p.add_argument("--cpu-offload-bytes", type=int, help="size of the CPU tier of the KV cache (0: off)")
     p.add_argument("--preemption-mode", choices=("auto", "recompute", "swap"))
+    p.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
+                   help="serve a PEFT LoRA adapter under NAME (repeatable; requests pick it with lora_name)")
     p.add_argument("--engine-arg", action="append", default=[], metavar="FIELD=VALUE",
                    help="any other EngineConfig field, e.g. --engine-arg spec_adaptive=false (repeatable)")
     p.add_argument("--model-repository", help="a model repository to use instead of the shipped one")
@@ -91,7 +94,22 @@ def engine_args_from(args: argparse.Namespace) -> dict[str, str]:
         if not sep or not name:
             raise SystemExit(f"pagoda serve: --engine-arg must look like FIELD=VALUE, got {item!r}")
         values[name.strip()] = value.strip()
+    if args.lora:
+        values.update(enable_lora="true", lora_modules=lora_modules_text(args.lora))
     return values
+
+
+def lora_modules_text(items: list[str]) -> str:
+    """``--lora NAME=PATH`` flags as the ``lora_modules`` parameter (``name=/abs/path,...``)."""
+    adapters = {}
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise SystemExit(f"pagoda serve: --lora must look like NAME=PATH, got {item!r}")
+        adapters[name.strip()] = str(Path(path.strip()).resolve())
+    if any("," in p or "=" in p for p in adapters.values()):
+        raise SystemExit("pagoda serve: --lora paths must not contain ',' or '='")
+    return ",".join(f"{n}={p}" for n, p in adapters.items())
 
 
 def options_from_args(args: argparse.Namespace) -> ServeOptions:

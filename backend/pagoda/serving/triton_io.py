@@ -71,7 +71,7 @@ SCALAR_INPUTS: dict[str, tuple[str, type]] = {
 }
 
 # Keys of the sampling_parameters JSON that are request options, not SamplingParams.
-REQUEST_OPTION_KEYS = ("priority", "cache_salt")
+REQUEST_OPTION_KEYS = ("priority", "cache_salt", "lora_name")
 
 GetInput = Callable[[str], Optional[np.ndarray]]
 
@@ -91,6 +91,7 @@ class ParsedRequest:
     return_num_output_tokens: bool = False
     priority: int = 0
     cache_salt: Optional[str] = None
+    lora_name: Optional[str] = None  # a loaded LoRA adapter (vLLM backend's lora_name); None: base model
 
 
 @dataclass
@@ -131,8 +132,25 @@ def parse_request(get_input: GetInput) -> ParsedRequest:
         params = SamplingParams.from_dict(values)
     except TypeError as exc:  # a field given a value its validators cannot even compare
         raise ValueError(f"sampling_parameters: {exc}") from None
+    lora_name = _read_lora_name(get_input("lora_name"), options.get("lora_name"))
     return ParsedRequest(prompt=prompt, params=params, priority=options.get("priority", 0),
-                         cache_salt=options.get("cache_salt"), **flags)
+                         cache_salt=options.get("cache_salt"), lora_name=lora_name, **flags)
+
+
+def _read_lora_name(array: Optional[np.ndarray], from_json: Any) -> Optional[str]:
+    """The ``lora_name`` input (vLLM backend dialect), or the same key in ``sampling_parameters``."""
+    value = from_json
+    if array is not None:
+        if array.size != 1:
+            raise ValueError(f"lora_name: expected one string, got {array.size} elements")
+        value = array.reshape(-1)[0]
+        if isinstance(value, (bytes, bytearray)):
+            value = bytes(value).decode("utf-8", errors="replace")
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"lora_name: must be a non-empty string, got {value!r}")
+    return value
 
 
 def _read_prompt(array: Optional[np.ndarray]) -> str:
