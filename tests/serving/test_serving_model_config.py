@@ -88,3 +88,16 @@ def test_bad_engine_flags_are_refused_before_tritonserver_starts(args, message, 
         main(args)
     assert exc.value.code != 0
     assert message in str(exc.value.code) + capsys.readouterr().err
+
+
+def test_lora_modules_parameter_as_pairs_or_json_and_bad_forms_refused():
+    from pagoda.serving.model_config import engine_config_from_parameters
+
+    config = engine_config_from_parameters({"enable_lora": "true", "lora_modules": "a=/x/a, b=/y/b"})
+    assert config.enable_lora and config.lora_modules == {"a": "/x/a", "b": "/y/b"}
+    config = engine_config_from_parameters({"enable_lora": "1", "lora_modules": '{"c": "/z"}'})
+    assert config.lora_modules == {"c": "/z"}
+    with pytest.raises(ValueError, match="expected name=path pairs"):
+        engine_config_from_parameters({"enable_lora": "true", "lora_modules": "a"})
+    with pytest.raises(ValueError, match="enable_lora is False"):
+        engine_config_from_parameters({"lora_modules": "a=/x"})

@@ -181,3 +181,16 @@ def test_logprob_outputs():
 def test_error_response_is_final():
     response = make_error_response("text_input: must not be empty")
     assert response.is_final and response.error_code == "INVALID_ARG" and not response.tensors
+
+
+def test_lora_name_from_input_or_json_and_refused_when_not_a_string():
+    text = np.array([b"hi"], dtype=object)
+    parsed = parse_request(lambda n: {"text_input": text, "lora_name": np.array([b"sql"], dtype=object)}.get(n))
+    assert parsed.lora_name == "sql"
+    js = np.array([json.dumps({"lora_name": "chat", "max_tokens": 3}).encode()], dtype=object)
+    parsed = parse_request(lambda n: {"text_input": text, "sampling_parameters": js}.get(n))
+    assert parsed.lora_name == "chat" and parsed.params.max_tokens == 3
+    assert parse_request(lambda n: {"text_input": text}.get(n)).lora_name is None
+    bad = np.array([json.dumps({"lora_name": 7}).encode()], dtype=object)
+    with pytest.raises(ValueError, match="lora_name: must be a non-empty string"):
+        parse_request(lambda n: {"text_input": text, "sampling_parameters": bad}.get(n))

@@ -39,6 +39,8 @@ def _parameter_text(value: Any) -> str:
 
 def _convert(name: str, text: str, field_type: Any) -> Any:
     type_name = field_type if isinstance(field_type, str) else getattr(field_type, "__name__", str(field_type))
+    if "dict" in type_name:
+        return _read_mapping(name, text)
     try:
         if "bool" in type_name:
             low = text.lower()
@@ -51,8 +53,6 @@ def _convert(name: str, text: str, field_type: Any) -> Any:
             return int(text)
         if "float" in type_name:
             return float(text)
-        if "dict" in type_name:
-            return _read_mapping(name, text)
     except ValueError:
         raise ValueError(f"config.pbtxt parameter {name}: cannot read {text!r} as {type_name}") from None
     return text
