@@ -5,7 +5,7 @@
     pagoda serve [...]                                          tritonserver over model_repository/
     pagoda router [...]                                         cache-aware router over replicas
     pagoda operator [...]                                       the Kubernetes operator (kopf)
-    pagoda bench offline|serve|kernels|routing|quant|spec|offload  benchmarks
+    pagoda bench offline|serve|kernels|routing|quant|spec|offload|lora  benchmarks
 
 Subcommands import their modules lazily so ``pagoda --help`` stays fast and a missing
 optional dependency only affects the subcommand that needs it.
@@ -34,6 +34,7 @@ _BENCHES = {
     "quant": ("pagoda.bench.quant", "main", "int8 weight-only vs full precision: memory, speed, quality"),
     "spec": ("pagoda.bench.spec", "main", "speculative decoding: acceptance, tokens per pass, speedup"),
     "offload": ("pagoda.bench.offload", "main", "KV swap to the CPU tier vs recompute, by context length"),
+    "lora": ("pagoda.bench.lora", "main", "throughput with 1, 4 and 16 LoRA adapters in a batch vs the base model"),
 }
 
 

@@ -95,6 +95,28 @@ def test_analyze_hashes_like_the_engine():
     assert analysis.block_hashes == [h.hex() for h in expected] and len(expected) == 2
 
 
+def test_analyze_keeps_lora_adapters_apart_and_reads_them_from_triton_requests():
+    """An adapter is part of the block hashes (as in the engine), so its traffic is routed
+    where its own prefixes live; the Triton doors read it from the input or the JSON."""
+    from tritonclient.grpc import service_pb2
+
+    from pagoda.fleet.grpc_proxy import analyze_infer_request
+    from pagoda.fleet.http_api import _analysis_of
+
+    router = make_router()
+    base, sql = router.analyze("abcdefghij"), router.analyze("abcdefghij", adapter_id="sql")
+    expected = hash_prompt_blocks([ord(c) for c in "abcdefghij"], 4, "model-x", adapter_id="sql")
+    assert sql.block_hashes == [h.hex() for h in expected] and sql.block_hashes != base.block_hashes
+    assert _analysis_of(router, {"text_input": "abcdefghij", "lora_name": "sql"}).block_hashes == sql.block_hashes
+    in_json = {"text_input": "abcdefghij", "sampling_parameters": '{"lora_name": "sql"}'}
+    assert _analysis_of(router, in_json).block_hashes == sql.block_hashes
+    request = service_pb2.ModelInferRequest()
+    for name in ("text_input", "lora_name"):
+        request.inputs.add(name=name, datatype="BYTES", shape=[1])
+    request.raw_input_contents.extend([struct.pack("<I", 10) + b"abcdefghij", struct.pack("<I", 3) + b"sql"])
+    assert analyze_infer_request(router, request).block_hashes == sql.block_hashes
+
+
 def test_choose_follows_prefix_then_falls_back_to_load():
     async def scenario():
         fleet = FakeFleet()

@@ -85,20 +85,28 @@ def analyze_infer_request(router: Router, request: Any) -> Optional[Analysis]:
     prompt = read_string_input(request, "text_input")
     if not prompt or len(prompt) > MAX_ROUTED_PROMPT_CHARS:
         return None
-    return router.analyze(prompt, cache_salt_of(read_string_input(request, "sampling_parameters")))
+    sampling = read_string_input(request, "sampling_parameters")
+    adapter = read_string_input(request, "lora_name") or option_of(sampling, "lora_name")
+    return router.analyze(prompt, cache_salt_of(sampling), adapter)
 
 
-def cache_salt_of(sampling_parameters: Any) -> Optional[str]:
-    """The ``cache_salt`` of a sampling-parameters JSON text or dict (``None`` if none/invalid)."""
+def option_of(sampling_parameters: Any, key: str) -> Optional[str]:
+    """A string request option (``cache_salt``, ``lora_name``) of a sampling-parameters JSON
+    text or dict (``None`` if absent or invalid: the replica reports invalid ones)."""
     if isinstance(sampling_parameters, str):
         try:
             sampling_parameters = json.loads(sampling_parameters)
         except ValueError:
             return None
     if isinstance(sampling_parameters, dict):
-        salt = sampling_parameters.get("cache_salt")
-        return salt if isinstance(salt, str) and salt else None
+        value = sampling_parameters.get(key)
+        return value if isinstance(value, str) and value else None
     return None
+
+
+def cache_salt_of(sampling_parameters: Any) -> Optional[str]:
+    """The ``cache_salt`` of a sampling-parameters JSON text or dict (``None`` if none/invalid)."""
+    return option_of(sampling_parameters, "cache_salt")
 
 
 async def stream_replica(router: Router, analysis: Optional[Analysis], request: Any, span: RouteSpan,

@@ -26,7 +26,7 @@ from typing import Any, Optional
 import aiohttp
 from aiohttp import web
 
-from pagoda.fleet.grpc_proxy import MAX_ROUTED_PROMPT_CHARS, cache_salt_of
+from pagoda.fleet.grpc_proxy import MAX_ROUTED_PROMPT_CHARS, cache_salt_of, option_of
 from pagoda.fleet.router_core import Analysis, NoReplicaAvailable, Router
 from pagoda.fleet.tracing import TRACEPARENT, RouterTracer
 
@@ -86,7 +86,9 @@ def _analysis_of(router: Router, document: Any) -> Optional[Analysis]:
         prompt = prompt[0]
     if not isinstance(prompt, str) or not prompt or len(prompt) > MAX_ROUTED_PROMPT_CHARS:
         return None
-    return router.analyze(prompt, cache_salt_of(document.get("sampling_parameters")))
+    sampling = document.get("sampling_parameters")
+    adapter = document.get("lora_name") if isinstance(document.get("lora_name"), str) else None
+    return router.analyze(prompt, cache_salt_of(sampling), adapter or option_of(sampling, "lora_name"))
 
 
 async def _generate(request: web.Request) -> web.StreamResponse:

@@ -64,10 +64,12 @@ class OpenAIApi:
         model_name: the served model name (``/v1/models``; requests may also say ``pagoda``).
     """
 
-    def __init__(self, router: Router, tracer: RouterTracer, model_name: str, max_attempts: int = 2) -> None:
+    def __init__(self, router: Router, tracer: RouterTracer, model_name: str, max_attempts: int = 2,
+                 lora_names: tuple[str, ...] = ()) -> None:
         self.router = router
         self.tracer = tracer
         self.model_name = model_name
+        self.lora_names = tuple(lora_names)  # adapters the replicas serve: OpenAI "model" names them
         self.max_attempts = max_attempts
         self.created = int(time.time())
 
@@ -78,7 +80,9 @@ class OpenAIApi:
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [
-            {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "pagoda"}]})
+            {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "pagoda"}] + [
+            {"id": name, "object": "model", "created": self.created, "owned_by": "pagoda", "root": name,
+             "parent": self.model_name} for name in self.lora_names]})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._handle(request, chat=False)
@@ -96,11 +100,14 @@ class OpenAIApi:
             if not isinstance(body, dict):
                 raise OpenAIError("the request body must be a JSON object")
             model = body.get("model", self.model_name)
-            if model not in (self.model_name, "pagoda"):
-                return error_response(404, f"the model '{model}' does not exist; this server serves "
-                                           f"'{self.model_name}'", param="model", code="model_not_found")
+            if model not in (self.model_name, "pagoda", *self.lora_names):
+                served = ", ".join(repr(m) for m in (self.model_name, *self.lora_names))
+                return error_response(404, f"the model '{model}' does not exist; this server serves {served}",
+                                      param="model", code="model_not_found")
             built = (build_chat_request(body, self.router.tokenizer) if chat
                      else build_completion_request(body))
+            if model in self.lora_names:
+                built.sampling["lora_name"] = model
         except OpenAIError as exc:
             return error_response(400, str(exc), param=exc.param)
         carrier = {TRACEPARENT: request.headers[TRACEPARENT]} if TRACEPARENT in request.headers else {}
@@ -108,7 +115,8 @@ class OpenAIApi:
             span.set_attribute("pagoda.openai.endpoint", "chat.completions" if chat else "completions")
             request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
             infer_request = make_infer_request(built, request_id)
-            analysis = self.router.analyze(built.prompt, built.sampling.get("cache_salt"))
+            analysis = self.router.analyze(built.prompt, built.sampling.get("cache_salt"),
+                                           built.sampling.get("lora_name"))
             responses = stream_replica(self.router, analysis, infer_request, span, self.max_attempts)
             answer = _Answer(chat, request_id, model, built, self.router.tokenizer)
             try:

@@ -44,6 +44,7 @@ class RouterOptions:
 
     model_dir: Optional[str] = None
     model_name: Optional[str] = None
+    lora_names: tuple = ()  # LoRA adapters the replicas serve (OpenAI model names)
     hash_model_id: Optional[str] = None
     replicas: Optional[str] = None
     k8s_selector: Optional[str] = None
@@ -147,7 +148,8 @@ class RouterService:
         self._grpc_server, self.grpc_port = make_grpc_server(GrpcProxy(self.router, self.tracer, o.max_attempts),
                                                              o.host, o.grpc_port)
         await self._grpc_server.start()
-        app = make_app(self.router, self.tracer, OpenAIApi(self.router, self.tracer, model_name, o.max_attempts))
+        app = make_app(self.router, self.tracer, OpenAIApi(self.router, self.tracer, model_name, o.max_attempts,
+                                                                 o.lora_names))
         self._http_runner = web.AppRunner(app, access_log=None)
         await self._http_runner.setup()
         site = web.TCPSite(self._http_runner, o.host, o.http_port)
@@ -260,6 +262,8 @@ def make_parser() -> argparse.ArgumentParser:
                                        "or the default SmolLM2 import")
     p.add_argument("--model-name", help="served model name and Redis key namespace; default: $PAGODA_MODEL_NAME "
                                         "or the model folder's name")
+    p.add_argument("--lora", action="append", default=[], metavar="NAME",
+                   help="a LoRA adapter the replicas serve (repeatable): listed in /v1/models, chosen by 'model'")
     p.add_argument("--hash-model-id", help="block-hash root (default: the model folder's name; replicas' heartbeats override)")
     p.add_argument("--replicas", help="static replicas: 'id=a,grpc=host:port,http=host:port[,metrics=host:port];...'")
     p.add_argument("--k8s-selector", help="discover ready pods with these labels (a=b,c=d) in the router's namespace")
@@ -291,6 +295,7 @@ def options_from_args(args: argparse.Namespace) -> RouterOptions:
         knobs[key] = float(value)
     return RouterOptions(
         model_dir=args.model_dir, model_name=args.model_name, hash_model_id=args.hash_model_id,
+        lora_names=tuple(args.lora),
         replicas=args.replicas, k8s_selector=args.k8s_selector, k8s_namespace=args.k8s_namespace,
         k8s_api=args.k8s_api, redis_url=args.redis_url, policy=args.policy, policy_knobs=knobs,
         index_mode=args.index_mode, redis_timeout_s=args.redis_timeout_ms / 1e3, host=args.host,

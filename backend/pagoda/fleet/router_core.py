@@ -192,10 +192,12 @@ class Router:
             self.hash_model_id = model_ids.pop()
 
     # --------------------------------------------------------------- decisions
-    def analyze(self, prompt: str, cache_salt: Optional[str] = None) -> Analysis:
-        """Tokenize and hash a prompt (the engine's tokenization and block hashes)."""
+    def analyze(self, prompt: str, cache_salt: Optional[str] = None, adapter_id: Optional[str] = None) -> Analysis:
+        """Tokenize and hash a prompt (the engine's tokenization and block hashes; a LoRA
+        adapter is part of them, so an adapter's traffic goes where its prefixes live)."""
         token_ids = self._encode(prompt)
-        hashes = hash_prompt_blocks(token_ids, self.block_size, self.hash_model_id, cache_salt=cache_salt)
+        hashes = hash_prompt_blocks(token_ids, self.block_size, self.hash_model_id, cache_salt=cache_salt,
+                                    adapter_id=adapter_id)
         return Analysis(len(token_ids), [h.hex() for h in hashes], self.block_size)
 
     def _encode(self, prompt: str) -> list[int]:
