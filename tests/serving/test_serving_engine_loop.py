@@ -22,7 +22,8 @@ class FakeEngine:
         self.num_steps = 0
         self.thread_ids = set()
 
-    def add_request(self, request_id, prompt, params, *, arrival_time=None, priority=0, cache_salt=None):
+    def add_request(self, request_id, prompt, params, *, arrival_time=None, priority=0, cache_salt=None,
+                    lora_name=None):
         self.thread_ids.add(threading.get_ident())
         if prompt == "too long":
             raise ValueError("prompt: 9000 tokens exceed max_model_len 8192")

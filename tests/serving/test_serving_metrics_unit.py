@@ -108,3 +108,19 @@ def test_request_latencies_observed_once_each():
     assert hist["vllm:inter_token_latency_seconds"] == [0.1, 0.2, 0.3]
     assert hist["vllm:e2e_request_latency_seconds"] == [2.0]
     assert value("vllm:request_success_total") == 1
+
+
+def test_lora_requests_info_like_vllm():
+    """One series per (running, waiting) adapter set, its value the time it was last seen;
+    nothing at all for an engine without LoRA."""
+    FakeMetricFamily.created = {}
+    metrics = ServingMetrics(SimpleNamespace(MetricFamily=FakeMetricFamily), {"model_name": "pagoda"})
+    metrics.update_lora(stats())
+    assert "vllm:lora_requests_info" not in FakeMetricFamily.created
+    metrics.update_lora(stats(running_lora_adapters=("a", "b"), waiting_lora_adapters=("c",), max_lora=2))
+    metric = FakeMetricFamily.created["vllm:lora_requests_info"].metric
+    assert metric.labels == {"model_name": "pagoda", "running_lora_adapters": "a,b", "waiting_lora_adapters": "c",
+                             "max_lora": "2"}
+    assert metric.value > 1.7e9
+    metrics.update_lora(stats(running_lora_adapters=("c",), max_lora=2))
+    assert FakeMetricFamily.created["vllm:lora_requests_info"].metric.labels["running_lora_adapters"] == "c"

@@ -79,6 +79,10 @@ class EngineStats:
     num_offloaded_blocks: int = 0  # cached blocks evicted from the device, copied to the host
     num_host_blocks: int = 0
     num_free_host_blocks: int = 0
+    # LoRA (vLLM's lora_requests_info): adapters of running / waiting requests, and the slot count.
+    running_lora_adapters: tuple = ()
+    waiting_lora_adapters: tuple = ()
+    max_lora: int = 0
 
 
 @dataclass
@@ -475,7 +479,16 @@ class LLMEngine:
             num_recomputed_preemptions=s.num_recomputed_preemptions,
             **self._spec_stats(),
             **self._offload_stats(),
+            **self._lora_stats(),
         )
+
+    def _lora_stats(self) -> dict:
+        if self.runner.lora is None:
+            return {}
+        s = self.scheduler
+        return dict(running_lora_adapters=tuple(sorted({r.adapter_id for r in s.running if r.adapter_id})),
+                    waiting_lora_adapters=tuple(sorted({r.adapter_id for r in s.waiting if r.adapter_id})),
+                    max_lora=self.config.max_loras)
 
     def _make_host_tier(self):
         """(host KV cache, swap cost model) for ``cpu_offload_bytes > 0``, else (None, None).

@@ -372,6 +372,7 @@ class EngineLoop:
         try:
             stats = self._engine.get_stats()
             self._metrics.update_engine(stats)
+            self._metrics.update_lora(stats)
             if stepped:
                 self._metrics.record_step(stats)
         except Exception:  # noqa: BLE001

@@ -34,6 +34,7 @@ Prometheus registry does not add one. Labels: ``model_name`` (vLLM's), plus Trit
 | pagoda:kv_swapped_in_total             | counter   | EngineStats.num_swapped_in               |
 | pagoda:recomputed_preemptions_total    | counter   | EngineStats.num_recomputed_preemptions   |
 | pagoda:prefix_cache_hits_host_total    | counter   | EngineStats.prefix_cache_hits_host (tokens, CPU tier; part of vllm:prefix_cache_hits_total) |
+| vllm:lora_requests_info                | gauge     | labels running_lora_adapters, waiting_lora_adapters (comma-separated), max_lora; value: the time (s) the set was last seen, as vLLM (LoRA engines only) |
 
 ``pagoda:batched_decode_steps_total`` is the continuous-batching witness: it grows only
 when one engine step advanced two or more requests' decodes together.
@@ -45,6 +46,7 @@ thread calls it (no lock needed; see ``EngineLoop``).
 
 from __future__ import annotations
 
+import time
 from typing import Any, Optional
 
 from pagoda.engine.outputs import RequestOutput
@@ -119,6 +121,11 @@ class ServingMetrics:
             name: self._metric(mf, name, description, mf.HISTOGRAM, labels, buckets)
             for name, (description, buckets) in HISTOGRAMS.items()
         }
+        self._lora_family = None
+        self._lora_metrics: dict[tuple, Any] = {}  # one series per (running, waiting) set, as vLLM
+        self._last_lora, self._last_lora_time = None, 0.0
+        self._lora_labels = labels
+        self._mf = mf
         self._last_num_steps = 0
         # Inter-token latencies already observed, per request id.
         self._num_itl_seen: dict[str, int] = {}
@@ -143,6 +150,26 @@ class ServingMetrics:
             if value > self._last[name]:
                 metric.increment(value - self._last[name])
                 self._last[name] = value
+
+    def update_lora(self, stats: Any) -> None:
+        """``vllm:lora_requests_info``: the series of the current adapter sets is set to now."""
+        if not getattr(stats, "max_lora", 0):
+            return
+        key = (",".join(stats.running_lora_adapters), ",".join(stats.waiting_lora_adapters))
+        now = time.time()
+        if self._last_lora == key and now - self._last_lora_time < 1.0:
+            return  # each set is an IPC round trip: at most one a second for an unchanged set
+        self._last_lora, self._last_lora_time = key, now
+        metric = self._lora_metrics.get(key)
+        if metric is None:
+            if self._lora_family is None:
+                self._lora_family = self._mf(name="vllm:lora_requests_info", kind=self._mf.GAUGE,
+                                             description="Running stats on lora requests.")
+                self._families.append(self._lora_family)
+            labels = dict(self._lora_labels, running_lora_adapters=key[0], waiting_lora_adapters=key[1],
+                          max_lora=str(stats.max_lora))
+            metric = self._lora_metrics[key] = self._lora_family.Metric(labels=labels)
+        metric.set(now)
 
     def record_step(self, stats: Any) -> None:
         """Count the last step if it batched decodes (a ``step()`` that scheduled nothing
