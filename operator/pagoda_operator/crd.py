@@ -97,6 +97,16 @@ SPEC_SCHEMA: dict[str, Any] = _obj(
                     "image:///<path> (baked into the image, Deployment mode), "
                     "s3:// gs:// hf:// https:// (KServe mode: its storage initializer).",
                     pattern=_SCHEMES),
+                "loraAdapters": {
+                    "type": "array", "maxItems": 64,
+                    "description": "LoRA adapters (PEFT folders) every replica serves beside the base "
+                                   "model; requests pick one by name (OpenAI `model`, Triton `lora_name`).",
+                    "items": _obj({
+                        "name": _str("Adapter name clients use.", pattern=_DNS_LABEL, minLength=1, maxLength=63),
+                        "path": _str("The adapter folder inside the replica container; a relative path "
+                                     "is taken inside the model folder.", minLength=1, pattern=r"^[^,=\s]+$"),
+                    }, required=["name", "path"], description="One adapter."),
+                },
             },
             required=["name", "storageUri"],
             description="The model to serve.",

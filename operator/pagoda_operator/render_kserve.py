@@ -15,7 +15,7 @@ from typing import Any
 
 from pagoda_operator import naming
 from pagoda_operator.render_redis import redis_env, redis_url_arg
-from pagoda_operator.render_replicas import engine_args
+from pagoda_operator.render_replicas import engine_args, lora_args
 from pagoda_operator.spec import LLMService
 
 COMPONENT = "replica"
@@ -30,7 +30,7 @@ def render_inference_service(svc: LLMService) -> dict[str, Any]:
         "modelFormat": {"name": MODEL_FORMAT},
         "runtime": svc.spec.kserve_runtime,
         "storageUri": svc.spec.model.storage_uri,
-        "args": engine_args(svc.spec.engine),
+        "args": engine_args(svc.spec.engine) + lora_args(svc, naming.MODEL_MOUNT),
         "env": [
             {"name": "PAGODA_REPLICA_ID",
              "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},

@@ -48,6 +48,15 @@ def engine_args(engine: EngineSpec) -> list[str]:
     return args + list(engine.extra_args)
 
 
+def lora_args(svc: LLMService, model_dir: str) -> list[str]:
+    """``--lora NAME=PATH`` per adapter (relative paths inside ``model_dir``, the model folder)."""
+    args = []
+    for name, path in svc.spec.model.lora_adapters:
+        where = path if path.startswith("/") else f"{model_dir}/{path}"
+        args += ["--lora", f"{name}={where}"]
+    return args
+
+
 def model_path(svc: LLMService) -> str:
     """Where the weights are inside the replica container."""
     uri = svc.spec.model.storage_uri
@@ -102,6 +111,7 @@ def render_replica_container(svc: LLMService) -> dict[str, Any]:
             "--metrics-port", str(naming.METRICS_PORT),
             "--grace-period", str(grace_period_seconds(svc)),
             *engine_args(svc.spec.engine),
+            *lora_args(svc, model_path(svc)),
         ],
         "env": replica_env(svc),
         "ports": [

@@ -50,6 +50,7 @@ def render_router_deployment(svc: LLMService) -> dict[str, Any]:
             "--redis-url", redis_url_arg(svc),
             "--policy", svc.spec.routing.policy,
             "--model-dir", model_path(svc),
+            *[arg for name, _ in svc.spec.model.lora_adapters for arg in ("--lora", name)],
         ],
         "env": [
             {"name": "PAGODA_NAMESPACE",

@@ -33,6 +33,7 @@ class SpecError(ValueError):
 class ModelSpec:
     name: str
     storage_uri: str
+    lora_adapters: tuple[tuple[str, str], ...] = ()  # (name, path); relative paths sit in the model folder
 
     @property
     def scheme(self) -> str:
@@ -227,7 +228,8 @@ def parse_spec(raw_spec: dict[str, Any]) -> LLMServiceSpec:
     ca_secret = redis.get("caSecretRef") or {}
     return LLMServiceSpec(
         image=spec["image"],
-        model=ModelSpec(name=spec["model"]["name"], storage_uri=spec["model"]["storageUri"]),
+        model=ModelSpec(name=spec["model"]["name"], storage_uri=spec["model"]["storageUri"],
+                        lora_adapters=_lora_adapters(spec["model"].get("loraAdapters", []))),
         mode=spec["mode"],
         image_pull_policy=spec["imagePullPolicy"],
         termination_grace_period_seconds=spec["terminationGracePeriodSeconds"],
@@ -273,3 +275,12 @@ def parse_llmservice(body: dict[str, Any]) -> LLMService:
         generation=int(meta.get("generation", 0) or 0),
         spec=parse_spec(body.get("spec")),
     )
+
+
+def _lora_adapters(items: list) -> tuple[tuple[str, str], ...]:
+    """``spec.model.loraAdapters`` as (name, path) pairs; a repeated name is refused."""
+    names = [item["name"] for item in items]
+    for name in names:
+        if names.count(name) > 1:
+            raise SpecError("spec.model.loraAdapters", f"the name {name!r} appears more than once")
+    return tuple((item["name"], item["path"]) for item in items)

@@ -31,11 +31,36 @@ def body(**spec):
     ({"mode": "KServe", "model": {"name": "c", "storageUri": "image:///m"}},
      "spec.model.storageUri"),
     ({"redis": {"url": "http://redis"}}, "spec.redis.url"),
+    ({"model": {"name": "chat", "storageUri": "pvc://m/c", "loraAdapters": [{"name": "Bad_Name", "path": "x"}]}},
+     "spec.model.loraAdapters[0].name"),
+    ({"model": {"name": "chat", "storageUri": "pvc://m/c",
+                "loraAdapters": [{"name": "a", "path": "x"}, {"name": "a", "path": "y"}]}}, "spec.model.loraAdapters"),
+    ({"model": {"name": "chat", "storageUri": "pvc://m/c", "loraAdapters": [{"name": "a"}]}},
+     "spec.model.loraAdapters[0].path"),
 ])
 def test_invalid_specs_name_the_field(spec, field):
     with pytest.raises(SpecError) as error:
         parse_llmservice(body(**spec))
     assert error.value.field == field
+
+
+def test_lora_adapters_reach_replicas_router_and_kserve():
+    adapters = [{"name": "sql", "path": "adapters/sql"}, {"name": "chat2", "path": "/opt/chat2"}]
+    svc = parse_llmservice(body(model={"name": "chat", "storageUri": "pvc://models/chat", "loraAdapters": adapters}))
+    args = render_replica_deployment(svc, 1)["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[-4:] == ["--lora", f"sql={model_path(svc)}/adapters/sql", "--lora", "chat2=/opt/chat2"]
+    router_args = render_router_deployment(svc)["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert router_args[-4:] == ["--lora", "sql", "--lora", "chat2"]
+    from pagoda.serving.serve_cli import make_parser, options_from_args
+
+    parsed = options_from_args(make_parser().parse_args(args))  # `pagoda serve` accepts what is rendered
+    assert parsed.engine_args["lora_modules"] == f"sql={model_path(svc)}/adapters/sql,chat2=/opt/chat2"
+    kserve = parse_llmservice(body(mode="KServe", model={"name": "chat", "storageUri": "s3://b/chat",
+                                                         "loraAdapters": adapters[:1]}))
+    from pagoda_operator.render_kserve import render_inference_service
+
+    model = render_inference_service(kserve)["spec"]["predictor"]["model"]
+    assert model["args"][-2:] == ["--lora", "sql=/mnt/models/adapters/sql"]
 
 
 def test_defaults_and_renderers():
