@@ -37,7 +37,7 @@ def test_draining_only_as_last_resort_and_none_raises(name):
 
 def test_make_policy_registry_and_errors():
     assert isinstance(make_policy("prefix_aware", load_cost_tokens=10), PrefixAwarePolicy)
-    with pytest.raises(ValueError, match="least_loaded, prefix_aware, random, round_robin"):
+    with pytest.raises(ValueError, match="approximate, least_loaded, precise, prefix_aware, random, round_robin"):
         make_policy("fastest")
     with pytest.raises(ValueError, match="bad knobs"):
         make_policy("round_robin", seed=1)

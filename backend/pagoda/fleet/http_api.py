@@ -204,5 +204,6 @@ def render_metrics(router: Router) -> str:
         *(f'pagoda_router_replica_requests_total{{replica_id="{r.replica_id}"}} {r.num_routed}' for r in router.replicas.all()),
         "# TYPE pagoda_router_replica_healthy gauge",
         *(f'pagoda_router_replica_healthy{{replica_id="{r.replica_id}"}} {int(r.healthy)}' for r in router.replicas.all()),
+        *router.metric_lines(),
     ]
     return "\n".join(lines) + "\n"

@@ -25,6 +25,11 @@ functions below; ``pagoda_operator.fleet_keys`` re-exports them.
                                                        epoch, first_seq, last_seq, events (JSON
                                                        list of contract-3 event dicts, each with
                                                        its "seq"); trimmed to ~max entries
+    pagoda:{model}:routed                       STREAM one entry per routing decision, shared by
+                                                       the routers (routing-time affinity,
+                                                       ``pagoda.fleet.affinity``): router, replica,
+                                                       ttl_ms, hashes (space-separated hex block
+                                                       hashes of the prompt); trimmed to ~5k entries
 
 Invariants (kept by the atomic apply script in ``pagoda.fleet.index``):
 
@@ -36,8 +41,12 @@ Invariants (kept by the atomic apply script in ``pagoda.fleet.index``):
   by one per event, resync events included. A new epoch (a restarted publisher) starts
   with ``AllBlocksCleared``.
 - A heartbeat key that expired means the replica is gone; its index entries stay until
-  someone calls ``ReplicaRegistry.remove_replica`` / ``reap_expired`` (routers ignore
-  matches on replicas without a heartbeat, so stale entries cost memory, not correctness).
+  ``ReplicaRegistry.reap_expired`` removes them (every router with Redis runs it
+  periodically; it is idempotent, so several routers reaping at once is harmless), or
+  ``remove_replica`` (the operator after a drain). Routers ignore matches on replicas
+  without a heartbeat, so stale entries cost memory, not correctness.
+- ``routed`` entries are hints with a TTL, never state: losing them (Redis restarted,
+  trimmed) only costs routing-time affinity for the decisions of the last few seconds.
 """
 
 from __future__ import annotations
@@ -106,3 +115,7 @@ def block_owners_prefix(model: str) -> str:
 
 def events_stream_key(model: str) -> str:
     return fleet_key(model, "events")
+
+
+def routed_stream_key(model: str) -> str:
+    return fleet_key(model, "routed")

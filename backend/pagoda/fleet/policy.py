@@ -15,7 +15,9 @@ stream ends), ``healthy`` (the router could reach it) and ``draining`` (the drai
 ``RoutingRequest.matched_blocks`` is the prefix index's answer for the request's block
 hashes (``PrefixIndex.match`` / ``IndexFollower.match``): replica id -> leading blocks
 it holds. It is empty when the index is unavailable; every policy then still routes by
-load alone.
+load alone. ``RoutingRequest.pending_blocks`` is the same answer from the routers' own
+recent decisions (``pagoda.fleet.affinity.PendingIndex``: "sent there, not yet confirmed
+by its KV events"); the router fills it only for policies with ``uses_pending``.
 
 Eligibility (all policies)
 --------------------------
@@ -36,9 +38,12 @@ Policies
 ``random``        uniform among the eligible. Knob: ``seed``.
 ``round_robin``   eligible replicas in ``replica_id`` order, one after the other.
 ``least_loaded``  smallest load; ties: smaller ``kv_usage``, then ``replica_id``.
-``prefix_aware``  cache-aware with load balance. For each eligible replica ``r``::
+``prefix_aware``  cache-aware with load balance, from both signals ("combined"). For each
+    eligible replica ``r``, with ``exact(r)`` and ``pending(r)`` the matched prompt tokens
+    of ``matched_blocks`` and ``pending_blocks`` (each capped at the prompt's length)::
 
-        uncached(r) = num_prompt_tokens - min(matched_blocks[r] * block_size, num_prompt_tokens)
+        cached(r)   = exact(r) + pending_discount * max(0, pending(r) - exact(r))
+        uncached(r) = num_prompt_tokens - cached(r)
         cost(r)     = uncached(r) + load_cost_tokens * load(r)
 
     and the replica with the smallest cost wins (ties: smaller load, then
@@ -64,6 +69,19 @@ Policies
       ``imbalance_rel`` (default 1.5): the same margin relative to the least loaded
           replica's load (the larger of the two margins applies), so the guard scales
           with fleet-wide load.
+      ``pending_discount`` (default 0.8): credit for a pending (routed, unconfirmed)
+          block relative to a confirmed one; below 1 so a confirmed copy wins a tie, above
+          ``load_cost_tokens / prefix_tokens`` so a burst follows its first request.
+      ``pending_ttl_s`` (default 10): how long the router keeps a decision as pending
+          ownership (read by the router, which records it): long enough to cover queueing
+          plus prefill of the first request of a burst, short enough that a decision whose
+          blocks never arrived (failed request, immediate eviction) stops attracting.
+
+``precise``       ``prefix_aware`` on the KV-event index alone (``pending_discount`` 0; no
+    decisions recorded): llm-d's "precise prefix-cache" scorer.
+``approximate``   ``prefix_aware`` on routing-time affinity alone (the exact index is
+    ignored; ``pending_discount`` 1, ``pending_ttl_s`` 120): llm-d's "approximate" scorer,
+    which assumes a replica holds what was recently routed to it.
 
 ``make_policy(name, **knobs)`` builds one from the ``POLICIES`` registry.
 """
@@ -103,9 +121,13 @@ class RoutingRequest:
     num_prompt_tokens: int
     block_size: int
     matched_blocks: dict[str, int] = field(default_factory=dict)
+    pending_blocks: dict[str, int] = field(default_factory=dict)
 
     def matched_tokens(self, replica_id: str) -> int:
         return min(self.matched_blocks.get(replica_id, 0) * self.block_size, self.num_prompt_tokens)
+
+    def pending_tokens(self, replica_id: str) -> int:
+        return min(self.pending_blocks.get(replica_id, 0) * self.block_size, self.num_prompt_tokens)
 
 
 class Policy(Protocol):
@@ -159,14 +181,30 @@ class LeastLoadedPolicy:
 
 class PrefixAwarePolicy:
     name = "prefix_aware"
+    uses_exact = True  # reads matched_blocks (needs the KV-event index)
 
     def __init__(self, load_cost_tokens: float = 256.0, imbalance_abs: float = 8.0,
-                 imbalance_rel: float = 1.5) -> None:
-        if load_cost_tokens < 0 or imbalance_abs < 0 or imbalance_rel < 0:
-            raise ValueError("prefix_aware: load_cost_tokens, imbalance_abs and imbalance_rel must be >= 0")
+                 imbalance_rel: float = 1.5, pending_discount: float = 0.8, pending_ttl_s: float = 10.0) -> None:
+        if min(load_cost_tokens, imbalance_abs, imbalance_rel, pending_discount, pending_ttl_s) < 0:
+            raise ValueError(f"{self.name}: load_cost_tokens, imbalance_abs, imbalance_rel, pending_discount "
+                             "and pending_ttl_s must be >= 0")
         self.load_cost_tokens = load_cost_tokens
         self.imbalance_abs = imbalance_abs
         self.imbalance_rel = imbalance_rel
+        self.pending_discount = pending_discount
+        self.pending_ttl_s = pending_ttl_s
+
+    @property
+    def uses_pending(self) -> bool:
+        """Whether the router should record decisions and fill ``pending_blocks``."""
+        return self.pending_discount > 0 and self.pending_ttl_s > 0
+
+    def cached_tokens(self, request: RoutingRequest, replica_id: str) -> float:
+        """Prompt tokens credited as cached on ``replica_id`` (module docstring)."""
+        exact = request.matched_tokens(replica_id) if self.uses_exact else 0
+        if not self.uses_pending:
+            return exact
+        return exact + self.pending_discount * max(0, request.pending_tokens(replica_id) - exact)
 
     def choose(self, replicas: Sequence[ReplicaState], request: RoutingRequest) -> ReplicaState:
         candidates = eligible(replicas)
@@ -175,10 +213,30 @@ class PrefixAwarePolicy:
         balanced = [r for r in candidates if r.load <= min_load + margin]
 
         def cost(r: ReplicaState) -> tuple[float, int, str]:
-            uncached = request.num_prompt_tokens - request.matched_tokens(r.replica_id)
+            uncached = request.num_prompt_tokens - self.cached_tokens(request, r.replica_id)
             return (uncached + self.load_cost_tokens * r.load, r.load, r.replica_id)
 
         return min(balanced, key=cost)
+
+
+class PrecisePolicy(PrefixAwarePolicy):
+    name = "precise"
+
+    def __init__(self, load_cost_tokens: float = 256.0, imbalance_abs: float = 8.0,
+                 imbalance_rel: float = 1.5) -> None:
+        super().__init__(load_cost_tokens, imbalance_abs, imbalance_rel, pending_discount=0.0, pending_ttl_s=0.0)
+
+
+class ApproximatePolicy(PrefixAwarePolicy):
+    name = "approximate"
+    uses_exact = False
+
+    def __init__(self, load_cost_tokens: float = 256.0, imbalance_abs: float = 8.0, imbalance_rel: float = 1.5,
+                 pending_ttl_s: float = 120.0) -> None:
+        if pending_ttl_s <= 0:
+            raise ValueError("approximate: pending_ttl_s must be > 0 (it is the policy's only signal)")
+        super().__init__(load_cost_tokens, imbalance_abs, imbalance_rel, pending_discount=1.0,
+                         pending_ttl_s=pending_ttl_s)
 
 
 POLICIES: dict[str, Callable[..., Policy]] = {
@@ -186,6 +244,8 @@ POLICIES: dict[str, Callable[..., Policy]] = {
     RoundRobinPolicy.name: RoundRobinPolicy,
     LeastLoadedPolicy.name: LeastLoadedPolicy,
     PrefixAwarePolicy.name: PrefixAwarePolicy,
+    PrecisePolicy.name: PrecisePolicy,
+    ApproximatePolicy.name: ApproximatePolicy,
 }
 
 

@@ -3,7 +3,8 @@
 A replica is *live* while its heartbeat hash exists; the publisher renews it with a TTL,
 so a dead replica drops out by itself (no reaper needed for correctness). The registry
 SET remembers every id that published, which lets ``reap_expired`` find the dead ones
-and delete their index entries (memory hygiene). Draining is a separate key the operator
+and delete their index entries (memory hygiene; every router runs it every few seconds,
+see ``pagoda.fleet.router_core.FleetView``). Draining is a separate key the operator
 (or anyone) sets; a draining replica is still live, but routers send it nothing new.
 """
 
@@ -117,12 +118,37 @@ class ReplicaRegistry:
         pipe.execute()
 
     def reap_expired(self) -> list[str]:
-        """``remove_replica`` every registered replica whose heartbeat expired; returns them."""
+        """``remove_replica`` every registered replica whose heartbeat expired; returns them.
+
+        Safe to run from every router at once, and idempotent: each removal is a
+        transaction that WATCHes the replica's heartbeat and seq keys, so a replica that
+        heartbeats or publishes between the check and the removal (it came back) is left
+        alone, and a replica already removed is no longer registered. Raises
+        ``redis.RedisError`` when Redis fails.
+        """
+        from redis.exceptions import WatchError
+
         ids = sorted(_text(r) for r in self.client.smembers(keys.registry_key(self.model_id)))
+        if not ids:
+            return []
         pipe = self.client.pipeline(transaction=False)
         for rid in ids:
             pipe.exists(keys.heartbeat_key(self.model_id, rid))
-        dead = [rid for rid, alive in zip(ids, pipe.execute()) if not alive] if ids else []
+        dead = [rid for rid, alive in zip(ids, pipe.execute()) if not alive]
+        reaped = []
         for rid in dead:
-            self.remove_replica(rid)
-        return dead
+            watched = (keys.heartbeat_key(self.model_id, rid), keys.replica_seq_key(self.model_id, rid))
+            with self.client.pipeline(transaction=True) as pipe:
+                try:
+                    pipe.watch(*watched)
+                    if pipe.exists(watched[0]):
+                        continue  # it heartbeated since the first read
+                    pipe.multi()
+                    self.index.remove_replica(rid, pipeline=pipe)
+                    pipe.delete(keys.heartbeat_key(self.model_id, rid), keys.drain_key(self.model_id, rid))
+                    pipe.srem(keys.registry_key(self.model_id), rid)
+                    pipe.execute()
+                except WatchError:
+                    continue
+            reaped.append(rid)
+        return reaped

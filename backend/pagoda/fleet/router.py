@@ -270,7 +270,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--k8s-namespace", help="namespace for --k8s-selector (default: $PAGODA_NAMESPACE or the pod's)")
     p.add_argument("--k8s-api", help="API server URL (default: in-cluster)")
     p.add_argument("--redis-url", help="redis://[:password@]host:port/db; $(PAGODA_REDIS_PASSWORD) is expanded")
-    p.add_argument("--policy", default="prefix_aware", choices=("random", "round_robin", "least_loaded", "prefix_aware"))
+    p.add_argument("--policy", default="prefix_aware",
+                   choices=("random", "round_robin", "least_loaded", "prefix_aware", "precise", "approximate"))
     p.add_argument("--policy-knob", action="append", default=[], metavar="KEY=VALUE",
                    help="a policy knob (see pagoda.fleet.policy), e.g. load_cost_tokens=256")
     p.add_argument("--index", dest="index_mode", default="follower", choices=("follower", "direct"),

@@ -21,6 +21,20 @@ Index reads: with ``index_mode="follower"`` matches come from an ``IndexFollower
 mirror fed by the event stream, replayed from the start when the router joins late) as
 soon as it reports ``is_synced``; until then, and with ``index_mode="direct"``, each
 request asks ``PrefixIndex.match`` (at most two round trips).
+
+Routing-time affinity (``pagoda.fleet.affinity``): for policies with ``uses_pending``
+(``prefix_aware``, ``approximate``) every decision is recorded as pending ownership of the
+prompt's blocks on the chosen replica (``policy.pending_ttl_s``), in the router's
+``PendingIndex`` and, with Redis, on the shared ``routed`` stream for the other routers;
+the next requests see it as ``pending_blocks`` before the replica's KV events arrive.
+Each decision counts the prompt tokens matched on the chosen replica by kind: ``exact``
+(the KV-event index) and ``pending`` (pending beyond the exact match), exported as
+``pagoda:router_prefix_match_tokens{kind=...}`` and as span attributes.
+
+Reaping: every ``reap_interval_s`` the registry refresh also runs
+``ReplicaRegistry.reap_expired`` (idempotent and race-safe, so every router may), which
+drops the index entries of replicas whose heartbeat expired; the count is exported as
+``pagoda:router_reaped_replicas_total``.
 """
 
 from __future__ import annotations
@@ -34,7 +48,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
 
 from pagoda.engine.block_hash import hash_prompt_blocks
+from pagoda.fleet.affinity import AffinityShare, PendingIndex
 from pagoda.fleet.replicas import Replica, ReplicaSet
+from pagoda.fleet.retry import RateLimitedLog
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +83,12 @@ class Decision:
     decision_s: float
     attempt: int = 1
     released: bool = False
+    pending_blocks: int = 0  # pending (routed, unconfirmed) blocks beyond matched_blocks
+
+    @property
+    def match_kind(self) -> str:
+        """``exact``, ``pending`` (only routing-time affinity pointed here) or ``none``."""
+        return "exact" if self.matched_blocks else "pending" if self.pending_blocks else "none"
 
 
 class FleetView:
@@ -77,10 +99,13 @@ class FleetView:
         model_name: the fleet key namespace (served model name).
         index_mode: ``"follower"`` or ``"direct"`` (see the module docstring).
         timeout_s: the longest any request waits on Redis.
+        reap_interval_s: how often ``refresh`` also reaps expired replicas (0: never).
+        clock: monotonic seconds (when a reap is due).
     """
 
     def __init__(self, redis_client: Any, model_name: str, index_mode: str = "follower",
-                 timeout_s: float = 0.05) -> None:
+                 timeout_s: float = 0.05, reap_interval_s: float = 5.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         from pagoda.fleet.index import IndexFollower, PrefixIndex
         from pagoda.fleet.registry import ReplicaRegistry
 
@@ -95,6 +120,14 @@ class FleetView:
         self.last_error = ""
         self.num_failures = 0
         self.last_infos: list[Any] = []
+        self.pending = PendingIndex()
+        self.share = AffinityShare(redis_client, model_name, self.pending)
+        self.reap_interval_s = reap_interval_s
+        self.clock = clock
+        self.num_reaped = 0
+        self.reaped_ids: list[str] = []  # the latest reap's, for the caller to drop
+        self._next_reap = float("-inf")
+        self._log = RateLimitedLog(logger, interval_s=30.0)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="pagoda-router-redis")
 
     async def call(self, fn: Callable[..., Any], *args: Any, timeout_s: Optional[float] = None) -> Any:
@@ -108,8 +141,9 @@ class FleetView:
 
     def _failed(self, exc: BaseException) -> None:
         if self.available:
-            logger.warning("Redis unavailable (%s: %s): routing by load only until it answers again",
-                           type(exc).__name__, exc)
+            self._log.reset()
+        self._log.warning("Redis unavailable (%s: %s): routing by load only until it answers again",
+                          type(exc).__name__, exc)
         self.available = False
         self.last_error = f"{type(exc).__name__}: {exc}"
         self.num_failures += 1
@@ -124,7 +158,28 @@ class FleetView:
             logger.info("Redis is available again: prefix-aware routing resumes")
         self.available = True
         self.last_infos = list(infos)
+        await self._reap_if_due()
         return self.last_infos
+
+    async def _reap_if_due(self) -> None:
+        """Reap expired replicas every ``reap_interval_s`` (module docstring)."""
+        now = self.clock()
+        if self.reap_interval_s <= 0 or now < self._next_reap:
+            return
+        self._next_reap = now + self.reap_interval_s
+        try:
+            reaped = await self.call(self.registry.reap_expired, timeout_s=1.0)
+        except Exception:  # noqa: BLE001 - recorded by call(); the next refresh retries
+            self._next_reap = now
+            return
+        if reaped:
+            logger.info("reaped expired replicas %s: their heartbeats lapsed; index entries removed", reaped)
+            self.num_reaped += len(reaped)
+            for rid in reaped:
+                self.pending.remove_replica(rid)
+                if self.follower is not None:
+                    self.follower.local.remove_replica(rid)
+        self.reaped_ids = reaped
 
     async def match(self, block_hashes: list[str]) -> Optional[dict[str, int]]:
         """Matched leading blocks per replica; ``None`` when Redis is unavailable."""
@@ -142,10 +197,12 @@ class FleetView:
     def start(self) -> None:
         if self.follower is not None:
             self.follower.start()
+        self.share.start()
 
     def stop(self) -> None:
         if self.follower is not None:
             self.follower.stop()
+        self.share.stop()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
@@ -179,6 +236,8 @@ class Router:
         self.decision_times_s: list[float] = []  # bounded ring, read by /metrics and the bench
         self.num_decisions = 0
         self.num_fallback_decisions = 0
+        self.pending = getattr(fleet, "pending", None) or PendingIndex()
+        self.num_match_tokens = {"exact": 0, "pending": 0}
 
     # --------------------------------------------------------------- heartbeats
     def apply_heartbeats(self, infos: Iterable[Any]) -> None:
@@ -236,16 +295,18 @@ class Router:
                                waiting=0 if by_load_only else r.waiting, running=0 if by_load_only else r.running,
                                kv_usage=0.0 if by_load_only else r.kv_usage, in_flight=r.in_flight,
                                healthy=True, draining=r.draining) for r in candidates]
+        # Without the index the policies that read it need a stand-in; the others route as asked.
+        policy, policy_name = ((self.fallback_policy, FALLBACK_POLICY)
+                               if by_load_only and getattr(self.policy, "uses_exact", False)
+                               else (self.policy, self.policy_name))
+        uses_pending = bool(getattr(policy, "uses_pending", False)) and analysis is not None
         request = RoutingRequest(
             request_id=str(next(self._request_numbers)),
             block_hashes=analysis.block_hashes if analysis else [],
             num_prompt_tokens=analysis.num_prompt_tokens if analysis else 0,
             block_size=analysis.block_size if analysis else self.block_size,
-            matched_blocks=matched or {})
-        # Without the index only prefix_aware needs a stand-in; the others route as asked.
-        policy, policy_name = ((self.fallback_policy, FALLBACK_POLICY)
-                               if by_load_only and self.policy_name == "prefix_aware"
-                               else (self.policy, self.policy_name))
+            matched_blocks=matched or {},
+            pending_blocks=self.pending.match(analysis.block_hashes) if uses_pending else {})
         try:
             chosen = policy.choose(states, request)
         except NoReplicaError as exc:
@@ -253,11 +314,40 @@ class Router:
         replica = self.replicas.get(chosen.replica_id)
         assert replica is not None, f"policy chose {chosen.replica_id}, which is not a candidate"
         self.replicas.acquire(replica)
+        if uses_pending:
+            self._remember(replica.replica_id, request.block_hashes, policy.pending_ttl_s)
+        exact_blocks = int(request.matched_blocks.get(replica.replica_id, 0))
+        pending_blocks = max(0, int(request.pending_blocks.get(replica.replica_id, 0)) - exact_blocks)
+        self.num_match_tokens["exact"] += request.matched_tokens(replica.replica_id)
+        self.num_match_tokens["pending"] += max(0, request.pending_tokens(replica.replica_id)
+                                                - request.matched_tokens(replica.replica_id))
         elapsed = time.perf_counter() - start
         self._record(elapsed, by_load_only)
-        return Decision(replica=replica, policy=policy_name, matched_blocks=int((matched or {}).get(replica.replica_id, 0)),
+        return Decision(replica=replica, policy=policy_name, matched_blocks=exact_blocks,
                         num_prompt_tokens=request.num_prompt_tokens, num_prompt_blocks=len(request.block_hashes),
-                        redis_available=redis_available, decision_s=elapsed, attempt=attempt)
+                        redis_available=redis_available, decision_s=elapsed, attempt=attempt,
+                        pending_blocks=pending_blocks)
+
+    def _remember(self, replica_id: str, block_hashes: list[str], ttl_s: float) -> None:
+        """Record a decision as pending ownership, here and (with Redis) for the other routers."""
+        self.pending.record(replica_id, block_hashes, ttl_s)
+        share = getattr(self.fleet, "share", None)
+        if share is not None and self.fleet.available:
+            share.publish(replica_id, block_hashes, ttl_s)
+
+    def metric_lines(self) -> list[str]:
+        """Prometheus lines for routing-time affinity and reaping (``/metrics`` appends them)."""
+        lines = ["# HELP pagoda:router_prefix_match_tokens prompt tokens matched on the chosen replica, by kind",
+                 "# TYPE pagoda:router_prefix_match_tokens counter",
+                 *(f'pagoda:router_prefix_match_tokens{{kind="{kind}"}} {n}'
+                   for kind, n in self.num_match_tokens.items()),
+                 "# TYPE pagoda:router_pending_entries gauge",
+                 f"pagoda:router_pending_entries {self.pending.num_entries}"]
+        if self.fleet is not None:
+            lines += ["# HELP pagoda:router_reaped_replicas_total expired replicas whose index entries this router removed",
+                      "# TYPE pagoda:router_reaped_replicas_total counter",
+                      f"pagoda:router_reaped_replicas_total {getattr(self.fleet, 'num_reaped', 0)}"]
+        return lines
 
     def release(self, decision: Decision) -> None:
         """End a decision's in-flight count (idempotent)."""
