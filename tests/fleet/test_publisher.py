@@ -116,6 +116,35 @@ def test_redis_down_never_blocks_and_resyncs_when_back(redis_server, redis_clien
     assert follower.match(hashes) == {"r1": 30}
 
 
+def test_redis_outage_backs_off_and_costs_one_resync(redis_server, redis_client):
+    """15 s of (simulated) outage with the engine still producing events: a few PINGs
+    spaced by exponential backoff, no resync built while Redis is away, exactly one resync
+    when it returns, and seqs that grow by the work done, not by the attempts."""
+    clock = Clock()
+    pub = make_publisher(redis_server.client(), clock=clock, retry_initial_s=0.1, retry_max_s=5.0)
+    hashes = chain(60)
+    pub.submit_events(wrap([BlockStored(hashes[:20], None, [0] * 80, 4)]))
+    assert pub.run_once() == pub.flush_interval_s and pub.num_resyncs == 1
+    seq_before = pub._next_seq
+    redis_server.stop()
+    outage, attempts = 0.0, 0
+    while outage < 15.0:
+        i = 20 + attempts
+        pub.submit_events(wrap([BlockStored([hashes[i]], hashes[i - 1], [0] * 4, 4)], first_seq=i - 19))
+        delay = pub.run_once()
+        clock.now += delay
+        outage += delay
+        attempts += 1
+    assert 6 <= attempts <= 16, attempts  # every 20 ms it would have been 750
+    assert pub.num_failed_flushes == attempts and pub.num_probes == attempts - 1
+    assert pub.num_resyncs == 1 and pub._next_seq == seq_before + 1  # only the batch that failed
+    redis_server.start()  # restarted empty
+    assert pub.run_once() == pub.flush_interval_s and pub.is_connected
+    assert pub.num_resyncs == 2 and pub._next_seq == seq_before + 1 + 1 + 20 + attempts
+    assert PrefixIndex(redis_server.client(), MODEL).match(hashes) == {"r1": 20 + attempts}
+    assert pub.run_once() == pub.flush_interval_s and pub.num_resyncs == 2  # one resync, not more
+
+
 def test_resync_after_failure_supersedes_a_batch_that_may_have_landed(redis_client):
     """A flush that fails after Redis applied it must not leave a follower skipping the
     resync batch as a duplicate: failed batches still consume their seqs."""

@@ -493,9 +493,13 @@ class IndexFollower:
             self._thread = None
 
     def _run(self) -> None:
+        from pagoda.fleet.retry import RateLimitedLog
+
+        log = RateLimitedLog(logger, interval_s=30.0)
         while not self._stop.is_set():
             try:
                 self.poll(block_ms=self.poll_block_ms)
+                log.reset()
             except Exception as exc:  # noqa: BLE001 - Redis down: stay unsynced, retry
-                logger.info("index follower: %s; retrying in %.1fs", exc, self.retry_interval_s)
+                log.info("index follower: %s; retrying every %.1fs", exc, self.retry_interval_s)
                 self._stop.wait(self.retry_interval_s)

@@ -24,6 +24,13 @@ next flush publishes a *resync* batch, ``AllBlocksCleared`` followed by one
 Sequence numbers in Redis are the publisher's own, per epoch (see ``pagoda.fleet.keys``);
 a failed flush still consumes its numbers, so a batch that did land is never followed by
 a different batch reusing its seqs.
+
+Redis outages. After a failed flush the thread retries with exponential backoff and
+jitter (``retry_initial_s`` doubling to ``retry_max_s``, ``pagoda.fleet.retry.Backoff``)
+instead of every ``flush_interval_s``, and each retry is a ``PING`` first: the resync
+batch is built (and seqs consumed) only once Redis answers, so an outage of any length
+costs one resync when Redis returns, not one per attempt. Failures are logged at once and
+then at most every 30 s (with a count); the recovery is logged once.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from typing import Any, Callable, Optional, Sequence
 from pagoda.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from pagoda.fleet import keys
 from pagoda.fleet.index import PrefixIndex, make_redis_client
+from pagoda.fleet.retry import Backoff, RateLimitedLog
 
 logger = logging.getLogger(__name__)
 
@@ -61,12 +69,14 @@ class Publisher:
         max_pending_events: bound on events waiting for Redis before a resync replaces them.
         stream_maxlen: about how many batches the events stream keeps.
         redis_client: use this client instead of building one from ``redis_url``.
+        retry_initial_s, retry_max_s: the backoff between attempts while Redis fails.
     """
 
     def __init__(self, redis_url: str, model_id: str, replica_id: str, endpoints: dict[str, str],
                  heartbeat_interval_s: float = 1.0, ttl_s: float = 5.0, clock: Callable[[], float] = time.time,
                  *, hash_model_id: Optional[str] = None, block_size: int = 0, flush_interval_s: float = 0.02,
-                 max_pending_events: int = 50_000, stream_maxlen: int = 10_000, redis_client: Any = None) -> None:
+                 max_pending_events: int = 50_000, stream_maxlen: int = 10_000, redis_client: Any = None,
+                 retry_initial_s: float = 0.1, retry_max_s: float = 5.0) -> None:
         keys.check_replica_id(replica_id)
         if ttl_s <= heartbeat_interval_s:
             raise ValueError(f"ttl_s ({ttl_s}) must exceed heartbeat_interval_s ({heartbeat_interval_s})")
@@ -96,6 +106,8 @@ class Publisher:
         self._next_heartbeat = float("-inf")
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
+        self.backoff = Backoff(retry_initial_s, retry_max_s)
+        self._log = RateLimitedLog(logger, interval_s=30.0)
 
         self.is_connected = False
         self.num_dropped_events = 0
@@ -103,6 +115,7 @@ class Publisher:
         self.num_failed_flushes = 0
         self.num_flushes = 0
         self.num_resyncs = 0
+        self.num_probes = 0  # PINGs sent while Redis was failing
 
     # ------------------------------------------------------- the engine thread
     def submit_events(self, events: Sequence[KVEvent]) -> None:
@@ -169,6 +182,13 @@ class Publisher:
             next flush then resyncs). Never raises for Redis errors.
         """
         now = self.clock()
+        if self.num_failed_flushes and not self.is_connected:
+            try:  # cheap probe first: build the resync only once Redis answers
+                self.num_probes += 1
+                self.client.ping()
+            except Exception as exc:  # noqa: BLE001
+                self._failed(exc)
+                return False
         batch, resync, stats = self._take_batch()
         heartbeat_due = now >= self._next_heartbeat
         if not batch and not heartbeat_due:
@@ -186,17 +206,29 @@ class Publisher:
         except Exception as exc:  # noqa: BLE001 - any Redis failure: resync later
             with self._lock:
                 self._needs_resync = True
-            if self.is_connected or self.num_failed_flushes == 0:
-                logger.warning("fleet publisher: Redis write failed (%s); will resync", exc)
-            self.is_connected = False
-            self.num_failed_flushes += 1
+            self._failed(exc)
             return False
         self.num_resyncs += int(resync)
         self.num_flushes += 1
+        if not self.is_connected and self.num_failed_flushes:
+            logger.info("fleet publisher: Redis answers again; resynced %d blocks", len(batch) - 1)
+            self._log.reset()
         self.is_connected = True
         if heartbeat_due:
             self._next_heartbeat = now + self.heartbeat_interval_s
         return True
+
+    def _failed(self, exc: BaseException) -> None:
+        self._log.warning("fleet publisher: Redis write failed (%s); retrying with backoff, will resync", exc)
+        self.is_connected = False
+        self.num_failed_flushes += 1
+
+    def run_once(self) -> float:
+        """One flush; returns the seconds to wait before the next (backoff while Redis fails)."""
+        if self.flush() or self.is_connected or not self.num_failed_flushes:
+            self.backoff.reset()
+            return self.flush_interval_s
+        return self.backoff.next_delay()
 
     def heartbeat_fields(self, stats: Any, now: float) -> dict[str, str]:
         """The heartbeat hash (see ``pagoda.fleet.keys``) for ``stats`` at ``now``."""
@@ -257,8 +289,7 @@ class Publisher:
 
     def _run(self) -> None:
         while True:
-            self.flush()
-            if self._stop.wait(self.flush_interval_s):
+            if self._stop.wait(self.run_once()):
                 self.flush()
                 return
 

@@ -94,22 +94,68 @@ class Replica:
     id_from_registry: bool = False
     _grpc_stub: Any = field(default=None, repr=False)
     _grpc_channel: Any = field(default=None, repr=False)
+    _probe_stub: Any = field(default=None, repr=False)
+    _probe_channel: Any = field(default=None, repr=False)
 
     def grpc_stub(self) -> Any:
         """A ``GRPCInferenceServiceStub`` on one shared channel (created on first use)."""
         if self._grpc_stub is None:
-            import grpc
-            from tritonclient.grpc import service_pb2_grpc
-
-            options = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
-            self._grpc_channel = grpc.aio.insecure_channel(self.endpoints["grpc"], options=options)
-            self._grpc_stub = service_pb2_grpc.GRPCInferenceServiceStub(self._grpc_channel)
+            self._grpc_channel, self._grpc_stub = _open_channel(self.endpoints["grpc"])
         return self._grpc_stub
 
-    async def close(self) -> None:
+    def probe_stub(self) -> Any:
+        """The stub a health probe uses: the shared one while healthy; while unhealthy, a
+        fresh channel per probe, so a restarted server is seen at the next probe instead
+        of after the old channel's reconnect backoff (gRPC's grows to minutes)."""
+        if self.healthy:
+            return self.grpc_stub()
+        if self._probe_channel is not None:
+            _close_channel_later(self._probe_channel)
+        self._probe_channel, self._probe_stub = _open_channel(self.endpoints["grpc"])
+        return self._probe_stub
+
+    def adopt_probe_channel(self) -> None:
+        """The probe found the replica ready again: its fresh, connected channel becomes the
+        shared one; the old one (likely in reconnect backoff) closes after a grace period
+        that lets any stream still on it end."""
+        if self._probe_channel is None:
+            return
         if self._grpc_channel is not None:
-            await self._grpc_channel.close()
-            self._grpc_channel = self._grpc_stub = None
+            _close_channel_later(self._grpc_channel, grace_s=60.0)
+        self._grpc_channel, self._grpc_stub = self._probe_channel, self._probe_stub
+        self._probe_channel = self._probe_stub = None
+
+    async def close(self) -> None:
+        for channel in (self._grpc_channel, self._probe_channel):
+            if channel is not None:
+                await channel.close()
+        self._grpc_channel = self._grpc_stub = self._probe_channel = self._probe_stub = None
+
+
+# Reconnect quickly: a replica that restarts is back in seconds, and a channel in gRPC's
+# default backoff (1 s growing x1.6 to 120 s) would keep failing long after it is READY.
+_CHANNEL_OPTIONS = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1),
+                    ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+                    ("grpc.max_reconnect_backoff_ms", 2000)]
+
+
+def _open_channel(target: str) -> tuple[Any, Any]:
+    import grpc
+    from tritonclient.grpc import service_pb2_grpc
+
+    channel = grpc.aio.insecure_channel(target, options=_CHANNEL_OPTIONS)
+    return channel, service_pb2_grpc.GRPCInferenceServiceStub(channel)
+
+
+def _close_channel_later(channel: Any, grace_s: float = 0.0) -> None:
+    async def close() -> None:
+        await asyncio.sleep(grace_s)
+        await channel.close()
+
+    try:
+        asyncio.get_running_loop().create_task(close())
+    except RuntimeError:  # no loop running: nothing was opened on one either
+        pass
 
 
 class ReplicaSet:
@@ -203,6 +249,7 @@ class ReplicaSet:
     def mark_healthy(self, replica: Replica) -> None:
         if not replica.healthy:
             logger.info("replica %s is healthy again", replica.replica_id)
+            replica.adopt_probe_channel()
         replica.healthy = True
         replica.unhealthy_reason = ""
 

@@ -176,7 +176,7 @@ class RouterService:
         from tritonclient.grpc import service_pb2
 
         try:
-            response = await replica.grpc_stub().ServerReady(service_pb2.ServerReadyRequest(), timeout=2.0)
+            response = await replica.probe_stub().ServerReady(service_pb2.ServerReadyRequest(), timeout=2.0)
         except grpc.aio.AioRpcError as exc:
             if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 self.router.replicas.mark_unhealthy(replica, f"health probe: {exc.code().name}")
