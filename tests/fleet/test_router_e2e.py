@@ -478,8 +478,38 @@ def test_traces_join_router_and_engine(router, otlp_receiver):
           "router span over OTLP", 10)
 
 
+def test_redis_outage_costs_one_resync_per_replica(published, router, replicas, redis_server):
+    """Redis killed for a few seconds and restarted empty: each publisher backs off, then
+    publishes exactly one resync (its seq grows by one batch of its blocks, not by one
+    resync per 20 ms retry as before)."""
+    from pagoda.fleet import keys
+
+    client = redis_server.client()
+
+    def seqs():
+        return {rid: int(client.get(keys.replica_seq_key(MODEL_NAME, rid)).decode().rpartition(":")[2])
+                for rid in REPLICA_IDS}
+
+    before = seqs()
+    redis_server.stop()
+    time.sleep(3.0)  # the outage itself (real replicas; the 15 s case runs on an injected clock in test_publisher)
+    redis_server.start()
+    client = redis_server.client()
+    _wait(lambda: all(client.exists(keys.replica_seq_key(MODEL_NAME, rid)) for rid in REPLICA_IDS),
+          "both replicas resynced", 30)
+    time.sleep(0.5)
+    after = seqs()
+    for rid in REPLICA_IDS:
+        num_blocks = client.scard(keys.replica_blocks_key(MODEL_NAME, rid))
+        assert after[rid] - before[rid] <= 2 * (num_blocks + 1) + 20, (rid, before, after, num_blocks)
+    _wait(lambda: router.run(lambda: router.service.router.fleet.available), "router sees Redis again", 30)
+
+
+VICTIM: dict[str, str] = {}  # the replica test_replica_dying_mid_stream killed
+
+
 def test_replica_dying_mid_stream(router, replicas):
-    """Last in this module: it kills a replica."""
+    """Kills a replica; the tests after it reap and restart it."""
     import tritonclient.grpc as grpcclient
 
     client = grpcclient.InferenceServerClient(router.grpc_url)
@@ -493,6 +523,7 @@ def test_replica_dying_mid_stream(router, replicas):
     assert error is None
     victim_id = next(r.replica_id for r in router.run(lambda: router.service.router.replicas.all()) if r.in_flight)
     victim = replicas[victim_id]
+    VICTIM["id"] = victim_id
     os.killpg(victim.process.pid, signal.SIGKILL)
     while error is None:
         result, error = results.get(timeout=60)
@@ -507,3 +538,63 @@ def test_replica_dying_mid_stream(router, replicas):
     assert not errors and len(texts) == 3
     survivor = next(rid for rid in REPLICA_IDS if rid != victim_id)
     assert {d["pagoda.replica_id"] for d in decisions(router, since)} == {survivor}
+
+
+def test_dead_replica_is_reaped(router, replicas, redis_server):
+    """Its heartbeat expires (TTL 3 s) and the router's periodic reap removes its index
+    entries, registry entry and pending affinity; the reap is counted in /metrics."""
+    from pagoda.fleet import keys
+    from pagoda.fleet.index import PrefixIndex
+
+    victim_id = VICTIM.get("id") or pytest.skip("needs test_replica_dying_mid_stream")
+    client = redis_server.client()
+    _wait(lambda: not client.sismember(keys.registry_key(MODEL_NAME), victim_id), "the victim is reaped", 20)
+    assert PrefixIndex(client, MODEL_NAME).snapshot([victim_id]) == {victim_id: ("", -1, [])}
+    assert not client.exists(keys.replica_blocks_key(MODEL_NAME, victim_id))
+    router_core = router.service.router
+    assert router.run(lambda: router_core.fleet.num_reaped) >= 1
+    assert router.run(lambda: router_core.fleet.follower.local.get_blocks(victim_id)) == set()
+    metrics = urllib.request.urlopen(f"http://{router.http_url}/metrics", timeout=5).read().decode()
+    assert any(line.startswith("pagoda:router_reaped_replicas_total ") and float(line.split()[1]) >= 1
+               for line in metrics.splitlines())
+
+
+def test_restarted_replica_is_routable_within_one_health_interval(router, replicas, redis_server, otlp_receiver):
+    """The killed replica restarts under the same id and ports: the router marks it healthy
+    within one health interval (0.5 s here) of its ServerReady, not after the old channel's
+    reconnect backoff."""
+    import tritonclient.grpc as grpcclient
+
+    victim_id = VICTIM.get("id") or pytest.skip("needs test_replica_dying_mid_stream")
+    victim = replicas[victim_id]
+    victim.stop()  # already dead: reaps the process, frees its workdir
+    _, env = _start_replica(victim_id, redis_server.url, otlp_receiver.endpoint, victim.log_path)
+    saved = dict(os.environ)
+    os.environ.update(env)
+    starter = threading.Thread(target=victim.start, daemon=True)
+    try:
+        starter.start()
+        while victim.process is None and starter.is_alive():
+            time.sleep(0.01)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    def server_ready() -> bool:  # a fresh client each time: a reused channel would sit in reconnect backoff
+        probe = grpcclient.InferenceServerClient(victim.grpc_url)
+        try:
+            return probe.is_server_ready(client_timeout=1)
+        except Exception:  # noqa: BLE001 - not up yet
+            return False
+        finally:
+            probe.close()
+
+    _wait(server_ready, "the restarted replica is READY", 600, interval_s=0.05)
+    ready_at = time.monotonic()
+    _wait(lambda: router.run(lambda: router.service.router.replicas.get(victim_id).healthy),
+          "the router marks it healthy", 10, interval_s=0.02)
+    delay = time.monotonic() - ready_at
+    starter.join(60)
+    health_interval = router.service.options.health_interval_s
+    assert delay <= health_interval + 0.5, f"routable {delay:.2f} s after READY"
+    texts, errors = grpc_generate(router.grpc_url, [f"After the restart {i}?" for i in range(4)])
+    assert not errors and len(texts) == 4

@@ -107,3 +107,34 @@ def test_cli_runs_a_tiny_comparison_and_rejects_bad_policies(capsys):
     assert "least_loaded" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         routing.main(["--policies", "fastest"])
+
+
+def test_arrival_processes_bursts_and_ramps():
+    from pagoda.fleet.arrivals import arrivals
+
+    rng = random.Random(0)
+    bursts = arrivals("fanout", 64, 0.8, 10, 0.6, rng, burst_size=8, burst_spread_s=0.05)  # bursts 10 s apart
+    assert len(bursts) == 64 and bursts == sorted(bursts)
+    for t, tenant in bursts:  # every request comes with 7 more of its tenant within 50 ms
+        assert sum(1 for u, other in bursts if other == tenant and abs(u - t) <= 0.05) >= 8
+    diurnal = arrivals("diurnal", 2000, 10.0, 10, 0.6, rng)
+    span = diurnal[-1][0]
+    thirds = [sum(1 for t, _ in diurnal if k * span / 3 <= t < (k + 1) * span / 3) for k in range(3)]
+    assert thirds[1] > 1.5 * thirds[0] and thirds[1] > 1.5 * thirds[2]  # quiet, peak, quiet
+    assert 0.8 < 2000 / span / 10.0 < 1.25  # the mean rate is the one asked for
+    ramp = arrivals("ramp", 2000, 10.0, 10, 0.6, rng)
+    halves = [sum(1 for t, _ in ramp if (t < ramp[-1][0] / 2) == first) for first in (True, False)]
+    assert halves[1] > 1.5 * halves[0]
+    with pytest.raises(ValueError, match="unknown arrival"):
+        arrivals("bursty", 10, 1.0, 2, 0.6, rng)
+
+
+def test_fanout_bursts_need_routing_time_affinity():
+    """Bursts of 8 same-tenant requests: the KV-event index learns a prefix only after its
+    first request's prefill, so precise splits bursts; with pending affinity they stay together."""
+    results = routing.run_comparison([4], ["precise", "prefix_aware", "approximate"], rate_per_replica=0.5,
+                                     requests_per_replica=40, seed=1, arrivals=["fanout"])
+    precise, combined, approximate = results
+    assert combined.hit_rate > precise.hit_rate + 0.1 and approximate.hit_rate > precise.hit_rate
+    assert combined.percentile(0.9) < precise.percentile(0.9)
+    assert "fanout" in routing.format_table(results)

@@ -1,12 +1,15 @@
 """``pagoda bench routing``: routing policies compared in a calibrated fleet simulator.
 
-Default: for N = 2, 8, 32 simulated replicas (``pagoda.fleet.sim``: the real scheduler
-and block pool, a step-time model fitted to the real engine), replay the multi-tenant
-shared-prefix workload (``max(24, 6 * N)`` tenants with 1024-token system prompts,
-Zipf popularity, Poisson arrivals at ``--rate-per-replica * N``; the tenants' prompts
-need 1.5x (N <= 4) to 12x (N = 32) one replica's KV capacity) under random, round_robin,
-least_loaded and prefix_aware, and print P50/P90 TTFT, output throughput and prefix
-hit rate per policy.
+Default: the routing ladder. For N = 8, 16, 32 simulated replicas (``pagoda.fleet.sim``:
+the real scheduler and block pool, a step-time model fitted to the real engine), replay
+the multi-tenant shared-prefix workload (``max(24, 6 * N)`` tenants with 1024-token
+system prompts, Zipf popularity, ``--rate-per-replica * N`` requests per second; the
+tenants' prompts need 3x (N = 8) to 12x (N = 32) one replica's KV capacity) under each
+arrival process of ``--arrivals`` (``pagoda.fleet.arrivals``: poisson, fanout bursts of 8
+same-tenant requests, diurnal) and each policy of the ladder: random, least_loaded
+("load"), approximate (routing-time affinity only), precise (KV events only) and
+prefix_aware (both); print P50/P90 TTFT, P90 relative to random, output throughput and
+prefix hit rate per (arrival, N, policy).
 
 Other modes:
   --calibrate      time the real engine (SmolLM2 on this machine) over prefill and decode
@@ -26,51 +29,59 @@ import random
 import time
 from typing import Callable, Optional, Sequence
 
+from pagoda.fleet.arrivals import ARRIVALS
 from pagoda.fleet.policy import POLICIES, Policy, ReplicaState, RoutingRequest, make_policy
 from pagoda.fleet.sim import (
     DEFAULT_STEP_MODEL, FleetSimulator, ReplicaConfig, SimResult, StepTimeModel, WorkloadConfig, make_workload,
 )
 
-POLICY_ORDER = ("random", "round_robin", "least_loaded", "prefix_aware")
+POLICY_ORDER = ("random", "least_loaded", "approximate", "precise", "prefix_aware")
+ARRIVAL_ORDER = ("poisson", "fanout", "diurnal")
 
 
 def workload_for(num_replicas: int, rate_per_replica: float, requests_per_replica: int, seed: int,
-                 tenants_per_replica: int = 6, min_tenants: int = 24) -> WorkloadConfig:
+                 tenants_per_replica: int = 6, min_tenants: int = 24, arrival: str = "poisson") -> WorkloadConfig:
     """``max(min_tenants, tenants_per_replica * N)`` tenants: their system prompts (68 blocks
     each) exceed one replica's 1024 blocks at every N, but fit in the fleet's aggregate."""
     num_tenants = max(min_tenants, tenants_per_replica * num_replicas)
     return WorkloadConfig(num_tenants=num_tenants, arrival_rate=rate_per_replica * num_replicas,
-                          num_requests=requests_per_replica * num_replicas, seed=seed)
+                          num_requests=requests_per_replica * num_replicas, seed=seed, arrival=arrival)
 
 
 def run_comparison(replica_counts: Sequence[int], policies: Sequence[str] = POLICY_ORDER, *,
                    step_model: StepTimeModel = DEFAULT_STEP_MODEL, rate_per_replica: float = 0.4,
-                   requests_per_replica: int = 100, seed: int = 0,
+                   requests_per_replica: int = 100, seed: int = 0, arrivals: Sequence[str] = ("poisson",),
                    replica_config: Optional[ReplicaConfig] = None,
                    on_result: Callable[[SimResult], None] = lambda r: None) -> list[SimResult]:
-    """Simulate every (N, policy) pair on the same workload per N."""
+    """Simulate every (arrival, N, policy) triple; the policies of one (arrival, N) see the same workload."""
     results = []
-    for n in replica_counts:
-        workload = make_workload(workload_for(n, rate_per_replica, requests_per_replica, seed))
-        for name in policies:
-            knobs = {"seed": seed} if name == "random" else {}
-            sim = FleetSimulator(n, make_policy(name, **knobs), step_model, replica_config or ReplicaConfig())
-            result = sim.run(workload)
-            on_result(result)
-            results.append(result)
+    for arrival in arrivals:
+        for n in replica_counts:
+            workload = make_workload(workload_for(n, rate_per_replica, requests_per_replica, seed, arrival=arrival))
+            for name in policies:
+                knobs = {"seed": seed} if name == "random" else {}
+                sim = FleetSimulator(n, make_policy(name, **knobs), step_model, replica_config or ReplicaConfig())
+                result = sim.run(workload)
+                result.arrival = arrival
+                on_result(result)
+                results.append(result)
     return results
 
 
 def format_table(results: Sequence[SimResult]) -> str:
-    """One row per (N, policy), with P90 TTFT relative to round_robin at the same N."""
-    rr = {r.num_replicas: r.percentile(0.9) for r in results if r.policy == "round_robin"}
-    lines = [f"{'N':>3} {'policy':<13} {'P50 TTFT s':>10} {'P90 TTFT s':>10} {'RR/this P90':>11} "
+    """One row per (arrival, N, policy), with the P90 TTFT of the baseline over this one's at the
+    same (arrival, N): the baseline is ``random`` when it ran, else the first policy listed."""
+    base: dict[tuple[str, int], float] = {}
+    for r in sorted(results, key=lambda r: r.policy != "random"):
+        base.setdefault((r.arrival, r.num_replicas), r.percentile(0.9))
+    lines = [f"{'arrival':<8} {'N':>3} {'policy':<13} {'P50 TTFT s':>10} {'P90 TTFT s':>10} {'base/this P90':>15} "
              f"{'out tok/s':>9} {'hit rate':>8} {'busy':>5} {'preempt':>7}"]
     for r in results:
         p90 = r.percentile(0.9)
-        ratio = rr.get(r.num_replicas, float("nan")) / p90 if p90 > 0 else float("nan")
-        lines.append(f"{r.num_replicas:>3} {r.policy:<13} {r.percentile(0.5):>10.3f} {p90:>10.3f} {ratio:>10.1f}x "
-                     f"{r.throughput:>9.1f} {r.hit_rate:>8.1%} {r.busy_fraction:>5.0%} {r.num_preemptions:>7}")
+        ratio = base.get((r.arrival, r.num_replicas), float("nan")) / p90 if p90 > 0 else float("nan")
+        lines.append(f"{r.arrival:<8} {r.num_replicas:>3} {r.policy:<13} {r.percentile(0.5):>10.3f} {p90:>10.3f} "
+                     f"{ratio:>14.1f}x {r.throughput:>9.1f} {r.hit_rate:>8.1%} {r.busy_fraction:>5.0%} "
+                     f"{r.num_preemptions:>7}")
     return "\n".join(lines)
 
 
@@ -235,10 +246,11 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         return bench_real.main([a for a in argv if a != "--real"])
     p = argparse.ArgumentParser(prog="pagoda bench routing", description=__doc__.split("\n\n")[0])
-    p.add_argument("--replicas", default="2,8,32", help="comma-separated fleet sizes")
+    p.add_argument("--replicas", default="8,16,32", help="comma-separated fleet sizes")
     p.add_argument("--policies", default=",".join(POLICY_ORDER), help=f"of {', '.join(sorted(POLICIES))}")
-    p.add_argument("--rate-per-replica", type=float, default=0.4, help="Poisson arrivals per second per replica")
-    p.add_argument("--requests-per-replica", type=int, default=100)
+    p.add_argument("--arrivals", default=",".join(ARRIVAL_ORDER), help="of poisson, fanout, diurnal, ramp")
+    p.add_argument("--rate-per-replica", type=float, default=0.4, help="mean arrivals per second per replica")
+    p.add_argument("--requests-per-replica", type=int, default=60)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--step-model", help="a JSON written by --calibrate (default: the shipped coefficients)")
     p.add_argument("--calibrate", action="store_true", help="fit the step-time model to the real engine here")
@@ -269,16 +281,20 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         counts = [int(n) for n in args.replicas.split(",") if n]
         policies = [n for n in args.policies.split(",") if n]
+        arrival_kinds = [n for n in args.arrivals.split(",") if n]
         for name in policies:
             make_policy(name)
+        for kind in arrival_kinds:
+            if kind not in ARRIVALS:
+                raise ValueError(f"unknown arrival process {kind!r}; known: {', '.join(ARRIVALS)}")
     except ValueError as exc:
         p.error(str(exc))
     step_model = StepTimeModel.load(args.step_model) if args.step_model else DEFAULT_STEP_MODEL
     print(f"step model: {step_model.a} + {step_model.b} * tokens + {step_model.c} * context ({step_model.source})")
     start = time.perf_counter()
     results = run_comparison(counts, policies, step_model=step_model, rate_per_replica=args.rate_per_replica,
-                             requests_per_replica=args.requests_per_replica, seed=args.seed,
-                             on_result=lambda r: print(f"  simulated N={r.num_replicas} {r.policy} "
+                             requests_per_replica=args.requests_per_replica, seed=args.seed, arrivals=arrival_kinds,
+                             on_result=lambda r: print(f"  simulated {r.arrival} N={r.num_replicas} {r.policy} "
                                                        f"({time.perf_counter() - start:.0f}s)", flush=True))
     print(format_table(results))
     print(f"({time.perf_counter() - start:.0f}s wall)")

@@ -9,12 +9,15 @@ deploy) would be split across replicas, each prefilling the same prefix.
 So a router remembers where it just sent each prompt: after a decision, every block hash
 of the prompt is recorded as *pending* on the chosen replica for ``ttl_s`` seconds
 (``PendingIndex.record``). ``PendingIndex.match`` answers like the exact index (replica ->
-leading blocks), and the ``prefix_aware`` policy credits pending blocks at a discount
-(``pending_discount``) where the exact index does not already cover them. Confirmation
-needs no bookkeeping: once the replica's KV events reach the index, the exact match covers
-the same blocks at full credit, and the pending entry simply lapses at its TTL. An entry
-that is never confirmed (the request failed, the blocks were evicted at once) costs at
-most ``ttl_s`` of misplaced, discounted credit.
+leading blocks, counting the replica's confirmed leading blocks too, so a prefix whose
+first chunks are prefilled keeps its pending tail), and the ``prefix_aware`` policy
+credits pending blocks at a discount (``pending_discount``) where the exact index does not
+already cover them. Confirmation: when the replica's KV events reach the router's index
+(``IndexFollower`` in the router, the replicas' events in the simulator), ``confirm``
+drops the pending entries of the blocks they store or remove; from then on the exact index
+alone speaks for them, evictions included. An entry that is never confirmed (the request
+failed, it is still queued) lapses at its TTL: at most ``ttl_s`` of misplaced, discounted
+credit.
 
 Several routers share their decisions through one Redis stream (``keys.routed_stream_key``,
 ``AffinityShare``): each decision is appended (off the request path, by a background
@@ -35,7 +38,7 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 from pagoda.fleet import keys
 from pagoda.fleet.retry import Backoff, RateLimitedLog
@@ -72,29 +75,52 @@ class PendingIndex:
                     heapq.heappush(self._expiries, (expiry, h, replica_id))
             self.num_recorded += 1
 
-    def match(self, block_hashes: Sequence[str], now: Optional[float] = None) -> dict[str, int]:
-        """Leading pending blocks per replica (the exact index's ``match`` semantics)."""
+    def match(self, block_hashes: Sequence[str], now: Optional[float] = None,
+              confirmed: Optional[Mapping[str, int]] = None) -> dict[str, int]:
+        """Leading blocks per replica that are pending there, or confirmed (the exact
+        index's ``confirmed[r]`` leading blocks) and then pending: a prefix whose first
+        chunks were prefilled and confirmed keeps its pending tail. Replicas whose run
+        does not reach past ``confirmed`` are left out."""
         now = self.clock() if now is None else now
+        confirmed = confirmed or {}
         matched: dict[str, int] = {}
+        if not block_hashes:
+            return matched
         with self._lock:
-            alive: Optional[set[str]] = None
-            for i, h in enumerate(block_hashes):
-                owners = self._owners.get(h)
-                live = {r for r, expiry in owners.items() if expiry > now} if owners else set()
-                alive = live if alive is None else alive & live
-                if not alive:
-                    break
-                for r in alive:
-                    matched[r] = i + 1
+            first = self._owners.get(block_hashes[0], {})
+            candidates = {r for r, expiry in first.items() if expiry > now} | set(confirmed)
+            for r in candidates:
+                start = k = min(confirmed.get(r, 0), len(block_hashes))
+                while k < len(block_hashes) and self._owners.get(block_hashes[k], {}).get(r, -1.0) > now:
+                    k += 1
+                if k > start:
+                    matched[r] = k
         return matched
+
+    def confirm(self, replica_id: str, events: Iterable[Any]) -> None:
+        """A replica's KV events arrived: its stored or removed blocks stop being pending
+        there (the exact index now knows them); ``AllBlocksCleared`` drops all of its."""
+        with self._lock:
+            for event in events:
+                e = event if isinstance(event, Mapping) else event.to_dict()
+                if e["type"] == "AllBlocksCleared":
+                    self._remove_replica(replica_id)
+                    continue
+                for h in e.get("block_hashes", ()):
+                    owners = self._owners.get(h)
+                    if owners is not None and owners.pop(replica_id, None) is not None and not owners:
+                        del self._owners[h]
 
     def remove_replica(self, replica_id: str) -> None:
         """Forget every pending entry of a replica (it left, died or was reaped)."""
         with self._lock:
-            for h in [h for h, owners in self._owners.items() if replica_id in owners]:
-                del self._owners[h][replica_id]
-                if not self._owners[h]:
-                    del self._owners[h]
+            self._remove_replica(replica_id)
+
+    def _remove_replica(self, replica_id: str) -> None:
+        for h in [h for h, owners in self._owners.items() if replica_id in owners]:
+            del self._owners[h][replica_id]
+            if not self._owners[h]:
+                del self._owners[h]
 
     @property
     def num_entries(self) -> int:

@@ -96,6 +96,7 @@ class Replica:
     _grpc_channel: Any = field(default=None, repr=False)
     _probe_stub: Any = field(default=None, repr=False)
     _probe_channel: Any = field(default=None, repr=False)
+    _closing: list = field(default_factory=list, repr=False)  # (channel, task) closing after a grace period
 
     def grpc_stub(self) -> Any:
         """A ``GRPCInferenceServiceStub`` on one shared channel (created on first use)."""
@@ -121,15 +122,21 @@ class Replica:
         if self._probe_channel is None:
             return
         if self._grpc_channel is not None:
-            _close_channel_later(self._grpc_channel, grace_s=60.0)
+            task = _close_channel_later(self._grpc_channel, grace_s=60.0)
+            self._closing = [(c, t) for c, t in self._closing if t is not None and not t.done()]
+            self._closing.append((self._grpc_channel, task))
         self._grpc_channel, self._grpc_stub = self._probe_channel, self._probe_stub
         self._probe_channel = self._probe_stub = None
 
     async def close(self) -> None:
-        for channel in (self._grpc_channel, self._probe_channel):
+        for channel, task in self._closing:
+            if task is not None:
+                task.cancel()
+        for channel in (self._grpc_channel, self._probe_channel, *(c for c, _ in self._closing)):
             if channel is not None:
                 await channel.close()
         self._grpc_channel = self._grpc_stub = self._probe_channel = self._probe_stub = None
+        self._closing = []
 
 
 # Reconnect quickly: a replica that restarts is back in seconds, and a channel in gRPC's
@@ -147,15 +154,15 @@ def _open_channel(target: str) -> tuple[Any, Any]:
     return channel, service_pb2_grpc.GRPCInferenceServiceStub(channel)
 
 
-def _close_channel_later(channel: Any, grace_s: float = 0.0) -> None:
+def _close_channel_later(channel: Any, grace_s: float = 0.0) -> Optional[asyncio.Task]:
     async def close() -> None:
         await asyncio.sleep(grace_s)
         await channel.close()
 
     try:
-        asyncio.get_running_loop().create_task(close())
+        return asyncio.get_running_loop().create_task(close())
     except RuntimeError:  # no loop running: nothing was opened on one either
-        pass
+        return None
 
 
 class ReplicaSet:

@@ -305,8 +305,9 @@ class Router:
             block_hashes=analysis.block_hashes if analysis else [],
             num_prompt_tokens=analysis.num_prompt_tokens if analysis else 0,
             block_size=analysis.block_size if analysis else self.block_size,
-            matched_blocks=matched or {},
-            pending_blocks=self.pending.match(analysis.block_hashes) if uses_pending else {})
+            matched_blocks=matched or {})
+        if uses_pending:
+            request.pending_blocks = self.pending.match(request.block_hashes, confirmed=request.matched_blocks)
         try:
             chosen = policy.choose(states, request)
         except NoReplicaError as exc:

@@ -11,8 +11,10 @@ over). ``a, b, c`` come from ``pagoda bench routing --calibrate``, which times t
 engine (``StepTimeModel``). The router is the real one's decision path: prompts are
 hashed with ``pagoda.engine.block_hash.hash_prompt_blocks``; the prefix index is a
 ``LocalIndex`` fed with each replica's own block events after every step (what the
-Redis index and ``IndexFollower`` hold, minus network delay); the policy objects are
-those of ``pagoda.fleet.policy``. The router's load view mirrors production: heartbeat
+Redis index and ``IndexFollower`` hold, minus network delay); routing-time affinity is
+the router's ``PendingIndex`` on the simulated clock (recorded after each decision of a
+policy with ``uses_pending``); the policy objects are those of ``pagoda.fleet.policy``.
+Arrivals come from ``pagoda.fleet.arrivals`` (poisson, fanout bursts, diurnal, ramp). The router's load view mirrors production: heartbeat
 fields (waiting, running, KV usage) refreshed every ``heartbeat_interval_s``, plus an
 exact ``in_flight`` count of its own requests.
 
@@ -35,6 +37,8 @@ from pagoda.engine.block_hash import hash_prompt_blocks
 from pagoda.engine.request import Request
 from pagoda.engine.sampling_params import SamplingParams
 from pagoda.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pagoda.fleet.affinity import PendingIndex
+from pagoda.fleet.arrivals import arrivals, zipf_weights
 from pagoda.fleet.index import LocalIndex
 from pagoda.fleet.policy import Policy, ReplicaState, RoutingRequest
 
@@ -69,10 +73,12 @@ DEFAULT_STEP_MODEL = StepTimeModel(a=0.05, b=0.0018, c=0.00004, source="docs/fle
 
 @dataclass(frozen=True)
 class WorkloadConfig:
-    """A multi-tenant shared-prefix workload with Poisson arrivals.
+    """A multi-tenant shared-prefix workload.
 
     Each tenant has its own system prompt; a request is that prompt plus a fresh user
-    turn. Tenant popularity is Zipf(``zipf_s``) so a few tenants are hot.
+    turn. Tenant popularity is Zipf(``zipf_s``) so a few tenants are hot. ``arrival``
+    names the process (``pagoda.fleet.arrivals``): poisson, fanout (bursts of
+    ``burst_size`` same-tenant requests), diurnal or ramp; ``arrival_rate`` is its mean.
     """
 
     num_tenants: int = 48
@@ -84,6 +90,8 @@ class WorkloadConfig:
     num_requests: int = 800
     zipf_s: float = 0.6
     seed: int = 0
+    arrival: str = "poisson"
+    burst_size: int = 8
 
 
 @dataclass(frozen=True)
@@ -99,14 +107,22 @@ def make_workload(cfg: WorkloadConfig) -> list[SimRequest]:
     """The same request list for the same config on every machine."""
     rng = random.Random(cfg.seed)
     prompts = [[rng.randrange(1000, 30000) for _ in range(cfg.system_prompt_tokens)] for _ in range(cfg.num_tenants)]
-    weights = [1.0 / (k + 1) ** cfg.zipf_s for k in range(cfg.num_tenants)]
-    now = 0.0
+    def user_turn() -> list[int]:
+        return [rng.randrange(1000, 30000) for _ in range(rng.randint(cfg.min_user_tokens, cfg.max_user_tokens))]
+
     requests = []
-    for i in range(cfg.num_requests):
-        now += rng.expovariate(cfg.arrival_rate)
-        tenant = rng.choices(range(cfg.num_tenants), weights)[0]
-        user = [rng.randrange(1000, 30000) for _ in range(rng.randint(cfg.min_user_tokens, cfg.max_user_tokens))]
-        requests.append(SimRequest(f"q{i}", now, tenant, prompts[tenant] + user, cfg.output_tokens))
+    if cfg.arrival == "poisson":  # drawn interleaved, as before the other processes existed (same lists per seed)
+        weights = zipf_weights(cfg.num_tenants, cfg.zipf_s)
+        now = 0.0
+        for i in range(cfg.num_requests):
+            now += rng.expovariate(cfg.arrival_rate)
+            tenant = rng.choices(range(cfg.num_tenants), weights)[0]
+            requests.append(SimRequest(f"q{i}", now, tenant, prompts[tenant] + user_turn(), cfg.output_tokens))
+        return requests
+    times = arrivals(cfg.arrival, cfg.num_requests, cfg.arrival_rate, cfg.num_tenants, cfg.zipf_s, rng,
+                     burst_size=cfg.burst_size)
+    for i, (now, tenant) in enumerate(times):
+        requests.append(SimRequest(f"q{i}", now, tenant, prompts[tenant] + user_turn(), cfg.output_tokens))
     return requests
 
 
@@ -168,6 +184,7 @@ class SimResult:
     num_preemptions: int
     num_requests: int
     busy_fraction: float
+    arrival: str = "poisson"
 
     def percentile(self, q: float) -> float:
         values = sorted(self.ttfts)
@@ -205,6 +222,8 @@ class FleetSimulator:
         cfg = self.replica_config
         replicas = {f"r{i:02d}": SimReplica(f"r{i:02d}", cfg, self.step_model) for i in range(self.num_replicas)}
         index = LocalIndex()
+        clock_now = [0.0]
+        pending = PendingIndex(clock=lambda: clock_now[0])
         states = {rid: ReplicaState(rid) for rid in replicas}
         tracking: dict[str, _Tracking] = {}
         heap: list = []
@@ -224,6 +243,7 @@ class FleetSimulator:
         end_time = 0.0
         while heap and num_left:
             now, _, kind, payload = heapq.heappop(heap)
+            clock_now[0] = now
             if kind == "heartbeat":
                 for rid, replica in replicas.items():
                     s = replica.scheduler
@@ -231,7 +251,7 @@ class FleetSimulator:
                     states[rid].kv_usage = s.kv_cache_usage
                 push(now + self.heartbeat_interval_s, "heartbeat", None)
             elif kind == "arrival":
-                rid = self._route(payload, states, index)
+                rid = self._route(payload, states, index, pending)
                 tracking[payload.request_id] = _Tracking(now, rid, measured=int(payload.request_id[1:]) >= num_warmup)
                 replica = replicas[rid]
                 replica.add(payload, now)
@@ -248,7 +268,10 @@ class FleetSimulator:
                         states[track.replica_id].in_flight -= 1
                         num_left -= 1
                         end_time = now
-                index.apply(replica.replica_id, replica.scheduler.take_events())
+                events = replica.scheduler.take_events()
+                index.apply(replica.replica_id, events)
+                if getattr(self.policy, "uses_exact", True):
+                    pending.confirm(replica.replica_id, (e.event for e in events))
                 self._start(replica, now, push)
         queries = sum(r.scheduler.prefix_cache_queries for r in replicas.values())
         hits = sum(r.scheduler.prefix_cache_hits for r in replicas.values())
@@ -262,12 +285,20 @@ class FleetSimulator:
             num_requests=len(workload),
             busy_fraction=sum(r.busy_time for r in replicas.values()) / (self.num_replicas * max(end_time, 1e-9)))
 
-    def _route(self, request: SimRequest, states: dict[str, ReplicaState], index: LocalIndex) -> str:
+    def _route(self, request: SimRequest, states: dict[str, ReplicaState], index: LocalIndex,
+               pending: PendingIndex) -> str:
         block_size = self.replica_config.block_size
         hashes = [h.hex() for h in hash_prompt_blocks(request.token_ids, block_size, SIM_MODEL_ID)]
-        routing = RoutingRequest(request.request_id, hashes, len(request.token_ids), block_size, index.match(hashes))
+        uses_pending = bool(getattr(self.policy, "uses_pending", False))
+        routing = RoutingRequest(request.request_id, hashes, len(request.token_ids), block_size,
+                                 index.match(hashes) if getattr(self.policy, "uses_exact", True) else {},
+                                 {})
+        if uses_pending:
+            routing.pending_blocks = pending.match(hashes, confirmed=routing.matched_blocks)
         chosen = self.policy.choose(list(states.values()), routing)
         chosen.in_flight += 1  # the router's optimistic accounting, as the real router does
+        if uses_pending:
+            pending.record(chosen.replica_id, hashes, self.policy.pending_ttl_s)
         return chosen.replica_id
 
     @staticmethod
