@@ -66,17 +66,47 @@ def test_pending_entries_match_like_the_index_and_expire():
     assert pending.match(["h1"]) == {}
 
 
+def test_kv_events_confirm_pending_entries_and_keep_the_pending_tail(redis_server, redis_client):
+    """The first chunk of a prefix is prefilled: its events (through a real follower)
+    confirm those blocks, the rest stays pending, and the match spans both."""
+    from pagoda.engine.kv_events import BlockRemoved, BlockStored
+    from pagoda.fleet.index import IndexFollower, PrefixIndex
+
+    clock = Clock()
+    pending = PendingIndex(clock)
+    hashes = [f"{i:064x}" for i in range(1, 7)]
+    pending.record("a", hashes, ttl_s=10)
+    follower = IndexFollower(redis_client, "m")
+    follower.on_events = pending.confirm
+    follower.sync()
+    PrefixIndex(redis_client, "m").apply("a", [BlockStored(hashes[:2], None, [0] * 8, 4)], epoch="e", first_seq=0)
+    follower.poll()
+    confirmed = follower.match(hashes)
+    assert confirmed == {"a": 2}
+    assert pending.match(hashes) == {}  # block 0 is no longer pending: the index speaks for it
+    assert pending.match(hashes, confirmed=confirmed) == {"a": 6}
+    pending.confirm("a", [BlockRemoved(hashes[2:3]).to_dict()])  # evicted before anyone used it
+    assert pending.match(hashes, confirmed=confirmed) == {}
+    pending.confirm("a", [{"type": "AllBlocksCleared"}])
+    assert pending.num_entries == 0
+
+
 def test_pending_credit_is_discounted_and_policies_pick_their_signals():
-    request = RoutingRequest("q", [], 512, 16, matched_blocks={"a": 16}, pending_blocks={"a": 16, "b": 32})
+    # Nobody holds the prefix yet: pending is the only witness, at a discount.
+    fresh = RoutingRequest("q", [], 512, 16, matched_blocks={}, pending_blocks={"b": 32})
     combined = PrefixAwarePolicy()
-    assert combined.cached_tokens(request, "a") == 256  # pending adds nothing where exact covers it
-    assert combined.cached_tokens(request, "b") == pytest.approx(0.8 * 512)
-    assert make_policy("precise").cached_tokens(request, "b") == 0 and not make_policy("precise").uses_pending
-    approximate = make_policy("approximate")
-    assert approximate.cached_tokens(request, "a") == 256 and approximate.cached_tokens(request, "b") == 512
-    fleet = [ReplicaState("a"), ReplicaState("b")]
-    assert combined.choose(fleet, request).replica_id == "b"
-    assert make_policy("precise").choose(fleet, request).replica_id == "a"
+    assert combined.cached_tokens(fresh, "b") == pytest.approx(0.8 * 512)
+    fleet = [ReplicaState("a"), ReplicaState("b", running=1)]
+    assert combined.choose(fleet, fresh).replica_id == "b"
+    assert make_policy("precise").choose(fleet, fresh).replica_id == "a" and not make_policy("precise").uses_pending
+    # "a" holds half of it (exact): pending elsewhere counts only beyond what the index knows.
+    known = RoutingRequest("q", [], 512, 16, matched_blocks={"a": 16}, pending_blocks={"a": 16, "b": 32})
+    assert combined.cached_tokens(known, "a") == 256  # pending adds nothing where exact covers it
+    assert combined.cached_tokens(known, "b") == pytest.approx(0.8 * (512 - 256))
+    assert combined.choose([ReplicaState("a"), ReplicaState("b")], known).replica_id == "a"
+    approximate = make_policy("approximate")  # its own history only: the index is ignored
+    assert approximate.cached_tokens(known, "a") == 256 and approximate.cached_tokens(known, "b") == 512
+    assert make_policy("precise").cached_tokens(known, "b") == 0
     with pytest.raises(ValueError, match="pending_ttl_s"):
         make_policy("approximate", pending_ttl_s=0)
 

@@ -16,7 +16,9 @@ wall time, and how the requests split over the replicas.
 with the index read from Redis per request (``direct``) and from the stream-fed mirror
 (``follower``), against a real Redis holding eight replicas' worth of index entries.
 
-``main`` is what ``pagoda bench routing --real`` runs.
+``main`` is what ``pagoda bench routing --real`` runs: by default the burst comparison of
+``pagoda.fleet.bench_bursts`` (issue 16's workload: sequential, 4 clients, fanout);
+``--workload tenants`` runs ``run_real_comparison`` and the overhead timing.
 """
 
 from __future__ import annotations
@@ -281,10 +283,25 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--prefix-words", type=int, default=300)
     p.add_argument("--requests", type=int, default=36, help="requests per policy")
     p.add_argument("--concurrency", type=int, default=2)
-    p.add_argument("--kv-cache-mib", type=int, default=96, help="each replica's KV cache (small: capacity matters)")
+    p.add_argument("--kv-cache-mib", type=int, default=None,
+                   help="each replica's KV cache (default 96 for tenants: capacity matters; 256 for bursts)")
     p.add_argument("--overhead-only", action="store_true", help="only time routing decisions (no replicas)")
     p.add_argument("--samples", type=int, default=1000, help="decisions timed per index mode")
+    p.add_argument("--workload", default="bursts", choices=("bursts", "tenants"),
+                   help="bursts: issue 16's 5 prefixes x 6 questions, sequential / 4 clients / fanout "
+                        "(pagoda.fleet.bench_bursts); tenants: the multi-tenant capacity comparison")
+    p.add_argument("--patterns", default="sequential,clients4,fanout", help="with --workload bursts")
     args = p.parse_args([a for a in (argv or []) if a != "--real"])
+    if args.workload == "bursts" and not args.overhead_only:
+        from pagoda.fleet import bench_bursts
+
+        policies = [x for x in args.policies.split(",") if x] if args.policies != ",".join(POLICIES) \
+            else list(bench_bursts.BURST_POLICIES)
+        scenarios = bench_bursts.make_scenarios(patterns=[x for x in args.patterns.split(",") if x])
+        rows = bench_bursts.run_burst_comparison(args.redis_url, policies, scenarios,
+                                                 kv_cache_memory_bytes=(args.kv_cache_mib or 256) * 1024 * 1024)
+        print(bench_bursts.format_burst_rows(rows))
+        return 0
     print("router overhead, ~1k-token prompts, 8 replicas in the index (ms):")
     for name, stats in measure_router_overhead(args.redis_url, num_samples=args.samples).items():
         print(f"  {name:<14}" + "  ".join(f"{k}={v:.3f}" for k, v in stats.items()))
@@ -292,7 +309,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     rows = run_real_comparison(args.redis_url, [x for x in args.policies.split(",") if x], args.tenants,
                                args.prefix_words, args.requests, args.concurrency,
-                               kv_cache_memory_bytes=args.kv_cache_mib * 1024 * 1024)
+                               kv_cache_memory_bytes=(args.kv_cache_mib or 96) * 1024 * 1024)
     print(format_rows(rows))
     return 0
 

@@ -37,7 +37,7 @@ import hashlib
 import json
 import logging
 import threading
-from typing import Any, Iterable, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 
 from pagoda.engine.kv_events import BlockEvent, KVEvent
 from pagoda.fleet import keys
@@ -409,6 +409,9 @@ class IndexFollower:
         self.num_replica_resyncs = 0
         self.num_entries_applied = 0
         self._next: dict[str, tuple[str, int]] = {}  # replica -> (epoch, next expected seq)
+        # Called with (replica_id, events) after each applied entry (the router confirms its
+        # pending affinity entries with it); runs on the follower's thread.
+        self.on_events: Optional[Callable[[str, list], None]] = None
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
@@ -470,6 +473,8 @@ class IndexFollower:
         new_epoch = first == 0 and (expected is None or expected[0] != epoch)
         if expected == (epoch, first) or new_epoch:
             self.local.apply(rid, entry["events"])
+            if self.on_events is not None:
+                self.on_events(rid, entry["events"])
             self._next[rid] = (epoch, last + 1)
             self.num_entries_applied += 1
             return 1

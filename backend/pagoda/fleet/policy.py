@@ -40,13 +40,20 @@ Policies
 ``least_loaded``  smallest load; ties: smaller ``kv_usage``, then ``replica_id``.
 ``prefix_aware``  cache-aware with load balance, from both signals ("combined"). For each
     eligible replica ``r``, with ``exact(r)`` and ``pending(r)`` the matched prompt tokens
-    of ``matched_blocks`` and ``pending_blocks`` (each capped at the prompt's length)::
+    of ``matched_blocks`` and ``pending_blocks`` (each capped at the prompt's length) and
+    ``known = max over all replicas of exact``::
 
-        cached(r)   = exact(r) + pending_discount * max(0, pending(r) - exact(r))
+        cached(r)   = exact(r) + pending_discount * max(0, pending(r) - max(exact(r), known))
         uncached(r) = num_prompt_tokens - cached(r)
         cost(r)     = uncached(r) + load_cost_tokens * load(r)
 
-    and the replica with the smallest cost wins (ties: smaller load, then
+    Pending credit counts only beyond the longest exact match anywhere: pending ownership
+    predicts where a prefix the index does not know yet is being computed (a burst's first
+    request); where the index already knows the prefix, it is the better witness, and a
+    replica that was merely sent the prefix (a guard spill still queued) must not draw the
+    prefix's traffic away from the replica that holds it.
+
+    The replica with the smallest cost wins (ties: smaller load, then
     ``replica_id``, so the choice is deterministic). ``cost`` is in prompt tokens: the
     prefill work this request would cost on ``r`` plus a token-equivalent price for the
     queue it joins. A long cached prefix therefore outweighs a few queued requests, while
@@ -204,7 +211,8 @@ class PrefixAwarePolicy:
         exact = request.matched_tokens(replica_id) if self.uses_exact else 0
         if not self.uses_pending:
             return exact
-        return exact + self.pending_discount * max(0, request.pending_tokens(replica_id) - exact)
+        known = max(map(request.matched_tokens, request.matched_blocks), default=0) if self.uses_exact else 0
+        return exact + self.pending_discount * max(0, request.pending_tokens(replica_id) - max(exact, known))
 
     def choose(self, replicas: Sequence[ReplicaState], request: RoutingRequest) -> ReplicaState:
         candidates = eligible(replicas)

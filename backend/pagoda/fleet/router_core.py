@@ -237,6 +237,9 @@ class Router:
         self.num_decisions = 0
         self.num_fallback_decisions = 0
         self.pending = getattr(fleet, "pending", None) or PendingIndex()
+        follower = getattr(fleet, "follower", None)
+        if follower is not None and getattr(self.policy, "uses_exact", False):
+            follower.on_events = self.pending.confirm  # KV events confirm pending entries
         self.num_match_tokens = {"exact": 0, "pending": 0}
 
     # --------------------------------------------------------------- heartbeats
