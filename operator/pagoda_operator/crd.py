@@ -29,8 +29,8 @@ SINGULAR = "llmservice"
 SHORT_NAMES = ["llms"]
 API_VERSION = f"{GROUP}/{VERSION}"
 
-ROUTING_POLICIES = ["prefix_aware", "least_loaded", "round_robin"]
-MODES = ["Deployment", "KServe"]
+ROUTING_POLICIES = ["prefix_aware", "precise", "approximate", "least_loaded", "round_robin"]
+MODES = ["Deployment", "KServe", "KServeLLM"]
 DEFAULT_REDIS_URL = "redis://pagoda-redis:6379/0"
 DEFAULT_KSERVE_RUNTIME = "pagoda"
 
@@ -79,7 +79,9 @@ SPEC_SCHEMA: dict[str, Any] = _obj(
     {
         "mode": _str("Deployment: the operator runs replica Deployments and autoscales them. "
                      "KServe: the operator renders an InferenceService (RawDeployment) "
-                     "against the chart's ServingRuntime.", enum=MODES, default="Deployment"),
+                     "against the chart's ServingRuntime. KServeLLM: the operator renders a "
+                     "KServe LLMInferenceService whose HTTPRoute sends traffic to the pagoda "
+                     "router.", enum=MODES, default="Deployment"),
         "image": _str("Container image holding pagoda (tritonserver + the model repository).",
                       minLength=1),
         "imagePullPolicy": _str("Image pull policy.", enum=["Always", "IfNotPresent", "Never"],
@@ -95,7 +97,7 @@ SPEC_SCHEMA: dict[str, Any] = _obj(
                 "storageUri": _str(
                     "Where the weights are. pvc://<claim>[/<path>] (any mode), "
                     "image:///<path> (baked into the image, Deployment mode), "
-                    "s3:// gs:// hf:// https:// (KServe mode: its storage initializer).",
+                    "s3:// gs:// hf:// https:// (KServe modes: their storage initializer).",
                     pattern=_SCHEMES),
                 "loraAdapters": {
                     "type": "array", "maxItems": 64,
@@ -212,8 +214,14 @@ SPEC_SCHEMA: dict[str, Any] = _obj(
             {
                 "runtime": _str("ServingRuntime name (installed by the chart).",
                                 pattern=_DNS_LABEL, default=DEFAULT_KSERVE_RUNTIME),
+                "gateway": _obj(
+                    {"name": _str("Gateway name.", pattern=_DNS_LABEL, minLength=1),
+                     "namespace": _str("Gateway namespace.", pattern=_DNS_LABEL)},
+                    required=["name"],
+                    description="Mode KServeLLM: the Gateway API Gateway the LLMInferenceService's "
+                                "HTTPRoute attaches to (default: KServe's configured gateway)."),
             },
-            description="Settings for mode KServe.",
+            description="Settings for modes KServe and KServeLLM.",
             default={},
         ),
     },

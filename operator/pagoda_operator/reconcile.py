@@ -3,7 +3,7 @@
 Idempotent: every child is rendered from the spec and `KubeClient.apply`d, which only
 writes when the live object differs. The replica Deployment keeps its live replica count
 (the autoscaler owns it) clamped into [min, max]. Children of the other mode are deleted
-when the mode changes (Deployment <-> KServe). All children carry an owner reference to
+when the mode changes (Deployment, KServe, KServeLLM). All children carry an owner reference to
 the LLMService, so Kubernetes garbage-collects them when it is deleted.
 """
 
@@ -15,6 +15,9 @@ from typing import Any
 from pagoda_operator import naming
 from pagoda_operator.kube import KubeClient, KubeError
 from pagoda_operator.render_kserve import render_inference_service
+from pagoda_operator.render_llmisvc import API_VERSION as LLMISVC_API_VERSION
+from pagoda_operator.render_llmisvc import KIND as LLMISVC_KIND
+from pagoda_operator.render_llmisvc import render_llm_inference_service
 from pagoda_operator.render_policies import render_replica_network_policy, render_replica_pdb
 from pagoda_operator.render_replicas import render_replica_deployment, render_replica_service
 from pagoda_operator.render_router import (render_router_deployment, render_router_role,
@@ -45,18 +48,21 @@ def render_children(svc: LLMService, replicas: int) -> list[dict[str, Any]]:
               render_router_service(svc)]
     if svc.spec.mode == "KServe":
         return [render_inference_service(svc), *router]
+    if svc.spec.mode == "KServeLLM":
+        return [render_llm_inference_service(svc), *router]
     return [render_replica_deployment(svc, replicas), render_replica_service(svc),
             render_replica_network_policy(svc), render_replica_pdb(svc), *router]
 
 
 def stale_children(svc: LLMService) -> list[tuple[str, str, str]]:
-    """(apiVersion, kind, name) of the other mode's children."""
-    if svc.spec.mode == "KServe":
-        return [("apps/v1", "Deployment", naming.replicas_name(svc)),
-                ("v1", "Service", naming.replicas_name(svc)),
-                ("networking.k8s.io/v1", "NetworkPolicy", naming.replicas_name(svc)),
-                ("policy/v1", "PodDisruptionBudget", naming.replicas_name(svc))]
-    return [("serving.kserve.io/v1beta1", "InferenceService", svc.name)]
+    """(apiVersion, kind, name) of the other modes' children."""
+    deployment = [("apps/v1", "Deployment", naming.replicas_name(svc)),
+                  ("v1", "Service", naming.replicas_name(svc)),
+                  ("networking.k8s.io/v1", "NetworkPolicy", naming.replicas_name(svc)),
+                  ("policy/v1", "PodDisruptionBudget", naming.replicas_name(svc))]
+    isvc = [("serving.kserve.io/v1beta1", "InferenceService", svc.name)]
+    llmisvc = [(LLMISVC_API_VERSION, LLMISVC_KIND, svc.name)]
+    return {"KServe": deployment + llmisvc, "KServeLLM": deployment + isvc}.get(svc.spec.mode, isvc + llmisvc)
 
 
 async def reconcile(kube: KubeClient, svc: LLMService) -> ReconcileResult:

@@ -3,7 +3,8 @@
 The router finds replicas with `--k8s-selector` (it lists/watches pods matching the
 replicas' labels in its own namespace), so it gets a ServiceAccount bound to a Role
 that may only get/list/watch pods. In mode KServe it selects the InferenceService's
-pods by KServe's `serving.kserve.io/inferenceservice` label instead.
+pods by KServe's `serving.kserve.io/inferenceservice` label instead; in mode KServeLLM the
+LLMInferenceService's workload labels (render_llmisvc.py).
 
 The router's Service carries the LLMService's own name: it is the endpoint clients use
 (HTTP/OpenAI on 8080, gRPC on 8081).
@@ -29,6 +30,10 @@ def replica_selector(svc: LLMService) -> dict[str, str]:
     """Labels of the pods the router sends requests to."""
     if svc.spec.mode == "KServe":
         return {naming.KSERVE_ISVC_LABEL: svc.name}
+    if svc.spec.mode == "KServeLLM":
+        from pagoda_operator.render_llmisvc import llmisvc_pod_selector
+
+        return llmisvc_pod_selector(svc)
     return naming.selector(svc, "replica")
 
 

@@ -96,6 +96,7 @@ class LLMServiceSpec:
     routing: RoutingSpec = field(default_factory=RoutingSpec)
     redis: RedisSpec = field(default_factory=RedisSpec)
     kserve_runtime: str = crd.DEFAULT_KSERVE_RUNTIME
+    kserve_gateway: dict[str, str] = field(default_factory=dict)  # mode KServeLLM: {name[, namespace]}
 
 
 @dataclass(frozen=True)
@@ -189,9 +190,9 @@ def _check_cross_fields(spec: dict[str, Any]) -> None:
         raise SpecError("spec.model.storageUri",
                         f"scheme {scheme}:// needs mode KServe (its storage initializer "
                         "downloads it); mode Deployment mounts pvc:// or uses image://")
-    if spec["mode"] == "KServe" and scheme == "image":
+    if spec["mode"] in ("KServe", "KServeLLM") and scheme == "image":
         raise SpecError("spec.model.storageUri",
-                        "image:// is only for mode Deployment; KServe needs a storage URI")
+                        f"image:// is only for mode Deployment; {spec['mode']} needs a storage URI")
     if scheme == "pvc" and not re.match(r"^pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/.*)?$",
                                         spec["model"]["storageUri"]):
         raise SpecError("spec.model.storageUri", "must look like pvc://<claim-name>[/<path>]")
@@ -262,6 +263,7 @@ def parse_spec(raw_spec: dict[str, Any]) -> LLMServiceSpec:
                         password_secret_key=secret.get("key", "password"),
                         ca_secret_name=ca_secret.get("name"), ca_secret_key=ca_secret.get("key", "ca.crt")),
         kserve_runtime=spec["kserve"]["runtime"],
+        kserve_gateway=dict(spec["kserve"].get("gateway") or {}),
     )
 
 

@@ -1,0 +1,92 @@
+"""Render a KServe LLMInferenceService (serving.kserve.io/v1alpha2) for `mode: KServeLLM`.
+
+KServe steers LLM users to LLMInferenceService, its llm-d based CRD: KServe's storage
+initializer fetches `spec.model.uri` into /mnt/models, KServe runs the workload pods from
+`spec.template` (container `main`), and its router part wires a Gateway API HTTPRoute,
+optionally through an InferencePool whose endpoint picker (llm-d's EPP, an Envoy
+ext-proc gRPC service) chooses the pod for each request.
+
+How pagoda maps onto it (the closest wiring the CRD supports; see docs/kubernetes.md):
+
+- the replicas are the model server: `spec.template.containers[main]` is the same
+  tritonserver container as mode Deployment (`pagoda serve` on /mnt/models, HTTP 8000,
+  gRPC 8001, metrics 8002, publishing to the fleet's Redis);
+- the pagoda router is the endpoint picker, but not as an EPP: it does not speak the
+  ext-proc protocol, and the pods answer Triton's protocol on 8000, not the OpenAI API the
+  InferencePool path expects. So no `router.scheduler` (no InferencePool, no EPP) is
+  rendered; `router.route.http.spec` sends every path to the pagoda router's Service
+  (rendered by render_router.py, as in the other modes), which picks the replica and
+  serves OpenAI + Triton HTTP/gRPC; `router.gateway.refs` names the Gateway when
+  `spec.kserve.gateway` is set (else KServe's configured default gateway applies);
+- the router finds the pods by the labels KServe puts on an LLMInferenceService's
+  workload (`llmisvc_pod_selector`, the same labels KServe's own InferencePool selects);
+- replicas: `spec.replicas` = `spec.replicas.min` (KServe owns the pods; the built-in
+  autoscaler runs only in mode Deployment).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagoda_operator import naming
+from pagoda_operator.render_replicas import render_replica_container
+from pagoda_operator.spec import LLMService
+
+API_VERSION = "serving.kserve.io/v1alpha2"
+KIND = "LLMInferenceService"
+COMPONENT = "replica"
+# Labels KServe gives the workload pods of an LLMInferenceService (its well-known
+# scheduler config selects the InferencePool's endpoints with exactly these).
+WORKLOAD_LABELS = {"app.kubernetes.io/part-of": "llminferenceservice", "kserve.io/component": "workload"}
+
+
+def llmisvc_pod_selector(svc: LLMService) -> dict[str, str]:
+    """Labels of the workload pods KServe runs for `svc`'s LLMInferenceService."""
+    return {"app.kubernetes.io/name": svc.name, **WORKLOAD_LABELS}
+
+
+def _main_container(svc: LLMService) -> dict[str, Any]:
+    container = render_replica_container(svc)
+    container["name"] = "main"  # KServe merges its template into the container named main
+    args = list(container["args"])
+    args[args.index("--model") + 1] = naming.MODEL_MOUNT  # the storage initializer's output
+    container["args"] = args
+    # KServe mounts the model itself; only the shared-memory volume stays ours.
+    container["volumeMounts"] = [m for m in container.get("volumeMounts", []) if m["name"] == "dshm"]
+    return container
+
+
+def _route(svc: LLMService) -> dict[str, Any]:
+    rule = {
+        "name": "pagoda-router",
+        "matches": [{"path": {"type": "PathPrefix", "value": "/"}}],
+        "backendRefs": [{"kind": "Service", "name": naming.router_service_name(svc),
+                         "port": naming.ROUTER_HTTP_PORT, "weight": 1}],
+        "timeouts": {"request": "0s", "backendRequest": "0s"},  # streams last as long as they last
+    }
+    spec: dict[str, Any] = {"rules": [rule]}
+    gateway = svc.spec.kserve_gateway
+    if gateway:
+        spec["parentRefs"] = [{"group": "gateway.networking.k8s.io", "kind": "Gateway", **gateway}]
+    return {"http": {"spec": spec}}
+
+
+def render_llm_inference_service(svc: LLMService) -> dict[str, Any]:
+    """The serving.kserve.io/v1alpha2 LLMInferenceService for `svc` (module docstring)."""
+    router: dict[str, Any] = {"route": _route(svc)}
+    if svc.spec.kserve_gateway:
+        router["gateway"] = {"refs": [dict(svc.spec.kserve_gateway)]}
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "metadata": naming.metadata(svc, svc.name, COMPONENT),
+        "spec": {
+            "model": {"uri": svc.spec.model.storage_uri, "name": svc.spec.model.name},
+            "replicas": svc.spec.min_replicas,
+            "template": {
+                "containers": [_main_container(svc)],
+                "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory"}}],
+            },
+            "router": router,
+        },
+    }

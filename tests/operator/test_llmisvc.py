@@ -1,0 +1,118 @@
+"""Mode KServeLLM: the LLMInferenceService render, validated against KServe's own CRD
+schema (tests/data/kserve, storage version v1alpha2, tightened to reject unknown fields),
+its pod labels checked against KServe's well-known scheduler config, and the children
+the reconciler applies and deletes."""
+
+from __future__ import annotations
+
+import copy
+import functools
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pagoda_operator import naming
+from pagoda_operator.reconcile import render_children, stale_children
+from pagoda_operator.render_llmisvc import llmisvc_pod_selector, render_llm_inference_service
+from pagoda_operator.render_router import render_router_deployment
+from pagoda_operator.spec import SpecError, parse_llmservice
+
+jsonschema = pytest.importorskip("jsonschema")
+KSERVE = Path(__file__).resolve().parents[1] / "data" / "kserve"
+
+
+def body(**spec):
+    base = {"image": "pagoda:1", "mode": "KServeLLM", "model": {"name": "chat", "storageUri": "hf://org/smollm2"},
+            "replicas": {"min": 2, "max": 4}}
+    base.update(spec)
+    return {"metadata": {"name": "chat", "namespace": "llm", "uid": "u1"}, "spec": base}
+
+
+def tighten(schema: dict) -> dict:
+    """Forbid unknown fields wherever an object lists its properties (strict field validation)."""
+    schema = copy.deepcopy(schema)
+
+    def walk(node):
+        if isinstance(node, dict):
+            if ("properties" in node and "additionalProperties" not in node
+                    and not node.get("x-kubernetes-preserve-unknown-fields")):
+                node["additionalProperties"] = False
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+    walk(schema)
+    return schema
+
+
+@functools.lru_cache(maxsize=None)
+def llmisvc_validator():
+    crd = yaml.safe_load((KSERVE / "serving.kserve.io_llminferenceservices.yaml").read_text())
+    [storage] = [v for v in crd["spec"]["versions"] if v.get("storage")]
+    schema = tighten(storage["schema"]["openAPIV3Schema"])
+    schema["properties"]["metadata"] = {"type": "object"}  # the API server's
+    return f"{crd['spec']['group']}/{storage['name']}", crd["spec"]["names"]["kind"], jsonschema.Draft7Validator(schema)
+
+
+def errors_of(obj: dict) -> list[str]:
+    api_version, kind, validator = llmisvc_validator()
+    assert (obj["apiVersion"], obj["kind"]) == (api_version, kind)
+    return [f"{'.'.join(map(str, e.path))}: {e.message}" for e in validator.iter_errors(obj)]
+
+
+@pytest.mark.parametrize("extra", [{}, {"kserve": {"gateway": {"name": "inference-gw", "namespace": "gw"}}}])
+def test_llm_inference_service_validates_against_kserve_crd(extra):
+    svc = parse_llmservice(body(**extra))
+    isvc = render_llm_inference_service(svc)
+    assert errors_of(isvc) == []
+    spec = isvc["spec"]
+    assert spec["model"] == {"uri": "hf://org/smollm2", "name": "chat"} and spec["replicas"] == 2
+    [main] = spec["template"]["containers"]
+    assert main["name"] == "main" and main["command"] == ["pagoda", "serve"]
+    assert main["args"][main["args"].index("--model") + 1] == "/mnt/models"
+    env = {e["name"] for e in main["env"]}
+    assert {"PAGODA_REDIS_URL", "PAGODA_REPLICA_ID", "PAGODA_MODEL_NAME"} <= env
+    assert "scheduler" not in spec["router"]  # the pagoda router picks the replica, not an EPP
+    [rule] = spec["router"]["route"]["http"]["spec"]["rules"]
+    assert rule["backendRefs"] == [{"kind": "Service", "name": naming.router_service_name(svc),
+                                    "port": naming.ROUTER_HTTP_PORT, "weight": 1}]
+    if extra:
+        assert spec["router"]["gateway"] == {"refs": [{"name": "inference-gw", "namespace": "gw"}]}
+        assert spec["router"]["route"]["http"]["spec"]["parentRefs"][0]["name"] == "inference-gw"
+
+
+def test_the_tightened_schema_rejects_what_kserve_would():
+    isvc = render_llm_inference_service(parse_llmservice(body()))
+    typo = copy.deepcopy(isvc)
+    typo["spec"]["model"]["storageUri"] = typo["spec"]["model"].pop("uri")
+    assert any("storageUri" in e or "uri" in e for e in errors_of(typo))
+    bad_replicas = copy.deepcopy(isvc)
+    bad_replicas["spec"]["replicas"] = "two"
+    assert errors_of(bad_replicas)
+
+
+def test_router_selects_the_pods_kserve_labels_as_workload():
+    """The router's --k8s-selector is the selector KServe's own InferencePool would use."""
+    config = yaml.safe_load((KSERVE / "llmisvcconfig" / "config-llm-scheduler.yaml").read_text())
+    pool_labels = config["spec"]["router"]["scheduler"]["pool"]["spec"]["selector"]["matchLabels"]
+    svc = parse_llmservice(body())
+    ours = llmisvc_pod_selector(svc)
+    assert set(ours) == set(pool_labels)
+    assert {k: v for k, v in pool_labels.items() if "{{" not in v} == {k: ours[k] for k in pool_labels if "{{" not in pool_labels[k]}
+    assert ours["app.kubernetes.io/name"] == svc.name  # the template's {{ .ObjectMeta.Name }}
+    router = render_router_deployment(svc)["spec"]["template"]["spec"]["containers"][0]
+    assert router["args"][1] == naming.selector_string(ours)
+
+
+def test_reconciler_children_and_mode_switches():
+    svc = parse_llmservice(body())
+    kinds = [child["kind"] for child in render_children(svc, 2)]
+    assert kinds[0] == "LLMInferenceService" and "Deployment" in kinds  # the router's
+    stale = {(kind, name) for _, kind, name in stale_children(svc)}
+    assert ("InferenceService", "chat") in stale and ("Deployment", naming.replicas_name(svc)) in stale
+    deployment_mode = parse_llmservice(body(mode="Deployment", model={"name": "chat", "storageUri": "pvc://m/chat"}))
+    assert ("LLMInferenceService", "chat") in {(k, n) for _, k, n in stale_children(deployment_mode)}
+    with pytest.raises(SpecError, match="image://"):
+        parse_llmservice(body(model={"name": "chat", "storageUri": "image:///m"}))
