@@ -5,7 +5,7 @@
     pagoda serve [...]                                          tritonserver over model_repository/
     pagoda router [...]                                         cache-aware router over replicas
     pagoda operator [...]                                       the Kubernetes operator (kopf)
-    pagoda bench offline|serve|kernels|routing|quant|spec|offload|lora  benchmarks
+    pagoda bench offline|serve|kernels|routing|autoscale|quant|spec|offload|lora  benchmarks
 
 Subcommands import their modules lazily so ``pagoda --help`` stays fast and a missing
 optional dependency only affects the subcommand that needs it.
@@ -31,6 +31,7 @@ _BENCHES = {
     "serve": ("pagoda.bench.serve", "main", "streaming clients against a running server"),
     "kernels": ("pagoda.bench.kernels", "main", "GPU kernel bandwidth and latency"),
     "routing": ("pagoda.bench.routing", "main", "routing policies compared in a calibrated simulator"),
+    "autoscale": ("pagoda.bench.autoscale", "main", "the operator's autoscaler replayed on the routing simulator"),
     "quant": ("pagoda.bench.quant", "main", "int8 weight-only vs full precision: memory, speed, quality"),
     "spec": ("pagoda.bench.spec", "main", "speculative decoding: acceptance, tokens per pass, speedup"),
     "offload": ("pagoda.bench.offload", "main", "KV swap to the CPU tier vs recompute, by context length"),
