@@ -23,6 +23,7 @@ PLURALS = {
     "Deployment": "deployments", "Service": "services", "ServiceAccount": "serviceaccounts",
     "Role": "roles", "RoleBinding": "rolebindings", "Pod": "pods", "Secret": "secrets",
     "ConfigMap": "configmaps", "InferenceService": "inferenceservices",
+    "LLMInferenceService": "llminferenceservices",
     "LLMService": "llmservices", "NetworkPolicy": "networkpolicies",
     "PodDisruptionBudget": "poddisruptionbudgets",
 }

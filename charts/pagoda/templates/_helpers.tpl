@@ -116,7 +116,7 @@ capabilities:
   resources: ["poddisruptionbudgets"]
   verbs: ["get", "create", "patch", "delete"]
 - apiGroups: ["serving.kserve.io"]
-  resources: ["inferenceservices"]
+  resources: ["inferenceservices", "llminferenceservices"]
   verbs: ["get", "create", "patch", "delete"]
 - apiGroups: ["", "events.k8s.io"]
   resources: ["events"]
