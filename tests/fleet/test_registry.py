@@ -67,6 +67,34 @@ def test_remove_replica_drops_everything_including_index(redis_client):
     assert follower.match(["h1", "h2"]) == {"b": 1}
 
 
+def test_reap_expired_is_idempotent_and_spares_a_replica_that_came_back(redis_client):
+    publish(redis_client, "dead", ["h1", "h2"])
+    publish(redis_client, "alive", ["h1"])
+    redis_client.delete(keys.heartbeat_key(MODEL, "dead"))  # its TTL lapsed
+    registry = ReplicaRegistry(redis_client, MODEL)
+    real_pipeline = redis_client.pipeline
+
+    def pipeline(*args, **kwargs):  # the replica heartbeats again after the check, before EXEC
+        pipe = real_pipeline(*args, **kwargs)
+        multi = pipe.multi
+
+        def multi_then_come_back():
+            multi()
+            real_pipeline().hset(keys.heartbeat_key(MODEL, "dead"), "ts", "1").execute()
+        pipe.multi = multi_then_come_back
+        return pipe
+
+    redis_client.pipeline = pipeline
+    assert registry.reap_expired() == []  # it came back between the check and the removal: WATCH aborts
+    redis_client.pipeline = real_pipeline
+    assert PrefixIndex(redis_client, MODEL).match(["h1", "h2"]) == {"alive": 1, "dead": 2}
+    redis_client.delete(keys.heartbeat_key(MODEL, "dead"))
+    assert registry.reap_expired() == ["dead"]
+    assert registry.reap_expired() == []  # idempotent: nothing left to reap
+    assert PrefixIndex(redis_client, MODEL).match(["h1", "h2"]) == {"alive": 1}
+    assert not redis_client.sismember(keys.registry_key(MODEL), "dead")
+
+
 def test_parse_heartbeat_tolerates_garbage():
     info = parse_heartbeat("x", {b"waiting": b"nan", b"running": b"2.0", b"endpoints": b"{bad", b"new": b"1"}, True)
     assert (info.waiting, info.running, info.endpoints, info.draining, info.extra) == (0, 2, {}, True, {"new": "1"})

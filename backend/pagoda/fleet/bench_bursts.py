@@ -54,15 +54,16 @@ def make_scenarios(num_prefixes: int = 5, questions_per_prefix: int = 6, prefix_
     rng.shuffle(jobs)
     out = []
     for pattern in patterns:
+        name = pattern if seed == 0 else f"{pattern}/s{seed}"  # names salt the cache: unique per seed
         if pattern == "sequential":
-            out.append(Scenario(pattern, jobs, 1))
+            out.append(Scenario(name, jobs, 1))
         elif pattern == "clients4":
-            out.append(Scenario(pattern, jobs, concurrency))
+            out.append(Scenario(name, jobs, concurrency))
         elif pattern == "fanout":
             times = arrivals("fanout", num_prefixes * questions_per_prefix, burst_rate, num_prefixes, 0.0, rng,
                              burst_size=questions_per_prefix)
             prompts = [prefixes[t] + f"\nBurst question {i}: {_words(rng, 6)}?" for i, (_, t) in enumerate(times)]
-            out.append(Scenario(pattern, prompts, arrival_times=[t - times[0][0] for t, _ in times]))
+            out.append(Scenario(name, prompts, arrival_times=[t - times[0][0] for t, _ in times]))
         else:
             raise ValueError(f"unknown pattern {pattern!r}; known: {', '.join(PATTERNS)}")
     return out
@@ -146,11 +147,11 @@ def run_burst_comparison(redis_url: str, policies: Sequence[str] = BURST_POLICIE
 
 
 def format_burst_rows(rows: Sequence[dict[str, Any]], header: bool = True) -> str:
-    lines = [f"{'pattern':<11}{'policy':<14}{'hit rate':>9}{'TTFT p50':>10}{'TTFT p90':>10}{'wall':>8}{'errors':>7}"
+    lines = [f"{'pattern':<14}{'policy':<14}{'hit rate':>9}{'TTFT p50':>10}{'TTFT p90':>10}{'wall':>8}{'errors':>7}"
              f"  split / matched tokens exact+pending"] if header else []
     for r in rows:
         m = r["match_tokens"]
-        lines.append(f"{r['pattern']:<11}{r['policy']:<14}{r['hit_rate']:>9.1%}{r['ttft_p50_s']:>9.2f}s"
+        lines.append(f"{r['pattern']:<14}{r['policy']:<14}{r['hit_rate']:>9.1%}{r['ttft_p50_s']:>9.2f}s"
                      f"{r['ttft_p90_s']:>9.2f}s{r['wall_s']:>7.1f}s{r['num_errors']:>7}  "
                      f"{r['split']} / {m['exact']}+{m['pending']}")
     return "\n".join(lines)

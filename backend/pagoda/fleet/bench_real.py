@@ -291,13 +291,16 @@ def main(argv: Optional[list[str]] = None) -> int:
                    help="bursts: issue 16's 5 prefixes x 6 questions, sequential / 4 clients / fanout "
                         "(pagoda.fleet.bench_bursts); tenants: the multi-tenant capacity comparison")
     p.add_argument("--patterns", default="sequential,clients4,fanout", help="with --workload bursts")
+    p.add_argument("--seeds", default="0", help="with --workload bursts: shuffles/burst draws to run (e.g. 0,1)")
     args = p.parse_args([a for a in (argv or []) if a != "--real"])
     if args.workload == "bursts" and not args.overhead_only:
         from pagoda.fleet import bench_bursts
 
         policies = [x for x in args.policies.split(",") if x] if args.policies != ",".join(POLICIES) \
             else list(bench_bursts.BURST_POLICIES)
-        scenarios = bench_bursts.make_scenarios(patterns=[x for x in args.patterns.split(",") if x])
+        patterns = [x for x in args.patterns.split(",") if x]
+        scenarios = [sc for seed in args.seeds.split(",") if seed
+                     for sc in bench_bursts.make_scenarios(patterns=patterns, seed=int(seed))]
         rows = bench_bursts.run_burst_comparison(args.redis_url, policies, scenarios,
                                                  kv_cache_memory_bytes=(args.kv_cache_mib or 256) * 1024 * 1024)
         print(bench_bursts.format_burst_rows(rows))
