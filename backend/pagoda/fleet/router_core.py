@@ -125,7 +125,6 @@ class FleetView:
         self.reap_interval_s = reap_interval_s
         self.clock = clock
         self.num_reaped = 0
-        self.reaped_ids: list[str] = []  # the latest reap's, for the caller to drop
         self._next_reap = float("-inf")
         self._log = RateLimitedLog(logger, interval_s=30.0)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="pagoda-router-redis")
@@ -179,7 +178,6 @@ class FleetView:
                 self.pending.remove_replica(rid)
                 if self.follower is not None:
                     self.follower.local.remove_replica(rid)
-        self.reaped_ids = reaped
 
     async def match(self, block_hashes: list[str]) -> Optional[dict[str, int]]:
         """Matched leading blocks per replica; ``None`` when Redis is unavailable."""
