@@ -28,8 +28,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagoda_operator import naming
-from pagoda_operator.render_replicas import render_replica_container
+from pagoda_operator import naming, render_security
+from pagoda_operator.render_redis import redis_ca_volume
+from pagoda_operator.render_replicas import model_volume, render_replica_container
 from pagoda_operator.spec import LLMService
 
 API_VERSION = "serving.kserve.io/v1alpha2"
@@ -51,9 +52,18 @@ def _main_container(svc: LLMService) -> dict[str, Any]:
     args = list(container["args"])
     args[args.index("--model") + 1] = naming.MODEL_MOUNT  # the storage initializer's output
     container["args"] = args
-    # KServe mounts the model itself; only the shared-memory volume stays ours.
-    container["volumeMounts"] = [m for m in container.get("volumeMounts", []) if m["name"] == "dshm"]
+    # KServe mounts the model itself (the storage initializer's volume); the other mounts
+    # (writable emptyDirs, Redis CA, /dev/shm) stay ours, as in mode Deployment.
+    _, model_mounts = model_volume(svc)
+    model_names = {m["name"] for m in model_mounts}
+    container["volumeMounts"] = [m for m in container.get("volumeMounts", []) if m["name"] not in model_names]
     return container
+
+
+def _volumes(svc: LLMService) -> list[dict[str, Any]]:
+    ca_volumes, _ = redis_ca_volume(svc)
+    writable, _ = render_security.writable_volumes()
+    return [*ca_volumes, *writable, {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}}]
 
 
 def _route(svc: LLMService) -> dict[str, Any]:
@@ -84,8 +94,10 @@ def render_llm_inference_service(svc: LLMService) -> dict[str, Any]:
             "model": {"uri": svc.spec.model.storage_uri, "name": svc.spec.model.name},
             "replicas": svc.spec.min_replicas,
             "template": {
+                "securityContext": render_security.pod_security_context(),
                 "containers": [_main_container(svc)],
-                "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory"}}],
+                "volumes": _volumes(svc),
+                "terminationGracePeriodSeconds": svc.spec.termination_grace_period_seconds,
             },
             "router": router,
         },

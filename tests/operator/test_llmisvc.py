@@ -72,6 +72,9 @@ def test_llm_inference_service_validates_against_kserve_crd(extra):
     [main] = spec["template"]["containers"]
     assert main["name"] == "main" and main["command"] == ["pagoda", "serve"]
     assert main["args"][main["args"].index("--model") + 1] == "/mnt/models"
+    volumes = {v["name"] for v in spec["template"]["volumes"]}
+    assert {m["name"] for m in main["volumeMounts"]} <= volumes  # every mount has its volume (not the model's)
+    assert main["securityContext"]["readOnlyRootFilesystem"] and spec["template"]["securityContext"]["runAsNonRoot"]
     env = {e["name"] for e in main["env"]}
     assert {"PAGODA_REDIS_URL", "PAGODA_REPLICA_ID", "PAGODA_MODEL_NAME"} <= env
     assert "scheduler" not in spec["router"]  # the pagoda router picks the replica, not an EPP
