@@ -69,7 +69,7 @@ def test_chat_mapping_and_refusals():
                         ({"messages": [{"role": "robot", "content": "x"}]}, "messages"),
                         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
                         ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
-                        ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+                        ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}},
                          "response_format"),
                         ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs")]:
         with pytest.raises(OpenAIError) as info:

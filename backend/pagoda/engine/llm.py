@@ -45,7 +45,8 @@ class LLM:
         or ``llm.engine.add_lora(name, folder)``.
 
         Raises:
-            ValueError: for an invalid prompt or parameters; nothing is left queued.
+            ValueError: for an invalid prompt or parameters (nothing is left queued), or
+                a guided-decoding format that does not compile (raised after the run).
         """
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -85,4 +86,7 @@ class LLM:
             for out in self.engine.step():
                 if out.finished:
                     final[out.request_id] = out
+        failed = [(i, final[request_id].error) for i, request_id in enumerate(ids) if final[request_id].error]
+        if failed:  # e.g. a grammar that does not compile; the other prompts did run
+            raise ValueError("; ".join(f"prompt {i}: {error}" for i, error in failed))
         return [final[i] for i in ids]

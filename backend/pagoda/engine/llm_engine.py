@@ -14,6 +14,13 @@ the plain sampler (``pagoda.engine.spec_decode``). Several tokens may then arriv
 request in one step; stop strings are still matched token by token, so outputs end
 exactly where they would without speculation.
 
+Structured output (``SamplingParams.guided_decoding``, ``pagoda.engine.guided``): a
+guided request waits outside the scheduler until its grammar is compiled on the compile
+pool (``_admit_guided`` at the start of each step; a grammar that fails to compile ends
+that request with ``RequestOutput.error``); then, every step, the host fills the grammar's
+token bitmask before the forward pass, the sampler applies it, and the matcher follows the
+sampled tokens (a terminated grammar finishes the request with ``stop``).
+
 A user request with ``n > 1`` becomes ``n`` scheduler requests ("children") that share
 the prompt's KV blocks through the prefix cache: child 0 is scheduled first and the others
 join once its prompt is computed, so they hit every full prompt block instead of
@@ -32,6 +39,8 @@ from dataclasses import dataclass, field
 from typing import Iterable, Optional, Union
 
 from pagoda.engine.config import EngineConfig
+from pagoda.engine.guided.backend import XGrammarBackend
+from pagoda.engine.guided.manager import GuidedDecodingManager
 from pagoda.engine.model_runner import ModelRunner, resolve_device, resolve_dtype
 from pagoda.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from pagoda.engine.request import Request, RequestStatus
@@ -144,6 +153,10 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
         for lora_name, lora_path in self.config.lora_modules.items():
             self.add_lora(lora_name, lora_path)
+        vocab_size = self.model_config.vocab_size
+        self.guided = GuidedDecodingManager(
+            lambda: XGrammarBackend(self.tokenizer, vocab_size, sorted(self.eos_token_ids)), vocab_size,
+            pin_memory=device.type == "cuda")
         self._groups: dict[str, _Group] = {}
         self._child_of: dict[str, tuple[_Group, int]] = {}
         self._aborted_outputs: list[RequestOutput] = []
@@ -199,8 +212,13 @@ class LLMEngine:
                              arrival, priority, cache_salt, lora_name)
             for i in range(params.n)
         ]
-        # Validates fit (raises ValueError) before anything is registered.
-        self.scheduler.add_request(children[0])
+        # Validates fit (raises ValueError) before anything is registered. A guided request
+        # waits for its grammar outside the scheduler (see _admit_guided).
+        guided = params.guided_decoding
+        if guided is None:
+            self.scheduler.add_request(children[0])
+        else:
+            self.scheduler.check_request(children[0])
         group = _Group(request_id, text, token_ids, params, RequestMetrics(arrival_time=arrival),
                        [_Completion(c, IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens),
                                     logprobs=[] if params.logprobs is not None else None,
@@ -211,9 +229,11 @@ class LLMEngine:
             self._child_of[child.request_id] = (group, i)
         if self.config.enable_prefix_caching:
             group.pending = children[1:]
-        else:
+        elif guided is None:
             for child in children[1:]:
                 self.scheduler.add_request(child)
+        if guided is not None:
+            self.guided.submit(request_id, [c.request_id for c in children], guided)
 
     def _tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
         if isinstance(prompt, str):
@@ -281,6 +301,7 @@ class LLMEngine:
             live = [c.request.request_id for c in group.completions
                     if c.finish_reason is None and c.request not in group.pending]
             self.scheduler.finish_requests(live, RequestStatus.FINISHED_ABORTED)
+            self.guided.cancel(request_id)
             group.pending = []
             now = time.time()
             for completion in group.completions:
@@ -297,27 +318,37 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Advance every schedulable request by one iteration; return what progressed."""
         outputs, self._aborted_outputs = self._aborted_outputs, []
+        outputs += self._admit_guided()
         drafts = self.speculator.propose(self.scheduler.running) if self.speculator else None
         sched = self.scheduler.schedule(drafts)
         if self.host_kv_cache is not None:  # KV offload copies run before the forward pass
             self.host_kv_cache.execute(sched)
         if self.speculator:
             self.speculator.release(sched.finished_request_ids)
+        self.guided.release(sched.finished_request_ids)
         if not sched.scheduled:
+            if self.guided.num_waiting:  # nothing to run but compiles: wait for one, do not spin
+                self.guided.wait(0.01)
             return outputs
         now = time.time()
         for item in sched.scheduled:
             group, _ = self._child_of[item.request.request_id]
             if group.metrics.first_scheduled_time is None:
                 group.metrics.first_scheduled_time = now
+        items = [item for item in sched.scheduled if item.is_sampling]
+        # Filled on the host before the forward, so on a GPU it overlaps the kernels.
+        bitmask = self.guided.prepare_bitmask([item.request.request_id for item in items])
         logits = self.runner.execute(sched.scheduled)
-        sampled, logprobs = self._sample(logits, [item for item in sched.scheduled if item.is_sampling])
+        sampled, logprobs = self._sample(logits, items, bitmask)
         updates = self.scheduler.update_from_output(sched, sampled)
         self._record_step(sched)
         now = time.time()
         touched: dict[str, _Group] = {}
         for update in updates:
             group, _ = self._child_of[update.request.request_id]
+            if self.guided.accept(update.request.request_id, update.new_token_ids) and not update.finished:
+                self.scheduler.finish_requests([update.request.request_id], RequestStatus.FINISHED_STOPPED)
+                update.finished = True  # the grammar is complete: nothing more may follow
             self._absorb(update, now, logprobs.get(update.request.request_id, []))
             touched[group.request_id] = group
         if self.speculator:
@@ -329,15 +360,38 @@ class LLMEngine:
                 self._forget(group)
         return outputs
 
-    def _sample(self, logits, items) -> tuple[dict[str, list[int]], dict[str, list]]:
+    def _sample(self, logits, items, bitmask) -> tuple[dict[str, list[int]], dict[str, list]]:
         """Tokens and raw logprobs (``None`` where not asked for) per sampling request."""
         if self.speculator is not None:
-            return self.speculator.sample(logits, items)
+            return self.speculator.sample(logits, items, bitmask)
         if not items:
             return {}, {}
-        result = self.sampler(logits, [item.request.sampling_state for item in items])
+        result = self.sampler(logits, [item.request.sampling_state for item in items], bitmask)
         ids = [item.request.request_id for item in items]
         return ({i: [t] for i, t in zip(ids, result.token_ids)}, {i: [lp] for i, lp in zip(ids, result.logprobs)})
+
+    def _admit_guided(self) -> list[RequestOutput]:
+        """Hand requests whose grammar compiled to the scheduler; end those whose grammar
+        failed to compile with the error (their only output)."""
+        ready, failed = self.guided.poll()
+        for request_id in ready:
+            group = self._groups[request_id]
+            self.scheduler.add_request(group.completions[0].request)
+            if not self.config.enable_prefix_caching:
+                for completion in group.completions[1:]:
+                    self.scheduler.add_request(completion.request)
+        outputs = []
+        for request_id, message in failed:
+            group = self._groups[request_id]
+            for completion in group.completions:
+                completion.finish_reason = "abort"
+            group.pending = []
+            group.metrics.finished_time = time.time()
+            output = self._make_output(group)
+            output.error = message
+            outputs.append(output)
+            self._forget(group)
+        return outputs
 
     def _absorb(self, update, now: float, logprobs: list) -> None:
         """Detokenize a child's new tokens, apply stop strings, stamp metrics."""
@@ -460,7 +514,7 @@ class LLMEngine:
     def get_stats(self) -> EngineStats:
         s = self.scheduler
         return EngineStats(
-            num_waiting=s.num_waiting + sum(len(g.pending) for g in self._groups.values()),
+            num_waiting=s.num_waiting + sum(len(g.pending) for g in self._groups.values()) + self.guided.num_waiting,
             num_running=s.num_running,
             kv_cache_usage=s.kv_cache_usage,
             num_blocks=self.runner.num_blocks - 1,  # block 0 is the pool's reserved null block

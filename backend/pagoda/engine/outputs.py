@@ -74,3 +74,6 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     num_cached_tokens: int = 0
+    # Set when the request failed after it was accepted (a grammar that does not compile);
+    # then this is its only output, finished, with finish_reason "abort".
+    error: Optional[str] = None

@@ -13,6 +13,8 @@ its neutral value, which leaves its logits bit-for-bit unchanged):
    positive logit is divided by the penalty, a negative one multiplied.
 4. Presence/frequency penalties over output tokens (OpenAI/vLLM semantics):
    ``logit -= frequency_penalty * count + presence_penalty * (count > 0)``.
+4b. Grammar (structured output): rows with a ``TokenBitmask`` entry get every token their
+   grammar forbids set to -inf (``pagoda.engine.guided.bitmask``); skipped when ``None``.
 5. Greedy rows (``params.is_greedy``) take the argmax of these logits and stop here.
 6. Temperature, then top-k, then top-p (on the top-k renormalized distribution; the
    token that crosses ``top_p`` is kept, so at least one token always is), then min-p
@@ -45,6 +47,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from pagoda.engine.guided.bitmask import TokenBitmask, apply_token_bitmask
 from pagoda.engine.sampling_params import SamplingParams
 
 # Smallest positive float32; clamps Exp(1) noise away from 0 so probs / noise is finite.
@@ -143,18 +146,20 @@ class Sampler:
         self.vocab_size = vocab_size
         self._generator = torch.Generator(device=device).manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow],
+                 token_bitmask: Optional[TokenBitmask] = None) -> SamplerOutput:
         """Sample one token for each row.
 
         Args:
             logits: ``[num_rows, >= vocab_size]`` float logits; not modified.
             rows: one ``SamplingRow`` per logits row, in the same order.
+            token_bitmask: allowed tokens of the rows that follow a grammar, or ``None``.
 
         Returns:
             ``SamplerOutput`` with one token id (and optional logprobs) per row.
         """
         raw_logits = self._cut_padding(logits, rows)  # [N, V]
-        processed = self.process_logits(raw_logits, rows)  # [N, V]
+        processed = self.process_logits(raw_logits, rows, token_bitmask)  # [N, V]
         token_ids = processed.argmax(dim=-1)  # [N]; final for greedy rows
         random_rows = [i for i, row in enumerate(rows) if not row.params.is_greedy]
         if random_rows:
@@ -166,13 +171,15 @@ class Sampler:
             logprobs=_compute_logprobs(raw_logits, rows, token_ids),
         )
 
-    def process_logits(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-        """Apply min_tokens masking and the penalties (stages 2-4); greedy rows take the
-        argmax of the result.
+    def process_logits(self, logits: torch.Tensor, rows: Sequence[SamplingRow],
+                       token_bitmask: Optional[TokenBitmask] = None) -> torch.Tensor:
+        """Apply min_tokens masking, the penalties and the grammar (stages 2-4b); greedy
+        rows take the argmax of the result.
 
         Args:
             logits: ``[num_rows, vocab_size]`` logits; not modified.
             rows: one ``SamplingRow`` per logits row.
+            token_bitmask: allowed tokens of the rows that follow a grammar, or ``None``.
 
         Returns:
             A new ``[num_rows, vocab_size]`` float32 tensor.
@@ -180,7 +187,10 @@ class Sampler:
         logits = logits[:, : self.vocab_size].to(torch.float32, copy=True)
         _apply_min_tokens(logits, rows)
         logits = _apply_repetition_penalty(logits, rows)
-        return _apply_presence_frequency_penalties(logits, rows)
+        logits = _apply_presence_frequency_penalties(logits, rows)
+        if token_bitmask is not None:
+            apply_token_bitmask(logits, token_bitmask)
+        return logits
 
     def _cut_padding(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         if logits.dim() != 2 or logits.shape[0] != len(rows):

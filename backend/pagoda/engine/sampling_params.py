@@ -12,6 +12,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from pagoda.engine.guided.params import GuidedDecodingParams
+
 # Upper bounds that no legitimate request approaches; past them a value is a mistake.
 MAX_N = 64
 MAX_LOGPROBS = 20
@@ -29,7 +31,10 @@ class SamplingParams:
     independent of what else shares its batch. ``logprobs=N`` returns the sampled
     token's log-probability and the top N alternatives at every step. ``speculative``
     opts in or out of speculative decoding (``None``: the server's default); it never
-    changes greedy or seeded outputs, only how fast they come.
+    changes greedy or seeded outputs, only how fast they come. ``guided_decoding``
+    constrains the output to a format (JSON schema, any JSON, regex, choice, grammar; a
+    ``GuidedDecodingParams`` or its dict form); such requests are never speculated, and
+    ``speculative=True`` with it is refused.
     """
 
     n: int = 1
@@ -50,6 +55,7 @@ class SamplingParams:
     logprobs: Optional[int] = None
     skip_special_tokens: bool = True
     speculative: Optional[bool] = None
+    guided_decoding: Optional[GuidedDecodingParams] = None
 
     def __post_init__(self) -> None:
         self.stop = _as_list("stop", [self.stop] if isinstance(self.stop, str) else self.stop)
@@ -91,6 +97,11 @@ class SamplingParams:
         _check_bool("skip_special_tokens", self.skip_special_tokens)
         if self.speculative is not None:
             _check_bool("speculative", self.speculative)
+        if self.guided_decoding is not None:
+            self.guided_decoding = GuidedDecodingParams.from_dict(self.guided_decoding)
+            if self.speculative:
+                raise ValueError("speculative: guided decoding does not combine with speculative decoding yet; "
+                                 "omit speculative (guided requests are not speculated) or set it to false")
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
 

@@ -182,6 +182,22 @@ class Scheduler:
         (at most ``config.default_max_tokens`` when that is set).
 
         Raises:
+            ValueError: as ``check_request``.
+        """
+        request.max_tokens = self.check_request(request)
+        cfg = self.config
+        if cfg.enable_prefix_caching:
+            request.init_block_hashes(cfg.block_size, cfg.model_id)
+        request.insertion_index = self._num_added
+        self._num_added += 1
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def check_request(self, request: Request) -> int:
+        """The request's resolved ``max_tokens`` if it can ever run; queues nothing.
+
+        Raises:
             ValueError: the request could never run (empty prompt, too long for
                 max_model_len, or more KV blocks than the whole cache), or its id is live.
         """
@@ -212,14 +228,7 @@ class Scheduler:
                 f"request {request.request_id!r}: needs {num_blocks_needed} KV blocks for {prompt_len + max_tokens} "
                 f"tokens but the whole cache has {self.block_pool.num_usable_blocks}; lower max_tokens"
             )
-        request.max_tokens = max_tokens
-        if cfg.enable_prefix_caching:
-            request.init_block_hashes(cfg.block_size, cfg.model_id)
-        request.insertion_index = self._num_added
-        self._num_added += 1
-        request.status = RequestStatus.WAITING
-        self.requests[request.request_id] = request
-        self.waiting.add(request)
+        return max_tokens
 
     def finish_requests(self, request_ids: Union[str, Iterable[str]], status: RequestStatus) -> None:
         """Finish live requests (abort, or stop string found) from any state; frees blocks.

@@ -14,12 +14,14 @@ context ends), ``temperature``, ``top_p``, ``n``, ``stop`` (string or list), ``s
 alternatives; chat: ``logprobs`` + ``top_logprobs``); vLLM's extras pass through:
 ``top_k``, ``min_p``, ``min_tokens``, ``repetition_penalty``, ``ignore_eos``,
 ``stop_token_ids``, ``skip_special_tokens``, ``include_stop_str_in_output``, plus
-``cache_salt`` and ``priority``. ``echo`` (completions) prepends the prompt.
+``cache_salt`` and ``priority``. ``echo`` (completions) prepends the prompt. Structured
+output: ``response_format`` (``json_object``, ``json_schema``) and vLLM's ``guided_json``,
+``guided_regex``, ``guided_choice``, ``guided_grammar`` (``pagoda.fleet.openai_guided``).
 
 Refused with a 400 ``invalid_request_error`` (never silently ignored): several prompts or
 token-id prompts in one request, ``best_of`` other than ``n``, ``suffix``, a non-empty
-``logit_bias``, ``tools``/``functions``, a ``response_format`` other than text, and
-malformed values. Errors the replica reports (e.g. a prompt longer than the context) come
+``logit_bias``, ``tools``/``functions``, more than one output format, and malformed
+values. Errors the replica reports (e.g. a prompt longer than the context) come
 back as 400 with its message; a replica that fails mid-stream ends the stream with an
 ``error`` event (the SDK raises it).
 """

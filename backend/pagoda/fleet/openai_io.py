@@ -14,6 +14,8 @@ from typing import Any, Optional
 
 from tritonclient.grpc import service_pb2
 
+from pagoda.fleet.openai_guided import guided_decoding_from_body
+
 MODEL_NAME = "pagoda"
 
 # OpenAI name -> (SamplingParams name, accepted Python types)
@@ -91,6 +93,9 @@ def _common(body: dict, max_tokens_default: Optional[int]) -> tuple[dict[str, An
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise OpenAIError(f"max_tokens: must be a positive integer, got {json.dumps(max_tokens)}", "max_tokens")
     sampling["max_tokens"] = max_tokens
+    guided = guided_decoding_from_body(body, OpenAIError)
+    if guided is not None:
+        sampling["guided_decoding"] = guided
     stop = body.get("stop")
     if stop is not None:
         if isinstance(stop, str):
@@ -160,9 +165,6 @@ def build_chat_request(body: dict, tokenizer: Any) -> BuiltRequest:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise OpenAIError("messages: must be a non-empty list of {role, content} objects", "messages")
-    response_format = body.get("response_format")
-    if response_format not in (None, {"type": "text"}):
-        raise OpenAIError("response_format: only {'type': 'text'} is supported", "response_format")
     sampling, stream, n, include_usage = _common(body, None)
     logprobs = None
     if body.get("logprobs"):

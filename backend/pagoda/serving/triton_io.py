@@ -7,7 +7,8 @@ Inputs (all optional but ``text_input``):
 
 - Triton vLLM backend style: ``text_input`` (STRING), ``stream`` (BOOL),
   ``sampling_parameters`` (STRING holding a JSON object of ``SamplingParams`` fields, plus
-  ``priority`` and ``cache_salt``), ``exclude_input_in_output`` and the ``return_*`` flags.
+  ``priority`` and ``cache_salt``; structured output as a ``guided_decoding`` object with
+  one of ``json``, ``json_object``, ``regex``, ``choice``, ``grammar``), ``exclude_input_in_output`` and the ``return_*`` flags.
   As in that backend, numeric and boolean fields may also be given as strings
   (``{"temperature": "0.7", "max_tokens": "64"}``) as long as the string parses exactly.
 - TensorRT-LLM style scalars: ``max_tokens``, ``min_tokens``, ``temperature``, ``top_k``,
@@ -297,8 +298,12 @@ def make_response(parsed: ParsedRequest, output: RequestOutput) -> Optional[Resp
 
     Streaming: this step's deltas; ``None`` when there is nothing to say yet (no new token
     and not finished). Not streaming: ``None`` until the request finishes, then the whole
-    text. ``is_final`` is set on the response built from the finished output.
+    text. ``is_final`` is set on the response built from the finished output. An output
+    carrying ``error`` (a guided-decoding format that does not compile) becomes the
+    request's one error response (``INVALID_ARG``: HTTP 400).
     """
+    if output.error is not None:
+        return make_error_response(output.error)
     if not parsed.stream and not output.finished:
         return None
     completions = output.outputs

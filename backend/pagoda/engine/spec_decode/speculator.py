@@ -28,6 +28,7 @@ from typing import Iterable, Optional, Union
 import torch
 
 from pagoda.engine.config import EngineConfig
+from pagoda.engine.guided.bitmask import TokenBitmask
 from pagoda.engine.request import Request, RequestStatus
 from pagoda.engine.sampler import Sampler, TokenLogprobs
 from pagoda.engine.spec_decode.draft import Draft, DraftRequest, VerifyMode, with_outputs
@@ -139,6 +140,10 @@ class Speculator:
         self._drafts: dict[str, Draft] = {}
 
     def wants(self, request: Request) -> bool:
+        # Guided requests are not speculated: drafts are not checked against a grammar
+        # (``SamplingParams`` refuses speculative=True with guided_decoding).
+        if request.sampling_params.guided_decoding is not None:
+            return False
         opt_in = request.sampling_params.speculative
         return self.default_on if opt_in is None else opt_in
 
@@ -164,12 +169,14 @@ class Speculator:
         return {request_id: draft.token_ids for request_id, draft in self._drafts.items()}
 
     # 2. verify --------------------------------------------------------------------------
-    def sample(self, logits: torch.Tensor, items: list) -> tuple[dict[str, list[int]], dict[str, list]]:
+    def sample(self, logits: torch.Tensor, items: list, token_bitmask: Optional[TokenBitmask] = None,
+               ) -> tuple[dict[str, list[int]], dict[str, list]]:
         """Tokens (and raw logprobs, ``None`` entries when not asked for) per sampling request.
 
         Args:
             logits: ``ModelRunner.execute``'s rows: ``1 + len(item.spec_token_ids)`` per item.
             items: the step's ``ScheduledRequest``s with ``is_sampling``, in batch order.
+            token_bitmask: grammar masks, rows indexing ``items`` (only draft-less items have one).
         """
         tokens: dict[str, list[int]] = {}
         logprobs: dict[str, list[Optional[TokenLogprobs]]] = {}
@@ -181,7 +188,8 @@ class Speculator:
         plain = [i for i, item in enumerate(items) if not item.spec_token_ids]
         if plain:
             rows = [items[i].request.sampling_state for i in plain]
-            result = self.sampler(logits[[starts[i] for i in plain]], rows)
+            mask = token_bitmask.select(plain) if token_bitmask is not None else None
+            result = self.sampler(logits[[starts[i] for i in plain]], rows, mask)
             for i, token_id, lp in zip(plain, result.token_ids, result.logprobs):
                 tokens[items[i].request.request_id] = [token_id]
                 logprobs[items[i].request.request_id] = [lp]

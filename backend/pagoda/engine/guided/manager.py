@@ -1,0 +1,155 @@
+"""The engine's structured-output state: compiled grammars, and one matcher per sequence.
+
+Life of a guided request (the engine calls each method from its one thread):
+
+1. ``submit(group_id, child_ids, params)`` at ``add_request``: the grammar is looked up
+   in an LRU of compiled grammars keyed by ``GuidedDecodingParams.cache_key`` (the entry
+   is a future, so equal formats submitted together compile once); a miss starts the
+   compile on a small thread pool. The engine keeps the request out of the scheduler.
+2. ``poll()`` at the start of every step: requests whose grammar is ready get a matcher
+   per child and go to the scheduler; requests whose grammar failed to compile finish
+   with that error. A step never waits for a compile: the batch runs without them.
+3. ``prepare_bitmask(items)`` before the forward pass: the host fills one packed bitmask
+   row per sampling row with a grammar (``None`` when the batch has none, so the sampler
+   does no grammar work at all); the sampler applies it on the logits' device.
+4. ``accept(request_id, token_ids)`` after sampling advances the matcher by the tokens
+   the request kept; it returns ``True`` once the grammar has terminated (it accepted a
+   stop token), so the engine finishes the request with ``stop``.
+5. ``release(request_ids)`` drops matchers of finished requests; ``cancel(group_id)``
+   forgets a request still waiting for its grammar.
+
+Preemption by recompute keeps a request's output tokens (only its KV is recomputed), so
+the matcher, which has consumed exactly those tokens, stays valid; nothing rolls back.
+Guided requests never carry speculative drafts (``Speculator.wants``), so no rejected
+draft ever reaches a matcher.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor, wait, FIRST_COMPLETED
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from pagoda.engine.guided.backend import GrammarBackend, Matcher, bitmask_width
+from pagoda.engine.guided.bitmask import TokenBitmask
+from pagoda.engine.guided.params import GuidedDecodingParams
+
+logger = logging.getLogger(__name__)
+
+
+class GuidedDecodingManager:
+    """Args:
+    make_backend: builds the ``GrammarBackend`` (called once, on the compile pool, so a
+        slow import never blocks the engine thread).
+    vocab_size: the sampler's vocabulary size (bitmask width).
+    max_workers: compile threads.
+    cache_size: compiled grammars kept (LRU).
+    pin_memory: allocate bitmasks in pinned memory (a CUDA engine) for async copies.
+    """
+
+    def __init__(self, make_backend: Callable[[], GrammarBackend], vocab_size: int, max_workers: int = 2,
+                 cache_size: int = 256, pin_memory: bool = False) -> None:
+        self._make_backend = make_backend
+        self._backend: Optional[GrammarBackend] = None
+        self._backend_lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="pagoda-grammar")
+        self._cache: "OrderedDict[tuple, Future]" = OrderedDict()
+        self._cache_size = cache_size
+        self._waiting: dict[str, tuple[Future, list[str]]] = {}
+        self._matchers: dict[str, Matcher] = {}
+        self._width = bitmask_width(vocab_size)
+        self._pin_memory = pin_memory
+        self.num_compilations = 0
+
+    # 1-2. compile ----------------------------------------------------------------------
+    def submit(self, group_id: str, child_ids: Sequence[str], params: GuidedDecodingParams) -> None:
+        key = params.cache_key
+        future = self._cache.get(key)
+        if future is None:
+            future = self._pool.submit(self._compile, params.kind, params.spec, not params.disable_any_whitespace)
+            self.num_compilations += 1
+            self._cache[key] = future
+            if len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(key)
+        self._waiting[group_id] = (future, list(child_ids))
+
+    def poll(self) -> tuple[list[str], list[tuple[str, str]]]:
+        """``(ready group ids, [(group id, error message)])`` since the last poll."""
+        ready, failed = [], []
+        for group_id, (future, child_ids) in list(self._waiting.items()):
+            if not future.done():
+                continue
+            del self._waiting[group_id]
+            error = future.exception()
+            if error is not None:
+                message = str(error) if isinstance(error, ValueError) else \
+                    f"guided_decoding: the grammar backend failed: {type(error).__name__}: {error}"
+                failed.append((group_id, message))
+                continue
+            for child_id in child_ids:
+                self._matchers[child_id] = self._backend.make_matcher(future.result())
+            ready.append(group_id)
+        return ready, failed
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def wait(self, timeout: float) -> None:
+        """Block up to ``timeout`` seconds for any pending compile (only when the engine
+        has nothing else to run, so an idle loop does not spin)."""
+        pending = [future for future, _ in self._waiting.values()]
+        if pending:
+            wait(pending, timeout=timeout, return_when=FIRST_COMPLETED)
+
+    def cancel(self, group_id: str) -> None:
+        self._waiting.pop(group_id, None)
+
+    def _compile(self, kind: str, spec: str, any_whitespace: bool) -> Any:
+        with self._backend_lock:
+            if self._backend is None:
+                self._backend = self._make_backend()
+        return self._backend.compile(kind, spec, any_whitespace)
+
+    # 3-5. per step ---------------------------------------------------------------------
+    def prepare_bitmask(self, request_ids: Sequence[str]) -> Optional[TokenBitmask]:
+        """Allowed next tokens for the sampler's rows (``request_ids`` in batch order)."""
+        if not self._matchers:
+            return None
+        rows = [i for i, request_id in enumerate(request_ids) if request_id in self._matchers]
+        if not rows:
+            return None
+        bits = torch.empty(len(rows), self._width, dtype=torch.int32, pin_memory=self._pin_memory)
+        for j, i in enumerate(rows):
+            self._matchers[request_ids[i]].fill_bitmask(bits, j)
+        return TokenBitmask(rows=torch.tensor(rows, dtype=torch.long), bits=bits)
+
+    def accept(self, request_id: str, token_ids: Sequence[int]) -> bool:
+        """Advance ``request_id``'s matcher; ``True`` when its grammar has terminated."""
+        matcher = self._matchers.get(request_id)
+        if matcher is None:
+            return False
+        for token_id in token_ids:
+            if matcher.is_terminated():
+                break
+            if not matcher.accept_token(token_id):
+                # Only reachable when another stage forbade every token the grammar allows
+                # (e.g. min_tokens blocking the EOS that must end a complete structure).
+                logger.warning("guided decoding: request %s sampled token %d, which its grammar forbids; "
+                               "finishing it", request_id, token_id)
+                return True
+        return matcher.is_terminated()
+
+    def has_matcher(self, request_id: str) -> bool:
+        return request_id in self._matchers
+
+    def release(self, request_ids: Sequence[str]) -> None:
+        for request_id in request_ids:
+            self._matchers.pop(request_id, None)
+

@@ -1,0 +1,153 @@
+"""Structured output end to end on the default model (SmolLM2-135M-Instruct, ``LLM()``).
+
+Every constrained output must parse and validate; constrained and unconstrained requests
+share batches; a bad format fails only its own request. Generations are short.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from pagoda.engine.guided import GuidedDecodingParams
+from pagoda.engine.llm import LLM
+from pagoda.engine.sampling_params import SamplingParams
+
+SCHEMAS = {
+    "nested": {"type": "object", "properties": {
+        "user": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
+                                                  "admin": {"type": "boolean"}},
+                 "required": ["name", "admin"], "additionalProperties": False}},
+        "required": ["user"], "additionalProperties": False},
+    "enum_number": {"type": "object", "properties": {
+        "color": {"enum": ["red", "green", "blue"]},
+        "score": {"type": "number", "minimum": 0, "maximum": 10}},
+        "required": ["color", "score"], "additionalProperties": False},
+    "array": {"type": "object", "properties": {
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "minItems": 1, "maxItems": 3}},
+        "required": ["tags"], "additionalProperties": False},
+    "pattern": {"type": "object", "properties": {
+        "code": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{3}$"},
+        "count": {"type": "integer", "minimum": 1, "maximum": 99}},
+        "required": ["code", "count"], "additionalProperties": False},
+}
+MAX_TOKENS = 60
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(max_num_seqs=32, seed=0)
+
+
+def _prompt(llm, text):
+    return llm.tokenizer.apply_chat_template([{"role": "user", "content": text}])
+
+
+def _guided(schema, **kw):
+    return GuidedDecodingParams(json=schema, disable_any_whitespace=True, **kw)
+
+
+def test_schemas_greedy_and_sampled_batched_with_unconstrained(llm):
+    prompts, params = [], []
+    for name, schema in SCHEMAS.items():
+        prompt = _prompt(llm, f"Reply with a JSON object for a {name} example.")
+        prompts += [prompt, prompt]
+        params += [SamplingParams(max_tokens=MAX_TOKENS, temperature=0, guided_decoding=_guided(schema)),
+                   SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, seed=7, guided_decoding=_guided(schema))]
+    # any whitespace allowed (the default) and any-JSON, plus two unconstrained rows.
+    prompts += [_prompt(llm, "A JSON object about a cat, please."), _prompt(llm, 'Reply with exactly {"ok": true}'),
+                "Once upon a time", "The sky is"]
+    params += [SamplingParams(max_tokens=MAX_TOKENS, temperature=0, guided_decoding=GuidedDecodingParams(
+                   json=SCHEMAS["enum_number"])),
+               SamplingParams(max_tokens=MAX_TOKENS, temperature=0, guided_decoding=GuidedDecodingParams(
+                   json_object=True)),
+               SamplingParams(max_tokens=12, temperature=0), SamplingParams(max_tokens=12, temperature=0.8, seed=1)]
+    outputs = llm.generate(prompts, params)
+    schemas = [s for s in SCHEMAS.values() for _ in range(2)] + [SCHEMAS["enum_number"], {"type": "object"}]
+    for output, schema in zip(outputs, schemas):
+        completion = output.outputs[0]
+        assert completion.finish_reason == "stop", completion
+        jsonschema.validate(json.loads(completion.text), schema)
+    # The unconstrained rows are exactly what they are alone.
+    alone = llm.generate(prompts[-2:], params[-2:])
+    assert [o.outputs[0].token_ids for o in outputs[-2:]] == [o.outputs[0].token_ids for o in alone]
+
+
+def test_regex_choice_grammar_and_length(llm):
+    prompt = _prompt(llm, "Is the sky blue? Then give a product code.")
+    grammar = 'root ::= "answer: " ("yes" | "no") "."'
+    outputs = llm.generate([prompt] * 5, [
+        SamplingParams(max_tokens=20, temperature=0, guided_decoding=GuidedDecodingParams(choice=["yes", "no"])),
+        SamplingParams(max_tokens=20, temperature=1.0, seed=3,
+                       guided_decoding=GuidedDecodingParams(regex=r"[A-Z]{3}-[0-9]{2}")),
+        SamplingParams(max_tokens=20, temperature=0, guided_decoding=GuidedDecodingParams(grammar=grammar)),
+        SamplingParams(n=2, max_tokens=20, temperature=1.0, seed=5,
+                       guided_decoding=GuidedDecodingParams(choice=["red", "green", "blue"])),
+        SamplingParams(max_tokens=4, temperature=0, guided_decoding=_guided(SCHEMAS["nested"])),
+    ])
+    assert outputs[0].outputs[0].text in ("yes", "no")
+    assert re.fullmatch(r"[A-Z]{3}-[0-9]{2}", outputs[1].outputs[0].text)
+    assert re.fullmatch(r"answer: (yes|no)\.", outputs[2].outputs[0].text)
+    assert all(c.text in ("red", "green", "blue") and c.finish_reason == "stop" for c in outputs[3].outputs)
+    cut = outputs[4].outputs[0]  # max_tokens inside the structure: length, as vLLM does
+    assert cut.finish_reason == "length" and len(cut.token_ids) == 4
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(cut.text)
+
+
+@pytest.mark.parametrize("guided, message", [
+    (GuidedDecodingParams(regex="a(b"), "guided_decoding.regex: cannot be compiled"),
+    (GuidedDecodingParams(grammar="root ::= missing"), "guided_decoding.grammar: cannot be compiled"),
+    (GuidedDecodingParams(json={"type": "nope"}), "guided_decoding.json: cannot be compiled"),
+])
+def test_bad_format_fails_only_its_request(llm, guided, message):
+    engine = llm.engine
+    engine.add_request("ok", "Hello", SamplingParams(max_tokens=3, temperature=0))
+    engine.add_request("bad", "Hello", SamplingParams(max_tokens=3, guided_decoding=guided))
+    final = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                final[output.request_id] = output
+    assert message in final["bad"].error and final["bad"].outputs[0].finish_reason == "abort"
+    assert final["ok"].error is None and len(final["ok"].outputs[0].token_ids) == 3
+    assert engine.scheduler.num_free_blocks == engine.runner.num_blocks - 1  # nothing leaked
+    with pytest.raises(ValueError, match="prompt 0: guided_decoding"):
+        llm.generate("Hello", SamplingParams(max_tokens=3, guided_decoding=guided))
+
+
+def test_abort_while_compiling(llm):
+    engine = llm.engine
+    engine.add_request("gone", "Hello", SamplingParams(max_tokens=3, guided_decoding=GuidedDecodingParams(
+        regex="[a-z]{1,3}x")))
+    engine.abort_request("gone")
+    [out] = engine.step()
+    assert out.finished and out.outputs[0].finish_reason == "abort"
+    assert not engine.has_unfinished_requests() and engine.guided.num_waiting == 0
+
+
+def test_preemption_by_recompute_keeps_outputs_valid():
+    # 11 usable blocks of 8 tokens cannot hold 4 requests of ~33 + ~20 tokens: preemptions.
+    llm = LLM(num_gpu_blocks_override=12, block_size=8, max_num_seqs=4, enable_prefix_caching=False)
+    prompt = _prompt(llm, "JSON please.")
+    outputs = llm.generate([prompt] * 4, [SamplingParams(max_tokens=40, temperature=0.7, seed=i,
+                                                         guided_decoding=_guided(SCHEMAS["array"]))
+                                          for i in range(4)])
+    assert llm.engine.get_stats().num_preemptions > 0
+    for output in outputs:
+        assert output.outputs[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(output.outputs[0].text), SCHEMAS["array"])
+
+
+def test_guided_requests_are_not_speculated():
+    llm = LLM(speculative_method="ngram", num_speculative_tokens=3)
+    prompt = _prompt(llm, "Say yes or no.")
+    with pytest.raises(ValueError, match="speculative: guided decoding does not combine"):
+        llm.generate(prompt, SamplingParams(speculative=True, guided_decoding={"choice": ["yes", "no"]}))
+    [out] = llm.generate(prompt, SamplingParams(max_tokens=MAX_TOKENS, temperature=0,
+                                                guided_decoding=_guided(SCHEMAS["pattern"])))
+    jsonschema.validate(json.loads(out.outputs[0].text), SCHEMAS["pattern"])
+    assert llm.engine.get_stats().spec_num_drafts == 0
