@@ -5,7 +5,7 @@
     pagoda serve [...]                                          tritonserver over model_repository/
     pagoda router [...]                                         cache-aware router over replicas
     pagoda operator [...]                                       the Kubernetes operator (kopf)
-    pagoda bench offline|serve|kernels|routing|autoscale|quant|spec|offload|lora  benchmarks
+    pagoda bench offline|serve|kernels|routing|autoscale|quant|spec|offload|lora|structured  benchmarks
 
 Subcommands import their modules lazily so ``pagoda --help`` stays fast and a missing
 optional dependency only affects the subcommand that needs it.
@@ -36,6 +36,7 @@ _BENCHES = {
     "spec": ("pagoda.bench.spec", "main", "speculative decoding: acceptance, tokens per pass, speedup"),
     "offload": ("pagoda.bench.offload", "main", "KV swap to the CPU tier vs recompute, by context length"),
     "lora": ("pagoda.bench.lora", "main", "throughput with 1, 4 and 16 LoRA adapters in a batch vs the base model"),
+    "structured": ("pagoda.bench.structured", "main", "structured output: half the batch constrained vs none"),
 }
 
 

@@ -32,6 +32,8 @@ BAD_VALUES = [
     *[("skip_special_tokens", v) for v in (0, "false", None)],
     *[("logprobs", v) for v in (-1, MAX_LOGPROBS + 1, 1.5, "5", True)],
     *[("speculative", v) for v in (1, 0, "true")],
+    *[("guided_decoding", v) for v in ("a+", 5, [], {}, {"regex": "a", "choice": ["a"]}, {"json_object": False},
+                                        {"regexp": "a"})],
 ]
 
 

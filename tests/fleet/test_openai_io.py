@@ -107,3 +107,30 @@ def test_logprob_shapes():
     legacy = completion_logprobs(entries, tokenizer, offset=10)
     assert legacy == {"tokens": ["a", "c"], "token_logprobs": [-0.5, -0.1],
                       "top_logprobs": [{"a": -0.5, "b": -1.5}, {}], "text_offset": [10, 11]}
+
+
+def test_structured_output_fields():
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}}
+    messages = [{"role": "user", "content": "x"}]
+    cases = [({"response_format": {"type": "json_object"}}, {"json_object": True}),
+             ({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema,
+                                                                          "strict": True}}}, {"json": schema}),
+             ({"response_format": {"type": "text"}}, None),
+             ({"guided_json": schema, "guided_decoding_backend": "xgrammar"}, {"json": schema, "backend": "xgrammar"}),
+             ({"guided_regex": "[0-9]+"}, {"regex": "[0-9]+"}),
+             ({"guided_choice": ["a", "b"]}, {"choice": ["a", "b"]}),
+             ({"guided_grammar": 'root ::= "x"'}, {"grammar": 'root ::= "x"'})]
+    for extra, expected in cases:
+        built = build_chat_request({"messages": messages, **extra}, FakeTokenizer())
+        assert built.sampling.get("guided_decoding") == expected, extra
+    assert build_completion_request({"prompt": "x", "guided_regex": "a"}).sampling["guided_decoding"] == {"regex": "a"}
+    for extra, param in [({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
+                         ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+                         ({"response_format": {"type": "json_schema"}}, "response_format"),
+                         ({"guided_choice": []}, "guided_choice"),
+                         ({"guided_json": "{bad"}, "guided_json"),
+                         ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
+                         ({"guided_decoding_backend": "xgrammar"}, "guided_decoding_backend")]:
+        with pytest.raises(OpenAIError) as info:
+            build_completion_request({"prompt": "x", **extra})
+        assert info.value.param == param, (extra, info.value)

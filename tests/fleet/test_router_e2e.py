@@ -600,3 +600,25 @@ def test_restarted_replica_is_routable_within_one_health_interval(router, replic
     assert delay <= health_interval + 1.5, f"routable {delay:.2f} s after READY"
     texts, errors = grpc_generate(router.grpc_url, [f"After the restart {i}?" for i in range(4)])
     assert not errors and len(texts) == 4
+def test_openai_structured_output(router):
+    openai = pytest.importorskip("openai")
+    import jsonschema
+
+    client = openai.OpenAI(base_url=f"http://{router.http_url}/v1", api_key="unused", max_retries=0)
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+              "required": ["city"], "additionalProperties": False}
+    messages = [{"role": "user", "content": "Name the capital of France in JSON."}]
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=40, temperature=0,
+                                          response_format={"type": "json_schema",
+                                                           "json_schema": {"name": "city", "schema": schema}})
+    jsonschema.validate(json.loads(chat.choices[0].message.content), schema)
+    assert chat.choices[0].finish_reason == "stop"
+    completion = client.completions.create(model=MODEL_NAME, prompt="Is water wet?", max_tokens=5, temperature=0,
+                                           extra_body={"guided_choice": ["yes", "no"]})
+    assert completion.choices[0].text in ("yes", "no")
+    with pytest.raises(openai.BadRequestError, match="guided_decoding.regex: cannot be compiled"):  # replica's 400
+        client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=3, extra_body={"guided_regex": "a(b"})
+    with pytest.raises(openai.BadRequestError, match="one output format"):  # the router's own 400
+        client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=3,
+                                       response_format={"type": "json_object"}, extra_body={"guided_regex": "a"})
+    assert client.completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=2).choices[0].text is not None

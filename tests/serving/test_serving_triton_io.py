@@ -194,3 +194,22 @@ def test_lora_name_from_input_or_json_and_refused_when_not_a_string():
     bad = np.array([json.dumps({"lora_name": 7}).encode()], dtype=object)
     with pytest.raises(ValueError, match="lora_name: must be a non-empty string"):
         parse_request(lambda n: {"text_input": text, "sampling_parameters": bad}.get(n))
+def test_guided_decoding_in_sampling_parameters():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    parsed = parse_request(inputs(text_input="Hi", sampling_parameters={
+        "max_tokens": "8", "guided_decoding": {"json": schema, "regex": None}}))
+    assert parsed.params.guided_decoding.kind == "json" and json.loads(parsed.params.guided_decoding.json) == schema
+    for spec, message in [({"regex": "a", "choice": ["a"]}, "give exactly one of"),
+                          ("a+", "guided_decoding: must be a JSON object"),
+                          ({"json": "{"}, "guided_decoding.json: not valid JSON")]:
+        with pytest.raises(ValueError, match="guided_decoding") as info:
+            parse_request(inputs(text_input="Hi", sampling_parameters={"guided_decoding": spec}))
+        assert message in str(info.value)
+
+
+def test_engine_error_output_becomes_the_one_error_response():
+    parsed = parse_request(inputs(text_input="Hi", stream=True))
+    output = RequestOutput("r", "Hi", [1], [CompletionOutput(0, "", [], "", [], finish_reason="abort")], True,
+                           RequestMetrics(arrival_time=0.0), error="guided_decoding.regex: cannot be compiled: bad")
+    response = make_response(parsed, output)
+    assert response.is_final and response.error_code == "INVALID_ARG" and "cannot be compiled" in response.error

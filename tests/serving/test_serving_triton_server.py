@@ -311,4 +311,26 @@ def test_lora_adapter_by_name_matches_offline_and_unknown_is_400(triton_server, 
     status, body = http_post(triton_server, "/v2/models/pagoda/generate",
                              {"text_input": prompt, "sampling_parameters": sampling, "lora_name": "nope"})
     assert status == 400 and "unknown adapter 'nope'" in body["error"] and "sql" in body["error"], body
+def test_structured_output_and_a_bad_grammar_gets_400(triton_server):
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]},
+                                               "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["color", "n"], "additionalProperties": False}
+    guided = {"text_input": "Reply in JSON: a color and a digit.", "exclude_input_in_output": True,
+              "return_finish_reason": True,
+              "sampling_parameters": json.dumps({"temperature": 0, "max_tokens": 40,
+                                                 "guided_decoding": {"json": schema}})}
+    status, result = http_post(triton_server, "/v2/models/pagoda/generate", guided)
+    assert status == 200 and result["finish_reason"] == "stop", result
+    jsonschema.validate(json.loads(result["text_output"]), schema)
+    for spec, message in [({"regex": "a(b"}, "guided_decoding.regex: cannot be compiled"),  # fails on the pool
+                          ({"regex": "a", "choice": ["a"]}, "give exactly one of")]:  # fails at parsing
+        status, result = http_post(triton_server, "/v2/models/pagoda/generate", {
+            "text_input": "Hi", "sampling_parameters": json.dumps({"max_tokens": 4, "guided_decoding": spec})})
+        assert status == 400 and message in result["error"], result
+    status, result = http_post(triton_server, "/v2/models/pagoda/generate", {
+        "text_input": "Pick one:", "exclude_input_in_output": True,
+        "sampling_parameters": json.dumps({"max_tokens": 5, "guided_decoding": {"choice": ["left", "right"]}})})
+    assert status == 200 and result["text_output"] in ("left", "right"), result
     assert is_ready(triton_server)
