@@ -142,12 +142,25 @@ def test_preemption_by_recompute_keeps_outputs_valid():
         jsonschema.validate(json.loads(output.outputs[0].text), SCHEMAS["array"])
 
 
-def test_guided_requests_are_not_speculated():
-    llm = LLM(speculative_method="ngram", num_speculative_tokens=3)
-    prompt = _prompt(llm, "Say yes or no.")
-    with pytest.raises(ValueError, match="speculative: guided decoding does not combine"):
-        llm.generate(prompt, SamplingParams(speculative=True, guided_decoding={"choice": ["yes", "no"]}))
-    [out] = llm.generate(prompt, SamplingParams(max_tokens=MAX_TOKENS, temperature=0,
-                                                guided_decoding=_guided(SCHEMAS["pattern"])))
-    jsonschema.validate(json.loads(out.outputs[0].text), SCHEMAS["pattern"])
-    assert llm.engine.get_stats().spec_num_drafts == 0
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_speculative_decoding_with_grammars(llm, method):
+    # The prompt holds the answer, so n-gram lookup drafts it; the draft model is the
+    # target's first layers. Greedy outputs must equal the non-speculative engine's.
+    spec = LLM(speculative_method=method, num_speculative_tokens=3, speculative_draft_num_layers=8
+               if method == "draft" else None, max_num_seqs=8)
+    schema = SCHEMAS["pattern"]
+    prompt = _prompt(spec, 'Repeat exactly: {"code": "AB-123", "count": 12} and {"code": "CD-456", "count": 7}')
+    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0, guided_decoding=_guided(schema)),
+              SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, seed=2, guided_decoding=_guided(schema)),
+              SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, guided_decoding=_guided(schema)),
+              SamplingParams(max_tokens=20, temperature=0, speculative=True,
+                             guided_decoding=GuidedDecodingParams(regex=r"[a-z ]{5,30}\."))]
+    outputs = spec.generate([prompt] * 4, params)
+    for output in outputs[:3]:
+        assert output.outputs[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(output.outputs[0].text), schema)
+    assert re.fullmatch(r"[a-z ]{5,30}\.", outputs[3].outputs[0].text)
+    stats = spec.engine.get_stats()
+    assert stats.spec_num_drafts > 0 and stats.spec_num_accepted_tokens > 0
+    reference = llm.generate([prompt, prompt], [params[0], params[3].clone(speculative=None)])
+    assert [o.outputs[0].token_ids for o in outputs[::3]] == [o.outputs[0].token_ids for o in reference]

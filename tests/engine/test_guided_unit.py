@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -44,9 +45,7 @@ def test_params_forms_and_cache_key():
     assert list(json.loads(a.spec)["properties"]) == ["b", "a"]  # property order is generation order
     assert GuidedDecodingParams(json_object=True).kind == "json_object"
     assert GuidedDecodingParams(choice=["x", "y"]).spec == '["x", "y"]'
-    with pytest.raises(ValueError, match="speculative: guided decoding does not combine"):
-        SamplingParams(speculative=True, guided_decoding=GuidedDecodingParams(regex="a"))
-    assert SamplingParams(speculative=False, guided_decoding={"regex": "a"}).guided_decoding.regex == "a"
+    assert SamplingParams(speculative=True, guided_decoding={"regex": "a"}).guided_decoding.regex == "a"
 
 
 # ------------------------------------------------------------------ bitmask stage
@@ -101,10 +100,16 @@ def tokenizer(smollm2_path):
     return Tokenizer.from_pretrained(smollm2_path)
 
 
-def _allowed(manager, request_id):
-    mask = manager.prepare_bitmask([request_id])
-    bits = mask.bits[0]
+def _item(request_id, drafts=()):
+    return SimpleNamespace(request=SimpleNamespace(request_id=request_id), spec_token_ids=list(drafts))
+
+
+def _tokens(bits):
     return [t for t in range(bits.shape[0] * 32) if (int(bits[t // 32]) >> (t % 32)) & 1]
+
+
+def _allowed(manager, request_id):
+    return _tokens(manager.prepare_bitmask([_item(request_id)]).bits[0])
 
 
 def _ready(manager, timeout=60.0):
@@ -126,7 +131,7 @@ def test_manager_compiles_once_per_format_and_follows_tokens(tokenizer):
     manager.submit("a", ["a"], params)
     manager.submit("b", ["b#0", "b#1"], GuidedDecodingParams(choice=["yes", "no"]))
     manager.submit("bad", ["bad"], GuidedDecodingParams(regex="a(b"))
-    assert manager.prepare_bitmask(["a"]) is None  # nothing ready: no grammar work at all
+    assert manager.prepare_bitmask([_item("a")]) is None  # nothing ready: no grammar work at all
     ready, failed = _ready(manager)
     assert sorted(ready) == ["a", "b"] and manager.num_compilations == 2
     assert failed == [("bad", "guided_decoding.regex: cannot be compiled: Regex parsing error at position 4: "
@@ -138,10 +143,32 @@ def test_manager_compiles_once_per_format_and_follows_tokens(tokenizer):
     assert _allowed(manager, "b#0") == eos  # complete: only EOS may follow
     assert manager.accept("b#0", eos)  # terminated
     assert len(_allowed(manager, "b#1")) == len(first)  # siblings have their own matchers
-    mask = manager.prepare_bitmask(["x", "b#1", "y", "a"])
+    mask = manager.prepare_bitmask([_item("x"), _item("b#1"), _item("y"), _item("a")])
     assert mask.rows.tolist() == [1, 3]
     manager.release(["a", "b#0", "b#1"])
-    assert manager.prepare_bitmask(["a"]) is None
+    assert manager.prepare_bitmask([_item("a")]) is None
+
+
+def test_drafts_are_cut_to_the_grammar_and_masks_follow_them(tokenizer):
+    vocab = 49152
+    eos = sorted(tokenizer.eos_token_ids)
+    manager = GuidedDecodingManager(lambda: XGrammarBackend(tokenizer, vocab, eos), vocab, max_workers=1)
+    manager.submit("r", ["r"], GuidedDecodingParams(regex="[0-9]{4}"))
+    assert _ready(manager) == (["r"], [])
+    digits = [tokenizer.encode(d, add_special_tokens=False)[0] for d in "1234"]
+    letter = tokenizer.encode("x", add_special_tokens=False)[0]
+    assert len(digits) == 4 and all(d != letter for d in digits)
+    drafts = manager.truncate_drafts({"r": digits[:2] + [letter, digits[3]], "other": [letter]})
+    assert drafts == {"r": digits[:2], "other": [letter]}  # cut at the first forbidden token
+    # The stop token that would end the grammar is left to the target.
+    assert manager.truncate_drafts({"r": digits + eos}) == {"r": digits}
+    mask = manager.prepare_bitmask([_item("other"), _item("r", digits)])
+    assert mask.rows.tolist() == [1, 2, 3, 4, 5]  # 1 + 4 logits rows of r, after other's row
+    assert digits[0] in _tokens(mask.bits[0]) and letter not in _tokens(mask.bits[0])
+    assert _tokens(mask.bits[3]) == _tokens(mask.bits[0]) and _tokens(mask.bits[4]) == eos
+    assert _allowed(manager, "r") == _tokens(mask.bits[0])  # walked drafts were rolled back
+    assert not manager.accept("r", digits)
+    assert _allowed(manager, "r") == eos
 
 
 def test_choice_grammar_escapes():

@@ -14,6 +14,12 @@ Every request ignores EOS and is sampled (temperature 0.8, seeded), so both runs
 cost of the grammar work (host bitmask fill + matcher advance + the masking stage).
 The grammar is compiled once before timing (the compile time is reported apart: later
 requests hit the engine's cache). Target: ``half`` >= 0.85x ``none``.
+
+Two clocks: wall time, and the process's CPU time (``time.process_time``). On a shared
+machine whose other load changes from minute to minute the wall ratio swings far more
+than the grammar's cost; with one torch thread and the compile pool idle during the
+timed runs, CPU time counts only the work this process did, so its ratio is the steadier
+estimate there. On a dedicated machine (or a GPU) read the wall ratio.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ def run(engine, prompts: list[list[int]], constrained: bool, max_tokens: int) ->
     from pagoda.engine.sampling_params import SamplingParams
 
     guided = GuidedDecodingParams(json=SCHEMA)
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.process_time()
     for i, prompt in enumerate(prompts):
         params = SamplingParams(temperature=0.8, seed=i, max_tokens=max_tokens, ignore_eos=True,
                                 guided_decoding=guided if constrained and i % 2 == 0 else None)
@@ -48,8 +54,9 @@ def run(engine, prompts: list[list[int]], constrained: bool, max_tokens: int) ->
         steps += 1
         for out in engine.step():
             tokens += sum(len(c.delta_token_ids) for c in out.outputs)
-    seconds = time.perf_counter() - start
-    return {"seconds": seconds, "tokens": tokens, "steps": steps, "tokens_per_s": tokens / seconds}
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - start_cpu
+    return {"seconds": seconds, "cpu_seconds": cpu_seconds, "tokens": tokens, "steps": steps,
+            "tokens_per_s": tokens / seconds, "tokens_per_cpu_s": tokens / cpu_seconds}
 
 
 def compile_seconds(engine, prompt: list[int]) -> float:
@@ -73,7 +80,7 @@ def main(argv=None) -> int:
     parser.add_argument("--model", default=None, help="model folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=48)
-    parser.add_argument("--repeats", type=int, default=2, help="runs per configuration; the fastest is kept")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per configuration; the fastest is kept")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     parser.add_argument("--json", default=None, help="also write the results to this file")
     args = parser.parse_args(argv)
@@ -94,24 +101,30 @@ def main(argv=None) -> int:
                "load_average": os.getloadavg(), "threads": torch.get_num_threads(), "model": model_path,
                "batch_size": args.batch_size, "max_tokens": args.max_tokens,
                "compile_seconds_cold": compile_seconds(engine, prompts[0]), "runs": {}}
+    order = (("none", False), ("half", True))
     for repeat in range(args.repeats):
-        for name, constrained in (("none", False), ("half", True)):
+        for name, constrained in order if repeat % 2 == 0 else order[::-1]:  # alternate who goes first
             result = run(engine, prompts, constrained, args.max_tokens)
-            best = results["runs"].get(name)
-            if best is None or result["seconds"] < best["seconds"]:
-                results["runs"][name] = result
-            print(f"{name:>5}: {result['tokens_per_s']:7.1f} tok/s  {result['seconds']:6.2f} s  "
-                  f"{result['tokens']} tokens  (repeat {repeat})", flush=True)
+            for clock in ("seconds", "cpu_seconds"):  # fastest run per clock
+                best = results["runs"].setdefault(name, dict(result))
+                if result[clock] < best[clock]:
+                    best[clock] = result[clock]
+                    best["tokens_per_s" if clock == "seconds" else "tokens_per_cpu_s"] = \
+                        result["tokens_per_s" if clock == "seconds" else "tokens_per_cpu_s"]
+            print(f"{name:>5}: {result['tokens_per_s']:7.1f} tok/s wall  {result['tokens_per_cpu_s']:7.1f} tok/s cpu  "
+                  f"{result['seconds']:6.2f} s  {result['tokens']} tokens  (repeat {repeat})", flush=True)
     runs = results["runs"]
     results["ratio"] = runs["half"]["tokens_per_s"] / runs["none"]["tokens_per_s"]
+    results["ratio_cpu"] = runs["half"]["tokens_per_cpu_s"] / runs["none"]["tokens_per_cpu_s"]
     print(f"machine: {results['machine']} ({results['threads']} torch threads; load average "
           f"{', '.join(f'{x:.1f}' for x in results['load_average'])} at start)")
     print(f"batch {args.batch_size}, max_tokens {args.max_tokens}, sampled, ignore_eos; cold compile + import "
           f"{results['compile_seconds_cold']:.2f} s")
-    print("| constrained | tok/s | seconds | tokens | steps |\n|---|---|---|---|---|")
+    print("| constrained | tok/s (wall) | tok/s (CPU time) | tokens | steps |\n|---|---|---|---|---|")
     for name, r in runs.items():
-        print(f"| {name} | {r['tokens_per_s']:.1f} | {r['seconds']:.2f} | {r['tokens']} | {r['steps']} |")
-    print(f"half / none throughput: {results['ratio']:.3f}x (target >= 0.85x)")
+        print(f"| {name} | {r['tokens_per_s']:.1f} | {r['tokens_per_cpu_s']:.1f} | {r['tokens']} | {r['steps']} |")
+    print(f"half / none throughput: {results['ratio']:.3f}x wall, {results['ratio_cpu']:.3f}x CPU time "
+          f"(target >= 0.85x)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

@@ -18,8 +18,9 @@ Structured output (``SamplingParams.guided_decoding``, ``pagoda.engine.guided``)
 guided request waits outside the scheduler until its grammar is compiled on the compile
 pool (``_admit_guided`` at the start of each step; a grammar that fails to compile ends
 that request with ``RequestOutput.error``); then, every step, the host fills the grammar's
-token bitmask before the forward pass, the sampler applies it, and the matcher follows the
-sampled tokens (a terminated grammar finishes the request with ``stop``).
+token bitmask before the forward pass, the sampler (or the speculator's verification,
+after drafts were cut to the grammar) applies it, and the matcher follows the tokens kept
+(a terminated grammar finishes the request with ``stop``).
 
 A user request with ``n > 1`` becomes ``n`` scheduler requests ("children") that share
 the prompt's KV blocks through the prefix cache: child 0 is scheduled first and the others
@@ -320,6 +321,8 @@ class LLMEngine:
         outputs, self._aborted_outputs = self._aborted_outputs, []
         outputs += self._admit_guided()
         drafts = self.speculator.propose(self.scheduler.running) if self.speculator else None
+        if drafts:
+            drafts = self.guided.truncate_drafts(drafts)
         sched = self.scheduler.schedule(drafts)
         if self.host_kv_cache is not None:  # KV offload copies run before the forward pass
             self.host_kv_cache.execute(sched)
@@ -337,7 +340,7 @@ class LLMEngine:
                 group.metrics.first_scheduled_time = now
         items = [item for item in sched.scheduled if item.is_sampling]
         # Filled on the host before the forward, so on a GPU it overlaps the kernels.
-        bitmask = self.guided.prepare_bitmask([item.request.request_id for item in items])
+        bitmask = self.guided.prepare_bitmask(items)
         logits = self.runner.execute(sched.scheduled)
         sampled, logprobs = self._sample(logits, items, bitmask)
         updates = self.scheduler.update_from_output(sched, sampled)

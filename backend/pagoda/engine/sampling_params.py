@@ -33,8 +33,8 @@ class SamplingParams:
     opts in or out of speculative decoding (``None``: the server's default); it never
     changes greedy or seeded outputs, only how fast they come. ``guided_decoding``
     constrains the output to a format (JSON schema, any JSON, regex, choice, grammar; a
-    ``GuidedDecodingParams`` or its dict form); such requests are never speculated, and
-    ``speculative=True`` with it is refused.
+    ``GuidedDecodingParams`` or its dict form); it combines with speculative decoding
+    (drafts are cut to the grammar and verified against masked target distributions).
     """
 
     n: int = 1
@@ -99,9 +99,6 @@ class SamplingParams:
             _check_bool("speculative", self.speculative)
         if self.guided_decoding is not None:
             self.guided_decoding = GuidedDecodingParams.from_dict(self.guided_decoding)
-            if self.speculative:
-                raise ValueError("speculative: guided decoding does not combine with speculative decoding yet; "
-                                 "omit speculative (guided requests are not speculated) or set it to false")
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
 

@@ -4,7 +4,7 @@
 batch rows that have a grammar and, for each, a packed ``int32`` bitmask (layout in
 ``backend.py``). ``apply_token_bitmask`` copies it to the logits' device (non-blocking
 from pinned memory on a GPU), unpacks it with one shift-and-mask and sets every forbidden
-logit to ``-inf`` with one ``masked_fill_``. Rows without a grammar are untouched, and a
+logit of those rows to ``-inf`` with one ``masked_fill_`` (gathered rows, scattered back). Rows without a grammar are untouched, and a
 batch without any grammar never builds a ``TokenBitmask`` (the sampler skips the stage).
 Works for greedy and sampled rows alike: it runs before argmax, temperature and filters.
 This module imports only torch.
@@ -46,12 +46,11 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: TokenBitmask) -> None:
         bitmask: rows (indices into ``N``) and packed bits covering at least ``V`` tokens.
     """
     device = logits.device
-    num_rows, vocab_size = logits.shape
+    vocab_size = logits.shape[1]
     bits = bitmask.bits.to(device, non_blocking=True)  # [M, W]
     rows = bitmask.rows.to(device, non_blocking=True)  # [M]
     assert bits.shape[1] * 32 >= vocab_size, f"bitmask covers {bits.shape[1] * 32} tokens, logits have {vocab_size}"
     shifts = torch.arange(32, device=device, dtype=torch.int32)
-    allowed = ((bits[:, :, None] >> shifts) & 1).reshape(bits.shape[0], -1)[:, :vocab_size]  # [M, V]
-    forbidden = torch.zeros(num_rows, vocab_size, dtype=torch.bool, device=device)
-    forbidden[rows] = allowed == 0
-    logits.masked_fill_(forbidden, float("-inf"))
+    # Work on the M grammar rows only, so the cost follows them, not the batch.
+    bit = ((bits[:, :, None] >> shifts) & 1).reshape(bits.shape[0], -1)[:, :vocab_size]  # [M, V]
+    logits[rows] = logits[rows].masked_fill_(bit == 0, float("-inf"))

@@ -9,9 +9,15 @@ Life of a guided request (the engine calls each method from its one thread):
 2. ``poll()`` at the start of every step: requests whose grammar is ready get a matcher
    per child and go to the scheduler; requests whose grammar failed to compile finish
    with that error. A step never waits for a compile: the batch runs without them.
-3. ``prepare_bitmask(items)`` before the forward pass: the host fills one packed bitmask
-   row per sampling row with a grammar (``None`` when the batch has none, so the sampler
-   does no grammar work at all); the sampler applies it on the logits' device.
+3. ``truncate_drafts(drafts)`` after the speculator proposes: a guided request's drafted
+   tokens are cut before the first one its grammar forbids or a stop token that would end
+   it (the target emits that one itself), so every scheduled draft is grammatical.
+   ``prepare_bitmask(items)`` before the forward pass: the host fills one packed bitmask
+   row per logits row of a request with a grammar (``None`` when the batch has none, so
+   the sampler does no grammar work at all): one row for a plain decode, ``1 + n`` for a
+   request verifying ``n`` drafts (the matcher walks the drafts and rolls back). The
+   sampler (or the speculator's verification) applies it on the logits' device, so a
+   draft the target may not emit has probability 0 and is rejected.
 4. ``accept(request_id, token_ids)`` after sampling advances the matcher by the tokens
    the request kept; it returns ``True`` once the grammar has terminated (it accepted a
    stop token), so the engine finishes the request with ``stop``.
@@ -19,9 +25,10 @@ Life of a guided request (the engine calls each method from its one thread):
    forgets a request still waiting for its grammar.
 
 Preemption by recompute keeps a request's output tokens (only its KV is recomputed), so
-the matcher, which has consumed exactly those tokens, stays valid; nothing rolls back.
-Guided requests never carry speculative drafts (``Speculator.wants``), so no rejected
-draft ever reaches a matcher.
+the matcher, which has consumed exactly those tokens, stays valid. Drafts are walked and
+rolled back within ``truncate_drafts`` and ``prepare_bitmask``; only the tokens a request
+keeps (accepted drafts plus one) reach ``accept``, so a rejected draft never stays in a
+matcher.
 """
 
 from __future__ import annotations
@@ -118,16 +125,57 @@ class GuidedDecodingManager:
         return self._backend.compile(kind, spec, any_whitespace)
 
     # 3-5. per step ---------------------------------------------------------------------
-    def prepare_bitmask(self, request_ids: Sequence[str]) -> Optional[TokenBitmask]:
-        """Allowed next tokens for the sampler's rows (``request_ids`` in batch order)."""
+    def truncate_drafts(self, drafts: dict[str, list[int]]) -> dict[str, list[int]]:
+        """Cut each guided request's drafts before the first token its grammar forbids or
+        the stop token that would end it (the target then emits that one itself)."""
+        for request_id, token_ids in drafts.items():
+            matcher = self._matchers.get(request_id)
+            if matcher is None or not token_ids:
+                continue
+            num_valid = 0
+            for token_id in token_ids:
+                if not matcher.accept_token(token_id):
+                    break
+                num_valid += 1
+                if matcher.is_terminated():
+                    num_valid -= 1
+                    break
+            matcher.rollback(num_valid + (1 if matcher.is_terminated() else 0))
+            drafts[request_id] = list(token_ids[:num_valid])
+        return drafts
+
+    def prepare_bitmask(self, items: Sequence[Any]) -> Optional[TokenBitmask]:
+        """Allowed next tokens for the step's logits rows.
+
+        Args:
+            items: the sampling ``ScheduledRequest``s in batch order; each owns ``1 +
+                len(item.spec_token_ids)`` consecutive logits rows.
+        Returns:
+            Rows (indices into those logits rows) and bits, or ``None`` when no row has a
+            grammar.
+        """
         if not self._matchers:
             return None
-        rows = [i for i, request_id in enumerate(request_ids) if request_id in self._matchers]
-        if not rows:
+        plan, row = [], 0
+        for item in items:
+            matcher = self._matchers.get(item.request.request_id)
+            if matcher is not None:
+                plan.append((matcher, row, list(item.spec_token_ids)))
+            row += 1 + len(item.spec_token_ids)
+        if not plan:
             return None
-        bits = torch.empty(len(rows), self._width, dtype=torch.int32, pin_memory=self._pin_memory)
-        for j, i in enumerate(rows):
-            self._matchers[request_ids[i]].fill_bitmask(bits, j)
+        bits = torch.empty(sum(1 + len(d) for _, _, d in plan), self._width, dtype=torch.int32,
+                           pin_memory=self._pin_memory)
+        rows: list[int] = []
+        for matcher, start, drafts in plan:
+            for j in range(len(drafts) + 1):
+                matcher.fill_bitmask(bits, len(rows))
+                rows.append(start + j)
+                if j < len(drafts):
+                    accepted = matcher.accept_token(drafts[j])
+                    assert accepted, "drafts are cut to the grammar by truncate_drafts"
+            if drafts:
+                matcher.rollback(len(drafts))
         return TokenBitmask(rows=torch.tensor(rows, dtype=torch.long), bits=bits)
 
     def accept(self, request_id: str, token_ids: Sequence[int]) -> bool:

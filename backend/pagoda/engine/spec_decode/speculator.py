@@ -140,10 +140,6 @@ class Speculator:
         self._drafts: dict[str, Draft] = {}
 
     def wants(self, request: Request) -> bool:
-        # Guided requests are not speculated: drafts are not checked against a grammar
-        # (``SamplingParams`` refuses speculative=True with guided_decoding).
-        if request.sampling_params.guided_decoding is not None:
-            return False
         opt_in = request.sampling_params.speculative
         return self.default_on if opt_in is None else opt_in
 
@@ -176,7 +172,7 @@ class Speculator:
         Args:
             logits: ``ModelRunner.execute``'s rows: ``1 + len(item.spec_token_ids)`` per item.
             items: the step's ``ScheduledRequest``s with ``is_sampling``, in batch order.
-            token_bitmask: grammar masks, rows indexing ``items`` (only draft-less items have one).
+            token_bitmask: grammar masks, rows indexing the logits rows (``prepare_bitmask``).
         """
         tokens: dict[str, list[int]] = {}
         logprobs: dict[str, list[Optional[TokenLogprobs]]] = {}
@@ -188,25 +184,26 @@ class Speculator:
         plain = [i for i, item in enumerate(items) if not item.spec_token_ids]
         if plain:
             rows = [items[i].request.sampling_state for i in plain]
-            mask = token_bitmask.select(plain) if token_bitmask is not None else None
+            mask = token_bitmask.select([starts[i] for i in plain]) if token_bitmask is not None else None
             result = self.sampler(logits[[starts[i] for i in plain]], rows, mask)
             for i, token_id, lp in zip(plain, result.token_ids, result.logprobs):
                 tokens[items[i].request.request_id] = [token_id]
                 logprobs[items[i].request.request_id] = [lp]
         spec = [(items[i], starts[i]) for i in range(len(items)) if items[i].spec_token_ids]
         if spec:
-            self._verify(logits, spec, tokens, logprobs)
+            self._verify(logits, spec, tokens, logprobs, token_bitmask)
         self._drafts = {}
         return tokens, logprobs
 
-    def _verify(self, logits, spec, tokens, logprobs) -> None:
+    def _verify(self, logits, spec, tokens, logprobs, token_bitmask=None) -> None:
         ext_rows, raw_index = [], []
         for item, start in spec:
             drafts = item.spec_token_ids
             ext_rows += [with_outputs(item.request.sampling_state, drafts[:j]) for j in range(len(drafts) + 1)]
             raw_index += range(start, start + len(drafts) + 1)
         raw = logits[raw_index]  # [sum(n + 1), >= V]
-        processed = self.sampler.process_logits(raw, ext_rows)  # [sum(n + 1), V]
+        mask = token_bitmask.select(raw_index) if token_bitmask is not None else None
+        processed = self.sampler.process_logits(raw, ext_rows, mask)  # [sum(n + 1), V]; grammar rows masked
         random = [i for i, r in enumerate(ext_rows) if not r.params.is_greedy]
         probs = torch.zeros_like(processed)
         if random:
