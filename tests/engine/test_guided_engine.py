@@ -79,7 +79,7 @@ def test_schemas_greedy_and_sampled_batched_with_unconstrained(llm):
 def test_regex_choice_grammar_and_length(llm):
     prompt = _prompt(llm, "Is the sky blue? Then give a product code.")
     grammar = 'root ::= "answer: " ("yes" | "no") "."'
-    outputs = llm.generate([prompt] * 5, [
+    outputs = llm.generate([prompt] * 6, [
         SamplingParams(max_tokens=20, temperature=0, guided_decoding=GuidedDecodingParams(choice=["yes", "no"])),
         SamplingParams(max_tokens=20, temperature=1.0, seed=3,
                        guided_decoding=GuidedDecodingParams(regex=r"[A-Z]{3}-[0-9]{2}")),
@@ -87,6 +87,8 @@ def test_regex_choice_grammar_and_length(llm):
         SamplingParams(n=2, max_tokens=20, temperature=1.0, seed=5,
                        guided_decoding=GuidedDecodingParams(choice=["red", "green", "blue"])),
         SamplingParams(max_tokens=4, temperature=0, guided_decoding=_guided(SCHEMAS["nested"])),
+        SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, guided_decoding=GuidedDecodingParams(
+            choice=["yes", "no"])),
     ])
     assert outputs[0].outputs[0].text in ("yes", "no")
     assert re.fullmatch(r"[A-Z]{3}-[0-9]{2}", outputs[1].outputs[0].text)
@@ -96,6 +98,10 @@ def test_regex_choice_grammar_and_length(llm):
     assert cut.finish_reason == "length" and len(cut.token_ids) == 4
     with pytest.raises(json.JSONDecodeError):
         json.loads(cut.text)
+    # ignore_eos: EOS does not stop the request, but it completes the grammar: stop there.
+    done = outputs[5].outputs[0]
+    assert done.text in ("yes", "no") and done.finish_reason == "stop"
+    assert done.token_ids[-1] in llm.engine.eos_token_ids
 
 
 @pytest.mark.parametrize("guided, message", [

@@ -12,7 +12,8 @@ Per engine step (see ``LLMEngine.step``):
 2. ``sample(logits, items)``, after ``ModelRunner.execute``: requests without drafts go
    through the plain ``Sampler`` in one batch; requests with drafts are verified from the
    ``1 + n`` logits rows the runner returns for them (``draft.py`` for the three modes,
-   ``rejection_sampler.py`` for the math). Tokens (accepted drafts, then one more) and
+   ``rejection_sampler.py`` for the math), with the grammar's bitmask (structured output)
+   applied to the target's logits rows first. Tokens (accepted drafts, then one more) and
    raw logprobs go back to the engine; ``Scheduler.update_from_output`` rolls the KV of
    rejected drafts back.
 3. ``release(ids)`` when requests finish: frees their draft KV and acceptance estimates.
