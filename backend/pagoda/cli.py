@@ -32,7 +32,7 @@ _BENCHES = {
     "kernels": ("pagoda.bench.kernels", "main", "GPU kernel bandwidth and latency"),
     "routing": ("pagoda.bench.routing", "main", "routing policies compared in a calibrated simulator"),
     "autoscale": ("pagoda.bench.autoscale", "main", "the operator's autoscaler replayed on the routing simulator"),
-    "quant": ("pagoda.bench.quant", "main", "int8 weight-only vs full precision: memory, speed, quality"),
+    "quant": ("pagoda.bench.quant", "main", "int8 and fp8 weights vs full precision: memory, speed, quality"),
     "spec": ("pagoda.bench.spec", "main", "speculative decoding: acceptance, tokens per pass, speedup"),
     "offload": ("pagoda.bench.offload", "main", "KV swap to the CPU tier vs recompute, by context length"),
     "lora": ("pagoda.bench.lora", "main", "throughput with 1, 4 and 16 LoRA adapters in a batch vs the base model"),

@@ -23,7 +23,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
-from pagoda.kernels import triton_attention, triton_ops
+from pagoda.kernels import triton_attention, triton_ops, triton_w8a16
 from pagoda.kernels.metadata import AttentionMetadata
 
 H100_SMS = 132
@@ -36,7 +36,14 @@ TORCH_TO_TRITON = {
     torch.float32: "fp32",
     torch.int32: "i32",
     torch.int64: "i64",
+    torch.int8: "i8",
+    torch.float8_e4m3fn: "fp8e4nv",
 }
+# Llama-3-8B's o_proj (N = K = 4096) at rows from batch-1 decode to a prefill chunk below
+# w8a16.DEQUANT_ROWS: each tile family of the W8A16 kernel (16/32/64/128 rows), split-K
+# (1..64 rows) and not (2047 rows). The split count is a run-time argument.
+W8A16_SHAPES = ((4096, 4096),)
+W8A16_ROWS = (1, 17, 64, 2047)
 
 
 def record_launches() -> list[tuple[JITFunction, tuple, dict]]:
@@ -51,6 +58,7 @@ def record_launches() -> list[tuple[JITFunction, tuple, dict]]:
             _attention_launches(dtype, head_dim)
             _small_launches(dtype, head_dim)
         _lora_launches(dtype)
+        _w8a16_launches(dtype)
     return launches
 
 
@@ -95,6 +103,15 @@ def _lora_launches(dtype: torch.dtype) -> None:
         a = torch.empty(4, rank, 4096, dtype=dtype)
         b = torch.empty(4, 6144, rank, dtype=dtype)
         triton_ops.lora_apply(torch.empty(3, 6144, dtype=dtype), x, a, b, slots)
+
+
+def _w8a16_launches(dtype: torch.dtype) -> None:
+    """int8 and fp8 weights at each row count (the split-K reduction comes with the splits)."""
+    for weight_dtype in (torch.int8, torch.float8_e4m3fn):
+        for n, k in W8A16_SHAPES:
+            qweight = torch.empty(n, k, dtype=weight_dtype)
+            for rows in W8A16_ROWS:
+                triton_w8a16.w8a16_linear(torch.empty(rows, k, dtype=dtype), qweight, torch.empty(n))
 
 
 def _arg_type(value) -> str:

@@ -25,6 +25,8 @@ KERNELS = {
     "_rotary_kernel",
     "_lora_shrink_kernel",
     "_lora_expand_kernel",
+    "_w8a16_kernel",
+    "_w8a16_reduce_kernel",
 }
 NUM_SHARDS = 2
 
@@ -81,3 +83,8 @@ def test_every_kernel_variant_compiles_for_sm90(tmp_path):
     assert head_dims == {"64", "80", "128"}
     assert groups == {"1", "3", "4", "8"}
     assert splits == {"True", "False"}
+    w8a16 = [r["variant"] for r in rows if r["kernel"] == "_w8a16_kernel"]
+    assert {(v["dtype"], v["W_FP8"], v["IS_SPLIT"]) for v in w8a16} == {
+        (d, fp8, split) for d in ("*fp16", "*bf16", "*fp32") for fp8 in ("True", "False") for split in ("True", "False")
+    }
+    assert {v["BLOCK_M"] for v in w8a16} == {"16", "32", "64", "128"}

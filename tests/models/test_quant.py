@@ -164,44 +164,84 @@ def _unit_gain(model) -> None:
     model.lm_head.copy_(torch.randn(model.lm_head.shape, generator=gen) * 2 / model.lm_head.shape[1] ** 0.5)
 
 
-def test_quantized_tiny_model_keeps_greedy_tokens_and_logits(tiny_path):
+def decode_all(model, prompts: list[list[int]], num_steps: int, forced=None):
+    """Greedy decode of all prompts batched (teacher-forced on ``forced`` when given).
+
+    Returns:
+        (tokens [num_prompts][num_steps], logits [num_steps, num_prompts, vocab])
+    """
+    block_size, n = 16, len(prompts)
+    blocks = -(-(max(map(len, prompts)) + num_steps) // block_size)
+    kv = make_kv_caches(model.config, n * blocks, block_size)
+    tables = [list(range(blocks * i, blocks * (i + 1))) for i in range(n)]
+    logits = run_step(model, kv, [StepInput(p, 0, t) for p, t in zip(prompts, tables)], block_size)
+    rows = [logits[torch.tensor([len(p) for p in prompts]).cumsum(0) - 1]]
+    tokens = [[] for _ in prompts]
+    for step in range(num_steps):
+        for i, tok in enumerate(rows[-1].argmax(-1).tolist()):
+            tokens[i].append(tok)
+        feed = [(forced or tokens)[i][step] for i in range(n)]
+        rows.append(run_step(model, kv, [StepInput([f], len(p) + step, t)
+                                         for f, p, t in zip(feed, prompts, tables)], block_size))
+    return tokens, torch.stack(rows[:-1])
+
+
+def agreement(model, qmodel, prompts, num_steps) -> dict:
+    """Teacher-forced logit error (relative to the largest logit) and top-1 agreement; free-running
+    greedy tokens identical."""
+    ref_tokens, ref_logits = decode_all(model, prompts, num_steps)
+    _, q_logits = decode_all(qmodel, prompts, num_steps, forced=ref_tokens)
+    q_tokens, _ = decode_all(qmodel, prompts, num_steps)
+    scale = ref_logits.abs().max().item()
+    diff = (q_logits - ref_logits).abs()
+    same = sum(a == b for x, y in zip(ref_tokens, q_tokens) for a, b in zip(x, y)) / (len(prompts) * num_steps)
+    return {"max": diff.max().item() / scale, "mean": diff.mean().item() / scale,
+            "top1": (q_logits.argmax(-1) == ref_logits.argmax(-1)).float().mean().item(), "same": same}
+
+
+# Measured on this tiny model (see the test's docstring) -> asserted with headroom:
+# int8: max 2.8%, mean 0.34%, top-1 94%, identical 59%;
+# fp8:  max 9.8%, mean 1.2%, top-1 81%, identical 17% (e4m3 errs by up to 2^-4 of each
+# weight, int8 by at most half of max|row|/127: about 4x more weight noise on Gaussian rows).
+TINY_LIMITS = {"int8": {"max": 0.06, "mean": 0.01, "top1": 0.85, "same": 0.4},
+               "fp8": {"max": 0.15, "mean": 0.02, "top1": 0.7, "same": 0.1}}
+
+
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+def test_quantized_tiny_model_keeps_greedy_tokens_and_logits(tiny_path, method):
+    """fp32 activations on the dequantize path and bf16 on the packed int8 path give the same
+    error (the 8-bit weights dominate it). A random model's logits are nearly tied, so one
+    flip sends the rest of a sequence elsewhere; SmolLM2 figures are in docs/quantization.md."""
     model = load_model(tiny_path)
     _unit_gain(model)
-    qmodel = quantize_model(copy.deepcopy(model))
+    qmodel = quantize_model(copy.deepcopy(model), method)
     rng = random.Random(0)
     prompts = [[rng.randrange(1000, 30000) for _ in range(rng.randrange(5, 40))] for _ in range(6)]
-    num_steps, block_size = 24, 16
+    got = agreement(model, qmodel, prompts, 24)
+    limits = TINY_LIMITS[method]
+    assert got["max"] <= limits["max"] and got["mean"] <= limits["mean"], got
+    assert got["top1"] >= limits["top1"] and got["same"] >= limits["same"], got
 
-    def decode(m, forced=None):
-        """Teacher-forced on ``forced`` when given; every step batches all prompts (packed path)."""
-        kv = make_kv_caches(m.config, 6 * 4, block_size)
-        tables = [list(range(4 * i, 4 * i + 4)) for i in range(6)]
-        logits = run_step(m, kv, [StepInput(p, 0, t) for p, t in zip(prompts, tables)], block_size)
-        rows = [logits[torch.tensor([len(p) for p in prompts]).cumsum(0) - 1]]
-        tokens = [[] for _ in prompts]
-        for step in range(num_steps):
-            for i, tok in enumerate(rows[-1].argmax(-1).tolist()):
-                tokens[i].append(tok)
-            feed = [(forced or tokens)[i][step] for i in range(6)]
-            rows.append(run_step(m, kv, [StepInput([f], len(p) + step, t)
-                                         for f, p, t in zip(feed, prompts, tables)], block_size))
-        return tokens, torch.stack(rows[:-1])  # [num_steps, 6, vocab]
 
-    ref_tokens, ref_logits = decode(model)
-    _, q_logits = decode(qmodel, forced=ref_tokens)
-    q_tokens, _ = decode(qmodel)
-    scale = ref_logits.abs().max().item()
-    # Measured on this model (fp32 activations on the dequantize path and bf16 on the
-    # packed path give the same error: the int8 weights dominate it): max |diff| 2.8% and
-    # mean 0.34% of the largest logit, teacher-forced top-1 agreement 94%, free-running
-    # greedy tokens identical 59% (a random model's logits are nearly tied, so one flip
-    # sends the rest of a sequence elsewhere; SmolLM2 figures are in docs/quantization.md).
-    diff = (q_logits - ref_logits).abs()
-    assert diff.max().item() <= 0.06 * scale
-    assert diff.mean().item() <= 0.01 * scale
-    assert (q_logits.argmax(-1) == ref_logits.argmax(-1)).float().mean().item() >= 0.85
-    same = sum(a == b for x, y in zip(ref_tokens, q_tokens) for a, b in zip(x, y)) / (6 * num_steps)
-    assert same >= 0.4
+DEFAULT_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at a temperature of",
+                   "Once upon a time, in a small village by the sea,"]
+
+
+def test_fp8_default_model_agrees_with_fp32(smollm2_path):
+    """SmolLM2-135M (a trained model), 4 prompts x 16 greedy steps, fp8 against its fp32 self.
+
+    Measured here: max logit error 12.7% and mean 1.2% of the largest logit, teacher-forced
+    top-1 98.4%, free-running tokens identical 82.8% (int8 on the same run: 3.3%, 0.51%,
+    98.4%, 82.8%); asserted with headroom. (int8's SmolLM2 figures: docs/quantization.md.)
+    """
+    from transformers import AutoTokenizer
+
+    model = load_model(smollm2_path)
+    qmodel = quantize_model(load_model(smollm2_path), "fp8")
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    got = agreement(model, qmodel, [tok.encode(p) for p in DEFAULT_PROMPTS], 16)
+    assert got["max"] <= 0.2 and got["mean"] <= 0.02, got
+    assert got["top1"] >= 0.9 and got["same"] >= 0.5, got
 
 
 def test_engine_int8_generates_and_frees_every_block(tiny_path):

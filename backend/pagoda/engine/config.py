@@ -17,7 +17,7 @@ SPECULATIVE_METHODS = ("draft", "ngram")
 MAX_SPECULATIVE_TOKENS = 16
 # Mirrors pagoda.models.quant.QUANTIZATION_METHODS (a test keeps them equal); repeated
 # here because this module, like the scheduler that imports it, stays free of torch.
-QUANTIZATION_METHODS = ("int8",)
+QUANTIZATION_METHODS = ("int8", "fp8")
 PREEMPTION_MODES = ("auto", "recompute", "swap")  # see pagoda.engine.kv_offload
 
 
@@ -48,7 +48,7 @@ class EngineConfig:
     num_speculative_tokens: int = 4  # the largest window k
     spec_adaptive: bool = True  # adapt k per request and step; False: always num_speculative_tokens
     speculative_by_default: bool = True  # requests with SamplingParams.speculative=None speculate
-    quantization: Optional[str] = None  # None | int8 (weight-only, see pagoda.models.quant)
+    quantization: Optional[str] = None  # None | int8 | fp8 (weights only; pagoda.models.quant, .fp8)
     enable_cuda_graphs: bool = True  # decode steps replay CUDA graphs (CUDA + Triton kernels only)
     load_format: str = "safetensors"  # safetensors | dummy (seeded random weights: benchmarks)
     # KV offload (pagoda.engine.kv_offload, docs/kv_offload.md): a host-memory tier of the

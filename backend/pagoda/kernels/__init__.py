@@ -1,6 +1,7 @@
 """The single dispatch point for hot-path kernels.
 
-The model calls only the functions below. Each picks an implementation per call:
+The model calls only the functions below (attention, KV write, norm, rotary, LoRA, and
+``w8a16_linear`` for 8-bit weights). Each picks an implementation per call:
 OpenAI-Triton kernels for CUDA tensors, torch references otherwise. ``PAGODA_KERNELS``
 overrides the choice (``triton`` forces the kernels, e.g. under ``TRITON_INTERPRET=1`` on
 CPU in tests; ``torch`` forces the references, e.g. to compare on a GPU).
@@ -12,11 +13,11 @@ import os
 
 import torch
 
-from pagoda.kernels import reference
+from pagoda.kernels import reference, w8a16
 from pagoda.kernels.metadata import AttentionMetadata
 
 __all__ = ["AttentionMetadata", "paged_attention", "write_kv", "rms_norm", "apply_rotary", "lora_apply",
-           "use_triton"]
+           "w8a16_linear", "use_triton"]
 
 
 def use_triton(x: torch.Tensor) -> bool:
@@ -76,3 +77,16 @@ def lora_apply(y, x, a_stack, b_stack, batch):
 
         return triton_ops.lora_apply(y, x, a_stack, b_stack, batch.token_slots)
     return reference.lora_apply(y, x, a_stack, b_stack, batch.groups)
+
+
+def w8a16_linear(x, qweight, scale):
+    """``x @ (qweight * scale[:, None]).T`` for an int8 or fp8 ``[N, K]`` weight (pagoda.kernels.w8a16).
+
+    CUDA: the Triton W8A16 kernel below ``w8a16.DEQUANT_ROWS`` rows, dequantize + cuBLAS
+    from there; elsewhere the torch reference (dequantize + ``F.linear``).
+    """
+    if use_triton(x) and x.numel() < w8a16.DEQUANT_ROWS * x.shape[-1]:
+        from pagoda.kernels import triton_w8a16
+
+        return triton_w8a16.w8a16_linear(x, qweight, scale)
+    return w8a16.w8a16_linear_ref(x, qweight, scale)

@@ -39,7 +39,13 @@ CPU it is used only after ``int8_probe`` ran it in a subprocess on the model's w
 shapes at every row count from 1 to ``MAX_PACKED_ROWS`` and matched a float64 reference within a
 derived bound; otherwise every call dequantizes. The decision and its reason are logged
 once. ``PAGODA_INT8_KERNEL=dequantize|packed|auto`` overrides it (``packed`` skips the
-probe: for debugging only). On CUDA the dispatch table is trusted (not probed).
+probe: for debugging only).
+
+On CUDA the packed kernel is never used (it made batch-1 decode 9x slower than bf16 on an
+H100): every call goes through ``pagoda.kernels.w8a16_linear``, the Triton W8A16 kernel
+(split-K streaming of the int8 weight for decode, tensor-core tiles above) below
+``W8A16_DEQUANT_ROWS`` rows and dequantize + cuBLAS from there. ``quantization="fp8"``
+(e4m3 weights) lives in ``pagoda.models.fp8``; ``quantize_model`` and ``linear`` serve both.
 """
 
 from __future__ import annotations
@@ -52,11 +58,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagoda import kernels
+from pagoda.models.fp8 import Fp8Weight, select_fp8_kernel
 from pagoda.models.int8_probe import ProbeResult, cpu_description, probe_packed_kernel
 
 logger = logging.getLogger(__name__)
 
-QUANTIZATION_METHODS = ("int8",)
+QUANTIZATION_METHODS = ("int8", "fp8")
 KERNEL_ENV = "PAGODA_INT8_KERNEL"
 # The probe proves the packed kernel at every row count it may be called with
 # (1..MAX_PACKED_ROWS): on a CPU where it misbehaves, it does so for some shapes and row
@@ -64,6 +72,7 @@ KERNEL_ENV = "PAGODA_INT8_KERNEL"
 # Rows at or below which the packed int8 kernel beats dequantize + BLAS (measured on CPU
 # with SmolLM2 shapes; see docs/quantization.md).
 MAX_PACKED_ROWS = 16
+W8A16_DEQUANT_ROWS = kernels.w8a16.DEQUANT_ROWS
 _QMAX = 127
 
 
@@ -116,12 +125,12 @@ def choose_packed_kernel(device: torch.device, dtype: torch.dtype, shapes: set[t
         raise ValueError(f"{KERNEL_ENV}={mode!r}: expected auto, packed or dequantize")
     if mode == "dequantize":
         return ProbeResult(False, f"{KERNEL_ENV}=dequantize")
+    if device.type != "cpu":
+        return ProbeResult(False, f"{device.type}: the Triton W8A16 kernel serves int8 (pagoda.kernels.w8a16_linear)")
     if not _has_packed_kernel(device):
         return ProbeResult(False, f"no _weight_int8pack_mm kernel for {device.type} in this torch build")
     if mode == "packed":
         return ProbeResult(True, f"{KERNEL_ENV}=packed (not probed)")
-    if device.type != "cpu":
-        return ProbeResult(True, f"{device.type} kernel from the dispatch table (not probed)")
     return probe_packed_kernel(dtype, tuple(sorted(shapes)), tuple(range(1, MAX_PACKED_ROWS + 1)))
 
 
@@ -134,8 +143,13 @@ def select_int8_kernel(weights: list["Int8Weight"]) -> ProbeResult:
     for w in weights:
         w.use_packed = result.ok
     where = cpu_description() if device.type == "cpu" else str(device)
-    kernel = f"packed _weight_int8pack_mm up to {MAX_PACKED_ROWS} rows" if result.ok else "dequantize + F.linear"
-    _log_once(logging.INFO if result.ok else logging.WARNING, f"int8 matmul on {where}: {kernel} ({result.reason})")
+    if device.type != "cpu":
+        kernel, level = f"Triton W8A16 below {W8A16_DEQUANT_ROWS} rows, dequantize + cuBLAS from there", logging.INFO
+    elif result.ok:
+        kernel, level = f"packed _weight_int8pack_mm up to {MAX_PACKED_ROWS} rows", logging.INFO
+    else:
+        kernel, level = "dequantize + F.linear", logging.WARNING
+    _log_once(level, f"int8 matmul on {where}: {kernel} ({result.reason})")
     return result
 
 
@@ -162,6 +176,7 @@ class Int8Weight(nn.Module):
         self.register_buffer("packed_scale", scale.to(self.packed_dtype).to(weight.device))  # [out]
         # Dequantize until select_int8_kernel proves the packed kernel on this machine.
         self.use_packed = False
+        self.path = "auto"  # "dequantize": never the packed CPU kernel (benchmarks)
 
     @property
     def shape(self) -> torch.Size:
@@ -170,21 +185,30 @@ class Int8Weight(nn.Module):
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize_int8(self.qweight, self.scale, dtype)
 
+    def kernel_for(self, x: torch.Tensor) -> str:
+        """Name of the path ``matmul`` takes for ``x`` (benchmarks print it)."""
+        rows = x.numel() // x.shape[-1]
+        if kernels.use_triton(x):
+            return "triton W8A16" if rows < W8A16_DEQUANT_ROWS else "dequantize + F.linear"
+        if self.use_packed and self.path == "auto" and rows <= MAX_PACKED_ROWS:
+            return "packed _weight_int8pack_mm"
+        return "dequantize + F.linear"
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, in] -> [num_tokens, out], x.dtype
         """``x @ W.T`` with the dequantized weight ``W`` (see the module docstring for the kernel choice)."""
-        if self.use_packed and x.shape[0] <= MAX_PACKED_ROWS:
+        if self.use_packed and self.path == "auto" and x.shape[0] <= MAX_PACKED_ROWS and not kernels.use_triton(x):
             packed = torch.ops.aten._weight_int8pack_mm(x.to(self.packed_dtype).contiguous(), self.qweight,
                                                          self.packed_scale)
             return packed.to(x.dtype)
-        return F.linear(x, self.dequantize(x.dtype))
+        return kernels.w8a16_linear(x, self.qweight, self.scale)
 
     def extra_repr(self) -> str:
         return f"out={self.shape[0]}, in={self.shape[1]}, packed={self.use_packed}"
 
 
 def linear(x: torch.Tensor, weight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``F.linear`` that also accepts an ``Int8Weight``; the model's projections call this."""
-    if isinstance(weight, Int8Weight):
+    """``F.linear`` that also accepts an ``Int8Weight`` or ``Fp8Weight``; the model's projections call this."""
+    if isinstance(weight, (Int8Weight, Fp8Weight)):
         out = weight.matmul(x)
         return out if bias is None else out + bias
     return F.linear(x, weight, bias)
@@ -192,29 +216,44 @@ def linear(x: torch.Tensor, weight, bias: Optional[torch.Tensor] = None) -> torc
 
 @torch.no_grad()
 def quantize_model(model: nn.Module, method: str = "int8") -> nn.Module:
-    """Replace, in place, every weight named in a submodule's ``linear_weights`` by an ``Int8Weight``.
+    """Replace, in place, every weight named in a submodule's ``linear_weights`` by an
+    ``Int8Weight`` (``"int8"``) or an ``Fp8Weight`` (``"fp8"``, see ``pagoda.models.fp8``).
 
     Call after the weights are loaded; the float weights are released.
 
     Args:
         model: e.g. a loaded ``LlamaForCausalLM``.
-        method: only ``"int8"``.
+        method: ``"int8"`` or ``"fp8"``.
     Returns:
         ``model``.
     Raises:
-        ValueError: unknown ``method``.
+        ValueError: unknown ``method``; ``"fp8"`` on a device that cannot run it (CUDA below
+            sm_89); a model already quantized with the other method.
     """
     check_quantization(method)
+    cls = Fp8Weight if method == "fp8" else Int8Weight
     weights = []
     for module in model.modules():
         for name in getattr(module, "linear_weights", ()):
             weight = getattr(module, name)
-            if not isinstance(weight, Int8Weight):
+            if isinstance(weight, (Int8Weight, Fp8Weight)) and not isinstance(weight, cls):
+                raise ValueError(f"quantize_model: {name} is already {type(weight).__name__}; cannot apply {method!r}")
+            if not isinstance(weight, cls):
+                if cls is Fp8Weight and not weights:
+                    from pagoda.models.fp8 import check_fp8_device
+
+                    check_fp8_device(weight.device)  # refuse before converting anything
                 delattr(module, name)  # a Parameter slot cannot take a Module
-                weight = Int8Weight(weight)
+                weight = cls(weight)
                 setattr(module, name, weight)
             weights.append(weight)
-    select_int8_kernel(weights)
+    if cls is Int8Weight:
+        select_int8_kernel(weights)
+    else:
+        dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+        where = cpu_description() if not weights or weights[0].qweight.device.type == "cpu" else \
+            str(weights[0].qweight.device)
+        _log_once(logging.INFO, f"fp8 matmul on {where}: {select_fp8_kernel(weights, dtype)}")
     return model
 
 

@@ -55,7 +55,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-memory-utilization", type=float, help="fraction of GPU memory the engine may use")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"))
     p.add_argument("--dtype", choices=("auto", "float32", "float16", "bfloat16"))
-    p.add_argument("--quantization", choices=("int8",), help="int8: weight-only int8 linear layers")
+    p.add_argument("--quantization", choices=("int8", "fp8"),
+                   help="int8 or fp8 (e4m3; CUDA sm_89+ or CPU emulation): 8-bit weights of the linear layers")
     p.add_argument("--scheduling-policy", choices=("fcfs", "priority"))
     p.add_argument("--speculative-method", choices=("ngram", "draft"),
                    help="speculative decoding by default for every request (see docs/speculative.md)")
