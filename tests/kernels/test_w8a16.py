@@ -98,6 +98,12 @@ def test_reference_matches_float64(kind, dtype):
     assert_within(w8a16.w8a16_linear_ref(x, q, scale), exact, w8a16_bound(x, q, scale, True), f"ref {kind} {dtype}")
 
 
+def test_e4m3_bit_conversion_is_exact_on_every_code():
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
+    finite = ~codes.float().isnan()
+    assert torch.equal(w8a16.e4m3_to_half(codes).float()[finite], codes.float()[finite])
+
+
 def test_dispatch_point_picks_kernel_by_device_and_rows(monkeypatch):
     gen = torch.Generator().manual_seed(3)
     q, scale = make_weight("int8", 77, 133, gen)

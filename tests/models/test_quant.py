@@ -130,6 +130,25 @@ def test_kernel_override_is_validated_and_obeyed(monkeypatch):
         quant.select_int8_kernel([weight])
 
 
+def test_cuda_never_takes_the_packed_kernel_and_the_model_path_reaches_triton(monkeypatch):
+    """On CUDA the packed kernel made batch-1 decode 9x slower than bf16: the decision is
+    the W8A16 kernel without a probe. With the Triton kernels forced (interpreter), an
+    Int8Weight's matmul goes through it and stays within the derived bound."""
+    decision = quant.choose_packed_kernel(torch.device("cuda"), torch.bfloat16, {(64, 64)})
+    assert not decision.ok and "Triton W8A16" in decision.reason
+    monkeypatch.setenv("PAGODA_KERNELS", "triton")
+    torch.manual_seed(0)
+    weight = Int8Weight(torch.randn(40, 72) * 0.05)
+    bias = torch.zeros(40, dtype=torch.bfloat16)
+    for rows in (1, 17):
+        x = torch.randn(rows, 72, dtype=torch.bfloat16)
+        assert weight.kernel_for(x) == "triton W8A16"
+        ref = F.linear(x.double(), dequantize_int8(weight.qweight, weight.scale, torch.float64))
+        # + one bf16 ulp for the interpreter's truncating fp32 -> bf16 store (tests/kernels/test_w8a16.py)
+        bound = int8_linear_bound(x, weight, bias, torch.bfloat16) + 2.0**-7 * ref.abs()
+        assert_within(linear(x, weight), ref, bound, f"triton path rows={rows}")
+
+
 def test_quantize_model_replaces_projections_only(tiny_path):
     model = load_model(tiny_path)
     before = weight_bytes(model)

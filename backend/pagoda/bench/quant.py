@@ -1,13 +1,14 @@
-"""``pagoda bench quant``: full-precision vs int8 weight-only weights on the same model.
+"""``pagoda bench quant``: full-precision vs int8 and fp8 (e4m3) weights on the same model.
 
-One process loads the model twice (the engine's dtype, e.g. fp32 on CPU, and
-``quantization="int8"``) and reports, as a markdown table:
+One process loads the model once per variant (the engine's dtype, e.g. fp32 on CPU, and
+``quantization="int8"`` / ``"fp8"``; ``--methods``) and reports, as a markdown table:
 
 * weight memory: bytes of parameters and buffers (tied tensors once), and the ratio;
 * decode tokens/s at batch 1 and batch 16 through ``LLMEngine`` (greedy, ``ignore_eos``;
   the prefill step is excluded). Variants are timed alternately, ``--repeats`` times, and
   the best run of each is kept, so the ratios come from one run on the same machine. A
-  third row forces the dequantize-then-matmul kernel, to show what the packed kernel buys;
+  row forces dequantize-then-matmul, to show what the 8-bit kernels buy (int8 everywhere,
+  fp8 on CUDA; fp8 on CPU is always that emulation);
 * logit error: ``PROMPTS`` are decoded greedily by the reference model for
   ``--num-tokens`` steps; the int8 model is fed the same tokens (teacher forcing) and its
   logits are compared at every step: max and mean |difference|, and top-1 agreement;
@@ -17,7 +18,15 @@ One process loads the model twice (the engine's dtype, e.g. fp32 on CPU, and
   1,148 tokens with SmolLM2's tokenizer), computed in chunks of 256 tokens through the paged cache.
 
 Decode steps of the quality runs batch all prompts together (8 rows: the packed int8
-kernel); the perplexity chunks take the dequantize path. Both paths are thus measured.
+kernel where proven on CPU, the W8A16 kernel on CUDA); the perplexity chunks take the
+256-row path. Then, per method, the matmul path taken at batch 1, batch 16 and a 256-row
+prefill chunk (``bench/quant_kernels.kernels_used``) and, on CUDA, the 8-bit linear layers
+timed against the model dtype's on Llama-3-8B shapes (``quant_kernels.linear_timings``).
+
+``--llama3-8b``: the Llama-3-8B shape with dummy weights (``load_format="dummy"``, as in
+``pagoda bench kernels``), for GPU timing; the quality rows are skipped (random weights,
+word-level tokenizer). On an H100: ``pagoda bench quant --llama3-8b`` (docs/quantization.md
+says what to expect).
 """
 
 from __future__ import annotations
@@ -26,7 +35,9 @@ import argparse
 import math
 import os
 import platform
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -175,88 +186,138 @@ def decode_tokens_per_s(engine, batch_size: int, num_tokens: int) -> float:
     return batch_size * num_tokens / (time.perf_counter() - start)
 
 
-def _set_packed(model, enabled: bool) -> None:
-    from pagoda.models.quant import Int8Weight, _has_packed_kernel
+def _set_path(model, path: str) -> None:
+    from pagoda.models.fp8 import Fp8Weight
+    from pagoda.models.quant import Int8Weight
 
     for module in model.modules():
-        if isinstance(module, Int8Weight):
-            module.use_packed = enabled and _has_packed_kernel(module.qweight.device)
+        if isinstance(module, (Int8Weight, Fp8Weight)):
+            module.path = path
+
+
+def _engine_config(args, method):
+    from pagoda.engine.config import EngineConfig
+
+    if not args.llama3_8b:
+        return EngineConfig(model=args.model, quantization=method, max_num_seqs=16, enable_prefix_caching=False)
+    max_len = 64 + args.num_tokens
+    return EngineConfig(model=args.llama3_8b_folder, quantization=method, max_num_seqs=16,
+                        enable_prefix_caching=False, load_format="dummy", max_model_len=max_len,
+                        num_gpu_blocks_override=16 * -(-max_len // 16) + 1)
+
+
+def _quality(r: dict, ref, qmodels: dict, tok, args) -> None:
+    """Teacher-forced logit error, top-1 and free-running agreement, perplexity, per method."""
+    prompts = [tok.encode(p) for p in PROMPTS]
+    ref_tokens, ref_logits = _greedy(ref, prompts, args.num_tokens)
+    r["logit_scale"] = ref_logits.abs().max().item()
+    text_ids = tok.encode(PPL_TEXT)
+    r["ppl_tokens"] = len(text_ids)
+    r["ppl", None] = perplexity(ref, text_ids)
+    for method, qm in qmodels.items():
+        forced_tokens, forced_logits = _greedy(qm, prompts, args.num_tokens, forced=ref_tokens)
+        free_tokens, _ = _greedy(qm, prompts, args.num_tokens)
+        diff = (forced_logits - ref_logits).abs()
+        r["logit", method] = (diff.max().item(), diff.mean().item())
+        r["top1", method] = (forced_logits.argmax(-1) == ref_logits.argmax(-1)).float().mean().item()
+        same = [sum(a == b for a, b in zip(x, y)) for x, y in zip(ref_tokens, free_tokens)]
+        r["greedy_same", method] = sum(same) / (len(prompts) * args.num_tokens)
+        r["first_diverge", method] = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None)
+                                      for x, y in zip(ref_tokens, free_tokens)]
+        r["ppl", method] = perplexity(qm, text_ids)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="pagoda bench quant", description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="model folder (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--llama3-8b", action="store_true",
+                        help="Llama-3-8B shape with dummy weights (GPU timing; quality rows skipped)")
+    parser.add_argument("--methods", default="int8,fp8", help="comma-separated: int8, fp8")
     parser.add_argument("--num-tokens", type=int, default=64, help="greedy tokens per prompt and per timed request")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per variant (best kept)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = parser.parse_args(argv)
+    methods = [m for m in args.methods.split(",") if m]
     if args.threads:
         torch.set_num_threads(args.threads)
-    from pagoda.engine.config import EngineConfig
+    from pagoda.bench import quant_kernels
     from pagoda.engine.llm_engine import LLMEngine
-    from pagoda.models.quant import weight_bytes
+    from pagoda.models.quant import check_quantization, weight_bytes
 
-    engines = {q: LLMEngine(EngineConfig(model=args.model, quantization=q, max_num_seqs=16,
-                                         enable_prefix_caching=False)) for q in (None, "int8")}
-    ref, q8 = engines[None].runner.model, engines["int8"].runner.model
-    tok = engines[None].tokenizer
+    for m in methods:
+        check_quantization(m)
+    with tempfile.TemporaryDirectory() as folder:
+        if args.llama3_8b:
+            from pagoda.bench.kernels_e2e import LLAMA3_8B, raw_config, write_model_folder
+
+            write_model_folder(Path(folder), raw_config(LLAMA3_8B))
+            args.llama3_8b_folder = folder
+        engines = {None: LLMEngine(_engine_config(args, None))}
+        for m in methods:
+            engines[m] = LLMEngine(_engine_config(args, m))
+    ref = engines[None].runner.model
+    qmodels = {m: engines[m].runner.model for m in methods}
     r = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-                    f"{torch.get_num_threads()} threads, device {ref.device}, model dtype {ref.dtype}"}
-    r["bytes"] = (weight_bytes(ref), weight_bytes(q8))
+                    f"{torch.get_num_threads()} threads, device {ref.device}, model dtype {ref.dtype}"
+                    + (f", {torch.cuda.get_device_name(ref.device)}" if ref.device.type == "cuda" else "")}
+    r["bytes", None] = weight_bytes(ref)
+    for m, qm in qmodels.items():
+        r["bytes", m] = weight_bytes(qm)
+        r["kernels", m] = quant_kernels.kernels_used(qm)
+    if not args.llama3_8b:
+        _quality(r, ref, qmodels, engines[None].tokenizer, args)
 
-    prompts = [tok.encode(p) for p in PROMPTS]
-    ref_tokens, ref_logits = _greedy(ref, prompts, args.num_tokens)
-    forced_tokens, forced_logits = _greedy(q8, prompts, args.num_tokens, forced=ref_tokens)
-    free_tokens, _ = _greedy(q8, prompts, args.num_tokens)
-    diff = (forced_logits - ref_logits).abs()
-    r["logit_max"], r["logit_mean"] = diff.max().item(), diff.mean().item()
-    r["logit_scale"] = ref_logits.abs().max().item()
-    r["top1"] = (forced_logits.argmax(-1) == ref_logits.argmax(-1)).float().mean().item()
-    same = [sum(a == b for a, b in zip(x, y)) for x, y in zip(ref_tokens, free_tokens)]
-    r["greedy_same"] = sum(same) / (len(prompts) * args.num_tokens)
-    r["first_diverge"] = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None)
-                          for x, y in zip(ref_tokens, free_tokens)]
-    text_ids = tok.encode(PPL_TEXT)
-    r["ppl_tokens"] = len(text_ids)
-    r["ppl"] = (perplexity(ref, text_ids), perplexity(q8, text_ids))
-
-    variants = [("ref", engines[None], None), ("int8", engines["int8"], True),
-                ("int8-dequant", engines["int8"], False)]
+    variants = [("ref", None, "auto")] + [(m, m, "auto") for m in methods]
+    variants += [(f"{m}-dequant", m, "dequantize") for m in methods if m == "int8" or ref.device.type == "cuda"]
     speed = {(name, b): 0.0 for name, _, _ in variants for b in (1, 16)}
     for _ in range(args.repeats):
         for batch_size in (1, 16):
-            for name, engine, packed in variants:
-                if packed is not None:
-                    _set_packed(engine.runner.model, packed)
+            for name, method, path in variants:
+                if method is not None:
+                    _set_path(qmodels[method], path)
                 speed[name, batch_size] = max(speed[name, batch_size],
-                                              decode_tokens_per_s(engine, batch_size, args.num_tokens))
-    _set_packed(q8, True)
+                                              decode_tokens_per_s(engines[method], batch_size, args.num_tokens))
+    for qm in qmodels.values():
+        _set_path(qm, "auto")
     r["speed"] = speed
-    _print_table(r, str(ref.dtype).replace("torch.", ""), args)
+    _print_table(r, str(ref.dtype).replace("torch.", ""), methods, [v[0] for v in variants], args)
+    if ref.device.type == "cuda":
+        quant_kernels.print_linear_timings(quant_kernels.linear_timings(ref.dtype), str(ref.dtype).replace("torch.", ""))
     return 0
 
 
-def _print_table(r: dict, ref_name: str, args) -> None:
-    b_ref, b_q = r["bytes"]
+def _print_table(r: dict, ref_name: str, methods: list[str], variant_names: list[str], args) -> None:
     s = r["speed"]
-    diverge = ", ".join("none" if d is None else str(d) for d in r["first_diverge"])
     print(f"machine: {r['machine']}")
-    print(f"| metric | {ref_name} | int8 weight-only | int8 / {ref_name} |")
-    print("|---|---|---|---|")
-    print(f"| weight memory (bytes) | {b_ref:,} | {b_q:,} | {b_q / b_ref:.3f} |")
+    print(f"| metric | {ref_name} | " + " | ".join(f"{m} | {m} / {ref_name}" for m in methods) + " |")
+    print("|---|---|" + "---|---|" * len(methods))
+
+    def row(label: str, ref_cell: str, cells: dict) -> None:
+        print(f"| {label} | {ref_cell} | " + " | ".join(cells.get(m, " | ") for m in methods) + " |")
+
+    b_ref = r["bytes", None]
+    row("weight memory (bytes)", f"{b_ref:,}", {m: f"{r['bytes', m]:,} | {r['bytes', m] / b_ref:.3f}" for m in methods})
     for b in (1, 16):
-        print(f"| decode tokens/s, batch {b} | {s['ref', b]:.1f} | {s['int8', b]:.1f} | "
-              f"{s['int8', b] / s['ref', b]:.2f}x |")
-        print(f"| decode tokens/s, batch {b}, int8 forced to dequantize+matmul | | {s['int8-dequant', b]:.1f} | "
-              f"{s['int8-dequant', b] / s['ref', b]:.2f}x |")
-    print(f"| perplexity, {r['ppl_tokens']}-token English text | {r['ppl'][0]:.3f} | {r['ppl'][1]:.3f} | "
-          f"{r['ppl'][1] / r['ppl'][0]:.4f} |")
-    n = len(PROMPTS)
-    print(f"| logits vs {ref_name}, teacher-forced ({n} prompts x {args.num_tokens} steps) | | "
-          f"max {r['logit_max']:.3f}, mean {r['logit_mean']:.4f} (max logit {r['logit_scale']:.1f}) | |")
-    print(f"| top-1 agreement, teacher-forced | | {100 * r['top1']:.1f}% | |")
-    print(f"| greedy tokens identical, free-running ({n} x {args.num_tokens}) | | {100 * r['greedy_same']:.1f}% | |")
-    print(f"| first divergence per prompt (token index) | | {diverge} | |")
+        row(f"decode tokens/s, batch {b}", f"{s['ref', b]:.1f}",
+            {m: f"{s[m, b]:.1f} | {s[m, b] / s['ref', b]:.2f}x" for m in methods})
+        forced = {m: f"{s[f'{m}-dequant', b]:.1f} | {s[f'{m}-dequant', b] / s['ref', b]:.2f}x"
+                  for m in methods if f"{m}-dequant" in variant_names}
+        if forced:
+            row(f"decode tokens/s, batch {b}, forced to dequantize+matmul", "", forced)
+    if ("ppl", None) in r:
+        n = len(PROMPTS)
+        row(f"perplexity, {r['ppl_tokens']}-token English text", f"{r['ppl', None]:.3f}",
+            {m: f"{r['ppl', m]:.3f} | {r['ppl', m] / r['ppl', None]:.4f}" for m in methods})
+        row(f"logits vs {ref_name}, teacher-forced ({n} prompts x {args.num_tokens} steps)",
+            f"(max logit {r['logit_scale']:.1f})",
+            {m: f"max {r['logit', m][0]:.3f}, mean {r['logit', m][1]:.4f} | " for m in methods})
+        row("top-1 agreement, teacher-forced", "", {m: f"{100 * r['top1', m]:.1f}% | " for m in methods})
+        row(f"greedy tokens identical, free-running ({n} x {args.num_tokens})", "",
+            {m: f"{100 * r['greedy_same', m]:.1f}% | " for m in methods})
+        row("first divergence per prompt (token index)", "",
+            {m: ", ".join("none" if d is None else str(d) for d in r["first_diverge", m]) + " | " for m in methods})
+    for m in methods:
+        print(f"\n{m} matmul path: {r['kernels', m]}")
 
 
 if __name__ == "__main__":

@@ -108,7 +108,7 @@ class Fp8Weight(nn.Module):
         self.register_buffer("scale", scale.to(weight.device))  # [out] float32
         self.register_buffer("scale_row", self.scale.view(1, -1), persistent=False)  # [1, out] for _scaled_mm
         self.use_scaled_mm = False  # set by select_fp8_kernel once _scaled_mm is proven here
-        self.path = "auto"  # "dequantize": always kernels.w8a16_linear (benchmarks)
+        self.path = "auto"  # "dequantize": always dequantize + F.linear, on any device (benchmarks)
 
     @property
     def shape(self) -> torch.Size:
@@ -120,16 +120,21 @@ class Fp8Weight(nn.Module):
     def kernel_for(self, x: torch.Tensor) -> str:
         """Name of the path ``matmul`` takes for ``x`` (benchmarks print it)."""
         rows = x.numel() // x.shape[-1]
-        if (self.path == "auto" and self.use_scaled_mm and rows > w8a16.DECODE_ROWS and x.is_cuda
+        if self.path == "dequantize":
+            return "dequantize + F.linear"
+        if (self.use_scaled_mm and rows > w8a16.DECODE_ROWS and x.is_cuda
                 and x.dtype in (torch.bfloat16, torch.float16)):
             return "_scaled_mm (e4m3 activations per token)"
         use_triton = kernels.use_triton(x) and rows < w8a16.DEQUANT_ROWS
         return "triton W8A16 (e4m3 weight)" if use_triton else "dequantize + F.linear"
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, in] -> [num_tokens, out], x.dtype
-        if self.kernel_for(x).startswith("_scaled_mm"):
+        kernel = self.kernel_for(x)
+        if kernel.startswith("_scaled_mm"):
             out = scaled_mm_linear(x.reshape(-1, x.shape[-1]), self.qweight, self.scale_row)
             return out.view(*x.shape[:-1], out.shape[-1])
+        if self.path == "dequantize":
+            return w8a16.w8a16_linear_ref(x, self.qweight, self.scale)
         return kernels.w8a16_linear(x, self.qweight, self.scale)
 
     def extra_repr(self) -> str:

@@ -59,6 +59,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda import kernels
+from pagoda.kernels.w8a16 import w8a16_linear_ref
 from pagoda.models.fp8 import Fp8Weight, select_fp8_kernel
 from pagoda.models.int8_probe import ProbeResult, cpu_description, probe_packed_kernel
 
@@ -123,10 +124,10 @@ def choose_packed_kernel(device: torch.device, dtype: torch.dtype, shapes: set[t
     mode = os.environ.get(KERNEL_ENV, "auto")
     if mode not in ("auto", "packed", "dequantize"):
         raise ValueError(f"{KERNEL_ENV}={mode!r}: expected auto, packed or dequantize")
-    if mode == "dequantize":
-        return ProbeResult(False, f"{KERNEL_ENV}=dequantize")
     if device.type != "cpu":
         return ProbeResult(False, f"{device.type}: the Triton W8A16 kernel serves int8 (pagoda.kernels.w8a16_linear)")
+    if mode == "dequantize":
+        return ProbeResult(False, f"{KERNEL_ENV}=dequantize")
     if not _has_packed_kernel(device):
         return ProbeResult(False, f"no _weight_int8pack_mm kernel for {device.type} in this torch build")
     if mode == "packed":
@@ -176,7 +177,7 @@ class Int8Weight(nn.Module):
         self.register_buffer("packed_scale", scale.to(self.packed_dtype).to(weight.device))  # [out]
         # Dequantize until select_int8_kernel proves the packed kernel on this machine.
         self.use_packed = False
-        self.path = "auto"  # "dequantize": never the packed CPU kernel (benchmarks)
+        self.path = "auto"  # "dequantize": always dequantize + F.linear, on any device (benchmarks)
 
     @property
     def shape(self) -> torch.Size:
@@ -188,15 +189,17 @@ class Int8Weight(nn.Module):
     def kernel_for(self, x: torch.Tensor) -> str:
         """Name of the path ``matmul`` takes for ``x`` (benchmarks print it)."""
         rows = x.numel() // x.shape[-1]
+        if self.path == "dequantize":
+            return "dequantize + F.linear"
         if kernels.use_triton(x):
             return "triton W8A16" if rows < W8A16_DEQUANT_ROWS else "dequantize + F.linear"
-        if self.use_packed and self.path == "auto" and rows <= MAX_PACKED_ROWS:
-            return "packed _weight_int8pack_mm"
-        return "dequantize + F.linear"
+        return "packed _weight_int8pack_mm" if self.use_packed and rows <= MAX_PACKED_ROWS else "dequantize + F.linear"
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, in] -> [num_tokens, out], x.dtype
         """``x @ W.T`` with the dequantized weight ``W`` (see the module docstring for the kernel choice)."""
-        if self.use_packed and self.path == "auto" and x.shape[0] <= MAX_PACKED_ROWS and not kernels.use_triton(x):
+        if self.path == "dequantize":
+            return w8a16_linear_ref(x, self.qweight, self.scale)
+        if self.use_packed and x.shape[0] <= MAX_PACKED_ROWS and not kernels.use_triton(x):
             packed = torch.ops.aten._weight_int8pack_mm(x.to(self.packed_dtype).contiguous(), self.qweight,
                                                          self.packed_scale)
             return packed.to(x.dtype)
