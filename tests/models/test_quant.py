@@ -247,20 +247,20 @@ DEFAULT_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils
 
 
 def test_fp8_default_model_agrees_with_fp32(smollm2_path):
-    """SmolLM2-135M (a trained model), 4 prompts x 16 greedy steps, fp8 against its fp32 self.
+    """SmolLM2-135M (a trained model), 4 prompts x 8 greedy steps, fp8 against its fp32 self.
 
-    Measured here: max logit error 12.7% and mean 1.2% of the largest logit, teacher-forced
-    top-1 98.4%, free-running tokens identical 82.8% (int8 on the same run: 3.3%, 0.51%,
-    98.4%, 82.8%); asserted with headroom. (int8's SmolLM2 figures: docs/quantization.md.)
+    Measured here: max logit error 8.7% and mean 1.25% of the largest logit, teacher-forced
+    top-1 96.9%, free-running tokens identical 90.6%; asserted with headroom. (CPU: the
+    emulation, dequantize + F.linear; int8's SmolLM2 figures are in docs/quantization.md.)
     """
     from transformers import AutoTokenizer
 
     model = load_model(smollm2_path)
     qmodel = quantize_model(load_model(smollm2_path), "fp8")
     tok = AutoTokenizer.from_pretrained(smollm2_path)
-    got = agreement(model, qmodel, [tok.encode(p) for p in DEFAULT_PROMPTS], 16)
-    assert got["max"] <= 0.2 and got["mean"] <= 0.02, got
-    assert got["top1"] >= 0.9 and got["same"] >= 0.5, got
+    got = agreement(model, qmodel, [tok.encode(p) for p in DEFAULT_PROMPTS], 8)
+    assert got["max"] <= 0.2 and got["mean"] <= 0.025, got
+    assert got["top1"] >= 0.85 and got["same"] >= 0.5, got
 
 
 def test_engine_int8_generates_and_frees_every_block(tiny_path):

@@ -55,26 +55,33 @@ def dequantize(qweight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -
     One elementwise pass that reads the 8-bit weight and writes the ``dtype`` copy (no
     float32 intermediate in memory). torch does not promote float8 with float32, so an fp8
     weight is first widened (exact: e4m3 values fit fp16, bf16 and fp32): on CPU by
-    ``e4m3_to_half``, elsewhere by torch's cast.
+    ``e4m3_to_half_over_256`` (the 2^8 goes into the scale), elsewhere by torch's cast.
     """
     weight = torch.empty(qweight.shape, dtype=dtype, device=qweight.device)
+    scale = scale.float()[:, None]
     if qweight.dtype != torch.int8:
-        qweight = e4m3_to_half(qweight) if qweight.device.type == "cpu" else qweight.to(dtype)
-    return torch.mul(qweight, scale.float()[:, None], out=weight)
+        if qweight.device.type == "cpu":
+            qweight, scale = e4m3_to_half_over_256(qweight), scale * 256
+        else:
+            qweight = qweight.to(dtype)
+    return torch.mul(qweight, scale, out=weight)
 
 
-def e4m3_to_half(qweight: torch.Tensor) -> torch.Tensor:
-    """float8_e4m3fn -> float16, exactly, by moving bits (torch's CPU cast is ~4x slower, measured).
+def e4m3_to_half_over_256(qweight: torch.Tensor) -> torch.Tensor:
+    """float8_e4m3fn -> float16 holding value / 256, exactly, by moving bits (3 passes;
+    torch's CPU cast is ~5x slower, measured).
 
     The 7 magnitude bits ``eeeemmm`` shifted left by 7 are the fp16 with exponent field
     ``e`` and mantissa ``m << 7``: ``2^(e-15) (1 + m/8)``, or ``m 2^-17`` when ``e = 0``;
-    times 2^8 that is the e4m3 value, normal (``2^(e-7) (1 + m/8)``) and subnormal
-    (``m 2^-9``) alike. The sign moves from bit 7 to bit 15. NaN codes (never produced by
-    the quantizer, which clamps to 448) are not preserved.
+    that is the e4m3 value (``2^(e-7) (1 + m/8)``, subnormal ``m 2^-9``) divided by 2^8,
+    exact in fp16 either way. The byte is sign-extended to 16 bits so the sign lands in bit
+    15 after the shift; the extension's copy in bit 14 is cleared. NaN codes (never
+    produced by the quantizer, which clamps to 448) are not preserved.
     """
-    b = qweight.view(torch.uint8).to(torch.int16)
-    bits = ((b & 0x7F) << 7) | ((b & 0x80) << 8)
-    return bits.view(torch.float16) * 256
+    bits = qweight.view(torch.int8).to(torch.int16)
+    bits.bitwise_left_shift_(7)
+    bits.bitwise_and_(-16385)  # 0xBFFF
+    return bits.view(torch.float16)
 
 
 def w8a16_linear_ref(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
