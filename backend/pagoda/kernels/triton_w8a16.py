@@ -135,8 +135,9 @@ def w8a16_linear(
 ) -> torch.Tensor:  # [..., N], x.dtype
     """``x @ (Q * scale[:, None]).T`` without materialising the float weight."""
     n, k = qweight.shape
-    if x.shape[-1] != k or scale.shape != (n,):
-        raise ValueError(f"w8a16_linear: x {tuple(x.shape)}, weight {tuple(qweight.shape)}, scale {tuple(scale.shape)}")
+    if x.shape[-1] != k or scale.shape != (n,) or qweight.stride(1) != 1:
+        raise ValueError(f"w8a16_linear: x {tuple(x.shape)}, weight {tuple(qweight.shape)} (strides "
+                         f"{qweight.stride()}, K must be contiguous), scale {tuple(scale.shape)}")
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
