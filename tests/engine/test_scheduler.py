@@ -413,3 +413,40 @@ def test_randomized_simulation_keeps_invariants_and_terminates(seed, policy, chu
             assert r.num_output_tokens <= r.max_tokens and r.num_tokens <= 64
     events = scheduler.take_events()
     assert [e.seq for e in events] == list(range(events[0].seq, events[0].seq + len(events)))
+
+
+def test_a_burst_sharing_a_prefix_prefills_it_once():
+    """Three requests sharing a 512-token prefix arrive together: the first prefills it;
+    the others wait one step (their next block is being computed) and then hit it, instead
+    of prefilling the same 512 tokens beside it in the same step."""
+    scheduler = make_scheduler(num_blocks=400, max_model_len=1024, block_size=16, max_num_batched_tokens=2048)
+    prefix = [random.Random(1).randrange(3, 30000) for _ in range(512)]
+    for i, rid in enumerate("abc"):
+        scheduler.add_request(make_request(rid, prefix + [5 + i, 6, 7]))
+    scheduler.add_request(make_request("other", 40))  # behind them in FCFS order
+    out, _ = step(scheduler)
+    assert plan(out) == [("a", 0, 515, True)]
+    out, _ = step(scheduler)
+    assert plan(out) == [("a", 515, 1, True), ("b", 512, 3, True), ("c", 512, 3, True), ("other", 0, 40, True)]
+    assert [scheduler.get_request(r).num_cached_tokens for r in "bc"] == [512, 512]
+    assert scheduler.prefix_cache_hits == 1024
+
+
+def test_a_request_whose_prefix_is_not_being_computed_is_admitted_at_once():
+    scheduler = make_scheduler(num_blocks=400, max_model_len=1024, block_size=16, max_num_batched_tokens=2048)
+    scheduler.add_request(make_request("a", [random.Random(2).randrange(3, 30000) for _ in range(100)]))
+    scheduler.add_request(make_request("b", [random.Random(3).randrange(3, 30000) for _ in range(100)]))
+    out, _ = step(scheduler)
+    assert [p[0] for p in plan(out)] == ["a", "b"]
+
+
+def test_waiting_for_a_shared_prefix_can_be_turned_off():
+    scheduler = make_scheduler(num_blocks=400, max_model_len=1024, block_size=16, max_num_batched_tokens=2048,
+                               min_shared_prefix_to_wait=0)
+    prefix = [random.Random(1).randrange(3, 30000) for _ in range(512)]
+    for i, rid in enumerate("ab"):
+        scheduler.add_request(make_request(rid, prefix + [5 + i]))
+    out, _ = step(scheduler)
+    assert plan(out) == [("a", 0, 513, True), ("b", 0, 513, True)]
+    config = SchedulerConfig.from_engine_config(EngineConfig(min_shared_prefix_to_wait=64), 100, 512, "m")
+    assert config.min_shared_prefix_to_wait == 64

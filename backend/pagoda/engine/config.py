@@ -39,6 +39,9 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
+    # A waiting request whose next this-many tokens are being prefilled for another request
+    # in the same step waits one step and hits them (bursts sharing a prompt); 0: off.
+    min_shared_prefix_to_wait: int = 128
     seed: int = 0
     max_block_events: int = 100_000  # retained for the fleet layer before the oldest drop
     # Speculative decoding (pagoda.engine.spec_decode, docs/speculative.md).

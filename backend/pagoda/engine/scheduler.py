@@ -17,7 +17,12 @@ Every request has ``num_computed_tokens`` catching up with ``num_tokens``. Each 
    ``num_computed_tokens`` to the hit; the rest of the prompt is scheduled (a chunk of it
    with chunked prefill, else all or nothing). The priority policy may preempt a
    strictly lower-priority running request to admit a waiting one. Admission stops at
-   the first request that does not fit, so FCFS order is never violated.
+   the first request that does not fit, so FCFS order is never violated. It also stops
+   at a request whose next ``min_shared_prefix_to_wait`` (or more) uncached tokens are
+   blocks this step already computes for another request (``_Step.num_shared_computing``):
+   admitted together, both would prefill the same prefix; one step later those blocks
+   are cached and the second one hits them. A burst of requests sharing a long prompt
+   therefore prefills it once, not once per request, for one step of extra wait.
 
 A step whose tokens reach the end of a request's known tokens samples (``is_sampling``).
 ``update_from_output`` advances ``num_computed_tokens`` by what was scheduled, appends
@@ -78,6 +83,9 @@ class SchedulerConfig:
     preemption_mode: str = "auto"  # auto | recompute | swap (needs num_host_blocks > 0)
     default_max_tokens: Optional[int] = None  # cap for max_tokens=None (EngineConfig's)
     max_loras: int = 0  # most distinct LoRA adapters running at once (device slots); 0: LoRA off
+    # A waiting request whose next this-many (or more) tokens are being prefilled for
+    # another request in the same step waits one step to hit them; 0 disables.
+    min_shared_prefix_to_wait: int = 128
 
     def __post_init__(self) -> None:
         if self.policy not in SCHEDULING_POLICIES:
@@ -113,6 +121,7 @@ class SchedulerConfig:
             preemption_mode=config.preemption_mode,
             default_max_tokens=config.default_max_tokens,
             max_loras=config.max_loras if config.enable_lora else 0,
+            min_shared_prefix_to_wait=config.min_shared_prefix_to_wait,
         )
 
 
@@ -267,7 +276,7 @@ class Scheduler:
             spec_token_ids: request id -> drafted tokens to verify after its next token
                 (speculative decoding); read only for running requests at a decode.
         """
-        step = _Step(self.config.max_num_batched_tokens)
+        step = _Step(self.config.max_num_batched_tokens, self.config.block_size)
         self._schedule_running(step, spec_token_ids or {})
         if not step.preempted:
             self._schedule_waiting(step)
@@ -353,6 +362,8 @@ class Scheduler:
                     return
                 continue
             hit_blocks, host_hit, num_hit = self._lookup_prefix(request)
+            if 0 < cfg.min_shared_prefix_to_wait <= step.num_shared_computing(request, num_hit):
+                break  # its next blocks are being prefilled this step: admitted next step, it hits them
             num_new = request.num_tokens - num_hit
             if not cfg.enable_chunked_prefill and num_new > step.budget:
                 break
@@ -565,8 +576,14 @@ class Scheduler:
 class _Step:
     """Bookkeeping of one ``schedule()`` call: the budget and who got what."""
 
-    def __init__(self, budget: int) -> None:
+    def __init__(self, budget: int, block_size: int = 16) -> None:
         self.budget = budget
+        self.block_size = block_size
+        # Hashes of the full blocks this step's requests will compute: a waiting request
+        # whose next uncached block is among them waits one step and then hits it, instead
+        # of prefilling the same prefix again beside its first owner (bursts of requests
+        # sharing a prompt, e.g. an agent's fan-out or n parallel completions).
+        self.computing: set = set()
         self.num_new_tokens: dict[str, int] = {}
         self.num_spec_tokens: dict[str, int] = {}  # of num_new_tokens, drafted tokens
         self.preempted: list[Request] = []
@@ -579,6 +596,17 @@ class _Step:
         if num_spec_tokens:
             self.num_spec_tokens[request.request_id] = num_spec_tokens
         self.budget -= num_new_tokens
+        start = request.num_computed_tokens // self.block_size
+        end = (request.num_computed_tokens + num_new_tokens - num_spec_tokens) // self.block_size
+        self.computing.update(request.block_hashes[start:end])
+
+    def num_shared_computing(self, request: Request, num_cached_tokens: int) -> int:
+        """Tokens of ``request``'s uncached blocks, from its first one on, that this step computes."""
+        index = num_cached_tokens // self.block_size
+        start = index
+        while index < len(request.block_hashes) and request.block_hashes[index] in self.computing:
+            index += 1
+        return (index - start) * self.block_size
 
     def remove(self, request: Request) -> None:
         self.budget += self.num_new_tokens.pop(request.request_id, 0)
