@@ -129,6 +129,12 @@ SPEC_SCHEMA: dict[str, Any] = _obj(
                 "gpuMemoryUtilization": _num("Fraction of GPU memory the engine may use.",
                                              minimum=0.05, maximum=1.0, default=0.9),
                 "enablePrefixCaching": _bool("Reuse KV blocks across requests.", default=True),
+                "maxWaitingRequests": _int("Admission control: past this many waiting requests a "
+                                           "replica refuses new ones at once (overload error).",
+                                           minimum=1, maximum=1048576, default=1024),
+                "maxWaitingPromptTokens": _int("Admission control: past this many waiting prompt "
+                                               "tokens a replica refuses new requests at once.",
+                                               minimum=1, maximum=1073741824, default=1000000),
                 "extraArgs": {"type": "array", "items": {"type": "string"}, "maxItems": 64,
                               "description": "Further `pagoda serve` arguments, appended as-is."},
             },

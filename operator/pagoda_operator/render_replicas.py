@@ -42,6 +42,8 @@ def engine_args(engine: EngineSpec) -> list[str]:
         "--block-size", str(engine.block_size),
         "--gpu-memory-utilization", str(engine.gpu_memory_utilization),
         "--enable-prefix-caching" if engine.enable_prefix_caching else "--no-enable-prefix-caching",
+        "--max-waiting-requests", str(engine.max_waiting_requests),
+        "--max-waiting-prompt-tokens", str(engine.max_waiting_prompt_tokens),
     ]
     if engine.max_model_len:
         args += ["--max-model-len", str(engine.max_model_len)]

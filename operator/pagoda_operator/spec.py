@@ -49,6 +49,8 @@ class EngineSpec:
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
+    max_waiting_requests: int = 1024  # admission control (pagoda.engine.admission)
+    max_waiting_prompt_tokens: int = 1_000_000
     extra_args: tuple[str, ...] = ()
 
 
@@ -241,6 +243,8 @@ def parse_spec(raw_spec: dict[str, Any]) -> LLMServiceSpec:
             block_size=engine["blockSize"],
             gpu_memory_utilization=float(engine["gpuMemoryUtilization"]),
             enable_prefix_caching=engine["enablePrefixCaching"],
+            max_waiting_requests=engine["maxWaitingRequests"],
+            max_waiting_prompt_tokens=engine["maxWaitingPromptTokens"],
             extra_args=tuple(engine.get("extraArgs", ())),
         ),
         resources=copy.deepcopy(spec.get("resources", {})),

@@ -68,6 +68,11 @@ class EngineConfig:
     max_lora_rank: int = 16  # slots are sized for this rank; larger adapters are refused
     max_cpu_loras: int = 64  # adapters registered (host copies) at once
     lora_modules: dict = field(default_factory=dict)  # name -> PEFT folder, loaded at start
+    # Admission control (pagoda.engine.admission, docs/reliability.md): past these bounds on
+    # the waiting queue a new request is refused at once with an overload error. Sized so a
+    # full queue holds ~100 MB of host memory at most, whatever the clients send.
+    max_waiting_requests: int = 1024
+    max_waiting_prompt_tokens: int = 1_000_000
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64, 128):
@@ -94,6 +99,10 @@ class EngineConfig:
             raise ValueError(f"load_format: must be safetensors or dummy, got {self.load_format!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"quantization: must be None or one of {QUANTIZATION_METHODS}, got {self.quantization!r}")
+        for name in ("max_waiting_requests", "max_waiting_prompt_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: must be an integer >= 1, got {value!r}")
         self._validate_speculative()
         self._validate_offload()
         self._validate_lora()

@@ -39,6 +39,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterable, Optional, Union
 
+from pagoda.engine.admission import Admission, EngineOverloaded, check_timeout, deadline_message, overload_message
 from pagoda.engine.config import EngineConfig
 from pagoda.engine.guided.backend import XGrammarBackend
 from pagoda.engine.guided.manager import GuidedDecodingManager
@@ -158,6 +159,7 @@ class LLMEngine:
         self.guided = GuidedDecodingManager(
             lambda: XGrammarBackend(self.tokenizer, vocab_size, sorted(self.eos_token_ids)), vocab_size,
             pin_memory=device.type == "cuda")
+        self.admission = Admission(self.config.max_waiting_requests, self.config.max_waiting_prompt_tokens)
         self._groups: dict[str, _Group] = {}
         self._child_of: dict[str, tuple[_Group, int]] = {}
         self._aborted_outputs: list[RequestOutput] = []
@@ -183,8 +185,12 @@ class LLMEngine:
         priority: int = 0,
         cache_salt: Optional[str] = None,
         lora_name: Optional[str] = None,
+        timeout: Optional[float] = None,
     ) -> None:
         """Queue a request (``lora_name``: a loaded LoRA adapter to generate with; None: the base model).
+
+        ``timeout`` (seconds from arrival): past it the request ends with a "deadline
+        exceeded" error output (``pagoda.engine.admission``).
 
         Raises:
             ValueError: duplicate id, empty prompt, token ids outside the vocabulary, a
@@ -192,6 +198,8 @@ class LLMEngine:
                 over the whole KV cache), ``speculative=True`` on an engine without
                 speculative decoding, or an unknown ``lora_name`` (or any on an engine
                 without LoRA). Nothing is queued then.
+            EngineOverloaded: the waiting queue is full (admission control); nothing is
+                queued, retry later.
         """
         params = params or SamplingParams()
         if params.speculative and self.speculator is None:
@@ -206,8 +214,13 @@ class LLMEngine:
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError("cache_salt: must be a non-empty string when given")
         self._check_lora_name(lora_name)
+        check_timeout(timeout)
         text, token_ids = self._tokenize(prompt)
+        self._check_stop_token_ids(params)
         arrival = time.time() if arrival_time is None else arrival_time
+        verdict = self.admission.can_admit(len(token_ids), priority, self.scheduler.waiting)
+        if not verdict.admit:
+            raise EngineOverloaded(verdict.reason, self.admission.retry_after_s)
         children = [
             self._make_child(request_id if params.n == 1 else f"{request_id}#{i}", token_ids, params, i,
                              arrival, priority, cache_salt, lora_name)
@@ -220,6 +233,11 @@ class LLMEngine:
             self.scheduler.add_request(children[0])
         else:
             self.scheduler.check_request(children[0])
+        self._fail_requests({self._child_of[v.request_id][0].request_id for v in verdict.victims},
+                            lambda group: overload_message(
+            "displaced from the waiting queue by a more urgent request", self.admission.retry_after_s))
+        if timeout is not None:
+            self.admission.track_deadline(request_id, arrival + timeout, timeout)
         group = _Group(request_id, text, token_ids, params, RequestMetrics(arrival_time=arrival),
                        [_Completion(c, IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens),
                                     logprobs=[] if params.logprobs is not None else None,
@@ -248,6 +266,31 @@ class LLMEngine:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
                 raise ValueError(f"prompt: token id {t!r} is not in the vocabulary [0, {vocab})")
         return None, list(prompt)
+
+    def _check_stop_token_ids(self, params: SamplingParams) -> None:
+        vocab = self.model_config.vocab_size
+        for t in params.stop_token_ids:
+            if not 0 <= t < vocab:
+                raise ValueError(f"stop_token_ids: token id {t} is not in the vocabulary [0, {vocab})")
+
+    def _fail_requests(self, request_ids: Iterable[str], message_of) -> None:
+        """End live requests with an error output (admission: displaced, deadline passed).
+
+        Their blocks are freed as by ``abort_request``; the final output carries
+        ``error = message_of(group)``."""
+        for request_id in request_ids:
+            group = self._groups.get(request_id)
+            if group is None:
+                continue
+            message = message_of(group)
+            self.abort_request(request_id)
+            self._aborted_outputs[-1].error = message
+
+    def _expire_deadlines(self) -> None:
+        for request_id, timeout in self.admission.take_expired(self.admission.clock()):
+            if request_id in self._groups:
+                self.admission.num_expired += 1
+                self._fail_requests([request_id], lambda group: deadline_message(timeout, group.completions[0].request))
 
     def _make_child(self, child_id, token_ids, params, index, arrival, priority, cache_salt, lora_name) -> Request:
         request = Request(child_id, list(token_ids), params, eos_token_ids=self.eos_token_ids,
@@ -318,6 +361,7 @@ class LLMEngine:
     # --------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
         """Advance every schedulable request by one iteration; return what progressed."""
+        self._expire_deadlines()
         outputs, self._aborted_outputs = self._aborted_outputs, []
         outputs += self._admit_guided()
         drafts = self.speculator.propose(self.scheduler.running) if self.speculator else None

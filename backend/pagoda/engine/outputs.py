@@ -74,6 +74,7 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     num_cached_tokens: int = 0
-    # Set when the request failed after it was accepted (a grammar that does not compile);
-    # then this is its only output, finished, with finish_reason "abort".
+    # Set when the request failed after it was accepted; then this is its only (or last)
+    # output, finished, with finish_reason "abort": a grammar that does not compile, or
+    # admission control ended it (displaced by a more urgent request, its deadline passed).
     error: Optional[str] = None

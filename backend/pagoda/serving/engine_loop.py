@@ -25,7 +25,8 @@ an abort command.
 Invariants:
 - every request gets exactly one response with ``is_final`` (its last output, an error,
   or the shutdown error); a request leaves ``_in_flight`` exactly when that is queued;
-- a bad request (``ValueError`` from ``add_request``) gets an error and nothing else;
+- a bad request (``ValueError`` from ``add_request``) gets an error and nothing else; a
+  request admission control refuses (``EngineOverloaded``) gets an ``UNAVAILABLE`` error;
 - an engine exception fails every in-flight request with an error and aborts them in the
   engine; the loop keeps running, so the model keeps answering new requests;
 - ``stop()`` sets the stop event, fails what is in flight, and joins both threads.
@@ -41,6 +42,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from pagoda.engine.admission import EngineOverloaded
 from pagoda.serving.triton_io import ParsedRequest, Response, make_error_response, make_response
 
 logger = logging.getLogger(__name__)
@@ -219,7 +221,11 @@ class EngineLoop:
         try:
             self._engine.add_request(request.request_id, parsed.prompt, parsed.params,
                                      arrival_time=request.arrival_time, priority=parsed.priority,
-                                     cache_salt=parsed.cache_salt, lora_name=parsed.lora_name)
+                                     cache_salt=parsed.cache_salt, lora_name=parsed.lora_name,
+                                     timeout=parsed.timeout)
+        except EngineOverloaded as exc:  # admission control: refused at once, retry later
+            self._sender.put(request, make_error_response(str(exc), "UNAVAILABLE"))
+            return
         except ValueError as exc:
             self._sender.put(request, make_error_response(str(exc)))
             return

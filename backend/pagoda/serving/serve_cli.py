@@ -34,7 +34,8 @@ HEALTH_INTERVAL_S = 0.5
 STUB_RESTART_WINDOW_S = 600.0
 # Flags whose value goes into config.pbtxt as the EngineConfig field of the same name.
 ENGINE_FLAGS = ("scheduling_policy", "speculative_method", "speculative_model", "num_speculative_tokens",
-                "cpu_offload_bytes", "preemption_mode", "default_max_tokens", "gpu_memory_utilization")
+                "cpu_offload_bytes", "preemption_mode", "default_max_tokens", "gpu_memory_utilization",
+                "max_waiting_requests", "max_waiting_prompt_tokens")
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -64,6 +65,10 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-speculative-tokens", type=int, help="largest speculative window k")
     p.add_argument("--cpu-offload-bytes", type=int, help="size of the CPU tier of the KV cache (0: off)")
     p.add_argument("--preemption-mode", choices=("auto", "recompute", "swap"))
+    p.add_argument("--max-waiting-requests", type=int,
+                   help="admission control: refuse new requests (overload error) past this many waiting")
+    p.add_argument("--max-waiting-prompt-tokens", type=int,
+                   help="admission control: refuse new requests past this many waiting prompt tokens")
     p.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
                    help="serve a PEFT LoRA adapter under NAME (repeatable; requests pick it with lora_name)")
     p.add_argument("--engine-arg", action="append", default=[], metavar="FIELD=VALUE",

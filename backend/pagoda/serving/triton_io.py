@@ -7,8 +7,10 @@ Inputs (all optional but ``text_input``):
 
 - Triton vLLM backend style: ``text_input`` (STRING), ``stream`` (BOOL),
   ``sampling_parameters`` (STRING holding a JSON object of ``SamplingParams`` fields, plus
-  ``priority`` and ``cache_salt``; structured output as a ``guided_decoding`` object with
-  one of ``json``, ``json_object``, ``regex``, ``choice``, ``grammar``), ``exclude_input_in_output`` and the ``return_*`` flags.
+  the request options ``priority``, ``cache_salt``, ``lora_name`` and ``timeout``: seconds
+  from arrival after which the request ends with a "deadline exceeded" error; structured
+  output as a ``guided_decoding`` object with one of ``json``, ``json_object``, ``regex``,
+  ``choice``, ``grammar``), ``exclude_input_in_output`` and the ``return_*`` flags.
   As in that backend, numeric and boolean fields may also be given as strings
   (``{"temperature": "0.7", "max_tokens": "64"}``) as long as the string parses exactly.
 - TensorRT-LLM style scalars: ``max_tokens``, ``min_tokens``, ``temperature``, ``top_k``,
@@ -40,6 +42,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
+from pagoda.engine.admission import check_timeout, is_admission_error
 from pagoda.engine.outputs import RequestOutput
 from pagoda.engine.sampling_params import SamplingParams
 
@@ -72,7 +75,7 @@ SCALAR_INPUTS: dict[str, tuple[str, type]] = {
 }
 
 # Keys of the sampling_parameters JSON that are request options, not SamplingParams.
-REQUEST_OPTION_KEYS = ("priority", "cache_salt", "lora_name")
+REQUEST_OPTION_KEYS = ("priority", "cache_salt", "lora_name", "timeout")
 
 GetInput = Callable[[str], Optional[np.ndarray]]
 
@@ -93,6 +96,7 @@ class ParsedRequest:
     priority: int = 0
     cache_salt: Optional[str] = None
     lora_name: Optional[str] = None  # a loaded LoRA adapter (vLLM backend's lora_name); None: base model
+    timeout: Optional[float] = None  # seconds from arrival (pagoda.engine.admission)
 
 
 @dataclass
@@ -102,7 +106,9 @@ class Response:
     tensors: dict[str, np.ndarray] = field(default_factory=dict)
     error: Optional[str] = None
     # What kind of failure ``error`` is, as a Triton error code name: INVALID_ARG (bad
-    # input, HTTP 400), INTERNAL (engine fault), UNAVAILABLE (shutting down).
+    # input, HTTP 400), INTERNAL (engine fault), UNAVAILABLE (shutting down, overloaded,
+    # or the request's deadline passed; the message says which; tritonserver's generate
+    # endpoint answers every error with HTTP 400, see docs/serving.md).
     error_code: str = "INVALID_ARG"
     is_final: bool = False
 
@@ -135,7 +141,8 @@ def parse_request(get_input: GetInput) -> ParsedRequest:
         raise ValueError(f"sampling_parameters: {exc}") from None
     lora_name = _read_lora_name(get_input("lora_name"), options.get("lora_name"))
     return ParsedRequest(prompt=prompt, params=params, priority=options.get("priority", 0),
-                         cache_salt=options.get("cache_salt"), lora_name=lora_name, **flags)
+                         cache_salt=options.get("cache_salt"), lora_name=lora_name,
+                         timeout=options.get("timeout"), **flags)
 
 
 def _read_lora_name(array: Optional[np.ndarray], from_json: Any) -> Optional[str]:
@@ -209,6 +216,10 @@ def _read_sampling_json(array: Optional[np.ndarray]) -> tuple[dict[str, Any], di
             raise ValueError(f"priority: must be an integer, got {options['priority']!r}")
     if "cache_salt" in options and (not isinstance(options["cache_salt"], str) or not options["cache_salt"]):
         raise ValueError(f"cache_salt: must be a non-empty string, got {options['cache_salt']!r}")
+    if "timeout" in options:
+        options["timeout"] = _coerce("timeout", options["timeout"], float)
+        if options["timeout"] is not None:
+            check_timeout(options["timeout"])
     field_types = {f.name: str(f.type) for f in dataclasses.fields(SamplingParams)}
     scalar_types = {"int": int, "float": float, "bool": bool}
     for key, value in list(values.items()):
@@ -299,11 +310,12 @@ def make_response(parsed: ParsedRequest, output: RequestOutput) -> Optional[Resp
     Streaming: this step's deltas; ``None`` when there is nothing to say yet (no new token
     and not finished). Not streaming: ``None`` until the request finishes, then the whole
     text. ``is_final`` is set on the response built from the finished output. An output
-    carrying ``error`` (a guided-decoding format that does not compile) becomes the
-    request's one error response (``INVALID_ARG``: HTTP 400).
+    carrying ``error`` becomes the request's one error response: ``UNAVAILABLE`` when
+    admission control ended it (overloaded, deadline passed), else ``INVALID_ARG`` (a
+    guided-decoding format that does not compile).
     """
     if output.error is not None:
-        return make_error_response(output.error)
+        return make_error_response(output.error, "UNAVAILABLE" if is_admission_error(output.error) else "INVALID_ARG")
     if not parsed.stream and not output.finished:
         return None
     completions = output.outputs

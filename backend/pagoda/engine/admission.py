@@ -1,0 +1,182 @@
+"""Admission control: a bound on a replica's waiting queue, priority shedding, deadlines.
+
+Without a bound, a burst queues everything: 200 requests on a replica that runs 8 at a
+time made the last one wait 83 s, and every queued prompt holds host memory. ``Admission``
+is a small constraint object the engine consults once per new request
+(``can_admit``) and once per step (``take_expired``); the scheduler's hot path is not
+touched.
+
+Bound (``EngineConfig.max_waiting_requests`` / ``max_waiting_prompt_tokens``): a request
+is admitted while the waiting queue, with it added, holds at most ``max_waiting_requests``
+requests and at most ``max_waiting_prompt_tokens`` not-yet-computed tokens. Running
+requests do not count: the scheduler already bounds them (``max_num_seqs``, the KV cache).
+A request that alone exceeds the token bound can never be admitted: that is a
+``ValueError`` (a 400), not an overload.
+
+Priority (smaller ``priority`` is more urgent, as everywhere in the engine): when the
+bound is reached, a new request may displace waiting requests that are strictly less
+urgent and were never scheduled (they hold no KV blocks), least urgent and latest first,
+until it fits. The displaced requests end with the overload error; a request that cannot
+displace enough is refused with it. So under pressure the lowest priorities are shed
+first, and a flood of low-priority traffic never blocks an urgent request.
+
+Overload error: ``EngineOverloaded`` (refused at ``add_request``) and a displaced
+request's final output carry a message starting with ``OVERLOADED_PREFIX`` and a retry
+hint (``retry_after_s``). The serving layer answers it with Triton's ``UNAVAILABLE``
+(HTTP 503); the router tries a replica with room and, when every replica is full, answers
+OpenAI clients with 429 and ``Retry-After``.
+
+Deadlines: a request may carry ``timeout`` (seconds from arrival). A request still
+unfinished at its deadline ends with an error starting with ``DEADLINE_PREFIX``, whether
+it is waiting (it held no blocks) or running (its blocks are released by reference count,
+so blocks it shares with other requests stay theirs). Deadlines sit in a heap; each step
+pops only the expired ones, O(log n) per request.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable, Optional
+
+from pagoda.engine.request import Request, RequestStatus
+
+OVERLOADED_PREFIX = "overloaded:"
+DEADLINE_PREFIX = "deadline exceeded:"
+DEFAULT_RETRY_AFTER_S = 1.0
+
+
+class EngineOverloaded(RuntimeError):
+    """The waiting queue is full; the request was not queued. Retry later or elsewhere."""
+
+    def __init__(self, message: str, retry_after_s: float = DEFAULT_RETRY_AFTER_S) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+@dataclass
+class Verdict:
+    """``can_admit``'s answer: admit (after displacing ``victims``) or refuse with ``reason``."""
+
+    admit: bool
+    victims: list[Request]
+    reason: str = ""
+
+
+def overload_message(reason: str, retry_after_s: float = DEFAULT_RETRY_AFTER_S) -> str:
+    """The overload error text: prefix, why, and the retry hint."""
+    return (f"{OVERLOADED_PREFIX} {reason}; the request was not queued. "
+            f"Retry after {math.ceil(retry_after_s)} s or on another replica.")
+
+
+class Admission:
+    """The waiting-queue bound and the deadline heap.
+
+    Args:
+        max_waiting_requests: the most requests the waiting queue may hold.
+        max_waiting_prompt_tokens: the most not-yet-computed tokens it may hold.
+        retry_after_s: the retry hint given with every overload error.
+        clock: wall-clock seconds (``time.time``; tests inject their own).
+    """
+
+    def __init__(self, max_waiting_requests: int, max_waiting_prompt_tokens: int,
+                 retry_after_s: float = DEFAULT_RETRY_AFTER_S, clock: Callable[[], float] = time.time) -> None:
+        assert max_waiting_requests >= 1 and max_waiting_prompt_tokens >= 1, "bounds must be positive"
+        self.max_waiting_requests = max_waiting_requests
+        self.max_waiting_prompt_tokens = max_waiting_prompt_tokens
+        self.retry_after_s = retry_after_s
+        self.clock = clock
+        self._deadlines: list[tuple[float, str, float]] = []  # (deadline, request_id, timeout) heap
+        self.num_refused = 0
+        self.num_displaced = 0
+        self.num_expired = 0
+
+    # ------------------------------------------------------------------ the bound
+    def can_admit(self, num_tokens: int, priority: int, waiting: Iterable[Request]) -> Verdict:
+        """Whether a request of ``num_tokens`` prompt tokens fits in the waiting queue.
+
+        Args:
+            num_tokens: the new request's prompt tokens (all of them still to compute).
+            priority: its priority (smaller is more urgent).
+            waiting: the scheduler's waiting queue.
+
+        Returns:
+            A ``Verdict``; on admit, ``victims`` are waiting requests to end with the
+            overload error first (less urgent, never scheduled).
+
+        Raises:
+            ValueError: the request alone exceeds ``max_waiting_prompt_tokens``.
+        """
+        if num_tokens > self.max_waiting_prompt_tokens:
+            raise ValueError(f"prompt: {num_tokens} tokens exceed this server's max_waiting_prompt_tokens "
+                             f"({self.max_waiting_prompt_tokens}); send a shorter prompt")
+        queue = list(waiting)
+        num_requests = len(queue) + 1
+        num_queued_tokens = sum(_pending_tokens(r) for r in queue) + num_tokens
+        if self._fits(num_requests, num_queued_tokens):
+            return Verdict(True, [])
+        victims: list[Request] = []
+        for candidate in sorted((r for r in queue if _is_displaceable(r, priority)),
+                                key=lambda r: (r.priority, r.arrival_time, r.insertion_index), reverse=True):
+            victims.append(candidate)
+            num_requests -= 1
+            num_queued_tokens -= _pending_tokens(candidate)
+            if self._fits(num_requests, num_queued_tokens):
+                self.num_displaced += len(victims)
+                return Verdict(True, victims)
+        self.num_refused += 1
+        reason = (f"this replica's waiting queue is full ({len(queue)} requests, at most "
+                  f"{self.max_waiting_requests})" if len(queue) + 1 > self.max_waiting_requests else
+                  f"this replica's waiting queue holds too many prompt tokens "
+                  f"({num_queued_tokens - num_tokens} queued + {num_tokens}, at most {self.max_waiting_prompt_tokens})")
+        return Verdict(False, [], overload_message(reason, self.retry_after_s))
+
+    def _fits(self, num_requests: int, num_tokens: int) -> bool:
+        return num_requests <= self.max_waiting_requests and num_tokens <= self.max_waiting_prompt_tokens
+
+    # ------------------------------------------------------------------ deadlines
+    def track_deadline(self, request_id: str, deadline: float, timeout: float) -> None:
+        """Remember that ``request_id`` must finish by ``deadline`` (wall-clock seconds)."""
+        heapq.heappush(self._deadlines, (deadline, request_id, timeout))
+
+    def take_expired(self, now: float) -> list[tuple[str, float]]:
+        """(request id, timeout) of the deadlines that passed; some requests may have finished
+        already (callers skip those: ids are never reused while live)."""
+        expired = []
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, request_id, timeout = heapq.heappop(self._deadlines)
+            expired.append((request_id, timeout))
+        return expired
+
+
+def is_admission_error(message: str) -> bool:
+    """Whether an output's ``error`` came from admission control (overload or deadline)."""
+    return message.startswith((OVERLOADED_PREFIX, DEADLINE_PREFIX))
+
+
+def check_timeout(timeout: Optional[float]) -> None:
+    """Validate a request's ``timeout`` (seconds); raises ``ValueError`` naming it."""
+    if timeout is None:
+        return
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0 or timeout != timeout:
+        raise ValueError(f"timeout: must be a number of seconds > 0, got {timeout!r}")
+
+
+def deadline_message(timeout: float, request: Optional[Request]) -> str:
+    """The error of a request that reached its deadline (``request``: a child, to say where it was)."""
+    where = ("while waiting in the queue" if request is None or request.num_computed_tokens == 0
+             and request.num_output_tokens == 0 else
+             f"after {request.num_output_tokens} generated tokens")
+    return f"{DEADLINE_PREFIX} the request's timeout of {timeout:g} s passed {where}"
+
+
+def _pending_tokens(request: Request) -> int:
+    return max(0, request.num_tokens - request.num_computed_tokens)
+
+
+def _is_displaceable(request: Request, priority: int) -> bool:
+    """Less urgent than ``priority`` and never scheduled (so it holds no blocks, host or device)."""
+    return (request.priority > priority and request.status == RequestStatus.WAITING
+            and request.num_computed_tokens == 0 and request.num_output_tokens == 0)

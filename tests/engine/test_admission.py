@@ -1,0 +1,132 @@
+"""Admission control: the waiting-queue bound, priority displacement, deadlines, stop-id checks."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagoda import SamplingParams
+from pagoda.engine.admission import DEADLINE_PREFIX, OVERLOADED_PREFIX, Admission, EngineOverloaded
+from pagoda.engine.config import EngineConfig
+from pagoda.engine.llm_engine import LLMEngine
+from pagoda.engine.request import Request
+
+from tests.engine.hf_reference import make_random_model
+
+
+def _request(request_id: str, num_tokens: int, priority: int = 0, arrival: float = 0.0) -> Request:
+    request = Request(request_id, list(range(1, num_tokens + 1)), SamplingParams(max_tokens=4),
+                      arrival_time=arrival, priority=priority)
+    return request
+
+
+# ------------------------------------------------------------------ the constraint object
+def test_bound_on_requests_and_tokens():
+    admission = Admission(max_waiting_requests=2, max_waiting_prompt_tokens=100)
+    assert admission.can_admit(10, 0, []).admit
+    assert admission.can_admit(10, 0, [_request("a", 10)]).admit
+    full = admission.can_admit(10, 0, [_request("a", 10), _request("b", 10)])
+    assert not full.admit and full.reason.startswith(OVERLOADED_PREFIX) and "waiting queue is full" in full.reason
+    assert "Retry after 1 s" in full.reason
+    heavy = admission.can_admit(60, 0, [_request("a", 50)])
+    assert not heavy.admit and "prompt tokens" in heavy.reason
+    assert admission.num_refused == 2
+    with pytest.raises(ValueError, match="max_waiting_prompt_tokens"):
+        admission.can_admit(101, 0, [])
+
+
+def test_more_urgent_request_displaces_the_least_urgent_latest_first():
+    admission = Admission(max_waiting_requests=3, max_waiting_prompt_tokens=1000)
+    queue = [_request("p0", 5, 0, 1.0), _request("p5-old", 5, 5, 2.0), _request("p5-new", 5, 5, 3.0)]
+    verdict = admission.can_admit(5, 1, queue)
+    assert verdict.admit and [v.request_id for v in verdict.victims] == ["p5-new"]
+    # Equal priority never displaces: FCFS among equals.
+    assert not admission.can_admit(5, 5, queue).admit
+    # The most urgent waiting request is never a victim of a less urgent one.
+    assert not admission.can_admit(5, 3, [_request("p0", 5, 0)] * 3).admit
+
+
+def test_deadlines_pop_in_order():
+    admission = Admission(8, 1000)
+    admission.track_deadline("late", 20.0, 10.0)
+    admission.track_deadline("early", 15.0, 5.0)
+    assert admission.take_expired(14.9) == []
+    assert admission.take_expired(16.0) == [("early", 5.0)]
+    assert admission.take_expired(30.0) == [("late", 10.0)]
+
+
+def test_config_validates_bounds():
+    with pytest.raises(ValueError, match="max_waiting_requests"):
+        EngineConfig(max_waiting_requests=0)
+    with pytest.raises(ValueError, match="max_waiting_prompt_tokens"):
+        EngineConfig(max_waiting_prompt_tokens=-1)
+
+
+# ------------------------------------------------------------------ in the engine
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory, smollm2_path):
+    return str(make_random_model(tmp_path_factory.mktemp("m") / "llama", "llama-gqa3-hd64", smollm2_path))
+
+
+def _drain(engine):
+    finals = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    return finals
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+
+def test_engine_refuses_past_the_bound_and_keeps_serving(model_path):
+    engine = LLMEngine(EngineConfig(model=model_path, max_num_seqs=2, max_waiting_requests=3))
+    for i in range(3):
+        engine.add_request(f"r{i}", [5, 6, 7, 8 + i], GREEDY)
+    with pytest.raises(EngineOverloaded, match="waiting queue is full") as info:
+        engine.add_request("r3", [5, 6, 7, 9], GREEDY)
+    assert info.value.retry_after_s >= 1
+    finals = _drain(engine)
+    assert sorted(finals) == ["r0", "r1", "r2"] and all(o.error is None for o in finals.values())
+    assert engine.get_stats().num_free_blocks == engine.scheduler.block_pool.num_usable_blocks
+    engine.add_request("r3", [5, 6, 7, 9], GREEDY)  # room again
+    assert _drain(engine)["r3"].outputs[0].finish_reason == "length"
+
+
+def test_engine_displaces_lower_priority_with_an_overload_error(model_path):
+    engine = LLMEngine(EngineConfig(model=model_path, max_waiting_requests=2))
+    engine.add_request("low", [5, 6, 7], GREEDY, priority=9)
+    engine.add_request("mid", [5, 6, 8], GREEDY, priority=5)
+    engine.add_request("urgent", [5, 6, 9], GREEDY, priority=0)
+    finals = _drain(engine)
+    assert finals["low"].error.startswith(OVERLOADED_PREFIX) and "more urgent" in finals["low"].error
+    assert finals["low"].outputs[0].finish_reason == "abort"
+    assert finals["mid"].error is None and finals["urgent"].error is None
+    assert engine.admission.num_displaced == 1
+
+
+def test_deadline_ends_waiting_and_running_requests_with_their_own_error(model_path):
+    engine = LLMEngine(EngineConfig(model=model_path, max_num_seqs=1))
+    now = [1000.0]
+    engine.admission.clock = lambda: now[0]
+    long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    engine.add_request("running", [5, 6, 7], long, timeout=30, arrival_time=now[0])
+    engine.add_request("waiting", [5, 6, 8], long, timeout=5, arrival_time=now[0])
+    engine.add_request("free", [5, 6, 9], GREEDY, arrival_time=now[0])
+    for _ in range(3):
+        engine.step()
+    now[0] += 31  # both deadlines pass while "running" is mid-generation
+    finals = _drain(engine)
+    assert finals["waiting"].error.startswith(DEADLINE_PREFIX) and "waiting in the queue" in finals["waiting"].error
+    assert finals["running"].error.startswith(DEADLINE_PREFIX) and "generated tokens" in finals["running"].error
+    assert finals["free"].error is None and finals["free"].outputs[0].finish_reason == "length"
+    assert engine.get_stats().num_free_blocks == engine.scheduler.block_pool.num_usable_blocks
+    with pytest.raises(ValueError, match="timeout"):
+        engine.add_request("bad", [5, 6], GREEDY, timeout=0)
+
+
+def test_stop_token_ids_outside_the_vocabulary_are_refused(model_path):
+    engine = LLMEngine(EngineConfig(model=model_path))
+    with pytest.raises(ValueError, match="stop_token_ids: token id 99999999 is not in the vocabulary"):
+        engine.add_request("a", [5, 6], SamplingParams(stop_token_ids=[99999999]))
+    assert not engine.has_unfinished_requests()
