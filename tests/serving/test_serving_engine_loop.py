@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from pagoda.engine.admission import EngineOverloaded, overload_message
 from pagoda.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagoda.engine.sampling_params import SamplingParams
 from pagoda.serving.engine_loop import EngineLoop, ResponseSender, ServingRequest
@@ -23,10 +24,12 @@ class FakeEngine:
         self.thread_ids = set()
 
     def add_request(self, request_id, prompt, params, *, arrival_time=None, priority=0, cache_salt=None,
-                    lora_name=None):
+                    lora_name=None, timeout=None):
         self.thread_ids.add(threading.get_ident())
         if prompt == "too long":
             raise ValueError("prompt: 9000 tokens exceed max_model_len 8192")
+        if prompt == "overload":
+            raise EngineOverloaded(overload_message("this replica's waiting queue is full"))
         self.requests[request_id] = {"params": params, "tokens": 0, "abort": False,
                                      "metrics": RequestMetrics(arrival_time=arrival_time)}
 
@@ -143,6 +146,15 @@ def test_rejected_request_gets_one_error_and_the_next_succeeds(loop_parts):
     (error,) = collector.responses["bad"]
     assert error.is_final and "max_model_len" in error.error and error.error_code == "INVALID_ARG"
     assert finals(collector, "good")[0].error is None
+
+
+def test_overloaded_request_gets_one_unavailable_error(loop_parts):
+    _, collector, loop, _ = loop_parts
+    loop.submit(request("full", prompt="overload"))
+    collector.wait_final(["full"])
+    (error,) = collector.responses["full"]
+    assert error.is_final and error.error_code == "UNAVAILABLE" and error.error.startswith("overloaded:")
+    assert "Retry after" in error.error
 
 
 def test_cancelled_request_is_aborted_once(loop_parts):

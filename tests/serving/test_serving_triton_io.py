@@ -106,6 +106,8 @@ def test_logprob_flags_turn_on_engine_logprobs():
     ({"text_input": "Hi", "sampling_parameters": {"priority": "high"}}, "priority: must be an integer"),
     ({"text_input": "Hi", "sampling_parameters": {"cache_salt": 5}}, "cache_salt: must be a non-empty string"),
     ({"text_input": "Hi", "stream": np.array([1], dtype=np.int32)}, "stream: must be a boolean"),
+    ({"text_input": "Hi", "sampling_parameters": {"timeout": 0}}, "timeout: must be a number of seconds > 0"),
+    ({"text_input": "Hi", "sampling_parameters": {"timeout": "soon"}}, "timeout: must be a number"),
     ({"text_input": "Hi", "max_tokens": np.array([0], dtype=np.int32)}, "max_tokens: must be >= 1"),
     ({"text_input": "Hi", "max_tokens": np.array([1, 2], dtype=np.int32)}, "max_tokens: expected one value"),
     ({"text_input": "Hi", "top_k": np.array([1.5], dtype=np.float32)}, "top_k: must be an integer"),
@@ -213,3 +215,17 @@ def test_engine_error_output_becomes_the_one_error_response():
                            RequestMetrics(arrival_time=0.0), error="guided_decoding.regex: cannot be compiled: bad")
     response = make_response(parsed, output)
     assert response.is_final and response.error_code == "INVALID_ARG" and "cannot be compiled" in response.error
+
+
+def test_timeout_is_a_request_option():
+    assert parse_request(inputs(text_input="Hi", sampling_parameters={"timeout": 2.5})).timeout == 2.5
+    assert parse_request(inputs(text_input="Hi", sampling_parameters={"timeout": "3"})).timeout == 3.0
+    assert parse_request(inputs(text_input="Hi")).timeout is None
+
+
+def test_admission_error_output_becomes_an_unavailable_error():
+    output = _output(True, ["x"], ["x"], [[5]], [[5]], reasons=["abort"])
+    output.error = "deadline exceeded: the request's timeout of 1 s passed while waiting in the queue"
+    for stream in (True, False):
+        response = make_response(parse_request(inputs(text_input="Say:", stream=stream)), output)
+        assert response.is_final and response.error == output.error and response.error_code == "UNAVAILABLE"
