@@ -23,6 +23,7 @@ new requests avoid it until the health prober sees it ready again.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import struct
@@ -31,6 +32,8 @@ from typing import Any, AsyncIterator, Optional
 import grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
+from pagoda.fleet.gate import AuthError, LimitError, RateLimited, gate_of, is_overload
+from pagoda.fleet.limits import sampling_of_infer_request, set_sampling_value
 from pagoda.fleet.router_core import Analysis, NoReplicaAvailable, Router
 from pagoda.fleet.tracing import TRACEPARENT, RouteSpan, RouterTracer
 
@@ -113,13 +116,19 @@ async def stream_replica(router: Router, analysis: Optional[Analysis], request: 
                          max_attempts: int = 2) -> AsyncIterator[Any]:
     """Route ``request`` and yield the replica's ``ModelStreamInferResponse`` messages.
 
+    A replica that refuses the request as overloaded (its first response is the
+    admission error) is remembered as full and the request goes to a replica not yet
+    tried; the overload error reaches the caller only when no replica is left.
+
     Raises:
         NoReplicaAvailable: no replica could be chosen.
         ReplicaFailed: the chosen replica failed (after any retries that were safe).
     """
+    gate = gate_of(router)
     tried: list[str] = []
-    for attempt in range(1, max_attempts + 1):
-        decision = await router.choose(analysis, exclude=tried, attempt=attempt)
+    num_dead = 0
+    for attempt in itertools.count(1):
+        decision = await gate.choose(router, analysis, tried, attempt)
         span.set_decision(decision)
         replica = decision.replica
         if span.traceparent:
@@ -129,14 +138,22 @@ async def stream_replica(router: Router, analysis: Optional[Analysis], request: 
         try:
             call = replica.grpc_stub().ModelStreamInfer(iter((request,)))
             async for response in call:
+                if num_responses == 0 and is_overload(response.error_message):
+                    gate.mark_full(replica.replica_id)
+                    tried.append(replica.replica_id)
+                    if router.replicas.routable(tried, include_draining=True):
+                        break  # another replica may have room
                 num_responses += 1
                 yield response
-            return
+            else:
+                return
+            continue
         except grpc.aio.AioRpcError as exc:
             code = exc.code()
             if code in _BROKEN_CODES and not (code == grpc.StatusCode.CANCELLED and num_responses == 0):
                 router.replicas.mark_unhealthy(replica, f"{code.name}: {exc.details()}")
-            if num_responses == 0 and code in _DEAD_CODES and attempt < max_attempts:
+            num_dead += 1
+            if num_responses == 0 and code in _DEAD_CODES and num_dead < max_attempts:
                 tried.append(replica.replica_id)
                 continue
             where = "while streaming this request" if num_responses else "before answering"
@@ -160,12 +177,16 @@ class GrpcProxy(service_pb2_grpc.GRPCInferenceServiceServicer):
     # ---------------------------------------------------------------- inference
     async def ModelStreamInfer(self, request_iterator, context):  # noqa: N802 - gRPC method name
         carrier = _metadata(context)
+        try:
+            tenant = gate_of(self.router).authenticate(carrier.get("authorization"))
+        except AuthError as exc:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
         queue: asyncio.Queue = asyncio.Queue()
         end = object()
         tasks: set[asyncio.Task] = set()
 
         async def serve_one(request: Any) -> None:
-            async for response in self._stream_one(request, carrier):
+            async for response in self._stream_one(request, carrier, tenant):
                 await queue.put(response)
 
         async def read_requests() -> None:
@@ -191,43 +212,83 @@ class GrpcProxy(service_pb2_grpc.GRPCInferenceServiceServicer):
             for task in list(tasks):
                 task.cancel()
 
-    async def _stream_one(self, request: Any, carrier: dict[str, str]) -> AsyncIterator[Any]:
+    async def _stream_one(self, request: Any, carrier: dict[str, str], tenant: Any) -> AsyncIterator[Any]:
         with self.tracer.route_span("grpc", carrier) as span:
+            ticket = None
             try:
-                analysis = analyze_infer_request(self.router, request)
+                analysis, ticket = self._admit(request, tenant)
                 async for response in stream_replica(self.router, analysis, request, span, self.max_attempts):
                     yield response
-            except (NoReplicaAvailable, ReplicaFailed) as exc:
+            except (NoReplicaAvailable, ReplicaFailed, LimitError, RateLimited) as exc:
                 span.fail(str(exc))
                 yield service_pb2.ModelStreamInferResponse(
                     error_message=str(exc),
                     infer_response=service_pb2.ModelInferResponse(
                         id=request.id, model_name=request.model_name, model_version=request.model_version))
+            finally:
+                if ticket is not None:
+                    ticket.release()
+
+    def _admit(self, request: Any, tenant: Any) -> tuple[Optional[Analysis], Any]:
+        """Limits, tenant salt, routing analysis, rate limits (raises LimitError / RateLimited)."""
+        gate = gate_of(self.router)
+        sampling = sampling_of_infer_request(request)
+        gate.limits.check_sampling(sampling)
+        prompt = read_string_input(request, "text_input") or ""
+        try:
+            gate.limits.check_prompt(prompt, "text_input")
+        except LimitError:
+            gate.count("limit")
+            raise
+        if tenant is not None:
+            salt = gate.salt(tenant, cache_salt_of(sampling))
+            if salt != cache_salt_of(sampling):
+                set_sampling_value(request, "cache_salt", salt)
+        analysis = analyze_infer_request(self.router, request)
+        num_tokens = (analysis.num_prompt_tokens if analysis else 0) + int(sampling.get("max_tokens") or 16)
+        return analysis, gate.admit(tenant, num_tokens)
 
     async def ModelInfer(self, request, context):  # noqa: N802
-        with self.tracer.route_span("grpc", _metadata(context)) as span:
+        carrier = _metadata(context)
+        with self.tracer.route_span("grpc", carrier) as span:
             tried: list[str] = []
-            analysis = analyze_infer_request(self.router, request)
-            for attempt in range(1, self.max_attempts + 1):
-                try:
-                    decision = await self.router.choose(analysis, exclude=tried, attempt=attempt)
-                except NoReplicaAvailable as exc:
-                    span.fail(str(exc))
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-                span.set_decision(decision)
-                if span.traceparent:
-                    request.parameters[TRACEPARENT].string_param = span.traceparent
-                try:
-                    return await decision.replica.grpc_stub().ModelInfer(request)
-                except grpc.aio.AioRpcError as exc:
-                    if exc.code() in _DEAD_CODES:
-                        self.router.replicas.mark_unhealthy(decision.replica, f"{exc.code().name}: {exc.details()}")
-                        tried.append(decision.replica.replica_id)
-                        if attempt < self.max_attempts:
-                            continue
-                    await context.abort(exc.code(), exc.details())
-                finally:
-                    self.router.release(decision)
+            try:
+                tenant = gate_of(self.router).authenticate(carrier.get("authorization"))
+                analysis, ticket = self._admit(request, tenant)
+            except AuthError as exc:
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
+            except LimitError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            except RateLimited as exc:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            try:
+                return await self._infer_routed(request, context, span, analysis, tried)
+            finally:
+                ticket.release()
+
+    async def _infer_routed(self, request: Any, context: Any, span: Any, analysis: Optional[Analysis],
+                            tried: list[str]) -> Any:
+        """One unary call, retried on another replica when the connection is refused."""
+        for attempt in range(1, self.max_attempts + 1):
+            try:
+                decision = await self.router.choose(analysis, exclude=tried, attempt=attempt)
+            except NoReplicaAvailable as exc:
+                span.fail(str(exc))
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            span.set_decision(decision)
+            if span.traceparent:
+                request.parameters[TRACEPARENT].string_param = span.traceparent
+            try:
+                return await decision.replica.grpc_stub().ModelInfer(request)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() in _DEAD_CODES:
+                    self.router.replicas.mark_unhealthy(decision.replica, f"{exc.code().name}: {exc.details()}")
+                    tried.append(decision.replica.replica_id)
+                    if attempt < self.max_attempts:
+                        continue
+                await context.abort(exc.code(), exc.details())
+            finally:
+                self.router.release(decision)
 
     # ---------------------------------------------------------------- health and metadata
     async def ServerLive(self, request, context):  # noqa: N802

@@ -1,15 +1,21 @@
 """The router's HTTP face (aiohttp): Triton's generate extension, health, metadata, metrics.
 
-- ``POST /v2/models/{model}/generate`` and ``generate_stream``: the JSON body is routed by
-  its ``text_input`` (and ``sampling_parameters.cache_salt``) and forwarded to the chosen
-  replica's HTTP port with one key added, ``traceparent`` (Triton turns top-level keys
-  that are not inputs into request parameters, the channel that reaches the backend). The
-  replica's status, body and SSE events come back byte for byte. A body that is not a JSON
-  object is forwarded unchanged, routed by load, so its error is the replica's own.
+- ``POST /v2/models/{model}/generate`` and ``generate_stream``: the body is checked here
+  (``limits.validate_generate_body``: a JSON object of known inputs with the right JSON
+  types, within the limits; else 400 naming the problem, where tritonserver itself would
+  answer 500), given the tenant's ``cache_salt`` (``gate``), routed by its
+  ``text_input`` and salt, and forwarded to the chosen replica's HTTP port with one key
+  added, ``traceparent`` (Triton turns top-level keys that are not inputs into request
+  parameters, the channel that reaches the backend). The replica's status, body and SSE
+  events come back byte for byte, except an overload refusal: the request is tried on
+  another replica, and only when all are full does the client get 503 + ``Retry-After``.
 - ``POST /v2/models/{model}/infer`` and every other ``GET /v2/...`` are forwarded.
 - ``GET /v2/health/live`` (the router runs) and ``/v2/health/ready`` (some replica is
   routable) are answered here; ``GET /metrics`` shows the router's own counters.
 - The OpenAI routes come from ``pagoda.fleet.openai_api``.
+- ``gate_middleware`` runs first on every ``/v1`` request and every ``POST /v2/models``:
+  the body size from ``Content-Length`` (413 before reading a byte), then the API key
+  (401). A client that disconnects mid-answer is logged at INFO, not as an error.
 
 Faults as in ``grpc_proxy``: a refused connection is retried on another replica; a stream
 broken mid-way ends with one SSE event ``data: {"error": "..."}`` (Triton's own SSE error
@@ -19,14 +25,18 @@ shape) naming the replica, which is marked unhealthy; a non-streaming request ge
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import aiohttp
 from aiohttp import web
 
+from pagoda.fleet.gate import (TENANT_KEY, AuthError, LimitError, RateLimited, gate_of, is_overload,
+                               retry_after_header)
 from pagoda.fleet.grpc_proxy import MAX_ROUTED_PROMPT_CHARS, cache_salt_of, option_of
+from pagoda.fleet.limits import sampling_of_generate, validate_generate_body
 from pagoda.fleet.router_core import Analysis, NoReplicaAvailable, Router
 from pagoda.fleet.tracing import TRACEPARENT, RouterTracer
 
@@ -41,7 +51,8 @@ _FORWARDED_HEADERS = ("Content-Type", "Content-Length")
 
 def make_app(router: Router, tracer: RouterTracer, openai: Any = None) -> web.Application:
     """The HTTP application; ``openai`` (an ``OpenAIApi``) adds the ``/v1`` routes."""
-    app = web.Application(client_max_size=64 * 1024 * 1024)
+    # A chunked body (no Content-Length) is cut off at the same size while it is read.
+    app = web.Application(client_max_size=gate_of(router).limits.max_body_bytes, middlewares=[gate_middleware])
     app[ROUTER_KEY] = router
     app[TRACER_KEY] = tracer
     app.cleanup_ctx.append(_client_session)
@@ -74,8 +85,40 @@ async def _ready(request: web.Request) -> web.Response:
     return web.Response(status=200 if request.app[ROUTER_KEY].replicas.routable() else 503)
 
 
-def _error(status: int, message: str) -> web.Response:
-    return web.json_response({"error": message}, status=status)
+def _error(status: int, message: str, headers: Optional[dict[str, str]] = None) -> web.Response:
+    return web.json_response({"error": message}, status=status, headers=headers)
+
+
+def _gate_error(request: web.Request, status: int, message: str, kind: str, param: Optional[str] = None,
+                headers: Optional[dict[str, str]] = None) -> web.Response:
+    """An error in the door's own shape: OpenAI's on ``/v1``, Triton's ``{"error"}`` elsewhere."""
+    if request.path.startswith("/v1/"):
+        return web.json_response({"error": {"message": message, "type": kind, "param": param, "code": None}},
+                                 status=status, headers=headers)
+    return _error(status, message, headers)
+
+
+@web.middleware
+async def gate_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Body size and API key before the handler; a client disconnect is an INFO line."""
+    guarded = request.path.startswith("/v1/") or (request.method == "POST" and request.path.startswith("/v2/models/"))
+    if guarded:
+        gate = gate_of(request.app[ROUTER_KEY])
+        try:
+            gate.limits.check_body_size(request.content_length)
+        except LimitError as exc:
+            gate.count("body_too_large")
+            return _gate_error(request, exc.status, str(exc), "invalid_request_error", exc.param)
+        try:
+            request[TENANT_KEY] = gate.authenticate(request.headers.get("Authorization"))
+        except AuthError as exc:
+            return _gate_error(request, 401, str(exc), "authentication_error",
+                               headers={"WWW-Authenticate": "Bearer"})
+    try:
+        return await handler(request)
+    except ConnectionResetError as exc:  # aiohttp's ClientConnectionResetError is one too
+        logger.info("client disconnected during %s %s: %s", request.method, request.path, exc)
+        return web.Response(status=499)  # never sent: the connection is gone
 
 
 def _analysis_of(router: Router, document: Any) -> Optional[Analysis]:
@@ -93,53 +136,102 @@ def _analysis_of(router: Router, document: Any) -> Optional[Analysis]:
 
 async def _generate(request: web.Request) -> web.StreamResponse:
     router, tracer = request.app[ROUTER_KEY], request.app[TRACER_KEY]
+    gate = gate_of(router)
     body = await request.read()
-    try:
-        document = json.loads(body) if request.path.endswith(("generate", "generate_stream")) else None
-    except ValueError:
-        document = None
+    document, analysis, ticket = None, None, None
+    if request.path.endswith(("generate", "generate_stream")):
+        try:
+            document = validate_generate_body(body, gate.limits)
+            tenant = request.get(TENANT_KEY)
+            if tenant is not None:
+                _salt_document(document, gate.salt(tenant, cache_salt_of(document.get("sampling_parameters"))))
+            analysis = _analysis_of(router, document)
+            sampling = sampling_of_generate(document)
+            num_tokens = (analysis.num_prompt_tokens if analysis else 0) + int(sampling.get("max_tokens") or 16)
+            ticket = gate.admit(tenant, num_tokens)
+        except LimitError as exc:
+            gate.count("invalid_input")
+            return _error(exc.status, str(exc))
+        except RateLimited as exc:
+            return _error(429, str(exc), retry_after_header(exc.retry_after_s))
     carrier = {TRACEPARENT: request.headers[TRACEPARENT]} if TRACEPARENT in request.headers else {}
-    with tracer.route_span("http", carrier) as span:
-        analysis = _analysis_of(router, document)
-        tried: list[str] = []
-        for attempt in range(1, MAX_ATTEMPTS + 1):
-            try:
-                decision = await router.choose(analysis, exclude=tried, attempt=attempt)
-            except NoReplicaAvailable as exc:
-                span.fail(str(exc))
-                return _error(503, str(exc))
-            span.set_decision(decision)
-            payload = body
-            if isinstance(document, dict) and span.traceparent:
-                payload = json.dumps({**document, TRACEPARENT: span.traceparent}).encode()
-            replica = decision.replica
-            try:
-                headers = {"Content-Type": request.headers.get("Content-Type", "application/json")}
-                upstream = await request.app[SESSION_KEY].post(
-                    f"http://{replica.endpoints['http']}{request.path_qs}", data=payload, headers=headers)
-            except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
-                router.release(decision)
-                router.replicas.mark_unhealthy(replica, f"HTTP connection failed: {exc}")
-                tried.append(replica.replica_id)
-                if attempt < MAX_ATTEMPTS:
-                    continue
-                span.fail(str(exc))
-                return _error(502, f"replica {replica.replica_id} is unreachable: {exc}")
-            try:
-                return await _relay(request, upstream, router, decision, span)
-            finally:
-                upstream.close()
-                router.release(decision)
+    try:
+        with tracer.route_span("http", carrier) as span:
+            return await _route(request, body, document, analysis, span)
+    finally:
+        if ticket is not None:
+            ticket.release()
+
+
+def _salt_document(document: dict[str, Any], salt: Optional[str]) -> None:
+    if salt is None:
+        return
+    text = document.get("sampling_parameters")
+    try:
+        values = json.loads(text) if isinstance(text, str) and text.strip() else {}
+    except ValueError:
+        return  # the replica names the JSON error
+    if isinstance(values, dict):
+        values["cache_salt"] = salt
+        document["sampling_parameters"] = json.dumps(values)
+
+
+async def _route(request: web.Request, body: bytes, document: Optional[dict], analysis: Optional[Analysis],
+                 span: Any) -> web.StreamResponse:
+    """Choose a replica and relay its answer; retry on a refused connection or an overload."""
+    router = request.app[ROUTER_KEY]
+    gate = gate_of(router)
+    tried: list[str] = []
+    num_dead = 0
+    for attempt in itertools.count(1):
+        try:
+            decision = await gate.choose(router, analysis, tried, attempt)
+        except NoReplicaAvailable as exc:
+            span.fail(str(exc))
+            return _error(503, str(exc))
+        span.set_decision(decision)
+        payload = body
+        if document is not None:
+            payload = json.dumps({**document, TRACEPARENT: span.traceparent} if span.traceparent else document).encode()
+        replica = decision.replica
+        try:
+            headers = {"Content-Type": request.headers.get("Content-Type", "application/json")}
+            upstream = await request.app[SESSION_KEY].post(
+                f"http://{replica.endpoints['http']}{request.path_qs}", data=payload, headers=headers)
+        except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+            router.release(decision)
+            router.replicas.mark_unhealthy(replica, f"HTTP connection failed: {exc}")
+            tried.append(replica.replica_id)
+            num_dead += 1
+            if num_dead < MAX_ATTEMPTS:
+                continue
+            span.fail(str(exc))
+            return _error(502, f"replica {replica.replica_id} is unreachable: {exc}")
+        try:
+            answer = await _relay(request, upstream, router, decision, span)
+        finally:
+            upstream.close()
+            router.release(decision)
+        if not isinstance(answer, str):
+            return answer
+        gate.mark_full(replica.replica_id)
+        tried.append(replica.replica_id)
+        if not router.replicas.routable(tried, include_draining=True):
+            span.fail(answer)
+            gate.count("overloaded")
+            return _error(503, answer, retry_after_header())
     raise AssertionError("unreachable: the attempt loop always returns")
 
 
 async def _relay(request: web.Request, upstream: aiohttp.ClientResponse, router: Router, decision: Any,
-                 span: Any) -> web.StreamResponse:
-    """Copy the replica's answer to the client; an SSE answer chunk by chunk."""
+                 span: Any) -> Union[web.StreamResponse, str]:
+    """Copy the replica's answer to the client; an SSE answer chunk by chunk.
+
+    Returns the overload message instead when the replica refused the request as
+    overloaded (nothing has been sent to the client then)."""
     replica = decision.replica
     content_type = upstream.headers.get("Content-Type", "application/json")
     is_sse = content_type.startswith("text/event-stream")
-    failure = None
     if not is_sse:
         try:
             data = await upstream.read()
@@ -148,10 +240,20 @@ async def _relay(request: web.Request, upstream: aiohttp.ClientResponse, router:
             router.replicas.mark_unhealthy(replica, failure)
             span.fail(failure)
             return _error(502, failure + ". The router avoids it until it is healthy again; retry the request.")
+        if upstream.status != 200 and is_overload(data.decode("utf-8", "replace")):
+            return _error_text(data)
         return web.Response(status=upstream.status, body=data, headers={"Content-Type": content_type})
+    first = b""
+    try:
+        first = await upstream.content.readany()
+    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError):
+        pass  # the loop below meets the same failure and reports it
+    if is_overload(first.decode("utf-8", "replace")) and b'"error"' in first:
+        return _error_text(first.split(b"data:", 1)[-1])
     response = web.StreamResponse(status=upstream.status, headers={"Content-Type": content_type,
                                                                     "Cache-Control": "no-cache"})
     await response.prepare(request)
+    await response.write(first)
     try:
         async for chunk in upstream.content.iter_any():
             await response.write(chunk)
@@ -163,6 +265,16 @@ async def _relay(request: web.Request, upstream: aiohttp.ClientResponse, router:
         await response.write(f"data: {json.dumps({'error': failure})}\n\n".encode())
     await response.write_eof()
     return response
+
+
+def _error_text(data: bytes) -> str:
+    """The ``error`` string of a Triton JSON error body (the raw text if it is not one)."""
+    text = data.decode("utf-8", "replace").strip()
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return str(value.get("error", text)) if isinstance(value, dict) else text
 
 
 async def _forward_get(request: web.Request) -> web.Response:
@@ -205,5 +317,9 @@ def render_metrics(router: Router) -> str:
         "# TYPE pagoda_router_replica_healthy gauge",
         *(f'pagoda_router_replica_healthy{{replica_id="{r.replica_id}"}} {int(r.healthy)}' for r in router.replicas.all()),
         *router.metric_lines(),
+        "# TYPE pagoda_router_refused_total counter",
+        *(f'pagoda_router_refused_total{{reason="{reason}"}} {count}'
+          for reason, count in sorted({**gate_of(router).num_refused,
+                                       **{f"rate_limited_{k}": v for k, v in gate_of(router).limiter.num_limited.items()}}.items())),
     ]
     return "\n".join(lines) + "\n"

@@ -24,6 +24,17 @@ token-id prompts in one request, ``best_of`` other than ``n``, ``suffix``, a non
 values. Errors the replica reports (e.g. a prompt longer than the context) come
 back as 400 with its message; a replica that fails mid-stream ends the stream with an
 ``error`` event (the SDK raises it).
+
+Limits and tenants (``pagoda.fleet.gate``): the body size and the API key are checked
+before the body is read (413, 401); the number of messages, prompt length, ``max_tokens``,
+``n``, ``logprobs``/``top_logprobs`` and stop strings against ``RequestLimits`` (400
+naming the limit); the tenant's ``cache_salt`` is set; its rate limits charge the prompt
+tokens plus ``max_tokens`` (16 when not given) (429 + ``Retry-After``). When every
+replica refuses the request as overloaded (admission control) the answer is 429 with
+``Retry-After``; a request whose ``timeout`` passed gets 408.
+
+``model`` may be omitted: the request goes to the served model (as vLLM does); any name
+other than the served one (or ``pagoda``) is a 404.
 """
 
 from __future__ import annotations
@@ -35,6 +46,7 @@ from typing import Any, Optional
 
 from aiohttp import web
 
+from pagoda.fleet.gate import TENANT_KEY, LimitError, RateLimited, gate_of, is_deadline, is_overload, retry_after_header
 from pagoda.fleet.grpc_proxy import ReplicaFailed, stream_replica
 from pagoda.fleet.openai_io import (OpenAIError, build_chat_request, build_completion_request, chat_logprobs,
                                     completion_logprobs, make_infer_request, read_outputs)
@@ -43,9 +55,9 @@ from pagoda.fleet.tracing import TRACEPARENT, RouterTracer
 
 
 def error_response(status: int, message: str, kind: str = "invalid_request_error", param: Optional[str] = None,
-                   code: Optional[str] = None) -> web.Response:
+                   code: Optional[str] = None, headers: Optional[dict[str, str]] = None) -> web.Response:
     return web.json_response({"error": {"message": message, "type": kind, "param": param, "code": code}},
-                             status=status)
+                             status=status, headers=headers)
 
 
 def _replica_error_status(message: str) -> tuple[int, str]:
@@ -54,7 +66,16 @@ def _replica_error_status(message: str) -> tuple[int, str]:
         return 500, "internal_error"
     if message.startswith("the server is shutting down"):
         return 503, "service_unavailable"
+    if is_overload(message):
+        return 429, "rate_limit_error"
+    if is_deadline(message):
+        return 408, "timeout"
     return 400, "invalid_request_error"
+
+
+def _replica_error(message: str) -> web.Response:
+    status, kind = _replica_error_status(message)
+    return error_response(status, message, kind, headers=retry_after_header() if status == 429 else None)
 
 
 class OpenAIApi:
@@ -106,19 +127,44 @@ class OpenAIApi:
                 served = ", ".join(repr(m) for m in (self.model_name, *self.lora_names))
                 return error_response(404, f"the model '{model}' does not exist; this server serves {served}",
                                       param="model", code="model_not_found")
-            built = (build_chat_request(body, self.router.tokenizer) if chat
-                     else build_completion_request(body))
+            built = self._build(body, chat)
             if model in self.lora_names:
                 built.sampling["lora_name"] = model
-        except OpenAIError as exc:
-            return error_response(400, str(exc), param=exc.param)
+        except (OpenAIError, LimitError) as exc:
+            gate_of(self.router).count("invalid_input")
+            return error_response(getattr(exc, "status", 400), str(exc), param=exc.param)
+        gate = gate_of(self.router)
+        tenant = request.get(TENANT_KEY)
+        if tenant is not None:
+            built.sampling["cache_salt"] = gate.salt(tenant, built.sampling.get("cache_salt"))
+        analysis = self.router.analyze(built.prompt, built.sampling.get("cache_salt"), built.sampling.get("lora_name"))
+        try:
+            ticket = gate.admit(tenant, analysis.num_prompt_tokens + (built.sampling.get("max_tokens") or 16))
+        except RateLimited as exc:
+            return error_response(429, str(exc), "rate_limit_error", headers=retry_after_header(exc.retry_after_s))
+        try:
+            return await self._route(request, chat, model, built, analysis)
+        finally:
+            ticket.release()
+
+    def _build(self, body: dict, chat: bool) -> Any:
+        """Validate and convert a body within the router's limits (raises OpenAIError / LimitError)."""
+        limits = gate_of(self.router).limits
+        if chat and isinstance(body.get("messages"), list):
+            limits.check_messages(body["messages"])
+        if not chat and isinstance(body.get("prompt"), str):
+            limits.check_prompt(body["prompt"])
+        built = build_chat_request(body, self.router.tokenizer) if chat else build_completion_request(body)
+        limits.check_prompt(built.prompt, "messages" if chat else "prompt")
+        limits.check_sampling(built.sampling)
+        return built
+
+    async def _route(self, request: web.Request, chat: bool, model: str, built: Any, analysis: Any) -> web.StreamResponse:
         carrier = {TRACEPARENT: request.headers[TRACEPARENT]} if TRACEPARENT in request.headers else {}
         with self.tracer.route_span("openai", carrier) as span:
             span.set_attribute("pagoda.openai.endpoint", "chat.completions" if chat else "completions")
             request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
             infer_request = make_infer_request(built, request_id)
-            analysis = self.router.analyze(built.prompt, built.sampling.get("cache_salt"),
-                                           built.sampling.get("lora_name"))
             responses = stream_replica(self.router, analysis, infer_request, span, self.max_attempts)
             answer = _Answer(chat, request_id, model, built, self.router.tokenizer)
             try:
@@ -130,9 +176,10 @@ class OpenAIApi:
                 span.fail(str(exc))
                 return error_response(502, str(exc), "replica_error")
             if first is not None and first.error_message:
-                status, kind = _replica_error_status(first.error_message)
                 await responses.aclose()
-                return error_response(status, first.error_message, kind)
+                if is_overload(first.error_message):
+                    gate_of(self.router).count("overloaded")
+                return _replica_error(first.error_message)
             if built.stream:
                 return await self._stream(request, answer, first, responses, span)
             return await self._collect(answer, first, responses, span)
@@ -142,8 +189,7 @@ class OpenAIApi:
             message = first
             while message is not None:
                 if message.error_message:
-                    status, kind = _replica_error_status(message.error_message)
-                    return error_response(status, message.error_message, kind)
+                    return _replica_error(message.error_message)
                 answer.add(read_outputs(message.infer_response))
                 message = await anext(responses, None)
         except ReplicaFailed as exc:

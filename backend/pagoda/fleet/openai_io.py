@@ -38,7 +38,10 @@ _COMMON_FIELDS: dict[str, tuple[str, tuple]] = {
     "stop_token_ids": ("stop_token_ids", (list,)),
     "cache_salt": ("cache_salt", (str,)),
     "priority": ("priority", (int,)),
+    "timeout": ("timeout", _NUMBER),  # seconds; pagoda.engine.admission deadlines
 }
+# Chat roles the chat templates know; "developer" (OpenAI's newer name) is a system message.
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 _REFUSED = {
     "suffix": "suffix (fill-in-the-middle) is not supported",
     "tools": "tools are not supported by pagoda's router yet; send the conversation without tools",
@@ -145,6 +148,10 @@ def build_completion_request(body: dict) -> BuiltRequest:
 def _message_text(message: Any, index: int) -> dict[str, Any]:
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise OpenAIError(f"messages[{index}]: must be an object with a 'role'", "messages")
+    role = CHAT_ROLES.get(message["role"])
+    if role is None:
+        raise OpenAIError(f"messages[{index}].role: must be one of {', '.join(CHAT_ROLES)}, got "
+                          f"{json.dumps(message['role'])}", "messages")
     content = message.get("content")
     if isinstance(content, list):
         parts = []
@@ -157,7 +164,7 @@ def _message_text(message: Any, index: int) -> dict[str, Any]:
         content = ""
     if not isinstance(content, str):
         raise OpenAIError(f"messages[{index}].content: must be a string or a list of text parts", "messages")
-    return {"role": message["role"], "content": content}
+    return {"role": role, "content": content}
 
 
 def build_chat_request(body: dict, tokenizer: Any) -> BuiltRequest:

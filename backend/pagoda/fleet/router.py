@@ -9,7 +9,9 @@ Pieces (each in its own module):
 - ``grpc_proxy``: Triton's ``GRPCInferenceService`` (``--grpc-port``, default 8081);
 - ``http_api`` + ``openai_api``: ``/v2/...`` generate/generate_stream and ``/v1/...``
   OpenAI routes (``--http-port``, default 8080);
-- ``tracing``: a span per routed request, ``traceparent`` forwarded to the replica.
+- ``tracing``: a span per routed request, ``traceparent`` forwarded to the replica;
+- ``gate`` (with ``limits`` and ``auth``): input limits, API keys -> tenants -> cache
+  salt, per-tenant rate limits, overload memory; hung on the router as ``router.gate``.
 
 ``RouterService`` owns them and two background tasks: the registry refresh (every
 ``registry_interval_s``: heartbeat load, block size, hash model id; its first success
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import re
@@ -32,6 +35,8 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
+
+from pagoda.fleet.limits import RequestLimits
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +68,23 @@ class RouterOptions:
     registry_interval_s: float = 0.5
     health_interval_s: float = 2.0
     max_attempts: int = 2
+    # Tenants (pagoda.fleet.auth): keys file (else $PAGODA_API_KEYS; neither: open mode).
+    api_keys_file: Optional[str] = None
+    share_prefix_cache: bool = False
+    tenant_requests_per_minute: Optional[float] = None  # defaults for keys without their own
+    tenant_tokens_per_minute: Optional[float] = None
+    tenant_max_concurrent: Optional[int] = None
+    limits: Any = None  # a pagoda.fleet.limits.RequestLimits; None: the defaults
+
+
+def make_gate(options: RouterOptions) -> Any:
+    """The ``Gate`` (limits, API keys, rate limits) the options describe."""
+    from pagoda.fleet.auth import Tenant, load_api_keys
+    from pagoda.fleet.gate import Gate
+
+    defaults = Tenant("", options.tenant_requests_per_minute, options.tenant_tokens_per_minute,
+                      options.tenant_max_concurrent)
+    return Gate(options.limits, load_api_keys(options.api_keys_file, defaults), options.share_prefix_cache)
 
 
 def resolve_redis_url(url: str, environ: Optional[dict[str, str]] = None) -> str:
@@ -134,6 +156,8 @@ class RouterService:
         self.router = Router(replicas, tokenizer, o.hash_model_id or folder, o.policy, fleet,
                              block_size=o.block_size, **o.policy_knobs)
         self.router.served_model_name = model_name
+        self.router.gate = make_gate(o)
+        self.router.gate.announce()
         if o.k8s_selector:
             config = (KubernetesConfig(o.k8s_api, o.k8s_namespace or os.environ.get("PAGODA_NAMESPACE") or "default")
                       if o.k8s_api else KubernetesConfig.in_cluster(o.k8s_namespace))
@@ -284,6 +308,17 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16, help="used until a replica heartbeat reports its own")
     p.add_argument("--health-interval", type=float, default=2.0)
     p.add_argument("--max-attempts", type=int, default=2, help="replicas tried when a connection is refused")
+    tenants = p.add_argument_group("tenants", "API keys, cache isolation and rate limits (pagoda.fleet.auth)")
+    tenants.add_argument("--api-keys-file", help="lines 'KEY TENANT [rpm=N] [tpm=N] [concurrency=N]' (default: "
+                                                 "$PAGODA_API_KEYS; neither: open mode, no authentication)")
+    tenants.add_argument("--share-prefix-cache", action="store_true",
+                         help="let tenants share cached blocks (default: each tenant's cache_salt isolates it)")
+    tenants.add_argument("--tenant-rpm", type=float, help="requests per minute per tenant (keys may override)")
+    tenants.add_argument("--tenant-tpm", type=float, help="tokens (prompt + max_tokens) per minute per tenant")
+    tenants.add_argument("--tenant-max-concurrent", type=int, help="requests in flight per tenant")
+    limits = p.add_argument_group("limits", "input limits; a request over one gets a 4xx naming it")
+    for f in dataclasses.fields(RequestLimits):
+        limits.add_argument("--" + f.name.replace("_", "-"), type=int, default=f.default, help=f"default {f.default}")
     return p
 
 
@@ -301,7 +336,11 @@ def options_from_args(args: argparse.Namespace) -> RouterOptions:
         k8s_api=args.k8s_api, redis_url=args.redis_url, policy=args.policy, policy_knobs=knobs,
         index_mode=args.index_mode, redis_timeout_s=args.redis_timeout_ms / 1e3, host=args.host,
         http_port=args.http_port, grpc_port=args.grpc_port, otlp_endpoint=args.otlp_endpoint,
-        block_size=args.block_size, health_interval_s=args.health_interval, max_attempts=args.max_attempts)
+        block_size=args.block_size, health_interval_s=args.health_interval, max_attempts=args.max_attempts,
+        api_keys_file=args.api_keys_file, share_prefix_cache=args.share_prefix_cache,
+        tenant_requests_per_minute=args.tenant_rpm, tenant_tokens_per_minute=args.tenant_tpm,
+        tenant_max_concurrent=args.tenant_max_concurrent,
+        limits=RequestLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(RequestLimits)}))
 
 
 async def _serve(options: RouterOptions) -> None:

@@ -1,0 +1,233 @@
+"""Tenants at the router: API keys, cache isolation, per-tenant rate and concurrency limits.
+
+Keys (``pagoda router --api-keys-file PATH``, or the same text in ``$PAGODA_API_KEYS``;
+in Kubernetes a Secret mounted as a file): one key per line,
+``KEY TENANT [rpm=N] [tpm=N] [concurrency=N]``; ``#`` starts a comment. Clients send
+``Authorization: Bearer KEY`` (HTTP, OpenAI) or the ``authorization`` gRPC metadata with
+the same value. Only SHA-256 digests of the keys are kept in memory, a lookup compares
+digests, and no message, log line, metric or span ever contains a key (tests check it).
+No keys configured: the open mode of before (every request is the anonymous tenant, no
+salting, no limits), announced by a WARNING at start.
+
+Isolation: a tenant's requests carry ``cache_salt = "tenant:<id>"`` (or
+``"tenant:<id>:<client salt>"`` when the client sends its own), set by the router on
+every door before routing, so the router's block hashes and the replica's agree and two
+tenants never share a KV block: a timing probe of another tenant's prompt finds nothing
+cached. ``share_cache=True`` (``--share-prefix-cache``) keeps the client's salt as is.
+
+Rate limits (``TenantLimiter``): per tenant, a token bucket of requests per minute and
+one of tokens per minute (a request costs its prompt tokens plus its ``max_tokens``, as
+OpenAI counts a request against a token limit before it runs), both holding at most one
+minute's worth; and a cap on requests in flight. A refusal is ``RateLimited`` (429 with
+``Retry-After``: the time until the bucket holds enough). Buckets read an injected clock.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+logger = logging.getLogger(__name__)
+
+API_KEYS_ENV = "PAGODA_API_KEYS"
+
+
+class AuthError(ValueError):
+    """No key, or a key that is not configured (401). The message never contains the key."""
+
+
+class RateLimited(RuntimeError):
+    """A tenant is over one of its limits (429); ``retry_after_s`` says when to retry."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+@dataclass(frozen=True)
+class Tenant:
+    """One tenant and its limits (``None``: unlimited)."""
+
+    tenant_id: str
+    requests_per_minute: Optional[float] = None
+    tokens_per_minute: Optional[float] = None
+    max_concurrent: Optional[int] = None
+
+
+def _digest(key: str) -> str:
+    return hashlib.sha256(key.encode("utf-8")).hexdigest()
+
+
+class ApiKeys:
+    """Key digests -> tenants. Build with ``parse``; ``tenant_of`` checks an Authorization value."""
+
+    def __init__(self, tenants_by_digest: dict[str, Tenant]) -> None:
+        self._tenants = tenants_by_digest
+
+    @classmethod
+    def parse(cls, text: str, source: str, defaults: Optional[Tenant] = None) -> "ApiKeys":
+        """Parse ``KEY TENANT [rpm=N] [tpm=N] [concurrency=N]`` lines.
+
+        Raises:
+            ValueError: naming the line (never the key) of a malformed entry.
+        """
+        defaults = defaults or Tenant("")
+        tenants: dict[str, Tenant] = {}
+        for number, line in enumerate(text.splitlines(), 1):
+            fields = line.split("#", 1)[0].split()
+            if not fields:
+                continue
+            if len(fields) < 2:
+                raise ValueError(f"{source} line {number}: expected 'KEY TENANT [rpm=N] [tpm=N] [concurrency=N]'")
+            limits = {"rpm": defaults.requests_per_minute, "tpm": defaults.tokens_per_minute,
+                      "concurrency": defaults.max_concurrent}
+            for option in fields[2:]:
+                name, sep, value = option.partition("=")
+                if not sep or name not in limits:
+                    raise ValueError(f"{source} line {number}: unknown option {name!r}; known: rpm, tpm, concurrency")
+                try:
+                    limits[name] = int(value) if name == "concurrency" else float(value)
+                except ValueError:
+                    raise ValueError(f"{source} line {number}: {name} must be a number, got {value!r}") from None
+                if limits[name] <= 0:
+                    raise ValueError(f"{source} line {number}: {name} must be > 0")
+            digest = _digest(fields[0])
+            if digest in tenants:
+                raise ValueError(f"{source} line {number}: this key is listed twice")
+            tenants[digest] = Tenant(fields[1], limits["rpm"], limits["tpm"], limits["concurrency"])
+        if not tenants:
+            raise ValueError(f"{source}: no keys (lines 'KEY TENANT')")
+        return cls(tenants)
+
+    @property
+    def num_keys(self) -> int:
+        return len(self._tenants)
+
+    def tenant_ids(self) -> list[str]:
+        return sorted({t.tenant_id for t in self._tenants.values()})
+
+    def tenant_of(self, authorization: Optional[str]) -> Tenant:
+        """The tenant of an ``Authorization`` value (``Bearer KEY``).
+
+        Raises:
+            AuthError: missing, malformed, or unknown key.
+        """
+        if not authorization:
+            raise AuthError("missing API key: send 'Authorization: Bearer <key>'")
+        scheme, _, key = authorization.strip().partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            raise AuthError("malformed Authorization: expected 'Bearer <key>'")
+        tenant = self._tenants.get(_digest(key.strip()))
+        if tenant is None:
+            raise AuthError("invalid API key")
+        return tenant
+
+
+def load_api_keys(path: Optional[str], defaults: Optional[Tenant] = None,
+                  environ: Optional[dict[str, str]] = None) -> Optional[ApiKeys]:
+    """Keys from ``path`` or ``$PAGODA_API_KEYS``; ``None`` (open mode) when neither is set."""
+    env = os.environ if environ is None else environ
+    if path:
+        with open(path, encoding="utf-8") as f:
+            return ApiKeys.parse(f.read(), path, defaults)
+    text = env.get(API_KEYS_ENV)
+    if text:
+        return ApiKeys.parse(text.replace(";", "\n"), f"${API_KEYS_ENV}", defaults)
+    return None
+
+
+def tenant_salt(tenant: Optional[Tenant], client_salt: Optional[str], share_cache: bool = False) -> Optional[str]:
+    """The ``cache_salt`` a request is sent with (see the module docstring)."""
+    if tenant is None or share_cache:
+        return client_salt
+    return f"tenant:{tenant.tenant_id}" + (f":{client_salt}" if client_salt else "")
+
+
+@dataclass
+class _Bucket:
+    tokens: float
+    last: float
+
+
+@dataclass
+class _TenantState:
+    requests: Optional[_Bucket] = None
+    tokens: Optional[_Bucket] = None
+    in_flight: int = 0
+
+
+@dataclass
+class Ticket:
+    """An admitted request's hold on its tenant's concurrency; ``release()`` exactly once (idempotent)."""
+
+    state: Optional[_TenantState] = None
+    released: bool = field(default=False)
+
+    def release(self) -> None:
+        if not self.released and self.state is not None:
+            self.state.in_flight -= 1
+        self.released = True
+
+
+class TenantLimiter:
+    """Per-tenant token buckets and in-flight caps (see the module docstring)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self._states: dict[str, _TenantState] = {}
+        self.num_limited: dict[str, int] = {}  # reason -> refusals (metrics)
+
+    def admit(self, tenant: Optional[Tenant], num_tokens: int) -> Ticket:
+        """Take one request and ``num_tokens`` tokens from the tenant's buckets.
+
+        Raises:
+            RateLimited: over a limit; nothing is taken then.
+        """
+        if tenant is None:
+            return Ticket()
+        state = self._states.setdefault(tenant.tenant_id, _TenantState())
+        now = self.clock()
+        if tenant.max_concurrent is not None and state.in_flight >= tenant.max_concurrent:
+            self._refuse("concurrency", f"rate limited: tenant {tenant.tenant_id!r} has {state.in_flight} requests "
+                                        f"in flight, at most {tenant.max_concurrent}", 1.0)
+        wait_requests = self._wait(state, "requests", tenant.requests_per_minute, 1, now)
+        if wait_requests > 0:
+            self._refuse("requests_per_minute", f"rate limited: tenant {tenant.tenant_id!r} is over its "
+                                                f"{tenant.requests_per_minute:g} requests per minute", wait_requests)
+        wait_tokens = self._wait(state, "tokens", tenant.tokens_per_minute, num_tokens, now)
+        if wait_tokens > 0:
+            if tenant.tokens_per_minute is not None and num_tokens > tenant.tokens_per_minute:
+                raise RateLimited(f"rate limited: this request's {num_tokens} tokens (prompt + max_tokens) exceed "
+                                  f"tenant {tenant.tenant_id!r}'s {tenant.tokens_per_minute:g} tokens per minute; "
+                                  "lower max_tokens", 60.0)
+            self._refuse("tokens_per_minute", f"rate limited: tenant {tenant.tenant_id!r} is over its "
+                                              f"{tenant.tokens_per_minute:g} tokens per minute", wait_tokens)
+        if state.requests is not None:
+            state.requests.tokens -= 1
+        if state.tokens is not None:
+            state.tokens.tokens -= num_tokens
+        state.in_flight += 1
+        return Ticket(state)
+
+    def _wait(self, state: _TenantState, kind: str, per_minute: Optional[float], cost: int, now: float) -> float:
+        """Seconds until the bucket holds ``cost`` (0: it does now); refills it first."""
+        if per_minute is None:
+            return 0.0
+        bucket = getattr(state, kind)
+        if bucket is None:
+            bucket = _Bucket(per_minute, now)
+            setattr(state, kind, bucket)
+        rate = per_minute / 60.0
+        bucket.tokens = min(per_minute, bucket.tokens + (now - bucket.last) * rate)
+        bucket.last = now
+        return 0.0 if bucket.tokens >= cost else (cost - bucket.tokens) / rate
+
+    def _refuse(self, reason: str, message: str, retry_after_s: float) -> None:
+        self.num_limited[reason] = self.num_limited.get(reason, 0) + 1
+        retry = max(1, math.ceil(retry_after_s))
+        raise RateLimited(f"{message}; retry after {retry} s", retry)

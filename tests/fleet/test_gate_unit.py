@@ -1,0 +1,261 @@
+"""The router's gate without replicas: input limits, Triton body validation, API keys ->
+tenants -> salts, token-bucket rate limits on an injected clock, overload memory, and the
+real aiohttp app refusing bad, oversized, unauthenticated and rate-limited requests
+before any routing (keys never in logs or metrics)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import struct
+import time
+
+import pytest
+from tritonclient.grpc import service_pb2
+
+from pagoda.fleet.auth import ApiKeys, AuthError, RateLimited, Tenant, TenantLimiter, load_api_keys, tenant_salt
+from pagoda.fleet.gate import Gate
+from pagoda.fleet.grpc_proxy import read_string_input
+from pagoda.fleet.limits import (LimitError, RequestLimits, sampling_of_infer_request, set_sampling_value,
+                                 validate_generate_body)
+from pagoda.fleet.replicas import ReplicaSet
+from pagoda.fleet.router_core import Router
+
+SECRET = "sk-very-secret-0123456789"
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+# ------------------------------------------------------------------ limits and bodies
+@pytest.mark.parametrize("body, message", [
+    (b"{not json", "body: not valid JSON"),
+    (b'[{"text_input": "hi"}]', "body: must be a JSON object of inputs, got a JSON array"),
+    (b'{"text_input": 5}', "text_input: must be a string, got a JSON number"),
+    (b'{"text_input": [1, 2]}', "text_input: must be a string, got a JSON array"),
+    (b'{"text_input": "hi", "stream": "yes"}', 'stream: must be true or false, got "yes"'),
+    (b'{"text_input": "hi", "frobnicate": 1}', "frobnicate: unknown input"),
+    (b'{"text_input": "hi", "temperature": "x"}', 'temperature: must be a number, got "x"'),
+    (b'{"text_input": "hi", "max_tokens": 1.5}', "max_tokens: must be an integer"),
+    (b'{"text_input": "hi", "seed": -1}', "seed: must be a non-negative integer"),
+    (b'{"stream": true}', "text_input: required input is missing"),
+    (b'{"text_input": "hi", "max_tokens": 100000}', "max_tokens: 100000 exceeds this server's limit of 32768"),
+    (b'{"text_input": "hi", "sampling_parameters": "{\\"n\\": 64}"}', "n: 64 exceeds this server's limit of 16"),
+    (b'{"text_input": "hi", "stop_words": ["a", "b", "c"]}', "stop: 3 stop strings exceed this server's limit of 2"),
+])
+def test_generate_bodies_are_refused_naming_the_problem(body, message):
+    with pytest.raises(LimitError) as info:
+        validate_generate_body(body, RequestLimits(max_stop_strings=2))
+    assert message in str(info.value) and info.value.status == 400
+
+
+def test_generate_inputs_are_the_model_configs_inputs():
+    import re
+    from pathlib import Path
+
+    from pagoda.fleet.limits import GENERATE_INPUTS
+
+    config = (Path(__file__).parents[2] / "model_repository" / "pagoda" / "config.pbtxt").read_text()
+    inputs_block = config.split("input [", 1)[1].split("]\n", 1)[0]
+    assert set(re.findall(r'name: "(\w+)"', inputs_block)) == set(GENERATE_INPUTS)
+
+
+def test_valid_generate_body_keeps_its_inputs_and_serializes_a_json_object():
+    document = validate_generate_body(json.dumps({
+        "text_input": ["hi"], "stream": True, "max_tokens": 4, "temperature": 0, "traceparent": "00-x",
+        "sampling_parameters": {"top_k": 5}}).encode(), RequestLimits())
+    assert document["text_input"] == "hi" and json.loads(document["sampling_parameters"]) == {"top_k": 5}
+
+
+def test_sampling_limits_name_the_limit():
+    limits = RequestLimits(max_logprobs=5, max_stop_string_chars=3, max_stop_token_ids=2, max_messages=2,
+                           max_prompt_chars=10)
+    for sampling, message in [({"logprobs": 6}, "logprobs: 6 exceeds"), ({"stop": "abcd"}, "stop string of 4"),
+                              ({"stop_token_ids": [1, 2, 3]}, "stop_token_ids: 3 ids"),
+                              ({"max_tokens": "40000"}, "--max-tokens-limit")]:
+        with pytest.raises(LimitError, match=message):
+            limits.check_sampling(sampling)
+    with pytest.raises(LimitError, match="messages: 3 messages exceed"):
+        limits.check_messages([{}] * 3)
+    with pytest.raises(LimitError, match="prompt: 11 characters exceed"):
+        limits.check_prompt("x" * 11)
+    with pytest.raises(LimitError, match="--max-body-bytes") as info:
+        limits.check_body_size(10 * 2**20)
+    assert info.value.status == 413
+
+
+def _infer_request(sampling_json=None, raw=True):
+    request = service_pb2.ModelInferRequest(model_name="pagoda")
+    items = [("text_input", "BYTES", b"hello")]
+    if sampling_json is not None:
+        items.append(("sampling_parameters", "BYTES", sampling_json.encode()))
+    for name, datatype, value in items:
+        tensor = request.inputs.add()
+        tensor.name, tensor.datatype = name, datatype
+        tensor.shape.append(1)
+        if raw:
+            request.raw_input_contents.append(struct.pack("<I", len(value)) + value)
+        else:
+            tensor.contents.bytes_contents.append(value)
+    return request
+
+
+@pytest.mark.parametrize("raw", [True, False])
+def test_salt_is_written_into_grpc_requests(raw):
+    request = _infer_request('{"max_tokens": 3, "cache_salt": "mine"}', raw)
+    set_sampling_value(request, "cache_salt", "tenant:a:mine")
+    assert json.loads(read_string_input(request, "sampling_parameters")) == {"max_tokens": 3,
+                                                                             "cache_salt": "tenant:a:mine"}
+    bare = _infer_request(None, raw)
+    set_sampling_value(bare, "cache_salt", "tenant:b")
+    assert json.loads(read_string_input(bare, "sampling_parameters")) == {"cache_salt": "tenant:b"}
+    assert sampling_of_infer_request(bare) == {"cache_salt": "tenant:b"}
+
+
+# ------------------------------------------------------------------ keys, tenants, salts
+def test_api_keys_map_to_tenants_and_errors_never_show_the_key():
+    keys = ApiKeys.parse(f"# comment\n{SECRET} acme rpm=60 concurrency=2\nsk-other globex\n", "keys.txt",
+                         Tenant("", tokens_per_minute=1000))
+    assert keys.tenant_of(f"Bearer {SECRET}") == Tenant("acme", 60.0, 1000, 2)
+    assert keys.tenant_of("bearer sk-other").tenant_id == "globex"
+    for header in (None, "", f"Basic {SECRET}", f"Bearer {SECRET}x"):
+        with pytest.raises(AuthError) as info:
+            keys.tenant_of(header)
+        assert SECRET not in str(info.value)
+    for text, message in [(f"{SECRET}\n", "line 1: expected"), (f"{SECRET} a colour=red", "unknown option"),
+                          (f"{SECRET} a\n{SECRET} b", "listed twice"), ("# none", "no keys")]:
+        with pytest.raises(ValueError, match=message) as info:
+            ApiKeys.parse(text, "keys.txt")
+        assert SECRET not in str(info.value)
+    assert load_api_keys(None, environ={}) is None
+    assert load_api_keys(None, environ={"PAGODA_API_KEYS": "k1 t1;k2 t2"}).tenant_ids() == ["t1", "t2"]
+
+
+def test_tenant_salt_isolates_unless_shared():
+    acme = Tenant("acme")
+    assert tenant_salt(acme, None) == "tenant:acme"
+    assert tenant_salt(acme, "conv-7") == "tenant:acme:conv-7"
+    assert tenant_salt(acme, "conv-7", share_cache=True) == "conv-7"
+    assert tenant_salt(None, "conv-7") == "conv-7"
+
+
+def test_token_buckets_and_concurrency_on_an_injected_clock():
+    clock = FakeClock()
+    limiter = TenantLimiter(clock)
+    tenant = Tenant("acme", requests_per_minute=2, tokens_per_minute=600, max_concurrent=2)
+    first = limiter.admit(tenant, 100)
+    limiter.admit(tenant, 100).release()
+    with pytest.raises(RateLimited, match="2 requests per minute") as info:
+        limiter.admit(tenant, 100)
+    assert info.value.retry_after_s == 30  # one request refills in 60 / 2 s
+    clock.now += 30
+    second = limiter.admit(tenant, 350)  # 1 request, 400 + 50 refilled tokens left
+    with pytest.raises(RateLimited, match="2 requests in flight"):
+        limiter.admit(tenant, 1)
+    first.release()
+    first.release()  # idempotent
+    clock.now += 60
+    with pytest.raises(RateLimited, match="exceed tenant 'acme'.s 600 tokens per minute"):
+        limiter.admit(tenant, 601)
+    second.release()
+    limiter.admit(tenant, 600).release()
+    with pytest.raises(RateLimited, match="600 tokens per minute; retry after 10 s"):
+        limiter.admit(tenant, 100)
+    assert limiter.num_limited == {"requests_per_minute": 1, "concurrency": 1, "tokens_per_minute": 1}
+    assert limiter.admit(None, 10**9).state is None  # open mode: no limits
+
+
+def test_overload_memory_prefers_replicas_with_room():
+    clock = FakeClock()
+    gate = Gate(clock=clock)
+    replicas = ReplicaSet("static")
+    replicas.set_members([("a", {"grpc": "h:1", "http": "h:2"}), ("b", {"grpc": "h:3", "http": "h:4"})])
+    router = Router(replicas, tokenizer=None, hash_model_id="m", policy_name="round_robin")
+
+    async def choose(tried):
+        decision = await gate.choose(router, None, tried, 1)
+        router.release(decision)
+        return decision.replica.replica_id
+
+    gate.mark_full("a", 1.0)
+    assert {asyncio.run(choose([])) for _ in range(4)} == {"b"}
+    assert asyncio.run(choose(["b"])) == "a"  # every replica with room tried: a full one is still better than none
+    clock.now += 1.0
+    assert {asyncio.run(choose([])) for _ in range(4)} == {"a", "b"}
+
+
+# ------------------------------------------------------------------ the HTTP doors, for real
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_path):
+    from pagoda.models.tokenizer import Tokenizer
+
+    return Tokenizer.from_pretrained(smollm2_path)
+
+
+def _app(tokenizer, gate):
+    from pagoda.fleet.http_api import make_app
+    from pagoda.fleet.openai_api import OpenAIApi
+    from pagoda.fleet.tracing import RouterTracer
+
+    router = Router(ReplicaSet("static"), tokenizer, "m", "least_loaded")  # no replicas: nothing gets routed
+    router.gate = gate
+    tracer = RouterTracer()
+    return make_app(router, tracer, OpenAIApi(router, tracer, "smol"))
+
+
+def test_http_doors_refuse_before_routing(tokenizer, caplog):
+    clock = FakeClock()
+    keys = ApiKeys.parse(f"{SECRET} acme rpm=1", "keys")
+    gate = Gate(RequestLimits(max_body_bytes=2**20), keys, clock=clock)
+    caplog.set_level(logging.DEBUG)
+    asyncio.run(_http_scenario(_app(tokenizer, gate), clock))
+    assert SECRET not in caplog.text
+
+
+async def _http_scenario(app, clock):
+    from aiohttp.test_utils import TestClient, TestServer
+
+    async with TestClient(TestServer(app)) as client:
+        async def call(method, path, body=None, headers=None):
+            data = body if isinstance(body, (bytes, type(None))) else json.dumps(body).encode()
+            async with client.request(method, path, data=data, headers=headers or {}) as response:
+                return response.status, dict(response.headers), await response.read()
+
+        auth = {"Authorization": f"Bearer {SECRET}"}
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        status, _, body = await call("POST", "/v1/chat/completions", chat)
+        assert status == 401 and json.loads(body)["error"]["type"] == "authentication_error"
+        status, _, body = await call("POST", "/v2/models/pagoda/generate", {"text_input": "hi"})
+        assert status == 401 and "missing API key" in json.loads(body)["error"]
+
+        start = time.perf_counter()
+        big = json.dumps({"messages": [{"role": "user", "content": "x" * (10 * 2**20)}]}).encode()
+        status, _, body = await call("POST", "/v1/chat/completions", big, auth)
+        assert status == 413 and "body" in json.loads(body)["error"]["message"]
+        assert time.perf_counter() - start < 30  # refused from Content-Length, not after parsing
+
+        wizard = {"messages": [{"role": "wizard", "content": "hi"}]}
+        status, _, body = await call("POST", "/v1/chat/completions", wizard, auth)
+        assert status == 400 and "messages[0].role" in json.loads(body)["error"]["message"]
+        status, _, body = await call("POST", "/v2/models/pagoda/generate", {"text_input": "hi", "frobnicate": 1}, auth)
+        assert status == 400 and "frobnicate: unknown input" in json.loads(body)["error"]
+
+        # The first valid request is admitted (503: no replica); the second is over rpm=1.
+        status, _, _ = await call("POST", "/v1/chat/completions", chat, auth)
+        assert status == 503
+        status, headers, body = await call("POST", "/v1/chat/completions", chat, auth)
+        assert status == 429 and headers["Retry-After"] == "60"
+        assert json.loads(body)["error"]["type"] == "rate_limit_error"
+        clock.now += 60
+        status, _, _ = await call("POST", "/v2/models/pagoda/generate", {"text_input": "hi"}, auth)
+        assert status == 503
+
+        status, _, metrics = await call("GET", "/metrics")
+        assert b'pagoda_router_refused_total{reason="unauthenticated"} 2' in metrics
+        assert SECRET.encode() not in metrics
