@@ -1,0 +1,32 @@
+"""The short soak: ``pagoda bench soak`` for ~40 s of mixed traffic over a router, two real
+replicas and a real Redis, with Redis restarted and a replica killed and restarted, and a
+burst past the replicas' admission bounds. Every invariant must hold (see
+``pagoda.bench.soak``)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from pagoda.bench.soak import SoakConfig, run_soak
+
+pytestmark = [pytest.mark.server, pytest.mark.redis]
+
+
+def test_short_soak_keeps_every_invariant(tmp_path, smollm2_path):
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed")
+    config = SoakConfig(duration_s=40, max_requests=120, num_clients=3, max_num_seqs=4, max_waiting_requests=8,
+                        max_tokens=8, burst=30, log_dir=str(tmp_path))
+    report = run_soak(config)
+    print(report.format())
+    assert not report.violations, report.format()
+    assert report.outcomes["ok"] > 0 and report.outcomes["refused:limit"] + report.outcomes["refused:invalid"] > 0
+    assert len(report.faults) == 3
+    for where in ("replica", "router"):
+        burst = report.burst[where]
+        assert burst["admitted"] > 0 and burst["refused"] > 0 and burst["admitted"] + burst["refused"] == 30
+    assert report.burst["router"]["refused_with_retry_after"] == report.burst["router"]["refused"]
+    for values in report.replicas.values():
+        assert values["kv_cache_usage"] == 0 and values["running"] == 0 and values["waiting"] == 0
