@@ -189,6 +189,13 @@ SPEC_SCHEMA: dict[str, Any] = _obj(
                 "serviceType": _str("Router Service type.",
                                     enum=["ClusterIP", "NodePort", "LoadBalancer"],
                                     default="ClusterIP"),
+                "apiKeysSecretRef": _obj(
+                    {"name": _str("Secret name.", minLength=1),
+                     "key": _str("Key in the Secret.", minLength=1, default="api-keys")},
+                    required=["name"],
+                    description="Secret whose key holds the router's API keys, lines "
+                                "'KEY TENANT [rpm=N] [tpm=N] [concurrency=N]'; unset: open mode.",
+                ),
             },
             description="The cache-aware router in front of the replicas.",
             default={},

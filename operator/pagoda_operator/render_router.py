@@ -37,6 +37,15 @@ def replica_selector(svc: LLMService) -> dict[str, str]:
     return naming.selector(svc, "replica")
 
 
+def api_keys_env(svc: LLMService) -> list[dict[str, Any]]:
+    """``PAGODA_API_KEYS`` from the Secret in ``spec.routing.apiKeysSecretRef`` (never the keys)."""
+    routing = svc.spec.routing
+    if not routing.api_keys_secret_name:
+        return []
+    return [{"name": "PAGODA_API_KEYS", "valueFrom": {"secretKeyRef": {
+        "name": routing.api_keys_secret_name, "key": routing.api_keys_secret_key}}}]
+
+
 def render_router_deployment(svc: LLMService) -> dict[str, Any]:
     """The router Deployment (`pagoda router`).
 
@@ -63,6 +72,7 @@ def render_router_deployment(svc: LLMService) -> dict[str, Any]:
             {"name": "PAGODA_MODEL_NAME", "value": svc.spec.model.name},
             *redis_env(svc),
             {"name": "TMPDIR", "value": "/tmp"},
+            *api_keys_env(svc),
         ],
         "ports": [
             {"name": "http", "containerPort": naming.ROUTER_HTTP_PORT, "protocol": "TCP"},

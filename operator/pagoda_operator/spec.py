@@ -72,6 +72,8 @@ class RoutingSpec:
     policy: str = "prefix_aware"
     replicas: int = 1
     service_type: str = "ClusterIP"
+    api_keys_secret_name: str | None = None  # router API keys (pagoda.fleet.auth); None: open mode
+    api_keys_secret_key: str = "api-keys"
 
 
 @dataclass(frozen=True)
@@ -262,7 +264,9 @@ def parse_spec(raw_spec: dict[str, Any]) -> LLMServiceSpec:
             drain_timeout_seconds=auto["drainTimeoutSeconds"],
         ),
         routing=RoutingSpec(policy=routing["policy"], replicas=routing["replicas"],
-                            service_type=routing["serviceType"]),
+                            service_type=routing["serviceType"],
+                            api_keys_secret_name=(routing.get("apiKeysSecretRef") or {}).get("name"),
+                            api_keys_secret_key=(routing.get("apiKeysSecretRef") or {}).get("key", "api-keys")),
         redis=RedisSpec(url=redis["url"], password_secret_name=secret.get("name"),
                         password_secret_key=secret.get("key", "password"),
                         ca_secret_name=ca_secret.get("name"), ca_secret_key=ca_secret.get("key", "ca.crt")),

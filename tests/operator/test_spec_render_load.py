@@ -88,6 +88,26 @@ def test_defaults_and_renderers():
     assert [m for m in router["volumeMounts"] if m["name"] == "model"] == \
         [m for m in container["volumeMounts"] if m["name"] == "model"]
     assert render_replica_deployment(svc, 3) == dep  # pure: same input, same output
+    # Admission control defaults reach `pagoda serve`; no API keys: the router runs open.
+    args = container["args"]
+    assert args[args.index("--max-waiting-requests") + 1] == "1024"
+    assert args[args.index("--max-waiting-prompt-tokens") + 1] == "1000000"
+    assert "PAGODA_API_KEYS" not in {e["name"] for e in router["env"]}
+
+
+def test_engine_admission_and_router_api_keys_from_the_spec():
+    svc = parse_llmservice(body(engine={"maxWaitingRequests": 16, "maxWaitingPromptTokens": 50000},
+                                routing={"apiKeysSecretRef": {"name": "chat-keys"}}))
+    args = render_replica_deployment(svc, 1)["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--max-waiting-requests") + 1] == "16"
+    assert args[args.index("--max-waiting-prompt-tokens") + 1] == "50000"
+    router = render_router_deployment(svc)["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e for e in router["env"]}
+    assert env["PAGODA_API_KEYS"] == {"name": "PAGODA_API_KEYS",
+                                      "valueFrom": {"secretKeyRef": {"name": "chat-keys", "key": "api-keys"}}}
+    with pytest.raises(SpecError) as error:
+        parse_llmservice(body(engine={"maxWaitingRequests": 0}))
+    assert error.value.field == "spec.engine.maxWaitingRequests"
 
 
 METRICS = """
