@@ -129,6 +129,18 @@ def test_tenants_never_share_cached_blocks(replica, router):
     assert read_metric(replica, "vllm:prefix_cache_hits_total") >= hits + 16 * 10
 
 
+def test_limits_and_deadlines_over_grpc(replica, router):
+    auth = {"authorization": f"Bearer {KEY_A}"}
+    texts, errors = grpc_generate(router.grpc_url, ["hi"], max_tokens=10**6, metadata=auth)
+    assert len(errors) == 1 and "max_tokens: 1000000 exceeds this server's limit of 32768" in str(errors[0])
+    texts, errors = grpc_generate(router.grpc_url, ["hi"], max_tokens=4, timeout=1e-6, metadata=auth)
+    assert len(errors) == 1 and "deadline exceeded:" in str(errors[0])
+    status, _, answer = post(router.http_url, "/v2/models/pagoda/generate",
+                             {"text_input": "hi", "stop_words": ["x"] * 20}, KEY_A)
+    assert status == 400 and "stop: 20 stop strings exceed this server's limit of 16" in answer["error"]
+    _idle(replica)
+
+
 def test_every_door_needs_a_key(router):
     status, headers, _ = post(router.http_url, "/v1/completions", {"prompt": "hi"})
     assert status == 401 and headers["WWW-Authenticate"] == "Bearer"

@@ -203,10 +203,13 @@ def _app(tokenizer, gate):
     from pagoda.fleet.openai_api import OpenAIApi
     from pagoda.fleet.tracing import RouterTracer
 
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
     router = Router(ReplicaSet("static"), tokenizer, "m", "least_loaded")  # no replicas: nothing gets routed
     router.gate = gate
-    tracer = RouterTracer()
-    return make_app(router, tracer, OpenAIApi(router, tracer, "smol"))
+    exporter = InMemorySpanExporter()
+    tracer = RouterTracer(exporter, batch=False)
+    return make_app(router, tracer, OpenAIApi(router, tracer, "smol")), exporter
 
 
 def test_http_doors_refuse_before_routing(tokenizer, caplog):
@@ -214,8 +217,11 @@ def test_http_doors_refuse_before_routing(tokenizer, caplog):
     keys = ApiKeys.parse(f"{SECRET} acme rpm=1", "keys")
     gate = Gate(RequestLimits(max_body_bytes=2**20), keys, clock=clock)
     caplog.set_level(logging.DEBUG)
-    asyncio.run(_http_scenario(_app(tokenizer, gate), clock))
+    app, exporter = _app(tokenizer, gate)
+    asyncio.run(_http_scenario(app, clock))
     assert SECRET not in caplog.text
+    spans = exporter.get_finished_spans()
+    assert spans and all(SECRET not in span.to_json() for span in spans)
 
 
 async def _http_scenario(app, clock):
@@ -227,7 +233,7 @@ async def _http_scenario(app, clock):
             async with client.request(method, path, data=data, headers=headers or {}) as response:
                 return response.status, dict(response.headers), await response.read()
 
-        auth = {"Authorization": f"Bearer {SECRET}"}
+        auth = {"Authorization": f"Bearer {SECRET}", "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}
         chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
         status, _, body = await call("POST", "/v1/chat/completions", chat)
         assert status == 401 and json.loads(body)["error"]["type"] == "authentication_error"

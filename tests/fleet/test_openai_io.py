@@ -134,3 +134,18 @@ def test_structured_output_fields():
         with pytest.raises(OpenAIError) as info:
             build_completion_request({"prompt": "x", **extra})
         assert info.value.param == param, (extra, info.value)
+
+
+def test_chat_roles_are_checked_and_timeout_passes_through():
+    from pagoda.fleet.openai_io import OpenAIError, build_completion_request
+
+    class Template:
+        def apply_chat_template(self, messages, add_generation_prompt):
+            return "|".join(f"{m['role']}:{m['content']}" for m in messages)
+
+    with pytest.raises(OpenAIError, match='messages\\[1\\].role: must be one of system, developer, user, assistant, got "wizard"'):
+        build_chat_request({"messages": [{"role": "user", "content": "a"}, {"role": "wizard", "content": "b"}]},
+                           Template())
+    built = build_chat_request({"messages": [{"role": "developer", "content": "be brief"}]}, Template())
+    assert built.prompt == "system:be brief"
+    assert build_completion_request({"prompt": "hi", "timeout": 2.5}).sampling["timeout"] == 2.5

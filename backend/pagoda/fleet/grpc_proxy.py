@@ -233,12 +233,11 @@ class GrpcProxy(service_pb2_grpc.GRPCInferenceServiceServicer):
         """Limits, tenant salt, routing analysis, rate limits (raises LimitError / RateLimited)."""
         gate = gate_of(self.router)
         sampling = sampling_of_infer_request(request)
-        gate.limits.check_sampling(sampling)
-        prompt = read_string_input(request, "text_input") or ""
         try:
-            gate.limits.check_prompt(prompt, "text_input")
+            gate.limits.check_sampling(sampling)
+            gate.limits.check_prompt(read_string_input(request, "text_input") or "", "text_input")
         except LimitError:
-            gate.count("limit")
+            gate.count("invalid_input")
             raise
         if tenant is not None:
             salt = gate.salt(tenant, cache_salt_of(sampling))
