@@ -156,3 +156,19 @@ def test_every_door_needs_a_key(router):
     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED and "invalid API key" in info.value.details()
     status, _, answer = post(router.http_url, "/v1/completions", {"prompt": "hi", "stop_token_ids": [10**9]}, KEY_A)
     assert status == 400 and "stop_token_ids" in answer["error"]["message"]
+
+
+def test_client_disconnect_is_an_info_line(replica, router, caplog):
+    import logging
+
+    caplog.set_level(logging.INFO)
+    body = {"messages": [{"role": "user", "content": "Tell me a long story about tea."}], "max_tokens": 200,
+            "stream": True}
+    request = urllib.request.Request(f"http://{router.http_url}/v1/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY_A}"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        response.readline()  # the first event, then hang up mid-stream
+    _idle(replica)  # the replica aborted it: the cancel reached it
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, [r.getMessage() for r in errors]
+    assert any("client disconnected" in r.getMessage() and r.levelno == logging.INFO for r in caplog.records)
