@@ -130,3 +130,12 @@ def test_stop_token_ids_outside_the_vocabulary_are_refused(model_path):
     with pytest.raises(ValueError, match="stop_token_ids: token id 99999999 is not in the vocabulary"):
         engine.add_request("a", [5, 6], SamplingParams(stop_token_ids=[99999999]))
     assert not engine.has_unfinished_requests()
+
+
+def test_offline_generate_feeds_a_full_queue_as_it_drains(model_path):
+    from pagoda import LLM
+
+    llm = LLM(model_path, max_num_seqs=2, max_waiting_requests=2)
+    outputs = llm.generate([[5, 6, 7 + i] for i in range(9)], GREEDY, priority=[9 - i for i in range(9)])
+    assert [o.request_id for o in outputs] == [str(i) for i in range(9)]
+    assert all(o.finished and o.error is None and len(o.outputs[0].token_ids) == 4 for o in outputs)

@@ -79,6 +79,9 @@ class Admission:
         max_waiting_prompt_tokens: the most not-yet-computed tokens it may hold.
         retry_after_s: the retry hint given with every overload error.
         clock: wall-clock seconds (``time.time``; tests inject their own).
+
+    ``may_displace`` (default true) turns priority displacement on; the offline ``LLM``
+    turns it off, since it feeds a full queue as it drains and every prompt must finish.
     """
 
     def __init__(self, max_waiting_requests: int, max_waiting_prompt_tokens: int,
@@ -88,6 +91,7 @@ class Admission:
         self.max_waiting_prompt_tokens = max_waiting_prompt_tokens
         self.retry_after_s = retry_after_s
         self.clock = clock
+        self.may_displace = True
         self._deadlines: list[tuple[float, str, float]] = []  # (deadline, request_id, timeout) heap
         self.num_refused = 0
         self.num_displaced = 0
@@ -118,7 +122,8 @@ class Admission:
         if self._fits(num_requests, num_queued_tokens):
             return Verdict(True, [])
         victims: list[Request] = []
-        for candidate in sorted((r for r in queue if _is_displaceable(r, priority)),
+        displaceable = [r for r in queue if _is_displaceable(r, priority)] if self.may_displace else []
+        for candidate in sorted(displaceable,
                                 key=lambda r: (r.priority, r.arrival_time, r.insertion_index), reverse=True):
             victims.append(candidate)
             num_requests -= 1

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence, Union
 
+from pagoda.engine.admission import EngineOverloaded
 from pagoda.engine.config import EngineConfig
 from pagoda.engine.llm_engine import LLMEngine, PromptType
 from pagoda.engine.outputs import RequestOutput
@@ -24,6 +25,7 @@ class LLM:
 
     def __init__(self, model: Optional[str] = None, **engine_kwargs: Any) -> None:
         self.engine = LLMEngine(EngineConfig(model=model, **engine_kwargs))
+        self.engine.admission.may_displace = False  # generate() feeds a full queue as it drains
         self._next_id = 0
 
     @property
@@ -61,31 +63,45 @@ class LLM:
         loras = [lora_name] * len(prompts) if lora_name is None or isinstance(lora_name, str) else list(lora_name)
         if len(loras) != len(prompts):
             raise ValueError(f"lora_name: got {len(loras)} for {len(prompts)} prompts")
-        ids = []
+        ids: list[str] = []
+        final: dict[str, RequestOutput] = {}
         try:
             for prompt, params, prio, lora in zip(prompts, params_list, priorities, loras):
                 request_id = str(self._next_id)
                 self._next_id += 1
-                self.engine.add_request(request_id, prompt, params, priority=prio, lora_name=lora)
+                # A full waiting queue (admission control) is fed as it drains: offline
+                # batches of any size run, holding at most the queue's bound in memory.
+                while not self._try_add(request_id, prompt, params, prio, lora):
+                    self._step(final)
                 ids.append(request_id)
         except ValueError:
             self.engine.abort_request(ids)
             while self.engine.has_unfinished_requests():
                 self.engine.step()
             raise
-        return self._run(ids)
+        return self._run(ids, final)
+
+    def _try_add(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int,
+                 lora_name: Optional[str]) -> bool:
+        try:
+            self.engine.add_request(request_id, prompt, params, priority=priority, lora_name=lora_name)
+        except EngineOverloaded:
+            return False
+        return True
+
+    def _step(self, final: dict[str, RequestOutput]) -> None:
+        for out in self.engine.step():
+            if out.finished:
+                final[out.request_id] = out
 
     def chat(self, messages: list[dict], sampling_params: Optional[SamplingParams] = None) -> RequestOutput:
         """Generate a reply to one conversation using the tokenizer's chat template."""
         prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         return self.generate(self.tokenizer.encode(prompt, add_special_tokens=False), sampling_params)[0]
 
-    def _run(self, ids: list[str]) -> list[RequestOutput]:
-        final: dict[str, RequestOutput] = {}
+    def _run(self, ids: list[str], final: dict[str, RequestOutput]) -> list[RequestOutput]:
         while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                if out.finished:
-                    final[out.request_id] = out
+            self._step(final)
         failed = [(i, final[request_id].error) for i, request_id in enumerate(ids) if final[request_id].error]
         if failed:  # e.g. a grammar that does not compile; the other prompts did run
             raise ValueError("; ".join(f"prompt {i}: {error}" for i, error in failed))
