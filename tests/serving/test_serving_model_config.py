@@ -67,12 +67,14 @@ def test_serve_flags_reach_the_materialized_config(tmp_path):
 
 def test_engine_flags_and_engine_args_reach_the_config(tmp_path):
     args = ["--speculative-method", "ngram", "--num-speculative-tokens", "3", "--cpu-offload-bytes", "1048576",
-            "--preemption-mode", "swap", "--scheduling-policy", "priority", "--engine-arg", "spec_adaptive=false"]
+            "--preemption-mode", "swap", "--scheduling-policy", "priority", "--engine-arg", "spec_adaptive=false",
+            "--max-waiting-requests", "16", "--max-waiting-prompt-tokens", "50000"]
     options = options_from_args(make_parser().parse_args(args))
     repo = materialize_repository(REPOSITORY, tmp_path / "repo", options)
     config = engine_config_from_parameters(parameters_of((repo / "pagoda" / "config.pbtxt").read_text()))
     assert (config.speculative_method, config.num_speculative_tokens, config.spec_adaptive) == ("ngram", 3, False)
     assert (config.cpu_offload_bytes, config.preemption_mode, config.scheduling_policy) == (1048576, "swap", "priority")
+    assert (config.max_waiting_requests, config.max_waiting_prompt_tokens) == (16, 50000)
 
 
 @pytest.mark.parametrize("args, message", [
@@ -80,6 +82,7 @@ def test_engine_flags_and_engine_args_reach_the_config(tmp_path):
     (["--engine-arg", "novalue"], "FIELD=VALUE"),
     (["--preemption-mode", "swap"], "cpu_offload_bytes"),
     (["--num-speculative-tokens", "0"], "num_speculative_tokens"),
+    (["--max-waiting-requests", "0"], "max_waiting_requests"),
 ])
 def test_bad_engine_flags_are_refused_before_tritonserver_starts(args, message, capsys):
     from pagoda.serving.serve_cli import main
