@@ -85,7 +85,7 @@ def test_engine_refuses_past_the_bound_and_keeps_serving(model_path):
         engine.add_request(f"r{i}", [5, 6, 7, 8 + i], GREEDY)
     with pytest.raises(EngineOverloaded, match="waiting queue is full") as info:
         engine.add_request("r3", [5, 6, 7, 9], GREEDY)
-    assert info.value.retry_after_s >= 1
+    assert info.value.retry_after_s >= 1 and engine.get_stats().num_admission_refused == 1
     finals = _drain(engine)
     assert sorted(finals) == ["r0", "r1", "r2"] and all(o.error is None for o in finals.values())
     assert engine.get_stats().num_free_blocks == engine.scheduler.block_pool.num_usable_blocks
@@ -102,7 +102,7 @@ def test_engine_displaces_lower_priority_with_an_overload_error(model_path):
     assert finals["low"].error.startswith(OVERLOADED_PREFIX) and "more urgent" in finals["low"].error
     assert finals["low"].outputs[0].finish_reason == "abort"
     assert finals["mid"].error is None and finals["urgent"].error is None
-    assert engine.admission.num_displaced == 1
+    assert engine.admission.num_displaced == 1 and engine.get_stats().num_admission_displaced == 1
 
 
 def test_deadline_ends_waiting_and_running_requests_with_their_own_error(model_path):

@@ -141,6 +141,11 @@ class Admission:
     def _fits(self, num_requests: int, num_tokens: int) -> bool:
         return num_requests <= self.max_waiting_requests and num_tokens <= self.max_waiting_prompt_tokens
 
+    def stats(self) -> dict[str, int]:
+        """Counters for ``EngineStats`` (and the server's metrics)."""
+        return {"num_admission_refused": self.num_refused, "num_admission_displaced": self.num_displaced,
+                "num_deadline_expired": self.num_expired}
+
     # ------------------------------------------------------------------ deadlines
     def track_deadline(self, request_id: str, deadline: float, timeout: float) -> None:
         """Remember that ``request_id`` must finish by ``deadline`` (wall-clock seconds)."""

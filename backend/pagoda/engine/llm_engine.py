@@ -94,6 +94,10 @@ class EngineStats:
     running_lora_adapters: tuple = ()
     waiting_lora_adapters: tuple = ()
     max_lora: int = 0
+    # Admission control (pagoda.engine.admission).
+    num_admission_refused: int = 0  # refused at add_request: the waiting queue was full
+    num_admission_displaced: int = 0  # waiting requests ended by a more urgent one
+    num_deadline_expired: int = 0  # requests ended by their timeout
 
 
 @dataclass
@@ -581,6 +585,7 @@ class LLMEngine:
             **self._spec_stats(),
             **self._offload_stats(),
             **self._lora_stats(),
+            **self.admission.stats(),
         )
 
     def _lora_stats(self) -> dict:

@@ -82,6 +82,11 @@ COUNTERS = {
     "pagoda:recomputed_preemptions_total": ("Preemptions resolved by recomputation.", "num_recomputed_preemptions"),
     "pagoda:prefix_cache_hits_host_total": ("Prefix cache hits served from the CPU tier, in tokens.",
                                             "prefix_cache_hits_host"),
+    "pagoda:admission_refused_total": ("Requests refused at once: the waiting queue was full.",
+                                       "num_admission_refused"),
+    "pagoda:admission_displaced_total": ("Waiting requests ended by a more urgent one (overload error).",
+                                         "num_admission_displaced"),
+    "pagoda:deadline_expired_total": ("Requests ended by their timeout.", "num_deadline_expired"),
 }
 HISTOGRAMS = {
     "vllm:time_to_first_token_seconds": ("Histogram of time to first token in seconds.", TTFT_BUCKETS),
