@@ -136,6 +136,9 @@ def test_limits_and_deadlines_over_grpc(replica, router):
     texts, errors = grpc_generate(router.grpc_url, ["hi"], max_tokens=4, timeout=1e-6, metadata=auth)
     assert len(errors) == 1 and "deadline exceeded:" in str(errors[0])
     status, _, answer = post(router.http_url, "/v2/models/pagoda/generate",
+                             {"text_input": "hi", "sampling_parameters": {"timeout": 1e-6}}, KEY_A)
+    assert status == 400 and answer["error"].startswith("deadline exceeded:")  # the replica's own answer
+    status, _, answer = post(router.http_url, "/v2/models/pagoda/generate",
                              {"text_input": "hi", "stop_words": ["x"] * 20}, KEY_A)
     assert status == 400 and "stop: 20 stop strings exceed this server's limit of 16" in answer["error"]
     _idle(replica)

@@ -246,6 +246,13 @@ async def _http_scenario(app, clock):
         assert status == 413 and "body" in json.loads(body)["error"]["message"]
         assert time.perf_counter() - start < 30  # refused from Content-Length, not after parsing
 
+        status, _, body = await call("POST", "/v1/completions", {"prompt": "hi", "n": 100}, auth)
+        assert status == 400 and json.loads(body)["error"]["message"].startswith("n: 100 exceeds this server's limit")
+        status, _, body = await call("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                                      "logprobs": True, "top_logprobs": 20,
+                                                                      "stop": ["s"] * 17}, auth)
+        assert status == 400 and "stop: 17 stop strings exceed" in json.loads(body)["error"]["message"]
+
         wizard = {"messages": [{"role": "wizard", "content": "hi"}]}
         status, _, body = await call("POST", "/v1/chat/completions", wizard, auth)
         assert status == 400 and "messages[0].role" in json.loads(body)["error"]["message"]
