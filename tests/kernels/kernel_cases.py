@@ -81,11 +81,12 @@ def make_paged_case(
     return PagedCase(q, k_cache, v_cache, meta, head_dim**-0.5)
 
 
-def reference_attention(case: PagedCase) -> torch.Tensor:
+def reference_attention(case: PagedCase, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+    """float64 attention over the cache as stored (an fp8 cache upcast, times its scales)."""
     from pagoda.kernels.reference import paged_attention_ref
 
     return paged_attention_ref(
-        case.q.double(), case.k_cache.double(), case.v_cache.double(), case.meta, case.scale
+        case.q.double(), case.k_cache.double() * k_scale, case.v_cache.double() * v_scale, case.meta, case.scale
     )
 
 
@@ -112,7 +113,7 @@ def attention_bound(case: PagedCase) -> float:
     moves its softmax weight by as much, relatively, twice over (numerator and sum); the
     softmax sum and P@V add ``2 * context`` terms; all at the scale of ``max|v|``.
     """
-    finite = lambda t: t[torch.isfinite(t)].abs().max().item()  # noqa: E731  (caches hold NaN poison)
+    finite = lambda t: t.double()[torch.isfinite(t.double())].abs().max().item()  # noqa: E731  (NaN poison)
     head_dim, context = case.q.shape[-1], max(case.meta.seq_lens_host)
     score_magnitude = case.scale * head_dim * finite(case.q) * finite(case.k_cache)
     return (2 * gamma(head_dim, torch.float32) * score_magnitude + gamma(2 * context, torch.float32)) \
@@ -128,3 +129,23 @@ def assert_close_to_reference(actual: torch.Tensor, expected: torch.Tensor, dtyp
         return
     atol, rtol = TOLERANCES[dtype]
     torch.testing.assert_close(actual.double(), expected.double(), atol=atol, rtol=rtol)
+
+
+# float8_e4m3fn: 3 mantissa bits, so a relative step of 2^-3 and round-to-nearest errs by
+# at most half of it; below the smallest normal (2^-6) the absolute error is at most 2^-6
+# (that also covers Triton's interpreter, which flushes e4m3 subnormals to zero).
+E4M3_REL = 2.0**-4
+E4M3_ABS = 2.0**-6
+
+
+def quantization_bound(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """Per-element bound on ``|dequantize(quantize(x)) - x|`` for ``|x| <= 448 * scale``."""
+    return E4M3_REL * x.double().abs() + E4M3_ABS * scale
+
+
+def to_fp8_case(case: PagedCase, k_scale: float, v_scale: float) -> PagedCase:
+    """The same step with its caches stored as e4m3 (NaN poison stays NaN)."""
+    from pagoda.kernels.reference import quantize_fp8
+
+    return PagedCase(case.q, quantize_fp8(case.k_cache, k_scale), quantize_fp8(case.v_cache, v_scale),
+                     case.meta, case.scale)

@@ -118,14 +118,20 @@ def test_choose_config_shapes(heads, max_query_len, element_size):
     block_m = cfg.block_q * gpad
     assert block_m >= 16 and block_m & (block_m - 1) == 0, "tl.dot needs >= 16 rows, arange a power of two"
     assert cfg.block_n >= 16 and cfg.block_n & (cfg.block_n - 1) == 0
-    assert block_m <= (64 if element_size == 2 else 32) or block_m == gpad
+    assert block_m <= (128 if element_size == 2 else 32) or block_m == gpad
 
 
 def test_choose_config_splits_only_when_the_gpu_is_underfilled():
     # Batch-1 decode at 4k context on 132 SMs: 8 tiles, so split the keys.
     small = choose_config(1, 1, 32, 8, 1, 4096, 132)
     assert small.num_splits > 1 and small.num_splits & (small.num_splits - 1) == 0
-    assert 4096 / small.num_splits >= triton_attention.MIN_SPLIT_LEN
+    assert 4096 / small.num_splits >= triton_attention.DECODE_MIN_SPLIT_LEN
+    # Small-batch decode: more, cheaper slices than the prefill rule's >= 256 keys, and
+    # never fewer programs as the batch shrinks.
+    splits = [choose_config(b, b, 32, 8, 1, 4096, 132).num_splits for b in (1, 2, 4, 8, 16, 32, 64)]
+    assert splits[0] == 4096 // triton_attention.DECODE_MIN_SPLIT_LEN
+    assert splits == sorted(splits, reverse=True)
+    assert choose_config(4, 1, 32, 8, 4, 4096, 132).num_splits <= 4096 // triton_attention.MIN_SPLIT_LEN
     # Many sequences, short contexts or a big prefill: enough tiles already.
     assert choose_config(256, 256, 32, 8, 1, 4096, 132).num_splits == 1
     assert choose_config(1, 1, 32, 8, 1, 300, 132).num_splits == 1

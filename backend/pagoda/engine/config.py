@@ -19,12 +19,16 @@ MAX_SPECULATIVE_TOKENS = 16
 # here because this module, like the scheduler that imports it, stays free of torch.
 QUANTIZATION_METHODS = ("int8", "fp8")
 PREEMPTION_MODES = ("auto", "recompute", "swap")  # see pagoda.engine.kv_offload
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3")  # auto: the model dtype; fp8_e4m3: see docs/kernels.md
 
 
 @dataclass
 class EngineConfig:
     model: Optional[str] = None  # a Hugging Face folder; None means the default model
     dtype: str = "auto"  # auto | float32 | float16 | bfloat16 (auto: bf16 on GPU, fp32 on CPU)
+    # KV cache storage: auto (the model dtype) | fp8_e4m3 (1 byte per value, scale 1.0:
+    # twice the tokens of a bf16 cache in the same bytes; docs/kernels.md has the accuracy)
+    kv_cache_dtype: str = "auto"
     device: str = "auto"  # auto | cpu | cuda
     block_size: int = 16
     kv_cache_memory_bytes: int = 512 * 2**20  # CPU budget
@@ -93,6 +97,8 @@ class EngineConfig:
             raise ValueError(f"scheduling_policy: must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ValueError(f"dtype: must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype: must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device: must be auto, cpu or cuda, got {self.device!r}")
         if self.load_format not in ("safetensors", "dummy"):

@@ -57,7 +57,7 @@ class HostKVCache:
         Raises:
             ValueError: ``num_bytes`` is smaller than one block.
         """
-        per_block = kv_bytes_per_block(runner.model_config, runner.block_size, runner.dtype)
+        per_block = kv_bytes_per_block(runner.model_config, runner.block_size, runner.kv_caches[0][0].dtype)
         num_blocks = num_bytes // per_block
         if num_blocks < 1:
             raise ValueError(f"cpu_offload_bytes: {num_bytes} bytes is smaller than one KV block "
@@ -84,7 +84,7 @@ class HostKVCache:
         dst = torch.tensor([p[1] for p in pairs], dtype=torch.int64)
         for device_kv, host_kv in zip(self.device_caches, self.host_caches):
             for device_t, host_t in zip(device_kv, host_kv):
-                host_t.index_copy_(0, dst, device_t.index_select(0, src).to("cpu"))
+                _raw(host_t).index_copy_(0, dst, _raw(device_t).index_select(0, src).to("cpu"))
 
     @torch.inference_mode()
     def swap_in(self, pairs: BlockPairs) -> None:
@@ -96,7 +96,7 @@ class HostKVCache:
         # Synchronous: the gathered rows are pageable, and the forward pass reads them next.
         for device_kv, host_kv in zip(self.device_caches, self.host_caches):
             for device_t, host_t in zip(device_kv, host_kv):
-                device_t.index_copy_(0, dst, host_t.index_select(0, src).to(self.device))
+                _raw(device_t).index_copy_(0, dst, _raw(host_t).index_select(0, src).to(self.device))
 
     def time_round_trip(self, device_block_ids: Sequence[int], repeats: int = 5) -> float:
         """Median seconds of one direction (half a device -> host -> device round trip)."""
@@ -170,3 +170,8 @@ def measure_prefill_s_per_token(runner: ModelRunner, max_tokens: int = 128, repe
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def _raw(cache: torch.Tensor) -> torch.Tensor:
+    """An fp8 cache as its bytes (``index_copy_`` has no float8 kernel); others as they are."""
+    return cache.view(torch.uint8) if cache.dtype == torch.float8_e4m3fn else cache

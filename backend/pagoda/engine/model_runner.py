@@ -12,6 +12,11 @@ each drafted token after it, for speculative decoding).
 
 With a draft model (speculative decoding), the draft's KV cache gets as many blocks as
 the target's, and the budget pays for both: ``draft_config`` adds its per-block bytes.
+
+``kv_cache_dtype="fp8_e4m3"`` stores the target's cache as float8_e4m3fn (1 byte per
+value, per-tensor scale 1.0): the same budget holds twice the blocks of a bf16 cache
+(four times an fp32 one). The kernels quantise on write and dequantise on read; a draft
+model's cache stays in the model dtype.
 """
 
 from __future__ import annotations
@@ -51,6 +56,11 @@ def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
     return _DTYPES[config.dtype]
 
 
+def resolve_kv_cache_dtype(config: EngineConfig, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's storage dtype: the model's, or float8_e4m3fn (per-tensor scale 1.0)."""
+    return torch.float8_e4m3fn if config.kv_cache_dtype == "fp8_e4m3" else model_dtype
+
+
 def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     """Bytes one block takes across all layers (K and V)."""
     elem = torch.tensor([], dtype=dtype).element_size()
@@ -71,15 +81,16 @@ class ModelRunner:
             self.model = make_random_model(model_config, self.dtype, self.device, config.seed, config.quantization)
         else:
             self.model = load_model(model_path, dtype=self.dtype, device=self.device, quantization=config.quantization)
+        self.kv_dtype = resolve_kv_cache_dtype(config, self.dtype)
         self.num_blocks = self._num_blocks_from_budget()
         shape = (self.num_blocks, self.block_size, model_config.num_key_value_heads, model_config.head_dim)
         self.kv_caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device),
-             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            (torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+             torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
             for _ in range(model_config.num_hidden_layers)
         ]
         logger.info("KV cache: %d blocks of %d tokens on %s (%s)", self.num_blocks, self.block_size,
-                    self.device, self.dtype)
+                    self.device, self.kv_dtype)
         self.lora = (LoRAManager(self.model, config.max_loras, config.max_lora_rank, config.max_cpu_loras)
                      if config.enable_lora else None)
         self.graphs = DecodeGraphs.maybe_capture(self)  # None on CPU or when disabled
@@ -87,7 +98,7 @@ class ModelRunner:
     def _num_blocks_from_budget(self) -> int:
         if self.config.num_gpu_blocks_override is not None:
             return self.config.num_gpu_blocks_override
-        per_block = kv_bytes_per_block(self.model_config, self.block_size, self.dtype)
+        per_block = kv_bytes_per_block(self.model_config, self.block_size, self.kv_dtype)
         if self.draft_config is not None:
             per_block += kv_bytes_per_block(self.draft_config, self.block_size, self.dtype)
         if self.device.type == "cuda":

@@ -38,20 +38,23 @@ def _triton_available() -> bool:
     return True
 
 
-def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_scale: float = 1.0,
+                    v_scale: float = 1.0):
+    """Paged causal GQA attention; an fp8 (float8_e4m3fn) cache is dequantised with the scales."""
     if use_triton(q):
         from pagoda.kernels import triton_ops
 
-        return triton_ops.paged_attention(q, k_cache, v_cache, meta, scale)
-    return reference.paged_attention_torch(q, k_cache, v_cache, meta, scale)
+        return triton_ops.paged_attention(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
+    return reference.paged_attention_torch(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
 
 
-def write_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
+def write_kv(k, v, k_cache, v_cache, slot_mapping, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """Store new K/V at their slots; an fp8 cache stores ``clamp(x / scale, +-448)`` in e4m3."""
     if use_triton(k):
         from pagoda.kernels import triton_ops
 
-        return triton_ops.write_kv(k, v, k_cache, v_cache, slot_mapping)
-    return reference.write_kv(k, v, k_cache, v_cache, slot_mapping)
+        return triton_ops.write_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    return reference.write_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 def rms_norm(x, weight, eps: float, residual=None):

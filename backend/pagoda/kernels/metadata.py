@@ -18,6 +18,7 @@ sequence ``s`` lives in block ``block_tables[s, p // block_size]`` at offset
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -33,10 +34,18 @@ class AttentionMetadata:
     # Host copies, so CPU paths never synchronise on device tensors.
     query_lens_host: list[int]
     seq_lens_host: list[int]
+    # Sequences with exactly one query token (decode); counted once per step by ``build``.
+    num_decode_seqs: Optional[int] = None
 
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_host)
+
+    def decode_count(self) -> int:
+        """How many sequences bring exactly one query token (host values only)."""
+        if self.num_decode_seqs is None:
+            self.num_decode_seqs = sum(1 for n in self.query_lens_host if n == 1)
+        return self.num_decode_seqs
 
     @classmethod
     def build(
@@ -76,4 +85,5 @@ class AttentionMetadata:
             max_seq_len=max(seq_lens, default=0),
             query_lens_host=list(query_lens),
             seq_lens_host=list(seq_lens),
+            num_decode_seqs=sum(1 for n in query_lens if n == 1),
         )

@@ -5,6 +5,10 @@
 (decode) sequences in one batched SDPA call, each prefill chunk in its own call.
 All functions accumulate in float32 (or the input's dtype when that is float64) and
 return the input dtype.
+
+FP8 KV cache (``float8_e4m3fn`` cache tensors): ``write_kv`` stores
+``clamp(x / scale, +-448)`` rounded to e4m3, the attention functions upcast the gathered
+context and multiply by the scale, emulating the Triton kernels on CPU.
 """
 
 from __future__ import annotations
@@ -15,17 +19,40 @@ import torch.nn.functional as F
 from pagoda.kernels.metadata import AttentionMetadata
 
 
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite e4m3 value
+
+
+def quantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """``clamp(x / scale, +-448)`` rounded to float8_e4m3fn (computed in fp32 or wider)."""
+    wide = x.double() if x.dtype == torch.float64 else x.float()
+    return (wide / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
 def write_kv(
     k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [num_tokens] int64
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """Store each token's K/V at its slot (block * block_size + offset)."""
+    """Store each token's K/V at its slot (block * block_size + offset); an fp8 cache
+    stores ``quantize_fp8(x, scale)``."""
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    for x, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        flat = cache.view(-1, num_kv_heads, head_dim)
+        if cache.dtype == FP8:  # index_copy_ has no fp8 kernel: copy the bytes
+            flat.view(torch.uint8).index_copy_(0, slot_mapping, quantize_fp8(x, scale).view(torch.uint8))
+        else:
+            flat.index_copy_(0, slot_mapping, x.to(cache.dtype))
+
+
+def _dequantize(context: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """Gathered cache rows in ``dtype``; fp8 rows times their scale."""
+    out = context.to(dtype)
+    return out * scale if context.dtype == FP8 and scale != 1.0 else out
 
 
 def _gather_context(cache: torch.Tensor, table: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -41,6 +68,8 @@ def paged_attention_ref(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Definition of paged causal GQA attention, one sequence at a time (slow, exact)."""
     acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -49,8 +78,8 @@ def paged_attention_ref(
     start = 0
     for s, (q_len, s_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
         qs = q[start : start + q_len].to(acc_dtype)  # [q_len, H, D]
-        ks = _gather_context(k_cache, meta.block_tables[s], s_len).to(acc_dtype)  # [S, KVH, D]
-        vs = _gather_context(v_cache, meta.block_tables[s], s_len).to(acc_dtype)
+        ks = _dequantize(_gather_context(k_cache, meta.block_tables[s], s_len), acc_dtype, k_scale)  # [S, KVH, D]
+        vs = _dequantize(_gather_context(v_cache, meta.block_tables[s], s_len), acc_dtype, v_scale)
         group = num_heads // ks.shape[1]
         ks = ks.repeat_interleave(group, dim=1)
         vs = vs.repeat_interleave(group, dim=1)
@@ -70,6 +99,8 @@ def paged_attention_torch(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Same result as ``paged_attention_ref``, batched for speed on CPU."""
     out = torch.empty_like(q)
@@ -77,7 +108,7 @@ def paged_attention_torch(
     starts = meta.query_start_loc.tolist()
     decode = [s for s, n in enumerate(query_lens) if n == 1]
     if decode:
-        _decode_batch(q, k_cache, v_cache, meta, scale, decode, starts, out)
+        _decode_batch(q, k_cache, v_cache, meta, scale, decode, starts, out, k_scale, v_scale)
     for s, q_len in enumerate(query_lens):
         if q_len == 1:
             continue
@@ -88,13 +119,14 @@ def paged_attention_torch(
         qh = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
         # Causal with an offset: query i sits at position s_len - q_len + i.
         mask = torch.ones(q_len, s_len, dtype=torch.bool, device=q.device).tril(diagonal=s_len - q_len)
-        o = F.scaled_dot_product_attention(qh, kh.to(q.dtype), vh.to(q.dtype), attn_mask=mask, scale=scale,
+        o = F.scaled_dot_product_attention(qh, _dequantize(kh, q.dtype, k_scale), _dequantize(vh, q.dtype, v_scale),
+                                           attn_mask=mask, scale=scale,
                                            enable_gqa=kh.shape[1] != qh.shape[1])
         out[rows] = o[0].transpose(0, 1)
     return out
 
 
-def _decode_batch(q, k_cache, v_cache, meta, scale, decode, starts, out) -> None:
+def _decode_batch(q, k_cache, v_cache, meta, scale, decode, starts, out, k_scale=1.0, v_scale=1.0) -> None:
     """All one-token queries at once: gather padded contexts, mask the padding.
 
     The query heads that share a KV head are laid out as that KV head's query rows
@@ -118,7 +150,8 @@ def _decode_batch(q, k_cache, v_cache, meta, scale, decode, starts, out) -> None
     rows = torch.tensor([starts[s] for s in decode], dtype=torch.long, device=device)
     qh = q.index_select(0, rows).view(batch, num_kv_heads, group, head_dim)  # [B, KVH, G, D]
     mask = (pos.unsqueeze(0) < lens.unsqueeze(1)).view(batch, 1, 1, max_len)
-    o = F.scaled_dot_product_attention(qh, ks.transpose(1, 2).to(q.dtype), vs.transpose(1, 2).to(q.dtype),
+    o = F.scaled_dot_product_attention(qh, _dequantize(ks.transpose(1, 2), q.dtype, k_scale),
+                                       _dequantize(vs.transpose(1, 2), q.dtype, v_scale),
                                        attn_mask=mask, scale=scale)  # [B, KVH, G, D]
     out[rows] = o.reshape(batch, num_heads, head_dim)
 

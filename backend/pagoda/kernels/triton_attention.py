@@ -31,14 +31,27 @@ Offsets into the cache and the query/output rows are computed in int64.
 
 from __future__ import annotations
 
+import functools
 import os
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from pagoda.kernels.attention_config import (  # noqa: F401  (re-exported for callers and tests)
+    DECODE_MIN_SPLIT_LEN,
+    MAX_SPLITS,
+    MIN_SPLIT_LEN,
+    AttentionConfig,
+    cdiv,
+    choose_config,
+    group_pad,
+    load_table,
+    next_pow2,
+)
 from pagoda.kernels.metadata import AttentionMetadata
+
+DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 LOG2E = 1.4426950408889634
 
@@ -52,7 +65,7 @@ def _attend_key_range(
     acc, m_i, l_i, q, q_pos, k_base, v_base, table_row, lo, hi, kv_hi, qk_scale, dims, dim_ok,
     stride_bt_col, stride_k_block, stride_k_slot, stride_v_block, stride_v_slot,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr,
-    PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, OUT_DTYPE: tl.constexpr,
 ):  # fmt: skip
     """Online-softmax update of (acc, m_i, l_i) over keys [lo, hi), gathered via the table.
 
@@ -71,9 +84,7 @@ def _attend_key_range(
             kv_mask = dim_ok[None, :]
         slots = (k_pos % BLOCK_SIZE).to(tl.int64)
         k_offs = block_ids[:, None] * stride_k_block + slots[:, None] * stride_k_slot + dims[None, :]
-        k = tl.load(k_base + k_offs, mask=kv_mask, other=0.0)
-        if DOT_UPCAST:
-            k = k.to(tl.float32)
+        k = tl.load(k_base + k_offs, mask=kv_mask, other=0.0).to(q.dtype)  # fp8 cache: dequantise here
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
         if MASKED:
             visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
@@ -86,10 +97,9 @@ def _attend_key_range(
         l_i = l_i * alpha + tl.sum(p, 1)
 
         v_offs = block_ids[:, None] * stride_v_block + slots[:, None] * stride_v_slot + dims[None, :]
-        v = tl.load(v_base + v_offs, mask=kv_mask, other=0.0)
-        p_dot = p.to(v.dtype)
+        v = tl.load(v_base + v_offs, mask=kv_mask, other=0.0).to(q.dtype)
+        p_dot = p.to(OUT_DTYPE)  # the model dtype: P is rounded as it would be without DOT_UPCAST
         if DOT_UPCAST:
-            v = v.to(tl.float32)
             p_dot = p_dot.to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p_dot, v, input_precision=PRECISION)
         m_i = m_new
@@ -107,10 +117,14 @@ def _paged_attention_kernel(
     query_start_loc_ptr,  # [num_seqs + 1] int32
     seq_lens_ptr,  # [num_seqs] int32
     block_tables_ptr,  # [num_seqs, max_blocks] int32
-    scale,
+    scale,  # softmax scale times the K cache's dequantisation scale
+    v_scale,  # the V cache's dequantisation scale (1.0 unless fp8)
     num_heads,
     num_splits,
     split_len,
+    q_len_lo,  # this launch serves the sequences with q_len_lo <= query length <= q_len_hi
+    q_len_hi,
+    part_by_seq,  # 1: split-K workspace rows are sequences (decode launches), 0: tokens
     stride_q_tok,
     stride_q_head,
     stride_k_block,
@@ -141,7 +155,7 @@ def _paged_attention_kernel(
 
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    if q_block * BLOCK_Q >= q_len:
+    if (q_block * BLOCK_Q >= q_len) | (q_len < q_len_lo) | (q_len > q_len_hi):
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     ctx_len = seq_len - q_len
@@ -184,16 +198,18 @@ def _paged_attention_kernel(
     acc, m_i, l_i = _attend_key_range(
         acc, m_i, l_i, q, q_pos, k_base, v_base, table_row, kv_lo, full_end, kv_hi, qk_scale, dims, dim_ok,
         stride_bt_col, stride_k_block, stride_k_slot, stride_v_block, stride_v_slot,
-        BLOCK_N, BLOCK_SIZE, False, PRECISION, DOT_UPCAST,
+        BLOCK_N, BLOCK_SIZE, False, PRECISION, DOT_UPCAST, out_ptr.dtype.element_ty,
     )  # fmt: skip
     acc, m_i, l_i = _attend_key_range(
         acc, m_i, l_i, q, q_pos, k_base, v_base, table_row, full_end, kv_hi, kv_hi, qk_scale, dims, dim_ok,
         stride_bt_col, stride_k_block, stride_k_slot, stride_v_block, stride_v_slot,
-        BLOCK_N, BLOCK_SIZE, True, PRECISION, DOT_UPCAST,
+        BLOCK_N, BLOCK_SIZE, True, PRECISION, DOT_UPCAST, out_ptr.dtype.element_ty,
     )  # fmt: skip
 
+    acc = acc * v_scale
     if IS_SPLIT:
-        part = (tok_idx * num_heads + head) * num_splits + split
+        part_row = tl.where(part_by_seq != 0, seq.to(tl.int64), tok_idx)
+        part = (part_row * num_heads + head) * num_splits + split
         tl.store(part_acc_ptr + part[:, None] * HEAD_PAD + dims[None, :], acc, mask=row_ok[:, None])
         tl.store(part_ml_ptr + part * 2, m_i, mask=row_ok)
         tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_ok)
@@ -208,19 +224,26 @@ def _combine_splits_kernel(
     part_acc_ptr,  # [num_tokens, num_heads, num_splits, HEAD_PAD] fp32
     part_ml_ptr,  # [num_tokens, num_heads, num_splits, 2] fp32 (max in log2 units, sum)
     out_ptr,  # [num_tokens, num_heads, head_dim]
+    query_start_loc_ptr,  # [num_seqs + 1] int32 (read when part_by_seq)
     num_heads,
     num_splits,
+    part_by_seq,  # 1: program 0 indexes sequences (decode launch); skip those with q_len != 1
     stride_o_tok,
     stride_o_head,
     HEAD_DIM: tl.constexpr,
     HEAD_PAD: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
 ):
-    tok = tl.program_id(0).to(tl.int64)
+    row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
+    tok = row
+    if part_by_seq != 0:
+        tok = tl.load(query_start_loc_ptr + row).to(tl.int64)
+        if tl.load(query_start_loc_ptr + row + 1) - tok != 1:
+            return
     splits = tl.arange(0, SPLITS_PAD)
     split_ok = splits < num_splits
-    part = (tok * num_heads + head) * num_splits + splits
+    part = (row * num_heads + head) * num_splits + splits
     m = tl.load(part_ml_ptr + part * 2, mask=split_ok, other=float("-inf"))
     l = tl.load(part_ml_ptr + part * 2 + 1, mask=split_ok, other=0.0)
     m_max = tl.max(m, 0)
@@ -233,130 +256,132 @@ def _combine_splits_kernel(
     tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
 
 
-@dataclass(frozen=True)
-class AttentionConfig:
-    """Launch shape of one paged-attention call (all compile-time except num_splits)."""
-
-    block_q: int  # query tokens per tile
-    block_n: int  # keys per inner-loop step
-    num_splits: int  # key-range slices (1: no split, no combine kernel)
-    num_warps: int = 4
-    num_stages: int = 2
-
-
-MAX_SPLITS = 64
-MIN_SPLIT_LEN = 256  # keys per slice below which splitting costs more than it wins
-
-
-def group_pad(num_heads: int, num_kv_heads: int) -> int:
-    return triton.next_power_of_2(num_heads // num_kv_heads)
-
-
-def choose_config(
-    num_tokens: int,
-    num_seqs: int,
-    num_heads: int,
-    num_kv_heads: int,
-    max_query_len: int,
-    max_seq_len: int,
-    num_sms: int,
-    element_size: int = 2,
-) -> AttentionConfig:
-    """Pick tile sizes and the split count for a step.
-
-    Decode-only steps use the smallest tile that fills ``tl.dot``'s 16 rows; steps with
-    prefill chunks use up to 64 rows (32 for fp32 inputs, whose tiles take twice the
-    registers and shared memory, with 32-key steps). Split only when the tiles (an upper bound:
-    ``num_tokens / block_q + num_seqs`` per KV head) cannot fill twice the SM count.
-    """
-    gpad = group_pad(num_heads, num_kv_heads)
-    max_block_m, block_n = (64, 64) if element_size <= 2 else (32, 32)
-    block_m = max(gpad, min(max_block_m, max(16, triton.next_power_of_2(max_query_len) * gpad)))
-    block_q = block_m // gpad
-    tiles = min(num_tokens, num_tokens // block_q + num_seqs) * num_kv_heads
-    num_splits = 1
-    target = 2 * num_sms
-    if tiles < target and max_seq_len >= 2 * MIN_SPLIT_LEN:
-        want = triton.next_power_of_2(triton.cdiv(target, max(tiles, 1)))
-        cap = max(1, max_seq_len // MIN_SPLIT_LEN)
-        while want > 1 and (want > cap or want > MAX_SPLITS):
-            want //= 2
-        num_splits = want
-    return AttentionConfig(block_q=block_q, block_n=block_n, num_splits=num_splits)
-
-
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 1  # interpreter: splitting only slows it down
 
 
+@functools.lru_cache(maxsize=None)
+def _cuda_table(index: int) -> dict:
+    return load_table(torch.cuda.get_device_name(index))
+
+
+def _tuned_table(device: torch.device) -> dict:
+    if device.type != "cuda":
+        return {}
+    return _cuda_table(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def paged_attention(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], q's dtype or fp8 e4m3
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
     config: AttentionConfig | None = None,
+    *,
+    decode_config: AttentionConfig | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Paged causal GQA attention over one step; see the module docstring.
 
+    A step with both decode tokens and prefill chunks takes two launches: the decode
+    sequences with the decode shape, the others with the prefill shape (each launch skips
+    the other's sequences at once). ``k_scale`` / ``v_scale`` dequantise an fp8 cache
+    (stored value times scale); they must be 1.0 for a cache in q's dtype.
+
     Args:
         config: launch shape; chosen by ``choose_config`` when None (tests force others).
+            Given alone, the whole step is one launch with it.
+        decode_config: with ``config``, forces the two-launch split (decode rows with this).
 
     Raises:
         ValueError: on shapes or dtypes the kernel does not serve.
     """
-    num_tokens, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
-    if cache_head_dim != head_dim or num_heads % num_kv_heads != 0:
-        raise ValueError(f"q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}")
-    if not (q.dtype == k_cache.dtype == v_cache.dtype):
-        raise ValueError(f"q, k_cache, v_cache dtypes differ: {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    _check_inputs(q, k_cache, v_cache, k_scale, v_scale)
     if q.stride(-1) != 1:
         q = q.contiguous()
-    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        raise ValueError("the KV cache's head_dim must be contiguous")
     out = torch.empty_like(q)
+    num_tokens = q.shape[0]
     if num_tokens == 0:
         return out
-    cfg = config or choose_config(
-        num_tokens, meta.num_seqs, num_heads, num_kv_heads, meta.max_query_len, meta.max_seq_len,
-        _num_sms(q.device), q.element_size(),
+    num_decode = meta.decode_count()
+    two_launches = 0 < num_decode < meta.num_seqs and (config is None or decode_config is not None)
+    choose = functools.partial(_choose, q, k_cache.shape[2], meta.max_seq_len)
+    launch = functools.partial(_launch, q, k_cache, v_cache, out, meta, scale * k_scale, v_scale)
+    if not two_launches:
+        cfg = config or choose(num_tokens, meta.num_seqs, meta.max_query_len)
+        launch(cfg, 1, max(meta.max_query_len, 1), meta.max_query_len)
+        return out
+    # Prefill first: a split prefill launch's combine runs over every token row (decode
+    # rows get garbage), and the decode launch then writes the decode rows.
+    prefill_cfg = config or choose(num_tokens - num_decode, meta.num_seqs - num_decode, meta.max_query_len)
+    launch(prefill_cfg, 2, meta.max_query_len, meta.max_query_len)
+    launch(decode_config or choose(num_decode, num_decode, 1), 1, 1, 1)
+    return out
+
+
+def _check_inputs(q, k_cache, v_cache, k_scale: float, v_scale: float) -> None:
+    _, num_heads, head_dim = q.shape
+    if k_cache.shape[3] != head_dim or num_heads % k_cache.shape[2] != 0 or v_cache.shape != k_cache.shape:
+        raise ValueError(f"q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)} / {tuple(v_cache.shape)}")
+    if k_cache.dtype != v_cache.dtype or k_cache.dtype not in (q.dtype, torch.float8_e4m3fn):
+        raise ValueError(f"q, k_cache, v_cache dtypes differ: {q.dtype}, {k_cache.dtype}, {v_cache.dtype} "
+                         "(the cache holds q's dtype or float8_e4m3fn)")
+    if k_cache.dtype != torch.float8_e4m3fn and (k_scale != 1.0 or v_scale != 1.0):
+        raise ValueError("k_scale / v_scale apply to an fp8 cache only")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("the KV cache's head_dim must be contiguous")
+
+
+def _choose(q, num_kv_heads, max_seq_len, num_tokens, num_seqs, max_query_len) -> AttentionConfig:
+    return choose_config(
+        num_tokens, num_seqs, q.shape[1], num_kv_heads, max_query_len, max_seq_len,
+        _num_sms(q.device), q.element_size(), head_dim=q.shape[2], dtype_name=DTYPE_NAMES[q.dtype],
+        table=_tuned_table(q.device),
     )  # fmt: skip
+
+
+def _launch(q, k_cache, v_cache, out, meta, qk_scale, v_scale, cfg, q_len_lo, q_len_hi, max_query_len) -> None:
+    """One launch over the sequences whose query length is in [q_len_lo, q_len_hi]."""
+    num_tokens, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
-    gpad = triton.next_power_of_2(group)
-    head_pad = triton.next_power_of_2(head_dim)
+    head_pad = next_pow2(head_dim)
     num_splits = cfg.num_splits
     is_split = num_splits > 1
-    split_len = triton.cdiv(triton.cdiv(max(meta.max_seq_len, 1), num_splits), cfg.block_n) * cfg.block_n
+    by_seq = q_len_hi == 1  # decode launch: one workspace row per sequence
+    split_len = cdiv(cdiv(max(meta.max_seq_len, 1), num_splits), cfg.block_n) * cfg.block_n
     if is_split:
-        part_acc = torch.empty(num_tokens, num_heads, num_splits, head_pad, dtype=torch.float32, device=q.device)
-        part_ml = torch.empty(num_tokens, num_heads, num_splits, 2, dtype=torch.float32, device=q.device)
+        rows = meta.num_seqs if by_seq else num_tokens
+        part_acc = torch.empty(rows, num_heads, num_splits, head_pad, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(rows, num_heads, num_splits, 2, dtype=torch.float32, device=q.device)
     else:
         part_acc = part_ml = out  # never touched: IS_SPLIT is a compile-time False
     tables = meta.block_tables
-    grid = (meta.num_seqs, triton.cdiv(meta.max_query_len, cfg.block_q), num_kv_heads * num_splits)
+    grid = (meta.num_seqs, cdiv(max_query_len, cfg.block_q), num_kv_heads * num_splits)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, part_acc, part_ml,
         meta.query_start_loc, meta.seq_lens, tables,
-        scale, num_heads, num_splits, split_len,
+        qk_scale, v_scale, num_heads, num_splits, split_len, q_len_lo, q_len_hi, int(by_seq),
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         out.stride(0), out.stride(1),
         tables.stride(0), tables.stride(1),
-        GROUP=group, GROUP_PAD=gpad, BLOCK_Q=cfg.block_q, BLOCK_N=cfg.block_n,
+        GROUP=group, GROUP_PAD=next_pow2(group), BLOCK_Q=cfg.block_q, BLOCK_N=cfg.block_n,
         HEAD_DIM=head_dim, HEAD_PAD=head_pad, BLOCK_SIZE=block_size,
         IS_SPLIT=is_split, PRECISION=_precision(q.dtype), DOT_UPCAST=_INTERPRETING and q.dtype == torch.bfloat16,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if is_split:
-        _combine_splits_kernel[(num_tokens, num_heads)](
-            part_acc, part_ml, out, num_heads, num_splits, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, HEAD_PAD=head_pad, SPLITS_PAD=triton.next_power_of_2(num_splits),
+        _combine_splits_kernel[(meta.num_seqs if by_seq else num_tokens, num_heads)](
+            part_acc, part_ml, out, meta.query_start_loc, num_heads, num_splits, int(by_seq),
+            out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, HEAD_PAD=head_pad, SPLITS_PAD=next_pow2(num_splits),
         )  # fmt: skip
-    return out
 
 
 def _precision(dtype: torch.dtype) -> str:

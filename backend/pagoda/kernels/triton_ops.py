@@ -19,6 +19,7 @@ from pagoda.kernels.triton_rotary import apply_rotary
 __all__ = ["paged_attention", "write_kv", "rms_norm", "apply_rotary"]
 
 
-def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
-    """Paged causal GQA attention for one step (launch shape chosen per step)."""
-    return triton_attention.paged_attention(q, k_cache, v_cache, meta, scale)
+def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_scale: float = 1.0,
+                    v_scale: float = 1.0):
+    """Paged causal GQA attention for one step (launch shapes chosen per step)."""
+    return triton_attention.paged_attention(q, k_cache, v_cache, meta, scale, k_scale=k_scale, v_scale=v_scale)

@@ -35,7 +35,7 @@ STUB_RESTART_WINDOW_S = 600.0
 # Flags whose value goes into config.pbtxt as the EngineConfig field of the same name.
 ENGINE_FLAGS = ("scheduling_policy", "speculative_method", "speculative_model", "num_speculative_tokens",
                 "cpu_offload_bytes", "preemption_mode", "default_max_tokens", "gpu_memory_utilization",
-                "max_waiting_requests", "max_waiting_prompt_tokens")
+                "max_waiting_requests", "max_waiting_prompt_tokens", "kv_cache_dtype")
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -58,6 +58,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("auto", "float32", "float16", "bfloat16"))
     p.add_argument("--quantization", choices=("int8", "fp8"),
                    help="int8 or fp8 (e4m3; CUDA sm_89+ or CPU emulation): 8-bit weights of the linear layers")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8_e4m3"),
+                   help="KV cache storage: auto (the model dtype) or fp8_e4m3 (twice the tokens of bf16)")
     p.add_argument("--scheduling-policy", choices=("fcfs", "priority"))
     p.add_argument("--speculative-method", choices=("ngram", "draft"),
                    help="speculative decoding by default for every request (see docs/speculative.md)")
