@@ -7,7 +7,9 @@ each recorded launch (the exact arguments the wrapper passes) becomes an ``ASTSo
 compiled with ``triton.compile(..., target=GPUTarget("cuda", 90, 32))``. So the compiled
 variants are the ones the wrappers really launch, not a hand-written list that can drift.
 
-Usage: python sm90_compile.py [--shard I/N]  -> one JSON line per variant on stdout.
+Usage: python sm90_compile.py [--shard I/N] [--families rules|tuning]  -> one JSON line
+per variant on stdout. ``rules``: every kernel through the shapes the built-in rules pick;
+``tuning``: every attention launch shape ``pagoda bench kernels --tune`` may write.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
-from pagoda.kernels import triton_attention, triton_ops, triton_w8a16
+from pagoda.kernels import triton_attention, triton_ops, triton_w8a16, tuning
 from pagoda.kernels.metadata import AttentionMetadata
 
 H100_SMS = 132
@@ -46,45 +48,83 @@ W8A16_SHAPES = ((4096, 4096),)
 W8A16_ROWS = (1, 17, 64, 2047)
 
 
-def record_launches() -> list[tuple[JITFunction, tuple, dict]]:
+def record_launches(families: str = "rules") -> list[tuple[JITFunction, tuple, dict]]:
+    """``rules``: every kernel with the built-in shapes; ``tuning``: the tunable shapes."""
     launches: list[tuple[JITFunction, tuple, dict]] = []
 
     def recorder(self, *args, grid, warmup, **kwargs):
         launches.append((self, args, kwargs))
 
     JITFunction.run = recorder
+    triton_attention._num_sms = lambda device: H100_SMS  # the wrapper chooses as on an H100
+    if families == "tuning":
+        _tuning_candidate_launches(torch.bfloat16)
+        _tuning_candidate_launches(FP8, quick=True)
+        return launches
     for dtype in DTYPES:
         for head_dim in HEAD_DIMS:
-            _attention_launches(dtype, head_dim)
-            _small_launches(dtype, head_dim)
+            _attention_launches(dtype, head_dim, dtype)
+            _small_launches(dtype, head_dim, dtype)
+            # The fp8 KV cache serves 16-bit models: bf16 at every head size, fp16 at 128.
+            if dtype == torch.bfloat16 or (dtype == torch.float16 and head_dim == 128):
+                _attention_launches(dtype, head_dim, FP8, head_groups=[(32, 8)])
+                _small_launches(dtype, head_dim, FP8)
         _lora_launches(dtype)
         _w8a16_launches(dtype)
     return launches
 
 
-def _attention_launches(dtype: torch.dtype, head_dim: int) -> None:
-    """Each dtype x head size at GQA 4 (Llama-3-8B), and GQA 1/3/8 at bf16 x 128, for two
-    step families with the configs chosen for an H100: decode at batch 1 with 4k context
-    (split-K + combine) and a mixed step of prefill chunks and decodes (no split)."""
-    head_groups = [(32, 8)]
-    if dtype == torch.bfloat16 and head_dim == 128:
-        head_groups += [(8, 8), (9, 3), (64, 8)]
+FP8 = torch.float8_e4m3fn
+# (query lens, context lens) of the steps whose launches are recorded, each at 4k context:
+# decode at batch 1 (split-K), decode at batch 64 (decode-only, unsplit), a mixed step of 63
+# decodes and a 512-token chunk (two launches: a 128-row prefill tile, unsplit decode), and
+# one decode beside a 64-token chunk (both launches split).
+STEPS = {
+    "decode_b1": ([1], [4096]),
+    "decode_b64": ([1] * 64, [4096] * 64),
+    "mixed_b64": ([1] * 63 + [512], [4096] * 64),
+    "mixed_b2": ([1, 64], [4096, 4096]),
+}
+
+
+def _meta(query_lens: list[int], seq_lens: list[int]) -> AttentionMetadata:
+    blocks = -(-max(seq_lens) // 16)
+    return AttentionMetadata.build(query_lens, seq_lens, [[0] * blocks for _ in seq_lens], 16)
+
+
+def _attention_launches(dtype: torch.dtype, head_dim: int, cache_dtype: torch.dtype, head_groups=None) -> None:
+    """Each dtype x head size at GQA 4 (Llama-3-8B) through every step of ``STEPS``; GQA
+    1/3/8 at bf16 x 128 and the fp8 cache through decode at batch 1 and the big mixed
+    step. The public wrapper picks the configs as on an H100."""
+    main = head_groups is None and cache_dtype == dtype
+    head_groups = head_groups or ([(32, 8)] + ([(8, 8), (9, 3), (64, 8)] if (dtype, head_dim) == (
+        torch.bfloat16, 128) else []))
     for num_heads, num_kv_heads in head_groups:
-        for batch, num_tokens, max_query_len in ((1, 1, 1), (64, 64 + 511, 512)):
-            cfg = triton_attention.choose_config(
-                num_tokens, batch, num_heads, num_kv_heads, max_query_len, 4096, H100_SMS, dtype.itemsize
-            )
-            meta = AttentionMetadata.build([1], [4], [[0]], 16)
-            meta.max_query_len, meta.max_seq_len = max_query_len, 4096
-            q = torch.empty(1, num_heads, head_dim, dtype=dtype)
-            cache = torch.empty(2, 16, num_kv_heads, head_dim, dtype=dtype)
-            triton_attention.paged_attention(q, cache, cache, meta, 0.1, config=cfg)
+        steps = STEPS if main and num_heads == 4 * num_kv_heads else {k: STEPS[k] for k in ("decode_b1", "mixed_b64")}
+        for query_lens, seq_lens in steps.values():
+            q = torch.empty(sum(query_lens), num_heads, head_dim, dtype=dtype)
+            cache = torch.empty(2, 16, num_kv_heads, head_dim, dtype=cache_dtype)
+            triton_attention.paged_attention(q, cache, cache, _meta(query_lens, seq_lens), 0.1)
 
 
-def _small_launches(dtype: torch.dtype, head_dim: int) -> None:
+def _tuning_candidate_launches(cache_dtype: torch.dtype, quick: bool = False) -> None:
+    """Every launch shape ``pagoda bench kernels --tune`` may write (bf16, head_dim 128,
+    GQA 4; the shapes do not depend on the group, and 128 is the largest head size)."""
+    for phase, (query_lens, seq_lens) in (("decode", STEPS["decode_b1"]), ("prefill", ([2048], [2048]))):
+        fam = tuning.Family(phase, "bf16", 128, 32, 8, 1, seq_lens[0])
+        meta = _meta(query_lens, seq_lens)
+        q = torch.empty(sum(query_lens), 32, 128, dtype=torch.bfloat16)
+        cache = torch.empty(2, 16, 8, 128, dtype=cache_dtype)
+        for entry in tuning.candidates(phase, quick):
+            triton_attention.paged_attention(q, cache, cache, meta, 0.1, fam.config(entry, H100_SMS))
+
+
+def _small_launches(dtype: torch.dtype, head_dim: int, cache_dtype: torch.dtype) -> None:
     kv = torch.empty(3, 8, head_dim, dtype=dtype)
-    cache = torch.empty(2, 16, 8, head_dim, dtype=dtype)
+    cache = torch.empty(2, 16, 8, head_dim, dtype=cache_dtype)
     triton_ops.write_kv(kv, kv, cache, cache, torch.zeros(3, dtype=torch.int64))
+    if cache_dtype == FP8:
+        return
     q = torch.empty(3, 32, head_dim, dtype=dtype)
     cos_sin = torch.empty(64, head_dim, dtype=torch.float32)
     triton_ops.apply_rotary(q, kv, torch.zeros(3, dtype=torch.int64), cos_sin)
@@ -137,16 +177,19 @@ def to_source(fn: JITFunction, args: tuple, kwargs: dict) -> tuple[ASTSource, di
             constexprs[param.name] = value
         else:
             signature[param.name] = _arg_type(value)
-    return ASTSource(fn, signature, constexprs), options, {**constexprs, **{"dtype": signature[fn.arg_names[0]]}}
+    desc = {**constexprs, "dtype": signature[fn.arg_names[0]], "cache": signature.get("k_cache_ptr", "")}
+    return ASTSource(fn, signature, constexprs), options, desc
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shard", default="0/1")
-    shard, num_shards = map(int, parser.parse_args(argv).shard.split("/"))
+    parser.add_argument("--families", choices=("rules", "tuning"), default="rules")
+    parsed = parser.parse_args(argv)
+    shard, num_shards = map(int, parsed.shard.split("/"))
     seen: set[str] = set()
     variants = []
-    for fn, args, kwargs in record_launches():
+    for fn, args, kwargs in record_launches(parsed.families):
         src, options, desc = to_source(fn, args, dict(kwargs))
         key = src.hash() + json.dumps(options, sort_keys=True)
         if key not in seen:

@@ -4,6 +4,9 @@ The tests run under ``TRITON_INTERPRET=1``, where ``@triton.jit`` yields interpr
 functions that cannot be compiled, so ``sm90_compile.py`` runs in subprocesses without
 that variable (two shards in parallel, one per core), in a fresh Triton cache. It records
 the launches the public wrappers make and compiles each distinct one; see its docstring.
+Covered: every dtype x head size x GQA family with the shapes the built-in rules pick on an
+H100 (decode split and unsplit, mixed steps' two launches), the fp8 KV cache, and every
+launch shape ``pagoda bench kernels --tune`` may write to a configs JSON.
 """
 
 from __future__ import annotations
@@ -43,8 +46,7 @@ def _sm90_api_missing() -> str | None:
     return None
 
 
-@pytest.mark.skipif(_sm90_api_missing() is not None, reason=str(_sm90_api_missing()))
-def test_every_kernel_variant_compiles_for_sm90(tmp_path):
+def _compile_rows(tmp_path, families: str) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
     env["TRITON_DEFAULT_FP_FUSION"] = "1"  # the default; set to silence triton 3.9's warning
@@ -52,7 +54,7 @@ def test_every_kernel_variant_compiles_for_sm90(tmp_path):
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(repo_root), env.get("PYTHONPATH")]))
     shards = [
         subprocess.Popen(
-            [sys.executable, str(SCRIPT), "--shard", f"{i}/{NUM_SHARDS}"],
+            [sys.executable, str(SCRIPT), "--shard", f"{i}/{NUM_SHARDS}", "--families", families],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -62,7 +64,7 @@ def test_every_kernel_variant_compiles_for_sm90(tmp_path):
     ]
     rows, totals = [], set()
     for proc in shards:
-        stdout, stderr = proc.communicate(timeout=600)
+        stdout, stderr = proc.communicate(timeout=840)
         assert proc.returncode == 0, f"compile script failed:\n{stderr[-4000:]}"
         for line in stdout.splitlines():
             row = json.loads(line)
@@ -73,8 +75,14 @@ def test_every_kernel_variant_compiles_for_sm90(tmp_path):
     assert len(totals) == 1 and len(rows) == totals.pop(), "shards disagree on the variant list"
     failures = [r for r in rows if not r["ok"]]
     assert not failures, "variants failed to compile for sm_90:\n" + "\n".join(json.dumps(r) for r in failures)
-    assert {r["kernel"] for r in rows} == KERNELS
     assert all(r["has_cubin"] for r in rows)
+    return rows
+
+
+@pytest.mark.skipif(_sm90_api_missing() is not None, reason=str(_sm90_api_missing()))
+def test_every_kernel_variant_compiles_for_sm90(tmp_path):
+    rows = _compile_rows(tmp_path, "rules")
+    assert {r["kernel"] for r in rows} == KERNELS
     dtypes = {r["variant"]["dtype"] for r in rows if r["kernel"] == "_paged_attention_kernel"}
     head_dims = {r["variant"]["HEAD_DIM"] for r in rows if r["kernel"] == "_paged_attention_kernel"}
     groups = {r["variant"]["GROUP"] for r in rows if r["kernel"] == "_paged_attention_kernel"}
@@ -88,3 +96,35 @@ def test_every_kernel_variant_compiles_for_sm90(tmp_path):
         (d, fp8, split) for d in ("*fp16", "*bf16", "*fp32") for fp8 in ("True", "False") for split in ("True", "False")
     }
     assert {v["BLOCK_M"] for v in w8a16} == {"16", "32", "64", "128"}
+    caches = {r["variant"]["cache"] for r in rows if r["kernel"] in ("_paged_attention_kernel", "_write_kv_kernel")}
+    assert caches == {"*fp16", "*bf16", "*fp32", "*fp8e4nv"}
+    # The decode-only, unsplit family (CUDA graphs at large batch) and the 128-row prefill tile.
+    assert (16, 64, 4, 2, "False") in _shapes(rows, "*bf16")
+    assert (128, 64, 8, 3, "False") in _shapes(rows, "*bf16")
+
+
+@pytest.mark.skipif(_sm90_api_missing() is not None, reason=str(_sm90_api_missing()))
+def test_every_tunable_launch_shape_compiles_for_sm90(tmp_path):
+    rows = _compile_rows(tmp_path, "tuning")
+    assert _shapes(rows, "*bf16") >= _candidate_shapes(quick=False), "a tunable launch shape was not compiled"
+    assert _shapes(rows, "*fp8e4nv") >= _candidate_shapes(quick=True)
+
+
+def _shapes(rows, cache: str) -> set[tuple]:
+    """(tile rows, BLOCK_N, warps, stages, IS_SPLIT) of the bf16 / head 128 / GQA 4 variants."""
+    return {(int(v["BLOCK_Q"]) * int(v["GROUP_PAD"]), int(v["BLOCK_N"]), r["options"]["num_warps"],
+             r["options"]["num_stages"], v["IS_SPLIT"])
+            for r in rows if r["kernel"] == "_paged_attention_kernel" and (v := r["variant"])["cache"] == cache
+            and (v["dtype"], v["HEAD_DIM"], v["GROUP"]) == ("*bf16", "128", "4")}
+
+
+def _candidate_shapes(quick: bool) -> set[tuple]:
+    from pagoda.kernels import tuning
+
+    shapes = set()
+    for phase, context in (("decode", 4096), ("prefill", 2048)):
+        fam = tuning.Family(phase, "bf16", 128, 32, 8, 1, context)
+        for entry in tuning.candidates(phase, quick):
+            cfg = fam.config(entry, 132)
+            shapes.add((cfg.block_q * 4, cfg.block_n, cfg.num_warps, cfg.num_stages, str(cfg.num_splits > 1)))
+    return shapes

@@ -26,7 +26,22 @@ program writes its unnormalised partial (acc, max, sum) to a fp32 workspace, and
 ``_combine_splits_kernel`` merges them per (token, head). A slice that holds no visible
 key for a row leaves ``max = -inf, sum = 0`` and weighs nothing in the merge.
 
-Offsets into the cache and the query/output rows are computed in int64.
+Two launches per mixed step. A step with both decode tokens and prefill chunks launches
+the kernel twice: the chunks with the prefill shape (up to 128 rows), then the decode
+sequences with the decode shape (16 rows, their own split count), so a decode token no
+longer computes ``BLOCK_Q - 1`` padded query tokens of a prefill tile. Both launches
+cover every sequence; a program whose sequence's query length is outside the launch's
+``[q_len_lo, q_len_hi]`` returns at once (no index arrays, no host work per sequence).
+Split-K workspaces of decode launches have one row per sequence, so a small decode
+launch beside a long chunk needs no token-sized workspace.
+
+FP8 KV cache. With a ``float8_e4m3fn`` cache, K and V tiles are loaded as e4m3 and
+converted to the query dtype in registers before ``tl.dot``; the K scale is folded into
+the softmax scale and the V scale multiplies the accumulator once at the end, so the
+inner loop does no extra multiplies and moves half the bytes of a 16-bit cache.
+
+Launch shapes come from ``attention_config.choose_config`` (built-in rules, or a tuned
+``configs/<device>.json``). Offsets into the cache and the query/output rows are int64.
 """
 
 from __future__ import annotations
