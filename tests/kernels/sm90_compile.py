@@ -4,8 +4,10 @@ Run as a script *without* ``TRITON_INTERPRET`` (the test runs it in a subprocess
 kernels must be real ``JITFunction``s. ``JITFunction.run`` is replaced by a recorder, the
 public wrappers are called on small CPU tensors for every shape family they serve, and
 each recorded launch (the exact arguments the wrapper passes) becomes an ``ASTSource``
-compiled with ``triton.compile(..., target=GPUTarget("cuda", 90, 32))``. So the compiled
-variants are the ones the wrappers really launch, not a hand-written list that can drift.
+compiled with ``triton.compile(..., target=GPUTarget("cuda", 90, 32))``, with the
+divisibility-by-16 hints a real launch gets (aligned pointers, integers % 16 == 0), so the
+machine code (e.g. vectorised loads) is what the GPU would run. So the compiled variants
+are the ones the wrappers really launch, not a hand-written list that can drift.
 
 Usage: python sm90_compile.py [--shard I/N] [--families rules|tuning]  -> one JSON line
 per variant on stdout. ``rules``: every kernel through the shapes the built-in rules pick;
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 
@@ -28,6 +31,8 @@ from triton.runtime.jit import JITFunction
 from pagoda.kernels import triton_attention, triton_ops, triton_w8a16, tuning
 from pagoda.kernels.metadata import AttentionMetadata
 
+# A 16-byte asynchronous copy global -> shared: how the pipelined K/V tiles are loaded.
+VECTOR_16B = re.compile(r"cp\.async\.cg\.shared\.global \[[^\]]*\], \[[^\]]*\], 0x10")
 H100_SMS = 132
 H100_MAX_SHARED = 227 * 1024
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -169,16 +174,25 @@ def _arg_type(value) -> str:
 def to_source(fn: JITFunction, args: tuple, kwargs: dict) -> tuple[ASTSource, dict, dict]:
     options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
     values = dict(zip(fn.arg_names, args)) | kwargs
-    signature, constexprs = {}, {}
-    for param in fn.params:
+    signature, constexprs, attrs = {}, {}, {}
+    for i, param in enumerate(fn.params):
         value = values[param.name]
         if param.is_constexpr:
             signature[param.name] = "constexpr"
             constexprs[param.name] = value
         else:
             signature[param.name] = _arg_type(value)
+            if _divisible_by_16(value):  # as the JIT specialises a real launch
+                attrs[(i,)] = [["tt.divisibility", 16]]
     desc = {**constexprs, "dtype": signature[fn.arg_names[0]], "cache": signature.get("k_cache_ptr", "")}
-    return ASTSource(fn, signature, constexprs), options, desc
+    return ASTSource(fn, signature, constexprs, attrs), options, desc
+
+
+def _divisible_by_16(value) -> bool:
+    """Triton's launch-time specialisation: 16-byte aligned pointers, integers % 16 == 0."""
+    if isinstance(value, torch.Tensor):
+        return value.data_ptr() % 16 == 0
+    return isinstance(value, int) and not isinstance(value, bool) and value % 16 == 0
 
 
 def main(argv: list[str]) -> int:
@@ -204,7 +218,8 @@ def main(argv: list[str]) -> int:
         try:
             compiled = triton.compile(src, target=target, options=options)
             shared = compiled.metadata.shared
-            row.update(ok=shared <= H100_MAX_SHARED, shared=shared, has_cubin="cubin" in compiled.asm)
+            row.update(ok=shared <= H100_MAX_SHARED, shared=shared, has_cubin="cubin" in compiled.asm,
+                       vector16=bool(VECTOR_16B.search(compiled.asm.get("ptx", ""))))
             if shared > H100_MAX_SHARED:
                 row["error"] = f"needs {shared} bytes of shared memory"
         except Exception as exc:  # reported per variant; the test fails on any

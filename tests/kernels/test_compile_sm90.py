@@ -98,6 +98,9 @@ def test_every_kernel_variant_compiles_for_sm90(tmp_path):
     assert {v["BLOCK_M"] for v in w8a16} == {"16", "32", "64", "128"}
     caches = {r["variant"]["cache"] for r in rows if r["kernel"] in ("_paged_attention_kernel", "_write_kv_kernel")}
     assert caches == {"*fp16", "*bf16", "*fp32", "*fp8e4nv"}
+    # K/V tiles are copied 16 bytes at a time along head_dim (cp.async 0x10) in every variant.
+    scalar = [r["variant"] for r in rows if r["kernel"] == "_paged_attention_kernel" and not r["vector16"]]
+    assert not scalar, f"attention variants without 16-byte loads: {scalar[:3]}"
     # The decode-only, unsplit family (CUDA graphs at large batch) and the 128-row prefill tile.
     assert (16, 64, 4, 2, "False") in _shapes(rows, "*bf16")
     assert (128, 64, 8, 3, "False") in _shapes(rows, "*bf16")

@@ -112,3 +112,19 @@ def test_llm_and_server_flag_take_kv_cache_dtype(model_path, tmp_path):
     assert config.kv_cache_dtype == "fp8_e4m3"
     with pytest.raises(SystemExit):
         make_parser().parse_args(["--kv-cache-dtype", "fp8"])
+
+
+def test_cpu_tier_swaps_fp8_blocks_bytewise():
+    from pagoda.engine.kv_transfer import HostKVCache
+
+    gen = torch.Generator().manual_seed(0)
+    device = [tuple(torch.randn(6, 4, 2, 8, generator=gen).to(FP8) for _ in range(2)) for _ in range(2)]
+    host = HostKVCache(device, num_blocks=3)
+    assert host.host_caches[0][0].dtype == FP8
+    before = [t.view(torch.uint8).clone() for kv in device for t in kv]
+    host.swap_out([(1, 0), (4, 2)])
+    for kv in device:
+        for t in kv:
+            t.view(torch.uint8)[[1, 4]] = 0
+    host.swap_in([(0, 1), (2, 4)])
+    assert all(torch.equal(t.view(torch.uint8), b) for t, b in zip((t for kv in device for t in kv), before))
