@@ -82,8 +82,8 @@ def record_launches(families: str = "rules") -> list[tuple[JITFunction, tuple, d
 FP8 = torch.float8_e4m3fn
 # (query lens, context lens) of the steps whose launches are recorded, each at 4k context:
 # decode at batch 1 (split-K), decode at batch 64 (decode-only, unsplit), a mixed step of 63
-# decodes and a 512-token chunk (two launches: a 128-row prefill tile, unsplit decode), and
-# one decode beside a 64-token chunk (both launches split).
+# decodes and a 512-token chunk (two launches: a 128-row prefill tile split in 2, unsplit
+# decode), and one decode beside a 64-token chunk (both launches split).
 STEPS = {
     "decode_b1": ([1], [4096]),
     "decode_b64": ([1] * 64, [4096] * 64),

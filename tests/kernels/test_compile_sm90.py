@@ -103,7 +103,7 @@ def test_every_kernel_variant_compiles_for_sm90(tmp_path):
     assert not scalar, f"attention variants without 16-byte loads: {scalar[:3]}"
     # The decode-only, unsplit family (CUDA graphs at large batch) and the 128-row prefill tile.
     assert (16, 64, 4, 2, "False") in _shapes(rows, "*bf16")
-    assert (128, 64, 8, 3, "False") in _shapes(rows, "*bf16")
+    assert any(shape[:4] == (128, 64, 8, 3) for shape in _shapes(rows, "*bf16"))
 
 
 @pytest.mark.skipif(_sm90_api_missing() is not None, reason=str(_sm90_api_missing()))
