@@ -622,3 +622,26 @@ def test_openai_structured_output(router):
         client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=3,
                                        response_format={"type": "json_object"}, extra_body={"guided_regex": "a"})
     assert client.completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=2).choices[0].text is not None
+
+
+def test_non_streaming_client_that_disconnects_stops_its_request(router, replicas):
+    """A non-streaming OpenAI chat whose client gives up (no max_tokens: the default cap of
+    1,024 tokens) is cancelled at the replica within seconds and its KV blocks are freed."""
+    import socket
+
+    body = json.dumps({"model": MODEL_NAME, "stream": False, "temperature": 0, "ignore_eos": True,
+                       "messages": [{"role": "user", "content": "Count from one to a thousand in words."}]})
+    host, port = router.http_url.rsplit(":", 1)
+    before = {rid: read_metric(server, "vllm:generation_tokens_total") for rid, server in replicas.items()}
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall((f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                      f"Content-Length: {len(body)}\r\n\r\n{body}").encode())
+        _wait(lambda: any(read_metric(s, "vllm:num_requests_running") > 0 for s in replicas.values()),
+              "the request runs on a replica", 60, interval_s=0.05)
+    # The client is gone: the router cancels the upstream stream, the replica aborts it.
+    _wait(lambda: all(read_metric(s, "vllm:num_requests_running") == 0 for s in replicas.values()),
+          "the abandoned request is stopped", 20, interval_s=0.1)
+    _wait(lambda: all(read_metric(s, "vllm:kv_cache_usage_perc") == 0 for s in replicas.values()),
+          "its KV blocks are freed", 20, interval_s=0.1)
+    generated = sum(read_metric(s, "vllm:generation_tokens_total") - before[rid] for rid, s in replicas.items())
+    assert generated < 1024, f"the request ran to its cap ({generated} tokens)"

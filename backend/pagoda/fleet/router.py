@@ -174,7 +174,10 @@ class RouterService:
         await self._grpc_server.start()
         app = make_app(self.router, self.tracer, OpenAIApi(self.router, self.tracer, model_name, o.max_attempts,
                                                                  o.lora_names))
-        self._http_runner = web.AppRunner(app, access_log=None)
+        # A client that disconnects cancels its handler, and with it the upstream gRPC stream
+        # (stream_replica cancels its call), so the replica aborts the request and frees its
+        # KV blocks — for non-streaming requests too, which otherwise ran to completion.
+        self._http_runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         await self._http_runner.setup()
         site = web.TCPSite(self._http_runner, o.host, o.http_port)
         await site.start()
