@@ -25,11 +25,11 @@ jsonschema = pytest.importorskip("jsonschema")
 from pagoda_operator import crd  # noqa: E402
 from pagoda_operator.reconcile import render_children  # noqa: E402
 from pagoda_operator.spec import parse_llmservice  # noqa: E402
+from tests.crd_schema import KSERVE, tighten  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "pagoda"
 EXAMPLES = REPO / "examples" / "k8s"
-KSERVE = REPO / "tests" / "data" / "kserve"
 K8S_VERSION = "1.30.0"
 
 NON_DEFAULT = {
@@ -73,25 +73,6 @@ def render(tmp_path: Path | None) -> list[dict]:
     if tmp_path is not None:
         args += ["-f", values_file(tmp_path)]
     return [d for d in yaml.safe_load_all(run_helm(*args)) if d]
-
-
-def tighten(schema: dict) -> dict:
-    """Forbid unknown fields wherever an object lists its properties (as the API server's
-    strict field validation does); leave x-kubernetes-preserve-unknown-fields alone."""
-    schema = copy.deepcopy(schema)
-
-    def walk(node):
-        if isinstance(node, dict):
-            if ("properties" in node and "additionalProperties" not in node
-                    and not node.get("x-kubernetes-preserve-unknown-fields")):
-                node["additionalProperties"] = False
-            for value in node.values():
-                walk(value)
-        elif isinstance(node, list):
-            for value in node:
-                walk(value)
-    walk(schema)
-    return schema
 
 
 def crd_validator(crd_doc: dict):

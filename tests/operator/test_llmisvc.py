@@ -17,9 +17,9 @@ from pagoda_operator.reconcile import render_children, stale_children
 from pagoda_operator.render_llmisvc import llmisvc_pod_selector, render_llm_inference_service
 from pagoda_operator.render_router import render_router_deployment
 from pagoda_operator.spec import SpecError, parse_llmservice
+from tests.crd_schema import KSERVE, tighten  # noqa: E402
 
 jsonschema = pytest.importorskip("jsonschema")
-KSERVE = Path(__file__).resolve().parents[1] / "data" / "kserve"
 
 
 def body(**spec):
@@ -27,24 +27,6 @@ def body(**spec):
             "replicas": {"min": 2, "max": 4}}
     base.update(spec)
     return {"metadata": {"name": "chat", "namespace": "llm", "uid": "u1"}, "spec": base}
-
-
-def tighten(schema: dict) -> dict:
-    """Forbid unknown fields wherever an object lists its properties (strict field validation)."""
-    schema = copy.deepcopy(schema)
-
-    def walk(node):
-        if isinstance(node, dict):
-            if ("properties" in node and "additionalProperties" not in node
-                    and not node.get("x-kubernetes-preserve-unknown-fields")):
-                node["additionalProperties"] = False
-            for value in node.values():
-                walk(value)
-        elif isinstance(node, list):
-            for value in node:
-                walk(value)
-    walk(schema)
-    return schema
 
 
 @functools.lru_cache(maxsize=None)
