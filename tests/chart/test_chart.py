@@ -10,7 +10,6 @@ Skips (does not fail) when helm or kubernetes-validate are absent.
 
 from __future__ import annotations
 
-import copy
 import functools
 import os
 import shutil
