@@ -11,7 +11,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from pagoda.engine.sampler import Sampler, SamplingRow, make_generator
+from pagoda.engine.sampler import Sampler, SamplingRow, make_seed
 from pagoda.engine.sampling_params import SamplingParams
 
 # A small vocabulary with distinct logits, so top-k/top-p/min-p sets are unambiguous.
@@ -52,7 +52,7 @@ def draw_counts(params: SamplingParams, num_padding: int = 0, seed: int = 0, see
     """Sample NUM_SAMPLES tokens for identical rows in one batch; return per-token counts."""
     logits = torch.tensor(LOGITS + [50.0] * num_padding).expand(NUM_SAMPLES, -1)
     if seeded_rows:
-        rows = [SamplingRow(params, make_generator(seed + i)) for i in range(NUM_SAMPLES)]
+        rows = [SamplingRow(params, make_seed(seed + i)) for i in range(NUM_SAMPLES)]
     else:
         rows = [SamplingRow(params) for _ in range(NUM_SAMPLES)]
     output = Sampler(VOCAB_SIZE, seed=seed)(logits, rows)
@@ -200,7 +200,7 @@ def _random_row(rng: random.Random, vocab_size: int) -> SamplingRow:
     )
     return SamplingRow(
         params,
-        make_generator(params.seed),
+        params.seed,
         prompt_token_ids=[rng.randrange(vocab_size) for _ in range(rng.randrange(1, 10))],
         output_token_ids=[rng.randrange(vocab_size) for _ in range(rng.randrange(0, 5))],
         min_tokens_blocked_ids=frozenset({0}),
@@ -221,10 +221,10 @@ def test_seeded_row_ignores_batch_composition_and_position(target):
     step_logits = torch.randn(num_steps, width, generator=torch.Generator().manual_seed(3)) * 2
 
     def run(rng: Optional[random.Random]):
-        generator, outputs, logprobs = make_generator(params.seed), [], []
+        outputs, logprobs = [], []
         sampler = Sampler(vocab_size, seed=rng.randrange(100) if rng else 0)
         for step in range(num_steps):
-            row = SamplingRow(params, generator, [1, 2, 3], list(outputs), frozenset({0}))
+            row = SamplingRow(params, params.seed, [1, 2, 3], list(outputs), frozenset({0}))
             others = [_random_row(rng, vocab_size) for _ in range(rng.randrange(1, 8))] if rng else []
             position = rng.randrange(len(others) + 1) if rng else 0
             batch = others[:position] + [row] + others[position:]
@@ -244,20 +244,19 @@ def test_seeded_row_ignores_batch_composition_and_position(target):
 def test_same_seed_same_logits_same_tokens_different_seed_differs():
     logits = torch.zeros(3, 50)
     params = [SamplingParams(seed=5), SamplingParams(seed=5), SamplingParams(seed=6)]
-    rows = [SamplingRow(p, make_generator(p.seed)) for p in params]
+    rows = [SamplingRow(p, p.seed) for p in params]
     sampler = Sampler(50)
     tokens = [sampler(logits, rows).token_ids for _ in range(10)]
     assert all(step[0] == step[1] for step in tokens)
     assert any(step[0] != step[2] for step in tokens)
 
 
-def test_make_generator():
-    assert make_generator(None) is None
-    draws = [torch.rand(4, generator=make_generator(9, i)) for i in range(4)]
-    assert torch.equal(draws[0], torch.rand(4, generator=torch.Generator().manual_seed(9)))
-    assert torch.equal(draws[2], torch.rand(4, generator=make_generator(9, 2)))
-    assert len({tuple(d.tolist()) for d in draws}) == 4
-    assert not torch.equal(torch.rand(4, generator=make_generator(10, 1)), draws[1])
+def test_make_seed():
+    assert make_seed(None) is None and make_seed(None, 3) is None
+    assert make_seed(9) == make_seed(9, 0) == 9
+    children = [make_seed(9, i) for i in range(4)]
+    assert len(set(children)) == 4 and children[2] == make_seed(9, 2)
+    assert all(0 <= c < 2**64 for c in children) and make_seed(10, 1) != children[1]
 
 
 def test_logprobs_are_raw_log_softmax_with_rank_and_ordered_top():

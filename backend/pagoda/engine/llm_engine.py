@@ -46,7 +46,7 @@ from pagoda.engine.guided.manager import GuidedDecodingManager
 from pagoda.engine.model_runner import ModelRunner, resolve_device, resolve_dtype
 from pagoda.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from pagoda.engine.request import Request, RequestStatus
-from pagoda.engine.sampler import Sampler, SamplingRow, make_generator
+from pagoda.engine.sampler import Sampler, SamplingRow, make_seed
 from pagoda.engine.sampling_params import SamplingParams
 from pagoda.engine.kv_transfer import HostKVCache, calibrate
 from pagoda.engine.scheduler import Scheduler, SchedulerConfig
@@ -302,7 +302,7 @@ class LLMEngine:
         blocked = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         request.sampling_state = SamplingRow(
             params=params,
-            generator=make_generator(params.seed, index) if params.seed is not None else None,
+            seed=make_seed(params.seed, index),
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,
             min_tokens_blocked_ids=blocked,

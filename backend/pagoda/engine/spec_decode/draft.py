@@ -12,9 +12,10 @@ How a request is verified depends only on its sampling parameters (``VerifyMode`
   argmax at the next position is a bonus token. The output is the non-speculative greedy
   output, token for token.
 * ``COUPLED`` (random, seeded): the target's sample at each position is the one the plain
-  sampler would draw there: the request's generator supplies exactly ``vocab_size`` Exp(1)
-  draws per emitted token, in order, and the sample is ``argmax(p / noise)``. A drafted
-  token is accepted while it equals that sample. The output is therefore the same as
+  sampler would draw there: the draws at output position ``m`` are a function of the
+  request's seed and ``m`` (``sampling_noise``), and the sample is the same race over the
+  same filtered logits (``Sampler.race``). A drafted token is accepted while it equals
+  that sample. The output is therefore the same as
   without speculation for the same seed, whatever the window, the draft or the batch;
   the draft model proposes with the same (peeked) noise so it agrees as often as it can.
 * ``REJECTION`` (random, unseeded): modified rejection sampling (see
@@ -42,14 +43,14 @@ class VerifyMode(enum.Enum):
     def of(cls, row: SamplingRow) -> "VerifyMode":
         if row.params.is_greedy:
             return cls.GREEDY
-        return cls.COUPLED if row.generator is not None else cls.REJECTION
+        return cls.COUPLED if row.seed is not None else cls.REJECTION
 
 
 @dataclass
 class DraftRequest:
     request: Request
     num_tokens: int  # the window k: propose at most this many (> 0)
-    row: SamplingRow  # the request's sampling state (penalties, generator)
+    row: SamplingRow  # the request's sampling state (penalties, seed)
 
     @property
     def mode(self) -> VerifyMode:
@@ -72,6 +73,6 @@ def with_outputs(row: SamplingRow, extra_token_ids: list[int]) -> SamplingRow:
     min_tokens at a drafted position)."""
     if not extra_token_ids:
         return row
-    return SamplingRow(params=row.params, generator=row.generator, prompt_token_ids=row.prompt_token_ids,
+    return SamplingRow(params=row.params, seed=row.seed, prompt_token_ids=row.prompt_token_ids,
                        output_token_ids=list(row.output_token_ids) + list(extra_token_ids),
                        min_tokens_blocked_ids=row.min_tokens_blocked_ids)

@@ -18,9 +18,9 @@ fit the one memory budget). Per request it remembers how many tokens have KV
 Draft tokens are sampled under the request's own transforms (penalties as if the earlier
 drafts were generated, temperature, top-k/p, min-p; ``Sampler.process_logits`` and
 ``Sampler.sample_probs``): greedy requests take the argmax, seeded requests use the noise
-their own generator will give the target at those positions (peeked, then restored),
-unseeded requests sample from ``q`` with the proposer's generator and hand ``q`` over for
-rejection sampling.
+the target's sampler will use at those positions (counter-based, so nothing is consumed),
+unseeded requests sample from ``q`` with draws from the sampler's unseeded stream and hand
+``q`` over for rejection sampling.
 
 ``make_layer_skip_draft`` builds "the target's first N layers with its final norm and LM
 head" as a draft that shares the target's weights (no extra weight memory).
@@ -104,7 +104,7 @@ class DraftModelProposer:
     sampler: the engine's sampler (transforms and noise).
     max_num_batched_tokens: catch-up tokens per ``propose`` call.
     max_model_len: longest sequence the draft must handle.
-    seed: seed of the generator that samples unseeded drafts.
+    seed: unused since unseeded drafts draw from the sampler's stream; kept for callers.
     """
 
     def __init__(self, model: LlamaForCausalLM, target_config: ModelConfig, num_blocks: int, block_size: int,
@@ -126,7 +126,6 @@ class DraftModelProposer:
         self.kv_caches = [(torch.zeros(shape, dtype=model.dtype, device=model.device),
                            torch.zeros(shape, dtype=model.dtype, device=model.device))
                           for _ in range(config.num_hidden_layers)]
-        self._generator = torch.Generator().manual_seed(seed)
         self._seqs: dict[str, _DraftSeq] = {}
 
     @property
@@ -218,13 +217,10 @@ class DraftModelProposer:
         return self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.int64, device=device)])
 
     def _peek_noise(self, item: DraftRequest) -> torch.Tensor:
-        """The Exp(1) noise the request's generator will give its next ``k`` samples,
-        without consuming it."""
-        generator = item.row.generator
-        state = generator.get_state()
-        noise = self.sampler.draw_noise([item.row] * item.num_tokens, self.model.device)  # [k, V]
-        generator.set_state(state)
-        return noise
+        """The Exp(1) noise the target's sampler will use for the request's next ``k``
+        samples (counter-based: computing it consumes nothing)."""
+        return self.sampler.draw_noise([item.row] * item.num_tokens, self.model.device,
+                                       offsets=range(item.num_tokens))  # [k, V]
 
     def _sample(self, logits: torch.Tensor, active, drafts, probs, noise) -> None:
         """Append one draft token per active request (row ``i`` of ``logits``)."""
@@ -240,8 +236,8 @@ class DraftModelProposer:
                 if item.mode == VerifyMode.COUPLED:
                     race = noise[rid][len(drafts[rid])]
                 else:
-                    race = torch.empty_like(q[j], device="cpu").exponential_(generator=self._generator)
+                    race = self.sampler.draw_noise([rows[i]], q.device)[0]  # the sampler's unseeded stream
                     probs[rid].append(q[j])
-                chosen[i] = (q[j] / race.to(q.device).clamp_min_(torch.finfo(torch.float32).tiny)).argmax()
+                chosen[i] = (q[j] / race).argmax()
         for (item, _), token in zip(active, chosen.tolist()):
             drafts[item.request.request_id].append(token)

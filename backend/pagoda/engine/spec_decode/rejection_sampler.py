@@ -24,7 +24,7 @@ deterministic-given-noise modes described in ``draft.py``.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
@@ -88,18 +88,9 @@ def greedy_verify(target_argmax: list[int], draft_token_ids: list[int]) -> list[
     return out
 
 
-def coupled_verify(
-    target_probs: torch.Tensor,  # [k + 1, V]
-    draft_token_ids: list[int],
-    draw_noise: Callable[[], torch.Tensor],  # the request's next [V] Exp(1) draws
-) -> list[int]:
-    """Seeded verification: the target samples ``argmax(p_j / noise_j)`` with the request's
-    own noise, drawn lazily so exactly one draw of ``V`` per emitted token is consumed
-    (as without speculation); drafted tokens are accepted while they equal those samples."""
-    out = []
-    for j in range(len(draft_token_ids) + 1):
-        sample = int((target_probs[j] / draw_noise()).argmax())
-        out.append(sample)
-        if j == len(draft_token_ids) or draft_token_ids[j] != sample:
-            return out
-    raise AssertionError("unreachable")
+def coupled_verify(target_samples: list[int], draft_token_ids: list[int]) -> list[int]:
+    """Seeded verification: ``target_samples[j]`` is what plain sampling draws at drafted
+    position ``j`` (the request's own noise for that output position, computed up front:
+    the noise is counter-based, so drawing it consumes nothing); drafted tokens are
+    accepted while they equal those samples, as in ``greedy_verify``."""
+    return greedy_verify(target_samples, draft_token_ids)

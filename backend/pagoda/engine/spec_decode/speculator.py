@@ -135,6 +135,7 @@ class Speculator:
         self.default_on = default_on
         self.max_num_batched_tokens = max_num_batched_tokens
         self.stats = SpecStats()
+        self._seed = seed
         self._generator = torch.Generator().manual_seed(seed)
         self._server_estimate = AcceptanceEstimate(_PRIOR_ACCEPTANCE, weight=0.05)
         self._estimates: dict[str, AcceptanceEstimate] = {}
@@ -207,8 +208,10 @@ class Speculator:
         processed = self.sampler.process_logits(raw, ext_rows, mask)  # [sum(n + 1), V]; grammar rows masked
         random = [i for i, r in enumerate(ext_rows) if not r.params.is_greedy]
         probs = torch.zeros_like(processed)
+        filtered = torch.full_like(processed, float("-inf"))
         if random:
-            probs[random] = self.sampler.sample_probs(processed[random], [ext_rows[i] for i in random])
+            filtered[random] = self.sampler.filter_logits(processed[random], [ext_rows[i] for i in random])
+            probs[random] = filtered[random].softmax(dim=-1)
         rejection, offset = [], 0
         for item, _ in spec:
             rid, drafts, n = item.request.request_id, item.spec_token_ids, len(item.spec_token_ids)
@@ -217,9 +220,7 @@ class Speculator:
             if mode == VerifyMode.GREEDY:
                 tokens[rid] = greedy_verify(processed[rows].argmax(dim=-1).tolist(), drafts)
             elif mode == VerifyMode.COUPLED:
-                row = item.request.sampling_state
-                tokens[rid] = coupled_verify(probs[rows], drafts,
-                                             lambda row=row: self.sampler.draw_noise([row], probs.device)[0])
+                tokens[rid] = coupled_verify(self.sampler.race(filtered[rows], ext_rows[rows]).tolist(), drafts)
             else:
                 rejection.append((item, offset))
             offset += n + 1
@@ -253,6 +254,8 @@ class Speculator:
             else:
                 q[r, :n] = draft.probs.to(q.device)
             num_drafts[r] = n
+        if self._generator.device != probs.device:  # rejection sampling draws where the logits are
+            self._generator = torch.Generator(device=probs.device).manual_seed(self._seed)
         num_accepted, next_token = rejection_sample(p, q, x, num_drafts, self._generator)
         for r, (item, _) in enumerate(rejection):
             a = int(num_accepted[r])
