@@ -1,0 +1,105 @@
+"""The sampler stays on the logits' device: a guard that runs on any CPU.
+
+The logits live on the ``meta`` device (shapes, no data), and a ``TorchDispatchMode``
+sees every aten op the sampler issues. It fails the call if any op touches a host tensor
+as large as a vocabulary row (noise or a filter computed on the host, or a vocabulary-
+sized copy either way), and it counts device-to-host reads (``.tolist()``, ``.cpu()``,
+``.item()``, ``bool(t)``), answering each with zeros so the call can finish. Host-to-device
+copies of small per-row parameters are allowed. A second test puts a CPU generator back
+into the noise and checks that the guard catches it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from pagoda.engine import sampling_filters
+from pagoda.engine.sampler import Sampler, SamplingRow
+from pagoda.engine.sampling_params import SamplingParams
+
+VOCAB_SIZE = 4096  # larger than any per-row parameter tensor of a test batch
+aten = torch.ops.aten
+
+
+class DeviceGuard(TorchDispatchMode):
+    """Records host compute on vocabulary-sized tensors and device-to-host reads."""
+
+    def __init__(self, vocab_size: int) -> None:
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.host_ops: list[str] = []
+        self.reads: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        on_device = any(t.device.type != "cpu" for t in inputs)
+        if func is aten._local_scalar_dense.default and on_device:
+            self.reads.append(str(func))
+            return 0
+        if func is aten._to_copy.default and on_device and kwargs.get("device") == torch.device("cpu"):
+            self.reads.append(str(func))
+            source = args[0]
+            self._check_size(func, [source])
+            return torch.zeros(source.shape, dtype=kwargs.get("dtype") or source.dtype)
+        if func is aten.copy_.default and args[0].device.type == "cpu" and args[1].device.type != "cpu":
+            self.reads.append(str(func))
+            return args[0].zero_()
+        out = func(*args, **kwargs)
+        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        self._check_size(func, inputs + outputs)
+        return out
+
+    def _check_size(self, func, tensors) -> None:
+        if any(t.device.type == "cpu" and t.numel() >= self.vocab_size for t in tensors):
+            self.host_ops.append(f"{func} {[tuple(t.shape) for t in tensors]}")
+
+
+def _rows() -> list[list[SamplingRow]]:
+    prompt, output = list(range(0, 40, 3)), [5, 7, 7, 9]
+    seeded = SamplingParams(temperature=0.8, top_p=0.95, seed=3, logprobs=2)
+    return [
+        [SamplingRow(SamplingParams(temperature=0))] * 4,  # greedy only
+        [SamplingRow(SamplingParams(temperature=0.8, top_p=0.95))] * 3 + [SamplingRow(seeded, 3, prompt, output)],
+        [SamplingRow(SamplingParams(temperature=1.0))] * 2,  # dense race
+        [  # every stage at once, mixed with greedy and plain rows
+            SamplingRow(SamplingParams(temperature=0, repetition_penalty=1.2, logprobs=0), None, prompt, output),
+            SamplingRow(SamplingParams(temperature=0.7, top_k=50, min_p=0.05, presence_penalty=0.3), 9, prompt, output),
+            SamplingRow(SamplingParams(temperature=1.2, frequency_penalty=0.5, min_tokens=8), None, prompt, output,
+                        frozenset({0, 2})),
+            SamplingRow(SamplingParams(temperature=0.5, top_k=20, top_p=0.9), None, prompt, output),
+            SamplingRow(SamplingParams(temperature=1.0, min_p=0.1)),
+        ],
+    ]
+
+
+def _guarded_call(rows: list[SamplingRow]) -> DeviceGuard:
+    sampler = Sampler(VOCAB_SIZE)
+    logits = torch.empty(len(rows), VOCAB_SIZE + 64, device="meta")
+    with DeviceGuard(VOCAB_SIZE) as guard:
+        output = sampler(logits, rows)
+    assert len(output.token_ids) == len(rows)
+    return guard
+
+
+@pytest.mark.parametrize("case", range(len(_rows())), ids=["greedy", "top_p+seeded+logprobs", "plain", "everything"])
+def test_sampler_never_computes_on_the_host_and_reads_back_once(case):
+    guard = _guarded_call(_rows()[case])
+    assert guard.host_ops == [], "vocabulary-sized work on the host:\n" + "\n".join(guard.host_ops)
+    assert len(guard.reads) == 1, f"expected one device-to-host read, got {guard.reads}"
+
+
+def test_guard_catches_noise_drawn_by_a_cpu_generator(monkeypatch):
+    """The regression this guard exists for: Exp(1) noise from a host generator, copied over."""
+
+    def host_noise(keys, vocab_size, columns=None):
+        generator = torch.Generator().manual_seed(0)
+        noise = torch.empty(keys.shape[0], vocab_size).exponential_(generator=generator).to(keys.device)
+        return noise if columns is None else noise.gather(1, columns)
+
+    monkeypatch.setattr(sampling_filters, "exponential_noise", host_noise)
+    guard = _guarded_call(_rows()[1])
+    assert any("exponential" in op for op in guard.host_ops), guard.host_ops
