@@ -5,7 +5,7 @@
     pagoda serve [...]                                          tritonserver over model_repository/
     pagoda router [...]                                         cache-aware router over replicas
     pagoda operator [...]                                       the Kubernetes operator (kopf)
-    pagoda bench offline|serve|kernels|routing|autoscale|quant|spec|offload|lora|structured|soak  benchmarks
+    pagoda bench offline|serve|kernels|routing|autoscale|quant|spec|offload|lora|structured|soak|throughput  benchmarks
 
 Subcommands import their modules lazily so ``pagoda --help`` stays fast and a missing
 optional dependency only affects the subcommand that needs it.
@@ -38,6 +38,7 @@ _BENCHES = {
     "lora": ("pagoda.bench.lora", "main", "throughput with 1, 4 and 16 LoRA adapters in a batch vs the base model"),
     "structured": ("pagoda.bench.structured", "main", "structured output: half the batch constrained vs none"),
     "soak": ("pagoda.bench.soak", "main", "router + 2 replicas + Redis under mixed traffic and faults; invariants"),
+    "throughput": ("pagoda.bench.throughput", "main", "offline high concurrency: greedy vs sampled, stage shares"),
 }
 
 
