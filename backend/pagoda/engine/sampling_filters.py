@@ -10,9 +10,11 @@ token a filter keeps is a candidate:
 * rows with ``top_k`` keep at most ``top_k`` tokens, so ``K >= max(top_k)`` suffices;
 * a row with ``top_p`` but no ``top_k`` can keep any number of tokens. On a device the
   candidates are then the whole vocabulary (a sort; deciding a smaller ``K`` would need
-  a host round trip). On the CPU, where reading a value costs nothing, ``K`` starts at
-  ``CPU_START_WIDTH`` and rows whose candidates hold less than ``top_p`` of the mass are
-  redone with an 8x wider ``K`` until covered.
+  a host round trip). On the CPU, where reading a value costs nothing, ``K`` is
+  ``CPU_START_WIDTH``; a row whose candidates hold less than ``top_p`` of the mass (a
+  flat distribution) races over the whole vocabulary instead, which picks the filtered
+  race's token whenever the filters keep the winner (about ``top_p`` of the time), and
+  is redone on the sorted vocabulary otherwise.
 
 Within the candidates, with ``w = exp(logit - max)`` and ``cw = cumsum(w)``: top-k drops
 positions ``>= top_k``; top-p normalises by ``Z = cw[top_k - 1]`` for top-k rows (the
@@ -145,7 +147,26 @@ def race_candidates(scaled: torch.Tensor, rows: RandomRows, width: int = 0) -> t
     if width < vocab_size and scaled.device.type == "cpu":
         redo = [i for i, covered in enumerate(is_covered.tolist()) if not covered]  # free on the CPU
         if redo:
-            tokens[redo] = race_candidates(scaled[redo], rows.select(redo), min(vocab_size, width * 8))
+            tokens[redo] = _race_uncovered(scaled[redo], rows.select(redo))
+    return tokens
+
+
+def _race_uncovered(scaled: torch.Tensor, rows: RandomRows) -> torch.Tensor:
+    """CPU, top-p rows (no top-k) whose candidates hold less than ``top_p``: race over the
+    whole vocabulary with the same draws. The filtered race's winner is this winner
+    whenever the filters keep it (the kept set is a subset that contains it); rows whose
+    winner is filtered out are redone on the fully sorted vocabulary."""
+    vocab_size = scaled.shape[1]
+    top = scaled.max(dim=-1, keepdim=True).values
+    weights = (scaled - top).exp_()  # [U, V]
+    total = weights.sum(dim=-1)  # the same sum kept_candidates normalises top-p by
+    tokens = (weights / exponential_noise(rows.keys, vocab_size)).argmax(dim=-1)
+    chosen = weights.gather(1, tokens[:, None])
+    mass_before = weights.masked_fill(weights <= chosen, 0.0).sum(dim=-1) / total
+    is_kept = (mass_before < rows.top_p) & (scaled.gather(1, tokens[:, None])[:, 0] >= top[:, 0] + rows.min_p.log())
+    redo = [i for i, kept in enumerate(is_kept.tolist()) if not kept]
+    if redo:
+        tokens[redo] = race_candidates(scaled[redo], rows.select(redo), vocab_size)
     return tokens
 
 
