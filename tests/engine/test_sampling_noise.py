@@ -10,7 +10,7 @@ import torch
 from scipy.stats import kstest, pearsonr
 
 from pagoda.engine.sampler import Sampler, SamplingRow
-from pagoda.engine.sampling_noise import exponential_noise, row_keys
+from pagoda.engine.sampling_noise import _bits_torch, _top_bits_numpy, exponential_noise, row_keys
 from pagoda.engine.sampling_params import SamplingParams
 
 M32, M64 = (1 << 32) - 1, (1 << 64) - 1
@@ -45,6 +45,12 @@ def test_noise_matches_the_specification_bit_for_bit():
             assert noise[r, c].item() == pytest.approx(_reference_noise(seed, position, column), rel=1e-6)
     # A column's value is the same whether evaluated alone or in the dense row.
     assert torch.equal(exponential_noise(keys, 49152)[:, [0, 1, 5, 49151]], noise)
+    # The CPU's numpy uint32 bits equal the int64 tensor bits every other device uses.
+    assert torch.equal(_bits_torch(keys, 49152, None) >> 8, exponential_noise_bits_cpu(keys, 49152))
+
+
+def exponential_noise_bits_cpu(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    return _top_bits_numpy(keys.numpy(), vocab_size, None).to(torch.int64)
 
 
 def test_noise_is_exp1_and_neighbouring_positions_are_independent():

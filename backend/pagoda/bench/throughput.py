@@ -145,7 +145,8 @@ def run_mix(engine, clock: StageClock, requests: list[Request], mix: str) -> dic
     shares["rest"] = max(0.0, 1.0 - sum(shares.values()))
     return {"mix": mix, "wall_s": wall, "output_tokens": num_output, "prompt_tokens": num_prompt,
             "output_tok_s": num_output / wall, "total_tok_s": (num_output + num_prompt) / wall,
-            "steps": len(step_seconds), "step_p50_ms": 1e3 * statistics.median(step_seconds), "shares": shares}
+            "steps": len(step_seconds), "step_p50_ms": 1e3 * statistics.median(step_seconds), "shares": shares,
+            "stage_s": dict(clock.seconds, step=total_step)}
 
 
 def build_engine(args, device: torch.device, folder: Path):
@@ -241,4 +242,6 @@ def print_report(report: dict) -> None:
         for mix in ("sampled", "seeded"):
             if mix in by_mix:
                 ratio = by_mix[mix]["wall_s"] / by_mix["greedy"]["wall_s"]
-                print(f"{mix} / greedy wall time: {ratio:.2f}x")
+                sampler_ms = 1e3 * by_mix[mix]["stage_s"]["sampler"] / by_mix[mix]["steps"]
+                print(f"{mix} / greedy wall time: {ratio:.2f}x; sampler {sampler_ms:.1f} ms per step "
+                      f"(greedy {1e3 * by_mix['greedy']['stage_s']['sampler'] / by_mix['greedy']['steps']:.1f} ms)")
