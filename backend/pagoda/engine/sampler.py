@@ -236,7 +236,7 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """Stage 4 for random rows; ``[R]`` token ids on the logits' device."""
         params = RandomRows.build([row.params for row in rows], self._keys(rows), self.vocab_size, logits.device)
-        scaled = logits / params.temperature[:, None]
+        scaled = logits.div_(params.temperature[:, None])  # ``logits`` is this call's own copy
         needs_candidates = params.needs_candidates(self.vocab_size)
         filtered = [i for i, needed in enumerate(needs_candidates) if needed]
         if len(filtered) == len(rows):

@@ -110,9 +110,10 @@ def kept_candidates(scaled: torch.Tensor, rows: RandomRows, width: int):
         width: ``K``.
 
     Returns:
-        ``(weights [R, K], ids [R, K], values [R, K], is_covered [R])``: ``w`` with removed
-        positions 0, the candidates' token ids, their logits with removed positions -inf,
-        and whether the row's kept set surely lies within the candidates.
+        ``(weights [R, K], ids [R, K], values [R, K], is_covered [R], dense)``: ``w`` with
+        removed positions 0, the candidates' token ids, their logits with removed
+        positions -inf, whether the row's kept set surely lies within the candidates, and
+        ``(exp(scaled - max) [R, V], its row sums [R])`` when top-p needed them, else None.
     """
     vocab_size = scaled.shape[1]
     if width < vocab_size:
@@ -123,17 +124,20 @@ def kept_candidates(scaled: torch.Tensor, rows: RandomRows, width: int):
     weights = (values - top).exp_()  # [R, K]; weights[:, 0] == 1
     removed = torch.arange(width, device=scaled.device)[None, :] >= rows.top_k[:, None]
     is_covered = rows.top_k <= width
+    dense = None
     if any(p < 1.0 for p in rows.host_top_p):
         prefix = weights.cumsum(dim=-1)
         has_top_k = rows.top_k < vocab_size
         top_k_sum = prefix.gather(1, (rows.top_k.clamp(max=width) - 1)[:, None])[:, 0]
-        full_sum = (scaled - top).exp_().sum(dim=-1)  # the same at every width
+        dense_weights = (scaled - top).exp_()  # [R, V]
+        full_sum = dense_weights.sum(dim=-1)  # the same at every width
+        dense = (dense_weights, full_sum)
         total = torch.where(has_top_k, top_k_sum, full_sum)[:, None]
         removed |= (prefix - weights) / total >= rows.top_p[:, None]
         is_covered |= prefix[:, -1] / total[:, 0] >= rows.top_p
     if any(p > 0.0 for p in rows.host_min_p):
         removed |= values < top + rows.min_p.log()[:, None]  # log(0) = -inf removes nothing
-    return weights.masked_fill_(removed, 0.0), ids, values.masked_fill(removed, _NEG_INF), is_covered
+    return weights.masked_fill_(removed, 0.0), ids, values.masked_fill(removed, _NEG_INF), is_covered, dense
 
 
 def race_candidates(scaled: torch.Tensor, rows: RandomRows, width: int = 0) -> torch.Tensor:
@@ -141,29 +145,35 @@ def race_candidates(scaled: torch.Tensor, rows: RandomRows, width: int = 0) -> t
     on ``width`` candidates (0: the initial width). Returns ``[R]`` int64 token ids."""
     vocab_size = scaled.shape[1]
     width = width or _initial_width(rows, vocab_size, scaled.device)
-    weights, ids, _, is_covered = kept_candidates(scaled, rows, width)
+    weights, ids, _, is_covered, dense = kept_candidates(scaled, rows, width)
     noise = exponential_noise(rows.keys, vocab_size, ids)  # [R, K]
     tokens = ids.gather(1, (weights / noise).argmax(dim=-1, keepdim=True))[:, 0]
     if width < vocab_size and scaled.device.type == "cpu":
         redo = [i for i, covered in enumerate(is_covered.tolist()) if not covered]  # free on the CPU
         if redo:
-            tokens[redo] = _race_uncovered(scaled[redo], rows.select(redo))
+            at = slice(None) if len(redo) == len(tokens) else redo  # a view when every row is redone
+            tokens[redo] = _race_uncovered(scaled[at], rows.select(redo), dense[0][at], dense[1][at])
     return tokens
 
 
-def _race_uncovered(scaled: torch.Tensor, rows: RandomRows) -> torch.Tensor:
+def _race_uncovered(scaled: torch.Tensor, rows: RandomRows, weights: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
     """CPU, top-p rows (no top-k) whose candidates hold less than ``top_p``: race over the
     whole vocabulary with the same draws. The filtered race's winner is this winner
     whenever the filters keep it (the kept set is a subset that contains it); rows whose
-    winner is filtered out are redone on the fully sorted vocabulary."""
+    winner is filtered out are redone on the fully sorted vocabulary.
+
+    ``weights``/``total``: ``exp(scaled - max)`` ``[U, V]`` and its row sums, from
+    ``kept_candidates``."""
     vocab_size = scaled.shape[1]
-    top = scaled.max(dim=-1, keepdim=True).values
-    weights = (scaled - top).exp_()  # [U, V]
-    total = weights.sum(dim=-1)  # the same sum kept_candidates normalises top-p by
-    tokens = (weights / exponential_noise(rows.keys, vocab_size)).argmax(dim=-1)
+    noise = exponential_noise(rows.keys, vocab_size)  # [U, V]
+    tokens = torch.div(weights, noise, out=noise).argmax(dim=-1)
     chosen = weights.gather(1, tokens[:, None])
     mass_before = weights.masked_fill(weights <= chosen, 0.0).sum(dim=-1) / total
-    is_kept = (mass_before < rows.top_p) & (scaled.gather(1, tokens[:, None])[:, 0] >= top[:, 0] + rows.min_p.log())
+    # min-p in kept_candidates' own terms: logit >= max + log(min_p), where w == 1 at the max.
+    top = scaled.gather(1, weights.argmax(dim=-1, keepdim=True))[:, 0] if any(p > 0 for p in rows.host_min_p) else None
+    is_kept = mass_before < rows.top_p
+    if top is not None:
+        is_kept &= scaled.gather(1, tokens[:, None])[:, 0] >= top + rows.min_p.log()
     redo = [i for i, kept in enumerate(is_kept.tolist()) if not kept]
     if redo:
         tokens[redo] = race_candidates(scaled[redo], rows.select(redo), vocab_size)
@@ -174,7 +184,7 @@ def filter_dense(scaled: torch.Tensor, rows: RandomRows) -> torch.Tensor:
     """``scaled`` ``[R, V]`` with every token a filter removes set to -inf (a new tensor)."""
     vocab_size = scaled.shape[1]
     if any(rows.needs_candidates(vocab_size)):
-        _, ids, values, _ = kept_candidates(scaled, rows, _dense_width(rows, vocab_size))
+        _, ids, values, _, _ = kept_candidates(scaled, rows, _dense_width(rows, vocab_size))
         return torch.full_like(scaled, _NEG_INF).scatter_(1, ids, values)
     if any(p > 0.0 for p in rows.host_min_p):
         threshold = scaled.max(dim=-1, keepdim=True).values + rows.min_p.log()[:, None]
