@@ -83,7 +83,7 @@ def test_sampler_follows_the_mask_for_greedy_and_sampled_rows():
     allowed[0, [7, 9]] = True
     allowed[2, [1, 40, 41]] = True
     rows = [SamplingRow(SamplingParams(temperature=0.0)), SamplingRow(SamplingParams(temperature=0.0)),
-            SamplingRow(SamplingParams(temperature=1.0, top_p=0.9), generator=torch.Generator().manual_seed(5))]
+            SamplingRow(SamplingParams(temperature=1.0, top_p=0.9), seed=5)]
     mask = TokenBitmask(rows=torch.tensor([0, 2]), bits=_pack(allowed[[0, 2]]))
     for _ in range(20):
         out = sampler(logits, rows, mask)
