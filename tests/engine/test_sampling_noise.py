@@ -10,7 +10,7 @@ import torch
 from scipy.stats import kstest, pearsonr
 
 from pagoda.engine.sampler import Sampler, SamplingRow
-from pagoda.engine.sampling_noise import _bits_torch, _top_bits_numpy, exponential_noise, row_keys
+from pagoda.engine.sampling_noise import _bits_torch, _top_bits_numpy, exponential_noise, row_keys, to_exponential_
 from pagoda.engine.sampling_params import SamplingParams
 
 M32, M64 = (1 << 32) - 1, (1 << 64) - 1
@@ -32,7 +32,7 @@ def _reference_noise(seed: int, position: int, column: int) -> float:
     """The module docstring's specification, in plain Python integers."""
     key = _mix64((_mix64(seed ^ 0x5851F42D4C957F2D) + position * 0x9E3779B97F4A7C15) & M64) >> 32
     bits = _hash32(_hash32(column ^ 0x9E3779B9) ^ key)
-    return -float(np.log(np.float32(((bits >> 8) + 0.5) / 2**24)))
+    return -float(np.log(np.float32(((bits >> 9) + 0.5) / 2**23)))
 
 
 def test_noise_matches_the_specification_bit_for_bit():
@@ -46,7 +46,7 @@ def test_noise_matches_the_specification_bit_for_bit():
     # A column's value is the same whether evaluated alone or in the dense row.
     assert torch.equal(exponential_noise(keys, 49152)[:, [0, 1, 5, 49151]], noise)
     # The CPU's numpy uint32 bits equal the int64 tensor bits every other device uses.
-    assert torch.equal(_bits_torch(keys, 49152, None) >> 8, exponential_noise_bits_cpu(keys, 49152))
+    assert torch.equal(_bits_torch(keys, 49152, None) >> 9, exponential_noise_bits_cpu(keys, 49152))
 
 
 def exponential_noise_bits_cpu(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -59,6 +59,10 @@ def test_noise_is_exp1_and_neighbouring_positions_are_independent():
     noise = exponential_noise(keys, vocab_size).double()  # [4, V]
     for row in noise:
         assert kstest(row.numpy(), "expon").pvalue > 1e-3
+    # The extreme draws are finite and positive (u is never 0 or 1), so a race never
+    # divides by zero: exhaustively over the 2**23 uniform levels the bits can give.
+    draws = to_exponential_(torch.arange(2**23, dtype=torch.float32))
+    assert bool(torch.isfinite(draws).all()) and float(draws.min()) > 0
     for a, b in ((0, 1), (1, 2), (0, 3)):  # next position; another seed
         assert abs(pearsonr(noise[a].numpy(), noise[b].numpy()).statistic) < 4 / vocab_size**0.5
     # Neighbouring columns of one row are independent too.
@@ -91,3 +95,18 @@ def test_unseeded_rows_get_fresh_draws_every_call():
     assert not torch.equal(first[0], first[1]) and not torch.equal(first, second)
     again = Sampler(10, seed=4).draw_noise(rows, torch.device("cpu"))
     assert torch.equal(first, again), "the unseeded stream is reproducible from the engine seed"
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.8, 0.95), (1.3, 0.5)])
+def test_tokens_masked_to_minus_inf_are_never_sampled(temperature, top_p):
+    """A grammar leaves a few tokens finite; no draw, however extreme, may pick another."""
+    vocab_size, num_rows = 3000, 256
+    generator = torch.Generator().manual_seed(2)
+    logits = torch.randn(num_rows, vocab_size, generator=generator)
+    allowed = torch.rand(num_rows, vocab_size, generator=generator) < 0.002
+    allowed[:, 0] = True
+    logits = logits.masked_fill(~allowed, float("-inf"))
+    params = SamplingParams(temperature=temperature, top_p=top_p)
+    rows = [SamplingRow(params, seed=i if i % 2 else None) for i in range(num_rows)]
+    tokens = Sampler(vocab_size)(logits, rows).token_ids
+    assert all(allowed[i, t] for i, t in enumerate(tokens))
