@@ -92,8 +92,7 @@ class _OneStepEngine:
     def __init__(self):
         self.pending = {}
 
-    def add_request(self, request_id, prompt, params, *, arrival_time=None, priority=0, cache_salt=None,
-                    lora_name=None):
+    def add_request(self, request_id, prompt, params, *, arrival_time=None, **options):  # priority, lora_name, ...
         self.pending[request_id] = RequestMetrics(arrival_time=arrival_time, first_scheduled_time=arrival_time,
                                                   first_token_time=arrival_time, finished_time=arrival_time)
 
