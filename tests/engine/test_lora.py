@@ -110,11 +110,13 @@ def _run(engine: LLMEngine, requests: dict[str, tuple[list[int], str | None]]) -
     return tokens
 
 
-def test_one_batch_of_three_adapters_and_the_base_model_matches_hf_peft(lora_setup, expected):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_one_batch_of_three_adapters_and_the_base_model_matches_hf_peft(lora_setup, expected, async_scheduling):
     """Three adapters + base in one engine with 2 slots: the scheduler holds the third
-    adapter back until a slot frees; every output is token-identical to HF (+ PEFT)."""
+    adapter back until a slot frees; every output is token-identical to HF (+ PEFT), also
+    with async scheduling (slots are filled inside the overlapped device job)."""
     base, adapters = lora_setup
-    engine = _engine(base, adapters)
+    engine = _engine(base, adapters, async_scheduling=async_scheduling)
     requests = {name: (PROMPTS[name], None if name == "base" else name) for name in PROMPTS}
     tokens = _run(engine, requests)
     assert tokens == expected

@@ -25,6 +25,7 @@ from pagoda.engine.cuda_graphs import (
     should_use_graphs,
 )
 from pagoda.engine.model_runner import ModelRunner, make_random_model
+from pagoda.engine.runner_output import ModelRunnerOutput
 from pagoda.kernels import AttentionMetadata, reference, triton_attention
 from pagoda.kernels.triton_attention import AttentionConfig
 from pagoda.models.config import ModelConfig
@@ -172,10 +173,13 @@ def _runner(folder: str, max_num_seqs: int) -> ModelRunner:
     return ModelRunner(config, ModelConfig.from_dict(TINY), folder)
 
 
-def test_padded_replay_matches_eager_steps_through_the_triton_kernels(tiny_folder, monkeypatch):
+@pytest.mark.parametrize("placeholders", [False, True])
+def test_padded_replay_matches_eager_steps_through_the_triton_kernels(tiny_folder, monkeypatch, placeholders):
     """Two runners on the same weights: one eager, one with (fake) graphs over the real
     padded static buffers, both on the Triton kernels. Every step's logits and the whole
-    KV cache agree, so padding writes nothing and the frozen max context is harmless."""
+    KV cache agree, so padding writes nothing and the frozen max context is harmless.
+    With ``placeholders`` (async scheduling) the graphed runner's decode rows carry no
+    token id: it takes the previous step's samples it keeps on the device."""
     monkeypatch.setenv("PAGODA_KERNELS", "triton")
     eager, graphed = _runner(tiny_folder, 4), _runner(tiny_folder, 4)
     assert torch.equal(eager.model.embed_tokens, graphed.model.embed_tokens)  # same seed, same weights
@@ -200,7 +204,14 @@ def test_padded_replay_matches_eager_steps_through_the_triton_kernels(tiny_folde
         is_decode = all(s.num_new_tokens == 1 for s in step)
         assert graphed.graphs.can_run(step) == is_decode
         expected = eager.execute(step)
+        if placeholders:
+            step = [SimpleNamespace(**{**vars(s), "token_ids": [], "request": SimpleNamespace(request_id=name)})
+                    if name in lens else s for (name, _), s in zip(entries, step)]
         actual = graphed.execute(step)
+        if placeholders:
+            sampled_names = [name for name, sampling in entries if sampling]
+            tokens = expected.argmax(-1).tolist()
+            graphed.record_sampled(ModelRunnerOutput(sampled_names, [[t] for t in tokens]))
         # Graphed and eager differ only in rounding (padded matmuls block differently):
         # twice the derived float32 bound of each against exact logits.
         bound = 2 * model_error_bound(ModelConfig.from_dict(TINY), 64, torch.float32, expected.abs().max().item())

@@ -58,6 +58,9 @@ class EngineConfig:
     quantization: Optional[str] = None  # None | int8 | fp8 (weights only; pagoda.models.quant, .fp8)
     enable_cuda_graphs: bool = True  # decode steps replay CUDA graphs (CUDA + Triton kernels only)
     load_format: str = "safetensors"  # safetensors | dummy (seeded random weights: benchmarks)
+    # Overlap the host's work (scheduling, outputs) with the device's, one step deep
+    # (pagoda.engine.engine_core). Ignored, with a warning, under speculative decoding.
+    async_scheduling: bool = False
     # KV offload (pagoda.engine.kv_offload, docs/kv_offload.md): a host-memory tier of the
     # KV cache for preemption by swap and for prefix blocks evicted from the device.
     cpu_offload_bytes: int = 0  # host KV pool size; 0 disables the tier

@@ -135,7 +135,7 @@ class DecodeInputs:
             num_blocks = pos // bs + 1
             num_cols = max(num_cols, num_blocks)
             tables[row, :num_blocks] = item.block_ids[:num_blocks]
-            tokens[0, row] = item.token_ids[0]
+            tokens[0, row] = item.token_ids[0] if item.token_ids else 0  # a placeholder: see execute
             tokens[1, row] = pos
             tokens[2, row] = int(tables[row, pos // bs]) * bs + pos % bs
             seq_lens[row] = pos + 1
@@ -202,11 +202,16 @@ class DecodeGraphs:
         return is_graphable_step(scheduled, self.sizes[-1], self.inputs.max_context)
 
     @torch.inference_mode()
-    def execute(self, scheduled: Sequence) -> torch.Tensor:
+    def execute(self, scheduled: Sequence, placeholder_rows: Sequence[int] = (),
+                placeholder_tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``ModelRunner.execute`` for a step that ``can_run``: same contract (float32
-        logits of the sampling rows, in batch order)."""
+        logits of the sampling rows, in batch order). ``placeholder_rows`` get their input
+        token from ``placeholder_tokens`` (on the device; async scheduling)."""
         size = padded_batch_size(len(scheduled), self.sizes)
         self.inputs.fill(scheduled, size)
+        if placeholder_rows:
+            rows = torch.tensor(list(placeholder_rows), dtype=torch.int64, device=self.inputs.input_ids.device)
+            self.inputs.input_ids.index_copy_(0, rows, placeholder_tokens)
         graph, hidden = self._graphs[size]
         graph.replay()
         sample_rows = [row for row, item in enumerate(scheduled) if item.is_sampling]

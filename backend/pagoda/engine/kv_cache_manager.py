@@ -18,7 +18,7 @@ nothing; the scheduler then preempts.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 from pagoda.engine.block_pool import BlockPool, KVCacheBlock
 from pagoda.engine.request import Request
@@ -118,14 +118,23 @@ class KVCacheManager:
             self.num_cached_blocks[request.request_id] = num_hit_blocks
         return new_blocks
 
-    def cache_blocks(self, request: Request) -> None:
-        """Cache ``request``'s blocks that became full of computed tokens."""
+    def cache_blocks(self, request: Request, num_computed_tokens: Optional[int] = None) -> None:
+        """Cache ``request``'s blocks that became full of computed tokens.
+
+        Args:
+            num_computed_tokens: tokens whose KV is known to be written (default:
+                ``request.num_computed_tokens``). The scheduler passes what the applied
+                step computed, since ``num_computed_tokens`` may already count a step
+                that is still running.
+        """
         if not self.enable_caching:
             return
         blocks = self.req_to_blocks.get(request.request_id)
         if not blocks:
             return
-        num_full = min(request.num_computed_tokens // self.block_size, len(blocks))
+        if num_computed_tokens is None:
+            num_computed_tokens = request.num_computed_tokens
+        num_full = min(num_computed_tokens // self.block_size, len(blocks))
         num_cached = self.num_cached_blocks[request.request_id]
         if num_full > num_cached:
             self.block_pool.cache_full_blocks(request, blocks, num_cached, num_full, self.block_size)

@@ -10,6 +10,12 @@ into model inputs and ``AttentionMetadata``, runs the model once, and returns th
 of the last token of every request that samples in this step, in batch order (and of
 each drafted token after it, for speculative decoding).
 
+Placeholders (async scheduling, see ``scheduler.py``): a step may be scheduled before
+the previous one's tokens reach the host. Such a request's input token is the one the
+runner sampled for it in the previous step; ``record_sampled`` keeps those tokens on the
+device and ``execute`` gathers them into the input ids there, so no device-to-host
+round trip sits between two steps.
+
 With a draft model (speculative decoding), the draft's KV cache gets as many blocks as
 the target's, and the budget pays for both: ``draft_config`` adds its per-block bytes.
 
@@ -29,6 +35,7 @@ import torch
 from pagoda.engine.config import EngineConfig
 from pagoda.engine.cuda_graphs import DecodeGraphs
 from pagoda.engine.lora_manager import LoRAManager
+from pagoda.engine.runner_output import ModelRunnerOutput
 from pagoda.kernels import AttentionMetadata
 from pagoda.models.config import ModelConfig
 from pagoda.models.llama import LlamaForCausalLM
@@ -94,6 +101,9 @@ class ModelRunner:
         self.lora = (LoRAManager(self.model, config.max_loras, config.max_lora_rank, config.max_cpu_loras)
                      if config.enable_lora else None)
         self.graphs = DecodeGraphs.maybe_capture(self)  # None on CPU or when disabled
+        # The previous step's last sampled token per request, on the device (placeholders).
+        self._last_sampled = torch.zeros(0, dtype=torch.int64, device=self.device)  # [num_sampled_requests]
+        self._last_sampled_rows: dict[str, int] = {}
 
     def _num_blocks_from_budget(self) -> int:
         if self.config.num_gpu_blocks_override is not None:
@@ -129,13 +139,20 @@ class ModelRunner:
         """
         lora = self._lora_batch(scheduled)
         if lora is None and self.graphs is not None and self.graphs.can_run(scheduled):
-            return self.graphs.execute(scheduled)  # graphs hold no LoRA: steps with adapters run eagerly
+            # Graphs hold no LoRA: steps with adapters run eagerly.
+            rows = [row for row, item in enumerate(scheduled) if _num_placeholders(item)]
+            return self.graphs.execute(scheduled, rows, self._placeholder_tokens(scheduled, rows) if rows else None)
         input_ids: list[int] = []
         positions: list[int] = []
         query_lens, seq_lens, tables, sample_rows = [], [], [], []
-        for item in scheduled:
+        placeholder_items, placeholder_index = [], []
+        for i, item in enumerate(scheduled):
             start, n = item.num_computed_tokens, item.num_new_tokens
             input_ids.extend(item.token_ids)
+            if _num_placeholders(item):  # the last token: sampled by the previous step
+                placeholder_items.append(i)
+                placeholder_index.append(len(input_ids))
+                input_ids.append(0)
             positions.extend(range(start, start + n))
             query_lens.append(n)
             seq_lens.append(start + n)
@@ -145,6 +162,9 @@ class ModelRunner:
                 sample_rows.extend(range(end - 1 - len(item.spec_token_ids), end))
         meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, self.device)
         ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
+        if placeholder_items:
+            index = torch.tensor(placeholder_index, dtype=torch.int64, device=self.device)
+            ids.index_copy_(0, index, self._placeholder_tokens(scheduled, placeholder_items))
         pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
         hidden = self.model(ids, pos, self.kv_caches, meta, lora)  # [num_tokens, hidden]
         if not sample_rows:
@@ -157,6 +177,33 @@ class ModelRunner:
             return None
         return self.lora.prepare([item.request.adapter_id for item in scheduled],
                                  [item.num_new_tokens for item in scheduled], self.device)
+
+    def record_sampled(self, output: ModelRunnerOutput, last_token_ids: Optional[torch.Tensor] = None) -> None:
+        """Keep a step's last sampled token per request for the next step's placeholders.
+
+        Args:
+            output: the step's results.
+            last_token_ids: ``[len(output.req_ids)]`` the same tokens already on the
+                device, when the sampler has them there; else they are copied in.
+        """
+        if last_token_ids is None:
+            last_token_ids = torch.tensor([t[-1] for t in output.sampled_token_ids], dtype=torch.int64,
+                                          device=self.device)
+        self._last_sampled = last_token_ids
+        self._last_sampled_rows = {req_id: row for row, req_id in enumerate(output.req_ids)}
+
+    def _placeholder_tokens(self, scheduled, items: list[int]) -> torch.Tensor:
+        """``[len(items)]`` the previous step's tokens of ``scheduled[i]`` for ``i`` in items."""
+        try:
+            src = [self._last_sampled_rows[scheduled[i].request.request_id] for i in items]
+        except KeyError as exc:
+            raise AssertionError(f"placeholder for {exc} which did not sample in the previous step") from None
+        return self._last_sampled[torch.tensor(src, dtype=torch.int64, device=self.device)]
+
+
+def _num_placeholders(item) -> int:
+    """Input tokens of ``item`` the previous step samples (``ScheduledRequest.num_placeholder_tokens``)."""
+    return item.num_new_tokens - len(item.token_ids)
 
 
 def make_random_model(

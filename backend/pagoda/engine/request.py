@@ -97,6 +97,9 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: Union[int, str, None] = None
         self.num_computed_tokens = 0
+        # Tokens sampled by scheduled steps whose results have not been applied yet
+        # (the scheduler advances num_computed_tokens at schedule time; see scheduler.py).
+        self.num_output_placeholders = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first schedule; -1 before
         self.num_preemptions = 0
         self.insertion_index = 0  # set by the scheduler; breaks ties between equal keys

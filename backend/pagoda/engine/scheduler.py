@@ -25,8 +25,24 @@ Every request has ``num_computed_tokens`` catching up with ``num_tokens``. Each 
    therefore prefills it once, not once per request, for one step of extra wait.
 
 A step whose tokens reach the end of a request's known tokens samples (``is_sampling``).
-``update_from_output`` advances ``num_computed_tokens`` by what was scheduled, appends
-sampled tokens, applies stop rules and caches the blocks that became full.
+``schedule()`` itself advances ``num_computed_tokens`` by what it schedules and counts the
+token that step will sample as an output *placeholder* (``num_output_placeholders``);
+``update_from_output`` replaces the placeholder with the sampled token, applies stop
+rules and caches the blocks the step filled.
+
+Overlap (``EngineConfig.async_scheduling``): because ``schedule()`` already counts step
+N's tokens, step N+1 can be scheduled before step N's results are applied. A request
+that samples in step N is then scheduled in step N+1 for its placeholder: one token
+whose id is unknown on the host (``ScheduledRequest.token_ids`` holds only the known
+ones); the runner substitutes the token it sampled in step N, which it keeps on the
+device. At most one step is unapplied when ``schedule()`` runs, so a request has at most
+one placeholder then, and a waiting request none. Results may arrive late for requests
+that changed state since their step was scheduled: tokens for a request that finished or
+was aborted meanwhile are dropped (its blocks were freed when it finished; the late
+step's KV writes land in freed blocks before any later step reuses them, as steps run in
+order); a request preempted meanwhile keeps its token (it was sampled from a correct
+context) and recomputes or swaps in as usual. A request whose placeholders already reach
+``max_tokens`` is not scheduled again: it is sure to finish.
 
 Speculative decoding adds no phase either: ``schedule(spec_token_ids)`` schedules a
 decode together with its drafted tokens (``ScheduledRequest.spec_token_ids``), as many
@@ -65,6 +81,7 @@ from pagoda.engine.kv_offload import PREEMPTION_MODES, BlockPairs, KVOffloadMana
 from pagoda.engine.lora_manager import LoRAConstraint
 from pagoda.engine.request import Request, RequestStatus
 from pagoda.engine.request_queue import FcfsQueue, PriorityQueue, policy_key
+from pagoda.engine.runner_output import ModelRunnerOutput
 
 
 @dataclass
@@ -130,10 +147,17 @@ class ScheduledRequest:
     request: Request
     num_computed_tokens: int  # start position of this step's tokens
     num_new_tokens: int  # including spec_token_ids
-    token_ids: list[int]  # all_token_ids[num_computed_tokens : num_computed_tokens + num_new_tokens], then the drafts
+    # all_token_ids[num_computed_tokens : num_computed_tokens + num_new_tokens], then the drafts; shorter by
+    # one for a placeholder (async scheduling): the token the previous step samples, filled in by the runner
+    token_ids: list[int]
     block_ids: list[int]  # the request's whole block table
     is_sampling: bool  # this step reaches the end of the known tokens: sample one
     spec_token_ids: list[int] = field(default_factory=list)  # drafted tokens verified this step
+
+    @property
+    def num_placeholder_tokens(self) -> int:
+        """Tokens the runner takes from its previous step's samples (0 or 1)."""
+        return self.num_new_tokens - len(self.token_ids)
 
 
 @dataclass
@@ -292,23 +316,34 @@ class Scheduler:
             num_new = step.num_new_tokens.get(request.request_id)
             if num_new is None:
                 continue
-            start = request.num_computed_tokens
-            num_spec = step.num_spec_tokens.get(request.request_id, 0)
-            drafts = list(spec_token_ids[request.request_id][:num_spec]) if num_spec else []
-            output.scheduled.append(
-                ScheduledRequest(
-                    request=request,
-                    num_computed_tokens=start,
-                    num_new_tokens=num_new,
-                    token_ids=request.all_token_ids[start : start + num_new - num_spec] + drafts,
-                    block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
-                    is_sampling=start + num_new - num_spec == request.num_tokens,
-                    spec_token_ids=drafts,
-                )
-            )
+            output.scheduled.append(self._make_scheduled(request, num_new, step, spec_token_ids))
             output.total_num_scheduled_tokens += num_new
         assert output.total_num_scheduled_tokens <= self.config.max_num_batched_tokens, "token budget exceeded"
         return output
+
+    def _make_scheduled(self, request: Request, num_new: int, step: "_Step",
+                        spec_token_ids: Optional[Mapping[str, Sequence[int]]]) -> ScheduledRequest:
+        """The plan of one request; advances its ``num_computed_tokens`` (and placeholders)."""
+        start = request.num_computed_tokens
+        num_spec = step.num_spec_tokens.get(request.request_id, 0)
+        drafts = list(spec_token_ids[request.request_id][:num_spec]) if num_spec else []
+        end = start + num_new - num_spec
+        assert not (drafts and request.num_output_placeholders), "drafts need the previous step applied"
+        assert end <= request.num_tokens + request.num_output_placeholders, "scheduled past the placeholders"
+        assert request.num_tokens >= end - 1, "more than one placeholder token in a step"
+        scheduled = ScheduledRequest(
+            request=request,
+            num_computed_tokens=start,
+            num_new_tokens=num_new,
+            token_ids=request.all_token_ids[start:end] + drafts,
+            block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+            is_sampling=end == request.num_tokens + request.num_output_placeholders,
+            spec_token_ids=drafts,
+        )
+        request.num_computed_tokens += num_new
+        if scheduled.is_sampling:
+            request.num_output_placeholders += 1
+        return scheduled
 
     def _schedule_running(self, step: "_Step", spec_token_ids: Mapping[str, Sequence[int]]) -> None:
         for request in list(self.running):
@@ -316,7 +351,10 @@ class Scheduler:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this pass
-            num_new = min(request.num_tokens - request.num_computed_tokens, step.budget)
+            if request.num_output_placeholders and _is_sure_to_finish(request):
+                continue  # its last token is being sampled (async scheduling)
+            num_new = min(request.num_tokens + request.num_output_placeholders - request.num_computed_tokens,
+                          step.budget)
             if num_new <= 0:
                 continue
             if self._schedule_with_drafts(request, spec_token_ids.get(request.request_id), step):
@@ -352,6 +390,7 @@ class Scheduler:
             request = self.waiting.peek()
             if request in step.preempted:
                 break
+            assert request.num_output_placeholders == 0, "a waiting request's last step was not applied"
             if len(self.running) >= cfg.max_num_seqs and not self._preempt_for(request, step):
                 break
             if self.lora_constraint is not None and not self.lora_constraint.can_admit(request.adapter_id,
@@ -462,55 +501,86 @@ class Scheduler:
     # Results in ----------------------------------------------------------------------
 
     def update_from_output(
-        self, scheduler_output: SchedulerOutput, sampled_token_ids: dict[str, list[int]]
+        self, scheduler_output: SchedulerOutput,
+        runner_output: Union[ModelRunnerOutput, Mapping[str, Sequence[int]]],
     ) -> list[RequestUpdate]:
-        """Apply one step's results.
+        """Apply one step's results (steps are applied in the order they were scheduled).
 
         Args:
             scheduler_output: what ``schedule()`` returned for this step.
-            sampled_token_ids: request id -> sampled tokens (one, or several accepted
-                speculative tokens); only requests with ``is_sampling`` are read. For a
-                request with ``spec_token_ids``: the accepted drafts, then one token.
+            runner_output: the step's ``ModelRunnerOutput`` (or request id -> sampled
+                tokens); only requests with ``is_sampling`` are read. For a request with
+                ``spec_token_ids``: the accepted drafts, then one token.
         Returns:
             One update per request that received tokens or finished, in batch order.
-            Finished requests are already freed.
+            Finished requests are already freed. Requests that finished (or were
+            aborted) since the step was scheduled get nothing: their tokens are dropped.
         """
+        sampled = runner_output.tokens_by_id() if isinstance(runner_output, ModelRunnerOutput) else runner_output
         updates = []
         for scheduled in scheduler_output.scheduled:
             request = scheduled.request
-            if request.status != RequestStatus.RUNNING:
-                continue  # finished (aborted) or preempted since the step was scheduled
-            assert request.num_computed_tokens == scheduled.num_computed_tokens, "step applied twice"
-            request.num_computed_tokens += scheduled.num_new_tokens
+            if self.requests.get(request.request_id) is not request:
+                continue  # finished or aborted since the step was scheduled
+            computed_end = scheduled.num_computed_tokens + scheduled.num_new_tokens
             if not scheduled.is_sampling:
-                self.kv_cache_manager.cache_blocks(request)
+                self.kv_cache_manager.cache_blocks(request, computed_end)
                 continue
-            tokens = sampled_token_ids.get(request.request_id)
+            request.num_output_placeholders -= 1
+            assert request.num_output_placeholders >= 0, "step applied twice"
+            tokens = sampled.get(request.request_id)
             # Without a token the request would sit at num_computed == num_tokens forever.
             assert tokens, f"no sampled token for {request.request_id!r}, which sampled this step"
-            if scheduled.spec_token_ids:
-                # Roll back the KV of the rejected drafts: their slots get overwritten later.
-                num_rejected = len(scheduled.spec_token_ids) + 1 - len(tokens)
-                assert 0 <= num_rejected <= len(scheduled.spec_token_ids), "more tokens than drafts + 1"
-                request.num_computed_tokens -= num_rejected
-            new_token_ids = []
-            status = None
-            for token_id in tokens:
-                request.append_output_token_ids(token_id)
-                new_token_ids.append(token_id)
-                status = self._check_stop(request, token_id)
-                if status is not None:
-                    break
-            # Accepted tokens past a stop were computed but do not belong to the request.
-            request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
-            # After appending: accepted drafts are part of the request (and hashed) only now.
-            self.kv_cache_manager.cache_blocks(request)
-            if status is not None:
-                self.running.remove(request)
-                self._free(request, status)
-            if new_token_ids or status is not None:
-                updates.append(RequestUpdate(request, new_token_ids, status is not None))
+            update = self._apply_sampled(request, scheduled, list(tokens), computed_end)
+            if update is not None:
+                updates.append(update)
         return updates
+
+    def _apply_sampled(self, request: Request, scheduled: ScheduledRequest, tokens: list[int],
+                       computed_end: int) -> Optional[RequestUpdate]:
+        """Append one request's sampled tokens, check stops, cache filled blocks."""
+        if scheduled.spec_token_ids:
+            assert request.status == RequestStatus.RUNNING, "speculative steps are applied before the next schedule"
+            # Roll back the KV of the rejected drafts: their slots get overwritten later.
+            num_rejected = len(scheduled.spec_token_ids) + 1 - len(tokens)
+            assert 0 <= num_rejected <= len(scheduled.spec_token_ids), "more tokens than drafts + 1"
+            request.num_computed_tokens -= num_rejected
+            computed_end -= num_rejected
+        new_token_ids = []
+        status = None
+        for token_id in tokens:
+            request.append_output_token_ids(token_id)
+            new_token_ids.append(token_id)
+            status = self._check_stop(request, token_id)
+            if status is not None:
+                break
+        # Accepted tokens past a stop were computed but do not belong to the request.
+        request.num_computed_tokens = min(request.num_computed_tokens,
+                                          request.num_tokens + request.num_output_placeholders - 1)
+        # After appending: accepted drafts are part of the request (and hashed) only now.
+        self.kv_cache_manager.cache_blocks(request, min(computed_end, request.num_tokens - 1))
+        if status is not None:
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:  # preempted while its step ran: it waits, possibly swapped out
+                self.waiting.remove(request)
+            self._free(request, status)
+        if new_token_ids or status is not None:
+            return RequestUpdate(request, new_token_ids, status is not None)
+        return None
+
+    def undo_step(self, scheduler_output: SchedulerOutput) -> None:
+        """Forget a scheduled step whose results will never come (its device job failed):
+        its requests continue from where it started, keeping their blocks. Steps may be
+        undone in any order."""
+        for scheduled in scheduler_output.scheduled:
+            request = scheduled.request
+            if self.requests.get(request.request_id) is not request:
+                continue
+            if scheduled.is_sampling:
+                request.num_output_placeholders -= 1
+            if request.status == RequestStatus.RUNNING:
+                request.num_computed_tokens = min(request.num_computed_tokens, scheduled.num_computed_tokens)
 
     def _check_stop(self, request: Request, token_id: int) -> Optional[RequestStatus]:
         params = request.sampling_params
@@ -571,6 +641,11 @@ class Scheduler:
     def is_swapped_out(self, request_id: str) -> bool:
         """Whether a preempted request waits with its KV in host blocks."""
         return self.offload is not None and self.offload.is_swapped_out(request_id)
+
+
+def _is_sure_to_finish(request: Request) -> bool:
+    """Whether the tokens being sampled already reach ``max_tokens``."""
+    return request.num_output_tokens + request.num_output_placeholders >= request.max_tokens
 
 
 class _Step:

@@ -81,6 +81,7 @@ class TritonPythonModel:
         self.parent_watch.stop()
         self.loop.stop()
         self.sender.stop()
+        self.engine.shutdown()  # joins the device worker thread (async_scheduling)
         if self.tracer is not None:
             self.tracer.shutdown()
 

@@ -12,7 +12,7 @@ Modules, in the order a step uses them:
 * ``ngram_proposer`` / ``draft_model_proposer``: the proposers;
 * ``draft``: the proposer interface and the three verification modes;
 * ``rejection_sampler``: modified rejection sampling and the greedy/seeded verifiers;
-* ``speculator``: the glue ``LLMEngine`` calls.
+* ``speculator``: the glue ``EngineCore`` calls.
 
 See ``docs/speculative.md`` for usage and measurements.
 """

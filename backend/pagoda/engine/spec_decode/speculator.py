@@ -1,6 +1,6 @@
 """The engine's speculative-decoding step: choose windows, propose, verify, keep score.
 
-Per engine step (see ``LLMEngine.step``):
+Per engine step (see ``EngineCore.step``):
 
 1. ``propose(running, budget)``, before ``Scheduler.schedule``: every running request at
    the end of its known tokens (a decode) that speculates (``SamplingParams.speculative``,
@@ -9,7 +9,7 @@ Per engine step (see ``LLMEngine.step``):
    ``k`` tokens. The result is the ``spec_token_ids`` argument of ``schedule``; drafts are
    ordinary scheduled tokens there, inside the same token budget (the scheduler may cut
    a draft short, or drop it rather than preempt anyone).
-2. ``sample(logits, items)``, after ``ModelRunner.execute``: requests without drafts go
+2. ``sample(logits, items) -> ModelRunnerOutput``, after ``ModelRunner.execute``: requests without drafts go
    through the plain ``Sampler`` in one batch; requests with drafts are verified from the
    ``1 + n`` logits rows the runner returns for them (``draft.py`` for the three modes,
    ``rejection_sampler.py`` for the math), with the grammar's bitmask (structured output)
@@ -31,6 +31,7 @@ import torch
 from pagoda.engine.config import EngineConfig
 from pagoda.engine.guided.bitmask import TokenBitmask
 from pagoda.engine.request import Request, RequestStatus
+from pagoda.engine.runner_output import ModelRunnerOutput
 from pagoda.engine.sampler import Sampler, TokenLogprobs
 from pagoda.engine.spec_decode.draft import Draft, DraftRequest, VerifyMode, with_outputs
 from pagoda.engine.spec_decode.draft_model_proposer import DraftModelProposer, make_layer_skip_draft
@@ -168,7 +169,7 @@ class Speculator:
 
     # 2. verify --------------------------------------------------------------------------
     def sample(self, logits: torch.Tensor, items: list, token_bitmask: Optional[TokenBitmask] = None,
-               ) -> tuple[dict[str, list[int]], dict[str, list]]:
+               ) -> ModelRunnerOutput:
         """Tokens (and raw logprobs, ``None`` entries when not asked for) per sampling request.
 
         Args:
@@ -195,7 +196,8 @@ class Speculator:
         if spec:
             self._verify(logits, spec, tokens, logprobs, token_bitmask)
         self._drafts = {}
-        return tokens, logprobs
+        req_ids = [item.request.request_id for item in items]
+        return ModelRunnerOutput(req_ids, [tokens[i] for i in req_ids], [logprobs[i] for i in req_ids])
 
     def _verify(self, logits, spec, tokens, logprobs, token_bitmask=None) -> None:
         ext_rows, raw_index = [], []

@@ -1,0 +1,272 @@
+"""OutputProcessor: the engine core's token ids in, ``RequestOutput``s out.
+
+For every ``EngineCoreOutput`` of a step it detokenizes the new tokens incrementally,
+applies stop strings, collects logprobs, stamps the request's metrics and builds the
+``RequestOutput`` with cumulative values and this step's deltas. It never touches the
+scheduler: a stop string found here ends the output at once and is returned as an id to
+abort, which the engine passes back to the core (``process(...) -> (outputs,
+ids_to_abort)``).
+
+Stop strings: several tokens at once (speculative decoding) go one at a time through
+the stop strings, so the output ends exactly where it would without speculation; tokens
+after the stop are dropped from the output (and from the generation-token count). While
+a stop string may still match, a stop string's length of text is held back from the
+deltas. Tokens that arrive for a completion already ended here (async scheduling: the
+core learns of the stop one step late) are ignored.
+
+n > 1: a user request's ``n`` children are one *group*; their outputs are reported
+together under the user's request id, once any child progressed. The group is finished
+when every child is.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterable, Optional, Union
+
+from pagoda.engine.engine_core import EngineCoreOutput
+from pagoda.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
+from pagoda.engine.sampling_params import SamplingParams
+from pagoda.models.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass
+class _Completion:
+    """Text state of one child: what has been decoded, and what has been emitted."""
+
+    request_id: str  # the child's id in the engine core
+    detokenizer: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)  # every token the core reported
+    text: str = ""
+    num_emitted_chars: int = 0
+    num_emitted_tokens: int = 0
+    logprobs: Optional[list[TokenLogprob]] = None
+    num_emitted_logprobs: int = 0
+    cumulative_logprob: Optional[float] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[Union[int, str]] = None
+    num_kept_tokens: Optional[int] = None  # set when a stop string ends the output before the last token
+
+
+@dataclass
+class _Group:
+    """One user request: its children and the metrics reported under its id."""
+
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    metrics: RequestMetrics
+    completions: list[_Completion]
+    num_cached_tokens: int = 0
+    error: Optional[str] = None  # the core failed the request (e.g. its grammar did not compile)
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.completions)
+
+
+class OutputProcessor:
+    """Args:
+    tokenizer: decodes output tokens.
+    """
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._groups: dict[str, _Group] = {}
+        self._child_of: dict[str, tuple[_Group, int]] = {}
+        self._aborted_outputs: list[RequestOutput] = []
+        self.num_prompt_tokens = 0  # of requests that produced a first token
+        self.num_generation_tokens = 0  # output tokens kept (past a stop string: not counted)
+
+    # ----------------------------------------------------------------- requests
+    def add_request(self, request_id: str, prompt: Optional[str], prompt_token_ids: list[int],
+                    params: SamplingParams, child_ids: list[str], arrival_time: float) -> None:
+        """Track a user request whose children (``child_ids``, ``params.n`` of them) the core runs."""
+        assert request_id not in self._groups, f"request {request_id!r} is already tracked"
+        with_logprobs = params.logprobs is not None
+        completions = [
+            _Completion(child_id, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens),
+                        logprobs=[] if with_logprobs else None, cumulative_logprob=0.0 if with_logprobs else None)
+            for child_id in child_ids
+        ]
+        group = _Group(request_id, prompt, list(prompt_token_ids), params, RequestMetrics(arrival_time=arrival_time),
+                       completions)
+        self._groups[request_id] = group
+        for index, child_id in enumerate(child_ids):
+            self._child_of[child_id] = (group, index)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._groups
+
+    def group_of(self, child_id: str) -> Optional[str]:
+        """The user request id of a core request (None when not tracked)."""
+        entry = self._child_of.get(child_id)
+        return entry[0].request_id if entry is not None else None
+
+    def child_ids(self, request_id: str) -> list[str]:
+        group = self._groups.get(request_id)
+        return [c.request_id for c in group.completions] if group is not None else []
+
+    def abort(self, request_id: str, now: Optional[float] = None, error: Optional[str] = None) -> list[str]:
+        """End a user request: its final output (``finish_reason == "abort"`` for the
+        unfinished children, ``error`` when given) comes from the next ``process``.
+        Returns the children the core must abort ([] for an unknown or finished id)."""
+        group = self._groups.get(request_id)
+        if group is None:
+            return []
+        if error is not None:
+            group.error = error
+        live = [c.request_id for c in group.completions if c.finish_reason is None]
+        for completion in group.completions:
+            if completion.finish_reason is None:
+                completion.finish_reason = "abort"
+        group.metrics.finished_time = time.time() if now is None else now
+        self._aborted_outputs.append(self._make_output(group))
+        self._forget(group)
+        return live
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._groups) or bool(self._aborted_outputs)
+
+    @property
+    def num_groups(self) -> int:
+        return len(self._groups)
+
+    # ------------------------------------------------------------------ outputs
+    def process(self, core_outputs: Iterable[EngineCoreOutput],
+                now: Optional[float] = None) -> tuple[list[RequestOutput], list[str]]:
+        """Turn one step's core outputs into ``RequestOutput``s.
+
+        Returns:
+            (outputs: aborted requests' finals first, then one per user request that
+            progressed, in first-seen order; child ids that a stop string ended here
+            and the core must abort).
+        """
+        now = time.time() if now is None else now
+        outputs, self._aborted_outputs = self._aborted_outputs, []
+        touched: dict[str, _Group] = {}
+        ids_to_abort = []
+        for core_output in core_outputs:
+            entry = self._child_of.get(core_output.request_id)
+            if entry is None:
+                continue  # aborted or finished here while the core was still running it
+            group, index = entry
+            completion = group.completions[index]
+            if completion.finish_reason is not None:
+                continue  # a stop string ended it one step earlier; the core heard late
+            if self._absorb(group, completion, core_output, now):
+                ids_to_abort.append(core_output.request_id)
+            touched[group.request_id] = group
+        for group in touched.values():
+            outputs.append(self._make_output(group))
+            if group.finished:
+                self._forget(group)
+        return outputs, ids_to_abort
+
+    def _absorb(self, group: _Group, completion: _Completion, core_output: EngineCoreOutput, now: float) -> bool:
+        """Detokenize a child's new tokens, apply stop strings, stamp metrics. Returns
+        whether a stop string ended a child the core still runs."""
+        new_ids = core_output.new_token_ids
+        if core_output.error is not None:
+            group.error = core_output.error
+        self._stamp(group, core_output, len(new_ids), now)
+        completion.token_ids.extend(new_ids)
+        num_tokens = len(completion.token_ids)
+        params = group.params
+        pieces = [[t] for t in new_ids] if params.stop and len(new_ids) > 1 else [new_ids]
+        stopped = False
+        for i, piece in enumerate(pieces):
+            if piece:
+                completion.text += completion.detokenizer.add(piece)
+            is_last = i == len(pieces) - 1
+            if core_output.finished and is_last:
+                completion.text += completion.detokenizer.finish()
+            num_outputs = num_tokens - (len(new_ids) - sum(len(p) for p in pieces[: i + 1]))
+            # A stop string wins over a length/EOS finish reached in the same step.
+            stopped = bool(params.stop) and num_outputs >= params.min_tokens and _apply_stop_strings(completion, params)
+            if stopped:
+                if not is_last:
+                    completion.num_kept_tokens = num_outputs
+                    self.num_generation_tokens -= num_tokens - num_outputs
+                break
+        num_new_kept = len(new_ids) if completion.num_kept_tokens is None else \
+            completion.num_kept_tokens - (num_tokens - len(new_ids))
+        for lp in core_output.logprobs[:num_new_kept] if completion.logprobs is not None else ():
+            completion.logprobs.append(TokenLogprob(lp.token_id, lp.logprob, lp.rank, list(lp.top)))
+            completion.cumulative_logprob += lp.logprob
+        if core_output.finished and not stopped:
+            completion.finish_reason = core_output.finish_reason
+            completion.stop_reason = core_output.stop_reason
+        if completion.finish_reason is not None and group.finished:
+            group.metrics.finished_time = now
+        return stopped and not core_output.finished
+
+    def _stamp(self, group: _Group, core_output: EngineCoreOutput, num_new: int, now: float) -> None:
+        m = group.metrics
+        scheduled = core_output.first_scheduled_time
+        if scheduled is not None and (m.first_scheduled_time is None or scheduled < m.first_scheduled_time):
+            m.first_scheduled_time = scheduled
+        if group.completions[0].request_id == core_output.request_id:
+            group.num_cached_tokens = core_output.num_cached_tokens
+        if not num_new:
+            return
+        self.num_generation_tokens += num_new
+        if m.first_token_time is None:
+            m.first_token_time = now
+            self.num_prompt_tokens += len(group.prompt_token_ids)
+        else:
+            m.inter_token_latencies.append(now - m.last_token_time)
+        m.last_token_time = now
+
+    def _make_output(self, group: _Group) -> RequestOutput:
+        completions = []
+        for i, c in enumerate(group.completions):
+            finished = c.finish_reason is not None
+            # While stop strings may still match, hold back a stop string's length of text.
+            hold = 0 if finished or not group.params.stop else max(len(s) for s in group.params.stop) - 1
+            visible = max(c.num_emitted_chars, len(c.text) - hold)
+            delta_text = c.text[c.num_emitted_chars:visible]
+            c.num_emitted_chars = visible
+            token_ids = c.token_ids[: c.num_kept_tokens]
+            delta_ids = token_ids[c.num_emitted_tokens:]
+            c.num_emitted_tokens = len(token_ids)
+            delta_lp = None
+            if c.logprobs is not None:
+                delta_lp = c.logprobs[c.num_emitted_logprobs:]
+                c.num_emitted_logprobs = len(c.logprobs)
+            completions.append(CompletionOutput(
+                index=i, text=c.text[:visible], token_ids=list(token_ids), delta_text=delta_text,
+                delta_token_ids=list(delta_ids), cumulative_logprob=c.cumulative_logprob,
+                logprobs=list(c.logprobs) if c.logprobs is not None else None, delta_logprobs=delta_lp,
+                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+        return RequestOutput(
+            request_id=group.request_id, prompt=group.prompt, prompt_token_ids=group.prompt_token_ids,
+            outputs=completions, finished=group.finished, metrics=group.metrics,
+            num_cached_tokens=group.num_cached_tokens, error=group.error)
+
+    def _forget(self, group: _Group) -> None:
+        self._groups.pop(group.request_id, None)
+        for c in group.completions:
+            self._child_of.pop(c.request_id, None)
+
+
+def _apply_stop_strings(completion: _Completion, params: SamplingParams) -> bool:
+    """Truncate at the earliest stop string in the unscanned tail; True if one matched."""
+    # Only the tail can hold a new match: the text not yet emitted plus a stop
+    # string's length of overlap with what was.
+    longest = max(len(s) for s in params.stop)
+    scan_from = max(0, completion.num_emitted_chars - longest)
+    best = None
+    for stop in params.stop:
+        pos = completion.text.find(stop, scan_from)
+        if pos != -1 and (best is None or pos < best[0]):
+            best = (pos, stop)
+    if best is None:
+        return False
+    pos, stop = best
+    completion.text = completion.text[: pos + len(stop) if params.include_stop_str_in_output else pos]
+    completion.finish_reason = "stop"
+    completion.stop_reason = stop
+    return True
