@@ -10,6 +10,8 @@ accepted tokens after each update.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -165,3 +167,22 @@ def test_a_failed_step_is_undone_and_run_again(model, overlap):
     assert failures == 1 and _summary(finals) == _summary(base)
     stats = engine.get_stats()
     assert stats.num_free_blocks == stats.num_blocks
+
+
+def test_guided_requests_run_synchronous_steps_with_the_same_output():
+    """A structured-output request makes the async engine step synchronously while it is
+    live, beside unconstrained requests; outputs equal the synchronous engine's."""
+    from pagoda.engine.guided import GuidedDecodingParams
+    from pagoda.engine.llm import LLM
+
+    guided = SamplingParams(temperature=0, max_tokens=8, guided_decoding=GuidedDecodingParams(regex="[a-c]{2,5}x"))
+    plain = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    results = []
+    for overlap in (False, True):
+        llm = LLM(async_scheduling=overlap, max_model_len=256)
+        outs = llm.generate([[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]], [plain, guided, plain])
+        results.append([(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason) for o in outs])
+        assert llm.engine.core.is_async == overlap
+        llm.engine.shutdown()
+    assert results[0] == results[1]
+    assert re.fullmatch("[a-c]{2,5}x", results[1][1][1])
