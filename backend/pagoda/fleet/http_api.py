@@ -119,6 +119,11 @@ async def gate_middleware(request: web.Request, handler: Any) -> web.StreamRespo
     except ConnectionResetError as exc:  # aiohttp's ClientConnectionResetError is one too
         logger.info("client disconnected during %s %s: %s", request.method, request.path, exc)
         return web.Response(status=499)  # never sent: the connection is gone
+    except asyncio.CancelledError:
+        # The router runs with handler_cancellation: a client that hangs up cancels its
+        # handler (and so its upstream stream). An ordinary event: INFO, then let it unwind.
+        logger.info("client disconnected during %s %s: request cancelled", request.method, request.path)
+        raise
 
 
 def _analysis_of(router: Router, document: Any) -> Optional[Analysis]:
