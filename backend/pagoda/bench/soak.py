@@ -225,7 +225,10 @@ class Fleet:
 
 def _faults(fleet: Fleet, config: SoakConfig, start: float, report: Report, stop: threading.Event) -> None:
     def at(fraction: float) -> bool:
-        return not stop.wait(max(0.0, start + fraction * config.duration_s - time.monotonic()))
+        # A fault is never skipped: if the traffic ended early (max_requests reached before
+        # this point of duration_s), it is injected at once, before the invariants are checked.
+        stop.wait(max(0.0, start + fraction * config.duration_s - time.monotonic()))
+        return True
 
     if at(0.25):
         fleet.redis.stop()

@@ -39,6 +39,7 @@ from typing import Any, Optional
 from pagoda.fleet.limits import RequestLimits
 
 logger = logging.getLogger(__name__)
+HTTP_SHUTDOWN_TIMEOUT_S = 10.0  # open HTTP connections get this long to finish when the router stops
 
 PASSWORD_ENV = "PAGODA_REDIS_PASSWORD"
 
@@ -177,7 +178,10 @@ class RouterService:
         # A client that disconnects cancels its handler, and with it the upstream gRPC stream
         # (stream_replica cancels its call), so the replica aborts the request and frees its
         # KV blocks — for non-streaming requests too, which otherwise ran to completion.
-        self._http_runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+        # shutdown_timeout bounds how long stop() waits for open connections (aiohttp's
+        # default, 60 s, made a router with one idle keep-alive client take a minute to stop).
+        self._http_runner = web.AppRunner(app, access_log=None, handler_cancellation=True,
+                                          shutdown_timeout=HTTP_SHUTDOWN_TIMEOUT_S)
         await self._http_runner.setup()
         site = web.TCPSite(self._http_runner, o.host, o.http_port)
         await site.start()
