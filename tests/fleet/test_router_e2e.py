@@ -231,13 +231,18 @@ def tenant_prompt(i: int) -> str:
     return f"{SHARED_PREFIX}\nCustomer {i}: which tea should I try today?"
 
 
-def holder_of_prefix(background):
-    """The replica the index says holds the shared prefix, with its matched blocks."""
+def prefix_matches(background) -> dict:
+    """Replica id -> blocks of the shared prefix the index says it holds."""
     async def match():
         router = background.service.router
         analysis = router.analyze(tenant_prompt(0))
         return await router.fleet.call(router.fleet.index.match, analysis.block_hashes, timeout_s=2)
-    matched = background.call(match())
+    return background.call(match()) or {}
+
+
+def holder_of_prefix(background):
+    """The replica the index says holds the shared prefix, with its matched blocks."""
+    matched = prefix_matches(background)
     return max(matched.items(), key=lambda kv: kv[1]) if matched else (None, 0)
 
 
@@ -328,13 +333,15 @@ def test_redis_fault_degrades_to_load_routing_and_recovers(published, router, re
     # Redis is back (empty if it was killed: the publishers resync their blocks into it).
     _wait(lambda: router.run(lambda: router.service.router.fleet.available), "router sees Redis again", 30)
     _wait(lambda: holder_of_prefix(router)[1] >= 30, "the index holds the prefix again", 30)
-    holder, _ = holder_of_prefix(router)
+    # The load-only requests above may have cached the prefix on both replicas: any
+    # replica the index says holds it is a right answer.
+    holders = {rid for rid, blocks in prefix_matches(router).items() if blocks >= 30}
     since = len(decisions(router))
     texts, errors = grpc_generate(router.grpc_url, [tenant_prompt(300)])
     assert not errors and texts["0"]
     [after] = decisions(router, since)
     assert after["pagoda.policy"] == "prefix_aware" and after["pagoda.redis_available"]
-    assert after["pagoda.replica_id"] == holder and after["pagoda.matched_blocks"] >= 30
+    assert after["pagoda.replica_id"] in holders and after["pagoda.matched_blocks"] >= 30
 
 
 def test_tritonclient_grpc_and_http_unchanged(router, replicas):
