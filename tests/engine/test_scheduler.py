@@ -450,3 +450,51 @@ def test_waiting_for_a_shared_prefix_can_be_turned_off():
     assert plan(out) == [("a", 0, 513, True), ("b", 0, 513, True)]
     config = SchedulerConfig.from_engine_config(EngineConfig(min_shared_prefix_to_wait=64), 100, 512, "m")
     assert config.min_shared_prefix_to_wait == 64
+
+
+# LoRA slots ----------------------------------------------------------------------------
+
+
+def _lora_request(rid, adapter, prompt=8, max_tokens=4):
+    request = make_request(rid, [hash(rid) % 50 + 200 + i for i in range(prompt)], max_tokens=max_tokens)
+    request.adapter_id = adapter
+    return request
+
+
+def test_a_request_waiting_for_an_adapter_slot_does_not_block_the_queue_behind_it():
+    """Two slots held by a and b: c is skipped while base-model and resident-adapter
+    requests behind it run (vLLM skips too); c keeps its place at the front and runs as
+    soon as a slot frees. Adapter a (fewest running, ties by name) takes nothing new."""
+    scheduler = make_scheduler(max_loras=2)
+    for request in (_lora_request("a1", "a", max_tokens=2), _lora_request("b1", "b", max_tokens=8)):
+        scheduler.add_request(request)
+    step(scheduler)
+    for request in (_lora_request("c1", "c"), _lora_request("base", None), _lora_request("a2", "a"),
+                    _lora_request("b2", "b")):
+        scheduler.add_request(request)
+    output, _ = step(scheduler)
+    admitted = [s.request.request_id for s in output.scheduled if s.num_computed_tokens == 0]
+    assert admitted == ["base", "b2"]
+    assert [r.request_id for r in scheduler.waiting] == ["c1", "a2"], "skipped requests keep their order"
+    output, _ = step(scheduler)  # a1 finished in the last step: its slot goes to c1
+    admitted = [s.request.request_id for s in output.scheduled if s.num_computed_tokens == 0]
+    assert admitted == ["c1"] and [r.request_id for r in scheduler.waiting] == ["a2"]
+
+
+def test_a_steady_stream_for_resident_adapters_cannot_starve_a_waiting_adapter():
+    """New requests for the resident adapters keep arriving every step; the waiting
+    adapter still gets a slot, because the drained adapter's requests end."""
+    scheduler = make_scheduler(max_loras=2, max_num_seqs=16, num_blocks=400)
+    for request in (_lora_request("a0", "a", max_tokens=6), _lora_request("b0", "b", max_tokens=6)):
+        scheduler.add_request(request)
+    step(scheduler)
+    scheduler.add_request(_lora_request("c", "c", max_tokens=2))
+    for i in range(1, 40):
+        scheduler.add_request(_lora_request(f"a{i}", "a", max_tokens=6))
+        scheduler.add_request(_lora_request(f"b{i}", "b", max_tokens=6))
+        output, _ = step(scheduler)
+        if any(s.request.request_id == "c" for s in output.scheduled):
+            break
+    else:
+        pytest.fail("the request for adapter c was starved")
+    assert i <= 8, f"c waited {i} steps"

@@ -23,6 +23,11 @@ Every request has ``num_computed_tokens`` catching up with ``num_tokens``. Each 
    admitted together, both would prefill the same prefix; one step later those blocks
    are cached and the second one hits them. A burst of requests sharing a long prompt
    therefore prefills it once, not once per request, for one step of extra wait.
+   The one exception to strict order is LoRA (``LoRAConstraint``): a request whose
+   adapter cannot get a device slot this step is skipped, so requests behind it that need
+   no new slot still run; the active adapter with the fewest running requests takes no
+   new requests meanwhile, so a slot frees and the skipped request (kept at the front of
+   the queue) is admitted then.
 
 A step whose tokens reach the end of a request's known tokens samples (``is_sampling``).
 ``schedule()`` itself advances ``num_computed_tokens`` by what it schedules and counts the
@@ -385,17 +390,32 @@ class Scheduler:
         return True
 
     def _schedule_waiting(self, step: "_Step") -> None:
+        skipped: list[Request] = []  # waiting for an adapter slot; back at the front afterwards
+        try:
+            self._admit_waiting(step, skipped)
+        finally:
+            for request in reversed(skipped):
+                self.waiting.add_preempted(request)
+
+    def _admit_waiting(self, step: "_Step", skipped: list[Request]) -> None:
         cfg = self.config
+        draining: Optional[str] = None  # the adapter held back while another waits for its slot
         while len(self.waiting) > 0 and step.budget > 0:
             request = self.waiting.peek()
             if request in step.preempted:
                 break
             assert request.num_output_placeholders == 0, "a waiting request's last step was not applied"
+            if self.lora_constraint is not None and request.adapter_id is not None and (
+                    request.adapter_id == draining
+                    or not self.lora_constraint.can_admit(request.adapter_id, self.running)):
+                # Its adapter needs a slot (or is being drained to free one): requests behind
+                # it that need no new slot go first (LoRAConstraint).
+                if draining is None:
+                    draining = self.lora_constraint.to_drain(self.running)
+                skipped.append(self.waiting.pop())
+                continue
             if len(self.running) >= cfg.max_num_seqs and not self._preempt_for(request, step):
                 break
-            if self.lora_constraint is not None and not self.lora_constraint.can_admit(request.adapter_id,
-                                                                                        self.running):
-                break  # its adapter needs a slot: it waits until a running adapter's requests end
             if self.offload is not None and self.offload.is_swapped_out(request.request_id):
                 if not self._admit_swapped(request, step):
                     return
