@@ -10,7 +10,7 @@ from pagoda.engine.config import EngineConfig
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.engine.request import Request
 
-from tests.engine.hf_reference import make_random_model
+from tests.engine.driving import drain
 
 
 def _request(request_id: str, num_tokens: int, priority: int = 0, arrival: float = 0.0) -> Request:
@@ -62,20 +62,6 @@ def test_config_validates_bounds():
 
 
 # ------------------------------------------------------------------ in the engine
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory, smollm2_path):
-    return str(make_random_model(tmp_path_factory.mktemp("m") / "llama", "llama-gqa3-hd64", smollm2_path))
-
-
-def _drain(engine):
-    finals = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = out
-    return finals
-
-
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 
 
@@ -86,11 +72,11 @@ def test_engine_refuses_past_the_bound_and_keeps_serving(model_path):
     with pytest.raises(EngineOverloaded, match="waiting queue is full") as info:
         engine.add_request("r3", [5, 6, 7, 9], GREEDY)
     assert info.value.retry_after_s >= 1 and engine.get_stats().num_admission_refused == 1
-    finals = _drain(engine)
+    finals = drain(engine)
     assert sorted(finals) == ["r0", "r1", "r2"] and all(o.error is None for o in finals.values())
     assert engine.get_stats().num_free_blocks == engine.scheduler.block_pool.num_usable_blocks
     engine.add_request("r3", [5, 6, 7, 9], GREEDY)  # room again
-    assert _drain(engine)["r3"].outputs[0].finish_reason == "length"
+    assert drain(engine)["r3"].outputs[0].finish_reason == "length"
 
 
 def test_engine_displaces_lower_priority_with_an_overload_error(model_path):
@@ -98,7 +84,7 @@ def test_engine_displaces_lower_priority_with_an_overload_error(model_path):
     engine.add_request("low", [5, 6, 7], GREEDY, priority=9)
     engine.add_request("mid", [5, 6, 8], GREEDY, priority=5)
     engine.add_request("urgent", [5, 6, 9], GREEDY, priority=0)
-    finals = _drain(engine)
+    finals = drain(engine)
     assert finals["low"].error.startswith(OVERLOADED_PREFIX) and "more urgent" in finals["low"].error
     assert finals["low"].outputs[0].finish_reason == "abort"
     assert finals["mid"].error is None and finals["urgent"].error is None
@@ -116,7 +102,7 @@ def test_deadline_ends_waiting_and_running_requests_with_their_own_error(model_p
     for _ in range(3):
         engine.step()
     now[0] += 31  # both deadlines pass while "running" is mid-generation
-    finals = _drain(engine)
+    finals = drain(engine)
     assert finals["waiting"].error.startswith(DEADLINE_PREFIX) and "waiting in the queue" in finals["waiting"].error
     assert finals["running"].error.startswith(DEADLINE_PREFIX) and "generated tokens" in finals["running"].error
     assert finals["free"].error is None and finals["free"].outputs[0].finish_reason == "length"

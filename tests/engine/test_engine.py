@@ -10,21 +10,7 @@ from pagoda import LLM, SamplingParams
 from pagoda.engine.config import EngineConfig
 from pagoda.engine.llm_engine import LLMEngine
 
-from tests.engine.hf_reference import make_random_model
-
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory, smollm2_path):
-    return str(make_random_model(tmp_path_factory.mktemp("m") / "llama", "llama-gqa3-hd64", smollm2_path))
-
-
-def _drain(engine):
-    finals = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = out
-    return finals
+from tests.engine.driving import drain
 
 
 def test_prefix_hit_computes_only_the_suffix(model_path):
@@ -36,16 +22,16 @@ def test_prefix_hit_computes_only_the_suffix(model_path):
 
     engine = LLMEngine(EngineConfig(model=model_path))
     engine.add_request("a", first, greedy)
-    _drain(engine)
+    drain(engine)
     computed_before = engine.get_stats().prefix_cache_hits
     engine.add_request("b", second, greedy)
-    out = _drain(engine)["b"]
+    out = drain(engine)["b"]
     assert out.num_cached_tokens == 512
     assert engine.get_stats().prefix_cache_hits - computed_before == 512
 
     cold = LLMEngine(EngineConfig(model=model_path, enable_prefix_caching=False))
     cold.add_request("b", second, greedy)
-    assert _drain(cold)["b"].outputs[0].token_ids == out.outputs[0].token_ids
+    assert drain(cold)["b"].outputs[0].token_ids == out.outputs[0].token_ids
 
 
 def test_cache_salt_isolates_tenants(model_path):
@@ -53,18 +39,18 @@ def test_cache_salt_isolates_tenants(model_path):
     greedy = SamplingParams(temperature=0, max_tokens=4)
     engine = LLMEngine(EngineConfig(model=model_path))
     engine.add_request("t1", prompt, greedy, cache_salt="tenant-1")
-    _drain(engine)
+    drain(engine)
     engine.add_request("t2", prompt, greedy, cache_salt="tenant-2")
-    assert _drain(engine)["t2"].num_cached_tokens == 0
+    assert drain(engine)["t2"].num_cached_tokens == 0
     engine.add_request("t1-again", prompt, greedy, cache_salt="tenant-1")
-    assert _drain(engine)["t1-again"].num_cached_tokens == 96
+    assert drain(engine)["t1-again"].num_cached_tokens == 96
 
 
 def test_n_greater_than_one_shares_prompt_blocks(model_path):
     engine = LLMEngine(EngineConfig(model=model_path))
     prompt = list(range(3000, 3070))
     engine.add_request("n", prompt, SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=10, ignore_eos=True))
-    out = _drain(engine)["n"]
+    out = drain(engine)["n"]
     assert [c.index for c in out.outputs] == [0, 1, 2]
     assert all(len(c.token_ids) == 10 for c in out.outputs)
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1, "seeded children must not all coincide"
@@ -130,7 +116,7 @@ def test_abort_frees_blocks_and_reports(model_path):
     for _ in range(3):
         engine.step()
     engine.abort_request(["r1", "r3", "unknown"])
-    finals = _drain(engine)
+    finals = drain(engine)
     assert finals["r1"].outputs[0].finish_reason == "abort"
     assert finals["r3"].outputs[0].finish_reason == "abort"
     assert finals["r0"].outputs[0].finish_reason == "length"
@@ -151,6 +137,6 @@ def test_bad_requests_raise_and_leave_nothing_behind(model_path):
     engine.add_request("ok", [5, 6, 7], SamplingParams(max_tokens=2))
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request("ok", [5, 6, 7], SamplingParams(max_tokens=2))
-    finals = _drain(engine)
+    finals = drain(engine)
     assert list(finals) == ["ok"]
     assert engine.get_stats().num_free_blocks == engine.get_stats().num_blocks

@@ -19,7 +19,6 @@ from pagoda.engine.request import Request, RequestStatus
 from pagoda.engine.sampling_params import SamplingParams
 from pagoda.engine.scheduler import Scheduler, SchedulerConfig
 
-from tests.engine.hf_reference import make_random_model
 
 
 def make_scheduler(**overrides):
@@ -231,11 +230,6 @@ def test_evicted_prefix_blocks_move_to_host_and_come_back():
 
 
 # Engine end to end (tiny random model) ----------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory, smollm2_path):
-    return str(make_random_model(tmp_path_factory.mktemp("m") / "llama", "llama-gqa3-hd64", smollm2_path))
 
 
 def _run(engine, prompts, params):
