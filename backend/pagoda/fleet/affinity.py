@@ -40,6 +40,7 @@ import threading
 import time
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
+from pagoda.fleet.daemon import DaemonThread
 from pagoda.fleet import keys
 from pagoda.fleet.retry import Backoff, RateLimitedLog
 
@@ -138,7 +139,7 @@ class PendingIndex:
                     del self._owners[h]
 
 
-class AffinityShare:
+class AffinityShare(DaemonThread):
     """Shares routing decisions between routers through the ``routed`` stream.
 
     Args:
@@ -152,6 +153,7 @@ class AffinityShare:
 
     def __init__(self, redis_client: Any, model_id: str, pending: PendingIndex, router_id: Optional[str] = None,
                  *, poll_block_ms: int = 20, stream_maxlen: int = 5_000) -> None:
+        super().__init__("pagoda-affinity-share")
         self.client = redis_client
         self.key = keys.routed_stream_key(model_id)
         self.pending = pending
@@ -164,8 +166,6 @@ class AffinityShare:
         self.num_failures = 0
         self._outbox: list[tuple[str, str, int]] = []
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
         self._log = RateLimitedLog(logger, interval_s=60.0)
 
     def publish(self, replica_id: str, block_hashes: Sequence[str], ttl_s: float) -> None:
@@ -206,18 +206,6 @@ class AffinityShare:
                 num += 1
         self.num_applied += num
         return num
-
-    def start(self) -> None:
-        assert self._thread is None, "AffinityShare already started"
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name="pagoda-affinity-share", daemon=True)
-        self._thread.start()
-
-    def stop(self, timeout: Optional[float] = 5.0) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            self._thread = None
 
     def _run(self) -> None:
         backoff = Backoff(initial_s=0.05, max_s=2.0)

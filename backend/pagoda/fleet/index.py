@@ -40,6 +40,7 @@ import threading
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 
 from pagoda.engine.kv_events import BlockEvent, KVEvent
+from pagoda.fleet.daemon import DaemonThread
 from pagoda.fleet import keys
 
 logger = logging.getLogger(__name__)
@@ -382,7 +383,7 @@ class PrefixIndex:
         return _text(info["last-generated-id"]), int(info["entries-added"]), int(info["length"])
 
 
-class IndexFollower:
+class IndexFollower(DaemonThread):
     """A router's local mirror of the index, fed by the events stream (module docstring).
 
     Args:
@@ -395,6 +396,7 @@ class IndexFollower:
 
     def __init__(self, redis_client, model_id: str, *, poll_block_ms: int = 100, batch_size: int = 1000,
                  retry_interval_s: float = 0.5) -> None:
+        super().__init__("pagoda-index-follower")
         self.index = PrefixIndex(redis_client, model_id)
         self.client = redis_client
         self.model_id = model_id
@@ -412,8 +414,6 @@ class IndexFollower:
         # Called with (replica_id, events) after each applied entry (the router confirms its
         # pending affinity entries with it); runs on the follower's thread.
         self.on_events: Optional[Callable[[str, list], None]] = None
-        self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
 
     def match(self, block_hashes: Sequence[Union[str, bytes]]) -> dict[str, int]:
         """Longest-prefix matches from memory (meaningful only while ``is_synced``)."""
@@ -483,19 +483,6 @@ class IndexFollower:
         self._install(self.index.snapshot([rid]))
         self.num_replica_resyncs += 1
         return 0
-
-    def start(self) -> None:
-        """Follow the stream on a daemon thread until ``stop()``."""
-        assert self._thread is None, "IndexFollower already started"
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name="pagoda-index-follower", daemon=True)
-        self._thread.start()
-
-    def stop(self, timeout: Optional[float] = 5.0) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            self._thread = None
 
     def _run(self) -> None:
         from pagoda.fleet.retry import RateLimitedLog

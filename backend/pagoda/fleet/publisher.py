@@ -44,6 +44,7 @@ from collections import deque
 from typing import Any, Callable, Optional, Sequence
 
 from pagoda.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from pagoda.fleet.daemon import DaemonThread
 from pagoda.fleet import keys
 from pagoda.fleet.index import PrefixIndex, make_redis_client
 from pagoda.fleet.retry import Backoff, RateLimitedLog
@@ -51,7 +52,7 @@ from pagoda.fleet.retry import Backoff, RateLimitedLog
 logger = logging.getLogger(__name__)
 
 
-class Publisher:
+class Publisher(DaemonThread):
     """Publishes one replica's block events and heartbeats.
 
     Args:
@@ -77,6 +78,7 @@ class Publisher:
                  *, hash_model_id: Optional[str] = None, block_size: int = 0, flush_interval_s: float = 0.02,
                  max_pending_events: int = 50_000, stream_maxlen: int = 10_000, redis_client: Any = None,
                  retry_initial_s: float = 0.1, retry_max_s: float = 5.0) -> None:
+        super().__init__("pagoda-fleet-publisher")
         keys.check_replica_id(replica_id)
         if ttl_s <= heartbeat_interval_s:
             raise ValueError(f"ttl_s ({ttl_s}) must exceed heartbeat_interval_s ({heartbeat_interval_s})")
@@ -104,8 +106,6 @@ class Publisher:
         self._stats: Any = None
         self._next_seq = 0
         self._next_heartbeat = float("-inf")
-        self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
         self.backoff = Backoff(retry_initial_s, retry_max_s)
         self._log = RateLimitedLog(logger, interval_s=30.0)
 
@@ -271,19 +271,10 @@ class Publisher:
             return False
         return True
 
-    def start(self) -> None:
-        """Flush on a daemon thread until ``stop()``."""
-        assert self._thread is None, "Publisher already started"
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name="pagoda-fleet-publisher", daemon=True)
-        self._thread.start()
 
     def stop(self, deregister: bool = True, timeout: Optional[float] = 5.0) -> None:
         """Stop the thread (one last flush), then optionally ``deregister``."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            self._thread = None
+        super().stop(timeout)
         if deregister:
             self.deregister()
 
