@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import time
 
 import torch
+
+from pagoda.bench.common import add_engine_bench_args, machine_line, prepare_engine_bench
 
 PROMPTS = [
     "Add type hints to this function and return the whole function:\n\ndef merge(a, b):\n    out = []\n"
@@ -101,28 +101,21 @@ def configurations(args) -> dict[str, dict]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="pagoda bench spec", description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default=None, help="target model folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--draft-model", default=None, help="draft folder (default: the target's first layers)")
     parser.add_argument("--draft-layers", type=int, default=20, help="layers of the layer-skip self-draft")
     parser.add_argument("--methods", default="ngram,draft")
     parser.add_argument("--batch-sizes", default="1,8,32")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--k", type=int, default=4, help="fixed window, and the adaptive window's maximum")
-    parser.add_argument("--repeats", type=int, default=2, help="runs per configuration; the fastest is kept")
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
-    parser.add_argument("--json", default=None, help="also write the results to this file")
+    add_engine_bench_args(parser, repeats=2)
     args = parser.parse_args(argv)
     from pagoda.engine.config import EngineConfig
     from pagoda.engine.llm_engine import LLMEngine
-    from pagoda.models.gguf_import import ensure_default_model
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    model_path = str(args.model or ensure_default_model())
+    model_path = prepare_engine_bench(args)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    results = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-                          f"torch {torch.__version__}, {'cuda' if torch.cuda.is_available() else 'cpu'}",
-               "threads": torch.get_num_threads(), "model": model_path, "max_tokens": args.max_tokens, "runs": {}}
+    results = {"machine": machine_line(), "threads": torch.get_num_threads(), "model": model_path,
+               "max_tokens": args.max_tokens, "runs": {}}
     # Every engine is built first and the configurations run back to back per batch size,
     # so that a shared, noisy machine disturbs the ratios as little as possible.
     engines = {name: LLMEngine(EngineConfig(model=model_path, max_num_seqs=max(batch_sizes), max_model_len=1024,

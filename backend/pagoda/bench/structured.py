@@ -27,10 +27,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import time
 
 import torch
+
+from pagoda.bench.common import add_engine_bench_args, machine_line, prepare_engine_bench
 
 SCHEMA = {"type": "array", "minItems": 32, "items": {
     "type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
@@ -77,28 +78,21 @@ def compile_seconds(engine, prompt: list[int]) -> float:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="pagoda bench structured", description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default=None, help="model folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=48)
-    parser.add_argument("--repeats", type=int, default=3, help="runs per configuration; the fastest is kept")
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
-    parser.add_argument("--json", default=None, help="also write the results to this file")
+    add_engine_bench_args(parser, repeats=3)
     args = parser.parse_args(argv)
     from pagoda.engine.config import EngineConfig
     from pagoda.engine.llm_engine import LLMEngine
-    from pagoda.models.gguf_import import ensure_default_model
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    model_path = str(args.model or ensure_default_model())
+    model_path = prepare_engine_bench(args)
     engine = LLMEngine(EngineConfig(model=model_path, max_num_seqs=args.batch_size, max_model_len=1024))
     tokenizer = engine.tokenizer
     prompts = [tokenizer.encode(tokenizer.apply_chat_template(
         [{"role": "user", "content": f"List some {TOPICS[i % len(TOPICS)]} with quantities as JSON."}]),
         add_special_tokens=False) for i in range(args.batch_size)]
-    results = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-                          f"torch {torch.__version__}, {'cuda' if torch.cuda.is_available() else 'cpu'}",
-               "load_average": os.getloadavg(), "threads": torch.get_num_threads(), "model": model_path,
+    results = {"machine": machine_line(), "load_average": os.getloadavg(), "threads": torch.get_num_threads(),
+               "model": model_path,
                "batch_size": args.batch_size, "max_tokens": args.max_tokens,
                "compile_seconds_cold": compile_seconds(engine, prompts[0]), "runs": {}}
     order = (("none", False), ("half", True))
