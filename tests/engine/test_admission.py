@@ -79,6 +79,27 @@ def test_engine_refuses_past_the_bound_and_keeps_serving(model_path):
     assert drain(engine)["r3"].outputs[0].finish_reason == "length"
 
 
+def test_requests_waiting_outside_the_scheduler_count_against_the_bound(model_path):
+    """n siblings held for their first child's prompt and a guided request waiting for its
+    grammar are queued too: with room for 3, n=2 plus one guided request fill the queue;
+    a more urgent request displaces the guided one (never scheduled), and all finish."""
+    pytest.importorskip("xgrammar")
+    from pagoda.engine.guided import GuidedDecodingParams
+
+    engine = LLMEngine(EngineConfig(model=model_path, max_waiting_requests=3))
+    engine.add_request("pair", [5, 6, 7, 8], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, n=2))
+    choice = SamplingParams(temperature=0, max_tokens=4, guided_decoding=GuidedDecodingParams(choice=["yes", "no"]))
+    engine.add_request("guided", [5, 6, 9], choice, priority=5)
+    assert len(list(engine.core.queued_requests())) == 3
+    with pytest.raises(EngineOverloaded, match="waiting queue is full"):
+        engine.add_request("late", [5, 6, 10], GREEDY, priority=5)
+    engine.add_request("urgent", [5, 6, 11], GREEDY, priority=0)
+    finals = drain(engine)
+    assert finals["guided"].error.startswith(OVERLOADED_PREFIX)
+    assert finals["pair"].error is None and finals["urgent"].error is None
+    assert engine.get_stats().num_free_blocks == engine.scheduler.block_pool.num_usable_blocks
+
+
 def test_engine_displaces_lower_priority_with_an_overload_error(model_path):
     engine = LLMEngine(EngineConfig(model=model_path, max_waiting_requests=2))
     engine.add_request("low", [5, 6, 7], GREEDY, priority=9)

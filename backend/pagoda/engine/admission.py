@@ -8,8 +8,11 @@ touched.
 
 Bound (``EngineConfig.max_waiting_requests`` / ``max_waiting_prompt_tokens``): a request
 is admitted while the waiting queue, with it added, holds at most ``max_waiting_requests``
-requests and at most ``max_waiting_prompt_tokens`` not-yet-computed tokens. Running
-requests do not count: the scheduler already bounds them (``max_num_seqs``, the KV cache).
+requests and at most ``max_waiting_prompt_tokens`` not-yet-computed tokens. The waiting
+queue is every request not admitted yet (``EngineCore.queued_requests``): the scheduler's
+queue, ``n`` siblings held for their first child's prompt, and guided requests waiting
+for their grammar. Running requests do not count: the scheduler already bounds them
+(``max_num_seqs``, the KV cache).
 A request that alone exceeds the token bound can never be admitted: that is a
 ``ValueError`` (a 400), not an overload.
 

@@ -215,6 +215,16 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._pending) or bool(self._awaiting_grammar)
 
+    def queued_requests(self) -> Iterator[Request]:
+        """Every request not admitted yet: the scheduler's waiting queue, siblings held
+        for their first child's prompt, and requests waiting for their grammar
+        (admission control bounds them all)."""
+        yield from self.scheduler.waiting
+        for _, siblings in self._pending.values():
+            yield from siblings
+        for children in self._awaiting_grammar.values():
+            yield from children
+
     @property
     def num_pending(self) -> int:
         """Siblings held back until their first child's prompt is computed."""

@@ -198,7 +198,7 @@ class LLMEngine:
         text, token_ids = self._tokenize(prompt)
         self._check_stop_token_ids(params)
         arrival = time.time() if arrival_time is None else arrival_time
-        verdict = self.admission.can_admit(len(token_ids), priority, self.scheduler.waiting)
+        verdict = self.admission.can_admit(len(token_ids), priority, self.core.queued_requests())
         if not verdict.admit:
             raise EngineOverloaded(verdict.reason, self.admission.retry_after_s)
         child_ids = [request_id if params.n == 1 else f"{request_id}#{i}" for i in range(params.n)]
