@@ -41,6 +41,7 @@ GENERATE_INPUTS: dict[str, str] = {
     "temperature": "number", "top_p": "number", "repetition_penalty": "number", "presence_penalty": "number",
     "frequency_penalty": "number",
     "stop_words": "strings", "bad_words": "strings", "lora_name": "string",
+    "lora_action": "string", "lora_path": "string",  # a LoRA control request (http_api answers it)
 }
 GENERATE_PARAMETERS = ("traceparent",)  # top-level keys that are request parameters, not inputs
 
