@@ -17,15 +17,6 @@ MAX_MODEL_LEN = 1024
 
 
 @pytest.fixture(scope="session")
-def smollm2_lora(tmp_path_factory, smollm2_path):
-    """A random PEFT LoRA adapter (q/v, rank 8) for the default model, made with ``peft``."""
-    pytest.importorskip("peft")
-    from tests.engine.lora_reference import make_peft_adapter
-
-    return str(make_peft_adapter(smollm2_path, tmp_path_factory.mktemp("lora"), "attn-qv", seed=0))
-
-
-@pytest.fixture(scope="session")
 def triton_server(tmp_path_factory, smollm2_lora):
     """Serves the default model with one LoRA adapter, ``sql`` (base requests name none), and
     runtime LoRA updates allowed (``--allow-runtime-lora``)."""
