@@ -122,7 +122,8 @@ def test_runtime_lora_is_refused_unless_the_router_allows_it():
         try:
             status, body = await _post(client, "/v1/load_lora_adapter", {"lora_name": "sql", "lora_path": "/a"})
             assert status == 403 and "--allow-runtime-lora" in body["error"]["message"]
-            status, body = await _post(client, "/v2/models/pagoda/generate", {"lora_action": "unload", "lora_name": "x"})
+            status, body = await _post(client, "/v2/models/pagoda/generate",
+                                       {"lora_action": "unload", "lora_name": "x"})
             assert status == 403 and "runtime LoRA updating is not enabled on this router" in body["error"]
             status, body = await _post(client, "/v2/models/pagoda/generate", {"lora_action": "list"})
             assert status == 200 and json.loads(body["text_output"])["loaded"] == []

@@ -366,7 +366,8 @@ def test_lora_adapter_loaded_at_run_time_serves_then_unloads(triton_server, smol
     assert any(line.startswith("vllm:lora_requests_info") and 'running_lora_adapters="rt"' in line
                for line in metrics.splitlines()), "the runtime-loaded adapter is missing from the LoRA metric"
     for body, message in [
-        ({"lora_action": "load", "lora_name": "rt", "lora_path": smollm2_lora}, "an adapter named 'rt' is already loaded"),
+        ({"lora_action": "load", "lora_name": "rt", "lora_path": smollm2_lora},
+         "an adapter named 'rt' is already loaded"),
         ({"lora_action": "load", "lora_name": "bad", "lora_path": "/nonexistent/adapter"}, "is not a folder"),
         ({"lora_action": "load", "lora_name": "bad"}, "lora_path: required by lora_action 'load'"),
         ({"lora_action": "reload", "lora_name": "rt"}, "lora_action: must be one of load, unload, list"),
