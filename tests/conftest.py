@@ -16,3 +16,12 @@ def smollm2_path():
     from pagoda.models.gguf_import import ensure_default_model
 
     return str(ensure_default_model())
+
+
+@pytest.fixture(scope="session")
+def smollm2_lora(tmp_path_factory, smollm2_path):
+    """A random PEFT LoRA adapter (q/v, rank 8) for the default model, made with ``peft``."""
+    pytest.importorskip("peft")
+    from tests.engine.lora_reference import make_peft_adapter
+
+    return str(make_peft_adapter(smollm2_path, tmp_path_factory.mktemp("lora"), "attn-qv", seed=0))

@@ -4,6 +4,7 @@
     pagoda generate "prompt" [--max-tokens N] [--temperature T] offline generation
     pagoda serve [...]                                          tritonserver over model_repository/
     pagoda router [...]                                         cache-aware router over replicas
+    pagoda lora load NAME PATH | unload NAME | list [--url URL]  LoRA adapters of a running server
     pagoda operator [...]                                       the Kubernetes operator (kopf)
     pagoda bench offline|serve|kernels|routing|autoscale|quant|spec|offload|lora|structured|soak|throughput  benchmarks
 
@@ -24,6 +25,7 @@ _COMMANDS = {
     "generate": ("pagoda.cli", "_generate", "generate text offline with the engine"),
     "serve": ("pagoda.serving.serve_cli", "main", "serve model_repository/ with a real tritonserver"),
     "router": ("pagoda.fleet.router", "main", "cache-aware router (Triton gRPC/HTTP and OpenAI) over many replicas"),
+    "lora": ("pagoda.serving.lora_cli", "main", "load/unload/list LoRA adapters of a running replica or router"),
     "operator": ("pagoda_operator.main", "main", "run the LLMService Kubernetes operator"),
 }
 _BENCHES = {

@@ -5,6 +5,7 @@ hits and a slot count smaller than the number of adapters; plus the refusals."""
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 import torch
@@ -162,6 +163,36 @@ def test_unknown_adapter_and_lora_off_are_clear_errors(lora_setup):
         engine.step()
     engine.remove_lora("attn-qv")
     assert engine.list_loras() == []
+
+
+def test_runtime_load_off_thread_then_register_between_steps(lora_setup, expected):
+    """The server's run-time path: ``load_lora`` (file I/O, fusing) on another thread while
+    a request of another adapter runs, ``register_lora`` between two steps; the running
+    request and the new adapter's request both match PEFT; the name cannot be taken twice."""
+    base, adapters = lora_setup
+    engine = _engine(base, {"attn-qv": adapters["attn-qv"]})
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    engine.add_request("qv", PROMPTS["attn-qv"], greedy, lora_name="attn-qv")
+    outputs = list(engine.step())
+    loaded = {}
+    thread = threading.Thread(target=lambda: loaded.update(adapter=engine.load_lora("all-r4", adapters["all-r4"])))
+    thread.start()
+    outputs += engine.step()
+    thread.join()
+    assert engine.list_loras() == ["attn-qv"], "a loaded adapter is not served before it is registered"
+    engine.register_lora(loaded["adapter"])
+    assert engine.lora_paths() == {"all-r4": adapters["all-r4"], "attn-qv": adapters["attn-qv"]}
+    engine.add_request("r4", PROMPTS["all-r4"], greedy, lora_name="all-r4")
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    tokens = {o.request_id: o.outputs[0].token_ids for o in outputs if o.finished}
+    assert tokens == {"qv": expected["attn-qv"], "r4": expected["all-r4"]}
+    with pytest.raises(ValueError, match="already loaded"):
+        engine.load_lora("all-r4", adapters["all-r4"])
+    with pytest.raises(ValueError, match="already loaded"):
+        engine.register_lora(loaded["adapter"])
+    with pytest.raises(ValueError, match="LoRA is not enabled"):
+        LLMEngine(EngineConfig(model=base)).load_lora("x", adapters["all-r4"])
 
 
 def test_bad_adapter_folders_are_refused_with_the_reason(lora_setup, tmp_path):

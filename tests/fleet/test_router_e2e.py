@@ -7,7 +7,9 @@ spread; a router started late resyncs from the event stream; Redis killed or fro
 mid-test -> load-only routing with no failed request, prefix routing back once Redis is;
 tritonclient gRPC stream + HTTP and the ``openai`` SDK unchanged against the router; bad
 input errors; traces (router spans in memory, the replicas' engine spans over OTLP to an
-in-test receiver, one trace id); a replica killed mid-stream (last: it kills a replica).
+in-test receiver, one trace id); a LoRA adapter loaded and unloaded at run time through
+the router (r0 allows it, r1 does not: a load on both is refused by r1 and rolled back on
+r0); a replica killed mid-stream (last: it kills a replica).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import queue
 import signal
 import threading
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -80,9 +83,11 @@ def otlp_receiver():
 
 
 def _start_replica(replica_id, redis_url, otlp_endpoint, log_path):
+    # r0 loads LoRA adapters at run time (pagoda serve --allow-runtime-lora); r1 refuses to.
+    lora = {"enable_lora": "true", "allow_runtime_lora": "true"} if replica_id == "r0" else {}
     options = ServeOptions(http_port=find_free_port(), grpc_port=find_free_port(), metrics_port=find_free_port(),
                            max_model_len=1024, max_num_seqs=8, startup_timeout_s=600,
-                           redis_url=redis_url, replica_id=replica_id, fleet_model=MODEL_NAME)
+                           redis_url=redis_url, replica_id=replica_id, fleet_model=MODEL_NAME, engine_args=lora)
     # What ServeOptions has no field for travels in the environment the launcher copies.
     env = {"PAGODA_HEARTBEAT_INTERVAL_S": "0.2", "PAGODA_HEARTBEAT_TTL_S": "3",
            "OTEL_EXPORTER_OTLP_ENDPOINT": otlp_endpoint, "OTEL_BSP_SCHEDULE_DELAY": "200"}
@@ -434,6 +439,47 @@ def test_openai_sdk(router):
     with pytest.raises(openai.BadRequestError) as info:  # longer than max_model_len: the replica's message
         client.completions.create(model=MODEL_NAME, prompt="word " * 3000, max_tokens=1)
     assert "1024" in str(info.value) or "long" in str(info.value)
+
+
+def _post_json(url, body):
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def test_lora_adapter_loaded_and_unloaded_at_run_time_through_the_router(replicas, redis_server, smollm2_path,
+                                                                        smollm2_lora):
+    """Through a router over r0 (runtime LoRA allowed): /v1/load_lora_adapter loads a peft
+    adapter on the real replica, /v1/models lists it, ``model=<adapter>`` generates with
+    it (not the base model's text), /v1/unload_lora_adapter removes it and the name is a
+    404 again. Through a router over both replicas: r1 refuses the load (no runtime LoRA),
+    the error names it, and r0 holds nothing afterwards (rolled back)."""
+    openai = pytest.importorskip("openai")
+    from pagoda.serving.lora_cli import lora_control
+
+    load = {"lora_name": "rt", "lora_path": smollm2_lora}
+    with _make_router({"r0": replicas["r0"]}, redis_server, smollm2_path, allow_runtime_lora=True) as solo:
+        status, body = _post_json(f"http://{solo.http_url}/v1/load_lora_adapter", load)
+        assert status == 200 and body["replicas"] == ["r0"], body
+        client = openai.OpenAI(base_url=f"http://{solo.http_url}/v1", api_key="unused", max_retries=0)
+        assert {m.id: getattr(m, "parent", None) for m in client.models.list().data} == {
+            MODEL_NAME: None, "rt": MODEL_NAME}
+        texts = {model: client.completions.create(model=model, prompt="The capital of France is", max_tokens=12,
+                                                  temperature=0).choices[0].text for model in ("rt", MODEL_NAME)}
+        assert texts["rt"] != texts[MODEL_NAME]
+        status, body = _post_json(f"http://{solo.http_url}/v1/unload_lora_adapter", {"lora_name": "rt"})
+        assert status == 200, body
+        with pytest.raises(openai.NotFoundError, match="does not exist"):
+            client.completions.create(model="rt", prompt="x", max_tokens=1)
+    with _make_router(replicas, redis_server, smollm2_path, allow_runtime_lora=True) as both:
+        status, body = _post_json(f"http://{both.http_url}/v1/load_lora_adapter", load)
+        message = body["error"]["message"]
+        assert status == 400 and "failed on 1 of 2 replicas: r1: lora_action 'load': runtime LoRA updating is " \
+            "not enabled on this replica" in message and "unloaded again on r0" in message, body
+    assert lora_control(f"http://{replicas['r0'].http_url}", "list")["loaded"] == []
 
 
 def test_traces_join_router_and_engine(router, otlp_receiver):

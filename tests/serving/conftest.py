@@ -17,21 +17,14 @@ MAX_MODEL_LEN = 1024
 
 
 @pytest.fixture(scope="session")
-def smollm2_lora(tmp_path_factory, smollm2_path):
-    """A random PEFT LoRA adapter (q/v, rank 8) for the default model, made with ``peft``."""
-    pytest.importorskip("peft")
-    from tests.engine.lora_reference import make_peft_adapter
-
-    return str(make_peft_adapter(smollm2_path, tmp_path_factory.mktemp("lora"), "attn-qv", seed=0))
-
-
-@pytest.fixture(scope="session")
 def triton_server(tmp_path_factory, smollm2_lora):
-    """Serves the default model with one LoRA adapter, ``sql`` (base requests name none)."""
+    """Serves the default model with one LoRA adapter, ``sql`` (base requests name none), and
+    runtime LoRA updates allowed (``--allow-runtime-lora``)."""
     log_path = tmp_path_factory.mktemp("tritonserver") / "server.log"
     options = ServeOptions(http_port=find_free_port(), grpc_port=find_free_port(), metrics_port=find_free_port(),
                            max_model_len=MAX_MODEL_LEN, max_num_seqs=16, startup_timeout_s=600,
-                           engine_args={"enable_lora": "true", "lora_modules": f"sql={smollm2_lora}"})
+                           engine_args={"enable_lora": "true", "lora_modules": f"sql={smollm2_lora}",
+                                        "allow_runtime_lora": "true"})
     with TritonServer(options, log_path=str(log_path)) as server:
         yield server
     assert server.process is None

@@ -1,5 +1,7 @@
-"""EngineLoop + ResponseSender against a fake engine: one final per request, aborts, faults."""
+"""EngineLoop + ResponseSender against a fake engine: one final per request, aborts, faults,
+LoRA control requests (load off the loop thread, register / unload / list on it)."""
 
+import json
 import threading
 import time
 from types import SimpleNamespace
@@ -10,7 +12,7 @@ from pagoda.engine.admission import EngineOverloaded, overload_message
 from pagoda.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagoda.engine.sampling_params import SamplingParams
 from pagoda.serving.engine_loop import EngineLoop, ResponseSender, ServingRequest
-from pagoda.serving.triton_io import ParsedRequest
+from pagoda.serving.triton_io import LoRAControl, ParsedRequest
 
 
 class FakeEngine:
@@ -22,6 +24,8 @@ class FakeEngine:
         self.fail_next_step = False
         self.num_steps = 0
         self.thread_ids = set()
+        self.loras = {}  # name -> path
+        self.lora_load_thread_ids = set()
 
     def add_request(self, request_id, prompt, params, *, arrival_time=None, priority=0, cache_salt=None,
                     lora_name=None, timeout=None):
@@ -30,8 +34,40 @@ class FakeEngine:
             raise ValueError("prompt: 9000 tokens exceed max_model_len 8192")
         if prompt == "overload":
             raise EngineOverloaded(overload_message("this replica's waiting queue is full"))
-        self.requests[request_id] = {"params": params, "tokens": 0, "abort": False,
+        if lora_name is not None and lora_name not in self.loras:
+            raise ValueError(f"lora_name: unknown adapter {lora_name!r}")
+        self.requests[request_id] = {"params": params, "tokens": 0, "abort": False, "lora": lora_name,
                                      "metrics": RequestMetrics(arrival_time=arrival_time)}
+
+    # LoRA, shaped like LLMEngine's: load_lora may run on any thread, the rest on the loop's.
+    def load_lora(self, name, path):
+        self.lora_load_thread_ids.add(threading.get_ident())
+        if not path.startswith("/adapters/"):
+            raise ValueError(f"LoRA adapter {name!r}: {path} is not a folder")
+        if name in self.loras:
+            raise ValueError(f"lora_name: an adapter named {name!r} is already loaded")
+        return SimpleNamespace(name=name, path=path)
+
+    def register_lora(self, adapter):
+        self.thread_ids.add(threading.get_ident())
+        if adapter.name in self.loras:
+            raise ValueError(f"lora_name: an adapter named {adapter.name!r} is already loaded")
+        self.loras[adapter.name] = adapter.path
+
+    def remove_lora(self, name):
+        self.thread_ids.add(threading.get_ident())
+        if name not in self.loras:
+            raise ValueError(f"lora_name: unknown adapter {name!r}")
+        if any(r["lora"] == name for r in self.requests.values()):
+            raise ValueError(f"lora_name: adapter {name!r} is in use by running or waiting requests")
+        del self.loras[name]
+
+    def list_loras(self):
+        return sorted(self.loras)
+
+    def lora_paths(self):
+        self.thread_ids.add(threading.get_ident())
+        return dict(sorted(self.loras.items()))
 
     def abort_request(self, request_ids):
         self.thread_ids.add(threading.get_ident())
@@ -109,8 +145,9 @@ def loop_parts():
     assert not loop.is_alive
 
 
-def request(rid, max_tokens=3, stream=True, prompt="p", cancelled=lambda: False):
-    return ServingRequest(rid, ParsedRequest(prompt=prompt, params=SamplingParams(max_tokens=max_tokens), stream=stream),
+def request(rid, max_tokens=3, stream=True, prompt="p", cancelled=lambda: False, lora_name=None):
+    return ServingRequest(rid, ParsedRequest(prompt=prompt, params=SamplingParams(max_tokens=max_tokens), stream=stream,
+                                             lora_name=lora_name),
                           handle=rid, is_cancelled=cancelled)
 
 
@@ -241,3 +278,92 @@ def test_drain_refuses_new_requests_finishes_those_in_flight_then_marks_done(tmp
     finally:
         loop.stop()
         sender.stop()
+
+
+# ------------------------------------------------------------------ LoRA control requests
+@pytest.fixture
+def lora_loop():
+    """A loop that allows runtime LoRA updates."""
+    engine, collector = FakeEngine(), Collector()
+    sender = ResponseSender(collector.deliver)
+    loop = EngineLoop(engine, sender, cancel_poll_interval_s=0.0, idle_wait_s=0.01, allow_runtime_lora=True)
+    sender.start()
+    loop.start()
+    yield engine, collector, loop
+    loop.stop()
+    sender.stop()
+
+
+def control(loop, collector, rid, action, name=None, path=None):
+    """Send one control request and return its one (final) response."""
+    loop.control(ServingRequest(rid, LoRAControl(action, name, path), handle=rid))
+    collector.wait_final([rid])
+    (response,) = collector.responses[rid]
+    assert response.is_final
+    return response
+
+
+def document(response):
+    assert response.error is None, response.error
+    return json.loads(response.tensors["text_output"][0])
+
+
+def test_lora_load_reads_off_the_loop_thread_registers_on_it_then_serves(lora_loop):
+    engine, collector, loop = lora_loop
+    loop.submit(request("warm", max_tokens=1))  # so the loop thread is known
+    collector.wait_final(["warm"])
+    assert document(control(loop, collector, "l1", "load", "sql", "/adapters/sql")) == {
+        "action": "load", "lora_name": "sql", "lora_path": "/adapters/sql", "loaded": ["sql"]}
+    (loop_thread,) = engine.thread_ids
+    assert engine.lora_load_thread_ids and loop_thread not in engine.lora_load_thread_ids
+    loop.submit(request("gen", max_tokens=2, lora_name="sql"))  # the next step may use it
+    collector.wait_final(["gen"])
+    assert finals(collector, "gen")[0].error is None
+    assert document(control(loop, collector, "l2", "list")) == {
+        "action": "list", "loaded": ["sql"], "paths": {"sql": "/adapters/sql"}, "allow_runtime_lora": True}
+    for rid, path, message in [("l3", "/adapters/sql", "already loaded"), ("l4", "/elsewhere", "is not a folder")]:
+        error = control(loop, collector, rid, "load", "sql", path)
+        assert error.error_code == "INVALID_ARG" and message in error.error
+    assert len(engine.thread_ids) == 1, "only the loop thread may touch the engine's state"
+
+
+def test_lora_unload_refused_while_in_use_then_done(lora_loop):
+    engine, collector, loop = lora_loop
+    document(control(loop, collector, "l1", "load", "sql", "/adapters/sql"))
+    loop.submit(request("busy", max_tokens=10_000, lora_name="sql"))
+    while not collector.responses.get("busy"):
+        time.sleep(0.001)
+    refused = control(loop, collector, "u1", "unload", "sql")
+    assert refused.error_code == "INVALID_ARG" and "in use" in refused.error
+    loop.abort("busy")
+    collector.wait_final(["busy"])
+    assert document(control(loop, collector, "u2", "unload", "sql")) == {
+        "action": "unload", "lora_name": "sql", "lora_path": "/adapters/sql", "loaded": []}
+    unknown = control(loop, collector, "u3", "unload", "sql")
+    assert "unknown adapter 'sql'" in unknown.error
+    loop.submit(request("gone", lora_name="sql"))
+    collector.wait_final(["gone"])
+    assert "unknown adapter 'sql'" in finals(collector, "gone")[0].error
+
+
+def test_lora_load_and_unload_refused_without_the_runtime_flag_list_answers(loop_parts):
+    engine, collector, loop, _ = loop_parts
+    for rid, action, name, path in [("l", "load", "sql", "/adapters/sql"), ("u", "unload", "sql", None)]:
+        error = control(loop, collector, rid, action, name, path)
+        assert error.error_code == "INVALID_ARG"
+        assert "runtime LoRA updating is not enabled" in error.error and "--allow-runtime-lora" in error.error
+    assert engine.loras == {} and not engine.lora_load_thread_ids
+    assert document(control(loop, collector, "ls", "list")) == {
+        "action": "list", "loaded": [], "paths": {}, "allow_runtime_lora": False}
+
+
+def test_lora_control_after_stop_gets_the_shutdown_error():
+    engine, collector = FakeEngine(), Collector()
+    sender = ResponseSender(collector.deliver)
+    loop = EngineLoop(engine, sender, idle_wait_s=0.01, allow_runtime_lora=True)
+    sender.start()
+    loop.start()
+    loop.stop()
+    response = control(loop, collector, "late", "load", "sql", "/adapters/sql")
+    sender.stop()
+    assert response.error_code == "UNAVAILABLE" and "shutting down" in response.error

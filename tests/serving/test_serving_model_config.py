@@ -104,3 +104,16 @@ def test_lora_modules_parameter_as_pairs_or_json_and_bad_forms_refused():
         engine_config_from_parameters({"enable_lora": "true", "lora_modules": "a"})
     with pytest.raises(ValueError, match="enable_lora is False"):
         engine_config_from_parameters({"lora_modules": "a=/x"})
+
+
+def test_allow_runtime_lora_flag_reaches_the_config_and_turns_lora_on(tmp_path):
+    from pagoda.serving.model_config import allow_runtime_lora
+
+    shipped = parameters_of((REPOSITORY / "pagoda" / "config.pbtxt").read_text())
+    assert allow_runtime_lora(shipped) is False and allow_runtime_lora({}) is False
+    options = options_from_args(make_parser().parse_args(["--allow-runtime-lora"]))
+    params = parameters_of((materialize_repository(REPOSITORY, tmp_path / "repo", options)
+                            / "pagoda" / "config.pbtxt").read_text())
+    assert allow_runtime_lora(params) is True and engine_config_from_parameters(params).enable_lora
+    with pytest.raises(ValueError, match="allow_runtime_lora: cannot read 'maybe'"):
+        allow_runtime_lora({"allow_runtime_lora": {"string_value": "maybe"}})

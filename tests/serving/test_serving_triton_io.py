@@ -1,12 +1,14 @@
 """triton_io: request tensors -> ParsedRequest, engine outputs -> response tensors (no server)."""
 
 import json
+import re
 
 import numpy as np
 import pytest
 
 from pagoda.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
-from pagoda.serving.triton_io import MAX_PROMPT_CHARS, make_error_response, make_response, parse_request
+from pagoda.serving.triton_io import (MAX_PROMPT_CHARS, LoRAControl, make_control_response, make_error_response,
+                                     make_response, parse_lora_control, parse_request)
 
 
 def text(value):
@@ -229,3 +231,30 @@ def test_admission_error_output_becomes_an_unavailable_error():
     for stream in (True, False):
         response = make_response(parse_request(inputs(text_input="Say:", stream=stream)), output)
         assert response.is_final and response.error == output.error and response.error_code == "UNAVAILABLE"
+
+
+def test_lora_control_requests_are_parsed_and_bad_ones_named():
+    assert parse_lora_control(inputs(text_input="Hi", lora_name="sql")) is None  # a generation
+    assert parse_lora_control(inputs(lora_action="load", lora_name="sql", lora_path="/a/sql")) == \
+        LoRAControl("load", "sql", "/a/sql")
+    assert parse_lora_control(inputs(lora_action="unload", lora_name="sql")) == LoRAControl("unload", "sql")
+    assert parse_lora_control(inputs(lora_action="list")) == LoRAControl("list")
+    assert not LoRAControl("list").changes_adapters and LoRAControl("unload", "x").changes_adapters
+    for tensors, message in [
+        (dict(lora_action="reload", lora_name="sql"), "lora_action: must be one of load, unload, list, got 'reload'"),
+        (dict(lora_action="load", lora_name="sql"), "lora_path: required by lora_action 'load'"),
+        (dict(lora_action="load", lora_path="/a"), "lora_name: required by lora_action 'load'"),
+        (dict(lora_action="unload"), "lora_name: required by lora_action 'unload'"),
+        (dict(lora_action="unload", lora_name="sql", lora_path="/a"), "lora_path: only lora_action 'load'"),
+        (dict(lora_action="list", lora_name="sql"), "lora_name: lora_action 'list' takes no lora_name"),
+        (dict(lora_action="", lora_name="sql"), "lora_action: must be a non-empty string"),
+        (dict(lora_action="list", text_input="Hi", stream=True),
+         "cannot be combined with generation inputs (text_input, stream)"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            parse_lora_control(inputs(**tensors))
+    with pytest.raises(ValueError, match="lora_path: only a LoRA control request"):
+        parse_request(inputs(text_input="Hi", lora_path="/a"))
+    response = make_control_response({"action": "list", "loaded": ["sql"]})
+    assert response.is_final and response.error is None
+    assert json.loads(response.tensors["text_output"][0]) == {"action": "list", "loaded": ["sql"]}

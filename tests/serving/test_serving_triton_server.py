@@ -289,16 +289,23 @@ def test_n_completions_and_logprobs_over_http(triton_server):
         assert sum(lp["logprob"] for lp in logprobs) == pytest.approx(cumulative, abs=1e-4)
 
 
-def test_lora_adapter_by_name_matches_offline_and_unknown_is_400(triton_server, smollm2_lora):
-    """``lora_name`` (the vLLM backend's input, here inside sampling_parameters and as the
-    input tensor's JSON field) selects the served adapter; the text equals the offline
-    engine's with the same adapter and differs from the base model's; an unknown adapter is
-    a 400 naming the loaded ones, and the server keeps serving."""
+@pytest.fixture(scope="module")
+def lora_texts(smollm2_lora):
+    """(prompt, greedy text with the ``smollm2_lora`` adapter, base text) from the offline engine."""
     prompt, params = "The capital of France is", SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     llm = LLM(max_model_len=MAX_MODEL_LEN, enable_lora=True, lora_modules={"sql": smollm2_lora})
     offline_lora, offline_base = (o.outputs[0].text for o in
                                   llm.generate([prompt, prompt], params, lora_name=["sql", None]))
     assert offline_lora != offline_base
+    return prompt, offline_lora, offline_base
+
+
+def test_lora_adapter_by_name_matches_offline_and_unknown_is_400(triton_server, lora_texts):
+    """``lora_name`` (the vLLM backend's input, here inside sampling_parameters and as the
+    input tensor's JSON field) selects the served adapter; the text equals the offline
+    engine's with the same adapter and differs from the base model's; an unknown adapter is
+    a 400 naming the loaded ones, and the server keeps serving."""
+    prompt, offline_lora, _ = lora_texts
     sampling = json.dumps({"temperature": 0, "max_tokens": MAX_TOKENS})
     status, body = http_post(triton_server, "/v2/models/pagoda/generate",
                              {"text_input": prompt, "sampling_parameters": sampling, "lora_name": "sql"})
@@ -311,6 +318,80 @@ def test_lora_adapter_by_name_matches_offline_and_unknown_is_400(triton_server, 
     status, body = http_post(triton_server, "/v2/models/pagoda/generate",
                              {"text_input": prompt, "sampling_parameters": sampling, "lora_name": "nope"})
     assert status == 400 and "unknown adapter 'nope'" in body["error"] and "sql" in body["error"], body
+
+
+def grpc_control(server, action, name=None, path=None):
+    """One LoRA control request on a tritonclient gRPC stream: (document, error text)."""
+    import queue
+
+    import tritonclient.grpc as grpcclient
+
+    from pagoda.serving.lora_cli import lora_control_inputs
+
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    results = queue.Queue()
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    try:
+        client.async_stream_infer("pagoda", lora_control_inputs(action, name, path), request_id="control")
+        result, error = results.get(timeout=120)
+    finally:
+        client.stop_stream()
+        client.close()
+    if error is not None:
+        return None, str(error)
+    assert result.get_response().parameters["triton_final_response"].bool_param
+    return json.loads(result.as_numpy("text_output")[0]), None
+
+
+def test_lora_adapter_loaded_at_run_time_serves_then_unloads(triton_server, smollm2_lora, lora_texts, capsys):
+    """A control request (HTTP generate, tritonclient gRPC, ``pagoda lora``) loads a PEFT
+    folder under a new name while the server runs; generation with it equals the offline
+    engine's with that adapter and shows in vllm:lora_requests_info; bad control requests
+    are 400s naming the problem; after the unload the name is an unknown adapter, and the
+    server stays ready throughout."""
+    from pagoda.serving.lora_cli import LoRAControlError, lora_control, main as lora_main
+
+    prompt, offline_lora, _ = lora_texts
+    url = f"http://{triton_server.http_url}"
+    assert lora_control(url, "load", "rt", smollm2_lora) == {
+        "action": "load", "lora_name": "rt", "lora_path": smollm2_lora, "loaded": ["rt", "sql"]}
+    document, error = grpc_control(triton_server, "list")
+    assert error is None and document == {"action": "list", "loaded": ["rt", "sql"], "allow_runtime_lora": True,
+                                          "paths": {"rt": smollm2_lora, "sql": smollm2_lora}}
+    sampling = json.dumps({"temperature": 0, "max_tokens": MAX_TOKENS})
+    status, body = http_post(triton_server, "/v2/models/pagoda/generate",
+                             {"text_input": prompt, "sampling_parameters": sampling, "lora_name": "rt"})
+    assert status == 200 and body["text_output"].endswith(offline_lora), body
+    metrics = urllib.request.urlopen(triton_server.metrics_url, timeout=5).read().decode()
+    assert any(line.startswith("vllm:lora_requests_info") and 'running_lora_adapters="rt"' in line
+               for line in metrics.splitlines()), "the runtime-loaded adapter is missing from the LoRA metric"
+    for body, message in [
+        ({"lora_action": "load", "lora_name": "rt", "lora_path": smollm2_lora},
+         "an adapter named 'rt' is already loaded"),
+        ({"lora_action": "load", "lora_name": "bad", "lora_path": "/nonexistent/adapter"}, "is not a folder"),
+        ({"lora_action": "load", "lora_name": "bad"}, "lora_path: required by lora_action 'load'"),
+        ({"lora_action": "reload", "lora_name": "rt"}, "lora_action: must be one of load, unload, list"),
+        ({"lora_action": "list", "text_input": "Hi"}, "cannot be combined with generation inputs (text_input)"),
+        ({"lora_action": "unload", "lora_name": "nope"}, "unknown adapter 'nope'"),
+        ({"stream": False}, "text_input: required input is missing"),
+    ]:
+        status, answer = http_post(triton_server, "/v2/models/pagoda/generate", body)
+        assert status == 400 and message in answer["error"], (body, answer)
+    document, error = grpc_control(triton_server, "unload", "rt")
+    assert error is None and document == {"action": "unload", "lora_name": "rt", "lora_path": smollm2_lora,
+                                          "loaded": ["sql"]}
+    status, body = http_post(triton_server, "/v2/models/pagoda/generate",
+                             {"text_input": prompt, "sampling_parameters": sampling, "lora_name": "rt"})
+    assert status == 400 and "unknown adapter 'rt'" in body["error"], body
+    with pytest.raises(LoRAControlError, match="400.*unknown adapter 'rt'"):
+        lora_control(url, "unload", "rt")
+    assert lora_main(["list", "--url", url]) == 0
+    assert capsys.readouterr().out == f"sql\t{smollm2_lora}\n"
+    assert lora_main(["unload", "rt", "--url", url]) == 1
+    assert "unknown adapter 'rt'" in capsys.readouterr().err
+    assert is_ready(triton_server)
+
+
 def test_structured_output_and_a_bad_grammar_gets_400(triton_server):
     import jsonschema
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Iterable, Optional, Union
+from typing import TYPE_CHECKING, Iterable, Optional, Union
 
 from pagoda.engine.admission import Admission, EngineOverloaded, check_timeout, deadline_message, overload_message
 from pagoda.engine.config import EngineConfig
@@ -46,6 +46,10 @@ from pagoda.engine.sampling_params import SamplingParams
 from pagoda.models.config import ModelConfig
 from pagoda.models.gguf_import import ensure_default_model
 from pagoda.models.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from pagoda.engine.lora_manager import LoRAManager
+    from pagoda.models.lora import LoRAAdapter
 
 logger = logging.getLogger(__name__)
 
@@ -239,15 +243,33 @@ class LLMEngine:
 
     def add_lora(self, name: str, path: str) -> None:
         """Load a PEFT LoRA adapter under ``name``. Raises ValueError (LoRA off, bad adapter, name taken)."""
+        self.register_lora(self.load_lora(name, path))
+
+    def load_lora(self, name: str, path: str) -> LoRAAdapter:
+        """Read adapter ``name`` from ``path`` on the host without registering it.
+
+        Thread-safe (it touches no engine state), so a server calls it off the engine
+        thread and hands the result to ``register_lora`` on that thread.
+
+        Raises:
+            ValueError: LoRA off, name invalid or taken, registry full, or a bad adapter.
+        """
+        return self._lora_manager().load(name, path)
+
+    def register_lora(self, adapter: LoRAAdapter) -> None:
+        """Serve an adapter from ``load_lora``; the next step may use it. Raises ValueError
+        (LoRA off, name taken, registry full)."""
+        self._lora_manager().register(adapter)
+
+    def _lora_manager(self) -> LoRAManager:
         if self.runner.lora is None:
-            raise ValueError("LoRA is not enabled on this engine (enable_lora=False)")
-        self.runner.lora.add(name, path)
+            raise ValueError("LoRA is not enabled on this engine (enable_lora=False; `pagoda serve --lora` or "
+                             "--allow-runtime-lora turns it on)")
+        return self.runner.lora
 
     def remove_lora(self, name: str) -> None:
         """Unload adapter ``name``. Raises ValueError when unknown or still used by a live request."""
-        if self.runner.lora is None:
-            raise ValueError("LoRA is not enabled on this engine (enable_lora=False)")
-        self.runner.lora.check(name)
+        self._lora_manager().check(name)
         if any(r.adapter_id == name for r in self.scheduler.requests.values()):
             raise ValueError(f"lora_name: adapter {name!r} is in use by running or waiting requests")
         self.core.wait_idle()  # a step in flight may still read the adapter's slot (async scheduling)
@@ -255,6 +277,10 @@ class LLMEngine:
 
     def list_loras(self) -> list[str]:
         return self.runner.lora.names() if self.runner.lora is not None else []
+
+    def lora_paths(self) -> dict[str, str]:
+        """Loaded adapter name -> the folder it came from (empty with LoRA off)."""
+        return self.runner.lora.paths() if self.runner.lora is not None else {}
 
     def _check_stop_token_ids(self, params: SamplingParams) -> None:
         vocab = self.model_config.vocab_size

@@ -12,6 +12,10 @@ Identity: an adapter's name is its id everywhere — in ``Request.adapter_id``, 
 block hash's extra keys (two adapters never share KV blocks; the router's prefix index
 sees the same hashes), in metrics and at the API (Triton ``lora_name``, OpenAI ``model``).
 
+Loading is split in two so a server can load at run time without stalling its engine
+thread: ``load`` (file I/O and fusing, any thread) and ``register`` (the engine thread, a
+dict insert); ``add`` does both for the offline API and start-up adapters.
+
 Invariants: a registered adapter's name is unique; ``remove`` refuses an adapter that a
 live request still uses (the engine checks) and clears its slot; slots hold either
 nothing or a registered adapter.
@@ -45,12 +49,41 @@ class LoRAManager:
     # ---- registry --------------------------------------------------------------------
 
     def add(self, name: str, path: str) -> LoRAAdapter:
-        """Register (load on the host) an adapter under ``name``.
+        """Load an adapter and register it under ``name`` (``register(load(name, path))``).
 
         Raises:
-            ValueError: the name is taken or invalid, the registry is full, or the folder is
+            ValueError: as ``load`` and ``register``.
+        """
+        return self.register(self.load(name, path))
+
+    def load(self, name: str, path: str) -> LoRAAdapter:
+        """Read and fuse an adapter on the host, without registering it.
+
+        Safe on any thread while the engine runs: it reads only the model's (immutable)
+        config and dtype, so the file I/O and fusing of a run-time load never stall the
+        engine thread. The name checks here are early answers; ``register`` repeats them.
+
+        Raises:
+            ValueError: the name is invalid or taken, the registry is full, or the folder is
                 not a LoRA adapter this model can use (see ``load_peft_adapter``).
         """
+        self._check_can_register(name)
+        return load_peft_adapter(name, path, self.model.config, self.max_rank, self.model.dtype)
+
+    def register(self, adapter: LoRAAdapter) -> LoRAAdapter:
+        """Make a loaded adapter known under its name (the engine thread; no I/O).
+
+        The next step may use it: slots are filled in ``prepare`` from ``adapters``.
+
+        Raises:
+            ValueError: the name is invalid or taken, or the registry is full.
+        """
+        self._check_can_register(adapter.name)
+        self.adapters[adapter.name] = adapter
+        logger.info("LoRA adapter %r loaded from %s (rank %d)", adapter.name, adapter.path, adapter.rank)
+        return adapter
+
+    def _check_can_register(self, name: str) -> None:
         if not isinstance(name, str) or not name or name.strip() != name:
             raise ValueError(f"lora_name: must be a non-empty string without surrounding spaces, got {name!r}")
         if name in self.adapters:
@@ -58,10 +91,6 @@ class LoRAManager:
         if len(self.adapters) >= self.max_cpu_loras:
             raise ValueError(f"cannot load {name!r}: {self.max_cpu_loras} adapters are loaded (max_cpu_loras); "
                              "unload one first")
-        adapter = load_peft_adapter(name, path, self.model.config, self.max_rank, self.model.dtype)
-        self.adapters[name] = adapter
-        logger.info("LoRA adapter %r loaded from %s (rank %d)", name, path, adapter.rank)
-        return adapter
 
     def remove(self, name: str) -> None:
         """Forget ``name`` and clear its slot. Raises ValueError when it is not loaded."""
@@ -74,6 +103,10 @@ class LoRAManager:
 
     def names(self) -> list[str]:
         return sorted(self.adapters)
+
+    def paths(self) -> dict[str, str]:
+        """Registered adapter name -> the folder it was loaded from."""
+        return {name: self.adapters[name].path for name in self.names()}
 
     def check(self, name: Optional[str]) -> None:
         """Raise ValueError naming the loaded adapters when ``name`` is not one of them."""

@@ -11,6 +11,9 @@
   routable; ``ModelReady``, ``ServerMetadata``, ``ModelMetadata``, ``ModelConfig`` are
   forwarded to a routable replica. Other methods answer UNIMPLEMENTED.
 
+A LoRA control request (``lora_action``) is refused here with INVALID_ARGUMENT: it must
+reach every replica, which the HTTP door and ``/v1/load_lora_adapter`` do (``lora_admin``).
+
 Faults: a replica that refuses the connection before answering is marked unhealthy and the
 request goes to another replica (``max_attempts`` in all). A replica that breaks a stream
 after it began (it died) cannot be retried transparently (tokens were already sent): the
@@ -233,6 +236,11 @@ class GrpcProxy(service_pb2_grpc.GRPCInferenceServiceServicer):
         """Limits, tenant salt, routing analysis, rate limits (raises LimitError / RateLimited)."""
         gate = gate_of(self.router)
         sampling = sampling_of_infer_request(request)
+        if read_string_input(request, "lora_action") is not None:
+            gate.count("invalid_input")
+            raise LimitError("lora_action: the router's gRPC door routes each request to one replica; send LoRA "
+                             "control requests to its HTTP door (`pagoda lora --url http://ROUTER:8080`) or "
+                             "/v1/load_lora_adapter, which apply them to every replica", "lora_action")
         try:
             gate.limits.check_sampling(sampling)
             gate.limits.check_prompt(read_string_input(request, "text_input") or "", "text_input")

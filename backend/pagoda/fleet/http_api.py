@@ -9,6 +9,11 @@
   parameters, the channel that reaches the backend). The replica's status, body and SSE
   events come back byte for byte, except an overload refusal: the request is tried on
   another replica, and only when all are full does the client get 503 + ``Retry-After``.
+- a LoRA control request on ``generate`` (a body with ``lora_action``; ``pagoda lora
+  --url`` the router) is the router's own: ``list`` answers the adapters the router
+  serves; ``load``/``unload`` go to every replica as ``/v1/load_lora_adapter`` does
+  (``lora_admin``; refused with 403 unless ``--allow-runtime-lora``). The answer has the
+  replica's shape: ``{"text_output": "<JSON document>"}`` or ``{"error": "..."}``.
 - ``POST /v2/models/{model}/infer`` and every other ``GET /v2/...`` are forwarded.
 - ``GET /v2/health/live`` (the router runs) and ``/v2/health/ready`` (some replica is
   routable) are answered here; ``GET /metrics`` shows the router's own counters.
@@ -37,6 +42,7 @@ from pagoda.fleet.gate import (TENANT_KEY, AuthError, LimitError, RateLimited, g
                                retry_after_header)
 from pagoda.fleet.grpc_proxy import MAX_ROUTED_PROMPT_CHARS, cache_salt_of, option_of
 from pagoda.fleet.limits import sampling_of_generate, validate_generate_body
+from pagoda.fleet.lora_admin import lora_admin_of
 from pagoda.fleet.router_core import Analysis, NoReplicaAvailable, Router
 from pagoda.fleet.tracing import TRACEPARENT, RouterTracer
 
@@ -147,6 +153,8 @@ async def _generate(request: web.Request) -> web.StreamResponse:
     if request.path.endswith(("generate", "generate_stream")):
         try:
             document = validate_generate_body(body, gate.limits)
+            if "lora_action" in document:
+                return await _lora_control(request, router, document)
             tenant = request.get(TENANT_KEY)
             if tenant is not None:
                 _salt_document(document, gate.salt(tenant, cache_salt_of(document.get("sampling_parameters"))))
@@ -166,6 +174,34 @@ async def _generate(request: web.Request) -> web.StreamResponse:
     finally:
         if ticket is not None:
             ticket.release()
+
+
+async def _lora_control(request: web.Request, router: Router, document: dict[str, Any]) -> web.Response:
+    """A LoRA control request at the router: listed from its own state, or applied to every replica."""
+    admin = lora_admin_of(router)
+    action, name, path = (document.get(key) for key in ("lora_action", "lora_name", "lora_path"))
+    extra = sorted(set(document) - {"lora_action", "lora_name", "lora_path", TRACEPARENT})
+    if extra:
+        return _error(400, f"lora_action: a LoRA control request takes only lora_action, lora_name and lora_path; "
+                           f"it cannot be combined with generation inputs ({', '.join(extra)})")
+    if action == "list":
+        answer = admin.list_document()
+    elif action not in ("load", "unload"):
+        return _error(400, f"lora_action: must be one of load, unload, list, got {action!r}")
+    elif not admin.allow_runtime:
+        return _error(403, f"lora_action {action!r}: runtime LoRA updating is not enabled on this router; start "
+                           "it with `pagoda router --allow-runtime-lora`")
+    elif not name or (action == "load" and not path):
+        missing = "lora_name" if not name else "lora_path"
+        return _error(400, f"{missing}: required by lora_action {action!r}")
+    else:
+        replicas = router.replicas.routable()
+        result = await (admin.load(replicas, name, path) if action == "load" else admin.unload(replicas, name))
+        if result.error is not None:
+            return _error(result.status, result.error)
+        answer = result.document
+    return web.json_response({"model_name": request.match_info.get("model", "pagoda"),
+                              "text_output": json.dumps(answer)})
 
 
 def _salt_document(document: dict[str, Any], salt: Optional[str]) -> None:

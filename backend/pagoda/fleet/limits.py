@@ -20,7 +20,7 @@ a JSON object; every key must be one of the model's inputs (``GENERATE_INPUTS``)
 ``traceparent``; each value must have its input's JSON type (``text_input`` a string or a
 list of one string, booleans ``true``/``false``, numbers as numbers). A
 ``sampling_parameters`` object is accepted and sent on as the JSON string the replica
-expects.
+expects. A body with ``lora_action`` (a LoRA control request) needs no ``text_input``.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ GENERATE_INPUTS: dict[str, str] = {
     "temperature": "number", "top_p": "number", "repetition_penalty": "number", "presence_penalty": "number",
     "frequency_penalty": "number",
     "stop_words": "strings", "bad_words": "strings", "lora_name": "string",
+    "lora_action": "string", "lora_path": "string",  # a LoRA control request (http_api answers it)
 }
 GENERATE_PARAMETERS = ("traceparent",)  # top-level keys that are request parameters, not inputs
 
@@ -136,11 +137,14 @@ def validate_generate_body(body: bytes, limits: RequestLimits) -> dict[str, Any]
     if unknown:
         raise LimitError(f"{unknown[0]}: unknown input; the inputs are {', '.join(sorted(GENERATE_INPUTS))}",
                          unknown[0])
-    if "text_input" not in document:
+    is_control = "lora_action" in document  # a LoRA control request: no prompt (http_api answers it)
+    if "text_input" not in document and not is_control:
         raise LimitError("text_input: required input is missing", "text_input")
     for name, value in document.items():
         if name in GENERATE_INPUTS:
             document[name] = _check_input(name, GENERATE_INPUTS[name], value)
+    if is_control:
+        return document
     limits.check_prompt(prompt_of(document), "text_input")
     limits.check_sampling(sampling_of_generate(document))
     return document

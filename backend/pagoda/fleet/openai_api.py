@@ -34,7 +34,17 @@ replica refuses the request as overloaded (admission control) the answer is 429 
 ``Retry-After``; a request whose ``timeout`` passed gets 408.
 
 ``model`` may be omitted: the request goes to the served model (as vLLM does); any name
-other than the served one (or ``pagoda``) is a 404.
+other than the served one (or ``pagoda``) or a served LoRA adapter is a 404.
+
+LoRA adapters at run time (vLLM's endpoints; ``pagoda.fleet.lora_admin``):
+``POST /v1/load_lora_adapter {"lora_name", "lora_path"}`` and
+``POST /v1/unload_lora_adapter {"lora_name"}`` apply the action to every routable replica
+(all or nothing, rolled back otherwise) and answer 200 with a JSON document, or an error
+naming each replica that failed and why (400 when every failure was the replicas' refusal,
+502 when one was unreachable, 404 to unload an adapter nobody has, 503 without replicas).
+They are refused with 403 unless the router runs with ``--allow-runtime-lora``, and sit
+behind the same API keys as every ``/v1`` route. The served adapters (``model`` names,
+``/v1/models``) are the admin's: ``--lora``, learned from replicas, or loaded here.
 """
 
 from __future__ import annotations
@@ -48,6 +58,7 @@ from aiohttp import web
 
 from pagoda.fleet.gate import TENANT_KEY, LimitError, RateLimited, gate_of, is_deadline, is_overload, retry_after_header
 from pagoda.fleet.grpc_proxy import ReplicaFailed, stream_replica
+from pagoda.fleet.lora_admin import LoRAAdmin, lora_admin_of
 from pagoda.fleet.openai_io import (OpenAIError, build_chat_request, build_completion_request, chat_logprobs,
                                     completion_logprobs, make_infer_request, read_outputs)
 from pagoda.fleet.router_core import NoReplicaAvailable, Router
@@ -85,6 +96,7 @@ class OpenAIApi:
         router: routing decisions.
         tracer: router spans.
         model_name: the served model name (``/v1/models``; requests may also say ``pagoda``).
+        lora_names: adapters the replicas serve, where the router has no ``LoRAAdmin`` yet.
     """
 
     def __init__(self, router: Router, tracer: RouterTracer, model_name: str, max_attempts: int = 2,
@@ -92,20 +104,56 @@ class OpenAIApi:
         self.router = router
         self.tracer = tracer
         self.model_name = model_name
-        self.lora_names = tuple(lora_names)  # adapters the replicas serve: OpenAI "model" names them
+        if getattr(router, "lora_admin", None) is None:
+            router.lora_admin = LoRAAdmin(lora_names, base_model_names=(model_name, "pagoda"))
         self.max_attempts = max_attempts
         self.created = int(time.time())
+
+    @property
+    def lora_names(self) -> tuple[str, ...]:
+        """The adapters served now: OpenAI ``model`` names them."""
+        return lora_admin_of(self.router).names()
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/v1/load_lora_adapter", self.load_lora_adapter)
+        app.router.add_post("/v1/unload_lora_adapter", self.unload_lora_adapter)
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [
             {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "pagoda"}] + [
             {"id": name, "object": "model", "created": self.created, "owned_by": "pagoda", "root": name,
              "parent": self.model_name} for name in self.lora_names]})
+
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        return await self._lora_action(request, "load")
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        return await self._lora_action(request, "unload")
+
+    async def _lora_action(self, request: web.Request, action: str) -> web.Response:
+        admin = lora_admin_of(self.router)
+        if not admin.allow_runtime:
+            return error_response(403, f"{action}ing LoRA adapters at run time is not enabled on this router; "
+                                       "start it with `pagoda router --allow-runtime-lora`", "permission_error")
+        try:
+            body = json.loads(await request.read())
+        except ValueError as exc:
+            return error_response(400, f"the request body is not valid JSON: {exc}")
+        fields = ("lora_name", "lora_path") if action == "load" else ("lora_name",)
+        for name in fields:
+            if not isinstance(body, dict) or not isinstance(body.get(name), str) or not body[name]:
+                return error_response(400, f"{name}: required (a non-empty string)", param=name)
+        replicas = self.router.replicas.routable()
+        answer = await (admin.load(replicas, body["lora_name"], body["lora_path"]) if action == "load"
+                        else admin.unload(replicas, body["lora_name"]))
+        if answer.error is not None:
+            kind = {404: "not_found_error", 503: "service_unavailable", 502: "replica_error"}.get(
+                answer.status, "invalid_request_error")
+            return error_response(answer.status, answer.error, kind, param="lora_name")
+        return web.json_response(answer.document)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._handle(request, chat=False)

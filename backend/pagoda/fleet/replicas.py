@@ -14,7 +14,8 @@ Each ``Replica`` also carries what the router learns on its own: ``in_flight`` (
 it routed there that have not ended: optimistic accounting, counted at decision time so a
 burst spreads before any heartbeat reports it), ``healthy`` (cleared when a connection or
 a stream to it breaks; set again by the health prober once ``ServerReady`` answers), and
-the last heartbeat load (waiting, running, KV usage, draining).
+the last heartbeat load (waiting, running, KV usage, draining), and ``lora_synced``
+(the router's run-time LoRA adapters were replayed on it since it became ready).
 
 Invariant: ``in_flight`` is changed only by ``ReplicaSet.acquire``/``release`` and never
 goes below zero; a replica that leaves membership keeps its object (and channel) until its
@@ -92,6 +93,7 @@ class Replica:
     unhealthy_reason: str = ""
     unhealthy_since: float = 0.0
     id_from_registry: bool = False
+    lora_synced: bool = False  # its LoRA adapters were synced (lora_admin.sync) since it became ready
     _grpc_stub: Any = field(default=None, repr=False)
     _grpc_channel: Any = field(default=None, repr=False)
     _probe_stub: Any = field(default=None, repr=False)

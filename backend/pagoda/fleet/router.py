@@ -10,6 +10,9 @@ Pieces (each in its own module):
 - ``http_api`` + ``openai_api``: ``/v2/...`` generate/generate_stream and ``/v1/...``
   OpenAI routes (``--http-port``, default 8080);
 - ``tracing``: a span per routed request, ``traceparent`` forwarded to the replica;
+- ``lora_admin``: the served LoRA adapters; run-time load/unload on every replica
+  (``--allow-runtime-lora``); a replica that (re)joins has its adapters listed and the
+  run-time ones replayed before it is routable;
 - ``gate`` (with ``limits`` and ``auth``): input limits, API keys -> tenants -> cache
   salt, per-tenant rate limits, overload memory; hung on the router as ``router.gate``.
 
@@ -17,7 +20,8 @@ Pieces (each in its own module):
 ``registry_interval_s``: heartbeat load, block size, hash model id; its first success
 after a failure brings prefix routing back) and the health prober (every
 ``health_interval_s``: ``ServerReady`` on each replica; a replica marked unhealthy by a
-failed request becomes routable again once it answers ready). ``BackgroundRouter`` runs a
+failed request becomes routable again once it answers ready and, if it was not routable
+or is new, once its LoRA adapters are synced: ``lora_admin``). ``BackgroundRouter`` runs a
 service on its own thread and event loop (tests, ``pagoda bench routing --real``).
 """
 
@@ -51,6 +55,7 @@ class RouterOptions:
     model_dir: Optional[str] = None
     model_name: Optional[str] = None
     lora_names: tuple = ()  # LoRA adapters the replicas serve (OpenAI model names)
+    allow_runtime_lora: bool = False  # /v1/load_lora_adapter, /v1/unload_lora_adapter (lora_admin)
     hash_model_id: Optional[str] = None
     replicas: Optional[str] = None
     k8s_selector: Optional[str] = None
@@ -122,6 +127,7 @@ class RouterService:
 
         from pagoda.fleet.grpc_proxy import GrpcProxy, make_grpc_server
         from pagoda.fleet.http_api import make_app
+        from pagoda.fleet.lora_admin import LoRAAdmin
         from pagoda.fleet.openai_api import OpenAIApi
         from pagoda.fleet.replicas import KubernetesConfig, KubernetesDiscovery, ReplicaSet, parse_replicas_spec
         from pagoda.fleet.router_core import FleetView, Router
@@ -158,6 +164,7 @@ class RouterService:
                              block_size=o.block_size, **o.policy_knobs)
         self.router.served_model_name = model_name
         self.router.gate = make_gate(o)
+        self.router.lora_admin = LoRAAdmin(o.lora_names, o.allow_runtime_lora, (model_name, "pagoda"))
         self.router.gate.announce()
         if o.k8s_selector:
             config = (KubernetesConfig(o.k8s_api, o.k8s_namespace or os.environ.get("PAGODA_NAMESPACE") or "default")
@@ -202,7 +209,7 @@ class RouterService:
                 logger.exception("registry refresh failed")
 
     async def probe(self, replica: Any) -> bool:
-        """Ask one replica ``ServerReady``; update its health; return whether it is ready."""
+        """Ask one replica ``ServerReady``; update its health; return whether it is ready and routable."""
         import grpc
         from tritonclient.grpc import service_pb2
 
@@ -213,10 +220,23 @@ class RouterService:
                 self.router.replicas.mark_unhealthy(replica, f"health probe: {exc.code().name}")
             return False
         if response.ready:
-            self.router.replicas.mark_healthy(replica)
+            await self._admit_ready(replica)
         else:
             self.router.replicas.mark_unhealthy(replica, "health probe: not ready")
-        return bool(response.ready)
+        return bool(response.ready) and replica.healthy
+
+    async def _admit_ready(self, replica: Any) -> None:
+        """A ready replica becomes routable; one that was not (or is new) first gets its LoRA
+        adapters synced (``lora_admin.sync``: learn its adapters, replay the run-time ones)."""
+        from pagoda.fleet.lora_admin import lora_admin_of
+
+        if not replica.healthy or not replica.lora_synced:
+            reason = await lora_admin_of(self.router).sync(replica)
+            replica.lora_synced = reason is None
+            if reason is not None:
+                self.router.replicas.mark_unhealthy(replica, reason)
+                return
+        self.router.replicas.mark_healthy(replica)
 
     async def _health_loop(self) -> None:
         while True:
@@ -294,7 +314,11 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-name", help="served model name and Redis key namespace; default: $PAGODA_MODEL_NAME "
                                         "or the model folder's name")
     p.add_argument("--lora", action="append", default=[], metavar="NAME",
-                   help="a LoRA adapter the replicas serve (repeatable): listed in /v1/models, chosen by 'model'")
+                   help="a LoRA adapter the replicas serve (repeatable): listed in /v1/models, chosen by 'model'; "
+                        "optional: adapters the replicas have are learned when they become ready")
+    p.add_argument("--allow-runtime-lora", action="store_true",
+                   help="accept /v1/load_lora_adapter and /v1/unload_lora_adapter (and `pagoda lora` control "
+                        "requests), applied to every replica (started with --allow-runtime-lora)")
     p.add_argument("--hash-model-id", help="block-hash root (default: the model folder's name; replicas' heartbeats override)")
     p.add_argument("--replicas", help="static replicas: 'id=a,grpc=host:port,http=host:port[,metrics=host:port];...'")
     p.add_argument("--k8s-selector", help="discover ready pods with these labels (a=b,c=d) in the router's namespace")
@@ -338,7 +362,7 @@ def options_from_args(args: argparse.Namespace) -> RouterOptions:
         knobs[key] = float(value)
     return RouterOptions(
         model_dir=args.model_dir, model_name=args.model_name, hash_model_id=args.hash_model_id,
-        lora_names=tuple(args.lora),
+        lora_names=tuple(args.lora), allow_runtime_lora=args.allow_runtime_lora,
         replicas=args.replicas, k8s_selector=args.k8s_selector, k8s_namespace=args.k8s_namespace,
         k8s_api=args.k8s_api, redis_url=args.redis_url, policy=args.policy, policy_knobs=knobs,
         index_mode=args.index_mode, redis_timeout_s=args.redis_timeout_ms / 1e3, host=args.host,

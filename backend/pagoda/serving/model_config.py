@@ -10,7 +10,11 @@ same model repository works under ``pagoda serve``, in NVIDIA's container and un
 - ``rewrite_config_pbtxt`` sets parameter values and the instance kind in a config text;
   ``pagoda serve`` uses it on a copy of the repository so flags override the file.
 
-Invariant: every key accepted here is an ``EngineConfig`` field (or ``served_model_name``),
+- ``allow_runtime_lora`` (a serving parameter, not an engine field): whether LoRA
+  control requests may load and unload adapters at run time (``pagoda serve
+  --allow-runtime-lora``; vLLM's ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``).
+
+Invariant: every key accepted here is an ``EngineConfig`` field (or a ``SERVING_PARAMETERS`` key),
 so a misspelt parameter fails the model load with a message naming it instead of being
 silently ignored.
 """
@@ -25,7 +29,7 @@ from typing import Any, Mapping, Optional
 from pagoda.engine.config import EngineConfig
 
 # Parameters that are not EngineConfig fields but are still ours.
-SERVING_PARAMETERS = ("served_model_name",)
+SERVING_PARAMETERS = ("served_model_name", "allow_runtime_lora")
 
 _BOOL_TRUE = ("1", "true", "yes", "on")
 _BOOL_FALSE = ("0", "false", "no", "off")
@@ -106,6 +110,16 @@ def engine_config_from_parameters(parameters: Mapping[str, Any]) -> EngineConfig
 def served_model_name(parameters: Mapping[str, Any], default: str) -> str:
     """The ``model_name`` label for metrics: the parameter if set, else ``default``."""
     return _parameter_text(parameters.get("served_model_name", "")) or default
+
+
+def allow_runtime_lora(parameters: Mapping[str, Any]) -> bool:
+    """The ``allow_runtime_lora`` parameter (empty or absent: false).
+
+    Raises:
+        ValueError: a value that is not a boolean word.
+    """
+    return bool(_convert("allow_runtime_lora", _parameter_text(parameters.get("allow_runtime_lora", "")) or "false",
+                         bool))
 
 
 def rewrite_config_pbtxt(text: str, overrides: Mapping[str, Optional[str]],

@@ -73,6 +73,10 @@ def make_parser() -> argparse.ArgumentParser:
                    help="admission control: refuse new requests past this many waiting prompt tokens")
     p.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
                    help="serve a PEFT LoRA adapter under NAME (repeatable; requests pick it with lora_name)")
+    p.add_argument("--allow-runtime-lora", action="store_true",
+                   help="accept LoRA control requests that load/unload adapters at run time (lora_action; "
+                        "`pagoda lora`; turns LoRA on). Only for trusted clients: a load reads any folder "
+                        "the server can read")
     p.add_argument("--engine-arg", action="append", default=[], metavar="FIELD=VALUE",
                    help="any other EngineConfig field, e.g. --engine-arg spec_adaptive=false (repeatable)")
     p.add_argument("--model-repository", help="a model repository to use instead of the shipped one")
@@ -104,6 +108,8 @@ def engine_args_from(args: argparse.Namespace) -> dict[str, str]:
         values[name.strip()] = value.strip()
     if args.lora:
         values.update(enable_lora="true", lora_modules=lora_modules_text(args.lora))
+    if args.allow_runtime_lora:
+        values.update(enable_lora="true", allow_runtime_lora="true")
     return values
 
 

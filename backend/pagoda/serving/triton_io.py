@@ -29,6 +29,12 @@ this step's deltas; a non-streaming response carries the whole text, with the pr
 front unless ``exclude_input_in_output`` is true (the vLLM backend's behaviour).
 ``finish_reason`` is ``""`` until a completion finishes.
 
+LoRA control requests (run-time adapter loading, docs/lora.md): a request with a
+``lora_action`` input (``load`` | ``unload`` | ``list``) is not a generation. It carries
+``lora_name`` (load, unload) and ``lora_path`` (load: a PEFT folder on the replica's disk)
+and nothing else; ``parse_lora_control`` reads it into a ``LoRAControl``, and its one
+final response (``make_control_response``) holds a JSON document in ``text_output``.
+
 Every bad input raises ``ValueError`` whose message starts with the input's (or the
 sampling field's) name.
 """
@@ -79,6 +85,11 @@ REQUEST_OPTION_KEYS = ("priority", "cache_salt", "lora_name", "timeout")
 
 GetInput = Callable[[str], Optional[np.ndarray]]
 
+# Every input of a generation request (config.pbtxt), so a control request can refuse them.
+GENERATION_INPUTS = ("text_input", "sampling_parameters", *FLAG_INPUTS, *SCALAR_INPUTS, "stop_words", "bad_words",
+                     "end_id", "beam_width")
+LORA_ACTIONS = ("load", "unload", "list")
+
 
 @dataclass
 class ParsedRequest:
@@ -97,6 +108,19 @@ class ParsedRequest:
     cache_salt: Optional[str] = None
     lora_name: Optional[str] = None  # a loaded LoRA adapter (vLLM backend's lora_name); None: base model
     timeout: Optional[float] = None  # seconds from arrival (pagoda.engine.admission)
+
+
+@dataclass
+class LoRAControl:
+    """A LoRA control request: load ``lora_name`` from ``lora_path``, unload it, or list."""
+
+    action: str
+    lora_name: Optional[str] = None
+    lora_path: Optional[str] = None
+
+    @property
+    def changes_adapters(self) -> bool:
+        return self.action != "list"
 
 
 @dataclass
@@ -127,6 +151,9 @@ def parse_request(get_input: GetInput) -> ParsedRequest:
         ValueError: naming the offending input or sampling field.
     """
     prompt = _read_prompt(get_input("text_input"))
+    if get_input("lora_path") is not None:
+        raise ValueError("lora_path: only a LoRA control request (lora_action 'load') takes a path; "
+                         "to generate with an adapter, give its lora_name")
     flags = {name: _read_bool(name, get_input(name)) for name in FLAG_INPUTS}
     values, options = _read_sampling_json(get_input("sampling_parameters"))
     values.update(_read_scalars(get_input))
@@ -147,18 +174,52 @@ def parse_request(get_input: GetInput) -> ParsedRequest:
 
 def _read_lora_name(array: Optional[np.ndarray], from_json: Any) -> Optional[str]:
     """The ``lora_name`` input (vLLM backend dialect), or the same key in ``sampling_parameters``."""
-    value = from_json
+    return _read_string("lora_name", array, from_json)
+
+
+def _read_string(name: str, array: Optional[np.ndarray], default: Any = None) -> Optional[str]:
+    """One non-empty string input, or ``default`` when the input is absent."""
+    value = default
     if array is not None:
         if array.size != 1:
-            raise ValueError(f"lora_name: expected one string, got {array.size} elements")
+            raise ValueError(f"{name}: expected one string, got {array.size} elements")
         value = array.reshape(-1)[0]
         if isinstance(value, (bytes, bytearray)):
             value = bytes(value).decode("utf-8", errors="replace")
     if value is None:
         return None
     if not isinstance(value, str) or not value:
-        raise ValueError(f"lora_name: must be a non-empty string, got {value!r}")
+        raise ValueError(f"{name}: must be a non-empty string, got {value!r}")
     return value
+
+
+def parse_lora_control(get_input: GetInput) -> Optional[LoRAControl]:
+    """Read a LoRA control request, or return ``None`` when the request has no ``lora_action``.
+
+    Raises:
+        ValueError: an unknown action, a missing or extra ``lora_name``/``lora_path``, or a
+            generation input (``text_input`` etc.) beside the action.
+    """
+    action = _read_string("lora_action", get_input("lora_action"))
+    if action is None:
+        return None
+    if action not in LORA_ACTIONS:
+        raise ValueError(f"lora_action: must be one of {', '.join(LORA_ACTIONS)}, got {action!r}")
+    extra = [name for name in GENERATION_INPUTS if get_input(name) is not None]
+    if extra:
+        raise ValueError(f"lora_action: a LoRA control request takes only lora_action, lora_name and lora_path; "
+                         f"it cannot be combined with generation inputs ({', '.join(extra)})")
+    name = _read_string("lora_name", get_input("lora_name"))
+    path = _read_string("lora_path", get_input("lora_path"))
+    if action != "list" and name is None:
+        raise ValueError(f"lora_name: required by lora_action {action!r}")
+    if action == "list" and name is not None:
+        raise ValueError("lora_name: lora_action 'list' takes no lora_name")
+    if action == "load" and path is None:
+        raise ValueError("lora_path: required by lora_action 'load' (the adapter's folder on the replica)")
+    if action != "load" and path is not None:
+        raise ValueError(f"lora_path: only lora_action 'load' takes a path, not {action!r}")
+    return LoRAControl(action, name, path)
 
 
 def _read_prompt(array: Optional[np.ndarray]) -> str:
@@ -342,6 +403,11 @@ def make_response(parsed: ParsedRequest, output: RequestOutput) -> Optional[Resp
         tensors["num_output_tokens"] = np.array(
             [len(c.delta_token_ids) if parsed.stream else len(c.token_ids) for c in completions], dtype=np.uint32)
     return Response(tensors=tensors, is_final=output.finished)
+
+
+def make_control_response(document: dict[str, Any]) -> Response:
+    """The single, final response of a LoRA control request: ``document`` as JSON in ``text_output``."""
+    return Response(tensors={"text_output": _string_array([json.dumps(document)])}, is_final=True)
 
 
 def make_error_response(message: str, error_code: str = "INVALID_ARG") -> Response:

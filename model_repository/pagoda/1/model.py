@@ -19,7 +19,7 @@ import triton_python_backend_utils as pb_utils
 from pagoda.serving import triton_io
 from pagoda.serving.engine_loop import EngineLoop, ResponseSender, ServingRequest
 from pagoda.serving.metrics import ServingMetrics
-from pagoda.serving.model_config import engine_config_from_parameters, served_model_name
+from pagoda.serving.model_config import allow_runtime_lora, engine_config_from_parameters, served_model_name
 from pagoda.serving.process_tree import ParentWatch
 from pagoda.serving.tracing import make_request_tracer, read_traceparent
 
@@ -56,7 +56,8 @@ class TritonPythonModel:
         self.tracer = make_request_tracer()  # None unless an OTLP endpoint is configured
         # `pagoda serve` drains through this file (engine_loop); absent elsewhere.
         self.loop = EngineLoop(self.engine, self.sender, self.metrics, tracer=self.tracer,
-                               drain_path=os.environ.get("PAGODA_DRAIN_FILE") or None)
+                               drain_path=os.environ.get("PAGODA_DRAIN_FILE") or None,
+                               allow_runtime_lora=allow_runtime_lora(parameters))
         self._request_numbers = itertools.count()
         self.sender.start()
         self.loop.start()
@@ -66,11 +67,16 @@ class TritonPythonModel:
             response_sender = request.get_response_sender()
             triton_id = request.request_id() or "request"
             request_id = f"{triton_id}-{next(self._request_numbers)}"
+            get_input = lambda name, request=request: _get_input(request, name)  # noqa: E731
             try:
-                parsed = triton_io.parse_request(lambda name: _get_input(request, name))
+                control = triton_io.parse_lora_control(get_input)  # None: a generation request
+                parsed = triton_io.parse_request(get_input) if control is None else None
             except ValueError as exc:
                 stub = ServingRequest(request_id, None, response_sender)
                 self.sender.put(stub, triton_io.make_error_response(str(exc)))
+                continue
+            if control is not None:
+                self.loop.control(ServingRequest(request_id, control, response_sender))
                 continue
             traceparent = read_traceparent(request.parameters()) if self.tracer is not None else None
             self.loop.submit(ServingRequest(request_id, parsed, response_sender, response_sender.is_cancelled,
