@@ -4,7 +4,13 @@ Algorithm (one `decide` call per timer tick):
 1. Raw recommendation. For each target, a usage ratio over the replicas that reported:
      waiting:  mean waiting requests per replica / targetWaitingPerReplica
      kv:       mean KV cache usage             / targetKVCacheUsage
-     ttft:     worst replica's P90 TTFT        / ttftSLOSeconds   (only if the SLO > 0)
+     ttft:     fleet P90 TTFT                  / ttftSLOSeconds   (only if the SLO > 0)
+   The fleet P90 is one quantile over every replica's recent requests together: the
+   replicas' TTFT histogram buckets (heartbeat `ttft_buckets`, or the metrics scrape's
+   bucket deltas) are summed first. A replica that reports no buckets counts with its own
+   P90 (the larger of the two is used). It was the worst replica's P90, which let a few
+   cold prefills on one replica scale the whole fleet by their ratio (replayed:
+   docs/kubernetes.md).
    A ratio within [1 - tolerance, 1 + tolerance] recommends `current` (hysteresis band);
    otherwise ceil(current * ratio). The raw recommendation is the largest over targets,
    so any one target under pressure scales up. No report at all -> keep `current`.
@@ -26,7 +32,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from pagoda_operator.load import ReplicaLoad
+from pagoda_operator.load import ReplicaLoad, histogram_quantile
 from pagoda_operator.spec import AutoscalingSpec
 
 Clock = Callable[[], float]
@@ -51,8 +57,18 @@ class FleetLoad:
             waiting=sum(x.waiting for x in loads),
             running=sum(x.running for x in loads),
             kv_usage=sum(x.kv_usage for x in loads) / n if n else 0.0,
-            ttft_p90=max((x.ttft_p90 for x in loads), default=0.0),
+            ttft_p90=fleet_ttft_p90(loads),
         )
+
+
+def fleet_ttft_p90(loads: list[ReplicaLoad]) -> float:
+    """P90 TTFT of all replicas' recent requests together (module docstring)."""
+    merged: dict[float, float] = {}
+    for load in loads:
+        for bound, count in (load.ttft_buckets or {}).items():
+            merged[bound] = merged.get(bound, 0.0) + count
+    without = [x.ttft_p90 for x in loads if not x.ttft_buckets]
+    return max([histogram_quantile(0.9, merged)] + without)
 
 
 @dataclass(frozen=True)

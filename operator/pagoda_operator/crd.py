@@ -270,7 +270,7 @@ STATUS_SCHEMA: dict[str, Any] = _obj(
             "waiting": _num("Waiting requests, summed over replicas."),
             "running": _num("Running requests, summed over replicas."),
             "kvCacheUsage": _num("Mean KV cache usage."),
-            "ttftP90Seconds": _num("Worst replica P90 time to first token."),
+            "ttftP90Seconds": _num("P90 time to first token of all replicas' recent requests together."),
             "sampledAt": _str("Sample time.", format="date-time"),
         }),
         "lastDecision": _obj({

@@ -9,7 +9,9 @@ from __future__ import annotations
 from pagoda.fleet.keys import (  # noqa: F401 - re-exported for the operator
     HEARTBEAT_FIELDS,
     PREFIX,
+    TTFT_BUCKETS,
     block_owners_key,
+    decode_ttft_buckets,
     drain_key,
     fleet_key,
     heartbeat_key,

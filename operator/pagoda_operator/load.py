@@ -36,6 +36,9 @@ class ReplicaLoad:
     kv_usage: float = 0.0
     ttft_p90: float = 0.0
     ts: float = 0.0
+    # Cumulative counts {upper bound (s): requests} of the recent TTFTs behind ttft_p90
+    # (+Inf included); None when the replica reported none (an older replica).
+    ttft_buckets: dict[float, float] | None = None
 
 
 class FleetStore(Protocol):
@@ -99,7 +102,9 @@ class RedisFleetStore:
             loads[replica_id] = ReplicaLoad(
                 replica_id=replica_id, waiting=_float(fields.get("waiting")),
                 running=_float(fields.get("running")), kv_usage=_float(fields.get("kv_usage")),
-                ttft_p90=_float(fields.get("ttft_p90")), ts=ts)
+                ttft_p90=_float(fields.get("ttft_p90")), ts=ts,
+                ttft_buckets=fleet_keys.decode_ttft_buckets(_text(fields["ttft_buckets"])) or None
+                if "ttft_buckets" in fields else None)
         return loads
 
     async def mark_draining(self, model: str, replica_id: str) -> None:
@@ -199,6 +204,7 @@ def load_from_metrics(replica_id: str, samples, previous_buckets: dict[float, fl
         kv_usage=_mean(samples, "vllm:kv_cache_usage_perc"),
         ttft_p90=histogram_quantile(0.9, window),
         ts=now,
+        ttft_buckets=window or None,
     )
     return load, buckets
 

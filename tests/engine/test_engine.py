@@ -140,3 +140,22 @@ def test_bad_requests_raise_and_leave_nothing_behind(model_path):
     finals = drain(engine)
     assert list(finals) == ["ok"]
     assert engine.get_stats().num_free_blocks == engine.get_stats().num_blocks
+
+
+def test_stats_report_recent_time_to_first_token(model_path):
+    """Every request's TTFT lands in the 30 s window behind EngineStats.ttft_p90 (the fleet
+    heartbeat's); old samples leave it."""
+    from pagoda.engine.latency_window import LatencyWindow
+
+    engine = LLMEngine(EngineConfig(model=model_path))
+    for i in range(3):
+        engine.add_request(f"r{i}", [5, 6, 7 + i], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    drain(engine)
+    stats = engine.get_stats()
+    assert len(stats.recent_ttfts) == 3 and stats.ttft_p90 == max(stats.recent_ttfts) > 0
+
+    window = LatencyWindow(window_s=30.0, clock=lambda: 100.0)
+    for when, latency in ((50.0, 9.0), (80.0, 1.0), (90.0, 2.0), (95.0, 3.0)):
+        window.observe(latency, when)
+    assert window.samples() == [1.0, 2.0, 3.0] and window.quantile(0.9) == 3.0 and window.quantile(0.5) == 2.0
+    assert LatencyWindow().quantile(0.9) == 0.0

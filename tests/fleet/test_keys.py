@@ -52,3 +52,14 @@ def test_operator_uses_these_keys():
     assert fleet_keys.block_owners_key is keys.block_owners_key
     assert fleet_keys.replica_blocks_key is keys.replica_blocks_key
     assert {"waiting", "running", "kv_usage", "ttft_p90", "ts"} <= set(fleet_keys.HEARTBEAT_FIELDS)
+
+
+def test_ttft_buckets_round_trip_and_malformed_fields():
+    text = keys.encode_ttft_buckets([0.0005, 0.3, 0.3, 7.0, 5000.0])
+    buckets = keys.decode_ttft_buckets(text)
+    assert len(buckets) == len(keys.TTFT_BUCKETS) + 1
+    assert (buckets[0.001], buckets[0.25], buckets[0.5], buckets[7.5], buckets[2560.0], buckets[float("inf")]) \
+        == (1, 1, 3, 4, 4, 5)
+    assert keys.encode_ttft_buckets([]) == ",".join(["0"] * (len(keys.TTFT_BUCKETS) + 1))
+    for bad in ("", "1,2", "a," * 23, None):
+        assert keys.decode_ttft_buckets(bad) == {}

@@ -33,6 +33,7 @@ class Clock:
 class Stats:
     num_waiting, num_running, kv_cache_usage = 3, 2, 0.25
     num_blocks, prefix_cache_queries, prefix_cache_hits = 100, 40, 10
+    ttft_p90, recent_ttfts = 0.8, (0.1, 0.8, 0.2)
 
 
 def chain(n, salt=0):
@@ -70,6 +71,8 @@ def test_batches_events_and_heartbeat_in_one_round_trip(redis_client):
     assert (info.replica_id, info.endpoints, info.waiting, info.running) == ("r1", ENDPOINTS, 3, 2)
     assert (info.kv_usage, info.prefix_hit_rate, info.num_blocks, info.block_size) == (0.25, 0.25, 100, 4)
     assert info.ts == 1001.0 and info.hash_model_id == MODEL and not info.draining
+    heartbeat = redis_client.hgetall(keys.heartbeat_key(MODEL, "r1"))
+    assert info.ttft_p90 == 0.8 and keys.decode_ttft_buckets(heartbeat[b"ttft_buckets"].decode())[0.25] == 2
     ttl_ms = redis_client.pttl(keys.heartbeat_key(MODEL, "r1"))
     assert 4000 < ttl_ms <= 5000
 

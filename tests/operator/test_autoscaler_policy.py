@@ -103,6 +103,25 @@ def test_fleet_load_aggregates():
     assert fleet.kv_usage == pytest.approx(0.4) and fleet.ttft_p90 == 0.9
 
 
+def test_fleet_ttft_p90_is_one_quantile_over_all_replicas_requests():
+    """Nine replicas with 10 fast requests each and one with 2 cold 6 s prefills: the worst
+    replica's P90 (6 s) is over a 4 s SLO, the fleet's (all 92 requests) is not; without
+    buckets (an older replica) its own P90 still counts."""
+    from pagoda.fleet import keys
+
+    fast = [ReplicaLoad(f"r{i}", ttft_p90=0.3, ttft_buckets=keys.decode_ttft_buckets(
+        keys.encode_ttft_buckets([0.3] * 10))) for i in range(9)]
+    cold = ReplicaLoad("cold", ttft_p90=6.0, ttft_buckets=keys.decode_ttft_buckets(keys.encode_ttft_buckets([6.0, 6.0])))
+    fleet = FleetLoad.of(fast + [cold])
+    assert 0.25 < fleet.ttft_p90 <= 0.5
+    spec = AutoscalingSpec(ttft_slo_seconds=4.0)
+    policy = AutoscalerPolicy(spec, 1, 16, clock=lambda: 0.0)
+    assert policy.decide(fast + [cold], current=10).desired <= 10  # was ceil(10 * 6 / 4) = 15
+    slow_fleet = [ReplicaLoad(x.replica_id, ttft_p90=6.0, ttft_buckets=cold.ttft_buckets) for x in fast] + [cold]
+    assert FleetLoad.of(slow_fleet).ttft_p90 > 4.0
+    assert FleetLoad.of(fast + [ReplicaLoad("old", ttft_p90=5.0)]).ttft_p90 == 5.0
+
+
 def test_drain_victim_and_progress():
     reports = {"a": ReplicaLoad("a", running=3), "b": ReplicaLoad("b", running=1),
                "c": ReplicaLoad("c", running=1, kv_usage=0.5)}

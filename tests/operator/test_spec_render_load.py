@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 
+from pagoda.fleet import keys as pagoda_keys
 from pagoda_operator import fleet_keys
 from pagoda_operator.load import (MetricsScraper, RedisFleetStore, histogram_quantile,
                                   parse_prometheus_text)
@@ -137,6 +138,7 @@ def test_prometheus_parsing_and_scrape_fallback():
     assert list(loads) == ["pod-a"]
     load = loads["pod-a"]
     assert (load.waiting, load.running, load.kv_usage, load.ttft_p90) == (3, 5, 0.42, 0.5)
+    assert load.ttft_buckets and max(load.ttft_buckets.values()) > 0  # merged with other replicas by FleetLoad
 
 
 class FakeRedis:
@@ -176,7 +178,8 @@ class FakeRedis:
 def test_redis_store_reads_heartbeats_and_cleans_up():
     redis = FakeRedis()
     redis.data[fleet_keys.heartbeat_key("chat", "a")] = {
-        b"waiting": b"2", b"running": b"1", b"kv_usage": b"0.5", b"ttft_p90": b"0.2", b"ts": b"99"}
+        b"waiting": b"2", b"running": b"1", b"kv_usage": b"0.5", b"ttft_p90": b"0.2", b"ts": b"99",
+        b"ttft_buckets": pagoda_keys.encode_ttft_buckets([0.2, 0.2, 3.0]).encode()}
     redis.data[fleet_keys.heartbeat_key("chat", "old")] = {b"waiting": b"9", b"ts": b"1"}
     redis.data[fleet_keys.registry_key("chat")] = {"a", "old"}
     redis.data[fleet_keys.replica_blocks_key("chat", "a")] = {"h1"}
@@ -184,6 +187,7 @@ def test_redis_store_reads_heartbeats_and_cleans_up():
     store = RedisFleetStore(redis, max_age_s=30, clock=lambda: 100.0)
     loads = asyncio.run(store.read_loads("chat", {"a": None, "old": None}))
     assert list(loads) == ["a"] and loads["a"].waiting == 2.0  # stale heartbeat ignored
+    assert loads["a"].ttft_buckets[0.25] == 2 and loads["a"].ttft_buckets[float("inf")] == 3
     asyncio.run(store.mark_draining("chat", "a"))
     assert fleet_keys.drain_key("chat", "a") == "pagoda:chat:drain:a"
     assert fleet_keys.drain_key("chat", "a") in redis.data

@@ -94,6 +94,9 @@ class EngineStats:
     num_admission_refused: int = 0  # refused at add_request: the waiting queue was full
     num_admission_displaced: int = 0  # waiting requests ended by a more urgent one
     num_deadline_expired: int = 0  # requests ended by their timeout
+    # Time to first token over the last 30 s (engine.latency_window; the fleet heartbeat).
+    ttft_p90: float = 0.0
+    recent_ttfts: tuple = ()
     # Step timing, seconds summed over steps (see pagoda.engine.device_worker).
     step_host_s: float = 0.0  # host work inside step(), not counting waits on the device
     step_device_s: float = 0.0  # device jobs: KV-tier copies, forward, sampling
@@ -363,6 +366,8 @@ class LLMEngine:
             **self._offload_stats(),
             **self._lora_stats(),
             **self.admission.stats(),
+            ttft_p90=self.output_processor.recent_ttfts.quantile(0.9),
+            recent_ttfts=tuple(self.output_processor.recent_ttfts.samples()),
         )
 
     def _lora_stats(self) -> dict:

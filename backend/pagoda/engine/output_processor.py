@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterable, Optional, Union
 
+from pagoda.engine.latency_window import LatencyWindow
 from pagoda.engine.engine_core import EngineCoreOutput
 from pagoda.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from pagoda.engine.sampling_params import SamplingParams
@@ -78,6 +79,7 @@ class OutputProcessor:
         self._child_of: dict[str, tuple[_Group, int]] = {}
         self._aborted_outputs: list[RequestOutput] = []
         self.num_prompt_tokens = 0  # of requests that produced a first token
+        self.recent_ttfts = LatencyWindow()  # first-token latencies of the last 30 s (heartbeat)
         self.num_generation_tokens = 0  # output tokens kept (past a stop string: not counted)
 
     # ----------------------------------------------------------------- requests
@@ -216,6 +218,7 @@ class OutputProcessor:
         if m.first_token_time is None:
             m.first_token_time = now
             self.num_prompt_tokens += len(group.prompt_token_ids)
+            self.recent_ttfts.observe(now - m.arrival_time, now)
         else:
             m.inter_token_latencies.append(now - m.last_token_time)
         m.last_token_time = now

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from pagoda.engine.block_hash import hash_prompt_blocks
+from pagoda.fleet import keys
 from pagoda.fleet.affinity import PendingIndex
 from pagoda.fleet.index import LocalIndex
 from pagoda.fleet.policy import ReplicaState, RoutingRequest, make_policy
@@ -144,8 +145,10 @@ class _Pod:
         while self.ttfts and self.ttfts[0][0] < now - window_s:
             self.ttfts.popleft()
         s = self.replica.scheduler
+        ttfts = [t for _, t in self.ttfts]
         return ReplicaLoad(self.replica_id, waiting=s.num_waiting, running=s.num_running, kv_usage=s.kv_cache_usage,
-                           ttft_p90=_p90([t for _, t in self.ttfts]), ts=now)
+                           ttft_p90=_p90(ttfts), ts=now,  # the heartbeat's fields, as a replica publishes them
+                           ttft_buckets=keys.decode_ttft_buckets(keys.encode_ttft_buckets(ttfts)))
 
 
 class AutoscaleReplay:
@@ -272,11 +275,12 @@ class AutoscaleReplay:
     # ------------------------------------------------------------ operator side
     def _tick(self) -> None:
         from pagoda_operator import drain
+        from pagoda_operator.autoscaler import fleet_ttft_p90
 
         cfg, now = self.cfg, self.now
         live = {rid: p for rid, p in self.pods.items() if p.ready_at <= now}
         loads = {rid: p.load(now, cfg.ttft_window_s) for rid, p in live.items()}
-        if self.result.first_breach_s is None and any(x.ttft_p90 > cfg.ttft_slo_s for x in loads.values()):
+        if self.result.first_breach_s is None and fleet_ttft_p90(list(loads.values())) > cfg.ttft_slo_s:
             self.result.first_breach_s = now
         current = len(self.pods)
         if self.drain is not None:

@@ -11,7 +11,10 @@ functions below; ``pagoda_operator.fleet_keys`` re-exports them.
     pagoda:{model}:replica:{replica_id}         HASH   heartbeat, expires after the replica's TTL:
                                                        waiting, running, kv_usage (0..1),
                                                        prefix_hit_rate (0..1), block_size,
-                                                       num_blocks, ttft_p90 (s), ts (unix s),
+                                                       num_blocks, ttft_p90 (s, the replica's
+                                                       requests of the last 30 s), ttft_buckets
+                                                       (their cumulative counts at TTFT_BUCKETS
+                                                       and +Inf, comma-separated), ts (unix s),
                                                        endpoints (JSON {"grpc": "h:p", ...}),
                                                        hash_model_id (seeds block hashes),
                                                        epoch, num_dropped_events
@@ -53,11 +56,38 @@ from __future__ import annotations
 
 PREFIX = "pagoda"
 
-# Heartbeat hash fields (the operator's autoscaler reads waiting/running/kv_usage/ttft_p90/ts).
+# Heartbeat hash fields (the operator's autoscaler reads waiting/running/kv_usage/ttft_*/ts).
 HEARTBEAT_FIELDS = (
     "waiting", "running", "kv_usage", "prefix_hit_rate", "block_size", "num_blocks",
-    "ttft_p90", "ts", "endpoints", "hash_model_id", "epoch", "num_dropped_events",
+    "ttft_p90", "ttft_buckets", "ts", "endpoints", "hash_model_id", "epoch", "num_dropped_events",
 )
+
+# Upper bounds (s) of the heartbeat's TTFT buckets: those of vllm:time_to_first_token_seconds.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+
+
+def encode_ttft_buckets(latencies) -> str:
+    """Cumulative counts of ``latencies`` at each of ``TTFT_BUCKETS`` and +Inf, comma-separated."""
+    values = sorted(latencies)
+    counts, i = [], 0
+    for bound in TTFT_BUCKETS:
+        while i < len(values) and values[i] <= bound:
+            i += 1
+        counts.append(i)
+    counts.append(len(values))
+    return ",".join(map(str, counts))
+
+
+def decode_ttft_buckets(text: str) -> dict[float, float]:
+    """``{upper bound: cumulative count}`` (+Inf included) from ``encode_ttft_buckets``; {} if malformed."""
+    try:
+        counts = [float(c) for c in text.split(",")]
+    except (AttributeError, ValueError):
+        return {}
+    if len(counts) != len(TTFT_BUCKETS) + 1:
+        return {}
+    return dict(zip((*TTFT_BUCKETS, float("inf")), counts))
 
 
 def fleet_key(model: str, *parts: str) -> str:

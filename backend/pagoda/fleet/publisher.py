@@ -242,6 +242,7 @@ class Publisher(DaemonThread):
             "block_size": str(getattr(stats, "block_size", 0) or self.block_size),
             "num_blocks": str(getattr(stats, "num_blocks", 0)),
             "ttft_p90": repr(float(getattr(stats, "ttft_p90", 0.0) or 0.0)),
+            "ttft_buckets": keys.encode_ttft_buckets(getattr(stats, "recent_ttfts", ()) or ()),
             "ts": repr(now),
             "endpoints": json.dumps(self.endpoints, sort_keys=True),
             "hash_model_id": self.hash_model_id,

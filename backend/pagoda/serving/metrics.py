@@ -50,10 +50,10 @@ import time
 from typing import Any, Optional
 
 from pagoda.engine.outputs import RequestOutput
+from pagoda.fleet import keys as fleet_keys
 
 # vLLM's buckets, so dashboards' quantile queries mean the same thing.
-TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-                10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+TTFT_BUCKETS = list(fleet_keys.TTFT_BUCKETS)  # the heartbeat reports the same buckets
 ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                20.0, 40.0, 80.0]
 E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
