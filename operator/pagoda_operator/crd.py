@@ -109,6 +109,12 @@ SPEC_SCHEMA: dict[str, Any] = _obj(
                                      "is taken inside the model folder.", minLength=1, pattern=r"^[^,=\s]+$"),
                     }, required=["name", "path"], description="One adapter."),
                 },
+                "allowRuntimeLoRA": _bool(
+                    "Let clients load and unload LoRA adapters at run time (the router's "
+                    "/v1/load_lora_adapter and /v1/unload_lora_adapter, Triton lora_action control "
+                    "requests): `--allow-runtime-lora` on the replicas and the router. Any caller the "
+                    "router admits can then load a folder that exists inside the replica containers; "
+                    "use API keys.", default=False),
             },
             required=["name", "storageUri"],
             description="The model to serve.",

@@ -51,11 +51,14 @@ def engine_args(engine: EngineSpec) -> list[str]:
 
 
 def lora_args(svc: LLMService, model_dir: str) -> list[str]:
-    """``--lora NAME=PATH`` per adapter (relative paths inside ``model_dir``, the model folder)."""
+    """``--lora NAME=PATH`` per adapter (relative paths inside ``model_dir``, the model folder),
+    and ``--allow-runtime-lora`` when the spec allows loading adapters at run time."""
     args = []
     for name, path in svc.spec.model.lora_adapters:
         where = path if path.startswith("/") else f"{model_dir}/{path}"
         args += ["--lora", f"{name}={where}"]
+    if svc.spec.model.allow_runtime_lora:
+        args.append("--allow-runtime-lora")
     return args
 
 

@@ -65,6 +65,7 @@ def render_router_deployment(svc: LLMService) -> dict[str, Any]:
             "--policy", svc.spec.routing.policy,
             "--model-dir", model_path(svc),
             *[arg for name, _ in svc.spec.model.lora_adapters for arg in ("--lora", name)],
+            *(["--allow-runtime-lora"] if svc.spec.model.allow_runtime_lora else []),
         ],
         "env": [
             {"name": "PAGODA_NAMESPACE",

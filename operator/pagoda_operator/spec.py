@@ -34,6 +34,7 @@ class ModelSpec:
     name: str
     storage_uri: str
     lora_adapters: tuple[tuple[str, str], ...] = ()  # (name, path); relative paths sit in the model folder
+    allow_runtime_lora: bool = False  # --allow-runtime-lora on replicas and router
 
     @property
     def scheme(self) -> str:
@@ -234,7 +235,8 @@ def parse_spec(raw_spec: dict[str, Any]) -> LLMServiceSpec:
     return LLMServiceSpec(
         image=spec["image"],
         model=ModelSpec(name=spec["model"]["name"], storage_uri=spec["model"]["storageUri"],
-                        lora_adapters=_lora_adapters(spec["model"].get("loraAdapters", []))),
+                        lora_adapters=_lora_adapters(spec["model"].get("loraAdapters", [])),
+                        allow_runtime_lora=bool(spec["model"].get("allowRuntimeLoRA", False))),
         mode=spec["mode"],
         image_pull_policy=spec["imagePullPolicy"],
         termination_grace_period_seconds=spec["terminationGracePeriodSeconds"],

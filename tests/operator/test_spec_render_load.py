@@ -62,6 +62,22 @@ def test_lora_adapters_reach_replicas_router_and_kserve():
 
     model = render_inference_service(kserve)["spec"]["predictor"]["model"]
     assert model["args"][-2:] == ["--lora", "sql=/mnt/models/adapters/sql"]
+    assert "--allow-runtime-lora" not in args + router_args  # off unless the spec asks
+
+
+def test_runtime_lora_reaches_replicas_and_router_when_allowed():
+    svc = parse_llmservice(body(model={"name": "chat", "storageUri": "pvc://models/chat",
+                                       "allowRuntimeLoRA": True}))
+    args = render_replica_deployment(svc, 1)["spec"]["template"]["spec"]["containers"][0]["args"]
+    router_args = render_router_deployment(svc)["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[-1] == "--allow-runtime-lora" and router_args[-1] == "--allow-runtime-lora"
+    from pagoda.fleet.router import make_parser as router_parser
+    from pagoda.serving.serve_cli import make_parser, options_from_args
+
+    assert options_from_args(make_parser().parse_args(args)).engine_args["enable_lora"] == "true"
+    assert router_parser().parse_args(router_args).allow_runtime_lora
+    with pytest.raises(SpecError, match="allowRuntimeLoRA"):
+        parse_llmservice(body(model={"name": "chat", "storageUri": "pvc://models/chat", "allowRuntimeLoRA": "yes"}))
 
 
 def test_defaults_and_renderers():
