@@ -122,3 +122,16 @@ def test_burst_does_not_herd_onto_the_cached_replica():
 def test_without_index_prefix_aware_is_least_loaded():
     fleet = [ReplicaState("a", running=3), ReplicaState("b", running=1), ReplicaState("c", running=2)]
     assert PrefixAwarePolicy().choose(fleet, request()).replica_id == "b"
+
+
+def test_a_replica_with_a_waiting_queue_pays_for_it():
+    """Same prefix credit and load: the replica whose heartbeat reports 2 requests waiting
+    for a batch (not just running) loses when the other has none waiting; with the price
+    off they tie on load and the one holding more of the prompt wins."""
+    queued = ReplicaState("a", waiting=2, running=2)
+    busy = ReplicaState("b", waiting=0, running=4)
+    request = RoutingRequest("q", ["h"] * 20, 320, 16, matched_blocks={"a": 20, "b": 17})
+    assert PrefixAwarePolicy().choose([queued, busy], request).replica_id == "b"
+    assert PrefixAwarePolicy(waiting_cost_tokens=0).choose([queued, busy], request).replica_id == "a"
+    with pytest.raises(ValueError, match="waiting_cost_tokens"):
+        PrefixAwarePolicy(waiting_cost_tokens=-1)

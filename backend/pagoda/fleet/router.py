@@ -328,7 +328,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", default="prefix_aware",
                    choices=("random", "round_robin", "least_loaded", "prefix_aware", "precise", "approximate"))
     p.add_argument("--policy-knob", action="append", default=[], metavar="KEY=VALUE",
-                   help="a policy knob (see pagoda.fleet.policy), e.g. load_cost_tokens=256")
+                   help="a policy knob (see pagoda.fleet.policy), e.g. load_cost_tokens=64")
     p.add_argument("--index", dest="index_mode", default="follower", choices=("follower", "direct"),
                    help="prefix matches from a local mirror of the event stream, or from Redis per request")
     p.add_argument("--redis-timeout-ms", type=float, default=50.0, help="longest a request waits on Redis")
