@@ -47,6 +47,8 @@ from typing import Any, Iterable, Optional
 
 import aiohttp
 
+from pagoda.serving.lora_cli import control_body
+
 logger = logging.getLogger(__name__)
 
 MODEL_NAME = "pagoda"
@@ -207,15 +209,6 @@ class LoRAAdmin:
         except (TypeError, ValueError, IndexError):
             return ControlResult(replica.replica_id, error=f"not a LoRA control answer: {text[:200]}",
                                  is_client_error=False)
-
-
-def control_body(action: str, name: Optional[str] = None, path: Optional[str] = None) -> dict[str, str]:
-    body = {"lora_action": action}
-    if name is not None:
-        body["lora_name"] = name
-    if path is not None:
-        body["lora_path"] = path
-    return body
 
 
 def _failure(what: str, results: list[ControlResult], done: list[Any], undo: list[ControlResult],
