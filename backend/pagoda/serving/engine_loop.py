@@ -18,14 +18,8 @@ The loop:
    a fleet publisher the replica also sets its Redis drain flag (routers send it nothing
    new; it expires after ``DRAIN_FLAG_TTL_S`` should the process die) and clears it on stop.
 
-LoRA control requests (``control()``, docs/lora.md) share the loop: ``unload`` and
-``list`` are commands run on the loop thread between steps; ``load`` reads and fuses the
-adapter on the loader thread (``LLMEngine.load_lora``: file I/O that must not stall the
-steps), then a ``register`` command makes it servable on the loop thread, so the next step
-may use it. ``load``/``unload`` are refused unless the loop was built with
-``allow_runtime_lora`` (``pagoda serve --allow-runtime-lora``); ``list`` always answers.
-Each gets one final response, a JSON document (``triton_io.make_control_response``) or an
-error naming the problem.
+LoRA control requests (``control()``, docs/lora.md) share the loop: see
+``serving.lora_control`` (a load reads the adapter off this thread, then registers on it).
 
 The sender thread calls the adapter's ``deliver(handle, response)``, so a slow client
 socket never stalls the engine. A failed delivery (client gone) comes back to the loop as
@@ -50,18 +44,16 @@ import os
 import queue
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from pagoda.engine.admission import EngineOverloaded
-from pagoda.serving.triton_io import (LoRAControl, ParsedRequest, Response, make_control_response,
-                                     make_error_response, make_response)
+from pagoda.serving.lora_control import SHUTDOWN_MESSAGE, LoRAController
+from pagoda.serving.triton_io import ParsedRequest, Response, make_error_response, make_response
 
 logger = logging.getLogger(__name__)
 
 _STOP = object()
-SHUTDOWN_MESSAGE = "the server is shutting down"
 
 
 @dataclass
@@ -146,9 +138,6 @@ class EngineLoop:
                  publisher: Any = None, drain_path: Optional[str] = None,
                  allow_runtime_lora: bool = False) -> None:
         self._engine = engine
-        self._allow_runtime_lora = allow_runtime_lora
-        # One adapter read at a time: bounded host memory, and loads answer in order.
-        self._lora_loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagoda-lora-loader")
         self._publisher = publisher if publisher is not None else _publisher_from_env(engine)
         self._tracer = tracer
         self._sender = sender
@@ -167,6 +156,8 @@ class EngineLoop:
         self._drain_flag: Optional[str] = None  # the Redis key we set, cleared on stop
         self._last_drain_poll = 0.0
         self._thread = threading.Thread(target=self._run, name="pagoda-engine-loop", daemon=True)
+        self._lora = LoRAController(engine, sender, lambda kind, payload: self._commands.put((kind, payload)),
+                                    self._stop.is_set, allow_runtime_lora)
 
     # ------------------------------------------------------------ any thread
     def start(self) -> None:
@@ -183,28 +174,15 @@ class EngineLoop:
         self._commands.put(("abort", request_id))
 
     def control(self, request: ServingRequest) -> None:
-        """Queue a LoRA control request (``request.parsed`` is a ``LoRAControl``); returns at once.
-
-        Its one final response follows: a JSON document, or an error (runtime updates not
-        allowed, LoRA off, bad folder, name taken, adapter unknown or in use).
-        """
-        control: LoRAControl = request.parsed
-        if self._stop.is_set():
-            self._sender.put(request, make_error_response(SHUTDOWN_MESSAGE, "UNAVAILABLE"))
-        elif control.changes_adapters and not self._allow_runtime_lora:
-            self._sender.put(request, make_error_response(
-                f"lora_action {control.action!r}: runtime LoRA updating is not enabled on this replica; start it "
-                "with `pagoda serve --allow-runtime-lora` (config.pbtxt parameter allow_runtime_lora \"true\")"))
-        elif control.action == "load":
-            self._lora_loader.submit(self._load_lora, request)
-        else:
-            self._commands.put(("lora", request))
+        """Queue a LoRA control request (``request.parsed`` is a ``LoRAControl``); returns at
+        once. Its one final response follows (``serving.lora_control``)."""
+        self._lora.submit(request)
 
     def stop(self, timeout: Optional[float] = 30.0) -> None:
         """Stop the loop (in-flight requests get a shutdown error) and join it."""
         self._stop.set()
         self._commands.put(("wake", None))
-        self._lora_loader.shutdown(wait=True)  # queued loads answer the shutdown error
+        self._lora.shutdown()  # queued loads answer the shutdown error
         if self._thread.is_alive():
             self._thread.join(timeout)
         if not self._thread.is_alive():
@@ -227,25 +205,6 @@ class EngineLoop:
             request = payload[0] if kind == "register" else payload
             if kind in ("add", "lora", "register"):
                 self._sender.put(request, make_error_response(SHUTDOWN_MESSAGE, "UNAVAILABLE"))
-
-    # ---------------------------------------------------- the loader thread
-    def _load_lora(self, request: ServingRequest) -> None:
-        """Read and fuse the adapter here, then let the loop thread register it."""
-        if self._stop.is_set():
-            self._sender.put(request, make_error_response(SHUTDOWN_MESSAGE, "UNAVAILABLE"))
-            return
-        control: LoRAControl = request.parsed
-        try:
-            adapter = self._engine.load_lora(control.lora_name, control.lora_path)
-        except ValueError as exc:
-            self._sender.put(request, make_error_response(str(exc)))
-            return
-        except Exception as exc:  # noqa: BLE001 - a broken file must not take the loader down
-            logger.exception("loading LoRA adapter %r failed", control.lora_name)
-            self._sender.put(request, make_error_response(f"loading LoRA adapter {control.lora_name!r} failed: "
-                                                          f"{type(exc).__name__}: {exc}"))
-            return
-        self._commands.put(("register", (request, adapter)))
 
     # ------------------------------------------------------- the loop thread
     def _run(self) -> None:
@@ -278,40 +237,9 @@ class EngineLoop:
         elif kind == "abort":
             self._abort(payload)
         elif kind == "register":
-            self._register_lora(*payload)
+            self._lora.register(*payload)
         elif kind == "lora":
-            self._lora_command(payload)
-
-    def _register_lora(self, request: ServingRequest, adapter: Any) -> None:
-        try:
-            self._engine.register_lora(adapter)
-        except ValueError as exc:  # the name was taken meanwhile
-            self._sender.put(request, make_error_response(str(exc)))
-            return
-        self._sender.put(request, make_control_response({
-            "action": "load", "lora_name": adapter.name, "lora_path": adapter.path,
-            "loaded": self._engine.list_loras()}))
-
-    def _lora_command(self, request: ServingRequest) -> None:
-        control: LoRAControl = request.parsed
-        paths = self._engine.lora_paths()
-        if control.action == "list":
-            self._sender.put(request, make_control_response({
-                "action": "list", "loaded": sorted(paths), "paths": paths,
-                "allow_runtime_lora": self._allow_runtime_lora}))
-            return
-        try:
-            self._engine.remove_lora(control.lora_name)
-        except ValueError as exc:
-            self._sender.put(request, make_error_response(str(exc)))
-            return
-        except Exception as exc:  # noqa: BLE001
-            logger.exception("unloading LoRA adapter %r failed", control.lora_name)
-            self._sender.put(request, make_error_response(f"engine error while unloading: {exc}", "INTERNAL"))
-            return
-        self._sender.put(request, make_control_response({
-            "action": "unload", "lora_name": control.lora_name, "lora_path": paths.get(control.lora_name),
-            "loaded": self._engine.list_loras()}))
+            self._lora.command(payload)
 
     def _add(self, request: ServingRequest) -> None:
         if self._stop.is_set():
