@@ -159,3 +159,11 @@ def test_stats_report_recent_time_to_first_token(model_path):
         window.observe(latency, when)
     assert window.samples() == [1.0, 2.0, 3.0] and window.quantile(0.9) == 3.0 and window.quantile(0.5) == 2.0
     assert LatencyWindow().quantile(0.9) == 0.0
+    clock = [100.0]
+    window = LatencyWindow(clock=lambda: clock[0])
+    window.observe(1.0, 99.0)
+    assert window.p90_snapshot() == (1.0, (1.0,))
+    window.observe(5.0, 100.0)
+    assert window.p90_snapshot() == (1.0, (1.0,)), "recomputed at most every 0.5 s"
+    clock[0] = 100.5
+    assert window.p90_snapshot() == (5.0, (1.0, 5.0))

@@ -23,6 +23,8 @@ class LatencyWindow:
         self.window_s = window_s
         self.clock = clock
         self._samples: deque[tuple[float, float]] = deque(maxlen=max_samples)  # (when, latency)
+        self._snapshot: Optional[tuple[float, tuple]] = None
+        self._snapshot_time = float("-inf")
 
     def observe(self, latency: float, now: Optional[float] = None) -> None:
         self._samples.append((self.clock() if now is None else now, max(0.0, latency)))
@@ -34,9 +36,23 @@ class LatencyWindow:
             self._samples.popleft()
         return [latency for _, latency in self._samples]
 
+    def p90_snapshot(self, max_age_s: float = 0.5) -> tuple[float, tuple]:
+        """``(quantile(0.9), samples)``, recomputed at most every ``max_age_s`` seconds: the
+        engine asks for stats after every step, the heartbeat reads them once a second, so
+        the sort stays off the step's path."""
+        now = self.clock()
+        if self._snapshot is None or now - self._snapshot_time >= max_age_s:
+            values = self.samples(now)
+            self._snapshot = (_nearest_rank(sorted(values), 0.9), tuple(values))
+            self._snapshot_time = now
+        return self._snapshot
+
     def quantile(self, q: float, now: Optional[float] = None) -> float:
         """The ``q`` quantile (nearest rank) of the window; 0.0 when it is empty."""
-        values = sorted(self.samples(now))
-        if not values:
-            return 0.0
-        return values[min(len(values) - 1, max(0, math.ceil(q * len(values)) - 1))]
+        return _nearest_rank(sorted(self.samples(now)), q)
+
+
+def _nearest_rank(ordered: list[float], q: float) -> float:
+    if not ordered:
+        return 0.0
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]

@@ -341,6 +341,7 @@ class LLMEngine:
     def get_stats(self) -> EngineStats:
         s = self.core.scheduler
         last, total = self.core.timer.snapshot()
+        ttft_p90, recent_ttfts = self.output_processor.recent_ttfts.p90_snapshot()
         return EngineStats(
             num_waiting=s.num_waiting + self.core.num_pending + self.core.guided.num_waiting,
             num_running=s.num_running,
@@ -366,8 +367,7 @@ class LLMEngine:
             **self._offload_stats(),
             **self._lora_stats(),
             **self.admission.stats(),
-            ttft_p90=self.output_processor.recent_ttfts.quantile(0.9),
-            recent_ttfts=tuple(self.output_processor.recent_ttfts.samples()),
+            ttft_p90=ttft_p90, recent_ttfts=recent_ttfts,
         )
 
     def _lora_stats(self) -> dict:
