@@ -19,6 +19,7 @@ from pagoda.engine.request import Request, RequestStatus
 from pagoda.engine.sampling_params import SamplingParams
 from pagoda.engine.scheduler import Scheduler, SchedulerConfig
 
+from tests.engine.driving import drain
 
 
 def make_scheduler(**overrides):
@@ -235,11 +236,7 @@ def test_evicted_prefix_blocks_move_to_host_and_come_back():
 def _run(engine, prompts, params):
     for i, prompt in enumerate(prompts):
         engine.add_request(f"r{i}", prompt, params)
-    finals = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = out.outputs[0].token_ids
+    finals = {rid: out.outputs[0].token_ids for rid, out in drain(engine).items()}
     return [finals[f"r{i}"] for i in range(len(prompts))]
 
 

@@ -16,6 +16,7 @@ from pagoda.engine.llm_engine import LLMEngine
 from pagoda.models import load_model
 from pagoda.models.lora import LoRABatch, LoRASlots, load_peft_adapter
 from pagoda.models.testing import StepInput, make_kv_caches, run_step
+from tests.engine.driving import drain
 from tests.engine.hf_reference import make_random_model
 from tests.engine.lora_reference import ADAPTERS, make_peft_adapter, peft_greedy, peft_model
 from tests.numerics import assert_within, model_error_bound
@@ -103,12 +104,7 @@ def _run(engine: LLMEngine, requests: dict[str, tuple[list[int], str | None]]) -
     greedy = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
     for request_id, (prompt, lora) in requests.items():
         engine.add_request(request_id, prompt, greedy, lora_name=lora)
-    tokens = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                tokens[out.request_id] = out.outputs[0].token_ids
-    return tokens
+    return {rid: out.outputs[0].token_ids for rid, out in drain(engine).items()}
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])

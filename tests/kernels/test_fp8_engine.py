@@ -27,6 +27,7 @@ from pagoda.engine.model_runner import kv_bytes_per_block
 from pagoda.kernels import write_kv as _write_kv
 from pagoda.models import load_model
 from pagoda.models.testing import StepInput, make_kv_caches, run_step
+from tests.engine.driving import drain
 from tests.engine.hf_reference import make_random_model
 from tests.numerics import assert_within, model_error_bound
 
@@ -67,11 +68,7 @@ def _engine_greedy(model_path: str, kernels: str, monkeypatch) -> tuple[dict, LL
     greedy = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     for name, length in (("short", 5), ("long", 40)):
         engine.add_request(name, list(range(1000 + length, 1000 + 2 * length)), greedy)
-    tokens = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                tokens[out.request_id] = out.outputs[0].token_ids
+    tokens = {rid: out.outputs[0].token_ids for rid, out in drain(engine).items()}
     return tokens, engine
 
 
