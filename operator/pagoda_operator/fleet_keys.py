@@ -1,12 +1,12 @@
 """Redis key names the operator reads (heartbeats) and writes (drain flag, index cleanup).
 
-The layout is defined once, in ``pagoda.fleet.keys`` (ARCHITECTURE contract 4; see its
+The layout is defined once, in ``pagoda.contracts.redis_keys`` (ARCHITECTURE contract 4; see its
 docstring for every key and type); this module re-exports the builders the operator uses.
 """
 
 from __future__ import annotations
 
-from pagoda.fleet.keys import (  # noqa: F401 - re-exported for the operator
+from pagoda.contracts.redis_keys import (  # noqa: F401 - re-exported for the operator
     HEARTBEAT_FIELDS,
     PREFIX,
     TTFT_BUCKETS,

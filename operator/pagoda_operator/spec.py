@@ -50,7 +50,7 @@ class EngineSpec:
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
-    max_waiting_requests: int = 1024  # admission control (pagoda.engine.admission)
+    max_waiting_requests: int = 1024  # admission control (pagoda.engine.core.admission)
     max_waiting_prompt_tokens: int = 1_000_000
     extra_args: tuple[str, ...] = ()
 
@@ -73,7 +73,7 @@ class RoutingSpec:
     policy: str = "prefix_aware"
     replicas: int = 1
     service_type: str = "ClusterIP"
-    api_keys_secret_name: str | None = None  # router API keys (pagoda.fleet.auth); None: open mode
+    api_keys_secret_name: str | None = None  # router API keys (pagoda.fleet.gate.auth); None: open mode
     api_keys_secret_key: str = "api-keys"
 
 

@@ -1,12 +1,12 @@
 """Block-hash contract: pinned known-answer vectors and an independent re-derivation
-from the byte-exact spec in ``pagoda.engine.block_hash``'s docstring."""
+from the byte-exact spec in ``pagoda.contracts.block_hash``'s docstring."""
 
 import hashlib
 import struct
 
 import pytest
 
-from pagoda.engine.block_hash import encode_extra_keys, hash_block, hash_prompt_blocks, root_hash
+from pagoda.contracts.block_hash import encode_extra_keys, hash_block, hash_prompt_blocks, root_hash
 
 MODEL = "test-model"
 

@@ -2,8 +2,8 @@
 
 import pytest
 
-from pagoda.engine.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
-from pagoda.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBuffer
+from pagoda.engine.kv.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
+from pagoda.contracts.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBuffer
 from pagoda.engine.request import Request
 from pagoda.engine.sampling_params import SamplingParams
 

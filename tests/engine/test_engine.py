@@ -145,7 +145,7 @@ def test_bad_requests_raise_and_leave_nothing_behind(model_path):
 def test_stats_report_recent_time_to_first_token(model_path):
     """Every request's TTFT lands in the 30 s window behind EngineStats.ttft_p90 (the fleet
     heartbeat's); old samples leave it."""
-    from pagoda.engine.latency_window import LatencyWindow
+    from pagoda.engine.stats import LatencyWindow
 
     engine = LLMEngine(EngineConfig(model=model_path))
     for i in range(3):

@@ -13,7 +13,7 @@ from pagoda.engine.guided.backend import XGrammarBackend, bitmask_width, choice_
 from pagoda.engine.guided.bitmask import TokenBitmask, apply_token_bitmask
 from pagoda.engine.guided.manager import GuidedDecodingManager
 from pagoda.engine.guided.params import GuidedDecodingParams
-from pagoda.engine.sampler import Sampler, SamplingRow
+from pagoda.engine.sampling.sampler import Sampler, SamplingRow
 from pagoda.engine.sampling_params import SamplingParams
 
 

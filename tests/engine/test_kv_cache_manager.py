@@ -2,8 +2,8 @@
 
 import pytest
 
-from pagoda.engine.block_pool import BlockPool
-from pagoda.engine.kv_cache_manager import KVCacheManager
+from pagoda.engine.kv.block_pool import BlockPool
+from pagoda.engine.kv.kv_cache_manager import KVCacheManager
 from pagoda.engine.request import Request
 from pagoda.engine.sampling_params import SamplingParams
 

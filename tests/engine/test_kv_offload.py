@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from pagoda.engine.config import EngineConfig
-from pagoda.engine.kv_events import BlockRemoved, BlockStored
-from pagoda.engine.kv_offload import HostBlockPool, KVOffloadManager, SwapCostModel
+from pagoda.contracts.kv_events import BlockRemoved, BlockStored
+from pagoda.engine.kv.host_tier import HostBlockPool, KVOffloadManager, SwapCostModel
 from pagoda.engine.request import Request, RequestStatus
 from pagoda.engine.sampling_params import SamplingParams
-from pagoda.engine.scheduler import Scheduler, SchedulerConfig
+from pagoda.engine.core.scheduler import Scheduler, SchedulerConfig
 
 from tests.engine.driving import drain
 
@@ -311,7 +311,7 @@ def test_auto_mode_calibrates_and_too_small_a_tier_is_refused(model_path):
 
 
 def test_host_cache_copies_are_exact():
-    from pagoda.engine.kv_transfer import HostKVCache
+    from pagoda.engine.runner.host_kv_cache import HostKVCache
 
     torch.manual_seed(0)
     device = [(torch.randn(6, 4, 2, 8), torch.randn(6, 4, 2, 8)) for _ in range(2)]

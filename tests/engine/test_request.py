@@ -1,6 +1,6 @@
 """Request: token bookkeeping, status helpers, incremental block hashes."""
 
-from pagoda.engine.block_hash import hash_prompt_blocks
+from pagoda.contracts.block_hash import hash_prompt_blocks
 from pagoda.engine.request import Request, RequestStatus
 from pagoda.engine.sampling_params import SamplingParams
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from pagoda.engine.sampler import Sampler, SamplingRow, make_seed
+from pagoda.engine.sampling.sampler import Sampler, SamplingRow, make_seed
 from pagoda.engine.sampling_params import SamplingParams
 
 # A small vocabulary with distinct logits, so top-k/top-p/min-p sets are unambiguous.

@@ -16,8 +16,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from pagoda.engine import sampling_filters
-from pagoda.engine.sampler import Sampler, SamplingRow
+from pagoda.engine.sampling import filters as sampling_filters
+from pagoda.engine.sampling.sampler import Sampler, SamplingRow
 from pagoda.engine.sampling_params import SamplingParams
 
 VOCAB_SIZE = 4096  # larger than any per-row parameter tensor of a test batch

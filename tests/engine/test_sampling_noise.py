@@ -9,8 +9,8 @@ import pytest
 import torch
 from scipy.stats import kstest, pearsonr
 
-from pagoda.engine.sampler import Sampler, SamplingRow
-from pagoda.engine.sampling_noise import _bits_torch, _top_bits_numpy, exponential_noise, row_keys, to_exponential_
+from pagoda.engine.sampling.sampler import Sampler, SamplingRow
+from pagoda.engine.sampling.noise import _bits_torch, _top_bits_numpy, exponential_noise, row_keys, to_exponential_
 from pagoda.engine.sampling_params import SamplingParams
 
 M32, M64 = (1 << 32) - 1, (1 << 64) - 1

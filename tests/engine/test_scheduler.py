@@ -9,10 +9,10 @@ from collections import Counter
 import pytest
 
 from pagoda.engine.config import EngineConfig
-from pagoda.engine.kv_events import BlockRemoved, BlockStored
+from pagoda.contracts.kv_events import BlockRemoved, BlockStored
 from pagoda.engine.request import Request, RequestStatus
 from pagoda.engine.sampling_params import SamplingParams
-from pagoda.engine.scheduler import Scheduler, SchedulerConfig
+from pagoda.engine.core.scheduler import Scheduler, SchedulerConfig
 
 EOS = 2
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from pagoda.engine.sampler import Sampler, SamplingRow
+from pagoda.engine.sampling.sampler import Sampler, SamplingRow
 from pagoda.engine.sampling_params import SamplingParams
 from pagoda.engine.spec_decode.ngram_proposer import find_continuation
 from pagoda.engine.spec_decode.rejection_sampler import coupled_verify, greedy_verify, rejection_sample

@@ -3,7 +3,7 @@ rejected, never cached, never a cause of preemption. Runner outputs are faked.""
 
 from pagoda.engine.request import Request
 from pagoda.engine.sampling_params import SamplingParams
-from pagoda.engine.scheduler import Scheduler, SchedulerConfig
+from pagoda.engine.core.scheduler import Scheduler, SchedulerConfig
 
 EOS = 2
 

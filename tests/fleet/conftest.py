@@ -72,7 +72,7 @@ class RedisServer:
 
     def client(self):
         """A fail-fast client (no retries), as the fleet layer builds them."""
-        from pagoda.fleet.index import make_redis_client
+        from pagoda.fleet.index.prefix_index import make_redis_client
 
         return make_redis_client(self.url)
 

@@ -19,7 +19,7 @@ import urllib.request
 
 import pytest
 
-from pagoda.serving.launcher import ServeOptions, TritonServer, find_free_port
+from pagoda.serving.launch.launcher import ServeOptions, TritonServer, find_free_port
 
 from tests.fleet.test_router_e2e import grpc_generate, read_metric
 
@@ -42,7 +42,7 @@ def replica(tmp_path_factory, smollm2_path):
 
 @pytest.fixture(scope="module")
 def router(replica, tmp_path_factory, smollm2_path):
-    from pagoda.fleet.router import BackgroundRouter, RouterOptions
+    from pagoda.fleet.service import BackgroundRouter, RouterOptions
 
     keys = tmp_path_factory.mktemp("keys") / "keys.txt"
     keys.write_text(f"{KEY_A} tenant-a\n{KEY_B} tenant-b\n")

@@ -10,11 +10,11 @@ import random
 
 import pytest
 
-from pagoda.fleet.affinity import AffinityShare, PendingIndex
-from pagoda.fleet.policy import PrefixAwarePolicy, ReplicaState, RoutingRequest, make_policy
-from pagoda.fleet.replicas import ReplicaSet
-from pagoda.fleet.retry import Backoff, RateLimitedLog
-from pagoda.fleet.router_core import FleetView, Router
+from pagoda.fleet.routing.affinity import AffinityShare, PendingIndex
+from pagoda.fleet.routing.policy import PrefixAwarePolicy, ReplicaState, RoutingRequest, make_policy
+from pagoda.fleet.routing.replicas import ReplicaSet
+from pagoda.fleet.index.retry import Backoff, RateLimitedLog
+from pagoda.fleet.routing.router import FleetView, Router
 
 
 class Clock:
@@ -69,8 +69,8 @@ def test_pending_entries_match_like_the_index_and_expire():
 def test_kv_events_confirm_pending_entries_and_keep_the_pending_tail(redis_server, redis_client):
     """The first chunk of a prefix is prefilled: its events (through a real follower)
     confirm those blocks, the rest stays pending, and the match spans both."""
-    from pagoda.engine.kv_events import BlockRemoved, BlockStored
-    from pagoda.fleet.index import IndexFollower, PrefixIndex
+    from pagoda.contracts.kv_events import BlockRemoved, BlockStored
+    from pagoda.fleet.index.prefix_index import IndexFollower, PrefixIndex
 
     clock = Clock()
     pending = PendingIndex(clock)

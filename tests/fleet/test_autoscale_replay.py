@@ -3,8 +3,8 @@ routing simulator: a burst scales the fleet up after the pods' startup time, the
 drains replicas one at a time and deletes their index entries, nothing is lost."""
 
 from pagoda.bench import autoscale
-from pagoda.fleet.autoscale_replay import AutoscaleReplay, ReplayConfig, make_trace, rate_at
-from pagoda.fleet.sim import WorkloadConfig
+from pagoda.bench.autoscale_replay import AutoscaleReplay, ReplayConfig, make_trace, rate_at
+from pagoda.fleet.sim.simulator import WorkloadConfig
 
 CFG = ReplayConfig(trace="burst", base_rate=0.3, peak_rate=2.5, duration_s=300.0, burst_s=90.0, startup_s=20.0,
                    max_replicas=6, scale_down_stabilization_s=30, ttft_slo_s=4.0,

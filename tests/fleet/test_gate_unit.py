@@ -14,13 +14,13 @@ import time
 import pytest
 from tritonclient.grpc import service_pb2
 
-from pagoda.fleet.auth import ApiKeys, AuthError, RateLimited, Tenant, TenantLimiter, load_api_keys, tenant_salt
-from pagoda.fleet.gate import Gate
-from pagoda.fleet.grpc_proxy import read_string_input
-from pagoda.fleet.limits import (LimitError, RequestLimits, sampling_of_infer_request, set_sampling_value,
+from pagoda.fleet.gate.auth import ApiKeys, AuthError, RateLimited, Tenant, TenantLimiter, load_api_keys, tenant_salt
+from pagoda.fleet.gate.gate import Gate
+from pagoda.fleet.triton_wire import read_string_input
+from pagoda.fleet.gate.limits import (LimitError, RequestLimits, sampling_of_infer_request, set_sampling_value,
                                  validate_generate_body)
-from pagoda.fleet.replicas import ReplicaSet
-from pagoda.fleet.router_core import Router
+from pagoda.fleet.routing.replicas import ReplicaSet
+from pagoda.fleet.routing.router import Router
 
 SECRET = "sk-very-secret-0123456789"
 
@@ -59,7 +59,7 @@ def test_generate_inputs_are_the_model_configs_inputs():
     import re
     from pathlib import Path
 
-    from pagoda.fleet.limits import GENERATE_INPUTS
+    from pagoda.fleet.gate.limits import GENERATE_INPUTS
 
     config = (Path(__file__).parents[2] / "model_repository" / "pagoda" / "config.pbtxt").read_text()
     inputs_block = config.split("input [", 1)[1].split("]\n", 1)[0]
@@ -199,9 +199,9 @@ def tokenizer(smollm2_path):
 
 
 def _app(tokenizer, gate):
-    from pagoda.fleet.http_api import make_app
-    from pagoda.fleet.openai_api import OpenAIApi
-    from pagoda.fleet.tracing import RouterTracer
+    from pagoda.fleet.api.http_api import make_app
+    from pagoda.fleet.api.openai_api import OpenAIApi
+    from pagoda.fleet.api.tracing import RouterTracer
 
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 

@@ -5,10 +5,10 @@ import random
 
 import pytest
 
-from pagoda.engine.block_hash import hash_prompt_blocks
-from pagoda.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from pagoda.fleet import keys
-from pagoda.fleet.index import IndexFollower, LocalIndex, PrefixIndex
+from pagoda.contracts.block_hash import hash_prompt_blocks
+from pagoda.contracts.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from pagoda.contracts import redis_keys as keys
+from pagoda.fleet.index.prefix_index import IndexFollower, LocalIndex, PrefixIndex
 
 from .conftest import count_round_trips
 

@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from pagoda.fleet import keys
+from pagoda.contracts import redis_keys as keys
 
 
 def test_every_key_is_namespaced_by_model():

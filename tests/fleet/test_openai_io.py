@@ -7,8 +7,8 @@ import struct
 
 import pytest
 
-from pagoda.fleet.grpc_proxy import read_string_input
-from pagoda.fleet.openai_io import (OpenAIError, build_chat_request, build_completion_request, chat_logprobs,
+from pagoda.fleet.triton_wire import read_string_input
+from pagoda.fleet.api.openai_io import (OpenAIError, build_chat_request, build_completion_request, chat_logprobs,
                                     completion_logprobs, make_infer_request, read_outputs)
 
 
@@ -137,7 +137,7 @@ def test_structured_output_fields():
 
 
 def test_chat_roles_are_checked_and_timeout_passes_through():
-    from pagoda.fleet.openai_io import OpenAIError, build_completion_request
+    from pagoda.fleet.api.openai_io import OpenAIError, build_completion_request
 
     class Template:
         def apply_chat_template(self, messages, add_generation_prompt):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from pagoda.fleet.policy import (
+from pagoda.fleet.routing.policy import (
     POLICIES, LeastLoadedPolicy, NoReplicaError, PrefixAwarePolicy, RandomPolicy, ReplicaState,
     RoundRobinPolicy, RoutingRequest, make_policy,
 )

@@ -5,15 +5,15 @@ import time
 
 import pytest
 
-from pagoda.engine.block_hash import hash_prompt_blocks
-from pagoda.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from pagoda.contracts.block_hash import hash_prompt_blocks
+from pagoda.contracts.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from pagoda.engine.request import Request
 from pagoda.engine.sampling_params import SamplingParams
-from pagoda.engine.scheduler import Scheduler, SchedulerConfig
-from pagoda.fleet import keys
-from pagoda.fleet.index import IndexFollower, PrefixIndex
-from pagoda.fleet.publisher import Publisher, publisher_from_env
-from pagoda.fleet.registry import ReplicaRegistry
+from pagoda.engine.core.scheduler import Scheduler, SchedulerConfig
+from pagoda.contracts import redis_keys as keys
+from pagoda.fleet.index.prefix_index import IndexFollower, PrefixIndex
+from pagoda.fleet.index.publisher import Publisher, publisher_from_env
+from pagoda.fleet.index.registry import ReplicaRegistry
 
 from .conftest import count_round_trips
 

@@ -4,11 +4,11 @@ import asyncio
 
 import pytest
 
-from pagoda.engine.kv_events import BlockStored, KVEvent
-from pagoda.fleet import keys
-from pagoda.fleet.index import IndexFollower, PrefixIndex
-from pagoda.fleet.publisher import Publisher
-from pagoda.fleet.registry import ReplicaRegistry, parse_heartbeat
+from pagoda.contracts.kv_events import BlockStored, KVEvent
+from pagoda.contracts import redis_keys as keys
+from pagoda.fleet.index.prefix_index import IndexFollower, PrefixIndex
+from pagoda.fleet.index.publisher import Publisher
+from pagoda.fleet.index.registry import ReplicaRegistry, parse_heartbeat
 
 from .conftest import count_round_trips
 

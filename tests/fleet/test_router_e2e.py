@@ -26,8 +26,8 @@ import urllib.request
 
 import pytest
 
-from pagoda.serving.client import make_inputs
-from pagoda.serving.launcher import ServeOptions, TritonServer, find_free_port
+from pagoda.serving.launch.client import make_inputs
+from pagoda.serving.launch.launcher import ServeOptions, TritonServer, find_free_port
 
 pytestmark = [pytest.mark.server, pytest.mark.redis]
 
@@ -140,14 +140,14 @@ def _replicas_spec(replicas) -> str:
 def _memory_tracer():
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from pagoda.fleet.tracing import RouterTracer
+    from pagoda.fleet.api.tracing import RouterTracer
 
     exporter = InMemorySpanExporter()
     return RouterTracer(exporter, batch=False), exporter
 
 
 def _make_router(replicas, redis_server, smollm2_path, **overrides):
-    from pagoda.fleet.router import BackgroundRouter, RouterOptions
+    from pagoda.fleet.service import BackgroundRouter, RouterOptions
 
     tracer, exporter = _memory_tracer()
     if overrides.pop("membership", "static") == "registry":
@@ -164,7 +164,7 @@ def _make_router(replicas, redis_server, smollm2_path, **overrides):
 @pytest.fixture(scope="module")
 def published(replicas, redis_server):
     """Both replicas' publishers are heartbeating (the index tests need their block events)."""
-    from pagoda.fleet.registry import ReplicaRegistry
+    from pagoda.fleet.index.registry import ReplicaRegistry
 
     registry = ReplicaRegistry(redis_server.client(), MODEL_NAME)
     deadline = time.monotonic() + 30
@@ -458,7 +458,7 @@ def test_lora_adapter_loaded_and_unloaded_at_run_time_through_the_router(replica
     404 again. Through a router over both replicas: r1 refuses the load (no runtime LoRA),
     the error names it, and r0 holds nothing afterwards (rolled back)."""
     openai = pytest.importorskip("openai")
-    from pagoda.serving.lora_cli import lora_control
+    from pagoda.serving.launch.lora_cli import lora_control
 
     load = {"lora_name": "rt", "lora_path": smollm2_lora}
     with _make_router({"r0": replicas["r0"]}, redis_server, smollm2_path, allow_runtime_lora=True) as solo:
@@ -521,7 +521,7 @@ def test_traces_join_router_and_engine(router, otlp_receiver):
           "engine spans of the HTTP request", 20)
 
     # The router's own spans over OTLP too (the production exporter).
-    from pagoda.fleet.tracing import make_router_tracer
+    from pagoda.fleet.api.tracing import make_router_tracer
 
     tracer = make_router_tracer(otlp_receiver.endpoint)
     with tracer.route_span("grpc", {"traceparent": traceparent}) as handle:
@@ -535,7 +535,7 @@ def test_redis_outage_costs_one_resync_per_replica(published, router, replicas, 
     """Redis killed for a few seconds and restarted empty: each publisher backs off, then
     publishes exactly one resync (its seq grows by one batch of its blocks, not by one
     resync per 20 ms retry as before)."""
-    from pagoda.fleet import keys
+    from pagoda.contracts import redis_keys as keys
 
     client = redis_server.client()
 
@@ -596,8 +596,8 @@ def test_replica_dying_mid_stream(router, replicas):
 def test_dead_replica_is_reaped(router, replicas, redis_server):
     """Its heartbeat expires (TTL 3 s) and the router's periodic reap removes its index
     entries, registry entry and pending affinity; the reap is counted in /metrics."""
-    from pagoda.fleet import keys
-    from pagoda.fleet.index import PrefixIndex
+    from pagoda.contracts import redis_keys as keys
+    from pagoda.fleet.index.prefix_index import PrefixIndex
 
     victim_id = VICTIM.get("id") or pytest.skip("needs test_replica_dying_mid_stream")
     client = redis_server.client()

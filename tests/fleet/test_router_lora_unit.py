@@ -14,12 +14,12 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from pagoda.fleet.auth import ApiKeys
-from pagoda.fleet.gate import Gate
-from pagoda.fleet.limits import LimitError, RequestLimits
-from pagoda.fleet.lora_admin import LoRAAdmin
-from pagoda.fleet.replicas import ReplicaSet
-from pagoda.fleet.router_core import Router
+from pagoda.fleet.gate.auth import ApiKeys
+from pagoda.fleet.gate.gate import Gate
+from pagoda.fleet.gate.limits import LimitError, RequestLimits
+from pagoda.fleet.api.lora_admin import LoRAAdmin
+from pagoda.fleet.routing.replicas import ReplicaSet
+from pagoda.fleet.routing.router import Router
 
 KEY = "sk-lora-test-key-0123456789"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -80,9 +80,9 @@ async def _fleet(allow_runtime: bool):
     """Three fake replicas and the router's HTTP app over them (API keys on)."""
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from pagoda.fleet.http_api import make_app
-    from pagoda.fleet.openai_api import OpenAIApi
-    from pagoda.fleet.tracing import RouterTracer
+    from pagoda.fleet.api.http_api import make_app
+    from pagoda.fleet.api.openai_api import OpenAIApi
+    from pagoda.fleet.api.tracing import RouterTracer
 
     fakes = {rid: FakeReplica(rid) for rid in ("r0", "r1", "r2")}
     servers = {rid: TestServer(fake.app()) for rid, fake in fakes.items()}
@@ -196,7 +196,7 @@ def test_rejoining_replica_gets_runtime_adapters_replayed_and_its_own_learned():
     """The health prober's path for a replica that was not routable: list its adapters
     (a name the router did not serve is learned), load the run-time ones it lacks, then
     route to it; a failed replay keeps it unhealthy with the reason."""
-    from pagoda.fleet.router import RouterOptions, RouterService
+    from pagoda.fleet.service import RouterOptions, RouterService
 
     async def scenario():
         router, fakes, servers, client = await _fleet(allow_runtime=True)
@@ -233,8 +233,8 @@ def test_grpc_door_refuses_control_requests():
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
     from tritonclient.grpc import service_pb2
 
-    from pagoda.fleet.grpc_proxy import GrpcProxy
-    from pagoda.fleet.tracing import RouterTracer
+    from pagoda.fleet.api.grpc_proxy import GrpcProxy
+    from pagoda.fleet.api.tracing import RouterTracer
 
     router = Router(ReplicaSet("static"), FakeTokenizer(), "smol", "least_loaded")
     proxy = GrpcProxy(router, RouterTracer(InMemorySpanExporter(), batch=False))

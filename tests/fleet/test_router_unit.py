@@ -10,11 +10,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from pagoda.engine.block_hash import hash_prompt_blocks
-from pagoda.fleet.grpc_proxy import _bytes_elements, cache_salt_of, read_string_input
-from pagoda.fleet.replicas import KubernetesConfig, KubernetesDiscovery, ReplicaSet, parse_replicas_spec, pod_to_member
-from pagoda.fleet.router import options_from_args, make_parser, resolve_redis_url
-from pagoda.fleet.router_core import NoReplicaAvailable, Router
+from pagoda.contracts.block_hash import hash_prompt_blocks
+from pagoda.fleet.api.grpc_proxy import cache_salt_of
+from pagoda.fleet.triton_wire import bytes_elements, read_string_input
+from pagoda.fleet.routing.replicas import KubernetesConfig, KubernetesDiscovery, ReplicaSet, parse_replicas_spec, pod_to_member
+from pagoda.fleet.service import options_from_args, make_parser, resolve_redis_url
+from pagoda.fleet.routing.router import NoReplicaAvailable, Router
 
 
 def test_parse_replicas_spec():
@@ -100,8 +101,8 @@ def test_analyze_keeps_lora_adapters_apart_and_reads_them_from_triton_requests()
     where its own prefixes live; the Triton doors read it from the input or the JSON."""
     from tritonclient.grpc import service_pb2
 
-    from pagoda.fleet.grpc_proxy import analyze_infer_request
-    from pagoda.fleet.http_api import _analysis_of
+    from pagoda.fleet.api.grpc_proxy import analyze_infer_request
+    from pagoda.fleet.api.http_api import _analysis_of
 
     router = make_router()
     base, sql = router.analyze("abcdefghij"), router.analyze("abcdefghij", adapter_id="sql")
@@ -160,7 +161,7 @@ def test_bytes_inputs_and_salt():
     assert read_string_input(request, "text_input") == "héll"
     assert cache_salt_of(read_string_input(request, "sampling_parameters")) == "t"
     assert read_string_input(request, "missing") is None
-    assert _bytes_elements(struct.pack("<I", 2) + b"ab" + struct.pack("<I", 0)) == [b"ab", b""]
+    assert bytes_elements(struct.pack("<I", 2) + b"ab" + struct.pack("<I", 0)) == [b"ab", b""]
     assert cache_salt_of("{not json") is None and cache_salt_of({"cache_salt": ""}) is None
 
 

@@ -7,9 +7,9 @@ import random
 import pytest
 
 from pagoda.bench import routing
-from pagoda.fleet.index import LocalIndex
-from pagoda.fleet.policy import ReplicaState, make_policy
-from pagoda.fleet.sim import (
+from pagoda.fleet.index.prefix_index import LocalIndex
+from pagoda.fleet.routing.policy import ReplicaState, make_policy
+from pagoda.fleet.sim.simulator import (
     DEFAULT_STEP_MODEL, FleetSimulator, ReplicaConfig, SimReplica, StepTimeModel, WorkloadConfig, make_workload,
 )
 
@@ -110,7 +110,7 @@ def test_cli_runs_a_tiny_comparison_and_rejects_bad_policies(capsys):
 
 
 def test_arrival_processes_bursts_and_ramps():
-    from pagoda.fleet.arrivals import arrivals
+    from pagoda.fleet.sim.arrivals import arrivals
 
     rng = random.Random(0)
     bursts = arrivals("fanout", 64, 0.8, 10, 0.6, rng, burst_size=8, burst_spread_s=0.05)  # bursts 10 s apart

@@ -11,7 +11,7 @@ pytest.importorskip("opentelemetry.sdk")
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter  # noqa: E402
 
 from pagoda.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput  # noqa: E402
-from pagoda.fleet.tracing import RouterTracer  # noqa: E402
+from pagoda.fleet.api.tracing import RouterTracer  # noqa: E402
 from pagoda.serving.tracing import RequestTracer, make_request_tracer, read_traceparent  # noqa: E402
 
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"

@@ -10,7 +10,7 @@ import torch
 from pagoda.bench import kernels as bench
 from pagoda.bench import kernels_e2e as e2e
 from pagoda.engine.config import EngineConfig
-from pagoda.engine.model_runner import make_random_model
+from pagoda.engine.runner.model_runner import make_random_model
 from pagoda.models.config import ModelConfig
 from pagoda.models.testing import StepInput, make_kv_caches, run_step
 from tests.numerics import assert_within, model_error_bound

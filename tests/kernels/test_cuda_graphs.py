@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from pagoda.engine.config import EngineConfig
-from pagoda.engine.cuda_graphs import (
+from pagoda.engine.runner.cuda_graphs import (
     DecodeGraphs,
     DecodeInputs,
     capture_batch_sizes,
@@ -24,8 +24,8 @@ from pagoda.engine.cuda_graphs import (
     padded_batch_size,
     should_use_graphs,
 )
-from pagoda.engine.model_runner import ModelRunner, make_random_model
-from pagoda.engine.runner_output import ModelRunnerOutput
+from pagoda.engine.runner.model_runner import ModelRunner, make_random_model
+from pagoda.engine.runner.runner_output import ModelRunnerOutput
 from pagoda.kernels import AttentionMetadata, reference, triton_attention
 from pagoda.kernels.triton_attention import AttentionConfig
 from pagoda.models.config import ModelConfig
@@ -136,7 +136,7 @@ def test_cpu_runner_never_captures(tiny_folder, kernels, monkeypatch):
 
 
 def test_failed_capture_falls_back_to_eager(tiny_folder, monkeypatch, caplog):
-    import pagoda.engine.cuda_graphs as cuda_graphs
+    import pagoda.engine.runner.cuda_graphs as cuda_graphs
 
     def broken_capture(self):
         raise RuntimeError("operation not permitted when stream is capturing")

@@ -23,7 +23,7 @@ from pagoda import LLM, SamplingParams
 from pagoda import kernels as kernel_ops
 from pagoda.engine.config import EngineConfig
 from pagoda.engine.llm_engine import LLMEngine
-from pagoda.engine.model_runner import kv_bytes_per_block
+from pagoda.engine.runner.model_runner import kv_bytes_per_block
 from pagoda.kernels import write_kv as _write_kv
 from pagoda.models import load_model
 from pagoda.models.testing import StepInput, make_kv_caches, run_step
@@ -124,8 +124,8 @@ def test_llm_and_server_flag_take_kv_cache_dtype(model_path, tmp_path):
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         LLM(model_path, kv_cache_dtype="int8")
 
-    from pagoda.serving.launcher import materialize_repository
-    from pagoda.serving.serve_cli import make_parser, options_from_args
+    from pagoda.serving.launch.launcher import materialize_repository
+    from pagoda.serving.launch.serve_cli import make_parser, options_from_args
     from pagoda.serving.model_config import engine_config_from_parameters
     from tests.serving.test_serving_model_config import REPOSITORY, parameters_of
 
@@ -138,7 +138,7 @@ def test_llm_and_server_flag_take_kv_cache_dtype(model_path, tmp_path):
 
 
 def test_cpu_tier_swaps_fp8_blocks_bytewise():
-    from pagoda.engine.kv_transfer import HostKVCache
+    from pagoda.engine.runner.host_kv_cache import HostKVCache
 
     gen = torch.Generator().manual_seed(0)
     device = [tuple(torch.randn(6, 4, 2, 8, generator=gen).to(FP8) for _ in range(2)) for _ in range(2)]

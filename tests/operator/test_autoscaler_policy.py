@@ -107,7 +107,7 @@ def test_fleet_ttft_p90_is_one_quantile_over_all_replicas_requests():
     """Nine replicas with 10 fast requests each and one with 2 cold 6 s prefills: the worst
     replica's P90 (6 s) is over a 4 s SLO, the fleet's (all 92 requests) is not; without
     buckets (an older replica) its own P90 still counts."""
-    from pagoda.fleet import keys
+    from pagoda.contracts import redis_keys as keys
 
     fast = [ReplicaLoad(f"r{i}", ttft_p90=0.3, ttft_buckets=keys.decode_ttft_buckets(
         keys.encode_ttft_buckets([0.3] * 10))) for i in range(9)]

@@ -76,8 +76,8 @@ def rendered_url(port: int, ca_file, monkeypatch_env: dict) -> str:
 
 
 def test_fleet_client_connects_with_tls_and_auth(tls_redis):
-    from pagoda.fleet.index import make_redis_client
-    from pagoda.fleet.router import resolve_redis_url
+    from pagoda.fleet.index.prefix_index import make_redis_client
+    from pagoda.fleet.service import resolve_redis_url
 
     port, ca_file = tls_redis
     url = rendered_url(port, ca_file, {"PAGODA_REDIS_PASSWORD": PASSWORD})

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from pagoda.fleet import keys as pagoda_keys
+from pagoda.contracts import redis_keys as pagoda_keys
 from pagoda_operator import fleet_keys
 from pagoda_operator.load import (MetricsScraper, RedisFleetStore, histogram_quantile,
                                   parse_prometheus_text)
@@ -52,7 +52,7 @@ def test_lora_adapters_reach_replicas_router_and_kserve():
     assert args[-4:] == ["--lora", f"sql={model_path(svc)}/adapters/sql", "--lora", "chat2=/opt/chat2"]
     router_args = render_router_deployment(svc)["spec"]["template"]["spec"]["containers"][0]["args"]
     assert router_args[-4:] == ["--lora", "sql", "--lora", "chat2"]
-    from pagoda.serving.serve_cli import make_parser, options_from_args
+    from pagoda.serving.launch.serve_cli import make_parser, options_from_args
 
     parsed = options_from_args(make_parser().parse_args(args))  # `pagoda serve` accepts what is rendered
     assert parsed.engine_args["lora_modules"] == f"sql={model_path(svc)}/adapters/sql,chat2=/opt/chat2"
@@ -71,8 +71,8 @@ def test_runtime_lora_reaches_replicas_and_router_when_allowed():
     args = render_replica_deployment(svc, 1)["spec"]["template"]["spec"]["containers"][0]["args"]
     router_args = render_router_deployment(svc)["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[-1] == "--allow-runtime-lora" and router_args[-1] == "--allow-runtime-lora"
-    from pagoda.fleet.router import make_parser as router_parser
-    from pagoda.serving.serve_cli import make_parser, options_from_args
+    from pagoda.fleet.service import make_parser as router_parser
+    from pagoda.serving.launch.serve_cli import make_parser, options_from_args
 
     assert options_from_args(make_parser().parse_args(args)).engine_args["enable_lora"] == "true"
     assert router_parser().parse_args(router_args).allow_runtime_lora

@@ -11,7 +11,7 @@ import urllib.request
 
 import pytest
 
-from pagoda.serving.launcher import ServeOptions, TritonServer, find_free_port
+from pagoda.serving.launch.launcher import ServeOptions, TritonServer, find_free_port
 
 MAX_MODEL_LEN = 1024
 

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from pagoda.engine.admission import EngineOverloaded, overload_message
+from pagoda.engine.core.admission import EngineOverloaded, overload_message
 from pagoda.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagoda.engine.sampling_params import SamplingParams
 from pagoda.serving.engine_loop import EngineLoop, ResponseSender, ServingRequest

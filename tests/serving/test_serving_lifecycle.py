@@ -29,8 +29,9 @@ from pathlib import Path
 
 import pytest
 
-from pagoda.serving import process_tree, startup_check
-from pagoda.serving.launcher import ServeOptions, TritonServer, default_model_repository, find_free_port
+from pagoda.serving import process_tree
+from pagoda.serving.launch import startup_check
+from pagoda.serving.launch.launcher import ServeOptions, TritonServer, default_model_repository, find_free_port
 
 SMALL = ["--max-model-len", "512", "--max-num-seqs", "4", "--kv-cache-memory-bytes", str(64 * 2**20)]
 
@@ -60,7 +61,7 @@ class ServeProcess:
 
     def __init__(self, *args: str) -> None:
         self.ports = [find_free_port() for _ in range(3)]
-        command = [sys.executable, "-m", "pagoda.serving.serve_cli", "--http-port", str(self.ports[0]),
+        command = [sys.executable, "-m", "pagoda.serving.launch.serve_cli", "--http-port", str(self.ports[0]),
                    "--grpc-port", str(self.ports[1]), "--metrics-port", str(self.ports[2]), *args]
         self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL)
@@ -186,7 +187,7 @@ def test_a_child_spawned_from_a_short_lived_thread_outlives_the_thread_not_the_p
 
 
 def test_nvidias_container_tritonserver_is_found_without_pytriton(tmp_path, monkeypatch):
-    from pagoda.serving import triton_install
+    from pagoda.serving.launch import triton_install
 
     for name in ("bin/tritonserver", "backends/python/libtriton_python.so",
                  "backends/python/triton_python_backend_utils.py", "backends/python/triton_python_backend_stub"):
@@ -293,7 +294,7 @@ def _generate(address: str, body: dict) -> tuple[int, str]:
 
 @pytest.mark.server
 def test_sigterm_completes_the_request_in_flight_then_exits_cleanly(redis_server):
-    from pagoda.fleet import keys
+    from pagoda.contracts import redis_keys as keys
 
     serve = ServeProcess(*SMALL, "--grace-period", "60", "--redis-url", redis_server.url, "--replica-id", "leaver",
                          "--fleet-model", "lifecycle")
@@ -353,7 +354,7 @@ def redis_server(tmp_path):
 
 @pytest.mark.server
 def test_a_sigkilled_server_leaves_no_stub_and_its_heartbeat_expires(redis_server, monkeypatch, tmp_path):
-    from pagoda.fleet import keys
+    from pagoda.contracts import redis_keys as keys
 
     monkeypatch.setenv("PAGODA_HEARTBEAT_TTL_S", "3.0")
     options = ServeOptions(http_port=find_free_port(), grpc_port=find_free_port(), metrics_port=find_free_port(),

@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from pagoda.serving.launcher import ServeOptions, materialize_repository
-from pagoda.serving.serve_cli import make_parser, options_from_args
+from pagoda.serving.launch.launcher import ServeOptions, materialize_repository
+from pagoda.serving.launch.serve_cli import make_parser, options_from_args
 from pagoda.serving.model_config import engine_config_from_parameters, rewrite_config_pbtxt
 
 REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"
@@ -85,7 +85,7 @@ def test_engine_flags_and_engine_args_reach_the_config(tmp_path):
     (["--max-waiting-requests", "0"], "max_waiting_requests"),
 ])
 def test_bad_engine_flags_are_refused_before_tritonserver_starts(args, message, capsys):
-    from pagoda.serving.serve_cli import main
+    from pagoda.serving.launch.serve_cli import main
 
     with pytest.raises(SystemExit) as exc:
         main(args)

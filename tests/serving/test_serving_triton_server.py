@@ -19,7 +19,7 @@ import pytest
 
 from pagoda.engine.llm import LLM
 from pagoda.engine.sampling_params import SamplingParams
-from pagoda.serving.client import stream_generate
+from pagoda.serving.launch.client import stream_generate
 
 MAX_MODEL_LEN = 1024  # the server fixture's max_model_len (asserted below)
 
@@ -326,7 +326,7 @@ def grpc_control(server, action, name=None, path=None):
 
     import tritonclient.grpc as grpcclient
 
-    from pagoda.serving.lora_cli import lora_control_inputs
+    from pagoda.serving.launch.lora_cli import lora_control_inputs
 
     client = grpcclient.InferenceServerClient(server.grpc_url)
     results = queue.Queue()
@@ -349,7 +349,7 @@ def test_lora_adapter_loaded_at_run_time_serves_then_unloads(triton_server, smol
     engine's with that adapter and shows in vllm:lora_requests_info; bad control requests
     are 400s naming the problem; after the unload the name is an unknown adapter, and the
     server stays ready throughout."""
-    from pagoda.serving.lora_cli import LoRAControlError, lora_control, main as lora_main
+    from pagoda.serving.launch.lora_cli import LoRAControlError, lora_control, main as lora_main
 
     prompt, offline_lora, _ = lora_texts
     url = f"http://{triton_server.http_url}"

@@ -1,6 +1,6 @@
 """``pagoda bench autoscale``: the operator's autoscaler replayed on the routing simulator.
 
-For each trace (``ramp``, ``burst``; ``pagoda.fleet.autoscale_replay``) it runs the
+For each trace (``ramp``, ``burst``; ``pagoda.bench.autoscale_replay``) it runs the
 autoscaled fleet (``pagoda_operator.autoscaler.AutoscalerPolicy`` ticking every 15 s on the
 replicas' reported load, TTFT P90 SLO target ``--slo``, drain before every scale-in) and a
 static fleet as large as the autoscaled one ever got, and prints replica-hours, TTFT
@@ -18,7 +18,7 @@ import time
 from dataclasses import replace
 from typing import Optional, Sequence
 
-from pagoda.fleet.autoscale_replay import AutoscaleReplay, ReplayConfig, ReplayResult
+from pagoda.bench.autoscale_replay import AutoscaleReplay, ReplayConfig, ReplayResult
 
 
 def run(traces: Sequence[str], base: ReplayConfig) -> list[tuple[str, ReplayResult]]:

@@ -33,15 +33,15 @@ decode against the roofline, the mixed workload of ``bench offline``, greedy agr
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from pagoda.bench import kernels_e2e, kernels_tune
+# Timing helpers; kernels_tune reads them off this module.
+from pagoda.bench.gpu_timing import copy_bandwidth_gbs, time_eager_ms, time_graph_us  # noqa: F401
 from pagoda.kernels.metadata import AttentionMetadata
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -130,51 +130,6 @@ def sdpa_reference(data: PagedData, scale: float) -> torch.Tensor:  # [num_token
         out[start : start + q_len] = o[0].transpose(0, 1)
         start += q_len
     return out
-
-
-def time_graph_us(calls: list[Callable[[], object]], iters: int, repeats: int = 4) -> float:
-    """Median microseconds per call, from CUDA-graph replays of ``repeats`` rounds of calls."""
-    for call in calls:  # compile and load the kernels outside the capture
-        call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(repeats):
-            for call in calls:
-                call()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / (repeats * len(calls)))
-    return statistics.median(times)
-
-
-def time_eager_ms(call: Callable[[], object], iters: int) -> float:
-    call()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        call()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def copy_bandwidth_gbs(iters: int) -> float:
-    """Device copy bandwidth: bytes read + written per second by ``dst.copy_(src)``, 1 GiB."""
-    src = torch.empty(2**30, dtype=torch.uint8, device="cuda").fill_(1)
-    dst = torch.empty_like(src)
-    ms = time_eager_ms(lambda: dst.copy_(src), iters)
-    return 2 * src.numel() / (ms * 1e-3) / 1e9
 
 
 def decode_rows(args: argparse.Namespace, copy_gbs: float, paged_attention, choose_config) -> list[str]:

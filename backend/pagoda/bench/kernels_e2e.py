@@ -7,7 +7,7 @@ memory, so no 16 GB checkpoint is needed (``--small``: the same code on a tiny c
 * Ours: a real ``LLMEngine`` over a temporary model folder that holds only
   ``config.json`` and a word-level tokenizer (one word per id); ``load_format="dummy"``
   makes the runner draw the weights (``model_runner.make_random_model``). Decode steps
-  replay CUDA graphs on a GPU (``engine/cuda_graphs.py``).
+  replay CUDA graphs on a GPU (``engine/runner/cuda_graphs.py``).
 * Hugging Face: ``transformers.LlamaForCausalLM`` from the equivalent ``LlamaConfig``
   (built from the engine's own config.json), whose parameters are then
   *assigned* views of ours (``hf_state_dict``: fused qkv and gate_up split back), so
@@ -172,7 +172,7 @@ def _sync(device: torch.device) -> None:
 def copy_bandwidth_gbs(device: torch.device, iters: int) -> float:
     """Bytes read + written per second by ``dst.copy_(src)`` (1 GiB on GPU, 64 MiB on CPU)."""
     if device.type == "cuda":
-        from pagoda.bench.kernels import copy_bandwidth_gbs as gpu_copy
+        from pagoda.bench.gpu_timing import copy_bandwidth_gbs as gpu_copy
 
         return gpu_copy(iters)
     src = torch.ones(2**26, dtype=torch.uint8)

@@ -53,7 +53,7 @@ def write_random_adapter(folder: Path, model_config, rank: int, seed: int) -> Pa
 
 def run_once(engine, prompts: list[list[int]], adapters: list, output_len: int) -> float:
     """Seconds to finish every request; ``adapters[i]`` is request i's adapter (or None)."""
-    from pagoda import SamplingParams
+    from pagoda.engine.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     start = time.perf_counter()

@@ -52,9 +52,9 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     from pagoda.engine.config import EngineConfig
-    from pagoda.engine.kv_transfer import PrefillItem
+    from pagoda.engine.runner.host_kv_cache import PrefillItem
     from pagoda.engine.llm_engine import LLMEngine
-    from pagoda.engine.model_runner import kv_bytes_per_block, resolve_device, resolve_dtype
+    from pagoda.engine.runner.model_runner import kv_bytes_per_block, resolve_device, resolve_dtype
     from pagoda.models.config import ModelConfig
     from pagoda.models.gguf_import import ensure_default_model
 

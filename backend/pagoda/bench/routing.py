@@ -1,11 +1,11 @@
 """``pagoda bench routing``: routing policies compared in a calibrated fleet simulator.
 
-Default: the routing ladder. For N = 8, 16, 32 simulated replicas (``pagoda.fleet.sim``:
+Default: the routing ladder. For N = 8, 16, 32 simulated replicas (``pagoda.fleet.sim.simulator``:
 the real scheduler and block pool, a step-time model fitted to the real engine), replay
 the multi-tenant shared-prefix workload (``max(24, 6 * N)`` tenants with 1024-token
 system prompts, Zipf popularity, ``--rate-per-replica * N`` requests per second; the
 tenants' prompts need 3x (N = 8) to 12x (N = 32) one replica's KV capacity) under each
-arrival process of ``--arrivals`` (``pagoda.fleet.arrivals``: poisson, fanout bursts of 8
+arrival process of ``--arrivals`` (``pagoda.fleet.sim.arrivals``: poisson, fanout bursts of 8
 same-tenant requests, diurnal) and each policy of the ladder: random, least_loaded
 ("load"), approximate (routing-time affinity only), precise (KV events only) and
 prefix_aware (both); print P50/P90 TTFT, P90 relative to random, output throughput and
@@ -29,9 +29,9 @@ import random
 import time
 from typing import Callable, Optional, Sequence
 
-from pagoda.fleet.arrivals import ARRIVALS
-from pagoda.fleet.policy import POLICIES, Policy, ReplicaState, RoutingRequest, make_policy
-from pagoda.fleet.sim import (
+from pagoda.fleet.sim.arrivals import ARRIVALS
+from pagoda.fleet.routing.policy import POLICIES, Policy, ReplicaState, RoutingRequest, make_policy
+from pagoda.fleet.sim.simulator import (
     DEFAULT_STEP_MODEL, FleetSimulator, ReplicaConfig, SimResult, StepTimeModel, WorkloadConfig, make_workload,
 )
 
@@ -181,7 +181,7 @@ def time_routing_decision(match: Callable[[list[str]], dict[str, int]], policy: 
     Returns:
         {"p50_ms", "p99_ms", "max_ms", "mean_ms"} over ``num_samples`` decisions.
     """
-    from pagoda.engine.block_hash import hash_prompt_blocks
+    from pagoda.contracts.block_hash import hash_prompt_blocks
 
     times = []
     for i in range(num_samples):
@@ -201,10 +201,10 @@ def measure_overhead(redis_url: str, num_replicas: int = 8, prompt_tokens: int =
                      num_samples: int = 1000) -> dict[str, dict[str, float]]:
     """Populate a scratch model namespace in Redis with ``num_replicas`` replicas holding
     prefixes of the test prompts, then time decisions via Redis and via a follower."""
-    from pagoda.engine.block_hash import hash_prompt_blocks
-    from pagoda.engine.kv_events import BlockStored
-    from pagoda.fleet.index import IndexFollower, PrefixIndex, make_redis_client
-    from pagoda.fleet.registry import ReplicaRegistry
+    from pagoda.contracts.block_hash import hash_prompt_blocks
+    from pagoda.contracts.kv_events import BlockStored
+    from pagoda.fleet.index.prefix_index import IndexFollower, PrefixIndex, make_redis_client
+    from pagoda.fleet.index.registry import ReplicaRegistry
 
     model = f"bench-overhead-{random.randrange(1 << 30):x}"
     client = make_redis_client(redis_url)
@@ -241,8 +241,8 @@ def measure_overhead(redis_url: str, num_replicas: int = 8, prompt_tokens: int =
 def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--real" in argv:
-        # The same policies for real: two CPU replicas behind the router (fleet/bench_real.py).
-        from pagoda.fleet import bench_real
+        # The same policies for real: two CPU replicas behind the router (bench/routing_real.py).
+        from pagoda.bench import routing_real as bench_real
 
         return bench_real.main([a for a in argv if a != "--real"])
     p = argparse.ArgumentParser(prog="pagoda bench routing", description=__doc__.split("\n\n")[0])
@@ -260,7 +260,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--overhead", action="store_true", help="time routing decisions against a real Redis")
     p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     p.add_argument("--real", action="store_true",
-                   help="run the comparison on two real replicas instead (see pagoda.fleet.bench_real --help)")
+                   help="run the comparison on two real replicas instead (see pagoda.bench.routing_real --help)")
     args = p.parse_args(argv)
 
     if args.calibrate:

@@ -59,7 +59,7 @@ class RequestResult:
 
 
 async def run_one(client: Any, prompt: str, max_tokens: int) -> RequestResult:
-    from pagoda.serving.client import stream_generate
+    from pagoda.serving.launch.client import stream_generate
 
     result = RequestResult(max_tokens=max_tokens)
     start = last = time.perf_counter()
@@ -185,7 +185,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                for item in items]
     server = None
     if args.launch:
-        from pagoda.serving.launcher import ServeOptions, TritonServer, find_free_port
+        from pagoda.serving.launch.launcher import ServeOptions, TritonServer, find_free_port
 
         server = TritonServer(ServeOptions(model=args.model, http_port=find_free_port(), grpc_port=find_free_port(),
                                            metrics_port=find_free_port(), max_num_seqs=args.max_num_seqs),

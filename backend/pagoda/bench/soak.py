@@ -164,7 +164,7 @@ class Fleet:
     """Redis + two replicas + the router, with the fault operations the soak uses."""
 
     def __init__(self, config: SoakConfig) -> None:
-        from pagoda.serving.launcher import ServeOptions, find_free_port
+        from pagoda.serving.launch.launcher import ServeOptions, find_free_port
 
         self.config = config
         self.redis = RedisProcess(find_free_port(), config.log_dir)
@@ -178,7 +178,7 @@ class Fleet:
         self.router: Any = None
 
     def start(self) -> None:
-        from pagoda.fleet.router import BackgroundRouter, RouterOptions
+        from pagoda.fleet.service import BackgroundRouter, RouterOptions
 
         self.redis.start()
         for rid, options in self.options.items():
@@ -200,7 +200,7 @@ class Fleet:
             health_interval_s=0.5, registry_interval_s=0.5, api_keys_file=keys)).__enter__()
 
     def start_replica(self, rid: str) -> None:
-        from pagoda.serving.launcher import TritonServer
+        from pagoda.serving.launch.launcher import TritonServer
 
         server = TritonServer(self.options[rid], log_path=os.path.join(self.config.log_dir, f"{rid}.log"))
         server.start()

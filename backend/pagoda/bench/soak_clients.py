@@ -124,7 +124,7 @@ def triton_http(ep: Endpoints, rng: random.Random, max_tokens: int) -> str:
 def grpc_stream(ep: Endpoints, rng: random.Random, max_tokens: int) -> str:
     import tritonclient.grpc as grpcclient
 
-    from pagoda.serving.client import make_inputs
+    from pagoda.serving.launch.client import make_inputs
 
     client = grpcclient.InferenceServerClient(ep.grpc)
     results: queue.Queue = queue.Queue()

@@ -18,7 +18,7 @@ MAX_SPECULATIVE_TOKENS = 16
 # Mirrors pagoda.models.quant.QUANTIZATION_METHODS (a test keeps them equal); repeated
 # here because this module, like the scheduler that imports it, stays free of torch.
 QUANTIZATION_METHODS = ("int8", "fp8")
-PREEMPTION_MODES = ("auto", "recompute", "swap")  # see pagoda.engine.kv_offload
+PREEMPTION_MODES = ("auto", "recompute", "swap")  # see pagoda.engine.kv.host_tier
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")  # auto: the model dtype; fp8_e4m3: see docs/kernels.md
 
 
@@ -59,9 +59,9 @@ class EngineConfig:
     enable_cuda_graphs: bool = True  # decode steps replay CUDA graphs (CUDA + Triton kernels only)
     load_format: str = "safetensors"  # safetensors | dummy (seeded random weights: benchmarks)
     # Overlap the host's work (scheduling, outputs) with the device's, one step deep
-    # (pagoda.engine.engine_core). Ignored, with a warning, under speculative decoding.
+    # (pagoda.engine.core.engine_core). Ignored, with a warning, under speculative decoding.
     async_scheduling: bool = False
-    # KV offload (pagoda.engine.kv_offload, docs/kv_offload.md): a host-memory tier of the
+    # KV offload (pagoda.engine.kv.host_tier, docs/kv_offload.md): a host-memory tier of the
     # KV cache for preemption by swap and for prefix blocks evicted from the device.
     cpu_offload_bytes: int = 0  # host KV pool size; 0 disables the tier
     preemption_mode: str = "auto"  # auto (cost model) | recompute | swap (needs cpu_offload_bytes)
@@ -69,13 +69,13 @@ class EngineConfig:
     offload_copy_bandwidth: Optional[float] = None  # bytes/s, one direction
     offload_copy_latency_s: Optional[float] = None  # fixed cost of one batched copy
     prefill_s_per_token: Optional[float] = None  # seconds per recomputed token
-    # Multi-LoRA (pagoda.engine.lora_manager, docs/lora.md): adapters in PEFT's format.
+    # Multi-LoRA (pagoda.engine.lora.manager, docs/lora.md): adapters in PEFT's format.
     enable_lora: bool = False
     max_loras: int = 4  # device adapter slots = most distinct adapters in one step
     max_lora_rank: int = 16  # slots are sized for this rank; larger adapters are refused
     max_cpu_loras: int = 64  # adapters registered (host copies) at once
     lora_modules: dict = field(default_factory=dict)  # name -> PEFT folder, loaded at start
-    # Admission control (pagoda.engine.admission, docs/reliability.md): past these bounds on
+    # Admission control (pagoda.engine.core.admission, docs/reliability.md): past these bounds on
     # the waiting queue a new request is refused at once with an overload error. Sized so a
     # full queue holds ~100 MB of host memory at most, whatever the clients send.
     max_waiting_requests: int = 1024

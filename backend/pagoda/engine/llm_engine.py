@@ -35,9 +35,9 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Optional, Union
 
-from pagoda.engine.admission import Admission, EngineOverloaded, check_timeout, deadline_message, overload_message
+from pagoda.engine.core.admission import Admission, EngineOverloaded, check_timeout, deadline_message, overload_message
 from pagoda.engine.config import EngineConfig
-from pagoda.engine.engine_core import EngineCore
+from pagoda.engine.core.engine_core import EngineCore
 from pagoda.engine.guided.backend import XGrammarBackend
 from pagoda.engine.output_processor import OutputProcessor
 from pagoda.engine.outputs import RequestOutput
@@ -48,7 +48,7 @@ from pagoda.models.gguf_import import ensure_default_model
 from pagoda.models.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from pagoda.engine.lora_manager import LoRAManager
+    from pagoda.engine.lora.manager import LoRAManager
     from pagoda.models.lora import LoRAAdapter
 
 logger = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ class EngineStats:
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
-    # KV offload (zero without a CPU tier); see pagoda.engine.kv_offload.
+    # KV offload (zero without a CPU tier); see pagoda.engine.kv.host_tier.
     num_swapped_out: int = 0  # preemptions by swap
     num_swapped_in: int = 0
     num_recomputed_preemptions: int = 0  # preemptions by recompute (with or without the tier)
@@ -90,14 +90,14 @@ class EngineStats:
     running_lora_adapters: tuple = ()
     waiting_lora_adapters: tuple = ()
     max_lora: int = 0
-    # Admission control (pagoda.engine.admission).
+    # Admission control (pagoda.engine.core.admission).
     num_admission_refused: int = 0  # refused at add_request: the waiting queue was full
     num_admission_displaced: int = 0  # waiting requests ended by a more urgent one
     num_deadline_expired: int = 0  # requests ended by their timeout
     # Time to first token over the last 30 s (engine.latency_window; the fleet heartbeat).
     ttft_p90: float = 0.0
     recent_ttfts: tuple = ()
-    # Step timing, seconds summed over steps (see pagoda.engine.device_worker).
+    # Step timing, seconds summed over steps (see pagoda.engine.runner.device_worker).
     step_host_s: float = 0.0  # host work inside step(), not counting waits on the device
     step_device_s: float = 0.0  # device jobs: KV-tier copies, forward, sampling
     step_device_idle_s: float = 0.0  # the device waiting for the host between steps
@@ -177,7 +177,7 @@ class LLMEngine:
         """Queue a request (``lora_name``: a loaded LoRA adapter to generate with; None: the base model).
 
         ``timeout`` (seconds from arrival): past it the request ends with a "deadline
-        exceeded" error output (``pagoda.engine.admission``).
+        exceeded" error output (``pagoda.engine.core.admission``).
 
         Raises:
             ValueError: duplicate id, empty prompt, token ids outside the vocabulary, a
@@ -234,7 +234,7 @@ class LLMEngine:
                 raise ValueError(f"prompt: token id {t!r} is not in the vocabulary [0, {vocab})")
         return None, list(prompt)
 
-    # ---- LoRA adapters (engine/lora_manager.py) ----------------------------------------
+    # ---- LoRA adapters (engine/lora/manager.py) ----------------------------------------
 
     def _check_lora_name(self, lora_name: Optional[str]) -> None:
         if lora_name is None:

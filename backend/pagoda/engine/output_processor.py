@@ -25,8 +25,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterable, Optional, Union
 
-from pagoda.engine.latency_window import LatencyWindow
-from pagoda.engine.engine_core import EngineCoreOutput
+from pagoda.engine.stats import LatencyWindow
+from pagoda.engine.core.engine_core import EngineCoreOutput
 from pagoda.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from pagoda.engine.sampling_params import SamplingParams
 from pagoda.models.tokenizer import IncrementalDetokenizer, Tokenizer

@@ -22,7 +22,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Union
 
-from pagoda.engine.block_hash import BlockHash, encode_extra_keys, hash_block, root_hash
+from pagoda.contracts.block_hash import BlockHash, encode_extra_keys, hash_block, root_hash
 from pagoda.engine.sampling_params import SamplingParams
 
 

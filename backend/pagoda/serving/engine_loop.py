@@ -15,8 +15,9 @@ The loop:
    *draining*: new requests get an UNAVAILABLE error saying so, those in flight run to
    their end, and when none is left it creates ``<drain_path>.done``. The launcher then
    unloads the model (tritonserver's own unload would cut decoupled streams short). With
-   a fleet publisher the replica also sets its Redis drain flag (routers send it nothing
-   new; it expires after ``DRAIN_FLAG_TTL_S`` should the process die) and clears it on stop.
+   a fleet publisher the replica also has it set its Redis drain flag (routers send it
+   nothing new; it expires after ``DRAIN_FLAG_TTL_S`` should the process die); the
+   publisher clears it when it deregisters on stop.
 
 LoRA control requests (``control()``, docs/lora.md) share the loop: see
 ``serving.lora_control`` (a load reads the adapter off this thread, then registers on it).
@@ -45,15 +46,26 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol, Sequence
 
-from pagoda.engine.admission import EngineOverloaded
+from pagoda.engine.core.admission import EngineOverloaded
 from pagoda.serving.lora_control import SHUTDOWN_MESSAGE, LoRAController
-from pagoda.serving.triton_io import ParsedRequest, Response, make_error_response, make_response
+from pagoda.serving.triton_io import Response, make_error_response, make_response
 
 logger = logging.getLogger(__name__)
 
 _STOP = object()
+
+
+class FleetPublisher(Protocol):
+    """What the loop needs of the fleet's KV-event publisher (``pagoda.fleet.index.publisher``):
+    serving imports nothing of the fleet; the Triton adapter composes the two."""
+
+    def start(self) -> None: ...
+    def stop(self) -> None: ...
+    def submit_events(self, events: Sequence[Any]) -> None: ...
+    def submit_stats(self, stats: Any) -> None: ...
+    def mark_draining(self, ttl_s: float) -> None: ...
 
 
 @dataclass
@@ -123,9 +135,9 @@ class EngineLoop:
         idle_wait_s: how long the loop blocks on the command queue when there is no work.
         tracer: a ``serving.tracing.RequestTracer`` (or ``None``): finished requests that
             carry a ``traceparent`` get engine spans.
-        publisher: a ``pagoda.fleet.publisher.Publisher`` fed with each step's block
-            events and stats (it never blocks the loop); ``None`` builds one from the
-            environment when ``PAGODA_REDIS_URL`` is set (``publisher_from_env``).
+        publisher: a ``FleetPublisher`` (the replica's ``pagoda.fleet.index.publisher.Publisher``,
+            built by the Triton adapter when ``PAGODA_REDIS_URL`` is set) fed with each
+            step's block events and stats (it never blocks the loop), or ``None``.
         drain_path: a file whose appearance starts the drain (see the module doc).
         allow_runtime_lora: accept LoRA ``load``/``unload`` control requests.
     """
@@ -135,10 +147,10 @@ class EngineLoop:
 
     def __init__(self, engine: Any, sender: ResponseSender, metrics: Any = None,
                  cancel_poll_interval_s: float = 0.05, idle_wait_s: float = 0.1, tracer: Any = None,
-                 publisher: Any = None, drain_path: Optional[str] = None,
+                 publisher: Optional[FleetPublisher] = None, drain_path: Optional[str] = None,
                  allow_runtime_lora: bool = False) -> None:
         self._engine = engine
-        self._publisher = publisher if publisher is not None else _publisher_from_env(engine)
+        self._publisher = publisher
         self._tracer = tracer
         self._sender = sender
         self._metrics = metrics
@@ -153,7 +165,6 @@ class EngineLoop:
         self._drain_path = drain_path
         self._is_draining = False
         self._is_drained = False
-        self._drain_flag: Optional[str] = None  # the Redis key we set, cleared on stop
         self._last_drain_poll = 0.0
         self._thread = threading.Thread(target=self._run, name="pagoda-engine-loop", daemon=True)
         self._lora = LoRAController(engine, sender, lambda kind, payload: self._commands.put((kind, payload)),
@@ -188,8 +199,7 @@ class EngineLoop:
         if not self._thread.is_alive():
             self._answer_leftover_commands()
         if self._publisher is not None:
-            self._publisher.stop()  # deregisters: the heartbeat goes, then the drain flag
-        self._clear_drain_flag()
+            self._publisher.stop()  # deregisters: the heartbeat and the drain flag go
 
     @property
     def is_alive(self) -> bool:
@@ -298,27 +308,13 @@ class EngineLoop:
             self._is_drained = True
 
     def _set_drain_flag(self) -> None:
-        """Tell routers (through Redis) to send nothing new; off the loop thread (Redis may be slow)."""
-        publisher = self._publisher
-        if publisher is None or not hasattr(publisher, "client"):
+        """Tell routers (through the publisher) to send nothing new; off the loop thread (Redis may be slow)."""
+        if self._publisher is None:
             return
         try:
-            from pagoda.fleet import keys
-
-            key = keys.drain_key(publisher.model_id, publisher.replica_id)
-            publisher.client.set(key, repr(time.time()), ex=self.DRAIN_FLAG_TTL_S)
-            self._drain_flag = key
+            self._publisher.mark_draining(self.DRAIN_FLAG_TTL_S)
         except Exception:  # noqa: BLE001 - routers still get UNAVAILABLE from the loop
             logger.exception("setting the fleet drain flag failed")
-
-    def _clear_drain_flag(self) -> None:
-        if self._drain_flag is None:
-            return
-        try:
-            self._publisher.client.delete(self._drain_flag)
-        except Exception:  # noqa: BLE001 - it expires on its own
-            logger.exception("clearing the fleet drain flag failed")
-        self._drain_flag = None
 
     def _poll_cancellations(self) -> None:
         now = time.monotonic()
@@ -417,17 +413,3 @@ class EngineLoop:
         except Exception:  # noqa: BLE001
             logger.exception("refreshing engine metrics failed")
 
-
-def _publisher_from_env(engine: Any) -> Any:
-    """``pagoda.fleet.publisher.publisher_from_env`` if configured; None (logged) on failure."""
-    import os
-
-    if not os.environ.get("PAGODA_REDIS_URL"):
-        return None
-    try:
-        from pagoda.fleet.publisher import publisher_from_env
-
-        return publisher_from_env(engine)
-    except Exception:  # noqa: BLE001 - serving without the fleet layer beats not serving
-        logger.exception("fleet publisher not started")
-        return None

@@ -50,7 +50,7 @@ import time
 from typing import Any, Optional
 
 from pagoda.engine.outputs import RequestOutput
-from pagoda.fleet import keys as fleet_keys
+from pagoda.contracts import redis_keys as fleet_keys
 
 # vLLM's buckets, so dashboards' quantile queries mean the same thing.
 TTFT_BUCKETS = list(fleet_keys.TTFT_BUCKETS)  # the heartbeat reports the same buckets

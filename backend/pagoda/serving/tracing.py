@@ -1,6 +1,6 @@
 """Engine spans of a traced request, joined to the caller's trace (W3C ``traceparent``).
 
-The router (``pagoda.fleet.tracing``) puts a ``traceparent`` into each forwarded request as
+The router (``pagoda.fleet.api.tracing``) puts a ``traceparent`` into each forwarded request as
 a Triton *request parameter* (gRPC ``ModelInferRequest.parameters``; a top-level key of an
 HTTP ``generate`` body). Request parameters reach the Python backend through
 ``request.parameters()`` (a JSON object); HTTP headers do not. ``model.py`` reads it with

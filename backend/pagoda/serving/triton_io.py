@@ -48,7 +48,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from pagoda.engine.admission import check_timeout, is_admission_error
+from pagoda.engine.core.admission import check_timeout, is_admission_error
 from pagoda.engine.outputs import RequestOutput
 from pagoda.engine.sampling_params import SamplingParams
 
@@ -107,7 +107,7 @@ class ParsedRequest:
     priority: int = 0
     cache_salt: Optional[str] = None
     lora_name: Optional[str] = None  # a loaded LoRA adapter (vLLM backend's lora_name); None: base model
-    timeout: Optional[float] = None  # seconds from arrival (pagoda.engine.admission)
+    timeout: Optional[float] = None  # seconds from arrival (pagoda.engine.core.admission)
 
 
 @dataclass

@@ -56,6 +56,7 @@ class TritonPythonModel:
         self.tracer = make_request_tracer()  # None unless an OTLP endpoint is configured
         # `pagoda serve` drains through this file (engine_loop); absent elsewhere.
         self.loop = EngineLoop(self.engine, self.sender, self.metrics, tracer=self.tracer,
+                               publisher=_fleet_publisher(self.engine),
                                drain_path=os.environ.get("PAGODA_DRAIN_FILE") or None,
                                allow_runtime_lora=allow_runtime_lora(parameters))
         self._request_numbers = itertools.count()
@@ -119,3 +120,18 @@ def _end_orphaned_stub():
 def _get_input(request, name):
     tensor = pb_utils.get_input_tensor_by_name(request, name)
     return None if tensor is None else tensor.as_numpy()
+
+
+def _fleet_publisher(engine):
+    """The replica's KV-event publisher when ``PAGODA_REDIS_URL`` is set, else None (logged on failure).
+
+    Composed here, at the edge: the serving loop only knows its ``FleetPublisher`` protocol."""
+    if not os.environ.get("PAGODA_REDIS_URL"):
+        return None
+    try:
+        from pagoda.fleet.index.publisher import publisher_from_env
+
+        return publisher_from_env(engine)
+    except Exception:  # noqa: BLE001 - serving without the fleet layer beats not serving
+        logger.exception("fleet publisher not started")
+        return None

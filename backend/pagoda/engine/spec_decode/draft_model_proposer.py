@@ -35,8 +35,8 @@ from typing import Iterable, Optional
 import torch
 from torch import nn
 
-from pagoda.engine.block_pool import BlockPool, KVCacheBlock
-from pagoda.engine.sampler import Sampler
+from pagoda.engine.kv.block_pool import BlockPool, KVCacheBlock
+from pagoda.engine.sampling.sampler import Sampler
 from pagoda.engine.spec_decode.draft import Draft, DraftRequest, VerifyMode, with_outputs
 from pagoda.kernels import AttentionMetadata
 from pagoda.models.config import ModelConfig

@@ -31,8 +31,8 @@ import torch
 from pagoda.engine.config import EngineConfig
 from pagoda.engine.guided.bitmask import TokenBitmask
 from pagoda.engine.request import Request, RequestStatus
-from pagoda.engine.runner_output import ModelRunnerOutput
-from pagoda.engine.sampler import Sampler, TokenLogprobs
+from pagoda.engine.runner.runner_output import ModelRunnerOutput
+from pagoda.engine.sampling.sampler import Sampler, TokenLogprobs
 from pagoda.engine.spec_decode.draft import Draft, DraftRequest, VerifyMode, with_outputs
 from pagoda.engine.spec_decode.draft_model_proposer import DraftModelProposer, make_layer_skip_draft
 from pagoda.engine.spec_decode.ngram_proposer import NgramProposer

@@ -1,0 +1,1 @@
+"""The engine core: scheduler, queues, admission, policies and constraints (token ids in and out, no torch)."""

@@ -1,0 +1,1 @@
+"""The paged KV cache: block pool, KV cache manager and the host (CPU) tier bookkeeping (no torch)."""

@@ -1,0 +1,272 @@
+"""The block pool: KV blocks, their reference counts, the LRU free queue, the hash map.
+
+Invariants:
+- Block 0 is the *null block*: never allocated, never freed, never in the free queue.
+  Padded block-table entries and padding tokens point at it, so they can never touch a
+  live request's KV. ``num_usable_blocks == num_blocks - 1``.
+- Every other block is either in use (``ref_cnt > 0``, one count per request holding it)
+  or in the free queue (``ref_cnt == 0``); never both. Reference counts are never
+  negative.
+- A free block may still hold a *cached* full block (``block_hash`` set and the hash map
+  pointing at it): it stays reusable until the free queue hands it out again, at which
+  point its hash is evicted (``BlockRemoved``). An ``on_evict`` hook, when set, sees the
+  block first (the CPU tier keeps a copy; ``kv_offload``).
+- The hash map has at most one block per hash. When two requests fill blocks with the
+  same content concurrently, the first one cached wins; the other block stays unhashed
+  and is simply freed later.
+
+Eviction order is LRU through the free queue: ``get_new_blocks`` pops from the head,
+freed blocks join the tail. Callers free a request's blocks tail-first, so a request's
+last blocks (least likely to be shared as a prefix) are evicted before its first ones.
+``touch`` revives a free cached block in O(1) by unlinking it from the middle of the
+queue, which is why the queue is an intrusive doubly linked list with dummy head and
+tail nodes rather than a deque.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, Iterable, Optional, Sequence
+
+from pagoda.contracts.block_hash import BlockHash
+from pagoda.contracts.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBuffer
+
+if TYPE_CHECKING:
+    from pagoda.engine.request import Request
+
+NULL_BLOCK_ID = 0
+
+
+class KVCacheBlock:
+    """One block of KV memory. ``prev_free``/``next_free`` link it in the free queue."""
+
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "token_ids", "prev_free", "next_free")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: Optional[BlockHash] = None
+        self.token_ids: tuple[int, ...] = ()  # the block's tokens while cached (checked on a hit)
+        self.prev_free: Optional[KVCacheBlock] = None
+        self.next_free: Optional[KVCacheBlock] = None
+
+    @property
+    def is_null(self) -> bool:
+        return self.block_id == NULL_BLOCK_ID
+
+    def __repr__(self) -> str:
+        h = self.block_hash.hex()[:8] if self.block_hash else None
+        return f"KVCacheBlock({self.block_id}, ref={self.ref_cnt}, hash={h})"
+
+
+class FreeBlockQueue:
+    """Doubly linked list of free blocks in eviction (LRU) order; every operation O(1)."""
+
+    def __init__(self, blocks: Iterable[KVCacheBlock] = ()) -> None:
+        self._head = KVCacheBlock(-1)  # dummy nodes: never handed out, never hashed
+        self._tail = KVCacheBlock(-1)
+        self._head.next_free = self._tail
+        self._tail.prev_free = self._head
+        self.num_free_blocks = 0
+        for block in blocks:
+            self.append(block)
+
+    def __len__(self) -> int:
+        return self.num_free_blocks
+
+    def __contains__(self, block: KVCacheBlock) -> bool:
+        return block.next_free is not None
+
+    def popleft(self) -> KVCacheBlock:
+        """Remove and return the least recently freed block. Raises IndexError if empty."""
+        block = self._head.next_free
+        if block is self._tail:
+            raise IndexError("pop from an empty free block queue")
+        self.remove(block)
+        return block
+
+    def remove(self, block: KVCacheBlock) -> None:
+        """Unlink ``block`` from anywhere in the queue."""
+        prev, nxt = block.prev_free, block.next_free
+        assert prev is not None and nxt is not None, f"{block} is not in the free queue"
+        prev.next_free = nxt
+        nxt.prev_free = prev
+        block.prev_free = block.next_free = None
+        self.num_free_blocks -= 1
+
+    def append(self, block: KVCacheBlock) -> None:
+        """Add ``block`` at the tail (the most recently freed end)."""
+        assert block.next_free is None and block.prev_free is None, f"{block} is already in the free queue"
+        last = self._tail.prev_free
+        last.next_free = block
+        block.prev_free = last
+        block.next_free = self._tail
+        self._tail.prev_free = block
+        self.num_free_blocks += 1
+
+    def get_all_free_blocks(self) -> list[KVCacheBlock]:
+        """The queue head to tail (for tests and debugging; O(n))."""
+        blocks = []
+        node = self._head.next_free
+        while node is not self._tail:
+            blocks.append(node)
+            node = node.next_free
+        return blocks
+
+
+class BlockPool:
+    """Owns ``num_blocks`` KV blocks (block 0 reserved as the null block).
+
+    Args:
+        num_blocks: blocks of KV memory, including the null block (so >= 2).
+        enable_caching: keep full blocks findable by hash after they are freed.
+        event_buffer: where ``BlockStored``/``BlockRemoved``/``AllBlocksCleared`` go;
+            ``None`` creates a private buffer. No events are emitted without caching.
+    """
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True, event_buffer: Optional[KVEventBuffer] = None):
+        if num_blocks < 2:
+            raise ValueError(f"num_blocks: need at least 2 (block 0 is reserved), got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.event_buffer = event_buffer if event_buffer is not None else KVEventBuffer()
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.null_block = self.blocks[NULL_BLOCK_ID]
+        self.free_block_queue = FreeBlockQueue(self.blocks[1:])
+        self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
+        # Called with each cached block about to be evicted, while it still holds its hash
+        # and tokens (the KV offload tier copies it to host memory; kv_offload.py).
+        self.on_evict: Optional[Callable[[KVCacheBlock], None]] = None
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.num_blocks - 1
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.free_block_queue.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of usable blocks in use (0.0 to 1.0); free cached blocks count as free."""
+        return 1.0 - self.num_free_blocks / self.num_usable_blocks
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Pop ``num_blocks`` blocks, least recently freed first, each with ``ref_cnt`` 1.
+
+        A popped block that was cached is evicted from the hash map (``BlockRemoved``).
+        The caller checks ``num_free_blocks`` first; asking for more is a bug (assert).
+        """
+        assert num_blocks <= self.num_free_blocks, f"asked for {num_blocks} blocks, {self.num_free_blocks} free"
+        blocks = []
+        evicted: list[str] = []
+        for _ in range(num_blocks):
+            block = self.free_block_queue.popleft()
+            assert block.ref_cnt == 0, f"{block} in the free queue is referenced"
+            if block.block_hash is not None:
+                evicted.append(self._evict(block))
+            block.ref_cnt = 1
+            blocks.append(block)
+        if evicted:
+            self.event_buffer.emit(BlockRemoved(evicted))
+        return blocks
+
+    def _evict(self, block: KVCacheBlock) -> str:
+        block_hash = block.block_hash
+        assert self.cached_block_hash_to_block.get(block_hash) is block, f"{block} hashed but not in the hash map"
+        if self.on_evict is not None:
+            self.on_evict(block)
+        del self.cached_block_hash_to_block[block_hash]
+        block.block_hash = None
+        block.token_ids = ()
+        return block_hash.hex()
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take one more reference on each block, reviving free (cached) ones."""
+        for block in blocks:
+            assert not block.is_null, "the null block is never referenced"
+            if block.ref_cnt == 0:
+                self.free_block_queue.remove(block)
+            block.ref_cnt += 1
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference on each block; blocks reaching 0 join the free queue tail.
+
+        Pass a request's blocks tail-first so its last blocks are evicted first.
+        """
+        for block in ordered_blocks:
+            assert not block.is_null, "the null block is never freed"
+            assert block.ref_cnt > 0, f"{block}: reference count would go negative"
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_block_queue.append(block)
+
+    def get_cached_block(self, block_hash: BlockHash) -> Optional[KVCacheBlock]:
+        """The block holding ``block_hash``'s contents, or None."""
+        return self.cached_block_hash_to_block.get(block_hash)
+
+    def cache_full_blocks(
+        self,
+        request: "Request",
+        blocks: Sequence[KVCacheBlock],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        block_size: int,
+    ) -> None:
+        """Make ``blocks[num_cached_blocks:num_full_blocks]`` findable by their hashes.
+
+        Args:
+            request: owner of ``blocks``; supplies ``block_hashes`` and token ids.
+            blocks: the request's block table.
+            num_cached_blocks: blocks already processed by an earlier call.
+            num_full_blocks: blocks whose tokens are all computed now.
+            block_size: tokens per block.
+        Emits one ``BlockStored`` per contiguous run of newly stored blocks.
+        """
+        if not self.enable_caching or num_full_blocks <= num_cached_blocks:
+            return
+        assert len(request.block_hashes) >= num_full_blocks, "request block hashes lag its computed tokens"
+        tokens = request.all_token_ids
+        run: list[int] = []  # indices of the current run of newly stored blocks
+        for i in range(num_cached_blocks, num_full_blocks):
+            block, block_hash = blocks[i], request.block_hashes[i]
+            if block.block_hash is not None or block_hash in self.cached_block_hash_to_block:
+                # Already cached (a prefix hit), or another block holds the same content.
+                self._emit_stored(request, run, block_size)
+                run = []
+                continue
+            block.block_hash = block_hash
+            block.token_ids = tuple(tokens[i * block_size : (i + 1) * block_size])
+            self.cached_block_hash_to_block[block_hash] = block
+            run.append(i)
+        self._emit_stored(request, run, block_size)
+
+    def _emit_stored(self, request: "Request", run: list[int], block_size: int) -> None:
+        if not run:
+            return
+        first, last = run[0], run[-1]
+        parent = request.block_hashes[first - 1].hex() if first > 0 else None
+        self.event_buffer.emit(
+            BlockStored(
+                block_hashes=[request.block_hashes[i].hex() for i in run],
+                parent_block_hash=parent,
+                token_ids=list(request.all_token_ids[first * block_size : (last + 1) * block_size]),
+                block_size=block_size,
+            )
+        )
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash (``AllBlocksCleared``).
+
+        Returns:
+            False, changing nothing, while any block is in use (running requests would
+            lose track of their cached blocks); True after a reset.
+        """
+        if self.num_free_blocks != self.num_usable_blocks:
+            return False
+        for block in self.cached_block_hash_to_block.values():
+            block.block_hash = None
+            block.token_ids = ()
+        self.cached_block_hash_to_block.clear()
+        if self.enable_caching:
+            self.event_buffer.emit(AllBlocksCleared())
+        return True

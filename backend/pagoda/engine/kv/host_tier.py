@@ -1,0 +1,301 @@
+"""The CPU tier of the KV cache: host block bookkeeping and the swap-vs-recompute model.
+
+Pure Python (no torch): the scheduler decides here, ``pagoda.engine.runner.host_kv_cache`` moves
+the bytes. Two uses share one pool of ``num_host_blocks`` host blocks:
+
+1. **Preemption by swap.** A preempted request's blocks covering its
+   ``num_computed_tokens`` are copied device -> host into blocks the request owns
+   (``ref_cnt`` 1, never hashed); the request keeps ``num_computed_tokens`` and waits
+   *swapped out* (``is_swapped_out``). When rescheduled, fresh device blocks are
+   allocated and filled host -> device, and its host blocks are freed.
+2. **Prefix tier.** When the device pool evicts a cached full block (``BlockPool``'s
+   eviction path, ``on_evict``), its contents are copied to a host block keyed by the
+   same block hash instead of being dropped. A waiting request whose device prefix hit
+   stops at block ``i`` continues the lookup here (``lookup_prefix``): host hits get new
+   device blocks filled host -> device ("copy back") and count as computed.
+
+Host blocks reuse ``KVCacheBlock``/``FreeBlockQueue``: a host block is in use
+(``ref_cnt > 0``: owned by a swapped request, or pinned while a copy reads it this
+step) or free in LRU order; a free block may still hold a cached hash. Unlike the
+device pool there is no null block: host ids are ``0 .. num_host_blocks - 1``.
+
+Copies of one step are ordered: every device -> host copy (``blocks_to_swap_out``)
+runs before every host -> device copy (``blocks_to_swap_in``, ``blocks_to_copy_back``),
+all before the forward pass. Sources are therefore read before anything of this step
+overwrites them. Host blocks read this step are pinned until ``schedule()`` ends, so a
+later eviction in the same step cannot reuse them; a host block stored twice in one
+step keeps only the last pair (``index_copy`` needs unique destinations).
+
+Block events: only the device tier is advertised (ARCHITECTURE contract 3 unchanged:
+``BlockRemoved`` when a block leaves the device, even if it moves to the CPU tier).
+Host-tier blocks emit no events: the fleet index has no notion of a storage medium, and
+a replica that advertised CPU blocks as ``medium: "GPU"`` would overstate its hits.
+
+Cost model (``SwapCostModel``), per preempted request with ``n`` computed tokens in
+``b`` blocks of ``bytes_per_block`` bytes::
+
+    swap      = 2 * (copy_latency_s + b * bytes_per_block / copy_bandwidth)   # out + in
+    recompute = n * prefill_s_per_token
+
+Swap when ``swap < recompute``. The fixed latency (launches, synchronisation, per-layer
+loop) makes recompute win for short contexts; bandwidth vs prefill speed decides long
+ones. Numbers come from ``kv_transfer.calibrate`` at start or from ``EngineConfig``.
+Attention makes true recompute superlinear in ``n``; the linear model is conservative
+(it under-estimates recompute for long contexts, i.e. errs towards recompute).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from pagoda.contracts.block_hash import BlockHash
+from pagoda.engine.kv.block_pool import FreeBlockQueue, KVCacheBlock
+from pagoda.engine.config import PREEMPTION_MODES
+
+BlockPairs = list[tuple[int, int]]  # (src block id, dst block id)
+
+
+@dataclass(frozen=True)
+class SwapCostModel:
+    """Predicted seconds to restore a preempted request's KV, by swap or by recompute."""
+
+    bytes_per_block: int
+    copy_bandwidth_bytes_per_s: float
+    copy_latency_s: float
+    prefill_s_per_token: float
+
+    def swap_cost(self, num_blocks: int) -> float:
+        one_way = self.copy_latency_s + num_blocks * self.bytes_per_block / self.copy_bandwidth_bytes_per_s
+        return 2.0 * one_way
+
+    def recompute_cost(self, num_tokens: int) -> float:
+        return num_tokens * self.prefill_s_per_token
+
+    def prefers_swap(self, num_tokens: int, num_blocks: int) -> bool:
+        return self.swap_cost(num_blocks) < self.recompute_cost(num_tokens)
+
+
+class HostBlockPool:
+    """``num_blocks`` host blocks: reference counts, LRU free queue, hash map."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_host_blocks: must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.free_block_queue = FreeBlockQueue(self.blocks)
+        self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.free_block_queue.num_free_blocks
+
+    def pop_free(self) -> KVCacheBlock:
+        """The least recently freed block with ``ref_cnt`` 0, its old hash evicted."""
+        block = self.free_block_queue.popleft()
+        if block.block_hash is not None:
+            del self.cached_block_hash_to_block[block.block_hash]
+            block.block_hash = None
+            block.token_ids = ()
+        return block
+
+    def allocate(self, num_blocks: int) -> Optional[list[KVCacheBlock]]:
+        """``num_blocks`` blocks with ``ref_cnt`` 1, or None (nothing changes) if too few are free."""
+        if num_blocks > self.num_free_blocks:
+            return None
+        blocks = [self.pop_free() for _ in range(num_blocks)]
+        for block in blocks:
+            block.ref_cnt = 1
+        return blocks
+
+    def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_block_queue.remove(block)
+            block.ref_cnt += 1
+
+    def free(self, blocks: Sequence[KVCacheBlock]) -> None:
+        for block in blocks:
+            assert block.ref_cnt > 0, f"host {block}: reference count would go negative"
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_block_queue.append(block)
+
+    def store_cached(self, block_hash: BlockHash, token_ids: tuple[int, ...]) -> Optional[KVCacheBlock]:
+        """Enter a block evicted from the device under its hash.
+
+        Returns:
+            The host block to copy into, or None when no copy is needed (the hash is
+            already here; it becomes most recently used) or possible (every block in use).
+        """
+        existing = self.cached_block_hash_to_block.get(block_hash)
+        if existing is not None:
+            if existing.ref_cnt == 0:  # refresh its LRU position
+                self.free_block_queue.remove(existing)
+                self.free_block_queue.append(existing)
+            return None
+        if self.num_free_blocks == 0:
+            return None
+        block = self.pop_free()
+        block.block_hash = block_hash
+        block.token_ids = token_ids
+        self.cached_block_hash_to_block[block_hash] = block
+        self.free_block_queue.append(block)  # cached but free: evictable in LRU order
+        return block
+
+    def get_cached_block(self, block_hash: BlockHash) -> Optional[KVCacheBlock]:
+        return self.cached_block_hash_to_block.get(block_hash)
+
+    def reset_prefix_cache(self) -> None:
+        for block in self.cached_block_hash_to_block.values():
+            block.block_hash = None
+            block.token_ids = ()
+        self.cached_block_hash_to_block.clear()
+
+
+class KVOffloadManager:
+    """Scheduler-side state of the CPU tier: host block tables, pending copies, counters.
+
+    Args:
+        num_host_blocks: size of the host pool.
+        block_size: tokens per block.
+        preemption_mode: ``auto`` (cost model), ``recompute`` (never swap) or ``swap``
+            (swap whenever the host pool has room).
+        cost_model: required to swap in ``auto`` mode; without it ``auto`` recomputes.
+        enable_prefix_tier: keep blocks evicted from the device (prefix caching on).
+    """
+
+    def __init__(self, num_host_blocks: int, block_size: int, preemption_mode: str = "auto",
+                 cost_model: Optional[SwapCostModel] = None, enable_prefix_tier: bool = True) -> None:
+        if preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode: must be one of {PREEMPTION_MODES}, got {preemption_mode!r}")
+        self.pool = HostBlockPool(num_host_blocks)
+        self.block_size = block_size
+        self.preemption_mode = preemption_mode
+        self.cost_model = cost_model
+        self.enable_prefix_tier = enable_prefix_tier
+        self.req_to_host_blocks: dict[str, list[KVCacheBlock]] = {}
+        # This step's copies. Keyed by destination so a destination is written once.
+        self._swap_out: dict[int, int] = {}  # host dst -> device src
+        # device dst -> (host src, is a swap-in); one dict so a device block reallocated
+        # within the step is written once, by its last owner.
+        self._to_device: dict[int, tuple[int, bool]] = {}
+        self._pinned: list[KVCacheBlock] = []  # host blocks read this step; released in take_copies
+        self.num_swapped_out = 0
+        self.num_swapped_in = 0
+        self.num_offloaded_blocks = 0  # device evictions copied to the host tier
+        self.prefix_cache_hits_host = 0  # tokens, of admitted requests
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    # Preemption ----------------------------------------------------------------------
+
+    def is_swapped_out(self, request_id: str) -> bool:
+        return request_id in self.req_to_host_blocks
+
+    def wants_swap(self, num_tokens: int, num_blocks: int) -> bool:
+        """Whether a victim with ``num_tokens`` computed tokens in ``num_blocks`` should swap."""
+        if num_tokens == 0 or self.preemption_mode == "recompute":
+            return False
+        if self.preemption_mode == "swap":
+            return True
+        return self.cost_model is not None and self.cost_model.prefers_swap(num_tokens, num_blocks)
+
+    def swap_out(self, request_id: str, device_block_ids: Sequence[int]) -> bool:
+        """Record device -> host copies of a victim's blocks. False (nothing changes) if the
+        host pool is too full."""
+        assert request_id not in self.req_to_host_blocks, f"{request_id!r} is already swapped out"
+        host_blocks = self.pool.allocate(len(device_block_ids))
+        if host_blocks is None:
+            return False
+        for device_id, host_block in zip(device_block_ids, host_blocks):
+            self._swap_out[host_block.block_id] = device_id
+        self.req_to_host_blocks[request_id] = host_blocks
+        self.num_swapped_out += 1
+        return True
+
+    def swap_in(self, request_id: str, device_block_ids: Sequence[int]) -> None:
+        """Record host -> device copies into the first blocks of ``device_block_ids``; the
+        host blocks are freed when this step's copies are taken."""
+        host_blocks = self.req_to_host_blocks.pop(request_id)
+        assert len(device_block_ids) >= len(host_blocks), "swap-in needs a device block per host block"
+        for host_block, device_id in zip(host_blocks, device_block_ids):
+            self._to_device[device_id] = (host_block.block_id, True)
+        self._pinned.extend(host_blocks)  # already referenced once: released in take_copies
+        self.num_swapped_in += 1
+
+    def free_request(self, request_id: str) -> None:
+        """Drop a swapped-out request's host blocks (it finished or was aborted while waiting)."""
+        host_blocks = self.req_to_host_blocks.pop(request_id, None)
+        if host_blocks:
+            self.pool.free(host_blocks)
+
+    # Prefix tier ---------------------------------------------------------------------
+
+    def on_device_evict(self, block: KVCacheBlock) -> None:
+        """``BlockPool.on_evict`` hook: a cached device block is about to lose its hash."""
+        if not self.enable_prefix_tier:
+            return
+        host_block = self.pool.store_cached(block.block_hash, block.token_ids)
+        if host_block is not None:
+            self._swap_out[host_block.block_id] = block.block_id
+            self.num_offloaded_blocks += 1
+
+    def lookup_prefix(self, block_hashes: Sequence[BlockHash], token_ids: Sequence[int], start: int,
+                      max_blocks: int) -> list[KVCacheBlock]:
+        """Host blocks continuing a device prefix hit of ``start`` blocks (a pure lookup).
+
+        Args:
+            block_hashes: the request's block hashes.
+            token_ids: the request's tokens (compared on a hit, like the device tier).
+            start: blocks already hit on the device.
+            max_blocks: the cap on the whole hit (the last token is always computed).
+        """
+        if not self.enable_prefix_tier:
+            return []
+        size = self.block_size
+        hit = []
+        for i in range(start, min(max_blocks, len(block_hashes))):
+            block = self.pool.get_cached_block(block_hashes[i])
+            if block is None or list(block.token_ids) != list(token_ids[i * size : (i + 1) * size]):
+                break
+            hit.append(block)
+        return hit
+
+    def pin(self, host_blocks: Sequence[KVCacheBlock]) -> None:
+        """Keep ``host_blocks`` from reuse while the scheduler tries to admit their request."""
+        self.pool.touch(host_blocks)
+
+    def unpin(self, host_blocks: Sequence[KVCacheBlock]) -> None:
+        self.pool.free(host_blocks)
+
+    def copy_back(self, host_blocks: Sequence[KVCacheBlock], device_block_ids: Sequence[int]) -> None:
+        """Record host -> device copies of pinned prefix hits; unpinned when copies are taken."""
+        for host_block, device_id in zip(host_blocks, device_block_ids, strict=True):
+            self._to_device[device_id] = (host_block.block_id, False)
+        self._pinned.extend(host_blocks)
+        self.prefix_cache_hits_host += len(host_blocks) * self.block_size
+
+    # Step boundary -------------------------------------------------------------------
+
+    def take_copies(self) -> tuple[BlockPairs, BlockPairs, BlockPairs]:
+        """This step's (swap_out, swap_in, copy_back) pairs as (src, dst); clears them and
+        releases the host blocks pinned for reading."""
+        swap_out = [(src, dst) for dst, src in self._swap_out.items()]
+        swap_in = [(src, dst) for dst, (src, is_swap_in) in self._to_device.items() if is_swap_in]
+        copy_back = [(src, dst) for dst, (src, is_swap_in) in self._to_device.items() if not is_swap_in]
+        self._swap_out, self._to_device = {}, {}
+        pinned, self._pinned = self._pinned, []
+        self.pool.free(pinned)
+        return swap_out, swap_in, copy_back
+
+    def reset_prefix_cache(self) -> None:
+        self.pool.reset_prefix_cache()
+
+
+def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+

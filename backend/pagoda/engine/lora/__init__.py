@@ -1,0 +1,1 @@
+"""Multi-LoRA: adapter slots and their scheduling constraint."""

@@ -1,0 +1,1 @@
+"""The device side: model runner, CUDA graphs, device worker, runner output, host KV copies."""

@@ -1,0 +1,177 @@
+"""Host KV cache and the block copies of the CPU tier (``kv_offload`` decides, this moves).
+
+``HostKVCache`` preallocates, per layer, a K and a V tensor shaped like the runner's
+device caches but with ``num_blocks`` host blocks: ``[num_host_blocks, block_size,
+num_kv_heads, head_dim]``, pinned when the device is CUDA so copies can use DMA. On a
+CPU-only machine the "device" cache is host memory too, but the tier is still a separate
+pool and every copy is a real copy.
+
+``execute(scheduler_output)`` runs one step's copies before the forward pass: first all
+device -> host pairs (``blocks_to_swap_out``), then all host -> device pairs
+(``blocks_to_swap_in`` and ``blocks_to_copy_back``), each as one batched
+``index_select`` + ``index_copy_`` per layer and per K/V. Destinations within one batch
+are unique (the scheduler side guarantees it), as ``index_copy_`` requires.
+
+``calibrate`` measures the cost model's inputs at start: a one-block and a many-block
+round trip give the fixed copy latency and the bandwidth; one prefill of up to 128
+tokens into unused blocks gives seconds per recomputed token.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Sequence
+
+import torch
+
+from pagoda.engine.kv.host_tier import BlockPairs, SwapCostModel
+from pagoda.engine.runner.model_runner import ModelRunner, kv_bytes_per_block
+
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+class HostKVCache:
+    """Args:
+    device_caches: the runner's per-layer (K, V) caches.
+    num_blocks: host blocks to allocate.
+    """
+
+    def __init__(self, device_caches: KVCaches, num_blocks: int) -> None:
+        assert num_blocks >= 1, f"num_blocks must be >= 1, got {num_blocks}"
+        self.device_caches = device_caches
+        self.num_blocks = num_blocks
+        self.device = device_caches[0][0].device
+        pin = self.device.type == "cuda"
+        shape = (num_blocks, *device_caches[0][0].shape[1:])
+        dtype = device_caches[0][0].dtype
+        self.host_caches: KVCaches = [
+            (torch.zeros(shape, dtype=dtype, pin_memory=pin), torch.zeros(shape, dtype=dtype, pin_memory=pin))
+            for _ in device_caches
+        ]
+
+    @classmethod
+    def for_runner(cls, runner: ModelRunner, num_bytes: int) -> "HostKVCache":
+        """A host cache of ``num_bytes // bytes_per_block`` blocks for ``runner``'s caches.
+
+        Raises:
+            ValueError: ``num_bytes`` is smaller than one block.
+        """
+        per_block = kv_bytes_per_block(runner.model_config, runner.block_size, runner.kv_caches[0][0].dtype)
+        num_blocks = num_bytes // per_block
+        if num_blocks < 1:
+            raise ValueError(f"cpu_offload_bytes: {num_bytes} bytes is smaller than one KV block "
+                             f"({per_block} bytes); raise it or set 0 to disable the CPU tier")
+        return cls(runner.kv_caches, int(num_blocks))
+
+    @property
+    def bytes_per_block(self) -> int:
+        k = self.host_caches[0][0]
+        return 2 * len(self.host_caches) * k[0].numel() * k.element_size()
+
+    @torch.inference_mode()
+    def execute(self, scheduler_output) -> None:
+        """Run a step's copies: device -> host first, then host -> device."""
+        self.swap_out(scheduler_output.blocks_to_swap_out)
+        self.swap_in(list(scheduler_output.blocks_to_swap_in) + list(scheduler_output.blocks_to_copy_back))
+
+    @torch.inference_mode()
+    def swap_out(self, pairs: BlockPairs) -> None:
+        """Copy device blocks to host blocks; ``pairs`` are (device src, host dst)."""
+        if not pairs:
+            return
+        src = torch.tensor([p[0] for p in pairs], dtype=torch.int64, device=self.device)
+        dst = torch.tensor([p[1] for p in pairs], dtype=torch.int64)
+        for device_kv, host_kv in zip(self.device_caches, self.host_caches):
+            for device_t, host_t in zip(device_kv, host_kv):
+                _raw(host_t).index_copy_(0, dst, _raw(device_t).index_select(0, src).to("cpu"))
+
+    @torch.inference_mode()
+    def swap_in(self, pairs: BlockPairs) -> None:
+        """Copy host blocks to device blocks; ``pairs`` are (host src, device dst)."""
+        if not pairs:
+            return
+        src = torch.tensor([p[0] for p in pairs], dtype=torch.int64)
+        dst = torch.tensor([p[1] for p in pairs], dtype=torch.int64, device=self.device)
+        # Synchronous: the gathered rows are pageable, and the forward pass reads them next.
+        for device_kv, host_kv in zip(self.device_caches, self.host_caches):
+            for device_t, host_t in zip(device_kv, host_kv):
+                _raw(device_t).index_copy_(0, dst, _raw(host_t).index_select(0, src).to(self.device))
+
+    def time_round_trip(self, device_block_ids: Sequence[int], repeats: int = 5) -> float:
+        """Median seconds of one direction (half a device -> host -> device round trip)."""
+        pairs_out = [(d, h) for h, d in enumerate(device_block_ids)]
+        pairs_in = [(h, d) for d, h in pairs_out]
+        times = []
+        for _ in range(repeats):
+            _sync(self.device)
+            start = time.perf_counter()
+            self.swap_out(pairs_out)
+            self.swap_in(pairs_in)
+            _sync(self.device)
+            times.append((time.perf_counter() - start) / 2)
+        return statistics.median(times)
+
+
+def calibrate(host: HostKVCache, runner: ModelRunner, bandwidth: float | None = None,
+              latency_s: float | None = None, prefill_s_per_token: float | None = None) -> SwapCostModel:
+    """The cost model, measuring whatever is not given. Call before serving: it writes
+    into unused device and host blocks.
+
+    Args:
+        host: the host cache (its first blocks are used).
+        runner: the model runner (its first device blocks are used).
+        bandwidth, latency_s, prefill_s_per_token: configured values; None measures.
+    """
+    if bandwidth is None or latency_s is None:
+        many = max(1, min(32, host.num_blocks, runner.num_blocks - 1))
+        t_one = host.time_round_trip([1])
+        t_many = host.time_round_trip(list(range(1, many + 1)))
+        per_block = max((t_many - t_one) / max(many - 1, 1), 1e-12)
+        if bandwidth is None:
+            bandwidth = host.bytes_per_block / per_block
+        if latency_s is None:
+            latency_s = max(t_one - host.bytes_per_block / bandwidth, 0.0)
+    if prefill_s_per_token is None:
+        prefill_s_per_token = measure_prefill_s_per_token(runner)
+    return SwapCostModel(host.bytes_per_block, float(bandwidth), float(latency_s), float(prefill_s_per_token))
+
+
+class PrefillItem:
+    """A stand-in for ``ScheduledRequest`` (the runner reads only these fields)."""
+
+    def __init__(self, token_ids: list[int], block_ids: list[int]) -> None:
+        self.token_ids = token_ids
+        self.num_computed_tokens = 0
+        self.num_new_tokens = len(token_ids)
+        self.block_ids = block_ids
+        self.is_sampling = True
+        self.spec_token_ids: list[int] = []
+
+
+def measure_prefill_s_per_token(runner: ModelRunner, max_tokens: int = 128, repeats: int = 2) -> float:
+    """Seconds per token of a prefill through ``runner`` (best of ``repeats``), written
+    into the runner's first blocks."""
+    num_tokens = max(1, min(max_tokens, (runner.num_blocks - 1) * runner.block_size))
+    num_blocks = -(-num_tokens // runner.block_size)
+    item = PrefillItem([(7 * i) % runner.model_config.vocab_size for i in range(num_tokens)],
+                            list(range(1, num_blocks + 1)))
+    runner.execute([item])  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        _sync(runner.device)
+        start = time.perf_counter()
+        runner.execute([item])
+        _sync(runner.device)
+        best = min(best, time.perf_counter() - start)
+    return best / num_tokens
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _raw(cache: torch.Tensor) -> torch.Tensor:
+    """An fp8 cache as its bytes (``index_copy_`` has no float8 kernel); others as they are."""
+    return cache.view(torch.uint8) if cache.dtype == torch.float8_e4m3fn else cache

@@ -1,0 +1,232 @@
+"""ModelRunner: owns device memory (weights and the paged KV cache) and runs one step.
+
+The KV cache is one preallocated pair of tensors per layer,
+``[num_blocks, block_size, num_kv_heads, head_dim]`` each, sized from the memory budget in
+``EngineConfig``: on CPU ``kv_cache_memory_bytes``; on GPU ``gpu_memory_utilization`` of
+the device's memory minus what the weights took and a reserve for activations.
+
+``execute`` turns a ``SchedulerOutput`` (a flat batch of decode tokens and prefill chunks)
+into model inputs and ``AttentionMetadata``, runs the model once, and returns the logits
+of the last token of every request that samples in this step, in batch order (and of
+each drafted token after it, for speculative decoding).
+
+Placeholders (async scheduling, see ``scheduler.py``): a step may be scheduled before
+the previous one's tokens reach the host. Such a request's input token is the one the
+runner sampled for it in the previous step; ``record_sampled`` keeps those tokens on the
+device and ``execute`` gathers them into the input ids there, so no device-to-host
+round trip sits between two steps.
+
+With a draft model (speculative decoding), the draft's KV cache gets as many blocks as
+the target's, and the budget pays for both: ``draft_config`` adds its per-block bytes.
+
+``kv_cache_dtype="fp8_e4m3"`` stores the target's cache as float8_e4m3fn (1 byte per
+value, per-tensor scale 1.0): the same budget holds twice the blocks of a bf16 cache
+(four times an fp32 one). The kernels quantise on write and dequantise on read; a draft
+model's cache stays in the model dtype.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+
+from pagoda.engine.config import EngineConfig
+from pagoda.engine.runner.cuda_graphs import DecodeGraphs
+from pagoda.engine.lora.manager import LoRAManager
+from pagoda.engine.runner.runner_output import ModelRunnerOutput
+from pagoda.kernels import AttentionMetadata
+from pagoda.models.config import ModelConfig
+from pagoda.models.llama import LlamaForCausalLM
+from pagoda.models.loader import load_model
+from pagoda.models.quant import quantize_model
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# Memory kept free on a GPU for activations and the sampler (bytes).
+_GPU_ACTIVATION_RESERVE = 2 * 2**30
+
+
+def resolve_device(config: EngineConfig) -> torch.device:
+    if config.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if config.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device: cuda was requested but no CUDA device is available")
+    return torch.device(config.device)
+
+
+def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
+    if config.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[config.dtype]
+
+
+def resolve_kv_cache_dtype(config: EngineConfig, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's storage dtype: the model's, or float8_e4m3fn (per-tensor scale 1.0)."""
+    return torch.float8_e4m3fn if config.kv_cache_dtype == "fp8_e4m3" else model_dtype
+
+
+def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block takes across all layers (K and V)."""
+    elem = torch.tensor([], dtype=dtype).element_size()
+    per_layer = 2 * block_size * model_config.num_key_value_heads * model_config.head_dim * elem
+    return per_layer * model_config.num_hidden_layers
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, model_path: str,
+                 draft_config: Optional[ModelConfig] = None) -> None:
+        self.draft_config = draft_config
+        self.config = config
+        self.model_config = model_config
+        self.device = resolve_device(config)
+        self.dtype = resolve_dtype(config, self.device)
+        self.block_size = config.block_size
+        if config.load_format == "dummy":
+            self.model = make_random_model(model_config, self.dtype, self.device, config.seed, config.quantization)
+        else:
+            self.model = load_model(model_path, dtype=self.dtype, device=self.device, quantization=config.quantization)
+        self.kv_dtype = resolve_kv_cache_dtype(config, self.dtype)
+        self.num_blocks = self._num_blocks_from_budget()
+        shape = (self.num_blocks, self.block_size, model_config.num_key_value_heads, model_config.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+             torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
+            for _ in range(model_config.num_hidden_layers)
+        ]
+        logger.info("KV cache: %d blocks of %d tokens on %s (%s)", self.num_blocks, self.block_size,
+                    self.device, self.kv_dtype)
+        self.lora = (LoRAManager(self.model, config.max_loras, config.max_lora_rank, config.max_cpu_loras)
+                     if config.enable_lora else None)
+        self.graphs = DecodeGraphs.maybe_capture(self)  # None on CPU or when disabled
+        # The previous step's last sampled token per request, on the device (placeholders).
+        self._last_sampled = torch.zeros(0, dtype=torch.int64, device=self.device)  # [num_sampled_requests]
+        self._last_sampled_rows: dict[str, int] = {}
+
+    def _num_blocks_from_budget(self) -> int:
+        if self.config.num_gpu_blocks_override is not None:
+            return self.config.num_gpu_blocks_override
+        per_block = kv_bytes_per_block(self.model_config, self.block_size, self.kv_dtype)
+        if self.draft_config is not None:
+            per_block += kv_bytes_per_block(self.draft_config, self.block_size, self.dtype)
+        if self.device.type == "cuda":
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            budget = int(total * self.config.gpu_memory_utilization) - torch.cuda.memory_allocated(self.device)
+            budget -= _GPU_ACTIVATION_RESERVE
+        else:
+            budget = self.config.kv_cache_memory_bytes
+        num_blocks = budget // per_block
+        if num_blocks < 1:
+            raise ValueError(
+                f"KV cache budget of {budget} bytes is smaller than one block ({per_block} bytes); "
+                "raise kv_cache_memory_bytes / gpu_memory_utilization")
+        return int(num_blocks)
+
+    @torch.inference_mode()
+    def execute(self, scheduled) -> torch.Tensor:
+        """Run one step.
+
+        Args:
+            scheduled: ``SchedulerOutput.scheduled`` — per request: ``token_ids``,
+                ``num_computed_tokens`` (start position), ``num_new_tokens``,
+                ``block_ids``, ``is_sampling``, ``spec_token_ids``.
+        Returns:
+            float32 logits ``[num_rows, vocab]``, in batch order: for each request with
+            ``is_sampling`` set, ``1 + len(spec_token_ids)`` rows (its last known token,
+            then each drafted token); empty when none samples.
+        """
+        lora = self._lora_batch(scheduled)
+        if lora is None and self.graphs is not None and self.graphs.can_run(scheduled):
+            # Graphs hold no LoRA: steps with adapters run eagerly.
+            rows = [row for row, item in enumerate(scheduled) if _num_placeholders(item)]
+            return self.graphs.execute(scheduled, rows, self._placeholder_tokens(scheduled, rows) if rows else None)
+        input_ids: list[int] = []
+        positions: list[int] = []
+        query_lens, seq_lens, tables, sample_rows = [], [], [], []
+        placeholder_items, placeholder_index = [], []
+        for i, item in enumerate(scheduled):
+            start, n = item.num_computed_tokens, item.num_new_tokens
+            input_ids.extend(item.token_ids)
+            if _num_placeholders(item):  # the last token: sampled by the previous step
+                placeholder_items.append(i)
+                placeholder_index.append(len(input_ids))
+                input_ids.append(0)
+            positions.extend(range(start, start + n))
+            query_lens.append(n)
+            seq_lens.append(start + n)
+            tables.append(item.block_ids)
+            if item.is_sampling:
+                end = len(input_ids)
+                sample_rows.extend(range(end - 1 - len(item.spec_token_ids), end))
+        meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, self.device)
+        ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
+        if placeholder_items:
+            index = torch.tensor(placeholder_index, dtype=torch.int64, device=self.device)
+            ids.index_copy_(0, index, self._placeholder_tokens(scheduled, placeholder_items))
+        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        hidden = self.model(ids, pos, self.kv_caches, meta, lora)  # [num_tokens, hidden]
+        if not sample_rows:
+            return torch.empty(0, self.model_config.vocab_size, device=self.device)
+        rows = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
+        return self.model.compute_logits(hidden[rows]).float()
+
+    def _lora_batch(self, scheduled):
+        if self.lora is None:
+            return None
+        return self.lora.prepare([item.request.adapter_id for item in scheduled],
+                                 [item.num_new_tokens for item in scheduled], self.device)
+
+    def record_sampled(self, output: ModelRunnerOutput, last_token_ids: Optional[torch.Tensor] = None) -> None:
+        """Keep a step's last sampled token per request for the next step's placeholders.
+
+        Args:
+            output: the step's results.
+            last_token_ids: ``[len(output.req_ids)]`` the same tokens already on the
+                device, when the sampler has them there; else they are copied in.
+        """
+        if last_token_ids is None:
+            last_token_ids = torch.tensor([t[-1] for t in output.sampled_token_ids], dtype=torch.int64,
+                                          device=self.device)
+        self._last_sampled = last_token_ids
+        self._last_sampled_rows = {req_id: row for row, req_id in enumerate(output.req_ids)}
+
+    def _placeholder_tokens(self, scheduled, items: list[int]) -> torch.Tensor:
+        """``[len(items)]`` the previous step's tokens of ``scheduled[i]`` for ``i`` in items."""
+        try:
+            src = [self._last_sampled_rows[scheduled[i].request.request_id] for i in items]
+        except KeyError as exc:
+            raise AssertionError(f"placeholder for {exc} which did not sample in the previous step") from None
+        return self._last_sampled[torch.tensor(src, dtype=torch.int64, device=self.device)]
+
+
+def _num_placeholders(item) -> int:
+    """Input tokens of ``item`` the previous step samples (``ScheduledRequest.num_placeholder_tokens``)."""
+    return item.num_new_tokens - len(item.token_ids)
+
+
+def make_random_model(
+    model_config: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int, quantization: Optional[str] = None
+) -> LlamaForCausalLM:
+    """The model with seeded random weights (``load_format="dummy"``: benchmarks of a shape
+    without its checkpoint). Projections ~ N(0, 1/fan_in), embeddings ~ N(0, 1), norms 1,
+    biases 0, LM head ~ N(0, 16/hidden) so logits spread (std ~4) and greedy picks are not
+    near-ties. Drawn on ``device`` with its own generator: the same on every run of one
+    device type. ``quantization`` is applied as ``load_model`` would."""
+    model = LlamaForCausalLM(model_config, dtype=dtype, device=device)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():  # a tied LM head is listed once
+            if name.endswith("norm"):
+                param.fill_(1.0)
+            elif param.dim() == 1:
+                param.zero_()
+            elif name == "embed_tokens":
+                param.normal_(0.0, 1.0, generator=generator)
+            else:
+                gain = 16.0 if name == "lm_head" else 1.0
+                param.normal_(0.0, (gain / param.shape[1]) ** 0.5, generator=generator)
+    if quantization is not None:
+        quantize_model(model, quantization)
+    return model.eval()

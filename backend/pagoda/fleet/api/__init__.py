@@ -1,0 +1,1 @@
+"""The router's doors: Triton gRPC, Triton HTTP, OpenAI, LoRA admin, tracing."""

@@ -1,0 +1,321 @@
+"""Triton's ``GRPCInferenceService`` in front of many replicas (the router's gRPC face).
+
+- ``ModelStreamInfer``: every request on a client's stream is routed on its own (prompt ->
+  ``Router.choose``) and sent on its own upstream stream to the chosen replica; the
+  replica's responses go back on the client's stream unchanged (ids, parameters, outputs),
+  interleaved as they arrive. The upstream stream carries exactly one request and ends when
+  the replica has sent that request's last response, which is when its in-flight count is
+  released.
+- ``ModelInfer``: routed the same way, one unary call.
+- ``ServerLive`` is the router's own; ``ServerReady`` is true while some replica is
+  routable; ``ModelReady``, ``ServerMetadata``, ``ModelMetadata``, ``ModelConfig`` are
+  forwarded to a routable replica. Other methods answer UNIMPLEMENTED.
+
+A LoRA control request (``lora_action``) is refused here with INVALID_ARGUMENT: it must
+reach every replica, which the HTTP door and ``/v1/load_lora_adapter`` do (``lora_admin``).
+
+Faults: a replica that refuses the connection before answering is marked unhealthy and the
+request goes to another replica (``max_attempts`` in all). A replica that breaks a stream
+after it began (it died) cannot be retried transparently (tokens were already sent): the
+client gets one error response naming the replica, and the replica is marked unhealthy so
+new requests avoid it until the health prober sees it ready again.
+
+``stream_replica`` (the upstream half) is shared with the OpenAI endpoints.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+from typing import Any, AsyncIterator, Optional
+
+import grpc
+from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+from pagoda.fleet.gate.gate import AuthError, LimitError, RateLimited, gate_of, is_overload
+from pagoda.fleet.gate.limits import sampling_of_infer_request, set_sampling_value
+from pagoda.fleet.routing.router import Analysis, NoReplicaAvailable, Router
+from pagoda.fleet.api.tracing import TRACEPARENT, RouteSpan, RouterTracer
+from pagoda.fleet.triton_wire import read_string_input
+
+logger = logging.getLogger(__name__)
+
+# Larger prompts are forwarded without routing analysis (the replica refuses them anyway).
+MAX_ROUTED_PROMPT_CHARS = 1_000_000
+# gRPC codes that mean "this replica is not there" (connection refused / reset / closed).
+_DEAD_CODES = (grpc.StatusCode.UNAVAILABLE,)
+_BROKEN_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
+                 grpc.StatusCode.CANCELLED)
+
+
+class ReplicaFailed(RuntimeError):
+    """A replica failed while serving a request; the message is meant for the client."""
+
+    def __init__(self, message: str, code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def analyze_infer_request(router: Router, request: Any) -> Optional[Analysis]:
+    """Routing analysis of a Triton request, or ``None`` when its prompt cannot be read."""
+    prompt = read_string_input(request, "text_input")
+    if not prompt or len(prompt) > MAX_ROUTED_PROMPT_CHARS:
+        return None
+    sampling = read_string_input(request, "sampling_parameters")
+    adapter = read_string_input(request, "lora_name") or option_of(sampling, "lora_name")
+    return router.analyze(prompt, cache_salt_of(sampling), adapter)
+
+
+def option_of(sampling_parameters: Any, key: str) -> Optional[str]:
+    """A string request option (``cache_salt``, ``lora_name``) of a sampling-parameters JSON
+    text or dict (``None`` if absent or invalid: the replica reports invalid ones)."""
+    if isinstance(sampling_parameters, str):
+        try:
+            sampling_parameters = json.loads(sampling_parameters)
+        except ValueError:
+            return None
+    if isinstance(sampling_parameters, dict):
+        value = sampling_parameters.get(key)
+        return value if isinstance(value, str) and value else None
+    return None
+
+
+def cache_salt_of(sampling_parameters: Any) -> Optional[str]:
+    """The ``cache_salt`` of a sampling-parameters JSON text or dict (``None`` if none/invalid)."""
+    return option_of(sampling_parameters, "cache_salt")
+
+
+async def stream_replica(router: Router, analysis: Optional[Analysis], request: Any, span: RouteSpan,
+                         max_attempts: int = 2) -> AsyncIterator[Any]:
+    """Route ``request`` and yield the replica's ``ModelStreamInferResponse`` messages.
+
+    A replica that refuses the request as overloaded (its first response is the
+    admission error) is remembered as full and the request goes to a replica not yet
+    tried; the overload error reaches the caller only when no replica is left.
+
+    Raises:
+        NoReplicaAvailable: no replica could be chosen.
+        ReplicaFailed: the chosen replica failed (after any retries that were safe).
+    """
+    gate = gate_of(router)
+    tried: list[str] = []
+    num_dead = 0
+    for attempt in itertools.count(1):
+        decision = await gate.choose(router, analysis, tried, attempt)
+        span.set_decision(decision)
+        replica = decision.replica
+        if span.traceparent:
+            request.parameters[TRACEPARENT].string_param = span.traceparent
+        num_responses = 0
+        call = None
+        try:
+            call = replica.grpc_stub().ModelStreamInfer(iter((request,)))
+            async for response in call:
+                if num_responses == 0 and is_overload(response.error_message):
+                    gate.mark_full(replica.replica_id)
+                    tried.append(replica.replica_id)
+                    if router.replicas.routable(tried, include_draining=True):
+                        break  # another replica may have room
+                num_responses += 1
+                yield response
+            else:
+                return
+            continue
+        except grpc.aio.AioRpcError as exc:
+            code = exc.code()
+            if code in _BROKEN_CODES and not (code == grpc.StatusCode.CANCELLED and num_responses == 0):
+                router.replicas.mark_unhealthy(replica, f"{code.name}: {exc.details()}")
+            num_dead += 1
+            if num_responses == 0 and code in _DEAD_CODES and num_dead < max_attempts:
+                tried.append(replica.replica_id)
+                continue
+            where = "while streaming this request" if num_responses else "before answering"
+            raise ReplicaFailed(f"replica {replica.replica_id} ({replica.endpoints['grpc']}) failed {where}: "
+                                f"{code.name}: {exc.details()}. The router avoids it until it is healthy "
+                                "again; retry the request.", code) from None
+        finally:
+            if call is not None and not call.done():
+                call.cancel()
+            router.release(decision)
+
+
+class GrpcProxy(service_pb2_grpc.GRPCInferenceServiceServicer):
+    """The servicer; see the module docstring."""
+
+    def __init__(self, router: Router, tracer: RouterTracer, max_attempts: int = 2) -> None:
+        self.router = router
+        self.tracer = tracer
+        self.max_attempts = max_attempts
+
+    # ---------------------------------------------------------------- inference
+    async def ModelStreamInfer(self, request_iterator, context):  # noqa: N802 - gRPC method name
+        carrier = _metadata(context)
+        try:
+            tenant = gate_of(self.router).authenticate(carrier.get("authorization"))
+        except AuthError as exc:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
+        queue: asyncio.Queue = asyncio.Queue()
+        end = object()
+        tasks: set[asyncio.Task] = set()
+
+        async def serve_one(request: Any) -> None:
+            async for response in self._stream_one(request, carrier, tenant):
+                await queue.put(response)
+
+        async def read_requests() -> None:
+            try:
+                async for request in request_iterator:
+                    task = asyncio.create_task(serve_one(request))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+            finally:
+                if tasks:
+                    await asyncio.gather(*list(tasks), return_exceptions=True)
+                await queue.put(end)
+
+        reader = asyncio.create_task(read_requests())
+        try:
+            while True:
+                item = await queue.get()
+                if item is end:
+                    break
+                yield item
+        finally:
+            reader.cancel()
+            for task in list(tasks):
+                task.cancel()
+
+    async def _stream_one(self, request: Any, carrier: dict[str, str], tenant: Any) -> AsyncIterator[Any]:
+        with self.tracer.route_span("grpc", carrier) as span:
+            ticket = None
+            try:
+                analysis, ticket = self._admit(request, tenant)
+                async for response in stream_replica(self.router, analysis, request, span, self.max_attempts):
+                    yield response
+            except (NoReplicaAvailable, ReplicaFailed, LimitError, RateLimited) as exc:
+                span.fail(str(exc))
+                yield service_pb2.ModelStreamInferResponse(
+                    error_message=str(exc),
+                    infer_response=service_pb2.ModelInferResponse(
+                        id=request.id, model_name=request.model_name, model_version=request.model_version))
+            finally:
+                if ticket is not None:
+                    ticket.release()
+
+    def _admit(self, request: Any, tenant: Any) -> tuple[Optional[Analysis], Any]:
+        """Limits, tenant salt, routing analysis, rate limits (raises LimitError / RateLimited)."""
+        gate = gate_of(self.router)
+        sampling = sampling_of_infer_request(request)
+        if read_string_input(request, "lora_action") is not None:
+            gate.count("invalid_input")
+            raise LimitError("lora_action: the router's gRPC door routes each request to one replica; send LoRA "
+                             "control requests to its HTTP door (`pagoda lora --url http://ROUTER:8080`) or "
+                             "/v1/load_lora_adapter, which apply them to every replica", "lora_action")
+        try:
+            gate.limits.check_sampling(sampling)
+            gate.limits.check_prompt(read_string_input(request, "text_input") or "", "text_input")
+        except LimitError:
+            gate.count("invalid_input")
+            raise
+        if tenant is not None:
+            salt = gate.salt(tenant, cache_salt_of(sampling))
+            if salt != cache_salt_of(sampling):
+                set_sampling_value(request, "cache_salt", salt)
+        analysis = analyze_infer_request(self.router, request)
+        num_tokens = (analysis.num_prompt_tokens if analysis else 0) + int(sampling.get("max_tokens") or 16)
+        return analysis, gate.admit(tenant, num_tokens)
+
+    async def ModelInfer(self, request, context):  # noqa: N802
+        carrier = _metadata(context)
+        with self.tracer.route_span("grpc", carrier) as span:
+            tried: list[str] = []
+            try:
+                tenant = gate_of(self.router).authenticate(carrier.get("authorization"))
+                analysis, ticket = self._admit(request, tenant)
+            except AuthError as exc:
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
+            except LimitError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            except RateLimited as exc:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            try:
+                return await self._infer_routed(request, context, span, analysis, tried)
+            finally:
+                ticket.release()
+
+    async def _infer_routed(self, request: Any, context: Any, span: Any, analysis: Optional[Analysis],
+                            tried: list[str]) -> Any:
+        """One unary call, retried on another replica when the connection is refused."""
+        for attempt in range(1, self.max_attempts + 1):
+            try:
+                decision = await self.router.choose(analysis, exclude=tried, attempt=attempt)
+            except NoReplicaAvailable as exc:
+                span.fail(str(exc))
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            span.set_decision(decision)
+            if span.traceparent:
+                request.parameters[TRACEPARENT].string_param = span.traceparent
+            try:
+                return await decision.replica.grpc_stub().ModelInfer(request)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() in _DEAD_CODES:
+                    self.router.replicas.mark_unhealthy(decision.replica, f"{exc.code().name}: {exc.details()}")
+                    tried.append(decision.replica.replica_id)
+                    if attempt < self.max_attempts:
+                        continue
+                await context.abort(exc.code(), exc.details())
+            finally:
+                self.router.release(decision)
+
+    # ---------------------------------------------------------------- health and metadata
+    async def ServerLive(self, request, context):  # noqa: N802
+        return service_pb2.ServerLiveResponse(live=True)
+
+    async def ServerReady(self, request, context):  # noqa: N802
+        return service_pb2.ServerReadyResponse(ready=bool(self.router.replicas.routable()))
+
+    async def ModelReady(self, request, context):  # noqa: N802
+        if not self.router.replicas.routable():
+            return service_pb2.ModelReadyResponse(ready=False)
+        return await self._forward("ModelReady", request, context)
+
+    async def ServerMetadata(self, request, context):  # noqa: N802
+        return await self._forward("ServerMetadata", request, context)
+
+    async def ModelMetadata(self, request, context):  # noqa: N802
+        return await self._forward("ModelMetadata", request, context)
+
+    async def ModelConfig(self, request, context):  # noqa: N802
+        return await self._forward("ModelConfig", request, context)
+
+    async def _forward(self, method: str, request: Any, context: Any) -> Any:
+        """Send a metadata call to the least busy routable replica, trying the next if one is gone."""
+        for replica in sorted(self.router.replicas.routable(), key=lambda r: r.in_flight):
+            try:
+                return await getattr(replica.grpc_stub(), method)(request, timeout=10)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in _DEAD_CODES:
+                    await context.abort(exc.code(), exc.details())
+                self.router.replicas.mark_unhealthy(replica, f"{exc.code().name}: {exc.details()}")
+        await context.abort(grpc.StatusCode.UNAVAILABLE, self.router._no_replica_message(()))
+
+
+def _metadata(context: Any) -> dict[str, str]:
+    try:
+        return {key.lower(): value for key, value in (context.invocation_metadata() or ())
+                if isinstance(value, str)}
+    except Exception:  # noqa: BLE001 - metadata is optional
+        return {}
+
+
+def make_grpc_server(proxy: GrpcProxy, host: str, port: int) -> tuple[Any, int]:
+    """A ``grpc.aio`` server with the proxy on ``host:port``; returns (server, bound port)."""
+    options = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+    server = grpc.aio.server(options=options)
+    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(proxy, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise RuntimeError(f"cannot bind the router's gRPC port {host}:{port}")
+    return server, bound

@@ -1,0 +1,366 @@
+"""The router's HTTP face (aiohttp): Triton's generate extension, health, metadata, metrics.
+
+- ``POST /v2/models/{model}/generate`` and ``generate_stream``: the body is checked here
+  (``limits.validate_generate_body``: a JSON object of known inputs with the right JSON
+  types, within the limits; else 400 naming the problem, where tritonserver itself would
+  answer 500), given the tenant's ``cache_salt`` (``gate``), routed by its
+  ``text_input`` and salt, and forwarded to the chosen replica's HTTP port with one key
+  added, ``traceparent`` (Triton turns top-level keys that are not inputs into request
+  parameters, the channel that reaches the backend). The replica's status, body and SSE
+  events come back byte for byte, except an overload refusal: the request is tried on
+  another replica, and only when all are full does the client get 503 + ``Retry-After``.
+- a LoRA control request on ``generate`` (a body with ``lora_action``; ``pagoda lora
+  --url`` the router) is the router's own: ``list`` answers the adapters the router
+  serves; ``load``/``unload`` go to every replica as ``/v1/load_lora_adapter`` does
+  (``lora_admin``; refused with 403 unless ``--allow-runtime-lora``). The answer has the
+  replica's shape: ``{"text_output": "<JSON document>"}`` or ``{"error": "..."}``.
+- ``POST /v2/models/{model}/infer`` and every other ``GET /v2/...`` are forwarded.
+- ``GET /v2/health/live`` (the router runs) and ``/v2/health/ready`` (some replica is
+  routable) are answered here; ``GET /metrics`` shows the router's own counters.
+- The OpenAI routes come from ``pagoda.fleet.api.openai_api``.
+- ``gate_middleware`` runs first on every ``/v1`` request and every ``POST /v2/models``:
+  the body size from ``Content-Length`` (413 before reading a byte), then the API key
+  (401). A client that disconnects mid-answer is logged at INFO, not as an error.
+
+Faults as in ``grpc_proxy``: a refused connection is retried on another replica; a stream
+broken mid-way ends with one SSE event ``data: {"error": "..."}`` (Triton's own SSE error
+shape) naming the replica, which is marked unhealthy; a non-streaming request gets 502.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+from typing import Any, Optional, Union
+
+import aiohttp
+from aiohttp import web
+
+from pagoda.fleet.gate.gate import (TENANT_KEY, AuthError, LimitError, RateLimited, gate_of, is_overload,
+                               retry_after_header)
+from pagoda.fleet.api.grpc_proxy import MAX_ROUTED_PROMPT_CHARS, cache_salt_of, option_of
+from pagoda.fleet.gate.limits import sampling_of_generate, validate_generate_body
+from pagoda.fleet.api.lora_admin import lora_admin_of
+from pagoda.fleet.routing.router import Analysis, NoReplicaAvailable, Router
+from pagoda.fleet.api.tracing import TRACEPARENT, RouterTracer
+
+logger = logging.getLogger(__name__)
+
+ROUTER_KEY = web.AppKey("router", Router)
+TRACER_KEY = web.AppKey("tracer", RouterTracer)
+SESSION_KEY = web.AppKey("session", aiohttp.ClientSession)
+MAX_ATTEMPTS = 2
+_FORWARDED_HEADERS = ("Content-Type", "Content-Length")
+
+
+def make_app(router: Router, tracer: RouterTracer, openai: Any = None) -> web.Application:
+    """The HTTP application; ``openai`` (an ``OpenAIApi``) adds the ``/v1`` routes."""
+    # A chunked body (no Content-Length) is cut off at the same size while it is read.
+    app = web.Application(client_max_size=gate_of(router).limits.max_body_bytes, middlewares=[gate_middleware])
+    app[ROUTER_KEY] = router
+    app[TRACER_KEY] = tracer
+    app.cleanup_ctx.append(_client_session)
+    app.router.add_get("/v2/health/live", _live)
+    app.router.add_get("/v2/health/ready", _ready)
+    app.router.add_get("/metrics", _metrics)
+    app.router.add_post("/v2/models/{model}/generate", _generate)
+    app.router.add_post("/v2/models/{model}/generate_stream", _generate)
+    app.router.add_post("/v2/models/{model}/versions/{version}/generate", _generate)
+    app.router.add_post("/v2/models/{model}/versions/{version}/generate_stream", _generate)
+    app.router.add_post("/v2/models/{model}/infer", _generate)
+    app.router.add_get("/v2{tail:.*}", _forward_get)
+    if openai is not None:
+        openai.add_routes(app)
+    return app
+
+
+async def _client_session(app: web.Application):
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=5)
+    async with aiohttp.ClientSession(timeout=timeout, auto_decompress=False) as session:
+        app[SESSION_KEY] = session
+        yield
+
+
+async def _live(request: web.Request) -> web.Response:
+    return web.Response(status=200)
+
+
+async def _ready(request: web.Request) -> web.Response:
+    return web.Response(status=200 if request.app[ROUTER_KEY].replicas.routable() else 503)
+
+
+def _error(status: int, message: str, headers: Optional[dict[str, str]] = None) -> web.Response:
+    return web.json_response({"error": message}, status=status, headers=headers)
+
+
+def _gate_error(request: web.Request, status: int, message: str, kind: str, param: Optional[str] = None,
+                headers: Optional[dict[str, str]] = None) -> web.Response:
+    """An error in the door's own shape: OpenAI's on ``/v1``, Triton's ``{"error"}`` elsewhere."""
+    if request.path.startswith("/v1/"):
+        return web.json_response({"error": {"message": message, "type": kind, "param": param, "code": None}},
+                                 status=status, headers=headers)
+    return _error(status, message, headers)
+
+
+@web.middleware
+async def gate_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Body size and API key before the handler; a client disconnect is an INFO line."""
+    guarded = request.path.startswith("/v1/") or (request.method == "POST" and request.path.startswith("/v2/models/"))
+    if guarded:
+        gate = gate_of(request.app[ROUTER_KEY])
+        try:
+            gate.limits.check_body_size(request.content_length)
+        except LimitError as exc:
+            gate.count("body_too_large")
+            return _gate_error(request, exc.status, str(exc), "invalid_request_error", exc.param)
+        try:
+            request[TENANT_KEY] = gate.authenticate(request.headers.get("Authorization"))
+        except AuthError as exc:
+            return _gate_error(request, 401, str(exc), "authentication_error",
+                               headers={"WWW-Authenticate": "Bearer"})
+    try:
+        return await handler(request)
+    except ConnectionResetError as exc:  # aiohttp's ClientConnectionResetError is one too
+        logger.info("client disconnected during %s %s: %s", request.method, request.path, exc)
+        return web.Response(status=499)  # never sent: the connection is gone
+    except asyncio.CancelledError:
+        # The router runs with handler_cancellation: a client that hangs up cancels its
+        # handler (and so its upstream stream). An ordinary event: INFO, then let it unwind.
+        logger.info("client disconnected during %s %s: request cancelled", request.method, request.path)
+        raise
+
+
+def _analysis_of(router: Router, document: Any) -> Optional[Analysis]:
+    if not isinstance(document, dict):
+        return None
+    prompt = document.get("text_input")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    if not isinstance(prompt, str) or not prompt or len(prompt) > MAX_ROUTED_PROMPT_CHARS:
+        return None
+    sampling = document.get("sampling_parameters")
+    adapter = document.get("lora_name") if isinstance(document.get("lora_name"), str) else None
+    return router.analyze(prompt, cache_salt_of(sampling), adapter or option_of(sampling, "lora_name"))
+
+
+async def _generate(request: web.Request) -> web.StreamResponse:
+    router, tracer = request.app[ROUTER_KEY], request.app[TRACER_KEY]
+    gate = gate_of(router)
+    body = await request.read()
+    document, analysis, ticket = None, None, None
+    if request.path.endswith(("generate", "generate_stream")):
+        try:
+            document = validate_generate_body(body, gate.limits)
+            if "lora_action" in document:
+                return await _lora_control(request, router, document)
+            tenant = request.get(TENANT_KEY)
+            if tenant is not None:
+                _salt_document(document, gate.salt(tenant, cache_salt_of(document.get("sampling_parameters"))))
+            analysis = _analysis_of(router, document)
+            sampling = sampling_of_generate(document)
+            num_tokens = (analysis.num_prompt_tokens if analysis else 0) + int(sampling.get("max_tokens") or 16)
+            ticket = gate.admit(tenant, num_tokens)
+        except LimitError as exc:
+            gate.count("invalid_input")
+            return _error(exc.status, str(exc))
+        except RateLimited as exc:
+            return _error(429, str(exc), retry_after_header(exc.retry_after_s))
+    carrier = {TRACEPARENT: request.headers[TRACEPARENT]} if TRACEPARENT in request.headers else {}
+    try:
+        with tracer.route_span("http", carrier) as span:
+            return await _route(request, body, document, analysis, span)
+    finally:
+        if ticket is not None:
+            ticket.release()
+
+
+async def _lora_control(request: web.Request, router: Router, document: dict[str, Any]) -> web.Response:
+    """A LoRA control request at the router: listed from its own state, or applied to every replica."""
+    admin = lora_admin_of(router)
+    action, name, path = (document.get(key) for key in ("lora_action", "lora_name", "lora_path"))
+    extra = sorted(set(document) - {"lora_action", "lora_name", "lora_path", TRACEPARENT})
+    if extra:
+        return _error(400, f"lora_action: a LoRA control request takes only lora_action, lora_name and lora_path; "
+                           f"it cannot be combined with generation inputs ({', '.join(extra)})")
+    if action == "list":
+        answer = admin.list_document()
+    elif action not in ("load", "unload"):
+        return _error(400, f"lora_action: must be one of load, unload, list, got {action!r}")
+    elif not admin.allow_runtime:
+        return _error(403, f"lora_action {action!r}: runtime LoRA updating is not enabled on this router; start "
+                           "it with `pagoda router --allow-runtime-lora`")
+    elif not name or (action == "load" and not path):
+        missing = "lora_name" if not name else "lora_path"
+        return _error(400, f"{missing}: required by lora_action {action!r}")
+    else:
+        replicas = router.replicas.routable()
+        result = await (admin.load(replicas, name, path) if action == "load" else admin.unload(replicas, name))
+        if result.error is not None:
+            return _error(result.status, result.error)
+        answer = result.document
+    return web.json_response({"model_name": request.match_info.get("model", "pagoda"),
+                              "text_output": json.dumps(answer)})
+
+
+def _salt_document(document: dict[str, Any], salt: Optional[str]) -> None:
+    if salt is None:
+        return
+    text = document.get("sampling_parameters")
+    try:
+        values = json.loads(text) if isinstance(text, str) and text.strip() else {}
+    except ValueError:
+        return  # the replica names the JSON error
+    if isinstance(values, dict):
+        values["cache_salt"] = salt
+        document["sampling_parameters"] = json.dumps(values)
+
+
+async def _route(request: web.Request, body: bytes, document: Optional[dict], analysis: Optional[Analysis],
+                 span: Any) -> web.StreamResponse:
+    """Choose a replica and relay its answer; retry on a refused connection or an overload."""
+    router = request.app[ROUTER_KEY]
+    gate = gate_of(router)
+    tried: list[str] = []
+    num_dead = 0
+    for attempt in itertools.count(1):
+        try:
+            decision = await gate.choose(router, analysis, tried, attempt)
+        except NoReplicaAvailable as exc:
+            span.fail(str(exc))
+            return _error(503, str(exc))
+        span.set_decision(decision)
+        payload = body
+        if document is not None:
+            payload = json.dumps({**document, TRACEPARENT: span.traceparent} if span.traceparent else document).encode()
+        replica = decision.replica
+        try:
+            headers = {"Content-Type": request.headers.get("Content-Type", "application/json")}
+            upstream = await request.app[SESSION_KEY].post(
+                f"http://{replica.endpoints['http']}{request.path_qs}", data=payload, headers=headers)
+        except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+            router.release(decision)
+            router.replicas.mark_unhealthy(replica, f"HTTP connection failed: {exc}")
+            tried.append(replica.replica_id)
+            num_dead += 1
+            if num_dead < MAX_ATTEMPTS:
+                continue
+            span.fail(str(exc))
+            return _error(502, f"replica {replica.replica_id} is unreachable: {exc}")
+        try:
+            answer = await _relay(request, upstream, router, decision, span)
+        finally:
+            upstream.close()
+            router.release(decision)
+        if not isinstance(answer, str):
+            return answer
+        gate.mark_full(replica.replica_id)
+        tried.append(replica.replica_id)
+        if not router.replicas.routable(tried, include_draining=True):
+            span.fail(answer)
+            gate.count("overloaded")
+            return _error(503, answer, retry_after_header())
+    raise AssertionError("unreachable: the attempt loop always returns")
+
+
+async def _relay(request: web.Request, upstream: aiohttp.ClientResponse, router: Router, decision: Any,
+                 span: Any) -> Union[web.StreamResponse, str]:
+    """Copy the replica's answer to the client; an SSE answer chunk by chunk.
+
+    Returns the overload message instead when the replica refused the request as
+    overloaded (nothing has been sent to the client then)."""
+    replica = decision.replica
+    content_type = upstream.headers.get("Content-Type", "application/json")
+    is_sse = content_type.startswith("text/event-stream")
+    if not is_sse:
+        try:
+            data = await upstream.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            failure = f"replica {replica.replica_id} failed before answering: {type(exc).__name__}: {exc}"
+            router.replicas.mark_unhealthy(replica, failure)
+            span.fail(failure)
+            return _error(502, failure + ". The router avoids it until it is healthy again; retry the request.")
+        if upstream.status != 200 and is_overload(data.decode("utf-8", "replace")):
+            return _error_text(data)
+        return web.Response(status=upstream.status, body=data, headers={"Content-Type": content_type})
+    first = b""
+    try:
+        first = await upstream.content.readany()
+    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError):
+        pass  # the loop below meets the same failure and reports it
+    if is_overload(first.decode("utf-8", "replace")) and b'"error"' in first:
+        return _error_text(first.split(b"data:", 1)[-1])
+    response = web.StreamResponse(status=upstream.status, headers={"Content-Type": content_type,
+                                                                    "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    await response.write(first)
+    try:
+        async for chunk in upstream.content.iter_any():
+            await response.write(chunk)
+    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+        failure = (f"replica {replica.replica_id} failed while streaming this request: {type(exc).__name__}: "
+                   f"{exc}. The router avoids it until it is healthy again; retry the request.")
+        router.replicas.mark_unhealthy(replica, failure)
+        span.fail(failure)
+        await response.write(f"data: {json.dumps({'error': failure})}\n\n".encode())
+    await response.write_eof()
+    return response
+
+
+def _error_text(data: bytes) -> str:
+    """The ``error`` string of a Triton JSON error body (the raw text if it is not one)."""
+    text = data.decode("utf-8", "replace").strip()
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return str(value.get("error", text)) if isinstance(value, dict) else text
+
+
+async def _forward_get(request: web.Request) -> web.Response:
+    router = request.app[ROUTER_KEY]
+    for replica in sorted(router.replicas.routable(), key=lambda r: r.in_flight):
+        try:
+            async with request.app[SESSION_KEY].get(f"http://{replica.endpoints['http']}{request.path_qs}") as upstream:
+                return web.Response(status=upstream.status, body=await upstream.read(),
+                                    headers={k: upstream.headers[k] for k in _FORWARDED_HEADERS[:1]
+                                             if k in upstream.headers})
+        except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+            router.replicas.mark_unhealthy(replica, f"HTTP connection failed: {exc}")
+    return _error(503, router._no_replica_message(()))
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    return web.Response(text=render_metrics(request.app[ROUTER_KEY]), content_type="text/plain")
+
+
+def render_metrics(router: Router) -> str:
+    """The router's counters in the Prometheus text format."""
+    times = sorted(router.decision_times_s)
+
+    def quantile(q: float) -> float:
+        return times[min(len(times) - 1, int(q * len(times)))] if times else 0.0
+
+    lines = [
+        "# TYPE pagoda_router_decisions_total counter",
+        f"pagoda_router_decisions_total {router.num_decisions}",
+        "# TYPE pagoda_router_load_only_decisions_total counter",
+        f"pagoda_router_load_only_decisions_total {router.num_fallback_decisions}",
+        "# TYPE pagoda_router_redis_available gauge",
+        f"pagoda_router_redis_available {int(router.fleet is not None and router.fleet.available)}",
+        "# TYPE pagoda_router_decision_seconds summary",
+        *(f'pagoda_router_decision_seconds{{quantile="{q}"}} {quantile(q):.6f}' for q in (0.5, 0.9, 0.99)),
+        "# TYPE pagoda_router_replica_in_flight gauge",
+        *(f'pagoda_router_replica_in_flight{{replica_id="{r.replica_id}"}} {r.in_flight}' for r in router.replicas.all()),
+        "# TYPE pagoda_router_replica_requests_total counter",
+        *(f'pagoda_router_replica_requests_total{{replica_id="{r.replica_id}"}} {r.num_routed}' for r in router.replicas.all()),
+        "# TYPE pagoda_router_replica_healthy gauge",
+        *(f'pagoda_router_replica_healthy{{replica_id="{r.replica_id}"}} {int(r.healthy)}' for r in router.replicas.all()),
+        *router.metric_lines(),
+        "# TYPE pagoda_router_refused_total counter",
+        *(f'pagoda_router_refused_total{{reason="{reason}"}} {count}'
+          for reason, count in sorted({**gate_of(router).num_refused,
+                                       **{f"rate_limited_{k}": v for k, v in gate_of(router).limiter.num_limited.items()}}.items())),
+    ]
+    return "\n".join(lines) + "\n"

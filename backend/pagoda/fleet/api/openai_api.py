@@ -1,0 +1,367 @@
+"""OpenAI-compatible ``/v1/completions``, ``/v1/chat/completions`` and ``/v1/models``.
+
+A request is validated here, turned into one contract-1 Triton request (``text_input`` =
+the prompt, or the conversation rendered with the model's chat template; ``stream`` true;
+``sampling_parameters`` JSON; ``exclude_input_in_output`` and the ``return_*`` flags),
+routed like any other (``grpc_proxy.stream_replica``) and answered in OpenAI's shapes:
+SSE ``chat.completion.chunk`` / ``text_completion`` events ending with ``data: [DONE]``,
+or one JSON object with ``usage``.
+
+Parameter mapping (OpenAI -> ``SamplingParams``): ``max_tokens`` (chat also
+``max_completion_tokens``; completions default 16, chat default: until a stop or the
+context ends), ``temperature``, ``top_p``, ``n``, ``stop`` (string or list), ``seed``,
+``presence_penalty``, ``frequency_penalty``, ``logprobs`` (completions: how many
+alternatives; chat: ``logprobs`` + ``top_logprobs``); vLLM's extras pass through:
+``top_k``, ``min_p``, ``min_tokens``, ``repetition_penalty``, ``ignore_eos``,
+``stop_token_ids``, ``skip_special_tokens``, ``include_stop_str_in_output``, plus
+``cache_salt`` and ``priority``. ``echo`` (completions) prepends the prompt. Structured
+output: ``response_format`` (``json_object``, ``json_schema``) and vLLM's ``guided_json``,
+``guided_regex``, ``guided_choice``, ``guided_grammar`` (``pagoda.fleet.api.openai_guided``).
+
+Refused with a 400 ``invalid_request_error`` (never silently ignored): several prompts or
+token-id prompts in one request, ``best_of`` other than ``n``, ``suffix``, a non-empty
+``logit_bias``, ``tools``/``functions``, more than one output format, and malformed
+values. Errors the replica reports (e.g. a prompt longer than the context) come
+back as 400 with its message; a replica that fails mid-stream ends the stream with an
+``error`` event (the SDK raises it).
+
+Limits and tenants (``pagoda.fleet.gate.gate``): the body size and the API key are checked
+before the body is read (413, 401); the number of messages, prompt length, ``max_tokens``,
+``n``, ``logprobs``/``top_logprobs`` and stop strings against ``RequestLimits`` (400
+naming the limit); the tenant's ``cache_salt`` is set; its rate limits charge the prompt
+tokens plus ``max_tokens`` (16 when not given) (429 + ``Retry-After``). When every
+replica refuses the request as overloaded (admission control) the answer is 429 with
+``Retry-After``; a request whose ``timeout`` passed gets 408.
+
+``model`` may be omitted: the request goes to the served model (as vLLM does); any name
+other than the served one (or ``pagoda``) or a served LoRA adapter is a 404.
+
+LoRA adapters at run time (vLLM's endpoints; ``pagoda.fleet.api.lora_admin``):
+``POST /v1/load_lora_adapter {"lora_name", "lora_path"}`` and
+``POST /v1/unload_lora_adapter {"lora_name"}`` apply the action to every routable replica
+(all or nothing, rolled back otherwise) and answer 200 with a JSON document, or an error
+naming each replica that failed and why (400 when every failure was the replicas' refusal,
+502 when one was unreachable, 404 to unload an adapter nobody has, 503 without replicas).
+They are refused with 403 unless the router runs with ``--allow-runtime-lora``, and sit
+behind the same API keys as every ``/v1`` route. The served adapters (``model`` names,
+``/v1/models``) are the admin's: ``--lora``, learned from replicas, or loaded here.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, Optional
+
+from aiohttp import web
+
+from pagoda.fleet.gate.gate import TENANT_KEY, LimitError, RateLimited, gate_of, is_deadline, is_overload, retry_after_header
+from pagoda.fleet.api.grpc_proxy import ReplicaFailed, stream_replica
+from pagoda.fleet.api.lora_admin import LoRAAdmin, lora_admin_of
+from pagoda.fleet.api.openai_io import (OpenAIError, build_chat_request, build_completion_request, chat_logprobs,
+                                    completion_logprobs, make_infer_request, read_outputs)
+from pagoda.fleet.routing.router import NoReplicaAvailable, Router
+from pagoda.fleet.api.tracing import TRACEPARENT, RouterTracer
+
+
+def error_response(status: int, message: str, kind: str = "invalid_request_error", param: Optional[str] = None,
+                   code: Optional[str] = None, headers: Optional[dict[str, str]] = None) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": kind, "param": param, "code": code}},
+                             status=status, headers=headers)
+
+
+def _replica_error_status(message: str) -> tuple[int, str]:
+    """HTTP status and OpenAI error type for an error text a replica sent."""
+    if message.startswith(("engine error", "request finished without output")):
+        return 500, "internal_error"
+    if message.startswith("the server is shutting down"):
+        return 503, "service_unavailable"
+    if is_overload(message):
+        return 429, "rate_limit_error"
+    if is_deadline(message):
+        return 408, "timeout"
+    return 400, "invalid_request_error"
+
+
+def _replica_error(message: str) -> web.Response:
+    status, kind = _replica_error_status(message)
+    return error_response(status, message, kind, headers=retry_after_header() if status == 429 else None)
+
+
+class OpenAIApi:
+    """The ``/v1`` routes.
+
+    Args:
+        router: routing decisions.
+        tracer: router spans.
+        model_name: the served model name (``/v1/models``; requests may also say ``pagoda``).
+        lora_names: adapters the replicas serve, where the router has no ``LoRAAdmin`` yet.
+    """
+
+    def __init__(self, router: Router, tracer: RouterTracer, model_name: str, max_attempts: int = 2,
+                 lora_names: tuple[str, ...] = ()) -> None:
+        self.router = router
+        self.tracer = tracer
+        self.model_name = model_name
+        if getattr(router, "lora_admin", None) is None:
+            router.lora_admin = LoRAAdmin(lora_names, base_model_names=(model_name, "pagoda"))
+        self.max_attempts = max_attempts
+        self.created = int(time.time())
+
+    @property
+    def lora_names(self) -> tuple[str, ...]:
+        """The adapters served now: OpenAI ``model`` names them."""
+        return lora_admin_of(self.router).names()
+
+    def add_routes(self, app: web.Application) -> None:
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/v1/load_lora_adapter", self.load_lora_adapter)
+        app.router.add_post("/v1/unload_lora_adapter", self.unload_lora_adapter)
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "pagoda"}] + [
+            {"id": name, "object": "model", "created": self.created, "owned_by": "pagoda", "root": name,
+             "parent": self.model_name} for name in self.lora_names]})
+
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        return await self._lora_action(request, "load")
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        return await self._lora_action(request, "unload")
+
+    async def _lora_action(self, request: web.Request, action: str) -> web.Response:
+        admin = lora_admin_of(self.router)
+        if not admin.allow_runtime:
+            return error_response(403, f"{action}ing LoRA adapters at run time is not enabled on this router; "
+                                       "start it with `pagoda router --allow-runtime-lora`", "permission_error")
+        try:
+            body = json.loads(await request.read())
+        except ValueError as exc:
+            return error_response(400, f"the request body is not valid JSON: {exc}")
+        fields = ("lora_name", "lora_path") if action == "load" else ("lora_name",)
+        for name in fields:
+            if not isinstance(body, dict) or not isinstance(body.get(name), str) or not body[name]:
+                return error_response(400, f"{name}: required (a non-empty string)", param=name)
+        replicas = self.router.replicas.routable()
+        answer = await (admin.load(replicas, body["lora_name"], body["lora_path"]) if action == "load"
+                        else admin.unload(replicas, body["lora_name"]))
+        if answer.error is not None:
+            kind = {404: "not_found_error", 503: "service_unavailable", 502: "replica_error"}.get(
+                answer.status, "invalid_request_error")
+            return error_response(answer.status, answer.error, kind, param="lora_name")
+        return web.json_response(answer.document)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, chat=True)
+
+    # ------------------------------------------------------------------ common path
+    async def _handle(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        try:
+            body = json.loads(await request.read())
+        except ValueError as exc:
+            return error_response(400, f"the request body is not valid JSON: {exc}")
+        try:
+            if not isinstance(body, dict):
+                raise OpenAIError("the request body must be a JSON object")
+            model = body.get("model", self.model_name)
+            if model not in (self.model_name, "pagoda", *self.lora_names):
+                served = ", ".join(repr(m) for m in (self.model_name, *self.lora_names))
+                return error_response(404, f"the model '{model}' does not exist; this server serves {served}",
+                                      param="model", code="model_not_found")
+            built = self._build(body, chat)
+            if model in self.lora_names:
+                built.sampling["lora_name"] = model
+        except (OpenAIError, LimitError) as exc:
+            gate_of(self.router).count("invalid_input")
+            return error_response(getattr(exc, "status", 400), str(exc), param=exc.param)
+        gate = gate_of(self.router)
+        tenant = request.get(TENANT_KEY)
+        if tenant is not None:
+            built.sampling["cache_salt"] = gate.salt(tenant, built.sampling.get("cache_salt"))
+        analysis = self.router.analyze(built.prompt, built.sampling.get("cache_salt"), built.sampling.get("lora_name"))
+        try:
+            ticket = gate.admit(tenant, analysis.num_prompt_tokens + (built.sampling.get("max_tokens") or 16))
+        except RateLimited as exc:
+            return error_response(429, str(exc), "rate_limit_error", headers=retry_after_header(exc.retry_after_s))
+        try:
+            return await self._route(request, chat, model, built, analysis)
+        finally:
+            ticket.release()
+
+    def _build(self, body: dict, chat: bool) -> Any:
+        """Validate and convert a body within the router's limits (raises OpenAIError / LimitError)."""
+        limits = gate_of(self.router).limits
+        if chat and isinstance(body.get("messages"), list):
+            limits.check_messages(body["messages"])
+        if not chat and isinstance(body.get("prompt"), str):
+            limits.check_prompt(body["prompt"])
+        built = build_chat_request(body, self.router.tokenizer) if chat else build_completion_request(body)
+        limits.check_prompt(built.prompt, "messages" if chat else "prompt")
+        limits.check_sampling(built.sampling)
+        return built
+
+    async def _route(self, request: web.Request, chat: bool, model: str, built: Any, analysis: Any) -> web.StreamResponse:
+        carrier = {TRACEPARENT: request.headers[TRACEPARENT]} if TRACEPARENT in request.headers else {}
+        with self.tracer.route_span("openai", carrier) as span:
+            span.set_attribute("pagoda.openai.endpoint", "chat.completions" if chat else "completions")
+            request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+            infer_request = make_infer_request(built, request_id)
+            responses = stream_replica(self.router, analysis, infer_request, span, self.max_attempts)
+            answer = _Answer(chat, request_id, model, built, self.router.tokenizer)
+            try:
+                first = await anext(responses, None)
+            except NoReplicaAvailable as exc:
+                span.fail(str(exc))
+                return error_response(503, str(exc), "service_unavailable")
+            except ReplicaFailed as exc:
+                span.fail(str(exc))
+                return error_response(502, str(exc), "replica_error")
+            if first is not None and first.error_message:
+                await responses.aclose()
+                if is_overload(first.error_message):
+                    gate_of(self.router).count("overloaded")
+                return _replica_error(first.error_message)
+            if built.stream:
+                return await self._stream(request, answer, first, responses, span)
+            return await self._collect(answer, first, responses, span)
+
+    async def _collect(self, answer: "_Answer", first: Any, responses: Any, span: Any) -> web.Response:
+        try:
+            message = first
+            while message is not None:
+                if message.error_message:
+                    return _replica_error(message.error_message)
+                answer.add(read_outputs(message.infer_response))
+                message = await anext(responses, None)
+        except ReplicaFailed as exc:
+            span.fail(str(exc))
+            return error_response(502, str(exc), "replica_error")
+        return web.json_response(answer.final_object())
+
+    async def _stream(self, request: web.Request, answer: "_Answer", first: Any, responses: Any,
+                      span: Any) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+
+        async def send(obj: Any) -> None:
+            await response.write(f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode())
+
+        try:
+            if answer.chat:
+                await send(answer.role_chunk())
+            message = first
+            while message is not None:
+                if message.error_message:
+                    await send({"error": {"message": message.error_message, "type": "replica_error",
+                                          "param": None, "code": None}})
+                    break
+                for chunk in answer.chunks(read_outputs(message.infer_response)):
+                    await send(chunk)
+                message = await anext(responses, None)
+            else:
+                if answer.built.include_usage:
+                    await send(answer.usage_chunk())
+        except ReplicaFailed as exc:
+            span.fail(str(exc))
+            await send({"error": {"message": str(exc), "type": "replica_error", "param": None, "code": None}})
+        finally:
+            await responses.aclose()
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+
+class _Answer:
+    """Accumulates one request's outputs and renders OpenAI objects."""
+
+    def __init__(self, chat: bool, request_id: str, model: str, built: Any, tokenizer: Any) -> None:
+        self.chat = chat
+        self.request_id = request_id
+        self.model = model
+        self.built = built
+        self.tokenizer = tokenizer
+        self.created = int(time.time())
+        n = built.n
+        self.texts = [built.echo_prefix] * n
+        self.finish_reasons: list[Optional[str]] = [None] * n
+        self.logprobs: list[list[dict]] = [[] for _ in range(n)]
+        self.num_prompt_tokens = 0
+        self.num_completion_tokens = [0] * n
+
+    def add(self, outputs: dict[str, list]) -> list[tuple[int, str, Optional[str], list[dict]]]:
+        """Fold one response in; returns (index, delta text, finish reason, delta logprobs) per completion."""
+        if outputs.get("num_input_tokens"):
+            self.num_prompt_tokens = int(outputs["num_input_tokens"][0])
+        deltas = []
+        for i, text in enumerate(outputs.get("text_output", [])):
+            reason = (outputs.get("finish_reason") or [""] * (i + 1))[i] or None
+            step_logprobs = json.loads(outputs["logprobs"][i]) if outputs.get("logprobs") else []
+            self.texts[i] += text
+            self.finish_reasons[i] = reason or self.finish_reasons[i]
+            self.logprobs[i].extend(step_logprobs)
+            if outputs.get("num_output_tokens"):
+                self.num_completion_tokens[i] += int(outputs["num_output_tokens"][i])
+            deltas.append((i, text, reason, step_logprobs))
+        return deltas
+
+    def _usage(self) -> dict:
+        completion = sum(self.num_completion_tokens)
+        return {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": completion,
+                "total_tokens": self.num_prompt_tokens + completion}
+
+    def _logprobs(self, entries: list[dict], offset: int = 0) -> Optional[dict]:
+        if self.built.logprobs is None:
+            return None
+        if self.chat:
+            return chat_logprobs(entries, self.tokenizer)
+        return completion_logprobs(entries, self.tokenizer, offset)
+
+    def final_object(self) -> dict:
+        if self.chat:
+            choices = [{"index": i, "message": {"role": "assistant", "content": text},
+                        "logprobs": self._logprobs(self.logprobs[i]), "finish_reason": self.finish_reasons[i]}
+                       for i, text in enumerate(self.texts)]
+            kind = "chat.completion"
+        else:
+            choices = [{"index": i, "text": text, "logprobs": self._logprobs(self.logprobs[i], len(self.built.echo_prefix)),
+                        "finish_reason": self.finish_reasons[i]} for i, text in enumerate(self.texts)]
+            kind = "text_completion"
+        return {"id": self.request_id, "object": kind, "created": self.created, "model": self.model,
+                "choices": choices, "usage": self._usage()}
+
+    def _chunk(self, choices: list[dict]) -> dict:
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        return {"id": self.request_id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
+
+    def role_chunk(self) -> dict:
+        return self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None} for i in range(self.built.n)])
+
+    def chunks(self, outputs: dict[str, list]) -> list[dict]:
+        first_text = not any(self.texts[i] != self.built.echo_prefix for i in range(self.built.n))
+        lengths = [len(t) for t in self.texts]
+        out = []
+        for i, text, reason, step_logprobs in self.add(outputs):
+            if not text and reason is None:
+                continue
+            if self.chat:
+                choice = {"index": i, "delta": {"content": text} if text else {},
+                          "logprobs": self._logprobs(step_logprobs), "finish_reason": reason}
+            else:
+                prefix = self.built.echo_prefix if first_text else ""
+                choice = {"index": i, "text": prefix + text, "logprobs": self._logprobs(step_logprobs, lengths[i]),
+                          "finish_reason": reason}
+            out.append(self._chunk([choice]))
+        return out
+
+    def usage_chunk(self) -> dict:
+        chunk = self._chunk([])
+        chunk["usage"] = self._usage()
+        return chunk

@@ -1,0 +1,259 @@
+"""OpenAI request bodies -> contract-1 Triton requests, and Triton outputs -> OpenAI pieces.
+
+Pure functions (no I/O), tested without a server. ``build_*_request`` validate a body and
+raise ``OpenAIError`` (naming the offending parameter) for anything wrong or unsupported;
+the parameter mapping is documented in ``pagoda.fleet.api.openai_api``.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from tritonclient.grpc import service_pb2
+
+from pagoda.fleet.api.openai_guided import guided_decoding_from_body
+
+MODEL_NAME = "pagoda"
+
+# OpenAI name -> (SamplingParams name, accepted Python types)
+_NUMBER = (int, float)
+_COMMON_FIELDS: dict[str, tuple[str, tuple]] = {
+    "temperature": ("temperature", _NUMBER),
+    "top_p": ("top_p", _NUMBER),
+    "n": ("n", (int,)),
+    "seed": ("seed", (int,)),
+    "presence_penalty": ("presence_penalty", _NUMBER),
+    "frequency_penalty": ("frequency_penalty", _NUMBER),
+    # vLLM-style extras
+    "top_k": ("top_k", (int,)),
+    "min_p": ("min_p", _NUMBER),
+    "min_tokens": ("min_tokens", (int,)),
+    "repetition_penalty": ("repetition_penalty", _NUMBER),
+    "ignore_eos": ("ignore_eos", (bool,)),
+    "skip_special_tokens": ("skip_special_tokens", (bool,)),
+    "include_stop_str_in_output": ("include_stop_str_in_output", (bool,)),
+    "stop_token_ids": ("stop_token_ids", (list,)),
+    "cache_salt": ("cache_salt", (str,)),
+    "priority": ("priority", (int,)),
+    "timeout": ("timeout", _NUMBER),  # seconds; pagoda.engine.core.admission deadlines
+}
+# Chat roles the chat templates know; "developer" (OpenAI's newer name) is a system message.
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_REFUSED = {
+    "suffix": "suffix (fill-in-the-middle) is not supported",
+    "tools": "tools are not supported by pagoda's router yet; send the conversation without tools",
+    "functions": "functions are not supported; send the conversation without functions",
+    "tool_choice": "tool_choice is not supported (no tools)",
+}
+
+
+class OpenAIError(ValueError):
+    """A request the OpenAI endpoints refuse; ``param`` names the offending field."""
+
+    def __init__(self, message: str, param: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class BuiltRequest:
+    """What one OpenAI request becomes."""
+
+    prompt: str
+    sampling: dict[str, Any]
+    stream: bool
+    n: int = 1
+    logprobs: Optional[int] = None  # alternatives per token; None: no logprobs
+    include_usage: bool = False
+    echo_prefix: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _check_type(body: dict, name: str, types: tuple) -> Any:
+    value = body[name]
+    if isinstance(value, bool) and bool not in types:
+        raise OpenAIError(f"{name}: expected {'/'.join(t.__name__ for t in types)}, got a boolean", name)
+    if not isinstance(value, types):
+        raise OpenAIError(f"{name}: expected {'/'.join(t.__name__ for t in types)}, got {json.dumps(value)}", name)
+    return value
+
+
+def _common(body: dict, max_tokens_default: Optional[int]) -> tuple[dict[str, Any], bool, int, bool]:
+    for name, message in _REFUSED.items():
+        if body.get(name):
+            raise OpenAIError(message, name)
+    if body.get("logit_bias"):
+        raise OpenAIError("logit_bias is not supported; omit it or send {}", "logit_bias")
+    sampling: dict[str, Any] = {}
+    for name, (target, types) in _COMMON_FIELDS.items():
+        if body.get(name) is not None:
+            sampling[target] = _check_type(body, name, types)
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens", max_tokens_default))
+    if max_tokens is not None:
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise OpenAIError(f"max_tokens: must be a positive integer, got {json.dumps(max_tokens)}", "max_tokens")
+    sampling["max_tokens"] = max_tokens
+    guided = guided_decoding_from_body(body, OpenAIError)
+    if guided is not None:
+        sampling["guided_decoding"] = guided
+    stop = body.get("stop")
+    if stop is not None:
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+            raise OpenAIError("stop: must be a string or a list of strings", "stop")
+        sampling["stop"] = stop
+    n = sampling.get("n", 1)
+    if n < 1:
+        raise OpenAIError(f"n: must be at least 1, got {n}", "n")
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != n:
+        raise OpenAIError("best_of: only best_of == n is supported", "best_of")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise OpenAIError("stream: must be a boolean", "stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise OpenAIError("stream_options: must be an object", "stream_options")
+    return sampling, stream, n, bool(options.get("include_usage", False))
+
+
+def build_completion_request(body: dict) -> BuiltRequest:
+    """``/v1/completions`` body -> ``BuiltRequest`` (raises ``OpenAIError``)."""
+    if "prompt" not in body:
+        raise OpenAIError("prompt: required", "prompt")
+    prompt = body["prompt"]
+    if isinstance(prompt, list):
+        if len(prompt) != 1 or not isinstance(prompt[0], str):
+            raise OpenAIError("prompt: pagoda takes one text prompt per request (a string or a list of one "
+                              "string); send several requests, and no token-id prompts", "prompt")
+        prompt = prompt[0]
+    if not isinstance(prompt, str) or not prompt:
+        raise OpenAIError("prompt: must be a non-empty string", "prompt")
+    sampling, stream, n, include_usage = _common(body, 16)
+    logprobs = body.get("logprobs")
+    if logprobs is not None:
+        if isinstance(logprobs, bool) or not isinstance(logprobs, int) or not 0 <= logprobs <= 20:
+            raise OpenAIError("logprobs: must be an integer from 0 to 20", "logprobs")
+        sampling["logprobs"] = logprobs
+    echo = body.get("echo", False)
+    if not isinstance(echo, bool):
+        raise OpenAIError("echo: must be a boolean", "echo")
+    return BuiltRequest(prompt, sampling, stream, n, logprobs, include_usage, prompt if echo else "")
+
+
+def _message_text(message: Any, index: int) -> dict[str, Any]:
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise OpenAIError(f"messages[{index}]: must be an object with a 'role'", "messages")
+    role = CHAT_ROLES.get(message["role"])
+    if role is None:
+        raise OpenAIError(f"messages[{index}].role: must be one of {', '.join(CHAT_ROLES)}, got "
+                          f"{json.dumps(message['role'])}", "messages")
+    content = message.get("content")
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise OpenAIError(f"messages[{index}].content: only text parts are supported", "messages")
+            parts.append(part["text"])
+        content = "".join(parts)
+    if content is None:
+        content = ""
+    if not isinstance(content, str):
+        raise OpenAIError(f"messages[{index}].content: must be a string or a list of text parts", "messages")
+    return {"role": role, "content": content}
+
+
+def build_chat_request(body: dict, tokenizer: Any) -> BuiltRequest:
+    """``/v1/chat/completions`` body -> ``BuiltRequest``: the prompt is the chat template's rendering."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise OpenAIError("messages: must be a non-empty list of {role, content} objects", "messages")
+    sampling, stream, n, include_usage = _common(body, None)
+    logprobs = None
+    if body.get("logprobs"):
+        logprobs = body.get("top_logprobs") or 0
+        if isinstance(logprobs, bool) or not isinstance(logprobs, int) or not 0 <= logprobs <= 20:
+            raise OpenAIError("top_logprobs: must be an integer from 0 to 20", "top_logprobs")
+        sampling["logprobs"] = logprobs
+    elif body.get("top_logprobs"):
+        raise OpenAIError("top_logprobs: needs logprobs: true", "top_logprobs")
+    try:
+        prompt = tokenizer.apply_chat_template([_message_text(m, i) for i, m in enumerate(messages)],
+                                               add_generation_prompt=True)
+    except ValueError as exc:
+        raise OpenAIError(f"messages: {exc}", "messages") from None
+    return BuiltRequest(prompt, sampling, stream, n, logprobs, include_usage)
+
+
+# ------------------------------------------------------------------ Triton tensors
+def _bytes_raw(values: list[bytes]) -> bytes:
+    return b"".join(struct.pack("<I", len(v)) + v for v in values)
+
+
+def make_infer_request(built: BuiltRequest, request_id: str) -> Any:
+    """The contract-1 ``ModelInferRequest`` for a built OpenAI request (streaming deltas)."""
+    request = service_pb2.ModelInferRequest(model_name=MODEL_NAME, id=request_id)
+    inputs = [("text_input", "BYTES", _bytes_raw([built.prompt.encode("utf-8")])),
+              ("sampling_parameters", "BYTES", _bytes_raw([json.dumps(built.sampling).encode("utf-8")]))]
+    flags = {"stream": True, "exclude_input_in_output": True, "return_finish_reason": True,
+             "return_num_input_tokens": True, "return_num_output_tokens": True,
+             "return_logprobs": built.logprobs is not None}
+    inputs += [(name, "BOOL", struct.pack("?", value)) for name, value in flags.items()]
+    for name, datatype, raw in inputs:
+        tensor = request.inputs.add()
+        tensor.name, tensor.datatype = name, datatype
+        tensor.shape.append(1)
+        request.raw_input_contents.append(raw)
+    return request
+
+
+_NUMPY_FORMATS = {"UINT32": "I", "INT32": "i", "FP32": "f", "UINT64": "Q", "INT64": "q", "BOOL": "?"}
+
+
+def read_outputs(response: Any) -> dict[str, list]:
+    """A ``ModelInferResponse``'s outputs as ``{name: [python values]}`` (BYTES decoded as UTF-8)."""
+    from pagoda.fleet.triton_wire import bytes_elements
+
+    out: dict[str, list] = {}
+    for index, tensor in enumerate(response.outputs):
+        raw = response.raw_output_contents[index] if index < len(response.raw_output_contents) else b""
+        if tensor.datatype == "BYTES":
+            out[tensor.name] = [v.decode("utf-8", errors="replace") for v in bytes_elements(raw)]
+        elif tensor.datatype in _NUMPY_FORMATS:
+            fmt = _NUMPY_FORMATS[tensor.datatype]
+            out[tensor.name] = list(struct.unpack(f"<{len(raw) // struct.calcsize(fmt)}{fmt}", raw))
+    return out
+
+
+# ------------------------------------------------------------------ logprobs
+def _token_text(tokenizer: Any, token_id: int) -> str:
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def chat_logprobs(entries: list[dict], tokenizer: Any) -> dict:
+    """Engine ``TokenLogprob`` dicts -> the chat ``logprobs`` object."""
+    def item(token_id: int, logprob: float) -> dict:
+        text = _token_text(tokenizer, token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**item(e["token_id"], e["logprob"]),
+                         "top_logprobs": [item(t["token_id"], t["logprob"]) for t in e.get("top_logprobs", [])]}
+                        for e in entries]}
+
+
+def completion_logprobs(entries: list[dict], tokenizer: Any, offset: int = 0) -> dict:
+    """Engine ``TokenLogprob`` dicts -> the legacy completions ``logprobs`` object."""
+    tokens, offsets = [], []
+    for entry in entries:
+        text = _token_text(tokenizer, entry["token_id"])
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{_token_text(tokenizer, t["token_id"]): t["logprob"] for t in e.get("top_logprobs", [])}
+                             for e in entries],
+            "text_offset": offsets}

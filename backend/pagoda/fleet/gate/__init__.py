@@ -1,0 +1,1 @@
+"""The router's front gate: input limits, API keys and tenants, rate limits, overload memory."""

@@ -1,0 +1,140 @@
+"""The router's front gate: what every request passes before it is routed.
+
+``Gate`` bundles the input limits (``limits.RequestLimits``), the tenants
+(``auth.ApiKeys``, ``auth.TenantLimiter``, the tenant salt) and the overload memory, so
+each door (``http_api``, ``openai_api``, ``grpc_proxy``) adds one call per concern
+instead of its own policy. ``RouterService`` hangs it on the router as ``router.gate``;
+``gate_of(router)`` gives an open default where none is configured (tests, benches).
+
+Order at every door: body size (HTTP, from ``Content-Length``, before reading) ->
+API key (401) -> parse and validate (400 naming the field) -> tenant salt -> routing
+analysis (tokens) -> rate limits (429 + ``Retry-After``) -> route.
+
+Overload: a replica that refuses a request because its waiting queue is full
+(``pagoda.engine.core.admission``: an error starting with ``overloaded:``) is remembered as
+full for ``retry_after_s`` (``mark_full``); ``route_excluding`` then keeps new requests
+off it while another replica has room, and the request itself is retried on a replica
+not yet tried. Only when every replica refused does the client get the overload error:
+429 + ``Retry-After`` on OpenAI, 503 + ``Retry-After`` on Triton HTTP, the replica's
+error message on gRPC.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Any, Callable, Optional
+
+from aiohttp import web
+
+from pagoda.engine.core.admission import DEADLINE_PREFIX, DEFAULT_RETRY_AFTER_S, OVERLOADED_PREFIX
+from pagoda.fleet.gate.auth import ApiKeys, AuthError, RateLimited, Tenant, TenantLimiter, Ticket, tenant_salt
+from pagoda.fleet.gate.limits import LimitError, RequestLimits
+
+logger = logging.getLogger(__name__)
+
+# Where the HTTP middleware leaves the caller's tenant on the aiohttp request.
+TENANT_KEY = web.RequestKey("pagoda_tenant", object)
+
+
+def is_overload(message: Optional[str]) -> bool:
+    return bool(message) and OVERLOADED_PREFIX in message
+
+
+def is_deadline(message: Optional[str]) -> bool:
+    return bool(message) and message.startswith(DEADLINE_PREFIX)
+
+
+class Gate:
+    """Limits, tenants and overload memory of one router.
+
+    Args:
+        limits: input limits.
+        keys: API keys, or ``None`` for the open mode.
+        share_cache: keep clients' own salts (tenants may share cached blocks).
+        clock: monotonic seconds (rate limits and overload memory; tests inject one).
+    """
+
+    def __init__(self, limits: Optional[RequestLimits] = None, keys: Optional[ApiKeys] = None,
+                 share_cache: bool = False, clock: Callable[[], float] = time.monotonic) -> None:
+        self.limits = limits or RequestLimits()
+        self.keys = keys
+        self.share_cache = share_cache
+        self.clock = clock
+        self.limiter = TenantLimiter(clock)
+        self._full_until: dict[str, float] = {}
+        self.num_refused: dict[str, int] = {}  # reason -> count (/metrics; never a key or tenant secret)
+
+    def announce(self) -> None:
+        """Log the mode once at start: loudly when anyone may call."""
+        if self.keys is None:
+            logger.warning("OPEN MODE: no API keys configured (--api-keys-file / $PAGODA_API_KEYS); every caller "
+                           "is served, tenants are not isolated and no rate limits apply")
+        else:
+            logger.info("API keys: %d keys for %d tenants; prefix cache %s across tenants", self.keys.num_keys,
+                        len(self.keys.tenant_ids()), "shared" if self.share_cache else "isolated")
+
+    def count(self, reason: str) -> None:
+        self.num_refused[reason] = self.num_refused.get(reason, 0) + 1
+
+    # ------------------------------------------------------------------ tenants
+    def authenticate(self, authorization: Optional[str]) -> Optional[Tenant]:
+        """The caller's tenant (``None`` in open mode). Raises ``AuthError``."""
+        if self.keys is None:
+            return None
+        try:
+            return self.keys.tenant_of(authorization)
+        except AuthError:
+            self.count("unauthenticated")
+            raise
+
+    def salt(self, tenant: Optional[Tenant], client_salt: Optional[str]) -> Optional[str]:
+        return tenant_salt(tenant, client_salt, self.share_cache)
+
+    def admit(self, tenant: Optional[Tenant], num_tokens: int) -> Ticket:
+        """Charge the tenant's rate limits. Raises ``RateLimited``."""
+        try:
+            return self.limiter.admit(tenant, num_tokens)
+        except RateLimited:
+            self.count("rate_limited")
+            raise
+
+    # ------------------------------------------------------------------ overload memory
+    def mark_full(self, replica_id: str, retry_after_s: float = DEFAULT_RETRY_AFTER_S) -> None:
+        self._full_until[replica_id] = self.clock() + retry_after_s
+
+    def full_replica_ids(self) -> list[str]:
+        now = self.clock()
+        for replica_id in [r for r, until in self._full_until.items() if until <= now]:
+            del self._full_until[replica_id]
+        return list(self._full_until)
+
+    async def choose(self, router: Any, analysis: Any, tried: list[str], attempt: int) -> Any:
+        """``router.choose`` avoiding replicas known full while another has room."""
+        from pagoda.fleet.routing.router import NoReplicaAvailable
+
+        full = [r for r in self.full_replica_ids() if r not in tried]
+        if full:
+            try:
+                return await router.choose(analysis, exclude=[*tried, *full], attempt=attempt)
+            except NoReplicaAvailable:
+                pass  # every replica with room was tried: a full one may have drained since
+        return await router.choose(analysis, exclude=tried, attempt=attempt)
+
+
+def gate_of(router: Any) -> Gate:
+    """The router's gate; an open default one (created once) where none was configured."""
+    gate = getattr(router, "gate", None)
+    if gate is None:
+        gate = Gate()
+        router.gate = gate
+    return gate
+
+
+def retry_after_header(seconds: float = DEFAULT_RETRY_AFTER_S) -> dict[str, str]:
+    return {"Retry-After": str(max(1, math.ceil(seconds)))}
+
+
+__all__ = ["Gate", "gate_of", "is_overload", "is_deadline", "retry_after_header", "AuthError", "RateLimited",
+           "LimitError", "TENANT_KEY"]

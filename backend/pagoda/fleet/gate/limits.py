@@ -1,0 +1,264 @@
+"""Limits on every input the router accepts, and the router's own check of Triton HTTP bodies.
+
+Every limit is a field of ``RequestLimits`` (``pagoda router --max-*`` flags) and every
+refusal is a ``LimitError`` whose message starts with the offending parameter and names
+the limit, answered as 400 (413 for the body size). The checks run before routing, so a
+refused request costs no replica anything:
+
+- body size (``max_body_bytes``): from ``Content-Length`` before a byte of the body is
+  read (a chunked body is cut off by aiohttp at the same size), so a 10 MB body is
+  refused in milliseconds instead of being parsed, rendered and tokenized first;
+- prompt characters (``max_prompt_chars``, the replicas' own bound), chat messages
+  (``max_messages``);
+- sampling: ``max_tokens`` (``max_tokens_limit``), ``n``, ``logprobs``/``top_logprobs``,
+  the number and length of stop strings, the number of ``stop_token_ids``.
+
+``validate_generate_body`` checks a Triton generate-extension body as the replica's own
+front end should but does not (tritonserver answers a body it cannot parse with 500, and
+an unknown top-level key becomes a silently ignored request parameter): the body must be
+a JSON object; every key must be one of the model's inputs (``GENERATE_INPUTS``) or
+``traceparent``; each value must have its input's JSON type (``text_input`` a string or a
+list of one string, booleans ``true``/``false``, numbers as numbers). A
+``sampling_parameters`` object is accepted and sent on as the JSON string the replica
+expects. A body with ``lora_action`` (a LoRA control request) needs no ``text_input``.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from typing import Any, Optional
+
+# Triton generate inputs of model_repository/pagoda/config.pbtxt -> their JSON kind.
+GENERATE_INPUTS: dict[str, str] = {
+    "text_input": "string", "sampling_parameters": "json",
+    "stream": "bool", "exclude_input_in_output": "bool", "return_finish_reason": "bool",
+    "return_cumulative_logprob": "bool", "return_logprobs": "bool", "return_num_input_tokens": "bool",
+    "return_num_output_tokens": "bool",
+    "max_tokens": "int", "min_tokens": "int", "top_k": "int", "end_id": "int", "beam_width": "int",
+    "seed": "uint", "random_seed": "uint",
+    "temperature": "number", "top_p": "number", "repetition_penalty": "number", "presence_penalty": "number",
+    "frequency_penalty": "number",
+    "stop_words": "strings", "bad_words": "strings", "lora_name": "string",
+    "lora_action": "string", "lora_path": "string",  # a LoRA control request (http_api answers it)
+}
+GENERATE_PARAMETERS = ("traceparent",)  # top-level keys that are request parameters, not inputs
+
+
+class LimitError(ValueError):
+    """A request refused before routing; ``param`` names the field, ``status`` the HTTP code."""
+
+    def __init__(self, message: str, param: Optional[str] = None, status: int = 400) -> None:
+        super().__init__(message)
+        self.param = param
+        self.status = status
+
+
+@dataclass
+class RequestLimits:
+    """The router's input limits (see the module docstring); every one is a router flag."""
+
+    max_body_bytes: int = 4 * 2**20
+    max_prompt_chars: int = 1_000_000
+    max_tokens_limit: int = 32_768
+    max_n: int = 16
+    max_logprobs: int = 20
+    max_stop_strings: int = 16
+    max_stop_string_chars: int = 512
+    max_stop_token_ids: int = 64
+    max_messages: int = 1024
+
+    def check_body_size(self, content_length: Optional[int]) -> None:
+        if content_length is not None and content_length > self.max_body_bytes:
+            raise LimitError(f"body: {content_length} bytes exceed this server's limit of {self.max_body_bytes} "
+                             "bytes (router --max-body-bytes)", "body", status=413)
+
+    def check_prompt(self, prompt: str, param: str = "prompt") -> None:
+        if len(prompt) > self.max_prompt_chars:
+            raise LimitError(f"{param}: {len(prompt)} characters exceed this server's limit of "
+                             f"{self.max_prompt_chars} (router --max-prompt-chars)", param)
+
+    def check_messages(self, messages: list) -> None:
+        if len(messages) > self.max_messages:
+            raise LimitError(f"messages: {len(messages)} messages exceed this server's limit of "
+                             f"{self.max_messages} (router --max-messages)", "messages")
+
+    def check_sampling(self, sampling: dict[str, Any]) -> None:
+        """Check SamplingParams-named values (numbers may still be strings, vLLM-backend style)."""
+        for name, limit, flag in (("max_tokens", self.max_tokens_limit, "max-tokens-limit"),
+                                  ("n", self.max_n, "max-n"), ("logprobs", self.max_logprobs, "max-logprobs")):
+            value = _as_int(sampling.get(name))
+            if value is not None and value > limit:
+                raise LimitError(f"{name}: {value} exceeds this server's limit of {limit} (router --{flag})", name)
+        stop = sampling.get("stop")
+        stops = [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else []
+        if len(stops) > self.max_stop_strings:
+            raise LimitError(f"stop: {len(stops)} stop strings exceed this server's limit of "
+                             f"{self.max_stop_strings} (router --max-stop-strings)", "stop")
+        longest = max((len(s) for s in stops if isinstance(s, str)), default=0)
+        if longest > self.max_stop_string_chars:
+            raise LimitError(f"stop: a stop string of {longest} characters exceeds this server's limit of "
+                             f"{self.max_stop_string_chars} (router --max-stop-string-chars)", "stop")
+        ids = sampling.get("stop_token_ids")
+        if isinstance(ids, list) and len(ids) > self.max_stop_token_ids:
+            raise LimitError(f"stop_token_ids: {len(ids)} ids exceed this server's limit of "
+                             f"{self.max_stop_token_ids} (router --max-stop-token-ids)", "stop_token_ids")
+
+
+def _as_int(value: Any) -> Optional[int]:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return int(value)
+    if isinstance(value, str):
+        try:
+            return int(value.strip())
+        except ValueError:
+            return None
+    return None
+
+
+# ------------------------------------------------------------------ Triton generate bodies
+def validate_generate_body(body: bytes, limits: RequestLimits) -> dict[str, Any]:
+    """Parse and check a generate-extension body; returns it with ``sampling_parameters`` as text.
+
+    Raises:
+        LimitError: naming the problem (not JSON, not an object, an unknown key, a value of
+            the wrong type, a limit exceeded).
+    """
+    try:
+        document = json.loads(body)
+    except ValueError as exc:
+        raise LimitError(f"body: not valid JSON ({exc})", "body") from None
+    if not isinstance(document, dict):
+        raise LimitError(f"body: must be a JSON object of inputs, got a JSON {_json_kind(document)}", "body")
+    unknown = sorted(set(document) - set(GENERATE_INPUTS) - set(GENERATE_PARAMETERS))
+    if unknown:
+        raise LimitError(f"{unknown[0]}: unknown input; the inputs are {', '.join(sorted(GENERATE_INPUTS))}",
+                         unknown[0])
+    is_control = "lora_action" in document  # a LoRA control request: no prompt (http_api answers it)
+    if "text_input" not in document and not is_control:
+        raise LimitError("text_input: required input is missing", "text_input")
+    for name, value in document.items():
+        if name in GENERATE_INPUTS:
+            document[name] = _check_input(name, GENERATE_INPUTS[name], value)
+    if is_control:
+        return document
+    limits.check_prompt(prompt_of(document), "text_input")
+    limits.check_sampling(sampling_of_generate(document))
+    return document
+
+
+def _check_input(name: str, kind: str, value: Any) -> Any:
+    if kind == "string":
+        if isinstance(value, list) and len(value) == 1:
+            value = value[0]
+        if not isinstance(value, str):
+            raise LimitError(f"{name}: must be a string, got a JSON {_json_kind(value)}", name)
+    elif kind == "json":
+        if isinstance(value, dict):
+            return json.dumps(value)
+        if not isinstance(value, str):
+            raise LimitError(f"{name}: must be a JSON object (or a string holding one), got a JSON "
+                             f"{_json_kind(value)}", name)
+    elif kind == "bool":
+        if not isinstance(value, bool):
+            raise LimitError(f"{name}: must be true or false, got {json.dumps(value)}", name)
+    elif kind in ("int", "uint"):
+        if isinstance(value, bool) or not isinstance(value, int) or (kind == "uint" and value < 0):
+            raise LimitError(f"{name}: must be {'a non-negative' if kind == 'uint' else 'an'} integer, "
+                             f"got {json.dumps(value)}", name)
+    elif kind == "number":
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise LimitError(f"{name}: must be a number, got {json.dumps(value)}", name)
+    elif kind == "strings":
+        items = value if isinstance(value, list) else [value]
+        if not all(isinstance(item, str) for item in items):
+            raise LimitError(f"{name}: must be a string or a list of strings", name)
+    return value
+
+
+def _json_kind(value: Any) -> str:
+    return ("array" if isinstance(value, list) else "object" if isinstance(value, dict)
+            else "boolean" if isinstance(value, bool) else "number" if isinstance(value, (int, float))
+            else "null" if value is None else "string")
+
+
+def prompt_of(document: dict[str, Any]) -> str:
+    prompt = document.get("text_input")
+    return prompt[0] if isinstance(prompt, list) and prompt else prompt if isinstance(prompt, str) else ""
+
+
+def sampling_of_generate(document: dict[str, Any]) -> dict[str, Any]:
+    """SamplingParams-named values of a generate body (its JSON and its scalar inputs)."""
+    sampling = _json_object(document.get("sampling_parameters"))
+    for name in ("max_tokens",):
+        if name in document:
+            sampling[name] = document[name]
+    if "stop_words" in document:
+        words = document["stop_words"]
+        sampling["stop"] = [w for w in (words if isinstance(words, list) else [words]) if w]
+    return sampling
+
+
+def _json_object(text: Any) -> dict[str, Any]:
+    if isinstance(text, dict):
+        return dict(text)
+    try:
+        value = json.loads(text) if isinstance(text, str) and text.strip() else {}
+    except ValueError:
+        return {}  # the replica names the JSON error
+    return value if isinstance(value, dict) else {}
+
+
+# ------------------------------------------------------------------ gRPC requests
+def sampling_of_infer_request(request: Any) -> dict[str, Any]:
+    """SamplingParams-named values of a ``ModelInferRequest`` (JSON + ``max_tokens``/``stop_words``)."""
+    from pagoda.fleet.triton_wire import bytes_elements, read_string_input
+
+    sampling = _json_object(read_string_input(request, "sampling_parameters"))
+    for index, tensor in enumerate(request.inputs):
+        raw = request.raw_input_contents[index] if index < len(request.raw_input_contents) else b""
+        if tensor.name == "max_tokens" and tensor.datatype == "INT32" and len(raw) == 4:
+            sampling["max_tokens"] = struct.unpack("<i", raw)[0]
+        elif tensor.name == "stop_words" and tensor.datatype == "BYTES":
+            sampling["stop"] = [w.decode("utf-8", "replace") for w in bytes_elements(raw) if w]
+    return sampling
+
+
+def set_sampling_value(request: Any, key: str, value: Any) -> None:
+    """Set ``key`` in a ``ModelInferRequest``'s ``sampling_parameters`` JSON (added if absent).
+
+    Keeps the request's encoding: raw contents if it uses them, else typed contents.
+    Invalid JSON is left alone (the replica names the error)."""
+    from pagoda.fleet.triton_wire import read_string_input
+
+    text = read_string_input(request, "sampling_parameters")
+    if text is not None and text.strip():
+        try:
+            values = json.loads(text)
+        except ValueError:
+            return
+        if not isinstance(values, dict):
+            return
+    else:
+        values = {}
+    values[key] = value
+    encoded = json.dumps(values).encode("utf-8")
+    uses_raw = len(request.raw_input_contents) > 0
+    for index, tensor in enumerate(request.inputs):
+        if tensor.name == "sampling_parameters":
+            if uses_raw:
+                request.raw_input_contents[index] = struct.pack("<I", len(encoded)) + encoded
+            else:
+                del tensor.contents.bytes_contents[:]
+                tensor.contents.bytes_contents.append(encoded)
+            return
+    tensor = request.inputs.add()
+    tensor.name, tensor.datatype = "sampling_parameters", "BYTES"
+    tensor.shape.append(1)
+    if uses_raw:
+        request.raw_input_contents.append(struct.pack("<I", len(encoded)) + encoded)
+    else:
+        tensor.contents.bytes_contents.append(encoded)

@@ -1,0 +1,1 @@
+"""The fleet's Redis side: prefix index, KV-event publisher, replica registry."""

@@ -1,0 +1,1 @@
+"""The routing decision: router, policies, routing-time affinity, replica membership."""

@@ -1,0 +1,409 @@
+"""`pagoda router`: one endpoint (Triton gRPC + HTTP + OpenAI) in front of many replicas.
+
+Pieces (each in its own module):
+
+- ``router_core``: prompt -> block hashes -> prefix-index match + load -> policy -> replica,
+  with optimistic in-flight accounting and Redis fault handling (load-only fallback);
+- ``replicas``: membership (static ``--replicas``, Kubernetes ``--k8s-selector``, or the
+  Redis registry), health, in-flight counts;
+- ``grpc_proxy``: Triton's ``GRPCInferenceService`` (``--grpc-port``, default 8081);
+- ``http_api`` + ``openai_api``: ``/v2/...`` generate/generate_stream and ``/v1/...``
+  OpenAI routes (``--http-port``, default 8080);
+- ``tracing``: a span per routed request, ``traceparent`` forwarded to the replica;
+- ``lora_admin``: the served LoRA adapters; run-time load/unload on every replica
+  (``--allow-runtime-lora``); a replica that (re)joins has its adapters listed and the
+  run-time ones replayed before it is routable;
+- ``gate`` (with ``limits`` and ``auth``): input limits, API keys -> tenants -> cache
+  salt, per-tenant rate limits, overload memory; hung on the router as ``router.gate``.
+
+``RouterService`` owns them and two background tasks: the registry refresh (every
+``registry_interval_s``: heartbeat load, block size, hash model id; its first success
+after a failure brings prefix routing back) and the health prober (every
+``health_interval_s``: ``ServerReady`` on each replica; a replica marked unhealthy by a
+failed request becomes routable again once it answers ready and, if it was not routable
+or is new, once its LoRA adapters are synced: ``lora_admin``). ``BackgroundRouter`` runs a
+service on its own thread and event loop (tests, ``pagoda bench routing --real``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import os
+import re
+import signal
+import sys
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from pagoda.fleet.gate.limits import RequestLimits
+
+logger = logging.getLogger(__name__)
+HTTP_SHUTDOWN_TIMEOUT_S = 10.0  # open HTTP connections get this long to finish when the router stops
+
+PASSWORD_ENV = "PAGODA_REDIS_PASSWORD"
+
+
+@dataclass
+class RouterOptions:
+    """Everything ``pagoda router`` accepts (see ``make_parser`` for the meaning)."""
+
+    model_dir: Optional[str] = None
+    model_name: Optional[str] = None
+    lora_names: tuple = ()  # LoRA adapters the replicas serve (OpenAI model names)
+    allow_runtime_lora: bool = False  # /v1/load_lora_adapter, /v1/unload_lora_adapter (lora_admin)
+    hash_model_id: Optional[str] = None
+    replicas: Optional[str] = None
+    k8s_selector: Optional[str] = None
+    k8s_namespace: Optional[str] = None
+    k8s_api: Optional[str] = None
+    redis_url: Optional[str] = None
+    policy: str = "prefix_aware"
+    policy_knobs: dict[str, float] = field(default_factory=dict)
+    index_mode: str = "follower"
+    redis_timeout_s: float = 0.05
+    host: str = "0.0.0.0"
+    http_port: int = 8080
+    grpc_port: int = 8081
+    otlp_endpoint: Optional[str] = None
+    block_size: int = 16
+    registry_interval_s: float = 0.5
+    health_interval_s: float = 2.0
+    max_attempts: int = 2
+    # Tenants (pagoda.fleet.gate.auth): keys file (else $PAGODA_API_KEYS; neither: open mode).
+    api_keys_file: Optional[str] = None
+    share_prefix_cache: bool = False
+    tenant_requests_per_minute: Optional[float] = None  # defaults for keys without their own
+    tenant_tokens_per_minute: Optional[float] = None
+    tenant_max_concurrent: Optional[int] = None
+    limits: Any = None  # a pagoda.fleet.gate.limits.RequestLimits; None: the defaults
+
+
+def make_gate(options: RouterOptions) -> Any:
+    """The ``Gate`` (limits, API keys, rate limits) the options describe."""
+    from pagoda.fleet.gate.auth import Tenant, load_api_keys
+    from pagoda.fleet.gate.gate import Gate
+
+    defaults = Tenant("", options.tenant_requests_per_minute, options.tenant_tokens_per_minute,
+                      options.tenant_max_concurrent)
+    return Gate(options.limits, load_api_keys(options.api_keys_file, defaults), options.share_prefix_cache)
+
+
+def resolve_redis_url(url: str, environ: Optional[dict[str, str]] = None) -> str:
+    """Expand ``$(PAGODA_REDIS_PASSWORD)`` (as the kubelet would) and ``${VAR}`` in a Redis URL."""
+    env = os.environ if environ is None else environ
+    url = re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), url)
+    return os.path.expandvars(url) if environ is None else url
+
+
+class RouterService:
+    """The running router: servers, background tasks, and the ``Router`` they share.
+
+    Args:
+        options: the configuration.
+        tracer: a ``RouterTracer`` to use instead of one built from ``otlp_endpoint``.
+        tokenizer: a ``Tokenizer`` to use instead of loading ``model_dir``'s.
+    """
+
+    def __init__(self, options: RouterOptions, tracer: Any = None, tokenizer: Any = None) -> None:
+        self.options = options
+        self._tracer = tracer
+        self._tokenizer = tokenizer
+        self.router: Any = None
+        self.http_port = 0
+        self.grpc_port = 0
+        self._tasks: list[asyncio.Task] = []
+        self._grpc_server: Any = None
+        self._http_runner: Any = None
+        self._discovery: Any = None
+        self._redis: Any = None
+
+    async def start(self) -> "RouterService":
+        from aiohttp import web
+
+        from pagoda.fleet.api.grpc_proxy import GrpcProxy, make_grpc_server
+        from pagoda.fleet.api.http_api import make_app
+        from pagoda.fleet.api.lora_admin import LoRAAdmin
+        from pagoda.fleet.api.openai_api import OpenAIApi
+        from pagoda.fleet.routing.replicas import KubernetesConfig, KubernetesDiscovery, ReplicaSet, parse_replicas_spec
+        from pagoda.fleet.routing.router import FleetView, Router
+        from pagoda.fleet.api.tracing import make_router_tracer
+        from pagoda.models.tokenizer import Tokenizer
+
+        o = self.options
+        if o.replicas and o.k8s_selector:
+            raise ValueError("give --replicas or --k8s-selector, not both")
+        if not (o.replicas or o.k8s_selector or o.redis_url):
+            raise ValueError("the router needs replicas: --replicas, --k8s-selector or --redis-url (registry)")
+        model_dir = o.model_dir or os.environ.get("PAGODA_MODEL_DIR")
+        if not model_dir:
+            from pagoda.models.gguf_import import ensure_default_model
+
+            model_dir = str(ensure_default_model())
+        folder = Path(model_dir).resolve().name
+        model_name = o.model_name or os.environ.get("PAGODA_MODEL_NAME") or folder
+        tokenizer = self._tokenizer or Tokenizer.from_pretrained(model_dir)
+        self.tracer = self._tracer or make_router_tracer(o.otlp_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
+        source = "static" if o.replicas else "kubernetes" if o.k8s_selector else "registry"
+        replicas = ReplicaSet(source)
+        if o.replicas:
+            replicas.set_members((rid or endpoints["grpc"], endpoints) for rid, endpoints in parse_replicas_spec(o.replicas))
+        fleet = None
+        if o.redis_url:
+            from pagoda.fleet.index.prefix_index import make_redis_client
+
+            # Short socket timeouts, no retries: a dead Redis fails fast into load-only routing.
+            self._redis = make_redis_client(resolve_redis_url(o.redis_url))
+            fleet = FleetView(self._redis, model_name, o.index_mode, o.redis_timeout_s)
+            fleet.start()
+        self.router = Router(replicas, tokenizer, o.hash_model_id or folder, o.policy, fleet,
+                             block_size=o.block_size, **o.policy_knobs)
+        self.router.served_model_name = model_name
+        self.router.gate = make_gate(o)
+        self.router.lora_admin = LoRAAdmin(o.lora_names, o.allow_runtime_lora, (model_name, "pagoda"))
+        self.router.gate.announce()
+        if o.k8s_selector:
+            config = (KubernetesConfig(o.k8s_api, o.k8s_namespace or os.environ.get("PAGODA_NAMESPACE") or "default")
+                      if o.k8s_api else KubernetesConfig.in_cluster(o.k8s_namespace))
+            self._discovery = KubernetesDiscovery(replicas, o.k8s_selector, config)
+            self._discovery.start()
+        if fleet is not None:
+            await self._refresh_registry()
+            self._tasks.append(asyncio.create_task(self._registry_loop(), name="pagoda-router-registry"))
+        # Probe once before serving, so a replica that is down at start is never tried.
+        await asyncio.gather(*(self.probe(r) for r in replicas.all()), return_exceptions=True)
+        self._tasks.append(asyncio.create_task(self._health_loop(), name="pagoda-router-health"))
+        self._grpc_server, self.grpc_port = make_grpc_server(GrpcProxy(self.router, self.tracer, o.max_attempts),
+                                                             o.host, o.grpc_port)
+        await self._grpc_server.start()
+        app = make_app(self.router, self.tracer, OpenAIApi(self.router, self.tracer, model_name, o.max_attempts,
+                                                                 o.lora_names))
+        # A client that disconnects cancels its handler, and with it the upstream gRPC stream
+        # (stream_replica cancels its call), so the replica aborts the request and frees its
+        # KV blocks — for non-streaming requests too, which otherwise ran to completion.
+        # shutdown_timeout bounds how long stop() waits for open connections (aiohttp's
+        # default, 60 s, made a router with one idle keep-alive client take a minute to stop).
+        self._http_runner = web.AppRunner(app, access_log=None, handler_cancellation=True,
+                                          shutdown_timeout=HTTP_SHUTDOWN_TIMEOUT_S)
+        await self._http_runner.setup()
+        site = web.TCPSite(self._http_runner, o.host, o.http_port)
+        await site.start()
+        self.http_port = site._server.sockets[0].getsockname()[1]
+        return self
+
+    async def _refresh_registry(self) -> None:
+        infos = await self.router.fleet.refresh()
+        if infos is not None:
+            self.router.apply_heartbeats(infos)
+
+    async def _registry_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.options.registry_interval_s)
+            try:
+                await self._refresh_registry()
+            except Exception:  # noqa: BLE001 - never let the loop die
+                logger.exception("registry refresh failed")
+
+    async def probe(self, replica: Any) -> bool:
+        """Ask one replica ``ServerReady``; update its health; return whether it is ready and routable."""
+        import grpc
+        from tritonclient.grpc import service_pb2
+
+        try:
+            response = await replica.probe_stub().ServerReady(service_pb2.ServerReadyRequest(), timeout=2.0)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                self.router.replicas.mark_unhealthy(replica, f"health probe: {exc.code().name}")
+            return False
+        if response.ready:
+            await self._admit_ready(replica)
+        else:
+            self.router.replicas.mark_unhealthy(replica, "health probe: not ready")
+        return bool(response.ready) and replica.healthy
+
+    async def _admit_ready(self, replica: Any) -> None:
+        """A ready replica becomes routable; one that was not (or is new) first gets its LoRA
+        adapters synced (``lora_admin.sync``: learn its adapters, replay the run-time ones)."""
+        from pagoda.fleet.api.lora_admin import lora_admin_of
+
+        if not replica.healthy or not replica.lora_synced:
+            reason = await lora_admin_of(self.router).sync(replica)
+            replica.lora_synced = reason is None
+            if reason is not None:
+                self.router.replicas.mark_unhealthy(replica, reason)
+                return
+        self.router.replicas.mark_healthy(replica)
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.options.health_interval_s)
+            replicas = self.router.replicas.all()
+            await asyncio.gather(*(self.probe(r) for r in replicas), return_exceptions=True)
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+        if self._discovery is not None:
+            await self._discovery.stop()
+        if self._grpc_server is not None:
+            await self._grpc_server.stop(grace=1.0)
+        if self._http_runner is not None:
+            await self._http_runner.cleanup()
+        if self.router is not None:
+            if self.router.fleet is not None:
+                self.router.fleet.stop()
+            await self.router.replicas.close()
+        if self._redis is not None:
+            self._redis.close()
+        if getattr(self, "tracer", None) is not None and self._tracer is None:
+            self.tracer.shutdown()
+
+
+class BackgroundRouter:
+    """A ``RouterService`` on its own thread and event loop (a context manager).
+
+    Attributes after start: ``http_url`` (``127.0.0.1:port``), ``grpc_url``, ``service``.
+    """
+
+    def __init__(self, options: RouterOptions, **service_kwargs: Any) -> None:
+        self.service = RouterService(options, **service_kwargs)
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="pagoda-router", daemon=True)
+
+    def call(self, coroutine: Any, timeout: float = 60.0) -> Any:
+        """Run a coroutine on the router's loop and return its result."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
+
+    def run(self, fn: Any, timeout: float = 60.0) -> Any:
+        """Run a plain function on the router's loop (to read its state safely)."""
+        async def wrapper():
+            return fn()
+        return self.call(wrapper(), timeout)
+
+    def __enter__(self) -> "BackgroundRouter":
+        self._thread.start()
+        try:
+            self.call(self.service.start(), timeout=300)
+        except BaseException:
+            self.__exit__()
+            raise
+        self.http_url = f"127.0.0.1:{self.service.http_port}"
+        self.grpc_url = f"127.0.0.1:{self.service.grpc_port}"
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            self.call(self.service.stop(), timeout=60)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(30)
+            self.loop.close()
+
+
+def make_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pagoda router",
+                                description="Cache-aware router (Triton gRPC/HTTP and OpenAI) in front of pagoda replicas.")
+    p.add_argument("--model-dir", help="the served model's folder (its tokenizer); default: $PAGODA_MODEL_DIR "
+                                       "or the default SmolLM2 import")
+    p.add_argument("--model-name", help="served model name and Redis key namespace; default: $PAGODA_MODEL_NAME "
+                                        "or the model folder's name")
+    p.add_argument("--lora", action="append", default=[], metavar="NAME",
+                   help="a LoRA adapter the replicas serve (repeatable): listed in /v1/models, chosen by 'model'; "
+                        "optional: adapters the replicas have are learned when they become ready")
+    p.add_argument("--allow-runtime-lora", action="store_true",
+                   help="accept /v1/load_lora_adapter and /v1/unload_lora_adapter (and `pagoda lora` control "
+                        "requests), applied to every replica (started with --allow-runtime-lora)")
+    p.add_argument("--hash-model-id", help="block-hash root (default: the model folder's name; replicas' heartbeats override)")
+    p.add_argument("--replicas", help="static replicas: 'id=a,grpc=host:port,http=host:port[,metrics=host:port];...'")
+    p.add_argument("--k8s-selector", help="discover ready pods with these labels (a=b,c=d) in the router's namespace")
+    p.add_argument("--k8s-namespace", help="namespace for --k8s-selector (default: $PAGODA_NAMESPACE or the pod's)")
+    p.add_argument("--k8s-api", help="API server URL (default: in-cluster)")
+    p.add_argument("--redis-url", help="redis://[:password@]host:port/db; $(PAGODA_REDIS_PASSWORD) is expanded")
+    p.add_argument("--policy", default="prefix_aware",
+                   choices=("random", "round_robin", "least_loaded", "prefix_aware", "precise", "approximate"))
+    p.add_argument("--policy-knob", action="append", default=[], metavar="KEY=VALUE",
+                   help="a policy knob (see pagoda.fleet.routing.policy), e.g. load_cost_tokens=64")
+    p.add_argument("--index", dest="index_mode", default="follower", choices=("follower", "direct"),
+                   help="prefix matches from a local mirror of the event stream, or from Redis per request")
+    p.add_argument("--redis-timeout-ms", type=float, default=50.0, help="longest a request waits on Redis")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--http-port", type=int, default=8080)
+    p.add_argument("--grpc-port", type=int, default=8081)
+    p.add_argument("--otlp-endpoint", help="OTLP/gRPC trace receiver (default: $OTEL_EXPORTER_OTLP_ENDPOINT; none: off)")
+    p.add_argument("--block-size", type=int, default=16, help="used until a replica heartbeat reports its own")
+    p.add_argument("--health-interval", type=float, default=2.0)
+    p.add_argument("--max-attempts", type=int, default=2, help="replicas tried when a connection is refused")
+    tenants = p.add_argument_group("tenants", "API keys, cache isolation and rate limits (pagoda.fleet.gate.auth)")
+    tenants.add_argument("--api-keys-file", help="lines 'KEY TENANT [rpm=N] [tpm=N] [concurrency=N]' (default: "
+                                                 "$PAGODA_API_KEYS; neither: open mode, no authentication)")
+    tenants.add_argument("--share-prefix-cache", action="store_true",
+                         help="let tenants share cached blocks (default: each tenant's cache_salt isolates it)")
+    tenants.add_argument("--tenant-rpm", type=float, help="requests per minute per tenant (keys may override)")
+    tenants.add_argument("--tenant-tpm", type=float, help="tokens (prompt + max_tokens) per minute per tenant")
+    tenants.add_argument("--tenant-max-concurrent", type=int, help="requests in flight per tenant")
+    limits = p.add_argument_group("limits", "input limits; a request over one gets a 4xx naming it")
+    for f in dataclasses.fields(RequestLimits):
+        limits.add_argument("--" + f.name.replace("_", "-"), type=int, default=f.default, help=f"default {f.default}")
+    return p
+
+
+def options_from_args(args: argparse.Namespace) -> RouterOptions:
+    knobs = {}
+    for item in args.policy_knob:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--policy-knob: expected KEY=VALUE, got {item!r}")
+        knobs[key] = float(value)
+    return RouterOptions(
+        model_dir=args.model_dir, model_name=args.model_name, hash_model_id=args.hash_model_id,
+        lora_names=tuple(args.lora), allow_runtime_lora=args.allow_runtime_lora,
+        replicas=args.replicas, k8s_selector=args.k8s_selector, k8s_namespace=args.k8s_namespace,
+        k8s_api=args.k8s_api, redis_url=args.redis_url, policy=args.policy, policy_knobs=knobs,
+        index_mode=args.index_mode, redis_timeout_s=args.redis_timeout_ms / 1e3, host=args.host,
+        http_port=args.http_port, grpc_port=args.grpc_port, otlp_endpoint=args.otlp_endpoint,
+        block_size=args.block_size, health_interval_s=args.health_interval, max_attempts=args.max_attempts,
+        api_keys_file=args.api_keys_file, share_prefix_cache=args.share_prefix_cache,
+        tenant_requests_per_minute=args.tenant_rpm, tenant_tokens_per_minute=args.tenant_tpm,
+        tenant_max_concurrent=args.tenant_max_concurrent,
+        limits=RequestLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(RequestLimits)}))
+
+
+async def _serve(options: RouterOptions) -> None:
+    service = RouterService(options)
+    await service.start()
+    print(f"pagoda router ({options.policy}) serving model '{service.router.served_model_name}'\n"
+          f"  HTTP/OpenAI http://{options.host}:{service.http_port}  (/v2/models/pagoda/generate_stream, /v1/...)\n"
+          f"  gRPC        {options.host}:{service.grpc_port}\n"
+          f"  replicas    {', '.join(r.replica_id for r in service.router.replicas.all()) or '(from the registry)'}",
+          flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        print("stopping the router ...", file=sys.stderr, flush=True)
+        await service.stop()
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Entry point of ``pagoda router``; returns the exit code."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        options = options_from_args(make_parser().parse_args(argv))
+        asyncio.run(_serve(options))
+    except (ValueError, RuntimeError, OSError) as exc:
+        print(f"pagoda router: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

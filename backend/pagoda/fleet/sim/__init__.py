@@ -1,0 +1,1 @@
+"""A discrete-event simulator of a routed fleet, built from the real engine parts."""

@@ -1,0 +1,1 @@
+"""What runs in the `pagoda serve` parent process: launcher, CLI, startup check, clients."""

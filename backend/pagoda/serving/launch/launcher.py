@@ -1,0 +1,449 @@
+"""`pagoda serve`: run the real ``tritonserver`` over our model repository.
+
+The binary comes from the ``nvidia-pytriton`` wheel (Triton 2.51 with the Python backend)
+or NVIDIA's container (``triton_install``). Used directly, without PyTriton's own model
+proxy, it needs:
+
+1. a backend directory whose ``python/`` holds ``libtriton_python.so``,
+   ``triton_python_backend_utils.py`` and the stub built for this Python;
+2. the wheel's ``nvidia_pytriton.libs`` (or the install's ``lib``) on ``LD_LIBRARY_PATH``;
+3. this interpreter's ``bin/`` first on ``PATH``: the stub takes ``sys.path`` from the
+   first ``python3`` it finds, so the model sees this environment's packages (pagoda).
+
+``TritonServer`` materializes a temporary work dir with that backend directory and a copy
+of ``model_repository/`` whose ``config.pbtxt`` parameters carry the chosen engine
+settings, then:
+
+- refuses to start when the stub's numpy is 2.x or a port is taken (clear messages);
+- starts the server in its own process group with a parent-death signal, so it never
+  outlives the launcher (``process_tree``), and waits until the server and model are READY;
+- sends one small request through the whole path (``startup_check``) and raises, naming
+  the cause when the log shows it, if that fails: a server is never announced unanswered;
+- while serving, ``check_health`` reports a dead server or a dead stub (tritonserver 2.51
+  keeps answering READY after its stub died; the launcher then stops it);
+- stops by draining (the engine loop refuses new requests and finishes those in flight,
+  up to ``grace_period_s``: see ``engine_loop``), unloading the model through the
+  repository API (explicit model control, restricted to a per-start token header), then
+  SIGINT, then SIGKILL to the whole process group, even if tritonserver already exited,
+  so no stub is left behind. tritonserver's own exit timeout is not the drain: it is
+  shared with idle keep-alive connections, which would use it all up.
+
+It is a context manager, which tests use as a fixture. The CLI is ``serve_cli``.
+
+The default model is imported (GGUF -> safetensors, once) here, before the server starts,
+so the backend's model load only reads a ready folder.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from pagoda.serving import process_tree
+from pagoda.serving.launch import startup_check
+from pagoda.serving.model_config import rewrite_config_pbtxt
+from pagoda.serving.launch.triton_install import (STUB_NAME, TritonPaths, default_model_repository,  # noqa: F401
+                                           find_tritonserver, make_backend_dir)
+
+MODEL_NAME = "pagoda"
+EXIT_TIMEOUT_S = 3
+UNLOAD_TIMEOUT_S = 30.0  # the model's finalize after the drain
+# Only the launcher may load/unload models: the repository API needs this header.
+ADMIN_HEADER = "pagoda-launcher-token"
+
+
+@dataclass
+class ServeOptions:
+    """What ``pagoda serve`` accepts; ``None`` keeps the value in config.pbtxt."""
+
+    model: Optional[str] = None
+    http_port: int = 8000
+    grpc_port: int = 8001
+    metrics_port: int = 8002
+    host: str = "127.0.0.1"  # where the launcher probes readiness (the server binds all interfaces)
+    block_size: Optional[int] = None
+    kv_cache_memory_bytes: Optional[int] = None
+    max_model_len: Optional[int] = None
+    max_num_seqs: Optional[int] = None
+    max_num_batched_tokens: Optional[int] = None
+    enable_chunked_prefill: Optional[bool] = None
+    enable_prefix_caching: Optional[bool] = None
+    device: Optional[str] = None
+    dtype: Optional[str] = None
+    quantization: Optional[str] = None
+    # Any other EngineConfig field, as config.pbtxt parameter text (--engine-arg and the
+    # scheduling / speculative / offload flags land here); validated by EngineConfig.
+    engine_args: dict[str, str] = field(default_factory=dict)
+    model_repository: Optional[str] = None
+    log_verbose: int = 0
+    startup_timeout_s: float = 900.0
+    # How long a stop waits for in-flight requests (the model's unload); keep it below
+    # Kubernetes' terminationGracePeriodSeconds.
+    grace_period_s: float = 30.0
+    first_request_timeout_s: float = 300.0  # the startup check's request (a cold first step)
+    check_first_request: bool = True
+    # Fleet layer: with a Redis URL the replica publishes block events and heartbeats.
+    redis_url: Optional[str] = None
+    replica_id: Optional[str] = None
+    fleet_model: Optional[str] = None  # key namespace (default: the model folder's name)
+    advertise_host: Optional[str] = None  # how routers reach this replica (default 127.0.0.1)
+
+    def fleet_env(self) -> dict[str, str]:
+        """Environment for ``pagoda.fleet.index.publisher.publisher_from_env`` in the model."""
+        if not self.redis_url:
+            return {}
+        env = {"PAGODA_REDIS_URL": self.redis_url, "PAGODA_HTTP_PORT": str(self.http_port),
+               "PAGODA_GRPC_PORT": str(self.grpc_port), "PAGODA_METRICS_PORT": str(self.metrics_port)}
+        for name, value in (("PAGODA_REPLICA_ID", self.replica_id), ("PAGODA_MODEL_NAME", self.fleet_model),
+                            ("PAGODA_ADVERTISE_HOST", self.advertise_host)):
+            if value:
+                env[name] = value
+        return env
+
+    def parameter_overrides(self) -> dict[str, Optional[str]]:
+        def text(value):
+            if value is None:
+                return None
+            return ("true" if value else "false") if isinstance(value, bool) else str(value)
+
+        return {
+            "model": self.model,
+            "block_size": text(self.block_size),
+            "kv_cache_memory_bytes": text(self.kv_cache_memory_bytes),
+            "max_model_len": text(self.max_model_len),
+            "max_num_seqs": text(self.max_num_seqs),
+            "max_num_batched_tokens": text(self.max_num_batched_tokens),
+            "enable_chunked_prefill": text(self.enable_chunked_prefill),
+            "enable_prefix_caching": text(self.enable_prefix_caching),
+            "device": self.device,
+            "dtype": self.dtype,
+            "quantization": self.quantization,
+            **self.engine_args,
+        }
+
+
+def materialize_repository(source: Path, dest: Path, options: ServeOptions) -> Path:
+    """Copy the model repository to ``dest`` with ``options`` written into config.pbtxt."""
+    shutil.copytree(source, dest, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    config_path = dest / MODEL_NAME / "config.pbtxt"
+    kind = {"cuda": "KIND_GPU", "cpu": "KIND_CPU"}.get(options.device or "")
+    config_path.write_text(rewrite_config_pbtxt(config_path.read_text(), options.parameter_overrides(), kind))
+    return dest
+
+
+def find_free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class TritonServer:
+    """A running tritonserver over a materialized pagoda model repository.
+
+    Args:
+        options: ports and engine settings.
+        log_path: where server output goes; ``None`` copies it to this process's stdout
+            (and keeps a tail, so failures can name their cause).
+    """
+
+    def __init__(self, options: ServeOptions, log_path: Optional[str] = None) -> None:
+        self.options = options
+        self.log_path = log_path
+        self.workdir: Optional[Path] = None
+        self.process: Optional[subprocess.Popen] = None
+        self.stub_pids: list[int] = []
+        self._log_file = None
+        self._log_tail_lines: "collections.deque[str]" = collections.deque(maxlen=400)
+        self._log_pump: Optional[threading.Thread] = None
+        self._admin_token = secrets.token_hex(16)
+
+    @property
+    def http_url(self) -> str:
+        return f"{self.options.host}:{self.options.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self.options.host}:{self.options.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.options.host}:{self.options.metrics_port}/metrics"
+
+    def start(self) -> "TritonServer":
+        """Start the server, wait until it and the model are READY, check one request.
+
+        Raises:
+            RuntimeError: numpy 2 in the stub's environment, a port in use, the server
+                exited or was not ready in time, or the first request failed (a
+                ``startup_check.StartupCheckError``, with the cause when it is known).
+        """
+        paths = find_tritonserver()
+        if self.options.model is None:
+            from pagoda.models.gguf_import import ensure_default_model
+
+            self.options.model = str(ensure_default_model())
+        env = self._server_env(paths)
+        startup_check.check_numpy_version(startup_check.stub_numpy_version(env))
+        process_tree.check_ports_free((self.options.http_port, self.options.grpc_port, self.options.metrics_port))
+        self.workdir = Path(tempfile.mkdtemp(prefix="pagoda-serve-"))
+        env["PAGODA_DRAIN_FILE"] = str(self.workdir / "drain")
+        backend_dir = make_backend_dir(paths, self.workdir / "backends")
+        source = Path(self.options.model_repository) if self.options.model_repository else default_model_repository()
+        repository = materialize_repository(source, self.workdir / "model_repository", self.options)
+        try:
+            self._spawn(paths, backend_dir, repository, env)
+            self._wait_ready(self.options.startup_timeout_s)
+            self.stub_pids = self._find_stubs()
+            if self.options.check_first_request:
+                self._check_first_request()
+        except BaseException:
+            self.stop(grace_s=0)
+            raise
+        return self
+
+    def _server_env(self, paths: TritonPaths) -> dict[str, str]:
+        env = dict(os.environ)
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(paths.libs), env.get("LD_LIBRARY_PATH")) if p)
+        env["PATH"] = os.pathsep.join((str(Path(sys.executable).parent), env.get("PATH", "")))
+        env.setdefault("HF_HUB_OFFLINE", "1")
+        env.update(self.options.fleet_env())
+        return env
+
+    def _spawn(self, paths: TritonPaths, backend_dir: Path, repository: Path, env: dict[str, str]) -> None:
+        command = [
+            str(paths.binary),
+            f"--model-repository={repository}",
+            f"--backend-directory={backend_dir}",
+            f"--http-port={self.options.http_port}",
+            f"--grpc-port={self.options.grpc_port}",
+            f"--metrics-port={self.options.metrics_port}",
+            "--allow-gpu-metrics=false",
+            # The drain is the model's unload (stop()); the exit timeout then only bounds
+            # tritonserver's wait for idle keep-alive connections at exit.
+            f"--exit-timeout-secs={EXIT_TIMEOUT_S}",
+            "--model-control-mode=explicit", f"--load-model={MODEL_NAME}",
+            f"--http-restricted-api=model-repository:{ADMIN_HEADER}={self._admin_token}",
+            f"--grpc-restricted-protocol=model-repository:{ADMIN_HEADER}={self._admin_token}",
+            f"--log-verbose={self.options.log_verbose}",
+        ]
+        if self.log_path is not None:
+            self._log_file = open(self.log_path, "ab")
+            output = self._log_file
+        else:
+            output = subprocess.PIPE
+        # Own process group: a terminal's Ctrl-C reaches only us, and we drain. The
+        # parent-death signal keeps that group from outliving us (process_tree).
+        self.process = process_tree.spawn(command, env=env, stdout=output, stderr=subprocess.STDOUT,
+                                          stdin=subprocess.DEVNULL, start_new_session=True)
+        if self.log_path is None:
+            self._log_pump = threading.Thread(target=self._pump_log, args=(self.process.stdout,),
+                                              name="pagoda-serve-log", daemon=True)
+            self._log_pump.start()
+
+    def _pump_log(self, stream) -> None:
+        """Copy the server's output to our stdout, keeping a tail for diagnoses."""
+        for raw in iter(stream.readline, b""):
+            line = raw.decode(errors="replace")
+            self._log_tail_lines.append(line)
+            try:
+                sys.stdout.write(line)
+                sys.stdout.flush()
+            except (OSError, ValueError):
+                pass
+        stream.close()
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        url = f"http://{self.http_url}/v2/models/{MODEL_NAME}/ready"
+        while time.monotonic() < deadline:
+            code = self.process.poll()
+            if code is not None:
+                raise RuntimeError(f"tritonserver exited with code {code} before READY{self._log_tail()}")
+            try:
+                with urllib.request.urlopen(url, timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, OSError):
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"tritonserver not READY after {timeout_s:.0f} s{self._log_tail()}")
+
+    def _check_first_request(self) -> None:
+        try:
+            startup_check.send_first_request(self.http_url, MODEL_NAME, self.options.first_request_timeout_s)
+        except startup_check.StartupCheckError as exc:
+            time.sleep(0.5)  # let the server log the stub's last words
+            cause = startup_check.diagnose(self.log_text())
+            message = f"tritonserver is READY but cannot serve: {exc}"
+            if cause:
+                message += f"\ncause: {cause}"
+            raise startup_check.StartupCheckError(message + self._log_tail()) from None
+
+    def _find_stubs(self) -> list[int]:
+        if self.process is None:
+            return []
+        return [pid for pid in process_tree.group_members(self.process.pid)
+                if pid != self.process.pid and process_tree.process_name(pid).startswith("triton_python")]
+
+    def log_text(self, num_chars: int = 20000) -> str:
+        """The end of the server's output (empty if it is not kept)."""
+        if self.log_path is None:
+            return "".join(self._log_tail_lines)[-num_chars:]
+        if self._log_file is not None:
+            self._log_file.flush()
+        try:
+            return Path(self.log_path).read_text(errors="replace")[-num_chars:]
+        except OSError:
+            return ""
+
+    def _log_tail(self, num_chars: int = 4000) -> str:
+        if self.log_path is None:
+            return ""  # already on our stdout
+        return "\n--- tritonserver log tail ---\n" + self.log_text(num_chars)
+
+    def is_running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def check_health(self) -> Optional[str]:
+        """What is wrong with a started server, or ``None`` when it can serve.
+
+        tritonserver 2.51 keeps reporting READY after its Python-backend stub died (every
+        request then fails with "Stub process ... is not healthy"), so the stub's pid is
+        watched here.
+        """
+        if self.process is None:
+            return "tritonserver is not running"
+        code = self.process.poll()
+        if code is not None:
+            return f"tritonserver exited with code {code}"
+        dead = [pid for pid in self.stub_pids if not process_tree.is_alive(pid)]
+        if dead:
+            cause = startup_check.diagnose(self.log_text())
+            return (f"the Python-backend stub (pid {', '.join(map(str, dead))}) died"
+                    + (f": {cause}" if cause and "stub died" not in cause else ""))
+        return None
+
+    def restart_model(self) -> None:
+        """Reload the model after its stub died: a new stub, checked with one request.
+
+        While it reloads the server is not ready and requests get "unknown model ... no
+        available versions" (404).
+
+        Raises:
+            RuntimeError: the model did not unload, load or answer again.
+        """
+        self._unload(UNLOAD_TIMEOUT_S, None)
+        if self._repository("load", timeout_s=self.options.startup_timeout_s) is None:
+            raise RuntimeError(f"reloading the model failed{self._log_tail()}")
+        self.stub_pids = self._find_stubs()
+        if self.options.check_first_request:
+            self._check_first_request()
+
+    def stop(self, grace_s: Optional[float] = None, force: Optional[threading.Event] = None) -> Optional[int]:
+        """Drain and stop: the engine takes no new requests and finishes those in flight
+        (up to ``grace_s``), the model unloads (tritonserver turns not-ready), then SIGINT
+        (tritonserver waits at most ``EXIT_TIMEOUT_S`` for idle connections), then SIGKILL
+        to the whole group.
+
+        Args:
+            grace_s: how long in-flight requests may take (default: the options' grace
+                period); 0 kills at once.
+            force: when set (a second Ctrl-C), stop waiting and kill.
+
+        Returns:
+            tritonserver's exit code (``None`` if it was never started).
+        """
+        code = None
+        if self.process is not None:
+            if grace_s is None:
+                grace_s = self.options.grace_period_s
+            if self.process.poll() is None and grace_s > 0:
+                self._drain(grace_s, force)
+                self._unload(UNLOAD_TIMEOUT_S, force)
+                self.process.send_signal(signal.SIGINT)
+                self._wait_exit(EXIT_TIMEOUT_S + 10.0, force)
+            # Always, even when tritonserver is gone: its stub may not be.
+            left = process_tree.kill_group(self.process.pid)
+            if left:
+                print(f"pagoda serve: processes {left} survived SIGKILL", file=sys.stderr)
+            self.process.wait()
+            code = self.process.returncode
+            self.process = None
+        if self._log_pump is not None:
+            self._log_pump.join(5.0)
+            self._log_pump = None
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+        if self.workdir is not None:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+            self.workdir = None
+        return code
+
+    def _wait_exit(self, timeout_s: float, force: Optional[threading.Event]) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.process.poll() is None and time.monotonic() < deadline:
+            if force is not None and force.is_set():
+                return
+            time.sleep(0.1)
+
+    def _repository(self, action: str, timeout_s: float) -> Optional[object]:
+        """POST to the (restricted) model repository API; the JSON answer, or None."""
+        path = "index" if action == "index" else f"models/{MODEL_NAME}/{action}"
+        request = urllib.request.Request(f"http://{self.http_url}/v2/repository/{path}", data=b"{}",
+                                         headers={ADMIN_HEADER: self._admin_token,
+                                                  "Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=timeout_s) as response:
+                body = response.read()
+        except (urllib.error.URLError, OSError, ValueError):
+            return None
+        return json.loads(body) if body else {}
+
+    def _drain(self, grace_s: float, force: Optional[threading.Event]) -> None:
+        """Tell the engine loop to drain; wait until it has nothing in flight (or ``grace_s``)."""
+        drain = self.workdir / "drain"
+        try:
+            drain.touch()
+        except OSError:
+            return
+        done = Path(f"{drain}.done")
+        deadline = time.monotonic() + grace_s
+        while not done.exists() and time.monotonic() < deadline and self.process.poll() is None:
+            if force is not None and force.is_set():
+                return
+            time.sleep(0.05)
+
+    def _unload(self, grace_s: float, force: Optional[threading.Event]) -> None:
+        """Unload the model and wait (up to ``grace_s``) until Triton reports it unloaded."""
+        deadline = time.monotonic() + grace_s
+        if self._repository("unload", timeout_s=max(1.0, grace_s)) is None:
+            return
+        while time.monotonic() < deadline and self.process.poll() is None:
+            if force is not None and force.is_set():
+                return
+            index = self._repository("index", timeout_s=2.0) or []
+            if not any(m.get("name") == MODEL_NAME and m.get("state") in ("READY", "UNLOADING") for m in index):
+                return
+            time.sleep(0.1)
+
+    def __enter__(self) -> "TritonServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

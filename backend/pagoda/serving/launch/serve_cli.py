@@ -1,0 +1,237 @@
+"""The ``pagoda serve`` command line: flags -> ``ServeOptions`` -> a supervised ``TritonServer``.
+
+Lifecycle (see ``launcher`` and ``process_tree`` for the mechanisms):
+
+- bad engine settings are refused before anything starts; so are numpy 2 in the stub's
+  environment and ports already in use;
+- the endpoints are printed only after one request went through the whole path;
+- while serving, a dead Python-backend stub (tritonserver alone would keep answering
+  READY while failing every request) is restarted by reloading the model, not ready
+  meanwhile, at most ``--max-stub-restarts`` times in 10 minutes; beyond that, or if
+  tritonserver itself died, the replica stops with a message and exit code 1, so an
+  orchestrator restarts it and no router keeps it;
+- SIGTERM or Ctrl-C drains: the engine stops taking requests and finishes those in flight
+  for up to ``--grace-period`` seconds, the model unloads, tritonserver exits, and every
+  process in its group is gone when we return; a second signal kills at once;
+- SIGKILL of this process takes tritonserver with it (parent-death signal).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Optional
+
+from pagoda.serving.launch.launcher import MODEL_NAME, ServeOptions, TritonServer
+from pagoda.serving.model_config import engine_config_from_parameters
+
+HEALTH_INTERVAL_S = 0.5
+STUB_RESTART_WINDOW_S = 600.0
+# Flags whose value goes into config.pbtxt as the EngineConfig field of the same name.
+ENGINE_FLAGS = ("scheduling_policy", "speculative_method", "speculative_model", "num_speculative_tokens",
+                "cpu_offload_bytes", "preemption_mode", "default_max_tokens", "gpu_memory_utilization",
+                "max_waiting_requests", "max_waiting_prompt_tokens", "kv_cache_dtype")
+
+
+def make_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pagoda serve", description="Serve a model on Triton Inference Server.")
+    p.add_argument("--model", help="Hugging Face folder (safetensors); default: SmolLM2-135M-Instruct")
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--grpc-port", type=int, default=8001)
+    p.add_argument("--metrics-port", type=int, default=8002)
+    p.add_argument("--block-size", type=int)
+    p.add_argument("--kv-cache-memory-bytes", type=int, help="KV cache budget on CPU")
+    p.add_argument("--max-model-len", type=int)
+    p.add_argument("--max-num-seqs", type=int)
+    p.add_argument("--max-num-batched-tokens", type=int)
+    p.add_argument("--no-chunked-prefill", action="store_true")
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="vLLM's spelling (--no-enable-prefix-caching turns it off)")
+    p.add_argument("--gpu-memory-utilization", type=float, help="fraction of GPU memory the engine may use")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--dtype", choices=("auto", "float32", "float16", "bfloat16"))
+    p.add_argument("--quantization", choices=("int8", "fp8"),
+                   help="int8 or fp8 (e4m3; CUDA sm_89+ or CPU emulation): 8-bit weights of the linear layers")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8_e4m3"),
+                   help="KV cache storage: auto (the model dtype) or fp8_e4m3 (twice the tokens of bf16)")
+    p.add_argument("--scheduling-policy", choices=("fcfs", "priority"))
+    p.add_argument("--speculative-method", choices=("ngram", "draft"),
+                   help="speculative decoding by default for every request (see docs/speculative.md)")
+    p.add_argument("--speculative-model", help="with --speculative-method draft: a draft model folder")
+    p.add_argument("--num-speculative-tokens", type=int, help="largest speculative window k")
+    p.add_argument("--cpu-offload-bytes", type=int, help="size of the CPU tier of the KV cache (0: off)")
+    p.add_argument("--preemption-mode", choices=("auto", "recompute", "swap"))
+    p.add_argument("--max-waiting-requests", type=int,
+                   help="admission control: refuse new requests (overload error) past this many waiting")
+    p.add_argument("--max-waiting-prompt-tokens", type=int,
+                   help="admission control: refuse new requests past this many waiting prompt tokens")
+    p.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
+                   help="serve a PEFT LoRA adapter under NAME (repeatable; requests pick it with lora_name)")
+    p.add_argument("--allow-runtime-lora", action="store_true",
+                   help="accept LoRA control requests that load/unload adapters at run time (lora_action; "
+                        "`pagoda lora`; turns LoRA on). Only for trusted clients: a load reads any folder "
+                        "the server can read")
+    p.add_argument("--engine-arg", action="append", default=[], metavar="FIELD=VALUE",
+                   help="any other EngineConfig field, e.g. --engine-arg spec_adaptive=false (repeatable)")
+    p.add_argument("--model-repository", help="a model repository to use instead of the shipped one")
+    p.add_argument("--log-verbose", type=int, default=0)
+    p.add_argument("--redis-url", help="publish block events and heartbeats to this Redis (fleet layer)")
+    p.add_argument("--replica-id", help="with --redis-url: this replica's id (default: host name)")
+    p.add_argument("--fleet-model", help="with --redis-url: Redis key namespace (default: model folder name)")
+    p.add_argument("--advertise-host", help="with --redis-url: host routers use to reach this replica")
+    p.add_argument("--default-max-tokens", type=int,
+                   help="cap for requests that do not set max_tokens (default: the model repository's, 1024)")
+    p.add_argument("--grace-period", type=float, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM/Ctrl-C, how long in-flight requests may finish (keep it below "
+                        "Kubernetes' terminationGracePeriodSeconds)")
+    p.add_argument("--max-stub-restarts", type=int, default=3,
+                   help="a dead Python-backend stub is restarted (model reload) at most this many times in "
+                        "10 minutes; beyond that (or with 0) the replica stops with exit code 1")
+    p.add_argument("--skip-first-request-check", action="store_true",
+                   help="announce the server without sending it one request first")
+    return p
+
+
+def engine_args_from(args: argparse.Namespace) -> dict[str, str]:
+    """The engine fields given by dedicated flags and ``--engine-arg FIELD=VALUE``."""
+    values = {name: str(getattr(args, name)) for name in ENGINE_FLAGS if getattr(args, name) is not None}
+    for item in args.engine_arg:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise SystemExit(f"pagoda serve: --engine-arg must look like FIELD=VALUE, got {item!r}")
+        values[name.strip()] = value.strip()
+    if args.lora:
+        values.update(enable_lora="true", lora_modules=lora_modules_text(args.lora))
+    if args.allow_runtime_lora:
+        values.update(enable_lora="true", allow_runtime_lora="true")
+    return values
+
+
+def lora_modules_text(items: list[str]) -> str:
+    """``--lora NAME=PATH`` flags as the ``lora_modules`` parameter (``name=/abs/path,...``)."""
+    adapters = {}
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise SystemExit(f"pagoda serve: --lora must look like NAME=PATH, got {item!r}")
+        adapters[name.strip()] = str(Path(path.strip()).resolve())
+    if any("," in p or "=" in p for p in adapters.values()):
+        raise SystemExit("pagoda serve: --lora paths must not contain ',' or '='")
+    return ",".join(f"{n}={p}" for n, p in adapters.items())
+
+
+def options_from_args(args: argparse.Namespace) -> ServeOptions:
+    return ServeOptions(
+        model=args.model, http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
+        block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_chunked_prefill=False if args.no_chunked_prefill else None,
+        enable_prefix_caching=False if args.no_prefix_caching else args.enable_prefix_caching,
+        device=args.device, dtype=args.dtype, quantization=args.quantization, engine_args=engine_args_from(args),
+        model_repository=args.model_repository,
+        log_verbose=args.log_verbose, redis_url=args.redis_url, replica_id=args.replica_id,
+        fleet_model=args.fleet_model, advertise_host=args.advertise_host, grace_period_s=args.grace_period,
+        check_first_request=not args.skip_first_request_check)
+
+
+def check_engine_args(options: ServeOptions, parser: argparse.ArgumentParser) -> None:
+    """Refuse bad engine settings here, with the field's name, not inside tritonserver."""
+    parameters = {name: {"string_value": value} for name, value in options.parameter_overrides().items()
+                  if value is not None and name != "model"}
+    try:
+        engine_config_from_parameters(parameters)
+    except ValueError as exc:
+        parser.error(str(exc))
+
+
+def supervise(server: TritonServer, stop_requested: threading.Event, max_stub_restarts: int) -> Optional[str]:
+    """Watch the server until a stop is requested (returns None) or it cannot serve (returns
+    why). A dead stub is restarted by reloading the model, at most ``max_stub_restarts``
+    times in ``STUB_RESTART_WINDOW_S``."""
+    restarts: "collections.deque[float]" = collections.deque()
+    while not stop_requested.wait(HEALTH_INTERVAL_S):
+        problem = server.check_health()
+        if problem is None:
+            continue
+        now = time.monotonic()
+        while restarts and now - restarts[0] > STUB_RESTART_WINDOW_S:
+            restarts.popleft()
+        if not server.is_running():
+            return problem
+        if len(restarts) >= max_stub_restarts:
+            return f"{problem} (restarted {len(restarts)} time(s) in the last {STUB_RESTART_WINDOW_S:.0f} s)"
+        print(f"pagoda serve: {problem}; restarting it (model reload; not ready meanwhile) ...",
+              file=sys.stderr, flush=True)
+        restarts.append(now)
+        try:
+            server.restart_model()
+        except RuntimeError as exc:
+            return f"{problem}; the restart failed: {exc}"
+        print("pagoda serve: the stub was restarted; serving again", file=sys.stderr, flush=True)
+    return None
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Entry point of ``pagoda serve``; returns the process exit code."""
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    if args.grace_period < 0:
+        parser.error("--grace-period: must be >= 0")
+    if args.max_stub_restarts < 0:
+        parser.error("--max-stub-restarts: must be >= 0")
+    options = options_from_args(args)
+    check_engine_args(options, parser)
+    server = TritonServer(options)
+    stop_requested, force = threading.Event(), threading.Event()
+    starting = [True]
+
+    def on_signal(signum, frame):
+        if stop_requested.is_set():
+            force.set()  # a second signal: stop waiting for in-flight requests
+            return
+        stop_requested.set()
+        if starting[0]:
+            raise KeyboardInterrupt
+
+    # Install both explicitly: a launcher started in the background inherits SIGINT ignored.
+    previous = {signum: signal.signal(signum, on_signal) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.start()
+        starting[0] = False
+        print(f"pagoda is serving model '{MODEL_NAME}' ({options.model})\n"
+              f"  HTTP    http://{server.http_url}/v2/models/{MODEL_NAME}/generate_stream\n"
+              f"  gRPC    {server.grpc_url}\n"
+              f"  metrics {server.metrics_url}\n"
+              "Ctrl-C to stop.", flush=True)
+        problem = supervise(server, stop_requested, args.max_stub_restarts)
+        if problem is not None:
+            print(f"pagoda serve: {problem}; stopping the replica", file=sys.stderr, flush=True)
+            server.stop(grace_s=0)
+            return 1
+        print(f"stopping tritonserver: draining in-flight requests (up to {options.grace_period_s:g} s) ...",
+              file=sys.stderr, flush=True)
+        code = server.stop(force=force)
+        print(f"tritonserver stopped (exit code {code})", file=sys.stderr, flush=True)
+        return 0
+    except KeyboardInterrupt:
+        print("pagoda serve: interrupted while starting; stopping tritonserver", file=sys.stderr, flush=True)
+        server.stop(grace_s=0)
+        return 130
+    except RuntimeError as exc:
+        print(f"pagoda serve: {exc}", file=sys.stderr, flush=True)
+        server.stop(grace_s=0)
+        return 1
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
