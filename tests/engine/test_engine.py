@@ -9,6 +9,7 @@ import pytest
 from pagoda import LLM, SamplingParams
 from pagoda.engine.config import EngineConfig
 from pagoda.engine.llm_engine import LLMEngine
+from pagoda.engine.request import EngineRequest
 
 from tests.engine.driving import drain
 
@@ -57,6 +58,24 @@ def test_n_greater_than_one_shares_prompt_blocks(model_path):
     # Children 1 and 2 hit the 4 full prompt blocks child 0 computed.
     assert engine.get_stats().prefix_cache_hits == 2 * 64
     assert engine.get_stats().num_free_blocks == engine.get_stats().num_blocks
+
+
+def test_the_envelope_and_the_keyword_form_run_the_same_request(model_path):
+    """``add(EngineRequest)`` is the seam; ``add_request`` builds the same envelope."""
+    engine = LLMEngine(EngineConfig(model=model_path))
+    params = SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=6, ignore_eos=True)
+    engine.add(EngineRequest("env", list(range(4000, 4040)), params, arrival_time=100.0, priority=1,
+                             cache_salt="t", timeout=3600.0))
+    engine.add_request("kw", list(range(4000, 4040)), params, arrival_time=100.0, priority=1, cache_salt="t",
+                       timeout=3600.0)
+    children = {r.request_id: r for r in engine.scheduler.requests.values()}
+    assert children["env#0"].arrival_time == 100.0 and children["env#0"].priority == 1
+    assert children["env#0"].cache_salt == "t" and children["env#0"].adapter_id is None
+    outputs = drain(engine)
+    assert [c.token_ids for c in outputs["env"].outputs] == [c.token_ids for c in outputs["kw"].outputs]
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add(EngineRequest("dup", [5, 6]))
+        engine.add(EngineRequest("dup", [5, 6]))
 
 
 def test_seeded_request_reproduces_in_any_batch(model_path):

@@ -17,9 +17,10 @@ fills the grammar's bitmask before the forward, the sampler (or the speculator) 
 it, and the matcher follows the kept tokens (a terminated grammar finishes the request
 with ``stop``). Steps with guided requests run synchronously (see ``engine_core.py``).
 
-The facade tokenizes and validates requests, fans a user request with ``n > 1`` out into
-``n`` core requests ("children", ``"{id}#{i}"``) that share the prompt's KV blocks
-through the prefix cache, and assembles ``EngineStats``, including per-step timing: host
+Requests enter as ``EngineRequest`` envelopes (``add``; ``add_request`` builds one from
+keyword arguments). The facade validates and tokenizes them, has the core fan a user
+request with ``n > 1`` out into ``n`` core requests ("children", ``"{id}#{i}"``) that
+share the prompt's KV blocks through the prefix cache, and assembles ``EngineStats``, including per-step timing: host
 time in ``step()``, device time (copies, forward, sampling) and device idle time (see
 ``device_worker.py``).
 
@@ -30,9 +31,9 @@ device, joined by ``shutdown()``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Optional, Union
 
 from pagoda.engine.core.admission import Admission, EngineOverloaded, check_timeout, deadline_message, overload_message
@@ -41,8 +42,9 @@ from pagoda.engine.core.engine_core import EngineCore
 from pagoda.engine.guided.backend import XGrammarBackend
 from pagoda.engine.output_processor import OutputProcessor
 from pagoda.engine.outputs import RequestOutput
-from pagoda.engine.request import RequestStatus
+from pagoda.engine.request import EngineRequest, PromptType, RequestStatus
 from pagoda.engine.sampling_params import SamplingParams
+from pagoda.engine.stats import EngineStats
 from pagoda.models.config import ModelConfig
 from pagoda.models.gguf_import import ensure_default_model
 from pagoda.models.tokenizer import Tokenizer
@@ -52,59 +54,6 @@ if TYPE_CHECKING:
     from pagoda.models.lora import LoRAAdapter
 
 logger = logging.getLogger(__name__)
-
-PromptType = Union[str, list[int]]
-
-
-@dataclass
-class EngineStats:
-    num_waiting: int
-    num_running: int
-    kv_cache_usage: float
-    num_blocks: int
-    num_free_blocks: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
-    num_prompt_tokens: int
-    num_generation_tokens: int
-    num_steps: int
-    max_num_running_seen: int
-    last_step_num_seqs: int
-    last_step_num_decode_seqs: int
-    last_step_num_prefill_seqs: int
-    last_step_num_tokens: int
-    # Speculative decoding (zero without it); see SpecStats.
-    spec_num_drafts: int = 0
-    spec_num_draft_tokens: int = 0
-    spec_num_accepted_tokens: int = 0
-    # KV offload (zero without a CPU tier); see pagoda.engine.kv.host_tier.
-    num_swapped_out: int = 0  # preemptions by swap
-    num_swapped_in: int = 0
-    num_recomputed_preemptions: int = 0  # preemptions by recompute (with or without the tier)
-    prefix_cache_hits_host: int = 0  # tokens, included in prefix_cache_hits
-    num_offloaded_blocks: int = 0  # cached blocks evicted from the device, copied to the host
-    num_host_blocks: int = 0
-    num_free_host_blocks: int = 0
-    # LoRA (vLLM's lora_requests_info): adapters of running / waiting requests, and the slot count.
-    running_lora_adapters: tuple = ()
-    waiting_lora_adapters: tuple = ()
-    max_lora: int = 0
-    # Admission control (pagoda.engine.core.admission).
-    num_admission_refused: int = 0  # refused at add_request: the waiting queue was full
-    num_admission_displaced: int = 0  # waiting requests ended by a more urgent one
-    num_deadline_expired: int = 0  # requests ended by their timeout
-    # Time to first token over the last 30 s (engine.latency_window; the fleet heartbeat).
-    ttft_p90: float = 0.0
-    recent_ttfts: tuple = ()
-    # Step timing, seconds summed over steps (see pagoda.engine.runner.device_worker).
-    step_host_s: float = 0.0  # host work inside step(), not counting waits on the device
-    step_device_s: float = 0.0  # device jobs: KV-tier copies, forward, sampling
-    step_device_idle_s: float = 0.0  # the device waiting for the host between steps
-    step_wait_s: float = 0.0  # the host blocked waiting for the device
-    last_step_host_s: float = 0.0
-    last_step_device_s: float = 0.0
-    last_step_device_idle_s: float = 0.0
 
 
 class LLMEngine:
@@ -162,6 +111,42 @@ class LLMEngine:
         return self.core.eos_token_ids
 
     # ----------------------------------------------------------------- requests
+    def add(self, request: EngineRequest) -> None:
+        """Queue a request: the seam every door uses (``add_request`` builds the envelope).
+
+        Its ``lora_name`` must name a loaded adapter; past its ``timeout`` (seconds from
+        arrival) it ends with a "deadline exceeded" error output
+        (``pagoda.engine.core.admission``); ``params.n > 1`` runs ``n`` children.
+
+        Raises:
+            ValueError: duplicate id, empty prompt, token ids outside the vocabulary, a
+                request that can never fit (prompt + max_tokens over ``max_model_len`` or
+                over the whole KV cache), ``speculative=True`` on an engine without
+                speculative decoding, or an unknown ``lora_name`` (or any on an engine
+                without LoRA). Nothing is queued then.
+            EngineOverloaded: the waiting queue is full (admission control); nothing is
+                queued, retry later.
+        """
+        self._check_request(request)
+        text, token_ids = self._tokenize(request.prompt)
+        self._check_stop_token_ids(request.params)
+        if request.arrival_time is None:
+            request = dataclasses.replace(request, arrival_time=time.time())
+        verdict = self.admission.can_admit(len(token_ids), request.priority, self.core.queued_requests())
+        if not verdict.admit:
+            raise EngineOverloaded(verdict.reason, self.admission.retry_after_s)
+        children = self.core.make_requests(request, token_ids)
+        # Validates fit (raises ValueError) before anything is tracked; a guided request
+        # waits for its grammar in the core.
+        self.core.add_requests(children, request.params.guided_decoding, request.request_id)
+        self.output_processor.add_request(request.request_id, text, token_ids, request.params,
+                                          [child.request_id for child in children], request.arrival_time)
+        self._fail_requests({self.output_processor.group_of(v.request_id) for v in verdict.victims},
+                            lambda child0: overload_message(
+            "displaced from the waiting queue by a more urgent request", self.admission.retry_after_s))
+        if request.timeout is not None:
+            self.admission.track_deadline(request.request_id, request.arrival_time + request.timeout, request.timeout)
+
     def add_request(
         self,
         request_id: str,
@@ -174,52 +159,28 @@ class LLMEngine:
         lora_name: Optional[str] = None,
         timeout: Optional[float] = None,
     ) -> None:
-        """Queue a request (``lora_name``: a loaded LoRA adapter to generate with; None: the base model).
+        """``add(EngineRequest(...))`` with the envelope's fields as arguments (the offline
+        API, tests and benches); ``params=None``: ``SamplingParams()``. Raises as ``add``."""
+        self.add(EngineRequest(request_id, prompt, params or SamplingParams(), arrival_time=arrival_time,
+                               priority=priority, cache_salt=cache_salt, lora_name=lora_name, timeout=timeout))
 
-        ``timeout`` (seconds from arrival): past it the request ends with a "deadline
-        exceeded" error output (``pagoda.engine.core.admission``).
-
-        Raises:
-            ValueError: duplicate id, empty prompt, token ids outside the vocabulary, a
-                request that can never fit (prompt + max_tokens over ``max_model_len`` or
-                over the whole KV cache), ``speculative=True`` on an engine without
-                speculative decoding, or an unknown ``lora_name`` (or any on an engine
-                without LoRA). Nothing is queued then.
-            EngineOverloaded: the waiting queue is full (admission control); nothing is
-                queued, retry later.
-        """
-        params = params or SamplingParams()
-        if params.speculative and self.core.speculator is None:
+    def _check_request(self, request: EngineRequest) -> None:
+        """The envelope's own fields (the prompt is checked as it is tokenized). Raises ValueError."""
+        if request.params.speculative and self.core.speculator is None:
             raise ValueError("speculative: this server has no speculative decoding configured "
                              "(EngineConfig.speculative_method is None)")
+        request_id = request.request_id
         if not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id: must be a non-empty string")
         if self.output_processor.has_request(request_id):
             raise ValueError(f"request_id: {request_id!r} is already in use")
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise ValueError(f"priority: must be an integer, got {priority!r}")
+        if isinstance(request.priority, bool) or not isinstance(request.priority, int):
+            raise ValueError(f"priority: must be an integer, got {request.priority!r}")
+        cache_salt = request.cache_salt
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError("cache_salt: must be a non-empty string when given")
-        self._check_lora_name(lora_name)
-        check_timeout(timeout)
-        text, token_ids = self._tokenize(prompt)
-        self._check_stop_token_ids(params)
-        arrival = time.time() if arrival_time is None else arrival_time
-        verdict = self.admission.can_admit(len(token_ids), priority, self.core.queued_requests())
-        if not verdict.admit:
-            raise EngineOverloaded(verdict.reason, self.admission.retry_after_s)
-        child_ids = [request_id if params.n == 1 else f"{request_id}#{i}" for i in range(params.n)]
-        children = [self.core.make_request(child_id, token_ids, params, i, arrival, priority, cache_salt, lora_name)
-                    for i, child_id in enumerate(child_ids)]
-        # Validates fit (raises ValueError) before anything is tracked; a guided request
-        # waits for its grammar in the core.
-        self.core.add_requests(children, params.guided_decoding, request_id)
-        self.output_processor.add_request(request_id, text, token_ids, params, child_ids, arrival)
-        self._fail_requests({self.output_processor.group_of(v.request_id) for v in verdict.victims},
-                            lambda child0: overload_message(
-            "displaced from the waiting queue by a more urgent request", self.admission.retry_after_s))
-        if timeout is not None:
-            self.admission.track_deadline(request_id, arrival + timeout, timeout)
+        self._check_lora_name(request.lora_name)
+        check_timeout(request.timeout)
 
     def _tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
         if isinstance(prompt, str):

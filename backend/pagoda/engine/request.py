@@ -1,4 +1,11 @@
-"""One generation request and its per-request state.
+"""One generation request: its envelope at the engine's edge and its per-request state.
+
+``EngineRequest`` is the envelope a door (the serving loop, the offline ``LLM``, a bench)
+hands to ``LLMEngine.add``: what the user asked for, untokenized and unvalidated, with the
+request's scheduling keys (arrival, priority, cache salt, LoRA adapter, timeout). It is
+frozen; the engine resolves a missing ``arrival_time`` with ``dataclasses.replace``. It
+lives here, not in ``engine.core``, because ``engine.kv`` takes a ``Request`` and must not
+climb into the core (``tests/test_layering.py``).
 
 A ``Request`` owns everything about one sequence that outlives a step: its token ids
 (prompt, then outputs), ``num_computed_tokens`` (how many of those tokens already have KV
@@ -19,11 +26,40 @@ engine layer; this module only creates them.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Union
 
 from pagoda.contracts.block_hash import BlockHash, encode_extra_keys, hash_block, root_hash
 from pagoda.engine.sampling_params import SamplingParams
+
+
+PromptType = Union[str, list[int]]
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """One user request as it enters the engine (``LLMEngine.add``).
+
+    Attributes:
+        request_id: unique among live requests; a non-empty string.
+        prompt: text, or token ids.
+        params: how to sample; ``n > 1`` fans the request out into ``n`` children.
+        arrival_time: seconds (``time.time()``); ``None``: when the engine takes it.
+        priority: smaller runs first (vLLM convention) under the priority policy.
+        cache_salt: tenant key; requests with different salts never share KV blocks.
+        lora_name: a loaded LoRA adapter to generate with; ``None``: the base model.
+        timeout: seconds from arrival; past it the request ends with a "deadline
+            exceeded" error output (``pagoda.engine.core.admission``).
+    """
+
+    request_id: str
+    prompt: PromptType
+    params: SamplingParams = field(default_factory=SamplingParams)
+    arrival_time: Optional[float] = None
+    priority: int = 0
+    cache_salt: Optional[str] = None
+    lora_name: Optional[str] = None
+    timeout: Optional[float] = None
 
 
 class RequestStatus(enum.IntEnum):
@@ -112,6 +148,16 @@ class Request:
         self.sampling_state: Any = None
         self.detokenizer: Any = None
         self.metrics = RequestMetrics(arrival_time=arrival_time)
+
+    @classmethod
+    def from_engine_request(cls, envelope: EngineRequest, request_id: str, prompt_token_ids: list[int],
+                            eos_token_ids: frozenset[int]) -> Request:
+        """The scheduler request for one child of ``envelope`` (``request_id``: the child's id),
+        with the envelope's sampling params and scheduling keys; its ``arrival_time`` must be resolved."""
+        assert envelope.arrival_time is not None, "the engine resolves arrival_time before making requests"
+        return cls(request_id, prompt_token_ids, envelope.params, eos_token_ids=eos_token_ids,
+                   arrival_time=envelope.arrival_time, priority=envelope.priority, cache_salt=envelope.cache_salt,
+                   adapter_id=envelope.lora_name)
 
     # Tokens -----------------------------------------------------------------
 

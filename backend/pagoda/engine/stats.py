@@ -1,4 +1,10 @@
-"""Recent latencies: what the replica's heartbeat reports and the autoscaler reads.
+"""The engine's statistics: ``EngineStats`` (``LLMEngine.get_stats()``, after every step) and
+the recent-latency window behind its TTFT fields.
+
+``EngineStats`` is a snapshot of plain values: the server's metrics
+(``pagoda.serving.metrics``) and the fleet heartbeat read it; counters only grow.
+
+Recent latencies: what the replica's heartbeat reports and the autoscaler reads.
 
 ``LatencyWindow`` keeps the latencies observed in the last ``window_s`` seconds (at most
 ``max_samples`` of the newest, so a flood costs bounded memory). The engine feeds it each
@@ -13,7 +19,61 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Callable, Optional
+
+
+@dataclass
+class EngineStats:
+    """What ``LLMEngine.get_stats()`` reports (also importable from ``pagoda.engine.llm_engine``)."""
+
+    num_waiting: int
+    num_running: int
+    kv_cache_usage: float
+    num_blocks: int
+    num_free_blocks: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    num_steps: int
+    max_num_running_seen: int
+    last_step_num_seqs: int
+    last_step_num_decode_seqs: int
+    last_step_num_prefill_seqs: int
+    last_step_num_tokens: int
+    # Speculative decoding (zero without it); see SpecStats.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    # KV offload (zero without a CPU tier); see pagoda.engine.kv.host_tier.
+    num_swapped_out: int = 0  # preemptions by swap
+    num_swapped_in: int = 0
+    num_recomputed_preemptions: int = 0  # preemptions by recompute (with or without the tier)
+    prefix_cache_hits_host: int = 0  # tokens, included in prefix_cache_hits
+    num_offloaded_blocks: int = 0  # cached blocks evicted from the device, copied to the host
+    num_host_blocks: int = 0
+    num_free_host_blocks: int = 0
+    # LoRA (vLLM's lora_requests_info): adapters of running / waiting requests, and the slot count.
+    running_lora_adapters: tuple = ()
+    waiting_lora_adapters: tuple = ()
+    max_lora: int = 0
+    # Admission control (pagoda.engine.core.admission).
+    num_admission_refused: int = 0  # refused at add_request: the waiting queue was full
+    num_admission_displaced: int = 0  # waiting requests ended by a more urgent one
+    num_deadline_expired: int = 0  # requests ended by their timeout
+    # Time to first token over the last 30 s (engine.latency_window; the fleet heartbeat).
+    ttft_p90: float = 0.0
+    recent_ttfts: tuple = ()
+    # Step timing, seconds summed over steps (see pagoda.engine.runner.device_worker).
+    step_host_s: float = 0.0  # host work inside step(), not counting waits on the device
+    step_device_s: float = 0.0  # device jobs: KV-tier copies, forward, sampling
+    step_device_idle_s: float = 0.0  # the device waiting for the host between steps
+    step_wait_s: float = 0.0  # the host blocked waiting for the device
+    last_step_host_s: float = 0.0
+    last_step_device_s: float = 0.0
+    last_step_device_idle_s: float = 0.0
 
 
 class LatencyWindow:

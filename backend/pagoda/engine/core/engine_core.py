@@ -28,9 +28,10 @@ the logits just before sampling (on the device side, after the gate: e.g. a gram
 bitmask), and told which tokens were accepted after each update (e.g. to advance a
 grammar matcher).
 
-n > 1: a user request's children are added together; with prefix caching, siblings of
-child 0 are held back until child 0's prompt is computed (its first token is applied),
-so they hit every full prompt block instead of recomputing it.
+n > 1: ``make_requests`` turns a user request (an ``EngineRequest``) into its children,
+which are added together; with prefix caching, siblings of child 0 are held back until
+child 0's prompt is computed (its first token is applied), so they hit every full prompt
+block instead of recomputing it.
 """
 
 from __future__ import annotations
@@ -51,10 +52,9 @@ from pagoda.engine.guided.manager import GuidedDecodingManager
 from pagoda.engine.guided.params import GuidedDecodingParams
 from pagoda.engine.runner.host_kv_cache import HostKVCache, calibrate
 from pagoda.engine.runner.model_runner import ModelRunner, resolve_device, resolve_dtype
-from pagoda.engine.request import Request, RequestStatus
+from pagoda.engine.request import EngineRequest, Request, RequestStatus
 from pagoda.engine.runner.runner_output import ModelRunnerOutput
 from pagoda.engine.sampling.sampler import Sampler, SamplingRow, TokenLogprobs, make_seed
-from pagoda.engine.sampling_params import SamplingParams
 from pagoda.engine.core.scheduler import RequestUpdate, ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
 from pagoda.engine.spec_decode import SpeculativePlan
 from pagoda.models.config import ModelConfig
@@ -158,21 +158,20 @@ class EngineCore:
         self.last_wait_s = 0.0  # how long the last step() blocked on the device
 
     # ----------------------------------------------------------------- requests
-    def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, index: int,
-                     arrival_time: float, priority: int = 0, cache_salt: Optional[str] = None,
-                     lora_name: Optional[str] = None) -> Request:
-        """A scheduler request for child ``index`` of a user request, with its sampling state."""
-        request = Request(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids,
-                          arrival_time=arrival_time, priority=priority, cache_salt=cache_salt, adapter_id=lora_name)
+    def make_requests(self, request: EngineRequest, prompt_token_ids: list[int]) -> list[Request]:
+        """The scheduler requests of one user request (``arrival_time`` resolved): itself for
+        ``n == 1``, else children ``"{id}#{i}"``, child ``i`` seeded by ``make_seed(seed, i)``."""
+        params, n = request.params, request.params.n
         blocked = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
-        request.sampling_state = SamplingRow(
-            params=params,
-            seed=make_seed(params.seed, index),
-            prompt_token_ids=request.prompt_token_ids,
-            output_token_ids=request.output_token_ids,
-            min_tokens_blocked_ids=blocked,
-        )
-        return request
+        children = []
+        for index in range(n):
+            child_id = request.request_id if n == 1 else f"{request.request_id}#{index}"
+            child = Request.from_engine_request(request, child_id, list(prompt_token_ids), self.eos_token_ids)
+            child.sampling_state = SamplingRow(params=params, seed=make_seed(params.seed, index),
+                                               prompt_token_ids=child.prompt_token_ids,
+                                               output_token_ids=child.output_token_ids, min_tokens_blocked_ids=blocked)
+            children.append(child)
+        return children
 
     def add_requests(self, requests: list[Request], guided: Optional[GuidedDecodingParams] = None,
                      group_id: Optional[str] = None) -> None:
