@@ -87,20 +87,28 @@ def test_traceparent_parameter_and_configuration(monkeypatch):
 
 
 class _OneStepEngine:
-    """Finishes every request in the step after it was added."""
+    """The part of an ``EngineClient`` the loop drives here: finishes every request in the
+    step after it was added."""
 
     def __init__(self):
         self.pending = {}
 
-    def add_request(self, request_id, prompt, params, *, arrival_time=None, **options):  # priority, lora_name, ...
-        self.pending[request_id] = RequestMetrics(arrival_time=arrival_time, first_scheduled_time=arrival_time,
-                                                  first_token_time=arrival_time, finished_time=arrival_time)
+    def add(self, request):
+        arrival = request.arrival_time
+        self.pending[request.request_id] = RequestMetrics(arrival_time=arrival, first_scheduled_time=arrival,
+                                                          first_token_time=arrival, finished_time=arrival)
 
     def abort_request(self, request_ids):
         pass
 
     def has_unfinished_requests(self):
         return bool(self.pending)
+
+    def get_stats(self):
+        return None  # the tracer observer reads no stats
+
+    def take_block_events(self):
+        return []
 
     def step(self):
         outputs = [RequestOutput(rid, "p", [1], [CompletionOutput(0, "t", [7], "t", [7], finish_reason="length")],
@@ -113,7 +121,10 @@ def test_engine_loop_traces_only_requests_with_a_traceparent(monkeypatch):
     import queue
 
     from pagoda.engine.sampling_params import SamplingParams
-    from pagoda.serving.engine_loop import EngineLoop, ResponseSender, ServingRequest
+    from pagoda.serving.commands import ServingRequest
+    from pagoda.serving.engine_loop import EngineLoop
+    from pagoda.serving.observers import TracerObserver
+    from pagoda.serving.response_sender import ResponseSender
     from pagoda.serving.triton_io import ParsedRequest
 
     monkeypatch.delenv("PAGODA_REDIS_URL", raising=False)  # no fleet publisher in this loop
@@ -126,7 +137,7 @@ def test_engine_loop_traces_only_requests_with_a_traceparent(monkeypatch):
                 raise RuntimeError("exporter broke")
 
     sender = ResponseSender(lambda handle, response: delivered.put((handle, response)))
-    loop = EngineLoop(_OneStepEngine(), sender, tracer=Tracer())
+    loop = EngineLoop(_OneStepEngine(), sender, [TracerObserver(Tracer())])
     sender.start()
     loop.start()
     try:

@@ -1,6 +1,9 @@
 """EngineLoop + ResponseSender against a fake engine: one final per request, aborts, faults,
-LoRA control requests (load off the loop thread, register / unload / list on it)."""
+LoRA control requests (load off the loop thread, register / unload / list on it), step
+observers (one guarded loop, called before a step's responses are sent; the fleet
+publisher's drain flag)."""
 
+import inspect
 import json
 import threading
 import time
@@ -9,14 +12,21 @@ from types import SimpleNamespace
 import pytest
 
 from pagoda.engine.core.admission import EngineOverloaded, overload_message
+from pagoda.engine.core.protocols import EngineClient
+from pagoda.engine.llm_engine import LLMEngine
 from pagoda.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagoda.engine.request import EngineRequest
 from pagoda.engine.sampling_params import SamplingParams
-from pagoda.serving.engine_loop import EngineLoop, ResponseSender, ServingRequest
+from pagoda.serving.commands import ServingRequest
+from pagoda.serving.engine_loop import EngineLoop
+from pagoda.serving.observers import PublisherObserver, StepObserver
+from pagoda.serving.response_sender import ResponseSender
 from pagoda.serving.triton_io import LoRAControl, ParsedRequest
 
 
 class FakeEngine:
-    """One token ("t") per step per request; ``fail_next_step`` raises once from step()."""
+    """An ``EngineClient``: one token ("t") per step per request; ``fail_next_step`` raises
+    once from step(); each step emits one block event."""
 
     def __init__(self):
         self.requests = {}
@@ -27,17 +37,17 @@ class FakeEngine:
         self.loras = {}  # name -> path
         self.lora_load_thread_ids = set()
 
-    def add_request(self, request_id, prompt, params, *, arrival_time=None, priority=0, cache_salt=None,
-                    lora_name=None, timeout=None):
+    def add(self, request: EngineRequest):
         self.thread_ids.add(threading.get_ident())
-        if prompt == "too long":
+        if request.prompt == "too long":
             raise ValueError("prompt: 9000 tokens exceed max_model_len 8192")
-        if prompt == "overload":
+        if request.prompt == "overload":
             raise EngineOverloaded(overload_message("this replica's waiting queue is full"))
-        if lora_name is not None and lora_name not in self.loras:
-            raise ValueError(f"lora_name: unknown adapter {lora_name!r}")
-        self.requests[request_id] = {"params": params, "tokens": 0, "abort": False, "lora": lora_name,
-                                     "metrics": RequestMetrics(arrival_time=arrival_time)}
+        if request.lora_name is not None and request.lora_name not in self.loras:
+            raise ValueError(f"lora_name: unknown adapter {request.lora_name!r}")
+        self.requests[request.request_id] = {"params": request.params, "tokens": 0, "abort": False,
+                                             "lora": request.lora_name,
+                                             "metrics": RequestMetrics(arrival_time=request.arrival_time)}
 
     # LoRA, shaped like LLMEngine's: load_lora may run on any thread, the rest on the loop's.
     def load_lora(self, name, path):
@@ -103,6 +113,23 @@ class FakeEngine:
 
     def get_stats(self):
         return SimpleNamespace(num_steps=self.num_steps, last_step_num_decode_seqs=len(self.requests))
+
+    def take_block_events(self):
+        events, self.num_events_taken = list(range(self.num_events_taken, self.num_steps)), self.num_steps
+        return events
+
+    num_events_taken = 0
+
+
+def test_the_fake_engine_has_the_engine_clients_methods_with_llm_engines_signatures():
+    """The loop reaches the engine only through EngineClient; the fake must match the real one."""
+    members = [name for name in dir(EngineClient) if not name.startswith("_")]
+    assert {"add", "abort_request", "step", "get_stats", "take_block_events", "load_lora"} <= set(members)
+    assert isinstance(FakeEngine(), EngineClient)
+    for name in members:
+        expected = list(inspect.signature(getattr(EngineClient, name)).parameters)
+        assert list(inspect.signature(getattr(LLMEngine, name)).parameters) == expected, name
+        assert list(inspect.signature(getattr(FakeEngine, name)).parameters) == expected, name
 
 
 class Collector:

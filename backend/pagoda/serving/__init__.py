@@ -1,7 +1,9 @@
 """Serving pagoda on Triton Inference Server (see docs/serving.md).
 
 - ``triton_io``: request tensors -> ``ParsedRequest``; engine outputs -> response tensors.
-- ``engine_loop``: the engine-owning thread and the response-sender thread.
+- ``engine_loop``: the engine-owning thread; ``commands``: what its queue carries;
+  ``response_sender``: the thread that sends responses; ``observers``: metrics, tracer and
+  fleet publisher as step observers.
 - ``metrics``: vLLM-named metrics through ``pb_utils.MetricFamily``.
 - ``model_config``: config.pbtxt parameters <-> ``EngineConfig``.
 - ``launcher``: ``pagoda serve`` (the tritonserver from the nvidia-pytriton wheel).

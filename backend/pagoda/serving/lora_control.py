@@ -2,9 +2,10 @@
 
 They share the engine loop (``serving.engine_loop``), which owns the only thread that may
 touch the engine: ``unload`` and ``list`` are commands run on the loop thread between
-steps; ``load`` reads and fuses the adapter on this module's loader thread
-(``LLMEngine.load_lora``: file I/O that must not stall the steps), then a ``register``
-command makes it servable on the loop thread, so the next step may use it.
+steps (a ``LoRACommand``); ``load`` reads and fuses the adapter on this module's loader
+thread (``LLMEngine.load_lora``: file I/O that must not stall the steps), then a
+``RegisterLoRA`` command makes it servable on the loop thread, so the next step may use
+it (the commands: ``serving.commands``).
 ``load``/``unload`` are refused unless the replica allows runtime updates
 (``pagoda serve --allow-runtime-lora``); ``list`` always answers. Each request gets one
 final response: a JSON document (``triton_io.make_control_response``) or an error naming
@@ -15,9 +16,15 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
 
+from pagoda.engine.core.protocols import EngineClient
+from pagoda.serving.commands import Command, LoRACommand, RegisterLoRA, ServingRequest
+from pagoda.serving.response_sender import ResponseSender
 from pagoda.serving.triton_io import LoRAControl, make_control_response, make_error_response
+
+if TYPE_CHECKING:
+    from pagoda.models.lora import LoRAAdapter
 
 logger = logging.getLogger(__name__)
 
@@ -28,16 +35,15 @@ class LoRAController:
     """Answers a replica's LoRA control requests.
 
     Args:
-        engine: the ``LLMEngine`` (touched only from ``register``/``command``, which the
-            loop thread calls, and ``load_lora``, which is thread-safe).
+        engine: the engine (touched only from ``register``/``command``, which the loop
+            thread calls, and ``load_lora``, which is thread-safe).
         sender: the loop's ``ResponseSender``.
-        enqueue: ``enqueue(kind, payload)`` queues a command for the loop thread
-            (``"register"`` with ``(request, adapter)``, ``"lora"`` with the request).
+        enqueue: queues a command for the loop thread (``RegisterLoRA``, ``LoRACommand``).
         is_stopping: whether the loop is stopping (new work gets the shutdown error).
         allow_runtime_lora: accept ``load``/``unload``.
     """
 
-    def __init__(self, engine: Any, sender: Any, enqueue: Callable[[str, Any], None],
+    def __init__(self, engine: EngineClient, sender: ResponseSender, enqueue: Callable[[Command], None],
                  is_stopping: Callable[[], bool], allow_runtime_lora: bool = False) -> None:
         self._engine = engine
         self._sender = sender
@@ -48,7 +54,7 @@ class LoRAController:
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagoda-lora-loader")
 
     # ------------------------------------------------------------ any thread
-    def submit(self, request: Any) -> None:
+    def submit(self, request: ServingRequest) -> None:
         """Take a control request (``request.parsed`` is a ``LoRAControl``); returns at once.
 
         Its one final response follows: a JSON document, or an error (runtime updates not
@@ -64,14 +70,14 @@ class LoRAController:
         elif control.action == "load":
             self._loader.submit(self._load, request)
         else:
-            self._enqueue("lora", request)
+            self._enqueue(LoRACommand(request))
 
     def shutdown(self) -> None:
         """Join the loader; loads still queued answer the shutdown error."""
         self._loader.shutdown(wait=True)
 
     # ---------------------------------------------------- the loader thread
-    def _load(self, request: Any) -> None:
+    def _load(self, request: ServingRequest) -> None:
         """Read and fuse the adapter here, then let the loop thread register it."""
         if self._is_stopping():
             self._sender.put(request, make_error_response(SHUTDOWN_MESSAGE, "UNAVAILABLE"))
@@ -87,10 +93,10 @@ class LoRAController:
             self._sender.put(request, make_error_response(f"loading LoRA adapter {control.lora_name!r} failed: "
                                                           f"{type(exc).__name__}: {exc}"))
             return
-        self._enqueue("register", (request, adapter))
+        self._enqueue(RegisterLoRA(request, adapter))
 
     # ------------------------------------------------------ the loop thread
-    def register(self, request: Any, adapter: Any) -> None:
+    def register(self, request: ServingRequest, adapter: LoRAAdapter) -> None:
         """Make a loaded adapter servable and answer its load request."""
         try:
             self._engine.register_lora(adapter)
@@ -101,7 +107,7 @@ class LoRAController:
             "action": "load", "lora_name": adapter.name, "lora_path": adapter.path,
             "loaded": self._engine.list_loras()}))
 
-    def command(self, request: Any) -> None:
+    def command(self, request: ServingRequest) -> None:
         """Answer ``list``, or run ``unload``."""
         control: LoRAControl = request.parsed
         paths = self._engine.lora_paths()

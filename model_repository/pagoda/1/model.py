@@ -2,7 +2,8 @@
 
 Thin by design: converts Triton tensors to our dataclasses and back, and owns the two
 threads. Parsing lives in ``pagoda.serving.triton_io``, the engine thread in
-``pagoda.serving.engine_loop``, metrics in ``pagoda.serving.metrics``.
+``pagoda.serving.engine_loop``, metrics in ``pagoda.serving.metrics``; metrics, tracer and
+the fleet publisher watch the loop as step observers (``pagoda.serving.observers``).
 
 The stub must not outlive tritonserver (it runs the fleet heartbeat, which would keep a
 dead replica advertised): ``process_tree.ParentWatch`` ends this process as soon as it is
@@ -17,10 +18,13 @@ import os
 import triton_python_backend_utils as pb_utils
 
 from pagoda.serving import triton_io
-from pagoda.serving.engine_loop import EngineLoop, ResponseSender, ServingRequest
+from pagoda.serving.commands import ServingRequest
+from pagoda.serving.engine_loop import EngineLoop
 from pagoda.serving.metrics import ServingMetrics
 from pagoda.serving.model_config import allow_runtime_lora, engine_config_from_parameters, served_model_name
+from pagoda.serving.observers import make_observers
 from pagoda.serving.process_tree import ParentWatch
+from pagoda.serving.response_sender import ResponseSender
 from pagoda.serving.tracing import make_request_tracer, read_traceparent
 
 logger = logging.getLogger("pagoda.model")
@@ -54,9 +58,9 @@ class TritonPythonModel:
         self.metrics = ServingMetrics(pb_utils, labels)
         self.sender = ResponseSender(self._deliver, on_failure=lambda request_id: self.loop.abort(request_id))
         self.tracer = make_request_tracer()  # None unless an OTLP endpoint is configured
+        observers = make_observers(self.metrics, self.tracer, _fleet_publisher(self.engine))
         # `pagoda serve` drains through this file (engine_loop); absent elsewhere.
-        self.loop = EngineLoop(self.engine, self.sender, self.metrics, tracer=self.tracer,
-                               publisher=_fleet_publisher(self.engine),
+        self.loop = EngineLoop(self.engine, self.sender, observers,
                                drain_path=os.environ.get("PAGODA_DRAIN_FILE") or None,
                                allow_runtime_lora=allow_runtime_lora(parameters))
         self._request_numbers = itertools.count()
@@ -125,7 +129,8 @@ def _get_input(request, name):
 def _fleet_publisher(engine):
     """The replica's KV-event publisher when ``PAGODA_REDIS_URL`` is set, else None (logged on failure).
 
-    Composed here, at the edge: the serving loop only knows its ``FleetPublisher`` protocol."""
+    Composed here, at the edge: serving only knows its ``FleetPublisher`` protocol
+    (``pagoda.serving.observers``)."""
     if not os.environ.get("PAGODA_REDIS_URL"):
         return None
     try:
