@@ -14,9 +14,9 @@ a stop string may still match, a stop string's length of text is held back from 
 deltas. Tokens that arrive for a completion already ended here (async scheduling: the
 core learns of the stop one step late) are ignored.
 
-n > 1: a user request's ``n`` children are one *group*; their outputs are reported
-together under the user's request id, once any child progressed. The group is finished
-when every child is.
+n > 1 (the fan-in; the fan-out is ``engine.core.parallel_sampling``'s): a user request's
+``n`` children are one *group*; their outputs are reported together under the user's
+request id, once any child progressed. The group is finished when every child is.
 """
 
 from __future__ import annotations

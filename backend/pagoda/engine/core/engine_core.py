@@ -29,9 +29,8 @@ bitmask), and told which tokens were accepted after each update (e.g. to advance
 grammar matcher).
 
 n > 1: ``make_requests`` turns a user request (an ``EngineRequest``) into its children,
-which are added together; with prefix caching, siblings of child 0 are held back until
-child 0's prompt is computed (its first token is applied), so they hit every full prompt
-block instead of recomputing it.
+which are added together; with prefix caching, a ``SiblingGate`` holds siblings of child 0
+back until child 0's prompt is computed (``parallel_sampling.py`` owns the fan-out).
 """
 
 from __future__ import annotations
@@ -55,6 +54,7 @@ from pagoda.engine.runner.model_runner import ModelRunner, resolve_device, resol
 from pagoda.engine.request import EngineRequest, Request, RequestStatus
 from pagoda.engine.runner.runner_output import ModelRunnerOutput
 from pagoda.engine.sampling.sampler import Sampler, SamplingRow, TokenLogprobs, make_seed
+from pagoda.engine.core.parallel_sampling import SiblingGate, child_request_ids
 from pagoda.engine.core.scheduler import RequestUpdate, ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
 from pagoda.engine.spec_decode import SpeculativePlan
 from pagoda.models.config import ModelConfig
@@ -151,7 +151,7 @@ class EngineCore:
                                             pin_memory=device.type == "cuda")
         self._awaiting_grammar: dict[str, list[Request]] = {}  # user request id -> children
         self._in_flight: Optional[_InFlight] = None
-        self._pending: dict[str, tuple[Request, list[Request]]] = {}  # child 0's id -> (child 0, held siblings)
+        self._siblings = SiblingGate(config.enable_prefix_caching)  # n > 1 (parallel_sampling.py)
         self.num_steps = 0
         self.max_num_running_seen = 0
         self.last_step = (0, 0, 0, 0)  # seqs, decode seqs, prefill seqs, tokens
@@ -161,11 +161,10 @@ class EngineCore:
     def make_requests(self, request: EngineRequest, prompt_token_ids: list[int]) -> list[Request]:
         """The scheduler requests of one user request (``arrival_time`` resolved): itself for
         ``n == 1``, else children ``"{id}#{i}"``, child ``i`` seeded by ``make_seed(seed, i)``."""
-        params, n = request.params, request.params.n
+        params = request.params
         blocked = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         children = []
-        for index in range(n):
-            child_id = request.request_id if n == 1 else f"{request.request_id}#{index}"
+        for index, child_id in enumerate(child_request_ids(request.request_id, params.n)):
             child = Request.from_engine_request(request, child_id, list(prompt_token_ids), self.eos_token_ids)
             child.sampling_state = SamplingRow(params=params, seed=make_seed(params.seed, index),
                                                prompt_token_ids=child.prompt_token_ids,
@@ -189,11 +188,8 @@ class EngineCore:
             self.guided.submit(group_id, [r.request_id for r in requests], guided)
             return
         self.scheduler.add_request(requests[0])
-        if self.config.enable_prefix_caching and len(requests) > 1:
-            self._pending[requests[0].request_id] = (requests[0], list(requests[1:]))
-        else:
-            for request in requests[1:]:
-                self.scheduler.add_request(request)
+        for request in self._siblings.hold(requests):
+            self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: Iterable[str],
                        status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
@@ -201,10 +197,7 @@ class EngineCore:
         ids are ignored; a step in flight for them has its tokens dropped."""
         request_ids = list(request_ids)
         dropped = set(request_ids)
-        for first_id in [i for i in self._pending if i in dropped]:
-            del self._pending[first_id]
-        for first_id, (_, siblings) in self._pending.items():
-            siblings[:] = [r for r in siblings if r.request_id not in dropped]
+        self._siblings.drop(dropped)
         for group_id, children in list(self._awaiting_grammar.items()):
             if any(c.request_id in dropped for c in children):
                 del self._awaiting_grammar[group_id]
@@ -212,22 +205,21 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, status)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._pending) or bool(self._awaiting_grammar)
+        return self.scheduler.has_unfinished_requests() or bool(self._siblings) or bool(self._awaiting_grammar)
 
     def queued_requests(self) -> Iterator[Request]:
         """Every request not admitted yet: the scheduler's waiting queue, siblings held
         for their first child's prompt, and requests waiting for their grammar
         (admission control bounds them all)."""
         yield from self.scheduler.waiting
-        for _, siblings in self._pending.values():
-            yield from siblings
+        yield from self._siblings.queued()
         for children in self._awaiting_grammar.values():
             yield from children
 
     @property
     def num_pending(self) -> int:
         """Siblings held back until their first child's prompt is computed."""
-        return sum(len(siblings) for _, siblings in self._pending.values())
+        return self._siblings.num_held
 
     # --------------------------------------------------------------------- step
     def step(self) -> list[EngineCoreOutput]:
@@ -385,11 +377,8 @@ class EngineCore:
 
     def _release_pending(self) -> None:
         """Hand n>1 siblings to the scheduler once child 0's prompt is computed."""
-        for first_id, (first, siblings) in list(self._pending.items()):
-            if first.num_output_tokens > 0 or first.is_finished:
-                del self._pending[first_id]
-                for sibling in siblings:
-                    self.scheduler.add_request(sibling)
+        for sibling in self._siblings.release():
+            self.scheduler.add_request(sibling)
 
     def _record_step(self, scheduler_output: SchedulerOutput) -> None:
         scheduled = scheduler_output.scheduled
