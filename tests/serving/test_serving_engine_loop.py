@@ -394,3 +394,21 @@ def test_lora_control_after_stop_gets_the_shutdown_error():
     response = control(loop, collector, "late", "load", "sql", "/adapters/sql")
     sender.stop()
     assert response.error_code == "UNAVAILABLE" and "shutting down" in response.error
+
+
+def test_commands_still_queued_at_stop_get_the_shutdown_error():
+    """Every command that carries a request owes it one final response, even if the loop never ran it."""
+    engine, collector = FakeEngine(), Collector()
+    sender = ResponseSender(collector.deliver)
+    loop = EngineLoop(engine, sender, idle_wait_s=0.01)  # never started: its queue is never drained
+    sender.start()
+    loop.submit(request("queued"))
+    loop.abort("queued")
+    loop.control(ServingRequest("ls", LoRAControl("list"), handle="ls"))
+    loop.stop()
+    collector.wait_final(["queued", "ls"])
+    sender.stop()
+    for handle in ("queued", "ls"):
+        (response,) = collector.responses[handle]
+        assert response.is_final and response.error_code == "UNAVAILABLE" and "shutting down" in response.error
+    assert engine.requests == {} and engine.thread_ids == set()
