@@ -19,7 +19,6 @@ from pagoda.engine.request import EngineRequest
 from pagoda.engine.sampling_params import SamplingParams
 from pagoda.serving.commands import ServingRequest
 from pagoda.serving.engine_loop import EngineLoop
-from pagoda.serving.observers import PublisherObserver, StepObserver
 from pagoda.serving.response_sender import ResponseSender
 from pagoda.serving.triton_io import LoRAControl, ParsedRequest
 
