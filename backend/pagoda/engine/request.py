@@ -95,6 +95,9 @@ class RequestMetrics:
 class Request:
     """A request's tokens and scheduling state.
 
+    The engine builds it from an envelope (``from_engine_request``: one per child of an
+    ``n > 1`` request); tests build it directly, naming the scheduling keys (keyword-only).
+
     Args:
         request_id: unique among live requests.
         prompt_token_ids: the prompt (non-empty to be schedulable; the scheduler checks).
@@ -112,6 +115,7 @@ class Request:
         request_id: str,
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
+        *,
         eos_token_ids: frozenset[int] = frozenset(),
         arrival_time: float = 0.0,
         priority: int = 0,
