@@ -92,3 +92,25 @@ def test_step_plan_chunk_rule():
     chunked, whole = StepPlan(10, 4, enable_chunked_prefill=True), StepPlan(10, 4, enable_chunked_prefill=False)
     assert chunked.chunk(25) == 10 and chunked.chunk(6) == 6
     assert whole.chunk(25) is None and whole.chunk(10) == 10
+
+
+def test_every_engine_config_field_is_in_exactly_one_group():
+    import dataclasses
+
+    from pagoda.engine.config import GROUPS, EngineConfig
+
+    owners = {}
+    for group in GROUPS:
+        for f in dataclasses.fields(group):
+            owners.setdefault(f.name, []).append(group.__name__)
+    flat = [f.name for f in dataclasses.fields(EngineConfig)]
+    assert sorted(owners) == sorted(flat), "a field of EngineConfig is in no group, or a group names an unknown field"
+    assert all(len(groups) == 1 for groups in owners.values()), owners
+    config = EngineConfig(max_num_seqs=3, enable_lora=True, max_loras=2)
+    assert config.scheduling.max_num_seqs == 3 and config.lora.max_loras == 2 and config.cache.block_size == 16
+    config.device = "cpu"  # set after construction (the Triton adapter does): the groups follow
+    assert config.load.device == "cpu"
+    with pytest.raises(ValueError, match="max_num_seqs: must be >= 1, got 0"):
+        EngineConfig(max_num_seqs=0)
+    with pytest.raises(ValueError, match="speculative decoding with LoRA"):
+        EngineConfig(enable_lora=True, speculative_method="ngram")

@@ -53,22 +53,23 @@ class SchedulerConfig:
     @classmethod
     def from_engine_config(cls, config: EngineConfig, num_blocks: int, max_model_len: int, model_id: str,
                            num_host_blocks: int = 0) -> "SchedulerConfig":
+        sched, cache, lora, offload = config.scheduling, config.cache, config.lora, config.offload
         return cls(
             num_blocks=num_blocks,
             max_model_len=max_model_len,
-            block_size=config.block_size,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            enable_chunked_prefill=config.enable_chunked_prefill,
-            enable_prefix_caching=config.enable_prefix_caching,
-            policy=config.scheduling_policy,
+            block_size=cache.block_size,
+            max_num_seqs=sched.max_num_seqs,
+            max_num_batched_tokens=sched.max_num_batched_tokens,
+            enable_chunked_prefill=sched.enable_chunked_prefill,
+            enable_prefix_caching=cache.enable_prefix_caching,
+            policy=sched.scheduling_policy,
             model_id=model_id,
-            max_block_events=config.max_block_events,
+            max_block_events=cache.max_block_events,
             num_host_blocks=num_host_blocks,
-            preemption_mode=config.preemption_mode,
-            default_max_tokens=config.default_max_tokens,
-            max_loras=config.max_loras if config.enable_lora else 0,
-            min_shared_prefix_to_wait=config.min_shared_prefix_to_wait,
+            preemption_mode=offload.preemption_mode,
+            default_max_tokens=sched.default_max_tokens,
+            max_loras=lora.max_loras if lora.enable_lora else 0,
+            min_shared_prefix_to_wait=sched.min_shared_prefix_to_wait,
         )
 
     def resolve_max_tokens(self, request: Request, num_usable_blocks: int) -> int:
