@@ -254,7 +254,7 @@ class EngineConfig:
     # KV cache for preemption by swap and for prefix blocks evicted from the device.
     cpu_offload_bytes: int = 0  # host KV pool size; 0 disables the tier
     preemption_mode: str = "auto"  # auto (cost model) | recompute | swap (needs cpu_offload_bytes)
-    # Cost model inputs; None: measured at start (kv_transfer.calibrate).
+    # Cost model inputs; None: measured at start (runner.host_kv_cache.calibrate).
     offload_copy_bandwidth: Optional[float] = None  # bytes/s, one direction
     offload_copy_latency_s: Optional[float] = None  # fixed cost of one batched copy
     prefill_s_per_token: Optional[float] = None  # seconds per recomputed token

@@ -27,7 +27,7 @@ class SchedulerConfig:
     policy: str = "fcfs"
     model_id: str = ""  # seeds the block-hash root
     max_block_events: int = 100_000
-    num_host_blocks: int = 0  # CPU tier of the KV cache (kv_offload); 0: off
+    num_host_blocks: int = 0  # CPU tier of the KV cache (kv.host_tier); 0: off
     preemption_mode: str = "auto"  # auto | recompute | swap (needs num_host_blocks > 0)
     default_max_tokens: Optional[int] = None  # cap for max_tokens=None (EngineConfig's)
     max_loras: int = 0  # most distinct LoRA adapters running at once (device slots); 0: LoRA off
