@@ -70,7 +70,8 @@ def test_kv_events_confirm_pending_entries_and_keep_the_pending_tail(redis_serve
     """The first chunk of a prefix is prefilled: its events (through a real follower)
     confirm those blocks, the rest stays pending, and the match spans both."""
     from pagoda.contracts.kv_events import BlockRemoved, BlockStored
-    from pagoda.fleet.index.prefix_index import IndexFollower, PrefixIndex
+    from pagoda.fleet.index.mirror import IndexFollower
+    from pagoda.fleet.index.prefix_index import PrefixIndex
 
     clock = Clock()
     pending = PendingIndex(clock)

@@ -106,7 +106,8 @@ class FleetView:
     def __init__(self, redis_client: Any, model_name: str, index_mode: str = "follower",
                  timeout_s: float = 0.05, reap_interval_s: float = 5.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        from pagoda.fleet.index.prefix_index import IndexFollower, PrefixIndex
+        from pagoda.fleet.index.mirror import IndexFollower
+        from pagoda.fleet.index.prefix_index import PrefixIndex
         from pagoda.fleet.index.registry import ReplicaRegistry
 
         if index_mode not in ("follower", "direct"):

@@ -39,7 +39,7 @@ from pagoda.engine.sampling_params import SamplingParams
 from pagoda.engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pagoda.fleet.routing.affinity import PendingIndex
 from pagoda.fleet.sim.arrivals import arrivals, zipf_weights
-from pagoda.fleet.index.prefix_index import LocalIndex
+from pagoda.fleet.index.mirror import LocalIndex
 from pagoda.fleet.routing.policy import Policy, ReplicaState, RoutingRequest
 
 SIM_MODEL_ID = "SmolLM2-135M-Instruct"
