@@ -34,7 +34,8 @@ from typing import Any, AsyncIterator, Optional
 import grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from pagoda.fleet.gate.gate import AuthError, LimitError, RateLimited, gate_of, is_overload
+from pagoda.contracts.errors import is_overloaded
+from pagoda.fleet.gate.gate import AuthError, LimitError, RateLimited, gate_of
 from pagoda.fleet.gate.limits import sampling_of_infer_request, set_sampling_value
 from pagoda.fleet.routing.router import Analysis, NoReplicaAvailable, Router
 from pagoda.fleet.api.tracing import TRACEPARENT, RouteSpan, RouterTracer
@@ -113,7 +114,7 @@ async def stream_replica(router: Router, analysis: Optional[Analysis], request: 
         try:
             call = replica.grpc_stub().ModelStreamInfer(iter((request,)))
             async for response in call:
-                if num_responses == 0 and is_overload(response.error_message):
+                if num_responses == 0 and is_overloaded(response.error_message):
                     gate.mark_full(replica.replica_id)
                     tried.append(replica.replica_id)
                     if router.replicas.routable(tried, include_draining=True):

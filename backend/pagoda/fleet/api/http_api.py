@@ -38,8 +38,8 @@ from typing import Any, Optional, Union
 import aiohttp
 from aiohttp import web
 
-from pagoda.fleet.gate.gate import (TENANT_KEY, AuthError, LimitError, RateLimited, gate_of, is_overload,
-                               retry_after_header)
+from pagoda.contracts.errors import ErrorKind, is_overloaded, spec_of
+from pagoda.fleet.gate.gate import TENANT_KEY, AuthError, LimitError, RateLimited, gate_of, retry_after_header
 from pagoda.fleet.api.grpc_proxy import MAX_ROUTED_PROMPT_CHARS, cache_salt_of, option_of
 from pagoda.fleet.gate.limits import sampling_of_generate, validate_generate_body
 from pagoda.fleet.api.lora_admin import lora_admin_of
@@ -260,7 +260,7 @@ async def _route(request: web.Request, body: bytes, document: Optional[dict], an
         if not router.replicas.routable(tried, include_draining=True):
             span.fail(answer)
             gate.count("overloaded")
-            return _error(503, answer, retry_after_header())
+            return _error(spec_of(ErrorKind.OVERLOADED).triton_http_status, answer, retry_after_header())
     raise AssertionError("unreachable: the attempt loop always returns")
 
 
@@ -281,7 +281,7 @@ async def _relay(request: web.Request, upstream: aiohttp.ClientResponse, router:
             router.replicas.mark_unhealthy(replica, failure)
             span.fail(failure)
             return _error(502, failure + ". The router avoids it until it is healthy again; retry the request.")
-        if upstream.status != 200 and is_overload(data.decode("utf-8", "replace")):
+        if upstream.status != 200 and is_overloaded(data.decode("utf-8", "replace")):
             return _error_text(data)
         return web.Response(status=upstream.status, body=data, headers={"Content-Type": content_type})
     first = b""
@@ -289,7 +289,7 @@ async def _relay(request: web.Request, upstream: aiohttp.ClientResponse, router:
         first = await upstream.content.readany()
     except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError):
         pass  # the loop below meets the same failure and reports it
-    if is_overload(first.decode("utf-8", "replace")) and b'"error"' in first:
+    if is_overloaded(first.decode("utf-8", "replace")) and b'"error"' in first:
         return _error_text(first.split(b"data:", 1)[-1])
     response = web.StreamResponse(status=upstream.status, headers={"Content-Type": content_type,
                                                                     "Cache-Control": "no-cache"})

@@ -21,9 +21,10 @@ output: ``response_format`` (``json_object``, ``json_schema``) and vLLM's ``guid
 Refused with a 400 ``invalid_request_error`` (never silently ignored): several prompts or
 token-id prompts in one request, ``best_of`` other than ``n``, ``suffix``, a non-empty
 ``logit_bias``, ``tools``/``functions``, more than one output format, and malformed
-values. Errors the replica reports (e.g. a prompt longer than the context) come
-back as 400 with its message; a replica that fails mid-stream ends the stream with an
-``error`` event (the SDK raises it).
+values. Errors the replica reports come back with its message, and the status and type
+``pagoda.contracts.errors`` gives their kind (``classify_replica_error``; e.g. a prompt
+longer than the context is a 400, an engine fault a 500); a replica that fails mid-stream
+ends the stream with an ``error`` event (the SDK raises it).
 
 Limits and tenants (``pagoda.fleet.gate.gate``): the body size and the API key are checked
 before the body is read (413, 401); the number of messages, prompt length, ``max_tokens``,
@@ -56,7 +57,8 @@ from typing import Any, Optional
 
 from aiohttp import web
 
-from pagoda.fleet.gate.gate import TENANT_KEY, LimitError, RateLimited, gate_of, is_deadline, is_overload, retry_after_header
+from pagoda.contracts.errors import ErrorKind, classify_replica_error, kind_of_http_status, spec_of
+from pagoda.fleet.gate.gate import TENANT_KEY, LimitError, RateLimited, gate_of, retry_after_header
 from pagoda.fleet.api.grpc_proxy import ReplicaFailed, stream_replica
 from pagoda.fleet.api.lora_admin import LoRAAdmin, lora_admin_of
 from pagoda.fleet.api.openai_io import (OpenAIError, build_chat_request, build_completion_request, chat_logprobs,
@@ -71,22 +73,20 @@ def error_response(status: int, message: str, kind: str = "invalid_request_error
                              status=status, headers=headers)
 
 
-def _replica_error_status(message: str) -> tuple[int, str]:
-    """HTTP status and OpenAI error type for an error text a replica sent."""
-    if message.startswith(("engine error", "request finished without output")):
-        return 500, "internal_error"
-    if message.startswith("the server is shutting down"):
-        return 503, "service_unavailable"
-    if is_overload(message):
-        return 429, "rate_limit_error"
-    if is_deadline(message):
-        return 408, "timeout"
-    return 400, "invalid_request_error"
+_REPLICA_ERROR_TYPE = spec_of(ErrorKind.REPLICA_FAILED).openai_type  # an error event mid-stream
+
+
+def kind_response(kind: ErrorKind, message: str, param: Optional[str] = None,
+                  headers: Optional[dict[str, str]] = None) -> web.Response:
+    """An OpenAI error answer for ``kind`` (its status and type from ``pagoda.contracts.errors``)."""
+    spec = spec_of(kind)
+    if spec.retry_after and headers is None:
+        headers = retry_after_header()
+    return error_response(spec.http_status, message, spec.openai_type, param=param, headers=headers)
 
 
 def _replica_error(message: str) -> web.Response:
-    status, kind = _replica_error_status(message)
-    return error_response(status, message, kind, headers=retry_after_header() if status == 429 else None)
+    return kind_response(classify_replica_error(message), message)
 
 
 class OpenAIApi:
@@ -136,8 +136,8 @@ class OpenAIApi:
     async def _lora_action(self, request: web.Request, action: str) -> web.Response:
         admin = lora_admin_of(self.router)
         if not admin.allow_runtime:
-            return error_response(403, f"{action}ing LoRA adapters at run time is not enabled on this router; "
-                                       "start it with `pagoda router --allow-runtime-lora`", "permission_error")
+            return kind_response(ErrorKind.PERMISSION_DENIED, f"{action}ing LoRA adapters at run time is not enabled "
+                                 "on this router; start it with `pagoda router --allow-runtime-lora`")
         try:
             body = json.loads(await request.read())
         except ValueError as exc:
@@ -150,9 +150,7 @@ class OpenAIApi:
         answer = await (admin.load(replicas, body["lora_name"], body["lora_path"]) if action == "load"
                         else admin.unload(replicas, body["lora_name"]))
         if answer.error is not None:
-            kind = {404: "not_found_error", 503: "service_unavailable", 502: "replica_error"}.get(
-                answer.status, "invalid_request_error")
-            return error_response(answer.status, answer.error, kind, param="lora_name")
+            return kind_response(kind_of_http_status(answer.status), answer.error, param="lora_name")
         return web.json_response(answer.document)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -189,7 +187,7 @@ class OpenAIApi:
         try:
             ticket = gate.admit(tenant, analysis.num_prompt_tokens + (built.sampling.get("max_tokens") or 16))
         except RateLimited as exc:
-            return error_response(429, str(exc), "rate_limit_error", headers=retry_after_header(exc.retry_after_s))
+            return kind_response(ErrorKind.RATE_LIMITED, str(exc), headers=retry_after_header(exc.retry_after_s))
         try:
             return await self._route(request, chat, model, built, analysis)
         finally:
@@ -219,13 +217,13 @@ class OpenAIApi:
                 first = await anext(responses, None)
             except NoReplicaAvailable as exc:
                 span.fail(str(exc))
-                return error_response(503, str(exc), "service_unavailable")
+                return kind_response(ErrorKind.UNAVAILABLE, str(exc))
             except ReplicaFailed as exc:
                 span.fail(str(exc))
-                return error_response(502, str(exc), "replica_error")
+                return kind_response(ErrorKind.REPLICA_FAILED, str(exc))
             if first is not None and first.error_message:
                 await responses.aclose()
-                if is_overload(first.error_message):
+                if classify_replica_error(first.error_message) is ErrorKind.OVERLOADED:
                     gate_of(self.router).count("overloaded")
                 return _replica_error(first.error_message)
             if built.stream:
@@ -242,7 +240,7 @@ class OpenAIApi:
                 message = await anext(responses, None)
         except ReplicaFailed as exc:
             span.fail(str(exc))
-            return error_response(502, str(exc), "replica_error")
+            return kind_response(ErrorKind.REPLICA_FAILED, str(exc))
         return web.json_response(answer.final_object())
 
     async def _stream(self, request: web.Request, answer: "_Answer", first: Any, responses: Any,
@@ -259,7 +257,7 @@ class OpenAIApi:
             message = first
             while message is not None:
                 if message.error_message:
-                    await send({"error": {"message": message.error_message, "type": "replica_error",
+                    await send({"error": {"message": message.error_message, "type": _REPLICA_ERROR_TYPE,
                                           "param": None, "code": None}})
                     break
                 for chunk in answer.chunks(read_outputs(message.infer_response)):
@@ -270,7 +268,7 @@ class OpenAIApi:
                     await send(answer.usage_chunk())
         except ReplicaFailed as exc:
             span.fail(str(exc))
-            await send({"error": {"message": str(exc), "type": "replica_error", "param": None, "code": None}})
+            await send({"error": {"message": str(exc), "type": _REPLICA_ERROR_TYPE, "param": None, "code": None}})
         finally:
             await responses.aclose()
         await response.write(b"data: [DONE]\n\n")
