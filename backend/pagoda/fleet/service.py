@@ -130,7 +130,8 @@ class RouterService:
         from pagoda.fleet.api.lora_admin import LoRAAdmin
         from pagoda.fleet.api.openai_api import OpenAIApi
         from pagoda.fleet.routing.replicas import KubernetesConfig, KubernetesDiscovery, ReplicaSet, parse_replicas_spec
-        from pagoda.fleet.routing.router import FleetView, Router
+        from pagoda.fleet.routing.fleet_view import FleetView
+        from pagoda.fleet.routing.router import Router
         from pagoda.fleet.api.tracing import make_router_tracer
         from pagoda.models.tokenizer import Tokenizer
 
