@@ -18,6 +18,9 @@
 - ``GET /v2/health/live`` (the router runs) and ``/v2/health/ready`` (some replica is
   routable) are answered here; ``GET /metrics`` shows the router's own counters.
 - The OpenAI routes come from ``pagoda.fleet.api.openai_api``.
+- Collaborators (router, tracer, ``Gate``, ``LoRAAdmin``) are given to ``make_app`` by
+  ``RouterService`` and kept on the application (``ROUTER_KEY``, ``GATE_KEY``, ...); the
+  door creates none of them. Its own upstream client is the aiohttp session it opens.
 - ``gate_middleware`` runs first on every ``/v1`` request and every ``POST /v2/models``:
   the body size from ``Content-Length`` (413 before reading a byte), then the API key
   (401). A client that disconnects mid-answer is logged at INFO, not as an error.
@@ -39,10 +42,10 @@ import aiohttp
 from aiohttp import web
 
 from pagoda.contracts.errors import ErrorKind, is_overloaded, spec_of
-from pagoda.fleet.gate.gate import TENANT_KEY, AuthError, LimitError, RateLimited, gate_of, retry_after_header
+from pagoda.fleet.gate.gate import TENANT_KEY, AuthError, Gate, LimitError, RateLimited, retry_after_header
 from pagoda.fleet.api.grpc_proxy import MAX_ROUTED_PROMPT_CHARS, cache_salt_of, option_of
 from pagoda.fleet.gate.limits import sampling_of_generate, validate_generate_body
-from pagoda.fleet.api.lora_admin import lora_admin_of
+from pagoda.fleet.api.lora_admin import LoRAAdmin
 from pagoda.fleet.routing.router import Analysis, NoReplicaAvailable, Router
 from pagoda.fleet.api.tracing import TRACEPARENT, RouterTracer
 
@@ -50,17 +53,23 @@ logger = logging.getLogger(__name__)
 
 ROUTER_KEY = web.AppKey("router", Router)
 TRACER_KEY = web.AppKey("tracer", RouterTracer)
+GATE_KEY = web.AppKey("gate", Gate)
+LORA_KEY = web.AppKey("lora_admin", LoRAAdmin)
 SESSION_KEY = web.AppKey("session", aiohttp.ClientSession)
 MAX_ATTEMPTS = 2
 _FORWARDED_HEADERS = ("Content-Type", "Content-Length")
 
 
-def make_app(router: Router, tracer: RouterTracer, openai: Any = None) -> web.Application:
-    """The HTTP application; ``openai`` (an ``OpenAIApi``) adds the ``/v1`` routes."""
+def make_app(router: Router, tracer: RouterTracer, gate: Gate, lora_admin: LoRAAdmin,
+             openai: Any = None) -> web.Application:
+    """The HTTP application over the collaborators ``RouterService`` composed; ``openai``
+    (an ``OpenAIApi``) adds the ``/v1`` routes."""
     # A chunked body (no Content-Length) is cut off at the same size while it is read.
-    app = web.Application(client_max_size=gate_of(router).limits.max_body_bytes, middlewares=[gate_middleware])
+    app = web.Application(client_max_size=gate.limits.max_body_bytes, middlewares=[gate_middleware])
     app[ROUTER_KEY] = router
     app[TRACER_KEY] = tracer
+    app[GATE_KEY] = gate
+    app[LORA_KEY] = lora_admin
     app.cleanup_ctx.append(_client_session)
     app.router.add_get("/v2/health/live", _live)
     app.router.add_get("/v2/health/ready", _ready)
@@ -109,7 +118,7 @@ async def gate_middleware(request: web.Request, handler: Any) -> web.StreamRespo
     """Body size and API key before the handler; a client disconnect is an INFO line."""
     guarded = request.path.startswith("/v1/") or (request.method == "POST" and request.path.startswith("/v2/models/"))
     if guarded:
-        gate = gate_of(request.app[ROUTER_KEY])
+        gate = request.app[GATE_KEY]
         try:
             gate.limits.check_body_size(request.content_length)
         except LimitError as exc:
@@ -146,8 +155,7 @@ def _analysis_of(router: Router, document: Any) -> Optional[Analysis]:
 
 
 async def _generate(request: web.Request) -> web.StreamResponse:
-    router, tracer = request.app[ROUTER_KEY], request.app[TRACER_KEY]
-    gate = gate_of(router)
+    router, tracer, gate = request.app[ROUTER_KEY], request.app[TRACER_KEY], request.app[GATE_KEY]
     body = await request.read()
     document, analysis, ticket = None, None, None
     if request.path.endswith(("generate", "generate_stream")):
@@ -178,7 +186,7 @@ async def _generate(request: web.Request) -> web.StreamResponse:
 
 async def _lora_control(request: web.Request, router: Router, document: dict[str, Any]) -> web.Response:
     """A LoRA control request at the router: listed from its own state, or applied to every replica."""
-    admin = lora_admin_of(router)
+    admin = request.app[LORA_KEY]
     action, name, path = (document.get(key) for key in ("lora_action", "lora_name", "lora_path"))
     extra = sorted(set(document) - {"lora_action", "lora_name", "lora_path", TRACEPARENT})
     if extra:
@@ -220,8 +228,7 @@ def _salt_document(document: dict[str, Any], salt: Optional[str]) -> None:
 async def _route(request: web.Request, body: bytes, document: Optional[dict], analysis: Optional[Analysis],
                  span: Any) -> web.StreamResponse:
     """Choose a replica and relay its answer; retry on a refused connection or an overload."""
-    router = request.app[ROUTER_KEY]
-    gate = gate_of(router)
+    router, gate = request.app[ROUTER_KEY], request.app[GATE_KEY]
     tried: list[str] = []
     num_dead = 0
     for attempt in itertools.count(1):
@@ -332,10 +339,10 @@ async def _forward_get(request: web.Request) -> web.Response:
 
 
 async def _metrics(request: web.Request) -> web.Response:
-    return web.Response(text=render_metrics(request.app[ROUTER_KEY]), content_type="text/plain")
+    return web.Response(text=render_metrics(request.app[ROUTER_KEY], request.app[GATE_KEY]), content_type="text/plain")
 
 
-def render_metrics(router: Router) -> str:
+def render_metrics(router: Router, gate: Gate) -> str:
     """The router's counters in the Prometheus text format."""
     times = sorted(router.decision_times_s)
 
@@ -360,7 +367,7 @@ def render_metrics(router: Router) -> str:
         *router.metric_lines(),
         "# TYPE pagoda_router_refused_total counter",
         *(f'pagoda_router_refused_total{{reason="{reason}"}} {count}'
-          for reason, count in sorted({**gate_of(router).num_refused,
-                                       **{f"rate_limited_{k}": v for k, v in gate_of(router).limiter.num_limited.items()}}.items())),
+          for reason, count in sorted({**gate.num_refused,
+                                       **{f"rate_limited_{k}": v for k, v in gate.limiter.num_limited.items()}}.items())),
     ]
     return "\n".join(lines) + "\n"

@@ -3,7 +3,7 @@
 A request is validated here, turned into one contract-1 Triton request (``text_input`` =
 the prompt, or the conversation rendered with the model's chat template; ``stream`` true;
 ``sampling_parameters`` JSON; ``exclude_input_in_output`` and the ``return_*`` flags),
-routed like any other (``grpc_proxy.stream_replica``) and answered in OpenAI's shapes:
+routed like any other (``upstream.GrpcUpstream``, the gRPC door's client too) and answered in OpenAI's shapes:
 SSE ``chat.completion.chunk`` / ``text_completion`` events ending with ``data: [DONE]``,
 or one JSON object with ``usage``.
 
@@ -58,9 +58,9 @@ from typing import Any, Optional
 from aiohttp import web
 
 from pagoda.contracts.errors import ErrorKind, classify_replica_error, kind_of_http_status, spec_of
-from pagoda.fleet.gate.gate import TENANT_KEY, LimitError, RateLimited, gate_of, retry_after_header
-from pagoda.fleet.api.grpc_proxy import ReplicaFailed, stream_replica
-from pagoda.fleet.api.lora_admin import LoRAAdmin, lora_admin_of
+from pagoda.fleet.gate.gate import TENANT_KEY, Gate, LimitError, RateLimited, retry_after_header
+from pagoda.fleet.api.lora_admin import LoRAAdmin
+from pagoda.fleet.api.upstream import GrpcUpstream, ReplicaFailed
 from pagoda.fleet.api.openai_io import (OpenAIError, build_chat_request, build_completion_request, chat_logprobs,
                                     completion_logprobs, make_infer_request, read_outputs)
 from pagoda.fleet.routing.router import NoReplicaAvailable, Router
@@ -90,29 +90,32 @@ def _replica_error(message: str) -> web.Response:
 
 
 class OpenAIApi:
-    """The ``/v1`` routes.
+    """The ``/v1`` routes. Collaborators come in through the constructor (``RouterService``
+    composes them); the door mutates none of them.
 
     Args:
-        router: routing decisions.
+        router: routing analysis (tokenizer, block hashes) and the replicas.
         tracer: router spans.
+        gate: limits, tenants and overload memory.
+        lora_admin: the served LoRA adapters and their run-time loading.
+        upstream: the client that streams a routed request to a replica.
         model_name: the served model name (``/v1/models``; requests may also say ``pagoda``).
-        lora_names: adapters the replicas serve, where the router has no ``LoRAAdmin`` yet.
     """
 
-    def __init__(self, router: Router, tracer: RouterTracer, model_name: str, max_attempts: int = 2,
-                 lora_names: tuple[str, ...] = ()) -> None:
+    def __init__(self, router: Router, tracer: RouterTracer, gate: Gate, lora_admin: LoRAAdmin,
+                 upstream: GrpcUpstream, model_name: str) -> None:
         self.router = router
         self.tracer = tracer
+        self.gate = gate
+        self.lora_admin = lora_admin
+        self.upstream = upstream
         self.model_name = model_name
-        if getattr(router, "lora_admin", None) is None:
-            router.lora_admin = LoRAAdmin(lora_names, base_model_names=(model_name, "pagoda"))
-        self.max_attempts = max_attempts
         self.created = int(time.time())
 
     @property
     def lora_names(self) -> tuple[str, ...]:
         """The adapters served now: OpenAI ``model`` names them."""
-        return lora_admin_of(self.router).names()
+        return self.lora_admin.names()
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_get("/v1/models", self.models)
@@ -134,7 +137,7 @@ class OpenAIApi:
         return await self._lora_action(request, "unload")
 
     async def _lora_action(self, request: web.Request, action: str) -> web.Response:
-        admin = lora_admin_of(self.router)
+        admin = self.lora_admin
         if not admin.allow_runtime:
             return kind_response(ErrorKind.PERMISSION_DENIED, f"{action}ing LoRA adapters at run time is not enabled "
                                  "on this router; start it with `pagoda router --allow-runtime-lora`")
@@ -177,9 +180,9 @@ class OpenAIApi:
             if model in self.lora_names:
                 built.sampling["lora_name"] = model
         except (OpenAIError, LimitError) as exc:
-            gate_of(self.router).count("invalid_input")
+            self.gate.count("invalid_input")
             return error_response(getattr(exc, "status", 400), str(exc), param=exc.param)
-        gate = gate_of(self.router)
+        gate = self.gate
         tenant = request.get(TENANT_KEY)
         if tenant is not None:
             built.sampling["cache_salt"] = gate.salt(tenant, built.sampling.get("cache_salt"))
@@ -195,7 +198,7 @@ class OpenAIApi:
 
     def _build(self, body: dict, chat: bool) -> Any:
         """Validate and convert a body within the router's limits (raises OpenAIError / LimitError)."""
-        limits = gate_of(self.router).limits
+        limits = self.gate.limits
         if chat and isinstance(body.get("messages"), list):
             limits.check_messages(body["messages"])
         if not chat and isinstance(body.get("prompt"), str):
@@ -211,7 +214,7 @@ class OpenAIApi:
             span.set_attribute("pagoda.openai.endpoint", "chat.completions" if chat else "completions")
             request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
             infer_request = make_infer_request(built, request_id)
-            responses = stream_replica(self.router, analysis, infer_request, span, self.max_attempts)
+            responses = self.upstream.stream(analysis, infer_request, span)
             answer = _Answer(chat, request_id, model, built, self.router.tokenizer)
             try:
                 first = await anext(responses, None)
@@ -224,7 +227,7 @@ class OpenAIApi:
             if first is not None and first.error_message:
                 await responses.aclose()
                 if classify_replica_error(first.error_message) is ErrorKind.OVERLOADED:
-                    gate_of(self.router).count("overloaded")
+                    self.gate.count("overloaded")
                 return _replica_error(first.error_message)
             if built.stream:
                 return await self._stream(request, answer, first, responses, span)

@@ -3,8 +3,8 @@
 ``Gate`` bundles the input limits (``limits.RequestLimits``), the tenants
 (``auth.ApiKeys``, ``auth.TenantLimiter``, the tenant salt) and the overload memory, so
 each door (``http_api``, ``openai_api``, ``grpc_proxy``) adds one call per concern
-instead of its own policy. ``RouterService`` hangs it on the router as ``router.gate``;
-``gate_of(router)`` gives an open default where none is configured (tests, benches).
+instead of its own policy. ``RouterService`` makes one and gives it to each door's
+constructor (and to the upstream client, for the overload memory).
 
 Order at every door: body size (HTTP, from ``Content-Length``, before reading) ->
 API key (401) -> parse and validate (400 naming the field) -> tenant salt -> routing
@@ -115,18 +115,9 @@ class Gate:
         return await router.choose(analysis, exclude=tried, attempt=attempt)
 
 
-def gate_of(router: Any) -> Gate:
-    """The router's gate; an open default one (created once) where none was configured."""
-    gate = getattr(router, "gate", None)
-    if gate is None:
-        gate = Gate()
-        router.gate = gate
-    return gate
-
-
 def retry_after_header(seconds: float = DEFAULT_RETRY_AFTER_S) -> dict[str, str]:
     return {"Retry-After": str(max(1, math.ceil(seconds)))}
 
 
-__all__ = ["Gate", "gate_of", "retry_after_header", "AuthError", "RateLimited",
+__all__ = ["Gate", "retry_after_header", "AuthError", "RateLimited",
            "LimitError", "TENANT_KEY"]
