@@ -31,6 +31,7 @@ from typing import Any, AsyncIterator, Optional
 import grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
+from pagoda.contracts.errors import ErrorKind, spec_of
 from pagoda.fleet.api.tracing import TRACEPARENT, RouterTracer
 from pagoda.fleet.api.upstream import DEAD_CODES, GrpcUpstream, ReplicaFailed
 from pagoda.fleet.gate.gate import AuthError, Gate, LimitError, RateLimited
@@ -96,7 +97,7 @@ class GrpcProxy(service_pb2_grpc.GRPCInferenceServiceServicer):
         try:
             tenant = self.gate.authenticate(carrier.get("authorization"))
         except AuthError as exc:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
+            await context.abort(grpc_status(ErrorKind.UNAUTHORIZED), str(exc))
         queue: asyncio.Queue = asyncio.Queue()
         end = object()
         tasks: set[asyncio.Task] = set()
@@ -176,11 +177,11 @@ class GrpcProxy(service_pb2_grpc.GRPCInferenceServiceServicer):
                 tenant = self.gate.authenticate(carrier.get("authorization"))
                 analysis, ticket = self._admit(request, tenant)
             except AuthError as exc:
-                await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
+                await context.abort(grpc_status(ErrorKind.UNAUTHORIZED), str(exc))
             except LimitError as exc:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                await context.abort(grpc_status(ErrorKind.INVALID_REQUEST), str(exc))
             except RateLimited as exc:
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+                await context.abort(grpc_status(ErrorKind.RATE_LIMITED), str(exc))
             try:
                 return await self._infer_routed(request, context, span, analysis, tried)
             finally:
@@ -194,7 +195,7 @@ class GrpcProxy(service_pb2_grpc.GRPCInferenceServiceServicer):
                 decision = await self.router.choose(analysis, exclude=tried, attempt=attempt)
             except NoReplicaAvailable as exc:
                 span.fail(str(exc))
-                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+                await context.abort(grpc_status(ErrorKind.UNAVAILABLE), str(exc))
             span.set_decision(decision)
             if span.traceparent:
                 request.parameters[TRACEPARENT].string_param = span.traceparent
@@ -240,7 +241,12 @@ class GrpcProxy(service_pb2_grpc.GRPCInferenceServiceServicer):
                 if exc.code() not in DEAD_CODES:
                     await context.abort(exc.code(), exc.details())
                 self.router.replicas.mark_unhealthy(replica, f"{exc.code().name}: {exc.details()}")
-        await context.abort(grpc.StatusCode.UNAVAILABLE, self.router._no_replica_message(()))
+        await context.abort(grpc_status(ErrorKind.UNAVAILABLE), self.router._no_replica_message(()))
+
+
+def grpc_status(kind: ErrorKind) -> grpc.StatusCode:
+    """The gRPC status the router answers ``kind`` with (``pagoda.contracts.errors``)."""
+    return grpc.StatusCode[spec_of(kind).grpc_status]
 
 
 def _metadata(context: Any) -> dict[str, str]:

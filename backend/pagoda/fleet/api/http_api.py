@@ -104,6 +104,11 @@ def _error(status: int, message: str, headers: Optional[dict[str, str]] = None) 
     return web.json_response({"error": message}, status=status, headers=headers)
 
 
+def _kind_error(kind: ErrorKind, message: str, headers: Optional[dict[str, str]] = None) -> web.Response:
+    """Triton's ``{"error"}`` answer with the status ``pagoda.contracts.errors`` gives ``kind``."""
+    return _error(spec_of(kind).triton_http_status, message, headers)
+
+
 def _gate_error(request: web.Request, status: int, message: str, kind: str, param: Optional[str] = None,
                 headers: Optional[dict[str, str]] = None) -> web.Response:
     """An error in the door's own shape: OpenAI's on ``/v1``, Triton's ``{"error"}`` elsewhere."""
@@ -127,7 +132,8 @@ async def gate_middleware(request: web.Request, handler: Any) -> web.StreamRespo
         try:
             request[TENANT_KEY] = gate.authenticate(request.headers.get("Authorization"))
         except AuthError as exc:
-            return _gate_error(request, 401, str(exc), "authentication_error",
+            spec = spec_of(ErrorKind.UNAUTHORIZED)
+            return _gate_error(request, spec.triton_http_status, str(exc), spec.openai_type,
                                headers={"WWW-Authenticate": "Bearer"})
     try:
         return await handler(request)
@@ -174,7 +180,7 @@ async def _generate(request: web.Request) -> web.StreamResponse:
             gate.count("invalid_input")
             return _error(exc.status, str(exc))
         except RateLimited as exc:
-            return _error(429, str(exc), retry_after_header(exc.retry_after_s))
+            return _kind_error(ErrorKind.RATE_LIMITED, str(exc), retry_after_header(exc.retry_after_s))
     carrier = {TRACEPARENT: request.headers[TRACEPARENT]} if TRACEPARENT in request.headers else {}
     try:
         with tracer.route_span("http", carrier) as span:
@@ -197,8 +203,8 @@ async def _lora_control(request: web.Request, router: Router, document: dict[str
     elif action not in ("load", "unload"):
         return _error(400, f"lora_action: must be one of load, unload, list, got {action!r}")
     elif not admin.allow_runtime:
-        return _error(403, f"lora_action {action!r}: runtime LoRA updating is not enabled on this router; start "
-                           "it with `pagoda router --allow-runtime-lora`")
+        return _kind_error(ErrorKind.PERMISSION_DENIED, f"lora_action {action!r}: runtime LoRA updating is not enabled "
+                           "on this router; start it with `pagoda router --allow-runtime-lora`")
     elif not name or (action == "load" and not path):
         missing = "lora_name" if not name else "lora_path"
         return _error(400, f"{missing}: required by lora_action {action!r}")
@@ -236,7 +242,7 @@ async def _route(request: web.Request, body: bytes, document: Optional[dict], an
             decision = await gate.choose(router, analysis, tried, attempt)
         except NoReplicaAvailable as exc:
             span.fail(str(exc))
-            return _error(503, str(exc))
+            return _kind_error(ErrorKind.UNAVAILABLE, str(exc))
         span.set_decision(decision)
         payload = body
         if document is not None:
@@ -254,7 +260,7 @@ async def _route(request: web.Request, body: bytes, document: Optional[dict], an
             if num_dead < MAX_ATTEMPTS:
                 continue
             span.fail(str(exc))
-            return _error(502, f"replica {replica.replica_id} is unreachable: {exc}")
+            return _kind_error(ErrorKind.REPLICA_FAILED, f"replica {replica.replica_id} is unreachable: {exc}")
         try:
             answer = await _relay(request, upstream, router, decision, span)
         finally:
@@ -267,7 +273,7 @@ async def _route(request: web.Request, body: bytes, document: Optional[dict], an
         if not router.replicas.routable(tried, include_draining=True):
             span.fail(answer)
             gate.count("overloaded")
-            return _error(spec_of(ErrorKind.OVERLOADED).triton_http_status, answer, retry_after_header())
+            return _kind_error(ErrorKind.OVERLOADED, answer, retry_after_header())
     raise AssertionError("unreachable: the attempt loop always returns")
 
 
@@ -287,7 +293,8 @@ async def _relay(request: web.Request, upstream: aiohttp.ClientResponse, router:
             failure = f"replica {replica.replica_id} failed before answering: {type(exc).__name__}: {exc}"
             router.replicas.mark_unhealthy(replica, failure)
             span.fail(failure)
-            return _error(502, failure + ". The router avoids it until it is healthy again; retry the request.")
+            return _kind_error(ErrorKind.REPLICA_FAILED,
+                               failure + ". The router avoids it until it is healthy again; retry the request.")
         if upstream.status != 200 and is_overloaded(data.decode("utf-8", "replace")):
             return _error_text(data)
         return web.Response(status=upstream.status, body=data, headers={"Content-Type": content_type})
@@ -335,7 +342,7 @@ async def _forward_get(request: web.Request) -> web.Response:
                                              if k in upstream.headers})
         except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
             router.replicas.mark_unhealthy(replica, f"HTTP connection failed: {exc}")
-    return _error(503, router._no_replica_message(()))
+    return _kind_error(ErrorKind.UNAVAILABLE, router._no_replica_message(()))
 
 
 async def _metrics(request: web.Request) -> web.Response:
