@@ -17,11 +17,10 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
+from pagoda.contracts.errors import SHUTDOWN_MESSAGE
 from pagoda.serving.triton_io import LoRAControl, make_control_response, make_error_response
 
 logger = logging.getLogger(__name__)
-
-SHUTDOWN_MESSAGE = "the server is shutting down"
 
 
 class LoRAController:
