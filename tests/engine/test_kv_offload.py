@@ -43,9 +43,9 @@ def step(scheduler, token=7):
 
 def assert_all_free(scheduler):
     assert scheduler.block_pool.num_free_blocks == scheduler.block_pool.num_usable_blocks
-    if scheduler.offload is not None:
-        assert scheduler.offload.num_free_blocks == scheduler.offload.pool.num_blocks
-        assert not scheduler.offload.req_to_host_blocks
+    if scheduler.host_tier.is_enabled:
+        assert scheduler.host_tier.num_free_blocks == scheduler.host_tier.pool.num_blocks
+        assert not scheduler.host_tier.req_to_host_blocks
 
 
 # Cost model and configuration -----------------------------------------------------------
@@ -122,12 +122,12 @@ def test_swap_out_keeps_computed_tokens_and_swap_in_restores_them():
     assert scheduler.is_swapped_out("b") and b.status == RequestStatus.PREEMPTED
     num_computed = b.num_computed_tokens
     assert num_computed > 15  # kept, not reset
-    host_ids = [blk.block_id for blk in scheduler.offload.req_to_host_blocks["b"]]
+    host_ids = [blk.block_id for blk in scheduler.host_tier.req_to_host_blocks["b"]]
     assert len(host_ids) == -(-num_computed // 4)
     # The swap-out pairs are b's device blocks (as of the preemption) into its host blocks.
     assert [dst for _, dst in out.blocks_to_swap_out] == host_ids
     assert out.blocks_to_swap_in == [] and out.blocks_to_copy_back == []
-    assert scheduler.num_recomputed_preemptions == 0 and scheduler.offload.num_swapped_out == 1
+    assert scheduler.num_recomputed_preemptions == 0 and scheduler.host_tier.num_swapped_out == 1
 
     while scheduler.is_swapped_out("b"):
         out, _ = step(scheduler)
@@ -136,7 +136,7 @@ def test_swap_out_keeps_computed_tokens_and_swap_in_restores_them():
     assert [dst for _, dst in out.blocks_to_swap_in] == scheduler.kv_cache_manager.get_block_ids("b")[:len(host_ids)]
     scheduled_b = next(s for s in out.scheduled if s.request is b)
     assert scheduled_b.num_computed_tokens == num_computed and scheduled_b.num_new_tokens == 1
-    assert scheduler.offload.num_swapped_in == 1
+    assert scheduler.host_tier.num_swapped_in == 1
     while scheduler.has_unfinished_requests():
         step(scheduler)
     assert a.num_output_tokens == 20 and b.num_output_tokens == 10
@@ -154,7 +154,7 @@ def test_recompute_mode_and_full_host_pool_fall_back_to_recompute():
             preempted += out.preempted_request_ids
             assert out.blocks_to_swap_in == []
         assert preempted and scheduler.num_recomputed_preemptions == len(preempted)
-        assert scheduler.offload.num_swapped_out == 0
+        assert scheduler.host_tier.num_swapped_out == 0
         assert_all_free(scheduler)
 
 
@@ -183,7 +183,7 @@ def test_abort_while_swapped_out_frees_host_blocks():
     while not scheduler.is_swapped_out("b"):
         step(scheduler)
     scheduler.finish_requests("b", RequestStatus.FINISHED_ABORTED)
-    assert scheduler.offload.num_free_blocks == 16
+    assert scheduler.host_tier.num_free_blocks == 16
     while scheduler.has_unfinished_requests():
         step(scheduler)
     assert_all_free(scheduler)
@@ -202,7 +202,7 @@ def test_evicted_prefix_blocks_move_to_host_and_come_back():
     scheduler.add_request(make_request("b", 30, max_tokens=2))
     out, _ = step(scheduler)
     assert sorted(src for src, _ in out.blocks_to_swap_out) == sorted(cached)
-    assert scheduler.offload.num_offloaded_blocks == 4
+    assert scheduler.host_tier.num_offloaded_blocks == 4
     host_of = {src: dst for src, dst in out.blocks_to_swap_out}
     # Device-tier events only: the blocks moving to the host are removed from the device.
     events = [e.event for e in scheduler.take_events()]
@@ -218,7 +218,7 @@ def test_evicted_prefix_blocks_move_to_host_and_come_back():
     assert len(out.blocks_to_copy_back) == 4
     assert [src for src, _ in out.blocks_to_copy_back] == [host_of[d] for d in a_block_ids[:4]]
     assert [dst for _, dst in out.blocks_to_copy_back] == c.block_ids[:4]
-    assert scheduler.offload.prefix_cache_hits_host == 16
+    assert scheduler.host_tier.prefix_cache_hits_host == 16
     assert scheduler.prefix_cache_hits == 16 and c.request.num_cached_tokens == 16
     # The copied-back blocks are cached on the device again, and advertised as such.
     stored = [h for e in scheduler.take_events() if isinstance(e.event, BlockStored) for h in e.event.block_hashes]
@@ -227,7 +227,7 @@ def test_evicted_prefix_blocks_move_to_host_and_come_back():
     while scheduler.has_unfinished_requests():
         step(scheduler)
     assert_all_free(scheduler)
-    assert scheduler.reset_prefix_cache() and not scheduler.offload.pool.cached_block_hash_to_block
+    assert scheduler.reset_prefix_cache() and not scheduler.host_tier.pool.cached_block_hash_to_block
 
 
 # Engine end to end (tiny random model) ----------------------------------------------------
@@ -305,7 +305,7 @@ def test_auto_mode_calibrates_and_too_small_a_tier_is_refused(model_path):
     with pytest.raises(ValueError, match="cpu_offload_bytes"):
         LLMEngine(EngineConfig(model=model_path, cpu_offload_bytes=100))
     engine = LLMEngine(EngineConfig(model=model_path, num_gpu_blocks_override=20, cpu_offload_bytes=2**20))
-    model = engine.scheduler.offload.cost_model
+    model = engine.scheduler.host_tier.cost_model
     assert model.copy_bandwidth_bytes_per_s > 0 and model.copy_latency_s >= 0 and model.prefill_s_per_token > 0
     assert model.bytes_per_block == engine.host_kv_cache.bytes_per_block
 

@@ -14,7 +14,8 @@ from pagoda.fleet.routing.affinity import AffinityShare, PendingIndex
 from pagoda.fleet.routing.policy import PrefixAwarePolicy, ReplicaState, RoutingRequest, make_policy
 from pagoda.fleet.routing.replicas import ReplicaSet
 from pagoda.fleet.index.retry import Backoff, RateLimitedLog
-from pagoda.fleet.routing.router import FleetView, Router
+from pagoda.fleet.routing.fleet_view import FleetView, IndexView
+from pagoda.fleet.routing.router import Router
 
 
 class Clock:
@@ -30,7 +31,7 @@ class FakeTokenizer:
         return [ord(c) for c in text]
 
 
-class NoIndexYet:
+class NoIndexYet(IndexView):
     """A FleetView surface whose index is up but has not heard of any prefix yet."""
 
     available = True
@@ -70,7 +71,8 @@ def test_kv_events_confirm_pending_entries_and_keep_the_pending_tail(redis_serve
     """The first chunk of a prefix is prefilled: its events (through a real follower)
     confirm those blocks, the rest stays pending, and the match spans both."""
     from pagoda.contracts.kv_events import BlockRemoved, BlockStored
-    from pagoda.fleet.index.prefix_index import IndexFollower, PrefixIndex
+    from pagoda.fleet.index.mirror import IndexFollower
+    from pagoda.fleet.index.prefix_index import PrefixIndex
 
     clock = Clock()
     pending = PendingIndex(clock)

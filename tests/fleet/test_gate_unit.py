@@ -200,16 +200,19 @@ def tokenizer(smollm2_path):
 
 def _app(tokenizer, gate):
     from pagoda.fleet.api.http_api import make_app
+    from pagoda.fleet.api.lora_admin import LoRAAdmin
     from pagoda.fleet.api.openai_api import OpenAIApi
     from pagoda.fleet.api.tracing import RouterTracer
+    from pagoda.fleet.api.upstream import GrpcUpstream
 
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
     router = Router(ReplicaSet("static"), tokenizer, "m", "least_loaded")  # no replicas: nothing gets routed
-    router.gate = gate
     exporter = InMemorySpanExporter()
     tracer = RouterTracer(exporter, batch=False)
-    return make_app(router, tracer, OpenAIApi(router, tracer, "smol")), exporter
+    admin = LoRAAdmin(base_model_names=("smol", "pagoda"))
+    openai = OpenAIApi(router, tracer, gate, admin, GrpcUpstream(router, gate), "smol")
+    return make_app(router, tracer, gate, admin, openai), exporter
 
 
 def test_http_doors_refuse_before_routing(tokenizer, caplog):

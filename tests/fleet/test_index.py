@@ -8,7 +8,8 @@ import pytest
 from pagoda.contracts.block_hash import hash_prompt_blocks
 from pagoda.contracts.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from pagoda.contracts import redis_keys as keys
-from pagoda.fleet.index.prefix_index import IndexFollower, LocalIndex, PrefixIndex
+from pagoda.fleet.index.mirror import IndexFollower, LocalIndex
+from pagoda.fleet.index.prefix_index import PrefixIndex
 
 from .conftest import count_round_trips
 

@@ -135,3 +135,39 @@ def test_a_replica_with_a_waiting_queue_pays_for_it():
     assert PrefixAwarePolicy(waiting_cost_tokens=0).choose([queued, busy], request).replica_id == "a"
     with pytest.raises(ValueError, match="waiting_cost_tokens"):
         PrefixAwarePolicy(waiting_cost_tokens=-1)
+
+
+# ------------------------------------------------------------------ capabilities and the shared path
+CAPABILITIES = {"random": (False, False), "round_robin": (False, False), "least_loaded": (False, False),
+                "prefix_aware": (True, True), "precise": (True, False), "approximate": (False, True)}
+
+
+def test_policies_declare_capabilities_with_one_default():
+    from pagoda.fleet.routing.policy import Policy
+
+    assert (Policy.uses_exact, Policy.uses_pending, Policy.pending_ttl_s) == (False, False, 0.0)
+    assert {name: (make_policy(name).uses_exact, make_policy(name).uses_pending) for name in POLICIES} == CAPABILITIES
+    for factory in POLICIES.values():
+        assert Policy in factory.__mro__  # subclassed explicitly: the defaults are inherited
+    for plain in (RandomPolicy, RoundRobinPolicy, LeastLoadedPolicy):  # they inherit the defaults
+        assert "uses_exact" not in vars(plain) and "uses_pending" not in vars(plain)
+
+
+def test_decide_shows_pending_past_the_index_only_to_policies_that_read_it():
+    """The router's and the simulator's one path: a policy reading the index sees a replica's
+    pending tail past its confirmed blocks; ``approximate`` (its own history only) does not."""
+    from pagoda.fleet.routing.affinity import PendingIndex
+    from pagoda.fleet.routing.decide import confirms_pending, decide
+
+    hashes = ["h0", "h1", "h2", "h3"]
+    shown = {}
+    for name in ("prefix_aware", "approximate", "precise"):
+        pending = PendingIndex(clock=lambda: 0.0)
+        pending.record("a", hashes[2:], ttl_s=5)  # blocks 0-1 were confirmed by KV events
+        routing = RoutingRequest("q", hashes, 64, 16, {"a": 2})
+        chosen = decide(make_policy(name), replicas(2), routing, pending)
+        shown[name] = routing.pending_blocks
+        recorded = pending.match(hashes, now=1.0)
+        assert (recorded.get(chosen.replica_id) == 4) == make_policy(name).uses_pending, name
+    assert shown == {"prefix_aware": {"a": 4}, "approximate": {}, "precise": {}}
+    assert [confirms_pending(make_policy(n)) for n in ("prefix_aware", "precise", "approximate")] == [True, True, False]

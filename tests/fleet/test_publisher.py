@@ -11,7 +11,8 @@ from pagoda.engine.request import Request
 from pagoda.engine.sampling_params import SamplingParams
 from pagoda.engine.core.scheduler import Scheduler, SchedulerConfig
 from pagoda.contracts import redis_keys as keys
-from pagoda.fleet.index.prefix_index import IndexFollower, PrefixIndex
+from pagoda.fleet.index.mirror import IndexFollower
+from pagoda.fleet.index.prefix_index import PrefixIndex
 from pagoda.fleet.index.publisher import Publisher, publisher_from_env
 from pagoda.fleet.index.registry import ReplicaRegistry
 

@@ -6,7 +6,8 @@ import pytest
 
 from pagoda.contracts.kv_events import BlockStored, KVEvent
 from pagoda.contracts import redis_keys as keys
-from pagoda.fleet.index.prefix_index import IndexFollower, PrefixIndex
+from pagoda.fleet.index.mirror import IndexFollower
+from pagoda.fleet.index.prefix_index import PrefixIndex
 from pagoda.fleet.index.publisher import Publisher
 from pagoda.fleet.index.registry import ReplicaRegistry, parse_heartbeat
 

@@ -83,6 +83,7 @@ async def _fleet(allow_runtime: bool):
     from pagoda.fleet.api.http_api import make_app
     from pagoda.fleet.api.openai_api import OpenAIApi
     from pagoda.fleet.api.tracing import RouterTracer
+    from pagoda.fleet.api.upstream import GrpcUpstream
 
     fakes = {rid: FakeReplica(rid) for rid in ("r0", "r1", "r2")}
     servers = {rid: TestServer(fake.app()) for rid, fake in fakes.items()}
@@ -92,10 +93,11 @@ async def _fleet(allow_runtime: bool):
     replicas.set_members((rid, {"grpc": "127.0.0.1:1", "http": f"127.0.0.1:{server.port}"})
                          for rid, server in servers.items())
     router = Router(replicas, FakeTokenizer(), "smol", "least_loaded")
-    router.gate = Gate(RequestLimits(), ApiKeys.parse(f"{KEY} acme", "keys"))
-    router.lora_admin = LoRAAdmin((), allow_runtime, ("smol", "pagoda"))
+    gate = Gate(RequestLimits(), ApiKeys.parse(f"{KEY} acme", "keys"))
+    admin = LoRAAdmin((), allow_runtime, ("smol", "pagoda"))
     tracer = RouterTracer(InMemorySpanExporter(), batch=False)
-    client = TestClient(TestServer(make_app(router, tracer, OpenAIApi(router, tracer, "smol"))))
+    openai = OpenAIApi(router, tracer, gate, admin, GrpcUpstream(router, gate), "smol")
+    client = TestClient(TestServer(make_app(router, tracer, gate, admin, openai)))
     await client.start_server()
     return router, fakes, servers, client
 
@@ -201,8 +203,10 @@ def test_rejoining_replica_gets_runtime_adapters_replayed_and_its_own_learned():
     async def scenario():
         router, fakes, servers, client = await _fleet(allow_runtime=True)
         try:
+            from pagoda.fleet.api.http_api import LORA_KEY
+
             service = RouterService(RouterOptions())
-            service.router = router
+            service.router, service.lora_admin = router, client.server.app[LORA_KEY]
             status, _ = await _post(client, "/v1/load_lora_adapter", {"lora_name": "sql", "lora_path": "/a/sql"})
             assert status == 200
             r2 = router.replicas.get("r2")
@@ -235,9 +239,11 @@ def test_grpc_door_refuses_control_requests():
 
     from pagoda.fleet.api.grpc_proxy import GrpcProxy
     from pagoda.fleet.api.tracing import RouterTracer
+    from pagoda.fleet.api.upstream import GrpcUpstream
 
     router = Router(ReplicaSet("static"), FakeTokenizer(), "smol", "least_loaded")
-    proxy = GrpcProxy(router, RouterTracer(InMemorySpanExporter(), batch=False))
+    gate = Gate()
+    proxy = GrpcProxy(router, RouterTracer(InMemorySpanExporter(), batch=False), gate, GrpcUpstream(router, gate))
     request = service_pb2.ModelInferRequest()
     request.inputs.add(name="lora_action", datatype="BYTES", shape=[1])
     request.raw_input_contents.append(struct.pack("<I", 4) + b"list")

@@ -13,6 +13,7 @@ import pytest
 from pagoda.contracts.block_hash import hash_prompt_blocks
 from pagoda.fleet.api.grpc_proxy import cache_salt_of
 from pagoda.fleet.triton_wire import bytes_elements, read_string_input
+from pagoda.fleet.routing.fleet_view import IndexView
 from pagoda.fleet.routing.replicas import KubernetesConfig, KubernetesDiscovery, ReplicaSet, parse_replicas_spec, pod_to_member
 from pagoda.fleet.service import options_from_args, make_parser, resolve_redis_url
 from pagoda.fleet.routing.router import NoReplicaAvailable, Router
@@ -69,10 +70,11 @@ class FakeTokenizer:
         return [ord(c) for c in text]
 
 
-class FakeFleet:
+class FakeFleet(IndexView):
     """FleetView's surface: ``match`` answers from a dict, or None when 'down'."""
 
     def __init__(self):
+        super().__init__()
         self.available = True
         self.owners: dict[str, dict[str, int]] = {}
 

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from pagoda.bench import routing
-from pagoda.fleet.index.prefix_index import LocalIndex
+from pagoda.fleet.index.mirror import LocalIndex
 from pagoda.fleet.routing.policy import ReplicaState, make_policy
 from pagoda.fleet.sim.simulator import (
     DEFAULT_STEP_MODEL, FleetSimulator, ReplicaConfig, SimReplica, StepTimeModel, WorkloadConfig, make_workload,

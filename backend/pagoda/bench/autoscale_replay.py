@@ -36,7 +36,7 @@ from typing import Optional
 from pagoda.contracts.block_hash import hash_prompt_blocks
 from pagoda.contracts import redis_keys as keys
 from pagoda.fleet.routing.affinity import PendingIndex
-from pagoda.fleet.index.prefix_index import LocalIndex
+from pagoda.fleet.index.mirror import LocalIndex
 from pagoda.fleet.routing.policy import ReplicaState, RoutingRequest, make_policy
 from pagoda.fleet.sim.simulator import (
     DEFAULT_STEP_MODEL, SIM_MODEL_ID, ReplicaConfig, SimReplica, SimRequest, StepTimeModel, WorkloadConfig,

@@ -68,7 +68,7 @@ def main(argv=None) -> int:
                                     max_num_batched_tokens=max(2048, lengths[-1]), max_model_len=max(2048, lengths[-1] + 1),
                                     enable_prefix_caching=False))
     runner, host = engine.runner, engine.host_kv_cache
-    cost = engine.scheduler.offload.cost_model
+    cost = engine.scheduler.host_tier.cost_model
     if runner.num_blocks - 1 < num_blocks:
         parser.error(f"the device cache has {runner.num_blocks - 1} blocks; {lengths[-1]} tokens need {num_blocks}")
     sync = (lambda: torch.cuda.synchronize(runner.device)) if runner.device.type == "cuda" else (lambda: None)

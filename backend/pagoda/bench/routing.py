@@ -203,7 +203,8 @@ def measure_overhead(redis_url: str, num_replicas: int = 8, prompt_tokens: int =
     prefixes of the test prompts, then time decisions via Redis and via a follower."""
     from pagoda.contracts.block_hash import hash_prompt_blocks
     from pagoda.contracts.kv_events import BlockStored
-    from pagoda.fleet.index.prefix_index import IndexFollower, PrefixIndex, make_redis_client
+    from pagoda.fleet.index.mirror import IndexFollower
+    from pagoda.fleet.index.prefix_index import PrefixIndex, make_redis_client
     from pagoda.fleet.index.registry import ReplicaRegistry
 
     model = f"bench-overhead-{random.randrange(1 << 30):x}"

@@ -44,7 +44,8 @@ def measure_router_overhead(redis_url: str, model_dir: Optional[str] = None, num
     from pagoda.fleet.index.prefix_index import PrefixIndex, make_redis_client
     from pagoda.fleet.index.registry import ReplicaRegistry
     from pagoda.fleet.routing.replicas import ReplicaSet
-    from pagoda.fleet.routing.router import FleetView, Router
+    from pagoda.fleet.routing.fleet_view import FleetView
+    from pagoda.fleet.routing.router import Router
     from pagoda.models.tokenizer import Tokenizer
 
     if model_dir is None:

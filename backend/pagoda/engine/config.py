@@ -1,4 +1,15 @@
-"""Engine configuration: one dataclass, validated, shared by the offline API and the server.
+"""Engine configuration: one flat dataclass for users, per-feature groups for the engine.
+
+``EngineConfig`` is what users write (``LLM(max_num_seqs=8)``, ``pagoda serve`` flags,
+the CRD's engine settings, the model repository's parameters): every field flat, as vLLM's
+engine arguments. The engine reads it through per-feature groups, each a frozen dataclass
+that validates its own fields when built: ``config.load`` (model, dtype, device, weights),
+``config.cache`` (KV blocks and budget), ``config.scheduling`` (batch limits, policy,
+overlap), ``config.speculative``, ``config.offload`` (the CPU tier), ``config.lora`` and
+``config.admission`` (waiting-queue bounds). Each field belongs to exactly one group (a
+test checks it): a new feature adds its group here, then its flat fields. Building an
+``EngineConfig`` builds every group, so an invalid value raises ``ValueError`` naming the
+field at once; checks that span two groups stay in ``EngineConfig``.
 
 KV memory is a budget: on GPU a fraction of total device memory
 (``gpu_memory_utilization``) minus what weights and activations take; on CPU a number of
@@ -9,8 +20,9 @@ model's per-block footprint (see ``ModelRunner``); ``num_gpu_blocks_override`` p
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, TypeVar
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
 SPECULATIVE_METHODS = ("draft", "ngram")
@@ -20,6 +32,183 @@ MAX_SPECULATIVE_TOKENS = 16
 QUANTIZATION_METHODS = ("int8", "fp8")
 PREEMPTION_MODES = ("auto", "recompute", "swap")  # see pagoda.engine.kv.host_tier
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")  # auto: the model dtype; fp8_e4m3: see docs/kernels.md
+
+def _check_int(name: str, value, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name}: must be an integer >= {low}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    """Which model, in which dtype, on which device, with which weights."""
+
+    model: Optional[str]
+    dtype: str
+    device: str
+    quantization: Optional[str]
+    load_format: str
+    seed: int
+    enable_cuda_graphs: bool
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
+            raise ValueError(f"dtype: must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device: must be auto, cpu or cuda, got {self.device!r}")
+        if self.load_format not in ("safetensors", "dummy"):
+            raise ValueError(f"load_format: must be safetensors or dummy, got {self.load_format!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization: must be None or one of {QUANTIZATION_METHODS}, got {self.quantization!r}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache: block size, storage dtype, memory budget, prefix caching."""
+
+    block_size: int
+    kv_cache_dtype: str
+    kv_cache_memory_bytes: int
+    gpu_memory_utilization: float
+    num_gpu_blocks_override: Optional[int]
+    enable_prefix_caching: bool
+    max_block_events: int
+
+    def __post_init__(self) -> None:
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise ValueError(f"block_size: must be one of 8, 16, 32, 64, 128, got {self.block_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_memory_bytes <= 0:
+            raise ValueError(f"kv_cache_memory_bytes: must be > 0, got {self.kv_cache_memory_bytes}")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ValueError(f"num_gpu_blocks_override: must be >= 1, got {self.num_gpu_blocks_override}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype: must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+
+
+@dataclass(frozen=True)
+class SchedulingConfig:
+    """The batch each step may hold, the queue policy, and the overlapped loop."""
+
+    max_model_len: Optional[int]
+    max_num_seqs: int
+    default_max_tokens: Optional[int]
+    max_num_batched_tokens: int
+    enable_chunked_prefill: bool
+    scheduling_policy: str
+    min_shared_prefix_to_wait: int
+    async_scheduling: bool
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs: must be >= 1, got {self.max_num_seqs}")
+        if self.default_max_tokens is not None and self.default_max_tokens < 1:
+            raise ValueError(f"default_max_tokens: must be >= 1 when given, got {self.default_max_tokens}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens: must be >= 1, got {self.max_num_batched_tokens}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy: must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (pagoda.engine.spec_decode, docs/speculative.md)."""
+
+    speculative_method: Optional[str]
+    speculative_model: Optional[str]
+    speculative_draft_num_layers: Optional[int]
+    num_speculative_tokens: int
+    spec_adaptive: bool
+    speculative_by_default: bool
+
+    @property
+    def is_enabled(self) -> bool:
+        return self.speculative_method is not None
+
+    def __post_init__(self) -> None:
+        method = self.speculative_method
+        if method is not None and method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_method: must be None or one of {SPECULATIVE_METHODS}, got {method!r}")
+        if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens: must be in [1, {MAX_SPECULATIVE_TOKENS}], "
+                             f"got {self.num_speculative_tokens}")
+        if self.speculative_draft_num_layers is not None and self.speculative_draft_num_layers < 1:
+            raise ValueError(f"speculative_draft_num_layers: must be >= 1, got {self.speculative_draft_num_layers}")
+        has_draft = self.speculative_model is not None or self.speculative_draft_num_layers is not None
+        if method == "draft" and not has_draft:
+            raise ValueError("speculative_method 'draft' needs speculative_model (a draft folder) and/or "
+                             "speculative_draft_num_layers (the first N layers of the target as the draft)")
+        if method != "draft" and has_draft:
+            raise ValueError("speculative_model / speculative_draft_num_layers are only used with "
+                             "speculative_method='draft'")
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """The CPU tier of the KV cache (pagoda.engine.kv.host_tier, docs/kv_offload.md)."""
+
+    cpu_offload_bytes: int
+    preemption_mode: str
+    offload_copy_bandwidth: Optional[float]
+    offload_copy_latency_s: Optional[float]
+    prefill_s_per_token: Optional[float]
+
+    def __post_init__(self) -> None:
+        if isinstance(self.cpu_offload_bytes, bool) or not isinstance(self.cpu_offload_bytes, int) \
+                or self.cpu_offload_bytes < 0:
+            raise ValueError(f"cpu_offload_bytes: must be an integer >= 0 (0 disables), got {self.cpu_offload_bytes!r}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode: must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        if self.preemption_mode == "swap" and self.cpu_offload_bytes == 0:
+            raise ValueError("preemption_mode: 'swap' needs a CPU tier; set cpu_offload_bytes > 0")
+        for name in ("offload_copy_bandwidth", "prefill_s_per_token"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name}: must be > 0 when given, got {value!r}")
+        if self.offload_copy_latency_s is not None and not self.offload_copy_latency_s >= 0:
+            raise ValueError(f"offload_copy_latency_s: must be >= 0 when given, got {self.offload_copy_latency_s!r}")
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA (pagoda.engine.lora, docs/lora.md): adapters in PEFT's format."""
+
+    enable_lora: bool
+    max_loras: int
+    max_lora_rank: int
+    max_cpu_loras: int
+    lora_modules: dict
+
+    def __post_init__(self) -> None:
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("lora_modules: adapters were given but enable_lora is False")
+        if not self.enable_lora:
+            return
+        for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):
+            _check_int(name, getattr(self, name), 1)
+        if self.max_lora_rank > 256:
+            raise ValueError(f"max_lora_rank: must be <= 256, got {self.max_lora_rank}")
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+        if not isinstance(self.lora_modules, dict) or not all(
+                isinstance(k, str) and k and isinstance(v, str) and v for k, v in self.lora_modules.items()):
+            raise ValueError("lora_modules: must map adapter names to folder paths (non-empty strings)")
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    """Bounds on the waiting queue (pagoda.engine.core.admission, docs/reliability.md)."""
+
+    max_waiting_requests: int
+    max_waiting_prompt_tokens: int
+
+    def __post_init__(self) -> None:
+        for name in ("max_waiting_requests", "max_waiting_prompt_tokens"):
+            _check_int(name, getattr(self, name), 1)
+
+
+GROUPS = (LoadConfig, CacheConfig, SchedulingConfig, SpeculativeConfig, OffloadConfig, LoRAConfig, AdmissionConfig)
+_Group = TypeVar("_Group")
 
 
 @dataclass
@@ -65,7 +254,7 @@ class EngineConfig:
     # KV cache for preemption by swap and for prefix blocks evicted from the device.
     cpu_offload_bytes: int = 0  # host KV pool size; 0 disables the tier
     preemption_mode: str = "auto"  # auto (cost model) | recompute | swap (needs cpu_offload_bytes)
-    # Cost model inputs; None: measured at start (kv_transfer.calibrate).
+    # Cost model inputs; None: measured at start (runner.host_kv_cache.calibrate).
     offload_copy_bandwidth: Optional[float] = None  # bytes/s, one direction
     offload_copy_latency_s: Optional[float] = None  # fixed cost of one batched copy
     prefill_s_per_token: Optional[float] = None  # seconds per recomputed token
@@ -82,88 +271,40 @@ class EngineConfig:
     max_waiting_prompt_tokens: int = 1_000_000
 
     def __post_init__(self) -> None:
-        if self.block_size not in (8, 16, 32, 64, 128):
-            raise ValueError(f"block_size: must be one of 8, 16, 32, 64, 128, got {self.block_size}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs: must be >= 1, got {self.max_num_seqs}")
-        if self.default_max_tokens is not None and self.default_max_tokens < 1:
-            raise ValueError(f"default_max_tokens: must be >= 1 when given, got {self.default_max_tokens}")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens: must be >= 1, got {self.max_num_batched_tokens}")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.kv_cache_memory_bytes <= 0:
-            raise ValueError(f"kv_cache_memory_bytes: must be > 0, got {self.kv_cache_memory_bytes}")
-        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
-            raise ValueError(f"num_gpu_blocks_override: must be >= 1, got {self.num_gpu_blocks_override}")
-        if self.scheduling_policy not in SCHEDULING_POLICIES:
-            raise ValueError(f"scheduling_policy: must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
-        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
-            raise ValueError(f"dtype: must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype: must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"device: must be auto, cpu or cuda, got {self.device!r}")
-        if self.load_format not in ("safetensors", "dummy"):
-            raise ValueError(f"load_format: must be safetensors or dummy, got {self.load_format!r}")
-        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
-            raise ValueError(f"quantization: must be None or one of {QUANTIZATION_METHODS}, got {self.quantization!r}")
-        for name in ("max_waiting_requests", "max_waiting_prompt_tokens"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}: must be an integer >= 1, got {value!r}")
-        self._validate_speculative()
-        self._validate_offload()
-        self._validate_lora()
-
-    def _validate_lora(self) -> None:
-        if self.lora_modules and not self.enable_lora:
-            raise ValueError("lora_modules: adapters were given but enable_lora is False")
-        if not self.enable_lora:
-            return
-        for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}: must be an integer >= 1, got {value!r}")
-        if self.max_lora_rank > 256:
-            raise ValueError(f"max_lora_rank: must be <= 256, got {self.max_lora_rank}")
-        if self.max_cpu_loras < self.max_loras:
-            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
-        if not isinstance(self.lora_modules, dict) or not all(
-                isinstance(k, str) and k and isinstance(v, str) and v for k, v in self.lora_modules.items()):
-            raise ValueError("lora_modules: must map adapter names to folder paths (non-empty strings)")
-        if self.speculative_method is not None:
+        for group in GROUPS:  # each validates its own fields
+            self._group(group)
+        if self.enable_lora and self.speculative_method is not None:
             raise ValueError("enable_lora: speculative decoding with LoRA adapters is not supported yet; "
                              "turn one of them off")
 
-    def _validate_offload(self) -> None:
-        if isinstance(self.cpu_offload_bytes, bool) or not isinstance(self.cpu_offload_bytes, int) \
-                or self.cpu_offload_bytes < 0:
-            raise ValueError(f"cpu_offload_bytes: must be an integer >= 0 (0 disables), got {self.cpu_offload_bytes!r}")
-        if self.preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(f"preemption_mode: must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
-        if self.preemption_mode == "swap" and self.cpu_offload_bytes == 0:
-            raise ValueError("preemption_mode: 'swap' needs a CPU tier; set cpu_offload_bytes > 0")
-        for name in ("offload_copy_bandwidth", "prefill_s_per_token"):
-            value = getattr(self, name)
-            if value is not None and not value > 0:
-                raise ValueError(f"{name}: must be > 0 when given, got {value!r}")
-        if self.offload_copy_latency_s is not None and not self.offload_copy_latency_s >= 0:
-            raise ValueError(f"offload_copy_latency_s: must be >= 0 when given, got {self.offload_copy_latency_s!r}")
+    def _group(self, cls: type[_Group]) -> _Group:
+        return cls(**{f.name: getattr(self, f.name) for f in dataclasses.fields(cls)})
 
-    def _validate_speculative(self) -> None:
-        method = self.speculative_method
-        if method is not None and method not in SPECULATIVE_METHODS:
-            raise ValueError(f"speculative_method: must be None or one of {SPECULATIVE_METHODS}, got {method!r}")
-        if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
-            raise ValueError(f"num_speculative_tokens: must be in [1, {MAX_SPECULATIVE_TOKENS}], "
-                             f"got {self.num_speculative_tokens}")
-        if self.speculative_draft_num_layers is not None and self.speculative_draft_num_layers < 1:
-            raise ValueError(f"speculative_draft_num_layers: must be >= 1, got {self.speculative_draft_num_layers}")
-        has_draft = self.speculative_model is not None or self.speculative_draft_num_layers is not None
-        if method == "draft" and not has_draft:
-            raise ValueError("speculative_method 'draft' needs speculative_model (a draft folder) and/or "
-                             "speculative_draft_num_layers (the first N layers of the target as the draft)")
-        if method != "draft" and has_draft:
-            raise ValueError("speculative_model / speculative_draft_num_layers are only used with "
-                             "speculative_method='draft'")
+    # The groups, built from the current flat values (fields may be set after construction).
+    @property
+    def load(self) -> LoadConfig:
+        return self._group(LoadConfig)
+
+    @property
+    def cache(self) -> CacheConfig:
+        return self._group(CacheConfig)
+
+    @property
+    def scheduling(self) -> SchedulingConfig:
+        return self._group(SchedulingConfig)
+
+    @property
+    def speculative(self) -> SpeculativeConfig:
+        return self._group(SpeculativeConfig)
+
+    @property
+    def offload(self) -> OffloadConfig:
+        return self._group(OffloadConfig)
+
+    @property
+    def lora(self) -> LoRAConfig:
+        return self._group(LoRAConfig)
+
+    @property
+    def admission(self) -> AdmissionConfig:
+        return self._group(AdmissionConfig)

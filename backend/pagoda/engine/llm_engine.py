@@ -340,13 +340,11 @@ class LLMEngine:
                     max_lora=self.config.max_loras)
 
     def _offload_stats(self) -> dict:
-        offload = self.core.scheduler.offload
-        if offload is None:
-            return {}
-        return dict(num_swapped_out=offload.num_swapped_out, num_swapped_in=offload.num_swapped_in,
-                    prefix_cache_hits_host=offload.prefix_cache_hits_host,
-                    num_offloaded_blocks=offload.num_offloaded_blocks,
-                    num_host_blocks=offload.pool.num_blocks, num_free_host_blocks=offload.num_free_blocks)
+        tier = self.core.scheduler.host_tier  # NoHostTier: all zero
+        return dict(num_swapped_out=tier.num_swapped_out, num_swapped_in=tier.num_swapped_in,
+                    prefix_cache_hits_host=tier.prefix_cache_hits_host,
+                    num_offloaded_blocks=tier.num_offloaded_blocks,
+                    num_host_blocks=tier.num_blocks, num_free_host_blocks=tier.num_free_blocks)
 
     def _spec_stats(self) -> dict:
         if self.core.speculator is None:

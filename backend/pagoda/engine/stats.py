@@ -63,7 +63,7 @@ class EngineStats:
     num_admission_refused: int = 0  # refused at add_request: the waiting queue was full
     num_admission_displaced: int = 0  # waiting requests ended by a more urgent one
     num_deadline_expired: int = 0  # requests ended by their timeout
-    # Time to first token over the last 30 s (engine.latency_window; the fleet heartbeat).
+    # Time to first token over the last 30 s (LatencyWindow below; the fleet heartbeat).
     ttft_p90: float = 0.0
     recent_ttfts: tuple = ()
     # Step timing, seconds summed over steps (see pagoda.engine.runner.device_worker).

@@ -2,21 +2,26 @@
 
 Pieces (each in its own module):
 
-- ``router_core``: prompt -> block hashes -> prefix-index match + load -> policy -> replica,
-  with optimistic in-flight accounting and Redis fault handling (load-only fallback);
-- ``replicas``: membership (static ``--replicas``, Kubernetes ``--k8s-selector``, or the
-  Redis registry), health, in-flight counts;
-- ``grpc_proxy``: Triton's ``GRPCInferenceService`` (``--grpc-port``, default 8081);
-- ``http_api`` + ``openai_api``: ``/v2/...`` generate/generate_stream and ``/v1/...``
-  OpenAI routes (``--http-port``, default 8080);
-- ``tracing``: a span per routed request, ``traceparent`` forwarded to the replica;
-- ``lora_admin``: the served LoRA adapters; run-time load/unload on every replica
+- ``routing.router``: prompt -> block hashes -> prefix-index match + load -> policy ->
+  replica, with optimistic in-flight accounting; ``routing.fleet_view``: Redis (registry,
+  index) with fault handling (load-only fallback);
+- ``routing.replicas``: membership (static ``--replicas``, Kubernetes ``--k8s-selector``,
+  or the Redis registry), health, in-flight counts;
+- ``gate.gate`` (with ``limits`` and ``auth``): input limits, API keys -> tenants -> cache
+  salt, per-tenant rate limits, overload memory;
+- ``api.lora_admin``: the served LoRA adapters; run-time load/unload on every replica
   (``--allow-runtime-lora``); a replica that (re)joins has its adapters listed and the
   run-time ones replayed before it is routable;
-- ``gate`` (with ``limits`` and ``auth``): input limits, API keys -> tenants -> cache
-  salt, per-tenant rate limits, overload memory; hung on the router as ``router.gate``.
+- ``api.upstream``: the gRPC client that streams one routed request to a replica;
+- the doors: ``api.grpc_proxy`` (Triton's ``GRPCInferenceService``, ``--grpc-port``,
+  default 8081), ``api.http_api`` + ``api.openai_api`` (``/v2/...`` generate and ``/v1/...``
+  OpenAI routes, ``--http-port``, default 8080);
+- ``api.tracing``: a span per routed request, ``traceparent`` forwarded to the replica.
 
-``RouterService`` owns them and two background tasks: the registry refresh (every
+Composition: ``RouterService.start`` makes each piece once and passes it to the
+constructors that use it (the gate and the upstream client to both streaming doors, the
+LoRA admin to the HTTP and OpenAI doors); no door creates or hangs a collaborator on
+another. ``RouterService`` owns them and two background tasks: the registry refresh (every
 ``registry_interval_s``: heartbeat load, block size, hash model id; its first success
 after a failure brings prefix routing back) and the health prober (every
 ``health_interval_s``: ``ServerReady`` on each replica; a replica marked unhealthy by a
@@ -113,7 +118,11 @@ class RouterService:
         self.options = options
         self._tracer = tracer
         self._tokenizer = tokenizer
-        self.router: Any = None
+        self.router: Any = None  # a Router, from start()
+        self.gate: Any = None  # a Gate
+        self.lora_admin: Any = None  # a LoRAAdmin
+        self.tracer: Any = None  # a RouterTracer
+        self.model_name = ""
         self.http_port = 0
         self.grpc_port = 0
         self._tasks: list[asyncio.Task] = []
@@ -123,33 +132,48 @@ class RouterService:
         self._redis: Any = None
 
     async def start(self) -> "RouterService":
-        from aiohttp import web
-
-        from pagoda.fleet.api.grpc_proxy import GrpcProxy, make_grpc_server
-        from pagoda.fleet.api.http_api import make_app
+        """Compose the pieces (module docstring), start the background tasks, then serve."""
         from pagoda.fleet.api.lora_admin import LoRAAdmin
-        from pagoda.fleet.api.openai_api import OpenAIApi
-        from pagoda.fleet.routing.replicas import KubernetesConfig, KubernetesDiscovery, ReplicaSet, parse_replicas_spec
-        from pagoda.fleet.routing.router import FleetView, Router
         from pagoda.fleet.api.tracing import make_router_tracer
-        from pagoda.models.tokenizer import Tokenizer
 
         o = self.options
         if o.replicas and o.k8s_selector:
             raise ValueError("give --replicas or --k8s-selector, not both")
         if not (o.replicas or o.k8s_selector or o.redis_url):
             raise ValueError("the router needs replicas: --replicas, --k8s-selector or --redis-url (registry)")
+        self.tracer = self._tracer or make_router_tracer(o.otlp_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
+        self.router = self._make_router()
+        self.gate = make_gate(o)
+        self.gate.announce()
+        self.lora_admin = LoRAAdmin(o.lora_names, o.allow_runtime_lora, (self.model_name, "pagoda"))
+        if o.k8s_selector:
+            self._start_discovery()
+        if self.router.fleet is not None:
+            await self._refresh_registry()
+            self._tasks.append(asyncio.create_task(self._registry_loop(), name="pagoda-router-registry"))
+        # Probe once before serving, so a replica that is down at start is never tried.
+        await asyncio.gather(*(self.probe(r) for r in self.router.replicas.all()), return_exceptions=True)
+        self._tasks.append(asyncio.create_task(self._health_loop(), name="pagoda-router-health"))
+        await self._serve_doors()
+        return self
+
+    def _make_router(self) -> Any:
+        """The ``Router`` over the options' replicas, tokenizer and (with Redis) ``FleetView``."""
+        from pagoda.fleet.routing.fleet_view import FleetView
+        from pagoda.fleet.routing.replicas import ReplicaSet, parse_replicas_spec
+        from pagoda.fleet.routing.router import Router
+        from pagoda.models.tokenizer import Tokenizer
+
+        o = self.options
         model_dir = o.model_dir or os.environ.get("PAGODA_MODEL_DIR")
         if not model_dir:
             from pagoda.models.gguf_import import ensure_default_model
 
             model_dir = str(ensure_default_model())
         folder = Path(model_dir).resolve().name
-        model_name = o.model_name or os.environ.get("PAGODA_MODEL_NAME") or folder
+        self.model_name = o.model_name or os.environ.get("PAGODA_MODEL_NAME") or folder
         tokenizer = self._tokenizer or Tokenizer.from_pretrained(model_dir)
-        self.tracer = self._tracer or make_router_tracer(o.otlp_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
-        source = "static" if o.replicas else "kubernetes" if o.k8s_selector else "registry"
-        replicas = ReplicaSet(source)
+        replicas = ReplicaSet("static" if o.replicas else "kubernetes" if o.k8s_selector else "registry")
         if o.replicas:
             replicas.set_members((rid or endpoints["grpc"], endpoints) for rid, endpoints in parse_replicas_spec(o.replicas))
         fleet = None
@@ -158,33 +182,39 @@ class RouterService:
 
             # Short socket timeouts, no retries: a dead Redis fails fast into load-only routing.
             self._redis = make_redis_client(resolve_redis_url(o.redis_url))
-            fleet = FleetView(self._redis, model_name, o.index_mode, o.redis_timeout_s)
+            fleet = FleetView(self._redis, self.model_name, o.index_mode, o.redis_timeout_s)
             fleet.start()
-        self.router = Router(replicas, tokenizer, o.hash_model_id or folder, o.policy, fleet,
-                             block_size=o.block_size, **o.policy_knobs)
-        self.router.served_model_name = model_name
-        self.router.gate = make_gate(o)
-        self.router.lora_admin = LoRAAdmin(o.lora_names, o.allow_runtime_lora, (model_name, "pagoda"))
-        self.router.gate.announce()
-        if o.k8s_selector:
-            config = (KubernetesConfig(o.k8s_api, o.k8s_namespace or os.environ.get("PAGODA_NAMESPACE") or "default")
-                      if o.k8s_api else KubernetesConfig.in_cluster(o.k8s_namespace))
-            self._discovery = KubernetesDiscovery(replicas, o.k8s_selector, config)
-            self._discovery.start()
-        if fleet is not None:
-            await self._refresh_registry()
-            self._tasks.append(asyncio.create_task(self._registry_loop(), name="pagoda-router-registry"))
-        # Probe once before serving, so a replica that is down at start is never tried.
-        await asyncio.gather(*(self.probe(r) for r in replicas.all()), return_exceptions=True)
-        self._tasks.append(asyncio.create_task(self._health_loop(), name="pagoda-router-health"))
-        self._grpc_server, self.grpc_port = make_grpc_server(GrpcProxy(self.router, self.tracer, o.max_attempts),
-                                                             o.host, o.grpc_port)
+        return Router(replicas, tokenizer, o.hash_model_id or folder, o.policy, fleet,
+                      block_size=o.block_size, **o.policy_knobs)
+
+    def _start_discovery(self) -> None:
+        from pagoda.fleet.routing.replicas import KubernetesConfig, KubernetesDiscovery
+
+        o = self.options
+        config = (KubernetesConfig(o.k8s_api, o.k8s_namespace or os.environ.get("PAGODA_NAMESPACE") or "default")
+                  if o.k8s_api else KubernetesConfig.in_cluster(o.k8s_namespace))
+        self._discovery = KubernetesDiscovery(self.router.replicas, o.k8s_selector, config)
+        self._discovery.start()
+
+    async def _serve_doors(self) -> None:
+        """The doors over the composed pieces: gRPC, then HTTP with the OpenAI routes."""
+        from aiohttp import web
+
+        from pagoda.fleet.api.grpc_proxy import GrpcProxy, make_grpc_server
+        from pagoda.fleet.api.http_api import make_app
+        from pagoda.fleet.api.openai_api import OpenAIApi
+        from pagoda.fleet.api.upstream import GrpcUpstream
+
+        o = self.options
+        upstream = GrpcUpstream(self.router, self.gate, o.max_attempts)
+        grpc_door = GrpcProxy(self.router, self.tracer, self.gate, upstream)
+        openai_door = OpenAIApi(self.router, self.tracer, self.gate, self.lora_admin, upstream, self.model_name)
+        app = make_app(self.router, self.tracer, self.gate, self.lora_admin, openai_door)
+        self._grpc_server, self.grpc_port = make_grpc_server(grpc_door, o.host, o.grpc_port)
         await self._grpc_server.start()
-        app = make_app(self.router, self.tracer, OpenAIApi(self.router, self.tracer, model_name, o.max_attempts,
-                                                                 o.lora_names))
         # A client that disconnects cancels its handler, and with it the upstream gRPC stream
-        # (stream_replica cancels its call), so the replica aborts the request and frees its
-        # KV blocks — for non-streaming requests too, which otherwise ran to completion.
+        # (GrpcUpstream.stream cancels its call), so the replica aborts the request and frees
+        # its KV blocks — for non-streaming requests too, which otherwise ran to completion.
         # shutdown_timeout bounds how long stop() waits for open connections (aiohttp's
         # default, 60 s, made a router with one idle keep-alive client take a minute to stop).
         self._http_runner = web.AppRunner(app, access_log=None, handler_cancellation=True,
@@ -193,7 +223,6 @@ class RouterService:
         site = web.TCPSite(self._http_runner, o.host, o.http_port)
         await site.start()
         self.http_port = site._server.sockets[0].getsockname()[1]
-        return self
 
     async def _refresh_registry(self) -> None:
         infos = await self.router.fleet.refresh()
@@ -228,10 +257,8 @@ class RouterService:
     async def _admit_ready(self, replica: Any) -> None:
         """A ready replica becomes routable; one that was not (or is new) first gets its LoRA
         adapters synced (``lora_admin.sync``: learn its adapters, replay the run-time ones)."""
-        from pagoda.fleet.api.lora_admin import lora_admin_of
-
         if not replica.healthy or not replica.lora_synced:
-            reason = await lora_admin_of(self.router).sync(replica)
+            reason = await self.lora_admin.sync(replica)
             replica.lora_synced = reason is None
             if reason is not None:
                 self.router.replicas.mark_unhealthy(replica, reason)
@@ -261,7 +288,7 @@ class RouterService:
             await self.router.replicas.close()
         if self._redis is not None:
             self._redis.close()
-        if getattr(self, "tracer", None) is not None and self._tracer is None:
+        if self.tracer is not None and self._tracer is None:
             self.tracer.shutdown()
 
 
@@ -377,7 +404,7 @@ def options_from_args(args: argparse.Namespace) -> RouterOptions:
 async def _serve(options: RouterOptions) -> None:
     service = RouterService(options)
     await service.start()
-    print(f"pagoda router ({options.policy}) serving model '{service.router.served_model_name}'\n"
+    print(f"pagoda router ({options.policy}) serving model '{service.model_name}'\n"
           f"  HTTP/OpenAI http://{options.host}:{service.http_port}  (/v2/models/pagoda/generate_stream, /v1/...)\n"
           f"  gRPC        {options.host}:{service.grpc_port}\n"
           f"  replicas    {', '.join(r.replica_id for r in service.router.replicas.all()) or '(from the registry)'}",

@@ -18,6 +18,7 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Callable
 
+from pagoda.contracts.errors import SHUTDOWN_MESSAGE
 from pagoda.engine.core.protocols import EngineClient
 from pagoda.serving.commands import Command, LoRACommand, RegisterLoRA, ServingRequest
 from pagoda.serving.response_sender import ResponseSender
@@ -27,8 +28,6 @@ if TYPE_CHECKING:
     from pagoda.models.lora import LoRAAdapter
 
 logger = logging.getLogger(__name__)
-
-SHUTDOWN_MESSAGE = "the server is shutting down"
 
 
 class LoRAController:

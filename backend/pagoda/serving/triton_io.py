@@ -44,10 +44,11 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import numpy as np
 
+from pagoda.contracts.errors import TRITON_CODES, ErrorKind, TritonCode, triton_code_of
 from pagoda.engine.core.admission import check_timeout, is_admission_error
 from pagoda.engine.outputs import RequestOutput
 from pagoda.engine.sampling_params import SamplingParams
@@ -129,11 +130,12 @@ class Response:
 
     tensors: dict[str, np.ndarray] = field(default_factory=dict)
     error: Optional[str] = None
-    # What kind of failure ``error`` is, as a Triton error code name: INVALID_ARG (bad
-    # input, HTTP 400), INTERNAL (engine fault), UNAVAILABLE (shutting down, overloaded,
-    # or the request's deadline passed; the message says which; tritonserver's generate
-    # endpoint answers every error with HTTP 400, see docs/serving.md).
-    error_code: str = "INVALID_ARG"
+    # What kind of failure ``error`` is, as a Triton error code name
+    # (``pagoda.contracts.errors.TritonCode``): INVALID_ARG (bad input, HTTP 400), INTERNAL
+    # (engine fault), UNAVAILABLE (shutting down, overloaded, or the request's deadline
+    # passed; the message says which; tritonserver's generate endpoint answers every error
+    # with HTTP 400, see docs/serving.md).
+    error_code: str = TritonCode.INVALID_ARG
     is_final: bool = False
 
 
@@ -376,7 +378,8 @@ def make_response(parsed: ParsedRequest, output: RequestOutput) -> Optional[Resp
     guided-decoding format that does not compile).
     """
     if output.error is not None:
-        return make_error_response(output.error, "UNAVAILABLE" if is_admission_error(output.error) else "INVALID_ARG")
+        return make_error_response(output.error, TritonCode.UNAVAILABLE if is_admission_error(output.error)
+                                   else TritonCode.INVALID_ARG)
     if not parsed.stream and not output.finished:
         return None
     completions = output.outputs
@@ -410,6 +413,14 @@ def make_control_response(document: dict[str, Any]) -> Response:
     return Response(tensors={"text_output": _string_array([json.dumps(document)])}, is_final=True)
 
 
-def make_error_response(message: str, error_code: str = "INVALID_ARG") -> Response:
-    """The single, final response of a request that failed."""
-    return Response(error=message, error_code=error_code, is_final=True)
+def make_error_response(message: str, error: Union[ErrorKind, str] = ErrorKind.INVALID_REQUEST) -> Response:
+    """The single, final response of a request that failed.
+
+    Args:
+        message: the client's error text (``pagoda.contracts.errors`` names the prefixes
+            that tell kinds apart).
+        error: its ``ErrorKind`` (whose Triton code is sent), or a Triton code name.
+    """
+    code = triton_code_of(error) if isinstance(error, ErrorKind) else error
+    assert code in TRITON_CODES, f"unknown Triton error code {code!r}"
+    return Response(error=message, error_code=code, is_final=True)

@@ -25,7 +25,8 @@ first, and a flood of low-priority traffic never blocks an urgent request.
 
 Overload error: ``EngineOverloaded`` (refused at ``add_request``) and a displaced
 request's final output carry a message starting with ``OVERLOADED_PREFIX`` and a retry
-hint (``retry_after_s``). The serving layer answers it with Triton's ``UNAVAILABLE``
+hint (``retry_after_s``); the prefixes are wire formats and live in
+``pagoda.contracts.errors``, whose ``classify_replica_error`` is how routers read them. The serving layer answers it with Triton's ``UNAVAILABLE``
 (HTTP 503); the router tries a replica with room and, when every replica is full, answers
 OpenAI clients with 429 and ``Retry-After``.
 
@@ -44,11 +45,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
+from pagoda.contracts.errors import DEADLINE_PREFIX, DEFAULT_RETRY_AFTER_S, OVERLOADED_PREFIX
 from pagoda.engine.request import Request, RequestStatus
-
-OVERLOADED_PREFIX = "overloaded:"
-DEADLINE_PREFIX = "deadline exceeded:"
-DEFAULT_RETRY_AFTER_S = 1.0
 
 
 class EngineOverloaded(RuntimeError):

@@ -1,16 +1,15 @@
-"""Waiting queues of the scheduler: one small strategy class per scheduling policy.
+"""Waiting queues of the scheduler, one per kind of order (``core.policy`` picks one).
 
-``fcfs`` serves requests in arrival order and puts preempted ones back at the front;
-``priority`` serves the smallest ``(priority, arrival_time, insertion_index)`` first (a
-smaller ``priority`` value is more urgent, as in vLLM) and re-sorts preempted ones.
-``policy_key`` is the same order, used to pick preemption victims (largest key first).
+``FcfsQueue`` serves requests in arrival order and puts preempted ones back at the front;
+``PriorityQueue`` serves the smallest key first (the policy's key, e.g. ``(priority,
+arrival_time, insertion_index)``) and re-sorts preempted ones.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections import deque
-from typing import Iterator
+from typing import Callable, Iterator
 
 from pagoda.engine.request import Request
 
@@ -44,13 +43,14 @@ class FcfsQueue:
 
 
 class PriorityQueue:
-    """Smallest (priority, arrival_time, insertion_index) first; preempted ones re-sort."""
+    """Smallest ``key(request)`` first; preempted ones re-sort."""
 
-    def __init__(self) -> None:
+    def __init__(self, key: Callable[[Request], tuple]) -> None:
+        self._key = key
         self._heap: list[tuple[tuple, Request]] = []
 
     def add(self, request: Request) -> None:
-        heapq.heappush(self._heap, (policy_key(request, "priority"), request))
+        heapq.heappush(self._heap, (self._key(request), request))
 
     add_preempted = add
 
@@ -70,8 +70,3 @@ class PriorityQueue:
     def __iter__(self) -> Iterator[Request]:
         return (entry[1] for entry in sorted(self._heap, key=lambda e: e[0]))
 
-
-def policy_key(request: Request, policy: str) -> tuple:
-    """Smaller runs first; the running request with the largest key is preempted first."""
-    order = (request.arrival_time, request.insertion_index)
-    return (request.priority, *order) if policy == "priority" else order

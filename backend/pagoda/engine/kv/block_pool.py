@@ -10,7 +10,7 @@ Invariants:
 - A free block may still hold a *cached* full block (``block_hash`` set and the hash map
   pointing at it): it stays reusable until the free queue hands it out again, at which
   point its hash is evicted (``BlockRemoved``). An ``on_evict`` hook, when set, sees the
-  block first (the CPU tier keeps a copy; ``kv_offload``).
+  block first (the CPU tier keeps a copy; ``kv.host_tier``).
 - The hash map has at most one block per hash. When two requests fill blocks with the
   same content concurrently, the first one cached wins; the other block stays unhashed
   and is simply freed later.
@@ -134,7 +134,7 @@ class BlockPool:
         self.free_block_queue = FreeBlockQueue(self.blocks[1:])
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
         # Called with each cached block about to be evicted, while it still holds its hash
-        # and tokens (the KV offload tier copies it to host memory; kv_offload.py).
+        # and tokens (the KV offload tier copies it to host memory; kv/host_tier.py).
         self.on_evict: Optional[Callable[[KVCacheBlock], None]] = None
 
     @property

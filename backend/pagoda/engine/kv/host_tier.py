@@ -39,15 +39,19 @@ Cost model (``SwapCostModel``), per preempted request with ``n`` computed tokens
 
 Swap when ``swap < recompute``. The fixed latency (launches, synchronisation, per-layer
 loop) makes recompute win for short contexts; bandwidth vs prefill speed decides long
-ones. Numbers come from ``kv_transfer.calibrate`` at start or from ``EngineConfig``.
+ones. Numbers come from ``runner.host_kv_cache.calibrate`` at start or from ``EngineConfig``.
 Attention makes true recompute superlinear in ``n``; the linear model is conservative
 (it under-estimates recompute for long contexts, i.e. errs towards recompute).
+
+The scheduler holds a ``HostTier`` either way: ``KVOffloadManager`` when the tier exists,
+``NoHostTier`` (answers "nothing swapped, nothing cached, no copies") when it does not,
+so no scheduler path asks whether the tier is on.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 from pagoda.contracts.block_hash import BlockHash
 from pagoda.engine.kv.block_pool import FreeBlockQueue, KVCacheBlock
@@ -166,6 +170,8 @@ class KVOffloadManager:
         enable_prefix_tier: keep blocks evicted from the device (prefix caching on).
     """
 
+    is_enabled = True
+
     def __init__(self, num_host_blocks: int, block_size: int, preemption_mode: str = "auto",
                  cost_model: Optional[SwapCostModel] = None, enable_prefix_tier: bool = True) -> None:
         if preemption_mode not in PREEMPTION_MODES:
@@ -190,6 +196,10 @@ class KVOffloadManager:
     @property
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
 
     # Preemption ----------------------------------------------------------------------
 
@@ -294,6 +304,59 @@ class KVOffloadManager:
 
     def reset_prefix_cache(self) -> None:
         self.pool.reset_prefix_cache()
+
+
+class NoHostTier:
+    """The host tier of an engine without one: every question gets the "no tier" answer."""
+
+    is_enabled = False
+    num_swapped_out = num_swapped_in = num_offloaded_blocks = prefix_cache_hits_host = 0
+    num_blocks = num_free_blocks = 0
+    cost_model: Optional[SwapCostModel] = None
+
+    def is_swapped_out(self, request_id: str) -> bool:  # noqa: ARG002
+        return False
+
+    def wants_swap(self, num_tokens: int, num_blocks: int) -> bool:  # noqa: ARG002
+        return False
+
+    def swap_out(self, request_id: str, device_block_ids: Sequence[int]) -> bool:  # noqa: ARG002
+        return False
+
+    def swap_in(self, request_id: str, device_block_ids: Sequence[int]) -> None:
+        raise AssertionError("no host tier: nothing is swapped out")
+
+    def free_request(self, request_id: str) -> None:
+        pass
+
+    def lookup_prefix(self, block_hashes: Sequence[BlockHash], token_ids: Sequence[int], start: int,
+                      max_blocks: int) -> list[KVCacheBlock]:  # noqa: ARG002
+        return []
+
+    def pin(self, host_blocks: Sequence[KVCacheBlock]) -> None:
+        pass
+
+    unpin = pin
+
+    def copy_back(self, host_blocks: Sequence[KVCacheBlock], device_block_ids: Sequence[int]) -> None:
+        assert not host_blocks, "no host tier: nothing to copy back"
+
+    def take_copies(self) -> tuple[BlockPairs, BlockPairs, BlockPairs]:
+        return [], [], []
+
+    def reset_prefix_cache(self) -> None:
+        pass
+
+
+HostTier = Union[KVOffloadManager, NoHostTier]
+
+
+def make_host_tier(num_host_blocks: int, block_size: int, preemption_mode: str,
+                   cost_model: Optional[SwapCostModel], enable_prefix_tier: bool) -> HostTier:
+    """A ``KVOffloadManager`` with ``num_host_blocks`` host blocks, or ``NoHostTier`` for 0."""
+    if num_host_blocks <= 0:
+        return NoHostTier()
+    return KVOffloadManager(num_host_blocks, block_size, preemption_mode, cost_model, enable_prefix_tier)
 
 
 def blocks_for_tokens(num_tokens: int, block_size: int) -> int:

@@ -87,7 +87,7 @@ class KVCacheManager:
             new_computed_blocks: a prefix hit from ``get_computed_blocks`` (only for a
                 request that holds no blocks yet); they are shared, not copied.
             num_loaded_blocks: prefix blocks after ``new_computed_blocks`` found in the
-                CPU tier (``kv_offload``): new blocks, counted as computed, whose contents
+                CPU tier (``kv.host_tier``): new blocks, counted as computed, whose contents
                 the caller copies in before the step; they are cached (hashed) at once.
         Returns:
             The newly allocated blocks (possibly empty; the loaded ones first), or

@@ -1,4 +1,4 @@
-"""Host KV cache and the block copies of the CPU tier (``kv_offload`` decides, this moves).
+"""Host KV cache and the block copies of the CPU tier (``kv.host_tier`` decides, this moves).
 
 ``HostKVCache`` preallocates, per layer, a K and a V tensor shaped like the runner's
 device caches but with ``num_blocks`` host blocks: ``[num_host_blocks, block_size,

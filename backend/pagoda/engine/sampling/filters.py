@@ -26,7 +26,7 @@ sums at a position depend only on the tokens before it, so the outcome does not 
 ``K`` (on the CPU bit for bit; on a device as far as its scan kernel is prefix-stable).
 
 The race: a token is chosen as ``argmax(w / E)`` with ``E ~ Exp(1)`` i.i.d. per token
-from ``sampling_noise``, which picks token ``i`` with probability proportional to
+from ``sampling.noise``, which picks token ``i`` with probability proportional to
 ``w[i]``. Noise is evaluated only at the candidates; as the noise at a column is a
 function of (row key, column) alone, the choice equals the dense race over the whole
 vocabulary (``race_dense``), which speculative decoding uses on the same weights.

@@ -16,11 +16,11 @@ row needs is skipped, and a row that does not need a stage keeps its logits bit 
 3. Greedy rows (``params.is_greedy``) take the argmax of these logits and stop here.
 4. Random rows: temperature, then top-k, then top-p (on the top-k renormalised
    distribution; the token that crosses ``top_p`` is kept), then min-p, then the
-   exponential race ``argmax(w / E)``, ``E ~ Exp(1)`` per token (``sampling_filters``).
+   exponential race ``argmax(w / E)``, ``E ~ Exp(1)`` per token (``sampling.filters``).
    Rows with top-k or top-p work on their largest logits only (no sort when no row
    asks for top-k/top-p, no full sort when every such row has a top-k).
 
-Randomness (``sampling_noise``) is counter-based: the draw at a vocabulary index is a hash
+Randomness (``sampling.noise``) is counter-based: the draw at a vocabulary index is a hash
 of (row key, index), and a seeded request's row key is a function of its seed and its
 number of output tokens. So a seeded request's samples depend only on its seed and its own
 logits, never on which rows share the batch or where it sits, and a draw can be recomputed

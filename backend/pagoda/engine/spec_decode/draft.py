@@ -13,7 +13,7 @@ How a request is verified depends only on its sampling parameters (``VerifyMode`
   output, token for token.
 * ``COUPLED`` (random, seeded): the target's sample at each position is the one the plain
   sampler would draw there: the draws at output position ``m`` are a function of the
-  request's seed and ``m`` (``sampling_noise``), and the sample is the same race over the
+  request's seed and ``m`` (``sampling.noise``), and the sample is the same race over the
   same filtered logits (``Sampler.race``). A drafted token is accepted while it equals
   that sample. The output is therefore the same as
   without speculation for the same seed, whatever the window, the draft or the batch;

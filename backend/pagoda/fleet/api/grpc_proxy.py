@@ -1,11 +1,9 @@
 """Triton's ``GRPCInferenceService`` in front of many replicas (the router's gRPC face).
 
-- ``ModelStreamInfer``: every request on a client's stream is routed on its own (prompt ->
-  ``Router.choose``) and sent on its own upstream stream to the chosen replica; the
-  replica's responses go back on the client's stream unchanged (ids, parameters, outputs),
-  interleaved as they arrive. The upstream stream carries exactly one request and ends when
-  the replica has sent that request's last response, which is when its in-flight count is
-  released.
+- ``ModelStreamInfer``: every request on a client's stream is routed on its own and sent on
+  its own upstream stream to the chosen replica (``upstream.GrpcUpstream``, given by
+  ``RouterService`` and shared with the OpenAI door); the replica's responses go back on
+  the client's stream unchanged (ids, parameters, outputs), interleaved as they arrive.
 - ``ModelInfer``: routed the same way, one unary call.
 - ``ServerLive`` is the router's own; ``ServerReady`` is true while some replica is
   routable; ``ModelReady``, ``ServerMetadata``, ``ModelMetadata``, ``ModelConfig`` are
@@ -14,19 +12,18 @@
 A LoRA control request (``lora_action``) is refused here with INVALID_ARGUMENT: it must
 reach every replica, which the HTTP door and ``/v1/load_lora_adapter`` do (``lora_admin``).
 
-Faults: a replica that refuses the connection before answering is marked unhealthy and the
-request goes to another replica (``max_attempts`` in all). A replica that breaks a stream
-after it began (it died) cannot be retried transparently (tokens were already sent): the
-client gets one error response naming the replica, and the replica is marked unhealthy so
-new requests avoid it until the health prober sees it ready again.
+Faults (``upstream``): a refused connection is retried on another replica; a stream broken
+after it began ends with one error response naming the replica. A unary call is retried
+the same way on a refused connection (``max_attempts``) and otherwise gets the replica's
+gRPC status.
 
-``stream_replica`` (the upstream half) is shared with the OpenAI endpoints.
+Collaborators come in through the constructor (the router, the tracer, the ``Gate``, the
+upstream client); the door keeps no state of its own.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import logging
 from typing import Any, AsyncIterator, Optional
@@ -34,28 +31,18 @@ from typing import Any, AsyncIterator, Optional
 import grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from pagoda.fleet.gate.gate import AuthError, LimitError, RateLimited, gate_of, is_overload
+from pagoda.contracts.errors import ErrorKind, spec_of
+from pagoda.fleet.api.tracing import TRACEPARENT, RouterTracer
+from pagoda.fleet.api.upstream import DEAD_CODES, GrpcUpstream, ReplicaFailed
+from pagoda.fleet.gate.gate import AuthError, Gate, LimitError, RateLimited
 from pagoda.fleet.gate.limits import sampling_of_infer_request, set_sampling_value
 from pagoda.fleet.routing.router import Analysis, NoReplicaAvailable, Router
-from pagoda.fleet.api.tracing import TRACEPARENT, RouteSpan, RouterTracer
 from pagoda.fleet.triton_wire import read_string_input
 
 logger = logging.getLogger(__name__)
 
 # Larger prompts are forwarded without routing analysis (the replica refuses them anyway).
 MAX_ROUTED_PROMPT_CHARS = 1_000_000
-# gRPC codes that mean "this replica is not there" (connection refused / reset / closed).
-_DEAD_CODES = (grpc.StatusCode.UNAVAILABLE,)
-_BROKEN_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
-                 grpc.StatusCode.CANCELLED)
-
-
-class ReplicaFailed(RuntimeError):
-    """A replica failed while serving a request; the message is meant for the client."""
-
-    def __init__(self, message: str, code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 def analyze_infer_request(router: Router, request: Any) -> Optional[Analysis]:
@@ -87,75 +74,30 @@ def cache_salt_of(sampling_parameters: Any) -> Optional[str]:
     return option_of(sampling_parameters, "cache_salt")
 
 
-async def stream_replica(router: Router, analysis: Optional[Analysis], request: Any, span: RouteSpan,
-                         max_attempts: int = 2) -> AsyncIterator[Any]:
-    """Route ``request`` and yield the replica's ``ModelStreamInferResponse`` messages.
-
-    A replica that refuses the request as overloaded (its first response is the
-    admission error) is remembered as full and the request goes to a replica not yet
-    tried; the overload error reaches the caller only when no replica is left.
-
-    Raises:
-        NoReplicaAvailable: no replica could be chosen.
-        ReplicaFailed: the chosen replica failed (after any retries that were safe).
-    """
-    gate = gate_of(router)
-    tried: list[str] = []
-    num_dead = 0
-    for attempt in itertools.count(1):
-        decision = await gate.choose(router, analysis, tried, attempt)
-        span.set_decision(decision)
-        replica = decision.replica
-        if span.traceparent:
-            request.parameters[TRACEPARENT].string_param = span.traceparent
-        num_responses = 0
-        call = None
-        try:
-            call = replica.grpc_stub().ModelStreamInfer(iter((request,)))
-            async for response in call:
-                if num_responses == 0 and is_overload(response.error_message):
-                    gate.mark_full(replica.replica_id)
-                    tried.append(replica.replica_id)
-                    if router.replicas.routable(tried, include_draining=True):
-                        break  # another replica may have room
-                num_responses += 1
-                yield response
-            else:
-                return
-            continue
-        except grpc.aio.AioRpcError as exc:
-            code = exc.code()
-            if code in _BROKEN_CODES and not (code == grpc.StatusCode.CANCELLED and num_responses == 0):
-                router.replicas.mark_unhealthy(replica, f"{code.name}: {exc.details()}")
-            num_dead += 1
-            if num_responses == 0 and code in _DEAD_CODES and num_dead < max_attempts:
-                tried.append(replica.replica_id)
-                continue
-            where = "while streaming this request" if num_responses else "before answering"
-            raise ReplicaFailed(f"replica {replica.replica_id} ({replica.endpoints['grpc']}) failed {where}: "
-                                f"{code.name}: {exc.details()}. The router avoids it until it is healthy "
-                                "again; retry the request.", code) from None
-        finally:
-            if call is not None and not call.done():
-                call.cancel()
-            router.release(decision)
-
-
 class GrpcProxy(service_pb2_grpc.GRPCInferenceServiceServicer):
-    """The servicer; see the module docstring."""
+    """The servicer; see the module docstring.
 
-    def __init__(self, router: Router, tracer: RouterTracer, max_attempts: int = 2) -> None:
+    Args:
+        router: routing decisions (unary calls, metadata forwarding, readiness).
+        tracer: router spans.
+        gate: limits, tenants and overload memory.
+        upstream: the streaming client (its ``max_attempts`` bounds unary retries too).
+    """
+
+    def __init__(self, router: Router, tracer: RouterTracer, gate: Gate, upstream: GrpcUpstream) -> None:
         self.router = router
         self.tracer = tracer
-        self.max_attempts = max_attempts
+        self.gate = gate
+        self.upstream = upstream
+        self.max_attempts = upstream.max_attempts
 
     # ---------------------------------------------------------------- inference
     async def ModelStreamInfer(self, request_iterator, context):  # noqa: N802 - gRPC method name
         carrier = _metadata(context)
         try:
-            tenant = gate_of(self.router).authenticate(carrier.get("authorization"))
+            tenant = self.gate.authenticate(carrier.get("authorization"))
         except AuthError as exc:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
+            await context.abort(grpc_status(ErrorKind.UNAUTHORIZED), str(exc))
         queue: asyncio.Queue = asyncio.Queue()
         end = object()
         tasks: set[asyncio.Task] = set()
@@ -192,7 +134,7 @@ class GrpcProxy(service_pb2_grpc.GRPCInferenceServiceServicer):
             ticket = None
             try:
                 analysis, ticket = self._admit(request, tenant)
-                async for response in stream_replica(self.router, analysis, request, span, self.max_attempts):
+                async for response in self.upstream.stream(analysis, request, span):
                     yield response
             except (NoReplicaAvailable, ReplicaFailed, LimitError, RateLimited) as exc:
                 span.fail(str(exc))
@@ -206,7 +148,7 @@ class GrpcProxy(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     def _admit(self, request: Any, tenant: Any) -> tuple[Optional[Analysis], Any]:
         """Limits, tenant salt, routing analysis, rate limits (raises LimitError / RateLimited)."""
-        gate = gate_of(self.router)
+        gate = self.gate
         sampling = sampling_of_infer_request(request)
         if read_string_input(request, "lora_action") is not None:
             gate.count("invalid_input")
@@ -232,14 +174,14 @@ class GrpcProxy(service_pb2_grpc.GRPCInferenceServiceServicer):
         with self.tracer.route_span("grpc", carrier) as span:
             tried: list[str] = []
             try:
-                tenant = gate_of(self.router).authenticate(carrier.get("authorization"))
+                tenant = self.gate.authenticate(carrier.get("authorization"))
                 analysis, ticket = self._admit(request, tenant)
             except AuthError as exc:
-                await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
+                await context.abort(grpc_status(ErrorKind.UNAUTHORIZED), str(exc))
             except LimitError as exc:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                await context.abort(grpc_status(ErrorKind.INVALID_REQUEST), str(exc))
             except RateLimited as exc:
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+                await context.abort(grpc_status(ErrorKind.RATE_LIMITED), str(exc))
             try:
                 return await self._infer_routed(request, context, span, analysis, tried)
             finally:
@@ -253,14 +195,14 @@ class GrpcProxy(service_pb2_grpc.GRPCInferenceServiceServicer):
                 decision = await self.router.choose(analysis, exclude=tried, attempt=attempt)
             except NoReplicaAvailable as exc:
                 span.fail(str(exc))
-                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+                await context.abort(grpc_status(ErrorKind.UNAVAILABLE), str(exc))
             span.set_decision(decision)
             if span.traceparent:
                 request.parameters[TRACEPARENT].string_param = span.traceparent
             try:
                 return await decision.replica.grpc_stub().ModelInfer(request)
             except grpc.aio.AioRpcError as exc:
-                if exc.code() in _DEAD_CODES:
+                if exc.code() in DEAD_CODES:
                     self.router.replicas.mark_unhealthy(decision.replica, f"{exc.code().name}: {exc.details()}")
                     tried.append(decision.replica.replica_id)
                     if attempt < self.max_attempts:
@@ -296,10 +238,15 @@ class GrpcProxy(service_pb2_grpc.GRPCInferenceServiceServicer):
             try:
                 return await getattr(replica.grpc_stub(), method)(request, timeout=10)
             except grpc.aio.AioRpcError as exc:
-                if exc.code() not in _DEAD_CODES:
+                if exc.code() not in DEAD_CODES:
                     await context.abort(exc.code(), exc.details())
                 self.router.replicas.mark_unhealthy(replica, f"{exc.code().name}: {exc.details()}")
-        await context.abort(grpc.StatusCode.UNAVAILABLE, self.router._no_replica_message(()))
+        await context.abort(grpc_status(ErrorKind.UNAVAILABLE), self.router._no_replica_message(()))
+
+
+def grpc_status(kind: ErrorKind) -> grpc.StatusCode:
+    """The gRPC status the router answers ``kind`` with (``pagoda.contracts.errors``)."""
+    return grpc.StatusCode[spec_of(kind).grpc_status]
 
 
 def _metadata(context: Any) -> dict[str, str]:

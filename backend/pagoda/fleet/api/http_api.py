@@ -18,6 +18,9 @@
 - ``GET /v2/health/live`` (the router runs) and ``/v2/health/ready`` (some replica is
   routable) are answered here; ``GET /metrics`` shows the router's own counters.
 - The OpenAI routes come from ``pagoda.fleet.api.openai_api``.
+- Collaborators (router, tracer, ``Gate``, ``LoRAAdmin``) are given to ``make_app`` by
+  ``RouterService`` and kept on the application (``ROUTER_KEY``, ``GATE_KEY``, ...); the
+  door creates none of them. Its own upstream client is the aiohttp session it opens.
 - ``gate_middleware`` runs first on every ``/v1`` request and every ``POST /v2/models``:
   the body size from ``Content-Length`` (413 before reading a byte), then the API key
   (401). A client that disconnects mid-answer is logged at INFO, not as an error.
@@ -38,11 +41,11 @@ from typing import Any, Optional, Union
 import aiohttp
 from aiohttp import web
 
-from pagoda.fleet.gate.gate import (TENANT_KEY, AuthError, LimitError, RateLimited, gate_of, is_overload,
-                               retry_after_header)
+from pagoda.contracts.errors import ErrorKind, is_overloaded, spec_of
+from pagoda.fleet.gate.gate import TENANT_KEY, AuthError, Gate, LimitError, RateLimited, retry_after_header
 from pagoda.fleet.api.grpc_proxy import MAX_ROUTED_PROMPT_CHARS, cache_salt_of, option_of
 from pagoda.fleet.gate.limits import sampling_of_generate, validate_generate_body
-from pagoda.fleet.api.lora_admin import lora_admin_of
+from pagoda.fleet.api.lora_admin import LoRAAdmin
 from pagoda.fleet.routing.router import Analysis, NoReplicaAvailable, Router
 from pagoda.fleet.api.tracing import TRACEPARENT, RouterTracer
 
@@ -50,17 +53,23 @@ logger = logging.getLogger(__name__)
 
 ROUTER_KEY = web.AppKey("router", Router)
 TRACER_KEY = web.AppKey("tracer", RouterTracer)
+GATE_KEY = web.AppKey("gate", Gate)
+LORA_KEY = web.AppKey("lora_admin", LoRAAdmin)
 SESSION_KEY = web.AppKey("session", aiohttp.ClientSession)
 MAX_ATTEMPTS = 2
 _FORWARDED_HEADERS = ("Content-Type", "Content-Length")
 
 
-def make_app(router: Router, tracer: RouterTracer, openai: Any = None) -> web.Application:
-    """The HTTP application; ``openai`` (an ``OpenAIApi``) adds the ``/v1`` routes."""
+def make_app(router: Router, tracer: RouterTracer, gate: Gate, lora_admin: LoRAAdmin,
+             openai: Any = None) -> web.Application:
+    """The HTTP application over the collaborators ``RouterService`` composed; ``openai``
+    (an ``OpenAIApi``) adds the ``/v1`` routes."""
     # A chunked body (no Content-Length) is cut off at the same size while it is read.
-    app = web.Application(client_max_size=gate_of(router).limits.max_body_bytes, middlewares=[gate_middleware])
+    app = web.Application(client_max_size=gate.limits.max_body_bytes, middlewares=[gate_middleware])
     app[ROUTER_KEY] = router
     app[TRACER_KEY] = tracer
+    app[GATE_KEY] = gate
+    app[LORA_KEY] = lora_admin
     app.cleanup_ctx.append(_client_session)
     app.router.add_get("/v2/health/live", _live)
     app.router.add_get("/v2/health/ready", _ready)
@@ -95,6 +104,11 @@ def _error(status: int, message: str, headers: Optional[dict[str, str]] = None) 
     return web.json_response({"error": message}, status=status, headers=headers)
 
 
+def _kind_error(kind: ErrorKind, message: str, headers: Optional[dict[str, str]] = None) -> web.Response:
+    """Triton's ``{"error"}`` answer with the status ``pagoda.contracts.errors`` gives ``kind``."""
+    return _error(spec_of(kind).triton_http_status, message, headers)
+
+
 def _gate_error(request: web.Request, status: int, message: str, kind: str, param: Optional[str] = None,
                 headers: Optional[dict[str, str]] = None) -> web.Response:
     """An error in the door's own shape: OpenAI's on ``/v1``, Triton's ``{"error"}`` elsewhere."""
@@ -109,7 +123,7 @@ async def gate_middleware(request: web.Request, handler: Any) -> web.StreamRespo
     """Body size and API key before the handler; a client disconnect is an INFO line."""
     guarded = request.path.startswith("/v1/") or (request.method == "POST" and request.path.startswith("/v2/models/"))
     if guarded:
-        gate = gate_of(request.app[ROUTER_KEY])
+        gate = request.app[GATE_KEY]
         try:
             gate.limits.check_body_size(request.content_length)
         except LimitError as exc:
@@ -118,7 +132,8 @@ async def gate_middleware(request: web.Request, handler: Any) -> web.StreamRespo
         try:
             request[TENANT_KEY] = gate.authenticate(request.headers.get("Authorization"))
         except AuthError as exc:
-            return _gate_error(request, 401, str(exc), "authentication_error",
+            spec = spec_of(ErrorKind.UNAUTHORIZED)
+            return _gate_error(request, spec.triton_http_status, str(exc), spec.openai_type,
                                headers={"WWW-Authenticate": "Bearer"})
     try:
         return await handler(request)
@@ -146,8 +161,7 @@ def _analysis_of(router: Router, document: Any) -> Optional[Analysis]:
 
 
 async def _generate(request: web.Request) -> web.StreamResponse:
-    router, tracer = request.app[ROUTER_KEY], request.app[TRACER_KEY]
-    gate = gate_of(router)
+    router, tracer, gate = request.app[ROUTER_KEY], request.app[TRACER_KEY], request.app[GATE_KEY]
     body = await request.read()
     document, analysis, ticket = None, None, None
     if request.path.endswith(("generate", "generate_stream")):
@@ -166,7 +180,7 @@ async def _generate(request: web.Request) -> web.StreamResponse:
             gate.count("invalid_input")
             return _error(exc.status, str(exc))
         except RateLimited as exc:
-            return _error(429, str(exc), retry_after_header(exc.retry_after_s))
+            return _kind_error(ErrorKind.RATE_LIMITED, str(exc), retry_after_header(exc.retry_after_s))
     carrier = {TRACEPARENT: request.headers[TRACEPARENT]} if TRACEPARENT in request.headers else {}
     try:
         with tracer.route_span("http", carrier) as span:
@@ -178,7 +192,7 @@ async def _generate(request: web.Request) -> web.StreamResponse:
 
 async def _lora_control(request: web.Request, router: Router, document: dict[str, Any]) -> web.Response:
     """A LoRA control request at the router: listed from its own state, or applied to every replica."""
-    admin = lora_admin_of(router)
+    admin = request.app[LORA_KEY]
     action, name, path = (document.get(key) for key in ("lora_action", "lora_name", "lora_path"))
     extra = sorted(set(document) - {"lora_action", "lora_name", "lora_path", TRACEPARENT})
     if extra:
@@ -189,8 +203,8 @@ async def _lora_control(request: web.Request, router: Router, document: dict[str
     elif action not in ("load", "unload"):
         return _error(400, f"lora_action: must be one of load, unload, list, got {action!r}")
     elif not admin.allow_runtime:
-        return _error(403, f"lora_action {action!r}: runtime LoRA updating is not enabled on this router; start "
-                           "it with `pagoda router --allow-runtime-lora`")
+        return _kind_error(ErrorKind.PERMISSION_DENIED, f"lora_action {action!r}: runtime LoRA updating is not enabled "
+                           "on this router; start it with `pagoda router --allow-runtime-lora`")
     elif not name or (action == "load" and not path):
         missing = "lora_name" if not name else "lora_path"
         return _error(400, f"{missing}: required by lora_action {action!r}")
@@ -220,8 +234,7 @@ def _salt_document(document: dict[str, Any], salt: Optional[str]) -> None:
 async def _route(request: web.Request, body: bytes, document: Optional[dict], analysis: Optional[Analysis],
                  span: Any) -> web.StreamResponse:
     """Choose a replica and relay its answer; retry on a refused connection or an overload."""
-    router = request.app[ROUTER_KEY]
-    gate = gate_of(router)
+    router, gate = request.app[ROUTER_KEY], request.app[GATE_KEY]
     tried: list[str] = []
     num_dead = 0
     for attempt in itertools.count(1):
@@ -229,7 +242,7 @@ async def _route(request: web.Request, body: bytes, document: Optional[dict], an
             decision = await gate.choose(router, analysis, tried, attempt)
         except NoReplicaAvailable as exc:
             span.fail(str(exc))
-            return _error(503, str(exc))
+            return _kind_error(ErrorKind.UNAVAILABLE, str(exc))
         span.set_decision(decision)
         payload = body
         if document is not None:
@@ -247,7 +260,7 @@ async def _route(request: web.Request, body: bytes, document: Optional[dict], an
             if num_dead < MAX_ATTEMPTS:
                 continue
             span.fail(str(exc))
-            return _error(502, f"replica {replica.replica_id} is unreachable: {exc}")
+            return _kind_error(ErrorKind.REPLICA_FAILED, f"replica {replica.replica_id} is unreachable: {exc}")
         try:
             answer = await _relay(request, upstream, router, decision, span)
         finally:
@@ -260,7 +273,7 @@ async def _route(request: web.Request, body: bytes, document: Optional[dict], an
         if not router.replicas.routable(tried, include_draining=True):
             span.fail(answer)
             gate.count("overloaded")
-            return _error(503, answer, retry_after_header())
+            return _kind_error(ErrorKind.OVERLOADED, answer, retry_after_header())
     raise AssertionError("unreachable: the attempt loop always returns")
 
 
@@ -280,8 +293,9 @@ async def _relay(request: web.Request, upstream: aiohttp.ClientResponse, router:
             failure = f"replica {replica.replica_id} failed before answering: {type(exc).__name__}: {exc}"
             router.replicas.mark_unhealthy(replica, failure)
             span.fail(failure)
-            return _error(502, failure + ". The router avoids it until it is healthy again; retry the request.")
-        if upstream.status != 200 and is_overload(data.decode("utf-8", "replace")):
+            return _kind_error(ErrorKind.REPLICA_FAILED,
+                               failure + ". The router avoids it until it is healthy again; retry the request.")
+        if upstream.status != 200 and is_overloaded(data.decode("utf-8", "replace")):
             return _error_text(data)
         return web.Response(status=upstream.status, body=data, headers={"Content-Type": content_type})
     first = b""
@@ -289,7 +303,7 @@ async def _relay(request: web.Request, upstream: aiohttp.ClientResponse, router:
         first = await upstream.content.readany()
     except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError):
         pass  # the loop below meets the same failure and reports it
-    if is_overload(first.decode("utf-8", "replace")) and b'"error"' in first:
+    if is_overloaded(first.decode("utf-8", "replace")) and b'"error"' in first:
         return _error_text(first.split(b"data:", 1)[-1])
     response = web.StreamResponse(status=upstream.status, headers={"Content-Type": content_type,
                                                                     "Cache-Control": "no-cache"})
@@ -328,14 +342,14 @@ async def _forward_get(request: web.Request) -> web.Response:
                                              if k in upstream.headers})
         except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
             router.replicas.mark_unhealthy(replica, f"HTTP connection failed: {exc}")
-    return _error(503, router._no_replica_message(()))
+    return _kind_error(ErrorKind.UNAVAILABLE, router._no_replica_message(()))
 
 
 async def _metrics(request: web.Request) -> web.Response:
-    return web.Response(text=render_metrics(request.app[ROUTER_KEY]), content_type="text/plain")
+    return web.Response(text=render_metrics(request.app[ROUTER_KEY], request.app[GATE_KEY]), content_type="text/plain")
 
 
-def render_metrics(router: Router) -> str:
+def render_metrics(router: Router, gate: Gate) -> str:
     """The router's counters in the Prometheus text format."""
     times = sorted(router.decision_times_s)
 
@@ -360,7 +374,7 @@ def render_metrics(router: Router) -> str:
         *router.metric_lines(),
         "# TYPE pagoda_router_refused_total counter",
         *(f'pagoda_router_refused_total{{reason="{reason}"}} {count}'
-          for reason, count in sorted({**gate_of(router).num_refused,
-                                       **{f"rate_limited_{k}": v for k, v in gate_of(router).limiter.num_limited.items()}}.items())),
+          for reason, count in sorted({**gate.num_refused,
+                                       **{f"rate_limited_{k}": v for k, v in gate.limiter.num_limited.items()}}.items())),
     ]
     return "\n".join(lines) + "\n"

@@ -225,11 +225,3 @@ def _failure(what: str, results: list[ControlResult], done: list[Any], undo: lis
                     + ": the replicas now differ; retry, or fix them with `pagoda lora` on each.")
     status = 400 if all(r.is_client_error for r in failed) else 502
     return AdminAnswer(status, error=message)
-
-
-def lora_admin_of(router: Any) -> LoRAAdmin:
-    """The router's ``LoRAAdmin``; an empty one (created once) where none was configured."""
-    admin = getattr(router, "lora_admin", None)
-    if admin is None:
-        admin = router.lora_admin = LoRAAdmin()
-    return admin

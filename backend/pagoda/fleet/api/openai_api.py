@@ -3,7 +3,7 @@
 A request is validated here, turned into one contract-1 Triton request (``text_input`` =
 the prompt, or the conversation rendered with the model's chat template; ``stream`` true;
 ``sampling_parameters`` JSON; ``exclude_input_in_output`` and the ``return_*`` flags),
-routed like any other (``grpc_proxy.stream_replica``) and answered in OpenAI's shapes:
+routed like any other (``upstream.GrpcUpstream``, the gRPC door's client too) and answered in OpenAI's shapes:
 SSE ``chat.completion.chunk`` / ``text_completion`` events ending with ``data: [DONE]``,
 or one JSON object with ``usage``.
 
@@ -21,9 +21,10 @@ output: ``response_format`` (``json_object``, ``json_schema``) and vLLM's ``guid
 Refused with a 400 ``invalid_request_error`` (never silently ignored): several prompts or
 token-id prompts in one request, ``best_of`` other than ``n``, ``suffix``, a non-empty
 ``logit_bias``, ``tools``/``functions``, more than one output format, and malformed
-values. Errors the replica reports (e.g. a prompt longer than the context) come
-back as 400 with its message; a replica that fails mid-stream ends the stream with an
-``error`` event (the SDK raises it).
+values. Errors the replica reports come back with its message, and the status and type
+``pagoda.contracts.errors`` gives their kind (``classify_replica_error``; e.g. a prompt
+longer than the context is a 400, an engine fault a 500); a replica that fails mid-stream
+ends the stream with an ``error`` event (the SDK raises it).
 
 Limits and tenants (``pagoda.fleet.gate.gate``): the body size and the API key are checked
 before the body is read (413, 401); the number of messages, prompt length, ``max_tokens``,
@@ -56,9 +57,10 @@ from typing import Any, Optional
 
 from aiohttp import web
 
-from pagoda.fleet.gate.gate import TENANT_KEY, LimitError, RateLimited, gate_of, is_deadline, is_overload, retry_after_header
-from pagoda.fleet.api.grpc_proxy import ReplicaFailed, stream_replica
-from pagoda.fleet.api.lora_admin import LoRAAdmin, lora_admin_of
+from pagoda.contracts.errors import ErrorKind, classify_replica_error, kind_of_http_status, spec_of
+from pagoda.fleet.gate.gate import TENANT_KEY, Gate, LimitError, RateLimited, retry_after_header
+from pagoda.fleet.api.lora_admin import LoRAAdmin
+from pagoda.fleet.api.upstream import GrpcUpstream, ReplicaFailed
 from pagoda.fleet.api.openai_io import (OpenAIError, build_chat_request, build_completion_request, chat_logprobs,
                                     completion_logprobs, make_infer_request, read_outputs)
 from pagoda.fleet.routing.router import NoReplicaAvailable, Router
@@ -71,48 +73,49 @@ def error_response(status: int, message: str, kind: str = "invalid_request_error
                              status=status, headers=headers)
 
 
-def _replica_error_status(message: str) -> tuple[int, str]:
-    """HTTP status and OpenAI error type for an error text a replica sent."""
-    if message.startswith(("engine error", "request finished without output")):
-        return 500, "internal_error"
-    if message.startswith("the server is shutting down"):
-        return 503, "service_unavailable"
-    if is_overload(message):
-        return 429, "rate_limit_error"
-    if is_deadline(message):
-        return 408, "timeout"
-    return 400, "invalid_request_error"
+_REPLICA_ERROR_TYPE = spec_of(ErrorKind.REPLICA_FAILED).openai_type  # an error event mid-stream
+
+
+def kind_response(kind: ErrorKind, message: str, param: Optional[str] = None,
+                  headers: Optional[dict[str, str]] = None) -> web.Response:
+    """An OpenAI error answer for ``kind`` (its status and type from ``pagoda.contracts.errors``)."""
+    spec = spec_of(kind)
+    if spec.retry_after and headers is None:
+        headers = retry_after_header()
+    return error_response(spec.http_status, message, spec.openai_type, param=param, headers=headers)
 
 
 def _replica_error(message: str) -> web.Response:
-    status, kind = _replica_error_status(message)
-    return error_response(status, message, kind, headers=retry_after_header() if status == 429 else None)
+    return kind_response(classify_replica_error(message), message)
 
 
 class OpenAIApi:
-    """The ``/v1`` routes.
+    """The ``/v1`` routes. Collaborators come in through the constructor (``RouterService``
+    composes them); the door mutates none of them.
 
     Args:
-        router: routing decisions.
+        router: routing analysis (tokenizer, block hashes) and the replicas.
         tracer: router spans.
+        gate: limits, tenants and overload memory.
+        lora_admin: the served LoRA adapters and their run-time loading.
+        upstream: the client that streams a routed request to a replica.
         model_name: the served model name (``/v1/models``; requests may also say ``pagoda``).
-        lora_names: adapters the replicas serve, where the router has no ``LoRAAdmin`` yet.
     """
 
-    def __init__(self, router: Router, tracer: RouterTracer, model_name: str, max_attempts: int = 2,
-                 lora_names: tuple[str, ...] = ()) -> None:
+    def __init__(self, router: Router, tracer: RouterTracer, gate: Gate, lora_admin: LoRAAdmin,
+                 upstream: GrpcUpstream, model_name: str) -> None:
         self.router = router
         self.tracer = tracer
+        self.gate = gate
+        self.lora_admin = lora_admin
+        self.upstream = upstream
         self.model_name = model_name
-        if getattr(router, "lora_admin", None) is None:
-            router.lora_admin = LoRAAdmin(lora_names, base_model_names=(model_name, "pagoda"))
-        self.max_attempts = max_attempts
         self.created = int(time.time())
 
     @property
     def lora_names(self) -> tuple[str, ...]:
         """The adapters served now: OpenAI ``model`` names them."""
-        return lora_admin_of(self.router).names()
+        return self.lora_admin.names()
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_get("/v1/models", self.models)
@@ -134,10 +137,10 @@ class OpenAIApi:
         return await self._lora_action(request, "unload")
 
     async def _lora_action(self, request: web.Request, action: str) -> web.Response:
-        admin = lora_admin_of(self.router)
+        admin = self.lora_admin
         if not admin.allow_runtime:
-            return error_response(403, f"{action}ing LoRA adapters at run time is not enabled on this router; "
-                                       "start it with `pagoda router --allow-runtime-lora`", "permission_error")
+            return kind_response(ErrorKind.PERMISSION_DENIED, f"{action}ing LoRA adapters at run time is not enabled "
+                                 "on this router; start it with `pagoda router --allow-runtime-lora`")
         try:
             body = json.loads(await request.read())
         except ValueError as exc:
@@ -150,9 +153,7 @@ class OpenAIApi:
         answer = await (admin.load(replicas, body["lora_name"], body["lora_path"]) if action == "load"
                         else admin.unload(replicas, body["lora_name"]))
         if answer.error is not None:
-            kind = {404: "not_found_error", 503: "service_unavailable", 502: "replica_error"}.get(
-                answer.status, "invalid_request_error")
-            return error_response(answer.status, answer.error, kind, param="lora_name")
+            return kind_response(kind_of_http_status(answer.status), answer.error, param="lora_name")
         return web.json_response(answer.document)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -179,9 +180,9 @@ class OpenAIApi:
             if model in self.lora_names:
                 built.sampling["lora_name"] = model
         except (OpenAIError, LimitError) as exc:
-            gate_of(self.router).count("invalid_input")
+            self.gate.count("invalid_input")
             return error_response(getattr(exc, "status", 400), str(exc), param=exc.param)
-        gate = gate_of(self.router)
+        gate = self.gate
         tenant = request.get(TENANT_KEY)
         if tenant is not None:
             built.sampling["cache_salt"] = gate.salt(tenant, built.sampling.get("cache_salt"))
@@ -189,7 +190,7 @@ class OpenAIApi:
         try:
             ticket = gate.admit(tenant, analysis.num_prompt_tokens + (built.sampling.get("max_tokens") or 16))
         except RateLimited as exc:
-            return error_response(429, str(exc), "rate_limit_error", headers=retry_after_header(exc.retry_after_s))
+            return kind_response(ErrorKind.RATE_LIMITED, str(exc), headers=retry_after_header(exc.retry_after_s))
         try:
             return await self._route(request, chat, model, built, analysis)
         finally:
@@ -197,7 +198,7 @@ class OpenAIApi:
 
     def _build(self, body: dict, chat: bool) -> Any:
         """Validate and convert a body within the router's limits (raises OpenAIError / LimitError)."""
-        limits = gate_of(self.router).limits
+        limits = self.gate.limits
         if chat and isinstance(body.get("messages"), list):
             limits.check_messages(body["messages"])
         if not chat and isinstance(body.get("prompt"), str):
@@ -213,20 +214,20 @@ class OpenAIApi:
             span.set_attribute("pagoda.openai.endpoint", "chat.completions" if chat else "completions")
             request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
             infer_request = make_infer_request(built, request_id)
-            responses = stream_replica(self.router, analysis, infer_request, span, self.max_attempts)
+            responses = self.upstream.stream(analysis, infer_request, span)
             answer = _Answer(chat, request_id, model, built, self.router.tokenizer)
             try:
                 first = await anext(responses, None)
             except NoReplicaAvailable as exc:
                 span.fail(str(exc))
-                return error_response(503, str(exc), "service_unavailable")
+                return kind_response(ErrorKind.UNAVAILABLE, str(exc))
             except ReplicaFailed as exc:
                 span.fail(str(exc))
-                return error_response(502, str(exc), "replica_error")
+                return kind_response(ErrorKind.REPLICA_FAILED, str(exc))
             if first is not None and first.error_message:
                 await responses.aclose()
-                if is_overload(first.error_message):
-                    gate_of(self.router).count("overloaded")
+                if classify_replica_error(first.error_message) is ErrorKind.OVERLOADED:
+                    self.gate.count("overloaded")
                 return _replica_error(first.error_message)
             if built.stream:
                 return await self._stream(request, answer, first, responses, span)
@@ -242,7 +243,7 @@ class OpenAIApi:
                 message = await anext(responses, None)
         except ReplicaFailed as exc:
             span.fail(str(exc))
-            return error_response(502, str(exc), "replica_error")
+            return kind_response(ErrorKind.REPLICA_FAILED, str(exc))
         return web.json_response(answer.final_object())
 
     async def _stream(self, request: web.Request, answer: "_Answer", first: Any, responses: Any,
@@ -259,7 +260,7 @@ class OpenAIApi:
             message = first
             while message is not None:
                 if message.error_message:
-                    await send({"error": {"message": message.error_message, "type": "replica_error",
+                    await send({"error": {"message": message.error_message, "type": _REPLICA_ERROR_TYPE,
                                           "param": None, "code": None}})
                     break
                 for chunk in answer.chunks(read_outputs(message.infer_response)):
@@ -270,7 +271,7 @@ class OpenAIApi:
                     await send(answer.usage_chunk())
         except ReplicaFailed as exc:
             span.fail(str(exc))
-            await send({"error": {"message": str(exc), "type": "replica_error", "param": None, "code": None}})
+            await send({"error": {"message": str(exc), "type": _REPLICA_ERROR_TYPE, "param": None, "code": None}})
         finally:
             await responses.aclose()
         await response.write(b"data: [DONE]\n\n")

@@ -3,15 +3,15 @@
 ``Gate`` bundles the input limits (``limits.RequestLimits``), the tenants
 (``auth.ApiKeys``, ``auth.TenantLimiter``, the tenant salt) and the overload memory, so
 each door (``http_api``, ``openai_api``, ``grpc_proxy``) adds one call per concern
-instead of its own policy. ``RouterService`` hangs it on the router as ``router.gate``;
-``gate_of(router)`` gives an open default where none is configured (tests, benches).
+instead of its own policy. ``RouterService`` makes one and gives it to each door's
+constructor (and to the upstream client, for the overload memory).
 
 Order at every door: body size (HTTP, from ``Content-Length``, before reading) ->
 API key (401) -> parse and validate (400 naming the field) -> tenant salt -> routing
 analysis (tokens) -> rate limits (429 + ``Retry-After``) -> route.
 
-Overload: a replica that refuses a request because its waiting queue is full
-(``pagoda.engine.core.admission``: an error starting with ``overloaded:``) is remembered as
+Overload: a replica that refuses a request because its waiting queue is full (an error
+``pagoda.contracts.errors.classify_replica_error`` calls ``OVERLOADED``) is remembered as
 full for ``retry_after_s`` (``mark_full``); ``route_excluding`` then keeps new requests
 off it while another replica has room, and the request itself is retried on a replica
 not yet tried. Only when every replica refused does the client get the overload error:
@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional
 
 from aiohttp import web
 
-from pagoda.engine.core.admission import DEADLINE_PREFIX, DEFAULT_RETRY_AFTER_S, OVERLOADED_PREFIX
+from pagoda.contracts.errors import DEFAULT_RETRY_AFTER_S
 from pagoda.fleet.gate.auth import ApiKeys, AuthError, RateLimited, Tenant, TenantLimiter, Ticket, tenant_salt
 from pagoda.fleet.gate.limits import LimitError, RequestLimits
 
@@ -36,14 +36,6 @@ logger = logging.getLogger(__name__)
 
 # Where the HTTP middleware leaves the caller's tenant on the aiohttp request.
 TENANT_KEY = web.RequestKey("pagoda_tenant", object)
-
-
-def is_overload(message: Optional[str]) -> bool:
-    return bool(message) and OVERLOADED_PREFIX in message
-
-
-def is_deadline(message: Optional[str]) -> bool:
-    return bool(message) and message.startswith(DEADLINE_PREFIX)
 
 
 class Gate:
@@ -123,18 +115,9 @@ class Gate:
         return await router.choose(analysis, exclude=tried, attempt=attempt)
 
 
-def gate_of(router: Any) -> Gate:
-    """The router's gate; an open default one (created once) where none was configured."""
-    gate = getattr(router, "gate", None)
-    if gate is None:
-        gate = Gate()
-        router.gate = gate
-    return gate
-
-
 def retry_after_header(seconds: float = DEFAULT_RETRY_AFTER_S) -> dict[str, str]:
     return {"Retry-After": str(max(1, math.ceil(seconds)))}
 
 
-__all__ = ["Gate", "gate_of", "is_overload", "is_deadline", "retry_after_header", "AuthError", "RateLimited",
+__all__ = ["Gate", "retry_after_header", "AuthError", "RateLimited",
            "LimitError", "TENANT_KEY"]

@@ -4,7 +4,7 @@ A replica is *live* while its heartbeat hash exists; the publisher renews it wit
 so a dead replica drops out by itself (no reaper needed for correctness). The registry
 SET remembers every id that published, which lets ``reap_expired`` find the dead ones
 and delete their index entries (memory hygiene; every router runs it every few seconds,
-see ``pagoda.fleet.routing.router.FleetView``). Draining is a separate key the operator
+see ``pagoda.fleet.routing.fleet_view.FleetView``). Draining is a separate key the operator
 (or anyone) sets; a draining replica is still live, but routers send it nothing new.
 """
 

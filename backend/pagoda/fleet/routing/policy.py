@@ -1,8 +1,22 @@
 """Routing policies: which replica serves a request. One small strategy object per policy.
 
 Every policy answers ``choose(replicas, request) -> ReplicaState`` and nothing else, so
-the real router (``pagoda.fleet.service``) and the simulator (``pagoda.fleet.sim.simulator``) run
-the very same objects. Policies never do I/O; the router gathers their inputs.
+the real router (``pagoda.fleet.routing.router``) and the simulator
+(``pagoda.fleet.sim.simulator``) run the very same objects, through the one decision path
+``pagoda.fleet.routing.decide``. Policies never do I/O; the router gathers their inputs.
+
+Capabilities
+------------
+A policy declares what it reads as class attributes of ``Policy`` (the protocol every
+policy subclasses; its values are the only defaults: a policy that declares nothing routes
+by load alone):
+
+``uses_exact``     reads ``matched_blocks``: the KV-event index. KV events then confirm
+    (drop) its pending entries, and without the index (Redis down) the router routes with
+    ``least_loaded`` instead. Default False.
+``uses_pending``   reads ``pending_blocks``: every decision is recorded as pending
+    ownership for ``pending_ttl_s`` seconds. Default False (``prefix_aware`` derives it
+    from its knobs).
 
 Inputs
 ------
@@ -158,7 +172,15 @@ class RoutingRequest:
 
 
 class Policy(Protocol):
-    name: str
+    """A routing policy: a name, its capabilities (module docstring) and ``choose``.
+
+    Policies subclass it explicitly, so these class attributes are their defaults.
+    """
+
+    name: str = ""
+    uses_exact: bool = False  # reads matched_blocks (needs the KV-event index)
+    uses_pending: bool = False  # reads pending_blocks (decisions are recorded as pending)
+    pending_ttl_s: float = 0.0  # how long a recorded decision stays pending
 
     def choose(self, replicas: Sequence[ReplicaState], request: RoutingRequest) -> ReplicaState:
         """The replica for ``request``. Raises ``NoReplicaError`` if none is eligible."""
@@ -176,7 +198,7 @@ def eligible(replicas: Sequence[ReplicaState]) -> list[ReplicaState]:
     return [r for r in healthy if not r.draining] or healthy
 
 
-class RandomPolicy:
+class RandomPolicy(Policy):
     name = "random"
 
     def __init__(self, seed: int | None = None) -> None:
@@ -186,7 +208,7 @@ class RandomPolicy:
         return self._rng.choice(eligible(replicas))
 
 
-class RoundRobinPolicy:
+class RoundRobinPolicy(Policy):
     name = "round_robin"
 
     def __init__(self) -> None:
@@ -199,16 +221,16 @@ class RoundRobinPolicy:
         return chosen
 
 
-class LeastLoadedPolicy:
+class LeastLoadedPolicy(Policy):
     name = "least_loaded"
 
     def choose(self, replicas: Sequence[ReplicaState], request: RoutingRequest) -> ReplicaState:
         return min(eligible(replicas), key=lambda r: (r.load, r.kv_usage, r.replica_id))
 
 
-class PrefixAwarePolicy:
+class PrefixAwarePolicy(Policy):
     name = "prefix_aware"
-    uses_exact = True  # reads matched_blocks (needs the KV-event index)
+    uses_exact = True
 
     def __init__(self, load_cost_tokens: float = LOAD_COST_TOKENS, imbalance_abs: float = 8.0,
                  imbalance_rel: float = 1.5, pending_discount: float = 0.8, pending_ttl_s: float = 10.0,
@@ -225,8 +247,8 @@ class PrefixAwarePolicy:
         self.waiting_cost_tokens = waiting_cost_tokens
 
     @property
-    def uses_pending(self) -> bool:
-        """Whether the router should record decisions and fill ``pending_blocks``."""
+    def uses_pending(self) -> bool:  # type: ignore[override] - derived from the knobs
+        """Whether decisions are recorded and ``pending_blocks`` filled (both knobs > 0)."""
         return self.pending_discount > 0 and self.pending_ttl_s > 0
 
     def cached_tokens(self, request: RoutingRequest, replica_id: str) -> float:

@@ -9,50 +9,35 @@ the router's own in-flight count) and lets the configured policy pick. The chose
 replica's in-flight count is raised at once (optimistic accounting); the caller must
 ``release`` the decision when the request ends.
 
-Redis faults (``FleetView``): every Redis call runs with a timeout (``redis_timeout_s``) in
-a small thread pool, so a slow or dead Redis never stalls the event loop. The first failure
-marks Redis unavailable; from then on no request waits on Redis: routing is load-only
+Redis (``pagoda.fleet.routing.fleet_view``): the router reads the prefix index and the
+registry through a ``FleetView``; while it reports Redis unavailable, routing is load-only
 (``least_loaded`` over the router's own in-flight counts, the cached heartbeat values are
 ignored as stale) over the replicas known from the last registry read or the static list.
-The registry refresh loop keeps probing; its first success makes Redis available again and
-prefix routing resumes by itself.
 
-Index reads: with ``index_mode="follower"`` matches come from an ``IndexFollower`` (a local
-mirror fed by the event stream, replayed from the start when the router joins late) as
-soon as it reports ``is_synced``; until then, and with ``index_mode="direct"``, each
-request asks ``PrefixIndex.match`` (at most two round trips).
-
-Routing-time affinity (``pagoda.fleet.routing.affinity``): for policies with ``uses_pending``
-(``prefix_aware``, ``approximate``) every decision is recorded as pending ownership of the
-prompt's blocks on the chosen replica (``policy.pending_ttl_s``), in the router's
-``PendingIndex`` and, with Redis, on the shared ``routed`` stream for the other routers;
-the next requests see it as ``pending_blocks`` before the replica's KV events arrive.
+The policy's signals and memory follow ``pagoda.fleet.routing.decide``, the decision path
+the simulator runs too. Routing-time affinity (``pagoda.fleet.routing.affinity``): for
+policies with ``uses_pending`` (``prefix_aware``, ``approximate``) every decision is
+recorded as pending ownership of the prompt's blocks on the chosen replica
+(``policy.pending_ttl_s``), in the router's ``PendingIndex`` and, with Redis, on the shared
+``routed`` stream for the other routers; the next requests see it as ``pending_blocks``
+before the replica's KV events arrive.
 Each decision counts the prompt tokens matched on the chosen replica by kind: ``exact``
 (the KV-event index) and ``pending`` (pending beyond the exact match), exported as
 ``pagoda:router_prefix_match_tokens{kind=...}`` and as span attributes.
-
-Reaping: every ``reap_interval_s`` the registry refresh also runs
-``ReplicaRegistry.reap_expired`` (idempotent and race-safe, so every router may), which
-drops the index entries of replicas whose heartbeat expired; the count is exported as
-``pagoda:router_reaped_replicas_total``.
 """
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import itertools
-import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Iterable, Optional, Sequence
 
 from pagoda.contracts.block_hash import hash_prompt_blocks
-from pagoda.fleet.routing.affinity import AffinityShare, PendingIndex
+from pagoda.fleet.routing.affinity import PendingIndex
+from pagoda.fleet.routing.decide import confirms_pending, decide
+from pagoda.fleet.routing.fleet_view import IndexView
 from pagoda.fleet.routing.replicas import Replica, ReplicaSet
-from pagoda.fleet.index.retry import RateLimitedLog
-
-logger = logging.getLogger(__name__)
 
 FALLBACK_POLICY = "least_loaded"
 
@@ -91,119 +76,6 @@ class Decision:
         return "exact" if self.matched_blocks else "pending" if self.pending_blocks else "none"
 
 
-class FleetView:
-    """The router's Redis side: registry heartbeats and prefix-index matches, fault tolerant.
-
-    Args:
-        redis_client: a ``redis.Redis`` (sync; calls run in a thread pool).
-        model_name: the fleet key namespace (served model name).
-        index_mode: ``"follower"`` or ``"direct"`` (see the module docstring).
-        timeout_s: the longest any request waits on Redis.
-        reap_interval_s: how often ``refresh`` also reaps expired replicas (0: never).
-        clock: monotonic seconds (when a reap is due).
-    """
-
-    def __init__(self, redis_client: Any, model_name: str, index_mode: str = "follower",
-                 timeout_s: float = 0.05, reap_interval_s: float = 5.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        from pagoda.fleet.index.prefix_index import IndexFollower, PrefixIndex
-        from pagoda.fleet.index.registry import ReplicaRegistry
-
-        if index_mode not in ("follower", "direct"):
-            raise ValueError(f"index mode must be 'follower' or 'direct', got {index_mode!r}")
-        self.client = redis_client
-        self.registry = ReplicaRegistry(redis_client, model_name)
-        self.index = PrefixIndex(redis_client, model_name)
-        self.follower = IndexFollower(redis_client, model_name) if index_mode == "follower" else None
-        self.timeout_s = timeout_s
-        self.available = False
-        self.last_error = ""
-        self.num_failures = 0
-        self.last_infos: list[Any] = []
-        self.pending = PendingIndex()
-        self.share = AffinityShare(redis_client, model_name, self.pending)
-        self.reap_interval_s = reap_interval_s
-        self.clock = clock
-        self.num_reaped = 0
-        self._next_reap = float("-inf")
-        self._log = RateLimitedLog(logger, interval_s=30.0)
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="pagoda-router-redis")
-
-    async def call(self, fn: Callable[..., Any], *args: Any, timeout_s: Optional[float] = None) -> Any:
-        """Run a Redis-touching function with a timeout; a failure marks Redis unavailable."""
-        loop = asyncio.get_running_loop()
-        try:
-            return await asyncio.wait_for(loop.run_in_executor(self._pool, fn, *args), timeout_s or self.timeout_s)
-        except Exception as exc:
-            self._failed(exc)
-            raise
-
-    def _failed(self, exc: BaseException) -> None:
-        if self.available:
-            self._log.reset()
-        self._log.warning("Redis unavailable (%s: %s): routing by load only until it answers again",
-                          type(exc).__name__, exc)
-        self.available = False
-        self.last_error = f"{type(exc).__name__}: {exc}"
-        self.num_failures += 1
-
-    async def refresh(self, timeout_s: float = 1.0) -> Optional[list[Any]]:
-        """Read the registry; ``None`` when Redis did not answer (the cache stays)."""
-        try:
-            infos = await self.call(self.registry.list_replicas, timeout_s=timeout_s)
-        except Exception:  # noqa: BLE001 - already recorded by call()
-            return None
-        if not self.available:
-            logger.info("Redis is available again: prefix-aware routing resumes")
-        self.available = True
-        self.last_infos = list(infos)
-        await self._reap_if_due()
-        return self.last_infos
-
-    async def _reap_if_due(self) -> None:
-        """Reap expired replicas every ``reap_interval_s`` (module docstring)."""
-        now = self.clock()
-        if self.reap_interval_s <= 0 or now < self._next_reap:
-            return
-        self._next_reap = now + self.reap_interval_s
-        try:
-            reaped = await self.call(self.registry.reap_expired, timeout_s=1.0)
-        except Exception:  # noqa: BLE001 - recorded by call(); the next refresh retries
-            self._next_reap = now
-            return
-        if reaped:
-            logger.info("reaped expired replicas %s: their heartbeats lapsed; index entries removed", reaped)
-            self.num_reaped += len(reaped)
-            for rid in reaped:
-                self.pending.remove_replica(rid)
-                if self.follower is not None:
-                    self.follower.local.remove_replica(rid)
-
-    async def match(self, block_hashes: list[str]) -> Optional[dict[str, int]]:
-        """Matched leading blocks per replica; ``None`` when Redis is unavailable."""
-        if not self.available:
-            return None
-        if not block_hashes:
-            return {}
-        if self.follower is not None and self.follower.is_synced:
-            return self.follower.match(block_hashes)
-        try:
-            return await self.call(self.index.match, block_hashes)
-        except Exception:  # noqa: BLE001 - recorded; this request routes by load
-            return None
-
-    def start(self) -> None:
-        if self.follower is not None:
-            self.follower.start()
-        self.share.start()
-
-    def stop(self) -> None:
-        if self.follower is not None:
-            self.follower.stop()
-        self.share.stop()
-        self._pool.shutdown(wait=False, cancel_futures=True)
-
-
 class Router:
     """Makes routing decisions and keeps the in-flight accounting.
 
@@ -213,13 +85,14 @@ class Router:
         hash_model_id: the block-hash root (the replicas' model folder name); a heartbeat's
             ``hash_model_id`` overrides it when present.
         policy_name: ``random``, ``round_robin``, ``least_loaded`` or ``prefix_aware``.
-        fleet: the Redis view, or ``None`` (no Redis: load-only routing always).
+        fleet: the Redis view (an ``IndexView``), or ``None`` (no Redis: load-only routing
+            always, and the router keeps its own pending index).
         block_size: used until a heartbeat reports the replicas' block size.
         policy_knobs: keyword arguments for ``make_policy``.
     """
 
     def __init__(self, replicas: ReplicaSet, tokenizer: Any, hash_model_id: str, policy_name: str = "prefix_aware",
-                 fleet: Optional[FleetView] = None, block_size: int = 16, **policy_knobs: Any) -> None:
+                 fleet: Optional[IndexView] = None, block_size: int = 16, **policy_knobs: Any) -> None:
         from pagoda.fleet.routing.policy import make_policy
 
         self.replicas = replicas
@@ -234,10 +107,9 @@ class Router:
         self.decision_times_s: list[float] = []  # bounded ring, read by /metrics and the bench
         self.num_decisions = 0
         self.num_fallback_decisions = 0
-        self.pending = getattr(fleet, "pending", None) or PendingIndex()
-        follower = getattr(fleet, "follower", None)
-        if follower is not None and getattr(self.policy, "uses_exact", False):
-            follower.on_events = self.pending.confirm  # KV events confirm pending entries
+        self.pending = fleet.pending if fleet is not None else PendingIndex()
+        if fleet is not None and confirms_pending(self.policy):
+            fleet.confirm_pending_on_kv_events()
         self.num_match_tokens = {"exact": 0, "pending": 0}
 
     # --------------------------------------------------------------- heartbeats
@@ -297,27 +169,21 @@ class Router:
                                kv_usage=0.0 if by_load_only else r.kv_usage, in_flight=r.in_flight,
                                healthy=True, draining=r.draining) for r in candidates]
         # Without the index the policies that read it need a stand-in; the others route as asked.
-        policy, policy_name = ((self.fallback_policy, FALLBACK_POLICY)
-                               if by_load_only and getattr(self.policy, "uses_exact", False)
+        policy, policy_name = ((self.fallback_policy, FALLBACK_POLICY) if by_load_only and self.policy.uses_exact
                                else (self.policy, self.policy_name))
-        uses_pending = bool(getattr(policy, "uses_pending", False)) and analysis is not None
         request = RoutingRequest(
             request_id=str(next(self._request_numbers)),
             block_hashes=analysis.block_hashes if analysis else [],
             num_prompt_tokens=analysis.num_prompt_tokens if analysis else 0,
             block_size=analysis.block_size if analysis else self.block_size,
             matched_blocks=matched or {})
-        if uses_pending:
-            request.pending_blocks = self.pending.match(request.block_hashes, confirmed=request.matched_blocks)
         try:
-            chosen = policy.choose(states, request)
+            chosen = decide(policy, states, request, self.pending, record=self._remember)
         except NoReplicaError as exc:
             raise NoReplicaAvailable(str(exc)) from None
         replica = self.replicas.get(chosen.replica_id)
         assert replica is not None, f"policy chose {chosen.replica_id}, which is not a candidate"
         self.replicas.acquire(replica)
-        if uses_pending:
-            self._remember(replica.replica_id, request.block_hashes, policy.pending_ttl_s)
         exact_blocks = int(request.matched_blocks.get(replica.replica_id, 0))
         pending_blocks = max(0, int(request.pending_blocks.get(replica.replica_id, 0)) - exact_blocks)
         self.num_match_tokens["exact"] += request.matched_tokens(replica.replica_id)
@@ -330,12 +196,11 @@ class Router:
                         redis_available=redis_available, decision_s=elapsed, attempt=attempt,
                         pending_blocks=pending_blocks)
 
-    def _remember(self, replica_id: str, block_hashes: list[str], ttl_s: float) -> None:
+    def _remember(self, replica_id: str, block_hashes: Sequence[str], ttl_s: float) -> None:
         """Record a decision as pending ownership, here and (with Redis) for the other routers."""
         self.pending.record(replica_id, block_hashes, ttl_s)
-        share = getattr(self.fleet, "share", None)
-        if share is not None and self.fleet.available:
-            share.publish(replica_id, block_hashes, ttl_s)
+        if self.fleet is not None:
+            self.fleet.share_decision(replica_id, block_hashes, ttl_s)
 
     def metric_lines(self) -> list[str]:
         """Prometheus lines for routing-time affinity and reaping (``/metrics`` appends them)."""
@@ -348,7 +213,7 @@ class Router:
         if self.fleet is not None:
             lines += ["# HELP pagoda:router_reaped_replicas_total expired replicas whose index entries this router removed",
                       "# TYPE pagoda:router_reaped_replicas_total counter",
-                      f"pagoda:router_reaped_replicas_total {getattr(self.fleet, 'num_reaped', 0)}"]
+                      f"pagoda:router_reaped_replicas_total {self.fleet.num_reaped}"]
         return lines
 
     def release(self, decision: Decision) -> None:

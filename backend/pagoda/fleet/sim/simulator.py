@@ -8,12 +8,14 @@ sampled token is a constant, and the step lasts
 
 where a request's context is ``num_computed_tokens + num_new_tokens`` (the KV it attends
 over). ``a, b, c`` come from ``pagoda bench routing --calibrate``, which times the real
-engine (``StepTimeModel``). The router is the real one's decision path: prompts are
+engine (``StepTimeModel``). The router is the real one's decision path
+(``pagoda.fleet.routing.decide``, shared with ``Router.choose``): prompts are
 hashed with ``pagoda.contracts.block_hash.hash_prompt_blocks``; the prefix index is a
-``LocalIndex`` fed with each replica's own block events after every step (what the
-Redis index and ``IndexFollower`` hold, minus network delay); routing-time affinity is
-the router's ``PendingIndex`` on the simulated clock (recorded after each decision of a
-policy with ``uses_pending``); the policy objects are those of ``pagoda.fleet.routing.policy``.
+``LocalIndex`` (``pagoda.fleet.index.mirror``) fed with each replica's own block events
+after every step (what the Redis index and ``IndexFollower`` hold, minus network delay),
+asked only for policies with ``uses_exact``; routing-time affinity is the router's
+``PendingIndex`` on the simulated clock; the policy objects are those of
+``pagoda.fleet.routing.policy``.
 Arrivals come from ``pagoda.fleet.sim.arrivals`` (poisson, fanout bursts, diurnal, ramp). The router's load view mirrors production: heartbeat
 fields (waiting, running, KV usage) refreshed every ``heartbeat_interval_s``, plus an
 exact ``in_flight`` count of its own requests.
@@ -38,8 +40,9 @@ from pagoda.engine.request import Request
 from pagoda.engine.sampling_params import SamplingParams
 from pagoda.engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pagoda.fleet.routing.affinity import PendingIndex
+from pagoda.fleet.routing.decide import confirms_pending, decide
 from pagoda.fleet.sim.arrivals import arrivals, zipf_weights
-from pagoda.fleet.index.prefix_index import LocalIndex
+from pagoda.fleet.index.mirror import LocalIndex
 from pagoda.fleet.routing.policy import Policy, ReplicaState, RoutingRequest
 
 SIM_MODEL_ID = "SmolLM2-135M-Instruct"
@@ -270,7 +273,7 @@ class FleetSimulator:
                         end_time = now
                 events = replica.scheduler.take_events()
                 index.apply(replica.replica_id, events)
-                if getattr(self.policy, "uses_exact", True):
+                if confirms_pending(self.policy):
                     pending.confirm(replica.replica_id, (e.event for e in events))
                 self._start(replica, now, push)
         queries = sum(r.scheduler.prefix_cache_queries for r in replicas.values())
@@ -289,16 +292,10 @@ class FleetSimulator:
                pending: PendingIndex) -> str:
         block_size = self.replica_config.block_size
         hashes = [h.hex() for h in hash_prompt_blocks(request.token_ids, block_size, SIM_MODEL_ID)]
-        uses_pending = bool(getattr(self.policy, "uses_pending", False))
         routing = RoutingRequest(request.request_id, hashes, len(request.token_ids), block_size,
-                                 index.match(hashes) if getattr(self.policy, "uses_exact", True) else {},
-                                 {})
-        if uses_pending:
-            routing.pending_blocks = pending.match(hashes, confirmed=routing.matched_blocks)
-        chosen = self.policy.choose(list(states.values()), routing)
+                                 index.match(hashes) if self.policy.uses_exact else {})
+        chosen = decide(self.policy, list(states.values()), routing, pending)
         chosen.in_flight += 1  # the router's optimistic accounting, as the real router does
-        if uses_pending:
-            pending.record(chosen.replica_id, hashes, self.policy.pending_ttl_s)
         return chosen.replica_id
 
     @staticmethod

@@ -27,7 +27,7 @@ def default_model_repository() -> Path:
     env = os.environ.get("PAGODA_MODEL_REPOSITORY")
     if env:
         return Path(env)
-    return Path(__file__).resolve().parents[3] / "model_repository"
+    return Path(__file__).resolve().parents[4] / "model_repository"
 
 
 @dataclass

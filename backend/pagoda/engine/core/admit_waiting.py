@@ -1,0 +1,181 @@
+"""Admission of waiting requests into a step, in policy order (the second pass of ``schedule()``).
+
+After the running requests got their tokens, and only if nothing was preempted, waiting
+requests are admitted in the policy's order until one cannot be: the budget, the sequence
+limit or the KV cache is exhausted, or an admission constraint (``core.constraints``) says
+stop. For each request:
+
+1. constraints asked before the prefix lookup may set it aside (``Admit.SKIP``: it goes
+   back to the queue's front after this pass, requests behind it go on) or stop;
+2. a swapped-out request (host tier) gets fresh blocks filled from its host blocks;
+3. otherwise its prefix-cache lookup (device, then the host tier continuing it) sets
+   ``num_cached_tokens`` (first admission only) and moves ``num_computed_tokens`` to the
+   hit; constraints asked after the lookup may stop admission; the rest of the prompt is
+   scheduled (a chunk of it with chunked prefill, else all or nothing: ``StepPlan.chunk``);
+4. when blocks or sequence slots run out, the policy may preempt a strictly less urgent
+   running request (priority); the lookup is repeated, as the victim's blocks may have
+   been part of the hit.
+
+Admission stops at the first request that does not fit, so policy order is never
+violated except by ``SKIP``. Host blocks read for a hit stay pinned until the step's
+copies are taken, so a later eviction in the same step cannot reuse them.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple, Optional, Sequence
+
+from pagoda.engine.core.constraints import AdmissionConstraint, Admit
+from pagoda.engine.core.policy import FcfsPolicy
+from pagoda.engine.core.request_queue import FcfsQueue, PriorityQueue
+from pagoda.engine.core.step_plan import StepPlan
+from pagoda.engine.kv.block_pool import KVCacheBlock
+from pagoda.engine.kv.host_tier import HostTier
+from pagoda.engine.kv.kv_cache_manager import KVCacheManager
+from pagoda.engine.request import Request, RequestStatus
+
+
+class PrefixHit(NamedTuple):
+    """A waiting request's cached prefix: device blocks, host blocks continuing them, tokens."""
+
+    device_blocks: list[KVCacheBlock]
+    host_blocks: list[KVCacheBlock]
+    num_tokens: int
+
+
+class WaitingAdmitter:
+    """Admits the scheduler's waiting requests; holds references to the scheduler's parts.
+
+    Args:
+        running: the scheduler's running list (appended to on admission).
+        preempt: the scheduler's ``_preempt(victim, step)``.
+    """
+
+    def __init__(self, waiting: FcfsQueue | PriorityQueue, running: list[Request], kv_cache_manager: KVCacheManager,
+                 host_tier: HostTier, policy: FcfsPolicy, constraints: Sequence[AdmissionConstraint],
+                 preempt: Callable[[Request, StepPlan], None], max_num_seqs: int, block_size: int) -> None:
+        self.waiting = waiting
+        self.running = running
+        self.kv_cache_manager = kv_cache_manager
+        self.host_tier = host_tier
+        self.policy = policy
+        self.constraints = constraints
+        self.preempt = preempt
+        self.max_num_seqs = max_num_seqs
+        self.block_size = block_size
+
+    def admit(self, step: StepPlan) -> None:
+        """Admit waiting requests into ``step`` (see the module docstring)."""
+        skipped: list[Request] = []  # set aside by a constraint; back at the front afterwards
+        try:
+            self._admit_waiting(step, skipped)
+        finally:
+            for request in reversed(skipped):
+                self.waiting.add_preempted(request)
+
+    def _admit_waiting(self, step: StepPlan, skipped: list[Request]) -> None:
+        """Admit waiting requests in policy order until one cannot be (``skipped``: those
+        an admission constraint set aside; they go back to the front afterwards)."""
+        for constraint in self.constraints:
+            constraint.begin_step(self.running)
+        while len(self.waiting) > 0 and step.budget > 0:
+            request = self.waiting.peek()
+            if request in step.preempted:
+                break
+            assert request.num_output_placeholders == 0, "a waiting request's last step was not applied"
+            verdict = self._ask_constraints(lambda c: c.before_lookup(request))
+            if verdict is Admit.SKIP:
+                skipped.append(self.waiting.pop())
+                continue
+            if verdict is Admit.STOP:
+                break
+            if len(self.running) >= self.max_num_seqs and not self._preempt_for(request, step):
+                break
+            is_admitted = (self._admit_swapped(request, step) if self.host_tier.is_swapped_out(request.request_id)
+                           else self._admit_fresh(request, step))
+            if not is_admitted:
+                break
+
+    def _ask_constraints(self, ask) -> Admit:
+        """The first answer other than YES among the constraints, in order; else YES."""
+        for constraint in self.constraints:
+            verdict = ask(constraint)
+            if verdict is not Admit.YES:
+                return verdict
+        return Admit.YES
+
+    def _admit_fresh(self, request: Request, step: StepPlan) -> bool:
+        """Admit a request from its prefix hit on: allocate (preempting under the priority
+        policy) and schedule the rest of its prompt, or a chunk of it. False: it does not
+        fit or must wait (admission stops)."""
+        hit = self._lookup_prefix(request)
+        if self._ask_constraints(lambda c: c.after_lookup(request, step, hit.num_tokens)) is not Admit.YES:
+            return False
+        while (num_new := step.chunk(request.num_tokens - hit.num_tokens)) is not None:
+            new_blocks = self._allocate_with_hit(request, num_new, hit)
+            if new_blocks is not None:
+                self._start_running(request, step, num_new, hit, new_blocks)
+                return True
+            if not self._preempt_for(request, step):
+                return False
+            hit = self._lookup_prefix(request)  # the victim's blocks may have been part of the hit
+        return False
+
+    def _start_running(self, request: Request, step: StepPlan, num_new: int, hit: PrefixHit,
+                       new_blocks: list[KVCacheBlock]) -> None:
+        self.waiting.pop()
+        if hit.host_blocks:
+            self.host_tier.copy_back(hit.host_blocks, [b.block_id for b in new_blocks[:len(hit.host_blocks)]])
+        step.admitted.add(request.request_id)
+        self.kv_cache_manager.record_prefix_lookup(request.num_tokens, hit.num_tokens)
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = hit.num_tokens
+        request.num_computed_tokens = hit.num_tokens
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        step.add(request, num_new)
+
+    def _lookup_prefix(self, request: Request) -> PrefixHit:
+        hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
+        if not self.kv_cache_manager.enable_caching:
+            return PrefixHit(hit_blocks, [], num_hit)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        host_hit = self.host_tier.lookup_prefix(request.block_hashes, request.all_token_ids, len(hit_blocks),
+                                                max_blocks)
+        return PrefixHit(hit_blocks, host_hit, num_hit + len(host_hit) * self.block_size)
+
+    def _allocate_with_hit(self, request: Request, num_new: int, hit: PrefixHit) -> Optional[list[KVCacheBlock]]:
+        """``allocate_slots`` with a prefix hit; host hits stay pinned on success."""
+        self.host_tier.pin(hit.host_blocks)  # evictions during allocation must not reuse the host blocks we read
+        new_blocks = self.kv_cache_manager.allocate_slots(request, num_new, hit.device_blocks, len(hit.host_blocks))
+        if new_blocks is None:
+            self.host_tier.unpin(hit.host_blocks)
+        return new_blocks
+
+    def _admit_swapped(self, request: Request, step: StepPlan) -> bool:
+        """Admit a swapped-out request: new blocks, filled from its host blocks. False: it
+        does not fit (admission stops)."""
+        num_new = step.chunk(request.num_tokens - request.num_computed_tokens)
+        if num_new is None:
+            return False
+        while self.kv_cache_manager.allocate_slots(request, num_new) is None:
+            if not self._preempt_for(request, step):
+                return False
+        self.waiting.pop()
+        self.host_tier.swap_in(request.request_id, self.kv_cache_manager.get_block_ids(request.request_id))
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        step.add(request, num_new)
+        step.admitted.add(request.request_id)
+        return True
+
+    def _preempt_for(self, request: Request, step: StepPlan) -> bool:
+        """Preempt the policy's victim if the policy lets waiting ``request`` displace it
+        (priority: strictly less urgent). Returns whether one was preempted."""
+        if not self.running:
+            return False
+        victim = self.policy.victim(self.running)
+        if not self.policy.preempts_for(request, victim):
+            return False
+        self.preempt(victim, step)
+        return True

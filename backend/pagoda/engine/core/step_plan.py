@@ -1,0 +1,57 @@
+"""``StepPlan``: the bookkeeping of one ``Scheduler.schedule()`` call.
+
+It holds the token budget left, how many tokens each scheduled request gets (drafts
+included), who was preempted and who was admitted this step, and the hashes of the full
+blocks this step computes. A waiting request whose next uncached blocks are among those
+waits one step and then hits them instead of prefilling the same prefix again beside its
+first owner (bursts sharing a prompt: an agent's fan-out, n parallel completions; see
+``core.constraints.SharedPrefixWait``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from pagoda.engine.request import Request
+
+
+class StepPlan:
+    def __init__(self, budget: int, block_size: int = 16, enable_chunked_prefill: bool = True) -> None:
+        self.budget = budget
+        self.block_size = block_size
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.computing: set = set()  # hashes of the full blocks this step computes
+        self.num_new_tokens: dict[str, int] = {}
+        self.num_spec_tokens: dict[str, int] = {}  # of num_new_tokens, drafted tokens
+        self.preempted: list[Request] = []
+        # Admitted this step: their blocks may still await host -> device copies (or share
+        # blocks that do), so they are never swapped out in this step.
+        self.admitted: set[str] = set()
+
+    def chunk(self, num_tokens_left: int) -> Optional[int]:
+        """How many of a request's ``num_tokens_left`` tokens this step can take: a chunk of
+        them with chunked prefill, else all or nothing (None: they do not fit)."""
+        if not self.enable_chunked_prefill and num_tokens_left > self.budget:
+            return None
+        return min(num_tokens_left, self.budget)
+
+    def add(self, request: Request, num_new_tokens: int, num_spec_tokens: int = 0) -> None:
+        self.num_new_tokens[request.request_id] = num_new_tokens
+        if num_spec_tokens:
+            self.num_spec_tokens[request.request_id] = num_spec_tokens
+        self.budget -= num_new_tokens
+        start = request.num_computed_tokens // self.block_size
+        end = (request.num_computed_tokens + num_new_tokens - num_spec_tokens) // self.block_size
+        self.computing.update(request.block_hashes[start:end])
+
+    def num_shared_computing(self, request: Request, num_cached_tokens: int) -> int:
+        """Tokens of ``request``'s uncached blocks, from its first one on, that this step computes."""
+        index = num_cached_tokens // self.block_size
+        start = index
+        while index < len(request.block_hashes) and request.block_hashes[index] in self.computing:
+            index += 1
+        return (index - start) * self.block_size
+
+    def remove(self, request: Request) -> None:
+        self.budget += self.num_new_tokens.pop(request.request_id, 0)
+        self.num_spec_tokens.pop(request.request_id, None)
