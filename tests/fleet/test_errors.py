@@ -62,9 +62,8 @@ def _real_messages() -> dict[str, ErrorKind]:
         "engine error while unloading: KeyError: 'sql'": ErrorKind.ENGINE_FAULT,
         "request finished without output": ErrorKind.ENGINE_FAULT,
         errors.SHUTDOWN_MESSAGE: ErrorKind.UNAVAILABLE,
-        # A draining replica's refusal has always been a 400 on the OpenAI door (kept).
-        "the replica is draining (shutting down): it finishes the requests it has and takes no new "
-        "ones; retry on another replica": ErrorKind.INVALID_REQUEST,
+        # A draining replica's refusal: 503 on the OpenAI door (it was a 400 before the vocabulary).
+        errors.DRAINING_MESSAGE: ErrorKind.UNAVAILABLE,
         "prompt: 5000 tokens exceed this server's max_model_len (2048)": ErrorKind.INVALID_REQUEST,
         "guided_regex: the pattern does not compile: unterminated group": ErrorKind.INVALID_REQUEST,
         "": ErrorKind.INVALID_REQUEST,

@@ -31,7 +31,7 @@ Messages. A replica's message is what tells kinds apart (the Triton code does no
 stream's client, and ``UNAVAILABLE`` covers four kinds), so the engine and serving layers
 build their messages from the prefixes below, and ``classify_replica_error`` is the one
 function that reads them back. Its order is the contract: an engine fault first (its text
-may quote anything), then shutting down, then an overload anywhere in the text (a Triton
+may quote anything), then shutting down or draining, then an overload anywhere in the text (a Triton
 HTTP body wraps the message in JSON), then a deadline; anything else is the request's fault.
 
 Invariants: the prefixes, codes and statuses here are wire formats (clients and older
@@ -50,6 +50,9 @@ DEADLINE_PREFIX = "deadline exceeded:"  # the request's timeout passed
 ENGINE_ERROR_PREFIX = "engine error"  # the engine raised while adding or stepping
 NO_OUTPUT_MESSAGE = "request finished without output"  # the engine ended a request silently
 SHUTDOWN_MESSAGE = "the server is shutting down"
+DRAINING_PREFIX = "the replica is draining"  # pagoda serve's drain: in-flight requests finish, new ones go
+DRAINING_MESSAGE = (DRAINING_PREFIX + " (shutting down): it finishes the requests it has and takes no new ones; "
+                    "retry on another replica")
 DEFAULT_RETRY_AFTER_S = 1.0  # the retry hint of an overload (message and Retry-After)
 
 
@@ -137,7 +140,7 @@ def classify_replica_error(message: Optional[str], triton_code: Optional[str] = 
     text = message or ""
     if text.startswith((ENGINE_ERROR_PREFIX, NO_OUTPUT_MESSAGE)):
         return ErrorKind.ENGINE_FAULT
-    if text.startswith(SHUTDOWN_MESSAGE):
+    if text.startswith((SHUTDOWN_MESSAGE, DRAINING_PREFIX)):
         return ErrorKind.UNAVAILABLE
     if OVERLOADED_PREFIX in text:
         return ErrorKind.OVERLOADED
@@ -157,4 +160,5 @@ def is_overloaded(message: Optional[str]) -> bool:
 
 __all__ = ["ErrorKind", "ErrorSpec", "SPECS", "TritonCode", "TRITON_CODES", "classify_replica_error", "is_overloaded",
            "kind_of_http_status", "spec_of", "triton_code_of", "OVERLOADED_PREFIX", "DEADLINE_PREFIX",
-           "ENGINE_ERROR_PREFIX", "NO_OUTPUT_MESSAGE", "SHUTDOWN_MESSAGE", "DEFAULT_RETRY_AFTER_S"]
+           "ENGINE_ERROR_PREFIX", "NO_OUTPUT_MESSAGE", "SHUTDOWN_MESSAGE", "DRAINING_PREFIX", "DRAINING_MESSAGE",
+           "DEFAULT_RETRY_AFTER_S"]

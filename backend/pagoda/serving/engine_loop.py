@@ -54,6 +54,7 @@ from pagoda.engine.core.admission import EngineOverloaded
 from pagoda.engine.core.protocols import EngineClient
 from pagoda.engine.request import EngineRequest
 from pagoda.serving.commands import Abort, Add, Command, LoRACommand, RegisterLoRA, ServingRequest, Wake, request_of
+from pagoda.contracts.errors import DRAINING_MESSAGE
 from pagoda.serving.lora_control import SHUTDOWN_MESSAGE, LoRAController
 from pagoda.serving.observers import Observers, StepObserver
 from pagoda.serving.response_sender import ResponseSender
@@ -63,8 +64,6 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["EngineLoop", "ResponseSender", "ServingRequest"]  # ResponseSender, ServingRequest: their old home
 
-DRAINING_MESSAGE = ("the replica is draining (shutting down): it finishes the requests it has and takes no new "
-                    "ones; retry on another replica")
 
 
 class EngineLoop:
