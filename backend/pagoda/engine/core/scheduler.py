@@ -83,7 +83,7 @@ from pagoda.engine.config import SCHEDULING_POLICIES, EngineConfig
 from pagoda.engine.kv.kv_cache_manager import KVCacheManager
 from pagoda.contracts.kv_events import KVEvent, KVEventBuffer
 from pagoda.engine.kv.host_tier import PREEMPTION_MODES, BlockPairs, KVOffloadManager, SwapCostModel, blocks_for_tokens
-from pagoda.engine.lora.manager import LoRAConstraint
+from pagoda.engine.lora.constraint import LoRAConstraint
 from pagoda.engine.request import Request, RequestStatus
 from pagoda.engine.core.request_queue import FcfsQueue, PriorityQueue, policy_key
 from pagoda.engine.runner.runner_output import ModelRunnerOutput

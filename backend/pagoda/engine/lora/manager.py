@@ -6,7 +6,7 @@ device (``models.lora.LoRASlots``; ``max_loras`` of them). Before each forward t
 calls ``prepare(adapter ids of the step's requests, token counts)``: adapters already in a
 slot stay; missing ones are copied into free slots, or into the least recently used slot
 no request of this step needs. The scheduler guarantees a step never needs more than
-``max_loras`` distinct adapters (``LoRAConstraint``), so a slot is always found.
+``max_loras`` distinct adapters (``LoRAConstraint``, ``constraint.py``), so a slot is always found.
 
 Identity: an adapter's name is its id everywhere — in ``Request.adapter_id``, in every
 block hash's extra keys (two adapters never share KV blocks; the router's prefix index
@@ -145,34 +145,3 @@ class LoRAManager:
                 del self._slot_of[name]
                 return slot
         raise AssertionError("no slot free although the step fits the slots")
-
-
-class LoRAConstraint:
-    """Scheduler-side rule: the running set never needs more than ``max_loras`` adapters.
-
-    When a waiting request's adapter cannot get a slot, the scheduler skips it (as vLLM
-    does) so requests of resident adapters and of the base model behind it still run. So
-    that the skipped request is not starved by a steady stream for the resident adapters,
-    one of them is *drained*: ``to_drain`` names the active adapter with the fewest running
-    requests, and no new request of it is admitted while an adapter waits for a slot. Its
-    count only falls, so a slot frees, and the skipped request (back at the queue's front)
-    takes it.
-    """
-
-    def __init__(self, max_loras: int) -> None:
-        self.max_loras = max_loras
-
-    def can_admit(self, adapter_id: Optional[str], running) -> bool:
-        if adapter_id is None:
-            return True
-        active = {r.adapter_id for r in running if r.adapter_id is not None}
-        return adapter_id in active or len(active) < self.max_loras
-
-    @staticmethod
-    def to_drain(running) -> Optional[str]:
-        """The active adapter with the fewest running requests (ties: by name); None if none."""
-        counts: dict[str, int] = {}
-        for r in running:
-            if r.adapter_id is not None:
-                counts[r.adapter_id] = counts.get(r.adapter_id, 0) + 1
-        return min(counts, key=lambda name: (counts[name], name)) if counts else None
