@@ -33,7 +33,9 @@ A step whose tokens reach the end of a request's known tokens samples (``is_samp
 ``schedule()`` itself advances ``num_computed_tokens`` by what it schedules and counts the
 token that step will sample as an output *placeholder* (``num_output_placeholders``);
 ``update_from_output`` replaces the placeholder with the sampled token, applies stop
-rules and caches the blocks the step filled.
+rules and caches the blocks the step filled. It takes only the runner's
+``ModelRunnerOutput``: every ``SchedulerOutput`` with scheduled requests gets a
+``step_id`` and is kept until the output with that id is applied (or ``undo_step``).
 
 Overlap (``EngineConfig.async_scheduling``): because ``schedule()`` already counts step
 N's tokens, step N+1 can be scheduled before step N's results are applied. A request
@@ -175,6 +177,7 @@ class SchedulerOutput:
     blocks_to_swap_out: BlockPairs = field(default_factory=list)  # device -> host (swaps, evictions)
     blocks_to_swap_in: BlockPairs = field(default_factory=list)  # host -> device (swapped requests)
     blocks_to_copy_back: BlockPairs = field(default_factory=list)  # host -> device (prefix hits)
+    step_id: int = 0  # echoed by the runner in ``ModelRunnerOutput.step_id``
 
     @property
     def is_empty(self) -> bool:
@@ -211,6 +214,8 @@ class Scheduler:
             self.block_pool.on_evict = self.offload.on_device_evict
         self._finished_request_ids: list[str] = []
         self._num_added = 0
+        self._num_steps = 0
+        self._unapplied: dict[int, SchedulerOutput] = {}  # step id -> a step whose results are not applied
         self.lora_constraint = LoRAConstraint(config.max_loras) if config.max_loras > 0 else None
 
     # Requests in ---------------------------------------------------------------------
@@ -324,6 +329,10 @@ class Scheduler:
             output.scheduled.append(self._make_scheduled(request, num_new, step, spec_token_ids))
             output.total_num_scheduled_tokens += num_new
         assert output.total_num_scheduled_tokens <= self.config.max_num_batched_tokens, "token budget exceeded"
+        self._num_steps += 1
+        output.step_id = self._num_steps
+        if output.scheduled:
+            self._unapplied[output.step_id] = output
         return output
 
     def _make_scheduled(self, request: Request, num_new: int, step: "_Step",
@@ -520,23 +529,24 @@ class Scheduler:
 
     # Results in ----------------------------------------------------------------------
 
-    def update_from_output(
-        self, scheduler_output: SchedulerOutput,
-        runner_output: Union[ModelRunnerOutput, Mapping[str, Sequence[int]]],
-    ) -> list[RequestUpdate]:
+    def update_from_output(self, runner_output: ModelRunnerOutput) -> list[RequestUpdate]:
         """Apply one step's results (steps are applied in the order they were scheduled).
 
         Args:
-            scheduler_output: what ``schedule()`` returned for this step.
-            runner_output: the step's ``ModelRunnerOutput`` (or request id -> sampled
-                tokens); only requests with ``is_sampling`` are read. For a request with
-                ``spec_token_ids``: the accepted drafts, then one token.
+            runner_output: the step's ``ModelRunnerOutput`` (its ``step_id`` names the
+                ``schedule()`` result it answers); only requests with ``is_sampling`` are
+                read. For a request with ``spec_token_ids``: the accepted drafts, then one
+                token.
         Returns:
             One update per request that received tokens or finished, in batch order.
             Finished requests are already freed. Requests that finished (or were
             aborted) since the step was scheduled get nothing: their tokens are dropped.
         """
-        sampled = runner_output.tokens_by_id() if isinstance(runner_output, ModelRunnerOutput) else runner_output
+        scheduler_output = self._unapplied.pop(runner_output.step_id, None)
+        if scheduler_output is None:  # a step that scheduled no request (only KV copies)
+            assert not runner_output.req_ids, f"tokens for step {runner_output.step_id}, which is not in flight"
+            return []
+        sampled = runner_output.tokens_by_id()
         updates = []
         for scheduled in scheduler_output.scheduled:
             request = scheduled.request
@@ -593,6 +603,7 @@ class Scheduler:
         """Forget a scheduled step whose results will never come (its device job failed):
         its requests continue from where it started, keeping their blocks. Steps may be
         undone in any order."""
+        self._unapplied.pop(scheduler_output.step_id, None)
         for scheduled in scheduler_output.scheduled:
             request = scheduled.request
             if self.requests.get(request.request_id) is not request:

@@ -12,12 +12,15 @@ Life of a guided request (the engine calls each method from its one thread):
 3. ``truncate_drafts(drafts)`` after the speculator proposes: a guided request's drafted
    tokens are cut before the first one its grammar forbids or a stop token that would end
    it (the target emits that one itself), so every scheduled draft is grammatical.
-   ``prepare_bitmask(items)`` before the forward pass: the host fills one packed bitmask
-   row per logits row of a request with a grammar (``None`` when the batch has none, so
-   the sampler does no grammar work at all): one row for a plain decode, ``1 + n`` for a
-   request verifying ``n`` drafts (the matcher walks the drafts and rolls back). The
-   sampler (or the speculator's verification) applies it on the logits' device, so a
-   draft the target may not emit has probability 0 and is rejected.
+   ``prepare_bitmask(items)`` when the step is launched (``Executor.launch``, on the
+   engine thread, before the forward pass): the host fills one packed bitmask row per
+   logits row of a request with a grammar (``None`` when the batch has none, so the
+   sampler does no grammar work at all): one row for a plain decode, ``1 + n`` for a
+   request verifying ``n`` drafts (the matcher walks the drafts and rolls back). It rides
+   in the step's ``SamplingBatch``, and the sampler's last logits processor
+   (``GrammarBitmaskProcessor``) applies it on the logits' device, for plain sampling
+   and the speculator's verification alike, so a draft the target may not emit has
+   probability 0 and is rejected.
 4. ``accept(request_id, token_ids)`` after sampling advances the matcher by the tokens
    the request kept; it returns ``True`` once the grammar has terminated (it accepted a
    stop token), so the engine finishes the request with ``stop``.

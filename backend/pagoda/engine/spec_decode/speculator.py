@@ -9,13 +9,14 @@ Per engine step (see ``EngineCore.step``):
    ``k`` tokens. The result is the ``spec_token_ids`` argument of ``schedule``; drafts are
    ordinary scheduled tokens there, inside the same token budget (the scheduler may cut
    a draft short, or drop it rather than preempt anyone).
-2. ``sample(logits, items) -> ModelRunnerOutput``, after ``ModelRunner.execute``: requests without drafts go
-   through the plain ``Sampler`` in one batch; requests with drafts are verified from the
-   ``1 + n`` logits rows the runner returns for them (``draft.py`` for the three modes,
-   ``rejection_sampler.py`` for the math), with the grammar's bitmask (structured output)
-   applied to the target's logits rows first. Tokens (accepted drafts, then one more) and
-   raw logprobs go back to the engine; ``Scheduler.update_from_output`` rolls the KV of
-   rejected drafts back.
+2. ``sample(logits, items, token_bitmask)``, inside ``ModelRunner.execute`` after the
+   forward: requests without drafts go through the plain ``Sampler`` in one batch;
+   requests with drafts are verified from the ``1 + n`` logits rows the runner computed
+   for them (``draft.py`` for the three modes, ``rejection_sampler.py`` for the math), the
+   grammar (structured output) masking the target's rows as the last logits processor.
+   Tokens (accepted drafts, then one more) and raw logprobs go back in the runner's
+   ``ModelRunnerOutput``; ``Scheduler.update_from_output`` rolls the KV of rejected
+   drafts back.
 3. ``release(ids)`` when requests finish: frees their draft KV and acceptance estimates.
 """
 
@@ -31,7 +32,6 @@ import torch
 from pagoda.engine.config import EngineConfig
 from pagoda.engine.guided.bitmask import TokenBitmask
 from pagoda.engine.request import Request, RequestStatus
-from pagoda.engine.runner.runner_output import ModelRunnerOutput
 from pagoda.engine.sampling.sampler import Sampler, TokenLogprobs
 from pagoda.engine.spec_decode.draft import Draft, DraftRequest, VerifyMode, with_outputs
 from pagoda.engine.spec_decode.draft_model_proposer import DraftModelProposer, make_layer_skip_draft
@@ -169,8 +169,9 @@ class Speculator:
 
     # 2. verify --------------------------------------------------------------------------
     def sample(self, logits: torch.Tensor, items: list, token_bitmask: Optional[TokenBitmask] = None,
-               ) -> ModelRunnerOutput:
-        """Tokens (and raw logprobs, ``None`` entries when not asked for) per sampling request.
+               ) -> tuple[list[list[int]], list[list[Optional[TokenLogprobs]]]]:
+        """Tokens (and raw logprobs, ``None`` entries when not asked for) per sampling
+        request, in ``items`` order (the runner wraps them in its ``ModelRunnerOutput``).
 
         Args:
             logits: ``ModelRunner.execute``'s rows: ``1 + len(item.spec_token_ids)`` per item.
@@ -188,7 +189,7 @@ class Speculator:
         if plain:
             rows = [items[i].request.sampling_state for i in plain]
             mask = token_bitmask.select([starts[i] for i in plain]) if token_bitmask is not None else None
-            result = self.sampler(logits[[starts[i] for i in plain]], rows, mask)
+            result = self.sampler(logits[[starts[i] for i in plain]], self.sampler.make_batch(rows, mask))
             for i, token_id, lp in zip(plain, result.token_ids, result.logprobs):
                 tokens[items[i].request.request_id] = [token_id]
                 logprobs[items[i].request.request_id] = [lp]
@@ -197,7 +198,7 @@ class Speculator:
             self._verify(logits, spec, tokens, logprobs, token_bitmask)
         self._drafts = {}
         req_ids = [item.request.request_id for item in items]
-        return ModelRunnerOutput(req_ids, [tokens[i] for i in req_ids], [logprobs[i] for i in req_ids])
+        return [tokens[i] for i in req_ids], [logprobs[i] for i in req_ids]
 
     def _verify(self, logits, spec, tokens, logprobs, token_bitmask=None) -> None:
         ext_rows, raw_index = [], []
@@ -207,7 +208,7 @@ class Speculator:
             raw_index += range(start, start + len(drafts) + 1)
         raw = logits[raw_index]  # [sum(n + 1), >= V]
         mask = token_bitmask.select(raw_index) if token_bitmask is not None else None
-        processed = self.sampler.process_logits(raw, ext_rows, mask)  # [sum(n + 1), V]; grammar rows masked
+        processed = self.sampler.process_logits(raw, self.sampler.make_batch(ext_rows, mask))  # [sum(n + 1), V]
         random = [i for i, r in enumerate(ext_rows) if not r.params.is_greedy]
         probs = torch.zeros_like(processed)
         filtered = torch.full_like(processed, float("-inf"))
