@@ -22,9 +22,7 @@ Per engine step (see ``EngineCore.step``):
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Iterable, Optional, Union
 
 import torch
@@ -34,14 +32,12 @@ from pagoda.engine.guided.bitmask import TokenBitmask
 from pagoda.engine.request import Request, RequestStatus
 from pagoda.engine.sampling.sampler import Sampler, TokenLogprobs
 from pagoda.engine.spec_decode.draft import Draft, DraftRequest, VerifyMode, with_outputs
-from pagoda.engine.spec_decode.draft_model_proposer import DraftModelProposer, make_layer_skip_draft
-from pagoda.engine.spec_decode.ngram_proposer import NgramProposer
+from pagoda.engine.spec_decode.registry import PROPOSERS, Proposer
 from pagoda.engine.spec_decode.rejection_sampler import coupled_verify, greedy_verify, rejection_sample
 from pagoda.engine.spec_decode.window import SATURATION_TOKENS, AcceptanceEstimate, AdaptiveWindow, FixedWindow
 from pagoda.models.config import ModelConfig
 from pagoda.models.llama import LlamaForCausalLM
 
-Proposer = Union[DraftModelProposer, NgramProposer]
 # Acceptance assumed for a request before it has been observed, until the server has data.
 _PRIOR_ACCEPTANCE = 0.6
 
@@ -83,32 +79,15 @@ class SpeculativePlan:
         """None when speculation is off. Raises ValueError for an unusable draft folder."""
         if config.speculative_method is None:
             return None
-        if config.speculative_method == "ngram":
-            return cls(config)
-        draft_model = None
-        draft_config = model_config
-        if config.speculative_model is not None:
-            from pagoda.models.loader import load_model
-
-            if not (Path(config.speculative_model) / "config.json").exists():
-                raise ValueError(f"speculative_model: no config.json in {config.speculative_model!r}")
-            draft_model = load_model(config.speculative_model, dtype=dtype, device=device)
-            draft_config = draft_model.config
-        if config.speculative_draft_num_layers is not None:
-            draft_config = dataclasses.replace(draft_config, num_hidden_layers=config.speculative_draft_num_layers)
+        draft_config, draft_model = PROPOSERS[config.speculative_method].load_draft(config, model_config, device,
+                                                                                    dtype)
         return cls(config, draft_config, draft_model)
 
     def build(self, model_config: ModelConfig, target: LlamaForCausalLM, num_blocks: int, sampler: Sampler,
               max_model_len: int) -> "Speculator":
         cfg = self.config
-        if cfg.speculative_method == "ngram":
-            proposer: Proposer = NgramProposer()
-        else:
-            draft = self.draft_model if self.draft_model is not None else target
-            if cfg.speculative_draft_num_layers is not None:
-                draft = make_layer_skip_draft(draft, cfg.speculative_draft_num_layers)
-            proposer = DraftModelProposer(draft, model_config, num_blocks, cfg.block_size, sampler,
-                                          cfg.max_num_batched_tokens, max_model_len, seed=cfg.seed + 1)
+        proposer = PROPOSERS[cfg.speculative_method].build(cfg, model_config, target, self.draft_model, num_blocks,
+                                                           sampler, max_model_len)
         if cfg.spec_adaptive:
             window = AdaptiveWindow(cfg.num_speculative_tokens, proposer.draft_cost,
                                     SATURATION_TOKENS.get(target.device.type, SATURATION_TOKENS["cuda"]))
