@@ -169,20 +169,30 @@ def test_a_failed_step_is_undone_and_run_again(model, overlap):
     assert stats.num_free_blocks == stats.num_blocks
 
 
-def test_guided_requests_run_synchronous_steps_with_the_same_output():
-    """A structured-output request makes the async engine step synchronously while it is
-    live, beside unconstrained requests; outputs equal the synchronous engine's."""
+def test_guided_requests_keep_the_overlap_with_the_same_output():
+    """A structured-output request no longer switches the overlap off (its grammar bitmask
+    is filled in the device job, behind the gate), beside unconstrained and seeded
+    requests; outputs equal the synchronous engine's."""
     from pagoda.engine.guided import GuidedDecodingParams
     from pagoda.engine.llm import LLM
 
     guided = SamplingParams(temperature=0, max_tokens=8, guided_decoding=GuidedDecodingParams(regex="[a-c]{2,5}x"))
+    seeded = SamplingParams(temperature=0.9, seed=3, max_tokens=8, guided_decoding=GuidedDecodingParams(
+        regex="[a-c]{2,5}x"))
     plain = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts, params = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16], [17, 18]], [plain, guided, plain, seeded]
     results = []
     for overlap in (False, True):
         llm = LLM(async_scheduling=overlap, max_model_len=256)
-        outs = llm.generate([[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]], [plain, guided, plain])
+        outs = llm.generate(prompts, params)
         results.append([(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason) for o in outs])
         assert llm.engine.core.is_async == overlap
-        llm.engine.shutdown()
+        engine, overlapped = llm.engine, False
+        engine.add_request("g", [9, 10, 11], guided)
+        while engine.has_unfinished_requests():
+            engine.step()
+            overlapped |= engine.core._in_flight is not None and engine.guided.has_matcher("g")
+        assert overlapped == overlap
+        engine.shutdown()
     assert results[0] == results[1]
     assert re.fullmatch("[a-c]{2,5}x", results[1][1][1])

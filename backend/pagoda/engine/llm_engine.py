@@ -15,7 +15,7 @@ the core: a guided request waits outside the scheduler until its grammar compile
 grammar that fails to compile ends it with ``RequestOutput.error``); every step the host
 fills the grammar's bitmask before the forward, the sampler (or the speculator) applies
 it, and the matcher follows the kept tokens (a terminated grammar finishes the request
-with ``stop``). Steps with guided requests run synchronously (see ``engine_core.py``).
+with ``stop``). Guided requests overlap like the others (see ``engine_core.py``).
 
 The facade tokenizes and validates requests, fans a user request with ``n > 1`` out into
 ``n`` core requests ("children", ``"{id}#{i}"``) that share the prompt's KV blocks

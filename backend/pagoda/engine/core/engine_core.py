@@ -24,11 +24,12 @@ N's tokens are known; the runner fills them in on the device (``scheduler.py``,
 are applied (after ``update_from_output`` and the grammar matchers' advance): sampling
 reads each request's output history (penalties, min_tokens). A request that finishes
 (EOS, stop token, stop string, abort) while N+1 runs gets its extra token dropped by the
-scheduler; its blocks were freed when it finished. Steps with a structured-output request
-run synchronously (its grammar bitmask is filled on the host from the previous step's
-matcher state). With speculative decoding the core stays synchronous (drafts need the
-previous step's tokens on the host before scheduling); ``async_scheduling`` is then
-ignored, with a warning.
+scheduler; its blocks were freed when it finished. Structured output overlaps too: a
+step's grammar bitmask is filled in its device job behind the gate, from matchers the
+previous step's update advanced (``GuidedDecodingManager.accept`` runs before the gate
+opens). With speculative decoding the core stays synchronous (drafts need the previous
+step's tokens on the host before scheduling); ``async_scheduling`` is then ignored, with a
+warning.
 
 Step hooks (``StepHook``): told which tokens were accepted after each update. Nothing in
 the core edits logits: that is the sampler's logits-processor list (the grammar bitmask
@@ -221,19 +222,10 @@ class EngineCore:
     # --------------------------------------------------------------------- step
     def step(self) -> list[EngineCoreOutput]:
         """Schedule and launch one step; return the outputs of the step that completed
-        (this one when synchronous, the previous one with async scheduling).
-
-        Steps with a structured-output request run synchronously even with async
-        scheduling: its grammar bitmask for a step needs the previous step's tokens, and
-        the grammar state is kept on the host thread."""
+        (this one when synchronous, the previous one with async scheduling)."""
         previous, self._in_flight = self._in_flight, None
         self.last_wait_s = 0.0
         early = self._admit_guided()
-        is_async = self.is_async and not self._has_guided_requests()
-        if not is_async and previous is not None:
-            early += self._finish(previous)
-            self.last_wait_s += previous.handle.wait_s
-            previous = None
         try:
             scheduler_output = self._schedule()
             launched = None
@@ -243,7 +235,7 @@ class EngineCore:
             if previous is not None:
                 self._drain(previous)
             raise
-        if is_async:
+        if self.is_async:
             self._in_flight, done = launched, previous
         else:
             done = launched
@@ -337,9 +329,6 @@ class EngineCore:
             for child in self._awaiting_grammar.pop(group_id, []):
                 outputs.append(EngineCoreOutput(child.request_id, [], finish_reason="abort", error=message))
         return outputs
-
-    def _has_guided_requests(self) -> bool:
-        return any(self.guided.has_matcher(request_id) for request_id in self.scheduler.requests)
 
     def _release_pending(self) -> None:
         """Hand n>1 siblings to the scheduler once child 0's prompt is computed."""

@@ -8,8 +8,10 @@ The ``EngineCore`` receives the result through its ``pagoda.engine.core.device.E
 protocol and never imports torch.
 
 One launched step (``Executor.launch``) is one *device job*, run by the worker in launch
-order: the KV-tier copies, then ``ModelRunner.execute`` (forward; wait for the gate;
-sample or verify drafts). Its ``ModelRunnerOutput`` carries the step's id, so
+order: the KV-tier copies, then ``ModelRunner.execute`` (forward; wait for the gate and
+fill the grammar bitmask; sample or verify drafts). With async scheduling the bitmask is
+filled on the worker thread: the host advanced the matchers before it opened the gate,
+and it advances them again only after this job ended, so the job reads them alone. Its ``ModelRunnerOutput`` carries the step's id, so
 ``Scheduler.update_from_output`` needs nothing else.
 """
 
@@ -38,7 +40,8 @@ logger = logging.getLogger(__name__)
 class Executor:
     """Args:
     runner: the model runner (it owns the sampler and the speculator).
-    guided: the structured-output manager; ``launch`` fills its grammar bitmask.
+    guided: the structured-output manager; the device job fills its grammar bitmask
+        behind the gate (the previous step's tokens already advanced the matchers).
     host_kv_cache: the host KV tier, or None without KV offload.
     swap_cost_model: calibrated for ``preemption_mode="auto"``, else None.
     is_async: jobs run on a worker thread (async scheduling), else inline.
@@ -77,26 +80,26 @@ class Executor:
 
     def launch(self, scheduler_output, wait_previous: Optional[Callable[[], None]]) -> StepHandle:
         """Queue one step's device job; ``wait_previous`` is the gate (see ``ModelRunner.execute``)."""
-        # Grammar bitmask: filled on the host before the forward (None without guided requests).
-        token_bitmask = self.guided.prepare_bitmask([item for item in scheduler_output.scheduled if item.is_sampling])
-        return self.worker.launch(functools.partial(self._job, scheduler_output, token_bitmask, wait_previous))
+        return self.worker.launch(functools.partial(self._job, scheduler_output, wait_previous))
 
-    def _job(self, scheduler_output, token_bitmask: Optional[TokenBitmask],
-             wait_previous: Optional[Callable[[], None]]) -> ModelRunnerOutput:
+    def _job(self, scheduler_output, wait_previous: Optional[Callable[[], None]]) -> ModelRunnerOutput:
         start = time.perf_counter()
         waited = [0.0]
+        items = [item for item in scheduler_output.scheduled if item.is_sampling]
 
-        def gate() -> None:
-            wait_start = time.perf_counter()
-            try:
-                wait_previous()
-            finally:
-                waited[0] = time.perf_counter() - wait_start
+        def before_sampling() -> Optional[TokenBitmask]:
+            if wait_previous is not None:
+                wait_start = time.perf_counter()
+                try:
+                    wait_previous()
+                finally:
+                    waited[0] = time.perf_counter() - wait_start
+            # Behind the gate: the previous step advanced the matchers (None without grammars).
+            return self.guided.prepare_bitmask(items) if items else None
 
         if self.host_kv_cache is not None:  # KV offload copies run before the forward pass
             self.host_kv_cache.execute(scheduler_output)
-        output = self.runner.execute(scheduler_output.scheduled, token_bitmask,
-                                     gate if wait_previous is not None else None)
+        output = self.runner.execute(scheduler_output.scheduled, before_sampling)
         output.step_id = scheduler_output.step_id
         self.timer.record_job(start, time.perf_counter(), waited[0])
         return output

@@ -5,12 +5,13 @@ The KV cache is one preallocated pair of tensors per layer,
 ``EngineConfig``: on CPU ``kv_cache_memory_bytes``; on GPU ``gpu_memory_utilization`` of
 the device's memory minus what the weights took and a reserve for activations.
 
-``execute(scheduled, token_bitmask, wait_previous) -> ModelRunnerOutput`` runs one step:
+``execute(scheduled, before_sampling) -> ModelRunnerOutput`` runs one step:
 ``compute_logits`` turns the scheduled batch (a flat batch of decode tokens and prefill
 chunks) into model inputs and ``AttentionMetadata``, runs the model once, and keeps the
 logits of the last token of every request that samples in this step, in batch order (and
-of each drafted token after it, for speculative decoding); then, once ``wait_previous``
-returns (the gate: the previous step's tokens are applied on the host), the runner's
+of each drafted token after it, for speculative decoding); then, once ``before_sampling``
+returns (the gate: the previous step's tokens are applied on the host; it also returns
+the step's grammar bitmask, filled from matchers that are current then), the runner's
 ``StepSampler`` samples, or verifies drafts, and the step's tokens come back as plain
 Python values. The runner owns the ``Sampler`` and the ``Speculator``; the engine core
 never sees logits.
@@ -147,21 +148,22 @@ class ModelRunner:
                 "raise kv_cache_memory_bytes / gpu_memory_utilization")
         return int(num_blocks)
 
-    def execute(self, scheduled, token_bitmask: Optional[TokenBitmask] = None,
-                wait_previous: Optional[Callable[[], None]] = None) -> ModelRunnerOutput:
+    def execute(self, scheduled,
+                before_sampling: Optional[Callable[[], Optional[TokenBitmask]]] = None) -> ModelRunnerOutput:
         """Run one step: the forward pass, the gate, sampling (or draft verification).
 
         Args:
             scheduled: ``SchedulerOutput.scheduled`` (see ``compute_logits``).
-            token_bitmask: the grammar masks of the step's logits rows, or None.
-            wait_previous: blocks until the previous step's tokens are applied (raises if
-                that step failed); None when there is nothing to wait for.
+            before_sampling: the gate, called between the forward and sampling: blocks
+                until the previous step's tokens are applied (raises if that step
+                failed), then returns the grammar masks of the step's logits rows (or
+                None); None when there is nothing to wait for and no grammar.
         Returns:
             The sampled tokens and raw logprobs of every request with ``is_sampling``.
         """
         logits = self.compute_logits(scheduled) if scheduled else None
-        if wait_previous is not None:  # sampling reads state that applying the previous step changes
-            wait_previous()
+        # Sampling reads state that applying the previous step changes (histories, matchers).
+        token_bitmask = before_sampling() if before_sampling is not None else None
         output = self.step_sampler(logits, [item for item in scheduled if item.is_sampling], token_bitmask)
         if self.keeps_last_sampled:
             self.step_sampler.keep_last(output)
