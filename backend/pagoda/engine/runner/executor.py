@@ -11,8 +11,9 @@ One launched step (``Executor.launch``) is one *device job*, run by the worker i
 order: the KV-tier copies, then ``ModelRunner.execute`` (forward; wait for the gate and
 fill the grammar bitmask; sample or verify drafts). With async scheduling the bitmask is
 filled on the worker thread: the host advanced the matchers before it opened the gate,
-and it advances them again only after this job ended, so the job reads them alone. Its ``ModelRunnerOutput`` carries the step's id, so
-``Scheduler.update_from_output`` needs nothing else.
+and it advances them again only after this job ended, so the job reads them alone. The
+job's ``ModelRunnerOutput`` carries the step's id, so ``Scheduler.update_from_output``
+needs nothing else.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from pagoda.engine.runner.device_worker import DeviceTimer, InlineWorker, StepHa
 from pagoda.engine.runner.host_kv_cache import HostKVCache, calibrate
 from pagoda.engine.runner.model_runner import ModelRunner, resolve_device, resolve_dtype
 from pagoda.engine.runner.runner_output import ModelRunnerOutput
-from pagoda.engine.spec_decode import SpeculativePlan
+from pagoda.engine.spec_decode import SpeculativePlan, Speculator
 from pagoda.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -66,7 +67,7 @@ class Executor:
         return self.host_kv_cache.num_blocks if self.host_kv_cache is not None else 0
 
     @property
-    def speculator(self):
+    def speculator(self) -> Optional[Speculator]:
         return self.runner.speculator
 
     def propose_drafts(self, running: list[Request]) -> Optional[dict[str, list[int]]]:

@@ -45,7 +45,7 @@ from pagoda.engine.guided.bitmask import TokenBitmask
 from pagoda.engine.runner.runner_output import ModelRunnerOutput
 from pagoda.engine.runner.step_sampler import StepSampler
 from pagoda.engine.sampling.sampler import Sampler
-from pagoda.engine.spec_decode import SpeculativePlan
+from pagoda.engine.spec_decode import SpeculativePlan, Speculator
 from pagoda.kernels import AttentionMetadata
 from pagoda.models.config import ModelConfig
 from pagoda.models.llama import LlamaForCausalLM
@@ -126,7 +126,7 @@ class ModelRunner:
         self.keeps_last_sampled = config.async_scheduling and speculator is None
 
     @property
-    def speculator(self):
+    def speculator(self) -> Optional[Speculator]:
         return self.step_sampler.speculator
 
     def _num_blocks_from_budget(self) -> int:

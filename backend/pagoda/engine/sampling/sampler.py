@@ -48,6 +48,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from pagoda.engine.guided.bitmask import TokenBitmask
 from pagoda.engine.sampling.batch import SamplingBatch
 from pagoda.engine.sampling.logits_processors import LogitsProcessor, default_logits_processors, to_device
 from pagoda.engine.sampling.filters import RandomRows, filter_dense, race_candidates, race_dense
@@ -126,7 +127,7 @@ class Sampler:
             logits = processor(logits, batch)
         return logits
 
-    def make_batch(self, rows: Sequence[SamplingRow], token_bitmask=None) -> SamplingBatch:
+    def make_batch(self, rows: Sequence[SamplingRow], token_bitmask: Optional[TokenBitmask] = None) -> SamplingBatch:
         """``SamplingBatch.build`` for this sampler's vocabulary."""
         return SamplingBatch.build(rows, self.vocab_size, token_bitmask)
 
