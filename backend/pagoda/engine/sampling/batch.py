@@ -3,7 +3,9 @@
 The runner builds it from the step's sampling rows (one ``SamplingRow`` per logits row)
 right before sampling, after the gate (so every output history already holds the
 previous step's tokens), and every stage reads it: the logits processors, the
-greedy/random split, the logprobs read-back. All of a step's per-row Python happens in
+greedy/random split, the random rows' parameters and seeded positions (stage 4; an
+unseeded row's key comes from the sampler's stream, vectorised, when it samples), the
+logprobs read-back. All of a step's per-row Python happens in
 ``SamplingBatch.build``; the stages only copy the small host tensors built here to the
 logits' device (``non_blocking``, no sync) and run vectorised ops.
 
@@ -23,9 +25,11 @@ import itertools
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
 from pagoda.engine.guided.bitmask import TokenBitmask
+from pagoda.engine.sampling.filters import HostRandomRows
 from pagoda.engine.sampling.row import SamplingRow
 
 
@@ -52,12 +56,31 @@ class TokenScatter:
 
 
 @dataclass
+class RandomInputs:
+    """Stage 4's host inputs for the random rows, in ``random_rows`` order. Unseeded rows
+    (``is_stream``) get their noise keys from the sampler's stream when they sample."""
+
+    params: HostRandomRows
+    seeds: np.ndarray  # [R] uint64, the request's stream seed (0 where is_stream)
+    positions: np.ndarray  # [R] uint64, its number of output tokens (0 where is_stream)
+    is_stream: np.ndarray  # [R] bool
+
+    @classmethod
+    def of(cls, rows: Sequence[SamplingRow], vocab_size: int) -> "RandomInputs":
+        is_stream = np.array([row.seed is None for row in rows], dtype=bool)
+        seeds = np.array([0 if row.seed is None else row.seed for row in rows], dtype=np.uint64)
+        positions = np.array([0 if row.seed is None else len(row.output_token_ids) for row in rows], dtype=np.uint64)
+        return cls(HostRandomRows.pack([row.params for row in rows], vocab_size), seeds, positions, is_stream)
+
+
+@dataclass
 class SamplingBatch:
     """Attributes:
     rows: one ``SamplingRow`` per logits row.
     vocab_size: the sampler's vocabulary (logits columns past it are padding).
     token_bitmask: allowed tokens of the rows that follow a grammar, or ``None``.
     random_rows: rows that sample (not greedy).
+    random: their stage-4 inputs (``None`` when every row is greedy).
     logprob_rows: rows that ask for logprobs.
     min_tokens: ids blocked in rows still short of ``min_tokens``, or ``None``.
     repetition: prompt + output tokens of rows with a repetition penalty, or ``None``.
@@ -70,6 +93,7 @@ class SamplingBatch:
     vocab_size: int
     token_bitmask: Optional[TokenBitmask] = None
     random_rows: tuple[int, ...] = ()
+    random: Optional[RandomInputs] = None
     logprob_rows: tuple[int, ...] = ()
     min_tokens: Optional[TokenScatter] = None
     repetition: Optional[TokenScatter] = None
@@ -86,6 +110,8 @@ class SamplingBatch:
                     random_rows=tuple(i for i, row in enumerate(rows) if not row.params.is_greedy),
                     logprob_rows=tuple(i for i, row in enumerate(rows) if row.params.logprobs is not None),
                     min_tokens=_min_tokens(rows, vocab_size))
+        if batch.random_rows:
+            batch.random = RandomInputs.of([rows[i] for i in batch.random_rows], vocab_size)
         repeated = [i for i, row in enumerate(rows) if row.params.repetition_penalty != 1.0]
         if repeated:
             seen = [list(rows[i].prompt_token_ids) + list(rows[i].output_token_ids) for i in repeated]

@@ -46,10 +46,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
 from pagoda.engine.guided.bitmask import TokenBitmask
-from pagoda.engine.sampling.batch import SamplingBatch
+from pagoda.engine.sampling.batch import RandomInputs, SamplingBatch
 from pagoda.engine.sampling.logits_processors import LogitsProcessor, default_logits_processors, to_device
 from pagoda.engine.sampling.filters import RandomRows, filter_dense, race_candidates, race_dense
 from pagoda.engine.sampling.noise import exponential_noise, row_keys
@@ -101,14 +102,13 @@ class Sampler:
         """
         raw_logits = self._cut_padding(logits, batch.rows)  # [N, V]
         processed = self.process_logits(raw_logits, batch)  # [N, V]
-        random_rows = list(batch.random_rows)
-        if len(random_rows) == len(batch):
-            token_ids = self._sample(processed, batch.rows)
+        if len(batch.random_rows) == len(batch):
+            token_ids = self._sample(processed, batch.random)
         else:
             token_ids = processed.argmax(dim=-1)  # [N]; final for greedy rows
-            if random_rows:
-                index = to_device(random_rows, torch.int64, logits.device)
-                token_ids[index] = self._sample(processed[index], [batch.rows[i] for i in random_rows])
+            if batch.random_rows:
+                index = to_device(list(batch.random_rows), torch.int64, logits.device)
+                token_ids[index] = self._sample(processed[index], batch.random)
         return _to_host(raw_logits, batch.rows, batch.logprob_rows, token_ids)
 
     def process_logits(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -179,22 +179,33 @@ class Sampler:
             raise ValueError(f"logits: {logits.shape[1]} columns, fewer than vocab_size={self.vocab_size}")
         return logits[:, : self.vocab_size].float()
 
-    def _sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, random: RandomInputs) -> torch.Tensor:
         """Stage 4 for random rows; ``[R]`` token ids on the logits' device."""
-        params = RandomRows.build([row.params for row in rows], self._keys(rows), self.vocab_size, logits.device)
+        params = RandomRows.upload(random.params, self._batch_keys(random), logits.device)
         scaled = logits.div_(params.temperature[:, None])  # ``logits`` is this call's own copy
         needs_candidates = params.needs_candidates(self.vocab_size)
         filtered = [i for i, needed in enumerate(needs_candidates) if needed]
-        if len(filtered) == len(rows):
+        if len(filtered) == len(needs_candidates):
             return race_candidates(scaled, params)
         if not filtered:
             return race_dense(filter_dense(scaled, params), params.keys)
         plain = [i for i, needed in enumerate(needs_candidates) if not needed]
-        tokens = torch.empty(len(rows), dtype=torch.int64, device=logits.device)
+        tokens = torch.empty(len(needs_candidates), dtype=torch.int64, device=logits.device)
         for group, sample in ((filtered, race_candidates), (plain, _race_plain)):
             index = to_device(group, torch.int64, logits.device)
             tokens[index] = sample(scaled[index], params.select(group))
         return tokens
+
+    def _batch_keys(self, random: RandomInputs):
+        """``_keys`` for a batch's random rows, vectorised: unseeded rows take the next
+        counters of the stream, in row order."""
+        seeds, positions = random.seeds.copy(), random.positions.copy()
+        num_stream = int(random.is_stream.sum())
+        seeds[random.is_stream] = self._stream_seed
+        positions[random.is_stream] = np.arange(self._num_stream_draws, self._num_stream_draws + num_stream,
+                                                dtype=np.uint64)
+        self._num_stream_draws += num_stream
+        return row_keys(seeds, positions)
 
     def _keys(self, rows: Sequence[SamplingRow], offsets: Optional[Sequence[int]] = None):
         """Host row keys: a seeded row's at its output position (+ offset); unseeded rows
