@@ -102,14 +102,13 @@ def test_overlap_matches_the_synchronous_engine(model):
 
 
 class _BanToken:
-    """A step hook: masks one token before sampling, records accepted tokens."""
+    """A logits processor that masks one token, and a step hook that records accepted tokens."""
 
     def __init__(self, token_id):
         self.token_id = token_id
         self.accepted = {}
 
-    def process_logits(self, logits, items):
-        logits = logits.clone()
+    def __call__(self, logits, batch):
         logits[:, self.token_id] = -torch.inf
         return logits
 
@@ -118,12 +117,13 @@ class _BanToken:
             self.accepted.setdefault(update.request.request_id, []).extend(update.new_token_ids)
 
 
-def test_step_hook_masks_logits_and_sees_accepted_tokens(model):
+def test_logits_processor_masks_logits_and_step_hook_sees_accepted_tokens(model):
     greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     base, _ = _run(_engine(model, False), {"r": (_prompt(8, 20), greedy)})
     banned = base["r"].outputs[0].token_ids[3]
     engine = _engine(model, True)
     hook = _BanToken(banned)
+    engine.sampler.logits_processors.append(hook)  # the one door that edits logits
     engine.core.step_hooks.append(hook)
     finals, _ = _run(engine, {"r": (_prompt(8, 20), greedy)})
     tokens = finals["r"].outputs[0].token_ids
@@ -143,15 +143,15 @@ def test_a_failed_step_is_undone_and_run_again(model, overlap):
     requests = {"a": (_prompt(9, 10), greedy), "b": (_prompt(10, 40), greedy)}
     base, _ = _run(_engine(model, False), requests)
     engine = _engine(model, overlap)
-    execute, calls = engine.core.runner.execute, []
+    execute, calls = engine.runner.execute, []
 
-    def failing_once(scheduled):
+    def failing_once(scheduled, *args):
         calls.append(len(scheduled))
         if len(calls) == 3:
             raise RuntimeError("device fault")
-        return execute(scheduled)
+        return execute(scheduled, *args)
 
-    engine.core.runner.execute = failing_once
+    engine.runner.execute = failing_once
     for request_id, (prompt, params) in requests.items():
         engine.add_request(request_id, prompt, params)
     finals, failures = {}, 0
@@ -169,20 +169,30 @@ def test_a_failed_step_is_undone_and_run_again(model, overlap):
     assert stats.num_free_blocks == stats.num_blocks
 
 
-def test_guided_requests_run_synchronous_steps_with_the_same_output():
-    """A structured-output request makes the async engine step synchronously while it is
-    live, beside unconstrained requests; outputs equal the synchronous engine's."""
+def test_guided_requests_keep_the_overlap_with_the_same_output():
+    """A structured-output request no longer switches the overlap off (its grammar bitmask
+    is filled in the device job, behind the gate), beside unconstrained and seeded
+    requests; outputs equal the synchronous engine's."""
     from pagoda.engine.guided import GuidedDecodingParams
     from pagoda.engine.llm import LLM
 
     guided = SamplingParams(temperature=0, max_tokens=8, guided_decoding=GuidedDecodingParams(regex="[a-c]{2,5}x"))
+    seeded = SamplingParams(temperature=0.9, seed=3, max_tokens=8, guided_decoding=GuidedDecodingParams(
+        regex="[a-c]{2,5}x"))
     plain = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts, params = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16], [17, 18]], [plain, guided, plain, seeded]
     results = []
     for overlap in (False, True):
         llm = LLM(async_scheduling=overlap, max_model_len=256)
-        outs = llm.generate([[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]], [plain, guided, plain])
+        outs = llm.generate(prompts, params)
         results.append([(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason) for o in outs])
         assert llm.engine.core.is_async == overlap
-        llm.engine.shutdown()
+        engine, overlapped = llm.engine, False
+        engine.add_request("g", [9, 10, 11], guided)
+        while engine.has_unfinished_requests():
+            engine.step()
+            overlapped |= engine.core._in_flight is not None and engine.guided.has_matcher("g")
+        assert overlapped == overlap
+        engine.shutdown()
     assert results[0] == results[1]
     assert re.fullmatch("[a-c]{2,5}x", results[1][1][1])

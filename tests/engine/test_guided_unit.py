@@ -86,7 +86,7 @@ def test_sampler_follows_the_mask_for_greedy_and_sampled_rows():
             SamplingRow(SamplingParams(temperature=1.0, top_p=0.9), seed=5)]
     mask = TokenBitmask(rows=torch.tensor([0, 2]), bits=_pack(allowed[[0, 2]]))
     for _ in range(20):
-        out = sampler(logits, rows, mask)
+        out = sampler(logits, sampler.make_batch(rows, mask))
         assert out.token_ids[0] == [7, 9][int(logits[0, 9] > logits[0, 7])]
         assert out.token_ids[1] == int(logits[1, :vocab].argmax())  # no grammar: untouched
         assert out.token_ids[2] in (1, 40, 41)

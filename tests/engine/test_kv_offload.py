@@ -17,6 +17,7 @@ from pagoda.contracts.kv_events import BlockRemoved, BlockStored
 from pagoda.engine.kv.host_tier import HostBlockPool, KVOffloadManager, SwapCostModel
 from pagoda.engine.request import Request, RequestStatus
 from pagoda.engine.sampling_params import SamplingParams
+from pagoda.engine.runner.runner_output import ModelRunnerOutput
 from pagoda.engine.core.scheduler import Scheduler, SchedulerConfig
 
 from tests.engine.driving import drain
@@ -38,7 +39,7 @@ def make_request(rid, prompt, max_tokens=4, arrival=0.0):
 def step(scheduler, token=7):
     output = scheduler.schedule()
     sampled = {s.request.request_id: [token] for s in output.scheduled if s.is_sampling}
-    return output, scheduler.update_from_output(output, sampled)
+    return output, scheduler.update_from_output(ModelRunnerOutput.from_tokens(output.step_id, sampled))
 
 
 def assert_all_free(scheduler):

@@ -11,6 +11,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from pagoda.engine.sampling.logits_processors import GrammarBitmaskProcessor
 from pagoda.engine.sampling.sampler import Sampler, SamplingRow, make_seed
 from pagoda.engine.sampling_params import SamplingParams
 
@@ -55,7 +56,8 @@ def draw_counts(params: SamplingParams, num_padding: int = 0, seed: int = 0, see
         rows = [SamplingRow(params, make_seed(seed + i)) for i in range(NUM_SAMPLES)]
     else:
         rows = [SamplingRow(params) for _ in range(NUM_SAMPLES)]
-    output = Sampler(VOCAB_SIZE, seed=seed)(logits, rows)
+    sampler = Sampler(VOCAB_SIZE, seed=seed)
+    output = sampler(logits, sampler.make_batch(rows))
     return np.bincount(output.token_ids, minlength=VOCAB_SIZE + num_padding)
 
 
@@ -105,7 +107,8 @@ def test_padding_columns_never_sampled():
     assert_matches(draw_counts(SamplingParams(**case), num_padding=4)[:VOCAB_SIZE], reference_probs(**case))
     counts = draw_counts(SamplingParams(**case), num_padding=4)
     assert counts[VOCAB_SIZE:].sum() == 0
-    greedy = Sampler(VOCAB_SIZE)(torch.tensor([LOGITS + [50.0] * 4]), [SamplingRow(SamplingParams(temperature=0))])
+    sampler = Sampler(VOCAB_SIZE)
+    greedy = sampler(torch.tensor([LOGITS + [50.0] * 4]), sampler.make_batch([SamplingRow(SamplingParams(temperature=0))]))
     assert greedy.token_ids == [0]
 
 
@@ -113,7 +116,8 @@ def test_greedy_is_argmax_and_mixes_with_random_rows():
     torch.manual_seed(0)
     logits = torch.randn(16, 40)
     rows = [SamplingRow(SamplingParams(temperature=0.0 if i % 2 == 0 else 1e-6 if i % 4 == 1 else 1.0)) for i in range(16)]
-    output = Sampler(40)(logits, rows)
+    sampler = Sampler(40)
+    output = sampler(logits, sampler.make_batch(rows))
     for i, row in enumerate(rows):
         if row.params.is_greedy:
             assert output.token_ids[i] == int(logits[i].argmax())
@@ -155,7 +159,8 @@ def test_penalties_match_direct_formula():
         )
         for case in PENALTY_CASES
     ]
-    processed = Sampler(vocab_size).process_logits(logits, rows)
+    sampler = Sampler(vocab_size)
+    processed = sampler.process_logits(logits, sampler.make_batch(rows))
     assert processed.shape == (len(rows), vocab_size)
     for i, row in enumerate(rows):
         expected = _penalty_reference(logits[i, :vocab_size], row.params, row.prompt_token_ids, row.output_token_ids)
@@ -166,7 +171,8 @@ def test_penalties_match_direct_formula():
 def test_greedy_uses_penalized_logits():
     logits = torch.tensor([[5.0, 4.0, 1.0]])
     row = SamplingRow(SamplingParams(temperature=0, repetition_penalty=2.0), prompt_token_ids=[0])
-    assert Sampler(3)(logits, [row]).token_ids == [1]  # 5/2 < 4
+    sampler = Sampler(3)
+    assert sampler(logits, sampler.make_batch([row])).token_ids == [1]  # 5/2 < 4
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -178,7 +184,7 @@ def test_min_tokens_blocks_eos_and_stop_ids_until_reached(temperature):
     blocked = frozenset({eos, stop_id, 999})  # ids past the vocabulary are ignored
     for num_output in range(5):
         rows = [SamplingRow(params, output_token_ids=[2] * num_output, min_tokens_blocked_ids=blocked)] * 200
-        tokens = set(sampler(logits, rows).token_ids)
+        tokens = set(sampler(logits, sampler.make_batch(rows)).token_ids)
         if num_output < 3:
             assert tokens.isdisjoint(blocked), (num_output, tokens)
         else:
@@ -230,7 +236,7 @@ def test_seeded_row_ignores_batch_composition_and_position(target):
             batch = others[:position] + [row] + others[position:]
             logits = torch.randn(len(batch), width) * 2
             logits[position] = step_logits[step]
-            result = sampler(logits, batch)
+            result = sampler(logits, sampler.make_batch(batch))
             outputs.append(result.token_ids[position])
             logprobs.append(result.logprobs[position])
         return outputs, logprobs
@@ -246,7 +252,7 @@ def test_same_seed_same_logits_same_tokens_different_seed_differs():
     params = [SamplingParams(seed=5), SamplingParams(seed=5), SamplingParams(seed=6)]
     rows = [SamplingRow(p, p.seed) for p in params]
     sampler = Sampler(50)
-    tokens = [sampler(logits, rows).token_ids for _ in range(10)]
+    tokens = [sampler(logits, sampler.make_batch(rows)).token_ids for _ in range(10)]
     assert all(step[0] == step[1] for step in tokens)
     assert any(step[0] != step[2] for step in tokens)
 
@@ -271,7 +277,8 @@ def test_logprobs_are_raw_log_softmax_with_rank_and_ordered_top():
         SamplingRow(SamplingParams(logprobs=20, temperature=2.0)),
         SamplingRow(SamplingParams()),
     ]
-    output = Sampler(vocab_size)(logits, rows)
+    sampler = Sampler(vocab_size)
+    output = sampler(logits, sampler.make_batch(rows))
     assert output.logprobs[4] is None
     reference = torch.log_softmax(logits[:, :vocab_size].double(), dim=-1)
     for i, row in enumerate(rows[:4]):
@@ -290,6 +297,21 @@ def test_logprobs_are_raw_log_softmax_with_rank_and_ordered_top():
 def test_bad_logits_shape_raises():
     sampler = Sampler(10)
     with pytest.raises(ValueError, match="^logits:"):
-        sampler(torch.zeros(2, 10), [SamplingRow(SamplingParams())])
+        sampler(torch.zeros(2, 10), sampler.make_batch([SamplingRow(SamplingParams())]))
     with pytest.raises(ValueError, match="^logits:"):
-        sampler(torch.zeros(1, 9), [SamplingRow(SamplingParams())])
+        sampler(torch.zeros(1, 9), sampler.make_batch([SamplingRow(SamplingParams())]))
+
+
+def test_sampling_batch_gathers_each_stage_once_and_leaves_unused_stages_empty():
+    rows = [SamplingRow(SamplingParams(temperature=0)),
+            SamplingRow(SamplingParams(temperature=1.0, repetition_penalty=1.2), prompt_token_ids=[1, 2],
+                        output_token_ids=[3])]
+    batch = Sampler(10).make_batch(rows)
+    assert batch.random_rows == (1,) and batch.logprob_rows == ()
+    assert batch.min_tokens is None and batch.counted is None and batch.token_bitmask is None
+    assert batch.repetition.row_index.tolist() == [1, 1, 1] and batch.repetition.token_index.tolist() == [1, 2, 3]
+    assert batch.repetition_penalty.tolist() == pytest.approx([1.0, 1.2])
+
+
+def test_the_grammar_bitmask_is_the_last_logits_processor():
+    assert isinstance(Sampler(10).logits_processors[-1], GrammarBitmaskProcessor)

@@ -81,8 +81,8 @@ def test_candidate_race_equals_dense_race(case):
     params = SamplingParams(temperature=0.9, seed=1, **case)
     rows = [SamplingRow(params, seed=1000 + i, output_token_ids=[3] * (i % 5)) for i in range(num_rows)]
     sampler = Sampler(vocab_size)
-    plain = sampler(logits, rows).token_ids
-    filtered = sampler.filter_logits(sampler.process_logits(logits, rows), rows)
+    plain = sampler(logits, sampler.make_batch(rows)).token_ids
+    filtered = sampler.filter_logits(sampler.process_logits(logits, sampler.make_batch(rows)), rows)
     assert sampler.race(filtered, rows).tolist() == plain
     kept = torch.isfinite(filtered)
     assert all(kept[i, t] for i, t in enumerate(plain))
@@ -108,5 +108,6 @@ def test_tokens_masked_to_minus_inf_are_never_sampled(temperature, top_p):
     logits = logits.masked_fill(~allowed, float("-inf"))
     params = SamplingParams(temperature=temperature, top_p=top_p)
     rows = [SamplingRow(params, seed=i if i % 2 else None) for i in range(num_rows)]
-    tokens = Sampler(vocab_size)(logits, rows).token_ids
+    sampler = Sampler(vocab_size)
+    tokens = sampler(logits, sampler.make_batch(rows)).token_ids
     assert all(allowed[i, t] for i, t in enumerate(tokens))

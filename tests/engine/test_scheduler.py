@@ -1,6 +1,6 @@
 """Scheduler: one token budget, chunked prefill, prefix hits, preemption, stops, aborts.
 
-Runner outputs are faked: tests pass sampled tokens straight to ``update_from_output``.
+Runner outputs are faked: tests pass sampled tokens to ``update_from_output`` as a ``ModelRunnerOutput``.
 """
 
 import random
@@ -12,6 +12,7 @@ from pagoda.engine.config import EngineConfig
 from pagoda.contracts.kv_events import BlockRemoved, BlockStored
 from pagoda.engine.request import Request, RequestStatus
 from pagoda.engine.sampling_params import SamplingParams
+from pagoda.engine.runner.runner_output import ModelRunnerOutput
 from pagoda.engine.core.scheduler import Scheduler, SchedulerConfig
 
 EOS = 2
@@ -36,7 +37,7 @@ def step(scheduler, token=7, tokens=None):
     output = scheduler.schedule()
     sampled = {s.request.request_id: [(tokens or {}).get(s.request.request_id, token)]
                for s in output.scheduled if s.is_sampling}
-    return output, scheduler.update_from_output(output, sampled)
+    return output, scheduler.update_from_output(ModelRunnerOutput.from_tokens(output.step_id, sampled))
 
 
 def plan(output):
@@ -269,7 +270,7 @@ def test_max_model_len_caps_length_and_several_tokens_per_step():
     scheduler = make_scheduler(max_model_len=8)
     scheduler.add_request(make_request("a", 4, max_tokens=4))
     output = scheduler.schedule()
-    (update,) = scheduler.update_from_output(output, {"a": [5, 6, 7, 8, 9]})
+    (update,) = scheduler.update_from_output(ModelRunnerOutput.from_tokens(output.step_id, {"a": [5, 6, 7, 8, 9]}))
     assert update.new_token_ids == [5, 6, 7, 8] and update.finished
     assert update.request.finish_reason == "length" and update.request.num_tokens == 8
 
@@ -293,7 +294,7 @@ def test_abort_between_schedule_and_update_is_skipped():
     scheduler.add_request(make_request("a", 5))
     output = scheduler.schedule()
     scheduler.finish_requests("a", RequestStatus.FINISHED_ABORTED)
-    assert scheduler.update_from_output(output, {"a": [9]}) == []
+    assert scheduler.update_from_output(ModelRunnerOutput.from_tokens(output.step_id, {"a": [9]})) == []
     assert scheduler.num_free_blocks == 64
 
 
@@ -301,7 +302,7 @@ def test_missing_sampled_token_is_a_contract_violation():
     scheduler = make_scheduler()
     scheduler.add_request(make_request("a", 5))
     with pytest.raises(AssertionError, match="no sampled token"):
-        scheduler.update_from_output(scheduler.schedule(), {})
+        scheduler.update_from_output(ModelRunnerOutput.from_tokens(scheduler.schedule().step_id, {}))
 
 
 def test_introspection_and_no_events_without_caching():
@@ -399,7 +400,7 @@ def test_randomized_simulation_keeps_invariants_and_terminates(seed, policy, chu
         check_invariants(scheduler, output, all_requests)
         sampled = {s.request.request_id: [EOS if rng.random() < 0.03 else rng.randrange(3, 50)]
                    for s in output.scheduled if s.is_sampling}
-        scheduler.update_from_output(output, sampled)
+        scheduler.update_from_output(ModelRunnerOutput.from_tokens(output.step_id, sampled))
         if len(all_requests) >= 120 and not scheduler.has_unfinished_requests():
             break
     assert not scheduler.has_unfinished_requests(), "simulation did not drain (deadlock or livelock)"

@@ -308,3 +308,10 @@ def test_preemption_with_speculation_keeps_greedy_output(paths, base, preemption
     assert _tokens(_run(engine, [(p, params) for p in prompts])) == expected
     stats = engine.get_stats()
     assert stats.num_preemptions > 0 and stats.spec_num_drafts > 0
+
+
+def test_every_speculative_method_has_one_registered_proposer():
+    from pagoda.engine.config import SPECULATIVE_METHODS
+    from pagoda.engine.spec_decode.registry import PROPOSERS
+
+    assert sorted(PROPOSERS) == sorted(SPECULATIVE_METHODS)

@@ -104,10 +104,11 @@ def test_coupled_verify_equals_plain_seeded_sampling():
     logits = torch.randn(K + 2, V, generator=torch.Generator().manual_seed(7))
     plain = []
     for j in range(K + 2):
-        plain.append(sampler(logits[j : j + 1], [SamplingRow(params, 11, output_token_ids=list(plain))]).token_ids[0])
+        row = SamplingRow(params, 11, output_token_ids=list(plain))
+        plain.append(sampler(logits[j : j + 1], sampler.make_batch([row])).token_ids[0])
     for drafts in ([plain[0], plain[1], plain[2]], [plain[0], (plain[1] + 1) % V, 3], [(plain[0] + 1) % V]):
         rows = [SamplingRow(params, 11, output_token_ids=list(drafts[:j])) for j in range(len(drafts) + 1)]
-        filtered = sampler.filter_logits(sampler.process_logits(logits[: len(rows)], rows), rows)
+        filtered = sampler.filter_logits(sampler.process_logits(logits[: len(rows)], sampler.make_batch(rows)), rows)
         out = coupled_verify(sampler.race(filtered, rows).tolist(), drafts)
         assert out == plain[: len(out)]
 

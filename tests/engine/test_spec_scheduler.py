@@ -3,6 +3,7 @@ rejected, never cached, never a cause of preemption. Runner outputs are faked.""
 
 from pagoda.engine.request import Request
 from pagoda.engine.sampling_params import SamplingParams
+from pagoda.engine.runner.runner_output import ModelRunnerOutput
 from pagoda.engine.core.scheduler import Scheduler, SchedulerConfig
 
 EOS = 2
@@ -22,7 +23,7 @@ def make_request(rid, num_prompt, max_tokens=32):
 
 def prefill(scheduler, token=7):
     out = scheduler.schedule()
-    scheduler.update_from_output(out, {s.request.request_id: [token] for s in out.scheduled if s.is_sampling})
+    scheduler.update_from_output(ModelRunnerOutput.from_tokens(out.step_id, {s.request.request_id: [token] for s in out.scheduled if s.is_sampling}))
 
 
 def test_drafts_are_scheduled_tokens_and_rejections_roll_back():
@@ -39,7 +40,7 @@ def test_drafts_are_scheduled_tokens_and_rejections_roll_back():
     assert out.total_num_scheduled_tokens == 4
     assert len(item.block_ids) * 4 >= 10
     # 50 accepted, 51 rejected and replaced by 60: positions 6 (token 7) and 7 (50) keep KV.
-    (update,) = scheduler.update_from_output(out, {"a": [50, 60]})
+    (update,) = scheduler.update_from_output(ModelRunnerOutput.from_tokens(out.step_id, {"a": [50, 60]}))
     assert update.new_token_ids == [50, 60]
     assert request.all_token_ids[-3:] == [7, 50, 60]
     assert (request.num_computed_tokens, request.num_tokens) == (8, 9)
@@ -52,7 +53,7 @@ def test_drafts_are_scheduled_tokens_and_rejections_roll_back():
 
     # All accepted: the bonus token is appended too, num_computed catches up to num_tokens - 1.
     out = scheduler.schedule({"a": [61, 62]})
-    (update,) = scheduler.update_from_output(out, {"a": [61, 62, 63]})
+    (update,) = scheduler.update_from_output(ModelRunnerOutput.from_tokens(out.step_id, {"a": [61, 62, 63]}))
     assert update.new_token_ids == [61, 62, 63] and request.num_computed_tokens == request.num_tokens - 1 == 11
     assert blocks[2].block_hash is None  # [60, 61, 62, 63] is full, but the bonus 63 has no KV yet
     cached = {b.block_id: b.token_ids for b in pool.cached_block_hash_to_block.values()}
@@ -72,7 +73,7 @@ def test_budget_cuts_drafts_and_prefill_shares_the_step():
     a, b = out.scheduled
     assert (a.num_new_tokens, a.spec_token_ids) == (4, [1, 2, 3])
     assert (b.request.request_id, b.num_new_tokens, b.is_sampling) == ("b", 4, False)
-    scheduler.update_from_output(out, {"a": [1, 9]})
+    scheduler.update_from_output(ModelRunnerOutput.from_tokens(out.step_id, {"a": [1, 9]}))
     out = scheduler.schedule({"a": list(range(10, 20))})  # a runs first: its draft is cut to the budget
     (a,) = out.scheduled
     assert a.spec_token_ids == list(range(10, 17)) and out.total_num_scheduled_tokens == 8
@@ -84,14 +85,14 @@ def test_drafts_ignored_for_prefills_and_never_preempt():
     scheduler.add_request(make_request("b", 3, max_tokens=5))
     out = scheduler.schedule({"a": [9, 9], "b": [9, 9]})  # both still prefilling: drafts ignored
     assert [s.spec_token_ids for s in out.scheduled] == [[], []]
-    scheduler.update_from_output(out, {"a": [7], "b": [7]})
+    scheduler.update_from_output(ModelRunnerOutput.from_tokens(out.step_id, {"a": [7], "b": [7]}))
     # Each holds 1 block (4 slots for 4 tokens); 2 blocks free for 2 running requests.
     out = scheduler.schedule({"a": [1, 2, 3, 4, 5], "b": [1, 2, 3, 4, 5]})
     assert scheduler.num_preemptions_total == 0
     first, second = out.scheduled
     assert first.spec_token_ids == [1, 2, 3, 4, 5]  # positions 3..8: 2 more blocks, 2 free >= 2 running
     assert second.spec_token_ids == [] and second.num_new_tokens == 1  # 0 free < 2 running: the draft yields
-    scheduler.update_from_output(out, {"a": [1], "b": [8]})
+    scheduler.update_from_output(ModelRunnerOutput.from_tokens(out.step_id, {"a": [1], "b": [8]}))
     assert scheduler.requests["a"].num_computed_tokens == 4 and scheduler.requests["b"].num_computed_tokens == 4
 
 
@@ -102,6 +103,6 @@ def test_stop_inside_accepted_drafts_truncates_and_frees():
     scheduler.add_request(request)
     prefill(scheduler)
     out = scheduler.schedule({"a": [54, 55, 56]})
-    (update,) = scheduler.update_from_output(out, {"a": [54, 55, 56, 57]})
+    (update,) = scheduler.update_from_output(ModelRunnerOutput.from_tokens(out.step_id, {"a": [54, 55, 56, 57]}))
     assert update.finished and update.new_token_ids == [54, 55] and request.stop_reason == 55
     assert scheduler.num_free_blocks == 64

@@ -9,6 +9,7 @@ from pagoda.contracts.block_hash import hash_prompt_blocks
 from pagoda.contracts.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from pagoda.engine.request import Request
 from pagoda.engine.sampling_params import SamplingParams
+from pagoda.engine.runner.runner_output import ModelRunnerOutput
 from pagoda.engine.core.scheduler import Scheduler, SchedulerConfig
 from pagoda.contracts import redis_keys as keys
 from pagoda.fleet.index.mirror import IndexFollower
@@ -217,7 +218,8 @@ def test_real_scheduler_events_make_the_index_equal_its_block_pool(redis_client)
         sched.add_request(Request(f"q{i}", prompt, SamplingParams(max_tokens=6, ignore_eos=True)))
     while sched.has_unfinished_requests():
         out = sched.schedule()
-        sched.update_from_output(out, {s.request.request_id: [3] for s in out.scheduled if s.is_sampling})
+        sampled = {s.request.request_id: [3] for s in out.scheduled if s.is_sampling}
+        sched.update_from_output(ModelRunnerOutput.from_tokens(out.step_id, sampled))
         pub.submit_events(sched.take_events())
     pub.flush()
     held = {h.hex() for h in sched.block_pool.cached_block_hash_to_block}

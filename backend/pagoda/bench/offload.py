@@ -79,11 +79,11 @@ def main(argv=None) -> int:
         nb = -(-n // block_size)
         device_ids = list(range(1, nb + 1))
         item = PrefillItem([(31 * i + 7) % vocab for i in range(n)], device_ids)
-        runner.execute([item])  # warm-up at this shape
+        runner.compute_logits([item])  # warm-up at this shape
         out_pairs = [(d, h) for h, d in enumerate(device_ids)]
         in_pairs = [(h, d) for d, h in out_pairs]
         swap_s = _best(lambda: (host.swap_out(out_pairs), host.swap_in(in_pairs)), args.repeats, sync)
-        recompute_s = _best(lambda: runner.execute([item]), args.repeats, sync)
+        recompute_s = _best(lambda: runner.compute_logits([item]), args.repeats, sync)
         rows.append((n, nb, nb * per_block / 2**20, swap_s, recompute_s, cost.swap_cost(nb), cost.recompute_cost(n),
                      "swap" if cost.prefers_swap(n, nb) else "recompute"))
 

@@ -10,7 +10,7 @@ idle; the same workload then runs again with other sampling settings ("mixes"):
 All requests use ``ignore_eos``, so every mix generates exactly the same tokens' worth of
 work. Reported per mix: wall time, output and total (prompt + output) tokens/s, steps,
 the median step, and each stage's share of the summed step time: ``schedule``
-(``Scheduler.schedule``), ``forward`` (``ModelRunner.execute``, synchronised on a GPU so
+(``Scheduler.schedule``), ``forward`` (``ModelRunner.compute_logits``, synchronised on a GPU so
 the device time lands here), ``sampler`` (``Sampler.__call__``, which ends in the step's
 one device-to-host read) and ``rest`` (outputs, detokenization, bookkeeping). The stages
 are timed by wrapping those three calls on the engine's objects; the engine is unchanged.
@@ -109,9 +109,11 @@ class _TimedSampler:
 
 
 def _owner(engine, name: str):
-    """The object holding ``name``: the engine, or a part it delegates to (engine core)."""
+    """The object holding ``name``: the engine, or a part it delegates to (engine core,
+    executor, runner, the runner's step sampler)."""
+    runner = getattr(engine, "runner", None)
     for holder in (engine, getattr(engine, "engine_core", None), getattr(engine, "core", None),
-                   getattr(engine, "runner", None)):
+                   getattr(engine, "executor", None), getattr(runner, "step_sampler", None), runner):
         if holder is not None and name in vars(holder):
             return holder
     raise AttributeError(f"bench throughput: cannot find the engine's {name}")
@@ -122,7 +124,7 @@ def instrument(engine, device: torch.device) -> StageClock:
     scheduler = getattr(_owner(engine, "scheduler"), "scheduler")
     scheduler.schedule = clock.timed("schedule", scheduler.schedule)
     runner = getattr(_owner(engine, "runner"), "runner")
-    runner.execute = clock.timed("forward", runner.execute, sync=True)
+    runner.compute_logits = clock.timed("forward", runner.compute_logits, sync=True)
     holder = _owner(engine, "sampler")
     setattr(holder, "sampler", _TimedSampler(getattr(holder, "sampler"), clock))
     return clock

@@ -15,7 +15,7 @@ the core: a guided request waits outside the scheduler until its grammar compile
 grammar that fails to compile ends it with ``RequestOutput.error``); every step the host
 fills the grammar's bitmask before the forward, the sampler (or the speculator) applies
 it, and the matcher follows the kept tokens (a terminated grammar finishes the request
-with ``stop``). Steps with guided requests run synchronously (see ``engine_core.py``).
+with ``stop``). Guided requests overlap like the others (see ``engine_core.py``).
 
 Requests enter as ``EngineRequest`` envelopes (``add``; ``add_request`` builds one from
 keyword arguments). The facade validates and tokenizes them, has the core fan a user
@@ -41,6 +41,7 @@ from pagoda.engine.config import EngineConfig
 from pagoda.engine.core.engine_core import EngineCore
 from pagoda.engine.guided.backend import XGrammarBackend
 from pagoda.engine.output_processor import OutputProcessor
+from pagoda.engine.runner.executor import make_executor
 from pagoda.engine.outputs import RequestOutput
 from pagoda.engine.request import EngineRequest, PromptType, RequestStatus
 from pagoda.engine.sampling_params import SamplingParams
@@ -65,8 +66,9 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_pretrained(model_path)
         vocab_size = self.model_config.vocab_size
         eos_ids = sorted(self.tokenizer.eos_token_ids)
-        self.core = EngineCore(self.config, self.model_config, model_path, self.model_id, eos_ids,
-                               make_grammar_backend=lambda: XGrammarBackend(self.tokenizer, vocab_size, eos_ids))
+        self.executor = make_executor(self.config, self.model_config, model_path,
+                                      make_grammar_backend=lambda: XGrammarBackend(self.tokenizer, vocab_size, eos_ids))
+        self.core = EngineCore(self.config, self.model_config, self.model_id, eos_ids, self.executor)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.admission = Admission(self.config.max_waiting_requests, self.config.max_waiting_prompt_tokens)
         for lora_name, lora_path in self.config.lora_modules.items():
@@ -84,19 +86,19 @@ class LLMEngine:
 
     @property
     def runner(self):
-        return self.core.runner
+        return self.executor.runner
 
     @property
     def sampler(self):
-        return self.core.sampler
+        return self.executor.runner.sampler
 
     @property
     def speculator(self):
-        return self.core.speculator
+        return self.executor.speculator
 
     @property
     def host_kv_cache(self):
-        return self.core.host_kv_cache
+        return self.executor.host_kv_cache
 
     @property
     def guided(self):
@@ -166,7 +168,7 @@ class LLMEngine:
 
     def _check_request(self, request: EngineRequest) -> None:
         """The envelope's own fields (the prompt is checked as it is tokenized). Raises ValueError."""
-        if request.params.speculative and self.core.speculator is None:
+        if request.params.speculative and self.speculator is None:
             raise ValueError("speculative: this server has no speculative decoding configured "
                              "(EngineConfig.speculative_method is None)")
         request_id = request.request_id
@@ -307,7 +309,7 @@ class LLMEngine:
             num_waiting=s.num_waiting + self.core.num_pending + self.core.guided.num_waiting,
             num_running=s.num_running,
             kv_cache_usage=s.kv_cache_usage,
-            num_blocks=self.core.runner.num_blocks - 1,  # block 0 is the pool's reserved null block
+            num_blocks=self.runner.num_blocks - 1,  # block 0 is the pool's reserved null block
             num_free_blocks=s.num_free_blocks,
             prefix_cache_queries=s.prefix_cache_queries,
             prefix_cache_hits=s.prefix_cache_hits,
@@ -347,9 +349,9 @@ class LLMEngine:
                     num_host_blocks=tier.num_blocks, num_free_host_blocks=tier.num_free_blocks)
 
     def _spec_stats(self) -> dict:
-        if self.core.speculator is None:
+        if self.speculator is None:
             return {}
-        st = self.core.speculator.stats
+        st = self.speculator.stats
         return dict(spec_num_drafts=st.num_drafts, spec_num_draft_tokens=st.num_draft_tokens,
                     spec_num_accepted_tokens=st.num_accepted_tokens)
 

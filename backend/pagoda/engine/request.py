@@ -204,6 +204,20 @@ class Request:
 
     # Block hashes -----------------------------------------------------------
 
+    def check_stop(self, token_id: int, max_model_len: int) -> Optional[RequestStatus]:
+        """The finished status that ``token_id`` (just appended) gives this request, or None
+        (stop token, EOS once ``min_tokens`` are out; ``max_tokens``; ``max_model_len``)."""
+        params = self.sampling_params
+        if self.num_output_tokens >= params.min_tokens:
+            if token_id in params.stop_token_ids:
+                self.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+            if not params.ignore_eos and token_id in self.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+        if self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None
+
     def init_block_hashes(self, block_size: int, model_id: str) -> None:
         """Start the hash chain (root seeded by ``model_id``) and hash all full blocks.
 

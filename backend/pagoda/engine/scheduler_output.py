@@ -42,6 +42,7 @@ class SchedulerOutput:
     blocks_to_swap_out: BlockPairs = field(default_factory=list)  # device -> host (swaps, evictions)
     blocks_to_swap_in: BlockPairs = field(default_factory=list)  # host -> device (swapped requests)
     blocks_to_copy_back: BlockPairs = field(default_factory=list)  # host -> device (prefix hits)
+    step_id: int = 0  # echoed by the runner in ``ModelRunnerOutput.step_id``
 
     @property
     def is_empty(self) -> bool:

@@ -1,11 +1,16 @@
-"""EngineCore: token ids in, token ids out, one ``step()`` at a time. No tokenizer.
+"""EngineCore: token ids in, token ids out, one ``step()`` at a time. No tokenizer, no torch.
 
 One step = ``Scheduler.schedule()`` (which requests advance, by how many tokens) →
-launch the device job (KV-tier copies, ``ModelRunner.execute``: one forward pass over
-the flat mixed batch, then the ``Sampler`` or, with speculative decoding, the
-``Speculator``'s verification) → ``Scheduler.update_from_output()`` with the job's
-``ModelRunnerOutput`` → one ``EngineCoreOutput`` per request that got tokens or
+``Executor.launch`` (the device job: KV-tier copies, then ``ModelRunner.execute``: one
+forward pass over the flat mixed batch, then sampling or, with speculative decoding,
+draft verification, all on the device side) → ``Scheduler.update_from_output()`` with
+the job's ``ModelRunnerOutput`` → one ``EngineCoreOutput`` per request that got tokens or
 finished. Text, stop strings and ``RequestOutput``s are the ``OutputProcessor``'s.
+
+The device side (runner, sampler, speculator, host KV tier, worker thread) is built
+outside (``pagoda.engine.runner.executor.make_executor``) and reaches the core through the
+``Executor`` protocol (``device.py``): importing this module imports no torch, which
+``tests/engine/test_core_imports.py`` checks.
 
 Overlap (``EngineConfig.async_scheduling``): the job runs on a worker thread
 (``device_worker``) and ``step()`` is pipelined one step deep::
@@ -15,18 +20,20 @@ Overlap (``EngineConfig.async_scheduling``): the job runs on a worker thread
 
 ``schedule()`` counts step N's sampled tokens as placeholders, so N+1 is planned before
 N's tokens are known; the runner fills them in on the device (``scheduler.py``,
-``model_runner.py``). Sampling of N+1 waits for the *gate* of N (set once N's tokens are
-applied): sampling reads each request's output history (penalties, min_tokens), and a
-grammar hook would read its matcher state, both of which N's update changes. A request
-that finishes (EOS, stop token, stop string, abort) while N+1 runs gets its extra token
-dropped by the scheduler; its blocks were freed when it finished. With speculative
-decoding the core stays synchronous (drafts need the previous step's tokens on the host
-before scheduling); ``async_scheduling`` is then ignored, with a warning.
+``model_runner.py``). Sampling of N+1 waits for the *gate* of N, opened once N's tokens
+are applied (after ``update_from_output`` and the grammar matchers' advance): sampling
+reads each request's output history (penalties, min_tokens). A request that finishes
+(EOS, stop token, stop string, abort) while N+1 runs gets its extra token dropped by the
+scheduler; its blocks were freed when it finished. Structured output overlaps too: a
+step's grammar bitmask is filled in its device job behind the gate, from matchers the
+previous step's update advanced (``GuidedDecodingManager.accept`` runs before the gate
+opens). With speculative decoding the core stays synchronous (drafts need the previous
+step's tokens on the host before scheduling); ``async_scheduling`` is then ignored, with a
+warning.
 
-Step hooks (``StepHook``): per-step extra inputs prepared beside the forward, applied to
-the logits just before sampling (on the device side, after the gate: e.g. a grammar
-bitmask), and told which tokens were accepted after each update (e.g. to advance a
-grammar matcher).
+Step hooks (``StepHook``): told which tokens were accepted after each update. Nothing in
+the core edits logits: that is the sampler's logits-processor list (the grammar bitmask
+is its last entry).
 
 n > 1: ``make_requests`` turns a user request (an ``EngineRequest``) into its children,
 which are added together; with prefix caching, a ``SiblingGate`` holds siblings of child 0
@@ -35,29 +42,23 @@ back until child 0's prompt is computed (``parallel_sampling.py`` owns the fan-o
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Optional, Protocol, Union
-
-import torch
+from typing import TYPE_CHECKING, Iterable, Iterator, Optional, Protocol, Union
 
 from pagoda.engine.config import EngineConfig
-from pagoda.engine.runner.device_worker import DeviceTimer, InlineWorker, StepHandle, ThreadWorker
-from pagoda.engine.guided.bitmask import TokenBitmask
-from pagoda.engine.guided.manager import GuidedDecodingManager
+from pagoda.engine.core.device import Executor, StepHandle
+from pagoda.engine.core.scheduler import RequestUpdate, Scheduler, SchedulerConfig, SchedulerOutput
 from pagoda.engine.guided.params import GuidedDecodingParams
-from pagoda.engine.runner.host_kv_cache import HostKVCache, calibrate
-from pagoda.engine.runner.model_runner import ModelRunner, resolve_device, resolve_dtype
+from pagoda.engine.core.parallel_sampling import SiblingGate, child_request_ids
 from pagoda.engine.request import EngineRequest, Request, RequestStatus
 from pagoda.engine.runner.runner_output import ModelRunnerOutput
-from pagoda.engine.sampling.sampler import Sampler, SamplingRow, TokenLogprobs, make_seed
-from pagoda.engine.core.parallel_sampling import SiblingGate, child_request_ids
-from pagoda.engine.core.scheduler import RequestUpdate, ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
-from pagoda.engine.spec_decode import SpeculativePlan
-from pagoda.models.config import ModelConfig
+from pagoda.engine.sampling.row import SamplingRow, TokenLogprobs, make_seed
+
+if TYPE_CHECKING:
+    from pagoda.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -91,14 +92,8 @@ class EngineCoreOutput:
 
 
 class StepHook(Protocol):
-    """Per-step extras beside the forward pass (e.g. structured output's grammar bitmask).
-
-    ``process_logits`` runs on the device side after the forward and after the previous
-    step's tokens were applied (``on_update``), just before sampling; ``on_update`` runs
-    on the host after each ``update_from_output``.
-    """
-
-    def process_logits(self, logits: torch.Tensor, items: list[ScheduledRequest]) -> torch.Tensor: ...
+    """Told, on the host after each ``update_from_output``, which tokens each request
+    accepted. (Logits are edited only by the sampler's logits processors.)"""
 
     def on_update(self, updates: list[RequestUpdate]) -> None: ...
 
@@ -108,47 +103,41 @@ class _InFlight:
     """A launched step; ``applied`` is set once its results are applied (its gate)."""
 
     scheduler_output: SchedulerOutput
-    handle: StepHandle
+    handle: Optional[StepHandle] = None
     applied: threading.Event = field(default_factory=threading.Event)
     ok: bool = True
+
+    def wait_applied(self) -> None:
+        """The gate, called by the next step's device job before it samples."""
+        self.applied.wait()
+        if not self.ok:
+            raise RuntimeError("the previous engine step failed; this one depends on its tokens")
 
 
 class EngineCore:
     """Args:
     config: the engine configuration.
     model_config: the target model's config.
-    model_path: the model folder.
     model_id: seeds block hashes.
     eos_token_ids: the tokenizer's end-of-sequence ids.
-    make_grammar_backend: builds the structured-output grammar backend on first use.
+    executor: the device side (``pagoda.engine.runner.executor.make_executor``).
     """
 
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, model_path: str, model_id: str,
-                 eos_token_ids: Iterable[int], make_grammar_backend: Optional[Callable[[], Any]] = None) -> None:
+    def __init__(self, config: EngineConfig, model_config: "ModelConfig", model_id: str,
+                 eos_token_ids: Iterable[int], executor: Executor) -> None:
         self.config = config
         self.model_config = model_config
         self.eos_token_ids = frozenset(eos_token_ids)
-        device = resolve_device(config)
-        spec_plan = SpeculativePlan.from_config(config, model_config, device, resolve_dtype(config, device))
-        self.runner = ModelRunner(config, model_config, model_path,
-                                  draft_config=spec_plan.draft_config if spec_plan else None)
+        self.executor = executor
         # Refuses lengths past the model's positions (or a Mistral sliding window).
         self.max_model_len = model_config.check_max_model_len(config.max_model_len)
-        self.host_kv_cache, cost_model = _make_host_tier(config, self.runner)
         self.scheduler = Scheduler(SchedulerConfig.from_engine_config(
-            config, num_blocks=self.runner.num_blocks, max_model_len=self.max_model_len, model_id=model_id,
-            num_host_blocks=self.host_kv_cache.num_blocks if self.host_kv_cache else 0), swap_cost_model=cost_model)
-        self.sampler = Sampler(vocab_size=model_config.vocab_size, seed=config.seed)
-        self.speculator = spec_plan.build(model_config, self.runner.model, self.runner.num_blocks, self.sampler,
-                                          self.max_model_len) if spec_plan else None
-        if config.async_scheduling and self.speculator is not None:
-            logger.warning("async_scheduling is ignored with speculative decoding: steps run synchronously")
-        self.is_async = config.async_scheduling and self.speculator is None
-        self.worker = ThreadWorker() if self.is_async else InlineWorker()
-        self.timer = DeviceTimer()
+            config, num_blocks=executor.num_blocks, max_model_len=self.max_model_len, model_id=model_id,
+            num_host_blocks=executor.num_host_blocks), swap_cost_model=executor.swap_cost_model)
+        self.is_async = executor.is_async
+        self.timer = executor.timer
+        self.guided = executor.guided
         self.step_hooks: list[StepHook] = []
-        self.guided = GuidedDecodingManager(make_grammar_backend, model_config.vocab_size,
-                                            pin_memory=device.type == "cuda")
         self._awaiting_grammar: dict[str, list[Request]] = {}  # user request id -> children
         self._in_flight: Optional[_InFlight] = None
         self._siblings = SiblingGate(config.enable_prefix_caching)  # n > 1 (parallel_sampling.py)
@@ -224,19 +213,10 @@ class EngineCore:
     # --------------------------------------------------------------------- step
     def step(self) -> list[EngineCoreOutput]:
         """Schedule and launch one step; return the outputs of the step that completed
-        (this one when synchronous, the previous one with async scheduling).
-
-        Steps with a structured-output request run synchronously even with async
-        scheduling: its grammar bitmask for a step needs the previous step's tokens, and
-        the grammar state is kept on the host thread."""
+        (this one when synchronous, the previous one with async scheduling)."""
         previous, self._in_flight = self._in_flight, None
         self.last_wait_s = 0.0
         early = self._admit_guided()
-        is_async = self.is_async and not self._has_guided_requests()
-        if not is_async and previous is not None:
-            early += self._finish(previous)
-            self.last_wait_s += previous.handle.wait_s
-            previous = None
         try:
             scheduler_output = self._schedule()
             launched = None
@@ -246,7 +226,7 @@ class EngineCore:
             if previous is not None:
                 self._drain(previous)
             raise
-        if is_async:
+        if self.is_async:
             self._in_flight, done = launched, previous
         else:
             done = launched
@@ -266,12 +246,11 @@ class EngineCore:
         return outputs
 
     def _schedule(self) -> SchedulerOutput:
-        drafts = self.speculator.propose(self.scheduler.running) if self.speculator else None
+        drafts = self.executor.propose_drafts(self.scheduler.running)
         if drafts:
             drafts = self.guided.truncate_drafts(drafts)
         scheduler_output = self.scheduler.schedule(drafts)
-        if self.speculator:
-            self.speculator.release(scheduler_output.finished_request_ids)
+        self.executor.release(scheduler_output.finished_request_ids)
         self.guided.release(scheduler_output.finished_request_ids)
         if not scheduler_output.scheduled and self.guided.num_waiting:
             self.guided.wait(0.01)  # nothing to run but compiles: wait for one, do not spin
@@ -284,68 +263,38 @@ class EngineCore:
         return scheduler_output
 
     def _launch(self, scheduler_output: SchedulerOutput, previous: Optional[_InFlight]) -> _InFlight:
-        # Grammar bitmask: filled on the host before the forward (None without guided requests).
-        bitmask = self.guided.prepare_bitmask([item for item in scheduler_output.scheduled if item.is_sampling])
-        job = functools.partial(self._execute, scheduler_output, previous, bitmask)
-        return _InFlight(scheduler_output, self.worker.launch(job))
-
-    def _execute(self, scheduler_output: SchedulerOutput, previous: Optional[_InFlight],
-                 bitmask: Optional[TokenBitmask] = None) -> ModelRunnerOutput:
-        """The device job (the worker thread with async scheduling)."""
-        start = time.perf_counter()
-        if self.host_kv_cache is not None:  # KV offload copies run before the forward pass
-            self.host_kv_cache.execute(scheduler_output)
-        scheduled = scheduler_output.scheduled
-        logits = self.runner.execute(scheduled) if scheduled else None
-        waited = 0.0
-        if previous is not None:  # the gate: sampling reads state that applying the previous step changes
-            wait_start = time.perf_counter()
-            previous.applied.wait()
-            waited = time.perf_counter() - wait_start
-            if not previous.ok:
-                raise RuntimeError("the previous engine step failed; this one depends on its tokens")
-        items = [item for item in scheduled if item.is_sampling]
-        for hook in self.step_hooks if items else ():
-            logits = hook.process_logits(logits, items)
-        output = self._sample(logits, items, bitmask)
-        if self.is_async:
-            self.runner.record_sampled(output)
-        self.timer.record_job(start, time.perf_counter(), waited)
-        return output
-
-    def _sample(self, logits: Optional[torch.Tensor], items: list[ScheduledRequest],
-                bitmask: Optional[TokenBitmask] = None) -> ModelRunnerOutput:
-        """Tokens and raw logprobs of every sampling request, in batch order."""
-        if not items:
-            return ModelRunnerOutput()
-        if self.speculator is not None:
-            return self.speculator.sample(logits, items, bitmask)
-        result = self.sampler(logits, [item.request.sampling_state for item in items], bitmask)
-        return ModelRunnerOutput([item.request.request_id for item in items], [[t] for t in result.token_ids],
-                                 [[lp] for lp in result.logprobs])
+        launched = _InFlight(scheduler_output)
+        launched.handle = self.executor.launch(scheduler_output, previous.wait_applied if previous else None)
+        return launched
 
     def _finish(self, done: _InFlight) -> list[EngineCoreOutput]:
-        """Wait for a launched step, apply it, open its gate."""
+        """Wait for a launched step, apply it, then open its gate."""
         try:
             runner_output = done.handle.get()
         except BaseException:
             done.ok = False
+            done.applied.set()
             self.scheduler.undo_step(done.scheduler_output)
             raise
+        try:
+            updates = self._apply(runner_output)
         finally:
             done.applied.set()
-        updates = self.scheduler.update_from_output(done.scheduler_output, runner_output)
+        self._release_pending()
+        logprobs = runner_output.logprobs_by_id()
+        return [_core_output(update, logprobs.get(update.request.request_id, [])) for update in updates]
+
+    def _apply(self, runner_output: ModelRunnerOutput) -> list[RequestUpdate]:
+        """The step's tokens into the scheduler, the grammar matchers and the hooks."""
+        updates = self.scheduler.update_from_output(runner_output)
         for update in updates:
             if self.guided.accept(update.request.request_id, update.new_token_ids) and not update.finished:
                 self.scheduler.finish_requests([update.request.request_id], RequestStatus.FINISHED_STOPPED)
                 update.finished = True  # the grammar is complete: nothing more may follow
-        if self.speculator:
-            self.speculator.release(u.request.request_id for u in updates if u.request.is_finished)
+        self.executor.release(u.request.request_id for u in updates if u.request.is_finished)
         for hook in self.step_hooks:
             hook.on_update(updates)
-        self._release_pending()
-        logprobs = runner_output.logprobs_by_id()
-        return [_core_output(update, logprobs.get(update.request.request_id, [])) for update in updates]
+        return updates
 
     def _drain(self, in_flight: _InFlight) -> None:
         """After a failure: let a launched step end, drop its results, undo its schedule
@@ -372,9 +321,6 @@ class EngineCore:
                 outputs.append(EngineCoreOutput(child.request_id, [], finish_reason="abort", error=message))
         return outputs
 
-    def _has_guided_requests(self) -> bool:
-        return any(self.guided.has_matcher(request_id) for request_id in self.scheduler.requests)
-
     def _release_pending(self) -> None:
         """Hand n>1 siblings to the scheduler once child 0's prompt is computed."""
         for sibling in self._siblings.release():
@@ -400,7 +346,7 @@ class EngineCore:
         if self._in_flight is not None:
             self._drain(self._in_flight)
             self._in_flight = None
-        self.worker.shutdown()
+        self.executor.shutdown()
 
 
 def _core_output(update: RequestUpdate, logprobs: list) -> EngineCoreOutput:
@@ -419,17 +365,3 @@ def _core_output(update: RequestUpdate, logprobs: list) -> EngineCoreOutput:
 def _has_copies(scheduler_output: SchedulerOutput) -> bool:
     return bool(scheduler_output.blocks_to_swap_out or scheduler_output.blocks_to_swap_in
                 or scheduler_output.blocks_to_copy_back)
-
-
-def _make_host_tier(config: EngineConfig, runner: ModelRunner) -> tuple[Optional[HostKVCache], Any]:
-    """(host KV cache, swap cost model) for ``cpu_offload_bytes > 0``, else (None, None).
-    The cost model is calibrated only for ``preemption_mode="auto"``."""
-    if config.cpu_offload_bytes == 0:
-        return None, None
-    host = HostKVCache.for_runner(runner, config.cpu_offload_bytes)
-    if config.preemption_mode != "auto":
-        return host, None
-    model = calibrate(host, runner, config.offload_copy_bandwidth, config.offload_copy_latency_s,
-                      config.prefill_s_per_token)
-    logger.info("KV offload: %d host blocks; swap cost model %s", host.num_blocks, model)
-    return host, model

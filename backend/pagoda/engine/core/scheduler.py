@@ -26,7 +26,9 @@ A step whose tokens reach the end of a request's known tokens samples (``is_samp
 ``schedule()`` itself advances ``num_computed_tokens`` by what it schedules and counts the
 token that step will sample as an output *placeholder* (``num_output_placeholders``);
 ``update_from_output`` replaces the placeholder with the sampled token, applies stop
-rules and caches the blocks the step filled.
+rules and caches the blocks the step filled. It takes only the runner's
+``ModelRunnerOutput``: every ``SchedulerOutput`` with scheduled requests gets a
+``step_id`` and is kept until the output with that id is applied (or ``undo_step``).
 
 Overlap (``EngineConfig.async_scheduling``): because ``schedule()`` already counts step
 N's tokens, step N+1 can be scheduled before step N's results are applied. A request
@@ -118,6 +120,8 @@ class Scheduler:
             self.block_pool.on_evict = self.host_tier.on_device_evict
         self._finished_request_ids: list[str] = []
         self._num_added = 0
+        self._num_steps = 0
+        self._unapplied: dict[int, SchedulerOutput] = {}  # step id -> a step whose results are not applied
         self.constraints = make_constraints(config.max_loras, config.min_shared_prefix_to_wait)
         self.admitter = WaitingAdmitter(self.waiting, self.running, self.kv_cache_manager, self.host_tier,
                                         self.policy, self.constraints, self._preempt, config.max_num_seqs,
@@ -206,6 +210,10 @@ class Scheduler:
             output.scheduled.append(self._make_scheduled(request, num_new, step, spec_token_ids))
             output.total_num_scheduled_tokens += num_new
         assert output.total_num_scheduled_tokens <= self.config.max_num_batched_tokens, "token budget exceeded"
+        self._num_steps += 1
+        output.step_id = self._num_steps
+        if output.scheduled:
+            self._unapplied[output.step_id] = output
         return output
 
     def _make_scheduled(self, request: Request, num_new: int, step: StepPlan,
@@ -299,23 +307,24 @@ class Scheduler:
 
     # Results in ----------------------------------------------------------------------
 
-    def update_from_output(
-        self, scheduler_output: SchedulerOutput,
-        runner_output: Union[ModelRunnerOutput, Mapping[str, Sequence[int]]],
-    ) -> list[RequestUpdate]:
+    def update_from_output(self, runner_output: ModelRunnerOutput) -> list[RequestUpdate]:
         """Apply one step's results (steps are applied in the order they were scheduled).
 
         Args:
-            scheduler_output: what ``schedule()`` returned for this step.
-            runner_output: the step's ``ModelRunnerOutput`` (or request id -> sampled
-                tokens); only requests with ``is_sampling`` are read. For a request with
-                ``spec_token_ids``: the accepted drafts, then one token.
+            runner_output: the step's ``ModelRunnerOutput`` (its ``step_id`` names the
+                ``schedule()`` result it answers); only requests with ``is_sampling`` are
+                read. For a request with ``spec_token_ids``: the accepted drafts, then one
+                token.
         Returns:
             One update per request that received tokens or finished, in batch order.
             Finished requests are already freed. Requests that finished (or were
             aborted) since the step was scheduled get nothing: their tokens are dropped.
         """
-        sampled = runner_output.tokens_by_id() if isinstance(runner_output, ModelRunnerOutput) else runner_output
+        scheduler_output = self._unapplied.pop(runner_output.step_id, None)
+        if scheduler_output is None:  # a step that scheduled no request (only KV copies)
+            assert not runner_output.req_ids, f"tokens for step {runner_output.step_id}, which is not in flight"
+            return []
+        sampled = runner_output.tokens_by_id()
         updates = []
         for scheduled in scheduler_output.scheduled:
             request = scheduled.request
@@ -350,7 +359,7 @@ class Scheduler:
         for token_id in tokens:
             request.append_output_token_ids(token_id)
             new_token_ids.append(token_id)
-            status = check_stop(request, token_id, self.config.max_model_len)
+            status = request.check_stop(token_id, self.config.max_model_len)
             if status is not None:
                 break
         # Accepted tokens past a stop were computed but do not belong to the request.
@@ -372,6 +381,7 @@ class Scheduler:
         """Forget a scheduled step whose results will never come (its device job failed):
         its requests continue from where it started, keeping their blocks. Steps may be
         undone in any order."""
+        self._unapplied.pop(scheduler_output.step_id, None)
         for scheduled in scheduler_output.scheduled:
             request = scheduled.request
             if self.requests.get(request.request_id) is not request:
@@ -433,16 +443,3 @@ def _is_sure_to_finish(request: Request) -> bool:
     """Whether the tokens being sampled already reach ``max_tokens``."""
     return request.num_output_tokens + request.num_output_placeholders >= request.max_tokens
 
-
-def check_stop(request: Request, token_id: int, max_model_len: int) -> Optional[RequestStatus]:
-    """The finished status that ``token_id`` (just appended) gives ``request``, or None."""
-    params = request.sampling_params
-    if request.num_output_tokens >= params.min_tokens:
-        if token_id in params.stop_token_ids:
-            request.stop_reason = token_id
-            return RequestStatus.FINISHED_STOPPED
-        if not params.ignore_eos and token_id in request.eos_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-    if request.num_output_tokens >= request.max_tokens or request.num_tokens >= max_model_len:
-        return RequestStatus.FINISHED_LENGTH_CAPPED
-    return None

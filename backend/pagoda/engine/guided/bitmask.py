@@ -1,12 +1,14 @@
-"""The sampler's grammar stage: forbid, on the logits' device, what the grammar forbids.
+"""The grammar's logits stage: forbid, on the logits' device, what the grammar forbids.
 
 ``TokenBitmask`` is one step's host-side result of the matchers (``manager.py``): the
 batch rows that have a grammar and, for each, a packed ``int32`` bitmask (layout in
 ``backend.py``). ``apply_token_bitmask`` copies it to the logits' device (non-blocking
 from pinned memory on a GPU), unpacks it with one shift-and-mask and sets every forbidden
-logit of those rows to ``-inf`` with one ``masked_fill_`` (gathered rows, scattered back). Rows without a grammar are untouched, and a
-batch without any grammar never builds a ``TokenBitmask`` (the sampler skips the stage).
-Works for greedy and sampled rows alike: it runs before argmax, temperature and filters.
+logit of those rows to ``-inf`` with one ``masked_fill_`` (gathered rows, scattered back).
+Rows without a grammar are untouched, and a batch without any grammar never builds a
+``TokenBitmask``. The sampler calls it through its last logits processor
+(``GrammarBitmaskProcessor``, reading ``SamplingBatch.token_bitmask``), so it works for
+greedy and sampled rows alike: it runs before argmax, temperature and filters.
 This module imports only torch.
 """
 

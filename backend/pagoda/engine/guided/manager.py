@@ -1,6 +1,7 @@
 """The engine's structured-output state: compiled grammars, and one matcher per sequence.
 
-Life of a guided request (the engine calls each method from its one thread):
+Life of a guided request (the engine calls each method from its one thread, except
+``prepare_bitmask``, see 3):
 
 1. ``submit(group_id, child_ids, params)`` at ``add_request``: the grammar is looked up
    in an LRU of compiled grammars keyed by ``GuidedDecodingParams.cache_key`` (the entry
@@ -12,12 +13,16 @@ Life of a guided request (the engine calls each method from its one thread):
 3. ``truncate_drafts(drafts)`` after the speculator proposes: a guided request's drafted
    tokens are cut before the first one its grammar forbids or a stop token that would end
    it (the target emits that one itself), so every scheduled draft is grammatical.
-   ``prepare_bitmask(items)`` before the forward pass: the host fills one packed bitmask
-   row per logits row of a request with a grammar (``None`` when the batch has none, so
-   the sampler does no grammar work at all): one row for a plain decode, ``1 + n`` for a
-   request verifying ``n`` drafts (the matcher walks the drafts and rolls back). The
-   sampler (or the speculator's verification) applies it on the logits' device, so a
-   draft the target may not emit has probability 0 and is rejected.
+   ``prepare_bitmask(items)`` in the step's device job, behind the gate (after the
+   previous step's ``accept``; on the worker thread with async scheduling, which then
+   has the matchers to itself until the host applies this step): one packed bitmask row per
+   logits row of a request with a grammar (``None`` when the batch has none, so the
+   sampler does no grammar work at all): one row for a plain decode, ``1 + n`` for a
+   request verifying ``n`` drafts (the matcher walks the drafts and rolls back). It rides
+   in the step's ``SamplingBatch``, and the sampler's last logits processor
+   (``GrammarBitmaskProcessor``) applies it on the logits' device, for plain sampling
+   and the speculator's verification alike, so a draft the target may not emit has
+   probability 0 and is rejected.
 4. ``accept(request_id, token_ids)`` after sampling advances the matcher by the tokens
    the request kept; it returns ``True`` once the grammar has terminated (it accepted a
    stop token), so the engine finishes the request with ``stop``.
@@ -159,7 +164,9 @@ class GuidedDecodingManager:
         plan, row = [], 0
         for item in items:
             matcher = self._matchers.get(item.request.request_id)
-            if matcher is not None:
+            # A terminated grammar finished its request; with overlap, the step launched
+            # before that was applied still samples for it, and the token is dropped.
+            if matcher is not None and not matcher.is_terminated():
                 plan.append((matcher, row, list(item.spec_token_ids)))
             row += 1 + len(item.spec_token_ids)
         if not plan:

@@ -204,7 +204,7 @@ class DecodeGraphs:
     @torch.inference_mode()
     def execute(self, scheduled: Sequence, placeholder_rows: Sequence[int] = (),
                 placeholder_tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``ModelRunner.execute`` for a step that ``can_run``: same contract (float32
+        """``ModelRunner.compute_logits`` for a step that ``can_run``: same contract (float32
         logits of the sampling rows, in batch order). ``placeholder_rows`` get their input
         token from ``placeholder_tokens`` (on the device; async scheduling)."""
         size = padded_batch_size(len(scheduled), self.sizes)

@@ -1,7 +1,7 @@
 """Where a step's device work runs, and how long the device worked and waited.
 
 A *device job* is one step's device side: KV-tier copies, the forward pass, sampling
-(``EngineCore._execute``). The engine launches it and later calls ``StepHandle.get()``,
+(``Executor._job``, ``executor.py``). The engine launches it and later calls ``StepHandle.get()``,
 which returns the step's ``ModelRunnerOutput`` and is the only place the host waits:
 
 * ``InlineWorker`` (synchronous engine): the job runs inside ``launch``.

@@ -5,16 +5,22 @@ The KV cache is one preallocated pair of tensors per layer,
 ``EngineConfig``: on CPU ``kv_cache_memory_bytes``; on GPU ``gpu_memory_utilization`` of
 the device's memory minus what the weights took and a reserve for activations.
 
-``execute`` turns a ``SchedulerOutput`` (a flat batch of decode tokens and prefill chunks)
-into model inputs and ``AttentionMetadata``, runs the model once, and returns the logits
-of the last token of every request that samples in this step, in batch order (and of
-each drafted token after it, for speculative decoding).
+``execute(scheduled, before_sampling) -> ModelRunnerOutput`` runs one step:
+``compute_logits`` turns the scheduled batch (a flat batch of decode tokens and prefill
+chunks) into model inputs and ``AttentionMetadata``, runs the model once, and keeps the
+logits of the last token of every request that samples in this step, in batch order (and
+of each drafted token after it, for speculative decoding); then, once ``before_sampling``
+returns (the gate: the previous step's tokens are applied on the host; it also returns
+the step's grammar bitmask, filled from matchers that are current then), the runner's
+``StepSampler`` samples, or verifies drafts, and the step's tokens come back as plain
+Python values. The runner owns the ``Sampler`` and the ``Speculator``; the engine core
+never sees logits.
 
 Placeholders (async scheduling, see ``scheduler.py``): a step may be scheduled before
 the previous one's tokens reach the host. Such a request's input token is the one the
-runner sampled for it in the previous step; ``record_sampled`` keeps those tokens on the
-device and ``execute`` gathers them into the input ids there, so no device-to-host
-round trip sits between two steps.
+runner sampled for it in the previous step; the ``StepSampler`` keeps those tokens on the
+device and ``compute_logits`` gathers them into the input ids there, so no
+device-to-host round trip sits between two steps.
 
 With a draft model (speculative decoding), the draft's KV cache gets as many blocks as
 the target's, and the budget pays for both: ``draft_config`` adds its per-block bytes.
@@ -28,14 +34,18 @@ model's cache stays in the model dtype.
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from pagoda.engine.config import EngineConfig
 from pagoda.engine.runner.cuda_graphs import DecodeGraphs
 from pagoda.engine.lora.manager import LoRAManager
+from pagoda.engine.guided.bitmask import TokenBitmask
 from pagoda.engine.runner.runner_output import ModelRunnerOutput
+from pagoda.engine.runner.step_sampler import StepSampler
+from pagoda.engine.sampling.sampler import Sampler
+from pagoda.engine.spec_decode import SpeculativePlan, Speculator
 from pagoda.kernels import AttentionMetadata
 from pagoda.models.config import ModelConfig
 from pagoda.models.llama import LlamaForCausalLM
@@ -76,9 +86,16 @@ def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.
 
 
 class ModelRunner:
+    """Args:
+    config: the engine configuration.
+    model_config: the target model's config.
+    model_path: the model folder.
+    spec_plan: speculative decoding (its draft's KV shares the budget), or None.
+    """
+
     def __init__(self, config: EngineConfig, model_config: ModelConfig, model_path: str,
-                 draft_config: Optional[ModelConfig] = None) -> None:
-        self.draft_config = draft_config
+                 spec_plan: Optional[SpeculativePlan] = None) -> None:
+        self.draft_config = spec_plan.draft_config if spec_plan else None
         self.config = config
         self.model_config = model_config
         self.device = resolve_device(config)
@@ -101,9 +118,16 @@ class ModelRunner:
         self.lora = (LoRAManager(self.model, config.max_loras, config.max_lora_rank, config.max_cpu_loras)
                      if config.enable_lora else None)
         self.graphs = DecodeGraphs.maybe_capture(self)  # None on CPU or when disabled
-        # The previous step's last sampled token per request, on the device (placeholders).
-        self._last_sampled = torch.zeros(0, dtype=torch.int64, device=self.device)  # [num_sampled_requests]
-        self._last_sampled_rows: dict[str, int] = {}
+        self.sampler = Sampler(vocab_size=model_config.vocab_size, seed=config.seed)
+        speculator = spec_plan.build(model_config, self.model, self.num_blocks, self.sampler,
+                                     model_config.check_max_model_len(config.max_model_len)) if spec_plan else None
+        self.step_sampler = StepSampler(self.sampler, speculator, self.device)
+        # Async scheduling keeps each step's tokens for the next step's placeholders.
+        self.keeps_last_sampled = config.async_scheduling and speculator is None
+
+    @property
+    def speculator(self) -> Optional[Speculator]:
+        return self.step_sampler.speculator
 
     def _num_blocks_from_budget(self) -> int:
         if self.config.num_gpu_blocks_override is not None:
@@ -124,9 +148,30 @@ class ModelRunner:
                 "raise kv_cache_memory_bytes / gpu_memory_utilization")
         return int(num_blocks)
 
+    def execute(self, scheduled,
+                before_sampling: Optional[Callable[[], Optional[TokenBitmask]]] = None) -> ModelRunnerOutput:
+        """Run one step: the forward pass, the gate, sampling (or draft verification).
+
+        Args:
+            scheduled: ``SchedulerOutput.scheduled`` (see ``compute_logits``).
+            before_sampling: the gate, called between the forward and sampling: blocks
+                until the previous step's tokens are applied (raises if that step
+                failed), then returns the grammar masks of the step's logits rows (or
+                None); None when there is nothing to wait for and no grammar.
+        Returns:
+            The sampled tokens and raw logprobs of every request with ``is_sampling``.
+        """
+        logits = self.compute_logits(scheduled) if scheduled else None
+        # Sampling reads state that applying the previous step changes (histories, matchers).
+        token_bitmask = before_sampling() if before_sampling is not None else None
+        output = self.step_sampler(logits, [item for item in scheduled if item.is_sampling], token_bitmask)
+        if self.keeps_last_sampled:
+            self.step_sampler.keep_last(output)
+        return output
+
     @torch.inference_mode()
-    def execute(self, scheduled) -> torch.Tensor:
-        """Run one step.
+    def compute_logits(self, scheduled) -> torch.Tensor:
+        """The step's forward pass.
 
         Args:
             scheduled: ``SchedulerOutput.scheduled`` — per request: ``token_ids``,
@@ -178,27 +223,14 @@ class ModelRunner:
         return self.lora.prepare([item.request.adapter_id for item in scheduled],
                                  [item.num_new_tokens for item in scheduled], self.device)
 
-    def record_sampled(self, output: ModelRunnerOutput, last_token_ids: Optional[torch.Tensor] = None) -> None:
-        """Keep a step's last sampled token per request for the next step's placeholders.
-
-        Args:
-            output: the step's results.
-            last_token_ids: ``[len(output.req_ids)]`` the same tokens already on the
-                device, when the sampler has them there; else they are copied in.
-        """
-        if last_token_ids is None:
-            last_token_ids = torch.tensor([t[-1] for t in output.sampled_token_ids], dtype=torch.int64,
-                                          device=self.device)
-        self._last_sampled = last_token_ids
-        self._last_sampled_rows = {req_id: row for row, req_id in enumerate(output.req_ids)}
+    def record_sampled(self, output: ModelRunnerOutput) -> None:
+        """Keep a step's last sampled token per request for the next step's placeholders
+        (``execute`` does it itself under async scheduling)."""
+        self.step_sampler.keep_last(output)
 
     def _placeholder_tokens(self, scheduled, items: list[int]) -> torch.Tensor:
         """``[len(items)]`` the previous step's tokens of ``scheduled[i]`` for ``i`` in items."""
-        try:
-            src = [self._last_sampled_rows[scheduled[i].request.request_id] for i in items]
-        except KeyError as exc:
-            raise AssertionError(f"placeholder for {exc} which did not sample in the previous step") from None
-        return self._last_sampled[torch.tensor(src, dtype=torch.int64, device=self.device)]
+        return self.step_sampler.last_token_ids([scheduled[i].request.request_id for i in items])
 
 
 def _num_placeholders(item) -> int:

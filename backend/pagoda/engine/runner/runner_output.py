@@ -1,15 +1,17 @@
 """What one executed step hands back: the sampled tokens of every request that sampled.
 
-``ModelRunnerOutput`` is the typed contract between the device side (runner + sampler or
-speculator) and ``Scheduler.update_from_output``. It holds plain Python values (the one
-device-to-host transfer of a step has already happened), so the scheduler and its CPU
-tests never import torch.
+``ModelRunnerOutput`` is the typed contract between the device side (``ModelRunner.execute``:
+forward, then its sampler or speculator) and ``Scheduler.update_from_output``, which takes
+nothing else: ``step_id`` echoes ``SchedulerOutput.step_id``, so the scheduler finds the
+step it answers. It holds plain Python values (the one device-to-host transfer of a step
+has already happened), so the engine core, the scheduler and their CPU tests never import
+torch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 
 @dataclass
@@ -22,11 +24,18 @@ class ModelRunnerOutput:
             drafts then one token.
         logprobs: per request, one raw ``TokenLogprobs`` (``pagoda.engine.sampling.sampler``) per
             sampled token, or ``None`` entries where the request did not ask for them.
+        step_id: the ``SchedulerOutput.step_id`` of the step these results answer.
     """
 
     req_ids: list[str] = field(default_factory=list)
     sampled_token_ids: list[list[int]] = field(default_factory=list)
     logprobs: list[list[Optional[Any]]] = field(default_factory=list)
+    step_id: int = 0
+
+    @classmethod
+    def from_tokens(cls, step_id: int, tokens: Mapping[str, Sequence[int]]) -> "ModelRunnerOutput":
+        """Results given as request id -> sampled tokens (fakes in tests and simulators)."""
+        return cls(list(tokens), [list(t) for t in tokens.values()], step_id=step_id)
 
     def __post_init__(self) -> None:
         assert len(self.req_ids) == len(self.sampled_token_ids), "one token list per request"

@@ -68,14 +68,15 @@ class RandomRows:
     def build(cls, params: Sequence, keys: np.ndarray, vocab_size: int, device: torch.device) -> "RandomRows":
         """Pack ``params`` (one ``SamplingParams`` per row) and ``keys`` into one host
         tensor and copy it to ``device`` once."""
-        top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
-        top_p = [p.top_p if p.top_p < 1.0 else 2.0 for p in params]
-        min_p = [p.min_p for p in params]
-        host = torch.tensor([[p.temperature for p in params], top_k, top_p, min_p], dtype=torch.float64)
-        packed = torch.cat([host, torch.from_numpy(keys.astype(np.float64))[None]])  # keys < 2**32: exact
+        return cls.upload(HostRandomRows.pack(params, vocab_size), keys, device)
+
+    @classmethod
+    def upload(cls, host: "HostRandomRows", keys: np.ndarray, device: torch.device) -> "RandomRows":
+        """``host``'s parameters and ``keys`` in one copy to ``device``."""
+        packed = torch.cat([host.packed, torch.from_numpy(keys.astype(np.float64))[None]])  # keys < 2**32: exact
         packed = packed.to(device, non_blocking=True)
         return cls(packed[0].float(), packed[1].long(), packed[2].float(), packed[3].float(), packed[4].long(),
-                   top_k, top_p, min_p)
+                   host.top_k, host.top_p, host.min_p)
 
     def select(self, index: list[int]) -> "RandomRows":
         at = torch.tensor(index, dtype=torch.int64).to(self.keys.device, non_blocking=True)
@@ -85,6 +86,25 @@ class RandomRows:
 
     def needs_candidates(self, vocab_size: int) -> list[bool]:
         return [k < vocab_size or p < 1.0 for k, p in zip(self.host_top_k, self.host_top_p)]
+
+
+@dataclass
+class HostRandomRows:
+    """``RandomRows``' parameters gathered on the host (no keys yet): ``packed`` is
+    ``[4, R]`` float64 (temperature, top_k, top_p, min_p), the lists the same values."""
+
+    packed: torch.Tensor
+    top_k: list[int]
+    top_p: list[float]
+    min_p: list[float]
+
+    @classmethod
+    def pack(cls, params: Sequence, vocab_size: int) -> "HostRandomRows":
+        top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+        top_p = [p.top_p if p.top_p < 1.0 else 2.0 for p in params]
+        min_p = [p.min_p for p in params]
+        packed = torch.tensor([[p.temperature for p in params], top_k, top_p, min_p], dtype=torch.float64)
+        return cls(packed, top_k, top_p, min_p)
 
 
 def _initial_width(rows: RandomRows, vocab_size: int, device: torch.device) -> int:

@@ -1,18 +1,19 @@
 """The batched sampler: one step's logits for every running row in, one token per row out.
 
-Everything runs on the logits' device; the host only builds small per-row parameter
-tensors (copied over without a sync) and reads back, once per call, the chosen ids (and
-the logprobs of rows that ask for them). Stages, vectorised over the batch; a stage no
-row needs is skipped, and a row that does not need a stage keeps its logits bit for bit:
+Everything runs on the logits' device. Per-row inputs arrive as one ``SamplingBatch``
+(``batch.py``), built once per step on the host before sampling; the sampler copies its
+small tensors over without a sync and reads back, once per call, the chosen ids (and the
+logprobs of rows that ask for them). Stages, vectorised over the batch; a stage no row
+needs is skipped, and a row that does not need a stage keeps its logits bit for bit:
 
 1. Padding columns are cut off: the model's logits may be wider than the tokenizer's
    vocabulary (``vocab_size``); those columns never take part in anything below, so
    they can never be sampled and do not dilute the logprobs.
 2. Logits processors, in order (``Sampler.logits_processors``, see ``logits_processors``):
-   min_tokens masking, repetition penalty, presence/frequency penalties; then the grammar
-   (structured output): rows with a ``TokenBitmask`` entry get every token their grammar
-   forbids set to -inf (``pagoda.engine.guided.bitmask``); skipped when ``None``. Another
-   per-row constraint joins the processors list.
+   min_tokens masking, repetition penalty, presence/frequency penalties, then the grammar
+   (structured output: rows with a ``TokenBitmask`` entry get every token their grammar
+   forbids set to -inf). The list is the only door that edits logits: another per-row
+   constraint joins it, reading its inputs from the batch.
 3. Greedy rows (``params.is_greedy``) take the argmax of these logits and stop here.
 4. Random rows: temperature, then top-k, then top-p (on the top-k renormalised
    distribution; the token that crosses ``top_p`` is kept), then min-p, then the
@@ -42,59 +43,22 @@ tokens with a strictly larger logprob.
 
 from __future__ import annotations
 
-import hashlib
-import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
-from pagoda.engine.guided.bitmask import TokenBitmask, apply_token_bitmask
+from pagoda.engine.guided.bitmask import TokenBitmask
+from pagoda.engine.sampling.batch import RandomInputs, SamplingBatch
 from pagoda.engine.sampling.logits_processors import LogitsProcessor, default_logits_processors, to_device
 from pagoda.engine.sampling.filters import RandomRows, filter_dense, race_candidates, race_dense
 from pagoda.engine.sampling.noise import exponential_noise, row_keys
-from pagoda.engine.sampling_params import SamplingParams
+from pagoda.engine.sampling.row import SamplingRow, TokenLogprobs, make_seed
+
+__all__ = ["Sampler", "SamplerOutput", "SamplingBatch", "SamplingRow", "TokenLogprobs", "make_seed"]
 
 _U64 = (1 << 64) - 1
-
-
-@dataclass
-class SamplingRow:
-    """Everything the sampler needs to know about one request row in this step.
-
-    Attributes:
-        params: the request's sampling parameters.
-        seed: the row's noise stream (see ``make_seed``) when the request is seeded;
-            ``None`` means the row draws from the sampler's own stream.
-        prompt_token_ids: the prompt, for the repetition penalty.
-        output_token_ids: tokens generated so far, for penalties, min_tokens and the
-            position of a seeded row's draws.
-        min_tokens_blocked_ids: ids masked while ``len(output_token_ids) <
-            params.min_tokens`` (eos ids + stop_token_ids; the engine decides).
-    """
-
-    params: SamplingParams
-    seed: Optional[int] = None
-    prompt_token_ids: Sequence[int] = field(default_factory=list)
-    output_token_ids: Sequence[int] = field(default_factory=list)
-    min_tokens_blocked_ids: frozenset[int] = frozenset()
-
-
-@dataclass(frozen=True)
-class TokenLogprobs:
-    """Logprob information for one sampled token (raw model distribution).
-
-    Attributes:
-        token_id: the sampled token.
-        logprob: its log-probability under ``log_softmax(raw logits)``.
-        rank: 1 + the number of tokens with a strictly larger logprob.
-        top: the ``params.logprobs`` most likely ``(token_id, logprob)``, best first.
-    """
-
-    token_id: int
-    logprob: float
-    rank: int
-    top: list[tuple[int, float]]
 
 
 @dataclass
@@ -104,22 +68,6 @@ class SamplerOutput:
 
     token_ids: list[int]
     logprobs: list[Optional[TokenLogprobs]]
-
-
-def make_seed(seed: Optional[int], index: int = 0) -> Optional[int]:
-    """The noise stream of child ``index`` of a request seeded with ``seed`` (``n > 1``).
-
-    Child 0 uses ``seed`` itself. Other children use the first 8 bytes (little-endian) of
-    ``SHA-256(b"pagoda-sampler-child-v1" || u64le(seed) || u32le(index))``: deterministic
-    across processes (no ``hash()``) and different for every index.
-
-    Returns:
-        The child's stream seed, or ``None`` when ``seed`` is ``None``.
-    """
-    if seed is None or index == 0:
-        return seed
-    digest = hashlib.sha256(b"pagoda-sampler-child-v1" + struct.pack("<QI", seed, index)).digest()
-    return int.from_bytes(digest[:8], "little")
 
 
 class Sampler:
@@ -142,49 +90,46 @@ class Sampler:
         self._stream_seed = (seed * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019) & _U64
         self._num_stream_draws = 0
 
-    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow],
-                 token_bitmask: Optional[TokenBitmask] = None) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """Sample one token for each row.
 
         Args:
             logits: ``[num_rows, >= vocab_size]`` float logits on any device; not modified.
-            rows: one ``SamplingRow`` per logits row, in the same order.
-            token_bitmask: allowed tokens of the rows that follow a grammar, or ``None``.
+            batch: the step's ``SamplingBatch``, one row per logits row, in the same order.
 
         Returns:
             ``SamplerOutput`` with one token id (and optional logprobs) per row.
         """
-        raw_logits = self._cut_padding(logits, rows)  # [N, V]
-        processed = self.process_logits(raw_logits, rows, token_bitmask)  # [N, V]
-        random_rows = [i for i, row in enumerate(rows) if not row.params.is_greedy]
-        if len(random_rows) == len(rows):
-            token_ids = self._sample(processed, rows)
+        raw_logits = self._cut_padding(logits, batch.rows)  # [N, V]
+        processed = self.process_logits(raw_logits, batch)  # [N, V]
+        if len(batch.random_rows) == len(batch):
+            token_ids = self._sample(processed, batch.random)
         else:
             token_ids = processed.argmax(dim=-1)  # [N]; final for greedy rows
-            if random_rows:
-                index = to_device(random_rows, torch.int64, logits.device)
-                token_ids[index] = self._sample(processed[index], [rows[i] for i in random_rows])
-        return _to_host(raw_logits, rows, token_ids)
+            if batch.random_rows:
+                index = to_device(list(batch.random_rows), torch.int64, logits.device)
+                token_ids[index] = self._sample(processed[index], batch.random)
+        return _to_host(raw_logits, batch.rows, batch.logprob_rows, token_ids)
 
-    def process_logits(self, logits: torch.Tensor, rows: Sequence[SamplingRow],
-                       token_bitmask: Optional[TokenBitmask] = None) -> torch.Tensor:
-        """Stage 2 (the logits processors, then the grammar); greedy rows take the argmax
+    def process_logits(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Stage 2 (the logits processors, the grammar last); greedy rows take the argmax
         of the result.
 
         Args:
             logits: ``[num_rows, >= vocab_size]`` logits; not modified.
-            rows: one ``SamplingRow`` per logits row.
-            token_bitmask: allowed tokens of the rows that follow a grammar, or ``None``.
+            batch: the step's ``SamplingBatch``, one row per logits row.
 
         Returns:
             A new ``[num_rows, vocab_size]`` float32 tensor.
         """
         logits = logits[:, : self.vocab_size].to(torch.float32, copy=True)
         for processor in self.logits_processors:
-            logits = processor(logits, rows)
-        if token_bitmask is not None:
-            apply_token_bitmask(logits, token_bitmask)
+            logits = processor(logits, batch)
         return logits
+
+    def make_batch(self, rows: Sequence[SamplingRow], token_bitmask: Optional[TokenBitmask] = None) -> SamplingBatch:
+        """``SamplingBatch.build`` for this sampler's vocabulary."""
+        return SamplingBatch.build(rows, self.vocab_size, token_bitmask)
 
     def filter_logits(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """Stage 4's transforms for random rows, dense: temperature-scaled logits with every
@@ -224,7 +169,8 @@ class Sampler:
             rows: one ``SamplingRow`` per logits row.
             token_ids: ``[R]`` the token chosen at each row.
         """
-        return _to_host(self._cut_padding(logits, rows), rows, token_ids).logprobs
+        wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+        return _to_host(self._cut_padding(logits, rows), rows, wanted, token_ids).logprobs
 
     def _cut_padding(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         if logits.dim() != 2 or logits.shape[0] != len(rows):
@@ -233,22 +179,33 @@ class Sampler:
             raise ValueError(f"logits: {logits.shape[1]} columns, fewer than vocab_size={self.vocab_size}")
         return logits[:, : self.vocab_size].float()
 
-    def _sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, random: RandomInputs) -> torch.Tensor:
         """Stage 4 for random rows; ``[R]`` token ids on the logits' device."""
-        params = RandomRows.build([row.params for row in rows], self._keys(rows), self.vocab_size, logits.device)
+        params = RandomRows.upload(random.params, self._batch_keys(random), logits.device)
         scaled = logits.div_(params.temperature[:, None])  # ``logits`` is this call's own copy
         needs_candidates = params.needs_candidates(self.vocab_size)
         filtered = [i for i, needed in enumerate(needs_candidates) if needed]
-        if len(filtered) == len(rows):
+        if len(filtered) == len(needs_candidates):
             return race_candidates(scaled, params)
         if not filtered:
             return race_dense(filter_dense(scaled, params), params.keys)
         plain = [i for i, needed in enumerate(needs_candidates) if not needed]
-        tokens = torch.empty(len(rows), dtype=torch.int64, device=logits.device)
+        tokens = torch.empty(len(needs_candidates), dtype=torch.int64, device=logits.device)
         for group, sample in ((filtered, race_candidates), (plain, _race_plain)):
             index = to_device(group, torch.int64, logits.device)
             tokens[index] = sample(scaled[index], params.select(group))
         return tokens
+
+    def _batch_keys(self, random: RandomInputs):
+        """``_keys`` for a batch's random rows, vectorised: unseeded rows take the next
+        counters of the stream, in row order."""
+        seeds, positions = random.seeds.copy(), random.positions.copy()
+        num_stream = int(random.is_stream.sum())
+        seeds[random.is_stream] = self._stream_seed
+        positions[random.is_stream] = np.arange(self._num_stream_draws, self._num_stream_draws + num_stream,
+                                                dtype=np.uint64)
+        self._num_stream_draws += num_stream
+        return row_keys(seeds, positions)
 
     def _keys(self, rows: Sequence[SamplingRow], offsets: Optional[Sequence[int]] = None):
         """Host row keys: a seeded row's at its output position (+ offset); unseeded rows
@@ -273,12 +230,13 @@ def _race_plain(scaled: torch.Tensor, params: RandomRows) -> torch.Tensor:
     return race_dense(filter_dense(scaled, params), params.keys)
 
 
-def _to_host(raw_logits: torch.Tensor, rows: Sequence[SamplingRow], token_ids: torch.Tensor) -> SamplerOutput:
+def _to_host(raw_logits: torch.Tensor, rows: Sequence[SamplingRow], wanted: Sequence[int],
+             token_ids: torch.Tensor) -> SamplerOutput:
     """The call's one device-to-host transfer: token ids, plus raw-mode logprobs (see the
-    module docstring) for rows with ``params.logprobs`` set, packed in one float64 tensor
-    (ids and ranks are exact in it)."""
+    module docstring) for the ``wanted`` rows, packed in one float64 tensor (ids and ranks
+    are exact in it)."""
     num_rows = len(rows)
-    wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+    wanted = list(wanted)
     if not wanted:
         return SamplerOutput(token_ids.tolist(), [None] * num_rows)
     index = to_device(wanted, torch.int64, raw_logits.device)

@@ -9,7 +9,8 @@ appended to the request, so no block holding them is ever hashed or cached).
 Modules, in the order a step uses them:
 
 * ``window``: how many tokens to draft per request (adaptive EWMA/cost model, or fixed);
-* ``ngram_proposer`` / ``draft_model_proposer``: the proposers;
+* ``ngram_proposer`` / ``draft_model_proposer``: the proposers, found by name in
+  ``registry.PROPOSERS`` (``EngineConfig.speculative_method``);
 * ``draft``: the proposer interface and the three verification modes;
 * ``rejection_sampler``: modified rejection sampling and the greedy/seeded verifiers;
 * ``speculator``: the glue ``EngineCore`` calls.

@@ -31,7 +31,7 @@ from typing import Optional
 import torch
 
 from pagoda.engine.request import Request
-from pagoda.engine.sampling.sampler import SamplingRow
+from pagoda.engine.sampling.row import SamplingRow
 
 
 class VerifyMode(enum.Enum):

@@ -225,7 +225,7 @@ class DraftModelProposer:
     def _sample(self, logits: torch.Tensor, active, drafts, probs, noise) -> None:
         """Append one draft token per active request (row ``i`` of ``logits``)."""
         rows = [with_outputs(item.row, drafts[item.request.request_id]) for item, _ in active]
-        processed = self.sampler.process_logits(logits, rows)  # [A, V]
+        processed = self.sampler.process_logits(logits, self.sampler.make_batch(rows))  # [A, V]
         chosen = processed.argmax(dim=-1)
         random = [i for i, (item, _) in enumerate(active) if item.mode != VerifyMode.GREEDY]
         if random:

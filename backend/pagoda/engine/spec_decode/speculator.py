@@ -9,21 +9,20 @@ Per engine step (see ``EngineCore.step``):
    ``k`` tokens. The result is the ``spec_token_ids`` argument of ``schedule``; drafts are
    ordinary scheduled tokens there, inside the same token budget (the scheduler may cut
    a draft short, or drop it rather than preempt anyone).
-2. ``sample(logits, items) -> ModelRunnerOutput``, after ``ModelRunner.execute``: requests without drafts go
-   through the plain ``Sampler`` in one batch; requests with drafts are verified from the
-   ``1 + n`` logits rows the runner returns for them (``draft.py`` for the three modes,
-   ``rejection_sampler.py`` for the math), with the grammar's bitmask (structured output)
-   applied to the target's logits rows first. Tokens (accepted drafts, then one more) and
-   raw logprobs go back to the engine; ``Scheduler.update_from_output`` rolls the KV of
-   rejected drafts back.
+2. ``sample(logits, items, token_bitmask)``, inside ``ModelRunner.execute`` after the
+   forward: requests without drafts go through the plain ``Sampler`` in one batch;
+   requests with drafts are verified from the ``1 + n`` logits rows the runner computed
+   for them (``draft.py`` for the three modes, ``rejection_sampler.py`` for the math), the
+   grammar (structured output) masking the target's rows as the last logits processor.
+   Tokens (accepted drafts, then one more) and raw logprobs go back in the runner's
+   ``ModelRunnerOutput``; ``Scheduler.update_from_output`` rolls the KV of rejected
+   drafts back.
 3. ``release(ids)`` when requests finish: frees their draft KV and acceptance estimates.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Iterable, Optional, Union
 
 import torch
@@ -31,17 +30,14 @@ import torch
 from pagoda.engine.config import EngineConfig
 from pagoda.engine.guided.bitmask import TokenBitmask
 from pagoda.engine.request import Request, RequestStatus
-from pagoda.engine.runner.runner_output import ModelRunnerOutput
 from pagoda.engine.sampling.sampler import Sampler, TokenLogprobs
 from pagoda.engine.spec_decode.draft import Draft, DraftRequest, VerifyMode, with_outputs
-from pagoda.engine.spec_decode.draft_model_proposer import DraftModelProposer, make_layer_skip_draft
-from pagoda.engine.spec_decode.ngram_proposer import NgramProposer
+from pagoda.engine.spec_decode.registry import PROPOSERS, Proposer
 from pagoda.engine.spec_decode.rejection_sampler import coupled_verify, greedy_verify, rejection_sample
 from pagoda.engine.spec_decode.window import SATURATION_TOKENS, AcceptanceEstimate, AdaptiveWindow, FixedWindow
 from pagoda.models.config import ModelConfig
 from pagoda.models.llama import LlamaForCausalLM
 
-Proposer = Union[DraftModelProposer, NgramProposer]
 # Acceptance assumed for a request before it has been observed, until the server has data.
 _PRIOR_ACCEPTANCE = 0.6
 
@@ -83,32 +79,15 @@ class SpeculativePlan:
         """None when speculation is off. Raises ValueError for an unusable draft folder."""
         if config.speculative_method is None:
             return None
-        if config.speculative_method == "ngram":
-            return cls(config)
-        draft_model = None
-        draft_config = model_config
-        if config.speculative_model is not None:
-            from pagoda.models.loader import load_model
-
-            if not (Path(config.speculative_model) / "config.json").exists():
-                raise ValueError(f"speculative_model: no config.json in {config.speculative_model!r}")
-            draft_model = load_model(config.speculative_model, dtype=dtype, device=device)
-            draft_config = draft_model.config
-        if config.speculative_draft_num_layers is not None:
-            draft_config = dataclasses.replace(draft_config, num_hidden_layers=config.speculative_draft_num_layers)
+        draft_config, draft_model = PROPOSERS[config.speculative_method].load_draft(config, model_config, device,
+                                                                                    dtype)
         return cls(config, draft_config, draft_model)
 
     def build(self, model_config: ModelConfig, target: LlamaForCausalLM, num_blocks: int, sampler: Sampler,
               max_model_len: int) -> "Speculator":
         cfg = self.config
-        if cfg.speculative_method == "ngram":
-            proposer: Proposer = NgramProposer()
-        else:
-            draft = self.draft_model if self.draft_model is not None else target
-            if cfg.speculative_draft_num_layers is not None:
-                draft = make_layer_skip_draft(draft, cfg.speculative_draft_num_layers)
-            proposer = DraftModelProposer(draft, model_config, num_blocks, cfg.block_size, sampler,
-                                          cfg.max_num_batched_tokens, max_model_len, seed=cfg.seed + 1)
+        proposer = PROPOSERS[cfg.speculative_method].build(cfg, model_config, target, self.draft_model, num_blocks,
+                                                           sampler, max_model_len)
         if cfg.spec_adaptive:
             window = AdaptiveWindow(cfg.num_speculative_tokens, proposer.draft_cost,
                                     SATURATION_TOKENS.get(target.device.type, SATURATION_TOKENS["cuda"]))
@@ -169,8 +148,9 @@ class Speculator:
 
     # 2. verify --------------------------------------------------------------------------
     def sample(self, logits: torch.Tensor, items: list, token_bitmask: Optional[TokenBitmask] = None,
-               ) -> ModelRunnerOutput:
-        """Tokens (and raw logprobs, ``None`` entries when not asked for) per sampling request.
+               ) -> tuple[list[list[int]], list[list[Optional[TokenLogprobs]]]]:
+        """Tokens (and raw logprobs, ``None`` entries when not asked for) per sampling
+        request, in ``items`` order (the runner wraps them in its ``ModelRunnerOutput``).
 
         Args:
             logits: ``ModelRunner.execute``'s rows: ``1 + len(item.spec_token_ids)`` per item.
@@ -188,7 +168,7 @@ class Speculator:
         if plain:
             rows = [items[i].request.sampling_state for i in plain]
             mask = token_bitmask.select([starts[i] for i in plain]) if token_bitmask is not None else None
-            result = self.sampler(logits[[starts[i] for i in plain]], rows, mask)
+            result = self.sampler(logits[[starts[i] for i in plain]], self.sampler.make_batch(rows, mask))
             for i, token_id, lp in zip(plain, result.token_ids, result.logprobs):
                 tokens[items[i].request.request_id] = [token_id]
                 logprobs[items[i].request.request_id] = [lp]
@@ -197,7 +177,7 @@ class Speculator:
             self._verify(logits, spec, tokens, logprobs, token_bitmask)
         self._drafts = {}
         req_ids = [item.request.request_id for item in items]
-        return ModelRunnerOutput(req_ids, [tokens[i] for i in req_ids], [logprobs[i] for i in req_ids])
+        return [tokens[i] for i in req_ids], [logprobs[i] for i in req_ids]
 
     def _verify(self, logits, spec, tokens, logprobs, token_bitmask=None) -> None:
         ext_rows, raw_index = [], []
@@ -207,7 +187,7 @@ class Speculator:
             raw_index += range(start, start + len(drafts) + 1)
         raw = logits[raw_index]  # [sum(n + 1), >= V]
         mask = token_bitmask.select(raw_index) if token_bitmask is not None else None
-        processed = self.sampler.process_logits(raw, ext_rows, mask)  # [sum(n + 1), V]; grammar rows masked
+        processed = self.sampler.process_logits(raw, self.sampler.make_batch(ext_rows, mask))  # [sum(n + 1), V]
         random = [i for i, r in enumerate(ext_rows) if not r.params.is_greedy]
         probs = torch.zeros_like(processed)
         filtered = torch.full_like(processed, float("-inf"))

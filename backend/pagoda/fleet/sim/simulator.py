@@ -38,6 +38,7 @@ from typing import Optional
 from pagoda.contracts.block_hash import hash_prompt_blocks
 from pagoda.engine.request import Request
 from pagoda.engine.sampling_params import SamplingParams
+from pagoda.engine.runner.runner_output import ModelRunnerOutput
 from pagoda.engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pagoda.fleet.routing.affinity import PendingIndex
 from pagoda.fleet.routing.decide import confirms_pending, decide
@@ -173,7 +174,7 @@ class SimReplica:
     def finish_step(self):
         out, self.current = self.current, None
         sampled = {s.request.request_id: [FAKE_TOKEN] for s in out.scheduled if s.is_sampling}
-        return self.scheduler.update_from_output(out, sampled)
+        return self.scheduler.update_from_output(ModelRunnerOutput.from_tokens(out.step_id, sampled))
 
 
 @dataclass

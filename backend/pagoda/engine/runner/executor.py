@@ -1,0 +1,142 @@
+"""The device side of the engine, as the core drives it: ``Executor`` and ``make_executor``.
+
+``make_executor`` (called by ``LLMEngine``) builds everything that touches the device:
+the ``ModelRunner`` (weights, KV cache, CUDA graphs, the ``Sampler`` and, with
+speculative decoding, the ``Speculator``), the host KV tier with its swap cost model,
+the device worker (inline, or one thread with async scheduling) and the ``DeviceTimer``.
+The ``EngineCore`` receives the result through its ``pagoda.engine.core.device.Executor``
+protocol and never imports torch.
+
+One launched step (``Executor.launch``) is one *device job*, run by the worker in launch
+order: the KV-tier copies, then ``ModelRunner.execute`` (forward; wait for the gate and
+fill the grammar bitmask; sample or verify drafts). With async scheduling the bitmask is
+filled on the worker thread: the host advanced the matchers before it opened the gate,
+and it advances them again only after this job ended, so the job reads them alone. The
+job's ``ModelRunnerOutput`` carries the step's id, so ``Scheduler.update_from_output``
+needs nothing else.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from typing import Any, Callable, Iterable, Optional
+
+from pagoda.engine.config import EngineConfig
+from pagoda.engine.guided.bitmask import TokenBitmask
+from pagoda.engine.guided.manager import GuidedDecodingManager
+from pagoda.engine.kv.host_tier import SwapCostModel
+from pagoda.engine.request import Request
+from pagoda.engine.runner.device_worker import DeviceTimer, InlineWorker, StepHandle, ThreadWorker
+from pagoda.engine.runner.host_kv_cache import HostKVCache, calibrate
+from pagoda.engine.runner.model_runner import ModelRunner, resolve_device, resolve_dtype
+from pagoda.engine.runner.runner_output import ModelRunnerOutput
+from pagoda.engine.spec_decode import SpeculativePlan, Speculator
+from pagoda.models.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+
+class Executor:
+    """Args:
+    runner: the model runner (it owns the sampler and the speculator).
+    guided: the structured-output manager; the device job fills its grammar bitmask
+        behind the gate (the previous step's tokens already advanced the matchers).
+    host_kv_cache: the host KV tier, or None without KV offload.
+    swap_cost_model: calibrated for ``preemption_mode="auto"``, else None.
+    is_async: jobs run on a worker thread (async scheduling), else inline.
+    """
+
+    def __init__(self, runner: ModelRunner, guided: GuidedDecodingManager, host_kv_cache: Optional[HostKVCache],
+                 swap_cost_model: Optional[SwapCostModel], is_async: bool) -> None:
+        self.runner = runner
+        self.guided = guided
+        self.host_kv_cache = host_kv_cache
+        self.swap_cost_model = swap_cost_model
+        self.is_async = is_async
+        self.worker = ThreadWorker() if is_async else InlineWorker()
+        self.timer = DeviceTimer()
+
+    @property
+    def num_blocks(self) -> int:
+        return self.runner.num_blocks
+
+    @property
+    def num_host_blocks(self) -> int:
+        return self.host_kv_cache.num_blocks if self.host_kv_cache is not None else 0
+
+    @property
+    def speculator(self) -> Optional[Speculator]:
+        return self.runner.speculator
+
+    def propose_drafts(self, running: list[Request]) -> Optional[dict[str, list[int]]]:
+        """Draft tokens per request for the next schedule; None without speculative decoding."""
+        return self.speculator.propose(running) if self.speculator is not None else None
+
+    def release(self, request_ids: Iterable[str]) -> None:
+        """Forget finished requests' device-side state (draft KV, acceptance estimates)."""
+        if self.speculator is not None:
+            self.speculator.release(request_ids)
+
+    def launch(self, scheduler_output, wait_previous: Optional[Callable[[], None]]) -> StepHandle:
+        """Queue one step's device job; ``wait_previous`` is the gate (see ``ModelRunner.execute``)."""
+        return self.worker.launch(functools.partial(self._job, scheduler_output, wait_previous))
+
+    def _job(self, scheduler_output, wait_previous: Optional[Callable[[], None]]) -> ModelRunnerOutput:
+        start = time.perf_counter()
+        waited = [0.0]
+        items = [item for item in scheduler_output.scheduled if item.is_sampling]
+
+        def before_sampling() -> Optional[TokenBitmask]:
+            if wait_previous is not None:
+                wait_start = time.perf_counter()
+                try:
+                    wait_previous()
+                finally:
+                    waited[0] = time.perf_counter() - wait_start
+            # Behind the gate: the previous step advanced the matchers (None without grammars).
+            return self.guided.prepare_bitmask(items) if items else None
+
+        if self.host_kv_cache is not None:  # KV offload copies run before the forward pass
+            self.host_kv_cache.execute(scheduler_output)
+        output = self.runner.execute(scheduler_output.scheduled, before_sampling)
+        output.step_id = scheduler_output.step_id
+        self.timer.record_job(start, time.perf_counter(), waited[0])
+        return output
+
+    def shutdown(self) -> None:
+        """Finish the queued jobs and stop the worker thread (if any)."""
+        self.worker.shutdown()
+
+
+def make_executor(config: EngineConfig, model_config: ModelConfig, model_path: str,
+                  make_grammar_backend: Optional[Callable[[], Any]] = None) -> Executor:
+    """The device side for ``config``: runner, host tier, worker, and the structured-output
+    manager (``make_grammar_backend`` builds its grammar backend on first use).
+
+    Raises:
+        ValueError: an unusable speculative draft folder, or a KV budget below one block.
+    """
+    device = resolve_device(config)
+    spec_plan = SpeculativePlan.from_config(config, model_config, device, resolve_dtype(config, device))
+    runner = ModelRunner(config, model_config, model_path, spec_plan=spec_plan)
+    if config.async_scheduling and spec_plan is not None:
+        logger.warning("async_scheduling is ignored with speculative decoding: steps run synchronously")
+    host_kv_cache, cost_model = _make_host_tier(config, runner)
+    guided = GuidedDecodingManager(make_grammar_backend, model_config.vocab_size, pin_memory=device.type == "cuda")
+    return Executor(runner, guided, host_kv_cache, cost_model, is_async=config.async_scheduling and spec_plan is None)
+
+
+def _make_host_tier(config: EngineConfig, runner: ModelRunner) -> tuple[Optional[HostKVCache], Optional[SwapCostModel]]:
+    """(host KV cache, swap cost model) for ``cpu_offload_bytes > 0``, else (None, None).
+    The cost model is calibrated only for ``preemption_mode="auto"``."""
+    if config.cpu_offload_bytes == 0:
+        return None, None
+    host = HostKVCache.for_runner(runner, config.cpu_offload_bytes)
+    if config.preemption_mode != "auto":
+        return host, None
+    model = calibrate(host, runner, config.offload_copy_bandwidth, config.offload_copy_latency_s,
+                      config.prefill_s_per_token)
+    logger.info("KV offload: %d host blocks; swap cost model %s", host.num_blocks, model)
+    return host, model
