@@ -153,19 +153,44 @@ def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 
 
 def cycle_imports(imports: list[Import], key) -> list[Import]:
-    """The imports whose two ends (mapped by ``key``) lie in one cycle of the ``key`` graph."""
+    """The imports along one shortest cycle of each cycle of the ``key`` graph (``key`` maps a
+    module to its node): a cycle that a new import closes always runs through it."""
     edges: dict[str, set[str]] = {}
-    for i in imports:
+    first: dict[tuple[str, str], Import] = {}
+    for i in sorted(imports, key=str):
         a, b = key(i.source), key(i.target)
         if a != b:
             edges.setdefault(a, set()).add(b)
-    members = {node: n for n, component in enumerate(_cycles(edges)) for node in component}
-    return [i for i in imports if key(i.source) != key(i.target)
-            and members.get(key(i.source), -1) == members.get(key(i.target), -2)]
+            first.setdefault((a, b), i)
+    found = []
+    for component in _cycles(edges):
+        path = _shortest_cycle(component[0], edges, set(component))
+        found += [first[(a, b)] for a, b in zip(path, path[1:])]
+    return found
+
+
+def _shortest_cycle(start: str, edges: dict[str, set[str]], members: set[str]) -> list[str]:
+    """``start -> ... -> start`` through ``members``, fewest hops (breadth first)."""
+    parents: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        following = []
+        for node in frontier:
+            for nxt in sorted(edges.get(node, ()) & members):
+                if nxt == start:
+                    path = [node]
+                    while path[-1] != start:
+                        path.append(parents[path[-1]])
+                    return [start] + path[::-1][1:] + [start] if len(path) > 1 else [start, start]
+                if nxt not in parents:
+                    parents[nxt] = node
+                    following.append(nxt)
+        frontier = following
+    raise AssertionError(f"{start} is in a cycle but no path leads back to it")
 
 
 def _report(title: str, imports: list[Import]) -> str:
-    return title + ":\n" + "\n".join(f"  {i}" for i in sorted(imports, key=str))
+    return title + ":\n" + "\n".join(f"  {i}" for i in imports)
 
 
 def test_no_import_climbs_a_floor():
