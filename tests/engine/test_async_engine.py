@@ -145,11 +145,11 @@ def test_a_failed_step_is_undone_and_run_again(model, overlap):
     engine = _engine(model, overlap)
     execute, calls = engine.runner.execute, []
 
-    def failing_once(scheduled, *args):
-        calls.append(len(scheduled))
+    def failing_once(scheduler_output, *args):
+        calls.append(len(scheduler_output.scheduled))
         if len(calls) == 3:
             raise RuntimeError("device fault")
-        return execute(scheduled, *args)
+        return execute(scheduler_output, *args)
 
     engine.runner.execute = failing_once
     for request_id, (prompt, params) in requests.items():

@@ -28,7 +28,7 @@ def test_schedule_twice_then_apply_two_outputs():
     assert (a.num_computed_tokens, a.num_output_placeholders) == (6, 1)
     second = scheduler.schedule()  # before the first step's token is known
     assert plan(second) == [("a", 6, 1, True)]
-    assert second.scheduled[0].token_ids == [] and second.scheduled[0].num_placeholder_tokens == 1
+    assert second.scheduled[0].token_ids == [] and second.scheduled[0].num_runner_tokens == 1
     assert (a.num_computed_tokens, a.num_output_placeholders) == (7, 2)
 
     (update,) = scheduler.update_from_output(_sampled(a=50, step_id=first.step_id))

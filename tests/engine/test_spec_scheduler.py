@@ -36,9 +36,10 @@ def test_drafts_are_scheduled_tokens_and_rejections_roll_back():
     out = scheduler.schedule({"a": [50, 51, 52]})
     (item,) = out.scheduled
     assert (item.num_computed_tokens, item.num_new_tokens, item.is_sampling) == (6, 4, True)
-    assert item.token_ids == [7, 50, 51, 52] and item.spec_token_ids == [50, 51, 52]
+    # Token 7 is the runner's own sample: only the drafts travel, the runner puts 7 first.
+    assert item.token_ids == [50, 51, 52] and item.spec_token_ids == [50, 51, 52] and item.num_runner_tokens == 1
     assert out.total_num_scheduled_tokens == 4
-    assert len(item.block_ids) * 4 >= 10
+    assert len(scheduler.kv_cache_manager.get_block_ids("a")) * 4 >= 10
     # 50 accepted, 51 rejected and replaced by 60: positions 6 (token 7) and 7 (50) keep KV.
     (update,) = scheduler.update_from_output(ModelRunnerOutput.from_tokens(out.step_id, {"a": [50, 60]}))
     assert update.new_token_ids == [50, 60]

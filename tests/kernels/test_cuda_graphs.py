@@ -205,7 +205,7 @@ def test_padded_replay_matches_eager_steps_through_the_triton_kernels(tiny_folde
         assert graphed.graphs.can_run(step) == is_decode
         expected = eager.compute_logits(step)
         if placeholders:
-            step = [SimpleNamespace(**{**vars(s), "token_ids": [], "request": SimpleNamespace(request_id=name)})
+            step = [SimpleNamespace(**{**vars(s), "token_ids": [], "request_id": name})
                     if name in lens else s for (name, _), s in zip(entries, step)]
         actual = graphed.compute_logits(step)
         if placeholders:

@@ -1,9 +1,24 @@
-"""What one ``schedule()`` hands the device side: the step's plan, per request.
+"""What one ``schedule()`` hands the device side: the step's plan, as a delta.
 
 The contract between the scheduler (``engine.core``) and the runner (``engine.runner``):
-the runner reads it, never the scheduler's state. Token ids travel only where the runner
-cannot know them: ``ScheduledRequest.token_ids`` are this step's tokens (a prompt chunk,
-a decode's last token, then the drafts), and ``block_ids`` is the request's block table.
+the runner reads it, never the scheduler's state. It carries only what the runner cannot
+know, in the manner of vLLM v1's ``NewRequestData`` / ``CachedRequestData``; the runner
+keeps the rest per request (``engine.runner.request_states``), and ``core.runner_view``
+decides, on the scheduler's side, what the runner already holds. That is what a
+tensor-parallel step must broadcast and what a KV connector must know:
+
+* ``is_new``: the runner has not seen the request since its last (re)admission (first
+  schedule, after a preemption or a failed step); it starts a fresh state for it.
+* ``new_block_ids``: blocks appended to the request's table since the runner last saw it
+  (the whole table when ``is_new``); tables only grow while a request runs.
+* ``token_ids``: the step's input tokens from ``num_computed_tokens`` on, then the drafts,
+  less the first one when the runner sampled it (``num_runner_tokens == 1``: a decode of
+  a request the runner has sampled for since its admission; the token is a placeholder of
+  a step not yet applied, async scheduling, or the runner's last sampled token). Prompt
+  chunks, recomputed tokens and drafts always travel.
+* ``preempted_request_ids`` / ``finished_request_ids``: states the runner drops, before
+  it applies ``scheduled`` (an id may be preempted or finished and scheduled anew in
+  the same step).
 """
 
 from __future__ import annotations
@@ -16,19 +31,24 @@ from pagoda.engine.request import Request
 
 @dataclass
 class ScheduledRequest:
-    request: Request
+    request: Request  # the live request: the runner reads only its sampling state and adapter
     num_computed_tokens: int  # start position of this step's tokens
     num_new_tokens: int  # including spec_token_ids
-    # all_token_ids[num_computed_tokens : num_computed_tokens + num_new_tokens], then the drafts; shorter by
-    # one for a placeholder (async scheduling): the token the previous step samples, filled in by the runner
+    # The step's tokens (all_token_ids[num_computed_tokens : num_computed_tokens + num_new_tokens], then the
+    # drafts), less the first when the runner holds it (num_runner_tokens): see the module docstring.
     token_ids: list[int]
-    block_ids: list[int]  # the request's whole block table
+    is_new: bool  # the runner starts a fresh state for the request (its table is new_block_ids)
+    new_block_ids: list[int]  # blocks appended to the request's table since the runner last saw it
     is_sampling: bool  # this step reaches the end of the known tokens: sample one
     spec_token_ids: list[int] = field(default_factory=list)  # drafted tokens verified this step
 
     @property
-    def num_placeholder_tokens(self) -> int:
-        """Tokens the runner takes from its previous step's samples (0 or 1)."""
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def num_runner_tokens(self) -> int:
+        """Input tokens the runner supplies from its own samples (0 or 1, the first)."""
         return self.num_new_tokens - len(self.token_ids)
 
 
@@ -47,3 +67,10 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+    @property
+    def has_device_work(self) -> bool:
+        """Whether the device side must see this step: requests, KV copies, or runner
+        states to drop (every plan that changes the runner's states reaches it)."""
+        return bool(self.scheduled or self.blocks_to_swap_out or self.blocks_to_swap_in or self.blocks_to_copy_back
+                    or self.preempted_request_ids or self.finished_request_ids)

@@ -220,7 +220,7 @@ class EngineCore:
         try:
             scheduler_output = self._schedule()
             launched = None
-            if scheduler_output.scheduled or _has_copies(scheduler_output):
+            if scheduler_output.has_device_work:  # requests, KV copies, or runner states to drop
                 launched = self._launch(scheduler_output, previous)
         except BaseException:
             if previous is not None:
@@ -360,8 +360,3 @@ def _core_output(update: RequestUpdate, logprobs: list) -> EngineCoreOutput:
         num_cached_tokens=max(request.num_cached_tokens, 0),
         first_scheduled_time=request.metrics.first_scheduled_time,
     )
-
-
-def _has_copies(scheduler_output: SchedulerOutput) -> bool:
-    return bool(scheduler_output.blocks_to_swap_out or scheduler_output.blocks_to_swap_in
-                or scheduler_output.blocks_to_copy_back)

@@ -33,10 +33,11 @@ rules and caches the blocks the step filled. It takes only the runner's
 Overlap (``EngineConfig.async_scheduling``): because ``schedule()`` already counts step
 N's tokens, step N+1 can be scheduled before step N's results are applied. A request
 that samples in step N is then scheduled in step N+1 for its placeholder: one token
-whose id is unknown on the host (``ScheduledRequest.token_ids`` holds only the known
-ones); the runner substitutes the token it sampled in step N, which it keeps on the
-device. At most one step is unapplied when ``schedule()`` runs, so a request has at most
-one placeholder then, and a waiting request none. Results may arrive late for requests
+whose id is unknown on the host (``ScheduledRequest.token_ids`` leaves it out, as for
+every decode of a token the runner sampled: the plan is a delta, ``core.runner_view``);
+the runner substitutes the token it sampled in step N, which it keeps on the device.
+At most one step is unapplied when ``schedule()`` runs, so a request has at most one
+placeholder then, and a waiting request none. Results may arrive late for requests
 that changed state since their step was scheduled: tokens for a request that finished or
 was aborted meanwhile are dropped (its blocks were freed when it finished; the late
 step's KV writes land in freed blocks before any later step reuses them, as steps run in
@@ -78,6 +79,7 @@ from pagoda.contracts.kv_events import KVEvent, KVEventBuffer
 from pagoda.engine.core.admit_waiting import WaitingAdmitter
 from pagoda.engine.core.constraints import make_constraints
 from pagoda.engine.core.policy import get_policy
+from pagoda.engine.core.runner_view import RunnerView
 from pagoda.engine.core.scheduler_config import SchedulerConfig
 from pagoda.engine.core.step_plan import StepPlan
 from pagoda.engine.kv.block_pool import BlockPool
@@ -122,6 +124,7 @@ class Scheduler:
         self._num_added = 0
         self._num_steps = 0
         self._unapplied: dict[int, SchedulerOutput] = {}  # step id -> a step whose results are not applied
+        self.runner_view = RunnerView()  # what the runner holds: the step plan is a delta
         self.constraints = make_constraints(config.max_loras, config.min_shared_prefix_to_wait)
         self.admitter = WaitingAdmitter(self.waiting, self.running, self.kv_cache_manager, self.host_tier,
                                         self.policy, self.constraints, self._preempt, config.max_num_seqs,
@@ -182,6 +185,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         self.host_tier.free_request(request.request_id)
         del self.requests[request.request_id]
+        self.runner_view.forget(request.request_id)
         self._finished_request_ids.append(request.request_id)
 
     # One step ------------------------------------------------------------------------
@@ -226,15 +230,13 @@ class Scheduler:
         assert not (drafts and request.num_output_placeholders), "drafts need the previous step applied"
         assert end <= request.num_tokens + request.num_output_placeholders, "scheduled past the placeholders"
         assert request.num_tokens >= end - 1, "more than one placeholder token in a step"
-        scheduled = ScheduledRequest(
-            request=request,
-            num_computed_tokens=start,
-            num_new_tokens=num_new,
-            token_ids=request.all_token_ids[start:end] + drafts,
-            block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
-            is_sampling=end == request.num_tokens + request.num_output_placeholders,
-            spec_token_ids=drafts,
-        )
+        is_sampling = end == request.num_tokens + request.num_output_placeholders
+        # A delta: blocks and tokens the runner lacks (core.runner_view).
+        is_new, new_block_ids, skip = self.runner_view.plan(
+            request, start, self.kv_cache_manager.get_block_ids(request.request_id), is_sampling)
+        scheduled = ScheduledRequest(request, num_computed_tokens=start, num_new_tokens=num_new,
+                                     token_ids=request.all_token_ids[start + skip:end] + drafts, is_new=is_new,
+                                     new_block_ids=new_block_ids, is_sampling=is_sampling, spec_token_ids=drafts)
         request.num_computed_tokens += num_new
         if scheduled.is_sampling:
             request.num_output_placeholders += 1
@@ -299,6 +301,7 @@ class Scheduler:
             request.num_computed_tokens = 0
             self.num_recomputed_preemptions += 1
         self.kv_cache_manager.free(request)
+        self.runner_view.forget(request.request_id)  # the runner drops it on preempted_request_ids
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions_total += 1
@@ -386,6 +389,7 @@ class Scheduler:
             request = scheduled.request
             if self.requests.get(request.request_id) is not request:
                 continue
+            self.runner_view.forget(request.request_id)  # the runner may not have applied the step
             if scheduled.is_sampling:
                 request.num_output_placeholders -= 1
             if request.status == RequestStatus.RUNNING:

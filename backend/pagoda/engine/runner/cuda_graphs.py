@@ -121,7 +121,7 @@ class DecodeInputs:
         """Copy a decode-only step into the first ``batch_size`` rows, padding the rest.
 
         Args:
-            scheduled: ``ScheduledRequest``-like items with ``num_new_tokens == 1``
+            scheduled: ``StepInput``-like items with ``num_new_tokens == 1``
                 (``token_ids``, ``num_computed_tokens``, ``block_ids``).
             batch_size: the captured size to pad to (>= ``len(scheduled)``).
         """

@@ -8,8 +8,10 @@ The ``EngineCore`` receives the result through its ``pagoda.engine.core.device.E
 protocol and never imports torch.
 
 One launched step (``Executor.launch``) is one *device job*, run by the worker in launch
-order: the KV-tier copies, then ``ModelRunner.execute`` (forward; wait for the gate and
-fill the grammar bitmask; sample or verify drafts). With async scheduling the bitmask is
+order: the KV-tier copies, then ``ModelRunner.execute`` (the plan's deltas into the
+runner's request states; forward; wait for the gate and fill the grammar bitmask; sample
+or verify drafts). The core launches every plan with device work, including one that only
+drops runner states (``SchedulerOutput.has_device_work``), so the deltas arrive in order. With async scheduling the bitmask is
 filled on the worker thread: the host advanced the matchers before it opened the gate,
 and it advances them again only after this job ended, so the job reads them alone. The
 job's ``ModelRunnerOutput`` carries the step's id, so ``Scheduler.update_from_output``
@@ -100,7 +102,7 @@ class Executor:
 
         if self.host_kv_cache is not None:  # KV offload copies run before the forward pass
             self.host_kv_cache.execute(scheduler_output)
-        output = self.runner.execute(scheduler_output.scheduled, before_sampling)
+        output = self.runner.execute(scheduler_output, before_sampling)
         output.step_id = scheduler_output.step_id
         self.timer.record_job(start, time.perf_counter(), waited[0])
         return output

@@ -138,7 +138,7 @@ def calibrate(host: HostKVCache, runner: ModelRunner, bandwidth: float | None = 
 
 
 class PrefillItem:
-    """A stand-in for ``ScheduledRequest`` (the runner reads only these fields)."""
+    """A stand-in for ``StepInput`` (``compute_logits`` reads only these fields)."""
 
     def __init__(self, token_ids: list[int], block_ids: list[int]) -> None:
         self.token_ids = token_ids
@@ -147,6 +147,8 @@ class PrefillItem:
         self.block_ids = block_ids
         self.is_sampling = True
         self.spec_token_ids: list[int] = []
+        self.adapter_id = None
+        self.request_id = ""
 
 
 def measure_prefill_s_per_token(runner: ModelRunner, max_tokens: int = 128, repeats: int = 2) -> float:

@@ -16,11 +16,14 @@ the step's grammar bitmask, filled from matchers that are current then), the run
 Python values. The runner owns the ``Sampler`` and the ``Speculator``; the engine core
 never sees logits.
 
-Placeholders (async scheduling, see ``scheduler.py``): a step may be scheduled before
-the previous one's tokens reach the host. Such a request's input token is the one the
-runner sampled for it in the previous step; the ``StepSampler`` keeps those tokens on the
-device and ``compute_logits`` gathers them into the input ids there, so no
-device-to-host round trip sits between two steps.
+The step plan is a delta (``engine.scheduler_output``): ``execute`` first applies it to
+``self.requests`` (``request_states.py``: each request's block table and last sampled
+token), and the forward reads the resulting ``StepInput``s, never a ``ScheduledRequest``'s
+table. A decode's input token is one the runner sampled, so the plan leaves it out:
+placeholders (async scheduling, see ``scheduler.py``: the step was scheduled before the
+previous one's tokens reached the host) are gathered from the device, where the
+``StepSampler`` keeps the previous step's tokens, so no device-to-host round trip sits
+between two steps; other decodes take the host copy ``RequestStates.record`` kept.
 
 With a draft model (speculative decoding), the draft's KV cache gets as many blocks as
 the target's, and the budget pays for both: ``draft_config`` adds its per-block bytes.
@@ -42,9 +45,11 @@ from pagoda.engine.config import EngineConfig
 from pagoda.engine.runner.cuda_graphs import DecodeGraphs
 from pagoda.engine.lora.manager import LoRAManager
 from pagoda.engine.guided.bitmask import TokenBitmask
+from pagoda.engine.runner.request_states import RequestStates
 from pagoda.engine.runner.runner_output import ModelRunnerOutput
 from pagoda.engine.runner.step_sampler import StepSampler
 from pagoda.engine.sampling.sampler import Sampler
+from pagoda.engine.scheduler_output import SchedulerOutput
 from pagoda.engine.spec_decode import SpeculativePlan, Speculator
 from pagoda.kernels import AttentionMetadata
 from pagoda.models.config import ModelConfig
@@ -122,6 +127,7 @@ class ModelRunner:
         speculator = spec_plan.build(model_config, self.model, self.num_blocks, self.sampler,
                                      model_config.check_max_model_len(config.max_model_len)) if spec_plan else None
         self.step_sampler = StepSampler(self.sampler, speculator, self.device)
+        self.requests = RequestStates()  # block tables and last tokens, kept from the plans' deltas
         # Async scheduling keeps each step's tokens for the next step's placeholders.
         self.keeps_last_sampled = config.async_scheduling and speculator is None
 
@@ -148,12 +154,14 @@ class ModelRunner:
                 "raise kv_cache_memory_bytes / gpu_memory_utilization")
         return int(num_blocks)
 
-    def execute(self, scheduled,
+    def execute(self, scheduler_output: SchedulerOutput,
                 before_sampling: Optional[Callable[[], Optional[TokenBitmask]]] = None) -> ModelRunnerOutput:
-        """Run one step: the forward pass, the gate, sampling (or draft verification).
+        """Run one step: the deltas into the request states, the forward pass, the gate,
+        sampling (or draft verification).
 
         Args:
-            scheduled: ``SchedulerOutput.scheduled`` (see ``compute_logits``).
+            scheduler_output: the step's plan, a delta (``engine.scheduler_output``);
+                ``self.requests`` turns it into the forward's inputs.
             before_sampling: the gate, called between the forward and sampling: blocks
                 until the previous step's tokens are applied (raises if that step
                 failed), then returns the grammar masks of the step's logits rows (or
@@ -161,10 +169,13 @@ class ModelRunner:
         Returns:
             The sampled tokens and raw logprobs of every request with ``is_sampling``.
         """
-        logits = self.compute_logits(scheduled) if scheduled else None
+        inputs = self.requests.update(scheduler_output, self.step_sampler.kept_request_ids)
+        logits = self.compute_logits(inputs) if inputs else None
         # Sampling reads state that applying the previous step changes (histories, matchers).
         token_bitmask = before_sampling() if before_sampling is not None else None
-        output = self.step_sampler(logits, [item for item in scheduled if item.is_sampling], token_bitmask)
+        items = [item for item in scheduler_output.scheduled if item.is_sampling]
+        output = self.step_sampler(logits, items, token_bitmask)
+        self.requests.record(output)
         if self.keeps_last_sampled:
             self.step_sampler.keep_last(output)
         return output
@@ -174,9 +185,11 @@ class ModelRunner:
         """The step's forward pass.
 
         Args:
-            scheduled: ``SchedulerOutput.scheduled`` — per request: ``token_ids``,
-                ``num_computed_tokens`` (start position), ``num_new_tokens``,
-                ``block_ids``, ``is_sampling``, ``spec_token_ids``.
+            scheduled: the step's ``StepInput``s (``request_states.py``), in batch order —
+                per request: ``token_ids`` (one short when its first token is gathered on
+                the device), ``num_computed_tokens`` (start position),
+                ``num_new_tokens``, ``block_ids`` (the whole table), ``is_sampling``,
+                ``spec_token_ids``, ``adapter_id``, ``request_id``.
         Returns:
             float32 logits ``[num_rows, vocab]``, in batch order: for each request with
             ``is_sampling`` set, ``1 + len(spec_token_ids)`` rows (its last known token,
@@ -185,7 +198,7 @@ class ModelRunner:
         lora = self._lora_batch(scheduled)
         if lora is None and self.graphs is not None and self.graphs.can_run(scheduled):
             # Graphs hold no LoRA: steps with adapters run eagerly.
-            rows = [row for row, item in enumerate(scheduled) if _num_placeholders(item)]
+            rows = [row for row, item in enumerate(scheduled) if _num_device_tokens(item)]
             return self.graphs.execute(scheduled, rows, self._placeholder_tokens(scheduled, rows) if rows else None)
         input_ids: list[int] = []
         positions: list[int] = []
@@ -193,11 +206,11 @@ class ModelRunner:
         placeholder_items, placeholder_index = [], []
         for i, item in enumerate(scheduled):
             start, n = item.num_computed_tokens, item.num_new_tokens
-            input_ids.extend(item.token_ids)
-            if _num_placeholders(item):  # the last token: sampled by the previous step
+            if _num_device_tokens(item):  # its first token: sampled by the previous step, on the device
                 placeholder_items.append(i)
                 placeholder_index.append(len(input_ids))
                 input_ids.append(0)
+            input_ids.extend(item.token_ids)
             positions.extend(range(start, start + n))
             query_lens.append(n)
             seq_lens.append(start + n)
@@ -220,7 +233,7 @@ class ModelRunner:
     def _lora_batch(self, scheduled):
         if self.lora is None:
             return None
-        return self.lora.prepare([item.request.adapter_id for item in scheduled],
+        return self.lora.prepare([item.adapter_id for item in scheduled],
                                  [item.num_new_tokens for item in scheduled], self.device)
 
     def record_sampled(self, output: ModelRunnerOutput) -> None:
@@ -230,11 +243,11 @@ class ModelRunner:
 
     def _placeholder_tokens(self, scheduled, items: list[int]) -> torch.Tensor:
         """``[len(items)]`` the previous step's tokens of ``scheduled[i]`` for ``i`` in items."""
-        return self.step_sampler.last_token_ids([scheduled[i].request.request_id for i in items])
+        return self.step_sampler.last_token_ids([scheduled[i].request_id for i in items])
 
 
-def _num_placeholders(item) -> int:
-    """Input tokens of ``item`` the previous step samples (``ScheduledRequest.num_placeholder_tokens``)."""
+def _num_device_tokens(item) -> int:
+    """Input tokens of ``item`` the previous step sampled, kept on the device (``StepInput.num_device_tokens``)."""
     return item.num_new_tokens - len(item.token_ids)
 
 

@@ -16,7 +16,7 @@ so no tokens travel back through the engine core.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Container, Optional, Sequence
 
 import torch
 
@@ -63,6 +63,11 @@ class StepSampler:
         """Keep ``output``'s last token per request on the device (the next step's placeholders)."""
         self._last = torch.tensor([t[-1] for t in output.sampled_token_ids], dtype=torch.int64, device=self.device)
         self._last_rows = {req_id: row for row, req_id in enumerate(output.req_ids)}
+
+    @property
+    def kept_request_ids(self) -> Container[str]:
+        """Requests whose token from the last kept step is on the device."""
+        return self._last_rows.keys()
 
     def last_token_ids(self, request_ids: Sequence[str]) -> torch.Tensor:
         """``[len(request_ids)]`` each request's token from the last kept step, on the device."""

@@ -1,0 +1,93 @@
+"""``RequestStates``: the runner's per-request cache, kept from the step plan's deltas.
+
+The scheduler sends each request's block table and tokens once (``engine.scheduler_output``,
+decided by ``core.runner_view``); the runner keeps them here and builds its inputs from
+this cache. ``update(scheduler_output)`` runs first in every device job, in step order:
+
+1. drop the states of ``preempted_request_ids`` and ``finished_request_ids``;
+2. per scheduled request: a fresh state for ``is_new`` (its table is ``new_block_ids``),
+   else the table extended by ``new_block_ids``;
+3. one ``StepInput`` per scheduled request, in batch order: positions, the whole block
+   table, and the input tokens. A token the runner supplies itself
+   (``num_runner_tokens == 1``: the step's first) comes from the device when the
+   previous job sampled it and keeps it there (``on_device``: async scheduling, see
+   ``StepSampler.keep_last``), else from the host copy kept by ``record``.
+
+``record(output)`` keeps each sampling request's last token (the last of its accepted
+drafts plus one) after the job sampled. Both run on the device worker's one thread, so no
+lock is needed. A job that fails before ``update`` leaves states of its finished requests
+behind until their ids come back; its scheduled requests are new again after
+``Scheduler.undo_step``, so nothing stale is ever read. No torch here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Container, Optional
+
+from pagoda.engine.runner.runner_output import ModelRunnerOutput
+from pagoda.engine.scheduler_output import SchedulerOutput
+
+
+@dataclass
+class RequestState:
+    block_ids: list[int]  # the request's whole block table
+    last_token_id: Optional[int] = None  # the last token the runner sampled for it
+
+
+@dataclass
+class StepInput:
+    """One request's inputs in one step, resolved from the cache (what the forward reads)."""
+
+    request_id: str
+    num_computed_tokens: int  # start position
+    num_new_tokens: int  # including spec_token_ids
+    token_ids: list[int]  # input tokens on the host; one short when the first is gathered on the device
+    block_ids: list[int]  # the whole block table
+    is_sampling: bool
+    spec_token_ids: list[int] = field(default_factory=list)
+    adapter_id: Optional[str] = None
+
+    @property
+    def num_device_tokens(self) -> int:
+        """Input tokens taken from the device (0 or 1, the first)."""
+        return self.num_new_tokens - len(self.token_ids)
+
+
+class RequestStates:
+    def __init__(self) -> None:
+        self._states: dict[str, RequestState] = {}
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def get(self, request_id: str) -> Optional[RequestState]:
+        return self._states.get(request_id)
+
+    def update(self, scheduler_output: SchedulerOutput, on_device: Container[str] = ()) -> list[StepInput]:
+        """Apply one step's deltas; its inputs in batch order (see the module docstring)."""
+        for request_id in scheduler_output.preempted_request_ids + scheduler_output.finished_request_ids:
+            self._states.pop(request_id, None)
+        inputs = []
+        for item in scheduler_output.scheduled:
+            request_id = item.request_id
+            if item.is_new:
+                state = self._states[request_id] = RequestState(list(item.new_block_ids))
+            else:
+                state = self._states[request_id]
+                state.block_ids.extend(item.new_block_ids)
+            tokens = item.token_ids
+            if item.num_runner_tokens and request_id not in on_device:
+                assert state.last_token_id is not None, f"{request_id!r}: no sampled token to continue from"
+                tokens = [state.last_token_id] + tokens
+            inputs.append(StepInput(request_id, item.num_computed_tokens, item.num_new_tokens, tokens,
+                                    state.block_ids, item.is_sampling, item.spec_token_ids,
+                                    item.request.adapter_id))
+        return inputs
+
+    def record(self, output: ModelRunnerOutput) -> None:
+        """Keep each sampling request's last token (for its next decode)."""
+        for request_id, tokens in zip(output.req_ids, output.sampled_token_ids):
+            state = self._states.get(request_id)
+            if state is not None and tokens:
+                state.last_token_id = tokens[-1]
