@@ -38,6 +38,9 @@ from typing import Any, Callable, Iterable, Optional
 logger = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG = 1
+# What an orphaned Python-backend stub logs as it exits (model.py); the launcher reads it to
+# tell "tritonserver died, then its stub" from "the stub died, then tritonserver aborted".
+ORPHANED_STUB_MESSAGE = "tritonserver died; the Python-backend stub exits"
 
 
 def _prctl() -> Optional[Callable[..., int]]:

@@ -23,7 +23,7 @@ from pagoda.serving.engine_loop import EngineLoop
 from pagoda.serving.metrics import ServingMetrics
 from pagoda.serving.model_config import allow_runtime_lora, engine_config_from_parameters, served_model_name
 from pagoda.serving.observers import make_observers
-from pagoda.serving.process_tree import ParentWatch
+from pagoda.serving.process_tree import ORPHANED_STUB_MESSAGE, ParentWatch
 from pagoda.serving.response_sender import ResponseSender
 from pagoda.serving.tracing import make_request_tracer, read_traceparent
 
@@ -117,7 +117,7 @@ class TritonPythonModel:
 def _end_orphaned_stub():
     """tritonserver is gone: exit now, without finalize (nobody would get its responses),
     so the heartbeat stops and the replica's Redis key expires."""
-    logging.getLogger("pagoda.model").error("tritonserver died; the Python-backend stub exits")
+    logging.getLogger("pagoda.model").error(ORPHANED_STUB_MESSAGE)
     os._exit(1)
 
 

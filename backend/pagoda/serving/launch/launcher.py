@@ -324,18 +324,20 @@ class TritonServer:
 
         tritonserver 2.51 keeps reporting READY after its Python-backend stub died (every
         request then fails with "Stub process ... is not healthy"), so the stub's pid is
-        watched here.
+        watched here. A dead stub is named first even when tritonserver exited too: 2.51 may
+        abort (code -6) right after its stub is killed; only a stub that logged it was
+        orphaned (``process_tree.ORPHANED_STUB_MESSAGE``) left because tritonserver died.
         """
         if self.process is None:
             return "tritonserver is not running"
         code = self.process.poll()
-        if code is not None:
-            return f"tritonserver exited with code {code}"
         dead = [pid for pid in self.stub_pids if not process_tree.is_alive(pid)]
-        if dead:
+        if dead and (code is None or process_tree.ORPHANED_STUB_MESSAGE not in self.log_text()):
             cause = startup_check.diagnose(self.log_text())
             return (f"the Python-backend stub (pid {', '.join(map(str, dead))}) died"
                     + (f": {cause}" if cause and "stub died" not in cause else ""))
+        if code is not None:
+            return f"tritonserver exited with code {code}"
         return None
 
     def restart_model(self) -> None:

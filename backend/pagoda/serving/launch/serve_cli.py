@@ -163,10 +163,10 @@ def supervise(server: TritonServer, stop_requested: threading.Event, max_stub_re
         now = time.monotonic()
         while restarts and now - restarts[0] > STUB_RESTART_WINDOW_S:
             restarts.popleft()
-        if not server.is_running():
-            return problem
         if len(restarts) >= max_stub_restarts:
             return f"{problem} (restarted {len(restarts)} time(s) in the last {STUB_RESTART_WINDOW_S:.0f} s)"
+        if not server.is_running():  # e.g. tritonserver aborted after its stub died: nothing to reload
+            return f"{problem}; tritonserver exited with code {server.process.poll()}"
         print(f"pagoda serve: {problem}; restarting it (model reload; not ready meanwhile) ...",
               file=sys.stderr, flush=True)
         restarts.append(now)
