@@ -28,10 +28,9 @@ settings, then:
   so no stub is left behind. tritonserver's own exit timeout is not the drain: it is
   shared with idle keep-alive connections, which would use it all up.
 
-It is a context manager, which tests use as a fixture. The CLI is ``serve_cli``.
-
-The default model is imported (GGUF -> safetensors, once) here, before the server starts,
-so the backend's model load only reads a ready folder.
+It is a context manager, which tests use as a fixture. The CLI is ``serve_cli``. The
+default model is imported (GGUF -> safetensors, once) here, before the server starts, so
+the backend's model load only reads a ready folder.
 """
 
 from __future__ import annotations
@@ -57,8 +56,7 @@ from typing import Optional
 from pagoda.serving import process_tree
 from pagoda.serving.launch import startup_check
 from pagoda.serving.model_config import rewrite_config_pbtxt
-from pagoda.serving.launch.triton_install import (STUB_NAME, TritonPaths, default_model_repository,  # noqa: F401
-                                           find_tritonserver, make_backend_dir)
+from pagoda.serving.launch.triton_install import TritonPaths, default_model_repository, find_tritonserver, make_backend_dir
 
 MODEL_NAME = "pagoda"
 EXIT_TIMEOUT_S = 3
