@@ -297,10 +297,7 @@ def test_drain_refuses_new_requests_finishes_those_in_flight_then_marks_done(tmp
         assert not (tmp_path / "drain.done").exists()
         loop.abort("old")  # its end (here an abort; normally its last token)
         collector.wait_final(["old"])
-        deadline = time.monotonic() + 5
-        while not (tmp_path / "drain.done").exists():
-            assert time.monotonic() < deadline, "drain never marked done"
-            time.sleep(0.01)
+        wait_for_drain_done(tmp_path)
     finally:
         loop.stop()
         sender.stop()
@@ -411,3 +408,11 @@ def test_commands_still_queued_at_stop_get_the_shutdown_error():
         (response,) = collector.responses[handle]
         assert response.is_final and response.error_code == "UNAVAILABLE" and "shutting down" in response.error
     assert engine.requests == {} and engine.thread_ids == set()
+
+
+def wait_for_drain_done(folder, timeout_s: float = 5.0) -> None:
+    """Until the loop marks its drain done (``<drain_path>.done``, drain_path = folder/"drain")."""
+    deadline = time.monotonic() + timeout_s
+    while not (folder / "drain.done").exists():
+        assert time.monotonic() < deadline, "drain never marked done"
+        time.sleep(0.01)

@@ -3,7 +3,6 @@
 cycle and drain flag."""
 
 import threading
-import time
 from types import SimpleNamespace
 
 from pagoda.serving.engine_loop import EngineLoop
@@ -11,7 +10,7 @@ from pagoda.serving.metrics import ServingMetrics
 from pagoda.serving.observers import MetricsObserver, PublisherObserver, StepObserver, make_observers
 from pagoda.serving.response_sender import ResponseSender
 
-from tests.serving.test_serving_engine_loop import Collector, FakeEngine, finals, request
+from tests.serving.test_serving_engine_loop import Collector, FakeEngine, finals, request, wait_for_drain_done
 from tests.serving.test_serving_metrics_unit import FakeMetricFamily, stats, value
 
 
@@ -139,10 +138,7 @@ def test_drain_has_the_publisher_set_the_drain_flag_before_it_stops(tmp_path):
     try:
         drain.touch()
         assert publisher.marked.wait(5), "the drain flag was never set"
-        deadline = time.monotonic() + 5
-        while not (tmp_path / "drain.done").exists():
-            assert time.monotonic() < deadline, "drain never marked done"
-            time.sleep(0.01)
+        wait_for_drain_done(tmp_path)
     finally:
         loop.stop()
         sender.stop()
