@@ -285,15 +285,21 @@ def test_drain_refuses_new_requests_finishes_those_in_flight_then_marks_done(tmp
         while not collector.responses.get("old"):
             time.sleep(0.001)
         drain.touch()
-        time.sleep(EngineLoop.DRAIN_POLL_INTERVAL_S + 0.1)
+        deadline = time.monotonic() + 5.0
+        while not loop.is_draining:  # seen on a poll (every DRAIN_POLL_INTERVAL_S); a busy machine is slower
+            assert time.monotonic() < deadline, "the loop never noticed the drain file"
+            time.sleep(0.01)
         loop.submit(request("new"))
         collector.wait_final(["new"])
         (refused,) = collector.responses["new"]
         assert refused.error_code == "UNAVAILABLE" and "draining" in refused.error
         # The request in flight keeps running, and the drain is not done while it does.
         num_before = len(collector.responses["old"])
-        time.sleep(0.1)
-        assert len(collector.responses["old"]) > num_before and not finals(collector, "old")
+        deadline = time.monotonic() + 5.0
+        while len(collector.responses["old"]) <= num_before:
+            assert time.monotonic() < deadline, "the request in flight stopped while draining"
+            time.sleep(0.01)
+        assert not finals(collector, "old")
         assert not (tmp_path / "drain.done").exists()
         loop.abort("old")  # its end (here an abort; normally its last token)
         collector.wait_final(["old"])

@@ -137,6 +137,11 @@ class EngineLoop:
     def is_alive(self) -> bool:
         return self._thread.is_alive()
 
+    @property
+    def is_draining(self) -> bool:
+        """Whether the loop has seen the drain file (new requests are refused from then on)."""
+        return self._is_draining
+
     def _answer_leftover_commands(self) -> None:
         """After the loop ended: what is still queued gets the shutdown error (nothing else would answer)."""
         while True:
