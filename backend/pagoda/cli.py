@@ -5,6 +5,7 @@
     pagoda serve [...]                                          tritonserver over model_repository/
     pagoda router [...]                                         cache-aware router over replicas
     pagoda lora load NAME PATH | unload NAME | list [--url URL]  LoRA adapters of a running server
+    pagoda kv-events --endpoint tcp://HOST:5557 [...]           print a replica's vLLM-format KV events
     pagoda operator [...]                                       the Kubernetes operator (kopf)
     pagoda bench offline|serve|kernels|routing|autoscale|quant|spec|offload|lora|structured|soak|throughput  benchmarks
 
@@ -26,6 +27,7 @@ _COMMANDS = {
     "serve": ("pagoda.serving.launch.serve_cli", "main", "serve model_repository/ with a real tritonserver"),
     "router": ("pagoda.fleet.service", "main", "cache-aware router (Triton gRPC/HTTP and OpenAI) over many replicas"),
     "lora": ("pagoda.serving.launch.lora_cli", "main", "load/unload/list LoRA adapters of a running replica or router"),
+    "kv-events": ("pagoda.fleet.index.zmq_subscriber", "main", "print a replica's KV events (vLLM's ZMQ format)"),
     "operator": ("pagoda_operator.main", "main", "run the LLMService Kubernetes operator"),
 }
 _BENCHES = {

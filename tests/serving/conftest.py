@@ -7,6 +7,7 @@ Its log goes to the session's temp dir and is printed into a failure's message.
 
 from __future__ import annotations
 
+import json
 import urllib.request
 
 import pytest
@@ -17,14 +18,24 @@ MAX_MODEL_LEN = 1024
 
 
 @pytest.fixture(scope="session")
-def triton_server(tmp_path_factory, smollm2_lora):
-    """Serves the default model with one LoRA adapter, ``sql`` (base requests name none), and
-    runtime LoRA updates allowed (``--allow-runtime-lora``)."""
+def kv_events_ports():
+    """The session server's vLLM-format KV-event sockets: ``(pub_port, replay_port)``."""
+    return find_free_port(), find_free_port()
+
+
+@pytest.fixture(scope="session")
+def triton_server(tmp_path_factory, smollm2_lora, kv_events_ports):
+    """Serves the default model with one LoRA adapter, ``sql`` (base requests name none),
+    runtime LoRA updates allowed (``--allow-runtime-lora``) and KV events on ZMQ
+    (``--kv-events-config``, on ``kv_events_ports``)."""
     log_path = tmp_path_factory.mktemp("tritonserver") / "server.log"
+    pub_port, replay_port = kv_events_ports
+    kv_events = json.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://*:{pub_port}",
+                            "replay_endpoint": f"tcp://*:{replay_port}", "topic": "kv@pagoda-test@smollm2"})
     options = ServeOptions(http_port=find_free_port(), grpc_port=find_free_port(), metrics_port=find_free_port(),
                            max_model_len=MAX_MODEL_LEN, max_num_seqs=16, startup_timeout_s=600,
                            engine_args={"enable_lora": "true", "lora_modules": f"sql={smollm2_lora}",
-                                        "allow_runtime_lora": "true"})
+                                        "allow_runtime_lora": "true", "kv_events_config": kv_events})
     with TritonServer(options, log_path=str(log_path)) as server:
         yield server
     assert server.process is None

@@ -83,6 +83,9 @@ def test_engine_flags_and_engine_args_reach_the_config(tmp_path):
     (["--preemption-mode", "swap"], "cpu_offload_bytes"),
     (["--num-speculative-tokens", "0"], "num_speculative_tokens"),
     (["--max-waiting-requests", "0"], "max_waiting_requests"),
+    (["--kv-events-config", '{"enable_kv_cache_events": true, "endpont": "tcp://*:5557"}'],
+     "--kv-events-config: unknown key(s) endpont"),
+    (["--kv-events-config", "{oops"], "--kv-events-config: not JSON"),
 ])
 def test_bad_engine_flags_are_refused_before_tritonserver_starts(args, message, capsys):
     from pagoda.serving.launch.serve_cli import main

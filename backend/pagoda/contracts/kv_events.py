@@ -4,7 +4,9 @@ Three events, shaped like vLLM's KV events so external indexers can consume them
 
 - ``BlockStored``: full blocks became reusable (their hashes entered the block pool's
   hash map). ``block_hashes`` are in chain order; ``parent_block_hash`` is the hash of
-  the block before the first one (``None`` when the first one starts a sequence).
+  the block before the first one (``None`` when the first one starts a sequence). It
+  carries the request's adapter name and cache salt for the vLLM-format stream
+  (``contracts.vllm_kv_events``); the Redis form (``to_dict``) leaves the salt out.
 - ``BlockRemoved``: blocks left the hash map (evicted for reuse).
 - ``AllBlocksCleared``: the whole prefix cache was reset.
 
@@ -35,6 +37,8 @@ class BlockStored:
     token_ids: list[int]  # every token of the stored blocks, concatenated
     block_size: int
     lora_id: Optional[int] = None
+    lora_name: Optional[str] = None  # the request's adapter (part of every block's hash)
+    cache_salt: Optional[str] = None  # the request's tenant salt (likewise); never in ``to_dict``
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -13,6 +13,8 @@ same model repository works under ``pagoda serve``, in NVIDIA's container and un
 - ``allow_runtime_lora`` (a serving parameter, not an engine field): whether LoRA
   control requests may load and unload adapters at run time (``pagoda serve
   --allow-runtime-lora``; vLLM's ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``).
+- ``kv_events_config`` (a serving parameter): vLLM's ``--kv-events-config`` JSON, read by
+  ``serving.kv_event_stream`` (KV events on a ZMQ socket in vLLM's format).
 
 Invariant: every key accepted here is an ``EngineConfig`` field (or a ``SERVING_PARAMETERS`` key),
 so a misspelt parameter fails the model load with a message naming it instead of being
@@ -29,7 +31,7 @@ from typing import Any, Mapping, Optional
 from pagoda.engine.config import EngineConfig
 
 # Parameters that are not EngineConfig fields but are still ours.
-SERVING_PARAMETERS = ("served_model_name", "allow_runtime_lora")
+SERVING_PARAMETERS = ("served_model_name", "allow_runtime_lora", "kv_events_config")
 
 _BOOL_TRUE = ("1", "true", "yes", "on")
 _BOOL_FALSE = ("0", "false", "no", "off")

@@ -59,6 +59,7 @@ class TritonPythonModel:
         self.sender = ResponseSender(self._deliver, on_failure=lambda request_id: self.loop.abort(request_id))
         self.tracer = make_request_tracer()  # None unless an OTLP endpoint is configured
         observers = make_observers(self.metrics, self.tracer, _fleet_publisher(self.engine))
+        observers += _kv_event_stream(parameters)
         # `pagoda serve` drains through this file (engine_loop); absent elsewhere.
         self.loop = EngineLoop(self.engine, self.sender, observers,
                                drain_path=os.environ.get("PAGODA_DRAIN_FILE") or None,
@@ -124,6 +125,17 @@ def _end_orphaned_stub():
 def _get_input(request, name):
     tensor = pb_utils.get_input_tensor_by_name(request, name)
     return None if tensor is None else tensor.as_numpy()
+
+
+def _kv_event_stream(parameters):
+    """The vLLM-format ZMQ event stream's observer when configured (``kv_events_config``), else none."""
+    from pagoda.serving.kv_event_stream import ZmqEventPublisher, ZmqEventsObserver, kv_events_config
+
+    try:
+        config = kv_events_config(parameters)
+        return [] if config is None else [ZmqEventsObserver(ZmqEventPublisher(config))]
+    except ValueError as error:
+        raise pb_utils.TritonModelException(str(error)) from None
 
 
 def _fleet_publisher(engine):

@@ -251,6 +251,8 @@ class BlockPool:
                 parent_block_hash=parent,
                 token_ids=list(request.all_token_ids[first * block_size : (last + 1) * block_size]),
                 block_size=block_size,
+                lora_name=request.adapter_id,
+                cache_salt=request.cache_salt,
             )
         )
 

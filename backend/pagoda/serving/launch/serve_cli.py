@@ -85,6 +85,10 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--replica-id", help="with --redis-url: this replica's id (default: host name)")
     p.add_argument("--fleet-model", help="with --redis-url: Redis key namespace (default: model folder name)")
     p.add_argument("--advertise-host", help="with --redis-url: host routers use to reach this replica")
+    p.add_argument("--kv-events-config", metavar="JSON",
+                   help="publish KV-cache events on ZMQ in vLLM's format (llm-d, Dynamo), configured as vLLM's "
+                        "--kv-events-config, e.g. '{\"enable_kv_cache_events\": true, \"endpoint\": "
+                        "\"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\"}' (docs/fleet.md)")
     p.add_argument("--default-max-tokens", type=int,
                    help="cap for requests that do not set max_tokens (default: the model repository's, 1024)")
     p.add_argument("--grace-period", type=float, default=30.0, metavar="SECONDS",
@@ -110,6 +114,14 @@ def engine_args_from(args: argparse.Namespace) -> dict[str, str]:
         values.update(enable_lora="true", lora_modules=lora_modules_text(args.lora))
     if args.allow_runtime_lora:
         values.update(enable_lora="true", allow_runtime_lora="true")
+    if args.kv_events_config is not None:
+        from pagoda.serving.kv_event_stream import KVEventsConfig
+
+        try:
+            KVEventsConfig.from_json(args.kv_events_config, "--kv-events-config")
+        except ValueError as error:
+            raise SystemExit(f"pagoda serve: {error}") from None
+        values["kv_events_config"] = args.kv_events_config
     return values
 
 
