@@ -3,7 +3,7 @@
 # Not built in CI: the build machines have no Docker engine (see docs/serving.md).
 #
 #   docker build -t pagoda:latest .
-#   docker run --gpus all --shm-size=1g -p 8000:8000 -p 8001:8001 -p 8002:8002 pagoda:latest
+#   docker run --gpus all --shm-size=1g -p 8000:8000 -p 8001:8001 -p 8002:8002 -p 9000:9000 pagoda:latest
 #   (bare tritonserver still works: docker run ... pagoda:latest tritonserver --model-repository=/models)
 #
 # The Python backend's stub runs the image's system python3, so pagoda and torch are
@@ -54,7 +54,7 @@ ENV HOME=/var/cache/pagoda XDG_CACHE_HOME=/var/cache/pagoda TRITON_CACHE_DIR=/va
 RUN mkdir -p /var/cache/pagoda && chown 1000:1000 /var/cache/pagoda
 USER 1000
 
-EXPOSE 8000 8001 8002
+EXPOSE 8000 8001 8002 9000
 # `pagoda serve` rather than bare tritonserver: it checks one request before reporting the
 # endpoints, stops the replica if the stub dies, and drains on SIGTERM.
 CMD ["pagoda", "serve", "--model=/opt/pagoda/models/SmolLM2-135M-Instruct"]

@@ -17,6 +17,7 @@ from pagoda_operator.spec import LLMService
 HTTP_PORT = 8000
 GRPC_PORT = 8001
 METRICS_PORT = 8002
+OPENAI_PORT = 9000  # pagoda serve's own OpenAI door (--openai-port)
 ROUTER_HTTP_PORT = 8080
 ROUTER_GRPC_PORT = 8081
 MODEL_MOUNT = "/mnt/models"

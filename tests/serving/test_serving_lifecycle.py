@@ -62,7 +62,8 @@ class ServeProcess:
     def __init__(self, *args: str) -> None:
         self.ports = [find_free_port() for _ in range(3)]
         command = [sys.executable, "-m", "pagoda.serving.launch.serve_cli", "--http-port", str(self.ports[0]),
-                   "--grpc-port", str(self.ports[1]), "--metrics-port", str(self.ports[2]), *args]
+                   "--grpc-port", str(self.ports[1]), "--metrics-port", str(self.ports[2]), "--openai-port", "0",
+                   *args]
         self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL)
         self.lines: list[str] = []

@@ -73,7 +73,7 @@ class RouterOptions:
     redis_timeout_s: float = 0.05
     host: str = "0.0.0.0"
     http_port: int = 8080
-    grpc_port: int = 8081
+    grpc_port: Optional[int] = 8081  # None: no gRPC door (pagoda serve's per-replica OpenAI door)
     otlp_endpoint: Optional[str] = None
     block_size: int = 16
     registry_interval_s: float = 0.5
@@ -210,8 +210,9 @@ class RouterService:
         grpc_door = GrpcProxy(self.router, self.tracer, self.gate, upstream)
         openai_door = OpenAIApi(self.router, self.tracer, self.gate, self.lora_admin, upstream, self.model_name)
         app = make_app(self.router, self.tracer, self.gate, self.lora_admin, openai_door)
-        self._grpc_server, self.grpc_port = make_grpc_server(grpc_door, o.host, o.grpc_port)
-        await self._grpc_server.start()
+        if o.grpc_port is not None:
+            self._grpc_server, self.grpc_port = make_grpc_server(grpc_door, o.host, o.grpc_port)
+            await self._grpc_server.start()
         # A client that disconnects cancels its handler, and with it the upstream gRPC stream
         # (GrpcUpstream.stream cancels its call), so the replica aborts the request and frees
         # its KV blocks — for non-streaming requests too, which otherwise ran to completion.
@@ -362,6 +363,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--http-port", type=int, default=8080)
     p.add_argument("--grpc-port", type=int, default=8081)
+    p.add_argument("--no-grpc", action="store_true", help="no gRPC door (HTTP and OpenAI only)")
     p.add_argument("--otlp-endpoint", help="OTLP/gRPC trace receiver (default: $OTEL_EXPORTER_OTLP_ENDPOINT; none: off)")
     p.add_argument("--block-size", type=int, default=16, help="used until a replica heartbeat reports its own")
     p.add_argument("--health-interval", type=float, default=2.0)
@@ -393,7 +395,7 @@ def options_from_args(args: argparse.Namespace) -> RouterOptions:
         replicas=args.replicas, k8s_selector=args.k8s_selector, k8s_namespace=args.k8s_namespace,
         k8s_api=args.k8s_api, redis_url=args.redis_url, policy=args.policy, policy_knobs=knobs,
         index_mode=args.index_mode, redis_timeout_s=args.redis_timeout_ms / 1e3, host=args.host,
-        http_port=args.http_port, grpc_port=args.grpc_port, otlp_endpoint=args.otlp_endpoint,
+        http_port=args.http_port, grpc_port=None if args.no_grpc else args.grpc_port, otlp_endpoint=args.otlp_endpoint,
         block_size=args.block_size, health_interval_s=args.health_interval, max_attempts=args.max_attempts,
         api_keys_file=args.api_keys_file, share_prefix_cache=args.share_prefix_cache,
         tenant_requests_per_minute=args.tenant_rpm, tenant_tokens_per_minute=args.tenant_tpm,
@@ -406,7 +408,7 @@ async def _serve(options: RouterOptions) -> None:
     await service.start()
     print(f"pagoda router ({options.policy}) serving model '{service.model_name}'\n"
           f"  HTTP/OpenAI http://{options.host}:{service.http_port}  (/v2/models/pagoda/generate_stream, /v1/...)\n"
-          f"  gRPC        {options.host}:{service.grpc_port}\n"
+          f"  gRPC        {f'{options.host}:{service.grpc_port}' if options.grpc_port is not None else 'off'}\n"
           f"  replicas    {', '.join(r.replica_id for r in service.router.replicas.all()) or '(from the registry)'}",
           flush=True)
     stop = asyncio.Event()

@@ -1,4 +1,5 @@
-"""OpenAI-compatible ``/v1/completions``, ``/v1/chat/completions`` and ``/v1/models``.
+"""OpenAI-compatible ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models`` (and
+``/v1/models/{id}``) and vLLM's ``/health``.
 
 A request is validated here, turned into one contract-1 Triton request (``text_input`` =
 the prompt, or the conversation rendered with the model's chat template; ``stream`` true;
@@ -119,16 +120,32 @@ class OpenAIApi:
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model_id:.+}", self.model)
+        app.router.add_get("/health", self.health)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/load_lora_adapter", self.load_lora_adapter)
         app.router.add_post("/v1/unload_lora_adapter", self.unload_lora_adapter)
 
-    async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [
-            {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "pagoda"}] + [
+    def _model_cards(self) -> list[dict[str, Any]]:
+        return [{"id": self.model_name, "object": "model", "created": self.created, "owned_by": "pagoda"}] + [
             {"id": name, "object": "model", "created": self.created, "owned_by": "pagoda", "root": name,
-             "parent": self.model_name} for name in self.lora_names]})
+             "parent": self.model_name} for name in self.lora_names]
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": self._model_cards()})
+
+    async def model(self, request: web.Request) -> web.Response:
+        """``GET /v1/models/{id}`` (the SDK's ``models.retrieve``): the card, or 404 naming the id."""
+        model_id = request.match_info["model_id"]
+        for card in self._model_cards():
+            if card["id"] == model_id:
+                return web.json_response(card)
+        return error_response(404, f"The model `{model_id}` does not exist.", param="model", code="model_not_found")
+
+    async def health(self, request: web.Request) -> web.Response:
+        """vLLM's ``GET /health``: 200 while some replica is routable, else 503."""
+        return web.Response(status=200 if self.router.replicas.routable() else 503)
 
     async def load_lora_adapter(self, request: web.Request) -> web.Response:
         return await self._lora_action(request, "load")

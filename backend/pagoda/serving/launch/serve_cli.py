@@ -28,6 +28,8 @@ from pathlib import Path
 from typing import Optional
 
 from pagoda.serving.launch.launcher import MODEL_NAME, ServeOptions, TritonServer
+from pagoda.serving.launch.openai_door import DEFAULT_PORT as DEFAULT_OPENAI_PORT
+from pagoda.serving.launch.openai_door import OpenAIDoor, model_dir_for
 from pagoda.serving.model_config import engine_config_from_parameters
 
 HEALTH_INTERVAL_S = 0.5
@@ -97,6 +99,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-stub-restarts", type=int, default=3,
                    help="a dead Python-backend stub is restarted (model reload) at most this many times in "
                         "10 minutes; beyond that (or with 0) the replica stops with exit code 1")
+    p.add_argument("--openai-port", type=int, default=DEFAULT_OPENAI_PORT,
+                   help="serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, /health) on "
+                        f"this port (default {DEFAULT_OPENAI_PORT}; 0: off); the router's OpenAI code over this replica")
     p.add_argument("--skip-first-request-check", action="store_true",
                    help="announce the server without sending it one request first")
     return p
@@ -163,12 +168,16 @@ def check_engine_args(options: ServeOptions, parser: argparse.ArgumentParser) ->
         parser.error(str(exc))
 
 
-def supervise(server: TritonServer, stop_requested: threading.Event, max_stub_restarts: int) -> Optional[str]:
+def supervise(server: TritonServer, stop_requested: threading.Event, max_stub_restarts: int,
+              door: Optional[OpenAIDoor] = None) -> Optional[str]:
     """Watch the server until a stop is requested (returns None) or it cannot serve (returns
     why). A dead stub is restarted by reloading the model, at most ``max_stub_restarts``
-    times in ``STUB_RESTART_WINDOW_S``."""
+    times in ``STUB_RESTART_WINDOW_S``; a dead OpenAI door is restarted."""
     restarts: "collections.deque[float]" = collections.deque()
     while not stop_requested.wait(HEALTH_INTERVAL_S):
+        door_news = door.ensure_running() if door is not None else None
+        if door_news is not None:
+            print(f"pagoda serve: {door_news}", file=sys.stderr, flush=True)
         problem = server.check_health()
         if problem is None:
             continue
@@ -200,7 +209,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         parser.error("--max-stub-restarts: must be >= 0")
     options = options_from_args(args)
     check_engine_args(options, parser)
+    if not 0 <= args.openai_port <= 65535:
+        parser.error("--openai-port: must be a port number, or 0 for no OpenAI door")
     server = TritonServer(options)
+    door: Optional[OpenAIDoor] = None
     stop_requested, force = threading.Event(), threading.Event()
     starting = [True]
 
@@ -216,13 +228,20 @@ def main(argv: Optional[list[str]] = None) -> int:
     previous = {signum: signal.signal(signum, on_signal) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
         server.start()
+        if args.openai_port:
+            door = OpenAIDoor(args.openai_port, model_dir_for(options.model), server.grpc_url, server.http_url,
+                              f"{options.host}:{options.metrics_port}",
+                              allow_runtime_lora=args.allow_runtime_lora).start()
         starting[0] = False
         print(f"pagoda is serving model '{MODEL_NAME}' ({options.model})\n"
               f"  HTTP    http://{server.http_url}/v2/models/{MODEL_NAME}/generate_stream\n"
               f"  gRPC    {server.grpc_url}\n"
               f"  metrics {server.metrics_url}\n"
+              f"  OpenAI  {door.url if door is not None else 'off'}\n"
               "Ctrl-C to stop.", flush=True)
-        problem = supervise(server, stop_requested, args.max_stub_restarts)
+        problem = supervise(server, stop_requested, args.max_stub_restarts, door)
+        if door is not None:
+            door.stop()
         if problem is not None:
             print(f"pagoda serve: {problem}; stopping the replica", file=sys.stderr, flush=True)
             server.stop(grace_s=0)
@@ -234,15 +253,21 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     except KeyboardInterrupt:
         print("pagoda serve: interrupted while starting; stopping tritonserver", file=sys.stderr, flush=True)
-        server.stop(grace_s=0)
+        _stop_all(server, door)
         return 130
     except RuntimeError as exc:
         print(f"pagoda serve: {exc}", file=sys.stderr, flush=True)
-        server.stop(grace_s=0)
+        _stop_all(server, door)
         return 1
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+def _stop_all(server: TritonServer, door: Optional[OpenAIDoor]) -> None:
+    if door is not None:
+        door.stop()
+    server.stop(grace_s=0)
 
 
 if __name__ == "__main__":

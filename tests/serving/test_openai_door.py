@@ -1,0 +1,111 @@
+"""`pagoda serve` alone speaks OpenAI (`--openai-port`): the OpenAI SDK against one replica,
+no router started by the user. Texts are compared with the offline engine's."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import urllib.request
+
+import pytest
+
+from pagoda.engine.llm import LLM
+from pagoda.engine.sampling_params import SamplingParams
+from pagoda.serving.launch.launcher import find_free_port
+from tests.serving.test_serving_lifecycle import ServeProcess, _wait_until
+
+openai = pytest.importorskip("openai")
+
+pytestmark = pytest.mark.server
+
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def serve():
+    port = find_free_port()
+    process = ServeProcess("--openai-port", str(port), "--max-model-len", "512")
+    try:
+        process.wait_serving()
+        assert f"OpenAI  http://127.0.0.1:{port}/v1" in process.output
+        process.openai_port = port
+        yield process
+    finally:
+        process.proc.send_signal(signal.SIGTERM)
+        try:
+            process.proc.wait(60)
+        finally:
+            process.kill()
+
+
+@pytest.fixture(scope="module")
+def client(serve):
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{serve.openai_port}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def offline_text():
+    llm = LLM(max_model_len=512)
+    return llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=8))[0].outputs[0].text
+
+
+def test_models_list_and_retrieve(client):
+    (card,) = client.models.list().data
+    assert card.id == "SmolLM2-135M-Instruct" and card.owned_by == "pagoda"
+    assert client.models.retrieve(card.id).id == card.id
+    with pytest.raises(openai.NotFoundError, match="The model `gpt-4` does not exist"):
+        client.models.retrieve("gpt-4")
+
+
+def test_completion_equals_the_offline_engine(client, offline_text):
+    response = client.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT, max_tokens=8, temperature=0)
+    assert response.choices[0].text == offline_text
+    assert response.usage.completion_tokens == 8 and response.usage.prompt_tokens == 5
+
+
+def test_chat_streaming_with_usage_equals_the_unary_answer(client):
+    messages = [{"role": "user", "content": "Name a color."}]
+    whole = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, max_tokens=10,
+                                           temperature=0)
+    chunks = list(client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, max_tokens=10,
+                                                 temperature=0, stream=True, stream_options={"include_usage": True}))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == whole.choices[0].message.content and streamed
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens == 10
+
+
+def test_bad_request_is_a_400_naming_the_field(client):
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT, max_tokens=-3)
+
+
+def test_a_dead_door_is_restarted_and_serves_again(serve, client, offline_text):
+    with urllib.request.urlopen(f"http://127.0.0.1:{serve.openai_port}/health", timeout=5) as response:
+        assert response.status == 200
+    door_pid = _door_pid(serve.proc.pid)
+    os.kill(door_pid, signal.SIGKILL)
+    _wait_until(lambda: "the OpenAI door exited with code -9; restarted it" in serve.output, 60, "door restart")
+    assert _door_pid(serve.proc.pid) != door_pid
+    response = client.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT, max_tokens=8, temperature=0)
+    assert response.choices[0].text == offline_text
+
+
+def _door_pid(parent: int) -> int:
+    from tests.serving.test_serving_lifecycle import _pids, _ppid
+
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        pids = [pid for pid in _pids() if _ppid(pid) == parent and b"router" in _cmdline(pid)]
+        if pids:
+            return pids[0]
+        time.sleep(0.1)
+    raise AssertionError("no OpenAI door process")
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
