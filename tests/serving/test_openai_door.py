@@ -109,3 +109,15 @@ def _cmdline(pid: int) -> bytes:
             return f.read()
     except OSError:
         return b""
+
+
+def test_door_metrics_carry_the_replicas_vllm_series(serve, client):
+    client.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT, max_tokens=2, temperature=0)
+    with urllib.request.urlopen(f"http://127.0.0.1:{serve.openai_port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    assert "pagoda_router_metrics_scrape_failures_total 0" in text
+    lines = text.splitlines()
+    assert sum(line == "# TYPE vllm:num_requests_running gauge" for line in lines) == 1
+    assert any(line.startswith('vllm:num_requests_running{replica_id="local",') for line in lines)
+    counts = [line for line in lines if line.startswith('vllm:e2e_request_latency_seconds_count{replica_id="local"')]
+    assert counts and float(counts[0].rsplit(" ", 1)[1]) >= 1

@@ -16,7 +16,8 @@
   replica's shape: ``{"text_output": "<JSON document>"}`` or ``{"error": "..."}``.
 - ``POST /v2/models/{model}/infer`` and every other ``GET /v2/...`` are forwarded.
 - ``GET /v2/health/live`` (the router runs) and ``/v2/health/ready`` (some replica is
-  routable) are answered here; ``GET /metrics`` shows the router's own counters.
+  routable) are answered here; ``GET /metrics`` shows the router's own counters and every
+  replica's ``vllm:`` series with a ``replica_id`` label (``fleet_metrics``).
 - The OpenAI routes come from ``pagoda.fleet.api.openai_api``.
 - Collaborators (router, tracer, ``Gate``, ``LoRAAdmin``) are given to ``make_app`` by
   ``RouterService`` and kept on the application (``ROUTER_KEY``, ``GATE_KEY``, ...); the
@@ -43,6 +44,7 @@ from aiohttp import web
 
 from pagoda.contracts.errors import ErrorKind, is_overloaded, spec_of
 from pagoda.fleet.gate.gate import TENANT_KEY, AuthError, Gate, LimitError, RateLimited, retry_after_header
+from pagoda.fleet.api.fleet_metrics import merge_vllm_series, scrape_replicas
 from pagoda.fleet.api.grpc_proxy import MAX_ROUTED_PROMPT_CHARS, cache_salt_of, option_of
 from pagoda.fleet.gate.limits import sampling_of_generate, validate_generate_body
 from pagoda.fleet.api.lora_admin import LoRAAdmin
@@ -56,6 +58,7 @@ TRACER_KEY = web.AppKey("tracer", RouterTracer)
 GATE_KEY = web.AppKey("gate", Gate)
 LORA_KEY = web.AppKey("lora_admin", LoRAAdmin)
 SESSION_KEY = web.AppKey("session", aiohttp.ClientSession)
+SCRAPE_FAILURES_KEY = web.AppKey("scrape_failures", list)  # [count]: replicas' /metrics that did not answer
 MAX_ATTEMPTS = 2
 _FORWARDED_HEADERS = ("Content-Type", "Content-Length")
 
@@ -70,6 +73,7 @@ def make_app(router: Router, tracer: RouterTracer, gate: Gate, lora_admin: LoRAA
     app[TRACER_KEY] = tracer
     app[GATE_KEY] = gate
     app[LORA_KEY] = lora_admin
+    app[SCRAPE_FAILURES_KEY] = [0]
     app.cleanup_ctx.append(_client_session)
     app.router.add_get("/v2/health/live", _live)
     app.router.add_get("/v2/health/ready", _ready)
@@ -346,7 +350,16 @@ async def _forward_get(request: web.Request) -> web.Response:
 
 
 async def _metrics(request: web.Request) -> web.Response:
-    return web.Response(text=render_metrics(request.app[ROUTER_KEY], request.app[GATE_KEY]), content_type="text/plain")
+    """The router's own series, then every replica's ``vllm:`` series labelled (``fleet_metrics``)."""
+    router = request.app[ROUTER_KEY]
+    scrapes, num_failed = await scrape_replicas(request.app[SESSION_KEY], router.replicas.all())
+    counters = request.app[SCRAPE_FAILURES_KEY]
+    counters[0] += num_failed
+    text = render_metrics(router, request.app[GATE_KEY]) + "\n".join([
+        "# TYPE pagoda_router_metrics_scrape_failures_total counter",
+        f"pagoda_router_metrics_scrape_failures_total {counters[0]}",
+        *merge_vllm_series(scrapes)]) + "\n"
+    return web.Response(text=text, content_type="text/plain")
 
 
 def render_metrics(router: Router, gate: Gate) -> str:
