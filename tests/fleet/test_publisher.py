@@ -252,3 +252,26 @@ def test_publisher_from_env():
         Publisher("redis://x", "m", "a:b", {}, redis_client=object())
     with pytest.raises(ValueError, match="ttl_s"):
         Publisher("redis://x", "m", "a", {}, heartbeat_interval_s=2, ttl_s=1, redis_client=object())
+
+
+def test_index_lost_to_flushall_is_rebuilt_within_one_heartbeat(redis_client):
+    """Redis flushed (or restarted empty) while it answers all along: no write fails, so only
+    the heartbeat's check of the replica's seq key reveals it; the next flush resyncs."""
+    clock = Clock()
+    pub = make_publisher(redis_client, clock)
+    assert pub.flush()  # start: resync + heartbeat
+    hashes = chain(3)
+    pub.submit_events(wrap([BlockStored(hashes, None, list(range(12)), 4)]))
+    assert pub.flush()
+    index = PrefixIndex(redis_client, MODEL)
+    assert index.match(hashes) == {"r1": 3}
+    redis_client.flushall()
+    resyncs = pub.num_resyncs
+    assert not pub.flush()  # nothing due yet
+    clock.now += 1.0
+    assert pub.flush() and pub.num_resyncs == resyncs  # the heartbeat notices the loss ...
+    assert pub.flush() and pub.num_resyncs == resyncs + 1  # ... and the next flush resyncs
+    assert index.match(hashes) == {"r1": 3}
+    assert [info.replica_id for info in ReplicaRegistry(redis_client, MODEL).list_replicas()] == ["r1"]
+    clock.now += 1.0
+    assert pub.flush() and pub.num_resyncs == resyncs + 1  # state present: no further resync

@@ -26,6 +26,7 @@ import urllib.request
 
 import pytest
 
+from pagoda.fleet.index.registry import ReplicaRegistry
 from pagoda.serving.launch.client import make_inputs
 from pagoda.serving.launch.launcher import ServeOptions, TritonServer, find_free_port
 
@@ -297,6 +298,55 @@ def test_late_router_resyncs_from_the_stream(published, router, replicas, redis_
         late_decisions = decisions(late)
         assert [d["pagoda.replica_id"] for d in late_decisions] == [holder, holder]
         assert all(d["pagoda.matched_blocks"] >= 30 for d in late_decisions)
+
+
+@pytest.mark.parametrize("loss", ["flushall", "restart_empty"])
+def test_registry_router_serves_through_redis_losing_its_data(published, replicas, redis_server, smollm2_path, loss):
+    """Redis FLUSHALL, or a restart without persistence (the chart's default), under traffic
+    (after test_prefix_affinity_and_spread warmed a prefix):
+    the registry is empty until the replicas' next heartbeats, and a registry-mode router
+    keeps routing to the replicas it knew (they still answer their probes). No request fails,
+    and the router never has zero routable replicas."""
+    with _make_router(replicas, redis_server, smollm2_path, membership="registry") as router:
+        routable = lambda: router.run(lambda: len(router.service.router.replicas.routable()))  # noqa: E731
+        _wait(lambda: routable() == 2, "both replicas known from the registry")
+        stop, errors, served, fewest = threading.Event(), [], [0], [2]
+
+        def traffic():
+            i = 0
+            while not stop.is_set():
+                texts, errs = grpc_generate(router.grpc_url, [f"Redis loss ({loss}) number {i}?"], max_tokens=2)
+                errors.extend(errs)
+                served[0] += len(texts)
+                i += 1
+
+        def watch():
+            while not stop.is_set():
+                fewest[0] = min(fewest[0], routable())
+                time.sleep(0.02)
+
+        threads = [threading.Thread(target=traffic), threading.Thread(target=watch)]
+        for thread in threads:
+            thread.start()
+        try:
+            time.sleep(0.5)
+            if loss == "flushall":
+                redis_server.client().flushall()
+            else:
+                redis_server.stop()
+                redis_server.start()
+            registry = ReplicaRegistry(redis_server.client(), MODEL_NAME)
+            _wait(lambda: {i.replica_id for i in registry.list_replicas()} == set(REPLICA_IDS),
+                  "the replicas re-register", 30)
+            time.sleep(1.0)  # and the router has read them again
+        finally:
+            stop.set()
+            for thread in threads:
+                thread.join(60)
+        assert not errors and served[0] >= 3
+        assert fewest[0] == 2, f"the router's routable replicas fell to {fewest[0]}"
+        # The prefix index is rebuilt too: each publisher's heartbeat finds its state gone and resyncs.
+        _wait(lambda: holder_of_prefix(router)[1] >= 30, "the index holds the warmed prefix again", 30)
 
 
 def _send_many(url, prompts, max_tokens=4):

@@ -55,14 +55,39 @@ def test_replica_set_accounting_and_ids_from_registry():
         replicas.release(b)
 
 
+def registry_beats(*ids, draining=False):
+    return [SimpleNamespace(replica_id=rid, endpoints={"grpc": f"{rid}:1", "http": f"{rid}:2"}, waiting=0,
+                            running=0, kv_usage=0.0, draining=draining, ts=0.0) for rid in ids]
+
+
 def test_registry_membership_follows_heartbeats():
     replicas = ReplicaSet("registry")
-    beats = [SimpleNamespace(replica_id=rid, endpoints={"grpc": f"{rid}:1", "http": f"{rid}:2"}, waiting=0,
-                             running=0, kv_usage=0.0, draining=False, ts=0.0) for rid in ("x", "y")]
-    replicas.apply_heartbeats(beats)
+    replicas.apply_heartbeats(registry_beats("x", "y"), now=0.0)
     assert [r.replica_id for r in replicas.all()] == ["x", "y"]
-    replicas.apply_heartbeats(beats[1:])  # x's heartbeat expired
+    # x's heartbeat expired because x died: its health probe fails, and it goes at once.
+    replicas.mark_unhealthy(replicas.get("x"), "health probe: UNAVAILABLE")
+    replicas.apply_heartbeats(registry_beats("y"), now=1.0)
     assert [r.replica_id for r in replicas.all()] == ["y"]
+
+
+def test_an_emptied_registry_keeps_replicas_that_still_answer():
+    """Redis restarted empty or FLUSHALL: every heartbeat is gone at once, the replicas still
+    serve. They stay routable while healthy (at most the grace) and are listed again when
+    they re-register; a draining one (its last heartbeat said so) stays unroutable."""
+    replicas = ReplicaSet("registry", registry_grace_s=30.0)
+    replicas.apply_heartbeats(registry_beats("x", "y"), now=0.0)
+    replicas.apply_heartbeats([], now=1.0)  # FLUSHALL
+    assert [r.replica_id for r in replicas.routable()] == ["x", "y"]
+    assert replicas.get("x").missing_since == 1.0
+    replicas.apply_heartbeats(registry_beats("x"), now=2.0)  # x re-registered; y not yet
+    assert replicas.get("x").missing_since is None and replicas.get("y").missing_since == 1.0
+    assert [r.replica_id for r in replicas.routable()] == ["x", "y"]
+    replicas.apply_heartbeats(registry_beats("x"), now=31.0)  # y never came back within the grace
+    assert [r.replica_id for r in replicas.all()] == ["x"]
+    # A replica that announced its drain and deregistered is kept but never chosen.
+    replicas.apply_heartbeats(registry_beats("x", draining=True), now=32.0)
+    replicas.apply_heartbeats([], now=33.0)
+    assert [r.replica_id for r in replicas.all()] == ["x"] and replicas.routable() == []
 
 
 class FakeTokenizer:

@@ -18,6 +18,9 @@ next flush publishes a *resync* batch, ``AllBlocksCleared`` followed by one
 - after a failed flush (Redis down, timeout; whether the batch landed is unknown),
 - when more than ``max_pending_events`` events wait (Redis down for long: the pending
   events are dropped and counted in ``num_dropped_events``, memory stays bounded),
+- when a heartbeat finds the replica's seq key gone although batches were written (Redis
+  was flushed or restarted empty, or a router reaped the replica): the index is rebuilt
+  within one heartbeat interval;
 - when the engine's event sequence numbers show a gap (its own buffer overflowed; the
   mirror is then the best knowledge available and ``num_engine_gaps`` counts it).
 
@@ -196,19 +199,29 @@ class Publisher(DaemonThread):
             return False
         first_seq = self._next_seq
         self._next_seq += len(batch)  # consumed even if the flush fails (module docstring)
+        # With each heartbeat: is our index state still in Redis? (Checked before this
+        # batch's apply recreates it; not on a resync, which rebuilds it anyway.)
+        check_state = heartbeat_due and first_seq > 0 and not resync
         try:
             pipe = self.client.pipeline(transaction=False)
+            if check_state:
+                pipe.exists(keys.replica_seq_key(self.model_id, self.replica_id))
             if batch:
                 self.index.apply(self.replica_id, [e.to_dict() for e in batch], epoch=self.epoch,
                                  first_seq=first_seq, pipeline=pipe)
             if heartbeat_due:
                 self._queue_heartbeat(pipe, stats, now)
-            pipe.execute()
+            results = pipe.execute()
         except Exception as exc:  # noqa: BLE001 - any Redis failure: resync later
             with self._lock:
                 self._needs_resync = True
             self._failed(exc)
             return False
+        if check_state and not results[0]:
+            logger.info("fleet publisher: this replica's index entries are gone from Redis (flushed, restarted "
+                        "empty or reaped); resyncing its blocks")
+            with self._lock:
+                self._needs_resync = True
         self.num_resyncs += int(resync)
         self.num_flushes += 1
         if not self.is_connected and self.num_failed_flushes:

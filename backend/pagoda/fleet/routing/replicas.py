@@ -9,6 +9,8 @@ Membership comes from exactly one source, fixed at start:
   from the API server every few seconds (``KubernetesDiscovery``); id = pod name, the
   replica id the operator gives each replica (``PAGODA_REPLICA_ID``).
 - ``registry``: the Redis replica registry itself (every replica with a live heartbeat).
+  A member the registry stops listing (Redis restarted empty, FLUSHALL) is kept while its
+  health probes pass, for at most ``REGISTRY_GRACE_S`` (``_apply_registry``).
 
 Each ``Replica`` also carries what the router learns on its own: ``in_flight`` (requests
 it routed there that have not ended: optimistic accounting, counted at decision time so a
@@ -94,6 +96,7 @@ class Replica:
     unhealthy_since: float = 0.0
     id_from_registry: bool = False
     lora_synced: bool = False  # its LoRA adapters were synced (lora_admin.sync) since it became ready
+    missing_since: Optional[float] = None  # registry mode: when the registry stopped listing it (else None)
     _grpc_stub: Any = field(default=None, repr=False)
     _grpc_channel: Any = field(default=None, repr=False)
     _probe_stub: Any = field(default=None, repr=False)
@@ -170,9 +173,12 @@ def _close_channel_later(channel: Any, grace_s: float = 0.0) -> Optional[asyncio
 class ReplicaSet:
     """Membership, health and in-flight counts of the router's replicas."""
 
-    def __init__(self, source: str) -> None:
+    REGISTRY_GRACE_S = 30.0
+
+    def __init__(self, source: str, registry_grace_s: float = REGISTRY_GRACE_S) -> None:
         assert source in ("static", "kubernetes", "registry"), f"unknown membership source {source}"
         self.source = source
+        self.registry_grace_s = registry_grace_s
         self._replicas: dict[str, Replica] = {}
         self._retired: list[Replica] = []  # left membership with requests still in flight
 
@@ -197,15 +203,17 @@ class ReplicaSet:
         else:
             _close_later(replica)
 
-    def apply_heartbeats(self, infos: Iterable[Any]) -> None:
-        """Copy heartbeat load onto members; in ``registry`` mode the heartbeats are the members.
+    def apply_heartbeats(self, infos: Iterable[Any], now: Optional[float] = None) -> None:
+        """Copy heartbeat load onto members; in ``registry`` mode the heartbeats are the members
+        (``_apply_registry``: a member the registry stops listing stays while it is healthy,
+        for at most ``registry_grace_s``).
 
         Static entries without an explicit id adopt the id of the heartbeat whose gRPC
         endpoint they name.
         """
         infos = list(infos)
         if self.source == "registry":
-            self.set_members((info.replica_id, dict(info.endpoints)) for info in infos)
+            self._apply_registry(infos, time.monotonic() if now is None else now)
         elif self.source == "static":
             by_grpc = {info.endpoints.get("grpc"): info.replica_id for info in infos}
             for replica_id, replica in list(self._replicas.items()):
@@ -221,6 +229,26 @@ class ReplicaSet:
             replica.waiting, replica.running = int(info.waiting), int(info.running)
             replica.kv_usage, replica.draining = float(info.kv_usage), bool(info.draining)
             replica.heartbeat_ts = float(info.ts)
+
+    def _apply_registry(self, infos: list[Any], now: float) -> None:
+        """Redis restarted empty, or was flushed, forgets every heartbeat at once although
+        every replica still serves (they re-register on their next heartbeat); a router that
+        took the empty registry literally answered 503 meanwhile. So a member missing from the
+        registry is kept while its health probes pass and its last heartbeat did not say
+        draining, for at most ``registry_grace_s``; it goes at once when a probe fails (a dead
+        replica) and, since a draining replica is not routable, a clean shutdown is unaffected."""
+        members = {info.replica_id: dict(info.endpoints) for info in infos}
+        for replica_id, replica in self._replicas.items():
+            if replica_id in members:
+                replica.missing_since = None
+                continue
+            if replica.missing_since is None:
+                replica.missing_since = now
+                logger.info("replica %s is no longer in the registry; kept while it answers its health probes "
+                            "(at most %.0f s): Redis may have lost its data", replica_id, self.registry_grace_s)
+            if replica.healthy and now - replica.missing_since < self.registry_grace_s:
+                members[replica_id] = replica.endpoints
+        self.set_members(members.items())
 
     # ---------------------------------------------------------------- queries
     def all(self) -> list[Replica]:
