@@ -227,7 +227,7 @@ def _quality(r: dict, ref, qmodels: dict, tok, args) -> None:
         r["ppl", method] = perplexity(qm, text_ids)
 
 
-def main(argv=None) -> int:
+def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagoda bench quant", description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="model folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--llama3-8b", action="store_true",
@@ -236,7 +236,11 @@ def main(argv=None) -> int:
     parser.add_argument("--num-tokens", type=int, default=64, help="greedy tokens per prompt and per timed request")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per variant (best kept)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = make_parser().parse_args(argv)
     methods = [m for m in args.methods.split(",") if m]
     if args.threads:
         torch.set_num_threads(args.threads)
