@@ -7,7 +7,7 @@
     pagoda lora load NAME PATH | unload NAME | list [--url URL]  LoRA adapters of a running server
     pagoda kv-events --endpoint tcp://HOST:5557 [...]           print a replica's vLLM-format KV events
     pagoda operator [...]                                       the Kubernetes operator (kopf)
-    pagoda bench offline|serve|kernels|gpu|routing|autoscale|quant|spec|offload|lora|structured|soak|throughput  benchmarks
+    pagoda bench offline|serve|kernels|kernel-check|gpu|routing|autoscale|quant|spec|offload|lora|structured|soak|throughput  benchmarks
 
 Subcommands import their modules lazily so ``pagoda --help`` stays fast and a missing
 optional dependency only affects the subcommand that needs it.
@@ -34,6 +34,7 @@ _BENCHES = {
     "offline": ("pagoda.bench.offline", "main", "engine vs Hugging Face generate on a fixed workload"),
     "serve": ("pagoda.bench.serve", "main", "streaming clients against a running server"),
     "kernels": ("pagoda.bench.kernels", "main", "GPU kernel bandwidth and latency"),
+    "kernel-check": ("pagoda.bench.kernel_check", "main", "every Triton kernel family vs its float64 reference"),
     "gpu": ("pagoda.bench.gpu_suite", "main", "the whole GPU measurement in one budgeted run (report in docs/gpu-runs)"),
     "routing": ("pagoda.bench.routing", "main", "routing policies compared in a calibrated simulator"),
     "autoscale": ("pagoda.bench.autoscale", "main", "the operator's autoscaler replayed on the routing simulator"),

@@ -26,7 +26,7 @@ def test_dry_run_walks_every_step_within_the_budget(tmp_path, quick, budget):
     text = out.read_text()
     for heading in ("## Environment", "## Steps", "## Correctness", "## Speed", "Not measured by this suite yet"):
         assert heading in text
-    assert "| attention | speed | dry run |" in text and "(dry run)" in text.splitlines()[0]
+    assert "| attention | speed | dry run |" in text and "| kernels-bf16 | correctness | dry run |" in text and "(dry run)" in text.splitlines()[0]
     names = {s.name for s in steps}
     assert {"greedy-fp32", "attention", "e2e-llama3-8b", "throughput", "served"} <= names
     assert ("quant-llama3-8b" in names) == (not quick)
@@ -37,10 +37,10 @@ def test_a_step_that_would_overrun_is_skipped_and_named():
     steps = plan(quick=False)
     run = run_suite(steps, 100.0, dry_runner(clock), clock, {"device": "cpu"}, dry_run=True)
     statuses = {r.name: r for r in run.results}
-    assert statuses["greedy-fp32"].status == "dry run" and statuses["kv-fp8-accuracy"].status == "dry run"
-    skipped = statuses["attention"]
-    assert skipped.status == "skipped" and skipped.note == "would overrun: needs 100 s, 10 s left"
-    assert clock.now <= 100.0
+    assert [statuses[n].status for n in ("greedy-fp32", "kernels-bf16", "greedy-bf16")] == ["dry run"] * 3
+    skipped = statuses["kernels-fp16"]
+    assert skipped.status == "skipped" and skipped.note == "would overrun: needs 30 s, 20 s left"
+    assert all(r.status == "skipped" for r in run.results[5:]) and clock.now == 80.0
 
 
 def test_arguments_a_command_no_longer_takes_fail_the_dry_run():
@@ -64,3 +64,17 @@ def test_refuses_without_a_gpu_unless_dry(capsys):
         pytest.skip("a GPU is present")
     assert gpu_suite.main(["--quick"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_kernel_check_passes_every_family_under_the_interpreter(capsys):
+    """The suite's kernel step, at its --small shapes on CPU tensors (TRITON_INTERPRET=1 is set
+    for the whole test session): every family within its float64 bound."""
+    from pagoda.bench import kernel_check
+
+    assert kernel_check.main(["--device", "cpu", "--small", "--dtype", "float16"]) == 0
+    out = capsys.readouterr().out
+    assert "16 of 16 cases within their bounds" in out
+    for family in ("attention", "kv write", "rms norm", "rotary", "w8a16", "lora"):
+        assert f"| {family} |" in out
+    with pytest.raises(SystemExit):
+        kernel_check.main(["--device", "cpu", "--small", "--families", "attention,nope"])

@@ -15,6 +15,8 @@ step                   section      what (the command's own docs say how it meas
 environment            environment  GPU, driver, CUDA, torch, triton, Python (in process)
 greedy-fp32 / -bf16    correctness  engine vs Hugging Face greedy agreement, tiny random Llama
                                     (``bench kernels --skip-kernels --small``)
+kernels-bf16 / -fp16   correctness  every Triton kernel family vs its float64 reference on CUDA
+                                    tensors (``bench kernel-check``)
 kv-fp8-accuracy        correctness  fp8 KV cache: logits error and greedy agreement
 attention              speed        decode attention % of copy bandwidth at batch 1/8/64 (4k
                                     context), prefill vs SDPA at 1k-8k, fp8-cache decode
@@ -25,9 +27,8 @@ throughput             speed        greedy / sampled / seeded at 256 sequences, 
 served                 speed        ``pagoda serve`` + 64 streams (``bench serve --launch``)
 =====================  ===========  ==============================================================
 
-Not steps yet (the report lists them): every Triton kernel family against its torch
-reference on CUDA tensors (the kernel tests build CPU tensors for the interpreter), the
-sampler's device guard and seeded reproducibility with async scheduling on and off on
+Not steps yet (the report lists them): FP8 ``_scaled_mm`` against a reference (torch's own
+kernel; ``bench quant`` times it), the sampler's device guard and seeded reproducibility with async scheduling on and off on
 CUDA, and ``bench throughput`` with async scheduling off.
 
 ``--dry-run`` (any device, e.g. ``--device cpu``) walks the same plan without running
@@ -84,32 +85,33 @@ def plan(quick: bool) -> list[Step]:
     steps = [
         Step("environment", "environment", (), 5),
         Step("greedy-fp32", "correctness", _bench("kernels", "--skip-kernels", "--small", "--dtype", "float32"), 25),
+        Step("kernels-bf16", "correctness", _bench("kernel-check", "--dtype", "bfloat16"), 30),
     ]
     if not quick:
         steps += [
             Step("greedy-bf16", "correctness", _bench("kernels", "--skip-kernels", "--small"), 25),
+            Step("kernels-fp16", "correctness", _bench("kernel-check", "--dtype", "float16"), 30),
             Step("kv-fp8-accuracy", "correctness", _bench("kernels", "--kv-accuracy"), 40),
         ]
     attention = ("--batch-sizes", "1,8,64", "--prefill-lens", "1024,4096", "--iters", "10") if quick else \
         ("--batch-sizes", "1,8,64", "--prefill-lens", "1024,2048,4096,8192")
-    steps.append(Step("attention", "speed", _bench("kernels", "--skip-e2e", *attention), 60 if quick else 100))
+    steps.append(Step("attention", "speed", _bench("kernels", "--skip-e2e", *attention), 50 if quick else 90))
     e2e = ("--skip-hf", "--e2e-requests", "8") if quick else ()
-    steps.append(Step("e2e-llama3-8b", "speed", _bench("kernels", "--skip-kernels", *e2e), 90 if quick else 150))
+    steps.append(Step("e2e-llama3-8b", "speed", _bench("kernels", "--skip-kernels", *e2e), 75 if quick else 130))
     if not quick:
-        steps.append(Step("quant-llama3-8b", "speed", _bench("quant", "--llama3-8b", "--repeats", "1"), 70))
+        steps.append(Step("quant-llama3-8b", "speed", _bench("quant", "--llama3-8b", "--repeats", "1"), 60))
     steps.append(Step("throughput", "speed",
                       _bench("throughput", "--device", "cuda", "--num-requests", "64" if quick else "256"),
-                      50 if quick else 90))
+                      45 if quick else 80))
     steps.append(Step("served", "speed",
                       _bench("serve", "--launch", "--num-requests", "64", "--concurrency", "64",
                              "--max-output-tokens", "32" if quick else "128", "--max-num-seqs", "64"),
-                      60 if quick else 90))
+                      55 if quick else 80))
     return steps
 
 
 NOT_YET = [
-    "every Triton kernel family vs its torch reference on CUDA tensors (attention incl. fp8 cache and both "
-    "launches of a mixed step, KV write, norm/rope, W8A16, FP8 _scaled_mm, LoRA shrink/expand)",
+    "FP8 _scaled_mm against a reference (torch's own kernel; bench quant times it)",
     "the sampler's device guard and seeded reproducibility with async scheduling on and off, on CUDA",
     "bench throughput with async scheduling off (forward share and sampler ms per step, both ways)",
 ]
@@ -132,6 +134,10 @@ def parse_step_args(step: Step) -> None:
         parse_args = make_parser().parse_args
     elif bench == "quant":
         from pagoda.bench.quant import make_parser
+
+        parse_args = make_parser().parse_args
+    elif bench == "kernel-check":
+        from pagoda.bench.kernel_check import make_parser
 
         parse_args = make_parser().parse_args
     else:
