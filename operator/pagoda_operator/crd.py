@@ -33,6 +33,7 @@ ROUTING_POLICIES = ["prefix_aware", "precise", "approximate", "least_loaded", "r
 MODES = ["Deployment", "KServe", "KServeLLM"]
 DEFAULT_REDIS_URL = "redis://pagoda-redis:6379/0"
 DEFAULT_KSERVE_RUNTIME = "pagoda"
+KSERVE_SCHEDULERS = ("pagoda", "llm-d")
 
 _DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 _SCHEMES = r"^(pvc|image|s3|gs|hf|https?)://.+$"
@@ -239,6 +240,11 @@ SPEC_SCHEMA: dict[str, Any] = _obj(
                     required=["name"],
                     description="Mode KServeLLM: the Gateway API Gateway the LLMInferenceService's "
                                 "HTTPRoute attaches to (default: KServe's configured gateway)."),
+                "scheduler": _str("Mode KServeLLM: who picks the replica. pagoda: the pagoda router "
+                                  "(the HTTPRoute sends everything to it). llm-d: KServe's managed "
+                                  "InferencePool and llm-d endpoint picker; the replicas serve OpenAI on "
+                                  "8000 and publish vLLM-format KV events to the picker.",
+                                  enum=list(KSERVE_SCHEDULERS), default="pagoda"),
             },
             description="Settings for modes KServe and KServeLLM.",
             default={},

@@ -49,7 +49,7 @@ def render_children(svc: LLMService, replicas: int) -> list[dict[str, Any]]:
     if svc.spec.mode == "KServe":
         return [render_inference_service(svc), *router]
     if svc.spec.mode == "KServeLLM":
-        return [render_llm_inference_service(svc), *router]
+        return [render_llm_inference_service(svc), *([] if svc.spec.kserve_scheduler == "llm-d" else router)]
     return [render_replica_deployment(svc, replicas), render_replica_service(svc),
             render_replica_network_policy(svc), render_replica_pdb(svc), *router]
 
@@ -62,6 +62,13 @@ def stale_children(svc: LLMService) -> list[tuple[str, str, str]]:
                   ("policy/v1", "PodDisruptionBudget", naming.replicas_name(svc))]
     isvc = [("serving.kserve.io/v1beta1", "InferenceService", svc.name)]
     llmisvc = [(LLMISVC_API_VERSION, LLMISVC_KIND, svc.name)]
+    if svc.spec.mode == "KServeLLM" and svc.spec.kserve_scheduler == "llm-d":  # KServe's picker replaces our router
+        router = [("v1", "ServiceAccount", naming.router_name(svc)),
+                  ("rbac.authorization.k8s.io/v1", "Role", naming.router_name(svc)),
+                  ("rbac.authorization.k8s.io/v1", "RoleBinding", naming.router_name(svc)),
+                  ("apps/v1", "Deployment", naming.router_name(svc)),
+                  ("v1", "Service", naming.router_service_name(svc))]
+        return deployment + isvc + router
     return {"KServe": deployment + llmisvc, "KServeLLM": deployment + isvc}.get(svc.spec.mode, isvc + llmisvc)
 
 

@@ -22,10 +22,20 @@ How pagoda maps onto it (the closest wiring the CRD supports; see docs/kubernete
   workload (`llmisvc_pod_selector`, the same labels KServe's own InferencePool selects);
 - replicas: `spec.replicas` = `spec.replicas.min` (KServe owns the pods; the built-in
   autoscaler runs only in mode Deployment).
+
+With `spec.kserve.scheduler: llm-d` the other wiring is rendered instead: `router.scheduler:
+{}` and `router.route: {}` take KServe's managed InferencePool, llm-d endpoint picker and
+HTTPRoute (its well-known configs, tests/data/kserve/llmisvcconfig), and the replicas serve
+what that picker expects on the pool's target port 8000 — OpenAI, `/health` and `/metrics`
+with the `vllm:` series (pagoda serve's OpenAI door; Triton HTTP moves to 8080) — and publish
+vLLM-format KV events to the picker's ZMQ port for its precise prefix scorer. No pagoda
+router is rendered then. KServe's global TLS (HTTPS probes and metrics scraping) is not
+supported by the door.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from pagoda_operator import naming, render_security
@@ -39,6 +49,12 @@ COMPONENT = "replica"
 # Labels KServe gives the workload pods of an LLMInferenceService (its well-known
 # scheduler config selects the InferencePool's endpoints with exactly these).
 WORKLOAD_LABELS = {"app.kubernetes.io/part-of": "llminferenceservice", "kserve.io/component": "workload"}
+# scheduler llm-d: KServe's scheduler config targets port 8000 and names the picker's
+# Service `<name>-epp-service`, whose ZMQ port 5557 receives KV events.
+LLMD_TARGET_PORT = 8000
+LLMD_TRITON_HTTP_PORT = 8080
+EPP_SERVICE_SUFFIX = "-epp-service"
+EPP_ZMQ_PORT = 5557
 
 
 def llmisvc_pod_selector(svc: LLMService) -> dict[str, str]:
@@ -52,12 +68,31 @@ def _main_container(svc: LLMService) -> dict[str, Any]:
     args = list(container["args"])
     args[args.index("--model") + 1] = naming.MODEL_MOUNT  # the storage initializer's output
     container["args"] = args
+    if svc.spec.kserve_scheduler == "llm-d":
+        _serve_for_llm_d(container, svc)
     # KServe mounts the model itself (the storage initializer's volume); the other mounts
     # (writable emptyDirs, Redis CA, /dev/shm) stay ours, as in mode Deployment.
     _, model_mounts = model_volume(svc)
     model_names = {m["name"] for m in model_mounts}
     container["volumeMounts"] = [m for m in container.get("volumeMounts", []) if m["name"] not in model_names]
     return container
+
+
+def _serve_for_llm_d(container: dict[str, Any], svc: LLMService) -> None:
+    """What KServe's managed scheduler expects of the model server (its well-known configs):
+    OpenAI and ``/health`` and the ``vllm:`` metrics on port 8000 (the pool's target port:
+    pagoda's OpenAI door moves there, Triton HTTP to 8080), and KV events for the endpoint
+    picker's precise prefix scorer, published (connecting) to its ZMQ port 5557 with
+    llm-d's topic ``kv@<pod-ip>:<port>@<model>``."""
+    args = container["args"]
+    args[args.index("--http-port") + 1] = str(LLMD_TRITON_HTTP_PORT)
+    args[args.index("--openai-port") + 1] = str(LLMD_TARGET_PORT)
+    events = {"enable_kv_cache_events": True, "publisher": "zmq",
+              "endpoint": f"tcp://{svc.name}{EPP_SERVICE_SUFFIX}:{EPP_ZMQ_PORT}",
+              "topic": f"kv@$(PAGODA_POD_IP):{LLMD_TARGET_PORT}@{svc.spec.model.name}"}
+    args += ["--kv-events-config", json.dumps(events, separators=(",", ":"))]
+    ports = {"http": LLMD_TRITON_HTTP_PORT, "openai": LLMD_TARGET_PORT}
+    container["ports"] = [{**p, "containerPort": ports.get(p["name"], p["containerPort"])} for p in container["ports"]]
 
 
 def _volumes(svc: LLMService) -> list[dict[str, Any]]:
@@ -83,7 +118,10 @@ def _route(svc: LLMService) -> dict[str, Any]:
 
 def render_llm_inference_service(svc: LLMService) -> dict[str, Any]:
     """The serving.kserve.io/v1alpha2 LLMInferenceService for `svc` (module docstring)."""
-    router: dict[str, Any] = {"route": _route(svc)}
+    if svc.spec.kserve_scheduler == "llm-d":  # KServe's managed InferencePool, EPP and HTTPRoute
+        router: dict[str, Any] = {"scheduler": {}, "route": {}}
+    else:
+        router = {"route": _route(svc)}
     if svc.spec.kserve_gateway:
         router["gateway"] = {"refs": [dict(svc.spec.kserve_gateway)]}
     return {

@@ -102,6 +102,7 @@ class LLMServiceSpec:
     redis: RedisSpec = field(default_factory=RedisSpec)
     kserve_runtime: str = crd.DEFAULT_KSERVE_RUNTIME
     kserve_gateway: dict[str, str] = field(default_factory=dict)  # mode KServeLLM: {name[, namespace]}
+    kserve_scheduler: str = "pagoda"  # mode KServeLLM: "pagoda" (our router) or "llm-d" (KServe's EPP)
 
 
 @dataclass(frozen=True)
@@ -274,6 +275,7 @@ def parse_spec(raw_spec: dict[str, Any]) -> LLMServiceSpec:
                         ca_secret_name=ca_secret.get("name"), ca_secret_key=ca_secret.get("key", "ca.crt")),
         kserve_runtime=spec["kserve"]["runtime"],
         kserve_gateway=dict(spec["kserve"].get("gateway") or {}),
+        kserve_scheduler=spec["kserve"].get("scheduler", "pagoda"),
     )
 
 

@@ -101,3 +101,40 @@ def test_reconciler_children_and_mode_switches():
     assert ("LLMInferenceService", "chat") in {(k, n) for _, k, n in stale_children(deployment_mode)}
     with pytest.raises(SpecError, match="image://"):
         parse_llmservice(body(model={"name": "chat", "storageUri": "image:///m"}))
+
+
+def test_llm_d_scheduler_wires_kserves_picker_to_pagodas_openai_door_and_kv_events():
+    """`kserve.scheduler: llm-d`: KServe's managed InferencePool + EPP + HTTPRoute (empty
+    scheduler/route: its well-known configs), the replicas serve OpenAI on the pool's target
+    port and publish vLLM-format KV events to the picker's ZMQ port; no pagoda router."""
+    import json
+
+    from pagoda.serving.kv_event_stream import KVEventsConfig
+    from pagoda.serving.launch.serve_cli import make_parser
+
+    svc = parse_llmservice(body(kserve={"scheduler": "llm-d"}))
+    isvc = render_llm_inference_service(svc)
+    assert errors_of(isvc) == []
+    assert isvc["spec"]["router"] == {"scheduler": {}, "route": {}}
+    [main] = isvc["spec"]["template"]["containers"]
+    config = yaml.safe_load((KSERVE / "llmisvcconfig" / "config-llm-scheduler.yaml").read_text())
+    pool = config["spec"]["router"]["scheduler"]["pool"]["spec"]
+    [target] = pool["targetPorts"]
+    args = make_parser().parse_args(main["args"])  # `pagoda serve` accepts them
+    assert args.openai_port == target["number"] == 8000 and args.http_port == 8080
+    assert {p["name"]: p["containerPort"] for p in main["ports"]}["openai"] == 8000
+    events = KVEventsConfig.from_json(args.kv_events_config)
+    epp_service = pool["endpointPickerRef"]["name"].replace("{{ ChildName .ObjectMeta.Name `-epp-service` }}",
+                                                           f"{svc.name}-epp-service")
+    assert events.is_active and events.endpoint == f"tcp://{epp_service}:5557"
+    zmq_port = [p for c in config["spec"]["router"]["scheduler"]["template"]["containers"]
+                for p in c.get("ports", []) if p.get("name") == "zmq"]
+    assert zmq_port == [{"containerPort": 5557, "name": "zmq", "protocol": "TCP"}]
+    assert events.topic == "kv@$(PAGODA_POD_IP):8000@chat"  # llm-d's topic; the kubelet expands the pod IP
+    assert "PAGODA_POD_IP" in {e["name"] for e in main["env"]}
+    assert [c["kind"] for c in render_children(svc, 2)] == ["LLMInferenceService"]
+    stale = {(kind, name) for _, kind, name in stale_children(svc)}
+    assert ("Deployment", naming.router_name(svc)) in stale and ("Service", naming.router_service_name(svc)) in stale
+    with pytest.raises(SpecError, match="scheduler"):
+        parse_llmservice(body(kserve={"scheduler": "envoy"}))
+    assert json.loads(main["args"][main["args"].index("--kv-events-config") + 1])["publisher"] == "zmq"

@@ -102,6 +102,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--openai-port", type=int, default=DEFAULT_OPENAI_PORT,
                    help="serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, /health) on "
                         f"this port (default {DEFAULT_OPENAI_PORT}; 0: off); the router's OpenAI code over this replica")
+    p.add_argument("--served-model-name", metavar="NAME",
+                   help="the model's name on the OpenAI door and in metrics labels (default: the model folder's "
+                        "name, or $PAGODA_MODEL_NAME)")
     p.add_argument("--skip-first-request-check", action="store_true",
                    help="announce the server without sending it one request first")
     return p
@@ -119,6 +122,8 @@ def engine_args_from(args: argparse.Namespace) -> dict[str, str]:
         values.update(enable_lora="true", lora_modules=lora_modules_text(args.lora))
     if args.allow_runtime_lora:
         values.update(enable_lora="true", allow_runtime_lora="true")
+    if args.served_model_name:
+        values["served_model_name"] = args.served_model_name
     if args.kv_events_config is not None:
         from pagoda.serving.kv_event_stream import KVEventsConfig
 
@@ -230,8 +235,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         server.start()
         if args.openai_port:
             door = OpenAIDoor(args.openai_port, model_dir_for(options.model), server.grpc_url, server.http_url,
-                              f"{options.host}:{options.metrics_port}",
-                              allow_runtime_lora=args.allow_runtime_lora).start()
+                              f"{options.host}:{options.metrics_port}", allow_runtime_lora=args.allow_runtime_lora,
+                              model_name=args.served_model_name).start()
         starting[0] = False
         print(f"pagoda is serving model '{MODEL_NAME}' ({options.model})\n"
               f"  HTTP    http://{server.http_url}/v2/models/{MODEL_NAME}/generate_stream\n"
