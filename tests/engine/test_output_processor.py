@@ -126,3 +126,26 @@ def test_logprobs_accumulate_and_stop_at_the_kept_tokens(tokenizer):
     assert [lp.token_id for lp in completion.logprobs] == tokens[:kept]
     assert completion.cumulative_logprob == pytest.approx(sum(-0.5 * (i + 1) for i in range(kept)))
     assert completion.delta_logprobs == completion.logprobs
+
+
+def test_a_stop_token_ends_the_text_without_its_own_text(tokenizer):
+    """EOS or a stop_token_ids hit: the id stays in token_ids, its text is dropped (vLLM's
+    detokenizer, TensorRT-LLM's end_id) unless include_stop_str_in_output; a finish on a
+    completed grammar keeps its last token's text."""
+    tokens = tokenizer.encode("The cat sat.", add_special_tokens=False)
+    stop_id = tokens[-1]  # "." as a stop token id
+    eos = sorted(tokenizer.eos_token_ids)[0]
+    cases = [
+        (dict(stop_token_ids=[stop_id]), tokens, stop_id, "The cat sat"),
+        (dict(stop_token_ids=[stop_id], include_stop_str_in_output=True), tokens, stop_id, "The cat sat."),
+        (dict(skip_special_tokens=False), tokens[:-1] + [eos], None, "The cat sat"),
+        (dict(), tokens, None, "The cat sat."),  # e.g. a completed grammar: the last token is text
+    ]
+    for params, ids, stop_reason, text in cases:
+        processor = _processor(tokenizer, max_tokens=50, **params)
+        core = EngineCoreOutput("r", list(ids), [None] * len(ids), finish_reason="stop", stop_reason=stop_reason,
+                                first_scheduled_time=0.5)
+        (out,) = processor.process([core], now=1.0)[0]
+        completion = out.outputs[0]
+        assert (completion.text, completion.token_ids) == (text, list(ids)), params
+        assert completion.delta_text == text and completion.finish_reason == "stop"

@@ -14,6 +14,11 @@ a stop string may still match, a stop string's length of text is held back from 
 deltas. Tokens that arrive for a completion already ended here (async scheduling: the
 core learns of the stop one step late) are ignored.
 
+Stop tokens: a request the core ended on a ``stop_token_ids`` hit or EOS keeps that id in
+``token_ids`` but not its text (unless ``include_stop_str_in_output``), as vLLM's
+detokenizer and TensorRT-LLM's ``end_id`` do; a finish for another reason (a completed
+grammar) keeps its last token's text.
+
 n > 1 (the fan-in; the fan-out is ``engine.core.parallel_sampling``'s): a user request's
 ``n`` children are one *group*; their outputs are reported together under the user's
 request id, once any child progressed. The group is finished when every child is.
@@ -177,7 +182,11 @@ class OutputProcessor:
         completion.token_ids.extend(new_ids)
         num_tokens = len(completion.token_ids)
         params = group.params
-        pieces = [[t] for t in new_ids] if params.stop and len(new_ids) > 1 else [new_ids]
+        # A stop token (EOS or stop_token_ids) ends the request but is not text: its id stays
+        # in token_ids, its text is dropped unless include_stop_str_in_output (as vLLM, and
+        # TensorRT-LLM with end_id).
+        text_ids = new_ids[:-1] if self._ends_on_stop_token(core_output, params) else new_ids
+        pieces = [[t] for t in text_ids] if params.stop and len(text_ids) > 1 else [text_ids]
         stopped = False
         for i, piece in enumerate(pieces):
             if piece:
@@ -204,6 +213,14 @@ class OutputProcessor:
         if completion.finish_reason is not None and group.finished:
             group.metrics.finished_time = now
         return stopped and not core_output.finished
+
+    def _ends_on_stop_token(self, core_output: EngineCoreOutput, params: SamplingParams) -> bool:
+        """The core finished the request on a stop token id or EOS (not, e.g., a completed
+        grammar, whose last token is text)."""
+        if core_output.finish_reason != "stop" or not core_output.new_token_ids or params.include_stop_str_in_output:
+            return False
+        last = core_output.new_token_ids[-1]
+        return core_output.stop_reason == last or (not params.ignore_eos and last in self.tokenizer.eos_token_ids)
 
     def _stamp(self, group: _Group, core_output: EngineCoreOutput, num_new: int, now: float) -> None:
         m = group.metrics
