@@ -23,6 +23,7 @@ from pagoda.fleet.routing.replicas import ReplicaSet
 from pagoda.fleet.routing.router import Router
 
 SECRET = "sk-very-secret-0123456789"
+SECRET_TPM = "sk-small-quota-42"
 
 
 class FakeClock:
@@ -171,6 +172,34 @@ def test_token_buckets_and_concurrency_on_an_injected_clock():
     assert limiter.admit(None, 10**9).state is None  # open mode: no limits
 
 
+def test_token_quota_charges_n_times_the_effective_max_tokens_and_refunds_the_unused():
+    """Issue 25 defect 5: a request costs prompt + n x max_tokens, and without max_tokens
+    the replicas' default_max_tokens (router --default-max-tokens, 1024 like the model
+    repository's); when it ends, the charge is reconciled with what it really used."""
+    clock = FakeClock()
+    keys = ApiKeys.parse(f"{SECRET} acme tpm=10000", "keys")
+    gate = Gate(RequestLimits(), keys, clock=clock)
+    acme = gate.authenticate(f"Bearer {SECRET}")
+    assert RequestLimits().default_max_tokens == 1024
+    assert gate.num_tokens(10, {}) == 10 + 1024
+    assert gate.num_tokens(10, {"n": 4}) == 10 + 4 * 1024
+    assert gate.num_tokens(10, {"n": "2", "max_tokens": "50"}) == 10 + 2 * 50  # vLLM-backend strings
+    assert Gate(RequestLimits(default_max_tokens=64)).num_tokens(0, {"n": 3}) == 192
+    ticket = gate.charge(acme, 10, {"n": 4})  # 4106 of 10000
+    second = gate.charge(acme, 10, {"n": 4})  # 8212
+    with pytest.raises(RateLimited, match="10000 tokens per minute"):
+        gate.charge(acme, 10, {"n": 4})
+    ticket.settle(10 + 4 * 3)  # it stopped after 3 tokens per completion: 4084 tokens back
+    ticket.settle(10**6)  # settles once
+    third = gate.charge(acme, 10, {"n": 4})
+    second.settle(0)  # failed before any replica ran it: all back
+    third.release()
+    gate.charge(acme, 10, {"n": 4}).release()
+    with pytest.raises(RateLimited, match=r"this request's 20490 tokens \(prompt \+ n x max_tokens\) exceed"):
+        gate.charge(acme, 10, {"n": 20})
+    assert gate.charge(None, 10**6, {"n": 16}).state is None  # open mode
+
+
 def test_overload_memory_prefers_replicas_with_room():
     clock = FakeClock()
     gate = Gate(clock=clock)
@@ -217,7 +246,7 @@ def _app(tokenizer, gate):
 
 def test_http_doors_refuse_before_routing(tokenizer, caplog):
     clock = FakeClock()
-    keys = ApiKeys.parse(f"{SECRET} acme rpm=1", "keys")
+    keys = ApiKeys.parse(f"{SECRET} acme rpm=1\n{SECRET_TPM} small tpm=2000", "keys")
     gate = Gate(RequestLimits(max_body_bytes=2**20), keys, clock=clock)
     caplog.set_level(logging.DEBUG)
     app, exporter = _app(tokenizer, gate)
@@ -272,6 +301,59 @@ async def _http_scenario(app, clock):
         status, _, _ = await call("POST", "/v2/models/pagoda/generate", {"text_input": "hi"}, auth)
         assert status == 503
 
+        # Quotas count n x the replicas' default max_tokens (1024) when max_tokens is absent
+        # (/v1/completions has OpenAI's own default, 16, which the replica then applies too).
+        for path, body in [("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2}),
+                           ("/v2/models/pagoda/generate", {"text_input": "hi", "sampling_parameters": {"n": 2}})]:
+            clock.now += 60
+            status, _, body = await call("POST", path, body, {"Authorization": f"Bearer {SECRET_TPM}"})
+            assert status == 429 and "(prompt + n x max_tokens) exceed tenant 'small'" in body.decode(), (path, body)
+
         status, _, metrics = await call("GET", "/metrics")
         assert b'pagoda_router_refused_total{reason="unauthenticated"} 2' in metrics
         assert SECRET.encode() not in metrics
+
+
+# ------------------------------------------------------------------ the gRPC door, for real
+def test_grpc_door_refuses_a_message_over_the_body_limit_and_keeps_serving(tokenizer):
+    """Issue 25 defect 8: the router's gRPC receive limit is its HTTP body limit
+    (``--max-body-bytes``): a larger message gets RESOURCE_EXHAUSTED naming both sizes,
+    on the unary and the streaming door, and the next calls are served."""
+    asyncio.run(_grpc_limit_scenario(tokenizer))
+
+
+async def _grpc_limit_scenario(tokenizer):
+    import grpc
+    from tritonclient.grpc import service_pb2_grpc
+
+    from pagoda.fleet.api.grpc_proxy import GrpcProxy, make_grpc_server
+    from pagoda.fleet.api.tracing import RouterTracer
+    from pagoda.fleet.api.upstream import GrpcUpstream
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    gate = Gate(RequestLimits(max_body_bytes=2**20))
+    router = Router(ReplicaSet("static"), tokenizer, "m", "least_loaded")  # no replicas
+    proxy = GrpcProxy(router, RouterTracer(InMemorySpanExporter(), batch=False), gate, GrpcUpstream(router, gate))
+    server, port = make_grpc_server(proxy, "127.0.0.1", 0)
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+            big = _infer_request()
+            big.raw_input_contents[0] = struct.pack("<I", 3 * 2**20) + b"x" * (3 * 2**20)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.ModelInfer(big)
+            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert str(2**20) in info.value.details(), info.value.details()
+
+            async def one(request):
+                return [response async for response in stub.ModelStreamInfer(iter([request]))]
+
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await one(big)
+            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert (await stub.ServerLive(service_pb2.ServerLiveRequest())).live
+            [answer] = await one(_infer_request('{"max_tokens": 2}'))  # a normal request is routed (no replica)
+            assert "no replica" in answer.error_message
+    finally:
+        await server.stop(0)

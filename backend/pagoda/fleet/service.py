@@ -372,7 +372,7 @@ def make_parser() -> argparse.ArgumentParser:
     tenants.add_argument("--share-prefix-cache", action="store_true",
                          help="let tenants share cached blocks (default: each tenant's cache_salt isolates it)")
     tenants.add_argument("--tenant-rpm", type=float, help="requests per minute per tenant (keys may override)")
-    tenants.add_argument("--tenant-tpm", type=float, help="tokens (prompt + max_tokens) per minute per tenant")
+    tenants.add_argument("--tenant-tpm", type=float, help="tokens (prompt + n x max_tokens, settled with usage) per minute per tenant")
     tenants.add_argument("--tenant-max-concurrent", type=int, help="requests in flight per tenant")
     limits = p.add_argument_group("limits", "input limits; a request over one gets a 4xx naming it")
     for f in dataclasses.fields(RequestLimits):

@@ -173,9 +173,7 @@ async def _generate(request: web.Request) -> web.StreamResponse:
             if tenant is not None:
                 _salt_document(document, gate.salt(tenant, cache_salt_of(document.get("sampling_parameters"))))
             analysis = _analysis_of(router, document)
-            sampling = sampling_of_generate(document)
-            num_tokens = (analysis.num_prompt_tokens if analysis else 0) + int(sampling.get("max_tokens") or 16)
-            ticket = gate.admit(tenant, num_tokens)
+            ticket = gate.charge(tenant, analysis.num_prompt_tokens if analysis else 0, sampling_of_generate(document))
         except LimitError as exc:
             gate.count("invalid_input")
             return _error(exc.status, str(exc))
@@ -184,7 +182,10 @@ async def _generate(request: web.Request) -> web.StreamResponse:
     carrier = {TRACEPARENT: request.headers[TRACEPARENT]} if TRACEPARENT in request.headers else {}
     try:
         with tracer.route_span("http", carrier) as span:
-            return await _route(request, body, document, analysis, span)
+            response = await _route(request, body, document, analysis, span)
+        if ticket is not None and response.status != 200:
+            ticket.settle(0)  # refused or failed before generating: the quota gets it all back
+        return response
     finally:
         if ticket is not None:
             ticket.release()

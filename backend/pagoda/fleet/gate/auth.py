@@ -16,9 +16,12 @@ tenants never share a KV block: a timing probe of another tenant's prompt finds 
 cached. ``share_cache=True`` (``--share-prefix-cache``) keeps the client's salt as is.
 
 Rate limits (``TenantLimiter``): per tenant, a token bucket of requests per minute and
-one of tokens per minute (a request costs its prompt tokens plus its ``max_tokens``, as
-OpenAI counts a request against a token limit before it runs), both holding at most one
-minute's worth; and a cap on requests in flight. A refusal is ``RateLimited`` (429 with
+one of tokens per minute, both holding at most one minute's worth; and a cap on requests
+in flight. A request is charged before it runs, at its worst case: prompt tokens plus
+``n`` x its effective ``max_tokens`` (the replicas' ``default_max_tokens`` when absent;
+``Gate.num_tokens``); when it ends its door *settles* the ``Ticket`` with what it really
+used (``Ticket.settle``: the difference goes back to the bucket, or is taken when it used
+more), so the bucket tracks actual usage. A refusal is ``RateLimited`` (429 with
 ``Retry-After``: the time until the bucket holds enough). Buckets read an injected clock.
 """
 
@@ -163,15 +166,31 @@ class _TenantState:
 
 @dataclass
 class Ticket:
-    """An admitted request's hold on its tenant's concurrency; ``release()`` exactly once (idempotent)."""
+    """An admitted request's hold on its tenant's concurrency and its token charge.
+
+    ``release()`` (idempotent) ends the hold; ``settle(used)`` (once; later calls are
+    ignored) reconciles the charge with the tokens the request really used.
+    """
 
     state: Optional[_TenantState] = None
     released: bool = field(default=False)
+    charged: int = 0
+    per_minute: Optional[float] = None
+    settled: bool = False
 
     def release(self) -> None:
         if not self.released and self.state is not None:
             self.state.in_flight -= 1
         self.released = True
+
+    def settle(self, used: int) -> None:
+        """Give back ``charged - used`` tokens (take the excess when ``used`` is larger)."""
+        if self.settled:
+            return
+        self.settled = True
+        bucket = self.state.tokens if self.state is not None else None
+        if bucket is not None and self.per_minute is not None:
+            bucket.tokens = min(self.per_minute, bucket.tokens + self.charged - max(0, int(used)))
 
 
 class TenantLimiter:
@@ -202,9 +221,9 @@ class TenantLimiter:
         wait_tokens = self._wait(state, "tokens", tenant.tokens_per_minute, num_tokens, now)
         if wait_tokens > 0:
             if tenant.tokens_per_minute is not None and num_tokens > tenant.tokens_per_minute:
-                raise RateLimited(f"rate limited: this request's {num_tokens} tokens (prompt + max_tokens) exceed "
+                raise RateLimited(f"rate limited: this request's {num_tokens} tokens (prompt + n x max_tokens) exceed "
                                   f"tenant {tenant.tenant_id!r}'s {tenant.tokens_per_minute:g} tokens per minute; "
-                                  "lower max_tokens", 60.0)
+                                  "lower max_tokens or n", 60.0)
             self._refuse("tokens_per_minute", f"rate limited: tenant {tenant.tenant_id!r} is over its "
                                               f"{tenant.tokens_per_minute:g} tokens per minute", wait_tokens)
         if state.requests is not None:
@@ -212,7 +231,7 @@ class TenantLimiter:
         if state.tokens is not None:
             state.tokens.tokens -= num_tokens
         state.in_flight += 1
-        return Ticket(state)
+        return Ticket(state, charged=num_tokens, per_minute=tenant.tokens_per_minute)
 
     def _wait(self, state: _TenantState, kind: str, per_minute: Optional[float], cost: int, now: float) -> float:
         """Seconds until the bucket holds ``cost`` (0: it does now); refills it first."""

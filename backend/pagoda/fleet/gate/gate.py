@@ -30,7 +30,7 @@ from aiohttp import web
 
 from pagoda.contracts.errors import DEFAULT_RETRY_AFTER_S
 from pagoda.fleet.gate.auth import ApiKeys, AuthError, RateLimited, Tenant, TenantLimiter, Ticket, tenant_salt
-from pagoda.fleet.gate.limits import LimitError, RequestLimits
+from pagoda.fleet.gate.limits import LimitError, RequestLimits, as_int
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +83,19 @@ class Gate:
 
     def salt(self, tenant: Optional[Tenant], client_salt: Optional[str]) -> Optional[str]:
         return tenant_salt(tenant, client_salt, self.share_cache)
+
+    def num_tokens(self, num_prompt_tokens: int, sampling: dict[str, Any]) -> int:
+        """A request's worst case: prompt + n x effective max_tokens (the replicas'
+        ``default_max_tokens`` when absent). ``sampling``: SamplingParams-named values."""
+        n = as_int(sampling.get("n"))
+        max_tokens = as_int(sampling.get("max_tokens"))
+        return num_prompt_tokens + max(1, n or 1) * (max_tokens if max_tokens and max_tokens > 0
+                                                      else self.limits.default_max_tokens)
+
+    def charge(self, tenant: Optional[Tenant], num_prompt_tokens: int, sampling: dict[str, Any]) -> Ticket:
+        """``admit`` the request's worst case (``num_tokens``); the door ``settle``s the
+        ticket with what it used when it ends. Raises ``RateLimited``."""
+        return self.admit(tenant, self.num_tokens(num_prompt_tokens, sampling))
 
     def admit(self, tenant: Optional[Tenant], num_tokens: int) -> Ticket:
         """Charge the tenant's rate limits. Raises ``RateLimited``."""
