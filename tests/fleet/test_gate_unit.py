@@ -357,3 +357,55 @@ async def _grpc_limit_scenario(tokenizer):
             assert "no replica" in answer.error_message
     finally:
         await server.stop(0)
+
+
+# ------------------------------------------------------------------ tokenization off the loop
+def test_tokenizing_a_huge_prompt_does_not_stall_the_event_loop(tokenizer):
+    """Issue 25 defect 6: the router tokenizes (and hashes) prompts on a thread pool, so a
+    huge prompt does not freeze the event loop that relays every other stream. A probe task
+    on the loop asks to wake every 5 ms; its worst lateness while a request is handled is
+    the stall a concurrent stream's inter-token gap would get (bound: 50 ms, the issue's).
+    A 3 MB prompt is refused by the character cap before anything is tokenized (400 naming
+    it); one at the cap (1,000,000 characters, ~900k tokens) is tokenized off the loop
+    (it stalled the loop for ~1.3 s before)."""
+    gate = Gate(RequestLimits(max_body_bytes=8 * 2**20))
+    app, _ = _app(tokenizer, gate)
+    words = " ".join(f"w{i % 9973}x" for i in range(500_000))
+    # On this shared 2-core box a probe is sometimes late for reasons of its own; a stall
+    # from tokenizing is late every time: the best of three attempts must be within bound.
+    [(status, answer, lateness), *at_cap] = asyncio.run(_probe_while_posting(
+        app, "/v1/completions", [{"prompt": words[: 3 * 2**20], "max_tokens": 1}]
+        + [{"prompt": words[:1_000_000], "max_tokens": 1}] * 3))
+    assert status == 400 and answer["error"]["param"] == "prompt"
+    assert "limit of 1000000 (router --max-prompt-chars)" in answer["error"]["message"]
+    assert lateness < 0.05, f"the event loop stalled {lateness * 1e3:.0f} ms refusing a 3 MB prompt"
+    assert all(status == 503 for status, _, _ in at_cap), at_cap  # tokenized, then no replica
+    lateness = min(late for _, _, late in at_cap)
+    print(f"probe lateness: {[round(late * 1e3, 1) for _, _, late in at_cap]} ms")
+    assert lateness < 0.05, f"the event loop stalled {lateness * 1e3:.0f} ms while a 1 MB prompt was tokenized"
+
+
+async def _probe_while_posting(app, path, bodies) -> list[tuple[int, dict, float]]:
+    """(status, JSON answer, the probe's worst lateness in s) of posting each body to ``path``."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    results = []
+    async with TestClient(TestServer(app)) as client:
+        for body in bodies:
+            data = json.dumps(body).encode()
+            worst, running = 0.0, True
+
+            async def probe():
+                nonlocal worst
+                while running:
+                    start = time.perf_counter()
+                    await asyncio.sleep(0.005)
+                    worst = max(worst, time.perf_counter() - start - 0.005)
+
+            task = asyncio.create_task(probe())
+            async with client.post(path, data=data, headers={"Content-Type": "application/json"}) as response:
+                status, answer = response.status, await response.json()
+            running = False
+            await task
+            results.append((status, answer, worst))
+    return results

@@ -134,7 +134,7 @@ class GrpcProxy(service_pb2_grpc.GRPCInferenceServiceServicer):
         with self.tracer.route_span("grpc", carrier) as span:
             ticket, relayed = None, False
             try:
-                analysis, ticket = self._admit(request, tenant)
+                analysis, ticket = await self._admit(request, tenant)
                 async for response in self.upstream.stream(analysis, request, span):
                     if not relayed and response.error_message:
                         ticket.settle(0)  # refused before generating: the quota gets it all back
@@ -152,7 +152,7 @@ class GrpcProxy(service_pb2_grpc.GRPCInferenceServiceServicer):
                 if ticket is not None:
                     ticket.release()
 
-    def _admit(self, request: Any, tenant: Any) -> tuple[Optional[Analysis], Any]:
+    async def _admit(self, request: Any, tenant: Any) -> tuple[Optional[Analysis], Any]:
         """Limits, tenant salt, routing analysis, rate limits (raises LimitError / RateLimited)."""
         gate = self.gate
         sampling = sampling_of_infer_request(request)
@@ -171,7 +171,7 @@ class GrpcProxy(service_pb2_grpc.GRPCInferenceServiceServicer):
             salt = gate.salt(tenant, cache_salt_of(sampling))
             if salt != cache_salt_of(sampling):
                 set_sampling_value(request, "cache_salt", salt)
-        analysis = analyze_infer_request(self.router, request)
+        analysis = await gate.analyze(analyze_infer_request, self.router, request)  # off the event loop
         return analysis, gate.charge(tenant, analysis.num_prompt_tokens if analysis else 0, sampling)
 
     async def ModelInfer(self, request, context):  # noqa: N802
@@ -180,7 +180,7 @@ class GrpcProxy(service_pb2_grpc.GRPCInferenceServiceServicer):
             tried: list[str] = []
             try:
                 tenant = self.gate.authenticate(carrier.get("authorization"))
-                analysis, ticket = self._admit(request, tenant)
+                analysis, ticket = await self._admit(request, tenant)
             except AuthError as exc:
                 await context.abort(grpc_status(ErrorKind.UNAUTHORIZED), str(exc))
             except LimitError as exc:

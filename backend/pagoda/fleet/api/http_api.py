@@ -172,7 +172,7 @@ async def _generate(request: web.Request) -> web.StreamResponse:
             tenant = request.get(TENANT_KEY)
             if tenant is not None:
                 _salt_document(document, gate.salt(tenant, cache_salt_of(document.get("sampling_parameters"))))
-            analysis = _analysis_of(router, document)
+            analysis = await gate.analyze(_analysis_of, router, document)  # off the event loop
             ticket = gate.charge(tenant, analysis.num_prompt_tokens if analysis else 0, sampling_of_generate(document))
         except LimitError as exc:
             gate.count("invalid_input")

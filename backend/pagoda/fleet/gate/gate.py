@@ -7,8 +7,14 @@ instead of its own policy. ``RouterService`` makes one and gives it to each door
 constructor (and to the upstream client, for the overload memory).
 
 Order at every door: body size (HTTP, from ``Content-Length``, before reading) ->
-API key (401) -> parse and validate (400 naming the field) -> tenant salt -> routing
-analysis (tokens) -> rate limits (429 + ``Retry-After``) -> route.
+API key (401) -> parse and validate (400 naming the field; the prompt's character cap,
+``--max-prompt-chars``, before anything is tokenized) -> tenant salt -> routing analysis
+(tokens) -> rate limits (429 + ``Retry-After``) -> route.
+
+Routing analysis (tokenizing and hashing the prompt: about a second per 3 MB) never runs
+on the event loop that relays every other stream: ``Gate.analyze`` runs it on the gate's
+small thread pool (the tokenizer releases the GIL; hashing yields it every few ms), so a
+huge prompt adds milliseconds, not seconds, to other requests' inter-token gaps.
 
 Overload: a replica that refuses a request because its waiting queue is full (an error
 ``pagoda.contracts.errors.classify_replica_error`` calls ``OVERLOADED``) is remembered as
@@ -21,9 +27,11 @@ error message on gRPC.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Optional
 
 from aiohttp import web
@@ -46,10 +54,12 @@ class Gate:
         keys: API keys, or ``None`` for the open mode.
         share_cache: keep clients' own salts (tenants may share cached blocks).
         clock: monotonic seconds (rate limits and overload memory; tests inject one).
+        analysis_threads: threads that tokenize prompts off the event loop.
     """
 
     def __init__(self, limits: Optional[RequestLimits] = None, keys: Optional[ApiKeys] = None,
-                 share_cache: bool = False, clock: Callable[[], float] = time.monotonic) -> None:
+                 share_cache: bool = False, clock: Callable[[], float] = time.monotonic,
+                 analysis_threads: int = 2) -> None:
         self.limits = limits or RequestLimits()
         self.keys = keys
         self.share_cache = share_cache
@@ -57,6 +67,7 @@ class Gate:
         self.limiter = TenantLimiter(clock)
         self._full_until: dict[str, float] = {}
         self.num_refused: dict[str, int] = {}  # reason -> count (/metrics; never a key or tenant secret)
+        self._analysis_pool = ThreadPoolExecutor(analysis_threads, thread_name_prefix="pagoda-tokenize")
 
     def announce(self) -> None:
         """Log the mode once at start: loudly when anyone may call."""
@@ -104,6 +115,11 @@ class Gate:
         except RateLimited:
             self.count("rate_limited")
             raise
+
+    async def analyze(self, analyze: Callable[..., Any], *args: Any) -> Any:
+        """``analyze(*args)`` (``Router.analyze``, or a door's wrapper of it) on the analysis
+        pool, off the event loop; the caller has checked the prompt's character cap."""
+        return await asyncio.get_running_loop().run_in_executor(self._analysis_pool, analyze, *args)
 
     # ------------------------------------------------------------------ overload memory
     def mark_full(self, replica_id: str, retry_after_s: float = DEFAULT_RETRY_AFTER_S) -> None:
