@@ -140,10 +140,45 @@ def test_api_keys_map_to_tenants_and_errors_never_show_the_key():
 
 def test_tenant_salt_isolates_unless_shared():
     acme = Tenant("acme")
-    assert tenant_salt(acme, None) == "tenant:acme"
-    assert tenant_salt(acme, "conv-7") == "tenant:acme:conv-7"
-    assert tenant_salt(acme, "conv-7", share_cache=True) == "conv-7"
-    assert tenant_salt(None, "conv-7") == "conv-7"
+    assert tenant_salt(acme, None, secret=b"s") != tenant_salt(Tenant("globex"), None, secret=b"s")
+    assert tenant_salt(acme, "conv-7", secret=b"s") != tenant_salt(acme, None, secret=b"s")
+    assert tenant_salt(acme, "conv-7", share_cache=True, secret=b"s") == "conv-7"
+    assert tenant_salt(None, "conv-7", secret=b"s") == "conv-7"
+
+
+def test_tenant_salt_is_injective_and_unguessable_without_the_router_secret():
+    """Issue 25 defect 9: the salt is HMAC-SHA256(router secret, tenant id) with the
+    client's salt length-prefixed, so tenant 'acme' with client salt 'x' no longer shares
+    tenant 'acme:x''s cache, and whoever reaches a replica directly cannot compute a
+    tenant's salt (it names no tenant); routers sharing the secret agree."""
+    import hashlib
+    import hmac
+
+    secret = b"router-secret-0123456789abcdef"
+    acme, acme_x = Tenant("acme"), Tenant("acme:x")
+    assert tenant_salt(acme, "x", secret=secret) != tenant_salt(acme_x, None, secret=secret)
+    assert tenant_salt(Tenant("a"), "b:c", secret=secret) != tenant_salt(Tenant("a:b"), "c", secret=secret)
+    salt = tenant_salt(acme, None, secret=secret)
+    assert "acme" not in salt and hmac.new(secret, b"acme", hashlib.sha256).hexdigest() in salt
+    assert tenant_salt(acme, "x", secret=secret) == salt + ":1:x"
+    assert tenant_salt(acme, None, secret=b"another secret") != salt
+    assert Gate(keys=ApiKeys.parse("k acme", "keys"), salt_secret=secret).salt(acme, "x") == salt + ":1:x"
+    with pytest.raises(ValueError, match="at least 16 bytes"):
+        Gate(salt_secret=b"short")
+
+
+def test_router_secret_comes_from_a_file_or_the_environment(tmp_path, caplog):
+    from pagoda.fleet.gate.auth import load_router_secret
+
+    path = tmp_path / "secret"
+    path.write_text("file-secret-0123456789\n")
+    assert load_router_secret(str(path), environ={}) == b"file-secret-0123456789"
+    assert load_router_secret(None, environ={"PAGODA_ROUTER_SECRET": "env-secret-0123456789"}) == \
+        b"env-secret-0123456789"
+    caplog.set_level(logging.WARNING)
+    first, second = load_router_secret(None, environ={}), load_router_secret(None, environ={})
+    assert first != second and len(first) >= 32  # random: secure, but per router process
+    assert "PAGODA_ROUTER_SECRET" in caplog.text
 
 
 def test_token_buckets_and_concurrency_on_an_injected_clock():
@@ -409,3 +444,45 @@ async def _probe_while_posting(app, path, bodies) -> list[tuple[int, dict, float
             await task
             results.append((status, answer, worst))
     return results
+
+
+# ------------------------------------------------------------------ malformed Authorization
+def test_a_malformed_authorization_header_is_never_echoed_nor_logged(tokenizer, caplog):
+    """Issue 25 defect 9: a header aiohttp cannot parse (a control character), one that is
+    not UTF-8, or one of another scheme is answered without its value (aiohttp's own 400
+    echoed the header line, and logged it with a traceback; a non-UTF-8 key was a 500)."""
+    from pagoda.fleet.api.http_runner import make_runner
+
+    caplog.set_level(logging.DEBUG)
+    gate = Gate(RequestLimits(), ApiKeys.parse(f"{SECRET} acme", "keys"))
+    app, _ = _app(tokenizer, gate)
+    answers = asyncio.run(_raw_requests(make_runner(app), [
+        b"Bearer " + SECRET.encode() + b"\x01x", b"Bearer " + SECRET.encode() + b"\xff",
+        b"Basic " + SECRET.encode(), b"Bearer " + SECRET.encode() + b"x y"]))
+    for answer in answers:
+        assert SECRET.encode() not in answer, answer
+    statuses = [answer.split(b" ", 2)[1] for answer in answers]
+    assert statuses == [b"400", b"401", b"401", b"401"], answers
+    assert b"malformed HTTP request" in answers[0] and b"malformed Authorization" in answers[1]
+    assert SECRET not in caplog.text and SECRET[:12] not in caplog.text
+
+
+async def _raw_requests(runner, authorizations: list[bytes]) -> list[bytes]:
+    from aiohttp import web
+
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    answers = []
+    try:
+        for authorization in authorizations:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 2\r\nAuthorization: " + authorization + b"\r\n\r\n{}")
+            await writer.drain()
+            answers.append(await asyncio.wait_for(reader.read(65536), 10))
+            writer.close()
+    finally:
+        await runner.cleanup()
+    return answers

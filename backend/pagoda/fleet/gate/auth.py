@@ -9,11 +9,18 @@ digests, and no message, log line, metric or span ever contains a key (tests che
 No keys configured: the open mode of before (every request is the anonymous tenant, no
 salting, no limits), announced by a WARNING at start.
 
-Isolation: a tenant's requests carry ``cache_salt = "tenant:<id>"`` (or
-``"tenant:<id>:<client salt>"`` when the client sends its own), set by the router on
-every door before routing, so the router's block hashes and the replica's agree and two
-tenants never share a KV block: a timing probe of another tenant's prompt finds nothing
-cached. ``share_cache=True`` (``--share-prefix-cache``) keeps the client's salt as is.
+Isolation: a tenant's requests carry ``cache_salt = "tenant-" + HMAC-SHA256(router
+secret, tenant id)`` (hex), followed by ``":<length>:<client salt>"`` when the client sends
+its own, set by the router on every door before routing, so the router's block hashes and
+the replica's agree and two tenants never share a KV block: a timing probe of another
+tenant's prompt finds nothing cached. The salt is injective (the HMAC has a fixed length
+and the client's salt is length-prefixed: tenant ``acme`` with salt ``x`` and tenant
+``acme:x`` differ) and unguessable without the secret, so whoever reaches a replica
+directly cannot send another tenant's salt. The secret (``load_router_secret``): the file
+``--router-secret-file``, else ``$PAGODA_ROUTER_SECRET``, else a random one per process
+(a WARNING: routers then disagree on salts and a restart starts every tenant's cache
+cold; give every router the same secret). ``share_cache=True`` (``--share-prefix-cache``)
+keeps the client's salt as is.
 
 Rate limits (``TenantLimiter``): per tenant, a token bucket of requests per minute and
 one of tokens per minute, both holding at most one minute's worth; and a cap on requests
@@ -28,6 +35,7 @@ more), so the bucket tracks actual usage. A refusal is ``RateLimited`` (429 with
 from __future__ import annotations
 
 import hashlib
+import hmac
 import logging
 import math
 import os
@@ -38,6 +46,8 @@ from typing import Callable, Optional
 logger = logging.getLogger(__name__)
 
 API_KEYS_ENV = "PAGODA_API_KEYS"
+ROUTER_SECRET_ENV = "PAGODA_ROUTER_SECRET"
+MIN_SECRET_BYTES = 16
 
 
 class AuthError(ValueError):
@@ -60,6 +70,10 @@ class Tenant:
     requests_per_minute: Optional[float] = None
     tokens_per_minute: Optional[float] = None
     max_concurrent: Optional[int] = None
+
+
+def _printable_ascii(text: str) -> bool:
+    return text.isascii() and text.isprintable()
 
 
 def _digest(key: str) -> str:
@@ -99,6 +113,8 @@ class ApiKeys:
                     raise ValueError(f"{source} line {number}: {name} must be a number, got {value!r}") from None
                 if limits[name] <= 0:
                     raise ValueError(f"{source} line {number}: {name} must be > 0")
+            if not _printable_ascii(fields[0]):
+                raise ValueError(f"{source} line {number}: a key must be printable ASCII")
             digest = _digest(fields[0])
             if digest in tenants:
                 raise ValueError(f"{source} line {number}: this key is listed twice")
@@ -123,8 +139,8 @@ class ApiKeys:
         if not authorization:
             raise AuthError("missing API key: send 'Authorization: Bearer <key>'")
         scheme, _, key = authorization.strip().partition(" ")
-        if scheme.lower() != "bearer" or not key.strip():
-            raise AuthError("malformed Authorization: expected 'Bearer <key>'")
+        if scheme.lower() != "bearer" or not key.strip() or not _printable_ascii(key):
+            raise AuthError("malformed Authorization: expected 'Bearer <key>', the key in printable ASCII")
         tenant = self._tenants.get(_digest(key.strip()))
         if tenant is None:
             raise AuthError("invalid API key")
@@ -144,11 +160,40 @@ def load_api_keys(path: Optional[str], defaults: Optional[Tenant] = None,
     return None
 
 
-def tenant_salt(tenant: Optional[Tenant], client_salt: Optional[str], share_cache: bool = False) -> Optional[str]:
+def load_router_secret(path: Optional[str], environ: Optional[dict[str, str]] = None) -> bytes:
+    """The secret tenant salts are keyed with: ``path``'s contents (surrounding whitespace
+    dropped), else ``$PAGODA_ROUTER_SECRET``, else 32 random bytes (with a WARNING).
+
+    Raises:
+        ValueError: a configured secret shorter than 16 bytes (never showing it).
+    """
+    env = os.environ if environ is None else environ
+    if path:
+        with open(path, "rb") as f:
+            secret, source = f.read().strip(), path
+    elif env.get(ROUTER_SECRET_ENV):
+        secret, source = env[ROUTER_SECRET_ENV].strip().encode("utf-8"), f"${ROUTER_SECRET_ENV}"
+    else:
+        logger.warning("no router secret (--router-secret-file / $%s): tenant cache salts use a random one; routers "
+                       "will disagree on salts and a restart starts every tenant's cache cold; give every router "
+                       "the same secret", ROUTER_SECRET_ENV)
+        return os.urandom(32)
+    check_secret(secret, source)
+    return secret
+
+
+def check_secret(secret: bytes, source: str = "the router secret") -> None:
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ValueError(f"{source}: the router secret must be at least {MIN_SECRET_BYTES} bytes, got {len(secret)}")
+
+
+def tenant_salt(tenant: Optional[Tenant], client_salt: Optional[str], share_cache: bool = False,
+                *, secret: bytes) -> Optional[str]:
     """The ``cache_salt`` a request is sent with (see the module docstring)."""
     if tenant is None or share_cache:
         return client_salt
-    return f"tenant:{tenant.tenant_id}" + (f":{client_salt}" if client_salt else "")
+    keyed = hmac.new(secret, tenant.tenant_id.encode("utf-8"), hashlib.sha256).hexdigest()
+    return f"tenant-{keyed}" + (f":{len(client_salt)}:{client_salt}" if client_salt else "")
 
 
 @dataclass

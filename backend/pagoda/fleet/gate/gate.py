@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Optional
@@ -37,7 +38,8 @@ from typing import Any, Callable, Optional
 from aiohttp import web
 
 from pagoda.contracts.errors import DEFAULT_RETRY_AFTER_S
-from pagoda.fleet.gate.auth import ApiKeys, AuthError, RateLimited, Tenant, TenantLimiter, Ticket, tenant_salt
+from pagoda.fleet.gate.auth import (ApiKeys, AuthError, RateLimited, Tenant, TenantLimiter, Ticket, check_secret,
+                                    tenant_salt)
 from pagoda.fleet.gate.limits import LimitError, RequestLimits, as_int
 
 logger = logging.getLogger(__name__)
@@ -55,14 +57,19 @@ class Gate:
         share_cache: keep clients' own salts (tenants may share cached blocks).
         clock: monotonic seconds (rate limits and overload memory; tests inject one).
         analysis_threads: threads that tokenize prompts off the event loop.
+        salt_secret: the router secret tenant salts are keyed with (``auth.load_router_secret``;
+            ``None``: random bytes for this gate, for tests and the open mode).
     """
 
     def __init__(self, limits: Optional[RequestLimits] = None, keys: Optional[ApiKeys] = None,
                  share_cache: bool = False, clock: Callable[[], float] = time.monotonic,
-                 analysis_threads: int = 2) -> None:
+                 analysis_threads: int = 2, salt_secret: Optional[bytes] = None) -> None:
         self.limits = limits or RequestLimits()
         self.keys = keys
         self.share_cache = share_cache
+        if salt_secret is not None:
+            check_secret(salt_secret)
+        self._salt_secret = salt_secret if salt_secret is not None else os.urandom(32)
         self.clock = clock
         self.limiter = TenantLimiter(clock)
         self._full_until: dict[str, float] = {}
@@ -93,7 +100,7 @@ class Gate:
             raise
 
     def salt(self, tenant: Optional[Tenant], client_salt: Optional[str]) -> Optional[str]:
-        return tenant_salt(tenant, client_salt, self.share_cache)
+        return tenant_salt(tenant, client_salt, self.share_cache, secret=self._salt_secret)
 
     def num_tokens(self, num_prompt_tokens: int, sampling: dict[str, Any]) -> int:
         """A request's worst case: prompt + n x effective max_tokens (the replicas'
