@@ -163,7 +163,8 @@ class GrpcProxy(service_pb2_grpc.GRPCInferenceServiceServicer):
                              "/v1/load_lora_adapter, which apply them to every replica", "lora_action")
         try:
             gate.limits.check_sampling(sampling)
-            gate.limits.check_prompt(read_string_input(request, "text_input") or "", "text_input")
+            prompt = read_string_input(request, "text_input") or ""
+            gate.limits.check_prompt(prompt, "text_input")
         except LimitError:
             gate.count("invalid_input")
             raise
@@ -171,7 +172,7 @@ class GrpcProxy(service_pb2_grpc.GRPCInferenceServiceServicer):
             salt = gate.salt(tenant, cache_salt_of(sampling))
             if salt != cache_salt_of(sampling):
                 set_sampling_value(request, "cache_salt", salt)
-        analysis = await gate.analyze(analyze_infer_request, self.router, request)  # off the event loop
+        analysis = await gate.analyze(len(prompt), analyze_infer_request, self.router, request)
         return analysis, gate.charge(tenant, analysis.num_prompt_tokens if analysis else 0, sampling)
 
     async def ModelInfer(self, request, context):  # noqa: N802

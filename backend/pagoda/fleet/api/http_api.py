@@ -44,7 +44,7 @@ from aiohttp import web
 from pagoda.contracts.errors import ErrorKind, is_overloaded, spec_of
 from pagoda.fleet.gate.gate import TENANT_KEY, AuthError, Gate, LimitError, RateLimited, retry_after_header
 from pagoda.fleet.api.grpc_proxy import MAX_ROUTED_PROMPT_CHARS, cache_salt_of, option_of
-from pagoda.fleet.gate.limits import sampling_of_generate, validate_generate_body
+from pagoda.fleet.gate.limits import prompt_of, sampling_of_generate, validate_generate_body
 from pagoda.fleet.api.lora_admin import LoRAAdmin
 from pagoda.fleet.routing.router import Analysis, NoReplicaAvailable, Router
 from pagoda.fleet.api.tracing import TRACEPARENT, RouterTracer
@@ -172,7 +172,7 @@ async def _generate(request: web.Request) -> web.StreamResponse:
             tenant = request.get(TENANT_KEY)
             if tenant is not None:
                 _salt_document(document, gate.salt(tenant, cache_salt_of(document.get("sampling_parameters"))))
-            analysis = await gate.analyze(_analysis_of, router, document)  # off the event loop
+            analysis = await gate.analyze(len(prompt_of(document)), _analysis_of, router, document)
             ticket = gate.charge(tenant, analysis.num_prompt_tokens if analysis else 0, sampling_of_generate(document))
         except LimitError as exc:
             gate.count("invalid_input")

@@ -188,7 +188,7 @@ class OpenAIApi:
         tenant = request.get(TENANT_KEY)
         if tenant is not None:
             built.sampling["cache_salt"] = gate.salt(tenant, built.sampling.get("cache_salt"))
-        analysis = await gate.analyze(self.router.analyze, built.prompt, built.sampling.get("cache_salt"),
+        analysis = await gate.analyze(len(built.prompt), self.router.analyze, built.prompt, built.sampling.get("cache_salt"),
                                       built.sampling.get("lora_name"))
         try:
             ticket = gate.charge(tenant, analysis.num_prompt_tokens, built.sampling)

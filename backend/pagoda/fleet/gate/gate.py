@@ -11,10 +11,11 @@ API key (401) -> parse and validate (400 naming the field; the prompt's characte
 ``--max-prompt-chars``, before anything is tokenized) -> tenant salt -> routing analysis
 (tokens) -> rate limits (429 + ``Retry-After``) -> route.
 
-Routing analysis (tokenizing and hashing the prompt: about a second per 3 MB) never runs
-on the event loop that relays every other stream: ``Gate.analyze`` runs it on the gate's
-small thread pool (the tokenizer releases the GIL; hashing yields it every few ms), so a
-huge prompt adds milliseconds, not seconds, to other requests' inter-token gaps.
+Routing analysis (tokenizing and hashing the prompt: about a second per 1 MB) of a prompt
+longer than ``INLINE_ANALYSIS_CHARS`` never runs on the event loop that relays every other
+stream: ``Gate.analyze`` runs it on the gate's small thread pool (the tokenizer releases
+the GIL; hashing yields it every few ms), so a huge prompt adds milliseconds, not seconds,
+to other requests' inter-token gaps; a short one is analyzed inline (1-2 ms).
 
 Overload: a replica that refuses a request because its waiting queue is full (an error
 ``pagoda.contracts.errors.classify_replica_error`` calls ``OVERLOADED``) is remembered as
@@ -43,6 +44,10 @@ from pagoda.fleet.gate.auth import (ApiKeys, AuthError, RateLimited, Tenant, Ten
 from pagoda.fleet.gate.limits import LimitError, RequestLimits, as_int
 
 logger = logging.getLogger(__name__)
+
+# Prompts up to this many characters are tokenized on the event loop (1-2 ms), longer ones
+# on the gate's thread pool.
+INLINE_ANALYSIS_CHARS = 1024
 
 # Where the HTTP middleware leaves the caller's tenant on the aiohttp request.
 TENANT_KEY = web.RequestKey("pagoda_tenant", object)
@@ -123,9 +128,13 @@ class Gate:
             self.count("rate_limited")
             raise
 
-    async def analyze(self, analyze: Callable[..., Any], *args: Any) -> Any:
-        """``analyze(*args)`` (``Router.analyze``, or a door's wrapper of it) on the analysis
-        pool, off the event loop; the caller has checked the prompt's character cap."""
+    async def analyze(self, num_chars: int, analyze: Callable[..., Any], *args: Any) -> Any:
+        """``analyze(*args)`` (``Router.analyze``, or a door's wrapper of it) for a prompt of
+        ``num_chars`` characters: inline when it is short (``INLINE_ANALYSIS_CHARS``, a
+        millisecond or two, about the hop to a thread), else on the analysis pool, off the
+        event loop. The caller has checked the prompt's character cap."""
+        if num_chars <= INLINE_ANALYSIS_CHARS:
+            return analyze(*args)
         return await asyncio.get_running_loop().run_in_executor(self._analysis_pool, analyze, *args)
 
     # ------------------------------------------------------------------ overload memory
