@@ -97,7 +97,7 @@ def make_gate(options: RouterOptions) -> Any:
     defaults = Tenant("", options.tenant_requests_per_minute, options.tenant_tokens_per_minute,
                       options.tenant_max_concurrent)
     keys = load_api_keys(options.api_keys_file, defaults)
-    secret = load_router_secret(options.router_secret_file) if keys is not None else None  # salts need tenants
+    secret = load_router_secret(options.router_secret_file, keys=keys) if keys is not None else None
     return Gate(options.limits, keys, options.share_prefix_cache, salt_secret=secret)
 
 
@@ -375,7 +375,7 @@ def make_parser() -> argparse.ArgumentParser:
     tenants.add_argument("--share-prefix-cache", action="store_true",
                          help="let tenants share cached blocks (default: each tenant's cache_salt isolates it)")
     tenants.add_argument("--router-secret-file", help="bytes keying tenant cache salts (HMAC); the same on every "
-                         "router (default: $PAGODA_ROUTER_SECRET; neither: random per process, with a WARNING)")
+                         "router (default: $PAGODA_ROUTER_SECRET; neither: derived from the API keys)")
     tenants.add_argument("--tenant-rpm", type=float, help="requests per minute per tenant (keys may override)")
     tenants.add_argument("--tenant-tpm", type=float, help="tokens (prompt + n x max_tokens, settled with usage) per minute per tenant")
     tenants.add_argument("--tenant-max-concurrent", type=int, help="requests in flight per tenant")

@@ -17,10 +17,11 @@ tenant's prompt finds nothing cached. The salt is injective (the HMAC has a fixe
 and the client's salt is length-prefixed: tenant ``acme`` with salt ``x`` and tenant
 ``acme:x`` differ) and unguessable without the secret, so whoever reaches a replica
 directly cannot send another tenant's salt. The secret (``load_router_secret``): the file
-``--router-secret-file``, else ``$PAGODA_ROUTER_SECRET``, else a random one per process
-(a WARNING: routers then disagree on salts and a restart starts every tenant's cache
-cold; give every router the same secret). ``share_cache=True`` (``--share-prefix-cache``)
-keeps the client's salt as is.
+``--router-secret-file``, else ``$PAGODA_ROUTER_SECRET``, else one derived from the API
+keys (``ApiKeys.derived_secret``: a hash of every key's digest, so routers sharing a keys
+file agree and a restart keeps the salts, and only who holds every key can compute it;
+changing the keys changes every salt, which starts tenants' caches cold).
+``share_cache=True`` (``--share-prefix-cache``) keeps the client's salt as is.
 
 Rate limits (``TenantLimiter``): per tenant, a token bucket of requests per minute and
 one of tokens per minute, both holding at most one minute's worth; and a cap on requests
@@ -127,6 +128,10 @@ class ApiKeys:
     def num_keys(self) -> int:
         return len(self._tenants)
 
+    def derived_secret(self) -> bytes:
+        """A router secret derived from every key (see the module docstring)."""
+        return hashlib.sha256(b"pagoda router secret\0" + "\n".join(sorted(self._tenants)).encode()).digest()
+
     def tenant_ids(self) -> list[str]:
         return sorted({t.tenant_id for t in self._tenants.values()})
 
@@ -160,9 +165,11 @@ def load_api_keys(path: Optional[str], defaults: Optional[Tenant] = None,
     return None
 
 
-def load_router_secret(path: Optional[str], environ: Optional[dict[str, str]] = None) -> bytes:
+def load_router_secret(path: Optional[str], environ: Optional[dict[str, str]] = None,
+                       keys: Optional[ApiKeys] = None) -> bytes:
     """The secret tenant salts are keyed with: ``path``'s contents (surrounding whitespace
-    dropped), else ``$PAGODA_ROUTER_SECRET``, else 32 random bytes (with a WARNING).
+    dropped), else ``$PAGODA_ROUTER_SECRET``, else ``keys.derived_secret()``, else 32
+    random bytes (with a WARNING: routers would disagree on salts).
 
     Raises:
         ValueError: a configured secret shorter than 16 bytes (never showing it).
@@ -173,6 +180,10 @@ def load_router_secret(path: Optional[str], environ: Optional[dict[str, str]] = 
             secret, source = f.read().strip(), path
     elif env.get(ROUTER_SECRET_ENV):
         secret, source = env[ROUTER_SECRET_ENV].strip().encode("utf-8"), f"${ROUTER_SECRET_ENV}"
+    elif keys is not None:
+        logger.info("tenant cache salts are keyed with a secret derived from the API keys (--router-secret-file / "
+                    "$%s: one that survives key changes)", ROUTER_SECRET_ENV)
+        return keys.derived_secret()
     else:
         logger.warning("no router secret (--router-secret-file / $%s): tenant cache salts use a random one; routers "
                        "will disagree on salts and a restart starts every tenant's cache cold; give every router "
