@@ -39,7 +39,8 @@ NON_DEFAULT = {
               "tls": {"enabled": True, "existingSecret": "redis-tls"},
               "persistence": {"enabled": True, "size": "2Gi", "storageClass": "fast"}},
     "router": {"enabled": True, "replicas": 2, "policy": "least_loaded",
-               "service": {"type": "LoadBalancer"}},
+               "service": {"type": "LoadBalancer"}, "apiKeys": {"existingSecret": "keys"},
+               "routerSecret": {"existingSecret": "router-secret"}},
     "kserve": {"enabled": True},
     "serviceMonitor": {"enabled": True, "labels": {"release": "prom"}},
     "example": {"enabled": True, "replicas": {"min": 2, "max": 5}},
@@ -274,6 +275,14 @@ def test_redis_tls_reaches_redis_router_operator_and_the_example(tmp_path):
     example = objects[("LLMService", "smollm2")]["spec"]["redis"]
     assert example["url"].startswith("rediss://")
     assert example["caSecretRef"] == {"name": "redis-tls", "key": "ca.crt"}
+
+
+def test_router_gets_its_api_keys_and_salt_secret_from_secrets(tmp_path):
+    objects = {(o["kind"], o["metadata"]["name"]): o for o in render(tmp_path)}
+    env = objects[("Deployment", "pagoda-router")]["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert {"name": "PAGODA_ROUTER_SECRET", "valueFrom": {"secretKeyRef": {"name": "router-secret",
+                                                                           "key": "router-secret"}}} in env
+    assert {"name": "PAGODA_API_KEYS", "valueFrom": {"secretKeyRef": {"name": "keys", "key": "api-keys"}}} in env
 
 
 def test_operator_may_manage_what_it_renders():

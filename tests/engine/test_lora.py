@@ -220,3 +220,53 @@ def test_bad_adapter_folders_are_refused_with_the_reason(lora_setup, tmp_path):
         EngineConfig(model=base, enable_lora=True, speculative_method="ngram")
     with pytest.raises(ValueError, match="enable_lora is False"):
         EngineConfig(model=base, lora_modules={"a": "/x"})
+
+
+def test_unload_is_refused_while_a_request_waits_outside_the_scheduler(lora_setup):
+    """Issue 25 defect 1: a request waiting for its grammar (or an n > 1 sibling held for
+    child 0's prompt) uses its adapter as much as a running one: ``remove_lora`` answers
+    "in use" and the request then runs to the end with its adapter."""
+    from pagoda.engine.guided import GuidedDecodingParams
+
+    base, adapters = lora_setup
+    engine = _engine(base, {"attn-qv": adapters["attn-qv"], "all-r4": adapters["all-r4"]})
+    guided = SamplingParams(temperature=0, max_tokens=4, guided_decoding=GuidedDecodingParams(regex="[a-z]{1,3}x"))
+    engine.add_request("g", PROMPTS["attn-qv"], guided, lora_name="attn-qv")
+    assert not engine.scheduler.requests, "the guided request waits for its grammar outside the scheduler"
+    with pytest.raises(ValueError, match=r"adapter 'attn-qv' is in use"):
+        engine.remove_lora("attn-qv")
+    held = SamplingParams(temperature=0, max_tokens=3, n=2, ignore_eos=True)
+    engine.add_request("pair", PROMPTS["all-r4"], held, lora_name="all-r4")
+    assert engine.core.num_pending == 1, "sibling 1 is held until child 0's prompt is computed"
+    engine.abort_request("pair")  # child 0 leaves the scheduler at once; nothing of "pair" stays held
+    engine.add_request("pair2", PROMPTS["all-r4"], held, lora_name="all-r4")
+    with pytest.raises(ValueError, match=r"adapter 'all-r4' is in use"):
+        engine.remove_lora("all-r4")
+    finals = drain(engine)
+    assert finals["g"].outputs[0].finish_reason in ("stop", "length") and finals["g"].error is None
+    assert [c.finish_reason for c in finals["pair2"].outputs] == ["length", "length"]
+    engine.remove_lora("attn-qv")  # nothing uses it any more
+    engine.remove_lora("all-r4")
+    assert engine.list_loras() == []
+
+
+def test_an_adapter_gone_under_a_waiting_request_fails_only_that_request(lora_setup, expected):
+    """Should an adapter vanish under a request waiting for its grammar anyway (here: the
+    manager's registry edited behind the engine's check), that one request ends with an
+    error naming the adapter; the step does not raise and the other requests finish."""
+    from pagoda.engine.guided import GuidedDecodingParams
+
+    base, adapters = lora_setup
+    engine = _engine(base, {"attn-qv": adapters["attn-qv"], "all-r4": adapters["all-r4"]})
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    engine.add_request("other", PROMPTS["all-r4"], greedy, lora_name="all-r4")
+    engine.add_request("base", PROMPTS["base"], greedy)
+    guided = SamplingParams(temperature=0, max_tokens=4, guided_decoding=GuidedDecodingParams(regex="[a-z]{1,3}x"))
+    engine.add_request("g", PROMPTS["attn-qv"], guided, lora_name="attn-qv")
+    engine.runner.lora.remove("attn-qv")
+    finals = drain(engine)
+    assert finals["g"].error is not None and "'attn-qv'" in finals["g"].error and "unloaded" in finals["g"].error
+    assert finals["other"].outputs[0].token_ids == expected["all-r4"]
+    assert finals["base"].outputs[0].token_ids == expected["base"]
+    stats = engine.get_stats()
+    assert stats.num_free_blocks == stats.num_blocks

@@ -25,7 +25,7 @@ from tests.fleet.test_router_e2e import grpc_generate, read_metric
 
 pytestmark = [pytest.mark.server]
 
-KEY_A, KEY_B = "sk-tenant-a-5f1e", "sk-tenant-b-93c2"
+KEY_A, KEY_B, KEY_C = "sk-tenant-a-5f1e", "sk-tenant-b-93c2", "sk-tenant-c-quota-77"
 PROMPT = ("Pagoda tea house rules: " + " ".join(f"rule {i} says brew the tea for {i} minutes." for i in range(30)))
 
 
@@ -45,7 +45,7 @@ def router(replica, tmp_path_factory, smollm2_path):
     from pagoda.fleet.service import BackgroundRouter, RouterOptions
 
     keys = tmp_path_factory.mktemp("keys") / "keys.txt"
-    keys.write_text(f"{KEY_A} tenant-a\n{KEY_B} tenant-b\n")
+    keys.write_text(f"{KEY_A} tenant-a\n{KEY_B} tenant-b\n{KEY_C} tenant-c tpm=600\n")
     spec = f"id=r0,grpc={replica.grpc_url},http={replica.http_url}"
     options = RouterOptions(model_dir=smollm2_path, model_name="smol", replicas=spec, host="127.0.0.1",
                             http_port=0, grpc_port=0, health_interval_s=0.5, api_keys_file=str(keys))
@@ -142,6 +142,20 @@ def test_limits_and_deadlines_over_grpc(replica, router):
                              {"text_input": "hi", "stop_words": ["x"] * 20}, KEY_A)
     assert status == 400 and "stop: 20 stop strings exceed this server's limit of 16" in answer["error"]
     _idle(replica)
+
+
+def test_token_quota_is_settled_with_the_usage_when_the_request_ends(replica, router):
+    """Issue 25 defect 5: a request is charged its worst case (prompt + n x max_tokens: 430+
+    of tenant-c's 600 tokens/min), then settled with what it used (it stops at the first
+    space), so a second such request right after is admitted instead of a 429."""
+    body = {"model": "smol", "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 400,
+            "temperature": 0, "stop": [" ", "\n"]}
+    for _ in range(2):
+        status, _, answer = post(router.http_url, "/v1/chat/completions", body, KEY_C)
+        assert status == 200, answer
+        assert answer["usage"]["completion_tokens"] < 50
+    status, _, answer = post(router.http_url, "/v1/chat/completions", {**body, "n": 2}, KEY_C)
+    assert status == 429 and "(prompt + n x max_tokens) exceed tenant 'tenant-c'" in answer["error"]["message"]
 
 
 def test_every_door_needs_a_key(router):

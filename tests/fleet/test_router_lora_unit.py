@@ -248,4 +248,4 @@ def test_grpc_door_refuses_control_requests():
     request.inputs.add(name="lora_action", datatype="BYTES", shape=[1])
     request.raw_input_contents.append(struct.pack("<I", 4) + b"list")
     with pytest.raises(LimitError, match="send LoRA control requests to its HTTP door"):
-        proxy._admit(request, None)
+        asyncio.run(proxy._admit(request, None))

@@ -68,7 +68,8 @@ class LLMEngine:
         eos_ids = sorted(self.tokenizer.eos_token_ids)
         self.executor = make_executor(self.config, self.model_config, model_path,
                                       make_grammar_backend=lambda: XGrammarBackend(self.tokenizer, vocab_size, eos_ids))
-        self.core = EngineCore(self.config, self.model_config, self.model_id, eos_ids, self.executor)
+        self.core = EngineCore(self.config, self.model_config, self.model_id, eos_ids, self.executor,
+                               has_adapter=lambda name: name in self.list_loras())
         self.output_processor = OutputProcessor(self.tokenizer)
         self.admission = Admission(self.config.max_waiting_requests, self.config.max_waiting_prompt_tokens)
         for lora_name, lora_path in self.config.lora_modules.items():
@@ -234,10 +235,12 @@ class LLMEngine:
         return self.runner.lora
 
     def remove_lora(self, name: str) -> None:
-        """Unload adapter ``name``. Raises ValueError when unknown or still used by a live request."""
+        """Unload adapter ``name``. Raises ValueError when unknown or still used by a live
+        request: running, waiting, or waiting outside the scheduler (``EngineCore.adapter_in_use``)."""
         self._lora_manager().check(name)
-        if any(r.adapter_id == name for r in self.scheduler.requests.values()):
-            raise ValueError(f"lora_name: adapter {name!r} is in use by running or waiting requests")
+        if self.core.adapter_in_use(name):
+            raise ValueError(f"lora_name: adapter {name!r} is in use by running or waiting requests "
+                             "(including requests waiting for their grammar); retry when they have finished")
         self.core.wait_idle()  # a step in flight may still read the adapter's slot (async scheduling)
         self.runner.lora.remove(name)
 
@@ -338,7 +341,8 @@ class LLMEngine:
             return {}
         s = self.scheduler
         return dict(running_lora_adapters=tuple(sorted({r.adapter_id for r in s.running if r.adapter_id})),
-                    waiting_lora_adapters=tuple(sorted({r.adapter_id for r in s.waiting if r.adapter_id})),
+                    waiting_lora_adapters=tuple(sorted({r.adapter_id for r in self.core.queued_requests()
+                                                        if r.adapter_id})),
                     max_lora=self.config.max_loras)
 
     def _offload_stats(self) -> dict:

@@ -82,6 +82,7 @@ class RouterOptions:
     # Tenants (pagoda.fleet.gate.auth): keys file (else $PAGODA_API_KEYS; neither: open mode).
     api_keys_file: Optional[str] = None
     share_prefix_cache: bool = False
+    router_secret_file: Optional[str] = None  # keys tenant salts (else $PAGODA_ROUTER_SECRET; gate.auth)
     tenant_requests_per_minute: Optional[float] = None  # defaults for keys without their own
     tenant_tokens_per_minute: Optional[float] = None
     tenant_max_concurrent: Optional[int] = None
@@ -90,12 +91,14 @@ class RouterOptions:
 
 def make_gate(options: RouterOptions) -> Any:
     """The ``Gate`` (limits, API keys, rate limits) the options describe."""
-    from pagoda.fleet.gate.auth import Tenant, load_api_keys
+    from pagoda.fleet.gate.auth import Tenant, load_api_keys, load_router_secret
     from pagoda.fleet.gate.gate import Gate
 
     defaults = Tenant("", options.tenant_requests_per_minute, options.tenant_tokens_per_minute,
                       options.tenant_max_concurrent)
-    return Gate(options.limits, load_api_keys(options.api_keys_file, defaults), options.share_prefix_cache)
+    keys = load_api_keys(options.api_keys_file, defaults)
+    secret = load_router_secret(options.router_secret_file, keys=keys) if keys is not None else None
+    return Gate(options.limits, keys, options.share_prefix_cache, salt_secret=secret)
 
 
 def resolve_redis_url(url: str, environ: Optional[dict[str, str]] = None) -> str:
@@ -202,6 +205,7 @@ class RouterService:
 
         from pagoda.fleet.api.grpc_proxy import GrpcProxy, make_grpc_server
         from pagoda.fleet.api.http_api import make_app
+        from pagoda.fleet.api.http_runner import make_runner
         from pagoda.fleet.api.openai_api import OpenAIApi
         from pagoda.fleet.api.upstream import GrpcUpstream
 
@@ -218,8 +222,7 @@ class RouterService:
         # its KV blocks — for non-streaming requests too, which otherwise ran to completion.
         # shutdown_timeout bounds how long stop() waits for open connections (aiohttp's
         # default, 60 s, made a router with one idle keep-alive client take a minute to stop).
-        self._http_runner = web.AppRunner(app, access_log=None, handler_cancellation=True,
-                                          shutdown_timeout=HTTP_SHUTDOWN_TIMEOUT_S)
+        self._http_runner = make_runner(app, HTTP_SHUTDOWN_TIMEOUT_S)  # echoes no unparsable header
         await self._http_runner.setup()
         site = web.TCPSite(self._http_runner, o.host, o.http_port)
         await site.start()
@@ -373,8 +376,10 @@ def make_parser() -> argparse.ArgumentParser:
                                                  "$PAGODA_API_KEYS; neither: open mode, no authentication)")
     tenants.add_argument("--share-prefix-cache", action="store_true",
                          help="let tenants share cached blocks (default: each tenant's cache_salt isolates it)")
+    tenants.add_argument("--router-secret-file", help="bytes keying tenant cache salts (HMAC); the same on every "
+                         "router (default: $PAGODA_ROUTER_SECRET; neither: derived from the API keys)")
     tenants.add_argument("--tenant-rpm", type=float, help="requests per minute per tenant (keys may override)")
-    tenants.add_argument("--tenant-tpm", type=float, help="tokens (prompt + max_tokens) per minute per tenant")
+    tenants.add_argument("--tenant-tpm", type=float, help="tokens (prompt + n x max_tokens, settled with usage) per minute per tenant")
     tenants.add_argument("--tenant-max-concurrent", type=int, help="requests in flight per tenant")
     limits = p.add_argument_group("limits", "input limits; a request over one gets a 4xx naming it")
     for f in dataclasses.fields(RequestLimits):
@@ -398,6 +403,7 @@ def options_from_args(args: argparse.Namespace) -> RouterOptions:
         http_port=args.http_port, grpc_port=None if args.no_grpc else args.grpc_port, otlp_endpoint=args.otlp_endpoint,
         block_size=args.block_size, health_interval_s=args.health_interval, max_attempts=args.max_attempts,
         api_keys_file=args.api_keys_file, share_prefix_cache=args.share_prefix_cache,
+        router_secret_file=args.router_secret_file,
         tenant_requests_per_minute=args.tenant_rpm, tenant_tokens_per_minute=args.tenant_tpm,
         tenant_max_concurrent=args.tenant_max_concurrent,
         limits=RequestLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(RequestLimits)}))

@@ -57,7 +57,8 @@ class LoRAController:
         """Take a control request (``request.parsed`` is a ``LoRAControl``); returns at once.
 
         Its one final response follows: a JSON document, or an error (runtime updates not
-        allowed, LoRA off, bad folder, name taken, adapter unknown or in use).
+        allowed, LoRA off, bad folder, name taken, adapter unknown or in use: by a running or
+        waiting request, also one waiting for its grammar or a held n > 1 sibling).
         """
         control: LoRAControl = request.parsed
         if self._is_stopping():

@@ -38,6 +38,12 @@ is its last entry).
 n > 1: ``make_requests`` turns a user request (an ``EngineRequest``) into its children,
 which are added together; with prefix caching, a ``SiblingGate`` holds siblings of child 0
 back until child 0's prompt is computed (``parallel_sampling.py`` owns the fan-out).
+
+Requests waiting outside the scheduler (for their grammar, or held siblings) are owned by
+one registry, ``ParkedRequests`` (``parked.py``): admission counts them, aborts drop them,
+and ``adapter_in_use`` reads them with the scheduler's requests (a LoRA unload is refused
+while any uses the adapter). A parked request whose adapter is gone anyway when it enters
+the scheduler ends alone with an error output; no step raises for it.
 """
 
 from __future__ import annotations
@@ -46,13 +52,14 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable, Iterator, Optional, Protocol, Union
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Optional, Protocol, Union
 
 from pagoda.engine.config import EngineConfig
 from pagoda.engine.core.device import Executor, StepHandle
 from pagoda.engine.core.scheduler import RequestUpdate, Scheduler, SchedulerConfig, SchedulerOutput
 from pagoda.engine.guided.params import GuidedDecodingParams
-from pagoda.engine.core.parallel_sampling import SiblingGate, child_request_ids
+from pagoda.engine.core.parallel_sampling import child_request_ids
+from pagoda.engine.core.parked import ParkedRequests
 from pagoda.engine.request import EngineRequest, Request, RequestStatus
 from pagoda.engine.runner.runner_output import ModelRunnerOutput
 from pagoda.engine.sampling.row import SamplingRow, TokenLogprobs, make_seed
@@ -121,10 +128,13 @@ class EngineCore:
     model_id: seeds block hashes.
     eos_token_ids: the tokenizer's end-of-sequence ids.
     executor: the device side (``pagoda.engine.runner.executor.make_executor``).
+    has_adapter: whether a LoRA adapter is (still) loaded; checked as a parked request
+        enters the scheduler.
     """
 
     def __init__(self, config: EngineConfig, model_config: "ModelConfig", model_id: str,
-                 eos_token_ids: Iterable[int], executor: Executor) -> None:
+                 eos_token_ids: Iterable[int], executor: Executor,
+                 has_adapter: Callable[[str], bool] = lambda name: True) -> None:
         self.config = config
         self.model_config = model_config
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -138,9 +148,9 @@ class EngineCore:
         self.timer = executor.timer
         self.guided = executor.guided
         self.step_hooks: list[StepHook] = []
-        self._awaiting_grammar: dict[str, list[Request]] = {}  # user request id -> children
+        self._has_adapter = has_adapter
         self._in_flight: Optional[_InFlight] = None
-        self._siblings = SiblingGate(config.enable_prefix_caching)  # n > 1 (parallel_sampling.py)
+        self.parked = ParkedRequests(config.enable_prefix_caching)  # outside the scheduler (parked.py)
         self.num_steps = 0
         self.max_num_running_seen = 0
         self.last_step = (0, 0, 0, 0)  # seqs, decode seqs, prefill seqs, tokens
@@ -173,11 +183,11 @@ class EngineCore:
         """
         if guided is not None:
             self.scheduler.check_request(requests[0])
-            self._awaiting_grammar[group_id] = list(requests)
+            self.parked.await_grammar(group_id, requests)
             self.guided.submit(group_id, [r.request_id for r in requests], guided)
             return
         self.scheduler.add_request(requests[0])
-        for request in self._siblings.hold(requests):
+        for request in self.parked.hold_siblings(requests):
             self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: Iterable[str],
@@ -185,30 +195,30 @@ class EngineCore:
         """Finish requests now (abort, or a stop string found); frees their blocks. Unknown
         ids are ignored; a step in flight for them has its tokens dropped."""
         request_ids = list(request_ids)
-        dropped = set(request_ids)
-        self._siblings.drop(dropped)
-        for group_id, children in list(self._awaiting_grammar.items()):
-            if any(c.request_id in dropped for c in children):
-                del self._awaiting_grammar[group_id]
-                self.guided.cancel(group_id)
+        for group_id in self.parked.drop(request_ids):
+            self.guided.cancel(group_id)
         self.scheduler.finish_requests(request_ids, status)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._siblings) or bool(self._awaiting_grammar)
+        return self.scheduler.has_unfinished_requests() or bool(self.parked)
 
     def queued_requests(self) -> Iterator[Request]:
         """Every request not admitted yet: the scheduler's waiting queue, siblings held
         for their first child's prompt, and requests waiting for their grammar
         (admission control bounds them all)."""
         yield from self.scheduler.waiting
-        yield from self._siblings.queued()
-        for children in self._awaiting_grammar.values():
-            yield from children
+        yield from self.parked.queued()
+
+    def adapter_in_use(self, adapter_id: str) -> bool:
+        """Whether any live request uses the adapter: scheduled (running, waiting, waiting
+        for a LoRA slot) or parked (grammar, held sibling)."""
+        return any(r.adapter_id == adapter_id for r in self.scheduler.requests.values()) or \
+            self.parked.uses_adapter(adapter_id)
 
     @property
     def num_pending(self) -> int:
         """Siblings held back until their first child's prompt is computed."""
-        return self._siblings.num_held
+        return self.parked.num_held
 
     # --------------------------------------------------------------------- step
     def step(self) -> list[EngineCoreOutput]:
@@ -280,9 +290,9 @@ class EngineCore:
             updates = self._apply(runner_output)
         finally:
             done.applied.set()
-        self._release_pending()
+        orphans = self._release_pending()
         logprobs = runner_output.logprobs_by_id()
-        return [_core_output(update, logprobs.get(update.request.request_id, [])) for update in updates]
+        return [_core_output(update, logprobs.get(update.request.request_id, [])) for update in updates] + orphans
 
     def _apply(self, runner_output: ModelRunnerOutput) -> list[RequestUpdate]:
         """The step's tokens into the scheduler, the grammar matchers and the hooks."""
@@ -311,20 +321,30 @@ class EngineCore:
         """Hand requests whose grammar compiled to the scheduler; end those whose grammar
         failed to compile with the error (their only output)."""
         ready, failed = self.guided.poll()
-        for group_id in ready:
-            children = self._awaiting_grammar.pop(group_id, None)
-            if children:
-                self.add_requests(children)
         outputs = []
+        for group_id in ready:
+            children = self.parked.take_grammar(group_id)
+            if children and self._adapter_gone(children[0]):
+                outputs += _failed(children, _adapter_gone_message(children[0].adapter_id))
+            elif children:
+                self.add_requests(children)
         for group_id, message in failed:
-            for child in self._awaiting_grammar.pop(group_id, []):
-                outputs.append(EngineCoreOutput(child.request_id, [], finish_reason="abort", error=message))
+            outputs += _failed(self.parked.take_grammar(group_id), message)
         return outputs
 
-    def _release_pending(self) -> None:
-        """Hand n>1 siblings to the scheduler once child 0's prompt is computed."""
-        for sibling in self._siblings.release():
-            self.scheduler.add_request(sibling)
+    def _release_pending(self) -> list[EngineCoreOutput]:
+        """Hand n>1 siblings to the scheduler once child 0's prompt is computed (those
+        whose adapter is gone end with the error instead)."""
+        orphans = []
+        for sibling in self.parked.release_siblings():
+            if self._adapter_gone(sibling):
+                orphans += _failed([sibling], _adapter_gone_message(sibling.adapter_id))
+            else:
+                self.scheduler.add_request(sibling)
+        return orphans
+
+    def _adapter_gone(self, request: Request) -> bool:
+        return request.adapter_id is not None and not self._has_adapter(request.adapter_id)
 
     def _record_step(self, scheduler_output: SchedulerOutput) -> None:
         scheduled = scheduler_output.scheduled
@@ -347,6 +367,16 @@ class EngineCore:
             self._drain(self._in_flight)
             self._in_flight = None
         self.executor.shutdown()
+
+
+def _failed(requests: list[Request], message: str) -> list[EngineCoreOutput]:
+    """The only (final) outputs of requests that end before the scheduler saw them."""
+    return [EngineCoreOutput(r.request_id, [], finish_reason="abort", error=message) for r in requests]
+
+
+def _adapter_gone_message(adapter_id: Optional[str]) -> str:
+    return (f"lora_name: adapter {adapter_id!r} was unloaded while this request waited to be scheduled; "
+            "load it again and retry")
 
 
 def _core_output(update: RequestUpdate, logprobs: list) -> EngineCoreOutput:

@@ -9,7 +9,8 @@
   routable; ``ModelReady``, ``ServerMetadata``, ``ModelMetadata``, ``ModelConfig`` are
   forwarded to a routable replica. Other methods answer UNIMPLEMENTED.
 
-A LoRA control request (``lora_action``) is refused here with INVALID_ARGUMENT: it must
+A message over the router's body limit (``--max-body-bytes``) is refused by gRPC itself
+with RESOURCE_EXHAUSTED (``make_grpc_server``). A LoRA control request (``lora_action``) is refused here with INVALID_ARGUMENT: it must
 reach every replica, which the HTTP door and ``/v1/load_lora_adapter`` do (``lora_admin``).
 
 Faults (``upstream``): a refused connection is retried on another replica; a stream broken
@@ -131,13 +132,18 @@ class GrpcProxy(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     async def _stream_one(self, request: Any, carrier: dict[str, str], tenant: Any) -> AsyncIterator[Any]:
         with self.tracer.route_span("grpc", carrier) as span:
-            ticket = None
+            ticket, relayed = None, False
             try:
-                analysis, ticket = self._admit(request, tenant)
+                analysis, ticket = await self._admit(request, tenant)
                 async for response in self.upstream.stream(analysis, request, span):
+                    if not relayed and response.error_message:
+                        ticket.settle(0)  # refused before generating: the quota gets it all back
+                    relayed = True
                     yield response
             except (NoReplicaAvailable, ReplicaFailed, LimitError, RateLimited) as exc:
                 span.fail(str(exc))
+                if ticket is not None and not relayed:
+                    ticket.settle(0)
                 yield service_pb2.ModelStreamInferResponse(
                     error_message=str(exc),
                     infer_response=service_pb2.ModelInferResponse(
@@ -146,7 +152,7 @@ class GrpcProxy(service_pb2_grpc.GRPCInferenceServiceServicer):
                 if ticket is not None:
                     ticket.release()
 
-    def _admit(self, request: Any, tenant: Any) -> tuple[Optional[Analysis], Any]:
+    async def _admit(self, request: Any, tenant: Any) -> tuple[Optional[Analysis], Any]:
         """Limits, tenant salt, routing analysis, rate limits (raises LimitError / RateLimited)."""
         gate = self.gate
         sampling = sampling_of_infer_request(request)
@@ -157,7 +163,8 @@ class GrpcProxy(service_pb2_grpc.GRPCInferenceServiceServicer):
                              "/v1/load_lora_adapter, which apply them to every replica", "lora_action")
         try:
             gate.limits.check_sampling(sampling)
-            gate.limits.check_prompt(read_string_input(request, "text_input") or "", "text_input")
+            prompt = read_string_input(request, "text_input") or ""
+            gate.limits.check_prompt(prompt, "text_input")
         except LimitError:
             gate.count("invalid_input")
             raise
@@ -165,9 +172,8 @@ class GrpcProxy(service_pb2_grpc.GRPCInferenceServiceServicer):
             salt = gate.salt(tenant, cache_salt_of(sampling))
             if salt != cache_salt_of(sampling):
                 set_sampling_value(request, "cache_salt", salt)
-        analysis = analyze_infer_request(self.router, request)
-        num_tokens = (analysis.num_prompt_tokens if analysis else 0) + int(sampling.get("max_tokens") or 16)
-        return analysis, gate.admit(tenant, num_tokens)
+        analysis = await gate.analyze(len(prompt), analyze_infer_request, self.router, request)
+        return analysis, gate.charge(tenant, analysis.num_prompt_tokens if analysis else 0, sampling)
 
     async def ModelInfer(self, request, context):  # noqa: N802
         carrier = _metadata(context)
@@ -175,7 +181,7 @@ class GrpcProxy(service_pb2_grpc.GRPCInferenceServiceServicer):
             tried: list[str] = []
             try:
                 tenant = self.gate.authenticate(carrier.get("authorization"))
-                analysis, ticket = self._admit(request, tenant)
+                analysis, ticket = await self._admit(request, tenant)
             except AuthError as exc:
                 await context.abort(grpc_status(ErrorKind.UNAUTHORIZED), str(exc))
             except LimitError as exc:
@@ -184,6 +190,9 @@ class GrpcProxy(service_pb2_grpc.GRPCInferenceServiceServicer):
                 await context.abort(grpc_status(ErrorKind.RATE_LIMITED), str(exc))
             try:
                 return await self._infer_routed(request, context, span, analysis, tried)
+            except BaseException:
+                ticket.settle(0)  # the client got no answer: the quota gets it all back
+                raise
             finally:
                 ticket.release()
 
@@ -258,8 +267,15 @@ def _metadata(context: Any) -> dict[str, str]:
 
 
 def make_grpc_server(proxy: GrpcProxy, host: str, port: int) -> tuple[Any, int]:
-    """A ``grpc.aio`` server with the proxy on ``host:port``; returns (server, bound port)."""
-    options = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+    """A ``grpc.aio`` server with the proxy on ``host:port``; returns (server, bound port).
+
+    It receives messages of at most the HTTP body limit (``RequestLimits.max_body_bytes``,
+    ``--max-body-bytes``): gRPC refuses a larger one from its length prefix, before it is
+    buffered or parsed, with RESOURCE_EXHAUSTED ``Received message larger than max (N vs.
+    LIMIT)``, ending that call only. Answers are not limited (the replica bounds them).
+    """
+    options = [("grpc.max_send_message_length", -1),
+               ("grpc.max_receive_message_length", proxy.gate.limits.max_body_bytes)]
     server = grpc.aio.server(options=options)
     service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(proxy, server)
     bound = server.add_insecure_port(f"{host}:{port}")

@@ -46,7 +46,7 @@ from pagoda.contracts.errors import ErrorKind, is_overloaded, spec_of
 from pagoda.fleet.gate.gate import TENANT_KEY, AuthError, Gate, LimitError, RateLimited, retry_after_header
 from pagoda.fleet.api.fleet_metrics import merge_vllm_series, scrape_replicas
 from pagoda.fleet.api.grpc_proxy import MAX_ROUTED_PROMPT_CHARS, cache_salt_of, option_of
-from pagoda.fleet.gate.limits import sampling_of_generate, validate_generate_body
+from pagoda.fleet.gate.limits import prompt_of, sampling_of_generate, validate_generate_body
 from pagoda.fleet.api.lora_admin import LoRAAdmin
 from pagoda.fleet.routing.router import Analysis, NoReplicaAvailable, Router
 from pagoda.fleet.api.tracing import TRACEPARENT, RouterTracer
@@ -176,10 +176,8 @@ async def _generate(request: web.Request) -> web.StreamResponse:
             tenant = request.get(TENANT_KEY)
             if tenant is not None:
                 _salt_document(document, gate.salt(tenant, cache_salt_of(document.get("sampling_parameters"))))
-            analysis = _analysis_of(router, document)
-            sampling = sampling_of_generate(document)
-            num_tokens = (analysis.num_prompt_tokens if analysis else 0) + int(sampling.get("max_tokens") or 16)
-            ticket = gate.admit(tenant, num_tokens)
+            analysis = await gate.analyze(len(prompt_of(document)), _analysis_of, router, document)
+            ticket = gate.charge(tenant, analysis.num_prompt_tokens if analysis else 0, sampling_of_generate(document))
         except LimitError as exc:
             gate.count("invalid_input")
             return _error(exc.status, str(exc))
@@ -188,7 +186,10 @@ async def _generate(request: web.Request) -> web.StreamResponse:
     carrier = {TRACEPARENT: request.headers[TRACEPARENT]} if TRACEPARENT in request.headers else {}
     try:
         with tracer.route_span("http", carrier) as span:
-            return await _route(request, body, document, analysis, span)
+            response = await _route(request, body, document, analysis, span)
+        if ticket is not None and response.status != 200:
+            ticket.settle(0)  # refused or failed before generating: the quota gets it all back
+        return response
     finally:
         if ticket is not None:
             ticket.release()

@@ -31,7 +31,9 @@ Limits and tenants (``pagoda.fleet.gate.gate``): the body size and the API key a
 before the body is read (413, 401); the number of messages, prompt length, ``max_tokens``,
 ``n``, ``logprobs``/``top_logprobs`` and stop strings against ``RequestLimits`` (400
 naming the limit); the tenant's ``cache_salt`` is set; its rate limits charge the prompt
-tokens plus ``max_tokens`` (16 when not given) (429 + ``Retry-After``). When every
+tokens plus ``n`` x ``max_tokens`` (the replicas' ``default_max_tokens`` when not given),
+settled with the usage the replica reported when the request ends (429 +
+``Retry-After``). When every
 replica refuses the request as overloaded (admission control) the answer is 429 with
 ``Retry-After``; a request whose ``timeout`` passed gets 408.
 
@@ -203,14 +205,18 @@ class OpenAIApi:
         tenant = request.get(TENANT_KEY)
         if tenant is not None:
             built.sampling["cache_salt"] = gate.salt(tenant, built.sampling.get("cache_salt"))
-        analysis = self.router.analyze(built.prompt, built.sampling.get("cache_salt"), built.sampling.get("lora_name"))
+        analysis = await gate.analyze(len(built.prompt), self.router.analyze, built.prompt, built.sampling.get("cache_salt"),
+                                      built.sampling.get("lora_name"))
         try:
-            ticket = gate.admit(tenant, analysis.num_prompt_tokens + (built.sampling.get("max_tokens") or 16))
+            ticket = gate.charge(tenant, analysis.num_prompt_tokens, built.sampling)
         except RateLimited as exc:
             return kind_response(ErrorKind.RATE_LIMITED, str(exc), headers=retry_after_header(exc.retry_after_s))
+        request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        answer = _Answer(chat, request_id, model, built, self.router.tokenizer)
         try:
-            return await self._route(request, chat, model, built, analysis)
+            return await self._route(request, answer, built, analysis)
         finally:
+            ticket.settle(answer.num_used_tokens)  # the quota keeps what it really used
             ticket.release()
 
     def _build(self, body: dict, chat: bool) -> Any:
@@ -225,14 +231,12 @@ class OpenAIApi:
         limits.check_sampling(built.sampling)
         return built
 
-    async def _route(self, request: web.Request, chat: bool, model: str, built: Any, analysis: Any) -> web.StreamResponse:
+    async def _route(self, request: web.Request, answer: "_Answer", built: Any, analysis: Any) -> web.StreamResponse:
         carrier = {TRACEPARENT: request.headers[TRACEPARENT]} if TRACEPARENT in request.headers else {}
         with self.tracer.route_span("openai", carrier) as span:
-            span.set_attribute("pagoda.openai.endpoint", "chat.completions" if chat else "completions")
-            request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-            infer_request = make_infer_request(built, request_id)
+            span.set_attribute("pagoda.openai.endpoint", "chat.completions" if answer.chat else "completions")
+            infer_request = make_infer_request(built, answer.request_id)
             responses = self.upstream.stream(analysis, infer_request, span)
-            answer = _Answer(chat, request_id, model, built, self.router.tokenizer)
             try:
                 first = await anext(responses, None)
             except NoReplicaAvailable as exc:
@@ -328,6 +332,12 @@ class _Answer:
                 self.num_completion_tokens[i] += int(outputs["num_output_tokens"][i])
             deltas.append((i, text, reason, step_logprobs))
         return deltas
+
+    @property
+    def num_used_tokens(self) -> int:
+        """Prompt + completion tokens the replica reported (0 when it ran nothing)."""
+        completion = sum(self.num_completion_tokens)
+        return self.num_prompt_tokens + completion if completion or self.num_prompt_tokens else 0
 
     def _usage(self) -> dict:
         completion = sum(self.num_completion_tokens)

@@ -7,8 +7,15 @@ instead of its own policy. ``RouterService`` makes one and gives it to each door
 constructor (and to the upstream client, for the overload memory).
 
 Order at every door: body size (HTTP, from ``Content-Length``, before reading) ->
-API key (401) -> parse and validate (400 naming the field) -> tenant salt -> routing
-analysis (tokens) -> rate limits (429 + ``Retry-After``) -> route.
+API key (401) -> parse and validate (400 naming the field; the prompt's character cap,
+``--max-prompt-chars``, before anything is tokenized) -> tenant salt -> routing analysis
+(tokens) -> rate limits (429 + ``Retry-After``) -> route.
+
+Routing analysis (tokenizing and hashing the prompt: about a second per 1 MB) of a prompt
+longer than ``INLINE_ANALYSIS_CHARS`` never runs on the event loop that relays every other
+stream: ``Gate.analyze`` runs it on the gate's small thread pool (the tokenizer releases
+the GIL; hashing yields it every few ms), so a huge prompt adds milliseconds, not seconds,
+to other requests' inter-token gaps; a short one is analyzed inline (1-2 ms).
 
 Overload: a replica that refuses a request because its waiting queue is full (an error
 ``pagoda.contracts.errors.classify_replica_error`` calls ``OVERLOADED``) is remembered as
@@ -21,18 +28,26 @@ error message on gRPC.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Optional
 
 from aiohttp import web
 
 from pagoda.contracts.errors import DEFAULT_RETRY_AFTER_S
-from pagoda.fleet.gate.auth import ApiKeys, AuthError, RateLimited, Tenant, TenantLimiter, Ticket, tenant_salt
-from pagoda.fleet.gate.limits import LimitError, RequestLimits
+from pagoda.fleet.gate.auth import (ApiKeys, AuthError, RateLimited, Tenant, TenantLimiter, Ticket, check_secret,
+                                    tenant_salt)
+from pagoda.fleet.gate.limits import LimitError, RequestLimits, as_int
 
 logger = logging.getLogger(__name__)
+
+# Prompts up to this many characters are tokenized on the event loop (1-2 ms), longer ones
+# on the gate's thread pool.
+INLINE_ANALYSIS_CHARS = 1024
 
 # Where the HTTP middleware leaves the caller's tenant on the aiohttp request.
 TENANT_KEY = web.RequestKey("pagoda_tenant", object)
@@ -46,17 +61,25 @@ class Gate:
         keys: API keys, or ``None`` for the open mode.
         share_cache: keep clients' own salts (tenants may share cached blocks).
         clock: monotonic seconds (rate limits and overload memory; tests inject one).
+        analysis_threads: threads that tokenize prompts off the event loop.
+        salt_secret: the router secret tenant salts are keyed with (``auth.load_router_secret``;
+            ``None``: random bytes for this gate, for tests and the open mode).
     """
 
     def __init__(self, limits: Optional[RequestLimits] = None, keys: Optional[ApiKeys] = None,
-                 share_cache: bool = False, clock: Callable[[], float] = time.monotonic) -> None:
+                 share_cache: bool = False, clock: Callable[[], float] = time.monotonic,
+                 analysis_threads: int = 2, salt_secret: Optional[bytes] = None) -> None:
         self.limits = limits or RequestLimits()
         self.keys = keys
         self.share_cache = share_cache
+        if salt_secret is not None:
+            check_secret(salt_secret)
+        self._salt_secret = salt_secret if salt_secret is not None else os.urandom(32)
         self.clock = clock
         self.limiter = TenantLimiter(clock)
         self._full_until: dict[str, float] = {}
         self.num_refused: dict[str, int] = {}  # reason -> count (/metrics; never a key or tenant secret)
+        self._analysis_pool = ThreadPoolExecutor(analysis_threads, thread_name_prefix="pagoda-tokenize")
 
     def announce(self) -> None:
         """Log the mode once at start: loudly when anyone may call."""
@@ -82,7 +105,20 @@ class Gate:
             raise
 
     def salt(self, tenant: Optional[Tenant], client_salt: Optional[str]) -> Optional[str]:
-        return tenant_salt(tenant, client_salt, self.share_cache)
+        return tenant_salt(tenant, client_salt, self.share_cache, secret=self._salt_secret)
+
+    def num_tokens(self, num_prompt_tokens: int, sampling: dict[str, Any]) -> int:
+        """A request's worst case: prompt + n x effective max_tokens (the replicas'
+        ``default_max_tokens`` when absent). ``sampling``: SamplingParams-named values."""
+        n = as_int(sampling.get("n"))
+        max_tokens = as_int(sampling.get("max_tokens"))
+        return num_prompt_tokens + max(1, n or 1) * (max_tokens if max_tokens and max_tokens > 0
+                                                      else self.limits.default_max_tokens)
+
+    def charge(self, tenant: Optional[Tenant], num_prompt_tokens: int, sampling: dict[str, Any]) -> Ticket:
+        """``admit`` the request's worst case (``num_tokens``); the door ``settle``s the
+        ticket with what it used when it ends. Raises ``RateLimited``."""
+        return self.admit(tenant, self.num_tokens(num_prompt_tokens, sampling))
 
     def admit(self, tenant: Optional[Tenant], num_tokens: int) -> Ticket:
         """Charge the tenant's rate limits. Raises ``RateLimited``."""
@@ -91,6 +127,15 @@ class Gate:
         except RateLimited:
             self.count("rate_limited")
             raise
+
+    async def analyze(self, num_chars: int, analyze: Callable[..., Any], *args: Any) -> Any:
+        """``analyze(*args)`` (``Router.analyze``, or a door's wrapper of it) for a prompt of
+        ``num_chars`` characters: inline when it is short (``INLINE_ANALYSIS_CHARS``, a
+        millisecond or two, about the hop to a thread), else on the analysis pool, off the
+        event loop. The caller has checked the prompt's character cap."""
+        if num_chars <= INLINE_ANALYSIS_CHARS:
+            return analyze(*args)
+        return await asyncio.get_running_loop().run_in_executor(self._analysis_pool, analyze, *args)
 
     # ------------------------------------------------------------------ overload memory
     def mark_full(self, replica_id: str, retry_after_s: float = DEFAULT_RETRY_AFTER_S) -> None:

@@ -13,6 +13,11 @@ refused request costs no replica anything:
 - sampling: ``max_tokens`` (``max_tokens_limit``), ``n``, ``logprobs``/``top_logprobs``,
   the number and length of stop strings, the number of ``stop_token_ids``.
 
+``default_max_tokens`` is no limit but a fact about the replicas (their own
+``--default-max-tokens``, 1024 by default): token quotas charge ``n`` x it for a request
+without ``max_tokens`` (``Gate.num_tokens``). It is a router flag rather than a heartbeat
+field because the charge is taken before the request is routed.
+
 ``validate_generate_body`` checks a Triton generate-extension body as the replica's own
 front end should but does not (tritonserver answers a body it cannot parse with 500, and
 an unknown top-level key becomes a silently ignored request parameter): the body must be
@@ -68,6 +73,9 @@ class RequestLimits:
     max_stop_string_chars: int = 512
     max_stop_token_ids: int = 64
     max_messages: int = 1024
+    # What the replicas apply to a request without max_tokens (`pagoda serve
+    # --default-max-tokens`, the model repository's 1024): quotas charge it (gate.py).
+    default_max_tokens: int = 1024
 
     def check_body_size(self, content_length: Optional[int]) -> None:
         if content_length is not None and content_length > self.max_body_bytes:
@@ -88,7 +96,7 @@ class RequestLimits:
         """Check SamplingParams-named values (numbers may still be strings, vLLM-backend style)."""
         for name, limit, flag in (("max_tokens", self.max_tokens_limit, "max-tokens-limit"),
                                   ("n", self.max_n, "max-n"), ("logprobs", self.max_logprobs, "max-logprobs")):
-            value = _as_int(sampling.get(name))
+            value = as_int(sampling.get(name))
             if value is not None and value > limit:
                 raise LimitError(f"{name}: {value} exceeds this server's limit of {limit} (router --{flag})", name)
         stop = sampling.get("stop")
@@ -106,7 +114,7 @@ class RequestLimits:
                              f"{self.max_stop_token_ids} (router --max-stop-token-ids)", "stop_token_ids")
 
 
-def _as_int(value: Any) -> Optional[int]:
+def as_int(value: Any) -> Optional[int]:
     if isinstance(value, bool):
         return None
     if isinstance(value, (int, float)):
