@@ -19,12 +19,13 @@ MAX_MODEL_LEN = 1024
 @pytest.fixture(scope="session")
 def triton_server(tmp_path_factory, smollm2_lora):
     """Serves the default model with one LoRA adapter, ``sql`` (base requests name none), and
-    runtime LoRA updates allowed (``--allow-runtime-lora``)."""
+    runtime LoRA updates allowed (``--allow-runtime-lora``), and the vLLM backend's output
+    shapes (``--output-dialect vllm``: per-token logprobs objects, finish_reason "None")."""
     log_path = tmp_path_factory.mktemp("tritonserver") / "server.log"
     options = ServeOptions(http_port=find_free_port(), grpc_port=find_free_port(), metrics_port=find_free_port(),
                            max_model_len=MAX_MODEL_LEN, max_num_seqs=16, startup_timeout_s=600,
                            engine_args={"enable_lora": "true", "lora_modules": f"sql={smollm2_lora}",
-                                        "allow_runtime_lora": "true"})
+                                        "allow_runtime_lora": "true", "output_dialect": "vllm"})
     with TritonServer(options, log_path=str(log_path)) as server:
         yield server
     assert server.process is None

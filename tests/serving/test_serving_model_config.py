@@ -117,3 +117,17 @@ def test_allow_runtime_lora_flag_reaches_the_config_and_turns_lora_on(tmp_path):
     assert allow_runtime_lora(params) is True and engine_config_from_parameters(params).enable_lora
     with pytest.raises(ValueError, match="allow_runtime_lora: cannot read 'maybe'"):
         allow_runtime_lora({"allow_runtime_lora": {"string_value": "maybe"}})
+
+
+def test_output_dialect_from_flags_to_parameters(tmp_path):
+    from pagoda.serving.model_config import output_dialect
+
+    shipped = (Path(__file__).resolve().parents[2] / "model_repository" / "pagoda" / "config.pbtxt").read_text()
+    assert 'key: "output_dialect" value: { string_value: "pagoda" }' in shipped
+    assert output_dialect({}) == "pagoda"
+    options = options_from_args(make_parser().parse_args(["--output-dialect", "vllm"]))
+    parameters = {name: {"string_value": value} for name, value in options.parameter_overrides().items() if value}
+    assert output_dialect(parameters) == "vllm"
+    with pytest.raises(ValueError, match="output_dialect: must be one of vllm, pagoda, got 'openai'"):
+        output_dialect({"output_dialect": "openai"})
+    engine_config_from_parameters(parameters)  # serving parameters are not engine fields, and not refused

@@ -10,6 +10,8 @@ same model repository works under ``pagoda serve``, in NVIDIA's container and un
 - ``rewrite_config_pbtxt`` sets parameter values and the instance kind in a config text;
   ``pagoda serve`` uses it on a copy of the repository so flags override the file.
 
+- ``output_dialect`` (a serving parameter): the default shape of the ``logprobs`` /
+  ``finish_reason`` outputs (``vllm_dialect``).
 - ``allow_runtime_lora`` (a serving parameter, not an engine field): whether LoRA
   control requests may load and unload adapters at run time (``pagoda serve
   --allow-runtime-lora``; vLLM's ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``).
@@ -29,7 +31,7 @@ from typing import Any, Mapping, Optional
 from pagoda.engine.config import EngineConfig
 
 # Parameters that are not EngineConfig fields but are still ours.
-SERVING_PARAMETERS = ("served_model_name", "allow_runtime_lora")
+SERVING_PARAMETERS = ("served_model_name", "allow_runtime_lora", "output_dialect")
 
 _BOOL_TRUE = ("1", "true", "yes", "on")
 _BOOL_FALSE = ("0", "false", "no", "off")
@@ -120,6 +122,19 @@ def allow_runtime_lora(parameters: Mapping[str, Any]) -> bool:
     """
     return bool(_convert("allow_runtime_lora", _parameter_text(parameters.get("allow_runtime_lora", "")) or "false",
                          bool))
+
+
+def output_dialect(parameters: Mapping[str, Any]) -> str:
+    """The ``output_dialect`` parameter: the default shape of ``logprobs`` and ``finish_reason``
+    (``pagoda.serving.vllm_dialect``; empty or absent: ``"pagoda"``).
+
+    Raises:
+        ValueError: not one of ``vllm_dialect.OUTPUT_DIALECTS``.
+    """
+    from pagoda.serving.vllm_dialect import check_output_dialect
+
+    value = _parameter_text(parameters.get("output_dialect", "")) or "pagoda"
+    return check_output_dialect("config.pbtxt parameter output_dialect", value)
 
 
 def rewrite_config_pbtxt(text: str, overrides: Mapping[str, Optional[str]],

@@ -77,6 +77,10 @@ def make_parser() -> argparse.ArgumentParser:
                    help="accept LoRA control requests that load/unload adapters at run time (lora_action; "
                         "`pagoda lora`; turns LoRA on). Only for trusted clients: a load reads any folder "
                         "the server can read")
+    p.add_argument("--output-dialect", choices=("pagoda", "vllm"),
+                   help="default shape of the logprobs and finish_reason outputs: vllm (Triton's vLLM "
+                        "backend: per-token {id: {logprob, rank, decoded_token}}, null unless logprobs is set, "
+                        "'None' before the end) or pagoda (default; what pagoda's router reads)")
     p.add_argument("--engine-arg", action="append", default=[], metavar="FIELD=VALUE",
                    help="any other EngineConfig field, e.g. --engine-arg spec_adaptive=false (repeatable)")
     p.add_argument("--model-repository", help="a model repository to use instead of the shipped one")
@@ -110,6 +114,8 @@ def engine_args_from(args: argparse.Namespace) -> dict[str, str]:
         values.update(enable_lora="true", lora_modules=lora_modules_text(args.lora))
     if args.allow_runtime_lora:
         values.update(enable_lora="true", allow_runtime_lora="true")
+    if args.output_dialect:
+        values["output_dialect"] = args.output_dialect
     return values
 
 
