@@ -4,8 +4,8 @@ Written from the backend's documented behaviour and its client tests
 (ci/L0_additional_outputs_vllm, ci/L0_backend_vllm, ci/L0_check_health_vllm): sampling
 parameters as request parameters (gRPC ``parameters=``, HTTP ``"parameters"``, string
 values), ``structured_outputs`` as a JSON string, the ``logprobs`` JSON shape (``null``
-when not asked), ``"None"`` as the finish reason of unfinished streaming responses, and read-only
-repository calls. pagoda's own rule on top:
+when not asked), ``"None"`` as the finish reason of unfinished streaming responses, the
+``vllm:`` request histograms, and read-only repository calls. pagoda's own rule on top:
 a request parameter it does not understand is a 400 naming it, on both protocols.
 
 The session's server (tests/serving/conftest.py) runs with ``output_dialect=vllm``.
@@ -199,6 +199,27 @@ def test_output_dialect_per_request_gives_pagodas_shape(triton_server):
     status, body = http_post(triton_server, "/v2/models/pagoda/generate", {
         "text_input": PROMPT, "sampling_parameters": json.dumps({"output_dialect": "openai"})})
     assert status == 400 and "output_dialect: must be one of vllm, pagoda" in body["error"]
+
+
+def test_vllm_request_histograms_under_both_latency_names(triton_server, read_metrics):
+    before = read_metrics()
+    status, body = http_post(triton_server, "/v2/models/pagoda/generate", {
+        "text_input": PROMPT, "return_num_input_tokens": True, "sampling_parameters": json.dumps(
+            {"n": 2, "max_tokens": 3, "ignore_eos": True, "seed": 0})})
+    assert status == 200, body
+    after = read_metrics()
+
+    def delta(name):
+        return after[name] - before.get(name, 0.0)
+
+    assert delta("vllm:request_prompt_tokens_count") == 1
+    assert delta("vllm:request_prompt_tokens_sum") == body["num_input_tokens"]
+    assert delta("vllm:request_generation_tokens_sum") == 6
+    assert delta("vllm:request_params_n_sum") == 2 and delta("vllm:request_params_n_count") == 1
+    # The old name holds the same observations as the new one (the request's gaps between tokens).
+    assert delta("vllm:time_per_output_token_seconds_count") == delta("vllm:inter_token_latency_seconds_count") >= 4
+    assert delta("vllm:time_per_output_token_seconds_sum") == pytest.approx(
+        delta("vllm:inter_token_latency_seconds_sum"))
 
 
 def test_read_only_repository_calls(triton_server):

@@ -23,7 +23,7 @@ from pagoda.serving.commands import ServingRequest
 from pagoda.serving.engine_loop import EngineLoop
 from pagoda.serving.metrics import ServingMetrics
 from pagoda.serving.model_config import (allow_runtime_lora, engine_config_from_parameters, output_dialect,
-                                         served_model_name)
+                                         report_custom_metrics, served_model_name)
 from pagoda.serving.observers import make_observers
 from pagoda.serving.process_tree import ORPHANED_STUB_MESSAGE, ParentWatch
 from pagoda.serving.response_sender import ResponseSender
@@ -57,7 +57,8 @@ class TritonPythonModel:
             "model": args["model_name"],
             "version": args["model_version"],
         }
-        self.metrics = ServingMetrics(pb_utils, labels)
+        self.metrics = ServingMetrics(pb_utils, labels, max_model_len=self.engine.max_model_len,
+                                      report_vllm=report_custom_metrics(parameters))
         self.sender = ResponseSender(self._deliver, on_failure=lambda request_id: self.loop.abort(request_id))
         self.tracer = make_request_tracer()  # None unless an OTLP endpoint is configured
         observers = make_observers(self.metrics, self.tracer, _fleet_publisher(self.engine))

@@ -77,6 +77,9 @@ def make_parser() -> argparse.ArgumentParser:
                    help="accept LoRA control requests that load/unload adapters at run time (lora_action; "
                         "`pagoda lora`; turns LoRA on). Only for trusted clients: a load reads any folder "
                         "the server can read")
+    p.add_argument("--no-vllm-metrics", action="store_true",
+                   help="report no vllm: metric series, only pagoda: ones (the vLLM backend's "
+                        "REPORT_CUSTOM_METRICS=false)")
     p.add_argument("--output-dialect", choices=("pagoda", "vllm"),
                    help="default shape of the logprobs and finish_reason outputs: vllm (Triton's vLLM "
                         "backend: per-token {id: {logprob, rank, decoded_token}}, null unless logprobs is set, "
@@ -114,6 +117,8 @@ def engine_args_from(args: argparse.Namespace) -> dict[str, str]:
         values.update(enable_lora="true", lora_modules=lora_modules_text(args.lora))
     if args.allow_runtime_lora:
         values.update(enable_lora="true", allow_runtime_lora="true")
+    if args.no_vllm_metrics:
+        values["REPORT_CUSTOM_METRICS"] = "false"
     if args.output_dialect:
         values["output_dialect"] = args.output_dialect
     return values
