@@ -9,6 +9,7 @@ import pytest
 from pagoda.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from pagoda.serving.triton_io import (MAX_PROMPT_CHARS, LoRAControl, make_control_response, make_error_response,
                                      make_response, parse_lora_control, parse_request)
+from pagoda.serving.vllm_dialect import request_parameter_vocabulary
 
 
 def text(value):
@@ -275,6 +276,9 @@ def test_request_parameters_are_read_as_sampling_parameters_and_merged_with_the_
         parse_request(inputs(text_input="Hi"), json.dumps({"temprature": "0", "num_return_sequences": 2}))
     with pytest.raises(ValueError, match=r"^max_tokens: must be an integer, got 'many'"):
         parse_request(inputs(text_input="Hi"), json.dumps({"max_tokens": "many"}))
+    guided = parse_request(inputs(text_input="Hi"), json.dumps({"guided_decoding": '{"regex": "[ab]"}'}))
+    assert guided.params.guided_decoding.regex == "[ab]"
+    assert {"temperature", "structured_outputs", "lora_name", "traceparent"} <= request_parameter_vocabulary()
 
 
 def test_structured_outputs_become_guided_decoding():

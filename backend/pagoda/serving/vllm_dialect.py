@@ -76,6 +76,20 @@ STRUCTURED_OUTPUT_KEYS = ("json", "regex", "choice", "grammar", "json_object", "
 STRUCTURED_OUTPUT_REFUSED = ("structural_tag", "whitespace_pattern", "disable_additional_properties")
 
 
+def request_parameter_vocabulary() -> frozenset[str]:
+    """Every request-parameter key the replica reads (sampling fields, vLLM-only keys, request
+    options) or tolerates: the one list a front door in pagoda's fleet can check against."""
+    fields = {f.name for f in dataclasses.fields(SamplingParams)}
+    return frozenset(fields | set(VLLM_ONLY_KEYS) | set(REQUEST_OPTION_KEYS) | TOLERATED_PARAMETERS)
+
+
+def _json_object(name: str, text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{name}: not valid JSON ({exc.msg} at position {exc.pos})") from None
+
+
 def read_request_parameters(raw: Any) -> dict[str, Any]:
     """The user's keys among a request's parameters (tolerated keys removed).
 
@@ -123,10 +137,7 @@ def apply_structured_outputs(values: dict[str, Any]) -> None:
     if isinstance(spec, (bytes, bytearray)):
         spec = bytes(spec).decode("utf-8", errors="replace")
     if isinstance(spec, str):
-        try:
-            spec = json.loads(spec)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"structured_outputs: not valid JSON ({exc.msg} at position {exc.pos})") from None
+        spec = _json_object("structured_outputs", spec)
     if not isinstance(spec, dict):
         raise ValueError(f"structured_outputs: must be a JSON object, got {type(spec).__name__}")
     if values.get("guided_decoding") is not None:
@@ -215,11 +226,13 @@ def split_values(values: dict[str, Any], from_parameters: bool = False) -> tuple
     """
     field_types = {f.name: str(f.type) for f in dataclasses.fields(SamplingParams)}
     if from_parameters:
-        unknown = sorted(set(values) - set(field_types) - set(REQUEST_OPTION_KEYS) - set(VLLM_ONLY_KEYS))
+        unknown = sorted(set(values) - request_parameter_vocabulary())
         if unknown:
             raise ValueError(f"unknown request parameter(s): {', '.join(unknown)}; a request parameter must be a "
-                             f"sampling parameter ({', '.join(sorted(field_types))}) or a request option "
-                             f"({', '.join(REQUEST_OPTION_KEYS)})")
+                             f"sampling parameter ({', '.join(sorted([*field_types, *VLLM_ONLY_KEYS]))}) or a "
+                             f"request option ({', '.join(REQUEST_OPTION_KEYS)})")
+        if isinstance(values.get("guided_decoding"), str):  # an object, as request parameters carry it
+            values = {**values, "guided_decoding": _json_object("guided_decoding", values["guided_decoding"])}
     values = dict(values)
     options = {key: values.pop(key) for key in REQUEST_OPTION_KEYS if key in values}
     if "priority" in options:
