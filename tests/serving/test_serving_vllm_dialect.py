@@ -26,7 +26,7 @@ pytestmark = pytest.mark.server
 PROMPT = "In this example,"
 
 
-def grpc_stream(server, prompt, *, sampling=None, parameters=None, **flags):
+def grpc_stream(server, prompt, *, sampling=None, parameters=None, priority=0, timeout=None, **flags):
     """One request on a tritonclient gRPC stream, as the backend's tests send it.
 
     Returns:
@@ -47,7 +47,8 @@ def grpc_stream(server, prompt, *, sampling=None, parameters=None, **flags):
     client = grpcclient.InferenceServerClient(server.grpc_url)
     client.start_stream(callback=lambda result, error: results.put((result, error)))
     try:
-        client.async_stream_infer("pagoda", inputs, parameters=parameters, enable_empty_final_response=True)
+        client.async_stream_infer("pagoda", inputs, parameters=parameters, enable_empty_final_response=True,
+                                  priority=priority, timeout=timeout)
         out = []
         while True:
             result, error = results.get(timeout=120)
@@ -102,8 +103,11 @@ def test_request_parameters_are_sampling_parameters_on_grpc_and_http(triton_serv
 def test_unknown_request_parameter_is_a_400_naming_it(triton_server, protocol):
     """No silent drops: a key pagoda does not understand is refused, naming the key."""
     if protocol == "grpc":
-        _, error = grpc_stream(triton_server, PROMPT, parameters={"temprature": "0", "max_tokens": "3"})
-        assert error is not None and "unknown request parameter(s): temprature" in error, error
+        # tritonserver's own request fields (priority, timeout, the empty-final-response flag)
+        # travel as gRPC parameters too: only the user's unknown key is named.
+        _, error = grpc_stream(triton_server, PROMPT, parameters={"temprature": "0", "max_tokens": "3"},
+                               priority=1, timeout=60_000_000)
+        assert error is not None and "unknown request parameter(s): temprature;" in error, error
         _, error = grpc_stream(triton_server, PROMPT, sampling={"max_tokens": 3}, parameters={"max_tokens": "4"})
         assert error is not None and "max_tokens: given as a request parameter" in error, error
         return
@@ -111,7 +115,7 @@ def test_unknown_request_parameter_is_a_400_naming_it(triton_server, protocol):
                  {"text_input": PROMPT, "return_log_probs": True}):  # a top-level key that is no input
         status, answer = http_post(triton_server, "/v2/models/pagoda/generate", body)
         key = "num_return_sequences" if "parameters" in body else "return_log_probs"
-        assert status == 400 and f"unknown request parameter(s): {key}" in answer["error"], answer
+        assert status == 400 and f"unknown request parameter(s): {key};" in answer["error"], answer
     # The generate extension's "id" is tolerated (tritonserver hands it on as a parameter).
     status, answer = http_post(triton_server, "/v2/models/pagoda/generate",
                                {"text_input": PROMPT, "id": "req-1", "parameters": {"max_tokens": 2}})

@@ -10,13 +10,16 @@ pagoda, with one difference on purpose (**no silent drops**):
 - a key that is neither a sampling field, a request option nor a tolerated key
   (``TOLERATED_PARAMETERS``) is refused, naming it, with or without the tensor;
 - when the tensor is present too (the backend's own client tests send the same dict both
-  ways), a key given both ways must carry the same value (after reading strings such as
-  ``"0"``); the tensor wins only where the request parameter says nothing else. The
-  backend ignores the parameters then; pagoda merges them and refuses a contradiction,
-  because a value ignored without a word is the drop this rule forbids.
+  ways), the two are merged and a key given both ways must carry the same value (after
+  reading strings such as ``"0"``). The backend ignores the parameters then; pagoda
+  refuses a contradiction, because a value ignored without a word is the drop this rule
+  forbids.
 
 Values may be strings (``"0"``, ``"3"``, ``"true"``) as the backend's clients send them; a
-string that does not parse as the field's type is a 400 naming the key (``triton_io``).
+string that does not parse as the field's type is a 400 naming the key. ``read_sampling_json``
+and ``split_values`` read the ``sampling_parameters`` JSON and the request parameters alike
+into ``SamplingParams`` values and request options (``REQUEST_OPTION_KEYS``);
+``request_parameter_vocabulary`` is the whole list of keys a request parameter may have.
 
 ``structured_outputs`` (vLLM's ``SamplingParams.structured_outputs``, a
 ``StructuredOutputsParams``): a JSON object, or a string holding one (the backend
@@ -42,8 +45,8 @@ parameter and per request by the ``output_dialect`` request option):
 
 from __future__ import annotations
 
-import json
 import dataclasses
+import json
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
@@ -61,7 +64,7 @@ VLLM_ONLY_KEYS = ("structured_outputs", "prompt_logprobs")
 
 
 # Request-parameter keys that are not the user's sampling parameters, and why they pass
-# (what reaches the backend measured on tritonserver 2.51, tests/serving/test_serving_vllm_dialect.py):
+# (what reaches the backend was measured on tritonserver 2.51; test_serving_vllm_dialect.py sends them):
 # - traceparent: pagoda's router adds it (W3C trace context, pagoda.serving.tracing);
 # - id: the generate extension's request id ({"id": ...} in a generate body), which
 #   tritonserver 2.51 hands on as a parameter; it is the client's label, not a sampling key;
