@@ -97,6 +97,10 @@ def test_request_parameters_are_sampling_parameters_on_grpc_and_http(triton_serv
         "parameters": {"n": "2", "ignore_eos": "true", "max_tokens": 4, "seed": 3, "min_p": "0"}})
     assert status == 200, body
     assert body["num_output_tokens"] == [4, 4]
+    # The vLLM backend README's first curl, as it is.
+    status, body = http_post(triton_server, "/v2/models/pagoda/generate", {
+        "text_input": "What is Triton Inference Server?", "parameters": {"stream": False, "temperature": 0}})
+    assert status == 200 and body["text_output"].startswith("What is Triton Inference Server?"), body
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
