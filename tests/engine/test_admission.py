@@ -132,11 +132,23 @@ def test_deadline_ends_waiting_and_running_requests_with_their_own_error(model_p
         engine.add_request("bad", [5, 6], GREEDY, timeout=0)
 
 
-def test_stop_token_ids_outside_the_vocabulary_are_refused(model_path):
+def test_token_ids_outside_the_vocabulary_are_refused(model_path):
     engine = LLMEngine(EngineConfig(model=model_path))
-    with pytest.raises(ValueError, match="stop_token_ids: token id 99999999 is not in the vocabulary"):
-        engine.add_request("a", [5, 6], SamplingParams(stop_token_ids=[99999999]))
+    for params, name in [(SamplingParams(stop_token_ids=[99999999]), "stop_token_ids"),
+                         (SamplingParams(allowed_token_ids=[5, 99999999]), "allowed_token_ids"),
+                         (SamplingParams(logit_bias={99999999: 1.0}), "logit_bias")]:
+        with pytest.raises(ValueError, match=f"{name}: token id 99999999 is not in the vocabulary"):
+            engine.add_request("a", [5, 6], params)
     assert not engine.has_unfinished_requests()
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(model_path):
+    engine = LLMEngine(EngineConfig(model=model_path, max_model_len=64))
+    engine.add_request("cut", list(range(5, 25)), SamplingParams(max_tokens=1, truncate_prompt_tokens=4))
+    engine.add_request("max", list(range(5, 25)), SamplingParams(max_tokens=1, truncate_prompt_tokens=-1))
+    finals = drain(engine)
+    assert finals["cut"].prompt_token_ids == [21, 22, 23, 24]
+    assert finals["max"].prompt_token_ids == list(range(5, 25))  # -1: max_model_len, longer than the prompt
 
 
 def test_offline_generate_feeds_a_full_queue_as_it_drains(model_path):

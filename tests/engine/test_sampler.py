@@ -176,6 +176,28 @@ def test_greedy_uses_penalized_logits():
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_allowed_token_ids_and_logit_bias_edit_only_their_rows(temperature):
+    """vLLM's allowed_token_ids (every other id is -inf) and logit_bias (added to the logit),
+    per row: a row that sets neither keeps its logits bit for bit."""
+    logits = torch.tensor([LOGITS]).expand(300, -1).contiguous()
+    allowed = SamplingParams(temperature=temperature, allowed_token_ids=[5, 9])
+    biased = SamplingParams(temperature=temperature, logit_bias={"11": 100.0, 0: -100.0})
+    plain = SamplingParams(temperature=temperature)
+    sampler = Sampler(VOCAB_SIZE)
+    rows = [SamplingRow(p) for p in (allowed, biased, plain)] * 100
+    batch = sampler.make_batch(rows)
+    processed = sampler.process_logits(logits.clone(), batch)
+    assert torch.isinf(processed[0, [i for i in range(VOCAB_SIZE) if i not in (5, 9)]]).all()
+    assert processed[0, 5] == LOGITS[5] and processed[0, 9] == LOGITS[9]
+    assert processed[1, 11] == pytest.approx(LOGITS[11] + 100.0) and processed[1, 0] == pytest.approx(LOGITS[0] - 100)
+    assert torch.equal(processed[2], logits[2])
+    tokens = sampler(logits, batch).token_ids
+    assert set(tokens[0::3]) <= {5, 9} and set(tokens[1::3]) == {11}
+    if temperature == 0.0:
+        assert set(tokens[2::3]) == {0}
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_min_tokens_blocks_eos_and_stop_ids_until_reached(temperature):
     eos, stop_id = 0, 1
     logits = torch.tensor([[30.0, 29.0, 0.0, 0.0, 0.0]]).expand(200, -1)

@@ -34,6 +34,10 @@ BAD_VALUES = [
     *[("speculative", v) for v in (1, 0, "true")],
     *[("guided_decoding", v) for v in ("a+", 5, [], {}, {"regex": "a", "choice": ["a"]}, {"json_object": False},
                                         {"regexp": "a"})],
+    *[("allowed_token_ids", v) for v in ([], [-1], [1.5], [True], 5, "1")],
+    *[("logit_bias", v) for v in ([1], {"a": 1.0}, {"1": 100.5}, {"1": "x"}, {-1: 1.0}, {"2": NAN})],
+    *[("truncate_prompt_tokens", v) for v in (0, -2, 1.5, "3", True)],
+    *[("spaces_between_special_tokens", v) for v in (1, "true")],
 ]
 
 
@@ -56,6 +60,18 @@ def test_bad_value_raises_naming_field(case):
 def test_every_field_has_a_bad_value_case():
     tested = {name for name, _ in BAD_VALUES}
     assert tested == {f.name for f in dataclasses.fields(SamplingParams)}
+
+
+def test_vllm_extras_are_read_as_vllm_does():
+    params = SamplingParams.from_dict({"logit_bias": {"7": -100, "9": 2.5}, "allowed_token_ids": [3, 7],
+                                       "truncate_prompt_tokens": -1, "spaces_between_special_tokens": False})
+    assert params.logit_bias == {7: -100, 9: 2.5} and params.allowed_token_ids == [3, 7]
+    assert params.truncate_prompt_tokens == -1
+    # pagoda joins special tokens without spaces: asking for spaces while keeping them is refused.
+    with pytest.raises(ValueError, match="^spaces_between_special_tokens: pagoda joins special tokens"):
+        SamplingParams(skip_special_tokens=False, spaces_between_special_tokens=True)
+    SamplingParams(skip_special_tokens=False, spaces_between_special_tokens=False)
+    SamplingParams(spaces_between_special_tokens=True)  # special tokens skipped: nothing to space
 
 
 def test_min_tokens_above_max_tokens_names_min_tokens():

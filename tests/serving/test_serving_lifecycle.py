@@ -254,9 +254,12 @@ def test_a_dead_stub_is_restarted_not_ready_meanwhile_then_the_replica_stops_whe
 
 @pytest.mark.server
 def test_sigkill_of_the_launcher_leaves_no_process_and_frees_the_ports():
-    serve = ServeProcess(*SMALL)
+    serve = ServeProcess(*SMALL, "--no-vllm-metrics")
     try:
         serve.wait_serving()
+        # --no-vllm-metrics (the vLLM backend's REPORT_CUSTOM_METRICS=false): pagoda: series only.
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{serve.ports[2]}/metrics", timeout=5).read().decode()
+        assert "pagoda:engine_steps_total" in metrics and "vllm:" not in metrics
         server_pid = serve.server_pid()
         assert _stub_pids(server_pid)
         serve.proc.send_signal(signal.SIGKILL)

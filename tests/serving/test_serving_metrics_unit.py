@@ -124,3 +124,19 @@ def test_lora_requests_info_like_vllm():
     assert metric.value > 1.7e9
     metrics.update_lora(stats(running_lora_adapters=("c",), max_lora=2))
     assert FakeMetricFamily.created["vllm:lora_requests_info"].metric.labels["running_lora_adapters"] == "c"
+
+
+def test_vllm_request_histograms_and_the_switch_that_turns_vllm_series_off():
+    FakeMetricFamily.created = {}
+    ServingMetrics(SimpleNamespace(MetricFamily=FakeMetricFamily), {"model_name": "pagoda"}, max_model_len=1000)
+    created = FakeMetricFamily.created
+    assert created["vllm:request_prompt_tokens"].metric.buckets == [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000]
+    assert created["vllm:request_params_n"].metric.buckets == [1, 2, 5, 10, 20]
+    assert created["vllm:time_per_output_token_seconds"].kind == "HISTOGRAM"
+    FakeMetricFamily.created = {}
+    metrics = ServingMetrics(SimpleNamespace(MetricFamily=FakeMetricFamily), {"model_name": "pagoda"},
+                             report_vllm=False)
+    assert FakeMetricFamily.created and not [name for name in FakeMetricFamily.created if name.startswith("vllm:")]
+    metrics.update_engine(stats(num_prompt_tokens=20))  # the vllm: series are simply not there
+    metrics.update_lora(SimpleNamespace(max_lora=1, running_lora_adapters=["a"], waiting_lora_adapters=[]))
+    assert "vllm:lora_requests_info" not in FakeMetricFamily.created

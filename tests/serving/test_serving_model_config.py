@@ -120,3 +120,19 @@ def test_allow_runtime_lora_flag_reaches_the_config_and_turns_lora_on(tmp_path):
     assert allow_runtime_lora(params) is True and engine_config_from_parameters(params).enable_lora
     with pytest.raises(ValueError, match="allow_runtime_lora: cannot read 'maybe'"):
         allow_runtime_lora({"allow_runtime_lora": {"string_value": "maybe"}})
+
+
+def test_output_dialect_and_vllm_metrics_switch_from_flags_to_parameters(tmp_path):
+    from pagoda.serving.model_config import output_dialect, report_custom_metrics
+
+    shipped = (Path(__file__).resolve().parents[2] / "model_repository" / "pagoda" / "config.pbtxt").read_text()
+    assert 'key: "output_dialect" value: { string_value: "pagoda" }' in shipped
+    assert output_dialect({}) == "pagoda" and report_custom_metrics({}) is True
+    options = options_from_args(make_parser().parse_args(["--output-dialect", "vllm", "--no-vllm-metrics"]))
+    parameters = {name: {"string_value": value} for name, value in options.parameter_overrides().items() if value}
+    assert output_dialect(parameters) == "vllm" and report_custom_metrics(parameters) is False
+    with pytest.raises(ValueError, match="output_dialect: must be one of vllm, pagoda, got 'openai'"):
+        output_dialect({"output_dialect": "openai"})
+    with pytest.raises(ValueError, match="REPORT_CUSTOM_METRICS: cannot read 'maybe'"):
+        report_custom_metrics({"REPORT_CUSTOM_METRICS": {"string_value": "maybe"}})
+    engine_config_from_parameters(parameters)  # serving parameters are not engine fields, and not refused

@@ -9,6 +9,7 @@ import pytest
 from pagoda.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from pagoda.serving.triton_io import (MAX_PROMPT_CHARS, LoRAControl, make_control_response, make_error_response,
                                      make_response, parse_lora_control, parse_request)
+from pagoda.serving.vllm_dialect import request_parameter_vocabulary
 
 
 def text(value):
@@ -258,3 +259,59 @@ def test_lora_control_requests_are_parsed_and_bad_ones_named():
     response = make_control_response({"action": "list", "loaded": ["sql"]})
     assert response.is_final and response.error is None
     assert json.loads(response.tensors["text_output"][0]) == {"action": "list", "loaded": ["sql"]}
+
+
+# ------------------------------------------------------------ the vLLM backend's dialect
+def test_request_parameters_are_read_as_sampling_parameters_and_merged_with_the_tensor():
+    parsed = parse_request(inputs(text_input="Hi"), json.dumps({"temperature": "0", "max_tokens": "3",
+                                                                "stop_token_ids": "[7, 8]", "traceparent": "00-x"}))
+    assert (parsed.params.temperature, parsed.params.max_tokens, parsed.params.stop_token_ids) == (0.0, 3, [7, 8])
+    both = parse_request(inputs(text_input="Hi", sampling_parameters={"temperature": 0, "n": 2}),
+                         json.dumps({"temperature": "0", "lora_name": "sql", "seed": 4}))
+    assert (both.params.n, both.params.seed, both.lora_name) == (2, 4, "sql")
+    conflict = r"^max_tokens: given as a request parameter \(4\) and in sampling_parameters \(3\)"
+    with pytest.raises(ValueError, match=conflict):
+        parse_request(inputs(text_input="Hi", sampling_parameters={"max_tokens": 3}), json.dumps({"max_tokens": "4"}))
+    with pytest.raises(ValueError, match=r"^unknown request parameter\(s\): num_return_sequences, temprature;"):
+        parse_request(inputs(text_input="Hi"), json.dumps({"temprature": "0", "num_return_sequences": 2}))
+    with pytest.raises(ValueError, match=r"^max_tokens: must be an integer, got 'many'"):
+        parse_request(inputs(text_input="Hi"), json.dumps({"max_tokens": "many"}))
+    guided = parse_request(inputs(text_input="Hi"), json.dumps({"guided_decoding": '{"regex": "[ab]"}'}))
+    assert guided.params.guided_decoding.regex == "[ab]"
+    assert {"temperature", "structured_outputs", "lora_name", "traceparent"} <= request_parameter_vocabulary()
+
+
+def test_structured_outputs_become_guided_decoding():
+    as_text = parse_request(inputs(text_input="Hi"), json.dumps({"structured_outputs": json.dumps({"choice": ["a"]})}))
+    as_object = parse_request(inputs(text_input="Hi", sampling_parameters={
+        "structured_outputs": {"regex": "[0-9]+", "json": None, "disable_fallback": True}}))
+    assert as_text.params.guided_decoding.choice == ["a"] and as_object.params.guided_decoding.regex == "[0-9]+"
+    for sampling, message in [({"structured_outputs": {"regex": "a"}, "guided_decoding": {"regex": "b"}},
+                               "structured_outputs: give either"),
+                              ({"structured_outputs": "{oops"}, "structured_outputs: not valid JSON"),
+                              ({"structured_outputs": {"whitespace_pattern": " "}},
+                               "structured_outputs.whitespace_pattern: not supported")]:
+        with pytest.raises(ValueError, match=f"^{re.escape(message)}"):
+            parse_request(inputs(text_input="Hi", sampling_parameters=sampling))
+    with pytest.raises(ValueError, match="^prompt_logprobs: not supported"):
+        parse_request(inputs(text_input="Hi", sampling_parameters={"prompt_logprobs": 1}))
+
+
+def test_vllm_output_dialect_logprobs_and_finish_reason():
+    lps = [TokenLogprob(token_id=5, logprob=-0.5, rank=2, top=[(9, -0.2), (5, -0.5)])]
+    asked = parse_request(inputs(text_input="Say:", stream=True, return_logprobs=True, return_finish_reason=True,
+                                 sampling_parameters={"logprobs": 2}), output_dialect="vllm")
+    response = make_response(asked, _output(False, [" a"], [" a"], [[5]], [[5]], logprobs=lps),
+                             decode_token=lambda t: {5: " a", 9: " b"}[t])
+    assert json.loads(response.tensors["logprobs"][0]) == [{
+        "9": {"logprob": -0.2, "rank": 1, "decoded_token": " b"},
+        "5": {"logprob": -0.5, "rank": 2, "decoded_token": " a"}}]
+    assert response.tensors["finish_reason"].tolist() == [b"None"]
+    not_asked = parse_request(inputs(text_input="Say:", stream=True, return_logprobs=True), output_dialect="vllm")
+    assert not_asked.params.logprobs == 0  # tracked for cumulative_logprob, not reported
+    response = make_response(not_asked, _output(False, [" a"], [" a"], [[5]], [[5]], logprobs=lps))
+    assert response.tensors["logprobs"].tolist() == [b"null"]
+    # The request option wins over the model's default dialect.
+    pagoda = parse_request(inputs(text_input="Say:", sampling_parameters={"output_dialect": "pagoda"}),
+                           output_dialect="vllm")
+    assert pagoda.output_dialect == "pagoda"

@@ -132,7 +132,8 @@ class LLMEngine:
         """
         self._check_request(request)
         text, token_ids = self._tokenize(request.prompt)
-        self._check_stop_token_ids(request.params)
+        self._check_token_ids(request.params)
+        token_ids = self._truncate_prompt(token_ids, request.params.truncate_prompt_tokens)
         if request.arrival_time is None:
             request = dataclasses.replace(request, arrival_time=time.time())
         verdict = self.admission.can_admit(len(token_ids), request.priority, self.core.queued_requests())
@@ -251,11 +252,19 @@ class LLMEngine:
         """Loaded adapter name -> the folder it came from (empty with LoRA off)."""
         return self.runner.lora.paths() if self.runner.lora is not None else {}
 
-    def _check_stop_token_ids(self, params: SamplingParams) -> None:
+    def _check_token_ids(self, params: SamplingParams) -> None:
         vocab = self.model_config.vocab_size
-        for t in params.stop_token_ids:
-            if not 0 <= t < vocab:
-                raise ValueError(f"stop_token_ids: token id {t} is not in the vocabulary [0, {vocab})")
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("allowed_token_ids", params.allowed_token_ids),
+                          ("logit_bias", params.logit_bias)):
+            for t in ids or ():
+                if not 0 <= t < vocab:
+                    raise ValueError(f"{name}: token id {t} is not in the vocabulary [0, {vocab})")
+
+    def _truncate_prompt(self, token_ids: list[int], keep: Optional[int]) -> list[int]:
+        """The last ``keep`` prompt tokens (vLLM's ``truncate_prompt_tokens``; -1: ``max_model_len``)."""
+        if keep is None:
+            return token_ids
+        return token_ids[-(self.max_model_len if keep == -1 else keep):]
 
     def _fail_requests(self, request_ids: Iterable[Optional[str]], message_of) -> None:
         """End live user requests with an error output (admission: displaced, deadline passed).

@@ -35,6 +35,14 @@ class SamplingParams:
     constrains the output to a format (JSON schema, any JSON, regex, choice, grammar; a
     ``GuidedDecodingParams`` or its dict form); it combines with speculative decoding
     (drafts are cut to the grammar and verified against masked target distributions).
+    ``allowed_token_ids`` (a non-empty list) limits sampling to those ids; ``logit_bias``
+    (token id -> bias in [-100, 100]; JSON's string keys are read as ids) is added to the
+    logits; both apply before penalties and the grammar, and change what logprobs report
+    only through the sampled token (logprobs are the raw model's, as vLLM's default).
+    ``truncate_prompt_tokens`` keeps the prompt's last k tokens (-1: ``max_model_len``).
+    ``spaces_between_special_tokens``: pagoda's detokenizer joins special tokens without
+    spaces (as vLLM's fast detokenizer does whatever this says), so ``True`` together with
+    ``skip_special_tokens=False`` is refused rather than ignored; elsewhere it changes nothing.
     """
 
     n: int = 1
@@ -56,6 +64,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     speculative: Optional[bool] = None
     guided_decoding: Optional[GuidedDecodingParams] = None
+    allowed_token_ids: Optional[list[int]] = None
+    logit_bias: Optional[dict[int, float]] = None
+    truncate_prompt_tokens: Optional[int] = None
+    spaces_between_special_tokens: Optional[bool] = None  # None: not given (vLLM's default, True)
 
     def __post_init__(self) -> None:
         self.stop = _as_list("stop", [self.stop] if isinstance(self.stop, str) else self.stop)
@@ -101,6 +113,29 @@ class SamplingParams:
             self.guided_decoding = GuidedDecodingParams.from_dict(self.guided_decoding)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        self._validate_vllm_extras()
+
+    def _validate_vllm_extras(self) -> None:
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = _as_list("allowed_token_ids", self.allowed_token_ids)
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids: must not be empty (leave it out to allow every token)")
+            for t in self.allowed_token_ids:
+                _check_int("allowed_token_ids", t, 0, None)
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias: must be an object of token id -> bias, got {self.logit_bias!r}")
+            self.logit_bias = {_token_id_key(key): value for key, value in self.logit_bias.items()}
+            for value in self.logit_bias.values():
+                _check_float("logit_bias", value, -100.0, 100.0)
+        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens != -1:
+            _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, 1, None)
+        if self.spaces_between_special_tokens is None:
+            return
+        _check_bool("spaces_between_special_tokens", self.spaces_between_special_tokens)
+        if self.spaces_between_special_tokens and not self.skip_special_tokens:
+            raise ValueError("spaces_between_special_tokens: pagoda joins special tokens without spaces; "
+                             "with skip_special_tokens false, send spaces_between_special_tokens false")
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "SamplingParams":
@@ -128,6 +163,15 @@ def _as_list(name: str, value: Any) -> list:
     if not isinstance(value, (list, tuple)):
         raise ValueError(f"{name}: must be a list, got {type(value).__name__}")
     return list(value)
+
+
+def _token_id_key(key: Any) -> int:
+    """A ``logit_bias`` key: an int, or a string of digits (JSON object keys are strings)."""
+    if isinstance(key, str) and key.strip().isdigit():
+        return int(key)
+    if isinstance(key, bool) or not isinstance(key, int) or key < 0:
+        raise ValueError(f"logit_bias: keys must be token ids (integers >= 0), got {key!r}")
+    return key
 
 
 def _check_bool(name: str, value: Any) -> None:

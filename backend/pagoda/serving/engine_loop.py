@@ -48,7 +48,7 @@ import os
 import queue
 import threading
 import time
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from pagoda.engine.core.admission import EngineOverloaded
 from pagoda.engine.core.protocols import EngineClient
@@ -85,8 +85,9 @@ class EngineLoop:
 
     def __init__(self, engine: EngineClient, sender: ResponseSender, observers: Sequence[StepObserver] = (),
                  cancel_poll_interval_s: float = 0.05, idle_wait_s: float = 0.1, drain_path: Optional[str] = None,
-                 allow_runtime_lora: bool = False) -> None:
+                 allow_runtime_lora: bool = False, decode_token: Callable[[int], str] = str) -> None:
         self._engine = engine
+        self._decode_token = decode_token  # a token id's text (the vLLM dialect's decoded_token)
         self._sender = sender
         self._observers = Observers(observers)
         self._cancel_poll_interval_s = cancel_poll_interval_s
@@ -272,7 +273,7 @@ class EngineLoop:
             if request is None:
                 continue
             self._observers.on_output(request, output)
-            response = make_response(request.parsed, output)
+            response = make_response(request.parsed, output, self._decode_token)
             if output.finished:
                 ready.append((self._take(output.request_id),
                               response or make_error_response("request finished without output", "INTERNAL")))

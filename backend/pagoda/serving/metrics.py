@@ -22,6 +22,10 @@ Prometheus registry does not add one. Labels: ``model_name`` (vLLM's), plus Trit
 | vllm:time_to_first_token_seconds       | histogram | RequestMetrics.time_to_first_token       |
 | vllm:inter_token_latency_seconds       | histogram | RequestMetrics.inter_token_latencies     |
 | vllm:e2e_request_latency_seconds       | histogram | RequestMetrics.e2e_latency               |
+| vllm:time_per_output_token_seconds     | histogram | the same gaps as inter_token_latency (vLLM's older name, which the vLLM backend reports) |
+| vllm:request_prompt_tokens             | histogram | a finished request's prompt tokens       |
+| vllm:request_generation_tokens         | histogram | a finished request's generated tokens (all n completions) |
+| vllm:request_params_n                  | histogram | a finished request's n                   |
 | pagoda:engine_steps_total              | counter   | EngineStats.num_steps                    |
 | pagoda:batched_decode_steps_total      | counter   | steps that decoded >= 2 sequences at once|
 | pagoda:max_num_running_seen            | gauge     | EngineStats.max_num_running_seen         |
@@ -35,6 +39,14 @@ Prometheus registry does not add one. Labels: ``model_name`` (vLLM's), plus Trit
 | pagoda:recomputed_preemptions_total    | counter   | EngineStats.num_recomputed_preemptions   |
 | pagoda:prefix_cache_hits_host_total    | counter   | EngineStats.prefix_cache_hits_host (tokens, CPU tier; part of vllm:prefix_cache_hits_total) |
 | vllm:lora_requests_info                | gauge     | labels running_lora_adapters, waiting_lora_adapters (comma-separated), max_lora; value: the time (s) the set was last seen, as vLLM (LoRA engines only) |
+
+The three ``vllm:request_*`` histograms use the vLLM backend's buckets (1-2-5 steps up to
+``max_model_len``; n: 1, 2, 5, 10, 20). For ``n > 1`` pagoda observes one request (its
+prompt once, its completions' tokens summed, its n); vLLM v1 observes each child.
+
+``report_vllm=False`` (the vLLM backend's ``REPORT_CUSTOM_METRICS`` model parameter set to
+false; ``pagoda serve --no-vllm-metrics``) creates none of the ``vllm:`` families: only the
+``pagoda:`` series are reported.
 
 ``pagoda:batched_decode_steps_total`` is the continuous-batching witness: it grows only
 when one engine step advanced two or more requests' decodes together.
@@ -88,11 +100,44 @@ COUNTERS = {
                                          "num_admission_displaced"),
     "pagoda:deadline_expired_total": ("Requests ended by their timeout.", "num_deadline_expired"),
 }
+N_BUCKETS = [1, 2, 5, 10, 20]
 HISTOGRAMS = {
     "vllm:time_to_first_token_seconds": ("Histogram of time to first token in seconds.", TTFT_BUCKETS),
     "vllm:inter_token_latency_seconds": ("Histogram of inter-token latency in seconds.", ITL_BUCKETS),
+    "vllm:time_per_output_token_seconds": ("Histogram of time per output token in seconds.", ITL_BUCKETS),
     "vllm:e2e_request_latency_seconds": ("Histogram of end-to-end request latency in seconds.", E2E_BUCKETS),
 }
+# name -> (description, buckets or None: 1-2-5 steps up to max_model_len)
+REQUEST_HISTOGRAMS = {
+    "vllm:request_prompt_tokens": ("Number of prefill tokens processed.", None),
+    "vllm:request_generation_tokens": ("Number of generation tokens processed.", None),
+    "vllm:request_params_n": ("Histogram of the n request parameter.", N_BUCKETS),
+}
+
+
+def build_1_2_5_buckets(max_value: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to ``max_value`` (vLLM's bucket rule)."""
+    buckets, exponent = [], 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10**exponent
+            if value > max_value:
+                return buckets
+            buckets.append(value)
+        exponent += 1
+
+
+class _Off:
+    """A metric that is not reported (``report_vllm=False``)."""
+
+    def set(self, value: float) -> None:
+        pass
+
+    def increment(self, value: float) -> None:
+        pass
+
+    def observe(self, value: float) -> None:
+        pass
 
 
 class ServingMetrics:
@@ -103,10 +148,14 @@ class ServingMetrics:
             ``MetricFamily`` API: ``MetricFamily(name, description, kind)``,
             ``.Metric(labels, buckets=None)``, and ``COUNTER``/``GAUGE``/``HISTOGRAM``).
         labels: label set attached to every metric.
+        max_model_len: the top of the token-count histograms' buckets.
+        report_vllm: whether the ``vllm:`` series exist (``REPORT_CUSTOM_METRICS``).
     """
 
-    def __init__(self, pb_utils: Any, labels: dict[str, str]) -> None:
+    def __init__(self, pb_utils: Any, labels: dict[str, str], max_model_len: int = 2048,
+                 report_vllm: bool = True) -> None:
         mf = pb_utils.MetricFamily
+        self._report_vllm = report_vllm
         self._families = []  # keep families alive for as long as their metrics
         self._gauges: dict[str, tuple[Any, str]] = {}
         self._counters: dict[str, tuple[Any, str]] = {}
@@ -126,6 +175,9 @@ class ServingMetrics:
             name: self._metric(mf, name, description, mf.HISTOGRAM, labels, buckets)
             for name, (description, buckets) in HISTOGRAMS.items()
         }
+        for name, (description, buckets) in REQUEST_HISTOGRAMS.items():
+            self._histograms[name] = self._metric(mf, name, description, mf.HISTOGRAM, labels,
+                                                  buckets or build_1_2_5_buckets(max_model_len))
         self._lora_family = None
         self._lora_metrics: dict[tuple, Any] = {}  # one series per (running, waiting) set, as vLLM
         self._last_lora, self._last_lora_time = None, 0.0
@@ -137,6 +189,8 @@ class ServingMetrics:
 
     def _metric(self, mf: Any, name: str, description: str, kind: Any, labels: dict[str, str],
                 buckets: Optional[list[float]] = None) -> Any:
+        if name.startswith("vllm:") and not self._report_vllm:
+            return _Off()
         family = mf(name=name, description=description, kind=kind)
         self._families.append(family)
         if buckets is not None:
@@ -158,7 +212,7 @@ class ServingMetrics:
 
     def update_lora(self, stats: Any) -> None:
         """``vllm:lora_requests_info``: the series of the current adapter sets is set to now."""
-        if not getattr(stats, "max_lora", 0):
+        if not getattr(stats, "max_lora", 0) or not self._report_vllm:
             return
         key = (",".join(stats.running_lora_adapters), ",".join(stats.waiting_lora_adapters))
         now = time.time()
@@ -195,9 +249,13 @@ class ServingMetrics:
             gaps = metrics.inter_token_latencies
             for gap in gaps[seen:]:
                 self._histograms["vllm:inter_token_latency_seconds"].observe(max(0.0, gap))
+                self._histograms["vllm:time_per_output_token_seconds"].observe(max(0.0, gap))
             self._num_itl_seen[request_id] = len(gaps)
         if output.finished:
             self._num_itl_seen.pop(request_id, None)
             self._request_success.increment(1)
             if metrics.e2e_latency is not None:
                 self._histograms["vllm:e2e_request_latency_seconds"].observe(max(0.0, metrics.e2e_latency))
+            self._histograms["vllm:request_prompt_tokens"].observe(len(output.prompt_token_ids or ()))
+            self._histograms["vllm:request_generation_tokens"].observe(sum(len(c.token_ids) for c in output.outputs))
+            self._histograms["vllm:request_params_n"].observe(len(output.outputs))

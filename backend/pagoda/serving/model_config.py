@@ -10,6 +10,9 @@ same model repository works under ``pagoda serve``, in NVIDIA's container and un
 - ``rewrite_config_pbtxt`` sets parameter values and the instance kind in a config text;
   ``pagoda serve`` uses it on a copy of the repository so flags override the file.
 
+- ``output_dialect`` and ``REPORT_CUSTOM_METRICS`` (serving parameters): the default shape of
+  the ``logprobs`` / ``finish_reason`` outputs (``vllm_dialect``), and whether the ``vllm:``
+  metric series are reported (the vLLM backend's parameter of that name).
 - ``allow_runtime_lora`` (a serving parameter, not an engine field): whether LoRA
   control requests may load and unload adapters at run time (``pagoda serve
   --allow-runtime-lora``; vLLM's ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``).
@@ -31,7 +34,8 @@ from typing import Any, Mapping, Optional
 from pagoda.engine.config import EngineConfig
 
 # Parameters that are not EngineConfig fields but are still ours.
-SERVING_PARAMETERS = ("served_model_name", "allow_runtime_lora", "kv_events_config")
+SERVING_PARAMETERS = ("served_model_name", "allow_runtime_lora", "kv_events_config", "output_dialect",
+                      "REPORT_CUSTOM_METRICS")
 
 _BOOL_TRUE = ("1", "true", "yes", "on")
 _BOOL_FALSE = ("0", "false", "no", "off")
@@ -122,6 +126,30 @@ def allow_runtime_lora(parameters: Mapping[str, Any]) -> bool:
     """
     return bool(_convert("allow_runtime_lora", _parameter_text(parameters.get("allow_runtime_lora", "")) or "false",
                          bool))
+
+
+def output_dialect(parameters: Mapping[str, Any]) -> str:
+    """The ``output_dialect`` parameter: the default shape of ``logprobs`` and ``finish_reason``
+    (``pagoda.serving.vllm_dialect``; empty or absent: ``"pagoda"``).
+
+    Raises:
+        ValueError: not one of ``vllm_dialect.OUTPUT_DIALECTS``.
+    """
+    from pagoda.serving.vllm_dialect import check_output_dialect
+
+    value = _parameter_text(parameters.get("output_dialect", "")) or "pagoda"
+    return check_output_dialect("config.pbtxt parameter output_dialect", value)
+
+
+def report_custom_metrics(parameters: Mapping[str, Any]) -> bool:
+    """The vLLM backend's ``REPORT_CUSTOM_METRICS`` parameter: whether the ``vllm:`` series
+    are reported (empty or absent: true, pagoda's default; the vLLM backend's is false).
+
+    Raises:
+        ValueError: a value that is not a boolean word.
+    """
+    text = _parameter_text(parameters.get("REPORT_CUSTOM_METRICS", "")) or "true"
+    return bool(_convert("REPORT_CUSTOM_METRICS", text, bool))
 
 
 def rewrite_config_pbtxt(text: str, overrides: Mapping[str, Optional[str]],

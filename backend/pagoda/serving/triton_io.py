@@ -12,7 +12,10 @@ Inputs (all optional but ``text_input``):
   output as a ``guided_decoding`` object with one of ``json``, ``json_object``, ``regex``,
   ``choice``, ``grammar``), ``exclude_input_in_output`` and the ``return_*`` flags.
   As in that backend, numeric and boolean fields may also be given as strings
-  (``{"temperature": "0.7", "max_tokens": "64"}``) as long as the string parses exactly.
+  (``{"temperature": "0.7", "max_tokens": "64"}``) as long as the string parses exactly,
+  and the request's *parameters* (gRPC ``parameters=``, HTTP ``"parameters"``) are read as
+  the same JSON; an unknown request parameter is refused, never ignored. vLLM's
+  ``structured_outputs``, ``prompt_logprobs`` and the output dialect: ``vllm_dialect``.
 - TensorRT-LLM style scalars: ``max_tokens``, ``min_tokens``, ``temperature``, ``top_k``,
   ``top_p``, ``seed`` (or ``random_seed``), ``repetition_penalty``, ``presence_penalty``,
   ``frequency_penalty``, ``stop_words`` (STRING list; empty strings ignored), ``end_id``
@@ -23,11 +26,12 @@ more specific, per-tensor statement; TensorRT-LLM clients never send the JSON).
 ``end_id`` is added to ``stop_token_ids`` rather than replacing them.
 
 Outputs: one element per completion (``n``) in ``text_output``, ``finish_reason``,
-``cumulative_logprob``, ``logprobs`` (JSON list of ``TokenLogprob.to_dict()``) and
-``num_output_tokens``; ``num_input_tokens`` has one element. Streaming responses carry
-this step's deltas; a non-streaming response carries the whole text, with the prompt in
-front unless ``exclude_input_in_output`` is true (the vLLM backend's behaviour).
-``finish_reason`` is ``""`` until a completion finishes.
+``cumulative_logprob``, ``logprobs`` (JSON, in the request's output dialect:
+``vllm_dialect``) and ``num_output_tokens``; ``num_input_tokens`` has one element.
+Streaming responses carry this step's deltas; a non-streaming response carries the whole
+text, with the prompt in front unless ``exclude_input_in_output`` is true (the vLLM
+backend's behaviour).
+``finish_reason`` is ``""`` (pagoda dialect) or ``"None"`` (vLLM) until a completion finishes.
 
 LoRA control requests (run-time adapter loading, docs/lora.md): a request with a
 ``lora_action`` input (``load`` | ``unload`` | ``list``) is not a generation. It carries
@@ -52,6 +56,9 @@ from pagoda.contracts.errors import TRITON_CODES, ErrorKind, TritonCode, triton_
 from pagoda.engine.core.admission import check_timeout, is_admission_error
 from pagoda.engine.outputs import RequestOutput
 from pagoda.engine.sampling_params import SamplingParams
+from pagoda.serving.vllm_dialect import (apply_structured_outputs, finish_reason_text,
+                                         logprobs_text, merge_parameters, read_request_parameters,
+                                         read_sampling_json, split_values)
 
 # A prompt longer than this many characters cannot fit any supported context; refusing it
 # here avoids tokenizing megabytes on the engine thread. The engine checks tokens exactly.
@@ -81,9 +88,6 @@ SCALAR_INPUTS: dict[str, tuple[str, type]] = {
     "frequency_penalty": ("frequency_penalty", float),
 }
 
-# Keys of the sampling_parameters JSON that are request options, not SamplingParams.
-REQUEST_OPTION_KEYS = ("priority", "cache_salt", "lora_name", "timeout")
-
 GetInput = Callable[[str], Optional[np.ndarray]]
 
 # Every input of a generation request (config.pbtxt), so a control request can refuse them.
@@ -109,6 +113,8 @@ class ParsedRequest:
     cache_salt: Optional[str] = None
     lora_name: Optional[str] = None  # a loaded LoRA adapter (vLLM backend's lora_name); None: base model
     timeout: Optional[float] = None  # seconds from arrival (pagoda.engine.core.admission)
+    logprobs_asked: bool = False  # the request set ``logprobs`` (return_* flags alone do not)
+    output_dialect: str = "pagoda"  # shape of logprobs and finish_reason (vllm_dialect)
 
 
 @dataclass
@@ -140,26 +146,37 @@ class Response:
 
 
 # ------------------------------------------------------------------------ parsing
-def parse_request(get_input: GetInput) -> ParsedRequest:
+def parse_request(get_input: GetInput, parameters: Any = None, output_dialect: str = "pagoda") -> ParsedRequest:
     """Read and validate one request's inputs.
 
     Args:
         get_input: returns the named input as a numpy array, or ``None`` if absent.
+        parameters: the request's parameters (``request.parameters()``: JSON text), read as
+            sampling parameters (``vllm_dialect``); ``None``: none.
+        output_dialect: the model's default shape of ``logprobs`` and ``finish_reason``
+            (``vllm_dialect.OUTPUT_DIALECTS``); the ``output_dialect`` request option wins.
 
     Returns:
         The parsed request.
 
     Raises:
-        ValueError: naming the offending input or sampling field.
+        ValueError: naming the offending input, request parameter or sampling field.
     """
     prompt = _read_prompt(get_input("text_input"))
     if get_input("lora_path") is not None:
         raise ValueError("lora_path: only a LoRA control request (lora_action 'load') takes a path; "
                          "to generate with an adapter, give its lora_name")
     flags = {name: _read_bool(name, get_input(name)) for name in FLAG_INPUTS}
-    values, options = _read_sampling_json(get_input("sampling_parameters"))
+    values, options = split_values(read_sampling_json(get_input("sampling_parameters")))
+    extra_values, extra_options = split_values(read_request_parameters(parameters), from_parameters=True)
+    values, options = merge_parameters(values, extra_values), merge_parameters(options, extra_options)
     values.update(_read_scalars(get_input))
     _apply_trtllm_words(get_input, values)
+    apply_structured_outputs(values)
+    if values.pop("prompt_logprobs", None) is not None:
+        raise ValueError("prompt_logprobs: not supported: pagoda's engine computes the log-probabilities of "
+                         "generated tokens only (use logprobs)")
+    logprobs_asked = values.get("logprobs") is not None
     if flags["return_logprobs"] or flags["return_cumulative_logprob"]:
         # The engine tracks log-probabilities only when asked; 0 alternatives suffice.
         if values.get("logprobs") is None:
@@ -171,7 +188,8 @@ def parse_request(get_input: GetInput) -> ParsedRequest:
     lora_name = _read_lora_name(get_input("lora_name"), options.get("lora_name"))
     return ParsedRequest(prompt=prompt, params=params, priority=options.get("priority", 0),
                          cache_salt=options.get("cache_salt"), lora_name=lora_name,
-                         timeout=options.get("timeout"), **flags)
+                         timeout=options.get("timeout"), logprobs_asked=logprobs_asked,
+                         output_dialect=options.get("output_dialect", output_dialect), **flags)
 
 
 def _read_lora_name(array: Optional[np.ndarray], from_json: Any) -> Optional[str]:
@@ -255,63 +273,6 @@ def _read_bool(name: str, array: Optional[np.ndarray]) -> bool:
     raise ValueError(f"{name}: must be a boolean, got {value!r}")
 
 
-def _read_sampling_json(array: Optional[np.ndarray]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Return (SamplingParams values, request options) from ``sampling_parameters``."""
-    if array is None:
-        return {}, {}
-    if array.size != 1:
-        raise ValueError(f"sampling_parameters: expected one JSON string, got {array.size} elements")
-    raw = array.reshape(-1)[0]
-    if isinstance(raw, (bytes, bytearray)):
-        raw = bytes(raw).decode("utf-8", errors="replace")
-    if not str(raw).strip():
-        return {}, {}
-    try:
-        values = json.loads(raw)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"sampling_parameters: not valid JSON ({exc.msg} at position {exc.pos})") from None
-    if not isinstance(values, dict):
-        raise ValueError(f"sampling_parameters: must be a JSON object, got {type(values).__name__}")
-    options = {key: values.pop(key) for key in REQUEST_OPTION_KEYS if key in values}
-    if "priority" in options:
-        options["priority"] = _coerce("priority", options["priority"], int)
-        if isinstance(options["priority"], bool) or not isinstance(options["priority"], int):
-            raise ValueError(f"priority: must be an integer, got {options['priority']!r}")
-    if "cache_salt" in options and (not isinstance(options["cache_salt"], str) or not options["cache_salt"]):
-        raise ValueError(f"cache_salt: must be a non-empty string, got {options['cache_salt']!r}")
-    if "timeout" in options:
-        options["timeout"] = _coerce("timeout", options["timeout"], float)
-        if options["timeout"] is not None:
-            check_timeout(options["timeout"])
-    field_types = {f.name: str(f.type) for f in dataclasses.fields(SamplingParams)}
-    scalar_types = {"int": int, "float": float, "bool": bool}
-    for key, value in list(values.items()):
-        kind = field_types.get(key, "").replace("Optional[", "").rstrip("]")
-        if isinstance(value, str) and kind in scalar_types:
-            values[key] = _coerce(key, value, scalar_types[kind])
-        elif kind.startswith("list[") and not isinstance(value, list) and not (key == "stop" and isinstance(value, str)):
-            raise ValueError(f"{key}: must be a JSON list, got {value!r}")
-    return values, options
-
-
-def _coerce(name: str, value: Any, kind: type) -> Any:
-    """Turn a vLLM-backend style string ("0.7", "64", "true") into ``kind``."""
-    if not isinstance(value, str):
-        return value
-    text = value.strip()
-    try:
-        if kind is bool:
-            if text.lower() in ("true", "false"):
-                return text.lower() == "true"
-            raise ValueError
-        if kind is int:
-            return int(text)
-        return float(text)
-    except ValueError:
-        raise ValueError(f"{name}: must be {'a boolean' if kind is bool else 'an integer' if kind is int else 'a number'}, "
-                         f"got {value!r}") from None
-
-
 def _read_scalars(get_input: GetInput) -> dict[str, Any]:
     values: dict[str, Any] = {}
     for name, (field_name, kind) in SCALAR_INPUTS.items():
@@ -367,7 +328,8 @@ def _string_array(values: list[str]) -> np.ndarray:
     return np.array([v.encode("utf-8") for v in values], dtype=np.object_)
 
 
-def make_response(parsed: ParsedRequest, output: RequestOutput) -> Optional[Response]:
+def make_response(parsed: ParsedRequest, output: RequestOutput,
+                  decode_token: Callable[[int], str] = str) -> Optional[Response]:
     """Tensors for one engine output of this request.
 
     Streaming: this step's deltas; ``None`` when there is nothing to say yet (no new token
@@ -375,7 +337,8 @@ def make_response(parsed: ParsedRequest, output: RequestOutput) -> Optional[Resp
     text. ``is_final`` is set on the response built from the finished output. An output
     carrying ``error`` becomes the request's one error response: ``UNAVAILABLE`` when
     admission control ended it (overloaded, deadline passed), else ``INVALID_ARG`` (a
-    guided-decoding format that does not compile).
+    guided-decoding format that does not compile). ``decode_token``: a token id's text, for
+    the vLLM dialect's ``decoded_token``.
     """
     if output.error is not None:
         return make_error_response(output.error, TritonCode.UNAVAILABLE if is_admission_error(output.error)
@@ -392,14 +355,15 @@ def make_response(parsed: ParsedRequest, output: RequestOutput) -> Optional[Resp
         texts = [prefix + c.text for c in completions]
     tensors = {"text_output": _string_array(texts)}
     if parsed.return_finish_reason:
-        tensors["finish_reason"] = _string_array([c.finish_reason or "" for c in completions])
+        tensors["finish_reason"] = _string_array([finish_reason_text(c.finish_reason, parsed.output_dialect)
+                                                  for c in completions])
     if parsed.return_cumulative_logprob:
         tensors["cumulative_logprob"] = np.array(
             [c.cumulative_logprob if c.cumulative_logprob is not None else 0.0 for c in completions], dtype=np.float32)
     if parsed.return_logprobs:
         tensors["logprobs"] = _string_array([
-            json.dumps([lp.to_dict() for lp in ((c.delta_logprobs if parsed.stream else c.logprobs) or [])])
-            for c in completions])
+            logprobs_text(c.delta_logprobs if parsed.stream else c.logprobs, parsed.logprobs_asked,
+                          parsed.output_dialect, decode_token) for c in completions])
     if parsed.return_num_input_tokens:
         tensors["num_input_tokens"] = np.array([len(output.prompt_token_ids)], dtype=np.uint32)
     if parsed.return_num_output_tokens:

@@ -10,6 +10,7 @@ dead replica advertised): ``process_tree.ParentWatch`` ends this process as soon
 reparented.
 """
 
+import functools
 import itertools
 import json
 import logging
@@ -21,7 +22,8 @@ from pagoda.serving import triton_io
 from pagoda.serving.commands import ServingRequest
 from pagoda.serving.engine_loop import EngineLoop
 from pagoda.serving.metrics import ServingMetrics
-from pagoda.serving.model_config import allow_runtime_lora, engine_config_from_parameters, served_model_name
+from pagoda.serving.model_config import (allow_runtime_lora, engine_config_from_parameters, output_dialect,
+                                         report_custom_metrics, served_model_name)
 from pagoda.serving.observers import make_observers
 from pagoda.serving.process_tree import ORPHANED_STUB_MESSAGE, ParentWatch
 from pagoda.serving.response_sender import ResponseSender
@@ -55,15 +57,20 @@ class TritonPythonModel:
             "model": args["model_name"],
             "version": args["model_version"],
         }
-        self.metrics = ServingMetrics(pb_utils, labels)
+        self.metrics = ServingMetrics(pb_utils, labels, max_model_len=self.engine.max_model_len,
+                                      report_vllm=report_custom_metrics(parameters))
         self.sender = ResponseSender(self._deliver, on_failure=lambda request_id: self.loop.abort(request_id))
         self.tracer = make_request_tracer()  # None unless an OTLP endpoint is configured
         observers = make_observers(self.metrics, self.tracer, _fleet_publisher(self.engine))
         observers += _kv_event_stream(parameters)
+        self.output_dialect = output_dialect(parameters)
+        tokenizer = self.engine.tokenizer
+        decode_token = functools.lru_cache(maxsize=65536)(
+            lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False))
         # `pagoda serve` drains through this file (engine_loop); absent elsewhere.
         self.loop = EngineLoop(self.engine, self.sender, observers,
                                drain_path=os.environ.get("PAGODA_DRAIN_FILE") or None,
-                               allow_runtime_lora=allow_runtime_lora(parameters))
+                               allow_runtime_lora=allow_runtime_lora(parameters), decode_token=decode_token)
         self._request_numbers = itertools.count()
         self.sender.start()
         self.loop.start()
@@ -76,7 +83,8 @@ class TritonPythonModel:
             get_input = lambda name, request=request: _get_input(request, name)  # noqa: E731
             try:
                 control = triton_io.parse_lora_control(get_input)  # None: a generation request
-                parsed = triton_io.parse_request(get_input) if control is None else None
+                parsed = (triton_io.parse_request(get_input, request.parameters(), self.output_dialect)
+                          if control is None else None)
             except ValueError as exc:
                 stub = ServingRequest(request_id, None, response_sender)
                 self.sender.put(stub, triton_io.make_error_response(str(exc)))

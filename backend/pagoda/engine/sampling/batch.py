@@ -87,6 +87,10 @@ class SamplingBatch:
     repetition_penalty: ``[N]`` float32, 1.0 where unset (``None`` with ``repetition``).
     counted: output tokens of rows with a presence/frequency penalty, or ``None``.
     presence_frequency: ``[2, N]`` float32, presence then frequency penalties.
+    allowed: the ``allowed_token_ids`` of rows that set them, or ``None``.
+    allowed_rows: those rows.
+    bias: the ``logit_bias`` token ids of rows that set one, or ``None``.
+    bias_values: ``[K]`` float32, the bias of each ``bias`` pair.
     """
 
     rows: list[SamplingRow]
@@ -100,6 +104,10 @@ class SamplingBatch:
     repetition_penalty: Optional[torch.Tensor] = None
     counted: Optional[TokenScatter] = None
     presence_frequency: Optional[torch.Tensor] = None
+    allowed: Optional[TokenScatter] = None
+    allowed_rows: tuple[int, ...] = ()
+    bias: Optional[TokenScatter] = None
+    bias_values: Optional[torch.Tensor] = None
 
     @classmethod
     def build(cls, rows: Sequence[SamplingRow], vocab_size: int,
@@ -125,6 +133,7 @@ class SamplingBatch:
             batch.presence_frequency = torch.tensor([[row.params.presence_penalty for row in rows],
                                                      [row.params.frequency_penalty for row in rows]],
                                                     dtype=torch.float32)
+        _add_vllm_extras(batch, rows, vocab_size)
         return batch
 
     def __len__(self) -> int:
@@ -139,3 +148,16 @@ def _min_tokens(rows: Sequence[SamplingRow], vocab_size: int) -> Optional[TokenS
             # An id outside the vocabulary can never be sampled anyway.
             blocked_lists.append(sorted(t for t in row.min_tokens_blocked_ids if 0 <= t < vocab_size))
     return TokenScatter.of(blocked_lists, blocked_rows, vocab_size) if blocked_rows else None
+
+
+def _add_vllm_extras(batch: SamplingBatch, rows: Sequence[SamplingRow], vocab_size: int) -> None:
+    """``allowed_token_ids`` and ``logit_bias`` (ids were checked against the vocabulary at admission)."""
+    allowed = [i for i, row in enumerate(rows) if row.params.allowed_token_ids]
+    if allowed:
+        batch.allowed_rows = tuple(allowed)
+        batch.allowed = TokenScatter.of([rows[i].params.allowed_token_ids for i in allowed], allowed, vocab_size)
+    biased = [i for i, row in enumerate(rows) if row.params.logit_bias]
+    if biased:
+        batch.bias = TokenScatter.of([list(rows[i].params.logit_bias) for i in biased], biased, vocab_size)
+        batch.bias_values = torch.tensor([bias for i in biased for bias in rows[i].params.logit_bias.values()],
+                                         dtype=torch.float32)

@@ -9,6 +9,9 @@ is ``None`` (no row asks for it) returns its input untouched and launches nothin
 that does not ask for it keeps its logits bit for bit. Greedy rows take the argmax of the
 last processor's output, so a processor constrains greedy and random rows alike.
 
+* ``AllowedTokensProcessor`` (vLLM's ``allowed_token_ids``, first): in a row that sets
+  them, every other id is -inf.
+* ``LogitBiasProcessor`` (OpenAI/vLLM ``logit_bias``): the bias is added to its token's logit.
 * ``MinTokensProcessor``: while a row has fewer than ``params.min_tokens`` outputs, the
   ids in ``row.min_tokens_blocked_ids`` (eos and stop token ids) are -inf.
 * ``RepetitionPenaltyProcessor`` (HF/vLLM semantics, prompt + output tokens): a seen
@@ -39,6 +42,26 @@ def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A host list (or CPU tensor) as a tensor on ``device``, copied without a sync."""
     tensor = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
     return tensor.to(device=device, dtype=dtype, non_blocking=True)
+
+
+class AllowedTokensProcessor:
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        if batch.allowed is None:
+            return logits
+        row_index, token_index = batch.allowed.to(logits.device)
+        keep = torch.ones_like(logits, dtype=torch.bool)  # [N, V]
+        keep[to_device(list(batch.allowed_rows), torch.int64, logits.device)] = False
+        keep[row_index, token_index] = True
+        return logits.masked_fill_(~keep, float("-inf"))
+
+
+class LogitBiasProcessor:
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        if batch.bias is not None:
+            row_index, token_index = batch.bias.to(logits.device)
+            logits.index_put_((row_index, token_index), to_device(batch.bias_values, torch.float32, logits.device),
+                              accumulate=True)
+        return logits
 
 
 class MinTokensProcessor:
@@ -82,5 +105,5 @@ class GrammarBitmaskProcessor:
 
 def default_logits_processors() -> list[LogitsProcessor]:
     """The sampler's standard stages, in the order they apply (the grammar last)."""
-    return [MinTokensProcessor(), RepetitionPenaltyProcessor(), PresenceFrequencyProcessor(),
-            GrammarBitmaskProcessor()]
+    return [AllowedTokensProcessor(), LogitBiasProcessor(), MinTokensProcessor(), RepetitionPenaltyProcessor(),
+            PresenceFrequencyProcessor(), GrammarBitmaskProcessor()]

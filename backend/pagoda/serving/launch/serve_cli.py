@@ -79,6 +79,14 @@ def make_parser() -> argparse.ArgumentParser:
                    help="accept LoRA control requests that load/unload adapters at run time (lora_action; "
                         "`pagoda lora`; turns LoRA on). Only for trusted clients: a load reads any folder "
                         "the server can read")
+    p.add_argument("--no-vllm-metrics", action="store_true",
+                   help="report no vllm: metric series, only pagoda: ones (the vLLM backend's "
+                        "REPORT_CUSTOM_METRICS=false)")
+    p.add_argument("--output-dialect", choices=("pagoda", "vllm"),
+                   help="default shape of the logprobs and finish_reason outputs: vllm (Triton's vLLM "
+                        "backend: per-token {id: {logprob, rank, decoded_token}}, null unless logprobs is set, "
+                        "'None' before the end) or pagoda (default; what pagoda's router's OpenAI door reads: "
+                        "do not set vllm on replicas behind that router yet)")
     p.add_argument("--engine-arg", action="append", default=[], metavar="FIELD=VALUE",
                    help="any other EngineConfig field, e.g. --engine-arg spec_adaptive=false (repeatable)")
     p.add_argument("--model-repository", help="a model repository to use instead of the shipped one")
@@ -132,6 +140,10 @@ def engine_args_from(args: argparse.Namespace) -> dict[str, str]:
         except ValueError as error:
             raise SystemExit(f"pagoda serve: {error}") from None
         values["kv_events_config"] = args.kv_events_config
+    if args.no_vllm_metrics:
+        values["REPORT_CUSTOM_METRICS"] = "false"
+    if args.output_dialect:
+        values["output_dialect"] = args.output_dialect
     return values
 
 

@@ -1,0 +1,283 @@
+"""Triton's vLLM backend dialect on pagoda's door: request parameters, ``structured_outputs``,
+the backend's ``logprobs`` JSON and ``finish_reason`` text. Pure functions (no server).
+
+Request parameters (``request.parameters()``, a JSON object as text). tritonclient's gRPC
+``parameters=`` and the HTTP body's ``"parameters": {...}`` arrive here, and so does every
+top-level key of an HTTP ``generate`` body that is not an input. The vLLM backend reads
+them as its sampling parameters when the ``sampling_parameters`` tensor is absent; so does
+pagoda, with one difference on purpose (**no silent drops**):
+
+- a key that is neither a sampling field, a request option nor a tolerated key
+  (``TOLERATED_PARAMETERS``) is refused, naming it, with or without the tensor;
+- when the tensor is present too (the backend's own client tests send the same dict both
+  ways), the two are merged and a key given both ways must carry the same value (after
+  reading strings such as ``"0"``). The backend ignores the parameters then; pagoda
+  refuses a contradiction, because a value ignored without a word is the drop this rule
+  forbids.
+
+Values may be strings (``"0"``, ``"3"``, ``"true"``) as the backend's clients send them; a
+string that does not parse as the field's type is a 400 naming the key. ``read_sampling_json``
+and ``split_values`` read the ``sampling_parameters`` JSON and the request parameters alike
+into ``SamplingParams`` values and request options (``REQUEST_OPTION_KEYS``);
+``request_parameter_vocabulary`` is the whole list of keys a request parameter may have.
+
+``structured_outputs`` (vLLM's ``SamplingParams.structured_outputs``, a
+``StructuredOutputsParams``): a JSON object, or a string holding one (the backend
+``json.loads`` it: request parameters carry strings only). It becomes pagoda's
+``guided_decoding``: ``json``, ``regex``, ``choice``, ``grammar``, ``json_object`` and
+``disable_any_whitespace`` apply; ``disable_fallback`` is accepted (pagoda has one grammar
+backend, so there is nothing to fall back to); ``structural_tag``, ``whitespace_pattern``
+and ``disable_additional_properties`` are refused when set (xgrammar could, pagoda's
+grammar path does not carry them yet). ``null`` values mean "not given", as in vLLM.
+
+Outputs (``output_dialect``: ``"vllm"``, the backend's shapes; ``"pagoda"``, the shapes the
+router's OpenAI door reads today; chosen per model by the ``output_dialect`` config
+parameter and per request by the ``output_dialect`` request option):
+
+- ``logprobs``: per completion, a JSON list with one object per token,
+  ``{"<token id>": {"logprob", "rank", "decoded_token"}}`` holding the sampled token and the
+  top ``logprobs`` alternatives (rank 1 = most likely), or ``null`` when the request did
+  not set the ``logprobs`` sampling parameter; pagoda's shape is
+  ``TokenLogprob.to_dict()`` per token;
+- ``finish_reason``: ``str(reason)``, so ``"None"`` on a streaming response whose
+  completion is not finished (pagoda's shape: ``""``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+
+from pagoda.engine.core.admission import check_timeout
+from pagoda.engine.outputs import TokenLogprob
+from pagoda.engine.sampling_params import SamplingParams
+
+OUTPUT_DIALECTS = ("vllm", "pagoda")
+
+# Keys of the sampling_parameters JSON that are request options, not SamplingParams.
+REQUEST_OPTION_KEYS = ("priority", "cache_salt", "lora_name", "timeout", "output_dialect")
+# vLLM SamplingParams keys that are not pagoda SamplingParams fields: read (or refused) here.
+VLLM_ONLY_KEYS = ("structured_outputs", "prompt_logprobs")
+
+
+# Request-parameter keys that are not the user's sampling parameters, and why they pass
+# (what reaches the backend was measured on tritonserver 2.51; test_serving_vllm_dialect.py sends them):
+# - traceparent: pagoda's router adds it (W3C trace context, pagoda.serving.tracing);
+# - id: the generate extension's request id ({"id": ...} in a generate body), which
+#   tritonserver 2.51 hands on as a parameter; it is the client's label, not a sampling key;
+# - priority, timeout, triton_enable_empty_final_response, sequence_id, sequence_start,
+#   sequence_end: tritonserver's own request fields (gRPC carries them as parameters).
+#   tritonserver 2.51 consumes them and none reaches the backend; they stay tolerated
+#   for servers that forward them, since tritonserver has acted on them already.
+TOLERATED_PARAMETERS = frozenset({"traceparent", "id", "priority", "timeout", "triton_enable_empty_final_response",
+                                  "sequence_id", "sequence_start", "sequence_end"})
+
+STRUCTURED_OUTPUT_KEYS = ("json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace")
+STRUCTURED_OUTPUT_REFUSED = ("structural_tag", "whitespace_pattern", "disable_additional_properties")
+
+
+def request_parameter_vocabulary() -> frozenset[str]:
+    """Every request-parameter key the replica reads (sampling fields, vLLM-only keys, request
+    options) or tolerates: the one list a front door in pagoda's fleet can check against."""
+    fields = {f.name for f in dataclasses.fields(SamplingParams)}
+    return frozenset(fields | set(VLLM_ONLY_KEYS) | set(REQUEST_OPTION_KEYS) | TOLERATED_PARAMETERS)
+
+
+def _json_object(name: str, text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{name}: not valid JSON ({exc.msg} at position {exc.pos})") from None
+
+
+def read_request_parameters(raw: Any) -> dict[str, Any]:
+    """The user's keys among a request's parameters (tolerated keys removed).
+
+    Args:
+        raw: what ``request.parameters()`` returns (JSON text), a dict, or ``None``.
+
+    Raises:
+        ValueError: the text is not a JSON object.
+    """
+    if raw is None or raw == "":
+        return {}
+    if isinstance(raw, (bytes, bytearray)):
+        raw = bytes(raw).decode("utf-8", errors="replace")
+    values = json.loads(raw) if isinstance(raw, str) else raw
+    if not isinstance(values, dict):
+        raise ValueError(f"parameters: must be a JSON object, got {type(values).__name__}")
+    return {key: value for key, value in values.items() if key not in TOLERATED_PARAMETERS}
+
+
+def merge_parameters(from_tensor: dict[str, Any], from_parameters: dict[str, Any]) -> dict[str, Any]:
+    """``sampling_parameters`` and request parameters, already read to typed values.
+
+    Raises:
+        ValueError: one key given both ways with different values.
+    """
+    for key, value in from_parameters.items():
+        if key in from_tensor and from_tensor[key] != value:
+            raise ValueError(f"{key}: given as a request parameter ({value!r}) and in sampling_parameters "
+                             f"({from_tensor[key]!r}) with different values; send it once")
+    return {**from_parameters, **from_tensor}
+
+
+def apply_structured_outputs(values: dict[str, Any]) -> None:
+    """Replace a ``structured_outputs`` key in ``values`` by the ``guided_decoding`` it means.
+
+    Raises:
+        ValueError: naming ``structured_outputs`` (or one of its keys): not an object, both
+            ``structured_outputs`` and ``guided_decoding``, a refused key, a bad value.
+    """
+    if "structured_outputs" not in values:
+        return
+    spec = values.pop("structured_outputs")
+    if spec is None:
+        return
+    if isinstance(spec, (bytes, bytearray)):
+        spec = bytes(spec).decode("utf-8", errors="replace")
+    if isinstance(spec, str):
+        spec = _json_object("structured_outputs", spec)
+    if not isinstance(spec, dict):
+        raise ValueError(f"structured_outputs: must be a JSON object, got {type(spec).__name__}")
+    if values.get("guided_decoding") is not None:
+        raise ValueError("structured_outputs: give either structured_outputs (vLLM's current name) or "
+                         "guided_decoding, not both")
+    guided: dict[str, Any] = {}
+    for key, value in spec.items():
+        if value is None or key == "disable_fallback":
+            continue
+        if key in STRUCTURED_OUTPUT_REFUSED:
+            if value in (False, ""):
+                continue
+            raise ValueError(f"structured_outputs.{key}: not supported by pagoda's grammar path; "
+                             f"supported: {', '.join(STRUCTURED_OUTPUT_KEYS)}")
+        if key not in STRUCTURED_OUTPUT_KEYS:
+            raise ValueError(f"structured_outputs.{key}: unknown key; known: "
+                             f"{', '.join(STRUCTURED_OUTPUT_KEYS + STRUCTURED_OUTPUT_REFUSED + ('disable_fallback',))}")
+        guided[key] = value
+    from pagoda.engine.guided.params import GuidedDecodingParams
+
+    try:
+        values["guided_decoding"] = GuidedDecodingParams.from_dict(guided)
+    except ValueError as exc:
+        raise ValueError(str(exc).replace("guided_decoding", "structured_outputs", 1)) from None
+
+
+def finish_reason_text(reason: Optional[str], dialect: str) -> str:
+    """One completion's ``finish_reason`` element: ``str(reason)`` (vLLM) or ``reason or ""``."""
+    return str(reason) if dialect == "vllm" else (reason or "")
+
+
+def logprobs_text(entries: Optional[Sequence[TokenLogprob]], asked: bool, dialect: str,
+                  decode: Callable[[int], str]) -> str:
+    """One completion's ``logprobs`` element (JSON text) in ``dialect``.
+
+    Args:
+        entries: this response's tokens' log-probabilities (deltas when streaming).
+        asked: whether the request set the ``logprobs`` sampling parameter.
+        decode: token id -> its text (``decoded_token``).
+    """
+    if dialect != "vllm":
+        return json.dumps([lp.to_dict() for lp in entries or []])
+    if not asked:
+        return "null"
+    tokens = []
+    for lp in entries or []:
+        step = {str(token_id): {"logprob": logprob, "rank": rank, "decoded_token": decode(token_id)}
+                for rank, (token_id, logprob) in enumerate(lp.top, start=1)}
+        step[str(lp.token_id)] = {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": decode(lp.token_id)}
+        tokens.append(step)
+    return json.dumps(tokens)
+
+
+def check_output_dialect(name: str, value: Any) -> str:
+    """``value`` if it names an output dialect. Raises ValueError naming ``name``."""
+    if value not in OUTPUT_DIALECTS:
+        raise ValueError(f"{name}: must be one of {', '.join(OUTPUT_DIALECTS)}, got {value!r}")
+    return value
+
+
+def read_sampling_json(array: Optional[np.ndarray]) -> dict[str, Any]:
+    """The ``sampling_parameters`` tensor's JSON object (``{}`` when absent or blank)."""
+    if array is None:
+        return {}
+    if array.size != 1:
+        raise ValueError(f"sampling_parameters: expected one JSON string, got {array.size} elements")
+    raw = array.reshape(-1)[0]
+    if isinstance(raw, (bytes, bytearray)):
+        raw = bytes(raw).decode("utf-8", errors="replace")
+    if not str(raw).strip():
+        return {}
+    try:
+        values = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"sampling_parameters: not valid JSON ({exc.msg} at position {exc.pos})") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"sampling_parameters: must be a JSON object, got {type(values).__name__}")
+    return values
+
+
+def split_values(values: dict[str, Any], from_parameters: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(SamplingParams values, request options), strings read as their field's type.
+
+    ``from_parameters``: the values are request parameters, which carry only scalars, so a
+    list or object field may come as JSON text; an unknown key is refused here, naming it.
+    """
+    field_types = {f.name: str(f.type) for f in dataclasses.fields(SamplingParams)}
+    if from_parameters:
+        unknown = sorted(set(values) - request_parameter_vocabulary())
+        if unknown:
+            raise ValueError(f"unknown request parameter(s): {', '.join(unknown)}; a request parameter must be a "
+                             f"sampling parameter ({', '.join(sorted([*field_types, *VLLM_ONLY_KEYS]))}) or a "
+                             f"request option ({', '.join(REQUEST_OPTION_KEYS)})")
+        if isinstance(values.get("guided_decoding"), str):  # an object, as request parameters carry it
+            values = {**values, "guided_decoding": _json_object("guided_decoding", values["guided_decoding"])}
+    values = dict(values)
+    options = {key: values.pop(key) for key in REQUEST_OPTION_KEYS if key in values}
+    if "priority" in options:
+        options["priority"] = coerce("priority", options["priority"], int)
+        if isinstance(options["priority"], bool) or not isinstance(options["priority"], int):
+            raise ValueError(f"priority: must be an integer, got {options['priority']!r}")
+    if "cache_salt" in options and (not isinstance(options["cache_salt"], str) or not options["cache_salt"]):
+        raise ValueError(f"cache_salt: must be a non-empty string, got {options['cache_salt']!r}")
+    if "timeout" in options:
+        options["timeout"] = coerce("timeout", options["timeout"], float)
+        if options["timeout"] is not None:
+            check_timeout(options["timeout"])
+    if "output_dialect" in options:
+        check_output_dialect("output_dialect", options["output_dialect"])
+    scalar_types = {"int": int, "float": float, "bool": bool}
+    for key, value in list(values.items()):
+        kind = field_types.get(key, "").replace("Optional[", "")
+        if isinstance(value, str) and kind.rstrip("]") in scalar_types:
+            values[key] = coerce(key, value, scalar_types[kind.rstrip("]")])
+        elif from_parameters and isinstance(value, str) and kind.startswith(("list[", "dict[")) and key != "stop":
+            try:
+                values[key] = json.loads(value)
+            except json.JSONDecodeError:
+                raise ValueError(f"{key}: must be JSON text of a {kind[:4]}, got {value!r}") from None
+        elif kind.startswith("list[") and not isinstance(value, list) and not (key == "stop" and isinstance(value, str)):
+            raise ValueError(f"{key}: must be a JSON list, got {value!r}")
+    return values, options
+
+
+def coerce(name: str, value: Any, kind: type) -> Any:
+    """Turn a vLLM-backend style string ("0.7", "64", "true") into ``kind``."""
+    if not isinstance(value, str):
+        return value
+    text = value.strip()
+    try:
+        if kind is bool:
+            if text.lower() in ("true", "false"):
+                return text.lower() == "true"
+            raise ValueError
+        if kind is int:
+            return int(text)
+        return float(text)
+    except ValueError:
+        raise ValueError(f"{name}: must be {'a boolean' if kind is bool else 'an integer' if kind is int else 'a number'}, "
+                         f"got {value!r}") from None
