@@ -18,7 +18,7 @@ from pagoda.fleet.gate.auth import ApiKeys, AuthError, RateLimited, Tenant, Tena
 from pagoda.fleet.gate.gate import Gate
 from pagoda.fleet.triton_wire import read_string_input
 from pagoda.fleet.gate.limits import (LimitError, RequestLimits, sampling_of_infer_request, set_sampling_value,
-                                 validate_generate_body)
+                                 validate_generate_body, sampling_of_generate)
 from pagoda.fleet.routing.replicas import ReplicaSet
 from pagoda.fleet.routing.router import Router
 
@@ -41,7 +41,7 @@ class FakeClock:
     (b'{"text_input": 5}', "text_input: must be a string, got a JSON number"),
     (b'{"text_input": [1, 2]}', "text_input: must be a string, got a JSON array"),
     (b'{"text_input": "hi", "stream": "yes"}', 'stream: must be true or false, got "yes"'),
-    (b'{"text_input": "hi", "frobnicate": 1}', "frobnicate: unknown input"),
+    (b'{"text_input": "hi", "frobnicate": 1}', "frobnicate: unknown input or request parameter"),
     (b'{"text_input": "hi", "temperature": "x"}', 'temperature: must be a number, got "x"'),
     (b'{"text_input": "hi", "max_tokens": 1.5}', "max_tokens: must be an integer"),
     (b'{"text_input": "hi", "seed": -1}', "seed: must be a non-negative integer"),
@@ -49,6 +49,14 @@ class FakeClock:
     (b'{"text_input": "hi", "max_tokens": 100000}', "max_tokens: 100000 exceeds this server's limit of 32768"),
     (b'{"text_input": "hi", "sampling_parameters": "{\\"n\\": 64}"}', "n: 64 exceeds this server's limit of 16"),
     (b'{"text_input": "hi", "stop_words": ["a", "b", "c"]}', "stop: 3 stop strings exceed this server's limit of 2"),
+    (b'{"text_input": "hi", "pad_id": 2}', "pad_id: unknown input or request parameter"),
+    (b'{"text_input": "hi", "parameters": [1]}', "parameters: must be a JSON object, got a JSON array"),
+    (b'{"text_input": "hi", "parameters": {"tempreature": 0}}', "parameters.tempreature: unknown request parameter"),
+    (b'{"text_input": "hi", "id": 7}', "id: must be a string, got a JSON number"),
+    (b'{"text_input": "hi", "parameters": {"max_tokens": 100000}}', "max_tokens: 100000 exceeds"),
+    # tritonserver makes a parameter named like an input that input: a string there would be its 500
+    (b'{"text_input": "hi", "parameters": {"temperature": "0"}}', 'temperature: must be a number, got "0"'),
+    (b'{"text_input": "hi", "n": "64"}', "n: 64 exceeds this server's limit of 16"),
 ])
 def test_generate_bodies_are_refused_naming_the_problem(body, message):
     with pytest.raises(LimitError) as info:
@@ -72,6 +80,17 @@ def test_valid_generate_body_keeps_its_inputs_and_serializes_a_json_object():
         "text_input": ["hi"], "stream": True, "max_tokens": 4, "temperature": 0, "traceparent": "00-x",
         "sampling_parameters": {"top_k": 5}}).encode(), RequestLimits())
     assert document["text_input"] == "hi" and json.loads(document["sampling_parameters"]) == {"top_k": 5}
+
+
+def test_generate_body_speaks_the_replicas_request_parameter_vocabulary():
+    """What the replica accepts (serving.vllm_dialect), the router's HTTP door accepts: the
+    extension's ``id`` and ``parameters`` (the vLLM backend README's first curl) and sampling
+    keys as top-level request parameters."""
+    body = {"text_input": "hi", "id": "req-1", "parameters": {"stream": False, "temperature": 0, "max_tokens": 3},
+            "ignore_eos": "true", "logit_bias": {"5": 1.0}, "structured_outputs": {"choice": ["a", "b"]}}
+    document = validate_generate_body(json.dumps(body).encode(), RequestLimits())
+    assert document["id"] == "req-1" and document["parameters"]["max_tokens"] == 3
+    assert sampling_of_generate(document)["ignore_eos"] == "true"
 
 
 def test_sampling_limits_name_the_limit():

@@ -448,6 +448,29 @@ def test_bad_input_errors(router):
     assert info.value.code == 400 and "body: not valid JSON" in json.loads(info.value.read())["error"]
 
 
+def test_router_http_door_accepts_what_the_replica_accepts(router, replicas):
+    """The vLLM backend README's first curl (sampling values in ``parameters``) plus the
+    extension's ``id`` and a top-level request parameter: the router forwards the body and
+    the text equals the replica's own answer; a parameter neither knows is a 400 from both."""
+    body = {"text_input": "What is Triton Inference Server?", "id": "curl-1",
+            "parameters": {"stream": False, "temperature": 0, "max_tokens": 6}, "ignore_eos": True}
+
+    def post(url, document):
+        request = urllib.request.Request(f"http://{url}/v2/models/pagoda/generate", data=json.dumps(document).encode())
+        try:
+            with urllib.request.urlopen(request, timeout=60) as response:
+                return response.status, json.loads(response.read())
+        except urllib.error.HTTPError as error:
+            return error.code, json.loads(error.read())
+
+    replica_url = next(iter(replicas.values())).http_url
+    direct, routed = post(replica_url, body), post(router.http_url, body)
+    assert direct[0] == routed[0] == 200 and routed[1]["text_output"] == direct[1]["text_output"]
+    for url in (replica_url, router.http_url):
+        status, answer = post(url, {**body, "parameters": {"max_tokens": 6, "tempreature": 0}})
+        assert status == 400 and "tempreature" in answer["error"], (url, answer)
+
+
 def test_openai_sdk(router):
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=f"http://{router.http_url}/v1", api_key="unused", max_retries=0)

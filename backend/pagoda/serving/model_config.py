@@ -130,14 +130,14 @@ def allow_runtime_lora(parameters: Mapping[str, Any]) -> bool:
 
 def output_dialect(parameters: Mapping[str, Any]) -> str:
     """The ``output_dialect`` parameter: the default shape of ``logprobs`` and ``finish_reason``
-    (``pagoda.serving.vllm_dialect``; empty or absent: ``"pagoda"``).
+    (``pagoda.serving.vllm_dialect``; empty or absent: ``"vllm"``, the vLLM backend's).
 
     Raises:
         ValueError: not one of ``vllm_dialect.OUTPUT_DIALECTS``.
     """
     from pagoda.serving.vllm_dialect import check_output_dialect
 
-    value = _parameter_text(parameters.get("output_dialect", "")) or "pagoda"
+    value = _parameter_text(parameters.get("output_dialect", "")) or "vllm"
     return check_output_dialect("config.pbtxt parameter output_dialect", value)
 
 

@@ -198,7 +198,9 @@ def make_infer_request(built: BuiltRequest, request_id: str) -> Any:
     """The contract-1 ``ModelInferRequest`` for a built OpenAI request (streaming deltas)."""
     request = service_pb2.ModelInferRequest(model_name=MODEL_NAME, id=request_id)
     inputs = [("text_input", "BYTES", _bytes_raw([built.prompt.encode("utf-8")])),
-              ("sampling_parameters", "BYTES", _bytes_raw([json.dumps(built.sampling).encode("utf-8")]))]
+              # The door reads pagoda's output shapes, whatever the replica's default dialect.
+              ("sampling_parameters", "BYTES",
+               _bytes_raw([json.dumps({**built.sampling, "output_dialect": "pagoda"}).encode("utf-8")]))]
     flags = {"stream": True, "exclude_input_in_output": True, "return_finish_reason": True,
              "return_num_input_tokens": True, "return_num_output_tokens": True,
              "return_logprobs": built.logprobs is not None}

@@ -19,13 +19,18 @@ without ``max_tokens`` (``Gate.num_tokens``). It is a router flag rather than a 
 field because the charge is taken before the request is routed.
 
 ``validate_generate_body`` checks a Triton generate-extension body as the replica's own
-front end should but does not (tritonserver answers a body it cannot parse with 500, and
-an unknown top-level key becomes a silently ignored request parameter): the body must be
-a JSON object; every key must be one of the model's inputs (``GENERATE_INPUTS``) or
-``traceparent``; each value must have its input's JSON type (``text_input`` a string or a
-list of one string, booleans ``true``/``false``, numbers as numbers). A
+front end should but does not (tritonserver answers a body it cannot parse with 500): the
+body must be a JSON object; every key must be one of the model's inputs
+(``GENERATE_INPUTS``), ``traceparent``, the extension's ``id`` (a string, echoed) and
+``parameters`` (an object), or a key the replica reads as a request parameter
+(``request_parameter_keys``: tritonserver turns any other top-level key into one, and the
+replica reads them as sampling parameters the way Triton's vLLM backend does) — the same
+vocabulary as the replica's, so a body one accepts the other accepts too; the keys of
+``parameters`` likewise. Each input value must have its input's JSON type (``text_input``
+a string or a list of one string, booleans ``true``/``false``, numbers as numbers). A
 ``sampling_parameters`` object is accepted and sent on as the JSON string the replica
-expects. A body with ``lora_action`` (a LoRA control request) needs no ``text_input``.
+expects. A body with ``lora_action`` (a LoRA control request) needs no ``text_input``. The
+limits apply to sampling values wherever they come (``sampling_of_generate``).
 """
 
 from __future__ import annotations
@@ -49,6 +54,18 @@ GENERATE_INPUTS: dict[str, str] = {
     "lora_action": "string", "lora_path": "string",  # a LoRA control request (http_api answers it)
 }
 GENERATE_PARAMETERS = ("traceparent",)  # top-level keys that are request parameters, not inputs
+# The generate extension's own keys: the request's id (echoed by tritonserver) and its
+# request-parameter object (the vLLM backend's README sends sampling values there).
+GENERATE_RESERVED = ("id", "parameters")
+
+
+def request_parameter_keys() -> frozenset[str]:
+    """The keys the replica reads as request parameters (``serving.vllm_dialect``'s one list):
+    tritonserver turns a top-level generate key that is not an input into one, so the
+    router accepts exactly the keys the replica would."""
+    from pagoda.serving.vllm_dialect import request_parameter_vocabulary
+
+    return request_parameter_vocabulary()
 
 
 class LimitError(ValueError):
@@ -141,10 +158,23 @@ def validate_generate_body(body: bytes, limits: RequestLimits) -> dict[str, Any]
         raise LimitError(f"body: not valid JSON ({exc})", "body") from None
     if not isinstance(document, dict):
         raise LimitError(f"body: must be a JSON object of inputs, got a JSON {_json_kind(document)}", "body")
-    unknown = sorted(set(document) - set(GENERATE_INPUTS) - set(GENERATE_PARAMETERS))
+    vocabulary = request_parameter_keys()
+    unknown = sorted(set(document) - set(GENERATE_INPUTS) - set(GENERATE_PARAMETERS) - set(GENERATE_RESERVED)
+                     - vocabulary)
     if unknown:
-        raise LimitError(f"{unknown[0]}: unknown input; the inputs are {', '.join(sorted(GENERATE_INPUTS))}",
-                         unknown[0])
+        raise LimitError(f"{unknown[0]}: unknown input or request parameter; the inputs are "
+                         f"{', '.join(sorted(GENERATE_INPUTS))}", unknown[0])
+    parameters = document.get("parameters", {})
+    if not isinstance(parameters, dict):
+        raise LimitError(f"parameters: must be a JSON object, got a JSON {_json_kind(parameters)}", "parameters")
+    unknown = sorted(set(parameters) - vocabulary - set(GENERATE_INPUTS))
+    if unknown:
+        raise LimitError(f"parameters.{unknown[0]}: unknown request parameter", f"parameters.{unknown[0]}")
+    for name, value in parameters.items():  # tritonserver makes these the inputs of that name
+        if name in GENERATE_INPUTS and GENERATE_INPUTS[name] != "json":
+            parameters[name] = _check_input(name, GENERATE_INPUTS[name], value)
+    if "id" in document and not isinstance(document["id"], str):
+        raise LimitError(f"id: must be a string, got a JSON {_json_kind(document['id'])}", "id")
     is_control = "lora_action" in document  # a LoRA control request: no prompt (http_api answers it)
     if "text_input" not in document and not is_control:
         raise LimitError("text_input: required input is missing", "text_input")
@@ -199,8 +229,12 @@ def prompt_of(document: dict[str, Any]) -> str:
 
 
 def sampling_of_generate(document: dict[str, Any]) -> dict[str, Any]:
-    """SamplingParams-named values of a generate body (its JSON and its scalar inputs)."""
-    sampling = _json_object(document.get("sampling_parameters"))
+    """SamplingParams-named values of a generate body (request parameters — top level or in
+    ``parameters`` — then its JSON, then its scalar inputs, as the replica merges them)."""
+    vocabulary = request_parameter_keys()
+    sampling = {k: v for k, v in document.items() if k in vocabulary and k not in GENERATE_INPUTS}
+    sampling.update(document.get("parameters") or {})
+    sampling.update(_json_object(document.get("sampling_parameters")))
     for name in ("max_tokens",):
         if name in document:
             sampling[name] = document[name]

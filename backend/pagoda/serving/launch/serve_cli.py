@@ -85,8 +85,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-dialect", choices=("pagoda", "vllm"),
                    help="default shape of the logprobs and finish_reason outputs: vllm (Triton's vLLM "
                         "backend: per-token {id: {logprob, rank, decoded_token}}, null unless logprobs is set, "
-                        "'None' before the end) or pagoda (default; what pagoda's router's OpenAI door reads: "
-                        "do not set vllm on replicas behind that router yet)")
+                        "'None' before the end; the default) or pagoda (per-token {token_id, logprob, rank, "
+                        "top_logprobs}, '' before the end; pagoda's router asks for it per request)")
     p.add_argument("--engine-arg", action="append", default=[], metavar="FIELD=VALUE",
                    help="any other EngineConfig field, e.g. --engine-arg spec_adaptive=false (repeatable)")
     p.add_argument("--model-repository", help="a model repository to use instead of the shipped one")
