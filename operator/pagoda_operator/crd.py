@@ -203,6 +203,14 @@ SPEC_SCHEMA: dict[str, Any] = _obj(
                     description="Secret whose key holds the router's API keys, lines "
                                 "'KEY TENANT [rpm=N] [tpm=N] [concurrency=N]'; unset: open mode.",
                 ),
+                "routerSecretRef": _obj(
+                    {"name": _str("Secret name.", minLength=1),
+                     "key": _str("Key in the Secret.", minLength=1, default="router-secret")},
+                    required=["name"],
+                    description="Secret whose key holds the routers' shared secret, the HMAC key of "
+                                "tenant cache salts; unset: derived from the API keys (salts change with "
+                                "the keys).",
+                ),
             },
             description="The cache-aware router in front of the replicas.",
             default={},

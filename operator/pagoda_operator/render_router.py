@@ -38,12 +38,18 @@ def replica_selector(svc: LLMService) -> dict[str, str]:
 
 
 def api_keys_env(svc: LLMService) -> list[dict[str, Any]]:
-    """``PAGODA_API_KEYS`` from the Secret in ``spec.routing.apiKeysSecretRef`` (never the keys)."""
+    """``PAGODA_API_KEYS`` from the Secret in ``spec.routing.apiKeysSecretRef`` (never the keys),
+    and ``PAGODA_ROUTER_SECRET`` from ``spec.routing.routerSecretRef`` when set (tenants exist
+    only with keys, so the salt secret only matters then)."""
     routing = svc.spec.routing
     if not routing.api_keys_secret_name:
         return []
-    return [{"name": "PAGODA_API_KEYS", "valueFrom": {"secretKeyRef": {
+    env = [{"name": "PAGODA_API_KEYS", "valueFrom": {"secretKeyRef": {
         "name": routing.api_keys_secret_name, "key": routing.api_keys_secret_key}}}]
+    if routing.router_secret_name:  # the salts' HMAC key (pagoda.fleet.gate.auth), shared by every router pod
+        env.append({"name": "PAGODA_ROUTER_SECRET", "valueFrom": {"secretKeyRef": {
+            "name": routing.router_secret_name, "key": routing.router_secret_key}}})
+    return env
 
 
 def render_router_deployment(svc: LLMService) -> dict[str, Any]:

@@ -75,6 +75,8 @@ class RoutingSpec:
     service_type: str = "ClusterIP"
     api_keys_secret_name: str | None = None  # router API keys (pagoda.fleet.gate.auth); None: open mode
     api_keys_secret_key: str = "api-keys"
+    router_secret_name: str | None = None  # HMAC key of tenant salts (PAGODA_ROUTER_SECRET); None: derived
+    router_secret_key: str = "router-secret"
 
 
 @dataclass(frozen=True)
@@ -269,7 +271,9 @@ def parse_spec(raw_spec: dict[str, Any]) -> LLMServiceSpec:
         routing=RoutingSpec(policy=routing["policy"], replicas=routing["replicas"],
                             service_type=routing["serviceType"],
                             api_keys_secret_name=(routing.get("apiKeysSecretRef") or {}).get("name"),
-                            api_keys_secret_key=(routing.get("apiKeysSecretRef") or {}).get("key", "api-keys")),
+                            api_keys_secret_key=(routing.get("apiKeysSecretRef") or {}).get("key", "api-keys"),
+                            router_secret_name=(routing.get("routerSecretRef") or {}).get("name"),
+                            router_secret_key=(routing.get("routerSecretRef") or {}).get("key", "router-secret")),
         redis=RedisSpec(url=redis["url"], password_secret_name=secret.get("name"),
                         password_secret_key=secret.get("key", "password"),
                         ca_secret_name=ca_secret.get("name"), ca_secret_key=ca_secret.get("key", "ca.crt")),

@@ -122,6 +122,13 @@ def test_engine_admission_and_router_api_keys_from_the_spec():
     env = {e["name"]: e for e in router["env"]}
     assert env["PAGODA_API_KEYS"] == {"name": "PAGODA_API_KEYS",
                                       "valueFrom": {"secretKeyRef": {"name": "chat-keys", "key": "api-keys"}}}
+    assert "PAGODA_ROUTER_SECRET" not in env  # derived from the keys by every router pod alike
+    shared = parse_llmservice(body(routing={"apiKeysSecretRef": {"name": "chat-keys"},
+                                            "routerSecretRef": {"name": "chat-salt"}}))
+    env = {e["name"]: e for e in render_router_deployment(shared)["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["PAGODA_ROUTER_SECRET"]["valueFrom"] == {"secretKeyRef": {"name": "chat-salt", "key": "router-secret"}}
+    with pytest.raises(SpecError, match="routerSecretRef"):
+        parse_llmservice(body(routing={"routerSecretRef": {"key": "x"}}))
     with pytest.raises(SpecError) as error:
         parse_llmservice(body(engine={"maxWaitingRequests": 0}))
     assert error.value.field == "spec.engine.maxWaitingRequests"

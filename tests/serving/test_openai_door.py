@@ -121,3 +121,15 @@ def test_door_metrics_carry_the_replicas_vllm_series(serve, client):
     assert any(line.startswith('vllm:num_requests_running{replica_id="local",') for line in lines)
     counts = [line for line in lines if line.startswith('vllm:e2e_request_latency_seconds_count{replica_id="local"')]
     assert counts and float(counts[0].rsplit(" ", 1)[1]) >= 1
+
+
+def test_usage_reports_prefix_cache_hits_as_cached_tokens(client):
+    """The second time a long prompt comes, its full blocks come from the prefix cache and
+    ``usage.prompt_tokens_details.cached_tokens`` says how many (OpenAI's field)."""
+    prompt = "Cached tokens are reported in usage. " + " ".join(f"word{i}" for i in range(60))
+    first = client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=1, temperature=0)
+    second = client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=1, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached == (first.usage.prompt_tokens - 1) // 16 * 16 and cached >= 64  # whole blocks, not the last token
+    assert second.system_fingerprint.startswith("pagoda-")

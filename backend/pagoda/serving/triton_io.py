@@ -27,7 +27,8 @@ more specific, per-tensor statement; TensorRT-LLM clients never send the JSON).
 
 Outputs: one element per completion (``n``) in ``text_output``, ``finish_reason``,
 ``cumulative_logprob``, ``logprobs`` (JSON, in the request's output dialect:
-``vllm_dialect``) and ``num_output_tokens``; ``num_input_tokens`` has one element.
+``vllm_dialect``) and ``num_output_tokens``; ``num_input_tokens`` and ``num_cached_tokens``
+(the prompt tokens found in the prefix cache) have one element.
 Streaming responses carry this step's deltas; a non-streaming response carries the whole
 text, with the prompt in front unless ``exclude_input_in_output`` is true (the vLLM
 backend's behaviour).
@@ -72,6 +73,7 @@ FLAG_INPUTS = (
     "return_logprobs",
     "return_num_input_tokens",
     "return_num_output_tokens",
+    "return_num_cached_tokens",
 )
 
 # TensorRT-LLM style scalar input -> (SamplingParams field, python type)
@@ -109,6 +111,7 @@ class ParsedRequest:
     return_logprobs: bool = False
     return_num_input_tokens: bool = False
     return_num_output_tokens: bool = False
+    return_num_cached_tokens: bool = False
     priority: int = 0
     cache_salt: Optional[str] = None
     lora_name: Optional[str] = None  # a loaded LoRA adapter (vLLM backend's lora_name); None: base model
@@ -369,6 +372,8 @@ def make_response(parsed: ParsedRequest, output: RequestOutput,
     if parsed.return_num_output_tokens:
         tensors["num_output_tokens"] = np.array(
             [len(c.delta_token_ids) if parsed.stream else len(c.token_ids) for c in completions], dtype=np.uint32)
+    if parsed.return_num_cached_tokens:  # prompt tokens served from the prefix cache (OpenAI's cached_tokens)
+        tensors["num_cached_tokens"] = np.array([output.num_cached_tokens or 0], dtype=np.uint32)
     return Response(tensors=tensors, is_final=output.finished)
 
 

@@ -6,7 +6,8 @@ the prompt, or the conversation rendered with the model's chat template; ``strea
 ``sampling_parameters`` JSON; ``exclude_input_in_output`` and the ``return_*`` flags),
 routed like any other (``upstream.GrpcUpstream``, the gRPC door's client too) and answered in OpenAI's shapes:
 SSE ``chat.completion.chunk`` / ``text_completion`` events ending with ``data: [DONE]``,
-or one JSON object with ``usage``.
+or one JSON object with ``usage`` (``prompt_tokens_details.cached_tokens``: the prompt tokens
+the replica found in its prefix cache) and a ``system_fingerprint`` (``pagoda-<version>``).
 
 Parameter mapping (OpenAI -> ``SamplingParams``): ``max_tokens`` (chat also
 ``max_completion_tokens``; completions default 16, chat default: until a stop or the
@@ -56,6 +57,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from importlib.metadata import version as _version
 from typing import Any, Optional
 
 from aiohttp import web
@@ -77,6 +79,8 @@ def error_response(status: int, message: str, kind: str = "invalid_request_error
 
 
 _REPLICA_ERROR_TYPE = spec_of(ErrorKind.REPLICA_FAILED).openai_type  # an error event mid-stream
+# OpenAI's backend-configuration fingerprint: the serving software and its version.
+SYSTEM_FINGERPRINT = f"pagoda-{_version('pagoda')}"
 
 
 def kind_response(kind: ErrorKind, message: str, param: Optional[str] = None,
@@ -315,12 +319,15 @@ class _Answer:
         self.finish_reasons: list[Optional[str]] = [None] * n
         self.logprobs: list[list[dict]] = [[] for _ in range(n)]
         self.num_prompt_tokens = 0
+        self.num_cached_tokens = 0
         self.num_completion_tokens = [0] * n
 
     def add(self, outputs: dict[str, list]) -> list[tuple[int, str, Optional[str], list[dict]]]:
         """Fold one response in; returns (index, delta text, finish reason, delta logprobs) per completion."""
         if outputs.get("num_input_tokens"):
             self.num_prompt_tokens = int(outputs["num_input_tokens"][0])
+        if outputs.get("num_cached_tokens"):
+            self.num_cached_tokens = int(outputs["num_cached_tokens"][0])
         deltas = []
         for i, text in enumerate(outputs.get("text_output", [])):
             reason = (outputs.get("finish_reason") or [""] * (i + 1))[i] or None
@@ -342,7 +349,8 @@ class _Answer:
     def _usage(self) -> dict:
         completion = sum(self.num_completion_tokens)
         return {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": completion,
-                "total_tokens": self.num_prompt_tokens + completion}
+                "total_tokens": self.num_prompt_tokens + completion,
+                "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens}}
 
     def _logprobs(self, entries: list[dict], offset: int = 0) -> Optional[dict]:
         if self.built.logprobs is None:
@@ -362,11 +370,12 @@ class _Answer:
                         "finish_reason": self.finish_reasons[i]} for i, text in enumerate(self.texts)]
             kind = "text_completion"
         return {"id": self.request_id, "object": kind, "created": self.created, "model": self.model,
-                "choices": choices, "usage": self._usage()}
+                "system_fingerprint": SYSTEM_FINGERPRINT, "choices": choices, "usage": self._usage()}
 
     def _chunk(self, choices: list[dict]) -> dict:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
-        return {"id": self.request_id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
+        return {"id": self.request_id, "object": kind, "created": self.created, "model": self.model,
+                "system_fingerprint": SYSTEM_FINGERPRINT, "choices": choices}
 
     def role_chunk(self) -> dict:
         return self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,

@@ -202,7 +202,7 @@ def make_infer_request(built: BuiltRequest, request_id: str) -> Any:
               ("sampling_parameters", "BYTES",
                _bytes_raw([json.dumps({**built.sampling, "output_dialect": "pagoda"}).encode("utf-8")]))]
     flags = {"stream": True, "exclude_input_in_output": True, "return_finish_reason": True,
-             "return_num_input_tokens": True, "return_num_output_tokens": True,
+             "return_num_input_tokens": True, "return_num_output_tokens": True, "return_num_cached_tokens": True,
              "return_logprobs": built.logprobs is not None}
     inputs += [(name, "BOOL", struct.pack("?", value)) for name, value in flags.items()]
     for name, datatype, raw in inputs:

@@ -45,7 +45,7 @@ GENERATE_INPUTS: dict[str, str] = {
     "text_input": "string", "sampling_parameters": "json",
     "stream": "bool", "exclude_input_in_output": "bool", "return_finish_reason": "bool",
     "return_cumulative_logprob": "bool", "return_logprobs": "bool", "return_num_input_tokens": "bool",
-    "return_num_output_tokens": "bool",
+    "return_num_output_tokens": "bool", "return_num_cached_tokens": "bool",
     "max_tokens": "int", "min_tokens": "int", "top_k": "int", "end_id": "int", "beam_width": "int",
     "seed": "uint", "random_seed": "uint",
     "temperature": "number", "top_p": "number", "repetition_penalty": "number", "presence_penalty": "number",
