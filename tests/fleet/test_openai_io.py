@@ -84,7 +84,8 @@ def test_infer_request_and_outputs_round_trip():
     request = make_infer_request(built, "cmpl-1")
     assert request.model_name == "pagoda" and request.id == "cmpl-1"
     assert read_string_input(request, "text_input") == "Hello"
-    assert json.loads(read_string_input(request, "sampling_parameters")) == {"max_tokens": 3, "logprobs": 1}
+    assert json.loads(read_string_input(request, "sampling_parameters")) == {"max_tokens": 3, "logprobs": 1,
+                                                                             "output_dialect": "pagoda"}
     flags = {t.name: request.raw_input_contents[i] for i, t in enumerate(request.inputs) if t.datatype == "BOOL"}
     assert flags["stream"] == b"\x01" and flags["return_logprobs"] == b"\x01"
 

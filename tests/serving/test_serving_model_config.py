@@ -126,8 +126,8 @@ def test_output_dialect_and_vllm_metrics_switch_from_flags_to_parameters(tmp_pat
     from pagoda.serving.model_config import output_dialect, report_custom_metrics
 
     shipped = (Path(__file__).resolve().parents[2] / "model_repository" / "pagoda" / "config.pbtxt").read_text()
-    assert 'key: "output_dialect" value: { string_value: "pagoda" }' in shipped
-    assert output_dialect({}) == "pagoda" and report_custom_metrics({}) is True
+    assert 'key: "output_dialect" value: { string_value: "vllm" }' in shipped
+    assert output_dialect({}) == "vllm" and report_custom_metrics({}) is True
     options = options_from_args(make_parser().parse_args(["--output-dialect", "vllm", "--no-vllm-metrics"]))
     parameters = {name: {"string_value": value} for name, value in options.parameter_overrides().items() if value}
     assert output_dialect(parameters) == "vllm" and report_custom_metrics(parameters) is False
