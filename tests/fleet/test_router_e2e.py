@@ -631,6 +631,29 @@ def test_redis_outage_costs_one_resync_per_replica(published, router, replicas, 
     _wait(lambda: router.run(lambda: router.service.router.fleet.available), "router sees Redis again", 30)
 
 
+def test_router_stop_lets_a_grpc_stream_finish(replicas, redis_server, smollm2_path):
+    """SIGTERM (the service's stop) drains both doors with the same grace: a gRPC stream in
+    flight gets every token (it was cut after 1 s while HTTP streams got 10 s)."""
+    background = _make_router(replicas, redis_server, smollm2_path)
+    background.__enter__()
+    outcome: dict = {}
+    def send():
+        outcome["texts"], outcome["errors"] = grpc_generate(background.grpc_url, ["Count slowly to one hundred:"],
+                                                            max_tokens=64, ignore_eos=True)
+
+    stream = threading.Thread(target=send)
+    try:
+        stream.start()
+        _wait(lambda: any(read_metric(s, "vllm:num_requests_running") > 0 for s in replicas.values()),
+              "the stream runs on a replica", 60, interval_s=0.02)
+    finally:
+        started = time.monotonic()
+        background.__exit__(None, None, None)  # returns once both doors drained
+    stream.join(60)
+    assert outcome["errors"] == [] and outcome["texts"]["0"], outcome
+    assert time.monotonic() - started < 15
+
+
 VICTIM: dict[str, str] = {}  # the replica test_replica_dying_mid_stream killed
 
 

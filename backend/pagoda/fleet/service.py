@@ -48,7 +48,10 @@ from typing import Any, Optional
 from pagoda.fleet.gate.limits import RequestLimits
 
 logger = logging.getLogger(__name__)
-HTTP_SHUTDOWN_TIMEOUT_S = 10.0  # open HTTP connections get this long to finish when the router stops
+# When the router stops, requests in flight on every door get this long to finish (HTTP
+# connections and gRPC streams alike; gRPC's was 1 s, so its streams were cut first).
+HTTP_SHUTDOWN_TIMEOUT_S = 10.0
+DRAIN_GRACE_S = HTTP_SHUTDOWN_TIMEOUT_S
 
 PASSWORD_ENV = "PAGODA_REDIS_PASSWORD"
 
@@ -282,10 +285,12 @@ class RouterService:
         self._tasks.clear()
         if self._discovery is not None:
             await self._discovery.stop()
+        doors = []  # both doors drain together, each with the same grace
         if self._grpc_server is not None:
-            await self._grpc_server.stop(grace=1.0)
+            doors.append(self._grpc_server.stop(grace=DRAIN_GRACE_S))
         if self._http_runner is not None:
-            await self._http_runner.cleanup()
+            doors.append(self._http_runner.cleanup())
+        await asyncio.gather(*doors)
         if self.router is not None:
             if self.router.fleet is not None:
                 self.router.fleet.stop()
