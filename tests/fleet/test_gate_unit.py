@@ -331,6 +331,15 @@ async def _http_scenario(app, clock):
         assert status == 401 and json.loads(body)["error"]["type"] == "authentication_error"
         status, _, body = await call("POST", "/v2/models/pagoda/generate", {"text_input": "hi"})
         assert status == 401 and "missing API key" in json.loads(body)["error"]
+        # A keyed router shows engine settings, statistics and logging only to key holders;
+        # liveness, readiness and metadata stay open (probes and discovery carry no keys).
+        for path in ("/v2/models/pagoda/config", "/v2/models/pagoda/stats", "/v2/logging", "/v2/trace/setting",
+                     "/v2/models/pagoda/versions/1/config"):
+            status, _, body = await call("GET", path)
+            assert status == 401 and "missing API key" in json.loads(body)["error"], path
+        for path in ("/v2/health/live", "/v2/health/ready", "/v2/models/pagoda/ready", "/v2"):
+            status, _, _ = await call("GET", path)
+            assert status != 401, path
 
         start = time.perf_counter()
         big = json.dumps({"messages": [{"role": "user", "content": "x" * (10 * 2**20)}]}).encode()
@@ -370,7 +379,7 @@ async def _http_scenario(app, clock):
             assert status == 429 and "(prompt + n x max_tokens) exceed tenant 'small'" in body.decode(), (path, body)
 
         status, _, metrics = await call("GET", "/metrics")
-        assert b'pagoda_router_refused_total{reason="unauthenticated"} 2' in metrics
+        assert b'pagoda_router_refused_total{reason="unauthenticated"} 7' in metrics
         assert SECRET.encode() not in metrics
 
 
@@ -519,3 +528,38 @@ async def _raw_requests(runner, authorizations: list[bytes]) -> list[bytes]:
     finally:
         await runner.cleanup()
     return answers
+
+
+def test_keyed_grpc_door_shows_the_model_config_only_to_key_holders(tokenizer):
+    """Issue 25 defect 9: ModelConfig (the engine's settings) needs a key when the router has
+    keys; liveness stays open."""
+    asyncio.run(_grpc_config_scenario(tokenizer))
+
+
+async def _grpc_config_scenario(tokenizer):
+    import grpc
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from tritonclient.grpc import service_pb2_grpc
+
+    from pagoda.fleet.api.grpc_proxy import GrpcProxy, make_grpc_server
+    from pagoda.fleet.api.tracing import RouterTracer
+    from pagoda.fleet.api.upstream import GrpcUpstream
+
+    gate = Gate(RequestLimits(), ApiKeys.parse(f"{SECRET} acme", "keys"))
+    router = Router(ReplicaSet("static"), tokenizer, "m", "least_loaded")  # no replicas
+    proxy = GrpcProxy(router, RouterTracer(InMemorySpanExporter(), batch=False), gate, GrpcUpstream(router, gate))
+    server, port = make_grpc_server(proxy, "127.0.0.1", 0)
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.ModelConfig(service_pb2.ModelConfigRequest(name="pagoda"))
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED and SECRET not in info.value.details()
+            with pytest.raises(grpc.aio.AioRpcError) as info:  # with the key: past the gate, no replica here
+                await stub.ModelConfig(service_pb2.ModelConfigRequest(name="pagoda"),
+                                       metadata=(("authorization", f"Bearer {SECRET}"),))
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert (await stub.ServerLive(service_pb2.ServerLiveRequest())).live
+    finally:
+        await server.stop(0)

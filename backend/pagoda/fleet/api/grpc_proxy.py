@@ -239,6 +239,11 @@ class GrpcProxy(service_pb2_grpc.GRPCInferenceServiceServicer):
         return await self._forward("ModelMetadata", request, context)
 
     async def ModelConfig(self, request, context):  # noqa: N802
+        # The engine's configuration is not for anonymous callers when the router has keys.
+        try:
+            self.gate.authenticate(_metadata(context).get("authorization"))
+        except AuthError as exc:
+            await context.abort(grpc_status(ErrorKind.UNAUTHORIZED), str(exc))
         return await self._forward("ModelConfig", request, context)
 
     async def _forward(self, method: str, request: Any, context: Any) -> Any:

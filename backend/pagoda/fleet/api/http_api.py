@@ -37,6 +37,7 @@ import asyncio
 import itertools
 import json
 import logging
+import re
 from typing import Any, Optional, Union
 
 import aiohttp
@@ -122,10 +123,17 @@ def _gate_error(request: web.Request, status: int, message: str, kind: str, para
     return _error(status, message, headers)
 
 
+# GETs anyone may make (liveness, readiness, server and model metadata); every other /v2
+# GET (model configuration, statistics, logging and trace settings, the repository) needs
+# a key when the router has keys, like the generation doors.
+_OPEN_GET = re.compile(r"^/v2(/health/(live|ready))?/?$|^/v2/models/[^/]+(/versions/[^/]+)?(/ready)?/?$")
+
+
 @web.middleware
 async def gate_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
     """Body size and API key before the handler; a client disconnect is an INFO line."""
-    guarded = request.path.startswith("/v1/") or (request.method == "POST" and request.path.startswith("/v2/models/"))
+    guarded = request.path.startswith("/v1/") or (request.method == "POST" and request.path.startswith("/v2/models/")) \
+        or (request.path.startswith("/v2") and not _OPEN_GET.match(request.path))
     if guarded:
         gate = request.app[GATE_KEY]
         try:
