@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from pagoda.models import ModelConfig, load_model
+from pagoda.models import SUPPORTED_ARCHITECTURES, ModelConfig, build_model, config_from_dict, config_from_pretrained, load_model
 from pagoda.models.gguf_import import IMPORT_VERSION, _is_current_import, _unpermute_rotary_rows, default_model_dir
 
 BASE = dict(
@@ -25,7 +25,7 @@ BASE = dict(
 
 
 def config(**overrides) -> ModelConfig:
-    return ModelConfig.from_dict({**BASE, **overrides})
+    return config_from_dict({**BASE, **overrides})
 
 
 def test_defaults_and_derived_values():
@@ -64,8 +64,12 @@ def test_llama3_rope_scaling_matches_transformers(layout):
 
 
 def test_unsupported_inputs_are_refused_by_name():
-    with pytest.raises(ValueError, match="GPT2LMHeadModel"):
+    with pytest.raises(ValueError, match="GPT2LMHeadModel") as refused:
         config(architectures=["GPT2LMHeadModel"])
+    assert f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}" in str(refused.value)
+    assert "LlamaForCausalLM" in SUPPORTED_ARCHITECTURES
+    with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):
+        config(architectures=None, model_type="gpt2")
     with pytest.raises(ValueError, match="yarn"):
         config(rope_scaling={"rope_type": "yarn", "factor": 4.0})
     with pytest.raises(ValueError, match="llama3 rope scaling is missing"):
@@ -88,7 +92,7 @@ def test_qwen2_bias_and_mistral_sliding_window():
 
 def test_from_pretrained_reads_a_folder(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(BASE))
-    assert ModelConfig.from_pretrained(tmp_path).num_key_value_heads == 2
+    assert config_from_pretrained(tmp_path).num_key_value_heads == 2
 
 
 # ---- loader ------------------------------------------------------------------------
@@ -97,10 +101,8 @@ def test_from_pretrained_reads_a_folder(tmp_path):
 def write_checkpoint(folder, drop=(), extra=(), **overrides):
     cfg = {**BASE, "tie_word_embeddings": True, **overrides}
     (folder / "config.json").write_text(json.dumps(cfg))
-    c = ModelConfig.from_dict(cfg)
-    from pagoda.models import LlamaForCausalLM
-
-    names = LlamaForCausalLM(c).expected_weight_names()
+    c = config_from_dict(cfg)
+    names = build_model(c).expected_weight_names()
     shapes = {name: _hf_shape(name, c) for name in names}
     tensors = {n: torch.randn(s) for n, s in shapes.items() if n not in drop}
     tensors.update({n: torch.zeros(2) for n in extra})

@@ -56,6 +56,7 @@ from pagoda.models.config import ModelConfig
 from pagoda.models.llama import LlamaForCausalLM
 from pagoda.models.loader import load_model
 from pagoda.models.quant import quantize_model
+from pagoda.models.registry import build_model
 
 logger = logging.getLogger(__name__)
 
@@ -259,7 +260,7 @@ def make_random_model(
     biases 0, LM head ~ N(0, 16/hidden) so logits spread (std ~4) and greedy picks are not
     near-ties. Drawn on ``device`` with its own generator: the same on every run of one
     device type. ``quantization`` is applied as ``load_model`` would."""
-    model = LlamaForCausalLM(model_config, dtype=dtype, device=device)
+    model = build_model(model_config, dtype=dtype, device=device)
     generator = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():  # a tied LM head is listed once
