@@ -25,6 +25,7 @@ RANDOM_CONFIGS = {
                                                               "original_max_position_embeddings": 64})),
     "qwen2-qkv-bias": ("Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)),
     "mistral": ("MistralConfig", dict(num_attention_heads=4, num_key_value_heads=1, head_dim=64, sliding_window=None)),
+    "qwen3-qk-norm": ("Qwen3Config", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=96)),
 }
 
 

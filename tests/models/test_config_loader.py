@@ -184,3 +184,13 @@ def test_cached_import_is_reused_only_when_current(tmp_path):
     assert not _is_current_import(tmp_path, "float32")
     write(torch_dtype="float32", pagoda_gguf_import_version=IMPORT_VERSION)
     assert _is_current_import(tmp_path, "float32") and not _is_current_import(tmp_path, "bfloat16")
+
+
+def test_qwen3_head_dim_is_its_own_and_no_bias_by_default():
+    qwen3 = config(architectures=["Qwen3ForCausalLM"], head_dim=24, sliding_window=32, use_sliding_window=False)
+    assert qwen3.head_dim == 24 and qwen3.hidden_size // qwen3.num_attention_heads == 8
+    assert not qwen3.attention_bias and not qwen3.o_proj_bias and qwen3.sliding_window is None
+    model = build_model(qwen3)
+    assert {"model.layers.0.self_attn.q_norm.weight", "model.layers.0.self_attn.k_norm.weight"} <= \
+        model.expected_weight_names()
+    assert type(model).__name__ == "Qwen3ForCausalLM"

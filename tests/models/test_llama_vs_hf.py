@@ -1,4 +1,4 @@
-"""Our paged Llama-family model against Hugging Face transformers (fp32 logits).
+"""Our paged models (every registered family) against Hugging Face transformers (fp32 logits).
 
 Every case runs the same paged scenario: two sequences on a small cache with
 non-contiguous block tables, stepped through a prefill, single-token decodes, a chunked
@@ -100,6 +100,11 @@ RANDOM_CASES = {
         "MistralConfig",
         dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=1, sliding_window=64,
              tie_word_embeddings=False),
+    ),
+    # Per-head q/k RMSNorm before rotary; head_dim 48 with 4 heads != hidden 128.
+    "qwen3-qk-norm-hd48": (
+        "Qwen3Config",
+        dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=48, tie_word_embeddings=False),
     ),
 }
 

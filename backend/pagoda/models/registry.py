@@ -20,7 +20,7 @@ from typing import Any, Callable, Union
 
 import torch
 
-from pagoda.models import llama
+from pagoda.models import llama, qwen3
 from pagoda.models.config import ModelConfig, read_config_json
 
 
@@ -36,6 +36,7 @@ _FAMILIES = {f.architecture: f for f in (
     ModelFamily("LlamaForCausalLM", "llama", llama.parse_config, llama.LlamaForCausalLM),
     ModelFamily("MistralForCausalLM", "mistral", llama.parse_config, llama.LlamaForCausalLM),
     ModelFamily("Qwen2ForCausalLM", "qwen2", llama.parse_qwen2_config, llama.LlamaForCausalLM),
+    ModelFamily("Qwen3ForCausalLM", "qwen3", qwen3.parse_config, qwen3.Qwen3ForCausalLM),
 )}
 SUPPORTED_ARCHITECTURES = tuple(_FAMILIES)
 
