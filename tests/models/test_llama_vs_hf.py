@@ -106,6 +106,26 @@ RANDOM_CASES = {
         "Qwen3Config",
         dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=48, tie_word_embeddings=False),
     ),
+    # 4 experts, top-2, always renormalised; the mixed steps route tokens to several experts.
+    "mixtral-moe": (
+        "MixtralConfig",
+        dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+             num_experts_per_tok=2, sliding_window=None),
+    ),
+    # Layer 0 dense (mlp_only_layers), layer 1 sparse: 8 experts, top-3, norm_topk_prob.
+    "qwen3-moe-dense-then-sparse": (
+        "Qwen3MoeConfig",
+        dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8,
+             num_experts_per_tok=3, moe_intermediate_size=64, norm_topk_prob=True, mlp_only_layers=[0],
+             tie_word_embeddings=False),
+    ),
+    # decoder_sparse_step 2 (layer 1 sparse), top-k weights not renormalised.
+    "qwen3-moe-step2-unnormalised": (
+        "Qwen3MoeConfig",
+        dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=4,
+             num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=False, decoder_sparse_step=2,
+             tie_word_embeddings=False),
+    ),
 }
 
 

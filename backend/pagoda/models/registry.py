@@ -20,7 +20,7 @@ from typing import Any, Callable, Union
 
 import torch
 
-from pagoda.models import llama, qwen3
+from pagoda.models import llama, mixtral, qwen3, qwen3_moe
 from pagoda.models.config import ModelConfig, read_config_json
 
 
@@ -37,6 +37,8 @@ _FAMILIES = {f.architecture: f for f in (
     ModelFamily("MistralForCausalLM", "mistral", llama.parse_config, llama.LlamaForCausalLM),
     ModelFamily("Qwen2ForCausalLM", "qwen2", llama.parse_qwen2_config, llama.LlamaForCausalLM),
     ModelFamily("Qwen3ForCausalLM", "qwen3", qwen3.parse_config, qwen3.Qwen3ForCausalLM),
+    ModelFamily("MixtralForCausalLM", "mixtral", mixtral.parse_config, mixtral.MixtralForCausalLM),
+    ModelFamily("Qwen3MoeForCausalLM", "qwen3_moe", qwen3_moe.parse_config, qwen3_moe.Qwen3MoeForCausalLM),
 )}
 SUPPORTED_ARCHITECTURES = tuple(_FAMILIES)
 
