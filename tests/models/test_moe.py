@@ -19,52 +19,11 @@ from pagoda.models import config_from_dict, load_model
 from pagoda.models.lora import LoRASlots, load_peft_adapter
 from pagoda.models.moe import experts_forward, group_by_expert, route
 
-from tests.numerics import UNIT_ROUNDOFF, assert_within
+from tests.numerics import assert_within, moe_dense_reference, moe_rounding_bound
 
 QWEN3_MOE = dict(architectures=["Qwen3MoeForCausalLM"], vocab_size=64, hidden_size=32, intermediate_size=48,
                  num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
                  num_experts_per_tok=2, moe_intermediate_size=24, max_position_embeddings=64)
-
-
-def dense_reference(x, ids, weights, w13, w2) -> torch.Tensor:
-    """Every expert on every token in float64, masked by the routing: what the sparse path must equal."""
-    x, w13, w2 = x.double(), w13.double(), w2.double()
-    inter = w2.shape[2]
-    out = torch.zeros_like(x)
-    for e in range(w13.shape[0]):
-        gate, up = (x @ w13[e].T).split(inter, dim=-1)
-        y = (torch.nn.functional.silu(gate) * up) @ w2[e].T
-        weight = (weights.double() * (ids == e)).sum(dim=-1, keepdim=True)
-        out += weight * y
-    return out
-
-
-def rounding_bound(x, ids, weights, w13, w2, dtype) -> torch.Tensor:
-    """First-order bound on the sparse path's rounding error, element-wise (its inputs are exact).
-
-    Model: a matmul accumulates in float32 and rounds its output once to ``dtype`` (unit
-    roundoff u), so it errs by u |result| + n u32 (|A| |B|), n its inner size. Then
-    silu(g) * u errs by 1.1 dg |u| + |silu(g)| du + 2 u |h| (|silu'| <= 1.1; silu and the
-    product round once each), the down projection by |W_down| dh plus its own rounding,
-    the routing weight by one rounding and the top-k sum by top_k roundings of the
-    weighted outputs. Doubled for the second-order terms.
-    """
-    x, w13, w2, w = x.double(), w13.double(), w2.double(), weights.double()
-    u, u32 = UNIT_ROUNDOFF[dtype], UNIT_ROUNDOFF[torch.float32]
-    inter, top_k, hidden = w2.shape[2], ids.shape[1], x.shape[1]
-    bound = torch.zeros_like(x)
-    for e in range(w13.shape[0]):
-        gate, up = (x @ w13[e].T).split(inter, dim=-1)
-        gate_mag, up_mag = (x.abs() @ w13[e].abs().T).split(inter, dim=-1)
-        d_gate, d_up = u * gate.abs() + hidden * u32 * gate_mag, u * up.abs() + hidden * u32 * up_mag
-        silu = torch.nn.functional.silu(gate)
-        h = silu * up
-        d_h = 1.1 * d_gate * up.abs() + silu.abs() * d_up + 2 * u * h.abs()
-        y = h @ w2[e].T
-        d_y = d_h @ w2[e].abs().T + u * y.abs() + inter * u32 * (h.abs() @ w2[e].abs().T)
-        weight = (w.abs() * (ids == e)).sum(dim=-1, keepdim=True)
-        bound += weight * d_y + (1 + top_k) * u * weight * y.abs()
-    return 2 * bound
 
 
 def random_experts(num_experts: int, hidden: int, inter: int, dtype, seed: int = 0):
@@ -117,16 +76,16 @@ def test_grouping_reads_nothing_back_from_the_device():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("num_tokens,top_k", [(1, 2), (13, 2), (6, 6)])
-def test_experts_with_tokens_equal_the_dense_reference(dtype, num_tokens, top_k):
+def test_experts_with_tokens_equal_the_moe_dense_reference(dtype, num_tokens, top_k):
     num_experts, hidden, inter = 6, 32, 24
     g = torch.Generator().manual_seed(num_tokens)
     x = torch.randn(num_tokens, hidden, generator=g).to(dtype)
     w13, w2 = random_experts(num_experts, hidden, inter, dtype)
     weights, ids = route(torch.randn(num_tokens, num_experts, generator=g).to(dtype), top_k, renormalize=True)
     out = experts_forward(x, group_by_expert(ids, weights, num_experts), w13, w2)
-    ref = dense_reference(x, ids, weights, w13, w2)
+    ref = moe_dense_reference(x, ids, weights, w13, w2)
     assert out.dtype == dtype
-    assert_within(out, ref, rounding_bound(x, ids, weights, w13, w2, dtype), f"{num_tokens} tokens, top-{top_k}, {dtype}")
+    assert_within(out, ref, moe_rounding_bound(x, ids, weights, w13, w2, dtype), f"{num_tokens} tokens, top-{top_k}, {dtype}")
 
 
 def test_experts_without_tokens_are_never_computed():
@@ -140,7 +99,7 @@ def test_experts_without_tokens_are_never_computed():
         w2[idle] = float("nan")
     out = experts_forward(x, group_by_expert(ids, weights, num_experts), w13, w2)
     assert torch.isfinite(out).all()
-    assert_within(out, dense_reference(x, ids, weights, w13.nan_to_num(), w2.nan_to_num()), 1e-5, "two experts")
+    assert_within(out, moe_dense_reference(x, ids, weights, w13.nan_to_num(), w2.nan_to_num()), 1e-5, "two experts")
 
 
 def test_sparse_layers_follow_decoder_sparse_step_and_mlp_only_layers():

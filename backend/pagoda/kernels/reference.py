@@ -210,3 +210,31 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, b_stack:
         delta = (xs @ a_stack[slot].T) @ b_stack[slot].T  # [len(idx), out]
         y.index_add_(0, idx, delta.to(y.dtype))
     return y
+
+
+def moe_experts(
+    x: torch.Tensor,  # [T, hidden]
+    order: torch.Tensor,  # [T * k] int64: assignment ids (t * k + j) sorted by expert
+    weights: torch.Tensor,  # [T * k]: their routing weights, same order
+    offsets: torch.Tensor,  # [E + 1] int64: expert e's assignments are order[offsets[e]:offsets[e + 1]]
+    w13: torch.Tensor,  # [E, 2 * inter, hidden]: gate rows, then up rows
+    w2: torch.Tensor,  # [E, hidden, inter]
+    top_k: int,
+) -> torch.Tensor:  # [T, hidden]
+    """Each token's routing-weighted sum of its experts' ``down(silu(gate(x)) * up(x))``.
+
+    Computes only the experts that received tokens (the offsets are read back once), and
+    adds each expert's rows into the output in expert order, as transformers does.
+    """
+    out = torch.zeros_like(x)
+    bounds = offsets.tolist()
+    inter = w2.shape[2]
+    for expert in range(len(bounds) - 1):
+        start, end = bounds[expert], bounds[expert + 1]
+        if start == end:
+            continue
+        rows = order[start:end] // top_k
+        gate, up = F.linear(x[rows], w13[expert]).split(inter, dim=-1)
+        y = F.linear(F.silu(gate) * up, w2[expert]) * weights[start:end, None]
+        out.index_add_(0, rows, y)
+    return out

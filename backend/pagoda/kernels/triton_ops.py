@@ -13,10 +13,11 @@ from pagoda.kernels import triton_attention
 from pagoda.kernels.metadata import AttentionMetadata
 from pagoda.kernels.triton_kv_write import write_kv
 from pagoda.kernels.triton_lora import lora_apply
+from pagoda.kernels.triton_moe import moe_experts
 from pagoda.kernels.triton_norm import rms_norm
 from pagoda.kernels.triton_rotary import apply_rotary
 
-__all__ = ["paged_attention", "write_kv", "rms_norm", "apply_rotary"]
+__all__ = ["paged_attention", "write_kv", "rms_norm", "apply_rotary", "moe_experts"]
 
 
 def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_scale: float = 1.0,

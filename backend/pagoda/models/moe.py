@@ -12,11 +12,12 @@ One step, for ``T`` tokens, ``E`` experts, top-``k``:
    (``offsets[e]:offsets[e + 1]`` are expert e's rows). Torch ops only (argsort,
    searchsorted; no ``bincount``, no ``.item()``), so it never waits on the device: a GPU
    kernel can take ``ExpertGroups`` as it is.
-3. ``experts_forward``: for each expert that received tokens, and only those,
-   ``down(silu(gate(h)) * up(h)) * weight`` on its rows, added into the token's output in
-   expert order (as transformers sums them). Here the expert counts come to the host
-   once per layer (free on CPU); a fused GPU kernel is the planned replacement for this
-   loop (it would pad each expert's rows to its block size from the same offsets).
+3. ``experts_forward`` -> ``kernels.moe_experts``: each token's routing-weighted sum of
+   its experts' ``down(silu(gate(h)) * up(h))``, computing only the experts that received
+   tokens: on CUDA the fused OpenAI-Triton kernels (``kernels/triton_moe.py``: grouped
+   GEMMs over padded row blocks, no host read), elsewhere a loop over the experts with
+   tokens (its offsets read back once per layer, free on CPU), summed in expert order as
+   transformers does.
 
 Weights are stacked per layer, never one module per expert: ``gate_weight [E, hidden]``,
 ``w13 [E, 2 * inter, hidden]`` (gate rows, then up rows) and ``w2 [E, hidden, inter]``.
@@ -35,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagoda import kernels
 from pagoda.models.config import ModelConfig
 
 
@@ -52,9 +54,14 @@ class MoENames:
 class ExpertGroups:
     """The step's (token, expert) assignments sorted by expert; all tensors on the device."""
 
-    token_index: torch.Tensor  # [T * k] int64: the token of each sorted assignment
-    weights: torch.Tensor  # [T * k]: its routing weight
+    order: torch.Tensor  # [T * k] int64: assignment ids (t * k + j) in expert order
+    weights: torch.Tensor  # [T * k]: their routing weights
     offsets: torch.Tensor  # [E + 1] int64: expert e's assignments are offsets[e]:offsets[e + 1]
+    top_k: int
+
+    @property
+    def token_index(self) -> torch.Tensor:  # [T * k] int64: the token of each sorted assignment
+        return self.order // self.top_k
 
     @property
     def counts(self) -> torch.Tensor:  # [E] int64: assignments per expert
@@ -77,26 +84,12 @@ def group_by_expert(topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_expe
     sorted_ids = flat[order]
     bounds = torch.arange(num_experts + 1, device=flat.device, dtype=sorted_ids.dtype)
     offsets = torch.searchsorted(sorted_ids, bounds)  # first assignment of expert e (T * k for e = E)
-    return ExpertGroups(order // topk_ids.shape[1], topk_weights.reshape(-1)[order], offsets)
+    return ExpertGroups(order, topk_weights.reshape(-1)[order], offsets, topk_ids.shape[1])
 
 
 def experts_forward(x: torch.Tensor, groups: ExpertGroups, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    """``[T, hidden]`` -> ``[T, hidden]``: the routing-weighted sum of each token's experts.
-
-    Computes only the experts that received tokens (one host read of the counts).
-    """
-    out = torch.zeros_like(x)
-    offsets = groups.offsets.tolist()
-    inter = w2.shape[2]
-    for expert in range(len(offsets) - 1):
-        start, end = offsets[expert], offsets[expert + 1]
-        if start == end:
-            continue
-        rows = groups.token_index[start:end]
-        gate, up = F.linear(x[rows], w13[expert]).split(inter, dim=-1)
-        y = F.linear(F.silu(gate) * up, w2[expert]) * groups.weights[start:end, None]
-        out.index_add_(0, rows, y)
-    return out
+    """``[T, hidden]`` -> ``[T, hidden]``: the routing-weighted sum of each token's experts."""
+    return kernels.moe_experts(x, groups.order, groups.weights, groups.offsets, w13, w2, groups.top_k)
 
 
 class SparseMoE(nn.Module):
