@@ -170,8 +170,8 @@ def _moe_launches(dtype: torch.dtype) -> None:
     for tokens in (1, 512):
         order = torch.arange(tokens * top_k)
         offsets = torch.zeros(num_experts + 1, dtype=torch.int64)
-        triton_moe.moe_experts(torch.empty(tokens, hidden, dtype=dtype), order, torch.empty(tokens * top_k, dtype=dtype),
-                               offsets, w13, w2, top_k)
+        weights = torch.empty(tokens * top_k, dtype=dtype)
+        triton_moe.moe_experts(torch.empty(tokens, hidden, dtype=dtype), order, weights, offsets, w13, w2, top_k)
 
 
 def _arg_type(value) -> str:
