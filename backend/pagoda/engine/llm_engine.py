@@ -46,7 +46,6 @@ from pagoda.engine.outputs import RequestOutput
 from pagoda.engine.request import EngineRequest, PromptType, RequestStatus
 from pagoda.engine.sampling_params import SamplingParams
 from pagoda.engine.stats import EngineStats
-from pagoda.models.config import ModelConfig
 from pagoda.models.registry import config_from_pretrained
 from pagoda.models.gguf_import import ensure_default_model
 from pagoda.models.tokenizer import Tokenizer
