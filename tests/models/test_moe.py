@@ -167,3 +167,15 @@ def test_lora_on_expert_weights_is_refused_and_attention_lora_works(tiny_qwen3_m
 def test_quantizing_expert_weights_is_refused(tiny_qwen3_moe):
     with pytest.raises(ValueError, match="quantization 'int8': MoE expert weights cannot be quantized"):
         load_model(tiny_qwen3_moe, quantization="int8")
+
+
+def test_dummy_weights_of_a_moe_model_scale_by_each_experts_fan_in():
+    """``load_format="dummy"`` (benchmarks of a shape): stacked experts get N(0, 1/fan_in) too."""
+    from pagoda.engine.runner.model_runner import make_random_model
+
+    config = config_from_dict({**QWEN3_MOE, "hidden_size": 256, "moe_intermediate_size": 64})
+    model = make_random_model(config, torch.float32, torch.device("cpu"), seed=0)
+    moe = model.layers[1].mlp
+    assert abs(moe.w13.std().item() - 256**-0.5) < 0.1 * 256**-0.5  # fan-in = hidden
+    assert abs(moe.w2.std().item() - 64**-0.5) < 0.1 * 64**-0.5  # fan-in = expert intermediate
+    assert torch.equal(model.layers[0].attn.q_norm, torch.ones(16))

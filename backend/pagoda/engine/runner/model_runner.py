@@ -272,7 +272,7 @@ def make_random_model(
                 param.normal_(0.0, 1.0, generator=generator)
             else:
                 gain = 16.0 if name == "lm_head" else 1.0
-                param.normal_(0.0, (gain / param.shape[1]) ** 0.5, generator=generator)
+                param.normal_(0.0, (gain / param.shape[-1]) ** 0.5, generator=generator)  # fan-in (stacked experts too)
     if quantization is not None:
         quantize_model(model, quantization)
     return model.eval()
