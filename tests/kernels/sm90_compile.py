@@ -111,6 +111,9 @@ def _attention_launches(dtype: torch.dtype, head_dim: int, cache_dtype: torch.dt
             q = torch.empty(sum(query_lens), num_heads, head_dim, dtype=dtype)
             cache = torch.empty(2, 16, num_kv_heads, head_dim, dtype=cache_dtype)
             triton_attention.paged_attention(q, cache, cache, _meta(query_lens, seq_lens), 0.1)
+            if main and num_heads == 4 * num_kv_heads and dtype == torch.bfloat16:
+                # a sliding window that is not a multiple of 16 (no divisibility hint)
+                triton_attention.paged_attention(q, cache, cache, _meta(query_lens, seq_lens), 0.1, window=4095)
 
 
 def _tuning_candidate_launches(cache_dtype: torch.dtype, quick: bool = False) -> None:

@@ -8,7 +8,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from pagoda.models import SUPPORTED_ARCHITECTURES, ModelConfig, build_model, config_from_dict, config_from_pretrained, load_model
+from pagoda.models import (
+    SUPPORTED_ARCHITECTURES, ModelConfig, build_model, config_from_dict, config_from_pretrained, load_model,
+)
 from pagoda.models.gguf_import import IMPORT_VERSION, _is_current_import, _unpermute_rotary_rows, default_model_dir
 
 BASE = dict(
@@ -85,9 +87,15 @@ def test_qwen2_bias_and_mistral_sliding_window():
     llama_bias = config(attention_bias=True)
     assert llama_bias.attention_bias and llama_bias.o_proj_bias
     mistral = config(architectures=["MistralForCausalLM"], sliding_window=32)
-    assert mistral.check_max_model_len(None) == 32 and mistral.check_max_model_len(16) == 16
-    with pytest.raises(ValueError, match="sliding_window"):
-        mistral.check_max_model_len(48)
+    # the window is applied by the attention, so the context is not capped at it
+    assert mistral.check_max_model_len(None) == 64 and mistral.check_max_model_len(48) == 48
+    assert mistral.layer_window(0) == 32 and config().layer_window(0) == 0
+    qwen_swa = config(architectures=["Qwen2ForCausalLM"], num_hidden_layers=3, sliding_window=16,
+                      use_sliding_window=True, max_window_layers=1)
+    assert [qwen_swa.layer_window(i) for i in range(3)] == [0, 16, 16]
+    typed = config(architectures=["Qwen3ForCausalLM"], num_hidden_layers=2, sliding_window=8, use_sliding_window=True,
+                   layer_types=["sliding_attention", "full_attention"])
+    assert [typed.layer_window(i) for i in range(2)] == [8, 0]
 
 
 def test_from_pretrained_reads_a_folder(tmp_path):

@@ -101,6 +101,12 @@ RANDOM_CASES = {
         dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=1, sliding_window=64,
              tie_word_embeddings=False),
     ),
+    # A 4-token sliding window: the 11-token sequence's later steps see only part of it.
+    "mistral-window4": (
+        "MistralConfig",
+        dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, sliding_window=4,
+             tie_word_embeddings=False),
+    ),
     # Per-head q/k RMSNorm before rotary; head_dim 48 with 4 heads != hidden 128.
     "qwen3-qk-norm-hd48": (
         "Qwen3Config",

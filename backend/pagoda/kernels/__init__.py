@@ -39,13 +39,14 @@ def _triton_available() -> bool:
 
 
 def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_scale: float = 1.0,
-                    v_scale: float = 1.0):
-    """Paged causal GQA attention; an fp8 (float8_e4m3fn) cache is dequantised with the scales."""
+                    v_scale: float = 1.0, window: int = 0):
+    """Paged causal GQA attention; an fp8 (float8_e4m3fn) cache is dequantised with the scales.
+    ``window > 0``: sliding window, a query at p sees keys in ``(p - window, p]``."""
     if use_triton(q):
         from pagoda.kernels import triton_ops
 
-        return triton_ops.paged_attention(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
-    return reference.paged_attention_torch(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
+        return triton_ops.paged_attention(q, k_cache, v_cache, meta, scale, k_scale, v_scale, window)
+    return reference.paged_attention_torch(q, k_cache, v_cache, meta, scale, k_scale, v_scale, window)
 
 
 def write_kv(k, v, k_cache, v_cache, slot_mapping, k_scale: float = 1.0, v_scale: float = 1.0) -> None:

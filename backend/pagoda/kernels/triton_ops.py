@@ -21,6 +21,7 @@ __all__ = ["paged_attention", "write_kv", "rms_norm", "apply_rotary", "moe_exper
 
 
 def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_scale: float = 1.0,
-                    v_scale: float = 1.0):
-    """Paged causal GQA attention for one step (launch shapes chosen per step)."""
-    return triton_attention.paged_attention(q, k_cache, v_cache, meta, scale, k_scale=k_scale, v_scale=v_scale)
+                    v_scale: float = 1.0, window: int = 0):
+    """Paged causal GQA attention for one step (launch shapes chosen per step); ``window``: sliding window."""
+    return triton_attention.paged_attention(q, k_cache, v_cache, meta, scale, k_scale=k_scale, v_scale=v_scale,
+                                            window=window)

@@ -8,10 +8,12 @@ layout (``rope_theta`` and ``rope_scaling`` at top level) and the transformers 5
 This module reads the fields every family shares (``common_fields``); a family module
 (``llama``, ``qwen3``, ``mixtral``, ``qwen3_moe``) adds its own switches, and
 ``pagoda.models.registry`` picks the family by the config's architecture name (and
-refuses unsupported ones, naming the supported list). Sliding-window attention is not
-implemented: a model that declares a window gets it in ``sliding_window`` and a context
-longer than the window is refused (see ``check_max_model_len``) rather than silently
-computed with full attention.
+refuses unsupported ones, naming the supported list). Sliding-window attention: a model
+that declares a window gets it in ``sliding_window``; ``layer_types`` (transformers'
+per-layer "sliding_attention" / "full_attention", when the config gives it) says which
+layers use it, else all do; ``layer_window(i)`` is what layer i's attention applies (0:
+none). Qwen2/Qwen3 declare a window that only counts with ``use_sliding_window``, and then
+(without ``layer_types``) only from layer ``max_window_layers`` on, as transformers does.
 
 Mixture-of-Experts fields (``num_experts > 0``): ``num_experts_per_tok`` experts per
 token, each of ``moe_intermediate_size``; ``is_moe_layer(i)`` says which layers are
@@ -57,6 +59,7 @@ class ModelConfig:
     bos_token_id: Optional[int] = None
     eos_token_id: Union[int, list[int], None] = None
     sliding_window: Optional[int] = None
+    layer_types: Optional[tuple[str, ...]] = None  # per layer "sliding_attention" / "full_attention"
     architectures: list[str] = field(default_factory=list)
     # Mixture of Experts (0 experts: a dense model)
     num_experts: int = 0
@@ -97,6 +100,14 @@ class ModelConfig:
                 raise ValueError(f"llama3 rope scaling is missing {', '.join(missing)}")
         return rope_type
 
+    def layer_window(self, layer_idx: int) -> int:
+        """The sliding window layer ``layer_idx`` attends with (0: full attention)."""
+        if not self.sliding_window:
+            return 0
+        if self.layer_types is not None and self.layer_types[layer_idx] != "sliding_attention":
+            return 0
+        return self.sliding_window
+
     def is_moe_layer(self, layer_idx: int) -> bool:
         """Whether decoder layer ``layer_idx`` has a sparse MoE block (else a dense MLP)."""
         return (self.num_experts > 0 and layer_idx not in self.mlp_only_layers
@@ -119,18 +130,9 @@ class ModelConfig:
         Returns:
             the context length to use.
         Raises:
-            ValueError: longer than ``max_position_embeddings``, or than a sliding window
-                (sliding-window attention is not implemented; within the window it is exact).
+            ValueError: longer than ``max_position_embeddings``, or below 1.
         """
         length = self.max_position_embeddings if max_model_len is None else max_model_len
-        if self.sliding_window is not None:
-            if max_model_len is None:
-                length = min(length, self.sliding_window)
-            elif length > self.sliding_window:
-                raise ValueError(
-                    f"max_model_len {length} exceeds the model's sliding_window {self.sliding_window}; "
-                    "sliding-window attention is not supported, use max_model_len <= sliding_window"
-                )
         if length > self.max_position_embeddings:
             raise ValueError(
                 f"max_model_len {length} exceeds max_position_embeddings {self.max_position_embeddings}"
@@ -191,13 +193,22 @@ def common_fields(raw: dict[str, Any], architecture: str) -> dict[str, Any]:
         bos_token_id=raw.get("bos_token_id"),
         eos_token_id=raw.get("eos_token_id"),
         sliding_window=raw.get("sliding_window"),
+        layer_types=tuple(raw["layer_types"]) if raw.get("layer_types") else None,
         architectures=list(raw.get("architectures") or [architecture]),
     )
 
 
-def qwen_sliding_window(raw: dict[str, Any]) -> Optional[int]:
-    """Qwen2/Qwen3 declare a sliding window even when ``use_sliding_window`` switches it off."""
-    return raw.get("sliding_window") if raw.get("use_sliding_window", False) else None
+def qwen_sliding_window(raw: dict[str, Any]) -> dict[str, Any]:
+    """Qwen2/Qwen3's window fields: they declare a window even when ``use_sliding_window``
+    switches it off; on, it applies from layer ``max_window_layers`` on (unless
+    ``layer_types`` says otherwise)."""
+    if not raw.get("use_sliding_window", False) or not raw.get("sliding_window"):
+        return {"sliding_window": None, "layer_types": None}
+    if raw.get("layer_types"):
+        return {"sliding_window": raw["sliding_window"], "layer_types": tuple(raw["layer_types"])}
+    first = raw.get("max_window_layers", 0)
+    types = tuple("sliding_attention" if i >= first else "full_attention" for i in range(raw["num_hidden_layers"]))
+    return {"sliding_window": raw["sliding_window"], "layer_types": types}
 
 
 def _read_rope(raw: dict[str, Any]) -> tuple[float, Optional[dict[str, Any]]]:

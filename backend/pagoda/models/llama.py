@@ -59,7 +59,7 @@ def parse_config(raw: dict, architecture: str) -> ModelConfig:
 
 def parse_qwen2_config(raw: dict, architecture: str) -> ModelConfig:
     """Qwen2: a bias on q/k/v, never on o_proj; the sliding window only with ``use_sliding_window``."""
-    fields = {**common_fields(raw, architecture), "sliding_window": qwen_sliding_window(raw)}
+    fields = {**common_fields(raw, architecture), **qwen_sliding_window(raw)}
     return ModelConfig(**fields, attention_bias=True, o_proj_bias=False)
 
 
@@ -76,8 +76,9 @@ def projection(owner: nn.Module, name: str, x: torch.Tensor, bias: Optional[torc
 class Attention(nn.Module):
     linear_weights = ("qkv_weight", "o_weight")  # what quantize_model may replace
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str, window: int = 0) -> None:
         super().__init__()
+        self.window = window  # sliding window (0: full causal attention)
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -114,7 +115,7 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache
         # Write first: this step's queries attend to this step's keys through the cache.
         kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = kernels.paged_attention(q, k_cache, v_cache, meta, self.scale)  # [num_tokens, num_heads, head_dim]
+        out = kernels.paged_attention(q, k_cache, v_cache, meta, self.scale, window=self.window)  # [T, heads, dim]
         return projection(self, "o_weight", out.reshape(num_tokens, self.q_size), self.o_bias, lora)
 
     def rotate(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
@@ -178,7 +179,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_norm = nn.Parameter(
             torch.empty(config.hidden_size, dtype=dtype, device=device), requires_grad=False
         )
-        self.attn = self.attention_class(config, dtype, device)
+        self.attn = self.attention_class(config, dtype, device, window=config.layer_window(layer_idx))
         self.mlp = self.make_mlp(config, layer_idx, dtype, device)
 
     def make_mlp(self, config: ModelConfig, layer_idx: int, dtype: torch.dtype,

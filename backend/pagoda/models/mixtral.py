@@ -5,8 +5,8 @@ As transformers' ``MixtralSparseMoeBlock``: ``num_local_experts`` experts of
 weights always renormalised to sum to one. Checkpoint names:
 ``model.layers.<i>.block_sparse_moe.gate.weight`` (the router) and
 ``...block_sparse_moe.experts.<e>.w1|w3|w2.weight`` (gate, up, down), stacked into
-``SparseMoE`` (``models/moe.py``). A declared ``sliding_window`` caps the context as for
-Mistral (``ModelConfig.check_max_model_len``).
+``SparseMoE`` (``models/moe.py``). A declared ``sliding_window`` applies in every layer, as for
+Mistral (``kernels.paged_attention(window=...)``).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Differences from Llama, as in transformers' ``Qwen3Attention``: ``q_norm`` and `
 before the rotary embedding; ``head_dim`` is its own config field, independent of
 ``hidden_size / num_attention_heads``; ``attention_bias`` (false in every released model)
 puts a bias on q/k/v and o_proj as in Llama; the sliding window only counts with
-``use_sliding_window`` (as Qwen2). ``Qwen3Attention`` is reused by ``qwen3_moe``.
+``use_sliding_window`` (as Qwen2: ``config.qwen_sliding_window``). ``Qwen3Attention`` is reused by ``qwen3_moe``.
 """
 
 from __future__ import annotations
@@ -20,13 +20,13 @@ from pagoda.models.llama import ALL, Attention, DecoderLayer, LlamaForCausalLM, 
 
 def parse_config(raw: dict, architecture: str) -> ModelConfig:
     bias = bool(raw.get("attention_bias", False))
-    fields = {**common_fields(raw, architecture), "sliding_window": qwen_sliding_window(raw)}
+    fields = {**common_fields(raw, architecture), **qwen_sliding_window(raw)}
     return ModelConfig(**fields, attention_bias=bias, o_proj_bias=bias)
 
 
 class Qwen3Attention(Attention):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
-        super().__init__(config, dtype, device)
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str, window: int = 0) -> None:
+        super().__init__(config, dtype, device, window)
         self.eps = config.rms_norm_eps
         self.q_norm = nn.Parameter(torch.empty(self.head_dim, dtype=dtype, device=device), requires_grad=False)
         self.k_norm = nn.Parameter(torch.empty(self.head_dim, dtype=dtype, device=device), requires_grad=False)
