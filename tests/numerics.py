@@ -62,3 +62,44 @@ def assert_within(actual: torch.Tensor, reference: torch.Tensor, bound, what: st
         ratio = float((err / bound_t).nan_to_num(float("inf")).max())
         raise AssertionError(f"{what}: error up to {ratio:.3g}x the derived bound "
                              f"(max |err| {float(err.nan_to_num(float('inf')).max()):.3g})")
+
+
+def moe_dense_reference(x, ids, weights, w13, w2) -> torch.Tensor:
+    """Every expert on every token in float64, masked by the routing: what the sparse path must equal."""
+    x, w13, w2 = x.double(), w13.double(), w2.double()
+    inter = w2.shape[2]
+    out = torch.zeros_like(x)
+    for e in range(w13.shape[0]):
+        gate, up = (x @ w13[e].T).split(inter, dim=-1)
+        y = (torch.nn.functional.silu(gate) * up) @ w2[e].T
+        weight = (weights.double() * (ids == e)).sum(dim=-1, keepdim=True)
+        out += weight * y
+    return out
+
+
+def moe_rounding_bound(x, ids, weights, w13, w2, dtype) -> torch.Tensor:
+    """First-order bound on the sparse path's rounding error, element-wise (its inputs are exact).
+
+    Model: a matmul accumulates in float32 and rounds its output once to ``dtype`` (unit
+    roundoff u), so it errs by u |result| + n u32 (|A| |B|), n its inner size. Then
+    silu(g) * u errs by 1.1 dg |u| + |silu(g)| du + 2 u |h| (|silu'| <= 1.1; silu and the
+    product round once each), the down projection by |W_down| dh plus its own rounding,
+    the routing weight by one rounding and the top-k sum by top_k roundings of the
+    weighted outputs. Doubled for the second-order terms.
+    """
+    x, w13, w2, w = x.double(), w13.double(), w2.double(), weights.double()
+    u, u32 = UNIT_ROUNDOFF[dtype], UNIT_ROUNDOFF[torch.float32]
+    inter, top_k, hidden = w2.shape[2], ids.shape[1], x.shape[1]
+    bound = torch.zeros_like(x)
+    for e in range(w13.shape[0]):
+        gate, up = (x @ w13[e].T).split(inter, dim=-1)
+        gate_mag, up_mag = (x.abs() @ w13[e].abs().T).split(inter, dim=-1)
+        d_gate, d_up = u * gate.abs() + hidden * u32 * gate_mag, u * up.abs() + hidden * u32 * up_mag
+        silu = torch.nn.functional.silu(gate)
+        h = silu * up
+        d_h = 1.1 * d_gate * up.abs() + silu.abs() * d_up + 2 * u * h.abs()
+        y = h @ w2[e].T
+        d_y = d_h @ w2[e].abs().T + u * y.abs() + inter * u32 * (h.abs() @ w2[e].abs().T)
+        weight = (w.abs() * (ids == e)).sum(dim=-1, keepdim=True)
+        bound += weight * d_y + (1 + top_k) * u * weight * y.abs()
+    return 2 * bound

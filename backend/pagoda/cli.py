@@ -7,7 +7,7 @@
     pagoda lora load NAME PATH | unload NAME | list [--url URL]  LoRA adapters of a running server
     pagoda kv-events --endpoint tcp://HOST:5557 [...]           print a replica's vLLM-format KV events
     pagoda operator [...]                                       the Kubernetes operator (kopf)
-    pagoda bench offline|serve|kernels|kernel-check|gpu|routing|autoscale|quant|spec|offload|lora|structured|soak|throughput  benchmarks
+    pagoda bench offline|serve|kernels|kernel-check|gpu|routing|autoscale|quant|spec|offload|lora|structured|soak|throughput|moe  benchmarks
 
 Subcommands import their modules lazily so ``pagoda --help`` stays fast and a missing
 optional dependency only affects the subcommand that needs it.
@@ -45,6 +45,7 @@ _BENCHES = {
     "structured": ("pagoda.bench.structured", "main", "structured output: half the batch constrained vs none"),
     "soak": ("pagoda.bench.soak", "main", "router + 2 replicas + Redis under mixed traffic and faults; invariants"),
     "throughput": ("pagoda.bench.throughput", "main", "offline high concurrency: greedy vs sampled, stage shares"),
+    "moe": ("pagoda.bench.moe", "main", "one MoE layer's experts: experts-with-tokens vs dense (CPU) or fused (GPU)"),
 }
 
 

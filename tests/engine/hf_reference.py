@@ -25,6 +25,17 @@ RANDOM_CONFIGS = {
                                                               "original_max_position_embeddings": 64})),
     "qwen2-qkv-bias": ("Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)),
     "mistral": ("MistralConfig", dict(num_attention_heads=4, num_key_value_heads=1, head_dim=64, sliding_window=None)),
+    "qwen3-qk-norm": ("Qwen3Config", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=96)),
+    # Sliding windows shorter than the prompts: every layer (Mistral), layer 1 only (Qwen3).
+    "mistral-window16": ("MistralConfig", dict(num_attention_heads=4, num_key_value_heads=1, head_dim=64,
+                                               sliding_window=16)),
+    "qwen3-window12-layer1": ("Qwen3Config", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                                                  use_sliding_window=True, sliding_window=12, max_window_layers=1)),
+    "mixtral-moe": ("MixtralConfig", dict(num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                          num_experts_per_tok=2, sliding_window=None)),
+    "qwen3-moe": ("Qwen3MoeConfig", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=8,
+                                         num_experts_per_tok=2, moe_intermediate_size=128, norm_topk_prob=True,
+                                         mlp_only_layers=[0])),
 }
 
 

@@ -12,6 +12,7 @@ from pagoda.engine.llm_engine import LLMEngine
 from pagoda.engine.request import EngineRequest
 
 from tests.engine.driving import drain
+from tests.engine.hf_reference import make_random_model
 
 
 def test_prefix_hit_computes_only_the_suffix(model_path):
@@ -78,7 +79,10 @@ def test_the_envelope_and_the_keyword_form_run_the_same_request(model_path):
         engine.add(EngineRequest("dup", [5, 6]))
 
 
-def test_seeded_request_reproduces_in_any_batch(model_path):
+@pytest.mark.parametrize("family", ["llama", "qwen3-moe"])  # a MoE: tokens regroup per expert by batch
+def test_seeded_request_reproduces_in_any_batch(model_path, family, tmp_path, smollm2_path):
+    if family != "llama":  # the other families' random models (tests/engine/hf_reference.py)
+        model_path = str(make_random_model(tmp_path / family, family, smollm2_path))
     llm = LLM(model=model_path)
     params = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=12, ignore_eos=True)
     alone = llm.generate([list(range(500, 540))], params)[0].outputs[0].token_ids

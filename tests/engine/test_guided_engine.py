@@ -1,4 +1,4 @@
-"""Structured output end to end on the default model (SmolLM2-135M-Instruct, ``LLM()``).
+"""Structured output end to end on the default model (SmolLM2-135M-Instruct, ``LLM()``), and once on a MoE model.
 
 Every constrained output must parse and validate; constrained and unconstrained requests
 share batches; a bad format fails only its own request. Generations are short.
@@ -170,3 +170,22 @@ def test_speculative_decoding_with_grammars(llm, method):
     assert stats.spec_num_drafts > 0 and stats.spec_num_accepted_tokens > 0
     reference = llm.generate([prompt, prompt], [params[0], params[3].clone(speculative=None)])
     assert [o.outputs[0].token_ids for o in outputs[::3]] == [o.outputs[0].token_ids for o in reference]
+
+
+def test_structured_output_on_a_moe_model(tmp_path, smollm2_path):
+    """A random Qwen3-MoE (tests/engine/hf_reference.py "qwen3-moe"): batched constrained
+    requests (JSON schema, choice, regex) beside an unconstrained one all hold their format."""
+    from tests.engine.hf_reference import make_random_model
+
+    moe = LLM(model=str(make_random_model(tmp_path / "moe", "qwen3-moe", smollm2_path)), seed=0)
+    assert moe.engine.model_config.num_experts == 8
+    outputs = moe.generate([[1, 504, 2931, 314]] * 4, [
+        SamplingParams(max_tokens=MAX_TOKENS, temperature=0, guided_decoding=_guided(SCHEMAS["pattern"])),
+        SamplingParams(max_tokens=20, temperature=0, guided_decoding=GuidedDecodingParams(choice=["yes", "no"])),
+        SamplingParams(max_tokens=20, temperature=1.0, seed=3, guided_decoding=GuidedDecodingParams(regex=r"[0-9]{4}")),
+        SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+    ])
+    jsonschema.validate(json.loads(outputs[0].outputs[0].text), SCHEMAS["pattern"])
+    assert outputs[1].outputs[0].text in ("yes", "no")
+    assert re.fullmatch(r"[0-9]{4}", outputs[2].outputs[0].text)
+    assert len(outputs[3].outputs[0].token_ids) == 8

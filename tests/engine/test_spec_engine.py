@@ -315,3 +315,20 @@ def test_every_speculative_method_has_one_registered_proposer():
     from pagoda.engine.spec_decode.registry import PROPOSERS
 
     assert sorted(PROPOSERS) == sorted(SPECULATIVE_METHODS)
+
+
+@pytest.mark.parametrize("name", ["draft-self", "draft-layer-skip"])
+def test_moe_target_greedy_equals_plain(tmp_path_factory, smollm2_path, name):
+    """A Qwen3-MoE target (every layer sparse: 8 experts, top-2): its own drafts (whole, and
+    its first layer as a layer-skip draft) leave the greedy output unchanged."""
+    folder = tmp_path_factory.mktemp("spec-moe") / "target"
+    moe = {"target": str(save_random_model(
+        folder, smollm2_path, 0, "Qwen3MoeConfig", vocab_size=VOCAB, hidden_size=128, intermediate_size=256,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True, max_position_embeddings=512,
+        tie_word_embeddings=True))}
+    prompts = _prompts(3, seed=1)
+    expected = _tokens(_run(_engine(moe), [(p, GREEDY) for p in prompts]))
+    engine = _engine(moe, name, max_num_batched_tokens=32)
+    assert _tokens(_run(engine, [(p, GREEDY) for p in prompts])) == expected
+    assert engine.get_stats().spec_num_drafts > 0

@@ -28,7 +28,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
-from pagoda.kernels import triton_attention, triton_ops, triton_w8a16, tuning
+from pagoda.kernels import triton_attention, triton_moe, triton_ops, triton_w8a16, tuning
 from pagoda.kernels.metadata import AttentionMetadata
 
 # A 16-byte asynchronous copy global -> shared: how the pipelined K/V tiles are loaded.
@@ -76,6 +76,7 @@ def record_launches(families: str = "rules") -> list[tuple[JITFunction, tuple, d
                 _small_launches(dtype, head_dim, FP8)
         _lora_launches(dtype)
         _w8a16_launches(dtype)
+        _moe_launches(dtype)
     return launches
 
 
@@ -110,6 +111,9 @@ def _attention_launches(dtype: torch.dtype, head_dim: int, cache_dtype: torch.dt
             q = torch.empty(sum(query_lens), num_heads, head_dim, dtype=dtype)
             cache = torch.empty(2, 16, num_kv_heads, head_dim, dtype=cache_dtype)
             triton_attention.paged_attention(q, cache, cache, _meta(query_lens, seq_lens), 0.1)
+            if main and num_heads == 4 * num_kv_heads and dtype == torch.bfloat16:
+                # a sliding window that is not a multiple of 16 (no divisibility hint)
+                triton_attention.paged_attention(q, cache, cache, _meta(query_lens, seq_lens), 0.1, window=4095)
 
 
 def _tuning_candidate_launches(cache_dtype: torch.dtype, quick: bool = False) -> None:
@@ -157,6 +161,20 @@ def _w8a16_launches(dtype: torch.dtype) -> None:
             qweight = torch.empty(n, k, dtype=weight_dtype)
             for rows in W8A16_ROWS:
                 triton_w8a16.w8a16_linear(torch.empty(rows, k, dtype=dtype), qweight, torch.empty(n))
+
+
+def _moe_launches(dtype: torch.dtype) -> None:
+    """The fused MoE kernels at a Qwen3-30B-A3B layer (128 experts, top-8, hidden 2048,
+    expert intermediate 768) for one decode token and a 512-token chunk. The expert stacks
+    are one expert broadcast (stride 0: no 1.6 GB allocation; still divisible by 16)."""
+    num_experts, top_k, hidden, inter = 128, 8, 2048, 768
+    w13 = torch.empty(1, 2 * inter, hidden, dtype=dtype).expand(num_experts, -1, -1)
+    w2 = torch.empty(1, hidden, inter, dtype=dtype).expand(num_experts, -1, -1)
+    for tokens in (1, 512):
+        order = torch.arange(tokens * top_k)
+        offsets = torch.zeros(num_experts + 1, dtype=torch.int64)
+        weights = torch.empty(tokens * top_k, dtype=dtype)
+        triton_moe.moe_experts(torch.empty(tokens, hidden, dtype=dtype), order, weights, offsets, w13, w2, top_k)
 
 
 def _arg_type(value) -> str:

@@ -11,7 +11,7 @@ from pagoda.bench import kernels as bench
 from pagoda.bench import kernels_e2e as e2e
 from pagoda.engine.config import EngineConfig
 from pagoda.engine.runner.model_runner import make_random_model
-from pagoda.models.config import ModelConfig
+from pagoda.models.registry import config_from_dict
 from pagoda.models.testing import StepInput, make_kv_caches, run_step
 from tests.numerics import assert_within, model_error_bound
 
@@ -21,7 +21,7 @@ pytest.importorskip("transformers")
 @pytest.mark.parametrize("tied", [False, True])
 def test_hf_model_on_our_weights_gives_the_same_logits(tied):
     raw = e2e.raw_config(e2e.SMALL) | {"tie_word_embeddings": tied}
-    ours = make_random_model(ModelConfig.from_dict(raw), torch.float32, torch.device("cpu"), seed=1)
+    ours = make_random_model(config_from_dict(raw), torch.float32, torch.device("cpu"), seed=1)
     hf = e2e.make_hf_model(raw, ours, torch.device("cpu"), torch.float32)
     assert hf.model.layers[1].self_attn.k_proj.weight.data_ptr() == (
         ours.layers[1].attn.qkv_weight[ours.layers[1].attn.q_size :].data_ptr())  # a view, not a copy
@@ -37,7 +37,7 @@ def test_hf_model_on_our_weights_gives_the_same_logits(tied):
 
 def test_decode_bytes_count_every_weight_but_the_embedding_table():
     raw = e2e.raw_config(e2e.SMALL)
-    model = make_random_model(ModelConfig.from_dict(raw), torch.bfloat16, torch.device("cpu"), seed=0)
+    model = make_random_model(config_from_dict(raw), torch.bfloat16, torch.device("cpu"), seed=0)
     weights, kv = e2e.decode_bytes_per_token(model, context=100)
     total = sum(p.numel() for p in model.parameters()) * 2
     assert weights == total - (512 - 1) * 128 * 2

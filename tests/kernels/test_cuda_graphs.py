@@ -28,7 +28,7 @@ from pagoda.engine.runner.model_runner import ModelRunner, make_random_model
 from pagoda.engine.runner.runner_output import ModelRunnerOutput
 from pagoda.kernels import AttentionMetadata, reference, triton_attention
 from pagoda.kernels.triton_attention import AttentionConfig
-from pagoda.models.config import ModelConfig
+from pagoda.models.registry import config_from_dict
 from tests.numerics import assert_within, gamma, model_error_bound
 from pagoda.models.testing import make_kv_caches
 
@@ -131,7 +131,7 @@ def test_cpu_runner_never_captures(tiny_folder, kernels, monkeypatch):
     monkeypatch.setenv("PAGODA_KERNELS", kernels)
     config = EngineConfig(model=tiny_folder, device="cpu", load_format="dummy", enable_cuda_graphs=True,
                           num_gpu_blocks_override=8)  # fmt: skip
-    runner = ModelRunner(config, ModelConfig.from_dict(TINY), tiny_folder)
+    runner = ModelRunner(config, config_from_dict(TINY), tiny_folder)
     assert runner.graphs is None
 
 
@@ -144,7 +144,7 @@ def test_failed_capture_falls_back_to_eager(tiny_folder, monkeypatch, caplog):
     monkeypatch.setattr(cuda_graphs, "should_use_graphs", lambda *args: True)
     monkeypatch.setattr(DecodeGraphs, "capture", broken_capture)
     config = EngineConfig(model=tiny_folder, device="cpu", load_format="dummy", num_gpu_blocks_override=8)
-    runner = ModelRunner(config, ModelConfig.from_dict(TINY), tiny_folder)
+    runner = ModelRunner(config, config_from_dict(TINY), tiny_folder)
     assert runner.graphs is None
     assert "CUDA graph capture failed" in caplog.text
 
@@ -170,7 +170,7 @@ def _fake_capture(graphs: DecodeGraphs) -> None:
 def _runner(folder: str, max_num_seqs: int) -> ModelRunner:
     config = EngineConfig(model=folder, device="cpu", load_format="dummy", block_size=RUNNER_BLOCK_SIZE,
                           num_gpu_blocks_override=24, max_num_seqs=max_num_seqs, max_model_len=40)  # fmt: skip
-    return ModelRunner(config, ModelConfig.from_dict(TINY), folder)
+    return ModelRunner(config, config_from_dict(TINY), folder)
 
 
 @pytest.mark.parametrize("placeholders", [False, True])
@@ -214,7 +214,7 @@ def test_padded_replay_matches_eager_steps_through_the_triton_kernels(tiny_folde
             graphed.record_sampled(ModelRunnerOutput(sampled_names, [[t] for t in tokens]))
         # Graphed and eager differ only in rounding (padded matmuls block differently):
         # twice the derived float32 bound of each against exact logits.
-        bound = 2 * model_error_bound(ModelConfig.from_dict(TINY), 64, torch.float32, expected.abs().max().item())
+        bound = 2 * model_error_bound(config_from_dict(TINY), 64, torch.float32, expected.abs().max().item())
         assert_within(actual, expected, bound, "graphed vs eager logits")
         sampled = iter(expected.argmax(-1).tolist())
         for (name, sampling), s in zip(entries, step):
@@ -224,7 +224,7 @@ def test_padded_replay_matches_eager_steps_through_the_triton_kernels(tiny_folde
         for e, g in ((ek, gk), (ev, gv)):
             assert torch.equal(e == 0, g == 0), "the padded replay wrote a slot the eager steps did not"
             # matmuls of 4 rows vs 3 round apart: the same derived bound, at the KV's scale
-            kv_bound = 2 * model_error_bound(ModelConfig.from_dict(TINY), 64, torch.float32, e.abs().max().item())
+            kv_bound = 2 * model_error_bound(config_from_dict(TINY), 64, torch.float32, e.abs().max().item())
             assert_within(g, e, kv_bound, "graphed vs eager KV cache")
 
 
@@ -254,7 +254,7 @@ def test_frozen_max_context_with_forced_split_k_matches_reference(monkeypatch):
 
 
 def test_random_model_is_seeded():
-    config = ModelConfig.from_dict(TINY)
+    config = config_from_dict(TINY)
     a = make_random_model(config, torch.float32, torch.device("cpu"), seed=3)
     b = make_random_model(config, torch.float32, torch.device("cpu"), seed=3)
     c = make_random_model(config, torch.float32, torch.device("cpu"), seed=4)

@@ -1,5 +1,7 @@
-"""A tiny random Llama gives the same logits and greedy tokens with the Triton kernels
-(under the interpreter) as with the torch references, at the model and at the engine level.
+"""A tiny random Llama (and a Qwen3-MoE for the fused MoE kernels, a Mistral with a 16-token
+sliding window for windowed attention) gives the same logits
+and greedy tokens with the Triton kernels (under the interpreter) as with the torch
+references, at the model and at the engine level.
 
 The random models come from ``tests/engine/hf_reference.py`` (2 layers, initializer range
 0.3 so greedy choices are not near ties). ``PAGODA_KERNELS`` is read on every kernel call,
@@ -15,7 +17,7 @@ from pagoda import SamplingParams
 from pagoda.engine.config import EngineConfig
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.kernels import triton_ops
-from pagoda.models import load_model
+from pagoda.models import config_from_pretrained, load_model
 from pagoda.models.testing import StepInput, make_kv_caches, run_step
 from tests.engine.driving import drain
 from tests.engine.hf_reference import make_random_model
@@ -24,7 +26,7 @@ from tests.numerics import assert_within, model_error_bound
 BLOCK_SIZE = 16
 
 
-@pytest.fixture(scope="module", params=["llama-gqa3-hd64", "llama-gqa4-hd80-untied"])
+@pytest.fixture(scope="module", params=["llama-gqa3-hd64", "llama-gqa4-hd80-untied", "qwen3-moe", "mistral-window16"])
 def model_path(request, tmp_path_factory, smollm2_path):
     return str(make_random_model(tmp_path_factory.mktemp("m") / request.param, request.param, smollm2_path))
 
@@ -42,6 +44,11 @@ def triton_calls(monkeypatch):
 
         monkeypatch.setattr(triton_ops, name, counted)
     return calls
+
+
+def _ran_every_kernel(calls: dict[str, int], config) -> bool:
+    """Every kernel the model uses was called (the MoE kernels only by a MoE model)."""
+    return all(n for name, n in calls.items() if name != "moe_experts" or config.num_experts)
 
 
 def _scenario_logits(model, kernels: str, monkeypatch) -> list[torch.Tensor]:
@@ -75,7 +82,7 @@ def test_model_logits_match_torch_references(model_path, monkeypatch, triton_cal
     expected = _scenario_logits(model, "torch", monkeypatch)
     assert not any(triton_calls.values())
     actual = _scenario_logits(model, "triton", monkeypatch)
-    assert all(triton_calls.values()), triton_calls
+    assert _ran_every_kernel(triton_calls, model.config), triton_calls
     exact = _scenario_logits(load_model(model_path, dtype=torch.float64), "torch", monkeypatch)
     for step, (a, e, x) in enumerate(zip(actual, expected, exact)):
         assert torch.equal(a.argmax(-1), e.argmax(-1)), f"greedy tokens differ at step {step}"
@@ -100,6 +107,6 @@ def test_engine_greedy_tokens_match_torch_references(model_path, monkeypatch, tr
     expected = _engine_greedy(model_path, "torch", monkeypatch)
     assert not any(triton_calls.values())
     actual = _engine_greedy(model_path, "triton", monkeypatch)
-    assert all(triton_calls.values()), triton_calls
+    assert _ran_every_kernel(triton_calls, config_from_pretrained(model_path)), triton_calls
     assert actual == expected
     assert all(len(t) == 6 for t in actual.values())

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from pagoda.kernels import triton_attention
+from pagoda.kernels.reference import paged_attention_torch
 from pagoda.kernels.triton_attention import AttentionConfig, choose_config
 from tests.kernels.kernel_cases import (
     assert_close_to_reference,
@@ -68,6 +69,27 @@ def test_decode_batch_with_split(dtype):
     case = make_paged_case([1] * len(seq_lens), seq_lens, 8, 2, 64, dtype, block_size=16, seed=11)
     config = AttentionConfig(block_q=4, block_n=16, num_splits=4)
     assert_close_to_reference(run_kernel(case, config), reference_attention(case), dtype, attention_bound(case))
+
+
+@pytest.mark.parametrize("window", [1, 7, 20])
+@pytest.mark.parametrize("name", [None, "small_tiles", "split3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_sliding_window(window, name, dtype):
+    """A query at p sees keys in (p - window, p]: decodes and chunks whose contexts reach past
+    the window, through the unmasked middle tiles, the window's masked edge and split-K
+    slices wholly outside the window; the torch path too."""
+    query_lens, seq_lens = [1, 13, 1, 6, 21], [45, 13, 37, 40, 50]
+    case = make_paged_case(query_lens, seq_lens, 6, 2, 64, dtype, block_size=16, seed=window)
+    expected = reference_attention(case, window=window)
+    bound = attention_bound(case)
+    with poisoned_allocations():
+        out = triton_attention.paged_attention(case.q, case.k_cache, case.v_cache, case.meta, case.scale,
+                                               config=CONFIGS[name] if name else None, window=window)
+    assert_close_to_reference(out, expected, dtype, bound)
+    torch_path = paged_attention_torch(case.q, case.k_cache, case.v_cache, case.meta, case.scale, window=window)
+    assert_close_to_reference(torch_path, expected, dtype, bound)
+    if window == 1:  # each query sees only itself: the output is its own value row
+        assert not torch.allclose(expected, reference_attention(case).to(expected.dtype))
 
 
 @pytest.mark.parametrize("config", [None, CONFIGS["split3"]], ids=["chooser", "split3"])

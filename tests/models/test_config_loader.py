@@ -8,7 +8,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from pagoda.models import ModelConfig, load_model
+from pagoda.models import (
+    SUPPORTED_ARCHITECTURES, ModelConfig, build_model, config_from_dict, config_from_pretrained, load_model,
+)
 from pagoda.models.gguf_import import IMPORT_VERSION, _is_current_import, _unpermute_rotary_rows, default_model_dir
 
 BASE = dict(
@@ -25,7 +27,7 @@ BASE = dict(
 
 
 def config(**overrides) -> ModelConfig:
-    return ModelConfig.from_dict({**BASE, **overrides})
+    return config_from_dict({**BASE, **overrides})
 
 
 def test_defaults_and_derived_values():
@@ -64,8 +66,12 @@ def test_llama3_rope_scaling_matches_transformers(layout):
 
 
 def test_unsupported_inputs_are_refused_by_name():
-    with pytest.raises(ValueError, match="GPT2LMHeadModel"):
+    with pytest.raises(ValueError, match="GPT2LMHeadModel") as refused:
         config(architectures=["GPT2LMHeadModel"])
+    assert f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}" in str(refused.value)
+    assert "LlamaForCausalLM" in SUPPORTED_ARCHITECTURES
+    with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):
+        config(architectures=None, model_type="gpt2")
     with pytest.raises(ValueError, match="yarn"):
         config(rope_scaling={"rope_type": "yarn", "factor": 4.0})
     with pytest.raises(ValueError, match="llama3 rope scaling is missing"):
@@ -81,14 +87,20 @@ def test_qwen2_bias_and_mistral_sliding_window():
     llama_bias = config(attention_bias=True)
     assert llama_bias.attention_bias and llama_bias.o_proj_bias
     mistral = config(architectures=["MistralForCausalLM"], sliding_window=32)
-    assert mistral.check_max_model_len(None) == 32 and mistral.check_max_model_len(16) == 16
-    with pytest.raises(ValueError, match="sliding_window"):
-        mistral.check_max_model_len(48)
+    # the window is applied by the attention, so the context is not capped at it
+    assert mistral.check_max_model_len(None) == 64 and mistral.check_max_model_len(48) == 48
+    assert mistral.layer_window(0) == 32 and config().layer_window(0) == 0
+    qwen_swa = config(architectures=["Qwen2ForCausalLM"], num_hidden_layers=3, sliding_window=16,
+                      use_sliding_window=True, max_window_layers=1)
+    assert [qwen_swa.layer_window(i) for i in range(3)] == [0, 16, 16]
+    typed = config(architectures=["Qwen3ForCausalLM"], num_hidden_layers=2, sliding_window=8, use_sliding_window=True,
+                   layer_types=["sliding_attention", "full_attention"])
+    assert [typed.layer_window(i) for i in range(2)] == [8, 0]
 
 
 def test_from_pretrained_reads_a_folder(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(BASE))
-    assert ModelConfig.from_pretrained(tmp_path).num_key_value_heads == 2
+    assert config_from_pretrained(tmp_path).num_key_value_heads == 2
 
 
 # ---- loader ------------------------------------------------------------------------
@@ -97,10 +109,8 @@ def test_from_pretrained_reads_a_folder(tmp_path):
 def write_checkpoint(folder, drop=(), extra=(), **overrides):
     cfg = {**BASE, "tie_word_embeddings": True, **overrides}
     (folder / "config.json").write_text(json.dumps(cfg))
-    c = ModelConfig.from_dict(cfg)
-    from pagoda.models import LlamaForCausalLM
-
-    names = LlamaForCausalLM(c).expected_weight_names()
+    c = config_from_dict(cfg)
+    names = build_model(c).expected_weight_names()
     shapes = {name: _hf_shape(name, c) for name in names}
     tensors = {n: torch.randn(s) for n, s in shapes.items() if n not in drop}
     tensors.update({n: torch.zeros(2) for n in extra})
@@ -182,3 +192,13 @@ def test_cached_import_is_reused_only_when_current(tmp_path):
     assert not _is_current_import(tmp_path, "float32")
     write(torch_dtype="float32", pagoda_gguf_import_version=IMPORT_VERSION)
     assert _is_current_import(tmp_path, "float32") and not _is_current_import(tmp_path, "bfloat16")
+
+
+def test_qwen3_head_dim_is_its_own_and_no_bias_by_default():
+    qwen3 = config(architectures=["Qwen3ForCausalLM"], head_dim=24, sliding_window=32, use_sliding_window=False)
+    assert qwen3.head_dim == 24 and qwen3.hidden_size // qwen3.num_attention_heads == 8
+    assert not qwen3.attention_bias and not qwen3.o_proj_bias and qwen3.sliding_window is None
+    model = build_model(qwen3)
+    assert {"model.layers.0.self_attn.q_norm.weight", "model.layers.0.self_attn.k_norm.weight"} <= \
+        model.expected_weight_names()
+    assert type(model).__name__ == "Qwen3ForCausalLM"

@@ -1,4 +1,4 @@
-"""Our paged Llama-family model against Hugging Face transformers (fp32 logits).
+"""Our paged models (every registered family) against Hugging Face transformers (fp32 logits).
 
 Every case runs the same paged scenario: two sequences on a small cache with
 non-contiguous block tables, stepped through a prefill, single-token decodes, a chunked
@@ -99,6 +99,37 @@ RANDOM_CASES = {
     "mistral-mqa-sharded": (
         "MistralConfig",
         dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=1, sliding_window=64,
+             tie_word_embeddings=False),
+    ),
+    # A 4-token sliding window: the 11-token sequence's later steps see only part of it.
+    "mistral-window4": (
+        "MistralConfig",
+        dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, sliding_window=4,
+             tie_word_embeddings=False),
+    ),
+    # Per-head q/k RMSNorm before rotary; head_dim 48 with 4 heads != hidden 128.
+    "qwen3-qk-norm-hd48": (
+        "Qwen3Config",
+        dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=48, tie_word_embeddings=False),
+    ),
+    # 4 experts, top-2, always renormalised; the mixed steps route tokens to several experts.
+    "mixtral-moe": (
+        "MixtralConfig",
+        dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+             num_experts_per_tok=2, sliding_window=None),
+    ),
+    # Layer 0 dense (mlp_only_layers), layer 1 sparse: 8 experts, top-3, norm_topk_prob.
+    "qwen3-moe-dense-then-sparse": (
+        "Qwen3MoeConfig",
+        dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8,
+             num_experts_per_tok=3, moe_intermediate_size=64, norm_topk_prob=True, mlp_only_layers=[0],
+             tie_word_embeddings=False),
+    ),
+    # decoder_sparse_step 2 (layer 1 sparse), top-k weights not renormalised.
+    "qwen3-moe-step2-unnormalised": (
+        "Qwen3MoeConfig",
+        dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=4,
+             num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=False, decoder_sparse_step=2,
              tie_word_embeddings=False),
     ),
 }

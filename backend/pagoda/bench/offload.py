@@ -55,7 +55,7 @@ def main(argv=None) -> int:
     from pagoda.engine.runner.host_kv_cache import PrefillItem
     from pagoda.engine.llm_engine import LLMEngine
     from pagoda.engine.runner.model_runner import kv_bytes_per_block, resolve_device, resolve_dtype
-    from pagoda.models.config import ModelConfig
+    from pagoda.models.registry import config_from_pretrained
     from pagoda.models.gguf_import import ensure_default_model
 
     model_path = str(args.model or ensure_default_model())
@@ -63,7 +63,7 @@ def main(argv=None) -> int:
     num_blocks = -(-lengths[-1] // block_size)
     probe = EngineConfig(model=model_path)
     device = resolve_device(probe)
-    per_block = kv_bytes_per_block(ModelConfig.from_pretrained(model_path), block_size, resolve_dtype(probe, device))
+    per_block = kv_bytes_per_block(config_from_pretrained(model_path), block_size, resolve_dtype(probe, device))
     engine = LLMEngine(EngineConfig(model=model_path, block_size=block_size, cpu_offload_bytes=num_blocks * per_block,
                                     max_num_batched_tokens=max(2048, lengths[-1]), max_model_len=max(2048, lengths[-1] + 1),
                                     enable_prefix_caching=False))

@@ -46,7 +46,7 @@ from pagoda.engine.outputs import RequestOutput
 from pagoda.engine.request import EngineRequest, PromptType, RequestStatus
 from pagoda.engine.sampling_params import SamplingParams
 from pagoda.engine.stats import EngineStats
-from pagoda.models.config import ModelConfig
+from pagoda.models.registry import config_from_pretrained
 from pagoda.models.gguf_import import ensure_default_model
 from pagoda.models.tokenizer import Tokenizer
 
@@ -62,7 +62,7 @@ class LLMEngine:
         self.config = config or EngineConfig()
         model_path = str(self.config.model or ensure_default_model())
         self.model_path = model_path
-        self.model_config = ModelConfig.from_pretrained(model_path)
+        self.model_config = config_from_pretrained(model_path)
         self.tokenizer = Tokenizer.from_pretrained(model_path)
         vocab_size = self.model_config.vocab_size
         eos_ids = sorted(self.tokenizer.eos_token_ids)

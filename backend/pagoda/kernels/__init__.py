@@ -1,7 +1,7 @@
 """The single dispatch point for hot-path kernels.
 
-The model calls only the functions below (attention, KV write, norm, rotary, LoRA, and
-``w8a16_linear`` for 8-bit weights). Each picks an implementation per call:
+The model calls only the functions below (attention, KV write, norm, rotary, LoRA, the
+MoE experts, and ``w8a16_linear`` for 8-bit weights). Each picks an implementation per call:
 OpenAI-Triton kernels for CUDA tensors, torch references otherwise. ``PAGODA_KERNELS``
 overrides the choice (``triton`` forces the kernels, e.g. under ``TRITON_INTERPRET=1`` on
 CPU in tests; ``torch`` forces the references, e.g. to compare on a GPU).
@@ -17,7 +17,7 @@ from pagoda.kernels import reference, w8a16
 from pagoda.kernels.metadata import AttentionMetadata
 
 __all__ = ["AttentionMetadata", "paged_attention", "write_kv", "rms_norm", "apply_rotary", "lora_apply",
-           "w8a16_linear", "use_triton"]
+           "w8a16_linear", "moe_experts", "use_triton"]
 
 
 def use_triton(x: torch.Tensor) -> bool:
@@ -39,13 +39,14 @@ def _triton_available() -> bool:
 
 
 def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_scale: float = 1.0,
-                    v_scale: float = 1.0):
-    """Paged causal GQA attention; an fp8 (float8_e4m3fn) cache is dequantised with the scales."""
+                    v_scale: float = 1.0, window: int = 0):
+    """Paged causal GQA attention; an fp8 (float8_e4m3fn) cache is dequantised with the scales.
+    ``window > 0``: sliding window, a query at p sees keys in ``(p - window, p]``."""
     if use_triton(q):
         from pagoda.kernels import triton_ops
 
-        return triton_ops.paged_attention(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
-    return reference.paged_attention_torch(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
+        return triton_ops.paged_attention(q, k_cache, v_cache, meta, scale, k_scale, v_scale, window)
+    return reference.paged_attention_torch(q, k_cache, v_cache, meta, scale, k_scale, v_scale, window)
 
 
 def write_kv(k, v, k_cache, v_cache, slot_mapping, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
@@ -80,6 +81,17 @@ def lora_apply(y, x, a_stack, b_stack, batch):
 
         return triton_ops.lora_apply(y, x, a_stack, b_stack, batch.token_slots)
     return reference.lora_apply(y, x, a_stack, b_stack, batch.groups)
+
+
+def moe_experts(x, order, weights, offsets, w13, w2, top_k: int):
+    """Each token's routing-weighted sum of its experts (assignments grouped as ``models.moe``
+    makes them): the fused kernels of ``triton_moe`` on CUDA, the experts-with-tokens loop
+    elsewhere. Neither computes an expert that received no token."""
+    if use_triton(x):
+        from pagoda.kernels import triton_ops
+
+        return triton_ops.moe_experts(x, order, weights, offsets, w13, w2, top_k)
+    return reference.moe_experts(x, order, weights, offsets, w13, w2, top_k)
 
 
 def w8a16_linear(x, qweight, scale):

@@ -70,8 +70,13 @@ def paged_attention_ref(
     scale: float,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    window: int = 0,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """Definition of paged causal GQA attention, one sequence at a time (slow, exact)."""
+    """Definition of paged causal GQA attention, one sequence at a time (slow, exact).
+
+    ``window > 0``: sliding-window attention, a query at position p sees keys at positions
+    ``p - window < k <= p`` (transformers' rule).
+    """
     acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     num_heads = q.shape[1]
     out = torch.empty_like(q)
@@ -86,7 +91,8 @@ def paged_attention_ref(
         scores = torch.einsum("qhd,khd->hqk", qs, ks) * scale  # [H, q_len, S]
         q_pos = torch.arange(s_len - q_len, s_len).unsqueeze(1)
         k_pos = torch.arange(s_len).unsqueeze(0)
-        scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+        hidden = (k_pos > q_pos) | ((k_pos <= q_pos - window) if window > 0 else False)
+        scores = scores.masked_fill(hidden, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[start : start + q_len] = torch.einsum("hqk,khd->qhd", probs, vs).to(q.dtype)
         start += q_len
@@ -101,14 +107,15 @@ def paged_attention_torch(
     scale: float,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    window: int = 0,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """Same result as ``paged_attention_ref``, batched for speed on CPU."""
+    """Same result as ``paged_attention_ref`` (``window`` too), batched for speed on CPU."""
     out = torch.empty_like(q)
     query_lens, seq_lens = meta.query_lens_host, meta.seq_lens_host
     starts = meta.query_start_loc.tolist()
     decode = [s for s, n in enumerate(query_lens) if n == 1]
     if decode:
-        _decode_batch(q, k_cache, v_cache, meta, scale, decode, starts, out, k_scale, v_scale)
+        _decode_batch(q, k_cache, v_cache, meta, scale, decode, starts, out, k_scale, v_scale, window)
     for s, q_len in enumerate(query_lens):
         if q_len == 1:
             continue
@@ -119,6 +126,8 @@ def paged_attention_torch(
         qh = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
         # Causal with an offset: query i sits at position s_len - q_len + i.
         mask = torch.ones(q_len, s_len, dtype=torch.bool, device=q.device).tril(diagonal=s_len - q_len)
+        if window > 0:  # and not more than window - 1 positions back
+            mask &= ~torch.ones_like(mask).tril(diagonal=s_len - q_len - window)
         o = F.scaled_dot_product_attention(qh, _dequantize(kh, q.dtype, k_scale), _dequantize(vh, q.dtype, v_scale),
                                            attn_mask=mask, scale=scale,
                                            enable_gqa=kh.shape[1] != qh.shape[1])
@@ -126,7 +135,8 @@ def paged_attention_torch(
     return out
 
 
-def _decode_batch(q, k_cache, v_cache, meta, scale, decode, starts, out, k_scale=1.0, v_scale=1.0) -> None:
+def _decode_batch(q, k_cache, v_cache, meta, scale, decode, starts, out, k_scale=1.0, v_scale=1.0,
+                  window=0) -> None:
     """All one-token queries at once: gather padded contexts, mask the padding.
 
     The query heads that share a KV head are laid out as that KV head's query rows
@@ -149,7 +159,14 @@ def _decode_batch(q, k_cache, v_cache, meta, scale, decode, starts, out, k_scale
     vs = v_cache.view(-1, num_kv_heads * head_dim).index_select(0, flat).view(batch, max_len, num_kv_heads, head_dim)
     rows = torch.tensor([starts[s] for s in decode], dtype=torch.long, device=device)
     qh = q.index_select(0, rows).view(batch, num_kv_heads, group, head_dim)  # [B, KVH, G, D]
-    mask = (pos.unsqueeze(0) < lens.unsqueeze(1)).view(batch, 1, 1, max_len)
+    mask = pos.unsqueeze(0) < lens.unsqueeze(1)
+    if window > 0:  # the query sits at lens - 1
+        mask &= pos.unsqueeze(0) >= lens.unsqueeze(1) - window
+        # SDPA may still combine masked rows (padding past a shorter context) into the
+        # result: keep them finite.
+        ks = ks.masked_fill(~mask[:, :, None, None], 0)
+        vs = vs.masked_fill(~mask[:, :, None, None], 0)
+    mask = mask.view(batch, 1, 1, max_len)
     o = F.scaled_dot_product_attention(qh, _dequantize(ks.transpose(1, 2), q.dtype, k_scale),
                                        _dequantize(vs.transpose(1, 2), q.dtype, v_scale),
                                        attn_mask=mask, scale=scale)  # [B, KVH, G, D]
@@ -210,3 +227,35 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, b_stack:
         delta = (xs @ a_stack[slot].T) @ b_stack[slot].T  # [len(idx), out]
         y.index_add_(0, idx, delta.to(y.dtype))
     return y
+
+
+def moe_experts(
+    x: torch.Tensor,  # [T, hidden]
+    order: torch.Tensor,  # [T * k] int64: assignment ids (t * k + j) sorted by expert
+    weights: torch.Tensor,  # [T * k]: their routing weights, same order
+    offsets: torch.Tensor,  # [E + 1] int64: expert e's assignments are order[offsets[e]:offsets[e + 1]]
+    w13: torch.Tensor,  # [E, 2 * inter, hidden]: gate rows, then up rows
+    w2: torch.Tensor,  # [E, hidden, inter]
+    top_k: int,
+) -> torch.Tensor:  # [T, hidden]
+    """Each token's routing-weighted sum of its experts' ``down(silu(gate(x)) * up(x))``.
+
+    Computes only the experts that received tokens (the offsets are read back once), and
+    adds each expert's rows into the output in expert order, as transformers does.
+    """
+    out = torch.zeros_like(x)
+    bounds = offsets.tolist()
+    inter = w2.shape[2]
+    for expert in range(len(bounds) - 1):
+        start, end = bounds[expert], bounds[expert + 1]
+        if start == end:
+            continue
+        rows = order[start:end] // top_k
+        gate, up = F.linear(x[rows], w13[expert]).split(inter, dim=-1)
+        y = F.linear(F.silu(gate) * up, w2[expert]) * weights[start:end, None]
+        # index_put_ rather than index_add_: the same sums (an expert's rows are distinct
+        # tokens); on a 2-core CPU busy with other jobs index_add_ (an OpenMP parallel
+        # region) took ~30 ms per call where index_put_ took microseconds (torch 2.13);
+        # unloaded, both take microseconds.
+        out.index_put_((rows,), y, accumulate=True)
+    return out

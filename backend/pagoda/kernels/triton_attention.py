@@ -35,6 +35,11 @@ cover every sequence; a program whose sequence's query length is outside the lau
 Split-K workspaces of decode launches have one row per sequence, so a small decode
 launch beside a long chunk needs no token-sized workspace.
 
+Sliding window (``window > 0``, run time): a query at p sees keys in ``(p - window, p]``.
+A tile's keys start at ``first_q_pos - window + 1``; the unmasked whole tiles start at
+``last_q_pos - window + 1`` (inside every row's window); keys below that (the window's
+lower edge) go through the masks; split-K slices wholly below the window stay empty.
+
 FP8 KV cache. With a ``float8_e4m3fn`` cache, K and V tiles are loaded as e4m3 and
 converted to the query dtype in registers before ``tl.dot``; the K scale is folded into
 the softmax scale and the V scale multiplies the accumulator once at the end, so the
@@ -77,15 +82,16 @@ _INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 @triton.jit
 def _attend_key_range(
-    acc, m_i, l_i, q, q_pos, k_base, v_base, table_row, lo, hi, kv_hi, qk_scale, dims, dim_ok,
+    acc, m_i, l_i, q, q_pos, k_base, v_base, table_row, lo, hi, kv_hi, window, qk_scale, dims, dim_ok,
     stride_bt_col, stride_k_block, stride_k_slot, stride_v_block, stride_v_slot,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr,
     PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, OUT_DTYPE: tl.constexpr,
 ):  # fmt: skip
     """Online-softmax update of (acc, m_i, l_i) over keys [lo, hi), gathered via the table.
 
-    MASKED=False is only for keys every row may see (all below the first query position
-    and below kv_hi); MASKED=True applies the causal and length masks.
+    MASKED=False is only for keys every row may see (all below the first query position,
+    below kv_hi and inside every row's window); MASKED=True applies the causal, length and
+    (``window > 0``) sliding-window masks.
     """
     for start in range(lo, hi, BLOCK_N):
         k_pos = start + tl.arange(0, BLOCK_N)
@@ -103,6 +109,8 @@ def _attend_key_range(
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
         if MASKED:
             visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
+            if window > 0:
+                visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
             s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row with no visible key yet keeps max -inf; exp2(-inf - 0) = 0 avoids NaN.
@@ -140,6 +148,7 @@ def _paged_attention_kernel(
     q_len_lo,  # this launch serves the sequences with q_len_lo <= query length <= q_len_hi
     q_len_hi,
     part_by_seq,  # 1: split-K workspace rows are sequences (decode launches), 0: tokens
+    window,  # > 0: sliding window, a query at p sees keys in (p - window, p]; 0: none
     stride_q_tok,
     stride_q_head,
     stride_k_block,
@@ -190,12 +199,15 @@ def _paged_attention_kernel(
     if DOT_UPCAST:
         q = q.to(tl.float32)
 
-    # Keys this tile needs end at its last valid query's position (causality).
+    # Keys this tile needs end at its last valid query's position (causality) and, with a
+    # window, start at the first query's window.
     kv_hi = ctx_len + tl.minimum(q_len, (q_block + 1) * BLOCK_Q)
-    kv_lo = 0
+    first_q_pos = ctx_len + q_block * BLOCK_Q
+    last_q_pos = kv_hi - 1
+    kv_lo = tl.where(window > 0, tl.maximum(first_q_pos - window + 1, 0), 0)
     if IS_SPLIT:
-        kv_lo = split * split_len
-        kv_hi = tl.minimum(kv_hi, kv_lo + split_len)
+        kv_lo = tl.maximum(kv_lo, split * split_len)
+        kv_hi = tl.minimum(kv_hi, split * split_len + split_len)
 
     m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
@@ -205,18 +217,24 @@ def _paged_attention_kernel(
     k_base = k_cache_ptr + kv_head.to(tl.int64) * stride_k_head
     v_base = v_cache_ptr + kv_head.to(tl.int64) * stride_v_head
 
-    # Whole key tiles before the tile's first query position are visible to every row:
-    # no causal or length masks there. The rest (diagonal, tail) goes through the masks.
-    first_q_pos = ctx_len + q_block * BLOCK_Q
-    num_full = tl.maximum(tl.minimum(kv_hi, first_q_pos) - kv_lo, 0) // BLOCK_N
-    full_end = kv_lo + num_full * BLOCK_N
+    # Whole key tiles before the tile's first query position (and, with a window, inside
+    # the last query's window) are visible to every row: no masks there. The window's
+    # lower edge (keys some rows no longer see) and the diagonal/tail go through the masks.
+    full_lo = tl.where(window > 0, tl.minimum(tl.maximum(kv_lo, last_q_pos - window + 1), kv_hi), kv_lo)
+    acc, m_i, l_i = _attend_key_range(  # the window's lower edge (empty without a window), keys < full_lo
+        acc, m_i, l_i, q, q_pos, k_base, v_base, table_row, kv_lo, full_lo, full_lo, window, qk_scale, dims, dim_ok,
+        stride_bt_col, stride_k_block, stride_k_slot, stride_v_block, stride_v_slot,
+        BLOCK_N, BLOCK_SIZE, True, PRECISION, DOT_UPCAST, out_ptr.dtype.element_ty,
+    )  # fmt: skip
+    num_full = tl.maximum(tl.minimum(kv_hi, first_q_pos) - full_lo, 0) // BLOCK_N
+    full_end = full_lo + num_full * BLOCK_N
     acc, m_i, l_i = _attend_key_range(
-        acc, m_i, l_i, q, q_pos, k_base, v_base, table_row, kv_lo, full_end, kv_hi, qk_scale, dims, dim_ok,
+        acc, m_i, l_i, q, q_pos, k_base, v_base, table_row, full_lo, full_end, kv_hi, window, qk_scale, dims, dim_ok,
         stride_bt_col, stride_k_block, stride_k_slot, stride_v_block, stride_v_slot,
         BLOCK_N, BLOCK_SIZE, False, PRECISION, DOT_UPCAST, out_ptr.dtype.element_ty,
     )  # fmt: skip
     acc, m_i, l_i = _attend_key_range(
-        acc, m_i, l_i, q, q_pos, k_base, v_base, table_row, full_end, kv_hi, kv_hi, qk_scale, dims, dim_ok,
+        acc, m_i, l_i, q, q_pos, k_base, v_base, table_row, full_end, kv_hi, kv_hi, window, qk_scale, dims, dim_ok,
         stride_bt_col, stride_k_block, stride_k_slot, stride_v_block, stride_v_slot,
         BLOCK_N, BLOCK_SIZE, True, PRECISION, DOT_UPCAST, out_ptr.dtype.element_ty,
     )  # fmt: skip
@@ -299,13 +317,15 @@ def paged_attention(
     decode_config: AttentionConfig | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    window: int = 0,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Paged causal GQA attention over one step; see the module docstring.
 
     A step with both decode tokens and prefill chunks takes two launches: the decode
     sequences with the decode shape, the others with the prefill shape (each launch skips
     the other's sequences at once). ``k_scale`` / ``v_scale`` dequantise an fp8 cache
-    (stored value times scale); they must be 1.0 for a cache in q's dtype.
+    (stored value times scale); they must be 1.0 for a cache in q's dtype. ``window > 0``:
+    sliding window (a query at p sees keys in ``(p - window, p]``).
 
     Args:
         config: launch shape; chosen by ``choose_config`` when None (tests force others).
@@ -325,7 +345,7 @@ def paged_attention(
     num_decode = meta.decode_count()
     two_launches = 0 < num_decode < meta.num_seqs and (config is None or decode_config is not None)
     choose = functools.partial(_choose, q, k_cache.shape[2], meta.max_seq_len)
-    launch = functools.partial(_launch, q, k_cache, v_cache, out, meta, scale * k_scale, v_scale)
+    launch = functools.partial(_launch, q, k_cache, v_cache, out, meta, scale * k_scale, v_scale, window)
     if not two_launches:
         cfg = config or choose(num_tokens, meta.num_seqs, meta.max_query_len)
         launch(cfg, 1, max(meta.max_query_len, 1), meta.max_query_len)
@@ -359,7 +379,8 @@ def _choose(q, num_kv_heads, max_seq_len, num_tokens, num_seqs, max_query_len) -
     )  # fmt: skip
 
 
-def _launch(q, k_cache, v_cache, out, meta, qk_scale, v_scale, cfg, q_len_lo, q_len_hi, max_query_len) -> None:
+def _launch(q, k_cache, v_cache, out, meta, qk_scale, v_scale, window, cfg, q_len_lo, q_len_hi,
+            max_query_len) -> None:
     """One launch over the sequences whose query length is in [q_len_lo, q_len_hi]."""
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -380,7 +401,7 @@ def _launch(q, k_cache, v_cache, out, meta, qk_scale, v_scale, cfg, q_len_lo, q_
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, part_acc, part_ml,
         meta.query_start_loc, meta.seq_lens, tables,
-        qk_scale, v_scale, num_heads, num_splits, split_len, q_len_lo, q_len_hi, int(by_seq),
+        qk_scale, v_scale, num_heads, num_splits, split_len, q_len_lo, q_len_hi, int(by_seq), window,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),

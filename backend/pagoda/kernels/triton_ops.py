@@ -13,13 +13,15 @@ from pagoda.kernels import triton_attention
 from pagoda.kernels.metadata import AttentionMetadata
 from pagoda.kernels.triton_kv_write import write_kv
 from pagoda.kernels.triton_lora import lora_apply
+from pagoda.kernels.triton_moe import moe_experts
 from pagoda.kernels.triton_norm import rms_norm
 from pagoda.kernels.triton_rotary import apply_rotary
 
-__all__ = ["paged_attention", "write_kv", "rms_norm", "apply_rotary"]
+__all__ = ["paged_attention", "write_kv", "rms_norm", "apply_rotary", "moe_experts"]
 
 
 def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_scale: float = 1.0,
-                    v_scale: float = 1.0):
-    """Paged causal GQA attention for one step (launch shapes chosen per step)."""
-    return triton_attention.paged_attention(q, k_cache, v_cache, meta, scale, k_scale=k_scale, v_scale=v_scale)
+                    v_scale: float = 1.0, window: int = 0):
+    """Paged causal GQA attention for one step (launch shapes chosen per step); ``window``: sliding window."""
+    return triton_attention.paged_attention(q, k_cache, v_cache, meta, scale, k_scale=k_scale, v_scale=v_scale,
+                                            window=window)

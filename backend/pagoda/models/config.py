@@ -1,14 +1,24 @@
 """Model configuration read from a Hugging Face ``config.json``.
 
-``ModelConfig`` holds exactly what the Llama-family decoder needs and nothing else. It is
-read without importing transformers, and accepts both the transformers 4 layout
-(``rope_theta`` and ``rope_scaling`` at top level) and the transformers 5 layout (both
-folded into ``rope_parameters``).
+``ModelConfig`` holds what the decoder families of ``pagoda.models`` need and nothing
+else; it is read without importing transformers, and accepts both the transformers 4
+layout (``rope_theta`` and ``rope_scaling`` at top level) and the transformers 5 layout
+(both folded into ``rope_parameters``).
 
-Supported architectures: Llama, Mistral and Qwen2. They differ only in small switches:
-Qwen2 adds a bias to the q/k/v projections (never to o_proj); Mistral may declare a
-sliding window, which we do not implement, so a context longer than the window is refused
-(see ``check_max_model_len``) rather than silently computed with full attention.
+This module reads the fields every family shares (``common_fields``); a family module
+(``llama``, ``qwen3``, ``mixtral``, ``qwen3_moe``) adds its own switches, and
+``pagoda.models.registry`` picks the family by the config's architecture name (and
+refuses unsupported ones, naming the supported list). Sliding-window attention: a model
+that declares a window gets it in ``sliding_window``; ``layer_types`` (transformers'
+per-layer "sliding_attention" / "full_attention", when the config gives it) says which
+layers use it, else all do; ``layer_window(i)`` is what layer i's attention applies (0:
+none). Qwen2/Qwen3 declare a window that only counts with ``use_sliding_window``, and then
+(without ``layer_types``) only from layer ``max_window_layers`` on, as transformers does.
+
+Mixture-of-Experts fields (``num_experts > 0``): ``num_experts_per_tok`` experts per
+token, each of ``moe_intermediate_size``; ``is_moe_layer(i)`` says which layers are
+sparse (``decoder_sparse_step`` and ``mlp_only_layers``, as Qwen3-MoE defines them;
+Mixtral: every layer).
 
 Rotary frequencies: ``inv_freq()`` reproduces Hugging Face's computation bit for bit
 (float32 throughout), for the ``default`` and ``llama3`` rope types; any other type raises
@@ -25,13 +35,6 @@ from typing import Any, Optional, Union
 
 import torch
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-# Used when a config.json carries no "architectures" list (e.g. a bare LlamaConfig).
-_ARCHITECTURE_BY_MODEL_TYPE = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-}
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 _LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
@@ -56,13 +59,23 @@ class ModelConfig:
     bos_token_id: Optional[int] = None
     eos_token_id: Union[int, list[int], None] = None
     sliding_window: Optional[int] = None
+    layer_types: Optional[tuple[str, ...]] = None  # per layer "sliding_attention" / "full_attention"
     architectures: list[str] = field(default_factory=list)
+    # Mixture of Experts (0 experts: a dense model)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
+        if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
             raise ValueError(
-                f"architecture {self.architecture!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"num_experts_per_tok ({self.num_experts_per_tok}) must be in [1, num_experts={self.num_experts}]"
             )
+        if self.decoder_sparse_step < 1:
+            raise ValueError(f"decoder_sparse_step must be >= 1, got {self.decoder_sparse_step}")
         if self.num_attention_heads % self.num_key_value_heads != 0:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -71,61 +84,6 @@ class ModelConfig:
         if self.head_dim % 2 != 0:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         self.rope_type  # validates rope_scaling
-
-    # ---- reading -------------------------------------------------------------------------
-
-    @classmethod
-    def from_pretrained(cls, path: Union[str, Path]) -> "ModelConfig":
-        """Read ``<path>/config.json`` (or ``path`` itself when it is a file).
-
-        Raises:
-            FileNotFoundError: no config.json there.
-            ValueError: unsupported architecture, rope type or activation.
-        """
-        path = Path(path)
-        file = path / "config.json" if path.is_dir() else path
-        with open(file, encoding="utf-8") as f:
-            return cls.from_dict(json.load(f))
-
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
-        """Build from the parsed contents of a config.json."""
-        architectures = list(raw.get("architectures") or [])
-        architecture = _pick_architecture(architectures, raw.get("model_type"))
-        if raw.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {raw['hidden_act']!r} is not supported; only 'silu'")
-        if raw.get("mlp_bias", False):
-            raise ValueError("mlp_bias=true is not supported")
-        hidden_size = raw["hidden_size"]
-        num_heads = raw["num_attention_heads"]
-        rope_theta, rope_scaling = _read_rope(raw)
-        llama_bias = bool(raw.get("attention_bias", False))
-        is_qwen2 = architecture == "Qwen2ForCausalLM"
-        # Qwen2 declares its sliding window even when it is switched off.
-        sliding_window = raw.get("sliding_window")
-        if is_qwen2 and not raw.get("use_sliding_window", False):
-            sliding_window = None
-        return cls(
-            architecture=architecture,
-            vocab_size=raw["vocab_size"],
-            hidden_size=hidden_size,
-            intermediate_size=raw["intermediate_size"],
-            num_hidden_layers=raw["num_hidden_layers"],
-            num_attention_heads=num_heads,
-            num_key_value_heads=raw.get("num_key_value_heads") or num_heads,
-            head_dim=raw.get("head_dim") or hidden_size // num_heads,
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=rope_theta,
-            max_position_embeddings=raw.get("max_position_embeddings", 2048),
-            rope_scaling=rope_scaling,
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=is_qwen2 or llama_bias,
-            o_proj_bias=llama_bias and not is_qwen2,
-            bos_token_id=raw.get("bos_token_id"),
-            eos_token_id=raw.get("eos_token_id"),
-            sliding_window=sliding_window,
-            architectures=architectures or [architecture],
-        )
 
     # ---- derived values ------------------------------------------------------------------
 
@@ -141,6 +99,19 @@ class ModelConfig:
             if missing:
                 raise ValueError(f"llama3 rope scaling is missing {', '.join(missing)}")
         return rope_type
+
+    def layer_window(self, layer_idx: int) -> int:
+        """The sliding window layer ``layer_idx`` attends with (0: full attention)."""
+        if not self.sliding_window:
+            return 0
+        if self.layer_types is not None and self.layer_types[layer_idx] != "sliding_attention":
+            return 0
+        return self.sliding_window
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """Whether decoder layer ``layer_idx`` has a sparse MoE block (else a dense MLP)."""
+        return (self.num_experts > 0 and layer_idx not in self.mlp_only_layers
+                and (layer_idx + 1) % self.decoder_sparse_step == 0)
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -159,18 +130,9 @@ class ModelConfig:
         Returns:
             the context length to use.
         Raises:
-            ValueError: longer than ``max_position_embeddings``, or than a sliding window
-                (sliding-window attention is not implemented; within the window it is exact).
+            ValueError: longer than ``max_position_embeddings``, or below 1.
         """
         length = self.max_position_embeddings if max_model_len is None else max_model_len
-        if self.sliding_window is not None:
-            if max_model_len is None:
-                length = min(length, self.sliding_window)
-            elif length > self.sliding_window:
-                raise ValueError(
-                    f"max_model_len {length} exceeds the model's sliding_window {self.sliding_window}; "
-                    "sliding-window attention is not supported, use max_model_len <= sliding_window"
-                )
         if length > self.max_position_embeddings:
             raise ValueError(
                 f"max_model_len {length} exceeds max_position_embeddings {self.max_position_embeddings}"
@@ -189,17 +151,64 @@ class ModelConfig:
         return inv_freq
 
 
-def _pick_architecture(architectures: list[str], model_type: Optional[str]) -> str:
-    for name in architectures:
-        if name in SUPPORTED_ARCHITECTURES:
-            return name
-    if architectures:
-        raise ValueError(
-            f"architecture {architectures[0]!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
-    if model_type in _ARCHITECTURE_BY_MODEL_TYPE:
-        return _ARCHITECTURE_BY_MODEL_TYPE[model_type]
-    raise ValueError(f"model_type {model_type!r} is not supported; supported: {', '.join(_ARCHITECTURE_BY_MODEL_TYPE)}")
+def read_config_json(path: Union[str, Path]) -> dict[str, Any]:
+    """The parsed ``<path>/config.json`` (or ``path`` itself when it is a file).
+
+    Raises:
+        FileNotFoundError: no config.json there.
+    """
+    path = Path(path)
+    file = path / "config.json" if path.is_dir() else path
+    with open(file, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def common_fields(raw: dict[str, Any], architecture: str) -> dict[str, Any]:
+    """The ``ModelConfig`` fields every family reads the same way (a family adds its own).
+
+    Raises:
+        ValueError: an activation other than SiLU, or an MLP bias.
+    """
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {raw['hidden_act']!r} is not supported; only 'silu'")
+    if raw.get("mlp_bias", False):
+        raise ValueError("mlp_bias=true is not supported")
+    hidden_size = raw["hidden_size"]
+    num_heads = raw["num_attention_heads"]
+    rope_theta, rope_scaling = _read_rope(raw)
+    return dict(
+        architecture=architecture,
+        vocab_size=raw["vocab_size"],
+        hidden_size=hidden_size,
+        intermediate_size=raw["intermediate_size"],
+        num_hidden_layers=raw["num_hidden_layers"],
+        num_attention_heads=num_heads,
+        num_key_value_heads=raw.get("num_key_value_heads") or num_heads,
+        head_dim=raw.get("head_dim") or hidden_size // num_heads,
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope_theta=rope_theta,
+        max_position_embeddings=raw.get("max_position_embeddings", 2048),
+        rope_scaling=rope_scaling,
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_id=raw.get("eos_token_id"),
+        sliding_window=raw.get("sliding_window"),
+        layer_types=tuple(raw["layer_types"]) if raw.get("layer_types") else None,
+        architectures=list(raw.get("architectures") or [architecture]),
+    )
+
+
+def qwen_sliding_window(raw: dict[str, Any]) -> dict[str, Any]:
+    """Qwen2/Qwen3's window fields: they declare a window even when ``use_sliding_window``
+    switches it off; on, it applies from layer ``max_window_layers`` on (unless
+    ``layer_types`` says otherwise)."""
+    if not raw.get("use_sliding_window", False) or not raw.get("sliding_window"):
+        return {"sliding_window": None, "layer_types": None}
+    if raw.get("layer_types"):
+        return {"sliding_window": raw["sliding_window"], "layer_types": tuple(raw["layer_types"])}
+    first = raw.get("max_window_layers", 0)
+    types = tuple("sliding_attention" if i >= first else "full_attention" for i in range(raw["num_hidden_layers"]))
+    return {"sliding_window": raw["sliding_window"], "layer_types": types}
 
 
 def _read_rope(raw: dict[str, Any]) -> tuple[float, Optional[dict[str, Any]]]:

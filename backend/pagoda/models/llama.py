@@ -1,5 +1,12 @@
 """Llama-family decoder (Llama, Mistral, Qwen2) over a flat batch of tokens and a paged KV cache.
 
+This is also the decoder skeleton the other families build on (``qwen3``, ``mixtral``,
+``qwen3_moe``): a family subclasses ``LlamaForCausalLM`` and swaps pieces through class
+attributes (``layer_class``; a layer's ``attention_class`` and ``make_mlp``) rather than
+branching here. Each piece names the Hugging Face tensors it holds (``weight_targets``),
+so loading needs no per-family table. The family's ``parse_config`` reads its switches
+(Qwen2: bias on q/k/v, never on o_proj; Llama: ``attention_bias`` on all four).
+
 One ``forward`` call runs one engine step: ``num_tokens`` query tokens from many sequences
 laid out back to back (prefill chunks and decode tokens mixed; see
 ``pagoda.kernels.metadata``). There is no batch dimension and no padding.
@@ -32,13 +39,28 @@ from torch import nn
 
 from pagoda import kernels
 from pagoda.kernels import AttentionMetadata
-from pagoda.models.config import ModelConfig
+from pagoda.models.config import ModelConfig, common_fields, qwen_sliding_window
 from pagoda.models.quant import linear
 
 if TYPE_CHECKING:
     from pagoda.models.lora import LoRABatch
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # each [num_blocks, block_size, num_kv_heads, head_dim]
+# A Hugging Face tensor name (relative to its owner) -> (our parameter, the index of it that name fills).
+WeightTargets = dict[str, tuple[torch.Tensor, object]]
+ALL = slice(None)
+
+
+def parse_config(raw: dict, architecture: str) -> ModelConfig:
+    """Llama and Mistral: ``attention_bias`` puts a bias on q/k/v and o_proj."""
+    bias = bool(raw.get("attention_bias", False))
+    return ModelConfig(**common_fields(raw, architecture), attention_bias=bias, o_proj_bias=bias)
+
+
+def parse_qwen2_config(raw: dict, architecture: str) -> ModelConfig:
+    """Qwen2: a bias on q/k/v, never on o_proj; the sliding window only with ``use_sliding_window``."""
+    fields = {**common_fields(raw, architecture), **qwen_sliding_window(raw)}
+    return ModelConfig(**fields, attention_bias=True, o_proj_bias=False)
 
 
 def projection(owner: nn.Module, name: str, x: torch.Tensor, bias: Optional[torch.Tensor],
@@ -54,8 +76,9 @@ def projection(owner: nn.Module, name: str, x: torch.Tensor, bias: Optional[torc
 class Attention(nn.Module):
     linear_weights = ("qkv_weight", "o_weight")  # what quantize_model may replace
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str, window: int = 0) -> None:
         super().__init__()
+        self.window = window  # sliding window (0: full causal attention)
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -88,12 +111,33 @@ class Attention(nn.Module):
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = kernels.apply_rotary(q, k, positions, cos_sin_cache)
+        q, k = self.rotate(q, k, positions, cos_sin_cache)
         k_cache, v_cache = kv_cache
         # Write first: this step's queries attend to this step's keys through the cache.
         kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = kernels.paged_attention(q, k_cache, v_cache, meta, self.scale)  # [num_tokens, num_heads, head_dim]
+        out = kernels.paged_attention(q, k_cache, v_cache, meta, self.scale, window=self.window)  # [T, heads, dim]
         return projection(self, "o_weight", out.reshape(num_tokens, self.q_size), self.o_bias, lora)
+
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+               cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotary embedding of q [num_tokens, heads, head_dim] and k (a family may norm them first)."""
+        return kernels.apply_rotary(q, k, positions, cos_sin_cache)
+
+    def weight_targets(self) -> WeightTargets:
+        q_rows = slice(0, self.q_size)
+        k_rows = slice(self.q_size, self.q_size + self.kv_size)
+        v_rows = slice(self.q_size + self.kv_size, self.q_size + 2 * self.kv_size)
+        table = {"self_attn.q_proj.weight": (self.qkv_weight, q_rows),
+                 "self_attn.k_proj.weight": (self.qkv_weight, k_rows),
+                 "self_attn.v_proj.weight": (self.qkv_weight, v_rows),
+                 "self_attn.o_proj.weight": (self.o_weight, ALL)}
+        if self.qkv_bias is not None:
+            table |= {"self_attn.q_proj.bias": (self.qkv_bias, q_rows),
+                      "self_attn.k_proj.bias": (self.qkv_bias, k_rows),
+                      "self_attn.v_proj.bias": (self.qkv_bias, v_rows)}
+        if self.o_bias is not None:
+            table["self_attn.o_proj.bias"] = (self.o_bias, ALL)
+        return table
 
 
 class MLP(nn.Module):
@@ -116,17 +160,38 @@ class MLP(nn.Module):
         gate, up = projection(self, "gate_up_weight", x, None, lora).split(self.intermediate_size, dim=-1)
         return projection(self, "down_weight", F.silu(gate) * up, None, lora)
 
+    def weight_targets(self) -> WeightTargets:
+        inter = self.intermediate_size
+        return {"mlp.gate_proj.weight": (self.gate_up_weight, slice(0, inter)),
+                "mlp.up_proj.weight": (self.gate_up_weight, slice(inter, 2 * inter)),
+                "mlp.down_proj.weight": (self.down_weight, ALL)}
+
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+    """Pre-norm attention and feed-forward. ``attention_class`` and ``make_mlp`` are a family's seams."""
+
+    attention_class = Attention
+
+    def __init__(self, config: ModelConfig, layer_idx: int, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
         self.eps = config.rms_norm_eps
         self.input_norm = nn.Parameter(torch.empty(config.hidden_size, dtype=dtype, device=device), requires_grad=False)
         self.post_attention_norm = nn.Parameter(
             torch.empty(config.hidden_size, dtype=dtype, device=device), requires_grad=False
         )
-        self.attn = Attention(config, dtype, device)
-        self.mlp = MLP(config, dtype, device)
+        self.attn = self.attention_class(config, dtype, device, window=config.layer_window(layer_idx))
+        self.mlp = self.make_mlp(config, layer_idx, dtype, device)
+
+    def make_mlp(self, config: ModelConfig, layer_idx: int, dtype: torch.dtype,
+                 device: torch.device | str) -> nn.Module:
+        """The feed-forward block of layer ``layer_idx`` (a MoE family returns its sparse block)."""
+        return MLP(config, dtype, device)
+
+    def weight_targets(self) -> WeightTargets:
+        """Hugging Face names under ``model.layers.<i>.`` -> where they load."""
+        return {"input_layernorm.weight": (self.input_norm, ALL),
+                "post_attention_layernorm.weight": (self.post_attention_norm, ALL),
+                **self.attn.weight_targets(), **self.mlp.weight_targets()}
 
     def forward(
         self,
@@ -151,6 +216,8 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """The decoder plus the LM head. Parameters are uninitialised until ``load_weights``."""
 
+    layer_class = DecoderLayer
+
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
         super().__init__()
         self.config = config
@@ -158,7 +225,7 @@ class LlamaForCausalLM(nn.Module):
         self.device = torch.device(device)
         kw = dict(dtype=dtype, device=device)
         self.embed_tokens = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size, **kw), requires_grad=False)
-        self.layers = nn.ModuleList(DecoderLayer(config, dtype, device) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(self.layer_class(config, i, dtype, device) for i in range(config.num_hidden_layers))
         self.norm = nn.Parameter(torch.empty(config.hidden_size, **kw), requires_grad=False)
         if config.tie_word_embeddings:
             self.lm_head = self.embed_tokens
@@ -194,19 +261,7 @@ class LlamaForCausalLM(nn.Module):
 
     def expected_weight_names(self) -> set[str]:
         """The Hugging Face parameter names this model needs from a checkpoint."""
-        names = {"model.embed_tokens.weight", "model.norm.weight"}
-        if not self.config.tie_word_embeddings:
-            names.add("lm_head.weight")
-        for i in range(self.config.num_hidden_layers):
-            p = f"model.layers.{i}."
-            names |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight"}
-            names |= {p + f"mlp.{m}.weight" for m in ("gate_proj", "up_proj", "down_proj")}
-            names |= {p + f"self_attn.{m}.weight" for m in ("q_proj", "k_proj", "v_proj", "o_proj")}
-            if self.config.attention_bias:
-                names |= {p + f"self_attn.{m}.bias" for m in ("q_proj", "k_proj", "v_proj")}
-            if self.config.o_proj_bias:
-                names.add(p + "self_attn.o_proj.bias")
-        return names
+        return set(self._weight_table())
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
@@ -219,12 +274,12 @@ class LlamaForCausalLM(nn.Module):
         Raises:
             ValueError: a tensor's shape does not match the config.
         """
-        expected = self.expected_weight_names()
+        table = self._weight_table()
         loaded: set[str] = set()
         for name, tensor in weights:
-            if name not in expected:
+            if name not in table:
                 continue
-            target, rows = self._weight_target(name)
+            target, rows = table[name]
             want = tuple(target[rows].shape)
             if want != tuple(tensor.shape):
                 raise ValueError(f"{name}: shape {tuple(tensor.shape)} does not match the config's {want}")
@@ -232,39 +287,15 @@ class LlamaForCausalLM(nn.Module):
             loaded.add(name)
         return loaded
 
-    def _weight_target(self, name: str) -> tuple[torch.Tensor, slice]:
-        """The parameter (and the row range of it) that a Hugging Face name fills."""
-        everything = slice(None)
-        if name == "model.embed_tokens.weight":
-            return self.embed_tokens, everything
-        if name == "model.norm.weight":
-            return self.norm, everything
-        if name == "lm_head.weight":
-            return self.lm_head, everything
-        parts = name.split(".")  # model.layers.<i>.<module>.<proj>.<weight|bias>
-        layer = self.layers[int(parts[2])]
-        attn, mlp = layer.attn, layer.mlp
-        local = ".".join(parts[3:])
-        q_rows = slice(0, attn.q_size)
-        k_rows = slice(attn.q_size, attn.q_size + attn.kv_size)
-        v_rows = slice(attn.q_size + attn.kv_size, attn.q_size + 2 * attn.kv_size)
-        inter = mlp.intermediate_size
-        table = {
-            "input_layernorm.weight": (layer.input_norm, everything),
-            "post_attention_layernorm.weight": (layer.post_attention_norm, everything),
-            "self_attn.q_proj.weight": (attn.qkv_weight, q_rows),
-            "self_attn.k_proj.weight": (attn.qkv_weight, k_rows),
-            "self_attn.v_proj.weight": (attn.qkv_weight, v_rows),
-            "self_attn.q_proj.bias": (attn.qkv_bias, q_rows),
-            "self_attn.k_proj.bias": (attn.qkv_bias, k_rows),
-            "self_attn.v_proj.bias": (attn.qkv_bias, v_rows),
-            "self_attn.o_proj.weight": (attn.o_weight, everything),
-            "self_attn.o_proj.bias": (attn.o_bias, everything),
-            "mlp.gate_proj.weight": (mlp.gate_up_weight, slice(0, inter)),
-            "mlp.up_proj.weight": (mlp.gate_up_weight, slice(inter, 2 * inter)),
-            "mlp.down_proj.weight": (mlp.down_weight, everything),
-        }
-        return table[local]
+    def _weight_table(self) -> WeightTargets:
+        """Every Hugging Face name this model loads -> (parameter, index into it)."""
+        table: WeightTargets = {"model.embed_tokens.weight": (self.embed_tokens, ALL),
+                                "model.norm.weight": (self.norm, ALL)}
+        if not self.config.tie_word_embeddings:
+            table["lm_head.weight"] = (self.lm_head, ALL)
+        for i, layer in enumerate(self.layers):
+            table |= {f"model.layers.{i}.{local}": target for local, target in layer.weight_targets().items()}
+        return table
 
 
 def make_cos_sin_cache(config: ModelConfig, device: torch.device | str = "cpu") -> torch.Tensor:

@@ -1,4 +1,7 @@
-"""Load a Hugging Face model folder (config.json + safetensors) into ``LlamaForCausalLM``.
+"""Load a Hugging Face model folder (config.json + safetensors) into its family's model.
+
+The family (and so the model class) comes from ``pagoda.models.registry`` by the
+config's architecture name.
 
 Accepts a single ``model.safetensors`` or a sharded checkpoint described by
 ``model.safetensors.index.json``. Tensors are read one at a time from memory-mapped files
@@ -26,6 +29,7 @@ from safetensors import safe_open
 from pagoda.models.config import ModelConfig
 from pagoda.models.llama import LlamaForCausalLM
 from pagoda.models.quant import check_quantization, quantize_model
+from pagoda.models.registry import build_model, config_from_pretrained
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -45,7 +49,7 @@ def load_model(
         device: where the parameters live.
         quantization: ``None`` or ``"int8"`` (weight-only, per output channel).
     Returns:
-        the model in eval mode.
+        the model in eval mode (a ``LlamaForCausalLM`` or a family's subclass of it).
     Raises:
         FileNotFoundError: no config.json or no safetensors checkpoint in ``path``.
         ValueError: unsupported config, missing, unexpected or mis-shaped weights, or an
@@ -53,8 +57,8 @@ def load_model(
     """
     check_quantization(quantization)
     path = Path(path)
-    config = ModelConfig.from_pretrained(path)
-    model = LlamaForCausalLM(config, dtype=dtype, device=device)
+    config = config_from_pretrained(path)
+    model = build_model(config, dtype=dtype, device=device)
     files = checkpoint_files(path)
     expected = model.expected_weight_names()
     names_in_checkpoint: set[str] = set()

@@ -7,7 +7,10 @@ optional ``use_rslora``, ``rank_pattern``/``alpha_pattern``) and
 ``base_model.model.model.layers.<i>.<self_attn|mlp>.<proj>.lora_A.weight`` (``[r, in]``)
 and ``...lora_B.weight`` (``[out, r]``). Targets may be any of ``q_proj k_proj v_proj
 o_proj gate_proj up_proj down_proj``; anything else (embeddings, the LM head, DoRA,
-biases) is refused with a clear error rather than silently ignored.
+biases) is refused with a clear error rather than silently ignored. On a Mixture-of-Experts
+model, LoRA on the experts or the router is refused too (an adapter naming ``experts``, a
+``block_sparse_moe`` module, or an MLP target on a sparse layer); its attention targets and
+the dense layers' MLPs (Qwen3-MoE's ``mlp_only_layers``) are adapted as usual.
 
 Fusing: the model stores q/k/v as one ``qkv_weight`` and gate/up as one ``gate_up_weight``
 (``models/llama.py``), so an adapter is stored per fused projection as one shrink matrix
@@ -91,6 +94,8 @@ def _read_config(folder: Path) -> dict:
 def _target_name(key: str) -> tuple[int, str, str]:
     """``base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight`` -> (3, "q_proj", "A")."""
     parts = key.split(".")
+    if "experts" in parts or "block_sparse_moe" in parts:
+        raise ValueError(f"unsupported LoRA weight {key!r}: LoRA on MoE expert or router weights is not supported")
     try:
         i = parts.index("layers")
         layer, proj, which = int(parts[i + 1]), parts[i + 3], parts[i + 4]
@@ -128,6 +133,9 @@ def load_peft_adapter(name: str, path: str, config: ModelConfig, max_rank: int,
         if not 0 <= layer < config.num_hidden_layers:
             raise ValueError(f"LoRA adapter {name!r}: {key} names layer {layer}; the model has "
                              f"{config.num_hidden_layers}")
+        if _PEFT_MODULE[proj] == "mlp" and config.is_moe_layer(layer):
+            raise ValueError(f"LoRA adapter {name!r}: {key} adapts {proj} of layer {layer}, a MoE layer; "
+                             "LoRA on MoE expert weights is not supported")
         per_layer[layer].setdefault(proj, {})[which] = tensor
     rank = 0
     fused_layers = []
@@ -208,8 +216,8 @@ class LoRASlots:
         self.model, self.num_slots, self.max_rank = model, num_slots, max_rank
         config, dtype, device = model.config, model.dtype, model.device
         shapes = target_shapes(config)
-        for layer in model.layers:
-            for fused_name, (owner_name, names) in FUSED_TARGETS.items():
+        for index, layer in enumerate(model.layers):
+            for fused_name, (owner_name, names) in _layer_targets(config, index):
                 owner = getattr(layer, owner_name)
                 out_f = sum(shapes[t][0] for t in names)
                 in_f = shapes[names[0]][1]
@@ -224,7 +232,7 @@ class LoRASlots:
         """Copy ``adapter`` into ``slot`` (zeros where it adapts nothing; ``None`` clears)."""
         assert 0 <= slot < self.num_slots, f"slot {slot} out of range"
         for index, layer in enumerate(self.model.layers):
-            for fused_name, (owner_name, _) in FUSED_TARGETS.items():
+            for fused_name, (owner_name, _) in _layer_targets(self.model.config, index):
                 a_stack, b_stack = getattr(layer, owner_name).lora_stacks[fused_name]
                 pair = adapter.weights[index].get(fused_name) if adapter is not None else None
                 if pair is None:
@@ -236,8 +244,14 @@ class LoRASlots:
 
     def bytes_per_slot(self) -> int:
         total = 0
-        for layer in self.model.layers:
-            for owner_name in ("attn", "mlp"):
-                for a, b in getattr(layer, owner_name).lora_stacks.values():
-                    total += (a[0].numel() + b[0].numel()) * a.element_size()
+        for index, layer in enumerate(self.model.layers):
+            for fused_name, (owner_name, _) in _layer_targets(self.model.config, index):
+                a, b = getattr(layer, owner_name).lora_stacks[fused_name]
+                total += (a[0].numel() + b[0].numel()) * a.element_size()
         return total
+
+
+def _layer_targets(config: ModelConfig, layer: int) -> list[tuple[str, tuple[str, tuple[str, ...]]]]:
+    """The fused projections of ``layer`` that take adapters (a MoE layer's MLP takes none)."""
+    return [(fused, (owner, names)) for fused, (owner, names) in FUSED_TARGETS.items()
+            if not (owner == "mlp" and config.is_moe_layer(layer))]

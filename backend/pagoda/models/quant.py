@@ -231,11 +231,15 @@ def quantize_model(model: nn.Module, method: str = "int8") -> nn.Module:
         ``model``.
     Raises:
         ValueError: unknown ``method``; ``"fp8"`` on a device that cannot run it (CUDA below
-            sm_89); a model already quantized with the other method.
+            sm_89); a model already quantized with the other method; a module that declares
+            ``quantization_unsupported`` (MoE experts), checked before anything is converted.
     """
     check_quantization(method)
     cls = Fp8Weight if method == "fp8" else Int8Weight
     weights = []
+    for module in model.modules():
+        if getattr(module, "quantization_unsupported", None):
+            raise ValueError(f"quantization {method!r}: {module.quantization_unsupported}")
     for module in model.modules():
         for name in getattr(module, "linear_weights", ()):
             weight = getattr(module, name)

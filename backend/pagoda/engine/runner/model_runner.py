@@ -56,6 +56,7 @@ from pagoda.models.config import ModelConfig
 from pagoda.models.llama import LlamaForCausalLM
 from pagoda.models.loader import load_model
 from pagoda.models.quant import quantize_model
+from pagoda.models.registry import build_model
 
 logger = logging.getLogger(__name__)
 
@@ -259,7 +260,7 @@ def make_random_model(
     biases 0, LM head ~ N(0, 16/hidden) so logits spread (std ~4) and greedy picks are not
     near-ties. Drawn on ``device`` with its own generator: the same on every run of one
     device type. ``quantization`` is applied as ``load_model`` would."""
-    model = LlamaForCausalLM(model_config, dtype=dtype, device=device)
+    model = build_model(model_config, dtype=dtype, device=device)
     generator = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():  # a tied LM head is listed once
@@ -271,7 +272,7 @@ def make_random_model(
                 param.normal_(0.0, 1.0, generator=generator)
             else:
                 gain = 16.0 if name == "lm_head" else 1.0
-                param.normal_(0.0, (gain / param.shape[1]) ** 0.5, generator=generator)
+                param.normal_(0.0, (gain / param.shape[-1]) ** 0.5, generator=generator)  # fan-in (stacked experts too)
     if quantization is not None:
         quantize_model(model, quantization)
     return model.eval()

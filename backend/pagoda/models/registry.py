@@ -1,0 +1,96 @@
+"""Model families by Hugging Face architecture name: the one place a model is chosen.
+
+A family is one module of ``pagoda.models`` that gives a config parser
+(``parse_config(raw, architecture) -> ModelConfig``) and a model class (a
+``LlamaForCausalLM`` subclass: the decoder skeleton with the family's pieces). Adding a
+family is one module plus one entry in ``_FAMILIES``; nothing else picks a model class.
+
+Invariants:
+- every caller builds configs with ``config_from_dict`` / ``config_from_pretrained`` and
+  models with ``build_model`` (the loader, the runner's random-weight model);
+- an architecture not listed here is refused with a ``ValueError`` naming it and the
+  supported list; a config.json without ``architectures`` is matched by ``model_type``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Union
+
+import torch
+
+from pagoda.models import llama, mixtral, qwen3, qwen3_moe
+from pagoda.models.config import ModelConfig, read_config_json
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    architecture: str  # the name in config.json's "architectures"
+    model_type: str  # config.json's "model_type" (used when "architectures" is absent)
+    parse_config: Callable[[dict[str, Any], str], ModelConfig]
+    model_class: type[llama.LlamaForCausalLM]
+
+
+_FAMILIES = {f.architecture: f for f in (
+    ModelFamily("LlamaForCausalLM", "llama", llama.parse_config, llama.LlamaForCausalLM),
+    ModelFamily("MistralForCausalLM", "mistral", llama.parse_config, llama.LlamaForCausalLM),
+    ModelFamily("Qwen2ForCausalLM", "qwen2", llama.parse_qwen2_config, llama.LlamaForCausalLM),
+    ModelFamily("Qwen3ForCausalLM", "qwen3", qwen3.parse_config, qwen3.Qwen3ForCausalLM),
+    ModelFamily("MixtralForCausalLM", "mixtral", mixtral.parse_config, mixtral.MixtralForCausalLM),
+    ModelFamily("Qwen3MoeForCausalLM", "qwen3_moe", qwen3_moe.parse_config, qwen3_moe.Qwen3MoeForCausalLM),
+)}
+SUPPORTED_ARCHITECTURES = tuple(_FAMILIES)
+
+
+def family(architecture: str) -> ModelFamily:
+    """The family registered under ``architecture``.
+
+    Raises:
+        ValueError: not a supported architecture (the message lists the supported ones).
+    """
+    if architecture not in _FAMILIES:
+        raise ValueError(
+            f"architecture {architecture!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    return _FAMILIES[architecture]
+
+
+def config_from_dict(raw: dict[str, Any]) -> ModelConfig:
+    """Build a ``ModelConfig`` from the parsed contents of a config.json.
+
+    Raises:
+        ValueError: unsupported architecture, rope type, activation or MoE setting.
+    """
+    architecture = _pick_architecture(raw)
+    return family(architecture).parse_config(raw, architecture)
+
+
+def config_from_pretrained(path: Union[str, Path]) -> ModelConfig:
+    """Read ``<path>/config.json`` (or ``path`` itself when it is a file).
+
+    Raises:
+        FileNotFoundError: no config.json there.
+        ValueError: as ``config_from_dict``.
+    """
+    return config_from_dict(read_config_json(path))
+
+
+def build_model(config: ModelConfig, dtype: torch.dtype = torch.float32,
+                device: Union[str, torch.device] = "cpu") -> llama.LlamaForCausalLM:
+    """The family's model for ``config``, parameters uninitialised (``load_weights`` fills them)."""
+    return family(config.architecture).model_class(config, dtype=dtype, device=device)
+
+
+def _pick_architecture(raw: dict[str, Any]) -> str:
+    architectures = list(raw.get("architectures") or [])
+    for name in architectures:
+        if name in _FAMILIES:
+            return name
+    if architectures:
+        family(architectures[0])  # raises, naming it
+    by_type = {f.model_type: f.architecture for f in _FAMILIES.values()}
+    model_type = raw.get("model_type")
+    if model_type in by_type:
+        return by_type[model_type]
+    raise ValueError(f"model_type {model_type!r} is not supported; supported: {', '.join(by_type)}")
