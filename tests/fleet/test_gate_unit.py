@@ -6,6 +6,7 @@ before any routing (keys never in logs or metrics)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import struct
@@ -391,41 +392,48 @@ def test_grpc_door_refuses_a_message_over_the_body_limit_and_keeps_serving(token
     asyncio.run(_grpc_limit_scenario(tokenizer))
 
 
-async def _grpc_limit_scenario(tokenizer):
+@contextlib.asynccontextmanager
+async def _grpc_door(tokenizer, gate):
+    """The router's gRPC door over ``gate`` and no replicas, on a free port; yields a stub."""
     import grpc
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
     from tritonclient.grpc import service_pb2_grpc
 
     from pagoda.fleet.api.grpc_proxy import GrpcProxy, make_grpc_server
     from pagoda.fleet.api.tracing import RouterTracer
     from pagoda.fleet.api.upstream import GrpcUpstream
-    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    gate = Gate(RequestLimits(max_body_bytes=2**20))
     router = Router(ReplicaSet("static"), tokenizer, "m", "least_loaded")  # no replicas
     proxy = GrpcProxy(router, RouterTracer(InMemorySpanExporter(), batch=False), gate, GrpcUpstream(router, gate))
     server, port = make_grpc_server(proxy, "127.0.0.1", 0)
     await server.start()
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
-            big = _infer_request()
-            big.raw_input_contents[0] = struct.pack("<I", 3 * 2**20) + b"x" * (3 * 2**20)
-            with pytest.raises(grpc.aio.AioRpcError) as info:
-                await stub.ModelInfer(big)
-            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert str(2**20) in info.value.details(), info.value.details()
-
-            async def one(request):
-                return [response async for response in stub.ModelStreamInfer(iter([request]))]
-
-            with pytest.raises(grpc.aio.AioRpcError) as info:
-                await one(big)
-            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert (await stub.ServerLive(service_pb2.ServerLiveRequest())).live
-            [answer] = await one(_infer_request('{"max_tokens": 2}'))  # a normal request is routed (no replica)
-            assert "no replica" in answer.error_message
+            yield service_pb2_grpc.GRPCInferenceServiceStub(channel)
     finally:
         await server.stop(0)
+
+
+async def _grpc_limit_scenario(tokenizer):
+    import grpc
+
+    async with _grpc_door(tokenizer, Gate(RequestLimits(max_body_bytes=2**20))) as stub:
+        big = _infer_request()
+        big.raw_input_contents[0] = struct.pack("<I", 3 * 2**20) + b"x" * (3 * 2**20)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.ModelInfer(big)
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert str(2**20) in info.value.details(), info.value.details()
+
+        async def one(request):
+            return [response async for response in stub.ModelStreamInfer(iter([request]))]
+
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await one(big)
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert (await stub.ServerLive(service_pb2.ServerLiveRequest())).live
+        [answer] = await one(_infer_request('{"max_tokens": 2}'))  # a normal request is routed (no replica)
+        assert "no replica" in answer.error_message
 
 
 # ------------------------------------------------------------------ tokenization off the loop
@@ -538,28 +546,13 @@ def test_keyed_grpc_door_shows_the_model_config_only_to_key_holders(tokenizer):
 
 async def _grpc_config_scenario(tokenizer):
     import grpc
-    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-    from tritonclient.grpc import service_pb2_grpc
 
-    from pagoda.fleet.api.grpc_proxy import GrpcProxy, make_grpc_server
-    from pagoda.fleet.api.tracing import RouterTracer
-    from pagoda.fleet.api.upstream import GrpcUpstream
-
-    gate = Gate(RequestLimits(), ApiKeys.parse(f"{SECRET} acme", "keys"))
-    router = Router(ReplicaSet("static"), tokenizer, "m", "least_loaded")  # no replicas
-    proxy = GrpcProxy(router, RouterTracer(InMemorySpanExporter(), batch=False), gate, GrpcUpstream(router, gate))
-    server, port = make_grpc_server(proxy, "127.0.0.1", 0)
-    await server.start()
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
-            with pytest.raises(grpc.aio.AioRpcError) as info:
-                await stub.ModelConfig(service_pb2.ModelConfigRequest(name="pagoda"))
-            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED and SECRET not in info.value.details()
-            with pytest.raises(grpc.aio.AioRpcError) as info:  # with the key: past the gate, no replica here
-                await stub.ModelConfig(service_pb2.ModelConfigRequest(name="pagoda"),
-                                       metadata=(("authorization", f"Bearer {SECRET}"),))
-            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-            assert (await stub.ServerLive(service_pb2.ServerLiveRequest())).live
-    finally:
-        await server.stop(0)
+    async with _grpc_door(tokenizer, Gate(RequestLimits(), ApiKeys.parse(f"{SECRET} acme", "keys"))) as stub:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.ModelConfig(service_pb2.ModelConfigRequest(name="pagoda"))
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED and SECRET not in info.value.details()
+        with pytest.raises(grpc.aio.AioRpcError) as info:  # with the key: past the gate, no replica here
+            await stub.ModelConfig(service_pb2.ModelConfigRequest(name="pagoda"),
+                                   metadata=(("authorization", f"Bearer {SECRET}"),))
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert (await stub.ServerLive(service_pb2.ServerLiveRequest())).live
