@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Callable, Optional
 
 import torch
 
@@ -36,7 +37,32 @@ RANDOM_CONFIGS = {
     "qwen3-moe": ("Qwen3MoeConfig", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=8,
                                          num_experts_per_tok=2, moe_intermediate_size=128, norm_topk_prob=True,
                                          mlp_only_layers=[0])),
+    # Gemma 3: an 8-token window on the local layer 0 (its own rope base, 100 so that it
+    # matters within the prompts), global layer 1 (Gemma 3's 10^6 base).
+    "gemma3-window8": ("Gemma3TextConfig", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                                                query_pre_attn_scalar=48, sliding_window=8,
+                                                layer_types=["sliding_attention", "full_attention"],
+                                                rope_parameters={"sliding_attention": {"rope_type": "default",
+                                                                                       "rope_theta": 100.0},
+                                                                 "full_attention": {"rope_type": "default",
+                                                                                    "rope_theta": 1e6}})),
 }
+
+
+@torch.no_grad()
+def _gemma_weights(model) -> None:
+    """Gemma scales embeddings by sqrt(hidden) (16 here) and starts its norms at 0 (x1): the
+    residual stream would be the token's own embedding and greedy would not depend on
+    attention. Embeddings / 16 and norms at 1.5-2.5x make the window and local rope matter
+    (checked: without the window, or with the global rope base on layer 0, every prompt's
+    HF greedy tokens change)."""
+    model.model.embed_tokens.weight.div_(model.config.hidden_size**0.5)
+    for name, param in model.named_parameters():
+        if "norm" in name:
+            param.uniform_(0.5, 1.5)
+
+
+WEIGHT_EDITS = {"gemma3-window8": _gemma_weights}  # applied to the transformers model before saving
 
 
 def make_random_model(out_dir: Path, name: str, tokenizer_dir: str, seed: int = 0) -> Path:
@@ -45,15 +71,16 @@ def make_random_model(out_dir: Path, name: str, tokenizer_dir: str, seed: int = 
     kwargs = dict(vocab_size=49152, hidden_size=256, intermediate_size=384, num_hidden_layers=2,
                   max_position_embeddings=1024, tie_word_embeddings=True)
     kwargs.update(overrides)
-    return save_random_model(out_dir, tokenizer_dir, seed, cls_name, **kwargs)
+    return save_random_model(out_dir, tokenizer_dir, seed, cls_name, edit_weights=WEIGHT_EDITS.get(name), **kwargs)
 
 
 def save_random_model(out_dir: Path, tokenizer_dir: str, seed: int, cls_name: str = "LlamaConfig",
-                      **config_kwargs) -> Path:
+                      edit_weights: Optional[Callable[[torch.nn.Module], None]] = None, **config_kwargs) -> Path:
     """Save a random-weight ``cls_name`` model built from ``config_kwargs``, with SmolLM2's tokenizer.
 
     ``initializer_range`` defaults to 0.3 (0.02 gives near-tied logits and fragile greedy
-    comparisons); bos/eos are ids 1 and 2.
+    comparisons); bos/eos are ids 1 and 2. ``edit_weights`` (drawing from the same seeded
+    stream) may change the transformers model before it is saved.
     """
     import transformers
 
@@ -62,6 +89,8 @@ def save_random_model(out_dir: Path, tokenizer_dir: str, seed: int, cls_name: st
     config = getattr(transformers, cls_name)(**kwargs)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if edit_weights is not None:
+        edit_weights(model)
     out_dir = Path(out_dir)
     model.save_pretrained(out_dir)
     for f in TOKENIZER_FILES:

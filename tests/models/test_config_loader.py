@@ -202,3 +202,56 @@ def test_qwen3_head_dim_is_its_own_and_no_bias_by_default():
     assert {"model.layers.0.self_attn.q_norm.weight", "model.layers.0.self_attn.k_norm.weight"} <= \
         model.expected_weight_names()
     assert type(model).__name__ == "Qwen3ForCausalLM"
+
+
+GEMMA3 = dict(architectures=["Gemma3ForCausalLM"], hidden_activation="gelu_pytorch_tanh", num_hidden_layers=7,
+              head_dim=16, sliding_window=8, query_pre_attn_scalar=24)
+
+
+@pytest.mark.parametrize("layout", ["v4", "v5"])
+def test_gemma3_rope_per_layer_type_and_its_fields(layout):
+    """transformers 5 keys rope_parameters by layer type; transformers 4 wrote rope_theta,
+    rope_scaling (global layers) and rope_local_base_freq at top level, and
+    sliding_window_pattern instead of layer_types. Both give transformers' inv_freq."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    scaling = {"rope_type": "linear", "factor": 8.0}
+    by_type = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+               "full_attention": {**scaling, "rope_theta": 1e6}}
+    if layout == "v5":
+        layer_types = ["sliding_attention"] * 5 + ["full_attention"] * 2
+        c = config(**GEMMA3, rope_parameters=by_type, layer_types=layer_types)
+    else:
+        c = config(**GEMMA3, rope_theta=1e6, rope_scaling=scaling, rope_local_base_freq=10000.0, sliding_window_pattern=6)
+        layer_types = ["sliding_attention"] * 5 + ["full_attention", "sliding_attention"]
+    assert c.architecture == "Gemma3ForCausalLM" and list(c.layer_types) == layer_types
+    assert (c.rope_theta, c.rope_scaling, c.local_rope_theta) == (1e6, {"rope_type": "linear", "factor": 8.0}, 1e4)
+    assert c.query_pre_attn_scalar == 24.0 and c.final_logit_softcapping is None
+    assert [c.layer_window(i) for i in range(7)] == [8 if t == "sliding_attention" else 0 for t in layer_types]
+    fields = {k: v for k, v in {**BASE, **GEMMA3}.items() if k != "architectures"}
+    hf = transformers.Gemma3TextConfig(**fields, rope_parameters=by_type, layer_types=layer_types)
+    hf_inv_freq, _ = ROPE_INIT_FUNCTIONS["linear"](hf, "cpu", layer_type="full_attention")
+    assert torch.equal(c.inv_freq(), hf_inv_freq.float())
+    model = build_model(c)
+    assert torch.equal(model.local_cos_sin_cache[5, :8], torch.cos(5 * 1e4 ** -(torch.arange(0, 16, 2) / 16)))
+    assert "lm_head.weight" not in model.expected_weight_names()  # tied by default
+    assert {"model.layers.0.pre_feedforward_layernorm.weight", "model.layers.0.post_feedforward_layernorm.weight",
+            "model.layers.0.self_attn.q_norm.weight"} <= model.expected_weight_names()
+
+
+def test_gemma3_refuses_what_the_kernels_do_not_do():
+    with pytest.raises(ValueError, match="hidden_activation 'gelu' is not supported"):
+        config(**{**GEMMA3, "hidden_activation": "gelu"})
+    with pytest.raises(ValueError, match="attn_logit_softcapping"):
+        config(**GEMMA3, attn_logit_softcapping=50.0)
+    with pytest.raises(ValueError, match="use_bidirectional_attention"):
+        config(**GEMMA3, use_bidirectional_attention=True)
+    with pytest.raises(ValueError, match="sliding_attention layers"):
+        config(**GEMMA3, rope_parameters={"sliding_attention": {"rope_type": "linear", "factor": 2.0},
+                                          "full_attention": {"rope_type": "default"}})
+    with pytest.raises(ValueError, match="linear rope scaling is missing factor"):
+        config(rope_scaling={"rope_type": "linear"})
+    assert config(architectures=None, model_type="gemma3_text").architecture == "Gemma3ForCausalLM"
+    with pytest.raises(ValueError, match="Gemma3ForConditionalGeneration"):  # the multimodal one: not served
+        config(architectures=["Gemma3ForConditionalGeneration"])

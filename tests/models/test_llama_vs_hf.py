@@ -132,6 +132,22 @@ RANDOM_CASES = {
              num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=False, decoder_sparse_step=2,
              tie_word_embeddings=False),
     ),
+    # Gemma 3: (1 + w) norms (random, four per layer and q/k), sqrt(hidden) embedding scale,
+    # query_pre_attn_scalar, GELU-tanh, a 4-token window on the local layer 0 with its own
+    # rope base, the global layer 1 with linear rope scaling; tied head.
+    "gemma3-local-global-window4": (
+        "Gemma3TextConfig",
+        dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=48, query_pre_attn_scalar=40,
+             sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+             rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                              "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}}),
+    ),
+    # Global first, then local; final logit soft-capping (Gemma 2's, None in Gemma 3) at 5.
+    "gemma3-global-local-softcap": (
+        "Gemma3TextConfig",
+        dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=1, head_dim=32, sliding_window=5,
+             layer_types=["full_attention", "sliding_attention"], final_logit_softcapping=5.0),
+    ),
 }
 
 
@@ -144,7 +160,7 @@ def build_random_model(name: str, out_dir):
         for param_name, param in model.named_parameters():
             if param_name.endswith("bias"):
                 param.normal_(0.0, 0.3)
-            elif "norm" in param_name:
+            elif "norm" in param_name:  # (Gemma scales by 1 + w: 1.5 to 2.5)
                 param.uniform_(0.5, 1.5)
     shard = "60KB" if "sharded" in name else "1GB"
     model.save_pretrained(out_dir, max_shard_size=shard)
@@ -157,7 +173,7 @@ def test_random_model_matches_transformers(name, tmp_path):
     if "sharded" in name:
         assert (tmp_path / "model.safetensors.index.json").exists()
     ours = load_model(tmp_path)
-    assert ours.config.architecture == RANDOM_CASES[name][0].replace("Config", "ForCausalLM")
+    assert ours.config.architecture == type(hf_model).__name__
     rng = random.Random(name)
     seq_a = [rng.randrange(256) for _ in range(11)]
     seq_b = [rng.randrange(256) for _ in range(7)]

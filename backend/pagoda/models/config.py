@@ -6,7 +6,7 @@ layout (``rope_theta`` and ``rope_scaling`` at top level) and the transformers 5
 (both folded into ``rope_parameters``).
 
 This module reads the fields every family shares (``common_fields``); a family module
-(``llama``, ``qwen3``, ``mixtral``, ``qwen3_moe``) adds its own switches, and
+(``llama``, ``qwen3``, ``mixtral``, ``qwen3_moe``, ``gemma3``) adds its own switches, and
 ``pagoda.models.registry`` picks the family by the config's architecture name (and
 refuses unsupported ones, naming the supported list). Sliding-window attention: a model
 that declares a window gets it in ``sliding_window``; ``layer_types`` (transformers'
@@ -21,8 +21,9 @@ sparse (``decoder_sparse_step`` and ``mlp_only_layers``, as Qwen3-MoE defines th
 Mixtral: every layer).
 
 Rotary frequencies: ``inv_freq()`` reproduces Hugging Face's computation bit for bit
-(float32 throughout), for the ``default`` and ``llama3`` rope types; any other type raises
-``ValueError`` naming it.
+(float32 throughout), for the ``default``, ``linear`` and ``llama3`` rope types; any other
+type raises ``ValueError`` naming it. ``rope_parameters`` keyed by layer type (Gemma 3) is
+read per layer type (``read_rope``); the shared fields take ``full_attention``'s.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-SUPPORTED_ROPE_TYPES = ("default", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 _LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
@@ -68,6 +69,10 @@ class ModelConfig:
     norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    # Gemma 3 (defaults: what the other families do)
+    local_rope_theta: Optional[float] = None  # rope base of "sliding_attention" layers (None: rope_theta)
+    query_pre_attn_scalar: Optional[float] = None  # softmax scale is its ** -0.5 (None: head_dim's)
+    final_logit_softcapping: Optional[float] = None  # logits = cap * tanh(logits / cap)
 
     def __post_init__(self) -> None:
         if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
@@ -94,6 +99,8 @@ class ModelConfig:
         rope_type = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(f"rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+        if rope_type == "linear" and "factor" not in self.rope_scaling:
+            raise ValueError("linear rope scaling is missing factor")
         if rope_type == "llama3":
             missing = [k for k in _LLAMA3_ROPE_KEYS if k not in self.rope_scaling]
             if missing:
@@ -148,6 +155,8 @@ class ModelConfig:
         inv_freq = 1.0 / (self.rope_theta**exponents)
         if self.rope_type == "llama3":
             inv_freq = _llama3_scale(inv_freq, self.rope_scaling)
+        elif self.rope_type == "linear":
+            inv_freq = inv_freq / self.rope_scaling["factor"]
         return inv_freq
 
 
@@ -175,7 +184,7 @@ def common_fields(raw: dict[str, Any], architecture: str) -> dict[str, Any]:
         raise ValueError("mlp_bias=true is not supported")
     hidden_size = raw["hidden_size"]
     num_heads = raw["num_attention_heads"]
-    rope_theta, rope_scaling = _read_rope(raw)
+    rope_theta, rope_scaling = read_rope(raw)
     return dict(
         architecture=architecture,
         vocab_size=raw["vocab_size"],
@@ -211,9 +220,19 @@ def qwen_sliding_window(raw: dict[str, Any]) -> dict[str, Any]:
     return {"sliding_window": raw["sliding_window"], "layer_types": types}
 
 
-def _read_rope(raw: dict[str, Any]) -> tuple[float, Optional[dict[str, Any]]]:
-    """(rope_theta, rope_scaling) from either the transformers 4 or 5 layout."""
+def rope_by_layer_type(raw: dict[str, Any]) -> bool:
+    """Whether ``rope_parameters`` is keyed by layer type (transformers 5 Gemma 3:
+    ``{"full_attention": {...}, "sliding_attention": {...}}``)."""
+    params = raw.get("rope_parameters") or {}
+    return bool(params) and all(isinstance(v, dict) for v in params.values())
+
+
+def read_rope(raw: dict[str, Any], layer_type: str = "full_attention") -> tuple[float, Optional[dict[str, Any]]]:
+    """(rope_theta, rope_scaling) from the transformers 4 layout (top level), the transformers 5
+    layout (``rope_parameters``) or its per-layer-type form (``layer_type``'s entry)."""
     params = dict(raw.get("rope_parameters") or {})
+    if rope_by_layer_type(raw):
+        params = dict(params.get(layer_type) or {})
     scaling = raw.get("rope_scaling")
     scaling = dict(scaling) if scaling else dict(params)
     theta = raw.get("rope_theta", params.get("rope_theta", scaling.get("rope_theta", 10000.0)))

@@ -1,7 +1,7 @@
 """Llama-family decoder (Llama, Mistral, Qwen2) over a flat batch of tokens and a paged KV cache.
 
 This is also the decoder skeleton the other families build on (``qwen3``, ``mixtral``,
-``qwen3_moe``): a family subclasses ``LlamaForCausalLM`` and swaps pieces through class
+``qwen3_moe``, ``gemma3``): a family subclasses ``LlamaForCausalLM`` and swaps pieces through class
 attributes (``layer_class``; a layer's ``attention_class`` and ``make_mlp``) rather than
 branching here. Each piece names the Hugging Face tensors it holds (``weight_targets``),
 so loading needs no per-family table. The family's ``parse_config`` reads its switches

@@ -20,7 +20,7 @@ from typing import Any, Callable, Union
 
 import torch
 
-from pagoda.models import llama, mixtral, qwen3, qwen3_moe
+from pagoda.models import gemma3, llama, mixtral, qwen3, qwen3_moe
 from pagoda.models.config import ModelConfig, read_config_json
 
 
@@ -39,6 +39,7 @@ _FAMILIES = {f.architecture: f for f in (
     ModelFamily("Qwen3ForCausalLM", "qwen3", qwen3.parse_config, qwen3.Qwen3ForCausalLM),
     ModelFamily("MixtralForCausalLM", "mixtral", mixtral.parse_config, mixtral.MixtralForCausalLM),
     ModelFamily("Qwen3MoeForCausalLM", "qwen3_moe", qwen3_moe.parse_config, qwen3_moe.Qwen3MoeForCausalLM),
+    ModelFamily("Gemma3ForCausalLM", "gemma3_text", gemma3.parse_config, gemma3.Gemma3ForCausalLM),
 )}
 SUPPORTED_ARCHITECTURES = tuple(_FAMILIES)
 
