@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+import time
 
 import jsonschema
 import pytest
@@ -123,6 +125,65 @@ def test_bad_format_fails_only_its_request(llm, guided, message):
     assert engine.scheduler.num_free_blocks == engine.runner.num_blocks - 1  # nothing leaked
     with pytest.raises(ValueError, match="prompt 0: guided_decoding"):
         llm.generate("Hello", SamplingParams(max_tokens=3, guided_decoding=guided))
+
+
+def test_a_grammar_bomb_is_refused_before_it_compiles(llm):
+    # issue 25 defect 2: ~2 KB of schema, 40 length-bounded strings (minutes of CPU on the
+    # reporter's replica): refused at add_request with the limit's name, nothing queued.
+    bomb = {"type": "object", "properties": {f"f{i}": {"type": "string", "minLength": 500, "maxLength": 1000}
+                                             for i in range(40)}}
+    engine, compiles = llm.engine, llm.engine.guided.num_compilations
+    with pytest.raises(ValueError, match=r"guided_decoding.json: 40000 as repetition bound, over "
+                                         r"guided_max_length_bound=16384"):
+        engine.add_request("bomb", "Hello", SamplingParams(max_tokens=3, guided_decoding=GuidedDecodingParams(
+            json=bomb)))
+    assert engine.guided.num_compilations == compiles and engine.guided.num_waiting == 0
+    assert not engine.has_unfinished_requests()
+
+
+def test_a_compile_past_its_budget_fails_alone_and_a_full_pool_is_an_overload(monkeypatch):
+    # A compile that does not return until released (a grammar bomb: C++ that Python cannot
+    # interrupt), injected at the backend seam; everything else is the real engine.
+    from pagoda.engine.core.admission import EngineOverloaded
+    from pagoda.engine.guided.backend import XGrammarBackend
+
+    release, real_compile = threading.Event(), XGrammarBackend.compile
+
+    def slow_compile(backend, kind, spec, any_whitespace=True):
+        release.wait(60)
+        return real_compile(backend, kind, spec, any_whitespace)
+
+    monkeypatch.setattr(XGrammarBackend, "compile", slow_compile)
+    engine = LLM(max_num_seqs=4, guided_compile_timeout_s=0.2, guided_max_stuck_compiles=1).engine
+    engine.add_request("slow", "Hello", SamplingParams(max_tokens=3, guided_decoding=GuidedDecodingParams(
+        choice=["yes", "no"])))
+    engine.add_request("plain", "Hello", SamplingParams(max_tokens=3, temperature=0))
+    final = _run(engine)
+    assert final["slow"].error.startswith("guided_decoding: the grammar did not compile within "
+                                          "guided_compile_timeout_s=0.2 s")
+    assert final["plain"].error is None and len(final["plain"].outputs[0].token_ids) == 3
+    assert engine.guided.num_stuck_compiles == 1
+    with pytest.raises(EngineOverloaded, match=r"^overloaded: .*guided_max_stuck_compiles=1"):
+        engine.add_request("next", "Hello", SamplingParams(max_tokens=3, guided_decoding=GuidedDecodingParams(
+            regex="[0-9]")))
+    assert not engine.has_unfinished_requests()
+    release.set()  # the stuck call returns: its slot is free again
+    deadline = time.monotonic() + 60
+    while engine.guided.num_stuck_compiles and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert engine.guided.num_stuck_compiles == 0
+    engine.add_request("next", "Hello", SamplingParams(max_tokens=3, guided_decoding=GuidedDecodingParams(
+        regex="[0-9]")))
+    assert final["plain"].error is None and _run(engine)["next"].error is None
+
+
+def _run(engine):
+    final = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                final[output.request_id] = output
+    return final
 
 
 def test_abort_while_compiling(llm):

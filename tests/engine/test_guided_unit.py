@@ -126,7 +126,7 @@ def _ready(manager, timeout=60.0):
 def test_manager_compiles_once_per_format_and_follows_tokens(tokenizer):
     vocab = 49152
     eos = sorted(tokenizer.eos_token_ids)
-    manager = GuidedDecodingManager(lambda: XGrammarBackend(tokenizer, vocab, eos), vocab, max_workers=1)
+    manager = GuidedDecodingManager(lambda: XGrammarBackend(tokenizer, vocab, eos), vocab)
     params = GuidedDecodingParams(choice=["yes", "no"])
     manager.submit("a", ["a"], params)
     manager.submit("b", ["b#0", "b#1"], GuidedDecodingParams(choice=["yes", "no"]))
@@ -152,7 +152,7 @@ def test_manager_compiles_once_per_format_and_follows_tokens(tokenizer):
 def test_drafts_are_cut_to_the_grammar_and_masks_follow_them(tokenizer):
     vocab = 49152
     eos = sorted(tokenizer.eos_token_ids)
-    manager = GuidedDecodingManager(lambda: XGrammarBackend(tokenizer, vocab, eos), vocab, max_workers=1)
+    manager = GuidedDecodingManager(lambda: XGrammarBackend(tokenizer, vocab, eos), vocab)
     manager.submit("r", ["r"], GuidedDecodingParams(regex="[0-9]{4}"))
     assert _ready(manager) == (["r"], [])
     digits = [tokenizer.encode(d, add_special_tokens=False)[0] for d in "1234"]

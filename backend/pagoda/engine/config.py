@@ -6,7 +6,7 @@ engine arguments. The engine reads it through per-feature groups, each a frozen 
 that validates its own fields when built: ``config.load`` (model, dtype, device, weights),
 ``config.cache`` (KV blocks and budget), ``config.scheduling`` (batch limits, policy,
 overlap), ``config.speculative``, ``config.offload`` (the CPU tier), ``config.lora`` and
-``config.admission`` (waiting-queue bounds). Each field belongs to exactly one group (a
+``config.admission`` (waiting-queue bounds) and ``config.guided`` (grammar compile budget). Each field belongs to exactly one group (a
 test checks it): a new feature adds its group here, then its flat fields. Building an
 ``EngineConfig`` builds every group, so an invalid value raises ``ValueError`` naming the
 field at once; checks that span two groups stay in ``EngineConfig``.
@@ -207,7 +207,30 @@ class AdmissionConfig:
             _check_int(name, getattr(self, name), 1)
 
 
-GROUPS = (LoadConfig, CacheConfig, SchedulingConfig, SpeculativeConfig, OffloadConfig, LoRAConfig, AdmissionConfig)
+@dataclass(frozen=True)
+class GuidedConfig:
+    """Grammar compile budget (pagoda.engine.guided.pool and .limits, docs/structured_output.md)."""
+
+    guided_compile_workers: int
+    guided_compile_timeout_s: float
+    guided_max_stuck_compiles: int
+    guided_max_spec_chars: int
+    guided_max_schema_properties: int
+    guided_max_schema_depth: int
+    guided_max_regex_chars: int
+    guided_max_length_bound: int
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            if f.name != "guided_compile_timeout_s":
+                _check_int(f.name, getattr(self, f.name), 1)
+        timeout = self.guided_compile_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ValueError(f"guided_compile_timeout_s: must be a number > 0, got {timeout!r}")
+
+
+GROUPS = (LoadConfig, CacheConfig, SchedulingConfig, SpeculativeConfig, OffloadConfig, LoRAConfig, AdmissionConfig,
+          GuidedConfig)
 _Group = TypeVar("_Group")
 
 
@@ -269,6 +292,18 @@ class EngineConfig:
     # full queue holds ~100 MB of host memory at most, whatever the clients send.
     max_waiting_requests: int = 1024
     max_waiting_prompt_tokens: int = 1_000_000
+    # Grammar compile budget (pagoda.engine.guided, docs/structured_output.md): compile threads
+    # (fair across tenants), the time one compile may take (past it only its requests fail),
+    # timed-out compiles still running in C++ before new compiles are refused (overload), and
+    # size/complexity limits checked before compiling (a 400 naming the limit).
+    guided_compile_workers: int = 2
+    guided_compile_timeout_s: float = 30.0
+    guided_max_stuck_compiles: int = 2
+    guided_max_spec_chars: int = 32_768
+    guided_max_schema_properties: int = 256
+    guided_max_schema_depth: int = 32  # nesting of the schema document's objects and arrays
+    guided_max_regex_chars: int = 1_000  # a regex, or a schema's "pattern"
+    guided_max_length_bound: int = 16_384  # sum of bounded repetitions, nested ones multiplied
 
     def __post_init__(self) -> None:
         for group in GROUPS:  # each validates its own fields
@@ -308,3 +343,7 @@ class EngineConfig:
     @property
     def admission(self) -> AdmissionConfig:
         return self._group(AdmissionConfig)
+
+    @property
+    def guided(self) -> GuidedConfig:
+        return self._group(GuidedConfig)

@@ -55,9 +55,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Optional, Protocol, Union
 
 from pagoda.engine.config import EngineConfig
+from pagoda.engine.core.admission import EngineOverloaded, overload_message
 from pagoda.engine.core.device import Executor, StepHandle
 from pagoda.engine.core.scheduler import RequestUpdate, Scheduler, SchedulerConfig, SchedulerOutput
 from pagoda.engine.guided.params import GuidedDecodingParams
+from pagoda.engine.guided.pool import CompilePoolFull
 from pagoda.engine.core.parallel_sampling import child_request_ids
 from pagoda.engine.core.parked import ParkedRequests
 from pagoda.engine.request import EngineRequest, Request, RequestStatus
@@ -178,13 +180,18 @@ class EngineCore:
         (``pagoda.engine.guided``), under ``group_id``.
 
         Raises:
-            ValueError: the first child can never run (see ``Scheduler.add_request``);
-                nothing is queued then.
+            ValueError: the first child can never run (see ``Scheduler.add_request``), or
+                its format is over a grammar size/complexity limit; nothing is queued then.
+            EngineOverloaded: its grammar needs a compile and every stuck-compile slot
+                is taken (``pagoda.engine.guided.pool``); nothing is queued.
         """
         if guided is not None:
             self.scheduler.check_request(requests[0])
+            try:  # refused formats and a full compile pool keep nothing
+                self.guided.submit(group_id, [r.request_id for r in requests], guided, tenant=requests[0].cache_salt)
+            except CompilePoolFull as exc:
+                raise EngineOverloaded(overload_message(str(exc))) from None
             self.parked.await_grammar(group_id, requests)
-            self.guided.submit(group_id, [r.request_id for r in requests], guided)
             return
         self.scheduler.add_request(requests[0])
         for request in self.parked.hold_siblings(requests):

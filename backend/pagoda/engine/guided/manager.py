@@ -3,13 +3,17 @@
 Life of a guided request (the engine calls each method from its one thread, except
 ``prepare_bitmask``, see 3):
 
-1. ``submit(group_id, child_ids, params)`` at ``add_request``: the grammar is looked up
-   in an LRU of compiled grammars keyed by ``GuidedDecodingParams.cache_key`` (the entry
-   is a future, so equal formats submitted together compile once); a miss starts the
-   compile on a small thread pool. The engine keeps the request out of the scheduler.
-2. ``poll()`` at the start of every step: requests whose grammar is ready get a matcher
-   per child and go to the scheduler; requests whose grammar failed to compile finish
-   with that error. A step never waits for a compile: the batch runs without them.
+1. ``submit(group_id, child_ids, params, tenant)`` at ``add_request``: the grammar is
+   looked up in an LRU of compiled grammars keyed by ``GuidedDecodingParams.cache_key``
+   (the entry is a compile job, so equal formats submitted together compile once); a miss
+   checks the format's size and complexity (``limits.py``: ``ValueError`` naming the
+   limit) and queues the compile on the pool in the tenant's turn (``pool.py``: fair,
+   bounded threads, a time budget; ``CompilePoolFull`` while every stuck slot is taken).
+   Nothing is kept when it raises. The engine keeps the request out of the scheduler.
+2. ``poll()`` at the start of every step: compiles past ``guided_compile_timeout_s`` fail;
+   requests whose grammar is ready get a matcher per child and go to the scheduler;
+   requests whose grammar failed to compile (or timed out) finish with that error. A step
+   never waits for a compile: the batch runs without them.
 3. ``truncate_drafts(drafts)`` after the speculator proposes: a guided request's drafted
    tokens are cut before the first one its grammar forbids or a stop token that would end
    it (the target emits that one itself), so every scheduled draft is grammatical.
@@ -27,7 +31,8 @@ Life of a guided request (the engine calls each method from its one thread, exce
    the request kept; it returns ``True`` once the grammar has terminated (it accepted a
    stop token), so the engine finishes the request with ``stop``.
 5. ``release(request_ids)`` drops matchers of finished requests; ``cancel(group_id)``
-   forgets a request still waiting for its grammar.
+   forgets a request still waiting for its grammar (an abort: it stops waiting at once),
+   and a queued compile that nobody waits for any more never starts.
 
 Preemption by recompute keeps a request's output tokens (only its KV is recomputed), so
 the matcher, which has consumed exactly those tokens, stays valid. Drafts are walked and
@@ -41,14 +46,18 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor, wait, FIRST_COMPLETED
+from concurrent.futures import wait, FIRST_COMPLETED
+from functools import partial
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from pagoda.engine.guided.backend import GrammarBackend, Matcher, bitmask_width
+from pagoda.engine.config import EngineConfig, GuidedConfig
 from pagoda.engine.guided.bitmask import TokenBitmask
+from pagoda.engine.guided.limits import check_complexity
 from pagoda.engine.guided.params import GuidedDecodingParams
+from pagoda.engine.guided.pool import CompileJob, CompilePool
 
 logger = logging.getLogger(__name__)
 
@@ -58,54 +67,68 @@ class GuidedDecodingManager:
     make_backend: builds the ``GrammarBackend`` (called once, on the compile pool, so a
         slow import never blocks the engine thread).
     vocab_size: the sampler's vocabulary size (bitmask width).
-    max_workers: compile threads.
+    config: the compile budget (``EngineConfig.guided``; defaults when ``None``).
     cache_size: compiled grammars kept (LRU).
     pin_memory: allocate bitmasks in pinned memory (a CUDA engine) for async copies.
     """
 
-    def __init__(self, make_backend: Callable[[], GrammarBackend], vocab_size: int, max_workers: int = 2,
-                 cache_size: int = 256, pin_memory: bool = False) -> None:
+    def __init__(self, make_backend: Callable[[], GrammarBackend], vocab_size: int,
+                 config: Optional[GuidedConfig] = None, cache_size: int = 256, pin_memory: bool = False) -> None:
         self._make_backend = make_backend
         self._backend: Optional[GrammarBackend] = None
         self._backend_lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="pagoda-grammar")
-        self._cache: "OrderedDict[tuple, Future]" = OrderedDict()
+        self._config = config = config or EngineConfig().guided
+        self._pool = CompilePool(config.guided_compile_workers, config.guided_compile_timeout_s,
+                                 config.guided_max_stuck_compiles)
+        self._cache: "OrderedDict[tuple, CompileJob]" = OrderedDict()
         self._cache_size = cache_size
-        self._waiting: dict[str, tuple[Future, list[str]]] = {}
+        self._waiting: dict[str, tuple[CompileJob, list[str]]] = {}
         self._matchers: dict[str, Matcher] = {}
         self._width = bitmask_width(vocab_size)
         self._pin_memory = pin_memory
         self.num_compilations = 0
 
     # 1-2. compile ----------------------------------------------------------------------
-    def submit(self, group_id: str, child_ids: Sequence[str], params: GuidedDecodingParams) -> None:
+    def submit(self, group_id: str, child_ids: Sequence[str], params: GuidedDecodingParams,
+               tenant: Optional[str] = None) -> None:
+        """Wait for ``params``' grammar under ``group_id`` (compiled in ``tenant``'s turn).
+
+        Raises (nothing is kept then):
+            ValueError: the format is over a size/complexity limit (``limits.py``).
+            CompilePoolFull: it needs a compile and every stuck-compile slot is taken.
+        """
         key = params.cache_key
-        future = self._cache.get(key)
-        if future is None:
-            future = self._pool.submit(self._compile, params.kind, params.spec, not params.disable_any_whitespace)
+        job = self._cache.get(key)
+        if job is None:
+            check_complexity(params, self._config)
+            job = self._pool.submit(partial(self._compile, params.kind, params.spec, not params.disable_any_whitespace),
+                                    tenant or "")
             self.num_compilations += 1
-            self._cache[key] = future
+            self._cache[key] = job
             if len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
         else:
             self._cache.move_to_end(key)
-        self._waiting[group_id] = (future, list(child_ids))
+        job.num_waiters += 1
+        self._waiting[group_id] = (job, list(child_ids))
 
     def poll(self) -> tuple[list[str], list[tuple[str, str]]]:
-        """``(ready group ids, [(group id, error message)])`` since the last poll."""
+        """``(ready group ids, [(group id, error message)])`` since the last poll (compiles
+        past their time budget fail here)."""
+        self._pool.expire()
         ready, failed = [], []
-        for group_id, (future, child_ids) in list(self._waiting.items()):
-            if not future.done():
+        for group_id, (job, child_ids) in list(self._waiting.items()):
+            if not job.future.done():
                 continue
             del self._waiting[group_id]
-            error = future.exception()
+            error = job.future.exception()
             if error is not None:
                 message = str(error) if isinstance(error, ValueError) else \
                     f"guided_decoding: the grammar backend failed: {type(error).__name__}: {error}"
                 failed.append((group_id, message))
                 continue
             for child_id in child_ids:
-                self._matchers[child_id] = self._backend.make_matcher(future.result())
+                self._matchers[child_id] = self._backend.make_matcher(job.future.result())
             ready.append(group_id)
         return ready, failed
 
@@ -113,15 +136,33 @@ class GuidedDecodingManager:
     def num_waiting(self) -> int:
         return len(self._waiting)
 
+    @property
+    def num_stuck_compiles(self) -> int:
+        """Compiles past their time budget still running in the backend (``pool.py``)."""
+        return self._pool.num_stuck
+
     def wait(self, timeout: float) -> None:
-        """Block up to ``timeout`` seconds for any pending compile (only when the engine
-        has nothing else to run, so an idle loop does not spin)."""
-        pending = [future for future, _ in self._waiting.values()]
+        """Block up to ``timeout`` seconds (less when a compile's budget ends sooner) for
+        any pending compile (only when the engine has nothing else to run, so an idle loop
+        does not spin)."""
+        pending = [job.future for job, _ in self._waiting.values()]
+        deadline = self._pool.next_deadline()
         if pending:
-            wait(pending, timeout=timeout, return_when=FIRST_COMPLETED)
+            wait(pending, timeout=timeout if deadline is None else min(timeout, deadline),
+                 return_when=FIRST_COMPLETED)
 
     def cancel(self, group_id: str) -> None:
-        self._waiting.pop(group_id, None)
+        """Stop waiting for ``group_id``'s grammar; a compile nobody waits for any more that
+        has not started never starts."""
+        entry = self._waiting.pop(group_id, None)
+        if entry is None:
+            return
+        job = entry[0]
+        job.num_waiters -= 1
+        if job.num_waiters == 0 and self._pool.discard(job):
+            key = next((k for k, cached in self._cache.items() if cached is job), None)
+            if key is not None:
+                del self._cache[key]
 
     def _compile(self, kind: str, spec: str, any_whitespace: bool) -> Any:
         with self._backend_lock:

@@ -126,7 +126,8 @@ def make_executor(config: EngineConfig, model_config: ModelConfig, model_path: s
     if config.async_scheduling and spec_plan is not None:
         logger.warning("async_scheduling is ignored with speculative decoding: steps run synchronously")
     host_kv_cache, cost_model = _make_host_tier(config, runner)
-    guided = GuidedDecodingManager(make_grammar_backend, model_config.vocab_size, pin_memory=device.type == "cuda")
+    guided = GuidedDecodingManager(make_grammar_backend, model_config.vocab_size, config.guided,
+                                   pin_memory=device.type == "cuda")
     return Executor(runner, guided, host_kv_cache, cost_model, is_async=config.async_scheduling and spec_plan is None)
 
 
