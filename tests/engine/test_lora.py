@@ -194,8 +194,12 @@ def test_runtime_load_off_thread_then_register_between_steps(lora_setup, expecte
 def test_bad_adapter_folders_are_refused_with_the_reason(lora_setup, tmp_path):
     base, adapters = lora_setup
     engine = _engine(base, {})
-    with pytest.raises(ValueError, match="no adapter_config.json"):
+    # A missing folder and an existing one without an adapter read alike (no existence probe).
+    with pytest.raises(ValueError, match="no PEFT adapter") as empty:
         engine.add_lora("empty", str(tmp_path))
+    with pytest.raises(ValueError, match="no PEFT adapter") as missing:
+        engine.add_lora("empty", str(tmp_path / "nowhere"))
+    assert str(empty.value).replace(str(tmp_path), "P") == str(missing.value).replace(str(tmp_path / "nowhere"), "P")
     with pytest.raises(ValueError, match="exceeds max_lora_rank 8"):
         _engine(base, {}, max_lora_rank=8).add_lora("big", adapters["mlp-rs"])
     bad = tmp_path / "embed"
@@ -215,6 +219,20 @@ def test_bad_adapter_folders_are_refused_with_the_reason(lora_setup, tmp_path):
               str(other / "adapter_model.safetensors"))
     with pytest.raises(ValueError, match="another model"):
         engine.add_lora("other", str(other))
+    # NaN or absurd weights (issue 25 defect 7) are refused before they reach any request.
+    import shutil
+
+    from safetensors.torch import load_file
+    for label, value, message in (("nan", float("nan"), "NaN or infinite"), ("huge", 1e6, "magnitude 1e\\+06")):
+        poisoned = tmp_path / label
+        shutil.copytree(adapters["attn-qv"], poisoned)
+        weights = load_file(str(poisoned / "adapter_model.safetensors"))
+        key = sorted(weights)[0]
+        weights[key][0, 0] = value
+        save_file(weights, str(poisoned / "adapter_model.safetensors"))
+        with pytest.raises(ValueError, match=message) as info:
+            engine.add_lora(label, str(poisoned))
+        assert key in str(info.value)
     assert engine.list_loras() == []
     with pytest.raises(ValueError, match="speculative decoding with LoRA"):
         EngineConfig(model=base, enable_lora=True, speculative_method="ngram")

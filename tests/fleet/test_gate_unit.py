@@ -288,7 +288,7 @@ def tokenizer(smollm2_path):
     return Tokenizer.from_pretrained(smollm2_path)
 
 
-def _app(tokenizer, gate):
+def _app(tokenizer, gate, allow_runtime_lora=False):
     from pagoda.fleet.api.http_api import make_app
     from pagoda.fleet.api.lora_admin import LoRAAdmin
     from pagoda.fleet.api.openai_api import OpenAIApi
@@ -300,7 +300,7 @@ def _app(tokenizer, gate):
     router = Router(ReplicaSet("static"), tokenizer, "m", "least_loaded")  # no replicas: nothing gets routed
     exporter = InMemorySpanExporter()
     tracer = RouterTracer(exporter, batch=False)
-    admin = LoRAAdmin(base_model_names=("smol", "pagoda"))
+    admin = LoRAAdmin(base_model_names=("smol", "pagoda"), allow_runtime=allow_runtime_lora)
     openai = OpenAIApi(router, tracer, gate, admin, GrpcUpstream(router, gate), "smol")
     return make_app(router, tracer, gate, admin, openai), exporter
 
@@ -556,3 +556,38 @@ async def _grpc_config_scenario(tokenizer):
                                    metadata=(("authorization", f"Bearer {SECRET}"),))
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
         assert (await stub.ServerLive(service_pb2.ServerLiveRequest())).live
+
+
+ADMIN_SECRET = "sk-admin-0123456789abcdef"
+
+
+def test_only_admin_keys_load_and_unload_adapters_and_names_are_checked(tokenizer):
+    """Issue 25 defect 7: with keys, run-time LoRA control needs a key with the ``admin``
+    option (403 otherwise, on the OpenAI and the Triton HTTP doors); an adapter name must be
+    1-128 of [A-Za-z0-9._-] (a 100,000-character name is a 400 that does not echo it whole)."""
+    keys = ApiKeys.parse(f"{SECRET} acme\n{ADMIN_SECRET} ops admin", "keys")
+    app, _ = _app(tokenizer, Gate(RequestLimits(), keys), allow_runtime_lora=True)
+    asyncio.run(_lora_admin_scenario(app))
+    with pytest.raises(ValueError, match="known: rpm, tpm, concurrency, admin"):
+        ApiKeys.parse(f"{SECRET} acme root", "keys")
+
+
+async def _lora_admin_scenario(app):
+    from aiohttp.test_utils import TestClient, TestServer
+
+    async with TestClient(TestServer(app)) as client:
+        async def call(path, body, secret):
+            async with client.post(path, data=json.dumps(body).encode(),
+                                   headers={"Authorization": f"Bearer {secret}"}) as response:
+                return response.status, await response.text()
+
+        load = {"lora_name": "sql", "lora_path": "/adapters/sql"}
+        status, text = await call("/v1/load_lora_adapter", load, SECRET)
+        assert status == 403 and "admin key" in text
+        status, text = await call("/v2/models/pagoda/generate", {"lora_action": "unload", "lora_name": "sql"}, SECRET)
+        assert status == 403 and "admin key" in text
+        for name in ("x" * 100_000, "../etc", "a b"):
+            status, text = await call("/v1/load_lora_adapter", {**load, "lora_name": name}, ADMIN_SECRET)
+            assert status == 400 and "lora_name: must be 1-128" in text and len(text) < 1000, name
+        status, text = await call("/v1/load_lora_adapter", load, ADMIN_SECRET)  # allowed; no replica to load on
+        assert status not in (400, 403), text

@@ -376,7 +376,7 @@ def test_lora_adapter_loaded_at_run_time_serves_then_unloads(triton_server, smol
     for body, message in [
         ({"lora_action": "load", "lora_name": "rt", "lora_path": smollm2_lora},
          "an adapter named 'rt' is already loaded"),
-        ({"lora_action": "load", "lora_name": "bad", "lora_path": "/nonexistent/adapter"}, "is not a folder"),
+        ({"lora_action": "load", "lora_name": "bad", "lora_path": "/nonexistent/adapter"}, "no PEFT adapter"),
         ({"lora_action": "load", "lora_name": "bad"}, "lora_path: required by lora_action 'load'"),
         ({"lora_action": "reload", "lora_name": "rt"}, "lora_action: must be one of load, unload, list"),
         ({"lora_action": "list", "text_input": "Hi"}, "cannot be combined with generation inputs (text_input)"),

@@ -53,6 +53,11 @@ _PEFT_MODULE = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_at
                 "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 
 
+
+# LoRA weights are small (typically |w| < 10); beyond this an adapter is corrupt or hostile and
+# its deltas would overflow 16-bit activations.
+MAX_ADAPTER_WEIGHT = 1e4
+
 def target_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
     """``(out, in)`` of each PEFT target projection for this model."""
     hidden, q, kv = config.hidden_size, config.num_attention_heads * config.head_dim, \
@@ -119,13 +124,18 @@ def load_peft_adapter(name: str, path: str, config: ModelConfig, max_rank: int,
     from safetensors.torch import load_file
 
     folder = Path(path)
-    if not folder.is_dir():
-        raise ValueError(f"LoRA adapter {name!r}: {path} is not a folder")
-    cfg = _read_config(folder)
     weights_path = folder / "adapter_model.safetensors"
-    if not weights_path.is_file():
-        raise ValueError(f"LoRA adapter {name!r}: no adapter_model.safetensors in {path}")
+    if not folder.is_dir() or not weights_path.is_file():  # one message: it tells no one which folders exist
+        raise ValueError(f"LoRA adapter {name!r}: no PEFT adapter (adapter_config.json and "
+                         f"adapter_model.safetensors) at {path}")
+    cfg = _read_config(folder)
     raw = load_file(str(weights_path))
+    for key, tensor in raw.items():  # one bad adapter must not poison every request that uses it
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise ValueError(f"LoRA adapter {name!r}: {key} holds NaN or infinite values")
+        if tensor.is_floating_point() and tensor.numel() and float(tensor.abs().max()) > MAX_ADAPTER_WEIGHT:
+            raise ValueError(f"LoRA adapter {name!r}: {key} holds a weight of magnitude "
+                             f"{float(tensor.abs().max()):.3g}, above {MAX_ADAPTER_WEIGHT:g} (a corrupt adapter?)")
     shapes = target_shapes(config)
     per_layer: list[dict[str, dict[str, torch.Tensor]]] = [{} for _ in range(config.num_hidden_layers)]
     for key, tensor in raw.items():

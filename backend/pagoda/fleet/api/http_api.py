@@ -48,7 +48,7 @@ from pagoda.fleet.gate.gate import TENANT_KEY, AuthError, Gate, LimitError, Rate
 from pagoda.fleet.api.fleet_metrics import merge_vllm_series, scrape_replicas
 from pagoda.fleet.api.grpc_proxy import MAX_ROUTED_PROMPT_CHARS, cache_salt_of, option_of
 from pagoda.fleet.gate.limits import prompt_of, sampling_of_generate, validate_generate_body
-from pagoda.fleet.api.lora_admin import LoRAAdmin
+from pagoda.fleet.api.lora_admin import LoRAAdmin, check_change
 from pagoda.fleet.routing.router import Analysis, NoReplicaAvailable, Router
 from pagoda.fleet.api.tracing import TRACEPARENT, RouterTracer
 
@@ -221,6 +221,10 @@ async def _lora_control(request: web.Request, router: Router, document: dict[str
     elif not name or (action == "load" and not path):
         missing = "lora_name" if not name else "lora_path"
         return _error(400, f"{missing}: required by lora_action {action!r}")
+    elif (refused := check_change(request.get(TENANT_KEY), name)) is not None:
+        if refused[0] == "forbidden":
+            return _kind_error(ErrorKind.PERMISSION_DENIED, refused[1])
+        return _error(400, refused[1])
     else:
         replicas = router.replicas.routable()
         result = await (admin.load(replicas, name, path) if action == "load" else admin.unload(replicas, name))

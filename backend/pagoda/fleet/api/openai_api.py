@@ -64,7 +64,7 @@ from aiohttp import web
 
 from pagoda.contracts.errors import ErrorKind, classify_replica_error, kind_of_http_status, spec_of
 from pagoda.fleet.gate.gate import TENANT_KEY, Gate, LimitError, RateLimited, retry_after_header
-from pagoda.fleet.api.lora_admin import LoRAAdmin
+from pagoda.fleet.api.lora_admin import LoRAAdmin, check_change
 from pagoda.fleet.api.upstream import GrpcUpstream, ReplicaFailed
 from pagoda.fleet.api.openai_io import (OpenAIError, build_chat_request, build_completion_request, chat_logprobs,
                                     completion_logprobs, make_infer_request, read_outputs)
@@ -172,6 +172,10 @@ class OpenAIApi:
         for name in fields:
             if not isinstance(body, dict) or not isinstance(body.get(name), str) or not body[name]:
                 return error_response(400, f"{name}: required (a non-empty string)", param=name)
+        refused = check_change(request.get(TENANT_KEY), body["lora_name"])
+        if refused is not None:
+            kind = ErrorKind.PERMISSION_DENIED if refused[0] == "forbidden" else ErrorKind.INVALID_REQUEST
+            return kind_response(kind, refused[1], param="lora_name")
         replicas = self.router.replicas.routable()
         answer = await (admin.load(replicas, body["lora_name"], body["lora_path"]) if action == "load"
                         else admin.unload(replicas, body["lora_name"]))

@@ -2,7 +2,8 @@
 
 Keys (``pagoda router --api-keys-file PATH``, or the same text in ``$PAGODA_API_KEYS``;
 in Kubernetes a Secret mounted as a file): one key per line,
-``KEY TENANT [rpm=N] [tpm=N] [concurrency=N]``; ``#`` starts a comment. Clients send
+``KEY TENANT [rpm=N] [tpm=N] [concurrency=N] [admin]``; ``#`` starts a comment. ``admin``
+keys alone may load and unload LoRA adapters at run time (``lora_admin.check_change``). Clients send
 ``Authorization: Bearer KEY`` (HTTP, OpenAI) or the ``authorization`` gRPC metadata with
 the same value. Only SHA-256 digests of the keys are kept in memory, a lookup compares
 digests, and no message, log line, metric or span ever contains a key (tests check it).
@@ -71,6 +72,7 @@ class Tenant:
     requests_per_minute: Optional[float] = None
     tokens_per_minute: Optional[float] = None
     max_concurrent: Optional[int] = None
+    is_admin: bool = False  # may load/unload LoRA adapters at run time (keys-file option ``admin``)
 
 
 def _printable_ascii(text: str) -> bool:
@@ -104,10 +106,12 @@ class ApiKeys:
                 raise ValueError(f"{source} line {number}: expected 'KEY TENANT [rpm=N] [tpm=N] [concurrency=N]'")
             limits = {"rpm": defaults.requests_per_minute, "tpm": defaults.tokens_per_minute,
                       "concurrency": defaults.max_concurrent}
-            for option in fields[2:]:
+            is_admin = "admin" in fields[2:]
+            for option in (f for f in fields[2:] if f != "admin"):
                 name, sep, value = option.partition("=")
                 if not sep or name not in limits:
-                    raise ValueError(f"{source} line {number}: unknown option {name!r}; known: rpm, tpm, concurrency")
+                    raise ValueError(f"{source} line {number}: unknown option {name!r}; "
+                                     "known: rpm, tpm, concurrency, admin")
                 try:
                     limits[name] = int(value) if name == "concurrency" else float(value)
                 except ValueError:
@@ -119,7 +123,7 @@ class ApiKeys:
             digest = _digest(fields[0])
             if digest in tenants:
                 raise ValueError(f"{source} line {number}: this key is listed twice")
-            tenants[digest] = Tenant(fields[1], limits["rpm"], limits["tpm"], limits["concurrency"])
+            tenants[digest] = Tenant(fields[1], limits["rpm"], limits["tpm"], limits["concurrency"], is_admin)
         if not tenants:
             raise ValueError(f"{source}: no keys (lines 'KEY TENANT')")
         return cls(tenants)
