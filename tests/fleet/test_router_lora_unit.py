@@ -77,7 +77,7 @@ def _refused(message):
 
 
 async def _fleet(allow_runtime: bool):
-    """Three fake replicas and the router's HTTP app over them (API keys on)."""
+    """Three fake replicas and the router's HTTP app over them (API keys on; the key is an admin key)."""
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
     from pagoda.fleet.api.http_api import make_app
@@ -93,7 +93,7 @@ async def _fleet(allow_runtime: bool):
     replicas.set_members((rid, {"grpc": "127.0.0.1:1", "http": f"127.0.0.1:{server.port}"})
                          for rid, server in servers.items())
     router = Router(replicas, FakeTokenizer(), "smol", "least_loaded")
-    gate = Gate(RequestLimits(), ApiKeys.parse(f"{KEY} acme", "keys"))
+    gate = Gate(RequestLimits(), ApiKeys.parse(f"{KEY} acme admin", "keys"))
     admin = LoRAAdmin((), allow_runtime, ("smol", "pagoda"))
     tracer = RouterTracer(InMemorySpanExporter(), batch=False)
     openai = OpenAIApi(router, tracer, gate, admin, GrpcUpstream(router, gate), "smol")
