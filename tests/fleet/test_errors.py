@@ -114,3 +114,12 @@ def test_openai_door_answers_replica_errors_as_before():
         assert (response.status, body["error"]["type"]) == expected[kind], message
         assert body["error"] == {"message": message, "type": expected[kind][1], "param": None, "code": None}
         assert (response.headers.get("Retry-After") == "1") == (kind is ErrorKind.OVERLOADED)
+
+
+def test_error_text_reads_triton_and_openai_bodies():
+    from pagoda.contracts.errors import error_text
+
+    assert error_text(b'{"error": "in use"}') == "in use"
+    assert error_text(b'{"error": {"message": "no admin key", "type": "permission_error"}}') == "no admin key"
+    assert error_text(b"  plain 502 page \n") == "plain 502 page"
+    assert error_text(b"[1, 2]") == "[1, 2]"

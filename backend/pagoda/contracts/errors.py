@@ -42,6 +42,7 @@ of pagoda's (``contracts`` is the bottom floor).
 from __future__ import annotations
 
 import enum
+import json
 from dataclasses import dataclass
 from typing import Optional
 
@@ -162,3 +163,16 @@ __all__ = ["ErrorKind", "ErrorSpec", "SPECS", "TritonCode", "TRITON_CODES", "cla
            "kind_of_http_status", "spec_of", "triton_code_of", "OVERLOADED_PREFIX", "DEADLINE_PREFIX",
            "ENGINE_ERROR_PREFIX", "NO_OUTPUT_MESSAGE", "SHUTDOWN_MESSAGE", "DRAINING_PREFIX", "DRAINING_MESSAGE",
            "DEFAULT_RETRY_AFTER_S"]
+
+
+def error_text(data: bytes) -> str:
+    """The message of an error body: Triton's ``{"error": "..."}``, OpenAI's ``{"error":
+    {"message": ...}}``, or the raw text when it is neither."""
+    text = data.decode("utf-8", "replace").strip()
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    if isinstance(value, dict) and isinstance(value.get("error"), dict):  # OpenAI's shape
+        return str(value["error"].get("message", text))
+    return str(value.get("error", text)) if isinstance(value, dict) else text

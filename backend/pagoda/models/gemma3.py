@@ -114,11 +114,7 @@ class Gemma3DecoderLayer(DecoderLayer):
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor], positions: torch.Tensor,
                 cos_sin_cache: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
                 lora: Optional["LoRABatch"] = None) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            h, _ = kernels.rms_norm(x, self.input_norm, self.eps)
-            residual = x
-        else:
-            h, residual = kernels.rms_norm(x, self.input_norm, self.eps, residual)
+        h, residual = self.input_normed(x, residual)
         h = self.attn(h, positions, cos_sin_cache, kv_cache, meta, lora)
         h, _ = kernels.rms_norm(h, self.post_attention_norm, self.eps)
         h, residual = kernels.rms_norm(h, self.pre_feedforward_norm, self.eps, residual)

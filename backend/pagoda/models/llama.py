@@ -203,14 +203,18 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
         lora: Optional["LoRABatch"] = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            h, _ = kernels.rms_norm(x, self.input_norm, self.eps)
-            residual = x
-        else:
-            h, residual = kernels.rms_norm(x, self.input_norm, self.eps, residual)
+        h, residual = self.input_normed(x, residual)
         h = self.attn(h, positions, cos_sin_cache, kv_cache, meta, lora)
         h, residual = kernels.rms_norm(h, self.post_attention_norm, self.eps, residual)
         return self.mlp(h, lora), residual
+
+    def input_normed(self, x: torch.Tensor, residual: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The input norm, fused with the add of the previous layer's residual (the first
+        layer has none: its input is the residual)."""
+        if residual is None:
+            h, _ = kernels.rms_norm(x, self.input_norm, self.eps)
+            return h, x
+        return kernels.rms_norm(x, self.input_norm, self.eps, residual)
 
 
 class LlamaForCausalLM(nn.Module):

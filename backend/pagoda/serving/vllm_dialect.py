@@ -46,6 +46,7 @@ parameter and per request by the ``output_dialect`` request option):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from typing import Any, Callable, Optional, Sequence
 
@@ -79,6 +80,7 @@ STRUCTURED_OUTPUT_KEYS = ("json", "regex", "choice", "grammar", "json_object", "
 STRUCTURED_OUTPUT_REFUSED = ("structural_tag", "whitespace_pattern", "disable_additional_properties")
 
 
+@functools.lru_cache(maxsize=None)
 def request_parameter_vocabulary() -> frozenset[str]:
     """Every request-parameter key the replica reads (sampling fields, vLLM-only keys, request
     options) or tolerates: the one list a front door in pagoda's fleet can check against."""

@@ -43,7 +43,7 @@ from typing import Any, Optional, Union
 import aiohttp
 from aiohttp import web
 
-from pagoda.contracts.errors import ErrorKind, is_overloaded, spec_of
+from pagoda.contracts.errors import ErrorKind, error_text, is_overloaded, spec_of
 from pagoda.fleet.gate.gate import TENANT_KEY, AuthError, Gate, LimitError, RateLimited, retry_after_header
 from pagoda.fleet.api.fleet_metrics import merge_vllm_series, scrape_replicas
 from pagoda.fleet.api.grpc_proxy import MAX_ROUTED_PROMPT_CHARS, cache_salt_of, option_of
@@ -313,7 +313,7 @@ async def _relay(request: web.Request, upstream: aiohttp.ClientResponse, router:
             return _kind_error(ErrorKind.REPLICA_FAILED,
                                failure + ". The router avoids it until it is healthy again; retry the request.")
         if upstream.status != 200 and is_overloaded(data.decode("utf-8", "replace")):
-            return _error_text(data)
+            return error_text(data)
         return web.Response(status=upstream.status, body=data, headers={"Content-Type": content_type})
     first = b""
     try:
@@ -321,7 +321,7 @@ async def _relay(request: web.Request, upstream: aiohttp.ClientResponse, router:
     except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError):
         pass  # the loop below meets the same failure and reports it
     if is_overloaded(first.decode("utf-8", "replace")) and b'"error"' in first:
-        return _error_text(first.split(b"data:", 1)[-1])
+        return error_text(first.split(b"data:", 1)[-1])
     response = web.StreamResponse(status=upstream.status, headers={"Content-Type": content_type,
                                                                     "Cache-Control": "no-cache"})
     await response.prepare(request)
@@ -337,16 +337,6 @@ async def _relay(request: web.Request, upstream: aiohttp.ClientResponse, router:
         await response.write(f"data: {json.dumps({'error': failure})}\n\n".encode())
     await response.write_eof()
     return response
-
-
-def _error_text(data: bytes) -> str:
-    """The ``error`` string of a Triton JSON error body (the raw text if it is not one)."""
-    text = data.decode("utf-8", "replace").strip()
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return text
-    return str(value.get("error", text)) if isinstance(value, dict) else text
 
 
 async def _forward_get(request: web.Request) -> web.Response:

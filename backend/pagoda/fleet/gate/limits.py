@@ -40,6 +40,8 @@ import struct
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from pagoda.serving.vllm_dialect import request_parameter_vocabulary
+
 # Triton generate inputs of model_repository/pagoda/config.pbtxt -> their JSON kind.
 GENERATE_INPUTS: dict[str, str] = {
     "text_input": "string", "sampling_parameters": "json",
@@ -60,11 +62,9 @@ GENERATE_RESERVED = ("id", "parameters")
 
 
 def request_parameter_keys() -> frozenset[str]:
-    """The keys the replica reads as request parameters (``serving.vllm_dialect``'s one list):
-    tritonserver turns a top-level generate key that is not an input into one, so the
-    router accepts exactly the keys the replica would."""
-    from pagoda.serving.vllm_dialect import request_parameter_vocabulary
-
+    """The keys the replica reads as request parameters (``serving.vllm_dialect``'s one list,
+    computed once): tritonserver turns a top-level generate key that is not an input into
+    one, so the router accepts exactly the keys the replica would."""
     return request_parameter_vocabulary()
 
 

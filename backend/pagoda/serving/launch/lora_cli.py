@@ -22,6 +22,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Optional
 
+from pagoda.contracts.errors import error_text
+
 MODEL_NAME = "pagoda"
 
 
@@ -73,7 +75,7 @@ def lora_control(url: str, action: str, name: Optional[str] = None, path: Option
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
             answer = json.loads(response.read())
     except urllib.error.HTTPError as error:
-        raise LoRAControlError(f"{url} answered {error.code}: {_error_text(error.read())}") from None
+        raise LoRAControlError(f"{url} answered {error.code}: {error_text(error.read())}") from None
     except (urllib.error.URLError, OSError) as error:
         raise LoRAControlError(f"cannot reach {url}: {getattr(error, 'reason', error)}") from None
     text = answer.get("text_output") if isinstance(answer, dict) else None
@@ -84,17 +86,6 @@ def lora_control(url: str, action: str, name: Optional[str] = None, path: Option
     except (TypeError, ValueError):
         raise LoRAControlError(f"{url} did not answer a LoRA control document (is it a pagoda replica or "
                                f"router?): {str(answer)[:200]}") from None
-
-
-def _error_text(data: bytes) -> str:
-    text = data.decode("utf-8", "replace").strip()
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return text
-    if isinstance(value, dict) and isinstance(value.get("error"), dict):  # OpenAI's shape
-        return str(value["error"].get("message", text))
-    return str(value.get("error", text)) if isinstance(value, dict) else text
 
 
 def _add_server_options(parser: argparse.ArgumentParser, url: Any, api_key: Any) -> None:
