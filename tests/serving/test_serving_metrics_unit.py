@@ -140,3 +140,20 @@ def test_vllm_request_histograms_and_the_switch_that_turns_vllm_series_off():
     metrics.update_engine(stats(num_prompt_tokens=20))  # the vllm: series are simply not there
     metrics.update_lora(SimpleNamespace(max_lora=1, running_lora_adapters=["a"], waiting_lora_adapters=[]))
     assert "vllm:lora_requests_info" not in FakeMetricFamily.created
+
+
+def test_cache_config_info_set_once_with_vllm_labels_and_off_with_the_switch():
+    FakeMetricFamily.created = {}
+    metrics = ServingMetrics(SimpleNamespace(MetricFamily=FakeMetricFamily), {"model_name": "pagoda"})
+    assert "vllm:cache_config_info" not in FakeMetricFamily.created  # no engine stats yet
+    info = (("block_size", "16"), ("num_gpu_blocks", "100"))
+    metrics.update_engine(stats(cache_config_info=info))
+    family = FakeMetricFamily.created["vllm:cache_config_info"]
+    assert family.kind == "GAUGE" and family.metric.value == 1
+    assert family.metric.labels == {"model_name": "pagoda", "block_size": "16", "num_gpu_blocks": "100"}
+    metrics.update_engine(stats(cache_config_info=(("block_size", "32"),)))
+    assert FakeMetricFamily.created["vllm:cache_config_info"] is family and family.metric.labels["block_size"] == "16"
+    FakeMetricFamily.created = {}
+    off = ServingMetrics(SimpleNamespace(MetricFamily=FakeMetricFamily), {"model_name": "pagoda"}, report_vllm=False)
+    off.update_engine(stats(cache_config_info=info))
+    assert "vllm:cache_config_info" not in FakeMetricFamily.created

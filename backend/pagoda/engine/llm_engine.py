@@ -342,8 +342,21 @@ class LLMEngine:
             **self._offload_stats(),
             **self._lora_stats(),
             **self.admission.stats(),
-            ttft_p90=ttft_p90, recent_ttfts=recent_ttfts,
+            ttft_p90=ttft_p90, recent_ttfts=recent_ttfts, cache_config_info=self._cache_config_info(),
         )
+
+    def _cache_config_info(self) -> tuple:
+        """vLLM's ``cache_config_info`` labels (strings, as vLLM's ``metrics_info``), once."""
+        if getattr(self, "_cache_info", None) is not None:
+            return self._cache_info
+        c = self.config
+        values = dict(block_size=c.block_size, cache_dtype=c.kv_cache_dtype,
+                      enable_prefix_caching=c.enable_prefix_caching,
+                      gpu_memory_utilization=c.gpu_memory_utilization,
+                      num_gpu_blocks=self.runner.num_blocks - 1,
+                      num_cpu_blocks=self.core.scheduler.host_tier.num_blocks)
+        self._cache_info = tuple((name, str(value)) for name, value in values.items())
+        return self._cache_info
 
     def _lora_stats(self) -> dict:
         if self.runner.lora is None:

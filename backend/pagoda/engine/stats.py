@@ -59,6 +59,9 @@ class EngineStats:
     running_lora_adapters: tuple = ()
     waiting_lora_adapters: tuple = ()
     max_lora: int = 0
+    # The cache configuration as vLLM's ``vllm:cache_config_info`` labels (name, value) pairs,
+    # computed once: block_size and num_gpu_blocks are what GIE's prefix scorer reads.
+    cache_config_info: tuple = ()
     # Admission control (pagoda.engine.core.admission).
     num_admission_refused: int = 0  # refused at add_request: the waiting queue was full
     num_admission_displaced: int = 0  # waiting requests ended by a more urgent one

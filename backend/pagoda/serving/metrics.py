@@ -38,6 +38,7 @@ Prometheus registry does not add one. Labels: ``model_name`` (vLLM's), plus Trit
 | pagoda:kv_swapped_in_total             | counter   | EngineStats.num_swapped_in               |
 | pagoda:recomputed_preemptions_total    | counter   | EngineStats.num_recomputed_preemptions   |
 | pagoda:prefix_cache_hits_host_total    | counter   | EngineStats.prefix_cache_hits_host (tokens, CPU tier; part of vllm:prefix_cache_hits_total) |
+| vllm:cache_config_info                 | gauge     | value 1; labels: the cache configuration as strings (block_size, num_gpu_blocks, cache_dtype, enable_prefix_caching, gpu_memory_utilization, num_cpu_blocks), as vLLM; set once, at the first engine update |
 | vllm:lora_requests_info                | gauge     | labels running_lora_adapters, waiting_lora_adapters (comma-separated), max_lora; value: the time (s) the set was last seen, as vLLM (LoRA engines only) |
 
 The three ``vllm:request_*`` histograms use the vLLM backend's buckets (1-2-5 steps up to
@@ -182,6 +183,7 @@ class ServingMetrics:
         self._lora_metrics: dict[tuple, Any] = {}  # one series per (running, waiting) set, as vLLM
         self._last_lora, self._last_lora_time = None, 0.0
         self._lora_labels = labels
+        self._cache_info_metric = None
         self._mf = mf
         self._last_num_steps = 0
         # Inter-token latencies already observed, per request id.
@@ -209,6 +211,12 @@ class ServingMetrics:
             if value > self._last[name]:
                 metric.increment(value - self._last[name])
                 self._last[name] = value
+        if self._cache_info_metric is None and self._report_vllm and getattr(stats, "cache_config_info", ()):
+            family = self._mf(name="vllm:cache_config_info", kind=self._mf.GAUGE,
+                              description="Information of the LLMEngine CacheConfig")
+            self._families.append(family)
+            self._cache_info_metric = family.Metric(labels=dict(self._lora_labels, **dict(stats.cache_config_info)))
+            self._cache_info_metric.set(1)
 
     def update_lora(self, stats: Any) -> None:
         """``vllm:lora_requests_info``: the series of the current adapter sets is set to now."""
