@@ -24,6 +24,9 @@ MODEL_MOUNT = "/mnt/models"
 LABEL_SERVICE = "pagoda.dev/llmservice"
 LABEL_COMPONENT = "app.kubernetes.io/component"
 KSERVE_ISVC_LABEL = "serving.kserve.io/inferenceservice"
+# On replica pods, for llm-d / GIE endpoint pickers: the engine type selects which metric
+# names the picker reads (pagoda exports vLLM's), inferenceServing is llm-d's pool label.
+LLM_D_LABELS = {"llm-d.ai/engine-type": "vllm", "llm-d.ai/inferenceServing": "true"}
 
 
 def replicas_name(svc: LLMService) -> str:

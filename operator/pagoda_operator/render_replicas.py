@@ -152,7 +152,7 @@ def render_replica_deployment(svc: LLMService, replicas: int) -> dict[str, Any]:
     volumes, _ = model_volume(svc)
     ca_volumes, _ = redis_ca_volume(svc)
     writable, _ = render_security.writable_volumes()
-    pod_labels = naming.labels(svc, COMPONENT) | {"pagoda.dev/model": svc.spec.model.name}
+    pod_labels = naming.labels(svc, COMPONENT) | {"pagoda.dev/model": svc.spec.model.name} | naming.LLM_D_LABELS
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",

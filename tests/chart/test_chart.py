@@ -295,3 +295,77 @@ def test_operator_may_manage_what_it_renders():
         group = child["apiVersion"].rsplit("/", 1)[0] if "/" in child["apiVersion"] else ""
         assert (group, child["kind"].lower() + "s" if not child["kind"].endswith("y")
                 else child["kind"][:-1].lower() + "ies") in granted, child["kind"]
+
+
+GIE = REPO / "tests" / "data" / "gie"
+POOL_VALUES = {"example": {"enabled": True},
+               "inferencePool": {"enabled": True, "endpointPicker": {"name": "smollm2-epp"},
+                                 "allowFrom": [{"namespaceSelector": {"matchLabels": {"gateway": "yes"}}}]}}
+
+
+def render_with(tmp_path: Path, values: dict) -> list[dict]:
+    path = tmp_path / "extra.yaml"
+    path.write_text(yaml.safe_dump(values))
+    args = ["template", "pagoda", str(CHART), "--namespace", "llm", "-f", str(path)]
+    return [d for d in yaml.safe_load_all(run_helm(*args)) if d]
+
+
+def test_inference_pool_validates_against_gie_crd_and_selects_the_replicas_pods(tmp_path):
+    objects = render_with(tmp_path, POOL_VALUES)
+    [pool] = [o for o in objects if o["kind"] == "InferencePool"]
+    kind, api_version, validator = crd_validator(
+        yaml.safe_load((GIE / "inference.networking.k8s.io_inferencepools.yaml").read_text()))
+    validate_custom(pool, {kind: (api_version, validator)})
+    spec = pool["spec"]
+    assert pool["metadata"]["name"] == "smollm2-pool"
+    # The CRD's CEL rules, which jsonschema does not run: a Service picker has a port; ports unique.
+    assert spec["endpointPickerRef"] == {"name": "smollm2-epp", "port": {"number": 9002}, "failureMode": "FailClose"}
+    assert len({p["number"] for p in spec["targetPorts"]}) == len(spec["targetPorts"])
+    # The pool holds exactly the pods the operator renders for the example LLMService, on the
+    # port their OpenAI door listens on, labelled for the picker's vLLM metric names.
+    [example] = [o for o in objects if o["kind"] == "LLMService"]
+    [deployment] = [c for c in render_children(parse_llmservice(example), 2) if c["kind"] == "Deployment"
+                    and c["metadata"]["name"].endswith("-replicas")]
+    pod = deployment["spec"]["template"]
+    assert spec["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    assert pod["metadata"]["labels"]["llm-d.ai/engine-type"] == "vllm"
+    ports = {p["containerPort"] for c in pod["spec"]["containers"] for p in c.get("ports", [])}
+    assert spec["targetPorts"] == [{"number": 9000}] and 9000 in ports
+    # Its NetworkPolicy opens only the target port, to the peers given, on the same pods.
+    [policy] = [o for o in objects if o["kind"] == "NetworkPolicy" and o["metadata"]["name"] == "smollm2-pool"]
+    validate_builtin(policy)
+    assert policy["spec"]["podSelector"] == spec["selector"]
+    assert policy["spec"]["ingress"] == [{"ports": [{"protocol": "TCP", "port": 9000}],
+                                          "from": [{"namespaceSelector": {"matchLabels": {"gateway": "yes"}}}]}]
+    assert not [o for o in render(None) if o["kind"] == "InferencePool"]  # opt-in
+
+
+def test_inference_pool_needs_its_endpoint_picker_and_refuses_bad_values(tmp_path):
+    values = {"inferencePool": {"enabled": True}}
+    path = tmp_path / "bad.yaml"
+    for bad, message in [
+        (values, "inferencePool.endpointPicker.name"),
+        ({"inferencePool": {"enabled": True, "endpointPicker": {"name": "e", "failureMode": "Open"}}},
+         "failureMode"),
+        ({"inferencePool": {"enabled": True, "targetPort": 0, "endpointPicker": {"name": "e"}}}, "targetPort"),
+        ({"inferencePool": {"enabled": True, "selector": {"a": "b"}, "endpointPicker": {"name": "e"}}}, "selector"),
+    ]:
+        path.write_text(yaml.safe_dump(bad))
+        result = subprocess.run([helm(), "template", "pagoda", str(CHART), "-f", str(path)],
+                                capture_output=True, text=True, timeout=120)
+        assert result.returncode != 0 and message in result.stderr, (bad, result.stderr)
+
+
+@pytest.mark.parametrize("scheduler", ["pagoda", "llm-d"])
+def test_example_as_kserve_llm_inference_service_validates(tmp_path, scheduler):
+    objects = render_with(tmp_path, {"kserve": {"enabled": True},
+                                     "example": {"enabled": True, "mode": "KServeLLM", "kserveScheduler": scheduler,
+                                                 "storageUri": "hf://HuggingFaceTB/SmolLM2-135M-Instruct"}})
+    [example] = [o for o in objects if o["kind"] == "LLMService"]
+    validate_any(example)
+    svc = parse_llmservice(example)
+    assert (svc.spec.mode, svc.spec.kserve_scheduler) == ("KServeLLM", scheduler)
+    [llmisvc] = [c for c in render_children(svc, 1) if c["kind"] == "LLMInferenceService"]
+    from tests.operator.test_llmisvc import errors_of
+    assert errors_of(llmisvc) == []
+    assert ("scheduler" in llmisvc["spec"]["router"]) == (scheduler == "llm-d")
