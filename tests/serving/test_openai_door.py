@@ -58,6 +58,21 @@ def test_models_list_and_retrieve(client):
         client.models.retrieve("gpt-4")
 
 
+def test_bench_serve_drives_the_openai_door(serve):
+    """``pagoda bench serve --endpoint-type openai``: the endpoint AIPerf and vllm bench serve measure."""
+    import asyncio
+
+    from pagoda.bench.serve import run_workload, summarize
+
+    prompts = [("Tell me about cats.", 4), ("Name a fruit.", 3), ("Count to three:", 5)]
+    results, elapsed = asyncio.run(run_workload(f"http://127.0.0.1:{serve.openai_port}", prompts, 2, "openai"))
+    assert [r.error for r in results] == [None] * 3
+    assert [r.num_output_tokens for r in results] == [4, 3, 5]  # ignore_eos: exactly max_tokens
+    assert all(r.num_input_tokens > 0 and r.ttft_s > 0 for r in results)
+    assert all(len(r.itl_s) == r.num_output_tokens - 1 for r in results)  # one chunk per token
+    assert summarize(results, elapsed, 60.0, 60.0)["goodput_fraction"] == 1.0
+
+
 def test_completion_equals_the_offline_engine(client, offline_text):
     response = client.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT, max_tokens=8, temperature=0)
     assert response.choices[0].text == offline_text

@@ -2,6 +2,8 @@
 
 import asyncio
 
+import numpy as np
+
 import pytest
 
 from pagoda.bench.serve import RequestResult, run_workload, summarize
@@ -32,3 +34,30 @@ def test_bench_drives_the_server(triton_server):
     assert [r.num_output_tokens for r in results] == [4, 5, 3]
     assert all(r.ttft_s > 0 and len(r.itl_s) == r.num_output_tokens - 1 for r in results)
     assert summarize(results, elapsed, 10.0, 10.0)["goodput_fraction"] == 1.0
+
+
+def test_synthetic_lengths_follow_vllm_and_aiperf_rules():
+    from pagoda.bench.serve import make_parser, workload_from_args
+    from pagoda.bench.workload import make_random_workload
+
+    # vllm bench serve --dataset-name random: uniform in [len*(1-r), len*(1+r)].
+    items = make_random_workload(400, 0, input_len=100, output_len=20, range_ratio=0.5)
+    assert {len(i.prompt_token_ids) for i in items} <= set(range(50, 151))
+    assert {i.max_tokens for i in items} <= set(range(10, 31))
+    assert min(len(i.prompt_token_ids) for i in items) < 60 and max(len(i.prompt_token_ids) for i in items) > 140
+    fixed = make_random_workload(5, 1, input_len=64, output_len=7)
+    assert [(len(i.prompt_token_ids), i.max_tokens) for i in fixed] == [(64, 7)] * 5
+    assert make_random_workload(5, 1, 64, 7) == fixed  # seeded: the same load on every machine
+    # AIPerf / genai-perf: normal lengths (mean, stddev), at least 1.
+    items = make_random_workload(2000, 0, input_len=200, output_len=50, input_stddev=20, output_stddev=5)
+    lengths = np.array([len(i.prompt_token_ids) for i in items])
+    # The sample mean of 2000 draws is within 4 standard errors (20/sqrt(2000) = 0.45) of 200.
+    assert abs(lengths.mean() - 200) < 4 * 20 / np.sqrt(2000) + 0.5
+    assert 17 < lengths.std() < 23
+    args = make_parser().parse_args(["--synthetic-input-tokens-mean", "30", "--output-tokens-mean", "4",
+                                     "--num-requests", "3"])
+    assert [i.max_tokens for i in workload_from_args(args)] == [4, 4, 4]
+    with pytest.raises(ValueError, match="range ratio"):
+        make_random_workload(1, 0, 10, 10, range_ratio=1.5)
+    with pytest.raises(SystemExit, match="give one set"):
+        workload_from_args(make_parser().parse_args(["--random-input-len", "8", "--output-tokens-mean", "4"]))

@@ -19,6 +19,14 @@ share (and rate) of requests whose TTFT <= ``--ttft-slo-ms`` and TPOT <= ``--itl
 Prompts go as text (the server's ``text_input``): the workload's token ids decoded with
 the model's tokenizer; the server reports how many tokens it actually saw.
 
+The load the ecosystem's generators make: ``--random-input-len/--random-output-len/
+--random-range-ratio`` (``vllm bench serve --dataset-name random``'s names and uniform
+lengths) or ``--synthetic-input-tokens-mean/-stddev`` with ``--output-tokens-mean/-stddev``
+(AIPerf's and genai-perf's names, normal lengths); ``--tokenizer`` names the tokenizer
+folder as theirs does. ``--endpoint-type openai`` drives an OpenAI door instead
+(``--url http://HOST:9000``: streaming ``/v1/completions`` with ``ignore_eos``, usage from
+the final chunk), the endpoint those tools measure, so their numbers and these compare.
+
 ``--launch`` starts a server with ``pagoda serve``'s launcher on free ports first (and
 stops it after), so one command produces the numbers.
 """
@@ -27,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import platform
@@ -38,7 +47,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from pagoda.bench.workload import make_workload, prompt_text
+from pagoda.bench.workload import make_random_workload, make_workload, prompt_text
 
 
 @dataclass
@@ -84,13 +93,61 @@ async def run_one(client: Any, prompt: str, max_tokens: int) -> RequestResult:
     return result
 
 
-async def run_workload(url: str, prompts: list[tuple[str, int]], concurrency: int) -> tuple[list[RequestResult], float]:
-    """Run ``prompts`` with ``concurrency`` closed-loop clients; returns results and wall seconds."""
-    from tritonclient.grpc import aio
-
-    client = aio.InferenceServerClient(url)
+async def run_one_openai(session: Any, url: str, model: str, prompt: str, max_tokens: int) -> RequestResult:
+    """One streaming ``/v1/completions`` request (SSE); token counts from the usage chunk."""
+    result = RequestResult(max_tokens=max_tokens)
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    start = last = time.perf_counter()
     try:
-        await run_one(client, prompts[0][0][:64] or "Hi", 2)  # warm-up, not measured
+        async with session.post(f"{url}/v1/completions", json=body) as response:
+            if response.status != 200:
+                raise RuntimeError(f"HTTP {response.status}: {(await response.text())[:200]}")
+            async for raw in response.content:
+                line = raw.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    result.num_input_tokens = chunk["usage"]["prompt_tokens"]
+                    result.num_output_tokens = chunk["usage"]["completion_tokens"]
+                if not any(choice.get("text") for choice in chunk.get("choices", ())):
+                    continue
+                now = time.perf_counter()
+                if result.ttft_s is None:
+                    result.ttft_s = now - start
+                else:
+                    result.itl_s.append(now - last)
+                last = now
+        result.e2e_s = last - start
+    except Exception as exc:  # noqa: BLE001 - a failed request is counted, not fatal
+        result.error = str(exc)
+    return result
+
+
+async def run_workload(url: str, prompts: list[tuple[str, int]], concurrency: int,
+                       endpoint_type: str = "grpc") -> tuple[list[RequestResult], float]:
+    """Run ``prompts`` with ``concurrency`` closed-loop clients; returns results and wall seconds.
+
+    ``endpoint_type``: ``grpc`` (Triton's ``generate_stream`` over gRPC, ``url`` = host:port)
+    or ``openai`` (``url`` = http://host:port of an OpenAI door)."""
+    if endpoint_type == "openai":
+        import aiohttp
+
+        client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
+    else:
+        from tritonclient.grpc import aio
+
+        client = aio.InferenceServerClient(url)
+    try:
+        if endpoint_type == "openai":
+            url = url.rstrip("/")
+            async with client.get(f"{url}/v1/models") as response:  # the served name, as AIPerf's --model
+                model = (await response.json())["data"][0]["id"]
+            one = functools.partial(run_one_openai, client, url, model)
+        else:
+            one = functools.partial(run_one, client)
+        await one(prompts[0][0][:64] or "Hi", 2)  # warm-up, not measured
         queue: asyncio.Queue = asyncio.Queue()
         for index, item in enumerate(prompts):
             queue.put_nowait((index, item))
@@ -102,7 +159,7 @@ async def run_workload(url: str, prompts: list[tuple[str, int]], concurrency: in
                     index, (prompt, max_tokens) = queue.get_nowait()
                 except asyncio.QueueEmpty:
                     return
-                results[index] = await run_one(client, prompt, max_tokens)
+                results[index] = await one(prompt, max_tokens)
 
         start = time.perf_counter()
         await asyncio.gather(*[worker() for _ in range(concurrency)])
@@ -158,9 +215,23 @@ def format_report(summary: dict, args: argparse.Namespace) -> str:
 
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pagoda bench serve", description=__doc__.split("\n\n")[0])
-    p.add_argument("--url", default="127.0.0.1:8001", help="the server's gRPC endpoint")
+    p.add_argument("--url", default=None,
+                   help="the server: gRPC host:port (default 127.0.0.1:8001) or, with --endpoint-type openai, "
+                        "http://host:port (default http://127.0.0.1:9000)")
+    p.add_argument("--endpoint-type", choices=("grpc", "openai"), default="grpc",
+                   help="grpc: Triton generate_stream; openai: streaming /v1/completions")
     p.add_argument("--launch", action="store_true", help="start a server (pagoda serve) on free ports first")
-    p.add_argument("--model", help="tokenizer folder for rendering prompts (default: the default model)")
+    p.add_argument("--model", "--tokenizer", dest="model",
+                   help="tokenizer folder for rendering prompts (default: the default model)")
+    lengths = p.add_argument_group("synthetic lengths (default: the fixed mixed workload of bench offline)")
+    lengths.add_argument("--random-input-len", type=int, help="vllm bench serve's: mean prompt tokens")
+    lengths.add_argument("--random-output-len", type=int, help="vllm bench serve's: mean output tokens")
+    lengths.add_argument("--random-range-ratio", type=float, default=0.0,
+                         help="vllm bench serve's: lengths uniform in [len*(1-r), len*(1+r)]")
+    lengths.add_argument("--synthetic-input-tokens-mean", type=int, help="AIPerf's / genai-perf's")
+    lengths.add_argument("--synthetic-input-tokens-stddev", type=float, default=0.0)
+    lengths.add_argument("--output-tokens-mean", type=int, help="AIPerf's / genai-perf's")
+    lengths.add_argument("--output-tokens-stddev", type=float, default=0.0)
     p.add_argument("--num-requests", type=int, default=32)
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
@@ -173,6 +244,23 @@ def make_parser() -> argparse.ArgumentParser:
     return p
 
 
+def workload_from_args(args: argparse.Namespace) -> list:
+    """The fixed workload, or synthetic lengths in vLLM's or AIPerf's terms (never both)."""
+    vllm_style = args.random_input_len is not None or args.random_output_len is not None
+    aiperf_style = args.synthetic_input_tokens_mean is not None or args.output_tokens_mean is not None
+    if vllm_style and aiperf_style:
+        raise SystemExit("pagoda bench serve: --random-* (vllm bench serve) and --synthetic-input-tokens-*/"
+                         "--output-tokens-* (AIPerf) describe the same lengths: give one set")
+    if vllm_style:
+        return make_random_workload(args.num_requests, args.seed, args.random_input_len or 1024,
+                                    args.random_output_len or 128, args.random_range_ratio)
+    if aiperf_style:
+        return make_random_workload(args.num_requests, args.seed, args.synthetic_input_tokens_mean or 550,
+                                    args.output_tokens_mean or 128, input_stddev=args.synthetic_input_tokens_stddev,
+                                    output_stddev=args.output_tokens_stddev)
+    return make_workload(args.num_requests, args.seed)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     args = make_parser().parse_args(argv)
     from pagoda.models.gguf_import import ensure_default_model
@@ -180,10 +268,10 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     model = args.model or str(ensure_default_model())
     tokenizer = Tokenizer.from_pretrained(model)
-    items = make_workload(args.num_requests, args.seed)
+    items = workload_from_args(args)
     prompts = [(prompt_text(item, tokenizer), min(item.max_tokens, args.max_output_tokens or item.max_tokens))
                for item in items]
-    server = None
+    server = door = None
     if args.launch:
         from pagoda.serving.launch.launcher import ServeOptions, TritonServer, find_free_port
 
@@ -193,13 +281,23 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"starting tritonserver (log: {server.log_path}) ...", file=sys.stderr, flush=True)
         server.start()
         args.url = server.grpc_url
+        if args.endpoint_type == "openai":  # pagoda serve's door, over the launched replica
+            from pagoda.serving.launch.openai_door import OpenAIDoor, model_dir_for
+
+            door = OpenAIDoor(find_free_port(), model_dir_for(args.model), server.grpc_url, server.http_url,
+                              f"{server.options.host}:{server.options.metrics_port}").start()
+            args.url = f"http://127.0.0.1:{door.port}"
+    args.url = args.url or ("http://127.0.0.1:9000" if args.endpoint_type == "openai" else "127.0.0.1:8001")
     try:
-        results, elapsed = asyncio.run(run_workload(args.url, prompts, args.concurrency))
+        results, elapsed = asyncio.run(run_workload(args.url, prompts, args.concurrency, args.endpoint_type))
     finally:
+        if door is not None:
+            door.stop()
         if server is not None:
             server.stop()
     summary = summarize(results, elapsed, args.ttft_slo_ms / 1000, args.itl_slo_ms / 1000)
-    summary["config"] = {"url": args.url, "concurrency": args.concurrency, "seed": args.seed,
+    summary["config"] = {"url": args.url, "endpoint_type": args.endpoint_type, "concurrency": args.concurrency,
+                         "seed": args.seed,
                          "num_requests": args.num_requests, "max_output_tokens": args.max_output_tokens,
                          "machine": f"{platform.machine()} {platform.processor() or ''}".strip()}
     print(format_report(summary, args))
