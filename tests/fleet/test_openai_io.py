@@ -144,7 +144,7 @@ def test_chat_roles_are_checked_and_timeout_passes_through():
         def apply_chat_template(self, messages, add_generation_prompt):
             return "|".join(f"{m['role']}:{m['content']}" for m in messages)
 
-    with pytest.raises(OpenAIError, match='messages\\[1\\].role: must be one of system, developer, user, assistant, got "wizard"'):
+    with pytest.raises(OpenAIError, match='messages\\[1\\].role: must be one of system, developer, user, assistant, tool, got "wizard"'):
         build_chat_request({"messages": [{"role": "user", "content": "a"}, {"role": "wizard", "content": "b"}]},
                            Template())
     built = build_chat_request({"messages": [{"role": "developer", "content": "be brief"}]}, Template())

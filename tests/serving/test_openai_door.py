@@ -95,6 +95,59 @@ def test_bad_request_is_a_400_naming_the_field(client):
         client.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT, max_tokens=-3)
 
 
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather forecast for a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo", "Rome"]},
+                                                    "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                   "required": ["city", "days"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"],
+    "additionalProperties": False}}}
+
+
+def test_a_forced_tool_call_parses_on_every_try(client):
+    """tool_choice required / named: the grammar engine makes every answer a valid call."""
+    import json
+
+    import jsonschema
+
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, CLOCK)}
+    messages = [{"role": "user", "content": "What will the weather be in Rome for the next three days?"}]
+    for seed in range(4):  # sampled at temperature 1: the model's own choices vary, the format never
+        for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+            answer = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages,
+                                                    tools=[WEATHER, CLOCK], tool_choice=choice, temperature=1.0,
+                                                    seed=seed, max_tokens=80)
+            [result] = answer.choices
+            assert result.finish_reason == ("tool_calls" if choice == "required" else "stop"), result
+            assert result.message.content is None and result.message.tool_calls, result
+            for call in result.message.tool_calls:
+                assert call.type == "function" and call.id.startswith("call_")
+                jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+            if choice != "required":
+                assert [c.function.name for c in result.message.tool_calls] == ["get_weather"]
+    # Streaming: the call arrives as one delta when the choice finishes, then usage.
+    stream = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, tools=[WEATHER],
+                                            tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                            max_tokens=80, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    calls = [tc for c in chunks for choice in c.choices for tc in (choice.delta.tool_calls or [])]
+    assert len(calls) == 1 and calls[0].function.name == "get_weather" and calls[0].index == 0
+    jsonschema.validate(json.loads(calls[0].function.arguments), schemas["get_weather"])
+    assert chunks[-1].usage.completion_tokens > 0
+    # The conversation goes on with the tool's answer in it.
+    follow = client.chat.completions.create(model="SmolLM2-135M-Instruct", max_tokens=8, temperature=0, messages=[
+        *messages, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": calls[0].id, "type": "function", "function": {"name": "get_weather",
+                                                                 "arguments": calls[0].function.arguments}}]},
+        {"role": "tool", "tool_call_id": calls[0].id, "content": "Sunny, 25 C."}])
+    assert follow.choices[0].message.content
+    with pytest.raises(openai.BadRequestError, match="no tool is named 'nope'"):
+        client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, tools=[WEATHER],
+                                       tool_choice={"type": "function", "function": {"name": "nope"}})
+
+
 def test_a_dead_door_is_restarted_and_serves_again(serve, client, offline_text):
     with urllib.request.urlopen(f"http://127.0.0.1:{serve.openai_port}/health", timeout=5) as response:
         assert response.status == 200

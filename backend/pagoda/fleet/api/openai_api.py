@@ -22,8 +22,9 @@ output: ``response_format`` (``json_object``, ``json_schema``) and vLLM's ``guid
 
 Refused with a 400 ``invalid_request_error`` (never silently ignored): several prompts or
 token-id prompts in one request, ``best_of`` other than ``n``, ``suffix``, a non-empty
-``logit_bias``, ``tools``/``functions``, more than one output format, and malformed
-values. Errors the replica reports come back with its message, and the status and type
+``logit_bias``, the legacy ``functions``/``function_call``, more than one output format, and
+malformed values. Tools (``tools``, ``tool_choice``, ``parallel_tool_calls``) are
+``pagoda.fleet.api.openai_tools``'s: forced calls through the grammar engine, parsed answers. Errors the replica reports come back with its message, and the status and type
 ``pagoda.contracts.errors`` gives their kind (``classify_replica_error``; e.g. a prompt
 longer than the context is a 400, an engine fault a 500); a replica that fails mid-stream
 ends the stream with an ``error`` event (the SDK raises it).
@@ -66,6 +67,7 @@ from pagoda.contracts.errors import ErrorKind, classify_replica_error, kind_of_h
 from pagoda.fleet.gate.gate import TENANT_KEY, Gate, LimitError, RateLimited, retry_after_header
 from pagoda.fleet.api.lora_admin import LoRAAdmin, check_change
 from pagoda.fleet.api.upstream import GrpcUpstream, ReplicaFailed
+from pagoda.fleet.api.openai_tools import finish_reason as tool_finish_reason, parse_answer
 from pagoda.fleet.api.openai_io import (OpenAIError, build_chat_request, build_completion_request, chat_logprobs,
                                     completion_logprobs, make_infer_request, read_outputs)
 from pagoda.fleet.routing.router import NoReplicaAvailable, Router
@@ -365,9 +367,7 @@ class _Answer:
 
     def final_object(self) -> dict:
         if self.chat:
-            choices = [{"index": i, "message": {"role": "assistant", "content": text},
-                        "logprobs": self._logprobs(self.logprobs[i]), "finish_reason": self.finish_reasons[i]}
-                       for i, text in enumerate(self.texts)]
+            choices = [self._chat_choice(i, text) for i, text in enumerate(self.texts)]
             kind = "chat.completion"
         else:
             choices = [{"index": i, "text": text, "logprobs": self._logprobs(self.logprobs[i], len(self.built.echo_prefix)),
@@ -375,6 +375,19 @@ class _Answer:
             kind = "text_completion"
         return {"id": self.request_id, "object": kind, "created": self.created, "model": self.model,
                 "system_fingerprint": SYSTEM_FINGERPRINT, "choices": choices, "usage": self._usage()}
+
+    def _tool_answer(self, i: int) -> tuple[Optional[str], list[dict], Optional[str]]:
+        """(content, tool_calls, finish_reason) of finished choice ``i`` (openai_tools)."""
+        plan = self.built.tools
+        content, calls = parse_answer(self.texts[i], plan, self.built.tool_parser)
+        return content, calls, tool_finish_reason(self.finish_reasons[i], plan, calls)
+
+    def _chat_choice(self, i: int, text: str) -> dict:
+        message, reason = {"role": "assistant", "content": text}, self.finish_reasons[i]
+        if self.built.tools is not None and self.built.tools.active:
+            content, calls, reason = self._tool_answer(i)
+            message = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+        return {"index": i, "message": message, "logprobs": self._logprobs(self.logprobs[i]), "finish_reason": reason}
 
     def _chunk(self, choices: list[dict]) -> dict:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
@@ -392,7 +405,14 @@ class _Answer:
         for i, text, reason, step_logprobs in self.add(outputs):
             if not text and reason is None:
                 continue
-            if self.chat:
+            if self.chat and self.built.tools is not None and self.built.tools.active:
+                if reason is None:
+                    continue  # held back until the choice finishes (openai_tools)
+                content, calls, reason = self._tool_answer(i)
+                delta = {"tool_calls": [{"index": k, **call} for k, call in enumerate(calls)]} if calls else {}
+                choice = {"index": i, "delta": {**({"content": content} if content else {}), **delta},
+                          "logprobs": self._logprobs(self.logprobs[i]), "finish_reason": reason}
+            elif self.chat:
                 choice = {"index": i, "delta": {"content": text} if text else {},
                           "logprobs": self._logprobs(step_logprobs), "finish_reason": reason}
             else:

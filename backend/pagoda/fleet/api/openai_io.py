@@ -15,6 +15,7 @@ from typing import Any, Optional
 from tritonclient.grpc import service_pb2
 
 from pagoda.fleet.api.openai_guided import guided_decoding_from_body
+from pagoda.fleet.api.openai_tools import ToolPlan, detect_parser, render_prompt, tool_plan_from_body
 
 MODEL_NAME = "pagoda"
 
@@ -41,12 +42,11 @@ _COMMON_FIELDS: dict[str, tuple[str, tuple]] = {
     "timeout": ("timeout", _NUMBER),  # seconds; pagoda.engine.core.admission deadlines
 }
 # Chat roles the chat templates know; "developer" (OpenAI's newer name) is a system message.
-CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 _REFUSED = {
     "suffix": "suffix (fill-in-the-middle) is not supported",
-    "tools": "tools are not supported by pagoda's router yet; send the conversation without tools",
-    "functions": "functions are not supported; send the conversation without functions",
-    "tool_choice": "tool_choice is not supported (no tools)",
+    "functions": "functions (OpenAI's legacy name) are not supported; send them as tools",
+    "function_call": "function_call (OpenAI's legacy name) is not supported; use tool_choice",
 }
 
 
@@ -70,6 +70,8 @@ class BuiltRequest:
     include_usage: bool = False
     echo_prefix: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    tools: Optional[ToolPlan] = None  # chat with tools (pagoda.fleet.api.openai_tools)
+    tool_parser: str = "hermes"
 
 
 def _check_type(body: dict, name: str, types: tuple) -> Any:
@@ -164,7 +166,18 @@ def _message_text(message: Any, index: int) -> dict[str, Any]:
         content = ""
     if not isinstance(content, str):
         raise OpenAIError(f"messages[{index}].content: must be a string or a list of text parts", "messages")
-    return {"role": role, "content": content}
+    out = {"role": role, "content": content}
+    calls = message.get("tool_calls")
+    if calls is not None and role == "assistant":
+        if not isinstance(calls, list) or not all(
+                isinstance(c, dict) and isinstance(c.get("function"), dict) and isinstance(c["function"].get("name"), str)
+                for c in calls):
+            raise OpenAIError(f"messages[{index}].tool_calls: must be a list of {{id, type, function: {{name, "
+                              "arguments}}}} objects", "messages")
+        out["tool_calls"] = calls
+    if role == "tool" and message.get("tool_call_id") is not None:
+        out["tool_call_id"] = str(message["tool_call_id"])
+    return out
 
 
 def build_chat_request(body: dict, tokenizer: Any) -> BuiltRequest:
@@ -181,12 +194,20 @@ def build_chat_request(body: dict, tokenizer: Any) -> BuiltRequest:
         sampling["logprobs"] = logprobs
     elif body.get("top_logprobs"):
         raise OpenAIError("top_logprobs: needs logprobs: true", "top_logprobs")
+    plan = tool_plan_from_body(body, OpenAIError)
+    forced = plan.guided() if plan is not None else None
+    if forced is not None:
+        if "guided_decoding" in sampling:
+            raise OpenAIError("tool_choice: a forced tool call is an output format; do not combine it with "
+                              "response_format or guided_*", "tool_choice")
+        sampling["guided_decoding"] = forced
+    checked = [_message_text(m, i) for i, m in enumerate(messages)]
     try:
-        prompt = tokenizer.apply_chat_template([_message_text(m, i) for i, m in enumerate(messages)],
-                                               add_generation_prompt=True)
+        prompt = render_prompt(tokenizer, checked, plan)
     except ValueError as exc:
         raise OpenAIError(f"messages: {exc}", "messages") from None
-    return BuiltRequest(prompt, sampling, stream, n, logprobs, include_usage)
+    return BuiltRequest(prompt, sampling, stream, n, logprobs, include_usage, tools=plan,
+                        tool_parser=detect_parser(getattr(tokenizer, "chat_template", None)))
 
 
 # ------------------------------------------------------------------ Triton tensors

@@ -1,0 +1,244 @@
+"""Tool calling at ``/v1/chat/completions``: ``tools``, ``tool_choice``, ``parallel_tool_calls``.
+
+Request (OpenAI's shapes, checked here; a wrong field is a 400 naming it):
+``tools: [{"type": "function", "function": {"name", "description"?, "parameters"?,
+"strict"?}}]`` (names ``[A-Za-z0-9_-]{1,64}``, unique; ``parameters`` a JSON-schema object);
+``tool_choice``: ``"none"``, ``"auto"`` (the default with tools), ``"required"`` or
+``{"type": "function", "function": {"name": ...}}``; ``parallel_tool_calls`` (default true).
+``tool_choice`` without ``tools``, an unknown name, or a forced call together with another
+output format (``response_format``, ``guided_*``) is refused. The legacy
+``functions``/``function_call`` stay refused (openai_io).
+
+Forced calls are enforced by the grammar engine, so they are always well-formed JSON
+(unless ``max_tokens`` cuts them, which ``finish_reason: "length"`` says):
+- a named function: the output is its ``arguments``, constrained by its ``parameters``
+  schema (as vLLM);
+- ``"required"``: the output is a JSON array of ``{"name", "parameters"}`` objects, each item
+  one of the tools (``anyOf`` of the tools, the name an ``enum``), at least one item, at
+  most one when ``parallel_tool_calls`` is false (vLLM's schema).
+
+``"auto"``: the model writes freely and its text is parsed by the model family's format,
+chosen from the chat template (vLLM asks for ``--tool-call-parser``; pagoda detects it):
+``hermes`` (``<tool_call>{json}</tool_call>``; Qwen 2/2.5/3, Hermes, and the fallback),
+``llama3_json`` (a JSON object ``{"name", "parameters"}`` after an optional
+``<|python_tag|>``, several joined by ``;``) and ``mistral`` (``[TOOL_CALLS][...]``). Text
+that does not parse is the answer's ``content`` (never an error), as in vLLM.
+
+Templates that ignore ``tools`` (SmolLM2's, for one: rendering with and without them gives
+the same text) get the tools described in a system message in Hermes' format, and earlier
+assistant tool calls written as ``<tool_call>`` text, so the model can still call them
+(vLLM sends such a template's prompt without any tool description).
+
+Answers: ``message.tool_calls`` (``id`` ``call_<hex>``, ``type`` ``function``, ``function:
+{name, arguments}`` with ``arguments`` a JSON string), ``content`` the text outside the calls
+(``null`` when none), ``finish_reason`` ``"tool_calls"`` (``"stop"`` for a named function, as
+OpenAI; ``"length"`` when cut). Streaming: with tools in play the answer is held back and
+sent as one delta when the choice finishes (vLLM streams argument fragments); the role chunk,
+usage and ``[DONE]`` are as without tools.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any, Optional
+
+_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_TOOL_KEYS = {"type", "function"}
+_FUNCTION_KEYS = {"name", "description", "parameters", "strict"}
+PARSERS = ("hermes", "llama3_json", "mistral")
+
+
+@dataclass
+class ToolPlan:
+    """What a request's tools mean for its prompt, its grammar and its answer."""
+
+    tools: list[dict]
+    choice: str  # none | auto | required | named
+    name: Optional[str] = None  # the forced function (choice "named")
+    parallel: bool = True
+
+    @property
+    def active(self) -> bool:
+        """Whether the answer is read for tool calls."""
+        return self.choice != "none"
+
+    def guided(self) -> Optional[dict]:
+        """The grammar of a forced call (``guided_decoding``), or ``None``."""
+        if self.choice == "named":
+            return {"json": _parameters(_function(self.tools, self.name))}
+        if self.choice == "required":
+            items = {"anyOf": [{"type": "object", "properties": {"name": {"type": "string", "enum": [f["name"]]},
+                                                                  "parameters": _parameters(f)},
+                                "required": ["name", "parameters"]} for f in (t["function"] for t in self.tools)]}
+            schema = {"type": "array", "minItems": 1, "items": items}
+            if not self.parallel:
+                schema["maxItems"] = 1
+            return {"json": schema}
+        return None
+
+
+def _function(tools: list[dict], name: Optional[str]) -> dict:
+    return next(t["function"] for t in tools if t["function"]["name"] == name)
+
+
+def _parameters(function: dict) -> dict:
+    return function.get("parameters") or {"type": "object", "properties": {}}
+
+
+def tool_plan_from_body(body: dict, error: type) -> Optional[ToolPlan]:
+    """The request's ``ToolPlan`` (``None`` without tools); raises ``error(message, param)``."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if tools is None or tools == []:
+        if choice not in (None, "none"):
+            raise error("tool_choice: needs tools", "tool_choice")
+        return None
+    if not isinstance(tools, list):
+        raise error("tools: must be a list of {type: function, function: {...}} objects", "tools")
+    checked = [_check_tool(tool, index, error) for index, tool in enumerate(tools)]
+    names = [t["function"]["name"] for t in checked]
+    if len(set(names)) != len(names):
+        raise error(f"tools: function names must be unique, got {names}", "tools")
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise error("parallel_tool_calls: must be a boolean", "parallel_tool_calls")
+    if choice is None or choice in ("none", "auto", "required"):
+        return ToolPlan(checked, choice or "auto", parallel=parallel)
+    if isinstance(choice, str):
+        raise error(f"tool_choice: must be none, auto, required or {{type: function, function: {{name}}}}, "
+                    f"got {json.dumps(choice)}", "tool_choice")
+    name = choice.get("function", {}).get("name") if isinstance(choice, dict) and \
+        choice.get("type") == "function" and isinstance(choice.get("function"), dict) else None
+    if not isinstance(name, str):
+        raise error("tool_choice: a named choice is {type: function, function: {name: ...}}", "tool_choice")
+    if name not in names:
+        raise error(f"tool_choice: no tool is named {name!r} (tools: {', '.join(names)})", "tool_choice")
+    return ToolPlan(checked, "named", name=name, parallel=parallel)
+
+
+def _check_tool(tool: Any, index: int, error: type) -> dict:
+    where = f"tools[{index}]"
+    if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
+        raise error(f"{where}: must be {{type: function, function: {{name, parameters}}}}", "tools")
+    for keys, allowed, path in ((tool, _TOOL_KEYS, where), (tool["function"], _FUNCTION_KEYS, f"{where}.function")):
+        unknown = sorted(set(keys) - allowed)
+        if unknown:
+            raise error(f"{path}: unknown field {unknown[0]!r}", "tools")
+    function = tool["function"]
+    if not isinstance(function.get("name"), str) or not _NAME.match(function["name"]):
+        raise error(f"{where}.function.name: must be 1-64 of [A-Za-z0-9_-], got {json.dumps(function.get('name'))}",
+                    "tools")
+    if "description" in function and not isinstance(function["description"], str):
+        raise error(f"{where}.function.description: must be a string", "tools")
+    parameters = function.get("parameters")
+    if parameters is not None and not isinstance(parameters, dict):
+        raise error(f"{where}.function.parameters: must be a JSON schema object", "tools")
+    return {"type": "function", "function": dict(function)}
+
+
+# ------------------------------------------------------------------ the prompt
+def detect_parser(chat_template: Optional[str]) -> str:
+    """The tool-call format a chat template teaches (module docstring); ``hermes`` by default."""
+    template = chat_template or ""
+    if "[TOOL_CALLS]" in template:
+        return "mistral"
+    if "<tool_call>" in template:
+        return "hermes"
+    if "<|python_tag|>" in template or "ipython" in template:
+        return "llama3_json"
+    return "hermes"
+
+
+def hermes_system_text(tools: list[dict]) -> str:
+    """Hermes' tool instructions, for templates that ignore ``tools``."""
+    listed = "\n".join(json.dumps(t, separators=(", ", ": ")) for t in tools)
+    return ("You are a function calling AI model. You may call one or more functions to assist with the user "
+            f"query. Here are the available tools: <tools>\n{listed}\n</tools>\nFor each function call, return a "
+            "JSON object with the function name and arguments within <tool_call></tool_call> tags:\n<tool_call>\n"
+            '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
+
+
+def inline_tool_messages(messages: list[dict], tools: list[dict]) -> list[dict]:
+    """The conversation for a template that ignores tools: instructions in the system
+    message, earlier tool calls as ``<tool_call>`` text."""
+    out = []
+    for message in messages:
+        calls = message.get("tool_calls") or []
+        text = message.get("content") or ""
+        text += "".join(f"<tool_call>\n{json.dumps({'name': c['function']['name'], 'arguments': _arguments(c)})}"
+                        "\n</tool_call>" for c in calls)
+        out.append({"role": message["role"], "content": text})
+    instructions = hermes_system_text(tools)
+    if out and out[0]["role"] == "system":
+        out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + instructions}
+    else:
+        out.insert(0, {"role": "system", "content": instructions})
+    return out
+
+
+def _arguments(call: dict) -> Any:
+    arguments = call["function"].get("arguments", "{}")
+    try:
+        return json.loads(arguments) if isinstance(arguments, str) else arguments
+    except ValueError:
+        return arguments
+
+
+def render_prompt(tokenizer: Any, messages: list[dict], plan: Optional[ToolPlan]) -> str:
+    """The chat prompt with the tools in it (module docstring); raises ``ValueError``."""
+    if plan is None:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    with_tools = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=plan.tools)
+    plain = [{k: v for k, v in m.items() if k in ("role", "content")} for m in messages]
+    if with_tools != tokenizer.apply_chat_template(plain, add_generation_prompt=True):
+        return with_tools  # the template renders tools (and tool calls) itself
+    return tokenizer.apply_chat_template(inline_tool_messages(messages, plan.tools), add_generation_prompt=True)
+
+
+# ------------------------------------------------------------------ the answer
+def _call(name: str, arguments: Any) -> dict:
+    text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name, "arguments": text}}
+
+
+def parse_answer(text: str, plan: ToolPlan, parser: str) -> tuple[Optional[str], list[dict]]:
+    """(content, tool_calls) of one finished choice; unparsable text is content."""
+    if plan.choice == "named":
+        return None, [_call(plan.name, text.strip())]
+    if plan.choice == "required":
+        try:
+            items = json.loads(text)
+            return None, [_call(item["name"], item["parameters"]) for item in items]
+        except (ValueError, TypeError, KeyError):
+            return text or None, []  # cut by max_tokens: finish_reason "length" says so
+    return _parse_auto(text, parser)
+
+
+def _parse_auto(text: str, parser: str) -> tuple[Optional[str], list[dict]]:
+    try:
+        if parser == "mistral" and "[TOOL_CALLS]" in text:
+            content, _, rest = text.partition("[TOOL_CALLS]")
+            calls = [_call(c["name"], c.get("arguments", {})) for c in json.loads(rest.strip())]
+            return content.strip() or None, calls
+        if parser == "llama3_json":
+            body = text.strip().removeprefix("<|python_tag|>").strip()
+            if body.startswith("{"):
+                parts = [json.loads(p) for p in body.split(";") if p.strip()]
+                return None, [_call(p["name"], p.get("parameters", p.get("arguments", {}))) for p in parts]
+        if "<tool_call>" in text:
+            found = re.findall(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", text, flags=re.DOTALL)
+            calls = [json.loads(f) for f in found]
+            content = text[:text.index("<tool_call>")].strip()
+            return content or None, [_call(c["name"], c.get("arguments", {})) for c in calls]
+    except (ValueError, TypeError, KeyError, AttributeError):
+        pass
+    return text, []
+
+
+def finish_reason(reason: Optional[str], plan: ToolPlan, calls: list[dict]) -> Optional[str]:
+    """``tool_calls`` when calls were made (``stop`` for a named function); ``length`` stays."""
+    if not calls or reason == "length":
+        return reason
+    return "stop" if plan.choice == "named" else "tool_calls"
