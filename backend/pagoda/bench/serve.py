@@ -228,10 +228,14 @@ def make_parser() -> argparse.ArgumentParser:
     lengths.add_argument("--random-output-len", type=int, help="vllm bench serve's: mean output tokens")
     lengths.add_argument("--random-range-ratio", type=float, default=0.0,
                          help="vllm bench serve's: lengths uniform in [len*(1-r), len*(1+r)]")
-    lengths.add_argument("--synthetic-input-tokens-mean", type=int, help="AIPerf's / genai-perf's")
-    lengths.add_argument("--synthetic-input-tokens-stddev", type=float, default=0.0)
-    lengths.add_argument("--output-tokens-mean", type=int, help="AIPerf's / genai-perf's")
-    lengths.add_argument("--output-tokens-stddev", type=float, default=0.0)
+    lengths.add_argument("--synthetic-input-tokens-mean", "--prompt-input-tokens-mean", "--isl",
+                         dest="synthetic_input_tokens_mean", type=int, help="AIPerf's / genai-perf's")
+    lengths.add_argument("--synthetic-input-tokens-stddev", "--prompt-input-tokens-stddev",
+                         dest="synthetic_input_tokens_stddev", type=float, default=0.0)
+    lengths.add_argument("--output-tokens-mean", "--prompt-output-tokens-mean", "--osl", dest="output_tokens_mean",
+                         type=int, help="AIPerf's / genai-perf's")
+    lengths.add_argument("--output-tokens-stddev", "--prompt-output-tokens-stddev", "--osl-stddev",
+                         dest="output_tokens_stddev", type=float, default=0.0)
     p.add_argument("--num-requests", type=int, default=32)
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)

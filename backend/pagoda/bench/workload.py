@@ -9,7 +9,7 @@ them as text for HTTP/gRPC clients.
 
 ``make_random_workload`` draws lengths the way the peers' generators do, so one load can be
 driven by either: ``vllm bench serve --dataset-name random`` (``--random-input-len``,
-``--random-output-len``, ``--random-range-ratio``: uniform in ``[len*(1-r), len*(1+r)]``)
+``--random-output-len``, ``--random-range-ratio``: uniform in ``[floor(len*(1-r)), ceil(len*(1+r))]``)
 or AIPerf / genai-perf (``--synthetic-input-tokens-mean/-stddev``,
 ``--output-tokens-mean/-stddev``: normal, rounded, at least 1). Prompt tokens are drawn
 uniformly from the same ordinary-word range.
@@ -52,7 +52,7 @@ def draw_length(rng: random.Random, mean: int, range_ratio: float = 0.0, stddev:
     """One length: vLLM's uniform ``[mean*(1-r), mean*(1+r)]`` or, with ``stddev``, AIPerf's normal."""
     if stddev:
         return max(1, int(round(rng.gauss(mean, stddev))))
-    low, high = max(1, int(mean * (1 - range_ratio))), max(1, int(mean * (1 + range_ratio)))
+    low, high = max(1, math.floor(mean * (1 - range_ratio))), max(1, math.ceil(mean * (1 + range_ratio)))
     return rng.randint(low, high)
 
 
