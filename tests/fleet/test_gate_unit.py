@@ -58,6 +58,16 @@ class FakeClock:
     # tritonserver makes a parameter named like an input that input: a string there would be its 500
     (b'{"text_input": "hi", "parameters": {"temperature": "0"}}', 'temperature: must be a number, got "0"'),
     (b'{"text_input": "hi", "n": "64"}', "n: 64 exceeds this server's limit of 16"),
+    # Issue 25 defect 4: JSON that Python's parser takes and later code cannot.
+    (b'{"text_input": "hi", "max_tokens": Infinity}', "body: Infinity is not a JSON number"),
+    (b'{"text_input": "hi", "temperature": 1e999}', "body: the number 1e999 is out of range"),
+    (b'{"text_input": "hi", "sampling_parameters": "{\\"max_tokens\\": NaN}"}',
+     "sampling_parameters: NaN is not a JSON number"),
+    (b'{"text_input": "hi", "sampling_parameters": {"max_tokens": -Infinity}}', "body: -Infinity is not a JSON"),
+    (b'{"text_input": "\\ud800 hi"}', "body.text_input: a lone surrogate (\\ud800)"),
+    (b'{"text_input": "hi", "parameters": {"x": ' + b"[" * 100 + b"]" * 100 + b"}}", "nested too deeply"),
+    (b"[" * 200000 + b"]" * 200000, "body: JSON nested too deeply"),
+    (b'{"text_input": "\xff"}', "body: not UTF-8"),
 ])
 def test_generate_bodies_are_refused_naming_the_problem(body, message):
     with pytest.raises(LimitError) as info:
@@ -433,6 +443,43 @@ async def _grpc_limit_scenario(tokenizer):
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert (await stub.ServerLive(service_pb2.ServerLiveRequest())).live
         [answer] = await one(_infer_request('{"max_tokens": 2}'))  # a normal request is routed (no replica)
+        assert "no replica" in answer.error_message
+
+
+def test_hostile_json_is_a_400_naming_it_on_every_door_and_the_doors_keep_serving(tokenizer):
+    """Issue 25 defect 4: Infinity/NaN, 1e999, lone surrogates and deep nesting were 500s on
+    the router's HTTP doors and lost requests on its gRPC door."""
+    asyncio.run(_hostile_json_scenario(tokenizer))
+
+
+async def _hostile_json_scenario(tokenizer):
+    from aiohttp.test_utils import TestClient, TestServer
+
+    app, _ = _app(tokenizer, Gate(RequestLimits()), allow_runtime_lora=True)
+    hostile = [b'{"prompt": "hi", "max_tokens": Infinity}', b'{"prompt": "hi", "temperature": 1e999}',
+               b'{"prompt": "\\ud83d hi"}', b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+               b'{"messages": [{"role": "user", "content": "\\udfff"}]}', b"[" * 200000 + b"]" * 200000]
+    async with TestClient(TestServer(app)) as client:
+        for path in ("/v1/completions", "/v1/chat/completions", "/v1/load_lora_adapter",
+                     "/v2/models/pagoda/generate", "/v2/models/pagoda/generate_stream"):
+            for body in hostile:
+                async with client.post(path, data=body) as response:
+                    text = await response.text()
+                    assert response.status == 400, (path, body[:40], response.status, text)
+                    assert "Traceback" not in text and ("body" in text), (path, text)
+        async with client.post("/v1/completions", data=b'{"prompt": "hi", "max_tokens": 2}') as response:
+            assert response.status == 503  # valid and admitted: no replica to route to
+    async with _grpc_door(tokenizer, Gate(RequestLimits())) as stub:
+        import grpc
+
+        for sampling in ('{"max_tokens": Infinity}', '{"temperature": 1e999}', '{"n": NaN}',
+                         '{"stop": ' + "[" * 5000 + "]" * 5000 + "}"):
+            answers = [r async for r in stub.ModelStreamInfer(iter([_infer_request(sampling)]))]
+            assert len(answers) == 1 and "sampling_parameters" in answers[0].error_message, (sampling, answers)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.ModelInfer(_infer_request(sampling))
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "sampling_parameters" in info.value.details()
+        [answer] = [r async for r in stub.ModelStreamInfer(iter([_infer_request('{"max_tokens": 2}')]))]
         assert "no replica" in answer.error_message
 
 

@@ -63,6 +63,7 @@ from typing import Any, Optional
 
 from aiohttp import web
 
+from pagoda.contracts import json_input
 from pagoda.contracts.errors import ErrorKind, classify_replica_error, kind_of_http_status, spec_of
 from pagoda.fleet.gate.gate import TENANT_KEY, Gate, LimitError, RateLimited, retry_after_header
 from pagoda.fleet.api.lora_admin import LoRAAdmin, check_change
@@ -167,9 +168,9 @@ class OpenAIApi:
             return kind_response(ErrorKind.PERMISSION_DENIED, f"{action}ing LoRA adapters at run time is not enabled "
                                  "on this router; start it with `pagoda router --allow-runtime-lora`")
         try:
-            body = json.loads(await request.read())
-        except ValueError as exc:
-            return error_response(400, f"the request body is not valid JSON: {exc}")
+            body = json_input.loads(await request.read(), "body")
+        except json_input.JSONInputError as exc:
+            return error_response(400, str(exc), param=exc.param)
         fields = ("lora_name", "lora_path") if action == "load" else ("lora_name",)
         for name in fields:
             if not isinstance(body, dict) or not isinstance(body.get(name), str) or not body[name]:
@@ -194,9 +195,10 @@ class OpenAIApi:
     # ------------------------------------------------------------------ common path
     async def _handle(self, request: web.Request, chat: bool) -> web.StreamResponse:
         try:
-            body = json.loads(await request.read())
-        except ValueError as exc:
-            return error_response(400, f"the request body is not valid JSON: {exc}")
+            body = json_input.loads(await request.read(), "body")
+        except json_input.JSONInputError as exc:
+            self.gate.count("invalid_input")
+            return error_response(400, str(exc), param=exc.param)
         try:
             if not isinstance(body, dict):
                 raise OpenAIError("the request body must be a JSON object")

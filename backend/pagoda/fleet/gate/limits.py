@@ -36,10 +36,12 @@ limits apply to sampling values wherever they come (``sampling_of_generate``).
 from __future__ import annotations
 
 import json
+import math
 import struct
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from pagoda.contracts import json_input
 from pagoda.serving.vllm_dialect import request_parameter_vocabulary
 
 # Triton generate inputs of model_repository/pagoda/config.pbtxt -> their JSON kind.
@@ -135,7 +137,7 @@ def as_int(value: Any) -> Optional[int]:
     if isinstance(value, bool):
         return None
     if isinstance(value, (int, float)):
-        return int(value)
+        return int(value) if math.isfinite(value) else None
     if isinstance(value, str):
         try:
             return int(value.strip())
@@ -153,9 +155,9 @@ def validate_generate_body(body: bytes, limits: RequestLimits) -> dict[str, Any]
             the wrong type, a limit exceeded).
     """
     try:
-        document = json.loads(body)
-    except ValueError as exc:
-        raise LimitError(f"body: not valid JSON ({exc})", "body") from None
+        document = json_input.loads(body, "body")
+    except json_input.JSONInputError as exc:
+        raise LimitError(str(exc), exc.param) from None
     if not isinstance(document, dict):
         raise LimitError(f"body: must be a JSON object of inputs, got a JSON {_json_kind(document)}", "body")
     vocabulary = request_parameter_keys()
@@ -245,12 +247,15 @@ def sampling_of_generate(document: dict[str, Any]) -> dict[str, Any]:
 
 
 def _json_object(text: Any) -> dict[str, Any]:
+    """The ``sampling_parameters`` object (``{}`` if absent or not an object: the replica names
+    that); JSON that is invalid, non-finite, too deep or not Unicode is a ``LimitError`` here."""
     if isinstance(text, dict):
+        json_input.check(text, "sampling_parameters")
         return dict(text)
     try:
-        value = json.loads(text) if isinstance(text, str) and text.strip() else {}
-    except ValueError:
-        return {}  # the replica names the JSON error
+        value = json_input.loads(text, "sampling_parameters") if isinstance(text, str) and text.strip() else {}
+    except json_input.JSONInputError as exc:
+        raise LimitError(str(exc), exc.param) from None
     return value if isinstance(value, dict) else {}
 
 
