@@ -469,6 +469,13 @@ async def _hostile_json_scenario(tokenizer):
                     assert "Traceback" not in text and ("body" in text), (path, text)
         async with client.post("/v1/completions", data=b'{"prompt": "hi", "max_tokens": 2}') as response:
             assert response.status == 503  # valid and admitted: no replica to route to
+        for path in ("/v2/models/pagoda/infer", "/v2/models/pagoda/versions/1/infer"):
+            async with client.post(path, data=b'{"inputs": [{"name": "text_input", "datatype": "BYTES", '
+                                              b'"shape": [1], "data": ["\\ud800"]}]}') as response:
+                text = await response.text()
+                assert response.status == 400 and "lone surrogate" in text, (path, text)
+            async with client.post(path, json=INFER_OK) as response:
+                assert response.status == 503, await response.text()  # valid: forwarded (no replica)
     async with _grpc_door(tokenizer, Gate(RequestLimits())) as stub:
         import grpc
 
@@ -481,6 +488,51 @@ async def _hostile_json_scenario(tokenizer):
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "sampling_parameters" in info.value.details()
         [answer] = [r async for r in stub.ModelStreamInfer(iter([_infer_request('{"max_tokens": 2}')]))]
         assert "no replica" in answer.error_message
+
+
+INFER_OK = {"id": "r1", "inputs": [
+    {"name": "text_input", "datatype": "BYTES", "shape": [1], "data": ["hello"]},
+    {"name": "sampling_parameters", "datatype": "BYTES", "shape": [1], "data": ['{"max_tokens": 4}']},
+    {"name": "stream", "datatype": "BOOL", "shape": [1], "data": [False]}], "outputs": [{"name": "text_output"}]}
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"inputs": []}, "inputs: required, a non-empty list"),
+    ({"frobnicate": 1}, "frobnicate: unknown key of an inference request"),
+    ({"id": 5}, "id: must be a string"),
+    ({"inputs": [{"name": "text_input", "datatype": "STRING", "shape": [1], "data": ["x"]}]},
+     "inputs[0].datatype (text_input): must be one of"),
+    ({"inputs": [{"name": "text_input", "datatype": "BYTES", "shape": [-1], "data": ["x"]}]},
+     "inputs[0].shape (text_input): must be a list of non-negative integers"),
+    ({"inputs": [{"name": "text_input", "datatype": "BYTES", "shape": [1]}]}, "inputs[0].data (text_input): required"),
+    ({"inputs": [{"name": "text_input", "datatype": "BYTES", "shape": [1], "data": ["x" * 2000]}]},
+     "text_input: 2000 characters exceed"),
+    ({"inputs": [{"name": "sampling_parameters", "datatype": "BYTES", "shape": [1], "data": ['{"n": 99}']}]},
+     "n: 99 exceeds this server's limit"),
+    ({"inputs": [{"name": "sampling_parameters", "datatype": "BYTES", "shape": [1], "data": ['{"n": Infinity}']}]},
+     "sampling_parameters: Infinity is not a JSON number"),
+    ({"outputs": [{"nom": "text_output"}]}, "outputs: must be a list of {name, parameters?} objects"),
+])
+def test_infer_bodies_are_checked_before_they_are_forwarded(change, message):
+    from pagoda.fleet.gate.infer_body import validate_infer_body
+
+    limits = RequestLimits(max_prompt_chars=1000)
+    validate_infer_body(json.dumps(INFER_OK).encode(), None, limits)  # the valid one passes
+    with pytest.raises(LimitError) as info:
+        validate_infer_body(json.dumps({**INFER_OK, **change}).encode(), None, limits)
+    assert message in str(info.value) and info.value.status == 400
+
+
+def test_infer_with_the_binary_extension_checks_the_json_header_only():
+    from pagoda.fleet.gate.infer_body import validate_infer_body
+
+    header = json.dumps({"inputs": [{"name": "text_input", "datatype": "BYTES", "shape": [1],
+                                     "parameters": {"binary_data_size": 9}}]}).encode()
+    body = header + struct.pack("<I", 5) + b"hello"
+    validate_infer_body(body, str(len(header)), RequestLimits())
+    for bad in ("x", str(len(body) + 1)):
+        with pytest.raises(LimitError, match="Inference-Header-Content-Length"):
+            validate_infer_body(body, bad, RequestLimits())
 
 
 # ------------------------------------------------------------------ tokenization off the loop

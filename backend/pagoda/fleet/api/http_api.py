@@ -14,7 +14,9 @@
   serves; ``load``/``unload`` go to every replica as ``/v1/load_lora_adapter`` does
   (``lora_admin``; refused with 403 unless ``--allow-runtime-lora``). The answer has the
   replica's shape: ``{"text_output": "<JSON document>"}`` or ``{"error": "..."}``.
-- ``POST /v2/models/{model}/infer`` and every other ``GET /v2/...`` are forwarded.
+- ``POST /v2/models/{model}[/versions/{v}]/infer`` is checked as a KServe v2 request (``fleet/gate/infer_body``:
+  strict JSON, the protocol's keys and types, the prompt and sampling limits) and forwarded; every other
+  ``GET /v2/...`` is forwarded.
 - ``GET /v2/health/live`` (the router runs) and ``/v2/health/ready`` (some replica is
   routable) are answered here; ``GET /metrics`` shows the router's own counters and every
   replica's ``vllm:`` series with a ``replica_id`` label (``fleet_metrics``).
@@ -47,6 +49,7 @@ from pagoda.contracts.errors import ErrorKind, error_text, is_overloaded, spec_o
 from pagoda.fleet.gate.gate import TENANT_KEY, AuthError, Gate, LimitError, RateLimited, retry_after_header
 from pagoda.fleet.api.fleet_metrics import merge_vllm_series, scrape_replicas
 from pagoda.fleet.api.grpc_proxy import MAX_ROUTED_PROMPT_CHARS, cache_salt_of, option_of
+from pagoda.fleet.gate.infer_body import validate_infer_body
 from pagoda.fleet.gate.limits import prompt_of, sampling_of_generate, validate_generate_body
 from pagoda.fleet.api.lora_admin import LoRAAdmin, check_change
 from pagoda.fleet.routing.router import Analysis, NoReplicaAvailable, Router
@@ -84,6 +87,7 @@ def make_app(router: Router, tracer: RouterTracer, gate: Gate, lora_admin: LoRAA
     app.router.add_post("/v2/models/{model}/versions/{version}/generate", _generate)
     app.router.add_post("/v2/models/{model}/versions/{version}/generate_stream", _generate)
     app.router.add_post("/v2/models/{model}/infer", _generate)
+    app.router.add_post("/v2/models/{model}/versions/{version}/infer", _generate)
     app.router.add_get("/v2{tail:.*}", _forward_get)
     if openai is not None:
         openai.add_routes(app)
@@ -191,6 +195,12 @@ async def _generate(request: web.Request) -> web.StreamResponse:
             return _error(exc.status, str(exc))
         except RateLimited as exc:
             return _kind_error(ErrorKind.RATE_LIMITED, str(exc), retry_after_header(exc.retry_after_s))
+    else:  # /infer: KServe v2 bodies, checked before they reach a replica (fleet/gate/infer_body.py)
+        try:
+            validate_infer_body(body, request.headers.get("Inference-Header-Content-Length"), gate.limits)
+        except LimitError as exc:
+            gate.count("invalid_input")
+            return _error(exc.status, str(exc))
     carrier = {TRACEPARENT: request.headers[TRACEPARENT]} if TRACEPARENT in request.headers else {}
     try:
         with tracer.route_span("http", carrier) as span:

@@ -236,7 +236,7 @@ def sampling_of_generate(document: dict[str, Any]) -> dict[str, Any]:
     vocabulary = request_parameter_keys()
     sampling = {k: v for k, v in document.items() if k in vocabulary and k not in GENERATE_INPUTS}
     sampling.update(document.get("parameters") or {})
-    sampling.update(_json_object(document.get("sampling_parameters")))
+    sampling.update(sampling_object(document.get("sampling_parameters")))
     for name in ("max_tokens",):
         if name in document:
             sampling[name] = document[name]
@@ -246,7 +246,7 @@ def sampling_of_generate(document: dict[str, Any]) -> dict[str, Any]:
     return sampling
 
 
-def _json_object(text: Any) -> dict[str, Any]:
+def sampling_object(text: Any) -> dict[str, Any]:
     """The ``sampling_parameters`` object (``{}`` if absent or not an object: the replica names
     that); JSON that is invalid, non-finite, too deep or not Unicode is a ``LimitError`` here."""
     if isinstance(text, dict):
@@ -264,7 +264,7 @@ def sampling_of_infer_request(request: Any) -> dict[str, Any]:
     """SamplingParams-named values of a ``ModelInferRequest`` (JSON + ``max_tokens``/``stop_words``)."""
     from pagoda.fleet.triton_wire import bytes_elements, read_string_input
 
-    sampling = _json_object(read_string_input(request, "sampling_parameters"))
+    sampling = sampling_object(read_string_input(request, "sampling_parameters"))
     for index, tensor in enumerate(request.inputs):
         raw = request.raw_input_contents[index] if index < len(request.raw_input_contents) else b""
         if tensor.name == "max_tokens" and tensor.datatype == "INT32" and len(raw) == 4:
