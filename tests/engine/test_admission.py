@@ -54,11 +54,75 @@ def test_deadlines_pop_in_order():
     assert admission.take_expired(30.0) == [("late", 10.0)]
 
 
+def test_capacity_bound_follows_measured_service_time():
+    """Issue 25 defect 10: the queue is bounded by what the replica can serve within
+    max_queue_delay_s, from its own finished requests, not by a constant alone."""
+    admission = Admission(max_waiting_requests=1024, max_waiting_prompt_tokens=10**6, max_queue_delay_s=10.0, slots=4)
+    queue = [_request(f"w{i}", 5) for i in range(100)]
+    assert admission.can_admit(5, 0, queue, num_running=4).admit  # nothing measured yet: constants only
+    for seconds in (2.0, 2.0, 2.0):
+        admission.observe_service(seconds)
+    assert admission.mean_service_s == pytest.approx(2.0)
+    # 4 slots, 2 s each: 20 queued + the new one reach a slot in (21 - 0) / 4 x 2 = 10.5 s > 10 s.
+    assert admission.can_admit(5, 0, queue[:19], num_running=4).admit  # 20 / 4 x 2 = 10 s
+    verdict = admission.can_admit(5, 0, queue[:20], num_running=4)
+    assert not verdict.admit and verdict.reason.startswith(OVERLOADED_PREFIX)
+    assert "measured capacity" in verdict.reason and "max_queue_delay_s" in verdict.reason and "10 s" in verdict.reason
+    assert admission.can_admit(5, 0, queue[:20], num_running=2).admit  # two free slots: (21 - 2) / 4 x 2 = 9.5 s
+    # Slower requests: the queue it allows shrinks (EWMA towards 8 s).
+    for _ in range(30):
+        admission.observe_service(8.0)
+    assert not admission.can_admit(5, 0, queue[:5], num_running=4).admit  # 6 / 4 x 8 = 12 s
+    assert admission.can_admit(5, 0, queue[:4], num_running=4).admit  # 5 / 4 x 8 = 10 s
+    # A more urgent request still displaces less urgent waiting ones to fit.
+    low = [_request(f"l{i}", 5, priority=9, arrival=float(i)) for i in range(5)]
+    verdict = admission.can_admit(5, 0, low, num_running=4)
+    assert verdict.admit and [v.request_id for v in verdict.victims] == ["l4"]
+    off = Admission(1024, 10**6, max_queue_delay_s=0.0, slots=4)
+    for _ in range(5):
+        off.observe_service(100.0)
+    assert off.can_admit(5, 0, queue, num_running=4).admit and off.expected_wait_s(101) is None
+
+
 def test_config_validates_bounds():
     with pytest.raises(ValueError, match="max_waiting_requests"):
         EngineConfig(max_waiting_requests=0)
     with pytest.raises(ValueError, match="max_waiting_prompt_tokens"):
         EngineConfig(max_waiting_prompt_tokens=-1)
+    for bad in (-1.0, float("inf"), float("nan"), "30", True):
+        with pytest.raises(ValueError, match="max_queue_delay_s"):
+            EngineConfig(max_queue_delay_s=bad)
+    assert EngineConfig().max_queue_delay_s == 0.0  # the engine never refuses its own work by default
+    from pagoda.serving.model_config import engine_config_from_parameters
+
+    assert engine_config_from_parameters({}).max_queue_delay_s == 30.0  # a server protects itself
+    assert engine_config_from_parameters({"max_queue_delay_s": "0"}).max_queue_delay_s == 0.0
+
+
+def test_a_burst_is_bounded_by_the_replicas_measured_capacity(model_path):
+    """A 200-request burst on one replica: with the constants alone all 200 queue; the
+    capacity bound admits what 2 slots serve within the budget (1 s here), refuses the rest
+    at once, and every admitted request finishes."""
+    engine = LLMEngine(EngineConfig(model=model_path, max_num_seqs=2, max_queue_delay_s=1.0))
+    for i in range(4):  # measure: requests that run to their natural end (32 tokens: a service time of steps)
+        engine.add_request(f"warm{i}", [5, 6, 7 + i], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+    drain(engine)
+    service = engine.admission.mean_service_s
+    assert engine.admission.num_service_samples == 4 and service > 0
+    admitted, refused = [], []
+    for i in range(200):
+        try:
+            engine.add_request(f"b{i}", [5, 6, 7, 8, i % 50 + 10], GREEDY)
+            admitted.append(f"b{i}")
+        except EngineOverloaded as exc:
+            refused.append(str(exc))
+    # The queue it keeps is what 2 free slots take at once plus what they drain in 1 s.
+    expected = int(1.0 / service * 2) + 2
+    assert abs(len(admitted) - expected) <= 2 and len(admitted) + len(refused) == 200, (len(admitted), service)
+    assert refused and all("measured capacity" in r for r in refused)
+    finals = drain(engine)
+    assert sorted(finals) == sorted(admitted) and all(o.error is None for o in finals.values())
+    assert engine.get_stats().num_free_blocks == engine.scheduler.block_pool.num_usable_blocks
 
 
 # ------------------------------------------------------------------ in the engine

@@ -201,10 +201,14 @@ class AdmissionConfig:
 
     max_waiting_requests: int
     max_waiting_prompt_tokens: int
+    max_queue_delay_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("max_waiting_requests", "max_waiting_prompt_tokens"):
             _check_int(name, getattr(self, name), 1)
+        delay = self.max_queue_delay_s
+        if isinstance(delay, bool) or not isinstance(delay, (int, float)) or not 0 <= delay < float("inf"):
+            raise ValueError(f"max_queue_delay_s: must be a number of seconds >= 0 (0: off), got {delay!r}")
 
 
 @dataclass(frozen=True)
@@ -292,6 +296,10 @@ class EngineConfig:
     # full queue holds ~100 MB of host memory at most, whatever the clients send.
     max_waiting_requests: int = 1024
     max_waiting_prompt_tokens: int = 1_000_000
+    # ... and past this expected wait for a running slot, from the replica's measured
+    # capacity (max_num_seqs slots, the mean service time of recent requests); 0: off. Off
+    # for the engine and LLM; the server turns it on (30 s, pagoda.serving.model_config).
+    max_queue_delay_s: float = 0.0
     # Grammar compile budget (pagoda.engine.guided, docs/structured_output.md): compile threads
     # (fair across tenants), the time one compile may take (past it only its requests fail),
     # timed-out compiles still running in C++ before new compiles are refused (overload), and

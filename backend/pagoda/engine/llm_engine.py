@@ -71,7 +71,8 @@ class LLMEngine:
         self.core = EngineCore(self.config, self.model_config, self.model_id, eos_ids, self.executor,
                                has_adapter=lambda name: name in self.list_loras())
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.admission = Admission(self.config.max_waiting_requests, self.config.max_waiting_prompt_tokens)
+        self.admission = Admission(self.config.max_waiting_requests, self.config.max_waiting_prompt_tokens,
+                                   max_queue_delay_s=self.config.max_queue_delay_s, slots=self.config.max_num_seqs)
         for lora_name, lora_path in self.config.lora_modules.items():
             self.add_lora(lora_name, lora_path)
 
@@ -136,7 +137,8 @@ class LLMEngine:
         token_ids = self._truncate_prompt(token_ids, request.params.truncate_prompt_tokens)
         if request.arrival_time is None:
             request = dataclasses.replace(request, arrival_time=time.time())
-        verdict = self.admission.can_admit(len(token_ids), request.priority, self.core.queued_requests())
+        verdict = self.admission.can_admit(len(token_ids), request.priority, self.core.queued_requests(),
+                                           self.core.scheduler.num_running)
         if not verdict.admit:
             raise EngineOverloaded(verdict.reason, self.admission.retry_after_s)
         children = self.core.make_requests(request, token_ids)
@@ -305,8 +307,18 @@ class LLMEngine:
         outputs, stopped = self.output_processor.process(core_outputs)
         if stopped:  # stop strings end these children; the core frees them now
             self.core.abort_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        self._observe_service(outputs)
         self.core.timer.record_host(time.perf_counter() - start - self.core.last_wait_s, self.core.last_wait_s)
         return outputs
+
+    def _observe_service(self, outputs: list[RequestOutput]) -> None:
+        """Feed admission's capacity estimate with requests that ran to their natural end."""
+        for output in outputs:
+            m = output.metrics
+            if output.finished and output.error is None and m.first_scheduled_time is not None \
+                    and m.finished_time is not None and all(c.finish_reason in ("stop", "length")
+                                                             for c in output.outputs):
+                self.admission.observe_service(m.finished_time - m.first_scheduled_time)
 
     def shutdown(self) -> None:
         """Stop the core's device worker thread (async scheduling); idempotent."""

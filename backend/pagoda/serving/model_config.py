@@ -19,6 +19,11 @@ same model repository works under ``pagoda serve``, in NVIDIA's container and un
 - ``kv_events_config`` (a serving parameter): vLLM's ``--kv-events-config`` JSON, read by
   ``serving.kv_event_stream`` (KV events on a ZMQ socket in vLLM's format).
 
+Server defaults (``SERVER_DEFAULTS``) differ from ``EngineConfig``'s where a server must
+protect itself and an offline engine must not refuse its own work: ``max_queue_delay_s`` is
+30 s here (admission from measured capacity, ``pagoda.engine.core.admission``), 0 (off) in
+``EngineConfig``. A parameter set to a value (``0`` included) wins.
+
 Invariant: every key accepted here is an ``EngineConfig`` field (or a ``SERVING_PARAMETERS`` key),
 so a misspelt parameter fails the model load with a message naming it instead of being
 silently ignored.
@@ -36,6 +41,9 @@ from pagoda.engine.config import EngineConfig
 # Parameters that are not EngineConfig fields but are still ours.
 SERVING_PARAMETERS = ("served_model_name", "allow_runtime_lora", "kv_events_config", "output_dialect",
                       "REPORT_CUSTOM_METRICS")
+
+# EngineConfig fields whose server default differs from the engine's (module docstring).
+SERVER_DEFAULTS = {"max_queue_delay_s": 30.0}
 
 _BOOL_TRUE = ("1", "true", "yes", "on")
 _BOOL_FALSE = ("0", "false", "no", "off")
@@ -110,7 +118,7 @@ def engine_config_from_parameters(parameters: Mapping[str, Any]) -> EngineConfig
         if text == "":
             continue
         values[name] = _convert(name, text, fields[name].type)
-    return EngineConfig(**values)
+    return EngineConfig(**{**SERVER_DEFAULTS, **values})
 
 
 def served_model_name(parameters: Mapping[str, Any], default: str) -> str:

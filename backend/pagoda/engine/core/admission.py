@@ -16,6 +16,17 @@ for their grammar. Running requests do not count: the scheduler already bounds t
 A request that alone exceeds the token bound can never be admitted: that is a
 ``ValueError`` (a 400), not an overload.
 
+Capacity (``max_queue_delay_s``, 0: off; the server's default is 30 s): constants alone do
+not protect a replica (1,024 waiting requests on one CPU replica waited 69 s at the median).
+So the bound also follows measured capacity: ``observe_service`` keeps an exponential mean
+of how long finished requests ran (first scheduled to finished), and a new request is
+refused when, with ``slots`` requests running at a time (``max_num_seqs``), the queue ahead
+of it would take longer than ``max_queue_delay_s`` to reach a slot:
+``(queued + 1 - free slots) / slots x mean service time``. Until ``MIN_SERVICE_SAMPLES``
+requests have finished nothing is known and only the constant bounds apply. The estimate
+is Little's law on the replica's own recent work, so a replica serving long answers queues
+fewer requests than one serving short ones, and a faster device queues more.
+
 Priority (smaller ``priority`` is more urgent, as everywhere in the engine): when the
 bound is reached, a new request may displace waiting requests that are strictly less
 urgent and were never scheduled (they hold no KV blocks), least urgent and latest first,
@@ -72,6 +83,10 @@ def overload_message(reason: str, retry_after_s: float = DEFAULT_RETRY_AFTER_S) 
             f"Retry after {math.ceil(retry_after_s)} s or on another replica.")
 
 
+MIN_SERVICE_SAMPLES = 3
+SERVICE_EWMA_WEIGHT = 0.2  # weight of the newest finished request in the mean service time
+
+
 class Admission:
     """The waiting-queue bound and the deadline heap.
 
@@ -80,16 +95,24 @@ class Admission:
         max_waiting_prompt_tokens: the most not-yet-computed tokens it may hold.
         retry_after_s: the retry hint given with every overload error.
         clock: wall-clock seconds (``time.time``; tests inject their own).
+        max_queue_delay_s: the capacity bound (module docstring); 0 turns it off.
+        slots: requests that run at a time (``max_num_seqs``).
 
     ``may_displace`` (default true) turns priority displacement on; the offline ``LLM``
     turns it off, since it feeds a full queue as it drains and every prompt must finish.
     """
 
     def __init__(self, max_waiting_requests: int, max_waiting_prompt_tokens: int,
-                 retry_after_s: float = DEFAULT_RETRY_AFTER_S, clock: Callable[[], float] = time.time) -> None:
+                 retry_after_s: float = DEFAULT_RETRY_AFTER_S, clock: Callable[[], float] = time.time,
+                 max_queue_delay_s: float = 0.0, slots: int = 1) -> None:
         assert max_waiting_requests >= 1 and max_waiting_prompt_tokens >= 1, "bounds must be positive"
         self.max_waiting_requests = max_waiting_requests
         self.max_waiting_prompt_tokens = max_waiting_prompt_tokens
+        self.max_queue_delay_s = max_queue_delay_s
+        self.slots = max(1, slots)
+        self.mean_service_s: Optional[float] = None
+        self.num_service_samples = 0
+        self._free_slots = 0  # for the can_admit call in progress
         self.retry_after_s = retry_after_s
         self.clock = clock
         self.may_displace = True
@@ -99,13 +122,29 @@ class Admission:
         self.num_expired = 0
 
     # ------------------------------------------------------------------ the bound
-    def can_admit(self, num_tokens: int, priority: int, waiting: Iterable[Request]) -> Verdict:
+    def observe_service(self, seconds: float) -> None:
+        """A request finished after running ``seconds`` (first scheduled to finished)."""
+        if not seconds >= 0:
+            return
+        self.num_service_samples += 1
+        mean = self.mean_service_s
+        self.mean_service_s = seconds if mean is None else mean + SERVICE_EWMA_WEIGHT * (seconds - mean)
+
+    def expected_wait_s(self, num_requests: int) -> Optional[float]:
+        """Seconds until the last of ``num_requests`` queued requests gets a slot (``None``:
+        not measured yet, or the bound is off)."""
+        if not self.max_queue_delay_s or self.num_service_samples < MIN_SERVICE_SAMPLES:
+            return None
+        return max(0, num_requests - self._free_slots) / self.slots * self.mean_service_s
+
+    def can_admit(self, num_tokens: int, priority: int, waiting: Iterable[Request], num_running: int = 0) -> Verdict:
         """Whether a request of ``num_tokens`` prompt tokens fits in the waiting queue.
 
         Args:
             num_tokens: the new request's prompt tokens (all of them still to compute).
             priority: its priority (smaller is more urgent).
             waiting: the scheduler's waiting queue.
+            num_running: requests running now (the capacity bound's free slots).
 
         Returns:
             A ``Verdict``; on admit, ``victims`` are waiting requests to end with the
@@ -118,6 +157,7 @@ class Admission:
             raise ValueError(f"prompt: {num_tokens} tokens exceed this server's max_waiting_prompt_tokens "
                              f"({self.max_waiting_prompt_tokens}); send a shorter prompt")
         queue = list(waiting)
+        self._free_slots = max(0, self.slots - num_running)
         num_requests = len(queue) + 1
         num_queued_tokens = sum(_pending_tokens(r) for r in queue) + num_tokens
         if self._fits(num_requests, num_queued_tokens):
@@ -133,14 +173,25 @@ class Admission:
                 self.num_displaced += len(victims)
                 return Verdict(True, victims)
         self.num_refused += 1
-        reason = (f"this replica's waiting queue is full ({len(queue)} requests, at most "
-                  f"{self.max_waiting_requests})" if len(queue) + 1 > self.max_waiting_requests else
-                  f"this replica's waiting queue holds too many prompt tokens "
-                  f"({num_queued_tokens - num_tokens} queued + {num_tokens}, at most {self.max_waiting_prompt_tokens})")
-        return Verdict(False, [], overload_message(reason, self.retry_after_s))
+        return Verdict(False, [], overload_message(self._refusal(len(queue), num_queued_tokens, num_tokens),
+                                                   self.retry_after_s))
+
+    def _refusal(self, num_queued: int, num_queued_tokens: int, num_tokens: int) -> str:
+        if num_queued + 1 > self.max_waiting_requests:
+            return f"this replica's waiting queue is full ({num_queued} requests, at most {self.max_waiting_requests})"
+        if num_queued_tokens > self.max_waiting_prompt_tokens:
+            return (f"this replica's waiting queue holds too many prompt tokens ({num_queued_tokens - num_tokens} "
+                    f"queued + {num_tokens}, at most {self.max_waiting_prompt_tokens})")
+        return (f"this replica's measured capacity would keep the request waiting about "
+                f"{self.expected_wait_s(num_queued + 1):.0f} s for a slot ({num_queued} queued, {self.slots} running "
+                f"at a time, {self.mean_service_s:.1f} s each on average; at most {self.max_queue_delay_s:g} s: "
+                f"max_queue_delay_s)")
 
     def _fits(self, num_requests: int, num_tokens: int) -> bool:
-        return num_requests <= self.max_waiting_requests and num_tokens <= self.max_waiting_prompt_tokens
+        if num_requests > self.max_waiting_requests or num_tokens > self.max_waiting_prompt_tokens:
+            return False
+        wait = self.expected_wait_s(num_requests)
+        return wait is None or wait <= self.max_queue_delay_s
 
     def stats(self) -> dict[str, int]:
         """Counters for ``EngineStats`` (and the server's metrics)."""

@@ -37,7 +37,7 @@ STUB_RESTART_WINDOW_S = 600.0
 # Flags whose value goes into config.pbtxt as the EngineConfig field of the same name.
 ENGINE_FLAGS = ("scheduling_policy", "speculative_method", "speculative_model", "num_speculative_tokens",
                 "cpu_offload_bytes", "preemption_mode", "default_max_tokens", "gpu_memory_utilization",
-                "max_waiting_requests", "max_waiting_prompt_tokens", "kv_cache_dtype")
+                "max_waiting_requests", "max_waiting_prompt_tokens", "max_queue_delay_s", "kv_cache_dtype")
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -73,6 +73,9 @@ def make_parser() -> argparse.ArgumentParser:
                    help="admission control: refuse new requests (overload error) past this many waiting")
     p.add_argument("--max-waiting-prompt-tokens", type=int,
                    help="admission control: refuse new requests past this many waiting prompt tokens")
+    p.add_argument("--max-queue-delay-s", type=float,
+                   help="admission control: refuse new requests that the replica's measured capacity says would "
+                        "wait longer than this for a slot (default 30; 0: off)")
     p.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
                    help="serve a PEFT LoRA adapter under NAME (repeatable; requests pick it with lora_name)")
     p.add_argument("--allow-runtime-lora", action="store_true",
