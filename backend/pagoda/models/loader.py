@@ -14,11 +14,17 @@ silently half-loaded model produces plausible-looking garbage.
 With ``quantization="int8"`` the projection weights are quantized right after loading
 (``pagoda.models.quant``), so the float copies are freed once loading returns.
 
+A pre-quantized checkpoint (``quantization_config`` in config.json: compressed-tensors, AWQ,
+GPTQ, FP8) is read through ``pagoda.models.quant_checkpoint``: its quantized tensors are
+dequantized into the float weights they stand for, and an unsupported format is refused
+naming the field.
+
 No transformers import: only ``safetensors``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import Iterator, Optional, Union
@@ -26,9 +32,10 @@ from typing import Iterator, Optional, Union
 import torch
 from safetensors import safe_open
 
-from pagoda.models.config import ModelConfig
+from pagoda.models.config import ModelConfig, read_config_json
 from pagoda.models.llama import LlamaForCausalLM
 from pagoda.models.quant import check_quantization, quantize_model
+from pagoda.models.quant_checkpoint import QuantizedTensors, parse_quantization_config
 from pagoda.models.registry import build_model, config_from_pretrained
 
 SINGLE_FILE = "model.safetensors"
@@ -58,13 +65,32 @@ def load_model(
     check_quantization(quantization)
     path = Path(path)
     config = config_from_pretrained(path)
+    checkpoint_quant = parse_quantization_config(read_config_json(path))
     model = build_model(config, dtype=dtype, device=device)
     files = checkpoint_files(path)
     expected = model.expected_weight_names()
-    names_in_checkpoint: set[str] = set()
+    file_of: dict[str, Path] = {}
     for file in files:
         with safe_open(str(file), framework="pt") as f:
-            names_in_checkpoint |= set(f.keys())
+            file_of.update({name: file for name in f.keys()})
+    names_in_checkpoint = set(file_of)
+    with contextlib.ExitStack() as stack:
+        quantized = None
+        if checkpoint_quant is not None:
+            handles = {file: stack.enter_context(safe_open(str(file), framework="pt")) for file in files}
+            quantized = QuantizedTensors(checkpoint_quant, names_in_checkpoint,
+                                         lambda name: handles[file_of[name]].get_tensor(name))
+            names_in_checkpoint = quantized.names
+        _check_names(path, config, expected, names_in_checkpoint)
+        tensors = _read_tensors(files, expected)
+        loaded = model.load_weights(quantized.tensors(tensors) if quantized else tensors)
+    assert loaded == expected, f"loaded {len(loaded)} of {len(expected)} tensors"
+    if quantization is not None:
+        quantize_model(model, quantization)
+    return model.eval()
+
+
+def _check_names(path: Path, config: ModelConfig, expected: set[str], names_in_checkpoint: set[str]) -> None:
     unexpected = sorted(n for n in names_in_checkpoint - expected if not _is_ignorable(n, config))
     missing = sorted(expected - names_in_checkpoint)
     if missing or unexpected:
@@ -72,11 +98,6 @@ def load_model(
             f"checkpoint {path} does not match its config ({config.architecture}, "
             f"{config.num_hidden_layers} layers): missing {_summarise(missing)}; unexpected {_summarise(unexpected)}"
         )
-    loaded = model.load_weights(_read_tensors(files, expected))
-    assert loaded == expected, f"loaded {len(loaded)} of {len(expected)} tensors"
-    if quantization is not None:
-        quantize_model(model, quantization)
-    return model.eval()
 
 
 def checkpoint_files(path: Path) -> list[Path]:

@@ -1,0 +1,239 @@
+"""Pre-quantized checkpoints (issue 28): compressed-tensors (made with its own library), AWQ
+and GPTQ (packed here from their format specs), FP8 block-wise; each loads into the float
+weights it stands for, and a tiny model generates exactly what the same model with the
+dequantized weights generates. Unsupported formats are refused naming the field."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from pagoda import LLM, SamplingParams
+from pagoda.models import load_model
+from pagoda.models.quant_checkpoint import AWQ_REVERSE_ORDER, parse_quantization_config
+from tests.engine.hf_reference import save_random_model
+
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PROMPTS = [[5, 17, 300, 42, 9], [1, 2000, 31, 7]]
+
+
+@pytest.fixture(scope="module")
+def float_model(tmp_path_factory, smollm2_dir):
+    """A tiny random Llama in fp32 (K = 256 and 384: every group size divides)."""
+    return save_random_model(tmp_path_factory.mktemp("q") / "float", str(smollm2_dir), 3, "LlamaConfig",
+                             vocab_size=49152, hidden_size=256, intermediate_size=384, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                             tie_word_embeddings=True)
+
+
+def linear_names(state: dict) -> list[str]:
+    return sorted(n[:-len(".weight")] for n in state if n.endswith(".weight") and n.split(".")[-2] in LINEARS)
+
+
+def write_variant(float_dir: Path, out: Path, quant_config: dict, replace) -> dict[str, torch.Tensor]:
+    """Copy ``float_dir`` to ``out`` with every linear ``X.weight`` replaced by ``replace(X, W)``
+    (a dict of tensors) and ``quant_config`` in config.json; returns {X: expected float weight}."""
+    shutil.copytree(float_dir, out)
+    state = load_file(str(out / "model.safetensors"))
+    expected = {}
+    for prefix in linear_names(state):
+        tensors, dequantized = replace(prefix, state.pop(f"{prefix}.weight"))
+        state.update({f"{prefix}.{k}": v.contiguous() for k, v in tensors.items()})
+        expected[prefix] = dequantized
+    save_file(state, str(out / "model.safetensors"))
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = quant_config
+    (out / "config.json").write_text(json.dumps(config))
+    return expected
+
+
+def minmax_int(weight: torch.Tensor, bits: int, group: int, symmetric: bool):
+    """Integer values, scales and zero points per group (any correct quantizer will do)."""
+    n, k = weight.shape
+    g = weight.reshape(n, k // group, group)
+    if symmetric:
+        scale = g.abs().amax(-1) / (2 ** (bits - 1) - 1)
+        zero = torch.full_like(scale, 2 ** (bits - 1))
+    else:
+        low, high = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
+        scale = (high - low) / (2 ** bits - 1)
+        zero = torch.round(-low / scale)
+    q = torch.clamp(torch.round(g / scale[..., None]) + zero[..., None], 0, 2 ** bits - 1).reshape(n, k)
+    return q.to(torch.int32), scale.to(torch.float16), zero.to(torch.int32)
+
+
+# ------------------------------------------------------------------ packers from the specs
+def pack_along_last(values: torch.Tensor, bits: int, order=None) -> torch.Tensor:
+    """Unsigned ``values [R, C]`` -> int32 ``[R, C*bits/32]``, element ``i`` of each word at bit ``bits*i``
+    (``order``: the column of the word's 8 that nibble ``i`` holds, AWQ's interleave)."""
+    per = 32 // bits
+    r, c = values.shape
+    v = values.reshape(r, c // per, per).to(torch.int64)
+    if order is not None:
+        v = v[..., list(order)]
+    words = torch.zeros(r, c // per, dtype=torch.int64)
+    for i in range(per):
+        words |= v[..., i] << (bits * i)
+    return (words - (words >= 2**31).to(torch.int64) * 2**32).to(torch.int32)
+
+
+AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's: nibble i holds column AWQ_PACK_ORDER[i]
+
+
+def awq_tensors(weight: torch.Tensor, group: int = 128):
+    q, scale, zero = minmax_int(weight, 4, group, symmetric=False)  # [N, K], [N, G]
+    tensors = {"qweight": pack_along_last(q.t().contiguous(), 4, AWQ_PACK_ORDER),  # [K, N/8]
+               "qzeros": pack_along_last(zero.t().contiguous(), 4, AWQ_PACK_ORDER),  # [G, N/8]
+               "scales": scale.t().contiguous()}  # [G, N] fp16
+    g = torch.arange(weight.shape[1]) // group
+    return tensors, ((q - zero[:, g]).float() * scale.float()[:, g])
+
+
+def gptq_tensors(weight: torch.Tensor, bits: int, group: int, act_order: bool, seed: int):
+    n, k = weight.shape
+    perm = torch.randperm(k, generator=torch.Generator().manual_seed(seed)) if act_order else torch.arange(k)
+    # act-order: columns are quantized in ``perm`` order, so column perm[j] belongs to group j // group.
+    g_idx = torch.empty(k, dtype=torch.int32)
+    g_idx[perm] = (torch.arange(k) // group).to(torch.int32)
+    q_perm, scale, zero = minmax_int(weight[:, perm], bits, group, symmetric=True)
+    q = torch.empty_like(q_perm)
+    q[:, perm] = q_perm
+    tensors = {"qweight": pack_along_last(q.contiguous(), bits).t().contiguous(),  # [K*bits/32, N]: along K
+               "qzeros": pack_along_last((zero - 1).t().contiguous(), bits),  # v1 stores z - 1
+               "scales": scale.t().contiguous(), "g_idx": g_idx}
+    g = g_idx.long()
+    return tensors, ((q - zero[:, g]).float() * scale.float()[:, g])
+
+
+def fp8_block_tensors(weight: torch.Tensor):
+    n, k = weight.shape
+    rows, cols = -(-n // 128), -(-k // 128)
+    padded = torch.zeros(rows * 128, cols * 128)
+    padded[:n, :k] = weight
+    amax = padded.reshape(rows, 128, cols, 128).abs().amax(dim=(1, 3))
+    scale_inv = amax / 448.0
+    expanded = scale_inv.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
+    fp8 = (weight / expanded).to(torch.float8_e4m3fn)
+    return {"weight": fp8, "weight_scale_inv": scale_inv}, fp8.float() * expanded
+
+
+# ------------------------------------------------------------------ compressed-tensors, its own way
+def compressed_tensors_variant(fmt: str, bits: int, strategy: str, group: int, symmetric: bool):
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    kind = "float" if fmt == "float-quantized" else "int"
+    args = QuantizationArgs(num_bits=bits, type=kind, symmetric=symmetric, strategy=strategy,
+                            group_size=group if strategy == "group" else None)
+    scheme = QuantizationScheme(targets=["Linear"], weights=args, format=fmt)
+    compressor = BaseCompressor.load_from_registry(fmt)
+
+    def replace(prefix, weight):
+        n, k = weight.shape
+        view = weight.reshape(n, k // group, group) if strategy == "group" else weight.reshape(n, 1, k) \
+            if strategy == "channel" else weight.reshape(1, 1, -1)
+        scale, zero_point = calculate_qparams(view.amin(-1), view.amax(-1), args)
+        scale = scale.reshape(n, -1) if strategy != "tensor" else scale.reshape(1)
+        zero_point = zero_point.reshape(scale.shape)
+        state = {"weight": weight, "weight_scale": scale, "weight_zero_point": zero_point}
+        compressed = compressor.compress(state, scheme)
+        reference = compressor.decompress(dict(compressed), scheme)["weight"]  # the library's dequantization
+        return compressed, reference.float()
+
+    config = QuantizationConfig(config_groups={"group_0": scheme}, format=fmt, quantization_status="compressed",
+                                ignore=["lm_head"]).model_dump(exclude_none=True)
+    config["quant_method"] = "compressed-tensors"
+    return json.loads(json.dumps(config, default=str)), replace
+
+
+VARIANTS = {
+    "ct-w4a16-sym-g128": lambda: compressed_tensors_variant("pack-quantized", 4, "group", 128, True),
+    "ct-w4a16-asym-g32": lambda: compressed_tensors_variant("pack-quantized", 4, "group", 32, False),
+    "ct-w4a16-channel": lambda: compressed_tensors_variant("pack-quantized", 4, "channel", 0, True),
+    "ct-w8a16-int8": lambda: compressed_tensors_variant("naive-quantized", 8, "channel", 0, True),
+    "ct-fp8-channel": lambda: compressed_tensors_variant("float-quantized", 8, "channel", 0, True),
+    "awq-g128": lambda: ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"},
+                         lambda p, w: awq_tensors(w)),
+    "gptq-g64": lambda: ({"quant_method": "gptq", "bits": 4, "group_size": 64, "desc_act": False, "sym": True},
+                         lambda p, w: gptq_tensors(w, 4, 64, False, 0)),
+    "gptq-g32-act-order": lambda: ({"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True,
+                                    "sym": True}, lambda p, w: gptq_tensors(w, 4, 32, True, len(p))),
+    "gptq-8bit": lambda: ({"quant_method": "gptq", "bits": 8, "group_size": 128, "sym": True},
+                          lambda p, w: gptq_tensors(w, 8, 128, False, 0)),
+    "fp8-block": lambda: ({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                           "weight_block_size": [128, 128]}, lambda p, w: fp8_block_tensors(w)),
+}
+
+
+def quantized_and_dequantized(variant: str, float_model: Path, tmp_path: Path) -> tuple[Path, Path]:
+    """The variant's checkpoint, and the same model with its expected dequantized weights as floats
+    (for compressed-tensors: the library's own ``decompress``; for AWQ/GPTQ/FP8: the spec's math)."""
+    quant_config, replace = VARIANTS[variant]()
+    expected = write_variant(float_model, tmp_path / variant, quant_config, replace)
+    dequantized = tmp_path / "dequantized"
+    shutil.copytree(float_model, dequantized)
+    state = load_file(str(dequantized / "model.safetensors"))
+    state.update({f"{prefix}.weight": w.float() for prefix, w in expected.items()})
+    save_file(state, str(dequantized / "model.safetensors"))
+    return tmp_path / variant, dequantized
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_checkpoint_loads_into_exactly_its_dequantized_weights(variant, float_model, tmp_path):
+    quantized, dequantized = quantized_and_dequantized(variant, float_model, tmp_path)
+    quantized_model, reference_model = load_model(quantized), load_model(dequantized)
+    for (name, a), (_, b) in zip(quantized_model.state_dict().items(), reference_model.state_dict().items()):
+        assert torch.equal(a, b), name  # exact: integers times float32 scales, the same on both sides
+
+
+@pytest.mark.parametrize("variant", ["gptq-g32-act-order", "ct-w4a16-asym-g32"])
+def test_the_engine_generates_what_the_dequantized_model_generates(variant, float_model, tmp_path):
+    quantized, dequantized = quantized_and_dequantized(variant, float_model, tmp_path)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outputs = [[o.outputs[0].token_ids for o in LLM(model=str(path), max_model_len=256).generate(PROMPTS, params)]
+               for path in (quantized, dequantized)]
+    assert outputs[0] == outputs[1]
+
+
+def test_awq_unpack_order_is_autoawqs():
+    """The order AutoAWQ packs (nibble i holds column (0,2,4,6,1,3,5,7)[i]) and the order the
+    loader unpacks with are inverse permutations."""
+    assert [AWQ_PACK_ORDER[AWQ_REVERSE_ORDER[j]] for j in range(8)] == list(range(8))
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"quant_method": "bitsandbytes"}, "quant_method: 'bitsandbytes' is not supported"),
+    ({"quant_method": "awq", "version": "gemv", "bits": 4}, "quantization_config.version: 'gemv'"),
+    ({"quant_method": "awq", "bits": 3}, "quantization_config.bits: 3"),
+    ({"quant_method": "gptq", "bits": 3}, "quantization_config.bits: 3"),
+    ({"quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"}, "checkpoint_format: 'marlin'"),
+    ({"quant_method": "fp8", "fmt": "e5m2"}, "quantization_config.fmt: 'e5m2'"),
+    ({"quant_method": "compressed-tensors", "format": "marlin-24", "config_groups": {
+        "g": {"weights": {"num_bits": 4, "type": "int", "strategy": "group"}}}}, "format: 'marlin-24'"),
+    ({"quant_method": "compressed-tensors", "config_groups": {"g": {"format": "pack-quantized", "weights": {
+        "num_bits": 4, "type": "float", "strategy": "group"}}}}, "config_groups.g.weights.type: 'float'"),
+    ({"quant_method": "compressed-tensors", "config_groups": {"g": {"format": "pack-quantized", "weights": {
+        "num_bits": 2, "type": "int", "strategy": "group"}}}}, "weights.num_bits: 2"),
+    ({"quant_method": "compressed-tensors", "config_groups": {}}, "config_groups: required"),
+])
+def test_unsupported_formats_are_refused_naming_the_field(config, message):
+    with pytest.raises(ValueError) as info:
+        parse_quantization_config({"quantization_config": config})
+    assert message in str(info.value)
+
+
+def test_a_quantized_config_without_quantized_tensors_is_refused(float_model, tmp_path):
+    out = tmp_path / "claims"
+    shutil.copytree(float_model, out)
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm"}
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="no tensor of the checkpoint is quantized"):
+        load_model(out)
