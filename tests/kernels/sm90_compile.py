@@ -28,7 +28,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
-from pagoda.kernels import triton_attention, triton_moe, triton_ops, triton_w8a16, tuning
+from pagoda.kernels import triton_attention, triton_moe, triton_ops, triton_w4a16, triton_w8a16, tuning
 from pagoda.kernels.metadata import AttentionMetadata
 
 # A 16-byte asynchronous copy global -> shared: how the pipelined K/V tiles are loaded.
@@ -44,6 +44,7 @@ TORCH_TO_TRITON = {
     torch.int32: "i32",
     torch.int64: "i64",
     torch.int8: "i8",
+    torch.uint8: "u8",
     torch.float8_e4m3fn: "fp8e4nv",
 }
 # Llama-3-8B's o_proj (N = K = 4096) at rows from batch-1 decode to a prefill chunk below
@@ -76,6 +77,7 @@ def record_launches(families: str = "rules") -> list[tuple[JITFunction, tuple, d
                 _small_launches(dtype, head_dim, FP8)
         _lora_launches(dtype)
         _w8a16_launches(dtype)
+        _w4a16_launches(dtype)
         _moe_launches(dtype)
     return launches
 
@@ -161,6 +163,16 @@ def _w8a16_launches(dtype: torch.dtype) -> None:
             qweight = torch.empty(n, k, dtype=weight_dtype)
             for rows in W8A16_ROWS:
                 triton_w8a16.w8a16_linear(torch.empty(rows, k, dtype=dtype), qweight, torch.empty(n))
+
+
+def _w4a16_launches(dtype: torch.dtype) -> None:
+    """4-bit weights, group 128, with zero points and symmetric, at the W8A16 row counts."""
+    for n, k in W8A16_SHAPES:
+        qweight = torch.empty(n, k // 2, dtype=torch.uint8)
+        scales = torch.empty(n, k // 128)
+        for zeros in (torch.empty(n, k // 128), None):
+            for rows in W8A16_ROWS:
+                triton_w4a16.w4a16_linear(torch.empty(rows, k, dtype=dtype), qweight, scales, zeros, 128)
 
 
 def _moe_launches(dtype: torch.dtype) -> None:

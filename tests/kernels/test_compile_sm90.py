@@ -4,7 +4,7 @@ The tests run under ``TRITON_INTERPRET=1``, where ``@triton.jit`` yields interpr
 functions that cannot be compiled, so ``sm90_compile.py`` runs in subprocesses without
 that variable (two shards in parallel, one per core), in a fresh Triton cache. It records
 the launches the public wrappers make and compiles each distinct one; see its docstring.
-Covered: the fused MoE kernels in every dtype at a Qwen3-30B-A3B layer; every dtype x head size x GQA family with the shapes the built-in rules pick on an
+Covered: the W4A16 kernel (zero points and symmetric, split and not, every dtype); the fused MoE kernels in every dtype at a Qwen3-30B-A3B layer; every dtype x head size x GQA family with the shapes the built-in rules pick on an
 H100 (decode split and unsplit, mixed steps' two launches), the fp8 KV cache, and every
 launch shape ``pagoda bench kernels --tune`` may write to a configs JSON.
 """
@@ -30,6 +30,8 @@ KERNELS = {
     "_lora_expand_kernel",
     "_w8a16_kernel",
     "_w8a16_reduce_kernel",
+    "_w4a16_kernel",
+    "_w4a16_reduce_kernel",
     "_moe_gate_up_kernel",
     "_moe_down_kernel",
 }
@@ -98,6 +100,10 @@ def test_every_kernel_variant_compiles_for_sm90(tmp_path):
         (d, fp8, split) for d in ("*fp16", "*bf16", "*fp32") for fp8 in ("True", "False") for split in ("True", "False")
     }
     assert {v["BLOCK_M"] for v in w8a16} == {"16", "32", "64", "128"}
+    w4a16 = [r["variant"] for r in rows if r["kernel"] == "_w4a16_kernel"]
+    assert {(v["dtype"], v["SYMMETRIC"], v["IS_SPLIT"]) for v in w4a16} == {
+        (d, sym, split) for d in ("*fp16", "*bf16", "*fp32") for sym in ("True", "False")
+        for split in ("True", "False")}
     moe = {(r["kernel"], r["variant"]["dtype"]) for r in rows if r["kernel"].startswith("_moe_")}
     assert moe == {(k, d) for k in ("_moe_gate_up_kernel", "_moe_down_kernel") for d in ("*fp16", "*bf16", "*fp32")}
     caches = {r["variant"]["cache"] for r in rows if r["kernel"] in ("_paged_attention_kernel", "_write_kv_kernel")}

@@ -237,3 +237,42 @@ def test_a_quantized_config_without_quantized_tensors_is_refused(float_model, tm
     (out / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="no tensor of the checkpoint is quantized"):
         load_model(out)
+
+
+@pytest.mark.parametrize("variant", ["ct-w4a16-asym-g32", "awq-g128", "gptq-g32-act-order"])
+def test_4bit_weights_stay_packed_and_serve_the_same_tokens(variant, float_model, tmp_path, monkeypatch):
+    """With 4-bit weights kept packed (on CUDA by default; PAGODA_W4_PACKED=1 here) every
+    fused projection is an Int4Weight that dequantizes to exactly the float model's weight and
+    holds about a quarter of the bytes; the W4A16 Triton kernel (interpreter) computes each
+    projection as the float weight does; the engine gives the same greedy tokens. In the
+    act-order checkpoint gate and up have different permutations, so gate_up stays float."""
+    from pagoda.kernels.triton_w4a16 import w4a16_linear
+    from pagoda.models.int4 import Int4Weight
+
+    quantized, dequantized = quantized_and_dequantized(variant, float_model, tmp_path)
+    monkeypatch.setenv("PAGODA_W4_PACKED", "1")
+    packed, reference = load_model(quantized), load_model(dequantized)
+    floats = dict(reference.named_modules())
+    pairs = {(name, attr): (getattr(a, attr), getattr(floats[name], attr)) for name, a in packed.named_modules()
+             for attr in getattr(a, "linear_weights", ())}
+    stays_float = {"gate_up_weight"} if "act-order" in variant else set()
+    assert len(pairs) == 8  # qkv, o, gate_up, down x 2 layers
+    for (name, attr), (weight, float_weight) in pairs.items():
+        if attr in stays_float:
+            assert not isinstance(weight, Int4Weight), name
+            continue
+        assert isinstance(weight, Int4Weight), (name, attr)
+        assert torch.equal(weight.dequantize(), float_weight)
+        if ".layers.0." not in name + ".":
+            continue  # the kernel on one layer's projections (the interpreter is slow)
+        x = torch.randn(5, weight.in_features, generator=torch.Generator().manual_seed(0))
+        kernel = w4a16_linear(x, weight.qweight, weight.scales, weight.zeros, weight.group_size, weight.perm)
+        torch.testing.assert_close(kernel.double(), x.double() @ float_weight.double().T, rtol=1e-5, atol=1e-5)
+    int4 = [w for w, _ in pairs.values() if isinstance(w, Int4Weight)]
+    int4_bytes = sum(t.numel() * t.element_size() for w in int4 for t in w.buffers())
+    # half a byte per weight + float32 scales (and zeros) per group: 0.25-0.375 of bf16 at groups 32..K
+    assert int4_bytes < 0.4 * sum(w.shape.numel() * 2 for w in int4)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outputs = [[o.outputs[0].token_ids for o in LLM(model=str(path), max_model_len=128).generate(PROMPTS, params)]
+               for path in (quantized, dequantized)]
+    assert outputs[0] == outputs[1]

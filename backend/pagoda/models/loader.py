@@ -17,7 +17,8 @@ With ``quantization="int8"`` the projection weights are quantized right after lo
 A pre-quantized checkpoint (``quantization_config`` in config.json: compressed-tensors, AWQ,
 GPTQ, FP8) is read through ``pagoda.models.quant_checkpoint``: its quantized tensors are
 dequantized into the float weights they stand for, and an unsupported format is refused
-naming the field.
+naming the field. 4-bit weights then stay packed (``pagoda.models.int4.Int4Weight``, the
+W4A16 kernel) where ``keep_packed`` says so: on CUDA, or with ``PAGODA_W4_PACKED=1``.
 
 No transformers import: only ``safetensors``.
 """
@@ -34,6 +35,7 @@ from safetensors import safe_open
 
 from pagoda.models.config import ModelConfig, read_config_json
 from pagoda.models.llama import LlamaForCausalLM
+from pagoda.models.int4 import install_int4_weights, keep_packed
 from pagoda.models.quant import check_quantization, quantize_model
 from pagoda.models.quant_checkpoint import QuantizedTensors, parse_quantization_config
 from pagoda.models.registry import build_model, config_from_pretrained
@@ -66,6 +68,9 @@ def load_model(
     path = Path(path)
     config = config_from_pretrained(path)
     checkpoint_quant = parse_quantization_config(read_config_json(path))
+    if checkpoint_quant is not None and quantization is not None:
+        raise ValueError(f"quantization {quantization!r}: {path} is already quantized ({checkpoint_quant.method}, "
+                         "quantization_config in config.json); serve it without --quantization")
     model = build_model(config, dtype=dtype, device=device)
     files = checkpoint_files(path)
     expected = model.expected_weight_names()
@@ -79,12 +84,15 @@ def load_model(
         if checkpoint_quant is not None:
             handles = {file: stack.enter_context(safe_open(str(file), framework="pt")) for file in files}
             quantized = QuantizedTensors(checkpoint_quant, names_in_checkpoint,
-                                         lambda name: handles[file_of[name]].get_tensor(name))
+                                         lambda name: handles[file_of[name]].get_tensor(name),
+                                         collect_int4=keep_packed(torch.device(device)))
             names_in_checkpoint = quantized.names
         _check_names(path, config, expected, names_in_checkpoint)
         tensors = _read_tensors(files, expected)
         loaded = model.load_weights(quantized.tensors(tensors) if quantized else tensors)
     assert loaded == expected, f"loaded {len(loaded)} of {len(expected)} tensors"
+    if quantized is not None and quantized.int4:
+        install_int4_weights(model, quantized.int4)
     if quantization is not None:
         quantize_model(model, quantization)
     return model.eval()

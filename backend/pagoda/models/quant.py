@@ -61,6 +61,7 @@ from torch import nn
 from pagoda import kernels
 from pagoda.kernels.w8a16 import w8a16_linear_ref
 from pagoda.models.fp8 import Fp8Weight, select_fp8_kernel
+from pagoda.models.int4 import Int4Weight
 from pagoda.models.int8_probe import ProbeResult, cpu_description, probe_packed_kernel
 
 logger = logging.getLogger(__name__)
@@ -210,8 +211,9 @@ class Int8Weight(nn.Module):
 
 
 def linear(x: torch.Tensor, weight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``F.linear`` that also accepts an ``Int8Weight`` or ``Fp8Weight``; the model's projections call this."""
-    if isinstance(weight, (Int8Weight, Fp8Weight)):
+    """``F.linear`` that also accepts an ``Int8Weight``, ``Fp8Weight`` or ``Int4Weight``; the model's
+    projections call this."""
+    if isinstance(weight, (Int8Weight, Fp8Weight, Int4Weight)):
         out = weight.matmul(x)
         return out if bias is None else out + bias
     return F.linear(x, weight, bias)

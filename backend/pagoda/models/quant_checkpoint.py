@@ -31,6 +31,8 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
+from pagoda.models.int4 import Int4Pieces, pieces_from_group_index
+
 AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # column j of 8 is nibble AWQ_REVERSE_ORDER[j]
 # Suffixes of the tensors each format keeps per module (the float weight they replace: X.weight).
 _GROUPS = {
@@ -224,9 +226,12 @@ class QuantizedTensors:
         read: ``read(name) -> tensor``.
     """
 
-    def __init__(self, quant: CheckpointQuant, names: set[str], read: Callable[[str], torch.Tensor]) -> None:
+    def __init__(self, quant: CheckpointQuant, names: set[str], read: Callable[[str], torch.Tensor],
+                 collect_int4: bool = False) -> None:
         self.quant = quant
         self.read = read
+        self.collect_int4 = collect_int4
+        self.int4: dict[str, Int4Pieces] = {}  # 4-bit modules' canonical pieces (collect_int4)
         self.modules: dict[str, str] = {}  # module prefix -> kind (packed | awq_gptq | scaled)
         for name in names:
             prefix, _, suffix = name.rpartition(".")
@@ -260,6 +265,10 @@ class QuantizedTensors:
     def dequantize(self, prefix: str) -> torch.Tensor:
         q, kind = self.quant, self.modules[prefix]
         get, maybe = (lambda s: self.read(f"{prefix}.{s}")), (lambda s: self._maybe(f"{prefix}.{s}"))
+        if self.collect_int4 and q.bits == 4 and kind in ("packed", "awq_gptq"):
+            pieces = self._int4_pieces(kind, get, maybe)
+            if pieces is not None:
+                self.int4[prefix] = pieces
         if kind == "packed":
             return dequantize_packed(get("weight_packed"), get("weight_scale"), maybe("weight_zero_point"),
                                      get("weight_shape"), maybe("weight_g_idx"), q.bits, q.group_size)
@@ -275,3 +284,31 @@ class QuantizedTensors:
         block = None if scale.numel() == 1 or scale.dim() < 2 or scale.shape[0] == weight.shape[0] \
             else (q.block or (128, 128))
         return dequantize_scaled(weight, scale, maybe("weight_zero_point"), block)
+
+    def _int4_pieces(self, kind: str, get: Callable, maybe: Callable) -> Optional[Int4Pieces]:
+        """The module's canonical 4-bit pieces (``pagoda.models.int4``), or ``None`` when its
+        act-order groups are not all of the group size (it then stays float)."""
+        q = self.quant
+        if kind == "packed":
+            shape = get("weight_shape")
+            n, k = (int(v) for v in shape.tolist())
+            zp = maybe("weight_zero_point")
+            zeros = None if zp is None else unpack_rows(zp.t(), 4, n).t().float()  # stored zp + 8 = the unsigned zero
+            ints, scales, g_idx = unpack_rows(get("weight_packed"), 4, k), get("weight_scale"), maybe("weight_g_idx")
+        elif q.method == "awq":
+            qweight = get("qweight")
+            k, n = qweight.shape[0], qweight.shape[1] * 8
+            order = torch.tensor(AWQ_REVERSE_ORDER)
+            ints = unpack_rows(qweight, 4, n).reshape(k, n // 8, 8)[..., order].reshape(k, n).t()
+            zeros = unpack_rows(get("qzeros"), 4, n).reshape(-1, n // 8, 8)[..., order].reshape(-1, n).t().float()
+            scales, g_idx = get("scales").t(), None
+        else:
+            qweight = get("qweight")
+            n, k = qweight.shape[1], qweight.shape[0] * 8
+            ints = unpack_rows(qweight.t(), 4, k)
+            zeros = (unpack_rows(get("qzeros"), 4, n) + (0 if q.gptq_v2 else 1)).t().float()
+            scales, g_idx = get("scales").t(), maybe("g_idx")
+        group = q.group_size if q.group_size > 0 else k
+        if g_idx is not None and bool((torch.bincount(g_idx.long()) != group).any()):
+            return None
+        return pieces_from_group_index(ints, scales.float().contiguous(), zeros, group, g_idx)
