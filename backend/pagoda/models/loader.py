@@ -11,6 +11,9 @@ the checkpoint must be used (apart from a few known leftovers, such as an ``lm_h
 saved next to tied embeddings); anything else is an error naming the tensors, because a
 silently half-loaded model produces plausible-looking garbage.
 
+MXFP4 tensors (gpt-oss experts: ``<name>_blocks`` + ``<name>_scales``) count as ``<name>``
+and are dequantized as they are read (``pagoda.models.mxfp4``).
+
 With ``quantization="int8"`` the projection weights are quantized right after loading
 (``pagoda.models.quant``), so the float copies are freed once loading returns.
 
@@ -26,6 +29,7 @@ from typing import Iterator, Optional, Union
 import torch
 from safetensors import safe_open
 
+from pagoda.models import mxfp4
 from pagoda.models.config import ModelConfig
 from pagoda.models.llama import LlamaForCausalLM
 from pagoda.models.quant import check_quantization, quantize_model
@@ -61,10 +65,11 @@ def load_model(
     model = build_model(config, dtype=dtype, device=device)
     files = checkpoint_files(path)
     expected = model.expected_weight_names()
-    names_in_checkpoint: set[str] = set()
+    where: dict[str, Path] = {}  # stored name -> its file
     for file in files:
         with safe_open(str(file), framework="pt") as f:
-            names_in_checkpoint |= set(f.keys())
+            where |= dict.fromkeys(f.keys(), file)
+    names_in_checkpoint = mxfp4.logical_names(set(where))
     unexpected = sorted(n for n in names_in_checkpoint - expected if not _is_ignorable(n, config))
     missing = sorted(expected - names_in_checkpoint)
     if missing or unexpected:
@@ -72,7 +77,7 @@ def load_model(
             f"checkpoint {path} does not match its config ({config.architecture}, "
             f"{config.num_hidden_layers} layers): missing {_summarise(missing)}; unexpected {_summarise(unexpected)}"
         )
-    loaded = model.load_weights(_read_tensors(files, expected))
+    loaded = model.load_weights(_read_tensors(files, expected, where, dtype))
     assert loaded == expected, f"loaded {len(loaded)} of {len(expected)} tensors"
     if quantization is not None:
         quantize_model(model, quantization)
@@ -95,12 +100,21 @@ def checkpoint_files(path: Path) -> list[Path]:
     raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {path}")
 
 
-def _read_tensors(files: list[Path], wanted: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
+def _read_tensors(files: list[Path], wanted: set[str], where: dict[str, Path],
+                  dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
                 if name in wanted:
                     yield name, f.get_tensor(name)
+
+    def read(name: str) -> torch.Tensor:  # a pair's halves may sit in different shards
+        with safe_open(str(where[name]), framework="pt") as f:
+            return f.get_tensor(name)
+
+    wide = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32  # both hold MXFP4 values exactly
+    for name in sorted(mxfp4.packed_pairs(set(where)).keys() & wanted):
+        yield name, mxfp4.unpacked(name, read, wide)
 
 
 def _is_ignorable(name: str, config: ModelConfig) -> bool:
