@@ -290,3 +290,31 @@ def test_gemma3_refuses_what_the_kernels_do_not_do():
     assert config(architectures=None, model_type="gemma3_text").architecture == "Gemma3ForCausalLM"
     with pytest.raises(ValueError, match="Gemma3ForConditionalGeneration"):  # the multimodal one: not served
         config(architectures=["Gemma3ForConditionalGeneration"])
+
+
+def test_gpt_oss_config_defaults_as_transformers():
+    """Absent fields take GptOssConfig's defaults: even layers slide, YaRN (factor 32 over
+    4096, base 150000, untruncated), attention bias, top-4, SwiGLU (1.702, 7.0); OpenAI's
+    ``experts_per_token`` is read too; a config without experts is refused by name."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    raw = {k: v for k, v in BASE.items() if k != "architectures"}
+    c = config(architectures=["GptOssForCausalLM"], num_hidden_layers=3, num_local_experts=8, sliding_window=4,
+               head_dim=16, max_position_embeddings=131072)
+    assert c.layer_types == ("sliding_attention", "full_attention", "sliding_attention")
+    assert [c.layer_window(i) for i in range(3)] == [4, 0, 4]
+    assert (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size) == (8, 4, 48)
+    assert c.clamped_swiglu == (1.702, 7.0) and c.attention_sinks and c.attention_bias and c.o_proj_bias
+    hf = transformers.GptOssConfig(**{**raw, "num_hidden_layers": 3, "head_dim": 16, "max_position_embeddings": 131072})
+    hf_inv_freq, hf_factor = ROPE_INIT_FUNCTIONS["yarn"](hf, "cpu")
+    assert c.rope_type == "yarn" and c.rope_theta == 150000.0
+    assert torch.equal(c.inv_freq(), hf_inv_freq.float()) and c.rope_attention_factor == hf_factor
+    openai_key = config(architectures=["GptOssForCausalLM"], num_local_experts=8, experts_per_token=2)
+    assert openai_key.num_experts_per_tok == 2
+    with pytest.raises(ValueError, match="missing num_local_experts"):
+        config(architectures=["GptOssForCausalLM"])
+    model = build_model(c)
+    assert {"model.layers.0.self_attn.sinks", "model.layers.0.mlp.router.bias", "model.layers.2.mlp.experts.down_proj_bias",
+            "model.layers.1.self_attn.o_proj.bias", "lm_head.weight"} <= model.expected_weight_names()
+    assert model.layers[0].attn.sinks.dtype == torch.float32

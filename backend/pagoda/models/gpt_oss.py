@@ -45,6 +45,13 @@ DEFAULT_ROPE = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "be
 
 
 def parse_config(raw: dict, architecture: str) -> ModelConfig:
+    """gpt-oss config (transformers' ``GptOssConfig`` defaults where a field is absent).
+
+    Raises:
+        ValueError: ``num_local_experts`` missing, or what ``common_fields`` refuses.
+    """
+    if "num_local_experts" not in raw:
+        raise ValueError("gpt-oss config.json is missing num_local_experts")
     if not any(raw.get(k) for k in ("rope_parameters", "rope_scaling", "rope_theta")):
         raw = {**raw, "rope_parameters": DEFAULT_ROPE}
     fields = common_fields(raw, architecture)
@@ -53,7 +60,7 @@ def parse_config(raw: dict, architecture: str) -> ModelConfig:
                                       for i in range(fields["num_hidden_layers"]))
     bias = bool(raw.get("attention_bias", True))
     return ModelConfig(**fields, attention_bias=bias, o_proj_bias=bias, num_experts=raw["num_local_experts"],
-                       num_experts_per_tok=raw.get("num_experts_per_tok", 4),
+                       num_experts_per_tok=raw.get("num_experts_per_tok", raw.get("experts_per_token", 4)),
                        moe_intermediate_size=raw["intermediate_size"], norm_topk_prob=True, attention_sinks=True,
                        clamped_swiglu=(float(raw.get("swiglu_alpha", 1.702)), float(raw.get("swiglu_limit", 7.0))))
 
