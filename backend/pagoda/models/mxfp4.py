@@ -66,20 +66,20 @@ def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = 
     if blocks.shape[-1] != BLOCK_SIZE // 2 or blocks.shape[:-1] != scales.shape:
         raise ValueError(f"{name}: MXFP4 blocks {tuple(blocks.shape)} do not fit scales {tuple(scales.shape)} "
                          f"(want [..., G, {BLOCK_SIZE // 2}] and [..., G])")
-    lut = torch.tensor(FP4_VALUES, dtype=dtype)
+    nibbles = torch.tensor(FP4_VALUES, dtype=dtype)
+    byte = torch.arange(256)
+    pairs = torch.stack((nibbles[byte & 0x0F], nibbles[byte >> 4]), dim=-1)  # [256, 2]: a byte's two values
     out = torch.empty(*scales.shape, BLOCK_SIZE, dtype=dtype)
     flat_blocks, flat_scales = blocks.reshape(-1, blocks.shape[-1]), scales.reshape(-1, 1)
     flat_out = out.view(-1, BLOCK_SIZE)
     for lo in range(0, flat_blocks.shape[0], CHUNK_BLOCKS):  # in chunks: the int32 codes stay small
         rows = slice(lo, lo + CHUNK_BLOCKS)
-        codes = flat_blocks[rows]
-        flat_out[rows, 0::2] = lut[(codes & 0x0F).to(torch.int32)]
-        flat_out[rows, 1::2] = lut[(codes >> 4).to(torch.int32)]
-        flat_out[rows] *= torch.exp2(flat_scales[rows].to(torch.float32) - SCALE_BIAS).to(dtype)
+        values = pairs[flat_blocks[rows].to(torch.int32)].flatten(-2)  # [n, 32]
+        torch.mul(values, torch.exp2(flat_scales[rows].to(torch.float32) - SCALE_BIAS).to(dtype), out=flat_out[rows])
     return out.flatten(-2)
 
 
 def unpacked(name: str, read: Callable[[str], torch.Tensor], dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The tensor an unquantized checkpoint stores as ``name`` (``read`` fetches a stored tensor by name):
     the dequantized ``[..., out, in]`` transposed to ``[..., in, out]`` (gpt-oss experts)."""
-    return dequantize(read(name + BLOCKS), read(name + SCALES), dtype, name).transpose(-1, -2).contiguous()
+    return dequantize(read(name + BLOCKS), read(name + SCALES), dtype, name).transpose(-1, -2)  # a view: no copy
