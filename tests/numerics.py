@@ -64,20 +64,33 @@ def assert_within(actual: torch.Tensor, reference: torch.Tensor, bound, what: st
                              f"(max |err| {float(err.nan_to_num(float('inf')).max()):.3g})")
 
 
-def moe_dense_reference(x, ids, weights, w13, w2) -> torch.Tensor:
-    """Every expert on every token in float64, masked by the routing: what the sparse path must equal."""
+def _moe_act64(gate, up, clamped_swiglu):
+    """The experts' activation in float64 and the factors its error bound needs:
+    (h, |d h / d gate| bound factor, |d h / d up| factor)."""
+    if clamped_swiglu is None:
+        silu = torch.nn.functional.silu(gate)
+        return silu * up, 1.1 * up.abs(), silu.abs()
+    alpha, limit = clamped_swiglu
+    g, u = gate.clamp(max=limit), up.clamp(-limit, limit)
+    glu = g * torch.sigmoid(alpha * g)  # d glu / d g = s + t s (1 - s) with t = alpha g: <= 1.1
+    return (u + 1) * glu, 1.1 * (u + 1).abs(), glu.abs()
+
+
+def moe_dense_reference(x, ids, weights, w13, w2, b13=None, b2=None, clamped_swiglu=None) -> torch.Tensor:
+    """Every expert on every token in float64, masked by the routing: what the sparse path must equal.
+    gpt-oss: expert biases and ``clamped_swiglu=(alpha, limit)``."""
     x, w13, w2 = x.double(), w13.double(), w2.double()
     inter = w2.shape[2]
     out = torch.zeros_like(x)
     for e in range(w13.shape[0]):
-        gate, up = (x @ w13[e].T).split(inter, dim=-1)
-        y = (torch.nn.functional.silu(gate) * up) @ w2[e].T
+        gate, up = (x @ w13[e].T + (0 if b13 is None else b13[e].double())).split(inter, dim=-1)
+        y = _moe_act64(gate, up, clamped_swiglu)[0] @ w2[e].T + (0 if b2 is None else b2[e].double())
         weight = (weights.double() * (ids == e)).sum(dim=-1, keepdim=True)
         out += weight * y
     return out
 
 
-def moe_rounding_bound(x, ids, weights, w13, w2, dtype) -> torch.Tensor:
+def moe_rounding_bound(x, ids, weights, w13, w2, dtype, b13=None, b2=None, clamped_swiglu=None) -> torch.Tensor:
     """First-order bound on the sparse path's rounding error, element-wise (its inputs are exact).
 
     Model: a matmul accumulates in float32 and rounds its output once to ``dtype`` (unit
@@ -85,21 +98,25 @@ def moe_rounding_bound(x, ids, weights, w13, w2, dtype) -> torch.Tensor:
     silu(g) * u errs by 1.1 dg |u| + |silu(g)| du + 2 u |h| (|silu'| <= 1.1; silu and the
     product round once each), the down projection by |W_down| dh plus its own rounding,
     the routing weight by one rounding and the top-k sum by top_k roundings of the
-    weighted outputs. Doubled for the second-order terms.
+    weighted outputs. Doubled for the second-order terms. gpt-oss: a bias add rounds once
+    more (u |result|); its clamped SwiGLU ``(u + 1) g sigmoid(alpha g)`` has the same
+    derivative bound in g (clamps are 1-Lipschitz) and rounds up to 6 times (u |h| each).
     """
     x, w13, w2, w = x.double(), w13.double(), w2.double(), weights.double()
     u, u32 = UNIT_ROUNDOFF[dtype], UNIT_ROUNDOFF[torch.float32]
     inter, top_k, hidden = w2.shape[2], ids.shape[1], x.shape[1]
+    act_roundings = 2 if clamped_swiglu is None else 6
+    bias_roundings = 0 if b13 is None else 1
     bound = torch.zeros_like(x)
     for e in range(w13.shape[0]):
-        gate, up = (x @ w13[e].T).split(inter, dim=-1)
+        gate, up = (x @ w13[e].T + (0 if b13 is None else b13[e].double())).split(inter, dim=-1)
         gate_mag, up_mag = (x.abs() @ w13[e].abs().T).split(inter, dim=-1)
-        d_gate, d_up = u * gate.abs() + hidden * u32 * gate_mag, u * up.abs() + hidden * u32 * up_mag
-        silu = torch.nn.functional.silu(gate)
-        h = silu * up
-        d_h = 1.1 * d_gate * up.abs() + silu.abs() * d_up + 2 * u * h.abs()
-        y = h @ w2[e].T
-        d_y = d_h @ w2[e].abs().T + u * y.abs() + inter * u32 * (h.abs() @ w2[e].abs().T)
+        d_gate = (1 + bias_roundings) * u * gate.abs() + hidden * u32 * gate_mag
+        d_up = (1 + bias_roundings) * u * up.abs() + hidden * u32 * up_mag
+        h, dh_dgate, dh_dup = _moe_act64(gate, up, clamped_swiglu)
+        d_h = dh_dgate * d_gate + dh_dup * d_up + act_roundings * u * h.abs()
+        y = h @ w2[e].T + (0 if b2 is None else b2[e].double())
+        d_y = d_h @ w2[e].abs().T + (1 + (b2 is not None)) * u * y.abs() + inter * u32 * (h.abs() @ w2[e].abs().T)
         weight = (w.abs() * (ids == e)).sum(dim=-1, keepdim=True)
         bound += weight * d_y + (1 + top_k) * u * weight * y.abs()
     return 2 * bound

@@ -23,7 +23,7 @@ RANDOM_CONFIGS = {
                                                 rope_theta=500000.0,
                                                 rope_scaling={"rope_type": "llama3", "factor": 8.0,
                                                               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                                              "original_max_position_embeddings": 64})),
+                                                              "original_max_position_embeddings": 256})),
     "qwen2-qkv-bias": ("Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)),
     "mistral": ("MistralConfig", dict(num_attention_heads=4, num_key_value_heads=1, head_dim=64, sliding_window=None)),
     "qwen3-qk-norm": ("Qwen3Config", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=96)),
@@ -46,7 +46,28 @@ RANDOM_CONFIGS = {
                                                                                        "rope_theta": 100.0},
                                                                  "full_attention": {"rope_type": "default",
                                                                                     "rope_theta": 1e6}})),
+    # gpt-oss: an 8-token window on layer 0, full layer 1, per-head sinks, YaRN (factor 4 over
+    # 256 positions), 8 experts top-2 with biases and the clamped SwiGLU, untied head. Checked:
+    # HF greedy changes for every prompt without the sinks, the window, the clamp or the biases.
+    "gpt-oss-window8": ("GptOssConfig", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                                             num_local_experts=8, num_experts_per_tok=2, sliding_window=8,
+                                             tie_word_embeddings=False,
+                                             rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0,
+                                                              "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                                              "truncate": False,
+                                                              "original_max_position_embeddings": 256})),
 }
+
+
+@torch.no_grad()
+def _gpt_oss_weights(model) -> None:
+    """transformers starts gpt-oss's biases at 0 and its sinks small: random biases (router,
+    experts, attention) and sinks around the scores' size make them matter."""
+    for name, param in model.named_parameters():
+        if name.endswith("bias"):
+            param.normal_(0.0, 0.3)
+        elif name.endswith("sinks"):
+            param.normal_(0.0, 2.0)
 
 
 @torch.no_grad()
@@ -62,7 +83,7 @@ def _gemma_weights(model) -> None:
             param.uniform_(0.5, 1.5)
 
 
-WEIGHT_EDITS = {"gemma3-window8": _gemma_weights}  # applied to the transformers model before saving
+WEIGHT_EDITS = {"gemma3-window8": _gemma_weights, "gpt-oss-window8": _gpt_oss_weights}  # applied to the transformers model before saving
 
 
 def make_random_model(out_dir: Path, name: str, tokenizer_dir: str, seed: int = 0) -> Path:

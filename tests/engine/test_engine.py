@@ -79,7 +79,7 @@ def test_the_envelope_and_the_keyword_form_run_the_same_request(model_path):
         engine.add(EngineRequest("dup", [5, 6]))
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3-moe"])  # a MoE: tokens regroup per expert by batch
+@pytest.mark.parametrize("family", ["llama", "qwen3-moe", "gpt-oss-window8"])  # MoE: tokens regroup per expert
 def test_seeded_request_reproduces_in_any_batch(model_path, family, tmp_path, smollm2_path):
     if family != "llama":  # the other families' random models (tests/engine/hf_reference.py)
         model_path = str(make_random_model(tmp_path / family, family, smollm2_path))

@@ -233,12 +233,14 @@ def test_speculative_decoding_with_grammars(llm, method):
     assert [o.outputs[0].token_ids for o in outputs[::3]] == [o.outputs[0].token_ids for o in reference]
 
 
-def test_structured_output_on_a_moe_model(tmp_path, smollm2_path):
-    """A random Qwen3-MoE (tests/engine/hf_reference.py "qwen3-moe"): batched constrained
-    requests (JSON schema, choice, regex) beside an unconstrained one all hold their format."""
+@pytest.mark.parametrize("family", ["qwen3-moe", "gpt-oss-window8"])
+def test_structured_output_on_a_moe_model(tmp_path, smollm2_path, family):
+    """A random Qwen3-MoE and a gpt-oss (MoE with an 8-token window on layer 0;
+    tests/engine/hf_reference.py): batched constrained requests (JSON schema, choice, regex)
+    beside an unconstrained one all hold their format."""
     from tests.engine.hf_reference import make_random_model
 
-    moe = LLM(model=str(make_random_model(tmp_path / "moe", "qwen3-moe", smollm2_path)), seed=0)
+    moe = LLM(model=str(make_random_model(tmp_path / "moe", family, smollm2_path)), seed=0)
     assert moe.engine.model_config.num_experts == 8
     outputs = moe.generate([[1, 504, 2931, 314]] * 4, [
         SamplingParams(max_tokens=MAX_TOKENS, temperature=0, guided_decoding=_guided(SCHEMAS["pattern"])),

@@ -317,16 +317,29 @@ def test_every_speculative_method_has_one_registered_proposer():
     assert sorted(PROPOSERS) == sorted(SPECULATIVE_METHODS)
 
 
+SMALL = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=32, max_position_embeddings=512, tie_word_embeddings=True)
+MOE_TARGETS = {  # every layer sparse: 8 experts, top-2
+    "qwen3-moe": ("Qwen3MoeConfig", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+                                         norm_topk_prob=True)),
+    # also a sliding-window model: an 8-token window on layer 0 (the prompts run to 61 tokens),
+    # sinks, YaRN, expert biases (random, as tests/engine/hf_reference.py does)
+    "gpt-oss-window8": ("GptOssConfig", dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=64,
+                                             sliding_window=8, tie_word_embeddings=False)),
+}
+
+
+@pytest.mark.parametrize("target", MOE_TARGETS)
 @pytest.mark.parametrize("name", ["draft-self", "draft-layer-skip"])
-def test_moe_target_greedy_equals_plain(tmp_path_factory, smollm2_path, name):
-    """A Qwen3-MoE target (every layer sparse: 8 experts, top-2): its own drafts (whole, and
-    its first layer as a layer-skip draft) leave the greedy output unchanged."""
+def test_moe_target_greedy_equals_plain(tmp_path_factory, smollm2_path, name, target):
+    """A MoE target (Qwen3-MoE; gpt-oss, also windowed): its own drafts (whole, and its first
+    layer as a layer-skip draft) leave the greedy output unchanged."""
+    from tests.engine.hf_reference import WEIGHT_EDITS
+
     folder = tmp_path_factory.mktemp("spec-moe") / "target"
-    moe = {"target": str(save_random_model(
-        folder, smollm2_path, 0, "Qwen3MoeConfig", vocab_size=VOCAB, hidden_size=128, intermediate_size=256,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8,
-        num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True, max_position_embeddings=512,
-        tie_word_embeddings=True))}
+    config_class, overrides = MOE_TARGETS[target]
+    moe = {"target": str(save_random_model(folder, smollm2_path, 0, config_class,
+                                           edit_weights=WEIGHT_EDITS.get(target), **{**SMALL, **overrides}))}
     prompts = _prompts(3, seed=1)
     expected = _tokens(_run(_engine(moe), [(p, GREEDY) for p in prompts]))
     engine = _engine(moe, name, max_num_batched_tokens=32)

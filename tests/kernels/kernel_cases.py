@@ -81,13 +81,14 @@ def make_paged_case(
     return PagedCase(q, k_cache, v_cache, meta, head_dim**-0.5)
 
 
-def reference_attention(case: PagedCase, k_scale: float = 1.0, v_scale: float = 1.0, window: int = 0) -> torch.Tensor:
+def reference_attention(case: PagedCase, k_scale: float = 1.0, v_scale: float = 1.0, window: int = 0,
+                        sinks: torch.Tensor | None = None) -> torch.Tensor:
     """float64 attention over the cache as stored (an fp8 cache upcast, times its scales)."""
     from pagoda.kernels.reference import paged_attention_ref
 
     return paged_attention_ref(
         case.q.double(), case.k_cache.double() * k_scale, case.v_cache.double() * v_scale, case.meta, case.scale,
-        window=window,
+        window=window, sinks=None if sinks is None else sinks.double(),
     )
 
 

@@ -75,6 +75,7 @@ def record_launches(families: str = "rules") -> list[tuple[JITFunction, tuple, d
             if dtype == torch.bfloat16 or (dtype == torch.float16 and head_dim == 128):
                 _attention_launches(dtype, head_dim, FP8, head_groups=[(32, 8)])
                 _small_launches(dtype, head_dim, FP8)
+        _sink_launches(dtype)
         _lora_launches(dtype)
         _w8a16_launches(dtype)
         _w4a16_launches(dtype)
@@ -116,6 +117,18 @@ def _attention_launches(dtype: torch.dtype, head_dim: int, cache_dtype: torch.dt
             if main and num_heads == 4 * num_kv_heads and dtype == torch.bfloat16:
                 # a sliding window that is not a multiple of 16 (no divisibility hint)
                 triton_attention.paged_attention(q, cache, cache, _meta(query_lens, seq_lens), 0.1, window=4095)
+
+
+def _sink_launches(dtype: torch.dtype) -> None:
+    """gpt-oss attention (64 heads over 8 KV heads, head_dim 64, per-head sinks) through every
+    step of ``STEPS``: its 128-token sliding layers and its full layers."""
+    sinks = torch.empty(64, dtype=torch.float32)
+    for query_lens, seq_lens in STEPS.values():
+        q = torch.empty(sum(query_lens), 64, 64, dtype=dtype)
+        cache = torch.empty(2, 16, 8, 64, dtype=dtype)
+        for window in (0, 128):
+            triton_attention.paged_attention(q, cache, cache, _meta(query_lens, seq_lens), 0.1, window=window,
+                                             sinks=sinks)
 
 
 def _tuning_candidate_launches(cache_dtype: torch.dtype, quick: bool = False) -> None:
@@ -187,6 +200,14 @@ def _moe_launches(dtype: torch.dtype) -> None:
         offsets = torch.zeros(num_experts + 1, dtype=torch.int64)
         weights = torch.empty(tokens * top_k, dtype=dtype)
         triton_moe.moe_experts(torch.empty(tokens, hidden, dtype=dtype), order, weights, offsets, w13, w2, top_k)
+    # gpt-oss-20b's experts (32, top-4, hidden = intermediate = 2880): biases, clamped SwiGLU
+    num_experts, top_k, hidden = 32, 4, 2880
+    w13 = torch.empty(1, 2 * hidden, hidden, dtype=dtype).expand(num_experts, -1, -1)
+    w2 = torch.empty(1, hidden, hidden, dtype=dtype).expand(num_experts, -1, -1)
+    b13, b2 = torch.empty(num_experts, 2 * hidden, dtype=dtype), torch.empty(num_experts, hidden, dtype=dtype)
+    offsets = torch.zeros(num_experts + 1, dtype=torch.int64)
+    triton_moe.moe_experts(torch.empty(1, hidden, dtype=dtype), torch.arange(top_k), torch.empty(top_k, dtype=dtype),
+                           offsets, w13, w2, top_k, b13, b2, (1.702, 7.0))
 
 
 def _arg_type(value) -> str:

@@ -27,7 +27,7 @@ def launches(monkeypatch):
     real = triton_attention._launch
 
     def record(*args):
-        calls.append(args[8:])  # (cfg, q_len_lo, q_len_hi, max_query_len) after (..., v_scale, window)
+        calls.append(args[9:])  # (cfg, q_len_lo, q_len_hi, max_query_len) after (..., v_scale, window, sinks)
         return real(*args)
 
     monkeypatch.setattr(triton_attention, "_launch", record)

@@ -4,8 +4,8 @@ The tests run under ``TRITON_INTERPRET=1``, where ``@triton.jit`` yields interpr
 functions that cannot be compiled, so ``sm90_compile.py`` runs in subprocesses without
 that variable (two shards in parallel, one per core), in a fresh Triton cache. It records
 the launches the public wrappers make and compiles each distinct one; see its docstring.
-Covered: the W4A16 kernel (zero points and symmetric, split and not, every dtype); the fused MoE kernels in every dtype at a Qwen3-30B-A3B layer; every dtype x head size x GQA family with the shapes the built-in rules pick on an
-H100 (decode split and unsplit, mixed steps' two launches), the fp8 KV cache, and every
+Covered: the W4A16 kernel (zero points and symmetric, split and not, every dtype); the fused MoE kernels in every dtype at a Qwen3-30B-A3B layer and gpt-oss-20b's (biases, clamped SwiGLU); every dtype x head size x GQA family with the shapes the built-in rules pick on an
+H100 (decode split and unsplit, mixed steps' two launches), gpt-oss attention sinks, the fp8 KV cache, and every
 launch shape ``pagoda bench kernels --tune`` may write to a configs JSON.
 """
 
@@ -95,6 +95,10 @@ def test_every_kernel_variant_compiles_for_sm90(tmp_path):
     assert head_dims == {"64", "80", "128"}
     assert groups == {"1", "3", "4", "8"}
     assert splits == {"True", "False"}
+    sinks = {(r["variant"]["dtype"], r["variant"]["IS_SPLIT"], r["variant"]["HAS_SINKS"]) for r in rows
+             if r["kernel"] == "_paged_attention_kernel"}
+    assert sinks >= {(d, split, "True") for d in ("*fp16", "*bf16", "*fp32") for split in ("True", "False")}
+    assert {r["variant"]["HAS_SINKS"] for r in rows if r["kernel"] == "_combine_splits_kernel"} == {"True", "False"}
     w8a16 = [r["variant"] for r in rows if r["kernel"] == "_w8a16_kernel"]
     assert {(v["dtype"], v["W_FP8"], v["IS_SPLIT"]) for v in w8a16} == {
         (d, fp8, split) for d in ("*fp16", "*bf16", "*fp32") for fp8 in ("True", "False") for split in ("True", "False")
@@ -106,6 +110,9 @@ def test_every_kernel_variant_compiles_for_sm90(tmp_path):
         for split in ("True", "False")}
     moe = {(r["kernel"], r["variant"]["dtype"]) for r in rows if r["kernel"].startswith("_moe_")}
     assert moe == {(k, d) for k in ("_moe_gate_up_kernel", "_moe_down_kernel") for d in ("*fp16", "*bf16", "*fp32")}
+    gpt_oss = {(r["variant"]["dtype"], r["variant"].get("CLAMPED", r["variant"].get("HAS_BIAS"))) for r in rows
+               if r["kernel"].startswith("_moe_")}
+    assert gpt_oss == {(d, flag) for d in ("*fp16", "*bf16", "*fp32") for flag in ("True", "False")}
     caches = {r["variant"]["cache"] for r in rows if r["kernel"] in ("_paged_attention_kernel", "_write_kv_kernel")}
     assert caches == {"*fp16", "*bf16", "*fp32", "*fp8e4nv"}
     # K/V tiles are copied 16 bytes at a time along head_dim (cp.async 0x10) in every variant.

@@ -1,5 +1,6 @@
 """A tiny random Llama (and a Qwen3-MoE for the fused MoE kernels, a Mistral with a 16-token
-sliding window for windowed attention) gives the same logits
+sliding window for windowed attention, a gpt-oss for sinks and its biased clamped-SwiGLU
+experts) gives the same logits
 and greedy tokens with the Triton kernels (under the interpreter) as with the torch
 references, at the model and at the engine level.
 
@@ -26,7 +27,8 @@ from tests.numerics import assert_within, model_error_bound
 BLOCK_SIZE = 16
 
 
-@pytest.fixture(scope="module", params=["llama-gqa3-hd64", "llama-gqa4-hd80-untied", "qwen3-moe", "mistral-window16"])
+@pytest.fixture(scope="module", params=["llama-gqa3-hd64", "llama-gqa4-hd80-untied", "qwen3-moe", "mistral-window16",
+                                        "gpt-oss-window8"])
 def model_path(request, tmp_path_factory, smollm2_path):
     return str(make_random_model(tmp_path_factory.mktemp("m") / request.param, request.param, smollm2_path))
 

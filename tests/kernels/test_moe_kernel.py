@@ -62,6 +62,42 @@ def test_fused_moe_matches_float64(name, dtype):
     assert_within(torch_path, moe_dense_reference(x, ids, weights, w13, w2), bound, f"torch moe {name} {dtype}")
 
 
+ALPHA_LIMIT = (1.702, 7.0)  # gpt-oss
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("name", ["odd-33-tokens", "idle-experts", "top-k-equals-experts"])
+def test_gpt_oss_experts_match_float64(name, dtype):
+    """gpt-oss experts: gate/up and down biases and the clamped SwiGLU (weights scaled up so
+    that both clamps bite: some |gate| and |up| exceed the limit 7)."""
+    num_tokens, num_experts, top_k, routing = CASES[name]
+    x, w13, w2, weights, ids = _case(num_tokens, num_experts, top_k, dtype, routing, seed=num_tokens + 1)
+    gen = torch.Generator().manual_seed(5)
+    w13 = (w13.float() * 6).to(dtype)
+    b13 = torch.randn(num_experts, 2 * INTER, generator=gen).to(dtype)
+    b2 = torch.randn(num_experts, HIDDEN, generator=gen).to(dtype)
+    gate_up = torch.einsum("th,eoh->teo", x.double(), w13.double())
+    assert (gate_up > 7).any() and (gate_up < -7).any(), "the clamps must matter"
+    groups = group_by_expert(ids, weights, num_experts)
+    args = (x, groups.order, groups.weights, groups.offsets, w13, w2, top_k, b13, b2, ALPHA_LIMIT)
+    with poisoned_allocations():
+        out = triton_ops.moe_experts(*args)
+    expected = moe_dense_reference(x, ids, weights, w13, w2, b13, b2, ALPHA_LIMIT)
+    bound = moe_rounding_bound(x, ids, weights, w13, w2, dtype, b13, b2, ALPHA_LIMIT)
+    assert_within(out, expected, bound, f"triton gpt-oss moe {name} {dtype}")
+    assert_within(reference.moe_experts(*args), expected, bound, f"torch gpt-oss moe {name} {dtype}")
+    plain = moe_dense_reference(x, ids, weights, w13, w2)
+    assert not torch.allclose(expected, plain), "biases and the clamped SwiGLU change the result"
+
+
+def test_gate_up_biases_without_the_clamped_swiglu_are_refused():
+    x, w13, w2, weights, ids = _case(3, 4, 2, torch.float32, "spread")
+    groups = group_by_expert(ids, weights, 4)
+    with pytest.raises(ValueError, match="gate/up biases come with clamped_swiglu"):
+        triton_ops.moe_experts(x, groups.order, groups.weights, groups.offsets, w13, w2, 2,
+                               torch.zeros(4, 2 * INTER), None, None)
+
+
 def test_idle_experts_weights_are_never_read():
     x, w13, w2, weights, ids = _case(7, 8, 3, torch.float32, "idle-experts")
     w13[1::2] = float("nan")

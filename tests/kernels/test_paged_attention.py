@@ -92,6 +92,37 @@ def test_sliding_window(window, name, dtype):
         assert not torch.allclose(expected, reference_attention(case).to(expected.dtype))
 
 
+@pytest.mark.parametrize("window", [0, 7])
+@pytest.mark.parametrize("name", [None, "small_tiles", "split3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_attention_sinks(window, name, dtype):
+    """gpt-oss sinks: one logit per head in each row's softmax denominator (no value), with
+    and without a window, unsplit and through the split-K merge; the torch path too. The
+    sinks span below and above the scores (a sink far above them makes a head's output ~0)."""
+    query_lens, seq_lens = [1, 13, 1, 6, 21], [45, 13, 37, 40, 50]
+    case = make_paged_case(query_lens, seq_lens, 6, 2, 64, dtype, block_size=16, seed=5 + window)
+    sinks = torch.tensor([-3.0, 0.0, 0.5, 2.0, 8.0, 40.0])
+    expected = reference_attention(case, window=window, sinks=sinks)
+    bound = attention_bound(case)
+    with poisoned_allocations():
+        out = triton_attention.paged_attention(case.q, case.k_cache, case.v_cache, case.meta, case.scale,
+                                               config=CONFIGS[name] if name else None, window=window, sinks=sinks)
+    assert_close_to_reference(out, expected, dtype, bound)
+    torch_path = paged_attention_torch(case.q, case.k_cache, case.v_cache, case.meta, case.scale, window=window,
+                                       sinks=sinks)
+    assert_close_to_reference(torch_path, expected, dtype, bound)
+    plain = reference_attention(case, window=window)
+    assert (expected[:, 5].abs().max() < 1e-6 * plain[:, 5].abs().max()), "a sink far above the scores takes the mass"
+    assert not torch.allclose(expected[:, :4], plain[:, :4], atol=1e-3), "the sinks change the output"
+
+
+def test_sinks_of_the_wrong_shape_are_refused():
+    case = make_paged_case([1], [5], 4, 2, 64, torch.float32, block_size=16, seed=0)
+    with pytest.raises(ValueError, match="sinks must be float32"):
+        triton_attention.paged_attention(case.q, case.k_cache, case.v_cache, case.meta, case.scale,
+                                         sinks=torch.zeros(2))
+
+
 @pytest.mark.parametrize("config", [None, CONFIGS["split3"]], ids=["chooser", "split3"])
 def test_strided_block_tables(config):
     case = make_paged_case(*MIXED_STEP, 8, 2, 64, torch.float16, block_size=4, seed=3, strided_tables=True)

@@ -65,6 +65,36 @@ def test_llama3_rope_scaling_matches_transformers(layout):
     assert torch.equal(c.inv_freq(), hf_inv_freq.float())
 
 
+YARN_CASES = {  # gpt-oss's (no truncation); DeepSeek-style mscales; a given attention factor; factor from lengths
+    "gpt-oss": dict(factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False, original_max_position_embeddings=16),
+    "mscale": dict(factor=4.0, mscale=0.707, mscale_all_dim=1.0, original_max_position_embeddings=16),
+    "attention-factor": dict(factor=2.0, attention_factor=1.25, beta_fast=8, original_max_position_embeddings=32),
+    "factor-none": dict(factor=None, original_max_position_embeddings=16),
+}
+
+
+@pytest.mark.parametrize("case", YARN_CASES)
+def test_yarn_rope_matches_transformers(case):
+    """inv_freq bit for bit and the cos/sin scale equal transformers' ``_compute_yarn_parameters``."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = {"rope_type": "yarn", "rope_theta": 150000.0, **YARN_CASES[case]}
+    c = config(rope_parameters=params, hidden_size=64, max_position_embeddings=256)
+    hf_config = transformers.LlamaConfig(
+        **{k: v for k, v in BASE.items() if k not in ("architectures", "hidden_size", "max_position_embeddings")},
+        hidden_size=64, max_position_embeddings=256, rope_parameters=dict(params))
+    hf_inv_freq, hf_factor = ROPE_INIT_FUNCTIONS["yarn"](hf_config, "cpu")
+    assert c.rope_type == "yarn"
+    assert torch.equal(c.inv_freq(), hf_inv_freq.float())
+    assert c.rope_attention_factor == hf_factor and hf_factor != 1.0
+    assert not torch.equal(c.inv_freq(), config(rope_theta=150000.0, hidden_size=64).inv_freq())
+    from pagoda.models.llama import make_cos_sin_cache
+
+    table = make_cos_sin_cache(c)
+    assert torch.allclose(table[0, : c.head_dim // 2], torch.full((c.head_dim // 2,), hf_factor))  # cos(0) * factor
+
+
 def test_unsupported_inputs_are_refused_by_name():
     with pytest.raises(ValueError, match="GPT2LMHeadModel") as refused:
         config(architectures=["GPT2LMHeadModel"])
@@ -72,8 +102,13 @@ def test_unsupported_inputs_are_refused_by_name():
     assert "LlamaForCausalLM" in SUPPORTED_ARCHITECTURES
     with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):
         config(architectures=None, model_type="gpt2")
-    with pytest.raises(ValueError, match="yarn"):
+    with pytest.raises(ValueError, match="rope type 'dynamic' is not supported"):
+        config(rope_scaling={"rope_type": "dynamic", "factor": 4.0})
+    with pytest.raises(ValueError, match="yarn rope scaling is missing original_max_position_embeddings"):
         config(rope_scaling={"rope_type": "yarn", "factor": 4.0})
+    with pytest.raises(ValueError, match="partial_rotary_factor 0.5"):
+        config(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+                             "partial_rotary_factor": 0.5})
     with pytest.raises(ValueError, match="llama3 rope scaling is missing"):
         config(rope_scaling={"rope_type": "llama3", "factor": 8.0})
     with pytest.raises(ValueError, match="gelu"):
@@ -255,3 +290,31 @@ def test_gemma3_refuses_what_the_kernels_do_not_do():
     assert config(architectures=None, model_type="gemma3_text").architecture == "Gemma3ForCausalLM"
     with pytest.raises(ValueError, match="Gemma3ForConditionalGeneration"):  # the multimodal one: not served
         config(architectures=["Gemma3ForConditionalGeneration"])
+
+
+def test_gpt_oss_config_defaults_as_transformers():
+    """Absent fields take GptOssConfig's defaults: even layers slide, YaRN (factor 32 over
+    4096, base 150000, untruncated), attention bias, top-4, SwiGLU (1.702, 7.0); OpenAI's
+    ``experts_per_token`` is read too; a config without experts is refused by name."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    raw = {k: v for k, v in BASE.items() if k != "architectures"}
+    c = config(architectures=["GptOssForCausalLM"], num_hidden_layers=3, num_local_experts=8, sliding_window=4,
+               head_dim=16, max_position_embeddings=131072)
+    assert c.layer_types == ("sliding_attention", "full_attention", "sliding_attention")
+    assert [c.layer_window(i) for i in range(3)] == [4, 0, 4]
+    assert (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size) == (8, 4, 48)
+    assert c.clamped_swiglu == (1.702, 7.0) and c.attention_sinks and c.attention_bias and c.o_proj_bias
+    hf = transformers.GptOssConfig(**{**raw, "num_hidden_layers": 3, "head_dim": 16, "max_position_embeddings": 131072})
+    hf_inv_freq, hf_factor = ROPE_INIT_FUNCTIONS["yarn"](hf, "cpu")
+    assert c.rope_type == "yarn" and c.rope_theta == 150000.0
+    assert torch.equal(c.inv_freq(), hf_inv_freq.float()) and c.rope_attention_factor == hf_factor
+    openai_key = config(architectures=["GptOssForCausalLM"], num_local_experts=8, experts_per_token=2)
+    assert openai_key.num_experts_per_tok == 2
+    with pytest.raises(ValueError, match="missing num_local_experts"):
+        config(architectures=["GptOssForCausalLM"])
+    model = build_model(c)
+    assert {"model.layers.0.self_attn.sinks", "model.layers.0.mlp.router.bias", "model.layers.2.mlp.experts.down_proj_bias",
+            "model.layers.1.self_attn.o_proj.bias", "lm_head.weight"} <= model.expected_weight_names()
+    assert model.layers[0].attn.sinks.dtype == torch.float32

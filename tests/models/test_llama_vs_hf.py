@@ -148,6 +148,16 @@ RANDOM_CASES = {
         dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=1, head_dim=32, sliding_window=5,
              layer_types=["full_attention", "sliding_attention"], final_logit_softcapping=5.0),
     ),
+    # gpt-oss: a 4-token window on layer 0, full attention on layer 1, per-head sinks, YaRN
+    # (factor 4 over 32 positions, untruncated), q/k/v/o biases, 4 experts top-2 with router
+    # and expert biases and the clamped SwiGLU (|gate|, |up| > 7 occur at this init).
+    "gpt-oss-window4-sinks-yarn": (
+        "GptOssConfig",
+        dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_local_experts=4,
+             num_experts_per_tok=2, sliding_window=4,
+             rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=4.0, beta_fast=32.0, beta_slow=1.0,
+                                  truncate=False, original_max_position_embeddings=32)),
+    ),
 }
 
 
@@ -160,6 +170,8 @@ def build_random_model(name: str, out_dir):
         for param_name, param in model.named_parameters():
             if param_name.endswith("bias"):
                 param.normal_(0.0, 0.3)
+            elif param_name.endswith("sinks"):  # gpt-oss: around the scores' size
+                param.normal_(0.0, 2.0)
             elif "norm" in param_name:  # (Gemma scales by 1 + w: 1.5 to 2.5)
                 param.uniform_(0.5, 1.5)
     shard = "60KB" if "sharded" in name else "1GB"

@@ -39,14 +39,15 @@ def _triton_available() -> bool:
 
 
 def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_scale: float = 1.0,
-                    v_scale: float = 1.0, window: int = 0):
+                    v_scale: float = 1.0, window: int = 0, sinks=None):
     """Paged causal GQA attention; an fp8 (float8_e4m3fn) cache is dequantised with the scales.
-    ``window > 0``: sliding window, a query at p sees keys in ``(p - window, p]``."""
+    ``window > 0``: sliding window, a query at p sees keys in ``(p - window, p]``. ``sinks``
+    (``[num_heads]`` float32, gpt-oss): one learned logit per head in each softmax denominator."""
     if use_triton(q):
         from pagoda.kernels import triton_ops
 
-        return triton_ops.paged_attention(q, k_cache, v_cache, meta, scale, k_scale, v_scale, window)
-    return reference.paged_attention_torch(q, k_cache, v_cache, meta, scale, k_scale, v_scale, window)
+        return triton_ops.paged_attention(q, k_cache, v_cache, meta, scale, k_scale, v_scale, window, sinks)
+    return reference.paged_attention_torch(q, k_cache, v_cache, meta, scale, k_scale, v_scale, window, sinks)
 
 
 def write_kv(k, v, k_cache, v_cache, slot_mapping, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
@@ -83,15 +84,16 @@ def lora_apply(y, x, a_stack, b_stack, batch):
     return reference.lora_apply(y, x, a_stack, b_stack, batch.groups)
 
 
-def moe_experts(x, order, weights, offsets, w13, w2, top_k: int):
+def moe_experts(x, order, weights, offsets, w13, w2, top_k: int, b13=None, b2=None, clamped_swiglu=None):
     """Each token's routing-weighted sum of its experts (assignments grouped as ``models.moe``
     makes them): the fused kernels of ``triton_moe`` on CUDA, the experts-with-tokens loop
-    elsewhere. Neither computes an expert that received no token."""
+    elsewhere. Neither computes an expert that received no token. gpt-oss: expert biases
+    ``b13 [E, 2 * inter]`` / ``b2 [E, hidden]`` and ``clamped_swiglu=(alpha, limit)``."""
     if use_triton(x):
         from pagoda.kernels import triton_ops
 
-        return triton_ops.moe_experts(x, order, weights, offsets, w13, w2, top_k)
-    return reference.moe_experts(x, order, weights, offsets, w13, w2, top_k)
+        return triton_ops.moe_experts(x, order, weights, offsets, w13, w2, top_k, b13, b2, clamped_swiglu)
+    return reference.moe_experts(x, order, weights, offsets, w13, w2, top_k, b13, b2, clamped_swiglu)
 
 
 def w8a16_linear(x, qweight, scale):

@@ -9,6 +9,11 @@ return the input dtype.
 FP8 KV cache (``float8_e4m3fn`` cache tensors): ``write_kv`` stores
 ``clamp(x / scale, +-448)`` rounded to e4m3, the attention functions upcast the gathered
 context and multiply by the scale, emulating the Triton kernels on CPU.
+
+Attention sinks (gpt-oss; ``sinks [num_heads]``, None for every other model): a learned
+per-head logit joins each query row's softmax denominator and contributes no value,
+``out = sum_j e^(s_j) v_j / (sum_j e^(s_j) + e^(sink))`` (transformers' ``eager_attention_forward``
+with ``s_aux``). SDPA has no such input, so the torch path computes those rows explicitly.
 """
 
 from __future__ import annotations
@@ -71,11 +76,12 @@ def paged_attention_ref(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Definition of paged causal GQA attention, one sequence at a time (slow, exact).
 
     ``window > 0``: sliding-window attention, a query at position p sees keys at positions
-    ``p - window < k <= p`` (transformers' rule).
+    ``p - window < k <= p`` (transformers' rule). ``sinks``: see the module docstring.
     """
     acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     num_heads = q.shape[1]
@@ -93,7 +99,10 @@ def paged_attention_ref(
         k_pos = torch.arange(s_len).unsqueeze(0)
         hidden = (k_pos > q_pos) | ((k_pos <= q_pos - window) if window > 0 else False)
         scores = scores.masked_fill(hidden, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
+        if sinks is not None:  # one more logit per head in the denominator, dropped after
+            sink = sinks.to(acc_dtype).view(num_heads, 1, 1).expand(num_heads, q_len, 1)
+            scores = torch.cat((scores, sink), dim=-1)
+        probs = torch.softmax(scores, dim=-1)[..., :s_len]
         out[start : start + q_len] = torch.einsum("hqk,khd->qhd", probs, vs).to(q.dtype)
         start += q_len
     return out
@@ -108,14 +117,15 @@ def paged_attention_torch(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """Same result as ``paged_attention_ref`` (``window`` too), batched for speed on CPU."""
+    """Same result as ``paged_attention_ref`` (``window``, ``sinks`` too), batched for speed on CPU."""
     out = torch.empty_like(q)
     query_lens, seq_lens = meta.query_lens_host, meta.seq_lens_host
     starts = meta.query_start_loc.tolist()
     decode = [s for s, n in enumerate(query_lens) if n == 1]
     if decode:
-        _decode_batch(q, k_cache, v_cache, meta, scale, decode, starts, out, k_scale, v_scale, window)
+        _decode_batch(q, k_cache, v_cache, meta, scale, decode, starts, out, k_scale, v_scale, window, sinks)
     for s, q_len in enumerate(query_lens):
         if q_len == 1:
             continue
@@ -128,15 +138,31 @@ def paged_attention_torch(
         mask = torch.ones(q_len, s_len, dtype=torch.bool, device=q.device).tril(diagonal=s_len - q_len)
         if window > 0:  # and not more than window - 1 positions back
             mask &= ~torch.ones_like(mask).tril(diagonal=s_len - q_len - window)
-        o = F.scaled_dot_product_attention(qh, _dequantize(kh, q.dtype, k_scale), _dequantize(vh, q.dtype, v_scale),
-                                           attn_mask=mask, scale=scale,
-                                           enable_gqa=kh.shape[1] != qh.shape[1])
+        kh, vh = _dequantize(kh, q.dtype, k_scale), _dequantize(vh, q.dtype, v_scale)
+        if sinks is None:
+            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale,
+                                               enable_gqa=kh.shape[1] != qh.shape[1])
+        else:
+            group = qh.shape[1] // kh.shape[1]
+            o = _attend_with_sinks(qh, kh.repeat_interleave(group, 1), vh.repeat_interleave(group, 1), mask, scale,
+                                   sinks.view(1, -1, 1, 1))
         out[rows] = o[0].transpose(0, 1)
     return out
 
 
+def _attend_with_sinks(q, k, v, mask, scale, sinks) -> torch.Tensor:
+    """``softmax([q k^T * scale, sink])[:-1] @ v`` over ``[..., rows, D]`` operands (``mask``: visible keys),
+    accumulated in float32 (float64 for float64 inputs)."""
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    scores = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.to(acc).expand(*scores.shape[:-1], 1)
+    probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(probs, v.to(acc)).to(q.dtype)
+
+
 def _decode_batch(q, k_cache, v_cache, meta, scale, decode, starts, out, k_scale=1.0, v_scale=1.0,
-                  window=0) -> None:
+                  window=0, sinks=None) -> None:
     """All one-token queries at once: gather padded contexts, mask the padding.
 
     The query heads that share a KV head are laid out as that KV head's query rows
@@ -162,14 +188,17 @@ def _decode_batch(q, k_cache, v_cache, meta, scale, decode, starts, out, k_scale
     mask = pos.unsqueeze(0) < lens.unsqueeze(1)
     if window > 0:  # the query sits at lens - 1
         mask &= pos.unsqueeze(0) >= lens.unsqueeze(1) - window
-        # SDPA may still combine masked rows (padding past a shorter context) into the
-        # result: keep them finite.
+    if window > 0 or sinks is not None:
+        # SDPA (and P @ V) may still combine masked rows (padding past a shorter context)
+        # into the result: keep them finite.
         ks = ks.masked_fill(~mask[:, :, None, None], 0)
         vs = vs.masked_fill(~mask[:, :, None, None], 0)
     mask = mask.view(batch, 1, 1, max_len)
-    o = F.scaled_dot_product_attention(qh, _dequantize(ks.transpose(1, 2), q.dtype, k_scale),
-                                       _dequantize(vs.transpose(1, 2), q.dtype, v_scale),
-                                       attn_mask=mask, scale=scale)  # [B, KVH, G, D]
+    kh, vh = _dequantize(ks.transpose(1, 2), q.dtype, k_scale), _dequantize(vs.transpose(1, 2), q.dtype, v_scale)
+    if sinks is None:
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)  # [B, KVH, G, D]
+    else:
+        o = _attend_with_sinks(qh, kh, vh, mask, scale, sinks.view(1, num_kv_heads, group, 1))
     out[rows] = o.reshape(batch, num_heads, head_dim)
 
 
@@ -237,9 +266,13 @@ def moe_experts(
     w13: torch.Tensor,  # [E, 2 * inter, hidden]: gate rows, then up rows
     w2: torch.Tensor,  # [E, hidden, inter]
     top_k: int,
+    b13: torch.Tensor | None = None,  # [E, 2 * inter]: gate/up biases (gpt-oss)
+    b2: torch.Tensor | None = None,  # [E, hidden]: down biases
+    clamped_swiglu: tuple[float, float] | None = None,  # (alpha, limit): gpt-oss's activation
 ) -> torch.Tensor:  # [T, hidden]
-    """Each token's routing-weighted sum of its experts' ``down(silu(gate(x)) * up(x))``.
+    """Each token's routing-weighted sum of its experts' ``down(act(gate(x), up(x)))``.
 
+    ``act`` is ``silu(g) * u``, or with ``clamped_swiglu`` gpt-oss's (``moe_activation``).
     Computes only the experts that received tokens (the offsets are read back once), and
     adds each expert's rows into the output in expert order, as transformers does.
     """
@@ -251,11 +284,24 @@ def moe_experts(
         if start == end:
             continue
         rows = order[start:end] // top_k
-        gate, up = F.linear(x[rows], w13[expert]).split(inter, dim=-1)
-        y = F.linear(F.silu(gate) * up, w2[expert]) * weights[start:end, None]
+        gate, up = F.linear(x[rows], w13[expert], None if b13 is None else b13[expert]).split(inter, dim=-1)
+        h = moe_activation(gate, up, clamped_swiglu)
+        y = F.linear(h, w2[expert], None if b2 is None else b2[expert]) * weights[start:end, None]
         # index_put_ rather than index_add_: the same sums (an expert's rows are distinct
         # tokens); on a 2-core CPU busy with other jobs index_add_ (an OpenMP parallel
         # region) took ~30 ms per call where index_put_ took microseconds (torch 2.13);
         # unloaded, both take microseconds.
         out.index_put_((rows,), y, accumulate=True)
     return out
+
+
+def moe_activation(gate: torch.Tensor, up: torch.Tensor, clamped_swiglu: tuple[float, float] | None) -> torch.Tensor:
+    """``silu(gate) * up``; with ``(alpha, limit)`` gpt-oss's clamped SwiGLU (transformers'
+    ``GptOssExperts._apply_gate``): ``g = min(gate, limit)``, ``u = clamp(up, -limit, limit)``,
+    ``(u + 1) * g * sigmoid(alpha * g)``."""
+    if clamped_swiglu is None:
+        return F.silu(gate) * up
+    alpha, limit = clamped_swiglu
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))

@@ -39,6 +39,8 @@ Sliding window (``window > 0``, run time): a query at p sees keys in ``(p - wind
 A tile's keys start at ``first_q_pos - window + 1``; the unmasked whole tiles start at
 ``last_q_pos - window + 1`` (inside every row's window); keys below that (the window's
 lower edge) go through the masks; split-K slices wholly below the window stay empty.
+Sinks (gpt-oss; ``HAS_SINKS`` compile-time, other models launch without): each head's fp32
+sink logit joins the softmax denominator once, after the key loop or in the split merge.
 
 FP8 KV cache. With a ``float8_e4m3fn`` cache, K and V tiles are loaded as e4m3 and
 converted to the query dtype in registers before ``tl.dot``; the K scale is folded into
@@ -149,6 +151,7 @@ def _paged_attention_kernel(
     q_len_hi,
     part_by_seq,  # 1: split-K workspace rows are sequences (decode launches), 0: tokens
     window,  # > 0: sliding window, a query at p sees keys in (p - window, p]; 0: none
+    sinks_ptr,  # [num_heads] fp32 sink logits (read only when HAS_SINKS)
     stride_q_tok,
     stride_q_head,
     stride_k_block,
@@ -171,6 +174,7 @@ def _paged_attention_kernel(
     IS_SPLIT: tl.constexpr,
     PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     q_block = tl.program_id(1)
@@ -247,6 +251,11 @@ def _paged_attention_kernel(
         tl.store(part_ml_ptr + part * 2, m_i, mask=row_ok)
         tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_ok)
     else:
+        if HAS_SINKS:
+            sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0) * 1.4426950408889634
+            m_sink = tl.maximum(m_i, sink)
+            acc = acc * tl.exp2(m_i - m_sink)[:, None]
+            l_i = l_i * tl.exp2(m_i - m_sink) + tl.exp2(sink - m_sink)
         out = acc / l_i[:, None]
         o_offs = tok_idx[:, None] * stride_o_tok + head[:, None] * stride_o_head + dims[None, :]
         tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
@@ -261,11 +270,13 @@ def _combine_splits_kernel(
     num_heads,
     num_splits,
     part_by_seq,  # 1: program 0 indexes sequences (decode launch); skip those with q_len != 1
+    sinks_ptr,  # [num_heads] fp32 (HAS_SINKS)
     stride_o_tok,
     stride_o_head,
     HEAD_DIM: tl.constexpr,
     HEAD_PAD: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
@@ -280,11 +291,17 @@ def _combine_splits_kernel(
     m = tl.load(part_ml_ptr + part * 2, mask=split_ok, other=float("-inf"))
     l = tl.load(part_ml_ptr + part * 2 + 1, mask=split_ok, other=0.0)
     m_max = tl.max(m, 0)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head) * 1.4426950408889634
+        m_max = tl.maximum(m_max, sink)
     m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
     weight = tl.exp2(m - m_safe)  # [SPLITS_PAD]; empty slices weigh 0
     dims = tl.arange(0, HEAD_PAD)
     acc = tl.load(part_acc_ptr + part[:, None] * HEAD_PAD + dims[None, :], mask=split_ok[:, None], other=0.0)
-    out = tl.sum(acc * weight[:, None], 0) / tl.sum(l * weight, 0)
+    denominator = tl.sum(l * weight, 0)
+    if HAS_SINKS:
+        denominator += tl.exp2(sink - m_safe)
+    out = tl.sum(acc * weight[:, None], 0) / denominator
     o_offs = tok * stride_o_tok + head * stride_o_head + dims
     tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
 
@@ -318,6 +335,7 @@ def paged_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Paged causal GQA attention over one step; see the module docstring.
 
@@ -325,7 +343,8 @@ def paged_attention(
     sequences with the decode shape, the others with the prefill shape (each launch skips
     the other's sequences at once). ``k_scale`` / ``v_scale`` dequantise an fp8 cache
     (stored value times scale); they must be 1.0 for a cache in q's dtype. ``window > 0``:
-    sliding window (a query at p sees keys in ``(p - window, p]``).
+    sliding window (a query at p sees keys in ``(p - window, p]``). ``sinks``: ``[num_heads]``
+    sink logits (gpt-oss), None for none.
 
     Args:
         config: launch shape; chosen by ``choose_config`` when None (tests force others).
@@ -336,6 +355,8 @@ def paged_attention(
         ValueError: on shapes or dtypes the kernel does not serve.
     """
     _check_inputs(q, k_cache, v_cache, k_scale, v_scale)
+    if sinks is not None and (sinks.shape != (q.shape[1],) or sinks.dtype != torch.float32):
+        raise ValueError(f"sinks must be float32 [num_heads={q.shape[1]}], got {sinks.dtype} {tuple(sinks.shape)}")
     if q.stride(-1) != 1:
         q = q.contiguous()
     out = torch.empty_like(q)
@@ -345,7 +366,7 @@ def paged_attention(
     num_decode = meta.decode_count()
     two_launches = 0 < num_decode < meta.num_seqs and (config is None or decode_config is not None)
     choose = functools.partial(_choose, q, k_cache.shape[2], meta.max_seq_len)
-    launch = functools.partial(_launch, q, k_cache, v_cache, out, meta, scale * k_scale, v_scale, window)
+    launch = functools.partial(_launch, q, k_cache, v_cache, out, meta, scale * k_scale, v_scale, window, sinks)
     if not two_launches:
         cfg = config or choose(num_tokens, meta.num_seqs, meta.max_query_len)
         launch(cfg, 1, max(meta.max_query_len, 1), meta.max_query_len)
@@ -379,7 +400,7 @@ def _choose(q, num_kv_heads, max_seq_len, num_tokens, num_seqs, max_query_len) -
     )  # fmt: skip
 
 
-def _launch(q, k_cache, v_cache, out, meta, qk_scale, v_scale, window, cfg, q_len_lo, q_len_hi,
+def _launch(q, k_cache, v_cache, out, meta, qk_scale, v_scale, window, sinks, cfg, q_len_lo, q_len_hi,
             max_query_len) -> None:
     """One launch over the sequences whose query length is in [q_len_lo, q_len_hi]."""
     num_tokens, num_heads, head_dim = q.shape
@@ -402,6 +423,7 @@ def _launch(q, k_cache, v_cache, out, meta, qk_scale, v_scale, window, cfg, q_le
         q, k_cache, v_cache, out, part_acc, part_ml,
         meta.query_start_loc, meta.seq_lens, tables,
         qk_scale, v_scale, num_heads, num_splits, split_len, q_len_lo, q_len_hi, int(by_seq), window,
+        out if sinks is None else sinks,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -410,13 +432,14 @@ def _launch(q, k_cache, v_cache, out, meta, qk_scale, v_scale, window, cfg, q_le
         GROUP=group, GROUP_PAD=next_pow2(group), BLOCK_Q=cfg.block_q, BLOCK_N=cfg.block_n,
         HEAD_DIM=head_dim, HEAD_PAD=head_pad, BLOCK_SIZE=block_size,
         IS_SPLIT=is_split, PRECISION=_precision(q.dtype), DOT_UPCAST=_INTERPRETING and q.dtype == torch.bfloat16,
+        HAS_SINKS=sinks is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if is_split:
         _combine_splits_kernel[(meta.num_seqs if by_seq else num_tokens, num_heads)](
             part_acc, part_ml, out, meta.query_start_loc, num_heads, num_splits, int(by_seq),
-            out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, HEAD_PAD=head_pad, SPLITS_PAD=next_pow2(num_splits),
+            out if sinks is None else sinks, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, HEAD_PAD=head_pad, SPLITS_PAD=next_pow2(num_splits), HAS_SINKS=sinks is not None,
         )  # fmt: skip
 
 

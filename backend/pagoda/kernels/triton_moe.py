@@ -9,7 +9,9 @@ Two launches, then a sum:
    size). Its rows belong to one expert; it gathers their tokens' hidden states and
    computes ``silu(x @ W_gate^T) * (x @ W_up^T)`` with both products on the same tiles of x
    (fp32 accumulation, ``tl.dot``), writing the [T * k, inter] intermediate in sorted order.
-2. ``_moe_down_kernel``: per (row block, tile of hidden): ``(h @ W_down^T) * weight``,
+   gpt-oss (``CLAMPED``, compile time): the products plus their biases, then
+   ``(clamp(up, +-limit) + 1) * g * sigmoid(alpha * g)`` with ``g = min(gate, limit)``.
+2. ``_moe_down_kernel``: per (row block, tile of hidden): ``(h @ W_down^T [+ bias]) * weight``,
    stored at the assignment's own row of a ``[T * k, hidden]`` buffer.
 3. ``view(T, k, hidden).sum(1)``: each token's top-k partial results, in a fixed order
    (deterministic; no atomics).
@@ -47,12 +49,16 @@ def _moe_gate_up_kernel(
     block_start_ptr,  # [num_blocks] int64: first sorted row
     block_end_ptr,  # [num_blocks] int64: end of the expert's sorted rows
     h_ptr,  # [T * k, inter] out, sorted order
+    b13_ptr,  # [E, 2 * inter] biases (read when CLAMPED: gpt-oss)
+    alpha,
+    limit,
     hidden,
     inter,
     num_experts,
     top_k,
     stride_we,
     stride_wn,
+    CLAMPED: tl.constexpr,
     PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -85,7 +91,14 @@ def _moe_gate_up_kernel(
             else:
                 acc_gate = tl.dot(x, w_gate, acc_gate, input_precision=PRECISION)
                 acc_up = tl.dot(x, w_up, acc_up, input_precision=PRECISION)
-        h = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
+        if CLAMPED:
+            b_base = b13_ptr + expert * 2 * inter
+            gate = tl.minimum(acc_gate + tl.load(b_base + n, mask=n_ok, other=0.0).to(tl.float32)[None, :], limit)
+            up = acc_up + tl.load(b_base + inter + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            up = tl.minimum(tl.maximum(up, -limit), limit)
+            h = (up + 1.0) * (gate / (1.0 + tl.exp(-alpha * gate)))
+        else:
+            h = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
         tl.store(h_ptr + rows[:, None] * inter + n[None, :], h.to(h_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & n_ok[None, :])
 
@@ -100,11 +113,13 @@ def _moe_down_kernel(
     block_start_ptr,
     block_end_ptr,
     y_ptr,  # [T * k, hidden] out, by assignment id
+    b2_ptr,  # [E, hidden] biases (read when HAS_BIAS)
     hidden,
     inter,
     num_experts,
     stride_we,
     stride_wn,
+    HAS_BIAS: tl.constexpr,
     PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -129,6 +144,8 @@ def _moe_down_kernel(
                 acc = tl.dot(h.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
             else:
                 acc = tl.dot(h, w, acc, input_precision=PRECISION)
+        if HAS_BIAS:
+            acc += tl.load(b2_ptr + expert * hidden + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         weight = tl.load(weights_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
         assignment = tl.load(order_ptr + rows, mask=row_ok, other=0)
         tl.store(y_ptr + assignment[:, None] * hidden + n[None, :], (acc * weight[:, None]).to(y_ptr.dtype.element_ty),
@@ -156,14 +173,19 @@ def block_schedule(offsets: torch.Tensor, num_assignments: int,
 
 
 def moe_experts(x: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
-                w13: torch.Tensor, w2: torch.Tensor, top_k: int) -> torch.Tensor:
+                w13: torch.Tensor, w2: torch.Tensor, top_k: int, b13: torch.Tensor | None = None,
+                b2: torch.Tensor | None = None, clamped_swiglu: tuple[float, float] | None = None) -> torch.Tensor:
     """``[T, hidden]``: each token's routing-weighted sum of its experts' SwiGLU outputs.
 
     Args:
         x: ``[T, hidden]`` contiguous; w13 ``[E, 2 * inter, hidden]``, w2 ``[E, hidden, inter]``
             (contiguous in their last dim); order, weights ``[T * k]`` and offsets ``[E + 1]``
             as ``models.moe.group_by_expert`` makes them.
+        b13, b2, clamped_swiglu: gpt-oss's expert biases (contiguous) and ``(alpha, limit)``;
+            ``b13`` is read only with ``clamped_swiglu`` (no other model has gate/up biases).
     """
+    if (b13 is not None) != (clamped_swiglu is not None):
+        raise ValueError("gate/up biases come with clamped_swiglu (gpt-oss) and only with it")
     num_tokens, hidden = x.shape
     inter = w2.shape[2]
     assert x.stride(1) == 1 and w13.stride(2) == 1 and w2.stride(2) == 1
@@ -176,11 +198,13 @@ def moe_experts(x: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, off
     upcast = _INTERPRETING and x.dtype == torch.bfloat16
     h = torch.empty(num_assignments, inter, dtype=x.dtype, device=x.device)
     block_n, block_k = 64, 64
+    alpha, limit = clamped_swiglu or (1.0, 0.0)
     _moe_gate_up_kernel[(expert.numel(), triton.cdiv(inter, block_n))](
-        x, w13, order, expert, start, end, h, hidden, inter, w13.shape[0], top_k, w13.stride(0), w13.stride(1),
+        x, w13, order, expert, start, end, h, h if b13 is None else b13, alpha, limit, hidden, inter, w13.shape[0],
+        top_k, w13.stride(0), w13.stride(1), CLAMPED=clamped_swiglu is not None,
         PRECISION=precision, DOT_UPCAST=upcast, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k)
     y = torch.empty(num_assignments, hidden, dtype=x.dtype, device=x.device)
     _moe_down_kernel[(expert.numel(), triton.cdiv(hidden, block_n))](
-        h, w2, order, weights, expert, start, end, y, hidden, inter, w2.shape[0], w2.stride(0), w2.stride(1),
-        PRECISION=precision, DOT_UPCAST=upcast, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k)
+        h, w2, order, weights, expert, start, end, y, y if b2 is None else b2, hidden, inter, w2.shape[0],
+        w2.stride(0), w2.stride(1), HAS_BIAS=b2 is not None, PRECISION=precision, DOT_UPCAST=upcast, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k)
     return y.view(num_tokens, top_k, hidden).sum(dim=1)

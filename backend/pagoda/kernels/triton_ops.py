@@ -21,7 +21,8 @@ __all__ = ["paged_attention", "write_kv", "rms_norm", "apply_rotary", "moe_exper
 
 
 def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_scale: float = 1.0,
-                    v_scale: float = 1.0, window: int = 0):
-    """Paged causal GQA attention for one step (launch shapes chosen per step); ``window``: sliding window."""
+                    v_scale: float = 1.0, window: int = 0, sinks=None):
+    """Paged causal GQA attention for one step (launch shapes chosen per step); ``window``: sliding
+    window; ``sinks``: per-head softmax sinks."""
     return triton_attention.paged_attention(q, k_cache, v_cache, meta, scale, k_scale=k_scale, v_scale=v_scale,
-                                            window=window)
+                                            window=window, sinks=sinks)

@@ -6,7 +6,7 @@ layout (``rope_theta`` and ``rope_scaling`` at top level) and the transformers 5
 (both folded into ``rope_parameters``).
 
 This module reads the fields every family shares (``common_fields``); a family module
-(``llama``, ``qwen3``, ``mixtral``, ``qwen3_moe``, ``gemma3``) adds its own switches, and
+(``llama``, ``qwen3``, ``mixtral``, ``qwen3_moe``, ``gemma3``, ``gpt_oss``) adds its own switches, and
 ``pagoda.models.registry`` picks the family by the config's architecture name (and
 refuses unsupported ones, naming the supported list). Sliding-window attention: a model
 that declares a window gets it in ``sliding_window``; ``layer_types`` (transformers'
@@ -21,8 +21,9 @@ sparse (``decoder_sparse_step`` and ``mlp_only_layers``, as Qwen3-MoE defines th
 Mixtral: every layer).
 
 Rotary frequencies: ``inv_freq()`` reproduces Hugging Face's computation bit for bit
-(float32 throughout), for the ``default``, ``linear`` and ``llama3`` rope types; any other
-type raises ``ValueError`` naming it. ``rope_parameters`` keyed by layer type (Gemma 3) is
+(float32 throughout), for the ``default``, ``linear``, ``llama3`` and ``yarn`` rope types;
+any other type raises ``ValueError`` naming it. YaRN (transformers' ``_compute_yarn_parameters``,
+gpt-oss) also scales cos and sin by ``rope_attention_factor`` (1 for the other types). ``rope_parameters`` keyed by layer type (Gemma 3) is
 read per layer type (``read_rope``); the shared fields take ``full_attention``'s.
 """
 
@@ -36,7 +37,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 _LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
@@ -73,6 +74,9 @@ class ModelConfig:
     local_rope_theta: Optional[float] = None  # rope base of "sliding_attention" layers (None: rope_theta)
     query_pre_attn_scalar: Optional[float] = None  # softmax scale is its ** -0.5 (None: head_dim's)
     final_logit_softcapping: Optional[float] = None  # logits = cap * tanh(logits / cap)
+    # gpt-oss (defaults: what the other families do)
+    attention_sinks: bool = False  # a learned per-head logit in every softmax denominator
+    clamped_swiglu: Optional[tuple[float, float]] = None  # experts' (alpha, limit); None: silu(gate) * up
 
     def __post_init__(self) -> None:
         if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
@@ -101,10 +105,12 @@ class ModelConfig:
             raise ValueError(f"rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
         if rope_type == "linear" and "factor" not in self.rope_scaling:
             raise ValueError("linear rope scaling is missing factor")
-        if rope_type == "llama3":
-            missing = [k for k in _LLAMA3_ROPE_KEYS if k not in self.rope_scaling]
-            if missing:
-                raise ValueError(f"llama3 rope scaling is missing {', '.join(missing)}")
+        required = {"llama3": _LLAMA3_ROPE_KEYS, "yarn": ("factor", "original_max_position_embeddings")}
+        missing = [k for k in required.get(rope_type, ()) if k not in self.rope_scaling]
+        if missing:
+            raise ValueError(f"{rope_type} rope scaling is missing {', '.join(missing)}")
+        if self.rope_scaling.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError(f"partial_rotary_factor {self.rope_scaling['partial_rotary_factor']} is not supported")
         return rope_type
 
     def layer_window(self, layer_idx: int) -> int:
@@ -157,7 +163,29 @@ class ModelConfig:
             inv_freq = _llama3_scale(inv_freq, self.rope_scaling)
         elif self.rope_type == "linear":
             inv_freq = inv_freq / self.rope_scaling["factor"]
+        elif self.rope_type == "yarn":
+            inv_freq = _yarn_inv_freq(self.rope_theta ** (exponents), dim, self.rope_theta, self._yarn_factor(),
+                                      self.rope_scaling)
         return inv_freq
+
+    @property
+    def rope_attention_factor(self) -> float:
+        """What cos and sin are multiplied by (YaRN's attention scaling; 1.0 otherwise)."""
+        if self.rope_type != "yarn":
+            return 1.0
+        given = self.rope_scaling.get("attention_factor")
+        if given is not None:
+            return float(given)
+        factor, mscale, mscale_all_dim = (self._yarn_factor(), self.rope_scaling.get("mscale"),
+                                          self.rope_scaling.get("mscale_all_dim"))
+        if mscale and mscale_all_dim:
+            return float(_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim))
+        return _yarn_mscale(factor)
+
+    def _yarn_factor(self) -> float:
+        factor = self.rope_scaling["factor"]  # None: the context extension the config implies
+        return factor if factor is not None else (
+            self.max_position_embeddings / self.rope_scaling["original_max_position_embeddings"])
 
 
 def read_config_json(path: Union[str, Path]) -> dict[str, Any]:
@@ -241,6 +269,31 @@ def read_rope(raw: dict[str, Any], layer_type: str = "full_attention") -> tuple[
     if rope_type in (None, "default") and not set(scaling) - {"rope_type", "type"}:
         return float(theta), None
     return float(theta), scaling
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn_inv_freq(pos_freqs: torch.Tensor, dim: int, base: float, factor: float,
+                   scaling: dict[str, Any]) -> torch.Tensor:
+    """YaRN: interpolate (divide by ``factor``) the low frequencies, keep the high ones, blend
+    linearly between the correction dimensions of ``beta_fast`` / ``beta_slow`` rotations."""
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+    original = scaling["original_max_position_embeddings"]
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no division by zero
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
 
 
 def _llama3_scale(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:

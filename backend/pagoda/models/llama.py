@@ -79,6 +79,7 @@ class Attention(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str, window: int = 0) -> None:
         super().__init__()
         self.window = window  # sliding window (0: full causal attention)
+        self.sinks: Optional[torch.Tensor] = None  # per-head softmax sink logits (gpt-oss replaces it)
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -115,7 +116,8 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache
         # Write first: this step's queries attend to this step's keys through the cache.
         kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = kernels.paged_attention(q, k_cache, v_cache, meta, self.scale, window=self.window)  # [T, heads, dim]
+        out = kernels.paged_attention(q, k_cache, v_cache, meta, self.scale, window=self.window,
+                                      sinks=self.sinks)  # [T, heads, dim]
         return projection(self, "o_weight", out.reshape(num_tokens, self.q_size), self.o_bias, lora)
 
     def rotate(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
@@ -311,4 +313,7 @@ def make_cos_sin_cache(config: ModelConfig, device: torch.device | str = "cpu") 
     inv_freq = config.inv_freq()  # [head_dim // 2]
     positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
     angles = torch.outer(positions, inv_freq)  # [max_positions, head_dim // 2]
-    return torch.cat((angles.cos(), angles.sin()), dim=-1).to(device)
+    cos, sin = angles.cos(), angles.sin()
+    if config.rope_attention_factor != 1.0:  # YaRN scales both, as transformers does
+        cos, sin = cos * config.rope_attention_factor, sin * config.rope_attention_factor
+    return torch.cat((cos, sin), dim=-1).to(device)

@@ -11,6 +11,9 @@ the checkpoint must be used (apart from a few known leftovers, such as an ``lm_h
 saved next to tied embeddings); anything else is an error naming the tensors, because a
 silently half-loaded model produces plausible-looking garbage.
 
+MXFP4 tensors (gpt-oss experts: ``<name>_blocks`` + ``<name>_scales``) count as ``<name>``
+and are dequantized as they are read (``pagoda.models.mxfp4``).
+
 With ``quantization="int8"`` the projection weights are quantized right after loading
 (``pagoda.models.quant``), so the float copies are freed once loading returns.
 
@@ -33,6 +36,7 @@ from typing import Iterator, Optional, Union
 import torch
 from safetensors import safe_open
 
+from pagoda.models import mxfp4
 from pagoda.models.config import ModelConfig, read_config_json
 from pagoda.models.llama import LlamaForCausalLM
 from pagoda.models.int4 import install_int4_weights, keep_packed
@@ -74,11 +78,11 @@ def load_model(
     model = build_model(config, dtype=dtype, device=device)
     files = checkpoint_files(path)
     expected = model.expected_weight_names()
-    file_of: dict[str, Path] = {}
+    file_of: dict[str, Path] = {}  # stored name -> its file
     for file in files:
         with safe_open(str(file), framework="pt") as f:
-            file_of.update({name: file for name in f.keys()})
-    names_in_checkpoint = set(file_of)
+            file_of |= dict.fromkeys(f.keys(), file)
+    names_in_checkpoint = mxfp4.logical_names(set(file_of))
     with contextlib.ExitStack() as stack:
         quantized = None
         if checkpoint_quant is not None:
@@ -88,7 +92,7 @@ def load_model(
                                          collect_int4=keep_packed(torch.device(device)))
             names_in_checkpoint = quantized.names
         _check_names(path, config, expected, names_in_checkpoint)
-        tensors = _read_tensors(files, expected)
+        tensors = _read_tensors(files, expected, file_of, dtype)
         loaded = model.load_weights(quantized.tensors(tensors) if quantized else tensors)
     assert loaded == expected, f"loaded {len(loaded)} of {len(expected)} tensors"
     if quantized is not None and quantized.int4:
@@ -124,12 +128,21 @@ def checkpoint_files(path: Path) -> list[Path]:
     raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {path}")
 
 
-def _read_tensors(files: list[Path], wanted: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
+def _read_tensors(files: list[Path], wanted: set[str], where: dict[str, Path],
+                  dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
                 if name in wanted:
                     yield name, f.get_tensor(name)
+
+    def read(name: str) -> torch.Tensor:  # a pair's halves may sit in different shards
+        with safe_open(str(where[name]), framework="pt") as f:
+            return f.get_tensor(name)
+
+    wide = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32  # both hold MXFP4 values exactly
+    for name in sorted(mxfp4.packed_pairs(set(where)).keys() & wanted):
+        yield name, mxfp4.unpacked(name, read, wide)
 
 
 def _is_ignorable(name: str, config: ModelConfig) -> bool:

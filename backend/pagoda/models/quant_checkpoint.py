@@ -76,7 +76,9 @@ def parse_quantization_config(raw: dict[str, Any]) -> Optional[CheckpointQuant]:
         return _parse_fp8(q)
     if method == "compressed-tensors":
         return _parse_compressed_tensors(q)
-    raise _refuse("quant_method", method, "compressed-tensors, awq, gptq, fp8")
+    if method == "mxfp4":  # gpt-oss experts: pagoda.models.mxfp4 reads their blocks and scales at load
+        return None
+    raise _refuse("quant_method", method, "compressed-tensors, awq, gptq, fp8, mxfp4 (gpt-oss experts)")
 
 
 def _parse_awq(q: dict) -> CheckpointQuant:

@@ -20,7 +20,7 @@ from typing import Any, Callable, Union
 
 import torch
 
-from pagoda.models import gemma3, llama, mixtral, qwen3, qwen3_moe
+from pagoda.models import gemma3, gpt_oss, llama, mixtral, qwen3, qwen3_moe
 from pagoda.models.config import ModelConfig, read_config_json
 
 
@@ -40,6 +40,7 @@ _FAMILIES = {f.architecture: f for f in (
     ModelFamily("MixtralForCausalLM", "mixtral", mixtral.parse_config, mixtral.MixtralForCausalLM),
     ModelFamily("Qwen3MoeForCausalLM", "qwen3_moe", qwen3_moe.parse_config, qwen3_moe.Qwen3MoeForCausalLM),
     ModelFamily("Gemma3ForCausalLM", "gemma3_text", gemma3.parse_config, gemma3.Gemma3ForCausalLM),
+    ModelFamily("GptOssForCausalLM", "gpt_oss", gpt_oss.parse_config, gpt_oss.GptOssForCausalLM),
 )}
 SUPPORTED_ARCHITECTURES = tuple(_FAMILIES)
 
