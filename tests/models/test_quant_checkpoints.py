@@ -276,3 +276,9 @@ def test_4bit_weights_stay_packed_and_serve_the_same_tokens(variant, float_model
     outputs = [[o.outputs[0].token_ids for o in LLM(model=str(path), max_model_len=128).generate(PROMPTS, params)]
                for path in (quantized, dequantized)]
     assert outputs[0] == outputs[1]
+
+
+def test_gpt_oss_mxfp4_is_left_to_its_own_reader():
+    assert parse_quantization_config({"quantization_config": {"quant_method": "mxfp4",
+                                                              "modules_to_not_convert": ["router"]}}) is None
+    assert parse_quantization_config({}) is None
