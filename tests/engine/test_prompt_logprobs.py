@@ -97,6 +97,34 @@ def test_prompt_logprobs_equal_a_float64_forward_alone_and_chunked(model_path):
     assert outs["plain"].outputs[0].token_ids == alone.outputs[0].token_ids
 
 
+def test_async_scheduling_gives_the_same_prompt_logprobs(model_path):
+    """With the overlapped engine (chunks scheduled before the previous step is applied) the
+    chunks' entries land in the same positions, with the same values."""
+    prompt = list(range(40, 90))
+    params = SamplingParams(temperature=0.0, max_tokens=3, prompt_logprobs=1)
+    outs = [_run(LLMEngine(EngineConfig(model=model_path, max_num_batched_tokens=8, async_scheduling=overlap)),
+                 {"a": (prompt, params)})["a"] for overlap in (False, True)]
+    sync, overlapped = ([(e.token_id, e.logprob, e.rank, e.top) for e in out.prompt_logprobs[1:]] for out in outs)
+    assert outs[1].prompt_logprobs[0] is None and overlapped == sync
+    assert [e[0] for e in sync] == prompt[1:]
+
+
+def test_a_preempted_request_keeps_its_prompt_logprobs(model_path):
+    """A KV cache too small for both requests: preempted and recomputed, a request's prompt
+    log-probabilities are the ones it gets alone."""
+    prompts = {"a": list(range(100, 140)), "b": list(range(200, 240))}
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, prompt_logprobs=2)
+    tight = LLMEngine(EngineConfig(model=model_path, block_size=16, num_gpu_blocks_override=6,
+                                   max_num_batched_tokens=16, enable_prefix_caching=False))
+    outs = _run(tight, {key: (prompt, params) for key, prompt in prompts.items()})
+    assert tight.core.scheduler.num_preemptions_total > 0
+    ref = Float64Reference(model_path)
+    for key, prompt in prompts.items():
+        alone = _run(LLMEngine(EngineConfig(model=model_path)), {key: (prompt, params)})[key]
+        assert outs[key].outputs[0].token_ids == alone.outputs[0].token_ids
+        _check_against_reference(ref, prompt, outs[key].prompt_logprobs, 2, tight.model_config.vocab_size)
+
+
 def test_prompt_logprobs_skip_the_prefix_cache(model_path):
     """A cached prefix has no logits: a request asking for prompt logprobs computes its
     whole prompt (num_cached_tokens 0, every entry present), an ordinary one still hits."""
@@ -110,9 +138,7 @@ def test_prompt_logprobs_skip_the_prefix_cache(model_path):
     assert outs["asks"].num_cached_tokens == 0
     entries = outs["asks"].prompt_logprobs
     assert entries[0] is None and all(e is not None and e.top == [] for e in entries[1:])
-    cold = _run(LLMEngine(EngineConfig(model=model_path, enable_prefix_caching=False)),
-                {"asks": (prompt, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0))})["asks"]
-    assert [e.logprob for e in entries[1:]] == pytest.approx([e.logprob for e in cold.prompt_logprobs[1:]], abs=1e-5)
+    _check_against_reference(Float64Reference(model_path), prompt, entries, 0, engine.model_config.vocab_size)
 
 
 def test_requests_that_do_not_ask_pay_nothing(model_path):
