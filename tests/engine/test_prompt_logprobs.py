@@ -33,8 +33,9 @@ class Float64Reference:
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
 
     @torch.inference_mode()
-    def logprobs(self, token_ids: list[int], vocab_size: int) -> torch.Tensor:
-        """``[len(token_ids), vocab]``: row p is the distribution of token p + 1."""
+    def logprobs(self, token_ids: list[int], vocab_size: int) -> tuple[torch.Tensor, float]:
+        """(``[len(token_ids), vocab]`` log-probabilities, row p the distribution of token p + 1;
+        the largest logit magnitude, the bound's scale)."""
         logits = self.model(torch.tensor([token_ids])).logits[0, :, :vocab_size]
         return torch.log_softmax(logits, dim=-1), logits.abs().max().item()
 
