@@ -231,3 +231,10 @@ def test_bad_prompts_are_400s_naming_the_field(client):
             client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=1)
     with pytest.raises(openai.BadRequestError, match=r"max_tokens: must be a positive integer \(0 only with echo\)"):
         client.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT, max_tokens=0)
+    # One prompt the replica refuses (longer than max_model_len 512) fails the whole request
+    # with the replica's message: a 400, or (streamed, once another prompt's events went) an
+    # error event, which the SDK raises as APIError.
+    for stream, error in ((False, openai.BadRequestError), (True, openai.APIError)):
+        with pytest.raises(error, match="max_model_len"):
+            list(client.completions.create(model="SmolLM2-135M-Instruct", prompt=[[5, 6, 7], [5] * 600],
+                                           max_tokens=1, stream=stream) or [])

@@ -18,9 +18,9 @@ alternatives; chat: ``logprobs`` + ``top_logprobs``); vLLM's extras pass through
 ``stop_token_ids``, ``skip_special_tokens``, ``include_stop_str_in_output``, plus
 ``cache_salt`` and ``priority``. Completions' ``prompt`` may be a string, a list of token
 ids, or a list of either (lm-eval's ``tokenized_requests``): one replica request per prompt,
-routed on its own (token ids travel as the ``input_ids`` input), collected concurrently,
+routed on its own (token ids travel as the ``input_ids`` input), run concurrently,
 choices numbered ``prompt index * n + i`` as vLLM numbers them, usage summed; streamed, the
-prompts' events follow one another. ``echo`` prepends the prompt; with ``logprobs`` the
+prompts' events interleave as they come (each names its ``index``), as vLLM's do. ``echo`` prepends the prompt; with ``logprobs`` the
 prompt's tokens' log-probabilities come first (the first ``null``; the replica's
 ``prompt_logprobs``, which the body may also set itself, as vLLM's extra), and
 ``max_tokens=0`` is allowed with ``echo`` (the prompt alone: one token is generated and
@@ -260,26 +260,32 @@ class OpenAIApi:
         return builts
 
     async def _route_all(self, request: web.Request, answers: list[Answer], analyses: list[Any]) -> web.StreamResponse:
-        """Every prompt's request: concurrently when collected whole; one after the other into
-        one event stream when streamed (choices told apart by ``index``)."""
-        if answers[0].built.stream:
-            stream = _EventStream(request)
-            for k, (answer, analysis) in enumerate(zip(answers, analyses)):
-                failed = await self._route(request, answer, analysis, k, stream)
+        """Every prompt's request, concurrently: collected whole, or streamed into one event
+        stream (events interleaved as they come, told apart by ``index``, as vLLM's). The
+        first failure ends the request (the others are cancelled): an error answer when
+        nothing was streamed yet, else an ``error`` event."""
+        stream = _EventStream(request) if answers[0].built.stream else None
+        tasks = [asyncio.ensure_future(self._route(request, answer, analysis, k, stream))
+                 for k, (answer, analysis) in enumerate(zip(answers, analyses))]
+        failed = None
+        try:
+            for done in asyncio.as_completed(tasks):
+                failed = await done
                 if failed is not None:
-                    if not stream.is_open:
-                        return kind_response(*failed)
-                    await stream.send_error(failed[1])
-                    return await stream.close()
-            if answers[0].built.include_usage:
-                await stream.send(answers[0].usage_chunk(answers))
-            return await stream.close()
-        failures = await asyncio.gather(*(self._route(request, answer, analysis, k, None)
-                                          for k, (answer, analysis) in enumerate(zip(answers, analyses))))
-        for failed in failures:
-            if failed is not None:
-                return kind_response(*failed)
-        return web.json_response(merge_final(answers))
+                    break
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        if stream is None:
+            return kind_response(*failed) if failed is not None else web.json_response(merge_final(answers))
+        if failed is not None and not stream.is_open:
+            return kind_response(*failed)
+        if failed is not None:
+            await stream.send_error(failed[1])
+        elif answers[0].built.include_usage:
+            await stream.send(answers[0].usage_chunk(answers))
+        return await stream.close()
 
     async def _route(self, request: web.Request, answer: Answer, analysis: Any, number: int,
                      stream: Optional["_EventStream"]) -> Optional[tuple[ErrorKind, str]]:
@@ -353,11 +359,13 @@ class _EventStream:
         self.request = request
         self.response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         self.is_open = False
+        self._opening = asyncio.Lock()  # several prompts' tasks may open it at once
 
     async def open(self) -> None:
-        if not self.is_open:
-            await self.response.prepare(self.request)
-            self.is_open = True
+        async with self._opening:
+            if not self.is_open:
+                await self.response.prepare(self.request)
+                self.is_open = True
 
     async def send(self, obj: Any) -> None:
         await self.response.write(f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode())
