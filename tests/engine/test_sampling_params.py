@@ -31,6 +31,7 @@ BAD_VALUES = [
     *[("ignore_eos", v) for v in (1, "true", None)],
     *[("skip_special_tokens", v) for v in (0, "false", None)],
     *[("logprobs", v) for v in (-1, MAX_LOGPROBS + 1, 1.5, "5", True)],
+    *[("prompt_logprobs", v) for v in (-1, MAX_LOGPROBS + 1, 1.5, "5", True)],
     *[("speculative", v) for v in (1, 0, "true")],
     *[("guided_decoding", v) for v in ("a+", 5, [], {}, {"regex": "a", "choice": ["a"]}, {"json_object": False},
                                         {"regexp": "a"})],

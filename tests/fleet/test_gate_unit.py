@@ -68,6 +68,8 @@ class FakeClock:
     (b'{"text_input": "hi", "parameters": {"x": ' + b"[" * 100 + b"]" * 100 + b"}}", "nested too deeply"),
     (b"[" * 200000 + b"]" * 200000, "body: JSON nested too deeply"),
     (b'{"text_input": "\xff"}', "body: not UTF-8"),
+    (b'{"input_ids": [1, "2"]}', "input_ids: must be a list of integers"),
+    (b'{"input_ids": 5}', "input_ids: must be a list of integers"),
 ])
 def test_generate_bodies_are_refused_naming_the_problem(body, message):
     with pytest.raises(LimitError) as info:
@@ -91,6 +93,9 @@ def test_valid_generate_body_keeps_its_inputs_and_serializes_a_json_object():
         "text_input": ["hi"], "stream": True, "max_tokens": 4, "temperature": 0, "traceparent": "00-x",
         "sampling_parameters": {"top_k": 5}}).encode(), RequestLimits())
     assert document["text_input"] == "hi" and json.loads(document["sampling_parameters"]) == {"top_k": 5}
+    tokens = validate_generate_body(json.dumps({"input_ids": [1, 2, 3], "prompt_logprobs": 1}).encode(),
+                                    RequestLimits())
+    assert tokens["input_ids"] == [1, 2, 3] and sampling_of_generate(tokens)["prompt_logprobs"] == 1
 
 
 def test_generate_body_speaks_the_replicas_request_parameter_vocabulary():

@@ -8,8 +8,9 @@ import struct
 import pytest
 
 from pagoda.fleet.triton_wire import read_string_input
-from pagoda.fleet.api.openai_io import (OpenAIError, build_chat_request, build_completion_request, chat_logprobs,
-                                    completion_logprobs, make_infer_request, read_outputs)
+from pagoda.fleet.api.openai_io import (OpenAIError, build_chat_request, build_completion_request,
+                                        build_completion_requests, chat_logprobs, completion_logprobs,
+                                        echoed_prompt_logprobs, make_infer_request, read_outputs)
 
 
 class FakeTokenizer:
@@ -30,16 +31,37 @@ def test_completion_mapping():
     assert built.prompt == "Hi" and built.stream and built.n == 2 and built.include_usage
     assert built.echo_prefix == "Hi" and built.logprobs == 2
     assert built.sampling == {"temperature": 0.5, "top_p": 0.9, "n": 2, "seed": 3, "presence_penalty": 0.1,
-                              "top_k": 5, "cache_salt": "tenant", "max_tokens": 7, "stop": ["\n"], "logprobs": 2}
+                              "top_k": 5, "cache_salt": "tenant", "max_tokens": 7, "stop": ["\n"], "logprobs": 2,
+                              "prompt_logprobs": 2}  # echo with logprobs: the prompt's too (vLLM's rule)
     assert build_completion_request({"prompt": "x"}).sampling == {"max_tokens": 16}
+
+
+def test_token_prompts_lists_of_prompts_and_echo_without_generation():
+    """lm-eval's loglikelihood body: token-id prompts in a list, echo, max_tokens 0, logprobs."""
+    built = build_completion_requests({"prompt": [[3, 4, 5], [6, 7]], "echo": True, "max_tokens": 0,
+                                       "logprobs": 1, "temperature": 0}, FakeTokenizer())
+    assert [b.prompt for b in built] == [[3, 4, 5], [6, 7]] and [b.echo_prefix for b in built] == ["cde", "fg"]
+    assert all(b.echo_only and b.sampling == {"temperature": 0, "max_tokens": 1, "logprobs": 1, "prompt_logprobs": 1}
+               for b in built)
+    texts = build_completion_requests({"prompt": ["a", "b"], "prompt_logprobs": 3})
+    assert [b.prompt for b in texts] == ["a", "b"] and texts[0].sampling["prompt_logprobs"] == 3
+    assert not texts[0].echo and texts[0].echo_prefix == ""
+    assert build_completion_request({"prompt": [9, 8]}).prompt == [9, 8]
 
 
 @pytest.mark.parametrize("body, param", [
     ({}, "prompt"),
-    ({"prompt": ["a", "b"]}, "prompt"),
-    ({"prompt": [1, 2, 3]}, "prompt"),
+    ({"prompt": ["a", "b"]}, "prompt"),  # build_completion_request: one prompt
+    ({"prompt": [1, -2]}, "prompt"),
+    ({"prompt": [[1], "a", 3]}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": [True]}, "prompt"),
+    ({"prompt": [[1]] * 257}, "prompt"),
     ({"prompt": ""}, "prompt"),
-    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),  # 0 only with echo
+    ({"prompt": "x", "echo": True, "max_tokens": -1}, "max_tokens"),
+    ({"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"prompt": "x", "prompt_embeds": "abc"}, "prompt_embeds"),
     ({"prompt": "x", "max_tokens": True}, "max_tokens"),
     ({"prompt": "x", "temperature": "hot"}, "temperature"),
     ({"prompt": "x", "n": 0}, "n"),
@@ -96,6 +118,12 @@ def test_infer_request_and_outputs_round_trip():
                                          struct.pack("<2I", 2, 1)])
     assert read_outputs(response) == {"text_output": ["ab", "c"], "num_output_tokens": [2, 1]}
 
+    tokens = make_infer_request(build_completion_request({"prompt": [5, 70000]}), "cmpl-2")
+    (ids,) = [i for i, t in enumerate(tokens.inputs) if t.name == "input_ids"]
+    assert tokens.inputs[ids].datatype == "INT32" and list(tokens.inputs[ids].shape) == [2]
+    assert struct.unpack("<2i", tokens.raw_input_contents[ids]) == (5, 70000)
+    assert "text_input" not in {t.name for t in tokens.inputs}
+
 
 def test_logprob_shapes():
     entries = [{"token_id": 1, "logprob": -0.5, "rank": 1, "top_logprobs": [{"token_id": 1, "logprob": -0.5},
@@ -108,6 +136,9 @@ def test_logprob_shapes():
     legacy = completion_logprobs(entries, tokenizer, offset=10)
     assert legacy == {"tokens": ["a", "c"], "token_logprobs": [-0.5, -0.1],
                       "top_logprobs": [{"a": -0.5, "b": -1.5}, {}], "text_offset": [10, 11]}
+    echoed = completion_logprobs(echoed_prompt_logprobs([None, entries[1]], 4) + entries[:1], tokenizer)
+    assert echoed == {"tokens": ["d", "c", "a"], "token_logprobs": [None, -0.1, -0.5],
+                      "top_logprobs": [None, {}, {"a": -0.5, "b": -1.5}], "text_offset": [0, 1, 2]}
 
 
 def test_structured_output_fields():

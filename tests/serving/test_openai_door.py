@@ -45,9 +45,13 @@ def client(serve):
 
 
 @pytest.fixture(scope="module")
-def offline_text():
-    llm = LLM(max_model_len=512)
-    return llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=8))[0].outputs[0].text
+def offline():
+    return LLM(max_model_len=512)
+
+
+@pytest.fixture(scope="module")
+def offline_text(offline):
+    return offline.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=8))[0].outputs[0].text
 
 
 def test_models_list_and_retrieve(client):
@@ -201,3 +205,104 @@ def test_usage_reports_prefix_cache_hits_as_cached_tokens(client):
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert cached == (first.usage.prompt_tokens - 1) // 16 * 16 and cached >= 64  # whole blocks, not the last token
     assert second.system_fingerprint.startswith("pagoda-")
+
+
+# ---------------------------------------------------------------- lm-eval's loglikelihood path
+QUESTION = "Question: What is the capital of France?\nAnswer:"
+CHOICES = [" Paris", " London", " a banana"]
+
+
+def _offline_loglikelihood(offline, context: list[int], continuation: list[int]) -> float:
+    """log P(continuation | context) from the offline engine's prompt log-probabilities."""
+    out = offline.generate([context + continuation], SamplingParams(temperature=0.0, max_tokens=1,
+                                                                    prompt_logprobs=0))[0]
+    return sum(entry.logprob for entry in out.prompt_logprobs[len(context):])
+
+
+def test_lm_eval_loglikelihood_equals_the_offline_engine(client, offline, smollm2_path):
+    """lm-eval's ``local-completions`` loglikelihood request, as it sends it
+    (``tokenized_requests=True``): a list of token-id prompts (context + continuation),
+    ``echo``, ``max_tokens`` 1 (or 0), ``logprobs`` 1, greedy; it sums
+    ``token_logprobs[ctxlen:-1]``. That sum equals the offline engine's log-probability of
+    the continuation, and a float64 forward's, within the derived bound
+    (``tests/engine/test_prompt_logprobs.py``: per token, twice the float32 logits' bound)."""
+    from tests.engine.test_prompt_logprobs import Float64Reference
+
+    tokenizer = offline.engine.tokenizer
+    context = tokenizer.encode(QUESTION)
+    requests = [(context, tokenizer.encode(QUESTION + choice)[len(context):]) for choice in CHOICES]
+    assert all(tokenizer.encode(QUESTION + c)[:len(context)] == context for c in CHOICES)
+    body = dict(model="SmolLM2-135M-Instruct", prompt=[ctx + cont for ctx, cont in requests], echo=True,
+                logprobs=1, temperature=0, seed=1234)
+    one = client.completions.create(max_tokens=1, **body)
+    zero = client.completions.create(max_tokens=0, **body)
+    assert [c.index for c in one.choices] == [0, 1, 2] and one.usage.prompt_tokens == sum(
+        len(ctx) + len(cont) for ctx, cont in requests)
+    assert zero.usage.completion_tokens == 0 and one.usage.completion_tokens == 3
+    reference = Float64Reference(smollm2_path)
+    scores = []
+    for (ctx, cont), with_token, prompt_only in zip(requests, one.choices, zero.choices):
+        lp = with_token.logprobs
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and lp.text_offset[0] == 0
+        assert len(lp.token_logprobs) == len(ctx) + len(cont) + 1  # the prompt, then the generated token
+        assert prompt_only.logprobs.token_logprobs == lp.token_logprobs[:-1]  # max_tokens=0: the prompt alone
+        assert prompt_only.text == tokenizer.decode(ctx + cont)
+        loglikelihood = sum(lp.token_logprobs[len(ctx):-1])
+        is_greedy = all(t == max(top.values()) for t, top in zip(lp.token_logprobs[len(ctx):-1],
+                                                                 lp.top_logprobs[len(ctx):-1]))
+        logprobs, scale = reference.logprobs(ctx + cont, 49152)
+        bound = reference.bound(len(ctx) + len(cont), scale, 49152) * len(cont)
+        expected = float(sum(logprobs[q - 1][t] for q, t in enumerate(cont, start=len(ctx))))
+        assert abs(loglikelihood - expected) <= bound
+        assert abs(loglikelihood - _offline_loglikelihood(offline, ctx, cont)) <= 2 * bound
+        assert loglikelihood < 0
+        scores.append((loglikelihood, is_greedy))
+    # Multiple choice: the higher log-likelihood wins, the same on every try.
+    again = client.completions.create(max_tokens=1, **body)
+    assert [sum(c.logprobs.token_logprobs[len(ctx):-1]) for (ctx, _), c in zip(requests, again.choices)] == \
+        [score for score, _ in scores]
+    best = max(range(len(CHOICES)), key=lambda i: scores[i][0])
+    assert CHOICES[best] == " Paris", scores
+
+
+def test_text_prompts_lists_and_n_as_vllm_orders_them(client):
+    """A list of text prompts with n=2: choice i*n + j is prompt i's j-th completion, usage
+    summed; streamed, every event carries its choice's index; echo with logprobs on text
+    prompts gives the prompt's tokens first."""
+    prompts = [PROMPT, "Once upon a time"]
+    whole = client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompts, n=2, max_tokens=3,
+                                      temperature=0)
+    assert [c.index for c in whole.choices] == [0, 1, 2, 3]
+    singles = [client.completions.create(model="SmolLM2-135M-Instruct", prompt=p, max_tokens=3, temperature=0)
+               for p in prompts]
+    assert [c.text for c in whole.choices] == [singles[0].choices[0].text] * 2 + [singles[1].choices[0].text] * 2
+    assert whole.usage.prompt_tokens == sum(s.usage.prompt_tokens for s in singles)
+    events = list(client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompts, n=2, max_tokens=3,
+                                            temperature=0, stream=True, stream_options={"include_usage": True}))
+    texts = {}
+    for event in events:
+        for choice in event.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+    assert texts == {c.index: c.text for c in whole.choices}
+    assert events[-1].usage.completion_tokens == 12
+    echoed = client.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT, echo=True, logprobs=2,
+                                       max_tokens=2, temperature=0)
+    lp = echoed.choices[0].logprobs
+    assert echoed.choices[0].text.startswith(PROMPT) and "".join(lp.tokens) == echoed.choices[0].text
+    assert lp.token_logprobs[0] is None and all(isinstance(v, float) for v in lp.token_logprobs[1:])
+    assert len(lp.tokens) == echoed.usage.prompt_tokens + 2 and all(len(t) == 2 for t in lp.top_logprobs[1:])
+
+
+def test_bad_prompts_are_400s_naming_the_field(client):
+    for prompt in ([1, -5], [[1, 2], "mixed", 3], []):
+        with pytest.raises(openai.BadRequestError, match="prompt"):
+            client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=1)
+    with pytest.raises(openai.BadRequestError, match=r"max_tokens: must be a positive integer \(0 only with echo\)"):
+        client.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT, max_tokens=0)
+    # One prompt the replica refuses (longer than max_model_len 512) fails the whole request
+    # with the replica's message: a 400, or (streamed, once another prompt's events went) an
+    # error event, which the SDK raises as APIError.
+    for stream, error in ((False, openai.BadRequestError), (True, openai.APIError)):
+        with pytest.raises(error, match="max_model_len"):
+            list(client.completions.create(model="SmolLM2-135M-Instruct", prompt=[[5, 6, 7], [5] * 600],
+                                           max_tokens=1, stream=stream) or [])

@@ -293,8 +293,40 @@ def test_structured_outputs_become_guided_decoding():
                                "structured_outputs.whitespace_pattern: not supported")]:
         with pytest.raises(ValueError, match=f"^{re.escape(message)}"):
             parse_request(inputs(text_input="Hi", sampling_parameters=sampling))
-    with pytest.raises(ValueError, match="^prompt_logprobs: not supported"):
-        parse_request(inputs(text_input="Hi", sampling_parameters={"prompt_logprobs": 1}))
+    assert parse_request(inputs(text_input="Hi"), json.dumps({"prompt_logprobs": "2"})).params.prompt_logprobs == 2
+    with pytest.raises(ValueError, match="^prompt_logprobs: must be >= 0"):
+        parse_request(inputs(text_input="Hi", sampling_parameters={"prompt_logprobs": -1}))
+
+
+def test_input_ids_are_a_token_prompt():
+    parsed = parse_request(inputs(input_ids=np.array([5, 6, 7], dtype=np.int32)))
+    assert parsed.prompt == [5, 6, 7]
+    for tensors, message in [(dict(input_ids=np.array([5], dtype=np.int32), text_input="Hi"), "input_ids: give the "),
+                             (dict(input_ids=np.array([], dtype=np.int32)), "input_ids: must be a non-empty list"),
+                             (dict(input_ids=np.array([3, -1], dtype=np.int32)), "input_ids: must be a non-empty"),
+                             (dict(input_ids=np.array([1.5], dtype=np.float32)), "input_ids: must be a non-empty"),
+                             (dict(), "text_input: required input is missing (or give input_ids)")]:
+        with pytest.raises(ValueError, match=f"^{re.escape(message)}"):
+            parse_request(inputs(**tensors))
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_prompt_logprobs_output_once_in_either_dialect(stream):
+    entries = [None, TokenLogprob(7, -1.5, 3, [(4, -0.5), (9, -1.0)])]
+    for dialect, expected in [("vllm", [None, {"4": {"logprob": -0.5, "rank": 1, "decoded_token": "<4>"},
+                                               "9": {"logprob": -1.0, "rank": 2, "decoded_token": "<9>"},
+                                               "7": {"logprob": -1.5, "rank": 3, "decoded_token": "<7>"}}]),
+                              ("pagoda", [None, entries[1].to_dict()])]:
+        parsed = parse_request(inputs(text_input="Hi", stream=stream, sampling_parameters={
+            "prompt_logprobs": 2, "output_dialect": dialect}))
+        responses = []
+        for finished in (False, True):
+            completion = CompletionOutput(0, "a", [1], "a", [1], finish_reason="length" if finished else None)
+            output = RequestOutput("r", "Hi", [3, 7], [completion], finished, RequestMetrics(0.0),
+                                   prompt_logprobs=entries)
+            responses.append(make_response(parsed, output, lambda t: f"<{t}>"))
+        sent = [json.loads(r.tensors["prompt_logprobs"][0]) for r in responses if r and "prompt_logprobs" in r.tensors]
+        assert sent == [expected], dialect
 
 
 def test_vllm_output_dialect_logprobs_and_finish_reason():

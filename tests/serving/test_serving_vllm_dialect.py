@@ -159,7 +159,7 @@ def test_vllm_sampling_keys_are_applied_or_refused_naming_them(triton_server, to
         "text_input": "one two three four five six", "return_num_input_tokens": True,
         "parameters": {"truncate_prompt_tokens": "2", "max_tokens": 1, "spaces_between_special_tokens": "true"}})
     assert status == 200 and body["num_input_tokens"] == 2, body
-    for sampling, message in [({"prompt_logprobs": 1}, "prompt_logprobs: not supported"),
+    for sampling, message in [({"prompt_logprobs": 21}, "prompt_logprobs: must be <= 20"),
                               ({"allowed_token_ids": [10**7]}, "allowed_token_ids: token id 10000000 is not in"),
                               ({"logit_bias": {"5": 101}}, "logit_bias: must be <= 100"),
                               ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens: must be >= 1"),

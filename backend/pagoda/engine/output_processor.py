@@ -19,6 +19,10 @@ Stop tokens: a request the core ended on a ``stop_token_ids`` hit or EOS keeps t
 detokenizer and TensorRT-LLM's ``end_id`` do; a finish for another reason (a completed
 grammar) keeps its last token's text.
 
+Prompt log-probabilities (``SamplingParams.prompt_logprobs``) arrive with a child's first
+output; the group keeps the first child's that came and every ``RequestOutput`` of the
+request carries them from then on (``None`` entry for the first prompt position).
+
 n > 1 (the fan-in; the fan-out is ``engine.core.parallel_sampling``'s): a user request's
 ``n`` children are one *group*; their outputs are reported together under the user's
 request id, once any child progressed. The group is finished when every child is.
@@ -66,6 +70,7 @@ class _Group:
     metrics: RequestMetrics
     completions: list[_Completion]
     num_cached_tokens: int = 0
+    prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None  # from the first child output that has them
     error: Optional[str] = None  # the core failed the request (e.g. its grammar did not compile)
 
     @property
@@ -179,6 +184,9 @@ class OutputProcessor:
         if core_output.error is not None:
             group.error = core_output.error
         self._stamp(group, core_output, len(new_ids), now)
+        if core_output.prompt_logprobs is not None and group.prompt_logprobs is None:
+            group.prompt_logprobs = [lp and TokenLogprob(lp.token_id, lp.logprob, lp.rank, list(lp.top))
+                                     for lp in core_output.prompt_logprobs]
         completion.token_ids.extend(new_ids)
         num_tokens = len(completion.token_ids)
         params = group.params
@@ -264,7 +272,7 @@ class OutputProcessor:
         return RequestOutput(
             request_id=group.request_id, prompt=group.prompt, prompt_token_ids=group.prompt_token_ids,
             outputs=completions, finished=group.finished, metrics=group.metrics,
-            num_cached_tokens=group.num_cached_tokens, error=group.error)
+            num_cached_tokens=group.num_cached_tokens, prompt_logprobs=group.prompt_logprobs, error=group.error)
 
     def _forget(self, group: _Group) -> None:
         self._groups.pop(group.request_id, None)

@@ -16,7 +16,7 @@ from typing import Optional
 
 @dataclass
 class TokenLogprob:
-    """Log-probability of one generated token, and the top alternatives at its step."""
+    """Log-probability of one generated (or prompt) token, and the top alternatives at its step."""
 
     token_id: int
     logprob: float
@@ -74,6 +74,9 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     num_cached_tokens: int = 0
+    # SamplingParams.prompt_logprobs: one entry per prompt position, None for the first (as
+    # vLLM's PromptLogprobs): the prompt token's log-probability, rank and top alternatives.
+    prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None
     # Set when the request failed after it was accepted; then this is its only (or last)
     # output, finished, with finish_reason "abort": a grammar that does not compile, or
     # admission control ended it (displaced by a more urgent request, its deadline passed).

@@ -19,6 +19,11 @@ full block of the prompt; afterwards ``append_output_token_ids`` extends
 ``block_hashes`` whenever output tokens complete another block. Before that call
 ``block_hashes`` is empty and stays so (prefix caching off).
 
+Prompt log-probabilities (``SamplingParams.prompt_logprobs``): ``prompt_logprobs`` is one
+slot per prompt position (``None`` for the first, and until the runner computed it); each
+prompt chunk's step fills its positions (``record_prompt_logprobs``), so a chunk that is
+computed again after a preemption writes the same values twice. ``None`` when not asked.
+
 Engine-owned slots: ``sampling_state``, ``detokenizer`` and ``metrics`` belong to the
 engine layer; this module only creates them.
 """
@@ -141,6 +146,8 @@ class Request:
         # (the scheduler advances num_computed_tokens at schedule time; see scheduler.py).
         self.num_output_placeholders = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first schedule; -1 before
+        self.prompt_logprobs: Optional[list[Any]] = (
+            [None] * len(self.prompt_token_ids) if sampling_params.prompt_logprobs is not None else None)
         self.num_preemptions = 0
         self.insertion_index = 0  # set by the scheduler; breaks ties between equal keys
 
@@ -190,6 +197,12 @@ class Request:
             self.output_token_ids.append(token_id)
             self._all_token_ids.append(token_id)
         self._extend_block_hashes()
+
+    def record_prompt_logprobs(self, start: int, entries: list[Any]) -> None:
+        """Keep the runner's prompt log-probabilities of positions ``start, start + 1, ...``."""
+        assert self.prompt_logprobs is not None, f"{self.request_id!r} did not ask for prompt logprobs"
+        assert 0 < start and start + len(entries) <= len(self.prompt_logprobs), "prompt logprobs past the prompt"
+        self.prompt_logprobs[start:start + len(entries)] = entries
 
     # Status -----------------------------------------------------------------
 

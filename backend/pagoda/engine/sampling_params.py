@@ -40,6 +40,13 @@ class SamplingParams:
     logits; both apply before penalties and the grammar, and change what logprobs report
     only through the sampled token (logprobs are the raw model's, as vLLM's default).
     ``truncate_prompt_tokens`` keeps the prompt's last k tokens (-1: ``max_model_len``).
+    ``prompt_logprobs=K`` (as vLLM's) returns, with the request's first output, one entry per
+    prompt position: ``None`` for the first, then the log-probability of the prompt's actual
+    token given the tokens before it, its rank and the top K alternatives (raw model, fp32
+    ``log_softmax``). Such a request never takes its prefix from the prefix cache (cached
+    positions have no logits), as vLLM skips prefix-cache hits for it; ``max_tokens`` stays
+    at least 1 (vLLM's rule: the OpenAI door's ``echo`` with ``max_tokens=0`` generates one
+    token and drops it).
     ``spaces_between_special_tokens``: pagoda's detokenizer joins special tokens without
     spaces (as vLLM's fast detokenizer does whatever this says), so ``True`` together with
     ``skip_special_tokens=False`` is refused rather than ignored; elsewhere it changes nothing.
@@ -61,6 +68,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
     skip_special_tokens: bool = True
     speculative: Optional[bool] = None
     guided_decoding: Optional[GuidedDecodingParams] = None
@@ -113,6 +121,8 @@ class SamplingParams:
             self.guided_decoding = GuidedDecodingParams.from_dict(self.guided_decoding)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
         self._validate_vllm_extras()
 
     def _validate_vllm_extras(self) -> None:

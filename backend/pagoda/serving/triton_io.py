@@ -3,7 +3,8 @@
 ARCHITECTURE contract 1. Pure functions over numpy arrays, so they are tested without a
 server; ``model.py`` only fetches the tensors and wraps the results.
 
-Inputs (all optional but ``text_input``):
+Inputs (all optional but the prompt: ``text_input``, or ``input_ids``, its token ids as
+TensorRT-LLM's INT32 input of that name, never both):
 
 - Triton vLLM backend style: ``text_input`` (STRING), ``stream`` (BOOL),
   ``sampling_parameters`` (STRING holding a JSON object of ``SamplingParams`` fields, plus
@@ -15,7 +16,7 @@ Inputs (all optional but ``text_input``):
   (``{"temperature": "0.7", "max_tokens": "64"}``) as long as the string parses exactly,
   and the request's *parameters* (gRPC ``parameters=``, HTTP ``"parameters"``) are read as
   the same JSON; an unknown request parameter is refused, never ignored. vLLM's
-  ``structured_outputs``, ``prompt_logprobs`` and the output dialect: ``vllm_dialect``.
+  ``structured_outputs`` and the output dialect: ``vllm_dialect``.
 - TensorRT-LLM style scalars: ``max_tokens``, ``min_tokens``, ``temperature``, ``top_k``,
   ``top_p``, ``seed`` (or ``random_seed``), ``repetition_penalty``, ``presence_penalty``,
   ``frequency_penalty``, ``stop_words`` (STRING list; empty strings ignored), ``end_id``
@@ -28,7 +29,9 @@ more specific, per-tensor statement; TensorRT-LLM clients never send the JSON).
 Outputs: one element per completion (``n``) in ``text_output``, ``finish_reason``,
 ``cumulative_logprob``, ``logprobs`` (JSON, in the request's output dialect:
 ``vllm_dialect``) and ``num_output_tokens``; ``num_input_tokens`` and ``num_cached_tokens``
-(the prompt tokens found in the prefix cache) have one element.
+(the prompt tokens found in the prefix cache) have one element, and so does
+``prompt_logprobs`` (JSON, ``vllm_dialect``), sent once (with the first tokens when
+streaming) to a request that set the ``prompt_logprobs`` sampling parameter.
 Streaming responses carry this step's deltas; a non-streaming response carries the whole
 text, with the prompt in front unless ``exclude_input_in_output`` is true (the vLLM
 backend's behaviour).
@@ -58,8 +61,8 @@ from pagoda.engine.core.admission import check_timeout, is_admission_error
 from pagoda.engine.outputs import RequestOutput
 from pagoda.engine.sampling_params import SamplingParams
 from pagoda.serving.vllm_dialect import (apply_structured_outputs, finish_reason_text,
-                                         logprobs_text, merge_parameters, read_request_parameters,
-                                         read_sampling_json, split_values)
+                                         logprobs_text, merge_parameters, prompt_logprobs_text,
+                                         read_request_parameters, read_sampling_json, split_values)
 
 # A prompt longer than this many characters cannot fit any supported context; refusing it
 # here avoids tokenizing megabytes on the engine thread. The engine checks tokens exactly.
@@ -102,7 +105,7 @@ LORA_ACTIONS = ("load", "unload", "list")
 class ParsedRequest:
     """Everything one Triton request asks for, validated."""
 
-    prompt: str
+    prompt: Union[str, list[int]]  # text (text_input) or token ids (input_ids)
     params: SamplingParams
     stream: bool = False
     exclude_input_in_output: bool = False
@@ -118,6 +121,7 @@ class ParsedRequest:
     timeout: Optional[float] = None  # seconds from arrival (pagoda.engine.core.admission)
     logprobs_asked: bool = False  # the request set ``logprobs`` (return_* flags alone do not)
     output_dialect: str = "pagoda"  # shape of logprobs and finish_reason (vllm_dialect)
+    prompt_logprobs_sent: bool = False  # set by make_response once the prompt_logprobs output went
 
 
 @dataclass
@@ -165,7 +169,7 @@ def parse_request(get_input: GetInput, parameters: Any = None, output_dialect: s
     Raises:
         ValueError: naming the offending input, request parameter or sampling field.
     """
-    prompt = _read_prompt(get_input("text_input"))
+    prompt = _read_prompt(get_input("text_input"), get_input("input_ids"))
     if get_input("lora_path") is not None:
         raise ValueError("lora_path: only a LoRA control request (lora_action 'load') takes a path; "
                          "to generate with an adapter, give its lora_name")
@@ -176,9 +180,6 @@ def parse_request(get_input: GetInput, parameters: Any = None, output_dialect: s
     values.update(_read_scalars(get_input))
     _apply_trtllm_words(get_input, values)
     apply_structured_outputs(values)
-    if values.pop("prompt_logprobs", None) is not None:
-        raise ValueError("prompt_logprobs: not supported: pagoda's engine computes the log-probabilities of "
-                         "generated tokens only (use logprobs)")
     logprobs_asked = values.get("logprobs") is not None
     if flags["return_logprobs"] or flags["return_cumulative_logprob"]:
         # The engine tracks log-probabilities only when asked; 0 alternatives suffice.
@@ -245,9 +246,15 @@ def parse_lora_control(get_input: GetInput) -> Optional[LoRAControl]:
     return LoRAControl(action, name, path)
 
 
-def _read_prompt(array: Optional[np.ndarray]) -> str:
+def _read_prompt(array: Optional[np.ndarray], ids: Optional[np.ndarray] = None) -> Union[str, list[int]]:
+    if ids is not None:
+        if array is not None:
+            raise ValueError("input_ids: give the prompt as text_input or as input_ids, not both")
+        if ids.size == 0 or not np.issubdtype(ids.dtype, np.integer) or int(ids.min()) < 0:
+            raise ValueError("input_ids: must be a non-empty list of token ids (integers >= 0)")
+        return [int(t) for t in ids.reshape(-1)]
     if array is None:
-        raise ValueError("text_input: required input is missing")
+        raise ValueError("text_input: required input is missing (or give input_ids)")
     if array.size != 1:
         raise ValueError(f"text_input: expected exactly one string, got {array.size} elements")
     value = array.reshape(-1)[0]
@@ -374,6 +381,10 @@ def make_response(parsed: ParsedRequest, output: RequestOutput,
             [len(c.delta_token_ids) if parsed.stream else len(c.token_ids) for c in completions], dtype=np.uint32)
     if parsed.return_num_cached_tokens:  # prompt tokens served from the prefix cache (OpenAI's cached_tokens)
         tensors["num_cached_tokens"] = np.array([output.num_cached_tokens or 0], dtype=np.uint32)
+    if output.prompt_logprobs is not None and not parsed.prompt_logprobs_sent:
+        tensors["prompt_logprobs"] = _string_array([prompt_logprobs_text(output.prompt_logprobs, parsed.output_dialect,
+                                                                         decode_token)])
+        parsed.prompt_logprobs_sent = True
     return Response(tensors=tensors, is_final=output.finished)
 
 

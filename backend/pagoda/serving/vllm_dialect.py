@@ -40,7 +40,13 @@ parameter and per request by the ``output_dialect`` request option):
   not set the ``logprobs`` sampling parameter; pagoda's shape is
   ``TokenLogprob.to_dict()`` per token;
 - ``finish_reason``: ``str(reason)``, so ``"None"`` on a streaming response whose
-  completion is not finished (pagoda's shape: ``""``).
+  completion is not finished (pagoda's shape: ``""``);
+- ``prompt_logprobs`` (pagoda's output: the vLLM backend has none and drops vLLM's
+  ``RequestOutput.prompt_logprobs``): one JSON list for the request, one element per prompt
+  position, ``null`` first, then vLLM's ``PromptLogprobs`` entry
+  ``{"<token id>": {"logprob", "rank", "decoded_token"}}`` holding the prompt's token and the
+  top ``prompt_logprobs`` alternatives; pagoda's shape is ``TokenLogprob.to_dict()`` per
+  position (``null`` first).
 """
 
 from __future__ import annotations
@@ -61,7 +67,7 @@ OUTPUT_DIALECTS = ("vllm", "pagoda")
 # Keys of the sampling_parameters JSON that are request options, not SamplingParams.
 REQUEST_OPTION_KEYS = ("priority", "cache_salt", "lora_name", "timeout", "output_dialect")
 # vLLM SamplingParams keys that are not pagoda SamplingParams fields: read (or refused) here.
-VLLM_ONLY_KEYS = ("structured_outputs", "prompt_logprobs")
+VLLM_ONLY_KEYS = ("structured_outputs",)
 
 
 # Request-parameter keys that are not the user's sampling parameters, and why they pass
@@ -187,13 +193,22 @@ def logprobs_text(entries: Optional[Sequence[TokenLogprob]], asked: bool, dialec
         return json.dumps([lp.to_dict() for lp in entries or []])
     if not asked:
         return "null"
-    tokens = []
-    for lp in entries or []:
-        step = {str(token_id): {"logprob": logprob, "rank": rank, "decoded_token": decode(token_id)}
-                for rank, (token_id, logprob) in enumerate(lp.top, start=1)}
-        step[str(lp.token_id)] = {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": decode(lp.token_id)}
-        tokens.append(step)
-    return json.dumps(tokens)
+    return json.dumps([_vllm_entry(lp, decode) for lp in entries or []])
+
+
+def prompt_logprobs_text(entries: Sequence[Optional[TokenLogprob]], dialect: str, decode: Callable[[int], str]) -> str:
+    """The request's ``prompt_logprobs`` element (JSON text) in ``dialect`` (``null`` first)."""
+    if dialect != "vllm":
+        return json.dumps([lp.to_dict() if lp is not None else None for lp in entries])
+    return json.dumps([_vllm_entry(lp, decode) if lp is not None else None for lp in entries])
+
+
+def _vllm_entry(lp: TokenLogprob, decode: Callable[[int], str]) -> dict[str, Any]:
+    """One position in vLLM's shape: the top alternatives (ranks 1..), then the token itself."""
+    step = {str(token_id): {"logprob": logprob, "rank": rank, "decoded_token": decode(token_id)}
+            for rank, (token_id, logprob) in enumerate(lp.top, start=1)}
+    step[str(lp.token_id)] = {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": decode(lp.token_id)}
+    return step
 
 
 def check_output_dialect(name: str, value: Any) -> str:

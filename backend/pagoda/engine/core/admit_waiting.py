@@ -10,7 +10,8 @@ stop. For each request:
 2. a swapped-out request (host tier) gets fresh blocks filled from its host blocks;
 3. otherwise its prefix-cache lookup (device, then the host tier continuing it) sets
    ``num_cached_tokens`` (first admission only) and moves ``num_computed_tokens`` to the
-   hit; constraints asked after the lookup may stop admission; the rest of the prompt is
+   hit (none for a request asking for prompt log-probabilities: cached positions have no
+   logits, so it computes its whole prompt, as vLLM skips prefix-cache hits for it); constraints asked after the lookup may stop admission; the rest of the prompt is
    scheduled (a chunk of it with chunked prefill, else all or nothing: ``StepPlan.chunk``);
 4. when blocks or sequence slots run out, the policy may preempt a strictly less urgent
    running request (priority); the lookup is repeated, as the victim's blocks may have
@@ -136,6 +137,8 @@ class WaitingAdmitter:
         step.add(request, num_new)
 
     def _lookup_prefix(self, request: Request) -> PrefixHit:
+        if request.sampling_params.prompt_logprobs is not None:
+            return PrefixHit([], [], 0)  # cached positions have no logits: compute the whole prompt (as vLLM)
         hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
         if not self.kv_cache_manager.enable_caching:
             return PrefixHit(hit_blocks, [], num_hit)

@@ -83,6 +83,8 @@ class EngineCoreOutput:
         finish_reason: "stop" | "length" | "abort", or None while running.
         stop_reason: the stop token id that ended it, if any.
         num_cached_tokens: its prefix-cache hit at first admission.
+        prompt_logprobs: on the request's first output only, when it asked for them: one
+            entry per prompt position (``None`` first), ``Request.prompt_logprobs``.
         first_scheduled_time: when its first step was scheduled (``time.time()``).
     """
 
@@ -93,6 +95,7 @@ class EngineCoreOutput:
     stop_reason: Optional[Union[int, str]] = None
     num_cached_tokens: int = 0
     first_scheduled_time: Optional[float] = None
+    prompt_logprobs: Optional[list[Optional[TokenLogprobs]]] = None
     error: Optional[str] = None  # the request failed after it was accepted (a grammar that does not compile)
 
     @property
@@ -293,6 +296,7 @@ class EngineCore:
             done.applied.set()
             self.scheduler.undo_step(done.scheduler_output)
             raise
+        _record_prompt_logprobs(done.scheduler_output, runner_output)
         try:
             updates = self._apply(runner_output)
         finally:
@@ -386,8 +390,18 @@ def _adapter_gone_message(adapter_id: Optional[str]) -> str:
             "load it again and retry")
 
 
+def _record_prompt_logprobs(scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> None:
+    """The step's prompt log-probabilities into their requests (before their outputs are made)."""
+    if not runner_output.prompt_logprobs:
+        return
+    requests = {item.request_id: item.request for item in scheduler_output.scheduled}
+    for request_id, (start, entries) in runner_output.prompt_logprobs.items():
+        requests[request_id].record_prompt_logprobs(start, entries)
+
+
 def _core_output(update: RequestUpdate, logprobs: list) -> EngineCoreOutput:
     request = update.request
+    is_first = bool(update.new_token_ids) and request.num_output_tokens == len(update.new_token_ids)
     return EngineCoreOutput(
         request_id=request.request_id,
         new_token_ids=update.new_token_ids,
@@ -396,4 +410,5 @@ def _core_output(update: RequestUpdate, logprobs: list) -> EngineCoreOutput:
         stop_reason=request.stop_reason if update.finished else None,
         num_cached_tokens=max(request.num_cached_tokens, 0),
         first_scheduled_time=request.metrics.first_scheduled_time,
+        prompt_logprobs=list(request.prompt_logprobs) if is_first and request.prompt_logprobs is not None else None,
     )

@@ -45,6 +45,7 @@ from pagoda.engine.config import EngineConfig
 from pagoda.engine.runner.cuda_graphs import DecodeGraphs
 from pagoda.engine.lora.manager import LoRAManager
 from pagoda.engine.guided.bitmask import TokenBitmask
+from pagoda.engine.runner.prompt_logprobs import PromptRows
 from pagoda.engine.runner.request_states import RequestStates
 from pagoda.engine.runner.runner_output import ModelRunnerOutput
 from pagoda.engine.runner.step_sampler import StepSampler
@@ -168,21 +169,24 @@ class ModelRunner:
                 failed), then returns the grammar masks of the step's logits rows (or
                 None); None when there is nothing to wait for and no grammar.
         Returns:
-            The sampled tokens and raw logprobs of every request with ``is_sampling``.
+            The sampled tokens and raw logprobs of every request with ``is_sampling``, and
+            the prompt log-probabilities this step computed (``prompt_logprobs.py``).
         """
         inputs = self.requests.update(scheduler_output, self.step_sampler.kept_request_ids)
-        logits = self.compute_logits(inputs) if inputs else None
+        prompt_logprobs: dict = {}
+        logits = self.compute_logits(inputs, prompt_logprobs) if inputs else None
         # Sampling reads state that applying the previous step changes (histories, matchers).
         token_bitmask = before_sampling() if before_sampling is not None else None
         items = [item for item in scheduler_output.scheduled if item.is_sampling]
         output = self.step_sampler(logits, items, token_bitmask)
+        output.prompt_logprobs = prompt_logprobs
         self.requests.record(output)
         if self.keeps_last_sampled:
             self.step_sampler.keep_last(output)
         return output
 
     @torch.inference_mode()
-    def compute_logits(self, scheduled) -> torch.Tensor:
+    def compute_logits(self, scheduled, prompt_logprobs: Optional[dict] = None) -> torch.Tensor:
         """The step's forward pass.
 
         Args:
@@ -190,45 +194,34 @@ class ModelRunner:
                 per request: ``token_ids`` (one short when its first token is gathered on
                 the device), ``num_computed_tokens`` (start position),
                 ``num_new_tokens``, ``block_ids`` (the whole table), ``is_sampling``,
-                ``spec_token_ids``, ``adapter_id``, ``request_id``.
+                ``spec_token_ids``, ``adapter_id``, ``request_id``, ``prompt_logprobs``.
+            prompt_logprobs: filled with request id -> (first position, entries) for the
+                inputs that ask for prompt log-probabilities (``prompt_logprobs.py``).
         Returns:
             float32 logits ``[num_rows, vocab]``, in batch order: for each request with
             ``is_sampling`` set, ``1 + len(spec_token_ids)`` rows (its last known token,
             then each drafted token); empty when none samples.
         """
         lora = self._lora_batch(scheduled)
-        if lora is None and self.graphs is not None and self.graphs.can_run(scheduled):
-            # Graphs hold no LoRA: steps with adapters run eagerly.
+        wants_prompt = any(getattr(item, "prompt_logprobs", None) is not None for item in scheduled)
+        if lora is None and not wants_prompt and self.graphs is not None and self.graphs.can_run(scheduled):
+            # Graphs hold no LoRA (nor prompt logits): such steps run eagerly.
             rows = [row for row, item in enumerate(scheduled) if _num_device_tokens(item)]
             return self.graphs.execute(scheduled, rows, self._placeholder_tokens(scheduled, rows) if rows else None)
-        input_ids: list[int] = []
-        positions: list[int] = []
-        query_lens, seq_lens, tables, sample_rows = [], [], [], []
-        placeholder_items, placeholder_index = [], []
-        for i, item in enumerate(scheduled):
-            start, n = item.num_computed_tokens, item.num_new_tokens
-            if _num_device_tokens(item):  # its first token: sampled by the previous step, on the device
-                placeholder_items.append(i)
-                placeholder_index.append(len(input_ids))
-                input_ids.append(0)
-            input_ids.extend(item.token_ids)
-            positions.extend(range(start, start + n))
-            query_lens.append(n)
-            seq_lens.append(start + n)
-            tables.append(item.block_ids)
-            if item.is_sampling:
-                end = len(input_ids)
-                sample_rows.extend(range(end - 1 - len(item.spec_token_ids), end))
-        meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, self.device)
-        ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
-        if placeholder_items:
-            index = torch.tensor(placeholder_index, dtype=torch.int64, device=self.device)
-            ids.index_copy_(0, index, self._placeholder_tokens(scheduled, placeholder_items))
-        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        flat = _FlatBatch(scheduled)
+        meta = AttentionMetadata.build(flat.query_lens, flat.seq_lens, flat.tables, self.block_size, self.device)
+        ids = torch.tensor(flat.input_ids, dtype=torch.int64, device=self.device)
+        if flat.placeholder_items:
+            index = torch.tensor(flat.placeholder_index, dtype=torch.int64, device=self.device)
+            ids.index_copy_(0, index, self._placeholder_tokens(scheduled, flat.placeholder_items))
+        pos = torch.tensor(flat.positions, dtype=torch.int64, device=self.device)
         hidden = self.model(ids, pos, self.kv_caches, meta, lora)  # [num_tokens, hidden]
-        if not sample_rows:
+        plan = PromptRows.build(scheduled, flat.offsets) if wants_prompt else None
+        if plan is not None and prompt_logprobs is not None:
+            prompt_logprobs.update(plan.compute(self.model, hidden, self.model_config.vocab_size))
+        if not flat.sample_rows:
             return torch.empty(0, self.model_config.vocab_size, device=self.device)
-        rows = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
+        rows = torch.tensor(flat.sample_rows, dtype=torch.int64, device=self.device)
         return self.model.compute_logits(hidden[rows]).float()
 
     def _lora_batch(self, scheduled):
@@ -245,6 +238,33 @@ class ModelRunner:
     def _placeholder_tokens(self, scheduled, items: list[int]) -> torch.Tensor:
         """``[len(items)]`` the previous step's tokens of ``scheduled[i]`` for ``i`` in items."""
         return self.step_sampler.last_token_ids([scheduled[i].request_id for i in items])
+
+
+class _FlatBatch:
+    """A step's ``StepInput``s as one flat token batch: inputs, positions, the attention
+    metadata's lists, the rows to sample, the placeholders (tokens gathered on the device)
+    and each input's first row (``offsets``)."""
+
+    def __init__(self, scheduled) -> None:
+        self.input_ids: list[int] = []
+        self.positions: list[int] = []
+        self.query_lens, self.seq_lens, self.tables, self.sample_rows, self.offsets = [], [], [], [], []
+        self.placeholder_items, self.placeholder_index = [], []
+        for i, item in enumerate(scheduled):
+            start, n = item.num_computed_tokens, item.num_new_tokens
+            self.offsets.append(len(self.input_ids))
+            if _num_device_tokens(item):  # its first token: sampled by the previous step, on the device
+                self.placeholder_items.append(i)
+                self.placeholder_index.append(len(self.input_ids))
+                self.input_ids.append(0)
+            self.input_ids.extend(item.token_ids)
+            self.positions.extend(range(start, start + n))
+            self.query_lens.append(n)
+            self.seq_lens.append(start + n)
+            self.tables.append(item.block_ids)
+            if item.is_sampling:
+                end = len(self.input_ids)
+                self.sample_rows.extend(range(end - 1 - len(item.spec_token_ids), end))
 
 
 def _num_device_tokens(item) -> int:

@@ -11,7 +11,8 @@ this cache. ``update(scheduler_output)`` runs first in every device job, in step
    table, and the input tokens. A token the runner supplies itself
    (``num_runner_tokens == 1``: the step's first) comes from the device when the
    previous job sampled it and keeps it there (``on_device``: async scheduling, see
-   ``StepSampler.keep_last``), else from the host copy kept by ``record``.
+   ``StepSampler.keep_last``), else from the host copy kept by ``record``. A request
+   that asks for prompt log-probabilities also hands on its prompt (read-only).
 
 ``record(output)`` keeps each sampling request's last token (the last of its accepted
 drafts plus one) after the job sampled. Both run on the device worker's one thread, so no
@@ -23,7 +24,7 @@ behind until their ids come back; its scheduled requests are new again after
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Container, Optional
+from typing import Container, Optional, Sequence
 
 from pagoda.engine.runner.runner_output import ModelRunnerOutput
 from pagoda.engine.scheduler_output import SchedulerOutput
@@ -47,6 +48,8 @@ class StepInput:
     is_sampling: bool
     spec_token_ids: list[int] = field(default_factory=list)
     adapter_id: Optional[str] = None
+    prompt_logprobs: Optional[int] = None  # alternatives per prompt position; None: not asked
+    prompt_token_ids: Sequence[int] = ()  # the request's prompt, when it asks for prompt logprobs
 
     @property
     def num_device_tokens(self) -> int:
@@ -80,9 +83,11 @@ class RequestStates:
             if item.num_runner_tokens and request_id not in on_device:
                 assert state.last_token_id is not None, f"{request_id!r}: no sampled token to continue from"
                 tokens = [state.last_token_id] + tokens
+            num_prompt_top = item.request.sampling_params.prompt_logprobs
             inputs.append(StepInput(request_id, item.num_computed_tokens, item.num_new_tokens, tokens,
                                     state.block_ids, item.is_sampling, item.spec_token_ids,
-                                    item.request.adapter_id))
+                                    item.request.adapter_id, num_prompt_top,
+                                    item.request.prompt_token_ids if num_prompt_top is not None else ()))
         return inputs
 
     def record(self, output: ModelRunnerOutput) -> None:

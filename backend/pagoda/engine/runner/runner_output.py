@@ -25,12 +25,17 @@ class ModelRunnerOutput:
         logprobs: per request, one raw ``TokenLogprobs`` (``pagoda.engine.sampling.sampler``) per
             sampled token, or ``None`` entries where the request did not ask for them.
         step_id: the ``SchedulerOutput.step_id`` of the step these results answer.
+        prompt_logprobs: request id -> (prompt position of the first entry, one raw
+            ``TokenLogprobs`` per position from there) for the requests that asked for
+            prompt log-probabilities and had prompt positions in this step, sampling or not
+            (``engine.runner.prompt_logprobs``).
     """
 
     req_ids: list[str] = field(default_factory=list)
     sampled_token_ids: list[list[int]] = field(default_factory=list)
     logprobs: list[list[Optional[Any]]] = field(default_factory=list)
     step_id: int = 0
+    prompt_logprobs: dict[str, tuple[int, list[Any]]] = field(default_factory=dict)
 
     @classmethod
     def from_tokens(cls, step_id: int, tokens: Mapping[str, Sequence[int]]) -> "ModelRunnerOutput":

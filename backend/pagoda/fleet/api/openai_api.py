@@ -16,15 +16,24 @@ context ends), ``temperature``, ``top_p``, ``n``, ``stop`` (string or list), ``s
 alternatives; chat: ``logprobs`` + ``top_logprobs``); vLLM's extras pass through:
 ``top_k``, ``min_p``, ``min_tokens``, ``repetition_penalty``, ``ignore_eos``,
 ``stop_token_ids``, ``skip_special_tokens``, ``include_stop_str_in_output``, plus
-``cache_salt`` and ``priority``. ``echo`` (completions) prepends the prompt. Structured
+``cache_salt`` and ``priority``. Completions' ``prompt`` may be a string, a list of token
+ids, or a list of either (lm-eval's ``tokenized_requests``): one replica request per prompt,
+routed on its own (token ids travel as the ``input_ids`` input), run concurrently,
+choices numbered ``prompt index * n + i`` as vLLM numbers them, usage summed; streamed, the
+prompts' events interleave as they come (each names its ``index``), as vLLM's do. ``echo`` prepends the prompt; with ``logprobs`` the
+prompt's tokens' log-probabilities come first (the first ``null``; the replica's
+``prompt_logprobs``, which the body may also set itself, as vLLM's extra), and
+``max_tokens=0`` is allowed with ``echo`` (the prompt alone: one token is generated and
+dropped, as vLLM does; ``openai_answer``). Structured
 output: ``response_format`` (``json_object``, ``json_schema``) and vLLM's ``guided_json``,
 ``guided_regex``, ``guided_choice``, ``guided_grammar`` (``pagoda.fleet.api.openai_guided``).
 
-Refused with a 400 ``invalid_request_error`` (never silently ignored): several prompts or
-token-id prompts in one request, ``best_of`` other than ``n``, ``suffix``, a non-empty
+Refused with a 400 ``invalid_request_error`` (never silently ignored): more than
+``openai_io.MAX_PROMPTS`` prompts, ``prompt_embeds``, ``best_of`` other than ``n``, ``suffix``, a non-empty
 ``logit_bias``, the legacy ``functions``/``function_call``, more than one output format, and
 malformed values. Tools (``tools``, ``tool_choice``, ``parallel_tool_calls``) are
-``pagoda.fleet.api.openai_tools``'s: forced calls through the grammar engine, parsed answers. Errors the replica reports come back with its message, and the status and type
+``pagoda.fleet.api.openai_tools``'s: forced calls through the grammar engine, parsed answers
+(``openai_answer``). Errors the replica reports come back with its message, and the status and type
 ``pagoda.contracts.errors`` gives their kind (``classify_replica_error``; e.g. a prompt
 longer than the context is a 400, an engine fault a 500); a replica that fails mid-stream
 ends the stream with an ``error`` event (the SDK raises it).
@@ -55,10 +64,10 @@ behind the same API keys as every ``/v1`` route. The served adapters (``model`` 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
-from importlib.metadata import version as _version
 from typing import Any, Optional
 
 from aiohttp import web
@@ -68,9 +77,9 @@ from pagoda.contracts.errors import ErrorKind, classify_replica_error, kind_of_h
 from pagoda.fleet.gate.gate import TENANT_KEY, Gate, LimitError, RateLimited, retry_after_header
 from pagoda.fleet.api.lora_admin import LoRAAdmin, check_change
 from pagoda.fleet.api.upstream import GrpcUpstream, ReplicaFailed
-from pagoda.fleet.api.openai_tools import finish_reason as tool_finish_reason, parse_answer
-from pagoda.fleet.api.openai_io import (OpenAIError, build_chat_request, build_completion_request, chat_logprobs,
-                                    completion_logprobs, make_infer_request, read_outputs)
+from pagoda.fleet.api.openai_answer import Answer, merge_final
+from pagoda.fleet.api.openai_io import (OpenAIError, build_chat_request, build_completion_requests,
+                                        make_infer_request, read_outputs)
 from pagoda.fleet.routing.router import NoReplicaAvailable, Router
 from pagoda.fleet.api.tracing import TRACEPARENT, RouterTracer
 
@@ -82,8 +91,6 @@ def error_response(status: int, message: str, kind: str = "invalid_request_error
 
 
 _REPLICA_ERROR_TYPE = spec_of(ErrorKind.REPLICA_FAILED).openai_type  # an error event mid-stream
-# OpenAI's backend-configuration fingerprint: the serving software and its version.
-SYSTEM_FINGERPRINT = f"pagoda-{_version('pagoda')}"
 
 
 def kind_response(kind: ErrorKind, message: str, param: Optional[str] = None,
@@ -207,224 +214,171 @@ class OpenAIApi:
                 served = ", ".join(repr(m) for m in (self.model_name, *self.lora_names))
                 return error_response(404, f"the model '{model}' does not exist; this server serves {served}",
                                       param="model", code="model_not_found")
-            built = self._build(body, chat)
-            if model in self.lora_names:
-                built.sampling["lora_name"] = model
+            builts = self._build(body, chat)
         except (OpenAIError, LimitError) as exc:
             self.gate.count("invalid_input")
             return error_response(getattr(exc, "status", 400), str(exc), param=exc.param)
+        request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        answers = [Answer(chat, request_id, model, built, self.router.tokenizer, index_offset=k * built.n)
+                   for k, built in enumerate(builts)]
+        tickets, analyses = [], []
+        try:
+            for answer in answers:
+                if model in self.lora_names:
+                    answer.built.sampling["lora_name"] = model
+                analysis, ticket = await self._admit(request, answer.built)
+                tickets.append((ticket, answer))
+                analyses.append(analysis)
+            return await self._route_all(request, answers, analyses)
+        except RateLimited as exc:
+            return kind_response(ErrorKind.RATE_LIMITED, str(exc), headers=retry_after_header(exc.retry_after_s))
+        finally:
+            for ticket, answer in tickets:
+                ticket.settle(answer.num_used_tokens)  # the quota keeps what it really used
+                ticket.release()
+
+    async def _admit(self, request: web.Request, built: Any) -> tuple[Any, Any]:
+        """One prompt's tenant salt, routing analysis and rate-limit charge (raises RateLimited)."""
         gate = self.gate
         tenant = request.get(TENANT_KEY)
         if tenant is not None:
             built.sampling["cache_salt"] = gate.salt(tenant, built.sampling.get("cache_salt"))
-        analysis = await gate.analyze(len(built.prompt), self.router.analyze, built.prompt, built.sampling.get("cache_salt"),
-                                      built.sampling.get("lora_name"))
-        try:
-            ticket = gate.charge(tenant, analysis.num_prompt_tokens, built.sampling)
-        except RateLimited as exc:
-            return kind_response(ErrorKind.RATE_LIMITED, str(exc), headers=retry_after_header(exc.retry_after_s))
-        request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        answer = _Answer(chat, request_id, model, built, self.router.tokenizer)
-        try:
-            return await self._route(request, answer, built, analysis)
-        finally:
-            ticket.settle(answer.num_used_tokens)  # the quota keeps what it really used
-            ticket.release()
+        analysis = await gate.analyze(len(built.prompt), self.router.analyze, built.prompt,
+                                      built.sampling.get("cache_salt"), built.sampling.get("lora_name"))
+        return analysis, gate.charge(tenant, analysis.num_prompt_tokens, built.sampling)
 
-    def _build(self, body: dict, chat: bool) -> Any:
-        """Validate and convert a body within the router's limits (raises OpenAIError / LimitError)."""
+    def _build(self, body: dict, chat: bool) -> list[Any]:
+        """Validate and convert a body within the router's limits (raises OpenAIError /
+        LimitError): one built request (chat), or one per prompt (completions)."""
         limits = self.gate.limits
         if chat and isinstance(body.get("messages"), list):
             limits.check_messages(body["messages"])
         if not chat and isinstance(body.get("prompt"), str):
             limits.check_prompt(body["prompt"])
-        built = build_chat_request(body, self.router.tokenizer) if chat else build_completion_request(body)
-        limits.check_prompt(built.prompt, "messages" if chat else "prompt")
-        limits.check_sampling(built.sampling)
-        return built
+        builts = ([build_chat_request(body, self.router.tokenizer)] if chat
+                  else build_completion_requests(body, self.router.tokenizer))
+        for built in builts:
+            if isinstance(built.prompt, str):  # token prompts: the replica checks them against max_model_len
+                limits.check_prompt(built.prompt, "messages" if chat else "prompt")
+            limits.check_sampling(built.sampling)
+        return builts
 
-    async def _route(self, request: web.Request, answer: "_Answer", built: Any, analysis: Any) -> web.StreamResponse:
+    async def _route_all(self, request: web.Request, answers: list[Answer], analyses: list[Any]) -> web.StreamResponse:
+        """Every prompt's request, concurrently: collected whole, or streamed into one event
+        stream (events interleaved as they come, told apart by ``index``, as vLLM's). The
+        first failure ends the request (the others are cancelled): an error answer when
+        nothing was streamed yet, else an ``error`` event."""
+        stream = _EventStream(request) if answers[0].built.stream else None
+        tasks = [asyncio.ensure_future(self._route(request, answer, analysis, k, stream))
+                 for k, (answer, analysis) in enumerate(zip(answers, analyses))]
+        failed = None
+        try:
+            for done in asyncio.as_completed(tasks):
+                failed = await done
+                if failed is not None:
+                    break
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        if stream is None:
+            return kind_response(*failed) if failed is not None else web.json_response(merge_final(answers))
+        if failed is not None and not stream.is_open:
+            return kind_response(*failed)
+        if failed is not None:
+            await stream.send_error(failed[1])
+        elif answers[0].built.include_usage:
+            await stream.send(answers[0].usage_chunk(answers))
+        return await stream.close()
+
+    async def _route(self, request: web.Request, answer: Answer, analysis: Any, number: int,
+                     stream: Optional["_EventStream"]) -> Optional[tuple[ErrorKind, str]]:
+        """One prompt's request to a replica, its outputs into ``answer`` (and ``stream``).
+
+        Returns:
+            None, or the error (kind, message) that ended it.
+        """
         carrier = {TRACEPARENT: request.headers[TRACEPARENT]} if TRACEPARENT in request.headers else {}
         with self.tracer.route_span("openai", carrier) as span:
             span.set_attribute("pagoda.openai.endpoint", "chat.completions" if answer.chat else "completions")
-            infer_request = make_infer_request(built, answer.request_id)
-            responses = self.upstream.stream(analysis, infer_request, span)
+            upstream_id = answer.request_id if number == 0 else f"{answer.request_id}-{number}"
+            responses = self.upstream.stream(analysis, make_infer_request(answer.built, upstream_id), span)
             try:
                 first = await anext(responses, None)
             except NoReplicaAvailable as exc:
                 span.fail(str(exc))
-                return kind_response(ErrorKind.UNAVAILABLE, str(exc))
+                return ErrorKind.UNAVAILABLE, str(exc)
             except ReplicaFailed as exc:
                 span.fail(str(exc))
-                return kind_response(ErrorKind.REPLICA_FAILED, str(exc))
+                return ErrorKind.REPLICA_FAILED, str(exc)
             if first is not None and first.error_message:
                 await responses.aclose()
-                if classify_replica_error(first.error_message) is ErrorKind.OVERLOADED:
+                kind = classify_replica_error(first.error_message)
+                if kind is ErrorKind.OVERLOADED:
                     self.gate.count("overloaded")
-                return _replica_error(first.error_message)
-            if built.stream:
-                return await self._stream(request, answer, first, responses, span)
+                return kind, first.error_message
+            if stream is not None:
+                return await self._stream(stream, answer, first, responses, span)
             return await self._collect(answer, first, responses, span)
 
-    async def _collect(self, answer: "_Answer", first: Any, responses: Any, span: Any) -> web.Response:
+    async def _collect(self, answer: Answer, first: Any, responses: Any, span: Any) -> Optional[tuple[ErrorKind, str]]:
         try:
             message = first
             while message is not None:
                 if message.error_message:
-                    return _replica_error(message.error_message)
+                    return classify_replica_error(message.error_message), message.error_message
                 answer.add(read_outputs(message.infer_response))
                 message = await anext(responses, None)
         except ReplicaFailed as exc:
             span.fail(str(exc))
-            return kind_response(ErrorKind.REPLICA_FAILED, str(exc))
-        return web.json_response(answer.final_object())
+            return ErrorKind.REPLICA_FAILED, str(exc)
+        return None
 
-    async def _stream(self, request: web.Request, answer: "_Answer", first: Any, responses: Any,
-                      span: Any) -> web.StreamResponse:
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await response.prepare(request)
-
-        async def send(obj: Any) -> None:
-            await response.write(f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode())
-
+    async def _stream(self, stream: "_EventStream", answer: Answer, first: Any, responses: Any,
+                      span: Any) -> Optional[tuple[ErrorKind, str]]:
+        await stream.open()
         try:
             if answer.chat:
-                await send(answer.role_chunk())
+                await stream.send(answer.role_chunk())
             message = first
             while message is not None:
                 if message.error_message:
-                    await send({"error": {"message": message.error_message, "type": _REPLICA_ERROR_TYPE,
-                                          "param": None, "code": None}})
-                    break
+                    return classify_replica_error(message.error_message), message.error_message
                 for chunk in answer.chunks(read_outputs(message.infer_response)):
-                    await send(chunk)
+                    await stream.send(chunk)
                 message = await anext(responses, None)
-            else:
-                if answer.built.include_usage:
-                    await send(answer.usage_chunk())
         except ReplicaFailed as exc:
             span.fail(str(exc))
-            await send({"error": {"message": str(exc), "type": _REPLICA_ERROR_TYPE, "param": None, "code": None}})
+            return ErrorKind.REPLICA_FAILED, str(exc)
         finally:
             await responses.aclose()
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
-        return response
+        return None
 
 
-class _Answer:
-    """Accumulates one request's outputs and renders OpenAI objects."""
+class _EventStream:
+    """The SSE answer of a streamed request: opened on its first event, ``data: [DONE]`` last;
+    an error after it opened is an ``error`` event (the SDK raises it)."""
 
-    def __init__(self, chat: bool, request_id: str, model: str, built: Any, tokenizer: Any) -> None:
-        self.chat = chat
-        self.request_id = request_id
-        self.model = model
-        self.built = built
-        self.tokenizer = tokenizer
-        self.created = int(time.time())
-        n = built.n
-        self.texts = [built.echo_prefix] * n
-        self.finish_reasons: list[Optional[str]] = [None] * n
-        self.logprobs: list[list[dict]] = [[] for _ in range(n)]
-        self.num_prompt_tokens = 0
-        self.num_cached_tokens = 0
-        self.num_completion_tokens = [0] * n
+    def __init__(self, request: web.Request) -> None:
+        self.request = request
+        self.response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        self.is_open = False
+        self._opening = asyncio.Lock()  # several prompts' tasks may open it at once
 
-    def add(self, outputs: dict[str, list]) -> list[tuple[int, str, Optional[str], list[dict]]]:
-        """Fold one response in; returns (index, delta text, finish reason, delta logprobs) per completion."""
-        if outputs.get("num_input_tokens"):
-            self.num_prompt_tokens = int(outputs["num_input_tokens"][0])
-        if outputs.get("num_cached_tokens"):
-            self.num_cached_tokens = int(outputs["num_cached_tokens"][0])
-        deltas = []
-        for i, text in enumerate(outputs.get("text_output", [])):
-            reason = (outputs.get("finish_reason") or [""] * (i + 1))[i] or None
-            step_logprobs = json.loads(outputs["logprobs"][i]) if outputs.get("logprobs") else []
-            self.texts[i] += text
-            self.finish_reasons[i] = reason or self.finish_reasons[i]
-            self.logprobs[i].extend(step_logprobs)
-            if outputs.get("num_output_tokens"):
-                self.num_completion_tokens[i] += int(outputs["num_output_tokens"][i])
-            deltas.append((i, text, reason, step_logprobs))
-        return deltas
+    async def open(self) -> None:
+        async with self._opening:
+            if not self.is_open:
+                await self.response.prepare(self.request)
+                self.is_open = True
 
-    @property
-    def num_used_tokens(self) -> int:
-        """Prompt + completion tokens the replica reported (0 when it ran nothing)."""
-        completion = sum(self.num_completion_tokens)
-        return self.num_prompt_tokens + completion if completion or self.num_prompt_tokens else 0
+    async def send(self, obj: Any) -> None:
+        await self.response.write(f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode())
 
-    def _usage(self) -> dict:
-        completion = sum(self.num_completion_tokens)
-        return {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": completion,
-                "total_tokens": self.num_prompt_tokens + completion,
-                "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens}}
+    async def send_error(self, message: str) -> None:
+        await self.send({"error": {"message": message, "type": _REPLICA_ERROR_TYPE, "param": None, "code": None}})
 
-    def _logprobs(self, entries: list[dict], offset: int = 0) -> Optional[dict]:
-        if self.built.logprobs is None:
-            return None
-        if self.chat:
-            return chat_logprobs(entries, self.tokenizer)
-        return completion_logprobs(entries, self.tokenizer, offset)
-
-    def final_object(self) -> dict:
-        if self.chat:
-            choices = [self._chat_choice(i, text) for i, text in enumerate(self.texts)]
-            kind = "chat.completion"
-        else:
-            choices = [{"index": i, "text": text, "logprobs": self._logprobs(self.logprobs[i], len(self.built.echo_prefix)),
-                        "finish_reason": self.finish_reasons[i]} for i, text in enumerate(self.texts)]
-            kind = "text_completion"
-        return {"id": self.request_id, "object": kind, "created": self.created, "model": self.model,
-                "system_fingerprint": SYSTEM_FINGERPRINT, "choices": choices, "usage": self._usage()}
-
-    def _tool_answer(self, i: int) -> tuple[Optional[str], list[dict], Optional[str]]:
-        """(content, tool_calls, finish_reason) of finished choice ``i`` (openai_tools)."""
-        plan = self.built.tools
-        content, calls = parse_answer(self.texts[i], plan, self.built.tool_parser)
-        return content, calls, tool_finish_reason(self.finish_reasons[i], plan, calls)
-
-    def _chat_choice(self, i: int, text: str) -> dict:
-        message, reason = {"role": "assistant", "content": text}, self.finish_reasons[i]
-        if self.built.tools is not None and self.built.tools.active:
-            content, calls, reason = self._tool_answer(i)
-            message = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
-        return {"index": i, "message": message, "logprobs": self._logprobs(self.logprobs[i]), "finish_reason": reason}
-
-    def _chunk(self, choices: list[dict]) -> dict:
-        kind = "chat.completion.chunk" if self.chat else "text_completion"
-        return {"id": self.request_id, "object": kind, "created": self.created, "model": self.model,
-                "system_fingerprint": SYSTEM_FINGERPRINT, "choices": choices}
-
-    def role_chunk(self) -> dict:
-        return self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                             "finish_reason": None} for i in range(self.built.n)])
-
-    def chunks(self, outputs: dict[str, list]) -> list[dict]:
-        first_text = not any(self.texts[i] != self.built.echo_prefix for i in range(self.built.n))
-        lengths = [len(t) for t in self.texts]
-        out = []
-        for i, text, reason, step_logprobs in self.add(outputs):
-            if not text and reason is None:
-                continue
-            if self.chat and self.built.tools is not None and self.built.tools.active:
-                if reason is None:
-                    continue  # held back until the choice finishes (openai_tools)
-                content, calls, reason = self._tool_answer(i)
-                delta = {"tool_calls": [{"index": k, **call} for k, call in enumerate(calls)]} if calls else {}
-                choice = {"index": i, "delta": {**({"content": content} if content else {}), **delta},
-                          "logprobs": self._logprobs(self.logprobs[i]), "finish_reason": reason}
-            elif self.chat:
-                choice = {"index": i, "delta": {"content": text} if text else {},
-                          "logprobs": self._logprobs(step_logprobs), "finish_reason": reason}
-            else:
-                prefix = self.built.echo_prefix if first_text else ""
-                choice = {"index": i, "text": prefix + text, "logprobs": self._logprobs(step_logprobs, lengths[i]),
-                          "finish_reason": reason}
-            out.append(self._chunk([choice]))
-        return out
-
-    def usage_chunk(self) -> dict:
-        chunk = self._chunk([])
-        chunk["usage"] = self._usage()
-        return chunk
+    async def close(self) -> web.StreamResponse:
+        await self.open()
+        await self.response.write(b"data: [DONE]\n\n")
+        await self.response.write_eof()
+        return self.response

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import struct
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from tritonclient.grpc import service_pb2
 
@@ -18,6 +18,10 @@ from pagoda.fleet.api.openai_guided import guided_decoding_from_body
 from pagoda.fleet.api.openai_tools import ToolPlan, detect_parser, render_prompt, tool_plan_from_body
 
 MODEL_NAME = "pagoda"
+# Prompts in one completions request (a list of strings or of token-id lists); each is one
+# engine request, routed on its own. Past this a batch is a mistake (lm-eval sends its batch size).
+MAX_PROMPTS = 256
+PromptInput = Union[str, list[int]]  # text, or token ids
 
 # OpenAI name -> (SamplingParams name, accepted Python types)
 _NUMBER = (int, float)
@@ -45,6 +49,7 @@ _COMMON_FIELDS: dict[str, tuple[str, tuple]] = {
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 _REFUSED = {
     "suffix": "suffix (fill-in-the-middle) is not supported",
+    "prompt_embeds": "prompt_embeds are not supported; send text or token ids",
     "functions": "functions (OpenAI's legacy name) are not supported; send them as tools",
     "function_call": "function_call (OpenAI's legacy name) is not supported; use tool_choice",
 }
@@ -60,9 +65,9 @@ class OpenAIError(ValueError):
 
 @dataclass
 class BuiltRequest:
-    """What one OpenAI request becomes."""
+    """What one OpenAI request (or one prompt of a completions request) becomes."""
 
-    prompt: str
+    prompt: PromptInput
     sampling: dict[str, Any]
     stream: bool
     n: int = 1
@@ -70,6 +75,8 @@ class BuiltRequest:
     include_usage: bool = False
     echo_prefix: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    echo: bool = False  # completions: the prompt comes first (text, and its tokens' logprobs)
+    echo_only: bool = False  # echo with max_tokens=0: one token is generated and dropped (as vLLM)
     tools: Optional[ToolPlan] = None  # chat with tools (pagoda.fleet.api.openai_tools)
     tool_parser: str = "hermes"
 
@@ -83,7 +90,9 @@ def _check_type(body: dict, name: str, types: tuple) -> Any:
     return value
 
 
-def _common(body: dict, max_tokens_default: Optional[int]) -> tuple[dict[str, Any], bool, int, bool]:
+def _common(body: dict, max_tokens_default: Optional[int],
+            echo: Optional[bool] = None) -> tuple[dict[str, Any], bool, int, bool]:
+    """Fields chat and completions share; ``echo``: the completions' flag (None for chat)."""
     for name, message in _REFUSED.items():
         if body.get(name):
             raise OpenAIError(message, name)
@@ -95,8 +104,11 @@ def _common(body: dict, max_tokens_default: Optional[int]) -> tuple[dict[str, An
             sampling[target] = _check_type(body, name, types)
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens", max_tokens_default))
     if max_tokens is not None:
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise OpenAIError(f"max_tokens: must be a positive integer, got {json.dumps(max_tokens)}", "max_tokens")
+        lowest = 0 if echo else 1  # vLLM: max_tokens=0 only with echo (the prompt alone)
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < lowest:
+            hint = " (0 only with echo)" if echo is False else " or 0" if echo else ""
+            raise OpenAIError(f"max_tokens: must be a positive integer{hint}, got {json.dumps(max_tokens)}",
+                              "max_tokens")
     sampling["max_tokens"] = max_tokens
     guided = guided_decoding_from_body(body, OpenAIError)
     if guided is not None:
@@ -123,28 +135,78 @@ def _common(body: dict, max_tokens_default: Optional[int]) -> tuple[dict[str, An
     return sampling, stream, n, bool(options.get("include_usage", False))
 
 
-def build_completion_request(body: dict) -> BuiltRequest:
-    """``/v1/completions`` body -> ``BuiltRequest`` (raises ``OpenAIError``)."""
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                           for t in value)
+
+
+def read_prompts(body: dict) -> list[PromptInput]:
+    """The completions ``prompt``: a string, a list of token ids, or a list of either (one
+    engine request each, in order). Raises ``OpenAIError`` naming ``prompt``."""
     if "prompt" not in body:
         raise OpenAIError("prompt: required", "prompt")
     prompt = body["prompt"]
-    if isinstance(prompt, list):
-        if len(prompt) != 1 or not isinstance(prompt[0], str):
-            raise OpenAIError("prompt: pagoda takes one text prompt per request (a string or a list of one "
-                              "string); send several requests, and no token-id prompts", "prompt")
-        prompt = prompt[0]
-    if not isinstance(prompt, str) or not prompt:
-        raise OpenAIError("prompt: must be a non-empty string", "prompt")
-    sampling, stream, n, include_usage = _common(body, 16)
+    if isinstance(prompt, str) or _is_token_ids(prompt):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or _is_token_ids(p) for p in prompt):
+        prompts = list(prompt)
+    else:
+        raise OpenAIError("prompt: must be a string, a list of token ids, or a non-empty list of strings or of "
+                          "token-id lists", "prompt")
+    if len(prompts) > MAX_PROMPTS:
+        raise OpenAIError(f"prompt: {len(prompts)} prompts in one request, at most {MAX_PROMPTS}; send several "
+                          "requests", "prompt")
+    for p in prompts:
+        if isinstance(p, str) and not p:
+            raise OpenAIError("prompt: must not be empty", "prompt")
+        if isinstance(p, list) and min(p) < 0:
+            raise OpenAIError("prompt: token ids must be integers >= 0", "prompt")
+    return prompts
+
+
+def build_completion_requests(body: dict, tokenizer: Any = None) -> list[BuiltRequest]:
+    """``/v1/completions`` body -> one ``BuiltRequest`` per prompt (raises ``OpenAIError``).
+
+    ``echo`` puts the prompt first (a token prompt's text is ``tokenizer.decode`` of it);
+    with ``logprobs`` it also asks the replica for the prompt's log-probabilities
+    (``prompt_logprobs``, vLLM's rule: as many alternatives as ``logprobs`` unless the body
+    names ``prompt_logprobs``). ``max_tokens=0`` is allowed with ``echo`` only: one token is
+    generated and dropped, as vLLM does."""
+    prompts = read_prompts(body)
+    echo = body.get("echo", False)
+    if not isinstance(echo, bool):
+        raise OpenAIError("echo: must be a boolean", "echo")
+    sampling, stream, n, include_usage = _common(body, 16, echo)
     logprobs = body.get("logprobs")
     if logprobs is not None:
         if isinstance(logprobs, bool) or not isinstance(logprobs, int) or not 0 <= logprobs <= 20:
             raise OpenAIError("logprobs: must be an integer from 0 to 20", "logprobs")
         sampling["logprobs"] = logprobs
-    echo = body.get("echo", False)
-    if not isinstance(echo, bool):
-        raise OpenAIError("echo: must be a boolean", "echo")
-    return BuiltRequest(prompt, sampling, stream, n, logprobs, include_usage, prompt if echo else "")
+    prompt_logprobs = body.get("prompt_logprobs")
+    if prompt_logprobs is not None:
+        if isinstance(prompt_logprobs, bool) or not isinstance(prompt_logprobs, int) or not 0 <= prompt_logprobs <= 20:
+            raise OpenAIError("prompt_logprobs: must be an integer from 0 to 20", "prompt_logprobs")
+    elif echo and logprobs is not None:
+        prompt_logprobs = logprobs
+    if prompt_logprobs is not None:
+        sampling["prompt_logprobs"] = prompt_logprobs
+    echo_only = echo and sampling["max_tokens"] == 0
+    if echo_only:
+        sampling["max_tokens"] = 1
+    built = []
+    for prompt in prompts:
+        prefix = (prompt if isinstance(prompt, str) else tokenizer.decode(prompt)) if echo else ""
+        built.append(BuiltRequest(prompt, dict(sampling), stream, n, logprobs, include_usage, prefix,
+                                  echo=echo, echo_only=echo_only))
+    return built
+
+
+def build_completion_request(body: dict, tokenizer: Any = None) -> BuiltRequest:
+    """A ``/v1/completions`` body of one prompt -> its ``BuiltRequest`` (raises ``OpenAIError``)."""
+    built = build_completion_requests(body, tokenizer)
+    if len(built) != 1:
+        raise OpenAIError(f"prompt: expected one prompt, got {len(built)}", "prompt")
+    return built[0]
 
 
 def _message_text(message: Any, index: int) -> dict[str, Any]:
@@ -218,7 +280,9 @@ def _bytes_raw(values: list[bytes]) -> bytes:
 def make_infer_request(built: BuiltRequest, request_id: str) -> Any:
     """The contract-1 ``ModelInferRequest`` for a built OpenAI request (streaming deltas)."""
     request = service_pb2.ModelInferRequest(model_name=MODEL_NAME, id=request_id)
-    inputs = [("text_input", "BYTES", _bytes_raw([built.prompt.encode("utf-8")])),
+    prompt = built.prompt
+    inputs = [("text_input", "BYTES", _bytes_raw([prompt.encode("utf-8")])) if isinstance(prompt, str) else
+              ("input_ids", "INT32", struct.pack(f"<{len(prompt)}i", *prompt)),
               # The door reads pagoda's output shapes, whatever the replica's default dialect.
               ("sampling_parameters", "BYTES",
                _bytes_raw([json.dumps({**built.sampling, "output_dialect": "pagoda"}).encode("utf-8")]))]
@@ -229,7 +293,7 @@ def make_infer_request(built: BuiltRequest, request_id: str) -> Any:
     for name, datatype, raw in inputs:
         tensor = request.inputs.add()
         tensor.name, tensor.datatype = name, datatype
-        tensor.shape.append(1)
+        tensor.shape.append(len(prompt) if name == "input_ids" else 1)
         request.raw_input_contents.append(raw)
     return request
 
@@ -269,7 +333,9 @@ def chat_logprobs(entries: list[dict], tokenizer: Any) -> dict:
 
 
 def completion_logprobs(entries: list[dict], tokenizer: Any, offset: int = 0) -> dict:
-    """Engine ``TokenLogprob`` dicts -> the legacy completions ``logprobs`` object."""
+    """Engine ``TokenLogprob`` dicts -> the legacy completions ``logprobs`` object. An entry
+    whose ``logprob`` is ``None`` (the prompt's first token, echoed) gets ``null`` log-prob and
+    ``null`` alternatives, as vLLM and OpenAI send them."""
     tokens, offsets = [], []
     for entry in entries:
         text = _token_text(tokenizer, entry["token_id"])
@@ -277,6 +343,13 @@ def completion_logprobs(entries: list[dict], tokenizer: Any, offset: int = 0) ->
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [{_token_text(tokenizer, t["token_id"]): t["logprob"] for t in e.get("top_logprobs", [])}
+            "top_logprobs": [None if e["logprob"] is None else
+                             {_token_text(tokenizer, t["token_id"]): t["logprob"] for t in e.get("top_logprobs", [])}
                              for e in entries],
             "text_offset": offsets}
+
+
+def echoed_prompt_logprobs(prompt_logprobs: list[Optional[dict]], first_token_id: int) -> list[dict]:
+    """The replica's ``prompt_logprobs`` (pagoda shape, ``null`` first) as entries for
+    ``completion_logprobs``: the first prompt token with a ``None`` log-prob."""
+    return [{"token_id": first_token_id, "logprob": None, "top_logprobs": None}] + list(prompt_logprobs[1:])

@@ -46,7 +46,7 @@ from pagoda.serving.vllm_dialect import request_parameter_vocabulary
 
 # Triton generate inputs of model_repository/pagoda/config.pbtxt -> their JSON kind.
 GENERATE_INPUTS: dict[str, str] = {
-    "text_input": "string", "sampling_parameters": "json",
+    "text_input": "string", "input_ids": "ints", "sampling_parameters": "json",
     "stream": "bool", "exclude_input_in_output": "bool", "return_finish_reason": "bool",
     "return_cumulative_logprob": "bool", "return_logprobs": "bool", "return_num_input_tokens": "bool",
     "return_num_output_tokens": "bool", "return_num_cached_tokens": "bool",
@@ -178,8 +178,8 @@ def validate_generate_body(body: bytes, limits: RequestLimits) -> dict[str, Any]
     if "id" in document and not isinstance(document["id"], str):
         raise LimitError(f"id: must be a string, got a JSON {_json_kind(document['id'])}", "id")
     is_control = "lora_action" in document  # a LoRA control request: no prompt (http_api answers it)
-    if "text_input" not in document and not is_control:
-        raise LimitError("text_input: required input is missing", "text_input")
+    if "text_input" not in document and "input_ids" not in document and not is_control:
+        raise LimitError("text_input: required input is missing (or give input_ids)", "text_input")
     for name, value in document.items():
         if name in GENERATE_INPUTS:
             document[name] = _check_input(name, GENERATE_INPUTS[name], value)
@@ -212,6 +212,9 @@ def _check_input(name: str, kind: str, value: Any) -> Any:
     elif kind == "number":
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise LimitError(f"{name}: must be a number, got {json.dumps(value)}", name)
+    elif kind == "ints":
+        if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+            raise LimitError(f"{name}: must be a list of integers", name)
     elif kind == "strings":
         items = value if isinstance(value, list) else [value]
         if not all(isinstance(item, str) for item in items):

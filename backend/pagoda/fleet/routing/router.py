@@ -31,7 +31,7 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence, Union
 
 from pagoda.contracts.block_hash import hash_prompt_blocks
 from pagoda.fleet.routing.affinity import PendingIndex
@@ -124,10 +124,12 @@ class Router:
             self.hash_model_id = model_ids.pop()
 
     # --------------------------------------------------------------- decisions
-    def analyze(self, prompt: str, cache_salt: Optional[str] = None, adapter_id: Optional[str] = None) -> Analysis:
-        """Tokenize and hash a prompt (the engine's tokenization and block hashes; a LoRA
-        adapter is part of them, so an adapter's traffic goes where its prefixes live)."""
-        token_ids = self._encode(prompt)
+    def analyze(self, prompt: Union[str, list[int]], cache_salt: Optional[str] = None,
+                adapter_id: Optional[str] = None) -> Analysis:
+        """Tokenize and hash a prompt, text or token ids (the engine's tokenization and block
+        hashes; a LoRA adapter is part of them, so an adapter's traffic goes where its
+        prefixes live)."""
+        token_ids = list(prompt) if isinstance(prompt, list) else self._encode(prompt)
         hashes = hash_prompt_blocks(token_ids, self.block_size, self.hash_model_id, cache_salt=cache_salt,
                                     adapter_id=adapter_id)
         return Analysis(len(token_ids), [h.hex() for h in hashes], self.block_size)

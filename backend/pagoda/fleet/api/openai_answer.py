@@ -1,0 +1,193 @@
+"""One OpenAI answer: a prompt's replica outputs folded in, rendered as OpenAI objects.
+
+``Answer`` accumulates one engine request's outputs (one prompt; its ``n`` completions) and
+renders chat or completions objects, whole or as stream chunks. A completions request with
+several prompts has one ``Answer`` per prompt; their choices are numbered as vLLM numbers
+them, ``prompt index * n + completion index`` (``index_offset``), and ``merge_final``
+concatenates them in prompt order with the usage summed.
+
+Echo (completions): the prompt's text comes first; with ``logprobs`` the prompt's tokens
+come first in ``logprobs`` too (the replica's ``prompt_logprobs``, asked for by
+``openai_io``): the first with ``null`` log-prob and ``null`` alternatives, as vLLM and
+OpenAI send it, ``text_offset`` counted from the start of the echoed text. ``echo_only``
+(``max_tokens=0``): the one generated token is dropped, text, log-prob and usage alike
+(vLLM drops its text and log-prob but counts it in ``completion_tokens``; pagoda counts
+only what it returns).
+
+Tools (chat): with a ``ToolPlan`` in play the answer's text is read for tool calls when its
+choice finishes (``openai_tools.parse_answer``): ``message.tool_calls`` and the finish reason
+in the final object; streamed, the choice's text is held back and sent as one delta then.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from importlib.metadata import version as _version
+from typing import Any, Optional
+
+from pagoda.fleet.api.openai_io import chat_logprobs, completion_logprobs, echoed_prompt_logprobs
+from pagoda.fleet.api.openai_tools import finish_reason as tool_finish_reason, parse_answer
+
+# OpenAI's backend-configuration fingerprint: the serving software and its version.
+SYSTEM_FINGERPRINT = f"pagoda-{_version('pagoda')}"
+
+
+class Answer:
+    """Accumulates one request's (one prompt's) outputs and renders OpenAI objects."""
+
+    def __init__(self, chat: bool, request_id: str, model: str, built: Any, tokenizer: Any,
+                 index_offset: int = 0) -> None:
+        self.chat = chat
+        self.request_id = request_id
+        self.model = model
+        self.built = built
+        self.tokenizer = tokenizer
+        self.index_offset = index_offset
+        self.created = int(time.time())
+        n = built.n
+        self.texts = [built.echo_prefix] * n
+        self.finish_reasons: list[Optional[str]] = [None] * n
+        self.logprobs: list[list[dict]] = [[] for _ in range(n)]
+        self.prompt_logprobs: Optional[list[Optional[dict]]] = None  # the replica's, null first
+        self.echoed = [False] * n  # streaming: the echoed prompt went out in a chunk
+        self.num_prompt_tokens = 0
+        self.num_cached_tokens = 0
+        self.num_completion_tokens = [0] * n
+
+    def add(self, outputs: dict[str, list]) -> list[tuple[int, str, Optional[str], list[dict]]]:
+        """Fold one response in; returns (index, delta text, finish reason, delta logprobs) per completion."""
+        if outputs.get("num_input_tokens"):
+            self.num_prompt_tokens = int(outputs["num_input_tokens"][0])
+        if outputs.get("num_cached_tokens"):
+            self.num_cached_tokens = int(outputs["num_cached_tokens"][0])
+        if outputs.get("prompt_logprobs"):
+            self.prompt_logprobs = json.loads(outputs["prompt_logprobs"][0])
+        keep = not self.built.echo_only
+        deltas = []
+        for i, text in enumerate(outputs.get("text_output", [])):
+            reason = (outputs.get("finish_reason") or [""] * (i + 1))[i] or None
+            step_logprobs = json.loads(outputs["logprobs"][i]) if outputs.get("logprobs") and keep else []
+            text = text if keep else ""
+            self.texts[i] += text
+            self.finish_reasons[i] = reason or self.finish_reasons[i]
+            self.logprobs[i].extend(step_logprobs)
+            if outputs.get("num_output_tokens") and keep:
+                self.num_completion_tokens[i] += int(outputs["num_output_tokens"][i])
+            deltas.append((i, text, reason, step_logprobs))
+        return deltas
+
+    @property
+    def num_used_tokens(self) -> int:
+        """Prompt + completion tokens the replica reported (0 when it ran nothing)."""
+        completion = sum(self.num_completion_tokens)
+        return self.num_prompt_tokens + completion if completion or self.num_prompt_tokens else 0
+
+    def usage(self) -> dict:
+        completion = sum(self.num_completion_tokens)
+        return {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": completion,
+                "total_tokens": self.num_prompt_tokens + completion,
+                "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens}}
+
+    def _prompt_entries(self) -> list[dict]:
+        """The echoed prompt's log-prob entries (first token: ``None``)."""
+        if self.prompt_logprobs is None:
+            return []
+        prompt = self.built.prompt
+        first = prompt[0] if isinstance(prompt, list) else self.tokenizer.encode(prompt)[0]
+        return echoed_prompt_logprobs(self.prompt_logprobs, first)
+
+    def _logprobs(self, entries: list[dict], offset: int = 0, with_prompt: bool = False) -> Optional[dict]:
+        if self.built.logprobs is None:
+            return None
+        if self.chat:
+            return chat_logprobs(entries, self.tokenizer)
+        if with_prompt and self.prompt_logprobs is not None:
+            return completion_logprobs(self._prompt_entries() + entries, self.tokenizer, 0)
+        return completion_logprobs(entries, self.tokenizer, offset)
+
+    @property
+    def _tools_active(self) -> bool:
+        return self.chat and self.built.tools is not None and self.built.tools.active
+
+    def _tool_answer(self, i: int) -> tuple[Optional[str], list[dict], Optional[str]]:
+        """(content, tool_calls, finish_reason) of finished choice ``i`` (``openai_tools``)."""
+        plan = self.built.tools
+        content, calls = parse_answer(self.texts[i], plan, self.built.tool_parser)
+        return content, calls, tool_finish_reason(self.finish_reasons[i], plan, calls)
+
+    def _chat_choice(self, i: int, text: str) -> dict:
+        message, reason = {"role": "assistant", "content": text}, self.finish_reasons[i]
+        if self._tools_active:
+            content, calls, reason = self._tool_answer(i)
+            message = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+        return {"index": self.index_offset + i, "message": message, "logprobs": self._logprobs(self.logprobs[i]),
+                "finish_reason": reason}
+
+    def choices(self) -> list[dict]:
+        """The final choices, numbered from ``index_offset``."""
+        if self.chat:
+            return [self._chat_choice(i, text) for i, text in enumerate(self.texts)]
+        return [{"index": self.index_offset + i, "text": text,
+                 "logprobs": self._logprobs(self.logprobs[i], len(self.built.echo_prefix), self.built.echo),
+                 "finish_reason": self.finish_reasons[i]} for i, text in enumerate(self.texts)]
+
+    def final_object(self) -> dict:
+        return merge_final([self])
+
+    def chunk(self, choices: list[dict]) -> dict:
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        return {"id": self.request_id, "object": kind, "created": self.created, "model": self.model,
+                "system_fingerprint": SYSTEM_FINGERPRINT, "choices": choices}
+
+    def role_chunk(self) -> dict:
+        return self.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                            "finish_reason": None} for i in range(self.built.n)])
+
+    def chunks(self, outputs: dict[str, list]) -> list[dict]:
+        lengths = [len(t) for t in self.texts]
+        out = []
+        for i, text, reason, step_logprobs in self.add(outputs):
+            echo_now = self.built.echo and not self.echoed[i]
+            if not text and reason is None and not echo_now:
+                continue
+            if self._tools_active:
+                if reason is None:
+                    continue  # held back until the choice finishes (openai_tools)
+                content, calls, reason = self._tool_answer(i)
+                delta = {"tool_calls": [{"index": k, **call} for k, call in enumerate(calls)]} if calls else {}
+                choice = {"index": i, "delta": {**({"content": content} if content else {}), **delta},
+                          "logprobs": self._logprobs(self.logprobs[i]), "finish_reason": reason}
+            elif self.chat:
+                choice = {"index": i, "delta": {"content": text} if text else {},
+                          "logprobs": self._logprobs(step_logprobs), "finish_reason": reason}
+            else:
+                self.echoed[i] = True
+                prefix = self.built.echo_prefix if echo_now else ""
+                choice = {"index": self.index_offset + i, "text": prefix + text,
+                          "logprobs": self._logprobs(step_logprobs, lengths[i], echo_now), "finish_reason": reason}
+            out.append(self.chunk([choice]))
+        return out
+
+    def usage_chunk(self, answers: Optional[list["Answer"]] = None) -> dict:
+        chunk = self.chunk([])
+        chunk["usage"] = summed_usage(answers or [self])
+        return chunk
+
+
+def summed_usage(answers: list[Answer]) -> dict:
+    """One usage object for several prompts' answers (vLLM sums them)."""
+    usages = [answer.usage() for answer in answers]
+    total = {key: sum(u[key] for u in usages) for key in ("prompt_tokens", "completion_tokens", "total_tokens")}
+    total["prompt_tokens_details"] = {"cached_tokens": sum(u["prompt_tokens_details"]["cached_tokens"]
+                                                           for u in usages)}
+    return total
+
+
+def merge_final(answers: list[Answer]) -> dict:
+    """The whole (non-streamed) object of a request's answers, choices in prompt order."""
+    first = answers[0]
+    return {"id": first.request_id, "object": "chat.completion" if first.chat else "text_completion",
+            "created": first.created, "model": first.model, "system_fingerprint": SYSTEM_FINGERPRINT,
+            "choices": [choice for answer in answers for choice in answer.choices()],
+            "usage": summed_usage(answers)}
