@@ -16,9 +16,9 @@ from safetensors.torch import load_file, save_file
 from pagoda import LLM, SamplingParams
 from pagoda.models import load_model
 from pagoda.models.quant_checkpoint import AWQ_REVERSE_ORDER, parse_quantization_config
+from pagoda.models.quant_write import AWQ_PACK_ORDER, awq_tensors, fp8_block_tensors, gptq_tensors, write_variant
 from tests.engine.hf_reference import save_random_model
 
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PROMPTS = [[5, 17, 300, 42, 9], [1, 2000, 31, 7]]
 
 
@@ -29,97 +29,6 @@ def float_model(tmp_path_factory, smollm2_dir):
                              vocab_size=49152, hidden_size=256, intermediate_size=384, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                              tie_word_embeddings=True)
-
-
-def linear_names(state: dict) -> list[str]:
-    return sorted(n[:-len(".weight")] for n in state if n.endswith(".weight") and n.split(".")[-2] in LINEARS)
-
-
-def write_variant(float_dir: Path, out: Path, quant_config: dict, replace) -> dict[str, torch.Tensor]:
-    """Copy ``float_dir`` to ``out`` with every linear ``X.weight`` replaced by ``replace(X, W)``
-    (a dict of tensors) and ``quant_config`` in config.json; returns {X: expected float weight}."""
-    shutil.copytree(float_dir, out)
-    state = load_file(str(out / "model.safetensors"))
-    expected = {}
-    for prefix in linear_names(state):
-        tensors, dequantized = replace(prefix, state.pop(f"{prefix}.weight"))
-        state.update({f"{prefix}.{k}": v.contiguous() for k, v in tensors.items()})
-        expected[prefix] = dequantized
-    save_file(state, str(out / "model.safetensors"))
-    config = json.loads((out / "config.json").read_text())
-    config["quantization_config"] = quant_config
-    (out / "config.json").write_text(json.dumps(config))
-    return expected
-
-
-def minmax_int(weight: torch.Tensor, bits: int, group: int, symmetric: bool):
-    """Integer values, scales and zero points per group (any correct quantizer will do)."""
-    n, k = weight.shape
-    g = weight.reshape(n, k // group, group)
-    if symmetric:
-        scale = g.abs().amax(-1) / (2 ** (bits - 1) - 1)
-        zero = torch.full_like(scale, 2 ** (bits - 1))
-    else:
-        low, high = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
-        scale = (high - low) / (2 ** bits - 1)
-        zero = torch.round(-low / scale)
-    q = torch.clamp(torch.round(g / scale[..., None]) + zero[..., None], 0, 2 ** bits - 1).reshape(n, k)
-    return q.to(torch.int32), scale.to(torch.float16), zero.to(torch.int32)
-
-
-# ------------------------------------------------------------------ packers from the specs
-def pack_along_last(values: torch.Tensor, bits: int, order=None) -> torch.Tensor:
-    """Unsigned ``values [R, C]`` -> int32 ``[R, C*bits/32]``, element ``i`` of each word at bit ``bits*i``
-    (``order``: the column of the word's 8 that nibble ``i`` holds, AWQ's interleave)."""
-    per = 32 // bits
-    r, c = values.shape
-    v = values.reshape(r, c // per, per).to(torch.int64)
-    if order is not None:
-        v = v[..., list(order)]
-    words = torch.zeros(r, c // per, dtype=torch.int64)
-    for i in range(per):
-        words |= v[..., i] << (bits * i)
-    return (words - (words >= 2**31).to(torch.int64) * 2**32).to(torch.int32)
-
-
-AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's: nibble i holds column AWQ_PACK_ORDER[i]
-
-
-def awq_tensors(weight: torch.Tensor, group: int = 128):
-    q, scale, zero = minmax_int(weight, 4, group, symmetric=False)  # [N, K], [N, G]
-    tensors = {"qweight": pack_along_last(q.t().contiguous(), 4, AWQ_PACK_ORDER),  # [K, N/8]
-               "qzeros": pack_along_last(zero.t().contiguous(), 4, AWQ_PACK_ORDER),  # [G, N/8]
-               "scales": scale.t().contiguous()}  # [G, N] fp16
-    g = torch.arange(weight.shape[1]) // group
-    return tensors, ((q - zero[:, g]).float() * scale.float()[:, g])
-
-
-def gptq_tensors(weight: torch.Tensor, bits: int, group: int, act_order: bool, seed: int):
-    n, k = weight.shape
-    perm = torch.randperm(k, generator=torch.Generator().manual_seed(seed)) if act_order else torch.arange(k)
-    # act-order: columns are quantized in ``perm`` order, so column perm[j] belongs to group j // group.
-    g_idx = torch.empty(k, dtype=torch.int32)
-    g_idx[perm] = (torch.arange(k) // group).to(torch.int32)
-    q_perm, scale, zero = minmax_int(weight[:, perm], bits, group, symmetric=True)
-    q = torch.empty_like(q_perm)
-    q[:, perm] = q_perm
-    tensors = {"qweight": pack_along_last(q.contiguous(), bits).t().contiguous(),  # [K*bits/32, N]: along K
-               "qzeros": pack_along_last((zero - 1).t().contiguous(), bits),  # v1 stores z - 1
-               "scales": scale.t().contiguous(), "g_idx": g_idx}
-    g = g_idx.long()
-    return tensors, ((q - zero[:, g]).float() * scale.float()[:, g])
-
-
-def fp8_block_tensors(weight: torch.Tensor):
-    n, k = weight.shape
-    rows, cols = -(-n // 128), -(-k // 128)
-    padded = torch.zeros(rows * 128, cols * 128)
-    padded[:n, :k] = weight
-    amax = padded.reshape(rows, 128, cols, 128).abs().amax(dim=(1, 3))
-    scale_inv = amax / 448.0
-    expanded = scale_inv.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
-    fp8 = (weight / expanded).to(torch.float8_e4m3fn)
-    return {"weight": fp8, "weight_scale_inv": scale_inv}, fp8.float() * expanded
 
 
 # ------------------------------------------------------------------ compressed-tensors, its own way
@@ -282,3 +191,18 @@ def test_gpt_oss_mxfp4_is_left_to_its_own_reader():
     assert parse_quantization_config({"quantization_config": {"quant_method": "mxfp4",
                                                               "modules_to_not_convert": ["router"]}}) is None
     assert parse_quantization_config({}) is None
+
+
+def test_bench_formats_write_checkpoints_the_loader_reads(float_model, tmp_path):
+    """``pagoda bench quant``'s checkpoint methods: each format written from a float folder
+    loads, and its weights are the float ones up to the format's rounding."""
+    from pagoda.models.quant_write import FORMATS, write_quantized
+
+    reference = dict(load_model(float_model).named_parameters())
+    for method in FORMATS:
+        model = load_model(write_quantized(float_model, tmp_path / method, method))
+        weight = dict(model.named_parameters())["layers.0.attn.qkv_weight"]
+        exact = reference["layers.0.attn.qkv_weight"]
+        # 4-bit: half a step (at most amax/14 for the symmetric grid) plus the fp16 scale; fp8: 2^-4 relative.
+        tolerance = exact.abs().max().item() * 0.08
+        assert (weight - exact).abs().max().item() <= tolerance, method

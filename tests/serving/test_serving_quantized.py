@@ -18,7 +18,8 @@ from pagoda.engine.sampling_params import SamplingParams
 from pagoda.serving.launch.client import stream_generate
 from pagoda.serving.launch.launcher import ServeOptions, TritonServer, find_free_port
 from tests.engine.hf_reference import save_random_model
-from tests.models.test_quant_checkpoints import VARIANTS, write_variant
+from pagoda.models.quant_write import write_variant
+from tests.models.test_quant_checkpoints import VARIANTS
 
 pytestmark = pytest.mark.server
 

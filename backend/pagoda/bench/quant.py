@@ -23,6 +23,12 @@ kernel where proven on CPU, the W8A16 kernel on CUDA); the perplexity chunks tak
 prefill chunk (``bench/quant_kernels.kernels_used``) and, on CUDA, the 8-bit linear layers
 timed against the model dtype's on Llama-3-8B shapes (``quant_kernels.linear_timings``).
 
+Checkpoint methods (``awq``, ``gptq``: 4-bit, group 64, kept packed as ``Int4Weight``;
+``fp8-channel``, ``fp8-block``: FP8 checkpoints, dequantized at load): the model folder is
+written in that format with round-to-nearest quantization (``pagoda.models.quant_write``)
+and loaded as a downloaded checkpoint would be, so the rows measure the format's layout and
+the 4-bit path, not AWQ's or GPTQ's calibration.
+
 ``--llama3-8b``: the Llama-3-8B shape with dummy weights (``load_format="dummy"``, as in
 ``pagoda bench kernels``), for GPU timing; the quality rows are skipped (random weights,
 word-level tokenizer). On an H100: ``pagoda bench quant --llama3-8b`` (docs/quantization.md
@@ -195,6 +201,32 @@ def _set_path(model, path: str) -> None:
             module.path = path
 
 
+# Pre-quantized checkpoint formats (pagoda.models.quant_write: RTN quantization in each layout),
+# written from the model folder and loaded as a user would load a downloaded one.
+CHECKPOINT_METHODS = ("awq", "gptq", "fp8-channel", "fp8-block")
+INT4_METHODS = ("awq", "gptq")
+
+
+def _checkpoint_engine(args, method: str, folder: Path):
+    """An engine on ``method``'s checkpoint of the model; 4-bit weights kept packed (Int4Weight)."""
+    from pagoda.engine.config import EngineConfig
+    from pagoda.engine.llm_engine import LLMEngine
+    from pagoda.models.gguf_import import ensure_default_model
+    from pagoda.models.int4 import PACKED_ENV
+    from pagoda.models.quant_write import write_quantized
+
+    path = write_quantized(Path(args.model or ensure_default_model()), folder / method, method)
+    saved = os.environ.get(PACKED_ENV)
+    os.environ[PACKED_ENV] = "1" if method in INT4_METHODS else "auto"
+    try:
+        return LLMEngine(EngineConfig(model=str(path), max_num_seqs=16, enable_prefix_caching=False))
+    finally:
+        if saved is None:
+            os.environ.pop(PACKED_ENV)
+        else:
+            os.environ[PACKED_ENV] = saved
+
+
 def _engine_config(args, method):
     from pagoda.engine.config import EngineConfig
 
@@ -232,7 +264,9 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", default=None, help="model folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--llama3-8b", action="store_true",
                         help="Llama-3-8B shape with dummy weights (GPU timing; quality rows skipped)")
-    parser.add_argument("--methods", default="int8,fp8", help="comma-separated: int8, fp8")
+    parser.add_argument("--methods", default="int8,fp8",
+                        help="comma-separated: int8, fp8 (quantized at load), awq, gptq (4-bit checkpoints, kept "
+                             "packed), fp8-channel, fp8-block (FP8 checkpoints)")
     parser.add_argument("--num-tokens", type=int, default=64, help="greedy tokens per prompt and per timed request")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per variant (best kept)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
@@ -249,7 +283,11 @@ def main(argv=None) -> int:
     from pagoda.models.quant import check_quantization, weight_bytes
 
     for m in methods:
-        check_quantization(m)
+        if m not in CHECKPOINT_METHODS:
+            check_quantization(m)
+        elif args.llama3_8b:
+            raise SystemExit(f"pagoda bench quant: --methods {m} writes a checkpoint from real weights; "
+                             "not with --llama3-8b (dummy weights)")
     with tempfile.TemporaryDirectory() as folder:
         if args.llama3_8b:
             from pagoda.bench.kernels_e2e import LLAMA3_8B, raw_config, write_model_folder
@@ -258,7 +296,8 @@ def main(argv=None) -> int:
             args.llama3_8b_folder = folder
         engines = {None: LLMEngine(_engine_config(args, None))}
         for m in methods:
-            engines[m] = LLMEngine(_engine_config(args, m))
+            engines[m] = _checkpoint_engine(args, m, Path(folder)) if m in CHECKPOINT_METHODS else \
+                LLMEngine(_engine_config(args, m))
     ref = engines[None].runner.model
     qmodels = {m: engines[m].runner.model for m in methods}
     r = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
@@ -267,7 +306,8 @@ def main(argv=None) -> int:
     r["bytes", None] = weight_bytes(ref)
     for m, qm in qmodels.items():
         r["bytes", m] = weight_bytes(qm)
-        r["kernels", m] = quant_kernels.kernels_used(qm)
+        if m not in CHECKPOINT_METHODS:
+            r["kernels", m] = quant_kernels.kernels_used(qm)
     if not args.llama3_8b:
         _quality(r, ref, qmodels, engines[None].tokenizer, args)
 
@@ -321,7 +361,13 @@ def _print_table(r: dict, ref_name: str, methods: list[str], variant_names: list
         row("first divergence per prompt (token index)", "",
             {m: ", ".join("none" if d is None else str(d) for d in r["first_diverge", m]) + " | " for m in methods})
     for m in methods:
-        print(f"\n{m} matmul path: {r['kernels', m]}")
+        if ("kernels", m) in r:
+            print(f"\n{m} matmul path: {r['kernels', m]}")
+        elif m in INT4_METHODS:
+            from pagoda.kernels.w4a16 import DEQUANT_ROWS
+
+            print(f"\n{m} matmul path: Int4Weight: W4A16 Triton kernel on CUDA below {DEQUANT_ROWS} rows, "
+                  "else dequantize + F.linear (every call on CPU)")
 
 
 if __name__ == "__main__":
