@@ -150,7 +150,7 @@ def test_a_quantized_config_without_quantized_tensors_is_refused(float_model, tm
 
 @pytest.mark.parametrize("variant", ["ct-w4a16-asym-g32", "awq-g128", "gptq-g32-act-order"])
 def test_4bit_weights_stay_packed_and_serve_the_same_tokens(variant, float_model, tmp_path, monkeypatch):
-    """With 4-bit weights kept packed (on CUDA by default; PAGODA_W4_PACKED=1 here) every
+    """With 4-bit weights kept packed (on CUDA by default; PAGODA_KEEP_QUANTIZED=1 here) every
     fused projection is an Int4Weight that dequantizes to exactly the float model's weight and
     holds about a quarter of the bytes; the W4A16 Triton kernel (interpreter) computes each
     projection as the float weight does; the engine gives the same greedy tokens. In the
@@ -159,7 +159,7 @@ def test_4bit_weights_stay_packed_and_serve_the_same_tokens(variant, float_model
     from pagoda.models.int4 import Int4Weight
 
     quantized, dequantized = quantized_and_dequantized(variant, float_model, tmp_path)
-    monkeypatch.setenv("PAGODA_W4_PACKED", "1")
+    monkeypatch.setenv("PAGODA_KEEP_QUANTIZED", "1")
     packed, reference = load_model(quantized), load_model(dequantized)
     floats = dict(reference.named_modules())
     pairs = {(name, attr): (getattr(a, attr), getattr(floats[name], attr)) for name, a in packed.named_modules()
@@ -206,3 +206,28 @@ def test_bench_formats_write_checkpoints_the_loader_reads(float_model, tmp_path)
         # 4-bit: half a step (at most amax/14 for the symmetric grid) plus the fp16 scale; fp8: 2^-4 relative.
         tolerance = exact.abs().max().item() * 0.08
         assert (weight - exact).abs().max().item() <= tolerance, method
+
+
+@pytest.mark.parametrize("variant", ["ct-fp8-channel", "fp8-block"])
+def test_fp8_checkpoints_keep_their_e4m3_values_as_fp8_weights(variant, float_model, tmp_path, monkeypatch):
+    """Kept quantized, a row-scaled FP8 checkpoint becomes Fp8Weight holding the checkpoint's own
+    e4m3 values (the existing FP8 paths serve it); 128x128 blocks have no row form and stay float."""
+    from pagoda.models.fp8 import Fp8Weight
+
+    quantized, dequantized = quantized_and_dequantized(variant, float_model, tmp_path)
+    monkeypatch.setenv("PAGODA_KEEP_QUANTIZED", "1")
+    kept, reference = load_model(quantized), load_model(dequantized)
+    floats = dict(reference.named_modules())
+    weights = [(getattr(a, attr), getattr(floats[name], attr)) for name, a in kept.named_modules()
+               for attr in getattr(a, "linear_weights", ())]
+    assert len(weights) == 8
+    if variant == "fp8-block":
+        assert not any(isinstance(w, Fp8Weight) for w, _ in weights)
+        return
+    assert all(isinstance(w, Fp8Weight) and w.qweight.dtype == torch.float8_e4m3fn for w, _ in weights)
+    for weight, float_weight in weights:
+        assert torch.equal(weight.dequantize(), float_weight)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outputs = [[o.outputs[0].token_ids for o in LLM(model=str(path), max_model_len=128).generate(PROMPTS, params)]
+               for path in (quantized, dequantized)]
+    assert outputs[0] == outputs[1]

@@ -3,7 +3,7 @@
 A tiny random Llama (tests/models/test_quant_checkpoints.py's float model) saved as a
 compressed-tensors W4A16 checkpoint (asymmetric, group 32, made with the library's own
 compressor), served as ``pagoda serve --model DIR`` would, with the 4-bit weights kept
-packed (``PAGODA_W4_PACKED=1``, what a GPU replica does by default): three greedy
+packed (``PAGODA_KEEP_QUANTIZED=1``, what a GPU replica does by default): three greedy
 requests streamed concurrently over gRPC give the offline ``LLM``'s texts.
 """
 
@@ -35,7 +35,7 @@ def test_served_4bit_checkpoint_equals_offline(tmp_path, smollm2_path, monkeypat
     config, replace = VARIANTS["ct-w4a16-asym-g32"]()
     folder = tmp_path / "w4a16"
     write_variant(float_dir, folder, config, replace)
-    monkeypatch.setenv("PAGODA_W4_PACKED", "1")  # the replica inherits it (the launcher copies the environment)
+    monkeypatch.setenv("PAGODA_KEEP_QUANTIZED", "1")  # the replica inherits it (the launcher copies the environment)
     offline = LLM(model=str(folder), max_model_len=256)
     from pagoda.models.int4 import Int4Weight
 

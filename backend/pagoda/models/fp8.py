@@ -110,6 +110,18 @@ class Fp8Weight(nn.Module):
         self.use_scaled_mm = False  # set by select_fp8_kernel once _scaled_mm is proven here
         self.path = "auto"  # "dequantize": always dequantize + F.linear, on any device (benchmarks)
 
+    @classmethod
+    def from_quantized(cls, qweight: torch.Tensor, scale: torch.Tensor) -> "Fp8Weight":
+        """An ``Fp8Weight`` holding an e4m3 weight and per-row scales as given (an FP8
+        checkpoint's own values, ``pagoda.models.int4.install_quantized_weights``)."""
+        weight = cls.__new__(cls)
+        nn.Module.__init__(weight)
+        weight.register_buffer("qweight", qweight.to(torch.float8_e4m3fn))
+        weight.register_buffer("scale", scale.float().reshape(-1).to(qweight.device))
+        weight.register_buffer("scale_row", weight.scale.view(1, -1), persistent=False)
+        weight.use_scaled_mm, weight.path = False, "auto"
+        return weight
+
     @property
     def shape(self) -> torch.Size:
         return self.qweight.shape

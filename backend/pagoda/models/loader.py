@@ -20,8 +20,9 @@ With ``quantization="int8"`` the projection weights are quantized right after lo
 A pre-quantized checkpoint (``quantization_config`` in config.json: compressed-tensors, AWQ,
 GPTQ, FP8) is read through ``pagoda.models.quant_checkpoint``: its quantized tensors are
 dequantized into the float weights they stand for, and an unsupported format is refused
-naming the field. 4-bit weights then stay packed (``pagoda.models.int4.Int4Weight``, the
-W4A16 kernel) where ``keep_packed`` says so: on CUDA, or with ``PAGODA_W4_PACKED=1``.
+naming the field. 4-bit and FP8 (row-scaled) weights then stay quantized
+(``pagoda.models.int4``: ``Int4Weight`` and the W4A16 kernel, ``Fp8Weight``) where
+``keep_packed`` says so: on CUDA, or with ``PAGODA_KEEP_QUANTIZED=1``.
 
 No transformers import: only ``safetensors``.
 """
@@ -39,7 +40,7 @@ from safetensors import safe_open
 from pagoda.models import mxfp4
 from pagoda.models.config import ModelConfig, read_config_json
 from pagoda.models.llama import LlamaForCausalLM
-from pagoda.models.int4 import install_int4_weights, keep_packed
+from pagoda.models.int4 import install_quantized_weights, keep_packed
 from pagoda.models.quant import check_quantization, quantize_model
 from pagoda.models.quant_checkpoint import QuantizedTensors, parse_quantization_config
 from pagoda.models.registry import build_model, config_from_pretrained
@@ -89,14 +90,14 @@ def load_model(
             handles = {file: stack.enter_context(safe_open(str(file), framework="pt")) for file in files}
             quantized = QuantizedTensors(checkpoint_quant, names_in_checkpoint,
                                          lambda name: handles[file_of[name]].get_tensor(name),
-                                         collect_int4=keep_packed(torch.device(device)))
+                                         keep_quantized=keep_packed(torch.device(device)))
             names_in_checkpoint = quantized.names
         _check_names(path, config, expected, names_in_checkpoint)
         tensors = _read_tensors(files, expected, file_of, dtype)
         loaded = model.load_weights(quantized.tensors(tensors) if quantized else tensors)
     assert loaded == expected, f"loaded {len(loaded)} of {len(expected)} tensors"
-    if quantized is not None and quantized.int4:
-        install_int4_weights(model, quantized.int4)
+    if quantized is not None and quantized.pieces:
+        install_quantized_weights(model, quantized.pieces)
     if quantization is not None:
         quantize_model(model, quantization)
     return model.eval()

@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from pagoda.models.int4 import Int4Pieces, pieces_from_group_index
+from pagoda.models.int4 import Fp8Pieces, Int4Pieces, pieces_from_group_index
 
 AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # column j of 8 is nibble AWQ_REVERSE_ORDER[j]
 # Suffixes of the tensors each format keeps per module (the float weight they replace: X.weight).
@@ -229,11 +229,11 @@ class QuantizedTensors:
     """
 
     def __init__(self, quant: CheckpointQuant, names: set[str], read: Callable[[str], torch.Tensor],
-                 collect_int4: bool = False) -> None:
+                 keep_quantized: bool = False) -> None:
         self.quant = quant
         self.read = read
-        self.collect_int4 = collect_int4
-        self.int4: dict[str, Int4Pieces] = {}  # 4-bit modules' canonical pieces (collect_int4)
+        self.keep_quantized = keep_quantized
+        self.pieces: dict[str, Any] = {}  # modules kept quantized: Int4Pieces / Fp8Pieces (keep_quantized)
         self.modules: dict[str, str] = {}  # module prefix -> kind (packed | awq_gptq | scaled)
         for name in names:
             prefix, _, suffix = name.rpartition(".")
@@ -267,10 +267,10 @@ class QuantizedTensors:
     def dequantize(self, prefix: str) -> torch.Tensor:
         q, kind = self.quant, self.modules[prefix]
         get, maybe = (lambda s: self.read(f"{prefix}.{s}")), (lambda s: self._maybe(f"{prefix}.{s}"))
-        if self.collect_int4 and q.bits == 4 and kind in ("packed", "awq_gptq"):
+        if self.keep_quantized and q.bits == 4 and kind in ("packed", "awq_gptq"):
             pieces = self._int4_pieces(kind, get, maybe)
             if pieces is not None:
-                self.int4[prefix] = pieces
+                self.pieces[prefix] = pieces
         if kind == "packed":
             return dequantize_packed(get("weight_packed"), get("weight_scale"), maybe("weight_zero_point"),
                                      get("weight_shape"), maybe("weight_g_idx"), q.bits, q.group_size)
@@ -285,6 +285,10 @@ class QuantizedTensors:
         # A 2-D scale with fewer rows than the weight is per block (128 x 128 unless the config says).
         block = None if scale.numel() == 1 or scale.dim() < 2 or scale.shape[0] == weight.shape[0] \
             else (q.block or (128, 128))
+        if self.keep_quantized and weight.dtype == torch.float8_e4m3fn and block is None \
+                and maybe("weight_zero_point") is None and (scale.numel() == 1 or scale.shape[-1] == 1
+                                                            or scale.dim() == 1):
+            self.pieces[prefix] = Fp8Pieces(weight, scale.float().reshape(-1).expand(weight.shape[0]).contiguous())
         return dequantize_scaled(weight, scale, maybe("weight_zero_point"), block)
 
     def _int4_pieces(self, kind: str, get: Callable, maybe: Callable) -> Optional[Int4Pieces]:
