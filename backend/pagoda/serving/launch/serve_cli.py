@@ -87,6 +87,9 @@ def make_parser() -> argparse.ArgumentParser:
                         "backend: per-token {id: {logprob, rank, decoded_token}}, null unless logprobs is set, "
                         "'None' before the end; the default) or pagoda (per-token {token_id, logprob, rank, "
                         "top_logprobs}, '' before the end; pagoda's router asks for it per request)")
+    p.add_argument("--trtllm-decoupled", choices=("true", "false"),
+                   help="TensorRT-LLM's decoupled_mode for its front models ensemble and tensorrt_llm_bls: true "
+                        "streams (one response per sequence), false (the shipped default) serves unary infer()")
     p.add_argument("--engine-arg", action="append", default=[], metavar="FIELD=VALUE",
                    help="any other EngineConfig field, e.g. --engine-arg spec_adaptive=false (repeatable)")
     p.add_argument("--model-repository", help="a model repository to use instead of the shipped one")
@@ -172,7 +175,9 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
         model_repository=args.model_repository,
         log_verbose=args.log_verbose, redis_url=args.redis_url, replica_id=args.replica_id,
         fleet_model=args.fleet_model, advertise_host=args.advertise_host, grace_period_s=args.grace_period,
-        check_first_request=not args.skip_first_request_check)
+        check_first_request=not args.skip_first_request_check,
+        trtllm_decoupled=({} if args.trtllm_decoupled is None else
+                          dict.fromkeys(("ensemble", "tensorrt_llm_bls"), args.trtllm_decoupled == "true")))
 
 
 def check_engine_args(options: ServeOptions, parser: argparse.ArgumentParser) -> None:

@@ -1,0 +1,256 @@
+"""TensorRT-LLM's Triton clients, unchanged, against pagoda on a real tritonserver.
+
+Written from TensorRT-LLM's ``ensemble`` / ``tensorrt_llm_bls`` interface and its client
+scripts (``inflight_batcher_llm/client/end_to_end_grpc_client.py``): ``[B, 1]`` tensors,
+unary ``infer()`` on the non-decoupled model over HTTP and gRPC, streaming on the decoupled
+one with ``batch_index`` / ``sequence_index``, and every input the interface names either
+applied or refused with an error naming it. The session's server (tests/serving/conftest.py)
+serves ``ensemble`` non-decoupled and ``tensorrt_llm_bls`` decoupled, both in front of the
+one ``pagoda`` model, whose greedy answer is the reference.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import re
+
+import numpy as np
+import pytest
+
+from tests.serving.test_serving_triton_server import http_post
+
+pytestmark = pytest.mark.server
+
+PROMPT = "The capital of France is"
+DTYPES = {np.int32: "INT32", np.uint64: "UINT64", np.float32: "FP32", bool: "BOOL", np.object_: "BYTES"}
+
+
+def batch(values, dtype):
+    """A TensorRT-LLM client's ``[B, 1]`` (or ``[B, W]`` for lists) tensor."""
+    rows = [v if isinstance(v, list) else [v] for v in values]
+    if dtype is np.object_:
+        rows = [[x.encode() if isinstance(x, str) else x for x in row] for row in rows]
+    return np.array(rows, dtype=dtype)
+
+
+def trt_inputs(prompts, max_tokens=8, **extra):
+    """Inputs as end_to_end_grpc_client.py prepares them (greedy: temperature 0)."""
+    inputs = {"text_input": batch(prompts, np.object_), "max_tokens": batch([max_tokens] * len(prompts), np.int32),
+              "temperature": batch([0.0] * len(prompts), np.float32)}
+    for name, (value, dtype) in extra.items():
+        inputs[name] = batch([value] * len(prompts), dtype)
+    return inputs
+
+
+def to_tensors(client_module, inputs):
+    tensors = []
+    for name, array in inputs.items():
+        dtype = DTYPES[bool if array.dtype == bool else array.dtype.type]
+        tensor = client_module.InferInput(name, list(array.shape), dtype)
+        tensor.set_data_from_numpy(array)
+        tensors.append(tensor)
+    return tensors
+
+
+def grpc_infer(server, model, inputs, outputs=("text_output",)):
+    """Unary ``client.infer()`` over gRPC; returns the result or raises InferenceServerException."""
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        return client.infer(model, to_tensors(grpcclient, inputs),
+                            outputs=[grpcclient.InferRequestedOutput(n) for n in outputs])
+    finally:
+        client.close()
+
+
+def http_infer(server, model, inputs, outputs=("text_output",)):
+    import tritonclient.http as httpclient
+
+    client = httpclient.InferenceServerClient(server.http_url)
+    try:
+        return client.infer(model, to_tensors(httpclient, inputs),
+                            outputs=[httpclient.InferRequestedOutput(n) for n in outputs])
+    finally:
+        client.close()
+
+
+def grpc_stream(server, model, inputs, outputs=("text_output", "batch_index", "sequence_index")):
+    """One request on a gRPC stream, as end_to_end_grpc_client.py sends it: (results, errors)."""
+    import tritonclient.grpc as grpcclient
+
+    results: "queue.Queue" = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    try:
+        client.async_stream_infer(model, to_tensors(grpcclient, inputs),
+                                  outputs=[grpcclient.InferRequestedOutput(n) for n in outputs],
+                                  enable_empty_final_response=True)
+        out, errors = [], []
+        while True:
+            result, error = results.get(timeout=120)
+            if error is not None:
+                errors.append(str(error))
+                continue
+            response = result.get_response()
+            if response.outputs:
+                out.append(result)
+            if response.parameters["triton_final_response"].bool_param:
+                return out, errors
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+def pagoda_text(server, prompt, max_tokens=8, **sampling):
+    """The reference: pagoda's own model, greedy, prompt excluded."""
+    status, body = http_post(server, "/v2/models/pagoda/generate",
+                             {"text_input": prompt, "exclude_input_in_output": True,
+                              "sampling_parameters": json.dumps({"temperature": 0, "max_tokens": max_tokens,
+                                                                 **sampling})})
+    assert status == 200, body
+    return body["text_output"]
+
+
+def test_unary_infer_with_batch_dimension_on_grpc_and_http(triton_server):
+    """The issue's items 1-2: ``[1, 1]`` tensors and unary ``infer()`` on ``ensemble`` (TensorRT-LLM's
+    decoupled_mode false) over both protocols; the prompt is in front, as TensorRT-LLM sends it
+    unless exclude_input_in_output."""
+    expected = pagoda_text(triton_server, PROMPT)
+    for infer in (grpc_infer, http_infer):
+        result = infer(triton_server, "ensemble", trt_inputs([PROMPT]))
+        assert result.as_numpy("text_output").shape == (1, 1)
+        assert result.as_numpy("text_output")[0][0].decode() == PROMPT + expected
+    result = grpc_infer(triton_server, "ensemble", trt_inputs([PROMPT], exclude_input_in_output=(True, bool)))
+    assert result.as_numpy("text_output")[0][0].decode() == expected
+
+
+def test_batch_of_two_is_two_requests_in_batch_order(triton_server):
+    """B > 1 is served as B requests of the one engine: row b is prompt b's own answer."""
+    prompts = [PROMPT, "Q: What is 2 + 2?\nA:"]
+    expected = [pagoda_text(triton_server, p) for p in prompts]
+    inputs = trt_inputs(prompts, exclude_input_in_output=(True, bool))
+    result = grpc_infer(triton_server, "ensemble", inputs,
+                        outputs=("text_output", "batch_index"))
+    assert [row[0].decode() for row in result.as_numpy("text_output")] == expected
+    assert result.as_numpy("batch_index").tolist() == [[0], [1]]
+    # The decoupled model answers each item separately, labelled with its batch_index.
+    results, errors = grpc_stream(triton_server, "tensorrt_llm_bls", inputs)
+    assert not errors
+    by_item = {int(r.as_numpy("batch_index")[0][0]): r.as_numpy("text_output")[0][0].decode() for r in results}
+    assert by_item == {0: expected[0], 1: expected[1]}
+
+
+def test_decoupled_streaming_deltas_and_sequences(triton_server):
+    """``tensorrt_llm_bls`` (decoupled): streamed deltas join into the unary answer;
+    ``num_return_sequences`` 2 streams both sequences, each response naming its ``sequence_index``."""
+    expected = pagoda_text(triton_server, PROMPT)
+    inputs = trt_inputs([PROMPT], stream=(True, bool), exclude_input_in_output=(True, bool))
+    results, errors = grpc_stream(triton_server, "tensorrt_llm_bls", inputs)
+    assert not errors and len(results) > 1
+    assert "".join(r.as_numpy("text_output")[0][0].decode() for r in results) == expected
+    inputs = trt_inputs([PROMPT], stream=(True, bool), num_return_sequences=(2, np.int32))
+    inputs["temperature"] = batch([1.0], np.float32)
+    results, errors = grpc_stream(triton_server, "tensorrt_llm_bls", inputs)
+    assert not errors
+    texts = {0: "", 1: ""}
+    for r in results:
+        texts[int(r.as_numpy("sequence_index")[0][0])] += r.as_numpy("text_output")[0][0].decode()
+    assert texts[0] and texts[1]
+
+
+def test_streaming_needs_the_decoupled_model(triton_server):
+    """As TensorRT-LLM with decoupled_mode false: ``stream`` true on ``ensemble`` is a 400 naming it."""
+    from tritonclient.utils import InferenceServerException
+
+    with pytest.raises(InferenceServerException, match="stream: streaming needs the decoupled model"):
+        grpc_infer(triton_server, "ensemble", trt_inputs([PROMPT], stream=(True, bool)))
+
+
+def test_min_length_and_min_tokens_hold_generation_past_end_id(triton_server):
+    """genai-perf's ``--output-tokens-mean-deterministic`` case: ``min_length`` (bls) / ``min_tokens``
+    (ensemble) keep generating through ``end_id`` until that many tokens, then ``end_id`` stops it."""
+    from transformers import AutoTokenizer
+
+    first = pagoda_text(triton_server, PROMPT, max_tokens=1)
+    outputs = ("text_output", "num_output_tokens")
+    end_id = AutoTokenizer.from_pretrained(triton_server.options.model).encode(first)[0]
+    stopped = grpc_infer(triton_server, "ensemble", trt_inputs([PROMPT], end_id=(end_id, np.int32),
+                                                               return_num_output_tokens=(True, bool)), outputs)
+    assert stopped.as_numpy("num_output_tokens")[0][0] <= 1
+    for name in ("min_tokens", "min_length"):
+        held = grpc_infer(triton_server, "ensemble", trt_inputs([PROMPT], max_tokens=6, **{name: (6, np.int32)},
+                                                                end_id=(end_id, np.int32),
+                                                                return_num_output_tokens=(True, bool)), outputs)
+        assert held.as_numpy("num_output_tokens")[0][0] == 6, name
+
+
+def test_log_probs_sequences_and_perf_metrics(triton_server):
+    """``return_log_probs`` -> ``cum_log_probs`` (the sum of ``output_log_probs``); unary
+    ``num_return_sequences`` 2 -> ``[1, 2]`` texts; ``return_perf_metrics`` -> KV-cache blocks,
+    with the repeated prompt's blocks reused from the prefix cache."""
+    names = ("text_output", "cum_log_probs", "output_log_probs")
+    result = grpc_infer(triton_server, "ensemble", trt_inputs([PROMPT], return_log_probs=(True, bool)), names)
+    per_token = result.as_numpy("output_log_probs")
+    assert per_token.shape == (1, 1, 8) and (per_token <= 0).all()
+    assert result.as_numpy("cum_log_probs")[0][0] == pytest.approx(per_token.sum(), abs=1e-3)
+    result = grpc_infer(triton_server, "ensemble", trt_inputs([PROMPT], num_return_sequences=(2, np.int32)),
+                        ("text_output", "sequence_index"))
+    assert result.as_numpy("text_output").shape == (1, 2) and result.as_numpy("sequence_index").tolist() == [[0, 1]]
+    long_prompt = "Tell me a story about a lighthouse keeper. " * 6
+    perf = ("kv_cache_reused_blocks", "kv_cache_alloc_total_blocks", "kv_cache_alloc_new_blocks", "kv_cache_hit_rate",
+            "arrival_time_ns", "last_token_time_ns")
+    for _ in range(2):
+        result = grpc_infer(triton_server, "ensemble", trt_inputs([long_prompt], return_perf_metrics=(True, bool)),
+                            perf)
+    reused = result.as_numpy("kv_cache_reused_blocks")[0][0]
+    total = result.as_numpy("kv_cache_alloc_total_blocks")[0][0]
+    assert 0 < reused < total and result.as_numpy("kv_cache_alloc_new_blocks")[0][0] == total - reused
+    assert 0 < result.as_numpy("kv_cache_hit_rate")[0][0] <= 1
+    assert result.as_numpy("last_token_time_ns")[0][0] >= result.as_numpy("arrival_time_ns")[0][0]
+
+
+def test_guided_decoding_and_pad_id(triton_server):
+    """``guided_decoding_guide_type`` / ``guided_decoding_guide`` go through pagoda's grammar
+    engine (TensorRT-LLM's guide types); ``pad_id`` is accepted."""
+    inputs = trt_inputs([PROMPT], max_tokens=12, guided_decoding_guide_type=("regex", np.object_),
+                        guided_decoding_guide=("[0-9]{3}-[a-z]{2}", np.object_), pad_id=(0, np.int32),
+                        exclude_input_in_output=(True, bool))
+    text = grpc_infer(triton_server, "ensemble", inputs).as_numpy("text_output")[0][0].decode()
+    assert re.fullmatch("[0-9]{3}-[a-z]{2}", text), text
+    schema = json.dumps({"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"],
+                         "additionalProperties": False})
+    inputs = trt_inputs([PROMPT], max_tokens=40, guided_decoding_guide_type=("json_schema", np.object_),
+                        guided_decoding_guide=(schema, np.object_), exclude_input_in_output=(True, bool))
+    text = grpc_infer(triton_server, "ensemble", inputs).as_numpy("text_output")[0][0].decode()
+    assert isinstance(json.loads(text)["a"], bool)
+
+
+@pytest.mark.parametrize("name, value, dtype, message", [
+    ("beam_width", 2, np.int32, "beam_width: beam search is not supported"),
+    ("length_penalty", 0.5, np.float32, "length_penalty: it applies to beam search"),
+    ("return_context_logits", True, bool, "return_context_logits: pagoda returns no logits"),
+    ("return_generation_logits", True, bool, "return_generation_logits: pagoda returns no logits"),
+    ("decoder_text_input", "x", np.object_, "decoder_text_input: not supported"),
+    ("num_draft_tokens", 2, np.int32, "num_draft_tokens: not supported"),
+    ("guided_decoding_guide_type", "structural_tag", np.object_, "guided_decoding_guide_type: must be one of"),
+    ("lora_task_id", 987654, np.uint64, "987654"),
+])
+def test_inputs_pagoda_cannot_honour_are_refused_by_name(triton_server, name, value, dtype, message):
+    from tritonclient.utils import InferenceServerException
+
+    with pytest.raises(InferenceServerException, match=re.escape(message)):
+        grpc_infer(triton_server, "ensemble", trt_inputs([PROMPT], **{name: (value, dtype)}))
+
+
+def test_http_generate_unknown_key_is_a_400_and_known_inputs_apply(triton_server):
+    """Over HTTP an unknown ``generate`` key arrives as a request parameter: a 400 naming it,
+    never ignored; a key that is an input of the interface (``num_return_sequences``) applies."""
+    status, body = http_post(triton_server, "/v2/models/ensemble/generate",
+                             {"text_input": PROMPT, "max_tokens": 4, "beam_search_fancy": 1})
+    assert status == 400 and "beam_search_fancy" in body["error"]
+    status, body = http_post(triton_server, "/v2/models/ensemble/generate",
+                             {"text_input": PROMPT, "max_tokens": 4, "temperature": 0.0, "num_return_sequences": 2})
+    assert status == 200, body
+    assert len(body["text_output"]) == 2

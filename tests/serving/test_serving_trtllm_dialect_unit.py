@@ -1,0 +1,93 @@
+"""TensorRT-LLM dialect translation without a server (``pagoda.serving.trtllm_dialect``)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from pagoda.serving import trtllm_dialect as dialect
+
+
+def item(**values):
+    arrays = {"text_input": np.array([b"hi"], dtype=np.object_)}
+    for name, value in values.items():
+        arrays[name] = np.array(value if isinstance(value, list) else [value])
+    return arrays
+
+
+def test_split_batch_gives_rows_and_refuses_a_mismatched_batch():
+    inputs = {"text_input": np.array([[b"a"], [b"b"]], dtype=np.object_),
+              "stop_words": np.array([[b"x", b""], [b"y", b"z"]], dtype=np.object_)}
+    items = dialect.split_batch(inputs)
+    assert [i["text_input"].tolist() for i in items] == [[b"a"], [b"b"]]
+    assert items[1]["stop_words"].tolist() == [b"y", b"z"]
+    with pytest.raises(ValueError, match="^max_tokens: batch dimension is 1, text_input's is 2"):
+        dialect.split_batch({**inputs, "max_tokens": np.array([[3]], dtype=np.int32)})
+
+
+def test_sampling_values_map_every_applied_input():
+    values = dialect.sampling_values(item(
+        max_tokens=np.int32(5), min_length=np.int32(2), num_return_sequences=np.int32(2), random_seed=np.uint64(7),
+        top_p=np.float32(0), stop_words=[b"\n", b""], end_id=np.int32(3), pad_id=np.int32(0),
+        lora_task_id=np.uint64(12), return_log_probs=True, guided_decoding_guide_type=b"json",
+        embedding_bias_words=[b"cat"], embedding_bias_weights=[np.float32(-2.0)]))
+    assert values == {"output_dialect": "pagoda", "max_tokens": 5, "min_tokens": 2, "n": 2, "seed": 7,
+                      "stop": ["\n"], "stop_token_ids": [3], "lora_name": "12", "logprobs": 0,
+                      "guided_decoding": {"json_object": True}, "logit_bias_words": {"cat": -2.0}}
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"min_tokens": np.int32(2), "min_length": np.int32(3)}, "min_length: contradicts another input for min_tokens"),
+    ({"embedding_bias_words": [b"a", b"b"], "embedding_bias_weights": [np.float32(1)]},
+     "embedding_bias_weights: 1 weights for 2 embedding_bias_words"),
+    ({"guided_decoding_guide_type": b"regex"}, "guided_decoding_guide: required by guided_decoding_guide_type"),
+    ({"guided_decoding_guide": b"x"}, "guided_decoding_guide: needs guided_decoding_guide_type"),
+    ({"beam_width": np.int32(4)}, "beam_width: beam search is not supported"),
+    ({"lora_weights": np.zeros((1, 1), dtype=np.float16)}, "lora_weights: not supported"),
+])
+def test_bad_inputs_are_refused_naming_them(values, message):
+    with pytest.raises(ValueError, match="^" + message):
+        dialect.sampling_values(item(**values))
+
+
+def test_request_parameters_are_refused_naming_them():
+    dialect.check_request_parameters('{"id": "7"}')
+    with pytest.raises(ValueError, match="^foo: unknown input"):
+        dialect.check_request_parameters(json.dumps({"foo": 1, "id": "x"}))
+
+
+def test_outputs_per_sequence_and_stacked():
+    tensors = {"text_output": np.array([b"ab", b"c"], dtype=np.object_),
+               "cumulative_logprob": np.array([-1.0, -2.0], dtype=np.float32),
+               "logprobs": np.array([json.dumps([{"logprob": -0.5}, {"logprob": -0.5}]).encode(),
+                                     json.dumps([{"logprob": -2.0}]).encode()], dtype=np.object_),
+               "num_input_tokens": np.array([4], dtype=np.uint32), "num_output_tokens": np.array([2, 1], np.uint32)}
+    asked = {"log_probs": True, "perf": False, "num_input_tokens": True, "num_output_tokens": False}
+    one = dialect.to_trtllm_outputs(tensors, asked, batch_index=3, sequence=1)
+    assert one["text_output"].tolist() == [[b"c"]] and one["sequence_index"].tolist() == [[1]]
+    assert one["batch_index"].tolist() == [[3]] and one["output_log_probs"].tolist() == [[[-2.0]]]
+    both = dialect.to_trtllm_outputs(tensors, asked, batch_index=0, sequence=None)
+    assert both["output_log_probs"].tolist() == [[[-0.5, -0.5], [-2.0, 0.0]]]
+    stacked = dialect.stack_items([both, dialect.to_trtllm_outputs(tensors, asked, 1, 0)])
+    assert stacked["text_output"].tolist() == [[b"ab", b"c"], [b"ab", b""]]
+    assert stacked["batch_index"].tolist() == [[0], [1]] and stacked["num_input_tokens"].tolist() == [[4], [4]]
+
+
+def test_kv_cache_metrics_count_whole_blocks():
+    assert dialect.kv_cache_metrics(40, 8, 32, block_size=16) == {
+        "kv_cache_alloc_total_blocks": 3, "kv_cache_reused_blocks": 2, "kv_cache_alloc_new_blocks": 1,
+        "kv_cache_hit_rate": pytest.approx(2 / 3)}
+
+
+def test_configure_fronts_sets_decoupled_and_refuses_other_models(tmp_path):
+    from pagoda.serving.launch.triton_install import default_model_repository
+    import shutil
+
+    repository = shutil.copytree(default_model_repository(), tmp_path / "repo")
+    dialect.configure_fronts(repository, {"tensorrt_llm_bls": True})
+    assert "decoupled: true" in (repository / "tensorrt_llm_bls" / "config.pbtxt").read_text()
+    assert "decoupled: false" in (repository / "ensemble" / "config.pbtxt").read_text()
+    with pytest.raises(ValueError, match="^trtllm_decoupled: 'pagoda' is not a TensorRT-LLM front"):
+        dialect.configure_fronts(repository, {"pagoda": True})
