@@ -160,6 +160,26 @@ def test_decoupled_streaming_deltas_and_sequences(triton_server):
     assert texts[0] and texts[1]
 
 
+def test_unary_requests_do_not_wait_for_each_other(triton_server):
+    """The non-decoupled front answers from each request's own thread, so a short request
+    sent while a long one runs comes back first (no head-of-line blocking in ``execute``)."""
+    import threading
+    import time
+
+    finished = {}
+
+    def run(name, tokens):
+        grpc_infer(triton_server, "ensemble", trt_inputs([PROMPT], max_tokens=tokens, min_length=(tokens, np.int32)))
+        finished[name] = time.monotonic()
+
+    long = threading.Thread(target=run, args=("long", 96))
+    long.start()
+    time.sleep(0.3)
+    run("short", 1)
+    long.join()
+    assert finished["short"] < finished["long"]
+
+
 def test_streaming_needs_the_decoupled_model(triton_server):
     """As TensorRT-LLM with decoupled_mode false: ``stream`` true on ``ensemble`` is a 400 naming it."""
     from tritonclient.utils import InferenceServerException
@@ -225,6 +245,44 @@ def test_guided_decoding_and_pad_id(triton_server):
                         guided_decoding_guide=(schema, np.object_), exclude_input_in_output=(True, bool))
     text = grpc_infer(triton_server, "ensemble", inputs).as_numpy("text_output")[0][0].decode()
     assert isinstance(json.loads(text)["a"], bool)
+
+
+def test_bad_words_and_embedding_bias(triton_server):
+    """``bad_words`` never appear (a banned-sequence logits processor); ``embedding_bias_words`` /
+    ``embedding_bias_weights`` are the ``logit_bias`` of each word's tokens, as TensorRT-LLM's
+    preprocessing builds its embedding bias."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(triton_server.options.model)
+    expected = pagoda_text(triton_server, PROMPT)
+    word = expected.split()[0].strip(".,")
+    inputs = trt_inputs([PROMPT], bad_words=([word, ""], np.object_), exclude_input_in_output=(True, bool))
+    banned = grpc_infer(triton_server, "ensemble", inputs).as_numpy("text_output")[0][0].decode()
+    assert word in expected and word not in banned, (expected, banned)
+    bias_tokens = tokenizer.encode("banana", add_special_tokens=False)
+    inputs = trt_inputs([PROMPT], embedding_bias_words=(["banana"], np.object_),
+                        embedding_bias_weights=([30.0], np.float32), exclude_input_in_output=(True, bool))
+    biased = grpc_infer(triton_server, "ensemble", inputs).as_numpy("text_output")[0][0].decode()
+    assert biased == pagoda_text(triton_server, PROMPT, logit_bias={str(t): 30.0 for t in bias_tokens})
+    assert biased != expected
+
+
+def test_lora_task_id_picks_the_adapter_loaded_under_that_number(triton_server, smollm2_lora):
+    """TensorRT-LLM's ``lora_task_id`` names a cached adapter; pagoda's adapters have names, so task
+    7 is the adapter loaded as "7" (here at run time, the session adapter ``sql``'s folder)."""
+    from pagoda.serving.launch.lora_cli import lora_control
+
+    url = f"http://{triton_server.http_url}"
+    lora_control(url, "load", "7", smollm2_lora)
+    try:
+        inputs = trt_inputs([PROMPT], lora_task_id=(7, np.uint64), exclude_input_in_output=(True, bool))
+        text = grpc_infer(triton_server, "ensemble", inputs).as_numpy("text_output")[0][0].decode()
+        status, body = http_post(triton_server, "/v2/models/pagoda/generate",
+                                 {"text_input": PROMPT, "exclude_input_in_output": True, "sampling_parameters":
+                                  json.dumps({"temperature": 0, "max_tokens": 8, "lora_name": "sql"})})
+        assert status == 200 and text == body["text_output"] != pagoda_text(triton_server, PROMPT)
+    finally:
+        lora_control(url, "unload", "7")
 
 
 @pytest.mark.parametrize("name, value, dtype, message", [

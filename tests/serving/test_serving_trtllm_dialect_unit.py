@@ -32,16 +32,28 @@ def test_sampling_values_map_every_applied_input():
         max_tokens=np.int32(5), min_length=np.int32(2), num_return_sequences=np.int32(2), random_seed=np.uint64(7),
         top_p=np.float32(0), stop_words=[b"\n", b""], end_id=np.int32(3), pad_id=np.int32(0),
         lora_task_id=np.uint64(12), return_log_probs=True, guided_decoding_guide_type=b"json",
-        embedding_bias_words=[b"cat"], embedding_bias_weights=[np.float32(-2.0)]))
+        bad_words=[b"darn", b""]))
     assert values == {"output_dialect": "pagoda", "max_tokens": 5, "min_tokens": 2, "n": 2, "seed": 7,
-                      "stop": ["\n"], "stop_token_ids": [3], "lora_name": "12", "logprobs": 0,
-                      "guided_decoding": {"json_object": True}, "logit_bias_words": {"cat": -2.0}}
+                      "stop": ["\n"], "bad_words": ["darn"], "stop_token_ids": [3], "lora_name": "12", "logprobs": 0,
+                      "guided_decoding": {"json_object": True}}
+
+
+def test_embedding_bias_goes_to_pagodas_model_as_tensors():
+    """pagoda's model reads the words with its tokenizer (``triton_io``); the front holds none."""
+    words = np.array([b"cat", b"dog"], dtype=np.object_)
+    inputs = dialect.to_pagoda_inputs(item(embedding_bias_words=words, embedding_bias_weights=[np.float32(1)] * 2),
+                                      decoupled=False)
+    assert inputs["embedding_bias_words"].tolist() == [b"cat", b"dog"]
+    assert inputs["embedding_bias_weights"].tolist() == [1.0, 1.0]
+    assert dialect.embedding_bias(["ab", "b"], [1.0, 2.0], {"ab": [1, 2], "b": [2]}.__getitem__) == {1: 1.0, 2: 3.0}
+    with pytest.raises(ValueError, match="^embedding_bias_weights: 1 weights for 2 embedding_bias_words"):
+        dialect.embedding_bias(["a", "b"], [1.0], {"a": [1], "b": [2]}.__getitem__)
+    with pytest.raises(ValueError, match=r"^embedding_bias_weights: a token's summed bias must lie in \[-100, 100\]"):
+        dialect.embedding_bias(["a", "a"], [60.0, 60.0], {"a": [1]}.__getitem__)
 
 
 @pytest.mark.parametrize("values, message", [
     ({"min_tokens": np.int32(2), "min_length": np.int32(3)}, "min_length: contradicts another input for min_tokens"),
-    ({"embedding_bias_words": [b"a", b"b"], "embedding_bias_weights": [np.float32(1)]},
-     "embedding_bias_weights: 1 weights for 2 embedding_bias_words"),
     ({"guided_decoding_guide_type": b"regex"}, "guided_decoding_guide: required by guided_decoding_guide_type"),
     ({"guided_decoding_guide": b"x"}, "guided_decoding_guide: needs guided_decoding_guide_type"),
     ({"beam_width": np.int32(4)}, "beam_width: beam search is not supported"),
@@ -91,3 +103,19 @@ def test_configure_fronts_sets_decoupled_and_refuses_other_models(tmp_path):
     assert "decoupled: false" in (repository / "ensemble" / "config.pbtxt").read_text()
     with pytest.raises(ValueError, match="^trtllm_decoupled: 'pagoda' is not a TensorRT-LLM front"):
         dialect.configure_fronts(repository, {"pagoda": True})
+
+
+def test_the_routers_http_door_knows_every_input_of_pagodas_model():
+    """One vocabulary: a generate body the replica accepts, the router's HTTP door accepts
+    (the embedding-bias inputs the TensorRT-LLM fronts forward included)."""
+    import re
+
+    from pagoda.fleet.gate.limits import GENERATE_INPUTS, LimitError, RequestLimits, validate_generate_body
+    from pagoda.serving.launch.triton_install import default_model_repository
+
+    config = (default_model_repository() / "pagoda" / "config.pbtxt").read_text()
+    assert set(re.findall(r'\{ name: "(\w+)"', config.split("output [")[0])) == set(GENERATE_INPUTS)
+    body = {"text_input": "Hi", "bad_words": ["darn"], "embedding_bias_words": ["cat"], "embedding_bias_weights": [2]}
+    assert validate_generate_body(json.dumps(body).encode(), RequestLimits())["embedding_bias_weights"] == [2]
+    with pytest.raises(LimitError, match="^embedding_bias_weights: must be a number or a list of numbers"):
+        validate_generate_body(json.dumps({**body, "embedding_bias_weights": ["x"]}).encode(), RequestLimits())

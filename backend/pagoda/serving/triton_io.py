@@ -19,7 +19,10 @@ Inputs (all optional but ``text_input``):
 - TensorRT-LLM style scalars: ``max_tokens``, ``min_tokens``, ``temperature``, ``top_k``,
   ``top_p``, ``seed`` (or ``random_seed``), ``repetition_penalty``, ``presence_penalty``,
   ``frequency_penalty``, ``stop_words`` (STRING list; empty strings ignored), ``end_id``
-  (an extra stop token id), ``bad_words`` (must be empty) and ``beam_width`` (must be 1).
+  (an extra stop token id), ``bad_words`` (STRING list: vLLM's ``bad_words``, sequences
+  never generated), ``embedding_bias_words`` / ``embedding_bias_weights`` (each word's
+  tokens get its weight as a ``logit_bias``, as TensorRT-LLM's preprocessing builds its
+  embedding bias; needs ``encode``) and ``beam_width`` (must be 1).
 
 Precedence: a scalar input wins over the same key in ``sampling_parameters`` (it is the
 more specific, per-tensor statement; TensorRT-LLM clients never send the JSON).
@@ -57,6 +60,7 @@ from pagoda.contracts.errors import TRITON_CODES, ErrorKind, TritonCode, triton_
 from pagoda.engine.core.admission import check_timeout, is_admission_error
 from pagoda.engine.outputs import RequestOutput
 from pagoda.engine.sampling_params import SamplingParams
+from pagoda.serving.trtllm_dialect import embedding_bias
 from pagoda.serving.vllm_dialect import (apply_structured_outputs, finish_reason_text,
                                          logprobs_text, merge_parameters, read_request_parameters,
                                          read_sampling_json, split_values)
@@ -94,7 +98,7 @@ GetInput = Callable[[str], Optional[np.ndarray]]
 
 # Every input of a generation request (config.pbtxt), so a control request can refuse them.
 GENERATION_INPUTS = ("text_input", "sampling_parameters", *FLAG_INPUTS, *SCALAR_INPUTS, "stop_words", "bad_words",
-                     "end_id", "beam_width")
+                     "end_id", "beam_width", "embedding_bias_words", "embedding_bias_weights")
 LORA_ACTIONS = ("load", "unload", "list")
 
 
@@ -149,7 +153,8 @@ class Response:
 
 
 # ------------------------------------------------------------------------ parsing
-def parse_request(get_input: GetInput, parameters: Any = None, output_dialect: str = "pagoda") -> ParsedRequest:
+def parse_request(get_input: GetInput, parameters: Any = None, output_dialect: str = "pagoda",
+                  encode: Optional[Callable[[str], list[int]]] = None) -> ParsedRequest:
     """Read and validate one request's inputs.
 
     Args:
@@ -158,6 +163,8 @@ def parse_request(get_input: GetInput, parameters: Any = None, output_dialect: s
             sampling parameters (``vllm_dialect``); ``None``: none.
         output_dialect: the model's default shape of ``logprobs`` and ``finish_reason``
             (``vllm_dialect.OUTPUT_DIALECTS``); the ``output_dialect`` request option wins.
+        encode: text -> token ids without special tokens (the embedding bias's words);
+            ``None``: ``embedding_bias_words`` is refused.
 
     Returns:
         The parsed request.
@@ -175,6 +182,7 @@ def parse_request(get_input: GetInput, parameters: Any = None, output_dialect: s
     values, options = merge_parameters(values, extra_values), merge_parameters(options, extra_options)
     values.update(_read_scalars(get_input))
     _apply_trtllm_words(get_input, values)
+    _apply_embedding_bias(get_input, values, encode)
     apply_structured_outputs(values)
     if values.pop("prompt_logprobs", None) is not None:
         raise ValueError("prompt_logprobs: not supported: pagoda's engine computes the log-probabilities of "
@@ -312,7 +320,7 @@ def _apply_trtllm_words(get_input: GetInput, values: dict[str, Any]) -> None:
         values["stop"] = _strings(stop_words)
     bad_words = get_input("bad_words")
     if bad_words is not None and _strings(bad_words):
-        raise ValueError("bad_words: not supported by pagoda; send an empty list or omit it")
+        values["bad_words"] = _strings(bad_words)
     beam_width = get_input("beam_width")
     if beam_width is not None and (beam_width.size != 1 or int(beam_width.reshape(-1)[0]) != 1):
         raise ValueError("beam_width: beam search is not supported; only 1 is accepted (use n for parallel samples)")
@@ -324,6 +332,21 @@ def _apply_trtllm_words(get_input: GetInput, values: dict[str, Any]) -> None:
         if not isinstance(stop_ids, list):
             raise ValueError(f"stop_token_ids: must be a list of integers, got {stop_ids!r}")
         values["stop_token_ids"] = [*stop_ids, int(end_id.reshape(-1)[0])]
+
+
+def _apply_embedding_bias(get_input: GetInput, values: dict[str, Any],
+                          encode: Optional[Callable[[str], list[int]]]) -> None:
+    words, weights = get_input("embedding_bias_words"), get_input("embedding_bias_weights")
+    words = [] if words is None else _strings(words)
+    weights = [] if weights is None else [float(w) for w in weights.reshape(-1)]
+    if not words and not weights:
+        return
+    if encode is None:
+        raise ValueError("embedding_bias_words: this model has no tokenizer to read the words with")
+    bias = embedding_bias(words, weights, encode)
+    for token_id, weight in (values.get("logit_bias") or {}).items():  # both given: they add up
+        bias[int(token_id)] = bias.get(int(token_id), 0.0) + float(weight)
+    values["logit_bias"] = bias
 
 
 # ---------------------------------------------------------------------- responses

@@ -28,7 +28,7 @@ import json
 import math
 import re
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -167,13 +167,6 @@ def sampling_values(item: Item) -> dict[str, Any]:
     end_id = _one("end_id", item)
     if end_id is not None:
         values["stop_token_ids"] = [int(end_id)]
-    bias_words, weights = _words("embedding_bias_words", item), item.get("embedding_bias_weights")
-    weights = [] if weights is None else [float(w) for w in weights.reshape(-1)]
-    if len(bias_words) != len(weights):
-        raise ValueError(f"embedding_bias_weights: {len(weights)} weights for {len(bias_words)} "
-                         "embedding_bias_words (give one weight per word)")
-    if bias_words:
-        values["logit_bias_words"] = dict(zip(bias_words, weights))
     task = _one("lora_task_id", item)
     if task is not None:
         values["lora_name"] = str(task)  # the adapter loaded under that name (docs/serving.md)
@@ -183,6 +176,25 @@ def sampling_values(item: Item) -> dict[str, Any]:
     if _one("return_log_probs", item):
         values["logprobs"] = 0
     return values
+
+
+def embedding_bias(words: list[str], weights: list[float], encode: Callable[[str], list[int]]) -> dict[int, float]:
+    """TensorRT-LLM's embedding bias as a ``logit_bias``: every token of each word gets the
+    word's weight (summed where words share a token), as its preprocessing model builds it.
+
+    Raises:
+        ValueError: not one weight per word, or a summed bias outside [-100, 100].
+    """
+    if len(words) != len(weights):
+        raise ValueError(f"embedding_bias_weights: {len(weights)} weights for {len(words)} "
+                         "embedding_bias_words (give one weight per word)")
+    bias: dict[int, float] = {}
+    for word, weight in zip(words, weights):
+        for token_id in encode(word):
+            bias[token_id] = bias.get(token_id, 0.0) + weight
+    if any(not -100.0 <= value <= 100.0 for value in bias.values()):
+        raise ValueError("embedding_bias_weights: a token's summed bias must lie in [-100, 100]")
+    return bias
 
 
 def to_pagoda_inputs(item: Item, decoupled: bool) -> dict[str, np.ndarray]:
@@ -203,6 +215,9 @@ def to_pagoda_inputs(item: Item, decoupled: bool) -> dict[str, np.ndarray]:
               "return_logprobs": np.array([bool(_one("return_log_probs", item))]),
               "return_num_input_tokens": np.array([True]), "return_num_output_tokens": np.array([True]),
               "return_num_cached_tokens": np.array([perf])}
+    for name in ("embedding_bias_words", "embedding_bias_weights"):  # pagoda's model tokenizes the words
+        if name in item:
+            inputs[name] = item[name].reshape(-1)
     return inputs
 
 

@@ -53,6 +53,7 @@ GENERATE_INPUTS: dict[str, str] = {
     "temperature": "number", "top_p": "number", "repetition_penalty": "number", "presence_penalty": "number",
     "frequency_penalty": "number",
     "stop_words": "strings", "bad_words": "strings", "lora_name": "string",
+    "embedding_bias_words": "strings", "embedding_bias_weights": "numbers",
     "lora_action": "string", "lora_path": "string",  # a LoRA control request (http_api answers it)
 }
 GENERATE_PARAMETERS = ("traceparent",)  # top-level keys that are request parameters, not inputs
@@ -210,6 +211,10 @@ def _check_input(name: str, kind: str, value: Any) -> Any:
     elif kind == "number":
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise LimitError(f"{name}: must be a number, got {json.dumps(value)}", name)
+    elif kind == "numbers":
+        if not all(isinstance(item, (int, float)) and not isinstance(item, bool)
+                   for item in (value if isinstance(value, list) else [value])):
+            raise LimitError(f"{name}: must be a number or a list of numbers", name)
     elif kind == "strings":
         items = value if isinstance(value, list) else [value]
         if not all(isinstance(item, str) for item in items):
