@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import queue
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -312,3 +313,29 @@ def test_http_generate_unknown_key_is_a_400_and_known_inputs_apply(triton_server
                              {"text_input": PROMPT, "max_tokens": 4, "temperature": 0.0, "num_return_sequences": 2})
     assert status == 200, body
     assert len(body["text_output"]) == 2
+
+
+@pytest.mark.parametrize("name", ["genai_perf_tensorrtllm_inputs.json", "genai_perf_tensorrtllm_streaming_inputs.json"])
+def test_genai_perf_output_tokens_mean_deterministic(triton_server, name):
+    """genai-perf 0.0.16 ``profile --endpoint-type kserve --backend tensorrtllm
+    --output-tokens-mean 12 --output-tokens-mean-deterministic`` (``--streaming`` for the second
+    file) sends perf_analyzer these inputs, committed as it wrote them; each entry, sent as
+    perf_analyzer sends it (``[1, ...]`` tensors to the entry's model), answers exactly 12
+    tokens, counted as genai-perf counts them (the tokenizer over the text). ``min_length`` is
+    what holds generation to the length (docs/benchmarks.md shows the run)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(triton_server.options.model)
+    entries = json.loads((Path(__file__).parent.parent / "data" / name).read_text())["data"]
+    assert all(entry["min_length"] == entry["max_tokens"] == [12] for entry in entries)
+    for entry in entries:
+        model = entry.pop("model")
+        inputs = {key: np.array([value], dtype=np.object_ if isinstance(value[0], str) else
+                                bool if isinstance(value[0], bool) else np.int32) for key, value in entry.items()}
+        if model == "ensemble":
+            text = grpc_infer(triton_server, model, inputs).as_numpy("text_output")[0][0].decode()
+        else:
+            results, errors = grpc_stream(triton_server, model, inputs)
+            assert not errors and len(results) > 1
+            text = "".join(r.as_numpy("text_output")[0][0].decode() for r in results)
+        assert len(tokenizer.encode(text, add_special_tokens=False)) == 12, text
