@@ -121,10 +121,10 @@ def test_unary_infer_with_batch_dimension_on_grpc_and_http(triton_server):
     expected = pagoda_text(triton_server, PROMPT)
     for infer in (grpc_infer, http_infer):
         result = infer(triton_server, "ensemble", trt_inputs([PROMPT]))
-        assert result.as_numpy("text_output").shape == (1, 1)
-        assert result.as_numpy("text_output")[0][0].decode() == PROMPT + expected
+        assert result.as_numpy("text_output").shape == (1,)  # flat, as TensorRT-LLM's postprocessing sends it
+        assert result.as_numpy("text_output")[0].decode() == PROMPT + expected
     result = grpc_infer(triton_server, "ensemble", trt_inputs([PROMPT], exclude_input_in_output=(True, bool)))
-    assert result.as_numpy("text_output")[0][0].decode() == expected
+    assert result.as_numpy("text_output")[0].decode() == expected
 
 
 def test_batch_of_two_is_two_requests_in_batch_order(triton_server):
@@ -134,12 +134,12 @@ def test_batch_of_two_is_two_requests_in_batch_order(triton_server):
     inputs = trt_inputs(prompts, exclude_input_in_output=(True, bool))
     result = grpc_infer(triton_server, "ensemble", inputs,
                         outputs=("text_output", "batch_index"))
-    assert [row[0].decode() for row in result.as_numpy("text_output")] == expected
+    assert [text.decode() for text in result.as_numpy("text_output")] == expected
     assert result.as_numpy("batch_index").tolist() == [[0], [1]]
     # The decoupled model answers each item separately, labelled with its batch_index.
     results, errors = grpc_stream(triton_server, "tensorrt_llm_bls", inputs)
     assert not errors
-    by_item = {int(r.as_numpy("batch_index")[0][0]): r.as_numpy("text_output")[0][0].decode() for r in results}
+    by_item = {int(r.as_numpy("batch_index")[0][0]): r.as_numpy("text_output")[0].decode() for r in results}
     assert by_item == {0: expected[0], 1: expected[1]}
 
 
@@ -150,14 +150,14 @@ def test_decoupled_streaming_deltas_and_sequences(triton_server):
     inputs = trt_inputs([PROMPT], stream=(True, bool), exclude_input_in_output=(True, bool))
     results, errors = grpc_stream(triton_server, "tensorrt_llm_bls", inputs)
     assert not errors and len(results) > 1
-    assert "".join(r.as_numpy("text_output")[0][0].decode() for r in results) == expected
+    assert "".join(r.as_numpy("text_output")[0].decode() for r in results) == expected
     inputs = trt_inputs([PROMPT], stream=(True, bool), num_return_sequences=(2, np.int32))
     inputs["temperature"] = batch([1.0], np.float32)
     results, errors = grpc_stream(triton_server, "tensorrt_llm_bls", inputs)
     assert not errors
     texts = {0: "", 1: ""}
     for r in results:
-        texts[int(r.as_numpy("sequence_index")[0][0])] += r.as_numpy("text_output")[0][0].decode()
+        texts[int(r.as_numpy("sequence_index")[0][0])] += r.as_numpy("text_output")[0].decode()
     assert texts[0] and texts[1]
 
 
@@ -209,7 +209,7 @@ def test_min_length_and_min_tokens_hold_generation_past_end_id(triton_server):
 
 def test_log_probs_sequences_and_perf_metrics(triton_server):
     """``return_log_probs`` -> ``cum_log_probs`` (the sum of ``output_log_probs``); unary
-    ``num_return_sequences`` 2 -> ``[1, 2]`` texts; ``return_perf_metrics`` -> KV-cache blocks,
+    ``num_return_sequences`` 2 -> 2 texts; ``return_perf_metrics`` -> KV-cache blocks,
     with the repeated prompt's blocks reused from the prefix cache."""
     names = ("text_output", "cum_log_probs", "output_log_probs")
     result = grpc_infer(triton_server, "ensemble", trt_inputs([PROMPT], return_log_probs=(True, bool)), names)
@@ -218,7 +218,7 @@ def test_log_probs_sequences_and_perf_metrics(triton_server):
     assert result.as_numpy("cum_log_probs")[0][0] == pytest.approx(per_token.sum(), abs=1e-3)
     result = grpc_infer(triton_server, "ensemble", trt_inputs([PROMPT], num_return_sequences=(2, np.int32)),
                         ("text_output", "sequence_index"))
-    assert result.as_numpy("text_output").shape == (1, 2) and result.as_numpy("sequence_index").tolist() == [[0, 1]]
+    assert result.as_numpy("text_output").shape == (2,) and result.as_numpy("sequence_index").tolist() == [[0, 1]]
     long_prompt = "Tell me a story about a lighthouse keeper. " * 6
     perf = ("kv_cache_reused_blocks", "kv_cache_alloc_total_blocks", "kv_cache_alloc_new_blocks", "kv_cache_hit_rate",
             "arrival_time_ns", "last_token_time_ns")
@@ -238,13 +238,13 @@ def test_guided_decoding_and_pad_id(triton_server):
     inputs = trt_inputs([PROMPT], max_tokens=12, guided_decoding_guide_type=("regex", np.object_),
                         guided_decoding_guide=("[0-9]{3}-[a-z]{2}", np.object_), pad_id=(0, np.int32),
                         exclude_input_in_output=(True, bool))
-    text = grpc_infer(triton_server, "ensemble", inputs).as_numpy("text_output")[0][0].decode()
+    text = grpc_infer(triton_server, "ensemble", inputs).as_numpy("text_output")[0].decode()
     assert re.fullmatch("[0-9]{3}-[a-z]{2}", text), text
     schema = json.dumps({"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"],
                          "additionalProperties": False})
     inputs = trt_inputs([PROMPT], max_tokens=40, guided_decoding_guide_type=("json_schema", np.object_),
                         guided_decoding_guide=(schema, np.object_), exclude_input_in_output=(True, bool))
-    text = grpc_infer(triton_server, "ensemble", inputs).as_numpy("text_output")[0][0].decode()
+    text = grpc_infer(triton_server, "ensemble", inputs).as_numpy("text_output")[0].decode()
     assert isinstance(json.loads(text)["a"], bool)
 
 
@@ -258,12 +258,12 @@ def test_bad_words_and_embedding_bias(triton_server):
     expected = pagoda_text(triton_server, PROMPT)
     word = expected.split()[0].strip(".,")
     inputs = trt_inputs([PROMPT], bad_words=([word, ""], np.object_), exclude_input_in_output=(True, bool))
-    banned = grpc_infer(triton_server, "ensemble", inputs).as_numpy("text_output")[0][0].decode()
+    banned = grpc_infer(triton_server, "ensemble", inputs).as_numpy("text_output")[0].decode()
     assert word in expected and word not in banned, (expected, banned)
     bias_tokens = tokenizer.encode("banana", add_special_tokens=False)
     inputs = trt_inputs([PROMPT], embedding_bias_words=(["banana"], np.object_),
                         embedding_bias_weights=([30.0], np.float32), exclude_input_in_output=(True, bool))
-    biased = grpc_infer(triton_server, "ensemble", inputs).as_numpy("text_output")[0][0].decode()
+    biased = grpc_infer(triton_server, "ensemble", inputs).as_numpy("text_output")[0].decode()
     assert biased == pagoda_text(triton_server, PROMPT, logit_bias={str(t): 30.0 for t in bias_tokens})
     assert biased != expected
 
@@ -277,7 +277,7 @@ def test_lora_task_id_picks_the_adapter_loaded_under_that_number(triton_server, 
     lora_control(url, "load", "7", smollm2_lora)
     try:
         inputs = trt_inputs([PROMPT], lora_task_id=(7, np.uint64), exclude_input_in_output=(True, bool))
-        text = grpc_infer(triton_server, "ensemble", inputs).as_numpy("text_output")[0][0].decode()
+        text = grpc_infer(triton_server, "ensemble", inputs).as_numpy("text_output")[0].decode()
         status, body = http_post(triton_server, "/v2/models/pagoda/generate",
                                  {"text_input": PROMPT, "exclude_input_in_output": True, "sampling_parameters":
                                   json.dumps({"temperature": 0, "max_tokens": 8, "lora_name": "sql"})})
@@ -333,9 +333,9 @@ def test_genai_perf_output_tokens_mean_deterministic(triton_server, name):
         inputs = {key: np.array([value], dtype=np.object_ if isinstance(value[0], str) else
                                 bool if isinstance(value[0], bool) else np.int32) for key, value in entry.items()}
         if model == "ensemble":
-            text = grpc_infer(triton_server, model, inputs).as_numpy("text_output")[0][0].decode()
+            text = grpc_infer(triton_server, model, inputs).as_numpy("text_output")[0].decode()
         else:
             results, errors = grpc_stream(triton_server, model, inputs)
             assert not errors and len(results) > 1
-            text = "".join(r.as_numpy("text_output")[0][0].decode() for r in results)
+            text = "".join(r.as_numpy("text_output")[0].decode() for r in results)
         assert len(tokenizer.encode(text, add_special_tokens=False)) == 12, text

@@ -78,12 +78,14 @@ def test_outputs_per_sequence_and_stacked():
                "num_input_tokens": np.array([4], dtype=np.uint32), "num_output_tokens": np.array([2, 1], np.uint32)}
     asked = {"log_probs": True, "perf": False, "num_input_tokens": True, "num_output_tokens": False}
     one = dialect.to_trtllm_outputs(tensors, asked, batch_index=3, sequence=1)
-    assert one["text_output"].tolist() == [[b"c"]] and one["sequence_index"].tolist() == [[1]]
+    assert one["text_output"].tolist() == [b"c"] and one["sequence_index"].tolist() == [[1]]
     assert one["batch_index"].tolist() == [[3]] and one["output_log_probs"].tolist() == [[[-2.0]]]
     both = dialect.to_trtllm_outputs(tensors, asked, batch_index=0, sequence=None)
     assert both["output_log_probs"].tolist() == [[[-0.5, -0.5], [-2.0, 0.0]]]
-    stacked = dialect.stack_items([both, dialect.to_trtllm_outputs(tensors, asked, 1, 0)])
-    assert stacked["text_output"].tolist() == [[b"ab", b"c"], [b"ab", b""]]
+    stacked = dialect.stack_items([both, dialect.to_trtllm_outputs({**tensors, "logprobs": tensors["logprobs"][::-1]},
+                                                                   asked, 1, None)])
+    assert stacked["text_output"].tolist() == [b"ab", b"c", b"ab", b"c"]  # flat [B * n]
+    assert stacked["output_log_probs"].tolist() == [[[-0.5, -0.5], [-2.0, 0.0]], [[-2.0, 0.0], [-0.5, -0.5]]]
     assert stacked["batch_index"].tolist() == [[0], [1]] and stacked["num_input_tokens"].tolist() == [[4], [4]]
 
 

@@ -19,7 +19,8 @@ Invariants:
 - a request parameter (an HTTP ``generate`` key that is not an input) is refused, naming it:
   TensorRT-LLM's models read none;
 - outputs carry a batch dimension: one row per item (``batch_index``), one response per
-  sequence when decoupled (``sequence_index``), ``[B, n]`` when not.
+  sequence when decoupled (``sequence_index``), ``[B, n]`` when not; ``text_output`` alone is
+  flat (``[B * n]``), as TensorRT-LLM's postprocessing model sends it.
 """
 
 from __future__ import annotations
@@ -230,14 +231,16 @@ def requested(item: Item) -> dict[str, bool]:
 
 def to_trtllm_outputs(tensors: dict[str, np.ndarray], asked: dict[str, bool], batch_index: int,
                       sequence: Optional[int], perf: Optional[dict[str, Any]] = None) -> Item:
-    """TensorRT-LLM outputs (with a leading batch dimension of 1) from one pagoda response.
+    """TensorRT-LLM outputs of one batch item from one pagoda response.
 
     ``sequence``: the one completion this response carries (decoupled: one response per
-    sequence), or ``None`` for all of them (``[1, n]``).
+    sequence), or ``None`` for all of them. ``text_output`` is flat (``[n]``), as
+    TensorRT-LLM's postprocessing model sends it and its clients read it (``output[0]``);
+    the others have a leading batch dimension of 1, as its C++ backend sends them.
     """
     pick = (lambda a: a[sequence:sequence + 1]) if sequence is not None else (lambda a: a)
     texts = pick(tensors["text_output"])
-    out = {"text_output": texts.reshape(1, -1),
+    out = {"text_output": texts.reshape(-1),
            "batch_index": np.array([[batch_index]], dtype=np.int32),
            "sequence_index": np.array([[sequence]] if sequence is not None else [list(range(texts.size))],
                                       dtype=np.int32)}
@@ -275,8 +278,8 @@ def kv_cache_metrics(num_input_tokens: int, num_output_tokens: int, num_cached_t
 
 
 def stack_items(items: list[Item]) -> Item:
-    """One non-decoupled response from the items' outputs (rows in batch order; ragged
-    ``output_log_probs`` padded with 0.0, text with empty strings)."""
+    """One non-decoupled response from the items' outputs, in batch order (``text_output``
+    flat; ragged ``output_log_probs`` padded with 0.0)."""
     out: Item = {}
     for name in items[0]:
         arrays = [item[name] for item in items]

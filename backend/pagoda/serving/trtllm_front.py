@@ -10,7 +10,7 @@ inputs and outputs are translated by ``trtllm_dialect``.
   responses arrive, each with ``batch_index`` / ``sequence_index``; then an empty final
   response. A cancelled client request cancels its BLS requests.
 - non-decoupled front (``decoupled: false``, TensorRT-LLM's ``decoupled_mode: false``):
-  unary ``infer()`` gets one response holding every item's whole answer (``[B, n]``),
+  unary ``infer()`` gets one response holding every item's whole answer (texts ``[B * n]``),
   sent with the FINAL flag through the response sender (allowed in default mode), so
   ``execute`` returns at once and requests never wait for each other.
 
