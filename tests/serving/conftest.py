@@ -30,7 +30,8 @@ def triton_server(tmp_path_factory, smollm2_lora, kv_events_ports):
     (``--kv-events-config``, on ``kv_events_ports``) and the vLLM backend's output shapes
     (``--output-dialect vllm``: per-token logprobs objects, finish_reason "None"); of the
     TensorRT-LLM fronts, ``ensemble`` is unary (the shipped ``decoupled: false``) and
-    ``tensorrt_llm_bls`` decoupled (``--trtllm-decoupled``), so both modes are served."""
+    ``tensorrt_llm_bls`` and the LLM-API model ``tensorrt_llm`` decoupled
+    (``--trtllm-decoupled``), so both modes are served."""
     log_path = tmp_path_factory.mktemp("tritonserver") / "server.log"
     pub_port, replay_port = kv_events_ports
     kv_events = json.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://*:{pub_port}",
@@ -40,7 +41,7 @@ def triton_server(tmp_path_factory, smollm2_lora, kv_events_ports):
                            engine_args={"enable_lora": "true", "lora_modules": f"sql={smollm2_lora}",
                                         "allow_runtime_lora": "true", "kv_events_config": kv_events,
                                         "output_dialect": "vllm"},
-                           trtllm_decoupled={"tensorrt_llm_bls": True})
+                           trtllm_decoupled={"tensorrt_llm_bls": True, "tensorrt_llm": True})
     with TritonServer(options, log_path=str(log_path)) as server:
         yield server
     assert server.process is None

@@ -188,6 +188,14 @@ def test_n_completions_become_one_element_each():
     assert response.tensors["finish_reason"].tolist() == [b"length", b"stop"]
 
 
+def test_stop_reason_is_the_stop_string_or_token_id_as_text():
+    """``return_stop_reason`` (TensorRT-LLM's LLM API): ``str()`` of what ended each completion."""
+    parsed = parse_request(inputs(text_input="Say:", return_stop_reason=True))
+    output = _output(True, ["x", "y"], ["x", "y"], [[1], [2]], [[1], [2]], ["stop", "length"])
+    output.outputs[0].stop_reason = "\n"
+    assert make_response(parsed, output).tensors["stop_reason"].tolist() == [b"\n", b"None"]
+
+
 def test_logprob_outputs():
     parsed = parse_request(inputs(text_input="Say:", stream=True, return_logprobs=True,
                                   return_cumulative_logprob=True))

@@ -90,7 +90,10 @@ def grpc_stream(server, model, inputs, outputs=("text_output", "batch_index", "s
                                   enable_empty_final_response=True)
         out, errors = [], []
         while True:
-            result, error = results.get(timeout=120)
+            try:  # an error sent with the final flag is the request's last word
+                result, error = results.get(timeout=3 if errors else 120)
+            except queue.Empty:
+                return out, errors
             if error is not None:
                 errors.append(str(error))
                 continue
@@ -339,3 +342,73 @@ def test_genai_perf_output_tokens_mean_deterministic(triton_server, name):
             assert not errors and len(results) > 1
             text = "".join(r.as_numpy("text_output")[0].decode() for r in results)
         assert len(tokenizer.encode(text, add_special_tokens=False)) == 12, text
+
+
+# ------------------------------------------------------------------ the LLM-API dialect
+def llmapi_inputs(prompt, **extra):
+    """What a client of TensorRT-LLM's LLM-API ``tensorrt_llm`` model sends (no batch dimension)."""
+    inputs = {"text_input": np.array([prompt.encode()], dtype=np.object_),
+              "sampling_param_temperature": np.array([0.0], dtype=np.float32),
+              "sampling_param_max_tokens": np.array([8], dtype=np.int32)}
+    for name, (value, dtype) in extra.items():
+        inputs[name] = np.array(value if isinstance(value, list) else [value], dtype=dtype)
+    return inputs
+
+
+def test_llmapi_streaming_text_is_cumulative_and_reasons_are_strings(triton_server):
+    """``tensorrt_llm`` (decoupled here): ``streaming`` responses carry the text so far (the LLM
+    API's ``CompletionOutput.text``), the last equal to the one-response answer; ``finish_reason``
+    and ``stop_reason`` are ``str()`` of its values; the prompt is in front unless
+    ``sampling_param_exclude_input_from_output``."""
+    expected = pagoda_text(triton_server, PROMPT)
+    outputs = ("text_output", "finish_reason", "stop_reason", "cumulative_logprob")
+    flags = dict(return_finish_reason=(True, bool), return_stop_reason=(True, bool),
+                 return_cumulative_logprob=(True, bool))
+    results, errors = grpc_stream(triton_server, "tensorrt_llm", llmapi_inputs(PROMPT, streaming=(True, bool),
+                                  sampling_param_exclude_input_from_output=(True, bool), **flags), outputs)
+    assert not errors and len(results) > 1
+    texts = [r.as_numpy("text_output")[0].decode() for r in results]
+    assert all(later.startswith(earlier) for earlier, later in zip(texts, texts[1:])) and texts[-1] == expected
+    assert [r.as_numpy("finish_reason")[0].decode() for r in results][:-1] == ["None"] * (len(results) - 1)
+    assert results[-1].as_numpy("finish_reason")[0].decode() in ("stop", "length")
+    results, errors = grpc_stream(triton_server, "tensorrt_llm", llmapi_inputs(
+        PROMPT, sampling_param_stop=([expected.split()[1]], np.object_), **flags), outputs)
+    assert not errors and len(results) == 1
+    assert results[0].as_numpy("text_output")[0].decode().startswith(PROMPT)
+    assert results[0].as_numpy("finish_reason")[0].decode() == "stop"
+    assert results[0].as_numpy("stop_reason")[0].decode() == expected.split()[1]
+
+
+def test_llmapi_stop_request_cancels_by_request_id_and_refusals_name_the_input(triton_server):
+    """A request with ``stop`` true cancels the requests carrying its request id (each ends with
+    "Request cancelled by client", as TensorRT-LLM answers); inputs pagoda cannot honour are
+    refused by name."""
+    import tritonclient.grpc as grpcclient
+
+    results: "queue.Queue" = queue.Queue()
+    client = grpcclient.InferenceServerClient(triton_server.grpc_url)
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    try:
+        long = llmapi_inputs(PROMPT, streaming=(True, bool))
+        long["sampling_param_max_tokens"] = np.array([400], dtype=np.int32)
+        client.async_stream_infer("tensorrt_llm", to_tensors(grpcclient, long), request_id="job-1")
+        first, error = results.get(timeout=120)
+        assert error is None
+        stop = to_tensors(grpcclient, {"text_input": np.array([b""], dtype=np.object_),
+                                       "stop": np.array([True])})
+        client.async_stream_infer("tensorrt_llm", stop, request_id="job-1")
+        errors = []
+        while len(errors) < 2:
+            result, error = results.get(timeout=120)
+            if error is not None:
+                errors.append(str(error))
+        assert all("Request cancelled by client" in e for e in errors), errors
+    finally:
+        client.stop_stream()
+        client.close()
+    for name, value, dtype, message in [("sampling_param_best_of", 2, np.int32, "sampling_param_best_of: only 1"),
+                                        ("lora_path", "/x", np.object_, "lora_path: not supported"),
+                                        ("image_url", "http://x", np.object_, "image_url: not supported")]:
+        results, errors = grpc_stream(triton_server, "tensorrt_llm", llmapi_inputs(PROMPT, **{name: (value, dtype)}),
+                                      ("text_output",))
+        assert len(errors) == 1 and message in errors[0], (name, errors)

@@ -121,3 +121,26 @@ def test_the_routers_http_door_knows_every_input_of_pagodas_model():
     assert validate_generate_body(json.dumps(body).encode(), RequestLimits())["embedding_bias_weights"] == [2]
     with pytest.raises(LimitError, match="^embedding_bias_weights: must be a number or a list of numbers"):
         validate_generate_body(json.dumps({**body, "embedding_bias_weights": ["x"]}).encode(), RequestLimits())
+
+
+def test_llmapi_inputs_become_pagodas_and_refusals_name_the_input():
+    from pagoda.serving import trtllm_llmapi as llmapi
+
+    request = {"text_input": np.array([b"hi"], dtype=np.object_),
+               "sampling_param_max_tokens": np.array([5], dtype=np.int32),
+               "sampling_param_top_k": np.array([3], dtype=np.int32),
+               "sampling_param_stop": np.array([b"\n", b""], dtype=np.object_),
+               "lora_name": np.array([b"sql"], dtype=np.object_), "lora_id": np.array([9], dtype=np.uint64),
+               "return_stop_reason": np.array([True])}
+    inputs = llmapi.to_pagoda_inputs(request, decoupled=False)
+    assert json.loads(inputs["sampling_parameters"][0]) == {"output_dialect": "vllm", "max_tokens": 5, "top_k": 3,
+                                                            "stop": ["\n"], "lora_name": "sql"}
+    assert inputs["return_stop_reason"].tolist() == [True] and inputs["exclude_input_in_output"].tolist() == [False]
+    with pytest.raises(ValueError, match="^streaming: streaming needs the decoupled model"):
+        llmapi.to_pagoda_inputs({**request, "streaming": np.array([True])}, decoupled=False)
+    with pytest.raises(ValueError, match="^lora_path: not supported"):
+        llmapi.to_pagoda_inputs({**request, "lora_path": np.array([b"/a"], dtype=np.object_)}, decoupled=True)
+    assert llmapi.is_stop_request({"stop": np.array([True])}) and not llmapi.is_stop_request(request)
+    assert llmapi.llmapi_kv_metrics(40, 8, 32, block_size=16) == {
+        "kv_cache_alloc_total_blocks": 3, "kv_cache_alloc_new_blocks": 1, "kv_cache_hit_rate": pytest.approx(2 / 3),
+        "kv_cache_reused_block": 2, "kv_cache_missed_block": 1}

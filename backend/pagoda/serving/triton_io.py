@@ -29,6 +29,7 @@ more specific, per-tensor statement; TensorRT-LLM clients never send the JSON).
 ``end_id`` is added to ``stop_token_ids`` rather than replacing them.
 
 Outputs: one element per completion (``n``) in ``text_output``, ``finish_reason``,
+``stop_reason`` (the stop string or token id that ended it, ``"None"`` otherwise),
 ``cumulative_logprob``, ``logprobs`` (JSON, in the request's output dialect:
 ``vllm_dialect``) and ``num_output_tokens``; ``num_input_tokens`` and ``num_cached_tokens``
 (the prompt tokens found in the prefix cache) have one element.
@@ -73,6 +74,7 @@ FLAG_INPUTS = (
     "stream",
     "exclude_input_in_output",
     "return_finish_reason",
+    "return_stop_reason",
     "return_cumulative_logprob",
     "return_logprobs",
     "return_num_input_tokens",
@@ -111,6 +113,7 @@ class ParsedRequest:
     stream: bool = False
     exclude_input_in_output: bool = False
     return_finish_reason: bool = False
+    return_stop_reason: bool = False  # the stop string or token id that ended a completion ("None": none)
     return_cumulative_logprob: bool = False
     return_logprobs: bool = False
     return_num_input_tokens: bool = False
@@ -383,6 +386,8 @@ def make_response(parsed: ParsedRequest, output: RequestOutput,
     if parsed.return_finish_reason:
         tensors["finish_reason"] = _string_array([finish_reason_text(c.finish_reason, parsed.output_dialect)
                                                   for c in completions])
+    if parsed.return_stop_reason:
+        tensors["stop_reason"] = _string_array([str(c.stop_reason) for c in completions])
     if parsed.return_cumulative_logprob:
         tensors["cumulative_logprob"] = np.array(
             [c.cumulative_logprob if c.cumulative_logprob is not None else 0.0 for c in completions], dtype=np.float32)

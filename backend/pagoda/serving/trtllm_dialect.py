@@ -85,7 +85,7 @@ def split_batch(inputs: Item) -> list[Item]:
             for b in range(batch)]
 
 
-def check_request_parameters(parameters: Any) -> None:
+def check_request_parameters(parameters: Any, inputs: tuple[str, ...] = INPUTS) -> None:
     """Refuse every request parameter: TensorRT-LLM's models read none, and over HTTP an
     unknown ``generate`` key arrives as one (a silent drop otherwise)."""
     if isinstance(parameters, str):
@@ -95,7 +95,7 @@ def check_request_parameters(parameters: Any) -> None:
                                           "sequence_start", "sequence_end", "triton_enable_empty_final_response"})
     if keys:
         raise ValueError(f"{', '.join(keys)}: unknown input(s) of the TensorRT-LLM dialect (inputs: "
-                         f"{', '.join(sorted(INPUTS))})")
+                         f"{', '.join(sorted(inputs))})")
 
 
 def _one(name: str, item: Item) -> Any:
@@ -309,7 +309,7 @@ def block_size_of(config_text: str, default: int = 16) -> int:
 
 
 
-FRONT_MODELS = ("ensemble", "tensorrt_llm_bls")
+FRONT_MODELS = ("ensemble", "tensorrt_llm_bls", "tensorrt_llm")  # tensorrt_llm: trtllm_llmapi
 
 
 def configure_fronts(repository: Path, decoupled: dict[str, bool]) -> None:

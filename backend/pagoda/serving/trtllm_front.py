@@ -29,12 +29,17 @@ import time
 from pathlib import Path
 
 from pagoda.serving import trtllm_dialect as dialect
+from pagoda.serving import trtllm_llmapi as llmapi
 
-PAGODA_OUTPUTS = ("text_output", "cumulative_logprob", "logprobs", "num_input_tokens", "num_output_tokens",
-                  "num_cached_tokens")
+# pagoda's optional outputs, each behind its return_* input.
+PAGODA_OUTPUTS = {"return_finish_reason": "finish_reason", "return_stop_reason": "stop_reason",
+                  "return_cumulative_logprob": "cumulative_logprob", "return_logprobs": "logprobs",
+                  "return_num_cached_tokens": "num_cached_tokens"}
 
 
 class TritonPythonModel:
+    kv_metrics = staticmethod(dialect.kv_cache_metrics)
+
     def initialize(self, args):
         import triton_python_backend_utils as pb_utils
 
@@ -65,9 +70,9 @@ class TritonPythonModel:
         """Yield (pagoda output tensors, perf metrics) per pagoda response; raises on an error response."""
         pb = self.pb
         arrival = time.time_ns()
-        names = [n for n in PAGODA_OUTPUTS if n in ("text_output", "num_input_tokens", "num_output_tokens")
-                 or (n in ("cumulative_logprob", "logprobs") and asked["log_probs"])
-                 or (n == "num_cached_tokens" and asked["perf"])]
+        names = ["text_output", "num_input_tokens", "num_output_tokens"]
+        names += [name for flag, name in PAGODA_OUTPUTS.items() if flag in inputs and inputs[flag][0]]
+        generated = 0
         request = pb.InferenceRequest(model_name=self.target, requested_output_names=names,
                                       inputs=[pb.Tensor(name, array) for name, array in inputs.items()])
         responses = request.exec(decoupled=True)
@@ -85,11 +90,12 @@ class TritonPythonModel:
                 continue
             now = time.time_ns()
             first = first or now
+            # Streaming responses count this step's tokens, the final unary one all of them.
+            generated = (generated if inputs["stream"][0] else 0) + int(tensors["num_output_tokens"].sum())
             perf = None
             if asked["perf"]:
-                perf = dialect.kv_cache_metrics(int(tensors["num_input_tokens"].reshape(-1)[0]),
-                                                int(tensors["num_output_tokens"].sum()),
-                                                int(tensors["num_cached_tokens"].reshape(-1)[0]), self.block_size)
+                perf = self.kv_metrics(int(tensors["num_input_tokens"].reshape(-1)[0]), generated,
+                                       int(tensors["num_cached_tokens"].reshape(-1)[0]), self.block_size)
                 perf.update(arrival_time_ns=arrival, first_scheduled_time_ns=arrival, first_token_time_ns=first,
                             last_token_time_ns=now, acceptance_rate=0.0, total_accepted_draft_tokens=0,
                             total_draft_tokens=0)
@@ -180,6 +186,86 @@ class TritonPythonModel:
         for request in requests:
             (self._serve_decoupled if self.decoupled else self._serve_unary)(request)
         return None
+
+
+class LLMAPIFront(TritonPythonModel):
+    """The LLM-API dialect's ``tensorrt_llm`` model (``trtllm_llmapi``): one prompt per request,
+    no batch dimension, cumulative text, and stop requests (``stop`` true) that cancel the
+    requests carrying their request id."""
+
+    kv_metrics = staticmethod(llmapi.llmapi_kv_metrics)
+
+    def initialize(self, args):
+        super().initialize(args)
+        self.lock = threading.Lock()
+        self.in_flight = {}  # request id -> the stop events of its requests
+
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                dialect.check_request_parameters(request.parameters(), llmapi.INPUTS)
+                arrays = {name: t.as_numpy() for name in self.names
+                          if (t := self.pb.get_input_tensor_by_name(request, name)) is not None}
+                if llmapi.is_stop_request(arrays):
+                    self._stop(request.request_id(), sender)
+                    continue
+                inputs, asked = llmapi.to_pagoda_inputs(arrays, self.decoupled), llmapi.requested(arrays)
+            except ValueError as exc:
+                sender.send(self._error(str(exc)), flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                continue
+            stop = threading.Event()
+            with self.lock:
+                self.in_flight.setdefault(request.request_id() or None, set()).add(stop)
+            prefix = "" if inputs["exclude_input_in_output"][0] else arrays["text_input"].reshape(-1)[0].decode()
+            threading.Thread(target=self._run, daemon=True, name="pagoda-trtllm",
+                             args=(request.request_id() or None, sender, inputs, asked, prefix, stop)).start()
+        return None
+
+    def _stop(self, request_id, sender):
+        final = self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        if not request_id:
+            sender.send(self._error("stop: a request id must be provided for request cancellation"), flags=final)
+            return
+        with self.lock:
+            for event in self.in_flight.get(request_id, ()):
+                event.set()
+        sender.send(self._cancelled(), flags=final)  # as TensorRT-LLM answers a stop request
+
+    def _response(self, tensors):
+        return self.pb.InferenceResponse(output_tensors=[self.pb.Tensor(n, a) for n, a in tensors.items()])
+
+    def _cancelled(self):
+        return self._error("Request cancelled by client", getattr(self.pb.TritonError, "CANCELLED", None))
+
+    def _run(self, request_id, sender, inputs, asked, prefix, stop):
+        final, stream, last, texts = self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL, bool(inputs["stream"][0]), None, None
+        try:
+            for tensors, perf in self._forward(inputs, asked, lambda: sender.is_cancelled() or stop.is_set()):
+                chunks = [t.decode("utf-8") for t in tensors["text_output"]]
+                if stream:  # the LLM API's text is cumulative
+                    texts = [(texts[i] if texts else prefix) + chunk for i, chunk in enumerate(chunks)]
+                else:
+                    texts = chunks
+                last = llmapi.to_llmapi_outputs(tensors, texts, perf)
+                if stream:
+                    sender.send(self._response(last))
+            if stop.is_set():
+                sender.send(self._cancelled(), flags=final)
+            elif stream or last is None:
+                sender.send(flags=final)
+            else:
+                sender.send(self._response(last), flags=final)
+        except _ItemError as exc:
+            sender.send(self._error(exc.message, exc.code), flags=final)
+        except Exception as exc:  # noqa: BLE001 - the client must hear of it
+            sender.send(self._error(f"internal error: {exc}", self.pb.TritonError.INTERNAL), flags=final)
+        finally:
+            with self.lock:
+                events = self.in_flight.get(request_id, set())
+                events.discard(stop)
+                if not events:
+                    self.in_flight.pop(request_id, None)
 
 
 class _ItemError(Exception):

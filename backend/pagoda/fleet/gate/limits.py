@@ -45,7 +45,7 @@ from pagoda.serving.vllm_dialect import request_parameter_vocabulary
 # Triton generate inputs of model_repository/pagoda/config.pbtxt -> their JSON kind.
 GENERATE_INPUTS: dict[str, str] = {
     "text_input": "string", "sampling_parameters": "json",
-    "stream": "bool", "exclude_input_in_output": "bool", "return_finish_reason": "bool",
+    "stream": "bool", "exclude_input_in_output": "bool", "return_finish_reason": "bool", "return_stop_reason": "bool",
     "return_cumulative_logprob": "bool", "return_logprobs": "bool", "return_num_input_tokens": "bool",
     "return_num_output_tokens": "bool", "return_num_cached_tokens": "bool",
     "max_tokens": "int", "min_tokens": "int", "top_k": "int", "end_id": "int", "beam_width": "int",

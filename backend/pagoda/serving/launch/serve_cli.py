@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Optional
 
 from pagoda.serving.launch.launcher import MODEL_NAME, ServeOptions, TritonServer
+from pagoda.serving.trtllm_dialect import FRONT_MODELS
 from pagoda.serving.launch.openai_door import DEFAULT_PORT as DEFAULT_OPENAI_PORT
 from pagoda.serving.launch.openai_door import OpenAIDoor, model_dir_for
 from pagoda.serving.model_config import engine_config_from_parameters
@@ -88,8 +89,8 @@ def make_parser() -> argparse.ArgumentParser:
                         "'None' before the end; the default) or pagoda (per-token {token_id, logprob, rank, "
                         "top_logprobs}, '' before the end; pagoda's router asks for it per request)")
     p.add_argument("--trtllm-decoupled", choices=("true", "false"),
-                   help="TensorRT-LLM's decoupled_mode for its front models ensemble and tensorrt_llm_bls: true "
-                        "streams (one response per sequence), false (the shipped default) serves unary infer()")
+                   help="TensorRT-LLM's decoupled_mode for its front models ensemble, tensorrt_llm_bls and "
+                        "tensorrt_llm (LLM API): true streams, false (the shipped default) serves unary infer()")
     p.add_argument("--engine-arg", action="append", default=[], metavar="FIELD=VALUE",
                    help="any other EngineConfig field, e.g. --engine-arg spec_adaptive=false (repeatable)")
     p.add_argument("--model-repository", help="a model repository to use instead of the shipped one")
@@ -177,7 +178,7 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
         fleet_model=args.fleet_model, advertise_host=args.advertise_host, grace_period_s=args.grace_period,
         check_first_request=not args.skip_first_request_check,
         trtllm_decoupled=({} if args.trtllm_decoupled is None else
-                          dict.fromkeys(("ensemble", "tensorrt_llm_bls"), args.trtllm_decoupled == "true")))
+                          dict.fromkeys(FRONT_MODELS, args.trtllm_decoupled == "true")))
 
 
 def check_engine_args(options: ServeOptions, parser: argparse.ArgumentParser) -> None:
