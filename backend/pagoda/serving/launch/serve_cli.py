@@ -256,11 +256,13 @@ def main(argv: Optional[list[str]] = None) -> int:
                               f"{options.host}:{options.metrics_port}", allow_runtime_lora=args.allow_runtime_lora,
                               model_name=args.served_model_name).start()
         starting[0] = False
+        trtllm_mode = "decoupled (streaming)" if args.trtllm_decoupled == "true" else "unary infer()"
         print(f"pagoda is serving model '{MODEL_NAME}' ({options.model})\n"
               f"  HTTP    http://{server.http_url}/v2/models/{MODEL_NAME}/generate_stream\n"
               f"  gRPC    {server.grpc_url}\n"
               f"  metrics {server.metrics_url}\n"
               f"  OpenAI  {door.url if door is not None else 'off'}\n"
+              f"  TensorRT-LLM models {', '.join(FRONT_MODELS)}: {trtllm_mode}\n"
               "Ctrl-C to stop.", flush=True)
         problem = supervise(server, stop_requested, args.max_stub_restarts, door)
         if door is not None:
