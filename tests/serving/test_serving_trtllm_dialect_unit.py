@@ -64,10 +64,15 @@ def test_bad_inputs_are_refused_naming_them(values, message):
         dialect.sampling_values(item(**values))
 
 
-def test_request_parameters_are_refused_naming_them():
-    dialect.check_request_parameters('{"id": "7"}')
+def test_request_parameters_are_refused_naming_them_but_cache_salt():
+    assert dialect.read_request_parameters('{"id": "7"}') == {}
     with pytest.raises(ValueError, match="^foo: unknown input"):
-        dialect.check_request_parameters(json.dumps({"foo": 1, "id": "x"}))
+        dialect.read_request_parameters(json.dumps({"foo": 1, "id": "x"}))
+    options = dialect.read_request_parameters('{"cache_salt": "tenant-a"}')
+    inputs = dialect.with_options(dialect.to_pagoda_inputs(item(), decoupled=False), options)
+    assert json.loads(inputs["sampling_parameters"][0])["cache_salt"] == "tenant-a"
+    with pytest.raises(ValueError, match="^cache_salt: must be a non-empty string"):
+        dialect.read_request_parameters('{"cache_salt": ""}')
 
 
 def test_outputs_per_sequence_and_stacked():
@@ -144,3 +149,36 @@ def test_llmapi_inputs_become_pagodas_and_refusals_name_the_input():
     assert llmapi.llmapi_kv_metrics(40, 8, 32, block_size=16) == {
         "kv_cache_alloc_total_blocks": 3, "kv_cache_alloc_new_blocks": 1, "kv_cache_hit_rate": pytest.approx(2 / 3),
         "kv_cache_reused_block": 2, "kv_cache_missed_block": 1}
+
+
+def test_the_routers_http_door_checks_a_front_body_against_the_fronts_inputs():
+    """A body for ``ensemble`` / ``tensorrt_llm_bls`` / ``tensorrt_llm`` passes the router's HTTP door
+    when the replica's front would take it (TensorRT-LLM's names), with the router's limits applied."""
+    from pagoda.fleet.gate.limits import LimitError, RequestLimits, validate_generate_body
+
+    body = {"text_input": "Hi", "max_tokens": 8, "min_length": 8, "num_return_sequences": 2, "id": "r1"}
+    assert validate_generate_body(json.dumps(body).encode(), RequestLimits(), "ensemble")["min_length"] == 8
+    with pytest.raises(LimitError, match="^min_length: unknown input or request parameter"):
+        validate_generate_body(json.dumps(body).encode(), RequestLimits())  # pagoda's own model has no min_length
+    with pytest.raises(LimitError, match="^beam_search_fancy: unknown input of TensorRT-LLM's tensorrt_llm_bls"):
+        validate_generate_body(json.dumps({**body, "beam_search_fancy": 1}).encode(), RequestLimits(),
+                               "tensorrt_llm_bls")
+    with pytest.raises(LimitError, match="^n: 2 exceeds this server's limit of 1"):
+        validate_generate_body(json.dumps(body).encode(), RequestLimits(max_n=1), "ensemble")
+    llmapi_body = {"text_input": "Hi", "sampling_param_max_tokens": 99, "streaming": True}
+    with pytest.raises(LimitError, match="^max_tokens: 99 exceeds"):
+        validate_generate_body(json.dumps(llmapi_body).encode(), RequestLimits(max_tokens_limit=50), "tensorrt_llm")
+    with pytest.raises(LimitError, match="^parameters: TensorRT-LLM's models read no request parameters"):
+        validate_generate_body(json.dumps({**body, "parameters": {"temperature": 0}}).encode(), RequestLimits(),
+                               "ensemble")
+
+
+def test_the_router_salts_a_front_body_through_its_request_parameters():
+    """Tenants' prefix-cache isolation reaches the fronts: the router's tenant salt goes in
+    ``parameters.cache_salt``, which the front reads into pagoda's ``cache_salt``."""
+    from pagoda.fleet.api.http_api import _salt_document
+
+    document = {"text_input": "Hi", "max_tokens": 4}
+    _salt_document(document, "tenant-salt", front=True)
+    assert document["parameters"] == {"cache_salt": "tenant-salt"}
+    assert dialect.read_request_parameters(json.dumps(document["parameters"])) == {"cache_salt": "tenant-salt"}

@@ -17,7 +17,8 @@ Invariants:
   message starts with its name (``REFUSED``, and ``length_penalty`` / ``beam_width`` /
   ``return_*_logits`` when set to anything but their neutral value); nothing is dropped;
 - a request parameter (an HTTP ``generate`` key that is not an input) is refused, naming it:
-  TensorRT-LLM's models read none;
+  TensorRT-LLM's models read none; pagoda's fronts read one, ``cache_salt`` (the router's
+  per-tenant prefix-cache salt, as pagoda's own model takes it);
 - outputs carry a batch dimension: one row per item (``batch_index``), one response per
   sequence when decoupled (``sequence_index``), ``[B, n]`` when not; ``text_output`` alone is
   flat (``[B * n]``), as TensorRT-LLM's postprocessing model sends it.
@@ -85,17 +86,32 @@ def split_batch(inputs: Item) -> list[Item]:
             for b in range(batch)]
 
 
-def check_request_parameters(parameters: Any, inputs: tuple[str, ...] = INPUTS) -> None:
-    """Refuse every request parameter: TensorRT-LLM's models read none, and over HTTP an
-    unknown ``generate`` key arrives as one (a silent drop otherwise)."""
+def read_request_parameters(parameters: Any, inputs: tuple[str, ...] = INPUTS) -> dict[str, Any]:
+    """The request options among the request parameters: ``cache_salt`` only (pagoda's
+    addition: the router's per-tenant prefix-cache salt). Every other one is refused,
+    naming it: TensorRT-LLM's models read none, and over HTTP an unknown ``generate`` key
+    arrives as one (a silent drop otherwise)."""
     if isinstance(parameters, str):
         parameters = json.loads(parameters or "{}")
+    parameters = dict(parameters or {})
+    options = {"cache_salt": parameters.pop("cache_salt")} if "cache_salt" in parameters else {}
+    if "cache_salt" in options and (not isinstance(options["cache_salt"], str) or not options["cache_salt"]):
+        raise ValueError(f"cache_salt: must be a non-empty string, got {options['cache_salt']!r}")
     # tritonserver's own request fields and the generate extension's "id" (see vllm_dialect).
-    keys = sorted(set(parameters or {}) - {"id", "traceparent", "priority", "timeout", "sequence_id",
-                                          "sequence_start", "sequence_end", "triton_enable_empty_final_response"})
+    keys = sorted(set(parameters) - {"id", "traceparent", "priority", "timeout", "sequence_id",
+                                     "sequence_start", "sequence_end", "triton_enable_empty_final_response"})
     if keys:
         raise ValueError(f"{', '.join(keys)}: unknown input(s) of the TensorRT-LLM dialect (inputs: "
                          f"{', '.join(sorted(inputs))})")
+    return options
+
+
+def with_options(inputs: dict[str, np.ndarray], options: dict[str, Any]) -> dict[str, np.ndarray]:
+    """pagoda's inputs with request options (``cache_salt``) added to their ``sampling_parameters``."""
+    if not options:
+        return inputs
+    values = {**json.loads(inputs["sampling_parameters"][0]), **options}
+    return {**inputs, "sampling_parameters": np.array([json.dumps(values).encode()], dtype=np.object_)}
 
 
 def _one(name: str, item: Item) -> Any:

@@ -55,7 +55,7 @@ class TritonPythonModel:
     # ------------------------------------------------------------------ requests
     def _items(self, request):
         """[(pagoda inputs, asked outputs)] of one request. Raises ValueError naming the input."""
-        dialect.check_request_parameters(request.parameters())
+        options = dialect.read_request_parameters(request.parameters())
         arrays = {}
         for name in self.names:
             tensor = self.pb.get_input_tensor_by_name(request, name)
@@ -64,7 +64,8 @@ class TritonPythonModel:
         items = dialect.split_batch(arrays)
         if not items:
             raise ValueError("text_input: the batch is empty")
-        return [(dialect.to_pagoda_inputs(item, self.decoupled), dialect.requested(item)) for item in items]
+        return [(dialect.with_options(dialect.to_pagoda_inputs(item, self.decoupled), options), dialect.requested(item))
+                for item in items]
 
     def _forward(self, inputs, asked, is_cancelled=None):
         """Yield (pagoda output tensors, perf metrics) per pagoda response; raises on an error response."""
@@ -204,13 +205,14 @@ class LLMAPIFront(TritonPythonModel):
         for request in requests:
             sender = request.get_response_sender()
             try:
-                dialect.check_request_parameters(request.parameters(), llmapi.INPUTS)
+                options = dialect.read_request_parameters(request.parameters(), llmapi.INPUTS)
                 arrays = {name: t.as_numpy() for name in self.names
                           if (t := self.pb.get_input_tensor_by_name(request, name)) is not None}
                 if llmapi.is_stop_request(arrays):
                     self._stop(request.request_id(), sender)
                     continue
-                inputs, asked = llmapi.to_pagoda_inputs(arrays, self.decoupled), llmapi.requested(arrays)
+                inputs = dialect.with_options(llmapi.to_pagoda_inputs(arrays, self.decoupled), options)
+                asked = llmapi.requested(arrays)
             except ValueError as exc:
                 sender.send(self._error(str(exc)), flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                 continue
