@@ -1,4 +1,5 @@
-"""The TensorRT-LLM front models (``ensemble``, ``tensorrt_llm_bls``): Triton glue.
+"""The TensorRT-LLM front models (``ensemble``, ``tensorrt_llm_bls``; ``tensorrt_llm``, the
+LLM-API dialect, in ``LLMAPIFront``): Triton glue.
 
 Runs inside their Python-backend stubs (``model_repository/<name>/1/model.py`` imports
 ``TritonPythonModel`` from here). Each request's B batch items become B BLS requests to
@@ -8,7 +9,9 @@ inputs and outputs are translated by ``trtllm_dialect``.
 
 - decoupled front (``decoupled: true``): one response per (item, sequence) as pagoda's
   responses arrive, each with ``batch_index`` / ``sequence_index``; then an empty final
-  response. A cancelled client request cancels its BLS requests.
+  response. A cancelled client request gets no further responses; tritonserver 2.51's BLS
+  cannot cancel the request made to pagoda, so the engine finishes it (measured: the
+  running count stays 1 after an LLM-API stop request).
 - non-decoupled front (``decoupled: false``, TensorRT-LLM's ``decoupled_mode: false``):
   unary ``infer()`` gets one response holding every item's whole answer (texts ``[B * n]``),
   sent with the FINAL flag through the response sender (allowed in default mode), so
