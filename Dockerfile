@@ -37,8 +37,9 @@ RUN python3 -m pip install ".[kernels,import]" "numpy<2" xgrammar==0.2.8 \
 # Import the default model once, at build time, so the model load is only a read.
 RUN pagoda import-model
 
-# The repository Triton serves: ours, switched to GPU.
-RUN mkdir -p /models && cp -r model_repository/pagoda /models/pagoda \
+# The repository Triton serves: ours, switched to GPU, with the TensorRT-LLM fronts
+# (ensemble, tensorrt_llm_bls, tensorrt_llm: numpy only, they stay on the CPU).
+RUN mkdir -p /models && cp -r model_repository/. /models/ \
  && python3 -c "from pathlib import Path; \
 from pagoda.serving.model_config import rewrite_config_pbtxt; \
 p = Path('/models/pagoda/config.pbtxt'); \

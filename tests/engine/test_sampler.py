@@ -213,6 +213,20 @@ def test_min_tokens_blocks_eos_and_stop_ids_until_reached(temperature):
             assert eos in tokens
 
 
+def test_bad_words_mask_the_token_that_would_complete_one():
+    """vLLM's bad_words as sequences: a one-token word is never sampled; a two-token word's
+    last token is masked only right after its first, so the rest of the text is free."""
+    logits = torch.tensor([[0.0, 10.0, 9.0, 8.0, 0.0]])
+    row = SamplingRow(SamplingParams(temperature=0.0, bad_words=["x"]), bad_words_token_ids=((1,), (4, 2)))
+    sampler = Sampler(5)
+    assert sampler(logits, sampler.make_batch([row])).token_ids == [2]  # 1 is banned outright
+    after_first = SamplingRow(row.params, output_token_ids=[4], bad_words_token_ids=row.bad_words_token_ids)
+    assert sampler(logits, sampler.make_batch([after_first])).token_ids == [3]  # 4 then 2 would complete it
+    plain = SamplingRow(SamplingParams(temperature=0.0))
+    assert sampler.make_batch([plain]).bad_words is None
+    assert torch.equal(sampler.process_logits(logits.clone(), sampler.make_batch([plain])), logits)
+
+
 def _random_row(rng: random.Random, vocab_size: int) -> SamplingRow:
     params = SamplingParams(
         temperature=rng.choice([0.0, 0.5, 1.0, 1.7]),

@@ -37,6 +37,7 @@ BAD_VALUES = [
                                         {"regexp": "a"})],
     *[("allowed_token_ids", v) for v in ([], [-1], [1.5], [True], 5, "1")],
     *[("logit_bias", v) for v in ([1], {"a": 1.0}, {"1": 100.5}, {"1": "x"}, {-1: 1.0}, {"2": NAN})],
+    *[("bad_words", v) for v in ("", ["ok", " "], [3], {"a": 1}, ["w"] * 65)],
     *[("truncate_prompt_tokens", v) for v in (0, -2, 1.5, "3", True)],
     *[("spaces_between_special_tokens", v) for v in (1, "true")],
 ]

@@ -471,6 +471,21 @@ def test_router_http_door_accepts_what_the_replica_accepts(router, replicas):
         assert status == 400 and "tempreature" in answer["error"], (url, answer)
 
 
+def test_router_http_door_takes_tensorrt_llm_bodies_for_the_fronts(router, replicas):
+    """TensorRT-LLM's names (``min_length``, ``num_return_sequences``) at ``/v2/models/ensemble/generate``
+    pass the router as they pass the replica's front, with the same answer; a key neither
+    knows is a 400 from both."""
+    body = {"text_input": "What is Triton Inference Server?", "max_tokens": 6, "min_length": 6,
+            "temperature": 0.0, "num_return_sequences": 1, "exclude_input_in_output": True}
+    replica_url = next(iter(replicas.values())).http_url
+    direct, routed = (_post_json(f"http://{url}/v2/models/ensemble/generate", body)
+                      for url in (replica_url, router.http_url))
+    assert direct[0] == routed[0] == 200 and routed[1]["text_output"] == direct[1]["text_output"]
+    for url in (replica_url, router.http_url):
+        status, answer = _post_json(f"http://{url}/v2/models/ensemble/generate", {**body, "min_lenght": 6})
+        assert status == 400 and "min_lenght" in answer["error"], (url, answer)
+
+
 def test_openai_sdk(router):
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=f"http://{router.http_url}/v1", api_key="unused", max_retries=0)

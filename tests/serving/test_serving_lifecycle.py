@@ -114,8 +114,8 @@ def _ppid(pid: int) -> int:
 
 
 def _stub_pids(server_pid: int) -> list[int]:
-    return [pid for pid in process_tree.group_members(server_pid)
-            if process_tree.process_name(pid).startswith("triton_python")]
+    """The stubs of pagoda's model (the TensorRT-LLM fronts' stubs hold no engine)."""
+    return process_tree.python_stubs(server_pid, "pagoda")
 
 
 def _wait_until(predicate, timeout_s: float, what: str) -> None:

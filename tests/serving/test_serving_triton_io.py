@@ -75,6 +75,19 @@ def test_trtllm_scalars_win_over_json():
     assert p.stop == ["END"] and p.stop_token_ids == [2]
 
 
+def test_bad_words_and_embedding_bias_as_tensorrt_llm_sends_them():
+    """``bad_words`` become vLLM's ``bad_words``; each embedding-bias word's tokens get its
+    weight as a ``logit_bias`` (summed with one given in the JSON), read with ``encode``."""
+    tokens = {"cat": [5, 6], "dog": [6]}
+    parsed = parse_request(inputs(text_input="Hi", sampling_parameters={"logit_bias": {"6": 1.0}},
+                                  bad_words=np.array([b"darn", b""], dtype=np.object_),
+                                  embedding_bias_words=np.array([b"cat", b"dog"], dtype=np.object_),
+                                  embedding_bias_weights=np.array([-2.0, 0.5], dtype=np.float32)),
+                           encode=tokens.__getitem__)
+    assert parsed.params.bad_words == ["darn"]
+    assert parsed.params.logit_bias == {5: -2.0, 6: pytest.approx(-0.5)}
+
+
 def test_empty_stop_words_mean_none():
     parsed = parse_request(inputs(text_input="Hi", stop_words=np.array([b""], dtype=np.object_)))
     assert parsed.params.stop == []
@@ -115,7 +128,10 @@ def test_logprob_flags_turn_on_engine_logprobs():
     ({"text_input": "Hi", "max_tokens": np.array([1, 2], dtype=np.int32)}, "max_tokens: expected one value"),
     ({"text_input": "Hi", "top_k": np.array([1.5], dtype=np.float32)}, "top_k: must be an integer"),
     ({"text_input": "Hi", "temperature": np.array([b"hot"], dtype=np.object_)}, "temperature: must be a number"),
-    ({"text_input": "Hi", "bad_words": np.array([b"darn"], dtype=np.object_)}, "bad_words: not supported"),
+    ({"text_input": "Hi", "bad_words": np.array([b" "], dtype=np.object_)}, "bad_words: every bad word must be"),
+    ({"text_input": "Hi", "embedding_bias_words": np.array([b"a"], dtype=np.object_),
+      "embedding_bias_weights": np.array([1.0], dtype=np.float32)},
+     "embedding_bias_words: this model has no tokenizer"),
     ({"text_input": "Hi", "beam_width": np.array([4], dtype=np.int32)}, "beam_width: beam search is not supported"),
 ])
 def test_bad_inputs_name_the_problem(tensors, message):
@@ -170,6 +186,14 @@ def test_n_completions_become_one_element_each():
     response = make_response(parsed, _output(True, ["x", "y"], ["x", ""], [[1], [2]], [[1], []], ["length", "stop"]))
     assert response.tensors["text_output"].tolist() == [b"x", b""]
     assert response.tensors["finish_reason"].tolist() == [b"length", b"stop"]
+
+
+def test_stop_reason_is_the_stop_string_or_token_id_as_text():
+    """``return_stop_reason`` (TensorRT-LLM's LLM API): ``str()`` of what ended each completion."""
+    parsed = parse_request(inputs(text_input="Say:", return_stop_reason=True))
+    output = _output(True, ["x", "y"], ["x", "y"], [[1], [2]], [[1], [2]], ["stop", "length"])
+    output.outputs[0].stop_reason = "\n"
+    assert make_response(parsed, output).tensors["stop_reason"].tolist() == [b"\n", b"None"]
 
 
 def test_logprob_outputs():

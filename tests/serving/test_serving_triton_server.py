@@ -205,7 +205,9 @@ BAD_BODIES = [
     ({"text_input": "Hi", "sampling_parameters": '{"top_p": 2}'}, "top_p: must be <= 1.0"),
     ({"text_input": "Hi", "sampling_parameters": '{"temperature": -0.5}'}, "temperature: must be >= 0.0"),
     ({"text_input": "Hi", "max_tokens": 0}, "max_tokens: must be >= 1"),
-    ({"text_input": "Hi", "bad_words": ["darn"]}, "bad_words: not supported"),
+    ({"text_input": "Hi", "bad_words": ["  "]}, "bad_words: every bad word must be a non-empty string"),
+    ({"text_input": "Hi", "embedding_bias_words": ["a"], "embedding_bias_weights": [1.0, 2.0]},
+     "embedding_bias_weights: 2 weights for 1 embedding_bias_words"),
     ({"text_input": "word " * (2 * MAX_MODEL_LEN)}, "exceeds max_model_len 1024"),
 ]
 

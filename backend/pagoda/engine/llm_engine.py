@@ -141,7 +141,7 @@ class LLMEngine:
                                            self.core.scheduler.num_running)
         if not verdict.admit:
             raise EngineOverloaded(verdict.reason, self.admission.retry_after_s)
-        children = self.core.make_requests(request, token_ids)
+        children = self.core.make_requests(request, token_ids, self._bad_words_token_ids(request.params.bad_words))
         # Validates fit (raises ValueError) before anything is tracked; a guided request
         # waits for its grammar in the core.
         self.core.add_requests(children, request.params.guided_decoding, request.request_id)
@@ -261,6 +261,20 @@ class LLMEngine:
             for t in ids or ():
                 if not 0 <= t < vocab:
                     raise ValueError(f"{name}: token id {t} is not in the vocabulary [0, {vocab})")
+
+    def _bad_words_token_ids(self, words: Optional[list[str]]) -> tuple[tuple[int, ...], ...]:
+        """vLLM's ``bad_words`` as token sequences: each word as written (leading spaces
+        stripped) and, when that is another sequence of the same length, with one leading
+        space (the word inside a text). Raises ValueError for an id outside the model's vocabulary."""
+        sequences: list[tuple[int, ...]] = []
+        for word in words or ():
+            plain = tuple(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            spaced = tuple(self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            sequences += [plain] + ([spaced] if len(spaced) == len(plain) and spaced[0] != plain[0] else [])
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for sequence in sequences for t in sequence):
+            raise ValueError(f"bad_words: a word's token ids fall outside the model's vocabulary [0, {vocab})")
+        return tuple(sequence for sequence in sequences if sequence)
 
     def _truncate_prompt(self, token_ids: list[int], keep: Optional[int]) -> list[int]:
         """The last ``keep`` prompt tokens (vLLM's ``truncate_prompt_tokens``; -1: ``max_model_len``)."""

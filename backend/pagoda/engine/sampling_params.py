@@ -74,6 +74,7 @@ class SamplingParams:
     guided_decoding: Optional[GuidedDecodingParams] = None
     allowed_token_ids: Optional[list[int]] = None
     logit_bias: Optional[dict[int, float]] = None
+    bad_words: Optional[list[str]] = None
     truncate_prompt_tokens: Optional[int] = None
     spaces_between_special_tokens: Optional[bool] = None  # None: not given (vLLM's default, True)
 
@@ -138,6 +139,14 @@ class SamplingParams:
             self.logit_bias = {_token_id_key(key): value for key, value in self.logit_bias.items()}
             for value in self.logit_bias.values():
                 _check_float("logit_bias", value, -100.0, 100.0)
+        if self.bad_words is not None:
+            self.bad_words = _as_list("bad_words", [self.bad_words] if isinstance(self.bad_words, str)
+                                      else self.bad_words)
+            if len(self.bad_words) > MAX_STOP_STRINGS:
+                raise ValueError(f"bad_words: at most {MAX_STOP_STRINGS} words, got {len(self.bad_words)}")
+            for word in self.bad_words:
+                if not isinstance(word, str) or not word.strip():
+                    raise ValueError(f"bad_words: every bad word must be a non-empty string, got {word!r}")
         if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens != -1:
             _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, 1, None)
         if self.spaces_between_special_tokens is None:

@@ -112,6 +112,21 @@ def process_name(pid: int) -> str:
         return ""
 
 
+def python_stubs(pgid: int, model_name: str) -> list[int]:
+    """Live Python-backend stubs in process group ``pgid`` that serve ``model_name`` (a stub's
+    command line holds its model's ``<repository>/<model>/<version>/model.py``)."""
+    stubs = []
+    for pid in group_members(pgid):
+        try:
+            args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if process_name(pid).startswith("triton_python") and len(args) > 1 and \
+                Path(args[1].decode(errors="replace")).parts[-3:-2] == (model_name,):
+            stubs.append(pid)
+    return stubs
+
+
 def group_members(pgid: int) -> list[int]:
     """Live (non-zombie) processes whose process group is ``pgid``."""
     members = []

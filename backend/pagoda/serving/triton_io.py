@@ -20,13 +20,17 @@ TensorRT-LLM's INT32 input of that name, never both):
 - TensorRT-LLM style scalars: ``max_tokens``, ``min_tokens``, ``temperature``, ``top_k``,
   ``top_p``, ``seed`` (or ``random_seed``), ``repetition_penalty``, ``presence_penalty``,
   ``frequency_penalty``, ``stop_words`` (STRING list; empty strings ignored), ``end_id``
-  (an extra stop token id), ``bad_words`` (must be empty) and ``beam_width`` (must be 1).
+  (an extra stop token id), ``bad_words`` (STRING list: vLLM's ``bad_words``, sequences
+  never generated), ``embedding_bias_words`` / ``embedding_bias_weights`` (each word's
+  tokens get its weight as a ``logit_bias``, as TensorRT-LLM's preprocessing builds its
+  embedding bias; needs ``encode``) and ``beam_width`` (must be 1).
 
 Precedence: a scalar input wins over the same key in ``sampling_parameters`` (it is the
 more specific, per-tensor statement; TensorRT-LLM clients never send the JSON).
 ``end_id`` is added to ``stop_token_ids`` rather than replacing them.
 
 Outputs: one element per completion (``n``) in ``text_output``, ``finish_reason``,
+``stop_reason`` (the stop string or token id that ended it, ``"None"`` otherwise),
 ``cumulative_logprob``, ``logprobs`` (JSON, in the request's output dialect:
 ``vllm_dialect``) and ``num_output_tokens``; ``num_input_tokens`` and ``num_cached_tokens``
 (the prompt tokens found in the prefix cache) have one element, and so does
@@ -60,6 +64,7 @@ from pagoda.contracts.errors import TRITON_CODES, ErrorKind, TritonCode, triton_
 from pagoda.engine.core.admission import check_timeout, is_admission_error
 from pagoda.engine.outputs import RequestOutput
 from pagoda.engine.sampling_params import SamplingParams
+from pagoda.serving.trtllm_dialect import embedding_bias
 from pagoda.serving.vllm_dialect import (apply_structured_outputs, finish_reason_text,
                                          logprobs_text, merge_parameters, prompt_logprobs_text,
                                          read_request_parameters, read_sampling_json, split_values)
@@ -72,6 +77,7 @@ FLAG_INPUTS = (
     "stream",
     "exclude_input_in_output",
     "return_finish_reason",
+    "return_stop_reason",
     "return_cumulative_logprob",
     "return_logprobs",
     "return_num_input_tokens",
@@ -97,7 +103,7 @@ GetInput = Callable[[str], Optional[np.ndarray]]
 
 # Every input of a generation request (config.pbtxt), so a control request can refuse them.
 GENERATION_INPUTS = ("text_input", "sampling_parameters", *FLAG_INPUTS, *SCALAR_INPUTS, "stop_words", "bad_words",
-                     "end_id", "beam_width")
+                     "end_id", "beam_width", "embedding_bias_words", "embedding_bias_weights")
 LORA_ACTIONS = ("load", "unload", "list")
 
 
@@ -110,6 +116,7 @@ class ParsedRequest:
     stream: bool = False
     exclude_input_in_output: bool = False
     return_finish_reason: bool = False
+    return_stop_reason: bool = False  # the stop string or token id that ended a completion ("None": none)
     return_cumulative_logprob: bool = False
     return_logprobs: bool = False
     return_num_input_tokens: bool = False
@@ -153,7 +160,8 @@ class Response:
 
 
 # ------------------------------------------------------------------------ parsing
-def parse_request(get_input: GetInput, parameters: Any = None, output_dialect: str = "pagoda") -> ParsedRequest:
+def parse_request(get_input: GetInput, parameters: Any = None, output_dialect: str = "pagoda",
+                  encode: Optional[Callable[[str], list[int]]] = None) -> ParsedRequest:
     """Read and validate one request's inputs.
 
     Args:
@@ -162,6 +170,8 @@ def parse_request(get_input: GetInput, parameters: Any = None, output_dialect: s
             sampling parameters (``vllm_dialect``); ``None``: none.
         output_dialect: the model's default shape of ``logprobs`` and ``finish_reason``
             (``vllm_dialect.OUTPUT_DIALECTS``); the ``output_dialect`` request option wins.
+        encode: text -> token ids without special tokens (the embedding bias's words);
+            ``None``: ``embedding_bias_words`` is refused.
 
     Returns:
         The parsed request.
@@ -179,6 +189,7 @@ def parse_request(get_input: GetInput, parameters: Any = None, output_dialect: s
     values, options = merge_parameters(values, extra_values), merge_parameters(options, extra_options)
     values.update(_read_scalars(get_input))
     _apply_trtllm_words(get_input, values)
+    _apply_embedding_bias(get_input, values, encode)
     apply_structured_outputs(values)
     logprobs_asked = values.get("logprobs") is not None
     if flags["return_logprobs"] or flags["return_cumulative_logprob"]:
@@ -319,7 +330,7 @@ def _apply_trtllm_words(get_input: GetInput, values: dict[str, Any]) -> None:
         values["stop"] = _strings(stop_words)
     bad_words = get_input("bad_words")
     if bad_words is not None and _strings(bad_words):
-        raise ValueError("bad_words: not supported by pagoda; send an empty list or omit it")
+        values["bad_words"] = _strings(bad_words)
     beam_width = get_input("beam_width")
     if beam_width is not None and (beam_width.size != 1 or int(beam_width.reshape(-1)[0]) != 1):
         raise ValueError("beam_width: beam search is not supported; only 1 is accepted (use n for parallel samples)")
@@ -331,6 +342,21 @@ def _apply_trtllm_words(get_input: GetInput, values: dict[str, Any]) -> None:
         if not isinstance(stop_ids, list):
             raise ValueError(f"stop_token_ids: must be a list of integers, got {stop_ids!r}")
         values["stop_token_ids"] = [*stop_ids, int(end_id.reshape(-1)[0])]
+
+
+def _apply_embedding_bias(get_input: GetInput, values: dict[str, Any],
+                          encode: Optional[Callable[[str], list[int]]]) -> None:
+    words, weights = get_input("embedding_bias_words"), get_input("embedding_bias_weights")
+    words = [] if words is None else _strings(words)
+    weights = [] if weights is None else [float(w) for w in weights.reshape(-1)]
+    if not words and not weights:
+        return
+    if encode is None:
+        raise ValueError("embedding_bias_words: this model has no tokenizer to read the words with")
+    bias = embedding_bias(words, weights, encode)
+    for token_id, weight in (values.get("logit_bias") or {}).items():  # both given: they add up
+        bias[int(token_id)] = bias.get(int(token_id), 0.0) + float(weight)
+    values["logit_bias"] = bias
 
 
 # ---------------------------------------------------------------------- responses
@@ -367,6 +393,8 @@ def make_response(parsed: ParsedRequest, output: RequestOutput,
     if parsed.return_finish_reason:
         tensors["finish_reason"] = _string_array([finish_reason_text(c.finish_reason, parsed.output_dialect)
                                                   for c in completions])
+    if parsed.return_stop_reason:
+        tensors["stop_reason"] = _string_array([str(c.stop_reason) for c in completions])
     if parsed.return_cumulative_logprob:
         tensors["cumulative_logprob"] = np.array(
             [c.cumulative_logprob if c.cumulative_logprob is not None else 0.0 for c in completions], dtype=np.float32)

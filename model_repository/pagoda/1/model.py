@@ -65,6 +65,7 @@ class TritonPythonModel:
         observers += _kv_event_stream(parameters)
         self.output_dialect = output_dialect(parameters)
         tokenizer = self.engine.tokenizer
+        self.encode = lambda text: tokenizer.encode(text, add_special_tokens=False)
         decode_token = functools.lru_cache(maxsize=65536)(
             lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False))
         # `pagoda serve` drains through this file (engine_loop); absent elsewhere.
@@ -83,7 +84,7 @@ class TritonPythonModel:
             get_input = lambda name, request=request: _get_input(request, name)  # noqa: E731
             try:
                 control = triton_io.parse_lora_control(get_input)  # None: a generation request
-                parsed = (triton_io.parse_request(get_input, request.parameters(), self.output_dialect)
+                parsed = (triton_io.parse_request(get_input, request.parameters(), self.output_dialect, self.encode)
                           if control is None else None)
             except ValueError as exc:
                 stub = ServingRequest(request_id, None, response_sender)

@@ -162,7 +162,8 @@ class EngineCore:
         self.last_wait_s = 0.0  # how long the last step() blocked on the device
 
     # ----------------------------------------------------------------- requests
-    def make_requests(self, request: EngineRequest, prompt_token_ids: list[int]) -> list[Request]:
+    def make_requests(self, request: EngineRequest, prompt_token_ids: list[int],
+                      bad_words_token_ids: tuple[tuple[int, ...], ...] = ()) -> list[Request]:
         """The scheduler requests of one user request (``arrival_time`` resolved): itself for
         ``n == 1``, else children ``"{id}#{i}"``, child ``i`` seeded by ``make_seed(seed, i)``."""
         params = request.params
@@ -172,7 +173,8 @@ class EngineCore:
             child = Request.from_engine_request(request, child_id, list(prompt_token_ids), self.eos_token_ids)
             child.sampling_state = SamplingRow(params=params, seed=make_seed(params.seed, index),
                                                prompt_token_ids=child.prompt_token_ids,
-                                               output_token_ids=child.output_token_ids, min_tokens_blocked_ids=blocked)
+                                               output_token_ids=child.output_token_ids, min_tokens_blocked_ids=blocked,
+                                               bad_words_token_ids=bad_words_token_ids)
             children.append(child)
         return children
 

@@ -91,6 +91,7 @@ class SamplingBatch:
     allowed_rows: those rows.
     bias: the ``logit_bias`` token ids of rows that set one, or ``None``.
     bias_values: ``[K]`` float32, the bias of each ``bias`` pair.
+    bad_words: each row's bad-word ids that would complete a bad word now, or ``None``.
     """
 
     rows: list[SamplingRow]
@@ -108,6 +109,7 @@ class SamplingBatch:
     allowed_rows: tuple[int, ...] = ()
     bias: Optional[TokenScatter] = None
     bias_values: Optional[torch.Tensor] = None
+    bad_words: Optional[TokenScatter] = None
 
     @classmethod
     def build(cls, rows: Sequence[SamplingRow], vocab_size: int,
@@ -117,7 +119,7 @@ class SamplingBatch:
         batch = cls(rows, vocab_size, token_bitmask,
                     random_rows=tuple(i for i, row in enumerate(rows) if not row.params.is_greedy),
                     logprob_rows=tuple(i for i, row in enumerate(rows) if row.params.logprobs is not None),
-                    min_tokens=_min_tokens(rows, vocab_size))
+                    min_tokens=_min_tokens(rows, vocab_size), bad_words=_bad_words(rows, vocab_size))
         if batch.random_rows:
             batch.random = RandomInputs.of([rows[i] for i in batch.random_rows], vocab_size)
         repeated = [i for i, row in enumerate(rows) if row.params.repetition_penalty != 1.0]
@@ -148,6 +150,20 @@ def _min_tokens(rows: Sequence[SamplingRow], vocab_size: int) -> Optional[TokenS
             # An id outside the vocabulary can never be sampled anyway.
             blocked_lists.append(sorted(t for t in row.min_tokens_blocked_ids if 0 <= t < vocab_size))
     return TokenScatter.of(blocked_lists, blocked_rows, vocab_size) if blocked_rows else None
+
+
+def _bad_words(rows: Sequence[SamplingRow], vocab_size: int) -> Optional[TokenScatter]:
+    """Per row, the last id of every bad word whose other ids end the output so far."""
+    banned_rows, banned_lists = [], []
+    for i, row in enumerate(rows):
+        done = row.output_token_ids
+        banned = {seq[-1] for seq in row.bad_words_token_ids
+                  if len(done) >= len(seq) - 1 and list(done[len(done) - len(seq) + 1:]) == list(seq[:-1])}
+        banned = sorted(t for t in banned if 0 <= t < vocab_size)
+        if banned:
+            banned_rows.append(i)
+            banned_lists.append(banned)
+    return TokenScatter.of(banned_lists, banned_rows, vocab_size) if banned_rows else None
 
 
 def _add_vllm_extras(batch: SamplingBatch, rows: Sequence[SamplingRow], vocab_size: int) -> None:

@@ -14,6 +14,8 @@ last processor's output, so a processor constrains greedy and random rows alike.
 * ``LogitBiasProcessor`` (OpenAI/vLLM ``logit_bias``): the bias is added to its token's logit.
 * ``MinTokensProcessor``: while a row has fewer than ``params.min_tokens`` outputs, the
   ids in ``row.min_tokens_blocked_ids`` (eos and stop token ids) are -inf.
+* ``BadWordsProcessor`` (vLLM's ``bad_words``): in a row whose output ends with all but
+  the last token of a bad word, that last token is -inf.
 * ``RepetitionPenaltyProcessor`` (HF/vLLM semantics, prompt + output tokens): a seen
   token's positive logit is divided by the penalty, a negative one multiplied.
 * ``PresenceFrequencyProcessor`` (OpenAI/vLLM semantics, output tokens):
@@ -72,6 +74,14 @@ class MinTokensProcessor:
         return logits
 
 
+class BadWordsProcessor:
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        if batch.bad_words is not None:
+            row_index, token_index = batch.bad_words.to(logits.device)
+            logits[row_index, token_index] = float("-inf")
+        return logits
+
+
 class RepetitionPenaltyProcessor:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         if batch.repetition is None:
@@ -105,5 +115,5 @@ class GrammarBitmaskProcessor:
 
 def default_logits_processors() -> list[LogitsProcessor]:
     """The sampler's standard stages, in the order they apply (the grammar last)."""
-    return [AllowedTokensProcessor(), LogitBiasProcessor(), MinTokensProcessor(), RepetitionPenaltyProcessor(),
-            PresenceFrequencyProcessor(), GrammarBitmaskProcessor()]
+    return [AllowedTokensProcessor(), LogitBiasProcessor(), MinTokensProcessor(), BadWordsProcessor(),
+            RepetitionPenaltyProcessor(), PresenceFrequencyProcessor(), GrammarBitmaskProcessor()]

@@ -31,6 +31,9 @@ class SamplingRow:
             position of a seeded row's draws.
         min_tokens_blocked_ids: ids masked while ``len(output_token_ids) <
             params.min_tokens`` (eos ids + stop_token_ids; the engine decides).
+        bad_words_token_ids: token sequences the output must never complete (vLLM's
+            ``bad_words``, tokenized by the engine): a sequence's last id is masked while
+            the output ends with the rest of it.
     """
 
     params: SamplingParams
@@ -38,6 +41,7 @@ class SamplingRow:
     prompt_token_ids: Sequence[int] = field(default_factory=list)
     output_token_ids: Sequence[int] = field(default_factory=list)
     min_tokens_blocked_ids: frozenset[int] = frozenset()
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
 
 
 

@@ -25,7 +25,7 @@ How a request is verified depends only on its sampling parameters (``VerifyMode`
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -69,10 +69,8 @@ class Draft:
 
 
 def with_outputs(row: SamplingRow, extra_token_ids: list[int]) -> SamplingRow:
-    """``row`` as if ``extra_token_ids`` had already been generated (for penalties and
-    min_tokens at a drafted position)."""
+    """``row`` as if ``extra_token_ids`` had already been generated (for penalties,
+    min_tokens and bad words at a drafted position)."""
     if not extra_token_ids:
         return row
-    return SamplingRow(params=row.params, seed=row.seed, prompt_token_ids=row.prompt_token_ids,
-                       output_token_ids=list(row.output_token_ids) + list(extra_token_ids),
-                       min_tokens_blocked_ids=row.min_tokens_blocked_ids)
+    return replace(row, output_token_ids=list(row.output_token_ids) + list(extra_token_ids))

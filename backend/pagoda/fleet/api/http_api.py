@@ -50,7 +50,7 @@ from pagoda.fleet.gate.gate import TENANT_KEY, AuthError, Gate, LimitError, Rate
 from pagoda.fleet.api.fleet_metrics import merge_vllm_series, scrape_replicas
 from pagoda.fleet.api.grpc_proxy import MAX_ROUTED_PROMPT_CHARS, cache_salt_of, option_of
 from pagoda.fleet.gate.infer_body import validate_infer_body
-from pagoda.fleet.gate.limits import prompt_of, sampling_of_generate, validate_generate_body
+from pagoda.fleet.gate.limits import FRONT_INPUTS, prompt_of, sampling_of_generate, validate_generate_body
 from pagoda.fleet.api.lora_admin import LoRAAdmin, check_change
 from pagoda.fleet.routing.router import Analysis, NoReplicaAvailable, Router
 from pagoda.fleet.api.tracing import TRACEPARENT, RouterTracer
@@ -173,7 +173,9 @@ def _analysis_of(router: Router, document: Any) -> Optional[Analysis]:
         return None
     sampling = document.get("sampling_parameters")
     adapter = document.get("lora_name") if isinstance(document.get("lora_name"), str) else None
-    return router.analyze(prompt, cache_salt_of(sampling), adapter or option_of(sampling, "lora_name"))
+    parameters = document.get("parameters") if isinstance(document.get("parameters"), dict) else {}
+    salt = cache_salt_of(sampling) or parameters.get("cache_salt")  # a TensorRT-LLM front's salt (_salt_document)
+    return router.analyze(prompt, salt, adapter or option_of(sampling, "lora_name"))
 
 
 async def _generate(request: web.Request) -> web.StreamResponse:
@@ -182,12 +184,14 @@ async def _generate(request: web.Request) -> web.StreamResponse:
     document, analysis, ticket = None, None, None
     if request.path.endswith(("generate", "generate_stream")):
         try:
-            document = validate_generate_body(body, gate.limits)
+            model = request.match_info.get("model", "pagoda")
+            document = validate_generate_body(body, gate.limits, model)
             if "lora_action" in document:
                 return await _lora_control(request, router, document)
             tenant = request.get(TENANT_KEY)
             if tenant is not None:
-                _salt_document(document, gate.salt(tenant, cache_salt_of(document.get("sampling_parameters"))))
+                _salt_document(document, gate.salt(tenant, cache_salt_of(document.get("sampling_parameters"))),
+                               front=model in FRONT_INPUTS)
             analysis = await gate.analyze(len(prompt_of(document)), _analysis_of, router, document)
             ticket = gate.charge(tenant, analysis.num_prompt_tokens if analysis else 0, sampling_of_generate(document))
         except LimitError as exc:
@@ -245,8 +249,11 @@ async def _lora_control(request: web.Request, router: Router, document: dict[str
                               "text_output": json.dumps(answer)})
 
 
-def _salt_document(document: dict[str, Any], salt: Optional[str]) -> None:
+def _salt_document(document: dict[str, Any], salt: Optional[str], front: bool = False) -> None:
     if salt is None:
+        return
+    if front:  # TensorRT-LLM's fronts take the salt as a request parameter (serving.trtllm_dialect)
+        document["parameters"] = {**document.get("parameters", {}), "cache_salt": salt}
         return
     text = document.get("sampling_parameters")
     try:

@@ -30,7 +30,10 @@ vocabulary as the replica's, so a body one accepts the other accepts too; the ke
 a string or a list of one string, booleans ``true``/``false``, numbers as numbers). A
 ``sampling_parameters`` object is accepted and sent on as the JSON string the replica
 expects. A body with ``lora_action`` (a LoRA control request) needs no ``text_input``. The
-limits apply to sampling values wherever they come (``sampling_of_generate``).
+limits apply to sampling values wherever they come (``sampling_of_generate``). A body for
+one of TensorRT-LLM's front models (``FRONT_INPUTS``: ``ensemble``, ``tensorrt_llm_bls``,
+``tensorrt_llm``) is checked against that model's own inputs instead, with no request
+parameter but ``cache_salt`` (the tenant salt the HTTP door adds for them).
 """
 
 from __future__ import annotations
@@ -42,12 +45,13 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from pagoda.contracts import json_input
+from pagoda.serving import trtllm_dialect, trtllm_llmapi
 from pagoda.serving.vllm_dialect import request_parameter_vocabulary
 
 # Triton generate inputs of model_repository/pagoda/config.pbtxt -> their JSON kind.
 GENERATE_INPUTS: dict[str, str] = {
     "text_input": "string", "input_ids": "ints", "sampling_parameters": "json",
-    "stream": "bool", "exclude_input_in_output": "bool", "return_finish_reason": "bool",
+    "stream": "bool", "exclude_input_in_output": "bool", "return_finish_reason": "bool", "return_stop_reason": "bool",
     "return_cumulative_logprob": "bool", "return_logprobs": "bool", "return_num_input_tokens": "bool",
     "return_num_output_tokens": "bool", "return_num_cached_tokens": "bool",
     "max_tokens": "int", "min_tokens": "int", "top_k": "int", "end_id": "int", "beam_width": "int",
@@ -55,9 +59,16 @@ GENERATE_INPUTS: dict[str, str] = {
     "temperature": "number", "top_p": "number", "repetition_penalty": "number", "presence_penalty": "number",
     "frequency_penalty": "number",
     "stop_words": "strings", "bad_words": "strings", "lora_name": "string",
+    "embedding_bias_words": "strings", "embedding_bias_weights": "numbers",
     "lora_action": "string", "lora_path": "string",  # a LoRA control request (http_api answers it)
 }
 GENERATE_PARAMETERS = ("traceparent",)  # top-level keys that are request parameters, not inputs
+# TensorRT-LLM's front models on the replica (serving.trtllm_dialect / trtllm_llmapi): their own inputs,
+# and the ones the router's limits read (max tokens, samples, stop strings).
+FRONT_INPUTS = {"ensemble": trtllm_dialect.INPUTS, "tensorrt_llm_bls": trtllm_dialect.INPUTS,
+                "tensorrt_llm": trtllm_llmapi.INPUTS}
+FRONT_SAMPLING = {"max_tokens": "max_tokens", "sampling_param_max_tokens": "max_tokens", "num_return_sequences": "n",
+                  "stop_words": "stop", "sampling_param_stop": "stop"}
 # The generate extension's own keys: the request's id (echoed by tritonserver) and its
 # request-parameter object (the vLLM backend's README sends sampling values there).
 GENERATE_RESERVED = ("id", "parameters")
@@ -147,8 +158,10 @@ def as_int(value: Any) -> Optional[int]:
 
 
 # ------------------------------------------------------------------ Triton generate bodies
-def validate_generate_body(body: bytes, limits: RequestLimits) -> dict[str, Any]:
-    """Parse and check a generate-extension body; returns it with ``sampling_parameters`` as text.
+def validate_generate_body(body: bytes, limits: RequestLimits, model: str = "pagoda") -> dict[str, Any]:
+    """Parse and check a generate-extension body for ``model``; returns it with
+    ``sampling_parameters`` as text. A TensorRT-LLM front (``FRONT_INPUTS``) is checked
+    against its own inputs, as the replica checks it.
 
     Raises:
         LimitError: naming the problem (not JSON, not an object, an unknown key, a value of
@@ -160,6 +173,8 @@ def validate_generate_body(body: bytes, limits: RequestLimits) -> dict[str, Any]
         raise LimitError(str(exc), exc.param) from None
     if not isinstance(document, dict):
         raise LimitError(f"body: must be a JSON object of inputs, got a JSON {_json_kind(document)}", "body")
+    if model in FRONT_INPUTS:
+        return _validate_front_body(document, limits, model)
     vocabulary = request_parameter_keys()
     unknown = sorted(set(document) - set(GENERATE_INPUTS) - set(GENERATE_PARAMETERS) - set(GENERATE_RESERVED)
                      - vocabulary)
@@ -190,6 +205,23 @@ def validate_generate_body(body: bytes, limits: RequestLimits) -> dict[str, Any]
     return document
 
 
+def _validate_front_body(document: dict[str, Any], limits: RequestLimits, model: str) -> dict[str, Any]:
+    unknown = sorted(set(document) - set(FRONT_INPUTS[model]) - set(GENERATE_PARAMETERS) - set(GENERATE_RESERVED))
+    if unknown:
+        raise LimitError(f"{unknown[0]}: unknown input of TensorRT-LLM's {model} model; the inputs are "
+                         f"{', '.join(sorted(FRONT_INPUTS[model]))}", unknown[0])
+    parameters = document.get("parameters", {})
+    if not isinstance(parameters, dict) or set(parameters) - {"cache_salt"}:
+        raise LimitError("parameters: TensorRT-LLM's models read no request parameters", "parameters")
+    if "text_input" not in document:
+        raise LimitError("text_input: required input is missing", "text_input")
+    limits.check_prompt(prompt_of(document), "text_input")
+    one = lambda v: v[0] if isinstance(v, list) and len(v) == 1 else v  # noqa: E731 - [[x]]-style bodies
+    limits.check_sampling({FRONT_SAMPLING[k]: (v if FRONT_SAMPLING[k] == "stop" else one(v))
+                           for k, v in document.items() if k in FRONT_SAMPLING})
+    return document
+
+
 def _check_input(name: str, kind: str, value: Any) -> Any:
     if kind == "string":
         if isinstance(value, list) and len(value) == 1:
@@ -215,6 +247,10 @@ def _check_input(name: str, kind: str, value: Any) -> Any:
     elif kind == "ints":
         if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
             raise LimitError(f"{name}: must be a list of integers", name)
+    elif kind == "numbers":
+        if not all(isinstance(item, (int, float)) and not isinstance(item, bool)
+                   for item in (value if isinstance(value, list) else [value])):
+            raise LimitError(f"{name}: must be a number or a list of numbers", name)
     elif kind == "strings":
         items = value if isinstance(value, list) else [value]
         if not all(isinstance(item, str) for item in items):

@@ -11,26 +11,24 @@ proxy, it needs:
    first ``python3`` it finds, so the model sees this environment's packages (pagoda).
 
 ``TritonServer`` materializes a temporary work dir with that backend directory and a copy
-of ``model_repository/`` whose ``config.pbtxt`` parameters carry the chosen engine
-settings, then:
-
+of ``model_repository/`` (pagoda's model, whose ``config.pbtxt`` carries the engine
+settings, and the TensorRT-LLM fronts, ``trtllm_dialect``), then:
 - refuses to start when the stub's numpy is 2.x or a port is taken (clear messages);
 - starts the server in its own process group with a parent-death signal, so it never
-  outlives the launcher (``process_tree``), and waits until the server and model are READY;
+  outlives the launcher (``process_tree``), and waits until the server and every model are READY;
 - sends one small request through the whole path (``startup_check``) and raises, naming
   the cause when the log shows it, if that fails: a server is never announced unanswered;
-- while serving, ``check_health`` reports a dead server or a dead stub (tritonserver 2.51
-  keeps answering READY after its stub died; the launcher then stops it);
+- while serving, ``check_health`` reports a dead server or a dead stub of pagoda's model
+  (tritonserver 2.51 keeps answering READY after its stub died; the launcher then stops it);
 - stops by draining (the engine loop refuses new requests and finishes those in flight,
-  up to ``grace_period_s``: see ``engine_loop``), unloading the model through the
+  up to ``grace_period_s``: see ``engine_loop``), unloading the models through the
   repository API (explicit model control, restricted to a per-start token header), then
   SIGINT, then SIGKILL to the whole process group, even if tritonserver already exited,
   so no stub is left behind. tritonserver's own exit timeout is not the drain: it is
   shared with idle keep-alive connections, which would use it all up.
 
-It is a context manager, which tests use as a fixture. The CLI is ``serve_cli``. The
-default model is imported (GGUF -> safetensors, once) here, before the server starts, so
-the backend's model load only reads a ready folder.
+It is a context manager (tests' fixture); the CLI is ``serve_cli``. The default model is
+imported (GGUF -> safetensors, once) before the server starts: the model load reads a folder.
 """
 
 from __future__ import annotations
@@ -49,6 +47,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -56,6 +55,7 @@ from typing import Optional
 from pagoda.serving import process_tree
 from pagoda.serving.launch import startup_check
 from pagoda.serving.model_config import rewrite_config_pbtxt
+from pagoda.serving.trtllm_dialect import configure_fronts
 from pagoda.serving.launch.triton_install import TritonPaths, default_model_repository, find_tritonserver, make_backend_dir
 
 MODEL_NAME = "pagoda"
@@ -100,6 +100,7 @@ class ServeOptions:
     replica_id: Optional[str] = None
     fleet_model: Optional[str] = None  # key namespace (default: the model folder's name)
     advertise_host: Optional[str] = None  # how routers reach this replica (default 127.0.0.1)
+    trtllm_decoupled: dict[str, bool] = field(default_factory=dict)  # TensorRT-LLM front -> decoupled
 
     def fleet_env(self) -> dict[str, str]:
         """Environment for ``pagoda.fleet.index.publisher.publisher_from_env`` in the model."""
@@ -141,6 +142,7 @@ def materialize_repository(source: Path, dest: Path, options: ServeOptions) -> P
     config_path = dest / MODEL_NAME / "config.pbtxt"
     kind = {"cuda": "KIND_GPU", "cpu": "KIND_CPU"}.get(options.device or "")
     config_path.write_text(rewrite_config_pbtxt(config_path.read_text(), options.parameter_overrides(), kind))
+    configure_fronts(dest, options.trtllm_decoupled)
     return dest
 
 
@@ -234,7 +236,7 @@ class TritonServer:
             # The drain is the model's unload (stop()); the exit timeout then only bounds
             # tritonserver's wait for idle keep-alive connections at exit.
             f"--exit-timeout-secs={EXIT_TIMEOUT_S}",
-            "--model-control-mode=explicit", f"--load-model={MODEL_NAME}",
+            "--model-control-mode=explicit", "--load-model=*",  # pagoda and the TensorRT-LLM fronts
             f"--http-restricted-api=model-repository:{ADMIN_HEADER}={self._admin_token}",
             f"--grpc-restricted-protocol=model-repository:{ADMIN_HEADER}={self._admin_token}",
             f"--log-verbose={self.options.log_verbose}",
@@ -267,7 +269,7 @@ class TritonServer:
 
     def _wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        url = f"http://{self.http_url}/v2/models/{MODEL_NAME}/ready"
+        url = f"http://{self.http_url}/v2/health/ready"  # every model of the repository READY
         while time.monotonic() < deadline:
             code = self.process.poll()
             if code is not None:
@@ -292,11 +294,8 @@ class TritonServer:
                 message += f"\ncause: {cause}"
             raise startup_check.StartupCheckError(message + self._log_tail()) from None
 
-    def _find_stubs(self) -> list[int]:
-        if self.process is None:
-            return []
-        return [pid for pid in process_tree.group_members(self.process.pid)
-                if pid != self.process.pid and process_tree.process_name(pid).startswith("triton_python")]
+    def _find_stubs(self) -> list[int]:  # pagoda's stub (a TensorRT-LLM front's holds no engine)
+        return [] if self.process is None else process_tree.python_stubs(self.process.pid, MODEL_NAME)
 
     def log_text(self, num_chars: int = 20000) -> str:
         """The end of the server's output (empty if it is not kept)."""
@@ -309,10 +308,8 @@ class TritonServer:
         except OSError:
             return ""
 
-    def _log_tail(self, num_chars: int = 4000) -> str:
-        if self.log_path is None:
-            return ""  # already on our stdout
-        return "\n--- tritonserver log tail ---\n" + self.log_text(num_chars)
+    def _log_tail(self, num_chars: int = 4000) -> str:  # "" when the log is already on our stdout
+        return "" if self.log_path is None else "\n--- tritonserver log tail ---\n" + self.log_text(num_chars)
 
     def is_running(self) -> bool:
         return self.process is not None and self.process.poll() is None
@@ -339,10 +336,8 @@ class TritonServer:
         return None
 
     def restart_model(self) -> None:
-        """Reload the model after its stub died: a new stub, checked with one request.
-
-        While it reloads the server is not ready and requests get "unknown model ... no
-        available versions" (404).
+        """Reload the model after its stub died: a new stub, checked with one request. While it
+        reloads the server is not ready; requests get "unknown model ... no available versions" (404).
 
         Raises:
             RuntimeError: the model did not unload, load or answer again.
@@ -374,7 +369,7 @@ class TritonServer:
                 grace_s = self.options.grace_period_s
             if self.process.poll() is None and grace_s > 0:
                 self._drain(grace_s, force)
-                self._unload(UNLOAD_TIMEOUT_S, force)
+                self._unload(UNLOAD_TIMEOUT_S, force, every_model=True)
                 self.process.send_signal(signal.SIGINT)
                 self._wait_exit(EXIT_TIMEOUT_S + 10.0, force)
             # Always, even when tritonserver is gone: its stub may not be.
@@ -402,9 +397,9 @@ class TritonServer:
                 return
             time.sleep(0.1)
 
-    def _repository(self, action: str, timeout_s: float) -> Optional[object]:
+    def _repository(self, action: str, timeout_s: float, model: str = MODEL_NAME) -> Optional[object]:
         """POST to the (restricted) model repository API; the JSON answer, or None."""
-        path = "index" if action == "index" else f"models/{MODEL_NAME}/{action}"
+        path = "index" if action == "index" else f"models/{model}/{action}"
         request = urllib.request.Request(f"http://{self.http_url}/v2/repository/{path}", data=b"{}",
                                          headers={ADMIN_HEADER: self._admin_token,
                                                   "Content-Type": "application/json"})
@@ -429,16 +424,21 @@ class TritonServer:
                 return
             time.sleep(0.05)
 
-    def _unload(self, grace_s: float, force: Optional[threading.Event]) -> None:
-        """Unload the model and wait (up to ``grace_s``) until Triton reports it unloaded."""
+    def _unload(self, grace_s: float, force: Optional[threading.Event], every_model: bool = False) -> None:
+        """Unload the model (``every_model``: the TensorRT-LLM fronts too, at once, sparing the exit
+        their stubs' shutdown) and wait, up to ``grace_s``, until Triton reports them unloaded."""
         deadline = time.monotonic() + grace_s
-        if self._repository("unload", timeout_s=max(1.0, grace_s)) is None:
+        names = {MODEL_NAME} | {m.get("name") for m in (self._repository("index", 2.0) if every_model else None) or []
+                                if m.get("state") == "READY"}
+        with ThreadPoolExecutor(len(names)) as pool:
+            answers = list(pool.map(lambda name: self._repository("unload", max(1.0, grace_s), name), names))
+        if all(answer is None for answer in answers):
             return
         while time.monotonic() < deadline and self.process.poll() is None:
             if force is not None and force.is_set():
                 return
             index = self._repository("index", timeout_s=2.0) or []
-            if not any(m.get("name") == MODEL_NAME and m.get("state") in ("READY", "UNLOADING") for m in index):
+            if not any(m.get("name") in names and m.get("state") in ("READY", "UNLOADING") for m in index):
                 return
             time.sleep(0.1)
 

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Optional
 
 from pagoda.serving.launch.launcher import MODEL_NAME, ServeOptions, TritonServer
+from pagoda.serving.trtllm_dialect import FRONT_MODELS
 from pagoda.serving.launch.openai_door import DEFAULT_PORT as DEFAULT_OPENAI_PORT
 from pagoda.serving.launch.openai_door import OpenAIDoor, model_dir_for
 from pagoda.serving.model_config import engine_config_from_parameters
@@ -90,6 +91,9 @@ def make_parser() -> argparse.ArgumentParser:
                         "backend: per-token {id: {logprob, rank, decoded_token}}, null unless logprobs is set, "
                         "'None' before the end; the default) or pagoda (per-token {token_id, logprob, rank, "
                         "top_logprobs}, '' before the end; pagoda's router asks for it per request)")
+    p.add_argument("--trtllm-decoupled", choices=("true", "false"),
+                   help="TensorRT-LLM's decoupled_mode for its front models ensemble, tensorrt_llm_bls and "
+                        "tensorrt_llm (LLM API): true streams, false (the shipped default) serves unary infer()")
     p.add_argument("--engine-arg", action="append", default=[], metavar="FIELD=VALUE",
                    help="any other EngineConfig field, e.g. --engine-arg spec_adaptive=false (repeatable)")
     p.add_argument("--model-repository", help="a model repository to use instead of the shipped one")
@@ -175,7 +179,9 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
         model_repository=args.model_repository,
         log_verbose=args.log_verbose, redis_url=args.redis_url, replica_id=args.replica_id,
         fleet_model=args.fleet_model, advertise_host=args.advertise_host, grace_period_s=args.grace_period,
-        check_first_request=not args.skip_first_request_check)
+        check_first_request=not args.skip_first_request_check,
+        trtllm_decoupled=({} if args.trtllm_decoupled is None else
+                          dict.fromkeys(FRONT_MODELS, args.trtllm_decoupled == "true")))
 
 
 def check_engine_args(options: ServeOptions, parser: argparse.ArgumentParser) -> None:
@@ -253,11 +259,13 @@ def main(argv: Optional[list[str]] = None) -> int:
                               f"{options.host}:{options.metrics_port}", allow_runtime_lora=args.allow_runtime_lora,
                               model_name=args.served_model_name).start()
         starting[0] = False
+        trtllm_mode = "decoupled (streaming)" if args.trtllm_decoupled == "true" else "unary infer()"
         print(f"pagoda is serving model '{MODEL_NAME}' ({options.model})\n"
               f"  HTTP    http://{server.http_url}/v2/models/{MODEL_NAME}/generate_stream\n"
               f"  gRPC    {server.grpc_url}\n"
               f"  metrics {server.metrics_url}\n"
               f"  OpenAI  {door.url if door is not None else 'off'}\n"
+              f"  TensorRT-LLM models {', '.join(FRONT_MODELS)}: {trtllm_mode}\n"
               "Ctrl-C to stop.", flush=True)
         problem = supervise(server, stop_requested, args.max_stub_restarts, door)
         if door is not None:

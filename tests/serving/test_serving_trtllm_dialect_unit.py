@@ -1,0 +1,184 @@
+"""TensorRT-LLM dialect translation without a server (``pagoda.serving.trtllm_dialect``)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from pagoda.serving import trtllm_dialect as dialect
+
+
+def item(**values):
+    arrays = {"text_input": np.array([b"hi"], dtype=np.object_)}
+    for name, value in values.items():
+        arrays[name] = np.array(value if isinstance(value, list) else [value])
+    return arrays
+
+
+def test_split_batch_gives_rows_and_refuses_a_mismatched_batch():
+    inputs = {"text_input": np.array([[b"a"], [b"b"]], dtype=np.object_),
+              "stop_words": np.array([[b"x", b""], [b"y", b"z"]], dtype=np.object_)}
+    items = dialect.split_batch(inputs)
+    assert [i["text_input"].tolist() for i in items] == [[b"a"], [b"b"]]
+    assert items[1]["stop_words"].tolist() == [b"y", b"z"]
+    with pytest.raises(ValueError, match="^max_tokens: batch dimension is 1, text_input's is 2"):
+        dialect.split_batch({**inputs, "max_tokens": np.array([[3]], dtype=np.int32)})
+
+
+def test_sampling_values_map_every_applied_input():
+    values = dialect.sampling_values(item(
+        max_tokens=np.int32(5), min_length=np.int32(2), num_return_sequences=np.int32(2), random_seed=np.uint64(7),
+        top_p=np.float32(0), stop_words=[b"\n", b""], end_id=np.int32(3), pad_id=np.int32(0),
+        lora_task_id=np.uint64(12), return_log_probs=True, guided_decoding_guide_type=b"json",
+        bad_words=[b"darn", b""]))
+    assert values == {"output_dialect": "pagoda", "max_tokens": 5, "min_tokens": 2, "n": 2, "seed": 7,
+                      "stop": ["\n"], "bad_words": ["darn"], "stop_token_ids": [3], "lora_name": "12", "logprobs": 0,
+                      "guided_decoding": {"json_object": True}}
+
+
+def test_embedding_bias_goes_to_pagodas_model_as_tensors():
+    """pagoda's model reads the words with its tokenizer (``triton_io``); the front holds none."""
+    words = np.array([b"cat", b"dog"], dtype=np.object_)
+    inputs = dialect.to_pagoda_inputs(item(embedding_bias_words=words, embedding_bias_weights=[np.float32(1)] * 2),
+                                      decoupled=False)
+    assert inputs["embedding_bias_words"].tolist() == [b"cat", b"dog"]
+    assert inputs["embedding_bias_weights"].tolist() == [1.0, 1.0]
+    assert dialect.embedding_bias(["ab", "b"], [1.0, 2.0], {"ab": [1, 2], "b": [2]}.__getitem__) == {1: 1.0, 2: 3.0}
+    with pytest.raises(ValueError, match="^embedding_bias_weights: 1 weights for 2 embedding_bias_words"):
+        dialect.embedding_bias(["a", "b"], [1.0], {"a": [1], "b": [2]}.__getitem__)
+    with pytest.raises(ValueError, match=r"^embedding_bias_weights: a token's summed bias must lie in \[-100, 100\]"):
+        dialect.embedding_bias(["a", "a"], [60.0, 60.0], {"a": [1]}.__getitem__)
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"min_tokens": np.int32(2), "min_length": np.int32(3)}, "min_length: contradicts another input for min_tokens"),
+    ({"guided_decoding_guide_type": b"regex"}, "guided_decoding_guide: required by guided_decoding_guide_type"),
+    ({"guided_decoding_guide": b"x"}, "guided_decoding_guide: needs guided_decoding_guide_type"),
+    ({"beam_width": np.int32(4)}, "beam_width: beam search is not supported"),
+    ({"lora_weights": np.zeros((1, 1), dtype=np.float16)}, "lora_weights: not supported"),
+])
+def test_bad_inputs_are_refused_naming_them(values, message):
+    with pytest.raises(ValueError, match="^" + message):
+        dialect.sampling_values(item(**values))
+
+
+def test_request_parameters_are_refused_naming_them_but_cache_salt():
+    assert dialect.read_request_parameters('{"id": "7"}') == {}
+    with pytest.raises(ValueError, match="^foo: unknown input"):
+        dialect.read_request_parameters(json.dumps({"foo": 1, "id": "x"}))
+    options = dialect.read_request_parameters('{"cache_salt": "tenant-a"}')
+    inputs = dialect.with_options(dialect.to_pagoda_inputs(item(), decoupled=False), options)
+    assert json.loads(inputs["sampling_parameters"][0])["cache_salt"] == "tenant-a"
+    with pytest.raises(ValueError, match="^cache_salt: must be a non-empty string"):
+        dialect.read_request_parameters('{"cache_salt": ""}')
+
+
+def test_outputs_per_sequence_and_stacked():
+    tensors = {"text_output": np.array([b"ab", b"c"], dtype=np.object_),
+               "cumulative_logprob": np.array([-1.0, -2.0], dtype=np.float32),
+               "logprobs": np.array([json.dumps([{"logprob": -0.5}, {"logprob": -0.5}]).encode(),
+                                     json.dumps([{"logprob": -2.0}]).encode()], dtype=np.object_),
+               "num_input_tokens": np.array([4], dtype=np.uint32), "num_output_tokens": np.array([2, 1], np.uint32)}
+    asked = {"log_probs": True, "perf": False, "num_input_tokens": True, "num_output_tokens": False}
+    one = dialect.to_trtllm_outputs(tensors, asked, batch_index=3, sequence=1)
+    assert one["text_output"].tolist() == [b"c"] and one["sequence_index"].tolist() == [[1]]
+    assert one["batch_index"].tolist() == [[3]] and one["output_log_probs"].tolist() == [[[-2.0]]]
+    both = dialect.to_trtllm_outputs(tensors, asked, batch_index=0, sequence=None)
+    assert both["output_log_probs"].tolist() == [[[-0.5, -0.5], [-2.0, 0.0]]]
+    stacked = dialect.stack_items([both, dialect.to_trtllm_outputs({**tensors, "logprobs": tensors["logprobs"][::-1]},
+                                                                   asked, 1, None)])
+    assert stacked["text_output"].tolist() == [b"ab", b"c", b"ab", b"c"]  # flat [B * n]
+    assert stacked["output_log_probs"].tolist() == [[[-0.5, -0.5], [-2.0, 0.0]], [[-2.0, 0.0], [-0.5, -0.5]]]
+    assert stacked["batch_index"].tolist() == [[0], [1]] and stacked["num_input_tokens"].tolist() == [[4], [4]]
+
+
+def test_kv_cache_metrics_count_whole_blocks():
+    assert dialect.kv_cache_metrics(40, 8, 32, block_size=16) == {
+        "kv_cache_alloc_total_blocks": 3, "kv_cache_reused_blocks": 2, "kv_cache_alloc_new_blocks": 1,
+        "kv_cache_hit_rate": pytest.approx(2 / 3)}
+
+
+def test_configure_fronts_sets_decoupled_and_refuses_other_models(tmp_path):
+    from pagoda.serving.launch.triton_install import default_model_repository
+    import shutil
+
+    repository = shutil.copytree(default_model_repository(), tmp_path / "repo")
+    dialect.configure_fronts(repository, {"tensorrt_llm_bls": True})
+    assert "decoupled: true" in (repository / "tensorrt_llm_bls" / "config.pbtxt").read_text()
+    assert "decoupled: false" in (repository / "ensemble" / "config.pbtxt").read_text()
+    with pytest.raises(ValueError, match="^trtllm_decoupled: 'pagoda' is not a TensorRT-LLM front"):
+        dialect.configure_fronts(repository, {"pagoda": True})
+
+
+def test_the_routers_http_door_knows_every_input_of_pagodas_model():
+    """One vocabulary: a generate body the replica accepts, the router's HTTP door accepts
+    (the embedding-bias inputs the TensorRT-LLM fronts forward included)."""
+    import re
+
+    from pagoda.fleet.gate.limits import GENERATE_INPUTS, LimitError, RequestLimits, validate_generate_body
+    from pagoda.serving.launch.triton_install import default_model_repository
+
+    config = (default_model_repository() / "pagoda" / "config.pbtxt").read_text()
+    assert set(re.findall(r'\{ name: "(\w+)"', config.split("output [")[0])) == set(GENERATE_INPUTS)
+    body = {"text_input": "Hi", "bad_words": ["darn"], "embedding_bias_words": ["cat"], "embedding_bias_weights": [2]}
+    assert validate_generate_body(json.dumps(body).encode(), RequestLimits())["embedding_bias_weights"] == [2]
+    with pytest.raises(LimitError, match="^embedding_bias_weights: must be a number or a list of numbers"):
+        validate_generate_body(json.dumps({**body, "embedding_bias_weights": ["x"]}).encode(), RequestLimits())
+
+
+def test_llmapi_inputs_become_pagodas_and_refusals_name_the_input():
+    from pagoda.serving import trtllm_llmapi as llmapi
+
+    request = {"text_input": np.array([b"hi"], dtype=np.object_),
+               "sampling_param_max_tokens": np.array([5], dtype=np.int32),
+               "sampling_param_top_k": np.array([3], dtype=np.int32),
+               "sampling_param_stop": np.array([b"\n", b""], dtype=np.object_),
+               "lora_name": np.array([b"sql"], dtype=np.object_), "lora_id": np.array([9], dtype=np.uint64),
+               "return_stop_reason": np.array([True])}
+    inputs = llmapi.to_pagoda_inputs(request, decoupled=False)
+    assert json.loads(inputs["sampling_parameters"][0]) == {"output_dialect": "vllm", "max_tokens": 5, "top_k": 3,
+                                                            "stop": ["\n"], "lora_name": "sql"}
+    assert inputs["return_stop_reason"].tolist() == [True] and inputs["exclude_input_in_output"].tolist() == [False]
+    with pytest.raises(ValueError, match="^streaming: streaming needs the decoupled model"):
+        llmapi.to_pagoda_inputs({**request, "streaming": np.array([True])}, decoupled=False)
+    with pytest.raises(ValueError, match="^lora_path: not supported"):
+        llmapi.to_pagoda_inputs({**request, "lora_path": np.array([b"/a"], dtype=np.object_)}, decoupled=True)
+    assert llmapi.is_stop_request({"stop": np.array([True])}) and not llmapi.is_stop_request(request)
+    assert llmapi.llmapi_kv_metrics(40, 8, 32, block_size=16) == {
+        "kv_cache_alloc_total_blocks": 3, "kv_cache_alloc_new_blocks": 1, "kv_cache_hit_rate": pytest.approx(2 / 3),
+        "kv_cache_reused_block": 2, "kv_cache_missed_block": 1}
+
+
+def test_the_routers_http_door_checks_a_front_body_against_the_fronts_inputs():
+    """A body for ``ensemble`` / ``tensorrt_llm_bls`` / ``tensorrt_llm`` passes the router's HTTP door
+    when the replica's front would take it (TensorRT-LLM's names), with the router's limits applied."""
+    from pagoda.fleet.gate.limits import LimitError, RequestLimits, validate_generate_body
+
+    body = {"text_input": "Hi", "max_tokens": 8, "min_length": 8, "num_return_sequences": 2, "id": "r1"}
+    assert validate_generate_body(json.dumps(body).encode(), RequestLimits(), "ensemble")["min_length"] == 8
+    with pytest.raises(LimitError, match="^min_length: unknown input or request parameter"):
+        validate_generate_body(json.dumps(body).encode(), RequestLimits())  # pagoda's own model has no min_length
+    with pytest.raises(LimitError, match="^beam_search_fancy: unknown input of TensorRT-LLM's tensorrt_llm_bls"):
+        validate_generate_body(json.dumps({**body, "beam_search_fancy": 1}).encode(), RequestLimits(),
+                               "tensorrt_llm_bls")
+    with pytest.raises(LimitError, match="^n: 2 exceeds this server's limit of 1"):
+        validate_generate_body(json.dumps(body).encode(), RequestLimits(max_n=1), "ensemble")
+    llmapi_body = {"text_input": "Hi", "sampling_param_max_tokens": 99, "streaming": True}
+    with pytest.raises(LimitError, match="^max_tokens: 99 exceeds"):
+        validate_generate_body(json.dumps(llmapi_body).encode(), RequestLimits(max_tokens_limit=50), "tensorrt_llm")
+    with pytest.raises(LimitError, match="^parameters: TensorRT-LLM's models read no request parameters"):
+        validate_generate_body(json.dumps({**body, "parameters": {"temperature": 0}}).encode(), RequestLimits(),
+                               "ensemble")
+
+
+def test_the_router_salts_a_front_body_through_its_request_parameters():
+    """Tenants' prefix-cache isolation reaches the fronts: the router's tenant salt goes in
+    ``parameters.cache_salt``, which the front reads into pagoda's ``cache_salt``."""
+    from pagoda.fleet.api.http_api import _salt_document
+
+    document = {"text_input": "Hi", "max_tokens": 4}
+    _salt_document(document, "tenant-salt", front=True)
+    assert document["parameters"] == {"cache_salt": "tenant-salt"}
+    assert dialect.read_request_parameters(json.dumps(document["parameters"])) == {"cache_salt": "tenant-salt"}
