@@ -154,6 +154,9 @@ class TcpReceiver:
         reason = check_offer(offer, self.model_id, self.block_size, self.layout)
         if reason is None and not self.block_pool.enable_caching:
             reason = "prefix caching is off on this replica"
+        # A read of the hash map off the engine thread: a hint only. The commit re-checks on
+        # the engine thread; a block "had" here but evicted before the commit leaves a gap,
+        # and the prefix hit then stops at it (never a wrong hit).
         need = [i for i, h in enumerate(offer.block_hashes) if self.block_pool.get_cached_block(h) is None]
         num_bytes = len(need) * self.block_bytes
         with self._lock:

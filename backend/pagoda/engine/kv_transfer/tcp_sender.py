@@ -60,6 +60,7 @@ class TcpSender:
         self.ttl_s = ttl_s
         self.clock = clock
         self.transfers: dict[str, OutgoingTransfer] = {}
+        self._threads: list[threading.Thread] = []  # joined in close, expired ones included
 
     @property
     def num_pinned_blocks(self) -> int:
@@ -75,6 +76,7 @@ class TcpSender:
         t = OutgoingTransfer(offer, peer, blocks, now, now + self.ttl_s)
         self.transfers[offer.transfer_id] = t
         t.thread = threading.Thread(target=self._run, args=(t,), name=f"kv-send-{offer.transfer_id}", daemon=True)
+        self._threads = [th for th in self._threads if th.is_alive()] + [t.thread]
         t.thread.start()
 
     def finish_ready(self) -> list[TransferResult]:
@@ -95,9 +97,10 @@ class TcpSender:
             if not t.done:
                 t.error = t.error or "connector closed"
             self._release(t, self.clock())
-            if t.thread is not None:
-                t.thread.join(timeout=5)
         self.transfers.clear()
+        for thread in self._threads:
+            thread.join(timeout=5)
+        self._threads = []
 
     def _release(self, t: OutgoingTransfer, now: float) -> TransferResult:
         with t.lock:
