@@ -144,6 +144,23 @@ def test_a_stalled_receiver_makes_the_sender_release_at_its_ttl(model_path):
         stalled.close()
 
 
+def test_an_offer_over_the_in_flight_cap_is_refused_busy(pair):
+    a, b, ca, _ = pair
+    b.scheduler.block_pool.reset_prefix_cache()
+    prompt = list(range(5000, 5100))
+    _serve(a, "a-busy", prompt)
+    a_free, b_free = a.get_stats().num_free_blocks, b.get_stats().num_free_blocks
+    small = TcpKVConnector(b, listen="127.0.0.1:0", max_inflight_bytes=2 * ca.block_io.block_bytes)
+    try:
+        transfer_id = ca.send(small.address, hash_prompt_blocks(prompt, 16, a.model_id))
+        results = _wait([ca, small], transfer_id)
+    finally:
+        small.close()
+    assert "busy" in results["send"].error and "busy" in results["receive"].error
+    assert a.get_stats().num_free_blocks == a_free and b.get_stats().num_free_blocks == b_free
+    assert small.receiver.num_inflight_bytes == 0 and ca.num_pinned_blocks == 0
+
+
 def test_offers_from_another_model_or_layout_are_refused(pair, model_path, tmp_path):
     a, b, ca, cb = pair
     _serve(a, "a-model")
