@@ -8,8 +8,13 @@ mismatched model are refused with no block leaked on either side.
 
 from __future__ import annotations
 
+import json
+import os
 import random
+import signal
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
@@ -39,10 +44,10 @@ def _serve(engine: LLMEngine, request_id: str, prompt=PROMPT, **kwargs):
     return drain(engine)[request_id]
 
 
-def _wait(connectors, transfer_id: str, timeout_s: float = 20.0) -> dict:
-    """Poll every connector (as their engine loops would) until both sides report ``transfer_id``."""
+def _wait(connectors, transfer_id: str, timeout_s: float = 20.0, num_sides: int = 2) -> dict:
+    """Poll every connector (as their engine loops would) until ``num_sides`` report ``transfer_id``."""
     results, deadline = {}, time.monotonic() + timeout_s
-    while time.monotonic() < deadline and len(results) < 2:
+    while time.monotonic() < deadline and len(results) < num_sides:
         for connector in connectors:
             for r in connector.poll():
                 if r.transfer_id == transfer_id:
@@ -117,11 +122,48 @@ def test_a_corrupted_chunk_is_refused_and_nothing_leaks(pair):
         wire.send_frame(sock, FrameType.CHUNK, bytes(body))
         kind, reply = wire.recv_json(sock, (FrameType.ERROR,))
     assert "checksum mismatch in the chunk of block 1" in reply["reason"]
-    results = _wait([cb], "corrupt", timeout_s=5)
+    results = _wait([cb], "corrupt", num_sides=1)
     assert not results["receive"].ok and "checksum" in results["receive"].error
     assert b.get_stats().num_free_blocks == b_free
     assert cb.receiver.num_inflight_bytes == 0, "the buffered block was dropped"
     assert _serve(b, "b-corrupt", prompt).num_cached_tokens == 0, "nothing of the transfer was cached"
+
+
+_DYING_SENDER = """
+import json, socket, sys, time
+from pagoda.engine.kv_transfer import wire
+from pagoda.engine.kv_transfer.wire import FrameType
+host, port, offer = sys.argv[1], int(sys.argv[2]), json.loads(sys.stdin.read())
+sock = socket.create_connection((host, port))
+wire.send_json(sock, FrameType.OFFER, offer)
+wire.recv_json(sock, (FrameType.ACCEPT,))
+wire.send_chunk(sock, 0, 0, bytes(1000))  # the start of block 0, then nothing
+print("sent", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_sender_killed_mid_transfer_leaves_nothing_on_the_receiver(pair):
+    a, b, ca, cb = pair
+    b.scheduler.block_pool.reset_prefix_cache()
+    prompt = list(range(7000, 7100))
+    _serve(a, "a-kill", prompt)
+    b_free = b.get_stats().num_free_blocks
+    blocks = [a.scheduler.block_pool.get_cached_block(h) for h in hash_prompt_blocks(prompt, 16, a.model_id)]
+    offer = Offer("killed", a.model_id, 16, ca.block_io.layout, [blk.block_hash for blk in blocks],
+                  [list(blk.token_ids) for blk in blocks])
+    host, port = _addr(cb.address)
+    child = subprocess.Popen([sys.executable, "-c", _DYING_SENDER, host, str(port)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    child.stdin.write(json.dumps(offer.to_json()))
+    child.stdin.close()
+    assert child.stdout.readline().strip() == "sent"
+    assert cb.receiver.num_inflight_bytes == 6 * cb.block_io.block_bytes, "reserved while in flight"
+    os.kill(child.pid, signal.SIGKILL)
+    child.wait()
+    results = _wait([cb], "killed", num_sides=1)
+    assert "peer closed the connection" in results["receive"].error
+    assert cb.receiver.num_inflight_bytes == 0 and b.get_stats().num_free_blocks == b_free
 
 
 def test_a_stalled_receiver_makes_the_sender_release_at_its_ttl(model_path):
