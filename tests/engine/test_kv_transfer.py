@@ -203,6 +203,19 @@ def test_an_offer_over_the_in_flight_cap_is_refused_busy(pair):
     assert small.receiver.num_inflight_bytes == 0 and ca.num_pinned_blocks == 0
 
 
+def test_close_wakes_a_connection_idle_within_its_ttl(pair):
+    _, b, _, _ = pair
+    receiver = TcpKVConnector(b, listen="127.0.0.1:0", ttl_s=60)
+    with socket.create_connection(_addr(receiver.address), timeout=10):
+        deadline = time.monotonic() + 10
+        while not receiver.receiver._conns and time.monotonic() < deadline:
+            time.sleep(0.01)
+        start = time.monotonic()
+        receiver.close()
+        assert time.monotonic() - start < 5, "close joined the connection thread without waiting for its TTL"
+    assert not any(th.is_alive() for th in receiver.receiver._threads)
+
+
 def test_offers_from_another_model_or_layout_are_refused(pair, model_path, tmp_path):
     a, b, ca, cb = pair
     _serve(a, "a-model")

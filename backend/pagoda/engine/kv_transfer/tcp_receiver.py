@@ -73,6 +73,7 @@ class TcpReceiver:
         self._results: list[TransferResult] = []
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._conns: set[socket.socket] = set()  # shut down by close, waking their threads
         self._listener = socket.create_server((host, port))
         self._listener.settimeout(0.2)
         self.address = f"{host}:{self._listener.getsockname()[1]}"
@@ -80,9 +81,17 @@ class TcpReceiver:
         self._accept_thread.start()
 
     def close(self) -> None:
+        """Stop accepting, wake every connection thread and join them all."""
         self._stop.set()
         self._accept_thread.join(timeout=5)
         self._listener.close()
+        with self._lock:
+            conns = list(self._conns)
+        for conn in conns:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
         for thread in self._threads:
             thread.join(timeout=5)
 
@@ -126,6 +135,8 @@ class TcpReceiver:
                 conn, _ = self._listener.accept()
             except (socket.timeout, OSError):
                 continue
+            with self._lock:
+                self._conns.add(conn)
             thread = threading.Thread(target=self._serve, args=(conn,), name="kv-recv-conn", daemon=True)
             self._threads = [th for th in self._threads if th.is_alive()] + [thread]
             thread.start()
@@ -146,6 +157,7 @@ class TcpReceiver:
         finally:
             with self._lock:
                 self.num_inflight_bytes -= reserved
+                self._conns.discard(conn)
             conn.close()
 
     def _accept_offer(self, conn: socket.socket, started: float):
