@@ -101,6 +101,31 @@ def test_transferred_prefix_is_a_cache_hit_with_identical_output(pair):
     assert results["receive"].num_bytes == 0
 
 
+def test_the_receiver_commits_between_steps_while_decoding_with_async_scheduling(model_path):
+    a, b = _engine(model_path, async_scheduling=True), _engine(model_path, async_scheduling=True)
+    ca, cb = TcpKVConnector(a), TcpKVConnector(b, listen="127.0.0.1:0")
+    try:
+        prompt = [random.Random(31).randrange(1000, 30000) for _ in range(300)]
+        reference = _serve(a, "a", prompt)
+        b.add_request("busy", list(range(4000, 4050)), SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+        transfer_id = ca.send(cb.address, hash_prompt_blocks(prompt, 16, a.model_id))
+        results, deadline = {}, time.monotonic() + 20
+        while (b.has_unfinished_requests() or len(results) < 2) and time.monotonic() < deadline:
+            if b.has_unfinished_requests():
+                b.step()  # the transfer overlaps B's decode steps; poll() commits between them
+            results.update({r.direction: r for c in (ca, cb) for r in c.poll() if r.transfer_id == transfer_id})
+            time.sleep(0.001)
+        assert results["receive"].ok and results["receive"].num_blocks == 18
+        served = _serve(b, "b", prompt)
+        assert served.num_cached_tokens == 18 * 16
+        assert served.outputs[0].token_ids == reference.outputs[0].token_ids
+    finally:
+        ca.close()
+        cb.close()
+        a.shutdown()
+        b.shutdown()
+
+
 def test_a_corrupted_chunk_is_refused_and_nothing_leaks(pair):
     a, b, ca, cb = pair
     b.scheduler.block_pool.reset_prefix_cache()
