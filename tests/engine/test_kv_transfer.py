@@ -126,6 +126,27 @@ def test_the_receiver_commits_between_steps_while_decoding_with_async_scheduling
         b.shutdown()
 
 
+def test_a_replica_pulls_a_prefix_from_a_peer(pair):
+    a, b, ca, cb = pair
+    b.scheduler.block_pool.reset_prefix_cache()
+    prompt = [random.Random(32).randrange(1000, 30000) for _ in range(100)]
+    reference = _serve(a, "a-pull", prompt)
+    a_free, b_free = a.get_stats().num_free_blocks, b.get_stats().num_free_blocks
+    holder = TcpKVConnector(a, listen="127.0.0.1:0")  # A answers pulls from its own poll()
+    try:
+        transfer_id = cb.pull(holder.address, hash_prompt_blocks(prompt, 16, a.model_id))
+        results = _wait([holder, cb], transfer_id)
+        assert results["send"].ok and results["receive"].ok and results["receive"].num_blocks == 6, results
+        missing = cb.pull(holder.address, hash_prompt_blocks(list(range(9000, 9100)), 16, a.model_id))
+        refused = _wait([holder, cb], missing, num_sides=1)
+    finally:
+        holder.close()
+    assert "none of the offered blocks is cached" in refused["receive"].error
+    assert a.get_stats().num_free_blocks == a_free and b.get_stats().num_free_blocks == b_free
+    served = _serve(b, "b-pull", prompt)
+    assert served.num_cached_tokens == 96 and served.outputs[0].token_ids == reference.outputs[0].token_ids
+
+
 def test_a_corrupted_chunk_is_refused_and_nothing_leaks(pair):
     a, b, ca, cb = pair
     b.scheduler.block_pool.reset_prefix_cache()

@@ -12,13 +12,15 @@ through ``poll()``; the bytes move on the connector's own threads. Life cycle of
    confirmed, that failed, or whose TTL has passed, and returns one ``TransferResult``
    per finished transfer. No pinned block outlives its TTL.
 
-Receiving: incoming blocks are buffered on the connector's thread (bounded by
+Pulling: ``pull(peer, block_hashes)`` asks a peer for the blocks; the peer's ``poll()``
+answers exactly as if it had called ``send`` (pins, TTL), over the connection the puller
+opened. Receiving: incoming blocks are buffered on the connector's thread (bounded by
 ``max_inflight_bytes``) and checked; ``poll()`` writes them into free blocks and enters
 them in the prefix cache under the same hashes (so the next request with that prefix is
 a hit and the KV-event publisher tells the global index), then confirms to the sender.
 
 Implementations: ``tcp.TcpKVConnector``; a shared-memory or NIXL connector implements the
-same four methods. This module is pure Python.
+same members. This module is pure Python.
 """
 
 from __future__ import annotations
@@ -54,6 +56,11 @@ class KVConnector(Protocol):
              parent_block_hash: Optional[BlockHash] = None, cache_salt: Optional[str] = None,
              adapter_id: Optional[str] = None) -> str:
         """Start sending the cached run of ``block_hashes`` to ``peer``; returns the transfer id."""
+
+    def pull(self, peer: str, block_hashes: Sequence[BlockHash], *, transfer_id: Optional[str] = None,
+             parent_block_hash: Optional[BlockHash] = None, cache_salt: Optional[str] = None,
+             adapter_id: Optional[str] = None) -> str:
+        """Ask ``peer`` to send the cached run of ``block_hashes`` it holds here; the transfer id."""
 
     def poll(self) -> list[TransferResult]:
         """Engine thread: finish transfers (commit received blocks, unpin sent ones)."""

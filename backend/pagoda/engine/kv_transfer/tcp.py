@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import itertools
 import os
+import queue
+import socket
 import time
 from typing import Callable, Optional, Sequence
 
@@ -20,6 +22,8 @@ from pagoda.engine.kv_transfer.connector import TransferResult, parse_peer
 from pagoda.engine.kv_transfer.offer import Offer
 from pagoda.engine.kv_transfer.tcp_receiver import TcpReceiver
 from pagoda.engine.kv_transfer.tcp_sender import TcpSender
+from pagoda.engine.kv_transfer import wire
+from pagoda.engine.kv_transfer.wire import FrameType
 
 DEFAULT_CHUNK_BYTES = 1 << 20
 DEFAULT_MAX_INFLIGHT_BYTES = 256 << 20
@@ -53,11 +57,12 @@ class TcpKVConnector:
         self.block_size = engine.config.block_size
         self.sender = TcpSender(self.block_pool, self.block_io.read_block, chunk_bytes, ttl_s, clock)
         self.receiver: Optional[TcpReceiver] = None
+        self._pulls: "queue.SimpleQueue[tuple[socket.socket, dict]]" = queue.SimpleQueue()
         if listen is not None:
             host, port = parse_peer(listen) if not listen.endswith(":0") else (listen[:-2], 0)
             self.receiver = TcpReceiver(self.block_pool, self.block_io.write_block, self.model_id,
                                         self.block_size, self.block_io.layout, host, port, max_inflight_bytes,
-                                        chunk_bytes, ttl_s)
+                                        chunk_bytes, ttl_s, on_pull=lambda conn, obj: self._pulls.put((conn, obj)))
 
     @property
     def address(self) -> Optional[str]:
@@ -79,6 +84,30 @@ class TcpKVConnector:
             ValueError: a bad peer address, or none of the blocks is cached here.
         """
         parse_peer(peer)
+        transfer_id = transfer_id or _new_id()
+        offer, blocks = self._make_offer(transfer_id, block_hashes, parent_block_hash, cache_salt, adapter_id)
+        self.sender.start(peer, offer, blocks)
+        return transfer_id
+
+    def pull(self, peer: str, block_hashes: Sequence[BlockHash], *, transfer_id: Optional[str] = None,
+             parent_block_hash: Optional[BlockHash] = None, cache_salt: Optional[str] = None,
+             adapter_id: Optional[str] = None) -> str:
+        """Ask ``peer`` (a listening connector) for the cached run of ``block_hashes`` it holds.
+
+        The peer answers from its engine thread's ``poll`` as if it had called ``send``; the
+        blocks arrive as a ``receive`` result here. Raises ValueError without a listener here.
+        """
+        if self.receiver is None:
+            raise ValueError("KV transfer: pull needs a connector made with listen=...")
+        transfer_id = transfer_id or _new_id()
+        self.receiver.pull(parse_peer(peer), {
+            "version": wire.PROTOCOL_VERSION, "transfer_id": transfer_id,
+            "block_hashes": [h.hex() for h in block_hashes],
+            "parent_block_hash": parent_block_hash.hex() if parent_block_hash else None,
+            "cache_salt": cache_salt, "adapter_id": adapter_id})
+        return transfer_id
+
+    def _make_offer(self, transfer_id, block_hashes, parent_block_hash, cache_salt, adapter_id):
         blocks = []
         for block_hash in block_hashes:
             block = self.block_pool.get_cached_block(block_hash)
@@ -87,15 +116,38 @@ class TcpKVConnector:
             blocks.append(block)
         if not blocks:
             raise ValueError("KV transfer: none of the offered blocks is cached on this replica")
-        transfer_id = transfer_id or f"kvx-{os.getpid()}-{next(_ids)}"
         offer = Offer(transfer_id, self.model_id, self.block_size, self.block_io.layout,
                       [b.block_hash for b in blocks], [list(b.token_ids) for b in blocks],
                       parent_block_hash, cache_salt, adapter_id)
-        self.sender.start(peer, offer, blocks)
-        return transfer_id
+        return offer, blocks
+
+    def _answer_pulls(self) -> None:
+        """Engine thread: pin and start sending what each queued PULL asks for, or REFUSE it."""
+        while True:
+            try:
+                conn, obj = self._pulls.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                if obj.get("version") != wire.PROTOCOL_VERSION:
+                    raise ValueError(f"protocol version {obj.get('version')!r}; this replica speaks "
+                                     f"{wire.PROTOCOL_VERSION}")
+                parent = obj.get("parent_block_hash")
+                offer, blocks = self._make_offer(
+                    str(obj["transfer_id"]), [BlockHash(bytes.fromhex(h)) for h in obj["block_hashes"]],
+                    BlockHash(bytes.fromhex(parent)) if parent else None, obj.get("cache_salt"), obj.get("adapter_id"))
+                self.sender.start("pulled", offer, blocks, sock=conn)
+            except (KeyError, TypeError, ValueError) as e:
+                try:
+                    wire.send_json(conn, FrameType.REFUSE, {"reason": str(e)})
+                except OSError:
+                    pass
+                conn.close()
 
     def poll(self) -> list[TransferResult]:
-        """Commit received transfers, unpin finished or expired sends; every finished result."""
+        """Answer pulls, commit received transfers, unpin finished or expired sends; every
+        finished result."""
+        self._answer_pulls()
         results: list[TransferResult] = []
         if self.receiver is not None:
             self.receiver.commit_ready()
@@ -106,3 +158,9 @@ class TcpKVConnector:
         self.sender.close()
         if self.receiver is not None:
             self.receiver.close()
+        while not self._pulls.empty():
+            self._pulls.get_nowait()[0].close()
+
+
+def _new_id() -> str:
+    return f"kvx-{os.getpid()}-{next(_ids)}"

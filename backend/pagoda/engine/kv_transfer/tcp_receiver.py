@@ -1,7 +1,10 @@
 """The TCP connector's receiving side: a listener thread, one thread per connection.
 
 A connection carries one transfer: OFFER -> ACCEPT(need) | REFUSE, CHUNK..., END ->
-DONE | ERROR (docs/kv_transfer.md). Invariants:
+DONE | ERROR (docs/kv_transfer.md). A pull is the same exchange on a connection the
+receiver opened: it sends PULL first (``pull``), and the holder answers OFFER or REFUSE; a
+PULL arriving on the listener is handed to ``on_pull`` (the connector answers it as a
+sender, from the engine thread). Invariants:
 - Memory is bounded: an offer is accepted only if the bytes of the blocks it still
   needs fit in ``max_inflight_bytes`` minus what other transfers have reserved; the
   reservation is returned when the transfer ends, however it ends. A frame longer than
@@ -59,7 +62,8 @@ class TcpReceiver:
 
     def __init__(self, block_pool: BlockPool, write_block: Callable[[int, bytes], None], model_id: str,
                  block_size: int, layout: dict, host: str, port: int, max_inflight_bytes: int,
-                 chunk_bytes: int, ttl_s: float) -> None:
+                 chunk_bytes: int, ttl_s: float,
+                 on_pull: Optional[Callable[[socket.socket, dict], None]] = None) -> None:
         self.block_pool = block_pool
         self.write_block = write_block
         self.model_id, self.block_size, self.layout = model_id, block_size, layout
@@ -67,6 +71,7 @@ class TcpReceiver:
         self.max_inflight_bytes = max_inflight_bytes
         self.chunk_bytes = chunk_bytes
         self.ttl_s = ttl_s
+        self.on_pull = on_pull
         self.num_inflight_bytes = 0
         self._lock = threading.Lock()
         self._ready: "queue.SimpleQueue[IncomingTransfer]" = queue.SimpleQueue()
@@ -135,33 +140,65 @@ class TcpReceiver:
                 conn, _ = self._listener.accept()
             except (socket.timeout, OSError):
                 continue
+            self._start_thread(conn, None)
+
+    def pull(self, peer: tuple[str, int], request: dict) -> None:
+        """Ask ``peer`` for blocks (a PULL frame, ``request`` as its JSON), then receive them."""
+        self._start_thread(None, (peer, request))
+
+    def _start_thread(self, conn: Optional[socket.socket], pull: Optional[tuple]) -> None:
+        thread = threading.Thread(target=self._serve, args=(conn, pull), name="kv-recv-conn", daemon=True)
+        self._threads = [th for th in self._threads if th.is_alive()] + [thread]
+        thread.start()
+
+    def _open(self, conn: Optional[socket.socket], pull: Optional[tuple]) -> tuple[socket.socket, tuple]:
+        """The connection and the first frames it may start with (a pull opens it and asks first)."""
+        if pull is not None:
+            conn = socket.create_connection(pull[0], timeout=self.ttl_s)
             with self._lock:
                 self._conns.add(conn)
-            thread = threading.Thread(target=self._serve, args=(conn,), name="kv-recv-conn", daemon=True)
-            self._threads = [th for th in self._threads if th.is_alive()] + [thread]
-            thread.start()
-
-    def _serve(self, conn: socket.socket) -> None:
+            wire.send_json(conn, FrameType.PULL, pull[1])
+            return conn, (FrameType.OFFER, FrameType.REFUSE)
+        with self._lock:
+            self._conns.add(conn)
         conn.settimeout(self.ttl_s)
+        return conn, (FrameType.OFFER, FrameType.PULL)
+
+    def _serve(self, conn: Optional[socket.socket], pull: Optional[tuple]) -> None:
         started, reserved, offer, t = time.monotonic(), 0, None, None
+        transfer_id = pull[1]["transfer_id"] if pull is not None else None
+        handed_off = False
         try:
-            offer, t, reserved = self._accept_offer(conn, started)
+            conn, expected = self._open(conn, pull)
+            kind, obj = wire.recv_json(conn, expected)
+            if kind == FrameType.PULL:
+                handed_off = self._hand_off_pull(conn, obj)
+                return
+            if kind == FrameType.REFUSE:
+                raise WireError(f"peer refused the pull: {obj.get('reason')}")
+            offer, t, reserved = self._accept_offer(conn, obj, started)
             if t is not None:
                 self._receive_blocks(conn, t)
                 self._await_commit(conn, t)
         except (OSError, WireError, ValueError) as e:
             error = f"{type(e).__name__}: {e}" if not isinstance(e, WireError) else str(e)
             _try_send_json(conn, FrameType.ERROR, {"reason": error})
-            if offer is not None:
-                self._record(offer.transfer_id, started, 0, 0, error)
+            if offer is not None or transfer_id is not None:
+                self._record(offer.transfer_id if offer else transfer_id, started, 0, 0, error)
         finally:
             with self._lock:
                 self.num_inflight_bytes -= reserved
                 self._conns.discard(conn)
-            conn.close()
+            if conn is not None and not handed_off:
+                conn.close()
 
-    def _accept_offer(self, conn: socket.socket, started: float):
-        _, obj = wire.recv_json(conn, (FrameType.OFFER,))
+    def _hand_off_pull(self, conn: socket.socket, obj: dict) -> bool:
+        if self.on_pull is None:
+            raise WireError("this replica does not serve pulls")
+        self.on_pull(conn, obj)
+        return True
+
+    def _accept_offer(self, conn: socket.socket, obj: dict, started: float):
         offer = Offer.from_json(obj)
         reason = check_offer(offer, self.model_id, self.block_size, self.layout)
         if reason is None and not self.block_pool.enable_caching:

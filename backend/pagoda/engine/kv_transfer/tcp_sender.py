@@ -66,14 +66,17 @@ class TcpSender:
     def num_pinned_blocks(self) -> int:
         return sum(len(t.blocks) for t in self.transfers.values())
 
-    def start(self, peer: str, offer: Offer, blocks: list[KVCacheBlock]) -> None:
-        """Engine thread: pin ``blocks`` and start the transfer's thread."""
-        parse_peer(peer)
+    def start(self, peer: str, offer: Offer, blocks: list[KVCacheBlock],
+              sock: Optional[socket.socket] = None) -> None:
+        """Engine thread: pin ``blocks`` and start the transfer's thread (over ``sock``, a
+        connection the peer opened to pull, or a new connection to ``peer``)."""
+        if sock is None:
+            parse_peer(peer)
         if offer.transfer_id in self.transfers:
             raise ValueError(f"transfer id {offer.transfer_id!r} is already in flight")
         self.block_pool.touch(blocks)
         now = self.clock()
-        t = OutgoingTransfer(offer, peer, blocks, now, now + self.ttl_s)
+        t = OutgoingTransfer(offer, peer, blocks, now, now + self.ttl_s, sock=sock)
         self.transfers[offer.transfer_id] = t
         t.thread = threading.Thread(target=self._run, args=(t,), name=f"kv-send-{offer.transfer_id}", daemon=True)
         self._threads = [th for th in self._threads if th.is_alive()] + [t.thread]
@@ -120,12 +123,11 @@ class TcpSender:
             t.done = True
 
     def _exchange(self, t: OutgoingTransfer) -> None:
-        host, port = parse_peer(t.peer)
-        timeout = max(self.ttl_s, 0.1)
         with t.lock:
             if t.cancelled:
                 return
-            t.sock = socket.create_connection((host, port), timeout=timeout)
+            if t.sock is None:
+                t.sock = socket.create_connection(parse_peer(t.peer), timeout=max(self.ttl_s, 0.1))
         t.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         wire.send_json(t.sock, FrameType.OFFER, t.offer.to_json())
         kind, reply = wire.recv_json(t.sock, (FrameType.ACCEPT, FrameType.REFUSE))

@@ -1,6 +1,6 @@
 """The TCP connector's wire format: typed, length-prefixed frames (spec in docs/kv_transfer.md).
 
-Every frame is ``type: u8 || length: u32le || body[length]``. Control frames (OFFER,
+Every frame is ``type: u8 || length: u32le || body[length]``. Control frames (PULL, OFFER,
 ACCEPT, REFUSE, DONE, ERROR) carry a UTF-8 JSON object; END carries nothing; a CHUNK
 carries ``block_index: u32le || offset: u32le || sha256(payload): 32 bytes || payload``.
 
@@ -35,6 +35,7 @@ class FrameType(enum.IntEnum):
     END = 5
     DONE = 6
     ERROR = 7
+    PULL = 8
 
 
 class WireError(Exception):
