@@ -7,9 +7,10 @@ would). For each of ``--repeats`` fresh random prompts of ``--prefix-tokens`` to
 
 * recompute: the sender prefills the prompt (one request, ``max_tokens=1``): its TTFT is
   what a replica pays to compute the prefix itself;
-* transfer: ``TcpKVConnector.send`` of the prompt's full blocks until the sender's
-  ``poll`` reports DONE (the receiver has written them and entered them in its prefix
-  cache): per-request latency and MB/s of KV payload;
+* transfer of the prompt's full blocks until they are in the receiver's prefix cache:
+  ``--mode pull`` (default): the receiver calls ``pull`` and waits for its ``receive``
+  result while the sender's loop polls; ``--mode push``: the sender calls ``send`` and
+  waits for DONE. Per-request latency and MB/s of KV payload;
 * pulled TTFT: the receiver then serves the same prompt (``max_tokens=1``): its TTFT with
   the prefix cached, and its first token, which must equal the sender's.
 
@@ -60,14 +61,21 @@ def _receiver(conn, model, threads: int) -> None:
                 command = conn.recv()
                 if command is None:
                     return
-                conn.send(_ttft(engine, *command))
+                request_id, prompt, pull_from = command
+                pulled = _pull(connector, pull_from, prompt, engine) if pull_from else (0.0, 0)
+                conn.send((*pulled, *_ttft(engine, request_id, prompt)))
     finally:
         connector.close()
 
 
-def _transfer(connector, peer: str, hashes) -> tuple[float, int]:
+def _pull(connector, peer: str, prompt: list[int], engine) -> tuple[float, int]:
+    from pagoda.contracts.block_hash import hash_prompt_blocks
     start = time.perf_counter()
-    transfer_id = connector.send(peer, hashes)
+    transfer_id = connector.pull(peer, hash_prompt_blocks(prompt, engine.config.block_size, engine.model_id))
+    return _finish(connector, transfer_id, start)
+
+
+def _finish(connector, transfer_id: str, start: float) -> tuple[float, int]:
     while True:
         for result in connector.poll():
             if result.transfer_id == transfer_id:
@@ -83,6 +91,8 @@ def main(argv=None) -> int:
     parser.add_argument("--prefix-tokens", type=int, default=1536, help="prompt length in tokens")
     parser.add_argument("--repeats", type=int, default=3, help="fresh prompts, each measured once")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    parser.add_argument("--mode", choices=("pull", "push"), default="pull",
+                        help="pull: the receiver asks for the blocks; push: the sender sends them")
     args = parser.parse_args(argv)
     if args.prefix_tokens < 16 or args.repeats < 1:
         parser.error("--prefix-tokens must be >= 16 and --repeats >= 1")
@@ -96,7 +106,7 @@ def main(argv=None) -> int:
     proc.start()
     try:
         engine = _make_engine(model, args.threads)
-        connector = TcpKVConnector(engine)
+        connector = TcpKVConnector(engine, listen="127.0.0.1:0")
         peer = parent.recv()
         rows = _measure(engine, connector, parent, peer, args, hash_prompt_blocks)
         connector.close()
@@ -110,16 +120,23 @@ def main(argv=None) -> int:
 def _measure(engine, connector, pipe, peer, args, hash_prompt_blocks) -> list[dict]:
     rng = random.Random(0)
     _ttft(engine, "warm-up", [rng.randrange(1000, 30000) for _ in range(64)])
-    pipe.send(("warm-up", [rng.randrange(1000, 30000) for _ in range(64)]))
+    pipe.send(("warm-up", [rng.randrange(1000, 30000) for _ in range(64)], None))
     pipe.recv()
     rows = []
     for i in range(args.repeats):
         prompt = [rng.randrange(1000, 30000) for _ in range(args.prefix_tokens)]
         recompute_s, _, token = _ttft(engine, f"r{i}", prompt)
         hashes = hash_prompt_blocks(prompt, engine.config.block_size, engine.model_id)
-        transfer_s, num_bytes = _transfer(connector, peer, hashes)
-        pipe.send((f"r{i}", prompt))
-        pulled_ttft_s, cached, pulled_token = pipe.recv()
+        if args.mode == "push":
+            start = time.perf_counter()
+            push = _finish(connector, connector.send(peer, hashes), start)
+        pipe.send((f"r{i}", prompt, connector.address if args.mode == "pull" else None))
+        while not pipe.poll(0.0005):
+            connector.poll()  # the sender's engine loop: answers the pull, unpins when done
+        connector.poll()
+        transfer_s, num_bytes, pulled_ttft_s, cached, pulled_token = pipe.recv()
+        if args.mode == "push":
+            transfer_s, num_bytes = push
         assert pulled_token == token, f"run {i}: first token {pulled_token} after transfer, {token} recomputed"
         rows.append(dict(recompute_s=recompute_s, transfer_s=transfer_s, num_bytes=num_bytes,
                          mb_per_s=num_bytes / transfer_s / 1e6, pulled_ttft_s=pulled_ttft_s,
@@ -129,7 +146,7 @@ def _measure(engine, connector, pipe, peer, args, hash_prompt_blocks) -> list[di
 
 def _report(rows: list[dict], args, engine) -> None:
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-          f"torch threads per process: {args.threads}; model {engine.model_id}, "
+          f"torch threads per process: {args.threads}; mode {args.mode}; model {engine.model_id}, "
           f"KV {engine.runner.kv_caches[0][0].dtype}, block_size {engine.config.block_size}")
     print("\n| run | blocks | MB | transfer ms | MB/s | recompute TTFT ms | transfer + pulled TTFT ms | cached tokens |")
     print("|---|---|---|---|---|---|---|---|")
