@@ -142,6 +142,11 @@ def test_a_replica_pulls_a_prefix_from_a_peer(pair):
     finally:
         holder.close()
     assert "none of the offered blocks is cached" in refused["receive"].error
+    closed = socket.create_server(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()
+    unreachable = cb.pull(f"127.0.0.1:{port}", hash_prompt_blocks(prompt, 16, a.model_id))
+    assert "ConnectionRefusedError" in _wait([cb], unreachable, num_sides=1)["receive"].error
     assert a.get_stats().num_free_blocks == a_free and b.get_stats().num_free_blocks == b_free
     served = _serve(b, "b-pull", prompt)
     assert served.num_cached_tokens == 96 and served.outputs[0].token_ids == reference.outputs[0].token_ids

@@ -262,7 +262,9 @@ class TcpReceiver:
                                                 time.monotonic() - started, error))
 
 
-def _try_send_json(conn: socket.socket, kind: FrameType, obj: dict) -> None:
+def _try_send_json(conn: Optional[socket.socket], kind: FrameType, obj: dict) -> None:
+    if conn is None:  # a pull whose connection never opened
+        return
     try:
         wire.send_json(conn, kind, obj)
     except OSError:
