@@ -10,10 +10,10 @@ threads runs on the engine's thread; ``close`` joins every thread.
 from __future__ import annotations
 
 import itertools
-import os
 import queue
 import socket
 import time
+import uuid
 from typing import Callable, Optional, Sequence
 
 from pagoda.contracts.block_hash import BlockHash
@@ -163,4 +163,5 @@ class TcpKVConnector:
 
 
 def _new_id() -> str:
-    return f"kvx-{os.getpid()}-{next(_ids)}"
+    """Unique across replicas: a holder may serve pulls from many machines at once."""
+    return f"kvx-{uuid.uuid4().hex[:16]}-{next(_ids)}"
