@@ -302,3 +302,21 @@ def test_bad_connector_arguments_are_named(model_path):
 def _addr(address: str) -> tuple[str, int]:
     host, port = address.rsplit(":", 1)
     return host, int(port)
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_bench_moves_a_prefix_between_two_processes(model_path, capsys, mode):
+    """``pagoda bench kv-transfer``: a spawned receiver process; it asserts the first tokens agree."""
+    import torch
+
+    from pagoda.cli import main as cli_main
+
+    threads = torch.get_num_threads()
+    try:
+        assert cli_main(["bench", "kv-transfer", "--model", model_path, "--prefix-tokens", "80",
+                         "--repeats", "1", "--mode", mode]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert f"mode {mode}" in out and "| 0 | 5 | 0.2 |" in out, out  # 5 blocks of 32 KiB
+    assert out.rstrip().splitlines()[-3].endswith("| 64 |"), "the receiver hit 4 of the 5 blocks (last token computed)"
