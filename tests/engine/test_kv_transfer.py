@@ -217,6 +217,26 @@ def test_a_sender_killed_mid_transfer_leaves_nothing_on_the_receiver(pair):
     assert cb.receiver.num_inflight_bytes == 0 and b.get_stats().num_free_blocks == b_free
 
 
+def test_a_stalled_sender_is_dropped_by_the_receiver_at_its_ttl(pair):
+    a, b, ca, _ = pair
+    _serve(a, "a-stall", PROMPT)
+    blocks = [a.scheduler.block_pool.get_cached_block(h) for h in hash_prompt_blocks(PROMPT, 16, a.model_id)]
+    offer = Offer("stalled-sender", a.model_id, 16, ca.block_io.layout, [blk.block_hash for blk in blocks],
+                  [list(blk.token_ids) for blk in blocks])
+    b.scheduler.block_pool.reset_prefix_cache()
+    b_free = b.get_stats().num_free_blocks
+    receiver = TcpKVConnector(b, listen="127.0.0.1:0", ttl_s=0.3)  # socket timeouts: real seconds
+    try:
+        with socket.create_connection(_addr(receiver.address), timeout=10) as sock:
+            wire.send_json(sock, FrameType.OFFER, offer.to_json())
+            wire.recv_json(sock, (FrameType.ACCEPT,))
+            result = _wait([receiver], "stalled-sender", num_sides=1)["receive"]  # then nothing is sent
+        assert "timed out" in result.error
+        assert receiver.receiver.num_inflight_bytes == 0 and b.get_stats().num_free_blocks == b_free
+    finally:
+        receiver.close()
+
+
 def test_a_stalled_receiver_makes_the_sender_release_at_its_ttl(model_path):
     a = _engine(model_path)
     now = [0.0]
