@@ -340,3 +340,18 @@ def test_bench_moves_a_prefix_between_two_processes(model_path, capsys, mode):
     out = capsys.readouterr().out
     assert f"mode {mode}" in out and "| 0 | 5 | 0.2 |" in out, out  # 5 blocks of 32 KiB
     assert out.rstrip().splitlines()[-3].endswith("| 64 |"), "the receiver hit 4 of the 5 blocks (last token computed)"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float8_e4m3fn"])
+def test_block_bytes_round_trip_through_the_caches(dtype):
+    import torch
+
+    from pagoda.engine.kv_transfer.block_io import KVBlockIO
+
+    caches = [(torch.zeros(4, 16, 2, 8).to(getattr(torch, dtype)), torch.zeros(4, 16, 2, 8).to(getattr(torch, dtype)))
+              for _ in range(3)]
+    io = KVBlockIO(caches)
+    data = bytes(random.Random(5).randrange(0, 120) for _ in range(io.block_bytes))  # < 0x7F: finite fp8
+    io.write_block(2, data)
+    assert io.read_block(2) == data and io.read_block(1) == bytes(io.block_bytes), "only block 2 changed"
+    assert io.layout == {"dtype": dtype, "num_layers": 3, "block_shape": [16, 2, 8], "block_bytes": io.block_bytes}

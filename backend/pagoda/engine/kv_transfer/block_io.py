@@ -4,7 +4,7 @@ The bytes of block ``b`` are, layer by layer, ``K[b]`` then ``V[b]`` of the runn
 (each ``[block_size, num_kv_heads, head_dim]`` contiguous), in the cache dtype's native
 byte order. ``layout`` names everything that must agree between two replicas for those
 bytes to mean the same thing (dtype, shape, layer count); the receiver refuses an offer
-whose layout differs. An fp8 cache is moved as its raw bytes (``host_kv_cache._raw``).
+whose layout differs. Every dtype (fp8 included) is moved as its raw bytes (a ``uint8`` view).
 
 Only full, hashed blocks are read (they are immutable while pinned) and only freshly
 allocated, unreferenced blocks are written, so neither races the forward pass on CPU.
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from pagoda.engine.runner.host_kv_cache import KVCaches, _raw
+from pagoda.engine.runner.host_kv_cache import KVCaches
 
 
 class KVBlockIO:
@@ -39,7 +39,7 @@ class KVBlockIO:
     @torch.inference_mode()
     def read_block(self, block_id: int) -> bytes:
         """Block ``block_id``'s bytes (``block_bytes`` long)."""
-        parts = [_raw(t)[block_id].reshape(-1).view(torch.uint8) for kv in self.kv_caches for t in kv]
+        parts = [t[block_id].view(torch.uint8).reshape(-1) for kv in self.kv_caches for t in kv]
         return torch.cat(parts).cpu().numpy().tobytes()
 
     @torch.inference_mode()
@@ -50,6 +50,6 @@ class KVBlockIO:
         offset = 0
         for kv in self.kv_caches:
             for t in kv:
-                dst = _raw(t)[block_id]
-                dst.view(-1).view(torch.uint8).copy_(src[offset: offset + self.part_bytes].to(dst.device))
+                dst = t[block_id].view(torch.uint8).view(-1)  # contiguous: writes go through to the cache
+                dst.copy_(src[offset: offset + self.part_bytes].to(dst.device))
                 offset += self.part_bytes
