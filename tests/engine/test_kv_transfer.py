@@ -274,6 +274,23 @@ def test_an_offer_over_the_in_flight_cap_is_refused_busy(pair):
     assert small.receiver.num_inflight_bytes == 0 and ca.num_pinned_blocks == 0
 
 
+def test_connections_over_the_cap_are_refused_busy(pair):
+    a, b, ca, _ = pair
+    _serve(a, "a-conns", PROMPT)
+    receiver = TcpKVConnector(b, listen="127.0.0.1:0")
+    receiver.receiver.max_connections = 1
+    try:
+        with socket.create_connection(_addr(receiver.address), timeout=10):
+            deadline = time.monotonic() + 10
+            while not receiver.receiver._conns and time.monotonic() < deadline:
+                time.sleep(0.01)
+            transfer_id = ca.send(receiver.address, hash_prompt_blocks(PROMPT, 16, a.model_id))
+            result = _wait([ca], transfer_id, num_sides=1)["send"]
+    finally:
+        receiver.close()
+    assert "receiver refused: busy: 1 connections open" in result.error and ca.num_pinned_blocks == 0
+
+
 def test_close_wakes_a_connection_idle_within_its_ttl(pair):
     _, b, _, _ = pair
     receiver = TcpKVConnector(b, listen="127.0.0.1:0", ttl_s=60)

@@ -5,7 +5,8 @@ DONE | ERROR (docs/kv_transfer.md). A pull is the same exchange on a connection 
 receiver opened: it sends PULL first (``pull``), and the holder answers OFFER or REFUSE; a
 PULL arriving on the listener is handed to ``on_pull`` (the connector answers it as a
 sender, from the engine thread). Invariants:
-- Memory is bounded: an offer is accepted only if the bytes of the blocks it still
+- Memory is bounded: at most ``max_connections`` connections are served at once (one
+  more is answered REFUSE "busy" and closed), each reading at most one frame ahead; an offer is accepted only if the bytes of the blocks it still
   needs fit in ``max_inflight_bytes`` minus what other transfers have reserved; the
   reservation is returned when the transfer ends, however it ends. A frame longer than
   one chunk is refused before it is read.
@@ -58,12 +59,14 @@ class TcpReceiver:
     max_inflight_bytes: cap on buffered block bytes across transfers.
     chunk_bytes: largest CHUNK payload accepted.
     ttl_s: longest wait for the next frame, and for the engine thread's commit.
+    max_connections: connections served at once.
     """
 
     def __init__(self, block_pool: BlockPool, write_block: Callable[[int, bytes], None], model_id: str,
                  block_size: int, layout: dict, host: str, port: int, max_inflight_bytes: int,
                  chunk_bytes: int, ttl_s: float,
-                 on_pull: Optional[Callable[[socket.socket, dict], None]] = None) -> None:
+                 on_pull: Optional[Callable[[socket.socket, dict], None]] = None,
+                 max_connections: int = 64) -> None:
         self.block_pool = block_pool
         self.write_block = write_block
         self.model_id, self.block_size, self.layout = model_id, block_size, layout
@@ -72,6 +75,7 @@ class TcpReceiver:
         self.chunk_bytes = chunk_bytes
         self.ttl_s = ttl_s
         self.on_pull = on_pull
+        self.max_connections = max_connections
         self.num_inflight_bytes = 0
         self._lock = threading.Lock()
         self._ready: "queue.SimpleQueue[IncomingTransfer]" = queue.SimpleQueue()
@@ -139,6 +143,12 @@ class TcpReceiver:
             try:
                 conn, _ = self._listener.accept()
             except (socket.timeout, OSError):
+                continue
+            with self._lock:
+                is_full = len(self._conns) >= self.max_connections
+            if is_full:
+                _try_send_json(conn, FrameType.REFUSE, {"reason": f"busy: {self.max_connections} connections open"})
+                conn.close()
                 continue
             self._start_thread(conn, None)
 
