@@ -41,6 +41,7 @@ _BENCHES = {
     "quant": ("pagoda.bench.quant", "main", "int8 and fp8 weights vs full precision: memory, speed, quality"),
     "spec": ("pagoda.bench.spec", "main", "speculative decoding: acceptance, tokens per pass, speedup"),
     "offload": ("pagoda.bench.offload", "main", "KV swap to the CPU tier vs recompute, by context length"),
+    "kv-transfer": ("pagoda.bench.kv_transfer", "main", "a prefix's KV over loopback TCP between two engines vs recompute"),
     "lora": ("pagoda.bench.lora", "main", "throughput with 1, 4 and 16 LoRA adapters in a batch vs the base model"),
     "structured": ("pagoda.bench.structured", "main", "structured output: half the batch constrained vs none"),
     "soak": ("pagoda.bench.soak", "main", "router + 2 replicas + Redis under mixed traffic and faults; invariants"),

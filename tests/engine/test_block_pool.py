@@ -164,3 +164,25 @@ def test_event_buffer_bounded_and_to_dict():
     assert AllBlocksCleared().to_dict() == {"type": "AllBlocksCleared"}
     with pytest.raises(ValueError):
         KVEventBuffer(max_events=0)
+
+
+def test_received_blocks_are_cached_under_their_hashes_with_events_split_at_held_ones():
+    from pagoda.contracts.block_hash import hash_prompt_blocks
+
+    pool = BlockPool(8)
+    tokens = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]]
+    hashes = hash_prompt_blocks([t for block in tokens for t in block], 4, "m")
+    held = pool.get_new_blocks(1)[0]  # block 1 already holds the middle block's content
+    held.block_hash, held.token_ids = hashes[1], tuple(tokens[1])
+    pool.cached_block_hash_to_block[hashes[1]] = held
+    pool.event_buffer.take()
+
+    received = pool.get_new_blocks(3)
+    assert pool.cache_received_blocks(received, hashes, tokens, None, cache_salt="s") == 2
+    assert [pool.get_cached_block(h) for h in hashes] == [received[0], held, received[2]]
+    assert received[1].block_hash is None, "a hash already cached keeps its block"
+    events = [e.event for e in pool.event_buffer.take()]
+    assert [(e.block_hashes, e.parent_block_hash, e.token_ids, e.cache_salt) for e in events] == [
+        ([hashes[0].hex()], None, tokens[0], "s"), ([hashes[2].hex()], hashes[1].hex(), tokens[2], "s")]
+    pool.free_blocks(reversed(received))
+    assert pool.num_free_blocks == 6 and pool.get_cached_block(hashes[2]) is received[2], "free but cached"

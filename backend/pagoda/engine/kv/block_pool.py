@@ -11,6 +11,9 @@ Invariants:
   pointing at it): it stays reusable until the free queue hands it out again, at which
   point its hash is evicted (``BlockRemoved``). An ``on_evict`` hook, when set, sees the
   block first (the CPU tier keeps a copy; ``kv.host_tier``).
+- Blocks whose KV came from a peer (``engine.kv_transfer``) enter the hash map through
+  ``cache_received_blocks`` only, under hashes the receiver recomputed itself, with the
+  same ``BlockStored`` events as blocks a request filled.
 - The hash map has at most one block per hash. When two requests fill blocks with the
   same content concurrently, the first one cached wins; the other block stays unhashed
   and is simply freed later.
@@ -239,6 +242,53 @@ class BlockPool:
             self.cached_block_hash_to_block[block_hash] = block
             run.append(i)
         self._emit_stored(request, run, block_size)
+
+    def cache_received_blocks(
+        self,
+        blocks: Sequence[KVCacheBlock],
+        block_hashes: Sequence[BlockHash],
+        token_ids: Sequence[Sequence[int]],
+        parent_block_hash: Optional[BlockHash],
+        lora_name: Optional[str] = None,
+        cache_salt: Optional[str] = None,
+    ) -> int:
+        """Enter one contiguous run of blocks whose KV came from a peer (``engine.kv_transfer``).
+
+        ``blocks[i]`` (held by the caller, written already) holds ``block_hashes[i]``'s
+        tokens ``token_ids[i]``; the caller has checked the hash chain. A hash cached in
+        the meantime keeps its block; the new one stays unhashed and is freed normally.
+        Emits one ``BlockStored`` per contiguous run of newly stored blocks.
+
+        Returns:
+            How many blocks were entered in the hash map.
+        """
+        if not self.enable_caching:
+            return 0
+        run: list[int] = []  # indices of the current run of newly stored blocks
+        stored = 0
+        for i, (block, block_hash) in enumerate(zip(blocks, block_hashes)):
+            if block.block_hash is not None or block_hash in self.cached_block_hash_to_block:
+                self._emit_received(run, block_hashes, token_ids, parent_block_hash, lora_name, cache_salt)
+                run = []
+                continue
+            block.block_hash = block_hash
+            block.token_ids = tuple(token_ids[i])
+            self.cached_block_hash_to_block[block_hash] = block
+            run.append(i)
+            stored += 1
+        self._emit_received(run, block_hashes, token_ids, parent_block_hash, lora_name, cache_salt)
+        return stored
+
+    def _emit_received(self, run, block_hashes, token_ids, parent_block_hash, lora_name, cache_salt) -> None:
+        if not run:
+            return
+        first = run[0]
+        parent = block_hashes[first - 1] if first > 0 else parent_block_hash
+        self.event_buffer.emit(BlockStored(
+            block_hashes=[block_hashes[i].hex() for i in run],
+            parent_block_hash=parent.hex() if parent is not None else None,
+            token_ids=[t for i in run for t in token_ids[i]], block_size=len(token_ids[first]),
+            lora_name=lora_name, cache_salt=cache_salt))
 
     def _emit_stored(self, request: "Request", run: list[int], block_size: int) -> None:
         if not run:

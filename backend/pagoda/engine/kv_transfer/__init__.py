@@ -1,0 +1,1 @@
+"""KV transfer between replicas: the ``KVConnector`` seam and its TCP implementation (docs/kv_transfer.md)."""

@@ -1,0 +1,167 @@
+"""``TcpKVConnector``: the KV connector over TCP, between processes on any machines.
+
+Composes a ``TcpSender`` (pinned blocks, one thread per transfer, a TTL) and, when given
+a listen address, a ``TcpReceiver`` (bounded buffers, checked chunks, commits on the
+engine thread) over one engine's block pool and KV caches. The wire protocol is
+``wire`` + ``offer`` (docs/kv_transfer.md). Every method except the constructor's
+threads runs on the engine's thread; ``close`` joins every thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import socket
+import time
+import uuid
+from typing import Callable, Optional, Sequence
+
+from pagoda.contracts.block_hash import BlockHash
+from pagoda.engine.kv_transfer.block_io import KVBlockIO
+from pagoda.engine.kv_transfer.connector import TransferResult, parse_peer
+from pagoda.engine.kv_transfer.offer import Offer
+from pagoda.engine.kv_transfer.tcp_receiver import TcpReceiver
+from pagoda.engine.kv_transfer.tcp_sender import TcpSender
+from pagoda.engine.kv_transfer import wire
+from pagoda.engine.kv_transfer.wire import FrameType
+
+DEFAULT_CHUNK_BYTES = 1 << 20
+DEFAULT_MAX_INFLIGHT_BYTES = 256 << 20
+DEFAULT_TTL_S = 30.0
+_ids = itertools.count()
+
+
+class TcpKVConnector:
+    """Args:
+    engine: an ``LLMEngine`` (its scheduler's block pool, its runner's KV caches,
+        ``model_id``, ``config.block_size``).
+    listen: ``"host:port"`` to receive on (port 0 picks a free one), or None (send only).
+    ttl_s: the longest a sent block stays pinned, and a receiver's idle limit.
+    max_inflight_bytes: cap on the receiver's buffered bytes.
+    chunk_bytes: payload bytes per CHUNK frame.
+    clock: monotonic seconds for the senders' TTL (injected in tests).
+    Raises:
+        ValueError: a bad listen address or a non-positive limit.
+    """
+
+    def __init__(self, engine, listen: Optional[str] = None, ttl_s: float = DEFAULT_TTL_S,
+                 max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        for name, value in (("ttl_s", ttl_s), ("max_inflight_bytes", max_inflight_bytes),
+                            ("chunk_bytes", chunk_bytes)):
+            if value <= 0:
+                raise ValueError(f"{name}: must be > 0, got {value!r}")
+        self.block_pool = engine.scheduler.block_pool
+        self.block_io = KVBlockIO.for_runner(engine.runner)
+        self.model_id = engine.model_id
+        self.block_size = engine.config.block_size
+        self.sender = TcpSender(self.block_pool, self.block_io.read_block, chunk_bytes, ttl_s, clock)
+        self.receiver: Optional[TcpReceiver] = None
+        self._pulls: "queue.SimpleQueue[tuple[socket.socket, dict]]" = queue.SimpleQueue()
+        if listen is not None:
+            host, port = parse_peer(listen) if not listen.endswith(":0") else (listen[:-2], 0)
+            self.receiver = TcpReceiver(self.block_pool, self.block_io.write_block, self.model_id,
+                                        self.block_size, self.block_io.layout, host, port, max_inflight_bytes,
+                                        chunk_bytes, ttl_s, on_pull=lambda conn, obj: self._pulls.put((conn, obj)))
+
+    @property
+    def address(self) -> Optional[str]:
+        return self.receiver.address if self.receiver is not None else None
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        """Blocks the sending side holds for transfers in flight."""
+        return self.sender.num_pinned_blocks
+
+    def send(self, peer: str, block_hashes: Sequence[BlockHash], *, transfer_id: Optional[str] = None,
+             parent_block_hash: Optional[BlockHash] = None, cache_salt: Optional[str] = None,
+             adapter_id: Optional[str] = None) -> str:
+        """Pin the leading cached run of ``block_hashes`` and start sending it to ``peer``.
+
+        Returns:
+            The transfer id (``poll`` reports its result).
+        Raises:
+            ValueError: a bad peer address, or none of the blocks is cached here.
+        """
+        parse_peer(peer)
+        transfer_id = transfer_id or _new_id()
+        offer, blocks = self._make_offer(transfer_id, block_hashes, parent_block_hash, cache_salt, adapter_id)
+        self.sender.start(peer, offer, blocks)
+        return transfer_id
+
+    def pull(self, peer: str, block_hashes: Sequence[BlockHash], *, transfer_id: Optional[str] = None,
+             parent_block_hash: Optional[BlockHash] = None, cache_salt: Optional[str] = None,
+             adapter_id: Optional[str] = None) -> str:
+        """Ask ``peer`` (a listening connector) for the cached run of ``block_hashes`` it holds.
+
+        The peer answers from its engine thread's ``poll`` as if it had called ``send``; the
+        blocks arrive as a ``receive`` result here. Raises ValueError without a listener here.
+        """
+        if self.receiver is None:
+            raise ValueError("KV transfer: pull needs a connector made with listen=...")
+        transfer_id = transfer_id or _new_id()
+        self.receiver.pull(parse_peer(peer), {
+            "version": wire.PROTOCOL_VERSION, "transfer_id": transfer_id,
+            "block_hashes": [h.hex() for h in block_hashes],
+            "parent_block_hash": parent_block_hash.hex() if parent_block_hash else None,
+            "cache_salt": cache_salt, "adapter_id": adapter_id})
+        return transfer_id
+
+    def _make_offer(self, transfer_id, block_hashes, parent_block_hash, cache_salt, adapter_id):
+        blocks = []
+        for block_hash in block_hashes:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        if not blocks:
+            raise ValueError("KV transfer: none of the offered blocks is cached on this replica")
+        offer = Offer(transfer_id, self.model_id, self.block_size, self.block_io.layout,
+                      [b.block_hash for b in blocks], [list(b.token_ids) for b in blocks],
+                      parent_block_hash, cache_salt, adapter_id)
+        return offer, blocks
+
+    def _answer_pulls(self) -> None:
+        """Engine thread: pin and start sending what each queued PULL asks for, or REFUSE it."""
+        while True:
+            try:
+                conn, obj = self._pulls.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                if obj.get("version") != wire.PROTOCOL_VERSION:
+                    raise ValueError(f"protocol version {obj.get('version')!r}; this replica speaks "
+                                     f"{wire.PROTOCOL_VERSION}")
+                parent = obj.get("parent_block_hash")
+                offer, blocks = self._make_offer(
+                    str(obj["transfer_id"]), [BlockHash(bytes.fromhex(h)) for h in obj["block_hashes"]],
+                    BlockHash(bytes.fromhex(parent)) if parent else None, obj.get("cache_salt"), obj.get("adapter_id"))
+                self.sender.start("pulled", offer, blocks, sock=conn)
+            except (KeyError, TypeError, ValueError) as e:
+                try:
+                    wire.send_json(conn, FrameType.REFUSE, {"reason": str(e)})
+                except OSError:
+                    pass
+                conn.close()
+
+    def poll(self) -> list[TransferResult]:
+        """Answer pulls, commit received transfers, unpin finished or expired sends; every
+        finished result."""
+        self._answer_pulls()
+        results: list[TransferResult] = []
+        if self.receiver is not None:
+            self.receiver.commit_ready()
+            results += self.receiver.take_results()
+        return results + self.sender.finish_ready()
+
+    def close(self) -> None:
+        self.sender.close()
+        if self.receiver is not None:
+            self.receiver.close()
+        while not self._pulls.empty():
+            self._pulls.get_nowait()[0].close()
+
+
+def _new_id() -> str:
+    """Unique across replicas: a holder may serve pulls from many machines at once."""
+    return f"kvx-{uuid.uuid4().hex[:16]}-{next(_ids)}"
