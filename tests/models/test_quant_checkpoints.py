@@ -231,3 +231,89 @@ def test_fp8_checkpoints_keep_their_e4m3_values_as_fp8_weights(variant, float_mo
     outputs = [[o.outputs[0].token_ids for o in LLM(model=str(path), max_model_len=128).generate(PROMPTS, params)]
                for path in (quantized, dequantized)]
     assert outputs[0] == outputs[1]
+
+
+@pytest.mark.parametrize("method", ["awq", "fp8-channel"])
+def test_default_model_checkpoint_logits_are_within_the_bound_of_a_float64_reference(
+        method, smollm2_dir, tmp_path, monkeypatch):
+    """The default model written as a 4-bit AWQ-layout (group 64, kept packed: Int4Weight) or an
+    FP8 per-channel checkpoint (kept as Fp8Weight): pagoda's fp32 prefill logits are within the
+    derived rounding bound (tests/numerics.py) of transformers' float64 forward of the same
+    dequantized weights."""
+    transformers = pytest.importorskip("transformers")
+    from pagoda.models.int4 import Int4Weight
+    from pagoda.models.fp8 import Fp8Weight
+    from pagoda.models.quant_write import FORMATS
+    from pagoda.models.testing import StepInput, make_kv_caches, run_step
+    from pagoda.models.tokenizer import Tokenizer
+    from tests.numerics import assert_within, model_error_bound
+
+    config, replace = FORMATS[method]
+    expected = write_variant(Path(smollm2_dir), tmp_path / method, config, lambda p, w: replace(p, w.float()))
+    dequantized = tmp_path / "dequantized"
+    shutil.copytree(smollm2_dir, dequantized)
+    state = load_file(str(dequantized / "model.safetensors"))
+    state.update({f"{prefix}.weight": w.float() for prefix, w in expected.items()})
+    save_file(state, str(dequantized / "model.safetensors"))
+
+    monkeypatch.setenv("PAGODA_KEEP_QUANTIZED", "1")
+    model = load_model(tmp_path / method)
+    kind = Int4Weight if method == "awq" else Fp8Weight
+    assert sum(isinstance(m, kind) for m in model.modules()) == 4 * model.config.num_hidden_layers
+    ids = Tokenizer.from_pretrained(smollm2_dir).encode("The old mill by the river still turns on Sundays")
+    kv = make_kv_caches(model.config, 8, 16)
+    ours = run_step(model, kv, [StepInput(ids, 0, list(range(8)))], 16)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(dequantized, dtype=torch.float64).eval()
+    with torch.no_grad():
+        exact = hf(torch.tensor([ids])).logits[0]
+    bound = model_error_bound(model.config, len(ids), torch.float32, exact.abs().max().item())
+    assert_within(ours, exact, bound, f"{method} default model vs float64")
+
+
+def test_lora_on_a_4bit_base_equals_lora_on_the_dequantized_base(float_model, tmp_path, monkeypatch):
+    """A PEFT adapter on every projection serves on a kept-packed 4-bit base exactly as on the
+    same base with dequantized float weights (the adapter's delta is added to the base output)."""
+    from tests.engine.lora_reference import make_peft_adapter
+
+    quantized, dequantized = quantized_and_dequantized("awq-g128", float_model, tmp_path)
+    adapter = make_peft_adapter(str(dequantized), tmp_path / "adapters", "all-r4", seed=1)
+    monkeypatch.setenv("PAGODA_KEEP_QUANTIZED", "1")
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outputs = []
+    for path in (quantized, dequantized):
+        llm = LLM(model=str(path), max_model_len=128, enable_lora=True, max_lora_rank=8,
+                  lora_modules={"a": str(adapter)})
+        outputs.append([o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, lora_name="a")])
+        base = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    assert outputs[0] == outputs[1] and outputs[1] != base  # the adapter matters, and the same on both bases
+
+
+def test_checkpoint_kv_cache_scales_reach_the_fp8_kv_cache(float_model, tmp_path):
+    """``model.layers.N.self_attn.k_scale`` / ``v_scale`` (vLLM's names) become each layer's fp8
+    KV-cache scales: an fp8 cache uses them (an extreme scale saturates and changes the answer),
+    an fp32 cache ignores them, and a non-positive scale is refused naming the tensor."""
+    quantized, _ = quantized_and_dequantized("ct-fp8-channel", float_model, tmp_path)
+
+    def with_scales(name: str, value: float) -> Path:
+        out = tmp_path / name
+        shutil.copytree(quantized, out)
+        state = load_file(str(out / "model.safetensors"))
+        for layer in range(2):
+            for kind in ("k_scale", "v_scale"):
+                state[f"model.layers.{layer}.self_attn.{kind}"] = torch.tensor(value)
+        save_file(state, str(out / "model.safetensors"))
+        return out
+
+    scaled = with_scales("scaled", 1e-3)
+    model = load_model(scaled)
+    assert [(layer.attn.k_scale, layer.attn.v_scale) for layer in model.layers] == [(pytest.approx(1e-3),) * 2] * 2
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+    def tokens(path: Path, kv_cache_dtype: str) -> list:
+        llm = LLM(model=str(path), max_model_len=128, kv_cache_dtype=kv_cache_dtype)
+        return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+
+    assert tokens(scaled, "auto") == tokens(quantized, "auto")  # fp32 cache: scales do not apply
+    assert tokens(scaled, "fp8_e4m3") != tokens(quantized, "fp8_e4m3")  # |K| / 1e-3 saturates at 448
+    with pytest.raises(ValueError, match=r"model.layers.0.self_attn.k_scale: a KV-cache scale must be"):
+        load_model(with_scales("zero", 0.0))

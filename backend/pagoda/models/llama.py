@@ -80,6 +80,9 @@ class Attention(nn.Module):
         super().__init__()
         self.window = window  # sliding window (0: full causal attention)
         self.sinks: Optional[torch.Tensor] = None  # per-head softmax sink logits (gpt-oss replaces it)
+        # fp8 KV cache scales (stored = x / scale): 1.0, or a checkpoint's k_scale / v_scale
+        # (pagoda.models.quant_checkpoint); a 16-bit or fp32 cache ignores them.
+        self.k_scale, self.v_scale = 1.0, 1.0
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -115,9 +118,10 @@ class Attention(nn.Module):
         q, k = self.rotate(q, k, positions, cos_sin_cache)
         k_cache, v_cache = kv_cache
         # Write first: this step's queries attend to this step's keys through the cache.
-        kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = kernels.paged_attention(q, k_cache, v_cache, meta, self.scale, window=self.window,
-                                      sinks=self.sinks)  # [T, heads, dim]
+        k_scale, v_scale = (self.k_scale, self.v_scale) if k_cache.dtype == torch.float8_e4m3fn else (1.0, 1.0)
+        kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+        out = kernels.paged_attention(q, k_cache, v_cache, meta, self.scale, k_scale, v_scale,
+                                      window=self.window, sinks=self.sinks)  # [T, heads, dim]
         return projection(self, "o_weight", out.reshape(num_tokens, self.q_size), self.o_bias, lora)
 
     def rotate(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,

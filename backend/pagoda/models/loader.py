@@ -95,6 +95,8 @@ def load_model(
         _check_names(path, config, expected, names_in_checkpoint)
         tensors = _read_tensors(files, expected, file_of, dtype)
         loaded = model.load_weights(quantized.tensors(tensors) if quantized else tensors)
+        for layer, (k_scale, v_scale) in (quantized.kv_scales() if quantized else {}).items():
+            model.layers[layer].attn.k_scale, model.layers[layer].attn.v_scale = k_scale, v_scale
     assert loaded == expected, f"loaded {len(loaded)} of {len(expected)} tensors"
     if quantized is not None and quantized.pieces:
         install_quantized_weights(model, quantized.pieces)

@@ -20,8 +20,9 @@ a module the checkpoint left in float has a plain ``X.weight``. The model then h
 float weights in its dtype (on CPU this is the torch path: dequantize + matmul, with the
 matmul in the model dtype); the 4-bit weights kept packed for the W4A16 kernel on a GPU are
 the next step (docs/quantization.md says what is measured and what is not).
-``k_scale`` / ``v_scale`` (and ``input_scale``) are read and not used yet: the fp8 KV cache
-keeps its scale of 1.0 (named in docs/quantization.md).
+``model.layers.N.self_attn.k_scale`` / ``v_scale`` (``kv_scales``) become the layers' fp8
+KV-cache scales; ``input_scale`` (static FP8 activation scales) is read and not used: pagoda
+runs FP8 weights with 16-bit or fp32 activations (or dynamic e4m3 ones in ``_scaled_mm``).
 """
 
 from __future__ import annotations
@@ -318,3 +319,19 @@ class QuantizedTensors:
         if g_idx is not None and bool((torch.bincount(g_idx.long()) != group).any()):
             return None
         return pieces_from_group_index(ints, scales.float().contiguous(), zeros, group, g_idx)
+
+    def kv_scales(self) -> dict[int, tuple[float, float]]:
+        """``{layer: (k_scale, v_scale)}`` from ``model.layers.N.self_attn.k_scale`` / ``v_scale``
+        (vLLM's names; a missing one is 1.0). Raises ``ValueError`` naming a non-finite or
+        non-positive scale."""
+        found: dict[int, list[float]] = {}
+        for name in sorted(self.unused):
+            parts = name.split(".")
+            if parts[-1] not in ("k_scale", "v_scale") or "layers" not in parts:
+                continue
+            value = float(self.read(name).float().max())
+            if not value > 0 or value == float("inf"):
+                raise ValueError(f"{name}: a KV-cache scale must be a finite number > 0, got {value}")
+            layer = int(parts[parts.index("layers") + 1])
+            found.setdefault(layer, [1.0, 1.0])[parts[-1] == "v_scale"] = value
+        return {layer: (k, v) for layer, (k, v) in found.items()}
