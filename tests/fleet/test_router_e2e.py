@@ -521,9 +521,16 @@ def test_openai_sdk(router):
         client.completions.create(model="gpt-4", prompt="x", max_tokens=1)
     with pytest.raises(openai.BadRequestError, match="messages"):
         client.chat.completions.create(model=MODEL_NAME, messages=[], max_tokens=1)
-    with pytest.raises(openai.BadRequestError, match="tools"):
-        client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=1, tools=[
-            {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    with pytest.raises(openai.BadRequestError, match="no tool is named 'g'"):
+        client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=1, tools=tools,
+                                       tool_choice={"type": "function", "function": {"name": "g"}})
+    with pytest.raises(openai.BadRequestError, match="functions"):
+        client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=1,
+                                       functions=[tools[0]["function"]])
+    forced = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=16, tools=tools,
+                                            tool_choice={"type": "function", "function": {"name": "f"}})
+    assert forced.choices[0].message.tool_calls[0].function.name == "f"  # through the router too
     with pytest.raises(openai.BadRequestError) as info:  # longer than max_model_len: the replica's message
         client.completions.create(model=MODEL_NAME, prompt="word " * 3000, max_tokens=1)
     assert "1024" in str(info.value) or "long" in str(info.value)
