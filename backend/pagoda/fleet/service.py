@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from pagoda.fleet.gate.limits import RequestLimits
+from pagoda.fleet.shutdown import STOP_PHASE_S, bounded
 
 logger = logging.getLogger(__name__)
 # When the router stops, requests in flight on every door get this long to finish (HTTP
@@ -281,20 +282,20 @@ class RouterService:
     async def stop(self) -> None:
         for task in self._tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await bounded("background tasks", asyncio.gather(*self._tasks, return_exceptions=True))
         self._tasks.clear()
         if self._discovery is not None:
-            await self._discovery.stop()
+            await bounded("Kubernetes discovery", self._discovery.stop())
         doors = []  # both doors drain together, each with the same grace
         if self._grpc_server is not None:
             doors.append(self._grpc_server.stop(grace=DRAIN_GRACE_S))
         if self._http_runner is not None:
             doors.append(self._http_runner.cleanup())
-        await asyncio.gather(*doors)
+        await bounded("the doors' drain", asyncio.gather(*doors), DRAIN_GRACE_S + STOP_PHASE_S)
         if self.router is not None:
             if self.router.fleet is not None:
                 self.router.fleet.stop()
-            await self.router.replicas.close()
+            await bounded("closing the replicas' channels", self.router.replicas.close())
         if self._redis is not None:
             self._redis.close()
         if self.tracer is not None and self._tracer is None:
