@@ -29,6 +29,21 @@ def moe_folder(tmp_path_factory, smollm2_path):
     return str(make_random_model(tmp_path_factory.mktemp("moe") / "qwen3-moe", "qwen3-moe", smollm2_path))
 
 
+async def served_texts(server, prompts: list[str], max_tokens: int) -> list[str]:
+    """Greedy texts of ``prompts``, streamed concurrently over gRPC (tritonclient)."""
+    from tritonclient.grpc import aio
+
+    async def one(client, prompt):
+        return "".join([out["text_output"] async for out in stream_generate(
+            client, prompt, {"temperature": 0, "max_tokens": max_tokens})])
+
+    client = aio.InferenceServerClient(server.grpc_url)
+    try:
+        return await asyncio.gather(*[one(client, p) for p in prompts])
+    finally:
+        await client.close()
+
+
 def test_served_moe_model_equals_offline(moe_folder, tmp_path):
     offline = LLM(model=moe_folder, max_model_len=256)
     assert offline.engine.model_config.architecture == "Qwen3MoeForCausalLM"
@@ -37,22 +52,7 @@ def test_served_moe_model_equals_offline(moe_folder, tmp_path):
     options = ServeOptions(model=moe_folder, http_port=find_free_port(), grpc_port=find_free_port(),
                            metrics_port=find_free_port(), max_model_len=256, max_num_seqs=8, startup_timeout_s=600)
 
-    async def one(client, prompt):
-        parts = []
-        async for out in stream_generate(client, prompt, {"temperature": 0, "max_tokens": MAX_TOKENS}):
-            parts.append(out["text_output"])
-        return "".join(parts)
-
-    async def run(server):
-        from tritonclient.grpc import aio
-
-        client = aio.InferenceServerClient(server.grpc_url)
-        try:
-            return await asyncio.gather(*[one(client, p) for p in PROMPTS])
-        finally:
-            await client.close()
-
     with TritonServer(options, log_path=str(tmp_path / "server.log")) as server:
-        served = asyncio.run(run(server))
+        served = asyncio.run(served_texts(server, PROMPTS, MAX_TOKENS))
     assert served == expected
     assert all(expected)

@@ -15,11 +15,11 @@ import pytest
 
 from pagoda.engine.llm import LLM
 from pagoda.engine.sampling_params import SamplingParams
-from pagoda.serving.launch.client import stream_generate
 from pagoda.serving.launch.launcher import ServeOptions, TritonServer, find_free_port
 from tests.engine.hf_reference import save_random_model
 from pagoda.models.quant_write import write_variant
 from tests.models.test_quant_checkpoints import VARIANTS
+from tests.serving.test_serving_moe import served_texts
 
 pytestmark = pytest.mark.server
 
@@ -45,19 +45,6 @@ def test_served_4bit_checkpoint_equals_offline(tmp_path, smollm2_path, monkeypat
     options = ServeOptions(model=str(folder), http_port=find_free_port(), grpc_port=find_free_port(),
                            metrics_port=find_free_port(), max_model_len=256, max_num_seqs=8, startup_timeout_s=600)
 
-    async def one(client, prompt):
-        return "".join([out["text_output"] async for out in stream_generate(
-            client, prompt, {"temperature": 0, "max_tokens": MAX_TOKENS})])
-
-    async def run(server):
-        from tritonclient.grpc import aio
-
-        client = aio.InferenceServerClient(server.grpc_url)
-        try:
-            return await asyncio.gather(*[one(client, p) for p in PROMPTS])
-        finally:
-            await client.close()
-
     with TritonServer(options, log_path=str(tmp_path / "server.log")) as server:
-        served = asyncio.run(run(server))
+        served = asyncio.run(served_texts(server, PROMPTS, MAX_TOKENS))
     assert served == expected and all(expected)

@@ -161,24 +161,34 @@ def _groups(group_index: Optional[torch.Tensor], num_in: int, group_size: int, n
     return torch.arange(num_in) // group_size
 
 
-def dequantize_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
-    """AWQ GEMM tensors -> ``[N, K]`` float32."""
+def awq_ints(qweight: torch.Tensor, qzeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """AWQ GEMM tensors -> unsigned ``(q [K, N], z [G, N])`` (AutoAWQ's column order undone)."""
     k, n = qweight.shape[0], qweight.shape[1] * 8
     order = torch.tensor(AWQ_REVERSE_ORDER)
     q = unpack_rows(qweight, 4, n).reshape(k, n // 8, 8)[..., order].reshape(k, n)
     z = unpack_rows(qzeros, 4, n).reshape(-1, n // 8, 8)[..., order].reshape(-1, n)
-    g = _groups(None, k, group_size, scales.shape[0])
+    return q, z
+
+
+def gptq_ints(qweight: torch.Tensor, qzeros: torch.Tensor, bits: int, v2: bool = False) -> tuple[torch.Tensor,
+                                                                                                 torch.Tensor]:
+    """GPTQ tensors (packed along K, zeros along N; v1 stores ``z - 1``) -> ``(q [K, N], z [G, N])``."""
+    n, k = qweight.shape[1], qweight.shape[0] * (32 // bits)
+    return unpack_rows(qweight.t(), bits, k).t(), unpack_rows(qzeros, bits, n) + (0 if v2 else 1)
+
+
+def dequantize_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
+    """AWQ GEMM tensors -> ``[N, K]`` float32."""
+    q, z = awq_ints(qweight, qzeros)
+    g = _groups(None, q.shape[0], group_size, scales.shape[0])
     return ((q - z[g]).float() * scales.float()[g]).t().contiguous()
 
 
 def dequantize_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: Optional[torch.Tensor],
                     bits: int, group_size: int, v2: bool = False) -> torch.Tensor:
-    """GPTQ tensors (packed along K, zeros along N; v1 stores ``z - 1``) -> ``[N, K]`` float32."""
-    n = qweight.shape[1]
-    k = qweight.shape[0] * (32 // bits)
-    q = unpack_rows(qweight.t(), bits, k).t()  # [K, N]
-    z = unpack_rows(qzeros, bits, n) + (0 if v2 else 1)  # [G, N]
-    g = _groups(g_idx, k, group_size, scales.shape[0])
+    """GPTQ tensors -> ``[N, K]`` float32 (``g_idx``: each k's group, act-order)."""
+    q, z = gptq_ints(qweight, qzeros, bits, v2)
+    g = _groups(g_idx, q.shape[0], group_size, scales.shape[0])
     return ((q - z[g]).float() * scales.float()[g]).t().contiguous()
 
 
@@ -302,19 +312,13 @@ class QuantizedTensors:
             zp = maybe("weight_zero_point")
             zeros = None if zp is None else unpack_rows(zp.t(), 4, n).t().float()  # stored zp + 8 = the unsigned zero
             ints, scales, g_idx = unpack_rows(get("weight_packed"), 4, k), get("weight_scale"), maybe("weight_g_idx")
-        elif q.method == "awq":
-            qweight = get("qweight")
-            k, n = qweight.shape[0], qweight.shape[1] * 8
-            order = torch.tensor(AWQ_REVERSE_ORDER)
-            ints = unpack_rows(qweight, 4, n).reshape(k, n // 8, 8)[..., order].reshape(k, n).t()
-            zeros = unpack_rows(get("qzeros"), 4, n).reshape(-1, n // 8, 8)[..., order].reshape(-1, n).t().float()
-            scales, g_idx = get("scales").t(), None
         else:
-            qweight = get("qweight")
-            n, k = qweight.shape[1], qweight.shape[0] * 8
-            ints = unpack_rows(qweight.t(), 4, k)
-            zeros = (unpack_rows(get("qzeros"), 4, n) + (0 if q.gptq_v2 else 1)).t().float()
-            scales, g_idx = get("scales").t(), maybe("g_idx")
+            awq = q.method == "awq"
+            ints, zeros = awq_ints(get("qweight"), get("qzeros")) if awq else \
+                gptq_ints(get("qweight"), get("qzeros"), 4, q.gptq_v2)  # [K, N], [G, N]
+            k = ints.shape[0]
+            ints, zeros = ints.t(), zeros.t().float()
+            scales, g_idx = get("scales").t(), None if awq else maybe("g_idx")
         group = q.group_size if q.group_size > 0 else k
         if g_idx is not None and bool((torch.bincount(g_idx.long()) != group).any()):
             return None
