@@ -68,7 +68,13 @@ def test_token_prompts_lists_of_prompts_and_echo_without_generation():
     ({"prompt": "x", "stop": [1]}, "stop"),
     ({"prompt": "x", "best_of": 3}, "best_of"),
     ({"prompt": "x", "suffix": "y"}, "suffix"),
-    ({"prompt": "x", "logit_bias": {"1": 5}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"a": 5}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"1": 500}}, "logit_bias"),
+    ({"prompt": "x", "max_tokens": "5"}, "max_tokens"),
+    ({"prompt": "x", "seed": 1.5}, "seed"),
+    ({"prompt": "x", "stream_options": {"include_usage": 1}}, "stream_options"),
+    ({"prompt": "x", "mystery": 1}, "mystery"),  # unknown: refused naming it, as OpenAI
+    ({"prompt": "x", "top_p": 0}, "top_p"),
     ({"prompt": "x", "logprobs": 50}, "logprobs"),
     ({"prompt": "x", "stream": "yes"}, "stream"),
 ])
@@ -181,3 +187,41 @@ def test_chat_roles_are_checked_and_timeout_passes_through():
     built = build_chat_request({"messages": [{"role": "developer", "content": "be brief"}]}, Template())
     assert built.prompt == "system:be brief"
     assert build_completion_request({"prompt": "hi", "timeout": 2.5}).sampling["timeout"] == 2.5
+
+
+def test_typed_bodies_name_the_field_path_and_serve_what_the_engine_has():
+    """The typed models (openai_protocol): nested paths in errors, the SDK's own message
+    shape accepted back, logit_bias and chat_template_kwargs served, never a traceback."""
+    seen = {}
+
+    class Template:
+        def apply_chat_template(self, messages, add_generation_prompt=True, **kwargs):
+            seen.update(kwargs)
+            return "|".join(m["content"] for m in messages)
+
+    # what the openai SDK's ChatCompletionMessage.model_dump() gives back in a conversation
+    echoed = {"role": "assistant", "content": "hi", "refusal": None, "audio": None, "function_call": None,
+              "tool_calls": None, "annotations": None}
+    built = build_chat_request({"messages": [{"role": "user", "content": "a"}, echoed,
+                                             {"role": "user", "content": "b"}],
+                                "chat_template_kwargs": {"enable_thinking": False},
+                                "logit_bias": {"7": -100, "9": 2.5}}, Template())
+    assert built.prompt == "a|hi|b" and seen == {"enable_thinking": False}
+    assert built.sampling["logit_bias"] == {7: -100, 9: 2.5}
+    cases = [({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+              "messages[0].content", "messages"),
+             ({"messages": [{"role": "assistant", "content": "x", "refusal": "no"}]}, "messages[0].refusal",
+              "messages"),
+             ({"messages": [{"role": "user", "content": "x", "colour": "red"}]},
+              "messages[0].colour: unknown parameter", "messages"),
+             ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema",
+                                                                                  "json_schema": {"name": "s"}}},
+              "response_format.json_schema.schema: required", "response_format"),
+             ({"messages": [{"role": "user", "content": "x"}], "n": 2.0}, "n: input should be a valid integer",
+              "n"),
+             ({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"messages": []}},
+              "messages:", "chat_template_kwargs")]
+    for body, message, param in cases:
+        with pytest.raises(OpenAIError) as info:
+            build_chat_request(body, Template())
+        assert str(info.value).startswith(message) and info.value.param == param, (body, str(info.value))

@@ -9,6 +9,7 @@ import pytest
 
 from pagoda.engine.guided.params import GuidedDecodingParams
 from pagoda.fleet.api.openai_io import OpenAIError, build_chat_request
+from pagoda.fleet.api.openai_protocol import ChatCompletionRequest, parse
 from pagoda.fleet.api.openai_tools import ToolPlan, detect_parser, finish_reason, parse_answer, tool_plan_from_body
 from pagoda.models.tokenizer import Tokenizer
 
@@ -22,17 +23,23 @@ TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
 MESSAGES = [{"role": "user", "content": "Weather in Paris for 2 days?"}]
 
 
+def tools_of(body):
+    """``tool_plan_from_body`` on the body validated as the chat door validates it."""
+    return tool_plan_from_body(parse(ChatCompletionRequest, {"messages": MESSAGES, **body}), OpenAIError)
+
+
 def plan(**body):
-    return tool_plan_from_body({"tools": [WEATHER, TIME], **body}, OpenAIError)
+    return tools_of({"tools": [WEATHER, TIME], **body})
 
 
 @pytest.mark.parametrize("body, message", [
-    ({"tools": [{"type": "function"}]}, "tools[0]: must be"),
+    ({"tools": [{"type": "function"}]}, "tools[0].function: required"),
     ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]}, "parameters"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "paramters": {}}}]}, "unknown field 'paramters'"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "paramters": {}}}]},
+     "tools[0].function.paramters: unknown parameter"),
     ({"tools": [WEATHER, WEATHER]}, "unique"),
-    ({"tools": "x"}, "tools: must be a list"),
+    ({"tools": "x"}, "tools: input should be a valid list"),
     ({"tool_choice": "auto"}, "tool_choice: needs tools"),
     ({"tools": [WEATHER], "tool_choice": "always"}, "tool_choice: must be none, auto, required"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "no tool is named 'nope'"),
@@ -40,7 +47,7 @@ def plan(**body):
 ])
 def test_bad_tools_are_refused_naming_the_field(body, message):
     with pytest.raises(OpenAIError, match=message.replace("[", r"\[").replace("]", r"\]")):
-        tool_plan_from_body(body, OpenAIError)
+        tools_of(body)
 
 
 def test_forced_calls_are_grammars_that_every_valid_answer_satisfies():
@@ -55,7 +62,7 @@ def test_forced_calls_are_grammars_that_every_valid_answer_satisfies():
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(bad, schema)
     assert plan().guided() is None and plan(tool_choice="none").active is False
-    assert tool_plan_from_body({"tools": []}, OpenAIError) is None
+    assert tools_of({"tools": []}) is None
 
 
 def test_answers_parse_into_calls_and_finish_reasons():

@@ -1,7 +1,8 @@
 """OpenAI-compatible ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models`` (and
 ``/v1/models/{id}``) and vLLM's ``/health``.
 
-A request is validated here, turned into one contract-1 Triton request (``text_input`` =
+A request is validated here (the body as its typed model, ``openai_protocol``: strict
+types and ranges, errors naming the field), turned into one contract-1 Triton request (``text_input`` =
 the prompt, or the conversation rendered with the model's chat template; ``stream`` true;
 ``sampling_parameters`` JSON; ``exclude_input_in_output`` and the ``return_*`` flags),
 routed like any other (``upstream.GrpcUpstream``, the gRPC door's client too) and answered in OpenAI's shapes:
@@ -15,8 +16,11 @@ context ends), ``temperature``, ``top_p``, ``n``, ``stop`` (string or list), ``s
 ``presence_penalty``, ``frequency_penalty``, ``logprobs`` (completions: how many
 alternatives; chat: ``logprobs`` + ``top_logprobs``); vLLM's extras pass through:
 ``top_k``, ``min_p``, ``min_tokens``, ``repetition_penalty``, ``ignore_eos``,
-``stop_token_ids``, ``skip_special_tokens``, ``include_stop_str_in_output``, plus
-``cache_salt`` and ``priority``. Completions' ``prompt`` may be a string, a list of token
+``stop_token_ids``, ``skip_special_tokens``, ``spaces_between_special_tokens``,
+``include_stop_str_in_output``, ``allowed_token_ids``, ``bad_words``,
+``truncate_prompt_tokens``, plus ``cache_salt``, ``priority`` and ``timeout``; OpenAI's
+``logit_bias`` (token id -> bias in [-100, 100]) is the engine's logit bias; chat's
+``chat_template_kwargs`` reach the chat template (e.g. Qwen3's ``enable_thinking``). Completions' ``prompt`` may be a string, a list of token
 ids, or a list of either (lm-eval's ``tokenized_requests``): one replica request per prompt,
 routed on its own (token ids travel as the ``input_ids`` input), run concurrently,
 choices numbered ``prompt index * n + i`` as vLLM numbers them, usage summed; streamed, the
@@ -28,10 +32,12 @@ dropped, as vLLM does; ``openai_answer``). Structured
 output: ``response_format`` (``json_object``, ``json_schema``) and vLLM's ``guided_json``,
 ``guided_regex``, ``guided_choice``, ``guided_grammar`` (``pagoda.fleet.api.openai_guided``).
 
-Refused with a 400 ``invalid_request_error`` (never silently ignored): more than
-``openai_io.MAX_PROMPTS`` prompts, ``prompt_embeds``, ``best_of`` other than ``n``, ``suffix``, a non-empty
-``logit_bias``, the legacy ``functions``/``function_call``, more than one output format, and
-malformed values. Tools (``tools``, ``tool_choice``, ``parallel_tool_calls``) are
+Refused with a 400 ``invalid_request_error`` (never silently ignored): an unknown field
+(as OpenAI does; vLLM ignores it with a log line), more than ``openai_io.MAX_PROMPTS``
+prompts, ``prompt_embeds``, ``best_of`` other than ``n``, ``suffix``, the legacy
+``functions``/``function_call``, more than one output format, and malformed values.
+``user``, ``metadata``, ``store`` and ``service_tier`` are accepted and ignored (no
+generation semantics). Tools (``tools``, ``tool_choice``, ``parallel_tool_calls``) are
 ``pagoda.fleet.api.openai_tools``'s: forced calls through the grammar engine, parsed answers
 (``openai_answer``). Errors the replica reports come back with its message, and the status and type
 ``pagoda.contracts.errors`` gives their kind (``classify_replica_error``; e.g. a prompt

@@ -25,26 +25,26 @@ _GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice
                   "guided_grammar": "grammar"}
 
 
-def guided_decoding_from_body(body: dict, error: type) -> Optional[dict[str, Any]]:
+def guided_decoding_from_body(request: Any, error: type) -> Optional[dict[str, Any]]:
     """The ``guided_decoding`` dict for ``sampling_parameters``, or ``None``.
 
     Args:
-        body: the OpenAI request body.
+        request: the validated request (``openai_protocol``; its types are checked there,
+            the meaning here).
         error: exception type raised as ``error(message, param)`` (``OpenAIError``).
     """
     given: list[tuple[str, dict[str, Any]]] = []
-    response_format = body.get("response_format")
-    if response_format is not None:
-        found = _from_response_format(response_format, error)
+    if request.response_format is not None:
+        found = _from_response_format(request.response_format, error)
         if found is not None:
             given.append(("response_format", found))
     for name, kind in _GUIDED_FIELDS.items():
-        if body.get(name) is not None:
-            given.append((name, {kind: body[name]}))
-    if body.get("guided_whitespace_pattern") is not None:
+        if getattr(request, name) is not None:
+            given.append((name, {kind: getattr(request, name)}))
+    if request.guided_whitespace_pattern is not None:
         raise error("guided_whitespace_pattern: not supported; the xgrammar backend allows any JSON whitespace",
                     "guided_whitespace_pattern")
-    backend = body.get("guided_decoding_backend")
+    backend = request.guided_decoding_backend
     if not given:
         if backend is not None:
             raise error("guided_decoding_backend: needs one of response_format, guided_json, guided_regex, "
@@ -64,16 +64,10 @@ def guided_decoding_from_body(body: dict, error: type) -> Optional[dict[str, Any
 
 
 def _from_response_format(value: Any, error: type) -> Optional[dict[str, Any]]:
-    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
-        raise error("response_format: must be an object with a 'type'", "response_format")
-    kind = value["type"]
-    if kind == "text":
+    if value.type == "text":
         return None
-    if kind == "json_object":
+    if value.type == "json_object":
         return {"json_object": True}
-    if kind == "json_schema":
-        spec = value.get("json_schema")
-        if not isinstance(spec, dict) or "schema" not in spec:
-            raise error("response_format: json_schema needs {'name': ..., 'schema': {...}}", "response_format")
-        return {"json": spec["schema"]}
-    raise error(f"response_format: type must be text, json_object or json_schema, got {kind!r}", "response_format")
+    if value.json_schema is None:
+        raise error("response_format: json_schema needs {'name': ..., 'schema': {...}}", "response_format")
+    return {"json": value.json_schema.schema_}

@@ -1,8 +1,9 @@
 """OpenAI request bodies -> contract-1 Triton requests, and Triton outputs -> OpenAI pieces.
 
-Pure functions (no I/O), tested without a server. ``build_*_request`` validate a body and
-raise ``OpenAIError`` (naming the offending parameter) for anything wrong or unsupported;
-the parameter mapping is documented in ``pagoda.fleet.api.openai_api``.
+Pure functions (no I/O), tested without a server. ``build_*_request`` validate a body as
+its typed model (``openai_protocol``: one schema per endpoint, strict types and ranges)
+and raise ``OpenAIError`` (naming the offending parameter) for anything wrong or
+unsupported; the parameter mapping is documented in ``pagoda.fleet.api.openai_api``.
 """
 
 from __future__ import annotations
@@ -14,7 +15,11 @@ from typing import Any, Optional, Union
 
 from tritonclient.grpc import service_pb2
 
+from pydantic import ValidationError
+
 from pagoda.fleet.api.openai_guided import guided_decoding_from_body
+from pagoda.fleet.api.openai_protocol import (CHAT_ROLES, ChatCompletionRequest, ChatMessage, CompletionRequest,
+                                              OpenAIError, describe, parse)
 from pagoda.fleet.api.openai_tools import ToolPlan, detect_parser, render_prompt, tool_plan_from_body
 
 MODEL_NAME = "pagoda"
@@ -23,44 +28,12 @@ MODEL_NAME = "pagoda"
 MAX_PROMPTS = 256
 PromptInput = Union[str, list[int]]  # text, or token ids
 
-# OpenAI name -> (SamplingParams name, accepted Python types)
-_NUMBER = (int, float)
-_COMMON_FIELDS: dict[str, tuple[str, tuple]] = {
-    "temperature": ("temperature", _NUMBER),
-    "top_p": ("top_p", _NUMBER),
-    "n": ("n", (int,)),
-    "seed": ("seed", (int,)),
-    "presence_penalty": ("presence_penalty", _NUMBER),
-    "frequency_penalty": ("frequency_penalty", _NUMBER),
-    # vLLM-style extras
-    "top_k": ("top_k", (int,)),
-    "min_p": ("min_p", _NUMBER),
-    "min_tokens": ("min_tokens", (int,)),
-    "repetition_penalty": ("repetition_penalty", _NUMBER),
-    "ignore_eos": ("ignore_eos", (bool,)),
-    "skip_special_tokens": ("skip_special_tokens", (bool,)),
-    "include_stop_str_in_output": ("include_stop_str_in_output", (bool,)),
-    "stop_token_ids": ("stop_token_ids", (list,)),
-    "cache_salt": ("cache_salt", (str,)),
-    "priority": ("priority", (int,)),
-    "timeout": ("timeout", _NUMBER),  # seconds; pagoda.engine.core.admission deadlines
-}
-# Chat roles the chat templates know; "developer" (OpenAI's newer name) is a system message.
-CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 _REFUSED = {
     "suffix": "suffix (fill-in-the-middle) is not supported",
     "prompt_embeds": "prompt_embeds are not supported; send text or token ids",
     "functions": "functions (OpenAI's legacy name) are not supported; send them as tools",
     "function_call": "function_call (OpenAI's legacy name) is not supported; use tool_choice",
 }
-
-
-class OpenAIError(ValueError):
-    """A request the OpenAI endpoints refuse; ``param`` names the offending field."""
-
-    def __init__(self, message: str, param: Optional[str] = None) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass
@@ -81,113 +54,68 @@ class BuiltRequest:
     tool_parser: str = "hermes"
 
 
-def _check_type(body: dict, name: str, types: tuple) -> Any:
-    value = body[name]
-    if isinstance(value, bool) and bool not in types:
-        raise OpenAIError(f"{name}: expected {'/'.join(t.__name__ for t in types)}, got a boolean", name)
-    if not isinstance(value, types):
-        raise OpenAIError(f"{name}: expected {'/'.join(t.__name__ for t in types)}, got {json.dumps(value)}", name)
-    return value
-
-
-def _common(body: dict, max_tokens_default: Optional[int],
-            echo: Optional[bool] = None) -> tuple[dict[str, Any], bool, int, bool]:
-    """Fields chat and completions share; ``echo``: the completions' flag (None for chat)."""
+def _common(request: Any, max_tokens: Optional[int], echo: Optional[bool] = None) -> tuple[dict[str, Any], bool]:
+    """Fields chat and completions share, from a validated request; ``echo``: the
+    completions' flag (None for chat). Returns (sampling, include_usage)."""
     for name, message in _REFUSED.items():
-        if body.get(name):
+        if getattr(request, name, None):
             raise OpenAIError(message, name)
-    if body.get("logit_bias"):
-        raise OpenAIError("logit_bias is not supported; omit it or send {}", "logit_bias")
-    sampling: dict[str, Any] = {}
-    for name, (target, types) in _COMMON_FIELDS.items():
-        if body.get(name) is not None:
-            sampling[target] = _check_type(body, name, types)
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens", max_tokens_default))
-    if max_tokens is not None:
-        lowest = 0 if echo else 1  # vLLM: max_tokens=0 only with echo (the prompt alone)
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < lowest:
-            hint = " (0 only with echo)" if echo is False else " or 0" if echo else ""
-            raise OpenAIError(f"max_tokens: must be a positive integer{hint}, got {json.dumps(max_tokens)}",
-                              "max_tokens")
+    sampling = request.sampling_fields()
+    if max_tokens is not None and max_tokens < (0 if echo else 1):  # vLLM: max_tokens=0 only with echo
+        hint = " (0 only with echo)" if echo is False else " or 0" if echo else ""
+        raise OpenAIError(f"max_tokens: must be a positive integer{hint}, got {max_tokens}", "max_tokens")
     sampling["max_tokens"] = max_tokens
-    guided = guided_decoding_from_body(body, OpenAIError)
+    guided = guided_decoding_from_body(request, OpenAIError)
     if guided is not None:
         sampling["guided_decoding"] = guided
-    stop = body.get("stop")
-    if stop is not None:
-        if isinstance(stop, str):
-            stop = [stop]
-        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-            raise OpenAIError("stop: must be a string or a list of strings", "stop")
-        sampling["stop"] = stop
-    n = sampling.get("n", 1)
-    if n < 1:
-        raise OpenAIError(f"n: must be at least 1, got {n}", "n")
-    best_of = body.get("best_of")
-    if best_of is not None and best_of != n:
+    if request.stop is not None:
+        sampling["stop"] = [request.stop] if isinstance(request.stop, str) else list(request.stop)
+    if request.best_of is not None and request.best_of != request.n:
         raise OpenAIError("best_of: only best_of == n is supported", "best_of")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise OpenAIError("stream: must be a boolean", "stream")
-    options = body.get("stream_options") or {}
-    if not isinstance(options, dict):
-        raise OpenAIError("stream_options: must be an object", "stream_options")
-    return sampling, stream, n, bool(options.get("include_usage", False))
-
-
-def _is_token_ids(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool)
-                                                           for t in value)
+    options = request.stream_options
+    return sampling, bool(options is not None and options.include_usage)
 
 
 def read_prompts(body: dict) -> list[PromptInput]:
     """The completions ``prompt``: a string, a list of token ids, or a list of either (one
     engine request each, in order). Raises ``OpenAIError`` naming ``prompt``."""
-    if "prompt" not in body:
+    if not isinstance(body, dict) or "prompt" not in body:
         raise OpenAIError("prompt: required", "prompt")
-    prompt = body["prompt"]
-    if isinstance(prompt, str) or _is_token_ids(prompt):
-        prompts = [prompt]
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or _is_token_ids(p) for p in prompt):
-        prompts = list(prompt)
-    else:
-        raise OpenAIError("prompt: must be a string, a list of token ids, or a non-empty list of strings or of "
-                          "token-id lists", "prompt")
+    try:
+        prompt = CompletionRequest.model_validate({"prompt": body["prompt"]})
+    except ValidationError as exc:
+        raise describe(exc.errors(include_url=False), body) from None
+    return _checked_prompts(prompt.prompts())
+
+
+def _checked_prompts(prompts: list[PromptInput]) -> list[PromptInput]:
     if len(prompts) > MAX_PROMPTS:
         raise OpenAIError(f"prompt: {len(prompts)} prompts in one request, at most {MAX_PROMPTS}; send several "
                           "requests", "prompt")
-    for p in prompts:
-        if isinstance(p, str) and not p:
-            raise OpenAIError("prompt: must not be empty", "prompt")
-        if isinstance(p, list) and min(p) < 0:
-            raise OpenAIError("prompt: token ids must be integers >= 0", "prompt")
+    if any(isinstance(p, str) and not p for p in prompts):
+        raise OpenAIError("prompt: must not be empty", "prompt")
     return prompts
 
 
 def build_completion_requests(body: dict, tokenizer: Any = None) -> list[BuiltRequest]:
     """``/v1/completions`` body -> one ``BuiltRequest`` per prompt (raises ``OpenAIError``).
 
-    ``echo`` puts the prompt first (a token prompt's text is ``tokenizer.decode`` of it);
-    with ``logprobs`` it also asks the replica for the prompt's log-probabilities
-    (``prompt_logprobs``, vLLM's rule: as many alternatives as ``logprobs`` unless the body
-    names ``prompt_logprobs``). ``max_tokens=0`` is allowed with ``echo`` only: one token is
-    generated and dropped, as vLLM does."""
-    prompts = read_prompts(body)
-    echo = body.get("echo", False)
-    if not isinstance(echo, bool):
-        raise OpenAIError("echo: must be a boolean", "echo")
-    sampling, stream, n, include_usage = _common(body, 16, echo)
-    logprobs = body.get("logprobs")
-    if logprobs is not None:
-        if isinstance(logprobs, bool) or not isinstance(logprobs, int) or not 0 <= logprobs <= 20:
-            raise OpenAIError("logprobs: must be an integer from 0 to 20", "logprobs")
-        sampling["logprobs"] = logprobs
-    prompt_logprobs = body.get("prompt_logprobs")
-    if prompt_logprobs is not None:
-        if isinstance(prompt_logprobs, bool) or not isinstance(prompt_logprobs, int) or not 0 <= prompt_logprobs <= 20:
-            raise OpenAIError("prompt_logprobs: must be an integer from 0 to 20", "prompt_logprobs")
-    elif echo and logprobs is not None:
-        prompt_logprobs = logprobs
+    The body is validated as ``CompletionRequest`` (openai_protocol). ``echo`` puts the
+    prompt first (a token prompt's text is ``tokenizer.decode`` of it); with ``logprobs`` it
+    also asks the replica for the prompt's log-probabilities (``prompt_logprobs``, vLLM's
+    rule: as many alternatives as ``logprobs`` unless the body names ``prompt_logprobs``).
+    ``max_tokens=0`` is allowed with ``echo`` only: one token is generated and dropped, as
+    vLLM does."""
+    request = parse(CompletionRequest, body)
+    prompts = _checked_prompts(request.prompts())
+    echo = request.echo
+    max_tokens = request.max_tokens if request.max_tokens is not None else 16  # OpenAI's default
+    sampling, include_usage = _common(request, max_tokens, echo)
+    if request.logprobs is not None:
+        sampling["logprobs"] = request.logprobs
+    prompt_logprobs = request.prompt_logprobs
+    if prompt_logprobs is None and echo and request.logprobs is not None:
+        prompt_logprobs = request.logprobs
     if prompt_logprobs is not None:
         sampling["prompt_logprobs"] = prompt_logprobs
     echo_only = echo and sampling["max_tokens"] == 0
@@ -196,8 +124,8 @@ def build_completion_requests(body: dict, tokenizer: Any = None) -> list[BuiltRe
     built = []
     for prompt in prompts:
         prefix = (prompt if isinstance(prompt, str) else tokenizer.decode(prompt)) if echo else ""
-        built.append(BuiltRequest(prompt, dict(sampling), stream, n, logprobs, include_usage, prefix,
-                                  echo=echo, echo_only=echo_only))
+        built.append(BuiltRequest(prompt, dict(sampling), request.stream, request.n, request.logprobs, include_usage,
+                                  prefix, echo=echo, echo_only=echo_only))
     return built
 
 
@@ -209,66 +137,41 @@ def build_completion_request(body: dict, tokenizer: Any = None) -> BuiltRequest:
     return built[0]
 
 
-def _message_text(message: Any, index: int) -> dict[str, Any]:
-    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-        raise OpenAIError(f"messages[{index}]: must be an object with a 'role'", "messages")
-    role = CHAT_ROLES.get(message["role"])
-    if role is None:
-        raise OpenAIError(f"messages[{index}].role: must be one of {', '.join(CHAT_ROLES)}, got "
-                          f"{json.dumps(message['role'])}", "messages")
-    content = message.get("content")
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise OpenAIError(f"messages[{index}].content: only text parts are supported", "messages")
-            parts.append(part["text"])
-        content = "".join(parts)
-    if content is None:
-        content = ""
-    if not isinstance(content, str):
-        raise OpenAIError(f"messages[{index}].content: must be a string or a list of text parts", "messages")
-    out = {"role": role, "content": content}
-    calls = message.get("tool_calls")
-    if calls is not None and role == "assistant":
-        if not isinstance(calls, list) or not all(
-                isinstance(c, dict) and isinstance(c.get("function"), dict) and isinstance(c["function"].get("name"), str)
-                for c in calls):
-            raise OpenAIError(f"messages[{index}].tool_calls: must be a list of {{id, type, function: {{name, "
-                              "arguments}}}} objects", "messages")
-        out["tool_calls"] = calls
-    if role == "tool" and message.get("tool_call_id") is not None:
-        out["tool_call_id"] = str(message["tool_call_id"])
+def _message_dict(message: ChatMessage) -> dict[str, Any]:
+    out: dict[str, Any] = {"role": CHAT_ROLES[message.role], "content": message.text()}
+    if message.tool_calls is not None and out["role"] == "assistant":
+        out["tool_calls"] = [call.model_dump(exclude_none=True) for call in message.tool_calls]
+    if out["role"] == "tool" and message.tool_call_id is not None:
+        out["tool_call_id"] = str(message.tool_call_id)
     return out
 
 
 def build_chat_request(body: dict, tokenizer: Any) -> BuiltRequest:
-    """``/v1/chat/completions`` body -> ``BuiltRequest``: the prompt is the chat template's rendering."""
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise OpenAIError("messages: must be a non-empty list of {role, content} objects", "messages")
-    sampling, stream, n, include_usage = _common(body, None)
+    """``/v1/chat/completions`` body -> ``BuiltRequest``: the prompt is the chat template's
+    rendering (with ``chat_template_kwargs``, as vLLM). Validated as ``ChatCompletionRequest``."""
+    request = parse(ChatCompletionRequest, body)
+    max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+    sampling, include_usage = _common(request, max_tokens)
     logprobs = None
-    if body.get("logprobs"):
-        logprobs = body.get("top_logprobs") or 0
-        if isinstance(logprobs, bool) or not isinstance(logprobs, int) or not 0 <= logprobs <= 20:
-            raise OpenAIError("top_logprobs: must be an integer from 0 to 20", "top_logprobs")
+    if request.logprobs:
+        logprobs = request.top_logprobs or 0
         sampling["logprobs"] = logprobs
-    elif body.get("top_logprobs"):
+    elif request.top_logprobs:
         raise OpenAIError("top_logprobs: needs logprobs: true", "top_logprobs")
-    plan = tool_plan_from_body(body, OpenAIError)
+    plan = tool_plan_from_body(request, OpenAIError)
     forced = plan.guided() if plan is not None else None
     if forced is not None:
         if "guided_decoding" in sampling:
             raise OpenAIError("tool_choice: a forced tool call is an output format; do not combine it with "
                               "response_format or guided_*", "tool_choice")
         sampling["guided_decoding"] = forced
-    checked = [_message_text(m, i) for i, m in enumerate(messages)]
+    checked = [_message_dict(m) for m in request.messages]
     try:
-        prompt = render_prompt(tokenizer, checked, plan)
-    except ValueError as exc:
-        raise OpenAIError(f"messages: {exc}", "messages") from None
-    return BuiltRequest(prompt, sampling, stream, n, logprobs, include_usage, tools=plan,
+        prompt = render_prompt(tokenizer, checked, plan, request.chat_template_kwargs or {})
+    except (ValueError, TypeError) as exc:
+        raise OpenAIError(f"messages: {exc}", "chat_template_kwargs" if request.chat_template_kwargs else "messages") \
+            from None
+    return BuiltRequest(prompt, sampling, request.stream, request.n, logprobs, include_usage, tools=plan,
                         tool_parser=detect_parser(getattr(tokenizer, "chat_template", None)))
 
 

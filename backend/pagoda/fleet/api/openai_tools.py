@@ -45,9 +45,6 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Optional
 
-_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-_TOOL_KEYS = {"type", "function"}
-_FUNCTION_KEYS = {"name", "description", "parameters", "strict"}
 PARSERS = ("hermes", "llama3_json", "mistral")
 
 
@@ -88,54 +85,27 @@ def _parameters(function: dict) -> dict:
     return function.get("parameters") or {"type": "object", "properties": {}}
 
 
-def tool_plan_from_body(body: dict, error: type) -> Optional[ToolPlan]:
-    """The request's ``ToolPlan`` (``None`` without tools); raises ``error(message, param)``."""
-    tools, choice = body.get("tools"), body.get("tool_choice")
-    if tools is None or tools == []:
+def tool_plan_from_body(request: Any, error: type) -> Optional[ToolPlan]:
+    """The request's ``ToolPlan`` (``None`` without tools); raises ``error(message, param)``.
+
+    ``request`` is a validated ``ChatCompletionRequest`` (openai_protocol checks the shapes:
+    tool and function fields, names, ``tool_choice``'s forms); here: what a type cannot say."""
+    tools, choice = request.tools, request.tool_choice
+    if not tools:
         if choice not in (None, "none"):
             raise error("tool_choice: needs tools", "tool_choice")
         return None
-    if not isinstance(tools, list):
-        raise error("tools: must be a list of {type: function, function: {...}} objects", "tools")
-    checked = [_check_tool(tool, index, error) for index, tool in enumerate(tools)]
+    checked = [{"type": "function", "function": tool.function.model_dump(exclude_none=True)} for tool in tools]
     names = [t["function"]["name"] for t in checked]
     if len(set(names)) != len(names):
         raise error(f"tools: function names must be unique, got {names}", "tools")
-    parallel = body.get("parallel_tool_calls", True)
-    if not isinstance(parallel, bool):
-        raise error("parallel_tool_calls: must be a boolean", "parallel_tool_calls")
-    if choice is None or choice in ("none", "auto", "required"):
+    parallel = request.parallel_tool_calls
+    if choice is None or isinstance(choice, str):
         return ToolPlan(checked, choice or "auto", parallel=parallel)
-    if isinstance(choice, str):
-        raise error(f"tool_choice: must be none, auto, required or {{type: function, function: {{name}}}}, "
-                    f"got {json.dumps(choice)}", "tool_choice")
-    name = choice.get("function", {}).get("name") if isinstance(choice, dict) and \
-        choice.get("type") == "function" and isinstance(choice.get("function"), dict) else None
-    if not isinstance(name, str):
-        raise error("tool_choice: a named choice is {type: function, function: {name: ...}}", "tool_choice")
+    name = choice.function.name
     if name not in names:
         raise error(f"tool_choice: no tool is named {name!r} (tools: {', '.join(names)})", "tool_choice")
     return ToolPlan(checked, "named", name=name, parallel=parallel)
-
-
-def _check_tool(tool: Any, index: int, error: type) -> dict:
-    where = f"tools[{index}]"
-    if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
-        raise error(f"{where}: must be {{type: function, function: {{name, parameters}}}}", "tools")
-    for keys, allowed, path in ((tool, _TOOL_KEYS, where), (tool["function"], _FUNCTION_KEYS, f"{where}.function")):
-        unknown = sorted(set(keys) - allowed)
-        if unknown:
-            raise error(f"{path}: unknown field {unknown[0]!r}", "tools")
-    function = tool["function"]
-    if not isinstance(function.get("name"), str) or not _NAME.match(function["name"]):
-        raise error(f"{where}.function.name: must be 1-64 of [A-Za-z0-9_-], got {json.dumps(function.get('name'))}",
-                    "tools")
-    if "description" in function and not isinstance(function["description"], str):
-        raise error(f"{where}.function.description: must be a string", "tools")
-    parameters = function.get("parameters")
-    if parameters is not None and not isinstance(parameters, dict):
-        raise error(f"{where}.function.parameters: must be a JSON schema object", "tools")
-    return {"type": "function", "function": dict(function)}
 
 
 # ------------------------------------------------------------------ the prompt
@@ -186,15 +156,20 @@ def _arguments(call: dict) -> Any:
         return arguments
 
 
-def render_prompt(tokenizer: Any, messages: list[dict], plan: Optional[ToolPlan]) -> str:
-    """The chat prompt with the tools in it (module docstring); raises ``ValueError``."""
+def render_prompt(tokenizer: Any, messages: list[dict], plan: Optional[ToolPlan],
+                  template_kwargs: Optional[dict[str, Any]] = None) -> str:
+    """The chat prompt with the tools in it (module docstring); raises ``ValueError``.
+    ``template_kwargs``: the request's ``chat_template_kwargs`` (e.g. Qwen3's
+    ``enable_thinking``), passed to the template as vLLM does."""
+    kwargs = dict(template_kwargs or {})
     if plan is None:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    with_tools = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=plan.tools)
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
+    with_tools = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=plan.tools, **kwargs)
     plain = [{k: v for k, v in m.items() if k in ("role", "content")} for m in messages]
-    if with_tools != tokenizer.apply_chat_template(plain, add_generation_prompt=True):
+    if with_tools != tokenizer.apply_chat_template(plain, add_generation_prompt=True, **kwargs):
         return with_tools  # the template renders tools (and tool calls) itself
-    return tokenizer.apply_chat_template(inline_tool_messages(messages, plan.tools), add_generation_prompt=True)
+    return tokenizer.apply_chat_template(inline_tool_messages(messages, plan.tools), add_generation_prompt=True,
+                                         **kwargs)
 
 
 # ------------------------------------------------------------------ the answer
