@@ -34,6 +34,8 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
+from pagoda.contracts import json_input
+
 # TensorRT-LLM scalar input -> pagoda sampling field. ``min_length`` (tensorrt_llm_bls) and
 # ``min_tokens`` (ensemble) are one field; so are ``random_seed`` and ``seed``.
 SCALAR_KEYS = {
@@ -92,7 +94,7 @@ def read_request_parameters(parameters: Any, inputs: tuple[str, ...] = INPUTS) -
     naming it: TensorRT-LLM's models read none, and over HTTP an unknown ``generate`` key
     arrives as one (a silent drop otherwise)."""
     if isinstance(parameters, str):
-        parameters = json.loads(parameters or "{}")
+        parameters = json_input.loads(parameters or "{}", "parameters")
     parameters = dict(parameters or {})
     options = {"cache_salt": parameters.pop("cache_salt")} if "cache_salt" in parameters else {}
     if "cache_salt" in options and (not isinstance(options["cache_salt"], str) or not options["cache_salt"]):

@@ -58,6 +58,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
+from pagoda.contracts import json_input
 from pagoda.engine.core.admission import check_timeout
 from pagoda.engine.outputs import TokenLogprob
 from pagoda.engine.sampling_params import SamplingParams
@@ -95,10 +96,7 @@ def request_parameter_vocabulary() -> frozenset[str]:
 
 
 def _json_object(name: str, text: str) -> Any:
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{name}: not valid JSON ({exc.msg} at position {exc.pos})") from None
+    return json_input.loads(text, name)  # strict: no NaN/Infinity, deep nesting or lone surrogates
 
 
 def read_request_parameters(raw: Any) -> dict[str, Any]:
@@ -114,7 +112,7 @@ def read_request_parameters(raw: Any) -> dict[str, Any]:
         return {}
     if isinstance(raw, (bytes, bytearray)):
         raw = bytes(raw).decode("utf-8", errors="replace")
-    values = json.loads(raw) if isinstance(raw, str) else raw
+    values = json_input.loads(raw, "parameters") if isinstance(raw, str) else raw
     if not isinstance(values, dict):
         raise ValueError(f"parameters: must be a JSON object, got {type(values).__name__}")
     return {key: value for key, value in values.items() if key not in TOLERATED_PARAMETERS}
@@ -229,10 +227,7 @@ def read_sampling_json(array: Optional[np.ndarray]) -> dict[str, Any]:
         raw = bytes(raw).decode("utf-8", errors="replace")
     if not str(raw).strip():
         return {}
-    try:
-        values = json.loads(raw)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"sampling_parameters: not valid JSON ({exc.msg} at position {exc.pos})") from None
+    values = json_input.loads(raw, "sampling_parameters")  # strict (contracts.json_input)
     if not isinstance(values, dict):
         raise ValueError(f"sampling_parameters: must be a JSON object, got {type(values).__name__}")
     return values
@@ -274,9 +269,9 @@ def split_values(values: dict[str, Any], from_parameters: bool = False) -> tuple
             values[key] = coerce(key, value, scalar_types[kind.rstrip("]")])
         elif from_parameters and isinstance(value, str) and kind.startswith(("list[", "dict[")) and key != "stop":
             try:
-                values[key] = json.loads(value)
-            except json.JSONDecodeError:
-                raise ValueError(f"{key}: must be JSON text of a {kind[:4]}, got {value!r}") from None
+                values[key] = json_input.loads(value, key)
+            except json_input.JSONInputError as exc:
+                raise ValueError(f"{key}: must be JSON text of a {kind[:4]}, got {value!r} ({exc})") from None
         elif kind.startswith("list[") and not isinstance(value, list) and not (key == "stop" and isinstance(value, str)):
             raise ValueError(f"{key}: must be a JSON list, got {value!r}")
     return values, options

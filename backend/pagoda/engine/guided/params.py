@@ -21,6 +21,8 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any, Optional, Union
 
+from pagoda.contracts import json_input
+
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 # A specification longer than this is a mistake (or an attack on the compiler), not a format.
 MAX_SPEC_CHARS = 100_000
@@ -116,9 +118,9 @@ def _schema_text(schema: Any) -> str:
         if len(schema) > MAX_SPEC_CHARS:
             raise ValueError(f"guided_decoding.json: longer than {MAX_SPEC_CHARS} characters")
         try:
-            schema = json.loads(schema)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"guided_decoding.json: not valid JSON ({exc.msg} at position {exc.pos})") from None
+            schema = json_input.loads(schema, "guided_decoding.json")  # strict: finite numbers, bounded depth
+        except json_input.JSONInputError as exc:
+            raise ValueError(str(exc)) from None
     if not isinstance(schema, (dict, bool)):
         raise ValueError(f"guided_decoding.json: a JSON schema must be an object, got {type(schema).__name__}")
     # Key order kept: a schema's property order is the order the output is generated in.
