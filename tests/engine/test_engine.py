@@ -165,6 +165,35 @@ def test_bad_requests_raise_and_leave_nothing_behind(model_path):
     assert engine.get_stats().num_free_blocks == engine.get_stats().num_blocks
 
 
+def test_a_prompt_that_cannot_fit_is_refused_before_it_is_encoded(model_path, monkeypatch):
+    """A text prompt longer than max_model_len x the most characters one token covers cannot
+    fit: refused without encoding it (the serving loop tokenizes on the caller's thread, and
+    a 900k-character prompt took ~0.5 s of encoding). The bound is exact for byte-level BPE:
+    every text has at least len(text) / max_chars_per_token tokens."""
+    engine = LLMEngine(EngineConfig(model=model_path, max_model_len=256))
+    per_token = engine.tokenizer.max_chars_per_token()
+    assert per_token is not None and per_token > 1
+    rng = random.Random(0)
+    pieces = ["tea", " ", "\n", "é", "中文", "1234", "<|im_start|>", "  ", "🍵", "ab" * 20]
+    for _ in range(50):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randrange(1, 60)))
+        assert len(engine.tokenizer.encode(text)) * per_token >= len(text)
+    encoded = []
+    real = engine.tokenizer.encode
+    monkeypatch.setattr(engine.tokenizer, "encode", lambda text, *a, **k: encoded.append(len(text)) or real(text))
+    with pytest.raises(ValueError, match=f"cannot fit max_model_len 256 .*{per_token} characters"):
+        engine.add_request("huge", "x" * (256 * per_token + 1), SamplingParams(max_tokens=2))
+    assert encoded == []
+    with pytest.raises(ValueError, match="max_model_len"):  # under the bound: encoded, then refused by count
+        engine.add_request("long", "tea " * 300, SamplingParams(max_tokens=2))
+    assert encoded == [1200]
+    ids = engine.tokenize_prompt("Hello there")
+    engine.add(EngineRequest("pre", "Hello there", SamplingParams(max_tokens=2), prompt_token_ids=ids))
+    assert encoded == [1200, 11]  # the pre-tokenized prompt is not encoded again
+    assert list(drain(engine)) == ["pre"]
+    assert engine.get_stats().num_free_blocks == engine.get_stats().num_blocks
+
+
 def test_stats_report_recent_time_to_first_token(model_path):
     """Every request's TTFT lands in the 30 s window behind EngineStats.ttft_p90 (the fleet
     heartbeat's); old samples leave it."""

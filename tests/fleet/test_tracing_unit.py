@@ -93,6 +93,9 @@ class _OneStepEngine:
     def __init__(self):
         self.pending = {}
 
+    def tokenize_prompt(self, text, params=None):
+        return [1]
+
     def add(self, request):
         arrival = request.arrival_time
         self.pending[request.request_id] = RequestMetrics(arrival_time=arrival, first_scheduled_time=arrival,

@@ -35,9 +35,20 @@ class FakeEngine:
         self.thread_ids = set()
         self.loras = {}  # name -> path
         self.lora_load_thread_ids = set()
+        self.tokenize_thread_ids = set()
+        self.prompt_token_ids = {}
+
+    def tokenize_prompt(self, text, params=None):
+        self.tokenize_thread_ids.add(threading.get_ident())
+        if text == "cannot fit":
+            raise ValueError("prompt: 9000000 characters cannot fit max_model_len 8192")
+        return [len(text)]
 
     def add(self, request: EngineRequest):
         self.thread_ids.add(threading.get_ident())
+        self.prompt_token_ids[request.request_id] = request.prompt_token_ids
+        if request.prompt == "cannot fit":
+            raise ValueError("prompt: 9000000 characters cannot fit max_model_len 8192")
         if request.prompt == "too long":
             raise ValueError("prompt: 9000 tokens exceed max_model_len 8192")
         if request.prompt == "overload":
@@ -191,6 +202,19 @@ def test_streams_deltas_with_exactly_one_final(loop_parts):
         assert [r.tensors["text_output"].tolist() for r in responses] == [[b"t"]] * (3 + i)
         assert [r.is_final for r in responses] == [False] * (2 + i) + [True]
     assert len(engine.thread_ids) == 1, "only the loop thread may touch the engine"
+
+
+def test_prompts_are_tokenized_on_the_submitting_thread_never_the_loops(loop_parts):
+    """A huge prompt's encoding (~0.5 s for 900k characters) must not stall the engine
+    loop's step: submit() tokenizes on the caller's thread and the engine gets the ids."""
+    engine, collector, loop, _ = loop_parts
+    loop.submit(request("a", prompt="hello"))
+    loop.submit(request("b", prompt="cannot fit"))
+    collector.wait_final(["a", "b"])
+    assert engine.tokenize_thread_ids == {threading.get_ident()}
+    assert threading.get_ident() not in engine.thread_ids
+    assert engine.prompt_token_ids == {"a": [5], "b": None}  # refused: the loop's add says why
+    assert "cannot fit" in finals(collector, "b")[0].error
 
 
 def test_non_streaming_gets_one_response(loop_parts):

@@ -29,6 +29,13 @@ Invariants (``Report.violations`` lists every breach; the command exits 1 on any
   ready again after its restart, to the end) is printed; over ``max_rss_drift``
   (default 10%) it is a violation.
 
+Hostile (``--hostile``, ``pagoda.bench.soak_hostile``): the traffic runs in two phases of
+half the duration, quiet and then with a hostile tenant's mix (grammar bombs, huge prompts
+and gRPC messages, LoRA churn during guided traffic, Redis emptied twice) instead of the
+fault timeline above; tenant A's TTFT p99 in the two phases is compared (a violation past
+``--max-ttft-ratio``, 1.5), and every hostile request must end in a success or a refusal
+with its reason.
+
 Burst (``--burst N``, the 10x-load check): N streaming requests at once, straight to
 replica r0 (Triton HTTP ``generate_stream``) and then through the router (OpenAI): how
 many were admitted, how fast the rest were refused, the admitted requests' TTFT p50/p99,
@@ -50,8 +57,10 @@ import urllib.error
 import urllib.request
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional
 
+from pagoda.bench import soak_hostile
 from pagoda.bench.soak_clients import BURST_PROMPT, Endpoints, run_action, stream_ttft
 
 KEYS = {"sk-soak-tenant-a": "tenant-a", "sk-soak-tenant-b": "tenant-b"}
@@ -69,6 +78,9 @@ class SoakConfig:
     faults: bool = True
     max_rss_drift: float = 0.10
     seed: int = 0
+    hostile: bool = False  # two phases, the second with a hostile tenant (pagoda.bench.soak_hostile)
+    hostile_clients: int = 1
+    max_ttft_ratio: float = 1.5  # tenant A's TTFT p99, hostile phase / quiet phase
     log_dir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="pagoda-soak-"))
 
 
@@ -80,6 +92,8 @@ class Report:
     burst: dict[str, dict[str, float]] = field(default_factory=dict)
     violations: list[str] = field(default_factory=list)
     wall_s: float = 0.0
+    hostile: Counter = field(default_factory=Counter)  # the hostile tenant's "<action> <outcome>" counts
+    tenants: dict[str, dict[str, float]] = field(default_factory=dict)  # TTFT per tenant and phase
 
     def format(self) -> str:
         sent = sum(self.outcomes.values())
@@ -95,6 +109,10 @@ class Report:
                  "faults injected    " + ("; ".join(self.faults) or "none")]
         for rid, values in sorted(self.replicas.items()):
             lines.append(f"replica {rid}         " + ", ".join(f"{k} {v:g}" for k, v in values.items()))
+        for name, values in self.tenants.items():
+            lines.append(f"{name:<18} " + ", ".join(f"{k} {v:.3g}" for k, v in values.items()))
+        if self.hostile:
+            lines.append("hostile tenant     " + json.dumps(dict(sorted(self.hostile.items()))))
         for where, values in self.burst.items():
             lines.append(f"burst via {where:<8} " + ", ".join(f"{k} {v:.3g}" for k, v in values.items()))
         lines.append("invariants         " + ("all hold" if not self.violations else "VIOLATED:"))
@@ -168,11 +186,13 @@ class Fleet:
 
         self.config = config
         self.redis = RedisProcess(find_free_port(), config.log_dir)
+        extra = soak_hostile.engine_args() if config.hostile else {}
         self.options = {rid: ServeOptions(
             http_port=find_free_port(), grpc_port=find_free_port(), metrics_port=find_free_port(),
             max_model_len=1024, max_num_seqs=config.max_num_seqs, startup_timeout_s=600, replica_id=rid,
-            engine_args={"max_waiting_requests": str(config.max_waiting_requests)}, fleet_model="soak")
+            engine_args={"max_waiting_requests": str(config.max_waiting_requests), **extra}, fleet_model="soak")
             for rid in ("r0", "r1")}
+        self.adapter_path: Optional[Path] = None
         self.servers: dict[str, Any] = {}
         self.rss_start: dict[str, float] = {}  # MiB when each replica (re)started serving
         self.router: Any = None
@@ -194,10 +214,16 @@ class Fleet:
         keys = os.path.join(self.config.log_dir, "keys.txt")
         with open(keys, "w") as f:
             f.writelines(f"{key} {tenant}\n" for key, tenant in KEYS.items())
+            if self.config.hostile:
+                f.writelines(f"{line}\n" for line in soak_hostile.KEY_LINES)
+                from pagoda.serving.launch.openai_door import model_dir_for
+
+                self.adapter_path = soak_hostile.write_adapter(Path(self.config.log_dir) / "adapter", model_dir_for(None))
         spec = ";".join(f"id={rid},grpc={s.grpc_url},http={s.http_url}" for rid, s in self.servers.items())
         self.router = BackgroundRouter(RouterOptions(
             replicas=spec, redis_url=self.redis.url, model_name="soak", host="127.0.0.1", http_port=0, grpc_port=0,
-            health_interval_s=0.5, registry_interval_s=0.5, api_keys_file=keys)).__enter__()
+            health_interval_s=0.5, registry_interval_s=0.5, api_keys_file=keys,
+            allow_runtime_lora=self.config.hostile)).__enter__()
 
     def start_replica(self, rid: str) -> None:
         from pagoda.serving.launch.launcher import TritonServer
@@ -253,6 +279,12 @@ def run_soak(config: SoakConfig, fleet: Optional[Fleet] = None) -> Report:
             fleet.start()
         if config.burst:
             report.burst = run_burst(fleet, config.burst)
+        if config.hostile:
+            start = time.monotonic()
+            soak_hostile.run_phases(fleet, config, report, _traffic)
+            report.wall_s = time.monotonic() - start
+            _check_replicas(fleet, fleet.rss_start, config, report)
+            return _finish(report)
         start = time.monotonic()
         stop = threading.Event()
         faults = threading.Thread(target=_faults, args=(fleet, config, start, report, stop), daemon=True)
@@ -267,6 +299,10 @@ def run_soak(config: SoakConfig, fleet: Optional[Fleet] = None) -> Report:
     finally:
         if own:
             fleet.stop()
+    return _finish(report)
+
+
+def _finish(report: Report) -> Report:
     unexpected = {k: v for k, v in report.outcomes.items() if k.startswith("unexpected")}
     if unexpected:
         report.violations.append(f"unexpected outcomes: {unexpected}")
@@ -348,11 +384,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--max-tokens", type=int, default=12)
     p.add_argument("--burst", type=int, default=200, help="the 10x-load check: requests at once (0: skip)")
     p.add_argument("--no-faults", action="store_true")
+    p.add_argument("--hostile", action="store_true",
+                   help="a quiet phase, then a hostile tenant's phase (grammar bombs, huge prompts and gRPC messages, "
+                        "LoRA churn, Redis emptied); compares tenant A's TTFT p99 across them")
+    p.add_argument("--hostile-clients", type=int, default=1)
+    p.add_argument("--max-ttft-ratio", type=float, default=1.5)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     config = SoakConfig(duration_s=args.duration, max_requests=args.max_requests, num_clients=args.clients,
                         max_num_seqs=args.max_num_seqs, max_waiting_requests=args.max_waiting_requests,
-                        max_tokens=args.max_tokens, burst=args.burst, faults=not args.no_faults, seed=args.seed)
+                        max_tokens=args.max_tokens, burst=args.burst, faults=not args.no_faults, seed=args.seed,
+                        hostile=args.hostile, hostile_clients=args.hostile_clients,
+                        max_ttft_ratio=args.max_ttft_ratio)
     print(f"pagoda bench soak: {json.dumps({k: v for k, v in vars(args).items()})}; logs in {config.log_dir}",
           flush=True)
     report = run_soak(config)

@@ -29,6 +29,7 @@ class Endpoints:
     grpc: str
     key: str
     other_key: str
+    ttft: Optional[list] = None  # chat streams append their time to the first content here
 
 
 def _open(url: str, data: bytes, key: Optional[str], timeout: float = 180) -> Any:
@@ -89,6 +90,7 @@ def _sse_terminal(lines: list[str]) -> str:
 def chat_stream(ep: Endpoints, rng: random.Random, max_tokens: int, cancel: bool = False) -> str:
     body = {"messages": [{"role": "user", "content": rng.choice(_PROMPTS)}], "max_tokens": max_tokens,
             "stream": True, "temperature": 0.7, "seed": rng.randrange(1000)}
+    start = time.perf_counter()
     try:
         response = _open(f"http://{ep.http}/v1/chat/completions", json.dumps(body).encode(), ep.key)
     except urllib.error.HTTPError as exc:
@@ -100,6 +102,9 @@ def chat_stream(ep: Endpoints, rng: random.Random, max_tokens: int, cancel: bool
             line = raw.decode().strip()
             if line:
                 lines.append(line)
+                if ep.ttft is not None and start and '"content":' in line and '"content": ""' not in line:
+                    ep.ttft.append(time.perf_counter() - start)
+                    start = 0.0
             if stop_after is not None and len(lines) >= stop_after and lines[-1] != "data: [DONE]":
                 return "cancelled"  # closing the connection is the cancel
     return _sse_terminal(lines)

@@ -132,7 +132,7 @@ class LLMEngine:
                 queued, retry later.
         """
         self._check_request(request)
-        text, token_ids = self._tokenize(request.prompt)
+        text, token_ids = self._tokenize(request.prompt, request.prompt_token_ids, request.params)
         self._check_token_ids(request.params)
         token_ids = self._truncate_prompt(token_ids, request.params.truncate_prompt_tokens)
         if request.arrival_time is None:
@@ -188,11 +188,26 @@ class LLMEngine:
         self._check_lora_name(request.lora_name)
         check_timeout(request.timeout)
 
-    def _tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
+    def tokenize_prompt(self, text: str, params: Optional[SamplingParams] = None) -> list[int]:
+        """A text prompt's token ids, for ``EngineRequest.prompt_token_ids`` (any thread: the
+        tokenizer is thread-safe and this touches no engine state).
+
+        A prompt that cannot fit ``max_model_len`` is refused before it is encoded, where the
+        tokenizer bounds the characters one token covers (``Tokenizer.max_chars_per_token``)
+        and the request does not truncate its prompt. Raises ValueError."""
+        if not text:
+            raise ValueError("prompt: must not be empty")
+        per_token = self.tokenizer.max_chars_per_token() if len(text) > self.max_model_len else None
+        if per_token and len(text) > self.max_model_len * per_token and (
+                params is None or params.truncate_prompt_tokens is None):
+            raise ValueError(f"prompt: {len(text)} characters cannot fit max_model_len {self.max_model_len} "
+                             f"(this tokenizer's tokens cover at most {per_token} characters each)")
+        return self.tokenizer.encode(text)
+
+    def _tokenize(self, prompt: PromptType, token_ids: Optional[list[int]] = None,
+                  params: Optional[SamplingParams] = None) -> tuple[Optional[str], list[int]]:
         if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt: must not be empty")
-            return prompt, self.tokenizer.encode(prompt)
+            return prompt, (token_ids if token_ids is not None else self.tokenize_prompt(prompt, params))
         if not isinstance(prompt, (list, tuple)) or not prompt:
             raise ValueError("prompt: must be a non-empty string or a non-empty list of token ids")
         vocab = self.model_config.vocab_size

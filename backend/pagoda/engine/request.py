@@ -55,6 +55,9 @@ class EngineRequest:
         lora_name: a loaded LoRA adapter to generate with; ``None``: the base model.
         timeout: seconds from arrival; past it the request ends with a "deadline
             exceeded" error output (``pagoda.engine.core.admission``).
+        prompt_token_ids: a text prompt's token ids when the door tokenized it already
+            (``LLMEngine.tokenize_prompt``, off the engine's thread, so a huge prompt does
+            not stall every other request's step); ``None``: the engine encodes ``prompt``.
     """
 
     request_id: str
@@ -65,6 +68,7 @@ class EngineRequest:
     cache_salt: Optional[str] = None
     lora_name: Optional[str] = None
     timeout: Optional[float] = None
+    prompt_token_ids: Optional[list[int]] = None
 
 
 class RequestStatus(enum.IntEnum):

@@ -94,6 +94,23 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def max_chars_per_token(self) -> Optional[int]:
+        """The most characters of input one token can cover, when that is knowable exactly;
+        else ``None``. Byte-level BPE with no normalizer and no unknown token (GPT-2,
+        Llama 3, Qwen, SmolLM2): every input character is at least one byte and every token
+        covers the bytes of its vocabulary string (one character per byte) or an added
+        token's text, so a text of C characters has at least C / max tokens. Lets a door
+        refuse a prompt that cannot fit the context without tokenizing it."""
+        if not hasattr(self, "_max_chars_per_token"):
+            spec = json.loads(self.backend.to_str())
+            model = spec.get("model") or {}
+            byte_level = '"ByteLevel"' in json.dumps(spec.get("pre_tokenizer"))
+            exact = (spec.get("normalizer") is None and byte_level and model.get("type") == "BPE"
+                     and not model.get("unk_token"))
+            self._max_chars_per_token = (max(len(t) for t in self.backend.get_vocab(with_added_tokens=True))
+                                         if exact else None)
+        return self._max_chars_per_token
+
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 

@@ -42,6 +42,9 @@ class ServingRequest:
     is_cancelled: Callable[[], bool] = lambda: False
     arrival_time: float = field(default_factory=time.time)
     traceparent: Optional[str] = None  # W3C trace context from the router (serving/tracing.py)
+    # A text prompt's token ids, encoded by ``EngineLoop.submit`` on the caller's thread (the
+    # engine loop's thread never tokenizes: a huge prompt would stall every stream's step).
+    prompt_token_ids: Optional[list[int]] = None
 
 
 @dataclass(frozen=True)

@@ -15,11 +15,12 @@ takes a ``Request`` and must not climb into ``engine.core`` (``tests/test_layeri
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable, Protocol, Union, runtime_checkable
+from typing import TYPE_CHECKING, Iterable, Optional, Protocol, Union, runtime_checkable
 
 from pagoda.contracts.kv_events import KVEvent
 from pagoda.engine.outputs import RequestOutput
 from pagoda.engine.request import EngineRequest
+from pagoda.engine.sampling_params import SamplingParams
 from pagoda.engine.stats import EngineStats
 
 if TYPE_CHECKING:
@@ -32,6 +33,10 @@ class EngineClient(Protocol):
 
     def add(self, request: EngineRequest) -> None:
         """Queue a request. Raises ValueError (bad request) or EngineOverloaded (queue full)."""
+
+    def tokenize_prompt(self, text: str, params: Optional[SamplingParams] = None) -> list[int]:
+        """A text prompt's token ids for ``EngineRequest.prompt_token_ids`` (thread-safe: a
+        server calls it off its engine thread). Raises ValueError (cannot fit)."""
 
     def abort_request(self, request_ids: Union[str, Iterable[str]]) -> None:
         """End requests; their final outputs come from the next ``step()``."""
