@@ -189,6 +189,26 @@ SPEC_SCHEMA: dict[str, Any] = _obj(
             description="Targets of the built-in autoscaler.",
             default={},
         ),
+        "kvEvents": _obj(
+            {
+                "endpoint": _str(
+                    "ZMQ endpoint of the replicas' vLLM-format KV events (`--kv-events-config`): "
+                    "tcp://*:PORT binds in each pod (subscribers connect to every pod; the port is "
+                    "opened as `kv-events`), tcp://HOST:PORT connects to one subscriber (llm-d's "
+                    "endpoint picker, Dynamo's or AIBrix's KV sync).",
+                    pattern=r"^tcp://[^\s/]+:[0-9]{1,5}$"),
+                "topic": _str("Message topic; unset: llm-d's kv@<pod-ip>:<openai port>@<model>.",
+                              maxLength=253),
+                "replayEndpoint": _str("ZMQ ROUTER endpoint that answers replay requests after a "
+                                       "subscriber missed messages (tcp://*:PORT); unset: none.",
+                                       pattern=r"^tcp://[^\s/]+:[0-9]{1,5}$"),
+            },
+            required=["endpoint"],
+            description="Publish KV-cache events in vLLM's wire format (BlockStored/BlockRemoved/"
+                        "AllBlocksCleared, msgpack over ZMQ) beside the Redis index, so fleets that "
+                        "route by vLLM's events can route pagoda by cache. Deployment and KServe modes; "
+                        "KServeLLM with the llm-d scheduler configures its own.",
+        ),
         "routing": _obj(
             {
                 "policy": _str("Router policy.", enum=ROUTING_POLICIES, default="prefix_aware"),

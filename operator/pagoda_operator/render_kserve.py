@@ -15,7 +15,7 @@ from typing import Any
 
 from pagoda_operator import naming
 from pagoda_operator.render_redis import redis_env, redis_url_arg
-from pagoda_operator.render_replicas import engine_args, lora_args
+from pagoda_operator.render_replicas import engine_args, kv_events_args, lora_args
 from pagoda_operator.spec import LLMService
 
 COMPONENT = "replica"
@@ -30,13 +30,15 @@ def render_inference_service(svc: LLMService) -> dict[str, Any]:
         "modelFormat": {"name": MODEL_FORMAT},
         "runtime": svc.spec.kserve_runtime,
         "storageUri": svc.spec.model.storage_uri,
-        "args": engine_args(svc.spec.engine) + lora_args(svc, naming.MODEL_MOUNT),
+        "args": engine_args(svc.spec.engine) + lora_args(svc, naming.MODEL_MOUNT) + kv_events_args(svc),
         "env": [
             {"name": "PAGODA_REPLICA_ID",
              "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
             {"name": "PAGODA_MODEL_NAME", "value": svc.spec.model.name},
             *redis_env(svc),
             {"name": "PAGODA_REDIS_URL", "value": redis_url_arg(svc)},
+            *([{"name": "PAGODA_POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
+              if svc.spec.kv_events else []),
         ],
     }
     if svc.spec.resources:

@@ -17,10 +17,15 @@ Each replica pod runs `pagoda serve` (tritonserver over our model repository) wi
 - `terminationGracePeriodSeconds` from the spec and `--grace-period` 10 s shorter:
   on SIGTERM `pagoda serve` drains in-flight requests that long, then the model unloads
   and every process exits before the kubelet would SIGKILL the pod;
-- the Redis CA certificate when Redis is reached over TLS (render_redis.py).
+- the Redis CA certificate when Redis is reached over TLS (render_redis.py);
+- with `spec.kvEvents`, `--kv-events-config` (vLLM's JSON: the endpoint, llm-d's topic
+  `kv@<pod-ip>:<openai port>@<model>` unless given, the replay endpoint) and a container
+  port for each endpoint that binds in the pod (tcp://*:PORT).
 """
 
 from __future__ import annotations
+
+import json
 
 from typing import Any
 
@@ -137,7 +142,33 @@ def render_replica_container(svc: LLMService) -> dict[str, Any]:
     }
     if svc.spec.resources:
         container["resources"] = dict(svc.spec.resources)
+    _kv_events(container, svc)
     return container
+
+
+def kv_events_args(svc: LLMService) -> list[str]:
+    """`spec.kvEvents` as `pagoda serve --kv-events-config` (vLLM's JSON); [] when unset. The
+    default topic reads `PAGODA_POD_IP` (the pod's env)."""
+    events = svc.spec.kv_events
+    if events is None:
+        return []
+    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events.endpoint,
+              "topic": events.topic or f"kv@$(PAGODA_POD_IP):{naming.OPENAI_PORT}@{svc.spec.model.name}"}
+    if events.replay_endpoint:
+        config["replay_endpoint"] = events.replay_endpoint
+    return ["--kv-events-config", json.dumps(config, separators=(",", ":"))]
+
+
+def _kv_events(container: dict[str, Any], svc: LLMService) -> None:
+    """The KV-event arguments, and a container port for each endpoint that binds in the pod."""
+    events = svc.spec.kv_events
+    if events is None:
+        return
+    container["args"] += kv_events_args(svc)
+    for name, endpoint in (("kv-events", events.endpoint), ("kv-replay", events.replay_endpoint)):
+        host, _, port = (endpoint or "").removeprefix("tcp://").rpartition(":")
+        if host in ("*", "0.0.0.0"):
+            container["ports"].append({"name": name, "containerPort": int(port), "protocol": "TCP"})
 
 
 def render_replica_deployment(svc: LLMService, replicas: int) -> dict[str, Any]:

@@ -89,6 +89,15 @@ class RedisSpec:
 
 
 @dataclass(frozen=True)
+class KVEventsSpec:
+    """`spec.kvEvents`: vLLM-format KV events from the replicas (`--kv-events-config`)."""
+
+    endpoint: str
+    topic: str | None = None  # None: llm-d's kv@<pod-ip>:<openai port>@<model>
+    replay_endpoint: str | None = None
+
+
+@dataclass(frozen=True)
 class LLMServiceSpec:
     image: str
     model: ModelSpec
@@ -105,6 +114,7 @@ class LLMServiceSpec:
     kserve_runtime: str = crd.DEFAULT_KSERVE_RUNTIME
     kserve_gateway: dict[str, str] = field(default_factory=dict)  # mode KServeLLM: {name[, namespace]}
     kserve_scheduler: str = "pagoda"  # mode KServeLLM: "pagoda" (our router) or "llm-d" (KServe's EPP)
+    kv_events: KVEventsSpec | None = None
 
 
 @dataclass(frozen=True)
@@ -214,6 +224,9 @@ def _check_cross_fields(spec: dict[str, Any]) -> None:
     if url.password and "passwordSecretRef" in spec["redis"]:
         raise SpecError("spec.redis.passwordSecretRef",
                         "set either a password in spec.redis.url or a passwordSecretRef, not both")
+    if "kvEvents" in spec and spec["mode"] == "KServeLLM" and spec["kserve"].get("scheduler") == "llm-d":
+        raise SpecError("spec.kvEvents", "the llm-d scheduler configures the replicas' KV events itself "
+                                         "(its endpoint picker's ZMQ port); remove spec.kvEvents")
 
 
 def parse_spec(raw_spec: dict[str, Any]) -> LLMServiceSpec:
@@ -280,7 +293,21 @@ def parse_spec(raw_spec: dict[str, Any]) -> LLMServiceSpec:
         kserve_runtime=spec["kserve"]["runtime"],
         kserve_gateway=dict(spec["kserve"].get("gateway") or {}),
         kserve_scheduler=spec["kserve"].get("scheduler", "pagoda"),
+        kv_events=_kv_events(spec.get("kvEvents")),
     )
+
+
+def _kv_events(raw: dict[str, Any] | None) -> KVEventsSpec | None:
+    if raw is None:
+        return None
+    spec = KVEventsSpec(raw["endpoint"], raw.get("topic"), raw.get("replayEndpoint"))
+    for name, endpoint in (("endpoint", spec.endpoint), ("replayEndpoint", spec.replay_endpoint)):
+        port = int(endpoint.rpartition(":")[2]) if endpoint else 1
+        if not 1 <= port <= 65535:
+            raise SpecError(f"spec.kvEvents.{name}", f"port must be 1-65535, got {port}")
+    if spec.replay_endpoint and spec.replay_endpoint.rpartition(":")[2] == spec.endpoint.rpartition(":")[2]:
+        raise SpecError("spec.kvEvents.replayEndpoint", "must use another port than endpoint")
+    return spec
 
 
 def parse_llmservice(body: dict[str, Any]) -> LLMService:

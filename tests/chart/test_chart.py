@@ -11,6 +11,7 @@ Skips (does not fail) when helm or kubernetes-validate are absent.
 from __future__ import annotations
 
 import functools
+import json
 import os
 import shutil
 import subprocess
@@ -369,3 +370,15 @@ def test_example_as_kserve_llm_inference_service_validates(tmp_path, scheduler):
     from tests.operator.test_llmisvc import errors_of
     assert errors_of(llmisvc) == []
     assert ("scheduler" in llmisvc["spec"]["router"]) == (scheduler == "llm-d")
+
+
+def test_example_kv_events_reach_the_replicas(tmp_path):
+    """values example.kvEvents -> LLMService spec.kvEvents -> the replicas' --kv-events-config."""
+    objects = render_with(tmp_path, {"example": {"enabled": True, "kvEvents": {"endpoint": "tcp://*:5557"}}})
+    [example] = [o for o in objects if o["kind"] == "LLMService"]
+    validate_any(example)
+    svc = parse_llmservice(example)
+    [deployment] = [c for c in render_children(svc, 1) if c["kind"] == "Deployment" and "replicas" in
+                    c["metadata"]["name"]]
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert json.loads(args[args.index("--kv-events-config") + 1])["endpoint"] == "tcp://*:5557"

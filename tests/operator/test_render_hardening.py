@@ -117,3 +117,43 @@ def test_replica_arguments_are_accepted_by_pagoda_serve(prefix_caching):
     assert options.max_model_len == 2048
     assert options.engine_args["gpu_memory_utilization"] == "0.8"
     assert options.grace_period_s == 50
+
+
+def test_kv_events_reach_the_replicas_in_vllms_format_in_every_mode():
+    """spec.kvEvents -> `pagoda serve --kv-events-config` that the replica's own parser
+    (vLLM's KVEventsConfig keys) accepts; a binding endpoint opens its port; KServe mode gets
+    the same arguments and the pod IP for llm-d's default topic."""
+    from pagoda.serving.kv_event_stream import KVEventsConfig
+
+    svc = make_svc(kvEvents={"endpoint": "tcp://*:5557", "replayEndpoint": "tcp://*:5558"})
+    container = dict(pods(render_children(svc, 1)))["chat-replicas"]["containers"][0]
+    args = container["args"]
+    options = options_from_args(make_parser().parse_args(args))
+    config = KVEventsConfig.from_json(options.engine_args["kv_events_config"])
+    assert config.is_active and config.endpoint == "tcp://*:5557" and config.replay_endpoint == "tcp://*:5558"
+    assert config.topic == f"kv@$(PAGODA_POD_IP):{naming.OPENAI_PORT}@chat"
+    assert {"name": "kv-events", "containerPort": 5557, "protocol": "TCP"} in container["ports"]
+    assert any(e["name"] == "PAGODA_POD_IP" for e in container["env"])
+    connecting = make_svc(kvEvents={"endpoint": "tcp://epp.llm:5557", "topic": "kv@x@chat"})
+    container = dict(pods(render_children(connecting, 1)))["chat-replicas"]["containers"][0]
+    assert not any(p["name"].startswith("kv-") for p in container["ports"])
+    assert KVEventsConfig.from_json(container["args"][container["args"].index("--kv-events-config") + 1]).topic \
+        == "kv@x@chat"
+    model = render_inference_service(make_svc("KServe", kvEvents={"endpoint": "tcp://*:5557"}))["spec"]["predictor"]["model"]
+    assert "--kv-events-config" in model["args"] and any(e["name"] == "PAGODA_POD_IP" for e in model["env"])
+    assert "--kv-events-config" not in str(render_children(make_svc(), 1))
+
+
+@pytest.mark.parametrize("kv_events, mode_spec, field", [
+    ({"endpoint": "ipc:///tmp/x"}, {}, "spec.kvEvents.endpoint"),
+    ({"endpoint": "tcp://*:70000"}, {}, "spec.kvEvents.endpoint"),
+    ({"endpoint": "tcp://*:5557", "replayEndpoint": "tcp://*:5557"}, {}, "spec.kvEvents.replayEndpoint"),
+    ({"endpoint": "tcp://*:5557", "topik": "x"}, {}, "spec.kvEvents.topik"),
+    ({}, {}, "spec.kvEvents.endpoint"),
+    ({"endpoint": "tcp://*:5557"}, {"mode": "KServeLLM", "kserve": {"scheduler": "llm-d"}}, "spec.kvEvents"),
+])
+def test_bad_kv_events_are_refused_naming_the_field(kv_events, mode_spec, field):
+    mode = mode_spec.pop("mode", "Deployment")
+    with pytest.raises(SpecError) as info:
+        make_svc(mode, kvEvents=kv_events, **mode_spec)
+    assert info.value.field == field, str(info.value)
