@@ -281,7 +281,7 @@ def run_soak(config: SoakConfig, fleet: Optional[Fleet] = None) -> Report:
             report.burst = run_burst(fleet, config.burst)
         if config.hostile:
             start = time.monotonic()
-            soak_hostile.run_phases(fleet, config, report, _traffic)
+            soak_hostile.run_phases(fleet, config, report, _traffic, _rss_mb)
             report.wall_s = time.monotonic() - start
             _check_replicas(fleet, fleet.rss_start, config, report)
             return _finish(report)

@@ -17,8 +17,9 @@ The run has two phases of ``duration_s / 2`` each on the same fleet:
 
 Reported per tenant: TTFT p50/p99 of the normal chat streams in each phase, and the ratio of
 tenant A's hostile-phase p99 to its quiet-phase p99 (a violation above ``max_ttft_ratio``,
-1.5 by default), beside the usual invariants (one terminal answer per request, no
-unexpected 5xx, no leaked KV block, RSS drift). Tenant H's outcomes must all be refusals
+1.5 by default), and each replica's RSS drift over the hostile phase alone (from warm, so
+warm-up allocations do not count), beside the usual invariants (one terminal answer per
+request, no unexpected 5xx, no leaked KV block, RSS drift from ready). Tenant H's outcomes must all be refusals
 with a reason or successes; a 5xx or a lost gRPC request is unexpected.
 """
 
@@ -161,10 +162,12 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
-def run_phases(fleet: Any, config: Any, report: Any, traffic: Callable[..., None]) -> None:
+def run_phases(fleet: Any, config: Any, report: Any, traffic: Callable[..., None],
+               rss_mb: Callable[[int], float]) -> None:
     """The quiet phase, then the hostile one (module docstring); fills ``report``.
 
-    ``traffic(endpoints, config, start, report)`` is the soak's normal closed-loop traffic."""
+    ``traffic(endpoints, config, start, report)`` is the soak's normal closed-loop traffic;
+    ``rss_mb(pid)`` a replica's resident memory (tritonserver and its stub)."""
     from collections import Counter
     from dataclasses import replace
 
@@ -183,12 +186,18 @@ def run_phases(fleet: Any, config: Any, report: Any, traffic: Callable[..., None
                                                                       str(fleet.adapter_path)))
                        for i in range(config.hostile_clients)]
             threads.append(threading.Thread(target=redis_losses, args=(fleet, phase_s, start, stop, report.faults)))
+        if name == "hostile":  # RSS once warm: the hostile phase's own drift is reported too
+            rss_warm = {rid: rss_mb(server.process.pid) for rid, server in fleet.servers.items()}
         for thread in threads:
             thread.start()
         traffic(endpoints, phase, start, report)
         stop.set()
         for thread in threads:
             thread.join()
+    for rid, server in fleet.servers.items():
+        if rss_warm.get(rid):
+            drift = 100 * (rss_mb(server.process.pid) / rss_warm[rid] - 1)
+            report.tenants[f"replica {rid} hostile phase"] = {"rss_drift_pct": round(drift, 1)}
     for name, values in ttft.items():
         report.tenants[f"tenant-a {name}"] = {"streams": len(values), "ttft_p50_s": percentile(values, 0.5),
                                               "ttft_p99_s": percentile(values, 0.99)}
