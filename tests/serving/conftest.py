@@ -28,7 +28,8 @@ def triton_server(tmp_path_factory, smollm2_lora, kv_events_ports):
     """Serves the default model with one LoRA adapter, ``sql`` (base requests name none),
     runtime LoRA updates allowed (``--allow-runtime-lora``), KV events on ZMQ
     (``--kv-events-config``, on ``kv_events_ports``) and the vLLM backend's output shapes
-    (``--output-dialect vllm``: per-token logprobs objects, finish_reason "None"); of the
+    (``--output-dialect vllm``: per-token logprobs objects, finish_reason "None"), a KV
+    connector for disaggregated prefill (``--kv-transfer-listen``); of the
     TensorRT-LLM fronts, ``ensemble`` is unary (the shipped ``decoupled: false``) and
     ``tensorrt_llm_bls`` and the LLM-API model ``tensorrt_llm`` decoupled
     (``--trtllm-decoupled``), so both modes are served."""
@@ -40,7 +41,7 @@ def triton_server(tmp_path_factory, smollm2_lora, kv_events_ports):
                            max_model_len=MAX_MODEL_LEN, max_num_seqs=16, startup_timeout_s=600,
                            engine_args={"enable_lora": "true", "lora_modules": f"sql={smollm2_lora}",
                                         "allow_runtime_lora": "true", "kv_events_config": kv_events,
-                                        "output_dialect": "vllm"},
+                                        "output_dialect": "vllm", "kv_transfer_listen": "127.0.0.1:0"},
                            trtllm_decoupled={"tensorrt_llm_bls": True, "tensorrt_llm": True})
     with TritonServer(options, log_path=str(log_path)) as server:
         yield server

@@ -29,6 +29,14 @@ LoRA control requests (``control()``, docs/lora.md) share the loop: see
 
 A failed delivery (client gone) comes back to the loop as an ``Abort`` command.
 
+Disaggregated prefill/decode (``kv_connector``, ``serving.kv_transfer_control``): a request
+whose ``kv_transfer_params`` name a prefill replica is parked, not added, until its prompt's
+blocks were pulled into the prefix cache (or the pull failed); the connector's threads wake
+the loop, whose every iteration polls it (answering peers' pulls, committing arrivals). A
+parked request counts as in flight for the drain, an abort and a stop. A request with
+``do_remote_decode`` gets the KV handle as the ``kv_transfer_params`` output of its final
+response.
+
 Invariants:
 - every request gets exactly one response with ``is_final`` (its last output, an error,
   or the shutdown error); a request leaves ``_in_flight`` exactly when that is queued;
@@ -50,6 +58,8 @@ import threading
 import time
 from typing import Callable, Optional, Sequence
 
+import numpy as np
+
 from pagoda.engine.core.admission import EngineOverloaded
 from pagoda.engine.core.protocols import EngineClient
 from pagoda.engine.request import EngineRequest
@@ -58,6 +68,8 @@ from pagoda.contracts.errors import DRAINING_MESSAGE
 from pagoda.serving.lora_control import SHUTDOWN_MESSAGE, LoRAController
 from pagoda.serving.observers import Observers, StepObserver
 from pagoda.serving.response_sender import ResponseSender
+from pagoda.engine.kv_transfer.connector import KVConnector
+from pagoda.serving.kv_transfer_control import KVTransferControl
 from pagoda.serving.triton_io import ParsedRequest, Response, make_error_response, make_response
 
 logger = logging.getLogger(__name__)
@@ -79,13 +91,16 @@ class EngineLoop:
         idle_wait_s: how long the loop blocks on the command queue when there is no work.
         drain_path: a file whose appearance starts the drain (see the module doc).
         allow_runtime_lora: accept LoRA ``load``/``unload`` control requests.
+        kv_connector: a listening ``KVConnector`` over ``engine`` for disaggregated
+            prefill/decode (``serving.kv_transfer_control``); None: such requests are refused.
     """
 
     DRAIN_POLL_INTERVAL_S = 0.2
 
     def __init__(self, engine: EngineClient, sender: ResponseSender, observers: Sequence[StepObserver] = (),
                  cancel_poll_interval_s: float = 0.05, idle_wait_s: float = 0.1, drain_path: Optional[str] = None,
-                 allow_runtime_lora: bool = False, decode_token: Callable[[int], str] = str) -> None:
+                 allow_runtime_lora: bool = False, decode_token: Callable[[int], str] = str,
+                 kv_connector: Optional[KVConnector] = None) -> None:
         self._engine = engine
         self._decode_token = decode_token  # a token id's text (the vLLM dialect's decoded_token)
         self._sender = sender
@@ -104,6 +119,9 @@ class EngineLoop:
         self._last_drain_poll = 0.0
         self._thread = threading.Thread(target=self._run, name="pagoda-engine-loop", daemon=True)
         self._lora = LoRAController(engine, sender, self._commands.put, self._stop.is_set, allow_runtime_lora)
+        self._kv = KVTransferControl(engine, kv_connector)
+        if kv_connector is not None:
+            kv_connector.set_wake(lambda: self._commands.put(Wake()))
 
     # ------------------------------------------------------------ any thread
     def start(self) -> None:
@@ -141,6 +159,8 @@ class EngineLoop:
         if self._thread.is_alive():
             self._thread.join(timeout)
         if not self._thread.is_alive():
+            self._kv.close()
+        if not self._thread.is_alive():
             self._answer_leftover_commands()
         self._observers.on_stop()  # the fleet publisher deregisters: the heartbeat and the drain flag go
 
@@ -170,6 +190,8 @@ class EngineLoop:
             self._drain_commands(block=not self._engine.has_unfinished_requests())
             if self._stop.is_set():
                 break
+            for request in self._kv.poll():  # parked until their prompt's KV arrived
+                self._admit(request)
             self._poll_drain()
             self._poll_cancellations()
             if self._engine.has_unfinished_requests():
@@ -210,6 +232,19 @@ class EngineLoop:
         if self._is_draining:
             self._sender.put(request, make_error_response(DRAINING_MESSAGE, "UNAVAILABLE"))
             return
+        params = request.parsed.kv_transfer_params if isinstance(request.parsed, ParsedRequest) else None
+        if params:
+            try:
+                self._kv.check(params)
+            except ValueError as exc:
+                self._sender.put(request, make_error_response(str(exc)))
+                return
+            ids = request.prompt_token_ids if isinstance(request.parsed.prompt, str) else request.parsed.prompt
+            if params.get("do_remote_prefill") and ids and self._kv.start_pull(request, ids):
+                return  # admitted when the blocks arrived (or the pull failed): _run
+        self._admit(request)
+
+    def _admit(self, request: ServingRequest) -> None:
         try:
             self._engine.add(_engine_request(request))
         except EngineOverloaded as exc:  # admission control: refused at once, retry later
@@ -225,6 +260,10 @@ class EngineLoop:
         self._in_flight[request.request_id] = request
 
     def _abort(self, request_id: str) -> None:
+        parked = self._kv.take(request_id)
+        if parked is not None:
+            self._sender.put(parked, make_error_response("request cancelled while its KV transfer ran", "UNAVAILABLE"))
+            return
         if request_id in self._in_flight and request_id not in self._aborting:
             self._aborting.add(request_id)
             try:
@@ -246,7 +285,7 @@ class EngineLoop:
             self._is_draining = True
             logger.info("draining: %d request(s) in flight, no new ones", len(self._in_flight))
             self._observers.on_drain()  # the fleet publisher sets the replica's drain flag
-        if not self._in_flight:
+        if not self._in_flight and not self._kv.num_parked:
             try:
                 open(self._drain_path + ".done", "w").close()
             except OSError:
@@ -284,6 +323,10 @@ class EngineLoop:
                 continue
             self._observers.on_output(request, output)
             response = make_response(request.parsed, output, self._decode_token)
+            if output.finished and response is not None and (request.parsed.kv_transfer_params or {}).get(
+                    "do_remote_decode") and response.error is None:
+                response.tensors["kv_transfer_params"] = np.array(
+                    [self._kv.handle(len(output.prompt_token_ids)).encode()], dtype=np.object_)
             if output.finished:
                 ready.append((self._take(output.request_id),
                               response or make_error_response("request finished without output", "INTERNAL")))
@@ -319,6 +362,8 @@ class EngineLoop:
         self._sender.put(self._take(request_id), response)
 
     def _fail_all(self, message: str, error_code: str) -> None:
+        for parked in self._kv.take_all():
+            self._sender.put(parked, make_error_response(message, error_code))
         request_ids = list(self._in_flight)
         for request_id in request_ids:
             self._finish(request_id, make_error_response(message, error_code))

@@ -18,6 +18,8 @@ same model repository works under ``pagoda serve``, in NVIDIA's container and un
   --allow-runtime-lora``; vLLM's ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``).
 - ``kv_events_config`` (a serving parameter): vLLM's ``--kv-events-config`` JSON, read by
   ``serving.kv_event_stream`` (KV events on a ZMQ socket in vLLM's format).
+- ``kv_transfer_listen`` (a serving parameter): ``HOST:PORT`` of the replica's KV connector
+  for disaggregated prefill/decode (``serving.kv_transfer_control``); empty: none.
 
 Server defaults (``SERVER_DEFAULTS``) differ from ``EngineConfig``'s where a server must
 protect itself and an offline engine must not refuse its own work: ``max_queue_delay_s`` is
@@ -40,7 +42,7 @@ from pagoda.engine.config import EngineConfig
 
 # Parameters that are not EngineConfig fields but are still ours.
 SERVING_PARAMETERS = ("served_model_name", "allow_runtime_lora", "kv_events_config", "output_dialect",
-                      "REPORT_CUSTOM_METRICS")
+                      "REPORT_CUSTOM_METRICS", "kv_transfer_listen")
 
 # EngineConfig fields whose server default differs from the engine's (module docstring).
 SERVER_DEFAULTS = {"max_queue_delay_s": 30.0}
@@ -134,6 +136,11 @@ def allow_runtime_lora(parameters: Mapping[str, Any]) -> bool:
     """
     return bool(_convert("allow_runtime_lora", _parameter_text(parameters.get("allow_runtime_lora", "")) or "false",
                          bool))
+
+
+def kv_transfer_listen(parameters: Mapping[str, Any]) -> Optional[str]:
+    """The ``kv_transfer_listen`` parameter (``HOST:PORT``), or None when empty or absent."""
+    return _parameter_text(parameters.get("kv_transfer_listen", "")) or None
 
 
 def output_dialect(parameters: Mapping[str, Any]) -> str:

@@ -8,8 +8,11 @@ TensorRT-LLM's INT32 input of that name, never both):
 
 - Triton vLLM backend style: ``text_input`` (STRING), ``stream`` (BOOL),
   ``sampling_parameters`` (STRING holding a JSON object of ``SamplingParams`` fields, plus
-  the request options ``priority``, ``cache_salt``, ``lora_name`` and ``timeout``: seconds
-  from arrival after which the request ends with a "deadline exceeded" error; structured
+  the request options ``priority``, ``cache_salt``, ``lora_name``, ``timeout`` (seconds
+  from arrival after which the request ends with a "deadline exceeded" error) and
+  ``kv_transfer_params`` (vLLM's disaggregated prefill/decode option:
+  ``serving.kv_transfer_control``; the prefill side's final response carries the
+  ``kv_transfer_params`` output, the KV handle); structured
   output as a ``guided_decoding`` object with one of ``json``, ``json_object``, ``regex``,
   ``choice``, ``grammar``), ``exclude_input_in_output`` and the ``return_*`` flags.
   As in that backend, numeric and boolean fields may also be given as strings
@@ -124,6 +127,8 @@ class ParsedRequest:
     return_num_cached_tokens: bool = False
     priority: int = 0
     cache_salt: Optional[str] = None
+    # vLLM's kv_transfer_params: disaggregated prefill/decode (serving.kv_transfer_control)
+    kv_transfer_params: Optional[dict] = None
     lora_name: Optional[str] = None  # a loaded LoRA adapter (vLLM backend's lora_name); None: base model
     timeout: Optional[float] = None  # seconds from arrival (pagoda.engine.core.admission)
     logprobs_asked: bool = False  # the request set ``logprobs`` (return_* flags alone do not)
@@ -204,6 +209,7 @@ def parse_request(get_input: GetInput, parameters: Any = None, output_dialect: s
     return ParsedRequest(prompt=prompt, params=params, priority=options.get("priority", 0),
                          cache_salt=options.get("cache_salt"), lora_name=lora_name,
                          timeout=options.get("timeout"), logprobs_asked=logprobs_asked,
+                         kv_transfer_params=options.get("kv_transfer_params"),
                          output_dialect=options.get("output_dialect", output_dialect), **flags)
 
 

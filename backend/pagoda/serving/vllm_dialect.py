@@ -66,7 +66,7 @@ from pagoda.engine.sampling_params import SamplingParams
 OUTPUT_DIALECTS = ("vllm", "pagoda")
 
 # Keys of the sampling_parameters JSON that are request options, not SamplingParams.
-REQUEST_OPTION_KEYS = ("priority", "cache_salt", "lora_name", "timeout", "output_dialect")
+REQUEST_OPTION_KEYS = ("priority", "cache_salt", "lora_name", "timeout", "output_dialect", "kv_transfer_params")
 # vLLM SamplingParams keys that are not pagoda SamplingParams fields: read (or refused) here.
 VLLM_ONLY_KEYS = ("structured_outputs",)
 
@@ -262,6 +262,10 @@ def split_values(values: dict[str, Any], from_parameters: bool = False) -> tuple
             check_timeout(options["timeout"])
     if "output_dialect" in options:
         check_output_dialect("output_dialect", options["output_dialect"])
+    if "kv_transfer_params" in options:  # disaggregated prefill/decode (serving.kv_transfer_control)
+        from pagoda.serving.kv_transfer_control import check_kv_transfer_params
+
+        options["kv_transfer_params"] = check_kv_transfer_params(options["kv_transfer_params"])
     scalar_types = {"int": int, "float": float, "bool": bool}
     for key, value in list(values.items()):
         kind = field_types.get(key, "").replace("Optional[", "")

@@ -22,8 +22,8 @@ from pagoda.serving import triton_io
 from pagoda.serving.commands import ServingRequest
 from pagoda.serving.engine_loop import EngineLoop
 from pagoda.serving.metrics import ServingMetrics
-from pagoda.serving.model_config import (allow_runtime_lora, engine_config_from_parameters, output_dialect,
-                                         report_custom_metrics, served_model_name)
+from pagoda.serving.model_config import (allow_runtime_lora, engine_config_from_parameters, kv_transfer_listen,
+                                         output_dialect, report_custom_metrics, served_model_name)
 from pagoda.serving.observers import make_observers
 from pagoda.serving.process_tree import ORPHANED_STUB_MESSAGE, ParentWatch
 from pagoda.serving.response_sender import ResponseSender
@@ -71,7 +71,8 @@ class TritonPythonModel:
         # `pagoda serve` drains through this file (engine_loop); absent elsewhere.
         self.loop = EngineLoop(self.engine, self.sender, observers,
                                drain_path=os.environ.get("PAGODA_DRAIN_FILE") or None,
-                               allow_runtime_lora=allow_runtime_lora(parameters), decode_token=decode_token)
+                               allow_runtime_lora=allow_runtime_lora(parameters), decode_token=decode_token,
+                               kv_connector=_kv_connector(self.engine, parameters))
         self._request_numbers = itertools.count()
         self.sender.start()
         self.loop.start()
@@ -145,6 +146,18 @@ def _kv_event_stream(parameters):
         return [] if config is None else [ZmqEventsObserver(ZmqEventPublisher(config))]
     except ValueError as error:
         raise pb_utils.TritonModelException(str(error)) from None
+
+
+def _kv_connector(engine, parameters):
+    """A listening KV connector for disaggregated prefill/decode (``kv_transfer_listen``), or None."""
+    listen = kv_transfer_listen(parameters)
+    if listen is None:
+        return None
+    from pagoda.engine.kv_transfer.tcp import TcpKVConnector
+
+    connector = TcpKVConnector(engine, listen=listen)
+    logger.info("KV connector listening on %s", connector.address)
+    return connector
 
 
 def _fleet_publisher(engine):

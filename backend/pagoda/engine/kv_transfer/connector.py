@@ -26,7 +26,7 @@ same members. This module is pure Python.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Protocol, Sequence
+from typing import Callable, Optional, Protocol, Sequence
 
 from pagoda.contracts.block_hash import BlockHash
 
@@ -68,6 +68,9 @@ class KVConnector(Protocol):
     @property
     def address(self) -> Optional[str]:
         """Where peers send to (``host:port``), or None for a send-only connector."""
+
+    def set_wake(self, wake: Callable[[], None]) -> None:
+        """Call ``wake()`` from the connector's threads whenever ``poll()`` has work."""
 
     def close(self) -> None:
         """Stop and join every thread; unpin what is still held. Idempotent."""

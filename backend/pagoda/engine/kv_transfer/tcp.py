@@ -58,11 +58,24 @@ class TcpKVConnector:
         self.sender = TcpSender(self.block_pool, self.block_io.read_block, chunk_bytes, ttl_s, clock)
         self.receiver: Optional[TcpReceiver] = None
         self._pulls: "queue.SimpleQueue[tuple[socket.socket, dict]]" = queue.SimpleQueue()
+        self._wake: Callable[[], None] = lambda: None
         if listen is not None:
             host, port = parse_peer(listen) if not listen.endswith(":0") else (listen[:-2], 0)
             self.receiver = TcpReceiver(self.block_pool, self.block_io.write_block, self.model_id,
                                         self.block_size, self.block_io.layout, host, port, max_inflight_bytes,
-                                        chunk_bytes, ttl_s, on_pull=lambda conn, obj: self._pulls.put((conn, obj)))
+                                        chunk_bytes, ttl_s, on_pull=self._queue_pull)
+
+    def set_wake(self, wake: Callable[[], None]) -> None:
+        """``wake()`` is called from the connector's threads whenever ``poll()`` has work (a
+        pull to answer, a transfer to commit, a result): a serving loop that idles on a queue
+        passes its own wake-up, so a transfer never waits for the loop's idle timeout."""
+        self._wake = wake
+        if self.receiver is not None:
+            self.receiver.wake = wake
+
+    def _queue_pull(self, conn: socket.socket, obj: dict) -> None:
+        self._pulls.put((conn, obj))
+        self._wake()
 
     @property
     def address(self) -> Optional[str]:

@@ -75,6 +75,7 @@ class TcpReceiver:
         self.chunk_bytes = chunk_bytes
         self.ttl_s = ttl_s
         self.on_pull = on_pull
+        self.wake: Callable[[], None] = lambda: None  # the engine thread has work: a commit, a result
         self.max_connections = max_connections
         self.num_inflight_bytes = 0
         self._lock = threading.Lock()
@@ -252,6 +253,7 @@ class TcpReceiver:
 
     def _await_commit(self, conn: socket.socket, t: IncomingTransfer) -> None:
         self._ready.put(t)
+        self.wake()
         t.committed.wait(self.ttl_s)
         with t.lock:
             if not t.committed.is_set():
@@ -270,6 +272,7 @@ class TcpReceiver:
         with self._lock:
             self._results.append(TransferResult(transfer_id, "receive", num_blocks, num_bytes,
                                                 time.monotonic() - started, error))
+        self.wake()
 
 
 def _try_send_json(conn: Optional[socket.socket], kind: FrameType, obj: dict) -> None:

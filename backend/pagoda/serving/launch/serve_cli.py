@@ -106,6 +106,9 @@ def make_parser() -> argparse.ArgumentParser:
                    help="publish KV-cache events on ZMQ in vLLM's format (llm-d, Dynamo), configured as vLLM's "
                         "--kv-events-config, e.g. '{\"enable_kv_cache_events\": true, \"endpoint\": "
                         "\"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\"}' (docs/fleet.md)")
+    p.add_argument("--kv-transfer-listen", metavar="HOST:PORT",
+                   help="serve disaggregated prefill/decode: a KV connector listening here (port 0: any) pulls "
+                        "and answers pulls of KV blocks named by vLLM's kv_transfer_params (docs/kv_transfer.md)")
     p.add_argument("--default-max-tokens", type=int,
                    help="cap for requests that do not set max_tokens (default: the model repository's, 1024)")
     p.add_argument("--grace-period", type=float, default=30.0, metavar="SECONDS",
@@ -147,6 +150,15 @@ def engine_args_from(args: argparse.Namespace) -> dict[str, str]:
         except ValueError as error:
             raise SystemExit(f"pagoda serve: {error}") from None
         values["kv_events_config"] = args.kv_events_config
+    if args.kv_transfer_listen:
+        from pagoda.engine.kv_transfer.connector import parse_peer
+
+        listen = args.kv_transfer_listen
+        try:
+            parse_peer(listen if not listen.endswith(":0") else listen[:-2] + ":1")
+        except ValueError as error:
+            raise SystemExit(f"pagoda serve: --kv-transfer-listen: {error}") from None
+        values["kv_transfer_listen"] = listen
     if args.no_vllm_metrics:
         values["REPORT_CUSTOM_METRICS"] = "false"
     if args.output_dialect:
