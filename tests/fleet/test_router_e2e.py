@@ -86,6 +86,7 @@ def otlp_receiver():
 def _start_replica(replica_id, redis_url, otlp_endpoint, log_path):
     # r0 loads LoRA adapters at run time (pagoda serve --allow-runtime-lora); r1 refuses to.
     lora = {"enable_lora": "true", "allow_runtime_lora": "true"} if replica_id == "r0" else {}
+    lora["kv_transfer_listen"] = "127.0.0.1:0"  # disaggregated serving (test_disaggregated_...)
     options = ServeOptions(http_port=find_free_port(), grpc_port=find_free_port(), metrics_port=find_free_port(),
                            max_model_len=1024, max_num_seqs=8, startup_timeout_s=600,
                            redis_url=redis_url, replica_id=replica_id, fleet_model=MODEL_NAME, engine_args=lora)
@@ -147,13 +148,13 @@ def _memory_tracer():
     return RouterTracer(exporter, batch=False), exporter
 
 
-def _make_router(replicas, redis_server, smollm2_path, **overrides):
+def _make_router(servers, redis_server, smollm2_path, **overrides):
     from pagoda.fleet.service import BackgroundRouter, RouterOptions
 
     tracer, exporter = _memory_tracer()
     if overrides.pop("membership", "static") == "registry":
         overrides["replicas"] = None
-    settings = dict(model_dir=smollm2_path, model_name=MODEL_NAME, replicas=_replicas_spec(replicas),
+    settings = dict(model_dir=smollm2_path, model_name=MODEL_NAME, replicas=_replicas_spec(servers),
                     redis_url=redis_server.url, host="127.0.0.1", http_port=0, grpc_port=0,
                     health_interval_s=0.5, registry_interval_s=0.2)
     options = RouterOptions(**{**settings, **overrides})
@@ -484,6 +485,28 @@ def test_router_http_door_takes_tensorrt_llm_bodies_for_the_fronts(router, repli
     for url in (replica_url, router.http_url):
         status, answer = _post_json(f"http://{url}/v2/models/ensemble/generate", {**body, "min_lenght": 6})
         assert status == 400 and "min_lenght" in answer["error"], (url, answer)
+
+
+def test_disaggregated_prefill_then_decode_through_the_router(replicas, redis_server, smollm2_path):
+    """Roles r0 = prefill, r1 = decode: each request runs its first stage on r0 (one token,
+    the KV handle back) and its second on r1, which pulls the prompt's blocks from r0 and
+    streams the answer. The answer equals r0's alone; r1, which never saw the prompt,
+    reports the pulled blocks as cached prompt tokens; on the OpenAI and gRPC doors."""
+    openai = pytest.importorskip("openai")
+    roles = {"r0": "prefill", "r1": "decode"}
+    spec = ";".join(f"{entry},role={roles[rid]}" for rid, entry in zip(replicas, _replicas_spec(replicas).split(";")))
+    prompt = "Two stages: the prefill replica computes this prompt and the decode replica pulls its KV cache. " * 4
+    reference, errors = grpc_generate(replicas["r0"].grpc_url, [prompt], max_tokens=8)
+    assert not errors
+    with _make_router(replicas, redis_server, smollm2_path, replicas=spec) as router:
+        client = openai.OpenAI(base_url=f"http://{router.http_url}/v1", api_key="unused", max_retries=0)
+        completion = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=8, temperature=0)
+        assert completion.choices[0].text == reference["0"]
+        cached = completion.usage.prompt_tokens_details.cached_tokens
+        assert cached >= 16 and cached % 16 == 0 and cached >= completion.usage.prompt_tokens - 16
+        texts, errors = grpc_generate(router.grpc_url, [prompt], max_tokens=8)
+        assert not errors and texts == reference
+        assert router.run(lambda: router.service.upstream.num_two_stage) == 2
 
 
 def test_openai_sdk(router):

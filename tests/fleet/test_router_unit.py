@@ -30,6 +30,22 @@ def test_parse_replicas_spec():
             parse_replicas_spec(bad)
 
 
+def test_replica_roles_from_the_spec_and_from_heartbeats():
+    """Disaggregated serving: role=prefill|decode|mixed in --replicas, or the heartbeat's role field."""
+    [(rid, endpoints)] = parse_replicas_spec("id=p,grpc=h:1,http=h:2,role=prefill")
+    assert endpoints["role"] == "prefill"
+    with pytest.raises(ValueError, match="role must be one of"):
+        parse_replicas_spec("grpc=h:1,http=h:2,role=both")
+    replicas = ReplicaSet("static")
+    replicas.set_members([("p", endpoints), ("m", {"grpc": "h:3", "http": "h:4"})])
+    assert {r.replica_id: r.role for r in replicas.all()} == {"p": "prefill", "m": "mixed"}
+    assert "role" not in replicas.get("p").endpoints
+    beat = dict(endpoints={"grpc": "h:3"}, waiting=0, running=0, kv_usage=0.0, draining=False, ts=1.0,
+                extra={"role": "decode"})
+    replicas.apply_heartbeats([SimpleNamespace(replica_id="m", **beat), SimpleNamespace(replica_id="p", **beat)])
+    assert replicas.get("m").role == "decode" and replicas.get("p").role == "prefill"  # the spec wins
+
+
 def test_replica_set_accounting_and_ids_from_registry():
     replicas = ReplicaSet("static")
     replicas.set_members([("h:1", {"grpc": "h:1", "http": "h:2"}), ("b", {"grpc": "h:3", "http": "h:4"})])

@@ -17,7 +17,8 @@ functions below; ``pagoda_operator.fleet_keys`` re-exports them.
                                                        and +Inf, comma-separated), ts (unix s),
                                                        endpoints (JSON {"grpc": "h:p", ...}),
                                                        hash_model_id (seeds block hashes),
-                                                       epoch, num_dropped_events
+                                                       epoch, num_dropped_events, role
+                                                       (prefill | decode | mixed)
     pagoda:{model}:drain:{replica_id}           STRING present = draining: routers send it no
                                                        new requests (value: when it was set)
     pagoda:{model}:replica:{replica_id}:blocks  SET    block hashes (hex) the replica holds

@@ -214,7 +214,7 @@ class RouterService:
         from pagoda.fleet.api.upstream import GrpcUpstream
 
         o = self.options
-        upstream = GrpcUpstream(self.router, self.gate, o.max_attempts)
+        upstream = self.upstream = GrpcUpstream(self.router, self.gate, o.max_attempts)
         grpc_door = GrpcProxy(self.router, self.tracer, self.gate, upstream)
         openai_door = OpenAIApi(self.router, self.tracer, self.gate, self.lora_admin, upstream, self.model_name)
         app = make_app(self.router, self.tracer, self.gate, self.lora_admin, openai_door)

@@ -38,3 +38,26 @@ def read_string_input(request: Any, name: str) -> Optional[str]:
         except UnicodeDecodeError:
             return None
     return None
+
+
+def drop_inputs(request: Any, names: tuple[str, ...]) -> None:
+    """Remove the named inputs from a ``ModelInferRequest`` (and their raw contents, if it uses them)."""
+    uses_raw = len(request.raw_input_contents) == len(request.inputs) and len(request.inputs) > 0
+    for index in reversed(range(len(request.inputs))):
+        if request.inputs[index].name in names:
+            del request.inputs[index]
+            if uses_raw:
+                del request.raw_input_contents[index]
+
+
+def output_text(response: Any, name: str) -> Optional[str]:
+    """The first element of a BYTES output of a ``ModelInferResponse`` (``None`` if absent)."""
+    for index, tensor in enumerate(response.outputs):
+        if tensor.name != name:
+            continue
+        if index < len(response.raw_output_contents):
+            elements = bytes_elements(response.raw_output_contents[index])
+        else:
+            elements = list(tensor.contents.bytes_contents)
+        return elements[0].decode("utf-8", errors="replace") if elements else None
+    return None

@@ -12,6 +12,17 @@ Overload: a replica whose first response is an overload refusal
 the request goes to a replica not yet tried; the refusal reaches the caller only when no
 replica is left.
 
+Disaggregated serving (docs/kv_transfer.md): when the routable replicas include a
+``prefill`` and a ``decode`` role, a request runs in two stages: a copy with
+``max_tokens: 1`` and ``kv_transfer_params: {"do_remote_decode": true}`` on a prefill
+replica (chosen among prefill replicas by the same policy: prefix affinity, load), whose
+final response carries the KV handle; then the request itself, with that handle as its
+``kv_transfer_params``, on a decode or mixed replica, which pulls the prompt's blocks and
+streams the answer, the one stream the client sees. A failed first stage (no prefill
+replica, an error, no handle) is logged and the request runs whole on the decode side:
+the same answer, later. A request that already carries ``kv_transfer_params`` (a client
+driving the stages itself) is routed as is.
+
 Faults: a replica that refuses the connection before answering is marked unhealthy and
 the request goes to another replica (``max_attempts`` in all). A replica that breaks a
 stream after it began (it died) cannot be retried transparently (tokens were already
@@ -22,14 +33,21 @@ requests avoid it until the health prober sees it ready again.
 from __future__ import annotations
 
 import itertools
+import json
+import logging
 from typing import Any, AsyncIterator, Optional
 
 import grpc
+from tritonclient.grpc import service_pb2
 
 from pagoda.contracts.errors import is_overloaded
 from pagoda.fleet.api.tracing import TRACEPARENT, RouteSpan
 from pagoda.fleet.gate.gate import Gate
-from pagoda.fleet.routing.router import Analysis, Router
+from pagoda.fleet.gate.limits import sampling_of_infer_request, set_sampling_value
+from pagoda.fleet.routing.router import Analysis, NoReplicaAvailable, Router
+from pagoda.fleet.triton_wire import drop_inputs, output_text
+
+logger = logging.getLogger(__name__)
 
 # gRPC codes that mean "this replica is not there" (connection refused / reset / closed).
 DEAD_CODES = (grpc.StatusCode.UNAVAILABLE,)
@@ -58,16 +76,64 @@ class GrpcUpstream:
         self.router = router
         self.gate = gate
         self.max_attempts = max_attempts
+        self.num_two_stage = 0  # requests served prefill -> decode (disaggregated)
 
     async def stream(self, analysis: Optional[Analysis], request: Any, span: RouteSpan) -> AsyncIterator[Any]:
         """Route ``request`` and yield the replica's ``ModelStreamInferResponse`` messages.
+
+        With prefill and decode replicas in the fleet, in two stages (module docstring).
 
         Raises:
             NoReplicaAvailable: no replica could be chosen.
             ReplicaFailed: the chosen replica failed (after any retries that were safe).
         """
+        skip = []
+        if self._is_disaggregated(request):
+            skip = [r.replica_id for r in self.router.replicas.all() if r.role == "prefill"]
+            handle = await self._prefill(analysis, request, span)
+            if handle is not None:
+                set_sampling_value(request, "kv_transfer_params", handle)
+                self.num_two_stage += 1
+        async for response in self._stream_on(analysis, request, span, skip):
+            yield response
+
+    def _is_disaggregated(self, request: Any) -> bool:
+        roles = {r.role for r in self.router.replicas.routable()}
+        return "prefill" in roles and "decode" in roles and \
+            "kv_transfer_params" not in sampling_of_infer_request(request)
+
+    async def _prefill(self, analysis: Optional[Analysis], request: Any, span: RouteSpan) -> Optional[dict]:
+        """The first stage on a prefill replica: the prompt computed, one token, the KV handle
+        back. None (the request then runs whole on a decode replica) when it fails."""
+        first = service_pb2.ModelInferRequest()
+        first.CopyFrom(request)
+        del first.outputs[:]  # every output: the handle too
+        for key, value in (("max_tokens", 1), ("min_tokens", 0), ("kv_transfer_params", {"do_remote_decode": True})):
+            set_sampling_value(first, key, value)
+        drop_inputs(first, ("max_tokens", "min_tokens", "min_length"))  # the JSON values above rule
+        skip = [r.replica_id for r in self.router.replicas.all() if r.role != "prefill"]
+        responses = self._stream_on(analysis, first, span, skip)
+        try:
+            async for response in responses:
+                if response.error_message:
+                    logger.warning("prefill stage refused: %s", response.error_message)
+                    return None
+                text = output_text(response.infer_response, "kv_transfer_params")
+                if text:
+                    return json.loads(text)
+        except (NoReplicaAvailable, ReplicaFailed) as exc:
+            logger.warning("prefill stage failed (%s); the decode replica computes the prompt", exc)
+            return None
+        finally:
+            await responses.aclose()  # the stage's replica is released now, not at collection
+        logger.warning("prefill stage gave no KV handle; the decode replica computes the prompt")
+        return None
+
+    async def _stream_on(self, analysis: Optional[Analysis], request: Any, span: RouteSpan,
+                         skip: list[str]) -> AsyncIterator[Any]:
+        """One stage: a replica not in ``skip`` chosen, retried on refusal or overload."""
         router, gate = self.router, self.gate
-        tried: list[str] = []
+        tried: list[str] = list(skip)
         num_dead = 0
         for attempt in itertools.count(1):
             decision = await gate.choose(router, analysis, tried, attempt)

@@ -91,6 +91,8 @@ class Publisher(DaemonThread):
         self.model_id = model_id
         self.replica_id = replica_id
         self.endpoints = dict(endpoints)
+        # Disaggregated serving: prefill | decode | mixed (pagoda serve --role; PAGODA_ROLE).
+        self.role = os.environ.get("PAGODA_ROLE", "mixed") or "mixed"
         self.heartbeat_interval_s = heartbeat_interval_s
         self.ttl_s = ttl_s
         self.clock = clock
@@ -262,6 +264,7 @@ class Publisher(DaemonThread):
             "hash_model_id": self.hash_model_id,
             "epoch": self.epoch,
             "num_dropped_events": str(self.num_dropped_events),
+            "role": self.role,
         }
 
     def _queue_heartbeat(self, pipe, stats: Any, now: float) -> None:

@@ -38,6 +38,9 @@ from typing import Any, Iterable, Optional
 logger = logging.getLogger(__name__)
 
 ENDPOINT_KEYS = ("grpc", "http", "metrics")
+# Disaggregated serving (docs/kv_transfer.md): a prefill replica takes only the first stage of
+# a request, a decode replica the second; mixed (the default) takes whole requests.
+ROLES = ("mixed", "prefill", "decode")
 DEFAULT_PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}
 
 
@@ -62,13 +65,17 @@ def parse_replicas_spec(spec: str) -> list[tuple[Optional[str], dict[str, str]]]
                 raise ValueError(f"--replicas: expected key=value, got {pair.strip()!r} in {raw!r}")
             if key == "id":
                 replica_id = value
+            elif key == "role":
+                if value not in ROLES:
+                    raise ValueError(f"--replicas: role must be one of {', '.join(ROLES)}, got {value!r}")
+                endpoints["role"] = value
             elif key in ENDPOINT_KEYS:
                 host, colon, port = value.rpartition(":")
                 if not colon or not host or not port.isdigit():
                     raise ValueError(f"--replicas: {key} must be host:port, got {value!r}")
                 endpoints[key] = value
             else:
-                raise ValueError(f"--replicas: unknown key {key!r} (known: id, grpc, http, metrics)")
+                raise ValueError(f"--replicas: unknown key {key!r} (known: id, grpc, http, metrics, role)")
         missing = [k for k in ("grpc", "http") if k not in endpoints]
         if missing:
             raise ValueError(f"--replicas: entry {raw!r} lacks {' and '.join(missing)}")
@@ -97,6 +104,8 @@ class Replica:
     id_from_registry: bool = False
     lora_synced: bool = False  # its LoRA adapters were synced (lora_admin.sync) since it became ready
     missing_since: Optional[float] = None  # registry mode: when the registry stopped listing it (else None)
+    role: str = "mixed"  # ROLES: from --replicas' role= (which wins), else the replica's heartbeat
+    role_from_spec: bool = False
     _grpc_stub: Any = field(default=None, repr=False)
     _grpc_channel: Any = field(default=None, repr=False)
     _probe_stub: Any = field(default=None, repr=False)
@@ -189,13 +198,15 @@ class ReplicaSet:
         for replica_id in list(self._replicas):
             if replica_id not in wanted:
                 self._retire(self._replicas.pop(replica_id))
-        for replica_id, endpoints in wanted.items():
+        for replica_id, given in wanted.items():
+            endpoints = {k: v for k, v in given.items() if k != "role"}
             replica = self._replicas.get(replica_id)
-            if replica is None:
-                self._replicas[replica_id] = Replica(replica_id, dict(endpoints))
-            elif replica.endpoints != endpoints:
-                self._retire(self._replicas.pop(replica_id))
-                self._replicas[replica_id] = Replica(replica_id, dict(endpoints))
+            if replica is None or replica.endpoints != endpoints:
+                if replica is not None:
+                    self._retire(self._replicas.pop(replica_id))
+                replica = self._replicas[replica_id] = Replica(replica_id, endpoints)
+            if "role" in given:
+                replica.role, replica.role_from_spec = given["role"], True
 
     def _retire(self, replica: Replica) -> None:
         if replica.in_flight > 0:
@@ -229,6 +240,9 @@ class ReplicaSet:
             replica.waiting, replica.running = int(info.waiting), int(info.running)
             replica.kv_usage, replica.draining = float(info.kv_usage), bool(info.draining)
             replica.heartbeat_ts = float(info.ts)
+            role = (getattr(info, "extra", None) or {}).get("role")
+            if role in ROLES and not replica.role_from_spec:
+                replica.role = role
 
     def _apply_registry(self, infos: list[Any], now: float) -> None:
         """Redis restarted empty, or was flushed, forgets every heartbeat at once although

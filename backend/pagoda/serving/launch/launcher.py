@@ -101,6 +101,7 @@ class ServeOptions:
     fleet_model: Optional[str] = None  # key namespace (default: the model folder's name)
     advertise_host: Optional[str] = None  # how routers reach this replica (default 127.0.0.1)
     trtllm_decoupled: dict[str, bool] = field(default_factory=dict)  # TensorRT-LLM front -> decoupled
+    role: Optional[str] = None  # disaggregated serving: prefill | decode | mixed, in the heartbeat
 
     def fleet_env(self) -> dict[str, str]:
         """Environment for ``pagoda.fleet.index.publisher.publisher_from_env`` in the model."""
@@ -109,7 +110,7 @@ class ServeOptions:
         env = {"PAGODA_REDIS_URL": self.redis_url, "PAGODA_HTTP_PORT": str(self.http_port),
                "PAGODA_GRPC_PORT": str(self.grpc_port), "PAGODA_METRICS_PORT": str(self.metrics_port)}
         for name, value in (("PAGODA_REPLICA_ID", self.replica_id), ("PAGODA_MODEL_NAME", self.fleet_model),
-                            ("PAGODA_ADVERTISE_HOST", self.advertise_host)):
+                            ("PAGODA_ADVERTISE_HOST", self.advertise_host), ("PAGODA_ROLE", self.role)):
             if value:
                 env[name] = value
         return env

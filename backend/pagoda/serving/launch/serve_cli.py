@@ -109,6 +109,10 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-transfer-listen", metavar="HOST:PORT",
                    help="serve disaggregated prefill/decode: a KV connector listening here (port 0: any) pulls "
                         "and answers pulls of KV blocks named by vLLM's kv_transfer_params (docs/kv_transfer.md)")
+    p.add_argument("--role", choices=("mixed", "prefill", "decode"),
+                   help="with --redis-url: this replica's role in disaggregated serving, in its heartbeat: routers "
+                        "send a prefill replica only first stages and a decode replica only second stages "
+                        "(needs --kv-transfer-listen; default mixed)")
     p.add_argument("--default-max-tokens", type=int,
                    help="cap for requests that do not set max_tokens (default: the model repository's, 1024)")
     p.add_argument("--grace-period", type=float, default=30.0, metavar="SECONDS",
@@ -190,7 +194,8 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
         device=args.device, dtype=args.dtype, quantization=args.quantization, engine_args=engine_args_from(args),
         model_repository=args.model_repository,
         log_verbose=args.log_verbose, redis_url=args.redis_url, replica_id=args.replica_id,
-        fleet_model=args.fleet_model, advertise_host=args.advertise_host, grace_period_s=args.grace_period,
+        fleet_model=args.fleet_model, advertise_host=args.advertise_host, role=args.role,
+        grace_period_s=args.grace_period,
         check_first_request=not args.skip_first_request_check,
         trtllm_decoupled=({} if args.trtllm_decoupled is None else
                           dict.fromkeys(FRONT_MODELS, args.trtllm_decoupled == "true")))
