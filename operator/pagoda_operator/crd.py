@@ -189,6 +189,18 @@ SPEC_SCHEMA: dict[str, Any] = _obj(
             description="Targets of the built-in autoscaler.",
             default={},
         ),
+        "disaggregation": _obj(
+            {
+                "prefillReplicas": _int("Pods of the prefill pool (fixed; the autoscaler sizes the decode "
+                                        "pool within spec.replicas).", minimum=1, maximum=100, default=1),
+                "kvTransferPort": _int("Port of each pod's KV connector (`pagoda serve --kv-transfer-listen`); "
+                                       "decode pods pull prompts' KV blocks from prefill pods on it.",
+                                       minimum=1024, maximum=65535, default=5600),
+            },
+            description="Disaggregated prefill and decode (mode Deployment): a prefill pool and a decode pool "
+                        "(`pagoda serve --role`); the router runs each request's prefill on the first and its "
+                        "decode on the second, which pulls the prompt's KV (docs/kv_transfer.md).",
+        ),
         "kvEvents": _obj(
             {
                 "endpoint": _str(

@@ -33,6 +33,19 @@ def replicas_name(svc: LLMService) -> str:
     return f"{svc.name}-replicas"
 
 
+POOL_LABEL = "pagoda.dev/pool"  # disaggregated serving: prefill | decode (spec.disaggregation)
+
+
+def pool_name(svc: LLMService, pool: str) -> str:
+    """The Deployment of a disaggregated pool (``prefill`` or ``decode``)."""
+    return f"{svc.name}-{pool}"
+
+
+def scaled_deployment_name(svc: LLMService) -> str:
+    """The Deployment the autoscaler sizes: the replicas, or the decode pool when disaggregated."""
+    return pool_name(svc, "decode") if svc.spec.disaggregation else replicas_name(svc)
+
+
 def router_name(svc: LLMService) -> str:
     return f"{svc.name}-router"
 

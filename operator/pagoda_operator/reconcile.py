@@ -50,8 +50,12 @@ def render_children(svc: LLMService, replicas: int) -> list[dict[str, Any]]:
         return [render_inference_service(svc), *router]
     if svc.spec.mode == "KServeLLM":
         return [render_llm_inference_service(svc), *([] if svc.spec.kserve_scheduler == "llm-d" else router)]
-    return [render_replica_deployment(svc, replicas), render_replica_service(svc),
-            render_replica_network_policy(svc), render_replica_pdb(svc), *router]
+    if svc.spec.disaggregation is not None:
+        pools = [render_replica_deployment(svc, replicas, "decode"),
+                 render_replica_deployment(svc, svc.spec.disaggregation.prefill_replicas, "prefill")]
+    else:
+        pools = [render_replica_deployment(svc, replicas)]
+    return [*pools, render_replica_service(svc), render_replica_network_policy(svc), render_replica_pdb(svc), *router]
 
 
 def stale_children(svc: LLMService) -> list[tuple[str, str, str]]:
@@ -69,7 +73,11 @@ def stale_children(svc: LLMService) -> list[tuple[str, str, str]]:
                   ("apps/v1", "Deployment", naming.router_name(svc)),
                   ("v1", "Service", naming.router_service_name(svc))]
         return deployment + isvc + router
-    return {"KServe": deployment + llmisvc, "KServeLLM": deployment + isvc}.get(svc.spec.mode, isvc + llmisvc)
+    pools = [("apps/v1", "Deployment", naming.pool_name(svc, pool)) for pool in ("prefill", "decode")]
+    if svc.spec.mode == "Deployment":  # one shape of replica Deployments is stale
+        mixed = [("apps/v1", "Deployment", naming.replicas_name(svc))]
+        return isvc + llmisvc + (mixed if svc.spec.disaggregation is not None else pools)
+    return {"KServe": deployment + llmisvc + pools, "KServeLLM": deployment + isvc + pools}[svc.spec.mode]
 
 
 async def reconcile(kube: KubeClient, svc: LLMService) -> ReconcileResult:
@@ -77,11 +85,13 @@ async def reconcile(kube: KubeClient, svc: LLMService) -> ReconcileResult:
     actions: dict[str, str] = {}
     live = None
     if svc.spec.mode == "Deployment":
-        live = await kube.get("apps/v1", "Deployment", svc.namespace, naming.replicas_name(svc))
+        live = await kube.get("apps/v1", "Deployment", svc.namespace, naming.scaled_deployment_name(svc))
     replicas = clamp_replicas(svc, (live or {}).get("spec", {}).get("replicas"))
     for child in render_children(svc, replicas):
         actions[f"{child['kind']}/{child['metadata']['name']}"] = await kube.apply(child)
     for api_version, kind, name in stale_children(svc):
+        if kind == "Deployment" and await kube.get(api_version, kind, svc.namespace, name) is None:
+            continue  # the usual case: read, not a DELETE on every reconcile (a restart writes nothing)
         try:
             if await kube.delete(api_version, kind, svc.namespace, name):
                 actions[f"{kind}/{name}"] = "deleted"

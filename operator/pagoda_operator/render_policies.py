@@ -34,6 +34,9 @@ def render_replica_network_policy(svc: LLMService) -> dict[str, Any]:
                  "ports": [{"protocol": "TCP", "port": naming.HTTP_PORT},
                            {"protocol": "TCP", "port": naming.GRPC_PORT}]},
                 {"ports": [{"protocol": "TCP", "port": naming.METRICS_PORT}]},
+                *([{"from": [{"podSelector": {"matchLabels": naming.selector(svc, COMPONENT)}}],
+                    "ports": [{"protocol": "TCP", "port": svc.spec.disaggregation.kv_transfer_port}]}]
+                  if svc.spec.disaggregation is not None else []),  # decode pods pull from prefill pods
             ],
         },
     }

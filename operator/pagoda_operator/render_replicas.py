@@ -20,7 +20,13 @@ Each replica pod runs `pagoda serve` (tritonserver over our model repository) wi
 - the Redis CA certificate when Redis is reached over TLS (render_redis.py);
 - with `spec.kvEvents`, `--kv-events-config` (vLLM's JSON: the endpoint, llm-d's topic
   `kv@<pod-ip>:<openai port>@<model>` unless given, the replay endpoint) and a container
-  port for each endpoint that binds in the pod (tcp://*:PORT).
+  port for each endpoint that binds in the pod (tcp://*:PORT);
+- with `spec.disaggregation`, two Deployments, `<name>-prefill` (fixed size) and
+  `<name>-decode` (autoscaled) instead of `<name>-replicas`: pods labelled
+  `pagoda.dev/pool` (the router's role for them), `--role` and `--kv-transfer-listen
+  0.0.0.0:<kvTransferPort>`, `PAGODA_ADVERTISE_HOST` the pod IP (the KV handle's host).
+  Both pools keep the component label, so the Service, NetworkPolicy, PDB and the router's
+  discovery cover them.
 """
 
 from __future__ import annotations
@@ -104,8 +110,8 @@ def replica_env(svc: LLMService) -> list[dict[str, Any]]:
     ]
 
 
-def render_replica_container(svc: LLMService) -> dict[str, Any]:
-    """The tritonserver container of one replica."""
+def render_replica_container(svc: LLMService, pool: str | None = None) -> dict[str, Any]:
+    """The tritonserver container of one replica (``pool``: its disaggregated pool's role)."""
     _, mounts = model_volume(svc)
     _, ca_mounts = redis_ca_volume(svc)
     _, writable_mounts = render_security.writable_volumes()
@@ -143,7 +149,17 @@ def render_replica_container(svc: LLMService) -> dict[str, Any]:
     if svc.spec.resources:
         container["resources"] = dict(svc.spec.resources)
     _kv_events(container, svc)
+    if pool is not None:
+        _disaggregated(container, svc, pool)
     return container
+
+
+def _disaggregated(container: dict[str, Any], svc: LLMService, pool: str) -> None:
+    """A pool's role and KV connector (reachable at the pod IP, which the KV handle names)."""
+    port = svc.spec.disaggregation.kv_transfer_port
+    container["args"] += ["--role", pool, "--kv-transfer-listen", f"0.0.0.0:{port}"]
+    container["env"].append({"name": "PAGODA_ADVERTISE_HOST", "value": "$(PAGODA_POD_IP)"})
+    container["ports"].append({"name": "kv-transfer", "containerPort": port, "protocol": "TCP"})
 
 
 def kv_events_args(svc: LLMService) -> list[str]:
@@ -171,12 +187,14 @@ def _kv_events(container: dict[str, Any], svc: LLMService) -> None:
             container["ports"].append({"name": name, "containerPort": int(port), "protocol": "TCP"})
 
 
-def render_replica_deployment(svc: LLMService, replicas: int) -> dict[str, Any]:
-    """The replica Deployment.
+def render_replica_deployment(svc: LLMService, replicas: int, pool: str | None = None) -> dict[str, Any]:
+    """The replica Deployment, or one pool's with ``spec.disaggregation``.
 
     Args:
         svc: the parsed LLMService.
         replicas: pod count (the autoscaler's decision, already within [min, max]).
+        pool: ``prefill`` or ``decode`` (disaggregated): the Deployment ``<name>-<pool>``, its
+            selector and pods labelled ``pagoda.dev/pool`` (the router reads the role from it).
     Returns:
         An apps/v1 Deployment.
     """
@@ -184,13 +202,16 @@ def render_replica_deployment(svc: LLMService, replicas: int) -> dict[str, Any]:
     ca_volumes, _ = redis_ca_volume(svc)
     writable, _ = render_security.writable_volumes()
     pod_labels = naming.labels(svc, COMPONENT) | {"pagoda.dev/model": svc.spec.model.name} | naming.LLM_D_LABELS
+    selector = naming.selector(svc, COMPONENT)
+    if pool is not None:
+        pod_labels[naming.POOL_LABEL] = selector[naming.POOL_LABEL] = pool
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": naming.metadata(svc, naming.replicas_name(svc), COMPONENT),
+        "metadata": naming.metadata(svc, naming.pool_name(svc, pool) if pool else naming.replicas_name(svc), COMPONENT),
         "spec": {
             "replicas": replicas,
-            "selector": {"matchLabels": naming.selector(svc, COMPONENT)},
+            "selector": {"matchLabels": selector},
             "strategy": {"type": "RollingUpdate",
                          "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
             "template": {
@@ -202,7 +223,7 @@ def render_replica_deployment(svc: LLMService, replicas: int) -> dict[str, Any]:
                 },
                 "spec": {
                     "securityContext": render_security.pod_security_context(),
-                    "containers": [render_replica_container(svc)],
+                    "containers": [render_replica_container(svc, pool)],
                     "volumes": [*volumes, *ca_volumes, *writable,
                                 {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}}],
                     "terminationGracePeriodSeconds": svc.spec.termination_grace_period_seconds,

@@ -39,14 +39,16 @@ def _observed(fleet: FleetLoad, source: str, now: float) -> dict[str, Any]:
 
 
 async def _live_pods(kube: KubeClient, svc: LLMService) -> dict[str, str | None]:
-    pods = await kube.list("v1", "Pod", svc.namespace,
-                           naming.selector_string(naming.selector(svc, "replica")))
+    selector = naming.selector(svc, "replica")
+    if svc.spec.disaggregation is not None:  # the decode pool's load sizes the decode pool
+        selector[naming.POOL_LABEL] = "decode"
+    pods = await kube.list("v1", "Pod", svc.namespace, naming.selector_string(selector))
     return {p["metadata"]["name"]: (p.get("status") or {}).get("podIP")
             for p in pods if not p["metadata"].get("deletionTimestamp")}
 
 
 async def _scale(kube: KubeClient, svc: LLMService, replicas: int) -> None:
-    await kube.patch("apps/v1", "Deployment", svc.namespace, naming.replicas_name(svc),
+    await kube.patch("apps/v1", "Deployment", svc.namespace, naming.scaled_deployment_name(svc),
                      {"spec": {"replicas": replicas}})
 
 
@@ -60,7 +62,7 @@ async def autoscale_tick(*, kube: KubeClient, fleet: FleetStore, policy: Autosca
     """Run one tick. Returns the status patch and events; raises KubeError on API errors."""
     result = TickResult()
     deployment = await kube.get("apps/v1", "Deployment", svc.namespace,
-                                naming.replicas_name(svc))
+                                naming.scaled_deployment_name(svc))
     if deployment is None:
         return result  # not reconciled yet
     current = int(deployment["spec"].get("replicas", 0))

@@ -89,6 +89,14 @@ class RedisSpec:
 
 
 @dataclass(frozen=True)
+class DisaggregationSpec:
+    """`spec.disaggregation`: a fixed prefill pool beside the (autoscaled) decode pool."""
+
+    prefill_replicas: int = 1
+    kv_transfer_port: int = 5600
+
+
+@dataclass(frozen=True)
 class KVEventsSpec:
     """`spec.kvEvents`: vLLM-format KV events from the replicas (`--kv-events-config`)."""
 
@@ -115,6 +123,7 @@ class LLMServiceSpec:
     kserve_gateway: dict[str, str] = field(default_factory=dict)  # mode KServeLLM: {name[, namespace]}
     kserve_scheduler: str = "pagoda"  # mode KServeLLM: "pagoda" (our router) or "llm-d" (KServe's EPP)
     kv_events: KVEventsSpec | None = None
+    disaggregation: DisaggregationSpec | None = None
 
 
 @dataclass(frozen=True)
@@ -224,6 +233,10 @@ def _check_cross_fields(spec: dict[str, Any]) -> None:
     if url.password and "passwordSecretRef" in spec["redis"]:
         raise SpecError("spec.redis.passwordSecretRef",
                         "set either a password in spec.redis.url or a passwordSecretRef, not both")
+    if "disaggregation" in spec and spec["mode"] != "Deployment":
+        raise SpecError("spec.disaggregation", f"needs mode Deployment (the operator's own pools), got {spec['mode']}")
+    if "disaggregation" in spec and spec["disaggregation"]["kvTransferPort"] in (8000, 8001, 8002, 9000):
+        raise SpecError("spec.disaggregation.kvTransferPort", "is one of the replica's own ports (8000-8002, 9000)")
     if "kvEvents" in spec and spec["mode"] == "KServeLLM" and spec["kserve"].get("scheduler") == "llm-d":
         raise SpecError("spec.kvEvents", "the llm-d scheduler configures the replicas' KV events itself "
                                          "(its endpoint picker's ZMQ port); remove spec.kvEvents")
@@ -294,6 +307,9 @@ def parse_spec(raw_spec: dict[str, Any]) -> LLMServiceSpec:
         kserve_gateway=dict(spec["kserve"].get("gateway") or {}),
         kserve_scheduler=spec["kserve"].get("scheduler", "pagoda"),
         kv_events=_kv_events(spec.get("kvEvents")),
+        disaggregation=(DisaggregationSpec(spec["disaggregation"]["prefillReplicas"],
+                                           spec["disaggregation"]["kvTransferPort"])
+                        if "disaggregation" in spec else None),
     )
 
 

@@ -157,3 +157,43 @@ def test_bad_kv_events_are_refused_naming_the_field(kv_events, mode_spec, field)
     with pytest.raises(SpecError) as info:
         make_svc(mode, kvEvents=kv_events, **mode_spec)
     assert info.value.field == field, str(info.value)
+
+
+def test_disaggregation_renders_a_prefill_and_a_decode_pool_the_router_tells_apart():
+    """spec.disaggregation: `<name>-prefill` (fixed) and `<name>-decode` (autoscaled) replace
+    `<name>-replicas`; their arguments are accepted by `pagoda serve` (role, KV connector on
+    the pod IP); the router reads each pod's role from its pool label; decode pods may reach
+    prefill pods' KV port; the mixed Deployment becomes stale."""
+    from pagoda.fleet.routing.replicas import pod_to_member
+    from pagoda_operator.reconcile import stale_children
+
+    svc = make_svc(disaggregation={"prefillReplicas": 2}, replicas={"min": 1, "max": 4})
+    children = render_children(svc, 3)
+    deployments = {o["metadata"]["name"]: o for o in children if o["kind"] == "Deployment"}
+    assert {"chat-prefill", "chat-decode"} <= set(deployments) and "chat-replicas" not in deployments
+    assert deployments["chat-prefill"]["spec"]["replicas"] == 2 and deployments["chat-decode"]["spec"]["replicas"] == 3
+    assert naming.scaled_deployment_name(svc) == "chat-decode"
+    for pool in ("prefill", "decode"):
+        spec = deployments[f"chat-{pool}"]["spec"]
+        assert spec["selector"]["matchLabels"][naming.POOL_LABEL] == pool
+        labels = spec["template"]["metadata"]["labels"]
+        assert labels[naming.POOL_LABEL] == pool and labels["app.kubernetes.io/component"] == "replica"
+        container = spec["template"]["spec"]["containers"][0]
+        options = options_from_args(make_parser().parse_args(container["args"]))
+        assert options.role == pool and options.engine_args["kv_transfer_listen"] == "0.0.0.0:5600"
+        assert {"name": "PAGODA_ADVERTISE_HOST", "value": "$(PAGODA_POD_IP)"} in container["env"]
+        pod = {"metadata": {"name": f"{pool}-0", "labels": labels},
+               "status": {"podIP": "10.0.0.9", "conditions": [{"type": "Ready", "status": "True"}]},
+               "spec": {"containers": [container]}}
+        assert pod_to_member(pod)[1]["role"] == pool
+    [policy] = [o for o in children if o["kind"] == "NetworkPolicy" and o["metadata"]["name"] == "chat-replicas"]
+    assert any(rule.get("ports") == [{"protocol": "TCP", "port": 5600}] for rule in policy["spec"]["ingress"])
+    assert ("apps/v1", "Deployment", "chat-replicas") in stale_children(svc)
+    assert ("apps/v1", "Deployment", "chat-prefill") in stale_children(make_svc())
+    for bad, field in [({"mode": "KServe", "disaggregation": {}}, "spec.disaggregation"),
+                       ({"disaggregation": {"kvTransferPort": 8001}}, "spec.disaggregation.kvTransferPort"),
+                       ({"disaggregation": {"prefillReplicas": 0}}, "spec.disaggregation.prefillReplicas")]:
+        mode = bad.pop("mode", "Deployment")
+        with pytest.raises(SpecError) as info:
+            make_svc(mode, **bad)
+        assert info.value.field == field, str(info.value)

@@ -41,6 +41,7 @@ ENDPOINT_KEYS = ("grpc", "http", "metrics")
 # Disaggregated serving (docs/kv_transfer.md): a prefill replica takes only the first stage of
 # a request, a decode replica the second; mixed (the default) takes whole requests.
 ROLES = ("mixed", "prefill", "decode")
+POOL_LABEL = "pagoda.dev/pool"  # pods of an operator's prefill or decode pool (pagoda_operator.naming)
 DEFAULT_PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}
 
 
@@ -369,7 +370,11 @@ def pod_to_member(pod: dict[str, Any]) -> Optional[tuple[str, dict[str, str]]]:
                 ports[port["name"]] = int(port["containerPort"])
     ip = status["podIP"]
     host = f"[{ip}]" if ":" in ip else ip
-    return metadata["name"], {key: f"{host}:{value}" for key, value in ports.items()}
+    member = {key: f"{host}:{value}" for key, value in ports.items()}
+    role = (metadata.get("labels") or {}).get(POOL_LABEL)  # the operator's disaggregated pools
+    if role in ROLES:
+        member["role"] = role
+    return metadata["name"], member
 
 
 class KubernetesDiscovery:
