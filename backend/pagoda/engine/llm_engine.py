@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Iterable, Optional, Union
 from pagoda.engine.core.admission import Admission, EngineOverloaded, check_timeout, deadline_message, overload_message
 from pagoda.engine.config import EngineConfig
 from pagoda.engine.core.engine_core import EngineCore
+from pagoda.engine.core.parallel_sampling import child_request_ids
 from pagoda.engine.guided.backend import XGrammarBackend
 from pagoda.engine.output_processor import OutputProcessor
 from pagoda.engine.runner.executor import make_executor
@@ -146,7 +147,8 @@ class LLMEngine:
         # waits for its grammar in the core.
         self.core.add_requests(children, request.params.guided_decoding, request.request_id)
         self.output_processor.add_request(request.request_id, text, token_ids, request.params,
-                                          [child.request_id for child in children], request.arrival_time)
+                                          child_request_ids(request.request_id, request.params.n),
+                                          request.arrival_time)
         self._fail_requests({self.output_processor.group_of(v.request_id) for v in verdict.victims},
                             lambda child0: overload_message(
             "displaced from the waiting queue by a more urgent request", self.admission.retry_after_s))
@@ -172,6 +174,9 @@ class LLMEngine:
 
     def _check_request(self, request: EngineRequest) -> None:
         """The envelope's own fields (the prompt is checked as it is tokenized). Raises ValueError."""
+        if request.params.use_beam_search and self.speculator is not None:
+            raise ValueError("use_beam_search: this server runs speculative decoding, which beam search does not "
+                             "support; serve without speculative_method for beam search")
         if request.params.speculative and self.speculator is None:
             raise ValueError("speculative: this server has no speculative decoding configured "
                              "(EngineConfig.speculative_method is None)")
