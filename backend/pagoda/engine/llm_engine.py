@@ -72,6 +72,7 @@ class LLMEngine:
         self.core = EngineCore(self.config, self.model_config, self.model_id, eos_ids, self.executor,
                                has_adapter=lambda name: name in self.list_loras())
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.core.beams.find_stop_string = self._find_stop_string  # beams end at stop strings too
         self.admission = Admission(self.config.max_waiting_requests, self.config.max_waiting_prompt_tokens,
                                    max_queue_delay_s=self.config.max_queue_delay_s, slots=self.config.max_num_seqs)
         for lora_name, lora_path in self.config.lora_modules.items():
@@ -171,6 +172,12 @@ class LLMEngine:
         API, tests and benches); ``params=None``: ``SamplingParams()``. Raises as ``add``."""
         self.add(EngineRequest(request_id, prompt, params or SamplingParams(), arrival_time=arrival_time,
                                priority=priority, cache_salt=cache_salt, lora_name=lora_name, timeout=timeout))
+
+    def _find_stop_string(self, params: SamplingParams, output_token_ids: list[int]) -> Optional[str]:
+        """The stop string a beam's output text holds (the earliest), or None (``core.beam_search``)."""
+        text = self.tokenizer.decode(output_token_ids, skip_special_tokens=params.skip_special_tokens)
+        found = [(text.find(stop), stop) for stop in params.stop if stop in text]
+        return min(found)[1] if found else None
 
     def _check_request(self, request: EngineRequest) -> None:
         """The envelope's own fields (the prompt is checked as it is tokenized). Raises ValueError."""

@@ -7,7 +7,9 @@ old ``BeamSearchScorer``), step by step, for a group of width ``k``:
    log-probabilities; the candidates ``s_b + logprob`` of all beams are ranked and the best
    ``2k`` kept (the global top ``2k`` of ``k x vocab`` lies inside each beam's own top ``2k``);
 2. a candidate *ends* when its token is a stop token (EOS unless ``ignore_eos``, or
-   ``stop_token_ids``) or its length reaches ``max_tokens``; among the best ``k``
+   ``stop_token_ids``), its text holds a stop string (``find_stop_string``, given by the
+   engine, which has the tokenizer; as HF's ``StopStringCriteria``) or its length reaches
+   ``max_tokens``; among the best ``k``
    candidates, ending ones join the finished hypotheses with score
    ``s / length ** length_penalty`` (length counts the stop token), the best ``k`` kept,
    unless the group is full under ``early_stopping=True`` or can no longer improve;
@@ -41,12 +43,15 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 from pagoda.engine.core.parallel_sampling import child_request_ids
 from pagoda.engine.request import Request, RequestStatus
 from pagoda.engine.sampling.row import SamplingRow, TokenLogprobs
 from pagoda.engine.sampling_params import SamplingParams
+
+# (params, a beam's output token ids) -> the stop string its text holds, or None.
+StopStringFinder = Callable[[SamplingParams, list[int]], Optional[str]]
 
 
 @dataclass
@@ -57,10 +62,11 @@ class Hypothesis:
     cumulative_logprob: float
     score: float  # cumulative_logprob / len(token_ids) ** length_penalty
     stop_token: Optional[int] = None  # the stop token (EOS or stop_token_ids) it ended on
+    stop_string: Optional[str] = None  # the stop string its text holds
 
     @property
     def finish_reason(self) -> str:
-        return "stop" if self.stop_token is not None else "length"
+        return "stop" if self.stop_token is not None or self.stop_string is not None else "length"
 
 
 @dataclass
@@ -69,13 +75,14 @@ class _Candidate:
     parent: Request
     token_id: int
     ends: bool = False
+    stop_string: Optional[str] = None
 
 
 class BeamGroup:
     """The beams of one user request and its finished hypotheses (see the module docstring)."""
 
     def __init__(self, request_id: str, params: SamplingParams, stop_token_ids: frozenset[int],
-                 first: Request) -> None:
+                 first: Request, find_stop_string: Optional[StopStringFinder] = None) -> None:
         self.request_id = request_id
         self.params = params
         self.width = params.num_beams
@@ -87,6 +94,7 @@ class BeamGroup:
         self.finished: list[Hypothesis] = []
         self.improvable = True
         self.num_forks = 0
+        self.find_stop_string = find_stop_string if params.stop else None
         first.beam_group = self
 
     @property
@@ -103,7 +111,9 @@ class BeamGroup:
         candidates = candidates[:2 * k]
         length = self.members[0].num_output_tokens + 1
         for c in candidates:
-            c.ends = c.token_id in self.stop_token_ids or length >= max_tokens
+            if self.find_stop_string is not None:
+                c.stop_string = self.find_stop_string(self.params, c.parent.output_token_ids + [c.token_id])
+            c.ends = c.token_id in self.stop_token_ids or c.stop_string is not None or length >= max_tokens
         self._add_finished(candidates[:k], length)
         running = [c for c in candidates if not c.ends][:k]
         self._update_improvable(running, length, max_tokens)
@@ -117,7 +127,8 @@ class BeamGroup:
             if c.ends:
                 stop = c.token_id if c.token_id in self.stop_token_ids else None
                 self.finished.append(Hypothesis(c.parent.output_token_ids + [c.token_id], c.cumulative_logprob,
-                                                c.cumulative_logprob / length ** self.params.length_penalty, stop))
+                                                c.cumulative_logprob / length ** self.params.length_penalty, stop,
+                                                c.stop_string))
         self.finished.sort(key=lambda h: -h.score)
         del self.finished[self.width:]
 
@@ -150,6 +161,7 @@ class BeamSearch:
     def __init__(self, scheduler) -> None:
         self.scheduler = scheduler
         self._groups: dict[str, BeamGroup] = {}  # each output id -> its group
+        self.find_stop_string: Optional[StopStringFinder] = None  # the engine's (it has the tokenizer)
 
     def make_first_beam(self, request: Request, user_request_id: str, eos_token_ids: frozenset[int]) -> Request:
         """Make ``request`` (user request ``user_request_id``'s only scheduler request) its group's first beam."""
@@ -159,7 +171,7 @@ class BeamSearch:
                                   logprobs=2 * params.num_beams)
         request.sampling_state = SamplingRow(params=row_params, prompt_token_ids=request.prompt_token_ids,
                                              output_token_ids=request.output_token_ids)
-        BeamGroup(user_request_id, params, stop_ids, request)
+        BeamGroup(user_request_id, params, stop_ids, request, self.find_stop_string)
         return request
 
     def check(self, first: Request) -> None:

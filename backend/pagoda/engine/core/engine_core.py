@@ -414,7 +414,8 @@ def _adapter_gone_message(adapter_id: Optional[str]) -> str:
 def _beam_outputs(group: BeamGroup, best: list[Hypothesis]) -> list[EngineCoreOutput]:
     """A done beam group's only outputs: its best beams under the user's output ids, best first."""
     return [EngineCoreOutput(output_id, list(h.token_ids), finish_reason=h.finish_reason,
-                             stop_reason=h.stop_token if h.stop_token in group.params.stop_token_ids else None,
+                             stop_reason=h.stop_string or (h.stop_token if h.stop_token in group.params.stop_token_ids
+                                                           else None),
                              cumulative_logprob=h.cumulative_logprob, beam_score=h.score)
             for output_id, h in zip(group.output_ids, best)]
 
