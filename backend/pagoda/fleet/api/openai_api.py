@@ -16,7 +16,9 @@ context ends), ``temperature``, ``top_p``, ``n``, ``stop`` (string or list), ``s
 alternatives; chat: ``logprobs`` + ``top_logprobs``); vLLM's extras pass through:
 ``top_k``, ``min_p``, ``min_tokens``, ``repetition_penalty``, ``ignore_eos``,
 ``stop_token_ids``, ``skip_special_tokens``, ``include_stop_str_in_output``, plus
-``cache_salt`` and ``priority``. Completions' ``prompt`` may be a string, a list of token
+``cache_salt`` and ``priority``; beam search as vLLM's extras: ``use_beam_search`` (with
+``best_of`` the beam width, ``n`` best beams returned; ``temperature`` 0 unless given),
+``length_penalty``, ``early_stopping``. Completions' ``prompt`` may be a string, a list of token
 ids, or a list of either (lm-eval's ``tokenized_requests``): one replica request per prompt,
 routed on its own (token ids travel as the ``input_ids`` input), run concurrently,
 choices numbered ``prompt index * n + i`` as vLLM numbers them, usage summed; streamed, the
@@ -29,7 +31,8 @@ output: ``response_format`` (``json_object``, ``json_schema``) and vLLM's ``guid
 ``guided_regex``, ``guided_choice``, ``guided_grammar`` (``pagoda.fleet.api.openai_guided``).
 
 Refused with a 400 ``invalid_request_error`` (never silently ignored): more than
-``openai_io.MAX_PROMPTS`` prompts, ``prompt_embeds``, ``best_of`` other than ``n``, ``suffix``, a non-empty
+``openai_io.MAX_PROMPTS`` prompts, ``prompt_embeds``, ``best_of`` other than ``n`` without beam search,
+``suffix``, a non-empty
 ``logit_bias``, the legacy ``functions``/``function_call``, more than one output format, and
 malformed values. Tools (``tools``, ``tool_choice``, ``parallel_tool_calls``) are
 ``pagoda.fleet.api.openai_tools``'s: forced calls through the grammar engine, parsed answers

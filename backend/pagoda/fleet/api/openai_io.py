@@ -44,6 +44,10 @@ _COMMON_FIELDS: dict[str, tuple[str, tuple]] = {
     "cache_salt": ("cache_salt", (str,)),
     "priority": ("priority", (int,)),
     "timeout": ("timeout", _NUMBER),  # seconds; pagoda.engine.core.admission deadlines
+    # beam search, as vLLM's extra parameters (best_of is the beam width then)
+    "use_beam_search": ("use_beam_search", (bool,)),
+    "length_penalty": ("length_penalty", _NUMBER),
+    "early_stopping": ("early_stopping", (bool, str)),
 }
 # Chat roles the chat templates know; "developer" (OpenAI's newer name) is a system message.
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
@@ -124,8 +128,13 @@ def _common(body: dict, max_tokens_default: Optional[int],
     if n < 1:
         raise OpenAIError(f"n: must be at least 1, got {n}", "n")
     best_of = body.get("best_of")
-    if best_of is not None and best_of != n:
-        raise OpenAIError("best_of: only best_of == n is supported", "best_of")
+    if sampling.get("use_beam_search"):  # vLLM: beam search is greedy unless a temperature is given
+        sampling.setdefault("temperature", 0.0)
+        if best_of is not None:
+            sampling["best_of"] = _check_type(body, "best_of", (int,))
+    elif best_of is not None and best_of != n:
+        raise OpenAIError("best_of: only best_of == n is supported (or the beam width, with use_beam_search)",
+                          "best_of")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise OpenAIError("stream: must be a boolean", "stream")
