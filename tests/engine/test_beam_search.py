@@ -200,18 +200,25 @@ def test_no_leaks_after_abort_preemption_and_stop_strings(tiny_path, monkeypatch
     roomy = LLMEngine(EngineConfig(model=tiny_path))
     prompt = roomy.tokenizer.encode(prompt_words)
     reference = _run(roomy, {"a": (prompt, _beam(4)), "b": (prompt[:5], _beam(2))})
-    # Preemption: a cache that holds each group's worst case (14 and 7 of 14 blocks) but not
-    # both groups and an earlier plain request; the latest group is the victim, all its beams.
+    # Preemption: a group is admitted only when its worst case is free (14 of 14 blocks for
+    # "a", 7 for "b"), so its own forks never preempt it; a more urgent request (priority
+    # policy) that needs the blocks preempts the whole group, which recomputes later.
     tight = LLMEngine(EngineConfig(model=tiny_path, block_size=8, num_gpu_blocks_override=15,
-                                   max_num_batched_tokens=32))
+                                   scheduling_policy="priority"))
     scheduler, preempted = tight.core.scheduler, []
     preempt_one = scheduler._preempt_one
     monkeypatch.setattr(scheduler, "_preempt_one", lambda r, step: preempted.append(r.request_id) or
                         preempt_one(r, step))
-    plain = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
-    done = _run(tight, {"c": (prompt, plain), "a": (prompt, _beam(4)), "b": (prompt[:5], _beam(2))})
-    beams_preempted = {i for i in preempted if i.startswith("b")}
-    assert len(beams_preempted) == 2, f"the whole group (2 beams) is preempted together, got {preempted}"
+    tight.add_request("b", prompt[:5], _beam(2), priority=1)
+    tight.add_request("a", prompt, _beam(4), priority=1)
+    for _ in range(3):
+        tight.step()
+    long_prompt = (prompt * 8)[:96]  # 12 blocks: more than the groups leave free
+    done = _run(tight, {"c": (long_prompt, SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True))})
+    while tight.has_unfinished_requests():
+        for out in tight.step():
+            done[out.request_id] = out
+    assert {i for i in preempted if i.startswith("b")} == {"b#0", "b@beam1"}, f"got {preempted}"
     for name in ("a", "b"):
         assert [c.token_ids for c in done[name].outputs] == [c.token_ids for c in reference[name].outputs]
     _assert_no_leak(tight)
@@ -229,6 +236,25 @@ def test_no_leaks_after_abort_preemption_and_stop_strings(tiny_path, monkeypatch
     out = _run(roomy, {"s": (prompt, _beam(4, stop=[stop]))})["s"]
     assert any(c.finish_reason == "stop" and c.stop_reason == stop and stop not in c.text for c in out.outputs)
     _assert_no_leak(roomy)
+
+
+def test_a_group_is_admitted_only_with_its_worst_case_free(tiny_path):
+    """BeamGroupReserve: a group (worst case 7 of 14 blocks here) waits while a plain request
+    holds 8, then runs; the plain request never waits for it."""
+    from pagoda.engine.request import RequestStatus
+
+    engine = LLMEngine(EngineConfig(model=tiny_path, block_size=8, num_gpu_blocks_override=15))
+    engine.add_request("p", list(range(10, 74)), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    engine.add_request("b", list(range(10, 15)), _beam(2))
+    engine.step()
+    scheduler = engine.core.scheduler
+    assert scheduler.get_request("p").status == RequestStatus.RUNNING
+    assert scheduler.get_request("b#0").status == RequestStatus.WAITING
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({out.request_id: out for out in engine.step() if out.finished})
+    assert len(done["b"].outputs) == 2 and engine.get_stats().num_preemptions == 0
+    _assert_no_leak(engine)
 
 
 def test_refused_beam_requests(tiny_path):

@@ -36,7 +36,9 @@ output ids (``child_request_ids``), nothing before: beams reorder, so nothing st
 
 The group is one admission unit: only its first beam is queued; ``check`` refuses a group
 whose worst case (prompt blocks, plus ``k`` beams of ``max_tokens`` and a partial block
-each) exceeds the cache, and preempting any beam preempts the group's running beams.
+each) exceeds the cache; while none of its beams runs, it is admitted only when that many
+blocks are free (``core.constraints.BeamGroupReserve``); preempting any beam preempts the
+group's running beams.
 """
 
 from __future__ import annotations
@@ -94,6 +96,7 @@ class BeamGroup:
         self.finished: list[Hypothesis] = []
         self.improvable = True
         self.num_forks = 0
+        self.worst_case_blocks = 0  # set by BeamSearch.check (core.constraints.BeamGroupReserve reads it)
         self.find_stop_string = find_stop_string if params.stop else None
         first.beam_group = self
 
@@ -180,6 +183,7 @@ class BeamSearch:
         max_tokens = scheduler.check_request(first)
         block_size = scheduler.config.block_size
         worst = -(-first.num_prompt_tokens // block_size) + first.beam_group.width * (-(-max_tokens // block_size) + 1)
+        first.beam_group.worst_case_blocks = worst
         if worst > scheduler.block_pool.num_usable_blocks:
             raise ValueError(f"beam_width: {first.beam_group.width} beams of max_tokens {max_tokens} may need {worst} "
                              f"KV blocks, more than the cache's {scheduler.block_pool.num_usable_blocks}; "
@@ -259,18 +263,13 @@ class BeamSearch:
                                                    output_token_ids=child.output_token_ids)
         child.beam_group = group
         child.metrics.first_scheduled_time = parent.metrics.first_scheduled_time
-        if parent.status != RequestStatus.RUNNING:  # preempted: it waits, and recomputes, like its parent
-            scheduler.add_request(child)
-            return child, c
-        config = scheduler.config
-        if config.enable_prefix_caching:
-            child.init_block_hashes(config.block_size, config.model_id)
-        child.max_tokens, child.insertion_index = parent.max_tokens, parent.insertion_index
-        child.num_computed_tokens = scheduler.kv_cache_manager.fork(parent, child, parent.num_computed_tokens)
-        child.num_cached_tokens = parent.num_cached_tokens
-        child.status = RequestStatus.RUNNING
-        scheduler.requests[child.request_id] = child
-        scheduler.running.append(child)
+        scheduler.add_request(child)  # its own insertion index and block hashes; waits like a preempted request
+        if parent.status == RequestStatus.RUNNING:  # runs at once, on its parent's KV
+            scheduler.waiting.remove(child)
+            child.num_computed_tokens = scheduler.kv_cache_manager.fork(parent, child, parent.num_computed_tokens)
+            child.num_cached_tokens = parent.num_cached_tokens
+            child.status = RequestStatus.RUNNING
+            scheduler.running.append(child)
         return child, c
 
     def _forget(self, group: BeamGroup) -> None:

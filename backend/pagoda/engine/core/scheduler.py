@@ -130,7 +130,8 @@ class Scheduler:
         self._num_steps = 0
         self._unapplied: dict[int, SchedulerOutput] = {}  # step id -> a step whose results are not applied
         self.runner_view = RunnerView()  # what the runner holds: the step plan is a delta
-        self.constraints = make_constraints(config.max_loras, config.min_shared_prefix_to_wait)
+        self.constraints = make_constraints(config.max_loras, config.min_shared_prefix_to_wait,
+                                            lambda: self.block_pool.num_free_blocks, config.block_size)
         self.admitter = WaitingAdmitter(self.waiting, self.running, self.kv_cache_manager, self.host_tier,
                                         self.policy, self.constraints, self._preempt, config.max_num_seqs,
                                         config.block_size)
