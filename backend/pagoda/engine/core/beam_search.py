@@ -97,6 +97,8 @@ class BeamGroup:
         self.improvable = True
         self.num_forks = 0
         self.worst_case_blocks = 0  # set by BeamSearch.check (core.constraints.BeamGroupReserve reads it)
+        self.first_scheduled_time: Optional[float] = None  # the first beam's, for the final outputs
+        self.num_cached_tokens = 0  # the first beam's prefix-cache hit
         self.find_stop_string = find_stop_string if params.stop else None
         first.beam_group = self
 
@@ -210,6 +212,8 @@ class BeamSearch:
     def advance(self, logprobs_by_id: dict[str, list]) -> list[tuple[BeamGroup, list[Hypothesis]]]:
         """Record one applied step's beam log-probabilities; step every group whose beams all
         reported. Returns the groups that are done, with their ``n`` best hypotheses."""
+        if not self._groups:
+            return []  # no beam search running: nothing to look at
         ready: dict[int, BeamGroup] = {}
         for request_id, entries in logprobs_by_id.items():
             request = self.scheduler.get_request(request_id)
@@ -228,6 +232,9 @@ class BeamSearch:
     def _step(self, group: BeamGroup) -> Optional[list[Hypothesis]]:
         running, done = group.choose(group.members[0].max_tokens)
         group.pending.clear()
+        if group.first_scheduled_time is None:
+            group.first_scheduled_time = group.members[0].metrics.first_scheduled_time
+            group.num_cached_tokens = max(group.members[0].num_cached_tokens, 0)
         if done:
             results = group.results(running)
             self.scheduler.finish_requests([m.request_id for m in group.members], RequestStatus.FINISHED_ABORTED)

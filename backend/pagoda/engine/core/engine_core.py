@@ -416,7 +416,9 @@ def _beam_outputs(group: BeamGroup, best: list[Hypothesis]) -> list[EngineCoreOu
     return [EngineCoreOutput(output_id, list(h.token_ids), finish_reason=h.finish_reason,
                              stop_reason=h.stop_string or (h.stop_token if h.stop_token in group.params.stop_token_ids
                                                            else None),
-                             cumulative_logprob=h.cumulative_logprob, beam_score=h.score)
+                             cumulative_logprob=h.cumulative_logprob, beam_score=h.score,
+                             first_scheduled_time=group.first_scheduled_time,
+                             num_cached_tokens=group.num_cached_tokens)
             for output_id, h in zip(group.output_ids, best)]
 
 
