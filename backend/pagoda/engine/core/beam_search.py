@@ -36,7 +36,8 @@ output ids (``child_request_ids``), nothing before: beams reorder, so nothing st
 
 The group is one admission unit: only its first beam is queued; ``check`` refuses a group
 whose worst case (prompt blocks, plus ``k`` beams of ``max_tokens`` and a partial block
-each) exceeds the cache; while none of its beams runs, it is admitted only when that many
+each; ``k`` whole sequences without prefix caching, where a preempted group cannot share
+its prompt again) exceeds the cache; while none of its beams runs, it is admitted only when that many
 blocks are free (``core.constraints.BeamGroupReserve``); preempting any beam preempts the
 group's running beams.
 """
@@ -184,7 +185,11 @@ class BeamSearch:
         scheduler = self.scheduler
         max_tokens = scheduler.check_request(first)
         block_size = scheduler.config.block_size
-        worst = -(-first.num_prompt_tokens // block_size) + first.beam_group.width * (-(-max_tokens // block_size) + 1)
+        width = first.beam_group.width
+        if scheduler.config.enable_prefix_caching:  # beams share the prompt, even after a preemption
+            worst = -(-first.num_prompt_tokens // block_size) + width * (-(-max_tokens // block_size) + 1)
+        else:  # a preempted group recomputes every beam's prompt into blocks of its own
+            worst = width * -(-(first.num_prompt_tokens + max_tokens) // block_size)
         first.beam_group.worst_case_blocks = worst
         if worst > scheduler.block_pool.num_usable_blocks:
             raise ValueError(f"beam_width: {first.beam_group.width} beams of max_tokens {max_tokens} may need {worst} "
