@@ -238,6 +238,33 @@ def test_no_leaks_after_abort_preemption_and_stop_strings(tiny_path, monkeypatch
     _assert_no_leak(roomy)
 
 
+def test_stop_strings_end_beams_as_hf_stop_strings_do(tiny_path):
+    """A beam whose text holds a stop string ends there (a finished hypothesis), as with HF's
+    ``generate(stop_strings=...)``: same beams (HF pads the shorter ones), same scores."""
+    import transformers
+
+    model, hf_tok = _hf(tiny_path), transformers.AutoTokenizer.from_pretrained(tiny_path)
+    engine = LLMEngine(EngineConfig(model=tiny_path))
+    prompt = engine.tokenizer.encode("Once upon a time, in a land far away, there lived")
+    params = SamplingParams(use_beam_search=True, beam_width=4, n=4, temperature=0.0, max_tokens=MAX_NEW,
+                            ignore_eos=True)
+    texts = [c.text for c in _run(engine, {"free": (prompt, params)})["free"].outputs]
+    for stop in (texts[0][len(texts[0]) // 2:][:2], texts[1][3:6]):
+        out = _run(engine, {"s": (prompt, params.clone(stop=[stop]))})["s"]
+        with torch.no_grad():
+            hf = model.generate(torch.tensor([prompt]), num_beams=4, num_return_sequences=4, max_new_tokens=MAX_NEW,
+                                do_sample=False, eos_token_id=None, pad_token_id=0, stop_strings=[stop],
+                                tokenizer=hf_tok, output_scores=True, return_dict_in_generate=True)
+        expected = [s[len(prompt):].tolist() for s in hf.sequences]
+        assert any(c.finish_reason == "stop" and c.stop_reason == stop for c in out.outputs), stop
+        for c, tokens, score in zip(out.outputs, expected, hf.sequences_scores.tolist()):
+            padding = set(tokens[len(c.token_ids):])  # HF pads a shorter beam (with -1 here)
+            assert tokens[:len(c.token_ids)] == c.token_ids and padding <= {0, -1}, stop
+            bound = _score_bound(model, prompt, len(c.token_ids), 1.0, c.cumulative_logprob)
+            assert abs(c.beam_score - score) <= bound and stop not in c.text
+    _assert_no_leak(engine)
+
+
 def test_a_group_is_admitted_only_with_its_worst_case_free(tiny_path):
     """BeamGroupReserve: a group (worst case 7 of 14 blocks here) waits while a plain request
     holds 8, then runs; the plain request never waits for it."""
