@@ -51,6 +51,10 @@ def test_a_group_forks_prunes_and_finishes_on_shared_blocks():
     copy = manager.get_block_ids("r@beam1")[1]
     assert manager.get_block_ids("r@beam1") == [full, copy] and copy not in (full, partial)
     assert pool.blocks[full].ref_cnt == 2 and fork.num_computed_tokens == 6
+    # A report that lands after its group chose (a step still running under async scheduling)
+    # is stale: the beam's new token is not computed yet, so it counts for nothing.
+    stale = TokenLogprobs(10, -0.1, 1, [(10, -0.1), (11, -0.5)])
+    assert beams.advance({"r#0": [stale]}) == [] and first.beam_group.pending == {}
 
     # Step 2: both decode; the fork arrives as new with its whole table, its partial block copied
     # first; each beam's chosen token travels (the runner did not sample it).

@@ -195,7 +195,8 @@ def test_fork_without_a_free_block_recomputes_the_partial_block(tiny_path):
     assert engine.core.scheduler.num_free_blocks == 3
 
 
-def test_no_leaks_after_abort_preemption_and_stop_strings(tiny_path, monkeypatch):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_no_leaks_after_abort_preemption_and_stop_strings(tiny_path, monkeypatch, async_scheduling):
     prompt_words = "Once upon a time, in a land far away, there lived"
     roomy = LLMEngine(EngineConfig(model=tiny_path))
     prompt = roomy.tokenizer.encode(prompt_words)
@@ -204,7 +205,7 @@ def test_no_leaks_after_abort_preemption_and_stop_strings(tiny_path, monkeypatch
     # "a", 7 for "b"), so its own forks never preempt it; a more urgent request (priority
     # policy) that needs the blocks preempts the whole group, which recomputes later.
     tight = LLMEngine(EngineConfig(model=tiny_path, block_size=8, num_gpu_blocks_override=15,
-                                   scheduling_policy="priority"))
+                                   scheduling_policy="priority", async_scheduling=async_scheduling))
     scheduler, preempted = tight.core.scheduler, []
     preempt_one = scheduler._preempt_one
     monkeypatch.setattr(scheduler, "_preempt_one", lambda r, step: preempted.append(r.request_id) or

@@ -224,6 +224,8 @@ class BeamSearch:
             request = self.scheduler.get_request(request_id)
             if request is None or request.beam_group is None or not entries or entries[0] is None:
                 continue
+            if request.num_computed_tokens != request.num_tokens or request.num_output_placeholders:
+                continue  # stale (its group chose while it ran, async) or preempted since: it reports again
             request.beam_group.pending[request_id] = entries[0]
             ready[id(request.beam_group)] = request.beam_group
         done = []
@@ -275,9 +277,11 @@ class BeamSearch:
                                                    output_token_ids=child.output_token_ids)
         child.beam_group = group
         child.metrics.first_scheduled_time = parent.metrics.first_scheduled_time
-        scheduler.add_request(child)  # its own insertion index and block hashes; waits like a preempted request
-        if parent.status == RequestStatus.RUNNING:  # runs at once, on its parent's KV
-            scheduler.waiting.remove(child)
+        scheduler.add_request(child)  # its own insertion index and block hashes
+        scheduler.waiting.remove(child)
+        if parent.status != RequestStatus.RUNNING:  # its parent was preempted: it waits with it, at the front
+            scheduler.waiting.add_preempted(child)
+        else:  # runs at once, on its parent's KV
             child.num_computed_tokens = scheduler.kv_cache_manager.fork(parent, child, parent.num_computed_tokens)
             child.num_cached_tokens = parent.num_cached_tokens
             child.status = RequestStatus.RUNNING

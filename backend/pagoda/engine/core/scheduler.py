@@ -292,7 +292,7 @@ class Scheduler:
 
     def _swap_out(self, request: Request, step: StepPlan) -> bool:
         """Try to preempt ``request`` by swap; False: recompute instead."""
-        if request.request_id in step.admitted:
+        if request.request_id in step.admitted or request.beam_group is not None:  # beams recompute (beam_search)
             return False
         num_blocks = blocks_for_tokens(request.num_computed_tokens, self.config.block_size)
         if not self.host_tier.wants_swap(request.num_computed_tokens, num_blocks):
