@@ -302,3 +302,39 @@ def _assert_no_leak(engine):
     assert not scheduler.requests and engine.core.beams.num_groups == 0
     assert scheduler.num_free_blocks == scheduler.block_pool.num_usable_blocks
     assert all(b.ref_cnt == 0 for b in scheduler.block_pool.blocks)
+
+
+@pytest.mark.parametrize("seed", [20, 22])
+def test_random_mixes_under_pressure_equal_a_roomy_engine(tiny_path, seed):
+    """Beam groups mixed with plain requests in a tiny cache (preemption, chunked prefill,
+    copy or recompute forks, async scheduling or prefix caching as drawn) return the beams a
+    roomy engine returns for each group alone, and leave every block free."""
+    import random
+
+    rng = random.Random(seed)
+    config = dict(block_size=8, num_gpu_blocks_override=rng.choice([16, 20]), async_scheduling=rng.random() < 0.5,
+                  enable_prefix_caching=rng.random() < 0.7, max_num_batched_tokens=rng.choice([16, 64]),
+                  scheduling_policy=rng.choice(["fcfs", "priority"]))
+    tight, roomy = LLMEngine(EngineConfig(model=tiny_path, **config)), LLMEngine(EngineConfig(model=tiny_path))
+    requests = {}
+    for i in range(8):
+        prompt = [rng.randint(3, 4000) for _ in range(rng.randint(1, 50))]
+        if rng.random() < 0.5:
+            k = rng.choice([2, 3, 4])
+            params = SamplingParams(use_beam_search=True, beam_width=k, n=k, temperature=0.0,
+                                    max_tokens=rng.randint(2, 10))
+        else:
+            params = SamplingParams(temperature=0.0, max_tokens=rng.randint(5, 40), ignore_eos=True)
+        try:
+            tight.add_request(str(i), prompt, params, priority=rng.randint(0, 2))
+            requests[str(i)] = (prompt, params)
+        except ValueError:  # a group whose worst case exceeds the tiny cache
+            pass
+    done = _run(tight, {})
+    assert tight.get_stats().num_preemptions > 0, "the tiny cache should have forced preemption"
+    beams = {name: r for name, r in requests.items() if r[1].use_beam_search}
+    assert len(beams) >= 3
+    for name, (prompt, params) in beams.items():
+        alone = _run(roomy, {name: (prompt, params)})[name]
+        assert [c.token_ids for c in done[name].outputs] == [c.token_ids for c in alone.outputs], name
+    _assert_no_leak(tight)
