@@ -9,8 +9,8 @@ old ``BeamSearchScorer``), step by step, for a group of width ``k``:
 2. a candidate *ends* when its token is a stop token (EOS unless ``ignore_eos``, or
    ``stop_token_ids``), its text holds a stop string (``find_stop_string``, given by the
    engine, which has the tokenizer; as HF's ``StopStringCriteria``) or its length reaches
-   ``max_tokens``; among the best ``k``
-   candidates, ending ones join the finished hypotheses with score
+   ``max_tokens``; among the best ``k`` candidates, ending ones join the finished
+   hypotheses with score
    ``s / length ** length_penalty`` (length counts the stop token), the best ``k`` kept,
    unless the group is full under ``early_stopping=True`` or can no longer improve;
 3. the best ``k`` candidates that do not end are the next beams;
@@ -37,9 +37,12 @@ output ids (``child_request_ids``), nothing before: beams reorder, so nothing st
 The group is one admission unit: only its first beam is queued; ``check`` refuses a group
 whose worst case (prompt blocks, plus ``k`` beams of ``max_tokens`` and a partial block
 each; ``k`` whole sequences without prefix caching, where a preempted group cannot share
-its prompt again) exceeds the cache; while none of its beams runs, it is admitted only when that many
-blocks are free (``core.constraints.BeamGroupReserve``); preempting any beam preempts the
-group's running beams.
+its prompt again) exceeds the cache; while none of its beams runs, it is admitted only
+when that many blocks are free (``core.constraints.BeamGroupReserve``). Preempting any
+beam preempts the group's running beams, always by recompute (a swapped-out beam that
+already reported would come back with nothing to compute). A report counts only while the
+beam's tokens are all computed: one from a step that ran while its group chose (async
+scheduling) or from a beam preempted since is stale, and the beam reports again.
 """
 
 from __future__ import annotations
