@@ -40,7 +40,40 @@ BAD_VALUES = [
     *[("bad_words", v) for v in ("", ["ok", " "], [3], {"a": 1}, ["w"] * 65)],
     *[("truncate_prompt_tokens", v) for v in (0, -2, 1.5, "3", True)],
     *[("spaces_between_special_tokens", v) for v in (1, "true")],
+    *[("use_beam_search", v) for v in (1, "true", None)],
+    *[("best_of", v) for v in (0, 2, 1.5, "2", True)],  # 2: best_of > n without beam search
+    *[("beam_width", v) for v in (0, 2, 1.5, "2")],
+    *[("length_penalty", v) for v in (NAN, INF, 100.5, "1", True)],
+    *[("early_stopping", v) for v in ("always", 1.5, None, "true")],
 ]
+
+BEAM = dict(use_beam_search=True, temperature=0.0)
+# Beam search: (extra fields, the field the error names); each is refused with use_beam_search.
+BAD_BEAM = [
+    (dict(temperature=1.0), "temperature"), (dict(top_p=0.9), "top_p"), (dict(top_k=5), "top_k"),
+    (dict(min_p=0.1), "min_p"), (dict(repetition_penalty=1.2), "repetition_penalty"),
+    (dict(presence_penalty=0.5), "presence_penalty"), (dict(frequency_penalty=0.5), "frequency_penalty"),
+    (dict(min_tokens=2), "min_tokens"), (dict(logprobs=2), "logprobs"), (dict(prompt_logprobs=1), "prompt_logprobs"),
+    (dict(guided_decoding={"choice": ["a", "b"]}), "guided_decoding"), (dict(allowed_token_ids=[1]), "allowed_token_ids"),
+    (dict(logit_bias={1: 1.0}), "logit_bias"), (dict(bad_words=["x"]), "bad_words"), (dict(speculative=True), "speculative"),
+    (dict(beam_width=0), "beam_width"), (dict(beam_width=11), "beam_width"), (dict(best_of=64), "best_of"),
+    (dict(beam_width=2, best_of=4), "beam_width"), (dict(beam_width=2, n=3), "n"), (dict(n=12), "n"),
+]
+
+
+@pytest.mark.parametrize("extra,field", BAD_BEAM, ids=[f for _, f in BAD_BEAM])
+def test_beam_search_refuses_what_it_does_not_rank(extra, field):
+    with pytest.raises(ValueError) as err:
+        SamplingParams(**{**BEAM, **extra})
+    assert str(err.value).startswith(f"{field}:"), str(err.value)
+
+
+def test_beam_width_resolution():
+    assert SamplingParams(**BEAM, n=3).num_beams == 3  # vLLM's old API: best_of defaults to n
+    assert SamplingParams(**BEAM, best_of=4, n=2).num_beams == 4
+    assert SamplingParams(**BEAM, beam_width=8).num_beams == 8
+    assert SamplingParams.from_dict({**BEAM, "best_of": 4, "length_penalty": 0.5, "early_stopping": "never"}).num_beams == 4
+    assert SamplingParams(n=2).num_beams == 0 and SamplingParams(best_of=2, n=2).num_beams == 0
 
 
 def _case_id(case):
@@ -120,10 +153,10 @@ def test_normalizations():
 
 def test_from_dict_rejects_unknown_keys_naming_them():
     with pytest.raises(ValueError) as error:
-        SamplingParams.from_dict({"temperature": 0.5, "best_of": 2, "use_beam_search": True})
+        SamplingParams.from_dict({"temperature": 0.5, "beam_size": 2, "use_beam_serach": True})
     message = str(error.value)
-    assert "best_of" in message and "use_beam_search" in message
-    assert message.startswith("unknown sampling parameter(s): best_of, use_beam_search")
+    assert "beam_size" in message and "use_beam_serach" in message
+    assert message.startswith("unknown sampling parameter(s): beam_size, use_beam_serach")
 
 
 def test_from_dict_unknown_non_string_key():

@@ -7,7 +7,8 @@ no branch added to the admission loop. Runner outputs are faked, no torch.
 import pytest
 
 from pagoda.engine.config import SCHEDULING_POLICIES
-from pagoda.engine.core.constraints import AdmissionConstraint, Admit, LoRASlotLimit, SharedPrefixWait, make_constraints
+from pagoda.engine.core.constraints import (AdmissionConstraint, Admit, BeamGroupReserve, LoRASlotLimit,
+                                            SharedPrefixWait, make_constraints)
 from pagoda.engine.core.policy import POLICIES, FcfsPolicy, PriorityPolicy, get_policy
 from pagoda.engine.core.step_plan import StepPlan
 from pagoda.engine.kv.host_tier import KVOffloadManager, NoHostTier, make_host_tier
@@ -50,11 +51,13 @@ def test_no_host_tier_answers_nothing_swapped_nothing_cached_no_copies():
 
 
 def test_constraints_follow_the_config():
-    assert make_constraints(0, 0) == []
-    lora, shared = make_constraints(2, 128)
+    assert [type(c) for c in make_constraints(0, 0, lambda: 0, 16)] == [BeamGroupReserve]
+    lora, shared, beams = make_constraints(2, 128, lambda: 7, 16)
     assert isinstance(lora, LoRASlotLimit) and lora.max_loras == 2
     assert isinstance(shared, SharedPrefixWait) and shared.min_tokens == 128
-    assert [type(c) for c in make_scheduler(max_loras=0, min_shared_prefix_to_wait=0).constraints] == []
+    assert isinstance(beams, BeamGroupReserve) and beams.num_free_blocks() == 7
+    assert [type(c) for c in make_scheduler(max_loras=0, min_shared_prefix_to_wait=0).constraints] == \
+        [BeamGroupReserve]
 
 
 def test_lora_slot_limit_skips_and_drains():

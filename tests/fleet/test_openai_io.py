@@ -225,3 +225,18 @@ def test_typed_bodies_name_the_field_path_and_serve_what_the_engine_has():
         with pytest.raises(OpenAIError) as info:
             build_chat_request(body, Template())
         assert str(info.value).startswith(message) and info.value.param == param, (body, str(info.value))
+def test_beam_search_passes_as_vllms_extra_parameters():
+    built = build_completion_request({"prompt": "x", "use_beam_search": True, "best_of": 4, "n": 2,
+                                      "length_penalty": 0.5, "early_stopping": "never", "max_tokens": 8})
+    assert built.sampling["use_beam_search"] is True and built.sampling["best_of"] == 4
+    assert built.sampling["temperature"] == 0.0  # vLLM: beam search is greedy unless told otherwise
+    assert built.sampling["length_penalty"] == 0.5 and built.sampling["early_stopping"] == "never"
+    from pagoda.engine.sampling_params import SamplingParams
+    assert SamplingParams.from_dict(built.sampling).num_beams == 4  # what the replica will run
+    for body, param in (({"prompt": "x", "best_of": 3}, "best_of"),
+                        ({"prompt": "x", "use_beam_search": "yes"}, "use_beam_search"),
+                        ({"prompt": "x", "use_beam_search": True, "best_of": 2.5}, "best_of"),
+                        ({"prompt": "x", "use_beam_search": True, "early_stopping": 1}, "early_stopping")):
+        with pytest.raises(OpenAIError) as info:
+            build_completion_request(body)
+        assert info.value.param == param

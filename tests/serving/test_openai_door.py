@@ -83,6 +83,18 @@ def test_completion_equals_the_offline_engine(client, offline_text):
     assert response.usage.completion_tokens == 8 and response.usage.prompt_tokens == 5
 
 
+def test_beam_search_as_vllms_extra_parameter_equals_the_offline_engine(client, offline):
+    """``use_beam_search`` (vLLM's extra body parameter): the n best of ``best_of`` beams, best first."""
+    beams = offline.generate([PROMPT], SamplingParams(use_beam_search=True, best_of=4, n=2, temperature=0.0,
+                                                      max_tokens=8))[0].outputs
+    response = client.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT, max_tokens=8, n=2,
+                                         extra_body={"use_beam_search": True, "best_of": 4})
+    assert [c.text for c in sorted(response.choices, key=lambda c: c.index)] == [b.text for b in beams]
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT, max_tokens=4, temperature=0.7,
+                                  extra_body={"use_beam_search": True, "best_of": 2})
+
+
 def test_chat_streaming_with_usage_equals_the_unary_answer(client):
     messages = [{"role": "user", "content": "Name a color."}]
     whole = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, max_tokens=10,

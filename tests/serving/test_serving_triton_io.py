@@ -138,7 +138,11 @@ def test_logprob_flags_turn_on_engine_logprobs():
     ({"text_input": "Hi", "embedding_bias_words": np.array([b"a"], dtype=np.object_),
       "embedding_bias_weights": np.array([1.0], dtype=np.float32)},
      "embedding_bias_words: this model has no tokenizer"),
-    ({"text_input": "Hi", "beam_width": np.array([4], dtype=np.int32)}, "beam_width: beam search is not supported"),
+    ({"text_input": "Hi", "beam_width": np.array([11], dtype=np.int32)}, "beam_width: must be <= 10"),
+    ({"text_input": "Hi", "beam_width": np.array([4], dtype=np.int32), "temperature": np.array([0.7], np.float32)},
+     "temperature: must be 0.0 with use_beam_search"),
+    ({"text_input": "Hi", "sampling_parameters": {"use_beam_search": True, "best_of": 2, "temperature": 0,
+                                                  "logprobs": 1}}, "logprobs: must be None with use_beam_search"),
 ])
 def test_bad_inputs_name_the_problem(tensors, message):
     with pytest.raises(ValueError) as info:
@@ -377,3 +381,16 @@ def test_vllm_output_dialect_logprobs_and_finish_reason():
     pagoda = parse_request(inputs(text_input="Say:", sampling_parameters={"output_dialect": "pagoda"}),
                            output_dialect="vllm")
     assert pagoda.output_dialect == "pagoda"
+
+
+def test_beam_search_from_either_dialect_with_cumulative_logprobs():
+    """vLLM's ``use_beam_search``/``best_of`` JSON and TensorRT-LLM's ``beam_width`` input both
+    make a beam-search request; asking for cumulative log-probabilities needs no per-token ones."""
+    vllm = parse_request(inputs(text_input="Hi", return_cumulative_logprob=True, sampling_parameters={
+        "use_beam_search": True, "best_of": 4, "n": 2, "temperature": 0, "length_penalty": 0.5,
+        "early_stopping": "never"}))
+    assert vllm.params.num_beams == 4 and vllm.params.n == 2 and vllm.params.logprobs is None
+    assert vllm.params.length_penalty == 0.5 and vllm.params.early_stopping == "never"
+    trt = parse_request(inputs(text_input="Hi", beam_width=np.array([3], dtype=np.int32)))
+    assert trt.params.num_beams == 3 and trt.params.temperature == 0.0 and trt.params.n == 1
+    assert parse_request(inputs(text_input="Hi", beam_width=np.array([1], dtype=np.int32))).params.num_beams == 0

@@ -56,12 +56,30 @@ def test_embedding_bias_goes_to_pagodas_model_as_tensors():
     ({"min_tokens": np.int32(2), "min_length": np.int32(3)}, "min_length: contradicts another input for min_tokens"),
     ({"guided_decoding_guide_type": b"regex"}, "guided_decoding_guide: required by guided_decoding_guide_type"),
     ({"guided_decoding_guide": b"x"}, "guided_decoding_guide: needs guided_decoding_guide_type"),
-    ({"beam_width": np.int32(4)}, "beam_width: beam search is not supported"),
+    ({"beam_width": np.int32(0)}, "beam_width: must be an integer >= 1"),
+    ({"length_penalty": np.float32(0.5)}, "length_penalty: it applies to beam search"),
     ({"lora_weights": np.zeros((1, 1), dtype=np.float16)}, "lora_weights: not supported"),
 ])
 def test_bad_inputs_are_refused_naming_them(values, message):
     with pytest.raises(ValueError, match="^" + message):
         dialect.sampling_values(item(**values))
+
+
+def test_beam_width_is_beam_search_returning_every_beam_with_cumulative_logprobs():
+    values = dialect.sampling_values(item(beam_width=np.int32(4), length_penalty=np.float32(0.5),
+                                          return_log_probs=np.bool_(True)))
+    assert values["use_beam_search"] is True and values["beam_width"] == 4 and values["n"] == 4
+    assert values["temperature"] == 0.0 and values["length_penalty"] == 0.5 and "logprobs" not in values
+    assert dialect.sampling_values(item(beam_width=np.int32(4), num_return_sequences=np.int32(2)))["n"] == 2
+    inputs = dialect.to_pagoda_inputs(item(beam_width=np.int32(2), return_log_probs=np.bool_(True)), decoupled=False)
+    assert inputs["return_cumulative_logprob"].tolist() == [True] and inputs["return_logprobs"].tolist() == [False]
+    tensors = {"text_output": np.array([b"a", b"b"], dtype=np.object_),
+               "cumulative_logprob": np.array([-1.0, -2.0], dtype=np.float32),
+               "num_input_tokens": np.array([4], dtype=np.uint32), "num_output_tokens": np.array([2, 3], np.uint32)}
+    asked = {"log_probs": True, "perf": False, "num_input_tokens": False, "num_output_tokens": False}
+    out = dialect.to_trtllm_outputs(tensors, asked, batch_index=0, sequence=None)
+    assert out["cum_log_probs"].tolist() == [[-1.0, -2.0]] and out["sequence_index"].tolist() == [[0, 1]]
+    assert "output_log_probs" not in out
 
 
 def test_request_parameters_are_refused_naming_them_but_cache_salt():

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Iterable, Optional, Union
 from pagoda.engine.core.admission import Admission, EngineOverloaded, check_timeout, deadline_message, overload_message
 from pagoda.engine.config import EngineConfig
 from pagoda.engine.core.engine_core import EngineCore
+from pagoda.engine.core.parallel_sampling import child_request_ids
 from pagoda.engine.guided.backend import XGrammarBackend
 from pagoda.engine.output_processor import OutputProcessor
 from pagoda.engine.runner.executor import make_executor
@@ -71,6 +72,7 @@ class LLMEngine:
         self.core = EngineCore(self.config, self.model_config, self.model_id, eos_ids, self.executor,
                                has_adapter=lambda name: name in self.list_loras())
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.core.beams.find_stop_string = self._find_stop_string  # beams end at stop strings too
         self.admission = Admission(self.config.max_waiting_requests, self.config.max_waiting_prompt_tokens,
                                    max_queue_delay_s=self.config.max_queue_delay_s, slots=self.config.max_num_seqs)
         for lora_name, lora_path in self.config.lora_modules.items():
@@ -146,7 +148,8 @@ class LLMEngine:
         # waits for its grammar in the core.
         self.core.add_requests(children, request.params.guided_decoding, request.request_id)
         self.output_processor.add_request(request.request_id, text, token_ids, request.params,
-                                          [child.request_id for child in children], request.arrival_time)
+                                          child_request_ids(request.request_id, request.params.n),
+                                          request.arrival_time)
         self._fail_requests({self.output_processor.group_of(v.request_id) for v in verdict.victims},
                             lambda child0: overload_message(
             "displaced from the waiting queue by a more urgent request", self.admission.retry_after_s))
@@ -170,8 +173,17 @@ class LLMEngine:
         self.add(EngineRequest(request_id, prompt, params or SamplingParams(), arrival_time=arrival_time,
                                priority=priority, cache_salt=cache_salt, lora_name=lora_name, timeout=timeout))
 
+    def _find_stop_string(self, params: SamplingParams, output_token_ids: list[int]) -> Optional[str]:
+        """The stop string a beam's output text holds (the earliest), or None (``core.beam_search``)."""
+        text = self.tokenizer.decode(output_token_ids, skip_special_tokens=params.skip_special_tokens)
+        found = [(text.find(stop), stop) for stop in params.stop if stop in text]
+        return min(found)[1] if found else None
+
     def _check_request(self, request: EngineRequest) -> None:
         """The envelope's own fields (the prompt is checked as it is tokenized). Raises ValueError."""
+        if request.params.use_beam_search and self.speculator is not None:
+            raise ValueError("use_beam_search: this server runs speculative decoding, which beam search does not "
+                             "support; serve without speculative_method for beam search")
         if request.params.speculative and self.speculator is None:
             raise ValueError("speculative: this server has no speculative decoding configured "
                              "(EngineConfig.speculative_method is None)")

@@ -54,6 +54,7 @@ class _Completion:
     logprobs: Optional[list[TokenLogprob]] = None
     num_emitted_logprobs: int = 0
     cumulative_logprob: Optional[float] = None
+    beam_score: Optional[float] = None  # beam search: the beam's length-penalised score
     finish_reason: Optional[str] = None
     stop_reason: Optional[Union[int, str]] = None
     num_kept_tokens: Optional[int] = None  # set when a stop string ends the output before the last token
@@ -188,6 +189,8 @@ class OutputProcessor:
             group.prompt_logprobs = [lp and TokenLogprob(lp.token_id, lp.logprob, lp.rank, list(lp.top))
                                      for lp in core_output.prompt_logprobs]
         completion.token_ids.extend(new_ids)
+        if core_output.cumulative_logprob is not None:  # a beam (whole, at once): its scores come with it
+            completion.cumulative_logprob, completion.beam_score = core_output.cumulative_logprob, core_output.beam_score
         num_tokens = len(completion.token_ids)
         params = group.params
         # A stop token (EOS or stop_token_ids) ends the request but is not text: its id stays
@@ -268,7 +271,7 @@ class OutputProcessor:
                 index=i, text=c.text[:visible], token_ids=list(token_ids), delta_text=delta_text,
                 delta_token_ids=list(delta_ids), cumulative_logprob=c.cumulative_logprob,
                 logprobs=list(c.logprobs) if c.logprobs is not None else None, delta_logprobs=delta_lp,
-                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                finish_reason=c.finish_reason, stop_reason=c.stop_reason, beam_score=c.beam_score))
         return RequestOutput(
             request_id=group.request_id, prompt=group.prompt, prompt_token_ids=group.prompt_token_ids,
             outputs=completions, finished=group.finished, metrics=group.metrics,

@@ -59,6 +59,8 @@ class CompletionOutput:
     delta_logprobs: Optional[list[TokenLogprob]] = None
     finish_reason: Optional[str] = None  # "stop" | "length" | "abort"
     stop_reason: Optional[int | str] = None  # the stop token id or stop string that ended it
+    # Beam search: cumulative_logprob / len(token_ids) ** length_penalty (cumulative_logprob is the beam's sum).
+    beam_score: Optional[float] = None
 
     @property
     def finished(self) -> bool:

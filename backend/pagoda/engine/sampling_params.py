@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from pagoda.engine.guided.params import GuidedDecodingParams
 
@@ -18,6 +18,7 @@ from pagoda.engine.guided.params import GuidedDecodingParams
 MAX_N = 64
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 64
+MAX_BEAM_WIDTH = MAX_LOGPROBS // 2  # each beam's step reads its top 2 * beam_width log-probabilities
 _MAX_SEED = 2**64 - 1
 
 
@@ -77,6 +78,12 @@ class SamplingParams:
     bad_words: Optional[list[str]] = None
     truncate_prompt_tokens: Optional[int] = None
     spaces_between_special_tokens: Optional[bool] = None  # None: not given (vLLM's default, True)
+    # Beam search (engine.core.beam_search): vLLM's old names; beam_width is TensorRT-LLM's.
+    use_beam_search: bool = False
+    best_of: Optional[int] = None
+    beam_width: Optional[int] = None
+    length_penalty: float = 1.0
+    early_stopping: Union[bool, str] = False
 
     def __post_init__(self) -> None:
         self.stop = _as_list("stop", [self.stop] if isinstance(self.stop, str) else self.stop)
@@ -125,6 +132,43 @@ class SamplingParams:
         if self.prompt_logprobs is not None:
             _check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
         self._validate_vllm_extras()
+        self._validate_beam_search()
+
+    @property
+    def num_beams(self) -> int:
+        """The beam width of a beam-search request (``beam_width``, else ``best_of``, else ``n``); 0 without."""
+        if not self.use_beam_search:
+            return 0
+        return self.beam_width or self.best_of or self.n
+
+    def _validate_beam_search(self) -> None:
+        _check_bool("use_beam_search", self.use_beam_search)
+        _check_float("length_penalty", self.length_penalty, -100.0, 100.0)
+        if self.early_stopping not in (True, False, "never"):
+            raise ValueError(f"early_stopping: must be true, false or \"never\", got {self.early_stopping!r}")
+        for name in ("best_of", "beam_width"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), 1, MAX_BEAM_WIDTH if self.use_beam_search else MAX_N)
+        if not self.use_beam_search:
+            if self.best_of not in (None, self.n):
+                raise ValueError(f"best_of: {self.best_of} != n only with use_beam_search (pagoda does not sample "
+                                 "best_of > n candidates to return the n most likely)")
+            if self.beam_width not in (None, 1):
+                raise ValueError(f"beam_width: {self.beam_width} needs use_beam_search")
+            return
+        if self.best_of is not None and self.beam_width is not None and self.best_of != self.beam_width:
+            raise ValueError(f"beam_width: {self.beam_width} differs from best_of {self.best_of} (they are aliases)")
+        _check_int("beam_width" if self.beam_width else "best_of" if self.best_of else "n", self.num_beams, 1,
+                   MAX_BEAM_WIDTH)
+        if self.n > self.num_beams:
+            raise ValueError(f"n: at most the beam width ({self.num_beams}) beams can be returned, got {self.n}")
+        if self.speculative:
+            raise ValueError("speculative: beam search does not run with speculative decoding; "
+                             "leave speculative out or false")
+        for name, neutral in _BEAM_NEUTRAL:
+            if getattr(self, name) != neutral:
+                raise ValueError(f"{name}: must be {neutral!r} with use_beam_search (beam search ranks the raw "
+                                 f"model's log-probabilities), got {getattr(self, name)!r}")
 
     def _validate_vllm_extras(self) -> None:
         if self.allowed_token_ids is not None:
@@ -174,6 +218,14 @@ class SamplingParams:
 
     def clone(self, **changes: Any) -> "SamplingParams":
         return dataclasses.replace(self, **changes)
+
+
+# Fields that would change the distribution beam search ranks, or ask for per-token output
+# it does not produce; each must keep this value with use_beam_search (as vLLM's old API).
+_BEAM_NEUTRAL = [("temperature", 0.0), ("top_p", 1.0), ("top_k", 0), ("min_p", 0.0), ("repetition_penalty", 1.0),
+                 ("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("min_tokens", 0), ("logprobs", None),
+                 ("prompt_logprobs", None), ("guided_decoding", None), ("allowed_token_ids", None),
+                 ("logit_bias", None), ("bad_words", None)]
 
 
 def _as_list(name: str, value: Any) -> list:

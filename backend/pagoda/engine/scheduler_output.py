@@ -62,6 +62,7 @@ class SchedulerOutput:
     blocks_to_swap_out: BlockPairs = field(default_factory=list)  # device -> host (swaps, evictions)
     blocks_to_swap_in: BlockPairs = field(default_factory=list)  # host -> device (swapped requests)
     blocks_to_copy_back: BlockPairs = field(default_factory=list)  # host -> device (prefix hits)
+    blocks_to_copy: BlockPairs = field(default_factory=list)  # device -> device (a beam fork's partial block)
     step_id: int = 0  # echoed by the runner in ``ModelRunnerOutput.step_id``
 
     @property
@@ -73,4 +74,4 @@ class SchedulerOutput:
         """Whether the device side must see this step: requests, KV copies, or runner
         states to drop (every plan that changes the runner's states reaches it)."""
         return bool(self.scheduled or self.blocks_to_swap_out or self.blocks_to_swap_in or self.blocks_to_copy_back
-                    or self.preempted_request_ids or self.finished_request_ids)
+                    or self.blocks_to_copy or self.preempted_request_ids or self.finished_request_ids)

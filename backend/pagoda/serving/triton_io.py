@@ -26,7 +26,9 @@ TensorRT-LLM's INT32 input of that name, never both):
   (an extra stop token id), ``bad_words`` (STRING list: vLLM's ``bad_words``, sequences
   never generated), ``embedding_bias_words`` / ``embedding_bias_weights`` (each word's
   tokens get its weight as a ``logit_bias``, as TensorRT-LLM's preprocessing builds its
-  embedding bias; needs ``encode``) and ``beam_width`` (must be 1).
+  embedding bias; needs ``encode``) and ``beam_width`` (above 1: beam search, as
+  ``use_beam_search`` with that width; ``temperature`` then defaults to 0). A beam-search
+  request's ``cumulative_logprob`` is each returned beam's summed log-probability.
 
 Precedence: a scalar input wins over the same key in ``sampling_parameters`` (it is the
 more specific, per-tensor statement; TensorRT-LLM clients never send the JSON).
@@ -197,8 +199,8 @@ def parse_request(get_input: GetInput, parameters: Any = None, output_dialect: s
     _apply_embedding_bias(get_input, values, encode)
     apply_structured_outputs(values)
     logprobs_asked = values.get("logprobs") is not None
-    if flags["return_logprobs"] or flags["return_cumulative_logprob"]:
-        # The engine tracks log-probabilities only when asked; 0 alternatives suffice.
+    if flags["return_logprobs"] or (flags["return_cumulative_logprob"] and values.get("use_beam_search") is not True):
+        # The engine tracks log-probabilities only when asked; 0 alternatives suffice (beams carry their sums).
         if values.get("logprobs") is None:
             values["logprobs"] = 0
     try:
@@ -338,8 +340,12 @@ def _apply_trtllm_words(get_input: GetInput, values: dict[str, Any]) -> None:
     if bad_words is not None and _strings(bad_words):
         values["bad_words"] = _strings(bad_words)
     beam_width = get_input("beam_width")
-    if beam_width is not None and (beam_width.size != 1 or int(beam_width.reshape(-1)[0]) != 1):
-        raise ValueError("beam_width: beam search is not supported; only 1 is accepted (use n for parallel samples)")
+    if beam_width is not None:
+        if beam_width.size != 1 or not np.issubdtype(beam_width.dtype, np.integer):
+            raise ValueError(f"beam_width: expected one integer, got {beam_width!r}")
+        if int(beam_width.reshape(-1)[0]) != 1:  # beam search; SamplingParams checks the width
+            values.update(use_beam_search=True, beam_width=int(beam_width.reshape(-1)[0]))
+            values.setdefault("temperature", 0.0)
     end_id = get_input("end_id")
     if end_id is not None:
         if end_id.size != 1 or not np.issubdtype(end_id.dtype, np.integer):

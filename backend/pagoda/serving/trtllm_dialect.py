@@ -14,8 +14,13 @@ Invariants:
 
 - every input of the interface (``INPUTS``) is either applied (``SCALAR_KEYS``, the words
   lists, flags, guided decoding, ``lora_task_id``) or refused with a ``ValueError`` whose
-  message starts with its name (``REFUSED``, and ``length_penalty`` / ``beam_width`` /
+  message starts with its name (``REFUSED``, ``length_penalty`` without beam search and
   ``return_*_logits`` when set to anything but their neutral value); nothing is dropped;
+- ``beam_width`` above 1 is beam search (``use_beam_search``, ``temperature`` 0 unless
+  given, ``length_penalty`` applied): ``num_return_sequences`` beams (default: all of
+  them, as TensorRT-LLM returns) come back best first, one ``sequence_index`` each, with
+  ``return_log_probs`` their ``cum_log_probs`` (no per-token ``output_log_probs``: beams
+  are chosen from their sums);
 - a request parameter (an HTTP ``generate`` key that is not an input) is refused, naming it:
   TensorRT-LLM's models read none; pagoda's fronts read one, ``cache_salt`` (the router's
   per-tenant prefix-cache salt, as pagoda's own model takes it);
@@ -134,10 +139,21 @@ def _words(name: str, item: Item) -> list[str]:
     return [bytes(v).decode("utf-8") if isinstance(v, (bytes, bytearray)) else str(v) for v in values if v]
 
 
+def _beam_width(item: Item) -> int:
+    """The item's beam width (1: no beam search). Raises ValueError naming ``beam_width``."""
+    width = _one("beam_width", item)
+    if width is None:
+        return 1
+    if isinstance(width, bool) or not isinstance(width, int) or width < 1:
+        raise ValueError(f"beam_width: must be an integer >= 1, got {width!r}")
+    return width
+
+
 def _check_neutral(item: Item) -> None:
+    beam = _beam_width(item) > 1
     for name, neutral, why in (
-            ("beam_width", 1, "beam search is not supported yet; use num_return_sequences for several samples"),
-            ("length_penalty", 1.0, "it applies to beam search, which is not supported yet"),
+            ("length_penalty", 1.0 if not beam else _one("length_penalty", item),
+             "it applies to beam search (beam_width > 1)"),
             ("return_context_logits", False, "pagoda returns no logits (prompt log-probabilities: "
                                              "the OpenAI door's echo with logprobs)"),
             ("return_generation_logits", False, "pagoda returns no logits; use return_log_probs")):
@@ -192,7 +208,14 @@ def sampling_values(item: Item) -> dict[str, Any]:
     guided = _guided(item)
     if guided is not None:
         values["guided_decoding"] = guided
-    if _one("return_log_probs", item):
+    width = _beam_width(item)
+    if width > 1:
+        values.update(use_beam_search=True, beam_width=width)
+        values.setdefault("temperature", 0.0)
+        values.setdefault("n", width)  # TensorRT-LLM returns every beam unless num_return_sequences says
+        if _one("length_penalty", item) is not None:
+            values["length_penalty"] = float(_one("length_penalty", item))
+    elif _one("return_log_probs", item):
         values["logprobs"] = 0
     return values
 
@@ -231,7 +254,7 @@ def to_pagoda_inputs(item: Item, decoupled: bool) -> dict[str, np.ndarray]:
               "stream": np.array([stream]),
               "exclude_input_in_output": np.array([bool(_one("exclude_input_in_output", item))]),
               "return_cumulative_logprob": np.array([bool(_one("return_log_probs", item))]),
-              "return_logprobs": np.array([bool(_one("return_log_probs", item))]),
+              "return_logprobs": np.array([bool(_one("return_log_probs", item)) and _beam_width(item) == 1]),
               "return_num_input_tokens": np.array([True]), "return_num_output_tokens": np.array([True]),
               "return_num_cached_tokens": np.array([perf])}
     for name in ("embedding_bias_words", "embedding_bias_weights"):  # pagoda's model tokenizes the words
@@ -264,6 +287,7 @@ def to_trtllm_outputs(tensors: dict[str, np.ndarray], asked: dict[str, bool], ba
                                       dtype=np.int32)}
     if asked["log_probs"]:
         out["cum_log_probs"] = pick(tensors["cumulative_logprob"]).astype(np.float32).reshape(1, -1)
+    if asked["log_probs"] and "logprobs" in tensors:  # none for beams (beam search chooses by sums)
         rows = [[lp["logprob"] for lp in json.loads(_text(t))] for t in pick(tensors["logprobs"])]
         width = max((len(r) for r in rows), default=0)
         out["output_log_probs"] = np.array([[r + [0.0] * (width - len(r)) for r in rows]],

@@ -27,15 +27,21 @@ Entries:
   another request stops admission: admitted together, both would prefill the same prefix;
   one step later those blocks are cached and it hits them. A burst of requests sharing a
   long prompt therefore prefills it once, for one step of extra wait.
+- ``BeamGroupReserve`` (always; asks nothing of other requests): a beam-search group
+  (``core.beam_search``) is one admission unit with its worst-case need. While none of
+  its beams runs (its first admission, or after the group was preempted), its beam stops
+  admission until the free blocks, plus its cached prefix, cover the group's worst case
+  (``BeamGroup.worst_case_blocks``), so a group is not admitted only to be preempted by
+  its own forks.
 """
 
 from __future__ import annotations
 
 import enum
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from pagoda.engine.core.step_plan import StepPlan
-from pagoda.engine.request import Request
+from pagoda.engine.request import Request, RequestStatus
 
 
 class Admit(enum.Enum):
@@ -99,11 +105,26 @@ class SharedPrefixWait(AdmissionConstraint):
         return Admit.STOP if step.num_shared_computing(request, num_hit) >= self.min_tokens else Admit.YES
 
 
-def make_constraints(max_loras: int, min_shared_prefix_to_wait: int) -> list[AdmissionConstraint]:
+class BeamGroupReserve(AdmissionConstraint):
+    def __init__(self, num_free_blocks: Callable[[], int], block_size: int) -> None:
+        self.num_free_blocks = num_free_blocks
+        self.block_size = block_size
+
+    def after_lookup(self, request: Request, step: StepPlan, num_hit: int) -> Admit:  # noqa: ARG002
+        group = request.beam_group
+        if group is None or any(m.status == RequestStatus.RUNNING for m in group.members):
+            return Admit.YES
+        need = group.worst_case_blocks - num_hit // self.block_size
+        return Admit.YES if self.num_free_blocks() >= need else Admit.STOP
+
+
+def make_constraints(max_loras: int, min_shared_prefix_to_wait: int, num_free_blocks: Callable[[], int],
+                     block_size: int) -> list[AdmissionConstraint]:
     """The constraints a scheduler with these settings applies, in the order they are asked."""
     constraints: list[AdmissionConstraint] = []
     if max_loras > 0:
         constraints.append(LoRASlotLimit(max_loras))
     if min_shared_prefix_to_wait > 0:
         constraints.append(SharedPrefixWait(min_shared_prefix_to_wait))
+    constraints.append(BeamGroupReserve(num_free_blocks, block_size))  # a no-op without beam search
     return constraints

@@ -39,6 +39,11 @@ n > 1: ``make_requests`` turns a user request (an ``EngineRequest``) into its ch
 which are added together; with prefix caching, a ``SiblingGate`` holds siblings of child 0
 back until child 0's prompt is computed (``parallel_sampling.py`` owns the fan-out).
 
+Beam search (``params.use_beam_search``): ``make_requests`` makes the group's first beam
+only; ``BeamSearch`` (``beam_search.py``) chooses, forks and prunes beams after each update
+and hands back a done group's ``n`` best beams, which become its only outputs; an abort of
+the user request's output ids finishes the group's live beams.
+
 Requests waiting outside the scheduler (for their grammar, or held siblings) are owned by
 one registry, ``ParkedRequests`` (``parked.py``): admission counts them, aborts drop them,
 and ``adapter_in_use`` reads them with the scheduler's requests (a LoRA unload is refused
@@ -60,6 +65,7 @@ from pagoda.engine.core.device import Executor, StepHandle
 from pagoda.engine.core.scheduler import RequestUpdate, Scheduler, SchedulerConfig, SchedulerOutput
 from pagoda.engine.guided.params import GuidedDecodingParams
 from pagoda.engine.guided.pool import CompilePoolFull
+from pagoda.engine.core.beam_search import BeamGroup, BeamSearch, Hypothesis
 from pagoda.engine.core.parallel_sampling import child_request_ids
 from pagoda.engine.core.parked import ParkedRequests
 from pagoda.engine.request import EngineRequest, Request, RequestStatus
@@ -97,6 +103,8 @@ class EngineCoreOutput:
     first_scheduled_time: Optional[float] = None
     prompt_logprobs: Optional[list[Optional[TokenLogprobs]]] = None
     error: Optional[str] = None  # the request failed after it was accepted (a grammar that does not compile)
+    cumulative_logprob: Optional[float] = None  # a beam's summed log-probability (beam search only)
+    beam_score: Optional[float] = None  # a beam's cumulative_logprob / len ** length_penalty
 
     @property
     def finished(self) -> bool:
@@ -156,6 +164,7 @@ class EngineCore:
         self._has_adapter = has_adapter
         self._in_flight: Optional[_InFlight] = None
         self.parked = ParkedRequests(config.enable_prefix_caching)  # outside the scheduler (parked.py)
+        self.beams = BeamSearch(self.scheduler)  # beam-search groups (beam_search.py)
         self.num_steps = 0
         self.max_num_running_seen = 0
         self.last_step = (0, 0, 0, 0)  # seqs, decode seqs, prefill seqs, tokens
@@ -168,6 +177,10 @@ class EngineCore:
         ``n == 1``, else children ``"{id}#{i}"``, child ``i`` seeded by ``make_seed(seed, i)``."""
         params = request.params
         blocked = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+        if params.use_beam_search:  # one first beam; its group forks the others (beam_search.py)
+            first = Request.from_engine_request(request, child_request_ids(request.request_id, params.n)[0],
+                                                list(prompt_token_ids), self.eos_token_ids)
+            return [self.beams.make_first_beam(first, request.request_id, self.eos_token_ids)]
         children = []
         for index, child_id in enumerate(child_request_ids(request.request_id, params.n)):
             child = Request.from_engine_request(request, child_id, list(prompt_token_ids), self.eos_token_ids)
@@ -198,7 +211,11 @@ class EngineCore:
                 raise EngineOverloaded(overload_message(str(exc))) from None
             self.parked.await_grammar(group_id, requests)
             return
+        if requests[0].beam_group is not None:
+            self.beams.check(requests[0])
         self.scheduler.add_request(requests[0])
+        if requests[0].beam_group is not None:
+            self.beams.add(requests[0])
         for request in self.parked.hold_siblings(requests):
             self.scheduler.add_request(request)
 
@@ -206,7 +223,7 @@ class EngineCore:
                        status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
         """Finish requests now (abort, or a stop string found); frees their blocks. Unknown
         ids are ignored; a step in flight for them has its tokens dropped."""
-        request_ids = list(request_ids)
+        request_ids = self.beams.expand(request_ids)  # a beam group's output ids: its live beams
         for group_id in self.parked.drop(request_ids):
             self.guided.cancel(group_id)
         self.scheduler.finish_requests(request_ids, status)
@@ -299,13 +316,15 @@ class EngineCore:
             self.scheduler.undo_step(done.scheduler_output)
             raise
         _record_prompt_logprobs(done.scheduler_output, runner_output)
+        logprobs = runner_output.logprobs_by_id()
         try:
             updates = self._apply(runner_output)
+            beams_done = self.beams.advance(logprobs)  # before the gate: beams' tokens are history
         finally:
             done.applied.set()
         orphans = self._release_pending()
-        logprobs = runner_output.logprobs_by_id()
-        return [_core_output(update, logprobs.get(update.request.request_id, [])) for update in updates] + orphans
+        return [_core_output(update, logprobs.get(update.request.request_id, [])) for update in updates] + \
+            [out for group, best in beams_done for out in _beam_outputs(group, best)] + orphans
 
     def _apply(self, runner_output: ModelRunnerOutput) -> list[RequestUpdate]:
         """The step's tokens into the scheduler, the grammar matchers and the hooks."""
@@ -390,6 +409,17 @@ def _failed(requests: list[Request], message: str) -> list[EngineCoreOutput]:
 def _adapter_gone_message(adapter_id: Optional[str]) -> str:
     return (f"lora_name: adapter {adapter_id!r} was unloaded while this request waited to be scheduled; "
             "load it again and retry")
+
+
+def _beam_outputs(group: BeamGroup, best: list[Hypothesis]) -> list[EngineCoreOutput]:
+    """A done beam group's only outputs: its best beams under the user's output ids, best first."""
+    return [EngineCoreOutput(output_id, list(h.token_ids), finish_reason=h.finish_reason,
+                             stop_reason=h.stop_string or (h.stop_token if h.stop_token in group.params.stop_token_ids
+                                                           else None),
+                             cumulative_logprob=h.cumulative_logprob, beam_score=h.score,
+                             first_scheduled_time=group.first_scheduled_time,
+                             num_cached_tokens=group.num_cached_tokens)
+            for output_id, h in zip(group.output_ids, best)]
 
 
 def _record_prompt_logprobs(scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> None:

@@ -19,7 +19,8 @@ once per scheduled request, in schedule order.
    the step is unapplied, the appended token after; a request that stops there is freed,
    accepted drafts end with the sampled bonus token). A step that starts at that token (a
    decode, with or without drafts) then leaves it out: ``token_ids`` is one short and the
-   runner puts the token it sampled first. Every other token travels: prompt chunks,
+   runner puts the token it sampled first. A beam's next token is chosen on the host
+   (``core.beam_search``), not sampled, so it always travels. Every other token travels: prompt chunks,
    recomputed outputs after a preemption, a decode of a new request, and drafts.
 """
 
@@ -57,7 +58,7 @@ class RunnerView:
         seen.num_block_ids = len(block_ids)
         last = request.num_tokens + request.num_output_placeholders - 1
         assert seen.holds_last_token or not request.num_output_placeholders, "a placeholder the runner lacks"
-        num_runner_tokens = 1 if seen.holds_last_token and start == last else 0
+        num_runner_tokens = 1 if seen.holds_last_token and start == last and request.beam_group is None else 0
         if is_sampling:
             seen.holds_last_token = True
         return is_new, new_block_ids, num_runner_tokens

@@ -64,6 +64,11 @@ have not run yet). Cached blocks the pool evicts go to the host tier
 device hit ends (``blocks_to_copy_back``); those blocks count as computed. The runner
 executes every device -> host copy, then every host -> device copy, before the forward.
 
+Beam search (``core.beam_search``): a beam (``request.beam_group`` set) gets no token here
+(its group chooses, forks and prunes after this update); preempting a beam preempts its
+group's running beams; a beam with a placeholder waits (async scheduling); forks'
+copy-on-write block copies ride on the next plan (``blocks_to_copy``).
+
 No deadlock: ``add_request`` rejects requests whose worst case exceeds the whole cache,
 so a request running alone always fits, and preemption always frees the request that
 would otherwise block the others. Preempted requests are never rescheduled in the step
@@ -125,7 +130,8 @@ class Scheduler:
         self._num_steps = 0
         self._unapplied: dict[int, SchedulerOutput] = {}  # step id -> a step whose results are not applied
         self.runner_view = RunnerView()  # what the runner holds: the step plan is a delta
-        self.constraints = make_constraints(config.max_loras, config.min_shared_prefix_to_wait)
+        self.constraints = make_constraints(config.max_loras, config.min_shared_prefix_to_wait,
+                                            lambda: self.block_pool.num_free_blocks, config.block_size)
         self.admitter = WaitingAdmitter(self.waiting, self.running, self.kv_cache_manager, self.host_tier,
                                         self.policy, self.constraints, self._preempt, config.max_num_seqs,
                                         config.block_size)
@@ -207,6 +213,7 @@ class Scheduler:
         )
         self._finished_request_ids = []
         output.blocks_to_swap_out, output.blocks_to_swap_in, output.blocks_to_copy_back = self.host_tier.take_copies()
+        output.blocks_to_copy = self.kv_cache_manager.take_copies()
         for request in self.running:
             num_new = step.num_new_tokens.get(request.request_id)
             if num_new is None:
@@ -248,8 +255,8 @@ class Scheduler:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this pass
-            if request.num_output_placeholders and _is_sure_to_finish(request):
-                continue  # its last token is being sampled (async scheduling)
+            if request.num_output_placeholders and (request.beam_group or _is_sure_to_finish(request)):
+                continue  # its last token is being sampled, or its group must choose it (async scheduling)
             num_new = min(request.num_tokens + request.num_output_placeholders - request.num_computed_tokens,
                           step.budget)
             if num_new <= 0:
@@ -257,9 +264,8 @@ class Scheduler:
             if self._schedule_with_drafts(request, spec_token_ids.get(request.request_id), step):
                 continue
             while self.kv_cache_manager.allocate_slots(request, num_new) is None:
-                victim = self.policy.victim(self.running)
-                self._preempt(victim, step)
-                if victim is request:
+                self._preempt(self.policy.victim(self.running), step)
+                if request.status != RequestStatus.RUNNING:  # itself, or a beam of its group
                     break
             else:
                 step.add(request, num_new)
@@ -286,7 +292,7 @@ class Scheduler:
 
     def _swap_out(self, request: Request, step: StepPlan) -> bool:
         """Try to preempt ``request`` by swap; False: recompute instead."""
-        if request.request_id in step.admitted:
+        if request.request_id in step.admitted or request.beam_group is not None:  # beams recompute (beam_search)
             return False
         num_blocks = blocks_for_tokens(request.num_computed_tokens, self.config.block_size)
         if not self.host_tier.wants_swap(request.num_computed_tokens, num_blocks):
@@ -294,7 +300,13 @@ class Scheduler:
         return self.host_tier.swap_out(request.request_id,
                                        self.kv_cache_manager.get_block_ids(request.request_id)[:num_blocks])
 
-    def _preempt(self, request: Request, step: StepPlan) -> None:
+    def _preempt(self, victim: Request, step: StepPlan) -> None:
+        """Preempt ``victim`` (with every running beam of its group)."""
+        for request in victim.beam_group.members if victim.beam_group else [victim]:
+            if request.status == RequestStatus.RUNNING:
+                self._preempt_one(request, step)
+
+    def _preempt_one(self, request: Request, step: StepPlan) -> None:
         self.running.remove(request)
         step.remove(request)
         if not self._swap_out(request, step):
@@ -339,6 +351,9 @@ class Scheduler:
                 continue
             request.num_output_placeholders -= 1
             assert request.num_output_placeholders >= 0, "step applied twice"
+            if request.beam_group is not None:  # its group chooses its token (core.beam_search)
+                self.kv_cache_manager.cache_blocks(request, computed_end)
+                continue
             tokens = sampled.get(request.request_id)
             # Without a token the request would sit at num_computed == num_tokens forever.
             assert tokens, f"no sampled token for {request.request_id!r}, which sampled this step"
@@ -404,29 +419,12 @@ class Scheduler:
         """The live request with this id, or None (unknown or finished)."""
         return self.requests.get(request_id)
 
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
-
-    @property
-    def num_running(self) -> int:
-        return len(self.running)
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.block_pool.num_free_blocks
-
-    @property
-    def kv_cache_usage(self) -> float:
-        return self.block_pool.usage
-
-    @property
-    def prefix_cache_queries(self) -> int:
-        return self.kv_cache_manager.prefix_cache_queries
-
-    @property
-    def prefix_cache_hits(self) -> int:
-        return self.kv_cache_manager.prefix_cache_hits
+    num_waiting = property(lambda self: len(self.waiting))
+    num_running = property(lambda self: len(self.running))
+    num_free_blocks = property(lambda self: self.block_pool.num_free_blocks)
+    kv_cache_usage = property(lambda self: self.block_pool.usage)
+    prefix_cache_queries = property(lambda self: self.kv_cache_manager.prefix_cache_queries)
+    prefix_cache_hits = property(lambda self: self.kv_cache_manager.prefix_cache_hits)
 
     def take_events(self) -> list[KVEvent]:
         return self.event_buffer.take()

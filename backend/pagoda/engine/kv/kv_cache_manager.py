@@ -12,6 +12,13 @@ that are cached (``get_computed_blocks``), comparing tokens as well as hashes, a
 shares those blocks (reference counted) instead of recomputing them. The hit is capped
 so at least one token is still computed: the step must produce logits to sample from.
 
+Beam search (``core.beam_search``) forks a request: ``fork`` gives the child the parent's
+block table by reference (each shared block's count goes up, no KV is copied) except the
+last, partly filled block, which the child is about to write into: that one is copied
+(copy-on-write, a device copy queued for the next step, ``take_copies``), or, when no
+block is free, left out so the child recomputes those few tokens. Freeing a beam drops
+one reference per block, so only blocks it alone held return to the pool.
+
 Running out of blocks is expected: ``allocate_slots`` returns ``None`` and changes
 nothing; the scheduler then preempts.
 """
@@ -40,6 +47,7 @@ class KVCacheManager:
         self.num_cached_blocks: dict[str, int] = {}  # blocks already passed to cache_full_blocks
         self.prefix_cache_queries = 0  # tokens looked up (vLLM counts tokens)
         self.prefix_cache_hits = 0  # tokens found
+        self._copies: list[tuple[int, int]] = []  # (src, dst) device block copies of forks, for the next step
 
     @property
     def usage(self) -> float:
@@ -145,6 +153,30 @@ class KVCacheManager:
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
         self.block_pool.free_blocks(reversed(blocks))
+
+    def fork(self, parent: Request, child: Request, num_computed_tokens: int) -> int:
+        """Give ``child`` (holding no blocks) ``parent``'s KV for its first ``num_computed_tokens``
+        tokens: full blocks shared, the partial last block copied (or recomputed when no block
+        is free). Returns how many of ``child``'s tokens are computed."""
+        assert child.request_id not in self.req_to_blocks, "a fork target holds no blocks"
+        blocks = self.req_to_blocks[parent.request_id]
+        num_full, num_partial = divmod(num_computed_tokens, self.block_size)
+        table = list(blocks[:num_full])
+        self.block_pool.touch(table)
+        if num_partial and self.block_pool.num_free_blocks > 0:
+            copy = self.block_pool.get_new_blocks(1)[0]
+            self._copies.append((blocks[num_full].block_id, copy.block_id))
+            table.append(copy)
+        else:
+            num_partial = 0  # recompute the partial block's tokens (they join a fresh block)
+        self.req_to_blocks[child.request_id] = table
+        self.num_cached_blocks[child.request_id] = min(self.num_cached_blocks.get(parent.request_id, 0), num_full)
+        return num_full * self.block_size + num_partial
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The (src, dst) device block copies queued by forks since the last call."""
+        copies, self._copies = self._copies, []
+        return copies
 
     def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
         return self.req_to_blocks.get(request_id, [])

@@ -8,7 +8,8 @@ The ``EngineCore`` receives the result through its ``pagoda.engine.core.device.E
 protocol and never imports torch.
 
 One launched step (``Executor.launch``) is one *device job*, run by the worker in launch
-order: the KV-tier copies, then ``ModelRunner.execute`` (the plan's deltas into the
+order: the KV-tier copies and the device-to-device copies of beam forks' partial blocks
+(``SchedulerOutput.blocks_to_copy``), then ``ModelRunner.execute`` (the plan's deltas into the
 runner's request states; forward; wait for the gate and fill the grammar bitmask; sample
 or verify drafts). The core launches every plan with device work, including one that only
 drops runner states (``SchedulerOutput.has_device_work``), so the deltas arrive in order. With async scheduling the bitmask is
@@ -31,7 +32,7 @@ from pagoda.engine.guided.manager import GuidedDecodingManager
 from pagoda.engine.kv.host_tier import SwapCostModel
 from pagoda.engine.request import Request
 from pagoda.engine.runner.device_worker import DeviceTimer, InlineWorker, StepHandle, ThreadWorker
-from pagoda.engine.runner.host_kv_cache import HostKVCache, calibrate
+from pagoda.engine.runner.host_kv_cache import HostKVCache, calibrate, copy_device_blocks
 from pagoda.engine.runner.model_runner import ModelRunner, resolve_device, resolve_dtype
 from pagoda.engine.runner.runner_output import ModelRunnerOutput
 from pagoda.engine.spec_decode import SpeculativePlan, Speculator
@@ -102,6 +103,8 @@ class Executor:
 
         if self.host_kv_cache is not None:  # KV offload copies run before the forward pass
             self.host_kv_cache.execute(scheduler_output)
+        if scheduler_output.blocks_to_copy:  # beam forks: copy-on-write of a shared partial block
+            copy_device_blocks(self.runner.kv_caches, scheduler_output.blocks_to_copy)
         output = self.runner.execute(scheduler_output, before_sampling)
         output.step_id = scheduler_output.step_id
         self.timer.record_job(start, time.perf_counter(), waited[0])

@@ -169,6 +169,17 @@ def measure_prefill_s_per_token(runner: ModelRunner, max_tokens: int = 128, repe
     return best / num_tokens
 
 
+@torch.inference_mode()
+def copy_device_blocks(device_caches: KVCaches, pairs: BlockPairs) -> None:
+    """Copy device blocks to device blocks in every layer's K and V; ``pairs`` are (src, dst).
+    A beam fork's copy-on-write (``KVCacheManager.fork``); sources are never destinations."""
+    src = torch.tensor([p[0] for p in pairs], dtype=torch.int64, device=device_caches[0][0].device)
+    dst = torch.tensor([p[1] for p in pairs], dtype=torch.int64, device=src.device)
+    for layer in device_caches:
+        for cache in layer:
+            _raw(cache).index_copy_(0, dst, _raw(cache).index_select(0, src))
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -20,7 +20,10 @@ alternatives; chat: ``logprobs`` + ``top_logprobs``); vLLM's extras pass through
 ``include_stop_str_in_output``, ``allowed_token_ids``, ``bad_words``,
 ``truncate_prompt_tokens``, plus ``cache_salt``, ``priority`` and ``timeout``; OpenAI's
 ``logit_bias`` (token id -> bias in [-100, 100]) is the engine's logit bias; chat's
-``chat_template_kwargs`` reach the chat template (e.g. Qwen3's ``enable_thinking``). Completions' ``prompt`` may be a string, a list of token
+``chat_template_kwargs`` reach the chat template (e.g. Qwen3's ``enable_thinking``); beam
+search as vLLM's extras: ``use_beam_search`` (with ``best_of`` the beam width, ``n`` best
+beams returned; ``temperature`` 0 unless given), ``length_penalty``, ``early_stopping``.
+Completions' ``prompt`` may be a string, a list of token
 ids, or a list of either (lm-eval's ``tokenized_requests``): one replica request per prompt,
 routed on its own (token ids travel as the ``input_ids`` input), run concurrently,
 choices numbered ``prompt index * n + i`` as vLLM numbers them, usage summed; streamed, the
@@ -34,9 +37,9 @@ output: ``response_format`` (``json_object``, ``json_schema``) and vLLM's ``guid
 
 Refused with a 400 ``invalid_request_error`` (never silently ignored): an unknown field
 (as OpenAI does; vLLM ignores it with a log line), more than ``openai_io.MAX_PROMPTS``
-prompts, ``prompt_embeds``, ``best_of`` other than ``n``, ``suffix``, the legacy
-``functions``/``function_call``, more than one output format, and malformed values.
-``user``, ``metadata``, ``store`` and ``service_tier`` are accepted and ignored (no
+prompts, ``prompt_embeds``, ``best_of`` other than ``n`` without beam search, ``suffix``,
+the legacy ``functions``/``function_call``, more than one output format, and malformed
+values. ``user``, ``metadata``, ``store`` and ``service_tier`` are accepted and ignored (no
 generation semantics). Tools (``tools``, ``tool_choice``, ``parallel_tool_calls``) are
 ``pagoda.fleet.api.openai_tools``'s: forced calls through the grammar engine, parsed answers
 (``openai_answer``). Errors the replica reports come back with its message, and the status and type

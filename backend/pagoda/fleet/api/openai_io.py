@@ -70,8 +70,18 @@ def _common(request: Any, max_tokens: Optional[int], echo: Optional[bool] = None
         sampling["guided_decoding"] = guided
     if request.stop is not None:
         sampling["stop"] = [request.stop] if isinstance(request.stop, str) else list(request.stop)
-    if request.best_of is not None and request.best_of != request.n:
-        raise OpenAIError("best_of: only best_of == n is supported", "best_of")
+    if request.use_beam_search:  # vLLM: beam search is greedy unless a temperature is given
+        sampling["use_beam_search"] = True
+        sampling.setdefault("temperature", 0.0)
+        for name in ("best_of", "length_penalty", "early_stopping"):
+            if getattr(request, name) is not None:
+                sampling[name] = getattr(request, name)
+    elif request.best_of is not None and request.best_of != request.n:
+        raise OpenAIError("best_of: only best_of == n is supported (or the beam width, with use_beam_search)",
+                          "best_of")
+    elif request.length_penalty is not None or request.early_stopping is not None:
+        name = "length_penalty" if request.length_penalty is not None else "early_stopping"
+        raise OpenAIError(f"{name}: needs use_beam_search", name)
     options = request.stream_options
     return sampling, bool(options is not None and options.include_usage)
 

@@ -175,6 +175,10 @@ class _Common(_Strict):
     cache_salt: Optional[str] = None
     priority: Optional[int] = None
     timeout: Optional[Annotated[Number, Field(gt=0)]] = None  # seconds; engine.core.admission deadlines
+    # beam search as vLLM's extras (best_of is the beam width then; docs/beam_search.md)
+    use_beam_search: bool = False
+    length_penalty: Optional[Number] = None
+    early_stopping: Annotated[Optional[Union[bool, Literal["never"]]], one_of("true, false or \"never\"")] = None
     # vLLM's structured output (openai_guided checks their meaning)
     guided_json: Annotated[Optional[Union[dict[str, Any], str]], one_of("a JSON schema object or its text")] = None
     guided_regex: Optional[str] = None

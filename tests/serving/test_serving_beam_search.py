@@ -1,0 +1,80 @@
+"""Beam search through a real tritonserver, in both dialects (issue 31).
+
+vLLM's dialect (``sampling_parameters``: ``use_beam_search``, ``best_of``, ``n``,
+``length_penalty``, ``early_stopping``) on pagoda's model, and TensorRT-LLM's ``beam_width``
+on the ``ensemble`` (unary) and ``tensorrt_llm_bls`` (decoupled) fronts, return the same
+``n`` best beams, best first, with their cumulative log-probabilities, as the offline
+engine does for the same prompt (tests/engine/test_beam_search.py holds the engine to
+Hugging Face's ``generate(num_beams=k)``).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from tests.serving.test_serving_triton_server import http_post
+from tests.serving.test_serving_trtllm_dialect import batch, grpc_infer, grpc_stream, trt_inputs
+
+pytestmark = pytest.mark.server
+
+PROMPT = "The capital of France is"
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def offline_beams(smollm2_path):
+    """The offline engine's 2 best of 4 beams: (texts, cumulative log-probabilities)."""
+    from pagoda.engine.config import EngineConfig
+    from pagoda.engine.llm_engine import LLMEngine
+    from pagoda.engine.sampling_params import SamplingParams
+
+    engine = LLMEngine(EngineConfig(model=smollm2_path))
+    engine.add_request("r", PROMPT, SamplingParams(use_beam_search=True, best_of=4, n=2, temperature=0.0,
+                                                   max_tokens=MAX_TOKENS))
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            final = out if out.finished else final
+    engine.shutdown()
+    return [c.text for c in final.outputs], [c.cumulative_logprob for c in final.outputs]
+
+
+def test_vllm_dialect_use_beam_search_returns_n_best_beams(triton_server, offline_beams):
+    texts, cumulative = offline_beams
+    sampling = {"use_beam_search": True, "best_of": 4, "n": 2, "temperature": 0, "max_tokens": MAX_TOKENS,
+                "length_penalty": 1.0, "early_stopping": False}
+    status, body = http_post(triton_server, "/v2/models/pagoda/generate",
+                             {"text_input": PROMPT, "exclude_input_in_output": True,
+                              "return_cumulative_logprob": True, "sampling_parameters": json.dumps(sampling)})
+    assert status == 200, body
+    assert body["text_output"] == texts
+    assert body["cumulative_logprob"] == pytest.approx(cumulative, abs=1e-3)
+    # Refusals name the field: sampling with beam search, and a width past the limit.
+    for bad, field in (({**sampling, "temperature": 0.8}, "temperature"), ({**sampling, "best_of": 64}, "best_of")):
+        status, body = http_post(triton_server, "/v2/models/pagoda/generate",
+                                 {"text_input": PROMPT, "sampling_parameters": json.dumps(bad)})
+        assert status == 400 and field in body["error"], body
+
+
+def test_trtllm_beam_width_on_both_fronts(triton_server, offline_beams):
+    texts, cumulative = offline_beams
+    inputs = trt_inputs([PROMPT], max_tokens=MAX_TOKENS, beam_width=(4, np.int32), num_return_sequences=(2, np.int32),
+                        return_log_probs=(True, bool), exclude_input_in_output=(True, bool))
+    result = grpc_infer(triton_server, "ensemble", inputs, ("text_output", "cum_log_probs", "sequence_index"))
+    assert [t.decode() for t in result.as_numpy("text_output")] == texts
+    assert result.as_numpy("cum_log_probs")[0].tolist() == pytest.approx(cumulative, abs=1e-3)
+    assert result.as_numpy("sequence_index").tolist() == [[0, 1]]
+    streamed = {**inputs, "stream": batch([True], bool)}
+    results, errors = grpc_stream(triton_server, "tensorrt_llm_bls", streamed)
+    assert not errors, errors
+    got = {0: "", 1: ""}
+    for r in results:
+        got[int(r.as_numpy("sequence_index")[0][0])] += r.as_numpy("text_output")[0].decode()
+    assert [got[0], got[1]] == texts
+    # Without num_return_sequences every beam comes back, as TensorRT-LLM returns them.
+    result = grpc_infer(triton_server, "ensemble", trt_inputs([PROMPT], max_tokens=4, beam_width=(3, np.int32)),
+                        ("text_output", "sequence_index"))
+    assert result.as_numpy("sequence_index").tolist() == [[0, 1, 2]]
