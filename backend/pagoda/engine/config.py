@@ -233,8 +233,30 @@ class GuidedConfig:
             raise ValueError(f"guided_compile_timeout_s: must be a number > 0, got {timeout!r}")
 
 
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism inside the replica (pagoda.engine.parallel, docs/parallelism.md)."""
+
+    tensor_parallel_size: int
+    tensor_parallel_timeout_s: float
+    speculative_method: Optional[str]
+    enable_lora: bool
+    cpu_offload_bytes: int
+
+    def __post_init__(self) -> None:
+        _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
+        if not self.tensor_parallel_timeout_s > 0:
+            raise ValueError(f"tensor_parallel_timeout_s: must be > 0, got {self.tensor_parallel_timeout_s!r}")
+        if self.tensor_parallel_size == 1:
+            return
+        for name, on in (("speculative_method", self.speculative_method is not None),
+                         ("enable_lora", self.enable_lora), ("cpu_offload_bytes", self.cpu_offload_bytes > 0)):
+            if on:
+                raise ValueError(f"{name}: not supported with tensor_parallel_size > 1 yet; turn one of them off")
+
+
 GROUPS = (LoadConfig, CacheConfig, SchedulingConfig, SpeculativeConfig, OffloadConfig, LoRAConfig, AdmissionConfig,
-          GuidedConfig)
+          GuidedConfig, ParallelConfig)
 _Group = TypeVar("_Group")
 
 
@@ -312,6 +334,11 @@ class EngineConfig:
     guided_max_schema_depth: int = 32  # nesting of the schema document's objects and arrays
     guided_max_regex_chars: int = 1_000  # a regex, or a schema's "pattern"
     guided_max_length_bound: int = 16_384  # sum of bounded repetitions, nested ones multiplied
+    # Tensor parallelism (pagoda.engine.parallel, docs/parallelism.md): ranks in this replica
+    # (rank 0 is this process, the others spawned workers), and how long a collective waits
+    # for a silent peer before the step fails.
+    tensor_parallel_size: int = 1
+    tensor_parallel_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         for group in GROUPS:  # each validates its own fields
@@ -355,3 +382,7 @@ class EngineConfig:
     @property
     def guided(self) -> GuidedConfig:
         return self._group(GuidedConfig)
+
+    @property
+    def parallel(self) -> ParallelConfig:
+        return self._group(ParallelConfig)

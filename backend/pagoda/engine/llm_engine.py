@@ -41,7 +41,7 @@ from pagoda.engine.config import EngineConfig
 from pagoda.engine.core.engine_core import EngineCore
 from pagoda.engine.guided.backend import XGrammarBackend
 from pagoda.engine.output_processor import OutputProcessor
-from pagoda.engine.runner.executor import make_executor
+from pagoda.engine.parallel import make_executor
 from pagoda.engine.outputs import RequestOutput
 from pagoda.engine.request import EngineRequest, PromptType, RequestStatus
 from pagoda.engine.sampling_params import SamplingParams

@@ -1,0 +1,147 @@
+"""One step's deltas as one packed int64 tensor, broadcast once from rank 0 (``StepSender``)
+and read back into the forward's inputs on every other rank (``StepReceiver``).
+
+The scheduler's plan is already a delta (``engine.scheduler_output``): new block ids
+only, token ids only for prompt chunks and tokens the runner does not hold. Rank 0 applies
+it to its ``RequestStates`` and packs the same delta; a worker keeps its own block tables
+from it, so the tables cross the wire once. Requests are named on the wire by a small
+integer *slot* that rank 0 assigns when a request is new to the runner (``is_new``) and
+forgets when it is preempted or finished. Layout (int64 words)::
+
+    header   kind, length (words), num_scheduled, num_dropped
+    dropped  slot * num_dropped                 (preempted and finished, dropped first)
+    per scheduled request, in batch order:
+             slot, flags (1: is_new, 2: is_sampling), num_computed_tokens, num_new_tokens,
+             num_new_blocks, new block ids..., the step's num_new_tokens input tokens
+
+Every input token travels, so a worker holds no sampled tokens: the one a decode feeds
+back (``StepInput.num_device_tokens``, async scheduling) is copied into its word on the
+device (``index_copy_`` of the runner's kept tokens, no host round trip), the others come
+from rank 0's host copy. Nothing comes back: rank 0 samples from the gathered logits.
+
+The buffer has a fixed capacity sized for a full step (``capacity_for``); a step that does
+not fit (a long prefix-cached table re-sent after a preemption) sends its header first,
+then the whole payload in a second broadcast (``overflows`` counts them). ``KIND_STOP``
+ends the workers' loop. ``send`` times itself: ``total_s`` / ``steps`` is the host cost
+of a step's broadcast (packing, the copy, the collective).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from pagoda.engine.runner.request_states import StepInput
+from pagoda.engine.scheduler_output import SchedulerOutput
+
+KIND_STEP, KIND_STOP = 1, 2
+HEADER = 4
+_IS_NEW, _IS_SAMPLING = 1, 2
+
+
+def capacity_for(max_num_seqs: int, max_num_batched_tokens: int) -> int:
+    """Words that hold any step with at most one new block per 8 tokens plus two per request."""
+    return HEADER + 8 * max_num_seqs + 2 * max_num_batched_tokens
+
+
+class StepSender:
+    """Rank 0's side. Args: group (``ProcessGroup``), capacity (words), device."""
+
+    def __init__(self, group, capacity: int, device: torch.device) -> None:
+        self.group, self.capacity, self.device = group, capacity, device
+        self.buffer = torch.zeros(capacity, dtype=torch.int64, device=device)
+        self._slots: dict[str, int] = {}
+        self._next_slot = 0
+        self.total_s, self.steps, self.overflows = 0.0, 0, 0
+
+    def send(self, scheduler_output: SchedulerOutput, inputs: Sequence[StepInput],
+             placeholder_tokens: Callable[[Sequence[StepInput], list[int]], torch.Tensor]) -> None:
+        """Broadcast one step (``inputs``: ``RequestStates.update``'s result for it)."""
+        start = time.perf_counter()
+        words, fill_at, fill_rows = self._pack(scheduler_output, inputs)
+        payload = self._payload(words)
+        if fill_rows:
+            index = torch.tensor(fill_at, dtype=torch.int64, device=self.device)
+            payload.index_copy_(0, index, placeholder_tokens(inputs, fill_rows))
+        if len(words) > self.capacity:
+            self.overflows += 1
+            self.buffer[:HEADER] = payload[:HEADER]
+            self.group.broadcast(self.buffer)
+        self.group.broadcast(payload)
+        self.total_s += time.perf_counter() - start
+        self.steps += 1
+
+    def stop(self) -> None:
+        """Tell the workers to leave their loop."""
+        self.buffer[:HEADER] = torch.tensor([KIND_STOP, HEADER, 0, 0])
+        self.group.broadcast(self.buffer)
+
+    def _payload(self, words: list[int]) -> torch.Tensor:
+        host = torch.tensor(words, dtype=torch.int64)
+        if len(words) > self.capacity:
+            return host.to(self.device)
+        self.buffer[:len(words)].copy_(host, non_blocking=True)
+        return self.buffer
+
+    def _pack(self, scheduler_output: SchedulerOutput,
+              inputs: Sequence[StepInput]) -> tuple[list[int], list[int], list[int]]:
+        dropped = [self._slots.pop(request_id) for request_id in
+                   scheduler_output.preempted_request_ids + scheduler_output.finished_request_ids
+                   if request_id in self._slots]
+        words = [KIND_STEP, 0, len(inputs), len(dropped), *dropped]
+        fill_at, fill_rows = [], []
+        for row, (item, step_input) in enumerate(zip(scheduler_output.scheduled, inputs)):
+            if item.request_id not in self._slots:  # a re-admitted request keeps its slot (is_new resets it)
+                self._slots[item.request_id] = self._next_slot
+                self._next_slot += 1
+            flags = (_IS_NEW if item.is_new else 0) | (_IS_SAMPLING if item.is_sampling else 0)
+            words += [self._slots[item.request_id], flags, item.num_computed_tokens, item.num_new_tokens,
+                      len(item.new_block_ids), *item.new_block_ids]
+            if step_input.num_device_tokens:
+                fill_at.append(len(words))
+                fill_rows.append(row)
+                words.append(0)
+            words += step_input.token_ids
+        words[1] = len(words)
+        return words, fill_at, fill_rows
+
+
+class StepReceiver:
+    """A worker's side: ``recv()`` returns the step's ``StepInput``s, or None for stop."""
+
+    def __init__(self, group, capacity: int, device: torch.device) -> None:
+        self.group, self.device = group, device
+        self.buffer = torch.zeros(capacity, dtype=torch.int64, device=device)
+        self._tables: dict[int, list[int]] = {}
+
+    def recv(self) -> Optional[list[StepInput]]:
+        self.group.broadcast(self.buffer)
+        kind, length = self.buffer[:2].tolist()
+        if kind == KIND_STOP:
+            return None
+        if length > self.buffer.numel():
+            payload = torch.empty(length, dtype=torch.int64, device=self.device)
+            self.group.broadcast(payload)
+        else:
+            payload = self.buffer
+        return self._unpack(payload[:length].tolist())
+
+    def _unpack(self, words: list[int]) -> list[StepInput]:
+        num_scheduled, num_dropped = words[2], words[3]
+        for slot in words[HEADER:HEADER + num_dropped]:
+            self._tables.pop(slot, None)
+        at, inputs = HEADER + num_dropped, []
+        for _ in range(num_scheduled):
+            slot, flags, computed, num_new, num_blocks = words[at:at + 5]
+            at += 5
+            if flags & _IS_NEW:
+                self._tables[slot] = []
+            table = self._tables[slot]
+            table.extend(words[at:at + num_blocks])
+            at += num_blocks
+            tokens = words[at:at + num_new]
+            at += num_new
+            inputs.append(StepInput(str(slot), computed, num_new, tokens, table, bool(flags & _IS_SAMPLING)))
+        return inputs
