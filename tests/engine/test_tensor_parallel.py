@@ -218,6 +218,8 @@ def test_killed_worker_is_named(tmp_path, smollm2_path):
     path = str(make_random_model(tmp_path / "kv1", "llama-gqa4-hd80-untied", smollm2_path))
     engine = LLMEngine(EngineConfig(model=path, tensor_parallel_size=2))
     try:
+        with pytest.raises(ValueError, match="prompt_logprobs: not supported with tensor_parallel_size > 1"):
+            engine.add_request("p", [1, 2, 3], SamplingParams(max_tokens=2, prompt_logprobs=1))
         worker = engine.executor.parallel.processes[0]
         os.kill(worker.pid, signal.SIGKILL)
         worker.join(timeout=10)

@@ -23,7 +23,8 @@ The buffer has a fixed capacity sized for a full step (``capacity_for``); a step
 not fit (a long prefix-cached table re-sent after a preemption) sends its header first,
 then the whole payload in a second broadcast (``overflows`` counts them). ``KIND_STOP``
 ends the workers' loop. ``send`` times itself: ``total_s`` / ``steps`` is the host cost
-of a step's broadcast (packing, the copy, the collective).
+of a step's broadcast (packing, the copy, the collective); ``last_s`` / ``last_is_decode``
+describe the last one.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ class StepSender:
         self._slots: dict[str, int] = {}
         self._next_slot = 0
         self.total_s, self.steps, self.overflows = 0.0, 0, 0
+        self.last_s, self.last_is_decode = 0.0, False  # the last send (benchmarks split decode steps)
 
     def send(self, scheduler_output: SchedulerOutput, inputs: Sequence[StepInput],
              placeholder_tokens: Callable[[Sequence[StepInput], list[int]], torch.Tensor]) -> None:
@@ -70,7 +72,9 @@ class StepSender:
             self.buffer[:HEADER] = payload[:HEADER]
             self.group.broadcast(self.buffer)
         self.group.broadcast(payload)
-        self.total_s += time.perf_counter() - start
+        self.last_s = time.perf_counter() - start
+        self.last_is_decode = bool(inputs) and all(i.num_new_tokens == 1 for i in inputs)
+        self.total_s += self.last_s
         self.steps += 1
 
     def stop(self) -> None:

@@ -28,6 +28,8 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import shutil
+import sys
 import threading
 import traceback
 from multiprocessing.connection import wait
@@ -73,6 +75,7 @@ class TensorParallelWorkers:
         store = dist.TCPStore(_HOST, 0, size, is_master=True, wait_for_workers=False,
                               timeout=_timedelta(config.tensor_parallel_timeout_s))
         context = multiprocessing.get_context("spawn")
+        context.set_executable(_python_executable())
         processes = []
         for rank in range(1, size):
             process = context.Process(target=worker_main, name=f"pagoda-tp-rank{rank}", daemon=True,
@@ -147,6 +150,17 @@ class TensorParallelWorkers:
             if process.is_alive():
                 process.kill()
                 process.join(timeout=_STOP_GRACE_S)
+
+
+def _python_executable() -> str:
+    """The interpreter for the workers: this process's, unless this process is not a python
+    binary (Triton's Python-backend stub embeds the interpreter); ``PAGODA_PYTHON`` wins."""
+    exe = sys.executable
+    if os.environ.get("PAGODA_PYTHON"):
+        return os.environ["PAGODA_PYTHON"]
+    if exe and os.path.basename(exe).startswith("python"):
+        return exe
+    return shutil.which("python3") or exe
 
 
 def _timedelta(seconds: float):
