@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
+import torch
+
 from pagoda.engine.config import EngineConfig
 from pagoda.engine.parallel.step_wire import StepSender, capacity_for
 from pagoda.engine.parallel.workers import TensorParallelWorkerDied, TensorParallelWorkers
@@ -31,7 +33,8 @@ def make_executor(config: EngineConfig, model_config: ModelConfig, model_path: s
     """The device side for ``config``: one device, or rank 0 of ``tensor_parallel_size`` ranks.
 
     Raises:
-        ValueError: a model dimension the ranks cannot split (named), before any worker starts.
+        ValueError: a model dimension the ranks cannot split (named), or fewer CUDA devices than
+            ranks, before any worker starts.
         RuntimeError: the group did not form, or a worker died while the model loaded.
     """
     size = config.tensor_parallel_size
@@ -39,6 +42,9 @@ def make_executor(config: EngineConfig, model_config: ModelConfig, model_path: s
         return single.make_executor(config, model_config, model_path, make_grammar_backend)
     check_divisible(model_config, size)
     device = resolve_device(config)
+    if device.type == "cuda" and torch.cuda.device_count() < size:
+        raise ValueError(f"tensor_parallel_size={size}: only {torch.cuda.device_count()} CUDA devices are visible "
+                         "(one per rank; check CUDA_VISIBLE_DEVICES)")
     workers = TensorParallelWorkers.start(config, model_config, model_path, device)
     try:
         executor = single.make_executor(config, model_config, model_path, make_grammar_backend,
