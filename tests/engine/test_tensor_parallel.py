@@ -24,6 +24,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -53,6 +54,12 @@ def _prompts(tokenizer) -> list[list[int]]:
             tokenizer.encode("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n")]
 
 
+def _lora_names(engine: LLMEngine) -> list:
+    """With adapters: requests 1 and 3 use the first, the others the base model."""
+    names = engine.list_loras()
+    return [None, names[0], None, names[0]] if names else [None] * 4
+
+
 def _params() -> list[SamplingParams]:
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=1)
     seeded = SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_tokens=MAX_NEW, ignore_eos=True, logprobs=1)
@@ -60,8 +67,8 @@ def _params() -> list[SamplingParams]:
 
 
 def _run(engine: LLMEngine) -> dict[str, tuple[list[int], list[float]]]:
-    for i, (prompt, params) in enumerate(zip(_prompts(engine.tokenizer), _params())):
-        engine.add_request(str(i), prompt, params)
+    for i, (prompt, params, lora) in enumerate(zip(_prompts(engine.tokenizer), _params(), _lora_names(engine))):
+        engine.add_request(str(i), prompt, params, lora_name=lora)
     done = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -106,6 +113,10 @@ def test_kv_heads_fewer_than_ranks_tp2_matches_tp1(tmp_path, smollm2_path):
     _check_same(path, [dict(async_scheduling=True)])
 
 
+def test_lora_adapter_tp2_matches_tp1(smollm2_path, smollm2_lora):
+    _check_same(smollm2_path, [dict(enable_lora=True, lora_modules={"qv": smollm2_lora})])
+
+
 def test_int8_weights_tp2_match_tp1(smollm2_path, monkeypatch):
     # The dequantize path (fp32 matmuls of the int8 shards): the packed CPU kernel returns
     # bf16, whose rounding of each rank's partial sum moves logprobs by ~1e-2 (tokens
@@ -137,15 +148,18 @@ class _Receiving:
 
 
 def _item(request_id: str, computed: int, tokens: list[int], new_blocks: list[int], is_new: bool,
-          runner_tokens: int = 0) -> ScheduledRequest:
-    request = Request(request_id, list(range(1, 40)), SamplingParams(max_tokens=4))
+          runner_tokens: int = 0, adapter: str = None) -> ScheduledRequest:
+    request = Request(request_id, list(range(1, 40)), SamplingParams(max_tokens=4), adapter_id=adapter)
     return ScheduledRequest(request, computed, len(tokens) + runner_tokens, tokens, is_new, new_blocks, True)
 
 
-def test_step_wire_round_trip_with_drops_placeholders_and_overflow():
+def test_step_wire_round_trip_with_drops_placeholders_adapters_and_overflow():
     group = _LoopbackGroup()
-    sender = StepSender(group, capacity=40, device=torch.device("cpu"))
-    receiver = StepReceiver(_Receiving(group.sent), capacity=40, device=torch.device("cpu"))
+    adapters = {"qv": SimpleNamespace(path="/adapters/qv")}
+    sender = StepSender(group, capacity=40, device=torch.device("cpu"), adapters=adapters)
+    loaded = []
+    receiver = StepReceiver(_Receiving(group.sent), capacity=40, device=torch.device("cpu"),
+                            on_adapter=lambda name, path: loaded.append((name, path)))
     states = RequestStates()
     kept = torch.tensor([500, 600])
 
@@ -153,7 +167,7 @@ def test_step_wire_round_trip_with_drops_placeholders_and_overflow():
         return kept[torch.tensor(rows)]
 
     steps = [
-        SchedulerOutput([_item("a", 0, [1, 2, 3], [4, 5], True), _item("b", 0, [7, 8], [9], True)]),
+        SchedulerOutput([_item("a", 0, [1, 2, 3], [4, 5], True, adapter="qv"), _item("b", 0, [7, 8], [9], True)]),
         # b decodes from a token the runner kept on the device (async placeholder).
         SchedulerOutput([_item("b", 2, [], [], False, runner_tokens=1)]),
         # a finished; c arrives with a table long enough to overflow the 40-word buffer.
@@ -163,11 +177,12 @@ def test_step_wire_round_trip_with_drops_placeholders_and_overflow():
         inputs = states.update(step, on_device={"b"})
         sender.send(step, inputs, placeholders)
         got = receiver.recv()
-        assert [(g.num_computed_tokens, g.num_new_tokens, g.block_ids, g.is_sampling) for g in got] == \
-               [(i.num_computed_tokens, i.num_new_tokens, i.block_ids, i.is_sampling) for i in inputs]
+        assert [(g.num_computed_tokens, g.num_new_tokens, g.block_ids, g.is_sampling, g.adapter_id) for g in got] == \
+               [(i.num_computed_tokens, i.num_new_tokens, i.block_ids, i.is_sampling, i.adapter_id) for i in inputs]
         for g, i in zip(got, inputs):
             assert g.token_ids == ([500] if i.num_device_tokens else []) + i.token_ids
     assert sender.overflows == 1 and sender.steps == 3
+    assert loaded == [("qv", "/adapters/qv")]  # announced once, before its first step
     assert len(receiver._tables) == 2  # a's table dropped; b and c kept
     sender.stop()
     assert receiver.recv() is None
@@ -205,8 +220,8 @@ def test_head_ranges_follow_kv_groups():
 
 
 def test_features_not_sharded_yet_are_refused():
-    with pytest.raises(ValueError, match="enable_lora: not supported with tensor_parallel_size > 1"):
-        EngineConfig(tensor_parallel_size=2, enable_lora=True)
+    with pytest.raises(ValueError, match="speculative_method: not supported with tensor_parallel_size > 1"):
+        EngineConfig(tensor_parallel_size=2, speculative_method="ngram")
     with pytest.raises(ValueError, match="tensor_parallel_size: must be an integer >= 1"):
         EngineConfig(tensor_parallel_size=0)
 

@@ -250,7 +250,7 @@ class ParallelConfig:
         if self.tensor_parallel_size == 1:
             return
         for name, on in (("speculative_method", self.speculative_method is not None),
-                         ("enable_lora", self.enable_lora), ("cpu_offload_bytes", self.cpu_offload_bytes > 0)):
+                         ("cpu_offload_bytes", self.cpu_offload_bytes > 0)):
             if on:
                 raise ValueError(f"{name}: not supported with tensor_parallel_size > 1 yet; turn one of them off")
 

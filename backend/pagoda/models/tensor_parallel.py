@@ -29,7 +29,11 @@ the all-reduce's sum: ~1e-6 relative in fp32); the shapes are checked before any
 changed, and a shape that does not divide raises ``ValueError`` naming the dimension.
 Int8 weights (``quantize_model``, per-output-channel scales) are sharded after
 quantization: row slices keep their scales, column slices keep all of them, so the
-quantized shards equal slices of the quantized whole. Families with other pieces
+quantized shards equal slices of the quantized whole. LoRA adapters follow their base
+projection (``lora_slices``): a column-parallel projection keeps B's rows of its outputs
+(A whole), a row-parallel one keeps A's columns of its inputs (B whole), so each rank's
+delta is its partial product and the layer's one all-reduce sums it with the base (the
+slices are taken by ``models.lora.LoRASlots`` from ``tp_shards``, which this module sets). Families with other pieces
 (mixture of experts, Gemma 3, gpt-oss) and fp8/int4 weights are refused for now.
 
 This module never imports the engine: ``group`` is anything with ``rank``, ``size``,
@@ -124,6 +128,7 @@ def _shard_attention(attn: Attention, group: TensorParallelGroup) -> None:
     attn.o_weight = _cols(attn.o_weight, first_q * dim, (first_q + heads) * dim)
     if attn.o_bias is not None and rank != 0:
         attn.o_bias.data.zero_()
+    attn.tp_shards = {"qkv_weight": ("rows", rows), "o_weight": ("cols", (first_q * dim, (first_q + heads) * dim))}
     attn.num_heads, attn.num_kv_heads = heads, kv_heads
     attn.q_size, attn.kv_size = heads * dim, kv_heads * dim
     attn.tp = group
@@ -135,6 +140,7 @@ def _shard_mlp(mlp: MLP, group: TensorParallelGroup) -> None:
     rows = torch.cat([torch.arange(lo, lo + inter), mlp.intermediate_size + torch.arange(lo, lo + inter)])
     mlp.gate_up_weight = _rows(mlp.gate_up_weight, rows)
     mlp.down_weight = _cols(mlp.down_weight, lo, lo + inter)
+    mlp.tp_shards = {"gate_up_weight": ("rows", rows), "down_weight": ("cols", (lo, lo + inter))}
     mlp.intermediate_size = inter
     mlp.tp = group
 

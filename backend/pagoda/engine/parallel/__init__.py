@@ -56,5 +56,7 @@ def make_executor(config: EngineConfig, model_config: ModelConfig, model_path: s
             workers.kill()
         raise
     capacity = capacity_for(config.max_num_seqs, config.max_num_batched_tokens)
-    workers.sender = executor.runner.step_sender = StepSender(workers.group, capacity, executor.runner.device)
+    runner = executor.runner
+    adapters = runner.lora.adapters if runner.lora is not None else None
+    workers.sender = runner.step_sender = StepSender(workers.group, capacity, runner.device, adapters)
     return executor

@@ -11,8 +11,14 @@ forgets when it is preempted or finished. Layout (int64 words)::
     header   kind, length (words), num_scheduled, num_dropped
     dropped  slot * num_dropped                 (preempted and finished, dropped first)
     per scheduled request, in batch order:
-             slot, flags (1: is_new, 2: is_sampling), num_computed_tokens, num_new_tokens,
-             num_new_blocks, new block ids..., the step's num_new_tokens input tokens
+             slot, flags (1: is_new, 2: is_sampling), adapter (0: none, else its number),
+             num_computed_tokens, num_new_tokens, num_new_blocks, new block ids...,
+             the step's num_new_tokens input tokens
+
+LoRA adapters are numbered on the wire too: before the first step that uses an adapter
+(or a re-registered one: a new ``LoRAAdapter`` object under an old name), rank 0 sends a
+``KIND_LORA`` message — ``number``, then the UTF-8 bytes of ``name NUL path``, one per
+word — and each worker loads the adapter from the same path (``on_adapter``).
 
 Every input token travels, so a worker holds no sampled tokens: the one a decode feeds
 back (``StepInput.num_device_tokens``, async scheduling) is copied into its word on the
@@ -37,7 +43,7 @@ import torch
 from pagoda.engine.runner.request_states import StepInput
 from pagoda.engine.scheduler_output import SchedulerOutput
 
-KIND_STEP, KIND_STOP = 1, 2
+KIND_STEP, KIND_STOP, KIND_LORA = 1, 2, 3
 HEADER = 4
 _IS_NEW, _IS_SAMPLING = 1, 2
 
@@ -48,10 +54,13 @@ def capacity_for(max_num_seqs: int, max_num_batched_tokens: int) -> int:
 
 
 class StepSender:
-    """Rank 0's side. Args: group (``ProcessGroup``), capacity (words), device."""
+    """Rank 0's side. Args: group (``ProcessGroup``), capacity (words), device, and
+    ``adapters`` (adapter name -> its ``LoRAAdapter``: the runner's registry) or None."""
 
-    def __init__(self, group, capacity: int, device: torch.device) -> None:
+    def __init__(self, group, capacity: int, device: torch.device, adapters: Optional[dict] = None) -> None:
         self.group, self.capacity, self.device = group, capacity, device
+        self.adapters = adapters if adapters is not None else {}
+        self._announced: dict[str, tuple[int, object]] = {}  # name -> (wire number, the adapter sent)
         self.buffer = torch.zeros(capacity, dtype=torch.int64, device=device)
         self._slots: dict[str, int] = {}
         self._next_slot = 0
@@ -62,20 +71,37 @@ class StepSender:
              placeholder_tokens: Callable[[Sequence[StepInput], list[int]], torch.Tensor]) -> None:
         """Broadcast one step (``inputs``: ``RequestStates.update``'s result for it)."""
         start = time.perf_counter()
+        for step_input in inputs:
+            if step_input.adapter_id is not None:
+                self._announce(step_input.adapter_id)
         words, fill_at, fill_rows = self._pack(scheduler_output, inputs)
         payload = self._payload(words)
         if fill_rows:
             index = torch.tensor(fill_at, dtype=torch.int64, device=self.device)
             payload.index_copy_(0, index, placeholder_tokens(inputs, fill_rows))
-        if len(words) > self.capacity:
-            self.overflows += 1
-            self.buffer[:HEADER] = payload[:HEADER]
-            self.group.broadcast(self.buffer)
-        self.group.broadcast(payload)
+        self._broadcast(payload, len(words))
         self.last_s = time.perf_counter() - start
         self.last_is_decode = bool(inputs) and all(i.num_new_tokens == 1 for i in inputs)
         self.total_s += self.last_s
         self.steps += 1
+
+    def _broadcast(self, payload: torch.Tensor, length: int) -> None:
+        if length > self.capacity:
+            self.overflows += 1
+            self.buffer[:HEADER] = payload[:HEADER]
+            self.group.broadcast(self.buffer)
+        self.group.broadcast(payload)
+
+    def _announce(self, name: str) -> None:
+        adapter = self.adapters[name]
+        known = self._announced.get(name)
+        if known is not None and known[1] is adapter:
+            return
+        number = known[0] if known is not None else len(self._announced) + 1
+        self._announced[name] = (number, adapter)
+        text = list(f"{name}\0{adapter.path}".encode())
+        words = [KIND_LORA, HEADER + len(text), number, 0, *text]
+        self._broadcast(self._payload(words), len(words))
 
     def stop(self) -> None:
         """Tell the workers to leave their loop."""
@@ -101,7 +127,8 @@ class StepSender:
                 self._slots[item.request_id] = self._next_slot
                 self._next_slot += 1
             flags = (_IS_NEW if item.is_new else 0) | (_IS_SAMPLING if item.is_sampling else 0)
-            words += [self._slots[item.request_id], flags, item.num_computed_tokens, item.num_new_tokens,
+            adapter = self._announced[step_input.adapter_id][0] if step_input.adapter_id is not None else 0
+            words += [self._slots[item.request_id], flags, adapter, item.num_computed_tokens, item.num_new_tokens,
                       len(item.new_block_ids), *item.new_block_ids]
             if step_input.num_device_tokens:
                 fill_at.append(len(words))
@@ -113,24 +140,40 @@ class StepSender:
 
 
 class StepReceiver:
-    """A worker's side: ``recv()`` returns the step's ``StepInput``s, or None for stop."""
+    """A worker's side: ``recv()`` returns the step's ``StepInput``s, or None for stop.
+    ``on_adapter(name, path)`` loads an announced LoRA adapter (the worker's registry)."""
 
-    def __init__(self, group, capacity: int, device: torch.device) -> None:
+    def __init__(self, group, capacity: int, device: torch.device,
+                 on_adapter: Optional[Callable[[str, str], None]] = None) -> None:
         self.group, self.device = group, device
         self.buffer = torch.zeros(capacity, dtype=torch.int64, device=device)
+        self.on_adapter = on_adapter
         self._tables: dict[int, list[int]] = {}
+        self._adapters: dict[int, str] = {}
 
     def recv(self) -> Optional[list[StepInput]]:
+        while True:
+            words = self._message()
+            if words[0] == KIND_STOP:
+                return None
+            if words[0] == KIND_STEP:
+                return self._unpack(words)
+            name, path = bytes(words[HEADER:]).decode().split("\0", 1)
+            self._adapters[words[2]] = name
+            assert self.on_adapter is not None, "a LoRA adapter was announced to a worker without LoRA"
+            self.on_adapter(name, path)
+
+    def _message(self) -> list[int]:
         self.group.broadcast(self.buffer)
         kind, length = self.buffer[:2].tolist()
         if kind == KIND_STOP:
-            return None
+            return [kind]
         if length > self.buffer.numel():
             payload = torch.empty(length, dtype=torch.int64, device=self.device)
             self.group.broadcast(payload)
         else:
             payload = self.buffer
-        return self._unpack(payload[:length].tolist())
+        return payload[:length].tolist()
 
     def _unpack(self, words: list[int]) -> list[StepInput]:
         num_scheduled, num_dropped = words[2], words[3]
@@ -138,8 +181,8 @@ class StepReceiver:
             self._tables.pop(slot, None)
         at, inputs = HEADER + num_dropped, []
         for _ in range(num_scheduled):
-            slot, flags, computed, num_new, num_blocks = words[at:at + 5]
-            at += 5
+            slot, flags, adapter, computed, num_new, num_blocks = words[at:at + 6]
+            at += 6
             if flags & _IS_NEW:
                 self._tables[slot] = []
             table = self._tables[slot]
@@ -147,5 +190,6 @@ class StepReceiver:
             at += num_blocks
             tokens = words[at:at + num_new]
             at += num_new
-            inputs.append(StepInput(str(slot), computed, num_new, tokens, table, bool(flags & _IS_SAMPLING)))
+            inputs.append(StepInput(str(slot), computed, num_new, tokens, table, bool(flags & _IS_SAMPLING),
+                                    adapter_id=self._adapters[adapter] if adapter else None))
         return inputs

@@ -180,6 +180,13 @@ def _exit_with_parent() -> None:
     threading.Thread(target=watch, name="pagoda-tp-parent-watch", daemon=True).start()
 
 
+def _load_adapter(runner: ModelRunner, name: str, path: str) -> None:
+    """An adapter rank 0 announced (new, or re-registered under its name): load this rank's slices."""
+    if name in runner.lora.adapters:
+        runner.lora.remove(name)
+    runner.lora.add(name, path)
+
+
 def worker_main(rank: int, port: int, config: EngineConfig, model_config: ModelConfig, model_path: str) -> None:
     """One worker's whole life: join the group, build the runner, run the steps it receives."""
     _exit_with_parent()
@@ -194,7 +201,8 @@ def worker_main(rank: int, port: int, config: EngineConfig, model_config: ModelC
         store = dist.TCPStore(_HOST, port, size, is_master=False, timeout=_timedelta(config.tensor_parallel_timeout_s))
         group = ProcessGroup(rank, size, store, device, config.tensor_parallel_timeout_s)
         runner = ModelRunner(config, model_config, model_path, tp=group)
-        receiver = StepReceiver(group, capacity_for(config.max_num_seqs, config.max_num_batched_tokens), device)
+        receiver = StepReceiver(group, capacity_for(config.max_num_seqs, config.max_num_batched_tokens), device,
+                                on_adapter=lambda name, path: _load_adapter(runner, name, path))
         while (inputs := receiver.recv()) is not None:
             if inputs:
                 runner.compute_logits(inputs)
