@@ -51,19 +51,20 @@ def _prompts(tokenizer) -> list[list[int]]:
     return [tokenizer.encode("The capital of France is"),
             shared + tokenizer.encode(" One morning he wrote"),
             shared + tokenizer.encode(" Years later, his granddaughter found it and"),
-            tokenizer.encode("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n")]
+            tokenizer.encode("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"),
+            tokenizer.encode("The cat sat on the mat. " * 3 + "The cat")]  # prompt lookup drafts and hits
 
 
 def _lora_names(engine: LLMEngine) -> list:
     """With adapters: requests 1 and 3 use the first, the others the base model."""
     names = engine.list_loras()
-    return [None, names[0], None, names[0]] if names else [None] * 4
+    return [None, names[0], None, names[0], None] if names else [None] * 5
 
 
 def _params() -> list[SamplingParams]:
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=1)
     seeded = SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_tokens=MAX_NEW, ignore_eos=True, logprobs=1)
-    return [greedy, seeded, greedy, seeded]
+    return [greedy, seeded, greedy, seeded, greedy]
 
 
 def _run(engine: LLMEngine) -> dict[str, tuple[list[int], list[float]]]:
@@ -84,7 +85,8 @@ def _engine(path: str, tp: int, **kw) -> LLMEngine:
                                   num_gpu_blocks_override=9, **kw))
 
 
-def _check_same(path: str, cases: list[dict]) -> None:
+def _check_same(path: str, cases: list[dict]):
+    """TP=2 runs of each case equal one TP=1 run of the first; returns the last TP=2 run's stats."""
     reference = _engine(path, 1, **cases[0])
     try:
         expected = _run(reference)
@@ -102,10 +104,17 @@ def _check_same(path: str, cases: list[dict]) -> None:
             assert max(abs(a - b) for a, b in zip(got[request_id][1], logprobs)) < 1e-4, kw
         assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0, stats
         assert stats.num_free_blocks == stats.num_blocks
+    return stats
 
 
 def test_default_model_tp2_matches_tp1(smollm2_path):
     _check_same(smollm2_path, [dict(), dict(async_scheduling=True)])
+
+
+def test_prompt_lookup_speculation_tp2_matches_tp1(smollm2_path):
+    stats = _check_same(smollm2_path, [dict(speculative_method="ngram", num_speculative_tokens=3,
+                                            spec_adaptive=False)])
+    assert stats.spec_num_draft_tokens > 0 and stats.spec_num_accepted_tokens > 0, stats
 
 
 def test_kv_heads_fewer_than_ranks_tp2_matches_tp1(tmp_path, smollm2_path):
@@ -221,7 +230,7 @@ def test_head_ranges_follow_kv_groups():
 
 def test_features_not_sharded_yet_are_refused():
     with pytest.raises(ValueError, match="speculative_method: not supported with tensor_parallel_size > 1"):
-        EngineConfig(tensor_parallel_size=2, speculative_method="ngram")
+        EngineConfig(tensor_parallel_size=2, speculative_method="draft", speculative_draft_num_layers=1)
     with pytest.raises(ValueError, match="tensor_parallel_size: must be an integer >= 1"):
         EngineConfig(tensor_parallel_size=0)
 

@@ -249,7 +249,7 @@ class ParallelConfig:
             raise ValueError(f"tensor_parallel_timeout_s: must be > 0, got {self.tensor_parallel_timeout_s!r}")
         if self.tensor_parallel_size == 1:
             return
-        for name, on in (("speculative_method", self.speculative_method is not None),
+        for name, on in (("speculative_method", self.speculative_method == "draft"),
                          ("cpu_offload_bytes", self.cpu_offload_bytes > 0)):
             if on:
                 raise ValueError(f"{name}: not supported with tensor_parallel_size > 1 yet; turn one of them off")

@@ -12,6 +12,7 @@ forgets when it is preempted or finished. Layout (int64 words)::
     dropped  slot * num_dropped                 (preempted and finished, dropped first)
     per scheduled request, in batch order:
              slot, flags (1: is_new, 2: is_sampling), adapter (0: none, else its number),
+             num_spec (drafted tokens, the last of the inputs: prompt-lookup speculation),
              num_computed_tokens, num_new_tokens, num_new_blocks, new block ids...,
              the step's num_new_tokens input tokens
 
@@ -49,8 +50,9 @@ _IS_NEW, _IS_SAMPLING = 1, 2
 
 
 def capacity_for(max_num_seqs: int, max_num_batched_tokens: int) -> int:
-    """Words that hold any step with at most one new block per 8 tokens plus two per request."""
-    return HEADER + 8 * max_num_seqs + 2 * max_num_batched_tokens
+    """Words that hold any step with at most one new block per token (the overflow path takes the rest)
+    plus 7 words and three blocks per request."""
+    return HEADER + 10 * max_num_seqs + 2 * max_num_batched_tokens
 
 
 class StepSender:
@@ -128,8 +130,8 @@ class StepSender:
                 self._next_slot += 1
             flags = (_IS_NEW if item.is_new else 0) | (_IS_SAMPLING if item.is_sampling else 0)
             adapter = self._announced[step_input.adapter_id][0] if step_input.adapter_id is not None else 0
-            words += [self._slots[item.request_id], flags, adapter, item.num_computed_tokens, item.num_new_tokens,
-                      len(item.new_block_ids), *item.new_block_ids]
+            words += [self._slots[item.request_id], flags, adapter, len(step_input.spec_token_ids),
+                      item.num_computed_tokens, item.num_new_tokens, len(item.new_block_ids), *item.new_block_ids]
             if step_input.num_device_tokens:
                 fill_at.append(len(words))
                 fill_rows.append(row)
@@ -181,8 +183,8 @@ class StepReceiver:
             self._tables.pop(slot, None)
         at, inputs = HEADER + num_dropped, []
         for _ in range(num_scheduled):
-            slot, flags, adapter, computed, num_new, num_blocks = words[at:at + 6]
-            at += 6
+            slot, flags, adapter, num_spec, computed, num_new, num_blocks = words[at:at + 7]
+            at += 7
             if flags & _IS_NEW:
                 self._tables[slot] = []
             table = self._tables[slot]
@@ -191,5 +193,6 @@ class StepReceiver:
             tokens = words[at:at + num_new]
             at += num_new
             inputs.append(StepInput(str(slot), computed, num_new, tokens, table, bool(flags & _IS_SAMPLING),
+                                    tokens[num_new - num_spec:] if num_spec else [],
                                     adapter_id=self._adapters[adapter] if adapter else None))
         return inputs
