@@ -19,8 +19,8 @@ workers run theirs:
 4. ``stop``: broadcast the stop message, join; whatever is still alive after the grace
    period is killed.
 
-On CPU each rank runs ``cpu_count // N`` intra-op threads (rank 0 included), so N ranks
-share the cores instead of oversubscribing them.
+On CPU each rank runs ``cpu_count // N`` intra-op threads (rank 0 included, until
+``stop``), so N ranks share the cores instead of oversubscribing them.
 """
 
 from __future__ import annotations
@@ -67,6 +67,7 @@ class TensorParallelWorkers:
         self.group = group
         self._store = store
         self.sender: Optional[StepSender] = None  # set by the executor once its runner exists
+        self.threads = torch.get_num_threads()  # rank 0's before start; restored by kill()
 
     @classmethod
     def start(cls, config: EngineConfig, model_config: ModelConfig, model_path: str,
@@ -82,9 +83,9 @@ class TensorParallelWorkers:
                                       args=(rank, store.port, config, model_config, model_path))
             process.start()
             processes.append(process)
+        workers = cls(processes, None, store)  # type: ignore[arg-type]
         if device.type == "cpu":
             share_cpu_threads(size)
-        workers = cls(processes, None, store)  # type: ignore[arg-type]
         try:
             workers.group = workers._join(ProcessGroup, 0, size, store, device, config.tensor_parallel_timeout_s)
         except BaseException:
@@ -146,10 +147,12 @@ class TensorParallelWorkers:
         self.kill()
 
     def kill(self) -> None:
+        """Kill what is still alive and give rank 0 its torch threads back."""
         for process in self.processes:
             if process.is_alive():
                 process.kill()
                 process.join(timeout=_STOP_GRACE_S)
+        torch.set_num_threads(self.threads)
 
 
 def _python_executable() -> str:
