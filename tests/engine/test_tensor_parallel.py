@@ -231,6 +231,8 @@ def test_head_ranges_follow_kv_groups():
 def test_features_not_sharded_yet_are_refused():
     with pytest.raises(ValueError, match="speculative_method: not supported with tensor_parallel_size > 1"):
         EngineConfig(tensor_parallel_size=2, speculative_method="draft", speculative_draft_num_layers=1)
+    with pytest.raises(ValueError, match="cpu_offload_bytes: not supported with tensor_parallel_size > 1"):
+        EngineConfig(tensor_parallel_size=2, cpu_offload_bytes=1 << 20)
     with pytest.raises(ValueError, match="tensor_parallel_size: must be an integer >= 1"):
         EngineConfig(tensor_parallel_size=0)
 

@@ -239,20 +239,11 @@ class ParallelConfig:
 
     tensor_parallel_size: int
     tensor_parallel_timeout_s: float
-    speculative_method: Optional[str]
-    enable_lora: bool
-    cpu_offload_bytes: int
 
     def __post_init__(self) -> None:
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         if not self.tensor_parallel_timeout_s > 0:
             raise ValueError(f"tensor_parallel_timeout_s: must be > 0, got {self.tensor_parallel_timeout_s!r}")
-        if self.tensor_parallel_size == 1:
-            return
-        for name, on in (("speculative_method", self.speculative_method == "draft"),
-                         ("cpu_offload_bytes", self.cpu_offload_bytes > 0)):
-            if on:
-                raise ValueError(f"{name}: not supported with tensor_parallel_size > 1 yet; turn one of them off")
 
 
 GROUPS = (LoadConfig, CacheConfig, SchedulingConfig, SpeculativeConfig, OffloadConfig, LoRAConfig, AdmissionConfig,
@@ -346,6 +337,11 @@ class EngineConfig:
         if self.enable_lora and self.speculative_method is not None:
             raise ValueError("enable_lora: speculative decoding with LoRA adapters is not supported yet; "
                              "turn one of them off")
+        if self.tensor_parallel_size > 1:
+            for name, on in (("speculative_method", self.speculative_method == "draft"),
+                             ("cpu_offload_bytes", self.cpu_offload_bytes > 0)):
+                if on:
+                    raise ValueError(f"{name}: not supported with tensor_parallel_size > 1 yet; turn one of them off")
 
     def _group(self, cls: type[_Group]) -> _Group:
         return cls(**{f.name: getattr(self, f.name) for f in dataclasses.fields(cls)})
