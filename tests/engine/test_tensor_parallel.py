@@ -30,6 +30,7 @@ import pytest
 import torch
 
 from pagoda.engine.config import EngineConfig
+from pagoda.engine.llm import LLM
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.engine.parallel import TensorParallelWorkerDied
 from pagoda.engine.parallel.step_wire import StepReceiver, StepSender
@@ -242,17 +243,17 @@ def test_features_not_sharded_yet_are_refused():
 
 def test_killed_worker_is_named(tmp_path, smollm2_path):
     path = str(make_random_model(tmp_path / "kv1", "llama-gqa4-hd80-untied", smollm2_path))
-    engine = LLMEngine(EngineConfig(model=path, tensor_parallel_size=2))
+    llm = LLM(path, tensor_parallel_size=2)
+    engine = llm.engine
     try:
+        assert len(llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True))[0].outputs[0].token_ids) == 3
         with pytest.raises(ValueError, match="prompt_logprobs: not supported with tensor_parallel_size > 1"):
             engine.add_request("p", [1, 2, 3], SamplingParams(max_tokens=2, prompt_logprobs=1))
         worker = engine.executor.parallel.processes[0]
         os.kill(worker.pid, signal.SIGKILL)
         worker.join(timeout=10)
-        engine.add_request("x", [1, 2, 3], SamplingParams(max_tokens=2))
         with pytest.raises(TensorParallelWorkerDied, match=r"rank 1 \(pid \d+\) exited with code -9"):
-            while engine.has_unfinished_requests():
-                engine.step()
+            llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
     finally:
         engine.shutdown()
 
