@@ -338,10 +338,9 @@ class EngineConfig:
             raise ValueError("enable_lora: speculative decoding with LoRA adapters is not supported yet; "
                              "turn one of them off")
         if self.tensor_parallel_size > 1:
-            for name, on in (("speculative_method", self.speculative_method == "draft"),
-                             ("cpu_offload_bytes", self.cpu_offload_bytes > 0)):
-                if on:
-                    raise ValueError(f"{name}: not supported with tensor_parallel_size > 1 yet; turn one of them off")
+            if self.speculative_method == "draft":
+                raise ValueError("speculative_method: 'draft' is not supported with tensor_parallel_size > 1 yet; "
+                                 "use 'ngram' or turn one of them off")
 
     def _group(self, cls: type[_Group]) -> _Group:
         return cls(**{f.name: getattr(self, f.name) for f in dataclasses.fields(cls)})

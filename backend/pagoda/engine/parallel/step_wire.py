@@ -10,6 +10,8 @@ forgets when it is preempted or finished. Layout (int64 words)::
 
     header   kind, length (words), num_scheduled, num_dropped
     dropped  slot * num_dropped                 (preempted and finished, dropped first)
+    copies   n, (device src, host dst) * n      (KV tier: swap-outs, run first)
+             m, (host src, device dst) * m      (swap-ins then prefix copy-backs)
     per scheduled request, in batch order:
              slot, flags (1: is_new, 2: is_sampling), adapter (0: none, else its number),
              num_spec (drafted tokens, the last of the inputs: prompt-lookup speculation),
@@ -123,6 +125,9 @@ class StepSender:
                    scheduler_output.preempted_request_ids + scheduler_output.finished_request_ids
                    if request_id in self._slots]
         words = [KIND_STEP, 0, len(inputs), len(dropped), *dropped]
+        for pairs in (scheduler_output.blocks_to_swap_out,
+                      list(scheduler_output.blocks_to_swap_in) + list(scheduler_output.blocks_to_copy_back)):
+            words += [len(pairs), *(block for pair in pairs for block in pair)]
         fill_at, fill_rows = [], []
         for row, (item, step_input) in enumerate(zip(scheduler_output.scheduled, inputs)):
             if item.request_id not in self._slots:  # a re-admitted request keeps its slot (is_new resets it)
@@ -143,7 +148,8 @@ class StepSender:
 
 class StepReceiver:
     """A worker's side: ``recv()`` returns the step's ``StepInput``s, or None for stop.
-    ``on_adapter(name, path)`` loads an announced LoRA adapter (the worker's registry)."""
+    ``on_adapter(name, path)`` loads an announced LoRA adapter (the worker's registry);
+    ``host`` (a ``HostKVCache``, or None) runs each step's KV-tier copies before it returns."""
 
     def __init__(self, group, capacity: int, device: torch.device,
                  on_adapter: Optional[Callable[[str, str], None]] = None) -> None:
@@ -152,6 +158,7 @@ class StepReceiver:
         self.on_adapter = on_adapter
         self._tables: dict[int, list[int]] = {}
         self._adapters: dict[int, str] = {}
+        self.host = None
 
     def recv(self) -> Optional[list[StepInput]]:
         while True:
@@ -182,6 +189,12 @@ class StepReceiver:
         for slot in words[HEADER:HEADER + num_dropped]:
             self._tables.pop(slot, None)
         at, inputs = HEADER + num_dropped, []
+        for copy in ("swap_out", "swap_in"):
+            n = words[at]
+            pairs = [(words[at + 1 + 2 * i], words[at + 2 + 2 * i]) for i in range(n)]
+            at += 1 + 2 * n
+            if pairs:
+                getattr(self.host, copy)(pairs)
         for _ in range(num_scheduled):
             slot, flags, adapter, num_spec, computed, num_new, num_blocks = words[at:at + 7]
             at += 7

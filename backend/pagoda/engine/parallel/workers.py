@@ -41,6 +41,7 @@ import torch.distributed as dist
 from pagoda.engine.config import EngineConfig
 from pagoda.engine.parallel.group import ProcessGroup
 from pagoda.engine.parallel.step_wire import StepReceiver, StepSender, capacity_for
+from pagoda.engine.runner.host_kv_cache import HostKVCache, measure_prefill_s_per_token
 from pagoda.engine.runner.model_runner import ModelRunner, resolve_device
 from pagoda.models.config import ModelConfig
 
@@ -206,6 +207,10 @@ def worker_main(rank: int, port: int, config: EngineConfig, model_config: ModelC
         runner = ModelRunner(config, model_config, model_path, tp=group)
         receiver = StepReceiver(group, capacity_for(config.max_num_seqs, config.max_num_batched_tokens), device,
                                 on_adapter=lambda name, path: _load_adapter(runner, name, path))
+        if config.cpu_offload_bytes:  # the same collectives, in the same order, as rank 0's _make_host_tier
+            receiver.host = HostKVCache.for_runner(runner, config.cpu_offload_bytes)
+            if config.preemption_mode == "auto" and config.prefill_s_per_token is None:
+                measure_prefill_s_per_token(runner)  # rank 0's calibrate runs this forward
         while (inputs := receiver.recv()) is not None:
             if inputs:
                 runner.compute_logits(inputs)
