@@ -65,7 +65,10 @@ def _lora_names(engine: LLMEngine) -> list:
 def _params() -> list[SamplingParams]:
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=1)
     seeded = SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_tokens=MAX_NEW, ignore_eos=True, logprobs=1)
-    return [greedy, seeded, greedy, seeded, greedy]
+    # Request 1's prompt spans two chunks; its prompt log-probabilities come from the gathered logits.
+    with_prompt = SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_tokens=MAX_NEW, ignore_eos=True,
+                                 logprobs=1, prompt_logprobs=2)
+    return [greedy, with_prompt, greedy, seeded, greedy]
 
 
 def _run(engine: LLMEngine) -> dict[str, tuple[list[int], list[float]]]:
@@ -76,7 +79,8 @@ def _run(engine: LLMEngine) -> dict[str, tuple[list[int], list[float]]]:
         for out in engine.step():
             if out.finished:
                 completion = out.outputs[0]
-                done[out.request_id] = (completion.token_ids, [lp.logprob for lp in completion.logprobs])
+                prompt = [lp.logprob for lp in out.prompt_logprobs or [] if lp is not None]
+                done[out.request_id] = (completion.token_ids, [lp.logprob for lp in completion.logprobs] + prompt)
     return done
 
 
@@ -100,8 +104,10 @@ def _check_same(path: str, cases: list[dict]):
             stats = engine.get_stats()
         finally:
             engine.shutdown()
+        assert len(expected["1"][1]) > MAX_NEW, "request 1's prompt log-probabilities are compared"
         for request_id, (tokens, logprobs) in expected.items():
             assert got[request_id][0] == tokens, f"{kw}: request {request_id}"
+            assert len(got[request_id][1]) == len(logprobs)
             assert max(abs(a - b) for a, b in zip(got[request_id][1], logprobs)) < 1e-4, kw
         assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0, stats
         assert stats.num_free_blocks == stats.num_blocks
@@ -253,8 +259,6 @@ def test_killed_worker_is_named(tmp_path, smollm2_path):
     engine = llm.engine
     try:
         assert len(llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True))[0].outputs[0].token_ids) == 3
-        with pytest.raises(ValueError, match="prompt_logprobs: not supported with tensor_parallel_size > 1"):
-            engine.add_request("p", [1, 2, 3], SamplingParams(max_tokens=2, prompt_logprobs=1))
         worker = engine.executor.parallel.processes[0]
         os.kill(worker.pid, signal.SIGKILL)
         worker.join(timeout=10)

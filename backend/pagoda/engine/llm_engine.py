@@ -175,8 +175,6 @@ class LLMEngine:
         if request.params.speculative and self.speculator is None:
             raise ValueError("speculative: this server has no speculative decoding configured "
                              "(EngineConfig.speculative_method is None)")
-        if request.params.prompt_logprobs is not None and self.config.tensor_parallel_size > 1:
-            raise ValueError("prompt_logprobs: not supported with tensor_parallel_size > 1 yet")
         request_id = request.request_id
         if not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id: must be a non-empty string")

@@ -15,6 +15,7 @@ forgets when it is preempted or finished. Layout (int64 words)::
     per scheduled request, in batch order:
              slot, flags (1: is_new, 2: is_sampling), adapter (0: none, else its number),
              num_spec (drafted tokens, the last of the inputs: prompt-lookup speculation),
+             prompt_rows (0, or 1 + the rows of prompt log-probabilities it asks this step),
              num_computed_tokens, num_new_tokens, num_new_blocks, new block ids...,
              the step's num_new_tokens input tokens
 
@@ -136,7 +137,7 @@ class StepSender:
             flags = (_IS_NEW if item.is_new else 0) | (_IS_SAMPLING if item.is_sampling else 0)
             adapter = self._announced[step_input.adapter_id][0] if step_input.adapter_id is not None else 0
             words += [self._slots[item.request_id], flags, adapter, len(step_input.spec_token_ids),
-                      item.num_computed_tokens, item.num_new_tokens, len(item.new_block_ids), *item.new_block_ids]
+                      _prompt_rows(step_input), item.num_computed_tokens, item.num_new_tokens, len(item.new_block_ids), *item.new_block_ids]
             if step_input.num_device_tokens:
                 fill_at.append(len(words))
                 fill_rows.append(row)
@@ -144,6 +145,15 @@ class StepSender:
             words += step_input.token_ids
         words[1] = len(words)
         return words, fill_at, fill_rows
+
+
+def _prompt_rows(step_input: StepInput) -> int:
+    """0 without prompt log-probabilities, else 1 + the rows ``PromptRows.build`` takes for it."""
+    if step_input.prompt_logprobs is None:
+        return 0
+    start = step_input.num_computed_tokens
+    end = min(start + step_input.num_new_tokens, len(step_input.prompt_token_ids) - 1)
+    return 1 + max(end - start, 0)
 
 
 class StepReceiver:
@@ -196,8 +206,8 @@ class StepReceiver:
             if pairs:
                 getattr(self.host, copy)(pairs)
         for _ in range(num_scheduled):
-            slot, flags, adapter, num_spec, computed, num_new, num_blocks = words[at:at + 7]
-            at += 7
+            slot, flags, adapter, num_spec, prompt_rows, computed, num_new, num_blocks = words[at:at + 8]
+            at += 8
             if flags & _IS_NEW:
                 self._tables[slot] = []
             table = self._tables[slot]
@@ -207,5 +217,8 @@ class StepReceiver:
             at += num_new
             inputs.append(StepInput(str(slot), computed, num_new, tokens, table, bool(flags & _IS_SAMPLING),
                                     tokens[num_new - num_spec:] if num_spec else [],
-                                    adapter_id=self._adapters[adapter] if adapter else None))
+                                    adapter_id=self._adapters[adapter] if adapter else None,
+                                    # a stand-in prompt whose length gives PromptRows the same rows
+                                    prompt_logprobs=0 if prompt_rows else None,
+                                    prompt_token_ids=range(computed + prompt_rows) if prompt_rows else ()))
         return inputs

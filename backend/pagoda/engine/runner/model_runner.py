@@ -241,6 +241,8 @@ class ModelRunner:
         plan = PromptRows.build(scheduled, flat.offsets) if wants_prompt else None
         if plan is not None and prompt_logprobs is not None:
             prompt_logprobs.update(plan.compute(self.model, hidden, self.model_config.vocab_size))
+        elif plan is not None:  # a tensor-parallel worker: rank 0 computes them from the gathered logits
+            plan.run_head_only(self.model, hidden)
         if not flat.sample_rows:
             return torch.empty(0, self.model_config.vocab_size, device=self.device)
         rows = torch.tensor(flat.sample_rows, dtype=torch.int64, device=self.device)
