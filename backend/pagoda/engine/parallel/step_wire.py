@@ -53,8 +53,8 @@ _IS_NEW, _IS_SAMPLING = 1, 2
 
 
 def capacity_for(max_num_seqs: int, max_num_batched_tokens: int) -> int:
-    """Words that hold any step with at most one new block per token (the overflow path takes the rest)
-    plus 7 words and three blocks per request."""
+    """Words for a step of up to ``max_num_batched_tokens`` input tokens, as many new blocks,
+    and 8 words plus 2 more blocks per request; a larger step takes the overflow path."""
     return HEADER + 10 * max_num_seqs + 2 * max_num_batched_tokens
 
 
