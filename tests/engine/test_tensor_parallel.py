@@ -141,13 +141,14 @@ def test_kv_swap_to_the_cpu_tier_tp2_matches_tp1(tmp_path, smollm2_path):
     _check_same(path, [dict(cpu_offload_bytes=64 << 20, preemption_mode="auto")])
 
 
-def test_int8_weights_tp2_match_tp1(smollm2_path, monkeypatch):
+def test_int8_weights_tp2_match_tp1(tmp_path, smollm2_path, monkeypatch):
     # The dequantize path (fp32 matmuls of the int8 shards): the packed CPU kernel returns
     # bf16, whose rounding of each rank's partial sum moves logprobs by ~1e-2 (tokens
     # still matched when measured); here the shards themselves are checked. The workers
     # inherit the variable.
     monkeypatch.setenv("PAGODA_INT8_KERNEL", "dequantize")
-    _check_same(smollm2_path, [dict(quantization="int8")])
+    path = str(make_random_model(tmp_path / "kv1", "llama-gqa4-hd80-untied", smollm2_path))
+    _check_same(path, [dict(quantization="int8")])
 
 
 # ---- the wire ---------------------------------------------------------------------------
