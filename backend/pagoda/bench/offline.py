@@ -10,6 +10,7 @@ greedy, ``ignore_eos``) on the same weights in one process, one after the other:
 
 pagoda runs twice by default, synchronous and with ``async_scheduling`` (the host
 prepares step N+1 and finishes step N-1 while step N runs); ``--overlap`` picks one.
+``--tensor-parallel-size N`` runs ``bench/tensor_parallel.py`` instead: TP=1 vs TP=N.
 ``--repeats N`` runs the workload N times per mode on the same two engines, alternating
 the modes, and reports each mode's fastest pass (all passes go into ``--json``).
 For each it prints the per-step timing from ``EngineStats``: host time inside
@@ -172,11 +173,21 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=1,
                         help="passes of the workload per pagoda mode, modes alternating; the fastest is reported")
     parser.add_argument("--json", default=None, help="also write the results to this file")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="N > 1: run the workload at TP=1 and TP=N instead (bench/tensor_parallel.py)")
+    parser.add_argument("--tp-config", choices=("0.5b", "default"), default="0.5b",
+                        help="with --tensor-parallel-size: a ~0.5B random Llama config, or the default model")
+    parser.add_argument("--tp-max-tokens", type=int, default=32,
+                        help="with --tensor-parallel-size: cap on each request's output tokens")
     args = parser.parse_args(argv)
     from pagoda.models.gguf_import import ensure_default_model
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.tensor_parallel_size > 1:
+        from pagoda.bench import tensor_parallel
+
+        return tensor_parallel.main(args)
     model_path = str(args.model or ensure_default_model())
     items = make_workload(args.num_requests, args.seed)
     torch.manual_seed(0)

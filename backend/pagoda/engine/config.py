@@ -233,8 +233,21 @@ class GuidedConfig:
             raise ValueError(f"guided_compile_timeout_s: must be a number > 0, got {timeout!r}")
 
 
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism inside the replica (pagoda.engine.parallel, docs/parallelism.md)."""
+
+    tensor_parallel_size: int
+    tensor_parallel_timeout_s: float
+
+    def __post_init__(self) -> None:
+        _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
+        if not self.tensor_parallel_timeout_s > 0:
+            raise ValueError(f"tensor_parallel_timeout_s: must be > 0, got {self.tensor_parallel_timeout_s!r}")
+
+
 GROUPS = (LoadConfig, CacheConfig, SchedulingConfig, SpeculativeConfig, OffloadConfig, LoRAConfig, AdmissionConfig,
-          GuidedConfig)
+          GuidedConfig, ParallelConfig)
 _Group = TypeVar("_Group")
 
 
@@ -312,6 +325,11 @@ class EngineConfig:
     guided_max_schema_depth: int = 32  # nesting of the schema document's objects and arrays
     guided_max_regex_chars: int = 1_000  # a regex, or a schema's "pattern"
     guided_max_length_bound: int = 16_384  # sum of bounded repetitions, nested ones multiplied
+    # Tensor parallelism (pagoda.engine.parallel, docs/parallelism.md): ranks in this replica
+    # (rank 0 is this process, the others spawned workers), and how long a collective waits
+    # for a silent peer before the step fails.
+    tensor_parallel_size: int = 1
+    tensor_parallel_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         for group in GROUPS:  # each validates its own fields
@@ -319,6 +337,10 @@ class EngineConfig:
         if self.enable_lora and self.speculative_method is not None:
             raise ValueError("enable_lora: speculative decoding with LoRA adapters is not supported yet; "
                              "turn one of them off")
+        if self.tensor_parallel_size > 1:
+            if self.speculative_method == "draft":
+                raise ValueError("speculative_method: 'draft' is not supported with tensor_parallel_size > 1 yet; "
+                                 "use 'ngram' or turn one of them off")
 
     def _group(self, cls: type[_Group]) -> _Group:
         return cls(**{f.name: getattr(self, f.name) for f in dataclasses.fields(cls)})
@@ -355,3 +377,7 @@ class EngineConfig:
     @property
     def guided(self) -> GuidedConfig:
         return self._group(GuidedConfig)
+
+    @property
+    def parallel(self) -> ParallelConfig:
+        return self._group(ParallelConfig)

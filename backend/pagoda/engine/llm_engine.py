@@ -42,7 +42,7 @@ from pagoda.engine.core.engine_core import EngineCore
 from pagoda.engine.core.parallel_sampling import child_request_ids
 from pagoda.engine.guided.backend import XGrammarBackend
 from pagoda.engine.output_processor import OutputProcessor
-from pagoda.engine.runner.executor import make_executor
+from pagoda.engine.parallel import make_executor
 from pagoda.engine.outputs import RequestOutput
 from pagoda.engine.request import EngineRequest, PromptType, RequestStatus
 from pagoda.engine.sampling_params import SamplingParams
@@ -184,6 +184,9 @@ class LLMEngine:
         if request.params.use_beam_search and self.speculator is not None:
             raise ValueError("use_beam_search: this server runs speculative decoding, which beam search does not "
                              "support; serve without speculative_method for beam search")
+        if request.params.use_beam_search and self.config.tensor_parallel_size > 1:
+            raise ValueError("use_beam_search: not supported with tensor_parallel_size > 1 yet (a fork's "
+                             "copy-on-write block copy is not broadcast to the workers' KV shards)")
         if request.params.speculative and self.speculator is None:
             raise ValueError("speculative: this server has no speculative decoding configured "
                              "(EngineConfig.speculative_method is None)")

@@ -75,6 +75,7 @@ def projection(owner: nn.Module, name: str, x: torch.Tensor, bias: Optional[torc
 
 class Attention(nn.Module):
     linear_weights = ("qkv_weight", "o_weight")  # what quantize_model may replace
+    tp = None  # the tensor-parallel group once sharded (models/tensor_parallel.py): o_proj's all-reduce
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str, window: int = 0) -> None:
         super().__init__()
@@ -122,7 +123,8 @@ class Attention(nn.Module):
         kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         out = kernels.paged_attention(q, k_cache, v_cache, meta, self.scale, k_scale, v_scale,
                                       window=self.window, sinks=self.sinks)  # [T, heads, dim]
-        return projection(self, "o_weight", out.reshape(num_tokens, self.q_size), self.o_bias, lora)
+        out = projection(self, "o_weight", out.reshape(num_tokens, self.q_size), self.o_bias, lora)
+        return self.tp.all_reduce(out) if self.tp is not None else out
 
     def rotate(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
                cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -150,6 +152,7 @@ class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up in one matmul."""
 
     linear_weights = ("gate_up_weight", "down_weight")
+    tp = None  # the tensor-parallel group once sharded: down_proj's all-reduce
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
@@ -164,7 +167,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, lora: Optional["LoRABatch"] = None) -> torch.Tensor:  # [num_tokens, hidden]
         gate, up = projection(self, "gate_up_weight", x, None, lora).split(self.intermediate_size, dim=-1)
-        return projection(self, "down_weight", F.silu(gate) * up, None, lora)
+        out = projection(self, "down_weight", F.silu(gate) * up, None, lora)
+        return self.tp.all_reduce(out) if self.tp is not None else out
 
     def weight_targets(self) -> WeightTargets:
         inter = self.intermediate_size
@@ -227,6 +231,8 @@ class LlamaForCausalLM(nn.Module):
     """The decoder plus the LM head. Parameters are uninitialised until ``load_weights``."""
 
     layer_class = DecoderLayer
+    tp = None  # the tensor-parallel group once sharded: vocabulary-parallel embedding and LM head
+    vocab_start = 0  # the first vocabulary row this rank holds
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
         super().__init__()
@@ -256,16 +262,27 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [num_tokens, hidden]
         """Run one step; writes this step's K/V into ``kv_caches`` and returns final hidden states."""
         assert len(kv_caches) == len(self.layers), f"need {len(self.layers)} KV caches, got {len(kv_caches)}"
-        h = F.embedding(input_ids, self.embed_tokens)
+        h = self.embed(input_ids)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             h, residual = layer(h, residual, positions, self.cos_sin_cache, kv_cache, meta, lora)
         h, _ = kernels.rms_norm(h, self.norm, self.config.rms_norm_eps, residual)
         return h
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [num_tokens] -> [num_tokens, hidden]
+        """The embedding rows of ``input_ids``; sharded, ids outside this rank's rows read zeros, summed."""
+        if self.tp is None:
+            return F.embedding(input_ids, self.embed_tokens)
+        local = input_ids - self.vocab_start
+        inside = (local >= 0) & (local < self.embed_tokens.shape[0])
+        h = F.embedding(local.clamp(0, self.embed_tokens.shape[0] - 1), self.embed_tokens)
+        return self.tp.all_reduce(h * inside.unsqueeze(-1).to(h.dtype))
+
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [num_rows, hidden] -> [num_rows, vocab] fp32
-        return F.linear(hidden, self.lm_head).float()
+        """Sharded: every rank computes its vocabulary slice, rank 0 gets the whole rows (others: empty)."""
+        logits = F.linear(hidden, self.lm_head).float()
+        return self.tp.gather_logits(logits) if self.tp is not None else logits
 
     # ---- weights -------------------------------------------------------------------------
 

@@ -27,6 +27,11 @@ projection, ``A_stack [num_slots, R, in]`` and ``B_stack [num_slots, out, R]``; 
 ``LoRAManager`` copies an adapter into a slot when a step needs it (LRU). A step passes a
 ``LoRABatch`` (per-token slot index, -1 for base-model tokens, plus the host-side list of
 token indices per active slot) and each projection adds ``kernels.lora_apply``'s delta.
+
+Tensor parallelism: on a sharded model (``models.tensor_parallel``) each projection owner
+carries ``tp_shards``; ``LoRASlots`` then holds and loads only this rank's slice of every
+adapter (``lora_slices``: B's rows for column-parallel projections, A's columns for
+row-parallel ones).
 """
 
 from __future__ import annotations
@@ -215,6 +220,18 @@ class LoRABatch:
         return LoRABatch(slots_t.to(device), groups)
 
 
+def lora_slices(owner, name: str, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's part of a LoRA pair (A ``[r, in]``, B ``[out, r]``) on ``owner.<name>``;
+    the pair itself when ``owner`` is not sharded."""
+    shards = getattr(owner, "tp_shards", None)
+    if shards is None:
+        return a, b
+    how, where = shards[name]
+    if how == "rows":
+        return a, b[where.to(b.device)]
+    return a[:, where[0]:where[1]], b
+
+
 class LoRASlots:
     """The device stacks of every fused projection, ``num_slots`` adapters deep.
 
@@ -235,22 +252,26 @@ class LoRASlots:
                 stacks = getattr(owner, "lora_stacks", None)
                 if stacks is None:
                     stacks = owner.lora_stacks = {}
-                stacks[fused_name] = (torch.zeros(num_slots, rank_total, in_f, dtype=dtype, device=device),
-                                      torch.zeros(num_slots, out_f, rank_total, dtype=dtype, device=device))
+                # A tensor-parallel rank holds its slice (models/tensor_parallel.py).
+                a, b = lora_slices(owner, fused_name, torch.empty(rank_total, in_f), torch.empty(out_f, rank_total))
+                stacks[fused_name] = (torch.zeros(num_slots, *a.shape, dtype=dtype, device=device),
+                                      torch.zeros(num_slots, *b.shape, dtype=dtype, device=device))
 
     def load(self, slot: int, adapter: Optional[LoRAAdapter]) -> None:
         """Copy ``adapter`` into ``slot`` (zeros where it adapts nothing; ``None`` clears)."""
         assert 0 <= slot < self.num_slots, f"slot {slot} out of range"
         for index, layer in enumerate(self.model.layers):
             for fused_name, (owner_name, _) in _layer_targets(self.model.config, index):
-                a_stack, b_stack = getattr(layer, owner_name).lora_stacks[fused_name]
+                owner = getattr(layer, owner_name)
+                a_stack, b_stack = owner.lora_stacks[fused_name]
                 pair = adapter.weights[index].get(fused_name) if adapter is not None else None
                 if pair is None:
                     a_stack[slot].zero_()
                     b_stack[slot].zero_()
                 else:
-                    a_stack[slot].copy_(pair[0])
-                    b_stack[slot].copy_(pair[1])
+                    a, b = lora_slices(owner, fused_name, *pair)
+                    a_stack[slot].copy_(a)
+                    b_stack[slot].copy_(b)
 
     def bytes_per_slot(self) -> int:
         total = 0

@@ -175,8 +175,9 @@ def rewrite_config_pbtxt(text: str, overrides: Mapping[str, Optional[str]],
         text: a config.pbtxt using the ``parameters { key: ... value: { string_value: ... } }``
             form, one block per parameter.
         overrides: parameter name -> new string value; ``None`` values are skipped.
-        instance_kind: ``"KIND_CPU"`` or ``"KIND_GPU"`` to replace the ``kind:`` in
-            ``instance_group``; ``None`` leaves it.
+        instance_kind: ``"KIND_CPU"``, ``"KIND_GPU"`` or ``"KIND_MODEL"`` (tensor parallelism:
+            the engine places its ranks) to replace the ``kind:`` in ``instance_group``;
+            ``None`` leaves it.
 
     Returns:
         The rewritten configuration text.
@@ -191,7 +192,7 @@ def rewrite_config_pbtxt(text: str, overrides: Mapping[str, Optional[str]],
         if count == 0:
             text += f'\nparameters {{\n  key: "{name}"\n  value: {{ string_value: "{escaped}" }}\n}}\n'
     if instance_kind is not None:
-        if instance_kind not in ("KIND_CPU", "KIND_GPU"):
-            raise ValueError(f"instance_kind: must be KIND_CPU or KIND_GPU, got {instance_kind!r}")
+        if instance_kind not in ("KIND_CPU", "KIND_GPU", "KIND_MODEL"):
+            raise ValueError(f"instance_kind: must be KIND_CPU, KIND_GPU or KIND_MODEL, got {instance_kind!r}")
         text = re.sub(r"kind:\s*KIND_[A-Z]+", f"kind: {instance_kind}", text)
     return text

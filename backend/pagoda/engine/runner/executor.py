@@ -17,6 +17,12 @@ filled on the worker thread: the host advanced the matchers before it opened the
 and it advances them again only after this job ended, so the job reads them alone. The
 job's ``ModelRunnerOutput`` carries the step's id, so ``Scheduler.update_from_output``
 needs nothing else.
+
+Tensor parallelism (``engine.parallel``, which builds this with ``tp`` and ``parallel``):
+the runner is rank 0 of the group and broadcasts each step itself; the job first checks
+that every worker is alive, and a failed job is re-read as the error naming a dead
+worker's rank (``parallel.explain``); ``shutdown`` stops the workers after the worker
+thread.
 """
 
 from __future__ import annotations
@@ -49,10 +55,11 @@ class Executor:
     host_kv_cache: the host KV tier, or None without KV offload.
     swap_cost_model: calibrated for ``preemption_mode="auto"``, else None.
     is_async: jobs run on a worker thread (async scheduling), else inline.
+    parallel: the tensor-parallel workers (``engine.parallel.workers``), or None.
     """
 
     def __init__(self, runner: ModelRunner, guided: GuidedDecodingManager, host_kv_cache: Optional[HostKVCache],
-                 swap_cost_model: Optional[SwapCostModel], is_async: bool) -> None:
+                 swap_cost_model: Optional[SwapCostModel], is_async: bool, parallel: Any = None) -> None:
         self.runner = runner
         self.guided = guided
         self.host_kv_cache = host_kv_cache
@@ -60,6 +67,7 @@ class Executor:
         self.is_async = is_async
         self.worker = ThreadWorker() if is_async else InlineWorker()
         self.timer = DeviceTimer()
+        self.parallel = parallel
 
     @property
     def num_blocks(self) -> int:
@@ -105,33 +113,47 @@ class Executor:
             self.host_kv_cache.execute(scheduler_output)
         if scheduler_output.blocks_to_copy:  # beam forks: copy-on-write of a shared partial block
             copy_device_blocks(self.runner.kv_caches, scheduler_output.blocks_to_copy)
-        output = self.runner.execute(scheduler_output, before_sampling)
+        if self.parallel is None:
+            output = self.runner.execute(scheduler_output, before_sampling)
+        else:
+            self.parallel.check()
+            try:
+                output = self.runner.execute(scheduler_output, before_sampling)
+            except Exception as exc:
+                self.parallel.explain(exc)
+                raise
         output.step_id = scheduler_output.step_id
         self.timer.record_job(start, time.perf_counter(), waited[0])
         return output
 
     def shutdown(self) -> None:
-        """Finish the queued jobs and stop the worker thread (if any)."""
+        """Finish the queued jobs and stop the worker thread (if any), then the tensor-parallel workers."""
         self.worker.shutdown()
+        if self.parallel is not None:
+            self.parallel.stop()
+            self.parallel = None
 
 
 def make_executor(config: EngineConfig, model_config: ModelConfig, model_path: str,
-                  make_grammar_backend: Optional[Callable[[], Any]] = None) -> Executor:
+                  make_grammar_backend: Optional[Callable[[], Any]] = None, tp: Any = None,
+                  parallel: Any = None) -> Executor:
     """The device side for ``config``: runner, host tier, worker, and the structured-output
-    manager (``make_grammar_backend`` builds its grammar backend on first use).
+    manager (``make_grammar_backend`` builds its grammar backend on first use). ``tp`` and
+    ``parallel``: rank 0's group and the workers, from ``engine.parallel.make_executor``.
 
     Raises:
         ValueError: an unusable speculative draft folder, or a KV budget below one block.
     """
     device = resolve_device(config)
     spec_plan = SpeculativePlan.from_config(config, model_config, device, resolve_dtype(config, device))
-    runner = ModelRunner(config, model_config, model_path, spec_plan=spec_plan)
+    runner = ModelRunner(config, model_config, model_path, spec_plan=spec_plan, tp=tp)
     if config.async_scheduling and spec_plan is not None:
         logger.warning("async_scheduling is ignored with speculative decoding: steps run synchronously")
     host_kv_cache, cost_model = _make_host_tier(config, runner)
     guided = GuidedDecodingManager(make_grammar_backend, model_config.vocab_size, config.guided,
                                    pin_memory=device.type == "cuda")
-    return Executor(runner, guided, host_kv_cache, cost_model, is_async=config.async_scheduling and spec_plan is None)
+    return Executor(runner, guided, host_kv_cache, cost_model, is_async=config.async_scheduling and spec_plan is None,
+                    parallel=parallel)
 
 
 def _make_host_tier(config: EngineConfig, runner: ModelRunner) -> tuple[Optional[HostKVCache], Optional[SwapCostModel]]:

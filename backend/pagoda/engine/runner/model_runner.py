@@ -32,6 +32,14 @@ the target's, and the budget pays for both: ``draft_config`` adds its per-block 
 value, per-tensor scale 1.0): the same budget holds twice the blocks of a bf16 cache
 (four times an fp32 one). The kernels quantise on write and dequantise on read; a draft
 model's cache stays in the model dtype.
+
+Tensor parallelism (``tp``, ``engine.parallel``): the model is sharded after it is built
+(``models.tensor_parallel.shard_model``), the KV cache holds this rank's KV heads only,
+and the number of blocks is the smallest any rank can hold, so block ids mean the same
+on every rank. On rank 0 ``step_sender`` broadcasts each step's deltas right after they
+are applied here (placeholders filled from the device), before the forward; the other
+ranks run ``compute_logits`` on what they receive (``engine.parallel.worker``). CUDA
+graphs are not captured under tensor parallelism.
 """
 
 from __future__ import annotations
@@ -57,6 +65,7 @@ from pagoda.models.config import ModelConfig
 from pagoda.models.llama import LlamaForCausalLM
 from pagoda.models.loader import load_model
 from pagoda.models.quant import quantize_model
+from pagoda.models.tensor_parallel import TensorParallelGroup, kv_head_range, shard_model
 from pagoda.models.registry import build_model
 
 logger = logging.getLogger(__name__)
@@ -85,10 +94,12 @@ def resolve_kv_cache_dtype(config: EngineConfig, model_dtype: torch.dtype) -> to
     return torch.float8_e4m3fn if config.kv_cache_dtype == "fp8_e4m3" else model_dtype
 
 
-def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block takes across all layers (K and V)."""
+def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype,
+                       kv_heads: Optional[int] = None) -> int:
+    """Bytes one block takes across all layers (K and V); ``kv_heads``: one rank's (default: all)."""
     elem = torch.tensor([], dtype=dtype).element_size()
-    per_layer = 2 * block_size * model_config.num_key_value_heads * model_config.head_dim * elem
+    kv_heads = model_config.num_key_value_heads if kv_heads is None else kv_heads
+    per_layer = 2 * block_size * kv_heads * model_config.head_dim * elem
     return per_layer * model_config.num_hidden_layers
 
 
@@ -98,10 +109,11 @@ class ModelRunner:
     model_config: the target model's config.
     model_path: the model folder.
     spec_plan: speculative decoding (its draft's KV shares the budget), or None.
+    tp: this rank's tensor-parallel group, or None (one device).
     """
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig, model_path: str,
-                 spec_plan: Optional[SpeculativePlan] = None) -> None:
+                 spec_plan: Optional[SpeculativePlan] = None, tp: Optional[TensorParallelGroup] = None) -> None:
         self.draft_config = spec_plan.draft_config if spec_plan else None
         self.config = config
         self.model_config = model_config
@@ -112,9 +124,14 @@ class ModelRunner:
             self.model = make_random_model(model_config, self.dtype, self.device, config.seed, config.quantization)
         else:
             self.model = load_model(model_path, dtype=self.dtype, device=self.device, quantization=config.quantization)
+        self.tp = tp
+        self.kv_heads = model_config.num_key_value_heads  # this rank's KV heads
+        if tp is not None:
+            shard_model(self.model, tp)
+            self.kv_heads = kv_head_range(model_config.num_key_value_heads, tp.size, tp.rank)[1]
         self.kv_dtype = resolve_kv_cache_dtype(config, self.dtype)
         self.num_blocks = self._num_blocks_from_budget()
-        shape = (self.num_blocks, self.block_size, model_config.num_key_value_heads, model_config.head_dim)
+        shape = (self.num_blocks, self.block_size, self.kv_heads, model_config.head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
              torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
@@ -124,7 +141,7 @@ class ModelRunner:
                     self.device, self.kv_dtype)
         self.lora = (LoRAManager(self.model, config.max_loras, config.max_lora_rank, config.max_cpu_loras)
                      if config.enable_lora else None)
-        self.graphs = DecodeGraphs.maybe_capture(self)  # None on CPU or when disabled
+        self.graphs = DecodeGraphs.maybe_capture(self) if tp is None else None  # None on CPU or when disabled
         self.sampler = Sampler(vocab_size=model_config.vocab_size, seed=config.seed)
         speculator = spec_plan.build(model_config, self.model, self.num_blocks, self.sampler,
                                      model_config.check_max_model_len(config.max_model_len)) if spec_plan else None
@@ -132,6 +149,7 @@ class ModelRunner:
         self.requests = RequestStates()  # block tables and last tokens, kept from the plans' deltas
         # Async scheduling keeps each step's tokens for the next step's placeholders.
         self.keeps_last_sampled = config.async_scheduling and speculator is None
+        self.step_sender = None  # rank 0 of a tensor-parallel group: engine.parallel.step_wire.StepSender
 
     @property
     def speculator(self) -> Optional[Speculator]:
@@ -140,7 +158,7 @@ class ModelRunner:
     def _num_blocks_from_budget(self) -> int:
         if self.config.num_gpu_blocks_override is not None:
             return self.config.num_gpu_blocks_override
-        per_block = kv_bytes_per_block(self.model_config, self.block_size, self.kv_dtype)
+        per_block = kv_bytes_per_block(self.model_config, self.block_size, self.kv_dtype, self.kv_heads)
         if self.draft_config is not None:
             per_block += kv_bytes_per_block(self.draft_config, self.block_size, self.dtype)
         if self.device.type == "cuda":
@@ -150,6 +168,8 @@ class ModelRunner:
         else:
             budget = self.config.kv_cache_memory_bytes
         num_blocks = budget // per_block
+        if self.tp is not None:  # block ids must mean the same on every rank
+            num_blocks = self.tp.min_int(int(num_blocks))
         if num_blocks < 1:
             raise ValueError(
                 f"KV cache budget of {budget} bytes is smaller than one block ({per_block} bytes); "
@@ -173,6 +193,8 @@ class ModelRunner:
             the prompt log-probabilities this step computed (``prompt_logprobs.py``).
         """
         inputs = self.requests.update(scheduler_output, self.step_sampler.kept_request_ids)
+        if self.step_sender is not None:  # tensor parallelism: the other ranks run the same forward
+            self.step_sender.send(scheduler_output, inputs, self._placeholder_tokens)
         prompt_logprobs: dict = {}
         logits = self.compute_logits(inputs, prompt_logprobs) if inputs else None
         # Sampling reads state that applying the previous step changes (histories, matchers).
@@ -219,6 +241,8 @@ class ModelRunner:
         plan = PromptRows.build(scheduled, flat.offsets) if wants_prompt else None
         if plan is not None and prompt_logprobs is not None:
             prompt_logprobs.update(plan.compute(self.model, hidden, self.model_config.vocab_size))
+        elif plan is not None:  # a tensor-parallel worker: rank 0 computes them from the gathered logits
+            plan.run_head_only(self.model, hidden)
         if not flat.sample_rows:
             return torch.empty(0, self.model_config.vocab_size, device=self.device)
         rows = torch.tensor(flat.sample_rows, dtype=torch.int64, device=self.device)

@@ -64,6 +64,13 @@ class PromptRows:
             plan.targets.extend(prompt[start + 1:end + 1])
         return plan
 
+    def run_head_only(self, model, hidden: torch.Tensor) -> None:
+        """A tensor-parallel worker's part of ``compute``: the same LM-head calls (each is a
+        gather to rank 0), nothing kept."""
+        for begin in range(0, len(self.rows), MAX_ROWS_PER_SLICE):
+            rows = torch.tensor(self.rows[begin:begin + MAX_ROWS_PER_SLICE], dtype=torch.int64, device=hidden.device)
+            model.compute_logits(hidden[rows])
+
     def compute(self, model, hidden: torch.Tensor, vocab_size: int) -> dict[str, tuple[int, list[TokenLogprobs]]]:
         """Request id -> (first position, entries), from the step's hidden states
         ``[num_tokens, hidden]`` and ``model.compute_logits``; one device-to-host transfer."""

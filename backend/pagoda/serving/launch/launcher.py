@@ -90,9 +90,7 @@ class ServeOptions:
     model_repository: Optional[str] = None
     log_verbose: int = 0
     startup_timeout_s: float = 900.0
-    # How long a stop waits for in-flight requests (the model's unload); keep it below
-    # Kubernetes' terminationGracePeriodSeconds.
-    grace_period_s: float = 30.0
+    grace_period_s: float = 30.0  # a stop's wait for in-flight requests; below the pod's termination grace
     first_request_timeout_s: float = 300.0  # the startup check's request (a cold first step)
     check_first_request: bool = True
     # Fleet layer: with a Redis URL the replica publishes block events and heartbeats.
@@ -141,7 +139,8 @@ def materialize_repository(source: Path, dest: Path, options: ServeOptions) -> P
     """Copy the model repository to ``dest`` with ``options`` written into config.pbtxt."""
     shutil.copytree(source, dest, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     config_path = dest / MODEL_NAME / "config.pbtxt"
-    kind = {"cuda": "KIND_GPU", "cpu": "KIND_CPU"}.get(options.device or "")
+    kind = ("KIND_MODEL" if int(options.engine_args.get("tensor_parallel_size", 1)) > 1  # TP: the engine places ranks
+            else {"cuda": "KIND_GPU", "cpu": "KIND_CPU"}.get(options.device or ""))
     config_path.write_text(rewrite_config_pbtxt(config_path.read_text(), options.parameter_overrides(), kind))
     configure_fronts(dest, options.trtllm_decoupled)
     return dest

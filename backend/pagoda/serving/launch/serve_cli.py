@@ -38,7 +38,8 @@ STUB_RESTART_WINDOW_S = 600.0
 # Flags whose value goes into config.pbtxt as the EngineConfig field of the same name.
 ENGINE_FLAGS = ("scheduling_policy", "speculative_method", "speculative_model", "num_speculative_tokens",
                 "cpu_offload_bytes", "preemption_mode", "default_max_tokens", "gpu_memory_utilization",
-                "max_waiting_requests", "max_waiting_prompt_tokens", "max_queue_delay_s", "kv_cache_dtype")
+                "max_waiting_requests", "max_waiting_prompt_tokens", "max_queue_delay_s", "kv_cache_dtype",
+                "tensor_parallel_size")
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -68,6 +69,8 @@ def make_parser() -> argparse.ArgumentParser:
                    help="speculative decoding by default for every request (see docs/speculative.md)")
     p.add_argument("--speculative-model", help="with --speculative-method draft: a draft model folder")
     p.add_argument("--num-speculative-tokens", type=int, help="largest speculative window k")
+    p.add_argument("--tensor-parallel-size", type=int,
+                   help="ranks (devices) in the replica: the model instance becomes KIND_MODEL (docs/parallelism.md)")
     p.add_argument("--cpu-offload-bytes", type=int, help="size of the CPU tier of the KV cache (0: off)")
     p.add_argument("--preemption-mode", choices=("auto", "recompute", "swap"))
     p.add_argument("--max-waiting-requests", type=int,

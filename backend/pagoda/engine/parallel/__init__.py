@@ -1,0 +1,62 @@
+"""Tensor parallelism inside one replica (docs/parallelism.md): ``make_executor``.
+
+One scheduler and one sampler, on rank 0 (the engine's own process); ranks 1..N-1 are
+spawned workers that hold their shard of the model and of the KV cache and run the same
+forward on each step rank 0 broadcasts (``step_wire``: one packed int64 tensor per step,
+the scheduler's deltas). Only rank 0 sees logits (gathered from the vocabulary shards) and
+samples; nothing else comes back. With ``tensor_parallel_size == 1`` this is
+``runner.executor.make_executor`` unchanged.
+
+This package sits above ``engine.runner`` (it builds the runner's executor with a group
+and workers); the runner never imports it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+
+from pagoda.engine.config import EngineConfig
+from pagoda.engine.parallel.step_wire import StepSender, capacity_for
+from pagoda.engine.parallel.workers import TensorParallelWorkerDied, TensorParallelWorkers
+from pagoda.engine.runner import executor as single
+from pagoda.engine.runner.model_runner import resolve_device
+from pagoda.models.config import ModelConfig
+from pagoda.models.tensor_parallel import check_divisible
+
+__all__ = ["TensorParallelWorkerDied", "make_executor"]
+
+
+def make_executor(config: EngineConfig, model_config: ModelConfig, model_path: str,
+                  make_grammar_backend: Optional[Callable[[], Any]] = None) -> single.Executor:
+    """The device side for ``config``: one device, or rank 0 of ``tensor_parallel_size`` ranks.
+
+    Raises:
+        ValueError: a model dimension the ranks cannot split (named), or fewer CUDA devices than
+            ranks, before any worker starts.
+        RuntimeError: the group did not form, or a worker died while the model loaded.
+    """
+    size = config.tensor_parallel_size
+    if size == 1:
+        return single.make_executor(config, model_config, model_path, make_grammar_backend)
+    check_divisible(model_config, size)
+    device = resolve_device(config)
+    if device.type == "cuda" and torch.cuda.device_count() < size:
+        raise ValueError(f"tensor_parallel_size={size}: only {torch.cuda.device_count()} CUDA devices are visible "
+                         "(one per rank; check CUDA_VISIBLE_DEVICES)")
+    workers = TensorParallelWorkers.start(config, model_config, model_path, device)
+    try:
+        executor = single.make_executor(config, model_config, model_path, make_grammar_backend,
+                                        tp=workers.group, parallel=workers)
+    except Exception as exc:
+        try:
+            workers.explain(exc)  # a worker that died while loading is named
+        finally:
+            workers.kill()
+        raise
+    capacity = capacity_for(config.max_num_seqs, config.max_num_batched_tokens)
+    runner = executor.runner
+    adapters = runner.lora.adapters if runner.lora is not None else None
+    workers.sender = runner.step_sender = StepSender(workers.group, capacity, runner.device, adapters)
+    return executor

@@ -1,0 +1,219 @@
+"""The tensor-parallel workers of one engine: ranks 1..N-1, one spawned process each.
+
+Life cycle (``TensorParallelWorkers``), as vLLM's multiprocessing executor and SGLang's TP
+workers run theirs:
+
+1. ``start``: rank 0 (the engine's process) opens the group's ``TCPStore`` on a free
+   port, spawns one process per other rank (``worker_main``; ``spawn``, never ``fork``: the
+   parent may hold CUDA and threads), then joins the group itself. Each worker builds
+   its own ``ModelRunner`` (the same seeded or loaded weights, sharded for its rank) and
+   enters its loop: receive a step, run the forward, repeat.
+2. A worker dies with the engine: a watcher thread waits on the parent's process
+   sentinel (a pipe that closes when the parent dies, however it dies, SIGKILL
+   included) and ends the worker with ``os._exit``; daemonic processes are also
+   terminated by multiprocessing when the parent exits normally.
+3. A worker that dies makes the next step fail with ``TensorParallelWorkerDied`` naming
+   its rank, pid and exit code: ``check`` runs before every step (a non-blocking
+   ``waitpid`` per worker), and a collective that fails is re-read as that error when a
+   worker is found dead (``explain``).
+4. ``stop``: broadcast the stop message, join; whatever is still alive after the grace
+   period is killed.
+
+On CPU each rank runs ``cpu_count // N`` intra-op threads (rank 0 included, until
+``stop``), so N ranks share the cores instead of oversubscribing them.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import shutil
+import sys
+import threading
+import traceback
+from multiprocessing.connection import wait
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from pagoda.engine.config import EngineConfig
+from pagoda.engine.parallel.group import ProcessGroup
+from pagoda.engine.parallel.step_wire import StepReceiver, StepSender, capacity_for
+from pagoda.engine.runner.host_kv_cache import HostKVCache, measure_prefill_s_per_token
+from pagoda.engine.runner.model_runner import ModelRunner, resolve_device
+from pagoda.models.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+_HOST = "127.0.0.1"
+_STOP_GRACE_S = 10.0
+
+
+class TensorParallelWorkerDied(RuntimeError):
+    """A tensor-parallel worker process is gone; the engine cannot step any more."""
+
+
+def share_cpu_threads(size: int) -> None:
+    """On CPU, give this rank its share of the cores."""
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+
+
+class TensorParallelWorkers:
+    """Ranks 1..N-1 of one engine, and rank 0's ``group``. Use ``start``."""
+
+    def __init__(self, processes: list, group: ProcessGroup, store: dist.TCPStore) -> None:
+        self.processes = processes  # index i: rank i + 1
+        self.group = group
+        self._store = store
+        self.sender: Optional[StepSender] = None  # set by the executor once its runner exists
+        self.threads = torch.get_num_threads()  # rank 0's before start; restored by kill()
+
+    @classmethod
+    def start(cls, config: EngineConfig, model_config: ModelConfig, model_path: str,
+              device: torch.device) -> "TensorParallelWorkers":
+        size = config.tensor_parallel_size
+        store = dist.TCPStore(_HOST, 0, size, is_master=True, wait_for_workers=False,
+                              timeout=_timedelta(config.tensor_parallel_timeout_s))
+        context = multiprocessing.get_context("spawn")
+        context.set_executable(_python_executable())
+        processes = []
+        for rank in range(1, size):
+            process = context.Process(target=worker_main, name=f"pagoda-tp-rank{rank}", daemon=True,
+                                      args=(rank, store.port, config, model_config, model_path))
+            process.start()
+            processes.append(process)
+        workers = cls(processes, None, store)  # type: ignore[arg-type]
+        if device.type == "cpu":
+            share_cpu_threads(size)
+        try:
+            workers.group = workers._join(ProcessGroup, 0, size, store, device, config.tensor_parallel_timeout_s)
+        except BaseException:
+            workers.kill()
+            raise
+        logger.info("tensor parallelism: %d ranks (%s), workers %s", size, "nccl" if device.type == "cuda" else "gloo",
+                    [p.pid for p in processes])
+        return workers
+
+    def _join(self, make, *args) -> ProcessGroup:
+        """Form the group on a helper thread while watching the workers: one that dies
+        before joining (a bad model folder, an import error) is named at once."""
+        result: dict = {}
+
+        def form() -> None:
+            try:
+                result["group"] = make(*args)
+            except BaseException as exc:  # noqa: BLE001 - re-raised below
+                result["error"] = exc
+
+        thread = threading.Thread(target=form, name="pagoda-tp-join", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(timeout=0.1)
+            if thread.is_alive():
+                self.check()
+        if "error" in result:
+            self.explain(result["error"])
+            raise RuntimeError(f"tensor parallelism: the group did not form: {result['error']}") from result["error"]
+        return result["group"]
+
+    def check(self) -> None:
+        """Raise ``TensorParallelWorkerDied`` if a worker has exited."""
+        for rank, process in enumerate(self.processes, start=1):
+            if process.exitcode is not None:
+                raise TensorParallelWorkerDied(
+                    f"tensor-parallel worker rank {rank} (pid {process.pid}) exited with code {process.exitcode}; "
+                    "the engine cannot run steps any more")
+
+    def explain(self, exc: BaseException) -> None:
+        """After a failed collective: raise ``TensorParallelWorkerDied`` from ``exc`` if a worker died."""
+        for process in self.processes:
+            process.join(timeout=0.5)
+        try:
+            self.check()
+        except TensorParallelWorkerDied as died:
+            raise died from exc
+
+    def stop(self) -> None:
+        """Stop the workers (a stop message, then join; kill what is left)."""
+        try:
+            self.check()
+            if self.sender is not None:
+                self.sender.stop()
+        except Exception as exc:  # noqa: BLE001 - a dead or wedged group: kill below
+            logger.warning("tensor parallelism: stopping the workers: %s", exc)
+        for process in self.processes:
+            process.join(timeout=_STOP_GRACE_S)
+        self.kill()
+
+    def kill(self) -> None:
+        """Kill what is still alive and give rank 0 its torch threads back."""
+        for process in self.processes:
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=_STOP_GRACE_S)
+        torch.set_num_threads(self.threads)
+
+
+def _python_executable() -> str:
+    """The interpreter for the workers: this process's, unless this process is not a python
+    binary (Triton's Python-backend stub embeds the interpreter); ``PAGODA_PYTHON`` wins."""
+    exe = sys.executable
+    if os.environ.get("PAGODA_PYTHON"):
+        return os.environ["PAGODA_PYTHON"]
+    if exe and os.path.basename(exe).startswith("python"):
+        return exe
+    return shutil.which("python3") or exe
+
+
+def _timedelta(seconds: float):
+    import datetime
+    return datetime.timedelta(seconds=seconds)
+
+
+def _exit_with_parent() -> None:
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        wait([parent.sentinel])
+        os._exit(0)
+
+    threading.Thread(target=watch, name="pagoda-tp-parent-watch", daemon=True).start()
+
+
+def _load_adapter(runner: ModelRunner, name: str, path: str) -> None:
+    """An adapter rank 0 announced (new, or re-registered under its name): load this rank's slices."""
+    if name in runner.lora.adapters:
+        runner.lora.remove(name)
+    runner.lora.add(name, path)
+
+
+def worker_main(rank: int, port: int, config: EngineConfig, model_config: ModelConfig, model_path: str) -> None:
+    """One worker's whole life: join the group, build the runner, run the steps it receives."""
+    _exit_with_parent()
+    try:
+        size = config.tensor_parallel_size
+        device = resolve_device(config)
+        if device.type == "cuda":
+            torch.cuda.set_device(rank)
+            device = torch.device("cuda", rank)
+        else:
+            share_cpu_threads(size)
+        store = dist.TCPStore(_HOST, port, size, is_master=False, timeout=_timedelta(config.tensor_parallel_timeout_s))
+        group = ProcessGroup(rank, size, store, device, config.tensor_parallel_timeout_s)
+        runner = ModelRunner(config, model_config, model_path, tp=group)
+        receiver = StepReceiver(group, capacity_for(config.max_num_seqs, config.max_num_batched_tokens), device,
+                                on_adapter=lambda name, path: _load_adapter(runner, name, path))
+        if config.cpu_offload_bytes:  # the same collectives, in the same order, as rank 0's _make_host_tier
+            receiver.host = HostKVCache.for_runner(runner, config.cpu_offload_bytes)
+            if config.preemption_mode == "auto" and config.prefill_s_per_token is None:
+                measure_prefill_s_per_token(runner)  # rank 0's calibrate runs this forward
+        while (inputs := receiver.recv()) is not None:
+            if inputs:
+                runner.compute_logits(inputs)
+    except BaseException:  # noqa: BLE001 - the parent sees the exit code and names this rank
+        traceback.print_exc()
+        os._exit(1)

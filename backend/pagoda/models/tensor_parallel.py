@@ -1,0 +1,182 @@
+"""Megatron-style tensor parallelism of a built decoder: ``shard_model(model, group)``.
+
+Each rank keeps a slice of every matrix and the ranks meet in two all-reduces per layer
+and one gather of the logits (Shoeybi et al., "Megatron-LM"; vLLM's ``ColumnParallel`` /
+``RowParallelLinear``, SGLang's the same):
+
+* ``qkv_weight`` is column-parallel by heads, cut along KV groups (``kv_head_range``):
+  with ``K >= tp`` KV heads, rank ``r`` keeps KV heads ``[r*K//tp, (r+1)*K//tp)`` and the
+  query heads of their groups — an uneven cut when ``tp`` does not divide ``K`` (the
+  default model, 9 query / 3 KV heads, at tp=2: 1 and 2 KV groups, the second rank
+  doing twice the attention; the MLP stays even). With ``K < tp`` (``tp % K == 0`` and
+  ``H % tp == 0``) rank ``r`` keeps query heads ``[r*H/tp, (r+1)*H/tp)`` and the one KV
+  head they read (``r*K // tp``), replicated on ``tp/K`` ranks. Either way a local query
+  head reads the same KV head as in the whole model (vLLM and SGLang require ``tp | H``
+  and refuse the uneven cut).
+* ``o_weight`` is row-parallel (its input columns are the local heads); the partial
+  products are summed by one all-reduce (``Attention.forward``). Its bias is kept on rank 0
+  only (zeros elsewhere), so the sum adds it once.
+* ``gate_up_weight`` is column-parallel by intermediate rows (the gate slice and the up
+  slice of rank ``r``), ``down_weight`` row-parallel, one all-reduce (``MLP.forward``).
+* the embedding is vocabulary-parallel (rows ``[r*V/tp, (r+1)*V/tp)``): ids outside the
+  slice read zeros, one all-reduce; the LM head (tied or not) likewise: each rank computes
+  its vocabulary slice of the logits and rank 0 gathers the full rows.
+* norms, the rotary table and the residual stream are replicated.
+
+Invariants: the shards are exact slices of the whole model's tensors (so a model drawn or
+loaded whole and then sharded computes what the whole model computes, up to the order of
+the all-reduce's sum: ~1e-6 relative in fp32); the shapes are checked before anything is
+changed, and a shape that does not divide raises ``ValueError`` naming the dimension.
+Int8 weights (``quantize_model``, per-output-channel scales) are sharded after
+quantization: row slices keep their scales, column slices keep all of them, so the
+quantized shards equal slices of the quantized whole. LoRA adapters follow their base
+projection (``lora_slices``): a column-parallel projection keeps B's rows of its outputs
+(A whole), a row-parallel one keeps A's columns of its inputs (B whole), so each rank's
+delta is its partial product and the layer's one all-reduce sums it with the base (the
+slices are taken by ``models.lora.LoRASlots`` from ``tp_shards``, which this module sets). Families with other pieces
+(mixture of experts, Gemma 3, gpt-oss) and fp8/int4 weights are refused for now.
+
+This module never imports the engine: ``group`` is anything with ``rank``, ``size``,
+``all_reduce(t)`` (in place, sum) and ``gather_logits(t)`` (rank 0: the slices
+concatenated on the last dimension; others: an empty tensor).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from pagoda.models.config import ModelConfig
+from pagoda.models.llama import MLP, Attention, LlamaForCausalLM
+from pagoda.models.qwen3 import Qwen3Attention
+from pagoda.models.quant import Int8Weight
+
+_ATTENTION_TYPES = (Attention, Qwen3Attention)
+
+
+class TensorParallelGroup(Protocol):
+    rank: int
+    size: int
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor: ...
+
+    def gather_logits(self, tensor: torch.Tensor) -> torch.Tensor: ...
+
+
+def check_divisible(config: ModelConfig, tp: int) -> None:
+    """Raise ``ValueError`` naming the first dimension that ``tp`` ranks cannot split."""
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    few_kv = kv_heads < tp
+    checks = (("num_key_value_heads", kv_heads, not few_kv or tp % kv_heads == 0,
+               "divide the tensor-parallel size when smaller than it"),
+              ("num_attention_heads", heads, not few_kv or heads % tp == 0, "be divisible by the tensor-parallel size"),
+              ("intermediate_size", config.intermediate_size, config.intermediate_size % tp == 0,
+               "be divisible by the tensor-parallel size"),
+              ("vocab_size", config.vocab_size, config.vocab_size % tp == 0, "be divisible by the tensor-parallel size"))
+    for name, value, ok, rule in checks:
+        if not ok:
+            raise ValueError(f"tensor_parallel_size={tp}: {name}={value} must {rule}")
+
+
+def kv_head_range(num_kv_heads: int, tp: int, rank: int) -> tuple[int, int]:
+    """(first KV head, count) rank ``rank`` holds: its KV cache's head dimension is the count."""
+    if num_kv_heads < tp:
+        return rank * num_kv_heads // tp, 1
+    first = rank * num_kv_heads // tp
+    return first, (rank + 1) * num_kv_heads // tp - first
+
+
+def q_head_range(num_heads: int, num_kv_heads: int, tp: int, rank: int) -> tuple[int, int]:
+    """(first query head, count) rank ``rank`` holds."""
+    if num_kv_heads < tp:
+        return rank * (num_heads // tp), num_heads // tp
+    group = num_heads // num_kv_heads
+    first_kv, count = kv_head_range(num_kv_heads, tp, rank)
+    return first_kv * group, count * group
+
+
+def _rows(tensor, rows: torch.Tensor):
+    """Output rows ``rows`` of a weight or bias (an int8 weight keeps those rows' scales)."""
+    if isinstance(tensor, Int8Weight):
+        tensor.qweight = tensor.qweight[rows].contiguous()
+        tensor.scale = tensor.scale[rows].contiguous()
+        tensor.packed_scale = tensor.packed_scale[rows].contiguous()
+        return tensor
+    return nn.Parameter(tensor.data[rows].contiguous(), requires_grad=False)
+
+
+def _cols(tensor, lo: int, hi: int):
+    """Input columns ``[lo, hi)`` of a weight (an int8 weight keeps every per-row scale)."""
+    if isinstance(tensor, Int8Weight):
+        tensor.qweight = tensor.qweight[:, lo:hi].contiguous()
+        return tensor
+    return nn.Parameter(tensor.data[:, lo:hi].contiguous(), requires_grad=False)
+
+
+def _shard_attention(attn: Attention, group: TensorParallelGroup) -> None:
+    rank, tp, dim = group.rank, group.size, attn.head_dim
+    first_q, heads = q_head_range(attn.num_heads, attn.num_kv_heads, tp, rank)
+    first_kv, kv_heads = kv_head_range(attn.num_kv_heads, tp, rank)
+    q = torch.arange(first_q * dim, (first_q + heads) * dim)
+    k = attn.q_size + torch.arange(first_kv * dim, (first_kv + kv_heads) * dim)
+    rows = torch.cat([q, k, k + attn.kv_size])
+    attn.qkv_weight = _rows(attn.qkv_weight, rows)
+    if attn.qkv_bias is not None:
+        attn.qkv_bias = _rows(attn.qkv_bias, rows)
+    attn.o_weight = _cols(attn.o_weight, first_q * dim, (first_q + heads) * dim)
+    if attn.o_bias is not None and rank != 0:
+        attn.o_bias.data.zero_()
+    attn.tp_shards = {"qkv_weight": ("rows", rows), "o_weight": ("cols", (first_q * dim, (first_q + heads) * dim))}
+    attn.num_heads, attn.num_kv_heads = heads, kv_heads
+    attn.q_size, attn.kv_size = heads * dim, kv_heads * dim
+    attn.tp = group
+
+
+def _shard_mlp(mlp: MLP, group: TensorParallelGroup) -> None:
+    inter = mlp.intermediate_size // group.size
+    lo = group.rank * inter
+    rows = torch.cat([torch.arange(lo, lo + inter), mlp.intermediate_size + torch.arange(lo, lo + inter)])
+    mlp.gate_up_weight = _rows(mlp.gate_up_weight, rows)
+    mlp.down_weight = _cols(mlp.down_weight, lo, lo + inter)
+    mlp.tp_shards = {"gate_up_weight": ("rows", rows), "down_weight": ("cols", (lo, lo + inter))}
+    mlp.intermediate_size = inter
+    mlp.tp = group
+
+
+def _check_supported(model: LlamaForCausalLM) -> None:
+    for i, layer in enumerate(model.layers):
+        if type(layer.attn) not in _ATTENTION_TYPES or type(layer.mlp) is not MLP or layer.attn.sinks is not None:
+            raise ValueError(f"tensor parallelism: layer {i} of {type(model).__name__} has "
+                             f"{type(layer.attn).__name__}/{type(layer.mlp).__name__}; only dense Llama/Qwen "
+                             "attention and SwiGLU MLPs are sharded so far")
+        for piece in (layer.attn, layer.mlp):
+            for name in piece.linear_weights:
+                weight = getattr(piece, name)
+                if not isinstance(weight, (nn.Parameter, Int8Weight)):
+                    raise ValueError(f"tensor parallelism: {type(weight).__name__} weights ({name}) are not "
+                                     "sharded yet; use quantization=None or 'int8'")
+
+
+@torch.no_grad()
+def shard_model(model: LlamaForCausalLM, group: TensorParallelGroup) -> LlamaForCausalLM:
+    """Keep ``group.rank``'s shard of every tensor of ``model`` (in place) and wire its collectives.
+
+    Raises:
+        ValueError: a dimension ``group.size`` does not divide, or a piece not sharded yet.
+    """
+    check_divisible(model.config, group.size)
+    _check_supported(model)
+    for layer in model.layers:
+        _shard_attention(layer.attn, group)
+        _shard_mlp(layer.mlp, group)
+    vocab = model.config.vocab_size // group.size
+    lo = group.rank * vocab
+    tied = model.lm_head is model.embed_tokens
+    model.embed_tokens = nn.Parameter(model.embed_tokens.data[lo:lo + vocab].contiguous(), requires_grad=False)
+    model.lm_head = model.embed_tokens if tied else nn.Parameter(
+        model.lm_head.data[lo:lo + vocab].contiguous(), requires_grad=False)
+    model.vocab_start = lo
+    model.tp = group
+    return model
