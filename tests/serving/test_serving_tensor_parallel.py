@@ -71,3 +71,23 @@ def test_tensor_parallel_serving_equals_offline_and_dies_whole(tmp_path, smollm2
             time.sleep(0.2)
         assert not _alive(gone), f"left behind after SIGKILL of the {victim}: {_alive(gone)}"
     assert not process_tree.group_members(server_pid)
+
+
+def test_a_killed_worker_fails_the_requests_naming_its_rank_and_ends_the_stub(tmp_path):
+    """SIGKILL of the rank-1 worker: the next request fails with an error naming the rank,
+    and the stub ends itself, so the launcher's health check names the dead stub (``pagoda
+    serve`` then reloads the model with new workers, not ready meanwhile)."""
+    options = ServeOptions(http_port=find_free_port(), grpc_port=find_free_port(), metrics_port=find_free_port(),
+                           max_model_len=512, startup_timeout_s=600, engine_args={"tensor_parallel_size": "2"})
+    with TritonServer(options, log_path=str(tmp_path / "server.log")) as server:
+        [stub] = process_tree.python_stubs(server.process.pid, "pagoda")
+        [worker] = [pid for pid in _children(stub)
+                    if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]  # not the resource tracker
+        os.kill(worker, signal.SIGKILL)
+        status, answer = http_post(server, "/v2/models/pagoda/generate", {
+            "text_input": PROMPT, "sampling_parameters": json.dumps(GREEDY)})
+        assert status != 200 and "rank 1" in answer["error"] and "TensorParallelWorkerDied" in answer["error"]
+        deadline = time.monotonic() + 30
+        while server.check_health() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert "stub" in (server.check_health() or ""), server.check_health()

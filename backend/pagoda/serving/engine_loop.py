@@ -69,6 +69,7 @@ from pagoda.serving.lora_control import SHUTDOWN_MESSAGE, LoRAController
 from pagoda.serving.observers import Observers, StepObserver
 from pagoda.serving.response_sender import ResponseSender
 from pagoda.engine.kv_transfer.connector import KVConnector
+from pagoda.engine.parallel.workers import TensorParallelWorkerDied
 from pagoda.serving.kv_transfer_control import KVTransferControl
 from pagoda.serving.triton_io import ParsedRequest, Response, make_error_response, make_response
 
@@ -93,6 +94,9 @@ class EngineLoop:
         allow_runtime_lora: accept LoRA ``load``/``unload`` control requests.
         kv_connector: a listening ``KVConnector`` over ``engine`` for disaggregated
             prefill/decode (``serving.kv_transfer_control``); None: such requests are refused.
+        on_fatal: called (with the error) when the engine can never step again (a tensor-
+            parallel worker died), after every request in flight got that error; the Triton
+            model ends its stub so ``pagoda serve`` restarts the model (not ready meanwhile).
     """
 
     DRAIN_POLL_INTERVAL_S = 0.2
@@ -100,7 +104,8 @@ class EngineLoop:
     def __init__(self, engine: EngineClient, sender: ResponseSender, observers: Sequence[StepObserver] = (),
                  cancel_poll_interval_s: float = 0.05, idle_wait_s: float = 0.1, drain_path: Optional[str] = None,
                  allow_runtime_lora: bool = False, decode_token: Callable[[int], str] = str,
-                 kv_connector: Optional[KVConnector] = None) -> None:
+                 kv_connector: Optional[KVConnector] = None,
+                 on_fatal: Callable[[str], None] = lambda message: None) -> None:
         self._engine = engine
         self._decode_token = decode_token  # a token id's text (the vLLM dialect's decoded_token)
         self._sender = sender
@@ -120,6 +125,7 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="pagoda-engine-loop", daemon=True)
         self._lora = LoRAController(engine, sender, self._commands.put, self._stop.is_set, allow_runtime_lora)
         self._kv = KVTransferControl(engine, kv_connector)
+        self._on_fatal = on_fatal
         if kv_connector is not None:
             kv_connector.set_wake(lambda: self._commands.put(Wake()))
 
@@ -312,6 +318,8 @@ class EngineLoop:
             logger.exception("engine step failed")
             self._num_failed_steps += 1
             self._fail_all(f"engine error: {type(exc).__name__}: {exc}", "INTERNAL")
+            if isinstance(exc, TensorParallelWorkerDied):  # no later step can succeed
+                self._on_fatal(f"{type(exc).__name__}: {exc}")
             # A step that keeps failing would spin; back off a little each time.
             self._stop.wait(min(1.0, 0.05 * self._num_failed_steps))
             return

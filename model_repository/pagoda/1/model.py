@@ -72,7 +72,7 @@ class TritonPythonModel:
         self.loop = EngineLoop(self.engine, self.sender, observers,
                                drain_path=os.environ.get("PAGODA_DRAIN_FILE") or None,
                                allow_runtime_lora=allow_runtime_lora(parameters), decode_token=decode_token,
-                               kv_connector=_kv_connector(self.engine, parameters))
+                               kv_connector=_kv_connector(self.engine, parameters), on_fatal=_end_broken_stub)
         self._request_numbers = itertools.count()
         self.sender.start()
         self.loop.start()
@@ -129,6 +129,13 @@ def _end_orphaned_stub():
     """tritonserver is gone: exit now, without finalize (nobody would get its responses),
     so the heartbeat stops and the replica's Redis key expires."""
     logging.getLogger("pagoda.model").error(ORPHANED_STUB_MESSAGE)
+    os._exit(1)
+
+
+def _end_broken_stub(message):
+    """The engine can never step again (a tensor-parallel worker died): end this stub, so
+    ``pagoda serve`` sees it dead and reloads the model with new workers."""
+    logging.getLogger("pagoda.model").error("the engine cannot continue (%s); ending the stub", message)
     os._exit(1)
 
 
