@@ -128,9 +128,9 @@ class ModelRunner:
         self.lora = (LoRAManager(self.model, config.max_loras, config.max_lora_rank, config.max_cpu_loras)
                      if config.enable_lora else None)
         self.keeps_hidden = spec_plan is not None and spec_plan.needs_target_hidden
-        if self.keeps_hidden and config.enable_cuda_graphs and self.device.type == "cuda":
-            logger.warning("CUDA graphs off: speculative_method %r reads the target's hidden states of every "
-                           "step; decode steps run eagerly", config.speculative_method)
+        reason = cuda_graphs_off_reason(config, self.keeps_hidden, self.device)
+        if reason is not None:
+            logger.warning("CUDA graphs off: %s", reason)
         self.graphs = None if self.keeps_hidden else DecodeGraphs.maybe_capture(self)  # None on CPU or when disabled
         self._step_hidden: Optional[torch.Tensor] = None
         self.sampler = Sampler(vocab_size=model_config.vocab_size, seed=config.seed)
@@ -279,6 +279,14 @@ class _FlatBatch:
             if item.is_sampling:
                 end = len(self.input_ids)
                 self.sample_rows.extend(range(end - 1 - len(item.spec_token_ids), end))
+
+
+def cuda_graphs_off_reason(config: EngineConfig, keeps_hidden: bool, device: torch.device) -> Optional[str]:
+    """Why this engine captures no decode graphs though it would (None: nothing to say)."""
+    if keeps_hidden and config.enable_cuda_graphs and device.type == "cuda":
+        return (f"speculative_method {config.speculative_method!r} reads the target's hidden states of every "
+                "step (a replayed graph would not hand them over); decode steps run eagerly")
+    return None
 
 
 def _num_device_tokens(item) -> int:
