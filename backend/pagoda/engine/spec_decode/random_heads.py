@@ -45,7 +45,7 @@ def _aux_ids(num_layers: int) -> list[int]:
 
 def write_random_eagle3_head(out_dir, target_dir, seed: int = 0, draft_vocab_size: Optional[int] = None,
                              own_embeddings: bool = False, aux_layer_ids: Optional[list[int]] = None,
-                             **overrides) -> Path:
+                             dtype: torch.dtype = torch.float32, **overrides) -> Path:
     """A random EAGLE-3 head for the target in ``target_dir`` (its hidden size, vocabulary and
     shape unless ``overrides`` change config fields). Returns the folder."""
     target = read_config_json(Path(target_dir))
@@ -79,15 +79,19 @@ def write_random_eagle3_head(out_dir, target_dir, seed: int = 0, draft_vocab_siz
         tensors["t2d"] = t2d
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"))
+    save_file({k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in tensors.items()},
+              str(out / "model.safetensors"))
     (out / "config.json").write_text(json.dumps(raw, indent=2))
     return out
 
 
-def add_random_mtp_layers(target_dir, seed: int = 0, style: str = "deepseek", own_head: bool = False) -> Path:
+def add_random_mtp_layers(target_dir, seed: int = 0, style: str = "deepseek", own_head: bool = False,
+                          out_dir=None, dtype: torch.dtype = torch.float32) -> Path:
     """Write one random MTP block into the (single-file) checkpoint in ``target_dir`` and
-    declare it in its config.json. ``own_head``: DeepSeek layout with its own
-    ``shared_head.head`` and ``embed_tokens``. Returns the folder."""
+    declare it in its config.json; with ``out_dir``, write a folder holding only the block
+    and the declaring config instead (``speculative_model`` for a target that stays as it
+    is, or has no checkpoint: ``load_format="dummy"``). ``own_head``: DeepSeek layout with
+    its own ``shared_head.head`` and ``embed_tokens``. Returns the folder written."""
     folder = Path(target_dir)
     config = config_from_pretrained(folder)
     target = build_model(config, dtype=torch.float32, device="meta")
@@ -100,10 +104,12 @@ def add_random_mtp_layers(target_dir, seed: int = 0, style: str = "deepseek", ow
         shapes |= {names["head"]: (config.vocab_size, config.hidden_size),
                    names["embed"]: (config.vocab_size, config.hidden_size)}
     generator = torch.Generator().manual_seed(seed)
-    tensors = read_tensors(folder)
-    tensors |= {name: _random(tuple(shape), name, generator) for name, shape in shapes.items()}
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"))
+    tensors = read_tensors(folder) if out_dir is None else {}
+    tensors |= {name: _random(tuple(shape), name, generator).to(dtype) for name, shape in shapes.items()}
     raw = read_config_json(folder)
     raw["num_nextn_predict_layers" if style == "deepseek" else "mtp_num_hidden_layers"] = 1
-    (folder / "config.json").write_text(json.dumps(raw, indent=2))
-    return folder
+    out = Path(out_dir) if out_dir is not None else folder
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(raw, indent=2))
+    return out
