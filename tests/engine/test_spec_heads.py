@@ -229,3 +229,23 @@ def test_cuda_graphs_and_async_scheduling_fall_back_with_a_logged_reason(paths, 
     assert cuda_graphs_off_reason(engine.config, True, torch.device("cpu")) is None
     with caplog.at_level(logging.WARNING):
         assert _tokens(_run(engine, [(_prompts(1)[0], GREEDY)]))
+
+
+def test_bench_spec_heads_forced_acceptance_keeps_outputs(paths, capsys):
+    """``pagoda bench spec --method eagle3|mtp`` on the tiny target: every run's outputs equal
+    the plain run's (forcing acceptance only substitutes the target's own continuation),
+    a forced rate of 1 accepts every draft, and the roofline bound is printed."""
+    from pagoda.bench import spec
+    from pagoda.bench.spec_heads import roofline_speedup
+
+    assert roofline_speedup(0.0, 4, 0.05) == pytest.approx(1 / 1.2)
+    assert roofline_speedup(1.0, 4, 0.0) == 5.0
+    for method, model in (("eagle3", paths["target"]), ("mtp", paths["mtp"])):
+        assert spec.main(["--method", method, "--model", model, "--max-tokens", "8", "--repeats", "1",
+                          "--num-prompts", "1", "--prompt-len", "12", "--accept-rates", "1.0,0.5",
+                          "--draft-vocab", "512"]) == 0
+        out = capsys.readouterr().out
+        rows = [line for line in out.splitlines() if line.startswith("| ") and "ms/step" not in line]
+        assert len(rows) == 4 and all(row.endswith("| yes |") for row in rows), out
+        assert "| forced a=1.0 |" in out and "| 1.00 |" in out.split("| forced a=1.0 |")[1].split("\n")[0]
+        assert "rejected-draft overhead" in out

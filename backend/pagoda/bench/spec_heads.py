@@ -140,12 +140,14 @@ def main(args) -> int:
     from pagoda.bench.common import machine_line
     from pagoda.engine.config import EngineConfig
     from pagoda.engine.llm_engine import LLMEngine
+    from pagoda.models.config import read_config_json
 
     if args.threads:
         torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         target, head = _folders(args, Path(tmp))
-        common = dict(model=target, max_num_seqs=1, max_model_len=1024, enable_prefix_caching=False,
+        max_len = min(1024, read_config_json(Path(target)).get("max_position_embeddings", 1024))
+        common = dict(model=target, max_num_seqs=1, max_model_len=max_len, enable_prefix_caching=False,
                       **{k: v for k, v in head.items() if k in ("load_format", "dtype")})
         off = LLMEngine(EngineConfig(**common))
         spec = LLMEngine(EngineConfig(**common, **head, spec_adaptive=False, num_speculative_tokens=args.k))
