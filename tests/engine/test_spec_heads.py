@@ -14,6 +14,7 @@ auxiliary hidden states are checked against Hugging Face's ``output_hidden_state
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import shutil
 
@@ -249,3 +250,106 @@ def test_bench_spec_heads_forced_acceptance_keeps_outputs(paths, capsys):
         assert len(rows) == 4 and all(row.endswith("| yes |") for row in rows), out
         assert "| forced a=1.0 |" in out and "| 1.00 |" in out.split("| forced a=1.0 |")[1].split("\n")[0]
         assert "rejected-draft overhead" in out
+
+
+# ---- the heads' arithmetic against a float64 reference -----------------------------------------
+
+def _rms(x, w, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def _attention_mlp(x, residual, w, p, raw, positions):
+    """A Llama decoder layer's attention on input ``x`` (already normed; q/k/v take its width)
+    with ``residual``, then post-attention norm and SwiGLU MLP: returns the pre-norm output.
+    Rotary embeddings from transformers; causal attention over all rows, float64."""
+    import transformers
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    nh, nkv, hd, eps = raw["num_attention_heads"], raw["num_key_value_heads"], raw["head_dim"], raw["rms_norm_eps"]
+    T = x.shape[0]
+    q = (x @ w[p + "self_attn.q_proj.weight"].T).view(T, nh, hd).transpose(0, 1)[None]
+    k = (x @ w[p + "self_attn.k_proj.weight"].T).view(T, nkv, hd).transpose(0, 1)[None]
+    v = (x @ w[p + "self_attn.v_proj.weight"].T).view(T, nkv, hd).transpose(0, 1)
+    config = transformers.LlamaConfig(hidden_size=raw["hidden_size"], num_attention_heads=nh, num_key_value_heads=nkv,
+                                      head_dim=hd, rope_theta=raw.get("rope_theta", 10000.0),
+                                      max_position_embeddings=raw["max_position_embeddings"])
+    cos, sin = LlamaRotaryEmbedding(config=config)(x[None], positions[None])
+    q, k = apply_rotary_pos_emb(q, k, cos.double(), sin.double())
+    k, v = k[0].repeat_interleave(nh // nkv, 0), v.repeat_interleave(nh // nkv, 0)
+    scores = q[0] @ k.transpose(1, 2) / hd**0.5 + torch.full((T, T), float("-inf"), dtype=x.dtype).triu(1)
+    attn = (scores.softmax(-1) @ v).transpose(0, 1).reshape(T, nh * hd) @ w[p + "self_attn.o_proj.weight"].T
+    h = attn + residual
+    n = _rms(h, w[p + "post_attention_layernorm.weight"], eps)
+    gate, up = n @ w[p + "mlp.gate_proj.weight"].T, n @ w[p + "mlp.up_proj.weight"].T
+    return (torch.nn.functional.silu(gate) * up) @ w[p + "mlp.down_proj.weight"].T + h
+
+
+def _head_run(head, ids, positions, hidden, kv, query_len):
+    """The head over one sequence (cache slots = positions), ``query_len`` new tokens at the end."""
+    from pagoda.kernels import AttentionMetadata
+
+    meta = AttentionMetadata.build([query_len], [positions[-1] + 1], [[1, 2, 3]], 16, torch.device("cpu"))
+    return head(torch.tensor(ids[-query_len:]), torch.tensor(positions[-query_len:]), hidden, kv, meta)
+
+
+@pytest.mark.parametrize("kind", ["eagle3-d2t", "mtp-deepseek"])
+def test_head_arithmetic_equals_a_float64_reference(paths, kind):
+    """A prefill of 20 positions, then one chained step that feeds back the head's pre-norm
+    output (through the head's KV cache): logits equal a float64 reference written from
+    vLLM's llama_eagle3 / deepseek_mtp definitions, within the derived bound."""
+    import json
+    from pathlib import Path
+
+    from pagoda.engine.spec_decode.eagle3 import load_eagle3_head, read_tensors
+    from pagoda.engine.spec_decode.mtp import load_mtp_head
+    from pagoda.models.loader import load_model
+
+    folder = paths["head-d2t"] if kind == "eagle3-d2t" else paths["mtp"]
+    target = load_model(paths["target"] if kind == "eagle3-d2t" else paths["mtp"])
+    raw = json.loads((Path(folder) / "config.json").read_text())
+    raw.setdefault("head_dim", raw["hidden_size"] // raw["num_attention_heads"])
+    w = {k: v.double() if v.is_floating_point() else v for k, v in read_tensors(Path(folder)).items()}
+    V, H, eps, T = raw["vocab_size"], raw["hidden_size"], raw["rms_norm_eps"], 20
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, V, (T + 1,), generator=gen).tolist()
+    positions = list(range(T + 1))
+    if kind == "eagle3-d2t":
+        head = load_eagle3_head(folder, target, 512, torch.float32, torch.device("cpu"))
+        features = torch.randn(T, 3 * H, generator=gen)
+        embed, norm, lm_head = w["embed_tokens.weight"], w["norm.weight"], w["lm_head.weight"]
+    else:
+        head = load_mtp_head(None, folder, target)
+        features = torch.randn(T, H, generator=gen)
+        p = f"model.layers.{raw['num_hidden_layers']}."
+        embed, norm, lm_head = target.embed_tokens.double(), w[p + "shared_head.norm.weight"], target.lm_head.double()
+    kv = [tuple(torch.zeros(4, 16, raw["num_key_value_heads"], raw["head_dim"]) for _ in range(2))]
+    normed, pre = _head_run(head, ids[:T], positions[:T], head.combine(features), kv, T)
+    normed2, _ = _head_run(head, ids, positions, pre[-1:], kv, 1)
+    ours = head.compute_logits(torch.cat([normed, normed2]), target.config.vocab_size)
+
+    def reference(hidden):  # hidden [T + 1, H] float64: what enters the head at each position
+        e = embed[torch.tensor(ids)]
+        if kind == "eagle3-d2t":
+            x = torch.cat([_rms(e, w["midlayer.input_layernorm.weight"], eps),
+                           _rms(hidden, w["midlayer.hidden_norm.weight"], eps)], -1)
+            out = _attention_mlp(x, hidden, w, "midlayer.", raw, torch.tensor(positions))
+        else:
+            x = torch.cat([_rms(e, w[p + "enorm.weight"], eps), _rms(hidden, w[p + "hnorm.weight"], eps)], -1)
+            x = x @ w[p + "eh_proj.weight"].T
+            out = _attention_mlp(_rms(x, w[p + "input_layernorm.weight"], eps), x, w, p, raw, torch.tensor(positions))
+        logits = _rms(out, norm, eps) @ lm_head.T
+        if "d2t" not in w:
+            return logits, out
+        full = torch.full((T + 1, V), float("-inf"), dtype=torch.float64)
+        full[:, torch.arange(logits.shape[1]) + w["d2t"]] = logits
+        return full, out
+
+    fused = features.double() @ w["fc.weight"].T if kind == "eagle3-d2t" else features.double()
+    _, out = reference(torch.cat([fused, fused[-1:]]))  # the prefill's pre-norm outputs (last row unused)
+    expected, _ = reference(torch.cat([fused, out[T - 1 : T]]))
+    finite = expected.isfinite()
+    assert torch.equal(finite, ours.isfinite()), "the draft vocabulary's ids (d2t)"
+    # fc / eh_proj add one reduction of <= 3H terms before the layer: counted as a second layer.
+    config = dataclasses.replace(head.config, num_hidden_layers=2)
+    bound = model_error_bound(config, T + 1, torch.float32, expected[finite].abs().max().item())
+    assert_within(ours[finite], expected[finite], bound, f"{kind} head logits")

@@ -186,8 +186,9 @@ def _report(best: dict, args, machine: str, draft_cost: float) -> None:
         rate = None if name in ("off", "rejected drafts") else float(name.split("=")[1])
         bound = "-" if rate is None else f"{roofline_speedup(rate, args.k, draft_cost):.2f}x"
         acc = "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.2f}"
+        same = "yes" if r["outputs"] == base["outputs"] else "NO"
         print(f"| {name} | {r['ms_per_step']:.2f} | {r['tokens_per_s']:.1f} | {acc} | "
-              f"{base['seconds'] / r['seconds']:.2f}x | {bound} | {'yes' if r['outputs'] == base['outputs'] else 'NO'} |")
+              f"{base['seconds'] / r['seconds']:.2f}x | {bound} | {same} |")
     rejected = best["rejected drafts"]
     print(f"rejected-draft overhead: {rejected['ms_per_step'] - base['ms_per_step']:+.2f} ms per step "
           f"({rejected['ms_per_step'] / base['ms_per_step'] - 1:+.0%}), k = {args.k}")

@@ -193,8 +193,9 @@ def load_eagle3_head(path: str, target: LlamaForCausalLM, max_model_len: int, dt
                          f"[0, {tc.num_hidden_layers}) of the target")
     if eagle.get("use_aux_hidden_state", True) is False:
         raise ValueError(f"{where}: eagle_config.use_aux_hidden_state false (an EAGLE-1/2 head) is not supported")
-    config = ModelConfig(**{**common_fields({**raw, "num_hidden_layers": 1}, "Eagle3")})
-    head = Eagle3Head(config, target.embed_tokens, target_hidden, draft_vocab, tuple(ids), bool(raw.get("norm_before_residual")),
+    config = ModelConfig(**common_fields({**raw, "num_hidden_layers": 1}, "Eagle3"))
+    head = Eagle3Head(config, target.embed_tokens, target_hidden, draft_vocab, tuple(ids),
+                      bool(raw.get("norm_before_residual")),
                       max_model_len, dtype, device)
     _load_weights(head, read_tensors(folder), where, tc.vocab_size)
     return head.eval()

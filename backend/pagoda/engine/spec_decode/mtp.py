@@ -125,7 +125,8 @@ def load_mtp_head(path: Optional[str], target_path: str, target: LlamaForCausalL
     tc = target.config
     for field in ("vocab_size", "hidden_size", "num_hidden_layers"):
         if getattr(config, field) != getattr(tc, field):
-            raise ValueError(f"{where}: {field} {getattr(config, field)} differs from the target's {getattr(tc, field)}")
+            raise ValueError(f"{where}: {field} {getattr(config, field)} differs from the target's "
+                             f"{getattr(tc, field)}")
     names = mtp_names(style, tc.num_hidden_layers)
     head = MtpHead(target)
     table = {names["enorm"]: head.enorm, names["hnorm"]: head.hnorm, names["proj"]: head.eh_proj,

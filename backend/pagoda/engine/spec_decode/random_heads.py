@@ -99,7 +99,8 @@ def add_random_mtp_layers(target_dir, seed: int = 0, style: str = "deepseek", ow
     names = mtp_names(style, config.num_hidden_layers)
     shapes = {names["enorm"]: head.enorm.shape, names["hnorm"]: head.hnorm.shape, names["proj"]: head.eh_proj.shape,
               names["norm"]: head.norm.shape}
-    shapes |= {names["layer"] + local: param[rows].shape for local, (param, rows) in head.layer.weight_targets().items()}
+    shapes |= {names["layer"] + local: param[rows].shape
+               for local, (param, rows) in head.layer.weight_targets().items()}
     if own_head and style == "deepseek":
         shapes |= {names["head"]: (config.vocab_size, config.hidden_size),
                    names["embed"]: (config.vocab_size, config.hidden_size)}
