@@ -147,7 +147,9 @@ def main(args) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         target, head = _folders(args, Path(tmp))
         max_len = min(1024, read_config_json(Path(target)).get("max_position_embeddings", 1024))
+        # Two engines side by side: KV for one max-length sequence each, not a memory fraction.
         common = dict(model=target, max_num_seqs=1, max_model_len=max_len, enable_prefix_caching=False,
+                      num_gpu_blocks_override=-(-max_len // 16) + 8,
                       **{k: v for k, v in head.items() if k in ("load_format", "dtype")})
         off = LLMEngine(EngineConfig(**common))
         spec = LLMEngine(EngineConfig(**common, **head, spec_adaptive=False, num_speculative_tokens=args.k))
