@@ -212,6 +212,8 @@ def test_loader_refuses_missing_tensors_and_checkpoints_without_mtp(paths, tmp_p
         _engine(paths, speculative_method="eagle3", speculative_model=str(head))
     with pytest.raises(ValueError, match="no num_nextn_predict_layers"):
         _engine(paths, speculative_method="mtp")
+    with pytest.raises(ValueError, match="the default model carries no MTP layers"):
+        LLMEngine(EngineConfig(speculative_method="mtp", num_gpu_blocks_override=8))
     with pytest.raises(ValueError, match="needs speculative_model"):
         EngineConfig(speculative_method="eagle3")
     with pytest.raises(ValueError, match="speculative_model is only used with"):

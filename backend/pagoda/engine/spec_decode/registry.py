@@ -137,6 +137,9 @@ class MtpKind:
     def build(cls, config, model_config, target, draft_model, num_blocks, sampler, max_model_len) -> Proposer:
         from pagoda.engine.spec_decode.mtp import load_mtp_head
 
+        if config.speculative_model is None and config.model is None:
+            raise ValueError("speculative_method 'mtp': the default model carries no MTP layers; serve a "
+                             "checkpoint that does, or name one in speculative_model")
         head = load_mtp_head(config.speculative_model, config.model, target)
         return HiddenStateProposer(head, target, num_blocks, config.block_size, sampler)
 
