@@ -18,6 +18,10 @@ verification (tokens emitted by a pass that verified drafts), tokens per target 
 (all output tokens / request-steps that produced tokens; 1.0 without speculation), and
 whether the outputs equal the baseline's (greedy: they must). Each configuration runs
 ``--repeats`` times (interleaved with the others) and the fastest run is kept.
+
+``--method eagle3|mtp`` runs the draft-head benchmark instead (``spec_heads.py``): a random
+head's rejected-draft overhead per step, and batch-1 speed at forced acceptance rates
+against the roofline (``--llama3-8b`` for the GPU shape).
 """
 
 from __future__ import annotations
@@ -107,8 +111,15 @@ def main(argv=None) -> int:
     parser.add_argument("--batch-sizes", default="1,8,32")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--k", type=int, default=4, help="fixed window, and the adaptive window's maximum")
+    parser.add_argument("--method", choices=("eagle3", "mtp"), default=None,
+                        help="benchmark a draft head instead (random weights; see spec_heads.py)")
     add_engine_bench_args(parser, repeats=2)
+    from pagoda.bench import spec_heads
+
+    spec_heads.add_arguments(parser)
     args = parser.parse_args(argv)
+    if args.method is not None:
+        return spec_heads.main(args)
     from pagoda.engine.config import EngineConfig
     from pagoda.engine.llm_engine import LLMEngine
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Optional, TypeVar
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
-SPECULATIVE_METHODS = ("draft", "ngram")
+SPECULATIVE_METHODS = ("draft", "ngram", "eagle3", "mtp")
 MAX_SPECULATIVE_TOKENS = 16
 # Mirrors pagoda.models.quant.QUANTIZATION_METHODS (a test keeps them equal); repeated
 # here because this module, like the scheduler that imports it, stays free of torch.
@@ -138,9 +138,12 @@ class SpeculativeConfig:
         if method == "draft" and not has_draft:
             raise ValueError("speculative_method 'draft' needs speculative_model (a draft folder) and/or "
                              "speculative_draft_num_layers (the first N layers of the target as the draft)")
-        if method != "draft" and has_draft:
-            raise ValueError("speculative_model / speculative_draft_num_layers are only used with "
-                             "speculative_method='draft'")
+        if method == "eagle3" and self.speculative_model is None:
+            raise ValueError("speculative_method 'eagle3' needs speculative_model (the EAGLE-3 head's folder)")
+        if method != "draft" and self.speculative_draft_num_layers is not None:
+            raise ValueError("speculative_draft_num_layers is only used with speculative_method='draft'")
+        if method in (None, "ngram") and self.speculative_model is not None:
+            raise ValueError("speculative_model is only used with speculative_method 'draft', 'eagle3' or 'mtp'")
 
 
 @dataclass(frozen=True)
@@ -278,8 +281,8 @@ class EngineConfig:
     seed: int = 0
     max_block_events: int = 100_000  # retained for the fleet layer before the oldest drop
     # Speculative decoding (pagoda.engine.spec_decode, docs/speculative.md).
-    speculative_method: Optional[str] = None  # None (off) | draft | ngram (prompt lookup)
-    speculative_model: Optional[str] = None  # draft folder; None: the target's own first layers
+    speculative_method: Optional[str] = None  # None (off) | draft | ngram (prompt lookup) | eagle3 | mtp
+    speculative_model: Optional[str] = None  # draft / EAGLE-3 head / MTP checkpoint folder (mtp: default the target)
     speculative_draft_num_layers: Optional[int] = None  # keep the draft's first N layers (+ its norm and head)
     num_speculative_tokens: int = 4  # the largest window k
     spec_adaptive: bool = True  # adapt k per request and step; False: always num_speculative_tokens
@@ -338,9 +341,9 @@ class EngineConfig:
             raise ValueError("enable_lora: speculative decoding with LoRA adapters is not supported yet; "
                              "turn one of them off")
         if self.tensor_parallel_size > 1:
-            if self.speculative_method == "draft":
-                raise ValueError("speculative_method: 'draft' is not supported with tensor_parallel_size > 1 yet; "
-                                 "use 'ngram' or turn one of them off")
+            if self.speculative_method in ("draft", "eagle3", "mtp"):
+                raise ValueError(f"speculative_method: {self.speculative_method!r} is not supported with "
+                                 "tensor_parallel_size > 1 yet; use 'ngram' or turn one of them off")
 
     def _group(self, cls: type[_Group]) -> _Group:
         return cls(**{f.name: getattr(self, f.name) for f in dataclasses.fields(cls)})

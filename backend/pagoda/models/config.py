@@ -77,6 +77,10 @@ class ModelConfig:
     # gpt-oss (defaults: what the other families do)
     attention_sinks: bool = False  # a learned per-head logit in every softmax denominator
     clamped_swiglu: Optional[tuple[float, float]] = None  # experts' (alpha, limit); None: silu(gate) * up
+    # Multi-token-prediction layers the checkpoint carries beside the decoder (DeepSeek-V3's
+    # num_nextn_predict_layers, Qwen3-Next's mtp_num_hidden_layers): loaded only by the MTP
+    # speculative proposer (engine/spec_decode/mtp.py); the target's loader skips them.
+    num_mtp_layers: int = 0
 
     def __post_init__(self) -> None:
         if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
@@ -232,6 +236,7 @@ def common_fields(raw: dict[str, Any], architecture: str) -> dict[str, Any]:
         sliding_window=raw.get("sliding_window"),
         layer_types=tuple(raw["layer_types"]) if raw.get("layer_types") else None,
         architectures=list(raw.get("architectures") or [architecture]),
+        num_mtp_layers=int(raw.get("num_nextn_predict_layers") or raw.get("mtp_num_hidden_layers") or 0),
     )
 
 

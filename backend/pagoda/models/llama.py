@@ -27,6 +27,11 @@ without an adapter, and steps without a batch, run the base weights only.
 
 Residual stream, as in vLLM: each layer returns its output and the running residual
 separately, and the next ``rms_norm`` adds them, so the add is fused into the norm.
+
+Auxiliary hidden states (EAGLE-3 drafts read them): with ``aux_layer_ids`` set, ``forward``
+also keeps the residual stream entering each listed layer (``h + residual``; id 0 is the
+embeddings, vLLM's numbering) concatenated in ``aux_hidden``, on the device. Empty (the
+default), nothing is kept.
 """
 
 from __future__ import annotations
@@ -250,6 +255,10 @@ class LlamaForCausalLM(nn.Module):
         # Kept in float32 whatever the model dtype: the kernels upcast anyway, and a bf16
         # table would round the angles of long positions.
         self.register_buffer("cos_sin_cache", make_cos_sin_cache(config, self.device), persistent=False)
+        # EAGLE-3 (engine/spec_decode/eagle3.py): the residual stream entering these layers
+        # (id 0: the embeddings) is kept, concatenated, in ``aux_hidden`` after each forward.
+        self.aux_layer_ids: tuple[int, ...] = ()
+        self.aux_hidden: Optional[torch.Tensor] = None  # [num_tokens, len(aux_layer_ids) * hidden]
 
     @torch.inference_mode()
     def forward(
@@ -264,8 +273,13 @@ class LlamaForCausalLM(nn.Module):
         assert len(kv_caches) == len(self.layers), f"need {len(self.layers)} KV caches, got {len(kv_caches)}"
         h = self.embed(input_ids)
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        aux = {}
+        for idx, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            if idx in self.aux_layer_ids:
+                aux[idx] = h if residual is None else h + residual
             h, residual = layer(h, residual, positions, self.cos_sin_cache, kv_cache, meta, lora)
+        if aux:
+            self.aux_hidden = torch.cat([aux[idx] for idx in self.aux_layer_ids], dim=-1)
         h, _ = kernels.rms_norm(h, self.norm, self.config.rms_norm_eps, residual)
         return h
 

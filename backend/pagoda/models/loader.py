@@ -152,7 +152,20 @@ def _is_ignorable(name: str, config: ModelConfig) -> bool:
     """Tensors some checkpoints carry that the model does not need."""
     if name.endswith("rotary_emb.inv_freq"):  # older transformers saved the rotary buffer
         return True
+    if config.num_mtp_layers and is_mtp_tensor(name, config):  # the MTP proposer loads them
+        return True
     return name == "lm_head.weight" and config.tie_word_embeddings
+
+
+def is_mtp_tensor(name: str, config: ModelConfig) -> bool:
+    """A multi-token-prediction tensor: ``mtp.*`` (Qwen3-Next) or a layer past the decoder's,
+    ``model.layers.{N..N+num_mtp_layers-1}.*`` (DeepSeek-V3)."""
+    if name.startswith("mtp."):
+        return True
+    parts = name.split(".")
+    if len(parts) > 3 and parts[:2] == ["model", "layers"] and parts[2].isdigit():
+        return config.num_hidden_layers <= int(parts[2]) < config.num_hidden_layers + config.num_mtp_layers
+    return False
 
 
 def _summarise(names: list[str], limit: int = 6) -> str:

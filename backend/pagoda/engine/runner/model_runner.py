@@ -27,6 +27,9 @@ between two steps; other decodes take the host copy ``RequestStates.record`` kep
 
 With a draft model (speculative decoding), the draft's KV cache gets as many blocks as
 the target's, and the budget pays for both: ``draft_config`` adds its per-block bytes.
+A proposer that reads the target's hidden states (EAGLE-3, MTP) gets each step's final
+hidden states, on the device, after sampling (``Speculator.observe_target``); such an
+engine captures no CUDA graphs (logged): a replayed graph would not hand them over.
 
 ``kv_cache_dtype="fp8_e4m3"`` stores the target's cache as float8_e4m3fn (1 byte per
 value, per-tensor scale 1.0): the same budget holds twice the blocks of a bf16 cache
@@ -141,7 +144,13 @@ class ModelRunner:
                     self.device, self.kv_dtype)
         self.lora = (LoRAManager(self.model, config.max_loras, config.max_lora_rank, config.max_cpu_loras)
                      if config.enable_lora else None)
-        self.graphs = DecodeGraphs.maybe_capture(self) if tp is None else None  # None on CPU or when disabled
+        self.keeps_hidden = spec_plan is not None and spec_plan.needs_target_hidden
+        reason = cuda_graphs_off_reason(config, self.keeps_hidden, self.device)
+        if reason is not None:
+            logger.warning("CUDA graphs off: %s", reason)
+        no_graphs = self.keeps_hidden or tp is not None
+        self.graphs = None if no_graphs else DecodeGraphs.maybe_capture(self)  # None on CPU or when disabled
+        self._step_hidden: Optional[torch.Tensor] = None
         self.sampler = Sampler(vocab_size=model_config.vocab_size, seed=config.seed)
         speculator = spec_plan.build(model_config, self.model, self.num_blocks, self.sampler,
                                      model_config.check_max_model_len(config.max_model_len)) if spec_plan else None
@@ -201,6 +210,10 @@ class ModelRunner:
         token_bitmask = before_sampling() if before_sampling is not None else None
         items = [item for item in scheduler_output.scheduled if item.is_sampling]
         output = self.step_sampler(logits, items, token_bitmask)
+        if self._step_hidden is not None:
+            self.speculator.observe_target(scheduler_output.scheduled,
+                                           dict(zip(output.req_ids, output.sampled_token_ids)), self._step_hidden)
+            self._step_hidden = None
         output.prompt_logprobs = prompt_logprobs
         self.requests.record(output)
         if self.keeps_last_sampled:
@@ -238,6 +251,8 @@ class ModelRunner:
             ids.index_copy_(0, index, self._placeholder_tokens(scheduled, flat.placeholder_items))
         pos = torch.tensor(flat.positions, dtype=torch.int64, device=self.device)
         hidden = self.model(ids, pos, self.kv_caches, meta, lora)  # [num_tokens, hidden]
+        if self.keeps_hidden:
+            self._step_hidden = hidden
         plan = PromptRows.build(scheduled, flat.offsets) if wants_prompt else None
         if plan is not None and prompt_logprobs is not None:
             prompt_logprobs.update(plan.compute(self.model, hidden, self.model_config.vocab_size))
@@ -289,6 +304,14 @@ class _FlatBatch:
             if item.is_sampling:
                 end = len(self.input_ids)
                 self.sample_rows.extend(range(end - 1 - len(item.spec_token_ids), end))
+
+
+def cuda_graphs_off_reason(config: EngineConfig, keeps_hidden: bool, device: torch.device) -> Optional[str]:
+    """Why this engine captures no decode graphs though it would (None: nothing to say)."""
+    if keeps_hidden and config.enable_cuda_graphs and device.type == "cuda":
+        return (f"speculative_method {config.speculative_method!r} reads the target's hidden states of every "
+                "step (a replayed graph would not hand them over); decode steps run eagerly")
+    return None
 
 
 def _num_device_tokens(item) -> int:

@@ -9,11 +9,12 @@ appended to the request, so no block holding them is ever hashed or cached).
 Modules, in the order a step uses them:
 
 * ``window``: how many tokens to draft per request (adaptive EWMA/cost model, or fixed);
-* ``ngram_proposer`` / ``draft_model_proposer``: the proposers, found by name in
-  ``registry.PROPOSERS`` (``EngineConfig.speculative_method``);
+* ``ngram_proposer`` / ``draft_model_proposer`` / ``hidden_proposer`` (EAGLE-3 heads,
+  ``eagle3``; MTP blocks, ``mtp``; random ones for tests and benchmarks, ``random_heads``):
+  the proposers, found by name in ``registry.PROPOSERS`` (``EngineConfig.speculative_method``);
 * ``draft``: the proposer interface and the three verification modes;
 * ``rejection_sampler``: modified rejection sampling and the greedy/seeded verifiers;
-* ``speculator``: the glue ``EngineCore`` calls.
+* ``speculator``: the glue ``EngineCore`` calls (and, for heads, ``ModelRunner`` after sampling).
 
 See ``docs/speculative.md`` for usage and measurements.
 """

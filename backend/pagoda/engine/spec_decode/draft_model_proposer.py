@@ -217,27 +217,37 @@ class DraftModelProposer:
         return self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.int64, device=device)])
 
     def _peek_noise(self, item: DraftRequest) -> torch.Tensor:
-        """The Exp(1) noise the target's sampler will use for the request's next ``k``
-        samples (counter-based: computing it consumes nothing)."""
-        return self.sampler.draw_noise([item.row] * item.num_tokens, self.model.device,
-                                       offsets=range(item.num_tokens))  # [k, V]
+        return peek_noise(self.sampler, item, self.model.device)
 
     def _sample(self, logits: torch.Tensor, active, drafts, probs, noise) -> None:
-        """Append one draft token per active request (row ``i`` of ``logits``)."""
-        rows = [with_outputs(item.row, drafts[item.request.request_id]) for item, _ in active]
-        processed = self.sampler.process_logits(logits, self.sampler.make_batch(rows))  # [A, V]
-        chosen = processed.argmax(dim=-1)
-        random = [i for i, (item, _) in enumerate(active) if item.mode != VerifyMode.GREEDY]
-        if random:
-            q = self.sampler.sample_probs(processed[random], [rows[i] for i in random])  # [R, V]
-            for j, i in enumerate(random):
-                item = active[i][0]
-                rid = item.request.request_id
-                if item.mode == VerifyMode.COUPLED:
-                    race = noise[rid][len(drafts[rid])]
-                else:
-                    race = self.sampler.draw_noise([rows[i]], q.device)[0]  # the sampler's unseeded stream
-                    probs[rid].append(q[j])
-                chosen[i] = (q[j] / race).argmax()
-        for (item, _), token in zip(active, chosen.tolist()):
-            drafts[item.request.request_id].append(token)
+        sample_draft_tokens(self.sampler, logits, active, drafts, probs, noise)
+
+
+def peek_noise(sampler: Sampler, item: DraftRequest, device: torch.device) -> torch.Tensor:
+    """The Exp(1) noise the target's sampler will use for the request's next ``k``
+    samples (counter-based: computing it consumes nothing)."""
+    return sampler.draw_noise([item.row] * item.num_tokens, device, offsets=range(item.num_tokens))  # [k, V]
+
+
+def sample_draft_tokens(sampler: Sampler, logits: torch.Tensor, active, drafts, probs, noise) -> None:
+    """Append one draft token per active ``(DraftRequest, state)`` (row ``i`` of ``logits``
+    ``[A, V]``) to ``drafts[request_id]``, under the request's own transforms: greedy takes
+    the argmax, seeded rows race the peeked ``noise``, unseeded rows draw from the sampler's
+    stream and append their ``q`` to ``probs[request_id]``."""
+    rows = [with_outputs(item.row, drafts[item.request.request_id]) for item, _ in active]
+    processed = sampler.process_logits(logits, sampler.make_batch(rows))  # [A, V]
+    chosen = processed.argmax(dim=-1)
+    random = [i for i, (item, _) in enumerate(active) if item.mode != VerifyMode.GREEDY]
+    if random:
+        q = sampler.sample_probs(processed[random], [rows[i] for i in random])  # [R, V]
+        for j, i in enumerate(random):
+            item = active[i][0]
+            rid = item.request.request_id
+            if item.mode == VerifyMode.COUPLED:
+                race = noise[rid][len(drafts[rid])]
+            else:
+                race = sampler.draw_noise([rows[i]], q.device)[0]  # the sampler's unseeded stream
+                probs[rid].append(q[j])
+            chosen[i] = (q[j] / race).argmax()
+    for (item, _), token in zip(active, chosen.tolist()):
+        drafts[item.request.request_id].append(token)

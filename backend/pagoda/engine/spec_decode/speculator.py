@@ -17,7 +17,12 @@ Per engine step (see ``EngineCore.step``):
    Tokens (accepted drafts, then one more) and raw logprobs go back in the runner's
    ``ModelRunnerOutput``; ``Scheduler.update_from_output`` rolls the KV of rejected
    drafts back.
-3. ``release(ids)`` when requests finish: frees their draft KV and acceptance estimates.
+3. ``observe_target(scheduled, output, hidden)``, after sampling, only for proposers that
+   read the target's hidden states (EAGLE-3, MTP; ``hidden_proposer.py``): each
+   speculating request's verified positions of the step (its prefill chunk; its decode
+   token and accepted drafts), the tokens that followed them and their rows in the
+   step's hidden states go to the proposer, which computes its head's KV from them.
+4. ``release(ids)`` when requests finish: frees their draft KV and acceptance estimates.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from pagoda.engine.guided.bitmask import TokenBitmask
 from pagoda.engine.request import Request, RequestStatus
 from pagoda.engine.sampling.sampler import Sampler, TokenLogprobs
 from pagoda.engine.spec_decode.draft import Draft, DraftRequest, VerifyMode, with_outputs
+from pagoda.engine.spec_decode.hidden_proposer import HeadEntry
 from pagoda.engine.spec_decode.registry import PROPOSERS, Proposer
 from pagoda.engine.spec_decode.rejection_sampler import coupled_verify, greedy_verify, rejection_sample
 from pagoda.engine.spec_decode.window import SATURATION_TOKENS, AcceptanceEstimate, AdaptiveWindow, FixedWindow
@@ -82,6 +88,11 @@ class SpeculativePlan:
         draft_config, draft_model = PROPOSERS[config.speculative_method].load_draft(config, model_config, device,
                                                                                     dtype)
         return cls(config, draft_config, draft_model)
+
+    @property
+    def needs_target_hidden(self) -> bool:
+        """The proposer reads the target's hidden states of every step (no CUDA graphs)."""
+        return PROPOSERS[self.config.speculative_method].needs_target_hidden
 
     def build(self, model_config: ModelConfig, target: LlamaForCausalLM, num_blocks: int, sampler: Sampler,
               max_model_len: int) -> "Speculator":
@@ -253,7 +264,31 @@ class Speculator:
             estimate.observe(num_drafted, num_accepted)
         self._server_estimate.observe(num_drafted, num_accepted)
 
-    # 3. release -------------------------------------------------------------------------
+    # 3. after the step (proposers that read the target's hidden states) -----------------
+    def observe_target(self, scheduled: list, sampled: dict[str, list[int]], hidden: torch.Tensor) -> None:
+        """Hand the step's verified positions to the proposer.
+
+        Args:
+            scheduled: the step's ``ScheduledRequest``s in batch order (``num_new_tokens``
+                rows each in ``hidden``), their requests not yet extended by this step.
+            sampled: request id -> the step's tokens (accepted drafts, then one more).
+            hidden: the target's final hidden states ``[num_tokens, H]`` of the step.
+        """
+        entries, row = [], 0
+        for item in scheduled:
+            request, start, n = item.request, item.num_computed_tokens, item.num_new_tokens
+            if self.wants(request):
+                new = sampled.get(request.request_id, []) if item.is_sampling else []
+                num_spec = len(item.spec_token_ids)
+                num_valid = n - num_spec + (len(new) - 1 if num_spec else 0)
+                following = list(request.all_token_ids[start + 1 : start + 1 + num_valid])
+                following += new[: num_valid - len(following)]
+                entries.append(HeadEntry(request.request_id, start, row, following))
+            row += n
+        if entries:
+            self.proposer.observe(entries, hidden)
+
+    # 4. release -------------------------------------------------------------------------
     def release(self, request_ids: Iterable[str]) -> None:
         """Forget finished requests (their draft KV and acceptance estimates)."""
         request_ids = list(request_ids)

@@ -65,9 +65,11 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-dtype", choices=("auto", "fp8_e4m3"),
                    help="KV cache storage: auto (the model dtype) or fp8_e4m3 (twice the tokens of bf16)")
     p.add_argument("--scheduling-policy", choices=("fcfs", "priority"))
-    p.add_argument("--speculative-method", choices=("ngram", "draft"),
+    p.add_argument("--speculative-method", choices=("ngram", "draft", "eagle3", "mtp"),
                    help="speculative decoding by default for every request (see docs/speculative.md)")
-    p.add_argument("--speculative-model", help="with --speculative-method draft: a draft model folder")
+    p.add_argument("--speculative-model",
+                   help="draft: a draft model folder; eagle3: the EAGLE-3 head's folder; mtp: a folder with the "
+                        "MTP block (default: the model's own checkpoint)")
     p.add_argument("--num-speculative-tokens", type=int, help="largest speculative window k")
     p.add_argument("--tensor-parallel-size", type=int,
                    help="ranks (devices) in the replica: the model instance becomes KIND_MODEL (docs/parallelism.md)")
