@@ -279,3 +279,27 @@ def test_router_tokenizes_exactly_like_the_engine(smollm2_path):
         analysis = router.analyze(text)
         assert analysis.num_prompt_tokens == len(ids)
         assert analysis.block_hashes == [h.hex() for h in hash_prompt_blocks(ids, 16, "SmolLM2-135M-Instruct")]
+
+
+def test_wire_helpers_read_an_output_and_drop_inputs_in_either_encoding():
+    """The two-stage path's helpers (fleet/api/upstream.py): the prefill's KV handle read from
+    a response, and the first stage's max_tokens inputs dropped, raw or typed contents."""
+    from tritonclient.grpc import service_pb2
+
+    from pagoda.fleet.triton_wire import drop_inputs, output_text
+
+    response = service_pb2.ModelInferResponse()
+    response.outputs.add(name="text_output", datatype="BYTES", shape=[1])
+    response.outputs.add(name="kv_transfer_params", datatype="BYTES", shape=[1])
+    response.raw_output_contents.extend([struct.pack("<I", 1) + b"x", struct.pack("<I", 4) + b'{"a"'])
+    assert output_text(response, "kv_transfer_params") == '{"a"' and output_text(response, "nope") is None
+    typed = service_pb2.ModelInferResponse()
+    typed.outputs.add(name="kv_transfer_params", datatype="BYTES", shape=[1]).contents.bytes_contents.append(b"{}")
+    assert output_text(typed, "kv_transfer_params") == "{}"
+    request = service_pb2.ModelInferRequest()
+    for name in ("text_input", "max_tokens", "stream"):
+        request.inputs.add(name=name)
+        request.raw_input_contents.append(name.encode())
+    drop_inputs(request, ("max_tokens", "min_tokens"))
+    assert [t.name for t in request.inputs] == ["text_input", "stream"]
+    assert list(request.raw_input_contents) == [b"text_input", b"stream"]

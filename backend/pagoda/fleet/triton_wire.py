@@ -22,22 +22,24 @@ def bytes_elements(raw: bytes) -> list[bytes]:
     return out
 
 
-def read_string_input(request: Any, name: str) -> Optional[str]:
-    """The first element of a BYTES input of a ``ModelInferRequest`` (``None`` if absent or unreadable)."""
-    for index, tensor in enumerate(request.inputs):
+def _first_element(tensors: Any, raw_contents: Any, name: str) -> Optional[bytes]:
+    """The first BYTES element of the tensor ``name`` (raw contents index-aligned, else typed)."""
+    for index, tensor in enumerate(tensors):
         if tensor.name != name:
             continue
-        if index < len(request.raw_input_contents):
-            elements = bytes_elements(request.raw_input_contents[index])
-        else:
-            elements = list(tensor.contents.bytes_contents)
-        if not elements:
-            return None
-        try:
-            return elements[0].decode("utf-8")
-        except UnicodeDecodeError:
-            return None
+        elements = (bytes_elements(raw_contents[index]) if index < len(raw_contents)
+                    else list(tensor.contents.bytes_contents))
+        return elements[0] if elements else None
     return None
+
+
+def read_string_input(request: Any, name: str) -> Optional[str]:
+    """The first element of a BYTES input of a ``ModelInferRequest`` (``None`` if absent or unreadable)."""
+    element = _first_element(request.inputs, request.raw_input_contents, name)
+    try:
+        return None if element is None else element.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
 
 
 def drop_inputs(request: Any, names: tuple[str, ...]) -> None:
@@ -52,12 +54,5 @@ def drop_inputs(request: Any, names: tuple[str, ...]) -> None:
 
 def output_text(response: Any, name: str) -> Optional[str]:
     """The first element of a BYTES output of a ``ModelInferResponse`` (``None`` if absent)."""
-    for index, tensor in enumerate(response.outputs):
-        if tensor.name != name:
-            continue
-        if index < len(response.raw_output_contents):
-            elements = bytes_elements(response.raw_output_contents[index])
-        else:
-            elements = list(tensor.contents.bytes_contents)
-        return elements[0].decode("utf-8", errors="replace") if elements else None
-    return None
+    element = _first_element(response.outputs, response.raw_output_contents, name)
+    return None if element is None else element.decode("utf-8", errors="replace")
