@@ -179,6 +179,11 @@ def main(argv=None) -> int:
                         help="with --tensor-parallel-size: a ~0.5B random Llama config, or the default model")
     parser.add_argument("--tp-max-tokens", type=int, default=32,
                         help="with --tensor-parallel-size: cap on each request's output tokens")
+    parser.add_argument("--compare", nargs=2, metavar=("vllm", "PYTHON"),
+                        help="run vLLM's CPU engine (PYTHON: a vLLM venv's interpreter) beside pagoda instead: "
+                             "fresh processes, alternating rounds, ratio and identical outputs (bench/compare_vllm.py)")
+    parser.add_argument("--compare-rounds", type=int, default=2)
+    parser.add_argument("--dtype", default="float32", help="with --compare: float32 or bfloat16")
     args = parser.parse_args(argv)
     from pagoda.models.gguf_import import ensure_default_model
 
@@ -190,6 +195,8 @@ def main(argv=None) -> int:
         return tensor_parallel.main(args)
     model_path = str(args.model or ensure_default_model())
     items = make_workload(args.num_requests, args.seed)
+    if args.compare:
+        return _compare(args, model_path, items)
     torch.manual_seed(0)
     results = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
                "threads": torch.get_num_threads(), "num_requests": len(items),
@@ -208,6 +215,30 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
+    return 0
+
+
+def _compare(args, model_path: str, items: list[WorkItem]) -> int:
+    from pagoda.bench import compare_vllm
+
+    if args.compare[0] != "vllm":
+        raise SystemExit(f"pagoda bench offline: --compare knows vllm, got {args.compare[0]!r}")
+    missing = compare_vllm.vllm_available(args.compare[1])
+    if missing:
+        print(f"pagoda bench offline --compare vllm: skipped: {missing}")
+        return 0
+    threads = args.threads or torch.get_num_threads()
+    result = compare_vllm.compare(args.compare[1], model_path, items, threads, args.dtype, args.compare_rounds,
+                                  {"max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
+                                   "max_num_batched_tokens": args.max_num_batched_tokens})
+    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}; "
+          f"{len(items)} requests, seed {args.seed}, best of {args.compare_rounds} alternating rounds")
+    print("| threads | dtype | pagoda tok/s | vLLM tok/s | pagoda / vLLM | identical outputs |")
+    print("|---|---|---|---|---|---|")
+    print(compare_vllm.format_result(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
     return 0
 
 

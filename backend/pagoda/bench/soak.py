@@ -80,6 +80,7 @@ class SoakConfig:
     seed: int = 0
     hostile: bool = False  # two phases, the second with a hostile tenant (pagoda.bench.soak_hostile)
     hostile_clients: int = 1
+    hostile_actions: tuple[str, ...] = ()  # a subset of soak_hostile.actions' names (empty: all)
     max_ttft_ratio: float = 1.5  # tenant A's TTFT p99, hostile phase / quiet phase
     log_dir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="pagoda-soak-"))
 
@@ -388,6 +389,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                    help="a quiet phase, then a hostile tenant's phase (grammar bombs, huge prompts and gRPC messages, "
                         "LoRA churn, Redis emptied); compares tenant A's TTFT p99 across them")
     p.add_argument("--hostile-clients", type=int, default=1)
+    p.add_argument("--hostile-actions", default="",
+                   help="comma-separated subset of grammar_bomb,big_prompt,grpc_oversized,lora_churn,tenant_lora_load "
+                        "(default: all), e.g. to find which one a replica's RSS grows with")
     p.add_argument("--max-ttft-ratio", type=float, default=1.5)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -395,6 +399,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                         max_num_seqs=args.max_num_seqs, max_waiting_requests=args.max_waiting_requests,
                         max_tokens=args.max_tokens, burst=args.burst, faults=not args.no_faults, seed=args.seed,
                         hostile=args.hostile, hostile_clients=args.hostile_clients,
+                        hostile_actions=tuple(a for a in args.hostile_actions.split(",") if a),
                         max_ttft_ratio=args.max_ttft_ratio)
     print(f"pagoda bench soak: {json.dumps({k: v for k, v in vars(args).items()})}; logs in {config.log_dir}",
           flush=True)

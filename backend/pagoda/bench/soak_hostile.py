@@ -215,7 +215,7 @@ def run_phases(fleet: Any, config: Any, report: Any, traffic: Callable[..., None
 def _hostile_client(endpoints: Endpoints, config: Any, index: int, start: float, phase_s: float, report: Any,
                     adapter_path: str) -> None:
     rng = random.Random(config.seed * 7919 + index)
-    mix = actions(adapter_path)
+    mix = [a for a in actions(adapter_path) if not config.hostile_actions or a[0] in config.hostile_actions]
     while time.monotonic() - start < phase_s:
         name, action, _ = rng.choices(mix, weights=[w for _, _, w in mix])[0]
         try:

