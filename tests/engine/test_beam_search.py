@@ -16,6 +16,7 @@ from pagoda.engine.config import EngineConfig
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.engine.sampling_params import SamplingParams
 
+from tests.engine.driving import drain
 from tests.engine.hf_reference import make_random_model
 from tests.numerics import UNIT_ROUNDOFF, gamma, model_error_bound
 
@@ -77,12 +78,7 @@ def _run(engine, requests):
     """requests: id -> (prompt, params); returns id -> final RequestOutput."""
     for request_id, (prompt, params) in requests.items():
         engine.add_request(request_id, prompt, params)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return done
+    return drain(engine)
 
 
 def _beam(k, stop_ids=(), max_tokens=MAX_NEW, **extra):

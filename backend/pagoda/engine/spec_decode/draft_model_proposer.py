@@ -95,7 +95,32 @@ class _DraftSeq:
         self.num_computed = min(self.num_computed, len(token_ids) - 1)
 
 
-class DraftModelProposer:
+class PagedDraftCache:
+    """A proposer's own paged KV cache (block 0 is the pool's null block) and the per-request
+    states that hold its blocks (``_seqs``: id -> an object with ``blocks``); shared by the
+    draft-model and hidden-state proposers."""
+
+    def _init_cache(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, num_layers: int,
+                    dtype: torch.dtype, device: torch.device) -> None:
+        self.block_pool = BlockPool(num_blocks, enable_caching=False)
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+                          for _ in range(num_layers)]
+        self._seqs: dict = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.num_free_blocks
+
+    def release(self, request_ids: Iterable[str]) -> None:
+        """Free the state of finished requests (unknown ids are ignored)."""
+        for request_id in request_ids:
+            seq = self._seqs.pop(request_id, None)
+            if seq is not None:
+                self.block_pool.free_blocks(reversed(seq.blocks))
+
+
+class DraftModelProposer(PagedDraftCache):
     """Args:
     model: the draft model (same vocabulary as the target).
     target_config: the target's config (for the cost ratio and checks).
@@ -121,23 +146,8 @@ class DraftModelProposer:
         self.sampler = sampler
         self.max_num_batched_tokens = max_num_batched_tokens
         self.draft_cost = matmul_params(config) / matmul_params(target_config)
-        self.block_pool = BlockPool(num_blocks, enable_caching=False)
-        shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=model.dtype, device=model.device),
-                           torch.zeros(shape, dtype=model.dtype, device=model.device))
-                          for _ in range(config.num_hidden_layers)]
-        self._seqs: dict[str, _DraftSeq] = {}
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.block_pool.num_free_blocks
-
-    def release(self, request_ids: Iterable[str]) -> None:
-        """Free the draft state of finished requests (unknown ids are ignored)."""
-        for request_id in request_ids:
-            seq = self._seqs.pop(request_id, None)
-            if seq is not None:
-                self.block_pool.free_blocks(reversed(seq.blocks))
+        self._init_cache(num_blocks, block_size, config.num_key_value_heads, config.head_dim,
+                         config.num_hidden_layers, model.dtype, model.device)  # _seqs: id -> _DraftSeq
 
     @torch.inference_mode()
     def propose(self, batch: list[DraftRequest]) -> dict[str, Draft]:

@@ -35,14 +35,15 @@ Verification is exact whatever the head proposes.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
-from pagoda.engine.kv.block_pool import BlockPool, KVCacheBlock
+from pagoda.engine.kv.block_pool import KVCacheBlock
 from pagoda.engine.sampling.sampler import Sampler
 from pagoda.engine.spec_decode.draft import Draft, DraftRequest, VerifyMode
-from pagoda.engine.spec_decode.draft_model_proposer import matmul_params, peek_noise, sample_draft_tokens
+from pagoda.engine.spec_decode.draft_model_proposer import (PagedDraftCache, matmul_params, peek_noise,
+                                                           sample_draft_tokens)
 from pagoda.kernels import AttentionMetadata
 from pagoda.models.llama import LlamaForCausalLM
 
@@ -69,7 +70,7 @@ class _HeadSeq:
     prenorm: Optional[torch.Tensor] = None  # [H] its pre-norm twin (fed back by chained drafts)
 
 
-class HiddenStateProposer:
+class HiddenStateProposer(PagedDraftCache):
     """Args:
     head: the draft head (``target_features``, ``combine``, ``forward``, ``compute_logits``).
     target: the target model (the head reads its hidden states).
@@ -87,23 +88,9 @@ class HiddenStateProposer:
         self.sampler = sampler
         self.vocab_size = target.config.vocab_size
         self.draft_cost = head.matmul_params() / matmul_params(target.config)
-        self.block_pool = BlockPool(num_blocks, enable_caching=False)
         cfg = head.config
-        shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=head.dtype, device=head.device),
-                           torch.zeros(shape, dtype=head.dtype, device=head.device))]
-        self._seqs: dict[str, _HeadSeq] = {}
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.block_pool.num_free_blocks
-
-    def release(self, request_ids: Iterable[str]) -> None:
-        """Free the head state of finished requests (unknown ids are ignored)."""
-        for request_id in request_ids:
-            seq = self._seqs.pop(request_id, None)
-            if seq is not None:
-                self.block_pool.free_blocks(reversed(seq.blocks))
+        self._init_cache(num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim, 1, head.dtype,
+                         head.device)  # one decoder layer; _seqs: id -> _HeadSeq
 
     # 1. after the target's step ---------------------------------------------------------
     @torch.inference_mode()
