@@ -187,6 +187,22 @@ def test_a_child_spawned_from_a_short_lived_thread_outlives_the_thread_not_the_p
     _wait_until(lambda: not process_tree.is_alive(child_pid), 5, "the orphan gets SIGKILL")
 
 
+def test_orphaned_shared_memory_regions_are_swept_and_live_ones_kept(tmp_path):
+    """A killed launcher's server leaves its stubs' regions: the next start removes those no
+    process maps, but never a mapped (live) one, a young one, or another program's."""
+    import mmap
+
+    old = time.time() - 600
+    for name in ("pagoda_dead_1", "pagoda_live_1", "pagoda_young_1", "other_program_1"):
+        (tmp_path / name).write_bytes(b"\0" * 4096)
+        if name != "pagoda_young_1":
+            os.utime(tmp_path / name, (old, old))
+    with open(tmp_path / "pagoda_live_1", "r+b") as live, mmap.mmap(live.fileno(), 4096):
+        assert process_tree.sweep_orphan_shm_regions("pagoda_", tmp_path) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other_program_1", "pagoda_live_1", "pagoda_young_1"]
+    assert process_tree.remove_shm_regions("pagoda_live_", tmp_path) == 1
+
+
 def test_nvidias_container_tritonserver_is_found_without_pytriton(tmp_path, monkeypatch):
     from pagoda.serving.launch import triton_install
 
@@ -387,9 +403,12 @@ def test_a_sigkilled_server_leaves_no_stub_and_its_heartbeat_expires(redis_serve
         server_pid = server.process.pid
         stubs = _stub_pids(server_pid)
         assert len(stubs) == 1
+        regions = list(Path("/dev/shm").glob(f"{server.shm_prefix}*"))  # this server's stubs' shared memory
+        assert regions
         os.kill(server_pid, signal.SIGKILL)  # the server alone; the launcher does nothing yet
         _wait_until(lambda: not process_tree.is_alive(stubs[0]), 5, "the orphaned stub exits")
         _wait_until(lambda: not client.exists(heartbeat), 3.0 + 2, "heartbeat key expired")
         assert "stub died" in server.check_health() or "exited" in server.check_health()
     assert not process_tree.group_members(server_pid)
+    assert not [r for r in regions if r.exists()], "the killed server's /dev/shm regions are removed by the stop"
     client.close()

@@ -60,7 +60,7 @@ def grpc_infer(server, model, inputs, outputs=("text_output",)):
 
     client = grpcclient.InferenceServerClient(server.grpc_url)
     try:
-        return client.infer(model, to_tensors(grpcclient, inputs),
+        return client.infer(model, to_tensors(grpcclient, inputs), client_timeout=300,  # a hang fails, not the suite
                             outputs=[grpcclient.InferRequestedOutput(n) for n in outputs])
     finally:
         client.close()

@@ -16,6 +16,12 @@ runs the engine and the fleet publisher's heartbeat). Each link is guarded:
   process the moment it is reparented; its Redis heartbeat then stops and expires.
 - the launcher's stop kills the whole process group (``kill_group``) even when
   tritonserver is already gone, so a stub can never be left behind by a clean stop.
+- a killed server leaves its stubs' shared-memory regions in ``/dev/shm`` (tritonserver
+  unlinks them only on a clean exit); each server names its regions with its own prefix,
+  and the launcher's stop removes them (``remove_shm_regions``); a launcher that was itself
+  killed cannot, so each start first removes pagoda's regions no process maps any more
+  (``sweep_orphan_shm_regions``). Left there, they fill a container's small ``/dev/shm``
+  (64 MiB in Docker) until a stub dies of SIGBUS mid-request.
 
 Everything here reads ``/proc``; on other systems the guards degrade to no-ops.
 """
@@ -157,6 +163,47 @@ def kill_group(pgid: int, timeout_s: float = 5.0) -> list[int]:
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(0.05)
+
+
+def remove_shm_regions(prefix: str, shm_dir: Path = Path("/dev/shm")) -> int:
+    """Unlink the shared-memory regions named ``prefix*`` (one server's); returns how many."""
+    return sum(_unlink(region) for region in shm_dir.glob(f"{prefix}*")) if prefix else 0
+
+
+def _unlink(path: Path) -> bool:
+    try:
+        path.unlink()
+        return True
+    except OSError:
+        return False
+
+
+def _mapped_files() -> set[str]:
+    mapped = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            mapped.update(line.split(None, 5)[5].strip() for line in maps.read_text().splitlines()
+                          if line.count(" ") >= 5 and "/" in line)
+        except (OSError, IndexError):
+            continue
+    return mapped
+
+
+def sweep_orphan_shm_regions(prefix: str = "pagoda_", shm_dir: Path = Path("/dev/shm"), min_age_s: float = 60.0) -> int:
+    """Unlink ``prefix*`` regions older than ``min_age_s`` that no process maps (their server
+    was killed with its launcher); returns how many. A region being created is young."""
+    old = [r for r in shm_dir.glob(f"{prefix}*") if time.time() - _mtime(r) >= min_age_s]
+    if not old:
+        return 0
+    mapped = _mapped_files()
+    return sum(_unlink(region) for region in old if str(region) not in mapped)
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return time.time()
 
 
 def check_ports_free(ports: Iterable[int], host: str = "0.0.0.0") -> None:

@@ -24,7 +24,8 @@ settings, and the TensorRT-LLM fronts, ``trtllm_dialect``), then:
   up to ``grace_period_s``: see ``engine_loop``), unloading the models through the
   repository API (explicit model control, restricted to a per-start token header), then
   SIGINT, then SIGKILL to the whole process group, even if tritonserver already exited,
-  so no stub is left behind. tritonserver's own exit timeout is not the drain: it is
+  so no stub is left behind, and removes its stubs' ``/dev/shm`` regions (a killed server
+  leaves them). tritonserver's own exit timeout is not the drain: it is
   shared with idle keep-alive connections, which would use it all up.
 
 It is a context manager (tests' fixture); the CLI is ``serve_cli``. The default model is
@@ -119,20 +120,10 @@ class ServeOptions:
                 return None
             return ("true" if value else "false") if isinstance(value, bool) else str(value)
 
-        return {
-            "model": self.model,
-            "block_size": text(self.block_size),
-            "kv_cache_memory_bytes": text(self.kv_cache_memory_bytes),
-            "max_model_len": text(self.max_model_len),
-            "max_num_seqs": text(self.max_num_seqs),
-            "max_num_batched_tokens": text(self.max_num_batched_tokens),
-            "enable_chunked_prefill": text(self.enable_chunked_prefill),
-            "enable_prefix_caching": text(self.enable_prefix_caching),
-            "device": self.device,
-            "dtype": self.dtype,
-            "quantization": self.quantization,
-            **self.engine_args,
-        }
+        numbers = ("block_size", "kv_cache_memory_bytes", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+                   "enable_chunked_prefill", "enable_prefix_caching")
+        return {"model": self.model, **{name: text(getattr(self, name)) for name in numbers},
+                "device": self.device, "dtype": self.dtype, "quantization": self.quantization, **self.engine_args}
 
 
 def materialize_repository(source: Path, dest: Path, options: ServeOptions) -> Path:
@@ -171,6 +162,7 @@ class TritonServer:
         self._log_tail_lines: "collections.deque[str]" = collections.deque(maxlen=400)
         self._log_pump: Optional[threading.Thread] = None
         self._admin_token = secrets.token_hex(16)
+        self.shm_prefix = f"pagoda_{self._admin_token[:12]}_"  # its stubs' /dev/shm regions
 
     @property
     def http_url(self) -> str:
@@ -200,6 +192,7 @@ class TritonServer:
         env = self._server_env(paths)
         startup_check.check_numpy_version(startup_check.stub_numpy_version(env))
         process_tree.check_ports_free((self.options.http_port, self.options.grpc_port, self.options.metrics_port))
+        process_tree.sweep_orphan_shm_regions()  # left by a killed launcher's server
         self.workdir = Path(tempfile.mkdtemp(prefix="pagoda-serve-"))
         env["PAGODA_DRAIN_FILE"] = str(self.workdir / "drain")
         backend_dir = make_backend_dir(paths, self.workdir / "backends")
@@ -240,6 +233,7 @@ class TritonServer:
             f"--http-restricted-api=model-repository:{ADMIN_HEADER}={self._admin_token}",
             f"--grpc-restricted-protocol=model-repository:{ADMIN_HEADER}={self._admin_token}",
             f"--log-verbose={self.options.log_verbose}",
+            f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
         ]
         if self.log_path is not None:
             self._log_file = open(self.log_path, "ab")
@@ -379,6 +373,7 @@ class TritonServer:
             self.process.wait()
             code = self.process.returncode
             self.process = None
+            process_tree.remove_shm_regions(self.shm_prefix)  # left behind by a killed server
         if self._log_pump is not None:
             self._log_pump.join(5.0)
             self._log_pump = None
