@@ -9,6 +9,9 @@ device, and every block returns to the pool after aborts, preemption and stop st
 
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
 import torch
 
@@ -334,3 +337,61 @@ def test_random_mixes_under_pressure_equal_a_roomy_engine(tiny_path, seed):
         alone = _run(roomy, {name: (prompt, params)})[name]
         assert [c.token_ids for c in done[name].outputs] == [c.token_ids for c in alone.outputs], name
     _assert_no_leak(tight)
+
+
+def _grammar_oracle(engine, kind, spec, prompt_len):
+    """HF's ``prefix_allowed_tokens_fn`` from the same grammar, an independent matcher replayed
+    over each beam's tokens (HF masks after ``log_softmax``: the reference of guided beams)."""
+    from pagoda.engine.guided.backend import XGrammarBackend, bitmask_width
+
+    vocab = engine.model_config.vocab_size
+    backend = XGrammarBackend(engine.tokenizer, vocab, sorted(engine.tokenizer.eos_token_ids))
+    compiled = backend.compile(kind, spec)
+    bits = torch.zeros(1, bitmask_width(vocab), dtype=torch.int32)
+
+    def allowed(batch_id, input_ids):
+        matcher = backend.make_matcher(compiled)
+        for token in input_ids[prompt_len:].tolist():
+            if matcher.is_terminated() or not matcher.accept_token(token):
+                return list(range(vocab))  # a finished (padded) HF beam: anything
+        if matcher.is_terminated():
+            return list(range(vocab))
+        matcher.fill_bitmask(bits, 0)
+        words = bits[0].tolist()
+        return [t for t in range(vocab) if (words[t // 32] >> (t % 32)) & 1]
+
+    return allowed
+
+
+@pytest.mark.parametrize("kind,spec,k", [("regex", "[0-9]{2}-[a-z]{2,4}", 4), ("choice", '["yes", "no", "maybe"]', 2)])
+def test_guided_beams_follow_their_grammar_and_match_hf(tiny_path, kind, spec, k):
+    """Structured output per beam: each beam's own matcher (forks replay their parent's
+    grammar); every returned beam is in the grammar's language, and the beams and scores
+    equal HF's beam search constrained by the same grammar."""
+    model = _hf(tiny_path)
+    engine = LLMEngine(EngineConfig(model=tiny_path))
+    eos = set(engine.tokenizer.eos_token_ids)
+    prompt = engine.tokenizer.encode("Answer:")
+    n, lp, es = SETTINGS[k]
+    guided = {kind: spec if kind == "regex" else json.loads(spec)}
+    params = SamplingParams(use_beam_search=True, beam_width=k, n=n, temperature=0.0, max_tokens=MAX_NEW,
+                            length_penalty=lp, early_stopping=es, guided_decoding=guided)
+    out = _run(engine, {"g": (prompt, params), "plain": (prompt, _beam(2))})["g"]
+    allowed = _grammar_oracle(engine, kind, spec, len(prompt))
+    with torch.no_grad():
+        hf = model.generate(torch.tensor([prompt]), num_beams=k, num_return_sequences=n, max_new_tokens=MAX_NEW,
+                            do_sample=False, length_penalty=lp, early_stopping=es, eos_token_id=sorted(eos),
+                            pad_token_id=0, prefix_allowed_tokens_fn=allowed, output_scores=True,
+                            return_dict_in_generate=True)
+    expected = [(_strip_pad(s[len(prompt):].tolist(), eos), score)
+                for s, score in zip(hf.sequences, hf.sequences_scores.tolist())]
+    assert [c.token_ids for c in out.outputs] == [t for t, _ in expected]
+    for c, (_, theirs) in zip(out.outputs, expected):
+        assert abs(c.beam_score - theirs) <= _score_bound(model, prompt, len(c.token_ids), lp, c.cumulative_logprob)
+        text = engine.tokenizer.decode(c.token_ids, skip_special_tokens=True)
+        if kind == "regex":
+            assert re.fullmatch(spec, text), text
+        else:
+            assert text in guided[kind], text
+    _assert_no_leak(engine)
+    assert not engine.core.guided._matchers and not engine.core.guided._grammar_of

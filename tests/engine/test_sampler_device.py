@@ -11,11 +11,15 @@ into the noise and checks that the guard catches it.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from pagoda.engine.guided.backend import bitmask_width
+from pagoda.engine.guided.bitmask import TokenBitmask
 from pagoda.engine.sampling import filters as sampling_filters
 from pagoda.engine.sampling.sampler import Sampler, SamplingRow
 from pagoda.engine.sampling_params import SamplingParams
@@ -76,19 +80,28 @@ def _rows() -> list[list[SamplingRow]]:
     ]
 
 
-def _guarded_call(rows: list[SamplingRow]) -> DeviceGuard:
+def _guided_beams() -> tuple[list[SamplingRow], TokenBitmask]:
+    """Two guided beams (their logprobs exclude what the grammar forbids) and a plain row."""
+    beam = SamplingRow(SamplingParams(temperature=0, logprobs=4), logprobs_allowed_only=True)
+    bits = torch.zeros(2, bitmask_width(VOCAB_SIZE), dtype=torch.int32)
+    bits[:, :3] = -1
+    return [beam, SamplingRow(SamplingParams(temperature=0.7)), beam], TokenBitmask(torch.tensor([0, 2]), bits)
+
+
+def _guarded_call(rows: list[SamplingRow], bitmask: Optional[TokenBitmask] = None) -> DeviceGuard:
     sampler = Sampler(VOCAB_SIZE)
     logits = torch.empty(len(rows), VOCAB_SIZE + 64, device="meta")
-    batch = sampler.make_batch(rows)  # the step's host work, done once before the device step
+    batch = sampler.make_batch(rows, bitmask)  # the step's host work, done once before the device step
     with DeviceGuard(VOCAB_SIZE) as guard:
         output = sampler(logits, batch)
     assert len(output.token_ids) == len(rows)
     return guard
 
 
-@pytest.mark.parametrize("case", range(len(_rows())), ids=["greedy", "top_p+seeded+logprobs", "plain", "everything"])
+@pytest.mark.parametrize("case", range(len(_rows()) + 1),
+                         ids=["greedy", "top_p+seeded+logprobs", "plain", "everything", "guided_beams"])
 def test_sampler_never_computes_on_the_host_and_reads_back_once(case):
-    guard = _guarded_call(_rows()[case])
+    guard = _guarded_call(*_guided_beams()) if case == len(_rows()) else _guarded_call(_rows()[case])
     assert guard.host_ops == [], "vocabulary-sized work on the host:\n" + "\n".join(guard.host_ops)
     assert len(guard.reads) == 1, f"expected one device-to-host read, got {guard.reads}"
 

@@ -54,7 +54,7 @@ BAD_BEAM = [
     (dict(min_p=0.1), "min_p"), (dict(repetition_penalty=1.2), "repetition_penalty"),
     (dict(presence_penalty=0.5), "presence_penalty"), (dict(frequency_penalty=0.5), "frequency_penalty"),
     (dict(min_tokens=2), "min_tokens"), (dict(logprobs=2), "logprobs"), (dict(prompt_logprobs=1), "prompt_logprobs"),
-    (dict(guided_decoding={"choice": ["a", "b"]}), "guided_decoding"), (dict(allowed_token_ids=[1]), "allowed_token_ids"),
+    (dict(allowed_token_ids=[1]), "allowed_token_ids"),
     (dict(logit_bias={1: 1.0}), "logit_bias"), (dict(bad_words=["x"]), "bad_words"), (dict(speculative=True), "speculative"),
     (dict(beam_width=0), "beam_width"), (dict(beam_width=11), "beam_width"), (dict(best_of=64), "best_of"),
     (dict(beam_width=2, best_of=4), "beam_width"), (dict(beam_width=2, n=3), "n"), (dict(n=12), "n"),

@@ -78,3 +78,19 @@ def test_trtllm_beam_width_on_both_fronts(triton_server, offline_beams):
     result = grpc_infer(triton_server, "ensemble", trt_inputs([PROMPT], max_tokens=4, beam_width=(3, np.int32)),
                         ("text_output", "sequence_index"))
     assert result.as_numpy("sequence_index").tolist() == [[0, 1, 2]]
+
+
+def test_structured_output_per_beam_through_tritonserver(triton_server):
+    """vLLM's ``structured_outputs`` with beam search: every returned beam is in the regex's
+    language (each beam runs its own grammar matcher)."""
+    import re
+
+    pattern = "[0-9]{3}-[a-z]{2}"
+    sampling = {"use_beam_search": True, "best_of": 3, "n": 3, "temperature": 0, "max_tokens": 12,
+                "structured_outputs": {"regex": pattern}}
+    status, body = http_post(triton_server, "/v2/models/pagoda/generate",
+                             {"text_input": "Give a code:", "exclude_input_in_output": True,
+                              "sampling_parameters": json.dumps(sampling)})
+    assert status == 200, body
+    assert len(body["text_output"]) == 3 and len(set(body["text_output"])) == 3
+    assert all(re.fullmatch(pattern, text) for text in body["text_output"]), body["text_output"]

@@ -224,7 +224,7 @@ class SamplingParams:
 # it does not produce; each must keep this value with use_beam_search (as vLLM's old API).
 _BEAM_NEUTRAL = [("temperature", 0.0), ("top_p", 1.0), ("top_k", 0), ("min_p", 0.0), ("repetition_penalty", 1.0),
                  ("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("min_tokens", 0), ("logprobs", None),
-                 ("prompt_logprobs", None), ("guided_decoding", None), ("allowed_token_ids", None),
+                 ("prompt_logprobs", None), ("allowed_token_ids", None),
                  ("logit_bias", None), ("bad_words", None)]
 
 

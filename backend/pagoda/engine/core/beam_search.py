@@ -34,6 +34,12 @@ user request's first output id; forks are ``"{id}@beam{i}"``. When the group is 
 live beams are freed and the ``n`` best come back as final outputs under the user's
 output ids (``child_request_ids``), nothing before: beams reorder, so nothing streams.
 
+Structured output: every beam has its own grammar matcher (``guided.manager``): its rows'
+logits are masked by it as any guided request's, and its reported log-probabilities are the
+raw ones with the grammar's forbidden tokens at ``-inf`` (``SamplingRow.logprobs_allowed_only``;
+Hugging Face masks after ``log_softmax`` too), so every candidate is grammatical. A beam's
+chosen token advances its matcher; a fork gets its parent's grammar replayed over its tokens.
+
 The group is one admission unit: only its first beam is queued; ``check`` refuses a group
 whose worst case (prompt blocks, plus ``k`` beams of ``max_tokens`` and a partial block
 each; ``k`` whole sequences without prefix caching, where a preempted group cannot share
@@ -115,7 +121,8 @@ class BeamGroup:
         """One step (rules 1-4): the next beams' candidates, and whether the group is done."""
         k = self.width
         candidates = [_Candidate(self.scores[m.request_id] + logprob, m, token)
-                      for m in self.members for token, logprob in self.pending[m.request_id].top[:2 * k]]
+                      for m in self.members for token, logprob in self.pending[m.request_id].top[:2 * k]
+                      if logprob != float("-inf")]  # a token its grammar forbids
         candidates.sort(key=lambda c: -c.cumulative_logprob)
         candidates = candidates[:2 * k]
         length = self.members[0].num_output_tokens + 1
@@ -165,10 +172,12 @@ class BeamSearch:
 
     Args:
         scheduler: the core's scheduler (its KV cache manager forks beams' block tables).
+        guided: the core's ``GuidedDecodingManager`` (guided beams' matchers), or None.
     """
 
-    def __init__(self, scheduler) -> None:
+    def __init__(self, scheduler, guided=None) -> None:
         self.scheduler = scheduler
+        self.guided = guided
         self._groups: dict[str, BeamGroup] = {}  # each output id -> its group
         self.find_stop_string: Optional[StopStringFinder] = None  # the engine's (it has the tokenizer)
 
@@ -179,7 +188,8 @@ class BeamSearch:
         row_params = params.clone(use_beam_search=False, n=1, best_of=None, beam_width=None,
                                   logprobs=2 * params.num_beams)
         request.sampling_state = SamplingRow(params=row_params, prompt_token_ids=request.prompt_token_ids,
-                                             output_token_ids=request.output_token_ids)
+                                             output_token_ids=request.output_token_ids,
+                                             logprobs_allowed_only=params.guided_decoding is not None)
         BeamGroup(user_request_id, params, stop_ids, request, self.find_stop_string)
         return request
 
@@ -245,9 +255,10 @@ class BeamSearch:
         if group.first_scheduled_time is None:
             group.first_scheduled_time = group.members[0].metrics.first_scheduled_time
             group.num_cached_tokens = max(group.members[0].num_cached_tokens, 0)
+        guided = self.guided if group.params.guided_decoding is not None else None
         if done:
             results = group.results(running)
-            self.scheduler.finish_requests([m.request_id for m in group.members], RequestStatus.FINISHED_ABORTED)
+            self._finish([m.request_id for m in group.members], guided)
             group.members = []
             self._forget(group)
             return results
@@ -258,15 +269,24 @@ class BeamSearch:
                 forks.append(c)
             else:
                 continuing[c.parent.request_id] = c
-        self.scheduler.finish_requests([m.request_id for m in group.members if m.request_id not in continuing],
-                                       RequestStatus.FINISHED_ABORTED)  # pruned: frees what only it held
+        # Pruned beams free what only they held.
+        self._finish([m.request_id for m in group.members if m.request_id not in continuing], guided)
         children = [self._fork(group, c) for c in forks]  # before the parents append their own token
+        for child, c in children if guided is not None else ():
+            guided.fork(c.parent.request_id, child.request_id, child.output_token_ids)
         for c in continuing.values():
             c.parent.append_output_token_ids(c.token_id)
+            if guided is not None:
+                guided.accept(c.parent.request_id, [c.token_id])
         group.members = [c.parent for c in continuing.values()] + [child for child, _ in children]
         group.scores = {c.parent.request_id: c.cumulative_logprob for c in continuing.values()}
         group.scores.update({child.request_id: c.cumulative_logprob for child, c in children})
         return None
+
+    def _finish(self, request_ids: list[str], guided) -> None:
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        if guided is not None:
+            guided.release(request_ids)  # now, not at the next schedule: the engine may go idle
 
     def _fork(self, group: BeamGroup, c: _Candidate) -> tuple[Request, _Candidate]:
         """A new beam: ``c.parent``'s tokens and KV (shared, ``KVCacheManager.fork``), then ``c.token_id``."""

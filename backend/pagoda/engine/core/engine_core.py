@@ -164,7 +164,7 @@ class EngineCore:
         self._has_adapter = has_adapter
         self._in_flight: Optional[_InFlight] = None
         self.parked = ParkedRequests(config.enable_prefix_caching)  # outside the scheduler (parked.py)
-        self.beams = BeamSearch(self.scheduler)  # beam-search groups (beam_search.py)
+        self.beams = BeamSearch(self.scheduler, self.guided)  # beam-search groups (beam_search.py)
         self.num_steps = 0
         self.max_num_running_seen = 0
         self.last_step = (0, 0, 0, 0)  # seqs, decode seqs, prefill seqs, tokens
@@ -203,6 +203,8 @@ class EngineCore:
             EngineOverloaded: its grammar needs a compile and every stuck-compile slot
                 is taken (``pagoda.engine.guided.pool``); nothing is queued.
         """
+        if requests[0].beam_group is not None:
+            self.beams.check(requests[0])  # before a grammar wait too: its refusal is the caller's
         if guided is not None:
             self.scheduler.check_request(requests[0])
             try:  # refused formats and a full compile pool keep nothing
@@ -211,8 +213,6 @@ class EngineCore:
                 raise EngineOverloaded(overload_message(str(exc))) from None
             self.parked.await_grammar(group_id, requests)
             return
-        if requests[0].beam_group is not None:
-            self.beams.check(requests[0])
         self.scheduler.add_request(requests[0])
         if requests[0].beam_group is not None:
             self.beams.add(requests[0])

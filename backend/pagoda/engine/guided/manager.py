@@ -30,6 +30,9 @@ Life of a guided request (the engine calls each method from its one thread, exce
 4. ``accept(request_id, token_ids)`` after sampling advances the matcher by the tokens
    the request kept; it returns ``True`` once the grammar has terminated (it accepted a
    stop token), so the engine finishes the request with ``stop``.
+   A beam-search group's beams each have a matcher: a fork's is its parent's grammar
+   replayed over the fork's tokens (``fork``), and a beam's chosen token advances its own
+   (``core.beam_search``).
 5. ``release(request_ids)`` drops matchers of finished requests; ``cancel(group_id)``
    forgets a request still waiting for its grammar (an abort: it stops waiting at once),
    and a queued compile that nobody waits for any more never starts.
@@ -84,6 +87,7 @@ class GuidedDecodingManager:
         self._cache_size = cache_size
         self._waiting: dict[str, tuple[CompileJob, list[str]]] = {}
         self._matchers: dict[str, Matcher] = {}
+        self._grammar_of: dict[str, Any] = {}  # request id -> its compiled grammar (for ``fork``)
         self._width = bitmask_width(vocab_size)
         self._pin_memory = pin_memory
         self.num_compilations = 0
@@ -128,7 +132,8 @@ class GuidedDecodingManager:
                 failed.append((group_id, message))
                 continue
             for child_id in child_ids:
-                self._matchers[child_id] = self._backend.make_matcher(job.future.result())
+                self._grammar_of[child_id] = job.future.result()
+                self._matchers[child_id] = self._backend.make_matcher(self._grammar_of[child_id])
             ready.append(group_id)
         return ready, failed
 
@@ -242,10 +247,21 @@ class GuidedDecodingManager:
                 return True
         return matcher.is_terminated()
 
+    def fork(self, parent_id: str, child_id: str, token_ids: Sequence[int]) -> None:
+        """Give ``child_id`` a matcher of ``parent_id``'s grammar that consumed ``token_ids``
+        (a beam forked from its parent: the parent's output tokens, then its own)."""
+        grammar = self._grammar_of[parent_id]
+        matcher = self._backend.make_matcher(grammar)
+        for token_id in token_ids:
+            if not matcher.accept_token(token_id):
+                raise AssertionError(f"beam {child_id}: token {token_id} is outside its grammar (the bitmask allows it)")
+        self._grammar_of[child_id], self._matchers[child_id] = grammar, matcher
+
     def has_matcher(self, request_id: str) -> bool:
         return request_id in self._matchers
 
     def release(self, request_ids: Sequence[str]) -> None:
         for request_id in request_ids:
             self._matchers.pop(request_id, None)
+            self._grammar_of.pop(request_id, None)
 

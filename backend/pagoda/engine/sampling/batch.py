@@ -82,6 +82,8 @@ class SamplingBatch:
     random_rows: rows that sample (not greedy).
     random: their stage-4 inputs (``None`` when every row is greedy).
     logprob_rows: rows that ask for logprobs.
+    allowed_logprob_rows: those of them whose logprobs exclude removed tokens
+        (``SamplingRow.logprobs_allowed_only``).
     min_tokens: ids blocked in rows still short of ``min_tokens``, or ``None``.
     repetition: prompt + output tokens of rows with a repetition penalty, or ``None``.
     repetition_penalty: ``[N]`` float32, 1.0 where unset (``None`` with ``repetition``).
@@ -100,6 +102,7 @@ class SamplingBatch:
     random_rows: tuple[int, ...] = ()
     random: Optional[RandomInputs] = None
     logprob_rows: tuple[int, ...] = ()
+    allowed_logprob_rows: tuple[int, ...] = ()
     min_tokens: Optional[TokenScatter] = None
     repetition: Optional[TokenScatter] = None
     repetition_penalty: Optional[torch.Tensor] = None
@@ -119,6 +122,7 @@ class SamplingBatch:
         batch = cls(rows, vocab_size, token_bitmask,
                     random_rows=tuple(i for i, row in enumerate(rows) if not row.params.is_greedy),
                     logprob_rows=tuple(i for i, row in enumerate(rows) if row.params.logprobs is not None),
+                    allowed_logprob_rows=tuple(i for i, row in enumerate(rows) if row.logprobs_allowed_only),
                     min_tokens=_min_tokens(rows, vocab_size), bad_words=_bad_words(rows, vocab_size))
         if batch.random_rows:
             batch.random = RandomInputs.of([rows[i] for i in batch.random_rows], vocab_size)

@@ -34,6 +34,10 @@ class SamplingRow:
         bad_words_token_ids: token sequences the output must never complete (vLLM's
             ``bad_words``, tokenized by the engine): a sequence's last id is masked while
             the output ends with the rest of it.
+        logprobs_allowed_only: the row's logprobs give ``-inf`` to the tokens the logits
+            processors removed (its grammar's forbidden ones): a guided beam's candidates
+            are the tokens its grammar allows, at their raw log-probabilities (as Hugging
+            Face's beam search masks after ``log_softmax``).
     """
 
     params: SamplingParams
@@ -42,6 +46,7 @@ class SamplingRow:
     output_token_ids: Sequence[int] = field(default_factory=list)
     min_tokens_blocked_ids: frozenset[int] = frozenset()
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    logprobs_allowed_only: bool = False
 
 
 

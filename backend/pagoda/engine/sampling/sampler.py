@@ -109,7 +109,12 @@ class Sampler:
             if batch.random_rows:
                 index = to_device(list(batch.random_rows), torch.int64, logits.device)
                 token_ids[index] = self._sample(processed[index], batch.random)
-        return _to_host(raw_logits, batch.rows, batch.logprob_rows, token_ids)
+        removed = None
+        if batch.allowed_logprob_rows:  # guided beams: their candidates are the allowed tokens
+            removed = torch.zeros(len(batch), dtype=torch.bool)
+            removed[list(batch.allowed_logprob_rows)] = True
+            removed = removed.to(logits.device, non_blocking=True)[:, None] & torch.isneginf(processed)
+        return _to_host(raw_logits, batch.rows, batch.logprob_rows, token_ids, removed)
 
     def process_logits(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """Stage 2 (the logits processors, the grammar last); greedy rows take the argmax
@@ -231,16 +236,18 @@ def _race_plain(scaled: torch.Tensor, params: RandomRows) -> torch.Tensor:
 
 
 def _to_host(raw_logits: torch.Tensor, rows: Sequence[SamplingRow], wanted: Sequence[int],
-             token_ids: torch.Tensor) -> SamplerOutput:
+             token_ids: torch.Tensor, removed: Optional[torch.Tensor] = None) -> SamplerOutput:
     """The call's one device-to-host transfer: token ids, plus raw-mode logprobs (see the
     module docstring) for the ``wanted`` rows, packed in one float64 tensor (ids and ranks
-    are exact in it)."""
+    are exact in it); ``removed`` (``[N, V]`` bool): logprobs set to ``-inf`` there."""
     num_rows = len(rows)
     wanted = list(wanted)
     if not wanted:
         return SamplerOutput(token_ids.tolist(), [None] * num_rows)
     index = to_device(wanted, torch.int64, raw_logits.device)
     logprobs = torch.log_softmax(raw_logits[index], dim=-1)  # [M, V]
+    if removed is not None:
+        logprobs = logprobs.masked_fill(removed[index], float("-inf"))
     chosen = token_ids[index]
     chosen_logprobs = logprobs.gather(1, chosen[:, None])  # [M, 1]
     ranks = (logprobs > chosen_logprobs).sum(dim=-1, keepdim=True) + 1
