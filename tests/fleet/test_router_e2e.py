@@ -509,6 +509,32 @@ def test_disaggregated_prefill_then_decode_through_the_router(replicas, redis_se
         assert router.run(lambda: router.service.upstream.num_two_stage) == 2
 
 
+def test_a_replica_pulls_a_prefix_its_peer_holds_instead_of_recomputing_it(replicas, redis_server, smollm2_path):
+    """Peer prefix pull (fleet.routing.peer_pull): r0 holds a long prompt's blocks; round robin
+    sends the same prompt once to each replica, and the one that lacks it (r1) pulls the
+    blocks from r0 (both advertise their KV connector in the heartbeat) instead of computing
+    them: both answers equal r0's alone and both report the prompt as cached."""
+    openai = pytest.importorskip("openai")
+    prompt = "Peer pull: a replica that lacks this long prefix fetches it from the one that holds it. " * 8
+    reference, errors = grpc_generate(replicas["r0"].grpc_url, [prompt], max_tokens=8)
+    assert not errors
+    with _make_router(replicas, redis_server, smollm2_path, policy="round_robin") as router:
+        service = router.service
+        analysis = router.run(lambda: service.router.analyze(prompt))
+        deadline = time.monotonic() + 10
+        while (router.call(service.router.fleet.match(analysis.block_hashes)) or {}).get("r0", 0) < 8 or \
+                not all(r.kv_address for r in service.router.replicas.all()):
+            assert time.monotonic() < deadline, "the index never showed r0's blocks or the KV connectors"
+            time.sleep(0.1)
+        client = openai.OpenAI(base_url=f"http://{router.http_url}/v1", api_key="unused", max_retries=0)
+        for _ in range(2):
+            completion = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=8, temperature=0)
+            assert completion.choices[0].text == reference["0"]
+            cached = completion.usage.prompt_tokens_details.cached_tokens
+            assert cached >= completion.usage.prompt_tokens - 16, completion.usage
+        assert router.run(lambda: service.upstream.peer_pull.num_pulls) == 1
+
+
 def test_openai_sdk(router):
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=f"http://{router.http_url}/v1", api_key="unused", max_retries=0)

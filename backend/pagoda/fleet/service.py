@@ -357,7 +357,7 @@ def make_parser() -> argparse.ArgumentParser:
                    help="accept /v1/load_lora_adapter and /v1/unload_lora_adapter (and `pagoda lora` control "
                         "requests), applied to every replica (started with --allow-runtime-lora)")
     p.add_argument("--hash-model-id", help="block-hash root (default: the model folder's name; replicas' heartbeats override)")
-    p.add_argument("--replicas", help="static replicas: 'id=a,grpc=host:port,http=host:port[,metrics=host:port];...'")
+    p.add_argument("--replicas", help="static replicas: 'id=a,grpc=host:port,http=host:port[,metrics=host:port][,kv=host:port][,role=mixed|prefill|decode];...'")
     p.add_argument("--k8s-selector", help="discover ready pods with these labels (a=b,c=d) in the router's namespace")
     p.add_argument("--k8s-namespace", help="namespace for --k8s-selector (default: $PAGODA_NAMESPACE or the pod's)")
     p.add_argument("--k8s-api", help="API server URL (default: in-cluster)")

@@ -61,7 +61,8 @@ class TritonPythonModel:
                                       report_vllm=report_custom_metrics(parameters))
         self.sender = ResponseSender(self._deliver, on_failure=lambda request_id: self.loop.abort(request_id))
         self.tracer = make_request_tracer()  # None unless an OTLP endpoint is configured
-        observers = make_observers(self.metrics, self.tracer, _fleet_publisher(self.engine))
+        kv_connector = _kv_connector(self.engine, parameters)
+        observers = make_observers(self.metrics, self.tracer, _fleet_publisher(self.engine, kv_connector))
         observers += _kv_event_stream(parameters)
         self.output_dialect = output_dialect(parameters)
         tokenizer = self.engine.tokenizer
@@ -72,7 +73,7 @@ class TritonPythonModel:
         self.loop = EngineLoop(self.engine, self.sender, observers,
                                drain_path=os.environ.get("PAGODA_DRAIN_FILE") or None,
                                allow_runtime_lora=allow_runtime_lora(parameters), decode_token=decode_token,
-                               kv_connector=_kv_connector(self.engine, parameters), on_fatal=_end_broken_stub)
+                               kv_connector=kv_connector, on_fatal=_end_broken_stub)
         self._request_numbers = itertools.count()
         self.sender.start()
         self.loop.start()
@@ -167,8 +168,9 @@ def _kv_connector(engine, parameters):
     return connector
 
 
-def _fleet_publisher(engine):
-    """The replica's KV-event publisher when ``PAGODA_REDIS_URL`` is set, else None (logged on failure).
+def _fleet_publisher(engine, kv_connector=None):
+    """The replica's KV-event publisher when ``PAGODA_REDIS_URL`` is set, else None (logged on failure);
+    its heartbeat advertises the KV connector, if any (routers pull prefixes from it).
 
     Composed here, at the edge: serving only knows its ``FleetPublisher`` protocol
     (``pagoda.serving.observers``)."""
@@ -177,7 +179,10 @@ def _fleet_publisher(engine):
     try:
         from pagoda.fleet.index.publisher import publisher_from_env
 
-        return publisher_from_env(engine)
+        publisher = publisher_from_env(engine)
+        if publisher is not None and kv_connector is not None and kv_connector.address:
+            publisher.advertise_kv(kv_connector.address)
+        return publisher
     except Exception:  # noqa: BLE001 - serving without the fleet layer beats not serving
         logger.exception("fleet publisher not started")
         return None

@@ -23,6 +23,11 @@ replica, an error, no handle) is logged and the request runs whole on the decode
 the same answer, later. A request that already carries ``kv_transfer_params`` (a client
 driving the stages itself) is routed as is.
 
+Peer prefix pull (``routing.peer_pull``): otherwise, when the chosen replica lacks a prefix
+another replica holds and pulling it is estimated faster than recomputing it, the request
+goes with that holder as its ``kv_transfer_params`` handle; the replica pulls the blocks it
+lacks (a failed pull: it computes them). Set per attempt: a retry on another replica decides again.
+
 Faults: a replica that refuses the connection before answering is marked unhealthy and
 the request goes to another replica (``max_attempts`` in all). A replica that breaks a
 stream after it began (it died) cannot be retried transparently (tokens were already
@@ -43,7 +48,8 @@ from tritonclient.grpc import service_pb2
 from pagoda.contracts.errors import is_overloaded
 from pagoda.fleet.api.tracing import TRACEPARENT, RouteSpan
 from pagoda.fleet.gate.gate import Gate
-from pagoda.fleet.gate.limits import sampling_of_infer_request, set_sampling_value
+from pagoda.fleet.gate.limits import remove_sampling_value, sampling_of_infer_request, set_sampling_value
+from pagoda.fleet.routing.peer_pull import PeerPull
 from pagoda.fleet.routing.router import Analysis, NoReplicaAvailable, Router
 from pagoda.fleet.triton_wire import drop_inputs, output_text
 
@@ -72,11 +78,12 @@ class GrpcUpstream:
         max_attempts: replicas tried when a connection is refused.
     """
 
-    def __init__(self, router: Router, gate: Gate, max_attempts: int = 2) -> None:
+    def __init__(self, router: Router, gate: Gate, max_attempts: int = 2, peer_pull: Optional[PeerPull] = None) -> None:
         self.router = router
         self.gate = gate
         self.max_attempts = max_attempts
         self.num_two_stage = 0  # requests served prefill -> decode (disaggregated)
+        self.peer_pull = PeerPull() if peer_pull is None else peer_pull
 
     async def stream(self, analysis: Optional[Analysis], request: Any, span: RouteSpan) -> AsyncIterator[Any]:
         """Route ``request`` and yield the replica's ``ModelStreamInferResponse`` messages.
@@ -87,14 +94,16 @@ class GrpcUpstream:
             NoReplicaAvailable: no replica could be chosen.
             ReplicaFailed: the chosen replica failed (after any retries that were safe).
         """
-        skip = []
+        skip, may_pull = [], False
         if self._is_disaggregated(request):
             skip = [r.replica_id for r in self.router.replicas.all() if r.role == "prefill"]
             handle = await self._prefill(analysis, request, span)
             if handle is not None:
                 set_sampling_value(request, "kv_transfer_params", handle)
                 self.num_two_stage += 1
-        async for response in self._stream_on(analysis, request, span, skip):
+        else:
+            may_pull = self.peer_pull.enabled and "kv_transfer_params" not in sampling_of_infer_request(request)
+        async for response in self._stream_on(analysis, request, span, skip, may_pull):
             yield response
 
     def _is_disaggregated(self, request: Any) -> bool:
@@ -130,8 +139,9 @@ class GrpcUpstream:
         return None
 
     async def _stream_on(self, analysis: Optional[Analysis], request: Any, span: RouteSpan,
-                         skip: list[str]) -> AsyncIterator[Any]:
-        """One stage: a replica not in ``skip`` chosen, retried on refusal or overload."""
+                         skip: list[str], may_pull: bool = False) -> AsyncIterator[Any]:
+        """One stage: a replica not in ``skip`` chosen, retried on refusal or overload;
+        ``may_pull``: with a peer's prefix to pull when that is worth it (``peer_pull``)."""
         router, gate = self.router, self.gate
         tried: list[str] = list(skip)
         num_dead = 0
@@ -139,6 +149,8 @@ class GrpcUpstream:
             decision = await gate.choose(router, analysis, tried, attempt)
             span.set_decision(decision)
             replica = decision.replica
+            if may_pull:
+                self._set_peer_pull(request, decision)
             if span.traceparent:
                 request.parameters[TRACEPARENT].string_param = span.traceparent
             num_responses = 0
@@ -172,3 +184,12 @@ class GrpcUpstream:
                 if call is not None and not call.done():
                     call.cancel()
                 router.release(decision)
+
+    def _set_peer_pull(self, request: Any, decision: Any) -> None:
+        """Give ``request`` the handle of a peer to pull its prefix from, or take it away."""
+        params = self.peer_pull.params(decision, self.router.replicas, self.router.block_size)
+        if params is not None:
+            self.peer_pull.num_pulls += 1
+            set_sampling_value(request, "kv_transfer_params", params)
+        elif "kv_transfer_params" in sampling_of_infer_request(request):
+            remove_sampling_value(request, "kv_transfer_params")  # an earlier attempt's

@@ -313,6 +313,14 @@ def sampling_of_infer_request(request: Any) -> dict[str, Any]:
     return sampling
 
 
+_REMOVE = object()
+
+
+def remove_sampling_value(request: Any, key: str) -> None:
+    """Drop ``key`` from a ``ModelInferRequest``'s ``sampling_parameters`` JSON."""
+    set_sampling_value(request, key, _REMOVE)
+
+
 def set_sampling_value(request: Any, key: str, value: Any) -> None:
     """Set ``key`` in a ``ModelInferRequest``'s ``sampling_parameters`` JSON (added if absent).
 
@@ -330,7 +338,10 @@ def set_sampling_value(request: Any, key: str, value: Any) -> None:
             return
     else:
         values = {}
-    values[key] = value
+    if value is _REMOVE:
+        values.pop(key, None)
+    else:
+        values[key] = value
     encoded = json.dumps(values).encode("utf-8")
     uses_raw = len(request.raw_input_contents) > 0
     for index, tensor in enumerate(request.inputs):

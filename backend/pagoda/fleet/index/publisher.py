@@ -273,6 +273,13 @@ class Publisher(DaemonThread):
         pipe.pexpire(key, int(self.ttl_s * 1000))
         pipe.sadd(keys.registry_key(self.model_id), self.replica_id)
 
+    def advertise_kv(self, address: str) -> None:
+        """Advertise the replica's KV connector (``HOST:PORT`` it listens on) in the heartbeat's
+        endpoints as ``kv``, on this replica's advertised host (routers pull prefixes from it:
+        ``fleet.routing.peer_pull``)."""
+        host = self.endpoints.get("grpc", "127.0.0.1:0").rpartition(":")[0]
+        self.endpoints["kv"] = f"{host}:{address.rpartition(':')[2]}"
+
     def mark_draining(self, ttl_s: float) -> None:
         """Set this replica's drain flag: routers send it nothing new. It expires after
         ``ttl_s`` should the process die; ``deregister`` removes it. Raises on a Redis error."""

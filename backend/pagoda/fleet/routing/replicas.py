@@ -15,9 +15,8 @@ Membership comes from exactly one source, fixed at start:
 Each ``Replica`` also carries what the router learns on its own: ``in_flight`` (requests
 it routed there that have not ended: optimistic accounting, counted at decision time so a
 burst spreads before any heartbeat reports it), ``healthy`` (cleared when a connection or
-a stream to it breaks; set again by the health prober once ``ServerReady`` answers), and
-the last heartbeat load (waiting, running, KV usage, draining), and ``lora_synced``
-(the router's run-time LoRA adapters were replayed on it since it became ready).
+a stream to it breaks; set again by the health prober once ``ServerReady`` answers), the
+last heartbeat's load, drain flag and KV connector, and ``lora_synced`` (run-time adapters replayed).
 
 Invariant: ``in_flight`` is changed only by ``ReplicaSet.acquire``/``release`` and never
 goes below zero; a replica that leaves membership keeps its object (and channel) until its
@@ -37,7 +36,7 @@ from typing import Any, Iterable, Optional
 
 logger = logging.getLogger(__name__)
 
-ENDPOINT_KEYS = ("grpc", "http", "metrics")
+ENDPOINT_KEYS = ("grpc", "http", "metrics", "kv")  # kv: the KV connector (routing.peer_pull)
 # Disaggregated serving (docs/kv_transfer.md): a prefill replica takes only the first stage of
 # a request, a decode replica the second; mixed (the default) takes whole requests.
 ROLES = ("mixed", "prefill", "decode")
@@ -76,7 +75,7 @@ def parse_replicas_spec(spec: str) -> list[tuple[Optional[str], dict[str, str]]]
                     raise ValueError(f"--replicas: {key} must be host:port, got {value!r}")
                 endpoints[key] = value
             else:
-                raise ValueError(f"--replicas: unknown key {key!r} (known: id, grpc, http, metrics, role)")
+                raise ValueError(f"--replicas: unknown key {key!r} (known: id, grpc, http, metrics, kv, role)")
         missing = [k for k in ("grpc", "http") if k not in endpoints]
         if missing:
             raise ValueError(f"--replicas: entry {raw!r} lacks {' and '.join(missing)}")
@@ -107,11 +106,14 @@ class Replica:
     missing_since: Optional[float] = None  # registry mode: when the registry stopped listing it (else None)
     role: str = "mixed"  # ROLES: from --replicas' role= (which wins), else the replica's heartbeat
     role_from_spec: bool = False
+    heartbeat_kv: Optional[str] = None  # the KV connector its heartbeat advertises (routing.peer_pull)
     _grpc_stub: Any = field(default=None, repr=False)
     _grpc_channel: Any = field(default=None, repr=False)
     _probe_stub: Any = field(default=None, repr=False)
     _probe_channel: Any = field(default=None, repr=False)
     _closing: list = field(default_factory=list, repr=False)  # (channel, task) closing after a grace period
+
+    kv_address = property(lambda self: self.endpoints.get("kv") or self.heartbeat_kv)  # --replicas' kv= wins
 
     def grpc_stub(self) -> Any:
         """A ``GRPCInferenceServiceStub`` on one shared channel (created on first use)."""
@@ -244,6 +246,7 @@ class ReplicaSet:
             role = (getattr(info, "extra", None) or {}).get("role")
             if role in ROLES and not replica.role_from_spec:
                 replica.role = role
+            replica.heartbeat_kv = info.endpoints.get("kv")
 
     def _apply_registry(self, infos: list[Any], now: float) -> None:
         """Redis restarted empty, or was flushed, forgets every heartbeat at once although

@@ -69,6 +69,8 @@ class Decision:
     attempt: int = 1
     released: bool = False
     pending_blocks: int = 0  # pending (routed, unconfirmed) blocks beyond matched_blocks
+    peer: Optional[str] = None  # another replica holding more of the prompt (``peer_pull``)
+    peer_blocks: int = 0  # how many of its blocks that one holds
 
     @property
     def match_kind(self) -> str:
@@ -191,12 +193,16 @@ class Router:
         self.num_match_tokens["exact"] += request.matched_tokens(replica.replica_id)
         self.num_match_tokens["pending"] += max(0, request.pending_tokens(replica.replica_id)
                                                 - request.matched_tokens(replica.replica_id))
+        holders = {rid: int(n) for rid, n in request.matched_blocks.items() if rid != replica.replica_id}
+        peer = max(holders, key=holders.get, default=None)
+        if peer is not None and holders[peer] <= exact_blocks:
+            peer = None
         elapsed = time.perf_counter() - start
         self._record(elapsed, by_load_only)
         return Decision(replica=replica, policy=policy_name, matched_blocks=exact_blocks,
                         num_prompt_tokens=request.num_prompt_tokens, num_prompt_blocks=len(request.block_hashes),
                         redis_available=redis_available, decision_s=elapsed, attempt=attempt,
-                        pending_blocks=pending_blocks)
+                        pending_blocks=pending_blocks, peer=peer, peer_blocks=holders.get(peer, 0) if peer else 0)
 
     def _remember(self, replica_id: str, block_hashes: Sequence[str], ttl_s: float) -> None:
         """Record a decision as pending ownership, here and (with Redis) for the other routers."""
