@@ -380,7 +380,12 @@ def test_lora_load_reads_off_the_loop_thread_registers_on_it_then_serves(lora_lo
     assert len(engine.thread_ids) == 1, "only the loop thread may touch the engine's state"
 
 
-def test_lora_unload_refused_while_in_use_then_done(lora_loop):
+def test_lora_unload_refused_while_in_use_then_done(lora_loop, monkeypatch):
+    from pagoda.serving import lora_control
+
+    trims = []
+    monkeypatch.setattr(lora_control, "release_free_heap", lambda: trims.append(threading.current_thread().name))
+    assert lora_control.LoRAController.__module__ and callable(lora_control.release_free_heap)
     engine, collector, loop = lora_loop
     document(control(loop, collector, "l1", "load", "sql", "/adapters/sql"))
     loop.submit(request("busy", max_tokens=10_000, lora_name="sql"))
@@ -392,11 +397,37 @@ def test_lora_unload_refused_while_in_use_then_done(lora_loop):
     collector.wait_final(["busy"])
     assert document(control(loop, collector, "u2", "unload", "sql")) == {
         "action": "unload", "lora_name": "sql", "lora_path": "/adapters/sql", "loaded": []}
+    _wait_for(lambda: trims)  # the unloaded adapter's freed heap goes back to the OS, off the loop thread
+    assert trims == ["pagoda-lora-loader_0"]
     unknown = control(loop, collector, "u3", "unload", "sql")
     assert "unknown adapter 'sql'" in unknown.error
     loop.submit(request("gone", lora_name="sql"))
     collector.wait_final(["gone"])
     assert "unknown adapter 'sql'" in finals(collector, "gone")[0].error
+
+
+def _wait_for(condition, timeout_s=5.0):
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+def test_release_free_heap_returns_freed_heap_pages_that_free_keeps():
+    """Freed chunks below a live one stay resident after ``free``; ``malloc_trim`` returns them."""
+    from pagoda.serving.heap import release_free_heap
+
+    def rss_mb():
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096 / 2**20
+
+    blobs = [bytearray(64 * 1024) for _ in range(1600)]  # 100 MiB of heap chunks (below the mmap threshold)
+    pin = bytearray(64 * 1024)  # allocated last: the heap's top cannot shrink when the blobs are freed
+    del blobs
+    before = rss_mb()
+    assert release_free_heap()
+    assert before - rss_mb() > 50, "malloc_trim returned less than half of the freed 100 MiB"
+    del pin
 
 
 def test_lora_load_and_unload_refused_without_the_runtime_flag_list_answers(loop_parts):
