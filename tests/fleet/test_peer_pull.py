@@ -13,8 +13,7 @@ from pagoda.fleet.api.upstream import GrpcUpstream
 from pagoda.fleet.gate.limits import sampling_of_infer_request, set_sampling_value
 from pagoda.fleet.routing.peer_pull import PeerPull
 from pagoda.fleet.routing.replicas import ReplicaSet, parse_replicas_spec
-from pagoda.fleet.sim.disagg import TransferModel
-from pagoda.fleet.sim.simulator import StepTimeModel
+from pagoda.fleet.routing.cost_model import StepTimeModel, TransferModel
 
 from tests.fleet.test_router_unit import FakeFleet, make_router
 

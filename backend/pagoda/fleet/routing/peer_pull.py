@@ -9,7 +9,7 @@ handle, docs/kv_transfer.md): the chosen replica pulls the prompt's full blocks 
 from the holder before the request enters its engine, and computes only the rest.
 
 It does so when moving the blocks is estimated faster than computing them, as the fleet
-simulator estimates both: ``TransferModel`` (latency + blocks x block bytes / bandwidth;
+simulator estimates both (``routing.cost_model``): ``TransferModel`` (latency + blocks x block bytes / bandwidth;
 measured by ``pagoda bench kv-transfer``) against ``StepTimeModel`` (one prefill step of
 those tokens; ``pagoda bench routing --calibrate``), and only for at least ``min_blocks``
 blocks (a pull has fixed costs on both replicas that the models leave out). A pull that
@@ -21,8 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from pagoda.fleet.sim.disagg import TransferModel
-from pagoda.fleet.sim.simulator import DEFAULT_STEP_MODEL, StepTimeModel
+from pagoda.fleet.routing.cost_model import DEFAULT_STEP_MODEL, StepTimeModel, TransferModel
 
 
 @dataclass

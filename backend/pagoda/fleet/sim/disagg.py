@@ -29,24 +29,11 @@ from typing import Optional
 from pagoda.contracts.block_hash import hash_prompt_blocks
 from pagoda.fleet.index.mirror import LocalIndex
 from pagoda.fleet.routing.affinity import PendingIndex
+from pagoda.fleet.routing.cost_model import TransferModel  # noqa: F401 - re-exported
 from pagoda.fleet.routing.decide import confirms_pending, decide
 from pagoda.fleet.routing.policy import Policy, ReplicaState, RoutingRequest
 from pagoda.fleet.sim.simulator import (DEFAULT_STEP_MODEL, SIM_MODEL_ID, ReplicaConfig, SimReplica, SimRequest,
                                         StepTimeModel)
-
-
-@dataclass(frozen=True)
-class TransferModel:
-    """Seconds to move ``n`` KV blocks: ``latency_s + n * block_bytes / bandwidth``. The
-    defaults are SmolLM2-135M fp32 blocks of 16 tokens (737,280 bytes) over pagoda's TCP
-    connector on loopback (``pagoda bench kv-transfer``: ~300 MB/s on 2 shared cores)."""
-
-    block_bytes: int = 737_280
-    mb_per_s: float = 300.0
-    latency_s: float = 0.005
-
-    def seconds(self, num_blocks: int) -> float:
-        return self.latency_s + num_blocks * self.block_bytes / (self.mb_per_s * 1e6) if num_blocks else 0.0
 
 
 @dataclass(frozen=True)

@@ -28,11 +28,9 @@ to the end of the step that samples the first token.
 from __future__ import annotations
 
 import heapq
-import json
 import math
 import random
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Optional
 
 from pagoda.contracts.block_hash import hash_prompt_blocks
@@ -41,6 +39,7 @@ from pagoda.engine.sampling_params import SamplingParams
 from pagoda.engine.runner.runner_output import ModelRunnerOutput
 from pagoda.engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pagoda.fleet.routing.affinity import PendingIndex
+from pagoda.fleet.routing.cost_model import DEFAULT_STEP_MODEL, StepTimeModel  # noqa: F401 - re-exported
 from pagoda.fleet.routing.decide import confirms_pending, decide
 from pagoda.fleet.sim.arrivals import arrivals, zipf_weights
 from pagoda.fleet.index.mirror import LocalIndex
@@ -48,31 +47,6 @@ from pagoda.fleet.routing.policy import Policy, ReplicaState, RoutingRequest
 
 SIM_MODEL_ID = "SmolLM2-135M-Instruct"
 FAKE_TOKEN = 1
-
-
-@dataclass(frozen=True)
-class StepTimeModel:
-    """Seconds per engine step: ``a + b * num_batched_tokens + c * sum_context_tokens``."""
-
-    a: float
-    b: float
-    c: float
-    source: str = ""  # where the coefficients were measured
-
-    def step_time(self, num_batched_tokens: int, sum_context_tokens: int) -> float:
-        return self.a + self.b * num_batched_tokens + self.c * sum_context_tokens
-
-    def save(self, path: str) -> None:
-        Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
-
-    @classmethod
-    def load(cls, path: str) -> "StepTimeModel":
-        return cls(**json.loads(Path(path).read_text()))
-
-
-# SmolLM2-135M fp32 on 2 CPU cores (`pagoda bench routing --calibrate`);
-# docs/fleet_step_time.json holds the same numbers with their provenance.
-DEFAULT_STEP_MODEL = StepTimeModel(a=0.05, b=0.0018, c=0.00004, source="docs/fleet_step_time.json")
 
 
 @dataclass(frozen=True)
