@@ -96,3 +96,13 @@ def test_the_publisher_advertises_its_connector_on_its_host():
     publisher.advertise_kv("0.0.0.0:41234")
     assert publisher.endpoints["kv"] == "10.1.2.3:41234"
     assert json.loads(json.dumps(publisher.endpoints))["kv"] == "10.1.2.3:41234"
+
+
+def test_the_router_flag_sets_the_threshold_and_zero_turns_pulls_off():
+    from pagoda.fleet.service import make_parser, options_from_args
+
+    args = make_parser().parse_args(["--replicas", "id=a,grpc=a:1,http=a:2", "--peer-pull-min-blocks", "0"])
+    assert options_from_args(args).peer_pull_min_blocks == 0
+    assert options_from_args(make_parser().parse_args(["--replicas", "grpc=a:1,http=a:2"])).peer_pull_min_blocks == 4
+    assert not GrpcUpstream(None, None, 2, 0).peer_pull.enabled
+    assert GrpcUpstream(None, None, 2, 8).peer_pull.min_blocks == 8

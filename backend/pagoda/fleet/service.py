@@ -5,8 +5,7 @@ Pieces (each in its own module):
 - ``routing.router``: prompt -> block hashes -> prefix-index match + load -> policy ->
   replica, with optimistic in-flight accounting; ``routing.fleet_view``: Redis (registry,
   index) with fault handling (load-only fallback);
-- ``routing.replicas``: membership (static ``--replicas``, Kubernetes ``--k8s-selector``,
-  or the Redis registry), health, in-flight counts;
+- ``routing.replicas``: membership (``--replicas``, ``--k8s-selector`` or the registry), health, load;
 - ``gate.gate`` (with ``limits`` and ``auth``): input limits, API keys -> tenants -> cache
   salt, per-tenant rate limits, overload memory;
 - ``api.lora_admin``: the served LoRA adapters; run-time load/unload on every replica
@@ -19,15 +18,14 @@ Pieces (each in its own module):
 - ``api.tracing``: a span per routed request, ``traceparent`` forwarded to the replica.
 
 Composition: ``RouterService.start`` makes each piece once and passes it to the
-constructors that use it (the gate and the upstream client to both streaming doors, the
-LoRA admin to the HTTP and OpenAI doors); no door creates or hangs a collaborator on
-another. ``RouterService`` owns them and two background tasks: the registry refresh (every
-``registry_interval_s``: heartbeat load, block size, hash model id; its first success
-after a failure brings prefix routing back) and the health prober (every
-``health_interval_s``: ``ServerReady`` on each replica; a replica marked unhealthy by a
-failed request becomes routable again once it answers ready and, if it was not routable
-or is new, once its LoRA adapters are synced: ``lora_admin``). ``BackgroundRouter`` runs a
-service on its own thread and event loop (tests, ``pagoda bench routing --real``).
+constructors that use it (the gate and the upstream client, with its peer-pull decision,
+to both streaming doors; the LoRA admin to the HTTP and OpenAI doors). ``RouterService``
+owns them and two background tasks: the registry refresh (every ``registry_interval_s``:
+heartbeat load, block size, hash model id; its first success after a failure brings
+prefix routing back) and the health prober (every ``health_interval_s``: ``ServerReady``;
+a replica marked unhealthy becomes routable again once it answers ready and its LoRA
+adapters are synced: ``lora_admin``). ``BackgroundRouter`` runs a service on its own
+thread and event loop (tests, ``pagoda bench routing --real``).
 """
 
 from __future__ import annotations
@@ -83,6 +81,7 @@ class RouterOptions:
     registry_interval_s: float = 0.5
     health_interval_s: float = 2.0
     max_attempts: int = 2
+    peer_pull_min_blocks: int = 4  # pull a prefix a peer holds from this many blocks on; 0: never (routing.peer_pull)
     # Tenants (pagoda.fleet.gate.auth): keys file (else $PAGODA_API_KEYS; neither: open mode).
     api_keys_file: Optional[str] = None
     share_prefix_cache: bool = False
@@ -186,7 +185,6 @@ class RouterService:
         fleet = None
         if o.redis_url:
             from pagoda.fleet.index.prefix_index import make_redis_client
-
             # Short socket timeouts, no retries: a dead Redis fails fast into load-only routing.
             self._redis = make_redis_client(resolve_redis_url(o.redis_url))
             fleet = FleetView(self._redis, self.model_name, o.index_mode, o.redis_timeout_s)
@@ -214,7 +212,7 @@ class RouterService:
         from pagoda.fleet.api.upstream import GrpcUpstream
 
         o = self.options
-        upstream = self.upstream = GrpcUpstream(self.router, self.gate, o.max_attempts)
+        upstream = self.upstream = GrpcUpstream(self.router, self.gate, o.max_attempts, o.peer_pull_min_blocks)
         grpc_door = GrpcProxy(self.router, self.tracer, self.gate, upstream)
         openai_door = OpenAIApi(self.router, self.tracer, self.gate, self.lora_admin, upstream, self.model_name)
         app = make_app(self.router, self.tracer, self.gate, self.lora_admin, openai_door)
@@ -377,6 +375,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16, help="used until a replica heartbeat reports its own")
     p.add_argument("--health-interval", type=float, default=2.0)
     p.add_argument("--max-attempts", type=int, default=2, help="replicas tried when a connection is refused")
+    p.add_argument("--peer-pull-min-blocks", type=int, default=4, help="pull a prefix a peer holds when it gains "
+                   "this many blocks and beats recomputing (docs/kv_transfer.md); 0: never")
     tenants = p.add_argument_group("tenants", "API keys, cache isolation and rate limits (pagoda.fleet.gate.auth)")
     tenants.add_argument("--api-keys-file", help="lines 'KEY TENANT [rpm=N] [tpm=N] [concurrency=N]' (default: "
                                                  "$PAGODA_API_KEYS; neither: open mode, no authentication)")
@@ -408,8 +408,8 @@ def options_from_args(args: argparse.Namespace) -> RouterOptions:
         index_mode=args.index_mode, redis_timeout_s=args.redis_timeout_ms / 1e3, host=args.host,
         http_port=args.http_port, grpc_port=None if args.no_grpc else args.grpc_port, otlp_endpoint=args.otlp_endpoint,
         block_size=args.block_size, health_interval_s=args.health_interval, max_attempts=args.max_attempts,
-        api_keys_file=args.api_keys_file, share_prefix_cache=args.share_prefix_cache,
-        router_secret_file=args.router_secret_file,
+        peer_pull_min_blocks=args.peer_pull_min_blocks, api_keys_file=args.api_keys_file,
+        share_prefix_cache=args.share_prefix_cache, router_secret_file=args.router_secret_file,
         tenant_requests_per_minute=args.tenant_rpm, tenant_tokens_per_minute=args.tenant_tpm,
         tenant_max_concurrent=args.tenant_max_concurrent,
         limits=RequestLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(RequestLimits)}))

@@ -78,12 +78,13 @@ class GrpcUpstream:
         max_attempts: replicas tried when a connection is refused.
     """
 
-    def __init__(self, router: Router, gate: Gate, max_attempts: int = 2, peer_pull: Optional[PeerPull] = None) -> None:
+    def __init__(self, router: Router, gate: Gate, max_attempts: int = 2, peer_pull_min_blocks: int = 4) -> None:
         self.router = router
         self.gate = gate
         self.max_attempts = max_attempts
         self.num_two_stage = 0  # requests served prefill -> decode (disaggregated)
-        self.peer_pull = PeerPull() if peer_pull is None else peer_pull
+        # pagoda router --peer-pull-min-blocks (0: never pull)
+        self.peer_pull = PeerPull(min_blocks=max(1, peer_pull_min_blocks), enabled=peer_pull_min_blocks > 0)
 
     async def stream(self, analysis: Optional[Analysis], request: Any, span: RouteSpan) -> AsyncIterator[Any]:
         """Route ``request`` and yield the replica's ``ModelStreamInferResponse`` messages.
