@@ -497,7 +497,9 @@ def test_disaggregated_prefill_then_decode_through_the_router(replicas, redis_se
     spec = ";".join(f"{entry},role={roles[rid]}" for rid, entry in zip(replicas, _replicas_spec(replicas).split(";")))
     prompt = "Two stages: the prefill replica computes this prompt and the decode replica pulls its KV cache. " * 4
     reference, errors = grpc_generate(replicas["r0"].grpc_url, [prompt], max_tokens=8)
-    assert not errors
+    other = "The HTTP door runs the same two stages over generate, prefill first, then decode. " * 4
+    other_reference, other_errors = grpc_generate(replicas["r0"].grpc_url, [other], max_tokens=8)
+    assert not errors and not other_errors
     with _make_router(replicas, redis_server, smollm2_path, replicas=spec) as router:
         client = openai.OpenAI(base_url=f"http://{router.http_url}/v1", api_key="unused", max_retries=0)
         completion = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=8, temperature=0)
@@ -507,6 +509,18 @@ def test_disaggregated_prefill_then_decode_through_the_router(replicas, redis_se
         texts, errors = grpc_generate(router.grpc_url, [prompt], max_tokens=8)
         assert not errors and texts == reference
         assert router.run(lambda: router.service.upstream.num_two_stage) == 2
+        # The Triton HTTP generate door too (fleet/api/http_stages.py), on a prompt r1 never
+        # saw, with a top-level max_tokens the prefill stage must not obey: r1 pulls the
+        # prompt's blocks (cached tokens) and decodes all 8 tokens.
+        from pagoda.fleet.api.http_api import STAGES_KEY
+        from tests.serving.test_serving_triton_server import http_post
+
+        status, answer = http_post(router, "/v2/models/pagoda/generate", {
+            "text_input": other, "max_tokens": 8, "exclude_input_in_output": True, "return_num_cached_tokens": True,
+            "sampling_parameters": json.dumps({"temperature": 0})})
+        assert status == 200, answer
+        assert answer["text_output"] == other_reference["0"] and answer["num_cached_tokens"] >= 16
+        assert router.run(lambda: router.service._http_runner.app[STAGES_KEY][0]) == 1
 
 
 def test_a_replica_pulls_a_prefix_its_peer_holds_instead_of_recomputing_it(replicas, redis_server, smollm2_path):

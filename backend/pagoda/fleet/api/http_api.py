@@ -9,6 +9,7 @@
   parameters, the channel that reaches the backend). The replica's status, body and SSE
   events come back byte for byte, except an overload refusal: the request is tried on
   another replica, and only when all are full does the client get 503 + ``Retry-After``.
+  With prefill and decode replicas, a generate body runs in two stages (``http_stages``).
 - a LoRA control request on ``generate`` (a body with ``lora_action``; ``pagoda lora
   --url`` the router) is the router's own: ``list`` answers the adapters the router
   serves; ``load``/``unload`` go to every replica as ``/v1/load_lora_adapter`` does
@@ -47,6 +48,7 @@ from aiohttp import web
 
 from pagoda.contracts.errors import ErrorKind, error_text, is_overloaded, spec_of
 from pagoda.fleet.gate.gate import TENANT_KEY, AuthError, Gate, LimitError, RateLimited, retry_after_header
+from pagoda.fleet.api import http_stages
 from pagoda.fleet.api.fleet_metrics import merge_vllm_series, scrape_replicas
 from pagoda.fleet.api.grpc_proxy import MAX_ROUTED_PROMPT_CHARS, cache_salt_of, option_of
 from pagoda.fleet.gate.infer_body import validate_infer_body
@@ -63,6 +65,7 @@ GATE_KEY = web.AppKey("gate", Gate)
 LORA_KEY = web.AppKey("lora_admin", LoRAAdmin)
 SESSION_KEY = web.AppKey("session", aiohttp.ClientSession)
 SCRAPE_FAILURES_KEY = web.AppKey("scrape_failures", list)  # [count]: replicas' /metrics that did not answer
+STAGES_KEY = web.AppKey("two_stage", list)  # [count]: generate requests served prefill -> decode (http_stages)
 MAX_ATTEMPTS = 2
 _FORWARDED_HEADERS = ("Content-Type", "Content-Length")
 
@@ -78,6 +81,7 @@ def make_app(router: Router, tracer: RouterTracer, gate: Gate, lora_admin: LoRAA
     app[GATE_KEY] = gate
     app[LORA_KEY] = lora_admin
     app[SCRAPE_FAILURES_KEY] = [0]
+    app[STAGES_KEY] = [0]
     app.cleanup_ctx.append(_client_session)
     app.router.add_get("/v2/health/live", _live)
     app.router.add_get("/v2/health/ready", _ready)
@@ -270,6 +274,14 @@ async def _route(request: web.Request, body: bytes, document: Optional[dict], an
     """Choose a replica and relay its answer; retry on a refused connection or an overload."""
     router, gate = request.app[ROUTER_KEY], request.app[GATE_KEY]
     tried: list[str] = []
+    if document is not None and request.path.endswith(("generate", "generate_stream")) and \
+            http_stages.is_disaggregated(router, document):  # two stages (http_stages)
+        tried = [r.replica_id for r in router.replicas.all() if r.role == "prefill"]
+        handle = await http_stages.prefill_handle(request.app[SESSION_KEY], router, gate, analysis, document,
+                                                  request.match_info.get("model", "pagoda"))
+        if handle is not None:
+            document = http_stages.with_sampling(document, kv_transfer_params=handle)
+            request.app[STAGES_KEY][0] += 1
     num_dead = 0
     for attempt in itertools.count(1):
         try:
