@@ -76,7 +76,7 @@ def test_the_router_names_the_best_other_holder():
 
 def test_a_retry_elsewhere_decides_again_and_a_clients_own_handle_is_kept():
     replicas = _replicas()
-    upstream = GrpcUpstream(SimpleNamespace(replicas=replicas, block_size=16), gate=None)
+    upstream = GrpcUpstream(SimpleNamespace(replicas=replicas, block_size=16, num_peer_pulls=0), gate=None)
     request = service_pb2.ModelInferRequest()
     set_sampling_value(request, "max_tokens", 4)
     pulls = SimpleNamespace(replica=replicas.get("a"), peer="b", peer_blocks=40, matched_blocks=0)
@@ -85,7 +85,7 @@ def test_a_retry_elsewhere_decides_again_and_a_clients_own_handle_is_kept():
     upstream._set_peer_pull(request, SimpleNamespace(replica=replicas.get("b"), peer=None, peer_blocks=0,
                                                      matched_blocks=40))
     assert sampling_of_infer_request(request) == {"max_tokens": 4}
-    assert upstream.peer_pull.num_pulls == 1
+    assert upstream.router.num_peer_pulls == 1
 
 
 def test_the_publisher_advertises_its_connector_on_its_host():

@@ -508,11 +508,10 @@ def test_disaggregated_prefill_then_decode_through_the_router(replicas, redis_se
         assert cached >= 16 and cached % 16 == 0 and cached >= completion.usage.prompt_tokens - 16
         texts, errors = grpc_generate(router.grpc_url, [prompt], max_tokens=8)
         assert not errors and texts == reference
-        assert router.run(lambda: router.service.upstream.num_two_stage) == 2
+        assert router.run(lambda: router.service.router.num_two_stage) == 2
         # The Triton HTTP generate door too (fleet/api/http_stages.py), on a prompt r1 never
         # saw, with a top-level max_tokens the prefill stage must not obey: r1 pulls the
         # prompt's blocks (cached tokens) and decodes all 8 tokens.
-        from pagoda.fleet.api.http_api import STAGES_KEY
         from tests.serving.test_serving_triton_server import http_post
 
         status, answer = http_post(router, "/v2/models/pagoda/generate", {
@@ -520,7 +519,9 @@ def test_disaggregated_prefill_then_decode_through_the_router(replicas, redis_se
             "sampling_parameters": json.dumps({"temperature": 0})})
         assert status == 200, answer
         assert answer["text_output"] == other_reference["0"] and answer["num_cached_tokens"] >= 16
-        assert router.run(lambda: router.service._http_runner.app[STAGES_KEY][0]) == 1
+        assert router.run(lambda: router.service.router.num_two_stage) == 3
+        metrics = urllib.request.urlopen(f"http://{router.http_url}/metrics", timeout=10).read().decode()
+        assert "pagoda:router_two_stage_requests_total 3" in metrics.splitlines()
 
 
 def test_a_replica_pulls_a_prefix_its_peer_holds_instead_of_recomputing_it(replicas, redis_server, smollm2_path):
@@ -546,7 +547,7 @@ def test_a_replica_pulls_a_prefix_its_peer_holds_instead_of_recomputing_it(repli
             assert completion.choices[0].text == reference["0"]
             cached = completion.usage.prompt_tokens_details.cached_tokens
             assert cached >= completion.usage.prompt_tokens - 16, completion.usage
-        assert router.run(lambda: service.upstream.peer_pull.num_pulls) == 1
+        assert router.run(lambda: service.router.num_peer_pulls) == 1
 
 
 def test_openai_sdk(router):

@@ -153,7 +153,7 @@ def _measure(router: Any, args: argparse.Namespace, rng: random.Random) -> dict[
             "itl_during_max_ms": round(1e3 * max(during, default=float("nan")), 1), "gaps_during": len(during),
             "burst_s": round(end - start, 2), "burst_ttft_p50_s": round(percentile(ttfts, 0.5), 2),
             "streams_covering_burst": streams_alive,
-            "two_stage": router.run(lambda: router.service.upstream.num_two_stage), "errors": errors[:3]}
+            "two_stage": router.run(lambda: router.service.router.num_two_stage), "errors": errors[:3]}
 
 
 def main(argv: Optional[list[str]] = None) -> int:

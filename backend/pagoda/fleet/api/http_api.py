@@ -65,7 +65,6 @@ GATE_KEY = web.AppKey("gate", Gate)
 LORA_KEY = web.AppKey("lora_admin", LoRAAdmin)
 SESSION_KEY = web.AppKey("session", aiohttp.ClientSession)
 SCRAPE_FAILURES_KEY = web.AppKey("scrape_failures", list)  # [count]: replicas' /metrics that did not answer
-STAGES_KEY = web.AppKey("two_stage", list)  # [count]: generate requests served prefill -> decode (http_stages)
 MAX_ATTEMPTS = 2
 _FORWARDED_HEADERS = ("Content-Type", "Content-Length")
 
@@ -81,7 +80,6 @@ def make_app(router: Router, tracer: RouterTracer, gate: Gate, lora_admin: LoRAA
     app[GATE_KEY] = gate
     app[LORA_KEY] = lora_admin
     app[SCRAPE_FAILURES_KEY] = [0]
-    app[STAGES_KEY] = [0]
     app.cleanup_ctx.append(_client_session)
     app.router.add_get("/v2/health/live", _live)
     app.router.add_get("/v2/health/ready", _ready)
@@ -281,7 +279,7 @@ async def _route(request: web.Request, body: bytes, document: Optional[dict], an
                                                   request.match_info.get("model", "pagoda"))
         if handle is not None:
             document = http_stages.with_sampling(document, kv_transfer_params=handle)
-            request.app[STAGES_KEY][0] += 1
+            router.num_two_stage += 1
     num_dead = 0
     for attempt in itertools.count(1):
         try:

@@ -82,7 +82,6 @@ class GrpcUpstream:
         self.router = router
         self.gate = gate
         self.max_attempts = max_attempts
-        self.num_two_stage = 0  # requests served prefill -> decode (disaggregated)
         # pagoda router --peer-pull-min-blocks (0: never pull)
         self.peer_pull = PeerPull(min_blocks=max(1, peer_pull_min_blocks), enabled=peer_pull_min_blocks > 0)
 
@@ -101,7 +100,7 @@ class GrpcUpstream:
             handle = await self._prefill(analysis, request, span)
             if handle is not None:
                 set_sampling_value(request, "kv_transfer_params", handle)
-                self.num_two_stage += 1
+                self.router.num_two_stage += 1
         else:
             may_pull = self.peer_pull.enabled and "kv_transfer_params" not in sampling_of_infer_request(request)
         async for response in self._stream_on(analysis, request, span, skip, may_pull):
@@ -190,7 +189,7 @@ class GrpcUpstream:
         """Give ``request`` the handle of a peer to pull its prefix from, or take it away."""
         params = self.peer_pull.params(decision, self.router.replicas, self.router.block_size)
         if params is not None:
-            self.peer_pull.num_pulls += 1
+            self.router.num_peer_pulls += 1
             set_sampling_value(request, "kv_transfer_params", params)
         elif "kv_transfer_params" in sampling_of_infer_request(request):
             remove_sampling_value(request, "kv_transfer_params")  # an earlier attempt's

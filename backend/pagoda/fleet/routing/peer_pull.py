@@ -32,7 +32,6 @@ class PeerPull:
     transfer: TransferModel = field(default_factory=TransferModel)
     min_blocks: int = 4
     enabled: bool = True
-    num_pulls: int = 0  # requests sent with a peer to pull from (the router's /metrics)
 
     def worth_it(self, num_blocks: int, block_size: int) -> bool:
         """Whether pulling ``num_blocks`` beats recomputing their tokens."""

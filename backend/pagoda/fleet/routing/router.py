@@ -113,6 +113,8 @@ class Router:
         if fleet is not None and confirms_pending(self.policy):
             fleet.confirm_pending_on_kv_events()
         self.num_match_tokens = {"exact": 0, "pending": 0}
+        self.num_two_stage = 0  # requests the doors ran prefill -> decode (disaggregated)
+        self.num_peer_pulls = 0  # requests sent with a peer to pull their prefix from (routing.peer_pull)
 
     # --------------------------------------------------------------- heartbeats
     def apply_heartbeats(self, infos: Iterable[Any]) -> None:
@@ -217,7 +219,13 @@ class Router:
                  *(f'pagoda:router_prefix_match_tokens{{kind="{kind}"}} {n}'
                    for kind, n in self.num_match_tokens.items()),
                  "# TYPE pagoda:router_pending_entries gauge",
-                 f"pagoda:router_pending_entries {self.pending.num_entries}"]
+                 f"pagoda:router_pending_entries {self.pending.num_entries}",
+                 "# HELP pagoda:router_two_stage_requests_total requests run prefill replica -> decode replica",
+                 "# TYPE pagoda:router_two_stage_requests_total counter",
+                 f"pagoda:router_two_stage_requests_total {self.num_two_stage}",
+                 "# HELP pagoda:router_peer_pulls_total requests whose replica pulled their prefix from a peer",
+                 "# TYPE pagoda:router_peer_pulls_total counter",
+                 f"pagoda:router_peer_pulls_total {self.num_peer_pulls}"]
         if self.fleet is not None:
             lines += ["# HELP pagoda:router_reaped_replicas_total expired replicas whose index entries this router removed",
                       "# TYPE pagoda:router_reaped_replicas_total counter",
