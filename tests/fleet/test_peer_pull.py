@@ -106,3 +106,10 @@ def test_the_router_flag_sets_the_threshold_and_zero_turns_pulls_off():
     assert options_from_args(make_parser().parse_args(["--replicas", "grpc=a:1,http=a:2"])).peer_pull_min_blocks == 4
     assert not GrpcUpstream(None, None, 2, 0).peer_pull.enabled
     assert GrpcUpstream(None, None, 2, 8).peer_pull.min_blocks == 8
+
+
+def test_a_malformed_kv_address_in_the_spec_is_refused_naming_it():
+    import pytest
+
+    with pytest.raises(ValueError, match="kv must be host:port"):
+        parse_replicas_spec("id=a,grpc=a:1,http=a:2,kv=nowhere")

@@ -19,6 +19,7 @@ from typing import Any, Optional
 
 import aiohttp
 
+from pagoda.fleet.gate.limits import LimitError, sampling_object
 from pagoda.fleet.routing.router import NoReplicaAvailable
 
 logger = logging.getLogger(__name__)
@@ -28,14 +29,12 @@ _STAGE_OVERRIDES = ("max_tokens", "min_tokens", "min_length", "stream")
 
 
 def _sampling(document: dict[str, Any]) -> Optional[dict]:
-    text = document.get("sampling_parameters")
-    if text is None or (isinstance(text, str) and not text.strip()):
-        return {}
+    """The body's ``sampling_parameters`` object (``limits.sampling_object``), or None when it
+    is not valid JSON (the replica names that; the body is not staged)."""
     try:
-        values = json.loads(text) if isinstance(text, str) else None
-    except ValueError:
+        return sampling_object(document.get("sampling_parameters"))
+    except LimitError:
         return None
-    return values if isinstance(values, dict) else None
 
 
 def is_disaggregated(router: Any, document: dict[str, Any]) -> bool:
