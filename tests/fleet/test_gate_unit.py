@@ -18,8 +18,8 @@ from tritonclient.grpc import service_pb2
 from pagoda.fleet.gate.auth import ApiKeys, AuthError, RateLimited, Tenant, TenantLimiter, load_api_keys, tenant_salt
 from pagoda.fleet.gate.gate import Gate
 from pagoda.fleet.triton_wire import read_string_input
-from pagoda.fleet.gate.limits import (LimitError, RequestLimits, sampling_of_infer_request, set_sampling_value,
-                                 validate_generate_body, sampling_of_generate)
+from pagoda.fleet.gate.generate_body import sampling_of_generate, validate_generate_body
+from pagoda.fleet.gate.limits import LimitError, RequestLimits, sampling_of_infer_request, set_sampling_value
 from pagoda.fleet.routing.replicas import ReplicaSet
 from pagoda.fleet.routing.router import Router
 
@@ -39,8 +39,8 @@ class FakeClock:
 @pytest.mark.parametrize("body, message", [
     (b"{not json", "body: not valid JSON"),
     (b'[{"text_input": "hi"}]', "body: must be a JSON object of inputs, got a JSON array"),
-    (b'{"text_input": 5}', "text_input: must be a string, got a JSON number"),
-    (b'{"text_input": [1, 2]}', "text_input: must be a string, got a JSON array"),
+    (b'{"text_input": 5}', "text_input: must be a string, got 5"),
+    (b'{"text_input": [1, 2]}', "text_input: must be a string, got [1, 2]"),
     (b'{"text_input": "hi", "stream": "yes"}', 'stream: must be true or false, got "yes"'),
     (b'{"text_input": "hi", "frobnicate": 1}', "frobnicate: unknown input or request parameter"),
     (b'{"text_input": "hi", "temperature": "x"}', 'temperature: must be a number, got "x"'),
@@ -53,7 +53,7 @@ class FakeClock:
     (b'{"text_input": "hi", "pad_id": 2}', "pad_id: unknown input or request parameter"),
     (b'{"text_input": "hi", "parameters": [1]}', "parameters: must be a JSON object, got a JSON array"),
     (b'{"text_input": "hi", "parameters": {"tempreature": 0}}', "parameters.tempreature: unknown request parameter"),
-    (b'{"text_input": "hi", "id": 7}', "id: must be a string, got a JSON number"),
+    (b'{"text_input": "hi", "id": 7}', "id: must be a string, got 7"),
     (b'{"text_input": "hi", "parameters": {"max_tokens": 100000}}', "max_tokens: 100000 exceeds"),
     # tritonserver makes a parameter named like an input that input: a string there would be its 500
     (b'{"text_input": "hi", "parameters": {"temperature": "0"}}', 'temperature: must be a number, got "0"'),
@@ -81,7 +81,7 @@ def test_generate_inputs_are_the_model_configs_inputs():
     import re
     from pathlib import Path
 
-    from pagoda.fleet.gate.limits import GENERATE_INPUTS
+    from pagoda.fleet.gate.generate_body import GENERATE_INPUTS
 
     config = (Path(__file__).parents[2] / "model_repository" / "pagoda" / "config.pbtxt").read_text()
     inputs_block = config.split("input [", 1)[1].split("]\n", 1)[0]

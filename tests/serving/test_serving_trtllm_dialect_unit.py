@@ -135,7 +135,8 @@ def test_the_routers_http_door_knows_every_input_of_pagodas_model():
     (the embedding-bias inputs the TensorRT-LLM fronts forward included)."""
     import re
 
-    from pagoda.fleet.gate.limits import GENERATE_INPUTS, LimitError, RequestLimits, validate_generate_body
+    from pagoda.fleet.gate.generate_body import GENERATE_INPUTS, validate_generate_body
+    from pagoda.fleet.gate.limits import LimitError, RequestLimits
     from pagoda.serving.launch.triton_install import default_model_repository
 
     config = (default_model_repository() / "pagoda" / "config.pbtxt").read_text()
@@ -172,7 +173,8 @@ def test_llmapi_inputs_become_pagodas_and_refusals_name_the_input():
 def test_the_routers_http_door_checks_a_front_body_against_the_fronts_inputs():
     """A body for ``ensemble`` / ``tensorrt_llm_bls`` / ``tensorrt_llm`` passes the router's HTTP door
     when the replica's front would take it (TensorRT-LLM's names), with the router's limits applied."""
-    from pagoda.fleet.gate.limits import LimitError, RequestLimits, validate_generate_body
+    from pagoda.fleet.gate.generate_body import validate_generate_body
+    from pagoda.fleet.gate.limits import LimitError, RequestLimits
 
     body = {"text_input": "Hi", "max_tokens": 8, "min_length": 8, "num_return_sequences": 2, "id": "r1"}
     assert validate_generate_body(json.dumps(body).encode(), RequestLimits(), "ensemble")["min_length"] == 8

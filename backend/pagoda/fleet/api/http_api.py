@@ -1,7 +1,7 @@
 """The router's HTTP face (aiohttp): Triton's generate extension, health, metadata, metrics.
 
 - ``POST /v2/models/{model}/generate`` and ``generate_stream``: the body is checked here
-  (``limits.validate_generate_body``: a JSON object of known inputs with the right JSON
+  (``generate_body.validate_generate_body``: a JSON object of known inputs with the right JSON
   types, within the limits; else 400 naming the problem, where tritonserver itself would
   answer 500), given the tenant's ``cache_salt`` (``gate``), routed by its
   ``text_input`` and salt, and forwarded to the chosen replica's HTTP port with one key
@@ -52,8 +52,9 @@ from pagoda.fleet.api import http_stages
 from pagoda.fleet.api.fleet_metrics import merge_vllm_series, scrape_replicas
 from pagoda.fleet.api.grpc_proxy import MAX_ROUTED_PROMPT_CHARS, cache_salt_of, option_of
 from pagoda.fleet.gate.infer_body import validate_infer_body
-from pagoda.fleet.gate.limits import FRONT_INPUTS, prompt_of, sampling_of_generate, validate_generate_body
+from pagoda.fleet.gate.generate_body import FRONT_INPUTS, prompt_of, sampling_of_generate, validate_generate_body
 from pagoda.fleet.api.lora_admin import LoRAAdmin, check_change
+from pagoda.fleet.api.openai_responses import error_body
 from pagoda.fleet.routing.router import Analysis, NoReplicaAvailable, Router
 from pagoda.fleet.api.tracing import TRACEPARENT, RouterTracer
 
@@ -124,8 +125,7 @@ def _gate_error(request: web.Request, status: int, message: str, kind: str, para
                 headers: Optional[dict[str, str]] = None) -> web.Response:
     """An error in the door's own shape: OpenAI's on ``/v1``, Triton's ``{"error"}`` elsewhere."""
     if request.path.startswith("/v1/"):
-        return web.json_response({"error": {"message": message, "type": kind, "param": param, "code": None}},
-                                 status=status, headers=headers)
+        return web.json_response(error_body(message, kind, param), status=status, headers=headers)
     return _error(status, message, headers)
 
 

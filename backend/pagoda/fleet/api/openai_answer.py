@@ -17,6 +17,9 @@ only what it returns).
 Tools (chat): with a ``ToolPlan`` in play the answer's text is read for tool calls when its
 choice finishes (``openai_tools.parse_answer``): ``message.tool_calls`` and the finish reason
 in the final object; streamed, the choice's text is held back and sent as one delta then.
+
+Every object leaves through its typed model (``openai_responses``): choices are assembled
+here as dicts and validated once, as part of the object they go out in.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from importlib.metadata import version as _version
 from typing import Any, Optional
 
 from pagoda.fleet.api.openai_io import chat_logprobs, completion_logprobs, echoed_prompt_logprobs
+from pagoda.fleet.api.openai_responses import (ChatCompletion, ChatCompletionChunk, Completion, CompletionChunk, Usage,
+                                               dump)
 from pagoda.fleet.api.openai_tools import finish_reason as tool_finish_reason, parse_answer
 
 # OpenAI's backend-configuration fingerprint: the serving software and its version.
@@ -83,11 +88,11 @@ class Answer:
         completion = sum(self.num_completion_tokens)
         return self.num_prompt_tokens + completion if completion or self.num_prompt_tokens else 0
 
-    def usage(self) -> dict:
+    def usage(self) -> Usage:
         completion = sum(self.num_completion_tokens)
-        return {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": completion,
-                "total_tokens": self.num_prompt_tokens + completion,
-                "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens}}
+        return Usage(prompt_tokens=self.num_prompt_tokens, completion_tokens=completion,
+                     total_tokens=self.num_prompt_tokens + completion,
+                     prompt_tokens_details={"cached_tokens": self.num_cached_tokens})
 
     def _prompt_entries(self) -> list[dict]:
         """The echoed prompt's log-prob entries (first token: ``None``)."""
@@ -135,10 +140,12 @@ class Answer:
     def final_object(self) -> dict:
         return merge_final([self])
 
-    def chunk(self, choices: list[dict]) -> dict:
-        kind = "chat.completion.chunk" if self.chat else "text_completion"
-        return {"id": self.request_id, "object": kind, "created": self.created, "model": self.model,
-                "system_fingerprint": SYSTEM_FINGERPRINT, "choices": choices}
+    def chunk(self, choices: list[dict], usage: Optional[Usage] = None) -> dict:
+        """One stream chunk (``usage`` only on the last one, when asked for)."""
+        model, kind = (ChatCompletionChunk, "chat.completion.chunk") if self.chat else (CompletionChunk, "text_completion")
+        fields = {"usage": usage} if usage is not None else {}
+        return dump(model(id=self.request_id, object=kind, created=self.created, model=self.model,
+                          system_fingerprint=SYSTEM_FINGERPRINT, choices=choices, **fields))
 
     def role_chunk(self) -> dict:
         return self.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -170,24 +177,23 @@ class Answer:
         return out
 
     def usage_chunk(self, answers: Optional[list["Answer"]] = None) -> dict:
-        chunk = self.chunk([])
-        chunk["usage"] = summed_usage(answers or [self])
-        return chunk
+        return self.chunk([], summed_usage(answers or [self]))
 
 
-def summed_usage(answers: list[Answer]) -> dict:
+def summed_usage(answers: list[Answer]) -> Usage:
     """One usage object for several prompts' answers (vLLM sums them)."""
     usages = [answer.usage() for answer in answers]
-    total = {key: sum(u[key] for u in usages) for key in ("prompt_tokens", "completion_tokens", "total_tokens")}
-    total["prompt_tokens_details"] = {"cached_tokens": sum(u["prompt_tokens_details"]["cached_tokens"]
-                                                           for u in usages)}
-    return total
+    return Usage(prompt_tokens=sum(u.prompt_tokens for u in usages),
+                 completion_tokens=sum(u.completion_tokens for u in usages),
+                 total_tokens=sum(u.total_tokens for u in usages),
+                 prompt_tokens_details={"cached_tokens": sum(u.prompt_tokens_details.cached_tokens for u in usages)})
 
 
 def merge_final(answers: list[Answer]) -> dict:
     """The whole (non-streamed) object of a request's answers, choices in prompt order."""
     first = answers[0]
-    return {"id": first.request_id, "object": "chat.completion" if first.chat else "text_completion",
-            "created": first.created, "model": first.model, "system_fingerprint": SYSTEM_FINGERPRINT,
-            "choices": [choice for answer in answers for choice in answer.choices()],
-            "usage": summed_usage(answers)}
+    model = ChatCompletion if first.chat else Completion
+    return dump(model(id=first.request_id, object="chat.completion" if first.chat else "text_completion",
+                      created=first.created, model=first.model, system_fingerprint=SYSTEM_FINGERPRINT,
+                      choices=[choice for answer in answers for choice in answer.choices()],
+                      usage=summed_usage(answers)))

@@ -87,6 +87,8 @@ from pagoda.fleet.gate.gate import TENANT_KEY, Gate, LimitError, RateLimited, re
 from pagoda.fleet.api.lora_admin import LoRAAdmin, check_change
 from pagoda.fleet.api.upstream import GrpcUpstream, ReplicaFailed
 from pagoda.fleet.api.openai_answer import Answer, merge_final
+from pagoda.fleet.api.openai_responses import ModelCard, ModelList, dump, error_body
+from pagoda.fleet.api.openai_protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest, parse
 from pagoda.fleet.api.openai_io import (OpenAIError, build_chat_request, build_completion_requests,
                                         make_infer_request, read_outputs)
 from pagoda.fleet.routing.router import NoReplicaAvailable, Router
@@ -95,8 +97,7 @@ from pagoda.fleet.api.tracing import TRACEPARENT, RouterTracer
 
 def error_response(status: int, message: str, kind: str = "invalid_request_error", param: Optional[str] = None,
                    code: Optional[str] = None, headers: Optional[dict[str, str]] = None) -> web.Response:
-    return web.json_response({"error": {"message": message, "type": kind, "param": param, "code": code}},
-                             status=status, headers=headers)
+    return web.json_response(error_body(message, kind, param, code), status=status, headers=headers)
 
 
 _REPLICA_ERROR_TYPE = spec_of(ErrorKind.REPLICA_FAILED).openai_type  # an error event mid-stream
@@ -152,20 +153,20 @@ class OpenAIApi:
         app.router.add_post("/v1/load_lora_adapter", self.load_lora_adapter)
         app.router.add_post("/v1/unload_lora_adapter", self.unload_lora_adapter)
 
-    def _model_cards(self) -> list[dict[str, Any]]:
-        return [{"id": self.model_name, "object": "model", "created": self.created, "owned_by": "pagoda"}] + [
-            {"id": name, "object": "model", "created": self.created, "owned_by": "pagoda", "root": name,
-             "parent": self.model_name} for name in self.lora_names]
+    def _model_cards(self) -> list[ModelCard]:
+        return [ModelCard(id=self.model_name, object="model", created=self.created, owned_by="pagoda")] + [
+            ModelCard(id=name, object="model", created=self.created, owned_by="pagoda", root=name,
+                      parent=self.model_name) for name in self.lora_names]
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": self._model_cards()})
+        return web.json_response(dump(ModelList(object="list", data=self._model_cards())))
 
     async def model(self, request: web.Request) -> web.Response:
         """``GET /v1/models/{id}`` (the SDK's ``models.retrieve``): the card, or 404 naming the id."""
         model_id = request.match_info["model_id"]
         for card in self._model_cards():
-            if card["id"] == model_id:
-                return web.json_response(card)
+            if card.id == model_id:
+                return web.json_response(dump(card))
         return error_response(404, f"The model `{model_id}` does not exist.", param="model", code="model_not_found")
 
     async def health(self, request: web.Request) -> web.Response:
@@ -184,20 +185,19 @@ class OpenAIApi:
             return kind_response(ErrorKind.PERMISSION_DENIED, f"{action}ing LoRA adapters at run time is not enabled "
                                  "on this router; start it with `pagoda router --allow-runtime-lora`")
         try:
-            body = json_input.loads(await request.read(), "body")
+            body = parse(LoadLoRAAdapterRequest if action == "load" else UnloadLoRAAdapterRequest,
+                         json_input.loads(await request.read(), "body"))
         except json_input.JSONInputError as exc:
             return error_response(400, str(exc), param=exc.param)
-        fields = ("lora_name", "lora_path") if action == "load" else ("lora_name",)
-        for name in fields:
-            if not isinstance(body, dict) or not isinstance(body.get(name), str) or not body[name]:
-                return error_response(400, f"{name}: required (a non-empty string)", param=name)
-        refused = check_change(request.get(TENANT_KEY), body["lora_name"])
+        except OpenAIError as exc:
+            return error_response(400, str(exc), param=exc.param)
+        refused = check_change(request.get(TENANT_KEY), body.lora_name)
         if refused is not None:
             kind = ErrorKind.PERMISSION_DENIED if refused[0] == "forbidden" else ErrorKind.INVALID_REQUEST
             return kind_response(kind, refused[1], param="lora_name")
         replicas = self.router.replicas.routable()
-        answer = await (admin.load(replicas, body["lora_name"], body["lora_path"]) if action == "load"
-                        else admin.unload(replicas, body["lora_name"]))
+        answer = await (admin.load(replicas, body.lora_name, body.lora_path) if action == "load"
+                        else admin.unload(replicas, body.lora_name))
         if answer.error is not None:
             return kind_response(kind_of_http_status(answer.status), answer.error, param="lora_name")
         return web.json_response(answer.document)
@@ -384,7 +384,7 @@ class _EventStream:
         await self.response.write(f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode())
 
     async def send_error(self, message: str) -> None:
-        await self.send({"error": {"message": message, "type": _REPLICA_ERROR_TYPE, "param": None, "code": None}})
+        await self.send(error_body(message, _REPLICA_ERROR_TYPE))
 
     async def close(self) -> web.StreamResponse:
         await self.open()

@@ -240,6 +240,22 @@ class ChatCompletionRequest(_Common):
     chat_template_kwargs: Optional[dict[str, Any]] = None
 
 
+NonEmpty = Annotated[str, StringConstraints(min_length=1)]
+
+
+class LoadLoRAAdapterRequest(_Strict):
+    """``POST /v1/load_lora_adapter`` (vLLM's endpoint and fields)."""
+
+    lora_name: NonEmpty
+    lora_path: NonEmpty
+
+
+class UnloadLoRAAdapterRequest(_Strict):
+    """``POST /v1/unload_lora_adapter``."""
+
+    lora_name: NonEmpty
+
+
 def parse(model: type[BaseModel], body: Any) -> Any:
     """``model`` validated from a parsed JSON body; raises ``OpenAIError`` naming the field."""
     if not isinstance(body, dict):

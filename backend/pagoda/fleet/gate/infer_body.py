@@ -4,7 +4,8 @@ The router used to relay ``POST /v2/models/{model}[/versions/{v}]/infer`` byte f
 a hostile body reached a replica unchecked and a prompt over the router's limits was never
 refused. Now the JSON part (the whole body, or its first ``Inference-Header-Content-Length``
 bytes with the binary-data extension) is parsed strictly (``contracts.json_input``) and must be
-the protocol's request object:
+the protocol's request object, declared as typed models (``InferRequest``, pydantic v2,
+strict; the first error becomes one ``LimitError`` naming its path):
 
 - top-level keys ``id`` (string), ``parameters`` (object), ``inputs`` (required, non-empty
   list), ``outputs`` (list of ``{name, parameters?}``); any other key is refused, naming it;
@@ -20,15 +21,60 @@ the replicas serve (their own validation names an unknown input).
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Annotated, Any, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError, model_validator
+from pydantic_core import PydanticCustomError
 
 from pagoda.contracts import json_input
-from pagoda.fleet.gate.limits import LimitError, RequestLimits, sampling_object
+from pagoda.fleet.gate.limits import LimitError, RequestLimits, sampling_object, show_value
 
-DATATYPES = {"BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64", "FP16", "FP32",
-             "FP64", "BF16", "BYTES"}
-_TOP_KEYS = {"id", "parameters", "inputs", "outputs"}
-_INPUT_KEYS = {"name", "datatype", "shape", "data", "parameters"}
+Datatype = Literal["BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64", "FP16", "FP32",
+                   "FP64", "BF16", "BYTES"]
+_CONFIG = ConfigDict(strict=True, extra="forbid")
+
+
+class InferInput(BaseModel):
+    """One input tensor: ``data`` inline, or its bytes in the binary part (``parameters.binary_data_size``)."""
+
+    model_config = _CONFIG
+    name: Annotated[StrictStr, Field(min_length=1)]
+    datatype: Datatype
+    shape: list[Annotated[StrictInt, Field(ge=0)]]
+    data: Any = None
+    parameters: dict[str, Any] = {}
+
+    @model_validator(mode="after")
+    def _has_data(self) -> "InferInput":
+        if "data" not in self.model_fields_set and "binary_data_size" not in self.parameters:
+            raise PydanticCustomError("missing_data", "required (or parameters.binary_data_size with the binary "
+                                      "extension)")
+        return self
+
+
+class InferOutput(BaseModel):
+    model_config = _CONFIG
+    name: StrictStr
+    parameters: Optional[dict[str, Any]] = None
+
+
+class InferRequest(BaseModel):
+    """A KServe v2 inference request's JSON object."""
+
+    model_config = _CONFIG
+    id: Optional[StrictStr] = None
+    parameters: Optional[dict[str, Any]] = None
+    inputs: Annotated[list[InferInput], Field(min_length=1)]
+    outputs: list[InferOutput] = []
+
+
+# What each field must be, for the error message (the schema above says the same in types).
+_MUST = {"id": "must be a string", "parameters": "must be an object",
+         "inputs": "required, a non-empty list of {name, datatype, shape, data}",
+         "outputs": "must be a list of {name, parameters?} objects",
+         "name": "required, a non-empty string", "datatype": f"must be one of {', '.join(sorted(Datatype.__args__))}",
+         "shape": "must be a list of non-negative integers", "data": "required (or parameters.binary_data_size with "
+         "the binary extension)"}
 
 
 def validate_infer_body(body: bytes, header_length: Optional[str], limits: RequestLimits) -> None:
@@ -44,59 +90,49 @@ def validate_infer_body(body: bytes, header_length: Optional[str], limits: Reque
         raise LimitError(str(exc), exc.param) from None
     if not isinstance(document, dict):
         raise LimitError("body: must be a JSON object with 'inputs'", "body")
-    unknown = sorted(set(document) - _TOP_KEYS)
-    if unknown:
-        raise LimitError(f"{unknown[0]}: unknown key of an inference request (keys: {', '.join(sorted(_TOP_KEYS))})",
-                         unknown[0])
-    _expect(document, "id", str, "a string")
-    _expect(document, "parameters", dict, "an object")
-    inputs = document.get("inputs")
-    if not isinstance(inputs, list) or not inputs:
-        raise LimitError("inputs: required, a non-empty list of {name, datatype, shape, data}", "inputs")
-    for index, tensor in enumerate(inputs):
-        _check_tensor(tensor, f"inputs[{index}]", limits)
-    outputs = document.get("outputs", [])
-    if not isinstance(outputs, list) or not all(isinstance(o, dict) and isinstance(o.get("name"), str)
-                                                for o in outputs):
-        raise LimitError("outputs: must be a list of {name, parameters?} objects", "outputs")
+    try:
+        request = InferRequest.model_validate(document)
+    except ValidationError as exc:
+        raise _describe(exc.errors(include_url=False)[0], document) from None
+    for tensor in request.inputs:
+        strings = [v for v in _flatten(tensor.data) if isinstance(v, str)]
+        if tensor.name == "text_input":
+            for text in strings:
+                limits.check_prompt(text, "text_input")
+        elif tensor.name == "sampling_parameters":
+            for text in strings:
+                limits.check_sampling(sampling_object(text))
 
 
-def _expect(document: dict, key: str, kind: type, what: str) -> None:
-    if key in document and not isinstance(document[key], kind):
-        raise LimitError(f"{key}: must be {what}", key)
+def _describe(error: dict, document: dict) -> LimitError:
+    loc = error["loc"]
+    if not loc:
+        return LimitError(f"body: {error['msg']}", "body")
+    if loc[0] == "outputs":
+        return LimitError(f"outputs: {_MUST['outputs']}", "outputs")
+    if error["type"] == "extra_forbidden":
+        where = _path(loc[:-1])
+        if len(loc) == 1:
+            keys = ", ".join(sorted(InferRequest.model_fields))
+            return LimitError(f"{loc[0]}: unknown key of an inference request (keys: {keys})", str(loc[0]))
+        return LimitError(f"{_path(loc)}: unknown key of an input tensor", _path(loc))
+    if error["type"] == "missing_data":
+        loc = (*loc[:2], "data")
+    if loc[0] == "inputs" and len(loc) == 2:
+        return LimitError(f"{_path(loc)}: must be an object {{name, datatype, shape, data}}, got "
+                          f"{show_value(document['inputs'][loc[1]])}", _path(loc))
+    if loc[0] != "inputs" or len(loc) < 3:
+        return LimitError(f"{loc[0]}: {_MUST[str(loc[0])]}, got {show_value(document.get(loc[0]))}", str(loc[0]))
+    where, field = _path(loc[:2]), str(loc[2])
+    tensor = document["inputs"][loc[1]]
+    name = tensor.get("name") if isinstance(tensor, dict) else None
+    return LimitError(f"{where}.{field} ({name}): {_MUST[field]}, got {show_value(tensor.get(field))}",
+                      f"{where}.{field}")
 
 
-def _check_tensor(tensor: Any, where: str, limits: RequestLimits) -> None:
-    if not isinstance(tensor, dict):
-        raise LimitError(f"{where}: must be an object {{name, datatype, shape, data}}", where)
-    unknown = sorted(set(tensor) - _INPUT_KEYS)
-    if unknown:
-        raise LimitError(f"{where}.{unknown[0]}: unknown key of an input tensor", f"{where}.{unknown[0]}")
-    name = tensor.get("name")
-    if not isinstance(name, str) or not name:
-        raise LimitError(f"{where}.name: required, a non-empty string", f"{where}.name")
-    if tensor.get("datatype") not in DATATYPES:
-        raise LimitError(f"{where}.datatype ({name}): must be one of {', '.join(sorted(DATATYPES))}, got "
-                         f"{tensor.get('datatype')!r}", f"{where}.datatype")
-    shape = tensor.get("shape")
-    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
-                                              for d in shape):
-        raise LimitError(f"{where}.shape ({name}): must be a list of non-negative integers", f"{where}.shape")
-    parameters = tensor.get("parameters", {})
-    if not isinstance(parameters, dict):
-        raise LimitError(f"{where}.parameters ({name}): must be an object", f"{where}.parameters")
-    if "data" not in tensor:
-        if "binary_data_size" not in parameters:
-            raise LimitError(f"{where}.data ({name}): required (or parameters.binary_data_size with the binary "
-                             "extension)", f"{where}.data")
-        return
-    strings = [v for v in _flatten(tensor["data"]) if isinstance(v, str)]
-    if name == "text_input":
-        for text in strings:
-            limits.check_prompt(text, "text_input")
-    elif name == "sampling_parameters":
-        for text in strings:
-            limits.check_sampling(sampling_object(text))
+def _path(loc: tuple) -> str:
+    return "".join(f"[{part}]" if isinstance(part, int) else (f".{part}" if i else str(part))
+                   for i, part in enumerate(loc))
 
 
 def _flatten(data: Any) -> list:

@@ -1,4 +1,4 @@
-"""Limits on every input the router accepts, and the router's own check of Triton HTTP bodies.
+"""Limits on every input the router accepts, and the sampling values read from Triton requests.
 
 Every limit is a field of ``RequestLimits`` (``pagoda router --max-*`` flags) and every
 refusal is a ``LimitError`` whose message starts with the offending parameter and names
@@ -18,22 +18,8 @@ refused request costs no replica anything:
 without ``max_tokens`` (``Gate.num_tokens``). It is a router flag rather than a heartbeat
 field because the charge is taken before the request is routed.
 
-``validate_generate_body`` checks a Triton generate-extension body as the replica's own
-front end should but does not (tritonserver answers a body it cannot parse with 500): the
-body must be a JSON object; every key must be one of the model's inputs
-(``GENERATE_INPUTS``), ``traceparent``, the extension's ``id`` (a string, echoed) and
-``parameters`` (an object), or a key the replica reads as a request parameter
-(``request_parameter_keys``: tritonserver turns any other top-level key into one, and the
-replica reads them as sampling parameters the way Triton's vLLM backend does) — the same
-vocabulary as the replica's, so a body one accepts the other accepts too; the keys of
-``parameters`` likewise. Each input value must have its input's JSON type (``text_input``
-a string or a list of one string, booleans ``true``/``false``, numbers as numbers). A
-``sampling_parameters`` object is accepted and sent on as the JSON string the replica
-expects. A body with ``lora_action`` (a LoRA control request) needs no ``text_input``. The
-limits apply to sampling values wherever they come (``sampling_of_generate``). A body for
-one of TensorRT-LLM's front models (``FRONT_INPUTS``: ``ensemble``, ``tensorrt_llm_bls``,
-``tensorrt_llm``) is checked against that model's own inputs instead, with no request
-parameter but ``cache_salt`` (the tenant salt the HTTP door adds for them).
+The Triton bodies' own schemas live beside: ``generate_body`` (the generate extension) and
+``infer_body`` (KServe v2 ``/infer``); both raise ``LimitError`` and apply these limits.
 """
 
 from __future__ import annotations
@@ -45,40 +31,6 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from pagoda.contracts import json_input
-from pagoda.serving import trtllm_dialect, trtllm_llmapi
-from pagoda.serving.vllm_dialect import request_parameter_vocabulary
-
-# Triton generate inputs of model_repository/pagoda/config.pbtxt -> their JSON kind.
-GENERATE_INPUTS: dict[str, str] = {
-    "text_input": "string", "input_ids": "ints", "sampling_parameters": "json",
-    "stream": "bool", "exclude_input_in_output": "bool", "return_finish_reason": "bool", "return_stop_reason": "bool",
-    "return_cumulative_logprob": "bool", "return_logprobs": "bool", "return_num_input_tokens": "bool",
-    "return_num_output_tokens": "bool", "return_num_cached_tokens": "bool",
-    "max_tokens": "int", "min_tokens": "int", "top_k": "int", "end_id": "int", "beam_width": "int",
-    "seed": "uint", "random_seed": "uint",
-    "temperature": "number", "top_p": "number", "repetition_penalty": "number", "presence_penalty": "number",
-    "frequency_penalty": "number",
-    "stop_words": "strings", "bad_words": "strings", "lora_name": "string",
-    "embedding_bias_words": "strings", "embedding_bias_weights": "numbers",
-    "lora_action": "string", "lora_path": "string",  # a LoRA control request (http_api answers it)
-}
-GENERATE_PARAMETERS = ("traceparent",)  # top-level keys that are request parameters, not inputs
-# TensorRT-LLM's front models on the replica (serving.trtllm_dialect / trtllm_llmapi): their own inputs,
-# and the ones the router's limits read (max tokens, samples, stop strings).
-FRONT_INPUTS = {"ensemble": trtllm_dialect.INPUTS, "tensorrt_llm_bls": trtllm_dialect.INPUTS,
-                "tensorrt_llm": trtllm_llmapi.INPUTS}
-FRONT_SAMPLING = {"max_tokens": "max_tokens", "sampling_param_max_tokens": "max_tokens", "num_return_sequences": "n",
-                  "stop_words": "stop", "sampling_param_stop": "stop"}
-# The generate extension's own keys: the request's id (echoed by tritonserver) and its
-# request-parameter object (the vLLM backend's README sends sampling values there).
-GENERATE_RESERVED = ("id", "parameters")
-
-
-def request_parameter_keys() -> frozenset[str]:
-    """The keys the replica reads as request parameters (``serving.vllm_dialect``'s one list,
-    computed once): tritonserver turns a top-level generate key that is not an input into
-    one, so the router accepts exactly the keys the replica would."""
-    return request_parameter_vocabulary()
 
 
 class LimitError(ValueError):
@@ -157,132 +109,20 @@ def as_int(value: Any) -> Optional[int]:
     return None
 
 
-# ------------------------------------------------------------------ Triton generate bodies
-def validate_generate_body(body: bytes, limits: RequestLimits, model: str = "pagoda") -> dict[str, Any]:
-    """Parse and check a generate-extension body for ``model``; returns it with
-    ``sampling_parameters`` as text. A TensorRT-LLM front (``FRONT_INPUTS``) is checked
-    against its own inputs, as the replica checks it.
-
-    Raises:
-        LimitError: naming the problem (not JSON, not an object, an unknown key, a value of
-            the wrong type, a limit exceeded).
-    """
-    try:
-        document = json_input.loads(body, "body")
-    except json_input.JSONInputError as exc:
-        raise LimitError(str(exc), exc.param) from None
-    if not isinstance(document, dict):
-        raise LimitError(f"body: must be a JSON object of inputs, got a JSON {_json_kind(document)}", "body")
-    if model in FRONT_INPUTS:
-        return _validate_front_body(document, limits, model)
-    vocabulary = request_parameter_keys()
-    unknown = sorted(set(document) - set(GENERATE_INPUTS) - set(GENERATE_PARAMETERS) - set(GENERATE_RESERVED)
-                     - vocabulary)
-    if unknown:
-        raise LimitError(f"{unknown[0]}: unknown input or request parameter; the inputs are "
-                         f"{', '.join(sorted(GENERATE_INPUTS))}", unknown[0])
-    parameters = document.get("parameters", {})
-    if not isinstance(parameters, dict):
-        raise LimitError(f"parameters: must be a JSON object, got a JSON {_json_kind(parameters)}", "parameters")
-    unknown = sorted(set(parameters) - vocabulary - set(GENERATE_INPUTS))
-    if unknown:
-        raise LimitError(f"parameters.{unknown[0]}: unknown request parameter", f"parameters.{unknown[0]}")
-    for name, value in parameters.items():  # tritonserver makes these the inputs of that name
-        if name in GENERATE_INPUTS and GENERATE_INPUTS[name] != "json":
-            parameters[name] = _check_input(name, GENERATE_INPUTS[name], value)
-    if "id" in document and not isinstance(document["id"], str):
-        raise LimitError(f"id: must be a string, got a JSON {_json_kind(document['id'])}", "id")
-    is_control = "lora_action" in document  # a LoRA control request: no prompt (http_api answers it)
-    if "text_input" not in document and "input_ids" not in document and not is_control:
-        raise LimitError("text_input: required input is missing (or give input_ids)", "text_input")
-    for name, value in document.items():
-        if name in GENERATE_INPUTS:
-            document[name] = _check_input(name, GENERATE_INPUTS[name], value)
-    if is_control:
-        return document
-    limits.check_prompt(prompt_of(document), "text_input")
-    limits.check_sampling(sampling_of_generate(document))
-    return document
-
-
-def _validate_front_body(document: dict[str, Any], limits: RequestLimits, model: str) -> dict[str, Any]:
-    unknown = sorted(set(document) - set(FRONT_INPUTS[model]) - set(GENERATE_PARAMETERS) - set(GENERATE_RESERVED))
-    if unknown:
-        raise LimitError(f"{unknown[0]}: unknown input of TensorRT-LLM's {model} model; the inputs are "
-                         f"{', '.join(sorted(FRONT_INPUTS[model]))}", unknown[0])
-    parameters = document.get("parameters", {})
-    if not isinstance(parameters, dict) or set(parameters) - {"cache_salt"}:
-        raise LimitError("parameters: TensorRT-LLM's models read no request parameters", "parameters")
-    if "text_input" not in document:
-        raise LimitError("text_input: required input is missing", "text_input")
-    limits.check_prompt(prompt_of(document), "text_input")
-    one = lambda v: v[0] if isinstance(v, list) and len(v) == 1 else v  # noqa: E731 - [[x]]-style bodies
-    limits.check_sampling({FRONT_SAMPLING[k]: (v if FRONT_SAMPLING[k] == "stop" else one(v))
-                           for k, v in document.items() if k in FRONT_SAMPLING})
-    return document
-
-
-def _check_input(name: str, kind: str, value: Any) -> Any:
-    if kind == "string":
-        if isinstance(value, list) and len(value) == 1:
-            value = value[0]
-        if not isinstance(value, str):
-            raise LimitError(f"{name}: must be a string, got a JSON {_json_kind(value)}", name)
-    elif kind == "json":
-        if isinstance(value, dict):
-            return json.dumps(value)
-        if not isinstance(value, str):
-            raise LimitError(f"{name}: must be a JSON object (or a string holding one), got a JSON "
-                             f"{_json_kind(value)}", name)
-    elif kind == "bool":
-        if not isinstance(value, bool):
-            raise LimitError(f"{name}: must be true or false, got {json.dumps(value)}", name)
-    elif kind in ("int", "uint"):
-        if isinstance(value, bool) or not isinstance(value, int) or (kind == "uint" and value < 0):
-            raise LimitError(f"{name}: must be {'a non-negative' if kind == 'uint' else 'an'} integer, "
-                             f"got {json.dumps(value)}", name)
-    elif kind == "number":
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise LimitError(f"{name}: must be a number, got {json.dumps(value)}", name)
-    elif kind == "ints":
-        if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-            raise LimitError(f"{name}: must be a list of integers", name)
-    elif kind == "numbers":
-        if not all(isinstance(item, (int, float)) and not isinstance(item, bool)
-                   for item in (value if isinstance(value, list) else [value])):
-            raise LimitError(f"{name}: must be a number or a list of numbers", name)
-    elif kind == "strings":
-        items = value if isinstance(value, list) else [value]
-        if not all(isinstance(item, str) for item in items):
-            raise LimitError(f"{name}: must be a string or a list of strings", name)
-    return value
-
-
-def _json_kind(value: Any) -> str:
+def json_kind(value: Any) -> str:
+    """A parsed JSON value's kind as the JSON spec names it (for error messages)."""
     return ("array" if isinstance(value, list) else "object" if isinstance(value, dict)
             else "boolean" if isinstance(value, bool) else "number" if isinstance(value, (int, float))
             else "null" if value is None else "string")
 
 
-def prompt_of(document: dict[str, Any]) -> str:
-    prompt = document.get("text_input")
-    return prompt[0] if isinstance(prompt, list) and prompt else prompt if isinstance(prompt, str) else ""
-
-
-def sampling_of_generate(document: dict[str, Any]) -> dict[str, Any]:
-    """SamplingParams-named values of a generate body (request parameters — top level or in
-    ``parameters`` — then its JSON, then its scalar inputs, as the replica merges them)."""
-    vocabulary = request_parameter_keys()
-    sampling = {k: v for k, v in document.items() if k in vocabulary and k not in GENERATE_INPUTS}
-    sampling.update(document.get("parameters") or {})
-    sampling.update(sampling_object(document.get("sampling_parameters")))
-    for name in ("max_tokens",):
-        if name in document:
-            sampling[name] = document[name]
-    if "stop_words" in document:
-        words = document["stop_words"]
-        sampling["stop"] = [w for w in (words if isinstance(words, list) else [words]) if w]
-    return sampling
+def show_value(value: Any) -> str:
+    """A value as an error message quotes it: its JSON, cut at 80 characters."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def sampling_object(text: Any) -> dict[str, Any]:
