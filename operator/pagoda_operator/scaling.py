@@ -78,9 +78,7 @@ class _PoolTick:
         ready = int((deployment.get("status") or {}).get("readyReplicas") or 0)
         pods = await _live_pods(self.kube, self.svc, self.pool)
         model = self.svc.spec.model.name
-        need_itl = self.pool.autoscaling.itl_slo_seconds > 0
-        loads = await (self.fleet.read_loads(model, pods, need_itl=True) if need_itl
-                       else self.fleet.read_loads(model, pods))
+        loads = await self.fleet.read_loads(model, pods, need_itl=self.pool.autoscaling.itl_slo_seconds > 0)
         now = self.clock()
         self.status = {"replicas": {"desired": current, "ready": ready},
                        "observedLoad": _observed(FleetLoad.of(loads.values()), self.fleet.source, now)}

@@ -160,7 +160,7 @@ def test_bad_kv_events_are_refused_naming_the_field(kv_events, mode_spec, field)
 
 
 def test_disaggregation_renders_a_prefill_and_a_decode_pool_the_router_tells_apart():
-    """spec.disaggregation: `<name>-prefill` (fixed) and `<name>-decode` (autoscaled) replace
+    """spec.disaggregation: `<name>-prefill` (prefillReplicas: fixed) and `<name>-decode` replace
     `<name>-replicas`; their arguments are accepted by `pagoda serve` (role, KV connector on
     the pod IP); the router reads each pod's role from its pool label; decode pods may reach
     prefill pods' KV port; the mixed Deployment becomes stale."""
