@@ -3,14 +3,18 @@
 Algorithm (one `decide` call per timer tick):
 1. Raw recommendation. For each target, a usage ratio over the replicas that reported:
      waiting:  mean waiting requests per replica / targetWaitingPerReplica
-     kv:       mean KV cache usage             / targetKVCacheUsage
+     kv:       mean KV cache usage             / targetKVCacheUsage (only if the target > 0)
      ttft:     fleet P90 TTFT                  / ttftSLOSeconds   (only if the SLO > 0)
+     itl:      fleet P90 inter-token latency   / itlSLOSeconds    (only if the SLO > 0)
    The fleet P90 is one quantile over every replica's recent requests together: the
-   replicas' TTFT histogram buckets (heartbeat `ttft_buckets`, or the metrics scrape's
-   bucket deltas) are summed first. A replica that reports no buckets counts with its own
-   P90 (the larger of the two is used). It was the worst replica's P90, which let a few
-   cold prefills on one replica scale the whole fleet by their ratio (replayed:
-   docs/kubernetes.md).
+   replicas' histogram buckets (TTFT: heartbeat `ttft_buckets` or the metrics scrape's
+   bucket deltas; ITL: the scrape's deltas of vllm:inter_token_latency_seconds) are summed
+   first. A replica that reports no buckets counts with its own P90 (the larger of the two
+   is used). It was the worst replica's P90, which let a few cold prefills on one replica
+   scale the whole fleet by their ratio (replayed: docs/kubernetes.md).
+   Each pool has its own policy object and spec (spec.disaggregation): the prefill pool's
+   has no KV target (queue and TTFT), the decode pool's keeps spec.autoscaling's (KV usage,
+   and the ITL SLO when set).
    A ratio within [1 - tolerance, 1 + tolerance] recommends `current` (hysteresis band);
    otherwise ceil(current * ratio). The raw recommendation is the largest over targets,
    so any one target under pressure scales up. No report at all -> keep `current`.
@@ -47,6 +51,7 @@ class FleetLoad:
     running: float
     kv_usage: float
     ttft_p90: float
+    itl_p90: float = 0.0
 
     @classmethod
     def of(cls, loads: Iterable[ReplicaLoad]) -> "FleetLoad":
@@ -58,17 +63,24 @@ class FleetLoad:
             running=sum(x.running for x in loads),
             kv_usage=sum(x.kv_usage for x in loads) / n if n else 0.0,
             ttft_p90=fleet_ttft_p90(loads),
+            itl_p90=fleet_p90(loads, "itl_p90", "itl_buckets"),
         )
+
+
+def fleet_p90(loads: list[ReplicaLoad], p90_field: str, buckets_field: str) -> float:
+    """P90 of all replicas' recent samples together: their histogram buckets summed, and the
+    own P90 of each replica that reported no buckets (module docstring)."""
+    merged: dict[float, float] = {}
+    for load in loads:
+        for bound, count in (getattr(load, buckets_field) or {}).items():
+            merged[bound] = merged.get(bound, 0.0) + count
+    without = [getattr(x, p90_field) for x in loads if not getattr(x, buckets_field)]
+    return max([histogram_quantile(0.9, merged)] + without)
 
 
 def fleet_ttft_p90(loads: list[ReplicaLoad]) -> float:
     """P90 TTFT of all replicas' recent requests together (module docstring)."""
-    merged: dict[float, float] = {}
-    for load in loads:
-        for bound, count in (load.ttft_buckets or {}).items():
-            merged[bound] = merged.get(bound, 0.0) + count
-    without = [x.ttft_p90 for x in loads if not x.ttft_buckets]
-    return max([histogram_quantile(0.9, merged)] + without)
+    return fleet_p90(loads, "ttft_p90", "ttft_buckets")
 
 
 @dataclass(frozen=True)
@@ -90,7 +102,7 @@ class Decision:
 
 
 class AutoscalerPolicy:
-    """Stateful only in its recommendation history; one instance per LLMService."""
+    """Stateful only in its recommendation history; one instance per scaled pool of an LLMService."""
 
     def __init__(self, spec: AutoscalingSpec, min_replicas: int, max_replicas: int,
                  clock: Clock):
@@ -107,12 +119,13 @@ class AutoscalerPolicy:
 
     def _ratios(self, fleet: FleetLoad) -> list[tuple[str, float]]:
         n = fleet.num_replicas
-        ratios = [
-            ("waiting", fleet.waiting / n / self.spec.target_waiting_per_replica),
-            ("kv_cache_usage", fleet.kv_usage / self.spec.target_kv_cache_usage),
-        ]
+        ratios = [("waiting", fleet.waiting / n / self.spec.target_waiting_per_replica)]
+        if self.spec.target_kv_cache_usage > 0:
+            ratios.append(("kv_cache_usage", fleet.kv_usage / self.spec.target_kv_cache_usage))
         if self.spec.ttft_slo_seconds > 0:
             ratios.append(("ttft_p90", fleet.ttft_p90 / self.spec.ttft_slo_seconds))
+        if self.spec.itl_slo_seconds > 0:
+            ratios.append(("itl_p90", fleet.itl_p90 / self.spec.itl_slo_seconds))
         return ratios
 
     def recommend(self, fleet: FleetLoad, current: int) -> tuple[int, str]:

@@ -76,6 +76,21 @@ _QUANTITY_MAP = {
     },
 }
 
+def _scaling_knobs() -> dict[str, Any]:
+    """Hysteresis, stabilization windows, step and drain timeout: the same for every autoscaled pool."""
+    return {
+        "tolerance": _num("Hysteresis: ratios within 1 +/- tolerance do not scale.",
+                          minimum=0, maximum=0.9, default=0.1),
+        "scaleUpStabilizationSeconds": _int("Window whose lowest recommendation bounds a scale-up.",
+                                            minimum=0, maximum=3600, default=0),
+        "scaleDownStabilizationSeconds": _int("Window whose highest recommendation bounds a scale-down.",
+                                              minimum=0, maximum=86400, default=300),
+        "maxScaleUpStep": _int("Most replicas added in one decision.", minimum=1, maximum=1000, default=4),
+        "drainTimeoutSeconds": _int("Longest wait for a draining replica's in-flight requests before it is "
+                                    "removed anyway.", minimum=0, maximum=86400, default=600),
+    }
+
+
 SPEC_SCHEMA: dict[str, Any] = _obj(
     {
         "mode": _str("Deployment: the operator runs replica Deployments and autoscales them. "
@@ -165,41 +180,58 @@ SPEC_SCHEMA: dict[str, Any] = _obj(
         "autoscaling": _obj(
             {
                 "enabled": _bool("Run the built-in autoscaler (Deployment mode).", default=True),
-                "targetWaitingPerReplica": _num(
-                    "Target queued (waiting) requests per replica.",
-                    minimum=0.1, maximum=10000, default=4),
-                "targetKVCacheUsage": _num("Target mean KV cache usage (0..1].",
-                                           minimum=0.05, maximum=1.0, default=0.8),
-                "ttftSLOSeconds": _num("P90 time-to-first-token objective; 0 disables it.",
-                                       minimum=0, maximum=3600, default=0),
-                "tolerance": _num("Hysteresis: ratios within 1 +/- tolerance do not scale.",
-                                  minimum=0, maximum=0.9, default=0.1),
-                "scaleUpStabilizationSeconds": _int("Window whose lowest recommendation "
-                                                    "bounds a scale-up.",
-                                                    minimum=0, maximum=3600, default=0),
-                "scaleDownStabilizationSeconds": _int("Window whose highest recommendation "
-                                                      "bounds a scale-down.",
-                                                      minimum=0, maximum=86400, default=300),
-                "maxScaleUpStep": _int("Most replicas added in one decision.",
-                                       minimum=1, maximum=1000, default=4),
-                "drainTimeoutSeconds": _int("Longest wait for a draining replica's in-flight "
-                                            "requests before it is removed anyway.",
-                                            minimum=0, maximum=86400, default=600),
+                "targetWaitingPerReplica": _num("Target queued (waiting) requests per replica.",
+                                                minimum=0.1, maximum=10000, default=4),
+                "targetKVCacheUsage": _num("Target mean KV cache usage (0..1].", minimum=0.05, maximum=1.0, default=0.8),
+                "ttftSLOSeconds": _num("P90 time-to-first-token objective; 0 disables it.", minimum=0, maximum=3600,
+                                       default=0),
+                "itlSLOSeconds": _num("P90 inter-token latency objective (read from the replicas' "
+                                      "vllm:inter_token_latency_seconds histogram); 0 disables it.",
+                                      minimum=0, maximum=600, default=0),
+                **_scaling_knobs(),
             },
-            description="Targets of the built-in autoscaler.",
+            description="Targets of the built-in autoscaler (the decode pool's with spec.disaggregation).",
             default={},
         ),
         "disaggregation": _obj(
             {
-                "prefillReplicas": _int("Pods of the prefill pool (fixed; the autoscaler sizes the decode "
-                                        "pool within spec.replicas).", minimum=1, maximum=100, default=1),
+                "prefillReplicas": _int("A fixed prefill pool of this many pods (the same as prefill.replicas "
+                                        "min = max); set this or `prefill`, not both.", minimum=1, maximum=100),
+                "prefill": _obj(
+                    {
+                        "replicas": _obj(
+                            {"min": _int("Fewest prefill pods.", minimum=1, maximum=1000, default=1),
+                             "max": _int("Most prefill pods.", minimum=1, maximum=1000, default=1)},
+                            description="Prefill pool bounds; with autoscaling disabled, `min` pods run.",
+                            default={},
+                            **{"x-kubernetes-validations": [{"rule": "self.min <= self.max",
+                                                             "message": "prefill.replicas.min must be <= max"}]}),
+                        "autoscaling": _obj(
+                            {
+                                "enabled": _bool("Autoscale the prefill pool (mode Deployment).", default=True),
+                                "targetWaitingPerReplica": _num("Target queued requests per prefill pod.",
+                                                                minimum=0.1, maximum=10000, default=2),
+                                "ttftSLOSeconds": _num("P90 time-to-first-token objective of the prefill pods' "
+                                                       "requests; 0 disables it.", minimum=0, maximum=3600,
+                                                       default=0),
+                                **_scaling_knobs(),
+                            },
+                            description="The prefill pool's own autoscaler: its queue and TTFT (not KV usage: "
+                                        "a prefill pod's cache holds finished prompts until decode pods pull them).",
+                            default={}),
+                    },
+                    description="The prefill pool, autoscaled on its own signal, apart from the decode pool.",
+                ),
                 "kvTransferPort": _int("Port of each pod's KV connector (`pagoda serve --kv-transfer-listen`); "
                                        "decode pods pull prompts' KV blocks from prefill pods on it.",
                                        minimum=1024, maximum=65535, default=5600),
             },
-            description="Disaggregated prefill and decode (mode Deployment): a prefill pool and a decode pool "
-                        "(`pagoda serve --role`); the router runs each request's prefill on the first and its "
-                        "decode on the second, which pulls the prompt's KV (docs/kv_transfer.md).",
+            description="Disaggregated prefill and decode (modes Deployment and KServeLLM): a prefill pool and a "
+                        "decode pool (`pagoda serve --role`); the router runs each request's prefill on the first "
+                        "and its decode on the second, which pulls the prompt's KV (docs/kv_transfer.md). The decode "
+                        "pool is sized by spec.replicas and spec.autoscaling.",
+            **{"x-kubernetes-validations": [{"rule": "!(has(self.prefillReplicas) && has(self.prefill))",
+                                             "message": "set prefillReplicas or prefill, not both"}]},
         ),
         "kvEvents": _obj(
             {
@@ -307,35 +339,43 @@ _CONDITION = _obj(
     required=["type", "status"],
 )
 
+_OBSERVED_LOAD = _obj({
+    "source": _str("Where the load came from.", enum=["redis", "metrics", "none"]),
+    "numReplicas": _int("Replicas that reported."),
+    "waiting": _num("Waiting requests, summed over replicas."),
+    "running": _num("Running requests, summed over replicas."),
+    "kvCacheUsage": _num("Mean KV cache usage."),
+    "ttftP90Seconds": _num("P90 time to first token of all replicas' recent requests together."),
+    "itlP90Seconds": _num("P90 inter-token latency of all replicas' recent tokens together (from /metrics)."),
+    "sampledAt": _str("Sample time.", format="date-time"),
+})
+_LAST_DECISION = _obj({
+    "time": _str("Decision time.", format="date-time"),
+    "from": _int("Replicas before."),
+    "to": _int("Replicas after."),
+    "reason": _str("Why."),
+})
+_DRAIN = _obj({
+    "replicaId": _str("Replica being drained before removal."),
+    "startedAt": _str("Drain start.", format="date-time"),
+    "targetReplicas": _int("Replica count once the drain completes."),
+})
+_REPLICAS = _obj({"desired": _int("Replicas the operator asks for."), "ready": _int("Ready replicas.")})
 STATUS_SCHEMA: dict[str, Any] = _obj(
     {
         "observedGeneration": {"type": "integer", "format": "int64",
                                "description": "Last generation reconciled."},
         "mode": _str("Mode last rendered."),
-        "replicas": _obj({"desired": _int("Replicas the operator asks for."),
-                          "ready": _int("Ready replicas.")}),
+        "replicas": _REPLICAS,
         "conditions": {"type": "array", "items": _CONDITION,
                        "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
-        "observedLoad": _obj({
-            "source": _str("Where the load came from.", enum=["redis", "metrics", "none"]),
-            "numReplicas": _int("Replicas that reported."),
-            "waiting": _num("Waiting requests, summed over replicas."),
-            "running": _num("Running requests, summed over replicas."),
-            "kvCacheUsage": _num("Mean KV cache usage."),
-            "ttftP90Seconds": _num("P90 time to first token of all replicas' recent requests together."),
-            "sampledAt": _str("Sample time.", format="date-time"),
-        }),
-        "lastDecision": _obj({
-            "time": _str("Decision time.", format="date-time"),
-            "from": _int("Replicas before."),
-            "to": _int("Replicas after."),
-            "reason": _str("Why."),
-        }),
-        "drain": _obj({
-            "replicaId": _str("Replica being drained before removal."),
-            "startedAt": _str("Drain start.", format="date-time"),
-            "targetReplicas": _int("Replica count once the drain completes."),
-        }),
+        "observedLoad": _OBSERVED_LOAD,
+        "lastDecision": _LAST_DECISION,
+        "drain": _DRAIN,
+        "prefill": _obj({"replicas": _REPLICAS, "observedLoad": _OBSERVED_LOAD,
+                         "lastDecision": _LAST_DECISION, "drain": _DRAIN},
+                        description="spec.disaggregation: the prefill pool's own scaling state (the fields "
+                                    "above are the decode pool's)."),
         "routerService": _str("Service name of the router."),
     },
     description="Observed state, written by the operator.",

@@ -15,7 +15,7 @@ Memo keys (a `kopf.Memo`; per-object copies share these objects):
     kube           KubeClient (made at startup unless given)
     fleet_store    a FleetStore for every LLMService (optional; tests inject a fake)
     clock          time source for the policy and drain timing (default time.time)
-Per object: `policy` (AutoscalerPolicy), created on first tick.
+Per object: `policies` (an AutoscalerPolicy per scaled pool, pools.py), made on first tick.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from typing import Any
 import kopf
 
 from pagoda_operator import crd
-from pagoda_operator.autoscaler import AutoscalerPolicy
 from pagoda_operator.conditions import set_condition
 from pagoda_operator.kube import SERVICE_ACCOUNT_TOKEN, KubeClient, KubeError
 from pagoda_operator.load import FallbackFleetStore, MetricsScraper, RedisFleetStore
@@ -143,6 +142,8 @@ def make_registry(autoscale_interval: float = DEFAULT_AUTOSCALE_INTERVAL_S) -> k
         if result.ready_replicas is not None:
             replicas["ready"] = result.ready_replicas
         patch.status["replicas"] = replicas
+        if result.prefill is not None:
+            patch.status["prefill"] = {"replicas": result.prefill}
         changed = {k: v for k, v in result.actions.items() if v != "unchanged"}
         if changed:
             kopf.info(dict(body), reason="Reconciled",
@@ -159,12 +160,11 @@ def make_registry(autoscale_interval: float = DEFAULT_AUTOSCALE_INTERVAL_S) -> k
             return  # the reconcile handler has reported it
         if svc.spec.mode != "Deployment":
             return
-        if getattr(memo, "policy", None) is None:
-            memo.policy = AutoscalerPolicy(svc.spec.autoscaling, svc.spec.min_replicas,
-                                           svc.spec.max_replicas, clock=_clock(memo))
+        if getattr(memo, "policies", None) is None:
+            memo.policies = {}
         try:
             result = await autoscale_tick(kube=memo.kube, fleet=await _fleet_store(memo, svc),
-                                          policy=memo.policy, svc=svc, status=dict(status),
+                                          policies=memo.policies, svc=svc, status=dict(status),
                                           clock=_clock(memo))
         except KubeError as error:
             logger.warning(f"autoscaler tick failed: {error}")

@@ -5,9 +5,11 @@
 - `RedisFleetStore`: heartbeats and the registry in Redis (keys in fleet_keys.py);
   it also sets the drain flag and removes a departed replica's index entries.
 - `MetricsScraper`: the fallback; scrapes each pod's Triton `/metrics` (vLLM metric
-  names, ARCHITECTURE contract 5). TTFT P90 comes from the histogram's bucket deltas
-  since the previous scrape of that pod (from the cumulative counts on the first).
-`FallbackFleetStore` reads Redis first and scrapes only when Redis has nothing fresh.
+  names, ARCHITECTURE contract 5). TTFT and inter-token latency P90s come from the
+  histograms' bucket deltas since the previous scrape of that pod (from the cumulative
+  counts on the first).
+`FallbackFleetStore` reads Redis first and scrapes only when Redis has nothing fresh, or,
+with `need_itl` (a pool with an ITL SLO), also to add the ITL the heartbeat lacks.
 
 A heartbeat older than `max_age_s` is ignored (the replica is gone or stuck).
 """
@@ -18,7 +20,7 @@ import asyncio
 import math
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Protocol
 
 from pagoda_operator import fleet_keys
@@ -39,6 +41,9 @@ class ReplicaLoad:
     # Cumulative counts {upper bound (s): requests} of the recent TTFTs behind ttft_p90
     # (+Inf included); None when the replica reported none (an older replica).
     ttft_buckets: dict[float, float] | None = None
+    # The same for inter-token latency (vllm:inter_token_latency_seconds); only /metrics has it.
+    itl_p90: float = 0.0
+    itl_buckets: dict[float, float] | None = None
 
 
 class FleetStore(Protocol):
@@ -46,8 +51,10 @@ class FleetStore(Protocol):
 
     source: str
 
-    async def read_loads(self, model: str, pods: dict[str, str | None]) -> dict[str, ReplicaLoad]:
-        """Loads of the given pods (pod name -> pod IP); missing pods are simply absent."""
+    async def read_loads(self, model: str, pods: dict[str, str | None], *,
+                         need_itl: bool = False) -> dict[str, ReplicaLoad]:
+        """Loads of the given pods (pod name -> pod IP); missing pods are simply absent.
+        `need_itl`: the caller scales on inter-token latency (read it even if it costs a scrape)."""
 
     async def mark_draining(self, model: str, replica_id: str) -> None:
         """Tell routers to stop sending new requests to `replica_id`."""
@@ -84,7 +91,8 @@ class RedisFleetStore:
 
         return cls(redis_asyncio.from_url(url, password=password), **kwargs)
 
-    async def read_loads(self, model: str, pods: dict[str, str | None]) -> dict[str, ReplicaLoad]:
+    async def read_loads(self, model: str, pods: dict[str, str | None], *,
+                         need_itl: bool = False) -> dict[str, ReplicaLoad]:
         replica_ids = sorted(pods)
         if not replica_ids:
             return {}
@@ -180,33 +188,46 @@ def _mean(samples, name: str) -> float:
     return sum(values) / len(values) if values else 0.0
 
 
-def ttft_buckets(samples) -> dict[float, float]:
+HISTOGRAMS = {"ttft": "vllm:time_to_first_token_seconds", "itl": "vllm:inter_token_latency_seconds"}
+
+
+def histogram_buckets(samples, name: str) -> dict[float, float]:
+    """Cumulative counts {upper bound: count} of histogram `name`, summed over its label sets."""
     buckets: dict[float, float] = {}
-    for labels, value in samples.get("vllm:time_to_first_token_seconds_bucket", []):
+    for labels, value in samples.get(f"{name}_bucket", []):
         bound = float(labels.get("le", "+Inf"))
         buckets[bound] = buckets.get(bound, 0.0) + value
     return buckets
 
 
-def load_from_metrics(replica_id: str, samples, previous_buckets: dict[float, float] | None,
-                      now: float) -> tuple[ReplicaLoad, dict[float, float]]:
-    """Turn one parsed scrape into a ReplicaLoad; returns the TTFT buckets to keep."""
-    buckets = ttft_buckets(samples)
-    window = buckets
-    if previous_buckets:
-        delta = {b: c - previous_buckets.get(b, 0.0) for b, c in buckets.items()}
-        if all(c >= 0 for c in delta.values()):  # a restart resets counters: use cumulative
-            window = delta
+def _window(buckets: dict[float, float], previous: dict[float, float] | None) -> dict[float, float]:
+    """The counts since `previous` (the last scrape); cumulative after a restart reset them."""
+    if previous:
+        delta = {b: c - previous.get(b, 0.0) for b, c in buckets.items()}
+        if all(c >= 0 for c in delta.values()):
+            return delta
+    return buckets
+
+
+def load_from_metrics(replica_id: str, samples, previous: dict[str, dict[float, float]] | None,
+                      now: float) -> tuple[ReplicaLoad, dict[str, dict[float, float]]]:
+    """Turn one parsed scrape into a ReplicaLoad; returns the histograms' buckets to keep
+    ({"ttft": ..., "itl": ...}, the `previous` of the next scrape)."""
+    current = {key: histogram_buckets(samples, name) for key, name in HISTOGRAMS.items()}
+    ttft = _window(current["ttft"], (previous or {}).get("ttft"))
+    itl = _window(current["itl"], (previous or {}).get("itl"))
     load = ReplicaLoad(
         replica_id=replica_id,
         waiting=_sum(samples, "vllm:num_requests_waiting"),
         running=_sum(samples, "vllm:num_requests_running"),
         kv_usage=_mean(samples, "vllm:kv_cache_usage_perc"),
-        ttft_p90=histogram_quantile(0.9, window),
+        ttft_p90=histogram_quantile(0.9, ttft),
         ts=now,
-        ttft_buckets=window or None,
+        ttft_buckets=ttft or None,
+        itl_p90=histogram_quantile(0.9, itl),
+        itl_buckets=itl or None,
     )
-    return load, buckets
+    return load, current
 
 
 class MetricsScraper:
@@ -220,7 +241,7 @@ class MetricsScraper:
         self.timeout_s = timeout_s
         self.clock = clock
         self._fetch = fetch or self._http_get
-        self._buckets: dict[str, dict[float, float]] = {}
+        self._buckets: dict[str, dict[str, dict[float, float]]] = {}  # replica -> histogram -> buckets
 
     async def _http_get(self, url: str) -> str:
         import aiohttp
@@ -241,7 +262,8 @@ class MetricsScraper:
         self._buckets[replica_id] = buckets
         return load
 
-    async def read_loads(self, model: str, pods: dict[str, str | None]) -> dict[str, ReplicaLoad]:
+    async def read_loads(self, model: str, pods: dict[str, str | None], *,
+                         need_itl: bool = False) -> dict[str, ReplicaLoad]:
         targets = {name: ip for name, ip in pods.items() if ip}
         results = await asyncio.gather(*(self._scrape(n, ip) for n, ip in targets.items()))
         for gone in set(self._buckets) - set(pods):
@@ -263,16 +285,21 @@ class FallbackFleetStore:
         self.fallback = fallback
         self.source = primary.source
 
-    async def read_loads(self, model: str, pods: dict[str, str | None]) -> dict[str, ReplicaLoad]:
+    async def read_loads(self, model: str, pods: dict[str, str | None], *,
+                         need_itl: bool = False) -> dict[str, ReplicaLoad]:
         try:
             loads = await self.primary.read_loads(model, pods)
         except Exception:
             loads = {}
-        if loads:
-            self.source = self.primary.source
-            return loads
-        self.source = self.fallback.source
-        return await self.fallback.read_loads(model, pods)
+        if not loads:
+            self.source = self.fallback.source
+            return await self.fallback.read_loads(model, pods)
+        self.source = self.primary.source
+        if need_itl:  # heartbeats carry no ITL: take it from the pods' /metrics
+            scraped = await self.fallback.read_loads(model, pods)
+            loads = {name: replace(load, itl_p90=scraped[name].itl_p90, itl_buckets=scraped[name].itl_buckets)
+                     if name in scraped else load for name, load in loads.items()}
+        return loads
 
     async def mark_draining(self, model: str, replica_id: str) -> None:
         await self.primary.mark_draining(model, replica_id)

@@ -41,11 +41,6 @@ def pool_name(svc: LLMService, pool: str) -> str:
     return f"{svc.name}-{pool}"
 
 
-def scaled_deployment_name(svc: LLMService) -> str:
-    """The Deployment the autoscaler sizes: the replicas, or the decode pool when disaggregated."""
-    return pool_name(svc, "decode") if svc.spec.disaggregation else replicas_name(svc)
-
-
 def router_name(svc: LLMService) -> str:
     return f"{svc.name}-router"
 

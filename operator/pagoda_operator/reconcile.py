@@ -1,8 +1,9 @@
 """Reconcile one LLMService: render its children and apply them (create/update/resume).
 
 Idempotent: every child is rendered from the spec and `KubeClient.apply`d, which only
-writes when the live object differs. The replica Deployment keeps its live replica count
-(the autoscaler owns it) clamped into [min, max]. Children of the other mode are deleted
+writes when the live object differs. Each scaled Deployment (the replicas, or with
+`spec.disaggregation` the decode and the prefill pool: pools.py) keeps its live replica
+count (its autoscaler owns it) clamped into its pool's [min, max]. Children of the other mode are deleted
 when the mode changes (Deployment, KServe, KServeLLM). All children carry an owner reference to
 the LLMService, so Kubernetes garbage-collects them when it is deleted.
 """
@@ -14,6 +15,7 @@ from typing import Any
 
 from pagoda_operator import naming
 from pagoda_operator.kube import KubeClient, KubeError
+from pagoda_operator.pools import rendered_replicas, scaled_pools
 from pagoda_operator.render_kserve import render_inference_service
 from pagoda_operator.render_llmisvc import API_VERSION as LLMISVC_API_VERSION
 from pagoda_operator.render_llmisvc import KIND as LLMISVC_KIND
@@ -31,18 +33,16 @@ class ReconcileResult:
     actions: dict[str, str]  # "Kind/name" -> created | patched | unchanged | deleted
     desired_replicas: int
     ready_replicas: int | None
+    prefill: dict[str, int] | None = None  # spec.disaggregation: the prefill pool's {desired[, ready]}
 
 
-def clamp_replicas(svc: LLMService, live_replicas: int | None) -> int:
-    """Replica count to render: the live count (autoscaler's) within [min, max]; `min`
-    for a new Deployment or when autoscaling is off."""
-    if live_replicas is None or not svc.spec.autoscaling.enabled:
-        return svc.spec.min_replicas
-    return min(max(live_replicas, svc.spec.min_replicas), svc.spec.max_replicas)
+def render_children(svc: LLMService, replicas: int, prefill_replicas: int | None = None) -> list[dict[str, Any]]:
+    """Everything the operator owns for `svc`, in apply order (RBAC before workloads).
 
-
-def render_children(svc: LLMService, replicas: int) -> list[dict[str, Any]]:
-    """Everything the operator owns for `svc`, in apply order (RBAC before workloads)."""
+    Args:
+        replicas: pods of the replica (or decode) Deployment.
+        prefill_replicas: pods of the prefill pool (spec.disaggregation); None: its minimum.
+    """
     router = [render_router_service_account(svc), render_router_role(svc),
               render_router_role_binding(svc), render_router_deployment(svc),
               render_router_service(svc)]
@@ -51,8 +51,9 @@ def render_children(svc: LLMService, replicas: int) -> list[dict[str, Any]]:
     if svc.spec.mode == "KServeLLM":
         return [render_llm_inference_service(svc), *([] if svc.spec.kserve_scheduler == "llm-d" else router)]
     if svc.spec.disaggregation is not None:
+        prefill = svc.spec.disaggregation.prefill_min_replicas if prefill_replicas is None else prefill_replicas
         pools = [render_replica_deployment(svc, replicas, "decode"),
-                 render_replica_deployment(svc, svc.spec.disaggregation.prefill_replicas, "prefill")]
+                 render_replica_deployment(svc, prefill, "prefill")]
     else:
         pools = [render_replica_deployment(svc, replicas)]
     return [*pools, render_replica_service(svc), render_replica_network_policy(svc), render_replica_pdb(svc), *router]
@@ -80,14 +81,23 @@ def stale_children(svc: LLMService) -> list[tuple[str, str, str]]:
     return {"KServe": deployment + llmisvc + pools, "KServeLLM": deployment + isvc + pools}[svc.spec.mode]
 
 
+async def _live_counts(kube: KubeClient, svc: LLMService) -> list[tuple[int, int | None]]:
+    """(replicas to render, ready pods or None) per scaled pool (pools.py order); mode Deployment."""
+    counts = []
+    for pool in scaled_pools(svc):
+        live = await kube.get("apps/v1", "Deployment", svc.namespace, pool.deployment)
+        replicas = rendered_replicas(pool, (live or {}).get("spec", {}).get("replicas"))
+        ready = None if live is None else int((live.get("status") or {}).get("readyReplicas") or 0)
+        counts.append((replicas, ready))
+    return counts
+
+
 async def reconcile(kube: KubeClient, svc: LLMService) -> ReconcileResult:
     """Apply all children of `svc`. Raises KubeError on API failures (kopf retries)."""
     actions: dict[str, str] = {}
-    live = None
-    if svc.spec.mode == "Deployment":
-        live = await kube.get("apps/v1", "Deployment", svc.namespace, naming.scaled_deployment_name(svc))
-    replicas = clamp_replicas(svc, (live or {}).get("spec", {}).get("replicas"))
-    for child in render_children(svc, replicas):
+    counts = await _live_counts(kube, svc) if svc.spec.mode == "Deployment" else [(svc.spec.min_replicas, None)]
+    (replicas, ready), prefill = counts[0], (counts[1] if len(counts) > 1 else None)
+    for child in render_children(svc, replicas, prefill[0] if prefill else None):
         actions[f"{child['kind']}/{child['metadata']['name']}"] = await kube.apply(child)
     for api_version, kind, name in stale_children(svc):
         if kind == "Deployment" and await kube.get(api_version, kind, svc.namespace, name) is None:
@@ -98,7 +108,7 @@ async def reconcile(kube: KubeClient, svc: LLMService) -> ReconcileResult:
         except KubeError as error:
             if error.status not in (404, 405):  # 404: KServe's CRD is not even installed
                 raise
-    ready = None
-    if live is not None:
-        ready = int((live.get("status") or {}).get("readyReplicas") or 0)
-    return ReconcileResult(actions=actions, desired_replicas=replicas, ready_replicas=ready)
+    prefill_status = None
+    if prefill is not None:
+        prefill_status = {"desired": prefill[0]} | ({"ready": prefill[1]} if prefill[1] is not None else {})
+    return ReconcileResult(actions=actions, desired_replicas=replicas, ready_replicas=ready, prefill=prefill_status)

@@ -21,7 +21,17 @@ How pagoda maps onto it (the closest wiring the CRD supports; see docs/kubernete
 - the router finds the pods by the labels KServe puts on an LLMInferenceService's
   workload (`llmisvc_pod_selector`, the same labels KServe's own InferencePool selects);
 - replicas: `spec.replicas` = `spec.replicas.min` (KServe owns the pods; the built-in
-  autoscaler runs only in mode Deployment).
+  autoscaler runs only in mode Deployment);
+- with `spec.disaggregation`: KServe's `spec.prefill` section (its own Deployment,
+  `<name>-kserve-prefill`, pods labelled `llm-d.ai/role: prefill` beside the same workload
+  labels) runs the prefill pool: `replicas` = `disaggregation.prefill.replicas.min`, the same
+  container with `--role prefill`, and `labels` (KServe copies a workload's labels onto its
+  pods) `pagoda.dev/pool: prefill`; the main workload becomes the decode pool (`--role
+  decode`, `labels: pagoda.dev/pool: decode`). Both pods listen for KV pulls on
+  `kvTransferPort`; the pagoda router finds both through the workload selector and reads each
+  pod's role from its pool label (else from its heartbeat) to run requests in two stages.
+  With `kserve.scheduler: llm-d` it is refused (spec.py): llm-d's P/D profile drives vLLM's
+  NIXL connector through its routing sidecar, which pagoda's KV handle does not speak.
 
 With `spec.kserve.scheduler: llm-d` the other wiring is rendered instead: `router.scheduler:
 {}` and `router.route: {}` take KServe's managed InferencePool, llm-d endpoint picker and
@@ -62,8 +72,8 @@ def llmisvc_pod_selector(svc: LLMService) -> dict[str, str]:
     return {"app.kubernetes.io/name": svc.name, **WORKLOAD_LABELS}
 
 
-def _main_container(svc: LLMService) -> dict[str, Any]:
-    container = render_replica_container(svc)
+def _main_container(svc: LLMService, pool: str | None = None) -> dict[str, Any]:
+    container = render_replica_container(svc, pool)
     container["name"] = "main"  # KServe merges its template into the container named main
     args = list(container["args"])
     args[args.index("--model") + 1] = naming.MODEL_MOUNT  # the storage initializer's output
@@ -116,27 +126,35 @@ def _route(svc: LLMService) -> dict[str, Any]:
     return {"http": {"spec": spec}}
 
 
+def _template(svc: LLMService, pool: str | None) -> dict[str, Any]:
+    """A workload's pod spec (KServe's `template`): the replica container as `main`."""
+    return {
+        "securityContext": render_security.pod_security_context(),
+        "containers": [_main_container(svc, pool)],
+        "volumes": _volumes(svc),
+        "terminationGracePeriodSeconds": svc.spec.termination_grace_period_seconds,
+    }
+
+
 def render_llm_inference_service(svc: LLMService) -> dict[str, Any]:
     """The serving.kserve.io/v1alpha2 LLMInferenceService for `svc` (module docstring)."""
+    disaggregation = svc.spec.disaggregation
     if svc.spec.kserve_scheduler == "llm-d":  # KServe's managed InferencePool, EPP and HTTPRoute
         router: dict[str, Any] = {"scheduler": {}, "route": {}}
     else:
         router = {"route": _route(svc)}
     if svc.spec.kserve_gateway:
         router["gateway"] = {"refs": [dict(svc.spec.kserve_gateway)]}
-    return {
-        "apiVersion": API_VERSION,
-        "kind": KIND,
-        "metadata": naming.metadata(svc, svc.name, COMPONENT),
-        "spec": {
-            "model": {"uri": svc.spec.model.storage_uri, "name": svc.spec.model.name},
-            "replicas": svc.spec.min_replicas,
-            "template": {
-                "securityContext": render_security.pod_security_context(),
-                "containers": [_main_container(svc)],
-                "volumes": _volumes(svc),
-                "terminationGracePeriodSeconds": svc.spec.termination_grace_period_seconds,
-            },
-            "router": router,
-        },
+    spec: dict[str, Any] = {
+        "model": {"uri": svc.spec.model.storage_uri, "name": svc.spec.model.name},
+        "replicas": svc.spec.min_replicas,
+        "template": _template(svc, "decode" if disaggregation else None),
+        "router": router,
     }
+    if disaggregation is not None:
+        spec["labels"] = {naming.POOL_LABEL: "decode"}
+        spec["prefill"] = {"replicas": disaggregation.prefill_min_replicas,
+                           "labels": {naming.POOL_LABEL: "prefill"},
+                           "template": _template(svc, "prefill")}
+    return {"apiVersion": API_VERSION, "kind": KIND, "metadata": naming.metadata(svc, svc.name, COMPONENT),
+            "spec": spec}

@@ -21,8 +21,8 @@ Each replica pod runs `pagoda serve` (tritonserver over our model repository) wi
 - with `spec.kvEvents`, `--kv-events-config` (vLLM's JSON: the endpoint, llm-d's topic
   `kv@<pod-ip>:<openai port>@<model>` unless given, the replay endpoint) and a container
   port for each endpoint that binds in the pod (tcp://*:PORT);
-- with `spec.disaggregation`, two Deployments, `<name>-prefill` (fixed size) and
-  `<name>-decode` (autoscaled) instead of `<name>-replicas`: pods labelled
+- with `spec.disaggregation`, two Deployments, `<name>-prefill` and `<name>-decode`
+  (each autoscaled on its own signal, pools.py) instead of `<name>-replicas`: pods labelled
   `pagoda.dev/pool` (the router's role for them), `--role` and `--kv-transfer-listen
   0.0.0.0:<kvTransferPort>`, `PAGODA_ADVERTISE_HOST` the pod IP (the KV handle's host).
   Both pools keep the component label, so the Service, NetworkPolicy, PDB and the router's

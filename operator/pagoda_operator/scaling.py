@@ -1,15 +1,17 @@
-"""One autoscaler tick for one LLMService (mode Deployment): observe, decide, act.
+"""One autoscaler tick for one LLMService (mode Deployment): observe, decide, act, per pool.
 
-Order of a tick:
-  1. read the replica Deployment and its live pods (not terminating);
-  2. read their loads from the FleetStore (Redis heartbeats, else /metrics);
-  3. if a drain is in progress (status.drain), only advance it (drain.py): nothing else
-     changes the fleet until that replica is gone;
-  4. otherwise ask the policy (autoscaler.py): scale up at once by patching the
+The pools are those of pools.py: the replica Deployment, or with `spec.disaggregation` the
+decode and the prefill pool, each with its own policy, status part and drain. For each pool:
+  1. read its Deployment and its live pods (its selector; not terminating);
+  2. read their loads from the FleetStore (Redis heartbeats, else /metrics; with an ITL
+     SLO, the inter-token latency histogram from /metrics too);
+  3. if a drain is in progress (the pool's `drain` status), only advance it (drain.py):
+     nothing else changes that pool until that replica is gone;
+  4. otherwise ask the pool's policy (autoscaler.py): scale up at once by patching the
      Deployment, or start draining one replica for a scale-down; a drain only starts
      once the live pods match the Deployment's count (never pick a pod already going).
 The tick returns a status patch and the events to post; the kopf timer applies them.
-Scale targets are re-clamped to the current spec's [min, max] at every write.
+Scale targets are re-clamped to the pool's current [min, max] at every write.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pagoda_operator.autoscaler import AutoscalerPolicy, FleetLoad
 from pagoda_operator.conditions import now_iso
 from pagoda_operator.kube import KubeClient
 from pagoda_operator.load import FleetStore
+from pagoda_operator.pools import Pool, scaled_pools
 from pagoda_operator.spec import LLMService
 
 
@@ -35,93 +38,121 @@ def _observed(fleet: FleetLoad, source: str, now: float) -> dict[str, Any]:
     return {"source": source if fleet.num_replicas else "none",
             "numReplicas": fleet.num_replicas, "waiting": fleet.waiting,
             "running": fleet.running, "kvCacheUsage": round(fleet.kv_usage, 4),
-            "ttftP90Seconds": round(fleet.ttft_p90, 4), "sampledAt": now_iso(now)}
+            "ttftP90Seconds": round(fleet.ttft_p90, 4), "itlP90Seconds": round(fleet.itl_p90, 4),
+            "sampledAt": now_iso(now)}
 
 
-async def _live_pods(kube: KubeClient, svc: LLMService) -> dict[str, str | None]:
-    selector = naming.selector(svc, "replica")
-    if svc.spec.disaggregation is not None:  # the decode pool's load sizes the decode pool
-        selector[naming.POOL_LABEL] = "decode"
-    pods = await kube.list("v1", "Pod", svc.namespace, naming.selector_string(selector))
+async def _live_pods(kube: KubeClient, svc: LLMService, pool: Pool) -> dict[str, str | None]:
+    pods = await kube.list("v1", "Pod", svc.namespace, naming.selector_string(pool.selector))
     return {p["metadata"]["name"]: (p.get("status") or {}).get("podIP")
             for p in pods if not p["metadata"].get("deletionTimestamp")}
-
-
-async def _scale(kube: KubeClient, svc: LLMService, replicas: int) -> None:
-    await kube.patch("apps/v1", "Deployment", svc.namespace, naming.scaled_deployment_name(svc),
-                     {"spec": {"replicas": replicas}})
 
 
 def _decision(now: float, before: int, after: int, reason: str) -> dict[str, Any]:
     return {"time": now_iso(now), "from": before, "to": after, "reason": reason}
 
 
-async def autoscale_tick(*, kube: KubeClient, fleet: FleetStore, policy: AutoscalerPolicy,
+class _PoolTick:
+    """One pool's part of a tick: what it observed, and the status/events it produces."""
+
+    def __init__(self, kube: KubeClient, fleet: FleetStore, svc: LLMService, pool: Pool,
+                 clock: Callable[[], float]):
+        self.kube, self.fleet, self.svc, self.pool, self.clock = kube, fleet, svc, pool, clock
+        self.status: dict[str, Any] = {}
+        self.events: list[tuple[str, str]] = []
+
+    async def _scale(self, replicas: int) -> None:
+        await self.kube.patch("apps/v1", "Deployment", self.svc.namespace, self.pool.deployment,
+                              {"spec": {"replicas": replicas}})
+
+    def _record(self, reason: str, now: float, before: int, after: int, why: str, message: str) -> None:
+        self.status["replicas"]["desired"] = after
+        self.status["lastDecision"] = _decision(now, before, after, why)
+        self.events.append((reason, self.pool.event_prefix + message))
+
+    async def run(self, policy: AutoscalerPolicy, pool_status: dict[str, Any]) -> None:
+        deployment = await self.kube.get("apps/v1", "Deployment", self.svc.namespace, self.pool.deployment)
+        if deployment is None:
+            return  # not reconciled yet
+        current = int(deployment["spec"].get("replicas", 0))
+        ready = int((deployment.get("status") or {}).get("readyReplicas") or 0)
+        pods = await _live_pods(self.kube, self.svc, self.pool)
+        model = self.svc.spec.model.name
+        loads = await self.fleet.read_loads(model, pods, need_itl=self.pool.autoscaling.itl_slo_seconds > 0)
+        now = self.clock()
+        self.status = {"replicas": {"desired": current, "ready": ready},
+                       "observedLoad": _observed(FleetLoad.of(loads.values()), self.fleet.source, now)}
+        state = drain.DrainState.from_status(pool_status.get("drain"))
+        if state is not None:
+            await self._advance_drain(state, loads, pods, current, now)
+        elif self.pool.autoscaling.enabled:
+            policy.reconfigure(self.pool.autoscaling, self.pool.min_replicas, self.pool.max_replicas)
+            await self._decide(policy, loads, pods, current, now)
+
+    async def _advance_drain(self, state: drain.DrainState, loads, pods, current: int, now: float) -> None:
+        why = drain.drain_progress(state, loads.get(state.replica_id), state.replica_id in pods, now,
+                                   self.pool.autoscaling.drain_timeout_seconds)
+        if why is None:
+            return
+        target = self.pool.clamp(state.target_replicas)
+        if target < current:
+            await self._scale(target)
+        await self.fleet.forget_replica(self.svc.spec.model.name, state.replica_id)
+        reason = f"drained {state.replica_id} ({why})"
+        self.status["drain"] = None
+        self._record("ScaledDown", now, current, target, reason, f"{current} -> {target} replicas: {reason}")
+
+    async def _decide(self, policy: AutoscalerPolicy, loads, pods, current: int, now: float) -> None:
+        decision = policy.decide(loads.values(), current)
+        message = f"{current} -> {decision.desired} replicas: {decision.reason}"
+        if decision.is_scale_up:
+            await self._scale(decision.desired)
+            self._record("ScaledUp", now, current, decision.desired, decision.reason, message)
+        elif decision.is_scale_down:
+            if pods and len(pods) != current:
+                # The Deployment has not converged (a removed pod is still listed, or new ones
+                # are starting): a victim picked now could be a pod that is already going.
+                return
+            if not pods:  # nothing runs, so nothing to drain
+                await self._scale(decision.desired)
+                self._record("ScaledDown", now, current, decision.desired, decision.reason, message)
+                return
+            victim = drain.choose_victim(sorted(pods), loads)
+            await self.kube.patch("v1", "Pod", self.svc.namespace, victim, {"metadata": {"annotations": {
+                drain.DELETION_COST_ANNOTATION: drain.VICTIM_DELETION_COST}}})
+            await self.fleet.mark_draining(self.svc.spec.model.name, victim)
+            state = drain.DrainState(replica_id=victim, started_at=now, target_replicas=decision.desired)
+            self.status["drain"] = state.to_status()
+            self.events.append(("Draining", f"{self.pool.event_prefix}draining {victim} before {message}"))
+
+
+async def autoscale_tick(*, kube: KubeClient, fleet: FleetStore, policies: dict[str, AutoscalerPolicy],
                          svc: LLMService, status: dict[str, Any],
                          clock: Callable[[], float]) -> TickResult:
-    """Run one tick. Returns the status patch and events; raises KubeError on API errors."""
+    """Run one tick over every pool of `svc`.
+
+    Args:
+        policies: the LLMService's policies by pool role (pools.Pool.role); a missing one is made.
+        status: the LLMService's current status (each pool reads its drain state from its part).
+    Returns:
+        The status patch (a pool with `status_key` under that key) and the events to post.
+    Raises:
+        KubeError on API errors.
+    """
     result = TickResult()
-    deployment = await kube.get("apps/v1", "Deployment", svc.namespace,
-                                naming.scaled_deployment_name(svc))
-    if deployment is None:
-        return result  # not reconciled yet
-    current = int(deployment["spec"].get("replicas", 0))
-    ready = int((deployment.get("status") or {}).get("readyReplicas") or 0)
-    pods = await _live_pods(kube, svc)
-    model = svc.spec.model.name
-    loads = await fleet.read_loads(model, pods)
-    now = clock()
-    result.status = {"replicas": {"desired": current, "ready": ready},
-                     "observedLoad": _observed(FleetLoad.of(loads.values()), fleet.source, now)}
-    bounds = (svc.spec.min_replicas, svc.spec.max_replicas)
-
-    state = drain.DrainState.from_status(status.get("drain"))
-    if state is not None:
-        why = drain.drain_progress(state, loads.get(state.replica_id),
-                                   state.replica_id in pods, now,
-                                   svc.spec.autoscaling.drain_timeout_seconds)
-        if why is None:
-            return result
-        target = min(max(state.target_replicas, bounds[0]), bounds[1])
-        if target < current:
-            await _scale(kube, svc, target)
-        await fleet.forget_replica(model, state.replica_id)
-        reason = f"drained {state.replica_id} ({why})"
-        result.status.update(drain=None, lastDecision=_decision(now, current, target, reason))
-        result.status["replicas"]["desired"] = target
-        result.events.append(("ScaledDown", f"{current} -> {target} replicas: {reason}"))
-        return result
-
-    if not svc.spec.autoscaling.enabled:
-        return result
-    policy.reconfigure(svc.spec.autoscaling, *bounds)
-    decision = policy.decide(loads.values(), current)
-    if decision.is_scale_up:
-        await _scale(kube, svc, decision.desired)
-        result.status["replicas"]["desired"] = decision.desired
-        result.status["lastDecision"] = _decision(now, current, decision.desired, decision.reason)
-        result.events.append(("ScaledUp", f"{current} -> {decision.desired} replicas: "
-                                          f"{decision.reason}"))
-    elif decision.is_scale_down:
-        if pods and len(pods) != current:
-            # The Deployment has not converged (a removed pod is still listed, or new ones
-            # are starting): a victim picked now could be a pod that is already going.
-            return result
-        if not pods:  # nothing runs, so nothing to drain
-            await _scale(kube, svc, decision.desired)
-            result.status["replicas"]["desired"] = decision.desired
-            result.status["lastDecision"] = _decision(now, current, decision.desired,
-                                                      decision.reason)
-            result.events.append(("ScaledDown", f"{current} -> {decision.desired} replicas: "
-                                                f"{decision.reason}"))
-            return result
-        victim = drain.choose_victim(sorted(pods), loads)
-        await kube.patch("v1", "Pod", svc.namespace, victim, {"metadata": {"annotations": {
-            drain.DELETION_COST_ANNOTATION: drain.VICTIM_DELETION_COST}}})
-        await fleet.mark_draining(model, victim)
-        state = drain.DrainState(replica_id=victim, started_at=now,
-                                 target_replicas=decision.desired)
-        result.status["drain"] = state.to_status()
-        result.events.append(("Draining", f"draining {victim} before {current} -> "
-                                          f"{decision.desired} replicas: {decision.reason}"))
+    for pool in scaled_pools(svc):
+        policy = policies.get(pool.role)
+        if policy is None:
+            policy = policies[pool.role] = AutoscalerPolicy(pool.autoscaling, pool.min_replicas,
+                                                            pool.max_replicas, clock=clock)
+        tick = _PoolTick(kube, fleet, svc, pool, clock)
+        await tick.run(policy, pool.get_status(status))
+        if tick.status:
+            if pool.status_key:
+                result.status[pool.status_key] = tick.status
+            else:
+                result.status.update(tick.status)
+        result.events += tick.events
+    if svc.spec.disaggregation is None and status.get("prefill"):
+        result.status["prefill"] = None  # the prefill pool is gone with spec.disaggregation
     return result

@@ -61,6 +61,7 @@ class AutoscalingSpec:
     target_waiting_per_replica: float = 4.0
     target_kv_cache_usage: float = 0.8
     ttft_slo_seconds: float = 0.0
+    itl_slo_seconds: float = 0.0  # P90 inter-token latency objective (from /metrics); 0: off
     tolerance: float = 0.1
     scale_up_stabilization_seconds: int = 0
     scale_down_stabilization_seconds: int = 300
@@ -88,11 +89,19 @@ class RedisSpec:
     ca_secret_key: str = "ca.crt"
 
 
+# The prefill pool scales on its queue and TTFT only: a prefill pod's KV cache holds finished
+# prompts until decode pods pull them, so its usage says little about load (0 turns KV off).
+PREFILL_AUTOSCALING = AutoscalingSpec(target_waiting_per_replica=2.0, target_kv_cache_usage=0.0)
+
+
 @dataclass(frozen=True)
 class DisaggregationSpec:
-    """`spec.disaggregation`: a fixed prefill pool beside the (autoscaled) decode pool."""
+    """`spec.disaggregation`: a prefill pool (its own bounds and autoscaler) beside the decode pool,
+    which `spec.replicas` / `spec.autoscaling` size. `prefillReplicas: n` is `min = max = n`."""
 
-    prefill_replicas: int = 1
+    prefill_min_replicas: int = 1
+    prefill_max_replicas: int = 1
+    prefill_autoscaling: AutoscalingSpec = PREFILL_AUTOSCALING
     kv_transfer_port: int = 5600
 
 
@@ -233,13 +242,59 @@ def _check_cross_fields(spec: dict[str, Any]) -> None:
     if url.password and "passwordSecretRef" in spec["redis"]:
         raise SpecError("spec.redis.passwordSecretRef",
                         "set either a password in spec.redis.url or a passwordSecretRef, not both")
-    if "disaggregation" in spec and spec["mode"] != "Deployment":
-        raise SpecError("spec.disaggregation", f"needs mode Deployment (the operator's own pools), got {spec['mode']}")
-    if "disaggregation" in spec and spec["disaggregation"]["kvTransferPort"] in (8000, 8001, 8002, 9000):
-        raise SpecError("spec.disaggregation.kvTransferPort", "is one of the replica's own ports (8000-8002, 9000)")
+    if "disaggregation" in spec:
+        _check_disaggregation(spec)
     if "kvEvents" in spec and spec["mode"] == "KServeLLM" and spec["kserve"].get("scheduler") == "llm-d":
         raise SpecError("spec.kvEvents", "the llm-d scheduler configures the replicas' KV events itself "
                                          "(its endpoint picker's ZMQ port); remove spec.kvEvents")
+
+
+def _check_disaggregation(spec: dict[str, Any]) -> None:
+    disaggregation = spec["disaggregation"]
+    if spec["mode"] == "KServe":
+        raise SpecError("spec.disaggregation", "needs mode Deployment (the operator's pools) or KServeLLM "
+                                               "(LLMInferenceService's prefill section), got KServe")
+    if spec["mode"] == "KServeLLM" and spec["kserve"].get("scheduler") == "llm-d":
+        raise SpecError("spec.disaggregation", "needs kserve.scheduler pagoda: llm-d's P/D path runs vLLM's "
+                                               "NIXL connector through its routing sidecar, which pagoda's KV "
+                                               "handle does not speak")
+    if disaggregation["kvTransferPort"] in (8000, 8001, 8002, 9000):
+        raise SpecError("spec.disaggregation.kvTransferPort", "is one of the replica's own ports (8000-8002, 9000)")
+    if "prefillReplicas" in disaggregation and "prefill" in disaggregation:
+        raise SpecError("spec.disaggregation.prefillReplicas",
+                        "set either prefillReplicas (a fixed pool) or prefill.replicas, not both")
+    bounds = disaggregation.get("prefill", {}).get("replicas", {"min": 1, "max": 1})
+    if bounds["min"] > bounds["max"]:
+        raise SpecError("spec.disaggregation.prefill.replicas.min",
+                        f"{bounds['min']} is greater than spec.disaggregation.prefill.replicas.max {bounds['max']}")
+
+
+def _autoscaling(auto: dict[str, Any], base: AutoscalingSpec = AutoscalingSpec()) -> AutoscalingSpec:
+    """An AutoscalingSpec from a (defaulted) autoscaling object; targets it lacks keep `base`'s."""
+    return AutoscalingSpec(
+        enabled=auto["enabled"],
+        target_waiting_per_replica=float(auto["targetWaitingPerReplica"]),
+        target_kv_cache_usage=float(auto.get("targetKVCacheUsage", base.target_kv_cache_usage)),
+        ttft_slo_seconds=float(auto["ttftSLOSeconds"]),
+        itl_slo_seconds=float(auto.get("itlSLOSeconds", base.itl_slo_seconds)),
+        tolerance=float(auto["tolerance"]),
+        scale_up_stabilization_seconds=auto["scaleUpStabilizationSeconds"],
+        scale_down_stabilization_seconds=auto["scaleDownStabilizationSeconds"],
+        max_scale_up_step=auto["maxScaleUpStep"],
+        drain_timeout_seconds=auto["drainTimeoutSeconds"],
+    )
+
+
+def _disaggregation(raw: dict[str, Any] | None) -> DisaggregationSpec | None:
+    if raw is None:
+        return None
+    if "prefillReplicas" in raw:  # a fixed pool: the same policy, held in [n, n]
+        count = raw["prefillReplicas"]
+        return DisaggregationSpec(count, count, PREFILL_AUTOSCALING, raw["kvTransferPort"])
+    prefill = apply_defaults(raw.get("prefill", {}), crd.SPEC_SCHEMA["properties"]["disaggregation"]
+                             ["properties"]["prefill"])
+    return DisaggregationSpec(prefill["replicas"]["min"], prefill["replicas"]["max"],
+                              _autoscaling(prefill["autoscaling"], PREFILL_AUTOSCALING), raw["kvTransferPort"])
 
 
 def parse_spec(raw_spec: dict[str, Any]) -> LLMServiceSpec:
@@ -283,17 +338,7 @@ def parse_spec(raw_spec: dict[str, Any]) -> LLMServiceSpec:
         resources=copy.deepcopy(spec.get("resources", {})),
         min_replicas=spec["replicas"]["min"],
         max_replicas=spec["replicas"]["max"],
-        autoscaling=AutoscalingSpec(
-            enabled=auto["enabled"],
-            target_waiting_per_replica=float(auto["targetWaitingPerReplica"]),
-            target_kv_cache_usage=float(auto["targetKVCacheUsage"]),
-            ttft_slo_seconds=float(auto["ttftSLOSeconds"]),
-            tolerance=float(auto["tolerance"]),
-            scale_up_stabilization_seconds=auto["scaleUpStabilizationSeconds"],
-            scale_down_stabilization_seconds=auto["scaleDownStabilizationSeconds"],
-            max_scale_up_step=auto["maxScaleUpStep"],
-            drain_timeout_seconds=auto["drainTimeoutSeconds"],
-        ),
+        autoscaling=_autoscaling(auto),
         routing=RoutingSpec(policy=routing["policy"], replicas=routing["replicas"],
                             service_type=routing["serviceType"],
                             api_keys_secret_name=(routing.get("apiKeysSecretRef") or {}).get("name"),
@@ -307,9 +352,7 @@ def parse_spec(raw_spec: dict[str, Any]) -> LLMServiceSpec:
         kserve_gateway=dict(spec["kserve"].get("gateway") or {}),
         kserve_scheduler=spec["kserve"].get("scheduler", "pagoda"),
         kv_events=_kv_events(spec.get("kvEvents")),
-        disaggregation=(DisaggregationSpec(spec["disaggregation"]["prefillReplicas"],
-                                           spec["disaggregation"]["kvTransferPort"])
-                        if "disaggregation" in spec else None),
+        disaggregation=_disaggregation(spec.get("disaggregation")),
     )
 
 

@@ -382,3 +382,37 @@ def test_example_kv_events_reach_the_replicas(tmp_path):
                     c["metadata"]["name"]]
     args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
     assert json.loads(args[args.index("--kv-events-config") + 1])["endpoint"] == "tcp://*:5557"
+
+
+@pytest.mark.parametrize("mode", ["Deployment", "KServeLLM"])
+def test_example_disaggregation_reaches_the_pools(tmp_path, mode):
+    """values example.disaggregation -> LLMService spec.disaggregation -> a prefill pool with its
+    own bounds (mode Deployment: the `<name>-prefill` Deployment; KServeLLM: the
+    LLMInferenceService's prefill section); a typo in it is refused by values.schema.json."""
+    disaggregation = {"kvTransferPort": 5700, "prefill": {"replicas": {"min": 2, "max": 4},
+                                                          "autoscaling": {"ttftSLOSeconds": 2}}}
+    example = {"enabled": True, "mode": mode, "disaggregation": disaggregation,
+               "autoscaling": {"targetWaitingPerReplica": 4, "scaleDownStabilizationSeconds": 300, "itlSLOSeconds": 0.08}}
+    if mode == "KServeLLM":
+        example["storageUri"] = "hf://HuggingFaceTB/SmolLM2-135M-Instruct"
+    objects = render_with(tmp_path, {"kserve": {"enabled": mode != "Deployment"}, "example": example})
+    [llms] = [o for o in objects if o["kind"] == "LLMService"]
+    validate_any(llms)
+    svc = parse_llmservice(llms)
+    assert svc.spec.autoscaling.itl_slo_seconds == 0.08
+    assert (svc.spec.disaggregation.prefill_min_replicas, svc.spec.disaggregation.prefill_max_replicas) == (2, 4)
+    children = render_children(svc, 1)
+    if mode == "Deployment":
+        pools = {c["metadata"]["name"]: c for c in children if c["kind"] == "Deployment"}
+        assert pools["smollm2-prefill"]["spec"]["replicas"] == 2 and "smollm2-decode" in pools
+        for obj in children:
+            validate_any(obj)
+    else:
+        from tests.operator.test_llmisvc import errors_of
+        [llmisvc] = [c for c in children if c["kind"] == "LLMInferenceService"]
+        assert errors_of(llmisvc) == [] and llmisvc["spec"]["prefill"]["replicas"] == 2
+    path = tmp_path / "typo.yaml"
+    path.write_text(yaml.safe_dump({"example": {"enabled": True, "disaggregation": {"prefil": {}}}}))
+    result = subprocess.run([helm(), "template", "pagoda", str(CHART), "-f", str(path)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0 and "prefil" in result.stderr

@@ -171,6 +171,7 @@ class FakeFleet:
         self.loads: dict[str, ReplicaLoad] = {}
         self.draining: list[str] = []
         self.forgotten: list[str] = []
+        self.itl_reads: set[str] = set()  # pods whose loads were read with need_itl
 
     def set_load(self, replica_id: str, **fields: float) -> None:
         with self._lock:
@@ -184,8 +185,11 @@ class FakeFleet:
         with self._lock:
             return replica_id in self.draining
 
-    async def read_loads(self, model: str, pods: dict[str, str | None]) -> dict[str, ReplicaLoad]:
+    async def read_loads(self, model: str, pods: dict[str, str | None], *,
+                         need_itl: bool = False) -> dict[str, ReplicaLoad]:
         with self._lock:
+            if need_itl:
+                self.itl_reads.update(pods)
             return {name: load for name, load in self.loads.items() if name in pods}
 
     async def mark_draining(self, model: str, replica_id: str) -> None:

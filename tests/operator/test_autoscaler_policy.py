@@ -133,3 +133,43 @@ def test_drain_victim_and_progress():
     assert drain_progress(state, ReplicaLoad("b"), True, now=150, timeout_s=600) == "idle"
     assert drain_progress(state, reports["b"], False, now=150, timeout_s=600) == "gone"
     assert drain_progress(state, reports["b"], True, now=700, timeout_s=600) == "timeout"
+
+
+def test_prefill_pool_scales_on_queue_and_ttft_not_on_kv_usage():
+    """The prefill pool's policy (spec.PREFILL_AUTOSCALING: target 2 waiting, no KV target): a
+    full KV cache (finished prompts waiting to be pulled) is no reason to grow, its queue and
+    its TTFT are; the decode defaults would have grown on that KV usage."""
+    from pagoda_operator.spec import PREFILL_AUTOSCALING, parse_spec
+
+    clock = Clock()
+    prefill = AutoscalerPolicy(PREFILL_AUTOSCALING, 1, 8, clock)
+    assert prefill.decide(loads(2, waiting=0, kv=0.99), 2).desired == 1  # idle: its full cache holds nothing
+    assert AutoscalerPolicy(AutoscalingSpec(), 1, 8, clock).decide(loads(2, waiting=0, kv=0.99), 2).desired == 3
+    decision = prefill.decide(loads(2, waiting=6, kv=0.99), 2)  # 6 waiting per pod vs 2: x3
+    assert decision.desired == 6 and decision.reason.startswith("waiting")
+    spec = parse_spec({"image": "p", "model": {"name": "m", "storageUri": "pvc://c"},
+                       "disaggregation": {"prefill": {"replicas": {"min": 1, "max": 8},
+                                                      "autoscaling": {"ttftSLOSeconds": 0.5}}}})
+    ttft = AutoscalerPolicy(spec.disaggregation.prefill_autoscaling, 1, 8, clock)
+    decision = ttft.decide(loads(2, waiting=0, kv=0.99, ttft=1.5), 2)  # 3x the TTFT SLO
+    assert decision.desired == 6 and "ttft_p90" in decision.reason
+
+
+def test_itl_slo_scales_the_decode_pool_on_the_fleet_p90_of_inter_token_latency():
+    """Inter-token latency: one quantile over every replica's recent tokens (their histogram
+    buckets summed, as for TTFT), against itlSLOSeconds."""
+    from pagoda.serving.metrics import ITL_BUCKETS
+
+    def itl_load(name: str, gaps: list[float]) -> ReplicaLoad:
+        buckets = {b: float(sum(g <= b for g in gaps)) for b in [*ITL_BUCKETS, float("inf")]}
+        return ReplicaLoad(name, running=4, kv_usage=0.8, itl_buckets=buckets)  # KV on target
+
+    smooth = [itl_load(f"r{i}", [0.02] * 100) for i in range(3)]
+    stalled = [itl_load(f"r{i}", [0.02] * 50 + [0.3] * 50) for i in range(3)]  # a prefill burst stalls them
+    assert FleetLoad.of(smooth).itl_p90 <= 0.025 and 0.2 < FleetLoad.of(stalled).itl_p90 <= 0.3
+    clock = Clock()
+    policy = AutoscalerPolicy(AutoscalingSpec(itl_slo_seconds=0.1), 1, 8, clock)
+    assert policy.decide(smooth, 3).desired == 3
+    decision = policy.decide(stalled, 3)
+    assert decision.desired > 3 and "itl_p90" in decision.reason
+    assert AutoscalerPolicy(AutoscalingSpec(), 1, 8, clock).decide(stalled, 3).desired == 3  # SLO 0: off

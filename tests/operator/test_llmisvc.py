@@ -138,3 +138,39 @@ def test_llm_d_scheduler_wires_kserves_picker_to_pagodas_openai_door_and_kv_even
     with pytest.raises(SpecError, match="scheduler"):
         parse_llmservice(body(kserve={"scheduler": "envoy"}))
     assert json.loads(main["args"][main["args"].index("--kv-events-config") + 1])["publisher"] == "zmq"
+
+
+def test_disaggregation_renders_kserves_prefill_section():
+    """spec.disaggregation in mode KServeLLM: KServe's `spec.prefill` (its own workload) runs the
+    prefill pool and the main workload the decode pool; both containers are arguments `pagoda
+    serve` accepts (role, KV connector), both workloads carry the pool label the router reads the
+    role from, and the object validates against KServe's CRD."""
+    from pagoda.fleet.routing.replicas import pod_to_member
+    from pagoda.serving.launch.serve_cli import make_parser
+
+    svc = parse_llmservice(body(disaggregation={"prefill": {"replicas": {"min": 2, "max": 4}}, "kvTransferPort": 5700}))
+    isvc = render_llm_inference_service(svc)
+    assert errors_of(isvc) == []
+    spec = isvc["spec"]
+    assert spec["replicas"] == 2 and spec["prefill"]["replicas"] == 2
+    for role, workload in (("decode", spec), ("prefill", spec["prefill"])):
+        assert workload["labels"] == {naming.POOL_LABEL: role}
+        [main] = workload["template"]["containers"]
+        args = make_parser().parse_args(main["args"])
+        assert (args.role, args.kv_transfer_listen) == (role, "0.0.0.0:5700")
+        assert main["args"][main["args"].index("--model") + 1] == "/mnt/models"
+        assert {"name": "kv-transfer", "containerPort": 5700, "protocol": "TCP"} in main["ports"]
+        assert {m["name"] for m in main["volumeMounts"]} <= {v["name"] for v in workload["template"]["volumes"]}
+        pod = {"metadata": {"name": f"{role}-0", "labels": {**llmisvc_pod_selector(svc), **workload["labels"]}},
+               "status": {"podIP": "10.0.0.9", "conditions": [{"type": "Ready", "status": "True"}]},
+               "spec": {"containers": [main]}}
+        assert pod_to_member(pod)[1]["role"] == role
+    no_prefill = render_llm_inference_service(parse_llmservice(body()))["spec"]
+    assert "prefill" not in no_prefill and "labels" not in no_prefill
+    assert "scaling" not in spec["prefill"]  # KServe's CEL rule (not run offline): replicas xor scaling
+    typo = copy.deepcopy(isvc)
+    typo["spec"]["prefill"]["replicaz"] = 1
+    assert any("replicaz" in e for e in errors_of(typo))
+    with pytest.raises(SpecError) as info:
+        parse_llmservice(body(kserve={"scheduler": "llm-d"}, disaggregation={}))
+    assert info.value.field == "spec.disaggregation" and "routing sidecar" in str(info.value)

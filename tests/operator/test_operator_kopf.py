@@ -171,3 +171,69 @@ def test_autoscaler_scales_up_then_down_after_window_draining_first(cluster):
         assert {"Draining", "ScaledDown"} <= {e["reason"] for e in cluster.events()}
         status = cluster.get(f"{LLMS}/auto")["status"]
         assert status["lastDecision"]["to"] == 1 and status["observedLoad"]["source"] == "redis"
+
+
+def test_prefill_and_decode_pools_scale_independently_each_on_its_own_signal(cluster):
+    """spec.disaggregation under kopf: the prefill pool grows on its queue and TTFT while the
+    decode pool (KV usage on target) stays; then the decode pool grows on inter-token latency
+    while the idle prefill pool drains one pod and removes exactly it once idle. Each pool has
+    its own status (status.prefill for the prefill pool) and its own drain."""
+    fleet, clock = FakeFleet(), FakeClock()
+    profile = {"pd-prefill": {"waiting": 6.0, "running": 2.0, "kv_usage": 0.99, "ttft_p90": 3.0},
+               "pd-decode": {"waiting": 0.0, "running": 4.0, "kv_usage": 0.8}}
+    controllers = [FakeDeploymentController(cluster, fleet, name, on_new_pod=lambda pod, name=name:
+                                            fleet.set_load(pod, **profile[name])) for name in profile]
+    prefill, decode = controllers
+
+    def step():
+        for controller in controllers:
+            controller.step()
+
+    def set_pool(name: str, **load: float) -> None:
+        profile[name] = load
+        for pod in [p for p in list(fleet.loads) if p.startswith(name)]:
+            fleet.set_load(pod, **load)
+
+    spec = dict(replicas={"min": 1, "max": 3},
+                autoscaling={"itlSLOSeconds": 0.1, "scaleDownStabilizationSeconds": 600},
+                disaggregation={"prefill": {"replicas": {"min": 1, "max": 3},
+                                            "autoscaling": {"ttftSLOSeconds": 1.0, "scaleDownStabilizationSeconds": 60}}})
+    with Operator(cluster, fleet=fleet, clock=clock, interval=0.1):
+        cluster.create(LLMS, llmservice("pd", **spec))
+        # Prefill pressure (6 waiting per pod vs 2, TTFT 3x its SLO): only the prefill pool grows.
+        wait_for(lambda: prefill.replica_history[-1:] == [3], step=step,
+                 what=lambda: f"prefill scale-up: {prefill.replica_history} {decode.replica_history}")
+        for _ in range(10):
+            step()
+        assert decode.replica_history == [1] and max(prefill.replica_history) == 3
+        status = wait_for(lambda: (cluster.get(f"{LLMS}/pd")["status"].get("prefill") or {}).get("lastDecision")
+                          and cluster.get(f"{LLMS}/pd")["status"], step=step, what="status.prefill")
+        assert status["prefill"]["lastDecision"]["to"] == 3 and status["prefill"]["replicas"]["desired"] == 3
+        assert status["prefill"]["observedLoad"]["ttftP90Seconds"] == 3.0
+        assert status["replicas"]["desired"] == 1 and "lastDecision" not in status  # the decode pool's
+        assert any(e["message"].startswith("prefill pool: 1 -> 3") for e in cluster.events("ScaledUp"))
+
+        # The reverse: decode streams stall (ITL P90 3x its SLO) and prefill goes quiet.
+        set_pool("pd-prefill", waiting=0.0, running=1.0, kv_usage=0.99, ttft_p90=0.2)
+        set_pool("pd-decode", waiting=0.0, running=4.0, kv_usage=0.8, itl_p90=0.3)
+        wait_for(lambda: decode.replica_history[-1:] == [3], step=step,
+                 what=lambda: f"decode scale-up: {decode.replica_history} {cluster.events()}")
+        assert prefill.replica_history[-1] == 3 and not fleet.draining  # inside its scale-down window
+        assert any(p.startswith("pd-decode") for p in fleet.itl_reads)
+        assert not any(p.startswith("pd-prefill") for p in fleet.itl_reads)  # no ITL SLO: no scrape
+
+        # After the prefill pool's window: it drains one of its own pods, removed only once idle.
+        clock.advance(70)
+        victim = wait_for(lambda: fleet.draining and fleet.draining[0], step=step, what="prefill drain")
+        assert victim.startswith("pd-prefill")
+        for _ in range(10):
+            step()
+        assert prefill.replica_history[-1] == 3
+        status = cluster.get(f"{LLMS}/pd")["status"]
+        assert status["prefill"]["drain"]["replicaId"] == victim and not status.get("drain")
+        fleet.set_load(victim, waiting=0.0, running=0.0, kv_usage=0.99)
+        wait_for(lambda: prefill.replica_history[-1] == 2, step=step, what="prefill scale-down")
+        assert prefill.removed[0] == {"name": victim, "draining": True, "running": 0.0}
+        wait_for(lambda: victim in fleet.forgotten, step=step, what="index cleanup")
+        assert decode.replica_history[-1] == 3 and not decode.removed
+        assert all(name.startswith("pd-prefill") for name in fleet.draining)

@@ -160,11 +160,12 @@ def test_bad_kv_events_are_refused_naming_the_field(kv_events, mode_spec, field)
 
 
 def test_disaggregation_renders_a_prefill_and_a_decode_pool_the_router_tells_apart():
-    """spec.disaggregation: `<name>-prefill` (fixed) and `<name>-decode` (autoscaled) replace
+    """spec.disaggregation: `<name>-prefill` (prefillReplicas: fixed) and `<name>-decode` replace
     `<name>-replicas`; their arguments are accepted by `pagoda serve` (role, KV connector on
     the pod IP); the router reads each pod's role from its pool label; decode pods may reach
     prefill pods' KV port; the mixed Deployment becomes stale."""
     from pagoda.fleet.routing.replicas import pod_to_member
+    from pagoda_operator.pools import scaled_pools
     from pagoda_operator.reconcile import stale_children
 
     svc = make_svc(disaggregation={"prefillReplicas": 2}, replicas={"min": 1, "max": 4})
@@ -172,7 +173,8 @@ def test_disaggregation_renders_a_prefill_and_a_decode_pool_the_router_tells_apa
     deployments = {o["metadata"]["name"]: o for o in children if o["kind"] == "Deployment"}
     assert {"chat-prefill", "chat-decode"} <= set(deployments) and "chat-replicas" not in deployments
     assert deployments["chat-prefill"]["spec"]["replicas"] == 2 and deployments["chat-decode"]["spec"]["replicas"] == 3
-    assert naming.scaled_deployment_name(svc) == "chat-decode"
+    assert [(pool.role, pool.deployment) for pool in scaled_pools(svc)] == [("decode", "chat-decode"),
+                                                                             ("prefill", "chat-prefill")]
     for pool in ("prefill", "decode"):
         spec = deployments[f"chat-{pool}"]["spec"]
         assert spec["selector"]["matchLabels"][naming.POOL_LABEL] == pool

@@ -38,6 +38,16 @@ def body(**spec):
                 "loraAdapters": [{"name": "a", "path": "x"}, {"name": "a", "path": "y"}]}}, "spec.model.loraAdapters"),
     ({"model": {"name": "chat", "storageUri": "pvc://m/c", "loraAdapters": [{"name": "a"}]}},
      "spec.model.loraAdapters[0].path"),
+    ({"autoscaling": {"itlSLOSeconds": -1}}, "spec.autoscaling.itlSLOSeconds"),
+    ({"disaggregation": {"prefill": {"replicas": {"min": 3, "max": 2}}}}, "spec.disaggregation.prefill.replicas.min"),
+    ({"disaggregation": {"prefillReplicas": 2, "prefill": {}}}, "spec.disaggregation.prefillReplicas"),
+    ({"disaggregation": {"prefil": {}}}, "spec.disaggregation.prefil"),
+    ({"disaggregation": {"prefill": {"autoscaling": {"targetKVCacheUsage": 0.5}}}},  # not a prefill signal
+     "spec.disaggregation.prefill.autoscaling.targetKVCacheUsage"),
+    ({"disaggregation": {"prefill": {"autoscaling": {"ttftSLOSeconds": "1s"}}}},
+     "spec.disaggregation.prefill.autoscaling.ttftSLOSeconds"),
+    ({"mode": "KServeLLM", "model": {"name": "c", "storageUri": "hf://o/m"}, "kserve": {"scheduler": "llm-d"},
+      "disaggregation": {}}, "spec.disaggregation"),
 ])
 def test_invalid_specs_name_the_field(spec, field):
     with pytest.raises(SpecError) as error:
@@ -147,6 +157,33 @@ vllm:time_to_first_token_seconds_bucket{le="+Inf"} 100
 """
 
 
+def test_disaggregation_pools_parse_with_their_own_bounds_and_targets():
+    from pagoda_operator.pools import scaled_pools
+    from pagoda_operator.reconcile import render_children
+
+    svc = parse_llmservice(body(replicas={"min": 1, "max": 6}, autoscaling={"itlSLOSeconds": 0.05},
+                                disaggregation={"prefill": {"replicas": {"min": 2, "max": 5},
+                                                            "autoscaling": {"ttftSLOSeconds": 1.5,
+                                                                            "scaleDownStabilizationSeconds": 60}}}))
+    decode, prefill = scaled_pools(svc)
+    assert (decode.deployment, decode.min_replicas, decode.max_replicas, decode.status_key) == ("chat-decode", 1, 6, None)
+    assert decode.autoscaling.itl_slo_seconds == 0.05 and decode.autoscaling.target_kv_cache_usage == 0.8
+    assert (prefill.deployment, prefill.min_replicas, prefill.max_replicas, prefill.status_key) == (
+        "chat-prefill", 2, 5, "prefill")
+    auto = prefill.autoscaling
+    assert (auto.ttft_slo_seconds, auto.scale_down_stabilization_seconds, auto.target_waiting_per_replica,
+            auto.target_kv_cache_usage, auto.itl_slo_seconds) == (1.5, 60, 2.0, 0.0, 0.0)
+    assert prefill.selector["pagoda.dev/pool"] == "prefill" and decode.selector["pagoda.dev/pool"] == "decode"
+    counts = {c["metadata"]["name"]: c["spec"]["replicas"] for c in render_children(svc, 3, 4) if c["kind"] == "Deployment"}
+    assert counts["chat-decode"] == 3 and counts["chat-prefill"] == 4
+    assert {c["metadata"]["name"]: c["spec"]["replicas"] for c in render_children(svc, 3)
+            if c["kind"] == "Deployment"}["chat-prefill"] == 2  # new: its minimum
+    fixed = parse_llmservice(body(disaggregation={"prefillReplicas": 3})).spec.disaggregation
+    assert (fixed.prefill_min_replicas, fixed.prefill_max_replicas) == (3, 3)  # the old field: a fixed pool
+    [single] = scaled_pools(parse_llmservice(body()))
+    assert (single.role, single.deployment, single.status_key) == ("replicas", "chat-replicas", None)
+
+
 def test_prometheus_parsing_and_scrape_fallback():
     samples = parse_prometheus_text(METRICS)
     assert samples["vllm:num_requests_waiting"] == [({"model_name": "pagoda"}, 3.0)]
@@ -218,3 +255,48 @@ def test_redis_store_reads_heartbeats_and_cleans_up():
     assert redis.data[fleet_keys.block_owners_key("chat", "h1")] == {"b"}
     assert redis.data[fleet_keys.registry_key("chat")] == {"old"}
     assert fleet_keys.heartbeat_key("chat", "a") not in redis.data
+
+
+def _histogram_text(name: str, bounds, values) -> str:
+    """Prometheus text of a histogram of `values` (cumulative counts per `le`), as Triton exports it."""
+    lines = [f"# TYPE {name} histogram"]
+    for bound in [*bounds, float("inf")]:
+        le = "+Inf" if bound == float("inf") else repr(float(bound))
+        lines.append(f'{name}_bucket{{model="pagoda",version="1",le="{le}"}} {sum(v <= bound for v in values)}')
+    lines.append(f'{name}_count{{model="pagoda",version="1"}} {len(values)}')
+    return "\n".join(lines) + "\n"
+
+
+def test_scraper_reads_inter_token_latency_as_bucket_deltas_and_redis_loads_get_it_when_asked():
+    """ITL P90 from vllm:inter_token_latency_seconds: the bucket deltas since the previous scrape,
+    checked against the true P90 of the gaps behind them; a FallbackFleetStore adds it to Redis
+    heartbeats (which carry none) only when the pool scales on ITL."""
+    import statistics
+
+    from pagoda.serving.metrics import ITL_BUCKETS
+    from pagoda_operator.load import FallbackFleetStore
+
+    old_gaps = [0.02] * 200
+    new_gaps = [0.02] * 40 + [0.35] * 60  # a stall since the last scrape
+    texts = iter([METRICS + _histogram_text("vllm:inter_token_latency_seconds", ITL_BUCKETS, old_gaps),
+                  METRICS + _histogram_text("vllm:inter_token_latency_seconds", ITL_BUCKETS, old_gaps + new_gaps)])
+
+    async def fetch(url: str) -> str:
+        return next(texts)
+
+    scraper = MetricsScraper(fetch=fetch, clock=lambda: 5.0)
+    first = asyncio.run(scraper.read_loads("chat", {"pod-a": "10.0.0.7"}))["pod-a"]
+    assert first.itl_p90 <= 0.025 and first.itl_buckets[float("inf")] == 200
+    second = asyncio.run(scraper.read_loads("chat", {"pod-a": "10.0.0.7"}))["pod-a"]
+    true_p90 = statistics.quantiles(new_gaps, n=10)[-1]
+    assert second.itl_buckets[float("inf")] == 100  # only the new gaps
+    assert 0.3 < second.itl_p90 <= 0.4 and 0.3 < true_p90 <= 0.4  # the same bucket as the true P90
+
+    redis = FakeRedis()
+    redis.data[fleet_keys.heartbeat_key("chat", "pod-a")] = {b"waiting": b"2", b"ts": b"99"}
+    texts = iter([METRICS + _histogram_text("vllm:inter_token_latency_seconds", ITL_BUCKETS, new_gaps)] * 2)
+    store = FallbackFleetStore(RedisFleetStore(redis, clock=lambda: 100.0), MetricsScraper(fetch=fetch))
+    plain = asyncio.run(store.read_loads("chat", {"pod-a": "10.0.0.7"}))["pod-a"]
+    assert plain.waiting == 2 and plain.itl_buckets is None and store.source == "redis"
+    with_itl = asyncio.run(store.read_loads("chat", {"pod-a": "10.0.0.7"}, need_itl=True))["pod-a"]
+    assert with_itl.waiting == 2 and 0.3 < with_itl.itl_p90 <= 0.4  # the heartbeat's load, the scrape's ITL
