@@ -295,8 +295,13 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [num_rows, hidden] -> [num_rows, vocab] fp32
         """Sharded: every rank computes its vocabulary slice, rank 0 gets the whole rows (others: empty)."""
-        logits = F.linear(hidden, self.lm_head).float()
+        logits = self.head(hidden).float()
         return self.tp.gather_logits(logits) if self.tp is not None else logits
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden @ lm_head.T`` in the model dtype; through the CPU's prepacked copy when
+        ``models.cpu_gemm.pack_model`` made one (``lm_head_packed``)."""
+        return linear(hidden, getattr(self, "lm_head_packed", None) or self.lm_head)
 
     # ---- weights -------------------------------------------------------------------------
 

@@ -64,6 +64,7 @@ from pagoda.engine.sampling.sampler import Sampler
 from pagoda.engine.scheduler_output import SchedulerOutput
 from pagoda.engine.spec_decode import SpeculativePlan, Speculator
 from pagoda.kernels import AttentionMetadata
+from pagoda.models.cpu_gemm import pack_model
 from pagoda.models.config import ModelConfig
 from pagoda.models.llama import LlamaForCausalLM
 from pagoda.models.loader import load_model
@@ -144,6 +145,7 @@ class ModelRunner:
                     self.device, self.kv_dtype)
         self.lora = (LoRAManager(self.model, config.max_loras, config.max_lora_rank, config.max_cpu_loras)
                      if config.enable_lora else None)
+        pack_model(self.model, self.device, self.dtype)  # CPU: oneDNN-prepacked float weights (models.cpu_gemm)
         self.keeps_hidden = spec_plan is not None and spec_plan.needs_target_hidden
         reason = cuda_graphs_off_reason(config, self.keeps_hidden, self.device)
         if reason is not None:
