@@ -220,10 +220,11 @@ class SamplingParams:
         return dataclasses.replace(self, **changes)
 
 
-# Fields that would change the distribution beam search ranks, or ask for per-token output
-# it does not produce; each must keep this value with use_beam_search (as vLLM's old API).
+# Fields that would change the distribution beam search ranks, or ask for output it does not
+# produce (prompt log-probabilities); each must keep this value with use_beam_search (as
+# vLLM's old API). ``logprobs`` is allowed: each beam's per-token values (core.beam_search).
 _BEAM_NEUTRAL = [("temperature", 0.0), ("top_p", 1.0), ("top_k", 0), ("min_p", 0.0), ("repetition_penalty", 1.0),
-                 ("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("min_tokens", 0), ("logprobs", None),
+                 ("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("min_tokens", 0),
                  ("prompt_logprobs", None), ("allowed_token_ids", None),
                  ("logit_bias", None), ("bad_words", None)]
 
