@@ -163,7 +163,9 @@ class SamplingParams:
         if self.n > self.num_beams:
             raise ValueError(f"n: at most the beam width ({self.num_beams}) beams can be returned, got {self.n}")
         if self.speculative:
-            raise ValueError("speculative: beam search does not run with speculative decoding; "
+            raise ValueError("speculative: beam search does not run with speculative decoding (a beam's next "
+                             "token is chosen among all its group's candidates after each step, so there is no one "
+                             "token per position to verify drafts against); "
                              "leave speculative out or false")
         for name, neutral in _BEAM_NEUTRAL:
             if getattr(self, name) != neutral:
