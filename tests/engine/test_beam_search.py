@@ -286,8 +286,11 @@ def test_a_group_is_admitted_only_with_its_worst_case_free(tiny_path):
 
 def test_refused_beam_requests(tiny_path):
     spec = LLMEngine(EngineConfig(model=tiny_path, speculative_method="ngram"))
-    with pytest.raises(ValueError, match="^use_beam_search: this server runs speculative decoding"):
+    with pytest.raises(ValueError, match="^use_beam_search: this server runs speculative decoding.*no one token "
+                                         "per position to verify drafts against"):
         spec.add_request("r", [1, 2, 3], _beam(2))
+    with pytest.raises(ValueError, match="^speculative: beam search does not run with speculative decoding.*verify"):
+        _beam(2, speculative=True)
     small = LLMEngine(EngineConfig(model=tiny_path, block_size=16, num_gpu_blocks_override=12))
     with pytest.raises(ValueError, match="^beam_width: 8 beams of max_tokens 32 may need"):
         small.add_request("r", [1, 2, 3], _beam(8, max_tokens=32))

@@ -5,8 +5,10 @@ sees every aten op the sampler issues. It fails the call if any op touches a hos
 as large as a vocabulary row (noise or a filter computed on the host, or a vocabulary-
 sized copy either way), and it counts device-to-host reads (``.tolist()``, ``.cpu()``,
 ``.item()``, ``bool(t)``), answering each with zeros so the call can finish. Host-to-device
-copies of small per-row parameters are allowed. A second test puts a CPU generator back
-into the noise and checks that the guard catches it.
+copies of small per-row parameters are allowed. A beam-search step is checked the same way,
+down to the size of its one read (each beam's top ``2k``, not a vocabulary row). A last test
+puts a CPU generator back into the noise and checks that the guard catches it.
+``DeviceGuard`` also serves other device-side guards (``test_spec_heads_device.py``).
 """
 
 from __future__ import annotations
@@ -36,26 +38,35 @@ class DeviceGuard(TorchDispatchMode):
         self.vocab_size = vocab_size
         self.host_ops: list[str] = []
         self.reads: list[str] = []
+        self.read_shapes: list[tuple[int, ...]] = []  # the device tensor each read copied
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         on_device = any(t.device.type != "cpu" for t in inputs)
         if func is aten._local_scalar_dense.default and on_device:
-            self.reads.append(str(func))
+            self._read(func, args[0])
             return 0
-        if func is aten._to_copy.default and on_device and kwargs.get("device") == torch.device("cpu"):
-            self.reads.append(str(func))
+        to_host = kwargs.get("device") == torch.device("cpu") or any(
+            isinstance(a, torch.device) and a.type == "cpu" for a in args[1:])
+        if func in (aten._to_copy.default, aten.to.dtype_layout, aten.to.device) and on_device and to_host:
+            # (aten.to.* is what .tolist() dispatches under inference_mode)
             source = args[0]
+            self._read(func, source)
             self._check_size(func, [source])
-            return torch.zeros(source.shape, dtype=kwargs.get("dtype") or source.dtype)
+            dtype = kwargs.get("dtype") or next((a for a in args[1:] if isinstance(a, torch.dtype)), source.dtype)
+            return torch.zeros(source.shape, dtype=dtype)
         if func is aten.copy_.default and args[0].device.type == "cpu" and args[1].device.type != "cpu":
-            self.reads.append(str(func))
+            self._read(func, args[1])
             return args[0].zero_()
         out = func(*args, **kwargs)
         outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         self._check_size(func, inputs + outputs)
         return out
+
+    def _read(self, func, source: torch.Tensor) -> None:
+        self.reads.append(str(func))
+        self.read_shapes.append(tuple(source.shape))
 
     def _check_size(self, func, tensors) -> None:
         if any(t.device.type == "cpu" and t.numel() >= self.vocab_size for t in tensors):
@@ -104,6 +115,28 @@ def test_sampler_never_computes_on_the_host_and_reads_back_once(case):
     guard = _guarded_call(*_guided_beams()) if case == len(_rows()) else _guarded_call(_rows()[case])
     assert guard.host_ops == [], "vocabulary-sized work on the host:\n" + "\n".join(guard.host_ops)
     assert len(guard.reads) == 1, f"expected one device-to-host read, got {guard.reads}"
+
+
+def test_a_beam_step_reads_back_only_each_beams_top_candidates():
+    """Beam search on the device: one step of a batch holding two beam groups (width 4 with
+    ``logprobs=3``; width 2 with ``logprobs=6 > 2k``), their rows made by ``BeamSearch`` as
+    the engine makes them, beside a greedy and a random row, reads back once: every row's
+    token id, and per beam row its chosen token's logprob and rank and its top
+    ``max(2k, N)`` ids and values (8 here, the widest row's), never a vocabulary row."""
+    from pagoda.engine.core.beam_search import BeamSearch
+    from pagoda.engine.request import Request
+
+    beams = BeamSearch(scheduler=None)
+    rows = []
+    for width, num_top in ((4, 3), (2, 6)):
+        params = SamplingParams(use_beam_search=True, beam_width=width, temperature=0.0, logprobs=num_top)
+        first = beams.make_first_beam(Request(f"g{width}#0", [1, 2, 3], params), f"g{width}", frozenset({2}))
+        rows += [first.sampling_state] * width  # forks copy their parent's row
+    rows += [SamplingRow(SamplingParams(temperature=0)), SamplingRow(SamplingParams(temperature=0.9))]
+    guard = _guarded_call(rows)
+    assert guard.host_ops == [], "vocabulary-sized work on the host:\n" + "\n".join(guard.host_ops)
+    num_beams, num_top = 6, 2 * 4
+    assert guard.read_shapes == [(len(rows) + num_beams * (2 + 2 * num_top),)], guard.read_shapes
 
 
 def test_guard_catches_noise_drawn_by_a_cpu_generator(monkeypatch):

@@ -53,7 +53,7 @@ BAD_BEAM = [
     (dict(temperature=1.0), "temperature"), (dict(top_p=0.9), "top_p"), (dict(top_k=5), "top_k"),
     (dict(min_p=0.1), "min_p"), (dict(repetition_penalty=1.2), "repetition_penalty"),
     (dict(presence_penalty=0.5), "presence_penalty"), (dict(frequency_penalty=0.5), "frequency_penalty"),
-    (dict(min_tokens=2), "min_tokens"), (dict(logprobs=2), "logprobs"), (dict(prompt_logprobs=1), "prompt_logprobs"),
+    (dict(min_tokens=2), "min_tokens"), (dict(prompt_logprobs=1), "prompt_logprobs"),
     (dict(allowed_token_ids=[1]), "allowed_token_ids"),
     (dict(logit_bias={1: 1.0}), "logit_bias"), (dict(bad_words=["x"]), "bad_words"), (dict(speculative=True), "speculative"),
     (dict(beam_width=0), "beam_width"), (dict(beam_width=11), "beam_width"), (dict(best_of=64), "best_of"),

@@ -84,12 +84,18 @@ def test_completion_equals_the_offline_engine(client, offline_text):
 
 
 def test_beam_search_as_vllms_extra_parameter_equals_the_offline_engine(client, offline):
-    """``use_beam_search`` (vLLM's extra body parameter): the n best of ``best_of`` beams, best first."""
+    """``use_beam_search`` (vLLM's extra body parameter): the n best of ``best_of`` beams, best
+    first, with each beam's per-token ``logprobs``."""
     beams = offline.generate([PROMPT], SamplingParams(use_beam_search=True, best_of=4, n=2, temperature=0.0,
-                                                      max_tokens=8))[0].outputs
+                                                      max_tokens=8, logprobs=2))[0].outputs
     response = client.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT, max_tokens=8, n=2,
-                                         extra_body={"use_beam_search": True, "best_of": 4})
-    assert [c.text for c in sorted(response.choices, key=lambda c: c.index)] == [b.text for b in beams]
+                                         logprobs=2, extra_body={"use_beam_search": True, "best_of": 4})
+    choices = sorted(response.choices, key=lambda c: c.index)
+    assert [c.text for c in choices] == [b.text for b in beams]
+    for choice, beam in zip(choices, beams):
+        assert choice.logprobs.token_logprobs == pytest.approx([lp.logprob for lp in beam.logprobs], abs=1e-4)
+        for top, lp in zip(choice.logprobs.top_logprobs, beam.logprobs):  # keyed by text: the top 2's values
+            assert sorted(top.values(), reverse=True) == pytest.approx([v for _, v in lp.top], abs=1e-4)
     with pytest.raises(openai.BadRequestError, match="temperature"):
         client.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT, max_tokens=4, temperature=0.7,
                                   extra_body={"use_beam_search": True, "best_of": 2})

@@ -142,7 +142,8 @@ def test_logprob_flags_turn_on_engine_logprobs():
     ({"text_input": "Hi", "beam_width": np.array([4], dtype=np.int32), "temperature": np.array([0.7], np.float32)},
      "temperature: must be 0.0 with use_beam_search"),
     ({"text_input": "Hi", "sampling_parameters": {"use_beam_search": True, "best_of": 2, "temperature": 0,
-                                                  "logprobs": 1}}, "logprobs: must be None with use_beam_search"),
+                                                  "prompt_logprobs": 1}},
+     "prompt_logprobs: must be None with use_beam_search"),
 ])
 def test_bad_inputs_name_the_problem(tensors, message):
     with pytest.raises(ValueError) as info:
@@ -391,6 +392,9 @@ def test_beam_search_from_either_dialect_with_cumulative_logprobs():
         "early_stopping": "never"}))
     assert vllm.params.num_beams == 4 and vllm.params.n == 2 and vllm.params.logprobs is None
     assert vllm.params.length_penalty == 0.5 and vllm.params.early_stopping == "never"
+    per_token = parse_request(inputs(text_input="Hi", return_logprobs=True, sampling_parameters={
+        "use_beam_search": True, "best_of": 2, "temperature": 0, "logprobs": 3}))
+    assert per_token.params.logprobs == 3 and per_token.logprobs_asked  # each beam's per-token values
     trt = parse_request(inputs(text_input="Hi", beam_width=np.array([3], dtype=np.int32)))
     assert trt.params.num_beams == 3 and trt.params.temperature == 0.0 and trt.params.n == 1
     assert parse_request(inputs(text_input="Hi", beam_width=np.array([1], dtype=np.int32))).params.num_beams == 0

@@ -65,21 +65,26 @@ def test_bad_inputs_are_refused_naming_them(values, message):
         dialect.sampling_values(item(**values))
 
 
-def test_beam_width_is_beam_search_returning_every_beam_with_cumulative_logprobs():
+def test_beam_width_is_beam_search_returning_every_beam_with_log_probs():
     values = dialect.sampling_values(item(beam_width=np.int32(4), length_penalty=np.float32(0.5),
                                           return_log_probs=np.bool_(True)))
     assert values["use_beam_search"] is True and values["beam_width"] == 4 and values["n"] == 4
-    assert values["temperature"] == 0.0 and values["length_penalty"] == 0.5 and "logprobs" not in values
+    assert values["temperature"] == 0.0 and values["length_penalty"] == 0.5 and values["logprobs"] == 0
     assert dialect.sampling_values(item(beam_width=np.int32(4), num_return_sequences=np.int32(2)))["n"] == 2
+    assert "logprobs" not in dialect.sampling_values(item(beam_width=np.int32(4)))
     inputs = dialect.to_pagoda_inputs(item(beam_width=np.int32(2), return_log_probs=np.bool_(True)), decoupled=False)
-    assert inputs["return_cumulative_logprob"].tolist() == [True] and inputs["return_logprobs"].tolist() == [False]
+    assert inputs["return_cumulative_logprob"].tolist() == [True] and inputs["return_logprobs"].tolist() == [True]
     tensors = {"text_output": np.array([b"a", b"b"], dtype=np.object_),
                "cumulative_logprob": np.array([-1.0, -2.0], dtype=np.float32),
-               "num_input_tokens": np.array([4], dtype=np.uint32), "num_output_tokens": np.array([2, 3], np.uint32)}
+               "logprobs": np.array([json.dumps([{"logprob": -0.25}, {"logprob": -0.75}]).encode(),
+                                     json.dumps([{"logprob": -2.0}]).encode()], dtype=np.object_),
+               "num_input_tokens": np.array([4], dtype=np.uint32), "num_output_tokens": np.array([2, 1], np.uint32)}
     asked = {"log_probs": True, "perf": False, "num_input_tokens": False, "num_output_tokens": False}
     out = dialect.to_trtllm_outputs(tensors, asked, batch_index=0, sequence=None)
     assert out["cum_log_probs"].tolist() == [[-1.0, -2.0]] and out["sequence_index"].tolist() == [[0, 1]]
-    assert "output_log_probs" not in out
+    assert out["output_log_probs"].tolist() == [[[-0.25, -0.75], [-2.0, 0.0]]]  # [1, beams, tokens], padded
+    one = dialect.to_trtllm_outputs(tensors, asked, batch_index=0, sequence=1)  # decoupled: one beam each
+    assert one["output_log_probs"].tolist() == [[[-2.0]]] and one["cum_log_probs"].tolist() == [[-2.0]]
 
 
 def test_request_parameters_are_refused_naming_them_but_cache_salt():

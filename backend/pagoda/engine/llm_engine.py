@@ -182,8 +182,10 @@ class LLMEngine:
     def _check_request(self, request: EngineRequest) -> None:
         """The envelope's own fields (the prompt is checked as it is tokenized). Raises ValueError."""
         if request.params.use_beam_search and self.speculator is not None:
-            raise ValueError("use_beam_search: this server runs speculative decoding, which beam search does not "
-                             "support; serve without speculative_method for beam search")
+            raise ValueError("use_beam_search: this server runs speculative decoding, which does not combine with "
+                             "beam search (a beam's next token is chosen among all its group's candidates after "
+                             "each step, so there is no one token per position to verify drafts "
+                             "against); serve without speculative_method for beam search")
         if request.params.use_beam_search and self.config.tensor_parallel_size > 1:
             raise ValueError("use_beam_search: not supported with tensor_parallel_size > 1 yet (a fork's "
                              "copy-on-write block copy is not broadcast to the workers' KV shards)")

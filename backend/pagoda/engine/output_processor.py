@@ -217,7 +217,8 @@ class OutputProcessor:
             completion.num_kept_tokens - (num_tokens - len(new_ids))
         for lp in core_output.logprobs[:num_new_kept] if completion.logprobs is not None else ():
             completion.logprobs.append(TokenLogprob(lp.token_id, lp.logprob, lp.rank, list(lp.top)))
-            completion.cumulative_logprob += lp.logprob
+            if core_output.cumulative_logprob is None:  # a beam's sum came whole, above
+                completion.cumulative_logprob += lp.logprob
         if core_output.finished and not stopped:
             completion.finish_reason = core_output.finish_reason
             completion.stop_reason = core_output.stop_reason

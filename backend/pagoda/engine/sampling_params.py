@@ -163,7 +163,9 @@ class SamplingParams:
         if self.n > self.num_beams:
             raise ValueError(f"n: at most the beam width ({self.num_beams}) beams can be returned, got {self.n}")
         if self.speculative:
-            raise ValueError("speculative: beam search does not run with speculative decoding; "
+            raise ValueError("speculative: beam search does not run with speculative decoding (a beam's next "
+                             "token is chosen among all its group's candidates after each step, so there is no one "
+                             "token per position to verify drafts against); "
                              "leave speculative out or false")
         for name, neutral in _BEAM_NEUTRAL:
             if getattr(self, name) != neutral:
@@ -220,10 +222,11 @@ class SamplingParams:
         return dataclasses.replace(self, **changes)
 
 
-# Fields that would change the distribution beam search ranks, or ask for per-token output
-# it does not produce; each must keep this value with use_beam_search (as vLLM's old API).
+# Fields that would change the distribution beam search ranks, or ask for output it does not
+# produce (prompt log-probabilities); each must keep this value with use_beam_search (as
+# vLLM's old API). ``logprobs`` is allowed: each beam's per-token values (core.beam_search).
 _BEAM_NEUTRAL = [("temperature", 0.0), ("top_p", 1.0), ("top_k", 0), ("min_p", 0.0), ("repetition_penalty", 1.0),
-                 ("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("min_tokens", 0), ("logprobs", None),
+                 ("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("min_tokens", 0),
                  ("prompt_logprobs", None), ("allowed_token_ids", None),
                  ("logit_bias", None), ("bad_words", None)]
 

@@ -28,7 +28,8 @@ TensorRT-LLM's INT32 input of that name, never both):
   tokens get its weight as a ``logit_bias``, as TensorRT-LLM's preprocessing builds its
   embedding bias; needs ``encode``) and ``beam_width`` (above 1: beam search, as
   ``use_beam_search`` with that width; ``temperature`` then defaults to 0). A beam-search
-  request's ``cumulative_logprob`` is each returned beam's summed log-probability.
+  request's ``cumulative_logprob`` is each returned beam's summed log-probability, its
+  ``logprobs`` (with the ``logprobs`` sampling field) each beam's per-token entries.
 
 Precedence: a scalar input wins over the same key in ``sampling_parameters`` (it is the
 more specific, per-tensor statement; TensorRT-LLM clients never send the JSON).

@@ -19,8 +19,8 @@ Invariants:
 - ``beam_width`` above 1 is beam search (``use_beam_search``, ``temperature`` 0 unless
   given, ``length_penalty`` applied): ``num_return_sequences`` beams (default: all of
   them, as TensorRT-LLM returns) come back best first, one ``sequence_index`` each, with
-  ``return_log_probs`` their ``cum_log_probs`` (no per-token ``output_log_probs``: beams
-  are chosen from their sums);
+  ``return_log_probs`` their ``cum_log_probs`` and per-token ``output_log_probs``
+  (``[1, beams, tokens]``, shorter beams padded with 0.0, as TensorRT-LLM's);
 - a request parameter (an HTTP ``generate`` key that is not an input) is refused, naming it:
   TensorRT-LLM's models read none; pagoda's fronts read one, ``cache_salt`` (the router's
   per-tenant prefix-cache salt, as pagoda's own model takes it);
@@ -215,7 +215,7 @@ def sampling_values(item: Item) -> dict[str, Any]:
         values.setdefault("n", width)  # TensorRT-LLM returns every beam unless num_return_sequences says
         if _one("length_penalty", item) is not None:
             values["length_penalty"] = float(_one("length_penalty", item))
-    elif _one("return_log_probs", item):
+    if _one("return_log_probs", item):
         values["logprobs"] = 0
     return values
 
@@ -254,7 +254,7 @@ def to_pagoda_inputs(item: Item, decoupled: bool) -> dict[str, np.ndarray]:
               "stream": np.array([stream]),
               "exclude_input_in_output": np.array([bool(_one("exclude_input_in_output", item))]),
               "return_cumulative_logprob": np.array([bool(_one("return_log_probs", item))]),
-              "return_logprobs": np.array([bool(_one("return_log_probs", item)) and _beam_width(item) == 1]),
+              "return_logprobs": np.array([bool(_one("return_log_probs", item))]),
               "return_num_input_tokens": np.array([True]), "return_num_output_tokens": np.array([True]),
               "return_num_cached_tokens": np.array([perf])}
     for name in ("embedding_bias_words", "embedding_bias_weights"):  # pagoda's model tokenizes the words
@@ -287,7 +287,7 @@ def to_trtllm_outputs(tensors: dict[str, np.ndarray], asked: dict[str, bool], ba
                                       dtype=np.int32)}
     if asked["log_probs"]:
         out["cum_log_probs"] = pick(tensors["cumulative_logprob"]).astype(np.float32).reshape(1, -1)
-    if asked["log_probs"] and "logprobs" in tensors:  # none for beams (beam search chooses by sums)
+    if asked["log_probs"] and "logprobs" in tensors:  # [1, sequences (beams), tokens], 0.0-padded
         rows = [[lp["logprob"] for lp in json.loads(_text(t))] for t in pick(tensors["logprobs"])]
         width = max((len(r) for r in rows), default=0)
         out["output_log_probs"] = np.array([[r + [0.0] * (width - len(r)) for r in rows]],

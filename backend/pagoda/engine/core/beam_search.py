@@ -21,8 +21,8 @@ old ``BeamSearchScorer``), step by step, for a group of width ``k``:
    best hypotheses are returned, best first.
 
 KV and scheduling. Beams are ordinary scheduler requests with ``beam_group`` set, sampled
-greedily with ``logprobs=2k`` (the sampler's top-``2k`` on the device; ``2k`` pairs per beam
-reach the host). The scheduler appends no token to a beam; after each update
+greedily with ``logprobs=max(2k, N)`` (the sampler's top-``2k`` on the device; ``2k``
+pairs per beam, or ``N`` with ``logprobs=N > 2k``, reach the host). The scheduler appends no token to a beam; after each update
 ``BeamSearch.advance`` records each beam's log-probabilities and, once every live beam of a
 group has reported (beams step together; a recomputing beam holds its group back), the
 group chooses. A beam continuing with one child appends that token; every further child of
@@ -33,6 +33,15 @@ parent's, shared by reference count, with its partial last block copied on the d
 user request's first output id; forks are ``"{id}@beam{i}"``. When the group is done its
 live beams are freed and the ``n`` best come back as final outputs under the user's
 output ids (``child_request_ids``), nothing before: beams reorder, so nothing streams.
+
+Per-token log-probabilities (``params.logprobs = N``): each beam row reads its top
+``max(2k, N)`` on the device (``2k`` rank the candidates, ``N`` are reported; ``N <= 20``
+as for every request). A kept candidate's entry is the chosen token, its log-probability
+and rank (exact: every token that beats it is in its parent's top list) and the parent's
+top ``N``: the values the beam ranked by (raw ``log_softmax``; a guided beam's leave out
+the tokens its grammar forbids). Each beam holds its entries as a ``_Trail`` (a persistent
+list: a fork shares its parent's, one new cell per step, no copying); a returned beam's
+list is built once, at the end.
 
 Structured output: every beam has its own grammar matcher (``guided.manager``): its rows'
 logits are masked by it as any guided request's, and its reported log-probabilities are the
@@ -66,6 +75,22 @@ from pagoda.engine.sampling_params import SamplingParams
 StopStringFinder = Callable[[SamplingParams, list[int]], Optional[str]]
 
 
+@dataclass(frozen=True)
+class _Trail:
+    """A beam's per-token log-probabilities, newest last, as a persistent list: a fork
+    shares its parent's cells, so a step costs one cell per kept candidate."""
+
+    entry: TokenLogprobs
+    previous: Optional["_Trail"]
+
+    def to_list(self) -> list[TokenLogprobs]:
+        entries, cell = [], self
+        while cell is not None:
+            entries.append(cell.entry)
+            cell = cell.previous
+        return entries[::-1]
+
+
 @dataclass
 class Hypothesis:
     """A finished (or, at the very end, a best running) beam."""
@@ -75,10 +100,16 @@ class Hypothesis:
     score: float  # cumulative_logprob / len(token_ids) ** length_penalty
     stop_token: Optional[int] = None  # the stop token (EOS or stop_token_ids) it ended on
     stop_string: Optional[str] = None  # the stop string its text holds
+    trail: Optional[_Trail] = None  # its per-token log-probabilities (params.logprobs set)
 
     @property
     def finish_reason(self) -> str:
         return "stop" if self.stop_token is not None or self.stop_string is not None else "length"
+
+    @property
+    def logprobs(self) -> Optional[list[TokenLogprobs]]:
+        """One entry per token (``params.logprobs`` set), else None."""
+        return self.trail.to_list() if self.trail is not None else None
 
 
 @dataclass
@@ -88,6 +119,7 @@ class _Candidate:
     token_id: int
     ends: bool = False
     stop_string: Optional[str] = None
+    trail: Optional[_Trail] = None  # the parent's trail and this token's entry (params.logprobs set)
 
 
 class BeamGroup:
@@ -102,6 +134,7 @@ class BeamGroup:
         self.output_ids = child_request_ids(request_id, params.n)
         self.members: list[Request] = [first]
         self.scores: dict[str, float] = {first.request_id: 0.0}
+        self.trails: dict[str, Optional[_Trail]] = {first.request_id: None}  # with params.logprobs
         self.pending: dict[str, TokenLogprobs] = {}
         self.finished: list[Hypothesis] = []
         self.improvable = True
@@ -127,6 +160,8 @@ class BeamGroup:
         candidates = candidates[:2 * k]
         length = self.members[0].num_output_tokens + 1
         for c in candidates:
+            if self.params.logprobs is not None:
+                c.trail = _Trail(self._entry(c), self.trails[c.parent.request_id])
             if self.find_stop_string is not None:
                 c.stop_string = self.find_stop_string(self.params, c.parent.output_token_ids + [c.token_id])
             c.ends = c.token_id in self.stop_token_ids or c.stop_string is not None or length >= max_tokens
@@ -136,6 +171,14 @@ class BeamGroup:
         full = len(self.finished) == k and self.params.early_stopping is True
         return running, not self.improvable or full or not running
 
+    def _entry(self, c: _Candidate) -> TokenLogprobs:
+        """The chosen token's log-probability, rank and its parent's top ``params.logprobs``
+        (what the beam ranked by: a guided beam's forbidden tokens left out)."""
+        top = self.pending[c.parent.request_id].top
+        logprob = next(lp for token, lp in top if token == c.token_id)  # exact, not a difference of sums
+        allowed = [(token, lp) for token, lp in top[:self.params.logprobs] if lp != float("-inf")]
+        return TokenLogprobs(c.token_id, logprob, 1 + sum(lp > logprob for _, lp in top), allowed)
+
     def _add_finished(self, best: list[_Candidate], length: int) -> None:
         if not self.improvable or (len(self.finished) == self.width and self.params.early_stopping is True):
             return
@@ -144,7 +187,7 @@ class BeamGroup:
                 stop = c.token_id if c.token_id in self.stop_token_ids else None
                 self.finished.append(Hypothesis(c.parent.output_token_ids + [c.token_id], c.cumulative_logprob,
                                                 c.cumulative_logprob / length ** self.params.length_penalty, stop,
-                                                c.stop_string))
+                                                c.stop_string, c.trail))
         self.finished.sort(key=lambda h: -h.score)
         del self.finished[self.width:]
 
@@ -163,7 +206,7 @@ class BeamGroup:
         length = self.members[0].num_output_tokens + 1 if self.members else 0
         for c in running[: max(0, self.params.n - len(best))]:
             best.append(Hypothesis(c.parent.output_token_ids + [c.token_id], c.cumulative_logprob,
-                                   c.cumulative_logprob / length ** self.params.length_penalty))
+                                   c.cumulative_logprob / length ** self.params.length_penalty, trail=c.trail))
         return best[: self.params.n]
 
 
@@ -186,7 +229,7 @@ class BeamSearch:
         params = request.sampling_params
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_token_ids)
         row_params = params.clone(use_beam_search=False, n=1, best_of=None, beam_width=None,
-                                  logprobs=2 * params.num_beams)
+                                  logprobs=max(2 * params.num_beams, params.logprobs or 0))
         request.sampling_state = SamplingRow(params=row_params, prompt_token_ids=request.prompt_token_ids,
                                              output_token_ids=request.output_token_ids,
                                              logprobs_allowed_only=params.guided_decoding is not None)
@@ -281,6 +324,8 @@ class BeamSearch:
         group.members = [c.parent for c in continuing.values()] + [child for child, _ in children]
         group.scores = {c.parent.request_id: c.cumulative_logprob for c in continuing.values()}
         group.scores.update({child.request_id: c.cumulative_logprob for child, c in children})
+        group.trails = {c.parent.request_id: c.trail for c in continuing.values()}
+        group.trails.update({child.request_id: c.trail for child, c in children})
         return None
 
     def _finish(self, request_ids: list[str], guided) -> None:

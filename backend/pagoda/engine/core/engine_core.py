@@ -41,7 +41,8 @@ back until child 0's prompt is computed (``parallel_sampling.py`` owns the fan-o
 
 Beam search (``params.use_beam_search``): ``make_requests`` makes the group's first beam
 only; ``BeamSearch`` (``beam_search.py``) chooses, forks and prunes beams after each update
-and hands back a done group's ``n`` best beams, which become its only outputs; an abort of
+and hands back a done group's ``n`` best beams (with their per-token log-probabilities when
+asked), which become its only outputs; an abort of
 the user request's output ids finishes the group's live beams.
 
 Requests waiting outside the scheduler (for their grammar, or held siblings) are owned by
@@ -416,7 +417,7 @@ def _beam_outputs(group: BeamGroup, best: list[Hypothesis]) -> list[EngineCoreOu
     return [EngineCoreOutput(output_id, list(h.token_ids), finish_reason=h.finish_reason,
                              stop_reason=h.stop_string or (h.stop_token if h.stop_token in group.params.stop_token_ids
                                                            else None),
-                             cumulative_logprob=h.cumulative_logprob, beam_score=h.score,
+                             cumulative_logprob=h.cumulative_logprob, beam_score=h.score, logprobs=h.logprobs or [],
                              first_scheduled_time=group.first_scheduled_time,
                              num_cached_tokens=group.num_cached_tokens)
             for output_id, h in zip(group.output_ids, best)]

@@ -22,7 +22,8 @@ alternatives; chat: ``logprobs`` + ``top_logprobs``); vLLM's extras pass through
 ``logit_bias`` (token id -> bias in [-100, 100]) is the engine's logit bias; chat's
 ``chat_template_kwargs`` reach the chat template (e.g. Qwen3's ``enable_thinking``); beam
 search as vLLM's extras: ``use_beam_search`` (with ``best_of`` the beam width, ``n`` best
-beams returned; ``temperature`` 0 unless given), ``length_penalty``, ``early_stopping``.
+beams returned; ``temperature`` 0 unless given), ``length_penalty``, ``early_stopping``;
+``logprobs`` then give each beam (choice) its per-token values.
 Completions' ``prompt`` may be a string, a list of token
 ids, or a list of either (lm-eval's ``tokenized_requests``): one replica request per prompt,
 routed on its own (token ids travel as the ``input_ids`` input), run concurrently,
