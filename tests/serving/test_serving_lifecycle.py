@@ -2,9 +2,11 @@
 
 - ``pagoda serve`` refuses to announce a server whose first request fails, and says why;
 - a dead Python-backend stub is reported (tritonserver alone keeps answering READY) and
-  the replica stops, so nothing keeps routing to it;
+  tritonserver is restarted on the same ports, not ready meanwhile; out of restarts, the
+  replica stops, so nothing keeps routing to it;
 - SIGKILL of the launcher leaves no tritonserver or stub, and the ports are free again;
-- SIGTERM drains: a request in flight completes, then every process exits cleanly;
+- SIGTERM drains: a request in flight completes, the model finalizes (its Redis goodbye)
+  even while a client holds an idle HTTP keep-alive connection, then every process exits;
 - a SIGKILLed tritonserver leaves no stub, and the replica's Redis heartbeat expires;
 - a non-streaming request without max_tokens whose client left stops at the default cap
   and frees its KV blocks (tritonserver 2.51's HTTP front end does not flag such a
@@ -248,13 +250,15 @@ def test_a_dead_stub_is_restarted_not_ready_meanwhile_then_the_replica_stops_whe
         (first_stub,) = _stub_pids(server_pid)
         assert _is_ready(serve.http)
         os.kill(first_stub, signal.SIGKILL)
-        # tritonserver alone would stay READY; the launcher reloads the model: not ready meanwhile.
+        # tritonserver alone would stay READY; the launcher restarts it: not ready meanwhile.
         _wait_until(lambda: not _is_ready(serve.http), 10, "not ready after the stub died")
         _wait_until(lambda: "the stub was restarted; serving again" in serve.output, 300, "restart")
         assert _is_ready(serve.http)
         status, text = _generate(serve.http, {"text_input": "Hello", "max_tokens": 2})
         assert status == 200 and "text_output" in text
-        (second_stub,) = _stub_pids(server_pid)
+        new_server_pid = serve.server_pid()  # a new tritonserver, on the same ports
+        assert new_server_pid != server_pid and not process_tree.group_members(server_pid)
+        (second_stub,) = _stub_pids(new_server_pid)
         assert second_stub != first_stub
         os.kill(second_stub, signal.SIGKILL)  # out of restarts: the replica stops
         code = serve.proc.wait(60)
@@ -264,7 +268,7 @@ def test_a_dead_stub_is_restarted_not_ready_meanwhile_then_the_replica_stops_whe
     assert f"the Python-backend stub (pid {first_stub}) died; restarting it" in serve.output
     assert f"the Python-backend stub (pid {second_stub}) died (restarted 1 time(s)" in serve.output
     assert not _is_ready(serve.http)
-    assert not process_tree.group_members(server_pid)
+    assert not process_tree.group_members(new_server_pid)
     assert _ports_free(serve.ports)
 
 
@@ -352,10 +356,39 @@ def test_sigterm_completes_the_request_in_flight_then_exits_cleanly(redis_server
     assert sum(e["num_output_tokens"][0] if isinstance(e["num_output_tokens"], list) else e["num_output_tokens"]
                for e in events) == 48, events[-1]
     assert text
-    assert "Exit timeout expired" not in serve.output
-    assert "tritonserver stopped (exit code 0)" in serve.output
+    # The model finalized before tritonserver's exit (the Redis goodbye above): tritonserver
+    # itself spends its whole exit timeout waiting for the idle connection, then exits
+    # without its own unload (docs/serving.md, "The drain").
+    assert "Exit timeout expired" in serve.output and "tritonserver stopped (exit code 1)" in serve.output
     assert not process_tree.group_members(server_pid)
     assert _ports_free(serve.ports)
+
+
+@pytest.mark.server
+def test_after_the_finalize_requests_get_the_draining_error_and_tritonserver_exits_cleanly(tmp_path):
+    """Between the model's finalize (the launcher's request) and tritonserver's exit, a request
+    is answered with the draining error instead of hanging; with no idle connection,
+    tritonserver then unloads the finalized model itself and exits 0."""
+    from pagoda.serving import finalize_request
+
+    options = ServeOptions(http_port=find_free_port(), grpc_port=find_free_port(), metrics_port=find_free_port(),
+                           max_model_len=512, max_num_seqs=4, kv_cache_memory_bytes=64 * 2**20, grace_period_s=5)
+    server = TritonServer(options, log_path=str(tmp_path / "server.log"))
+    server.start()
+    try:
+        drain = server.workdir / "drain"
+        for request, done in ((drain, Path(f"{drain}.done")),
+                              (Path(f"{drain}{finalize_request.REQUEST_SUFFIX}"),
+                               Path(f"{drain}{finalize_request.DONE_SUFFIX}"))):
+            request.touch()
+            _wait_until(done.exists, 30, f"{done.name} written by the model")
+        status, text = _generate(server.http_url, {"text_input": "Hello", "max_tokens": 2})
+        assert status == 400 and "draining (shutting down)" in text, (status, text)
+    finally:
+        code = server.stop()
+    log = (tmp_path / "server.log").read_text(errors="replace")
+    assert code == 0 and "Exit timeout expired" not in log, log[-3000:]
+    assert "successfully unloaded 'pagoda'" in log
 
 
 @pytest.fixture

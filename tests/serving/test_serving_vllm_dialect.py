@@ -231,22 +231,32 @@ def test_vllm_request_histograms_under_both_latency_names(triton_server, read_me
 
 
 def test_read_only_repository_calls(triton_server):
-    """Readiness, metadata and config answer any client; tritonserver's restricted-API group
-    ``model-repository`` holds index, load and unload together, so the index stays behind the
-    launcher's token with load and unload (docs/serving.md says why)."""
+    """Any client may read: the repository index (the vLLM backend's health check), readiness,
+    metadata and config, on HTTP and gRPC. No client may load or unload: tritonserver runs
+    without model control and refuses both itself (docs/serving.md says why)."""
     import tritonclient.grpc as grpcclient
     import tritonclient.http as httpclient
     from tritonclient.utils import InferenceServerException
 
+    from pagoda.serving.trtllm_dialect import FRONT_MODELS
+
+    refusal = "explicit model load / unload is not allowed if polling is enabled"  # tritonserver 2.51's words
     for client in (httpclient.InferenceServerClient(triton_server.http_url),
                    grpcclient.InferenceServerClient(triton_server.grpc_url)):
+        if isinstance(client, httpclient.InferenceServerClient):
+            models = client.get_model_repository_index()
+        else:
+            models = client.get_model_repository_index(as_json=True)["models"]
+        assert {m["name"]: m["state"] for m in models} == dict.fromkeys(["pagoda", *FRONT_MODELS], "READY")
         assert client.is_server_ready() and client.is_model_ready("pagoda")
         metadata = client.get_model_metadata("pagoda")
         assert (metadata["name"] if isinstance(metadata, dict) else metadata.name) == "pagoda"
         config = client.get_model_config("pagoda")
         assert (config["name"] if isinstance(config, dict) else config.config.name) == "pagoda"
-        for call in (client.get_model_repository_index, lambda: client.unload_model("pagoda")):
-            with pytest.raises(InferenceServerException, match="restricted"):
+        for call in (lambda: client.load_model("pagoda"), lambda: client.unload_model("pagoda"),
+                     lambda: client.unload_model("ensemble")):
+            with pytest.raises(InferenceServerException, match=refusal):
                 call()
         client.close()
     assert httpclient.InferenceServerClient(triton_server.http_url).is_model_ready("pagoda")
+    assert httpclient.InferenceServerClient(triton_server.http_url).is_model_ready("ensemble")

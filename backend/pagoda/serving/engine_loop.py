@@ -20,7 +20,8 @@ engine is reached from here. Triton's ``execute()`` runs on other threads; it on
 5. with a ``drain_path`` (``pagoda serve`` sets one), once that file exists the loop is
    *draining*: new requests get an UNAVAILABLE error saying so, those in flight run to
    their end, and when none is left it creates ``<drain_path>.done``. The launcher then
-   unloads the model (tritonserver's own unload would cut decoupled streams short). The
+   asks the model to finalize (``serving.finalize_request``), which stops this loop
+   (tritonserver's own unload would cut decoupled streams short). The
    observers hear ``on_drain``: with a fleet publisher, the publisher sets the replica's
    Redis drain flag (``PublisherObserver``; routers send it nothing new).
 

@@ -261,7 +261,36 @@ def _fd_links(proc_dir: Path) -> set[str]:
     return links
 
 
-class ParentWatch:
+class PollingWatch:
+    """Calls ``action`` once, on a daemon thread, as soon as ``condition()`` is true (polled
+    every ``interval_s``). ``stop()`` ends the watch and joins its thread, unless called from
+    that thread (an action may stop its own watch)."""
+
+    def __init__(self, condition: Callable[[], bool], action: Callable[[], None], name: str,
+                 interval_s: float) -> None:
+        self._condition = condition
+        self._action = action
+        self._interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> "PollingWatch":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(5.0)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            if self._condition():
+                self._action()
+                return
+
+
+class ParentWatch(PollingWatch):
     """Calls ``on_orphaned`` once if this process is reparented (its parent died).
 
     Args:
@@ -270,24 +299,10 @@ class ParentWatch:
     """
 
     def __init__(self, on_orphaned: Callable[[], None], interval_s: float = 0.25) -> None:
-        self._parent_pid = os.getppid()
-        self._on_orphaned = on_orphaned
-        self._interval_s = interval_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="pagoda-parent-watch", daemon=True)
+        parent_pid = os.getppid()
 
-    def start(self) -> "ParentWatch":
-        self._thread.start()
-        return self
+        def orphaned() -> None:
+            logger.error("parent process %d is gone; this process ends with it", parent_pid)
+            on_orphaned()
 
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(5.0)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self._interval_s):
-            if os.getppid() != self._parent_pid:
-                logger.error("parent process %d is gone; this process ends with it", self._parent_pid)
-                self._on_orphaned()
-                return
+        super().__init__(lambda: os.getppid() != parent_pid, orphaned, "pagoda-parent-watch", interval_s)

@@ -8,6 +8,12 @@ the fleet publisher watch the loop as step observers (``pagoda.serving.observers
 The stub must not outlive tritonserver (it runs the fleet heartbeat, which would keep a
 dead replica advertised): ``process_tree.ParentWatch`` ends this process as soon as it is
 reparented.
+
+Under ``pagoda serve`` the launcher asks for ``finalize`` through a file after the drain
+(``serving.finalize_request``: tritonserver runs without model control, so it would
+finalize only at its exit, which an idle HTTP connection can cut short); ``finalize`` is
+idempotent (tritonserver calls it again at exit), and requests that arrive after it get the
+draining error.
 """
 
 import functools
@@ -15,12 +21,15 @@ import itertools
 import json
 import logging
 import os
+import threading
 
 import triton_python_backend_utils as pb_utils
 
+from pagoda.contracts.errors import DRAINING_MESSAGE
 from pagoda.serving import triton_io
 from pagoda.serving.commands import ServingRequest
 from pagoda.serving.engine_loop import EngineLoop
+from pagoda.serving.finalize_request import FinalizeWatch
 from pagoda.serving.metrics import ServingMetrics
 from pagoda.serving.model_config import (allow_runtime_lora, engine_config_from_parameters, kv_transfer_listen,
                                          output_dialect, report_custom_metrics, served_model_name)
@@ -69,16 +78,25 @@ class TritonPythonModel:
         self.encode = lambda text: tokenizer.encode(text, add_special_tokens=False)
         decode_token = functools.lru_cache(maxsize=65536)(
             lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False))
-        # `pagoda serve` drains through this file (engine_loop); absent elsewhere.
-        self.loop = EngineLoop(self.engine, self.sender, observers,
-                               drain_path=os.environ.get("PAGODA_DRAIN_FILE") or None,
+        # `pagoda serve` drains (engine_loop) and asks for finalize (finalize_request) through
+        # this file; absent elsewhere.
+        drain_path = os.environ.get("PAGODA_DRAIN_FILE") or None
+        self.loop = EngineLoop(self.engine, self.sender, observers, drain_path=drain_path,
                                allow_runtime_lora=allow_runtime_lora(parameters), decode_token=decode_token,
                                kv_connector=kv_connector, on_fatal=_end_broken_stub)
         self._request_numbers = itertools.count()
+        self._finalize_lock = threading.Lock()
+        self._is_finalized = False
         self.sender.start()
         self.loop.start()
+        self.finalize_watch = FinalizeWatch(drain_path, self.finalize).start() if drain_path else None
 
     def execute(self, requests):
+        if self._is_finalized:  # the launcher's finalize ran; tritonserver is about to exit
+            error = pb_utils.TritonError(DRAINING_MESSAGE, pb_utils.TritonError.UNAVAILABLE)
+            for request in requests:
+                request.get_response_sender().send(pb_utils.InferenceResponse(error=error), flags=_FINAL)
+            return None
         for request in requests:
             response_sender = request.get_response_sender()
             triton_id = request.request_id() or "request"
@@ -101,12 +119,20 @@ class TritonPythonModel:
         return None
 
     def finalize(self):
-        self.parent_watch.stop()
-        self.loop.stop()
-        self.sender.stop()
-        self.engine.shutdown()  # joins the device worker thread (async_scheduling)
-        if self.tracer is not None:
-            self.tracer.shutdown()
+        # Twice under `pagoda serve` (the launcher's request, then tritonserver's exit): the
+        # second call waits for the first to end, so the stub never exits half-finalized.
+        with self._finalize_lock:
+            if self._is_finalized:
+                return
+            self._is_finalized = True
+            if self.finalize_watch is not None:
+                self.finalize_watch.stop()
+            self.parent_watch.stop()
+            self.loop.stop()
+            self.sender.stop()
+            self.engine.shutdown()  # joins the device worker thread (async_scheduling)
+            if self.tracer is not None:
+                self.tracer.shutdown()
 
     @staticmethod
     def _deliver(response_sender, response):
@@ -135,7 +161,7 @@ def _end_orphaned_stub():
 
 def _end_broken_stub(message):
     """The engine can never step again (a tensor-parallel worker died): end this stub, so
-    ``pagoda serve`` sees it dead and reloads the model with new workers."""
+    ``pagoda serve`` sees it dead and restarts tritonserver (new stub, new workers)."""
     logging.getLogger("pagoda.model").error("the engine cannot continue (%s); ending the stub", message)
     os._exit(1)
 

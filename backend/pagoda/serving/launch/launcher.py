@@ -19,14 +19,24 @@ settings, and the TensorRT-LLM fronts, ``trtllm_dialect``), then:
 - sends one small request through the whole path (``startup_check``) and raises, naming
   the cause when the log shows it, if that fails: a server is never announced unanswered;
 - while serving, ``check_health`` reports a dead server or a dead stub of pagoda's model
-  (tritonserver 2.51 keeps answering READY after its stub died; the launcher then stops it);
+  (tritonserver 2.51 keeps answering READY after its stub died); ``restart_model`` then
+  restarts tritonserver on the same ports (there is no load API to reload the model with);
+- runs without model control (``--model-control-mode=none``): tritonserver loads every model
+  of the repository at start, and any client may make the read-only repository calls (index,
+  model metadata and config, readiness) on HTTP and gRPC, while tritonserver refuses every
+  load and unload ("explicit model load / unload is not allowed if polling is enabled", HTTP
+  503 / gRPC UNAVAILABLE), so no client can replace the model's files, i.e. run code, or take
+  the model away. tritonserver 2.51's restricted-API groups could not do this: the
+  ``model-repository`` group holds index, load and unload together;
 - stops by draining (the engine loop refuses new requests and finishes those in flight,
-  up to ``grace_period_s``: see ``engine_loop``), unloading the models through the
-  repository API (explicit model control, restricted to a per-start token header), then
-  SIGINT, then SIGKILL to the whole process group, even if tritonserver already exited,
-  so no stub is left behind, and removes its stubs' ``/dev/shm`` regions (a killed server
-  leaves them). tritonserver's own exit timeout is not the drain: it is
-  shared with idle keep-alive connections, which would use it all up.
+  up to ``grace_period_s``: see ``engine_loop``), asking the model to finalize itself
+  (``finalize_request``: engine and fleet publisher stopped, up to ``FINALIZE_TIMEOUT_S``),
+  then SIGINT (tritonserver unloads its models, finalize again being a no-op, and exits),
+  then SIGKILL to the whole process group, even if tritonserver already exited, so no stub
+  is left behind, and removes its stubs' ``/dev/shm`` regions (a killed server leaves them).
+  tritonserver's own exit timeout is neither the drain nor the finalize: it first waits for
+  open HTTP connections, and an idle keep-alive one uses all of it (tritonserver then logs
+  "Exit timeout expired" and exits with code 1, after the model has finalized).
 
 It is a context manager (tests' fixture); the CLI is ``serve_cli``. The default model is
 imported (GGUF -> safetensors, once) before the server starts: the model load reads a folder.
@@ -35,7 +45,6 @@ imported (GGUF -> safetensors, once) before the server starts: the model load re
 from __future__ import annotations
 
 import collections
-import json
 import os
 import secrets
 import shutil
@@ -48,22 +57,20 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from pagoda.serving import process_tree
+from pagoda.serving import finalize_request, process_tree
 from pagoda.serving.launch import startup_check
 from pagoda.serving.model_config import rewrite_config_pbtxt
 from pagoda.serving.trtllm_dialect import configure_fronts
 from pagoda.serving.launch.triton_install import TritonPaths, default_model_repository, find_tritonserver, make_backend_dir
 
 MODEL_NAME = "pagoda"
+# tritonserver's exit: idle HTTP connections first, then the models' unload (already finalized).
 EXIT_TIMEOUT_S = 3
-UNLOAD_TIMEOUT_S = 30.0  # the model's finalize after the drain
-# Only the launcher may load/unload models: the repository API needs this header.
-ADMIN_HEADER = "pagoda-launcher-token"
+FINALIZE_TIMEOUT_S = 30.0  # the model's finalize after the drain
 
 
 @dataclass
@@ -161,8 +168,7 @@ class TritonServer:
         self._log_file = None
         self._log_tail_lines: "collections.deque[str]" = collections.deque(maxlen=400)
         self._log_pump: Optional[threading.Thread] = None
-        self._admin_token = secrets.token_hex(16)
-        self.shm_prefix = f"pagoda_{self._admin_token[:12]}_"  # its stubs' /dev/shm regions
+        self.shm_prefix = f"pagoda_{secrets.token_hex(6)}_"  # its stubs' /dev/shm regions
 
     @property
     def http_url(self) -> str:
@@ -226,12 +232,12 @@ class TritonServer:
             f"--grpc-port={self.options.grpc_port}",
             f"--metrics-port={self.options.metrics_port}",
             "--allow-gpu-metrics=false",
-            # The drain is the model's unload (stop()); the exit timeout then only bounds
-            # tritonserver's wait for idle keep-alive connections at exit.
+            # The drain and the model's finalize come first (stop()); the exit timeout then
+            # bounds tritonserver's wait for idle keep-alive connections and the unload.
             f"--exit-timeout-secs={EXIT_TIMEOUT_S}",
-            "--model-control-mode=explicit", "--load-model=*",  # pagoda and the TensorRT-LLM fronts
-            f"--http-restricted-api=model-repository:{ADMIN_HEADER}={self._admin_token}",
-            f"--grpc-restricted-protocol=model-repository:{ADMIN_HEADER}={self._admin_token}",
+            # Every model of the repository (pagoda and the TensorRT-LLM fronts) loads at start;
+            # clients may read the repository index, and no one may load or unload.
+            "--model-control-mode=none",
             f"--log-verbose={self.options.log_verbose}",
             f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
         ]
@@ -330,24 +336,22 @@ class TritonServer:
         return None
 
     def restart_model(self) -> None:
-        """Reload the model after its stub died: a new stub, checked with one request. While it
-        reloads the server is not ready; requests get "unknown model ... no available versions" (404).
+        """Restart tritonserver, on the same ports, after its stub died: a new stub, checked with
+        one request. There is no load API to reload the model with (``--model-control-mode=none``);
+        nothing is left to drain or finalize. Meanwhile the ports refuse connections (not ready).
 
         Raises:
-            RuntimeError: the model did not unload, load or answer again.
+            RuntimeError: the server did not start, get READY or answer again (the log's tail
+                and the cause when it is known are in the message); it is stopped then.
         """
-        self._unload(UNLOAD_TIMEOUT_S, None)
-        if self._repository("load", timeout_s=self.options.startup_timeout_s) is None:
-            raise RuntimeError(f"reloading the model failed{self._log_tail()}")
-        self.stub_pids = self._find_stubs()
-        if self.options.check_first_request:
-            self._check_first_request()
+        self.stop(grace_s=0)
+        self.start()
 
     def stop(self, grace_s: Optional[float] = None, force: Optional[threading.Event] = None) -> Optional[int]:
         """Drain and stop: the engine takes no new requests and finishes those in flight
-        (up to ``grace_s``), the model unloads (tritonserver turns not-ready), then SIGINT
-        (tritonserver waits at most ``EXIT_TIMEOUT_S`` for idle connections), then SIGKILL
-        to the whole group.
+        (up to ``grace_s``), the model finalizes (up to ``FINALIZE_TIMEOUT_S``), then SIGINT
+        (tritonserver waits at most ``EXIT_TIMEOUT_S`` for idle connections and its unload),
+        then SIGKILL to the whole group.
 
         Args:
             grace_s: how long in-flight requests may take (default: the options' grace
@@ -362,8 +366,11 @@ class TritonServer:
             if grace_s is None:
                 grace_s = self.options.grace_period_s
             if self.process.poll() is None and grace_s > 0:
-                self._drain(grace_s, force)
-                self._unload(UNLOAD_TIMEOUT_S, force, every_model=True)
+                drain = self.workdir / "drain"  # PAGODA_DRAIN_FILE
+                self._ask_and_wait(drain, Path(f"{drain}.done"), grace_s, force)
+                if Path(f"{drain}{finalize_request.WATCHED_SUFFIX}").exists():  # else only the exit finalizes
+                    self._ask_and_wait(Path(f"{drain}{finalize_request.REQUEST_SUFFIX}"),
+                                       Path(f"{drain}{finalize_request.DONE_SUFFIX}"), FINALIZE_TIMEOUT_S, force)
                 self.process.send_signal(signal.SIGINT)
                 self._wait_exit(EXIT_TIMEOUT_S + 10.0, force)
             # Always, even when tritonserver is gone: its stub may not be.
@@ -392,50 +399,18 @@ class TritonServer:
                 return
             time.sleep(0.1)
 
-    def _repository(self, action: str, timeout_s: float, model: str = MODEL_NAME) -> Optional[object]:
-        """POST to the (restricted) model repository API; the JSON answer, or None."""
-        path = "index" if action == "index" else f"models/{model}/{action}"
-        request = urllib.request.Request(f"http://{self.http_url}/v2/repository/{path}", data=b"{}",
-                                         headers={ADMIN_HEADER: self._admin_token,
-                                                  "Content-Type": "application/json"})
+    def _ask_and_wait(self, request: Path, done: Path, timeout_s: float, force: Optional[threading.Event]) -> None:
+        """Create ``request`` (a file the model watches: the drain, the finalize) and wait until the
+        model creates ``done``, for at most ``timeout_s``, while tritonserver runs and ``force`` is unset."""
         try:
-            with urllib.request.urlopen(request, timeout=timeout_s) as response:
-                body = response.read()
-        except (urllib.error.URLError, OSError, ValueError):
-            return None
-        return json.loads(body) if body else {}
-
-    def _drain(self, grace_s: float, force: Optional[threading.Event]) -> None:
-        """Tell the engine loop to drain; wait until it has nothing in flight (or ``grace_s``)."""
-        drain = self.workdir / "drain"
-        try:
-            drain.touch()
+            request.touch()
         except OSError:
             return
-        done = Path(f"{drain}.done")
-        deadline = time.monotonic() + grace_s
+        deadline = time.monotonic() + timeout_s
         while not done.exists() and time.monotonic() < deadline and self.process.poll() is None:
             if force is not None and force.is_set():
                 return
             time.sleep(0.05)
-
-    def _unload(self, grace_s: float, force: Optional[threading.Event], every_model: bool = False) -> None:
-        """Unload the model (``every_model``: the TensorRT-LLM fronts too, at once, sparing the exit
-        their stubs' shutdown) and wait, up to ``grace_s``, until Triton reports them unloaded."""
-        deadline = time.monotonic() + grace_s
-        names = {MODEL_NAME} | {m.get("name") for m in (self._repository("index", 2.0) if every_model else None) or []
-                                if m.get("state") == "READY"}
-        with ThreadPoolExecutor(len(names)) as pool:
-            answers = list(pool.map(lambda name: self._repository("unload", max(1.0, grace_s), name), names))
-        if all(answer is None for answer in answers):
-            return
-        while time.monotonic() < deadline and self.process.poll() is None:
-            if force is not None and force.is_set():
-                return
-            index = self._repository("index", timeout_s=2.0) or []
-            if not any(m.get("name") in names and m.get("state") in ("READY", "UNLOADING") for m in index):
-                return
-            time.sleep(0.1)
 
     def __enter__(self) -> "TritonServer":
         return self.start()

@@ -6,12 +6,13 @@ Lifecycle (see ``launcher`` and ``process_tree`` for the mechanisms):
   environment and ports already in use;
 - the endpoints are printed only after one request went through the whole path;
 - while serving, a dead Python-backend stub (tritonserver alone would keep answering
-  READY while failing every request) is restarted by reloading the model, not ready
-  meanwhile, at most ``--max-stub-restarts`` times in 10 minutes; beyond that, or if
-  tritonserver itself died, the replica stops with a message and exit code 1, so an
-  orchestrator restarts it and no router keeps it;
+  READY while failing every request) is restarted by restarting tritonserver on the same
+  ports (it runs without model control: no client, and not the launcher, can load or
+  unload a model), not ready meanwhile, at most ``--max-stub-restarts`` times in 10
+  minutes; beyond that, or if tritonserver itself died, the replica stops with a message
+  and exit code 1, so an orchestrator restarts it and no router keeps it;
 - SIGTERM or Ctrl-C drains: the engine stops taking requests and finishes those in flight
-  for up to ``--grace-period`` seconds, the model unloads, tritonserver exits, and every
+  for up to ``--grace-period`` seconds, the model finalizes, tritonserver exits, and every
   process in its group is gone when we return; a second signal kills at once;
 - SIGKILL of this process takes tritonserver with it (parent-death signal).
 """
@@ -124,8 +125,8 @@ def make_parser() -> argparse.ArgumentParser:
                    help="on SIGTERM/Ctrl-C, how long in-flight requests may finish (keep it below "
                         "Kubernetes' terminationGracePeriodSeconds)")
     p.add_argument("--max-stub-restarts", type=int, default=3,
-                   help="a dead Python-backend stub is restarted (model reload) at most this many times in "
-                        "10 minutes; beyond that (or with 0) the replica stops with exit code 1")
+                   help="a dead Python-backend stub is restarted (tritonserver restart, same ports) at most this "
+                        "many times in 10 minutes; beyond that (or with 0) the replica stops with exit code 1")
     p.add_argument("--openai-port", type=int, default=DEFAULT_OPENAI_PORT,
                    help="serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, /health) on "
                         f"this port (default {DEFAULT_OPENAI_PORT}; 0: off); the router's OpenAI code over this replica")
@@ -219,8 +220,8 @@ def check_engine_args(options: ServeOptions, parser: argparse.ArgumentParser) ->
 def supervise(server: TritonServer, stop_requested: threading.Event, max_stub_restarts: int,
               door: Optional[OpenAIDoor] = None) -> Optional[str]:
     """Watch the server until a stop is requested (returns None) or it cannot serve (returns
-    why). A dead stub is restarted by reloading the model, at most ``max_stub_restarts``
-    times in ``STUB_RESTART_WINDOW_S``; a dead OpenAI door is restarted."""
+    why). A dead stub is restarted by restarting tritonserver (``restart_model``), at most
+    ``max_stub_restarts`` times in ``STUB_RESTART_WINDOW_S``; a dead OpenAI door is restarted."""
     restarts: "collections.deque[float]" = collections.deque()
     while not stop_requested.wait(HEALTH_INTERVAL_S):
         door_news = door.ensure_running() if door is not None else None
@@ -234,9 +235,9 @@ def supervise(server: TritonServer, stop_requested: threading.Event, max_stub_re
             restarts.popleft()
         if len(restarts) >= max_stub_restarts:
             return f"{problem} (restarted {len(restarts)} time(s) in the last {STUB_RESTART_WINDOW_S:.0f} s)"
-        if not server.is_running():  # e.g. tritonserver aborted after its stub died: nothing to reload
+        if not server.is_running():  # e.g. tritonserver aborted after its stub died: an orchestrator restarts us
             return f"{problem}; tritonserver exited with code {server.process.poll()}"
-        print(f"pagoda serve: {problem}; restarting it (model reload; not ready meanwhile) ...",
+        print(f"pagoda serve: {problem}; restarting it (tritonserver restart; not ready meanwhile) ...",
               file=sys.stderr, flush=True)
         restarts.append(now)
         try:
