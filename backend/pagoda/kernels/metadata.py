@@ -17,8 +17,8 @@ sequence ``s`` lives in block ``block_tables[s, p // block_size]`` at offset
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
 import torch
 
@@ -36,6 +36,9 @@ class AttentionMetadata:
     seq_lens_host: list[int]
     # Sequences with exactly one query token (decode); counted once per step by ``build``.
     num_decode_seqs: Optional[int] = None
+    # The torch (CPU) attention path's gather indices and masks for this step, made by the
+    # first layer that needs them and reused by every other (``reference.cpu_plan``).
+    cpu_plans: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:

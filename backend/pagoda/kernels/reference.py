@@ -18,6 +18,9 @@ with ``s_aux``). SDPA has no such input, so the torch path computes those rows e
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
@@ -119,25 +122,19 @@ def paged_attention_torch(
     window: int = 0,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """Same result as ``paged_attention_ref`` (``window``, ``sinks`` too), batched for speed on CPU."""
+    """Same result as ``paged_attention_ref`` (``window``, ``sinks`` too), batched for speed on CPU.
+
+    The gather indices and masks depend only on the step (``cpu_plan``, made once and kept
+    on ``meta``), so each layer only gathers its cache rows and attends."""
     out = torch.empty_like(q)
-    query_lens, seq_lens = meta.query_lens_host, meta.seq_lens_host
-    starts = meta.query_start_loc.tolist()
-    decode = [s for s, n in enumerate(query_lens) if n == 1]
-    if decode:
-        _decode_batch(q, k_cache, v_cache, meta, scale, decode, starts, out, k_scale, v_scale, window, sinks)
-    for s, q_len in enumerate(query_lens):
-        if q_len == 1:
-            continue
-        s_len = seq_lens[s]
-        rows = slice(starts[s], starts[s] + q_len)
-        kh = _gather_context(k_cache, meta.block_tables[s], s_len).transpose(0, 1).unsqueeze(0)  # [1, KVH, S, D]
-        vh = _gather_context(v_cache, meta.block_tables[s], s_len).transpose(0, 1).unsqueeze(0)
+    plan = cpu_plan(meta, k_cache.shape[1], window, q.device)
+    if plan.decode is not None:
+        _decode_batch(q, k_cache, v_cache, plan.decode, scale, out, k_scale, v_scale, sinks)
+    flat_k, flat_v = k_cache.flatten(0, 1), v_cache.flatten(0, 1)  # [slots, KVH, D]
+    for rows, slots, mask in plan.prefills:
+        kh = flat_k.index_select(0, slots).transpose(0, 1).unsqueeze(0)  # [1, KVH, S, D]
+        vh = flat_v.index_select(0, slots).transpose(0, 1).unsqueeze(0)
         qh = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
-        # Causal with an offset: query i sits at position s_len - q_len + i.
-        mask = torch.ones(q_len, s_len, dtype=torch.bool, device=q.device).tril(diagonal=s_len - q_len)
-        if window > 0:  # and not more than window - 1 positions back
-            mask &= ~torch.ones_like(mask).tril(diagonal=s_len - q_len - window)
         kh, vh = _dequantize(kh, q.dtype, k_scale), _dequantize(vh, q.dtype, v_scale)
         if sinks is None:
             o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale,
@@ -148,6 +145,72 @@ def paged_attention_torch(
                                    sinks.view(1, -1, 1, 1))
         out[rows] = o[0].transpose(0, 1)
     return out
+
+
+@dataclass
+class DecodePlan:
+    """The step's one-token queries: their rows, their contexts' cache slots padded to the
+    longest, and which of those are real (and inside the window)."""
+
+    rows: torch.Tensor  # [B] query rows
+    slots: torch.Tensor  # [B * max_len] cache slots (padding repeats a valid slot)
+    mask: torch.Tensor  # [B, max_len] visible keys
+    max_len: int
+    window: int
+
+
+@dataclass
+class CpuPlan:
+    decode: Optional[DecodePlan]
+    prefills: list[tuple[slice, torch.Tensor, torch.Tensor]]  # (query rows, context slots, [q_len, S] mask)
+
+
+def cpu_plan(meta: AttentionMetadata, block_size: int, window: int, device: torch.device) -> CpuPlan:
+    """The step's gather indices and masks for ``window`` (made once per step, kept on ``meta``)."""
+    key = (block_size, window, device)
+    plan = meta.cpu_plans.get(key)
+    if plan is None:
+        plan = meta.cpu_plans[key] = _make_plan(meta, block_size, window, device)
+    return plan
+
+
+def _make_plan(meta: AttentionMetadata, block_size: int, window: int, device: torch.device) -> CpuPlan:
+    query_lens, seq_lens = meta.query_lens_host, meta.seq_lens_host
+    starts = meta.query_start_loc.tolist()
+    decode = [s for s, n in enumerate(query_lens) if n == 1]
+    prefills = []
+    for s, q_len in enumerate(query_lens):
+        if q_len == 1:
+            continue
+        s_len = seq_lens[s]
+        slots = _context_slots(meta.block_tables[s:s + 1], s_len, block_size, device).view(-1)
+        # Causal with an offset: query i sits at position s_len - q_len + i.
+        mask = torch.ones(q_len, s_len, dtype=torch.bool, device=device).tril(diagonal=s_len - q_len)
+        if window > 0:  # and not more than window - 1 positions back
+            mask &= ~torch.ones_like(mask).tril(diagonal=s_len - q_len - window)
+        prefills.append((slice(starts[s], starts[s] + q_len), slots, mask))
+    return CpuPlan(_decode_plan(meta, decode, starts, block_size, window, device) if decode else None, prefills)
+
+
+def _context_slots(tables: torch.Tensor, max_len: int, block_size: int, device: torch.device) -> torch.Tensor:
+    """[B, max_len] cache slots of positions 0..max_len-1 of each row's block table."""
+    nblk = (max_len + block_size - 1) // block_size
+    blocks = tables[:, :nblk].long()  # [B, nblk]
+    return (blocks.unsqueeze(2) * block_size + torch.arange(block_size, device=device)).flatten(1)[:, :max_len]
+
+
+def _decode_plan(meta: AttentionMetadata, decode: list[int], starts: list[int], block_size: int, window: int,
+                 device: torch.device) -> DecodePlan:
+    idx = torch.tensor(decode, dtype=torch.long, device=device)
+    lens = torch.tensor([meta.seq_lens_host[s] for s in decode], dtype=torch.long, device=device)
+    max_len = max(meta.seq_lens_host[s] for s in decode)
+    pos = torch.arange(max_len, device=device)
+    slots = _context_slots(meta.block_tables[idx], max_len, block_size, device)
+    mask = pos.unsqueeze(0) < lens.unsqueeze(1)
+    if window > 0:  # the query sits at lens - 1
+        mask &= pos.unsqueeze(0) >= lens.unsqueeze(1) - window
+    rows = torch.tensor([starts[s] for s in decode], dtype=torch.long, device=device)
+    return DecodePlan(rows, slots.reshape(-1), mask, max_len, window)
 
 
 def _attend_with_sinks(q, k, v, mask, scale, sinks) -> torch.Tensor:
@@ -161,45 +224,33 @@ def _attend_with_sinks(q, k, v, mask, scale, sinks) -> torch.Tensor:
     return torch.matmul(probs, v.to(acc)).to(q.dtype)
 
 
-def _decode_batch(q, k_cache, v_cache, meta, scale, decode, starts, out, k_scale=1.0, v_scale=1.0,
-                  window=0, sinks=None) -> None:
+def _decode_batch(q, k_cache, v_cache, plan: DecodePlan, scale, out, k_scale=1.0, v_scale=1.0, sinks=None) -> None:
     """All one-token queries at once: gather padded contexts, mask the padding.
 
     The query heads that share a KV head are laid out as that KV head's query rows
     (``[B, KVH, group, D]``), so grouped-query attention needs no K/V repetition.
     """
     num_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    batch = len(decode)
-    device = q.device
-    idx = torch.tensor(decode, dtype=torch.long, device=device)
-    lens = torch.tensor([meta.seq_lens_host[s] for s in decode], dtype=torch.long, device=device)
-    max_len = max(meta.seq_lens_host[s] for s in decode)
-    pos = torch.arange(max_len, device=device)
-    nblk = (max_len + block_size - 1) // block_size
-    tables = meta.block_tables[idx, :nblk].long()  # [B, nblk]
-    slots = (tables.unsqueeze(2) * block_size + torch.arange(block_size, device=device)).flatten(1)[:, :max_len]
-    flat = slots.reshape(-1)
-    ks = k_cache.view(-1, num_kv_heads * head_dim).index_select(0, flat).view(batch, max_len, num_kv_heads, head_dim)
-    vs = v_cache.view(-1, num_kv_heads * head_dim).index_select(0, flat).view(batch, max_len, num_kv_heads, head_dim)
-    rows = torch.tensor([starts[s] for s in decode], dtype=torch.long, device=device)
-    qh = q.index_select(0, rows).view(batch, num_kv_heads, group, head_dim)  # [B, KVH, G, D]
-    mask = pos.unsqueeze(0) < lens.unsqueeze(1)
-    if window > 0:  # the query sits at lens - 1
-        mask &= pos.unsqueeze(0) >= lens.unsqueeze(1) - window
-    if window > 0 or sinks is not None:
+    batch, max_len = plan.rows.shape[0], plan.max_len
+    ks = k_cache.view(-1, num_kv_heads * head_dim).index_select(0, plan.slots).view(batch, max_len, num_kv_heads,
+                                                                                    head_dim)
+    vs = v_cache.view(-1, num_kv_heads * head_dim).index_select(0, plan.slots).view(batch, max_len, num_kv_heads,
+                                                                                    head_dim)
+    qh = q.index_select(0, plan.rows).view(batch, num_kv_heads, group, head_dim)  # [B, KVH, G, D]
+    if plan.window > 0 or sinks is not None:
         # SDPA (and P @ V) may still combine masked rows (padding past a shorter context)
         # into the result: keep them finite.
-        ks = ks.masked_fill(~mask[:, :, None, None], 0)
-        vs = vs.masked_fill(~mask[:, :, None, None], 0)
-    mask = mask.view(batch, 1, 1, max_len)
+        ks = ks.masked_fill(~plan.mask[:, :, None, None], 0)
+        vs = vs.masked_fill(~plan.mask[:, :, None, None], 0)
+    mask = plan.mask.view(batch, 1, 1, max_len)
     kh, vh = _dequantize(ks.transpose(1, 2), q.dtype, k_scale), _dequantize(vs.transpose(1, 2), q.dtype, v_scale)
     if sinks is None:
         o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)  # [B, KVH, G, D]
     else:
         o = _attend_with_sinks(qh, kh, vh, mask, scale, sinks.view(1, num_kv_heads, group, 1))
-    out[rows] = o.reshape(batch, num_heads, head_dim)
+    out[plan.rows] = o.reshape(batch, num_heads, head_dim)
 
 
 def rms_norm(
