@@ -420,3 +420,30 @@ def test_example_disaggregation_reaches_the_pools(tmp_path, mode):
                             capture_output=True, text=True, timeout=120)
     assert result.returncode != 0 and "prefil" in result.stderr
 
+
+@pytest.mark.parametrize("mode", ["Deployment", "KServeLLM"])
+def test_example_parallelism_reaches_the_replicas(tmp_path, mode):
+    """values example.parallelism -> LLMService spec.parallelism -> a LeaderWorkerSet of 2-pod
+    groups with 4 GPUs per pod (mode Deployment; KServeLLM: KServe's worker template), every
+    child valid against its schema; a typo in it is refused by values.schema.json."""
+    example = {"enabled": True, "mode": mode, "parallelism": {"tensor": 8, "nodes": 2}}
+    if mode == "KServeLLM":
+        example["storageUri"] = "hf://HuggingFaceTB/SmolLM2-135M-Instruct"
+    objects = render_with(tmp_path, {"kserve": {"enabled": mode != "Deployment"}, "example": example})
+    [llms] = [o for o in objects if o["kind"] == "LLMService"]
+    validate_any(llms)
+    children = render_children(parse_llmservice(llms), 2)
+    if mode == "Deployment":
+        [lws] = [c for c in children if c["kind"] == "LeaderWorkerSet"]
+        assert lws["spec"]["replicas"] == 2 and lws["spec"]["leaderWorkerTemplate"]["size"] == 2
+        for obj in children:
+            validate_any(obj)
+    else:
+        from tests.operator.test_llmisvc import errors_of
+        [llmisvc] = [c for c in children if c["kind"] == "LLMInferenceService"]
+        assert errors_of(llmisvc) == [] and llmisvc["spec"]["parallelism"] == {"tensor": 4, "data": 2, "dataLocal": 1}
+    path = tmp_path / "typo.yaml"
+    path.write_text(yaml.safe_dump({"example": {"enabled": True, "parallelism": {"tensors": 2}}}))
+    result = subprocess.run([helm(), "template", "pagoda", str(CHART), "-f", str(path)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0 and "tensors" in result.stderr
