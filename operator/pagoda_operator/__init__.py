@@ -7,6 +7,8 @@ Layout:
     render_replicas.py replica Deployment + headless Service   (pure render_* functions)
     render_router.py   router Deployment, Service and its RBAC (pure render_* functions)
     render_kserve.py   InferenceService for mode KServe         (pure render_* functions)
+    parallelism.py     spec.parallelism: schema, rules, GPU limit and `pagoda serve` flags per pod
+    render_groups.py   LeaderWorkerSet of multi-node replicas   (pure render_* functions)
     fleet_keys.py      Redis key names the autoscaler reads and writes (one builder)
     load.py            replica load: Redis heartbeats, /metrics scrape fallback
     autoscaler.py      the scaling policy (pure; injected clock)

@@ -21,6 +21,8 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from pagoda_operator import parallelism
+
 GROUP = "pagoda.dev"
 VERSION = "v1alpha1"
 KIND = "LLMService"
@@ -111,9 +113,8 @@ SPEC_SCHEMA: dict[str, Any] = _obj(
                 "name": _str("Served model name: the OpenAI `model` id and the Redis namespace.",
                              pattern=_DNS_LABEL, minLength=1, maxLength=63),
                 "storageUri": _str(
-                    "Where the weights are. pvc://<claim>[/<path>] (any mode), "
-                    "image:///<path> (baked into the image, Deployment mode), "
-                    "s3:// gs:// hf:// https:// (KServe modes: their storage initializer).",
+                    "Where the weights are. pvc://<claim>[/<path>] (any mode), image:///<path> (baked into the "
+                    "image, Deployment mode), s3:// gs:// hf:// https:// (KServe modes: their storage initializer).",
                     pattern=_SCHEMES),
                 "loraAdapters": {
                     "type": "array", "maxItems": 64,
@@ -132,8 +133,7 @@ SPEC_SCHEMA: dict[str, Any] = _obj(
                     "router admits can then load a folder that exists inside the replica containers; "
                     "use API keys.", default=False),
             },
-            required=["name", "storageUri"],
-            description="The model to serve.",
+            required=["name", "storageUri"], description="The model to serve.",
         ),
         "engine": _obj(
             {
@@ -167,12 +167,14 @@ SPEC_SCHEMA: dict[str, Any] = _obj(
             {"requests": _QUANTITY_MAP, "limits": _QUANTITY_MAP},
             description="Compute resources of one replica container.",
         ),
+        "parallelism": parallelism.SCHEMA,
         "replicas": _obj(
             {
                 "min": _int("Fewest replicas.", minimum=1, maximum=1000, default=1),
                 "max": _int("Most replicas.", minimum=1, maximum=1000, default=1),
             },
-            description="Replica count bounds; with autoscaling disabled, `min` replicas run.",
+            description="Replica count bounds (with spec.parallelism.nodes > 1: replica groups of `nodes` pods); "
+                        "with autoscaling disabled, `min` replicas run.",
             default={},
             **{"x-kubernetes-validations": [
                 {"rule": "self.min <= self.max", "message": "replicas.min must be <= replicas.max"}]},
@@ -363,8 +365,7 @@ _DRAIN = _obj({
 _REPLICAS = _obj({"desired": _int("Replicas the operator asks for."), "ready": _int("Ready replicas.")})
 STATUS_SCHEMA: dict[str, Any] = _obj(
     {
-        "observedGeneration": {"type": "integer", "format": "int64",
-                               "description": "Last generation reconciled."},
+        "observedGeneration": {"type": "integer", "format": "int64", "description": "Last generation reconciled."},
         "mode": _str("Mode last rendered."),
         "replicas": _REPLICAS,
         "conditions": {"type": "array", "items": _CONDITION,

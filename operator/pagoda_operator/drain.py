@@ -1,7 +1,9 @@
 """Scale-in drain: which replica goes, and when it may be removed. Pure functions.
 
 A scale-in never just lowers `spec.replicas` (the Deployment controller would kill a
-random pod with requests in flight). Instead:
+random pod with requests in flight). Instead (for multi-node replica groups the victim is
+the last group's leader, `last_group_leader`, and no deletion cost is set: a
+LeaderWorkerSet always removes its highest-numbered groups):
   1. start: pick the victim (`choose_victim`), give its pod the lowest
      `controller.kubernetes.io/pod-deletion-cost` (so the ReplicaSet deletes exactly
      it), set its drain flag in Redis (routers stop sending to it), and record
@@ -63,6 +65,13 @@ def choose_victim(pods: list[str], loads: dict[str, ReplicaLoad]) -> str:
         return (1, load.running, load.waiting, load.kv_usage, name)
 
     return min(pods, key=cost)
+
+
+def last_group_leader(group_set: str, groups: int) -> str:
+    """The leader pod of the group a LeaderWorkerSet removes when it shrinks from `groups`: its
+    leaders are a StatefulSet `group_set`, which deletes the highest ordinal first."""
+    assert groups >= 1, "a scale-in needs at least one group"
+    return f"{group_set}-{groups - 1}"
 
 
 def drain_progress(state: DrainState, load: ReplicaLoad | None, pod_exists: bool,

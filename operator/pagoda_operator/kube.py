@@ -25,7 +25,7 @@ PLURALS = {
     "ConfigMap": "configmaps", "InferenceService": "inferenceservices",
     "LLMInferenceService": "llminferenceservices",
     "LLMService": "llmservices", "NetworkPolicy": "networkpolicies",
-    "PodDisruptionBudget": "poddisruptionbudgets",
+    "PodDisruptionBudget": "poddisruptionbudgets", "LeaderWorkerSet": "leaderworkersets",
 }
 SERVICE_ACCOUNT_TOKEN = "/var/run/secrets/kubernetes.io/serviceaccount/token"
 

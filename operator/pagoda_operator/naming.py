@@ -4,7 +4,10 @@ One place decides them, so renderers, handlers, the autoscaler and the tests agr
 For an LLMService `x`: replicas run in Deployment `x-replicas` behind headless Service
 `x-replicas`; the router runs in Deployment `x-router` behind Service `x` (the name
 clients use); the router's ServiceAccount/Role/RoleBinding are `x-router`; in mode
-KServe the InferenceService is `x`.
+KServe the InferenceService is `x`. With `spec.parallelism.nodes > 1` the replicas are the
+groups of LeaderWorkerSet `x-group` (LWS makes a headless Service of the same name, so it
+must not be `x-replicas`, ours); leader pods keep the `replica` component and worker pods
+get `replica-worker`, so the router, the Service and the autoscaler see only leaders.
 """
 
 from __future__ import annotations
@@ -31,6 +34,15 @@ LLM_D_LABELS = {"llm-d.ai/engine-type": "vllm", "llm-d.ai/inferenceServing": "tr
 
 def replicas_name(svc: LLMService) -> str:
     return f"{svc.name}-replicas"
+
+
+WORKER_COMPONENT = "replica-worker"  # the non-leader pods of a multi-node replica group
+LWS_API_VERSION = "leaderworkerset.x-k8s.io/v1"
+
+
+def group_set_name(svc: LLMService) -> str:
+    """The LeaderWorkerSet of multi-node replicas (spec.parallelism.nodes > 1)."""
+    return f"{svc.name}-group"
 
 
 POOL_LABEL = "pagoda.dev/pool"  # disaggregated serving: prefill | decode (spec.disaggregation)

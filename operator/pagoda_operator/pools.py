@@ -12,6 +12,11 @@ drain bookkeeping and status, so a drain in one pool never holds the other back:
 - `prefill`: `<name>-prefill`, sized by `spec.disaggregation.prefill` (waiting and TTFT;
   no KV target); its state is `status.prefill.{replicas,observedLoad,lastDecision,drain}`.
 Each pool's pods are those of its Deployment's selector (the `pagoda.dev/pool` label).
+
+With `spec.parallelism.nodes > 1` the one pool is LeaderWorkerSet `<name>-group`: its
+`replicas` are whole groups, its pods are the groups' leaders (one per group: the worker
+pods carry another component label), and a scale-in must drain the last group (its leaders
+form a StatefulSet, which removes the highest ordinal; pod-deletion-cost does not apply).
 """
 
 from __future__ import annotations
@@ -30,12 +35,19 @@ class Pool:
     """One scaled Deployment and how to size it."""
 
     role: str  # "replicas" (not disaggregated), "decode" or "prefill": also the policy's key
-    deployment: str
+    deployment: str  # the scaled object's name: a Deployment, or a LeaderWorkerSet (kind)
     selector: dict[str, str]  # its pods
     autoscaling: AutoscalingSpec
     min_replicas: int
     max_replicas: int
     status_key: str | None  # None: the status' top-level fields; else status[status_key]
+    api_version: str = "apps/v1"
+    kind: str = "Deployment"
+
+    @property
+    def is_group_set(self) -> bool:
+        """Multi-node groups: scale-in removes the last group (StatefulSet order)."""
+        return self.kind == "LeaderWorkerSet"
 
     def clamp(self, replicas: int) -> int:
         return min(max(replicas, self.min_replicas), self.max_replicas)
@@ -53,6 +65,9 @@ def scaled_pools(svc: LLMService) -> list[Pool]:
     """The pools of `svc` in tick order (module docstring)."""
     base = naming.selector(svc, COMPONENT)
     disaggregation = svc.spec.disaggregation
+    if svc.spec.parallelism is not None and svc.spec.parallelism.is_multi_node:  # spec.py: no disaggregation
+        return [Pool("replicas", naming.group_set_name(svc), base, svc.spec.autoscaling, svc.spec.min_replicas,
+                     svc.spec.max_replicas, None, naming.LWS_API_VERSION, "LeaderWorkerSet")]
     if disaggregation is None:
         return [Pool("replicas", naming.replicas_name(svc), base, svc.spec.autoscaling,
                      svc.spec.min_replicas, svc.spec.max_replicas, None)]

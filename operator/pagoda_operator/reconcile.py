@@ -1,7 +1,8 @@
 """Reconcile one LLMService: render its children and apply them (create/update/resume).
 
 Idempotent: every child is rendered from the spec and `KubeClient.apply`d, which only
-writes when the live object differs. Each scaled Deployment (the replicas, or with
+writes when the live object differs. Each scaled workload (the replicas' Deployment, their
+LeaderWorkerSet with `spec.parallelism.nodes > 1` (render_groups.py), or with
 `spec.disaggregation` the decode and the prefill pool: pools.py) keeps its live replica
 count (its autoscaler owns it) clamped into its pool's [min, max]. Children of the other mode are deleted
 when the mode changes (Deployment, KServe, KServeLLM). All children carry an owner reference to
@@ -16,6 +17,7 @@ from typing import Any
 from pagoda_operator import naming
 from pagoda_operator.kube import KubeClient, KubeError
 from pagoda_operator.pools import rendered_replicas, scaled_pools
+from pagoda_operator.render_groups import render_replica_group_set
 from pagoda_operator.render_kserve import render_inference_service
 from pagoda_operator.render_llmisvc import API_VERSION as LLMISVC_API_VERSION
 from pagoda_operator.render_llmisvc import KIND as LLMISVC_KIND
@@ -50,7 +52,9 @@ def render_children(svc: LLMService, replicas: int, prefill_replicas: int | None
         return [render_inference_service(svc), *router]
     if svc.spec.mode == "KServeLLM":
         return [render_llm_inference_service(svc), *([] if svc.spec.kserve_scheduler == "llm-d" else router)]
-    if svc.spec.disaggregation is not None:
+    if svc.spec.parallelism is not None and svc.spec.parallelism.is_multi_node:
+        pools = [render_replica_group_set(svc, replicas)]
+    elif svc.spec.disaggregation is not None:
         prefill = svc.spec.disaggregation.prefill_min_replicas if prefill_replicas is None else prefill_replicas
         pools = [render_replica_deployment(svc, replicas, "decode"),
                  render_replica_deployment(svc, prefill, "prefill")]
@@ -75,17 +79,21 @@ def stale_children(svc: LLMService) -> list[tuple[str, str, str]]:
                   ("v1", "Service", naming.router_service_name(svc))]
         return deployment + isvc + router
     pools = [("apps/v1", "Deployment", naming.pool_name(svc, pool)) for pool in ("prefill", "decode")]
-    if svc.spec.mode == "Deployment":  # one shape of replica Deployments is stale
+    groups = [(naming.LWS_API_VERSION, "LeaderWorkerSet", naming.group_set_name(svc))]
+    if svc.spec.mode == "Deployment":  # all but one shape of replica workloads are stale
         mixed = [("apps/v1", "Deployment", naming.replicas_name(svc))]
-        return isvc + llmisvc + (mixed if svc.spec.disaggregation is not None else pools)
-    return {"KServe": deployment + llmisvc + pools, "KServeLLM": deployment + isvc + pools}[svc.spec.mode]
+        if svc.spec.parallelism is not None and svc.spec.parallelism.is_multi_node:
+            return isvc + llmisvc + mixed + pools
+        return isvc + llmisvc + groups + (mixed if svc.spec.disaggregation is not None else pools)
+    return {"KServe": deployment + llmisvc + pools + groups,
+            "KServeLLM": deployment + isvc + pools + groups}[svc.spec.mode]
 
 
 async def _live_counts(kube: KubeClient, svc: LLMService) -> list[tuple[int, int | None]]:
     """(replicas to render, ready pods or None) per scaled pool (pools.py order); mode Deployment."""
     counts = []
     for pool in scaled_pools(svc):
-        live = await kube.get("apps/v1", "Deployment", svc.namespace, pool.deployment)
+        live = await kube.get(pool.api_version, pool.kind, svc.namespace, pool.deployment)
         replicas = rendered_replicas(pool, (live or {}).get("spec", {}).get("replicas"))
         ready = None if live is None else int((live.get("status") or {}).get("readyReplicas") or 0)
         counts.append((replicas, ready))
@@ -100,7 +108,7 @@ async def reconcile(kube: KubeClient, svc: LLMService) -> ReconcileResult:
     for child in render_children(svc, replicas, prefill[0] if prefill else None):
         actions[f"{child['kind']}/{child['metadata']['name']}"] = await kube.apply(child)
     for api_version, kind, name in stale_children(svc):
-        if kind == "Deployment" and await kube.get(api_version, kind, svc.namespace, name) is None:
+        if kind in ("Deployment", "LeaderWorkerSet") and await kube.get(api_version, kind, svc.namespace, name) is None:
             continue  # the usual case: read, not a DELETE on every reconcile (a restart writes nothing)
         try:
             if await kube.delete(api_version, kind, svc.namespace, name):

@@ -6,14 +6,15 @@ model format `pagoda`) runs `pagoda serve` over it. We ask for a raw Deployment
 (annotation `serving.kserve.io/deploymentMode: RawDeployment`, no Knative) and pass
 replica bounds as minReplicas/maxReplicas; KServe's own HPA scales within them, so the
 built-in autoscaler does not run in this mode. The router (render_router.py) still
-fronts the pods, selected by KServe's inferenceservice label.
+fronts the pods, selected by KServe's inferenceservice label. `spec.parallelism` (one node
+only here) adds `--tensor-parallel-size` and the pod's `nvidia.com/gpu` limit.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from pagoda_operator import naming
+from pagoda_operator import naming, parallelism
 from pagoda_operator.render_redis import redis_env, redis_url_arg
 from pagoda_operator.render_replicas import engine_args, kv_events_args, lora_args
 from pagoda_operator.spec import LLMService
@@ -30,7 +31,8 @@ def render_inference_service(svc: LLMService) -> dict[str, Any]:
         "modelFormat": {"name": MODEL_FORMAT},
         "runtime": svc.spec.kserve_runtime,
         "storageUri": svc.spec.model.storage_uri,
-        "args": engine_args(svc.spec.engine) + lora_args(svc, naming.MODEL_MOUNT) + kv_events_args(svc),
+        "args": (engine_args(svc.spec.engine) + parallelism.serve_args(svc.spec.parallelism)
+                 + lora_args(svc, naming.MODEL_MOUNT) + kv_events_args(svc)),
         "env": [
             {"name": "PAGODA_REPLICA_ID",
              "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
@@ -41,8 +43,9 @@ def render_inference_service(svc: LLMService) -> dict[str, Any]:
               if svc.spec.kv_events else []),
         ],
     }
-    if svc.spec.resources:
-        model["resources"] = dict(svc.spec.resources)
+    resources = parallelism.pod_resources(svc.spec.resources, svc.spec.parallelism)  # one node: spec.py
+    if resources:
+        model["resources"] = resources
     return {
         "apiVersion": "serving.kserve.io/v1beta1",
         "kind": "InferenceService",

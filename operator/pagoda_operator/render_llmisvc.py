@@ -33,6 +33,16 @@ How pagoda maps onto it (the closest wiring the CRD supports; see docs/kubernete
   With `kserve.scheduler: llm-d` it is refused (spec.py): llm-d's P/D profile drives vLLM's
   NIXL connector through its routing sidecar, which pagoda's KV handle does not speak.
 
+With `spec.parallelism`: `parallelism.tensor` = GPUs per pod (the containers' `nvidia.com/gpu`
+limit and `--tensor-parallel-size` come from render_replicas.py). With `nodes > 1` also KServe's
+multi-node form: `worker` (the worker pods' spec: `pagoda serve --node-rank $(LWS_WORKER_INDEX)`
+joining the leader's store, no Redis, no ports) and `parallelism.data: nodes, dataLocal: 1`,
+because KServe v0.20 sizes its LeaderWorkerSet group as data/dataLocal (or `pipeline`), and has
+no field for tensor parallelism across nodes; `data` here only sizes the group (pagoda has no
+data parallelism). KServe then also merges its well-known `kserve-config-llm-worker-data-parallel`
+into both pod specs: our container `main` replaces its command and arguments, but its extra env,
+volumes and preStop hook are added (read from KServe's source, not observed on a cluster).
+
 With `spec.kserve.scheduler: llm-d` the other wiring is rendered instead: `router.scheduler:
 {}` and `router.route: {}` take KServe's managed InferencePool, llm-d endpoint picker and
 HTTPRoute (its well-known configs, tests/data/kserve/llmisvcconfig), and the replicas serve
@@ -49,6 +59,7 @@ import json
 from typing import Any
 
 from pagoda_operator import naming, render_security
+from pagoda_operator.render_groups import render_worker_container, store_port
 from pagoda_operator.render_redis import redis_ca_volume
 from pagoda_operator.render_replicas import model_volume, render_replica_container
 from pagoda_operator.spec import LLMService
@@ -136,6 +147,25 @@ def _template(svc: LLMService, pool: str | None) -> dict[str, Any]:
     }
 
 
+def _parallelism(spec: dict[str, Any], svc: LLMService) -> None:
+    """KServe's `parallelism` (GPUs of one pod as `tensor`) and, across nodes, its `worker` pod
+    spec: KServe then runs a LeaderWorkerSet of `data / dataLocal` = `nodes` pods per replica
+    (its only multi-node sizes are data and pipeline parallelism; module docstring)."""
+    split = svc.spec.parallelism
+    spec["parallelism"] = {"tensor": split.gpus_per_pod}
+    if not split.is_multi_node:
+        return
+    spec["parallelism"] |= {"data": split.nodes, "dataLocal": 1}
+    spec["template"]["containers"][0]["ports"].append(store_port())
+    worker = render_worker_container(svc, naming.MODEL_MOUNT)
+    worker["name"] = "main"
+    model_mounts = {m["name"] for m in model_volume(svc)[1]}
+    worker["volumeMounts"] = [m for m in worker["volumeMounts"] if m["name"] not in model_mounts]
+    spec["worker"] = {"securityContext": render_security.pod_security_context(), "containers": [worker],
+                      "volumes": _volumes(svc),
+                      "terminationGracePeriodSeconds": svc.spec.termination_grace_period_seconds}
+
+
 def render_llm_inference_service(svc: LLMService) -> dict[str, Any]:
     """The serving.kserve.io/v1alpha2 LLMInferenceService for `svc` (module docstring)."""
     disaggregation = svc.spec.disaggregation
@@ -151,6 +181,8 @@ def render_llm_inference_service(svc: LLMService) -> dict[str, Any]:
         "template": _template(svc, "decode" if disaggregation else None),
         "router": router,
     }
+    if svc.spec.parallelism is not None:
+        _parallelism(spec, svc)
     if disaggregation is not None:
         spec["labels"] = {naming.POOL_LABEL: "decode"}
         spec["prefill"] = {"replicas": disaggregation.prefill_min_replicas,

@@ -26,7 +26,10 @@ Each replica pod runs `pagoda serve` (tritonserver over our model repository) wi
   `pagoda.dev/pool` (the router's role for them), `--role` and `--kv-transfer-listen
   0.0.0.0:<kvTransferPort>`, `PAGODA_ADVERTISE_HOST` the pod IP (the KV handle's host).
   Both pools keep the component label, so the Service, NetworkPolicy, PDB and the router's
-  discovery cover them.
+  discovery cover them;
+- with `spec.parallelism`, `--tensor-parallel-size` and `nvidia.com/gpu: tensor/nodes` in the
+  container's limits (parallelism.py); with `nodes > 1` the replicas are LeaderWorkerSet groups
+  instead of this Deployment (render_groups.py reuses this container for the leader).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import json
 
 from typing import Any
 
-from pagoda_operator import naming
+from pagoda_operator import naming, parallelism
 from pagoda_operator import render_security
 from pagoda_operator.render_redis import redis_ca_volume, redis_env, redis_url_arg
 from pagoda_operator.spec import EngineSpec, LLMService
@@ -128,6 +131,7 @@ def render_replica_container(svc: LLMService, pool: str | None = None) -> dict[s
             "--openai-port", str(naming.OPENAI_PORT),
             "--grace-period", str(grace_period_seconds(svc)),
             *engine_args(svc.spec.engine),
+            *parallelism.serve_args(svc.spec.parallelism),
             *lora_args(svc, model_path(svc)),
         ],
         "env": replica_env(svc),
@@ -146,8 +150,9 @@ def render_replica_container(svc: LLMService, pool: str | None = None) -> dict[s
         "volumeMounts": [*mounts, *ca_mounts, *writable_mounts, {"name": "dshm", "mountPath": "/dev/shm"}],
         "securityContext": render_security.container_security_context(),
     }
-    if svc.spec.resources:
-        container["resources"] = dict(svc.spec.resources)
+    resources = parallelism.pod_resources(svc.spec.resources, svc.spec.parallelism)
+    if resources:
+        container["resources"] = resources
     _kv_events(container, svc)
     if pool is not None:
         _disaggregated(container, svc, pool)
@@ -187,6 +192,34 @@ def _kv_events(container: dict[str, Any], svc: LLMService) -> None:
             container["ports"].append({"name": name, "containerPort": int(port), "protocol": "TCP"})
 
 
+def render_pod_template(svc: LLMService, pool: str | None = None) -> dict[str, Any]:
+    """One replica pod's template (a Deployment's, or a LeaderWorkerSet group's leader)."""
+    volumes, _ = model_volume(svc)
+    ca_volumes, _ = redis_ca_volume(svc)
+    writable, _ = render_security.writable_volumes()
+    pod_labels = naming.labels(svc, COMPONENT) | {"pagoda.dev/model": svc.spec.model.name} | naming.LLM_D_LABELS
+    if pool is not None:
+        pod_labels[naming.POOL_LABEL] = pool
+    return {
+        "metadata": {
+            "labels": pod_labels,
+            "annotations": {"prometheus.io/scrape": "true",
+                            "prometheus.io/port": str(naming.METRICS_PORT),
+                            "prometheus.io/path": "/metrics"},
+        },
+        "spec": {
+            "securityContext": render_security.pod_security_context(),
+            "containers": [render_replica_container(svc, pool)],
+            "volumes": [*volumes, *ca_volumes, *writable, dshm_volume()],
+            "terminationGracePeriodSeconds": svc.spec.termination_grace_period_seconds,
+        },
+    }
+
+
+def dshm_volume() -> dict[str, Any]:
+    return {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}}
+
+
 def render_replica_deployment(svc: LLMService, replicas: int, pool: str | None = None) -> dict[str, Any]:
     """The replica Deployment, or one pool's with ``spec.disaggregation``.
 
@@ -198,13 +231,9 @@ def render_replica_deployment(svc: LLMService, replicas: int, pool: str | None =
     Returns:
         An apps/v1 Deployment.
     """
-    volumes, _ = model_volume(svc)
-    ca_volumes, _ = redis_ca_volume(svc)
-    writable, _ = render_security.writable_volumes()
-    pod_labels = naming.labels(svc, COMPONENT) | {"pagoda.dev/model": svc.spec.model.name} | naming.LLM_D_LABELS
     selector = naming.selector(svc, COMPONENT)
     if pool is not None:
-        pod_labels[naming.POOL_LABEL] = selector[naming.POOL_LABEL] = pool
+        selector[naming.POOL_LABEL] = pool
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -214,21 +243,7 @@ def render_replica_deployment(svc: LLMService, replicas: int, pool: str | None =
             "selector": {"matchLabels": selector},
             "strategy": {"type": "RollingUpdate",
                          "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
-            "template": {
-                "metadata": {
-                    "labels": pod_labels,
-                    "annotations": {"prometheus.io/scrape": "true",
-                                    "prometheus.io/port": str(naming.METRICS_PORT),
-                                    "prometheus.io/path": "/metrics"},
-                },
-                "spec": {
-                    "securityContext": render_security.pod_security_context(),
-                    "containers": [render_replica_container(svc, pool)],
-                    "volumes": [*volumes, *ca_volumes, *writable,
-                                {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}}],
-                    "terminationGracePeriodSeconds": svc.spec.termination_grace_period_seconds,
-                },
-            },
+            "template": render_pod_template(svc, pool),
         },
     }
 

@@ -1,8 +1,10 @@
 """One autoscaler tick for one LLMService (mode Deployment): observe, decide, act, per pool.
 
 The pools are those of pools.py: the replica Deployment, or with `spec.disaggregation` the
-decode and the prefill pool, each with its own policy, status part and drain. For each pool:
-  1. read its Deployment and its live pods (its selector; not terminating);
+decode and the prefill pool, each with its own policy, status part and drain; with
+`spec.parallelism.nodes > 1` the replicas' LeaderWorkerSet, whose replicas and ready count
+are whole groups and whose pods here are the groups' leaders. For each pool:
+  1. read its Deployment (or LeaderWorkerSet) and its live pods (its selector; not terminating);
   2. read their loads from the FleetStore (Redis heartbeats, else /metrics; with an ITL
      SLO, the inter-token latency histogram from /metrics too);
   3. if a drain is in progress (the pool's `drain` status), only advance it (drain.py):
@@ -10,6 +12,7 @@ decode and the prefill pool, each with its own policy, status part and drain. Fo
   4. otherwise ask the pool's policy (autoscaler.py): scale up at once by patching the
      Deployment, or start draining one replica for a scale-down; a drain only starts
      once the live pods match the Deployment's count (never pick a pod already going).
+     The victim is the least loaded pod, or for groups the last group's leader (drain.py).
 The tick returns a status patch and the events to post; the kopf timer applies them.
 Scale targets are re-clamped to the pool's current [min, max] at every write.
 """
@@ -62,7 +65,7 @@ class _PoolTick:
         self.events: list[tuple[str, str]] = []
 
     async def _scale(self, replicas: int) -> None:
-        await self.kube.patch("apps/v1", "Deployment", self.svc.namespace, self.pool.deployment,
+        await self.kube.patch(self.pool.api_version, self.pool.kind, self.svc.namespace, self.pool.deployment,
                               {"spec": {"replicas": replicas}})
 
     def _record(self, reason: str, now: float, before: int, after: int, why: str, message: str) -> None:
@@ -71,7 +74,8 @@ class _PoolTick:
         self.events.append((reason, self.pool.event_prefix + message))
 
     async def run(self, policy: AutoscalerPolicy, pool_status: dict[str, Any]) -> None:
-        deployment = await self.kube.get("apps/v1", "Deployment", self.svc.namespace, self.pool.deployment)
+        deployment = await self.kube.get(self.pool.api_version, self.pool.kind, self.svc.namespace,
+                                         self.pool.deployment)
         if deployment is None:
             return  # not reconciled yet
         current = int(deployment["spec"].get("replicas", 0))
@@ -117,9 +121,12 @@ class _PoolTick:
                 await self._scale(decision.desired)
                 self._record("ScaledDown", now, current, decision.desired, decision.reason, message)
                 return
-            victim = drain.choose_victim(sorted(pods), loads)
-            await self.kube.patch("v1", "Pod", self.svc.namespace, victim, {"metadata": {"annotations": {
-                drain.DELETION_COST_ANNOTATION: drain.VICTIM_DELETION_COST}}})
+            if self.pool.is_group_set:  # the LWS removes the last group: drain its leader
+                victim = drain.last_group_leader(self.pool.deployment, current)
+            else:
+                victim = drain.choose_victim(sorted(pods), loads)
+                await self.kube.patch("v1", "Pod", self.svc.namespace, victim, {"metadata": {"annotations": {
+                    drain.DELETION_COST_ANNOTATION: drain.VICTIM_DELETION_COST}}})
             await self.fleet.mark_draining(self.svc.spec.model.name, victim)
             state = drain.DrainState(replica_id=victim, started_at=now, target_replicas=decision.desired)
             self.status["drain"] = state.to_status()

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from pagoda_operator import crd
+from pagoda_operator import crd, parallelism
+from pagoda_operator.parallelism import ParallelismSpec
 
 
 class SpecError(ValueError):
@@ -133,6 +134,7 @@ class LLMServiceSpec:
     kserve_scheduler: str = "pagoda"  # mode KServeLLM: "pagoda" (our router) or "llm-d" (KServe's EPP)
     kv_events: KVEventsSpec | None = None
     disaggregation: DisaggregationSpec | None = None
+    parallelism: ParallelismSpec | None = None  # spec.parallelism (parallelism.py); None: no GPU request
 
 
 @dataclass(frozen=True)
@@ -244,6 +246,8 @@ def _check_cross_fields(spec: dict[str, Any]) -> None:
                         "set either a password in spec.redis.url or a passwordSecretRef, not both")
     if "disaggregation" in spec:
         _check_disaggregation(spec)
+    for field_path, message in parallelism.check(spec):
+        raise SpecError(field_path, message)
     if "kvEvents" in spec and spec["mode"] == "KServeLLM" and spec["kserve"].get("scheduler") == "llm-d":
         raise SpecError("spec.kvEvents", "the llm-d scheduler configures the replicas' KV events itself "
                                          "(its endpoint picker's ZMQ port); remove spec.kvEvents")
@@ -353,6 +357,7 @@ def parse_spec(raw_spec: dict[str, Any]) -> LLMServiceSpec:
         kserve_scheduler=spec["kserve"].get("scheduler", "pagoda"),
         kv_events=_kv_events(spec.get("kvEvents")),
         disaggregation=_disaggregation(spec.get("disaggregation")),
+        parallelism=parallelism.parse(spec.get("parallelism")),
     )
 
 

@@ -4,7 +4,7 @@
 - built-in kinds: `kubernetes_validate` in strict mode (unknown fields and wrong types fail);
 - LLMService: our CRD's openAPIV3Schema via jsonschema, tightened so unknown fields fail;
 - ServingRuntime / InferenceService: KServe's CRD schemas (kept in tests/data/kserve with
-  their licence), tightened the same way.
+  their licence), tightened the same way; LeaderWorkerSet: LWS's CRD (tests/data/lws).
 Skips (does not fail) when helm or kubernetes-validate are absent.
 """
 
@@ -25,7 +25,7 @@ jsonschema = pytest.importorskip("jsonschema")
 from pagoda_operator import crd  # noqa: E402
 from pagoda_operator.reconcile import render_children  # noqa: E402
 from pagoda_operator.spec import parse_llmservice  # noqa: E402
-from tests.crd_schema import KSERVE, tighten  # noqa: E402
+from tests.crd_schema import KSERVE, lws_errors, tighten  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "pagoda"
@@ -125,6 +125,8 @@ def validate_any(obj: dict) -> None:
         parse_llmservice(obj)  # the operator's own checks (cross-field rules) too
     elif obj["kind"] in ("InferenceService", "ServingRuntime"):
         validate_custom(obj, kserve_validators())
+    elif obj["kind"] == "LeaderWorkerSet":
+        assert lws_errors(obj) == [], lws_errors(obj)
     elif obj["kind"] == "ServiceMonitor":
         assert obj["apiVersion"] == "monitoring.coreos.com/v1"  # no schema offline
         assert set(obj["spec"]) <= {"namespaceSelector", "selector", "endpoints"}
@@ -290,9 +292,10 @@ def test_operator_may_manage_what_it_renders():
     role = next(o for o in render(None) if o["kind"] == "ClusterRole" and o["metadata"]["name"] == "pagoda-operator")
     granted = {(group, resource) for rule in role["rules"] for group in rule["apiGroups"]
                for resource in rule["resources"]}
-    svc = parse_llmservice({"metadata": {"name": "c", "namespace": "n"},
-                            "spec": {"image": "p:1", "model": {"name": "c", "storageUri": "pvc://m"}}})
-    for child in render_children(svc, 1):
+    children = [child for split in ({}, {"parallelism": {"tensor": 4, "nodes": 2}}) for child in render_children(
+        parse_llmservice({"metadata": {"name": "c", "namespace": "n"},
+                          "spec": {"image": "p:1", "model": {"name": "c", "storageUri": "pvc://m"}, **split}}), 1)]
+    for child in children:  # one node (Deployment) and several (LeaderWorkerSet)
         group = child["apiVersion"].rsplit("/", 1)[0] if "/" in child["apiVersion"] else ""
         assert (group, child["kind"].lower() + "s" if not child["kind"].endswith("y")
                 else child["kind"][:-1].lower() + "ies") in granted, child["kind"]
@@ -416,3 +419,31 @@ def test_example_disaggregation_reaches_the_pools(tmp_path, mode):
     result = subprocess.run([helm(), "template", "pagoda", str(CHART), "-f", str(path)],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode != 0 and "prefil" in result.stderr
+
+
+@pytest.mark.parametrize("mode", ["Deployment", "KServeLLM"])
+def test_example_parallelism_reaches_the_replicas(tmp_path, mode):
+    """values example.parallelism -> LLMService spec.parallelism -> a LeaderWorkerSet of 2-pod
+    groups with 4 GPUs per pod (mode Deployment; KServeLLM: KServe's worker template), every
+    child valid against its schema; a typo in it is refused by values.schema.json."""
+    example = {"enabled": True, "mode": mode, "parallelism": {"tensor": 8, "nodes": 2}}
+    if mode == "KServeLLM":
+        example["storageUri"] = "hf://HuggingFaceTB/SmolLM2-135M-Instruct"
+    objects = render_with(tmp_path, {"kserve": {"enabled": mode != "Deployment"}, "example": example})
+    [llms] = [o for o in objects if o["kind"] == "LLMService"]
+    validate_any(llms)
+    children = render_children(parse_llmservice(llms), 2)
+    if mode == "Deployment":
+        [lws] = [c for c in children if c["kind"] == "LeaderWorkerSet"]
+        assert lws["spec"]["replicas"] == 2 and lws["spec"]["leaderWorkerTemplate"]["size"] == 2
+        for obj in children:
+            validate_any(obj)
+    else:
+        from tests.operator.test_llmisvc import errors_of
+        [llmisvc] = [c for c in children if c["kind"] == "LLMInferenceService"]
+        assert errors_of(llmisvc) == [] and llmisvc["spec"]["parallelism"] == {"tensor": 4, "data": 2, "dataLocal": 1}
+    path = tmp_path / "typo.yaml"
+    path.write_text(yaml.safe_dump({"example": {"enabled": True, "parallelism": {"tensors": 2}}}))
+    result = subprocess.run([helm(), "template", "pagoda", str(CHART), "-f", str(path)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0 and "tensors" in result.stderr

@@ -23,7 +23,7 @@ import aiohttp.web
 import jsonpatch
 import kmock
 
-STATUS_SUBRESOURCE_PLURALS = {"llmservices", "deployments", "pods"}
+STATUS_SUBRESOURCE_PLURALS = {"llmservices", "deployments", "pods", "leaderworkersets"}
 
 
 def merge_patch(target: Any, patch: Any) -> Any:

@@ -9,6 +9,9 @@
 - `FakeDeploymentController`: stands in for the ReplicaSet controller: keeps one pod per
   replica, deletes the pod with the lowest pod-deletion-cost on scale-in (as Kubernetes
   does), and records each deleted pod's drain state at the moment of deletion.
+- `FakeLeaderWorkerSetController`: the same for a LeaderWorkerSet (multi-node replicas):
+  one leader pod and `size - 1` worker pods per group, and on scale-in it removes the
+  highest-numbered groups whole (its leaders are a StatefulSet), as LWS does.
 - `FakeClock`: time for the policy windows and drain timeouts, advanced by the test.
 """
 
@@ -34,6 +37,7 @@ from pagoda_operator.load import ReplicaLoad
 NS = "default"
 LLMS = f"/apis/{crd.GROUP}/{crd.VERSION}/namespaces/{NS}/llmservices"
 DEPLOYMENTS = f"/apis/apps/v1/namespaces/{NS}/deployments"
+LWSS = f"/apis/leaderworkerset.x-k8s.io/v1/namespaces/{NS}/leaderworkersets"
 PODS = f"/api/v1/namespaces/{NS}/pods"
 
 
@@ -172,6 +176,7 @@ class FakeFleet:
         self.draining: list[str] = []
         self.forgotten: list[str] = []
         self.itl_reads: set[str] = set()  # pods whose loads were read with need_itl
+        self.read_pods: set[str] = set()  # every pod whose load was asked for
 
     def set_load(self, replica_id: str, **fields: float) -> None:
         with self._lock:
@@ -188,6 +193,7 @@ class FakeFleet:
     async def read_loads(self, model: str, pods: dict[str, str | None], *,
                          need_itl: bool = False) -> dict[str, ReplicaLoad]:
         with self._lock:
+            self.read_pods.update(pods)
             if need_itl:
                 self.itl_reads.update(pods)
             return {name: load for name, load in self.loads.items() if name in pods}
@@ -244,6 +250,47 @@ class FakeDeploymentController:
             self.fleet.drop(name)
             pods.remove(victim)
         self.cluster.request("PATCH", f"{DEPLOYMENTS}/{self.deployment}/status",
+                             {"status": {"replicas": want, "readyReplicas": want}})
+
+
+class FakeLeaderWorkerSetController:
+    """Keeps groups of pods in line with a LeaderWorkerSet: leader `<lws>-<i>`, workers
+    `<lws>-<i>-<j>`; scale-in deletes the last groups whole, whatever their load."""
+
+    def __init__(self, cluster: Cluster, fleet: FakeFleet, name: str, on_new_leader: Callable[[str], None]):
+        self.cluster, self.fleet, self.name, self.on_new_leader = cluster, fleet, name, on_new_leader
+        self.removed: list[dict[str, Any]] = []  # {name, draining, running} of each deleted pod
+        self.replica_history: list[int] = []
+
+    def _pod(self, name: str, template: dict[str, Any], group: int) -> None:
+        labels = dict(template["metadata"]["labels"], **{"leaderworkerset.sigs.k8s.io/group-index": str(group)})
+        self.cluster.create(PODS, {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": labels},
+                                   "spec": template["spec"], "status": {"phase": "Running", "podIP": "10.1.0.1"}})
+
+    def step(self) -> None:
+        lws = self.cluster.get(f"{LWSS}/{self.name}")
+        if lws is None:
+            return
+        want, template = lws["spec"]["replicas"], lws["spec"]["leaderWorkerTemplate"]
+        if not self.replica_history or self.replica_history[-1] != want:
+            self.replica_history.append(want)
+        names = {p["metadata"]["name"] for p in self.cluster.items(PODS)}
+        for group in range(want):
+            if f"{self.name}-{group}" not in names:
+                self._pod(f"{self.name}-{group}", template["leaderTemplate"], group)
+                self.on_new_leader(f"{self.name}-{group}")
+            for worker in range(1, template["size"]):
+                if f"{self.name}-{group}-{worker}" not in names:
+                    self._pod(f"{self.name}-{group}-{worker}", template["workerTemplate"], group)
+        for name in sorted(names):
+            parts = name[len(self.name) + 1:].split("-") if name.startswith(self.name + "-") else []
+            if parts and parts[0].isdigit() and int(parts[0]) >= want:
+                load = self.fleet.loads.get(name)
+                self.removed.append({"name": name, "draining": self.fleet.is_draining(f"{self.name}-{parts[0]}"),
+                                     "running": load.running if load else None})
+                self.cluster.delete(f"{PODS}/{name}")
+                self.fleet.drop(name)
+        self.cluster.request("PATCH", f"{LWSS}/{self.name}/status",
                              {"status": {"replicas": want, "readyReplicas": want}})
 
 

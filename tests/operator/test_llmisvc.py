@@ -174,3 +174,26 @@ def test_disaggregation_renders_kserves_prefill_section():
     with pytest.raises(SpecError) as info:
         parse_llmservice(body(kserve={"scheduler": "llm-d"}, disaggregation={}))
     assert info.value.field == "spec.disaggregation" and "routing sidecar" in str(info.value)
+
+
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_parallelism_renders_kserves_parallelism_and_worker_template(nodes):
+    """spec.parallelism in mode KServeLLM: `parallelism.tensor` = GPUs per pod; across nodes also
+    KServe's `worker` pod spec (its LeaderWorkerSet group = data/dataLocal = nodes pods), whose
+    `main` container joins the leader's store and never registers in Redis."""
+    isvc = render_llm_inference_service(parse_llmservice(body(parallelism={"tensor": 8, "nodes": nodes})))
+    assert errors_of(isvc) == []
+    spec = isvc["spec"]
+    [main] = spec["template"]["containers"]
+    assert main["resources"]["limits"]["nvidia.com/gpu"] == 8 // nodes
+    assert main["args"][main["args"].index("--tensor-parallel-size") + 1] == "8"
+    if nodes == 1:
+        assert spec["parallelism"] == {"tensor": 8} and "worker" not in spec
+        return
+    assert spec["parallelism"] == {"tensor": 4, "data": 2, "dataLocal": 1}
+    [worker] = spec["worker"]["containers"]
+    assert worker["name"] == "main" and worker["args"][worker["args"].index("--model") + 1] == "/mnt/models"
+    assert worker["args"][worker["args"].index("--node-rank") + 1] == "$(LWS_WORKER_INDEX)"
+    assert not {"PAGODA_REDIS_URL", "PAGODA_REPLICA_ID"} & {e["name"] for e in worker["env"]}
+    assert {m["name"] for m in worker["volumeMounts"]} <= {v["name"] for v in spec["worker"]["volumes"]}
+    assert 29500 in [p["containerPort"] for p in main["ports"]]

@@ -7,8 +7,9 @@ import pytest
 pytest.importorskip("kopf")
 pytest.importorskip("kmock")
 
-from operator_harness import (DEPLOYMENTS, LLMS, NS, FakeClock,  # noqa: E402
-                              FakeDeploymentController, FakeFleet, Operator, wait_for)
+from operator_harness import (DEPLOYMENTS, LLMS, NS, PODS, FakeClock,  # noqa: E402
+                              FakeDeploymentController, FakeFleet, FakeLeaderWorkerSetController, Operator,
+                              wait_for)
 
 from pagoda_operator import crd  # noqa: E402
 
@@ -237,3 +238,44 @@ def test_prefill_and_decode_pools_scale_independently_each_on_its_own_signal(clu
         wait_for(lambda: victim in fleet.forgotten, step=step, what="index cleanup")
         assert decode.replica_history[-1] == 3 and not decode.removed
         assert all(name.startswith("pd-prefill") for name in fleet.draining)
+
+
+def test_multi_node_replicas_scale_by_whole_groups_and_drain_the_last_group(cluster):
+    """spec.parallelism.nodes = 2 under kopf: the replicas are a LeaderWorkerSet's groups. Load
+    grows it from 1 to 2 groups (4 pods); only leaders are read for load (workers never report);
+    a scale-in drains the last group's leader — not the least loaded one, because the
+    LeaderWorkerSet removes the highest-numbered group — and removes that whole group only
+    once its leader is idle."""
+    fleet, clock = FakeFleet(), FakeClock()
+    groups = FakeLeaderWorkerSetController(cluster, fleet, "big-group", on_new_leader=lambda leader: fleet.set_load(
+        leader, waiting=20.0, running=8.0, kv_usage=0.9))  # far above target: one more group
+    step, history = groups.step, groups.replica_history
+    with Operator(cluster, fleet=fleet, clock=clock, interval=0.1):
+        cluster.create(LLMS, llmservice("big", parallelism={"tensor": 4, "nodes": 2}, replicas={"min": 1, "max": 2},
+                                        autoscaling={"scaleDownStabilizationSeconds": 60}))
+        wait_for(lambda: history[-1:] == [2], step=step, what=lambda: f"groups: {history} {cluster.events()}")
+        for _ in range(5):
+            step()
+        pods = {p["metadata"]["name"] for p in cluster.items(PODS, "pagoda.dev/llmservice=big")}
+        assert pods == {"big-group-0", "big-group-0-1", "big-group-1", "big-group-1-1"}
+        assert fleet.read_pods <= {"big-group-0", "big-group-1"}, fleet.read_pods  # leaders only
+        assert cluster.get(f"{DEPLOYMENTS}/big-replicas") is None
+        status = wait_for(lambda: (cluster.get(f"{LLMS}/big")["status"].get("replicas") or {}).get("ready") == 2
+                          and cluster.get(f"{LLMS}/big")["status"], step=step, what="ready groups")
+        assert status["replicas"]["desired"] == 2
+
+        # Load drops; group 0 is idle and group 1 still busy: the last group is drained anyway.
+        fleet.set_load("big-group-0", waiting=0.0, running=0.0, kv_usage=0.05)
+        fleet.set_load("big-group-1", waiting=0.0, running=1.0, kv_usage=0.05)
+        clock.advance(70)
+        victim = wait_for(lambda: fleet.draining and fleet.draining[0], step=step, what="group drain")
+        assert victim == "big-group-1"
+        for _ in range(10):
+            step()
+        assert history[-1] == 2 and not groups.removed, "removed before it was idle"
+        fleet.set_load("big-group-1", waiting=0.0, running=0.0, kv_usage=0.05)
+        wait_for(lambda: history[-1] == 1, step=step, what="group scale-down")
+        assert sorted(r["name"] for r in groups.removed) == ["big-group-1", "big-group-1-1"]
+        assert all(r["draining"] for r in groups.removed)
+        wait_for(lambda: victim in fleet.forgotten, step=step, what="index cleanup")
+        assert any(e["message"].startswith("2 -> 1 replicas: drained big-group-1") for e in cluster.events("ScaledDown"))

@@ -72,6 +72,17 @@ def test_tensor_parallel_size_makes_the_instance_kind_model(tmp_path):
     assert "kind: KIND_MODEL" in text.split("instance_group")[1]
 
 
+def test_node_zero_of_a_multi_node_replica_gets_the_group_layout_in_its_config(tmp_path):
+    """`--nodes 2` on node 0 (the LeaderWorkerSet leader's flags): the engine learns the node count
+    and the store address it opens; worker nodes' flags never reach a config.pbtxt (no server)."""
+    args = ["--tensor-parallel-size", "4", "--nodes", "2", "--node-rank", "0", "--leader-address", "big-group-0.big:29500"]
+    options = options_from_args(make_parser().parse_args(args))
+    text = (materialize_repository(REPOSITORY, tmp_path / "repo", options) / "pagoda" / "config.pbtxt").read_text()
+    config = engine_config_from_parameters(parameters_of(text))
+    assert (config.tensor_parallel_size, config.tensor_parallel_nodes, config.tensor_parallel_leader) == (
+        4, 2, "big-group-0.big:29500")
+
+
 def test_engine_flags_and_engine_args_reach_the_config(tmp_path):
     args = ["--speculative-method", "ngram", "--num-speculative-tokens", "3", "--cpu-offload-bytes", "1048576",
             "--preemption-mode", "swap", "--scheduling-policy", "priority", "--engine-arg", "spec_adaptive=false",
@@ -93,6 +104,9 @@ def test_engine_flags_and_engine_args_reach_the_config(tmp_path):
     (["--kv-events-config", '{"enable_kv_cache_events": true, "endpont": "tcp://*:5557"}'],
      "--kv-events-config: unknown key(s) endpont"),
     (["--kv-events-config", "{oops"], "--kv-events-config: not JSON"),
+    (["--tensor-parallel-size", "3", "--nodes", "2", "--leader-address", "h:29500"], "tensor_parallel_nodes"),
+    (["--tensor-parallel-size", "2", "--nodes", "2", "--leader-address", "h:port"], "tensor_parallel_leader"),
+    (["--leader-address", "h:29500"], "--leader-address: only with --nodes > 1"),
 ])
 def test_bad_engine_flags_are_refused_before_tritonserver_starts(args, message, capsys):
     from pagoda.serving.launch.serve_cli import main

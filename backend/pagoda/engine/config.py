@@ -242,11 +242,22 @@ class ParallelConfig:
 
     tensor_parallel_size: int
     tensor_parallel_timeout_s: float
+    tensor_parallel_nodes: int
+    tensor_parallel_leader: Optional[str]
 
     def __post_init__(self) -> None:
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         if not self.tensor_parallel_timeout_s > 0:
             raise ValueError(f"tensor_parallel_timeout_s: must be > 0, got {self.tensor_parallel_timeout_s!r}")
+        _check_int("tensor_parallel_nodes", self.tensor_parallel_nodes, 1)
+        if self.tensor_parallel_size % self.tensor_parallel_nodes:
+            raise ValueError(f"tensor_parallel_nodes: tensor_parallel_size={self.tensor_parallel_size} is not a "
+                             f"multiple of {self.tensor_parallel_nodes} (each node runs the same number of ranks)")
+        if self.tensor_parallel_nodes > 1:
+            host, _, port = (self.tensor_parallel_leader or "").rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError("tensor_parallel_leader: with tensor_parallel_nodes > 1, the HOST:PORT where this "
+                                 f"engine (node 0) opens the group's store, got {self.tensor_parallel_leader!r}")
 
 
 GROUPS = (LoadConfig, CacheConfig, SchedulingConfig, SpeculativeConfig, OffloadConfig, LoRAConfig, AdmissionConfig,
@@ -333,6 +344,11 @@ class EngineConfig:
     # for a silent peer before the step fails.
     tensor_parallel_size: int = 1
     tensor_parallel_timeout_s: float = 300.0
+    # Several nodes (docs/parallelism.md): this engine is node 0 and opens the group's store on
+    # the port of tensor_parallel_leader (HOST:PORT, the address the other nodes' `pagoda serve
+    # --node-rank R` connect to); its own node runs tensor_parallel_size / nodes ranks.
+    tensor_parallel_nodes: int = 1
+    tensor_parallel_leader: Optional[str] = None
 
     def __post_init__(self) -> None:
         for group in GROUPS:  # each validates its own fields

@@ -84,7 +84,8 @@ capabilities:
 {{- /* What the operator does, and nothing more:
   - read/watch LLMServices, write their status;
   - own the children it renders (Deployments, Services, the replicas' NetworkPolicy and
-    PodDisruptionBudget, the router's ServiceAccount/Role/RoleBinding, InferenceServices); it holds "pods get/list/watch" itself, so it may grant it to routers;
+    PodDisruptionBudget, the router's ServiceAccount/Role/RoleBinding, InferenceServices, and the
+    LeaderWorkerSets of multi-node replicas); it holds "pods get/list/watch" itself, so it may grant it to routers;
   - patch a pod's deletion cost before a drained scale-in; read a Redis password Secret;
   - post events. */}}
 {{- define "pagoda.operatorRules" }}
@@ -117,6 +118,9 @@ capabilities:
   verbs: ["get", "create", "patch", "delete"]
 - apiGroups: ["serving.kserve.io"]
   resources: ["inferenceservices", "llminferenceservices"]
+  verbs: ["get", "create", "patch", "delete"]
+- apiGroups: ["leaderworkerset.x-k8s.io"]
+  resources: ["leaderworkersets"]
   verbs: ["get", "create", "patch", "delete"]
 - apiGroups: ["", "events.k8s.io"]
   resources: ["events"]

@@ -5,7 +5,8 @@ spawned workers that hold their shard of the model and of the KV cache and run t
 forward on each step rank 0 broadcasts (``step_wire``: one packed int64 tensor per step,
 the scheduler's deltas). Only rank 0 sees logits (gathered from the vocabulary shards) and
 samples; nothing else comes back. With ``tensor_parallel_size == 1`` this is
-``runner.executor.make_executor`` unchanged.
+``runner.executor.make_executor`` unchanged. Across nodes (``tensor_parallel_nodes``) the
+other nodes' ranks are started by ``node.run_node`` (``pagoda serve --node-rank R``).
 
 This package sits above ``engine.runner`` (it builds the runner's executor with a group
 and workers); the runner never imports it.
@@ -42,8 +43,10 @@ def make_executor(config: EngineConfig, model_config: ModelConfig, model_path: s
         return single.make_executor(config, model_config, model_path, make_grammar_backend)
     check_divisible(model_config, size)
     device = resolve_device(config)
-    if device.type == "cuda" and torch.cuda.device_count() < size:
-        raise ValueError(f"tensor_parallel_size={size}: only {torch.cuda.device_count()} CUDA devices are visible "
+    local = size // config.tensor_parallel_nodes  # this node's ranks
+    if device.type == "cuda" and torch.cuda.device_count() < local:
+        raise ValueError(f"tensor_parallel_size={size} over {config.tensor_parallel_nodes} node(s): only "
+                         f"{torch.cuda.device_count()} CUDA devices are visible for this node's {local} ranks "
                          "(one per rank; check CUDA_VISIBLE_DEVICES)")
     workers = TensorParallelWorkers.start(config, model_config, model_path, device)
     try:

@@ -19,8 +19,16 @@ workers run theirs:
 4. ``stop``: broadcast the stop message, join; whatever is still alive after the grace
    period is killed.
 
-On CPU each rank runs ``cpu_count // N`` intra-op threads (rank 0 included, until
-``stop``), so N ranks share the cores instead of oversubscribing them.
+On CPU each rank runs ``cpu_count // L`` intra-op threads (L: the ranks on its node; rank 0
+included, until ``stop``), so the ranks share the cores instead of oversubscribing them.
+
+Several nodes (``tensor_parallel_nodes = M``, docs/parallelism.md): rank 0 opens the store on
+the port of ``tensor_parallel_leader`` instead of a free one (the store listens on every
+interface), publishes the group's settings under ``GROUP_KEY`` for the other nodes, and
+spawns only its own node's ranks 1..L-1 (L = N / M). Node m's ranks m*L..(m+1)*L-1 are
+started there by ``node.run_node`` (``pagoda serve --node-rank m``) and join the same store;
+rank r uses ``cuda:(r % L)``. ``check`` sees only this node's workers: a rank on another node
+that dies shows as a failed collective, and its node's process exits non-zero.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import pickle
 import shutil
 import sys
 import threading
@@ -49,6 +58,7 @@ logger = logging.getLogger(__name__)
 
 _HOST = "127.0.0.1"
 _STOP_GRACE_S = 10.0
+GROUP_KEY = "pagoda-tp/group"  # (EngineConfig, ModelConfig, model path), pickled: read by the other nodes
 
 
 class TensorParallelWorkerDied(RuntimeError):
@@ -73,20 +83,16 @@ class TensorParallelWorkers:
     @classmethod
     def start(cls, config: EngineConfig, model_config: ModelConfig, model_path: str,
               device: torch.device) -> "TensorParallelWorkers":
-        size = config.tensor_parallel_size
-        store = dist.TCPStore(_HOST, 0, size, is_master=True, wait_for_workers=False,
+        size, nodes = config.tensor_parallel_size, config.tensor_parallel_nodes
+        port = 0 if nodes == 1 else int(str(config.tensor_parallel_leader).rpartition(":")[2])
+        store = dist.TCPStore(_HOST, port, size, is_master=True, wait_for_workers=False,
                               timeout=_timedelta(config.tensor_parallel_timeout_s))
-        context = multiprocessing.get_context("spawn")
-        context.set_executable(_python_executable())
-        processes = []
-        for rank in range(1, size):
-            process = context.Process(target=worker_main, name=f"pagoda-tp-rank{rank}", daemon=True,
-                                      args=(rank, store.port, config, model_config, model_path))
-            process.start()
-            processes.append(process)
+        if nodes > 1:
+            store.set(GROUP_KEY, pickle.dumps((config, model_config, model_path)))
+        processes = spawn_ranks(range(1, size // nodes), _HOST, store.port, config, model_config, model_path)
         workers = cls(processes, None, store)  # type: ignore[arg-type]
         if device.type == "cpu":
-            share_cpu_threads(size)
+            share_cpu_threads(size // nodes)
         try:
             workers.group = workers._join(ProcessGroup, 0, size, store, device, config.tensor_parallel_timeout_s)
         except BaseException:
@@ -156,6 +162,20 @@ class TensorParallelWorkers:
         torch.set_num_threads(self.threads)
 
 
+def spawn_ranks(ranks: range, host: str, port: int, config: EngineConfig, model_config: ModelConfig,
+                model_path: str) -> list:
+    """Start one worker process per rank in ``ranks``, joining the store at ``host:port``."""
+    context = multiprocessing.get_context("spawn")
+    context.set_executable(_python_executable())
+    processes = []
+    for rank in ranks:
+        process = context.Process(target=worker_main, name=f"pagoda-tp-rank{rank}", daemon=True,
+                                  args=(rank, host, port, config, model_config, model_path))
+        process.start()
+        processes.append(process)
+    return processes
+
+
 def _python_executable() -> str:
     """The interpreter for the workers: this process's, unless this process is not a python
     binary (Triton's Python-backend stub embeds the interpreter); ``PAGODA_PYTHON`` wins."""
@@ -191,18 +211,19 @@ def _load_adapter(runner: ModelRunner, name: str, path: str) -> None:
     runner.lora.add(name, path)
 
 
-def worker_main(rank: int, port: int, config: EngineConfig, model_config: ModelConfig, model_path: str) -> None:
+def worker_main(rank: int, host: str, port: int, config: EngineConfig, model_config: ModelConfig,
+                model_path: str) -> None:
     """One worker's whole life: join the group, build the runner, run the steps it receives."""
     _exit_with_parent()
     try:
-        size = config.tensor_parallel_size
+        size, local = config.tensor_parallel_size, config.tensor_parallel_size // config.tensor_parallel_nodes
         device = resolve_device(config)
         if device.type == "cuda":
-            torch.cuda.set_device(rank)
-            device = torch.device("cuda", rank)
+            torch.cuda.set_device(rank % local)
+            device = torch.device("cuda", rank % local)
         else:
-            share_cpu_threads(size)
-        store = dist.TCPStore(_HOST, port, size, is_master=False, timeout=_timedelta(config.tensor_parallel_timeout_s))
+            share_cpu_threads(local)
+        store = dist.TCPStore(host, port, size, is_master=False, timeout=_timedelta(config.tensor_parallel_timeout_s))
         group = ProcessGroup(rank, size, store, device, config.tensor_parallel_timeout_s)
         runner = ModelRunner(config, model_config, model_path, tp=group)
         receiver = StepReceiver(group, capacity_for(config.max_num_seqs, config.max_num_batched_tokens), device,

@@ -14,7 +14,11 @@ Lifecycle (see ``launcher`` and ``process_tree`` for the mechanisms):
 - SIGTERM or Ctrl-C drains: the engine stops taking requests and finishes those in flight
   for up to ``--grace-period`` seconds, the model finalizes, tritonserver exits, and every
   process in its group is gone when we return; a second signal kills at once;
-- SIGKILL of this process takes tritonserver with it (parent-death signal).
+- SIGKILL of this process takes tritonserver with it (parent-death signal);
+- ``--nodes M --node-rank R --leader-address HOST:PORT``: one replica over M nodes. Node 0 is
+  the server above (its engine opens the group's store on PORT); a node with R > 0 starts no
+  server and only runs its ranks of node 0's engine (``engine.parallel.node``), exiting when
+  they end (non-zero if one failed).
 """
 
 from __future__ import annotations
@@ -74,6 +78,15 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-speculative-tokens", type=int, help="largest speculative window k")
     p.add_argument("--tensor-parallel-size", type=int,
                    help="ranks (devices) in the replica: the model instance becomes KIND_MODEL (docs/parallelism.md)")
+    p.add_argument("--nodes", type=int, default=1,
+                   help="nodes the replica's --tensor-parallel-size ranks span, the same number on each "
+                        "(docs/parallelism.md; 1: this node holds them all)")
+    p.add_argument("--node-rank", type=int, default=0,
+                   help="with --nodes > 1: this node's place; 0 runs the server and the engine (rank 0), "
+                        "1..nodes-1 run only their ranks, no server (a LeaderWorkerSet worker pod)")
+    p.add_argument("--leader-address", metavar="HOST:PORT",
+                   help="with --nodes > 1: node 0's address; it opens the group's store on PORT, "
+                        "the other nodes connect to HOST:PORT")
     p.add_argument("--cpu-offload-bytes", type=int, help="size of the CPU tier of the KV cache (0: off)")
     p.add_argument("--preemption-mode", choices=("auto", "recompute", "swap"))
     p.add_argument("--max-waiting-requests", type=int,
@@ -146,6 +159,8 @@ def engine_args_from(args: argparse.Namespace) -> dict[str, str]:
         if not sep or not name:
             raise SystemExit(f"pagoda serve: --engine-arg must look like FIELD=VALUE, got {item!r}")
         values[name.strip()] = value.strip()
+    if args.nodes > 1:
+        values.update(tensor_parallel_nodes=str(args.nodes), tensor_parallel_leader=args.leader_address or "")
     if args.lora:
         values.update(enable_lora="true", lora_modules=lora_modules_text(args.lora))
     if args.allow_runtime_lora:
@@ -217,6 +232,36 @@ def check_engine_args(options: ServeOptions, parser: argparse.ArgumentParser) ->
         parser.error(str(exc))
 
 
+def check_nodes(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Refuse an impossible multi-node layout, naming the flag."""
+    if args.nodes < 1:
+        parser.error(f"--nodes: must be >= 1, got {args.nodes}")
+    if not 0 <= args.node_rank < args.nodes:
+        parser.error(f"--node-rank: must be 0..{args.nodes - 1} with --nodes {args.nodes}, got {args.node_rank}")
+    if args.nodes > 1 and not args.leader_address:
+        parser.error("--leader-address: needed with --nodes > 1 (node 0's HOST:PORT)")
+    if args.nodes == 1 and args.leader_address:
+        parser.error("--leader-address: only with --nodes > 1")
+
+
+def serve_worker_node(args: argparse.Namespace) -> int:
+    """``--node-rank R > 0``: run this node's ranks of the leader's engine until the group stops
+    (``engine.parallel.node``); no tritonserver, no Redis, no ports of its own."""
+    import logging
+
+    from pagoda.engine.parallel.node import run_node
+
+    logging.basicConfig(level=logging.INFO, format="pagoda serve: %(message)s")
+    try:
+        code = run_node(args.leader_address, args.node_rank, args.nodes,
+                        tensor_parallel_size=args.tensor_parallel_size)
+    except (ValueError, RuntimeError) as exc:
+        print(f"pagoda serve: {exc}", file=sys.stderr, flush=True)
+        return 1
+    print(f"pagoda serve: node {args.node_rank}'s ranks ended (exit code {code})", file=sys.stderr, flush=True)
+    return code
+
+
 def supervise(server: TritonServer, stop_requested: threading.Event, max_stub_restarts: int,
               door: Optional[OpenAIDoor] = None) -> Optional[str]:
     """Watch the server until a stop is requested (returns None) or it cannot serve (returns
@@ -256,6 +301,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         parser.error("--grace-period: must be >= 0")
     if args.max_stub_restarts < 0:
         parser.error("--max-stub-restarts: must be >= 0")
+    check_nodes(args, parser)
+    if args.node_rank > 0:
+        return serve_worker_node(args)
     options = options_from_args(args)
     check_engine_args(options, parser)
     if not 0 <= args.openai_port <= 65535:
