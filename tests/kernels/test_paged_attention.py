@@ -189,3 +189,33 @@ def test_choose_config_splits_only_when_the_gpu_is_underfilled():
     assert choose_config(256, 256, 32, 8, 1, 4096, 132).num_splits == 1
     assert choose_config(1, 1, 32, 8, 1, 200, 132).num_splits == 1
     assert choose_config(4096, 1, 32, 8, 4096, 4096, 132).num_splits == 1
+
+
+def test_decode_buckets_split_contexts_of_very_different_lengths():
+    from pagoda.kernels.reference import decode_buckets
+
+    lens = [3, 200, 4, 5, 6, 7, 90, 100, 110, 120, 8, 210]
+    buckets = decode_buckets(lens, list(range(len(lens))))
+    assert sorted(s for b in buckets for s in b) == list(range(len(lens)))
+    assert [[lens[s] for s in b] for b in buckets] == [[3, 4, 5, 6, 7, 8], [90, 100, 110, 120, 200, 210]]
+    assert decode_buckets([10] * 100, list(range(100))) == [list(range(36)), list(range(36, 100))]  # at most 64 each
+
+
+@pytest.mark.parametrize("window", [0, 9])
+def test_torch_path_decodes_buckets_of_different_lengths(window):
+    """The CPU path's decode buckets (reference.decode_buckets) give the reference's result;
+    a row's output depends on its bucket's padding only in the last bits (SDPA's blocking
+    of the padded keys), as it did on the batch's padding before buckets."""
+    from pagoda.kernels.reference import AttentionMetadata, cpu_plan
+
+    seq_lens = [3, 700, 4, 5, 6, 7, 400, 450, 500, 550, 8, 750]
+    case = make_paged_case([1] * len(seq_lens), seq_lens, 6, 2, 64, torch.float32, block_size=16, seed=3)
+    # Unowned slots hold NaN here; the engine's cache is zeroed at start and only ever holds
+    # finite K/V, which the padded rows of a bucket may read (masked out, weight 0).
+    case.k_cache.nan_to_num_(0), case.v_cache.nan_to_num_(0)
+    out = paged_attention_torch(case.q, case.k_cache, case.v_cache, case.meta, case.scale, window=window)
+    assert len(cpu_plan(case.meta, 16, window, case.q.device).decodes) == 2
+    assert_close_to_reference(out, reference_attention(case, window=window), torch.float32, attention_bound(case))
+    alone = AttentionMetadata.build([1], [seq_lens[1]], [case.meta.block_tables[1].tolist()], 16)
+    single = paged_attention_torch(case.q[1:2], case.k_cache, case.v_cache, alone, case.scale, window=window)
+    assert torch.allclose(single[0], out[1], rtol=0, atol=1e-6)
