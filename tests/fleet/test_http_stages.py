@@ -33,3 +33,21 @@ def test_with_sampling_keeps_the_clients_values_and_adds_ours():
                                                          "kv_transfer_params": {"do_remote_decode": True}}
     assert json.loads(body["sampling_parameters"])["max_tokens"] == 9  # the original is untouched
     assert json.loads(with_sampling({"text_input": "x"}, seed=3)["sampling_parameters"]) == {"seed": 3}
+
+
+def test_the_first_stage_body_drops_what_would_override_its_values():
+    """Top-level inputs and the same keys in ``parameters`` (the vLLM backend README's
+    shape) go, so the stage's ``sampling_parameters`` rule: a replica refuses one key given
+    two ways with different values."""
+    from pagoda.fleet.api.http_stages import _first_body
+
+    body = {"text_input": "x", "max_tokens": 9, "stream": True, "min_length": 3,
+            "parameters": {"max_tokens": 9, "temperature": 0, "stream": True}}
+    late = _first_body(body, {"min_tokens": 3}, early=False)
+    assert {k: v for k, v in late.items() if k != "sampling_parameters"} == \
+        {"text_input": "x", "parameters": {"temperature": 0}}
+    assert json.loads(late["sampling_parameters"]) == {"max_tokens": 1, "min_tokens": 0,
+                                                       "kv_transfer_params": {"do_remote_decode": True}}
+    early = _first_body(body, {"min_tokens": 3}, early=True)
+    assert early["stream"] is True and json.loads(early["sampling_parameters"])["min_tokens"] == 2
+    assert body["parameters"]["max_tokens"] == 9  # the client's body is untouched

@@ -126,6 +126,22 @@ def replicas(redis_server, otlp_receiver, tmp_path_factory, smollm2_path):
         pool.shutdown()
 
 
+def start_in_background(server, env) -> threading.Thread:
+    """Start ``server`` (a stopped replica) on a thread, with ``env`` in the environment its
+    launcher copies; returns the thread (``join`` it to wait until the replica is ready)."""
+    saved = dict(os.environ)
+    os.environ.update(env)
+    starter = threading.Thread(target=server.start, daemon=True)
+    try:
+        starter.start()
+        while server.process is None and starter.is_alive():
+            time.sleep(0.01)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return starter
+
+
 def _is_ready(server) -> bool:
     try:
         with urllib.request.urlopen(f"http://{server.http_url}/v2/models/pagoda/ready", timeout=2) as response:
@@ -804,16 +820,7 @@ def test_restarted_replica_is_routable_within_one_health_interval(router, replic
     victim = replicas[victim_id]
     victim.stop()  # already dead: reaps the process, frees its workdir
     _, env = _start_replica(victim_id, redis_server.url, otlp_receiver.endpoint, victim.log_path)
-    saved = dict(os.environ)
-    os.environ.update(env)
-    starter = threading.Thread(target=victim.start, daemon=True)
-    try:
-        starter.start()
-        while victim.process is None and starter.is_alive():
-            time.sleep(0.01)
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+    starter = start_in_background(victim, env)
     def server_ready() -> bool:  # a fresh client each time: a reused channel would sit in reconnect backoff
         probe = grpcclient.InferenceServerClient(victim.grpc_url)
         try:

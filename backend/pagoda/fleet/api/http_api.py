@@ -9,7 +9,8 @@
   parameters, the channel that reaches the backend). The replica's status, body and SSE
   events come back byte for byte, except an overload refusal: the request is tried on
   another replica, and only when all are full does the client get 503 + ``Retry-After``.
-  With prefill and decode replicas, a generate body runs in two stages (``http_stages``).
+  With prefill and decode replicas, a generate body runs in two stages (``http_stages``;
+  a streaming one gets the prefill replica's first token first).
 - a LoRA control request on ``generate`` (a body with ``lora_action``; ``pagoda lora
   --url`` the router) is the router's own: ``list`` answers the adapters the router
   serves; ``load``/``unload`` go to every replica as ``/v1/load_lora_adapter`` does
@@ -272,21 +273,25 @@ async def _route(request: web.Request, body: bytes, document: Optional[dict], an
     """Choose a replica and relay its answer; retry on a refused connection or an overload."""
     router, gate = request.app[ROUTER_KEY], request.app[GATE_KEY]
     tried: list[str] = []
+    stage = http_stages.StageOne()
     if document is not None and request.path.endswith(("generate", "generate_stream")) and \
             http_stages.is_disaggregated(router, document):  # two stages (http_stages)
         tried = [r.replica_id for r in router.replicas.all() if r.role == "prefill"]
-        handle = await http_stages.prefill_handle(request.app[SESSION_KEY], router, gate, analysis, document,
-                                                  request.match_info.get("model", "pagoda"))
-        if handle is not None:
-            document = http_stages.with_sampling(document, kv_transfer_params=handle)
-            router.num_two_stage += 1
+        document, stage = await http_stages.prefill(request.app[SESSION_KEY], router, gate, analysis, document,
+                                                    request.match_info.get("model", "pagoda"), request)
+
+    async def failed(kind: ErrorKind, message: str, headers: Optional[dict[str, str]] = None) -> web.StreamResponse:
+        span.fail(message)
+        if stage.response is not None:  # the early first token went out: the answer is open
+            return await http_stages.end_with_error(stage.response, message)
+        return _kind_error(kind, message, headers)
+
     num_dead = 0
     for attempt in itertools.count(1):
         try:
             decision = await gate.choose(router, analysis, tried, attempt)
         except NoReplicaAvailable as exc:
-            span.fail(str(exc))
-            return _kind_error(ErrorKind.UNAVAILABLE, str(exc))
+            return await failed(ErrorKind.UNAVAILABLE, str(exc))
         span.set_decision(decision)
         payload = body
         if document is not None:
@@ -303,10 +308,10 @@ async def _route(request: web.Request, body: bytes, document: Optional[dict], an
             num_dead += 1
             if num_dead < MAX_ATTEMPTS:
                 continue
-            span.fail(str(exc))
-            return _kind_error(ErrorKind.REPLICA_FAILED, f"replica {replica.replica_id} is unreachable: {exc}")
+            return await failed(ErrorKind.REPLICA_FAILED, f"replica {replica.replica_id} is unreachable: {exc}")
         try:
-            answer = await _relay(request, upstream, router, decision, span)
+            answer = await (_relay(request, upstream, router, decision, span) if stage.response is None else
+                            http_stages.relay_into(stage, upstream, router, replica, span))
         finally:
             upstream.close()
             router.release(decision)
@@ -315,9 +320,8 @@ async def _route(request: web.Request, body: bytes, document: Optional[dict], an
         gate.mark_full(replica.replica_id)
         tried.append(replica.replica_id)
         if not router.replicas.routable(tried, include_draining=True):
-            span.fail(answer)
             gate.count("overloaded")
-            return _kind_error(ErrorKind.OVERLOADED, answer, retry_after_header())
+            return await failed(ErrorKind.OVERLOADED, answer, retry_after_header())
     raise AssertionError("unreachable: the attempt loop always returns")
 
 

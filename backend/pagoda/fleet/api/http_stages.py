@@ -3,29 +3,45 @@
 The same two stages as the gRPC and OpenAI doors (``api.upstream``, docs/kv_transfer.md),
 over HTTP: when the routable replicas include a ``prefill`` and a ``decode`` role and the
 body carries no ``kv_transfer_params`` of its own, a copy of the body goes to a prefill
-replica's ``generate`` (``max_tokens`` 1, ``min_tokens`` 0, ``kv_transfer_params``
-``{"do_remote_decode": true}`` in ``sampling_parameters``; the top-level inputs that would
-override them dropped), and its answer's ``kv_transfer_params`` output, the KV handle, goes
-into the body's own ``sampling_parameters`` before the body is routed, among the other
-replicas, as usual (streaming or not). A first stage that fails is logged and the request
-runs whole on a decode replica: the same answer, later.
+replica (``kv_transfer_params`` ``{"do_remote_decode": true}`` and the stage's
+``max_tokens``/``min_tokens`` in ``sampling_parameters``; the top-level inputs and request
+``parameters`` that would override them dropped), and its answer's ``kv_transfer_params``
+output, the KV handle, goes into the body's own ``sampling_parameters`` before the body is
+routed, among the other replicas, as usual. A first stage that fails is logged and the
+request runs whole on a decode replica: the same answer, later.
+
+Early first token (``first_token``): a ``generate_stream`` request that streams
+(``"stream": true``) has its first stage sent to the prefill replica's ``generate_stream``;
+that stage's first event is written to the client at once (the client's SSE answer opens
+then), and the decode replica's events follow with that token cut from their front
+(``relay_into``: each event re-serialized until the cut is done, then copied byte for
+byte). Once the answer is open, a failure is an SSE error event (``end_with_error``),
+as for a replica that fails mid-stream. Otherwise the first stage is a ``generate`` POST
+whose token is dropped, and the decode replica's answer is relayed unchanged.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Optional, Union
 
 import aiohttp
+from aiohttp import web
 
+from pagoda.contracts.errors import error_text, is_overloaded
+from pagoda.fleet.api.first_token import (STAGE_KEYS, FirstTokenMismatch, Splice, is_early, merged_values, stage_seed,
+                                          stage_values)
 from pagoda.fleet.gate.limits import LimitError, sampling_object
 from pagoda.fleet.routing.router import NoReplicaAvailable
 
 logger = logging.getLogger(__name__)
 
-# Top-level generate inputs the prefill stage's sampling_parameters must rule over.
-_STAGE_OVERRIDES = ("max_tokens", "min_tokens", "min_length", "stream")
+# Body keys that are not request values (the prompt, the option channels, tracing).
+_NOT_VALUES = ("text_input", "sampling_parameters", "parameters", "traceparent", "id")
+_CUT_OUTPUTS = ("text_output", "num_output_tokens", "logprobs")
 
 
 def _sampling(document: dict[str, Any]) -> Optional[dict]:
@@ -49,30 +65,159 @@ def with_sampling(document: dict[str, Any], **values: Any) -> dict[str, Any]:
     return {**document, "sampling_parameters": json.dumps({**(_sampling(document) or {}), **values})}
 
 
-async def prefill_handle(session: aiohttp.ClientSession, router: Any, gate: Any, analysis: Any,
-                         document: dict[str, Any], model: str) -> Optional[dict]:
-    """Run the first stage on a prefill replica; its KV handle, or None (logged)."""
-    first = with_sampling({k: v for k, v in document.items() if k not in _STAGE_OVERRIDES}, max_tokens=1,
-                          min_tokens=0, kv_transfer_params={"do_remote_decode": True})
+@dataclass
+class StageOne:
+    """The first stage's outcome: the KV handle; with an early first token, the client's
+    opened SSE answer and what to cut from the decode stream."""
+
+    handle: Optional[dict] = None
+    response: Optional[web.StreamResponse] = None
+    splice: Optional[Splice] = None
+
+
+def _first_body(document: dict[str, Any], values: dict[str, Any], early: bool) -> dict[str, Any]:
+    parameters = document.get("parameters")
+    body = {k: v for k, v in document.items() if k not in STAGE_KEYS}
+    if isinstance(parameters, dict):
+        body["parameters"] = {k: v for k, v in parameters.items() if k not in STAGE_KEYS}
+    if early:
+        body["stream"] = True
+    return with_sampling(body, **stage_values(values, early))
+
+
+async def prefill(session: aiohttp.ClientSession, router: Any, gate: Any, analysis: Any, document: dict[str, Any],
+                  model: str, client: web.Request) -> tuple[dict[str, Any], StageOne]:
+    """Run the first stage on a prefill replica (module docstring).
+
+    Returns:
+        The body for the decode stage (with the KV handle, and the seed both stages share
+        when the router chose one), and the ``StageOne``; on failure (logged) the body
+        without a handle.
+    """
+    parameters = document.get("parameters") if isinstance(document.get("parameters"), dict) else {}
+    values = merged_values({k: v for k, v in document.items() if k not in _NOT_VALUES}, _sampling(document) or {},
+                           parameters)
+    early = is_early(values) and client.path.endswith("generate_stream")
+    seed = stage_seed(values, early)
+    if seed is not None:
+        document = with_sampling(document, seed=seed)
+    stage = StageOne()
     skip = [r.replica_id for r in router.replicas.all() if r.role != "prefill"]
     try:
         decision = await gate.choose(router, analysis, skip, 1)
     except NoReplicaAvailable as exc:
         logger.warning("prefill stage: %s; the decode replica computes the prompt", exc)
-        return None
-    url = f"http://{decision.replica.endpoints['http']}/v2/models/{model}/generate"
+        return document, stage
+    path = "generate_stream" if early else "generate"
+    url = f"http://{decision.replica.endpoints['http']}/v2/models/{model}/{path}"
     try:
-        async with session.post(url, json=first) as response:
-            answer = await response.json(content_type=None)
-        if response.status != 200 or not isinstance(answer, dict) or not answer.get("kv_transfer_params"):
+        async with session.post(url, json=_first_body(document, values, early)) as response:
+            if early and response.status == 200:
+                await _stream_first_stage(response, stage, client)
+            else:
+                answer = await response.json(content_type=None)
+                if response.status == 200 and isinstance(answer, dict) and answer.get("kv_transfer_params"):
+                    stage.handle = _handle(answer["kv_transfer_params"])
+        if stage.handle is None:
             logger.warning("prefill stage on %s gave no KV handle (%s): the decode replica computes the prompt",
                            decision.replica.replica_id, response.status)
-            return None
-        handle = answer["kv_transfer_params"]
-        return json.loads(handle) if isinstance(handle, str) else handle
     except (aiohttp.ClientError, ValueError, TimeoutError) as exc:
         logger.warning("prefill stage on %s failed (%s); the decode replica computes the prompt",
                        decision.replica.replica_id, exc)
-        return None
     finally:
         router.release(decision)
+    if stage.handle is not None:
+        router.num_two_stage += 1
+        document = with_sampling(document, kv_transfer_params=stage.handle)
+    return document, stage
+
+
+def _handle(value: Any) -> dict:
+    return json.loads(value) if isinstance(value, str) else value
+
+
+async def _stream_first_stage(response: aiohttp.ClientResponse, stage: StageOne, client: web.Request) -> None:
+    """Read the first stage's events: the first token's goes to the client, the last holds the handle."""
+    async for event in _events(response.content):
+        answer = _event_json(event)
+        if not isinstance(answer, dict) or "error" in answer:
+            logger.warning("prefill stage answered %r", event[:200])
+            return
+        if answer.get("kv_transfer_params"):
+            stage.handle = _handle(answer["kv_transfer_params"])
+            return
+        if stage.response is None:
+            stage.splice = Splice.of(answer.get("text_output"), answer.get("num_output_tokens"), answer.get("logprobs"))
+            stage.response = web.StreamResponse(status=200, headers={
+                "Content-Type": response.headers.get("Content-Type", "text/event-stream"), "Cache-Control": "no-cache"})
+            await stage.response.prepare(client)
+            await stage.response.write(event + b"\n\n")
+
+
+async def _events(content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
+    """The SSE events of an answer, one at a time (without their blank-line ends)."""
+    buffer = b""
+    async for chunk in content.iter_any():
+        buffer += chunk
+        while b"\n\n" in buffer:
+            event, buffer = buffer.split(b"\n\n", 1)
+            yield event
+    if buffer.strip():
+        yield buffer
+
+
+def _event_json(event: bytes) -> Any:
+    """An SSE event's ``data:`` JSON (None when it has none, or not JSON)."""
+    if b"data:" not in event:
+        return None
+    try:
+        return json.loads(event.split(b"data:", 1)[1])
+    except ValueError:
+        return None
+
+
+async def end_with_error(response: web.StreamResponse, message: str) -> web.StreamResponse:
+    """End an opened SSE answer with Triton's error event."""
+    await response.write(f"data: {json.dumps({'error': message})}\n\n".encode())
+    await response.write_eof()
+    return response
+
+
+async def relay_into(stage: StageOne, upstream: aiohttp.ClientResponse, router: Any, replica: Any,
+                     span: Any) -> Union[web.StreamResponse, str]:
+    """Relay the decode replica's answer into the client's opened SSE answer, the front cut.
+
+    Returns:
+        The answer, ended (a failure as its last event); or the overload message when the
+        replica refused the request as overloaded before its first event (the caller tries
+        another replica).
+    """
+    response, splice = stage.response, stage.splice
+    assert response is not None and splice is not None, "relay_into needs the early event's answer"
+    try:
+        if not upstream.headers.get("Content-Type", "").startswith("text/event-stream"):
+            data = await upstream.read()
+            if is_overloaded(data.decode("utf-8", "replace")):
+                return error_text(data)
+            return await end_with_error(response, error_text(data) or f"replica answered {upstream.status}")
+        is_first = True
+        async for event in _events(upstream.content):
+            answer = _event_json(event)
+            if isinstance(answer, dict) and "error" in answer and is_first and is_overloaded(str(answer["error"])):
+                return str(answer["error"])
+            is_first = False
+            if isinstance(answer, dict) and "error" not in answer and not splice.is_done:
+                cut = splice.cut({k: answer[k] for k in _CUT_OUTPUTS if k in answer})
+                event = b"data: " + json.dumps({**answer, **cut}).encode()
+            await response.write(event + b"\n\n")
+    except FirstTokenMismatch as exc:
+        span.fail(str(exc))
+        return await end_with_error(response, str(exc))
+    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+        failure = (f"replica {replica.replica_id} failed while streaming this request: {type(exc).__name__}: "
+                   f"{exc}. The router avoids it until it is healthy again; retry the request.")
+        router.replicas.mark_unhealthy(replica, failure)
+        span.fail(failure)
+        return await end_with_error(response, failure)
+    await response.write_eof()
+    return response

@@ -21,6 +21,7 @@ from pagoda.fleet.api.openai_guided import guided_decoding_from_body
 from pagoda.fleet.api.openai_protocol import (CHAT_ROLES, ChatCompletionRequest, ChatMessage, CompletionRequest,
                                               OpenAIError, describe, parse)
 from pagoda.fleet.api.openai_tools import ToolPlan, detect_parser, render_prompt, tool_plan_from_body
+from pagoda.fleet.triton_wire import bytes_raw
 
 MODEL_NAME = "pagoda"
 # Prompts in one completions request (a list of strings or of token-id lists); each is one
@@ -186,19 +187,15 @@ def build_chat_request(body: dict, tokenizer: Any) -> BuiltRequest:
 
 
 # ------------------------------------------------------------------ Triton tensors
-def _bytes_raw(values: list[bytes]) -> bytes:
-    return b"".join(struct.pack("<I", len(v)) + v for v in values)
-
-
 def make_infer_request(built: BuiltRequest, request_id: str) -> Any:
     """The contract-1 ``ModelInferRequest`` for a built OpenAI request (streaming deltas)."""
     request = service_pb2.ModelInferRequest(model_name=MODEL_NAME, id=request_id)
     prompt = built.prompt
-    inputs = [("text_input", "BYTES", _bytes_raw([prompt.encode("utf-8")])) if isinstance(prompt, str) else
+    inputs = [("text_input", "BYTES", bytes_raw([prompt.encode("utf-8")])) if isinstance(prompt, str) else
               ("input_ids", "INT32", struct.pack(f"<{len(prompt)}i", *prompt)),
               # The door reads pagoda's output shapes, whatever the replica's default dialect.
               ("sampling_parameters", "BYTES",
-               _bytes_raw([json.dumps({**built.sampling, "output_dialect": "pagoda"}).encode("utf-8")]))]
+               bytes_raw([json.dumps({**built.sampling, "output_dialect": "pagoda"}).encode("utf-8")]))]
     flags = {"stream": True, "exclude_input_in_output": True, "return_finish_reason": True,
              "return_num_input_tokens": True, "return_num_output_tokens": True, "return_num_cached_tokens": True,
              "return_logprobs": built.logprobs is not None}

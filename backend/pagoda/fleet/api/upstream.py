@@ -14,14 +14,18 @@ replica is left.
 
 Disaggregated serving (docs/kv_transfer.md): when the routable replicas include a
 ``prefill`` and a ``decode`` role, a request runs in two stages: a copy with
-``max_tokens: 1`` and ``kv_transfer_params: {"do_remote_decode": true}`` on a prefill
-replica (chosen among prefill replicas by the same policy: prefix affinity, load), whose
-final response carries the KV handle; then the request itself, with that handle as its
-``kv_transfer_params``, on a decode or mixed replica, which pulls the prompt's blocks and
-streams the answer, the one stream the client sees. A failed first stage (no prefill
-replica, an error, no handle) is logged and the request runs whole on the decode side:
-the same answer, later. A request that already carries ``kv_transfer_params`` (a client
-driving the stages itself) is routed as is.
+``kv_transfer_params: {"do_remote_decode": true}`` and the stage's ``max_tokens``/
+``min_tokens`` (``first_token.stage_values``; the request's scalar inputs and parameters for
+them dropped) on a prefill replica (chosen among prefill replicas by the same policy:
+prefix affinity, load), whose final response carries the KV handle; then the request
+itself, with that handle as its ``kv_transfer_params``, on a decode or mixed replica,
+which pulls the prompt's blocks and streams the answer. A streaming request gets the
+prefill stage's first token as its first response, as soon as it is sampled, and then the
+decode replica's stream with that token cut from its front (``first_token``: exact for
+greedy and seeded requests; an unseeded sampled one is given one seed for both stages).
+A failed first stage (no prefill replica, an error, no handle) is logged and the request
+runs whole on the decode side: the same answer, later. A request that already carries
+``kv_transfer_params`` (a client driving the stages itself) is routed as is.
 
 Peer prefix pull (``routing.peer_pull``): otherwise, when the chosen replica lacks a prefix
 another replica holds and pulling it is estimated faster than recomputing it, the request
@@ -40,6 +44,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import struct
 from typing import Any, AsyncIterator, Optional
 
 import grpc
@@ -51,7 +56,10 @@ from pagoda.fleet.gate.gate import Gate
 from pagoda.fleet.gate.limits import remove_sampling_value, sampling_of_infer_request, set_sampling_value
 from pagoda.fleet.routing.peer_pull import PeerPull
 from pagoda.fleet.routing.router import Analysis, NoReplicaAvailable, Router
-from pagoda.fleet.triton_wire import drop_inputs, output_text
+from pagoda.fleet.api.first_token import (STAGE_KEYS, FirstTokenMismatch, Splice, is_early, merged_values, stage_seed,
+                                          stage_values)
+from pagoda.fleet.triton_wire import (bytes_raw, drop_inputs, drop_parameters, keep_outputs, output_number, output_text,
+                                      replace_output, request_parameters, scalar_inputs)
 
 logger = logging.getLogger(__name__)
 
@@ -88,55 +96,81 @@ class GrpcUpstream:
     async def stream(self, analysis: Optional[Analysis], request: Any, span: RouteSpan) -> AsyncIterator[Any]:
         """Route ``request`` and yield the replica's ``ModelStreamInferResponse`` messages.
 
-        With prefill and decode replicas in the fleet, in two stages (module docstring).
+        With prefill and decode replicas in the fleet, in two stages (module docstring); a
+        streaming request's first response then comes from the prefill stage (``first_token``).
 
         Raises:
             NoReplicaAvailable: no replica could be chosen.
-            ReplicaFailed: the chosen replica failed (after any retries that were safe).
+            ReplicaFailed: the chosen replica failed (after any retries that were safe), or
+                the decode replica's first token differs from the one already streamed.
         """
-        skip, may_pull = [], False
+        skip, may_pull, stage = [], False, _StageOne()
         if self._is_disaggregated(request):
             skip = [r.replica_id for r in self.router.replicas.all() if r.role == "prefill"]
-            handle = await self._prefill(analysis, request, span)
-            if handle is not None:
-                set_sampling_value(request, "kv_transfer_params", handle)
+            async for early in self._prefill(analysis, request, span, stage):
+                yield early
+            if stage.handle is not None:
+                set_sampling_value(request, "kv_transfer_params", stage.handle)
                 self.router.num_two_stage += 1
         else:
             may_pull = self.peer_pull.enabled and "kv_transfer_params" not in sampling_of_infer_request(request)
-        async for response in self._stream_on(analysis, request, span, skip, may_pull):
-            yield response
+        responses = self._stream_on(analysis, request, span, skip, may_pull)
+        try:
+            async for response in responses:
+                if stage.splice is not None and not stage.splice.is_done and not response.error_message:
+                    _cut_front(response.infer_response, stage.splice)
+                yield response
+        except NoReplicaAvailable as exc:
+            if stage.splice is None:
+                raise
+            raise ReplicaFailed(str(exc)) from None  # the client already has a token: a mid-stream failure
+        finally:
+            await responses.aclose()
 
     def _is_disaggregated(self, request: Any) -> bool:
         roles = {r.role for r in self.router.replicas.routable()}
         return "prefill" in roles and "decode" in roles and \
             "kv_transfer_params" not in sampling_of_infer_request(request)
 
-    async def _prefill(self, analysis: Optional[Analysis], request: Any, span: RouteSpan) -> Optional[dict]:
-        """The first stage on a prefill replica: the prompt computed, one token, the KV handle
-        back. None (the request then runs whole on a decode replica) when it fails."""
+    async def _prefill(self, analysis: Optional[Analysis], request: Any, span: RouteSpan,
+                       stage: "_StageOne") -> AsyncIterator[Any]:
+        """The first stage on a prefill replica: the prompt computed, the KV handle back into
+        ``stage.handle`` (None, and the request runs whole on a decode replica, when it fails).
+        Yields its first token's response when that goes to the client early (``first_token``;
+        ``stage.splice`` then says what to cut from the decode stream); a request without a
+        seed that needs one gets it here, for both stages."""
+        values = merged_values(scalar_inputs(request), sampling_of_infer_request(request), request_parameters(request))
+        early = is_early(values)
+        seed = stage_seed(values, early)
+        if seed is not None:
+            set_sampling_value(request, "seed", seed)
         first = service_pb2.ModelInferRequest()
         first.CopyFrom(request)
         del first.outputs[:]  # every output: the handle too
-        for key, value in (("max_tokens", 1), ("min_tokens", 0), ("kv_transfer_params", {"do_remote_decode": True})):
+        for key, value in stage_values(values, early).items():
             set_sampling_value(first, key, value)
-        drop_inputs(first, ("max_tokens", "min_tokens", "min_length"))  # the JSON values above rule
+        drop_inputs(first, STAGE_KEYS[:-1])  # the JSON values above rule
+        drop_parameters(first, STAGE_KEYS[:-1])
         skip = [r.replica_id for r in self.router.replicas.all() if r.role != "prefill"]
         responses = self._stream_on(analysis, first, span, skip)
         try:
             async for response in responses:
                 if response.error_message:
                     logger.warning("prefill stage refused: %s", response.error_message)
-                    return None
+                    return
                 text = output_text(response.infer_response, "kv_transfer_params")
                 if text:
-                    return json.loads(text)
+                    stage.handle = json.loads(text)
+                    return
+                if early and stage.splice is None:
+                    stage.splice = _splice_of(response.infer_response)
+                    yield _early_response(response, request)
         except (NoReplicaAvailable, ReplicaFailed) as exc:
             logger.warning("prefill stage failed (%s); the decode replica computes the prompt", exc)
-            return None
+            return
         finally:
             await responses.aclose()  # the stage's replica is released now, not at collection
         logger.warning("prefill stage gave no KV handle; the decode replica computes the prompt")
-        return None
 
     async def _stream_on(self, analysis: Optional[Analysis], request: Any, span: RouteSpan,
                          skip: list[str], may_pull: bool = False) -> AsyncIterator[Any]:
@@ -193,3 +227,42 @@ class GrpcUpstream:
             set_sampling_value(request, "kv_transfer_params", params)
         elif "kv_transfer_params" in sampling_of_infer_request(request):
             remove_sampling_value(request, "kv_transfer_params")  # an earlier attempt's
+
+
+class _StageOne:
+    """What the first stage left for the second: the KV handle, and the splice when its first
+    token went to the client early."""
+
+    def __init__(self) -> None:
+        self.handle: Optional[dict] = None
+        self.splice: Optional[Splice] = None
+
+
+def _splice_of(response: Any) -> Splice:
+    return Splice.of(output_text(response, "text_output"), output_number(response, "num_output_tokens"),
+                     output_text(response, "logprobs"))
+
+
+def _early_response(response: Any, request: Any) -> Any:
+    """The prefill stage's first response as the client's: only the outputs it asked for."""
+    if request.outputs:
+        keep_outputs(response.infer_response, {output.name for output in request.outputs})
+    return response
+
+
+def _cut_front(response: Any, splice: Splice) -> None:
+    """Cut what the client already has from a decode response (``Splice``), in place.
+
+    Raises:
+        ReplicaFailed: the decode stream does not continue the token already streamed.
+    """
+    outputs = {"text_output": output_text(response, "text_output"),
+               "num_output_tokens": output_number(response, "num_output_tokens"),
+               "logprobs": output_text(response, "logprobs")}
+    try:
+        cut = splice.cut({name: value for name, value in outputs.items() if value is not None})
+    except FirstTokenMismatch as exc:
+        raise ReplicaFailed(str(exc), grpc.StatusCode.INTERNAL) from None
+    for name, value in cut.items():
+        raw = struct.pack("<I", value) if name == "num_output_tokens" else bytes_raw([value.encode("utf-8")])
+        replace_output(response, name, raw)

@@ -9,10 +9,11 @@ modelled step time, the router's real decision path), with roles and a KV transf
   to a decode replica chosen among the decode replicas (``TransferModel``: latency plus
   bytes over bandwidth, only the blocks the decode replica lacks, entered in its prefix
   cache as ``engine.kv_transfer``'s receiver does), and the request runs there whole,
-  hitting them: it computes its last partial block and samples every output token. This is
-  pagoda's router protocol (``fleet/api/upstream.py``): the client's first token is the
-  decode replica's, so TTFT includes the transfer (DistServe and Dynamo stream the prefill
-  replica's first token; ``first_token_at_prefill=True`` models that).
+  hitting them: it computes its last partial block and samples every output token. By
+  default the client's first token is the decode replica's, so TTFT includes the transfer:
+  pagoda's router protocol for a request that does not stream. A streaming request gets the
+  prefill replica's first token early (``fleet/api/first_token.py``, as DistServe and
+  TensorRT-LLM do); ``first_token_at_prefill=True`` models that.
 
 Per request: TTFT (arrival to first token), TPOT (mean time between its later tokens) and
 its longest inter-token gap (a stall: a prefill run in the same step as its decode).
