@@ -36,6 +36,7 @@ from typing import Callable
 import torch
 
 from pagoda.bench.workload import WorkItem, make_workload
+from pagoda.models.cpu_gemm import PackedWeight
 
 LLAMA3_8B = dict(
     vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -98,8 +99,20 @@ def write_model_folder(folder: Path, raw: dict) -> None:
     (folder / "tokenizer_config.json").write_text("{}")
 
 
+class _Dense:
+    """A module's attributes, with a ``PackedWeight`` read back as its dense tensor."""
+
+    def __init__(self, module) -> None:
+        self._module = module
+
+    def __getattr__(self, name: str):
+        value = getattr(self._module, name)
+        return value.dense() if isinstance(value, PackedWeight) else value
+
+
 def hf_state_dict(model) -> dict[str, torch.Tensor]:
-    """Hugging Face names -> views of our (fused) parameters: no copies.
+    """Hugging Face names -> views of our (fused) parameters: no copies (but of the weights a
+    CPU model holds prepacked for oneDNN, ``models.cpu_gemm.PackedWeight``, made dense again).
 
     Inverse of ``LlamaForCausalLM.load_weights``: ``qkv_weight`` rows split into q/k/v,
     ``gate_up_weight`` rows into gate/up. Raises ValueError for a quantized model.
@@ -108,7 +121,7 @@ def hf_state_dict(model) -> dict[str, torch.Tensor]:
     sd = {"model.embed_tokens.weight": model.embed_tokens, "model.norm.weight": model.norm,
           "lm_head.weight": model.lm_head}  # fmt: skip
     for i, layer in enumerate(model.layers):
-        attn, mlp, p = layer.attn, layer.mlp, f"model.layers.{i}."
+        attn, mlp, p = _Dense(layer.attn), _Dense(layer.mlp), f"model.layers.{i}."
         if not all(isinstance(getattr(m, w), torch.Tensor) for m in (attn, mlp) for w in m.linear_weights):
             raise ValueError("hf_state_dict needs float weights; the model is quantized")
         q, kv, inter = attn.q_size, attn.kv_size, mlp.intermediate_size

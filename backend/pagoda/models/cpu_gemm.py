@@ -57,6 +57,10 @@ class PackedWeight(nn.Module):
         out = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), self.packed, bias, "none", [], "")
         return out.reshape(*x.shape[:-1], self.shape[0])
 
+    def dense(self) -> torch.Tensor:
+        """The ``[out, in]`` weight as a plain tensor again (a copy)."""
+        return self.packed.to_dense()
+
     def extra_repr(self) -> str:
         return f"out={self.shape[0]}, in={self.shape[1]}, dtype={self.dtype}, onednn"
 
