@@ -462,7 +462,9 @@ def test_waiting_for_a_shared_prefix_can_be_turned_off():
 
 
 def _lora_request(rid, adapter, prompt=8, max_tokens=4):
-    request = make_request(rid, [hash(rid) % 50 + 200 + i for i in range(prompt)], max_tokens=max_tokens)
+    # The id's bytes first: distinct ids never share a prompt block (``hash`` varies per process).
+    tokens = [1000 + byte for byte in rid.encode()] + [200 + i for i in range(prompt)]
+    request = make_request(rid, tokens[:max(prompt, len(rid))], max_tokens=max_tokens)
     request.adapter_id = adapter
     return request
 
