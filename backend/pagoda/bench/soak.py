@@ -350,14 +350,20 @@ def _check_replicas(fleet: Fleet, rss_start: dict[str, float], config: SoakConfi
             report.violations.append(f"replica {rid} not back to baseline: {values}")
 
 
+# Long enough that a burst's requests are all in flight at once (with 16 tokens, replicas on
+# oneDNN-packed weights finished the first ones before the router had sent the last).
+BURST_MAX_TOKENS = 64
+
+
 def run_burst(fleet: Fleet, n: int) -> dict[str, dict[str, float]]:
     """N streaming requests at once, at replica r0 directly and through the router."""
     from concurrent.futures import ThreadPoolExecutor
 
     replica = fleet.servers["r0"]
-    body = {"text_input": BURST_PROMPT, "max_tokens": 16, "temperature": 0, "stream": True}
-    chat = {"messages": [{"role": "user", "content": BURST_PROMPT}], "max_tokens": 16, "temperature": 0,
-            "stream": True}
+    body = {"text_input": BURST_PROMPT, "max_tokens": BURST_MAX_TOKENS, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    chat = {"messages": [{"role": "user", "content": BURST_PROMPT}], "max_tokens": BURST_MAX_TOKENS, "temperature": 0,
+            "stream": True, "ignore_eos": True}
     targets = {"replica": (f"http://{replica.http_url}/v2/models/pagoda/generate_stream", body, None),
                "router": (f"http://{fleet.router.http_url}/v1/chat/completions", chat, next(iter(KEYS)))}
     results = {}
