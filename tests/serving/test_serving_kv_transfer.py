@@ -1,6 +1,7 @@
 """Disaggregated prefill/decode driven by the client through two serving loops
 (``serving.kv_transfer_control``, vLLM's ``kv_transfer_params``): real engines, real TCP
-connectors on loopback, the serving loop's own threads.
+connectors on loopback (TCP, and NIXL where the ``nixl`` package runs), the serving loop's
+own threads.
 
 The prefill replica answers ``do_remote_decode`` with a KV handle; the decode replica
 pulls the prompt's blocks named by it before admitting the request. Outputs equal a
@@ -20,7 +21,8 @@ import pytest
 
 from pagoda import SamplingParams
 from pagoda.engine.config import EngineConfig
-from pagoda.engine.kv_transfer.tcp import TcpKVConnector
+from pagoda.engine.kv_transfer.nixl_memory import nixl_unavailable_reason
+from pagoda.engine.kv_transfer.registry import make_kv_connector
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.serving.commands import ServingRequest
 from pagoda.serving.engine_loop import EngineLoop
@@ -36,9 +38,9 @@ PROMPT = " ".join(f"tea leaf {i} steeped" for i in range(30))  # ~150 tokens: 9 
 class Replica:
     """One engine + its serving loop + a listening connector, and the responses it sent."""
 
-    def __init__(self, model: str, listen: bool = True) -> None:
+    def __init__(self, model: str, listen: bool = True, backend: str = "tcp") -> None:
         self.engine = LLMEngine(EngineConfig(model=model))
-        self.connector = TcpKVConnector(self.engine, listen="127.0.0.1:0") if listen else None
+        self.connector = make_kv_connector(backend, self.engine, listen="127.0.0.1:0") if listen else None
         self.responses: dict[str, list] = {}
         self.done = threading.Condition()
         self.sender = ResponseSender(self._deliver)
@@ -79,11 +81,17 @@ def model(tmp_path_factory, smollm2_path):
     return str(make_random_model(tmp_path_factory.mktemp("kvx") / "llama", "llama-gqa3-hd64", smollm2_path))
 
 
+NIXL_UNAVAILABLE = nixl_unavailable_reason()
+
+
+@pytest.mark.parametrize("backend", ["tcp", pytest.param("nixl", marks=pytest.mark.skipif(
+    NIXL_UNAVAILABLE is not None, reason=f"NIXL connector: {NIXL_UNAVAILABLE}"))])
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
                                     SamplingParams(temperature=1.0, seed=11, max_tokens=8, ignore_eos=True)],
                          ids=["greedy", "seeded"])
-def test_prefill_then_decode_equals_one_replica_and_hits_the_pulled_blocks(model, params):
-    prefill, decode, single = Replica(model), Replica(model), Replica(model, listen=False)
+def test_prefill_then_decode_equals_one_replica_and_hits_the_pulled_blocks(model, params, backend):
+    prefill, decode = Replica(model, backend=backend), Replica(model, backend=backend)
+    single = Replica(model, listen=False)
     try:
         expected = _text(single.run("one", params))
         first = prefill.run("p1", dataclasses.replace(params, max_tokens=1),
@@ -97,6 +105,8 @@ def test_prefill_then_decode_equals_one_replica_and_hits_the_pulled_blocks(model
         assert answer.error is None and _text(answer) == expected
         assert int(answer.tensors["num_cached_tokens"][0]) == blocks * 16  # every pulled block is a hit
         assert decode.loop._kv.num_pulled_blocks == blocks and decode.loop._kv.num_failed_pulls == 0
+        if backend == "nixl":
+            assert decode.connector.memory.num_bytes_read == blocks * decode.connector.block_io.block_bytes
         again = decode.run("d2", params, kv=handle)  # the prefix is here already: nothing moves
         assert _text(again) == expected and decode.loop._kv.num_pulled_blocks == blocks
     finally:

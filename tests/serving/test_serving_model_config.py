@@ -107,6 +107,8 @@ def test_engine_flags_and_engine_args_reach_the_config(tmp_path):
     (["--tensor-parallel-size", "3", "--nodes", "2", "--leader-address", "h:29500"], "tensor_parallel_nodes"),
     (["--tensor-parallel-size", "2", "--nodes", "2", "--leader-address", "h:port"], "tensor_parallel_leader"),
     (["--leader-address", "h:29500"], "--leader-address: only with --nodes > 1"),
+    (["--kv-transfer-backend", "nixl"], "--kv-transfer-backend needs --kv-transfer-listen"),
+    (["--kv-transfer-listen", "0.0.0.0:0", "--kv-transfer-backend", "shm"], "invalid choice: 'shm'"),
 ])
 def test_bad_engine_flags_are_refused_before_tritonserver_starts(args, message, capsys):
     from pagoda.serving.launch.serve_cli import main
@@ -157,3 +159,20 @@ def test_output_dialect_and_vllm_metrics_switch_from_flags_to_parameters(tmp_pat
     with pytest.raises(ValueError, match="REPORT_CUSTOM_METRICS: cannot read 'maybe'"):
         report_custom_metrics({"REPORT_CUSTOM_METRICS": {"string_value": "maybe"}})
     engine_config_from_parameters(parameters)  # serving parameters are not engine fields, and not refused
+
+
+def test_kv_transfer_backend_flag_reaches_the_config_and_unknown_names_are_refused(tmp_path):
+    from pagoda.serving.model_config import kv_transfer_backend
+
+    shipped = parameters_of((REPOSITORY / "pagoda" / "config.pbtxt").read_text())
+    assert "kv_transfer_backend" in shipped and kv_transfer_backend(shipped) == "tcp" == kv_transfer_backend({})
+    options = options_from_args(make_parser().parse_args(["--kv-transfer-listen", "127.0.0.1:0",
+                                                          "--kv-transfer-backend", "nixl"]))
+    params = parameters_of((materialize_repository(REPOSITORY, tmp_path / "repo", options)
+                            / "pagoda" / "config.pbtxt").read_text())
+    assert kv_transfer_backend(params) == "nixl" and params["kv_transfer_listen"]["string_value"] == "127.0.0.1:0"
+    engine_config_from_parameters(params)  # a serving parameter, not an engine field
+    with pytest.raises(ValueError, match="KV transfer backend 'rdma': must be one of tcp, nixl"):
+        kv_transfer_backend({"kv_transfer_backend": {"string_value": "rdma"}, "kv_transfer_listen": "h:1"})
+    with pytest.raises(ValueError, match="kv_transfer_backend 'nixl' needs kv_transfer_listen"):
+        kv_transfer_backend({"kv_transfer_backend": "nixl"})

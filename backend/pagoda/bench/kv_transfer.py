@@ -1,4 +1,4 @@
-"""``pagoda bench kv-transfer``: moving a prefix's KV over TCP vs recomputing it.
+"""``pagoda bench kv-transfer``: moving a prefix's KV between replicas vs recomputing it.
 
 Two processes on this machine, each with its own engine on the same model (default
 SmolLM2-135M-Instruct): the sender (this process) and a receiver (a spawned child,
@@ -7,7 +7,9 @@ would). For each of ``--repeats`` fresh random prompts of ``--prefix-tokens`` to
 
 * recompute: the sender prefills the prompt (one request, ``max_tokens=1``): its TTFT is
   what a replica pays to compute the prefix itself;
-* transfer of the prompt's full blocks until they are in the receiver's prefix cache:
+* transfer of the prompt's full blocks until they are in the receiver's prefix cache, over
+  the ``--backend`` connector (``tcp``, default, or ``nixl``: the same control connection,
+  the bytes read over NIXL/UCX; ``engine.kv_transfer.registry``):
   ``--mode pull`` (default): the receiver calls ``pull`` and waits for its ``receive``
   result while the sender's loop polls; ``--mode push``: the sender calls ``send`` and
   waits for DONE. Per-request latency and MB/s of KV payload;
@@ -27,6 +29,8 @@ import platform
 import random
 import statistics
 import time
+
+from pagoda.engine.kv_transfer.registry import KV_CONNECTOR_BACKENDS
 
 
 def _ttft(engine, request_id: str, prompt: list[int]) -> tuple[float, int, list[int]]:
@@ -49,10 +53,10 @@ def _make_engine(model, threads: int):
     return LLMEngine(EngineConfig(model=model, kv_cache_memory_bytes=1 << 30))
 
 
-def _receiver(conn, model, threads: int) -> None:
-    from pagoda.engine.kv_transfer.tcp import TcpKVConnector
+def _receiver(conn, model, threads: int, backend: str) -> None:
+    from pagoda.engine.kv_transfer.registry import make_kv_connector
     engine = _make_engine(model, threads)
-    connector = TcpKVConnector(engine, listen="127.0.0.1:0")
+    connector = make_kv_connector(backend, engine, listen="127.0.0.1:0")
     conn.send(connector.address)
     try:
         while True:
@@ -63,7 +67,8 @@ def _receiver(conn, model, threads: int) -> None:
                     return
                 request_id, prompt, pull_from = command
                 pulled = _pull(connector, pull_from, prompt, engine) if pull_from else (0.0, 0)
-                conn.send((*pulled, *_ttft(engine, request_id, prompt)))
+                memory = getattr(connector, "memory", None)  # the nixl connector's: bytes READ over NIXL
+                conn.send((*pulled, *_ttft(engine, request_id, prompt), memory.num_bytes_read if memory else 0))
     finally:
         connector.close()
 
@@ -93,20 +98,23 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--mode", choices=("pull", "push"), default="pull",
                         help="pull: the receiver asks for the blocks; push: the sender sends them")
+    parser.add_argument("--backend", choices=tuple(KV_CONNECTOR_BACKENDS), default="tcp",
+                        help="the KV connector on both sides (nixl needs the nixl package)")
     args = parser.parse_args(argv)
     if args.prefix_tokens < 16 or args.repeats < 1:
         parser.error("--prefix-tokens must be >= 16 and --repeats >= 1")
     from pagoda.contracts.block_hash import hash_prompt_blocks
-    from pagoda.engine.kv_transfer.tcp import TcpKVConnector
+    from pagoda.engine.kv_transfer.registry import make_kv_connector
     from pagoda.models.gguf_import import ensure_default_model
 
     model = str(args.model or ensure_default_model())
     parent, child = mp.get_context("spawn").Pipe()
-    proc = mp.get_context("spawn").Process(target=_receiver, args=(child, model, args.threads), daemon=True)
+    proc = mp.get_context("spawn").Process(target=_receiver, args=(child, model, args.threads, args.backend),
+                                           daemon=True)
     proc.start()
     try:
         engine = _make_engine(model, args.threads)
-        connector = TcpKVConnector(engine, listen="127.0.0.1:0")
+        connector = make_kv_connector(args.backend, engine, listen="127.0.0.1:0")
         peer = parent.recv()
         rows = _measure(engine, connector, parent, peer, args, hash_prompt_blocks)
         connector.close()
@@ -134,19 +142,20 @@ def _measure(engine, connector, pipe, peer, args, hash_prompt_blocks) -> list[di
         while not pipe.poll(0.0005):
             connector.poll()  # the sender's engine loop: answers the pull, unpins when done
         connector.poll()
-        transfer_s, num_bytes, pulled_ttft_s, cached, pulled_token = pipe.recv()
+        transfer_s, num_bytes, pulled_ttft_s, cached, pulled_token, nixl_bytes = pipe.recv()
         if args.mode == "push":
             transfer_s, num_bytes = push
         assert pulled_token == token, f"run {i}: first token {pulled_token} after transfer, {token} recomputed"
         rows.append(dict(recompute_s=recompute_s, transfer_s=transfer_s, num_bytes=num_bytes,
                          mb_per_s=num_bytes / transfer_s / 1e6, pulled_ttft_s=pulled_ttft_s,
-                         num_blocks=len(hashes), cached_tokens=cached))
+                         num_blocks=len(hashes), cached_tokens=cached, nixl_bytes=nixl_bytes))
     return rows
 
 
 def _report(rows: list[dict], args, engine) -> None:
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-          f"torch threads per process: {args.threads}; mode {args.mode}; model {engine.model_id}, "
+          f"torch threads per process: {args.threads}; backend {args.backend}; mode {args.mode}; "
+          f"model {engine.model_id}, "
           f"KV {engine.runner.kv_caches[0][0].dtype}, block_size {engine.config.block_size}")
     print("\n| run | blocks | MB | transfer ms | MB/s | recompute TTFT ms | transfer + pulled TTFT ms | cached tokens |")
     print("|---|---|---|---|---|---|---|---|")
@@ -158,4 +167,5 @@ def _report(rows: list[dict], args, engine) -> None:
                                                                "pulled_ttft_s")}
     print(f"\nmedian: transfer {med['transfer_s'] * 1e3:.1f} ms ({med['mb_per_s']:.0f} MB/s), "
           f"recompute {med['recompute_s'] * 1e3:.0f} ms, pulled TTFT {med['pulled_ttft_s'] * 1e3:.0f} ms "
-          f"(+ transfer = {(med['transfer_s'] + med['pulled_ttft_s']) * 1e3:.0f} ms)")
+          f"(+ transfer = {(med['transfer_s'] + med['pulled_ttft_s']) * 1e3:.0f} ms); "
+          f"the receiver READ {rows[-1]['nixl_bytes'] / 1e6:.1f} MB over NIXL in all")

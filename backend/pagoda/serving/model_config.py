@@ -20,6 +20,8 @@ same model repository works under ``pagoda serve``, in NVIDIA's container and un
   ``serving.kv_event_stream`` (KV events on a ZMQ socket in vLLM's format).
 - ``kv_transfer_listen`` (a serving parameter): ``HOST:PORT`` of the replica's KV connector
   for disaggregated prefill/decode (``serving.kv_transfer_control``); empty: none.
+  ``kv_transfer_backend``: which connector (``engine.kv_transfer.registry``: ``tcp``, the
+  default when empty, or ``nixl``).
 
 Server defaults (``SERVER_DEFAULTS``) differ from ``EngineConfig``'s where a server must
 protect itself and an offline engine must not refuse its own work: ``max_queue_delay_s`` is
@@ -42,7 +44,7 @@ from pagoda.engine.config import EngineConfig
 
 # Parameters that are not EngineConfig fields but are still ours.
 SERVING_PARAMETERS = ("served_model_name", "allow_runtime_lora", "kv_events_config", "output_dialect",
-                      "REPORT_CUSTOM_METRICS", "kv_transfer_listen")
+                      "REPORT_CUSTOM_METRICS", "kv_transfer_listen", "kv_transfer_backend")
 
 # EngineConfig fields whose server default differs from the engine's (module docstring).
 SERVER_DEFAULTS = {"max_queue_delay_s": 30.0}
@@ -141,6 +143,21 @@ def allow_runtime_lora(parameters: Mapping[str, Any]) -> bool:
 def kv_transfer_listen(parameters: Mapping[str, Any]) -> Optional[str]:
     """The ``kv_transfer_listen`` parameter (``HOST:PORT``), or None when empty or absent."""
     return _parameter_text(parameters.get("kv_transfer_listen", "")) or None
+
+
+def kv_transfer_backend(parameters: Mapping[str, Any]) -> str:
+    """The ``kv_transfer_backend`` parameter (empty or absent: ``tcp``).
+
+    Raises:
+        ValueError: not a backend of ``engine.kv_transfer.registry`` (the message names them), or
+            set while ``kv_transfer_listen`` is empty (there would be no connector to choose).
+    """
+    from pagoda.engine.kv_transfer.registry import DEFAULT_KV_TRANSFER_BACKEND, check_kv_transfer_backend
+
+    backend = _parameter_text(parameters.get("kv_transfer_backend", ""))
+    if backend and kv_transfer_listen(parameters) is None:
+        raise ValueError(f"kv_transfer_backend {backend!r} needs kv_transfer_listen (HOST:PORT)")
+    return check_kv_transfer_backend(backend or DEFAULT_KV_TRANSFER_BACKEND)
 
 
 def output_dialect(parameters: Mapping[str, Any]) -> str:

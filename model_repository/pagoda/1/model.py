@@ -31,8 +31,9 @@ from pagoda.serving.commands import ServingRequest
 from pagoda.serving.engine_loop import EngineLoop
 from pagoda.serving.finalize_request import FinalizeWatch
 from pagoda.serving.metrics import ServingMetrics
-from pagoda.serving.model_config import (allow_runtime_lora, engine_config_from_parameters, kv_transfer_listen,
-                                         output_dialect, report_custom_metrics, served_model_name)
+from pagoda.serving.model_config import (allow_runtime_lora, engine_config_from_parameters, kv_transfer_backend,
+                                         kv_transfer_listen, output_dialect, report_custom_metrics,
+                                         served_model_name)
 from pagoda.serving.observers import make_observers
 from pagoda.serving.process_tree import ORPHANED_STUB_MESSAGE, ParentWatch
 from pagoda.serving.response_sender import ResponseSender
@@ -183,14 +184,18 @@ def _kv_event_stream(parameters):
 
 
 def _kv_connector(engine, parameters):
-    """A listening KV connector for disaggregated prefill/decode (``kv_transfer_listen``), or None."""
-    listen = kv_transfer_listen(parameters)
-    if listen is None:
-        return None
-    from pagoda.engine.kv_transfer.tcp import TcpKVConnector
+    """A listening KV connector for disaggregated prefill/decode (``kv_transfer_listen``, over the
+    ``kv_transfer_backend``), or None."""
+    from pagoda.engine.kv_transfer.registry import make_kv_connector
 
-    connector = TcpKVConnector(engine, listen=listen)
-    logger.info("KV connector listening on %s", connector.address)
+    try:
+        backend, listen = kv_transfer_backend(parameters), kv_transfer_listen(parameters)
+        if listen is None:
+            return None
+        connector = make_kv_connector(backend, engine, listen=listen)
+    except ValueError as error:
+        raise pb_utils.TritonModelException(str(error)) from None
+    logger.info("KV connector (%s) listening on %s", backend, connector.address)
     return connector
 
 

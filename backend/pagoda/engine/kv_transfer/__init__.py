@@ -1,1 +1,2 @@
-"""KV transfer between replicas: the ``KVConnector`` seam and its TCP implementation (docs/kv_transfer.md)."""
+"""KV transfer between replicas: the ``KVConnector`` seam, its registry and its TCP and NIXL
+implementations (docs/kv_transfer.md)."""

@@ -19,8 +19,9 @@ opened. Receiving: incoming blocks are buffered on the connector's thread (bound
 them in the prefix cache under the same hashes (so the next request with that prefix is
 a hit and the KV-event publisher tells the global index), then confirms to the sender.
 
-Implementations: ``tcp.TcpKVConnector``; a shared-memory or NIXL connector implements the
-same members. This module is pure Python.
+Implementations, chosen by name through ``registry.make_kv_connector``: ``tcp.TcpKVConnector``
+and ``nixl.NixlKVConnector`` (the same control path, the bytes read over NIXL); a
+shared-memory connector would implement the same members. This module is pure Python.
 """
 
 from __future__ import annotations

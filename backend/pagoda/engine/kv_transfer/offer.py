@@ -9,6 +9,10 @@ The receiver recomputes the whole chain from the parent (or from *its own* model
 hash) and refuses the offer unless every hash matches: so a received block is entered in
 the prefix cache only under the hash the receiver would have computed itself, and two
 replicas of different models, block sizes or KV layouts never exchange blocks.
+
+``nixl`` (optional): where the sender's blocks lie in its NIXL-registered KV memory
+(``nixl_memory.NixlKVMemory.describe``); a receiver that speaks NIXL reads them itself, any
+other receiver ignores it and the blocks come as CHUNKs.
 """
 
 from __future__ import annotations
@@ -31,13 +35,17 @@ class Offer:
     parent_block_hash: Optional[BlockHash] = None
     cache_salt: Optional[str] = None
     adapter_id: Optional[str] = None
+    nixl: Optional[dict] = None
 
     def to_json(self) -> dict:
-        return {"version": PROTOCOL_VERSION, "transfer_id": self.transfer_id, "model_id": self.model_id,
-                "block_size": self.block_size, "layout": self.layout,
-                "block_hashes": [h.hex() for h in self.block_hashes], "token_ids": self.token_ids,
-                "parent_block_hash": self.parent_block_hash.hex() if self.parent_block_hash else None,
-                "cache_salt": self.cache_salt, "adapter_id": self.adapter_id}
+        obj = {"version": PROTOCOL_VERSION, "transfer_id": self.transfer_id, "model_id": self.model_id,
+               "block_size": self.block_size, "layout": self.layout,
+               "block_hashes": [h.hex() for h in self.block_hashes], "token_ids": self.token_ids,
+               "parent_block_hash": self.parent_block_hash.hex() if self.parent_block_hash else None,
+               "cache_salt": self.cache_salt, "adapter_id": self.adapter_id}
+        if self.nixl is not None:
+            obj["nixl"] = self.nixl
+        return obj
 
     @classmethod
     def from_json(cls, obj: dict) -> "Offer":
@@ -51,7 +59,8 @@ class Offer:
                        block_hashes=[BlockHash(bytes.fromhex(h)) for h in obj["block_hashes"]],
                        token_ids=[[int(t) for t in block] for block in obj["token_ids"]],
                        parent_block_hash=BlockHash(bytes.fromhex(parent)) if parent else None,
-                       cache_salt=obj.get("cache_salt"), adapter_id=obj.get("adapter_id"))
+                       cache_salt=obj.get("cache_salt"), adapter_id=obj.get("adapter_id"),
+                       nixl=dict(obj["nixl"]) if obj.get("nixl") is not None else None)
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"malformed OFFER: {type(e).__name__}: {e}") from None
 

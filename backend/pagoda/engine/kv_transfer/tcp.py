@@ -20,7 +20,7 @@ from pagoda.contracts.block_hash import BlockHash
 from pagoda.engine.kv_transfer.block_io import KVBlockIO
 from pagoda.engine.kv_transfer.connector import TransferResult, parse_peer
 from pagoda.engine.kv_transfer.offer import Offer
-from pagoda.engine.kv_transfer.tcp_receiver import TcpReceiver
+from pagoda.engine.kv_transfer.tcp_receiver import TcpReceiver, take_all
 from pagoda.engine.kv_transfer.tcp_sender import TcpSender
 from pagoda.engine.kv_transfer import wire
 from pagoda.engine.kv_transfer.wire import FrameType
@@ -44,6 +44,10 @@ class TcpKVConnector:
         ValueError: a bad listen address or a non-positive limit.
     """
 
+    # The two sides; another transport (``nixl.NixlKVConnector``) subclasses them.
+    sender_class = TcpSender
+    receiver_class = TcpReceiver
+
     def __init__(self, engine, listen: Optional[str] = None, ttl_s: float = DEFAULT_TTL_S,
                  max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -58,15 +62,20 @@ class TcpKVConnector:
         self.block_io = KVBlockIO.for_runner(engine.runner)
         self.model_id = engine.model_id
         self.block_size = engine.config.block_size
-        self.sender = TcpSender(self.block_pool, self.block_io.read_block, chunk_bytes, ttl_s, clock)
+        self.sender = self.sender_class(self.block_pool, self.block_io.read_block, chunk_bytes, ttl_s, clock)
         self.receiver: Optional[TcpReceiver] = None
         self._pulls: "queue.SimpleQueue[tuple[socket.socket, dict]]" = queue.SimpleQueue()
         self._wake: Callable[[], None] = lambda: None
         if listen is not None:
             host, port = parse_peer(listen) if not listen.endswith(":0") else (listen[:-2], 0)
-            self.receiver = TcpReceiver(self.block_pool, self.block_io.write_block, self.model_id,
-                                        self.block_size, self.block_io.layout, host, port, max_inflight_bytes,
-                                        chunk_bytes, ttl_s, on_pull=self._queue_pull)
+            self.receiver = self.receiver_class(
+                self.block_pool, self.block_io.write_block, self.model_id, self.block_size, self.block_io.layout,
+                host, port, max_inflight_bytes, chunk_bytes, ttl_s, on_pull=self._queue_pull,
+                **self._receiver_options())
+
+    def _receiver_options(self) -> dict:
+        """Extra keyword arguments of ``receiver_class`` (another transport's own)."""
+        return {}
 
     def set_wake(self, wake: Callable[[], None]) -> None:
         """``wake()`` is called from the connector's threads whenever ``poll()`` has work (a
@@ -139,11 +148,7 @@ class TcpKVConnector:
 
     def _answer_pulls(self) -> None:
         """Engine thread: pin and start sending what each queued PULL asks for, or REFUSE it."""
-        while True:
-            try:
-                conn, obj = self._pulls.get_nowait()
-            except queue.Empty:
-                return
+        for conn, obj in take_all(self._pulls):
             try:
                 if obj.get("version") != wire.PROTOCOL_VERSION:
                     raise ValueError(f"protocol version {obj.get('version')!r}; this replica speaks "
@@ -174,8 +179,8 @@ class TcpKVConnector:
         self.sender.close()
         if self.receiver is not None:
             self.receiver.close()
-        while not self._pulls.empty():
-            self._pulls.get_nowait()[0].close()
+        for conn, _ in take_all(self._pulls):
+            conn.close()
 
 
 def _new_id() -> str:

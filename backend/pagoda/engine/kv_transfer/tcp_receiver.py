@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from pagoda.engine.kv.block_pool import BlockPool
+from pagoda.engine.kv.block_pool import BlockPool, KVCacheBlock
 from pagoda.engine.kv_transfer import wire
 from pagoda.engine.kv_transfer.connector import TransferResult
 from pagoda.engine.kv_transfer.offer import Offer, check_offer, contiguous_runs
@@ -48,6 +48,7 @@ class IncomingTransfer:
     abandoned: bool = False
     num_stored: int = 0
     error: Optional[str] = None
+    blocks: list[KVCacheBlock] = field(default_factory=list)  # pool blocks written before the commit (NIXL)
 
 
 class TcpReceiver:
@@ -112,15 +113,17 @@ class TcpReceiver:
 
     def commit_ready(self) -> None:
         """Engine thread: write, cache and confirm every complete transfer."""
-        while True:
-            try:
-                t = self._ready.get_nowait()
-            except queue.Empty:
-                return
+        for t in take_all(self._ready):
             with t.lock:  # the connection thread may abandon it at its TTL
                 if not t.abandoned:
                     self._commit(t)
+                else:
+                    self._drop(t)
                 t.committed.set()
+
+    def _drop(self, t: IncomingTransfer) -> None:
+        """Engine thread: a transfer abandoned before its commit. Nothing of it is in the pool
+        here (its bytes are buffered); a transport that writes blocks early frees them."""
 
     def _commit(self, t: IncomingTransfer) -> None:
         pool, hashes = self.block_pool, t.offer.block_hashes
@@ -132,12 +135,19 @@ class TcpReceiver:
         by_index = dict(zip(missing, blocks))
         for i, block in by_index.items():
             self.write_block(block.block_id, t.data[i])
-        for run in contiguous_runs(missing):
+        self._cache_and_free(t, by_index)
+
+    def _cache_and_free(self, t: IncomingTransfer, by_index: dict[int, KVCacheBlock]) -> None:
+        """Engine thread: enter written blocks (offer index -> block) in the prefix cache under
+        the offered hashes, then free them (ref 0: free, but cached until evicted, LRU). A hash
+        cached meanwhile keeps its block; the duplicate is freed uncached."""
+        hashes = t.offer.block_hashes
+        for run in contiguous_runs(sorted(by_index)):
             parent = hashes[run[0] - 1] if run[0] > 0 else t.offer.parent_block_hash
-            t.num_stored += pool.cache_received_blocks(
+            t.num_stored += self.block_pool.cache_received_blocks(
                 [by_index[i] for i in run], [hashes[i] for i in run], [t.offer.token_ids[i] for i in run],
                 parent, lora_name=t.offer.adapter_id, cache_salt=t.offer.cache_salt)
-        pool.free_blocks(reversed(blocks))  # ref 0: free, but cached until evicted (LRU)
+        self.block_pool.free_blocks(reversed([by_index[i] for i in sorted(by_index)]))
 
     def _accept_loop(self) -> None:
         while not self._stop.is_set():
@@ -211,7 +221,7 @@ class TcpReceiver:
 
     def _accept_offer(self, conn: socket.socket, obj: dict, started: float):
         offer = Offer.from_json(obj)
-        reason = check_offer(offer, self.model_id, self.block_size, self.layout)
+        reason = self._check_offer(offer)
         if reason is None and not self.block_pool.enable_caching:
             reason = "prefix caching is off on this replica"
         # A read of the hash map off the engine thread: a hint only. The commit re-checks on
@@ -229,8 +239,16 @@ class TcpReceiver:
             _try_send_json(conn, FrameType.REFUSE, {"reason": reason})
             self._record(offer.transfer_id, started, 0, 0, f"refused: {reason}")
             return None, None, 0
-        wire.send_json(conn, FrameType.ACCEPT, {"need": need})
+        wire.send_json(conn, FrameType.ACCEPT, self._accept_reply(offer, need))
         return offer, IncomingTransfer(offer, need, started), num_bytes
+
+    def _check_offer(self, offer: Offer) -> Optional[str]:
+        """Why this replica refuses ``offer`` (``offer.check_offer``), or None."""
+        return check_offer(offer, self.model_id, self.block_size, self.layout)
+
+    def _accept_reply(self, offer: Offer, need: list[int]) -> dict:
+        """ACCEPT's body: the blocks this replica lacks (another transport adds its own keys)."""
+        return {"need": need}
 
     def _receive_blocks(self, conn: socket.socket, t: IncomingTransfer) -> None:
         limit = wire.chunk_frame_limit(self.chunk_bytes)
@@ -251,15 +269,22 @@ class TcpReceiver:
             raise WireError(f"END before blocks {short} were complete")
         t.data = pending
 
-    def _await_commit(self, conn: socket.socket, t: IncomingTransfer) -> None:
-        self._ready.put(t)
+    def _hand_to_engine(self, work: queue.SimpleQueue, item, done: threading.Event) -> bool:
+        """Queue ``item`` for the engine thread, wake it and wait up to ``ttl_s`` for ``done``.
+        False: the TTL passed; ``item.abandoned`` is then set under ``item.lock``, and the engine
+        thread, which checks it under that lock, never acts on the item."""
+        work.put(item)
         self.wake()
-        t.committed.wait(self.ttl_s)
-        with t.lock:
-            if not t.committed.is_set():
-                t.abandoned = True
-                t.error = f"the engine did not commit within the TTL of {self.ttl_s:g} s"
-            t.data = {}
+        done.wait(self.ttl_s)
+        with item.lock:
+            if not done.is_set():
+                item.abandoned = True
+            return done.is_set()
+
+    def _await_commit(self, conn: socket.socket, t: IncomingTransfer) -> None:
+        if not self._hand_to_engine(self._ready, t, t.committed):
+            t.error = f"the engine did not commit within the TTL of {self.ttl_s:g} s"
+        t.data = {}
         num_bytes = len(t.need) * self.block_bytes
         if t.error is None:
             _try_send_json(conn, FrameType.DONE, {"num_blocks_stored": t.num_stored})
@@ -273,6 +298,16 @@ class TcpReceiver:
             self._results.append(TransferResult(transfer_id, "receive", num_blocks, num_bytes,
                                                 time.monotonic() - started, error))
         self.wake()
+
+
+def take_all(items: queue.SimpleQueue) -> list:
+    """Everything queued now, in order (the engine thread drains its work queues with it)."""
+    taken = []
+    while True:
+        try:
+            taken.append(items.get_nowait())
+        except queue.Empty:
+            return taken
 
 
 def _try_send_json(conn: Optional[socket.socket], kind: FrameType, obj: dict) -> None:

@@ -133,21 +133,30 @@ class TcpSender:
         kind, reply = wire.recv_json(t.sock, (FrameType.ACCEPT, FrameType.REFUSE))
         if kind == FrameType.REFUSE:
             raise WireError(f"receiver refused: {reply.get('reason')}")
-        for index in reply.get("need", []):
-            if not 0 <= index < len(t.blocks):
+        need = reply.get("need", [])
+        for index in need:
+            if not isinstance(index, int) or not 0 <= index < len(t.blocks):
                 raise WireError(f"receiver asked for block {index} of {len(t.blocks)}")
+        if not self._send_blocks(t, need, reply):
+            return
+        kind, reply = wire.recv_json(t.sock, (FrameType.DONE, FrameType.ERROR))
+        if kind == FrameType.ERROR:
+            raise WireError(f"receiver failed: {reply.get('reason')}")
+
+    def _send_blocks(self, t: OutgoingTransfer, need: list[int], accept: dict) -> bool:
+        """The data phase: the needed blocks as CHUNKs, then END. False: cancelled meanwhile.
+        (``accept`` is the receiver's ACCEPT; another transport reads its own keys there.)"""
+        for index in need:
             with t.lock:
                 if t.cancelled:
-                    return
+                    return False
                 data = self.read_block(t.blocks[index].block_id)
             for offset in range(0, len(data), self.chunk_bytes):
                 wire.send_chunk(t.sock, index, offset, data[offset: offset + self.chunk_bytes])
             t.num_blocks_sent += 1
             t.num_bytes_sent += len(data)
         wire.send_frame(t.sock, FrameType.END)
-        kind, reply = wire.recv_json(t.sock, (FrameType.DONE, FrameType.ERROR))
-        if kind == FrameType.ERROR:
-            raise WireError(f"receiver failed: {reply.get('reason')}")
+        return True
 
 
 def _shutdown(sock: Optional[socket.socket]) -> None:

@@ -1,7 +1,8 @@
 """The TCP connector's wire format: typed, length-prefixed frames (spec in docs/kv_transfer.md).
 
 Every frame is ``type: u8 || length: u32le || body[length]``. Control frames (PULL, OFFER,
-ACCEPT, REFUSE, DONE, ERROR) carry a UTF-8 JSON object; END carries nothing; a CHUNK
+ACCEPT, REFUSE, DONE, ERROR, READY) carry a UTF-8 JSON object (READY: the NIXL connector's
+"the needed blocks are pinned, read them; these are their SHA-256s"); END carries nothing; a CHUNK
 carries ``block_index: u32le || offset: u32le || sha256(payload): 32 bytes || payload``.
 
 Invariants:
@@ -36,6 +37,7 @@ class FrameType(enum.IntEnum):
     DONE = 6
     ERROR = 7
     PULL = 8
+    READY = 9
 
 
 class WireError(Exception):

@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from pagoda.engine.kv_transfer.registry import KV_CONNECTOR_BACKENDS
 from pagoda.serving.launch.launcher import MODEL_NAME, ServeOptions, TritonServer
 from pagoda.serving.trtllm_dialect import FRONT_MODELS
 from pagoda.serving.launch.openai_door import DEFAULT_PORT as DEFAULT_OPENAI_PORT
@@ -128,6 +129,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-transfer-listen", metavar="HOST:PORT",
                    help="serve disaggregated prefill/decode: a KV connector listening here (port 0: any) pulls "
                         "and answers pulls of KV blocks named by vLLM's kv_transfer_params (docs/kv_transfer.md)")
+    p.add_argument("--kv-transfer-backend", choices=tuple(KV_CONNECTOR_BACKENDS),
+                   help="with --kv-transfer-listen: the KV connector that moves the blocks: tcp (default) or nixl "
+                        "(UCX: RDMA, NVLink, shared memory; needs the nixl package) (docs/kv_transfer.md)")
     p.add_argument("--role", choices=("mixed", "prefill", "decode"),
                    help="with --redis-url: this replica's role in disaggregated serving, in its heartbeat: routers "
                         "send a prefill replica only first stages and a decode replica only second stages "
@@ -184,6 +188,10 @@ def engine_args_from(args: argparse.Namespace) -> dict[str, str]:
         except ValueError as error:
             raise SystemExit(f"pagoda serve: --kv-transfer-listen: {error}") from None
         values["kv_transfer_listen"] = listen
+    if args.kv_transfer_backend:
+        if not args.kv_transfer_listen:
+            raise SystemExit("pagoda serve: --kv-transfer-backend needs --kv-transfer-listen HOST:PORT")
+        values["kv_transfer_backend"] = args.kv_transfer_backend
     if args.no_vllm_metrics:
         values["REPORT_CUSTOM_METRICS"] = "false"
     if args.output_dialect:
