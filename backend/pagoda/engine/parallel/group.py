@@ -1,4 +1,4 @@
-"""``ProcessGroup``: one tensor-parallel group's collectives, without torch's global state.
+"""``ProcessGroup``: one tensor- or pipeline-parallel group's collectives, without torch's global state.
 
 Rank 0 is the engine's own process; it opens a ``TCPStore`` on a free port of 127.0.0.1
 and the workers (``engine.parallel.workers``) join it. The group is a backend object made
@@ -15,7 +15,9 @@ others), so no tag is needed:
 * ``gather_logits(t)``: rank 0 gets every rank's ``[rows, vocab/tp]`` slice concatenated
   into ``[rows, vocab]``; the others get an empty tensor;
 * ``broadcast(t)``: rank 0's tensor into every rank's (the step, ``step_wire``);
-* ``min_int(v)``: the smallest ``v`` over ranks (the KV cache's block count).
+* ``min_int(v)``: the smallest ``v`` over ranks (the KV cache's block count);
+* ``send(t, dst)`` / ``recv(t, src)``: point to point (pipeline parallelism: a stage's hidden
+  states to the next stage, the last stage's logits to rank 0; ``models.pipeline_parallel``).
 
 A peer that died makes a collective raise (gloo: the connection closed) or time out
 after ``timeout_s``; the caller names the rank (``workers.TensorParallelWorkers``).
@@ -66,6 +68,12 @@ class ProcessGroup:
 
     def broadcast(self, tensor: torch.Tensor) -> None:
         self.pg.broadcast(tensor, 0).wait()
+
+    def send(self, tensor: torch.Tensor, dst: int) -> None:
+        self.pg.send([tensor], dst, 0).wait()
+
+    def recv(self, tensor: torch.Tensor, src: int) -> None:
+        self.pg.recv([tensor], src, 0).wait()
 
     def min_int(self, value: int) -> int:
         options = dist.AllreduceOptions()
