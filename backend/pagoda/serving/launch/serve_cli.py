@@ -44,7 +44,7 @@ STUB_RESTART_WINDOW_S = 600.0
 ENGINE_FLAGS = ("scheduling_policy", "speculative_method", "speculative_model", "num_speculative_tokens",
                 "cpu_offload_bytes", "preemption_mode", "default_max_tokens", "gpu_memory_utilization",
                 "max_waiting_requests", "max_waiting_prompt_tokens", "max_queue_delay_s", "kv_cache_dtype",
-                "tensor_parallel_size")
+                "tensor_parallel_size", "pipeline_parallel_size")
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -78,6 +78,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-speculative-tokens", type=int, help="largest speculative window k")
     p.add_argument("--tensor-parallel-size", type=int,
                    help="ranks (devices) in the replica: the model instance becomes KIND_MODEL (docs/parallelism.md)")
+    p.add_argument("--pipeline-parallel-size", type=int,
+                   help="pipeline stages (one rank, one device each) the layers are cut into; not with "
+                        "--tensor-parallel-size yet; KIND_MODEL as above (docs/parallelism.md)")
     p.add_argument("--nodes", type=int, default=1,
                    help="nodes the replica's --tensor-parallel-size ranks span, the same number on each "
                         "(docs/parallelism.md; 1: this node holds them all)")
