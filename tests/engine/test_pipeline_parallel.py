@@ -8,6 +8,7 @@ Specification:
   async scheduling, int8 weights and preemption by swap to the CPU tier (each rank's host
   tier holds its layers); prompt-lookup speculation on the default model — each under chunked prefill, prefix-cache hits and preemption, and with no KV
   block leaked (``test_tensor_parallel._check_same``, shared with the TP tests);
+- TP=2 x PP=2 (four ranks, on the random config) equals one device the same way;
 - what does not combine yet is refused by name, before any worker starts;
 - a killed worker makes the next step fail naming it as a pipeline-parallel rank.
 
@@ -53,6 +54,13 @@ def test_uneven_stages_pp2_match_pp1(three_layers):
     _check_same(three_layers, [dict(quantization="int8")], PP)
 
 
+def test_two_stages_of_two_tensor_parallel_ranks_match_one_device(three_layers):
+    """TP=2 x PP=2: four processes; each stage shards its layers over two ranks (the 1 KV head
+    replicated), the first stage's embedding and the last one's LM head vocabulary-parallel."""
+    _check_same(three_layers, [dict(tensor_parallel_size=2, async_scheduling=True)], PP,
+                reference=dict(async_scheduling=True))
+
+
 def test_prompt_lookup_speculation_pp2_matches_pp1(smollm2_path):
     stats = _check_same(smollm2_path, [dict(speculative_method="ngram", num_speculative_tokens=3,
                                             spec_adaptive=False)], PP)
@@ -66,7 +74,6 @@ def test_kv_swap_to_the_cpu_tier_pp2_matches_pp1(three_layers):
 
 
 @pytest.mark.parametrize("fields,message", [
-    (dict(pipeline_parallel_size=2, tensor_parallel_size=2), "pipeline_parallel_size: combining pipeline and tensor"),
     (dict(pipeline_parallel_size=2, tensor_parallel_nodes=2, tensor_parallel_leader="10.0.0.1:29500"),
      "pipeline_parallel_size: pipeline parallelism across nodes"),
     (dict(pipeline_parallel_size=2, speculative_method="draft", speculative_draft_num_layers=1),
@@ -107,3 +114,5 @@ def test_bench_offline_compares_pp1_and_pp2(tmp_path, smollm2_path):
     assert results["mode"] == "PP" and results["identical_outputs"] == "2/2"
     assert results["tp2"]["tokens"] == results["tp1"]["tokens"] == 6
     assert results["tp2"]["broadcast_us_per_step"] > 0 and "broadcast_us_per_step" not in results["tp1"]
+    with pytest.raises(SystemExit, match="--tensor-parallel-size and --pipeline-parallel-size each compare"):
+        offline.main(["--pipeline-parallel-size", "2", "--tensor-parallel-size", "2"])

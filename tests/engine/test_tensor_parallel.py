@@ -90,10 +90,10 @@ def _engine(path: str, size: int, field: str = "tensor_parallel_size", **kw) -> 
                                   num_gpu_blocks_override=9, **kw))
 
 
-def _check_same(path: str, cases: list[dict], field: str = "tensor_parallel_size"):
+def _check_same(path: str, cases: list[dict], field: str = "tensor_parallel_size", reference: dict = None):
     """Size-2 runs (``field``: TP, or PP for tests/engine/test_pipeline_parallel.py) of each case
-    equal one size-1 run of the first; returns the last size-2 run's stats."""
-    reference = _engine(path, 1, **cases[0])
+    equal one size-1 run of the first (or of ``reference``); returns the last size-2 run's stats."""
+    reference = _engine(path, 1, **(cases[0] if reference is None else reference))
     try:
         expected = _run(reference)
     finally:

@@ -143,6 +143,9 @@ class _Recording:
 def _mode(args) -> tuple[str, str, int]:
     """(EngineConfig field, label, size): pipeline parallelism when asked for, else tensor."""
     if getattr(args, "pipeline_parallel_size", 1) > 1:
+        if args.tensor_parallel_size > 1:
+            raise SystemExit("pagoda bench offline: --tensor-parallel-size and --pipeline-parallel-size each compare "
+                             "one size against 1; pass one of them")
         return "pipeline_parallel_size", "PP", args.pipeline_parallel_size
     return "tensor_parallel_size", "TP", args.tensor_parallel_size
 

@@ -249,9 +249,6 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         _check_int("pipeline_parallel_size", self.pipeline_parallel_size, 1)
-        if self.pipeline_parallel_size > 1 and self.tensor_parallel_size > 1:
-            raise ValueError("pipeline_parallel_size: combining pipeline and tensor parallelism "
-                             f"(tensor_parallel_size={self.tensor_parallel_size}) is not supported yet; use one")
         if self.pipeline_parallel_size > 1 and self.tensor_parallel_nodes > 1:
             raise ValueError("pipeline_parallel_size: pipeline parallelism across nodes (tensor_parallel_nodes="
                              f"{self.tensor_parallel_nodes}) is not supported yet; run its ranks on one host")
@@ -357,8 +354,9 @@ class EngineConfig:
     # --node-rank R` connect to); its own node runs tensor_parallel_size / nodes ranks.
     tensor_parallel_nodes: int = 1
     tensor_parallel_leader: Optional[str] = None
-    # Pipeline parallelism (docs/parallelism.md): the layers cut into this many stages, one rank
-    # each (rank 0 this process: embedding and the first layers; the last: the LM head).
+    # Pipeline parallelism (docs/parallelism.md): the layers cut into this many stages of
+    # tensor_parallel_size ranks each (rank 0 this process: embedding and the first layers;
+    # the last stage: the LM head).
     pipeline_parallel_size: int = 1
 
     def __post_init__(self) -> None:

@@ -25,8 +25,15 @@ lora)``) splits this way, whatever its weights (float, int8, fp8, int4). A famil
 ``forward`` (Gemma 3: two rotary tables, scaled embeddings, soft-capped logits) is refused by
 name, as is a model that keeps auxiliary hidden states (EAGLE-3).
 
-This module never imports the engine: ``group`` is anything with ``rank``, ``size``,
-``send(tensor, dst)`` and ``recv(tensor, src)`` (blocking, point to point).
+With tensor parallelism too (``models.tensor_parallel.shard_model`` first, then the stage):
+each stage is a tensor-parallel group of its own; the first stage's embedding is
+vocabulary-parallel as without stages, every rank of a stage sends its (replicated) hidden
+states to the rank of the same tensor-parallel index in the next stage, and the last
+stage's tensor-parallel rank 0 gathers the logits and sends them to rank 0.
+
+This module never imports the engine: ``group`` is anything with ``rank`` and ``size`` (the
+stage index and the number of stages), ``send(tensor, dst_stage)`` and ``recv(tensor,
+src_stage)`` (blocking, point to point, to the peer of this rank's tensor-parallel index).
 """
 
 from __future__ import annotations
@@ -34,7 +41,6 @@ from __future__ import annotations
 from typing import Optional, Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagoda import kernels
@@ -99,6 +105,8 @@ class PipelineStage(nn.Module):
         self.norm: Optional[torch.Tensor] = model.norm if self.is_last else None
         self.lm_head: Optional[torch.Tensor] = model.lm_head if self.is_last else None
         self.register_buffer("cos_sin_cache", model.cos_sin_cache, persistent=False)
+        self.tp, self.vocab_start = model.tp, model.vocab_start  # a tensor-parallel stage: its shard
+        self.tp_rank = model.tp.rank if model.tp is not None else 0
 
     @torch.inference_mode()
     def forward(
@@ -112,7 +120,7 @@ class PipelineStage(nn.Module):
         assert len(kv_caches) == len(self.layers), f"need {len(self.layers)} KV caches, got {len(kv_caches)}"
         num_tokens = positions.shape[0]
         if self.is_first:
-            h, residual = F.embedding(input_ids, self.embed_tokens), None
+            h, residual = LlamaForCausalLM.embed(self, input_ids), None  # vocabulary-parallel under TP
         else:
             both = torch.empty(2, num_tokens, self.config.hidden_size, dtype=self.dtype, device=self.device)
             self.group.recv(both, self.group.rank - 1)
@@ -127,16 +135,19 @@ class PipelineStage(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, *] -> [rows, vocab] float32 on rank 0
-        """Last stage: the LM head, sent to rank 0 (returns an empty tensor); rank 0: the
-        received logits of ``hidden.shape[0]`` rows; a middle stage: an empty tensor."""
+        """Last stage: the LM head (gathered to its tensor-parallel rank 0), sent to rank 0
+        (returns an empty tensor); rank 0: the received logits of ``hidden.shape[0]`` rows;
+        any other rank: an empty tensor."""
         rows, vocab = hidden.shape[0], self.config.vocab_size
         if self.is_last:
             logits = linear(hidden, getattr(self, "lm_head_packed", None) or self.lm_head).float()
-            if rows:
+            if self.tp is not None:
+                logits = self.tp.gather_logits(logits)  # [rows, vocab] on TP rank 0, empty elsewhere
+            if rows and self.tp_rank == 0:
                 self.group.send(logits.contiguous(), 0)
             return logits[:0]
-        if not self.is_first or not rows:
-            return torch.empty(0 if not self.is_first else rows, vocab, device=self.device)
+        if not self.is_first or self.tp_rank != 0 or not rows:
+            return torch.empty(0, vocab, device=self.device)
         logits = torch.empty(rows, vocab, dtype=torch.float32, device=self.device)
         self.group.recv(logits, self.group.size - 1)
         return logits

@@ -11,7 +11,8 @@ Pipeline parallelism (``pipeline_parallel_size = N``) reuses all of it — the s
 store, the group, the step broadcast, the death checks — with each rank's runner holding
 one stage of the layers instead of a shard of each (``models.pipeline_parallel``): hidden
 states go rank to rank by point-to-point sends, the last stage sends the logits to rank 0,
-which samples. The two do not combine yet (``EngineConfig`` refuses it). Across nodes (``tensor_parallel_nodes``) the
+which samples. Both at once: each stage is a tensor-parallel group of its own
+(``group.make_groups``). Across nodes (``tensor_parallel_nodes``) the
 other nodes' ranks are started by ``node.run_node`` (``pagoda serve --node-rank R``).
 
 This package sits above ``engine.runner`` (it builds the runner's executor with a group
@@ -50,9 +51,9 @@ def make_executor(config: EngineConfig, model_config: ModelConfig, model_path: s
     if size == 1:
         return single.make_executor(config, model_config, model_path, make_grammar_backend)
     if config.pipeline_parallel_size > 1:
-        check_stages(model_config, size)
-    else:
-        check_divisible(model_config, size)
+        check_stages(model_config, config.pipeline_parallel_size)
+    if config.tensor_parallel_size > 1:
+        check_divisible(model_config, config.tensor_parallel_size)
     device = resolve_device(config)
     local = size // config.tensor_parallel_nodes  # this node's ranks
     if device.type == "cuda" and torch.cuda.device_count() < local:

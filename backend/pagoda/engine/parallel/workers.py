@@ -1,9 +1,10 @@
 """The tensor- or pipeline-parallel workers of one engine: ranks 1..N-1, one spawned process each.
 
-N is ``EngineConfig.world_size`` (``tensor_parallel_size`` or ``pipeline_parallel_size``: the
-two do not combine yet). The machinery is the same for both; only what each worker's
-``ModelRunner`` does with the group differs (``tp=``: its shard of every layer; ``pp=``: its
-stage's layers, ``models.pipeline_parallel``), and the error that names a dead rank says which.
+N is ``EngineConfig.world_size`` (``tensor_parallel_size`` x ``pipeline_parallel_size``). The
+machinery is the same for both; only what each worker's ``ModelRunner`` does with the group
+differs (``tp=``: its shard of every layer; ``pp=``: its stage's layers,
+``models.pipeline_parallel``; both: its shard of its stage's layers, ``group.make_groups``),
+and the error that names a dead rank says which.
 
 Life cycle (``TensorParallelWorkers``), as vLLM's multiprocessing executor and SGLang's TP
 workers run theirs:
@@ -53,7 +54,7 @@ import torch
 import torch.distributed as dist
 
 from pagoda.engine.config import EngineConfig
-from pagoda.engine.parallel.group import ProcessGroup
+from pagoda.engine.parallel.group import ProcessGroup, make_groups
 from pagoda.engine.parallel.step_wire import StepReceiver, StepSender, capacity_for
 from pagoda.engine.runner.host_kv_cache import HostKVCache, measure_prefill_s_per_token
 from pagoda.engine.runner.model_runner import ModelRunner, resolve_device
@@ -76,8 +77,10 @@ def parallel_kind(config: EngineConfig) -> str:
 
 
 def runner_groups(config: EngineConfig, group: ProcessGroup) -> dict:
-    """``ModelRunner``'s keyword for ``group``: ``tp=`` or ``pp=``."""
-    return {"pp": group} if config.pipeline_parallel_size > 1 else {"tp": group}
+    """``ModelRunner``'s keywords for this rank of the world ``group``: ``tp=`` and/or ``pp=``
+    (``group.make_groups``; a collective among the stage's ranks under TP x PP)."""
+    return make_groups(group, config.tensor_parallel_size, config.pipeline_parallel_size,
+                       config.tensor_parallel_timeout_s)
 
 
 def share_cpu_threads(size: int) -> None:

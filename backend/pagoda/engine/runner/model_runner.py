@@ -49,7 +49,9 @@ Pipeline parallelism (``pp``): the model is cut to this rank's stage after it is
 norm and LM head on the last rank), the KV cache has one pair per layer of the stage, and
 the block count is again the smallest over ranks. The step travels as under tensor
 parallelism; the forward hands hidden states rank to rank and ``self.model.compute_logits``
-returns, on rank 0, the logits the last stage sent. ``group`` is whichever of the two is set.
+returns, on rank 0, the logits the last stage sent. Both at once: ``tp`` is this stage's
+tensor-parallel group, the model is sharded, then cut. ``group`` (``pp``, else ``tp``) spans
+every rank: the block count's minimum is taken over it.
 """
 
 from __future__ import annotations
@@ -146,7 +148,7 @@ class ModelRunner:
             self.kv_heads = kv_head_range(model_config.num_key_value_heads, tp.size, tp.rank)[1]
         if pp is not None:
             self.model = PipelineStage(self.model, pp)
-        self.group = tp if tp is not None else pp  # its ranks agree on the block count
+        self.group = pp if pp is not None else tp  # all ranks agree on the block count (pp's spans TP x PP)
         self.kv_dtype = resolve_kv_cache_dtype(config, self.dtype)
         self.num_blocks = self._num_blocks_from_budget()
         shape = (self.num_blocks, self.block_size, self.kv_heads, model_config.head_dim)

@@ -79,8 +79,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--tensor-parallel-size", type=int,
                    help="ranks (devices) in the replica: the model instance becomes KIND_MODEL (docs/parallelism.md)")
     p.add_argument("--pipeline-parallel-size", type=int,
-                   help="pipeline stages (one rank, one device each) the layers are cut into; not with "
-                        "--tensor-parallel-size yet; KIND_MODEL as above (docs/parallelism.md)")
+                   help="pipeline stages the layers are cut into (times --tensor-parallel-size ranks, one "
+                        "device each); not with --nodes yet; KIND_MODEL as above (docs/parallelism.md)")
     p.add_argument("--nodes", type=int, default=1,
                    help="nodes the replica's --tensor-parallel-size ranks span, the same number on each "
                         "(docs/parallelism.md; 1: this node holds them all)")
