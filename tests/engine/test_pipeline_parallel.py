@@ -74,8 +74,8 @@ def test_kv_swap_to_the_cpu_tier_pp2_matches_pp1(three_layers):
 
 
 @pytest.mark.parametrize("fields,message", [
-    (dict(pipeline_parallel_size=2, tensor_parallel_nodes=2, tensor_parallel_leader="10.0.0.1:29500"),
-     "pipeline_parallel_size: pipeline parallelism across nodes"),
+    (dict(pipeline_parallel_size=3, tensor_parallel_nodes=2, tensor_parallel_leader="10.0.0.1:29500"),
+     "tensor_parallel_nodes: tensor_parallel_size=1 x pipeline_parallel_size=3 = 3 ranks is not a multiple of 2"),
     (dict(pipeline_parallel_size=2, speculative_method="draft", speculative_draft_num_layers=1),
      "speculative_method: 'draft' is not supported with pipeline_parallel_size > 1"),
     (dict(pipeline_parallel_size=0), "pipeline_parallel_size: must be an integer >= 1"),

@@ -249,14 +249,13 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         _check_int("pipeline_parallel_size", self.pipeline_parallel_size, 1)
-        if self.pipeline_parallel_size > 1 and self.tensor_parallel_nodes > 1:
-            raise ValueError("pipeline_parallel_size: pipeline parallelism across nodes (tensor_parallel_nodes="
-                             f"{self.tensor_parallel_nodes}) is not supported yet; run its ranks on one host")
         if not self.tensor_parallel_timeout_s > 0:
             raise ValueError(f"tensor_parallel_timeout_s: must be > 0, got {self.tensor_parallel_timeout_s!r}")
         _check_int("tensor_parallel_nodes", self.tensor_parallel_nodes, 1)
-        if self.tensor_parallel_size % self.tensor_parallel_nodes:
-            raise ValueError(f"tensor_parallel_nodes: tensor_parallel_size={self.tensor_parallel_size} is not a "
+        world = self.tensor_parallel_size * self.pipeline_parallel_size
+        if world % self.tensor_parallel_nodes:
+            raise ValueError(f"tensor_parallel_nodes: tensor_parallel_size={self.tensor_parallel_size} x "
+                             f"pipeline_parallel_size={self.pipeline_parallel_size} = {world} ranks is not a "
                              f"multiple of {self.tensor_parallel_nodes} (each node runs the same number of ranks)")
         if self.tensor_parallel_nodes > 1:
             host, _, port = (self.tensor_parallel_leader or "").rpartition(":")
@@ -351,7 +350,7 @@ class EngineConfig:
     tensor_parallel_timeout_s: float = 300.0
     # Several nodes (docs/parallelism.md): this engine is node 0 and opens the group's store on
     # the port of tensor_parallel_leader (HOST:PORT, the address the other nodes' `pagoda serve
-    # --node-rank R` connect to); its own node runs tensor_parallel_size / nodes ranks.
+    # --node-rank R` connect to); its own node runs world_size / nodes ranks (TP x PP).
     tensor_parallel_nodes: int = 1
     tensor_parallel_leader: Optional[str] = None
     # Pipeline parallelism (docs/parallelism.md): the layers cut into this many stages of
