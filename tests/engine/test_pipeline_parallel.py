@@ -6,7 +6,8 @@ Specification:
   layers: 15 per stage), synchronous and with async scheduling, with a LoRA adapter; and for
   a random 3-layer config with an untied head (the uneven split: 2 layers, then 1) with
   async scheduling, int8 weights and preemption by swap to the CPU tier (each rank's host
-  tier holds its layers); prompt-lookup speculation on the default model — each under chunked prefill, prefix-cache hits and preemption, and with no KV
+  tier holds its layers; also ``preemption_mode="auto"``, whose start-up calibration runs a
+  prefill through the stages); prompt-lookup speculation on the default model — each under chunked prefill, prefix-cache hits and preemption, and with no KV
   block leaked (``test_tensor_parallel._check_same``, shared with the TP tests);
 - TP=2 x PP=2 (four ranks, on the random config) equals one device the same way;
 - what does not combine yet is refused by name, before any worker starts;
@@ -71,6 +72,8 @@ def test_prompt_lookup_speculation_pp2_matches_pp1(smollm2_path):
 def test_kv_swap_to_the_cpu_tier_pp2_matches_pp1(three_layers):
     stats = _check_same(three_layers, [dict(cpu_offload_bytes=64 << 20, preemption_mode="swap")], PP)
     assert stats.num_swapped_out > 0 and stats.num_swapped_in > 0, stats
+    # "auto" calibrates at start: rank 0's timed prefill runs through the stages, mirrored on the workers.
+    _check_same(three_layers, [dict(cpu_offload_bytes=64 << 20, preemption_mode="auto")], PP)
 
 
 @pytest.mark.parametrize("fields,message", [
