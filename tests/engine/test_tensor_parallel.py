@@ -84,21 +84,22 @@ def _run(engine: LLMEngine) -> dict[str, tuple[list[int], list[float]]]:
     return done
 
 
-def _engine(path: str, tp: int, **kw) -> LLMEngine:
+def _engine(path: str, size: int, field: str = "tensor_parallel_size", **kw) -> LLMEngine:
     # A tiny cache and token budget: chunked prefill, prefix hits and preemption all happen.
-    return LLMEngine(EngineConfig(model=path, tensor_parallel_size=tp, max_num_batched_tokens=24,
+    return LLMEngine(EngineConfig(model=path, **{field: size}, max_num_batched_tokens=24,
                                   num_gpu_blocks_override=9, **kw))
 
 
-def _check_same(path: str, cases: list[dict]):
-    """TP=2 runs of each case equal one TP=1 run of the first; returns the last TP=2 run's stats."""
-    reference = _engine(path, 1, **cases[0])
+def _check_same(path: str, cases: list[dict], field: str = "tensor_parallel_size", reference: dict = None):
+    """Size-2 runs (``field``: TP, or PP for tests/engine/test_pipeline_parallel.py) of each case
+    equal one size-1 run of the first (or of ``reference``); returns the last size-2 run's stats."""
+    reference = _engine(path, 1, **(cases[0] if reference is None else reference))
     try:
         expected = _run(reference)
     finally:
         reference.shutdown()
     for kw in cases:
-        engine = _engine(path, 2, **kw)
+        engine = _engine(path, 2, field, **kw)
         try:
             got = _run(engine)
             stats = engine.get_stats()
@@ -260,13 +261,18 @@ def test_killed_worker_is_named(tmp_path, smollm2_path):
     engine = llm.engine
     try:
         assert len(llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True))[0].outputs[0].token_ids) == 3
-        worker = engine.executor.parallel.processes[0]
-        os.kill(worker.pid, signal.SIGKILL)
-        worker.join(timeout=10)
-        with pytest.raises(TensorParallelWorkerDied, match=r"rank 1 \(pid \d+\) exited with code -9"):
-            llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
+        kill_rank1_then_expect(llm, r"tensor-parallel worker rank 1 \(pid \d+\) exited with code -9")
     finally:
         engine.shutdown()
+
+
+def kill_rank1_then_expect(llm: LLM, pattern: str) -> None:
+    """SIGKILL rank 1's process; the next request must fail with ``TensorParallelWorkerDied`` matching ``pattern``."""
+    worker = llm.engine.executor.parallel.processes[0]
+    os.kill(worker.pid, signal.SIGKILL)
+    worker.join(timeout=10)
+    with pytest.raises(TensorParallelWorkerDied, match=pattern):
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
 
 
 _PARENT = textwrap.dedent("""

@@ -2,8 +2,9 @@
 separate `pagoda serve --nodes 2 --node-rank 1 --leader-address HOST:PORT` process holds
 rank 1, joining over gloo on CPU — as a LeaderWorkerSet's worker pod joins its leader.
 
-Specification: greedy tokens equal a TP=1 engine's on a tiny random model (the node's rank
-got every setting from the leader's store); when the leader shuts down, the node's process
+Specification: greedy tokens of TP=2, and of PP=2 (node 1 holding the last stage), equal a
+one-device engine's on a tiny random model (the node's rank got every setting from the
+leader's store); when the leader shuts down, the node's process
 exits 0 by itself; a node whose flags disagree with the leader's is refused naming the flag.
 """
 
@@ -53,7 +54,9 @@ def _greedy(engine: LLMEngine) -> dict[str, list[int]]:
     return done
 
 
-def test_a_rank_on_another_node_joins_the_leader_and_tokens_match_tp1(tmp_path, smollm2_path):
+@pytest.mark.parametrize("field", ["tensor_parallel_size", "pipeline_parallel_size"])
+def test_a_rank_on_another_node_joins_the_leader_and_tokens_match_tp1(tmp_path, smollm2_path, field):
+    """TP=2 or PP=2 (then node 1 holds the last stage) with one rank per node."""
     path = str(make_random_model(tmp_path / "tiny", "llama-gqa4-hd80-untied", smollm2_path))
     reference = LLMEngine(EngineConfig(model=path))
     try:
@@ -61,9 +64,9 @@ def test_a_rank_on_another_node_joins_the_leader_and_tokens_match_tp1(tmp_path, 
     finally:
         reference.shutdown()
     leader = f"127.0.0.1:{_free_port()}"
-    node = _node(leader, "--tensor-parallel-size", "2")  # started first: it waits for the leader's store
+    node = _node(leader, "--" + field.replace("_", "-"), "2")  # started first: it waits for the leader's store
     try:
-        engine = LLMEngine(EngineConfig(model=path, tensor_parallel_size=2, tensor_parallel_nodes=2,
+        engine = LLMEngine(EngineConfig(model=path, **{field: 2}, tensor_parallel_nodes=2,
                                         tensor_parallel_leader=leader, tensor_parallel_timeout_s=120))
         try:
             assert not engine.executor.parallel.processes, "node 0 runs only rank 0 here (one rank per node)"

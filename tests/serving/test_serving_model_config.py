@@ -65,10 +65,12 @@ def test_serve_flags_reach_the_materialized_config(tmp_path):
     assert (repo / "pagoda" / "1" / "model.py").exists()
 
 
-def test_tensor_parallel_size_makes_the_instance_kind_model(tmp_path):
-    options = options_from_args(make_parser().parse_args(["--tensor-parallel-size", "2", "--device", "cuda"]))
+@pytest.mark.parametrize("field", ["tensor_parallel_size", "pipeline_parallel_size"])
+def test_tensor_or_pipeline_parallel_size_makes_the_instance_kind_model(tmp_path, field):
+    flag = "--" + field.replace("_", "-")
+    options = options_from_args(make_parser().parse_args([flag, "2", "--device", "cuda"]))
     text = (materialize_repository(REPOSITORY, tmp_path / "repo", options) / "pagoda" / "config.pbtxt").read_text()
-    assert engine_config_from_parameters(parameters_of(text)).tensor_parallel_size == 2
+    assert getattr(engine_config_from_parameters(parameters_of(text)), field) == 2
     assert "kind: KIND_MODEL" in text.split("instance_group")[1]
 
 

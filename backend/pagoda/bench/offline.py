@@ -10,7 +10,8 @@ greedy, ``ignore_eos``) on the same weights in one process, one after the other:
 
 pagoda runs twice by default, synchronous and with ``async_scheduling`` (the host
 prepares step N+1 and finishes step N-1 while step N runs); ``--overlap`` picks one.
-``--tensor-parallel-size N`` runs ``bench/tensor_parallel.py`` instead: TP=1 vs TP=N.
+``--tensor-parallel-size N`` runs ``bench/tensor_parallel.py`` instead: TP=1 vs TP=N
+(``--pipeline-parallel-size N``: PP=1 vs PP=N).
 ``--repeats N`` runs the workload N times per mode on the same two engines, alternating
 the modes, and reports each mode's fastest pass (all passes go into ``--json``).
 For each it prints the per-step timing from ``EngineStats``: host time inside
@@ -175,6 +176,8 @@ def main(argv=None) -> int:
     parser.add_argument("--json", default=None, help="also write the results to this file")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="N > 1: run the workload at TP=1 and TP=N instead (bench/tensor_parallel.py)")
+    parser.add_argument("--pipeline-parallel-size", type=int, default=1,
+                        help="N > 1: run the workload at PP=1 and PP=N instead (bench/tensor_parallel.py)")
     parser.add_argument("--tp-config", choices=("0.5b", "default"), default="0.5b",
                         help="with --tensor-parallel-size: a ~0.5B random Llama config, or the default model")
     parser.add_argument("--tp-max-tokens", type=int, default=32,
@@ -189,7 +192,7 @@ def main(argv=None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.tensor_parallel_size > 1:
+    if args.tensor_parallel_size > 1 or args.pipeline_parallel_size > 1:
         from pagoda.bench import tensor_parallel
 
         return tensor_parallel.main(args)

@@ -1,5 +1,10 @@
 """``pagoda bench offline --tensor-parallel-size N``: one workload at TP=1 and at TP=N, in one run.
 
+``--pipeline-parallel-size N`` does the same for pipeline parallelism (PP=1 vs PP=N, the rows
+labelled PP; the two flags do not combine). Under PP the "broadcast" is the same step
+broadcast (``StepSender``); the stages' hand-overs and the logits' return are part of the
+device time.
+
 The model is a random Llama config big enough that compute dominates (``--tp-config``:
 ``0.5b`` by default, ~0.49B parameters: hidden 1024, 24 layers, intermediate 4096, 16
 query / 8 KV heads, SmolLM2's 49152-token vocabulary, tied head; seeded weights through
@@ -72,14 +77,14 @@ def _run_workload(engine, items) -> dict:
             "per_step": timing}
 
 
-def _run_size(path: str, items, args, tp: int) -> dict:
+def _run_size(path: str, items, args, tp: int, field: str = "tensor_parallel_size") -> dict:
     from pagoda.engine.config import EngineConfig
     from pagoda.engine.llm_engine import LLMEngine
     from pagoda.engine.sampling_params import SamplingParams
 
     load_format = "safetensors" if args.model or args.tp_config == "default" else "dummy"
     threads = torch.get_num_threads()
-    engine = LLMEngine(EngineConfig(model=path, load_format=load_format, tensor_parallel_size=tp,
+    engine = LLMEngine(EngineConfig(model=path, load_format=load_format, **{field: tp},
                                     max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                     max_model_len=args.max_model_len, enable_prefix_caching=False))
     try:
@@ -135,8 +140,19 @@ class _Recording:
         return outs
 
 
+def _mode(args) -> tuple[str, str, int]:
+    """(EngineConfig field, label, size): pipeline parallelism when asked for, else tensor."""
+    if getattr(args, "pipeline_parallel_size", 1) > 1:
+        if args.tensor_parallel_size > 1:
+            raise SystemExit("pagoda bench offline: --tensor-parallel-size and --pipeline-parallel-size each compare "
+                             "one size against 1; pass one of them")
+        return "pipeline_parallel_size", "PP", args.pipeline_parallel_size
+    return "tensor_parallel_size", "TP", args.tensor_parallel_size
+
+
 def main(args) -> int:
-    """Run TP=1 then TP=``args.tensor_parallel_size`` (arguments parsed by ``bench.offline``)."""
+    """Run TP=1 then TP=``args.tensor_parallel_size`` (or PP: ``_mode``; arguments parsed by ``bench.offline``)."""
+    field, label, size = _mode(args)
     from pagoda.bench.workload import make_workload
 
     items = [dataclasses.replace(item, max_tokens=min(item.max_tokens, args.tp_max_tokens))
@@ -145,24 +161,26 @@ def main(args) -> int:
         path = args.model or _model_folder(args.tp_config, Path(work))
         results = {"machine": f"{os.cpu_count()} cores, torch {torch.__version__}", "model": args.model or args.tp_config,
                    "num_requests": len(items), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
-        for tp in (1, args.tensor_parallel_size):
-            results[f"tp{tp}"] = _run_size(path, items, args, tp)
-    base, other = results["tp1"], results[f"tp{args.tensor_parallel_size}"]
+        for tp in (1, size):
+            results[f"tp{tp}"] = _run_size(path, items, args, tp, field)
+    base, other = results["tp1"], results[f"tp{size}"]
     same = sum(base["outputs"][k] == other["outputs"].get(k) for k in base["outputs"])
     results["speedup"] = other["tokens_per_s"] / base["tokens_per_s"]
     results["identical_outputs"] = f"{same}/{len(base['outputs'])}"
-    _print(results, args.tensor_parallel_size)
+    results["mode"] = label
+    _print(results, size, label)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
     return 0
 
 
-def _print(results: dict, tp: int) -> None:
+def _print(results: dict, tp: int, label: str = "TP") -> None:
+    """The table; ``label``: TP or PP (the results keep the keys ``tp1`` and ``tpN`` for both)."""
     print(f"machine: {results['machine']}; model: {results['model']}; {results['num_requests']} requests")
-    print(f"torch threads: TP=1 {results['tp1']['torch_threads_rank0']}, "
-          f"TP={tp} {results[f'tp{tp}']['torch_threads_rank0']} per rank")
-    print("| TP | output tokens/s | steps | host ms/step | device ms/step | broadcast µs/step | broadcast share |")
+    print(f"torch threads: {label}=1 {results['tp1']['torch_threads_rank0']}, "
+          f"{label}={tp} {results[f'tp{tp}']['torch_threads_rank0']} per rank")
+    print(f"| {label} | output tokens/s | steps | host ms/step | device ms/step | broadcast µs/step | broadcast share |")
     print("|---|---|---|---|---|---|---|")
     for size in (1, tp):
         r = results[f"tp{size}"]
@@ -173,7 +191,7 @@ def _print(results: dict, tp: int) -> None:
               f"{1e3 * t['device_s']:.2f} | {bcast} |")
     r = results[f"tp{tp}"]
     if "decode_steps" in r:
-        print(f"TP={tp} decode steps only ({r['decode_steps']}): device {r['decode_device_ms_per_step']:.2f} ms/step, "
+        print(f"{label}={tp} decode steps only ({r['decode_steps']}): device {r['decode_device_ms_per_step']:.2f} ms/step, "
               f"broadcast {r['decode_broadcast_us_per_step']:.0f} µs/step = {100 * r['decode_broadcast_share']:.2f}% of it")
-    print(f"TP={tp} vs TP=1 speedup: {results['speedup']:.2f}x; greedy outputs identical: "
+    print(f"{label}={tp} vs {label}=1 speedup: {results['speedup']:.2f}x; greedy outputs identical: "
           f"{results['identical_outputs']}")

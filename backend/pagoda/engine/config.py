@@ -238,20 +238,24 @@ class GuidedConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Tensor parallelism inside the replica (pagoda.engine.parallel, docs/parallelism.md)."""
+    """Tensor and pipeline parallelism inside the replica (pagoda.engine.parallel, docs/parallelism.md)."""
 
     tensor_parallel_size: int
     tensor_parallel_timeout_s: float
     tensor_parallel_nodes: int
     tensor_parallel_leader: Optional[str]
+    pipeline_parallel_size: int
 
     def __post_init__(self) -> None:
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
+        _check_int("pipeline_parallel_size", self.pipeline_parallel_size, 1)
         if not self.tensor_parallel_timeout_s > 0:
             raise ValueError(f"tensor_parallel_timeout_s: must be > 0, got {self.tensor_parallel_timeout_s!r}")
         _check_int("tensor_parallel_nodes", self.tensor_parallel_nodes, 1)
-        if self.tensor_parallel_size % self.tensor_parallel_nodes:
-            raise ValueError(f"tensor_parallel_nodes: tensor_parallel_size={self.tensor_parallel_size} is not a "
+        world = self.tensor_parallel_size * self.pipeline_parallel_size
+        if world % self.tensor_parallel_nodes:
+            raise ValueError(f"tensor_parallel_nodes: tensor_parallel_size={self.tensor_parallel_size} x "
+                             f"pipeline_parallel_size={self.pipeline_parallel_size} = {world} ranks is not a "
                              f"multiple of {self.tensor_parallel_nodes} (each node runs the same number of ranks)")
         if self.tensor_parallel_nodes > 1:
             host, _, port = (self.tensor_parallel_leader or "").rpartition(":")
@@ -346,9 +350,13 @@ class EngineConfig:
     tensor_parallel_timeout_s: float = 300.0
     # Several nodes (docs/parallelism.md): this engine is node 0 and opens the group's store on
     # the port of tensor_parallel_leader (HOST:PORT, the address the other nodes' `pagoda serve
-    # --node-rank R` connect to); its own node runs tensor_parallel_size / nodes ranks.
+    # --node-rank R` connect to); its own node runs world_size / nodes ranks (TP x PP).
     tensor_parallel_nodes: int = 1
     tensor_parallel_leader: Optional[str] = None
+    # Pipeline parallelism (docs/parallelism.md): the layers cut into this many stages of
+    # tensor_parallel_size ranks each (rank 0 this process: embedding and the first layers;
+    # the last stage: the LM head).
+    pipeline_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         for group in GROUPS:  # each validates its own fields
@@ -356,10 +364,15 @@ class EngineConfig:
         if self.enable_lora and self.speculative_method is not None:
             raise ValueError("enable_lora: speculative decoding with LoRA adapters is not supported yet; "
                              "turn one of them off")
-        if self.tensor_parallel_size > 1:
-            if self.speculative_method in ("draft", "eagle3", "mtp"):
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if getattr(self, name) > 1 and self.speculative_method in ("draft", "eagle3", "mtp"):
                 raise ValueError(f"speculative_method: {self.speculative_method!r} is not supported with "
-                                 "tensor_parallel_size > 1 yet; use 'ngram' or turn one of them off")
+                                 f"{name} > 1 yet; use 'ngram' or turn one of them off")
+
+    @property
+    def world_size(self) -> int:
+        """Ranks (processes) in this replica: tensor_parallel_size x pipeline_parallel_size."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def _group(self, cls: type[_Group]) -> _Group:
         return cls(**{f.name: getattr(self, f.name) for f in dataclasses.fields(cls)})

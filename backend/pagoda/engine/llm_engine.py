@@ -186,9 +186,9 @@ class LLMEngine:
                              "beam search (a beam's next token is chosen among all its group's candidates after "
                              "each step, so there is no one token per position to verify drafts "
                              "against); serve without speculative_method for beam search")
-        if request.params.use_beam_search and self.config.tensor_parallel_size > 1:
-            raise ValueError("use_beam_search: not supported with tensor_parallel_size > 1 yet (a fork's "
-                             "copy-on-write block copy is not broadcast to the workers' KV shards)")
+        if request.params.use_beam_search and self.config.world_size > 1:
+            raise ValueError("use_beam_search: not supported with tensor_parallel_size or pipeline_parallel_size "
+                             "> 1 yet (a fork's copy-on-write block copy is not broadcast to the workers' KV caches)")
         if request.params.speculative and self.speculator is None:
             raise ValueError("speculative: this server has no speculative decoding configured "
                              "(EngineConfig.speculative_method is None)")

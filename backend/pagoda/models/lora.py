@@ -31,7 +31,8 @@ token indices per active slot) and each projection adds ``kernels.lora_apply``'s
 Tensor parallelism: on a sharded model (``models.tensor_parallel``) each projection owner
 carries ``tp_shards``; ``LoRASlots`` then holds and loads only this rank's slice of every
 adapter (``lora_slices``: B's rows for column-parallel projections, A's columns for
-row-parallel ones).
+row-parallel ones). A pipeline stage (``models.pipeline_parallel``) holds slots for its
+layers only (``first_layer`` on: the model-wide index of its first).
 """
 
 from __future__ import annotations
@@ -243,7 +244,8 @@ class LoRASlots:
         self.model, self.num_slots, self.max_rank = model, num_slots, max_rank
         config, dtype, device = model.config, model.dtype, model.device
         shapes = target_shapes(config)
-        for index, layer in enumerate(model.layers):
+        # A pipeline stage holds a range of the layers; adapters and targets are indexed model-wide.
+        for index, layer in enumerate(model.layers, start=getattr(model, "first_layer", 0)):
             for fused_name, (owner_name, names) in _layer_targets(config, index):
                 owner = getattr(layer, owner_name)
                 out_f = sum(shapes[t][0] for t in names)
@@ -260,7 +262,7 @@ class LoRASlots:
     def load(self, slot: int, adapter: Optional[LoRAAdapter]) -> None:
         """Copy ``adapter`` into ``slot`` (zeros where it adapts nothing; ``None`` clears)."""
         assert 0 <= slot < self.num_slots, f"slot {slot} out of range"
-        for index, layer in enumerate(self.model.layers):
+        for index, layer in enumerate(self.model.layers, start=getattr(self.model, "first_layer", 0)):
             for fused_name, (owner_name, _) in _layer_targets(self.model.config, index):
                 owner = getattr(layer, owner_name)
                 a_stack, b_stack = owner.lora_stacks[fused_name]
@@ -275,7 +277,7 @@ class LoRASlots:
 
     def bytes_per_slot(self) -> int:
         total = 0
-        for index, layer in enumerate(self.model.layers):
+        for index, layer in enumerate(self.model.layers, start=getattr(self.model, "first_layer", 0)):
             for fused_name, (owner_name, _) in _layer_targets(self.model.config, index):
                 a, b = getattr(layer, owner_name).lora_stacks[fused_name]
                 total += (a[0].numel() + b[0].numel()) * a.element_size()

@@ -55,9 +55,9 @@ class TcpKVConnector:
                             ("chunk_bytes", chunk_bytes)):
             if value <= 0:
                 raise ValueError(f"{name}: must be > 0, got {value!r}")
-        if getattr(engine.config, "tensor_parallel_size", 1) > 1:
-            raise ValueError("KV transfer: not supported with tensor_parallel_size > 1 yet (each rank holds only "
-                             "its KV heads; the connector reads rank 0's)")
+        if getattr(engine.config, "world_size", 1) > 1:
+            raise ValueError("KV transfer: not supported with tensor_parallel_size or pipeline_parallel_size > 1 "
+                             "yet (each rank holds only its KV heads or layers; the connector reads rank 0's)")
         self.block_pool = engine.scheduler.block_pool
         self.block_io = KVBlockIO.for_runner(engine.runner)
         self.model_id = engine.model_id

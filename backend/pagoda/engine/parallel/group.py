@@ -1,4 +1,4 @@
-"""``ProcessGroup``: one tensor-parallel group's collectives, without torch's global state.
+"""``ProcessGroup``: one tensor- or pipeline-parallel group's collectives, without torch's global state.
 
 Rank 0 is the engine's own process; it opens a ``TCPStore`` on a free port of 127.0.0.1
 and the workers (``engine.parallel.workers``) join it. The group is a backend object made
@@ -15,7 +15,15 @@ others), so no tag is needed:
 * ``gather_logits(t)``: rank 0 gets every rank's ``[rows, vocab/tp]`` slice concatenated
   into ``[rows, vocab]``; the others get an empty tensor;
 * ``broadcast(t)``: rank 0's tensor into every rank's (the step, ``step_wire``);
-* ``min_int(v)``: the smallest ``v`` over ranks (the KV cache's block count).
+* ``min_int(v)``: the smallest ``v`` over ranks (the KV cache's block count);
+* ``send(t, dst)`` / ``recv(t, src)``: point to point (pipeline parallelism: a stage's hidden
+  states to the next stage, the last stage's logits to rank 0; ``models.pipeline_parallel``).
+
+Tensor x pipeline parallelism (``make_groups``): world rank ``r`` is stage ``r // tp``,
+tensor-parallel index ``r % tp`` (rank 0: stage 0, index 0, the engine). The world group
+carries the step broadcast and ``min_int``; each stage's ``tp`` ranks form a group of their
+own (the model's all-reduces and logits gather, made over a store prefix per stage); a
+``StageLinks`` addresses the same index in another stage for the hand-overs.
 
 A peer that died makes a collective raise (gloo: the connection closed) or time out
 after ``timeout_s``; the caller names the rank (``workers.TensorParallelWorkers``).
@@ -67,9 +75,47 @@ class ProcessGroup:
     def broadcast(self, tensor: torch.Tensor) -> None:
         self.pg.broadcast(tensor, 0).wait()
 
+    def send(self, tensor: torch.Tensor, dst: int) -> None:
+        self.pg.send([tensor], dst, 0).wait()
+
+    def recv(self, tensor: torch.Tensor, src: int) -> None:
+        self.pg.recv([tensor], src, 0).wait()
+
     def min_int(self, value: int) -> int:
         options = dist.AllreduceOptions()
         options.reduceOp = dist.ReduceOp.MIN
         tensor = torch.tensor([value], dtype=torch.int64, device=self.device)
         self.pg.allreduce([tensor], options).wait()
         return int(tensor.item())
+
+
+class StageLinks:
+    """One rank's pipeline view of the world group: ``rank``/``size`` are its stage and the
+    number of stages; ``send``/``recv`` reach the rank of the same tensor-parallel index in
+    stage ``dst``/``src``; ``min_int`` is over the whole world."""
+
+    def __init__(self, world: ProcessGroup, tp: int) -> None:
+        self.world, self.tp = world, tp
+        self.rank, self.size, self.tp_rank = world.rank // tp, world.size // tp, world.rank % tp
+
+    def send(self, tensor: torch.Tensor, dst: int) -> None:
+        self.world.send(tensor, dst * self.tp + self.tp_rank)
+
+    def recv(self, tensor: torch.Tensor, src: int) -> None:
+        self.world.recv(tensor, src * self.tp + self.tp_rank)
+
+    def min_int(self, value: int) -> int:
+        return self.world.min_int(value)
+
+
+def make_groups(world: ProcessGroup, tp: int, pp: int, timeout_s: float) -> dict:
+    """``ModelRunner``'s keywords for this rank of a ``tp`` x ``pp`` world: ``tp=`` (the world,
+    or this stage's own group when ``pp > 1``) and/or ``pp=`` (the world, or a ``StageLinks``).
+    With both, every rank of a stage must call this together (the stage's group forms)."""
+    if pp == 1:
+        return {"tp": world}
+    if tp == 1:
+        return {"pp": world}
+    stage = world.rank // tp
+    own = ProcessGroup(world.rank % tp, tp, dist.PrefixStore(f"stage{stage}/", world.store), world.device, timeout_s)
+    return {"tp": own, "pp": StageLinks(world, tp)}

@@ -1,7 +1,8 @@
 """The ranks of one non-leader node of a multi-node replica: ``pagoda serve --node-rank R``.
 
-A replica over M nodes is one engine whose N tensor-parallel ranks are spread L = N / M per
-node (docs/parallelism.md). Node 0 runs the engine (rank 0: scheduler, sampler, the server)
+A replica over M nodes is one engine whose N ranks (``world_size``: tensor x pipeline
+parallel) are spread L = N / M per node, in rank order (docs/parallelism.md): with
+``pipeline_parallel_size = M`` and L tensor-parallel ranks per stage, each node is one stage. Node 0 runs the engine (rank 0: scheduler, sampler, the server)
 and its own ranks 1..L-1 (``workers.TensorParallelWorkers``); it opens the group's
 ``TCPStore`` on the leader address's port and publishes the group's settings there
 (``workers.GROUP_KEY``: the engine config, model config and model path, so every node runs
@@ -44,7 +45,7 @@ def split_leader(address: str) -> tuple[str, int]:
 
 
 def run_node(leader: str, node_rank: int, nodes: int, timeout_s: float = 600.0,
-             tensor_parallel_size: int | None = None) -> int:
+             tensor_parallel_size: int | None = None, pipeline_parallel_size: int | None = None) -> int:
     """Run this node's ranks of the group whose store is at ``leader`` until they end.
 
     Args:
@@ -52,7 +53,7 @@ def run_node(leader: str, node_rank: int, nodes: int, timeout_s: float = 600.0,
         node_rank: this node, 1..nodes-1.
         nodes: nodes in the group; must equal the leader engine's ``tensor_parallel_nodes``.
         timeout_s: how long to wait for the leader's store and settings.
-        tensor_parallel_size: if given, must equal the leader's.
+        tensor_parallel_size, pipeline_parallel_size: if given, must equal the leader's.
     Returns:
         0 when the group stopped in order, 1 when a rank of this node failed.
     Raises:
@@ -70,14 +71,16 @@ def run_node(leader: str, node_rank: int, nodes: int, timeout_s: float = 600.0,
     if config.tensor_parallel_nodes != nodes:
         raise ValueError(f"--nodes: {nodes}, but the leader at {leader} runs tensor_parallel_nodes="
                          f"{config.tensor_parallel_nodes}")
-    if tensor_parallel_size is not None and tensor_parallel_size != config.tensor_parallel_size:
-        raise ValueError(f"--tensor-parallel-size: {tensor_parallel_size}, but the leader at {leader} runs "
-                         f"tensor_parallel_size={config.tensor_parallel_size}")
-    local = config.tensor_parallel_size // nodes
+    given = {"tensor_parallel_size": tensor_parallel_size, "pipeline_parallel_size": pipeline_parallel_size}
+    for name, value in given.items():
+        if value is not None and value != getattr(config, name):
+            raise ValueError(f"--{name.replace('_', '-')}: {value}, but the leader at {leader} runs "
+                             f"{name}={getattr(config, name)}")
+    local = config.world_size // nodes
     ranks = range(node_rank * local, (node_rank + 1) * local)
     processes = spawn_ranks(ranks, host, port, config, model_config, model_path)
     logger.info("node %d of %d: ranks %d..%d of %d, pids %s", node_rank, nodes, ranks[0], ranks[-1],
-                config.tensor_parallel_size, [p.pid for p in processes])
+                config.world_size, [p.pid for p in processes])
     return _wait(dict(zip(ranks, processes)))
 
 
@@ -91,7 +94,7 @@ def _wait(processes: dict) -> int:
                 continue
             del alive[rank]
             if process.exitcode != 0:
-                logger.error("tensor-parallel rank %d (pid %d) exited with code %d; stopping this node",
+                logger.error("rank %d (pid %d) exited with code %d; stopping this node",
                              rank, process.pid, process.exitcode)
                 for other in alive.values():
                     other.kill()

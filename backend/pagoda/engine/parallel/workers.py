@@ -1,4 +1,10 @@
-"""The tensor-parallel workers of one engine: ranks 1..N-1, one spawned process each.
+"""The tensor- or pipeline-parallel workers of one engine: ranks 1..N-1, one spawned process each.
+
+N is ``EngineConfig.world_size`` (``tensor_parallel_size`` x ``pipeline_parallel_size``). The
+machinery is the same for both; only what each worker's ``ModelRunner`` does with the group
+differs (``tp=``: its shard of every layer; ``pp=``: its stage's layers,
+``models.pipeline_parallel``; both: its shard of its stage's layers, ``group.make_groups``),
+and the error that names a dead rank says which.
 
 Life cycle (``TensorParallelWorkers``), as vLLM's multiprocessing executor and SGLang's TP
 workers run theirs:
@@ -48,7 +54,7 @@ import torch
 import torch.distributed as dist
 
 from pagoda.engine.config import EngineConfig
-from pagoda.engine.parallel.group import ProcessGroup
+from pagoda.engine.parallel.group import ProcessGroup, make_groups
 from pagoda.engine.parallel.step_wire import StepReceiver, StepSender, capacity_for
 from pagoda.engine.runner.host_kv_cache import HostKVCache, measure_prefill_s_per_token
 from pagoda.engine.runner.model_runner import ModelRunner, resolve_device
@@ -62,7 +68,19 @@ GROUP_KEY = "pagoda-tp/group"  # (EngineConfig, ModelConfig, model path), pickle
 
 
 class TensorParallelWorkerDied(RuntimeError):
-    """A tensor-parallel worker process is gone; the engine cannot step any more."""
+    """A tensor- or pipeline-parallel worker process is gone; the engine cannot step any more."""
+
+
+def parallel_kind(config: EngineConfig) -> str:
+    """How the worker processes of ``config`` are named in errors and logs."""
+    return "pipeline-parallel" if config.pipeline_parallel_size > 1 else "tensor-parallel"
+
+
+def runner_groups(config: EngineConfig, group: ProcessGroup) -> dict:
+    """``ModelRunner``'s keywords for this rank of the world ``group``: ``tp=`` and/or ``pp=``
+    (``group.make_groups``; a collective among the stage's ranks under TP x PP)."""
+    return make_groups(group, config.tensor_parallel_size, config.pipeline_parallel_size,
+                       config.tensor_parallel_timeout_s)
 
 
 def share_cpu_threads(size: int) -> None:
@@ -79,11 +97,12 @@ class TensorParallelWorkers:
         self._store = store
         self.sender: Optional[StepSender] = None  # set by the executor once its runner exists
         self.threads = torch.get_num_threads()  # rank 0's before start; restored by kill()
+        self.kind = "tensor-parallel"  # or "pipeline-parallel" (parallel_kind), for errors
 
     @classmethod
     def start(cls, config: EngineConfig, model_config: ModelConfig, model_path: str,
               device: torch.device) -> "TensorParallelWorkers":
-        size, nodes = config.tensor_parallel_size, config.tensor_parallel_nodes
+        size, nodes = config.world_size, config.tensor_parallel_nodes
         port = 0 if nodes == 1 else int(str(config.tensor_parallel_leader).rpartition(":")[2])
         store = dist.TCPStore(_HOST, port, size, is_master=True, wait_for_workers=False,
                               timeout=_timedelta(config.tensor_parallel_timeout_s))
@@ -91,6 +110,7 @@ class TensorParallelWorkers:
             store.set(GROUP_KEY, pickle.dumps((config, model_config, model_path)))
         processes = spawn_ranks(range(1, size // nodes), _HOST, store.port, config, model_config, model_path)
         workers = cls(processes, None, store)  # type: ignore[arg-type]
+        workers.kind = parallel_kind(config)
         if device.type == "cpu":
             share_cpu_threads(size // nodes)
         try:
@@ -98,7 +118,7 @@ class TensorParallelWorkers:
         except BaseException:
             workers.kill()
             raise
-        logger.info("tensor parallelism: %d ranks (%s), workers %s", size, "nccl" if device.type == "cuda" else "gloo",
+        logger.info("%s: %d ranks (%s), workers %s", workers.kind, size, "nccl" if device.type == "cuda" else "gloo",
                     [p.pid for p in processes])
         return workers
 
@@ -121,7 +141,7 @@ class TensorParallelWorkers:
                 self.check()
         if "error" in result:
             self.explain(result["error"])
-            raise RuntimeError(f"tensor parallelism: the group did not form: {result['error']}") from result["error"]
+            raise RuntimeError(f"{self.kind}: the group did not form: {result['error']}") from result["error"]
         return result["group"]
 
     def check(self) -> None:
@@ -129,7 +149,7 @@ class TensorParallelWorkers:
         for rank, process in enumerate(self.processes, start=1):
             if process.exitcode is not None:
                 raise TensorParallelWorkerDied(
-                    f"tensor-parallel worker rank {rank} (pid {process.pid}) exited with code {process.exitcode}; "
+                    f"{self.kind} worker rank {rank} (pid {process.pid}) exited with code {process.exitcode}; "
                     "the engine cannot run steps any more")
 
     def explain(self, exc: BaseException) -> None:
@@ -148,7 +168,7 @@ class TensorParallelWorkers:
             if self.sender is not None:
                 self.sender.stop()
         except Exception as exc:  # noqa: BLE001 - a dead or wedged group: kill below
-            logger.warning("tensor parallelism: stopping the workers: %s", exc)
+            logger.warning("%s: stopping the workers: %s", self.kind, exc)
         for process in self.processes:
             process.join(timeout=_STOP_GRACE_S)
         self.kill()
@@ -216,7 +236,7 @@ def worker_main(rank: int, host: str, port: int, config: EngineConfig, model_con
     """One worker's whole life: join the group, build the runner, run the steps it receives."""
     _exit_with_parent()
     try:
-        size, local = config.tensor_parallel_size, config.tensor_parallel_size // config.tensor_parallel_nodes
+        size, local = config.world_size, config.world_size // config.tensor_parallel_nodes
         device = resolve_device(config)
         if device.type == "cuda":
             torch.cuda.set_device(rank % local)
@@ -225,7 +245,7 @@ def worker_main(rank: int, host: str, port: int, config: EngineConfig, model_con
             share_cpu_threads(local)
         store = dist.TCPStore(host, port, size, is_master=False, timeout=_timedelta(config.tensor_parallel_timeout_s))
         group = ProcessGroup(rank, size, store, device, config.tensor_parallel_timeout_s)
-        runner = ModelRunner(config, model_config, model_path, tp=group)
+        runner = ModelRunner(config, model_config, model_path, **runner_groups(config, group))
         receiver = StepReceiver(group, capacity_for(config.max_num_seqs, config.max_num_batched_tokens), device,
                                 on_adapter=lambda name, path: _load_adapter(runner, name, path))
         if config.cpu_offload_bytes:  # the same collectives, in the same order, as rank 0's _make_host_tier

@@ -18,7 +18,8 @@ and it advances them again only after this job ended, so the job reads them alon
 job's ``ModelRunnerOutput`` carries the step's id, so ``Scheduler.update_from_output``
 needs nothing else.
 
-Tensor parallelism (``engine.parallel``, which builds this with ``tp`` and ``parallel``):
+Tensor or pipeline parallelism (``engine.parallel``, which builds this with ``tp`` or ``pp``
+and ``parallel``):
 the runner is rank 0 of the group and broadcasts each step itself; the job first checks
 that every worker is alive, and a failed job is re-read as the error naming a dead
 worker's rank (``parallel.explain``); ``shutdown`` stops the workers after the worker
@@ -136,17 +137,18 @@ class Executor:
 
 def make_executor(config: EngineConfig, model_config: ModelConfig, model_path: str,
                   make_grammar_backend: Optional[Callable[[], Any]] = None, tp: Any = None,
-                  parallel: Any = None) -> Executor:
+                  parallel: Any = None, pp: Any = None) -> Executor:
     """The device side for ``config``: runner, host tier, worker, and the structured-output
-    manager (``make_grammar_backend`` builds its grammar backend on first use). ``tp`` and
-    ``parallel``: rank 0's group and the workers, from ``engine.parallel.make_executor``.
+    manager (``make_grammar_backend`` builds its grammar backend on first use). ``tp`` (or
+    ``pp``) and ``parallel``: rank 0's tensor- (or pipeline-) parallel group and the workers,
+    from ``engine.parallel.make_executor``.
 
     Raises:
         ValueError: an unusable speculative draft folder, or a KV budget below one block.
     """
     device = resolve_device(config)
     spec_plan = SpeculativePlan.from_config(config, model_config, device, resolve_dtype(config, device))
-    runner = ModelRunner(config, model_config, model_path, spec_plan=spec_plan, tp=tp)
+    runner = ModelRunner(config, model_config, model_path, spec_plan=spec_plan, tp=tp, pp=pp)
     if config.async_scheduling and spec_plan is not None:
         logger.warning("async_scheduling is ignored with speculative decoding: steps run synchronously")
     host_kv_cache, cost_model = _make_host_tier(config, runner)

@@ -54,17 +54,17 @@ class HostKVCache:
     def for_runner(cls, runner: ModelRunner, num_bytes: int) -> "HostKVCache":
         """A host cache of ``num_bytes // bytes_per_block`` blocks for ``runner``'s caches.
 
-        Under tensor parallelism a block holds this rank's KV heads, and every rank takes
+        Under tensor (pipeline) parallelism a block holds this rank's KV heads (layers), and every rank takes
         the smallest count (a collective: every rank calls this at the same point).
 
         Raises:
             ValueError: ``num_bytes`` is smaller than one block.
         """
         per_block = kv_bytes_per_block(runner.model_config, runner.block_size, runner.kv_caches[0][0].dtype,
-                                       runner.kv_heads)
+                                       runner.kv_heads, len(runner.kv_caches))
         num_blocks = num_bytes // per_block
-        if runner.tp is not None:
-            num_blocks = runner.tp.min_int(int(num_blocks))
+        if runner.group is not None:  # tensor- or pipeline-parallel ranks agree on the host block ids
+            num_blocks = runner.group.min_int(int(num_blocks))
         if num_blocks < 1:
             raise ValueError(f"cpu_offload_bytes: {num_bytes} bytes is smaller than one KV block "
                              f"({per_block} bytes); raise it or set 0 to disable the CPU tier")

@@ -43,6 +43,15 @@ on every rank. On rank 0 ``step_sender`` broadcasts each step's deltas right aft
 are applied here (placeholders filled from the device), before the forward; the other
 ranks run ``compute_logits`` on what they receive (``engine.parallel.worker``). CUDA
 graphs are not captured under tensor parallelism.
+
+Pipeline parallelism (``pp``): the model is cut to this rank's stage after it is built
+(``models.pipeline_parallel.PipelineStage``: its layers only, the embedding on rank 0, the
+norm and LM head on the last rank), the KV cache has one pair per layer of the stage, and
+the block count is again the smallest over ranks. The step travels as under tensor
+parallelism; the forward hands hidden states rank to rank and ``self.model.compute_logits``
+returns, on rank 0, the logits the last stage sent. Both at once: ``tp`` is this stage's
+tensor-parallel group, the model is sharded, then cut. ``group`` (``pp``, else ``tp``) spans
+every rank: the block count's minimum is taken over it.
 """
 
 from __future__ import annotations
@@ -69,6 +78,7 @@ from pagoda.models.config import ModelConfig
 from pagoda.models.llama import LlamaForCausalLM
 from pagoda.models.loader import load_model
 from pagoda.models.quant import quantize_model
+from pagoda.models.pipeline_parallel import PipelineGroup, PipelineStage
 from pagoda.models.tensor_parallel import TensorParallelGroup, kv_head_range, shard_model
 from pagoda.models.registry import build_model
 
@@ -99,12 +109,13 @@ def resolve_kv_cache_dtype(config: EngineConfig, model_dtype: torch.dtype) -> to
 
 
 def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype,
-                       kv_heads: Optional[int] = None) -> int:
-    """Bytes one block takes across all layers (K and V); ``kv_heads``: one rank's (default: all)."""
+                       kv_heads: Optional[int] = None, num_layers: Optional[int] = None) -> int:
+    """Bytes one block takes across the layers (K and V); ``kv_heads``, ``num_layers``: one
+    rank's (default: all the model's)."""
     elem = torch.tensor([], dtype=dtype).element_size()
     kv_heads = model_config.num_key_value_heads if kv_heads is None else kv_heads
     per_layer = 2 * block_size * kv_heads * model_config.head_dim * elem
-    return per_layer * model_config.num_hidden_layers
+    return per_layer * (model_config.num_hidden_layers if num_layers is None else num_layers)
 
 
 class ModelRunner:
@@ -114,10 +125,12 @@ class ModelRunner:
     model_path: the model folder.
     spec_plan: speculative decoding (its draft's KV shares the budget), or None.
     tp: this rank's tensor-parallel group, or None (one device).
+    pp: this rank's pipeline-parallel group, or None (the whole model here).
     """
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig, model_path: str,
-                 spec_plan: Optional[SpeculativePlan] = None, tp: Optional[TensorParallelGroup] = None) -> None:
+                 spec_plan: Optional[SpeculativePlan] = None, tp: Optional[TensorParallelGroup] = None,
+                 pp: Optional[PipelineGroup] = None) -> None:
         self.draft_config = spec_plan.draft_config if spec_plan else None
         self.config = config
         self.model_config = model_config
@@ -133,13 +146,16 @@ class ModelRunner:
         if tp is not None:
             shard_model(self.model, tp)
             self.kv_heads = kv_head_range(model_config.num_key_value_heads, tp.size, tp.rank)[1]
+        if pp is not None:
+            self.model = PipelineStage(self.model, pp)
+        self.group = pp if pp is not None else tp  # all ranks agree on the block count (pp's spans TP x PP)
         self.kv_dtype = resolve_kv_cache_dtype(config, self.dtype)
         self.num_blocks = self._num_blocks_from_budget()
         shape = (self.num_blocks, self.block_size, self.kv_heads, model_config.head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
              torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
-            for _ in range(model_config.num_hidden_layers)
+            for _ in self.model.layers
         ]
         logger.info("KV cache: %d blocks of %d tokens on %s (%s)", self.num_blocks, self.block_size,
                     self.device, self.kv_dtype)
@@ -150,7 +166,7 @@ class ModelRunner:
         reason = cuda_graphs_off_reason(config, self.keeps_hidden, self.device)
         if reason is not None:
             logger.warning("CUDA graphs off: %s", reason)
-        no_graphs = self.keeps_hidden or tp is not None
+        no_graphs = self.keeps_hidden or self.group is not None
         self.graphs = None if no_graphs else DecodeGraphs.maybe_capture(self)  # None on CPU or when disabled
         self._step_hidden: Optional[torch.Tensor] = None
         self.sampler = Sampler(vocab_size=model_config.vocab_size, seed=config.seed)
@@ -169,7 +185,8 @@ class ModelRunner:
     def _num_blocks_from_budget(self) -> int:
         if self.config.num_gpu_blocks_override is not None:
             return self.config.num_gpu_blocks_override
-        per_block = kv_bytes_per_block(self.model_config, self.block_size, self.kv_dtype, self.kv_heads)
+        per_block = kv_bytes_per_block(self.model_config, self.block_size, self.kv_dtype, self.kv_heads,
+                                       len(self.model.layers))
         if self.draft_config is not None:
             per_block += kv_bytes_per_block(self.draft_config, self.block_size, self.dtype)
         if self.device.type == "cuda":
@@ -179,8 +196,8 @@ class ModelRunner:
         else:
             budget = self.config.kv_cache_memory_bytes
         num_blocks = budget // per_block
-        if self.tp is not None:  # block ids must mean the same on every rank
-            num_blocks = self.tp.min_int(int(num_blocks))
+        if self.group is not None:  # block ids must mean the same on every rank
+            num_blocks = self.group.min_int(int(num_blocks))
         if num_blocks < 1:
             raise ValueError(
                 f"KV cache budget of {budget} bytes is smaller than one block ({per_block} bytes); "

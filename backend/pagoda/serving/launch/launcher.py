@@ -137,7 +137,9 @@ def materialize_repository(source: Path, dest: Path, options: ServeOptions) -> P
     """Copy the model repository to ``dest`` with ``options`` written into config.pbtxt."""
     shutil.copytree(source, dest, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     config_path = dest / MODEL_NAME / "config.pbtxt"
-    kind = ("KIND_MODEL" if int(options.engine_args.get("tensor_parallel_size", 1)) > 1  # TP: the engine places ranks
+    ranks = int(options.engine_args.get("tensor_parallel_size", 1)) * int(options.engine_args.get(
+        "pipeline_parallel_size", 1))
+    kind = ("KIND_MODEL" if ranks > 1  # TP or PP: the engine places its ranks
             else {"cuda": "KIND_GPU", "cpu": "KIND_CPU"}.get(options.device or ""))
     config_path.write_text(rewrite_config_pbtxt(config_path.read_text(), options.parameter_overrides(), kind))
     configure_fronts(dest, options.trtllm_decoupled)

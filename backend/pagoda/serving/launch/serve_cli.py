@@ -45,7 +45,7 @@ STUB_RESTART_WINDOW_S = 600.0
 ENGINE_FLAGS = ("scheduling_policy", "speculative_method", "speculative_model", "num_speculative_tokens",
                 "cpu_offload_bytes", "preemption_mode", "default_max_tokens", "gpu_memory_utilization",
                 "max_waiting_requests", "max_waiting_prompt_tokens", "max_queue_delay_s", "kv_cache_dtype",
-                "tensor_parallel_size")
+                "tensor_parallel_size", "pipeline_parallel_size")
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -79,8 +79,11 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-speculative-tokens", type=int, help="largest speculative window k")
     p.add_argument("--tensor-parallel-size", type=int,
                    help="ranks (devices) in the replica: the model instance becomes KIND_MODEL (docs/parallelism.md)")
+    p.add_argument("--pipeline-parallel-size", type=int,
+                   help="pipeline stages the layers are cut into (times --tensor-parallel-size ranks, one "
+                        "device each); KIND_MODEL as above (docs/parallelism.md)")
     p.add_argument("--nodes", type=int, default=1,
-                   help="nodes the replica's --tensor-parallel-size ranks span, the same number on each "
+                   help="nodes the replica's ranks (tensor x pipeline parallel size) span, the same number on each "
                         "(docs/parallelism.md; 1: this node holds them all)")
     p.add_argument("--node-rank", type=int, default=0,
                    help="with --nodes > 1: this node's place; 0 runs the server and the engine (rank 0), "
@@ -262,7 +265,8 @@ def serve_worker_node(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="pagoda serve: %(message)s")
     try:
         code = run_node(args.leader_address, args.node_rank, args.nodes,
-                        tensor_parallel_size=args.tensor_parallel_size)
+                        tensor_parallel_size=args.tensor_parallel_size,
+                        pipeline_parallel_size=args.pipeline_parallel_size)
     except (ValueError, RuntimeError) as exc:
         print(f"pagoda serve: {exc}", file=sys.stderr, flush=True)
         return 1
