@@ -140,3 +140,25 @@ def test_apply_rotary_cache_in_model_dtype():
     atol, rtol = TOLERANCES[torch.bfloat16]
     torch.testing.assert_close(q_out.double(), q_ref, atol=atol, rtol=rtol)
     torch.testing.assert_close(k_out.double(), k_ref, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+def test_torch_rotary_is_the_two_halves_formula_bit_for_bit(dtype):
+    """reference.apply_rotary computes ``x * [c, c] + roll(x) * [-s, s]`` with tables made once
+    per step; it must equal the textbook ``(x1 c - x2 s, x2 c + x1 s)`` exactly, and see a
+    positions buffer refilled in place (the tables are keyed by the tensor and its version)."""
+    def textbook(x, positions, cache):
+        half = cache.shape[1] // 2
+        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+        cs = cache[positions].unsqueeze(1).to(acc)
+        x1, x2 = x[..., :half].to(acc), x[..., half:].to(acc)
+        c, s = cs[..., :half], cs[..., half:]
+        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.randn(37, 8, 128, generator=gen).to(dtype), torch.randn(37, 2, 128, generator=gen).to(dtype)
+    positions, cache = torch.randint(0, 4000, (37,), generator=gen), torch.randn(4096, 128, generator=gen)
+    for _ in range(2):
+        q_out, k_out = reference.apply_rotary(q, k, positions, cache)
+        assert torch.equal(q_out, textbook(q, positions, cache)) and torch.equal(k_out, textbook(k, positions, cache))
+        positions.add_(1)  # the next step, in the same buffer

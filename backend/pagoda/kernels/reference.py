@@ -18,6 +18,7 @@ with ``s_aux``). SDPA has no such input, so the torch path computes those rows e
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -306,19 +307,43 @@ def apply_rotary(
     positions: torch.Tensor,  # [num_tokens] int64
     cos_sin_cache: torch.Tensor,  # [max_positions, head_dim]: cos in the first half, sin in the second
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotary embedding, NeoX / Hugging Face Llama style (rotate the two halves)."""
+    """Rotary embedding, NeoX / Hugging Face Llama style (rotate the two halves):
+    ``(x1, x2) -> (x1 c - x2 s, x2 c + x1 s)``, computed as ``x * [c, c] + roll(x) * [-s, s]``
+    (the same products and sums, so the same bits) with the step's tables made once
+    (``_rotary_tables``): four ops per tensor instead of nine."""
     half = cos_sin_cache.shape[1] // 2
-    cs = cos_sin_cache[positions]
-    cos = cs[:, :half].unsqueeze(1)
-    sin = cs[:, half:].unsqueeze(1)
 
     def rotate(x: torch.Tensor) -> torch.Tensor:
         acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-        x1, x2 = x[..., :half].to(acc), x[..., half:].to(acc)
-        c, s = cos.to(acc), sin.to(acc)
-        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+        cos, sin = _rotary_tables(positions, cos_sin_cache, acc)
+        xa = x.to(acc)
+        return (xa * cos + xa.roll(half, -1) * sin).to(x.dtype)
 
     return rotate(q), rotate(k)
+
+
+_ROTARY_TABLES: dict = {}  # (cache id, dtype) -> (weak ref to the cache, positions copy, cos, sin)
+
+
+def _rotary_tables(positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                   acc: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[c, c]`` and ``[-s, s]`` (``[num_tokens, 1, head_dim]`` in ``acc``) for ``positions``,
+    made once per step: every layer rotates at the same positions. Reused only while the
+    positions are equal in value (compared, not trusted by identity: a buffer may be refilled
+    in place under inference mode, which keeps no version counter)."""
+    key = (id(cos_sin_cache), acc)
+    hit = _ROTARY_TABLES.get(key)
+    if (hit is not None and hit[0]() is cos_sin_cache and hit[1].shape == positions.shape
+            and torch.equal(hit[1], positions)):
+        return hit[2], hit[3]
+    half = cos_sin_cache.shape[1] // 2
+    cs = cos_sin_cache[positions].to(acc)
+    cos, sin = cs[:, :half], cs[:, half:]
+    tables = torch.cat((cos, cos), -1).unsqueeze(1), torch.cat((-sin, sin), -1).unsqueeze(1)
+    if len(_ROTARY_TABLES) >= 8:
+        _ROTARY_TABLES.clear()
+    _ROTARY_TABLES[key] = (weakref.ref(cos_sin_cache), positions.clone(), *tables)
+    return tables
 
 
 def lora_apply(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.Tensor,

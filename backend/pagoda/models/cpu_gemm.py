@@ -2,14 +2,15 @@
 
 On a CPU, ``F.linear`` on float weights calls the BLAS torch was built with (MKL on x86).
 Measured on the 2-core AMD EPYC development VM (Zen 4, AVX-512; torch 2.13, fp32, one
-thread, SmolLM2-135M's shapes, best of 90 calls): MKL's sgemm runs at ~105 GFLOP/s for 32
-to 256 rows, oneDNN's inner product on a weight reordered once into its blocked layout at
-~245-275 GFLOP/s (2.3-2.5x), and the 49,152-row LM head goes from 27 to 9 ms at 32 rows;
-at one row the two are even. MKL picks its slower code path on non-Intel CPUs, which is
-why the gap is widest there; vLLM's CPU backend calls oneDNN with prepacked weights for the
-same reason. oneDNN's result for a row also does not depend on how many rows are in the
-call (checked bit for bit at 1, 7, 32 and 100 of 256 rows; MKL's one-row path differs from
-its many-row path in the last bits), so a request's logits do not depend on its batch.
+thread, SmolLM2-135M's shapes, best of 120 calls, quiet; docs/benchmarks.md): MKL's sgemm
+runs at ~105 GFLOP/s at 32 rows and ~116 at 256, oneDNN's inner product on a weight
+reordered once into its blocked layout at 239-254 and ~270 (2.3-2.4x), and the 49,152-row
+LM head goes from 24.0 to 9.3 ms at 32 rows; at one row the two are even (memory-bound).
+MKL takes its slower code path on non-Intel CPUs, which is why the gap is widest there;
+vLLM's CPU backend calls oneDNN with prepacked weights for the same reason. oneDNN's
+result for a row also does not depend on how many rows are in the call (checked bit for
+bit at 1, 7, 32 and 100 of 256 rows; MKL's one-row path differs from its many-row path in
+the last bits), so a request's logits do not depend on its batch.
 
 ``pack_model`` (called once by the model runner, after tensor-parallel sharding and
 before the first step) replaces every float weight a module lists in ``linear_weights``
@@ -23,7 +24,8 @@ quantized, with oneDNN in the torch build. ``PAGODA_CPU_GEMM=blas`` keeps ``F.li
 (``onednn`` forces packing where it is possible; ``auto``, the default, is the rule above).
 Numerics: oneDNN sums in another order than MKL, so logits differ from ``F.linear``'s in
 the last bits (about 1e-6 relative in fp32); fp32 greedy outputs stay equal to Hugging
-Face's on the test models and the default model (tests/models/test_cpu_gemm.py).
+Face's: the engine-vs-Hugging-Face suites run on packed weights (tests/models/test_cpu_gemm.py
+checks that the engine packs, and the matmul against float64 within its fp32 bound).
 """
 
 from __future__ import annotations
