@@ -328,11 +328,12 @@ _ROTARY_TABLES: dict = {}  # (cache id, dtype) -> (weak ref to the cache, positi
 def _rotary_tables(positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                    acc: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """``[c, c]`` and ``[-s, s]`` (``[num_tokens, 1, head_dim]`` in ``acc``) for ``positions``,
-    made once per step: every layer rotates at the same positions. Reused only while the
+    made once per step on a CPU (elsewhere every call makes them: the check below would read
+    the device): every layer rotates at the same positions. Reused only while the
     positions are equal in value (compared, not trusted by identity: a buffer may be refilled
     in place under inference mode, which keeps no version counter)."""
     key = (id(cos_sin_cache), acc)
-    hit = _ROTARY_TABLES.get(key)
+    hit = _ROTARY_TABLES.get(key) if positions.device.type == "cpu" else None  # comparing elsewhere would sync
     if (hit is not None and hit[0]() is cos_sin_cache and hit[1].shape == positions.shape
             and torch.equal(hit[1], positions)):
         return hit[2], hit[3]
@@ -340,9 +341,10 @@ def _rotary_tables(positions: torch.Tensor, cos_sin_cache: torch.Tensor,
     cs = cos_sin_cache[positions].to(acc)
     cos, sin = cs[:, :half], cs[:, half:]
     tables = torch.cat((cos, cos), -1).unsqueeze(1), torch.cat((-sin, sin), -1).unsqueeze(1)
-    if len(_ROTARY_TABLES) >= 8:
-        _ROTARY_TABLES.clear()
-    _ROTARY_TABLES[key] = (weakref.ref(cos_sin_cache), positions.clone(), *tables)
+    if positions.device.type == "cpu":
+        if len(_ROTARY_TABLES) >= 8:
+            _ROTARY_TABLES.clear()
+        _ROTARY_TABLES[key] = (weakref.ref(cos_sin_cache), positions.clone(), *tables)
     return tables
 
 
