@@ -26,6 +26,8 @@ from pydantic import (BaseModel, ConfigDict, Field, StringConstraints, Validatio
                       field_validator)
 from pydantic_core import PydanticCustomError
 
+from pagoda.fleet.gate.limits import show_value
+
 # Chat roles the chat templates know; "developer" (OpenAI's newer name) is a system message.
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 MAX_LOGPROBS = 20  # OpenAI's bound for logprobs / top_logprobs (vLLM's default max_logprobs is 20 too)
@@ -277,7 +279,7 @@ def describe(errors: list[dict], body: dict) -> OpenAIError:
         return OpenAIError(f"{_path(loc)}: required", field)
     message = first["msg"].removeprefix("Value error, ")
     if first["type"] != "value_error":
-        message = f"{message[:1].lower()}{message[1:]}, got {_show(first.get('input'))}"
+        message = f"{message[:1].lower()}{message[1:]}, got {show_value(first.get('input'))}"
     return OpenAIError(f"{_path(loc)}: {message}", field)
 
 
@@ -291,14 +293,6 @@ def _path(loc: tuple) -> str:
         else:
             text += f".{part}" if text else str(part)
     return text
-
-
-def _show(value: Any) -> str:
-    try:
-        text = json.dumps(value)
-    except (TypeError, ValueError):
-        text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _token_id(key: str) -> int:
