@@ -75,14 +75,14 @@ def test_the_switch_and_the_cases_that_stay_on_blas(monkeypatch):
     assert pack_model(model, cpu, torch.float32) == 0 and isinstance(model.layers[0].w, nn.Parameter)
     monkeypatch.setenv(GEMM_ENV, "mkl")
     with pytest.raises(ValueError, match=f"{GEMM_ENV}='mkl': must be one of auto, onednn, blas"):
-        packing_reason(model, cpu, torch.float32)
+        packing_reason(cpu, torch.float32)
     monkeypatch.setenv(GEMM_ENV, "auto")
-    assert packing_reason(model, cpu, torch.float16) == "torch.float16 weights"
-    assert packing_reason(model, torch.device("meta"), torch.float32) == "not a CPU model"
+    assert packing_reason(cpu, torch.float16) == "torch.float16 weights"
+    assert packing_reason(torch.device("meta"), torch.float32) == "not a CPU model"
     monkeypatch.setattr("pagoda.models.cpu_gemm.native_bf16", lambda: False)
-    assert packing_reason(model, cpu, torch.bfloat16) == "bf16 without native bf16 instructions on this CPU"
+    assert packing_reason(cpu, torch.bfloat16) == "bf16 without native bf16 instructions on this CPU"
     monkeypatch.setenv(GEMM_ENV, "onednn")  # forced: packed even where oneDNN emulates bf16
-    assert packing_reason(model, cpu, torch.bfloat16) is None
+    assert packing_reason(cpu, torch.bfloat16) is None
 
 
 def test_the_engine_runs_on_packed_weights(monkeypatch, tmp_path, smollm2_path):

@@ -77,7 +77,7 @@ def native_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def packing_reason(model: nn.Module, device: torch.device, dtype: torch.dtype) -> Optional[str]:
+def packing_reason(device: torch.device, dtype: torch.dtype) -> Optional[str]:
     """Why the model's weights stay as they are (``None``: pack them); reads ``PAGODA_CPU_GEMM``."""
     choice = os.environ.get(GEMM_ENV, "auto")
     if choice not in _CHOICES:
@@ -99,7 +99,7 @@ def packing_reason(model: nn.Module, device: torch.device, dtype: torch.dtype) -
 def pack_model(model: nn.Module, device: torch.device, dtype: torch.dtype) -> int:
     """Replace the model's float linear weights by ``PackedWeight`` (module docstring); returns
     how many were packed (0 when ``packing_reason`` says not to, logged once)."""
-    reason = packing_reason(model, device, dtype)
+    reason = packing_reason(device, dtype)
     if reason is not None:
         if device.type == "cpu":
             logger.info("CPU matmuls: BLAS (F.linear): %s", reason)

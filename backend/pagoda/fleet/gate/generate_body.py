@@ -98,14 +98,12 @@ def request_parameter_keys() -> frozenset[str]:
     return request_parameter_vocabulary()
 
 
-def _field(kind: Optional[str]) -> tuple[Any, Any]:
-    """A field of ``kind`` (``None``: any JSON value, the replica reads it) that may be absent but not null."""
-    return (KINDS[kind][0] if kind else Any), None
-
-
 def _fields(names: dict[str, Optional[str]]) -> dict[str, Any]:
-    # Aliases keep the wire names whatever they are (``json``, ``schema`` would shadow BaseModel's).
-    return {f"f_{name}": (Annotated[_field(kind)[0], Field(alias=name)], None) for name, kind in names.items()}
+    """Fields of those kinds (``None``: any JSON value, the replica reads it), each may be absent
+    (default None, not validated) but not null. Aliases keep the wire names whatever they are
+    (``json``, ``schema`` would shadow BaseModel's)."""
+    return {f"f_{name}": (Annotated[KINDS[kind][0] if kind else Any, Field(alias=name)], None)
+            for name, kind in names.items()}
 
 
 class _Body(BaseModel):
