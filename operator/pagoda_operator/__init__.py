@@ -2,6 +2,8 @@
 
 Layout:
     crd.py             the CRD (single source; the chart's copy is generated from it)
+    crd_status.py      the CRD's status schema (what the operator writes under .status)
+    schema_nodes.py    builders of OpenAPI schema nodes the CRD schemas are made of
     spec.py            parse + validate an LLMService spec into dataclasses (SpecError)
     naming.py          object names and labels shared by every renderer
     render_replicas.py replica Deployment + headless Service   (pure render_* functions)

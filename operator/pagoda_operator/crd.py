@@ -12,8 +12,9 @@ Invariants of the schema:
 - cross-field rules the API server can check (replicas.min <= replicas.max) are CEL
   `x-kubernetes-validations`; the operator re-checks them (`spec.py`) and names the field.
 
-Status is written only by the operator. kopf's own bookkeeping goes to annotations
-(see `handlers.py`), because a structural schema would prune `status.kopf`.
+The spec schema is here, built from `schema_nodes.py`'s helpers; `spec.parallelism`'s part
+is in `parallelism.py` beside its rules, and the status schema (written only by the
+operator) in `crd_status.py`.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import sys
 from typing import Any
 
 from pagoda_operator import parallelism
+from pagoda_operator.crd_status import STATUS_SCHEMA
+from pagoda_operator.schema_nodes import boolean, integer, number, obj, string
 
 GROUP = "pagoda.dev"
 VERSION = "v1alpha1"
@@ -41,33 +44,6 @@ _DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 _SCHEMES = r"^(pvc|image|s3|gs|hf|https?)://.+$"
 
 
-def _obj(properties: dict[str, Any], *, required: list[str] | None = None,
-         description: str | None = None, **extra: Any) -> dict[str, Any]:
-    schema: dict[str, Any] = {"type": "object", "properties": properties}
-    if required:
-        schema["required"] = required
-    if description:
-        schema["description"] = description
-    schema.update(extra)
-    return schema
-
-
-def _str(description: str, **extra: Any) -> dict[str, Any]:
-    return {"type": "string", "description": description, **extra}
-
-
-def _int(description: str, **extra: Any) -> dict[str, Any]:
-    return {"type": "integer", "format": "int32", "description": description, **extra}
-
-
-def _num(description: str, **extra: Any) -> dict[str, Any]:
-    return {"type": "number", "description": description, **extra}
-
-
-def _bool(description: str, **extra: Any) -> dict[str, Any]:
-    return {"type": "boolean", "description": description, **extra}
-
-
 _QUANTITY_MAP = {
     "type": "object",
     "description": "Resource name (cpu, memory, nvidia.com/gpu, ...) to quantity.",
@@ -81,38 +57,38 @@ _QUANTITY_MAP = {
 def _scaling_knobs() -> dict[str, Any]:
     """Hysteresis, stabilization windows, step and drain timeout: the same for every autoscaled pool."""
     return {
-        "tolerance": _num("Hysteresis: ratios within 1 +/- tolerance do not scale.",
+        "tolerance": number("Hysteresis: ratios within 1 +/- tolerance do not scale.",
                           minimum=0, maximum=0.9, default=0.1),
-        "scaleUpStabilizationSeconds": _int("Window whose lowest recommendation bounds a scale-up.",
+        "scaleUpStabilizationSeconds": integer("Window whose lowest recommendation bounds a scale-up.",
                                             minimum=0, maximum=3600, default=0),
-        "scaleDownStabilizationSeconds": _int("Window whose highest recommendation bounds a scale-down.",
+        "scaleDownStabilizationSeconds": integer("Window whose highest recommendation bounds a scale-down.",
                                               minimum=0, maximum=86400, default=300),
-        "maxScaleUpStep": _int("Most replicas added in one decision.", minimum=1, maximum=1000, default=4),
-        "drainTimeoutSeconds": _int("Longest wait for a draining replica's in-flight requests before it is "
+        "maxScaleUpStep": integer("Most replicas added in one decision.", minimum=1, maximum=1000, default=4),
+        "drainTimeoutSeconds": integer("Longest wait for a draining replica's in-flight requests before it is "
                                     "removed anyway.", minimum=0, maximum=86400, default=600),
     }
 
 
-SPEC_SCHEMA: dict[str, Any] = _obj(
+SPEC_SCHEMA: dict[str, Any] = obj(
     {
-        "mode": _str("Deployment: the operator runs replica Deployments and autoscales them. "
+        "mode": string("Deployment: the operator runs replica Deployments and autoscales them. "
                      "KServe: the operator renders an InferenceService (RawDeployment) "
                      "against the chart's ServingRuntime. KServeLLM: the operator renders a "
                      "KServe LLMInferenceService whose HTTPRoute sends traffic to the pagoda "
                      "router.", enum=MODES, default="Deployment"),
-        "image": _str("Container image holding pagoda (tritonserver + the model repository).",
+        "image": string("Container image holding pagoda (tritonserver + the model repository).",
                       minLength=1),
-        "imagePullPolicy": _str("Image pull policy.", enum=["Always", "IfNotPresent", "Never"],
+        "imagePullPolicy": string("Image pull policy.", enum=["Always", "IfNotPresent", "Never"],
                                 default="IfNotPresent"),
-        "terminationGracePeriodSeconds": _int(
+        "terminationGracePeriodSeconds": integer(
             "How long a stopping replica may take: `pagoda serve` drains in-flight requests "
             "for this minus 10 s (its --grace-period), then the model unloads.",
             minimum=15, maximum=86400, default=60),
-        "model": _obj(
+        "model": obj(
             {
-                "name": _str("Served model name: the OpenAI `model` id and the Redis namespace.",
+                "name": string("Served model name: the OpenAI `model` id and the Redis namespace.",
                              pattern=_DNS_LABEL, minLength=1, maxLength=63),
-                "storageUri": _str(
+                "storageUri": string(
                     "Where the weights are. pvc://<claim>[/<path>] (any mode), image:///<path> (baked into the "
                     "image, Deployment mode), s3:// gs:// hf:// https:// (KServe modes: their storage initializer).",
                     pattern=_SCHEMES),
@@ -120,13 +96,13 @@ SPEC_SCHEMA: dict[str, Any] = _obj(
                     "type": "array", "maxItems": 64,
                     "description": "LoRA adapters (PEFT folders) every replica serves beside the base "
                                    "model; requests pick one by name (OpenAI `model`, Triton `lora_name`).",
-                    "items": _obj({
-                        "name": _str("Adapter name clients use.", pattern=_DNS_LABEL, minLength=1, maxLength=63),
-                        "path": _str("The adapter folder inside the replica container; a relative path "
+                    "items": obj({
+                        "name": string("Adapter name clients use.", pattern=_DNS_LABEL, minLength=1, maxLength=63),
+                        "path": string("The adapter folder inside the replica container; a relative path "
                                      "is taken inside the model folder.", minLength=1, pattern=r"^[^,=\s]+$"),
                     }, required=["name", "path"], description="One adapter."),
                 },
-                "allowRuntimeLoRA": _bool(
+                "allowRuntimeLoRA": boolean(
                     "Let clients load and unload LoRA adapters at run time (the router's "
                     "/v1/load_lora_adapter and /v1/unload_lora_adapter, Triton lora_action control "
                     "requests): `--allow-runtime-lora` on the replicas and the router. Any caller the "
@@ -135,26 +111,26 @@ SPEC_SCHEMA: dict[str, Any] = _obj(
             },
             required=["name", "storageUri"], description="The model to serve.",
         ),
-        "engine": _obj(
+        "engine": obj(
             {
-                "dtype": _str("Compute dtype.", enum=["auto", "float32", "float16", "bfloat16"],
+                "dtype": string("Compute dtype.", enum=["auto", "float32", "float16", "bfloat16"],
                               default="auto"),
-                "maxModelLen": _int("Longest sequence (prompt + output) in tokens; "
+                "maxModelLen": integer("Longest sequence (prompt + output) in tokens; "
                                     "0 means the model's own limit.",
                                     minimum=0, maximum=1048576, default=0),
-                "maxNumSeqs": _int("Most sequences in one batch.", minimum=1, maximum=4096,
+                "maxNumSeqs": integer("Most sequences in one batch.", minimum=1, maximum=4096,
                                    default=256),
-                "maxNumBatchedTokens": _int("Token budget of one scheduler step.",
+                "maxNumBatchedTokens": integer("Token budget of one scheduler step.",
                                             minimum=16, maximum=1048576, default=8192),
-                "blockSize": _int("Tokens per KV cache block.", enum=[8, 16, 32, 64, 128],
+                "blockSize": integer("Tokens per KV cache block.", enum=[8, 16, 32, 64, 128],
                                   default=16),
-                "gpuMemoryUtilization": _num("Fraction of GPU memory the engine may use.",
+                "gpuMemoryUtilization": number("Fraction of GPU memory the engine may use.",
                                              minimum=0.05, maximum=1.0, default=0.9),
-                "enablePrefixCaching": _bool("Reuse KV blocks across requests.", default=True),
-                "maxWaitingRequests": _int("Admission control: past this many waiting requests a "
+                "enablePrefixCaching": boolean("Reuse KV blocks across requests.", default=True),
+                "maxWaitingRequests": integer("Admission control: past this many waiting requests a "
                                            "replica refuses new ones at once (overload error).",
                                            minimum=1, maximum=1048576, default=1024),
-                "maxWaitingPromptTokens": _int("Admission control: past this many waiting prompt "
+                "maxWaitingPromptTokens": integer("Admission control: past this many waiting prompt "
                                                "tokens a replica refuses new requests at once.",
                                                minimum=1, maximum=1073741824, default=1000000),
                 "extraArgs": {"type": "array", "items": {"type": "string"}, "maxItems": 64,
@@ -163,15 +139,15 @@ SPEC_SCHEMA: dict[str, Any] = _obj(
             description="Engine settings passed to `pagoda serve`.",
             default={},
         ),
-        "resources": _obj(
+        "resources": obj(
             {"requests": _QUANTITY_MAP, "limits": _QUANTITY_MAP},
             description="Compute resources of one replica container.",
         ),
         "parallelism": parallelism.SCHEMA,
-        "replicas": _obj(
+        "replicas": obj(
             {
-                "min": _int("Fewest replicas.", minimum=1, maximum=1000, default=1),
-                "max": _int("Most replicas.", minimum=1, maximum=1000, default=1),
+                "min": integer("Fewest replicas.", minimum=1, maximum=1000, default=1),
+                "max": integer("Most replicas.", minimum=1, maximum=1000, default=1),
             },
             description="Replica count bounds (with spec.parallelism.nodes > 1: replica groups of `nodes` pods); "
                         "with autoscaling disabled, `min` replicas run.",
@@ -179,15 +155,15 @@ SPEC_SCHEMA: dict[str, Any] = _obj(
             **{"x-kubernetes-validations": [
                 {"rule": "self.min <= self.max", "message": "replicas.min must be <= replicas.max"}]},
         ),
-        "autoscaling": _obj(
+        "autoscaling": obj(
             {
-                "enabled": _bool("Run the built-in autoscaler (Deployment mode).", default=True),
-                "targetWaitingPerReplica": _num("Target queued (waiting) requests per replica.",
+                "enabled": boolean("Run the built-in autoscaler (Deployment mode).", default=True),
+                "targetWaitingPerReplica": number("Target queued (waiting) requests per replica.",
                                                 minimum=0.1, maximum=10000, default=4),
-                "targetKVCacheUsage": _num("Target mean KV cache usage (0..1].", minimum=0.05, maximum=1.0, default=0.8),
-                "ttftSLOSeconds": _num("P90 time-to-first-token objective; 0 disables it.", minimum=0, maximum=3600,
+                "targetKVCacheUsage": number("Target mean KV cache usage (0..1].", minimum=0.05, maximum=1.0, default=0.8),
+                "ttftSLOSeconds": number("P90 time-to-first-token objective; 0 disables it.", minimum=0, maximum=3600,
                                        default=0),
-                "itlSLOSeconds": _num("P90 inter-token latency objective (read from the replicas' "
+                "itlSLOSeconds": number("P90 inter-token latency objective (read from the replicas' "
                                       "vllm:inter_token_latency_seconds histogram); 0 disables it.",
                                       minimum=0, maximum=600, default=0),
                 **_scaling_knobs(),
@@ -195,25 +171,25 @@ SPEC_SCHEMA: dict[str, Any] = _obj(
             description="Targets of the built-in autoscaler (the decode pool's with spec.disaggregation).",
             default={},
         ),
-        "disaggregation": _obj(
+        "disaggregation": obj(
             {
-                "prefillReplicas": _int("A fixed prefill pool of this many pods (the same as prefill.replicas "
+                "prefillReplicas": integer("A fixed prefill pool of this many pods (the same as prefill.replicas "
                                         "min = max); set this or `prefill`, not both.", minimum=1, maximum=100),
-                "prefill": _obj(
+                "prefill": obj(
                     {
-                        "replicas": _obj(
-                            {"min": _int("Fewest prefill pods.", minimum=1, maximum=1000, default=1),
-                             "max": _int("Most prefill pods.", minimum=1, maximum=1000, default=1)},
+                        "replicas": obj(
+                            {"min": integer("Fewest prefill pods.", minimum=1, maximum=1000, default=1),
+                             "max": integer("Most prefill pods.", minimum=1, maximum=1000, default=1)},
                             description="Prefill pool bounds; with autoscaling disabled, `min` pods run.",
                             default={},
                             **{"x-kubernetes-validations": [{"rule": "self.min <= self.max",
                                                              "message": "prefill.replicas.min must be <= max"}]}),
-                        "autoscaling": _obj(
+                        "autoscaling": obj(
                             {
-                                "enabled": _bool("Autoscale the prefill pool (mode Deployment).", default=True),
-                                "targetWaitingPerReplica": _num("Target queued requests per prefill pod.",
+                                "enabled": boolean("Autoscale the prefill pool (mode Deployment).", default=True),
+                                "targetWaitingPerReplica": number("Target queued requests per prefill pod.",
                                                                 minimum=0.1, maximum=10000, default=2),
-                                "ttftSLOSeconds": _num("P90 time-to-first-token objective of the prefill pods' "
+                                "ttftSLOSeconds": number("P90 time-to-first-token objective of the prefill pods' "
                                                        "requests; 0 disables it.", minimum=0, maximum=3600,
                                                        default=0),
                                 **_scaling_knobs(),
@@ -224,7 +200,7 @@ SPEC_SCHEMA: dict[str, Any] = _obj(
                     },
                     description="The prefill pool, autoscaled on its own signal, apart from the decode pool.",
                 ),
-                "kvTransferPort": _int("Port of each pod's KV connector (`pagoda serve --kv-transfer-listen`); "
+                "kvTransferPort": integer("Port of each pod's KV connector (`pagoda serve --kv-transfer-listen`); "
                                        "decode pods pull prompts' KV blocks from prefill pods on it.",
                                        minimum=1024, maximum=65535, default=5600),
             },
@@ -235,17 +211,17 @@ SPEC_SCHEMA: dict[str, Any] = _obj(
             **{"x-kubernetes-validations": [{"rule": "!(has(self.prefillReplicas) && has(self.prefill))",
                                              "message": "set prefillReplicas or prefill, not both"}]},
         ),
-        "kvEvents": _obj(
+        "kvEvents": obj(
             {
-                "endpoint": _str(
+                "endpoint": string(
                     "ZMQ endpoint of the replicas' vLLM-format KV events (`--kv-events-config`): "
                     "tcp://*:PORT binds in each pod (subscribers connect to every pod; the port is "
                     "opened as `kv-events`), tcp://HOST:PORT connects to one subscriber (llm-d's "
                     "endpoint picker, Dynamo's or AIBrix's KV sync).",
                     pattern=r"^tcp://[^\s/]+:[0-9]{1,5}$"),
-                "topic": _str("Message topic; unset: llm-d's kv@<pod-ip>:<openai port>@<model>.",
+                "topic": string("Message topic; unset: llm-d's kv@<pod-ip>:<openai port>@<model>.",
                               maxLength=253),
-                "replayEndpoint": _str("ZMQ ROUTER endpoint that answers replay requests after a "
+                "replayEndpoint": string("ZMQ ROUTER endpoint that answers replay requests after a "
                                        "subscriber missed messages (tcp://*:PORT); unset: none.",
                                        pattern=r"^tcp://[^\s/]+:[0-9]{1,5}$"),
             },
@@ -255,23 +231,23 @@ SPEC_SCHEMA: dict[str, Any] = _obj(
                         "route by vLLM's events can route pagoda by cache. Deployment and KServe modes; "
                         "KServeLLM with the llm-d scheduler configures its own.",
         ),
-        "routing": _obj(
+        "routing": obj(
             {
-                "policy": _str("Router policy.", enum=ROUTING_POLICIES, default="prefix_aware"),
-                "replicas": _int("Router pods.", minimum=1, maximum=100, default=1),
-                "serviceType": _str("Router Service type.",
+                "policy": string("Router policy.", enum=ROUTING_POLICIES, default="prefix_aware"),
+                "replicas": integer("Router pods.", minimum=1, maximum=100, default=1),
+                "serviceType": string("Router Service type.",
                                     enum=["ClusterIP", "NodePort", "LoadBalancer"],
                                     default="ClusterIP"),
-                "apiKeysSecretRef": _obj(
-                    {"name": _str("Secret name.", minLength=1),
-                     "key": _str("Key in the Secret.", minLength=1, default="api-keys")},
+                "apiKeysSecretRef": obj(
+                    {"name": string("Secret name.", minLength=1),
+                     "key": string("Key in the Secret.", minLength=1, default="api-keys")},
                     required=["name"],
                     description="Secret whose key holds the router's API keys, lines "
                                 "'KEY TENANT [rpm=N] [tpm=N] [concurrency=N]'; unset: open mode.",
                 ),
-                "routerSecretRef": _obj(
-                    {"name": _str("Secret name.", minLength=1),
-                     "key": _str("Key in the Secret.", minLength=1, default="router-secret")},
+                "routerSecretRef": obj(
+                    {"name": string("Secret name.", minLength=1),
+                     "key": string("Key in the Secret.", minLength=1, default="router-secret")},
                     required=["name"],
                     description="Secret whose key holds the routers' shared secret, the HMAC key of "
                                 "tenant cache salts; unset: derived from the API keys (salts change with "
@@ -281,19 +257,19 @@ SPEC_SCHEMA: dict[str, Any] = _obj(
             description="The cache-aware router in front of the replicas.",
             default={},
         ),
-        "redis": _obj(
+        "redis": obj(
             {
-                "url": _str("Redis holding the prefix index and heartbeats.",
+                "url": string("Redis holding the prefix index and heartbeats.",
                             pattern=r"^rediss?://[^\s]+$", default=DEFAULT_REDIS_URL),
-                "passwordSecretRef": _obj(
-                    {"name": _str("Secret name.", minLength=1),
-                     "key": _str("Key in the Secret.", minLength=1, default="password")},
+                "passwordSecretRef": obj(
+                    {"name": string("Secret name.", minLength=1),
+                     "key": string("Key in the Secret.", minLength=1, default="password")},
                     required=["name"],
                     description="Secret with the Redis password (same namespace).",
                 ),
-                "caSecretRef": _obj(
-                    {"name": _str("Secret name.", minLength=1),
-                     "key": _str("Key in the Secret.", minLength=1, default="ca.crt")},
+                "caSecretRef": obj(
+                    {"name": string("Secret name.", minLength=1),
+                     "key": string("Key in the Secret.", minLength=1, default="ca.crt")},
                     required=["name"],
                     description="With a rediss:// url: Secret holding the CA certificate that "
                                 "signed Redis' server certificate (same namespace). It is mounted "
@@ -304,17 +280,17 @@ SPEC_SCHEMA: dict[str, Any] = _obj(
             description="Redis used by replicas, router and autoscaler.",
             default={},
         ),
-        "kserve": _obj(
+        "kserve": obj(
             {
-                "runtime": _str("ServingRuntime name (installed by the chart).",
+                "runtime": string("ServingRuntime name (installed by the chart).",
                                 pattern=_DNS_LABEL, default=DEFAULT_KSERVE_RUNTIME),
-                "gateway": _obj(
-                    {"name": _str("Gateway name.", pattern=_DNS_LABEL, minLength=1),
-                     "namespace": _str("Gateway namespace.", pattern=_DNS_LABEL)},
+                "gateway": obj(
+                    {"name": string("Gateway name.", pattern=_DNS_LABEL, minLength=1),
+                     "namespace": string("Gateway namespace.", pattern=_DNS_LABEL)},
                     required=["name"],
                     description="Mode KServeLLM: the Gateway API Gateway the LLMInferenceService's "
                                 "HTTPRoute attaches to (default: KServe's configured gateway)."),
-                "scheduler": _str("Mode KServeLLM: who picks the replica. pagoda: the pagoda router "
+                "scheduler": string("Mode KServeLLM: who picks the replica. pagoda: the pagoda router "
                                   "(the HTTPRoute sends everything to it). llm-d: KServe's managed "
                                   "InferencePool and llm-d endpoint picker; the replicas serve OpenAI on "
                                   "8000 and publish vLLM-format KV events to the picker.",
@@ -327,61 +303,6 @@ SPEC_SCHEMA: dict[str, Any] = _obj(
     required=["image", "model"],
     description="Desired state of a served model.",
 )
-
-_CONDITION = _obj(
-    {
-        "type": _str("Condition type (Ready, SpecValid, Scaling)."),
-        "status": _str("True, False or Unknown.", enum=["True", "False", "Unknown"]),
-        "reason": _str("CamelCase reason."),
-        "message": _str("Human-readable detail; names the offending field when invalid."),
-        "lastTransitionTime": _str("When status last changed.", format="date-time"),
-        "observedGeneration": {"type": "integer", "format": "int64",
-                               "description": "Generation this condition is about."},
-    },
-    required=["type", "status"],
-)
-
-_OBSERVED_LOAD = _obj({
-    "source": _str("Where the load came from.", enum=["redis", "metrics", "none"]),
-    "numReplicas": _int("Replicas that reported."),
-    "waiting": _num("Waiting requests, summed over replicas."),
-    "running": _num("Running requests, summed over replicas."),
-    "kvCacheUsage": _num("Mean KV cache usage."),
-    "ttftP90Seconds": _num("P90 time to first token of all replicas' recent requests together."),
-    "itlP90Seconds": _num("P90 inter-token latency of all replicas' recent tokens together (from /metrics)."),
-    "sampledAt": _str("Sample time.", format="date-time"),
-})
-_LAST_DECISION = _obj({
-    "time": _str("Decision time.", format="date-time"),
-    "from": _int("Replicas before."),
-    "to": _int("Replicas after."),
-    "reason": _str("Why."),
-})
-_DRAIN = _obj({
-    "replicaId": _str("Replica being drained before removal."),
-    "startedAt": _str("Drain start.", format="date-time"),
-    "targetReplicas": _int("Replica count once the drain completes."),
-})
-_REPLICAS = _obj({"desired": _int("Replicas the operator asks for."), "ready": _int("Ready replicas.")})
-STATUS_SCHEMA: dict[str, Any] = _obj(
-    {
-        "observedGeneration": {"type": "integer", "format": "int64", "description": "Last generation reconciled."},
-        "mode": _str("Mode last rendered."),
-        "replicas": _REPLICAS,
-        "conditions": {"type": "array", "items": _CONDITION,
-                       "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
-        "observedLoad": _OBSERVED_LOAD,
-        "lastDecision": _LAST_DECISION,
-        "drain": _DRAIN,
-        "prefill": _obj({"replicas": _REPLICAS, "observedLoad": _OBSERVED_LOAD,
-                         "lastDecision": _LAST_DECISION, "drain": _DRAIN},
-                        description="spec.disaggregation: the prefill pool's own scaling state (the fields "
-                                    "above are the decode pool's)."),
-        "routerService": _str("Service name of the router."),
-    },
-    description="Observed state, written by the operator.",
-)
-
 
 def make_crd() -> dict[str, Any]:
     """Build the CustomResourceDefinition object.
