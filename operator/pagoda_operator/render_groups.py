@@ -3,7 +3,8 @@
 One replica is one group of `nodes` pods (LWS `size`); the LeaderWorkerSet's `replicas` is
 the replica count the autoscaler chooses, so it scales by whole groups. Per group:
 - the leader pod (`<name>-group-<i>`, component `replica`): the replica pod of mode
-  Deployment (render_replicas.py) — tritonserver, the engine, ranks 0..L-1 — with
+  Deployment (render_replicas.py) — tritonserver, the engine, ranks 0..L-1 (L = tensor *
+  pipeline / nodes; with pipeline > 1, whole stages: parallelism.py) — with
   `--nodes M --node-rank 0 --leader-address $(LWS_LEADER_ADDRESS):29500`; it opens the
   group's torch.distributed store on that port. It alone serves, heartbeats to Redis
   (its `PAGODA_REPLICA_ID` is its pod name) and is selected by the router, the headless

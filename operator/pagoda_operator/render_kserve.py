@@ -7,7 +7,8 @@ model format `pagoda`) runs `pagoda serve` over it. We ask for a raw Deployment
 replica bounds as minReplicas/maxReplicas; KServe's own HPA scales within them, so the
 built-in autoscaler does not run in this mode. The router (render_router.py) still
 fronts the pods, selected by KServe's inferenceservice label. `spec.parallelism` (one node
-only here) adds `--tensor-parallel-size` and the pod's `nvidia.com/gpu` limit.
+only here) adds `--tensor-parallel-size`, `--pipeline-parallel-size` past one stage, and the
+pod's `nvidia.com/gpu` limit (tensor * pipeline).
 """
 
 from __future__ import annotations

@@ -34,14 +34,22 @@ How pagoda maps onto it (the closest wiring the CRD supports; see docs/kubernete
   NIXL connector through its routing sidecar, which pagoda's KV handle does not speak.
 
 With `spec.parallelism`: `parallelism.tensor` = GPUs per pod (the containers' `nvidia.com/gpu`
-limit and `--tensor-parallel-size` come from render_replicas.py). With `nodes > 1` also KServe's
-multi-node form: `worker` (the worker pods' spec: `pagoda serve --node-rank $(LWS_WORKER_INDEX)`
-joining the leader's store, no Redis, no ports) and `parallelism.data: nodes, dataLocal: 1`,
-because KServe v0.20 sizes its LeaderWorkerSet group as data/dataLocal (or `pipeline`), and has
-no field for tensor parallelism across nodes; `data` here only sizes the group (pagoda has no
-data parallelism). KServe then also merges its well-known `kserve-config-llm-worker-data-parallel`
-into both pod specs: our container `main` replaces its command and arguments, but its extra env,
-volumes and preStop hook are added (read from KServe's source, not observed on a cluster).
+limit and `--tensor-parallel-size`/`--pipeline-parallel-size` come from render_replicas.py; on
+one node a pipeline's stages are all in the pod, so `pipeline` is not rendered: KServe reads
+`pipeline` as the pods of a multi-node group). With `nodes > 1` also KServe's multi-node form:
+`worker` (the worker pods' spec: `pagoda serve --node-rank $(LWS_WORKER_INDEX)` joining the
+leader's store, no Redis, no ports) and the group's size, which KServe v0.20 takes from
+`data / dataLocal`, else from `pipeline` (`ParallelismSpec.GetSize`):
+- one pipeline stage per node (`pipeline == nodes`): `{tensor: T, pipeline: P}`, KServe's own
+  meaning (tensor parallelism inside a pod, a stage per pod), and KServe merges its well-known
+  `kserve-config-llm-worker-pipeline-parallel`;
+- otherwise (tensor parallelism across nodes, or several stages per node):
+  `{tensor: GPUs per pod, data: nodes, dataLocal: 1}`, because KServe has no field for those
+  layouts; `data` here only sizes the group (pagoda has no data parallelism), and KServe merges
+  `kserve-config-llm-worker-data-parallel`.
+Either merged config's container `main` is replaced by ours in its command and arguments, but
+its extra env, volumes and preStop hook are added (read from KServe's source, not observed on
+a cluster).
 
 With `spec.kserve.scheduler: llm-d` the other wiring is rendered instead: `router.scheduler:
 {}` and `router.route: {}` take KServe's managed InferencePool, llm-d endpoint picker and
@@ -149,13 +157,14 @@ def _template(svc: LLMService, pool: str | None) -> dict[str, Any]:
 
 def _parallelism(spec: dict[str, Any], svc: LLMService) -> None:
     """KServe's `parallelism` (GPUs of one pod as `tensor`) and, across nodes, its `worker` pod
-    spec: KServe then runs a LeaderWorkerSet of `data / dataLocal` = `nodes` pods per replica
-    (its only multi-node sizes are data and pipeline parallelism; module docstring)."""
+    spec: KServe then runs a LeaderWorkerSet of `pipeline` (one stage per node) or `data /
+    dataLocal` = `nodes` pods per replica (its only multi-node sizes; module docstring)."""
     split = svc.spec.parallelism
     spec["parallelism"] = {"tensor": split.gpus_per_pod}
     if not split.is_multi_node:
         return
-    spec["parallelism"] |= {"data": split.nodes, "dataLocal": 1}
+    spec["parallelism"] |= {"pipeline": split.pipeline} if split.is_stage_per_node else {"data": split.nodes,
+                                                                                          "dataLocal": 1}
     spec["template"]["containers"][0]["ports"].append(store_port())
     worker = render_worker_container(svc, naming.MODEL_MOUNT)
     worker["name"] = "main"

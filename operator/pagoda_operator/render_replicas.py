@@ -27,8 +27,8 @@ Each replica pod runs `pagoda serve` (tritonserver over our model repository) wi
   0.0.0.0:<kvTransferPort>`, `PAGODA_ADVERTISE_HOST` the pod IP (the KV handle's host).
   Both pools keep the component label, so the Service, NetworkPolicy, PDB and the router's
   discovery cover them;
-- with `spec.parallelism`, `--tensor-parallel-size` and `nvidia.com/gpu: tensor/nodes` in the
-  container's limits (parallelism.py); with `nodes > 1` the replicas are LeaderWorkerSet groups
+- with `spec.parallelism`, `--tensor-parallel-size` (`--pipeline-parallel-size` past one stage)
+  and `nvidia.com/gpu: tensor*pipeline/nodes` in the container's limits (parallelism.py); with `nodes > 1` the replicas are LeaderWorkerSet groups
   instead of this Deployment (render_groups.py reuses this container for the leader).
 """
 

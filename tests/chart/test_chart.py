@@ -424,9 +424,10 @@ def test_example_disaggregation_reaches_the_pools(tmp_path, mode):
 @pytest.mark.parametrize("mode", ["Deployment", "KServeLLM"])
 def test_example_parallelism_reaches_the_replicas(tmp_path, mode):
     """values example.parallelism -> LLMService spec.parallelism -> a LeaderWorkerSet of 2-pod
-    groups with 4 GPUs per pod (mode Deployment; KServeLLM: KServe's worker template), every
-    child valid against its schema; a typo in it is refused by values.schema.json."""
-    example = {"enabled": True, "mode": mode, "parallelism": {"tensor": 8, "nodes": 2}}
+    groups, one 4-GPU pipeline stage per pod (mode Deployment; KServeLLM: KServe's worker
+    template and its `pipeline`), every child valid against its schema; a typo in it is refused
+    by values.schema.json."""
+    example = {"enabled": True, "mode": mode, "parallelism": {"tensor": 4, "pipeline": 2, "nodes": 2}}
     if mode == "KServeLLM":
         example["storageUri"] = "hf://HuggingFaceTB/SmolLM2-135M-Instruct"
     objects = render_with(tmp_path, {"kserve": {"enabled": mode != "Deployment"}, "example": example})
@@ -436,12 +437,14 @@ def test_example_parallelism_reaches_the_replicas(tmp_path, mode):
     if mode == "Deployment":
         [lws] = [c for c in children if c["kind"] == "LeaderWorkerSet"]
         assert lws["spec"]["replicas"] == 2 and lws["spec"]["leaderWorkerTemplate"]["size"] == 2
+        [leader] = lws["spec"]["leaderWorkerTemplate"]["leaderTemplate"]["spec"]["containers"]
+        assert leader["resources"]["limits"]["nvidia.com/gpu"] == 4 and "--pipeline-parallel-size" in leader["args"]
         for obj in children:
             validate_any(obj)
     else:
         from tests.operator.test_llmisvc import errors_of
         [llmisvc] = [c for c in children if c["kind"] == "LLMInferenceService"]
-        assert errors_of(llmisvc) == [] and llmisvc["spec"]["parallelism"] == {"tensor": 4, "data": 2, "dataLocal": 1}
+        assert errors_of(llmisvc) == [] and llmisvc["spec"]["parallelism"] == {"tensor": 4, "pipeline": 2}
     path = tmp_path / "typo.yaml"
     path.write_text(yaml.safe_dump({"example": {"enabled": True, "parallelism": {"tensors": 2}}}))
     result = subprocess.run([helm(), "template", "pagoda", str(CHART), "-f", str(path)],

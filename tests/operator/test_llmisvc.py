@@ -176,21 +176,35 @@ def test_disaggregation_renders_kserves_prefill_section():
     assert info.value.field == "spec.disaggregation" and "routing sidecar" in str(info.value)
 
 
-@pytest.mark.parametrize("nodes", [1, 2])
-def test_parallelism_renders_kserves_parallelism_and_worker_template(nodes):
+@pytest.mark.parametrize("split, kserve_parallelism", [
+    ({"tensor": 8}, {"tensor": 8}),
+    ({"tensor": 4, "pipeline": 2}, {"tensor": 8}),  # one pod holds both stages: no KServe `pipeline`
+    ({"tensor": 8, "nodes": 2}, {"tensor": 4, "data": 2, "dataLocal": 1}),
+    ({"tensor": 4, "pipeline": 2, "nodes": 2}, {"tensor": 4, "pipeline": 2}),  # a stage per pod: KServe's PP
+    ({"tensor": 2, "pipeline": 4, "nodes": 2}, {"tensor": 4, "data": 2, "dataLocal": 1}),
+])
+def test_parallelism_renders_kserves_parallelism_and_worker_template(split, kserve_parallelism):
     """spec.parallelism in mode KServeLLM: `parallelism.tensor` = GPUs per pod; across nodes also
-    KServe's `worker` pod spec (its LeaderWorkerSet group = data/dataLocal = nodes pods), whose
-    `main` container joins the leader's store and never registers in Redis."""
-    isvc = render_llm_inference_service(parse_llmservice(body(parallelism={"tensor": 8, "nodes": nodes})))
+    KServe's `worker` pod spec (its LeaderWorkerSet group = pipeline, or data/dataLocal, = nodes
+    pods), whose `main` container joins the leader's store and never registers in Redis."""
+    isvc = render_llm_inference_service(parse_llmservice(body(parallelism=split)))
     assert errors_of(isvc) == []
     spec = isvc["spec"]
+    assert spec["parallelism"] == kserve_parallelism
     [main] = spec["template"]["containers"]
-    assert main["resources"]["limits"]["nvidia.com/gpu"] == 8 // nodes
-    assert main["args"][main["args"].index("--tensor-parallel-size") + 1] == "8"
+    nodes, pipeline = split.get("nodes", 1), split.get("pipeline", 1)
+    assert main["resources"]["limits"]["nvidia.com/gpu"] == split["tensor"] * pipeline // nodes
+    assert main["args"][main["args"].index("--tensor-parallel-size") + 1] == str(split["tensor"])
+    assert ("--pipeline-parallel-size" in main["args"]) == (pipeline > 1)
+    if pipeline > 1:
+        assert main["args"][main["args"].index("--pipeline-parallel-size") + 1] == str(pipeline)
     if nodes == 1:
-        assert spec["parallelism"] == {"tensor": 8} and "worker" not in spec
+        assert "worker" not in spec
         return
-    assert spec["parallelism"] == {"tensor": 4, "data": 2, "dataLocal": 1}
+    # KServe's group size (ParallelismSpec.GetSize: data / dataLocal, else pipeline) is the pod count
+    size = kserve_parallelism["data"] // kserve_parallelism["dataLocal"] if "data" in kserve_parallelism \
+        else kserve_parallelism["pipeline"]
+    assert size == nodes
     [worker] = spec["worker"]["containers"]
     assert worker["name"] == "main" and worker["args"][worker["args"].index("--model") + 1] == "/mnt/models"
     assert worker["args"][worker["args"].index("--node-rank") + 1] == "$(LWS_WORKER_INDEX)"

@@ -1,6 +1,7 @@
-"""spec.parallelism: the single-node Deployment asks for `tensor` GPUs, multi-node replicas are a
-LeaderWorkerSet valid against LWS's own CRD (tests/data/lws), every rendered flag is one
-`pagoda serve` accepts, and bad specs are refused naming the field."""
+"""spec.parallelism: the single-node Deployment asks for `tensor * pipeline` GPUs, multi-node
+replicas are a LeaderWorkerSet valid against LWS's own CRD (tests/data/lws) whose pods hold
+whole pipeline stages, every rendered flag is one `pagoda serve` accepts, and bad specs are
+refused naming the field."""
 
 from __future__ import annotations
 
@@ -40,14 +41,16 @@ def expand(args: list[str], env: dict[str, str]) -> list[str]:
     return [re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), arg) for arg in args]
 
 
-def test_one_node_asks_for_tensor_gpus_and_passes_the_size():
-    svc = parse_llmservice(body(parallelism={"tensor": 4}, resources={"limits": {"memory": "64Gi"}}))
+@pytest.mark.parametrize("split, tensor, pipeline", [
+    ({"tensor": 4}, 4, 1), ({"tensor": 2, "pipeline": 2}, 2, 2), ({"pipeline": 3}, 1, 3)])
+def test_one_node_asks_for_tensor_times_pipeline_gpus_and_passes_the_sizes(split, tensor, pipeline):
+    svc = parse_llmservice(body(parallelism=split, resources={"limits": {"memory": "64Gi"}}))
     children = by_kind(render_children(svc, 2))
     pod = children["Deployment/chat-replicas"]["spec"]["template"]["spec"]
     [container] = pod["containers"]
-    assert container["resources"] == {"limits": {"memory": "64Gi", "nvidia.com/gpu": 4}}
+    assert container["resources"] == {"limits": {"memory": "64Gi", "nvidia.com/gpu": tensor * pipeline}}
     args = make_parser().parse_args(container["args"])
-    assert args.tensor_parallel_size == 4 and args.nodes == 1
+    assert (args.tensor_parallel_size, args.pipeline_parallel_size or 1, args.nodes) == (tensor, pipeline, 1)
     assert "LeaderWorkerSet/chat-group" not in children
     kubernetes_validate = pytest.importorskip("kubernetes_validate")
     kubernetes_validate.validate(children["Deployment/chat-replicas"], "1.30.0", strict=True)
@@ -96,6 +99,37 @@ def test_several_nodes_render_a_leader_worker_set_valid_against_its_crd():
         kubernetes_validate.validate(children[name], "1.30.0", strict=True)
 
 
+@pytest.mark.parametrize("tensor, pipeline, nodes", [(8, 2, 2), (4, 4, 2), (2, 3, 3)])
+def test_pipeline_stages_map_to_nodes_whole(tensor, pipeline, nodes):
+    """Across nodes, each pod runs `tensor * pipeline / nodes` ranks (its GPU limit) with the sizes
+    the engine accepts, and, as the engine places rank r (stage r // tensor) on node r // L, every
+    stage's tensor-parallel ranks are on one node: only stage hand-overs cross nodes."""
+    from pagoda.engine.config import EngineConfig
+
+    svc = parse_llmservice(body(parallelism={"tensor": tensor, "pipeline": pipeline, "nodes": nodes}))
+    lws = by_kind(render_children(svc, 1))["LeaderWorkerSet/chat-group"]
+    assert lws_errors(lws) == [] and lws["spec"]["leaderWorkerTemplate"]["size"] == nodes
+    template = lws["spec"]["leaderWorkerTemplate"]
+    [leader] = template["leaderTemplate"]["spec"]["containers"]
+    [worker] = template["workerTemplate"]["spec"]["containers"]
+    node_of_rank = {}
+    for node_rank in range(nodes):
+        container = leader if node_rank == 0 else worker
+        env = {"LWS_LEADER_ADDRESS": "chat-group-0.chat-group.llm", "LWS_WORKER_INDEX": str(node_rank)}
+        args = make_parser().parse_args(expand(container["args"], env))
+        assert (args.tensor_parallel_size, args.pipeline_parallel_size, args.nodes, args.node_rank) == (
+            tensor, pipeline, nodes, node_rank)
+        per_node = container["resources"]["limits"]["nvidia.com/gpu"]
+        assert per_node * nodes == tensor * pipeline
+        node_of_rank |= {rank: node_rank for rank in range(node_rank * per_node, (node_rank + 1) * per_node)}
+        EngineConfig(tensor_parallel_size=tensor, pipeline_parallel_size=pipeline, tensor_parallel_nodes=nodes,
+                     tensor_parallel_leader=args.leader_address)
+    stages = {stage: {node_of_rank[rank] for rank in range(stage * tensor, (stage + 1) * tensor)}
+              for stage in range(pipeline)}
+    assert all(len(on) == 1 for on in stages.values()), stages
+    assert sorted(node_of_rank) == list(range(tensor * pipeline))
+
+
 def test_switching_between_one_and_several_nodes_deletes_the_other_workload():
     stale_multi = {(kind, name) for _, kind, name in stale_children(parse_llmservice(body(
         parallelism={"tensor": 4, "nodes": 2})))}
@@ -119,6 +153,14 @@ def test_switching_between_one_and_several_nodes_deletes_the_other_workload():
     ({"parallelism": {"tensor": 4}, "resources": {"limits": {"nvidia.com/gpu": 2}}},
      "spec.resources.limits.nvidia.com/gpu"),
     ({"parallelism": {"tensor": 2}, "engine": {"extraArgs": ["--tensor-parallel-size=4"]}}, "spec.engine.extraArgs"),
+    ({"parallelism": {"pipeline": 0}}, "spec.parallelism.pipeline"),
+    ({"parallelism": {"pipeline": 2.5}}, "spec.parallelism.pipeline"),
+    ({"parallelism": {"tensor": 8, "pipeline": 2, "nodes": 4}}, "spec.parallelism.pipeline"),  # a stage over 2 nodes
+    ({"parallelism": {"tensor": 4, "pipeline": 3, "nodes": 2}}, "spec.parallelism.pipeline"),
+    ({"parallelism": {"tensor": 2, "pipeline": 2}, "resources": {"limits": {"nvidia.com/gpu": 2}}},
+     "spec.resources.limits.nvidia.com/gpu"),
+    ({"parallelism": {"pipeline": 2}, "engine": {"extraArgs": ["--pipeline-parallel-size", "2"]}},
+     "spec.engine.extraArgs"),
 ])
 def test_bad_parallelism_is_refused_naming_the_field(spec, field):
     with pytest.raises(SpecError) as error:
