@@ -4,7 +4,8 @@
 - with tritonclient (gRPC), the greedy and the seeded answers equal the offline engine's
   on one device (TP=1, PP=1);
 - the rank-1 worker is a child of the model's stub, and SIGKILL of ``pagoda serve``, of
-  tritonserver or of the stub leaves no process behind (tritonserver, stub, worker);
+  tritonserver or of the stub leaves no process behind (tritonserver, stub, worker); at
+  PP=2 (workers spawned by the same code) only tritonserver's SIGKILL is repeated;
 - a SIGKILLed worker fails the next request with an error naming its rank and its kind of
   parallelism, and the stub ends itself, so the replica turns not ready.
 
@@ -110,8 +111,12 @@ def _alive(pids) -> list[int]:
     return alive
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("victim", ["pagoda serve", "tritonserver", "stub"])
+# Every victim for TP; PP spawns its workers the same way (engine.parallel), so one victim
+# there: each case is a server start (~45 s on 2 cores).
+CASES = [("tp2", "pagoda serve"), ("tp2", "tritonserver"), ("tp2", "stub"), ("pp2", "tritonserver")]
+
+
+@pytest.mark.parametrize("layout,victim", CASES)
 def test_parallel_serving_equals_offline_and_dies_whole(tmp_path, offline_texts, layout, victim):
     with _replica(tmp_path, layout, launcher=victim == "pagoda serve") as (grpc_url, server_pid, launcher_pid):
         assert _served_texts(grpc_url) == offline_texts
