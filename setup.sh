@@ -30,6 +30,14 @@ if ! command -v redis-server >/dev/null 2>&1; then
   ($SUDO apt-get update -qq && $SUDO apt-get install -y -qq redis-server >/dev/null) \
     || echo "setup: could not install redis-server; Redis-backed tests will be skipped" >&2
 fi
+# pagoda's C++ CPU kernels (pagoda.kernels.cpu_native) compile on first use: g++ and Python's headers.
+PYINC=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
+if ! command -v g++ >/dev/null 2>&1 || [ ! -f "$PYINC/Python.h" ]; then
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  ($SUDO apt-get update -qq && $SUDO apt-get install -y -qq g++ python3-dev >/dev/null) \
+    || echo "setup: could not install g++/python3-dev; the CPU path keeps its torch kernels" >&2
+fi
+.venv/bin/python -c 'from pagoda.kernels import cpu_native; print("setup: CPU kernels:", cpu_native.build() or "built")'
 [ ! -f .ci/install-k8s-tools.sh ] || bash .ci/install-k8s-tools.sh >/dev/null \
   || echo "setup: could not install helm; chart tests will be skipped" >&2
 

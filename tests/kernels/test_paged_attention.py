@@ -202,12 +202,13 @@ def test_decode_buckets_split_contexts_of_very_different_lengths():
 
 
 @pytest.mark.parametrize("window", [0, 9])
-def test_torch_path_decodes_buckets_of_different_lengths(window):
+def test_torch_path_decodes_buckets_of_different_lengths(window, monkeypatch):
     """The CPU path's decode buckets (reference.decode_buckets) give the reference's result;
     a row's output depends on its bucket's padding only in the last bits (SDPA's blocking
     of the padded keys), as it did on the batch's padding before buckets."""
     from pagoda.kernels.reference import AttentionMetadata, cpu_plan
 
+    monkeypatch.setenv("PAGODA_CPU_KERNELS", "torch")  # the buckets, not the C++ decode (test_cpu_native.py)
     seq_lens = [3, 700, 4, 5, 6, 7, 400, 450, 500, 550, 8, 750]
     case = make_paged_case([1] * len(seq_lens), seq_lens, 6, 2, 64, torch.float32, block_size=16, seed=3)
     # Unowned slots hold NaN here; the engine's cache is zeroed at start and only ever holds

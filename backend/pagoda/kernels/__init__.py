@@ -2,9 +2,11 @@
 
 The model calls only the functions below (attention, KV write, norm, rotary, LoRA, the
 MoE experts, and ``w8a16_linear`` for 8-bit weights). Each picks an implementation per call:
-OpenAI-Triton kernels for CUDA tensors, torch references otherwise. ``PAGODA_KERNELS``
-overrides the choice (``triton`` forces the kernels, e.g. under ``TRITON_INTERPRET=1`` on
-CPU in tests; ``torch`` forces the references, e.g. to compare on a GPU).
+OpenAI-Triton kernels for CUDA tensors; on a CPU pagoda's C++ kernels where they apply
+(``cpu_native``: decode attention, RMSNorm, rotary, silu * up; ``PAGODA_CPU_KERNELS``),
+torch references otherwise. ``PAGODA_KERNELS`` overrides the choice (``triton`` forces
+the Triton kernels, e.g. under ``TRITON_INTERPRET=1`` on CPU in tests; ``torch`` forces the
+references, the C++ ones off too, e.g. to compare on a GPU).
 """
 
 from __future__ import annotations
@@ -13,11 +15,11 @@ import os
 
 import torch
 
-from pagoda.kernels import reference, w8a16
+from pagoda.kernels import cpu_native, reference, w8a16
 from pagoda.kernels.metadata import AttentionMetadata
 
 __all__ = ["AttentionMetadata", "paged_attention", "write_kv", "rms_norm", "apply_rotary", "lora_apply",
-           "w8a16_linear", "moe_experts", "use_triton"]
+           "w8a16_linear", "moe_experts", "silu_mul", "use_triton"]
 
 
 def use_triton(x: torch.Tensor) -> bool:
@@ -64,6 +66,11 @@ def rms_norm(x, weight, eps: float, residual=None):
         from pagoda.kernels import triton_ops
 
         return triton_ops.rms_norm(x, weight, eps, residual)
+    ops = cpu_native.native_ops(x)
+    if ops is not None and x.dim() == 2 and weight.dtype == x.dtype and x.stride(-1) == 1 and (
+            residual is None or residual.stride(-1) == 1):
+        out, new_residual = ops.rms_norm(x, residual, weight, eps)
+        return out, (new_residual if residual is not None else None)
     return reference.rms_norm(x, weight, eps, residual)
 
 
@@ -72,7 +79,21 @@ def apply_rotary(q, k, positions, cos_sin_cache):
         from pagoda.kernels import triton_ops
 
         return triton_ops.apply_rotary(q, k, positions, cos_sin_cache)
+    ops = cpu_native.native_ops(q)
+    if (ops is not None and k.dtype == q.dtype and cos_sin_cache.dtype == torch.float32 and q.stride(-1) == 1
+            and k.stride(-1) == 1 and positions.dtype == torch.int64):
+        return ops.rotary(q, k, positions.contiguous(), cos_sin_cache.contiguous())
     return reference.apply_rotary(q, k, positions, cos_sin_cache)
+
+
+def silu_mul(gate_up):
+    """SwiGLU's ``silu(gate) * up`` over ``[tokens, 2 * inter]`` (gate columns first), rounded
+    as ``F.silu(gate) * up`` rounds: one C++ call on a CPU (``cpu_native``), torch elsewhere."""
+    ops = cpu_native.native_ops(gate_up)
+    if ops is not None and gate_up.dim() == 2 and gate_up.stride(-1) == 1:
+        return ops.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
 
 
 def lora_apply(y, x, a_stack, b_stack, batch):

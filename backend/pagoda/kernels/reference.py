@@ -2,7 +2,8 @@
 
 ``paged_attention_ref`` is the plain per-sequence definition (used by tests, in float64).
 ``paged_attention_torch`` computes the same thing faster on CPU: all single-token
-(decode) sequences in one batched SDPA call, each prefill chunk in its own call.
+(decode) sequences through the C++ kernel (``cpu_native``) or, without it, in batched SDPA
+calls over buckets of similar length; each prefill chunk in its own SDPA call.
 All functions accumulate in float32 (or the input's dtype when that is float64) and
 return the input dtype.
 
@@ -20,10 +21,12 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
+from pagoda.kernels import cpu_native
 from pagoda.kernels.metadata import AttentionMetadata
 
 
@@ -126,8 +129,14 @@ def paged_attention_torch(
 
     The gather indices and masks depend only on the step (``cpu_plan``, made once and kept
     on ``meta``), so each layer only gathers its cache rows and attends."""
+    native = cpu_native.native_decode(q, k_cache)
+    q = q.contiguous() if native else q
     out = torch.empty_like(q)
-    plan = cpu_plan(meta, k_cache.shape[1], window, q.device)
+    plan = cpu_plan(meta, k_cache.shape[1], window, q.device, native)
+    if native and plan.decode_rows is not None:  # every one-token query, read in place (kernels.cpu_native)
+        cpu_native.decode_ops().decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                                 plan.decode_rows, plan.decode_seqs, scale, window,
+                                                 None if sinks is None else sinks.float().contiguous(), out)
     for decode in plan.decodes:
         _decode_batch(q, k_cache, v_cache, decode, scale, out, k_scale, v_scale, sinks)
     flat_k, flat_v = k_cache.flatten(0, 1), v_cache.flatten(0, 1)  # [slots, KVH, D]
@@ -163,6 +172,8 @@ class DecodePlan:
 class CpuPlan:
     decodes: list[DecodePlan]  # the one-token queries, in buckets of similar context length
     prefills: list[tuple[slice, torch.Tensor, torch.Tensor]]  # (query rows, context slots, [q_len, S] mask)
+    decode_rows: Optional[torch.Tensor] = None  # native decode (then no buckets): the one-token queries' rows
+    decode_seqs: Optional[torch.Tensor] = None  # and their sequences
 
 
 # Decode buckets: a batched decode pads every context to the longest, so contexts of very
@@ -190,16 +201,19 @@ def decode_buckets(seq_lens: list[int], decode: list[int]) -> list[list[int]]:
     return buckets[::-1]
 
 
-def cpu_plan(meta: AttentionMetadata, block_size: int, window: int, device: torch.device) -> CpuPlan:
-    """The step's gather indices and masks for ``window`` (made once per step, kept on ``meta``)."""
-    key = (block_size, window, device)
+def cpu_plan(meta: AttentionMetadata, block_size: int, window: int, device: torch.device,
+             native: bool = False) -> CpuPlan:
+    """The step's gather indices and masks for ``window`` (made once per step, kept on ``meta``);
+    ``native``: the one-token queries go to the C++ kernel (rows and sequences, no buckets)."""
+    key = (block_size, window, device, native)
     plan = meta.cpu_plans.get(key)
     if plan is None:
-        plan = meta.cpu_plans[key] = _make_plan(meta, block_size, window, device)
+        plan = meta.cpu_plans[key] = _make_plan(meta, block_size, window, device, native)
     return plan
 
 
-def _make_plan(meta: AttentionMetadata, block_size: int, window: int, device: torch.device) -> CpuPlan:
+def _make_plan(meta: AttentionMetadata, block_size: int, window: int, device: torch.device,
+               native: bool) -> CpuPlan:
     query_lens, seq_lens = meta.query_lens_host, meta.seq_lens_host
     starts = meta.query_start_loc.tolist()
     decode = [s for s, n in enumerate(query_lens) if n == 1]
@@ -214,6 +228,9 @@ def _make_plan(meta: AttentionMetadata, block_size: int, window: int, device: to
         if window > 0:  # and not more than window - 1 positions back
             mask &= ~torch.ones_like(mask).tril(diagonal=s_len - q_len - window)
         prefills.append((slice(starts[s], starts[s] + q_len), slots, mask))
+    if native:
+        rows = torch.tensor([starts[s] for s in decode], dtype=torch.long, device=device) if decode else None
+        return CpuPlan([], prefills, rows, torch.tensor(decode, dtype=torch.long, device=device))
     decodes = [_decode_plan(meta, bucket, starts, block_size, window, device)
                for bucket in decode_buckets(seq_lens, decode)]
     return CpuPlan(decodes, prefills)

@@ -171,8 +171,8 @@ class MLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor, lora: Optional["LoRABatch"] = None) -> torch.Tensor:  # [num_tokens, hidden]
-        gate, up = projection(self, "gate_up_weight", x, None, lora).split(self.intermediate_size, dim=-1)
-        out = projection(self, "down_weight", F.silu(gate) * up, None, lora)
+        gate_up = projection(self, "gate_up_weight", x, None, lora)  # [num_tokens, 2 * intermediate]
+        out = projection(self, "down_weight", kernels.silu_mul(gate_up), None, lora)
         return self.tp.all_reduce(out) if self.tp is not None else out
 
     def weight_targets(self) -> WeightTargets:

@@ -1,0 +1,138 @@
+"""pagoda's C++ CPU kernels (issue 26), built on first use for the machine they run on.
+
+- ``csrc/cpu_attention.cpp``: the paged decode attention of the torch (CPU) path. Each
+  one-token query reads its context's K/V rows where they lie in the paged cache (no gather
+  into a padded copy, no padding, no per-bucket SDPA call), all heads of a sequence per
+  cached row, in float32 or bfloat16, with the sliding window and attention sinks;
+  sequences are handed to threads longest first. ``reference.paged_attention_ref`` is its
+  definition (tests/kernels/test_cpu_native.py checks it against that in float64). The
+  torch path uses it for every decode row of a step whose cache is float32 or bfloat16 (an
+  fp8 cache keeps the gather + SDPA path; prefill chunks keep SDPA).
+- ``csrc/cpu_elementwise.cpp``: the per-layer small ops, one call each instead of a chain
+  of 5-12 torch ops: RMSNorm with the residual add, rotary embedding (reading q and k as
+  strided views of the fused projection) and SwiGLU's ``silu(gate) * up``. Each rounds to
+  the tensor's dtype where the torch expression it replaces does, so bfloat16 models keep
+  torch's rounding steps; float32 results differ from torch's in the last bits only (sums
+  in another order, a polynomial ``exp`` of torch's accuracy).
+
+Why C++: on the 2-core EPYC VM the gather + SDPA decode took ~2.3 s of a 10 s
+``pagoda bench offline`` run at 2 threads (the gather alone 0.85 s), and the small ops
+with their Python dispatch ~1.5 s; vLLM's CPU backend reads the paged cache in place with
+its own C++ kernel and runs its small ops in a compiled graph (docs/benchmarks.md has the
+profiles before and after).
+
+Build: ``torch.utils.cpp_extension.load`` compiles the file once with ``-O3 -march=native
+-fopenmp`` into torch's extension cache (``TORCH_EXTENSIONS_DIR``, by default
+``~/.cache/torch_extensions``), under a name that includes a hash of this CPU's model and
+flags (a home directory shared between machines never loads another CPU's build); ~7 s on
+a quiet 2-core VM, needs g++ and Python's headers (``setup.sh`` builds it). Concurrent
+processes wait for one build (torch's file lock). When the build fails, the torch path
+keeps its torch kernels (gather + SDPA decode, the op chains) and says why once in the log.
+
+``PAGODA_CPU_KERNELS``: ``auto`` (default: native where it builds), ``native`` (a build
+failure is an error), ``torch`` (never: the gather + SDPA path). ``PAGODA_KERNELS=torch``
+(the references everywhere, ``pagoda.kernels``) turns them off too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+KERNELS_ENV = "PAGODA_CPU_KERNELS"
+_CHOICES = ("auto", "native", "torch")
+_SOURCES = [Path(__file__).with_name("csrc") / name for name in ("cpu_attention.cpp", "cpu_elementwise.cpp")]
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
+
+_state: dict = {}  # "ops": the loaded torch.ops namespace, or "reason": why there is none
+
+
+def _choice() -> str:
+    choice = os.environ.get(KERNELS_ENV, "auto")
+    if choice not in _CHOICES:
+        raise ValueError(f"{KERNELS_ENV}={choice!r}: must be one of {', '.join(_CHOICES)}")
+    return "torch" if os.environ.get("PAGODA_KERNELS") == "torch" else choice  # the references, everywhere
+
+
+def _cpu_tag() -> str:
+    """A short hash of this CPU's model name and flags (the build is ``-march=native``)."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            lines = [line for line in info if line.startswith(("model name", "flags"))][:2]
+    except OSError:
+        lines = [platform.processor()]
+    return hashlib.sha1("".join(lines).encode()).hexdigest()[:10]
+
+
+def _ninja_on_path() -> None:
+    """torch runs ``ninja`` from PATH; the pip package's binary is not there outside an
+    activated venv (a test run, tritonserver's stub): put it there."""
+    if shutil.which("ninja") is None:
+        try:
+            import ninja
+        except ImportError:
+            return
+        os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
+
+
+def build() -> Optional[str]:
+    """Build (or load the cached build of) the kernels; ``None`` when loaded, else why not."""
+    if "ops" in _state or "reason" in _state:
+        return _state.get("reason")
+    try:
+        from torch.utils import cpp_extension
+
+        _ninja_on_path()
+        cpp_extension.load(f"pagoda_cpu_{_cpu_tag()}", [str(p) for p in _SOURCES], extra_cflags=_FLAGS,
+                           extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+        _state["ops"] = torch.ops.pagoda_cpu
+    except Exception as exc:  # noqa: BLE001 - any build failure falls back, with its reason
+        _state["reason"] = f"the C++ kernels did not build: {type(exc).__name__}: {str(exc).strip()[-300:]}"
+    return _state.get("reason")
+
+
+def decode_ops():
+    """``torch.ops.pagoda_cpu`` when the native decode attention is to be used, else ``None``
+    (``PAGODA_CPU_KERNELS=torch``, or the build failed: logged once)."""
+    choice = _choice()
+    if choice == "torch":
+        return None
+    reason = build()
+    if reason is not None:
+        if choice == "native":
+            raise RuntimeError(f"{KERNELS_ENV}=native: {reason}")
+        if not _state.get("logged"):
+            _state["logged"] = True
+            logger.warning("CPU decode attention: gather + SDPA (%s)", reason)
+        return None
+    return _state["ops"]
+
+
+def native_ops(x: torch.Tensor):
+    """``torch.ops.pagoda_cpu`` for an elementwise op on ``x`` (a CPU float32/bfloat16
+    tensor, the kernels available), else ``None``."""
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    return decode_ops()
+
+
+def native_decode(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether this call's decode rows go to the C++ kernel: a CPU float32/bfloat16 cache
+    read with queries of its dtype, and the kernels available."""
+    return (q.device.type == "cpu" and k_cache.dtype in (torch.float32, torch.bfloat16)
+            and q.dtype == k_cache.dtype and decode_ops() is not None)
+
+
+if __name__ == "__main__":  # setup.sh: build now, so the first request does not wait for it
+    logging.basicConfig(level=logging.INFO)
+    why = build()
+    print("pagoda CPU kernels:", "built" if why is None else why)
