@@ -1,6 +1,7 @@
 """``pagoda bench offline --compare vllm PYTHON`` (bench/compare_vllm.py): the skip note when
-no vLLM is there, and the pagoda round's worker on a tiny model (vLLM's round needs a vLLM
-venv; the measured comparison is in docs/benchmarks.md)."""
+no vLLM is there, and the pagoda round's worker on a tiny model, with the bf16 comparison's
+Hugging Face reference (vLLM's round needs a vLLM venv; the measured comparison is in
+docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -24,3 +25,11 @@ def test_the_pagoda_round_times_the_workload_and_returns_every_output(tmp_path, 
     compare_vllm.pagoda_worker(str(tmp_path / "spec.json"), str(tmp_path / "out.json"))
     out = json.loads((tmp_path / "out.json").read_text())
     assert out["seconds"] > 0 and [len(o) for o in out["outputs"]] == [3, 4, 5]
+    # The bf16 comparison's reference, Hugging Face greedy with EOS not stopping, here in
+    # fp32 where the two must agree token for token.
+    from pagoda.bench.workload import WorkItem
+
+    work = [WorkItem(prompt_token_ids=it["prompt"], max_tokens=it["max_tokens"]) for it in items]
+    reference = compare_vllm.hf_greedy(model_path, "float32", work, 1)
+    assert compare_vllm.agreement(out["outputs"], reference) == (3, 4.0)
+    assert compare_vllm.agreement([[1, 2, 3]], [[1, 2, 4]]) == (0, 2.0)

@@ -12,7 +12,11 @@ torch's intra-op threads in both, and vLLM's OpenMP threads are bound to cores 0
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so its CPU time is counted.
 
 Reported: output tokens/s of each, the ratio pagoda / vLLM, and how many of the requests'
-outputs are token-identical. When ``PYTHON`` is missing or cannot import vllm the
+outputs are token-identical. In bfloat16 two engines that round differently part ways
+after a near-tie, so there (``--dtype bfloat16``) both are also compared with Hugging Face
+``transformers`` in bfloat16 (``hf_greedy``: one request at a time, greedy, EOS not
+stopping, as ``ignore_eos``): how many outputs equal HF's, and the mean length of the
+prefix they share with it. When ``PYTHON`` is missing or cannot import vllm the
 comparison is skipped with a note (exit 0).
 """
 
@@ -123,15 +127,50 @@ def compare(python: str, model: str, items: list[WorkItem], threads: int, dtype:
                 if name not in best or result["tokens_per_s"] > best[name]["tokens_per_s"]:
                     best[name] = result
     same = sum(a == b for a, b in zip(best["pagoda"]["outputs"], best["vllm"]["outputs"]))
-    return {"threads": threads, "dtype": dtype, "pagoda_tokens_per_s": best["pagoda"]["tokens_per_s"],
-            "vllm_tokens_per_s": best["vllm"]["tokens_per_s"],
-            "ratio": best["pagoda"]["tokens_per_s"] / best["vllm"]["tokens_per_s"],
-            "identical": same, "num_requests": len(items)}
+    result = {"threads": threads, "dtype": dtype, "pagoda_tokens_per_s": best["pagoda"]["tokens_per_s"],
+              "vllm_tokens_per_s": best["vllm"]["tokens_per_s"],
+              "ratio": best["pagoda"]["tokens_per_s"] / best["vllm"]["tokens_per_s"],
+              "identical": same, "num_requests": len(items)}
+    if dtype == "bfloat16":  # after the timed rounds: HF's own bf16 run is the reference
+        reference = hf_greedy(model, dtype, items, threads)
+        result["vs_hf"] = {name: agreement(best[name]["outputs"], reference) for name in ("pagoda", "vllm")}
+    return result
+
+
+def hf_greedy(model: str, dtype: str, items: list[WorkItem], threads: int) -> list[list[int]]:
+    """Hugging Face's greedy tokens for each item, one request at a time with its KV cache,
+    ``max_tokens`` each whatever the token (EOS included, as ``ignore_eos``)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(threads)
+    torch.set_grad_enabled(False)
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).eval()
+    outputs = []
+    for item in items:
+        ids, past, tokens = torch.tensor([item.prompt_token_ids]), None, []
+        for _ in range(item.max_tokens):
+            out = hf(input_ids=ids, past_key_values=past, use_cache=True)
+            past, ids = out.past_key_values, out.logits[:, -1:].argmax(-1)
+            tokens.append(int(ids))
+        outputs.append(tokens)
+    return outputs
+
+
+def agreement(outputs: list[list[int]], reference: list[list[int]]) -> tuple[int, float]:
+    """(outputs equal to the reference's, mean length of the prefix shared with it)."""
+    shared = [next((i for i, (a, b) in enumerate(zip(o, r)) if a != b), min(len(o), len(r)))
+              for o, r in zip(outputs, reference)]
+    return sum(o == r for o, r in zip(outputs, reference)), sum(shared) / max(len(shared), 1)
 
 
 def format_result(r: dict[str, Any]) -> str:
-    return (f"| {r['threads']} | {r['dtype']} | {r['pagoda_tokens_per_s']:.1f} | {r['vllm_tokens_per_s']:.1f} | "
+    line = (f"| {r['threads']} | {r['dtype']} | {r['pagoda_tokens_per_s']:.1f} | {r['vllm_tokens_per_s']:.1f} | "
             f"{r['ratio']:.2f}x | {r['identical']}/{r['num_requests']} |")
+    for name, (equal, prefix) in r.get("vs_hf", {}).items():
+        line += (f"\n{name} vs Hugging Face in {r['dtype']}: {equal}/{r['num_requests']} outputs equal, "
+                 f"mean shared prefix {prefix:.1f} tokens")
+    return line
 
 
 if __name__ == "__main__":  # a pagoda round: python -m pagoda.bench.compare_vllm SPEC OUT
