@@ -131,3 +131,20 @@ def test_the_environment_variable(monkeypatch):
     monkeypatch.setenv(cpu_native.KERNELS_ENV, "fast")
     with pytest.raises(ValueError, match="PAGODA_CPU_KERNELS='fast'"):
         cpu_native.native_ops(x)
+
+
+def test_a_failed_build_falls_back_to_torch_naming_why(monkeypatch, tmp_path, caplog):
+    broken = tmp_path / "broken.cpp"
+    broken.write_text("this is not C++\n")
+    monkeypatch.setattr(cpu_native, "_SOURCES", [broken])
+    monkeypatch.setattr(cpu_native, "_state", {})
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    monkeypatch.setenv(cpu_native.KERNELS_ENV, "auto")
+    x = torch.randn(2, 8)
+    assert cpu_native.native_ops(x) is None
+    assert "the C++ kernels did not build" in caplog.text
+    out, _ = kernels.rms_norm(x, torch.ones(8), 1e-6)  # the torch reference serves
+    torch.testing.assert_close(out, reference.rms_norm(x, torch.ones(8), 1e-6)[0])
+    monkeypatch.setenv(cpu_native.KERNELS_ENV, "native")
+    with pytest.raises(RuntimeError, match="PAGODA_CPU_KERNELS=native: the C.. kernels did not build"):
+        cpu_native.native_ops(x)

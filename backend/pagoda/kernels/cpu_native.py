@@ -23,11 +23,13 @@ profiles before and after).
 
 Build: ``torch.utils.cpp_extension.load`` compiles the file once with ``-O3 -march=native
 -fopenmp`` into torch's extension cache (``TORCH_EXTENSIONS_DIR``, by default
-``~/.cache/torch_extensions``), under a name that includes a hash of this CPU's model and
-flags (a home directory shared between machines never loads another CPU's build); ~7 s on
-a quiet 2-core VM, needs g++ and Python's headers (``setup.sh`` builds it). Concurrent
-processes wait for one build (torch's file lock). When the build fails, the torch path
-keeps its torch kernels (gather + SDPA decode, the op chains) and says why once in the log.
+``~/.cache/torch_extensions``), under a name that hashes the sources, the flags, torch's
+version and this CPU's model and flags (a home directory shared between machines never
+loads another CPU's build; an edited source is a new name). ~7-15 s on the 2-core VM;
+needs g++ and Python's headers (``setup.sh`` builds it). Concurrent processes wait for one
+build (torch's file lock); later ones load the library file directly (``_load``). When the
+build fails, the torch path keeps its torch kernels (gather + SDPA decode, the op chains)
+and says why once in the log.
 
 ``PAGODA_CPU_KERNELS``: ``auto`` (default: native where it builds), ``native`` (a build
 failure is an error), ``torch`` (never: the gather + SDPA path). ``PAGODA_KERNELS=torch``
@@ -41,6 +43,7 @@ import logging
 import os
 import platform
 import shutil
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -63,14 +66,37 @@ def _choice() -> str:
     return "torch" if os.environ.get("PAGODA_KERNELS") == "torch" else choice  # the references, everywhere
 
 
-def _cpu_tag() -> str:
-    """A short hash of this CPU's model name and flags (the build is ``-march=native``)."""
+def _build_name() -> str:
+    """``pagoda_cpu_`` and a short hash of the sources, the flags, torch's version and this
+    CPU's model name and flags (the build is ``-march=native``): a name is built once."""
     try:
         with open("/proc/cpuinfo") as info:
             lines = [line for line in info if line.startswith(("model name", "flags"))][:2]
     except OSError:
         lines = [platform.processor()]
-    return hashlib.sha1("".join(lines).encode()).hexdigest()[:10]
+    digest = hashlib.sha1("".join(lines + _FLAGS + [torch.__version__]).encode())
+    for path in sorted(_SOURCES + list(_SOURCES[0].parent.glob("*.h"))):
+        digest.update(path.read_bytes())
+    return f"pagoda_cpu_{digest.hexdigest()[:12]}"
+
+
+def _load(name: str) -> None:
+    """Load the build called ``name``: straight from its file when it is there (no lock, so
+    a process killed meanwhile cannot leave one behind), else build it (torch's lock file
+    makes concurrent builders wait; one left by a builder killed over 5 minutes ago is
+    removed first)."""
+    from torch.utils import cpp_extension
+
+    directory = Path(cpp_extension._get_build_directory(name, verbose=False))
+    library, lock = directory / f"{name}.so", directory / "lock"
+    if library.exists() and not lock.exists():  # built, and no build under way
+        torch.ops.load_library(str(library))
+        return
+    if lock.exists() and time.time() - lock.stat().st_mtime > 300:
+        lock.unlink(missing_ok=True)
+    _ninja_on_path()
+    cpp_extension.load(name, [str(p) for p in _SOURCES], extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"],
+                       is_python_module=False, verbose=False, build_directory=str(directory))
 
 
 def _ninja_on_path() -> None:
@@ -89,11 +115,7 @@ def build() -> Optional[str]:
     if "ops" in _state or "reason" in _state:
         return _state.get("reason")
     try:
-        from torch.utils import cpp_extension
-
-        _ninja_on_path()
-        cpp_extension.load(f"pagoda_cpu_{_cpu_tag()}", [str(p) for p in _SOURCES], extra_cflags=_FLAGS,
-                           extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+        _load(_build_name())
         _state["ops"] = torch.ops.pagoda_cpu
     except Exception as exc:  # noqa: BLE001 - any build failure falls back, with its reason
         _state["reason"] = f"the C++ kernels did not build: {type(exc).__name__}: {str(exc).strip()[-300:]}"
