@@ -11,7 +11,9 @@ Specification:
   block leaked (``test_tensor_parallel._check_same``, shared with the TP tests);
 - TP=2 x PP=2 (four ranks, on the random config) equals one device the same way;
 - what does not combine yet is refused by name, before any worker starts;
-- a killed worker makes the next step fail naming it as a pipeline-parallel rank.
+- a killed worker makes the next step fail naming it as a pipeline-parallel rank;
+- the step passed down the stages (``step_wire.PipelinePath``) reaches every rank, and sends
+  do not wait for their receiver (real gloo, three ranks in threads).
 
 The stage arithmetic itself (three stages, a middle one included, bit-identical to the whole
 model) is tested without processes in tests/models/test_pipeline_stages.py.
@@ -20,15 +22,22 @@ model) is tested without processes in tests/models/test_pipeline_stages.py.
 from __future__ import annotations
 
 import json
+
 import pytest
+import torch
 
 from pagoda.engine.config import EngineConfig
 from pagoda.engine.llm import LLM
 from pagoda.engine.llm_engine import LLMEngine
+from pagoda.engine.parallel.group import ProcessGroup
+from pagoda.engine.parallel.step_wire import PipelinePath, StepReceiver, StepSender
+from pagoda.engine.runner.request_states import RequestStates
 from pagoda.engine.sampling_params import SamplingParams
+from pagoda.engine.scheduler_output import SchedulerOutput
 
 from tests.engine.hf_reference import save_random_model
-from tests.engine.test_tensor_parallel import _check_same, kill_rank1_then_expect
+from tests.engine.test_tensor_parallel import _check_same, _item, kill_rank1_then_expect
+from tests.models.test_pipeline_stages import _in_threads
 
 PP = "pipeline_parallel_size"
 
@@ -53,6 +62,51 @@ def test_lora_adapter_pp2_matches_pp1(smollm2_path, smollm2_lora):
 def test_uneven_stages_pp2_match_pp1(three_layers):
     _check_same(three_layers, [dict(async_scheduling=True)], PP)
     _check_same(three_layers, [dict(quantization="int8")], PP)
+
+
+def test_steps_travel_down_the_stages_and_sends_do_not_wait():
+    """``PipelinePath`` over a real gloo world of three ranks (threads): rank 0 sends two steps
+    (the second overflowing the buffer) and their hidden states before it receives the first
+    step's logits, while the last rank sends those logits before it receives the second step —
+    the batch queue's order. Every rank reads the steps rank 0 sent (the middle one forwards
+    them). With sends that waited for their receiver, ranks 0 and 2 would wait on each other
+    until the group's timeout (checked on gloo itself: they do)."""
+    steps = [SchedulerOutput([_item("a", 0, [1, 2, 3], [4, 5], True), _item("b", 0, [7, 8], [9], True)]),
+             SchedulerOutput([_item("c", 0, list(range(20)), list(range(10, 30)), True)], finished_request_ids=["a"])]
+    hidden = [torch.full((2, 5, 4), 1.0), torch.full((2, 20, 4), 2.0)]
+
+    def run(group: ProcessGroup):
+        path = PipelinePath(group)
+        if group.rank == 0:
+            sender, states = StepSender(group, capacity=40, device=torch.device("cpu"), path=path), RequestStates()
+            sent = []
+            for step, h in zip(steps, hidden):
+                inputs = states.update(step)
+                sender.send(step, inputs, None)
+                group.send(h.clone(), 1)
+                sent.append([(i.block_ids, i.token_ids) for i in inputs])
+            logits = [torch.empty(3) for _ in steps]
+            for t in logits:
+                group.recv(t, 2)
+            group.flush()
+            return sent, [t.tolist() for t in logits]
+        receiver, got = StepReceiver(group, capacity=40, device=torch.device("cpu"), path=path), []
+        for h in hidden:
+            inputs = receiver.recv()
+            got.append([(i.block_ids, i.token_ids) for i in inputs])
+            received = torch.empty_like(h)
+            group.recv(received, group.rank - 1)
+            if group.rank == 1:
+                group.send(received + 1, 2)
+            else:
+                group.send(torch.full((3,), received[0, 0, 0].item()), 0)
+        group.flush()
+        return got
+
+    results = _in_threads(3, run, timeout_s=20)
+    sent, logits = results[0]
+    assert results[1] == results[2] == sent
+    assert logits == [[2.0] * 3, [3.0] * 3]
 
 
 def test_two_stages_of_two_tensor_parallel_ranks_match_one_device(three_layers):
