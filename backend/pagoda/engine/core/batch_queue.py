@@ -18,8 +18,8 @@ from requests that have no step in flight: a request's next token is unknown unt
 is applied, so with one running request only one step is ever in flight (and a preempted
 request is not admitted back while its old step is in flight). A step takes at most
 ``ceil(min(live requests, max_num_seqs) / N)`` requests, so the N steps in flight share the
-running requests (with one step taking them all, the next would find none free: vLLM v0's
-virtual engines split the requests the same way, each its own scheduler). Sampling runs
+running requests (with one step taking them all, the next would find none free; vLLM v0
+split them between its virtual engines, each its own scheduler, and v1 does not split them). Sampling runs
 when the step is popped, after every earlier step was applied, so penalties, grammar
 matchers and seeded generators see the same history as with one step at a time: outputs
 are token-identical.
@@ -28,9 +28,9 @@ Async scheduling does not combine with the queue: it schedules a request again b
 token is known (a placeholder), which the queue's rule forbids; under the queue the host's
 scheduling already overlaps the later stages. So ``micro_batches > 1`` runs the device jobs
 on the engine thread, split in two (``runner.device_worker.SplitStepHandle``), and
-``async_scheduling`` is ignored with a warning (vLLM, when it introduced the batch queue,
-refused async scheduling with pipeline parallelism outright). ``pipeline_micro_batches=1``
-keeps one step at a time, async scheduling included.
+``async_scheduling`` is ignored with a warning (vLLM's async scheduling first refused
+pipeline parallelism, then combined with it under this same one-step-per-request rule).
+``pipeline_micro_batches=1`` keeps one step at a time, async scheduling included.
 
 Abort and finish need nothing more: a queued step holding a request that ended has its
 tokens dropped when it is applied (``Scheduler.update_from_output``), and its KV writes land
