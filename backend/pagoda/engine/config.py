@@ -251,7 +251,7 @@ class ParallelConfig:
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         _check_int("pipeline_parallel_size", self.pipeline_parallel_size, 1)
         if self.pipeline_micro_batches is not None:
-            _check_micro_batches(self.pipeline_micro_batches, self.pipeline_parallel_size, self.tensor_parallel_size)
+            _check_micro_batches(self.pipeline_micro_batches, self.pipeline_parallel_size)
         if not self.tensor_parallel_timeout_s > 0:
             raise ValueError(f"tensor_parallel_timeout_s: must be > 0, got {self.tensor_parallel_timeout_s!r}")
         _check_int("tensor_parallel_nodes", self.tensor_parallel_nodes, 1)
@@ -267,14 +267,11 @@ class ParallelConfig:
                                  f"engine (node 0) opens the group's store, got {self.tensor_parallel_leader!r}")
 
 
-def _check_micro_batches(micro_batches: int, pp: int, tp: int) -> None:
+def _check_micro_batches(micro_batches: int, pp: int) -> None:
     _check_int("pipeline_micro_batches", micro_batches, 1)
     if micro_batches > 1 and pp == 1:
         raise ValueError(f"pipeline_micro_batches={micro_batches}: steps in flight need pipeline_parallel_size > 1 "
                          "(one device runs one step at a time); leave it unset or set 1")
-    if micro_batches > 1 and tp > 1:
-        raise ValueError(f"pipeline_micro_batches={micro_batches}: not supported with tensor_parallel_size > 1 "
-                         "yet (TP x PP runs one step at a time); set pipeline_micro_batches=1")
 
 
 GROUPS = (LoadConfig, CacheConfig, SchedulingConfig, SpeculativeConfig, OffloadConfig, LoRAConfig, AdmissionConfig,
@@ -370,8 +367,8 @@ class EngineConfig:
     # tensor_parallel_size ranks each (rank 0 this process: embedding and the first layers;
     # the last stage: the LM head).
     pipeline_parallel_size: int = 1
-    # Steps in flight through the stages (vLLM v1's batch queue, pagoda.engine.core.batch_queue):
-    # None: pipeline_parallel_size (1 under TP x PP); 1: one step at a time (async_scheduling
+    # Steps in flight through the stages (vLLM v1's batch queue, pagoda.engine.core.batch_queue; TP x PP too):
+    # None: pipeline_parallel_size; 1: one step at a time (async_scheduling
     # applies); > 1: rank 0 issues a step before the previous ones' logits are back
     # (async_scheduling is then ignored, with a warning).
     pipeline_micro_batches: Optional[int] = None
@@ -394,10 +391,10 @@ class EngineConfig:
 
     @property
     def micro_batches(self) -> int:
-        """Steps in flight: ``pipeline_micro_batches``, resolved (None: the stages, 1 under TP x PP)."""
+        """Steps in flight: ``pipeline_micro_batches``, resolved (None: one per stage)."""
         if self.pipeline_micro_batches is not None:
             return self.pipeline_micro_batches
-        return self.pipeline_parallel_size if self.tensor_parallel_size == 1 else 1
+        return self.pipeline_parallel_size
 
     def _group(self, cls: type[_Group]) -> _Group:
         return cls(**{f.name: getattr(self, f.name) for f in dataclasses.fields(cls)})

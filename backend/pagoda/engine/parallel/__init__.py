@@ -76,5 +76,6 @@ def make_executor(config: EngineConfig, model_config: ModelConfig, model_path: s
     runner = executor.runner
     adapters = runner.lora.adapters if runner.lora is not None else None
     workers.sender = runner.step_sender = StepSender(workers.group, capacity, runner.device, adapters,
-                                                     path=make_path(workers.group, config.micro_batches))
+                                                     path=make_path(workers.group, config.micro_batches,
+                                                                    runner.group, runner.tp))
     return executor

@@ -4,11 +4,13 @@ and read back into the forward's inputs on every other rank (``StepReceiver``).
 How it travels is the *path*: ``BroadcastPath`` (one broadcast to every rank: tensor
 parallelism, and pipeline parallelism with one step in flight) or ``PipelinePath``
 (pipeline parallelism with several steps in flight, ``core.batch_queue``): rank 0 sends the
-tensor to stage 1, each stage forwards it to the next as soon as it has it, then receives
-the step's hidden states. A broadcast is a collective of every rank, so rank 0 could not
-issue step i+1 while the last stage still computes step i; the point-to-point sends do not
-wait (``group.ProcessGroup.send``), and each stage handles the steps in order. A forwarded
-message is a copy: a sent tensor must not change until it is received.
+tensor to stage 1 (under TP x PP: broadcasts it in stage 0's group first, and each rank
+passes it to its TP peer in the next stage), each stage forwards it to the next as soon as
+it has it, then receives the step's hidden states. A broadcast is a collective of every
+rank, so rank 0 could not issue step i+1 while the last stage still computes step i; the
+point-to-point sends do not wait (``group.ProcessGroup.send``), and each stage handles the
+steps in order. A forwarded message is a copy: a sent tensor must not change until it is
+received.
 
 The scheduler's plan is already a delta (``engine.scheduler_output``): new block ids
 only, token ids only for prompt chunks and tokens the runner does not hold. Rank 0 applies
@@ -80,24 +82,36 @@ class BroadcastPath:
 
 
 class PipelinePath:
-    """Rank 0 ``put``s to rank 1; rank r ``take``s from r - 1 and forwards a copy to r + 1
-    (not from the last). ``group``: the pipeline's world (one rank per stage)."""
+    """Rank 0 ``put``s to stage 1; a rank of stage s ``take``s from stage s - 1 and forwards
+    a copy to stage s + 1 (not from the last). ``stages``: this rank's pipeline view (``rank``
+    and ``size`` are its stage and the number of stages; ``send``/``recv`` reach the same
+    tensor-parallel index in another stage: the world itself without TP). ``stage_group``:
+    stage 0's tensor-parallel group under TP x PP (rank 0 broadcasts each message in it
+    first, so every rank of stage 0 has it), else None."""
 
-    def __init__(self, group) -> None:
-        self.group = group
+    def __init__(self, stages, stage_group=None) -> None:
+        self.stages, self.stage_group = stages, stage_group
 
     def put(self, tensor: torch.Tensor) -> None:
-        self.group.send(tensor.clone(), 1)
+        if self.stage_group is not None:
+            self.stage_group.broadcast(tensor)
+        self.stages.send(tensor.clone(), 1)
 
     def take(self, tensor: torch.Tensor) -> None:
-        self.group.recv(tensor, self.group.rank - 1)
-        if self.group.rank + 1 < self.group.size:
-            self.group.send(tensor.clone(), self.group.rank + 1)
+        if self.stages.rank == 0:
+            self.stage_group.broadcast(tensor)
+        else:
+            self.stages.recv(tensor, self.stages.rank - 1)
+        if self.stages.rank + 1 < self.stages.size:
+            self.stages.send(tensor.clone(), self.stages.rank + 1)
 
 
-def make_path(group, micro_batches: int):
-    """The step's path: down the pipeline with several steps in flight, else one broadcast."""
-    return PipelinePath(group) if micro_batches > 1 else BroadcastPath(group)
+def make_path(world, micro_batches: int, stages=None, stage_group=None):
+    """The step's path: down the pipeline (``stages``, ``stage_group``: ``PipelinePath``'s, the
+    runner's ``group`` and ``tp``) with several steps in flight, else one broadcast in ``world``."""
+    if micro_batches == 1:
+        return BroadcastPath(world)
+    return PipelinePath(stages if stages is not None else world, stage_group)
 
 
 class StepSender:

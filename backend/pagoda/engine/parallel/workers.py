@@ -251,7 +251,7 @@ def worker_main(rank: int, host: str, port: int, config: EngineConfig, model_con
         runner = ModelRunner(config, model_config, model_path, **runner_groups(config, group))
         receiver = StepReceiver(group, capacity_for(config.max_num_seqs, config.max_num_batched_tokens), device,
                                 on_adapter=lambda name, path: _load_adapter(runner, name, path),
-                                path=make_path(group, config.micro_batches))
+                                path=make_path(group, config.micro_batches, runner.group, runner.tp))
         if config.cpu_offload_bytes:  # the same collectives, in the same order, as rank 0's _make_host_tier
             receiver.host = HostKVCache.for_runner(runner, config.cpu_offload_bytes)
             if config.preemption_mode == "auto" and config.prefill_s_per_token is None:
