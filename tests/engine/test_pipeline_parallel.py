@@ -241,6 +241,8 @@ def test_kv_swap_to_the_cpu_tier_pp2_matches_pp1(three_layers):
     (dict(pipeline_parallel_size=0), "pipeline_parallel_size: must be an integer >= 1"),
     (dict(pipeline_micro_batches=2), "pipeline_micro_batches=2: steps in flight need pipeline_parallel_size > 1"),
     (dict(pipeline_parallel_size=2, pipeline_micro_batches=0), "pipeline_micro_batches: must be an integer >= 1"),
+    (dict(pipeline_parallel_size=2, pipeline_micro_batches=3),
+     "pipeline_micro_batches=3: at most pipeline_parallel_size=2"),
 ])
 def test_what_does_not_combine_is_refused(fields, message):
     with pytest.raises(ValueError, match=message):

@@ -272,6 +272,9 @@ def _check_micro_batches(micro_batches: int, pp: int) -> None:
     if micro_batches > 1 and pp == 1:
         raise ValueError(f"pipeline_micro_batches={micro_batches}: steps in flight need pipeline_parallel_size > 1 "
                          "(one device runs one step at a time); leave it unset or set 1")
+    if micro_batches > pp:
+        raise ValueError(f"pipeline_micro_batches={micro_batches}: at most pipeline_parallel_size={pp} (a step "
+                         "per stage keeps every stage busy; more would only queue)")
 
 
 GROUPS = (LoadConfig, CacheConfig, SchedulingConfig, SpeculativeConfig, OffloadConfig, LoRAConfig, AdmissionConfig,
@@ -368,7 +371,7 @@ class EngineConfig:
     # the last stage: the LM head).
     pipeline_parallel_size: int = 1
     # Steps in flight through the stages (vLLM v1's batch queue, pagoda.engine.core.batch_queue; TP x PP too):
-    # None: pipeline_parallel_size; 1: one step at a time (async_scheduling
+    # None: pipeline_parallel_size (also the most); 1: one step at a time (async_scheduling
     # applies); > 1: rank 0 issues a step before the previous ones' logits are back
     # (async_scheduling is then ignored, with a warning).
     pipeline_micro_batches: Optional[int] = None

@@ -21,8 +21,10 @@ others), so no tag is needed:
   ``send`` does not wait (an ``isend``): with several steps in flight, stage 0's hand-over of
   step i+1 and the last stage's logits of step i would otherwise wait on each other (gloo's
   send completes only once the peer posted the matching receive). The work (which holds the
-  tensor) is kept until it completes: ``send`` waits for the oldest beyond ``max_pending``
-  (messages are received in order, so by then it was), ``flush`` for all of them. A caller
+  tensor) is kept until it completes: ``send`` drops the works that report completion (NCCL;
+  gloo's report it only once waited for) and waits for the oldest beyond ``max_pending``
+  (``8 + 4 * size``: more than the messages of the at most ``size`` steps in flight, so by
+  then it was received and the wait returns at once), ``flush`` for all of them. A caller
   must not change a tensor after sending it.
 
 Tensor x pipeline parallelism (``make_groups``): world rank ``r`` is stage ``r // tp``,
@@ -56,7 +58,7 @@ class ProcessGroup:
         self.rank, self.size, self.device = rank, size, device
         self.store = store
         self._sends: deque = deque()  # works of sends not known to be complete, oldest first
-        self.max_pending = 16 + 8 * size
+        self.max_pending = 8 + 4 * size
         prefixed = dist.PrefixStore("pagoda-tp/", store)
         timeout = datetime.timedelta(seconds=timeout_s)
         if device.type == "cuda":
@@ -85,6 +87,8 @@ class ProcessGroup:
         self.pg.broadcast(tensor, 0).wait()
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:
+        while self._sends and self._sends[0].is_completed():
+            self._sends.popleft()
         self._sends.append(self.pg.send([tensor], dst, 0))
         while len(self._sends) > self.max_pending:
             self._sends.popleft().wait()
