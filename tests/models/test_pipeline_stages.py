@@ -45,14 +45,14 @@ def _step(model, num_layers: int, config) -> torch.Tensor:
     return run_step(model, caches, [StepInput(prompt_a, 0, [0, 1]), StepInput(prompt_b[10:], 10, [3, 4])], BLOCK)
 
 
-def _in_threads(size: int, run) -> dict:
+def _in_threads(size: int, run, timeout_s: float = 60) -> dict:
     """``run(world_group)`` for each rank of a gloo world of ``size``, one thread each; the results by rank."""
     store = dist.HashStore()
     results, errors = {}, []
 
     def rank(r: int) -> None:
         try:
-            results[r] = run(ProcessGroup(r, size, store, torch.device("cpu"), timeout_s=60))
+            results[r] = run(ProcessGroup(r, size, store, torch.device("cpu"), timeout_s=timeout_s))
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 

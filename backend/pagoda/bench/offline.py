@@ -178,6 +178,9 @@ def main(argv=None) -> int:
                         help="N > 1: run the workload at TP=1 and TP=N instead (bench/tensor_parallel.py)")
     parser.add_argument("--pipeline-parallel-size", type=int, default=1,
                         help="N > 1: run the workload at PP=1 and PP=N instead (bench/tensor_parallel.py)")
+    parser.add_argument("--pipeline-micro-batches", type=int, default=None,
+                        help="with --pipeline-parallel-size N: the PP=N engine's steps in flight (default N; "
+                             "1: one step at a time)")
     parser.add_argument("--tp-config", choices=("0.5b", "default"), default="0.5b",
                         help="with --tensor-parallel-size: a ~0.5B random Llama config, or the default model")
     parser.add_argument("--tp-max-tokens", type=int, default=32,

@@ -1,7 +1,9 @@
 """``pagoda bench offline --tensor-parallel-size N``: one workload at TP=1 and at TP=N, in one run.
 
 ``--pipeline-parallel-size N`` does the same for pipeline parallelism (PP=1 vs PP=N, the rows
-labelled PP; the two flags do not combine). Under PP the "broadcast" is the same step
+labelled PP; the two flags do not combine), and prints the PP=N engine's micro-batches and the
+steps it had in flight (``core.batch_queue``; ``--pipeline-micro-batches M`` sets them, 1: one
+step at a time, to compare against the default N). Under PP the "broadcast" is the same step
 broadcast (``StepSender``); the stages' hand-overs and the logits' return are part of the
 device time.
 
@@ -84,7 +86,12 @@ def _run_size(path: str, items, args, tp: int, field: str = "tensor_parallel_siz
 
     load_format = "safetensors" if args.model or args.tp_config == "default" else "dummy"
     threads = torch.get_num_threads()
-    engine = LLMEngine(EngineConfig(model=path, load_format=load_format, **{field: tp},
+    micro_batches = getattr(args, "pipeline_micro_batches", None)
+    if field == "pipeline_parallel_size" and tp > 1 and micro_batches is not None:
+        field_values = {field: tp, "pipeline_micro_batches": micro_batches}
+    else:
+        field_values = {field: tp}
+    engine = LLMEngine(EngineConfig(model=path, load_format=load_format, **field_values,
                                     max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                     max_model_len=args.max_model_len, enable_prefix_caching=False))
     try:
@@ -109,6 +116,10 @@ def _run_size(path: str, items, args, tp: int, field: str = "tensor_parallel_siz
             result["broadcast_overflows"] = sender.overflows
         result["outputs"] = outputs
         result["torch_threads_rank0"] = torch.get_num_threads()
+        result["micro_batches"] = engine.config.micro_batches
+        issued = [in_flight for kind, _, in_flight in getattr(engine.core, "step_events", ()) if kind == "issue"]
+        result["max_steps_in_flight"] = getattr(engine.core, "max_in_flight", 1)
+        result["mean_steps_in_flight"] = sum(issued) / len(issued) if issued else 1.0
         return result
     finally:
         engine.shutdown()
@@ -190,6 +201,9 @@ def _print(results: dict, tp: int, label: str = "TP") -> None:
         print(f"| {size} | {r['tokens_per_s']:.1f} | {r['steps']} | {1e3 * t['host_s']:.2f} | "
               f"{1e3 * t['device_s']:.2f} | {bcast} |")
     r = results[f"tp{tp}"]
+    if label == "PP":
+        print(f"PP={tp} micro-batches: {r['micro_batches']} (steps in flight: at most {r['max_steps_in_flight']}, "
+              f"{r['mean_steps_in_flight']:.2f} on average as each step was issued)")
     if "decode_steps" in r:
         print(f"{label}={tp} decode steps only ({r['decode_steps']}): device {r['decode_device_ms_per_step']:.2f} ms/step, "
               f"broadcast {r['decode_broadcast_us_per_step']:.0f} µs/step = {100 * r['decode_broadcast_share']:.2f}% of it")

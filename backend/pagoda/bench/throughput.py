@@ -124,7 +124,9 @@ def instrument(engine, device: torch.device) -> StageClock:
     scheduler = getattr(_owner(engine, "scheduler"), "scheduler")
     scheduler.schedule = clock.timed("schedule", scheduler.schedule)
     runner = getattr(_owner(engine, "runner"), "runner")
-    runner.compute_logits = clock.timed("forward", runner.compute_logits, sync=True)
+    # A step's forward is the runner's two halves (ModelRunner.forward, then finish_logits).
+    runner.forward = clock.timed("forward", runner.forward, sync=True)
+    runner.finish_logits = clock.timed("forward", runner.finish_logits, sync=True)
     holder = _owner(engine, "sampler")
     setattr(holder, "sampler", _TimedSampler(getattr(holder, "sampler"), clock))
     return clock

@@ -245,10 +245,13 @@ class ParallelConfig:
     tensor_parallel_nodes: int
     tensor_parallel_leader: Optional[str]
     pipeline_parallel_size: int
+    pipeline_micro_batches: Optional[int]
 
     def __post_init__(self) -> None:
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         _check_int("pipeline_parallel_size", self.pipeline_parallel_size, 1)
+        if self.pipeline_micro_batches is not None:
+            _check_micro_batches(self.pipeline_micro_batches, self.pipeline_parallel_size)
         if not self.tensor_parallel_timeout_s > 0:
             raise ValueError(f"tensor_parallel_timeout_s: must be > 0, got {self.tensor_parallel_timeout_s!r}")
         _check_int("tensor_parallel_nodes", self.tensor_parallel_nodes, 1)
@@ -262,6 +265,16 @@ class ParallelConfig:
             if not host or not port.isdigit() or not 0 < int(port) < 65536:
                 raise ValueError("tensor_parallel_leader: with tensor_parallel_nodes > 1, the HOST:PORT where this "
                                  f"engine (node 0) opens the group's store, got {self.tensor_parallel_leader!r}")
+
+
+def _check_micro_batches(micro_batches: int, pp: int) -> None:
+    _check_int("pipeline_micro_batches", micro_batches, 1)
+    if micro_batches > 1 and pp == 1:
+        raise ValueError(f"pipeline_micro_batches={micro_batches}: steps in flight need pipeline_parallel_size > 1 "
+                         "(one device runs one step at a time); leave it unset or set 1")
+    if micro_batches > pp:
+        raise ValueError(f"pipeline_micro_batches={micro_batches}: at most pipeline_parallel_size={pp} (a step "
+                         "per stage keeps every stage busy; more would only queue)")
 
 
 GROUPS = (LoadConfig, CacheConfig, SchedulingConfig, SpeculativeConfig, OffloadConfig, LoRAConfig, AdmissionConfig,
@@ -357,6 +370,11 @@ class EngineConfig:
     # tensor_parallel_size ranks each (rank 0 this process: embedding and the first layers;
     # the last stage: the LM head).
     pipeline_parallel_size: int = 1
+    # Steps in flight through the stages (vLLM v1's batch queue, pagoda.engine.core.batch_queue; TP x PP too):
+    # None: pipeline_parallel_size (also the most); 1: one step at a time (async_scheduling
+    # applies); > 1: rank 0 issues a step before the previous ones' logits are back
+    # (async_scheduling is then ignored, with a warning).
+    pipeline_micro_batches: Optional[int] = None
 
     def __post_init__(self) -> None:
         for group in GROUPS:  # each validates its own fields
@@ -373,6 +391,13 @@ class EngineConfig:
     def world_size(self) -> int:
         """Ranks (processes) in this replica: tensor_parallel_size x pipeline_parallel_size."""
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def micro_batches(self) -> int:
+        """Steps in flight: ``pipeline_micro_batches``, resolved (None: one per stage)."""
+        if self.pipeline_micro_batches is not None:
+            return self.pipeline_micro_batches
+        return self.pipeline_parallel_size
 
     def _group(self, cls: type[_Group]) -> _Group:
         return cls(**{f.name: getattr(self, f.name) for f in dataclasses.fields(cls)})

@@ -5,7 +5,8 @@ A thin facade over two halves (see each module's docstring):
 * ``EngineCore`` (``engine_core.py``): token ids in, token ids out. One step schedules,
   launches the forward pass and sampling (speculative decoding included), and applies
   the sampled tokens to the scheduler. With ``EngineConfig.async_scheduling`` it
-  overlaps the host's work with the device's, one step deep.
+  overlaps the host's work with the device's, one step deep; under pipeline parallelism
+  ``BatchQueueCore`` (``batch_queue.py``) keeps a step in flight per stage.
 * ``OutputProcessor`` (``output_processor.py``): detokenization, stop strings (a stop
   string found there is passed back to the core as an abort), logprobs, n > 1 groups,
   and ``RequestOutput``s with deltas and timestamps.
@@ -38,7 +39,7 @@ from typing import TYPE_CHECKING, Iterable, Optional, Union
 
 from pagoda.engine.core.admission import Admission, EngineOverloaded, check_timeout, deadline_message, overload_message
 from pagoda.engine.config import EngineConfig
-from pagoda.engine.core.engine_core import EngineCore
+from pagoda.engine.core.batch_queue import make_engine_core
 from pagoda.engine.core.parallel_sampling import child_request_ids
 from pagoda.engine.guided.backend import XGrammarBackend
 from pagoda.engine.output_processor import OutputProcessor
@@ -69,8 +70,8 @@ class LLMEngine:
         eos_ids = sorted(self.tokenizer.eos_token_ids)
         self.executor = make_executor(self.config, self.model_config, model_path,
                                       make_grammar_backend=lambda: XGrammarBackend(self.tokenizer, vocab_size, eos_ids))
-        self.core = EngineCore(self.config, self.model_config, self.model_id, eos_ids, self.executor,
-                               has_adapter=lambda name: name in self.list_loras())
+        self.core = make_engine_core(self.config, self.model_config, self.model_id, eos_ids, self.executor,
+                                     has_adapter=lambda name: name in self.list_loras())
         self.output_processor = OutputProcessor(self.tokenizer)
         self.core.beams.find_stop_string = self._find_stop_string  # beams end at stop strings too
         self.admission = Admission(self.config.max_waiting_requests, self.config.max_waiting_prompt_tokens,
@@ -386,7 +387,7 @@ class LLMEngine:
             num_preemptions=s.num_preemptions_total,
             num_prompt_tokens=self.output_processor.num_prompt_tokens,
             num_generation_tokens=self.output_processor.num_generation_tokens,
-            num_steps=self.core.num_steps,
+            num_steps=self.core.num_steps, max_steps_in_flight=getattr(self.core, "max_in_flight", 1),
             max_num_running_seen=self.core.max_num_running_seen,
             last_step_num_seqs=self.core.last_step[0],
             last_step_num_decode_seqs=self.core.last_step[1],

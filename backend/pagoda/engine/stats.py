@@ -43,6 +43,9 @@ class EngineStats:
     last_step_num_decode_seqs: int
     last_step_num_prefill_seqs: int
     last_step_num_tokens: int
+    # Pipeline parallelism's batch queue (pagoda.engine.core.batch_queue): the most steps with
+    # requests it had in flight at once (1 without it).
+    max_steps_in_flight: int = 1
     # Speculative decoding (zero without it); see SpecStats.
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0

@@ -33,7 +33,9 @@ stage's tensor-parallel rank 0 gathers the logits and sends them to rank 0.
 
 This module never imports the engine: ``group`` is anything with ``rank`` and ``size`` (the
 stage index and the number of stages), ``send(tensor, dst_stage)`` and ``recv(tensor,
-src_stage)`` (blocking, point to point, to the peer of this rank's tensor-parallel index).
+src_stage)`` (point to point, to the peer of this rank's tensor-parallel index; ``recv``
+blocks, ``send`` may return before the peer received: with several steps in flight the
+engine's sends do not wait, so a sent tensor is never changed here).
 """
 
 from __future__ import annotations

@@ -17,14 +17,15 @@ stop. For each request:
    running request (priority); the lookup is repeated, as the victim's blocks may have
    been part of the hit.
 
-Admission stops at the first request that does not fit, so policy order is never
+Admission stops at the first request that does not fit, or that was preempted while a step
+holding it is still in flight (``busy``, batch queue), so policy order is never
 violated except by ``SKIP``. Host blocks read for a hit stay pinned until the step's
 copies are taken, so a later eviction in the same step cannot reuse them.
 """
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Optional, Sequence
+from typing import Callable, Container, NamedTuple, Optional, Sequence
 
 from pagoda.engine.core.constraints import AdmissionConstraint, Admit
 from pagoda.engine.core.policy import FcfsPolicy
@@ -54,7 +55,8 @@ class WaitingAdmitter:
 
     def __init__(self, waiting: FcfsQueue | PriorityQueue, running: list[Request], kv_cache_manager: KVCacheManager,
                  host_tier: HostTier, policy: FcfsPolicy, constraints: Sequence[AdmissionConstraint],
-                 preempt: Callable[[Request, StepPlan], None], max_num_seqs: int, block_size: int) -> None:
+                 preempt: Callable[[Request, StepPlan], None], max_num_seqs: int, block_size: int,
+                 busy: Container[str] = frozenset()) -> None:
         self.waiting = waiting
         self.running = running
         self.kv_cache_manager = kv_cache_manager
@@ -64,6 +66,7 @@ class WaitingAdmitter:
         self.preempt = preempt
         self.max_num_seqs = max_num_seqs
         self.block_size = block_size
+        self.busy = busy  # batch queue: ids with a step in flight (preempted meanwhile: not admitted yet)
 
     def admit(self, step: StepPlan) -> None:
         """Admit waiting requests into ``step`` (see the module docstring)."""
@@ -79,9 +82,9 @@ class WaitingAdmitter:
         an admission constraint set aside; they go back to the front afterwards)."""
         for constraint in self.constraints:
             constraint.begin_step(self.running)
-        while len(self.waiting) > 0 and step.budget > 0:
+        while len(self.waiting) > 0 and not step.is_full:
             request = self.waiting.peek()
-            if request in step.preempted:
+            if request in step.preempted or request.request_id in self.busy:
                 break
             assert request.num_output_placeholders == 0, "a waiting request's last step was not applied"
             verdict = self._ask_constraints(lambda c: c.before_lookup(request))

@@ -29,7 +29,7 @@ step's grammar bitmask is filled in its device job behind the gate, from matcher
 previous step's update advanced (``GuidedDecodingManager.accept`` runs before the gate
 opens). With speculative decoding the core stays synchronous (drafts need the previous
 step's tokens on the host before scheduling); ``async_scheduling`` is then ignored, with a
-warning.
+warning. Pipeline parallelism keeps N steps in flight instead: ``batch_queue.BatchQueueCore``.
 
 Step hooks (``StepHook``): told which tokens were accepted after each update. Nothing in
 the core edits logits: that is the sampler's logits-processor list (the grammar bitmask

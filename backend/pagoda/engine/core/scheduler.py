@@ -37,13 +37,14 @@ whose id is unknown on the host (``ScheduledRequest.token_ids`` leaves it out, a
 every decode of a token the runner sampled: the plan is a delta, ``core.runner_view``);
 the runner substitutes the token it sampled in step N, which it keeps on the device.
 At most one step is unapplied when ``schedule()`` runs, so a request has at most one
-placeholder then, and a waiting request none. Results may arrive late for requests
-that changed state since their step was scheduled: tokens for a request that finished or
-was aborted meanwhile are dropped (its blocks were freed when it finished; the late
-step's KV writes land in freed blocks before any later step reuses them, as steps run in
-order); a request preempted meanwhile keeps its token (it was sampled from a correct
-context) and recomputes or swaps in as usual. A request whose placeholders already reach
-``max_tokens`` is not scheduled again: it is sure to finish.
+placeholder then, and a waiting request none (batch queue, ``micro_batches`` N > 1: a request
+in an unapplied step, ``_busy``, waits for it; a step takes ceil(live / N) requests, StepPlan).
+Results may arrive late for requests that changed state since their step was scheduled:
+tokens for a request that finished or was aborted meanwhile are dropped (its blocks were
+freed when it finished; the late step's KV writes land in freed blocks before any later
+step reuses them, as steps run in order); a request preempted meanwhile keeps its token
+(it was sampled from a correct context) and recomputes or swaps in as usual. A request
+whose placeholders already reach ``max_tokens`` is not scheduled again: it is sure to finish.
 
 Speculative decoding adds no phase either: ``schedule(spec_token_ids)`` schedules a
 decode together with its drafted tokens (``ScheduledRequest.spec_token_ids``), as many
@@ -129,12 +130,13 @@ class Scheduler:
         self._num_added = 0
         self._num_steps = 0
         self._unapplied: dict[int, SchedulerOutput] = {}  # step id -> a step whose results are not applied
+        self._busy: set[str] = set()  # batch queue: ids in unapplied steps (the admitter reads it too)
         self.runner_view = RunnerView()  # what the runner holds: the step plan is a delta
         self.constraints = make_constraints(config.max_loras, config.min_shared_prefix_to_wait,
                                             lambda: self.block_pool.num_free_blocks, config.block_size)
         self.admitter = WaitingAdmitter(self.waiting, self.running, self.kv_cache_manager, self.host_tier,
                                         self.policy, self.constraints, self._preempt, config.max_num_seqs,
-                                        config.block_size)
+                                        config.block_size, self._busy)
 
     # Requests in ---------------------------------------------------------------------
 
@@ -204,9 +206,12 @@ class Scheduler:
                 (speculative decoding); read only for running requests at a decode.
         """
         step = StepPlan(self.config.max_num_batched_tokens, self.config.block_size, self.config.enable_chunked_prefill)
+        if self.config.micro_batches > 1:  # batch queue: requests in flight wait; N steps share the rest
+            num_live = min(len(self.requests), self.config.max_num_seqs)
+            step.share_with_queue(self._unapplied.values(), self._busy, num_live, self.config.micro_batches)
         self._schedule_running(step, spec_token_ids or {})
         if not step.preempted:
-            self._schedule_waiting(step)
+            self.admitter.admit(step)  # core.admit_waiting
         output = SchedulerOutput(
             preempted_request_ids=[r.request_id for r in step.preempted],
             finished_request_ids=self._finished_request_ids,
@@ -251,10 +256,10 @@ class Scheduler:
 
     def _schedule_running(self, step: StepPlan, spec_token_ids: Mapping[str, Sequence[int]]) -> None:
         for request in list(self.running):
-            if step.budget == 0:
+            if step.is_full:
                 break
-            if request.status != RequestStatus.RUNNING:
-                continue  # preempted earlier in this pass
+            if request.status != RequestStatus.RUNNING or request.request_id in self._busy:
+                continue  # preempted earlier in this pass, or its step is in flight (batch queue)
             if request.num_output_placeholders and (request.beam_group or _is_sure_to_finish(request)):
                 continue  # its last token is being sampled, or its group must choose it (async scheduling)
             num_new = min(request.num_tokens + request.num_output_placeholders - request.num_computed_tokens,
@@ -286,9 +291,6 @@ class Scheduler:
             return False
         step.add(request, 1 + num_spec, num_spec)
         return True
-
-    def _schedule_waiting(self, step: StepPlan) -> None:
-        self.admitter.admit(step)
 
     def _swap_out(self, request: Request, step: StepPlan) -> bool:
         """Try to preempt ``request`` by swap; False: recompute instead."""

@@ -34,6 +34,11 @@ class SchedulerConfig:
     # A waiting request whose next this-many (or more) tokens are being prefilled for
     # another request in the same step waits one step to hit them; 0 disables.
     min_shared_prefix_to_wait: int = 128
+    # Steps in flight (EngineConfig.micro_batches). 1: async scheduling may run one step ahead on
+    # placeholders. N > 1 (the batch queue, core.batch_queue): a request with a step not applied
+    # yet is not scheduled (nor admitted back after a preemption) until it is, and a step takes
+    # at most ceil(min(live requests, max_num_seqs) / N) requests, so N steps share them.
+    micro_batches: int = 1
 
     def __post_init__(self) -> None:
         get_policy(self.policy)  # raises ValueError naming the policies
@@ -70,6 +75,7 @@ class SchedulerConfig:
             default_max_tokens=sched.default_max_tokens,
             max_loras=lora.max_loras if lora.enable_lora else 0,
             min_shared_prefix_to_wait=sched.min_shared_prefix_to_wait,
+            micro_batches=config.micro_batches,
         )
 
     def resolve_max_tokens(self, request: Request, num_usable_blocks: int) -> int:

@@ -5,14 +5,18 @@ included), who was preempted and who was admitted this step, and the hashes of t
 blocks this step computes. A waiting request whose next uncached blocks are among those
 waits one step and then hits them instead of prefilling the same prefix again beside its
 first owner (bursts sharing a prompt: an agent's fan-out, n parallel completions; see
-``core.constraints.SharedPrefixWait``).
+``core.constraints.SharedPrefixWait``). Under the batch queue (``core.batch_queue``) a step
+also takes at most ``max_requests`` requests, so N steps in flight share the running ones.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Iterable, Optional
 
 from pagoda.engine.request import Request
+
+if TYPE_CHECKING:
+    from pagoda.engine.scheduler_output import SchedulerOutput
 
 
 class StepPlan:
@@ -27,6 +31,12 @@ class StepPlan:
         # Admitted this step: their blocks may still await host -> device copies (or share
         # blocks that do), so they are never swapped out in this step.
         self.admitted: set[str] = set()
+        self.max_requests: Optional[int] = None  # the batch queue's share of the requests per step
+
+    @property
+    def is_full(self) -> bool:
+        """No token budget left, or as many requests as ``max_requests``."""
+        return self.budget == 0 or (self.max_requests is not None and len(self.num_new_tokens) >= self.max_requests)
 
     def chunk(self, num_tokens_left: int) -> Optional[int]:
         """How many of a request's ``num_tokens_left`` tokens this step can take: a chunk of
@@ -40,9 +50,24 @@ class StepPlan:
         if num_spec_tokens:
             self.num_spec_tokens[request.request_id] = num_spec_tokens
         self.budget -= num_new_tokens
-        start = request.num_computed_tokens // self.block_size
-        end = (request.num_computed_tokens + num_new_tokens - num_spec_tokens) // self.block_size
-        self.computing.update(request.block_hashes[start:end])
+        self._mark_computing(request, request.num_computed_tokens, num_new_tokens - num_spec_tokens)
+
+    def _mark_computing(self, request: Request, start: int, num_tokens: int) -> None:
+        self.computing.update(request.block_hashes[start // self.block_size:(start + num_tokens) // self.block_size])
+
+    def share_with_queue(self, in_flight: Iterable["SchedulerOutput"], busy: set[str], num_live: int,
+                         micro_batches: int) -> None:
+        """The batch queue's rules for this step: ``busy`` becomes the ids of the requests in the
+        ``in_flight`` steps (they are not scheduled), whose blocks count as computing (a waiting
+        request sharing them waits for them, as for this step's own), and this step takes at
+        most ``ceil(num_live / micro_batches)`` requests."""
+        busy.clear()
+        for scheduler_output in in_flight:
+            for item in scheduler_output.scheduled:
+                busy.add(item.request_id)
+                self._mark_computing(item.request, item.num_computed_tokens,
+                                     item.num_new_tokens - len(item.spec_token_ids))
+        self.max_requests = -(-num_live // micro_batches)
 
     def num_shared_computing(self, request: Request, num_cached_tokens: int) -> int:
         """Tokens of ``request``'s uncached blocks, from its first one on, that this step computes."""

@@ -11,7 +11,9 @@ Pipeline parallelism (``pipeline_parallel_size = N``) reuses all of it — the s
 store, the group, the step broadcast, the death checks — with each rank's runner holding
 one stage of the layers instead of a shard of each (``models.pipeline_parallel``): hidden
 states go rank to rank by point-to-point sends, the last stage sends the logits to rank 0,
-which samples. Both at once: each stage is a tensor-parallel group of its own
+which samples. With several steps in flight (``EngineConfig.micro_batches``, ``core.batch_queue``)
+the step travels down the stages instead of by broadcast (``step_wire.PipelinePath``).
+Both at once: each stage is a tensor-parallel group of its own
 (``group.make_groups``). Across nodes (``tensor_parallel_nodes``) the
 other nodes' ranks are started by ``node.run_node`` (``pagoda serve --node-rank R``).
 
@@ -26,7 +28,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from pagoda.engine.config import EngineConfig
-from pagoda.engine.parallel.step_wire import StepSender, capacity_for
+from pagoda.engine.parallel.step_wire import StepSender, capacity_for, make_path
 from pagoda.engine.parallel.workers import (TensorParallelWorkerDied, TensorParallelWorkers, parallel_kind,
                                             runner_groups)
 from pagoda.engine.runner import executor as single
@@ -73,5 +75,7 @@ def make_executor(config: EngineConfig, model_config: ModelConfig, model_path: s
     capacity = capacity_for(config.max_num_seqs, config.max_num_batched_tokens)
     runner = executor.runner
     adapters = runner.lora.adapters if runner.lora is not None else None
-    workers.sender = runner.step_sender = StepSender(workers.group, capacity, runner.device, adapters)
+    workers.sender = runner.step_sender = StepSender(workers.group, capacity, runner.device, adapters,
+                                                     path=make_path(workers.group, config.micro_batches,
+                                                                    runner.group, runner.tp))
     return executor

@@ -18,6 +18,14 @@ others), so no tag is needed:
 * ``min_int(v)``: the smallest ``v`` over ranks (the KV cache's block count);
 * ``send(t, dst)`` / ``recv(t, src)``: point to point (pipeline parallelism: a stage's hidden
   states to the next stage, the last stage's logits to rank 0; ``models.pipeline_parallel``).
+  ``send`` does not wait (an ``isend``): with several steps in flight, stage 0's hand-over of
+  step i+1 and the last stage's logits of step i would otherwise wait on each other (gloo's
+  send completes only once the peer posted the matching receive). The work (which holds the
+  tensor) is kept until it completes: ``send`` drops the works that report completion (NCCL;
+  gloo's report it only once waited for) and waits for the oldest beyond ``max_pending``
+  (``8 + 4 * size``: more than the messages of the at most ``size`` steps in flight, so by
+  then it was received and the wait returns at once), ``flush`` for all of them. A caller
+  must not change a tensor after sending it.
 
 Tensor x pipeline parallelism (``make_groups``): world rank ``r`` is stage ``r // tp``,
 tensor-parallel index ``r % tp`` (rank 0: stage 0, index 0, the engine). The world group
@@ -32,6 +40,7 @@ after ``timeout_s``; the caller names the rank (``workers.TensorParallelWorkers`
 from __future__ import annotations
 
 import datetime
+from collections import deque
 
 import torch
 import torch.distributed as dist
@@ -48,6 +57,8 @@ class ProcessGroup:
     def __init__(self, rank: int, size: int, store: dist.Store, device: torch.device, timeout_s: float) -> None:
         self.rank, self.size, self.device = rank, size, device
         self.store = store
+        self._sends: deque = deque()  # works of sends not known to be complete, oldest first
+        self.max_pending = 8 + 4 * size
         prefixed = dist.PrefixStore("pagoda-tp/", store)
         timeout = datetime.timedelta(seconds=timeout_s)
         if device.type == "cuda":
@@ -76,7 +87,16 @@ class ProcessGroup:
         self.pg.broadcast(tensor, 0).wait()
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:
-        self.pg.send([tensor], dst, 0).wait()
+        while self._sends and self._sends[0].is_completed():
+            self._sends.popleft()
+        self._sends.append(self.pg.send([tensor], dst, 0))
+        while len(self._sends) > self.max_pending:
+            self._sends.popleft().wait()
+
+    def flush(self) -> None:
+        """Wait until every send has been received (raises if a peer is gone)."""
+        while self._sends:
+            self._sends.popleft().wait()
 
     def recv(self, tensor: torch.Tensor, src: int) -> None:
         self.pg.recv([tensor], src, 0).wait()
@@ -103,6 +123,9 @@ class StageLinks:
 
     def recv(self, tensor: torch.Tensor, src: int) -> None:
         self.world.recv(tensor, src * self.tp + self.tp_rank)
+
+    def flush(self) -> None:
+        self.world.flush()
 
     def min_int(self, value: int) -> int:
         return self.world.min_int(value)

@@ -1,5 +1,16 @@
-"""One step's deltas as one packed int64 tensor, broadcast once from rank 0 (``StepSender``)
+"""One step's deltas as one packed int64 tensor, sent once from rank 0 (``StepSender``)
 and read back into the forward's inputs on every other rank (``StepReceiver``).
+
+How it travels is the *path*: ``BroadcastPath`` (one broadcast to every rank: tensor
+parallelism, and pipeline parallelism with one step in flight) or ``PipelinePath``
+(pipeline parallelism with several steps in flight, ``core.batch_queue``): rank 0 sends the
+tensor to stage 1 (under TP x PP: broadcasts it in stage 0's group first, and each rank
+passes it to its TP peer in the next stage), each stage forwards it to the next as soon as
+it has it, then receives the step's hidden states. A broadcast is a collective of every
+rank, so rank 0 could not issue step i+1 while the last stage still computes step i; the
+point-to-point sends do not wait (``group.ProcessGroup.send``), and each stage handles the
+steps in order. A forwarded message is a copy: a sent tensor must not change until it is
+received.
 
 The scheduler's plan is already a delta (``engine.scheduler_output``): new block ids
 only, token ids only for prompt chunks and tokens the runner does not hold. Rank 0 applies
@@ -58,12 +69,60 @@ def capacity_for(max_num_seqs: int, max_num_batched_tokens: int) -> int:
     return HEADER + 10 * max_num_seqs + 2 * max_num_batched_tokens
 
 
+class BroadcastPath:
+    """Every rank gets the message in one broadcast from rank 0 (``put`` there, ``take`` elsewhere)."""
+
+    def __init__(self, group) -> None:
+        self.group = group
+
+    def put(self, tensor: torch.Tensor) -> None:
+        self.group.broadcast(tensor)
+
+    take = put
+
+
+class PipelinePath:
+    """Rank 0 ``put``s to stage 1; a rank of stage s ``take``s from stage s - 1 and forwards
+    a copy to stage s + 1 (not from the last). ``stages``: this rank's pipeline view (``rank``
+    and ``size`` are its stage and the number of stages; ``send``/``recv`` reach the same
+    tensor-parallel index in another stage: the world itself without TP). ``stage_group``:
+    stage 0's tensor-parallel group under TP x PP (rank 0 broadcasts each message in it
+    first, so every rank of stage 0 has it), else None."""
+
+    def __init__(self, stages, stage_group=None) -> None:
+        self.stages, self.stage_group = stages, stage_group
+
+    def put(self, tensor: torch.Tensor) -> None:
+        if self.stage_group is not None:
+            self.stage_group.broadcast(tensor)
+        self.stages.send(tensor.clone(), 1)
+
+    def take(self, tensor: torch.Tensor) -> None:
+        if self.stages.rank == 0:
+            self.stage_group.broadcast(tensor)
+        else:
+            self.stages.recv(tensor, self.stages.rank - 1)
+        if self.stages.rank + 1 < self.stages.size:
+            self.stages.send(tensor.clone(), self.stages.rank + 1)
+
+
+def make_path(world, micro_batches: int, stages=None, stage_group=None):
+    """The step's path: down the pipeline (``stages``, ``stage_group``: ``PipelinePath``'s, the
+    runner's ``group`` and ``tp``) with several steps in flight, else one broadcast in ``world``."""
+    if micro_batches == 1:
+        return BroadcastPath(world)
+    return PipelinePath(stages if stages is not None else world, stage_group)
+
+
 class StepSender:
     """Rank 0's side. Args: group (``ProcessGroup``), capacity (words), device, and
-    ``adapters`` (adapter name -> its ``LoRAAdapter``: the runner's registry) or None."""
+    ``adapters`` (adapter name -> its ``LoRAAdapter``: the runner's registry) or None;
+    ``path`` (default: ``BroadcastPath(group)``)."""
 
-    def __init__(self, group, capacity: int, device: torch.device, adapters: Optional[dict] = None) -> None:
+    def __init__(self, group, capacity: int, device: torch.device, adapters: Optional[dict] = None,
+                 path=None) -> None:
         self.group, self.capacity, self.device = group, capacity, device
+        self.path = path if path is not None else BroadcastPath(group)
         self.adapters = adapters if adapters is not None else {}
         self._announced: dict[str, tuple[int, object]] = {}  # name -> (wire number, the adapter sent)
         self.buffer = torch.zeros(capacity, dtype=torch.int64, device=device)
@@ -94,8 +153,8 @@ class StepSender:
         if length > self.capacity:
             self.overflows += 1
             self.buffer[:HEADER] = payload[:HEADER]
-            self.group.broadcast(self.buffer)
-        self.group.broadcast(payload)
+            self.path.put(self.buffer)
+        self.path.put(payload)
 
     def _announce(self, name: str) -> None:
         adapter = self.adapters[name]
@@ -111,7 +170,7 @@ class StepSender:
     def stop(self) -> None:
         """Tell the workers to leave their loop."""
         self.buffer[:HEADER] = torch.tensor([KIND_STOP, HEADER, 0, 0])
-        self.group.broadcast(self.buffer)
+        self.path.put(self.buffer)
 
     def _payload(self, words: list[int]) -> torch.Tensor:
         host = torch.tensor(words, dtype=torch.int64)
@@ -159,11 +218,13 @@ def _prompt_rows(step_input: StepInput) -> int:
 class StepReceiver:
     """A worker's side: ``recv()`` returns the step's ``StepInput``s, or None for stop.
     ``on_adapter(name, path)`` loads an announced LoRA adapter (the worker's registry);
-    ``host`` (a ``HostKVCache``, or None) runs each step's KV-tier copies before it returns."""
+    ``host`` (a ``HostKVCache``, or None) runs each step's KV-tier copies before it returns;
+    ``path``: as the sender's."""
 
     def __init__(self, group, capacity: int, device: torch.device,
-                 on_adapter: Optional[Callable[[str, str], None]] = None) -> None:
+                 on_adapter: Optional[Callable[[str, str], None]] = None, path=None) -> None:
         self.group, self.device = group, device
+        self.path = path if path is not None else BroadcastPath(group)
         self.buffer = torch.zeros(capacity, dtype=torch.int64, device=device)
         self.on_adapter = on_adapter
         self._tables: dict[int, list[int]] = {}
@@ -183,13 +244,13 @@ class StepReceiver:
             self.on_adapter(name, path)
 
     def _message(self) -> list[int]:
-        self.group.broadcast(self.buffer)
+        self.path.take(self.buffer)
         kind, length = self.buffer[:2].tolist()
         if kind == KIND_STOP:
             return [kind]
         if length > self.buffer.numel():
             payload = torch.empty(length, dtype=torch.int64, device=self.device)
-            self.group.broadcast(payload)
+            self.path.take(payload)
         else:
             payload = self.buffer
         return payload[:length].tolist()

@@ -13,7 +13,9 @@ workers run theirs:
    port, spawns one process per other rank (``worker_main``; ``spawn``, never ``fork``: the
    parent may hold CUDA and threads), then joins the group itself. Each worker builds
    its own ``ModelRunner`` (the same seeded or loaded weights, sharded for its rank) and
-   enters its loop: receive a step, run the forward, repeat.
+   enters its loop: receive a step, run the forward, repeat. The step arrives by broadcast,
+   or, with several steps in flight (``EngineConfig.micro_batches``), from the previous
+   stage (``step_wire.PipelinePath``).
 2. A worker dies with the engine: a watcher thread waits on the parent's process
    sentinel (a pipe that closes when the parent dies, however it dies, SIGKILL
    included) and ends the worker with ``os._exit``; daemonic processes are also
@@ -55,7 +57,7 @@ import torch.distributed as dist
 
 from pagoda.engine.config import EngineConfig
 from pagoda.engine.parallel.group import ProcessGroup, make_groups
-from pagoda.engine.parallel.step_wire import StepReceiver, StepSender, capacity_for
+from pagoda.engine.parallel.step_wire import StepReceiver, StepSender, capacity_for, make_path
 from pagoda.engine.runner.host_kv_cache import HostKVCache, measure_prefill_s_per_token
 from pagoda.engine.runner.model_runner import ModelRunner, resolve_device
 from pagoda.models.config import ModelConfig
@@ -167,6 +169,7 @@ class TensorParallelWorkers:
             self.check()
             if self.sender is not None:
                 self.sender.stop()
+                self.group.flush()
         except Exception as exc:  # noqa: BLE001 - a dead or wedged group: kill below
             logger.warning("%s: stopping the workers: %s", self.kind, exc)
         for process in self.processes:
@@ -247,7 +250,8 @@ def worker_main(rank: int, host: str, port: int, config: EngineConfig, model_con
         group = ProcessGroup(rank, size, store, device, config.tensor_parallel_timeout_s)
         runner = ModelRunner(config, model_config, model_path, **runner_groups(config, group))
         receiver = StepReceiver(group, capacity_for(config.max_num_seqs, config.max_num_batched_tokens), device,
-                                on_adapter=lambda name, path: _load_adapter(runner, name, path))
+                                on_adapter=lambda name, path: _load_adapter(runner, name, path),
+                                path=make_path(group, config.micro_batches, runner.group, runner.tp))
         if config.cpu_offload_bytes:  # the same collectives, in the same order, as rank 0's _make_host_tier
             receiver.host = HostKVCache.for_runner(runner, config.cpu_offload_bytes)
             if config.preemption_mode == "auto" and config.prefill_s_per_token is None:
@@ -255,6 +259,7 @@ def worker_main(rank: int, host: str, port: int, config: EngineConfig, model_con
         while (inputs := receiver.recv()) is not None:
             if inputs:
                 runner.compute_logits(inputs)
+        group.flush()  # the stop message forwarded down the pipeline, the last logits
     except BaseException:  # noqa: BLE001 - the parent sees the exit code and names this rank
         traceback.print_exc()
         os._exit(1)

@@ -5,6 +5,8 @@ A *device job* is one step's device side: KV-tier copies, the forward pass, samp
 which returns the step's ``ModelRunnerOutput`` and is the only place the host waits:
 
 * ``InlineWorker`` (synchronous engine): the job runs inside ``launch``.
+* ``SplitStepHandle`` (pipeline parallelism with several steps in flight): the job's first
+  half runs at launch, its second at ``get()``, both on the engine thread.
 * ``ThreadWorker`` (``EngineConfig.async_scheduling``): jobs run in launch order on one
   worker thread, so the host schedules step N+1 and finishes step N-1's outputs while
   step N runs. One thread keeps the steps in order, as a CUDA stream would; torch
@@ -99,6 +101,47 @@ class StepHandle:
     def wait(self) -> None:
         """Block until the job ended (its result or failure stays for ``get()``)."""
         futures.wait([self._future])
+
+
+class SplitStepHandle:
+    """A step whose job is cut in two (pipeline parallelism's batch queue, ``core.batch_queue``):
+    ``start()`` runs now, on the engine thread; ``finish(started)`` on the first ``get`` or
+    ``wait``. The host waits for the device throughout both: ``start_s`` and ``finish_s`` (0
+    until it ran) are their seconds, ``wait_s`` their sum."""
+
+    def __init__(self, start: Callable[[], object], finish: Callable[[object], ModelRunnerOutput]) -> None:
+        self._future: Future = Future()
+        self._finish: Optional[Callable[[], ModelRunnerOutput]] = None
+        begin = time.perf_counter()
+        try:
+            started = start()
+            self._finish = lambda: finish(started)
+        except Exception as exc:  # noqa: BLE001 - delivered by get(), like the other workers
+            self._future.set_exception(exc)
+        self.start_s, self.finish_s = time.perf_counter() - begin, 0.0
+
+    @property
+    def wait_s(self) -> float:
+        return self.start_s + self.finish_s
+
+    def get(self) -> ModelRunnerOutput:
+        self.wait()
+        return self._future.result()
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self) -> None:
+        """Run the second half (once); its result or failure stays for ``get()``."""
+        finish, self._finish = self._finish, None
+        if finish is None:
+            return
+        begin = time.perf_counter()
+        try:
+            self._future.set_result(finish())
+        except Exception as exc:  # noqa: BLE001 - delivered by get()
+            self._future.set_exception(exc)
+        self.finish_s = time.perf_counter() - begin
 
 
 class InlineWorker:

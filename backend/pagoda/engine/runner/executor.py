@@ -38,9 +38,9 @@ from pagoda.engine.guided.bitmask import TokenBitmask
 from pagoda.engine.guided.manager import GuidedDecodingManager
 from pagoda.engine.kv.host_tier import SwapCostModel
 from pagoda.engine.request import Request
-from pagoda.engine.runner.device_worker import DeviceTimer, InlineWorker, StepHandle, ThreadWorker
+from pagoda.engine.runner.device_worker import DeviceTimer, InlineWorker, SplitStepHandle, StepHandle, ThreadWorker
 from pagoda.engine.runner.host_kv_cache import HostKVCache, calibrate, copy_device_blocks
-from pagoda.engine.runner.model_runner import ModelRunner, resolve_device, resolve_dtype
+from pagoda.engine.runner.model_runner import ModelRunner, StartedStep, resolve_device, resolve_dtype
 from pagoda.engine.runner.runner_output import ModelRunnerOutput
 from pagoda.engine.spec_decode import SpeculativePlan, Speculator
 from pagoda.models.config import ModelConfig
@@ -57,10 +57,13 @@ class Executor:
     swap_cost_model: calibrated for ``preemption_mode="auto"``, else None.
     is_async: jobs run on a worker thread (async scheduling), else inline.
     parallel: the tensor-parallel workers (``engine.parallel.workers``), or None.
+    splits_steps: several steps in flight (pipeline parallelism's batch queue): ``launch``
+        returns a ``SplitStepHandle``; jobs run on the engine thread (``is_async`` False).
     """
 
     def __init__(self, runner: ModelRunner, guided: GuidedDecodingManager, host_kv_cache: Optional[HostKVCache],
-                 swap_cost_model: Optional[SwapCostModel], is_async: bool, parallel: Any = None) -> None:
+                 swap_cost_model: Optional[SwapCostModel], is_async: bool, parallel: Any = None,
+                 splits_steps: bool = False) -> None:
         self.runner = runner
         self.guided = guided
         self.host_kv_cache = host_kv_cache
@@ -69,6 +72,7 @@ class Executor:
         self.worker = ThreadWorker() if is_async else InlineWorker()
         self.timer = DeviceTimer()
         self.parallel = parallel
+        self.splits_steps = splits_steps
 
     @property
     def num_blocks(self) -> int:
@@ -92,11 +96,43 @@ class Executor:
             self.speculator.release(request_ids)
 
     def launch(self, scheduler_output, wait_previous: Optional[Callable[[], None]]) -> StepHandle:
-        """Queue one step's device job; ``wait_previous`` is the gate (see ``ModelRunner.execute``)."""
+        """Queue one step's device job; ``wait_previous`` is the gate (see ``ModelRunner.execute``).
+        With ``splits_steps`` (the batch queue) the job's first half (copies, the deltas, the
+        forward: stage 0 and its hand-over) runs now and its second half (the logits, the
+        gate, sampling) on the handle's first ``get``."""
+        if self.splits_steps:
+            return SplitStepHandle(functools.partial(self._start_half, scheduler_output),
+                                   functools.partial(self._finish_half, wait_previous=wait_previous))
         return self.worker.launch(functools.partial(self._job, scheduler_output, wait_previous))
 
     def _job(self, scheduler_output, wait_previous: Optional[Callable[[], None]]) -> ModelRunnerOutput:
         start = time.perf_counter()
+        self._before_forward(scheduler_output)
+        return self._sample(scheduler_output, functools.partial(self.runner.execute, scheduler_output),
+                            wait_previous, start)
+
+    def _start_half(self, scheduler_output) -> StartedStep:
+        start = time.perf_counter()
+        self._before_forward(scheduler_output)
+        started = self._named(self.runner.start_step, scheduler_output)
+        self.timer.record_job(start, time.perf_counter(), 0.0)
+        return started
+
+    def _finish_half(self, started: StartedStep, wait_previous: Optional[Callable[[], None]]) -> ModelRunnerOutput:
+        return self._sample(started.scheduler_output, functools.partial(self.runner.finish_step, started),
+                            wait_previous, time.perf_counter())
+
+    def _before_forward(self, scheduler_output) -> None:
+        if self.host_kv_cache is not None:  # KV offload copies run before the forward pass
+            self.host_kv_cache.execute(scheduler_output)
+        if scheduler_output.blocks_to_copy:  # beam forks: copy-on-write of a shared partial block
+            copy_device_blocks(self.runner.kv_caches, scheduler_output.blocks_to_copy)
+        if self.parallel is not None:
+            self.parallel.check()
+
+    def _sample(self, scheduler_output, run: Callable[[Callable[[], Optional[TokenBitmask]]], ModelRunnerOutput],
+                wait_previous: Optional[Callable[[], None]], start: float) -> ModelRunnerOutput:
+        """``run(before_sampling)``: the runner's ``execute`` (or ``finish_step``), behind the gate."""
         waited = [0.0]
         items = [item for item in scheduler_output.scheduled if item.is_sampling]
 
@@ -110,22 +146,21 @@ class Executor:
             # Behind the gate: the previous step advanced the matchers (None without grammars).
             return self.guided.prepare_bitmask(items) if items else None
 
-        if self.host_kv_cache is not None:  # KV offload copies run before the forward pass
-            self.host_kv_cache.execute(scheduler_output)
-        if scheduler_output.blocks_to_copy:  # beam forks: copy-on-write of a shared partial block
-            copy_device_blocks(self.runner.kv_caches, scheduler_output.blocks_to_copy)
-        if self.parallel is None:
-            output = self.runner.execute(scheduler_output, before_sampling)
-        else:
-            self.parallel.check()
-            try:
-                output = self.runner.execute(scheduler_output, before_sampling)
-            except Exception as exc:
-                self.parallel.explain(exc)
-                raise
+        output = self._named(run, before_sampling)
         output.step_id = scheduler_output.step_id
         self.timer.record_job(start, time.perf_counter(), waited[0])
         return output
+
+    def _named(self, call: Callable, *args):
+        """``call(*args)``; under tensor or pipeline parallelism a failure is re-read as the
+        error naming a dead worker, when one died."""
+        if self.parallel is None:
+            return call(*args)
+        try:
+            return call(*args)
+        except Exception as exc:
+            self.parallel.explain(exc)
+            raise
 
     def shutdown(self) -> None:
         """Finish the queued jobs and stop the worker thread (if any), then the tensor-parallel workers."""
@@ -151,11 +186,16 @@ def make_executor(config: EngineConfig, model_config: ModelConfig, model_path: s
     runner = ModelRunner(config, model_config, model_path, spec_plan=spec_plan, tp=tp, pp=pp)
     if config.async_scheduling and spec_plan is not None:
         logger.warning("async_scheduling is ignored with speculative decoding: steps run synchronously")
+    splits_steps = config.micro_batches > 1
+    if config.async_scheduling and splits_steps:
+        logger.warning("async_scheduling is ignored with pipeline_micro_batches=%d: the batch queue overlaps "
+                       "the steps instead (core.batch_queue)", config.micro_batches)
     host_kv_cache, cost_model = _make_host_tier(config, runner)
     guided = GuidedDecodingManager(make_grammar_backend, model_config.vocab_size, config.guided,
                                    pin_memory=device.type == "cuda")
-    return Executor(runner, guided, host_kv_cache, cost_model, is_async=config.async_scheduling and spec_plan is None,
-                    parallel=parallel)
+    is_async = config.async_scheduling and spec_plan is None and not splits_steps
+    return Executor(runner, guided, host_kv_cache, cost_model, is_async=is_async, parallel=parallel,
+                    splits_steps=splits_steps)
 
 
 def _make_host_tier(config: EngineConfig, runner: ModelRunner) -> tuple[Optional[HostKVCache], Optional[SwapCostModel]]:

@@ -16,6 +16,11 @@ the step's grammar bitmask, filled from matchers that are current then), the run
 Python values. The runner owns the ``Sampler`` and the ``Speculator``; the engine core
 never sees logits.
 
+``execute`` is ``start_step`` (deltas, forward) then ``finish_step`` (logits, gate,
+sampling); pipeline parallelism's batch queue calls the two halves apart, so rank 0 starts
+step i+1 (stage 0's layers, the hand-over) before it receives step i's logits
+(``core.batch_queue``).
+
 The step plan is a delta (``engine.scheduler_output``): ``execute`` first applies it to
 ``self.requests`` (``request_states.py``: each request's block table and last sampled
 token), and the forward reads the resulting ``StepInput``s, never a ``ScheduledRequest``'s
@@ -57,6 +62,7 @@ every rank: the block count's minimum is taken over it.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
@@ -207,7 +213,7 @@ class ModelRunner:
     def execute(self, scheduler_output: SchedulerOutput,
                 before_sampling: Optional[Callable[[], Optional[TokenBitmask]]] = None) -> ModelRunnerOutput:
         """Run one step: the deltas into the request states, the forward pass, the gate,
-        sampling (or draft verification).
+        sampling (or draft verification). ``start_step`` then ``finish_step``.
 
         Args:
             scheduler_output: the step's plan, a delta (``engine.scheduler_output``);
@@ -220,11 +226,24 @@ class ModelRunner:
             The sampled tokens and raw logprobs of every request with ``is_sampling``, and
             the prompt log-probabilities this step computed (``prompt_logprobs.py``).
         """
+        return self.finish_step(self.start_step(scheduler_output), before_sampling)
+
+    def start_step(self, scheduler_output: SchedulerOutput) -> "StartedStep":
+        """The first half of ``execute``: the deltas applied (and sent to the other ranks), the
+        forward run. On rank 0 of a pipeline that is stage 0's layers and the hand-over: the
+        logits come back in ``finish_step``, so several steps can be started before the first
+        is finished (``core.batch_queue``; steps are finished in the order they started)."""
         inputs = self.requests.update(scheduler_output, self.step_sampler.kept_request_ids)
         if self.step_sender is not None:  # tensor parallelism: the other ranks run the same forward
             self.step_sender.send(scheduler_output, inputs, self._placeholder_tokens)
-        prompt_logprobs: dict = {}
-        logits = self.compute_logits(inputs, prompt_logprobs) if inputs else None
+        return StartedStep(scheduler_output, self.forward(inputs) if inputs else None)
+
+    def finish_step(self, started: "StartedStep",
+                    before_sampling: Optional[Callable[[], Optional[TokenBitmask]]] = None) -> ModelRunnerOutput:
+        """The second half of ``execute``: the logits (received from the last stage on rank 0
+        of a pipeline), the gate, sampling."""
+        scheduler_output, prompt_logprobs = started.scheduler_output, {}
+        logits = self.finish_logits(started.forward, prompt_logprobs) if started.forward is not None else None
         # Sampling reads state that applying the previous step changes (histories, matchers).
         token_bitmask = before_sampling() if before_sampling is not None else None
         items = [item for item in scheduler_output.scheduled if item.is_sampling]
@@ -239,9 +258,8 @@ class ModelRunner:
             self.step_sampler.keep_last(output)
         return output
 
-    @torch.inference_mode()
     def compute_logits(self, scheduled, prompt_logprobs: Optional[dict] = None) -> torch.Tensor:
-        """The step's forward pass.
+        """The step's forward pass (``forward``, then ``finish_logits``).
 
         Args:
             scheduled: the step's ``StepInput``s (``request_states.py``), in batch order —
@@ -256,12 +274,18 @@ class ModelRunner:
             ``is_sampling`` set, ``1 + len(spec_token_ids)`` rows (its last known token,
             then each drafted token); empty when none samples.
         """
+        return self.finish_logits(self.forward(scheduled), prompt_logprobs)
+
+    @torch.inference_mode()
+    def forward(self, scheduled) -> "Forward":
+        """The model's forward over ``scheduled`` (``compute_logits``' first half)."""
         lora = self._lora_batch(scheduled)
         wants_prompt = any(getattr(item, "prompt_logprobs", None) is not None for item in scheduled)
         if lora is None and not wants_prompt and self.graphs is not None and self.graphs.can_run(scheduled):
             # Graphs hold no LoRA (nor prompt logits): such steps run eagerly.
             rows = [row for row, item in enumerate(scheduled) if _num_device_tokens(item)]
-            return self.graphs.execute(scheduled, rows, self._placeholder_tokens(scheduled, rows) if rows else None)
+            logits = self.graphs.execute(scheduled, rows, self._placeholder_tokens(scheduled, rows) if rows else None)
+            return Forward(logits=logits)
         flat = _FlatBatch(scheduled)
         meta = AttentionMetadata.build(flat.query_lens, flat.seq_lens, flat.tables, self.block_size, self.device)
         ids = torch.tensor(flat.input_ids, dtype=torch.int64, device=self.device)
@@ -272,14 +296,22 @@ class ModelRunner:
         hidden = self.model(ids, pos, self.kv_caches, meta, lora)  # [num_tokens, hidden]
         if self.keeps_hidden:
             self._step_hidden = hidden
-        plan = PromptRows.build(scheduled, flat.offsets) if wants_prompt else None
+        return Forward(hidden=hidden, sample_rows=flat.sample_rows,
+                       plan=PromptRows.build(scheduled, flat.offsets) if wants_prompt else None)
+
+    @torch.inference_mode()
+    def finish_logits(self, forward: "Forward", prompt_logprobs: Optional[dict] = None) -> torch.Tensor:
+        """The logits of ``forward``'s sampled rows (and its prompt log-probabilities)."""
+        if forward.logits is not None:
+            return forward.logits
+        hidden, plan = forward.hidden, forward.plan
         if plan is not None and prompt_logprobs is not None:
             prompt_logprobs.update(plan.compute(self.model, hidden, self.model_config.vocab_size))
         elif plan is not None:  # a tensor-parallel worker: rank 0 computes them from the gathered logits
             plan.run_head_only(self.model, hidden)
-        if not flat.sample_rows:
+        if not forward.sample_rows:
             return torch.empty(0, self.model_config.vocab_size, device=self.device)
-        rows = torch.tensor(flat.sample_rows, dtype=torch.int64, device=self.device)
+        rows = torch.tensor(forward.sample_rows, dtype=torch.int64, device=self.device)
         return self.model.compute_logits(hidden[rows]).float()
 
     def _lora_batch(self, scheduled):
@@ -296,6 +328,26 @@ class ModelRunner:
     def _placeholder_tokens(self, scheduled, items: list[int]) -> torch.Tensor:
         """``[len(items)]`` the previous step's tokens of ``scheduled[i]`` for ``i`` in items."""
         return self.step_sampler.last_token_ids([scheduled[i].request_id for i in items])
+
+
+@dataclass
+class Forward:
+    """A forward pass whose logits are not taken yet: the final hidden states (rank 0 of a
+    pipeline: a ``[num_tokens, 0]`` placeholder), the rows to sample, the prompt-logprob plan;
+    or, from a CUDA graph, the logits themselves."""
+
+    hidden: Optional[torch.Tensor] = None
+    sample_rows: list = field(default_factory=list)
+    plan: Optional[PromptRows] = None
+    logits: Optional[torch.Tensor] = None
+
+
+@dataclass
+class StartedStep:
+    """``ModelRunner.start_step``'s result, for ``finish_step``."""
+
+    scheduler_output: SchedulerOutput
+    forward: Optional[Forward]
 
 
 class _FlatBatch:
