@@ -84,7 +84,8 @@ class TritonPythonModel:
         drain_path = os.environ.get("PAGODA_DRAIN_FILE") or None
         self.loop = EngineLoop(self.engine, self.sender, observers, drain_path=drain_path,
                                allow_runtime_lora=allow_runtime_lora(parameters), decode_token=decode_token,
-                               kv_connector=kv_connector, on_fatal=_end_broken_stub)
+                               kv_connector=kv_connector,
+                               on_fatal=lambda message: _end_broken_stub(message, self.sender))
         self._request_numbers = itertools.count()
         self._finalize_lock = threading.Lock()
         self._is_finalized = False
@@ -160,10 +161,13 @@ def _end_orphaned_stub():
     os._exit(1)
 
 
-def _end_broken_stub(message):
+def _end_broken_stub(message, sender):
     """The engine can never step again (a tensor-parallel worker died): end this stub, so
-    ``pagoda serve`` sees it dead and restarts tritonserver (new stub, new workers)."""
+    ``pagoda serve`` sees it dead and restarts tritonserver (new stub, new workers). The
+    error responses the engine loop just queued are sent first (up to 10 s): exiting with
+    them queued left their clients waiting forever."""
     logging.getLogger("pagoda.model").error("the engine cannot continue (%s); ending the stub", message)
+    sender.stop(timeout=10.0)
     os._exit(1)
 
 
