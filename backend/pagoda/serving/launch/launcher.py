@@ -30,8 +30,9 @@ settings, and the TensorRT-LLM fronts, ``trtllm_dialect``), then:
   ``model-repository`` group holds index, load and unload together;
 - stops by draining (the engine loop refuses new requests and finishes those in flight,
   up to ``grace_period_s``: see ``engine_loop``), asking the model to finalize itself
-  (``finalize_request``: engine and fleet publisher stopped, up to ``FINALIZE_TIMEOUT_S``),
-  then SIGINT (tritonserver unloads its models, finalize again being a no-op, and exits),
+  (``finalize_request``: engine and fleet publisher stopped, up to ``FINALIZE_TIMEOUT_S``;
+  neither wait outlives the model's stub: a dead one, e.g. after a parallel worker died,
+  answers nothing), then SIGINT (tritonserver unloads its models, finalize again being a no-op, and exits),
   then SIGKILL to the whole process group, even if tritonserver already exited, so no stub
   is left behind, and removes its stubs' ``/dev/shm`` regions (a killed server leaves them).
   tritonserver's own exit timeout is neither the drain nor the finalize: it first waits for
@@ -403,15 +404,21 @@ class TritonServer:
 
     def _ask_and_wait(self, request: Path, done: Path, timeout_s: float, force: Optional[threading.Event]) -> None:
         """Create ``request`` (a file the model watches: the drain, the finalize) and wait until the
-        model creates ``done``, for at most ``timeout_s``, while tritonserver runs and ``force`` is unset."""
+        model creates ``done``, for at most ``timeout_s``, while tritonserver runs, the model's
+        stub lives (a dead one answers nothing: a worker's death ends it) and ``force`` is unset."""
         try:
             request.touch()
         except OSError:
             return
         deadline = time.monotonic() + timeout_s
+        next_stub_check = 0.0
         while not done.exists() and time.monotonic() < deadline and self.process.poll() is None:
             if force is not None and force.is_set():
                 return
+            if time.monotonic() >= next_stub_check:
+                if not process_tree.python_stubs(self.process.pid, MODEL_NAME):
+                    return
+                next_stub_check = time.monotonic() + 0.5
             time.sleep(0.05)
 
     def __enter__(self) -> "TritonServer":
