@@ -58,7 +58,7 @@ def test_torch_path_uses_it_on_mixed_steps(dtype, monkeypatch):
     case = make_paged_case([1, 7, 5, 1, 4, 1], [9, 7, 13, 4, 8, 1], 8, 2, 64, dtype, block_size=4, seed=5)
     case.k_cache.nan_to_num_(0), case.v_cache.nan_to_num_(0)  # SDPA's masked rows must stay finite
     out = reference.paged_attention_torch(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
-    assert cpu_native.native_decode(case.q, case.k_cache)
+    assert cpu_native.native_decode(case.q, case.k_cache, case.v_cache)
     assert_close_to_reference(out, reference_attention(case), dtype, attention_bound(case))
 
 
@@ -68,7 +68,10 @@ def test_decode_attention_refuses_what_it_cannot_read():
         cpu_native.decode_ops().decode_attention(case.q.double(), case.k_cache, case.v_cache, case.meta.block_tables,
                                                  case.meta.seq_lens, torch.tensor([0]), torch.tensor([0]), 0.1, 0,
                                                  None, torch.empty_like(case.q).double())
-    assert not cpu_native.native_decode(case.q, case.k_cache.to(torch.float8_e4m3fn))  # fp8: gather + SDPA
+    fp8 = case.k_cache.to(torch.float8_e4m3fn)
+    assert not cpu_native.native_decode(case.q, fp8, fp8)  # fp8: gather + SDPA
+    strided = torch.cat([case.k_cache, case.k_cache], dim=-1)[..., :64]
+    assert not cpu_native.native_decode(case.q, strided, strided)  # a cache view it cannot walk: the torch path
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -81,7 +81,7 @@ def apply_rotary(q, k, positions, cos_sin_cache):
         return triton_ops.apply_rotary(q, k, positions, cos_sin_cache)
     ops = cpu_native.native_ops(q)
     if (ops is not None and k.dtype == q.dtype and cos_sin_cache.dtype == torch.float32 and q.stride(-1) == 1
-            and k.stride(-1) == 1 and positions.dtype == torch.int64):
+            and k.stride(-1) == 1 and positions.dtype == torch.int64 and cos_sin_cache.shape[-1] == q.shape[-1]):
         return ops.rotary(q, k, positions.contiguous(), cos_sin_cache.contiguous())
     return reference.apply_rotary(q, k, positions, cos_sin_cache)
 

@@ -147,11 +147,12 @@ def native_ops(x: torch.Tensor):
     return decode_ops()
 
 
-def native_decode(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether this call's decode rows go to the C++ kernel: a CPU float32/bfloat16 cache
-    read with queries of its dtype, and the kernels available."""
+def native_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether this call's decode rows go to the C++ kernel: a contiguous CPU float32/bfloat16
+    cache read with queries of its dtype, and the kernels available."""
     return (q.device.type == "cpu" and k_cache.dtype in (torch.float32, torch.bfloat16)
-            and q.dtype == k_cache.dtype and decode_ops() is not None)
+            and q.dtype == k_cache.dtype and k_cache.is_contiguous() and v_cache.is_contiguous()
+            and decode_ops() is not None)
 
 
 if __name__ == "__main__":  # setup.sh: build now, so the first request does not wait for it

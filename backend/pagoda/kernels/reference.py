@@ -129,7 +129,7 @@ def paged_attention_torch(
 
     The gather indices and masks depend only on the step (``cpu_plan``, made once and kept
     on ``meta``), so each layer only gathers its cache rows and attends."""
-    native = cpu_native.native_decode(q, k_cache)
+    native = cpu_native.native_decode(q, k_cache, v_cache)
     q = q.contiguous() if native else q
     out = torch.empty_like(q)
     plan = cpu_plan(meta, k_cache.shape[1], window, q.device, native)
