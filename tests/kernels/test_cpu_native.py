@@ -25,7 +25,7 @@ def native_decode(case, window=0, sinks=None) -> torch.Tensor:
     decode = [s for s, n in enumerate(case.meta.query_lens_host) if n == 1]
     starts = case.meta.query_start_loc.tolist()
     out = torch.full_like(case.q, float("nan"))
-    cpu_native.decode_ops().decode_attention(
+    cpu_native.loaded_ops().decode_attention(
         case.q, case.k_cache, case.v_cache, case.meta.block_tables, case.meta.seq_lens,
         torch.tensor([starts[s] for s in decode]), torch.tensor(decode), case.scale, window, sinks, out)
     return out
@@ -65,7 +65,7 @@ def test_torch_path_uses_it_on_mixed_steps(dtype, monkeypatch):
 def test_decode_attention_refuses_what_it_cannot_read():
     case = make_paged_case([1], [5], 4, 2, 64, torch.float32, block_size=4, seed=0)
     with pytest.raises(RuntimeError, match="share one dtype"):
-        cpu_native.decode_ops().decode_attention(case.q.double(), case.k_cache, case.v_cache, case.meta.block_tables,
+        cpu_native.loaded_ops().decode_attention(case.q.double(), case.k_cache, case.v_cache, case.meta.block_tables,
                                                  case.meta.seq_lens, torch.tensor([0]), torch.tensor([0]), 0.1, 0,
                                                  None, torch.empty_like(case.q).double())
     fp8 = case.k_cache.to(torch.float8_e4m3fn)

@@ -144,16 +144,16 @@ def hf_greedy(model: str, dtype: str, items: list[WorkItem], threads: int) -> li
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(threads)
-    torch.set_grad_enabled(False)
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).eval()
     outputs = []
-    for item in items:
-        ids, past, tokens = torch.tensor([item.prompt_token_ids]), None, []
-        for _ in range(item.max_tokens):
-            out = hf(input_ids=ids, past_key_values=past, use_cache=True)
-            past, ids = out.past_key_values, out.logits[:, -1:].argmax(-1)
-            tokens.append(int(ids))
-        outputs.append(tokens)
+    with torch.inference_mode():
+        for item in items:
+            ids, past, tokens = torch.tensor([item.prompt_token_ids]), None, []
+            for _ in range(item.max_tokens):
+                out = hf(input_ids=ids, past_key_values=past, use_cache=True)
+                past, ids = out.past_key_values, out.logits[:, -1:].argmax(-1)
+                tokens.append(int(ids))
+            outputs.append(tokens)
     return outputs
 
 

@@ -387,7 +387,7 @@ class LLMEngine:
             num_preemptions=s.num_preemptions_total,
             num_prompt_tokens=self.output_processor.num_prompt_tokens,
             num_generation_tokens=self.output_processor.num_generation_tokens,
-            num_steps=self.core.num_steps, max_steps_in_flight=getattr(self.core, "max_in_flight", 1),
+            num_steps=self.core.num_steps, max_steps_in_flight=self.core.max_in_flight,
             max_num_running_seen=self.core.max_num_running_seen,
             last_step_num_seqs=self.core.last_step[0],
             last_step_num_decode_seqs=self.core.last_step[1],

@@ -122,8 +122,8 @@ def build() -> Optional[str]:
     return _state.get("reason")
 
 
-def decode_ops():
-    """``torch.ops.pagoda_cpu`` when the native decode attention is to be used, else ``None``
+def loaded_ops():
+    """``torch.ops.pagoda_cpu`` when pagoda's C++ kernels are to be used, else ``None``
     (``PAGODA_CPU_KERNELS=torch``, or the build failed: logged once)."""
     choice = _choice()
     if choice == "torch":
@@ -134,25 +134,25 @@ def decode_ops():
             raise RuntimeError(f"{KERNELS_ENV}=native: {reason}")
         if not _state.get("logged"):
             _state["logged"] = True
-            logger.warning("CPU decode attention: gather + SDPA (%s)", reason)
+            logger.warning("CPU kernels: torch's (%s)", reason)
         return None
     return _state["ops"]
 
 
 def native_ops(x: torch.Tensor):
-    """``torch.ops.pagoda_cpu`` for an elementwise op on ``x`` (a CPU float32/bfloat16
-    tensor, the kernels available), else ``None``."""
+    """``torch.ops.pagoda_cpu`` for an op on ``x`` (a CPU float32/bfloat16 tensor, the
+    kernels available), else ``None``."""
     if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
         return None
-    return decode_ops()
+    return loaded_ops()
 
 
-def native_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """Whether this call's decode rows go to the C++ kernel: a contiguous CPU float32/bfloat16
-    cache read with queries of its dtype, and the kernels available."""
-    return (q.device.type == "cpu" and k_cache.dtype in (torch.float32, torch.bfloat16)
-            and q.dtype == k_cache.dtype and k_cache.is_contiguous() and v_cache.is_contiguous()
-            and decode_ops() is not None)
+def native_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor):
+    """The ops to run this call's decode rows with (``decode_attention``), or ``None``: the C++
+    kernel reads a contiguous CPU float32/bfloat16 cache with queries of its dtype."""
+    if k_cache.dtype != q.dtype or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        return None
+    return native_ops(q)
 
 
 if __name__ == "__main__":  # setup.sh: build now, so the first request does not wait for it

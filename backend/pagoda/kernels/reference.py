@@ -129,14 +129,14 @@ def paged_attention_torch(
 
     The gather indices and masks depend only on the step (``cpu_plan``, made once and kept
     on ``meta``), so each layer only gathers its cache rows and attends."""
-    native = cpu_native.native_decode(q, k_cache, v_cache)
-    q = q.contiguous() if native else q
+    ops = cpu_native.native_decode(q, k_cache, v_cache)
+    q = q.contiguous() if ops is not None else q
     out = torch.empty_like(q)
-    plan = cpu_plan(meta, k_cache.shape[1], window, q.device, native)
-    if native and plan.decode_rows is not None:  # every one-token query, read in place (kernels.cpu_native)
-        cpu_native.decode_ops().decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                                 plan.decode_rows, plan.decode_seqs, scale, window,
-                                                 None if sinks is None else sinks.float().contiguous(), out)
+    plan = cpu_plan(meta, k_cache.shape[1], window, q.device, ops is not None)
+    if ops is not None and plan.decode_rows is not None:  # every one-token query, read in place (kernels.cpu_native)
+        ops.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, plan.decode_rows,
+                             plan.decode_seqs, scale, window, None if sinks is None else sinks.float().contiguous(),
+                             out)
     for decode in plan.decodes:
         _decode_batch(q, k_cache, v_cache, decode, scale, out, k_scale, v_scale, sinks)
     flat_k, flat_v = k_cache.flatten(0, 1), v_cache.flatten(0, 1)  # [slots, KVH, D]

@@ -146,6 +146,8 @@ class EngineCore:
         enters the scheduler.
     """
 
+    max_in_flight = 1  # steps with requests in flight at once, at most (``BatchQueueCore``: up to N)
+
     def __init__(self, config: EngineConfig, model_config: "ModelConfig", model_id: str,
                  eos_token_ids: Iterable[int], executor: Executor,
                  has_adapter: Callable[[str], bool] = lambda name: True) -> None:
