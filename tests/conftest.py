@@ -10,6 +10,17 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest
 
 
+@pytest.fixture
+def restore_threads():
+    """For a test that sets torch's intra-op threads (a bench's worker, ``--threads``): the
+    rest of the session gets its own count back."""
+    import torch
+
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def smollm2_path():
     """The default model folder (SmolLM2-135M-Instruct), imported once from the GGUF."""

@@ -7,9 +7,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
-import torch
-
 from pagoda.bench import compare_vllm
 from pagoda.bench.offline import main
 
@@ -20,15 +17,7 @@ def test_without_vllm_the_comparison_is_skipped_with_a_note(capsys, tmp_path):
     assert compare_vllm.vllm_available("/bin/false") is not None  # exists but cannot import vllm
 
 
-@pytest.fixture
-def torch_threads():
-    """The worker and the HF reference set torch's threads for their process: give this one its own back."""
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
-
-
-def test_the_pagoda_round_times_the_workload_and_returns_every_output(tmp_path, model_path, torch_threads):
+def test_the_pagoda_round_times_the_workload_and_returns_every_output(tmp_path, model_path, restore_threads):
     items = [{"prompt": [100 + i for i in range(20 + 7 * k)], "max_tokens": 3 + k} for k in range(3)]
     spec = {"model": model_path, "dtype": "float32", "threads": 1, "max_model_len": 256, "max_num_seqs": 8,
             "max_num_batched_tokens": 256, "items": items}

@@ -6,17 +6,9 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from pagoda.bench import throughput
 from pagoda.cli import main as cli_main
-
-
-@pytest.fixture
-def restore_threads():
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_tiny_cpu_run_reports_every_mix(tmp_path, capsys, restore_threads):

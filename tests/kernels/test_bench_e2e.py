@@ -50,13 +50,6 @@ def test_workload_is_bench_offlines_scaled_into_the_vocabulary():
     assert all(64 <= t < 512 for it in items for t in it.prompt_token_ids)
 
 
-@pytest.fixture
-def restore_threads():
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_small_cpu_run_prints_the_table(capsys, restore_threads):
     argv = ["--small", "--device", "cpu", "--threads", "1", "--e2e-requests", "4", "--e2e-prompt-len", "24",
             "--e2e-decode-tokens", "12", "--e2e-greedy-prompts", "3", "--e2e-greedy-tokens", "12", "--iters", "4"]
