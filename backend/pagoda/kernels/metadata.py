@@ -13,6 +13,12 @@ KV cache layout, per layer: ``k_cache`` and ``v_cache`` are each
 sequence ``s`` lives in block ``block_tables[s, p // block_size]`` at offset
 ``p % block_size``. ``slot_mapping[t] = block * block_size + offset`` is where query token
 ``t``'s new K/V are written.
+
+KV cache groups (``engine.kv.layout``): layers whose caches differ (sliding-window and
+full attention) keep separate block tables, so each group has its own ``slot_mapping``
+and ``block_tables`` over the same sequences. The runner then sets ``layer_metadata``
+(per layer, its group's metadata) and a model's layer loop passes ``meta.for_layer(i)``
+to layer ``i``; with one group it is the metadata itself.
 """
 
 from __future__ import annotations
@@ -39,6 +45,12 @@ class AttentionMetadata:
     # The torch (CPU) attention path's gather indices and masks for this step, made by the
     # first layer that needs them and reused by every other (``reference.cpu_plan``).
     cpu_plans: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
+    # Per layer, its KV cache group's metadata (None: one group, this one).
+    layer_metadata: Optional[list["AttentionMetadata"]] = field(default=None, repr=False, compare=False)
+
+    def for_layer(self, layer_idx: int) -> "AttentionMetadata":
+        """The metadata layer ``layer_idx`` reads (its KV cache group's block tables)."""
+        return self if self.layer_metadata is None else self.layer_metadata[layer_idx]
 
     @property
     def num_seqs(self) -> int:
