@@ -86,8 +86,8 @@ def _run(engine: LLMEngine) -> dict[str, tuple[list[int], list[float]]]:
 
 def _engine(path: str, size: int, field: str = "tensor_parallel_size", **kw) -> LLMEngine:
     # A tiny cache and token budget: chunked prefill, prefix hits and preemption all happen.
-    return LLMEngine(EngineConfig(model=path, **{field: size}, max_num_batched_tokens=24,
-                                  num_gpu_blocks_override=9, **kw))
+    return LLMEngine(EngineConfig(model=path, **{field: size}, **{"max_num_batched_tokens": 24,
+                                                                   "num_gpu_blocks_override": 9, **kw}))
 
 
 def _check_same(path: str, cases: list[dict], field: str = "tensor_parallel_size", reference: dict = None):
@@ -140,6 +140,15 @@ def test_kv_swap_to_the_cpu_tier_tp2_matches_tp1(tmp_path, smollm2_path):
     assert stats.num_swapped_out > 0 and stats.num_swapped_in > 0, stats
     # "auto" calibrates at start: rank 0's timed prefill is mirrored on the workers.
     _check_same(path, [dict(cpu_offload_bytes=64 << 20, preemption_mode="auto")])
+
+
+def test_kv_cache_groups_tp2_match_tp1(tmp_path, smollm2_path):
+    """A Qwen3 with a sliding-window layer 1: its two kinds of layers keep two block tables
+    (KV cache groups, engine.kv.layout); the step wire carries both, swaps move both."""
+    path = str(make_random_model(tmp_path / "q3w", "qwen3-window12-layer1", smollm2_path))
+    # Two groups of one layer each: a block is half the bytes, so twice the blocks of 9.
+    stats = _check_same(path, [dict(cpu_offload_bytes=64 << 20, preemption_mode="swap", num_gpu_blocks_override=13)])
+    assert stats.num_swapped_out > 0, stats
 
 
 def test_int8_weights_tp2_match_tp1(tmp_path, smollm2_path, monkeypatch):

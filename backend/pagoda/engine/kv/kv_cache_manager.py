@@ -37,16 +37,20 @@ and allocates nothing; the scheduler then preempts.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Optional
 
+from pagoda.contracts.kv_events import KVEventBuffer
 from pagoda.engine.kv.block_pool import BlockPool, KVCacheBlock
 from pagoda.engine.kv.group_managers import MANAGERS, PagedGroupManager
-from pagoda.engine.kv.host_tier import BlockPairs
+from pagoda.engine.kv.host_tier import BlockPairs, HostTier, SwapCostModel, make_host_tier
 from pagoda.engine.kv.layout import KVCacheLayout, single_group_layout
 from pagoda.engine.kv.specs import SlidingWindowSpec
 from pagoda.engine.kv.state_manager import StateGroupManager
 from pagoda.engine.request import Request
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -109,6 +113,11 @@ class KVCacheManager:
     @property
     def num_groups(self) -> int:
         return self.layout.num_groups
+
+    @property
+    def req_to_blocks(self) -> dict[str, list[KVCacheBlock]]:
+        """Group 0's tables by request id (every request holding blocks has one there)."""
+        return self.paged[0].req_to_blocks
 
     # Prefix lookup --------------------------------------------------------------------
 
@@ -306,3 +315,26 @@ class KVCacheManager:
         if self.state is not None:
             self.state.reset()
         return True
+
+
+def make_kv_cache(layout: KVCacheLayout, enable_caching: bool, event_buffer: KVEventBuffer,
+                  checkpoint_interval: int = 0, num_host_blocks: int = 0, num_host_state_slots: int = 0,
+                  preemption_mode: str = "auto", cost_model: Optional[SwapCostModel] = None,
+                  ) -> tuple[KVCacheManager, HostTier]:
+    """The scheduler's KV cache: pools sized by ``layout``, the manager over them, and the host
+    tier (``kv.host_tier``; ``NoHostTier`` for 0 host blocks) receiving evicted cached blocks.
+    The host tier's prefix side needs one paged group (its module docstring says why); a
+    layout with more keeps the tier for swaps only, and logs so."""
+    block_pool = BlockPool(layout.num_blocks, enable_caching, event_buffer)
+    state_pool = BlockPool(layout.num_state_slots, enable_caching, event_buffer) if layout.state_group else None
+    manager = KVCacheManager(block_pool, layout.block_size, enable_caching, layout, state_pool, checkpoint_interval)
+    prefix_tier = enable_caching and len(layout.paged_groups) == 1
+    if num_host_blocks and enable_caching and not prefix_tier:
+        logger.warning("KV offload: the CPU tier holds swapped requests only, no evicted prefix blocks: the model's "
+                       "%d paged KV cache groups (sliding-window layers) need their windows' blocks beside the "
+                       "full-attention ones for a hit, which the tier does not track", len(layout.paged_groups))
+    host_tier = make_host_tier(num_host_blocks, layout.block_size, preemption_mode, cost_model, prefix_tier,
+                               num_host_state_slots)
+    if host_tier.is_enabled:  # evicted cached blocks go to the host tier instead of away
+        block_pool.on_evict = host_tier.on_device_evict
+    return manager, host_tier

@@ -99,6 +99,21 @@ class KVCacheLayout:
         group = self.state_group
         return len(group.layer_ids) * group.spec.slot_bytes() if group else 0
 
+    def bytes_for(self, layer_ids: Sequence[int]) -> tuple[int, int]:
+        """(bytes per block, bytes per state slot) the layers ``layer_ids`` take (one pipeline
+        stage's: a stage allocates only the shared tensors and state layers its layers use)."""
+        positions, slot_bytes = set(), 0
+        for layer in layer_ids:
+            group, position = self.layer_slots[layer]
+            spec = self.groups[group].spec
+            if spec.is_paged:
+                positions.add(position)
+            elif spec.is_state and layer in self.groups[group].layer_ids:
+                slot_bytes += spec.slot_bytes()
+        paged = self.paged_groups
+        page = paged[0].spec.page_bytes(self.block_size) if paged else 0
+        return len(positions) * page, slot_bytes
+
     def max_blocks_per_request(self, num_tokens: int, max_chunk: int) -> int:
         """Blocks of the block pool a request of ``num_tokens`` tokens may hold at once, over
         its paged groups (the admission check: a request alone must always fit)."""
@@ -170,7 +185,8 @@ def _check_pages(by_spec: dict[KVCacheSpec, list[int]], block_size: int) -> None
 
 
 def plan_capacity(layout: KVCacheLayout, budget_bytes: int, max_num_seqs: int, extra_block_bytes: int = 0,
-                  num_state_slots: Optional[int] = None, num_blocks: Optional[int] = None) -> KVCacheLayout:
+                  num_state_slots: Optional[int] = None, num_blocks: Optional[int] = None,
+                  layer_ids: Optional[Sequence[int]] = None) -> KVCacheLayout:
     """Size the pools from a memory budget.
 
     Args:
@@ -181,22 +197,25 @@ def plan_capacity(layout: KVCacheLayout, budget_bytes: int, max_num_seqs: int, e
         extra_block_bytes: bytes each block id also costs elsewhere (a draft model's cache).
         num_state_slots / num_blocks: overrides (``EngineConfig.num_state_slots`` /
             ``num_gpu_blocks_override``), including the null slot / block.
+        layer_ids: the layers this budget holds (a pipeline stage's); default every layer.
     Returns:
         ``layout`` with ``num_blocks`` and ``num_state_slots`` set.
     Raises:
         ValueError: the budget holds no block, or (with a state group) fewer than two slots.
     """
+    block_bytes, slot_bytes = (layout.block_bytes, layout.slot_bytes) if layer_ids is None else \
+        layout.bytes_for(layer_ids)
     slots = 0
     if layout.state_group is not None:
         slots = num_state_slots if num_state_slots is not None else \
-            min(2 * max_num_seqs + 1, (budget_bytes // 2) // max(1, layout.slot_bytes))
+            min(2 * max_num_seqs + 1, (budget_bytes // 2) // max(1, slot_bytes))
         if slots < 2:
             raise ValueError(f"KV cache budget of {budget_bytes} bytes holds {slots} recurrent-state slots "
-                             f"({layout.slot_bytes} bytes each) and needs at least 2 (the null slot and one "
+                             f"({slot_bytes} bytes each) and needs at least 2 (the null slot and one "
                              "sequence's); raise kv_cache_memory_bytes / gpu_memory_utilization")
     if num_blocks is None:
-        per_block = layout.block_bytes + extra_block_bytes
-        left = budget_bytes - slots * layout.slot_bytes
+        per_block = block_bytes + extra_block_bytes
+        left = budget_bytes - slots * slot_bytes
         num_blocks = left // per_block if per_block else 2
         if num_blocks < 2:
             raise ValueError(f"KV cache budget of {budget_bytes} bytes ({left} after the state slots) is smaller "

@@ -26,7 +26,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from pagoda.engine.kv.layout import KVCacheLayout
+from pagoda.engine.kv.host_tier import BlockPairs
+from pagoda.engine.kv.layout import KVCacheLayout, group_layers, plan_capacity
 from pagoda.engine.kv.specs import (FullAttentionSpec, KVCacheSpec, RecurrentStateSpec, SharedKVSpec,
                                     SlidingWindowSpec)
 from pagoda.kernels import AttentionMetadata
@@ -77,8 +78,6 @@ def state_dtypes(layer: torch.nn.Module) -> tuple[torch.dtype, torch.dtype]:
 def allocate_kv_caches(layout: KVCacheLayout, specs: Sequence[KVCacheSpec], layers: Sequence[torch.nn.Module],
                        own_layers: Sequence[int], kv_dtype: torch.dtype, device: torch.device) -> list[Any]:
     """The caches of ``own_layers`` (this stage's, in order), per ``layout`` (module docstring)."""
-    from pagoda.kernels import StateCache
-
     pairs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     caches: list[Any] = []
     for layer in own_layers:
@@ -88,6 +87,8 @@ def allocate_kv_caches(layout: KVCacheLayout, specs: Sequence[KVCacheSpec], laye
             layer = spec_owner(specs, layer)
         group, position = layout.layer_slots[layer]
         if isinstance(spec, RecurrentStateSpec):
+            from pagoda.kernels import StateCache
+
             conv_dtype, ssm_dtype = state_dtypes(layers[layer])
             caches.append(StateCache(
                 torch.zeros((layout.num_state_slots, *spec.conv_shape), dtype=conv_dtype, device=device),
@@ -141,3 +142,51 @@ def _set_states(meta: AttentionMetadata, slots: list[int], has_initial: list[boo
         meta.state_indices = torch.tensor(slots, dtype=torch.int32, device=device)
         meta.has_initial_state = torch.tensor(has_initial, dtype=torch.bool, device=device)
     meta.state_indices_host, meta.has_initial_state_host = list(slots), list(has_initial)
+
+
+def uniform_reason(config: Any) -> Optional[str]:
+    """Why every attention layer keeps every block in one group (``kv.layout``'s uniform
+    form) for this engine, or None (grouped)."""
+    if config.kv_cache_layout == "uniform":
+        return "kv_cache_layout='uniform'"
+    if config.speculative_method is not None:
+        return (f"speculative_method {config.speculative_method!r}: a draft reads one block table for all of its "
+                "layers")
+    return None
+
+
+def make_kv_layout(config: Any, specs: Sequence[KVCacheSpec], budget_bytes: int, extra_block_bytes: int = 0,
+                   own_layers: Optional[Sequence[int]] = None, group: Any = None) -> KVCacheLayout:
+    """The engine's layout: ``specs`` grouped (or uniform, ``uniform_reason``), the pools sized
+    from ``budget_bytes`` for ``own_layers`` (a pipeline stage's), the smallest over ``group``'s
+    ranks (block and slot ids mean the same on every rank; a collective)."""
+    layout = group_layers(specs, config.block_size, uniform=uniform_reason(config) is not None)
+    layout = plan_capacity(layout, budget_bytes, config.max_num_seqs, extra_block_bytes, config.num_state_slots,
+                           config.num_gpu_blocks_override, own_layers)
+    if group is not None:
+        slots = group.min_int(layout.num_state_slots) if layout.num_state_slots else 0
+        layout = layout.with_sizes(group.min_int(layout.num_blocks), slots)
+    return layout
+
+
+def unique_pairs(kv_caches: Sequence[Any]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The distinct (K, V) tensor pairs among per-layer caches (shared pairs once, states left
+    out): what block copies, the host tier and connectors move."""
+    seen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for cache in kv_caches:
+        if not hasattr(cache, "ssm_states"):
+            seen.setdefault(id(cache[0]), cache)
+    return list(seen.values())
+
+
+@torch.inference_mode()
+def copy_state_slots(states: Sequence, pairs: BlockPairs) -> None:
+    """Copy recurrent-state slots to slots on the device (restores before a forward,
+    checkpoints after it; ``kv.state_manager``); ``pairs`` are (src, dst), destinations unique."""
+    if not pairs or not states:
+        return
+    src = torch.tensor([p[0] for p in pairs], dtype=torch.int64, device=states[0][0].device)
+    dst = torch.tensor([p[1] for p in pairs], dtype=torch.int64, device=src.device)
+    for layer in states:
+        for cache in layer:
+            cache.index_copy_(0, dst, cache.index_select(0, src))
