@@ -398,7 +398,7 @@ class LLMEngine:
             step_wait_s=total.wait_s, last_step_host_s=last.host_s, last_step_device_s=last.device_s,
             last_step_device_idle_s=last.device_idle_s,
             **self._spec_stats(),
-            **self._offload_stats(),
+            **self._offload_stats(), **s.kv_cache_manager.state_stats(),
             **self._lora_stats(),
             **self.admission.stats(),
             ttft_p90=ttft_p90, recent_ttfts=recent_ttfts, cache_config_info=self._cache_config_info(),

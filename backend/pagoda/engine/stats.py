@@ -58,6 +58,14 @@ class EngineStats:
     num_offloaded_blocks: int = 0  # cached blocks evicted from the device, copied to the host
     num_host_blocks: int = 0
     num_free_host_blocks: int = 0
+    # Recurrent states of a hybrid model (zero without; pagoda.engine.kv.state_manager): requests
+    # that resumed a state checkpoint instead of recomputing their prefix, the tokens skipped so,
+    # checkpoint copies taken, and the state pool (null slot excluded).
+    num_state_restores: int = 0
+    num_state_restored_tokens: int = 0
+    num_state_checkpoints: int = 0
+    num_state_slots: int = 0
+    num_free_state_slots: int = 0
     # LoRA (vLLM's lora_requests_info): adapters of running / waiting requests, and the slot count.
     running_lora_adapters: tuple = ()
     waiting_lora_adapters: tuple = ()

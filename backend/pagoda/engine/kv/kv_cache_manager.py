@@ -268,6 +268,15 @@ class KVCacheManager:
         copies, self._copies = self._copies, []
         return copies
 
+    def state_stats(self) -> dict[str, int]:
+        """The state group's counters (``EngineStats.num_state_*``); empty without one."""
+        if self.state is None:
+            return {}
+        state, pool = self.state, self.state.pool
+        return dict(num_state_restores=state.num_restored, num_state_restored_tokens=state.num_restored_tokens,
+                    num_state_checkpoints=state.num_checkpoints, num_state_slots=pool.num_usable_blocks,
+                    num_free_state_slots=pool.num_free_blocks)
+
     def take_state_copies(self) -> tuple[BlockPairs, BlockPairs]:
         """This step's state slot copies: (before the forward: restores; after: checkpoints)."""
         return self.state.take_copies() if self.state is not None else ([], [])

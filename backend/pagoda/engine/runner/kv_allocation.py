@@ -69,10 +69,9 @@ def _state_spec(layer: torch.nn.Module, index: int) -> RecurrentStateSpec:
 
 
 def state_dtypes(layer: torch.nn.Module) -> tuple[torch.dtype, torch.dtype]:
-    """(conv, ssm) dtypes a linear-attention layer keeps its state in (``state_dtype``: one
-    dtype or a pair)."""
-    dtype = state_module(layer).state_dtype
-    return (dtype, dtype) if isinstance(dtype, torch.dtype) else tuple(dtype)
+    """(conv, ssm) dtypes a linear-attention layer keeps its state in (its ``state_dtypes()``)."""
+    conv_dtype, ssm_dtype = state_module(layer).state_dtypes()
+    return conv_dtype, ssm_dtype
 
 
 def allocate_kv_caches(layout: KVCacheLayout, specs: Sequence[KVCacheSpec], layers: Sequence[torch.nn.Module],
@@ -161,12 +160,25 @@ def make_kv_layout(config: Any, specs: Sequence[KVCacheSpec], budget_bytes: int,
     from ``budget_bytes`` for ``own_layers`` (a pipeline stage's), the smallest over ``group``'s
     ranks (block and slot ids mean the same on every rank; a collective)."""
     layout = group_layers(specs, config.block_size, uniform=uniform_reason(config) is not None)
+    check_state_features(config, layout)
     layout = plan_capacity(layout, budget_bytes, config.max_num_seqs, extra_block_bytes, config.num_state_slots,
                            config.num_gpu_blocks_override, own_layers)
     if group is not None:
         slots = group.min_int(layout.num_state_slots) if layout.num_state_slots else 0
         layout = layout.with_sizes(group.min_int(layout.num_blocks), slots)
     return layout
+
+
+def check_state_features(config: Any, layout: KVCacheLayout) -> None:
+    """Refuse what does not combine with recurrent states yet, naming why (ValueError)."""
+    group = layout.state_group
+    if group is None:
+        return
+    if config.speculative_method is not None:
+        raise ValueError(f"speculative_method {config.speculative_method!r}: this model keeps recurrent states "
+                         f"({len(group.layer_ids)} linear-attention layers); a rejected draft token would need the "
+                         "state from before it to roll back, and pagoda keeps one state per sequence (vLLM keeps "
+                         "one per speculative token); turn speculative decoding off")
 
 
 def unique_pairs(kv_caches: Sequence[Any]) -> list[tuple[torch.Tensor, torch.Tensor]]:
