@@ -167,3 +167,19 @@ def test_decode_keeps_only_its_latest_checkpoint_and_the_next_turn_resumes_it():
     manager.free(a)
     turn2 = make_request("b", a.all_token_ids + [7, 7, 7])
     assert manager.find_cache_hit(turn2).num_tokens == 16
+
+
+def test_host_tier_blocks_extend_a_hit_only_up_to_a_checkpoint():
+    """Group 0's blocks from the CPU tier continue the device hit; the state group follows
+    only to its last checkpoint among them (or not at all)."""
+    manager = make()
+    a = make_request("a", range(14))
+    run_prompt(manager, a)  # checkpoint at 12
+    b = make_request("b", list(range(14)) + [1])
+    hit = manager.find_cache_hit(b)
+    assert hit.num_tokens == 12
+    device_only = manager.find_cache_hit(make_request("c", list(range(14)) + [1]))
+    device_only.blocks[0] = device_only.blocks[0][:1]  # as if blocks 1-2 now lived in the host tier
+    extended, num_host = manager.usable_loaded_blocks(device_only, 2, b)
+    assert num_host == 2 and len(extended.blocks[1]) == 3  # up to the checkpoint at 12
+    assert manager.usable_loaded_blocks(device_only, 1, b)[1] == 0  # no checkpoint at 8: no host blocks
