@@ -38,6 +38,7 @@ Prometheus registry does not add one. Labels: ``model_name`` (vLLM's), plus Trit
 | pagoda:kv_swapped_in_total             | counter   | EngineStats.num_swapped_in               |
 | pagoda:recomputed_preemptions_total    | counter   | EngineStats.num_recomputed_preemptions   |
 | pagoda:prefix_cache_hits_host_total    | counter   | EngineStats.prefix_cache_hits_host (tokens, CPU tier; part of vllm:prefix_cache_hits_total) |
+| pagoda:prompts_tokenized_total         | counter   | EngineStats.num_prompts_tokenized (text prompts encoded here; a router's token ids are not) |
 | vllm:cache_config_info                 | gauge     | value 1; labels: the cache configuration as strings (block_size, num_gpu_blocks, cache_dtype, enable_prefix_caching, gpu_memory_utilization, num_cpu_blocks), as vLLM; set once, at the first engine update |
 | vllm:lora_requests_info                | gauge     | labels running_lora_adapters, waiting_lora_adapters (comma-separated), max_lora; value: the time (s) the set was last seen, as vLLM (LoRA engines only) |
 
@@ -95,6 +96,8 @@ COUNTERS = {
     "pagoda:recomputed_preemptions_total": ("Preemptions resolved by recomputation.", "num_recomputed_preemptions"),
     "pagoda:prefix_cache_hits_host_total": ("Prefix cache hits served from the CPU tier, in tokens.",
                                             "prefix_cache_hits_host"),
+    "pagoda:prompts_tokenized_total": ("Text prompts this replica encoded (a router's token ids are used as sent).",
+                                       "num_prompts_tokenized"),
     "pagoda:admission_refused_total": ("Requests refused at once: the waiting queue was full.",
                                        "num_admission_refused"),
     "pagoda:admission_displaced_total": ("Waiting requests ended by a more urgent one (overload error).",
