@@ -183,3 +183,10 @@ def test_host_tier_blocks_extend_a_hit_only_up_to_a_checkpoint():
     extended, num_host = manager.usable_loaded_blocks(device_only, 2, b)
     assert num_host == 2 and len(extended.blocks[1]) == 3  # up to the checkpoint at 12
     assert manager.usable_loaded_blocks(device_only, 1, b)[1] == 0  # no checkpoint at 8: no host blocks
+
+
+def test_a_prompt_shorter_than_a_block_takes_no_checkpoint():
+    manager = make()
+    a = make_request("a", range(3))
+    chunks, copies = run_prompt(manager, a)
+    assert chunks == [3] and copies == [([], [])]

@@ -131,7 +131,7 @@ def test_kv_cache_groups_get_their_own_tables_slots_and_state_slots():
     assert meta.slot_mapping.tolist() == [3 * 4 + 1, -1]  # group 0's own
     assert sliding.seq_lens.data_ptr() == meta.seq_lens.data_ptr()  # the sequences are shared
     assert sliding.slot_mapping.data_ptr() == inputs.groups.slots.data_ptr()  # replays read what fill() wrote
-    assert meta.state_indices.tolist() == [7, 0] and meta.has_initial_state.tolist() == [True, False]
+    assert meta.state_indices.tolist() == [7, -1] and meta.has_initial_state.tolist() == [True, False]
     assert sliding.state_indices.data_ptr() == meta.state_indices.data_ptr()
 
 

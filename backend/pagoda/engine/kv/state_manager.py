@@ -199,9 +199,11 @@ class StateGroupManager:
         return (request.num_prompt_tokens - 1) // self.block_size * self.block_size
 
     def _is_cached(self, request: Request, pos: int) -> bool:
+        """Whether a checkpoint at block boundary ``pos`` exists (False for any other position)."""
         index = pos // self.block_size - 1
-        return index < len(request.block_hashes) and \
-            self.pool.get_cached_block(request.block_hashes[index], self.group_idx) is not None
+        if pos % self.block_size or not 0 <= index < len(request.block_hashes):
+            return False
+        return self.pool.get_cached_block(request.block_hashes[index], self.group_idx) is not None
 
     # Freeing and the step boundary ----------------------------------------------------
 

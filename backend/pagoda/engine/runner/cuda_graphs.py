@@ -38,7 +38,7 @@ KV cache groups (``engine.kv.layout``). Each paged group other than the first ha
 ``slot_mapping`` and ``block_tables`` buffers (its metadata shares the rest and goes to its
 layers through ``layer_metadata``), filled from the row's table in that group; a
 recurrent-state group's ``state_indices`` / ``has_initial_state`` buffers hold each row's
-working slot (the null slot 0, not read, for a dummy row). Under a graph the state kernels
+working slot (-1 for a dummy row: nothing read or written). Under a graph the state kernels
 must read only these device tensors: their host copies are frozen at capture.
 
 When. Only on CUDA with ``EngineConfig.enable_cuda_graphs`` and the Triton kernels
@@ -173,7 +173,7 @@ class GroupBuffers:
         n = len(self.others)
         self.tables = torch.zeros(n, max_batch, max_blocks, dtype=torch.int32, device=device)
         self.slots = torch.full((n, max_batch), -1, dtype=torch.int64, device=device)
-        self.state_indices = torch.zeros(max_batch, dtype=torch.int32, device=device)
+        self.state_indices = torch.full((max_batch,), -1, dtype=torch.int32, device=device)
         self.has_initial_state = torch.zeros(max_batch, dtype=torch.bool, device=device)
         self._host_tables = torch.zeros(n, max_batch, max_blocks, dtype=torch.int32)
         self._host_slots = torch.full((n, max_batch), -1, dtype=torch.int64)
@@ -194,7 +194,7 @@ class GroupBuffers:
                 states[:, row] = (item.group_block_ids[self.state][0], pos > 0)
         tables[:, len(scheduled):batch_size, 0] = 0
         slots[:, len(scheduled):batch_size] = -1
-        states[:, len(scheduled):batch_size] = 0  # the null slot, not read
+        states[:, len(scheduled):batch_size] = ((-1,), (0,))  # a padding row: no state read or written
         self.tables[:, :batch_size, :num_cols].copy_(self._host_tables[:, :batch_size, :num_cols])
         self.slots[:, :batch_size].copy_(self._host_slots[:, :batch_size])
         self.state_indices[:batch_size].copy_(self._host_states[0, :batch_size])
@@ -211,7 +211,7 @@ class GroupBuffers:
         for meta in metas.values():
             meta.state_indices = self.state_indices[:batch_size]
             meta.has_initial_state = self.has_initial_state[:batch_size]
-            meta.state_indices_host, meta.has_initial_state_host = [0] * batch_size, [True] * batch_size
+            meta.state_indices_host, meta.has_initial_state_host = [-1] * batch_size, [False] * batch_size
         base.layer_metadata = [metas.get(group, base) for group, _ in self.layout.layer_slots]
         return base
 
