@@ -6,7 +6,7 @@ import pytest
 from pagoda.engine.config import EngineConfig
 from pagoda.engine.request import Request
 from pagoda.engine.sampling_params import SamplingParams
-from pagoda.engine.core.scheduler import Scheduler, SchedulerConfig
+from pagoda.engine.core.sched.scheduler import Scheduler, SchedulerConfig
 
 
 def add(scheduler, rid, prompt_len, max_tokens):

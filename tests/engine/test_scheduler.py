@@ -13,7 +13,7 @@ from pagoda.contracts.kv_events import BlockRemoved, BlockStored
 from pagoda.engine.request import Request, RequestStatus
 from pagoda.engine.sampling_params import SamplingParams
 from pagoda.engine.runner.runner_output import ModelRunnerOutput
-from pagoda.engine.core.scheduler import Scheduler, SchedulerConfig
+from pagoda.engine.core.sched.scheduler import Scheduler, SchedulerConfig
 
 EOS = 2
 

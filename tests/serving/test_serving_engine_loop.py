@@ -11,8 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from pagoda.engine.core.admission import EngineOverloaded, overload_message
-from pagoda.engine.core.protocols import EngineClient
+from pagoda.engine.core.load_shedding import EngineOverloaded, overload_message
+from pagoda.engine.client import EngineClient
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagoda.engine.request import EngineRequest

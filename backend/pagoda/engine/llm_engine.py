@@ -37,10 +37,10 @@ import logging
 import time
 from typing import TYPE_CHECKING, Iterable, Optional, Union
 
-from pagoda.engine.core.admission import Admission, EngineOverloaded, check_timeout, deadline_message, overload_message
+from pagoda.engine.core.load_shedding import Admission, EngineOverloaded, check_timeout, deadline_message, overload_message
 from pagoda.engine.config import EngineConfig
 from pagoda.engine.core.batch_queue import make_engine_core
-from pagoda.engine.core.parallel_sampling import child_request_ids
+from pagoda.engine.request_groups.parallel_sampling import child_request_ids
 from pagoda.engine.guided.backend import XGrammarBackend
 from pagoda.engine.output_processor import OutputProcessor
 from pagoda.engine.parallel import make_executor
@@ -123,7 +123,7 @@ class LLMEngine:
 
         Its ``lora_name`` must name a loaded adapter; past its ``timeout`` (seconds from
         arrival) it ends with a "deadline exceeded" error output
-        (``pagoda.engine.core.admission``); ``params.n > 1`` runs ``n`` children.
+        (``pagoda.engine.core.load_shedding``); ``params.n > 1`` runs ``n`` children.
 
         Raises:
             ValueError: duplicate id, empty prompt, token ids outside the vocabulary, a
@@ -175,7 +175,7 @@ class LLMEngine:
                                priority=priority, cache_salt=cache_salt, lora_name=lora_name, timeout=timeout))
 
     def _find_stop_string(self, params: SamplingParams, output_token_ids: list[int]) -> Optional[str]:
-        """The stop string a beam's output text holds (the earliest), or None (``core.beam_search``)."""
+        """The stop string a beam's output text holds (the earliest), or None (``request_groups.beam_search``)."""
         text = self.tokenizer.decode(output_token_ids, skip_special_tokens=params.skip_special_tokens)
         found = [(text.find(stop), stop) for stop in params.stop if stop in text]
         return min(found)[1] if found else None

@@ -23,7 +23,7 @@ Prompt log-probabilities (``SamplingParams.prompt_logprobs``) arrive with a chil
 output; the group keeps the first child's that came and every ``RequestOutput`` of the
 request carries them from then on (``None`` entry for the first prompt position).
 
-n > 1 (the fan-in; the fan-out is ``engine.core.parallel_sampling``'s): a user request's
+n > 1 (the fan-in; the fan-out is ``engine.request_groups.parallel_sampling``'s): a user request's
 ``n`` children are one *group*; their outputs are reported together under the user's
 request id, once any child progressed. The group is finished when every child is.
 """

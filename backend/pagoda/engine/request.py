@@ -54,7 +54,7 @@ class EngineRequest:
         cache_salt: tenant key; requests with different salts never share KV blocks.
         lora_name: a loaded LoRA adapter to generate with; ``None``: the base model.
         timeout: seconds from arrival; past it the request ends with a "deadline
-            exceeded" error output (``pagoda.engine.core.admission``).
+            exceeded" error output (``pagoda.engine.core.load_shedding``).
         prompt_token_ids: a text prompt's token ids when the door tokenized it already
             (``LLMEngine.tokenize_prompt``, off the engine's thread, so a huge prompt does
             not stall every other request's step); ``None``: the engine encodes ``prompt``.
@@ -161,7 +161,7 @@ class Request:
         self._extra = b""
 
         self.sampling_state: Any = None
-        self.beam_group: Any = None  # its BeamGroup when it is one beam of a beam search (core.beam_search)
+        self.beam_group: Any = None  # its BeamGroup when it is one beam of a beam search (request_groups.beam_search)
         self.detokenizer: Any = None
         self.metrics = RequestMetrics(arrival_time=arrival_time)
 

@@ -65,7 +65,7 @@ class EngineStats:
     # The cache configuration as vLLM's ``vllm:cache_config_info`` labels (name, value) pairs,
     # computed once: block_size and num_gpu_blocks are what GIE's prefix scorer reads.
     cache_config_info: tuple = ()
-    # Admission control (pagoda.engine.core.admission).
+    # Admission control (pagoda.engine.core.load_shedding).
     num_admission_refused: int = 0  # refused at add_request: the waiting queue was full
     num_admission_displaced: int = 0  # waiting requests ended by a more urgent one
     num_deadline_expired: int = 0  # requests ended by their timeout

@@ -1,7 +1,7 @@
 """The thread that owns the engine.
 
 The engine is not thread-safe, so exactly one thread (``EngineLoop``) touches it, through
-the ``EngineClient`` protocol (``pagoda.engine.core.protocols``): nothing else of the
+the ``EngineClient`` protocol (``pagoda.engine.client``): nothing else of the
 engine is reached from here. Triton's ``execute()`` runs on other threads; it only
 *submits* typed commands (``serving.commands``: ``Add``, ``Abort``, ``LoRACommand``,
 ``RegisterLoRA``, ``Wake``) through a queue, which the loop dispatches by type. The loop:
@@ -61,8 +61,8 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from pagoda.engine.core.admission import EngineOverloaded
-from pagoda.engine.core.protocols import EngineClient
+from pagoda.engine.core.load_shedding import EngineOverloaded
+from pagoda.engine.client import EngineClient
 from pagoda.engine.request import EngineRequest
 from pagoda.serving.commands import Abort, Add, Command, LoRACommand, RegisterLoRA, ServingRequest, Wake, request_of
 from pagoda.contracts.errors import DRAINING_MESSAGE

@@ -67,7 +67,7 @@ from typing import Any, Callable, Optional, Union
 import numpy as np
 
 from pagoda.contracts.errors import TRITON_CODES, ErrorKind, TritonCode, triton_code_of
-from pagoda.engine.core.admission import check_timeout, is_admission_error
+from pagoda.engine.core.load_shedding import check_timeout, is_admission_error
 from pagoda.engine.outputs import RequestOutput
 from pagoda.engine.sampling_params import SamplingParams
 from pagoda.serving.trtllm_dialect import embedding_bias
@@ -133,7 +133,7 @@ class ParsedRequest:
     # vLLM's kv_transfer_params: disaggregated prefill/decode (serving.kv_transfer_control)
     kv_transfer_params: Optional[dict] = None
     lora_name: Optional[str] = None  # a loaded LoRA adapter (vLLM backend's lora_name); None: base model
-    timeout: Optional[float] = None  # seconds from arrival (pagoda.engine.core.admission)
+    timeout: Optional[float] = None  # seconds from arrival (pagoda.engine.core.load_shedding)
     logprobs_asked: bool = False  # the request set ``logprobs`` (return_* flags alone do not)
     output_dialect: str = "pagoda"  # shape of logprobs and finish_reason (vllm_dialect)
     prompt_logprobs_sent: bool = False  # set by make_response once the prompt_logprobs output went

@@ -59,7 +59,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from pagoda.contracts import json_input
-from pagoda.engine.core.admission import check_timeout
+from pagoda.engine.core.load_shedding import check_timeout
 from pagoda.engine.outputs import TokenLogprob
 from pagoda.engine.sampling_params import SamplingParams
 

@@ -37,7 +37,7 @@ from pagoda.contracts.block_hash import hash_prompt_blocks
 from pagoda.engine.request import Request
 from pagoda.engine.sampling_params import SamplingParams
 from pagoda.engine.runner.runner_output import ModelRunnerOutput
-from pagoda.engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pagoda.engine.core.sched.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pagoda.fleet.routing.affinity import PendingIndex
 from pagoda.fleet.routing.cost_model import DEFAULT_STEP_MODEL, StepTimeModel  # noqa: F401 - re-exported
 from pagoda.fleet.routing.decide import confirms_pending, decide

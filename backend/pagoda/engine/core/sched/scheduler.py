@@ -13,13 +13,13 @@ Every request has ``num_computed_tokens`` catching up with ``num_tokens``. Each 
    front). A request that is its own victim is preempted and the pass moves on: later
    running requests have smaller keys and may still fit (e.g. in a partly filled block).
 2. Then, if nothing was preempted this step, waiting requests in policy order
-   (``core.admit_waiting``): prefix-cache lookup, the rest of the prompt (or a chunk of
+   (``core.sched.admit_waiting``): prefix-cache lookup, the rest of the prompt (or a chunk of
    it), preemption of a strictly less urgent running request under the priority policy;
    admission stops at the first request that does not fit, so the policy's order holds.
-   Admission constraints (``core.constraints``: LoRA slots, the shared-prefix wait) may
+   Admission constraints (``core.sched.constraints``: LoRA slots, the shared-prefix wait) may
    stop it earlier or set one request aside (LoRA) so the ones behind it still run.
 
-The policy (``core.policy``: fcfs or priority) is an object looked up once: it makes the
+The policy (``core.sched.policy``: fcfs or priority) is an object looked up once: it makes the
 waiting queue, picks victims and says whether a waiting request may preempt.
 
 A step whose tokens reach the end of a request's known tokens samples (``is_sampling``).
@@ -34,7 +34,7 @@ Overlap (``EngineConfig.async_scheduling``): because ``schedule()`` already coun
 N's tokens, step N+1 can be scheduled before step N's results are applied. A request
 that samples in step N is then scheduled in step N+1 for its placeholder: one token
 whose id is unknown on the host (``ScheduledRequest.token_ids`` leaves it out, as for
-every decode of a token the runner sampled: the plan is a delta, ``core.runner_view``);
+every decode of a token the runner sampled: the plan is a delta, ``core.sched.runner_view``);
 the runner substitutes the token it sampled in step N, which it keeps on the device.
 At most one step is unapplied when ``schedule()`` runs, so a request has at most one
 placeholder then, and a waiting request none (batch queue, ``micro_batches`` N > 1: a request
@@ -65,7 +65,7 @@ have not run yet). Cached blocks the pool evicts go to the host tier
 device hit ends (``blocks_to_copy_back``); those blocks count as computed. The runner
 executes every device -> host copy, then every host -> device copy, before the forward.
 
-Beam search (``core.beam_search``): a beam (``request.beam_group`` set) gets no token here
+Beam search (``request_groups.beam_search``): a beam (``request.beam_group`` set) gets no token here
 (its group chooses, forks and prunes after this update); preempting a beam preempts its
 group's running beams; a beam with a placeholder waits (async scheduling); forks'
 copy-on-write block copies ride on the next plan (``blocks_to_copy``).
@@ -82,12 +82,12 @@ from dataclasses import dataclass
 from typing import Iterable, Mapping, Optional, Sequence, Union
 
 from pagoda.contracts.kv_events import KVEvent, KVEventBuffer
-from pagoda.engine.core.admit_waiting import WaitingAdmitter
-from pagoda.engine.core.constraints import make_constraints
-from pagoda.engine.core.policy import get_policy
-from pagoda.engine.core.runner_view import RunnerView
-from pagoda.engine.core.scheduler_config import SchedulerConfig
-from pagoda.engine.core.step_plan import StepPlan
+from pagoda.engine.core.sched.admit_waiting import WaitingAdmitter
+from pagoda.engine.core.sched.constraints import make_constraints
+from pagoda.engine.core.sched.policy import get_policy
+from pagoda.engine.core.sched.runner_view import RunnerView
+from pagoda.engine.core.sched.scheduler_config import SchedulerConfig
+from pagoda.engine.core.sched.step_plan import StepPlan
 from pagoda.engine.kv.block_pool import BlockPool
 from pagoda.engine.kv.host_tier import SwapCostModel, blocks_for_tokens, make_host_tier
 from pagoda.engine.kv.kv_cache_manager import KVCacheManager
@@ -211,7 +211,7 @@ class Scheduler:
             step.share_with_queue(self._unapplied.values(), self._busy, num_live, self.config.micro_batches)
         self._schedule_running(step, spec_token_ids or {})
         if not step.preempted:
-            self.admitter.admit(step)  # core.admit_waiting
+            self.admitter.admit(step)  # core.sched.admit_waiting
         output = SchedulerOutput(
             preempted_request_ids=[r.request_id for r in step.preempted],
             finished_request_ids=self._finished_request_ids,
@@ -243,7 +243,7 @@ class Scheduler:
         assert end <= request.num_tokens + request.num_output_placeholders, "scheduled past the placeholders"
         assert request.num_tokens >= end - 1, "more than one placeholder token in a step"
         is_sampling = end == request.num_tokens + request.num_output_placeholders
-        # A delta: blocks and tokens the runner lacks (core.runner_view).
+        # A delta: blocks and tokens the runner lacks (core.sched.runner_view).
         is_new, new_block_ids, skip = self.runner_view.plan(
             request, start, self.kv_cache_manager.get_block_ids(request.request_id), is_sampling)
         scheduled = ScheduledRequest(request, num_computed_tokens=start, num_new_tokens=num_new,
@@ -353,7 +353,7 @@ class Scheduler:
                 continue
             request.num_output_placeholders -= 1
             assert request.num_output_placeholders >= 0, "step applied twice"
-            if request.beam_group is not None:  # its group chooses its token (core.beam_search)
+            if request.beam_group is not None:  # its group chooses its token (request_groups.beam_search)
                 self.kv_cache_manager.cache_blocks(request, computed_end)
                 continue
             tokens = sampled.get(request.request_id)

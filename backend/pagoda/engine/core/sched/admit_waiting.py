@@ -2,7 +2,7 @@
 
 After the running requests got their tokens, and only if nothing was preempted, waiting
 requests are admitted in the policy's order until one cannot be: the budget, the sequence
-limit or the KV cache is exhausted, or an admission constraint (``core.constraints``) says
+limit or the KV cache is exhausted, or an admission constraint (``core.sched.constraints``) says
 stop. For each request:
 
 1. constraints asked before the prefix lookup may set it aside (``Admit.SKIP``: it goes
@@ -27,10 +27,10 @@ from __future__ import annotations
 
 from typing import Callable, Container, NamedTuple, Optional, Sequence
 
-from pagoda.engine.core.constraints import AdmissionConstraint, Admit
-from pagoda.engine.core.policy import FcfsPolicy
-from pagoda.engine.core.request_queue import FcfsQueue, PriorityQueue
-from pagoda.engine.core.step_plan import StepPlan
+from pagoda.engine.core.sched.constraints import AdmissionConstraint, Admit
+from pagoda.engine.core.sched.policy import FcfsPolicy
+from pagoda.engine.core.sched.request_queue import FcfsQueue, PriorityQueue
+from pagoda.engine.core.sched.step_plan import StepPlan
 from pagoda.engine.kv.block_pool import KVCacheBlock
 from pagoda.engine.kv.host_tier import HostTier
 from pagoda.engine.kv.kv_cache_manager import KVCacheManager
