@@ -50,7 +50,7 @@ class WaitingAdmitter:
 
     Args:
         running: the scheduler's running list (appended to on admission).
-        preempt: the scheduler's ``_preempt(victim, step)``.
+        preempt: the scheduler's ``Preemption.preempt(victim, step)`` (``sched.preemption``).
     """
 
     def __init__(self, waiting: FcfsQueue | PriorityQueue, running: list[Request], kv_cache_manager: KVCacheManager,

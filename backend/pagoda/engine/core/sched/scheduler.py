@@ -56,7 +56,7 @@ no block holding them is ever hashed or cached.
 
 KV offload (``kv.host_tier``, on when ``num_host_blocks > 0``; ``NoHostTier`` otherwise,
 so no path asks whether it is on): a victim may instead be
-preempted by *swap* (the cost model or ``preemption_mode`` decides): its computed blocks
+preempted by *swap* (``sched.preemption``; the cost model or ``preemption_mode`` decides): its computed blocks
 are copied to host blocks, it keeps ``num_computed_tokens`` and waits swapped out; when
 admitted again it gets fresh blocks filled from the host (``blocks_to_swap_in``), with no
 prefix lookup. A victim admitted in the same step always recomputes (its inbound copies
@@ -85,11 +85,12 @@ from pagoda.contracts.kv_events import KVEvent, KVEventBuffer
 from pagoda.engine.core.sched.admit_waiting import WaitingAdmitter
 from pagoda.engine.core.sched.constraints import make_constraints
 from pagoda.engine.core.sched.policy import get_policy
+from pagoda.engine.core.sched.preemption import Preemption
 from pagoda.engine.core.sched.runner_view import RunnerView
 from pagoda.engine.core.sched.scheduler_config import SchedulerConfig
 from pagoda.engine.core.sched.step_plan import StepPlan
 from pagoda.engine.kv.block_pool import BlockPool
-from pagoda.engine.kv.host_tier import SwapCostModel, blocks_for_tokens, make_host_tier
+from pagoda.engine.kv.host_tier import SwapCostModel, make_host_tier
 from pagoda.engine.kv.kv_cache_manager import KVCacheManager
 from pagoda.engine.request import Request, RequestStatus
 from pagoda.engine.runner.runner_output import ModelRunnerOutput
@@ -120,8 +121,6 @@ class Scheduler:
         self.waiting = self.policy.make_queue()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # live (unfinished) requests by id
-        self.num_preemptions_total = 0
-        self.num_recomputed_preemptions = 0
         self.host_tier = make_host_tier(config.num_host_blocks, config.block_size, config.preemption_mode,
                                         swap_cost_model, enable_prefix_tier=config.enable_prefix_caching)
         if self.host_tier.is_enabled:  # evicted cached blocks go to the host tier instead of away
@@ -132,10 +131,12 @@ class Scheduler:
         self._unapplied: dict[int, SchedulerOutput] = {}  # step id -> a step whose results are not applied
         self._busy: set[str] = set()  # batch queue: ids in unapplied steps (the admitter reads it too)
         self.runner_view = RunnerView()  # what the runner holds: the step plan is a delta
+        self.preemption = Preemption(self.running, self.waiting, self.kv_cache_manager, self.host_tier,
+                                     self.runner_view, config.block_size)
         self.constraints = make_constraints(config.max_loras, config.min_shared_prefix_to_wait,
                                             lambda: self.block_pool.num_free_blocks, config.block_size)
         self.admitter = WaitingAdmitter(self.waiting, self.running, self.kv_cache_manager, self.host_tier,
-                                        self.policy, self.constraints, self._preempt, config.max_num_seqs,
+                                        self.policy, self.constraints, self.preemption.preempt, config.max_num_seqs,
                                         config.block_size, self._busy)
 
     # Requests in ---------------------------------------------------------------------
@@ -269,7 +270,7 @@ class Scheduler:
             if self._schedule_with_drafts(request, spec_token_ids.get(request.request_id), step):
                 continue
             while self.kv_cache_manager.allocate_slots(request, num_new) is None:
-                self._preempt(self.policy.victim(self.running), step)
+                self.preemption.preempt(self.policy.victim(self.running), step)
                 if request.status != RequestStatus.RUNNING:  # itself, or a beam of its group
                     break
             else:
@@ -291,36 +292,6 @@ class Scheduler:
             return False
         step.add(request, 1 + num_spec, num_spec)
         return True
-
-    def _swap_out(self, request: Request, step: StepPlan) -> bool:
-        """Try to preempt ``request`` by swap; False: recompute instead."""
-        if request.request_id in step.admitted or request.beam_group is not None:  # beams recompute (beam_search)
-            return False
-        num_blocks = blocks_for_tokens(request.num_computed_tokens, self.config.block_size)
-        if not self.host_tier.wants_swap(request.num_computed_tokens, num_blocks):
-            return False
-        return self.host_tier.swap_out(request.request_id,
-                                       self.kv_cache_manager.get_block_ids(request.request_id)[:num_blocks])
-
-    def _preempt(self, victim: Request, step: StepPlan) -> None:
-        """Preempt ``victim`` (with every running beam of its group)."""
-        for request in victim.beam_group.members if victim.beam_group else [victim]:
-            if request.status == RequestStatus.RUNNING:
-                self._preempt_one(request, step)
-
-    def _preempt_one(self, request: Request, step: StepPlan) -> None:
-        self.running.remove(request)
-        step.remove(request)
-        if not self._swap_out(request, step):
-            request.num_computed_tokens = 0
-            self.num_recomputed_preemptions += 1
-        self.kv_cache_manager.free(request)
-        self.runner_view.forget(request.request_id)  # the runner drops it on preempted_request_ids
-        request.status = RequestStatus.PREEMPTED
-        request.num_preemptions += 1
-        self.num_preemptions_total += 1
-        step.preempted.append(request)
-        self.waiting.add_preempted(request)
 
     # Results in ----------------------------------------------------------------------
 
@@ -421,12 +392,41 @@ class Scheduler:
         """The live request with this id, or None (unknown or finished)."""
         return self.requests.get(request_id)
 
-    num_waiting = property(lambda self: len(self.waiting))
-    num_running = property(lambda self: len(self.running))
-    num_free_blocks = property(lambda self: self.block_pool.num_free_blocks)
-    kv_cache_usage = property(lambda self: self.block_pool.usage)
-    prefix_cache_queries = property(lambda self: self.kv_cache_manager.prefix_cache_queries)
-    prefix_cache_hits = property(lambda self: self.kv_cache_manager.prefix_cache_hits)
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.num_free_blocks
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """The fraction of usable KV blocks in use, in [0, 1]."""
+        return self.block_pool.usage
+
+    @property
+    def prefix_cache_queries(self) -> int:
+        """Prompt tokens looked up in the prefix cache so far."""
+        return self.kv_cache_manager.prefix_cache_queries
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        """Of those, the tokens found cached."""
+        return self.kv_cache_manager.prefix_cache_hits
+
+    @property
+    def num_preemptions_total(self) -> int:
+        return self.preemption.num_preemptions_total
+
+    @property
+    def num_recomputed_preemptions(self) -> int:
+        """Preemptions that reset ``num_computed_tokens`` (the rest swapped out)."""
+        return self.preemption.num_recomputed_preemptions
 
     def take_events(self) -> list[KVEvent]:
         return self.event_buffer.take()
