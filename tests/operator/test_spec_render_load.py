@@ -81,7 +81,7 @@ def test_runtime_lora_reaches_replicas_and_router_when_allowed():
     args = render_replica_deployment(svc, 1)["spec"]["template"]["spec"]["containers"][0]["args"]
     router_args = render_router_deployment(svc)["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[-1] == "--allow-runtime-lora" and router_args[-1] == "--allow-runtime-lora"
-    from pagoda.fleet.service import make_parser as router_parser
+    from pagoda.fleet.router_cli import make_parser as router_parser
     from pagoda.serving.launch.serve_cli import make_parser, options_from_args
 
     assert options_from_args(make_parser().parse_args(args)).engine_args["enable_lora"] == "true"
