@@ -14,7 +14,8 @@ from pagoda.contracts.block_hash import hash_prompt_blocks
 from pagoda.fleet.api.grpc_proxy import cache_salt_of
 from pagoda.fleet.triton_wire import bytes_elements, read_string_input
 from pagoda.fleet.routing.fleet_view import IndexView
-from pagoda.fleet.routing.replicas import KubernetesConfig, KubernetesDiscovery, ReplicaSet, parse_replicas_spec, pod_to_member
+from pagoda.fleet.routing.k8s_discovery import KubernetesConfig, KubernetesDiscovery, pod_to_member
+from pagoda.fleet.routing.replicas import ReplicaSet, parse_replicas_spec
 from pagoda.fleet.router_cli import make_parser, options_from_args
 from pagoda.fleet.service import resolve_redis_url
 from pagoda.fleet.routing.router import NoReplicaAvailable, Router

@@ -145,7 +145,7 @@ def test_disaggregation_renders_kserves_prefill_section():
     prefill pool and the main workload the decode pool; both containers are arguments `pagoda
     serve` accepts (role, KV connector), both workloads carry the pool label the router reads the
     role from, and the object validates against KServe's CRD."""
-    from pagoda.fleet.routing.replicas import pod_to_member
+    from pagoda.fleet.routing.k8s_discovery import pod_to_member
     from pagoda.serving.launch.serve_cli import make_parser
 
     svc = parse_llmservice(body(disaggregation={"prefill": {"replicas": {"min": 2, "max": 4}}, "kvTransferPort": 5700}))

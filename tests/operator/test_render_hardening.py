@@ -164,7 +164,7 @@ def test_disaggregation_renders_a_prefill_and_a_decode_pool_the_router_tells_apa
     `<name>-replicas`; their arguments are accepted by `pagoda serve` (role, KV connector on
     the pod IP); the router reads each pod's role from its pool label; decode pods may reach
     prefill pods' KV port; the mixed Deployment becomes stale."""
-    from pagoda.fleet.routing.replicas import pod_to_member
+    from pagoda.fleet.routing.k8s_discovery import pod_to_member
     from pagoda_operator.pools import scaled_pools
     from pagoda_operator.reconcile import stale_children
 

@@ -5,7 +5,8 @@ Pieces (each in its own module):
 - ``routing.router``: prompt -> block hashes -> prefix-index match + load -> policy ->
   replica, with optimistic in-flight accounting; ``routing.fleet_view``: Redis (registry,
   index) with fault handling (load-only fallback);
-- ``routing.replicas``: membership (``--replicas``, ``--k8s-selector`` or the registry), health, load;
+- ``routing.replicas``: membership (``--replicas``, ``--k8s-selector``: ``routing.k8s_discovery``, or the
+  registry), health, load;
 - ``gate.gate`` (with ``limits`` and ``auth``): input limits, API keys -> tenants -> cache
   salt, per-tenant rate limits, overload memory;
 - ``api.lora_admin``: the served LoRA adapters; run-time load/unload on every replica
@@ -193,7 +194,7 @@ class RouterService:
                       block_size=o.block_size, **o.policy_knobs)
 
     def _start_discovery(self) -> None:
-        from pagoda.fleet.routing.replicas import KubernetesConfig, KubernetesDiscovery
+        from pagoda.fleet.routing.k8s_discovery import KubernetesConfig, KubernetesDiscovery
 
         o = self.options
         config = (KubernetesConfig(o.k8s_api, o.k8s_namespace or os.environ.get("PAGODA_NAMESPACE") or "default")
