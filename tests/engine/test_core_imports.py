@@ -3,8 +3,8 @@
 ``EngineCore`` schedules, launches the device job through the ``Executor`` protocol and
 applies the ``ModelRunnerOutput``; the runner, sampler, speculator and host KV tier are
 built outside (``pagoda.engine.runner.executor.make_executor``). Two checks: no module of
-``engine/core`` (its ``sched/`` room included) or ``engine/request_groups`` names torch in any import (function-local and ``TYPE_CHECKING`` ones
-included), and importing the engine core in a fresh interpreter leaves torch unloaded.
+``engine/core`` (its ``sched/`` room included) or ``engine/request_groups`` names torch in any import (function-local
+and ``TYPE_CHECKING`` ones included), and importing the engine core in a fresh interpreter leaves torch unloaded.
 """
 
 from __future__ import annotations

@@ -23,7 +23,8 @@ def make_request(rid, num_prompt, max_tokens=32):
 
 def prefill(scheduler, token=7):
     out = scheduler.schedule()
-    scheduler.update_from_output(ModelRunnerOutput.from_tokens(out.step_id, {s.request.request_id: [token] for s in out.scheduled if s.is_sampling}))
+    tokens = {s.request.request_id: [token] for s in out.scheduled if s.is_sampling}
+    scheduler.update_from_output(ModelRunnerOutput.from_tokens(out.step_id, tokens))
 
 
 def test_drafts_are_scheduled_tokens_and_rejections_roll_back():

@@ -218,12 +218,14 @@ def test_redis_url_expansion_and_cli():
                                      "redis://:$(PAGODA_REDIS_PASSWORD)@r:6379/0", "--policy", "prefix_aware",
                                      "--policy-knob", "load_cost_tokens=128"])
     options = options_from_args(args)
-    assert options.k8s_selector == "app=pagoda,component=replica" and options.policy_knobs == {"load_cost_tokens": 128.0}
+    assert options.k8s_selector == "app=pagoda,component=replica"
+    assert options.policy_knobs == {"load_cost_tokens": 128.0}
     assert (options.http_port, options.grpc_port) == (8080, 8081)
 
 
 def test_pod_to_member():
-    pod = {"metadata": {"name": "llm-0"}, "spec": {"containers": [{"ports": [{"name": "grpc", "containerPort": 9001}]}]},
+    pod = {"metadata": {"name": "llm-0"},
+           "spec": {"containers": [{"ports": [{"name": "grpc", "containerPort": 9001}]}]},
            "status": {"podIP": "10.1.2.3", "conditions": [{"type": "Ready", "status": "True"}]}}
     assert pod_to_member(pod) == ("llm-0", {"http": "10.1.2.3:8000", "grpc": "10.1.2.3:9001",
                                             "metrics": "10.1.2.3:8002"})

@@ -12,7 +12,8 @@ from pagoda.fleet.triton_wire import (bytes_elements, bytes_raw, drop_parameters
 def test_scalar_inputs_and_parameters_of_a_request():
     request = service_pb2.ModelInferRequest()
     for name, datatype, raw in (("max_tokens", "INT32", struct.pack("<i", 7)), ("stream", "BOOL", b"\x01"),
-                                ("seed", "UINT64", struct.pack("<Q", 2 ** 40)), ("text_input", "BYTES", bytes_raw([b"hi"]))):
+                                ("seed", "UINT64", struct.pack("<Q", 2 ** 40)),
+                                ("text_input", "BYTES", bytes_raw([b"hi"]))):
         tensor = request.inputs.add()
         tensor.name, tensor.datatype = name, datatype
         request.raw_input_contents.append(raw)

@@ -139,7 +139,8 @@ def test_kv_events_reach_the_replicas_in_vllms_format_in_every_mode():
     assert not any(p["name"].startswith("kv-") for p in container["ports"])
     assert KVEventsConfig.from_json(container["args"][container["args"].index("--kv-events-config") + 1]).topic \
         == "kv@x@chat"
-    model = render_inference_service(make_svc("KServe", kvEvents={"endpoint": "tcp://*:5557"}))["spec"]["predictor"]["model"]
+    inference_service = render_inference_service(make_svc("KServe", kvEvents={"endpoint": "tcp://*:5557"}))
+    model = inference_service["spec"]["predictor"]["model"]
     assert "--kv-events-config" in model["args"] and any(e["name"] == "PAGODA_POD_IP" for e in model["env"])
     assert "--kv-events-config" not in str(render_children(make_svc(), 1))
 

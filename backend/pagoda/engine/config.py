@@ -6,8 +6,8 @@ engine arguments. The engine reads it through per-feature groups, each a frozen 
 that validates its own fields when built: ``config.load`` (model, dtype, device, weights),
 ``config.cache`` (KV blocks and budget), ``config.scheduling`` (batch limits, policy,
 overlap), ``config.speculative``, ``config.offload`` (the CPU tier), ``config.lora`` and
-``config.admission`` (waiting-queue bounds) and ``config.guided`` (grammar compile budget). Each field belongs to exactly one group (a
-test checks it): a new feature adds its group here, then its flat fields. Building an
+``config.admission`` (waiting-queue bounds) and ``config.guided`` (grammar compile budget). Each field belongs to
+exactly one group (a test checks it): a new feature adds its group here, then its flat fields. Building an
 ``EngineConfig`` builds every group, so an invalid value raises ``ValueError`` naming the
 field at once; checks that span two groups stay in ``EngineConfig``.
 

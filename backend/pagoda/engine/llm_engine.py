@@ -37,7 +37,8 @@ import logging
 import time
 from typing import TYPE_CHECKING, Iterable, Optional, Union
 
-from pagoda.engine.core.load_shedding import Admission, EngineOverloaded, check_timeout, deadline_message, overload_message
+from pagoda.engine.core.load_shedding import (Admission, EngineOverloaded, check_timeout, deadline_message,
+                                              overload_message)
 from pagoda.engine.config import EngineConfig
 from pagoda.engine.core.batch_queue import make_engine_core
 from pagoda.engine.request_groups.parallel_sampling import child_request_ids

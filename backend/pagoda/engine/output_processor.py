@@ -190,7 +190,8 @@ class OutputProcessor:
                                      for lp in core_output.prompt_logprobs]
         completion.token_ids.extend(new_ids)
         if core_output.cumulative_logprob is not None:  # a beam (whole, at once): its scores come with it
-            completion.cumulative_logprob, completion.beam_score = core_output.cumulative_logprob, core_output.beam_score
+            completion.cumulative_logprob = core_output.cumulative_logprob
+            completion.beam_score = core_output.beam_score
         num_tokens = len(completion.token_ids)
         params = group.params
         # A stop token (EOS or stop_token_ids) ends the request but is not text: its id stays

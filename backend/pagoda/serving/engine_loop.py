@@ -277,7 +277,8 @@ class EngineLoop:
                 self._engine.abort_request(request_id)
             except Exception:  # noqa: BLE001
                 logger.exception("abort_request failed for %s", request_id)
-                self._finish(request_id, make_error_response("request aborted; the engine failed to abort it", "INTERNAL"))
+                error = make_error_response("request aborted; the engine failed to abort it", "INTERNAL")
+                self._finish(request_id, error)
 
     def _poll_drain(self) -> None:
         if self._drain_path is None or self._is_drained:

@@ -276,7 +276,8 @@ def split_values(values: dict[str, Any], from_parameters: bool = False) -> tuple
                 values[key] = json_input.loads(value, key)
             except json_input.JSONInputError as exc:
                 raise ValueError(f"{key}: must be JSON text of a {kind[:4]}, got {value!r} ({exc})") from None
-        elif kind.startswith("list[") and not isinstance(value, list) and not (key == "stop" and isinstance(value, str)):
+        elif (kind.startswith("list[") and not isinstance(value, list)
+              and not (key == "stop" and isinstance(value, str))):
             raise ValueError(f"{key}: must be a JSON list, got {value!r}")
     return values, options
 
@@ -295,5 +296,5 @@ def coerce(name: str, value: Any, kind: type) -> Any:
             return int(text)
         return float(text)
     except ValueError:
-        raise ValueError(f"{name}: must be {'a boolean' if kind is bool else 'an integer' if kind is int else 'a number'}, "
-                         f"got {value!r}") from None
+        expected = "a boolean" if kind is bool else "an integer" if kind is int else "a number"
+        raise ValueError(f"{name}: must be {expected}, got {value!r}") from None

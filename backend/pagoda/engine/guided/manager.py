@@ -254,7 +254,8 @@ class GuidedDecodingManager:
         matcher = self._backend.make_matcher(grammar)
         for token_id in token_ids:
             if not matcher.accept_token(token_id):
-                raise AssertionError(f"beam {child_id}: token {token_id} is outside its grammar (the bitmask allows it)")
+                raise AssertionError(
+                    f"beam {child_id}: token {token_id} is outside its grammar (the bitmask allows it)")
         self._grammar_of[child_id], self._matchers[child_id] = grammar, matcher
 
     def has_matcher(self, request_id: str) -> bool:

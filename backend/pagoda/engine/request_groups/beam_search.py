@@ -22,8 +22,8 @@ old ``BeamSearchScorer``), step by step, for a group of width ``k``:
 
 KV and scheduling. Beams are ordinary scheduler requests with ``beam_group`` set, sampled
 greedily with ``logprobs=max(2k, N)`` (the sampler's top-``2k`` on the device; ``2k``
-pairs per beam, or ``N`` with ``logprobs=N > 2k``, reach the host). The scheduler appends no token to a beam; after each update
-``BeamSearch.advance`` records each beam's log-probabilities and, once every live beam of a
+pairs per beam, or ``N`` with ``logprobs=N > 2k``, reach the host). The scheduler appends no token to a beam; after
+each update ``BeamSearch.advance`` records each beam's log-probabilities and, once every live beam of a
 group has reported (beams step together; a recomputing beam holds its group back), the
 group chooses. A beam continuing with one child appends that token; every further child of
 the same beam is a *fork* (``KVCacheManager.fork``): a new request whose block table is its

@@ -147,5 +147,6 @@ def make_router_tracer(otlp_endpoint: Optional[str]) -> RouterTracer:
     try:
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
     except ImportError:
-        raise RuntimeError("--otlp-endpoint needs opentelemetry-sdk and opentelemetry-exporter-otlp-proto-grpc") from None
+        raise RuntimeError(
+            "--otlp-endpoint needs opentelemetry-sdk and opentelemetry-exporter-otlp-proto-grpc") from None
     return RouterTracer(OTLPSpanExporter(endpoint=otlp_endpoint, insecure=not otlp_endpoint.startswith("https://")))

@@ -227,7 +227,8 @@ class Router:
                  "# TYPE pagoda:router_peer_pulls_total counter",
                  f"pagoda:router_peer_pulls_total {self.num_peer_pulls}"]
         if self.fleet is not None:
-            lines += ["# HELP pagoda:router_reaped_replicas_total expired replicas whose index entries this router removed",
+            lines += ["# HELP pagoda:router_reaped_replicas_total "
+                      "expired replicas whose index entries this router removed",
                       "# TYPE pagoda:router_reaped_replicas_total counter",
                       f"pagoda:router_reaped_replicas_total {self.fleet.num_reaped}"]
         return lines

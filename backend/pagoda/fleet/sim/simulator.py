@@ -16,8 +16,8 @@ after every step (what the Redis index and ``IndexFollower`` hold, minus network
 asked only for policies with ``uses_exact``; routing-time affinity is the router's
 ``PendingIndex`` on the simulated clock; the policy objects are those of
 ``pagoda.fleet.routing.policy``.
-Arrivals come from ``pagoda.fleet.sim.arrivals`` (poisson, fanout bursts, diurnal, ramp). The router's load view mirrors production: heartbeat
-fields (waiting, running, KV usage) refreshed every ``heartbeat_interval_s``, plus an
+Arrivals come from ``pagoda.fleet.sim.arrivals`` (poisson, fanout bursts, diurnal, ramp). The router's load view
+mirrors production: heartbeat fields (waiting, running, KV usage) refreshed every ``heartbeat_interval_s``, plus an
 exact ``in_flight`` count of its own requests.
 
 Events are (time, order) in a heap: arrivals, step completions, heartbeats. A replica

@@ -11,8 +11,9 @@ stop. For each request:
 3. otherwise its prefix-cache lookup (device, then the host tier continuing it) sets
    ``num_cached_tokens`` (first admission only) and moves ``num_computed_tokens`` to the
    hit (none for a request asking for prompt log-probabilities: cached positions have no
-   logits, so it computes its whole prompt, as vLLM skips prefix-cache hits for it); constraints asked after the lookup may stop admission; the rest of the prompt is
-   scheduled (a chunk of it with chunked prefill, else all or nothing: ``StepPlan.chunk``);
+   logits, so it computes its whole prompt, as vLLM skips prefix-cache hits for it); constraints asked after the
+   lookup may stop admission; the rest of the prompt is scheduled (a chunk of it with chunked prefill, else all or
+   nothing: ``StepPlan.chunk``);
 4. when blocks or sequence slots run out, the policy may preempt a strictly less urgent
    running request (priority); the lookup is repeated, as the victim's blocks may have
    been part of the hit.
