@@ -77,3 +77,23 @@ def test_the_serving_loop_types_its_collaborators():
     untyped = [a.arg for a in init.args.args[1:] + init.args.kwonlyargs
                if a.annotation is None or "Any" in ast.unparse(a.annotation)]
     assert not untyped, f"EngineLoop collaborators without a type: {untyped}"
+
+
+def test_the_doors_type_their_collaborators():
+    """The router's doors (``fleet/api``) name what they are given (``Router``, ``Gate``,
+    ``GrpcUpstream``, ``OpenAIRequest``, ``Tokenizer``, ...), never ``Any``: every constructor
+    and ``make_app``, as ``EngineLoop`` does."""
+    api = REPO / "backend" / "pagoda" / "fleet" / "api"
+    untyped = []
+    for path in _modules(api):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                functions = [f for f in node.body if isinstance(f, ast.FunctionDef) and f.name == "__init__"]
+            elif isinstance(node, ast.FunctionDef) and node.name == "make_app":
+                functions = [node]
+            else:
+                continue
+            for function in functions:
+                untyped += [f"{path.name}:{function.lineno} {a.arg}" for a in function.args.args[1:]
+                            + function.args.kwonlyargs if a.annotation is None or "Any" in ast.unparse(a.annotation)]
+    assert not untyped, f"door collaborators without a type: {untyped}"

@@ -55,6 +55,8 @@ _BENCHES = {
     "soak": ("pagoda.bench.soak", "main", "router + 2 replicas + Redis under mixed traffic and faults; invariants"),
     "throughput": ("pagoda.bench.throughput", "main", "offline high concurrency: greedy vs sampled, stage shares"),
     "moe": ("pagoda.bench.moe", "main", "one MoE layer's experts: experts-with-tokens vs dense (CPU) or fused (GPU)"),
+    "router-request": ("pagoda.bench.router_request", "main",
+                       "one long-prompt request through the router vs straight to a replica"),
 }
 
 

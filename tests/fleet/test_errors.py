@@ -86,7 +86,7 @@ def test_real_replica_messages_classify():
 def test_engine_and_serving_take_their_prefixes_and_codes_from_the_contract():
     from pagoda.engine.core import load_shedding
     from pagoda.serving import lora_control
-    from pagoda.serving.triton_io import make_error_response
+    from pagoda.serving.responses import make_error_response
 
     assert load_shedding.OVERLOADED_PREFIX is errors.OVERLOADED_PREFIX
     assert load_shedding.DEADLINE_PREFIX is errors.DEADLINE_PREFIX

@@ -56,7 +56,7 @@ def test_echo_with_logprobs_puts_the_prompt_tokens_first():
 
 def test_echo_without_generation_drops_the_generated_token_everywhere():
     (answer,) = _answers({"prompt": [1, 2, 3], "echo": True, "logprobs": 1, "max_tokens": 0})
-    assert answer.built.sampling["max_tokens"] == 1
+    assert answer.built.wire.params.max_tokens == 1
     answer.add(_outputs("d", 4, -0.25, "length"))
     whole = merge_final([answer])
     (choice,) = whole["choices"]

@@ -106,7 +106,7 @@ def test_the_default_models_template_gets_the_tools_in_a_system_message(smollm2_
     # SmolLM2's template ignores tools, so pagoda describes them itself (Hermes' format).
     assert "<tools>" in built.prompt and '"get_weather"' in built.prompt and "<tool_call>" in built.prompt
     assert built.prompt.endswith("<|im_start|>assistant\n")
-    assert built.sampling["guided_decoding"]["json"]["minItems"] == 1
+    assert json.loads(built.wire.params.guided_decoding.json)["minItems"] == 1
     history = MESSAGES + [{"role": "assistant", "content": None, "tool_calls": [
         {"id": "call_1", "type": "function", "function": {"name": "get_weather",
                                                           "arguments": '{"city": "Paris", "days": 2}'}}]},

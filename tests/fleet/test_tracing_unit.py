@@ -128,7 +128,7 @@ def test_engine_loop_traces_only_requests_with_a_traceparent(monkeypatch):
     from pagoda.serving.engine_loop import EngineLoop
     from pagoda.serving.observers import TracerObserver
     from pagoda.serving.response_sender import ResponseSender
-    from pagoda.serving.triton_io import ParsedRequest
+    from pagoda.serving.wire import WireRequest
 
     monkeypatch.delenv("PAGODA_REDIS_URL", raising=False)  # no fleet publisher in this loop
     recorded, delivered = [], queue.Queue()
@@ -144,7 +144,7 @@ def test_engine_loop_traces_only_requests_with_a_traceparent(monkeypatch):
     sender.start()
     loop.start()
     try:
-        parsed = ParsedRequest(prompt="hi", params=SamplingParams(max_tokens=1))
+        parsed = WireRequest(prompt="hi", params=SamplingParams(max_tokens=1))
         for request_id, traceparent in (("traced", TRACEPARENT), ("plain", None), ("boom", TRACEPARENT)):
             loop.submit(ServingRequest(request_id, parsed, request_id, traceparent=traceparent))
         finals = {delivered.get(timeout=10)[0] for _ in range(3)}

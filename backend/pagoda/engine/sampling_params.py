@@ -218,6 +218,16 @@ class SamplingParams:
             raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
         return cls(**values)
 
+    def to_dict(self) -> dict[str, Any]:
+        """The fields that differ from their defaults, as JSON values (``from_dict`` reads them back)."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            if value != default:
+                out[f.name] = value.to_dict() if isinstance(value, GuidedDecodingParams) else value
+        return out
+
     def clone(self, **changes: Any) -> "SamplingParams":
         return dataclasses.replace(self, **changes)
 

@@ -38,6 +38,7 @@ Prometheus registry does not add one. Labels: ``model_name`` (vLLM's), plus Trit
 | pagoda:kv_swapped_in_total             | counter   | EngineStats.num_swapped_in               |
 | pagoda:recomputed_preemptions_total    | counter   | EngineStats.num_recomputed_preemptions   |
 | pagoda:prefix_cache_hits_host_total    | counter   | EngineStats.prefix_cache_hits_host (b)   |
+| pagoda:prompts_tokenized_total         | counter   | EngineStats.num_prompts_tokenized (e)    |
 | vllm:cache_config_info                 | gauge     | value 1; labels: the cache configuration (c) |
 | vllm:lora_requests_info                | gauge     | the time (s) the adapter set was last seen (d) |
 
@@ -47,6 +48,7 @@ Prometheus registry does not add one. Labels: ``model_name`` (vLLM's), plus Trit
 gpu_memory_utilization, num_cpu_blocks; set once, at the first engine update.
 (d) labels running_lora_adapters, waiting_lora_adapters (comma-separated), max_lora; as vLLM (LoRA
 engines only).
+(e) text prompts encoded here; a router's token ids are not.
 
 The three ``vllm:request_*`` histograms use the vLLM backend's buckets (1-2-5 steps up to
 ``max_model_len``; n: 1, 2, 5, 10, 20). For ``n > 1`` pagoda observes one request (its
@@ -102,6 +104,8 @@ COUNTERS = {
     "pagoda:recomputed_preemptions_total": ("Preemptions resolved by recomputation.", "num_recomputed_preemptions"),
     "pagoda:prefix_cache_hits_host_total": ("Prefix cache hits served from the CPU tier, in tokens.",
                                             "prefix_cache_hits_host"),
+    "pagoda:prompts_tokenized_total": ("Text prompts this replica encoded (a router's token ids are used as sent).",
+                                       "num_prompts_tokenized"),
     "pagoda:admission_refused_total": ("Requests refused at once: the waiting queue was full.",
                                        "num_admission_refused"),
     "pagoda:admission_displaced_total": ("Waiting requests ended by a more urgent one (overload error).",

@@ -27,12 +27,15 @@ from __future__ import annotations
 import json
 import time
 from importlib.metadata import version as _version
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
-from pagoda.fleet.api.openai_io import chat_logprobs, completion_logprobs, echoed_prompt_logprobs
+from pagoda.fleet.api.openai_io import OpenAIRequest, chat_logprobs, completion_logprobs, echoed_prompt_logprobs
 from pagoda.fleet.api.openai_responses import (ChatCompletion, ChatCompletionChunk, Completion, CompletionChunk, Usage,
                                                dump)
 from pagoda.fleet.api.openai_tools import finish_reason as tool_finish_reason, parse_answer
+
+if TYPE_CHECKING:
+    from pagoda.models.tokenizer import Tokenizer
 
 # OpenAI's backend-configuration fingerprint: the serving software and its version.
 SYSTEM_FINGERPRINT = f"pagoda-{_version('pagoda')}"
@@ -41,7 +44,7 @@ SYSTEM_FINGERPRINT = f"pagoda-{_version('pagoda')}"
 class Answer:
     """Accumulates one request's (one prompt's) outputs and renders OpenAI objects."""
 
-    def __init__(self, chat: bool, request_id: str, model: str, built: Any, tokenizer: Any,
+    def __init__(self, chat: bool, request_id: str, model: str, built: OpenAIRequest, tokenizer: "Tokenizer",
                  index_offset: int = 0) -> None:
         self.chat = chat
         self.request_id = request_id
