@@ -39,10 +39,18 @@ import re
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from pagoda.fleet.gate.limits import RequestLimits
 from pagoda.fleet.shutdown import STOP_PHASE_S, bounded
+
+if TYPE_CHECKING:
+    from pagoda.fleet.api.lora_admin import LoRAAdmin
+    from pagoda.fleet.api.tracing import RouterTracer
+    from pagoda.fleet.gate.gate import Gate
+    from pagoda.fleet.routing.replicas import Replica
+    from pagoda.fleet.routing.router import Router
+    from pagoda.models.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 # When the router stops, requests in flight on every door get this long to finish (HTTP
@@ -90,7 +98,7 @@ class RouterOptions:
     limits: Optional[RequestLimits] = None  # None: the defaults
 
 
-def make_gate(options: RouterOptions) -> Any:
+def make_gate(options: RouterOptions) -> "Gate":
     """The ``Gate`` (limits, API keys, rate limits) the options describe."""
     from pagoda.fleet.gate.auth import Tenant, load_api_keys, load_router_secret
     from pagoda.fleet.gate.gate import Gate
@@ -118,14 +126,15 @@ class RouterService:
         tokenizer: a ``Tokenizer`` to use instead of loading ``model_dir``'s.
     """
 
-    def __init__(self, options: RouterOptions, tracer: Any = None, tokenizer: Any = None) -> None:
+    def __init__(self, options: RouterOptions, tracer: Optional["RouterTracer"] = None,
+                 tokenizer: Optional["Tokenizer"] = None) -> None:
         self.options = options
         self._tracer = tracer
         self._tokenizer = tokenizer
-        self.router: Any = None  # a Router, from start()
-        self.gate: Any = None  # a Gate
-        self.lora_admin: Any = None  # a LoRAAdmin
-        self.tracer: Any = None  # a RouterTracer
+        self.router: Optional["Router"] = None  # from start()
+        self.gate: Optional["Gate"] = None
+        self.lora_admin: Optional["LoRAAdmin"] = None
+        self.tracer: Optional["RouterTracer"] = None
         self.model_name = ""
         self.http_port = 0
         self.grpc_port = 0
@@ -162,7 +171,7 @@ class RouterService:
         await self._serve_doors()
         return self
 
-    def _make_router(self) -> Any:
+    def _make_router(self) -> "Router":
         """The ``Router`` over the options' replicas, tokenizer and (with Redis) ``FleetView``."""
         from pagoda.fleet.routing.fleet_view import FleetView
         from pagoda.fleet.routing.replicas import ReplicaSet, parse_replicas_spec
@@ -244,7 +253,7 @@ class RouterService:
             except Exception:  # noqa: BLE001 - never let the loop die
                 logger.exception("registry refresh failed")
 
-    async def probe(self, replica: Any) -> bool:
+    async def probe(self, replica: "Replica") -> bool:
         """Ask one replica ``ServerReady``; update its health; return whether it is ready and routable."""
         import grpc
         from tritonclient.grpc import service_pb2
@@ -261,7 +270,7 @@ class RouterService:
             self.router.replicas.mark_unhealthy(replica, "health probe: not ready")
         return bool(response.ready) and replica.healthy
 
-    async def _admit_ready(self, replica: Any) -> None:
+    async def _admit_ready(self, replica: "Replica") -> None:
         """A ready replica becomes routable; one that was not (or is new) first gets its LoRA
         adapters synced (``lora_admin.sync``: learn its adapters, replay the run-time ones)."""
         if not replica.healthy or not replica.lora_synced:
