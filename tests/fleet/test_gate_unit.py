@@ -346,7 +346,8 @@ async def _http_scenario(app, clock):
             async with client.request(method, path, data=data, headers=headers or {}) as response:
                 return response.status, dict(response.headers), await response.read()
 
-        auth = {"Authorization": f"Bearer {SECRET}", "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}
+        auth = {"Authorization": f"Bearer {SECRET}",
+                "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}
         chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
         status, _, body = await call("POST", "/v1/chat/completions", chat)
         assert status == 401 and json.loads(body)["error"]["type"] == "authentication_error"
@@ -497,7 +498,8 @@ async def _hostile_json_scenario(tokenizer):
             assert len(answers) == 1 and "sampling_parameters" in answers[0].error_message, (sampling, answers)
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await stub.ModelInfer(_infer_request(sampling))
-            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "sampling_parameters" in info.value.details()
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "sampling_parameters" in info.value.details()
         [answer] = [r async for r in stub.ModelStreamInfer(iter([_infer_request('{"max_tokens": 2}')]))]
         assert "no replica" in answer.error_message
 

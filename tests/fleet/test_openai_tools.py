@@ -42,7 +42,8 @@ def plan(**body):
     ({"tools": "x"}, "tools: input should be a valid list"),
     ({"tool_choice": "auto"}, "tool_choice: needs tools"),
     ({"tools": [WEATHER], "tool_choice": "always"}, "tool_choice: must be none, auto, required"),
-    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "no tool is named 'nope'"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "no tool is named 'nope'"),
     ({"tools": [WEATHER], "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
 ])
 def test_bad_tools_are_refused_naming_the_field(body, message):

@@ -101,7 +101,7 @@ def test_the_publisher_advertises_its_connector_on_its_host():
 
 
 def test_the_router_flag_sets_the_threshold_and_zero_turns_pulls_off():
-    from pagoda.fleet.service import make_parser, options_from_args
+    from pagoda.fleet.router_cli import make_parser, options_from_args
 
     args = make_parser().parse_args(["--replicas", "id=a,grpc=a:1,http=a:2", "--peer-pull-min-blocks", "0"])
     assert options_from_args(args).peer_pull_min_blocks == 0

@@ -225,8 +225,8 @@ def grpc_generate(url, prompts, max_tokens=4, metadata=None, **sampling):
     results: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: results.put((result, error)), headers=metadata)
     for i, prompt in enumerate(prompts):
-        client.async_stream_infer("pagoda", make_inputs(prompt, {"max_tokens": max_tokens, "temperature": 0, **sampling}),
-                                  request_id=str(i))
+        inputs = make_inputs(prompt, {"max_tokens": max_tokens, "temperature": 0, **sampling})
+        client.async_stream_infer("pagoda", inputs, request_id=str(i))
     texts: dict[str, str] = {}
     errors = []
     num_done = 0

@@ -14,8 +14,10 @@ from pagoda.contracts.block_hash import hash_prompt_blocks
 from pagoda.fleet.api.grpc_proxy import cache_salt_of
 from pagoda.fleet.triton_wire import bytes_elements, read_string_input
 from pagoda.fleet.routing.fleet_view import IndexView
-from pagoda.fleet.routing.replicas import KubernetesConfig, KubernetesDiscovery, ReplicaSet, parse_replicas_spec, pod_to_member
-from pagoda.fleet.service import options_from_args, make_parser, resolve_redis_url
+from pagoda.fleet.routing.k8s_discovery import KubernetesConfig, KubernetesDiscovery, pod_to_member
+from pagoda.fleet.routing.replicas import ReplicaSet, parse_replicas_spec
+from pagoda.fleet.router_cli import make_parser, options_from_args
+from pagoda.fleet.service import resolve_redis_url
 from pagoda.fleet.routing.router import NoReplicaAvailable, Router
 
 
@@ -223,12 +225,14 @@ def test_redis_url_expansion_and_cli():
                                      "redis://:$(PAGODA_REDIS_PASSWORD)@r:6379/0", "--policy", "prefix_aware",
                                      "--policy-knob", "load_cost_tokens=128"])
     options = options_from_args(args)
-    assert options.k8s_selector == "app=pagoda,component=replica" and options.policy_knobs == {"load_cost_tokens": 128.0}
+    assert options.k8s_selector == "app=pagoda,component=replica"
+    assert options.policy_knobs == {"load_cost_tokens": 128.0}
     assert (options.http_port, options.grpc_port) == (8080, 8081)
 
 
 def test_pod_to_member():
-    pod = {"metadata": {"name": "llm-0"}, "spec": {"containers": [{"ports": [{"name": "grpc", "containerPort": 9001}]}]},
+    pod = {"metadata": {"name": "llm-0"},
+           "spec": {"containers": [{"ports": [{"name": "grpc", "containerPort": 9001}]}]},
            "status": {"podIP": "10.1.2.3", "conditions": [{"type": "Ready", "status": "True"}]}}
     assert pod_to_member(pod) == ("llm-0", {"http": "10.1.2.3:8000", "grpc": "10.1.2.3:9001",
                                             "metrics": "10.1.2.3:8002"})

@@ -54,8 +54,8 @@ def test_engine_spans_from_request_metrics():
     tracer = RequestTracer(exporter, batch=False)
     metrics = RequestMetrics(arrival_time=100.0, first_scheduled_time=100.5, first_token_time=101.0,
                              last_token_time=102.0, finished_time=102.5)
-    output = RequestOutput("req-1", "hi", [1, 2, 3], [CompletionOutput(0, "x y", [4, 5], "", [], finish_reason="length")],
-                           True, metrics, num_cached_tokens=2)
+    completion = CompletionOutput(0, "x y", [4, 5], "", [], finish_reason="length")
+    output = RequestOutput("req-1", "hi", [1, 2, 3], [completion], True, metrics, num_cached_tokens=2)
     tracer.record(TRACEPARENT, output)
     tracer.record(None, output)  # untraced requests make no spans
     spans = {s.name: s for s in exporter.get_finished_spans()}

@@ -17,7 +17,8 @@ def _client_request(binary: bool):
     inputs = []
     for name, array, datatype in (("text_input", np.array([b"h\xc3\xa9"], dtype=np.object_), "BYTES"),
                                   ("max_tokens", np.array([7], dtype=np.int32), "INT32"),
-                                  ("stream", np.array([True]), "BOOL"), ("seed", np.array([2 ** 40], np.uint64), "UINT64"),
+                                  ("stream", np.array([True]), "BOOL"),
+                                  ("seed", np.array([2 ** 40], np.uint64), "UINT64"),
                                   ("temperature", np.array([0.5], dtype=np.float32), "FP32"),
                                   ("input_ids", np.array([[1, 2], [3, 4]], dtype=np.int32), "INT32")):
         tensor = grpcclient.InferInput(name, list(array.shape), datatype)

@@ -220,9 +220,12 @@ def test_the_routers_http_door_checks_a_front_body_against_the_fronts_inputs():
 def test_the_router_salts_a_front_body_through_its_request_parameters():
     """Tenants' prefix-cache isolation reaches the fronts: the router's tenant salt goes in
     ``parameters.cache_salt``, which the front reads into pagoda's ``cache_salt``."""
-    from pagoda.fleet.api.http_api import _salt_document
+    from pagoda.fleet.api.generate_request import GenerateRequest
 
     document = {"text_input": "Hi", "max_tokens": 4}
-    _salt_document(document, "tenant-salt", front=True)
-    assert document["parameters"] == {"cache_salt": "tenant-salt"}
-    assert dialect.read_request_parameters(json.dumps(document["parameters"])) == {"cache_salt": "tenant-salt"}
+    body = GenerateRequest.of_document(document, "ensemble", is_front=True).salted("tenant-salt").body()
+    assert body["parameters"] == {"cache_salt": "tenant-salt"} and "parameters" not in document
+    options = dialect.read_request_parameters(json.dumps(body["parameters"]))
+    assert options == {"cache_salt": "tenant-salt"}
+    wire = WireRequest.from_dialect(dialect.read_item(item(), decoupled=False)).with_options(**options)
+    assert wire.options.cache_salt == "tenant-salt"

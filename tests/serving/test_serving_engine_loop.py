@@ -11,8 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from pagoda.engine.core.admission import EngineOverloaded, overload_message
-from pagoda.engine.core.protocols import EngineClient
+from pagoda.engine.core.load_shedding import EngineOverloaded, overload_message
+from pagoda.engine.client import EngineClient
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagoda.engine.request import EngineRequest
@@ -117,7 +117,8 @@ class FakeEngine:
             n = r["tokens"]
             outputs.append(RequestOutput(
                 request_id=rid, prompt="p", prompt_token_ids=[1], finished=reason is not None, metrics=r["metrics"],
-                outputs=[CompletionOutput(index=0, text="t" * n, token_ids=[7] * n, delta_text="" if r["abort"] else "t",
+                outputs=[CompletionOutput(index=0, text="t" * n, token_ids=[7] * n,
+                                          delta_text="" if r["abort"] else "t",
                                           delta_token_ids=[] if r["abort"] else [7], finish_reason=reason)]))
             if reason is not None:
                 del self.requests[rid]

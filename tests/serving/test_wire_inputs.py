@@ -56,7 +56,8 @@ def test_vllm_style_json_and_flags():
         return_num_output_tokens=True,
         sampling_parameters={"temperature": 0, "max_tokens": 8, "stop": ["\n"], "seed": 3, "top_k": -1,
                              "priority": 2, "cache_salt": "tenant-a"}))
-    assert parsed.wire.output.stream and parsed.wire.output.exclude_input_in_output and parsed.wire.output.return_finish_reason
+    output = parsed.wire.output
+    assert output.stream and output.exclude_input_in_output and output.return_finish_reason
     assert parsed.wire.output.return_num_output_tokens and not parsed.wire.output.return_logprobs
     p = parsed.wire.engine_params()
     assert (p.temperature, p.max_tokens, p.stop, p.seed, p.top_k) == (0, 8, ["\n"], 3, 0)
@@ -247,7 +248,8 @@ def test_guided_decoding_in_sampling_parameters():
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     parsed = parse_request(inputs(text_input="Hi", sampling_parameters={
         "max_tokens": "8", "guided_decoding": {"json": schema, "regex": None}}))
-    assert parsed.wire.engine_params().guided_decoding.kind == "json" and json.loads(parsed.wire.engine_params().guided_decoding.json) == schema
+    guided = parsed.wire.engine_params().guided_decoding
+    assert guided.kind == "json" and json.loads(guided.json) == schema
     for spec, message in [({"regex": "a", "choice": ["a"]}, "give exactly one of"),
                           ("a+", "guided_decoding: must be a JSON object"),
                           ({"json": "{"}, "guided_decoding.json: not valid JSON")]:
@@ -309,7 +311,8 @@ def test_lora_control_requests_are_parsed_and_bad_ones_named():
 def test_request_parameters_are_read_as_sampling_parameters_and_merged_with_the_tensor():
     parsed = parse_request(inputs(text_input="Hi"), json.dumps({"temperature": "0", "max_tokens": "3",
                                                                 "stop_token_ids": "[7, 8]", "traceparent": "00-x"}))
-    assert (parsed.wire.engine_params().temperature, parsed.wire.engine_params().max_tokens, parsed.wire.engine_params().stop_token_ids) == (0.0, 3, [7, 8])
+    params = parsed.wire.engine_params()
+    assert (params.temperature, params.max_tokens, params.stop_token_ids) == (0.0, 3, [7, 8])
     both = parse_request(inputs(text_input="Hi", sampling_parameters={"temperature": 0, "n": 2}),
                          json.dumps({"temperature": "0", "lora_name": "sql", "seed": 4}))
     assert (both.wire.engine_params().n, both.wire.engine_params().seed, both.wire.options.lora_name) == (2, 4, "sql")
@@ -329,7 +332,8 @@ def test_structured_outputs_become_guided_decoding():
     as_text = parse_request(inputs(text_input="Hi"), json.dumps({"structured_outputs": json.dumps({"choice": ["a"]})}))
     as_object = parse_request(inputs(text_input="Hi", sampling_parameters={
         "structured_outputs": {"regex": "[0-9]+", "json": None, "disable_fallback": True}}))
-    assert as_text.wire.engine_params().guided_decoding.choice == ["a"] and as_object.wire.engine_params().guided_decoding.regex == "[0-9]+"
+    assert as_text.wire.engine_params().guided_decoding.choice == ["a"]
+    assert as_object.wire.engine_params().guided_decoding.regex == "[0-9]+"
     for sampling, message in [({"structured_outputs": {"regex": "a"}, "guided_decoding": {"regex": "b"}},
                                "structured_outputs: give either"),
                               ({"structured_outputs": "{oops"}, "structured_outputs: not valid JSON"),
@@ -337,7 +341,8 @@ def test_structured_outputs_become_guided_decoding():
                                "structured_outputs.whitespace_pattern: not supported")]:
         with pytest.raises(ValueError, match=f"^{re.escape(message)}"):
             parse_request(inputs(text_input="Hi", sampling_parameters=sampling))
-    assert parse_request(inputs(text_input="Hi"), json.dumps({"prompt_logprobs": "2"})).wire.engine_params().prompt_logprobs == 2
+    parsed = parse_request(inputs(text_input="Hi"), json.dumps({"prompt_logprobs": "2"}))
+    assert parsed.wire.engine_params().prompt_logprobs == 2
     with pytest.raises(ValueError, match="^prompt_logprobs: must be >= 0"):
         parse_request(inputs(text_input="Hi", sampling_parameters={"prompt_logprobs": -1}))
 
@@ -399,11 +404,15 @@ def test_beam_search_from_either_dialect_with_cumulative_logprobs():
     vllm = parse_request(inputs(text_input="Hi", return_cumulative_logprob=True, sampling_parameters={
         "use_beam_search": True, "best_of": 4, "n": 2, "temperature": 0, "length_penalty": 0.5,
         "early_stopping": "never"}))
-    assert vllm.wire.engine_params().num_beams == 4 and vllm.wire.engine_params().n == 2 and vllm.wire.engine_params().logprobs is None
-    assert vllm.wire.engine_params().length_penalty == 0.5 and vllm.wire.engine_params().early_stopping == "never"
+    params = vllm.wire.engine_params()
+    assert params.num_beams == 4 and params.n == 2 and params.logprobs is None
+    assert params.length_penalty == 0.5 and params.early_stopping == "never"
     per_token = parse_request(inputs(text_input="Hi", return_logprobs=True, sampling_parameters={
         "use_beam_search": True, "best_of": 2, "temperature": 0, "logprobs": 3}))
-    assert per_token.wire.engine_params().logprobs == 3 and per_token.wire.logprobs_asked  # each beam's per-token values
+    # Each beam's per-token values.
+    assert per_token.wire.engine_params().logprobs == 3 and per_token.wire.logprobs_asked
     trt = parse_request(inputs(text_input="Hi", beam_width=np.array([3], dtype=np.int32)))
-    assert trt.wire.engine_params().num_beams == 3 and trt.wire.engine_params().temperature == 0.0 and trt.wire.engine_params().n == 1
-    assert parse_request(inputs(text_input="Hi", beam_width=np.array([1], dtype=np.int32))).wire.engine_params().num_beams == 0
+    params = trt.wire.engine_params()
+    assert params.num_beams == 3 and params.temperature == 0.0 and params.n == 1
+    width_1 = parse_request(inputs(text_input="Hi", beam_width=np.array([1], dtype=np.int32)))
+    assert width_1.wire.engine_params().num_beams == 0

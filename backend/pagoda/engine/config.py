@@ -6,8 +6,8 @@ engine arguments. The engine reads it through per-feature groups, each a frozen 
 that validates its own fields when built: ``config.load`` (model, dtype, device, weights),
 ``config.cache`` (KV blocks and budget), ``config.scheduling`` (batch limits, policy,
 overlap), ``config.speculative``, ``config.offload`` (the CPU tier), ``config.lora`` and
-``config.admission`` (waiting-queue bounds) and ``config.guided`` (grammar compile budget). Each field belongs to exactly one group (a
-test checks it): a new feature adds its group here, then its flat fields. Building an
+``config.admission`` (waiting-queue bounds) and ``config.guided`` (grammar compile budget). Each field belongs to
+exactly one group (a test checks it): a new feature adds its group here, then its flat fields. Building an
 ``EngineConfig`` builds every group, so an invalid value raises ``ValueError`` naming the
 field at once; checks that span two groups stay in ``EngineConfig``.
 
@@ -176,7 +176,7 @@ class LoRAConfig:
 
 @dataclass(frozen=True)
 class AdmissionConfig:
-    """Bounds on the waiting queue (pagoda.engine.core.admission, docs/reliability.md)."""
+    """Bounds on the waiting queue (pagoda.engine.core.load_shedding, docs/reliability.md)."""
 
     max_waiting_requests: int
     max_waiting_prompt_tokens: int
@@ -316,7 +316,7 @@ class EngineConfig:
     max_lora_rank: int = 16  # slots are sized for this rank; larger adapters are refused
     max_cpu_loras: int = 64  # adapters registered (host copies) at once
     lora_modules: dict = field(default_factory=dict)  # name -> PEFT folder, loaded at start
-    # Admission control (pagoda.engine.core.admission, docs/reliability.md): past these bounds on
+    # Admission control (pagoda.engine.core.load_shedding, docs/reliability.md): past these bounds on
     # the waiting queue a new request is refused at once with an overload error. Sized so a
     # full queue holds ~100 MB of host memory at most, whatever the clients send.
     max_waiting_requests: int = 1024

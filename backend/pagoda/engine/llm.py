@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence, Union
 
-from pagoda.engine.core.admission import EngineOverloaded
+from pagoda.engine.core.load_shedding import EngineOverloaded
 from pagoda.engine.config import EngineConfig
 from pagoda.engine.llm_engine import LLMEngine, PromptType
 from pagoda.engine.outputs import RequestOutput

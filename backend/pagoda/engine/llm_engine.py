@@ -39,10 +39,10 @@ import time
 from typing import TYPE_CHECKING, Iterable, Optional, Union
 
 from pagoda.contracts.request_options import RequestOptions
-from pagoda.engine.core.admission import Admission, EngineOverloaded, deadline_message, overload_message
+from pagoda.engine.core.load_shedding import Admission, EngineOverloaded, deadline_message, overload_message
 from pagoda.engine.config import EngineConfig
 from pagoda.engine.core.batch_queue import make_engine_core
-from pagoda.engine.core.parallel_sampling import child_request_ids
+from pagoda.engine.request_groups.parallel_sampling import child_request_ids
 from pagoda.engine.guided.backend import XGrammarBackend
 from pagoda.engine.input_processor import EngineCapabilities, InputProcessor
 from pagoda.engine.output_processor import OutputProcessor
@@ -130,7 +130,7 @@ class LLMEngine:
 
         Its ``options.lora_name`` must name a loaded adapter; past its ``options.timeout``
         (seconds from arrival) it ends with a "deadline exceeded" error output
-        (``pagoda.engine.core.admission``); ``params.n > 1`` runs ``n`` children.
+        (``pagoda.engine.core.load_shedding``); ``params.n > 1`` runs ``n`` children.
 
         Raises:
             ValueError: as ``InputProcessor.process`` (duplicate id, empty prompt, token ids
@@ -185,7 +185,7 @@ class LLMEngine:
         return self.input_processor.tokenize_prompt(text, params)
 
     def _find_stop_string(self, params: SamplingParams, output_token_ids: list[int]) -> Optional[str]:
-        """The stop string a beam's output text holds (the earliest), or None (``core.beam_search``)."""
+        """The stop string a beam's output text holds (the earliest), or None (``request_groups.beam_search``)."""
         text = self.tokenizer.decode(output_token_ids, skip_special_tokens=params.skip_special_tokens)
         found = [(text.find(stop), stop) for stop in params.stop if stop in text]
         return min(found)[1] if found else None

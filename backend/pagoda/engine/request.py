@@ -158,7 +158,7 @@ class Request:
         self._extra = b""
 
         self.sampling_state: Any = None
-        self.beam_group: Any = None  # its BeamGroup when it is one beam of a beam search (core.beam_search)
+        self.beam_group: Any = None  # its BeamGroup when it is one beam of a beam search (request_groups.beam_search)
         self.detokenizer: Any = None
         self.metrics = RequestMetrics(arrival_time=arrival_time)
 

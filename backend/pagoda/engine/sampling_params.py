@@ -78,7 +78,7 @@ class SamplingParams:
     bad_words: Optional[list[str]] = None
     truncate_prompt_tokens: Optional[int] = None
     spaces_between_special_tokens: Optional[bool] = None  # None: not given (vLLM's default, True)
-    # Beam search (engine.core.beam_search): vLLM's old names; beam_width is TensorRT-LLM's.
+    # Beam search (engine.request_groups.beam_search): vLLM's old names; beam_width is TensorRT-LLM's.
     use_beam_search: bool = False
     best_of: Optional[int] = None
     beam_width: Optional[int] = None
@@ -234,7 +234,7 @@ class SamplingParams:
 
 # Fields that would change the distribution beam search ranks, or ask for output it does not
 # produce (prompt log-probabilities); each must keep this value with use_beam_search (as
-# vLLM's old API). ``logprobs`` is allowed: each beam's per-token values (core.beam_search).
+# vLLM's old API). ``logprobs`` is allowed: each beam's per-token values (request_groups.beam_search).
 _BEAM_NEUTRAL = [("temperature", 0.0), ("top_p", 1.0), ("top_k", 0), ("min_p", 0.0), ("repetition_penalty", 1.0),
                  ("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("min_tokens", 0),
                  ("prompt_logprobs", None), ("allowed_token_ids", None),

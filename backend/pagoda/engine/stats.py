@@ -77,7 +77,7 @@ class EngineStats:
     cache_config_info: tuple = ()
     # Text prompts the engine encoded (a router's token ids are used as they are; input_processor).
     num_prompts_tokenized: int = 0
-    # Admission control (pagoda.engine.core.admission).
+    # Admission control (pagoda.engine.core.load_shedding).
     num_admission_refused: int = 0  # refused at add_request: the waiting queue was full
     num_admission_displaced: int = 0  # waiting requests ended by a more urgent one
     num_deadline_expired: int = 0  # requests ended by their timeout

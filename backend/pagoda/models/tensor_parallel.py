@@ -74,7 +74,8 @@ def check_divisible(config: ModelConfig, tp: int) -> None:
               ("num_attention_heads", heads, not few_kv or heads % tp == 0, "be divisible by the tensor-parallel size"),
               ("intermediate_size", config.intermediate_size, config.intermediate_size % tp == 0,
                "be divisible by the tensor-parallel size"),
-              ("vocab_size", config.vocab_size, config.vocab_size % tp == 0, "be divisible by the tensor-parallel size"))
+              ("vocab_size", config.vocab_size, config.vocab_size % tp == 0,
+               "be divisible by the tensor-parallel size"))
     for name, value, ok, rule in checks:
         if not ok:
             raise ValueError(f"tensor_parallel_size={tp}: {name}={value} must {rule}")

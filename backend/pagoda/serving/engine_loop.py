@@ -1,7 +1,7 @@
 """The thread that owns the engine.
 
 The engine is not thread-safe, so exactly one thread (``EngineLoop``) touches it, through
-the ``EngineClient`` protocol (``pagoda.engine.core.protocols``): nothing else of the
+the ``EngineClient`` protocol (``pagoda.engine.client``): nothing else of the
 engine is reached from here. Triton's ``execute()`` runs on other threads; it only
 *submits* typed commands (``serving.commands``: ``Add``, ``Abort``, ``LoRACommand``,
 ``RegisterLoRA``, ``Wake``) through a queue, which the loop dispatches by type. The loop:
@@ -63,8 +63,8 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from pagoda.engine.core.admission import EngineOverloaded
-from pagoda.engine.core.protocols import EngineClient
+from pagoda.engine.core.load_shedding import EngineOverloaded
+from pagoda.engine.client import EngineClient
 from pagoda.engine.request import EngineRequest
 from pagoda.serving.commands import Abort, Add, Command, LoRACommand, RegisterLoRA, ServingRequest, Wake, request_of
 from pagoda.contracts.errors import DRAINING_MESSAGE
@@ -284,7 +284,8 @@ class EngineLoop:
                 self._engine.abort_request(request_id)
             except Exception:  # noqa: BLE001
                 logger.exception("abort_request failed for %s", request_id)
-                self._finish(request_id, make_error_response("request aborted; the engine failed to abort it", "INTERNAL"))
+                error = make_error_response("request aborted; the engine failed to abort it", "INTERNAL")
+                self._finish(request_id, error)
 
     def _poll_drain(self) -> None:
         if self._drain_path is None or self._is_drained:

@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Callable
 
 from pagoda.contracts.errors import SHUTDOWN_MESSAGE
-from pagoda.engine.core.protocols import EngineClient
+from pagoda.engine.client import EngineClient
 from pagoda.serving.heap import release_free_heap
 from pagoda.serving.commands import Command, LoRACommand, RegisterLoRA, ServingRequest
 from pagoda.serving.response_sender import ResponseSender

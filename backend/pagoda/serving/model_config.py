@@ -25,7 +25,7 @@ same model repository works under ``pagoda serve``, in NVIDIA's container and un
 
 Server defaults (``SERVER_DEFAULTS``) differ from ``EngineConfig``'s where a server must
 protect itself and an offline engine must not refuse its own work: ``max_queue_delay_s`` is
-30 s here (admission from measured capacity, ``pagoda.engine.core.admission``), 0 (off) in
+30 s here (admission from measured capacity, ``pagoda.engine.core.load_shedding``), 0 (off) in
 ``EngineConfig``. A parameter set to a value (``0`` included) wins.
 
 Invariant: every key accepted here is an ``EngineConfig`` field (or a ``SERVING_PARAMETERS`` key),

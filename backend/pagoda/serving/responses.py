@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 import numpy as np
 
 from pagoda.contracts.errors import TRITON_CODES, ErrorKind, TritonCode, triton_code_of
-from pagoda.engine.core.admission import is_admission_error
+from pagoda.engine.core.load_shedding import is_admission_error
 from pagoda.engine.outputs import RequestOutput
 from pagoda.serving.dialects.tensors import string_array
 from pagoda.serving.dialects.vllm import finish_reason_text, logprobs_text, prompt_logprobs_text

@@ -24,7 +24,7 @@ Sliding windows: before each allocation a running request's blocks outside its n
 query's window are freed (``remove_skipped``): they are reused by anyone (they count as
 free for the allocation that freed them), so a long generation holds a window's worth.
 
-Beam search (``core.beam_search``) forks a request: ``fork`` gives the child the parent's
+Beam search (``request_groups.beam_search``) forks a request: ``fork`` gives the child the parent's
 tables by reference (each shared block's count goes up, no KV is copied) except the last,
 partly filled block, which the child is about to write into: that one is copied
 (copy-on-write, a device copy queued for the next step, ``take_copies``), or, when no

@@ -14,8 +14,8 @@
   forwarded to a routable replica. Other methods answer UNIMPLEMENTED.
 
 A message over the router's body limit (``--max-body-bytes``) is refused by gRPC itself
-with RESOURCE_EXHAUSTED (``make_grpc_server``). A LoRA control request (``lora_action``) is refused here with INVALID_ARGUMENT: it must
-reach every replica, which the HTTP door and ``/v1/load_lora_adapter`` do (``lora_admin``).
+with RESOURCE_EXHAUSTED (``make_grpc_server``). A LoRA control request (``lora_action``) is refused here with
+INVALID_ARGUMENT: it must reach every replica, which the HTTP door and ``/v1/load_lora_adapter`` do (``lora_admin``).
 
 Faults (``upstream``): a refused connection is retried on another replica; a stream broken
 after it began ends with one error response naming the replica. A unary call is retried

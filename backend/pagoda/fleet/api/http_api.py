@@ -394,6 +394,8 @@ def render_metrics(router: Router, gate: Gate) -> str:
     def quantile(q: float) -> float:
         return times[min(len(times) - 1, int(q * len(times)))] if times else 0.0
 
+    replicas = router.replicas.all()
+    refused = {**gate.num_refused, **{f"rate_limited_{k}": v for k, v in gate.limiter.num_limited.items()}}
     lines = [
         "# TYPE pagoda_router_decisions_total counter",
         f"pagoda_router_decisions_total {router.num_decisions}",
@@ -404,15 +406,14 @@ def render_metrics(router: Router, gate: Gate) -> str:
         "# TYPE pagoda_router_decision_seconds summary",
         *(f'pagoda_router_decision_seconds{{quantile="{q}"}} {quantile(q):.6f}' for q in (0.5, 0.9, 0.99)),
         "# TYPE pagoda_router_replica_in_flight gauge",
-        *(f'pagoda_router_replica_in_flight{{replica_id="{r.replica_id}"}} {r.in_flight}' for r in router.replicas.all()),
+        *(f'pagoda_router_replica_in_flight{{replica_id="{r.replica_id}"}} {r.in_flight}' for r in replicas),
         "# TYPE pagoda_router_replica_requests_total counter",
-        *(f'pagoda_router_replica_requests_total{{replica_id="{r.replica_id}"}} {r.num_routed}' for r in router.replicas.all()),
+        *(f'pagoda_router_replica_requests_total{{replica_id="{r.replica_id}"}} {r.num_routed}' for r in replicas),
         "# TYPE pagoda_router_replica_healthy gauge",
-        *(f'pagoda_router_replica_healthy{{replica_id="{r.replica_id}"}} {int(r.healthy)}' for r in router.replicas.all()),
+        *(f'pagoda_router_replica_healthy{{replica_id="{r.replica_id}"}} {int(r.healthy)}' for r in replicas),
         *router.metric_lines(),
         "# TYPE pagoda_router_refused_total counter",
         *(f'pagoda_router_refused_total{{reason="{reason}"}} {count}'
-          for reason, count in sorted({**gate.num_refused,
-                                       **{f"rate_limited_{k}": v for k, v in gate.limiter.num_limited.items()}}.items())),
+          for reason, count in sorted(refused.items())),
     ]
     return "\n".join(lines) + "\n"

@@ -145,7 +145,10 @@ class Answer:
 
     def chunk(self, choices: list[dict], usage: Optional[Usage] = None) -> dict:
         """One stream chunk (``usage`` only on the last one, when asked for)."""
-        model, kind = (ChatCompletionChunk, "chat.completion.chunk") if self.chat else (CompletionChunk, "text_completion")
+        if self.chat:
+            model, kind = ChatCompletionChunk, "chat.completion.chunk"
+        else:
+            model, kind = CompletionChunk, "text_completion"
         fields = {"usage": usage} if usage is not None else {}
         return dump(model(id=self.request_id, object=kind, created=self.created, model=self.model,
                           system_fingerprint=SYSTEM_FINGERPRINT, choices=choices, **fields))

@@ -29,8 +29,8 @@ Completions' ``prompt`` may be a string, a list of token
 ids, or a list of either (lm-eval's ``tokenized_requests``): one replica request per prompt,
 routed on its own (token ids travel as the ``input_ids`` input), run concurrently,
 choices numbered ``prompt index * n + i`` as vLLM numbers them, usage summed; streamed, the
-prompts' events interleave as they come (each names its ``index``), as vLLM's do. ``echo`` prepends the prompt; with ``logprobs`` the
-prompt's tokens' log-probabilities come first (the first ``null``; the replica's
+prompts' events interleave as they come (each names its ``index``), as vLLM's do. ``echo`` prepends the prompt; with
+``logprobs`` the prompt's tokens' log-probabilities come first (the first ``null``; the replica's
 ``prompt_logprobs``, which the body may also set itself, as vLLM's extra), and
 ``max_tokens=0`` is allowed with ``echo`` (the prompt alone: one token is generated and
 dropped, as vLLM does; ``openai_answer``). Structured

@@ -183,7 +183,7 @@ class _Common(_Strict):
     truncate_prompt_tokens: Optional[Annotated[int, Field(ge=-1)]] = None
     cache_salt: Optional[str] = None
     priority: Optional[int] = None
-    timeout: Optional[Annotated[Number, Field(gt=0)]] = None  # seconds; engine.core.admission deadlines
+    timeout: Optional[Annotated[Number, Field(gt=0)]] = None  # seconds; engine.core.load_shedding deadlines
     # beam search as vLLM's extras (best_of is the beam width then; docs/beam_search.md)
     use_beam_search: bool = False
     length_penalty: Optional[Number] = None

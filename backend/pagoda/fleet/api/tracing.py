@@ -78,7 +78,8 @@ class RouterTracer:
         service_name: the ``service.name`` resource attribute.
     """
 
-    def __init__(self, exporter: Optional["SpanExporter"] = None, batch: bool = True, service_name: str = "pagoda-router") -> None:
+    def __init__(self, exporter: Optional["SpanExporter"] = None, batch: bool = True,
+                 service_name: str = "pagoda-router") -> None:
         self.enabled = exporter is not None
         self._provider = None
         if not self.enabled:
@@ -151,5 +152,6 @@ def make_router_tracer(otlp_endpoint: Optional[str]) -> RouterTracer:
     try:
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
     except ImportError:
-        raise RuntimeError("--otlp-endpoint needs opentelemetry-sdk and opentelemetry-exporter-otlp-proto-grpc") from None
+        raise RuntimeError(
+            "--otlp-endpoint needs opentelemetry-sdk and opentelemetry-exporter-otlp-proto-grpc") from None
     return RouterTracer(OTLPSpanExporter(endpoint=otlp_endpoint, insecure=not otlp_endpoint.startswith("https://")))

@@ -100,8 +100,9 @@ class Router:
         policy_knobs: keyword arguments for ``make_policy``.
     """
 
-    def __init__(self, replicas: ReplicaSet, tokenizer: "Tokenizer", hash_model_id: str, policy_name: str = "prefix_aware",
-                 fleet: Optional[IndexView] = None, block_size: int = 16, **policy_knobs: Any) -> None:
+    def __init__(self, replicas: ReplicaSet, tokenizer: "Tokenizer", hash_model_id: str,
+                 policy_name: str = "prefix_aware", fleet: Optional[IndexView] = None, block_size: int = 16,
+                 **policy_knobs: Any) -> None:
         from pagoda.fleet.routing.policy import make_policy
 
         self.replicas = replicas
@@ -235,7 +236,8 @@ class Router:
                  "# TYPE pagoda:router_peer_pulls_total counter",
                  f"pagoda:router_peer_pulls_total {self.num_peer_pulls}"]
         if self.fleet is not None:
-            lines += ["# HELP pagoda:router_reaped_replicas_total expired replicas whose index entries this router removed",
+            lines += ["# HELP pagoda:router_reaped_replicas_total "
+                      "expired replicas whose index entries this router removed",
                       "# TYPE pagoda:router_reaped_replicas_total counter",
                       f"pagoda:router_reaped_replicas_total {self.fleet.num_reaped}"]
         return lines

@@ -174,7 +174,8 @@ def split_values(values: dict[str, Any], from_parameters: bool = False) -> tuple
                 values[key] = json_input.loads(value, key)
             except json_input.JSONInputError as exc:
                 raise ValueError(f"{key}: must be JSON text of a {kind[:4]}, got {value!r} ({exc})") from None
-        elif kind.startswith("list[") and not isinstance(value, list) and not (key == "stop" and isinstance(value, str)):
+        elif (kind.startswith("list[") and not isinstance(value, list)
+              and not (key == "stop" and isinstance(value, str))):
             raise ValueError(f"{key}: must be a JSON list, got {value!r}")
     return values, options
 

@@ -66,7 +66,8 @@ from pagoda.serving import finalize_request, process_tree
 from pagoda.serving.launch import startup_check
 from pagoda.serving.model_config import rewrite_config_pbtxt
 from pagoda.serving.trtllm_front import configure_fronts
-from pagoda.serving.launch.triton_install import TritonPaths, default_model_repository, find_tritonserver, make_backend_dir
+from pagoda.serving.launch.triton_install import (TritonPaths, default_model_repository, find_tritonserver,
+                                                  make_backend_dir)
 
 MODEL_NAME = "pagoda"
 # tritonserver's exit: idle HTTP connections first, then the models' unload (already finalized).

@@ -50,7 +50,9 @@ class OpenAIDoor:
             sys.executable, "-m", "pagoda.cli", "router", "--model-dir", model_dir,
             "--replicas", f"id=local,grpc={grpc_url},http={http_url},metrics={metrics_url}",
             "--http-port", str(port), "--no-grpc", "--health-interval", "1",
-        ] + (["--allow-runtime-lora"] if allow_runtime_lora else []) + (["--model-name", model_name] if model_name else [])
+        ]
+        self.command += ["--allow-runtime-lora"] if allow_runtime_lora else []
+        self.command += ["--model-name", model_name] if model_name else []
         self.process: Optional[subprocess.Popen] = None
         self.num_restarts = 0
 

@@ -149,7 +149,8 @@ def make_parser() -> argparse.ArgumentParser:
                         "many times in 10 minutes; beyond that (or with 0) the replica stops with exit code 1")
     p.add_argument("--openai-port", type=int, default=DEFAULT_OPENAI_PORT,
                    help="serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, /health) on "
-                        f"this port (default {DEFAULT_OPENAI_PORT}; 0: off); the router's OpenAI code over this replica")
+                        f"this port (default {DEFAULT_OPENAI_PORT}; 0: off); the router's OpenAI code over this "
+                        "replica")
     p.add_argument("--served-model-name", metavar="NAME",
                    help="the model's name on the OpenAI door and in metrics labels (default: the model folder's "
                         "name, or $PAGODA_MODEL_NAME)")
