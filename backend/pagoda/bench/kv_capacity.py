@@ -88,7 +88,10 @@ def uniform_specs(specs: list) -> list:
 
 def max_tokens(layout, budget: int, max_chunk: int, limit: int = 1 << 30) -> float:
     """The longest sequence whose blocks and state slot fit ``budget`` (``inf`` past ``limit``)."""
-    fits = lambda n: layout.max_blocks_per_request(n, max_chunk) * layout.block_bytes + layout.slot_bytes <= budget  # noqa: E731
+    def fits(num_tokens: int) -> bool:
+        blocks = layout.max_blocks_per_request(num_tokens, max_chunk)
+        return blocks * layout.block_bytes + layout.slot_bytes <= budget
+
     if fits(limit):
         return float("inf")
     low, high = 0, limit
