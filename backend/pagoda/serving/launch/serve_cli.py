@@ -102,6 +102,12 @@ def make_parser() -> argparse.ArgumentParser:
                         "wait longer than this for a slot (default 30; 0: off)")
     p.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
                    help="serve a PEFT LoRA adapter under NAME (repeatable; requests pick it with lora_name)")
+    p.add_argument("--reasoning-parser", metavar="NAME",
+                   help="the OpenAI door's reasoning parser (pagoda router --reasoning-parser; default: from the "
+                        "chat template)")
+    p.add_argument("--tool-call-parser", metavar="NAME",
+                   help="the OpenAI door's tool-call parser (pagoda router --tool-call-parser; default: from the "
+                        "chat template)")
     p.add_argument("--allow-runtime-lora", action="store_true",
                    help="accept LoRA control requests that load/unload adapters at run time (lora_action; "
                         "`pagoda lora`; turns LoRA on). Only for trusted clients: a load reads any folder "
@@ -341,7 +347,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.openai_port:
             door = OpenAIDoor(args.openai_port, model_dir_for(options.model), server.grpc_url, server.http_url,
                               f"{options.host}:{options.metrics_port}", allow_runtime_lora=args.allow_runtime_lora,
-                              model_name=args.served_model_name).start()
+                              model_name=args.served_model_name, parsers=(args.reasoning_parser,
+                                                                          args.tool_call_parser)).start()
         starting[0] = False
         trtllm_mode = "decoupled (streaming)" if args.trtllm_decoupled == "true" else "unary infer()"
         print(f"pagoda is serving model '{MODEL_NAME}' ({options.model})\n"
