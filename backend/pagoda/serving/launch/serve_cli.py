@@ -45,7 +45,7 @@ STUB_RESTART_WINDOW_S = 600.0
 ENGINE_FLAGS = ("scheduling_policy", "speculative_method", "speculative_model", "num_speculative_tokens",
                 "cpu_offload_bytes", "preemption_mode", "default_max_tokens", "gpu_memory_utilization",
                 "max_waiting_requests", "max_waiting_prompt_tokens", "max_queue_delay_s", "kv_cache_dtype",
-                "tensor_parallel_size", "pipeline_parallel_size")
+                "tensor_parallel_size", "pipeline_parallel_size", "generation_config")
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -66,6 +66,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-memory-utilization", type=float, help="fraction of GPU memory the engine may use")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"))
     p.add_argument("--dtype", choices=("auto", "float32", "float16", "bfloat16"))
+    p.add_argument("--generation-config", choices=("auto", "none"),
+                   help="sampling defaults for what a request leaves unset: the model's generation_config.json "
+                        "(auto, the default, as vLLM) or SamplingParams' own (none)")
     p.add_argument("--quantization", choices=("int8", "fp8"),
                    help="int8 or fp8 (e4m3; CUDA sm_89+ or CPU emulation): 8-bit weights of the linear layers")
     p.add_argument("--kv-cache-dtype", choices=("auto", "fp8_e4m3"),
