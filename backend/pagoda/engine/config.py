@@ -50,8 +50,11 @@ class LoadConfig:
     load_format: str
     seed: int
     enable_cuda_graphs: bool
+    generation_config: str
 
     def __post_init__(self) -> None:
+        if self.generation_config not in ("auto", "none"):
+            raise ValueError(f"generation_config: must be auto or none, got {self.generation_config!r}")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ValueError(f"dtype: must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):
@@ -299,6 +302,9 @@ class EngineConfig:
     quantization: Optional[str] = None  # None | int8 | fp8 (weights only; pagoda.models.quant, .fp8)
     enable_cuda_graphs: bool = True  # decode steps replay CUDA graphs (CUDA + Triton kernels only)
     load_format: str = "safetensors"  # safetensors | dummy (seeded random weights: benchmarks)
+    # Sampling defaults for fields a request leaves unset: auto (the model folder's
+    # generation_config.json, as vLLM's) | none (SamplingParams' own). models.config.generation_defaults.
+    generation_config: str = "auto"
     # Overlap the host's work (scheduling, outputs) with the device's, one step deep
     # (pagoda.engine.core.engine_core). Ignored, with a warning, under speculative decoding.
     async_scheduling: bool = False

@@ -51,6 +51,7 @@ from pagoda.engine.outputs import RequestOutput
 from pagoda.engine.request import EngineRequest, PromptType, RequestStatus
 from pagoda.engine.sampling_params import SamplingParams
 from pagoda.engine.stats import EngineStats, collect_stats
+from pagoda.models.generation_config import generation_defaults
 from pagoda.models.registry import config_from_pretrained
 from pagoda.models.gguf_import import ensure_default_model
 from pagoda.models.tokenizer import Tokenizer
@@ -70,6 +71,8 @@ class LLMEngine:
         self.model_path = model_path
         self.model_config = config_from_pretrained(model_path)
         self.tokenizer = Tokenizer.from_pretrained(model_path)
+        # The model's sampling defaults (generation_config.json) unless turned off; SamplingParams.with_defaults.
+        self.generation_defaults = generation_defaults(model_path) if self.config.generation_config == "auto" else {}
         vocab_size = self.model_config.vocab_size
         eos_ids = sorted(self.tokenizer.eos_token_ids)
         self.executor = make_executor(self.config, self.model_config, model_path,
@@ -140,6 +143,8 @@ class LLMEngine:
             EngineOverloaded: the waiting queue is full (admission control); nothing is
                 queued, retry later.
         """
+        if self.generation_defaults:  # the model's own, for what the request left unset (vLLM's "auto")
+            request = dataclasses.replace(request, params=request.params.with_defaults(self.generation_defaults))
         processed = self.input_processor.process(request)
         if request.arrival_time is None:
             request = dataclasses.replace(request, arrival_time=time.time())
@@ -174,10 +179,12 @@ class LLMEngine:
         timeout: Optional[float] = None,
     ) -> None:
         """``add(EngineRequest(...))`` with the envelope's fields as arguments (the offline
-        API, tests and benches); ``params=None``: ``SamplingParams()``. Raises as ``add``, and
+        API, tests and benches); ``params=None``: the model's sampling defaults (``SamplingParams.from_dict({})``
+        then ``with_defaults``). Raises as ``add``, and
         ValueError naming an option that is not valid (``RequestOptions``)."""
         options = RequestOptions(priority=priority, cache_salt=cache_salt, lora_name=lora_name, timeout=timeout)
-        self.add(EngineRequest(request_id, prompt, params or SamplingParams(), options, arrival_time=arrival_time))
+        params = params if params is not None else SamplingParams.from_dict({})
+        self.add(EngineRequest(request_id, prompt, params, options, arrival_time=arrival_time))
 
     def tokenize_prompt(self, text: str, params: Optional[SamplingParams] = None) -> list[int]:
         """A text prompt's token ids, for ``EngineRequest.prompt_token_ids`` (any thread:

@@ -20,9 +20,19 @@ import sys
 from typing import Optional
 
 from pagoda.fleet.gate.limits import RequestLimits
+from pagoda.fleet.parsers.reasoning import REASONING_PARSERS
+from pagoda.fleet.parsers.tool_calls import TOOL_PARSERS
 from pagoda.fleet.service import RouterOptions, RouterService
 
 POLICIES = ("random", "round_robin", "least_loaded", "prefix_aware", "precise", "approximate")
+
+
+def add_parser_flags(p: argparse.ArgumentParser) -> None:
+    """``--reasoning-parser`` and ``--tool-call-parser`` (``fleet.parsers``; ``pagoda serve`` has them too)."""
+    p.add_argument("--reasoning-parser", choices=("none", "harmony", *REASONING_PARSERS),
+                   help="how chat answers' reasoning is read (default: from the chat template; none: not at all)")
+    p.add_argument("--tool-call-parser", choices=("harmony", *TOOL_PARSERS),
+                   help="the tool-call format of tool_choice auto answers (default: from the chat template)")
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -40,6 +50,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-runtime-lora", action="store_true",
                    help="accept /v1/load_lora_adapter and /v1/unload_lora_adapter (and `pagoda lora` control "
                         "requests), applied to every replica (started with --allow-runtime-lora)")
+    add_parser_flags(p)
     p.add_argument("--hash-model-id",
                    help="block-hash root (default: the model folder's name; replicas' heartbeats override)")
     p.add_argument("--replicas",
@@ -103,6 +114,7 @@ def options_from_args(args: argparse.Namespace) -> RouterOptions:
     return RouterOptions(
         model_dir=args.model_dir, model_name=args.model_name, hash_model_id=args.hash_model_id,
         lora_names=tuple(args.lora), allow_runtime_lora=args.allow_runtime_lora,
+        reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
         replicas=args.replicas, k8s_selector=args.k8s_selector, k8s_namespace=args.k8s_namespace,
         k8s_api=args.k8s_api, redis_url=args.redis_url, policy=args.policy, policy_knobs=knobs,
         index_mode=args.index_mode, redis_timeout_s=args.redis_timeout_ms / 1e3, host=args.host,

@@ -69,6 +69,8 @@ class RouterOptions:
     model_name: Optional[str] = None
     lora_names: tuple = ()  # LoRA adapters the replicas serve (OpenAI model names)
     allow_runtime_lora: bool = False  # /v1/load_lora_adapter, /v1/unload_lora_adapter (lora_admin)
+    reasoning_parser: Optional[str] = None  # fleet.parsers: None detects it from the chat template
+    tool_call_parser: Optional[str] = None
     hash_model_id: Optional[str] = None
     replicas: Optional[str] = None
     k8s_selector: Optional[str] = None
@@ -224,7 +226,8 @@ class RouterService:
         o = self.options
         upstream = self.upstream = GrpcUpstream(self.router, self.gate, o.max_attempts, o.peer_pull_min_blocks)
         grpc_door = GrpcProxy(self.router, self.tracer, self.gate, upstream)
-        openai_door = OpenAIApi(self.router, self.tracer, self.gate, self.lora_admin, upstream, self.model_name)
+        openai_door = OpenAIApi(self.router, self.tracer, self.gate, self.lora_admin, upstream, self.model_name,
+                                parsers=(self.options.reasoning_parser, self.options.tool_call_parser))
         app = make_app(self.router, self.tracer, self.gate, self.lora_admin, openai_door)
         if o.grpc_port is not None:
             self._grpc_server, self.grpc_port = make_grpc_server(grpc_door, o.host, o.grpc_port)

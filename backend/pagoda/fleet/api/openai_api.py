@@ -130,11 +130,16 @@ class OpenAIApi:
         lora_admin: the served LoRA adapters and their run-time loading.
         upstream: the client that streams a routed request to a replica.
         model_name: the served model name (``/v1/models``; requests may also say ``pagoda``).
+        parsers: the reasoning and tool-call parsers chat answers are read with
+            (``fleet.parsers``: ``--reasoning-parser``, ``--tool-call-parser``); ``None``: the
+            ones the model's chat template calls for.
     """
 
     def __init__(self, router: Router, tracer: RouterTracer, gate: Gate, lora_admin: LoRAAdmin,
-                 upstream: GrpcUpstream, model_name: str) -> None:
+                 upstream: GrpcUpstream, model_name: str,
+                 parsers: tuple[Optional[str], Optional[str]] = (None, None)) -> None:
         self.router = router
+        self.parsers = parsers  # (--reasoning-parser, --tool-call-parser); None: from the chat template
         self.tracer = tracer
         self.gate = gate
         self.lora_admin = lora_admin
@@ -268,7 +273,7 @@ class OpenAIApi:
             limits.check_messages(body["messages"])
         if not chat and isinstance(body.get("prompt"), str):
             limits.check_prompt(body["prompt"])
-        builts = ([build_chat_request(body, self.router.tokenizer)] if chat
+        builts = ([build_chat_request(body, self.router.tokenizer, *self.parsers)] if chat
                   else build_completion_requests(body, self.router.tokenizer))
         for built in builts:
             if isinstance(built.prompt, str):  # token prompts: the replica checks them against max_model_len

@@ -38,7 +38,7 @@ Number = float  # strict: an int is a number, a bool is not
 _MAPPED = frozenset({"max_tokens", "stop", "n", "logit_bias", "logprobs", "prompt_logprobs", "best_of",
                      "use_beam_search", "length_penalty", "early_stopping"})
 # Body fields that pass to SamplingParams under their own name: the one list is SamplingParams'.
-_SAMPLING_NAMES = frozenset(SamplingParams.__dataclass_fields__) - _MAPPED
+_SAMPLING_NAMES = frozenset(SamplingParams.__dataclass_fields__) - _MAPPED - {"given"}
 
 
 def one_of(hint: str) -> WrapValidator:

@@ -81,7 +81,7 @@ def request_parameter_vocabulary() -> frozenset[str]:
     """Every key a request's values may have (sampling fields, vLLM-only keys, request options,
     the wire's keys) or a request parameter may carry without effect: the one list a front
     door in pagoda's fleet checks against."""
-    fields = {f.name for f in dataclasses.fields(SamplingParams)}
+    fields = {f.name for f in dataclasses.fields(SamplingParams)} - {"given"}
     return frozenset(fields | set(VLLM_ONLY_KEYS) | set(OPTION_NAMES) | set(WIRE_KEYS) | TOLERATED_PARAMETERS)
 
 
@@ -148,7 +148,7 @@ def split_values(values: dict[str, Any], from_parameters: bool = False) -> tuple
     ``from_parameters``: the values are request parameters, which carry only scalars, so a
     list or object field may come as JSON text; an unknown key is refused here, naming it.
     """
-    field_types = {f.name: str(f.type) for f in dataclasses.fields(SamplingParams)}
+    field_types = {f.name: str(f.type) for f in dataclasses.fields(SamplingParams) if f.name != "given"}
     if from_parameters:
         unknown = sorted(set(values) - request_parameter_vocabulary())
         if unknown:
