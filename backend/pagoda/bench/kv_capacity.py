@@ -15,8 +15,9 @@ V for every token (sliding windows keep every block; a linear-attention layer co
 one more attention layer, which is what an allocator with one kind of block must reserve
 for it). For hybrid families it also gives the **state checkpoint cost**: bytes of one
 sequence's state (what each prefix-cache checkpoint takes), the same bytes in attention
-tokens, one checkpoint's device copy time measured here (``copy_state_slots``, best of 5),
-and the attention block size vLLM's common-page layout would use to fit one layer's state
+tokens, one checkpoint's device copy time measured here (``copy_state_slots``, best of 5)
+and computed at ``--hbm-bytes-per-s`` (a read and a write of the state), and the attention
+block size vLLM's common-page layout would use to fit one layer's state
 (its prefix-cache granularity; pagoda keeps 16-token blocks and checkpoints where it pays,
 ``engine.kv.state_manager``).
 """
@@ -110,9 +111,10 @@ def checkpoint_copy_s(specs: list, device: torch.device, conv_dtype: torch.dtype
     """Seconds of one state checkpoint copy (every state layer, one slot), best of 5."""
     from pagoda.engine.runner.kv_allocation import copy_state_slots
 
-    states = [(torch.zeros((2, *s.conv_shape), dtype=conv_dtype, device=device),
-               torch.zeros((2, *s.ssm_shape), dtype=torch.float32 if s.ssm_dtype_bytes == 4 else conv_dtype,
-                           device=device)) for s in specs if s.is_state]
+    states = [(torch.ones((2, *s.conv_shape), dtype=conv_dtype, device=device),  # pages touched: no first-write
+               torch.ones((2, *s.ssm_shape), dtype=torch.float32 if s.ssm_dtype_bytes == 4 else conv_dtype,
+                          device=device)) for s in specs if s.is_state]
+    copy_state_slots(states, [(0, 1)])  # warm-up
     best = float("inf")
     for _ in range(5):
         if device.type == "cuda":
@@ -159,8 +161,9 @@ def _state_row(name: str, specs: list, args, device: torch.device, dtype: torch.
     layer_page = attention[0].page_bytes(1)  # one attention layer's bytes per token
     vllm_block = -(-(-(-state[0].slot_bytes() // layer_page)) // 16) * 16
     copy = checkpoint_copy_s(specs, device, dtype)
+    at_hbm = 2 * slot / args.hbm_bytes_per_s  # read and write
     return (f"| {name} | {len(state)} | {slot / 2**20:.1f} MiB | {slot / per_token:,.0f} | "
-            f"{copy * 1e3:.2f} ms | {vllm_block} |")
+            f"{copy * 1e3:.2f} ms | {at_hbm * 1e6:.0f} µs | {vllm_block} |")
 
 
 def main(argv=None) -> int:
@@ -172,6 +175,8 @@ def main(argv=None) -> int:
     parser.add_argument("--max-chunk", type=int, default=2048, help="prefill chunk (max_num_batched_tokens)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--device", default="auto", help="where the checkpoint copy is timed")
+    parser.add_argument("--hbm-bytes-per-s", type=float, default=4.8e12,
+                        help="device memory bandwidth for the computed copy time (default: an H200's 4.8 TB/s)")
     args = parser.parse_args(argv)
     args.contexts = [int(c) for c in args.contexts.split(",") if c]
     dtype = getattr(torch, args.dtype)
@@ -195,8 +200,9 @@ def main(argv=None) -> int:
         print(_row(name, specs[name], args, budget, device))
     hybrid = [n for n in names if any(s.is_state for s in specs[n])]
     if hybrid:
-        print("\n| family | state layers | checkpoint | = attention tokens | copy | vLLM-style block (tokens) |")
-        print("|---|---|---|---|---|---|")
+        print(f"\n| family | state layers | checkpoint | = attention tokens | copy here | copy at "
+              f"{args.hbm_bytes_per_s / 1e12:g} TB/s | vLLM-style block (tokens) |")
+        print("|---|---|---|---|---|---|---|")
         for name in hybrid:
             print(_state_row(name, specs[name], args, device, dtype))
     return 0
