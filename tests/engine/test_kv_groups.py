@@ -87,6 +87,8 @@ def test_grouping_refuses_what_cannot_share_the_pool():
         group_layers([FULL, wide], BS)
     with pytest.raises(ValueError, match="layer 1 shares layer 2's cache, which has none"):
         group_layers([FULL, SharedKVSpec(2), SharedKVSpec(0)], BS)
+    with pytest.raises(ValueError, match="without an attention layer"):
+        group_layers([STATE, STATE], BS)
     layout = group_layers([FULL, SharedKVSpec(0), FULL], BS)
     assert layout.layer_slots == ((0, 0), (0, 0), (0, 1))  # layer 1 reads layer 0's cache
 

@@ -138,7 +138,7 @@ def group_layers(specs: Sequence[KVCacheSpec], block_size: int, uniform: bool = 
 
     Raises:
         ValueError: paged layers whose pages differ in size, a shared-KV layer pointing at
-            a layer that owns no cache, or no layer with a cache at all.
+            a layer that owns no cache, no layer with a cache at all, or no attention layer.
     """
     specs = [_uniform(s) for s in specs] if uniform else list(specs)
     by_spec: dict[KVCacheSpec, list[int]] = {}
@@ -149,6 +149,9 @@ def group_layers(specs: Sequence[KVCacheSpec], block_size: int, uniform: bool = 
         raise ValueError("KV cache: no layer keeps a cache")
     _check_pages(by_spec, block_size)
     paged = {s: ids for s, ids in by_spec.items() if s.is_paged}
+    if not paged:  # group 0's table is what the scheduler, the events and a draft read
+        raise ValueError("KV cache: every layer keeps a recurrent state; a model without an attention layer "
+                         "(a pure state-space model) is not supported yet")
     group_size = min((len(ids) for ids in paged.values()), default=0)
     groups: list[KVCacheGroup] = []
     for spec in sorted(by_spec, key=lambda s: (_KIND_ORDER.get(s.kind, 5), by_spec[s][0])):
