@@ -72,6 +72,33 @@ def regex(pattern):
     return {"guided_regex": pattern}
 
 
+# ---------------------------------------------------------------- chat completions
+def test_chat_streams_reasoning_and_call_fragments_then_answers_the_tool(where):
+    from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+    client = openai_client(where)
+    tools = [{"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}]
+    messages = [{"role": "user", "content": "What will the weather be in Paris?"}]
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, tools=tools, max_tokens=80,
+                                                 stream=True, extra_body=regex(THINK_THEN_CALL)))
+    for chunk in chunks:
+        ChatCompletionChunk.model_validate(chunk.to_dict())
+    deltas = [choice.delta for chunk in chunks for choice in chunk.choices]
+    reasoning = "".join(getattr(d, "reasoning", None) or "" for d in deltas)
+    fragments = [call.function.arguments for d in deltas for call in d.tool_calls or [] if call.function.arguments]
+    assert reasoning.strip() == "The user wants the weather." and len(fragments) > 1
+    assert json.loads("".join(fragments)) == {"city": "Paris", "days": 2}
+    first = [call for d in deltas for call in d.tool_calls or [] if call.id][0]
+    assert first.function.name == "get_weather" and chunks[-1].choices[0].finish_reason == "tool_calls"
+    messages += [{"role": "assistant", "content": None, "tool_calls": [{"id": first.id, "type": "function", "function": {
+        "name": "get_weather", "arguments": "".join(fragments)}}]},
+        {"role": "tool", "tool_call_id": first.id, "content": "sunny, 24 C"}]
+    raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=messages, tools=tools, max_tokens=30,
+                                                           extra_body=regex(r"It is sunny in Paris for 2 days\."))
+    answer = ChatCompletion.model_validate(raw.http_response.json())
+    assert answer.choices[0].message.content == ANSWER and answer.choices[0].finish_reason == "stop"
+
+
 # ---------------------------------------------------------------- the Responses API
 def test_responses_tool_loop_with_reasoning_streamed_and_stored(where):
     from openai.types.responses import Response, ResponseStreamEvent
