@@ -90,8 +90,8 @@ def test_chat_streams_reasoning_and_call_fragments_then_answers_the_tool(where):
     assert json.loads("".join(fragments)) == {"city": "Paris", "days": 2}
     first = [call for d in deltas for call in d.tool_calls or [] if call.id][0]
     assert first.function.name == "get_weather" and chunks[-1].choices[0].finish_reason == "tool_calls"
-    messages += [{"role": "assistant", "content": None, "tool_calls": [{"id": first.id, "type": "function", "function": {
-        "name": "get_weather", "arguments": "".join(fragments)}}]},
+    call = {"id": first.id, "type": "function", "function": {"name": "get_weather", "arguments": "".join(fragments)}}
+    messages += [{"role": "assistant", "content": None, "tool_calls": [call]},
         {"role": "tool", "tool_call_id": first.id, "content": "sunny, 24 C"}]
     raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=messages, tools=tools, max_tokens=30,
                                                            extra_body=regex(r"It is sunny in Paris for 2 days\."))
