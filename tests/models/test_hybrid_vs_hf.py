@@ -371,3 +371,21 @@ def test_int8_weights_apply_to_the_dense_family_and_are_refused_with_experts(pai
         caches = make_layer_caches(model, NUM_BLOCKS, BLOCK_SIZE, NUM_SLOTS)
         outs.append(run_step(model, caches, [StepInput(ids, 0, [0, 1, 2], state_slot=0)], BLOCK_SIZE))
     assert_within(outs[0], outs[1], bound(ours, 9, float(outs[1].abs().max())), "int8 model vs its dequantized weights")
+
+
+def test_stacked_expert_checkpoint_loads_the_same_weights(pair, tmp_path):
+    """The released Qwen3.5-MoE folders stack each layer's experts (``mlp.experts.gate_up_proj``,
+    ``mlp.experts.down_proj``: transformers 5's own parameters); ``save_pretrained`` writes them per
+    expert. Both load to the same model."""
+    hf, ours, folder = pair
+    if not ours.config.num_experts:
+        pytest.skip("a dense model has no experts")
+    from safetensors.torch import save_file
+
+    state = {name: tensor.contiguous() for name, tensor in hf.state_dict().items()}
+    assert any(name.endswith("mlp.experts.gate_up_proj") for name in state)
+    save_file(state, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text((folder / "config.json").read_text())
+    stacked = load_model(tmp_path)
+    for (name, mine), (_, theirs) in zip(ours.named_parameters(), stacked.named_parameters()):
+        assert torch.equal(mine, theirs), name

@@ -306,6 +306,10 @@ class LlamaForCausalLM(nn.Module):
 
     # ---- weights -------------------------------------------------------------------------
 
+    def match_checkpoint(self, names: set[str]) -> None:
+        """Pick the checkpoint layout ``names`` (the checkpoint's tensor names) use, for a family
+        whose checkpoints come in more than one (the default: one layout, nothing to pick)."""
+
     def expected_weight_names(self) -> set[str]:
         """The Hugging Face parameter names this model needs from a checkpoint."""
         return set(self._weight_table())

@@ -183,14 +183,25 @@ class SharedExpertMoE(nn.Module):
         self.shared_gate_weight = nn.Parameter(torch.empty(1, config.hidden_size, dtype=dtype, device=device),
                                                requires_grad=False)
 
+    fused_checkpoint = False  # the checkpoint stacks the experts (``experts.gate_up_proj``), as transformers 5 does
+
     def forward(self, x: torch.Tensor, lora: Optional[object] = None) -> torch.Tensor:  # [T, hidden]
         routed = self.experts(x)
         return routed + torch.sigmoid(F.linear(x, self.shared_gate_weight)) * self.shared_expert(x)
 
     def weight_targets(self) -> WeightTargets:
+        """Per-expert names (``experts.<e>.gate_proj.weight``, what ``save_pretrained`` writes), or
+        with ``fused_checkpoint`` the stacks the released Qwen3.5-MoE holds: ``experts.gate_up_proj``
+        ``[E, 2 * inter, hidden]`` (gate rows first) and ``experts.down_proj`` ``[E, hidden, inter]``,
+        ``w13`` and ``w2`` as they are."""
         shared = {"mlp.shared_expert." + name.removeprefix("mlp."): target
                   for name, target in self.shared_expert.weight_targets().items()}
-        return {**self.experts.weight_targets(), **shared, "mlp.shared_expert_gate.weight": (self.shared_gate_weight, ALL)}
+        if self.fused_checkpoint:
+            routed = {"mlp.gate.weight": (self.experts.gate_weight, ALL),
+                      "mlp.experts.gate_up_proj": (self.experts.w13, ALL), "mlp.experts.down_proj": (self.experts.w2, ALL)}
+        else:
+            routed = self.experts.weight_targets()
+        return {**routed, **shared, "mlp.shared_expert_gate.weight": (self.shared_gate_weight, ALL)}
 
 
 class HybridDecoderLayer(DecoderLayer):
@@ -241,6 +252,13 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
     """The hybrid decoder; ``forward`` is Llama's (each layer takes its own cache kind)."""
 
     layer_class = HybridDecoderLayer
+
+    def match_checkpoint(self, names: set[str]) -> None:
+        """Stacked experts (``mlp.experts.gate_up_proj``) or per-expert tensors, as the checkpoint has them."""
+        fused = any(name.endswith(".mlp.experts.gate_up_proj") for name in names)
+        for layer in self.layers:
+            if isinstance(layer.mlp, SharedExpertMoE):
+                layer.mlp.fused_checkpoint = fused
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
