@@ -389,3 +389,52 @@ def test_stacked_expert_checkpoint_loads_the_same_weights(pair, tmp_path):
     stacked = load_model(tmp_path)
     for (name, mine), (_, theirs) in zip(ours.named_parameters(), stacked.named_parameters()):
         assert torch.equal(mine, theirs), name
+
+
+GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": True}
+QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkvz", "in_proj_ba", "in_proj_qkv", "in_proj_z",
+             "in_proj_b", "in_proj_a", "out_proj")
+
+
+def test_a_4bit_checkpoint_loads_into_its_dequantized_weights(pair, tmp_path, monkeypatch):
+    """GPTQ 4-bit attention and DeltaNet projections (where the format's packing fits the shape):
+    dequantized at load to exactly the float weights they stand for; kept packed
+    (``PAGODA_KEEP_QUANTIZED=1``), every such projection serves its float weight's logits, but
+    Qwen3-Next's DeltaNet projection stays float (its rows are reordered at load)."""
+    from safetensors.torch import load_file, save_file
+
+    from pagoda.models.int4 import Int4Weight
+    from pagoda.models.loader import checkpoint_files
+    from pagoda.models.quant_write import gptq_tensors
+
+    _, ours, folder = pair
+    state = {k: v for file in checkpoint_files(folder) for k, v in load_file(str(file)).items()}
+    quantized, dequantized = dict(state), dict(state)
+    for name, weight in state.items():
+        module = name.removesuffix(".weight")
+        if module.split(".")[-1] in QUANTIZED and weight.dim() == 2 and weight.shape[0] % 8 == 0:
+            tensors, expected = gptq_tensors(weight, 4, 32, False, 0)
+            del quantized[name]
+            quantized |= {f"{module}.{k}": v.contiguous() for k, v in tensors.items()}
+            dequantized[name] = expected.float()
+    config = json.loads((folder / "config.json").read_text())
+    for out, tensors, extra in ((tmp_path / "q", quantized, {"quantization_config": GPTQ}),
+                                (tmp_path / "f", dequantized, {})):
+        out.mkdir()
+        save_file(tensors, str(out / "model.safetensors"))
+        (out / "config.json").write_text(json.dumps({**config, **extra}))
+    reference = load_model(tmp_path / "f")
+    for (name, a), (_, b) in zip(load_model(tmp_path / "q").state_dict().items(), reference.state_dict().items()):
+        assert torch.equal(a, b), name
+    monkeypatch.setenv("PAGODA_KEEP_QUANTIZED", "1")
+    packed = load_model(tmp_path / "q")
+    attention = [layer.attn for layer in packed.layers if not layer.is_linear]
+    deltanets = [layer.linear_attn for layer in packed.layers if layer.is_linear]
+    assert all(isinstance(a.qkv_weight, Int4Weight) and isinstance(a.o_weight, Int4Weight) for a in attention)
+    assert all(isinstance(d.out_proj_weight, Int4Weight) for d in deltanets)
+    if deltanets[0].layout == "qkvz":
+        assert not any(isinstance(d.in_proj_weight, Int4Weight) for d in deltanets)
+    ids = prompt(12, 9)
+    outs = [run_step(model, make_layer_caches(model, NUM_BLOCKS, BLOCK_SIZE, NUM_SLOTS),
+                     [StepInput(ids, 0, [0, 1, 2], state_slot=0)], BLOCK_SIZE) for model in (packed, reference)]
+    assert_within(outs[0], outs[1], bound(ours, 9, float(outs[1].abs().max())), "packed 4-bit vs its float weights")
