@@ -258,3 +258,39 @@ def test_gated_rms_norm_equals_the_float64_formula(impl, dtype):
     # mean of squares (gamma_24), rsqrt and silu (a few roundings), and three roundings to dtype
     relative = gamma(24, torch.float32) + 8 * UNIT_ROUNDOFF[torch.float32] + 3 * rounding(dtype)
     assert_within(out, ref, 2 * relative * ref.abs() + 1e-30, f"{impl} gated norm in {dtype}")
+
+
+# ---- no host reads -------------------------------------------------------------------------
+
+class RecordedLaunch:
+    """Stands in for a Triton kernel: records ``kernel[grid](*args, **kwargs)``."""
+
+    def __init__(self, launches: list):
+        self.launches = launches
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append((grid, args, kwargs))
+
+
+def test_triton_wrappers_read_nothing_back_from_the_device(monkeypatch):
+    """On meta tensors (no data: any ``.item()``, ``.tolist()`` or data-dependent shape raises)
+    the wrappers choose and launch their kernels from host values only, as a CUDA step needs."""
+    launches: list = []
+    for module, names in ((triton_gdn, ("_gdn_chunk_kernel", "_gdn_recurrent_kernel")),
+                          (triton_conv1d, ("_conv1d_kernel", "_conv1d_update_kernel")),
+                          (triton_norm, ("_gated_rms_norm_kernel",))):
+        for name in names:
+            monkeypatch.setattr(module, name, RecordedLaunch(launches))
+    meta = "meta"
+    for lens in ([1, 1, 1], [5, 1, 9]):  # decode-only (recurrent + update form), mixed (both kernels)
+        step = AttentionMetadata.build(lens, lens, [[0] * 4] * 3, 4, device=meta, state_indices=[0, 1, 2])
+        tokens = sum(lens)
+        q, v = torch.empty(tokens, 2, 16, device=meta), torch.empty(tokens, 4, 16, device=meta)
+        out = triton_gdn.gated_delta_rule(q, q, v, torch.empty(tokens, 4, device=meta),
+                                          torch.empty(tokens, 4, device=meta),
+                                          torch.empty(4, 4, 16, 16, device=meta), step, 16)
+        conv = triton_conv1d.causal_conv1d(torch.empty(tokens, 48, device=meta), torch.empty(48, 4, device=meta),
+                                           None, torch.empty(4, 48, 3, device=meta), step)
+        normed = triton_norm.gated_rms_norm(v.view(-1, 16), v.view(-1, 16), torch.empty(16, device=meta), 1e-6)
+        assert out.shape == v.shape and conv.shape == (tokens, 48) and normed.shape == (tokens * 4, 16)
+    assert len(launches) == 3 + 4  # decode: recurrent, update conv, norm; mixed: both rules, conv, norm
