@@ -13,7 +13,7 @@ A step is a flat batch of tokens from many sequences (``AttentionMetadata``); ea
 
       S <- exp(g_t) S;   S <- S + beta_t k_t (v_t - S^T k_t)^T;   o_t = S^T q_t
 
-  in float32. Single-token sequences (decode) take that step, batched; longer ones the
+  in float32. Single-token sequences (decode) take that step in place on their slot; longer ones the
   chunked form (Yang et al., "Gated Delta Networks", 2024): inside a chunk of ``C`` tokens
   with cumulative gates ``G`` and ``D_ij = exp(G_i - G_j)`` (i >= j), the ``C`` updates fold
   into ``T = (I + tril_-1(diag(beta) K K^T * D))^-1``, ``U = T diag(beta) V``,
@@ -47,6 +47,7 @@ class StatePlan:
     decode_rows: torch.Tensor  # [n] int64: the token row of each single-token sequence
     decode_slots: torch.Tensor  # [n] int64: its slot
     decode_init: torch.Tensor  # [n] bool: whether its slot is read
+    decodes: list[tuple[int, int, bool]]  # the same as (row, slot, read slot)
     spans: list[tuple[int, int, int, bool]]  # (first row, end row, slot, read slot) of longer sequences
 
 
@@ -75,7 +76,8 @@ def state_plan(meta: AttentionMetadata, device: torch.device) -> StatePlan:
     def tensor(values, dtype):
         return torch.tensor(values, dtype=dtype).to(device)
 
-    plan = StatePlan(tensor(rows, torch.int64), tensor(dslots, torch.int64), tensor(dinit, torch.bool), spans)
+    plan = StatePlan(tensor(rows, torch.int64), tensor(dslots, torch.int64), tensor(dinit, torch.bool),
+                     list(zip(rows, dslots, dinit)), spans)
     meta.cpu_plans["state"] = plan
     return plan
 
@@ -95,19 +97,28 @@ def causal_conv1d(
     b = bias.float() if bias is not None else None
     width = weight.shape[1] - 1
     if plan.decode_rows.numel():
-        old = conv_states[plan.decode_slots].float()  # [n, C, K - 1]
-        # A slot not read is replaced, not multiplied by 0: it may hold NaN.
-        old = torch.where(plan.decode_init[:, None, None], old, torch.zeros_like(old))
-        window = torch.cat([old, x[plan.decode_rows].float().unsqueeze(-1)], dim=-1)  # [n, C, K]
-        y = (window * w).sum(-1) + (b if b is not None else 0.0)
+        # index_select / index_copy_ rather than advanced indexing: ~1.5x faster on these
+        # last-dimension-3 rows (measured on this CPU).
+        window = torch.cat([conv_states.index_select(0, plan.decode_slots).float(),
+                            x.index_select(0, plan.decode_rows).float().unsqueeze(-1)], dim=-1)  # [n, C, K]
+        if not all(init for _, _, init in plan.decodes):
+            window[~plan.decode_init, :, :-1] = 0.0  # a slot not read is overwritten (it may hold NaN)
+        y = torch.einsum("nck,ck->nc", window, w) + (b if b is not None else 0.0)
         out[plan.decode_rows] = F.silu(y).to(x.dtype)
-        conv_states[plan.decode_slots] = window[..., 1:].to(conv_states.dtype)
+        conv_states.index_copy_(0, plan.decode_slots, window[..., 1:].to(conv_states.dtype))
     for first, end, slot, init in plan.spans:
-        old = conv_states[slot].float() if init else x.new_zeros(x.shape[1], width, dtype=torch.float32)
-        stream = torch.cat([old, x[first:end].float().T], dim=-1)  # [C, K - 1 + L]
-        y = F.conv1d(stream.unsqueeze(0), w.unsqueeze(1), b, groups=x.shape[1])[0]  # [C, L]
-        out[first:end] = F.silu(y).T.to(x.dtype)
-        conv_states[slot] = stream[:, stream.shape[1] - width:].to(conv_states.dtype)
+        old = conv_states[slot].float().T if init else x.new_zeros(width, x.shape[1], dtype=torch.float32)
+        stream = torch.cat([old, x[first:end].float()])  # [K - 1 + L, C], token-major as x
+        # K multiply-adds of whole [L, C] slices: 2.5x faster than F.conv1d's depthwise path
+        # on this CPU (measured), and no transposes of the activations.
+        length = end - first
+        y = stream[:length] * w[:, 0]
+        for j in range(1, width + 1):
+            y.addcmul_(stream[j:j + length], w[:, j])
+        if b is not None:
+            y += b
+        out[first:end] = F.silu(y).to(x.dtype)
+        conv_states[slot] = stream[length:].T.to(conv_states.dtype)
     return out
 
 
@@ -133,23 +144,32 @@ def gated_delta_rule(
     qn = l2_normalised(q).repeat_interleave(group, dim=1) * q.shape[-1] ** -0.5  # [T, Hv, Dk]
     kn = l2_normalised(k).repeat_interleave(group, dim=1)
     vf, gf, bf = v.float(), g.float(), beta.float()
+    if ssm_states.dtype != torch.float32:
+        raise ValueError(f"ssm_states must be float32 (the recurrent state's precision), got {ssm_states.dtype}")
     out = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
-    if plan.decode_rows.numel():
-        rows = plan.decode_rows
-        state = ssm_states[plan.decode_slots].float()
-        state = torch.where(plan.decode_init[:, None, None, None], state, torch.zeros_like(state))
-        state = state * gf[rows].exp()[..., None, None]
-        predicted = torch.einsum("nhkv,nhk->nhv", state, kn[rows])
-        delta = (vf[rows] - predicted) * bf[rows][..., None]
-        state = state + kn[rows][..., None] * delta[..., None, :]
-        out[rows] = torch.einsum("nhkv,nhk->nhv", state, qn[rows])
-        ssm_states[plan.decode_slots] = state.to(ssm_states.dtype)
+    for row, slot, init in plan.decodes:
+        out[row] = recurrent_step(ssm_states[slot], init, qn[row], kn[row], vf[row], gf[row], bf[row])
     for first, end, slot, init in plan.spans:
         span = slice(first, end)
         state = ssm_states[slot].float() if init else vf.new_zeros(v.shape[1], k.shape[2], v.shape[2])
         out[span], state = chunked_sequence(qn[span], kn[span], vf[span], gf[span], bf[span], state, chunk_size)
         ssm_states[slot] = state.to(ssm_states.dtype)
     return out.to(v.dtype)
+
+
+def recurrent_step(state: torch.Tensor, has_initial_state: bool, q, k, v, g, beta) -> torch.Tensor:
+    """One token on one sequence's slot ``state [H, Dk, Dv]`` (float32), updated in place:
+    ``S <- exp(g) S + k (beta (v - exp(g) S^T k))^T``, returns ``o = S^T q`` ``[H, Dv]``.
+    In place and with ``S^T k`` taken before the decay, the state is read four times and
+    written twice (a gather, the decay, the outer product and a scatter would touch it ~14
+    times: decode is bound by that traffic)."""
+    if not has_initial_state:
+        state.zero_()
+    decay = g.exp()  # [H]
+    predicted = torch.bmm(k.unsqueeze(1), state).squeeze(1) * decay[:, None]  # [H, Dv]
+    delta = (v - predicted) * beta[:, None]
+    state.mul_(decay[:, None, None]).baddbmm_(k.unsqueeze(2), delta.unsqueeze(1))
+    return torch.bmm(q.unsqueeze(1), state).squeeze(1)
 
 
 def chunked_sequence(q, k, v, g, beta, state, chunk_size: int):

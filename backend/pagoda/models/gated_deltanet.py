@@ -112,6 +112,9 @@ class GatedDeltaNet(nn.Module):
         meta: AttentionMetadata,
         lora: Optional[object] = None,  # accepted for the layer's signature; never set (refused at load)
     ) -> torch.Tensor:  # [num_tokens, hidden]
+        if not isinstance(state, StateCache):
+            raise ValueError(f"a linear-attention layer needs a StateCache (conv_states, ssm_states) as its cache, got "
+                             f"{type(state).__name__}: the runner has not given this model state slots")
         num_tokens = x.shape[0]
         proj = linear(x, self.in_proj_weight)  # [num_tokens, conv_dim + value_dim + 2 * Hv]
         mixed, z, b, a = proj.split([self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads], dim=-1)
