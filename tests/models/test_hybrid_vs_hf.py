@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from pagoda.models import config_from_dict, load_model
-from pagoda.models.testing import StepInput, make_layer_caches, run_step
+from pagoda.models.testing import StepInput, make_kv_caches, make_layer_caches, run_step
 
 from tests.numerics import UNIT_ROUNDOFF, assert_within, hybrid_path_length
 
@@ -438,3 +438,10 @@ def test_a_4bit_checkpoint_loads_into_its_dequantized_weights(pair, tmp_path, mo
     outs = [run_step(model, make_layer_caches(model, NUM_BLOCKS, BLOCK_SIZE, NUM_SLOTS),
                      [StepInput(ids, 0, [0, 1, 2], state_slot=0)], BLOCK_SIZE) for model in (packed, reference)]
     assert_within(outs[0], outs[1], bound(ours, 9, float(outs[1].abs().max())), "packed 4-bit vs its float weights")
+
+
+def test_a_linear_attention_layer_given_a_kv_pair_says_it_needs_state_slots(pair):
+    _, ours, _ = pair
+    caches = make_kv_caches(ours.config, NUM_BLOCKS, BLOCK_SIZE)  # what a runner without state slots makes
+    with pytest.raises(ValueError, match="needs a StateCache"):
+        run_step(ours, caches, [StepInput([1, 2, 3], 0, [0], state_slot=0)], BLOCK_SIZE)
