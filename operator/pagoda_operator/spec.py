@@ -51,7 +51,7 @@ class EngineSpec:
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
-    max_waiting_requests: int = 1024  # admission control (pagoda.engine.core.admission)
+    max_waiting_requests: int = 1024  # admission control (pagoda.engine.core.load_shedding)
     max_waiting_prompt_tokens: int = 1_000_000
     extra_args: tuple[str, ...] = ()
 

@@ -395,7 +395,8 @@ def test_example_disaggregation_reaches_the_pools(tmp_path, mode):
     disaggregation = {"kvTransferPort": 5700, "prefill": {"replicas": {"min": 2, "max": 4},
                                                           "autoscaling": {"ttftSLOSeconds": 2}}}
     example = {"enabled": True, "mode": mode, "disaggregation": disaggregation,
-               "autoscaling": {"targetWaitingPerReplica": 4, "scaleDownStabilizationSeconds": 300, "itlSLOSeconds": 0.08}}
+               "autoscaling": {"targetWaitingPerReplica": 4, "scaleDownStabilizationSeconds": 300,
+                               "itlSLOSeconds": 0.08}}
     if mode == "KServeLLM":
         example["storageUri"] = "hf://HuggingFaceTB/SmolLM2-135M-Instruct"
     objects = render_with(tmp_path, {"kserve": {"enabled": mode != "Deployment"}, "example": example})

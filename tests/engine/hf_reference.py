@@ -16,7 +16,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 # name -> (transformers config class name, config overrides)
 RANDOM_CONFIGS = {
-    "llama-gqa3-hd64": ("LlamaConfig", dict(hidden_size=384, num_attention_heads=6, num_key_value_heads=2, head_dim=64)),
+    "llama-gqa3-hd64": ("LlamaConfig", dict(hidden_size=384, num_attention_heads=6, num_key_value_heads=2,
+                                            head_dim=64)),
     "llama-gqa4-hd80-untied": ("LlamaConfig", dict(hidden_size=320, num_attention_heads=4, num_key_value_heads=1,
                                                    head_dim=80, tie_word_embeddings=False)),
     "llama3-rope-scaling": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=1, head_dim=64,
@@ -83,7 +84,8 @@ def _gemma_weights(model) -> None:
             param.uniform_(0.5, 1.5)
 
 
-WEIGHT_EDITS = {"gemma3-window8": _gemma_weights, "gpt-oss-window8": _gpt_oss_weights}  # applied to the transformers model before saving
+# Applied to the transformers model before saving.
+WEIGHT_EDITS = {"gemma3-window8": _gemma_weights, "gpt-oss-window8": _gpt_oss_weights}
 
 
 def make_random_model(out_dir: Path, name: str, tokenizer_dir: str, seed: int = 0) -> Path:

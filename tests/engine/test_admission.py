@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pagoda import SamplingParams
-from pagoda.engine.core.admission import DEADLINE_PREFIX, OVERLOADED_PREFIX, Admission, EngineOverloaded
+from pagoda.engine.core.load_shedding import DEADLINE_PREFIX, OVERLOADED_PREFIX, Admission, EngineOverloaded
 from pagoda.engine.config import EngineConfig
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.engine.request import Request

@@ -6,7 +6,7 @@ the exact plans, placeholders, late tokens dropped or kept, and that every block
 
 from pagoda.engine.request import RequestStatus
 from pagoda.engine.runner.runner_output import ModelRunnerOutput
-from pagoda.engine.core.scheduler import Scheduler, SchedulerConfig
+from pagoda.engine.core.sched.scheduler import Scheduler, SchedulerConfig
 
 from tests.engine.test_scheduler import EOS, make_request, make_scheduler, plan
 

@@ -8,8 +8,8 @@ finished hypotheses and their scores, and an empty pool at the end.
 
 from __future__ import annotations
 
-from pagoda.engine.core.beam_search import BeamSearch
-from pagoda.engine.core.scheduler import Scheduler, SchedulerConfig
+from pagoda.engine.request_groups.beam_search import BeamSearch
+from pagoda.engine.core.sched.scheduler import Scheduler, SchedulerConfig
 from pagoda.engine.request import Request
 from pagoda.engine.runner.runner_output import ModelRunnerOutput
 from pagoda.engine.sampling.row import TokenLogprobs

@@ -206,8 +206,8 @@ def test_no_leaks_after_abort_preemption_and_stop_strings(tiny_path, monkeypatch
     tight = LLMEngine(EngineConfig(model=tiny_path, block_size=8, num_gpu_blocks_override=15,
                                    scheduling_policy="priority", async_scheduling=async_scheduling))
     scheduler, preempted = tight.core.scheduler, []
-    preempt_one = scheduler._preempt_one
-    monkeypatch.setattr(scheduler, "_preempt_one", lambda r, step: preempted.append(r.request_id) or
+    preempt_one = scheduler.preemption._preempt_one
+    monkeypatch.setattr(scheduler.preemption, "_preempt_one", lambda r, step: preempted.append(r.request_id) or
                         preempt_one(r, step))
     tight.add_request("b", prompt[:5], _beam(2), priority=1)
     tight.add_request("a", prompt, _beam(4), priority=1)

@@ -14,7 +14,8 @@ from pagoda.cli import main as cli_main
 def test_tiny_cpu_run_reports_every_mix(tmp_path, capsys, restore_threads):
     out = tmp_path / "tput.json"
     argv = ["bench", "throughput", "--small", "--device", "cpu", "--threads", "1", "--num-requests", "6",
-            "--prompt-len", "8", "20", "--output-len", "3", "9", "--max-num-seqs", "4", "--repeats", "2", "--json", str(out)]
+            "--prompt-len", "8", "20", "--output-len", "3", "9", "--max-num-seqs", "4", "--repeats", "2",
+            "--json", str(out)]
     assert cli_main(argv) == 0
     report = json.loads(out.read_text())
     requests = throughput.make_requests(6, (8, 20), (3, 9), vocab_size=512)

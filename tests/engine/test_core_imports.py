@@ -3,8 +3,8 @@
 ``EngineCore`` schedules, launches the device job through the ``Executor`` protocol and
 applies the ``ModelRunnerOutput``; the runner, sampler, speculator and host KV tier are
 built outside (``pagoda.engine.runner.executor.make_executor``). Two checks: no module of
-``engine/core`` names torch in any import (function-local and ``TYPE_CHECKING`` ones
-included), and importing the engine core in a fresh interpreter leaves torch unloaded.
+``engine/core`` (its ``sched/`` room included) or ``engine/request_groups`` names torch in any import (function-local
+and ``TYPE_CHECKING`` ones included), and importing the engine core in a fresh interpreter leaves torch unloaded.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import pathlib
 import subprocess
 import sys
 
-CORE = pathlib.Path(__file__).resolve().parents[2] / "backend" / "pagoda" / "engine" / "core"
+ENGINE = pathlib.Path(__file__).resolve().parents[2] / "backend" / "pagoda" / "engine"
+CORE = ENGINE / "core"
 
 
 def _imported_modules(path: pathlib.Path) -> list[tuple[int, str]]:
@@ -28,13 +29,15 @@ def _imported_modules(path: pathlib.Path) -> list[tuple[int, str]]:
 
 
 def test_no_core_module_imports_torch():
-    offenders = [f"{path.name}:{line}: {module}" for path in sorted(CORE.glob("*.py"))
+    modules = sorted(CORE.rglob("*.py")) + sorted((ENGINE / "request_groups").rglob("*.py"))
+    offenders = [f"{path.relative_to(ENGINE)}:{line}: {module}" for path in modules
                  for line, module in _imported_modules(path) if module.split(".")[0] == "torch"]
     assert offenders == []
 
 
 def test_importing_the_engine_core_does_not_load_torch():
-    code = ("import sys; import pagoda.engine.core.engine_core, pagoda.engine.core.scheduler; "
+    code = ("import sys; import pagoda.engine.core.engine_core, pagoda.engine.core.sched.scheduler, "
+            "pagoda.engine.request_groups.beam_search; "
             "loaded = sorted(m for m in sys.modules if m.split('.')[0] == 'torch'); print(loaded[:3])")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                             env=None, cwd=CORE.parents[3])

@@ -6,7 +6,7 @@ import pytest
 from pagoda.engine.config import EngineConfig
 from pagoda.engine.request import Request
 from pagoda.engine.sampling_params import SamplingParams
-from pagoda.engine.core.scheduler import Scheduler, SchedulerConfig
+from pagoda.engine.core.sched.scheduler import Scheduler, SchedulerConfig
 
 
 def add(scheduler, rid, prompt_len, max_tokens):
@@ -29,6 +29,7 @@ def test_default_cap(cap, prompt_len, max_tokens, expected):
 
 def test_engine_config_carries_and_checks_the_cap():
     config = EngineConfig(default_max_tokens=8)
-    assert SchedulerConfig.from_engine_config(config, num_blocks=9, max_model_len=64, model_id="m").default_max_tokens == 8
+    scheduler_config = SchedulerConfig.from_engine_config(config, num_blocks=9, max_model_len=64, model_id="m")
+    assert scheduler_config.default_max_tokens == 8
     with pytest.raises(ValueError, match="default_max_tokens"):
         EngineConfig(default_max_tokens=0)

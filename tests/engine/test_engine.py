@@ -7,6 +7,7 @@ import random
 import pytest
 
 from pagoda import LLM, SamplingParams
+from pagoda.contracts.request_options import RequestOptions
 from pagoda.engine.config import EngineConfig
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.engine.request import EngineRequest
@@ -65,8 +66,8 @@ def test_the_envelope_and_the_keyword_form_run_the_same_request(model_path):
     """``add(EngineRequest)`` is the seam; ``add_request`` builds the same envelope."""
     engine = LLMEngine(EngineConfig(model=model_path))
     params = SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=6, ignore_eos=True)
-    engine.add(EngineRequest("env", list(range(4000, 4040)), params, arrival_time=100.0, priority=1,
-                             cache_salt="t", timeout=3600.0))
+    engine.add(EngineRequest("env", list(range(4000, 4040)), params,
+                             RequestOptions(priority=1, cache_salt="t", timeout=3600.0), arrival_time=100.0))
     engine.add_request("kw", list(range(4000, 4040)), params, arrival_time=100.0, priority=1, cache_salt="t",
                        timeout=3600.0)
     children = {r.request_id: r for r in engine.scheduler.requests.values()}

@@ -144,7 +144,7 @@ def test_a_grammar_bomb_is_refused_before_it_compiles(llm):
 def test_a_compile_past_its_budget_fails_alone_and_a_full_pool_is_an_overload(monkeypatch):
     # A compile that does not return until released (a grammar bomb: C++ that Python cannot
     # interrupt), injected at the backend seam; everything else is the real engine.
-    from pagoda.engine.core.admission import EngineOverloaded
+    from pagoda.engine.core.load_shedding import EngineOverloaded
     from pagoda.engine.guided.backend import XGrammarBackend
 
     release, real_compile = threading.Event(), XGrammarBackend.compile

@@ -18,7 +18,7 @@ from pagoda.engine.kv.host_tier import HostBlockPool, KVOffloadManager, SwapCost
 from pagoda.engine.request import Request, RequestStatus
 from pagoda.engine.sampling_params import SamplingParams
 from pagoda.engine.runner.runner_output import ModelRunnerOutput
-from pagoda.engine.core.scheduler import Scheduler, SchedulerConfig
+from pagoda.engine.core.sched.scheduler import Scheduler, SchedulerConfig
 
 from tests.engine.driving import drain
 

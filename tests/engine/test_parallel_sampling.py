@@ -1,7 +1,7 @@
 """Parallel sampling's fan-out on CPU: child ids, and the gate that holds siblings until
 child 0's prompt is computed (no model; the engine-level behaviour is in test_engine)."""
 
-from pagoda.engine.core.parallel_sampling import SiblingGate, child_request_ids
+from pagoda.engine.request_groups.parallel_sampling import SiblingGate, child_request_ids
 from pagoda.engine.request import Request, RequestStatus
 from pagoda.engine.sampling_params import SamplingParams
 

@@ -7,8 +7,9 @@ Specification:
   a random 3-layer config with an untied head (the uneven split: 2 layers, then 1) with
   async scheduling, int8 weights and preemption by swap to the CPU tier (each rank's host
   tier holds its layers; also ``preemption_mode="auto"``, whose start-up calibration runs a
-  prefill through the stages); prompt-lookup speculation on the default model — each under chunked prefill, prefix-cache hits and preemption, and with no KV
-  block leaked (``test_tensor_parallel._check_same``, shared with the TP tests);
+  prefill through the stages); prompt-lookup speculation on the default model — each under chunked prefill,
+  prefix-cache hits and preemption, and with no KV block leaked (``test_tensor_parallel._check_same``, shared with the
+  TP tests);
 - TP=2 x PP=2 (four ranks, on the random config) equals one device the same way;
 - what does not combine yet is refused by name, before any worker starts;
 - a killed worker makes the next step fail naming it as a pipeline-parallel rank;
@@ -258,7 +259,8 @@ def test_killed_worker_is_named(three_layers):
     llm = LLM(three_layers, pipeline_parallel_size=2)
     engine = llm.engine
     try:
-        assert len(llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True))[0].outputs[0].token_ids) == 3
+        [output] = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True))
+        assert len(output.outputs[0].token_ids) == 3
         with pytest.raises(ValueError, match="use_beam_search: not supported with tensor_parallel_size or pipeline"):
             llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, use_beam_search=True, n=2, temperature=0.0))
         kill_rank1_then_expect(llm, r"pipeline-parallel worker rank 1 \(pid \d+\) exited with code -9")

@@ -108,14 +108,16 @@ def test_padding_columns_never_sampled():
     counts = draw_counts(SamplingParams(**case), num_padding=4)
     assert counts[VOCAB_SIZE:].sum() == 0
     sampler = Sampler(VOCAB_SIZE)
-    greedy = sampler(torch.tensor([LOGITS + [50.0] * 4]), sampler.make_batch([SamplingRow(SamplingParams(temperature=0))]))
+    batch = sampler.make_batch([SamplingRow(SamplingParams(temperature=0))])
+    greedy = sampler(torch.tensor([LOGITS + [50.0] * 4]), batch)
     assert greedy.token_ids == [0]
 
 
 def test_greedy_is_argmax_and_mixes_with_random_rows():
     torch.manual_seed(0)
     logits = torch.randn(16, 40)
-    rows = [SamplingRow(SamplingParams(temperature=0.0 if i % 2 == 0 else 1e-6 if i % 4 == 1 else 1.0)) for i in range(16)]
+    temperatures = [0.0 if i % 2 == 0 else 1e-6 if i % 4 == 1 else 1.0 for i in range(16)]
+    rows = [SamplingRow(SamplingParams(temperature=t)) for t in temperatures]
     sampler = Sampler(40)
     output = sampler(logits, sampler.make_batch(rows))
     for i, row in enumerate(rows):

@@ -123,7 +123,7 @@ def test_a_beam_step_reads_back_only_each_beams_top_candidates():
     the engine makes them, beside a greedy and a random row, reads back once: every row's
     token id, and per beam row its chosen token's logprob and rank and its top
     ``max(2k, N)`` ids and values (8 here, the widest row's), never a vocabulary row."""
-    from pagoda.engine.core.beam_search import BeamSearch
+    from pagoda.engine.request_groups.beam_search import BeamSearch
     from pagoda.engine.request import Request
 
     beams = BeamSearch(scheduler=None)

@@ -55,7 +55,8 @@ BAD_BEAM = [
     (dict(presence_penalty=0.5), "presence_penalty"), (dict(frequency_penalty=0.5), "frequency_penalty"),
     (dict(min_tokens=2), "min_tokens"), (dict(prompt_logprobs=1), "prompt_logprobs"),
     (dict(allowed_token_ids=[1]), "allowed_token_ids"),
-    (dict(logit_bias={1: 1.0}), "logit_bias"), (dict(bad_words=["x"]), "bad_words"), (dict(speculative=True), "speculative"),
+    (dict(logit_bias={1: 1.0}), "logit_bias"), (dict(bad_words=["x"]), "bad_words"),
+    (dict(speculative=True), "speculative"),
     (dict(beam_width=0), "beam_width"), (dict(beam_width=11), "beam_width"), (dict(best_of=64), "best_of"),
     (dict(beam_width=2, best_of=4), "beam_width"), (dict(beam_width=2, n=3), "n"), (dict(n=12), "n"),
 ]
@@ -72,7 +73,8 @@ def test_beam_width_resolution():
     assert SamplingParams(**BEAM, n=3).num_beams == 3  # vLLM's old API: best_of defaults to n
     assert SamplingParams(**BEAM, best_of=4, n=2).num_beams == 4
     assert SamplingParams(**BEAM, beam_width=8).num_beams == 8
-    assert SamplingParams.from_dict({**BEAM, "best_of": 4, "length_penalty": 0.5, "early_stopping": "never"}).num_beams == 4
+    beam = SamplingParams.from_dict({**BEAM, "best_of": 4, "length_penalty": 0.5, "early_stopping": "never"})
+    assert beam.num_beams == 4
     assert SamplingParams(n=2).num_beams == 0 and SamplingParams(best_of=2, n=2).num_beams == 0
 
 
@@ -94,7 +96,10 @@ def test_bad_value_raises_naming_field(case):
 
 def test_every_field_has_a_bad_value_case():
     tested = {name for name, _ in BAD_VALUES}
-    assert tested == {f.name for f in dataclasses.fields(SamplingParams)}
+    # ``given`` records which fields a request gave (with_defaults); no client sends it.
+    assert tested == {f.name for f in dataclasses.fields(SamplingParams)} - {"given"}
+    with pytest.raises(ValueError, match="unknown sampling parameter"):
+        SamplingParams.from_dict({"given": ["temperature"]})
 
 
 def test_vllm_extras_are_read_as_vllm_does():

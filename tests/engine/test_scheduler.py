@@ -13,7 +13,7 @@ from pagoda.contracts.kv_events import BlockRemoved, BlockStored
 from pagoda.engine.request import Request, RequestStatus
 from pagoda.engine.sampling_params import SamplingParams
 from pagoda.engine.runner.runner_output import ModelRunnerOutput
-from pagoda.engine.core.scheduler import Scheduler, SchedulerConfig
+from pagoda.engine.core.sched.scheduler import Scheduler, SchedulerConfig
 
 EOS = 2
 
@@ -387,10 +387,12 @@ def test_randomized_simulation_keeps_invariants_and_terminates(seed, policy, chu
     all_requests = []
     for step_index in range(5000):
         if len(all_requests) < 120 and rng.random() < 0.4:
-            prompt = rng.choice(prefixes)[: rng.randrange(1, 13)] + [rng.randrange(3, 50) for _ in range(rng.randrange(0, 30))]
+            suffix = [rng.randrange(3, 50) for _ in range(rng.randrange(0, 30))]
+            prompt = rng.choice(prefixes)[: rng.randrange(1, 13)] + suffix
             if not prompt:
                 prompt = [5]
-            request = make_request(f"r{len(all_requests)}", prompt, max_tokens=rng.randrange(1, 64 - len(prompt) + 1) if len(prompt) < 64 else 1,
+            max_tokens = rng.randrange(1, 64 - len(prompt) + 1) if len(prompt) < 64 else 1
+            request = make_request(f"r{len(all_requests)}", prompt, max_tokens=max_tokens,
                                    arrival=float(step_index), priority=rng.randrange(3),
                                    salt=rng.choice([None, None, "t1"]), min_tokens=0)
             try:

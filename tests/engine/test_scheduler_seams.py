@@ -7,10 +7,10 @@ no branch added to the admission loop. Runner outputs are faked, no torch.
 import pytest
 
 from pagoda.engine.config import SCHEDULING_POLICIES
-from pagoda.engine.core.constraints import (AdmissionConstraint, Admit, BeamGroupReserve, LoRASlotLimit,
+from pagoda.engine.core.sched.constraints import (AdmissionConstraint, Admit, BeamGroupReserve, LoRASlotLimit,
                                             SharedPrefixWait, make_constraints)
-from pagoda.engine.core.policy import POLICIES, FcfsPolicy, PriorityPolicy, get_policy
-from pagoda.engine.core.step_plan import StepPlan
+from pagoda.engine.core.sched.policy import POLICIES, FcfsPolicy, PriorityPolicy, get_policy
+from pagoda.engine.core.sched.step_plan import StepPlan
 from pagoda.engine.kv.host_tier import KVOffloadManager, NoHostTier, make_host_tier
 from tests.engine.test_scheduler import make_request, make_scheduler, plan, step
 

@@ -4,7 +4,7 @@ rejected, never cached, never a cause of preemption. Runner outputs are faked.""
 from pagoda.engine.request import Request
 from pagoda.engine.sampling_params import SamplingParams
 from pagoda.engine.runner.runner_output import ModelRunnerOutput
-from pagoda.engine.core.scheduler import Scheduler, SchedulerConfig
+from pagoda.engine.core.sched.scheduler import Scheduler, SchedulerConfig
 
 EOS = 2
 
@@ -23,7 +23,8 @@ def make_request(rid, num_prompt, max_tokens=32):
 
 def prefill(scheduler, token=7):
     out = scheduler.schedule()
-    scheduler.update_from_output(ModelRunnerOutput.from_tokens(out.step_id, {s.request.request_id: [token] for s in out.scheduled if s.is_sampling}))
+    tokens = {s.request.request_id: [token] for s in out.scheduled if s.is_sampling}
+    scheduler.update_from_output(ModelRunnerOutput.from_tokens(out.step_id, tokens))
 
 
 def test_drafts_are_scheduled_tokens_and_rejections_roll_back():

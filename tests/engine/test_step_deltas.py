@@ -13,7 +13,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from pagoda.engine.core.scheduler import Scheduler
+from pagoda.engine.core.sched.scheduler import Scheduler
 from pagoda.engine.request import RequestStatus
 from pagoda.engine.runner.request_states import RequestStates
 from pagoda.engine.runner.runner_output import ModelRunnerOutput
@@ -160,6 +160,6 @@ def test_an_undone_step_makes_its_requests_new_again():
 
 
 def test_the_delta_modules_import_no_torch():
-    code = ("import sys, pagoda.engine.core.scheduler, pagoda.engine.runner.request_states; "
+    code = ("import sys, pagoda.engine.core.sched.scheduler, pagoda.engine.runner.request_states; "
             "assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)

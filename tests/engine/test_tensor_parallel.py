@@ -260,7 +260,8 @@ def test_killed_worker_is_named(tmp_path, smollm2_path):
     llm = LLM(path, tensor_parallel_size=2)
     engine = llm.engine
     try:
-        assert len(llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True))[0].outputs[0].token_ids) == 3
+        [output] = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True))
+        assert len(output.outputs[0].token_ids) == 3
         kill_rank1_then_expect(llm, r"tensor-parallel worker rank 1 \(pid \d+\) exited with code -9")
     finally:
         engine.shutdown()

@@ -49,7 +49,7 @@ def test_status_lookup_used_by_the_lora_endpoints():
 
 
 def _real_messages() -> dict[str, ErrorKind]:
-    from pagoda.engine.core.admission import deadline_message, overload_message
+    from pagoda.engine.core.load_shedding import deadline_message, overload_message
 
     overloaded = overload_message("this replica's waiting queue is full (16 requests, at most 16)")
     return {
@@ -84,13 +84,13 @@ def test_real_replica_messages_classify():
 
 
 def test_engine_and_serving_take_their_prefixes_and_codes_from_the_contract():
-    from pagoda.engine.core import admission
+    from pagoda.engine.core import load_shedding
     from pagoda.serving import lora_control
-    from pagoda.serving.triton_io import make_error_response
+    from pagoda.serving.responses import make_error_response
 
-    assert admission.OVERLOADED_PREFIX is errors.OVERLOADED_PREFIX
-    assert admission.DEADLINE_PREFIX is errors.DEADLINE_PREFIX
-    assert admission.DEFAULT_RETRY_AFTER_S == errors.DEFAULT_RETRY_AFTER_S
+    assert load_shedding.OVERLOADED_PREFIX is errors.OVERLOADED_PREFIX
+    assert load_shedding.DEADLINE_PREFIX is errors.DEADLINE_PREFIX
+    assert load_shedding.DEFAULT_RETRY_AFTER_S == errors.DEFAULT_RETRY_AFTER_S
     assert lora_control.SHUTDOWN_MESSAGE is errors.SHUTDOWN_MESSAGE
     assert make_error_response("bad").error_code == "INVALID_ARG"
     assert make_error_response("x", "UNAVAILABLE").error_code == "UNAVAILABLE"  # code names still accepted

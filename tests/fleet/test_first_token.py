@@ -7,40 +7,45 @@ import json
 
 import pytest
 
-from pagoda.fleet.api.first_token import (FirstTokenMismatch, Splice, is_early, merged_values, stage_seed,
-                                          stage_values)
+from pagoda.engine.sampling_params import SamplingParams
+from pagoda.fleet.api.first_token import (FirstTokenMismatch, Splice, is_early, prefill_stage, seeded_for_stages)
+from pagoda.serving.wire import OutputOptions, WireRequest
+
+
+def wire(stream=True, **sampling):
+    return WireRequest(prompt="x", params=SamplingParams(**sampling), output=OutputOptions(stream=stream))
 
 
 def test_which_requests_stream_their_first_token_early():
-    assert is_early({"stream": True})
-    assert is_early({"stream": True, "n": 1, "max_tokens": 2, "temperature": 0.7})
-    assert not is_early({})  # not streaming: one answer at the end
-    assert not is_early({"stream": True, "n": 2})
-    assert not is_early({"stream": True, "best_of": 3})
-    assert not is_early({"stream": True, "use_beam_search": True})
-    assert not is_early(merged_values({"stream": True, "beam_width": 4}))
-    assert not is_early({"stream": True, "prompt_logprobs": 0})
-    assert not is_early({"stream": True, "max_tokens": 1})  # the prefill stage's first response would be its last
-
-
-def test_merged_values_first_source_wins_and_aliases_resolve():
-    values = merged_values({"max_tokens": 4, "random_seed": 9}, {"max_tokens": 8, "min_length": 3}, {"n": 1})
-    assert values == {"max_tokens": 4, "seed": 9, "min_tokens": 3, "n": 1}
+    assert is_early(wire())
+    assert is_early(wire(n=1, max_tokens=2, temperature=0.7))
+    assert not is_early(wire(stream=False))  # not streaming: one answer at the end
+    assert not is_early(wire(n=2))
+    assert not is_early(wire(best_of=3, n=3))
+    assert not is_early(wire(use_beam_search=True, best_of=2, temperature=0))
+    assert not is_early(wire(use_beam_search=True, beam_width=4, temperature=0))
+    assert not is_early(wire(prompt_logprobs=0))
+    assert not is_early(wire(max_tokens=1))  # the prefill stage's first response would be its last
 
 
 def test_the_first_stage_allows_a_stop_at_the_first_token_exactly_when_the_request_does():
     handle = {"do_remote_decode": True}
-    assert stage_values({}, early=False) == {"max_tokens": 1, "min_tokens": 0, "kv_transfer_params": handle}
-    assert stage_values({}, early=True) == {"max_tokens": 2, "min_tokens": 0, "kv_transfer_params": handle}
-    assert stage_values({"min_tokens": 1}, early=True)["min_tokens"] == 1
-    assert stage_values({"min_tokens": 50}, early=True)["min_tokens"] == 2  # > 1 either way: no stop at token 1
+    late, early = prefill_stage(wire(max_tokens=9), early=False), prefill_stage(wire(max_tokens=9), early=True)
+    assert (late.params.max_tokens, late.params.min_tokens, dict(late.options.kv_transfer_params)) == (1, 0, handle)
+    assert (early.params.max_tokens, early.params.min_tokens) == (2, 0) and early.output.stream
+    assert not late.output.stream  # its token is dropped: only the final response's KV handle matters
+    assert prefill_stage(wire(min_tokens=1), early=True).params.min_tokens == 1
+    assert prefill_stage(wire(min_tokens=50, max_tokens=60), early=True).params.min_tokens == 2  # no stop at token 1
+    original = wire(max_tokens=9)
+    prefill_stage(original, early=True)
+    assert original.params.max_tokens == 9 and original.options.kv_transfer_params is None  # untouched
 
 
 def test_a_seed_only_where_the_two_stages_would_otherwise_sample_apart():
-    assert stage_seed({"seed": 3}, early=True) is None
-    assert stage_seed({"temperature": 0}, early=True) is None  # greedy
-    assert stage_seed({}, early=False) is None  # the first stage's token is dropped
-    seeds = {stage_seed({"temperature": 0.8}, early=True) for _ in range(8)}
+    assert seeded_for_stages(wire(seed=3, temperature=0.8), early=True).params.seed == 3
+    assert seeded_for_stages(wire(temperature=0), early=True).params.seed is None  # greedy
+    assert seeded_for_stages(wire(temperature=0.8), early=False).params.seed is None  # the first token is dropped
+    seeds = {seeded_for_stages(wire(temperature=0.8), early=True).params.seed for _ in range(8)}
     assert len(seeds) == 8 and all(0 <= s < 2 ** 63 for s in seeds)
 
 

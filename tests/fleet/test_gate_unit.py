@@ -19,7 +19,7 @@ from pagoda.fleet.gate.auth import ApiKeys, AuthError, RateLimited, Tenant, Tena
 from pagoda.fleet.gate.gate import Gate
 from pagoda.fleet.triton_wire import read_string_input
 from pagoda.fleet.gate.generate_body import sampling_of_generate, validate_generate_body
-from pagoda.fleet.gate.limits import LimitError, RequestLimits, sampling_of_infer_request, set_sampling_value
+from pagoda.fleet.gate.limits import LimitError, RequestLimits, sampling_of_infer_request
 from pagoda.fleet.routing.replicas import ReplicaSet
 from pagoda.fleet.routing.router import Router
 
@@ -99,7 +99,7 @@ def test_valid_generate_body_keeps_its_inputs_and_serializes_a_json_object():
 
 
 def test_generate_body_speaks_the_replicas_request_parameter_vocabulary():
-    """What the replica accepts (serving.vllm_dialect), the router's HTTP door accepts: the
+    """What the replica accepts (serving.dialects.vllm), the router's HTTP door accepts: the
     extension's ``id`` and ``parameters`` (the vLLM backend README's first curl) and sampling
     keys as top-level request parameters."""
     body = {"text_input": "hi", "id": "req-1", "parameters": {"stream": False, "temperature": 0, "max_tokens": 3},
@@ -143,15 +143,20 @@ def _infer_request(sampling_json=None, raw=True):
 
 
 @pytest.mark.parametrize("raw", [True, False])
-def test_salt_is_written_into_grpc_requests(raw):
+def test_a_grpc_request_is_read_into_its_wire_and_salted_there(raw):
+    """The gRPC door reads pagoda's model's request once (raw or typed contents), and the tenant's
+    salt is an option of its wire, sent in the canonical ``sampling_parameters``."""
+    from pagoda.fleet.api.routed_request import RoutedRequest
+
     request = _infer_request('{"max_tokens": 3, "cache_salt": "mine"}', raw)
-    set_sampling_value(request, "cache_salt", "tenant:a:mine")
-    assert json.loads(read_string_input(request, "sampling_parameters")) == {"max_tokens": 3,
-                                                                             "cache_salt": "tenant:a:mine"}
-    bare = _infer_request(None, raw)
-    set_sampling_value(bare, "cache_salt", "tenant:b")
-    assert json.loads(read_string_input(bare, "sampling_parameters")) == {"cache_salt": "tenant:b"}
-    assert sampling_of_infer_request(bare) == {"cache_salt": "tenant:b"}
+    routed = RoutedRequest.of_infer_request(request)
+    assert routed.wire.params.max_tokens == 3 and routed.wire.options.cache_salt == "mine"
+    routed.wire = routed.wire.with_options(cache_salt="tenant:a:mine")
+    sent = routed.infer_request("00-trace")
+    assert json.loads(read_string_input(sent, "sampling_parameters")) == {"max_tokens": 3,
+                                                                          "cache_salt": "tenant:a:mine"}
+    assert sent.parameters["traceparent"].string_param == "00-trace" and sent.id == request.id
+    assert sampling_of_infer_request(sent) == {"max_tokens": 3, "cache_salt": "tenant:a:mine"}
 
 
 # ------------------------------------------------------------------ keys, tenants, salts
@@ -341,7 +346,8 @@ async def _http_scenario(app, clock):
             async with client.request(method, path, data=data, headers=headers or {}) as response:
                 return response.status, dict(response.headers), await response.read()
 
-        auth = {"Authorization": f"Bearer {SECRET}", "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}
+        auth = {"Authorization": f"Bearer {SECRET}",
+                "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}
         chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
         status, _, body = await call("POST", "/v1/chat/completions", chat)
         assert status == 401 and json.loads(body)["error"]["type"] == "authentication_error"
@@ -363,8 +369,8 @@ async def _http_scenario(app, clock):
         assert status == 413 and "body" in json.loads(body)["error"]["message"]
         assert time.perf_counter() - start < 30  # refused from Content-Length, not after parsing
 
-        status, _, body = await call("POST", "/v1/completions", {"prompt": "hi", "n": 100}, auth)
-        assert status == 400 and json.loads(body)["error"]["message"].startswith("n: 100 exceeds this server's limit")
+        status, _, body = await call("POST", "/v1/completions", {"prompt": "hi", "n": 20}, auth)
+        assert status == 400 and json.loads(body)["error"]["message"].startswith("n: 20 exceeds this server's limit")
         status, _, body = await call("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                                                                       "logprobs": True, "top_logprobs": 20,
                                                                       "stop": ["s"] * 17}, auth)
@@ -386,10 +392,12 @@ async def _http_scenario(app, clock):
         status, _, _ = await call("POST", "/v2/models/pagoda/generate", {"text_input": "hi"}, auth)
         assert status == 503
 
-        # Quotas count n x the replicas' default max_tokens (1024) when max_tokens is absent
-        # (/v1/completions has OpenAI's own default, 16, which the replica then applies too).
+        # Quotas count n x the replicas' default max_tokens (1024) where a request runs to it: chat
+        # without max_tokens, a generate body with max_tokens null (absent, the vLLM backend's
+        # SamplingParams default, 16, applies, and /v1/completions has OpenAI's own, 16, too).
         for path, body in [("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2}),
-                           ("/v2/models/pagoda/generate", {"text_input": "hi", "sampling_parameters": {"n": 2}})]:
+                           ("/v2/models/pagoda/generate", {"text_input": "hi",
+                                                           "sampling_parameters": {"n": 2, "max_tokens": None}})]:
             clock.now += 60
             status, _, body = await call("POST", path, body, {"Authorization": f"Bearer {SECRET_TPM}"})
             assert status == 429 and "(prompt + n x max_tokens) exceed tenant 'small'" in body.decode(), (path, body)
@@ -490,7 +498,8 @@ async def _hostile_json_scenario(tokenizer):
             assert len(answers) == 1 and "sampling_parameters" in answers[0].error_message, (sampling, answers)
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await stub.ModelInfer(_infer_request(sampling))
-            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "sampling_parameters" in info.value.details()
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "sampling_parameters" in info.value.details()
         [answer] = [r async for r in stub.ModelStreamInfer(iter([_infer_request('{"max_tokens": 2}')]))]
         assert "no replica" in answer.error_message
 

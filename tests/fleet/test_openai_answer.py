@@ -48,14 +48,15 @@ def test_echo_with_logprobs_puts_the_prompt_tokens_first():
     answer.add(_outputs("e", 5, -0.75, "length", with_prompt=False))
     (choice,) = merge_final([answer])["choices"]
     assert choice["text"] == "abcde"
-    assert choice["logprobs"] == {"tokens": ["a", "b", "c", "d", "e"], "token_logprobs": [None, -1.0, -2.0, -0.25, -0.75],
+    assert choice["logprobs"] == {"tokens": ["a", "b", "c", "d", "e"],
+                                  "token_logprobs": [None, -1.0, -2.0, -0.25, -0.75],
                                   "top_logprobs": [None, {"e": -0.5}, {"c": -2.0}, {"d": -0.25}, {"e": -0.75}],
                                   "text_offset": [0, 1, 2, 3, 4]}
 
 
 def test_echo_without_generation_drops_the_generated_token_everywhere():
     (answer,) = _answers({"prompt": [1, 2, 3], "echo": True, "logprobs": 1, "max_tokens": 0})
-    assert answer.built.sampling["max_tokens"] == 1
+    assert answer.built.wire.params.max_tokens == 1
     answer.add(_outputs("d", 4, -0.25, "length"))
     whole = merge_final([answer])
     (choice,) = whole["choices"]

@@ -1,4 +1,4 @@
-"""OpenAI bodies -> contract-1 requests (mapping, refusals) and outputs -> OpenAI pieces."""
+"""OpenAI bodies -> wire requests (mapping, refusals) and outputs -> OpenAI pieces."""
 
 from __future__ import annotations
 
@@ -7,10 +7,19 @@ import struct
 
 import pytest
 
-from pagoda.fleet.triton_wire import read_string_input
+from pagoda.engine.guided.params import GuidedDecodingParams
+from pagoda.engine.sampling_params import SamplingParams
 from pagoda.fleet.api.openai_io import (OpenAIError, build_chat_request, build_completion_request,
                                         build_completion_requests, chat_logprobs, completion_logprobs,
-                                        echoed_prompt_logprobs, make_infer_request, read_outputs)
+                                        echoed_prompt_logprobs, read_outputs)
+from pagoda.fleet.api.routed_request import RoutedRequest
+from pagoda.fleet.triton_wire import read_string_input
+
+
+def sent(built):
+    """The values a built request sends the replica in its ``sampling_parameters`` (those that
+    differ from the defaults: sampling fields and request options), its output dialect aside."""
+    return {k: v for k, v in built.wire.values().items() if k != "output_dialect"}
 
 
 class FakeTokenizer:
@@ -30,10 +39,12 @@ def test_completion_mapping():
                                       "stream_options": {"include_usage": True}, "user": "ignored"})
     assert built.prompt == "Hi" and built.stream and built.n == 2 and built.include_usage
     assert built.echo_prefix == "Hi" and built.logprobs == 2
-    assert built.sampling == {"temperature": 0.5, "top_p": 0.9, "n": 2, "seed": 3, "presence_penalty": 0.1,
-                              "top_k": 5, "cache_salt": "tenant", "max_tokens": 7, "stop": ["\n"], "logprobs": 2,
-                              "prompt_logprobs": 2}  # echo with logprobs: the prompt's too (vLLM's rule)
-    assert build_completion_request({"prompt": "x"}).sampling == {"max_tokens": 16}
+    assert sent(built) == {"temperature": 0.5, "top_p": 0.9, "n": 2, "seed": 3, "presence_penalty": 0.1,
+                           "top_k": 5, "cache_salt": "tenant", "max_tokens": 7, "stop": ["\n"], "logprobs": 2,
+                           "prompt_logprobs": 2}  # echo with logprobs: the prompt's too (vLLM's rule)
+    assert built.wire.options.cache_salt == "tenant" and built.wire.params.n == 2
+    default = build_completion_request({"prompt": "x"})
+    assert default.wire.params.max_tokens == 16 and sent(default) == {"max_tokens": 16}  # OpenAI's default
 
 
 def test_token_prompts_lists_of_prompts_and_echo_without_generation():
@@ -41,10 +52,10 @@ def test_token_prompts_lists_of_prompts_and_echo_without_generation():
     built = build_completion_requests({"prompt": [[3, 4, 5], [6, 7]], "echo": True, "max_tokens": 0,
                                        "logprobs": 1, "temperature": 0}, FakeTokenizer())
     assert [b.prompt for b in built] == [[3, 4, 5], [6, 7]] and [b.echo_prefix for b in built] == ["cde", "fg"]
-    assert all(b.echo_only and b.sampling == {"temperature": 0, "max_tokens": 1, "logprobs": 1, "prompt_logprobs": 1}
+    assert all(b.echo_only and sent(b) == {"temperature": 0, "max_tokens": 1, "logprobs": 1, "prompt_logprobs": 1}
                for b in built)
     texts = build_completion_requests({"prompt": ["a", "b"], "prompt_logprobs": 3})
-    assert [b.prompt for b in texts] == ["a", "b"] and texts[0].sampling["prompt_logprobs"] == 3
+    assert [b.prompt for b in texts] == ["a", "b"] and texts[0].wire.params.prompt_logprobs == 3
     assert not texts[0].echo and texts[0].echo_prefix == ""
     assert build_completion_request({"prompt": [9, 8]}).prompt == [9, 8]
 
@@ -90,8 +101,9 @@ def test_chat_mapping_and_refusals():
                                              {"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
                                 "max_completion_tokens": 5, "logprobs": True, "top_logprobs": 3}, tokenizer)
     assert built.prompt == "<system>Be brief.<user>Hi<assistant>"
-    assert built.sampling == {"max_tokens": 5, "logprobs": 3} and built.logprobs == 3
-    assert build_chat_request({"messages": [{"role": "user", "content": "x"}]}, tokenizer).sampling == {"max_tokens": None}
+    assert sent(built) == {"max_tokens": 5, "logprobs": 3} and built.logprobs == 3
+    minimal = build_chat_request({"messages": [{"role": "user", "content": "x"}]}, tokenizer)
+    assert sent(minimal) == {"max_tokens": None}
     for body, param in [({"messages": []}, "messages"),
                         ({"messages": [{"content": "x"}]}, "messages"),
                         ({"messages": [{"role": "robot", "content": "x"}]}, "messages"),
@@ -109,7 +121,7 @@ def test_infer_request_and_outputs_round_trip():
     from tritonclient.grpc import service_pb2
 
     built = build_completion_request({"prompt": "Hello", "max_tokens": 3, "logprobs": 1})
-    request = make_infer_request(built, "cmpl-1")
+    request = RoutedRequest("cmpl-1", built.wire).infer_request()
     assert request.model_name == "pagoda" and request.id == "cmpl-1"
     assert read_string_input(request, "text_input") == "Hello"
     assert json.loads(read_string_input(request, "sampling_parameters")) == {"max_tokens": 3, "logprobs": 1,
@@ -124,7 +136,7 @@ def test_infer_request_and_outputs_round_trip():
                                          struct.pack("<2I", 2, 1)])
     assert read_outputs(response) == {"text_output": ["ab", "c"], "num_output_tokens": [2, 1]}
 
-    tokens = make_infer_request(build_completion_request({"prompt": [5, 70000]}), "cmpl-2")
+    tokens = RoutedRequest("cmpl-2", build_completion_request({"prompt": [5, 70000]}).wire).infer_request()
     (ids,) = [i for i, t in enumerate(tokens.inputs) if t.name == "input_ids"]
     assert tokens.inputs[ids].datatype == "INT32" and list(tokens.inputs[ids].shape) == [2]
     assert struct.unpack("<2i", tokens.raw_input_contents[ids]) == (5, 70000)
@@ -160,8 +172,9 @@ def test_structured_output_fields():
              ({"guided_grammar": 'root ::= "x"'}, {"grammar": 'root ::= "x"'})]
     for extra, expected in cases:
         built = build_chat_request({"messages": messages, **extra}, FakeTokenizer())
-        assert built.sampling.get("guided_decoding") == expected, extra
-    assert build_completion_request({"prompt": "x", "guided_regex": "a"}).sampling["guided_decoding"] == {"regex": "a"}
+        expected_sent = expected and GuidedDecodingParams.from_dict(expected).to_dict()
+        assert sent(built).get("guided_decoding") == expected_sent, extra
+    assert sent(build_completion_request({"prompt": "x", "guided_regex": "a"}))["guided_decoding"] == {"regex": "a"}
     for extra, param in [({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
                          ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
                          ({"response_format": {"type": "json_schema"}}, "response_format"),
@@ -181,12 +194,13 @@ def test_chat_roles_are_checked_and_timeout_passes_through():
         def apply_chat_template(self, messages, add_generation_prompt):
             return "|".join(f"{m['role']}:{m['content']}" for m in messages)
 
-    with pytest.raises(OpenAIError, match='messages\\[1\\].role: must be one of system, developer, user, assistant, tool, got "wizard"'):
+    roles = "system, developer, user, assistant, tool"
+    with pytest.raises(OpenAIError, match=f'messages\\[1\\].role: must be one of {roles}, got "wizard"'):
         build_chat_request({"messages": [{"role": "user", "content": "a"}, {"role": "wizard", "content": "b"}]},
                            Template())
     built = build_chat_request({"messages": [{"role": "developer", "content": "be brief"}]}, Template())
     assert built.prompt == "system:be brief"
-    assert build_completion_request({"prompt": "hi", "timeout": 2.5}).sampling["timeout"] == 2.5
+    assert build_completion_request({"prompt": "hi", "timeout": 2.5}).wire.options.timeout == 2.5
 
 
 def test_typed_bodies_name_the_field_path_and_serve_what_the_engine_has():
@@ -207,7 +221,7 @@ def test_typed_bodies_name_the_field_path_and_serve_what_the_engine_has():
                                 "chat_template_kwargs": {"enable_thinking": False},
                                 "logit_bias": {"7": -100, "9": 2.5}}, Template())
     assert built.prompt == "a|hi|b" and seen == {"enable_thinking": False}
-    assert built.sampling["logit_bias"] == {7: -100, 9: 2.5}
+    assert built.wire.params.logit_bias == {7: -100, 9: 2.5}
     cases = [({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
               "messages[0].content", "messages"),
              ({"messages": [{"role": "assistant", "content": "x", "refusal": "no"}]}, "messages[0].refusal",
@@ -228,11 +242,11 @@ def test_typed_bodies_name_the_field_path_and_serve_what_the_engine_has():
 def test_beam_search_passes_as_vllms_extra_parameters():
     built = build_completion_request({"prompt": "x", "use_beam_search": True, "best_of": 4, "n": 2,
                                       "length_penalty": 0.5, "early_stopping": "never", "max_tokens": 8})
-    assert built.sampling["use_beam_search"] is True and built.sampling["best_of"] == 4
-    assert built.sampling["temperature"] == 0.0  # vLLM: beam search is greedy unless told otherwise
-    assert built.sampling["length_penalty"] == 0.5 and built.sampling["early_stopping"] == "never"
-    from pagoda.engine.sampling_params import SamplingParams
-    assert SamplingParams.from_dict(built.sampling).num_beams == 4  # what the replica will run
+    params = built.wire.params
+    assert params.use_beam_search is True and params.best_of == 4
+    assert params.temperature == 0.0  # vLLM: beam search is greedy unless told otherwise
+    assert params.length_penalty == 0.5 and params.early_stopping == "never"
+    assert SamplingParams.from_dict(sent(built)).num_beams == 4  # what the replica will run
     for body, param in (({"prompt": "x", "best_of": 3}, "best_of"),
                         ({"prompt": "x", "use_beam_search": "yes"}, "use_beam_search"),
                         ({"prompt": "x", "use_beam_search": True, "best_of": 2.5}, "best_of"),

@@ -18,7 +18,9 @@ from openai.types import Completion as SdkCompletion, Model as SdkModel  # noqa:
 from openai.types.chat import ChatCompletion as SdkChat, ChatCompletionChunk as SdkChunk  # noqa: E402
 
 from pagoda.fleet.api.openai_answer import Answer, merge_final  # noqa: E402
-from pagoda.fleet.api.openai_io import BuiltRequest, build_completion_requests  # noqa: E402
+from pagoda.fleet.api.openai_io import OpenAIRequest, build_completion_requests  # noqa: E402
+from pagoda.engine.sampling_params import SamplingParams  # noqa: E402
+from pagoda.serving.wire import WireRequest  # noqa: E402
 from pagoda.fleet.api.openai_responses import (ChatCompletion, CompletionChoice, ModelCard, ModelList,  # noqa: E402
                                                dump, error_body)
 from tests.fleet.test_openai_answer import FakeTokenizer, _outputs  # noqa: E402
@@ -31,8 +33,8 @@ def _completion_answers(body):
 
 
 def _chat_answer(logprobs):
-    built = BuiltRequest(prompt="abc", sampling={"max_tokens": 2}, stream=True, include_usage=True, n=1,
-                         logprobs=logprobs)
+    built = OpenAIRequest(WireRequest(prompt="abc", params=SamplingParams(max_tokens=2)), stream=True,
+                          include_usage=True, logprobs=logprobs)
     return Answer(True, "chatcmpl-1", "m", built, FakeTokenizer())
 
 

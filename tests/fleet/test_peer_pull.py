@@ -10,7 +10,6 @@ from types import SimpleNamespace
 from tritonclient.grpc import service_pb2
 
 from pagoda.fleet.api.upstream import GrpcUpstream
-from pagoda.fleet.gate.limits import sampling_of_infer_request, set_sampling_value
 from pagoda.fleet.routing.peer_pull import PeerPull
 from pagoda.fleet.routing.replicas import ReplicaSet, parse_replicas_spec
 from pagoda.fleet.routing.cost_model import StepTimeModel, TransferModel
@@ -75,16 +74,19 @@ def test_the_router_names_the_best_other_holder():
 
 
 def test_a_retry_elsewhere_decides_again_and_a_clients_own_handle_is_kept():
+    from pagoda.engine.sampling_params import SamplingParams
+    from pagoda.fleet.api.routed_request import RoutedRequest
+    from pagoda.serving.wire import WireRequest
+
     replicas = _replicas()
     upstream = GrpcUpstream(SimpleNamespace(replicas=replicas, block_size=16, num_peer_pulls=0), gate=None)
-    request = service_pb2.ModelInferRequest()
-    set_sampling_value(request, "max_tokens", 4)
+    request = RoutedRequest("r", WireRequest(prompt="x", params=SamplingParams(max_tokens=4)))
     pulls = SimpleNamespace(replica=replicas.get("a"), peer="b", peer_blocks=40, matched_blocks=0)
-    upstream._set_peer_pull(request, pulls)
-    assert sampling_of_infer_request(request)["kv_transfer_params"]["remote_port"] == 7000
-    upstream._set_peer_pull(request, SimpleNamespace(replica=replicas.get("b"), peer=None, peer_blocks=0,
-                                                     matched_blocks=40))
-    assert sampling_of_infer_request(request) == {"max_tokens": 4}
+    pulled = upstream._with_peer_pull(request, pulls)
+    assert pulled.options.kv_transfer_params["remote_port"] == 7000 and pulled.params.max_tokens == 4
+    assert request.wire.options.kv_transfer_params is None  # each attempt decides on the request as sent
+    assert upstream._with_peer_pull(request, SimpleNamespace(replica=replicas.get("b"), peer=None, peer_blocks=0,
+                                                             matched_blocks=40)) is None
     assert upstream.router.num_peer_pulls == 1
 
 
@@ -99,7 +101,7 @@ def test_the_publisher_advertises_its_connector_on_its_host():
 
 
 def test_the_router_flag_sets_the_threshold_and_zero_turns_pulls_off():
-    from pagoda.fleet.service import make_parser, options_from_args
+    from pagoda.fleet.router_cli import make_parser, options_from_args
 
     args = make_parser().parse_args(["--replicas", "id=a,grpc=a:1,http=a:2", "--peer-pull-min-blocks", "0"])
     assert options_from_args(args).peer_pull_min_blocks == 0

@@ -10,7 +10,7 @@ from pagoda.contracts.kv_events import AllBlocksCleared, BlockRemoved, BlockStor
 from pagoda.engine.request import Request
 from pagoda.engine.sampling_params import SamplingParams
 from pagoda.engine.runner.runner_output import ModelRunnerOutput
-from pagoda.engine.core.scheduler import Scheduler, SchedulerConfig
+from pagoda.engine.core.sched.scheduler import Scheduler, SchedulerConfig
 from pagoda.contracts import redis_keys as keys
 from pagoda.fleet.index.mirror import IndexFollower
 from pagoda.fleet.index.prefix_index import PrefixIndex

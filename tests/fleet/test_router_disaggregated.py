@@ -90,7 +90,8 @@ def _assert_nothing_held(router, servers) -> None:
     """Every live replica: all KV blocks free (cached blocks count as free), nothing running
     or waiting; the router: no request in flight anywhere."""
     def settled(server) -> bool:
-        return (read_metric(server, "pagoda:kv_cache_num_free_blocks") == read_metric(server, "pagoda:kv_cache_num_blocks")
+        num_free_blocks = read_metric(server, "pagoda:kv_cache_num_free_blocks")
+        return (num_free_blocks == read_metric(server, "pagoda:kv_cache_num_blocks")
                 and read_metric(server, "vllm:num_requests_running") == 0
                 and read_metric(server, "vllm:num_requests_waiting") == 0)
 
@@ -273,7 +274,8 @@ def test_streams_begin_with_the_prefill_replicas_first_token(replicas, redis_ser
 
             prompt = _prompt("http", f"Early {name}")
             body = {"text_input": prompt, "stream": True, "exclude_input_in_output": True, "return_finish_reason": True,
-                    "return_num_output_tokens": True, "return_logprobs": True, "sampling_parameters": json.dumps(values)}
+                    "return_num_output_tokens": True, "return_logprobs": True,
+                    "sampling_parameters": json.dumps(values)}
             reference = _summary(_http_stream(replicas["r0"].http_url, body))
             probe.reset()
             assert _summary(_http_stream(router.http_url, body, probe.saw_first.set)) == reference, name

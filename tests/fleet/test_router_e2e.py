@@ -225,8 +225,8 @@ def grpc_generate(url, prompts, max_tokens=4, metadata=None, **sampling):
     results: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: results.put((result, error)), headers=metadata)
     for i, prompt in enumerate(prompts):
-        client.async_stream_infer("pagoda", make_inputs(prompt, {"max_tokens": max_tokens, "temperature": 0, **sampling}),
-                                  request_id=str(i))
+        inputs = make_inputs(prompt, {"max_tokens": max_tokens, "temperature": 0, **sampling})
+        client.async_stream_infer("pagoda", inputs, request_id=str(i))
     texts: dict[str, str] = {}
     errors = []
     num_done = 0
@@ -417,15 +417,24 @@ def test_redis_fault_degrades_to_load_routing_and_recovers(published, router, re
 
 
 def test_tritonclient_grpc_and_http_unchanged(router, replicas):
+    """The same answers through the router as from a replica directly; the router's requests
+    carry the token ids it made to route them, so no replica tokenizes them again (a replica's
+    ``pagoda:prompts_tokenized_total`` counts only the direct requests' text prompts)."""
     import tritonclient.grpc as grpcclient
     import tritonclient.http as httpclient
 
+    def num_tokenized():
+        return sum(read_metric(server, "pagoda:prompts_tokenized_total") for server in replicas.values())
+
     direct = replicas[REPLICA_IDS[0]]
     prompts = ["The capital of France is", "List three colors:", "def fibonacci(n):"]
+    before = num_tokenized()
     via_router, errors = grpc_generate(router.grpc_url, prompts, max_tokens=6)
     assert not errors
+    assert num_tokenized() == before  # routed with token ids: not tokenized on the replicas
     reference, _ = grpc_generate(direct.grpc_url, prompts, max_tokens=6)
     assert via_router == reference  # greedy: the same text whichever replica served it
+    assert num_tokenized() == before + len(prompts)  # text straight to a replica: tokenized there
 
     client = grpcclient.InferenceServerClient(router.grpc_url)
     assert client.is_server_live() and client.is_server_ready() and client.is_model_ready("pagoda")
@@ -442,10 +451,12 @@ def test_tritonclient_grpc_and_http_unchanged(router, replicas):
     for path in ("generate", "generate_stream"):
         answers = []
         for url in (router.http_url, direct.http_url):
+            tokenized = num_tokenized()
             request = urllib.request.Request(f"http://{url}/v2/models/pagoda/{path}", data=json.dumps(
                 {**body, "stream": path.endswith("stream")}).encode(), headers={"Content-Type": "application/json"})
             with urllib.request.urlopen(request, timeout=60) as response:
                 answers.append((response.headers["Content-Type"].split(";")[0], response.read()))
+            assert num_tokenized() == tokenized + (url == direct.http_url)
         assert answers[0] == answers[1]
 
 

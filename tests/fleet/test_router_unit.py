@@ -14,8 +14,10 @@ from pagoda.contracts.block_hash import hash_prompt_blocks
 from pagoda.fleet.api.grpc_proxy import cache_salt_of
 from pagoda.fleet.triton_wire import bytes_elements, read_string_input
 from pagoda.fleet.routing.fleet_view import IndexView
-from pagoda.fleet.routing.replicas import KubernetesConfig, KubernetesDiscovery, ReplicaSet, parse_replicas_spec, pod_to_member
-from pagoda.fleet.service import options_from_args, make_parser, resolve_redis_url
+from pagoda.fleet.routing.k8s_discovery import KubernetesConfig, KubernetesDiscovery, pod_to_member
+from pagoda.fleet.routing.replicas import ReplicaSet, parse_replicas_spec
+from pagoda.fleet.router_cli import make_parser, options_from_args
+from pagoda.fleet.service import resolve_redis_url
 from pagoda.fleet.routing.router import NoReplicaAvailable, Router
 
 
@@ -144,21 +146,28 @@ def test_analyze_keeps_lora_adapters_apart_and_reads_them_from_triton_requests()
     where its own prefixes live; the Triton doors read it from the input or the JSON."""
     from tritonclient.grpc import service_pb2
 
-    from pagoda.fleet.api.grpc_proxy import analyze_infer_request
-    from pagoda.fleet.api.http_api import _analysis_of
+    from pagoda.fleet.api.generate_request import GenerateRequest
+    from pagoda.fleet.api.grpc_proxy import analyze_routed
+    from pagoda.fleet.api.routed_request import RoutedRequest
 
     router = make_router()
     base, sql = router.analyze("abcdefghij"), router.analyze("abcdefghij", adapter_id="sql")
     expected = hash_prompt_blocks([ord(c) for c in "abcdefghij"], 4, "model-x", adapter_id="sql")
     assert sql.block_hashes == [h.hex() for h in expected] and sql.block_hashes != base.block_hashes
-    assert _analysis_of(router, {"text_input": "abcdefghij", "lora_name": "sql"}).block_hashes == sql.block_hashes
+    def generate(document):
+        return GenerateRequest.of_document(document, "pagoda", is_front=False)
+
+    assert generate({"text_input": "abcdefghij", "lora_name": "sql"}).analyzed(router)[0].block_hashes == \
+        sql.block_hashes
     in_json = {"text_input": "abcdefghij", "sampling_parameters": '{"lora_name": "sql"}'}
-    assert _analysis_of(router, in_json).block_hashes == sql.block_hashes
+    assert generate(in_json).analyzed(router)[0].block_hashes == sql.block_hashes
+    front = GenerateRequest.of_document({"text_input": "abcdefghij", "lora_name": "sql"}, "ensemble", is_front=True)
+    assert front.analyzed(router)[0].block_hashes == sql.block_hashes
     request = service_pb2.ModelInferRequest()
     for name in ("text_input", "lora_name"):
         request.inputs.add(name=name, datatype="BYTES", shape=[1])
     request.raw_input_contents.extend([struct.pack("<I", 10) + b"abcdefghij", struct.pack("<I", 3) + b"sql"])
-    assert analyze_infer_request(router, request).block_hashes == sql.block_hashes
+    assert analyze_routed(router, RoutedRequest.of_infer_request(request)).block_hashes == sql.block_hashes
 
 
 def test_choose_follows_prefix_then_falls_back_to_load():
@@ -216,12 +225,14 @@ def test_redis_url_expansion_and_cli():
                                      "redis://:$(PAGODA_REDIS_PASSWORD)@r:6379/0", "--policy", "prefix_aware",
                                      "--policy-knob", "load_cost_tokens=128"])
     options = options_from_args(args)
-    assert options.k8s_selector == "app=pagoda,component=replica" and options.policy_knobs == {"load_cost_tokens": 128.0}
+    assert options.k8s_selector == "app=pagoda,component=replica"
+    assert options.policy_knobs == {"load_cost_tokens": 128.0}
     assert (options.http_port, options.grpc_port) == (8080, 8081)
 
 
 def test_pod_to_member():
-    pod = {"metadata": {"name": "llm-0"}, "spec": {"containers": [{"ports": [{"name": "grpc", "containerPort": 9001}]}]},
+    pod = {"metadata": {"name": "llm-0"},
+           "spec": {"containers": [{"ports": [{"name": "grpc", "containerPort": 9001}]}]},
            "status": {"podIP": "10.1.2.3", "conditions": [{"type": "Ready", "status": "True"}]}}
     assert pod_to_member(pod) == ("llm-0", {"http": "10.1.2.3:8000", "grpc": "10.1.2.3:9001",
                                             "metrics": "10.1.2.3:8002"})
@@ -281,12 +292,12 @@ def test_router_tokenizes_exactly_like_the_engine(smollm2_path):
         assert analysis.block_hashes == [h.hex() for h in hash_prompt_blocks(ids, 16, "SmolLM2-135M-Instruct")]
 
 
-def test_wire_helpers_read_an_output_and_drop_inputs_in_either_encoding():
-    """The two-stage path's helpers (fleet/api/upstream.py): the prefill's KV handle read from
-    a response, and the first stage's max_tokens inputs dropped, raw or typed contents."""
+def test_wire_helpers_read_an_output_in_either_encoding():
+    """The two-stage path's helper (fleet/api/upstream.py): the prefill's KV handle read from a
+    response, raw or typed contents."""
     from tritonclient.grpc import service_pb2
 
-    from pagoda.fleet.triton_wire import drop_inputs, output_text
+    from pagoda.fleet.triton_wire import output_text
 
     response = service_pb2.ModelInferResponse()
     response.outputs.add(name="text_output", datatype="BYTES", shape=[1])
@@ -296,10 +307,3 @@ def test_wire_helpers_read_an_output_and_drop_inputs_in_either_encoding():
     typed = service_pb2.ModelInferResponse()
     typed.outputs.add(name="kv_transfer_params", datatype="BYTES", shape=[1]).contents.bytes_contents.append(b"{}")
     assert output_text(typed, "kv_transfer_params") == "{}"
-    request = service_pb2.ModelInferRequest()
-    for name in ("text_input", "max_tokens", "stream"):
-        request.inputs.add(name=name)
-        request.raw_input_contents.append(name.encode())
-    drop_inputs(request, ("max_tokens", "min_tokens"))
-    assert [t.name for t in request.inputs] == ["text_input", "stream"]
-    assert list(request.raw_input_contents) == [b"text_input", b"stream"]

@@ -54,8 +54,8 @@ def test_engine_spans_from_request_metrics():
     tracer = RequestTracer(exporter, batch=False)
     metrics = RequestMetrics(arrival_time=100.0, first_scheduled_time=100.5, first_token_time=101.0,
                              last_token_time=102.0, finished_time=102.5)
-    output = RequestOutput("req-1", "hi", [1, 2, 3], [CompletionOutput(0, "x y", [4, 5], "", [], finish_reason="length")],
-                           True, metrics, num_cached_tokens=2)
+    completion = CompletionOutput(0, "x y", [4, 5], "", [], finish_reason="length")
+    output = RequestOutput("req-1", "hi", [1, 2, 3], [completion], True, metrics, num_cached_tokens=2)
     tracer.record(TRACEPARENT, output)
     tracer.record(None, output)  # untraced requests make no spans
     spans = {s.name: s for s in exporter.get_finished_spans()}
@@ -128,7 +128,7 @@ def test_engine_loop_traces_only_requests_with_a_traceparent(monkeypatch):
     from pagoda.serving.engine_loop import EngineLoop
     from pagoda.serving.observers import TracerObserver
     from pagoda.serving.response_sender import ResponseSender
-    from pagoda.serving.triton_io import ParsedRequest
+    from pagoda.serving.wire import WireRequest
 
     monkeypatch.delenv("PAGODA_REDIS_URL", raising=False)  # no fleet publisher in this loop
     recorded, delivered = [], queue.Queue()
@@ -144,7 +144,7 @@ def test_engine_loop_traces_only_requests_with_a_traceparent(monkeypatch):
     sender.start()
     loop.start()
     try:
-        parsed = ParsedRequest(prompt="hi", params=SamplingParams(max_tokens=1))
+        parsed = WireRequest(prompt="hi", params=SamplingParams(max_tokens=1))
         for request_id, traceparent in (("traced", TRACEPARENT), ("plain", None), ("boom", TRACEPARENT)):
             loop.submit(ServingRequest(request_id, parsed, request_id, traceparent=traceparent))
         finals = {delivered.get(timeout=10)[0] for _ in range(3)}

@@ -62,7 +62,8 @@ def make_paged_case(
     k_cache = torch.full(shape, float("nan"), dtype=dtype)
     v_cache = torch.full(shape, float("nan"), dtype=dtype)
     slots = torch.tensor(
-        [table[pos // block_size] * block_size + pos % block_size for table, n in zip(tables, seq_lens) for pos in range(n)],
+        [table[pos // block_size] * block_size + pos % block_size
+         for table, n in zip(tables, seq_lens) for pos in range(n)],
         dtype=torch.int64,
     )
     for cache in (k_cache, v_cache):

@@ -4,11 +4,12 @@ The tests run under ``TRITON_INTERPRET=1``, where ``@triton.jit`` yields interpr
 functions that cannot be compiled, so ``sm90_compile.py`` runs in subprocesses without
 that variable (two shards in parallel, one per core), in a fresh Triton cache. It records
 the launches the public wrappers make and compiles each distinct one; see its docstring.
-Covered: the W4A16 kernel (zero points and symmetric, split and not, every dtype); the fused MoE kernels in every dtype at a Qwen3-30B-A3B layer and gpt-oss-20b's (biases, clamped SwiGLU); every dtype x head size x GQA family with the shapes the built-in rules pick on an
-H100 (decode split and unsplit, mixed steps' two launches), gpt-oss attention sinks, the fp8 KV cache, and every
-launch shape ``pagoda bench kernels --tune`` may write to a configs JSON; and, a test of its
-own, the Gated DeltaNet kernels (chunked and recurrent delta rule, varlen and update conv1d,
-gated RMSNorm) in every dtype at Qwen3-Next's layer, in bf16 also at a TP=4 Qwen3.5 rank.
+Covered: the W4A16 kernel (zero points and symmetric, split and not, every dtype); the fused MoE kernels in every
+dtype at a Qwen3-30B-A3B layer and gpt-oss-20b's (biases, clamped SwiGLU); every dtype x head size x GQA family with
+the shapes the built-in rules pick on an H100 (decode split and unsplit, mixed steps' two launches), gpt-oss attention
+sinks, the fp8 KV cache, and every launch shape ``pagoda bench kernels --tune`` may write to a configs JSON; and,
+a test of its own, the Gated DeltaNet kernels (chunked and recurrent delta rule, varlen and update conv1d, gated
+RMSNorm) in every dtype at Qwen3-Next's layer, in bf16 also at a TP=4 Qwen3.5 rank.
 """
 
 from __future__ import annotations

@@ -103,8 +103,11 @@ def test_metadata_views_the_static_buffers_with_frozen_host_values():
                          (meta.block_tables, inputs.block_tables), (meta.query_start_loc, inputs.query_start_loc)):
         assert view.data_ptr() == buffer.data_ptr()  # replays read what fill() wrote
     assert meta.block_tables.shape == (4, 8)
+
     # The launch shape depends only on these frozen values, never on the step's lengths.
-    pick = lambda m: triton_attention.choose_config(4, m.num_seqs, 32, 8, m.max_query_len, m.max_seq_len, 132)  # noqa: E731
+    def pick(m):
+        return triton_attention.choose_config(4, m.num_seqs, 32, 8, m.max_query_len, m.max_seq_len, 132)
+
     inputs.fill([item(1, 2, [1])], 4)
     first = pick(inputs.metadata(4))
     inputs.fill([item(1, 30, list(range(8)))] * 3, 4)

@@ -21,7 +21,8 @@ def fake_timer(fam: tuning.Family, entry: dict) -> float:
     if fam.phase == "decode":
         split_cost = abs(entry["split_len"] - (128 if fam.batch <= 4 else 0)) / 64
         return 10 + split_cost + abs(entry["num_warps"] - 8) + entry["block_n"] / 64 + entry["num_stages"] / 10
-    return 100 + abs(entry["block_m"] - 128) + abs(entry["num_stages"] - 3) + entry["num_warps"] / 8 + entry["block_n"] / 64
+    return (100 + abs(entry["block_m"] - 128) + abs(entry["num_stages"] - 3) + entry["num_warps"] / 8
+            + entry["block_n"] / 64)
 
 
 def test_sweep_picks_the_fastest_and_logs_failures():

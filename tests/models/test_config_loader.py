@@ -258,7 +258,8 @@ def test_gemma3_rope_per_layer_type_and_its_fields(layout):
         layer_types = ["sliding_attention"] * 5 + ["full_attention"] * 2
         c = config(**GEMMA3, rope_parameters=by_type, layer_types=layer_types)
     else:
-        c = config(**GEMMA3, rope_theta=1e6, rope_scaling=scaling, rope_local_base_freq=10000.0, sliding_window_pattern=6)
+        c = config(**GEMMA3, rope_theta=1e6, rope_scaling=scaling, rope_local_base_freq=10000.0,
+                   sliding_window_pattern=6)
         layer_types = ["sliding_attention"] * 5 + ["full_attention", "sliding_attention"]
     assert c.architecture == "Gemma3ForCausalLM" and list(c.layer_types) == layer_types
     assert (c.rope_theta, c.rope_scaling, c.local_rope_theta) == (1e6, {"rope_type": "linear", "factor": 8.0}, 1e4)
@@ -315,6 +316,7 @@ def test_gpt_oss_config_defaults_as_transformers():
     with pytest.raises(ValueError, match="missing num_local_experts"):
         config(architectures=["GptOssForCausalLM"])
     model = build_model(c)
-    assert {"model.layers.0.self_attn.sinks", "model.layers.0.mlp.router.bias", "model.layers.2.mlp.experts.down_proj_bias",
-            "model.layers.1.self_attn.o_proj.bias", "lm_head.weight"} <= model.expected_weight_names()
+    assert {"model.layers.0.self_attn.sinks", "model.layers.0.mlp.router.bias",
+            "model.layers.2.mlp.experts.down_proj_bias", "model.layers.1.self_attn.o_proj.bias",
+            "lm_head.weight"} <= model.expected_weight_names()
     assert model.layers[0].attn.sinks.dtype == torch.float32

@@ -62,7 +62,8 @@ def test_pack_model_replaces_the_linear_weights_and_adds_a_packed_head(monkeypat
     dense = model.layers[0].w.clone()
     assert pack_model(model, torch.device("cpu"), torch.float32) == 3
     packed = model.layers[0].w
-    assert isinstance(packed, PackedWeight) and packed.shape == dense.shape and "w" not in dict(model.named_parameters())
+    assert isinstance(packed, PackedWeight) and packed.shape == dense.shape
+    assert "w" not in dict(model.named_parameters())
     x = torch.randn(3, 32)
     assert torch.allclose(linear(x, packed), x @ dense.T, atol=1e-5)
     assert isinstance(model.lm_head, nn.Parameter) and isinstance(model.lm_head_packed, PackedWeight)

@@ -44,7 +44,8 @@ def test_dequantize_matches_transformers_convert(dtype):
     assert ours.shape == theirs.shape == (2, 4 * 32, 2)
     assert torch.equal(ours, theirs)
     # by hand: byte 0x2F = low nibble 0xF (-6), high nibble 0x2 (+1); scale 127 -> x1
-    one = mxfp4.dequantize(torch.tensor([[[0x2F] + [0] * 15]], dtype=torch.uint8), torch.tensor([[127]], dtype=torch.uint8))
+    one = mxfp4.dequantize(torch.tensor([[[0x2F] + [0] * 15]], dtype=torch.uint8),
+                           torch.tensor([[127]], dtype=torch.uint8))
     assert one[0, :3].tolist() == [-6.0, 1.0, 0.0]
 
 

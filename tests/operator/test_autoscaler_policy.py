@@ -111,7 +111,8 @@ def test_fleet_ttft_p90_is_one_quantile_over_all_replicas_requests():
 
     fast = [ReplicaLoad(f"r{i}", ttft_p90=0.3, ttft_buckets=keys.decode_ttft_buckets(
         keys.encode_ttft_buckets([0.3] * 10))) for i in range(9)]
-    cold = ReplicaLoad("cold", ttft_p90=6.0, ttft_buckets=keys.decode_ttft_buckets(keys.encode_ttft_buckets([6.0, 6.0])))
+    cold = ReplicaLoad("cold", ttft_p90=6.0,
+                       ttft_buckets=keys.decode_ttft_buckets(keys.encode_ttft_buckets([6.0, 6.0])))
     fleet = FleetLoad.of(fast + [cold])
     assert 0.25 < fleet.ttft_p90 <= 0.5
     spec = AutoscalingSpec(ttft_slo_seconds=4.0)

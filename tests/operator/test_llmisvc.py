@@ -85,7 +85,8 @@ def test_router_selects_the_pods_kserve_labels_as_workload():
     svc = parse_llmservice(body())
     ours = llmisvc_pod_selector(svc)
     assert set(ours) == set(pool_labels)
-    assert {k: v for k, v in pool_labels.items() if "{{" not in v} == {k: ours[k] for k in pool_labels if "{{" not in pool_labels[k]}
+    fixed = [k for k, v in pool_labels.items() if "{{" not in v]  # not a template
+    assert {k: pool_labels[k] for k in fixed} == {k: ours[k] for k in fixed}
     assert ours["app.kubernetes.io/name"] == svc.name  # the template's {{ .ObjectMeta.Name }}
     router = render_router_deployment(svc)["spec"]["template"]["spec"]["containers"][0]
     assert router["args"][1] == naming.selector_string(ours)
@@ -145,7 +146,7 @@ def test_disaggregation_renders_kserves_prefill_section():
     prefill pool and the main workload the decode pool; both containers are arguments `pagoda
     serve` accepts (role, KV connector), both workloads carry the pool label the router reads the
     role from, and the object validates against KServe's CRD."""
-    from pagoda.fleet.routing.replicas import pod_to_member
+    from pagoda.fleet.routing.k8s_discovery import pod_to_member
     from pagoda.serving.launch.serve_cli import make_parser
 
     svc = parse_llmservice(body(disaggregation={"prefill": {"replicas": {"min": 2, "max": 4}}, "kvTransferPort": 5700}))

@@ -198,7 +198,8 @@ def test_prefill_and_decode_pools_scale_independently_each_on_its_own_signal(clu
     spec = dict(replicas={"min": 1, "max": 3},
                 autoscaling={"itlSLOSeconds": 0.1, "scaleDownStabilizationSeconds": 600},
                 disaggregation={"prefill": {"replicas": {"min": 1, "max": 3},
-                                            "autoscaling": {"ttftSLOSeconds": 1.0, "scaleDownStabilizationSeconds": 60}}})
+                                            "autoscaling": {"ttftSLOSeconds": 1.0,
+                                                           "scaleDownStabilizationSeconds": 60}}})
     with Operator(cluster, fleet=fleet, clock=clock, interval=0.1):
         cluster.create(LLMS, llmservice("pd", **spec))
         # Prefill pressure (6 waiting per pod vs 2, TTFT 3x its SLO): only the prefill pool grows.
@@ -278,4 +279,5 @@ def test_multi_node_replicas_scale_by_whole_groups_and_drain_the_last_group(clus
         assert sorted(r["name"] for r in groups.removed) == ["big-group-1", "big-group-1-1"]
         assert all(r["draining"] for r in groups.removed)
         wait_for(lambda: victim in fleet.forgotten, step=step, what="index cleanup")
-        assert any(e["message"].startswith("2 -> 1 replicas: drained big-group-1") for e in cluster.events("ScaledDown"))
+        scaled_down = cluster.events("ScaledDown")
+        assert any(e["message"].startswith("2 -> 1 replicas: drained big-group-1") for e in scaled_down)

@@ -55,7 +55,8 @@ def test_one_node_asks_for_tensor_times_pipeline_gpus_and_passes_the_sizes(split
     kubernetes_validate = pytest.importorskip("kubernetes_validate")
     kubernetes_validate.validate(children["Deployment/chat-replicas"], "1.30.0", strict=True)
     no_split = parse_llmservice(body())  # without spec.parallelism: no GPU request, as before
-    [plain] = by_kind(render_children(no_split, 1))["Deployment/chat-replicas"]["spec"]["template"]["spec"]["containers"]
+    deployment = by_kind(render_children(no_split, 1))["Deployment/chat-replicas"]
+    [plain] = deployment["spec"]["template"]["spec"]["containers"]
     assert "resources" not in plain and "--tensor-parallel-size" not in plain["args"]
 
 

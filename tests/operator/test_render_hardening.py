@@ -139,7 +139,8 @@ def test_kv_events_reach_the_replicas_in_vllms_format_in_every_mode():
     assert not any(p["name"].startswith("kv-") for p in container["ports"])
     assert KVEventsConfig.from_json(container["args"][container["args"].index("--kv-events-config") + 1]).topic \
         == "kv@x@chat"
-    model = render_inference_service(make_svc("KServe", kvEvents={"endpoint": "tcp://*:5557"}))["spec"]["predictor"]["model"]
+    inference_service = render_inference_service(make_svc("KServe", kvEvents={"endpoint": "tcp://*:5557"}))
+    model = inference_service["spec"]["predictor"]["model"]
     assert "--kv-events-config" in model["args"] and any(e["name"] == "PAGODA_POD_IP" for e in model["env"])
     assert "--kv-events-config" not in str(render_children(make_svc(), 1))
 
@@ -164,7 +165,7 @@ def test_disaggregation_renders_a_prefill_and_a_decode_pool_the_router_tells_apa
     `<name>-replicas`; their arguments are accepted by `pagoda serve` (role, KV connector on
     the pod IP); the router reads each pod's role from its pool label; decode pods may reach
     prefill pods' KV port; the mixed Deployment becomes stale."""
-    from pagoda.fleet.routing.replicas import pod_to_member
+    from pagoda.fleet.routing.k8s_discovery import pod_to_member
     from pagoda_operator.pools import scaled_pools
     from pagoda_operator.reconcile import stale_children
 

@@ -81,7 +81,7 @@ def test_runtime_lora_reaches_replicas_and_router_when_allowed():
     args = render_replica_deployment(svc, 1)["spec"]["template"]["spec"]["containers"][0]["args"]
     router_args = render_router_deployment(svc)["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[-1] == "--allow-runtime-lora" and router_args[-1] == "--allow-runtime-lora"
-    from pagoda.fleet.service import make_parser as router_parser
+    from pagoda.fleet.router_cli import make_parser as router_parser
     from pagoda.serving.launch.serve_cli import make_parser, options_from_args
 
     assert options_from_args(make_parser().parse_args(args)).engine_args["enable_lora"] == "true"
@@ -166,7 +166,8 @@ def test_disaggregation_pools_parse_with_their_own_bounds_and_targets():
                                                             "autoscaling": {"ttftSLOSeconds": 1.5,
                                                                             "scaleDownStabilizationSeconds": 60}}}))
     decode, prefill = scaled_pools(svc)
-    assert (decode.deployment, decode.min_replicas, decode.max_replicas, decode.status_key) == ("chat-decode", 1, 6, None)
+    assert (decode.deployment, decode.min_replicas, decode.max_replicas, decode.status_key) == (
+        "chat-decode", 1, 6, None)
     assert decode.autoscaling.itl_slo_seconds == 0.05 and decode.autoscaling.target_kv_cache_usage == 0.8
     assert (prefill.deployment, prefill.min_replicas, prefill.max_replicas, prefill.status_key) == (
         "chat-prefill", 2, 5, "prefill")
@@ -174,7 +175,8 @@ def test_disaggregation_pools_parse_with_their_own_bounds_and_targets():
     assert (auto.ttft_slo_seconds, auto.scale_down_stabilization_seconds, auto.target_waiting_per_replica,
             auto.target_kv_cache_usage, auto.itl_slo_seconds) == (1.5, 60, 2.0, 0.0, 0.0)
     assert prefill.selector["pagoda.dev/pool"] == "prefill" and decode.selector["pagoda.dev/pool"] == "decode"
-    counts = {c["metadata"]["name"]: c["spec"]["replicas"] for c in render_children(svc, 3, 4) if c["kind"] == "Deployment"}
+    counts = {c["metadata"]["name"]: c["spec"]["replicas"] for c in render_children(svc, 3, 4)
+              if c["kind"] == "Deployment"}
     assert counts["chat-decode"] == 3 and counts["chat-prefill"] == 4
     assert {c["metadata"]["name"]: c["spec"]["replicas"] for c in render_children(svc, 3)
             if c["kind"] == "Deployment"}["chat-prefill"] == 2  # new: its minimum

@@ -1,8 +1,8 @@
 """A real tritonserver serving the default model, started once per test session.
 
 The server runs our model repository exactly as ``pagoda serve`` does (same launcher, here
-with one LoRA adapter as ``--lora sql=PATH`` would add), on free ports, with a small ``max_model_len`` so over-long prompts are cheap to produce.
-Its log goes to the session's temp dir and is printed into a failure's message.
+with one LoRA adapter as ``--lora sql=PATH`` would add), on free ports, with a small ``max_model_len`` so over-long
+prompts are cheap to produce. Its log goes to the session's temp dir and is printed into a failure's message.
 """
 
 from __future__ import annotations

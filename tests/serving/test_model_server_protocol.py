@@ -12,7 +12,10 @@ label on them), with vLLM's metric names:
 | KVCacheUtilization    | gauge | vllm:kv_cache_usage_perc                            |
 | BlockSize (optional)  | gauge | vllm:cache_config_info, label block_size            |
 | NumGPUBlocks (opt.)   | gauge | vllm:cache_config_info, label num_gpu_blocks        |
-| LoRA                  | gauge | vllm:lora_requests_info, labels max_lora, running_lora_adapters, waiting_lora_adapters; value the last update's timestamp |
+| LoRA                  | gauge | vllm:lora_requests_info (labels and value below)    |
+
+LoRA's labels: max_lora, running_lora_adapters, waiting_lora_adapters; its value: the last
+update's timestamp.
 
 This test reads the replica's Prometheus text and checks each one: name, ``# TYPE``,
 labels, and a value that means what the protocol says.

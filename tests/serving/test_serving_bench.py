@@ -11,8 +11,10 @@ from pagoda.bench.serve import RequestResult, run_workload, summarize
 
 def test_summary_percentiles_throughput_and_goodput():
     results = [
-        RequestResult(max_tokens=3, num_input_tokens=10, num_output_tokens=3, ttft_s=0.1, itl_s=[0.05, 0.05], e2e_s=0.2),
-        RequestResult(max_tokens=3, num_input_tokens=10, num_output_tokens=3, ttft_s=0.5, itl_s=[0.05, 0.05], e2e_s=0.6),
+        RequestResult(max_tokens=3, num_input_tokens=10, num_output_tokens=3, ttft_s=0.1, itl_s=[0.05, 0.05],
+                      e2e_s=0.2),
+        RequestResult(max_tokens=3, num_input_tokens=10, num_output_tokens=3, ttft_s=0.5, itl_s=[0.05, 0.05],
+                      e2e_s=0.6),
         RequestResult(max_tokens=3, num_input_tokens=10, num_output_tokens=3, ttft_s=0.1, itl_s=[0.4, 0.4], e2e_s=0.9),
         RequestResult(max_tokens=3, error="boom"),
     ]

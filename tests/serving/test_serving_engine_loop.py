@@ -11,8 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from pagoda.engine.core.admission import EngineOverloaded, overload_message
-from pagoda.engine.core.protocols import EngineClient
+from pagoda.engine.core.load_shedding import EngineOverloaded, overload_message
+from pagoda.engine.client import EngineClient
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagoda.engine.request import EngineRequest
@@ -20,7 +20,9 @@ from pagoda.engine.sampling_params import SamplingParams
 from pagoda.serving.commands import ServingRequest
 from pagoda.serving.engine_loop import EngineLoop
 from pagoda.serving.response_sender import ResponseSender
-from pagoda.serving.triton_io import LoRAControl, ParsedRequest
+from pagoda.contracts.request_options import RequestOptions
+from pagoda.serving.dialects.pagoda import LoRAControl
+from pagoda.serving.wire import OutputOptions, WireRequest
 
 
 class FakeEngine:
@@ -53,10 +55,10 @@ class FakeEngine:
             raise ValueError("prompt: 9000 tokens exceed max_model_len 8192")
         if request.prompt == "overload":
             raise EngineOverloaded(overload_message("this replica's waiting queue is full"))
-        if request.lora_name is not None and request.lora_name not in self.loras:
-            raise ValueError(f"lora_name: unknown adapter {request.lora_name!r}")
+        if request.options.lora_name is not None and request.options.lora_name not in self.loras:
+            raise ValueError(f"lora_name: unknown adapter {request.options.lora_name!r}")
         self.requests[request.request_id] = {"params": request.params, "tokens": 0, "abort": False,
-                                             "lora": request.lora_name,
+                                             "lora": request.options.lora_name,
                                              "metrics": RequestMetrics(arrival_time=request.arrival_time)}
 
     # LoRA, shaped like LLMEngine's: load_lora may run on any thread, the rest on the loop's.
@@ -115,7 +117,8 @@ class FakeEngine:
             n = r["tokens"]
             outputs.append(RequestOutput(
                 request_id=rid, prompt="p", prompt_token_ids=[1], finished=reason is not None, metrics=r["metrics"],
-                outputs=[CompletionOutput(index=0, text="t" * n, token_ids=[7] * n, delta_text="" if r["abort"] else "t",
+                outputs=[CompletionOutput(index=0, text="t" * n, token_ids=[7] * n,
+                                          delta_text="" if r["abort"] else "t",
                                           delta_token_ids=[] if r["abort"] else [7], finish_reason=reason)]))
             if reason is not None:
                 del self.requests[rid]
@@ -183,9 +186,9 @@ def loop_parts():
 
 
 def request(rid, max_tokens=3, stream=True, prompt="p", cancelled=lambda: False, lora_name=None):
-    return ServingRequest(rid, ParsedRequest(prompt=prompt, params=SamplingParams(max_tokens=max_tokens), stream=stream,
-                                             lora_name=lora_name),
-                          handle=rid, is_cancelled=cancelled)
+    wire = WireRequest(prompt=prompt, params=SamplingParams(max_tokens=max_tokens),
+                       options=RequestOptions(lora_name=lora_name), output=OutputOptions(stream=stream))
+    return ServingRequest(rid, wire, handle=rid, is_cancelled=cancelled)
 
 
 def finals(collector, handle):
@@ -349,7 +352,7 @@ def lora_loop():
 
 def control(loop, collector, rid, action, name=None, path=None):
     """Send one control request and return its one (final) response."""
-    loop.control(ServingRequest(rid, LoRAControl(action, name, path), handle=rid))
+    loop.control(ServingRequest(rid, None, handle=rid, control=LoRAControl(action, name, path)))
     collector.wait_final([rid])
     (response,) = collector.responses[rid]
     assert response.is_final
@@ -461,7 +464,7 @@ def test_commands_still_queued_at_stop_get_the_shutdown_error():
     sender.start()
     loop.submit(request("queued"))
     loop.abort("queued")
-    loop.control(ServingRequest("ls", LoRAControl("list"), handle="ls"))
+    loop.control(ServingRequest("ls", None, handle="ls", control=LoRAControl("list")))
     loop.stop()
     collector.wait_final(["queued", "ls"])
     sender.stop()

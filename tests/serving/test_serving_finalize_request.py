@@ -2,8 +2,8 @@
 
 The model's finalize runs once, on the watch's thread, only after the request file appears;
 the done file appears only after it returned (also when it raised); the finalize may stop
-the watch that runs it; the watch announces itself at start (the launcher asks only then). The whole protocol on a real tritonserver: the SIGTERM test of
-tests/serving/test_serving_lifecycle.py.
+the watch that runs it; the watch announces itself at start (the launcher asks only then). The whole protocol on a
+real tritonserver: the SIGTERM test of tests/serving/test_serving_lifecycle.py.
 """
 
 from __future__ import annotations

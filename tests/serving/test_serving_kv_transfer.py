@@ -26,9 +26,11 @@ from pagoda.engine.kv_transfer.registry import make_kv_connector
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.serving.commands import ServingRequest
 from pagoda.serving.engine_loop import EngineLoop
-from pagoda.serving.kv_transfer_control import check_kv_transfer_params
+from pagoda.contracts import json_input
+from pagoda.contracts.request_options import check_kv_transfer_params
 from pagoda.serving.response_sender import ResponseSender
-from pagoda.serving.triton_io import ParsedRequest
+from pagoda.contracts.request_options import RequestOptions
+from pagoda.serving.wire import OutputOptions, WireRequest
 
 from tests.engine.hf_reference import make_random_model
 
@@ -54,9 +56,9 @@ class Replica:
             self.done.notify_all()
 
     def run(self, rid: str, params: SamplingParams, kv=None, timeout: float = 60.0):
-        parsed = ParsedRequest(prompt=PROMPT, params=params, stream=False, exclude_input_in_output=True,
-                               return_num_cached_tokens=True, kv_transfer_params=kv)
-        self.loop.submit(ServingRequest(rid, parsed, handle=rid))
+        wire = WireRequest(prompt=PROMPT, params=params, options=RequestOptions(kv_transfer_params=kv),
+                           output=OutputOptions(exclude_input_in_output=True, return_num_cached_tokens=True))
+        self.loop.submit(ServingRequest(rid, wire, handle=rid))
         deadline = time.monotonic() + timeout
         with self.done:
             while not any(r.is_final for r in self.responses.get(rid, [])):
@@ -97,7 +99,7 @@ def test_prefill_then_decode_equals_one_replica_and_hits_the_pulled_blocks(model
         first = prefill.run("p1", dataclasses.replace(params, max_tokens=1),
                             kv={"do_remote_decode": True})
         assert first.error is None
-        handle = check_kv_transfer_params(first.tensors["kv_transfer_params"][0].decode())
+        handle = check_kv_transfer_params(json.loads(first.tensors["kv_transfer_params"][0].decode()))
         assert handle["do_remote_prefill"] and handle["remote_host"] == "127.0.0.1"
         blocks = handle["remote_block_count"]
         assert blocks >= 8
@@ -136,7 +138,7 @@ def test_a_dead_prefill_replica_costs_only_speed_and_bad_handles_are_refused(mod
                          ({"do_remote_prefill": True, "remote_host": "h", "remote_port": 70000}, "1-65535"),
                          ('{"do_remote_decode": NaN}', "NaN"), ([1], "JSON object")]:
         with pytest.raises(ValueError, match=message):
-            check_kv_transfer_params(json.loads(bad) if isinstance(bad, str) and "NaN" not in bad else bad)
+            check_kv_transfer_params(json_input.loads(bad, "kv_transfer_params") if isinstance(bad, str) else bad)
 
 
 @pytest.mark.server

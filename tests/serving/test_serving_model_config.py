@@ -77,7 +77,8 @@ def test_tensor_or_pipeline_parallel_size_makes_the_instance_kind_model(tmp_path
 def test_node_zero_of_a_multi_node_replica_gets_the_group_layout_in_its_config(tmp_path):
     """`--nodes 2` on node 0 (the LeaderWorkerSet leader's flags): the engine learns the node count
     and the store address it opens; worker nodes' flags never reach a config.pbtxt (no server)."""
-    args = ["--tensor-parallel-size", "4", "--nodes", "2", "--node-rank", "0", "--leader-address", "big-group-0.big:29500"]
+    args = ["--tensor-parallel-size", "4", "--nodes", "2", "--node-rank", "0",
+            "--leader-address", "big-group-0.big:29500"]
     options = options_from_args(make_parser().parse_args(args))
     text = (materialize_repository(REPOSITORY, tmp_path / "repo", options) / "pagoda" / "config.pbtxt").read_text()
     config = engine_config_from_parameters(parameters_of(text))

@@ -172,7 +172,8 @@ def _disconnect_http_after_3(server, read_metrics, prompt, params):
     return during
 
 
-@pytest.mark.parametrize("how", [_cancel_grpc_after_3, _disconnect_http_after_3], ids=["grpc-cancel", "http-disconnect"])
+@pytest.mark.parametrize("how", [_cancel_grpc_after_3, _disconnect_http_after_3],
+                         ids=["grpc-cancel", "http-disconnect"])
 def test_cancelled_stream_frees_its_kv_blocks(triton_server, read_metrics, how):
     baseline = read_metrics()
     assert baseline["vllm:num_requests_running"] == 0

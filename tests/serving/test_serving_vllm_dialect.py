@@ -238,7 +238,7 @@ def test_read_only_repository_calls(triton_server):
     import tritonclient.http as httpclient
     from tritonclient.utils import InferenceServerException
 
-    from pagoda.serving.trtllm_dialect import FRONT_MODELS
+    from pagoda.serving.trtllm_front import FRONT_MODELS
 
     refusal = "explicit model load / unload is not allowed if polling is enabled"  # tritonserver 2.51's words
     for client in (httpclient.InferenceServerClient(triton_server.http_url),

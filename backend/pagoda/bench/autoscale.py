@@ -60,7 +60,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--base-rate", type=float, default=0.5, help="requests/s outside the peak")
     p.add_argument("--peak-rate", type=float, default=4.0, help="requests/s at the peak")
     p.add_argument("--duration", type=float, default=1200.0, help="simulated seconds")
-    p.add_argument("--slo", type=float, default=4.0, help="TTFT P90 target, seconds (a cold 1.1k-token prefill alone takes ~2 s)")
+    p.add_argument("--slo", type=float, default=4.0,
+                   help="TTFT P90 target, seconds (a cold 1.1k-token prefill alone takes ~2 s)")
     p.add_argument("--startup", type=float, default=30.0, help="seconds from scale-up to a routable pod")
     p.add_argument("--max-replicas", type=int, default=16)
     p.add_argument("--policy", default="prefix_aware")

@@ -232,7 +232,8 @@ class AutoscaleReplay:
     def _route(self, request: SimRequest) -> None:
         block_size = self.replica_config.block_size
         hashes = [h.hex() for h in hash_prompt_blocks(request.token_ids, block_size, SIM_MODEL_ID)]
-        routing = RoutingRequest(request.request_id, hashes, len(request.token_ids), block_size, self.index.match(hashes))
+        routing = RoutingRequest(request.request_id, hashes, len(request.token_ids), block_size,
+                                 self.index.match(hashes))
         if self.policy.uses_pending:
             routing.pending_blocks = self.pending.match(hashes, confirmed=routing.matched_blocks)
         chosen = self.policy.choose(self._routable(), routing)

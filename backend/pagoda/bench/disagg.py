@@ -105,6 +105,7 @@ def main(argv: Optional[list[str]] = None) -> int:
           f"request's under {step.source or 'the given step model'}); {args.prompt_tokens}-token prompts, "
           f"{args.output_tokens} output tokens, {args.num_requests} requests per cell, transfer "
           f"{args.transfer_mb_s:g} MB/s of {args.block_bytes} B blocks; replicas of {args.num_blocks} blocks, "
-          f"{args.max_num_seqs} sequences, {args.max_num_batched_tokens} tokens per step; simulated in {time.perf_counter() - started:.0f} s")
+          f"{args.max_num_seqs} sequences, {args.max_num_batched_tokens} tokens per step; "
+          f"simulated in {time.perf_counter() - started:.0f} s")
     print(format_table(rows))
     return 0

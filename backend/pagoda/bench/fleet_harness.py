@@ -64,8 +64,13 @@ def two_replicas(redis_url: str, namespace: str, kv_cache_memory_bytes: int, log
 
 
 def is_ready(server: Any) -> bool:
+    return http_ready(server.http_url)
+
+
+def http_ready(address: str) -> bool:
+    """Whether pagoda's model answers ready on the HTTP ``address`` (a replica's or a router's)."""
     try:
-        with urllib.request.urlopen(f"http://{server.http_url}/v2/models/pagoda/ready", timeout=2) as response:
+        with urllib.request.urlopen(f"http://{address}/v2/models/pagoda/ready", timeout=2) as response:
             return response.status == 200
     except OSError:
         return False

@@ -28,8 +28,8 @@ served                 speed        ``pagoda serve`` + 64 streams (``bench serve
 =====================  ===========  ==============================================================
 
 Not steps yet (the report lists them): FP8 ``_scaled_mm`` against a reference (torch's own
-kernel; ``bench quant`` times it), the sampler's device guard and seeded reproducibility with async scheduling on and off on
-CUDA, and ``bench throughput`` with async scheduling off.
+kernel; ``bench quant`` times it), the sampler's device guard and seeded reproducibility with async scheduling on and
+off on CUDA, and ``bench throughput`` with async scheduling off.
 
 ``--dry-run`` (any device, e.g. ``--device cpu``) walks the same plan without running
 it: every step's arguments are parsed by its command's own parser, a fake clock advances
@@ -248,8 +248,9 @@ def run_suite(steps: list[Step], budget_s: float, runner: Runner, clock: Callabl
             run.results.append(StepResult(step.name, step.section, "ok", step.budget_s, note="in process"))
             continue
         if step.budget_s > left:
-            run.results.append(StepResult(step.name, step.section, "skipped", step.budget_s, command=" ".join(step.argv),
-                                          note=f"would overrun: needs {step.budget_s:.0f} s, {max(left, 0):.0f} s left"))
+            note = f"would overrun: needs {step.budget_s:.0f} s, {max(left, 0):.0f} s left"
+            run.results.append(StepResult(step.name, step.section, "skipped", step.budget_s,
+                                          command=" ".join(step.argv), note=note))
             continue
         run.results.append(runner(step, step.budget_s))
     return run

@@ -186,7 +186,8 @@ def fp8_decode_rows(args: argparse.Namespace, paged_attention) -> list[str]:
         times = []
         for k, v in ((data.k_cache, data.v_cache), fp8):
             kv_bytes = 2 * k.numel() * k.element_size()
-            copies = [(k, v)] + [(k.clone(), v.clone()) for _ in range(max(1, min(16, -(-L2_FLUSH_BYTES // kv_bytes))) - 1)]
+            num_copies = max(1, min(16, -(-L2_FLUSH_BYTES // kv_bytes)))
+            copies = [(k, v)] + [(k.clone(), v.clone()) for _ in range(num_copies - 1)]
             times.append(time_graph_us([lambda k=k, v=v: paged_attention(data.q, k, v, data.meta, scale)
                                         for k, v in copies], args.iters))
         deq = PagedData(data.q, fp8[0].to(data.q.dtype), fp8[1].to(data.q.dtype), data.meta)
@@ -205,7 +206,8 @@ def prefill_rows(args: argparse.Namespace, paged_attention) -> list[str]:
         data = make_paged_data([n], [n], args, "cuda", seed=n)
         q = data.q.transpose(0, 1).unsqueeze(0).contiguous()  # [1, num_heads, n, head_dim]
         k, v = contiguous_kv(data, 0, args.num_heads)
-        ours_ms = time_eager_ms(lambda: paged_attention(data.q, data.k_cache, data.v_cache, data.meta, scale), args.iters)
+        ours_ms = time_eager_ms(lambda: paged_attention(data.q, data.k_cache, data.v_cache, data.meta, scale),
+                                args.iters)
         sdpa = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)  # noqa: E731
         sdpa_ms = time_eager_ms(sdpa, args.iters)
         ours = paged_attention(data.q, data.k_cache, data.v_cache, data.meta, scale)
@@ -269,14 +271,17 @@ def kernel_sections(args: argparse.Namespace, triton_version: str, paged_attenti
           f"{args.num_kv_heads} KV heads, head_dim {args.head_dim}, block size {args.block_size}, "
           f"{props.multi_processor_count} SMs\n")  # fmt: skip
     print(f"Measured copy bandwidth (1 GiB `copy_`, read + write): **{copy_gbs:.0f} GB/s**\n")
-    print(f"### Decode attention, {args.context}-token context (target: >= 70% of copy bandwidth at batch 1, >= 85% from batch 8)\n")
-    print("| batch | time (us) | bytes moved (MB) | achieved GB/s | of copy bw | splits | timing | max abs err vs SDPA |")
+    print(f"### Decode attention, {args.context}-token context "
+          "(target: >= 70% of copy bandwidth at batch 1, >= 85% from batch 8)\n")
+    print("| batch | time (us) | bytes moved (MB) | achieved GB/s | of copy bw | splits | timing "
+          "| max abs err vs SDPA |")
     print("|---:|---:|---:|---:|---:|---:|---|---:|")
     for row in decode_rows(args, copy_gbs, paged_attention, choose_config):
         print(row, flush=True)
     print(f"\n### Decode attention with an fp8 (e4m3) KV cache, {args.context}-token context "
           "(target: >= 1.6x the 16-bit cache)\n")
-    print(f"| batch | {args.dtype} cache (us) | fp8 cache (us) | speedup | max abs err vs SDPA on the dequantised cache |")
+    print(f"| batch | {args.dtype} cache (us) | fp8 cache (us) | speedup "
+          "| max abs err vs SDPA on the dequantised cache |")
     print("|---:|---:|---:|---:|---:|")
     for row in fp8_decode_rows(args, paged_attention):
         print(row, flush=True)

@@ -62,7 +62,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--e2e-requests", type=int, default=None, help="mixed workload size (default 32; --small 8)")
     g.add_argument("--e2e-max-batch", type=int, default=8, help="our max_num_seqs = HF's static batch size")
     g.add_argument("--e2e-prompt-len", type=int, default=128, help="batch-1 decode prompt length")
-    g.add_argument("--e2e-decode-tokens", type=int, default=None, help="batch-1 decode tokens (default 256; --small 64)")
+    g.add_argument("--e2e-decode-tokens", type=int, default=None,
+                   help="batch-1 decode tokens (default 256; --small 64)")
     g.add_argument("--e2e-max-model-len", type=int, default=1024, help="engine max_model_len (= graph max context)")
     g.add_argument("--e2e-greedy-prompts", type=int, default=4)
     g.add_argument("--e2e-greedy-tokens", type=int, default=32)
@@ -127,7 +128,8 @@ def hf_state_dict(model) -> dict[str, torch.Tensor]:
         q, kv, inter = attn.q_size, attn.kv_size, mlp.intermediate_size
         sd[p + "input_layernorm.weight"] = layer.input_norm
         sd[p + "post_attention_layernorm.weight"] = layer.post_attention_norm
-        for name, rows in (("q_proj", slice(0, q)), ("k_proj", slice(q, q + kv)), ("v_proj", slice(q + kv, q + 2 * kv))):
+        row_ranges = (("q_proj", slice(0, q)), ("k_proj", slice(q, q + kv)), ("v_proj", slice(q + kv, q + 2 * kv)))
+        for name, rows in row_ranges:
             sd[p + f"self_attn.{name}.weight"] = attn.qkv_weight[rows]
             if cfg.attention_bias:
                 sd[p + f"self_attn.{name}.bias"] = attn.qkv_bias[rows]

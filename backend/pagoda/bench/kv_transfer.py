@@ -157,7 +157,8 @@ def _report(rows: list[dict], args, engine) -> None:
           f"torch threads per process: {args.threads}; backend {args.backend}; mode {args.mode}; "
           f"model {engine.model_id}, "
           f"KV {engine.runner.kv_caches[0][0].dtype}, block_size {engine.config.block_size}")
-    print("\n| run | blocks | MB | transfer ms | MB/s | recompute TTFT ms | transfer + pulled TTFT ms | cached tokens |")
+    print("\n| run | blocks | MB | transfer ms | MB/s | recompute TTFT ms | transfer + pulled TTFT ms "
+          "| cached tokens |")
     print("|---|---|---|---|---|---|---|---|")
     for i, r in enumerate(rows):
         print(f"| {i} | {r['num_blocks']} | {r['num_bytes'] / 1e6:.1f} | {r['transfer_s'] * 1e3:.1f} | "

@@ -204,7 +204,8 @@ def main(argv=None) -> int:
     if args.compare:
         return _compare(args, model_path, items)
     torch.manual_seed(0)
-    results = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
+    machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"
+    results = {"machine": machine,
                "threads": torch.get_num_threads(), "num_requests": len(items),
                "output_tokens": sum(it.max_tokens for it in items)}
     results.update(run_pagoda_modes(model_path, items, args))
@@ -259,13 +260,15 @@ def _print_table(results: dict, args) -> None:
     if "pagoda_async" in results and results["pagoda_async"] is not ours:
         r = results["pagoda_async"]
         print(f"| pagoda, async scheduling (overlap) | {r['tokens_per_s']:.1f} | {r['seconds']:.1f} | "
-              f"{ours['tokens_per_s'] / r['tokens_per_s']:.2f}x (async: {r['tokens_per_s'] / ours['tokens_per_s']:.2f}x "
+              f"{ours['tokens_per_s'] / r['tokens_per_s']:.2f}x "
+              f"(async: {r['tokens_per_s'] / ours['tokens_per_s']:.2f}x "
               f"the synchronous engine) |")
     for key, label in (("hf_sequential", "HF generate, sequential"),
                        ("hf_static", f"HF generate, static batches of {args.hf_batch_size}")):
         if key in results:
             r = results[key]
-            print(f"| {label} | {r['tokens_per_s']:.1f} | {r['seconds']:.1f} | {ours['tokens_per_s'] / r['tokens_per_s']:.2f}x |")
+            print(f"| {label} | {r['tokens_per_s']:.1f} | {r['seconds']:.1f} "
+                  f"| {ours['tokens_per_s'] / r['tokens_per_s']:.2f}x |")
     print(f"KV waste (allocated but unused slots / allocated), paged blocks of 16 vs contiguous at "
           f"max_model_len={ours['max_model_len']}:")
     print(f"  averaged over engine steps: paged {100 * ours['kv_waste']:.2f}% vs contiguous "

@@ -65,7 +65,8 @@ def main(argv=None) -> int:
     device = resolve_device(probe)
     per_block = kv_bytes_per_block(config_from_pretrained(model_path), block_size, resolve_dtype(probe, device))
     engine = LLMEngine(EngineConfig(model=model_path, block_size=block_size, cpu_offload_bytes=num_blocks * per_block,
-                                    max_num_batched_tokens=max(2048, lengths[-1]), max_model_len=max(2048, lengths[-1] + 1),
+                                    max_num_batched_tokens=max(2048, lengths[-1]),
+                                    max_model_len=max(2048, lengths[-1] + 1),
                                     enable_prefix_caching=False))
     runner, host = engine.runner, engine.host_kv_cache
     cost = engine.scheduler.host_tier.cost_model

@@ -326,7 +326,8 @@ def main(argv=None) -> int:
     r["speed"] = speed
     _print_table(r, str(ref.dtype).replace("torch.", ""), methods, [v[0] for v in variants], args)
     if ref.device.type == "cuda":
-        quant_kernels.print_linear_timings(quant_kernels.linear_timings(ref.dtype), str(ref.dtype).replace("torch.", ""))
+        dtype_name = str(ref.dtype).replace("torch.", "")
+        quant_kernels.print_linear_timings(quant_kernels.linear_timings(ref.dtype), dtype_name)
     return 0
 
 

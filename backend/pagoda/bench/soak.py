@@ -219,7 +219,8 @@ class Fleet:
                 f.writelines(f"{line}\n" for line in soak_hostile.KEY_LINES)
                 from pagoda.serving.launch.openai_door import model_dir_for
 
-                self.adapter_path = soak_hostile.write_adapter(Path(self.config.log_dir) / "adapter", model_dir_for(None))
+                adapter_dir = Path(self.config.log_dir) / "adapter"
+                self.adapter_path = soak_hostile.write_adapter(adapter_dir, model_dir_for(None))
         spec = ";".join(f"id={rid},grpc={s.grpc_url},http={s.http_url}" for rid, s in self.servers.items())
         self.router = BackgroundRouter(RouterOptions(
             replicas=spec, redis_url=self.redis.url, model_name="soak", host="127.0.0.1", http_port=0, grpc_port=0,

@@ -170,7 +170,8 @@ def main(args) -> int:
              for item in make_workload(args.num_requests, args.seed)]
     with tempfile.TemporaryDirectory() as work:
         path = args.model or _model_folder(args.tp_config, Path(work))
-        results = {"machine": f"{os.cpu_count()} cores, torch {torch.__version__}", "model": args.model or args.tp_config,
+        results = {"machine": f"{os.cpu_count()} cores, torch {torch.__version__}",
+                   "model": args.model or args.tp_config,
                    "num_requests": len(items), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
         for tp in (1, size):
             results[f"tp{tp}"] = _run_size(path, items, args, tp, field)
@@ -191,7 +192,8 @@ def _print(results: dict, tp: int, label: str = "TP") -> None:
     print(f"machine: {results['machine']}; model: {results['model']}; {results['num_requests']} requests")
     print(f"torch threads: {label}=1 {results['tp1']['torch_threads_rank0']}, "
           f"{label}={tp} {results[f'tp{tp}']['torch_threads_rank0']} per rank")
-    print(f"| {label} | output tokens/s | steps | host ms/step | device ms/step | broadcast µs/step | broadcast share |")
+    print(f"| {label} | output tokens/s | steps | host ms/step | device ms/step | broadcast µs/step "
+          "| broadcast share |")
     print("|---|---|---|---|---|---|---|")
     for size in (1, tp):
         r = results[f"tp{size}"]
@@ -205,7 +207,9 @@ def _print(results: dict, tp: int, label: str = "TP") -> None:
         print(f"PP={tp} micro-batches: {r['micro_batches']} (steps in flight: at most {r['max_steps_in_flight']}, "
               f"{r['mean_steps_in_flight']:.2f} on average as each step was issued)")
     if "decode_steps" in r:
-        print(f"{label}={tp} decode steps only ({r['decode_steps']}): device {r['decode_device_ms_per_step']:.2f} ms/step, "
-              f"broadcast {r['decode_broadcast_us_per_step']:.0f} µs/step = {100 * r['decode_broadcast_share']:.2f}% of it")
+        print(f"{label}={tp} decode steps only ({r['decode_steps']}): "
+              f"device {r['decode_device_ms_per_step']:.2f} ms/step, "
+              f"broadcast {r['decode_broadcast_us_per_step']:.0f} µs/step "
+              f"= {100 * r['decode_broadcast_share']:.2f}% of it")
     print(f"{label}={tp} vs {label}=1 speedup: {results['speedup']:.2f}x; greedy outputs identical: "
           f"{results['identical_outputs']}")

@@ -160,7 +160,8 @@ def build_engine(args, device: torch.device, folder: Path):
     from pagoda.engine.config import EngineConfig
     from pagoda.engine.llm_engine import LLMEngine
 
-    common = dict(device=device.type, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+    common = dict(device=device.type, max_num_seqs=args.max_num_seqs,
+                  max_num_batched_tokens=args.max_num_batched_tokens,
                   max_model_len=args.max_model_len, enable_prefix_caching=False, seed=args.seed)
     if device.type == "cpu" and not args.small:
         from pagoda.models.gguf_import import ensure_default_model

@@ -32,7 +32,8 @@ class WorkItem:
     max_tokens: int
 
 
-def make_workload(num_requests: int = 32, seed: int = 0, vocab_low: int = 1000, vocab_high: int = 30000) -> list[WorkItem]:
+def make_workload(num_requests: int = 32, seed: int = 0, vocab_low: int = 1000,
+                  vocab_high: int = 30000) -> list[WorkItem]:
     """``num_requests`` items, identical for the same arguments on every machine."""
     rng = random.Random(seed)
     items = []

@@ -6,8 +6,8 @@ engine arguments. The engine reads it through per-feature groups, each a frozen 
 that validates its own fields when built: ``config.load`` (model, dtype, device, weights),
 ``config.cache`` (KV blocks and budget), ``config.scheduling`` (batch limits, policy,
 overlap), ``config.speculative``, ``config.offload`` (the CPU tier), ``config.lora`` and
-``config.admission`` (waiting-queue bounds) and ``config.guided`` (grammar compile budget). Each field belongs to exactly one group (a
-test checks it): a new feature adds its group here, then its flat fields. Building an
+``config.admission`` (waiting-queue bounds) and ``config.guided`` (grammar compile budget). Each field belongs to
+exactly one group (a test checks it): a new feature adds its group here, then its flat fields. Building an
 ``EngineConfig`` builds every group, so an invalid value raises ``ValueError`` naming the
 field at once; checks that span two groups stay in ``EngineConfig``.
 
@@ -49,8 +49,11 @@ class LoadConfig:
     load_format: str
     seed: int
     enable_cuda_graphs: bool
+    generation_config: str
 
     def __post_init__(self) -> None:
+        if self.generation_config not in ("auto", "none"):
+            raise ValueError(f"generation_config: must be auto or none, got {self.generation_config!r}")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ValueError(f"dtype: must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):
@@ -200,7 +203,7 @@ class LoRAConfig:
 
 @dataclass(frozen=True)
 class AdmissionConfig:
-    """Bounds on the waiting queue (pagoda.engine.core.admission, docs/reliability.md)."""
+    """Bounds on the waiting queue (pagoda.engine.core.load_shedding, docs/reliability.md)."""
 
     max_waiting_requests: int
     max_waiting_prompt_tokens: int
@@ -318,6 +321,9 @@ class EngineConfig:
     quantization: Optional[str] = None  # None | int8 | fp8 (weights only; pagoda.models.quant, .fp8)
     enable_cuda_graphs: bool = True  # decode steps replay CUDA graphs (CUDA + Triton kernels only)
     load_format: str = "safetensors"  # safetensors | dummy (seeded random weights: benchmarks)
+    # Sampling defaults for fields a request leaves unset: auto (the model folder's
+    # generation_config.json, as vLLM's) | none (SamplingParams' own). models.config.generation_defaults.
+    generation_config: str = "auto"
     # Overlap the host's work (scheduling, outputs) with the device's, one step deep
     # (pagoda.engine.core.engine_core). Ignored, with a warning, under speculative decoding.
     async_scheduling: bool = False
@@ -335,7 +341,7 @@ class EngineConfig:
     max_lora_rank: int = 16  # slots are sized for this rank; larger adapters are refused
     max_cpu_loras: int = 64  # adapters registered (host copies) at once
     lora_modules: dict = field(default_factory=dict)  # name -> PEFT folder, loaded at start
-    # Admission control (pagoda.engine.core.admission, docs/reliability.md): past these bounds on
+    # Admission control (pagoda.engine.core.load_shedding, docs/reliability.md): past these bounds on
     # the waiting queue a new request is refused at once with an overload error. Sized so a
     # full queue holds ~100 MB of host memory at most, whatever the clients send.
     max_waiting_requests: int = 1024

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence, Union
 
-from pagoda.engine.core.admission import EngineOverloaded
+from pagoda.engine.core.load_shedding import EngineOverloaded
 from pagoda.engine.config import EngineConfig
 from pagoda.engine.llm_engine import LLMEngine, PromptType
 from pagoda.engine.outputs import RequestOutput
@@ -54,7 +54,8 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if isinstance(sampling_params, SamplingParams) or sampling_params is None:
-            params_list = [sampling_params or SamplingParams()] * len(prompts)
+            # None: the model's sampling defaults (generation_config.json), as vLLM's LLM applies them.
+            params_list = [sampling_params or SamplingParams.from_dict({})] * len(prompts)
         else:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):

@@ -19,11 +19,12 @@ it, and the matcher follows the kept tokens (a terminated grammar finishes the r
 with ``stop``). Guided requests overlap like the others (see ``engine_core.py``).
 
 Requests enter as ``EngineRequest`` envelopes (``add``; ``add_request`` builds one from
-keyword arguments). The facade validates and tokenizes them, has the core fan a user
-request with ``n > 1`` out into ``n`` core requests ("children", ``"{id}#{i}"``) that
-share the prompt's KV blocks through the prefix cache, and assembles ``EngineStats``, including per-step timing: host
-time in ``step()``, device time (copies, forward, sampling) and device idle time (see
-``device_worker.py``).
+keyword arguments). The ``InputProcessor`` (``input_processor.py``) makes the engine's own
+checks and the prompt's token ids (none when the request brings them: the router tokenized
+it); the facade has the core fan a user request with ``n > 1`` out into ``n`` core requests
+("children", ``"{id}#{i}"``) that share the prompt's KV blocks through the prefix cache.
+``get_stats`` (``stats.collect_stats``) includes per-step timing: host time in ``step()``,
+device time (copies, forward, sampling) and device idle time (see ``device_worker.py``).
 
 The engine is single-threaded: a server drives it from one thread (see
 ``pagoda.serving``); with async scheduling the core owns one extra worker thread for the
@@ -37,17 +38,20 @@ import logging
 import time
 from typing import TYPE_CHECKING, Iterable, Optional, Union
 
-from pagoda.engine.core.admission import Admission, EngineOverloaded, check_timeout, deadline_message, overload_message
+from pagoda.contracts.request_options import RequestOptions
+from pagoda.engine.core.load_shedding import Admission, EngineOverloaded, deadline_message, overload_message
 from pagoda.engine.config import EngineConfig
 from pagoda.engine.core.batch_queue import make_engine_core
-from pagoda.engine.core.parallel_sampling import child_request_ids
+from pagoda.engine.request_groups.parallel_sampling import child_request_ids
 from pagoda.engine.guided.backend import XGrammarBackend
+from pagoda.engine.input_processor import EngineCapabilities, InputProcessor
 from pagoda.engine.output_processor import OutputProcessor
 from pagoda.engine.parallel import make_executor
 from pagoda.engine.outputs import RequestOutput
 from pagoda.engine.request import EngineRequest, PromptType, RequestStatus
 from pagoda.engine.sampling_params import SamplingParams
-from pagoda.engine.stats import EngineStats
+from pagoda.engine.stats import EngineStats, collect_stats
+from pagoda.models.generation_config import generation_defaults
 from pagoda.models.registry import config_from_pretrained
 from pagoda.models.gguf_import import ensure_default_model
 from pagoda.models.tokenizer import Tokenizer
@@ -59,6 +63,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+
 class LLMEngine:
     def __init__(self, config: Optional[EngineConfig] = None) -> None:
         self.config = config or EngineConfig()
@@ -66,6 +71,8 @@ class LLMEngine:
         self.model_path = model_path
         self.model_config = config_from_pretrained(model_path)
         self.tokenizer = Tokenizer.from_pretrained(model_path)
+        # The model's sampling defaults (generation_config.json) unless turned off; SamplingParams.with_defaults.
+        self.generation_defaults = generation_defaults(model_path) if self.config.generation_config == "auto" else {}
         vocab_size = self.model_config.vocab_size
         eos_ids = sorted(self.tokenizer.eos_token_ids)
         self.executor = make_executor(self.config, self.model_config, model_path,
@@ -73,6 +80,9 @@ class LLMEngine:
         self.core = make_engine_core(self.config, self.model_config, self.model_id, eos_ids, self.executor,
                                      has_adapter=lambda name: name in self.list_loras())
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.input_processor = InputProcessor(self.tokenizer, vocab_size, self.max_model_len, EngineCapabilities(
+            has_speculator=self.speculator is not None, world_size=self.config.world_size,
+            check_lora_name=self._check_lora_name, has_request=self.output_processor.has_request))
         self.core.beams.find_stop_string = self._find_stop_string  # beams end at stop strings too
         self.admission = Admission(self.config.max_waiting_requests, self.config.max_waiting_prompt_tokens,
                                    max_queue_delay_s=self.config.max_queue_delay_s, slots=self.config.max_num_seqs)
@@ -121,41 +131,40 @@ class LLMEngine:
     def add(self, request: EngineRequest) -> None:
         """Queue a request: the seam every door uses (``add_request`` builds the envelope).
 
-        Its ``lora_name`` must name a loaded adapter; past its ``timeout`` (seconds from
-        arrival) it ends with a "deadline exceeded" error output
-        (``pagoda.engine.core.admission``); ``params.n > 1`` runs ``n`` children.
+        Its ``options.lora_name`` must name a loaded adapter; past its ``options.timeout``
+        (seconds from arrival) it ends with a "deadline exceeded" error output
+        (``pagoda.engine.core.load_shedding``); ``params.n > 1`` runs ``n`` children.
 
         Raises:
-            ValueError: duplicate id, empty prompt, token ids outside the vocabulary, a
-                request that can never fit (prompt + max_tokens over ``max_model_len`` or
-                over the whole KV cache), ``speculative=True`` on an engine without
-                speculative decoding, or an unknown ``lora_name`` (or any on an engine
-                without LoRA). Nothing is queued then.
+            ValueError: as ``InputProcessor.process`` (duplicate id, empty prompt, token ids
+                outside the vocabulary, a capability this engine lacks, an unknown
+                ``lora_name``), or a request that can never fit (prompt + max_tokens over
+                ``max_model_len`` or over the whole KV cache). Nothing is queued then.
             EngineOverloaded: the waiting queue is full (admission control); nothing is
                 queued, retry later.
         """
-        self._check_request(request)
-        text, token_ids = self._tokenize(request.prompt, request.prompt_token_ids, request.params)
-        self._check_token_ids(request.params)
-        token_ids = self._truncate_prompt(token_ids, request.params.truncate_prompt_tokens)
+        if self.generation_defaults:  # the model's own, for what the request left unset (vLLM's "auto")
+            request = dataclasses.replace(request, params=request.params.with_defaults(self.generation_defaults))
+        processed = self.input_processor.process(request)
         if request.arrival_time is None:
             request = dataclasses.replace(request, arrival_time=time.time())
-        verdict = self.admission.can_admit(len(token_ids), request.priority, self.core.queued_requests(),
+        options = request.options
+        verdict = self.admission.can_admit(len(processed.token_ids), options.priority, self.core.queued_requests(),
                                            self.core.scheduler.num_running)
         if not verdict.admit:
             raise EngineOverloaded(verdict.reason, self.admission.retry_after_s)
-        children = self.core.make_requests(request, token_ids, self._bad_words_token_ids(request.params.bad_words))
+        children = self.core.make_requests(request, processed.token_ids, processed.bad_words_token_ids)
         # Validates fit (raises ValueError) before anything is tracked; a guided request
         # waits for its grammar in the core.
         self.core.add_requests(children, request.params.guided_decoding, request.request_id)
-        self.output_processor.add_request(request.request_id, text, token_ids, request.params,
+        self.output_processor.add_request(request.request_id, processed.text, processed.token_ids, request.params,
                                           child_request_ids(request.request_id, request.params.n),
                                           request.arrival_time)
         self._fail_requests({self.output_processor.group_of(v.request_id) for v in verdict.victims},
                             lambda child0: overload_message(
             "displaced from the waiting queue by a more urgent request", self.admission.retry_after_s))
-        if request.timeout is not None:
-            self.admission.track_deadline(request.request_id, request.arrival_time + request.timeout, request.timeout)
+        if options.timeout is not None:
+            self.admission.track_deadline(request.request_id, request.arrival_time + options.timeout, options.timeout)
 
     def add_request(
         self,
@@ -170,69 +179,23 @@ class LLMEngine:
         timeout: Optional[float] = None,
     ) -> None:
         """``add(EngineRequest(...))`` with the envelope's fields as arguments (the offline
-        API, tests and benches); ``params=None``: ``SamplingParams()``. Raises as ``add``."""
-        self.add(EngineRequest(request_id, prompt, params or SamplingParams(), arrival_time=arrival_time,
-                               priority=priority, cache_salt=cache_salt, lora_name=lora_name, timeout=timeout))
+        API, tests and benches); ``params=None``: the model's sampling defaults (``SamplingParams.from_dict({})``
+        then ``with_defaults``). Raises as ``add``, and
+        ValueError naming an option that is not valid (``RequestOptions``)."""
+        options = RequestOptions(priority=priority, cache_salt=cache_salt, lora_name=lora_name, timeout=timeout)
+        params = params if params is not None else SamplingParams.from_dict({})
+        self.add(EngineRequest(request_id, prompt, params, options, arrival_time=arrival_time))
+
+    def tokenize_prompt(self, text: str, params: Optional[SamplingParams] = None) -> list[int]:
+        """A text prompt's token ids, for ``EngineRequest.prompt_token_ids`` (any thread:
+        ``InputProcessor.tokenize_prompt``). Raises ValueError for a text that can never fit."""
+        return self.input_processor.tokenize_prompt(text, params)
 
     def _find_stop_string(self, params: SamplingParams, output_token_ids: list[int]) -> Optional[str]:
-        """The stop string a beam's output text holds (the earliest), or None (``core.beam_search``)."""
+        """The stop string a beam's output text holds (the earliest), or None (``request_groups.beam_search``)."""
         text = self.tokenizer.decode(output_token_ids, skip_special_tokens=params.skip_special_tokens)
         found = [(text.find(stop), stop) for stop in params.stop if stop in text]
         return min(found)[1] if found else None
-
-    def _check_request(self, request: EngineRequest) -> None:
-        """The envelope's own fields (the prompt is checked as it is tokenized). Raises ValueError."""
-        if request.params.use_beam_search and self.speculator is not None:
-            raise ValueError("use_beam_search: this server runs speculative decoding, which does not combine with "
-                             "beam search (a beam's next token is chosen among all its group's candidates after "
-                             "each step, so there is no one token per position to verify drafts "
-                             "against); serve without speculative_method for beam search")
-        if request.params.use_beam_search and self.config.world_size > 1:
-            raise ValueError("use_beam_search: not supported with tensor_parallel_size or pipeline_parallel_size "
-                             "> 1 yet (a fork's copy-on-write block copy is not broadcast to the workers' KV caches)")
-        if request.params.speculative and self.speculator is None:
-            raise ValueError("speculative: this server has no speculative decoding configured "
-                             "(EngineConfig.speculative_method is None)")
-        request_id = request.request_id
-        if not isinstance(request_id, str) or not request_id:
-            raise ValueError("request_id: must be a non-empty string")
-        if self.output_processor.has_request(request_id):
-            raise ValueError(f"request_id: {request_id!r} is already in use")
-        if isinstance(request.priority, bool) or not isinstance(request.priority, int):
-            raise ValueError(f"priority: must be an integer, got {request.priority!r}")
-        cache_salt = request.cache_salt
-        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
-            raise ValueError("cache_salt: must be a non-empty string when given")
-        self._check_lora_name(request.lora_name)
-        check_timeout(request.timeout)
-
-    def tokenize_prompt(self, text: str, params: Optional[SamplingParams] = None) -> list[int]:
-        """A text prompt's token ids, for ``EngineRequest.prompt_token_ids`` (any thread: the
-        tokenizer is thread-safe and this touches no engine state).
-
-        A prompt that cannot fit ``max_model_len`` is refused before it is encoded, where the
-        tokenizer bounds the characters one token covers (``Tokenizer.max_chars_per_token``)
-        and the request does not truncate its prompt. Raises ValueError."""
-        if not text:
-            raise ValueError("prompt: must not be empty")
-        per_token = self.tokenizer.max_chars_per_token() if len(text) > self.max_model_len else None
-        if per_token and len(text) > self.max_model_len * per_token and (
-                params is None or params.truncate_prompt_tokens is None):
-            raise ValueError(f"prompt: {len(text)} characters cannot fit max_model_len {self.max_model_len} "
-                             f"(this tokenizer's tokens cover at most {per_token} characters each)")
-        return self.tokenizer.encode(text)
-
-    def _tokenize(self, prompt: PromptType, token_ids: Optional[list[int]] = None,
-                  params: Optional[SamplingParams] = None) -> tuple[Optional[str], list[int]]:
-        if isinstance(prompt, str):
-            return prompt, (token_ids if token_ids is not None else self.tokenize_prompt(prompt, params))
-        if not isinstance(prompt, (list, tuple)) or not prompt:
-            raise ValueError("prompt: must be a non-empty string or a non-empty list of token ids")
-        vocab = self.model_config.vocab_size
-        for t in prompt:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                raise ValueError(f"prompt: token id {t!r} is not in the vocabulary [0, {vocab})")
-        return None, list(prompt)
 
     # ---- LoRA adapters (engine/lora/manager.py) ----------------------------------------
 
@@ -287,33 +250,7 @@ class LLMEngine:
         """Loaded adapter name -> the folder it came from (empty with LoRA off)."""
         return self.runner.lora.paths() if self.runner.lora is not None else {}
 
-    def _check_token_ids(self, params: SamplingParams) -> None:
-        vocab = self.model_config.vocab_size
-        for name, ids in (("stop_token_ids", params.stop_token_ids), ("allowed_token_ids", params.allowed_token_ids),
-                          ("logit_bias", params.logit_bias)):
-            for t in ids or ():
-                if not 0 <= t < vocab:
-                    raise ValueError(f"{name}: token id {t} is not in the vocabulary [0, {vocab})")
-
-    def _bad_words_token_ids(self, words: Optional[list[str]]) -> tuple[tuple[int, ...], ...]:
-        """vLLM's ``bad_words`` as token sequences: each word as written (leading spaces
-        stripped) and, when that is another sequence of the same length, with one leading
-        space (the word inside a text). Raises ValueError for an id outside the model's vocabulary."""
-        sequences: list[tuple[int, ...]] = []
-        for word in words or ():
-            plain = tuple(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
-            spaced = tuple(self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
-            sequences += [plain] + ([spaced] if len(spaced) == len(plain) and spaced[0] != plain[0] else [])
-        vocab = self.model_config.vocab_size
-        if any(not 0 <= t < vocab for sequence in sequences for t in sequence):
-            raise ValueError(f"bad_words: a word's token ids fall outside the model's vocabulary [0, {vocab})")
-        return tuple(sequence for sequence in sequences if sequence)
-
-    def _truncate_prompt(self, token_ids: list[int], keep: Optional[int]) -> list[int]:
-        """The last ``keep`` prompt tokens (vLLM's ``truncate_prompt_tokens``; -1: ``max_model_len``)."""
-        if keep is None:
-            return token_ids
-        return token_ids[-(self.max_model_len if keep == -1 else keep):]
+    # ---- ending requests ----------------------------------------------------------------
 
     def _fail_requests(self, request_ids: Iterable[Optional[str]], message_of) -> None:
         """End live user requests with an error output (admission: displaced, deadline passed).
@@ -371,74 +308,9 @@ class LLMEngine:
         """Stop the core's device worker thread (async scheduling); idempotent."""
         self.core.shutdown()
 
-    # -------------------------------------------------------------------- stats
     def get_stats(self) -> EngineStats:
-        s = self.core.scheduler
-        last, total = self.core.timer.snapshot()
-        ttft_p90, recent_ttfts = self.output_processor.recent_ttfts.p90_snapshot()
-        return EngineStats(
-            num_waiting=s.num_waiting + self.core.num_pending + self.core.guided.num_waiting,
-            num_running=s.num_running,
-            kv_cache_usage=s.kv_cache_usage,
-            num_blocks=self.runner.num_blocks - 1,  # block 0 is the pool's reserved null block
-            num_free_blocks=s.num_free_blocks,
-            prefix_cache_queries=s.prefix_cache_queries,
-            prefix_cache_hits=s.prefix_cache_hits,
-            num_preemptions=s.num_preemptions_total,
-            num_prompt_tokens=self.output_processor.num_prompt_tokens,
-            num_generation_tokens=self.output_processor.num_generation_tokens,
-            num_steps=self.core.num_steps, max_steps_in_flight=self.core.max_in_flight,
-            max_num_running_seen=self.core.max_num_running_seen,
-            last_step_num_seqs=self.core.last_step[0],
-            last_step_num_decode_seqs=self.core.last_step[1],
-            last_step_num_prefill_seqs=self.core.last_step[2],
-            last_step_num_tokens=self.core.last_step[3],
-            num_recomputed_preemptions=s.num_recomputed_preemptions,
-            step_host_s=total.host_s, step_device_s=total.device_s, step_device_idle_s=total.device_idle_s,
-            step_wait_s=total.wait_s, last_step_host_s=last.host_s, last_step_device_s=last.device_s,
-            last_step_device_idle_s=last.device_idle_s,
-            **self._spec_stats(),
-            **self._offload_stats(),
-            **self._lora_stats(),
-            **self.admission.stats(),
-            ttft_p90=ttft_p90, recent_ttfts=recent_ttfts, cache_config_info=self._cache_config_info(),
-        )
-
-    def _cache_config_info(self) -> tuple:
-        """vLLM's ``cache_config_info`` labels (strings, as vLLM's ``metrics_info``), once."""
-        if getattr(self, "_cache_info", None) is not None:
-            return self._cache_info
-        c = self.config
-        values = dict(block_size=c.block_size, cache_dtype=c.kv_cache_dtype,
-                      enable_prefix_caching=c.enable_prefix_caching,
-                      gpu_memory_utilization=c.gpu_memory_utilization,
-                      num_gpu_blocks=self.runner.num_blocks - 1,
-                      num_cpu_blocks=self.core.scheduler.host_tier.num_blocks)
-        self._cache_info = tuple((name, str(value)) for name, value in values.items())
-        return self._cache_info
-
-    def _lora_stats(self) -> dict:
-        if self.runner.lora is None:
-            return {}
-        s = self.scheduler
-        return dict(running_lora_adapters=tuple(sorted({r.adapter_id for r in s.running if r.adapter_id})),
-                    waiting_lora_adapters=tuple(sorted({r.adapter_id for r in self.core.queued_requests()
-                                                        if r.adapter_id})),
-                    max_lora=self.config.max_loras)
-
-    def _offload_stats(self) -> dict:
-        tier = self.core.scheduler.host_tier  # NoHostTier: all zero
-        return dict(num_swapped_out=tier.num_swapped_out, num_swapped_in=tier.num_swapped_in,
-                    prefix_cache_hits_host=tier.prefix_cache_hits_host,
-                    num_offloaded_blocks=tier.num_offloaded_blocks,
-                    num_host_blocks=tier.num_blocks, num_free_host_blocks=tier.num_free_blocks)
-
-    def _spec_stats(self) -> dict:
-        if self.speculator is None:
-            return {}
-        st = self.speculator.stats
-        return dict(spec_num_drafts=st.num_drafts, spec_num_draft_tokens=st.num_draft_tokens,
-                    spec_num_accepted_tokens=st.num_accepted_tokens)
+        """A snapshot of the engine's counters and gauges (``stats.collect_stats``)."""
+        return collect_stats(self)
 
     def take_block_events(self) -> list:
         """Block events (ARCHITECTURE contract 3) since the last call, oldest first."""

@@ -23,7 +23,7 @@ Prompt log-probabilities (``SamplingParams.prompt_logprobs``) arrive with a chil
 output; the group keeps the first child's that came and every ``RequestOutput`` of the
 request carries them from then on (``None`` entry for the first prompt position).
 
-n > 1 (the fan-in; the fan-out is ``engine.core.parallel_sampling``'s): a user request's
+n > 1 (the fan-in; the fan-out is ``engine.request_groups.parallel_sampling``'s): a user request's
 ``n`` children are one *group*; their outputs are reported together under the user's
 request id, once any child progressed. The group is finished when every child is.
 """
@@ -190,7 +190,8 @@ class OutputProcessor:
                                      for lp in core_output.prompt_logprobs]
         completion.token_ids.extend(new_ids)
         if core_output.cumulative_logprob is not None:  # a beam (whole, at once): its scores come with it
-            completion.cumulative_logprob, completion.beam_score = core_output.cumulative_logprob, core_output.beam_score
+            completion.cumulative_logprob = core_output.cumulative_logprob
+            completion.beam_score = core_output.beam_score
         num_tokens = len(completion.token_ids)
         params = group.params
         # A stop token (EOS or stop_token_ids) ends the request but is not text: its id stays

@@ -1,11 +1,12 @@
 """One generation request: its envelope at the engine's edge and its per-request state.
 
 ``EngineRequest`` is the envelope a door (the serving loop, the offline ``LLM``, a bench)
-hands to ``LLMEngine.add``: what the user asked for, untokenized and unvalidated, with the
-request's scheduling keys (arrival, priority, cache salt, LoRA adapter, timeout). It is
-frozen; the engine resolves a missing ``arrival_time`` with ``dataclasses.replace``. It
-lives here, not in ``engine.core``, because ``engine.kv`` takes a ``Request`` and must not
-climb into the core (``tests/test_layering.py``).
+hands to ``LLMEngine.add``: what the user asked for (its prompt, perhaps tokenized already,
+its ``SamplingParams`` and its ``RequestOptions``: priority, cache salt, LoRA adapter,
+timeout), each part checked where it was built. It is frozen; the engine resolves a missing
+``arrival_time`` with ``dataclasses.replace``. It lives here, not in ``engine.core``,
+because ``engine.kv`` takes a ``Request`` and must not climb into the core
+(``tests/test_layering.py``).
 
 A ``Request`` owns everything about one sequence that outlives a step: its token ids
 (prompt, then outputs), ``num_computed_tokens`` (how many of those tokens already have KV
@@ -35,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Union
 
 from pagoda.contracts.block_hash import BlockHash, encode_extra_keys, hash_block, root_hash
+from pagoda.contracts.request_options import RequestOptions
 from pagoda.engine.sampling_params import SamplingParams
 
 
@@ -49,25 +51,20 @@ class EngineRequest:
         request_id: unique among live requests; a non-empty string.
         prompt: text, or token ids.
         params: how to sample; ``n > 1`` fans the request out into ``n`` children.
+        options: how it is run (priority, cache salt, LoRA adapter, timeout: the
+            ``RequestOptions`` the door built and checked; the engine trusts them).
         arrival_time: seconds (``time.time()``); ``None``: when the engine takes it.
-        priority: smaller runs first (vLLM convention) under the priority policy.
-        cache_salt: tenant key; requests with different salts never share KV blocks.
-        lora_name: a loaded LoRA adapter to generate with; ``None``: the base model.
-        timeout: seconds from arrival; past it the request ends with a "deadline
-            exceeded" error output (``pagoda.engine.core.admission``).
-        prompt_token_ids: a text prompt's token ids when the door tokenized it already
-            (``LLMEngine.tokenize_prompt``, off the engine's thread, so a huge prompt does
-            not stall every other request's step); ``None``: the engine encodes ``prompt``.
+        prompt_token_ids: a text prompt's token ids when someone tokenized it already (the
+            router, for routing; or ``LLMEngine.tokenize_prompt`` off the engine's thread, so
+            a huge prompt does not stall every other request's step); ``None``: the engine
+            encodes ``prompt``.
     """
 
     request_id: str
     prompt: PromptType
     params: SamplingParams = field(default_factory=SamplingParams)
+    options: RequestOptions = field(default_factory=RequestOptions)
     arrival_time: Optional[float] = None
-    priority: int = 0
-    cache_salt: Optional[str] = None
-    lora_name: Optional[str] = None
-    timeout: Optional[float] = None
     prompt_token_ids: Optional[list[int]] = None
 
 
@@ -161,7 +158,7 @@ class Request:
         self._extra = b""
 
         self.sampling_state: Any = None
-        self.beam_group: Any = None  # its BeamGroup when it is one beam of a beam search (core.beam_search)
+        self.beam_group: Any = None  # its BeamGroup when it is one beam of a beam search (request_groups.beam_search)
         self.detokenizer: Any = None
         self.metrics = RequestMetrics(arrival_time=arrival_time)
 
@@ -171,9 +168,10 @@ class Request:
         """The scheduler request for one child of ``envelope`` (``request_id``: the child's id),
         with the envelope's sampling params and scheduling keys; its ``arrival_time`` must be resolved."""
         assert envelope.arrival_time is not None, "the engine resolves arrival_time before making requests"
+        options = envelope.options
         return cls(request_id, prompt_token_ids, envelope.params, eos_token_ids=eos_token_ids,
-                   arrival_time=envelope.arrival_time, priority=envelope.priority, cache_salt=envelope.cache_salt,
-                   adapter_id=envelope.lora_name)
+                   arrival_time=envelope.arrival_time, priority=options.priority, cache_salt=options.cache_salt,
+                   adapter_id=options.lora_name)
 
     # Tokens -----------------------------------------------------------------
 

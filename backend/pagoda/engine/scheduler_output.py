@@ -3,7 +3,7 @@
 The contract between the scheduler (``engine.core``) and the runner (``engine.runner``):
 the runner reads it, never the scheduler's state. It carries only what the runner cannot
 know, in the manner of vLLM v1's ``NewRequestData`` / ``CachedRequestData``; the runner
-keeps the rest per request (``engine.runner.request_states``), and ``core.runner_view``
+keeps the rest per request (``engine.runner.request_states``), and ``core.sched.runner_view``
 decides, on the scheduler's side, what the runner already holds. That is what a
 tensor-parallel step must broadcast and what a KV connector must know:
 

@@ -3,6 +3,8 @@ the recent-latency window behind its TTFT fields.
 
 ``EngineStats`` is a snapshot of plain values: the server's metrics
 (``pagoda.serving.metrics``) and the fleet heartbeat read it; counters only grow.
+``collect_stats(engine)`` reads it off an ``LLMEngine``'s parts (scheduler, runner, output
+processor, admission, speculator, host tier), so the facade holds no reporting code.
 
 Recent latencies: what the replica's heartbeat reports and the autoscaler reads.
 
@@ -20,7 +22,7 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 
 @dataclass
@@ -65,7 +67,9 @@ class EngineStats:
     # The cache configuration as vLLM's ``vllm:cache_config_info`` labels (name, value) pairs,
     # computed once: block_size and num_gpu_blocks are what GIE's prefix scorer reads.
     cache_config_info: tuple = ()
-    # Admission control (pagoda.engine.core.admission).
+    # Text prompts the engine encoded (a router's token ids are used as they are; input_processor).
+    num_prompts_tokenized: int = 0
+    # Admission control (pagoda.engine.core.load_shedding).
     num_admission_refused: int = 0  # refused at add_request: the waiting queue was full
     num_admission_displaced: int = 0  # waiting requests ended by a more urgent one
     num_deadline_expired: int = 0  # requests ended by their timeout
@@ -80,6 +84,79 @@ class EngineStats:
     last_step_host_s: float = 0.0
     last_step_device_s: float = 0.0
     last_step_device_idle_s: float = 0.0
+
+
+def collect_stats(engine: Any) -> EngineStats:
+    """The ``EngineStats`` of an ``LLMEngine`` now (it is given whole: this module sits below
+    the core, which names ``EngineStats`` in its protocols)."""
+    core, s, runner = engine.core, engine.core.scheduler, engine.runner
+    last, total = core.timer.snapshot()
+    ttft_p90, recent_ttfts = engine.output_processor.recent_ttfts.p90_snapshot()
+    return EngineStats(
+        num_waiting=s.num_waiting + core.num_pending + core.guided.num_waiting,
+        num_running=s.num_running,
+        kv_cache_usage=s.kv_cache_usage,
+        num_blocks=runner.num_blocks - 1,  # block 0 is the pool's reserved null block
+        num_free_blocks=s.num_free_blocks,
+        prefix_cache_queries=s.prefix_cache_queries,
+        prefix_cache_hits=s.prefix_cache_hits,
+        num_preemptions=s.num_preemptions_total,
+        num_prompt_tokens=engine.output_processor.num_prompt_tokens,
+        num_generation_tokens=engine.output_processor.num_generation_tokens,
+        num_steps=core.num_steps, max_steps_in_flight=core.max_in_flight,
+        max_num_running_seen=core.max_num_running_seen,
+        last_step_num_seqs=core.last_step[0],
+        last_step_num_decode_seqs=core.last_step[1],
+        last_step_num_prefill_seqs=core.last_step[2],
+        last_step_num_tokens=core.last_step[3],
+        num_recomputed_preemptions=s.num_recomputed_preemptions,
+        num_prompts_tokenized=engine.input_processor.num_prompts_tokenized,
+        step_host_s=total.host_s, step_device_s=total.device_s, step_device_idle_s=total.device_idle_s,
+        step_wait_s=total.wait_s, last_step_host_s=last.host_s, last_step_device_s=last.device_s,
+        last_step_device_idle_s=last.device_idle_s,
+        **_spec_stats(engine.speculator),
+        **_offload_stats(s.host_tier),
+        **_lora_stats(engine),
+        **engine.admission.stats(),
+        ttft_p90=ttft_p90, recent_ttfts=recent_ttfts, cache_config_info=_cache_config_info(engine),
+    )
+
+
+def _cache_config_info(engine: Any) -> tuple:
+    """vLLM's ``cache_config_info`` labels (strings, as vLLM's ``metrics_info``)."""
+    c = engine.config
+    values = dict(block_size=c.block_size, cache_dtype=c.kv_cache_dtype,
+                  enable_prefix_caching=c.enable_prefix_caching,
+                  gpu_memory_utilization=c.gpu_memory_utilization,
+                  num_gpu_blocks=engine.runner.num_blocks - 1,
+                  num_cpu_blocks=engine.core.scheduler.host_tier.num_blocks)
+    return tuple((name, str(value)) for name, value in values.items())
+
+
+def _lora_stats(engine: Any) -> dict:
+    if engine.runner.lora is None:
+        return {}
+    s = engine.core.scheduler
+    return dict(running_lora_adapters=tuple(sorted({r.adapter_id for r in s.running if r.adapter_id})),
+                waiting_lora_adapters=tuple(sorted({r.adapter_id for r in engine.core.queued_requests()
+                                                    if r.adapter_id})),
+                max_lora=engine.config.max_loras)
+
+
+def _offload_stats(tier: Any) -> dict:
+    """The CPU tier's counters (``NoHostTier``: all zero)."""
+    return dict(num_swapped_out=tier.num_swapped_out, num_swapped_in=tier.num_swapped_in,
+                prefix_cache_hits_host=tier.prefix_cache_hits_host,
+                num_offloaded_blocks=tier.num_offloaded_blocks,
+                num_host_blocks=tier.num_blocks, num_free_host_blocks=tier.num_free_blocks)
+
+
+def _spec_stats(speculator: Any) -> dict:
+    if speculator is None:
+        return {}
+    st = speculator.stats
+    return dict(spec_num_drafts=st.num_drafts, spec_num_draft_tokens=st.num_draft_tokens,
+                spec_num_accepted_tokens=st.num_accepted_tokens)
 
 
 class LatencyWindow:

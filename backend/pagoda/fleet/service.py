@@ -5,7 +5,8 @@ Pieces (each in its own module):
 - ``routing.router``: prompt -> block hashes -> prefix-index match + load -> policy ->
   replica, with optimistic in-flight accounting; ``routing.fleet_view``: Redis (registry,
   index) with fault handling (load-only fallback);
-- ``routing.replicas``: membership (``--replicas``, ``--k8s-selector`` or the registry), health, load;
+- ``routing.replicas``: membership (``--replicas``, ``--k8s-selector``: ``routing.k8s_discovery``, or the
+  registry), health, load;
 - ``gate.gate`` (with ``limits`` and ``auth``): input limits, API keys -> tenants -> cache
   salt, per-tenant rate limits, overload memory;
 - ``api.lora_admin``: the served LoRA adapters; run-time load/unload on every replica
@@ -25,26 +26,31 @@ heartbeat load, block size, hash model id; its first success after a failure bri
 prefix routing back) and the health prober (every ``health_interval_s``: ``ServerReady``;
 a replica marked unhealthy becomes routable again once it answers ready and its LoRA
 adapters are synced: ``lora_admin``). ``BackgroundRouter`` runs a service on its own
-thread and event loop (tests, ``pagoda bench routing --real``).
+thread and event loop (tests, ``pagoda bench routing --real``). The command line
+(``pagoda router``'s flags and main) is ``router_cli``.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import dataclasses
 import logging
 import os
 import re
-import signal
-import sys
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from pagoda.fleet.gate.limits import RequestLimits
 from pagoda.fleet.shutdown import STOP_PHASE_S, bounded
+
+if TYPE_CHECKING:
+    from pagoda.fleet.api.lora_admin import LoRAAdmin
+    from pagoda.fleet.api.tracing import RouterTracer
+    from pagoda.fleet.gate.gate import Gate
+    from pagoda.fleet.routing.replicas import Replica
+    from pagoda.fleet.routing.router import Router
+    from pagoda.models.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 # When the router stops, requests in flight on every door get this long to finish (HTTP
@@ -57,12 +63,14 @@ PASSWORD_ENV = "PAGODA_REDIS_PASSWORD"
 
 @dataclass
 class RouterOptions:
-    """Everything ``pagoda router`` accepts (see ``make_parser`` for the meaning)."""
+    """Everything ``pagoda router`` accepts (``router_cli.make_parser`` says what each means)."""
 
     model_dir: Optional[str] = None
     model_name: Optional[str] = None
     lora_names: tuple = ()  # LoRA adapters the replicas serve (OpenAI model names)
     allow_runtime_lora: bool = False  # /v1/load_lora_adapter, /v1/unload_lora_adapter (lora_admin)
+    reasoning_parser: Optional[str] = None  # fleet.parsers: None detects it from the chat template
+    tool_call_parser: Optional[str] = None
     hash_model_id: Optional[str] = None
     replicas: Optional[str] = None
     k8s_selector: Optional[str] = None
@@ -89,10 +97,10 @@ class RouterOptions:
     tenant_requests_per_minute: Optional[float] = None  # defaults for keys without their own
     tenant_tokens_per_minute: Optional[float] = None
     tenant_max_concurrent: Optional[int] = None
-    limits: Any = None  # a pagoda.fleet.gate.limits.RequestLimits; None: the defaults
+    limits: Optional[RequestLimits] = None  # None: the defaults
 
 
-def make_gate(options: RouterOptions) -> Any:
+def make_gate(options: RouterOptions) -> "Gate":
     """The ``Gate`` (limits, API keys, rate limits) the options describe."""
     from pagoda.fleet.gate.auth import Tenant, load_api_keys, load_router_secret
     from pagoda.fleet.gate.gate import Gate
@@ -120,14 +128,15 @@ class RouterService:
         tokenizer: a ``Tokenizer`` to use instead of loading ``model_dir``'s.
     """
 
-    def __init__(self, options: RouterOptions, tracer: Any = None, tokenizer: Any = None) -> None:
+    def __init__(self, options: RouterOptions, tracer: Optional["RouterTracer"] = None,
+                 tokenizer: Optional["Tokenizer"] = None) -> None:
         self.options = options
         self._tracer = tracer
         self._tokenizer = tokenizer
-        self.router: Any = None  # a Router, from start()
-        self.gate: Any = None  # a Gate
-        self.lora_admin: Any = None  # a LoRAAdmin
-        self.tracer: Any = None  # a RouterTracer
+        self.router: Optional["Router"] = None  # from start()
+        self.gate: Optional["Gate"] = None
+        self.lora_admin: Optional["LoRAAdmin"] = None
+        self.tracer: Optional["RouterTracer"] = None
         self.model_name = ""
         self.http_port = 0
         self.grpc_port = 0
@@ -147,7 +156,8 @@ class RouterService:
             raise ValueError("give --replicas or --k8s-selector, not both")
         if not (o.replicas or o.k8s_selector or o.redis_url):
             raise ValueError("the router needs replicas: --replicas, --k8s-selector or --redis-url (registry)")
-        self.tracer = self._tracer or make_router_tracer(o.otlp_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
+        otlp_endpoint = o.otlp_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+        self.tracer = self._tracer or make_router_tracer(otlp_endpoint)
         self.router = self._make_router()
         self.gate = make_gate(o)
         self.gate.announce()
@@ -163,7 +173,7 @@ class RouterService:
         await self._serve_doors()
         return self
 
-    def _make_router(self) -> Any:
+    def _make_router(self) -> "Router":
         """The ``Router`` over the options' replicas, tokenizer and (with Redis) ``FleetView``."""
         from pagoda.fleet.routing.fleet_view import FleetView
         from pagoda.fleet.routing.replicas import ReplicaSet, parse_replicas_spec
@@ -181,10 +191,12 @@ class RouterService:
         tokenizer = self._tokenizer or Tokenizer.from_pretrained(model_dir)
         replicas = ReplicaSet("static" if o.replicas else "kubernetes" if o.k8s_selector else "registry")
         if o.replicas:
-            replicas.set_members((rid or endpoints["grpc"], endpoints) for rid, endpoints in parse_replicas_spec(o.replicas))
+            members = parse_replicas_spec(o.replicas)
+            replicas.set_members((rid or endpoints["grpc"], endpoints) for rid, endpoints in members)
         fleet = None
         if o.redis_url:
             from pagoda.fleet.index.prefix_index import make_redis_client
+
             # Short socket timeouts, no retries: a dead Redis fails fast into load-only routing.
             self._redis = make_redis_client(resolve_redis_url(o.redis_url))
             fleet = FleetView(self._redis, self.model_name, o.index_mode, o.redis_timeout_s)
@@ -193,7 +205,7 @@ class RouterService:
                       block_size=o.block_size, **o.policy_knobs)
 
     def _start_discovery(self) -> None:
-        from pagoda.fleet.routing.replicas import KubernetesConfig, KubernetesDiscovery
+        from pagoda.fleet.routing.k8s_discovery import KubernetesConfig, KubernetesDiscovery
 
         o = self.options
         config = (KubernetesConfig(o.k8s_api, o.k8s_namespace or os.environ.get("PAGODA_NAMESPACE") or "default")
@@ -214,7 +226,8 @@ class RouterService:
         o = self.options
         upstream = self.upstream = GrpcUpstream(self.router, self.gate, o.max_attempts, o.peer_pull_min_blocks)
         grpc_door = GrpcProxy(self.router, self.tracer, self.gate, upstream)
-        openai_door = OpenAIApi(self.router, self.tracer, self.gate, self.lora_admin, upstream, self.model_name)
+        openai_door = OpenAIApi(self.router, self.tracer, self.gate, self.lora_admin, upstream, self.model_name,
+                                parsers=(self.options.reasoning_parser, self.options.tool_call_parser))
         app = make_app(self.router, self.tracer, self.gate, self.lora_admin, openai_door)
         if o.grpc_port is not None:
             self._grpc_server, self.grpc_port = make_grpc_server(grpc_door, o.host, o.grpc_port)
@@ -243,7 +256,7 @@ class RouterService:
             except Exception:  # noqa: BLE001 - never let the loop die
                 logger.exception("registry refresh failed")
 
-    async def probe(self, replica: Any) -> bool:
+    async def probe(self, replica: "Replica") -> bool:
         """Ask one replica ``ServerReady``; update its health; return whether it is ready and routable."""
         import grpc
         from tritonclient.grpc import service_pb2
@@ -260,7 +273,7 @@ class RouterService:
             self.router.replicas.mark_unhealthy(replica, "health probe: not ready")
         return bool(response.ready) and replica.healthy
 
-    async def _admit_ready(self, replica: Any) -> None:
+    async def _admit_ready(self, replica: "Replica") -> None:
         """A ready replica becomes routable; one that was not (or is new) first gets its LoRA
         adapters synced (``lora_admin.sync``: learn its adapters, replay the run-time ones)."""
         if not replica.healthy or not replica.lora_synced:
@@ -317,8 +330,10 @@ class BackgroundRouter:
 
     def run(self, fn: Any, timeout: float = 60.0) -> Any:
         """Run a plain function on the router's loop (to read its state safely)."""
+
         async def wrapper():
             return fn()
+
         return self.call(wrapper(), timeout)
 
     def __enter__(self) -> "BackgroundRouter":
@@ -339,112 +354,3 @@ class BackgroundRouter:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(30)
             self.loop.close()
-
-
-def make_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pagoda router",
-                                description="Cache-aware router (Triton gRPC/HTTP and OpenAI) in front of pagoda replicas.")
-    p.add_argument("--model-dir", help="the served model's folder (its tokenizer); default: $PAGODA_MODEL_DIR "
-                                       "or the default SmolLM2 import")
-    p.add_argument("--model-name", help="served model name and Redis key namespace; default: $PAGODA_MODEL_NAME "
-                                        "or the model folder's name")
-    p.add_argument("--lora", action="append", default=[], metavar="NAME",
-                   help="a LoRA adapter the replicas serve (repeatable): listed in /v1/models, chosen by 'model'; "
-                        "optional: adapters the replicas have are learned when they become ready")
-    p.add_argument("--allow-runtime-lora", action="store_true",
-                   help="accept /v1/load_lora_adapter and /v1/unload_lora_adapter (and `pagoda lora` control "
-                        "requests), applied to every replica (started with --allow-runtime-lora)")
-    p.add_argument("--hash-model-id", help="block-hash root (default: the model folder's name; replicas' heartbeats override)")
-    p.add_argument("--replicas", help="static replicas: 'id=a,grpc=host:port,http=host:port[,metrics=host:port][,kv=host:port][,role=mixed|prefill|decode];...'")
-    p.add_argument("--k8s-selector", help="discover ready pods with these labels (a=b,c=d) in the router's namespace")
-    p.add_argument("--k8s-namespace", help="namespace for --k8s-selector (default: $PAGODA_NAMESPACE or the pod's)")
-    p.add_argument("--k8s-api", help="API server URL (default: in-cluster)")
-    p.add_argument("--redis-url", help="redis://[:password@]host:port/db; $(PAGODA_REDIS_PASSWORD) is expanded")
-    p.add_argument("--policy", default="prefix_aware",
-                   choices=("random", "round_robin", "least_loaded", "prefix_aware", "precise", "approximate"))
-    p.add_argument("--policy-knob", action="append", default=[], metavar="KEY=VALUE",
-                   help="a policy knob (see pagoda.fleet.routing.policy), e.g. load_cost_tokens=64")
-    p.add_argument("--index", dest="index_mode", default="follower", choices=("follower", "direct"),
-                   help="prefix matches from a local mirror of the event stream, or from Redis per request")
-    p.add_argument("--redis-timeout-ms", type=float, default=50.0, help="longest a request waits on Redis")
-    p.add_argument("--host", default="0.0.0.0")
-    p.add_argument("--http-port", type=int, default=8080)
-    p.add_argument("--grpc-port", type=int, default=8081)
-    p.add_argument("--no-grpc", action="store_true", help="no gRPC door (HTTP and OpenAI only)")
-    p.add_argument("--otlp-endpoint", help="OTLP/gRPC trace receiver (default: $OTEL_EXPORTER_OTLP_ENDPOINT; none: off)")
-    p.add_argument("--block-size", type=int, default=16, help="used until a replica heartbeat reports its own")
-    p.add_argument("--health-interval", type=float, default=2.0)
-    p.add_argument("--max-attempts", type=int, default=2, help="replicas tried when a connection is refused")
-    p.add_argument("--peer-pull-min-blocks", type=int, default=4, help="pull a prefix a peer holds when it gains "
-                   "this many blocks and beats recomputing (docs/kv_transfer.md); 0: never")
-    tenants = p.add_argument_group("tenants", "API keys, cache isolation and rate limits (pagoda.fleet.gate.auth)")
-    tenants.add_argument("--api-keys-file", help="lines 'KEY TENANT [rpm=N] [tpm=N] [concurrency=N]' (default: "
-                                                 "$PAGODA_API_KEYS; neither: open mode, no authentication)")
-    tenants.add_argument("--share-prefix-cache", action="store_true",
-                         help="let tenants share cached blocks (default: each tenant's cache_salt isolates it)")
-    tenants.add_argument("--router-secret-file", help="bytes keying tenant cache salts (HMAC); the same on every "
-                         "router (default: $PAGODA_ROUTER_SECRET; neither: derived from the API keys)")
-    tenants.add_argument("--tenant-rpm", type=float, help="requests per minute per tenant (keys may override)")
-    tenants.add_argument("--tenant-tpm", type=float, help="tokens (prompt + n x max_tokens, settled with usage) per minute per tenant")
-    tenants.add_argument("--tenant-max-concurrent", type=int, help="requests in flight per tenant")
-    limits = p.add_argument_group("limits", "input limits; a request over one gets a 4xx naming it")
-    for f in dataclasses.fields(RequestLimits):
-        limits.add_argument("--" + f.name.replace("_", "-"), type=int, default=f.default, help=f"default {f.default}")
-    return p
-
-
-def options_from_args(args: argparse.Namespace) -> RouterOptions:
-    knobs = {}
-    for item in args.policy_knob:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"--policy-knob: expected KEY=VALUE, got {item!r}")
-        knobs[key] = float(value)
-    return RouterOptions(
-        model_dir=args.model_dir, model_name=args.model_name, hash_model_id=args.hash_model_id,
-        lora_names=tuple(args.lora), allow_runtime_lora=args.allow_runtime_lora,
-        replicas=args.replicas, k8s_selector=args.k8s_selector, k8s_namespace=args.k8s_namespace,
-        k8s_api=args.k8s_api, redis_url=args.redis_url, policy=args.policy, policy_knobs=knobs,
-        index_mode=args.index_mode, redis_timeout_s=args.redis_timeout_ms / 1e3, host=args.host,
-        http_port=args.http_port, grpc_port=None if args.no_grpc else args.grpc_port, otlp_endpoint=args.otlp_endpoint,
-        block_size=args.block_size, health_interval_s=args.health_interval, max_attempts=args.max_attempts,
-        peer_pull_min_blocks=args.peer_pull_min_blocks, api_keys_file=args.api_keys_file,
-        share_prefix_cache=args.share_prefix_cache, router_secret_file=args.router_secret_file,
-        tenant_requests_per_minute=args.tenant_rpm, tenant_tokens_per_minute=args.tenant_tpm,
-        tenant_max_concurrent=args.tenant_max_concurrent,
-        limits=RequestLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(RequestLimits)}))
-
-
-async def _serve(options: RouterOptions) -> None:
-    service = RouterService(options)
-    await service.start()
-    print(f"pagoda router ({options.policy}) serving model '{service.model_name}'\n"
-          f"  HTTP/OpenAI http://{options.host}:{service.http_port}  (/v2/models/pagoda/generate_stream, /v1/...)\n"
-          f"  gRPC        {f'{options.host}:{service.grpc_port}' if options.grpc_port is not None else 'off'}\n"
-          f"  replicas    {', '.join(r.replica_id for r in service.router.replicas.all()) or '(from the registry)'}",
-          flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, stop.set)
-    try:
-        await stop.wait()
-    finally:
-        print("stopping the router ...", file=sys.stderr, flush=True)
-        await service.stop()
-
-
-def main(argv: Optional[list[str]] = None) -> int:
-    """Entry point of ``pagoda router``; returns the exit code."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        options = options_from_args(make_parser().parse_args(argv))
-        asyncio.run(_serve(options))
-    except (ValueError, RuntimeError, OSError) as exc:
-        print(f"pagoda router: {exc}", file=sys.stderr)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,15 +1,78 @@
-"""Triton's wire encoding as the router reads it: BYTES tensors inside a ``ModelInferRequest``.
+"""Triton's gRPC wire encoding as the router reads and writes it: tensors inside a ``ModelInferRequest``.
 
 Shared by the doors (``fleet.api``) and the gate (``fleet.gate.limits``), so neither
 reaches into the other. A BYTES tensor's raw contents are ``(uint32 little-endian length,
 bytes)*``; a request carries an input either as raw contents (index-aligned with
-``inputs``) or as typed ``contents.bytes_contents``.
+``inputs``) or as typed ``contents`` (``bytes_contents``, ``int_contents``, ...).
+
+``infer_request`` is the one place the router builds a replica's request from named numpy
+tensors (a ``WireRequest.to_triton_inputs()``); ``infer_inputs`` reads a client's request
+back into named numpy tensors, whichever encoding it used.
 """
 
 from __future__ import annotations
 
 import struct
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
+
+import numpy as np
+from tritonclient.grpc import service_pb2
+
+# numpy dtype -> Triton datatype, and back (with each datatype's typed-contents field).
+_DATATYPES = {np.dtype(np.object_): "BYTES", np.dtype(np.bool_): "BOOL", np.dtype(np.int32): "INT32",
+              np.dtype(np.int64): "INT64", np.dtype(np.uint32): "UINT32", np.dtype(np.uint64): "UINT64",
+              np.dtype(np.float32): "FP32", np.dtype(np.float64): "FP64"}
+_NUMPY = {datatype: dtype for dtype, datatype in _DATATYPES.items()}
+_CONTENTS = {"BYTES": "bytes_contents", "BOOL": "bool_contents", "INT32": "int_contents",
+             "INT64": "int64_contents", "UINT32": "uint_contents", "UINT64": "uint64_contents",
+             "FP32": "fp32_contents", "FP64": "fp64_contents"}
+
+
+def infer_request(model_name: str, request_id: str, tensors: Mapping[str, np.ndarray],
+                  parameters: Optional[Mapping[str, Any]] = None) -> Any:
+    """A ``ModelInferRequest`` for ``model_name`` carrying ``tensors`` as raw contents and
+    ``parameters`` (str, bool or int values) as request parameters."""
+    request = service_pb2.ModelInferRequest(model_name=model_name, id=request_id)
+    for name, array in tensors.items():
+        tensor = request.inputs.add()
+        tensor.name, tensor.datatype = name, _DATATYPES[array.dtype]
+        tensor.shape.extend(array.shape)
+        if array.dtype == np.object_:
+            request.raw_input_contents.append(bytes_raw([bytes(v) for v in array.reshape(-1)]))
+        else:
+            request.raw_input_contents.append(np.ascontiguousarray(array).astype(array.dtype.newbyteorder("<"))
+                                              .tobytes())
+    for key, value in (parameters or {}).items():
+        kind = "bool_param" if isinstance(value, bool) else "int64_param" if isinstance(value, int) else "string_param"
+        setattr(request.parameters[key], kind, value)
+    return request
+
+
+def infer_inputs(request: Any) -> dict[str, np.ndarray]:
+    """Every input of a ``ModelInferRequest`` as a numpy array of its shape (BYTES as ``bytes``).
+
+    Raises:
+        ValueError: naming an input of an unknown datatype or whose contents do not fill its shape.
+    """
+    out = {}
+    uses_raw = len(request.raw_input_contents) > 0
+    for index, tensor in enumerate(request.inputs):
+        if tensor.datatype not in _NUMPY:
+            raise ValueError(f"{tensor.name}: datatype {tensor.datatype} is not one pagoda reads")
+        shape = tuple(tensor.shape)
+        if tensor.datatype == "BYTES":
+            values = (bytes_elements(request.raw_input_contents[index]) if uses_raw
+                      else list(tensor.contents.bytes_contents))
+            array = np.array(values, dtype=np.object_)
+        elif uses_raw:
+            raw = request.raw_input_contents[index] if index < len(request.raw_input_contents) else b""
+            array = np.frombuffer(raw, dtype=_NUMPY[tensor.datatype].newbyteorder("<")).astype(_NUMPY[tensor.datatype])
+        else:
+            array = np.array(list(getattr(tensor.contents, _CONTENTS[tensor.datatype])), dtype=_NUMPY[tensor.datatype])
+        if array.size != int(np.prod(shape)):
+            raise ValueError(f"{tensor.name}: {array.size} elements do not fill its shape {list(shape)}")
+        out[tensor.name] = array.reshape(shape)
+    return out
 
 
 def bytes_elements(raw: bytes) -> list[bytes]:
@@ -42,16 +105,6 @@ def read_string_input(request: Any, name: str) -> Optional[str]:
         return None
 
 
-def drop_inputs(request: Any, names: tuple[str, ...]) -> None:
-    """Remove the named inputs from a ``ModelInferRequest`` (and their raw contents, if it uses them)."""
-    uses_raw = len(request.raw_input_contents) == len(request.inputs) and len(request.inputs) > 0
-    for index in reversed(range(len(request.inputs))):
-        if request.inputs[index].name in names:
-            del request.inputs[index]
-            if uses_raw:
-                del request.raw_input_contents[index]
-
-
 def output_text(response: Any, name: str) -> Optional[str]:
     """The first element of a BYTES output of a ``ModelInferResponse`` (``None`` if absent)."""
     element = _first_element(response.outputs, response.raw_output_contents, name)
@@ -74,17 +127,6 @@ def _first_number(datatype: str, raw: bytes) -> Any:
     return struct.unpack_from("<" + fmt, raw)[0]
 
 
-def scalar_inputs(request: Any) -> dict[str, Any]:
-    """The first element of each numeric or BOOL input of a ``ModelInferRequest`` sent as raw contents."""
-    out = {}
-    for index, tensor in enumerate(request.inputs):
-        if index < len(request.raw_input_contents):
-            value = _first_number(tensor.datatype, request.raw_input_contents[index])
-            if value is not None:
-                out[tensor.name] = value
-    return out
-
-
 def request_parameters(request: Any) -> dict[str, Any]:
     """A ``ModelInferRequest``'s parameters as Python values."""
     out = {}
@@ -93,13 +135,6 @@ def request_parameters(request: Any) -> dict[str, Any]:
         if kind is not None:
             out[key] = getattr(parameter, kind)
     return out
-
-
-def drop_parameters(request: Any, names: tuple[str, ...]) -> None:
-    """Remove the named parameters from a ``ModelInferRequest``."""
-    for name in names:
-        if name in request.parameters:
-            del request.parameters[name]
 
 
 def output_number(response: Any, name: str) -> Any:

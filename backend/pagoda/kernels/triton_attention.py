@@ -17,8 +17,9 @@ Keys. A tile walks key positions ``[kv_lo, kv_hi)`` in steps of ``BLOCK_N``, whe
 ``kv_hi`` is one past the last valid query's position (causality) and each key's block
 id is gathered from the block table, so ``BLOCK_N`` and the cache block size are
 independent. Whole key tiles below the tile's first query position are visible to every
-row and skip the causal/length masks; only the diagonal and tail tiles are masked. Online softmax in fp32 (base 2, scale folded into ``log2(e)``), fp32
-accumulators; the head dimension is padded to a power of two with masks (80 -> 128).
+row and skip the causal/length masks; only the diagonal and tail tiles are masked. Online softmax in fp32 (base 2,
+scale folded into ``log2(e)``), fp32 accumulators; the head dimension is padded to a power of two with masks (80 ->
+128).
 
 Split-K ("flash decoding"). When the step has too few tiles to fill the GPU (decode at
 small batch, long context), the key range is cut into ``num_splits`` equal slices: each

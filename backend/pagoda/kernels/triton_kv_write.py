@@ -77,11 +77,13 @@ def _write_kv_kernel(
 
     k = tl.load(k_ptr + tok * stride_k_tok + heads[:, None] * stride_k_head + dims[None, :], mask=mask)
     kc = block * stride_kc_block + offset * stride_kc_slot + heads[:, None] * stride_kc_head + dims[None, :]
-    tl.store(k_cache_ptr + kc, _to_cache(k, inv_k_scale, k_cache_ptr.dtype.element_ty, QUANTIZE, ROUND_FIRST), mask=mask)
+    tl.store(k_cache_ptr + kc, _to_cache(k, inv_k_scale, k_cache_ptr.dtype.element_ty, QUANTIZE, ROUND_FIRST),
+             mask=mask)
 
     v = tl.load(v_ptr + tok * stride_v_tok + heads[:, None] * stride_v_head + dims[None, :], mask=mask)
     vc = block * stride_vc_block + offset * stride_vc_slot + heads[:, None] * stride_vc_head + dims[None, :]
-    tl.store(v_cache_ptr + vc, _to_cache(v, inv_v_scale, v_cache_ptr.dtype.element_ty, QUANTIZE, ROUND_FIRST), mask=mask)
+    tl.store(v_cache_ptr + vc, _to_cache(v, inv_v_scale, v_cache_ptr.dtype.element_ty, QUANTIZE, ROUND_FIRST),
+             mask=mask)
 
 
 def write_kv(

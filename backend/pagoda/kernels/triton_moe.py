@@ -206,5 +206,6 @@ def moe_experts(x: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, off
     y = torch.empty(num_assignments, hidden, dtype=x.dtype, device=x.device)
     _moe_down_kernel[(expert.numel(), triton.cdiv(hidden, block_n))](
         h, w2, order, weights, expert, start, end, y, y if b2 is None else b2, hidden, inter, w2.shape[0],
-        w2.stride(0), w2.stride(1), HAS_BIAS=b2 is not None, PRECISION=precision, DOT_UPCAST=upcast, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k)
+        w2.stride(0), w2.stride(1), HAS_BIAS=b2 is not None, PRECISION=precision, DOT_UPCAST=upcast,
+        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k)
     return y.view(num_tokens, top_k, hidden).sum(dim=1)

@@ -30,8 +30,8 @@ dimensions of each head rotate) is set by those families' parsers only: elsewher
 Rotary frequencies: ``inv_freq()`` reproduces Hugging Face's computation bit for bit
 (float32 throughout), for the ``default``, ``linear``, ``llama3`` and ``yarn`` rope types;
 any other type raises ``ValueError`` naming it. YaRN (transformers' ``_compute_yarn_parameters``,
-gpt-oss) also scales cos and sin by ``rope_attention_factor`` (1 for the other types). ``rope_parameters`` keyed by layer type (Gemma 3) is
-read per layer type (``read_rope``); the shared fields take ``full_attention``'s.
+gpt-oss) also scales cos and sin by ``rope_attention_factor`` (1 for the other types). ``rope_parameters`` keyed by
+layer type (Gemma 3) is read per layer type (``read_rope``); the shared fields take ``full_attention``'s.
 """
 
 from __future__ import annotations

@@ -3,14 +3,27 @@
 Formats (``parse_quantization_config`` checks the config; anything else is refused naming
 the field and value, never loaded wrong):
 
-| ``quant_method`` | checkpoint tensors per linear module ``X`` | value of ``W[n, k]`` |
-|---|---|---|
-| ``compressed-tensors``, ``pack-quantized`` (int4 / int8 in int32, sym or asym, group 32..128 or channel, optional ``weight_g_idx`` act-order) | ``X.weight_packed [N, K*b/32]`` (element ``k`` at bit ``b*k`` of its row, stored ``q + 2^(b-1)``), ``X.weight_scale [N, G]``, ``X.weight_zero_point [N*b/32, G]`` (asym, packed along N), ``X.weight_shape`` | ``(q - zp[n, g]) * scale[n, g]`` |
-| ``compressed-tensors``, ``naive-quantized`` (int8) | ``X.weight`` int8, ``X.weight_scale``, ``X.weight_zero_point`` (asym) | ``(q - zp) * scale`` |
-| ``compressed-tensors``, ``float-quantized`` (FP8 e4m3, tensor / channel / 128x128 block) | ``X.weight`` float8, ``X.weight_scale`` (``X.input_scale``: static activation scale) | ``w * scale`` (block: ``scale[n//128, k//128]``) |
-| ``awq`` (GEMM, 4 bit, zero point) | ``X.qweight [K, N/8]`` (nibble ``i`` holds column ``8c + (0,2,4,6,1,3,5,7)[i]``), ``X.qzeros [K/G, N/8]`` (same order), ``X.scales [K/G, N]`` | ``(q[k, n] - z[k//G, n]) * s[k//G, n]`` |
-| ``gptq`` (v1 ``checkpoint_format: gptq``, or ``gptq_v2``; 4 or 8 bit; ``desc_act`` with ``g_idx``) | ``X.qweight [K*b/32, N]`` (packed along K), ``X.qzeros [G, N*b/32]`` (packed along N, v1 stores ``z - 1``), ``X.scales [G, N]``, ``X.g_idx [K]`` | ``(q[k, n] - z[g, n]) * s[g, n]``, ``g = g_idx[k]`` |
-| ``fp8`` (DeepSeek / Qwen3-FP8: ``weight_block_size [128, 128]``, or per tensor) | ``X.weight`` float8, ``X.weight_scale_inv [ceil(N/128), ceil(K/128)]`` (or ``X.weight_scale``) | ``w * scale_inv[n//128, k//128]`` |
+For each ``quant_method``: the checkpoint's tensors per linear module ``X``, then the value of ``W[n, k]``.
+
+- ``compressed-tensors``, ``pack-quantized`` (int4 / int8 in int32, sym or asym, group 32..128 or channel,
+  optional ``weight_g_idx`` act-order): ``X.weight_packed [N, K*b/32]`` (element ``k`` at bit ``b*k`` of its
+  row, stored ``q + 2^(b-1)``), ``X.weight_scale [N, G]``, ``X.weight_zero_point [N*b/32, G]`` (asym, packed
+  along N), ``X.weight_shape``; ``W[n, k] = (q - zp[n, g]) * scale[n, g]``.
+- ``compressed-tensors``, ``naive-quantized`` (int8): ``X.weight`` int8, ``X.weight_scale``,
+  ``X.weight_zero_point`` (asym); ``W = (q - zp) * scale``.
+- ``compressed-tensors``, ``float-quantized`` (FP8 e4m3, tensor / channel / 128x128 block): ``X.weight``
+  float8, ``X.weight_scale`` (``X.input_scale``: static activation scale); ``W = w * scale`` (block:
+  ``scale[n//128, k//128]``).
+- ``awq`` (GEMM, 4 bit, zero point): ``X.qweight [K, N/8]`` (nibble ``i`` holds column
+  ``8c + (0,2,4,6,1,3,5,7)[i]``), ``X.qzeros [K/G, N/8]`` (same order), ``X.scales [K/G, N]``;
+  ``W[n, k] = (q[k, n] - z[k//G, n]) * s[k//G, n]``.
+- ``gptq`` (v1 ``checkpoint_format: gptq``, or ``gptq_v2``; 4 or 8 bit; ``desc_act`` with ``g_idx``):
+  ``X.qweight [K*b/32, N]`` (packed along K), ``X.qzeros [G, N*b/32]`` (packed along N, v1 stores
+  ``z - 1``), ``X.scales [G, N]``, ``X.g_idx [K]``; ``W[n, k] = (q[k, n] - z[g, n]) * s[g, n]``,
+  ``g = g_idx[k]``.
+- ``fp8`` (DeepSeek / Qwen3-FP8: ``weight_block_size [128, 128]``, or per tensor): ``X.weight`` float8,
+  ``X.weight_scale_inv [ceil(N/128), ceil(K/128)]`` (or ``X.weight_scale``);
+  ``W = w * scale_inv[n//128, k//128]``.
 
 Loading (``QuantizedTensors``): every group of a module's quantized tensors becomes one
 ``X.weight`` in float32 (dequantized exactly: integer values times float32 scales) before

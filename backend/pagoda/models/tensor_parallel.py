@@ -81,7 +81,8 @@ def check_divisible(config: ModelConfig, tp: int) -> None:
               ("num_attention_heads", heads, not few_kv or heads % tp == 0, "be divisible by the tensor-parallel size"),
               ("intermediate_size", config.intermediate_size, config.intermediate_size % tp == 0,
                "be divisible by the tensor-parallel size"),
-              ("vocab_size", config.vocab_size, config.vocab_size % tp == 0, "be divisible by the tensor-parallel size"))
+              ("vocab_size", config.vocab_size, config.vocab_size % tp == 0,
+               "be divisible by the tensor-parallel size"))
     if config.linear_attention is not None:
         heads = config.linear_attention.num_key_heads
         checks += (("linear_num_key_heads", heads, heads % tp == 0, "be divisible by the tensor-parallel size"),)

@@ -21,7 +21,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Optional, Union
 
-from pagoda.serving.triton_io import LoRAControl, ParsedRequest
+from pagoda.serving.dialects.pagoda import LoRAControl
+from pagoda.serving.wire import WireRequest
 
 if TYPE_CHECKING:
     from pagoda.models.lora import LoRAAdapter
@@ -29,22 +30,26 @@ if TYPE_CHECKING:
 
 @dataclass
 class ServingRequest:
-    """One request as the engine loop tracks it.
+    """One request as the engine loop tracks it, with its per-request serving state.
 
-    ``parsed`` is a ``ParsedRequest`` (generation), a ``LoRAControl`` (control request), or
-    ``None`` for a request that failed to parse (it only gets its error). ``handle`` is the
-    adapter's response sender, opaque here.
+    Exactly one of ``wire`` (a generation request) and ``control`` (a LoRA control request)
+    is set, or neither for a request that failed to parse (it only gets its error).
+    ``handle`` is the adapter's response sender, opaque here.
     """
 
     request_id: str
-    parsed: Union[ParsedRequest, LoRAControl, None]
+    wire: Optional[WireRequest]
     handle: object
     is_cancelled: Callable[[], bool] = lambda: False
     arrival_time: float = field(default_factory=time.time)
     traceparent: Optional[str] = None  # W3C trace context from the router (serving/tracing.py)
+    control: Optional[LoRAControl] = None
+    # The shape of logprobs and finish_reason: the request's output_dialect, else the model's.
+    output_dialect: str = "pagoda"
     # A text prompt's token ids, encoded by ``EngineLoop.submit`` on the caller's thread (the
     # engine loop's thread never tokenizes: a huge prompt would stall every stream's step).
     prompt_token_ids: Optional[list[int]] = None
+    prompt_logprobs_sent: bool = False  # set by make_response once the prompt_logprobs output went
 
 
 @dataclass(frozen=True)
@@ -59,7 +64,7 @@ class Abort:
 
 @dataclass(frozen=True)
 class LoRACommand:
-    request: ServingRequest  # its ``parsed`` is a LoRAControl: ``unload`` or ``list``
+    request: ServingRequest  # its ``control``: ``unload`` or ``list``
 
 
 @dataclass(frozen=True)

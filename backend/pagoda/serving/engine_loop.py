@@ -1,17 +1,19 @@
 """The thread that owns the engine.
 
 The engine is not thread-safe, so exactly one thread (``EngineLoop``) touches it, through
-the ``EngineClient`` protocol (``pagoda.engine.core.protocols``): nothing else of the
+the ``EngineClient`` protocol (``pagoda.engine.client``): nothing else of the
 engine is reached from here. Triton's ``execute()`` runs on other threads; it only
 *submits* typed commands (``serving.commands``: ``Add``, ``Abort``, ``LoRACommand``,
 ``RegisterLoRA``, ``Wake``) through a queue, which the loop dispatches by type. The loop:
 
-1. drains the command queue, blocking briefly only when idle; an ``Add`` becomes one
-   ``EngineRequest`` for ``engine.add``;
+1. drains the command queue, blocking briefly only when idle; an ``Add`` carries a
+   ``ServingRequest`` whose ``WireRequest`` becomes one ``EngineRequest`` for ``engine.add``
+   (``WireRequest.to_engine_request``: token ids the router made with this engine's tokenizer
+   are used as they are);
 2. every ``cancel_poll_interval_s`` asks each in-flight request ``is_cancelled()`` and
    aborts the cancelled ones in the engine (their KV blocks are freed at once);
 3. while work exists, runs ``engine.step()``, tells the step observers of each output,
-   turns each ``RequestOutput`` into a ``Response`` (``triton_io.make_response``) and hands
+   turns each ``RequestOutput`` into a ``Response`` (``responses.make_response``) and hands
    it to the ``ResponseSender`` (``serving.response_sender``, its own thread);
 4. after each step, hands ``engine.get_stats()`` and the step's block events to the
    observers (``serving.observers``: metrics, tracer, fleet publisher) *before* handing
@@ -61,8 +63,8 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from pagoda.engine.core.admission import EngineOverloaded
-from pagoda.engine.core.protocols import EngineClient
+from pagoda.engine.core.load_shedding import EngineOverloaded
+from pagoda.engine.client import EngineClient
 from pagoda.engine.request import EngineRequest
 from pagoda.serving.commands import Abort, Add, Command, LoRACommand, RegisterLoRA, ServingRequest, Wake, request_of
 from pagoda.contracts.errors import DRAINING_MESSAGE
@@ -72,7 +74,7 @@ from pagoda.serving.response_sender import ResponseSender
 from pagoda.engine.kv_transfer.connector import KVConnector
 from pagoda.engine.parallel.workers import TensorParallelWorkerDied
 from pagoda.serving.kv_transfer_control import KVTransferControl
-from pagoda.serving.triton_io import ParsedRequest, Response, make_error_response, make_response
+from pagoda.serving.responses import Response, make_error_response, make_response
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +100,8 @@ class EngineLoop:
         on_fatal: called (with the error) when the engine can never step again (a tensor-
             parallel worker died), after every request in flight got that error; the Triton
             model ends its stub so ``pagoda serve`` restarts the model (not ready meanwhile).
+        tokenizer: the engine's tokenizer fingerprint: a request whose token ids that tokenizer
+            made (the router's) is not encoded again.
     """
 
     DRAIN_POLL_INTERVAL_S = 0.2
@@ -106,8 +110,9 @@ class EngineLoop:
                  cancel_poll_interval_s: float = 0.05, idle_wait_s: float = 0.1, drain_path: Optional[str] = None,
                  allow_runtime_lora: bool = False, decode_token: Callable[[int], str] = str,
                  kv_connector: Optional[KVConnector] = None,
-                 on_fatal: Callable[[str], None] = lambda message: None) -> None:
+                 on_fatal: Callable[[str], None] = lambda message: None, tokenizer: Optional[str] = None) -> None:
         self._engine = engine
+        self._tokenizer = tokenizer  # the engine's tokenizer fingerprint (WireRequest.prompt_tokenizer)
         self._decode_token = decode_token  # a token id's text (the vLLM dialect's decoded_token)
         self._sender = sender
         self._observers = Observers(observers)
@@ -136,15 +141,16 @@ class EngineLoop:
         self._thread.start()
 
     def submit(self, request: ServingRequest) -> None:
-        """Queue a request for the engine. A text prompt is tokenized here, on the caller's
-        thread, not on the engine loop's: encoding a 900k-character prompt takes ~0.5 s of
-        CPU that would otherwise stall every running stream's step. A prompt the engine
-        refuses (``tokenize_prompt`` raises) is queued as is and refused by the loop's add
-        with the same message (its bound is checked before any encoding)."""
-        parsed = request.parsed
-        if isinstance(parsed, ParsedRequest) and isinstance(parsed.prompt, str):
+        """Queue a request for the engine. A text prompt whose token ids did not come with it
+        (from a router with this engine's tokenizer) is tokenized here, on the caller's thread,
+        not on the engine loop's: encoding a 900k-character prompt takes ~0.5 s of CPU that
+        would otherwise stall every running stream's step. A prompt the engine refuses
+        (``tokenize_prompt`` raises) is queued as is and refused by the loop's add with the
+        same message (its bound is checked before any encoding)."""
+        wire = request.wire
+        if wire is not None and not wire.uses_given_token_ids(self._tokenizer):
             try:
-                request.prompt_token_ids = self._engine.tokenize_prompt(parsed.prompt, parsed.params)
+                request.prompt_token_ids = self._engine.tokenize_prompt(wire.prompt, wire.params)
             except ValueError:
                 pass
         self._commands.put(Add(request))
@@ -154,7 +160,7 @@ class EngineLoop:
         self._commands.put(Abort(request_id))
 
     def control(self, request: ServingRequest) -> None:
-        """Queue a LoRA control request (``request.parsed`` is a ``LoRAControl``); returns at
+        """Queue a LoRA control request (``request.control`` is a ``LoRAControl``); returns at
         once. Its one final response follows (``serving.lora_control``)."""
         self._lora.submit(request)
 
@@ -239,21 +245,22 @@ class EngineLoop:
         if self._is_draining:
             self._sender.put(request, make_error_response(DRAINING_MESSAGE, "UNAVAILABLE"))
             return
-        params = request.parsed.kv_transfer_params if isinstance(request.parsed, ParsedRequest) else None
+        params = request.wire.options.kv_transfer_params if request.wire is not None else None
         if params:
             try:
                 self._kv.check(params)
             except ValueError as exc:
                 self._sender.put(request, make_error_response(str(exc)))
                 return
-            ids = request.prompt_token_ids if isinstance(request.parsed.prompt, str) else request.parsed.prompt
+            envelope = self._engine_request(request)
+            ids = envelope.prompt_token_ids if isinstance(envelope.prompt, str) else envelope.prompt
             if params.get("do_remote_prefill") and ids and self._kv.start_pull(request, ids):
                 return  # admitted when the blocks arrived (or the pull failed): _run
         self._admit(request)
 
     def _admit(self, request: ServingRequest) -> None:
         try:
-            self._engine.add(_engine_request(request))
+            self._engine.add(self._engine_request(request))
         except EngineOverloaded as exc:  # admission control: refused at once, retry later
             self._sender.put(request, make_error_response(str(exc), "UNAVAILABLE"))
             return
@@ -277,7 +284,8 @@ class EngineLoop:
                 self._engine.abort_request(request_id)
             except Exception:  # noqa: BLE001
                 logger.exception("abort_request failed for %s", request_id)
-                self._finish(request_id, make_error_response("request aborted; the engine failed to abort it", "INTERNAL"))
+                error = make_error_response("request aborted; the engine failed to abort it", "INTERNAL")
+                self._finish(request_id, error)
 
     def _poll_drain(self) -> None:
         if self._drain_path is None or self._is_drained:
@@ -331,8 +339,8 @@ class EngineLoop:
             if request is None:
                 continue
             self._observers.on_output(request, output)
-            response = make_response(request.parsed, output, self._decode_token)
-            if output.finished and response is not None and (request.parsed.kv_transfer_params or {}).get(
+            response = make_response(request, output, self._decode_token)
+            if output.finished and response is not None and (request.wire.options.kv_transfer_params or {}).get(
                     "do_remote_decode") and response.error is None:
                 response.tensors["kv_transfer_params"] = np.array(
                     [self._kv.handle(len(output.prompt_token_ids)).encode()], dtype=np.object_)
@@ -361,6 +369,12 @@ class EngineLoop:
         else:
             self._observers.on_refresh(stats)
 
+    def _engine_request(self, request: ServingRequest) -> EngineRequest:
+        """The engine's envelope for a generation request."""
+        assert request.wire is not None, f"request {request.request_id} is not a generation request"
+        return request.wire.to_engine_request(request.request_id, request.arrival_time, self._tokenizer,
+                                              request.prompt_token_ids)
+
     def _take(self, request_id: str) -> ServingRequest:
         """Remove a request from flight; its final response must follow."""
         self._aborting.discard(request_id)
@@ -383,11 +397,3 @@ class EngineLoop:
                 logger.exception("aborting failed requests failed")
         self._observe(stepped=False)
 
-
-def _engine_request(request: ServingRequest) -> EngineRequest:
-    """The engine's envelope for a parsed generation request."""
-    parsed = request.parsed
-    assert isinstance(parsed, ParsedRequest), f"request {request.request_id} is not a generation request"
-    return EngineRequest(request.request_id, parsed.prompt, parsed.params, arrival_time=request.arrival_time,
-                         priority=parsed.priority, cache_salt=parsed.cache_salt, lora_name=parsed.lora_name,
-                         timeout=parsed.timeout, prompt_token_ids=request.prompt_token_ids)

@@ -102,7 +102,8 @@ def _check_type(source: str, name: str, value: Any, default: Any) -> None:
         raise ValueError(f"{source}: {name} has the wrong type ({type(value).__name__}: {value!r})")
 
 
-def kv_events_config(parameters: Mapping[str, Any], environ: Mapping[str, str] = os.environ) -> Optional[KVEventsConfig]:
+def kv_events_config(parameters: Mapping[str, Any],
+                     environ: Mapping[str, str] = os.environ) -> Optional[KVEventsConfig]:
     """The active configuration from ``config.pbtxt`` parameters or the environment, else None."""
     value = parameters.get(PARAMETER, "")
     text = value.get("string_value", "") if isinstance(value, Mapping) else str(value)

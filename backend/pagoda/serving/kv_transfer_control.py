@@ -36,40 +36,9 @@ import socket
 from typing import Any, Optional
 
 from pagoda.contracts.block_hash import hash_prompt_blocks
+from pagoda.contracts.request_options import check_kv_transfer_params
 
 logger = logging.getLogger(__name__)
-
-# vLLM's keys (NixlConnector's kv_transfer_params) that pagoda reads, and their types.
-PARAM_TYPES: dict[str, type] = {"do_remote_decode": bool, "do_remote_prefill": bool, "remote_host": str,
-                                "remote_port": int, "remote_block_count": int}
-_KIND_NAMES = {bool: "a boolean", str: "a string", int: "an integer"}
-
-
-def check_kv_transfer_params(value: Any) -> dict[str, Any]:
-    """A validated ``kv_transfer_params`` object (JSON text accepted). Raises ValueError naming it."""
-    if isinstance(value, str):
-        from pagoda.contracts import json_input
-
-        value = json_input.loads(value, "kv_transfer_params")
-    if not isinstance(value, dict):
-        raise ValueError(f"kv_transfer_params: must be a JSON object, got {value!r}")
-    unknown = sorted(set(value) - set(PARAM_TYPES))
-    if unknown:
-        raise ValueError(f"kv_transfer_params: unknown key(s) {', '.join(unknown)}; known: {', '.join(PARAM_TYPES)}")
-    for key, kind in PARAM_TYPES.items():
-        if key in value and (not isinstance(value[key], kind) or (kind is int and isinstance(value[key], bool))):
-            raise ValueError(f"kv_transfer_params.{key}: must be {_KIND_NAMES[kind]}, got {value[key]!r}")
-    if value.get("do_remote_decode") and value.get("do_remote_prefill"):
-        raise ValueError("kv_transfer_params: do_remote_decode (this replica prefills) and do_remote_prefill "
-                         "(this replica pulls the prefill) exclude each other")
-    if value.get("do_remote_prefill"):
-        if not value.get("remote_host") or "remote_port" not in value:
-            raise ValueError("kv_transfer_params: do_remote_prefill needs remote_host and remote_port (the prefill "
-                             "replica's answer)")
-        if not 0 < value["remote_port"] < 65536:
-            raise ValueError(f"kv_transfer_params.remote_port: must be 1-65535, got {value['remote_port']}")
-    return dict(value)
-
 
 class KVTransferControl:
     """The serving loop's KV transfers (module docstring). ``connector`` is a listening
@@ -97,13 +66,14 @@ class KVTransferControl:
     def start_pull(self, request: Any, token_ids: list[int]) -> bool:
         """Park ``request`` until its prompt's blocks arrived from the peer its handle names.
         Returns False (nothing parked) when the prompt has no full block to pull."""
-        parsed, params = request.parsed, request.parsed.kv_transfer_params
+        options = request.wire.options
+        params = options.kv_transfer_params
         hashes = hash_prompt_blocks(token_ids, self._engine.config.block_size, self._engine.model_id,
-                                    parsed.cache_salt, parsed.lora_name)
+                                    options.cache_salt, options.lora_name)
         if not hashes:
             return False
         peer = f"{params['remote_host']}:{params['remote_port']}"
-        transfer_id = self._connector.pull(peer, hashes, cache_salt=parsed.cache_salt, adapter_id=parsed.lora_name)
+        transfer_id = self._connector.pull(peer, hashes, cache_salt=options.cache_salt, adapter_id=options.lora_name)
         self._parked[transfer_id] = request
         return True
 

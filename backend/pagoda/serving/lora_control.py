@@ -8,7 +8,7 @@ thread (``LLMEngine.load_lora``: file I/O that must not stall the steps), then a
 it (the commands: ``serving.commands``).
 ``load``/``unload`` are refused unless the replica allows runtime updates
 (``pagoda serve --allow-runtime-lora``); ``list`` always answers. Each request gets one
-final response: a JSON document (``triton_io.make_control_response``) or an error naming
+final response: a JSON document (``responses.make_control_response``) or an error naming
 the problem.
 
 Memory: an adapter's fused host tensors are freed at ``unload``, but glibc keeps freed heap
@@ -25,11 +25,12 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Callable
 
 from pagoda.contracts.errors import SHUTDOWN_MESSAGE
-from pagoda.engine.core.protocols import EngineClient
+from pagoda.engine.client import EngineClient
 from pagoda.serving.heap import release_free_heap
 from pagoda.serving.commands import Command, LoRACommand, RegisterLoRA, ServingRequest
 from pagoda.serving.response_sender import ResponseSender
-from pagoda.serving.triton_io import LoRAControl, make_control_response, make_error_response
+from pagoda.serving.dialects.pagoda import LoRAControl
+from pagoda.serving.responses import make_control_response, make_error_response
 
 if TYPE_CHECKING:
     from pagoda.models.lora import LoRAAdapter
@@ -61,13 +62,13 @@ class LoRAController:
 
     # ------------------------------------------------------------ any thread
     def submit(self, request: ServingRequest) -> None:
-        """Take a control request (``request.parsed`` is a ``LoRAControl``); returns at once.
+        """Take a control request (``request.control`` is a ``LoRAControl``); returns at once.
 
         Its one final response follows: a JSON document, or an error (runtime updates not
         allowed, LoRA off, bad folder, name taken, adapter unknown or in use: by a running or
         waiting request, also one waiting for its grammar or a held n > 1 sibling).
         """
-        control: LoRAControl = request.parsed
+        control: LoRAControl = request.control
         if self._is_stopping():
             self._sender.put(request, make_error_response(SHUTDOWN_MESSAGE, "UNAVAILABLE"))
         elif control.changes_adapters and not self.allow_runtime_lora:
@@ -89,7 +90,7 @@ class LoRAController:
         if self._is_stopping():
             self._sender.put(request, make_error_response(SHUTDOWN_MESSAGE, "UNAVAILABLE"))
             return
-        control: LoRAControl = request.parsed
+        control: LoRAControl = request.control
         try:
             adapter = self._engine.load_lora(control.lora_name, control.lora_path)
         except ValueError as exc:
@@ -116,7 +117,7 @@ class LoRAController:
 
     def command(self, request: ServingRequest) -> None:
         """Answer ``list``, or run ``unload``."""
-        control: LoRAControl = request.parsed
+        control: LoRAControl = request.control
         paths = self._engine.lora_paths()
         if control.action == "list":
             self._sender.put(request, make_control_response({

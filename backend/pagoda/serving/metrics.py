@@ -22,7 +22,7 @@ Prometheus registry does not add one. Labels: ``model_name`` (vLLM's), plus Trit
 | vllm:time_to_first_token_seconds       | histogram | RequestMetrics.time_to_first_token       |
 | vllm:inter_token_latency_seconds       | histogram | RequestMetrics.inter_token_latencies     |
 | vllm:e2e_request_latency_seconds       | histogram | RequestMetrics.e2e_latency               |
-| vllm:time_per_output_token_seconds     | histogram | the same gaps as inter_token_latency (vLLM's older name, which the vLLM backend reports) |
+| vllm:time_per_output_token_seconds     | histogram | RequestMetrics.inter_token_latencies (a) |
 | vllm:request_prompt_tokens             | histogram | a finished request's prompt tokens       |
 | vllm:request_generation_tokens         | histogram | a finished request's generated tokens (all n completions) |
 | vllm:request_params_n                  | histogram | a finished request's n                   |
@@ -37,9 +37,18 @@ Prometheus registry does not add one. Labels: ``model_name`` (vLLM's), plus Trit
 | pagoda:kv_swapped_out_total            | counter   | EngineStats.num_swapped_out (preemptions)|
 | pagoda:kv_swapped_in_total             | counter   | EngineStats.num_swapped_in               |
 | pagoda:recomputed_preemptions_total    | counter   | EngineStats.num_recomputed_preemptions   |
-| pagoda:prefix_cache_hits_host_total    | counter   | EngineStats.prefix_cache_hits_host (tokens, CPU tier; part of vllm:prefix_cache_hits_total) |
-| vllm:cache_config_info                 | gauge     | value 1; labels: the cache configuration as strings (block_size, num_gpu_blocks, cache_dtype, enable_prefix_caching, gpu_memory_utilization, num_cpu_blocks), as vLLM; set once, at the first engine update |
-| vllm:lora_requests_info                | gauge     | labels running_lora_adapters, waiting_lora_adapters (comma-separated), max_lora; value: the time (s) the set was last seen, as vLLM (LoRA engines only) |
+| pagoda:prefix_cache_hits_host_total    | counter   | EngineStats.prefix_cache_hits_host (b)   |
+| pagoda:prompts_tokenized_total         | counter   | EngineStats.num_prompts_tokenized (e)    |
+| vllm:cache_config_info                 | gauge     | value 1; labels: the cache configuration (c) |
+| vllm:lora_requests_info                | gauge     | the time (s) the adapter set was last seen (d) |
+
+(a) the same gaps as ``inter_token_latency``, under vLLM's older name, which the vLLM backend reports.
+(b) tokens, CPU tier; part of ``vllm:prefix_cache_hits_total``.
+(c) as strings, as vLLM: block_size, num_gpu_blocks, cache_dtype, enable_prefix_caching,
+gpu_memory_utilization, num_cpu_blocks; set once, at the first engine update.
+(d) labels running_lora_adapters, waiting_lora_adapters (comma-separated), max_lora; as vLLM (LoRA
+engines only).
+(e) text prompts encoded here; a router's token ids are not.
 
 The three ``vllm:request_*`` histograms use the vLLM backend's buckets (1-2-5 steps up to
 ``max_model_len``; n: 1, 2, 5, 10, 20). For ``n > 1`` pagoda observes one request (its
@@ -95,6 +104,8 @@ COUNTERS = {
     "pagoda:recomputed_preemptions_total": ("Preemptions resolved by recomputation.", "num_recomputed_preemptions"),
     "pagoda:prefix_cache_hits_host_total": ("Prefix cache hits served from the CPU tier, in tokens.",
                                             "prefix_cache_hits_host"),
+    "pagoda:prompts_tokenized_total": ("Text prompts this replica encoded (a router's token ids are used as sent).",
+                                       "num_prompts_tokenized"),
     "pagoda:admission_refused_total": ("Requests refused at once: the waiting queue was full.",
                                        "num_admission_refused"),
     "pagoda:admission_displaced_total": ("Waiting requests ended by a more urgent one (overload error).",

@@ -11,7 +11,7 @@ same model repository works under ``pagoda serve``, in NVIDIA's container and un
   ``pagoda serve`` uses it on a copy of the repository so flags override the file.
 
 - ``output_dialect`` and ``REPORT_CUSTOM_METRICS`` (serving parameters): the default shape of
-  the ``logprobs`` / ``finish_reason`` outputs (``vllm_dialect``), and whether the ``vllm:``
+  the ``logprobs`` / ``finish_reason`` outputs (``serving.dialects.vllm``), and whether the ``vllm:``
   metric series are reported (the vLLM backend's parameter of that name).
 - ``allow_runtime_lora`` (a serving parameter, not an engine field): whether LoRA
   control requests may load and unload adapters at run time (``pagoda serve
@@ -25,7 +25,7 @@ same model repository works under ``pagoda serve``, in NVIDIA's container and un
 
 Server defaults (``SERVER_DEFAULTS``) differ from ``EngineConfig``'s where a server must
 protect itself and an offline engine must not refuse its own work: ``max_queue_delay_s`` is
-30 s here (admission from measured capacity, ``pagoda.engine.core.admission``), 0 (off) in
+30 s here (admission from measured capacity, ``pagoda.engine.core.load_shedding``), 0 (off) in
 ``EngineConfig``. A parameter set to a value (``0`` included) wins.
 
 Invariant: every key accepted here is an ``EngineConfig`` field (or a ``SERVING_PARAMETERS`` key),
@@ -162,12 +162,12 @@ def kv_transfer_backend(parameters: Mapping[str, Any]) -> str:
 
 def output_dialect(parameters: Mapping[str, Any]) -> str:
     """The ``output_dialect`` parameter: the default shape of ``logprobs`` and ``finish_reason``
-    (``pagoda.serving.vllm_dialect``; empty or absent: ``"vllm"``, the vLLM backend's).
+    (``pagoda.serving.dialects.vllm``; empty or absent: ``"vllm"``, the vLLM backend's).
 
     Raises:
-        ValueError: not one of ``vllm_dialect.OUTPUT_DIALECTS``.
+        ValueError: not one of ``dialects.vllm.OUTPUT_DIALECTS``.
     """
-    from pagoda.serving.vllm_dialect import check_output_dialect
+    from pagoda.serving.dialects.vllm import check_output_dialect
 
     value = _parameter_text(parameters.get("output_dialect", "")) or "vllm"
     return check_output_dialect("config.pbtxt parameter output_dialect", value)

@@ -19,7 +19,7 @@ import threading
 from typing import Callable, Optional, Union
 
 from pagoda.serving.commands import ServingRequest
-from pagoda.serving.triton_io import Response
+from pagoda.serving.responses import Response
 
 logger = logging.getLogger(__name__)
 

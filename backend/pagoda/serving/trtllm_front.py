@@ -2,10 +2,13 @@
 LLM-API dialect, in ``LLMAPIFront``): Triton glue.
 
 Runs inside their Python-backend stubs (``model_repository/<name>/1/model.py`` imports
-``TritonPythonModel`` from here). Each request's B batch items become B BLS requests to
-pagoda's own model (config parameter ``target_model``, default ``pagoda``), in decoupled
-mode, so the replica keeps **one engine**: the fronts hold no model, only numpy; their
-inputs and outputs are translated by ``trtllm_dialect``.
+``TritonPythonModel`` from here). Each request's B batch items become B ``WireRequest``s
+(read by the dialect that owns the vocabulary: ``serving.dialects.trtllm``, and
+``serving.dialects.llmapi`` for ``LLMAPIFront``), checked here, and sent as B BLS requests
+(``WireRequest.to_triton_inputs``) to pagoda's own model (config parameter ``target_model``,
+default ``pagoda``), in decoupled mode, so the replica keeps **one engine**: the fronts hold
+no model, only numpy (and, for ``embedding_bias_words``, the model's tokenizer, loaded on
+first use). The dialects turn pagoda's responses back into their outputs.
 
 - decoupled front (``decoupled: true``): one response per (item, sequence) as pagoda's
   responses arrive, each with ``batch_index`` / ``sequence_index``; then an empty final
@@ -26,13 +29,17 @@ response (non-decoupled), with pagoda's message and Triton code.
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 import threading
 import time
 from pathlib import Path
+from typing import Optional
 
-from pagoda.serving import trtllm_dialect as dialect
-from pagoda.serving import trtllm_llmapi as llmapi
+from pagoda.serving.dialects import llmapi
+from pagoda.serving.dialects import trtllm as dialect
+from pagoda.serving.wire import WireRequest
 
 # pagoda's optional outputs, each behind its return_* input.
 PAGODA_OUTPUTS = {"return_finish_reason": "finish_reason", "return_stop_reason": "stop_reason",
@@ -52,8 +59,14 @@ class TritonPythonModel:
         parameters = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
         self.target = parameters.get("target_model") or "pagoda"
         target_config = Path(args["model_repository"]).parent / self.target / "config.pbtxt"
-        self.block_size = dialect.block_size_of(target_config.read_text()) if target_config.exists() else 16
+        target_text = target_config.read_text() if target_config.exists() else ""
+        self.block_size = block_size_of(target_text)
+        self.model_path = model_path_of(target_text)
         self.names = [entry["name"] for entry in config.get("input", [])]
+
+    def encode(self, text):
+        """The target model's tokens of ``text`` without special tokens (TensorRT-LLM's embedding bias)."""
+        return _tokenizer(self.model_path).encode(text, add_special_tokens=False)
 
     # ------------------------------------------------------------------ requests
     def _items(self, request):
@@ -67,15 +80,16 @@ class TritonPythonModel:
         items = dialect.split_batch(arrays)
         if not items:
             raise ValueError("text_input: the batch is empty")
-        return [(dialect.with_options(dialect.to_pagoda_inputs(item, self.decoupled), options), dialect.requested(item))
-                for item in items]
+        wires = [WireRequest.from_dialect(dialect.read_item(item, self.decoupled, self.encode)).with_options(**options)
+                 for item in items]
+        return [(wire.to_triton_inputs(), dialect.requested(item)) for wire, item in zip(wires, items)]
 
     def _forward(self, inputs, asked, is_cancelled=None):
         """Yield (pagoda output tensors, perf metrics) per pagoda response; raises on an error response."""
         pb = self.pb
         arrival = time.time_ns()
         names = ["text_output", "num_input_tokens", "num_output_tokens"]
-        names += [name for flag, name in PAGODA_OUTPUTS.items() if flag in inputs and inputs[flag][0]]
+        names += [name for flag, name in PAGODA_OUTPUTS.items() if flag in inputs]  # only true flags travel
         generated = 0
         request = pb.InferenceRequest(model_name=self.target, requested_output_names=names,
                                       inputs=[pb.Tensor(name, array) for name, array in inputs.items()])
@@ -95,7 +109,7 @@ class TritonPythonModel:
             now = time.time_ns()
             first = first or now
             # Streaming responses count this step's tokens, the final unary one all of them.
-            generated = (generated if inputs["stream"][0] else 0) + int(tensors["num_output_tokens"].sum())
+            generated = (generated if "stream" in inputs else 0) + int(tensors["num_output_tokens"].sum())
             perf = None
             if asked["perf"]:
                 perf = self.kv_metrics(int(tensors["num_input_tokens"].reshape(-1)[0]), generated,
@@ -126,7 +140,7 @@ class TritonPythonModel:
             try:
                 for tensors, perf in self._forward(inputs, asked, sender.is_cancelled):
                     for s, text in enumerate(tensors["text_output"]):
-                        if inputs["stream"][0] and not text and not tensors["num_output_tokens"][s]:
+                        if "stream" in inputs and not text and not tensors["num_output_tokens"][s]:
                             continue
                         out = dialect.to_trtllm_outputs(tensors, asked, b, s, perf)
                         with lock:
@@ -193,7 +207,7 @@ class TritonPythonModel:
 
 
 class LLMAPIFront(TritonPythonModel):
-    """The LLM-API dialect's ``tensorrt_llm`` model (``trtllm_llmapi``): one prompt per request,
+    """The LLM-API dialect's ``tensorrt_llm`` model (``serving.dialects.llmapi``): one prompt per request,
     no batch dimension, cumulative text, and stop requests (``stop`` true) that cancel the
     requests carrying their request id."""
 
@@ -214,15 +228,15 @@ class LLMAPIFront(TritonPythonModel):
                 if llmapi.is_stop_request(arrays):
                     self._stop(request.request_id(), sender)
                     continue
-                inputs = dialect.with_options(llmapi.to_pagoda_inputs(arrays, self.decoupled), options)
-                asked = llmapi.requested(arrays)
+                wire = WireRequest.from_dialect(llmapi.read_item(arrays, self.decoupled)).with_options(**options)
+                inputs, asked = wire.to_triton_inputs(), llmapi.requested(arrays)
             except ValueError as exc:
                 sender.send(self._error(str(exc)), flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                 continue
             stop = threading.Event()
             with self.lock:
                 self.in_flight.setdefault(request.request_id() or None, set()).add(stop)
-            prefix = "" if inputs["exclude_input_in_output"][0] else arrays["text_input"].reshape(-1)[0].decode()
+            prefix = "" if wire.output.exclude_input_in_output else wire.prompt
             threading.Thread(target=self._run, daemon=True, name="pagoda-trtllm",
                              args=(request.request_id() or None, sender, inputs, asked, prefix, stop)).start()
         return None
@@ -244,7 +258,7 @@ class LLMAPIFront(TritonPythonModel):
         return self._error("Request cancelled by client", getattr(self.pb.TritonError, "CANCELLED", None))
 
     def _run(self, request_id, sender, inputs, asked, prefix, stop):
-        final, stream, last, texts = self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL, bool(inputs["stream"][0]), None, None
+        final, stream, last, texts = self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL, "stream" in inputs, None, None
         try:
             for tensors, perf in self._forward(inputs, asked, lambda: sender.is_cancelled() or stop.is_set()):
                 chunks = [t.decode("utf-8") for t in tensors["text_output"]]
@@ -277,3 +291,53 @@ class _ItemError(Exception):
     def __init__(self, message, code=None):
         super().__init__(message)
         self.message, self.code = message, code
+
+
+FRONT_MODELS = ("ensemble", "tensorrt_llm_bls", "tensorrt_llm")  # tensorrt_llm: LLMAPIFront
+
+
+@functools.lru_cache(maxsize=None)
+def _tokenizer(model_path: Optional[str]):
+    from pagoda.models.gguf_import import default_model_dir
+    from pagoda.models.tokenizer import Tokenizer
+
+    return Tokenizer.from_pretrained(model_path or default_model_dir())
+
+
+def set_decoupled(config_text: str, decoupled: bool) -> str:
+    """A front model's config.pbtxt with its ``decoupled`` policy set (``pagoda serve --trtllm-decoupled``)."""
+    text, count = re.subn(r"(model_transaction_policy\s*\{\s*decoupled:\s*)(true|false)",
+                          lambda m: m.group(1) + str(decoupled).lower(), config_text)
+    if count != 1:
+        raise ValueError("config.pbtxt: expected one model_transaction_policy { decoupled: ... }")
+    return text
+
+
+def _parameter(config_text: str, key: str) -> Optional[str]:
+    match = re.search(r'key:\s*"' + key + r'"\s*value:\s*\{\s*string_value:\s*"([^"]*)"', config_text)
+    return match.group(1) if match else None
+
+
+def block_size_of(config_text: str, default: int = 16) -> int:
+    """The ``block_size`` parameter of pagoda's config.pbtxt (KV-cache metrics' unit)."""
+    value = _parameter(config_text, "block_size")
+    return int(value) if value and value.isdigit() else default
+
+
+def model_path_of(config_text: str) -> Optional[str]:
+    """The ``model`` parameter of pagoda's config.pbtxt (``None``: the default model)."""
+    return _parameter(config_text, "model") or None
+
+
+def configure_fronts(repository: Path, decoupled: dict[str, bool]) -> None:
+    """Set the front models' ``decoupled`` policy in a materialized repository.
+
+    Raises:
+        ValueError: ``decoupled`` names a model that is not a front of this repository.
+    """
+    for name, value in decoupled.items():
+        config = repository / name / "config.pbtxt"
+        if name not in FRONT_MODELS or not config.exists():
+            raise ValueError(f"trtllm_decoupled: {name!r} is not a TensorRT-LLM front model of {repository} "
+                             f"({', '.join(FRONT_MODELS)})")
+        config.write_text(set_decoupled(config.read_text(), value))

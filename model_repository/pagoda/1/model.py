@@ -1,8 +1,10 @@
 """Triton Python backend adapter for pagoda (decoupled).
 
 Thin by design: converts Triton tensors to our dataclasses and back, and owns the two
-threads. Parsing lives in ``pagoda.serving.triton_io``, the engine thread in
-``pagoda.serving.engine_loop``, metrics in ``pagoda.serving.metrics``; metrics, tracer and
+threads. A request's inputs become one ``WireRequest`` (``pagoda.serving.wire``: read once,
+through the dialects that own their vocabulary), responses come from
+``pagoda.serving.responses``, the engine thread is ``pagoda.serving.engine_loop``, metrics
+``pagoda.serving.metrics``; metrics, tracer and
 the fleet publisher watch the loop as step observers (``pagoda.serving.observers``).
 
 The stub must not outlive tritonserver (it runs the fleet heartbeat, which would keep a
@@ -26,8 +28,8 @@ import threading
 import triton_python_backend_utils as pb_utils
 
 from pagoda.contracts.errors import DRAINING_MESSAGE
-from pagoda.serving import triton_io
 from pagoda.serving.commands import ServingRequest
+from pagoda.serving.dialects.pagoda import read_lora_control
 from pagoda.serving.engine_loop import EngineLoop
 from pagoda.serving.finalize_request import FinalizeWatch
 from pagoda.serving.metrics import ServingMetrics
@@ -37,7 +39,9 @@ from pagoda.serving.model_config import (allow_runtime_lora, engine_config_from_
 from pagoda.serving.observers import make_observers
 from pagoda.serving.process_tree import ORPHANED_STUB_MESSAGE, ParentWatch
 from pagoda.serving.response_sender import ResponseSender
+from pagoda.serving.responses import make_error_response
 from pagoda.serving.tracing import make_request_tracer, read_traceparent
+from pagoda.serving.wire import WireRequest
 
 logger = logging.getLogger("pagoda.model")
 
@@ -84,7 +88,7 @@ class TritonPythonModel:
         drain_path = os.environ.get("PAGODA_DRAIN_FILE") or None
         self.loop = EngineLoop(self.engine, self.sender, observers, drain_path=drain_path,
                                allow_runtime_lora=allow_runtime_lora(parameters), decode_token=decode_token,
-                               kv_connector=kv_connector,
+                               kv_connector=kv_connector, tokenizer=tokenizer.fingerprint,
                                on_fatal=lambda message: _end_broken_stub(message, self.sender))
         self._request_numbers = itertools.count()
         self._finalize_lock = threading.Lock()
@@ -105,19 +109,19 @@ class TritonPythonModel:
             request_id = f"{triton_id}-{next(self._request_numbers)}"
             get_input = lambda name, request=request: _get_input(request, name)  # noqa: E731
             try:
-                control = triton_io.parse_lora_control(get_input)  # None: a generation request
-                parsed = (triton_io.parse_request(get_input, request.parameters(), self.output_dialect, self.encode)
-                          if control is None else None)
+                control = read_lora_control(get_input)  # None: a generation request
+                wire = (WireRequest.from_triton_inputs(get_input, request.parameters(), self.encode)
+                        if control is None else None)
             except ValueError as exc:
-                stub = ServingRequest(request_id, None, response_sender)
-                self.sender.put(stub, triton_io.make_error_response(str(exc)))
+                self.sender.put(ServingRequest(request_id, None, response_sender), make_error_response(str(exc)))
                 continue
             if control is not None:
-                self.loop.control(ServingRequest(request_id, control, response_sender))
+                self.loop.control(ServingRequest(request_id, None, response_sender, control=control))
                 continue
             traceparent = read_traceparent(request.parameters()) if self.tracer is not None else None
-            self.loop.submit(ServingRequest(request_id, parsed, response_sender, response_sender.is_cancelled,
-                                            traceparent=traceparent))
+            self.loop.submit(ServingRequest(request_id, wire, response_sender, response_sender.is_cancelled,
+                                            traceparent=traceparent,
+                                            output_dialect=wire.output.dialect_or(self.output_dialect)))
         return None
 
     def finalize(self):

@@ -21,7 +21,7 @@ from pagoda.engine.request import Request
 from pagoda.engine.runner.runner_output import ModelRunnerOutput
 
 if TYPE_CHECKING:
-    from pagoda.engine.core.scheduler import SchedulerOutput
+    from pagoda.engine.core.sched.scheduler import SchedulerOutput
     from pagoda.engine.guided.manager import GuidedDecodingManager
     from pagoda.engine.runner.device_worker import DeviceTimer
 

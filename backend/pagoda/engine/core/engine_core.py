@@ -19,7 +19,7 @@ Overlap (``EngineConfig.async_scheduling``): the job runs on a worker thread
     device:          ...... N ......|...... N+1 (forward) ...|gate|sample N+1|
 
 ``schedule()`` counts step N's sampled tokens as placeholders, so N+1 is planned before
-N's tokens are known; the runner fills them in on the device (``scheduler.py``,
+N's tokens are known; the runner fills them in on the device (``sched/scheduler.py``,
 ``model_runner.py``). Sampling of N+1 waits for the *gate* of N, opened once N's tokens
 are applied (after ``update_from_output`` and the grammar matchers' advance): sampling
 reads each request's output history (penalties, min_tokens). A request that finishes
@@ -37,10 +37,10 @@ is its last entry).
 
 n > 1: ``make_requests`` turns a user request (an ``EngineRequest``) into its children,
 which are added together; with prefix caching, a ``SiblingGate`` holds siblings of child 0
-back until child 0's prompt is computed (``parallel_sampling.py`` owns the fan-out).
+back until child 0's prompt is computed (``request_groups/parallel_sampling.py`` owns the fan-out).
 
 Beam search (``params.use_beam_search``): ``make_requests`` makes the group's first beam
-only; ``BeamSearch`` (``beam_search.py``) chooses, forks and prunes beams after each update
+only; ``BeamSearch`` (``request_groups/beam_search.py``) chooses, forks and prunes beams after each update
 and hands back a done group's ``n`` best beams (with their per-token log-probabilities when
 asked), which become its only outputs; an abort of
 the user request's output ids finishes the group's live beams.
@@ -61,13 +61,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Optional, Protocol, Union
 
 from pagoda.engine.config import EngineConfig
-from pagoda.engine.core.admission import EngineOverloaded, overload_message
+from pagoda.engine.core.load_shedding import EngineOverloaded, overload_message
 from pagoda.engine.core.device import Executor, StepHandle
-from pagoda.engine.core.scheduler import RequestUpdate, Scheduler, SchedulerConfig, SchedulerOutput
+from pagoda.engine.core.sched.scheduler import RequestUpdate, Scheduler, SchedulerConfig, SchedulerOutput
 from pagoda.engine.guided.params import GuidedDecodingParams
 from pagoda.engine.guided.pool import CompilePoolFull
-from pagoda.engine.core.beam_search import BeamGroup, BeamSearch, Hypothesis
-from pagoda.engine.core.parallel_sampling import child_request_ids
+from pagoda.engine.request_groups.beam_search import BeamGroup, BeamSearch, Hypothesis
+from pagoda.engine.request_groups.parallel_sampling import child_request_ids
 from pagoda.engine.core.parked import ParkedRequests
 from pagoda.engine.request import EngineRequest, Request, RequestStatus
 from pagoda.engine.runner.runner_output import ModelRunnerOutput

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Iterable, Iterator, Optional
 
-from pagoda.engine.core.parallel_sampling import SiblingGate
+from pagoda.engine.request_groups.parallel_sampling import SiblingGate
 from pagoda.engine.request import Request
 
 

@@ -32,7 +32,7 @@ Life of a guided request (the engine calls each method from its one thread, exce
    stop token), so the engine finishes the request with ``stop``.
    A beam-search group's beams each have a matcher: a fork's is its parent's grammar
    replayed over the fork's tokens (``fork``), and a beam's chosen token advances its own
-   (``core.beam_search``).
+   (``request_groups.beam_search``).
 5. ``release(request_ids)`` drops matchers of finished requests; ``cancel(group_id)``
    forgets a request still waiting for its grammar (an abort: it stops waiting at once),
    and a queued compile that nobody waits for any more never starts.
@@ -254,7 +254,8 @@ class GuidedDecodingManager:
         matcher = self._backend.make_matcher(grammar)
         for token_id in token_ids:
             if not matcher.accept_token(token_id):
-                raise AssertionError(f"beam {child_id}: token {token_id} is outside its grammar (the bitmask allows it)")
+                raise AssertionError(
+                    f"beam {child_id}: token {token_id} is outside its grammar (the bitmask allows it)")
         self._grammar_of[child_id], self._matchers[child_id] = grammar, matcher
 
     def has_matcher(self, request_id: str) -> bool:

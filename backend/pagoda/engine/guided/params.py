@@ -96,6 +96,10 @@ class GuidedDecodingParams:
     def cache_key(self) -> tuple[str, str, str, bool]:
         return (self.backend or BACKENDS[0], self.kind, self.spec, self.disable_any_whitespace)
 
+    def to_dict(self) -> dict[str, Any]:
+        """The fields that are set, as JSON values (``from_dict`` reads them back)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) not in (None, False)}
+
     @classmethod
     def from_dict(cls, values: Any) -> "GuidedDecodingParams":
         """From a JSON object (Triton's ``sampling_parameters.guided_decoding``); unknown

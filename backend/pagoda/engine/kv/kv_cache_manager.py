@@ -12,7 +12,7 @@ that are cached (``get_computed_blocks``), comparing tokens as well as hashes, a
 shares those blocks (reference counted) instead of recomputing them. The hit is capped
 so at least one token is still computed: the step must produce logits to sample from.
 
-Beam search (``core.beam_search``) forks a request: ``fork`` gives the child the parent's
+Beam search (``request_groups.beam_search``) forks a request: ``fork`` gives the child the parent's
 block table by reference (each shared block's count goes up, no KV is copied) except the
 last, partly filled block, which the child is about to write into: that one is copied
 (copy-on-write, a device copy queued for the next step, ``take_copies``), or, when no

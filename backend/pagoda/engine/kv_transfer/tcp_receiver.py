@@ -6,8 +6,8 @@ receiver opened: it sends PULL first (``pull``), and the holder answers OFFER or
 PULL arriving on the listener is handed to ``on_pull`` (the connector answers it as a
 sender, from the engine thread). Invariants:
 - Memory is bounded: at most ``max_connections`` connections are served at once (one
-  more is answered REFUSE "busy" and closed), each reading at most one frame ahead; an offer is accepted only if the bytes of the blocks it still
-  needs fit in ``max_inflight_bytes`` minus what other transfers have reserved; the
+  more is answered REFUSE "busy" and closed), each reading at most one frame ahead; an offer is accepted only if the
+  bytes of the blocks it still needs fit in ``max_inflight_bytes`` minus what other transfers have reserved; the
   reservation is returned when the transfer ends, however it ends. A frame longer than
   one chunk is refused before it is read.
 - Nothing is allocated in the block pool until every needed block has arrived intact:

@@ -6,7 +6,7 @@ device (``models.lora.LoRASlots``; ``max_loras`` of them). Before each forward t
 calls ``prepare(adapter ids of the step's requests, token counts)``: adapters already in a
 slot stay; missing ones are copied into free slots, or into the least recently used slot
 no request of this step needs. The scheduler guarantees a step never needs more than
-``max_loras`` distinct adapters (``core.constraints.LoRASlotLimit``), so a slot is always found.
+``max_loras`` distinct adapters (``core.sched.constraints.LoRASlotLimit``), so a slot is always found.
 
 Identity: an adapter's name is its id everywhere — in ``Request.adapter_id``, in every
 block hash's extra keys (two adapters never share KV blocks; the router's prefix index

@@ -2,9 +2,9 @@
 
 A replica over M nodes is one engine whose N ranks (``world_size``: tensor x pipeline
 parallel) are spread L = N / M per node, in rank order (docs/parallelism.md): with
-``pipeline_parallel_size = M`` and L tensor-parallel ranks per stage, each node is one stage. Node 0 runs the engine (rank 0: scheduler, sampler, the server)
-and its own ranks 1..L-1 (``workers.TensorParallelWorkers``); it opens the group's
-``TCPStore`` on the leader address's port and publishes the group's settings there
+``pipeline_parallel_size = M`` and L tensor-parallel ranks per stage, each node is one stage. Node 0 runs the engine
+(rank 0: scheduler, sampler, the server) and its own ranks 1..L-1 (``workers.TensorParallelWorkers``); it opens the
+group's ``TCPStore`` on the leader address's port and publishes the group's settings there
 (``workers.GROUP_KEY``: the engine config, model config and model path, so every node runs
 exactly rank 0's settings and no flag can disagree).
 

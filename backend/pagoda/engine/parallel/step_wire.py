@@ -196,7 +196,8 @@ class StepSender:
             flags = (_IS_NEW if item.is_new else 0) | (_IS_SAMPLING if item.is_sampling else 0)
             adapter = self._announced[step_input.adapter_id][0] if step_input.adapter_id is not None else 0
             words += [self._slots[item.request_id], flags, adapter, len(step_input.spec_token_ids),
-                      _prompt_rows(step_input), item.num_computed_tokens, item.num_new_tokens, len(item.new_block_ids), *item.new_block_ids]
+                      _prompt_rows(step_input), item.num_computed_tokens, item.num_new_tokens,
+                      len(item.new_block_ids), *item.new_block_ids]
             if step_input.num_device_tokens:
                 fill_at.append(len(words))
                 fill_rows.append(row)

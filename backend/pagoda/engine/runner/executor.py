@@ -12,8 +12,8 @@ order: the KV-tier copies and the device-to-device copies of beam forks' partial
 (``SchedulerOutput.blocks_to_copy``), then ``ModelRunner.execute`` (the plan's deltas into the
 runner's request states; forward; wait for the gate and fill the grammar bitmask; sample
 or verify drafts). The core launches every plan with device work, including one that only
-drops runner states (``SchedulerOutput.has_device_work``), so the deltas arrive in order. With async scheduling the bitmask is
-filled on the worker thread: the host advanced the matchers before it opened the gate,
+drops runner states (``SchedulerOutput.has_device_work``), so the deltas arrive in order. With async scheduling the
+bitmask is filled on the worker thread: the host advanced the matchers before it opened the gate,
 and it advances them again only after this job ended, so the job reads them alone. The
 job's ``ModelRunnerOutput`` carries the step's id, so ``Scheduler.update_from_output``
 needs nothing else.

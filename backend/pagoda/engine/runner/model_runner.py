@@ -25,7 +25,7 @@ The step plan is a delta (``engine.scheduler_output``): ``execute`` first applie
 ``self.requests`` (``request_states.py``: each request's block table and last sampled
 token), and the forward reads the resulting ``StepInput``s, never a ``ScheduledRequest``'s
 table. A decode's input token is one the runner sampled, so the plan leaves it out:
-placeholders (async scheduling, see ``scheduler.py``: the step was scheduled before the
+placeholders (async scheduling, see ``core/sched/scheduler.py``: the step was scheduled before the
 previous one's tokens reached the host) are gathered from the device, where the
 ``StepSampler`` keeps the previous step's tokens, so no device-to-host round trip sits
 between two steps; other decodes take the host copy ``RequestStates.record`` kept.

@@ -1,7 +1,7 @@
 """``RequestStates``: the runner's per-request cache, kept from the step plan's deltas.
 
 The scheduler sends each request's block table and tokens once (``engine.scheduler_output``,
-decided by ``core.runner_view``); the runner keeps them here and builds its inputs from
+decided by ``core.sched.runner_view``); the runner keeps them here and builds its inputs from
 this cache. ``update(scheduler_output)`` runs first in every device job, in step order:
 
 1. drop the states of ``preempted_request_ids`` and ``finished_request_ids``;

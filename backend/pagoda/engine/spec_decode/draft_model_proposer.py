@@ -104,8 +104,8 @@ class PagedDraftCache:
                     dtype: torch.dtype, device: torch.device) -> None:
         self.block_pool = BlockPool(num_blocks, enable_caching=False)
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-                          for _ in range(num_layers)]
+        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
+                           torch.zeros(shape, dtype=dtype, device=device)) for _ in range(num_layers)]
         self._seqs: dict = {}
 
     @property

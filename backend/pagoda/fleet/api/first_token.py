@@ -5,13 +5,14 @@ recomputes the prompt's last partial block and samples the first token itself, s
 would wait for the prefill stage, the transfer and that step before its first token. For a
 streaming request the router instead sends the prefill replica's first token on as soon as
 the prefill stage produces it, then the decode replica's stream with that token cut from
-its front. Pure functions and one small state object; the doors do the I/O.
+its front. Pure functions over the ``WireRequest`` and one small state object; the doors do
+the I/O.
 
 Exactness. Both replicas sample the first token from the same logits with the same
 randomness (greedy: argmax; seeded: the sampler's draw is a function of the request's
 seed and the token's position, ``engine.sampling.noise``), so the decode replica's first
 token is the prefill replica's. For a sampled request without a seed the router chooses
-one (``stage_seed``: 63 random bits, as random as the replica's own stream) and sends it
+one (``seeded_for_stages``: 63 random bits, as random as the replica's own stream) and sends it
 to both stages; the client's request is otherwise unchanged. The prefill stage runs with
 ``max_tokens`` 2 (so its first response is an ordinary, non-final streamed response: the
 same text, stop-string hold-back and fields a single replica sends for its first token)
@@ -33,54 +34,42 @@ stage's first response would then be its last). The others run the two stages as
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Any, Optional
 
-# Request values that are other names for SamplingParams fields (TensorRT-LLM inputs).
-_ALIASES = {"min_length": "min_tokens", "random_seed": "seed"}
-# Values the first stage sets itself: removed from the request's other channels (scalar
-# inputs, request parameters) so that its sampling_parameters rule and do not conflict.
-STAGE_KEYS = ("max_tokens", "min_tokens", "min_length", "stream")
+from pagoda.serving.wire import WireRequest
 
 
 class FirstTokenMismatch(RuntimeError):
     """The decode replica's stream does not begin with the token already streamed."""
 
 
-def merged_values(*sources: Mapping[str, Any]) -> dict[str, Any]:
-    """One request's values from its channels, the first source winning, aliases resolved
-    (``min_length`` is ``min_tokens``, ``random_seed`` is ``seed``; ``beam_width`` > 1 is beam search)."""
-    out: dict[str, Any] = {}
-    for source in reversed(sources):
-        for key, value in source.items():
-            out[_ALIASES.get(key, key)] = value
-    if isinstance(out.get("beam_width"), int) and out["beam_width"] > 1:
-        out["use_beam_search"] = True
-    return out
-
-
-def is_early(values: Mapping[str, Any]) -> bool:
+def is_early(wire: WireRequest) -> bool:
     """Whether the prefill stage's first token may be streamed early (module docstring)."""
-    return (values.get("stream") is True and values.get("n") in (None, 1) and values.get("best_of") in (None, 1)
-            and not values.get("use_beam_search") and values.get("prompt_logprobs") is None
-            and values.get("max_tokens") != 1)
+    params = wire.params
+    return (wire.output.stream and params.n == 1 and params.best_of in (None, 1) and not params.use_beam_search
+            and params.prompt_logprobs is None and params.max_tokens != 1)
 
 
-def stage_values(values: Mapping[str, Any], early: bool) -> dict[str, Any]:
-    """The sampling values the first stage sets (with its ``kv_transfer_params``)."""
-    min_tokens = values.get("min_tokens")
-    min_tokens = min_tokens if isinstance(min_tokens, int) and min_tokens > 0 else 0
-    limits = {"max_tokens": 2, "min_tokens": min(min_tokens, 2)} if early else {"max_tokens": 1, "min_tokens": 0}
-    return {**limits, "kv_transfer_params": {"do_remote_decode": True}}
+def seeded_for_stages(wire: WireRequest, early: bool) -> WireRequest:
+    """The request with a seed both stages share when it streams early, samples and has none
+    (63 random bits, as random as the replica's own stream); else the request unchanged."""
+    params = wire.params
+    if not early or params.seed is not None or params.is_greedy:
+        return wire
+    return wire.replace(params=params.clone(seed=random.getrandbits(63)))
 
 
-def stage_seed(values: Mapping[str, Any], early: bool) -> Optional[int]:
-    """A seed for both stages of an early-streamed sampled request that has none, else None."""
-    if not early or values.get("seed") is not None or values.get("temperature") == 0:
-        return None
-    return random.getrandbits(63)
+def prefill_stage(wire: WireRequest, early: bool) -> WireRequest:
+    """The first stage's request: this one on a prefill replica, keeping its KV for a decode
+    replica to pull (``kv_transfer_params``), with the stage's ``max_tokens``/``min_tokens``."""
+    min_tokens = min(wire.params.min_tokens, 2) if early else 0
+    params = wire.params.clone(max_tokens=2 if early else 1, min_tokens=min_tokens)
+    return wire.replace(params=params, options=wire.options.replace(kv_transfer_params={"do_remote_decode": True}),
+                        output=dataclasses.replace(wire.output, stream=early))
 
 
 def _first(value: Any) -> Any:

@@ -4,14 +4,18 @@
   its own upstream stream to the chosen replica (``upstream.GrpcUpstream``, given by
   ``RouterService`` and shared with the OpenAI door); the replica's responses go back on
   the client's stream unchanged (ids, parameters, outputs), interleaved as they arrive.
+  A request for pagoda's model is read once, here, into its ``WireRequest`` (the replica's
+  own reader, so a bad input is refused naming it before any replica is asked), salted,
+  given the token ids routing made of its prompt, and sent in the wire's canonical form
+  (``routed_request``); a request for one of TensorRT-LLM's front models goes as it came.
 - ``ModelInfer``: routed the same way, one unary call.
 - ``ServerLive`` is the router's own; ``ServerReady`` is true while some replica is
   routable; ``ModelReady``, ``ServerMetadata``, ``ModelMetadata``, ``ModelConfig`` are
   forwarded to a routable replica. Other methods answer UNIMPLEMENTED.
 
 A message over the router's body limit (``--max-body-bytes``) is refused by gRPC itself
-with RESOURCE_EXHAUSTED (``make_grpc_server``). A LoRA control request (``lora_action``) is refused here with INVALID_ARGUMENT: it must
-reach every replica, which the HTTP door and ``/v1/load_lora_adapter`` do (``lora_admin``).
+with RESOURCE_EXHAUSTED (``make_grpc_server``). A LoRA control request (``lora_action``) is refused here with
+INVALID_ARGUMENT: it must reach every replica, which the HTTP door and ``/v1/load_lora_adapter`` do (``lora_admin``).
 
 Faults (``upstream``): a refused connection is retried on another replica; a stream broken
 after it began ends with one error response naming the replica. A unary call is retried
@@ -33,26 +37,29 @@ import grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from pagoda.contracts.errors import ErrorKind, spec_of
-from pagoda.fleet.api.tracing import TRACEPARENT, RouterTracer
+from pagoda.fleet.api.routed_request import MAX_ROUTED_PROMPT_CHARS, RoutedRequest, analyzed
+from pagoda.fleet.api.tracing import RouterTracer
 from pagoda.fleet.api.upstream import DEAD_CODES, GrpcUpstream, ReplicaFailed
 from pagoda.fleet.gate.gate import AuthError, Gate, LimitError, RateLimited
-from pagoda.fleet.gate.limits import sampling_of_infer_request, set_sampling_value
+from pagoda.fleet.gate.limits import sampling_of_infer_request
 from pagoda.fleet.routing.router import Analysis, NoReplicaAvailable, Router
 from pagoda.fleet.triton_wire import read_string_input
 
 logger = logging.getLogger(__name__)
 
-# Larger prompts are forwarded without routing analysis (the replica refuses them anyway).
-MAX_ROUTED_PROMPT_CHARS = 1_000_000
 
-
-def analyze_infer_request(router: Router, request: Any) -> Optional[Analysis]:
-    """Routing analysis of a Triton request, or ``None`` when its prompt cannot be read."""
-    prompt = read_string_input(request, "text_input")
+def analyze_routed(router: Router, request: RoutedRequest) -> Optional[Analysis]:
+    """Routing analysis of a request, or ``None`` when its prompt cannot be read (a front's
+    request is analyzed by its ``text_input``, ``cache_salt`` and ``lora_name`` as sent). A
+    wire request gets the token ids routing made of its prompt (``routed_request.analyzed``)."""
+    if request.wire is not None:
+        analysis, request.wire = analyzed(router, request.wire)
+        return analysis
+    prompt = read_string_input(request.raw, "text_input")
     if not prompt or len(prompt) > MAX_ROUTED_PROMPT_CHARS:
         return None
-    sampling = read_string_input(request, "sampling_parameters")
-    adapter = read_string_input(request, "lora_name") or option_of(sampling, "lora_name")
+    sampling = read_string_input(request.raw, "sampling_parameters")
+    adapter = read_string_input(request.raw, "lora_name") or option_of(sampling, "lora_name")
     return router.analyze(prompt, cache_salt_of(sampling), adapter)
 
 
@@ -134,8 +141,8 @@ class GrpcProxy(service_pb2_grpc.GRPCInferenceServiceServicer):
         with self.tracer.route_span("grpc", carrier) as span:
             ticket, relayed = None, False
             try:
-                analysis, ticket = await self._admit(request, tenant)
-                async for response in self.upstream.stream(analysis, request, span):
+                routed, analysis, ticket = await self._admit(request, tenant)
+                async for response in self.upstream.stream(analysis, routed, span):
                     if not relayed and response.error_message:
                         ticket.settle(0)  # refused before generating: the quota gets it all back
                     relayed = True
@@ -152,28 +159,48 @@ class GrpcProxy(service_pb2_grpc.GRPCInferenceServiceServicer):
                 if ticket is not None:
                     ticket.release()
 
-    async def _admit(self, request: Any, tenant: Any) -> tuple[Optional[Analysis], Any]:
-        """Limits, tenant salt, routing analysis, rate limits (raises LimitError / RateLimited)."""
+    async def _admit(self, request: Any, tenant: Any) -> tuple[RoutedRequest, Optional[Analysis], Any]:
+        """Read, limits, tenant salt, routing analysis (and the ids it made), rate limits.
+
+        Raises:
+            LimitError: a bad input (naming it) or a limit exceeded.
+            RateLimited: the tenant's rate limits.
+        """
         gate = self.gate
-        sampling = sampling_of_infer_request(request)
         if read_string_input(request, "lora_action") is not None:
             gate.count("invalid_input")
             raise LimitError("lora_action: the router's gRPC door routes each request to one replica; send LoRA "
                              "control requests to its HTTP door (`pagoda lora --url http://ROUTER:8080`) or "
                              "/v1/load_lora_adapter, which apply them to every replica", "lora_action")
         try:
-            gate.limits.check_sampling(sampling)
-            prompt = read_string_input(request, "text_input") or ""
-            gate.limits.check_prompt(prompt, "text_input")
+            routed = self._read(request, tenant)
         except LimitError:
             gate.count("invalid_input")
             raise
+        prompt = routed.prompt or read_string_input(request, "text_input") or ""
+        analysis = await gate.analyze(len(prompt), analyze_routed, self.router, routed)
+        sampling = routed.wire.params if routed.wire is not None else sampling_of_infer_request(request)
+        return routed, analysis, gate.charge(tenant, analysis.num_prompt_tokens if analysis else 0, sampling)
+
+    def _read(self, request: Any, tenant: Any) -> RoutedRequest:
+        """The client's request read (pagoda's model: into its wire request), checked against the
+        limits and salted for its tenant. Raises LimitError naming the problem."""
+        limits = self.gate.limits
+        prompt = read_string_input(request, "text_input") or ""
+        limits.check_prompt(prompt, "text_input")
+        encode = getattr(self.router.tokenizer, "encode", None)
+        try:
+            routed = RoutedRequest.of_infer_request(
+                request, encode and (lambda text: encode(text, add_special_tokens=False)))
+        except ValueError as exc:
+            raise LimitError(str(exc), str(exc).split(":", 1)[0]) from None
+        if routed.wire is None:
+            limits.check_sampling(sampling_of_infer_request(request))
+            return routed
+        limits.check_params(routed.wire.params)
         if tenant is not None:
-            salt = gate.salt(tenant, cache_salt_of(sampling))
-            if salt != cache_salt_of(sampling):
-                set_sampling_value(request, "cache_salt", salt)
-        analysis = await gate.analyze(len(prompt), analyze_infer_request, self.router, request)
-        return analysis, gate.charge(tenant, analysis.num_prompt_tokens if analysis else 0, sampling)
+            routed.wire = routed.wire.with_options(cache_salt=self.gate.salt(tenant, routed.wire.options.cache_salt))
+        return routed
 
     async def ModelInfer(self, request, context):  # noqa: N802
         carrier = _metadata(context)
@@ -181,7 +208,7 @@ class GrpcProxy(service_pb2_grpc.GRPCInferenceServiceServicer):
             tried: list[str] = []
             try:
                 tenant = self.gate.authenticate(carrier.get("authorization"))
-                analysis, ticket = await self._admit(request, tenant)
+                routed, analysis, ticket = await self._admit(request, tenant)
             except AuthError as exc:
                 await context.abort(grpc_status(ErrorKind.UNAUTHORIZED), str(exc))
             except LimitError as exc:
@@ -189,14 +216,14 @@ class GrpcProxy(service_pb2_grpc.GRPCInferenceServiceServicer):
             except RateLimited as exc:
                 await context.abort(grpc_status(ErrorKind.RATE_LIMITED), str(exc))
             try:
-                return await self._infer_routed(request, context, span, analysis, tried)
+                return await self._infer_routed(routed, context, span, analysis, tried)
             except BaseException:
                 ticket.settle(0)  # the client got no answer: the quota gets it all back
                 raise
             finally:
                 ticket.release()
 
-    async def _infer_routed(self, request: Any, context: Any, span: Any, analysis: Optional[Analysis],
+    async def _infer_routed(self, request: RoutedRequest, context: Any, span: Any, analysis: Optional[Analysis],
                             tried: list[str]) -> Any:
         """One unary call, retried on another replica when the connection is refused."""
         for attempt in range(1, self.max_attempts + 1):
@@ -206,10 +233,8 @@ class GrpcProxy(service_pb2_grpc.GRPCInferenceServiceServicer):
                 span.fail(str(exc))
                 await context.abort(grpc_status(ErrorKind.UNAVAILABLE), str(exc))
             span.set_decision(decision)
-            if span.traceparent:
-                request.parameters[TRACEPARENT].string_param = span.traceparent
             try:
-                return await decision.replica.grpc_stub().ModelInfer(request)
+                return await decision.replica.grpc_stub().ModelInfer(request.infer_request(span.traceparent))
             except grpc.aio.AioRpcError as exc:
                 if exc.code() in DEAD_CODES:
                     self.router.replicas.mark_unhealthy(decision.replica, f"{exc.code().name}: {exc.details()}")

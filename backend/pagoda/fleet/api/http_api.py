@@ -3,10 +3,13 @@
 - ``POST /v2/models/{model}/generate`` and ``generate_stream``: the body is checked here
   (``generate_body.validate_generate_body``: a JSON object of known inputs with the right JSON
   types, within the limits; else 400 naming the problem, where tritonserver itself would
-  answer 500), given the tenant's ``cache_salt`` (``gate``), routed by its
-  ``text_input`` and salt, and forwarded to the chosen replica's HTTP port with one key
-  added, ``traceparent`` (Triton turns top-level keys that are not inputs into request
-  parameters, the channel that reaches the backend). The replica's status, body and SSE
+  answer 500); a body for pagoda's model is read into its ``WireRequest`` (the replica's own
+  reader, so a value it would refuse is refused here, naming it: ``generate_request``),
+  given the tenant's ``cache_salt`` (``gate``), routed by its prompt and salt, and forwarded
+  to the chosen replica's HTTP port in the wire's JSON form, with the token ids routing made
+  of the prompt and one key added, ``traceparent`` (Triton turns top-level keys that are not
+  inputs into request parameters, the channel that reaches the backend); a body for one of
+  TensorRT-LLM's front models goes as it came, salted in its ``parameters``. The replica's status, body and SSE
   events come back byte for byte, except an overload refusal: the request is tried on
   another replica, and only when all are full does the client get 503 + ``Retry-After``.
   With prefill and decode replicas, a generate body runs in two stages (``http_stages``;
@@ -42,7 +45,7 @@ import itertools
 import json
 import logging
 import re
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import aiohttp
 from aiohttp import web
@@ -51,13 +54,16 @@ from pagoda.contracts.errors import ErrorKind, error_text, is_overloaded, spec_o
 from pagoda.fleet.gate.gate import TENANT_KEY, AuthError, Gate, LimitError, RateLimited, retry_after_header
 from pagoda.fleet.api import http_stages
 from pagoda.fleet.api.fleet_metrics import merge_vllm_series, scrape_replicas
-from pagoda.fleet.api.grpc_proxy import MAX_ROUTED_PROMPT_CHARS, cache_salt_of, option_of
+from pagoda.fleet.api.generate_request import GenerateRequest
 from pagoda.fleet.gate.infer_body import validate_infer_body
-from pagoda.fleet.gate.generate_body import FRONT_INPUTS, prompt_of, sampling_of_generate, validate_generate_body
+from pagoda.fleet.gate.generate_body import FRONT_INPUTS, validate_generate_body
 from pagoda.fleet.api.lora_admin import LoRAAdmin, check_change
 from pagoda.fleet.api.openai_responses import error_body
 from pagoda.fleet.routing.router import Analysis, NoReplicaAvailable, Router
 from pagoda.fleet.api.tracing import TRACEPARENT, RouterTracer
+
+if TYPE_CHECKING:
+    from pagoda.fleet.api.openai_api import OpenAIApi
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +78,7 @@ _FORWARDED_HEADERS = ("Content-Type", "Content-Length")
 
 
 def make_app(router: Router, tracer: RouterTracer, gate: Gate, lora_admin: LoRAAdmin,
-             openai: Any = None) -> web.Application:
+             openai: Optional["OpenAIApi"] = None) -> web.Application:
     """The HTTP application over the collaborators ``RouterService`` composed; ``openai``
     (an ``OpenAIApi``) adds the ``/v1`` routes."""
     # A chunked body (no Content-Length) is cut off at the same size while it is read.
@@ -166,37 +172,23 @@ async def gate_middleware(request: web.Request, handler: Any) -> web.StreamRespo
         raise
 
 
-def _analysis_of(router: Router, document: Any) -> Optional[Analysis]:
-    if not isinstance(document, dict):
-        return None
-    prompt = document.get("text_input")
-    if isinstance(prompt, list) and len(prompt) == 1:
-        prompt = prompt[0]
-    if not isinstance(prompt, str) or not prompt or len(prompt) > MAX_ROUTED_PROMPT_CHARS:
-        return None
-    sampling = document.get("sampling_parameters")
-    adapter = document.get("lora_name") if isinstance(document.get("lora_name"), str) else None
-    parameters = document.get("parameters") if isinstance(document.get("parameters"), dict) else {}
-    salt = cache_salt_of(sampling) or parameters.get("cache_salt")  # a TensorRT-LLM front's salt (_salt_document)
-    return router.analyze(prompt, salt, adapter or option_of(sampling, "lora_name"))
-
-
 async def _generate(request: web.Request) -> web.StreamResponse:
     router, tracer, gate = request.app[ROUTER_KEY], request.app[TRACER_KEY], request.app[GATE_KEY]
     body = await request.read()
-    document, analysis, ticket = None, None, None
+    generate, analysis, ticket = None, None, None
     if request.path.endswith(("generate", "generate_stream")):
         try:
             model = request.match_info.get("model", "pagoda")
             document = validate_generate_body(body, gate.limits, model)
             if "lora_action" in document:
                 return await _lora_control(request, router, document)
+            generate = _read_generate(document, model, router)
             tenant = request.get(TENANT_KEY)
             if tenant is not None:
-                _salt_document(document, gate.salt(tenant, cache_salt_of(document.get("sampling_parameters"))),
-                               front=model in FRONT_INPUTS)
-            analysis = await gate.analyze(len(prompt_of(document)), _analysis_of, router, document)
-            ticket = gate.charge(tenant, analysis.num_prompt_tokens if analysis else 0, sampling_of_generate(document))
+                salt = generate.wire.options.cache_salt if generate.wire is not None else None
+                generate = generate.salted(gate.salt(tenant, salt))
+            analysis, generate = await gate.analyze(len(generate.prompt), generate.analyzed, router)
+            ticket = gate.charge(tenant, analysis.num_prompt_tokens if analysis else 0, generate.sampling)
         except LimitError as exc:
             gate.count("invalid_input")
             return _error(exc.status, str(exc))
@@ -211,13 +203,24 @@ async def _generate(request: web.Request) -> web.StreamResponse:
     carrier = {TRACEPARENT: request.headers[TRACEPARENT]} if TRACEPARENT in request.headers else {}
     try:
         with tracer.route_span("http", carrier) as span:
-            response = await _route(request, body, document, analysis, span)
+            response = await _route(request, body, generate, analysis, span)
         if ticket is not None and response.status != 200:
             ticket.settle(0)  # refused or failed before generating: the quota gets it all back
         return response
     finally:
         if ticket is not None:
             ticket.release()
+
+
+def _read_generate(document: dict[str, Any], model: str, router: Router) -> GenerateRequest:
+    """A checked body as the door forwards it (``generate_request``). Raises LimitError naming what
+    pagoda's model would refuse."""
+    encode = getattr(router.tokenizer, "encode", None)
+    try:
+        return GenerateRequest.of_document(document, model, model in FRONT_INPUTS,
+                                           encode and (lambda text: encode(text, add_special_tokens=False)))
+    except ValueError as exc:
+        raise LimitError(str(exc), str(exc).split(":", 1)[0]) from None
 
 
 async def _lora_control(request: web.Request, router: Router, document: dict[str, Any]) -> web.Response:
@@ -252,33 +255,16 @@ async def _lora_control(request: web.Request, router: Router, document: dict[str
                               "text_output": json.dumps(answer)})
 
 
-def _salt_document(document: dict[str, Any], salt: Optional[str], front: bool = False) -> None:
-    if salt is None:
-        return
-    if front:  # TensorRT-LLM's fronts take the salt as a request parameter (serving.trtllm_dialect)
-        document["parameters"] = {**document.get("parameters", {}), "cache_salt": salt}
-        return
-    text = document.get("sampling_parameters")
-    try:
-        values = json.loads(text) if isinstance(text, str) and text.strip() else {}
-    except ValueError:
-        return  # the replica names the JSON error
-    if isinstance(values, dict):
-        values["cache_salt"] = salt
-        document["sampling_parameters"] = json.dumps(values)
-
-
-async def _route(request: web.Request, body: bytes, document: Optional[dict], analysis: Optional[Analysis],
-                 span: Any) -> web.StreamResponse:
+async def _route(request: web.Request, body: bytes, generate: Optional[GenerateRequest],
+                 analysis: Optional[Analysis], span: Any) -> web.StreamResponse:
     """Choose a replica and relay its answer; retry on a refused connection or an overload."""
     router, gate = request.app[ROUTER_KEY], request.app[GATE_KEY]
     tried: list[str] = []
     stage = http_stages.StageOne()
-    if document is not None and request.path.endswith(("generate", "generate_stream")) and \
-            http_stages.is_disaggregated(router, document):  # two stages (http_stages)
+    if generate is not None and http_stages.is_disaggregated(router, generate):  # two stages (http_stages)
         tried = [r.replica_id for r in router.replicas.all() if r.role == "prefill"]
-        document, stage = await http_stages.prefill(request.app[SESSION_KEY], router, gate, analysis, document,
-                                                    request.match_info.get("model", "pagoda"), request)
+        generate, stage = await http_stages.prefill(request.app[SESSION_KEY], router, gate, analysis, generate,
+                                                    request)
 
     async def failed(kind: ErrorKind, message: str, headers: Optional[dict[str, str]] = None) -> web.StreamResponse:
         span.fail(message)
@@ -287,15 +273,15 @@ async def _route(request: web.Request, body: bytes, document: Optional[dict], an
         return _kind_error(kind, message, headers)
 
     num_dead = 0
+    payload = body
     for attempt in itertools.count(1):
         try:
             decision = await gate.choose(router, analysis, tried, attempt)
         except NoReplicaAvailable as exc:
             return await failed(ErrorKind.UNAVAILABLE, str(exc))
         span.set_decision(decision)
-        payload = body
-        if document is not None:
-            payload = json.dumps({**document, TRACEPARENT: span.traceparent} if span.traceparent else document).encode()
+        if generate is not None:
+            payload = await _encoded(generate.body(span.traceparent), gate, len(generate.prompt))
         replica = decision.replica
         try:
             headers = {"Content-Type": request.headers.get("Content-Type", "application/json")}
@@ -323,6 +309,11 @@ async def _route(request: web.Request, body: bytes, document: Optional[dict], an
             gate.count("overloaded")
             return await failed(ErrorKind.OVERLOADED, answer, retry_after_header())
     raise AssertionError("unreachable: the attempt loop always returns")
+
+
+async def _encoded(document: dict[str, Any], gate: Gate, num_chars: int) -> bytes:
+    """A body as JSON bytes; a long prompt's (its text and token ids) off the event loop."""
+    return await gate.analyze(num_chars, lambda: json.dumps(document).encode())
 
 
 async def _relay(request: web.Request, upstream: aiohttp.ClientResponse, router: Router, decision: Any,
@@ -403,6 +394,8 @@ def render_metrics(router: Router, gate: Gate) -> str:
     def quantile(q: float) -> float:
         return times[min(len(times) - 1, int(q * len(times)))] if times else 0.0
 
+    replicas = router.replicas.all()
+    refused = {**gate.num_refused, **{f"rate_limited_{k}": v for k, v in gate.limiter.num_limited.items()}}
     lines = [
         "# TYPE pagoda_router_decisions_total counter",
         f"pagoda_router_decisions_total {router.num_decisions}",
@@ -413,15 +406,14 @@ def render_metrics(router: Router, gate: Gate) -> str:
         "# TYPE pagoda_router_decision_seconds summary",
         *(f'pagoda_router_decision_seconds{{quantile="{q}"}} {quantile(q):.6f}' for q in (0.5, 0.9, 0.99)),
         "# TYPE pagoda_router_replica_in_flight gauge",
-        *(f'pagoda_router_replica_in_flight{{replica_id="{r.replica_id}"}} {r.in_flight}' for r in router.replicas.all()),
+        *(f'pagoda_router_replica_in_flight{{replica_id="{r.replica_id}"}} {r.in_flight}' for r in replicas),
         "# TYPE pagoda_router_replica_requests_total counter",
-        *(f'pagoda_router_replica_requests_total{{replica_id="{r.replica_id}"}} {r.num_routed}' for r in router.replicas.all()),
+        *(f'pagoda_router_replica_requests_total{{replica_id="{r.replica_id}"}} {r.num_routed}' for r in replicas),
         "# TYPE pagoda_router_replica_healthy gauge",
-        *(f'pagoda_router_replica_healthy{{replica_id="{r.replica_id}"}} {int(r.healthy)}' for r in router.replicas.all()),
+        *(f'pagoda_router_replica_healthy{{replica_id="{r.replica_id}"}} {int(r.healthy)}' for r in replicas),
         *router.metric_lines(),
         "# TYPE pagoda_router_refused_total counter",
         *(f'pagoda_router_refused_total{{reason="{reason}"}} {count}'
-          for reason, count in sorted({**gate.num_refused,
-                                       **{f"rate_limited_{k}": v for k, v in gate.limiter.num_limited.items()}}.items())),
+          for reason, count in sorted(refused.items())),
     ]
     return "\n".join(lines) + "\n"

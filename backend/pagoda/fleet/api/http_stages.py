@@ -1,14 +1,13 @@
 """Disaggregated prefill/decode on the router's Triton HTTP generate door (``http_api._route``).
 
 The same two stages as the gRPC and OpenAI doors (``api.upstream``, docs/kv_transfer.md),
-over HTTP: when the routable replicas include a ``prefill`` and a ``decode`` role and the
-body carries no ``kv_transfer_params`` of its own, a copy of the body goes to a prefill
-replica (``kv_transfer_params`` ``{"do_remote_decode": true}`` and the stage's
-``max_tokens``/``min_tokens`` in ``sampling_parameters``; the top-level inputs and request
-``parameters`` that would override them dropped), and its answer's ``kv_transfer_params``
-output, the KV handle, goes into the body's own ``sampling_parameters`` before the body is
-routed, among the other replicas, as usual. A first stage that fails is logged and the
-request runs whole on a decode replica: the same answer, later.
+over HTTP: when the routable replicas include a ``prefill`` and a ``decode`` role and a
+request for pagoda's model carries no ``kv_transfer_params`` of its own, its prefill stage
+(``first_token.prefill_stage``: ``kv_transfer_params`` ``{"do_remote_decode": true}`` and the
+stage's ``max_tokens``/``min_tokens``) goes to a prefill replica as a body of its own, and its
+answer's ``kv_transfer_params`` output, the KV handle, becomes the request's
+``kv_transfer_params`` before it is routed, among the other replicas, as usual. A first stage
+that fails is logged and the request runs whole on a decode replica: the same answer, later.
 
 Early first token (``first_token``): a ``generate_stream`` request that streams
 (``"stream": true``) has its first stage sent to the prefill replica's ``generate_stream``;
@@ -23,6 +22,7 @@ whose token is dropped, and the decode replica's answer is relayed unchanged.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 from dataclasses import dataclass
@@ -32,37 +32,21 @@ import aiohttp
 from aiohttp import web
 
 from pagoda.contracts.errors import error_text, is_overloaded
-from pagoda.fleet.api.first_token import (STAGE_KEYS, FirstTokenMismatch, Splice, is_early, merged_values, stage_seed,
-                                          stage_values)
-from pagoda.fleet.gate.limits import LimitError, sampling_object
+from pagoda.fleet.api.first_token import FirstTokenMismatch, Splice, is_early, prefill_stage, seeded_for_stages
+from pagoda.fleet.api.generate_request import GenerateRequest
 from pagoda.fleet.routing.router import NoReplicaAvailable
 
 logger = logging.getLogger(__name__)
 
-# Body keys that are not request values (the prompt, the option channels, tracing).
-_NOT_VALUES = ("text_input", "sampling_parameters", "parameters", "traceparent", "id")
 _CUT_OUTPUTS = ("text_output", "num_output_tokens", "logprobs")
 
 
-def _sampling(document: dict[str, Any]) -> Optional[dict]:
-    """The body's ``sampling_parameters`` object (``limits.sampling_object``), or None when it
-    is not valid JSON (the replica names that; the body is not staged)."""
-    try:
-        return sampling_object(document.get("sampling_parameters"))
-    except LimitError:
-        return None
-
-
-def is_disaggregated(router: Any, document: dict[str, Any]) -> bool:
-    """Prefill and decode replicas routable, and a body that does not drive the stages itself."""
+def is_disaggregated(router: Any, generate: GenerateRequest) -> bool:
+    """Prefill and decode replicas routable, and a request for pagoda's model that does not
+    drive the stages itself."""
     roles = {r.role for r in router.replicas.routable()}
-    sampling = _sampling(document)
-    return "prefill" in roles and "decode" in roles and sampling is not None and "kv_transfer_params" not in sampling
-
-
-def with_sampling(document: dict[str, Any], **values: Any) -> dict[str, Any]:
-    """A copy of ``document`` with ``values`` set in its ``sampling_parameters`` JSON."""
-    return {**document, "sampling_parameters": json.dumps({**(_sampling(document) or {}), **values})}
+    return "prefill" in roles and "decode" in roles and generate.wire is not None and \
+        generate.wire.options.kv_transfer_params is None
 
 
 @dataclass
@@ -75,43 +59,28 @@ class StageOne:
     splice: Optional[Splice] = None
 
 
-def _first_body(document: dict[str, Any], values: dict[str, Any], early: bool) -> dict[str, Any]:
-    parameters = document.get("parameters")
-    body = {k: v for k, v in document.items() if k not in STAGE_KEYS}
-    if isinstance(parameters, dict):
-        body["parameters"] = {k: v for k, v in parameters.items() if k not in STAGE_KEYS}
-    if early:
-        body["stream"] = True
-    return with_sampling(body, **stage_values(values, early))
-
-
-async def prefill(session: aiohttp.ClientSession, router: Any, gate: Any, analysis: Any, document: dict[str, Any],
-                  model: str, client: web.Request) -> tuple[dict[str, Any], StageOne]:
+async def prefill(session: aiohttp.ClientSession, router: Any, gate: Any, analysis: Any,
+                  generate: GenerateRequest, client: web.Request) -> tuple[GenerateRequest, StageOne]:
     """Run the first stage on a prefill replica (module docstring).
 
     Returns:
-        The body for the decode stage (with the KV handle, and the seed both stages share
-        when the router chose one), and the ``StageOne``; on failure (logged) the body
+        The request for the decode stage (with the KV handle, and the seed both stages share
+        when the router chose one), and the ``StageOne``; on failure (logged) the request
         without a handle.
     """
-    parameters = document.get("parameters") if isinstance(document.get("parameters"), dict) else {}
-    values = merged_values({k: v for k, v in document.items() if k not in _NOT_VALUES}, _sampling(document) or {},
-                           parameters)
-    early = is_early(values) and client.path.endswith("generate_stream")
-    seed = stage_seed(values, early)
-    if seed is not None:
-        document = with_sampling(document, seed=seed)
+    early = is_early(generate.wire) and client.path.endswith("generate_stream")
+    generate = dataclasses.replace(generate, wire=seeded_for_stages(generate.wire, early))
     stage = StageOne()
     skip = [r.replica_id for r in router.replicas.all() if r.role != "prefill"]
     try:
         decision = await gate.choose(router, analysis, skip, 1)
     except NoReplicaAvailable as exc:
         logger.warning("prefill stage: %s; the decode replica computes the prompt", exc)
-        return document, stage
+        return generate, stage
     path = "generate_stream" if early else "generate"
-    url = f"http://{decision.replica.endpoints['http']}/v2/models/{model}/{path}"
+    url = f"http://{decision.replica.endpoints['http']}/v2/models/{generate.model}/{path}"
     try:
-        async with session.post(url, json=_first_body(document, values, early)) as response:
+        async with session.post(url, json=generate.body(wire=prefill_stage(generate.wire, early))) as response:
             if early and response.status == 200:
                 await _stream_first_stage(response, stage, client)
             else:
@@ -128,8 +97,8 @@ async def prefill(session: aiohttp.ClientSession, router: Any, gate: Any, analys
         router.release(decision)
     if stage.handle is not None:
         router.num_two_stage += 1
-        document = with_sampling(document, kv_transfer_params=stage.handle)
-    return document, stage
+        generate = dataclasses.replace(generate, wire=generate.wire.with_options(kv_transfer_params=stage.handle))
+    return generate, stage
 
 
 def _handle(value: Any) -> dict:

@@ -8,7 +8,7 @@ same adapters (as the operator deploys them).
 Run-time loading (``pagoda router --allow-runtime-lora``; vLLM's
 ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``, or a Triton control request
 on the HTTP door): the router sends the replica control request (``lora_action``, see
-``serving/triton_io.py``) to every routable replica (healthy, not draining) at once,
+``serving/dialects/pagoda.py``) to every routable replica (healthy, not draining) at once,
 over their HTTP generate endpoint. All or nothing:
 
 - ``load`` succeeds when every replica loaded it; then the name is served and remembered

@@ -2,10 +2,11 @@
 ``/v1/models/{id}``) and vLLM's ``/health``.
 
 A request is validated here (the body as its typed model, ``openai_protocol``: strict
-types and ranges, errors naming the field), turned into one contract-1 Triton request (``text_input`` =
-the prompt, or the conversation rendered with the model's chat template; ``stream`` true;
-``sampling_parameters`` JSON; ``exclude_input_in_output`` and the ``return_*`` flags),
-routed like any other (``upstream.GrpcUpstream``, the gRPC door's client too) and answered in OpenAI's shapes:
+types and ranges, errors naming the field), turned into one ``WireRequest`` per prompt
+(``openai_io``: the prompt, or the conversation rendered with the model's chat template, with
+the token ids routing made of it; its ``SamplingParams`` and ``RequestOptions``; streamed from
+the replica in pagoda's output shapes), routed like any other (``upstream.GrpcUpstream``, the
+gRPC door's client too) and answered in OpenAI's shapes:
 SSE ``chat.completion.chunk`` / ``text_completion`` events ending with ``data: [DONE]``,
 or one JSON object with ``usage`` (``prompt_tokens_details.cached_tokens``: the prompt tokens
 the replica found in its prefix cache) and a ``system_fingerprint`` (``pagoda-<version>``).
@@ -28,8 +29,8 @@ Completions' ``prompt`` may be a string, a list of token
 ids, or a list of either (lm-eval's ``tokenized_requests``): one replica request per prompt,
 routed on its own (token ids travel as the ``input_ids`` input), run concurrently,
 choices numbered ``prompt index * n + i`` as vLLM numbers them, usage summed; streamed, the
-prompts' events interleave as they come (each names its ``index``), as vLLM's do. ``echo`` prepends the prompt; with ``logprobs`` the
-prompt's tokens' log-probabilities come first (the first ``null``; the replica's
+prompts' events interleave as they come (each names its ``index``), as vLLM's do. ``echo`` prepends the prompt; with
+``logprobs`` the prompt's tokens' log-probabilities come first (the first ``null``; the replica's
 ``prompt_logprobs``, which the body may also set itself, as vLLM's extra), and
 ``max_tokens=0`` is allowed with ``echo`` (the prompt alone: one token is generated and
 dropped, as vLLM does; ``openai_answer``). Structured
@@ -90,8 +91,9 @@ from pagoda.fleet.api.upstream import GrpcUpstream, ReplicaFailed
 from pagoda.fleet.api.openai_answer import Answer, merge_final
 from pagoda.fleet.api.openai_responses import ModelCard, ModelList, dump, error_body
 from pagoda.fleet.api.openai_protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest, parse
-from pagoda.fleet.api.openai_io import (OpenAIError, build_chat_request, build_completion_requests,
-                                        make_infer_request, read_outputs)
+from pagoda.fleet.api.openai_io import (OpenAIError, OpenAIRequest, build_chat_request, build_completion_requests,
+                                        read_outputs)
+from pagoda.fleet.api.routed_request import RoutedRequest, analyzed
 from pagoda.fleet.routing.router import NoReplicaAvailable, Router
 from pagoda.fleet.api.tracing import TRACEPARENT, RouterTracer
 
@@ -128,11 +130,16 @@ class OpenAIApi:
         lora_admin: the served LoRA adapters and their run-time loading.
         upstream: the client that streams a routed request to a replica.
         model_name: the served model name (``/v1/models``; requests may also say ``pagoda``).
+        parsers: the reasoning and tool-call parsers chat answers are read with
+            (``fleet.parsers``: ``--reasoning-parser``, ``--tool-call-parser``); ``None``: the
+            ones the model's chat template calls for.
     """
 
     def __init__(self, router: Router, tracer: RouterTracer, gate: Gate, lora_admin: LoRAAdmin,
-                 upstream: GrpcUpstream, model_name: str) -> None:
+                 upstream: GrpcUpstream, model_name: str,
+                 parsers: tuple[Optional[str], Optional[str]] = (None, None)) -> None:
         self.router = router
+        self.parsers = parsers  # (--reasoning-parser, --tool-call-parser); None: from the chat template
         self.tracer = tracer
         self.gate = gate
         self.lora_admin = lora_admin
@@ -235,7 +242,7 @@ class OpenAIApi:
         try:
             for answer in answers:
                 if model in self.lora_names:
-                    answer.built.sampling["lora_name"] = model
+                    answer.built.wire = answer.built.wire.with_options(lora_name=model)
                 analysis, ticket = await self._admit(request, answer.built)
                 tickets.append((ticket, answer))
                 analyses.append(analysis)
@@ -247,17 +254,18 @@ class OpenAIApi:
                 ticket.settle(answer.num_used_tokens)  # the quota keeps what it really used
                 ticket.release()
 
-    async def _admit(self, request: web.Request, built: Any) -> tuple[Any, Any]:
-        """One prompt's tenant salt, routing analysis and rate-limit charge (raises RateLimited)."""
+    async def _admit(self, request: web.Request, built: OpenAIRequest) -> tuple[Any, Any]:
+        """One prompt's tenant salt, routing analysis (its token ids go on to the replica) and
+        rate-limit charge (raises RateLimited)."""
         gate = self.gate
         tenant = request.get(TENANT_KEY)
         if tenant is not None:
-            built.sampling["cache_salt"] = gate.salt(tenant, built.sampling.get("cache_salt"))
-        analysis = await gate.analyze(len(built.prompt), self.router.analyze, built.prompt,
-                                      built.sampling.get("cache_salt"), built.sampling.get("lora_name"))
-        return analysis, gate.charge(tenant, analysis.num_prompt_tokens, built.sampling)
+            built.wire = built.wire.with_options(cache_salt=gate.salt(tenant, built.wire.options.cache_salt))
+        analysis, built.wire = await gate.analyze(len(built.prompt), analyzed, self.router, built.wire)
+        num_prompt_tokens = analysis.num_prompt_tokens if analysis is not None else 0
+        return analysis, gate.charge(tenant, num_prompt_tokens, built.wire.params)
 
-    def _build(self, body: dict, chat: bool) -> list[Any]:
+    def _build(self, body: dict, chat: bool) -> list[OpenAIRequest]:
         """Validate and convert a body within the router's limits (raises OpenAIError /
         LimitError): one built request (chat), or one per prompt (completions)."""
         limits = self.gate.limits
@@ -265,12 +273,12 @@ class OpenAIApi:
             limits.check_messages(body["messages"])
         if not chat and isinstance(body.get("prompt"), str):
             limits.check_prompt(body["prompt"])
-        builts = ([build_chat_request(body, self.router.tokenizer)] if chat
+        builts = ([build_chat_request(body, self.router.tokenizer, *self.parsers)] if chat
                   else build_completion_requests(body, self.router.tokenizer))
         for built in builts:
             if isinstance(built.prompt, str):  # token prompts: the replica checks them against max_model_len
                 limits.check_prompt(built.prompt, "messages" if chat else "prompt")
-            limits.check_sampling(built.sampling)
+            limits.check_params(built.wire.params)
         return builts
 
     async def _route_all(self, request: web.Request, answers: list[Answer], analyses: list[Any]) -> web.StreamResponse:
@@ -312,7 +320,7 @@ class OpenAIApi:
         with self.tracer.route_span("openai", carrier) as span:
             span.set_attribute("pagoda.openai.endpoint", "chat.completions" if answer.chat else "completions")
             upstream_id = answer.request_id if number == 0 else f"{answer.request_id}-{number}"
-            responses = self.upstream.stream(analysis, make_infer_request(answer.built, upstream_id), span)
+            responses = self.upstream.stream(analysis, RoutedRequest(upstream_id, answer.built.wire), span)
             try:
                 first = await anext(responses, None)
             except NoReplicaAvailable as exc:

@@ -1,29 +1,34 @@
-"""OpenAI request bodies -> contract-1 Triton requests, and Triton outputs -> OpenAI pieces.
+"""OpenAI request bodies -> ``WireRequest``s, and Triton outputs -> OpenAI pieces.
 
 Pure functions (no I/O), tested without a server. ``build_*_request`` validate a body as
-its typed model (``openai_protocol``: one schema per endpoint, strict types and ranges)
-and raise ``OpenAIError`` (naming the offending parameter) for anything wrong or
-unsupported; the parameter mapping is documented in ``pagoda.fleet.api.openai_api``.
+its typed model (``openai_protocol``: one schema per endpoint, strict types and ranges),
+build each prompt's ``WireRequest`` from it (its ``SamplingParams`` and ``RequestOptions``
+check themselves here, once: a bad value is a 400 before any replica is asked) and raise
+``OpenAIError`` (naming the offending parameter) for anything wrong or unsupported; the
+parameter mapping is documented in ``pagoda.fleet.api.openai_api``. An ``OpenAIRequest`` is
+the wire request plus what only the door uses (echo, tools, usage, the client's stream).
 """
 
 from __future__ import annotations
 
-import json
 import struct
-from dataclasses import dataclass, field
-from typing import Any, Optional, Union
-
-from tritonclient.grpc import service_pb2
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 from pydantic import ValidationError
 
+from pagoda.contracts.request_options import RequestOptions
+from pagoda.engine.sampling_params import SamplingParams
 from pagoda.fleet.api.openai_guided import guided_decoding_from_body
 from pagoda.fleet.api.openai_protocol import (CHAT_ROLES, ChatCompletionRequest, ChatMessage, CompletionRequest,
                                               OpenAIError, describe, parse)
-from pagoda.fleet.api.openai_tools import ToolPlan, detect_parser, render_prompt, tool_plan_from_body
-from pagoda.fleet.triton_wire import bytes_raw
+from pagoda.fleet.api.openai_tools import ToolPlan, render_prompt, tool_plan_from_body
+from pagoda.fleet.parsers.output import ParserChoice
+from pagoda.serving.wire import OutputOptions, WireRequest
 
-MODEL_NAME = "pagoda"
+if TYPE_CHECKING:
+    from pagoda.models.tokenizer import Tokenizer
+
 # Prompts in one completions request (a list of strings or of token-id lists); each is one
 # engine request, routed on its own. Past this a batch is a mistake (lm-eval sends its batch size).
 MAX_PROMPTS = 256
@@ -38,26 +43,52 @@ _REFUSED = {
 
 
 @dataclass
-class BuiltRequest:
-    """What one OpenAI request (or one prompt of a completions request) becomes."""
+class OpenAIRequest:
+    """What one OpenAI request (or one prompt of a completions request) becomes: the replica's
+    ``WireRequest`` (always streamed from the replica, in pagoda's output shapes) and what the
+    door alone reads."""
 
-    prompt: PromptInput
-    sampling: dict[str, Any]
-    stream: bool
-    n: int = 1
+    wire: WireRequest
+    stream: bool  # the client's: events as they come, or one object at the end
     logprobs: Optional[int] = None  # alternatives per token; None: no logprobs
     include_usage: bool = False
     echo_prefix: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
     echo: bool = False  # completions: the prompt comes first (text, and its tokens' logprobs)
     echo_only: bool = False  # echo with max_tokens=0: one token is generated and dropped (as vLLM)
     tools: Optional[ToolPlan] = None  # chat with tools (pagoda.fleet.api.openai_tools)
-    tool_parser: str = "hermes"
+    parsers: Optional[ParserChoice] = None  # chat: how the answer's reasoning and calls are read
+
+    @property
+    def prompt(self) -> PromptInput:
+        wire = self.wire
+        return wire.prompt if wire.prompt is not None else list(wire.prompt_token_ids)
+
+    @property
+    def n(self) -> int:
+        return self.wire.params.n
+
+
+# What the door asks of the replica: every completion streamed as deltas, pagoda's shapes.
+_OUTPUTS = dict(stream=True, exclude_input_in_output=True, return_finish_reason=True, return_num_input_tokens=True,
+                return_num_output_tokens=True, return_num_cached_tokens=True, output_dialect="pagoda")
+
+
+def _wire(prompt: PromptInput, sampling: dict[str, Any], options: dict[str, Any], logprobs: bool) -> WireRequest:
+    """A prompt's wire request; a value ``SamplingParams`` or ``RequestOptions`` refuses is an
+    ``OpenAIError`` naming it (their messages start with the field's name)."""
+    try:
+        params = SamplingParams.from_dict(sampling)
+        return WireRequest(prompt=prompt if isinstance(prompt, str) else None,
+                           prompt_token_ids=None if isinstance(prompt, str) else tuple(prompt), params=params,
+                           options=RequestOptions(**options),
+                           output=OutputOptions(**_OUTPUTS, return_logprobs=logprobs))
+    except ValueError as exc:
+        raise OpenAIError(str(exc), str(exc).split(":", 1)[0]) from None
 
 
 def _common(request: Any, max_tokens: Optional[int], echo: Optional[bool] = None) -> tuple[dict[str, Any], bool]:
     """Fields chat and completions share, from a validated request; ``echo``: the
-    completions' flag (None for chat). Returns (sampling, include_usage)."""
+    completions' flag (None for chat). Returns (SamplingParams values, include_usage)."""
     for name, message in _REFUSED.items():
         if getattr(request, name, None):
             raise OpenAIError(message, name)
@@ -108,8 +139,8 @@ def _checked_prompts(prompts: list[PromptInput]) -> list[PromptInput]:
     return prompts
 
 
-def build_completion_requests(body: dict, tokenizer: Any = None) -> list[BuiltRequest]:
-    """``/v1/completions`` body -> one ``BuiltRequest`` per prompt (raises ``OpenAIError``).
+def build_completion_requests(body: dict, tokenizer: Optional["Tokenizer"] = None) -> list[OpenAIRequest]:
+    """``/v1/completions`` body -> one ``OpenAIRequest`` per prompt (raises ``OpenAIError``).
 
     The body is validated as ``CompletionRequest`` (openai_protocol). ``echo`` puts the
     prompt first (a token prompt's text is ``tokenizer.decode`` of it); with ``logprobs`` it
@@ -132,16 +163,17 @@ def build_completion_requests(body: dict, tokenizer: Any = None) -> list[BuiltRe
     echo_only = echo and sampling["max_tokens"] == 0
     if echo_only:
         sampling["max_tokens"] = 1
+    options = request.request_options()
     built = []
     for prompt in prompts:
         prefix = (prompt if isinstance(prompt, str) else tokenizer.decode(prompt)) if echo else ""
-        built.append(BuiltRequest(prompt, dict(sampling), request.stream, request.n, request.logprobs, include_usage,
-                                  prefix, echo=echo, echo_only=echo_only))
+        built.append(OpenAIRequest(_wire(prompt, sampling, options, request.logprobs is not None), request.stream,
+                                   request.logprobs, include_usage, prefix, echo=echo, echo_only=echo_only))
     return built
 
 
-def build_completion_request(body: dict, tokenizer: Any = None) -> BuiltRequest:
-    """A ``/v1/completions`` body of one prompt -> its ``BuiltRequest`` (raises ``OpenAIError``)."""
+def build_completion_request(body: dict, tokenizer: Optional["Tokenizer"] = None) -> OpenAIRequest:
+    """A ``/v1/completions`` body of one prompt -> its ``OpenAIRequest`` (raises ``OpenAIError``)."""
     built = build_completion_requests(body, tokenizer)
     if len(built) != 1:
         raise OpenAIError(f"prompt: expected one prompt, got {len(built)}", "prompt")
@@ -157,8 +189,9 @@ def _message_dict(message: ChatMessage) -> dict[str, Any]:
     return out
 
 
-def build_chat_request(body: dict, tokenizer: Any) -> BuiltRequest:
-    """``/v1/chat/completions`` body -> ``BuiltRequest``: the prompt is the chat template's
+def build_chat_request(body: dict, tokenizer: "Tokenizer", reasoning_parser: Optional[str] = None,
+                       tool_parser: Optional[str] = None) -> OpenAIRequest:
+    """``/v1/chat/completions`` body -> ``OpenAIRequest``: the prompt is the chat template's
     rendering (with ``chat_template_kwargs``, as vLLM). Validated as ``ChatCompletionRequest``."""
     request = parse(ChatCompletionRequest, body)
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
@@ -182,32 +215,14 @@ def build_chat_request(body: dict, tokenizer: Any) -> BuiltRequest:
     except (ValueError, TypeError) as exc:
         raise OpenAIError(f"messages: {exc}", "chat_template_kwargs" if request.chat_template_kwargs else "messages") \
             from None
-    return BuiltRequest(prompt, sampling, request.stream, request.n, logprobs, include_usage, tools=plan,
-                        tool_parser=detect_parser(getattr(tokenizer, "chat_template", None)))
+    parsers = ParserChoice.detect(getattr(tokenizer, "chat_template", None), prompt, reasoning_parser, tool_parser)
+    if parsers.needs_special_tokens and request.skip_special_tokens is None:
+        sampling["skip_special_tokens"] = False  # gpt-oss's channels are special tokens (fleet.parsers.harmony)
+    return OpenAIRequest(_wire(prompt, sampling, request.request_options(), logprobs is not None), request.stream,
+                         logprobs, include_usage, tools=plan, parsers=parsers)
 
 
 # ------------------------------------------------------------------ Triton tensors
-def make_infer_request(built: BuiltRequest, request_id: str) -> Any:
-    """The contract-1 ``ModelInferRequest`` for a built OpenAI request (streaming deltas)."""
-    request = service_pb2.ModelInferRequest(model_name=MODEL_NAME, id=request_id)
-    prompt = built.prompt
-    inputs = [("text_input", "BYTES", bytes_raw([prompt.encode("utf-8")])) if isinstance(prompt, str) else
-              ("input_ids", "INT32", struct.pack(f"<{len(prompt)}i", *prompt)),
-              # The door reads pagoda's output shapes, whatever the replica's default dialect.
-              ("sampling_parameters", "BYTES",
-               bytes_raw([json.dumps({**built.sampling, "output_dialect": "pagoda"}).encode("utf-8")]))]
-    flags = {"stream": True, "exclude_input_in_output": True, "return_finish_reason": True,
-             "return_num_input_tokens": True, "return_num_output_tokens": True, "return_num_cached_tokens": True,
-             "return_logprobs": built.logprobs is not None}
-    inputs += [(name, "BOOL", struct.pack("?", value)) for name, value in flags.items()]
-    for name, datatype, raw in inputs:
-        tensor = request.inputs.add()
-        tensor.name, tensor.datatype = name, datatype
-        tensor.shape.append(len(prompt) if name == "input_ids" else 1)
-        request.raw_input_contents.append(raw)
-    return request
-
-
 _NUMPY_FORMATS = {"UINT32": "I", "INT32": "i", "FP32": "f", "UINT64": "Q", "INT64": "q", "BOOL": "?"}
 
 
@@ -227,11 +242,11 @@ def read_outputs(response: Any) -> dict[str, list]:
 
 
 # ------------------------------------------------------------------ logprobs
-def _token_text(tokenizer: Any, token_id: int) -> str:
+def _token_text(tokenizer: "Tokenizer", token_id: int) -> str:
     return tokenizer.decode([token_id], skip_special_tokens=False)
 
 
-def chat_logprobs(entries: list[dict], tokenizer: Any) -> dict:
+def chat_logprobs(entries: list[dict], tokenizer: "Tokenizer") -> dict:
     """Engine ``TokenLogprob`` dicts -> the chat ``logprobs`` object."""
     def item(token_id: int, logprob: float) -> dict:
         text = _token_text(tokenizer, token_id)
@@ -242,7 +257,7 @@ def chat_logprobs(entries: list[dict], tokenizer: Any) -> dict:
                         for e in entries]}
 
 
-def completion_logprobs(entries: list[dict], tokenizer: Any, offset: int = 0) -> dict:
+def completion_logprobs(entries: list[dict], tokenizer: "Tokenizer", offset: int = 0) -> dict:
     """Engine ``TokenLogprob`` dicts -> the legacy completions ``logprobs`` object. An entry
     whose ``logprob`` is ``None`` (the prompt's first token, echoed) gets ``null`` log-prob and
     ``null`` alternatives, as vLLM and OpenAI send them."""

@@ -26,12 +26,19 @@ from pydantic import (BaseModel, ConfigDict, Field, StringConstraints, Validatio
                       field_validator)
 from pydantic_core import PydanticCustomError
 
-from pagoda.fleet.gate.limits import show_value
+from pagoda.contracts.request_options import OPTION_NAMES
+from pagoda.engine.sampling_params import SamplingParams
+from pagoda.fleet.gate.limits import error_path, show_value
 
 # Chat roles the chat templates know; "developer" (OpenAI's newer name) is a system message.
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 MAX_LOGPROBS = 20  # OpenAI's bound for logprobs / top_logprobs (vLLM's default max_logprobs is 20 too)
 Number = float  # strict: an int is a number, a bool is not
+# Body fields each endpoint maps to SamplingParams itself (other names, defaults or checks).
+_MAPPED = frozenset({"max_tokens", "stop", "n", "logit_bias", "logprobs", "prompt_logprobs", "best_of",
+                     "use_beam_search", "length_penalty", "early_stopping"})
+# Body fields that pass to SamplingParams under their own name: the one list is SamplingParams'.
+_SAMPLING_NAMES = frozenset(SamplingParams.__dataclass_fields__) - _MAPPED - {"given"}
 
 
 def one_of(hint: str) -> WrapValidator:
@@ -176,7 +183,7 @@ class _Common(_Strict):
     truncate_prompt_tokens: Optional[Annotated[int, Field(ge=-1)]] = None
     cache_salt: Optional[str] = None
     priority: Optional[int] = None
-    timeout: Optional[Annotated[Number, Field(gt=0)]] = None  # seconds; engine.core.admission deadlines
+    timeout: Optional[Annotated[Number, Field(gt=0)]] = None  # seconds; engine.core.load_shedding deadlines
     # beam search as vLLM's extras (best_of is the beam width then; docs/beam_search.md)
     use_beam_search: bool = False
     length_penalty: Optional[Number] = None
@@ -198,17 +205,20 @@ class _Common(_Strict):
     service_tier: Optional[str] = None
 
     def sampling_fields(self) -> dict[str, Any]:
-        """The fields that pass to ``SamplingParams`` under the same name, where given."""
-        names = ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
-                 "min_tokens", "repetition_penalty", "ignore_eos", "skip_special_tokens",
-                 "spaces_between_special_tokens", "include_stop_str_in_output", "stop_token_ids",
-                 "allowed_token_ids", "bad_words", "truncate_prompt_tokens", "cache_salt", "priority", "timeout")
-        out = {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+        """The given fields that pass to ``SamplingParams`` under the same name (those the
+        endpoints map themselves, ``_MAPPED``, aside)."""
+        out = {name: getattr(self, name) for name in _SAMPLING_NAMES & type(self).model_fields.keys()
+               if getattr(self, name) is not None}
         if self.n != 1 or "n" in self.model_fields_set:
             out["n"] = self.n
         if self.logit_bias:
             out["logit_bias"] = {_token_id(key): value for key, value in self.logit_bias.items()}
         return out
+
+    def request_options(self) -> dict[str, Any]:
+        """The given fields that are request options (``RequestOptions``: vLLM's extras)."""
+        return {name: getattr(self, name) for name in OPTION_NAMES
+                if name in type(self).model_fields and getattr(self, name) is not None}
 
 
 class CompletionRequest(_Common):
@@ -274,25 +284,14 @@ def describe(errors: list[dict], body: dict) -> OpenAIError:
     loc = first["loc"]
     field = str(loc[0]) if loc else "body"
     if first["type"] == "extra_forbidden":
-        return OpenAIError(f"{_path(loc)}: unknown parameter (not an OpenAI or vLLM parameter pagoda serves)", field)
+        return OpenAIError(f"{error_path(loc)}: unknown parameter (not an OpenAI or vLLM parameter pagoda serves)",
+                           field)
     if first["type"] == "missing":
-        return OpenAIError(f"{_path(loc)}: required", field)
+        return OpenAIError(f"{error_path(loc)}: required", field)
     message = first["msg"].removeprefix("Value error, ")
     if first["type"] != "value_error":
         message = f"{message[:1].lower()}{message[1:]}, got {show_value(first.get('input'))}"
-    return OpenAIError(f"{_path(loc)}: {message}", field)
-
-
-def _path(loc: tuple) -> str:
-    text = ""
-    for part in loc:
-        if isinstance(part, int):
-            text += f"[{part}]"
-        elif part == "schema_":
-            text += ".schema"
-        else:
-            text += f".{part}" if text else str(part)
-    return text
+    return OpenAIError(f"{error_path(loc)}: {message}", field)
 
 
 def _token_id(key: str) -> int:

@@ -25,7 +25,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Any, Iterator, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace.export import SpanExporter
+    from opentelemetry.trace import Span
 
 TRACEPARENT = "traceparent"
 
@@ -33,7 +37,7 @@ TRACEPARENT = "traceparent"
 class RouteSpan:
     """The handle a request holds while it is routed: attributes, errors, the context to forward."""
 
-    def __init__(self, span: Any = None, traceparent: Optional[str] = None) -> None:
+    def __init__(self, span: Optional["Span"] = None, traceparent: Optional[str] = None) -> None:
         self._span = span
         self.traceparent = traceparent
 
@@ -74,7 +78,8 @@ class RouterTracer:
         service_name: the ``service.name`` resource attribute.
     """
 
-    def __init__(self, exporter: Any = None, batch: bool = True, service_name: str = "pagoda-router") -> None:
+    def __init__(self, exporter: Optional["SpanExporter"] = None, batch: bool = True,
+                 service_name: str = "pagoda-router") -> None:
         self.enabled = exporter is not None
         self._provider = None
         if not self.enabled:
@@ -147,5 +152,6 @@ def make_router_tracer(otlp_endpoint: Optional[str]) -> RouterTracer:
     try:
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
     except ImportError:
-        raise RuntimeError("--otlp-endpoint needs opentelemetry-sdk and opentelemetry-exporter-otlp-proto-grpc") from None
+        raise RuntimeError(
+            "--otlp-endpoint needs opentelemetry-sdk and opentelemetry-exporter-otlp-proto-grpc") from None
     return RouterTracer(OTLPSpanExporter(endpoint=otlp_endpoint, insecure=not otlp_endpoint.startswith("https://")))

@@ -12,11 +12,14 @@ Overload: a replica whose first response is an overload refusal
 the request goes to a replica not yet tried; the refusal reaches the caller only when no
 replica is left.
 
+The request is a ``RoutedRequest``: pagoda's model's ``WireRequest`` (or another model's
+request, forwarded as it came, to which neither the two stages nor peer pulls apply); each
+attempt builds the replica's ``ModelInferRequest`` from it.
+
 Disaggregated serving (docs/kv_transfer.md): when the routable replicas include a
-``prefill`` and a ``decode`` role, a request runs in two stages: a copy with
-``kv_transfer_params: {"do_remote_decode": true}`` and the stage's ``max_tokens``/
-``min_tokens`` (``first_token.stage_values``; the request's scalar inputs and parameters for
-them dropped) on a prefill replica (chosen among prefill replicas by the same policy:
+``prefill`` and a ``decode`` role, a request runs in two stages: its prefill stage
+(``first_token.prefill_stage``: ``kv_transfer_params: {"do_remote_decode": true}`` and the
+stage's ``max_tokens``/``min_tokens``) on a prefill replica (chosen among prefill replicas by the same policy:
 prefix affinity, load), whose final response carries the KV handle; then the request
 itself, with that handle as its ``kv_transfer_params``, on a decode or mixed replica,
 which pulls the prompt's blocks and streams the answer. A streaming request gets the
@@ -48,18 +51,15 @@ import struct
 from typing import Any, AsyncIterator, Optional
 
 import grpc
-from tritonclient.grpc import service_pb2
 
 from pagoda.contracts.errors import is_overloaded
-from pagoda.fleet.api.tracing import TRACEPARENT, RouteSpan
+from pagoda.fleet.api.first_token import FirstTokenMismatch, Splice, is_early, prefill_stage, seeded_for_stages
+from pagoda.fleet.api.routed_request import RoutedRequest
+from pagoda.fleet.api.tracing import RouteSpan
 from pagoda.fleet.gate.gate import Gate
-from pagoda.fleet.gate.limits import remove_sampling_value, sampling_of_infer_request, set_sampling_value
 from pagoda.fleet.routing.peer_pull import PeerPull
 from pagoda.fleet.routing.router import Analysis, NoReplicaAvailable, Router
-from pagoda.fleet.api.first_token import (STAGE_KEYS, FirstTokenMismatch, Splice, is_early, merged_values, stage_seed,
-                                          stage_values)
-from pagoda.fleet.triton_wire import (bytes_raw, drop_inputs, drop_parameters, keep_outputs, output_number, output_text,
-                                      replace_output, request_parameters, scalar_inputs)
+from pagoda.fleet.triton_wire import bytes_raw, keep_outputs, output_number, output_text, replace_output
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +93,8 @@ class GrpcUpstream:
         # pagoda router --peer-pull-min-blocks (0: never pull)
         self.peer_pull = PeerPull(min_blocks=max(1, peer_pull_min_blocks), enabled=peer_pull_min_blocks > 0)
 
-    async def stream(self, analysis: Optional[Analysis], request: Any, span: RouteSpan) -> AsyncIterator[Any]:
+    async def stream(self, analysis: Optional[Analysis], request: RoutedRequest,
+                     span: RouteSpan) -> AsyncIterator[Any]:
         """Route ``request`` and yield the replica's ``ModelStreamInferResponse`` messages.
 
         With prefill and decode replicas in the fleet, in two stages (module docstring); a
@@ -107,13 +108,16 @@ class GrpcUpstream:
         skip, may_pull, stage = [], False, _StageOne()
         if self._is_disaggregated(request):
             skip = [r.replica_id for r in self.router.replicas.all() if r.role == "prefill"]
-            async for early in self._prefill(analysis, request, span, stage):
-                yield early
+            early = is_early(request.wire)
+            request.wire = seeded_for_stages(request.wire, early)
+            async for response in self._prefill(analysis, request, span, stage, early):
+                yield response
             if stage.handle is not None:
-                set_sampling_value(request, "kv_transfer_params", stage.handle)
+                request.wire = request.wire.with_options(kv_transfer_params=stage.handle)
                 self.router.num_two_stage += 1
         else:
-            may_pull = self.peer_pull.enabled and "kv_transfer_params" not in sampling_of_infer_request(request)
+            may_pull = self.peer_pull.enabled and request.wire is not None and \
+                request.wire.options.kv_transfer_params is None
         responses = self._stream_on(analysis, request, span, skip, may_pull)
         try:
             async for response in responses:
@@ -127,30 +131,20 @@ class GrpcUpstream:
         finally:
             await responses.aclose()
 
-    def _is_disaggregated(self, request: Any) -> bool:
+    def _is_disaggregated(self, request: RoutedRequest) -> bool:
         roles = {r.role for r in self.router.replicas.routable()}
-        return "prefill" in roles and "decode" in roles and \
-            "kv_transfer_params" not in sampling_of_infer_request(request)
+        return "prefill" in roles and "decode" in roles and request.wire is not None and \
+            request.wire.options.kv_transfer_params is None
 
-    async def _prefill(self, analysis: Optional[Analysis], request: Any, span: RouteSpan,
-                       stage: "_StageOne") -> AsyncIterator[Any]:
+    async def _prefill(self, analysis: Optional[Analysis], request: RoutedRequest, span: RouteSpan,
+                       stage: "_StageOne", early: bool) -> AsyncIterator[Any]:
         """The first stage on a prefill replica: the prompt computed, the KV handle back into
         ``stage.handle`` (None, and the request runs whole on a decode replica, when it fails).
         Yields its first token's response when that goes to the client early (``first_token``;
-        ``stage.splice`` then says what to cut from the decode stream); a request without a
-        seed that needs one gets it here, for both stages."""
-        values = merged_values(scalar_inputs(request), sampling_of_infer_request(request), request_parameters(request))
-        early = is_early(values)
-        seed = stage_seed(values, early)
-        if seed is not None:
-            set_sampling_value(request, "seed", seed)
-        first = service_pb2.ModelInferRequest()
-        first.CopyFrom(request)
-        del first.outputs[:]  # every output: the handle too
-        for key, value in stage_values(values, early).items():
-            set_sampling_value(first, key, value)
-        drop_inputs(first, STAGE_KEYS[:-1])  # the JSON values above rule
-        drop_parameters(first, STAGE_KEYS[:-1])
+        ``stage.splice`` then says what to cut from the decode stream)."""
+        # Every output (no ``outputs``): the client's and the KV handle.
+        first = RoutedRequest(request.request_id, prefill_stage(request.wire, early),
+                              model_version=request.model_version, parameters=request.parameters)
         skip = [r.replica_id for r in self.router.replicas.all() if r.role != "prefill"]
         responses = self._stream_on(analysis, first, span, skip)
         try:
@@ -172,7 +166,7 @@ class GrpcUpstream:
             await responses.aclose()  # the stage's replica is released now, not at collection
         logger.warning("prefill stage gave no KV handle; the decode replica computes the prompt")
 
-    async def _stream_on(self, analysis: Optional[Analysis], request: Any, span: RouteSpan,
+    async def _stream_on(self, analysis: Optional[Analysis], request: RoutedRequest, span: RouteSpan,
                          skip: list[str], may_pull: bool = False) -> AsyncIterator[Any]:
         """One stage: a replica not in ``skip`` chosen, retried on refusal or overload;
         ``may_pull``: with a peer's prefix to pull when that is worth it (``peer_pull``)."""
@@ -183,14 +177,12 @@ class GrpcUpstream:
             decision = await gate.choose(router, analysis, tried, attempt)
             span.set_decision(decision)
             replica = decision.replica
-            if may_pull:
-                self._set_peer_pull(request, decision)
-            if span.traceparent:
-                request.parameters[TRACEPARENT].string_param = span.traceparent
+            wire = self._with_peer_pull(request, decision) if may_pull else None
+            message = request.infer_request(span.traceparent, wire)
             num_responses = 0
             call = None
             try:
-                call = replica.grpc_stub().ModelStreamInfer(iter((request,)))
+                call = replica.grpc_stub().ModelStreamInfer(iter((message,)))
                 async for response in call:
                     if num_responses == 0 and is_overloaded(response.error_message):
                         gate.mark_full(replica.replica_id)
@@ -219,14 +211,13 @@ class GrpcUpstream:
                     call.cancel()
                 router.release(decision)
 
-    def _set_peer_pull(self, request: Any, decision: Any) -> None:
-        """Give ``request`` the handle of a peer to pull its prefix from, or take it away."""
+    def _with_peer_pull(self, request: RoutedRequest, decision: Any) -> Optional[Any]:
+        """The request's wire with the handle of a peer to pull its prefix from, or None (send it as it is)."""
         params = self.peer_pull.params(decision, self.router.replicas, self.router.block_size)
-        if params is not None:
-            self.router.num_peer_pulls += 1
-            set_sampling_value(request, "kv_transfer_params", params)
-        elif "kv_transfer_params" in sampling_of_infer_request(request):
-            remove_sampling_value(request, "kv_transfer_params")  # an earlier attempt's
+        if params is None:
+            return None
+        self.router.num_peer_pulls += 1
+        return request.wire.with_options(kv_transfer_params=params)
 
 
 class _StageOne:
@@ -243,10 +234,10 @@ def _splice_of(response: Any) -> Splice:
                      output_text(response, "logprobs"))
 
 
-def _early_response(response: Any, request: Any) -> Any:
+def _early_response(response: Any, request: RoutedRequest) -> Any:
     """The prefill stage's first response as the client's: only the outputs it asked for."""
     if request.outputs:
-        keep_outputs(response.infer_response, {output.name for output in request.outputs})
+        keep_outputs(response.infer_response, set(request.outputs))
     return response
 
 

@@ -107,15 +107,18 @@ class Gate:
     def salt(self, tenant: Optional[Tenant], client_salt: Optional[str]) -> Optional[str]:
         return tenant_salt(tenant, client_salt, self.share_cache, secret=self._salt_secret)
 
-    def num_tokens(self, num_prompt_tokens: int, sampling: dict[str, Any]) -> int:
+    def num_tokens(self, num_prompt_tokens: int, sampling: Any) -> int:
         """A request's worst case: prompt + n x effective max_tokens (the replicas'
-        ``default_max_tokens`` when absent). ``sampling``: SamplingParams-named values."""
-        n = as_int(sampling.get("n"))
-        max_tokens = as_int(sampling.get("max_tokens"))
+        ``default_max_tokens`` when absent). ``sampling``: a ``SamplingParams``, or the
+        SamplingParams-named values of a request forwarded as it came."""
+        if isinstance(sampling, dict):
+            n, max_tokens = as_int(sampling.get("n")), as_int(sampling.get("max_tokens"))
+        else:
+            n, max_tokens = sampling.n, sampling.max_tokens
         return num_prompt_tokens + max(1, n or 1) * (max_tokens if max_tokens and max_tokens > 0
                                                       else self.limits.default_max_tokens)
 
-    def charge(self, tenant: Optional[Tenant], num_prompt_tokens: int, sampling: dict[str, Any]) -> Ticket:
+    def charge(self, tenant: Optional[Tenant], num_prompt_tokens: int, sampling: Any) -> Ticket:
         """``admit`` the request's worst case (``num_tokens``); the door ``settle``s the
         ticket with what it used when it ends. Raises ``RateLimited``."""
         return self.admit(tenant, self.num_tokens(num_prompt_tokens, sampling))

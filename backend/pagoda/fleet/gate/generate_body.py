@@ -4,7 +4,7 @@ tritonserver answers a generate body it cannot parse with a 500, so the router c
 body first, against one schema per model built from the model's own inputs:
 
 - pagoda's model (``GenerateBody``, made once by ``generate_body_model``): every input of
-  model_repository/pagoda/config.pbtxt (``GENERATE_INPUTS``) with its JSON type, in strict
+  model_repository/pagoda/config.pbtxt (``serving.dialects.pagoda.INPUTS``) with its JSON type, in strict
   mode (``true`` is not an integer, ``"5"`` is not a number; an integer is a number):
   ``text_input`` a string or a list of one string, booleans ``true``/``false``, integers,
   non-negative seeds, numbers, token-id lists, a string or a list of strings for word
@@ -41,27 +41,13 @@ from pydantic_core import PydanticCustomError
 
 from pagoda.contracts import json_input
 from pagoda.fleet.gate.limits import LimitError, RequestLimits, json_kind, sampling_object, show_value
-from pagoda.serving import trtllm_dialect, trtllm_llmapi
-from pagoda.serving.vllm_dialect import request_parameter_vocabulary
+from pagoda.serving.dialects import llmapi, trtllm
+from pagoda.serving.dialects.pagoda import INPUTS as GENERATE_INPUTS
+from pagoda.serving.dialects.vllm import request_parameter_vocabulary
 
-# Triton generate inputs of model_repository/pagoda/config.pbtxt -> their JSON kind.
-GENERATE_INPUTS: dict[str, str] = {
-    "text_input": "string", "input_ids": "ints", "sampling_parameters": "json",
-    "stream": "bool", "exclude_input_in_output": "bool", "return_finish_reason": "bool", "return_stop_reason": "bool",
-    "return_cumulative_logprob": "bool", "return_logprobs": "bool", "return_num_input_tokens": "bool",
-    "return_num_output_tokens": "bool", "return_num_cached_tokens": "bool",
-    "max_tokens": "int", "min_tokens": "int", "top_k": "int", "end_id": "int", "beam_width": "int",
-    "seed": "uint", "random_seed": "uint",
-    "temperature": "number", "top_p": "number", "repetition_penalty": "number", "presence_penalty": "number",
-    "frequency_penalty": "number",
-    "stop_words": "strings", "bad_words": "strings", "lora_name": "string",
-    "embedding_bias_words": "strings", "embedding_bias_weights": "numbers",
-    "lora_action": "string", "lora_path": "string",  # a LoRA control request (http_api answers it)
-}
-# TensorRT-LLM's front models on the replica (serving.trtllm_dialect / trtllm_llmapi): their own inputs,
+# TensorRT-LLM's front models on the replica (serving.dialects.trtllm / llmapi): their own inputs,
 # and the ones the router's limits read (max tokens, samples, stop strings).
-FRONT_INPUTS = {"ensemble": trtllm_dialect.INPUTS, "tensorrt_llm_bls": trtllm_dialect.INPUTS,
-                "tensorrt_llm": trtllm_llmapi.INPUTS}
+FRONT_INPUTS = {"ensemble": trtllm.INPUTS, "tensorrt_llm_bls": trtllm.INPUTS, "tensorrt_llm": llmapi.INPUTS}
 FRONT_SAMPLING = {"max_tokens": "max_tokens", "sampling_param_max_tokens": "max_tokens", "num_return_sequences": "n",
                   "stop_words": "stop", "sampling_param_stop": "stop"}
 
@@ -92,7 +78,7 @@ _CONFIG = ConfigDict(extra="forbid", protected_namespaces=(), strict=True)
 
 
 def request_parameter_keys() -> frozenset[str]:
-    """The keys the replica reads as request parameters (``serving.vllm_dialect``'s one list):
+    """The keys the replica reads as request parameters (``serving.dialects.vllm``'s one list):
     tritonserver turns a top-level generate key that is not an input into one, so the
     router accepts exactly the keys the replica would."""
     return request_parameter_vocabulary()

@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, Validat
 from pydantic_core import PydanticCustomError
 
 from pagoda.contracts import json_input
-from pagoda.fleet.gate.limits import LimitError, RequestLimits, sampling_object, show_value
+from pagoda.fleet.gate.limits import LimitError, RequestLimits, error_path, sampling_object, show_value
 
 Datatype = Literal["BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64", "FP16", "FP32",
                    "FP64", "BF16", "BYTES"]
@@ -111,28 +111,23 @@ def _describe(error: dict, document: dict) -> LimitError:
     if loc[0] == "outputs":
         return LimitError(f"outputs: {_MUST['outputs']}", "outputs")
     if error["type"] == "extra_forbidden":
-        where = _path(loc[:-1])
+        where = error_path(loc[:-1])
         if len(loc) == 1:
             keys = ", ".join(sorted(InferRequest.model_fields))
             return LimitError(f"{loc[0]}: unknown key of an inference request (keys: {keys})", str(loc[0]))
-        return LimitError(f"{_path(loc)}: unknown key of an input tensor", _path(loc))
+        return LimitError(f"{error_path(loc)}: unknown key of an input tensor", error_path(loc))
     if error["type"] == "missing_data":
         loc = (*loc[:2], "data")
     if loc[0] == "inputs" and len(loc) == 2:
-        return LimitError(f"{_path(loc)}: must be an object {{name, datatype, shape, data}}, got "
-                          f"{show_value(document['inputs'][loc[1]])}", _path(loc))
+        return LimitError(f"{error_path(loc)}: must be an object {{name, datatype, shape, data}}, got "
+                          f"{show_value(document['inputs'][loc[1]])}", error_path(loc))
     if loc[0] != "inputs" or len(loc) < 3:
         return LimitError(f"{loc[0]}: {_MUST[str(loc[0])]}, got {show_value(document.get(loc[0]))}", str(loc[0]))
-    where, field = _path(loc[:2]), str(loc[2])
+    where, field = error_path(loc[:2]), str(loc[2])
     tensor = document["inputs"][loc[1]]
     name = tensor.get("name") if isinstance(tensor, dict) else None
     return LimitError(f"{where}.{field} ({name}): {_MUST[field]}, got {show_value(tensor.get(field))}",
                       f"{where}.{field}")
-
-
-def _path(loc: tuple) -> str:
-    return "".join(f"[{part}]" if isinstance(part, int) else (f".{part}" if i else str(part))
-                   for i, part in enumerate(loc))
 
 
 def _flatten(data: Any) -> list:

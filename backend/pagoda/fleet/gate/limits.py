@@ -74,15 +74,25 @@ class RequestLimits:
             raise LimitError(f"messages: {len(messages)} messages exceed this server's limit of "
                              f"{self.max_messages} (router --max-messages)", "messages")
 
+    def check_params(self, params: Any) -> None:
+        """Check a request's ``SamplingParams`` (a wire request's, typed and valid)."""
+        self._check(params.max_tokens, params.n, params.logprobs, params.stop, params.stop_token_ids)
+
     def check_sampling(self, sampling: dict[str, Any]) -> None:
-        """Check SamplingParams-named values (numbers may still be strings, vLLM-backend style)."""
-        for name, limit, flag in (("max_tokens", self.max_tokens_limit, "max-tokens-limit"),
-                                  ("n", self.max_n, "max-n"), ("logprobs", self.max_logprobs, "max-logprobs")):
-            value = as_int(sampling.get(name))
+        """Check SamplingParams-named values of a request the router forwards as it came (a
+        TensorRT-LLM front's: numbers may be strings, nothing is typed yet)."""
+        stop = sampling.get("stop")
+        self._check(as_int(sampling.get("max_tokens")), as_int(sampling.get("n")), as_int(sampling.get("logprobs")),
+                    [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else [],
+                    sampling.get("stop_token_ids") if isinstance(sampling.get("stop_token_ids"), list) else [])
+
+    def _check(self, max_tokens: Optional[int], n: Optional[int], logprobs: Optional[int], stops: list,
+               stop_token_ids: list) -> None:
+        for name, value, limit, flag in (("max_tokens", max_tokens, self.max_tokens_limit, "max-tokens-limit"),
+                                         ("n", n, self.max_n, "max-n"),
+                                         ("logprobs", logprobs, self.max_logprobs, "max-logprobs")):
             if value is not None and value > limit:
                 raise LimitError(f"{name}: {value} exceeds this server's limit of {limit} (router --{flag})", name)
-        stop = sampling.get("stop")
-        stops = [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else []
         if len(stops) > self.max_stop_strings:
             raise LimitError(f"stop: {len(stops)} stop strings exceed this server's limit of "
                              f"{self.max_stop_strings} (router --max-stop-strings)", "stop")
@@ -90,9 +100,8 @@ class RequestLimits:
         if longest > self.max_stop_string_chars:
             raise LimitError(f"stop: a stop string of {longest} characters exceeds this server's limit of "
                              f"{self.max_stop_string_chars} (router --max-stop-string-chars)", "stop")
-        ids = sampling.get("stop_token_ids")
-        if isinstance(ids, list) and len(ids) > self.max_stop_token_ids:
-            raise LimitError(f"stop_token_ids: {len(ids)} ids exceed this server's limit of "
+        if len(stop_token_ids) > self.max_stop_token_ids:
+            raise LimitError(f"stop_token_ids: {len(stop_token_ids)} ids exceed this server's limit of "
                              f"{self.max_stop_token_ids} (router --max-stop-token-ids)", "stop_token_ids")
 
 
@@ -114,6 +123,20 @@ def json_kind(value: Any) -> str:
     return ("array" if isinstance(value, list) else "object" if isinstance(value, dict)
             else "boolean" if isinstance(value, bool) else "number" if isinstance(value, (int, float))
             else "null" if value is None else "string")
+
+
+def error_path(loc: tuple) -> str:
+    """A pydantic error's location as the field's JSON path (``messages[0].content``); a field
+    aliased to dodge a pydantic name (``schema_``) shows its wire name. One form for every door's
+    schema (OpenAI bodies, generate bodies, KServe v2 bodies)."""
+    text = ""
+    for part in loc:
+        if isinstance(part, int):
+            text += f"[{part}]"
+        else:
+            name = "schema" if part == "schema_" else str(part)
+            text += f".{name}" if text else name
+    return text
 
 
 def show_value(value: Any) -> str:
@@ -151,51 +174,3 @@ def sampling_of_infer_request(request: Any) -> dict[str, Any]:
         elif tensor.name == "stop_words" and tensor.datatype == "BYTES":
             sampling["stop"] = [w.decode("utf-8", "replace") for w in bytes_elements(raw) if w]
     return sampling
-
-
-_REMOVE = object()
-
-
-def remove_sampling_value(request: Any, key: str) -> None:
-    """Drop ``key`` from a ``ModelInferRequest``'s ``sampling_parameters`` JSON."""
-    set_sampling_value(request, key, _REMOVE)
-
-
-def set_sampling_value(request: Any, key: str, value: Any) -> None:
-    """Set ``key`` in a ``ModelInferRequest``'s ``sampling_parameters`` JSON (added if absent).
-
-    Keeps the request's encoding: raw contents if it uses them, else typed contents.
-    Invalid JSON is left alone (the replica names the error)."""
-    from pagoda.fleet.triton_wire import read_string_input
-
-    text = read_string_input(request, "sampling_parameters")
-    if text is not None and text.strip():
-        try:
-            values = json.loads(text)
-        except ValueError:
-            return
-        if not isinstance(values, dict):
-            return
-    else:
-        values = {}
-    if value is _REMOVE:
-        values.pop(key, None)
-    else:
-        values[key] = value
-    encoded = json.dumps(values).encode("utf-8")
-    uses_raw = len(request.raw_input_contents) > 0
-    for index, tensor in enumerate(request.inputs):
-        if tensor.name == "sampling_parameters":
-            if uses_raw:
-                request.raw_input_contents[index] = struct.pack("<I", len(encoded)) + encoded
-            else:
-                del tensor.contents.bytes_contents[:]
-                tensor.contents.bytes_contents.append(encoded)
-            return
-    tensor = request.inputs.add()
-    tensor.name, tensor.datatype = "sampling_parameters", "BYTES"
-    tensor.shape.append(1)
-    if uses_raw:
-        request.raw_input_contents.append(struct.pack("<I", len(encoded)) + encoded)
-    else:
-        tensor.contents.bytes_contents.append(encoded)

@@ -286,8 +286,9 @@ class ApproximatePolicy(PrefixAwarePolicy):
     name = "approximate"
     uses_exact = False
 
-    def __init__(self, load_cost_tokens: float = LOAD_COST_TOKENS, imbalance_abs: float = 8.0, imbalance_rel: float = 1.5,
-                 pending_ttl_s: float = 120.0, waiting_cost_tokens: float = WAITING_COST_TOKENS) -> None:
+    def __init__(self, load_cost_tokens: float = LOAD_COST_TOKENS, imbalance_abs: float = 8.0,
+                 imbalance_rel: float = 1.5, pending_ttl_s: float = 120.0,
+                 waiting_cost_tokens: float = WAITING_COST_TOKENS) -> None:
         if pending_ttl_s <= 0:
             raise ValueError("approximate: pending_ttl_s must be > 0 (it is the policy's only signal)")
         super().__init__(load_cost_tokens, imbalance_abs, imbalance_rel, pending_discount=1.0,

@@ -6,7 +6,7 @@ Membership comes from exactly one source, fixed at start:
   entry without ``id=`` takes the id of the registry heartbeat that names the same gRPC
   endpoint (so the Redis index's replica ids line up), else its gRPC endpoint.
 - ``kubernetes``: ready pods matching ``--k8s-selector`` in the router's namespace, listed
-  from the API server every few seconds (``KubernetesDiscovery``); id = pod name, the
+  from the API server every few seconds (``routing.k8s_discovery``); id = pod name, the
   replica id the operator gives each replica (``PAGODA_REPLICA_ID``).
 - ``registry``: the Redis replica registry itself (every replica with a live heartbeat).
   A member the registry stops listing (Redis restarted empty, FLUSHALL) is kept while its
@@ -26,10 +26,7 @@ in-flight requests end, so their accounting stays exact.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import os
-import ssl
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
@@ -40,8 +37,6 @@ ENDPOINT_KEYS = ("grpc", "http", "metrics", "kv")  # kv: the KV connector (routi
 # Disaggregated serving (docs/kv_transfer.md): a prefill replica takes only the first stage of
 # a request, a decode replica the second; mixed (the default) takes whole requests.
 ROLES = ("mixed", "prefill", "decode")
-POOL_LABEL = "pagoda.dev/pool"  # pods of an operator's prefill or decode pool (pagoda_operator.naming)
-DEFAULT_PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}
 
 
 def parse_replicas_spec(spec: str) -> list[tuple[Optional[str], dict[str, str]]]:
@@ -113,7 +108,10 @@ class Replica:
     _probe_channel: Any = field(default=None, repr=False)
     _closing: list = field(default_factory=list, repr=False)  # (channel, task) closing after a grace period
 
-    kv_address = property(lambda self: self.endpoints.get("kv") or self.heartbeat_kv)  # --replicas' kv= wins
+    @property
+    def kv_address(self) -> Optional[str]:
+        """Its KV connector's address: ``--replicas``' ``kv=`` wins over the heartbeat's."""
+        return self.endpoints.get("kv") or self.heartbeat_kv
 
     def grpc_stub(self) -> Any:
         """A ``GRPCInferenceServiceStub`` on one shared channel (created on first use)."""
@@ -320,130 +318,3 @@ def _close_later(replica: Replica) -> None:
         asyncio.get_running_loop().create_task(replica.close())
     except RuntimeError:  # no loop running: nothing was opened on one either
         pass
-
-
-# ---------------------------------------------------------------- Kubernetes discovery
-@dataclass
-class KubernetesConfig:
-    """Where and how to reach the API server (in-cluster defaults)."""
-
-    api_url: str
-    namespace: str
-    token: Optional[str] = None
-    ca_file: Optional[str] = None
-
-    @classmethod
-    def in_cluster(cls, namespace: Optional[str] = None) -> "KubernetesConfig":
-        """The service-account configuration a pod has.
-
-        Raises:
-            RuntimeError: not running in a pod (no ``KUBERNETES_SERVICE_HOST``).
-        """
-        host, port = os.environ.get("KUBERNETES_SERVICE_HOST"), os.environ.get("KUBERNETES_SERVICE_PORT", "443")
-        if not host:
-            raise RuntimeError("--k8s-selector needs to run in a pod (KUBERNETES_SERVICE_HOST is not set); "
-                               "pass --k8s-api to point at an API server")
-        sa = "/var/run/secrets/kubernetes.io/serviceaccount"
-        namespace = namespace or os.environ.get("PAGODA_NAMESPACE") or _read(f"{sa}/namespace") or "default"
-        if ":" in host:
-            host = f"[{host}]"
-        return cls(f"https://{host}:{port}", namespace, _read(f"{sa}/token"), f"{sa}/ca.crt")
-
-
-def _read(path: str) -> Optional[str]:
-    try:
-        with open(path) as f:
-            return f.read().strip()
-    except OSError:
-        return None
-
-
-def pod_to_member(pod: dict[str, Any]) -> Optional[tuple[str, dict[str, str]]]:
-    """(replica id, endpoints) of a ready pod, or ``None`` for a pod not ready to serve."""
-    metadata, status, spec = pod.get("metadata", {}), pod.get("status", {}), pod.get("spec", {})
-    if metadata.get("deletionTimestamp") or not status.get("podIP"):
-        return None
-    conditions = {c.get("type"): c.get("status") for c in status.get("conditions", [])}
-    if conditions.get("Ready") != "True":
-        return None
-    ports = dict(DEFAULT_PORTS)
-    for container in spec.get("containers", []):
-        for port in container.get("ports", []):
-            if port.get("name") in ports:
-                ports[port["name"]] = int(port["containerPort"])
-    ip = status["podIP"]
-    host = f"[{ip}]" if ":" in ip else ip
-    member = {key: f"{host}:{value}" for key, value in ports.items()}
-    role = (metadata.get("labels") or {}).get(POOL_LABEL)  # the operator's disaggregated pools
-    if role in ROLES:
-        member["role"] = role
-    return metadata["name"], member
-
-
-class KubernetesDiscovery:
-    """Lists pods matching a label selector and feeds them to a ``ReplicaSet``.
-
-    Args:
-        replicas: the set to update.
-        selector: a label selector (``a=b,c=d``).
-        config: API server location and credentials.
-        interval_s: seconds between lists.
-    """
-
-    def __init__(self, replicas: ReplicaSet, selector: str, config: KubernetesConfig, interval_s: float = 5.0) -> None:
-        self.replicas = replicas
-        self.selector = selector
-        self.config = config
-        self.interval_s = interval_s
-        self.num_lists = 0
-        self._task: Optional[asyncio.Task] = None
-        self._session: Any = None
-
-    async def list_members(self) -> list[tuple[str, dict[str, str]]]:
-        """One list call; returns the ready replicas (raises on API errors)."""
-        import aiohttp
-
-        if self._session is None:
-            ssl_context: Any = None
-            if self.config.api_url.startswith("https://"):
-                ssl_context = ssl.create_default_context(cafile=self.config.ca_file) if self.config.ca_file else None
-            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=ssl_context)
-                                                  if ssl_context else None)
-        headers = {"Authorization": f"Bearer {self.config.token}"} if self.config.token else {}
-        url = f"{self.config.api_url}/api/v1/namespaces/{self.config.namespace}/pods"
-        async with self._session.get(url, params={"labelSelector": self.selector}, headers=headers,
-                                     timeout=aiohttp.ClientTimeout(total=10)) as response:
-            if response.status != 200:
-                raise RuntimeError(f"listing pods failed: HTTP {response.status}: {(await response.text())[:200]}")
-            body = json.loads(await response.text())
-        self.num_lists += 1
-        return [m for m in (pod_to_member(pod) for pod in body.get("items", [])) if m is not None]
-
-    async def refresh(self) -> None:
-        self.replicas.set_members(await self.list_members())
-
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="pagoda-k8s-discovery")
-
-    async def _run(self) -> None:
-        while True:
-            try:
-                await self.refresh()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - keep the last known members and retry
-                logger.warning("Kubernetes discovery failed (keeping %d known replicas): %s",
-                               len(self.replicas.all()), exc)
-            await asyncio.sleep(self.interval_s)
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
-        if self._session is not None:
-            await self._session.close()
-            self._session = None

@@ -31,13 +31,16 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence, Union
 
 from pagoda.contracts.block_hash import hash_prompt_blocks
 from pagoda.fleet.routing.affinity import PendingIndex
 from pagoda.fleet.routing.decide import confirms_pending, decide
 from pagoda.fleet.routing.fleet_view import IndexView
 from pagoda.fleet.routing.replicas import Replica, ReplicaSet
+
+if TYPE_CHECKING:
+    from pagoda.models.tokenizer import Tokenizer
 
 FALLBACK_POLICY = "least_loaded"
 
@@ -53,6 +56,10 @@ class Analysis:
     num_prompt_tokens: int
     block_hashes: list[str]  # hex, full blocks only
     block_size: int
+    # The prompt's token ids and the tokenizer that made them (its fingerprint; None: the
+    # prompt came as ids): a door sends them on, so the replica does not tokenize again.
+    token_ids: Optional[list[int]] = None
+    tokenizer: Optional[str] = None
 
 
 @dataclass
@@ -93,8 +100,9 @@ class Router:
         policy_knobs: keyword arguments for ``make_policy``.
     """
 
-    def __init__(self, replicas: ReplicaSet, tokenizer: Any, hash_model_id: str, policy_name: str = "prefix_aware",
-                 fleet: Optional[IndexView] = None, block_size: int = 16, **policy_knobs: Any) -> None:
+    def __init__(self, replicas: ReplicaSet, tokenizer: "Tokenizer", hash_model_id: str,
+                 policy_name: str = "prefix_aware", fleet: Optional[IndexView] = None, block_size: int = 16,
+                 **policy_knobs: Any) -> None:
         from pagoda.fleet.routing.policy import make_policy
 
         self.replicas = replicas
@@ -136,7 +144,8 @@ class Router:
         token_ids = list(prompt) if isinstance(prompt, list) else self._encode(prompt)
         hashes = hash_prompt_blocks(token_ids, self.block_size, self.hash_model_id, cache_salt=cache_salt,
                                     adapter_id=adapter_id)
-        return Analysis(len(token_ids), [h.hex() for h in hashes], self.block_size)
+        tokenizer = None if isinstance(prompt, list) else getattr(self.tokenizer, "fingerprint", None)
+        return Analysis(len(token_ids), [h.hex() for h in hashes], self.block_size, token_ids, tokenizer)
 
     def _encode(self, prompt: str) -> list[int]:
         # The engine's encode(prompt) ids; the batch "fast" path skips offset tracking, which
@@ -227,7 +236,8 @@ class Router:
                  "# TYPE pagoda:router_peer_pulls_total counter",
                  f"pagoda:router_peer_pulls_total {self.num_peer_pulls}"]
         if self.fleet is not None:
-            lines += ["# HELP pagoda:router_reaped_replicas_total expired replicas whose index entries this router removed",
+            lines += ["# HELP pagoda:router_reaped_replicas_total "
+                      "expired replicas whose index entries this router removed",
                       "# TYPE pagoda:router_reaped_replicas_total counter",
                       f"pagoda:router_reaped_replicas_total {self.fleet.num_reaped}"]
         return lines

@@ -16,8 +16,8 @@ after every step (what the Redis index and ``IndexFollower`` hold, minus network
 asked only for policies with ``uses_exact``; routing-time affinity is the router's
 ``PendingIndex`` on the simulated clock; the policy objects are those of
 ``pagoda.fleet.routing.policy``.
-Arrivals come from ``pagoda.fleet.sim.arrivals`` (poisson, fanout bursts, diurnal, ramp). The router's load view mirrors production: heartbeat
-fields (waiting, running, KV usage) refreshed every ``heartbeat_interval_s``, plus an
+Arrivals come from ``pagoda.fleet.sim.arrivals`` (poisson, fanout bursts, diurnal, ramp). The router's load view
+mirrors production: heartbeat fields (waiting, running, KV usage) refreshed every ``heartbeat_interval_s``, plus an
 exact ``in_flight`` count of its own requests.
 
 Events are (time, order) in a heap: arrivals, step completions, heartbeats. A replica
@@ -37,7 +37,7 @@ from pagoda.contracts.block_hash import hash_prompt_blocks
 from pagoda.engine.request import Request
 from pagoda.engine.sampling_params import SamplingParams
 from pagoda.engine.runner.runner_output import ModelRunnerOutput
-from pagoda.engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pagoda.engine.core.sched.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pagoda.fleet.routing.affinity import PendingIndex
 from pagoda.fleet.routing.cost_model import DEFAULT_STEP_MODEL, StepTimeModel  # noqa: F401 - re-exported
 from pagoda.fleet.routing.decide import confirms_pending, decide

@@ -12,7 +12,7 @@ proxy, it needs:
 
 ``TritonServer`` materializes a temporary work dir with that backend directory and a copy
 of ``model_repository/`` (pagoda's model, whose ``config.pbtxt`` carries the engine
-settings, and the TensorRT-LLM fronts, ``trtllm_dialect``), then:
+settings, and the TensorRT-LLM fronts, ``trtllm_front``), then:
 - refuses to start when the stub's numpy is 2.x or a port is taken (clear messages);
 - starts the server in its own process group with a parent-death signal, so it never
   outlives the launcher (``process_tree``), and waits until the server and every model are READY;
@@ -65,8 +65,9 @@ from typing import Optional
 from pagoda.serving import finalize_request, process_tree
 from pagoda.serving.launch import startup_check
 from pagoda.serving.model_config import rewrite_config_pbtxt
-from pagoda.serving.trtllm_dialect import configure_fronts
-from pagoda.serving.launch.triton_install import TritonPaths, default_model_repository, find_tritonserver, make_backend_dir
+from pagoda.serving.trtllm_front import configure_fronts
+from pagoda.serving.launch.triton_install import (TritonPaths, default_model_repository, find_tritonserver,
+                                                  make_backend_dir)
 
 MODEL_NAME = "pagoda"
 # tritonserver's exit: idle HTTP connections first, then the models' unload (already finalized).

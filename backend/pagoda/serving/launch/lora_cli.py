@@ -1,7 +1,7 @@
 """``pagoda lora load|unload|list``: LoRA adapters loaded and unloaded at run time.
 
 Sends one LoRA control request (``lora_action``, ``lora_name``, ``lora_path``; see
-``triton_io.parse_lora_control`` and docs/lora.md) to Triton's generate endpoint of a
+``serving.dialects.pagoda.read_lora_control`` and docs/lora.md) to Triton's generate endpoint of a
 replica (``pagoda serve --allow-runtime-lora``) or of the router, which applies it to
 every replica it routes to. The answer is the JSON document the replica (or router)
 puts in ``text_output``; an error answer (HTTP 4xx/5xx, Triton's ``{"error": ...}``)

@@ -34,7 +34,7 @@ from typing import Optional
 
 from pagoda.engine.kv_transfer.registry import KV_CONNECTOR_BACKENDS
 from pagoda.serving.launch.launcher import MODEL_NAME, ServeOptions, TritonServer
-from pagoda.serving.trtllm_dialect import FRONT_MODELS
+from pagoda.serving.trtllm_front import FRONT_MODELS
 from pagoda.serving.launch.openai_door import DEFAULT_PORT as DEFAULT_OPENAI_PORT
 from pagoda.serving.launch.openai_door import OpenAIDoor, model_dir_for
 from pagoda.serving.model_config import engine_config_from_parameters
@@ -45,7 +45,7 @@ STUB_RESTART_WINDOW_S = 600.0
 ENGINE_FLAGS = ("scheduling_policy", "speculative_method", "speculative_model", "num_speculative_tokens",
                 "cpu_offload_bytes", "preemption_mode", "default_max_tokens", "gpu_memory_utilization",
                 "max_waiting_requests", "max_waiting_prompt_tokens", "max_queue_delay_s", "kv_cache_dtype",
-                "tensor_parallel_size", "pipeline_parallel_size")
+                "tensor_parallel_size", "pipeline_parallel_size", "generation_config")
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -66,6 +66,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-memory-utilization", type=float, help="fraction of GPU memory the engine may use")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"))
     p.add_argument("--dtype", choices=("auto", "float32", "float16", "bfloat16"))
+    p.add_argument("--generation-config", choices=("auto", "none"),
+                   help="sampling defaults for what a request leaves unset: the model's generation_config.json "
+                        "(auto, the default, as vLLM) or SamplingParams' own (none)")
     p.add_argument("--quantization", choices=("int8", "fp8"),
                    help="int8 or fp8 (e4m3; CUDA sm_89+ or CPU emulation): 8-bit weights of the linear layers")
     p.add_argument("--kv-cache-dtype", choices=("auto", "fp8_e4m3"),
@@ -102,6 +105,12 @@ def make_parser() -> argparse.ArgumentParser:
                         "wait longer than this for a slot (default 30; 0: off)")
     p.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
                    help="serve a PEFT LoRA adapter under NAME (repeatable; requests pick it with lora_name)")
+    p.add_argument("--reasoning-parser", metavar="NAME",
+                   help="the OpenAI door's reasoning parser (pagoda router --reasoning-parser; default: from the "
+                        "chat template)")
+    p.add_argument("--tool-call-parser", metavar="NAME",
+                   help="the OpenAI door's tool-call parser (pagoda router --tool-call-parser; default: from the "
+                        "chat template)")
     p.add_argument("--allow-runtime-lora", action="store_true",
                    help="accept LoRA control requests that load/unload adapters at run time (lora_action; "
                         "`pagoda lora`; turns LoRA on). Only for trusted clients: a load reads any folder "
@@ -149,7 +158,8 @@ def make_parser() -> argparse.ArgumentParser:
                         "many times in 10 minutes; beyond that (or with 0) the replica stops with exit code 1")
     p.add_argument("--openai-port", type=int, default=DEFAULT_OPENAI_PORT,
                    help="serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, /health) on "
-                        f"this port (default {DEFAULT_OPENAI_PORT}; 0: off); the router's OpenAI code over this replica")
+                        f"this port (default {DEFAULT_OPENAI_PORT}; 0: off); the router's OpenAI code over this "
+                        "replica")
     p.add_argument("--served-model-name", metavar="NAME",
                    help="the model's name on the OpenAI door and in metrics labels (default: the model folder's "
                         "name, or $PAGODA_MODEL_NAME)")
@@ -340,7 +350,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.openai_port:
             door = OpenAIDoor(args.openai_port, model_dir_for(options.model), server.grpc_url, server.http_url,
                               f"{options.host}:{options.metrics_port}", allow_runtime_lora=args.allow_runtime_lora,
-                              model_name=args.served_model_name).start()
+                              model_name=args.served_model_name, parsers=(args.reasoning_parser,
+                                                                          args.tool_call_parser)).start()
         starting[0] = False
         trtllm_mode = "decoupled (streaming)" if args.trtllm_decoupled == "true" else "unary infer()"
         print(f"pagoda is serving model '{MODEL_NAME}' ({options.model})\n"

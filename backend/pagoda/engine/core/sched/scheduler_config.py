@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from pagoda.engine.config import EngineConfig
-from pagoda.engine.core.policy import get_policy
+from pagoda.engine.core.sched.policy import get_policy
 from pagoda.engine.kv.host_tier import PREEMPTION_MODES
 from pagoda.engine.request import Request
 

@@ -1,4 +1,5 @@
-"""TensorRT-LLM dialect translation without a server (``pagoda.serving.trtllm_dialect``)."""
+"""TensorRT-LLM dialect translation without a server (``pagoda.serving.dialects.trtllm`` / ``.llmapi``):
+its inputs read into a ``WireRequest``, pagoda's responses turned into its outputs."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import json
 import numpy as np
 import pytest
 
-from pagoda.serving import trtllm_dialect as dialect
+from pagoda.serving.dialects import trtllm as dialect
+from pagoda.serving.trtllm_front import configure_fronts
+from pagoda.serving.wire import WireRequest
 
 
 def item(**values):
@@ -27,8 +30,20 @@ def test_split_batch_gives_rows_and_refuses_a_mismatched_batch():
         dialect.split_batch({**inputs, "max_tokens": np.array([[3]], dtype=np.int32)})
 
 
+def sampling_values(item):
+    """What one item asks of pagoda: its sampling values and request options in one dict."""
+    read = dialect.read_item(item, decoupled=False)
+    return {**read.options, **read.sampling}
+
+
+def to_pagoda_inputs(item, decoupled, options=None):
+    """The front's BLS request for one item: the checked ``WireRequest``'s canonical tensors."""
+    return WireRequest.from_dialect(dialect.read_item(item, decoupled)).with_options(**(options or {})) \
+        .to_triton_inputs()
+
+
 def test_sampling_values_map_every_applied_input():
-    values = dialect.sampling_values(item(
+    values = sampling_values(item(
         max_tokens=np.int32(5), min_length=np.int32(2), num_return_sequences=np.int32(2), random_seed=np.uint64(7),
         top_p=np.float32(0), stop_words=[b"\n", b""], end_id=np.int32(3), pad_id=np.int32(0),
         lora_task_id=np.uint64(12), return_log_probs=True, guided_decoding_guide_type=b"json",
@@ -38,13 +53,17 @@ def test_sampling_values_map_every_applied_input():
                       "guided_decoding": {"json_object": True}}
 
 
-def test_embedding_bias_goes_to_pagodas_model_as_tensors():
-    """pagoda's model reads the words with its tokenizer (``triton_io``); the front holds none."""
+def test_embedding_bias_is_read_with_the_models_tokenizer_in_the_front():
+    """The front reads the words with the served model's tokenizer (``encode``), so pagoda's
+    model receives a ``logit_bias`` like any other request's."""
     words = np.array([b"cat", b"dog"], dtype=np.object_)
-    inputs = dialect.to_pagoda_inputs(item(embedding_bias_words=words, embedding_bias_weights=[np.float32(1)] * 2),
-                                      decoupled=False)
-    assert inputs["embedding_bias_words"].tolist() == [b"cat", b"dog"]
-    assert inputs["embedding_bias_weights"].tolist() == [1.0, 1.0]
+    read = dialect.read_item(item(embedding_bias_words=words, embedding_bias_weights=[np.float32(1), np.float32(2)]),
+                             decoupled=False, encode={"cat": [5, 6], "dog": [6]}.__getitem__)
+    assert read.sampling["logit_bias"] == {5: 1.0, 6: 3.0}
+    inputs = WireRequest.from_dialect(read).to_triton_inputs()
+    assert json.loads(inputs["sampling_parameters"][0])["logit_bias"] == {"5": 1.0, "6": 3.0}
+    with pytest.raises(ValueError, match="^embedding_bias_words: this model has no tokenizer"):
+        dialect.read_item(item(embedding_bias_words=words, embedding_bias_weights=[np.float32(1)] * 2), False)
     assert dialect.embedding_bias(["ab", "b"], [1.0, 2.0], {"ab": [1, 2], "b": [2]}.__getitem__) == {1: 1.0, 2: 3.0}
     with pytest.raises(ValueError, match="^embedding_bias_weights: 1 weights for 2 embedding_bias_words"):
         dialect.embedding_bias(["a", "b"], [1.0], {"a": [1], "b": [2]}.__getitem__)
@@ -62,17 +81,17 @@ def test_embedding_bias_goes_to_pagodas_model_as_tensors():
 ])
 def test_bad_inputs_are_refused_naming_them(values, message):
     with pytest.raises(ValueError, match="^" + message):
-        dialect.sampling_values(item(**values))
+        sampling_values(item(**values))
 
 
 def test_beam_width_is_beam_search_returning_every_beam_with_log_probs():
-    values = dialect.sampling_values(item(beam_width=np.int32(4), length_penalty=np.float32(0.5),
-                                          return_log_probs=np.bool_(True)))
+    values = sampling_values(item(beam_width=np.int32(4), length_penalty=np.float32(0.5),
+                                  return_log_probs=np.bool_(True)))
     assert values["use_beam_search"] is True and values["beam_width"] == 4 and values["n"] == 4
     assert values["temperature"] == 0.0 and values["length_penalty"] == 0.5 and values["logprobs"] == 0
-    assert dialect.sampling_values(item(beam_width=np.int32(4), num_return_sequences=np.int32(2)))["n"] == 2
-    assert "logprobs" not in dialect.sampling_values(item(beam_width=np.int32(4)))
-    inputs = dialect.to_pagoda_inputs(item(beam_width=np.int32(2), return_log_probs=np.bool_(True)), decoupled=False)
+    assert sampling_values(item(beam_width=np.int32(4), num_return_sequences=np.int32(2)))["n"] == 2
+    assert "logprobs" not in sampling_values(item(beam_width=np.int32(4)))
+    inputs = to_pagoda_inputs(item(beam_width=np.int32(2), return_log_probs=np.bool_(True)), decoupled=False)
     assert inputs["return_cumulative_logprob"].tolist() == [True] and inputs["return_logprobs"].tolist() == [True]
     tensors = {"text_output": np.array([b"a", b"b"], dtype=np.object_),
                "cumulative_logprob": np.array([-1.0, -2.0], dtype=np.float32),
@@ -92,10 +111,10 @@ def test_request_parameters_are_refused_naming_them_but_cache_salt():
     with pytest.raises(ValueError, match="^foo: unknown input"):
         dialect.read_request_parameters(json.dumps({"foo": 1, "id": "x"}))
     options = dialect.read_request_parameters('{"cache_salt": "tenant-a"}')
-    inputs = dialect.with_options(dialect.to_pagoda_inputs(item(), decoupled=False), options)
+    inputs = to_pagoda_inputs(item(), decoupled=False, options=options)
     assert json.loads(inputs["sampling_parameters"][0])["cache_salt"] == "tenant-a"
     with pytest.raises(ValueError, match="^cache_salt: must be a non-empty string"):
-        dialect.read_request_parameters('{"cache_salt": ""}')
+        to_pagoda_inputs(item(), False, dialect.read_request_parameters('{"cache_salt": ""}'))
 
 
 def test_outputs_per_sequence_and_stacked():
@@ -128,11 +147,11 @@ def test_configure_fronts_sets_decoupled_and_refuses_other_models(tmp_path):
     import shutil
 
     repository = shutil.copytree(default_model_repository(), tmp_path / "repo")
-    dialect.configure_fronts(repository, {"tensorrt_llm_bls": True})
+    configure_fronts(repository, {"tensorrt_llm_bls": True})
     assert "decoupled: true" in (repository / "tensorrt_llm_bls" / "config.pbtxt").read_text()
     assert "decoupled: false" in (repository / "ensemble" / "config.pbtxt").read_text()
     with pytest.raises(ValueError, match="^trtllm_decoupled: 'pagoda' is not a TensorRT-LLM front"):
-        dialect.configure_fronts(repository, {"pagoda": True})
+        configure_fronts(repository, {"pagoda": True})
 
 
 def test_the_routers_http_door_knows_every_input_of_pagodas_model():
@@ -153,7 +172,7 @@ def test_the_routers_http_door_knows_every_input_of_pagodas_model():
 
 
 def test_llmapi_inputs_become_pagodas_and_refusals_name_the_input():
-    from pagoda.serving import trtllm_llmapi as llmapi
+    from pagoda.serving.dialects import llmapi
 
     request = {"text_input": np.array([b"hi"], dtype=np.object_),
                "sampling_param_max_tokens": np.array([5], dtype=np.int32),
@@ -161,14 +180,14 @@ def test_llmapi_inputs_become_pagodas_and_refusals_name_the_input():
                "sampling_param_stop": np.array([b"\n", b""], dtype=np.object_),
                "lora_name": np.array([b"sql"], dtype=np.object_), "lora_id": np.array([9], dtype=np.uint64),
                "return_stop_reason": np.array([True])}
-    inputs = llmapi.to_pagoda_inputs(request, decoupled=False)
-    assert json.loads(inputs["sampling_parameters"][0]) == {"output_dialect": "vllm", "max_tokens": 5, "top_k": 3,
-                                                            "stop": ["\n"], "lora_name": "sql"}
-    assert inputs["return_stop_reason"].tolist() == [True] and inputs["exclude_input_in_output"].tolist() == [False]
+    inputs = WireRequest.from_dialect(llmapi.read_item(request, decoupled=False)).to_triton_inputs()
+    assert json.loads(inputs["sampling_parameters"][0]) == {"max_tokens": 5, "top_k": 3, "stop": ["\n"],
+                                                            "lora_name": "sql", "output_dialect": "vllm"}
+    assert inputs["return_stop_reason"].tolist() == [True] and "exclude_input_in_output" not in inputs
     with pytest.raises(ValueError, match="^streaming: streaming needs the decoupled model"):
-        llmapi.to_pagoda_inputs({**request, "streaming": np.array([True])}, decoupled=False)
+        llmapi.read_item({**request, "streaming": np.array([True])}, decoupled=False)
     with pytest.raises(ValueError, match="^lora_path: not supported"):
-        llmapi.to_pagoda_inputs({**request, "lora_path": np.array([b"/a"], dtype=np.object_)}, decoupled=True)
+        llmapi.read_item({**request, "lora_path": np.array([b"/a"], dtype=np.object_)}, decoupled=True)
     assert llmapi.is_stop_request({"stop": np.array([True])}) and not llmapi.is_stop_request(request)
     assert llmapi.llmapi_kv_metrics(40, 8, 32, block_size=16) == {
         "kv_cache_alloc_total_blocks": 3, "kv_cache_alloc_new_blocks": 1, "kv_cache_hit_rate": pytest.approx(2 / 3),
@@ -201,9 +220,12 @@ def test_the_routers_http_door_checks_a_front_body_against_the_fronts_inputs():
 def test_the_router_salts_a_front_body_through_its_request_parameters():
     """Tenants' prefix-cache isolation reaches the fronts: the router's tenant salt goes in
     ``parameters.cache_salt``, which the front reads into pagoda's ``cache_salt``."""
-    from pagoda.fleet.api.http_api import _salt_document
+    from pagoda.fleet.api.generate_request import GenerateRequest
 
     document = {"text_input": "Hi", "max_tokens": 4}
-    _salt_document(document, "tenant-salt", front=True)
-    assert document["parameters"] == {"cache_salt": "tenant-salt"}
-    assert dialect.read_request_parameters(json.dumps(document["parameters"])) == {"cache_salt": "tenant-salt"}
+    body = GenerateRequest.of_document(document, "ensemble", is_front=True).salted("tenant-salt").body()
+    assert body["parameters"] == {"cache_salt": "tenant-salt"} and "parameters" not in document
+    options = dialect.read_request_parameters(json.dumps(body["parameters"]))
+    assert options == {"cache_salt": "tenant-salt"}
+    wire = WireRequest.from_dialect(dialect.read_item(item(), decoupled=False)).with_options(**options)
+    assert wire.options.cache_salt == "tenant-salt"

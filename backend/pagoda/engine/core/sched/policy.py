@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Sequence, Union
 
-from pagoda.engine.core.request_queue import FcfsQueue, PriorityQueue
+from pagoda.engine.core.sched.request_queue import FcfsQueue, PriorityQueue
 from pagoda.engine.request import Request
 
 

@@ -5,7 +5,7 @@ included), who was preempted and who was admitted this step, and the hashes of t
 blocks this step computes. A waiting request whose next uncached blocks are among those
 waits one step and then hits them instead of prefilling the same prefix again beside its
 first owner (bursts sharing a prompt: an agent's fan-out, n parallel completions; see
-``core.constraints.SharedPrefixWait``). Under the batch queue (``core.batch_queue``) a step
+``core.sched.constraints.SharedPrefixWait``). Under the batch queue (``core.batch_queue``) a step
 also takes at most ``max_requests`` requests, so N steps in flight share the running ones.
 """
 

@@ -37,8 +37,8 @@ first, and a flood of low-priority traffic never blocks an urgent request.
 Overload error: ``EngineOverloaded`` (refused at ``add_request``) and a displaced
 request's final output carry a message starting with ``OVERLOADED_PREFIX`` and a retry
 hint (``retry_after_s``); the prefixes are wire formats and live in
-``pagoda.contracts.errors``, whose ``classify_replica_error`` is how routers read them. The serving layer answers it with Triton's ``UNAVAILABLE``
-(HTTP 503); the router tries a replica with room and, when every replica is full, answers
+``pagoda.contracts.errors``, whose ``classify_replica_error`` is how routers read them. The serving layer answers it
+with Triton's ``UNAVAILABLE`` (HTTP 503); the router tries a replica with room and, when every replica is full, answers
 OpenAI clients with 429 and ``Retry-After``.
 
 Deadlines: a request may carry ``timeout`` (seconds from arrival). A request still

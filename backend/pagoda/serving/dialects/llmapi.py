@@ -1,37 +1,40 @@
-"""TensorRT-LLM's LLM-API dialect (the ``tensorrt_llm`` model of its ``all_models/llmapi``) on pagoda.
+"""TensorRT-LLM's LLM-API dialect (the ``tensorrt_llm`` model of its ``all_models/llmapi``).
 
-Pure functions over numpy arrays; ``trtllm_front.LLMAPIFront`` runs them in the front model
-``model_repository/tensorrt_llm``. That interface has no batch dimension
-(``max_batch_size: 0``), takes one prompt in ``text_input``, the sampling values as
-``sampling_param_*`` scalars, ``streaming``, ``return_finish_reason`` /
-``return_stop_reason`` / ``return_cumulative_logprob`` and a **stop request**: a request
-with ``stop`` true cancels the requests that carry its request id.
+The only reader of this vocabulary. Pure functions over numpy arrays;
+``serving.trtllm_front.LLMAPIFront`` runs them in the front model
+``model_repository/tensorrt_llm``. That interface has no batch dimension (``max_batch_size:
+0``), takes one prompt in ``text_input``, the sampling values as ``sampling_param_*``
+scalars, ``streaming``, ``return_finish_reason`` / ``return_stop_reason`` /
+``return_cumulative_logprob`` and a **stop request**: a request with ``stop`` true cancels
+the requests that carry its request id.
 
 Invariants:
 
 - every input is applied, accepted or refused with a ``ValueError`` whose message starts
-  with its name (``REFUSED``; ``sampling_param_best_of`` above 1), as in ``trtllm_dialect``;
+  with its name (``REFUSED``; ``sampling_param_best_of`` above 1), as in ``trtllm``;
 - text is what the LLM API's ``CompletionOutput.text`` holds: the generated text so far,
   so a streaming response repeats the text before it (cumulative, not a delta); with
   ``sampling_param_exclude_input_from_output`` false (the interface's default) the prompt
   is in front, as the input's name says;
 - ``finish_reason`` and ``stop_reason`` are ``str()`` of the LLM API's values (``"None"``
-  until a completion finishes; ``stop_reason`` is the stop string or token id).
+  until a completion finishes; ``stop_reason`` is the stop string or token id): the vLLM
+  output dialect.
 """
 
 from __future__ import annotations
 
-import json
 from typing import Any, Optional
 
 import numpy as np
 
-from pagoda.serving.trtllm_dialect import kv_cache_metrics
+from pagoda.serving.dialects.tensors import DialectRequest, Item, flag, number, one, strings, string_array, text
+from pagoda.serving.dialects.trtllm import kv_cache_metrics
 
-SCALAR_KEYS = {"sampling_param_temperature": "temperature", "sampling_param_top_k": "top_k",
-               "sampling_param_top_p": "top_p", "sampling_param_frequency_penalty": "frequency_penalty",
-               "sampling_param_presence_penalty": "presence_penalty", "sampling_param_max_tokens": "max_tokens",
-               "sampling_param_seed": "seed"}
+SCALAR_KEYS: dict[str, tuple[str, type]] = {
+    "sampling_param_temperature": ("temperature", float), "sampling_param_top_k": ("top_k", int),
+    "sampling_param_top_p": ("top_p", float), "sampling_param_frequency_penalty": ("frequency_penalty", float),
+    "sampling_param_presence_penalty": ("presence_penalty", float),
+    "sampling_param_max_tokens": ("max_tokens", int), "sampling_param_seed": ("seed", int)}
 FLAGS = ("streaming", "sampling_param_exclude_input_from_output", "sampling_param_return_perf_metrics",
          "return_finish_reason", "return_stop_reason", "return_cumulative_logprob", "stop")
 REFUSED = {
@@ -45,74 +48,61 @@ REFUSED = {
 OTHER_INPUTS = ("text_input", "sampling_param_stop", "sampling_param_best_of", "lora_id", "lora_name")
 INPUTS = (*OTHER_INPUTS, *SCALAR_KEYS, *FLAGS, *REFUSED)
 
-Item = dict[str, np.ndarray]
-
-
-def _one(name: str, item: Item) -> Any:
-    array = item.get(name)
-    if array is None:
-        return None
-    if array.size != 1:
-        raise ValueError(f"{name}: expected one value, got {array.size}")
-    value = array.reshape(-1)[0]
-    if isinstance(value, (bytes, bytearray)):
-        return bytes(value).decode("utf-8")
-    return value.item() if hasattr(value, "item") else value
-
 
 def is_stop_request(item: Item) -> bool:
-    return bool(_one("stop", item))
+    return flag("stop", item.get("stop"))
 
 
-def to_pagoda_inputs(item: Item, decoupled: bool) -> dict[str, np.ndarray]:
-    """pagoda's model inputs for one LLM-API request. Raises ValueError naming the input."""
+def read_item(item: Item, decoupled: bool) -> DialectRequest:
+    """One LLM-API request in pagoda's names. Raises ValueError naming the input."""
     for name, why in REFUSED.items():
         if name in item:
             raise ValueError(f"{name}: not supported: {why}")
-    prompt = _one("text_input", item)
+    prompt = text("text_input", item.get("text_input"))
     if prompt is None:
         raise ValueError("text_input: required input is missing")
-    best_of = _one("sampling_param_best_of", item)
+    best_of = one("sampling_param_best_of", item.get("sampling_param_best_of"))
     if best_of is not None and best_of != 1:
         raise ValueError(f"sampling_param_best_of: only 1 is accepted (pagoda returns every sample it draws), "
                          f"got {best_of!r}")
-    streaming = bool(_one("streaming", item))
+    streaming = flag("streaming", item.get("streaming"))
     if streaming and not decoupled:
         raise ValueError("streaming: streaming needs the decoupled model (pagoda serve --trtllm-decoupled), "
                          "as the LLM API backend's decoupled setting")
-    values: dict[str, Any] = {"output_dialect": "vllm"}  # finish_reason "None" until the end, as str(None)
-    for name, key in SCALAR_KEYS.items():
-        value = _one(name, item)
+    values: dict[str, Any] = {}
+    for name, (key, kind) in SCALAR_KEYS.items():
+        value = number(name, item.get(name), kind)
         if value is not None:
             values[key] = value
-    stop = item.get("sampling_param_stop")
-    words = [] if stop is None else [bytes(v).decode() if isinstance(v, bytes) else str(v) for v in stop.reshape(-1)]
-    if any(words):
-        values["stop"] = [w for w in words if w]
-    if _one("lora_name", item) is not None:
-        values["lora_name"] = _one("lora_name", item)  # lora_id: TensorRT-LLM's cache key; pagoda keys by name
-    perf = bool(_one("sampling_param_return_perf_metrics", item))
-    flag = lambda name: np.array([bool(_one(name, item))])  # noqa: E731
-    return {"text_input": np.array([prompt.encode("utf-8")], dtype=np.object_),
-            "sampling_parameters": np.array([json.dumps(values).encode()], dtype=np.object_),
-            "stream": np.array([streaming]),
-            "exclude_input_in_output": np.array([bool(_one("sampling_param_exclude_input_from_output", item))]),
-            "return_finish_reason": flag("return_finish_reason"), "return_stop_reason": flag("return_stop_reason"),
-            "return_cumulative_logprob": flag("return_cumulative_logprob"),
-            "return_num_input_tokens": np.array([True]), "return_num_output_tokens": np.array([True]),
-            "return_num_cached_tokens": np.array([perf])}
+    stop = strings("sampling_param_stop", item.get("sampling_param_stop"))
+    if stop:
+        values["stop"] = stop
+    options: dict[str, Any] = {"output_dialect": "vllm"}  # finish_reason "None" until the end, as str(None)
+    lora_name = text("lora_name", item.get("lora_name"))
+    if lora_name is not None:
+        options["lora_name"] = lora_name  # lora_id: TensorRT-LLM's cache key; pagoda keys by name
+    flags = {"stream": streaming,
+             "exclude_input_in_output": flag("sampling_param_exclude_input_from_output",
+                                             item.get("sampling_param_exclude_input_from_output")),
+             **{name: flag(name, item.get(name)) for name in
+                ("return_finish_reason", "return_stop_reason", "return_cumulative_logprob")},
+             "return_num_input_tokens": True, "return_num_output_tokens": True,
+             "return_num_cached_tokens": flag("sampling_param_return_perf_metrics",
+                                              item.get("sampling_param_return_perf_metrics"))}
+    return DialectRequest(prompt=prompt, sampling=values, options=options, flags=flags)
 
 
 def requested(item: Item) -> dict[str, bool]:
-    return {"perf": bool(_one("sampling_param_return_perf_metrics", item)), "log_probs": False,
-            "cumulative_logprob": bool(_one("return_cumulative_logprob", item))}
+    return {"perf": flag("sampling_param_return_perf_metrics", item.get("sampling_param_return_perf_metrics")),
+            "log_probs": False,
+            "cumulative_logprob": flag("return_cumulative_logprob", item.get("return_cumulative_logprob"))}
 
 
 def to_llmapi_outputs(tensors: dict[str, np.ndarray], texts: list[str],
                       perf: Optional[dict[str, Any]]) -> Item:
     """The LLM-API model's outputs from one pagoda response, ``texts`` being each
     completion's text so far (cumulative)."""
-    out = {"text_output": np.array([t.encode("utf-8") for t in texts], dtype=np.object_)}
+    out = {"text_output": string_array(texts)}
     for name in ("finish_reason", "stop_reason"):
         if name in tensors:
             out[name] = tensors[name].reshape(-1)

@@ -20,7 +20,7 @@ once per scheduled request, in schedule order.
    accepted drafts end with the sampled bonus token). A step that starts at that token (a
    decode, with or without drafts) then leaves it out: ``token_ids`` is one short and the
    runner puts the token it sampled first. A beam's next token is chosen on the host
-   (``core.beam_search``), not sampled, so it always travels. Every other token travels: prompt chunks,
+   (``request_groups.beam_search``), not sampled, so it always travels. Every other token travels: prompt chunks,
    recomputed outputs after a preemption, a decode of a new request, and drafts.
 """
 

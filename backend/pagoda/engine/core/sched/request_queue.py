@@ -1,4 +1,4 @@
-"""Waiting queues of the scheduler, one per kind of order (``core.policy`` picks one).
+"""Waiting queues of the scheduler, one per kind of order (``core.sched.policy`` picks one).
 
 ``FcfsQueue`` serves requests in arrival order and puts preempted ones back at the front;
 ``PriorityQueue`` serves the smallest key first (the policy's key, e.g. ``(priority,

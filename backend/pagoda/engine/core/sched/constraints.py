@@ -28,7 +28,7 @@ Entries:
   one step later those blocks are cached and it hits them. A burst of requests sharing a
   long prompt therefore prefills it once, for one step of extra wait.
 - ``BeamGroupReserve`` (always; asks nothing of other requests): a beam-search group
-  (``core.beam_search``) is one admission unit with its worst-case need. While none of
+  (``request_groups.beam_search``) is one admission unit with its worst-case need. While none of
   its beams runs (its first admission, or after the group was preempted), its beam stops
   admission until the free blocks, plus its cached prefix, cover the group's worst case
   (``BeamGroup.worst_case_blocks``), so a group is not admitted only to be preempted by
@@ -40,7 +40,7 @@ from __future__ import annotations
 import enum
 from typing import Callable, Optional, Sequence
 
-from pagoda.engine.core.step_plan import StepPlan
+from pagoda.engine.core.sched.step_plan import StepPlan
 from pagoda.engine.request import Request, RequestStatus
 
 

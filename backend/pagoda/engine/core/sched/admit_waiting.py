@@ -2,7 +2,7 @@
 
 After the running requests got their tokens, and only if nothing was preempted, waiting
 requests are admitted in the policy's order until one cannot be: the budget, the sequence
-limit or the KV cache is exhausted, or an admission constraint (``core.constraints``) says
+limit or the KV cache is exhausted, or an admission constraint (``core.sched.constraints``) says
 stop. For each request:
 
 1. constraints asked before the prefix lookup may set it aside (``Admit.SKIP``: it goes
@@ -11,8 +11,9 @@ stop. For each request:
 3. otherwise its prefix-cache lookup (device, then the host tier continuing it) sets
    ``num_cached_tokens`` (first admission only) and moves ``num_computed_tokens`` to the
    hit (none for a request asking for prompt log-probabilities: cached positions have no
-   logits, so it computes its whole prompt, as vLLM skips prefix-cache hits for it); constraints asked after the lookup may stop admission; the rest of the prompt is
-   scheduled (a chunk of it with chunked prefill, else all or nothing: ``StepPlan.chunk``);
+   logits, so it computes its whole prompt, as vLLM skips prefix-cache hits for it); constraints asked after the
+   lookup may stop admission; the rest of the prompt is scheduled (a chunk of it with chunked prefill, else all or
+   nothing: ``StepPlan.chunk``);
 4. when blocks or sequence slots run out, the policy may preempt a strictly less urgent
    running request (priority); the lookup is repeated, as the victim's blocks may have
    been part of the hit.
@@ -27,10 +28,10 @@ from __future__ import annotations
 
 from typing import Callable, Container, NamedTuple, Optional, Sequence
 
-from pagoda.engine.core.constraints import AdmissionConstraint, Admit
-from pagoda.engine.core.policy import FcfsPolicy
-from pagoda.engine.core.request_queue import FcfsQueue, PriorityQueue
-from pagoda.engine.core.step_plan import StepPlan
+from pagoda.engine.core.sched.constraints import AdmissionConstraint, Admit
+from pagoda.engine.core.sched.policy import FcfsPolicy
+from pagoda.engine.core.sched.request_queue import FcfsQueue, PriorityQueue
+from pagoda.engine.core.sched.step_plan import StepPlan
 from pagoda.engine.kv.block_pool import KVCacheBlock
 from pagoda.engine.kv.host_tier import HostTier
 from pagoda.engine.kv.kv_cache_manager import KVCacheManager
@@ -50,7 +51,7 @@ class WaitingAdmitter:
 
     Args:
         running: the scheduler's running list (appended to on admission).
-        preempt: the scheduler's ``_preempt(victim, step)``.
+        preempt: the scheduler's ``Preemption.preempt(victim, step)`` (``sched.preemption``).
     """
 
     def __init__(self, waiting: FcfsQueue | PriorityQueue, running: list[Request], kv_cache_manager: KVCacheManager,

@@ -13,13 +13,13 @@ Every request has ``num_computed_tokens`` catching up with ``num_tokens``. Each 
    front). A request that is its own victim is preempted and the pass moves on: later
    running requests have smaller keys and may still fit (e.g. in a partly filled block).
 2. Then, if nothing was preempted this step, waiting requests in policy order
-   (``core.admit_waiting``): prefix-cache lookup, the rest of the prompt (or a chunk of
+   (``core.sched.admit_waiting``): prefix-cache lookup, the rest of the prompt (or a chunk of
    it), preemption of a strictly less urgent running request under the priority policy;
    admission stops at the first request that does not fit, so the policy's order holds.
-   Admission constraints (``core.constraints``: LoRA slots, the shared-prefix wait) may
+   Admission constraints (``core.sched.constraints``: LoRA slots, the shared-prefix wait) may
    stop it earlier or set one request aside (LoRA) so the ones behind it still run.
 
-The policy (``core.policy``: fcfs or priority) is an object looked up once: it makes the
+The policy (``core.sched.policy``: fcfs or priority) is an object looked up once: it makes the
 waiting queue, picks victims and says whether a waiting request may preempt.
 
 A step whose tokens reach the end of a request's known tokens samples (``is_sampling``).
@@ -34,7 +34,7 @@ Overlap (``EngineConfig.async_scheduling``): because ``schedule()`` already coun
 N's tokens, step N+1 can be scheduled before step N's results are applied. A request
 that samples in step N is then scheduled in step N+1 for its placeholder: one token
 whose id is unknown on the host (``ScheduledRequest.token_ids`` leaves it out, as for
-every decode of a token the runner sampled: the plan is a delta, ``core.runner_view``);
+every decode of a token the runner sampled: the plan is a delta, ``core.sched.runner_view``);
 the runner substitutes the token it sampled in step N, which it keeps on the device.
 At most one step is unapplied when ``schedule()`` runs, so a request has at most one
 placeholder then, and a waiting request none (batch queue, ``micro_batches`` N > 1: a request
@@ -56,7 +56,7 @@ no block holding them is ever hashed or cached.
 
 KV offload (``kv.host_tier``, on when ``num_host_blocks > 0``; ``NoHostTier`` otherwise,
 so no path asks whether it is on): a victim may instead be
-preempted by *swap* (the cost model or ``preemption_mode`` decides): its computed blocks
+preempted by *swap* (``sched.preemption``; the cost model or ``preemption_mode`` decides): its computed blocks
 are copied to host blocks, it keeps ``num_computed_tokens`` and waits swapped out; when
 admitted again it gets fresh blocks filled from the host (``blocks_to_swap_in``), with no
 prefix lookup. A victim admitted in the same step always recomputes (its inbound copies
@@ -65,7 +65,7 @@ have not run yet). Cached blocks the pool evicts go to the host tier
 device hit ends (``blocks_to_copy_back``); those blocks count as computed. The runner
 executes every device -> host copy, then every host -> device copy, before the forward.
 
-Beam search (``core.beam_search``): a beam (``request.beam_group`` set) gets no token here
+Beam search (``request_groups.beam_search``): a beam (``request.beam_group`` set) gets no token here
 (its group chooses, forks and prunes after this update); preempting a beam preempts its
 group's running beams; a beam with a placeholder waits (async scheduling); forks'
 copy-on-write block copies ride on the next plan (``blocks_to_copy``).
@@ -82,14 +82,15 @@ from dataclasses import dataclass
 from typing import Iterable, Mapping, Optional, Sequence, Union
 
 from pagoda.contracts.kv_events import KVEvent, KVEventBuffer
-from pagoda.engine.core.admit_waiting import WaitingAdmitter
-from pagoda.engine.core.constraints import make_constraints
-from pagoda.engine.core.policy import get_policy
-from pagoda.engine.core.runner_view import RunnerView
-from pagoda.engine.core.scheduler_config import SchedulerConfig
-from pagoda.engine.core.step_plan import StepPlan
+from pagoda.engine.core.sched.admit_waiting import WaitingAdmitter
+from pagoda.engine.core.sched.constraints import make_constraints
+from pagoda.engine.core.sched.policy import get_policy
+from pagoda.engine.core.sched.preemption import Preemption
+from pagoda.engine.core.sched.runner_view import RunnerView
+from pagoda.engine.core.sched.scheduler_config import SchedulerConfig
+from pagoda.engine.core.sched.step_plan import StepPlan
 from pagoda.engine.kv.block_pool import BlockPool
-from pagoda.engine.kv.host_tier import SwapCostModel, blocks_for_tokens, make_host_tier
+from pagoda.engine.kv.host_tier import SwapCostModel, make_host_tier
 from pagoda.engine.kv.kv_cache_manager import KVCacheManager
 from pagoda.engine.request import Request, RequestStatus
 from pagoda.engine.runner.runner_output import ModelRunnerOutput
@@ -120,8 +121,6 @@ class Scheduler:
         self.waiting = self.policy.make_queue()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # live (unfinished) requests by id
-        self.num_preemptions_total = 0
-        self.num_recomputed_preemptions = 0
         self.host_tier = make_host_tier(config.num_host_blocks, config.block_size, config.preemption_mode,
                                         swap_cost_model, enable_prefix_tier=config.enable_prefix_caching)
         if self.host_tier.is_enabled:  # evicted cached blocks go to the host tier instead of away
@@ -132,10 +131,12 @@ class Scheduler:
         self._unapplied: dict[int, SchedulerOutput] = {}  # step id -> a step whose results are not applied
         self._busy: set[str] = set()  # batch queue: ids in unapplied steps (the admitter reads it too)
         self.runner_view = RunnerView()  # what the runner holds: the step plan is a delta
+        self.preemption = Preemption(self.running, self.waiting, self.kv_cache_manager, self.host_tier,
+                                     self.runner_view, config.block_size)
         self.constraints = make_constraints(config.max_loras, config.min_shared_prefix_to_wait,
                                             lambda: self.block_pool.num_free_blocks, config.block_size)
         self.admitter = WaitingAdmitter(self.waiting, self.running, self.kv_cache_manager, self.host_tier,
-                                        self.policy, self.constraints, self._preempt, config.max_num_seqs,
+                                        self.policy, self.constraints, self.preemption.preempt, config.max_num_seqs,
                                         config.block_size, self._busy)
 
     # Requests in ---------------------------------------------------------------------
@@ -211,7 +212,7 @@ class Scheduler:
             step.share_with_queue(self._unapplied.values(), self._busy, num_live, self.config.micro_batches)
         self._schedule_running(step, spec_token_ids or {})
         if not step.preempted:
-            self.admitter.admit(step)  # core.admit_waiting
+            self.admitter.admit(step)  # core.sched.admit_waiting
         output = SchedulerOutput(
             preempted_request_ids=[r.request_id for r in step.preempted],
             finished_request_ids=self._finished_request_ids,
@@ -243,7 +244,7 @@ class Scheduler:
         assert end <= request.num_tokens + request.num_output_placeholders, "scheduled past the placeholders"
         assert request.num_tokens >= end - 1, "more than one placeholder token in a step"
         is_sampling = end == request.num_tokens + request.num_output_placeholders
-        # A delta: blocks and tokens the runner lacks (core.runner_view).
+        # A delta: blocks and tokens the runner lacks (core.sched.runner_view).
         is_new, new_block_ids, skip = self.runner_view.plan(
             request, start, self.kv_cache_manager.get_block_ids(request.request_id), is_sampling)
         scheduled = ScheduledRequest(request, num_computed_tokens=start, num_new_tokens=num_new,
@@ -269,7 +270,7 @@ class Scheduler:
             if self._schedule_with_drafts(request, spec_token_ids.get(request.request_id), step):
                 continue
             while self.kv_cache_manager.allocate_slots(request, num_new) is None:
-                self._preempt(self.policy.victim(self.running), step)
+                self.preemption.preempt(self.policy.victim(self.running), step)
                 if request.status != RequestStatus.RUNNING:  # itself, or a beam of its group
                     break
             else:
@@ -291,36 +292,6 @@ class Scheduler:
             return False
         step.add(request, 1 + num_spec, num_spec)
         return True
-
-    def _swap_out(self, request: Request, step: StepPlan) -> bool:
-        """Try to preempt ``request`` by swap; False: recompute instead."""
-        if request.request_id in step.admitted or request.beam_group is not None:  # beams recompute (beam_search)
-            return False
-        num_blocks = blocks_for_tokens(request.num_computed_tokens, self.config.block_size)
-        if not self.host_tier.wants_swap(request.num_computed_tokens, num_blocks):
-            return False
-        return self.host_tier.swap_out(request.request_id,
-                                       self.kv_cache_manager.get_block_ids(request.request_id)[:num_blocks])
-
-    def _preempt(self, victim: Request, step: StepPlan) -> None:
-        """Preempt ``victim`` (with every running beam of its group)."""
-        for request in victim.beam_group.members if victim.beam_group else [victim]:
-            if request.status == RequestStatus.RUNNING:
-                self._preempt_one(request, step)
-
-    def _preempt_one(self, request: Request, step: StepPlan) -> None:
-        self.running.remove(request)
-        step.remove(request)
-        if not self._swap_out(request, step):
-            request.num_computed_tokens = 0
-            self.num_recomputed_preemptions += 1
-        self.kv_cache_manager.free(request)
-        self.runner_view.forget(request.request_id)  # the runner drops it on preempted_request_ids
-        request.status = RequestStatus.PREEMPTED
-        request.num_preemptions += 1
-        self.num_preemptions_total += 1
-        step.preempted.append(request)
-        self.waiting.add_preempted(request)
 
     # Results in ----------------------------------------------------------------------
 
@@ -353,7 +324,7 @@ class Scheduler:
                 continue
             request.num_output_placeholders -= 1
             assert request.num_output_placeholders >= 0, "step applied twice"
-            if request.beam_group is not None:  # its group chooses its token (core.beam_search)
+            if request.beam_group is not None:  # its group chooses its token (request_groups.beam_search)
                 self.kv_cache_manager.cache_blocks(request, computed_end)
                 continue
             tokens = sampled.get(request.request_id)
@@ -421,12 +392,41 @@ class Scheduler:
         """The live request with this id, or None (unknown or finished)."""
         return self.requests.get(request_id)
 
-    num_waiting = property(lambda self: len(self.waiting))
-    num_running = property(lambda self: len(self.running))
-    num_free_blocks = property(lambda self: self.block_pool.num_free_blocks)
-    kv_cache_usage = property(lambda self: self.block_pool.usage)
-    prefix_cache_queries = property(lambda self: self.kv_cache_manager.prefix_cache_queries)
-    prefix_cache_hits = property(lambda self: self.kv_cache_manager.prefix_cache_hits)
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.num_free_blocks
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """The fraction of usable KV blocks in use, in [0, 1]."""
+        return self.block_pool.usage
+
+    @property
+    def prefix_cache_queries(self) -> int:
+        """Prompt tokens looked up in the prefix cache so far."""
+        return self.kv_cache_manager.prefix_cache_queries
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        """Of those, the tokens found cached."""
+        return self.kv_cache_manager.prefix_cache_hits
+
+    @property
+    def num_preemptions_total(self) -> int:
+        return self.preemption.num_preemptions_total
+
+    @property
+    def num_recomputed_preemptions(self) -> int:
+        """Preemptions that reset ``num_computed_tokens`` (the rest swapped out)."""
+        return self.preemption.num_recomputed_preemptions
 
     def take_events(self) -> list[KVEvent]:
         return self.event_buffer.take()

@@ -1,4 +1,5 @@
-"""triton_io: request tensors -> ParsedRequest, engine outputs -> response tensors (no server)."""
+"""pagoda's model inputs -> ``WireRequest`` (``serving.dialects.pagoda`` + ``serving.wire``), and
+engine outputs -> response tensors (``serving.responses``); no server."""
 
 import json
 import re
@@ -7,9 +8,17 @@ import numpy as np
 import pytest
 
 from pagoda.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
-from pagoda.serving.triton_io import (MAX_PROMPT_CHARS, LoRAControl, make_control_response, make_error_response,
-                                     make_response, parse_lora_control, parse_request)
-from pagoda.serving.vllm_dialect import request_parameter_vocabulary
+from pagoda.serving.commands import ServingRequest
+from pagoda.serving.dialects.pagoda import LoRAControl, read_lora_control
+from pagoda.serving.dialects.vllm import request_parameter_vocabulary
+from pagoda.serving.responses import make_control_response, make_error_response, make_response
+from pagoda.serving.wire import MAX_PROMPT_CHARS, WireRequest
+
+
+def parse_request(get_input, parameters=None, output_dialect="pagoda", encode=None):
+    """The replica's reading of one request, as ``model.py`` makes it."""
+    wire = WireRequest.from_triton_inputs(get_input, parameters, encode)
+    return ServingRequest("r", wire, None, output_dialect=wire.output.dialect_or(output_dialect))
 
 
 def text(value):
@@ -35,10 +44,10 @@ def inputs(**tensors):
 
 def test_defaults_when_only_text_input():
     parsed = parse_request(inputs(text_input="Hello"))
-    assert parsed.prompt == "Hello"
-    assert parsed.stream is False and parsed.exclude_input_in_output is False
-    assert parsed.params.max_tokens == 16 and parsed.params.temperature == 1.0
-    assert parsed.priority == 0 and parsed.cache_salt is None
+    assert parsed.wire.prompt == "Hello"
+    assert parsed.wire.output.stream is False and parsed.wire.output.exclude_input_in_output is False
+    assert parsed.wire.engine_params().max_tokens == 16 and parsed.wire.engine_params().temperature == 1.0
+    assert parsed.wire.options.priority == 0 and parsed.wire.options.cache_salt is None
 
 
 def test_vllm_style_json_and_flags():
@@ -47,17 +56,18 @@ def test_vllm_style_json_and_flags():
         return_num_output_tokens=True,
         sampling_parameters={"temperature": 0, "max_tokens": 8, "stop": ["\n"], "seed": 3, "top_k": -1,
                              "priority": 2, "cache_salt": "tenant-a"}))
-    assert parsed.stream and parsed.exclude_input_in_output and parsed.return_finish_reason
-    assert parsed.return_num_output_tokens and not parsed.return_logprobs
-    p = parsed.params
+    output = parsed.wire.output
+    assert output.stream and output.exclude_input_in_output and output.return_finish_reason
+    assert parsed.wire.output.return_num_output_tokens and not parsed.wire.output.return_logprobs
+    p = parsed.wire.engine_params()
     assert (p.temperature, p.max_tokens, p.stop, p.seed, p.top_k) == (0, 8, ["\n"], 3, 0)
-    assert parsed.priority == 2 and parsed.cache_salt == "tenant-a"
+    assert parsed.wire.options.priority == 2 and parsed.wire.options.cache_salt == "tenant-a"
 
 
 def test_vllm_backend_string_values_are_accepted():
     parsed = parse_request(inputs(text_input="Hi", sampling_parameters={
         "temperature": "0.5", "max_tokens": "12", "ignore_eos": "true", "top_p": "0.9"}))
-    p = parsed.params
+    p = parsed.wire.engine_params()
     assert (p.temperature, p.max_tokens, p.ignore_eos, p.top_p) == (0.5, 12, True, 0.9)
 
 
@@ -69,7 +79,7 @@ def test_trtllm_scalars_win_over_json():
         seed=np.array([42], dtype=np.uint64), repetition_penalty=np.array([1.1], dtype=np.float32),
         stop_words=np.array([b"END", b""], dtype=np.object_), end_id=np.array([2], dtype=np.int32),
         bad_words=np.array([b""], dtype=np.object_), beam_width=np.array([1], dtype=np.int32)))
-    p = parsed.params
+    p = parsed.wire.engine_params()
     assert (p.max_tokens, p.temperature, p.top_k, p.seed) == (7, 0.0, 5, 42)
     assert p.top_p == pytest.approx(0.5) and p.repetition_penalty == pytest.approx(1.1)
     assert p.stop == ["END"] and p.stop_token_ids == [2]
@@ -84,20 +94,20 @@ def test_bad_words_and_embedding_bias_as_tensorrt_llm_sends_them():
                                   embedding_bias_words=np.array([b"cat", b"dog"], dtype=np.object_),
                                   embedding_bias_weights=np.array([-2.0, 0.5], dtype=np.float32)),
                            encode=tokens.__getitem__)
-    assert parsed.params.bad_words == ["darn"]
-    assert parsed.params.logit_bias == {5: -2.0, 6: pytest.approx(-0.5)}
+    assert parsed.wire.engine_params().bad_words == ["darn"]
+    assert parsed.wire.engine_params().logit_bias == {5: -2.0, 6: pytest.approx(-0.5)}
 
 
 def test_empty_stop_words_mean_none():
     parsed = parse_request(inputs(text_input="Hi", stop_words=np.array([b""], dtype=np.object_)))
-    assert parsed.params.stop == []
+    assert parsed.wire.engine_params().stop == []
 
 
 def test_logprob_flags_turn_on_engine_logprobs():
     parsed = parse_request(inputs(text_input="Hi", return_cumulative_logprob=True))
-    assert parsed.params.logprobs == 0
+    assert parsed.wire.engine_params().logprobs == 0
     parsed = parse_request(inputs(text_input="Hi", return_logprobs=True, sampling_parameters={"logprobs": 3}))
-    assert parsed.params.logprobs == 3
+    assert parsed.wire.engine_params().logprobs == 3
 
 
 @pytest.mark.parametrize("tensors, message", [
@@ -226,11 +236,11 @@ def test_error_response_is_final():
 def test_lora_name_from_input_or_json_and_refused_when_not_a_string():
     text = np.array([b"hi"], dtype=object)
     parsed = parse_request(lambda n: {"text_input": text, "lora_name": np.array([b"sql"], dtype=object)}.get(n))
-    assert parsed.lora_name == "sql"
+    assert parsed.wire.options.lora_name == "sql"
     js = np.array([json.dumps({"lora_name": "chat", "max_tokens": 3}).encode()], dtype=object)
     parsed = parse_request(lambda n: {"text_input": text, "sampling_parameters": js}.get(n))
-    assert parsed.lora_name == "chat" and parsed.params.max_tokens == 3
-    assert parse_request(lambda n: {"text_input": text}.get(n)).lora_name is None
+    assert parsed.wire.options.lora_name == "chat" and parsed.wire.engine_params().max_tokens == 3
+    assert parse_request(lambda n: {"text_input": text}.get(n)).wire.options.lora_name is None
     bad = np.array([json.dumps({"lora_name": 7}).encode()], dtype=object)
     with pytest.raises(ValueError, match="lora_name: must be a non-empty string"):
         parse_request(lambda n: {"text_input": text, "sampling_parameters": bad}.get(n))
@@ -238,7 +248,8 @@ def test_guided_decoding_in_sampling_parameters():
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     parsed = parse_request(inputs(text_input="Hi", sampling_parameters={
         "max_tokens": "8", "guided_decoding": {"json": schema, "regex": None}}))
-    assert parsed.params.guided_decoding.kind == "json" and json.loads(parsed.params.guided_decoding.json) == schema
+    guided = parsed.wire.engine_params().guided_decoding
+    assert guided.kind == "json" and json.loads(guided.json) == schema
     for spec, message in [({"regex": "a", "choice": ["a"]}, "give exactly one of"),
                           ("a+", "guided_decoding: must be a JSON object"),
                           ({"json": "{"}, "guided_decoding.json: not valid JSON")]:
@@ -256,9 +267,9 @@ def test_engine_error_output_becomes_the_one_error_response():
 
 
 def test_timeout_is_a_request_option():
-    assert parse_request(inputs(text_input="Hi", sampling_parameters={"timeout": 2.5})).timeout == 2.5
-    assert parse_request(inputs(text_input="Hi", sampling_parameters={"timeout": "3"})).timeout == 3.0
-    assert parse_request(inputs(text_input="Hi")).timeout is None
+    assert parse_request(inputs(text_input="Hi", sampling_parameters={"timeout": 2.5})).wire.options.timeout == 2.5
+    assert parse_request(inputs(text_input="Hi", sampling_parameters={"timeout": "3"})).wire.options.timeout == 3.0
+    assert parse_request(inputs(text_input="Hi")).wire.options.timeout is None
 
 
 def test_admission_error_output_becomes_an_unavailable_error():
@@ -270,11 +281,11 @@ def test_admission_error_output_becomes_an_unavailable_error():
 
 
 def test_lora_control_requests_are_parsed_and_bad_ones_named():
-    assert parse_lora_control(inputs(text_input="Hi", lora_name="sql")) is None  # a generation
-    assert parse_lora_control(inputs(lora_action="load", lora_name="sql", lora_path="/a/sql")) == \
+    assert read_lora_control(inputs(text_input="Hi", lora_name="sql")) is None  # a generation
+    assert read_lora_control(inputs(lora_action="load", lora_name="sql", lora_path="/a/sql")) == \
         LoRAControl("load", "sql", "/a/sql")
-    assert parse_lora_control(inputs(lora_action="unload", lora_name="sql")) == LoRAControl("unload", "sql")
-    assert parse_lora_control(inputs(lora_action="list")) == LoRAControl("list")
+    assert read_lora_control(inputs(lora_action="unload", lora_name="sql")) == LoRAControl("unload", "sql")
+    assert read_lora_control(inputs(lora_action="list")) == LoRAControl("list")
     assert not LoRAControl("list").changes_adapters and LoRAControl("unload", "x").changes_adapters
     for tensors, message in [
         (dict(lora_action="reload", lora_name="sql"), "lora_action: must be one of load, unload, list, got 'reload'"),
@@ -288,7 +299,7 @@ def test_lora_control_requests_are_parsed_and_bad_ones_named():
          "cannot be combined with generation inputs (text_input, stream)"),
     ]:
         with pytest.raises(ValueError, match=re.escape(message)):
-            parse_lora_control(inputs(**tensors))
+            read_lora_control(inputs(**tensors))
     with pytest.raises(ValueError, match="lora_path: only a LoRA control request"):
         parse_request(inputs(text_input="Hi", lora_path="/a"))
     response = make_control_response({"action": "list", "loaded": ["sql"]})
@@ -300,10 +311,11 @@ def test_lora_control_requests_are_parsed_and_bad_ones_named():
 def test_request_parameters_are_read_as_sampling_parameters_and_merged_with_the_tensor():
     parsed = parse_request(inputs(text_input="Hi"), json.dumps({"temperature": "0", "max_tokens": "3",
                                                                 "stop_token_ids": "[7, 8]", "traceparent": "00-x"}))
-    assert (parsed.params.temperature, parsed.params.max_tokens, parsed.params.stop_token_ids) == (0.0, 3, [7, 8])
+    params = parsed.wire.engine_params()
+    assert (params.temperature, params.max_tokens, params.stop_token_ids) == (0.0, 3, [7, 8])
     both = parse_request(inputs(text_input="Hi", sampling_parameters={"temperature": 0, "n": 2}),
                          json.dumps({"temperature": "0", "lora_name": "sql", "seed": 4}))
-    assert (both.params.n, both.params.seed, both.lora_name) == (2, 4, "sql")
+    assert (both.wire.engine_params().n, both.wire.engine_params().seed, both.wire.options.lora_name) == (2, 4, "sql")
     conflict = r"^max_tokens: given as a request parameter \(4\) and in sampling_parameters \(3\)"
     with pytest.raises(ValueError, match=conflict):
         parse_request(inputs(text_input="Hi", sampling_parameters={"max_tokens": 3}), json.dumps({"max_tokens": "4"}))
@@ -312,7 +324,7 @@ def test_request_parameters_are_read_as_sampling_parameters_and_merged_with_the_
     with pytest.raises(ValueError, match=r"^max_tokens: must be an integer, got 'many'"):
         parse_request(inputs(text_input="Hi"), json.dumps({"max_tokens": "many"}))
     guided = parse_request(inputs(text_input="Hi"), json.dumps({"guided_decoding": '{"regex": "[ab]"}'}))
-    assert guided.params.guided_decoding.regex == "[ab]"
+    assert guided.wire.engine_params().guided_decoding.regex == "[ab]"
     assert {"temperature", "structured_outputs", "lora_name", "traceparent"} <= request_parameter_vocabulary()
 
 
@@ -320,7 +332,8 @@ def test_structured_outputs_become_guided_decoding():
     as_text = parse_request(inputs(text_input="Hi"), json.dumps({"structured_outputs": json.dumps({"choice": ["a"]})}))
     as_object = parse_request(inputs(text_input="Hi", sampling_parameters={
         "structured_outputs": {"regex": "[0-9]+", "json": None, "disable_fallback": True}}))
-    assert as_text.params.guided_decoding.choice == ["a"] and as_object.params.guided_decoding.regex == "[0-9]+"
+    assert as_text.wire.engine_params().guided_decoding.choice == ["a"]
+    assert as_object.wire.engine_params().guided_decoding.regex == "[0-9]+"
     for sampling, message in [({"structured_outputs": {"regex": "a"}, "guided_decoding": {"regex": "b"}},
                                "structured_outputs: give either"),
                               ({"structured_outputs": "{oops"}, "structured_outputs: not valid JSON"),
@@ -328,14 +341,15 @@ def test_structured_outputs_become_guided_decoding():
                                "structured_outputs.whitespace_pattern: not supported")]:
         with pytest.raises(ValueError, match=f"^{re.escape(message)}"):
             parse_request(inputs(text_input="Hi", sampling_parameters=sampling))
-    assert parse_request(inputs(text_input="Hi"), json.dumps({"prompt_logprobs": "2"})).params.prompt_logprobs == 2
+    parsed = parse_request(inputs(text_input="Hi"), json.dumps({"prompt_logprobs": "2"}))
+    assert parsed.wire.engine_params().prompt_logprobs == 2
     with pytest.raises(ValueError, match="^prompt_logprobs: must be >= 0"):
         parse_request(inputs(text_input="Hi", sampling_parameters={"prompt_logprobs": -1}))
 
 
 def test_input_ids_are_a_token_prompt():
     parsed = parse_request(inputs(input_ids=np.array([5, 6, 7], dtype=np.int32)))
-    assert parsed.prompt == [5, 6, 7]
+    assert parsed.wire.prompt_token_ids == (5, 6, 7) and parsed.wire.prompt is None
     for tensors, message in [(dict(input_ids=np.array([5], dtype=np.int32), text_input="Hi"), "input_ids: give the "),
                              (dict(input_ids=np.array([], dtype=np.int32)), "input_ids: must be a non-empty list"),
                              (dict(input_ids=np.array([3, -1], dtype=np.int32)), "input_ids: must be a non-empty"),
@@ -375,7 +389,7 @@ def test_vllm_output_dialect_logprobs_and_finish_reason():
         "5": {"logprob": -0.5, "rank": 2, "decoded_token": " a"}}]
     assert response.tensors["finish_reason"].tolist() == [b"None"]
     not_asked = parse_request(inputs(text_input="Say:", stream=True, return_logprobs=True), output_dialect="vllm")
-    assert not_asked.params.logprobs == 0  # tracked for cumulative_logprob, not reported
+    assert not_asked.wire.engine_params().logprobs == 0  # tracked for cumulative_logprob, not reported
     response = make_response(not_asked, _output(False, [" a"], [" a"], [[5]], [[5]], logprobs=lps))
     assert response.tensors["logprobs"].tolist() == [b"null"]
     # The request option wins over the model's default dialect.
@@ -390,11 +404,15 @@ def test_beam_search_from_either_dialect_with_cumulative_logprobs():
     vllm = parse_request(inputs(text_input="Hi", return_cumulative_logprob=True, sampling_parameters={
         "use_beam_search": True, "best_of": 4, "n": 2, "temperature": 0, "length_penalty": 0.5,
         "early_stopping": "never"}))
-    assert vllm.params.num_beams == 4 and vllm.params.n == 2 and vllm.params.logprobs is None
-    assert vllm.params.length_penalty == 0.5 and vllm.params.early_stopping == "never"
+    params = vllm.wire.engine_params()
+    assert params.num_beams == 4 and params.n == 2 and params.logprobs is None
+    assert params.length_penalty == 0.5 and params.early_stopping == "never"
     per_token = parse_request(inputs(text_input="Hi", return_logprobs=True, sampling_parameters={
         "use_beam_search": True, "best_of": 2, "temperature": 0, "logprobs": 3}))
-    assert per_token.params.logprobs == 3 and per_token.logprobs_asked  # each beam's per-token values
+    # Each beam's per-token values.
+    assert per_token.wire.engine_params().logprobs == 3 and per_token.wire.logprobs_asked
     trt = parse_request(inputs(text_input="Hi", beam_width=np.array([3], dtype=np.int32)))
-    assert trt.params.num_beams == 3 and trt.params.temperature == 0.0 and trt.params.n == 1
-    assert parse_request(inputs(text_input="Hi", beam_width=np.array([1], dtype=np.int32))).params.num_beams == 0
+    params = trt.wire.engine_params()
+    assert params.num_beams == 3 and params.temperature == 0.0 and params.n == 1
+    width_1 = parse_request(inputs(text_input="Hi", beam_width=np.array([1], dtype=np.int32)))
+    assert width_1.wire.engine_params().num_beams == 0

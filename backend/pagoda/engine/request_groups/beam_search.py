@@ -22,8 +22,8 @@ old ``BeamSearchScorer``), step by step, for a group of width ``k``:
 
 KV and scheduling. Beams are ordinary scheduler requests with ``beam_group`` set, sampled
 greedily with ``logprobs=max(2k, N)`` (the sampler's top-``2k`` on the device; ``2k``
-pairs per beam, or ``N`` with ``logprobs=N > 2k``, reach the host). The scheduler appends no token to a beam; after each update
-``BeamSearch.advance`` records each beam's log-probabilities and, once every live beam of a
+pairs per beam, or ``N`` with ``logprobs=N > 2k``, reach the host). The scheduler appends no token to a beam; after
+each update ``BeamSearch.advance`` records each beam's log-probabilities and, once every live beam of a
 group has reported (beams step together; a recomputing beam holds its group back), the
 group chooses. A beam continuing with one child appends that token; every further child of
 the same beam is a *fork* (``KVCacheManager.fork``): a new request whose block table is its
@@ -53,7 +53,7 @@ The group is one admission unit: only its first beam is queued; ``check`` refuse
 whose worst case (prompt blocks, plus ``k`` beams of ``max_tokens`` and a partial block
 each; ``k`` whole sequences without prefix caching, where a preempted group cannot share
 its prompt again) exceeds the cache; while none of its beams runs, it is admitted only
-when that many blocks are free (``core.constraints.BeamGroupReserve``). Preempting any
+when that many blocks are free (``core.sched.constraints.BeamGroupReserve``). Preempting any
 beam preempts the group's running beams, always by recompute (a swapped-out beam that
 already reported would come back with nothing to compute). A report counts only while the
 beam's tokens are all computed: one from a step that ran while its group chose (async
@@ -66,7 +66,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
-from pagoda.engine.core.parallel_sampling import child_request_ids
+from pagoda.engine.request_groups.parallel_sampling import child_request_ids
 from pagoda.engine.request import Request, RequestStatus
 from pagoda.engine.sampling.row import SamplingRow, TokenLogprobs
 from pagoda.engine.sampling_params import SamplingParams
@@ -139,7 +139,7 @@ class BeamGroup:
         self.finished: list[Hypothesis] = []
         self.improvable = True
         self.num_forks = 0
-        self.worst_case_blocks = 0  # set by BeamSearch.check (core.constraints.BeamGroupReserve reads it)
+        self.worst_case_blocks = 0  # set by BeamSearch.check (core.sched.constraints.BeamGroupReserve reads it)
         self.first_scheduled_time: Optional[float] = None  # the first beam's, for the final outputs
         self.num_cached_tokens = 0  # the first beam's prefix-cache hit
         self.find_stop_string = find_stop_string if params.stop else None
