@@ -29,8 +29,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
-from pagoda.kernels import triton_attention, triton_conv1d, triton_gdn, triton_moe, triton_ops, triton_w4a16, triton_w8a16
-from pagoda.kernels import tuning
+from pagoda.kernels import triton_attention, triton_conv1d, triton_gdn, triton_moe, triton_ops, triton_w4a16
+from pagoda.kernels import triton_w8a16, tuning
 from pagoda.kernels.metadata import AttentionMetadata
 
 # A 16-byte asynchronous copy global -> shared: how the pipelined K/V tiles are loaded.

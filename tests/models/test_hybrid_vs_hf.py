@@ -206,7 +206,8 @@ def test_greedy_continuation_equals_generate(pair):
     expected = []
     for ids in prompts:
         with torch.no_grad():
-            out = hf.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False, min_new_tokens=new_tokens)
+            out = hf.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False,
+                              min_new_tokens=new_tokens)
         expected.append(out[0, len(ids):].tolist())
     caches = make_layer_caches(ours, NUM_BLOCKS, BLOCK_SIZE, NUM_SLOTS, state_fill=float("nan"))
     tables = [[2, 7, 11, 19], [5, 13, 1, 22]]
@@ -364,7 +365,8 @@ def test_int8_weights_apply_to_the_dense_family_and_are_refused_with_experts(pai
         for name in getattr(module, "linear_weights", ()):
             weight = getattr(module, name)
             delattr(module, name)
-            setattr(module, name, torch.nn.Parameter(dequantize_int8(weight.qweight, weight.scale), requires_grad=False))
+            dequantized_weight = dequantize_int8(weight.qweight, weight.scale)
+            setattr(module, name, torch.nn.Parameter(dequantized_weight, requires_grad=False))
     ids = prompt(11, 9)
     outs = []
     for model in (quantized, dequantized):

@@ -198,7 +198,8 @@ class SharedExpertMoE(nn.Module):
                   for name, target in self.shared_expert.weight_targets().items()}
         if self.fused_checkpoint:
             routed = {"mlp.gate.weight": (self.experts.gate_weight, ALL),
-                      "mlp.experts.gate_up_proj": (self.experts.w13, ALL), "mlp.experts.down_proj": (self.experts.w2, ALL)}
+                      "mlp.experts.gate_up_proj": (self.experts.w13, ALL),
+                      "mlp.experts.down_proj": (self.experts.w2, ALL)}
         else:
             routed = self.experts.weight_targets()
         return {**routed, **shared, "mlp.shared_expert_gate.weight": (self.shared_gate_weight, ALL)}
