@@ -51,6 +51,11 @@ def make_parser() -> argparse.ArgumentParser:
                    help="accept /v1/load_lora_adapter and /v1/unload_lora_adapter (and `pagoda lora` control "
                         "requests), applied to every replica (started with --allow-runtime-lora)")
     add_parser_flags(p)
+    p.add_argument("--response-store", action="store_true",
+                   help="keep Responses API turns so a request can continue one (previous_response_id): in the "
+                        "fleet's Redis with --redis-url, else in the router's memory; off by default")
+    p.add_argument("--response-store-ttl", type=float, default=3600.0, metavar="SECONDS",
+                   help="how long a stored Responses API turn is kept (default 3600)")
     p.add_argument("--hash-model-id",
                    help="block-hash root (default: the model folder's name; replicas' heartbeats override)")
     p.add_argument("--replicas",
@@ -115,6 +120,7 @@ def options_from_args(args: argparse.Namespace) -> RouterOptions:
         model_dir=args.model_dir, model_name=args.model_name, hash_model_id=args.hash_model_id,
         lora_names=tuple(args.lora), allow_runtime_lora=args.allow_runtime_lora,
         reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
+        response_store=args.response_store, response_store_ttl_s=args.response_store_ttl,
         replicas=args.replicas, k8s_selector=args.k8s_selector, k8s_namespace=args.k8s_namespace,
         k8s_api=args.k8s_api, redis_url=args.redis_url, policy=args.policy, policy_knobs=knobs,
         index_mode=args.index_mode, redis_timeout_s=args.redis_timeout_ms / 1e3, host=args.host,

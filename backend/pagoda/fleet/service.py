@@ -46,6 +46,7 @@ from pagoda.fleet.shutdown import STOP_PHASE_S, bounded
 
 if TYPE_CHECKING:
     from pagoda.fleet.api.lora_admin import LoRAAdmin
+    from pagoda.fleet.api.response_store import ResponseStore
     from pagoda.fleet.api.tracing import RouterTracer
     from pagoda.fleet.gate.gate import Gate
     from pagoda.fleet.routing.replicas import Replica
@@ -71,6 +72,8 @@ class RouterOptions:
     allow_runtime_lora: bool = False  # /v1/load_lora_adapter, /v1/unload_lora_adapter (lora_admin)
     reasoning_parser: Optional[str] = None  # fleet.parsers: None detects it from the chat template
     tool_call_parser: Optional[str] = None
+    response_store: bool = False  # keep Responses API turns for previous_response_id (fleet.api.response_store)
+    response_store_ttl_s: float = 3600.0
     hash_model_id: Optional[str] = None
     replicas: Optional[str] = None
     k8s_selector: Optional[str] = None
@@ -213,6 +216,17 @@ class RouterService:
         self._discovery = KubernetesDiscovery(self.router.replicas, o.k8s_selector, config)
         self._discovery.start()
 
+    def _response_store(self) -> Optional["ResponseStore"]:
+        """Where Responses API turns are kept: the fleet's Redis when the router has one, else memory."""
+        from pagoda.fleet.api.response_store import MemoryResponseStore, RedisResponseStore
+
+        o = self.options
+        if not o.response_store:
+            return None
+        if self._redis is not None:
+            return RedisResponseStore(self._redis, self.model_name, o.response_store_ttl_s)
+        return MemoryResponseStore(o.response_store_ttl_s)
+
     async def _serve_doors(self) -> None:
         """The doors over the composed pieces: gRPC, then HTTP with the OpenAI routes."""
         from aiohttp import web
@@ -220,7 +234,9 @@ class RouterService:
         from pagoda.fleet.api.grpc_proxy import GrpcProxy, make_grpc_server
         from pagoda.fleet.api.http_api import make_app
         from pagoda.fleet.api.http_runner import make_runner
+        from pagoda.fleet.api.messages_api import MessagesApi
         from pagoda.fleet.api.openai_api import OpenAIApi
+        from pagoda.fleet.api.responses_api import ResponsesApi
         from pagoda.fleet.api.upstream import GrpcUpstream
 
         o = self.options
@@ -229,6 +245,8 @@ class RouterService:
         openai_door = OpenAIApi(self.router, self.tracer, self.gate, self.lora_admin, upstream, self.model_name,
                                 parsers=(self.options.reasoning_parser, self.options.tool_call_parser))
         app = make_app(self.router, self.tracer, self.gate, self.lora_admin, openai_door)
+        ResponsesApi(openai_door, self._response_store()).add_routes(app)
+        MessagesApi(openai_door).add_routes(app)
         if o.grpc_port is not None:
             self._grpc_server, self.grpc_port = make_grpc_server(grpc_door, o.host, o.grpc_port)
             await self._grpc_server.start()

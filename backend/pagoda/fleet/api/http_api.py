@@ -58,6 +58,7 @@ from pagoda.fleet.api.generate_request import GenerateRequest
 from pagoda.fleet.gate.infer_body import validate_infer_body
 from pagoda.fleet.gate.generate_body import FRONT_INPUTS, validate_generate_body
 from pagoda.fleet.api.lora_admin import LoRAAdmin, check_change
+from pagoda.fleet.api.messages_api import anthropic_error
 from pagoda.fleet.api.openai_responses import error_body
 from pagoda.fleet.routing.router import Analysis, NoReplicaAvailable, Router
 from pagoda.fleet.api.tracing import TRACEPARENT, RouterTracer
@@ -128,9 +129,19 @@ def _kind_error(kind: ErrorKind, message: str, headers: Optional[dict[str, str]]
     return _error(spec_of(kind).triton_http_status, message, headers)
 
 
+def _authorization(request: web.Request) -> Optional[str]:
+    """The request's API key as an ``Authorization`` value: that header, or ``x-api-key`` (Anthropic's SDK)."""
+    if "Authorization" in request.headers or "x-api-key" not in request.headers:
+        return request.headers.get("Authorization")
+    return f"Bearer {request.headers['x-api-key']}"
+
+
 def _gate_error(request: web.Request, status: int, message: str, kind: str, param: Optional[str] = None,
                 headers: Optional[dict[str, str]] = None) -> web.Response:
-    """An error in the door's own shape: OpenAI's on ``/v1``, Triton's ``{"error"}`` elsewhere."""
+    """An error in the door's own shape: Anthropic's on ``/v1/messages``, OpenAI's on ``/v1``,
+    Triton's ``{"error"}`` elsewhere."""
+    if request.path.startswith("/v1/messages"):
+        return anthropic_error(status, message, headers)
     if request.path.startswith("/v1/"):
         return web.json_response(error_body(message, kind, param), status=status, headers=headers)
     return _error(status, message, headers)
@@ -155,7 +166,7 @@ async def gate_middleware(request: web.Request, handler: Any) -> web.StreamRespo
             gate.count("body_too_large")
             return _gate_error(request, exc.status, str(exc), "invalid_request_error", exc.param)
         try:
-            request[TENANT_KEY] = gate.authenticate(request.headers.get("Authorization"))
+            request[TENANT_KEY] = gate.authenticate(_authorization(request))
         except AuthError as exc:
             spec = spec_of(ErrorKind.UNAUTHORIZED)
             return _gate_error(request, spec.triton_http_status, str(exc), spec.openai_type,

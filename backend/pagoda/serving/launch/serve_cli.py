@@ -111,6 +111,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--tool-call-parser", metavar="NAME",
                    help="the OpenAI door's tool-call parser (pagoda router --tool-call-parser; default: from the "
                         "chat template)")
+    p.add_argument("--response-store", action="store_true",
+                   help="the OpenAI door keeps Responses API turns in memory for previous_response_id "
+                        "(pagoda router --response-store)")
     p.add_argument("--allow-runtime-lora", action="store_true",
                    help="accept LoRA control requests that load/unload adapters at run time (lora_action; "
                         "`pagoda lora`; turns LoRA on). Only for trusted clients: a load reads any folder "
@@ -351,7 +354,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             door = OpenAIDoor(args.openai_port, model_dir_for(options.model), server.grpc_url, server.http_url,
                               f"{options.host}:{options.metrics_port}", allow_runtime_lora=args.allow_runtime_lora,
                               model_name=args.served_model_name, parsers=(args.reasoning_parser,
-                                                                          args.tool_call_parser)).start()
+                                                                          args.tool_call_parser),
+                              response_store=args.response_store).start()
         starting[0] = False
         trtllm_mode = "decoupled (streaming)" if args.trtllm_decoupled == "true" else "unary infer()"
         print(f"pagoda is serving model '{MODEL_NAME}' ({options.model})\n"
