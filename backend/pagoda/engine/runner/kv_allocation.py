@@ -114,33 +114,18 @@ def build_group_metadata(layout: KVCacheLayout, query_lens: list[int], seq_lens:
                          group_tables: list[list[list[int]]], device: torch.device) -> AttentionMetadata:
     """One step's metadata over ``layout``'s groups (``group_tables[g][s]``: sequence ``s``'s
     table in group ``g``); see the module docstring."""
-    paged = layout.paged_groups
-    base = AttentionMetadata.build(query_lens, seq_lens, group_tables[paged[0].index], layout.block_size, device)
+    paged, state = layout.paged_groups, layout.state_group
+    slots = [table[0] for table in group_tables[state.index]] if state is not None else None
+    base = AttentionMetadata.build(query_lens, seq_lens, group_tables[paged[0].index], layout.block_size, device,
+                                   state_indices=slots)
     metas: dict[int, AttentionMetadata] = {paged[0].index: base}
-    for group in paged[1:]:
+    for group in paged[1:]:  # the same sequences (and state slots); their own slots and tables
         other = AttentionMetadata.build(query_lens, seq_lens, group_tables[group.index], layout.block_size, device)
         metas[group.index] = dataclasses.replace(base, slot_mapping=other.slot_mapping,
                                                  block_tables=other.block_tables, cpu_plans={})
-    state = layout.state_group
-    if state is not None:
-        slots = [table[0] for table in group_tables[state.index]]
-        _set_states(base, slots, [s > q for q, s in zip(query_lens, seq_lens)], device)
-        for meta in metas.values():
-            if meta is not base:
-                _set_states(meta, slots, base.has_initial_state_host, device, base)
     if len(metas) > 1:
-        base.layer_metadata = [metas.get(layout.layer_slots[i][0], base) for i in range(len(layout.layer_slots))]
+        base.layer_metadata = [metas.get(group, base) for group, _ in layout.layer_slots]
     return base
-
-
-def _set_states(meta: AttentionMetadata, slots: list[int], has_initial: list[bool], device: torch.device,
-                like: Optional[AttentionMetadata] = None) -> None:
-    if like is not None:
-        meta.state_indices, meta.has_initial_state = like.state_indices, like.has_initial_state
-    else:
-        meta.state_indices = torch.tensor(slots, dtype=torch.int32, device=device)
-        meta.has_initial_state = torch.tensor(has_initial, dtype=torch.bool, device=device)
-    meta.state_indices_host, meta.has_initial_state_host = list(slots), list(has_initial)
 
 
 def uniform_reason(config: Any) -> Optional[str]:
