@@ -33,3 +33,16 @@ def test_tokens_and_seqs_follow_the_block_arithmetic():
     budget = 1000 * layout.block_bytes
     assert kv_capacity.max_tokens(layout, budget, 2048) == 16_000
     assert kv_capacity.max_seqs(layout, budget, 8192, 2048) == 1000 // 512
+
+
+def test_hybrid_families_hold_four_times_the_tokens_and_price_a_checkpoint(capsys):
+    """Three of every four layers keep a fixed state: ~4x the tokens of one block kind, and a
+    checkpoint costs one sequence's state (vLLM's common page: a 528-token block for Qwen3.5)."""
+    assert kv_capacity.main(["--budget-gib", "8", "--contexts", "8192", "--families", "qwen3.5-27b",
+                             "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.strip("|").split("|") for line in out.splitlines() if line.startswith("| qwen3.5-27b")]
+    capacity, state = [[c.strip() for c in row] for row in rows]
+    assert capacity[1] == "8 full_attention, 24 mamba"
+    assert 3.9 < float(capacity[2].rstrip("k")) / float(capacity[3].rstrip("k")) < 4.1
+    assert state[1] == "24" and state[2] == "49.1 MiB" and state[-1] == "528"
