@@ -188,3 +188,15 @@ def test_fork_shares_every_group_and_skips_null_blocks():
     manager.free(child)
     manager.free(parent)
     assert pool.num_free_blocks == pool.num_usable_blocks
+
+
+def test_the_cpu_tier_keeps_swaps_only_when_windows_have_their_own_group(caplog):
+    from pagoda.engine.kv.kv_cache_manager import make_kv_cache
+
+    layout = plan_capacity(group_layers([FULL, SLIDE], BS), 0, max_num_seqs=4, num_blocks=8)
+    with caplog.at_level("WARNING"):
+        _, tier = make_kv_cache(layout, True, KVEventBuffer(), num_host_blocks=4, preemption_mode="swap")
+    assert tier.is_enabled and not tier.enable_prefix_tier
+    assert "holds swapped requests only" in caplog.text and "2 paged KV cache groups" in caplog.text
+    single = plan_capacity(group_layers([FULL, FULL], BS), 0, max_num_seqs=4, num_blocks=8)
+    assert make_kv_cache(single, True, KVEventBuffer(), num_host_blocks=4)[1].enable_prefix_tier
