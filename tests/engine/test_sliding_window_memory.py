@@ -72,3 +72,21 @@ def test_a_windowed_request_fits_a_cache_smaller_than_itself(tmp_path, smollm2_p
         uniform = LLMEngine(EngineConfig(model=path, max_num_batched_tokens=16, num_gpu_blocks_override=4,
                                          kv_cache_layout="uniform"))
         uniform.add_request("u", uniform.tokenizer.encode(PROMPT), SamplingParams(max_tokens=NEW_TOKENS))
+
+
+def test_beam_search_forks_every_groups_table(tmp_path, smollm2_path):
+    """Beams of a windowed model fork both KV cache groups' tables (a window's null entries
+    stay null, each group's partial block copied): the beams equal the uniform layout's."""
+    path = str(make_random_model(tmp_path / "oss", "gpt-oss-window8", smollm2_path))
+    params = SamplingParams(use_beam_search=True, n=2, best_of=3, temperature=0.0, max_tokens=12)
+
+    def beams(layout: str) -> list[list[int]]:
+        engine = LLMEngine(EngineConfig(model=path, kv_cache_layout=layout, max_num_batched_tokens=16))
+        engine.add_request("b", engine.tokenizer.encode(PROMPT), params)
+        outputs = []
+        while engine.has_unfinished_requests():
+            outputs += [o for o in engine.step() if o.finished]
+        assert engine.get_stats().num_free_blocks == engine.get_stats().num_blocks
+        return [c.token_ids for c in outputs[0].outputs]
+
+    assert beams("grouped") == beams("uniform")
