@@ -69,6 +69,7 @@ class OutputOptions:
     return_num_input_tokens: bool = False
     return_num_output_tokens: bool = False
     return_num_cached_tokens: bool = False  # prompt tokens served from the prefix cache
+    return_output_token_ids: bool = False  # each response's token ids (the router's migration journal)
     output_dialect: Optional[str] = None
 
     def __post_init__(self) -> None:

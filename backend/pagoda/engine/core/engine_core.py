@@ -211,7 +211,8 @@ class EngineCore:
         if guided is not None:
             self.scheduler.check_request(requests[0])
             try:  # refused formats and a full compile pool keep nothing
-                self.guided.submit(group_id, [r.request_id for r in requests], guided, tenant=requests[0].cache_salt)
+                self.guided.submit(group_id, [r.request_id for r in requests], guided, tenant=requests[0].cache_salt,
+                                   replay=requests[0].output_token_ids)
             except CompilePoolFull as exc:
                 raise EngineOverloaded(overload_message(str(exc))) from None
             self.parked.await_grammar(group_id, requests)
