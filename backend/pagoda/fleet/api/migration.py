@@ -76,8 +76,9 @@ def why_not_resumable(wire: Optional[WireRequest]) -> Optional[str]:
 
 @dataclass(frozen=True)
 class Plan:
-    """What to do after a failure: ``outcome``; ``wire``: the request to send next (``None``:
-    not migrated, the client gets the failure); ``detail``: why, for logs and the error."""
+    """What to do after a failure: ``outcome`` (restarted or resumed: it goes to another
+    replica; else the client gets the failure); ``wire``: the request to send next (``None``
+    for a front model's request: sent again as it came); ``detail``: why, for logs and the error."""
 
     outcome: str
     wire: Optional[WireRequest] = None
@@ -85,7 +86,7 @@ class Plan:
 
     @property
     def migrates(self) -> bool:
-        return self.wire is not None
+        return self.outcome in (RESTARTED, RESUMED)
 
 
 class Journal:
