@@ -76,6 +76,8 @@ def _check_every_cut(engine, name, params):
         assert ids + [t for step_ids, _, _ in resumed for t in step_ids] == all_ids, (name, cut)
         assert sent + "".join(text for _, text, _ in resumed) == all_text, (name, cut)
         assert (resumed_final.finish_reason, resumed_final.stop_reason) == (final.finish_reason, final.stop_reason)
+        # The reference left its blocks in the prefix cache: a hit past the prompt is not reported as prompt.
+        assert streams[f"{name}-{cut}"][-1].num_cached_tokens <= len(PROMPT)
         if params.logprobs is not None:
             before = [lp for _, _, lps in reference[:cut] for lp in lps]
             after = [lp for _, _, lps in resumed for lp in lps]

@@ -250,7 +250,8 @@ class OutputProcessor:
         if scheduled is not None and (m.first_scheduled_time is None or scheduled < m.first_scheduled_time):
             m.first_scheduled_time = scheduled
         if group.completions[0].request_id == core_output.request_id:
-            group.num_cached_tokens = core_output.num_cached_tokens
+            # Prompt tokens only: a resumed request's hit may cover its earlier output too.
+            group.num_cached_tokens = min(core_output.num_cached_tokens, len(group.prompt_token_ids))
         if not num_new:
             return
         self.num_generation_tokens += num_new
