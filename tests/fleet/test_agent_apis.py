@@ -228,3 +228,20 @@ def test_a_messages_stop_reason_says_why_it_ended():
     assert render.stop_reason(TurnUpdate([], "stop", "END")) == ("stop_sequence", "END")
     assert render.stop_reason(TurnUpdate([], "length")) == ("max_tokens", None)
     assert render.stop_reason(TurnUpdate([], "stop", "2")) == ("end_turn", None)  # an EOS token id
+
+
+def test_a_call_forced_by_grammar_is_read_whole_at_the_end():
+    """``tool_choice`` required / a named tool: the grammar wrote JSON, read as chat reads it."""
+    from pagoda.fleet.api.agent_turn import AgentTurn
+    from pagoda.fleet.api.openai_io import build_chat_request
+    from tests.fleet.test_openai_agent_answers import QwenLikeTokenizer
+
+    body = {"messages": [{"role": "user", "content": "Weather?"}], "tools": TOOLS, "tool_choice": "required"}
+    turn = AgentTurn(None, build_chat_request(body, QwenLikeTokenizer()), "responses")
+    text = '[{"name": "get_weather", "parameters": {"city": "Oslo"}}]'
+    assert turn._update({"text_output": [text[:10]], "finish_reason": [""]}).events == []
+    events = turn._update({"text_output": [text[10:]], "finish_reason": ["stop"]}).events
+    render = ResponseRender("resp_3", "m", parse(ResponsesRequest, {"input": "Weather?"}))
+    render.feed(TurnUpdate(events, "stop"))
+    item = responses_types.Response.model_validate(render.finish("stop", USAGE)[-1]["response"]).output[0]
+    assert (item.type, item.name, json.loads(item.arguments)) == ("function_call", "get_weather", {"city": "Oslo"})

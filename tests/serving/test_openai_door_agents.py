@@ -212,6 +212,24 @@ def test_messages_tool_loop_with_thinking_streamed(where):
     assert final.usage.input_tokens > first.usage.input_tokens
 
 
+def test_a_named_tool_is_forced_by_grammar_on_both_apis(where):
+    """``tool_choice`` naming a tool: the grammar writes its arguments, read back as the API's call."""
+    from anthropic.types import Message
+    from openai.types.responses import Response
+
+    raw = anthropic_client(where).messages.with_raw_response.create(
+        model=MODEL, max_tokens=40, tools=[ANTHROPIC_TOOL], tool_choice={"type": "tool", "name": "get_weather"},
+        messages=[{"role": "user", "content": "Weather in Oslo for 3 days?"}])
+    message = Message.model_validate(raw.http_response.json())
+    assert [b.type for b in message.content] == ["tool_use"] and message.stop_reason == "tool_use"
+    assert message.content[0].name == "get_weather" and set(message.content[0].input) == {"city", "days"}
+    raw = openai_client(where).responses.with_raw_response.create(
+        model=MODEL, input="Weather in Oslo for 3 days?", tools=[WEATHER], max_output_tokens=40,
+        tool_choice={"type": "function", "name": "get_weather"})
+    [call] = Response.model_validate(raw.http_response.json()).output
+    assert call.type == "function_call" and set(json.loads(call.arguments)) == {"city", "days"}
+
+
 def test_messages_stop_sequences_and_count_tokens(where):
     client = anthropic_client(where)
     messages = [{"role": "user", "content": "Say something about Paris."}]

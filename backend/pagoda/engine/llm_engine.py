@@ -163,6 +163,8 @@ class LLMEngine:
         # Validates fit (raises ValueError) before anything is tracked; a guided request
         # waits for its grammar in the core.
         self.core.add_requests(children, request.params.guided_decoding, request.request_id)
+        if resumed is not None and request.params.guided_decoding is not None:
+            self.core.guided.replay(request.request_id, resumed.token_ids)  # its matcher consumes them first
         self.output_processor.add_request(request.request_id, processed.text, processed.token_ids, request.params,
                                           child_request_ids(request.request_id, request.params.n),
                                           request.arrival_time, resumed)

@@ -22,6 +22,12 @@ layer starts from zeros (the slot's old contents are never read), else from the 
 After the step the slot holds the state after the sequence's last query token. A negative
 slot marks a padding row (CUDA graphs): nothing is read or written for it. Models without
 such layers leave both ``None``.
+
+KV cache groups (``engine.kv.layout``): layers whose caches differ (sliding-window and
+full attention) keep separate block tables, so each group has its own ``slot_mapping``
+and ``block_tables`` over the same sequences. The runner then sets ``layer_metadata``
+(per layer, its group's metadata) and a model's layer loop passes ``meta.for_layer(i)``
+to layer ``i``; with one group it is the metadata itself.
 """
 
 from __future__ import annotations
@@ -60,6 +66,12 @@ class AttentionMetadata:
     has_initial_state: Optional[torch.Tensor] = None  # [num_seqs] bool: read the slot (else zeros)
     state_indices_host: Optional[list[int]] = None
     has_initial_state_host: Optional[list[bool]] = None
+    # Per layer, its KV cache group's metadata (None: one group, this one).
+    layer_metadata: Optional[list["AttentionMetadata"]] = field(default=None, repr=False, compare=False)
+
+    def for_layer(self, layer_idx: int) -> "AttentionMetadata":
+        """The metadata layer ``layer_idx`` reads (its KV cache group's block tables)."""
+        return self if self.layer_metadata is None else self.layer_metadata[layer_idx]
 
     @property
     def num_seqs(self) -> int:

@@ -278,7 +278,7 @@ class LlamaForCausalLM(nn.Module):
         for idx, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             if idx in self.aux_layer_ids:
                 aux[idx] = h if residual is None else h + residual
-            h, residual = layer(h, residual, positions, self.cos_sin_cache, kv_cache, meta, lora)
+            h, residual = layer(h, residual, positions, self.cos_sin_cache, kv_cache, meta.for_layer(idx), lora)
         if aux:
             self.aux_hidden = torch.cat([aux[idx] for idx in self.aux_layer_ids], dim=-1)
         h, _ = kernels.rms_norm(h, self.norm, self.config.rms_norm_eps, residual)

@@ -159,7 +159,8 @@ class EngineCore:
         self.max_model_len = model_config.check_max_model_len(config.max_model_len)
         self.scheduler = Scheduler(SchedulerConfig.from_engine_config(
             config, num_blocks=executor.num_blocks, max_model_len=self.max_model_len, model_id=model_id,
-            num_host_blocks=executor.num_host_blocks), swap_cost_model=executor.swap_cost_model)
+            num_host_blocks=executor.num_host_blocks, kv_layout=executor.kv_layout,
+            num_host_state_slots=executor.num_host_state_slots), swap_cost_model=executor.swap_cost_model)
         self.is_async = executor.is_async
         self.timer = executor.timer
         self.guided = executor.guided
@@ -211,8 +212,7 @@ class EngineCore:
         if guided is not None:
             self.scheduler.check_request(requests[0])
             try:  # refused formats and a full compile pool keep nothing
-                self.guided.submit(group_id, [r.request_id for r in requests], guided, tenant=requests[0].cache_salt,
-                                   replay=requests[0].output_token_ids)
+                self.guided.submit(group_id, [r.request_id for r in requests], guided, tenant=requests[0].cache_salt)
             except CompilePoolFull as exc:
                 raise EngineOverloaded(overload_message(str(exc))) from None
             self.parked.await_grammar(group_id, requests)

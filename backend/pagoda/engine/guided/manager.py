@@ -37,9 +37,10 @@ Life of a guided request (the engine calls each method from its one thread, exce
    forgets a request still waiting for its grammar (an abort: it stops waiting at once),
    and a queued compile that nobody waits for any more never starts.
 
-A resumed request (``engine.resume``) brings output tokens from another replica: its matcher
-consumes them in ``poll`` before the request is scheduled (a token the grammar refuses
-fails the request, as a grammar that does not compile does).
+A resumed request (``engine.resume``) brings output tokens from another replica (``replay``,
+right after ``submit``): its matcher consumes them in ``poll`` before the request is
+scheduled (a token the grammar refuses fails the request, as a grammar that does not
+compile does).
 
 Preemption by recompute keeps a request's output tokens (only its KV is recomputed), so
 the matcher, which has consumed exactly those tokens, stays valid. Drafts are walked and
@@ -99,10 +100,8 @@ class GuidedDecodingManager:
 
     # 1-2. compile ----------------------------------------------------------------------
     def submit(self, group_id: str, child_ids: Sequence[str], params: GuidedDecodingParams,
-               tenant: Optional[str] = None, replay: Sequence[int] = ()) -> None:
-        """Wait for ``params``' grammar under ``group_id`` (compiled in ``tenant``'s turn);
-        ``replay``: output tokens the request has already (a resumed request, ``engine.resume``),
-        which its matcher consumes before the request is scheduled.
+               tenant: Optional[str] = None) -> None:
+        """Wait for ``params``' grammar under ``group_id`` (compiled in ``tenant``'s turn).
 
         Raises (nothing is kept then):
             ValueError: the format is over a size/complexity limit (``limits.py``).
@@ -122,8 +121,12 @@ class GuidedDecodingManager:
             self._cache.move_to_end(key)
         job.num_waiters += 1
         self._waiting[group_id] = (job, list(child_ids))
-        if replay:
-            self._replay[group_id] = list(replay)
+
+    def replay(self, group_id: str, token_ids: Sequence[int]) -> None:
+        """A resumed request's output so far (``engine.resume``), for ``group_id`` waiting for its
+        grammar (``submit`` just now): its matchers consume it when the grammar is ready (``poll``)."""
+        assert group_id in self._waiting, f"{group_id!r} is not waiting for a grammar"
+        self._replay[group_id] = list(token_ids)
 
     def poll(self) -> tuple[list[str], list[tuple[str, str]]]:
         """``(ready group ids, [(group id, error message)])`` since the last poll (compiles

@@ -4,7 +4,8 @@ Both APIs are a chat turn underneath: the door translates its body into a chat-c
 (its protocol module), ``build_chat_request`` makes the ``WireRequest`` (the chat template, the
 tools, the parsers the model calls for), and ``AgentTurn`` runs it: the gate (salt, routing
 analysis, rate limits, as for chat), the shared upstream stream to a replica, and the answer read
-by its ``OutputParser`` as it streams. A turn yields ``TurnUpdate``s (the parser's events of each
+by its ``OutputParser`` as it streams (a call forced by grammar, ``required`` or a named tool,
+is read whole at the end, as chat reads it). A turn yields ``TurnUpdate``s (the parser's events of each
 response, then the finish) that the door renders in its API's shapes, streamed or folded whole.
 
 Failures: a replica's error before anything streamed, or no replica, is ``TurnFailed`` (the
@@ -26,7 +27,8 @@ from pagoda.fleet.api.routed_request import RoutedRequest, analyzed
 from pagoda.fleet.api.tracing import TRACEPARENT
 from pagoda.fleet.api.upstream import ReplicaFailed
 from pagoda.fleet.gate.gate import TENANT_KEY
-from pagoda.fleet.parsers.events import Event
+from pagoda.fleet.api.openai_tools import parse_answer
+from pagoda.fleet.parsers.events import CallArguments, CallStart, Content, Event
 from pagoda.fleet.parsers.output import OutputParser
 from pagoda.fleet.routing.router import NoReplicaAvailable
 
@@ -74,6 +76,8 @@ class AgentTurn:
         plan = built.tools
         tools = plan.tools if plan is not None and plan.choice == "auto" else None
         self._parser = OutputParser(built.parsers, tools)
+        self._forced = plan if plan is not None and plan.choice in ("named", "required") else None
+        self._forced_text = ""
 
     async def run(self, request: web.Request) -> AsyncIterator[TurnUpdate]:
         """The turn's updates (module docstring). Raises ``TurnFailed`` before the first one, or
@@ -127,6 +131,22 @@ class AgentTurn:
         usage.completion_tokens += int((outputs.get("num_output_tokens") or [0])[0])
         text = (outputs.get("text_output") or [""])[0]
         reason = (outputs.get("finish_reason") or [""])[0] or None
-        events = self._parser.feed(text) + (self._parser.finish() if reason is not None else [])
+        if self._forced is not None:
+            events = self._forced_events(text, reason is not None)
+        else:
+            events = self._parser.feed(text) + (self._parser.finish() if reason is not None else [])
         stop = (outputs.get("stop_reason") or [None])[0]
         return TurnUpdate(events, reason, stop if stop not in (None, "None") else None)
+
+    def _forced_events(self, text: str, finished: bool) -> list[Event]:
+        """A call the grammar forced (``required`` or a named tool) is read whole when the answer ends
+        (``openai_tools.parse_answer``, as chat's); text cut by the length stays text."""
+        self._forced_text += text
+        if not finished:
+            return []
+        content, calls = parse_answer(self._forced_text, self._forced)
+        events: list[Event] = [Content(content)] if content else []
+        for k, call in enumerate(calls):
+            events += [CallStart(k, call["id"], call["function"]["name"]),
+                       CallArguments(k, call["function"]["arguments"])]
+        return events

@@ -138,6 +138,8 @@ class Publisher(DaemonThread):
                     self.num_engine_gaps += 1
                     self._needs_resync = True
                 self._last_engine_seq = event.seq
+                if getattr(event.event, "group_idx", 0):
+                    continue  # the index keys KV cache group 0, whose blocks cover every position
                 self._mirror_apply(event.event)
                 if not self._needs_resync:
                     self._pending.append(event.event)
