@@ -139,6 +139,9 @@ def test_logprob_flags_turn_on_engine_logprobs():
     ({"text_input": "Hi", "sampling_parameters": {"priority": "high"}}, "priority: must be an integer"),
     ({"text_input": "Hi", "sampling_parameters": {"cache_salt": 5}}, "cache_salt: must be a non-empty string"),
     ({"text_input": "Hi", "stream": np.array([1], dtype=np.int32)}, "stream: must be a boolean"),
+    # as Triton's vLLM backend: a streamed response carries only the new text
+    ({"text_input": "Hi", "stream": True, "exclude_input_in_output": False},
+     "exclude_input_in_output: When streaming, `exclude_input_in_output` = False is not allowed"),
     ({"text_input": "Hi", "sampling_parameters": {"timeout": 0}}, "timeout: must be a number of seconds > 0"),
     ({"text_input": "Hi", "sampling_parameters": {"timeout": "soon"}}, "timeout: must be a number"),
     ({"text_input": "Hi", "max_tokens": np.array([0], dtype=np.int32)}, "max_tokens: must be >= 1"),

@@ -96,6 +96,9 @@ def read_request(get_input: GetInput, parameters: Any = None,
         raise ValueError("input_ids: give the prompt as text_input or as input_ids, not both (a router that "
                          "tokenized text_input sends the ids with its tokenizer's prompt_tokenizer)")
     flags = {name: flag(name, get_input(name)) for name in FLAG_INPUTS}
+    if flags["stream"] and get_input("exclude_input_in_output") is not None and not flags["exclude_input_in_output"]:
+        # streamed responses carry only the new text (Triton's vLLM backend refuses this too, in these words)
+        raise ValueError("exclude_input_in_output: When streaming, `exclude_input_in_output` = False is not allowed.")
     return DialectRequest(prompt=prompt, prompt_token_ids=ids, sampling=sampling, options=options, flags=flags)
 
 
