@@ -76,7 +76,6 @@ def test_embedding_bias_is_read_with_the_models_tokenizer_in_the_front():
     ({"guided_decoding_guide_type": b"regex"}, "guided_decoding_guide: required by guided_decoding_guide_type"),
     ({"guided_decoding_guide": b"x"}, "guided_decoding_guide: needs guided_decoding_guide_type"),
     ({"beam_width": np.int32(0)}, "beam_width: must be an integer >= 1"),
-    ({"length_penalty": np.float32(0.5)}, "length_penalty: it applies to beam search"),
     ({"lora_weights": np.zeros((1, 1), dtype=np.float16)}, "lora_weights: not supported"),
 ])
 def test_bad_inputs_are_refused_naming_them(values, message):
@@ -90,6 +89,10 @@ def test_beam_width_is_beam_search_returning_every_beam_with_log_probs():
     assert values["use_beam_search"] is True and values["beam_width"] == 4 and values["n"] == 4
     assert values["temperature"] == 0.0 and values["length_penalty"] == 0.5 and values["logprobs"] == 0
     assert sampling_values(item(beam_width=np.int32(4), num_return_sequences=np.int32(2)))["n"] == 2
+    # at beam width 1 TensorRT-LLM accepts a length penalty and it changes nothing: so here
+    assert "length_penalty" not in sampling_values(item(length_penalty=np.float32(0.5)))
+    with pytest.raises(ValueError, match="^length_penalty: must be a number"):
+        sampling_values(item(length_penalty=np.array([b"long"], dtype=np.object_)))
     assert "logprobs" not in sampling_values(item(beam_width=np.int32(4)))
     inputs = to_pagoda_inputs(item(beam_width=np.int32(2), return_log_probs=np.bool_(True)), decoupled=False)
     assert inputs["return_cumulative_logprob"].tolist() == [True] and inputs["return_logprobs"].tolist() == [True]

@@ -291,7 +291,6 @@ def test_lora_task_id_picks_the_adapter_loaded_under_that_number(triton_server, 
 
 @pytest.mark.parametrize("name, value, dtype, message", [
     ("beam_width", 0, np.int32, "beam_width: must be an integer >= 1"),
-    ("length_penalty", 0.5, np.float32, "length_penalty: it applies to beam search"),
     ("return_context_logits", True, bool, "return_context_logits: pagoda returns no logits"),
     ("return_generation_logits", True, bool, "return_generation_logits: pagoda returns no logits"),
     ("decoder_text_input", "x", np.object_, "decoder_text_input: not supported"),

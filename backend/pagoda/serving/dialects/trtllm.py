@@ -19,8 +19,9 @@ ignored); ``embedding_bias_words`` / ``_weights`` become a ``logit_bias`` (each 
 get its weight, as TensorRT-LLM's preprocessing builds its embedding bias).
 
 Front invariants: every input of the interface (``INPUTS``) is applied or refused with a
-``ValueError`` whose message starts with its name (``REFUSED``, ``length_penalty`` without beam
-search, ``return_*_logits`` when set to anything but their neutral value); nothing is dropped.
+``ValueError`` whose message starts with its name (``REFUSED``, ``return_*_logits`` when set to
+anything but their neutral value); nothing is dropped but ``length_penalty`` at beam width 1,
+which changes nothing there (as in TensorRT-LLM, which accepts it).
 A beam search returns ``num_return_sequences`` beams (default: all, as TensorRT-LLM does), best
 first, each with its ``cum_log_probs`` and ``output_log_probs`` (``[1, beams, tokens]``, 0.0
 padded). Outputs carry a batch dimension: one row per item (``batch_index``), one response per
@@ -209,10 +210,12 @@ def read_item(item: Item, decoupled: bool, encode: Optional[Encode] = None) -> D
     values = read_scalars(get_input)
     read_words(get_input, values, encode)
     width = beam_width(get_input)
+    length_penalty = number("length_penalty", get_input("length_penalty"), float)
     if width > 1:
         values.setdefault("n", width)  # TensorRT-LLM returns every beam unless num_return_sequences says
-        if one("length_penalty", get_input("length_penalty")) is not None:
-            values["length_penalty"] = float(one("length_penalty", get_input("length_penalty")))
+        if length_penalty is not None:
+            values["length_penalty"] = length_penalty
+    # at beam width 1 a length penalty changes nothing (TensorRT-LLM accepts it so; its clients send 1.0)
     guided = _guided(item)
     if guided is not None:
         values["guided_decoding"] = guided
@@ -232,10 +235,7 @@ def read_item(item: Item, decoupled: bool, encode: Optional[Encode] = None) -> D
 
 
 def _check_neutral(item: Item) -> None:
-    beam = beam_width(item.get) > 1
     for name, neutral, why in (
-            ("length_penalty", 1.0 if not beam else one("length_penalty", item.get("length_penalty")),
-             "it applies to beam search (beam_width > 1)"),
             ("return_context_logits", False, "pagoda returns no logits (prompt log-probabilities: "
                                              "the OpenAI door's echo with logprobs)"),
             ("return_generation_logits", False, "pagoda returns no logits; use return_log_probs")):
