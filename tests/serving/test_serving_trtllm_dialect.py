@@ -219,6 +219,10 @@ def test_log_probs_sequences_and_perf_metrics(triton_server):
     per_token = result.as_numpy("output_log_probs")
     assert per_token.shape == (1, 1, 8) and (per_token <= 0).all()
     assert result.as_numpy("cum_log_probs")[0][0] == pytest.approx(per_token.sum(), abs=1e-3)
+    # asked for as outputs without return_log_probs: present (zeros: none were computed), as clients read them
+    result = grpc_infer(triton_server, "ensemble", trt_inputs([PROMPT]), names)
+    assert result.as_numpy("output_log_probs").shape == (1, 1, 8) and not result.as_numpy("output_log_probs").any()
+    assert result.as_numpy("cum_log_probs").tolist() == [[0.0]]
     result = grpc_infer(triton_server, "ensemble", trt_inputs([PROMPT], num_return_sequences=(2, np.int32)),
                         ("text_output", "sequence_index"))
     assert result.as_numpy("text_output").shape == (2,) and result.as_numpy("sequence_index").tolist() == [[0, 1]]

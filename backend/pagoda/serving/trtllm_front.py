@@ -82,7 +82,8 @@ class TritonPythonModel:
             raise ValueError("text_input: the batch is empty")
         wires = [WireRequest.from_dialect(dialect.read_item(item, self.decoupled, self.encode)).with_options(**options)
                  for item in items]
-        return [(wire.to_triton_inputs(), dialect.requested(item)) for wire, item in zip(wires, items)]
+        outputs = set(request.requested_output_names())
+        return [(wire.to_triton_inputs(), dialect.requested(item, outputs)) for wire, item in zip(wires, items)]
 
     def _forward(self, inputs, asked, is_cancelled=None):
         """Yield (pagoda output tensors, perf metrics) per pagoda response; raises on an error response."""

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Collection, Optional
 
 import numpy as np
 
@@ -267,11 +267,15 @@ def _guided(item: Item) -> Optional[dict[str, Any]]:
     return {GUIDE_TYPES[kind]: guide}
 
 
-def requested(item: Item) -> dict[str, bool]:
-    """Which optional TensorRT-LLM outputs this item asked for."""
-    return {name: flag(flag_name, item.get(flag_name)) for name, flag_name in (
+def requested(item: Item, outputs: Collection[str] = ()) -> dict[str, bool]:
+    """Which optional TensorRT-LLM outputs this item asked for (its ``return_*`` inputs), and
+    whether the request named a log-probability output (``outputs``: the requested output
+    names) without ``return_log_probs`` (``log_prob_outputs``: they are sent as zeros)."""
+    asked = {name: flag(flag_name, item.get(flag_name)) for name, flag_name in (
         ("log_probs", "return_log_probs"), ("perf", "return_perf_metrics"),
         ("num_input_tokens", "return_num_input_tokens"), ("num_output_tokens", "return_num_output_tokens"))}
+    asked["log_prob_outputs"] = bool({"cum_log_probs", "output_log_probs"} & set(outputs))
+    return asked
 
 
 def to_trtllm_outputs(tensors: dict[str, np.ndarray], asked: dict[str, bool], batch_index: int,
@@ -296,6 +300,11 @@ def to_trtllm_outputs(tensors: dict[str, np.ndarray], asked: dict[str, bool], ba
         width = max((len(r) for r in rows), default=0)
         out["output_log_probs"] = np.array([[r + [0.0] * (width - len(r)) for r in rows]],
                                            dtype=np.float32).reshape(1, len(rows), width)
+    if asked.get("log_prob_outputs") and not asked["log_probs"]:
+        # named as outputs without return_log_probs: none were computed, but clients read them
+        tokens = int(pick(tensors["num_output_tokens"]).max(initial=0))
+        out["cum_log_probs"] = np.zeros((1, texts.size), dtype=np.float32)
+        out["output_log_probs"] = np.zeros((1, texts.size, tokens), dtype=np.float32)
     counts = {"num_input_tokens": tensors["num_input_tokens"].reshape(-1)[0],
               "num_output_tokens": pick(tensors["num_output_tokens"]).reshape(-1)[0]}
     for name in ("num_input_tokens", "num_output_tokens"):
