@@ -336,6 +336,29 @@ def test_drain_refuses_new_requests_finishes_those_in_flight_then_marks_done(tmp
         sender.stop()
 
 
+def test_a_request_arriving_just_after_the_drain_began_is_refused(tmp_path):
+    """The drain file is looked for on every new request, not only on the loop's periodic poll:
+    a request submitted right after it appears (before any poll could see it) is refused."""
+    engine, collector = FakeEngine(), Collector()
+    sender = ResponseSender(collector.deliver)
+    drain = tmp_path / "drain"
+    loop = EngineLoop(engine, sender, idle_wait_s=0.01, drain_path=str(drain))
+    loop.DRAIN_POLL_INTERVAL_S = 3600.0  # the periodic poll never comes round in this test
+    sender.start()
+    loop.start()
+    try:
+        loop.submit(request("before", max_tokens=2))
+        collector.wait_final(["before"])
+        drain.touch()
+        loop.submit(request("after"))
+        collector.wait_final(["after"])
+        (refused,) = collector.responses["after"]
+        assert refused.error_code == "UNAVAILABLE" and "draining" in refused.error and loop.is_draining
+    finally:
+        loop.stop()
+        sender.stop()
+
+
 # ------------------------------------------------------------------ LoRA control requests
 @pytest.fixture
 def lora_loop():

@@ -20,7 +20,8 @@ engine is reached from here. Triton's ``execute()`` runs on other threads; it on
    that step's responses over, so a client that got its final response reads current
    metrics. Observers are called through one guarded loop: they never fail a request;
 5. with a ``drain_path`` (``pagoda serve`` sets one), once that file exists the loop is
-   *draining*: new requests get an UNAVAILABLE error saying so, those in flight run to
+   *draining* (looked for every ``DRAIN_POLL_INTERVAL_S`` and before each new request is
+   admitted): new requests get an UNAVAILABLE error saying so, those in flight run to
    their end, and when none is left it creates ``<drain_path>.done``. The launcher then
    asks the model to finalize (``serving.finalize_request``), which stops this loop
    (tritonserver's own unload would cut decoupled streams short). The
@@ -242,6 +243,7 @@ class EngineLoop:
         if self._stop.is_set():
             self._sender.put(request, make_error_response(SHUTDOWN_MESSAGE, "UNAVAILABLE"))
             return
+        self._poll_drain(now=True)  # a request must not slip in between SIGTERM and the next poll
         if self._is_draining:
             self._sender.put(request, make_error_response(DRAINING_MESSAGE, "UNAVAILABLE"))
             return
@@ -287,14 +289,16 @@ class EngineLoop:
                 error = make_error_response("request aborted; the engine failed to abort it", "INTERNAL")
                 self._finish(request_id, error)
 
-    def _poll_drain(self) -> None:
+    def _poll_drain(self, now: bool = False) -> None:
+        """Look for the drain file (every ``DRAIN_POLL_INTERVAL_S``, or ``now``: a new request
+        is about to be admitted); mark the drain done once nothing is in flight."""
         if self._drain_path is None or self._is_drained:
             return
         if not self._is_draining:
-            now = time.monotonic()
-            if now - self._last_drain_poll < self.DRAIN_POLL_INTERVAL_S:
+            clock = time.monotonic()
+            if not now and clock - self._last_drain_poll < self.DRAIN_POLL_INTERVAL_S:
                 return
-            self._last_drain_poll = now
+            self._last_drain_poll = clock
             if not os.path.exists(self._drain_path):
                 return
             self._is_draining = True
