@@ -15,6 +15,7 @@ import time
 import pytest
 from tritonclient.grpc import service_pb2
 
+from pagoda.engine.sampling_params import SamplingParams
 from pagoda.fleet.gate.auth import ApiKeys, AuthError, RateLimited, Tenant, TenantLimiter, load_api_keys, tenant_salt
 from pagoda.fleet.gate.gate import Gate
 from pagoda.fleet.triton_wire import read_string_input
@@ -266,6 +267,8 @@ def test_token_quota_charges_n_times_the_effective_max_tokens_and_refunds_the_un
     assert gate.num_tokens(10, {}) == 10 + 1024
     assert gate.num_tokens(10, {"n": 4}) == 10 + 4 * 1024
     assert gate.num_tokens(10, {"n": "2", "max_tokens": "50"}) == 10 + 2 * 50  # vLLM-backend strings
+    assert gate.num_tokens(10, {"max_tokens": None}) == 10 + 1024  # a Triton body's "max_tokens": null
+    assert gate.num_tokens(3, SamplingParams(n=16, max_tokens=8)) == 3 + 16 * 8  # an OpenAI completion, n=16
     assert Gate(RequestLimits(default_max_tokens=64)).num_tokens(0, {"n": 3}) == 192
     ticket = gate.charge(acme, 10, {"n": 4})  # 4106 of 10000
     second = gate.charge(acme, 10, {"n": 4})  # 8212
