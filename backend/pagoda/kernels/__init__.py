@@ -1,6 +1,7 @@
 """The single dispatch point for hot-path kernels.
 
 The model calls only the functions below (attention, KV write, norm, rotary, LoRA, the
+latent write and absorbed decode of multi-head latent attention (``reference_mla``), the
 MoE experts, ``w8a16_linear`` for 8-bit weights, and Gated DeltaNet's causal conv1d, gated
 delta rule and gated RMSNorm, which read and write per-sequence state slots). Each picks an implementation per call:
 OpenAI-Triton kernels for CUDA tensors; on a CPU pagoda's C++ kernels where they apply
@@ -16,10 +17,15 @@ import os
 
 import torch
 
-from pagoda.kernels import cpu_native, reference, reference_gdn, w8a16
-from pagoda.kernels.metadata import AttentionMetadata, StateCache
+from pagoda.kernels import cpu_native, reference, reference_gdn, reference_mla, w8a16
+from pagoda.kernels.metadata import AttentionMetadata, LatentCache, StateCache
+# Multi-head latent attention's step plan and prefill (torch ops on every device: gathers and SDPA).
+from pagoda.kernels.reference_mla import MlaPlan, mla_plan
+from pagoda.kernels.reference_mla import gather_context as mla_context
+from pagoda.kernels.reference_mla import prefill_attention as mla_prefill
 
-__all__ = ["AttentionMetadata", "StateCache", "paged_attention", "write_kv", "rms_norm", "apply_rotary",
+__all__ = ["AttentionMetadata", "LatentCache", "StateCache", "MlaPlan", "mla_plan", "mla_context", "mla_prefill",
+           "write_latent", "mla_decode", "paged_attention", "write_kv", "rms_norm", "apply_rotary",
            "lora_apply", "w8a16_linear", "moe_experts", "silu_mul", "use_triton", "causal_conv1d",
            "gated_delta_rule", "gated_rms_norm"]
 
@@ -52,6 +58,26 @@ def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, 
 
         return triton_ops.paged_attention(q, k_cache, v_cache, meta, scale, k_scale, v_scale, window, sinks)
     return reference.paged_attention_torch(q, k_cache, v_cache, meta, scale, k_scale, v_scale, window, sinks)
+
+
+def write_latent(latent, cache, slot_mapping, scale: float = 1.0) -> None:
+    """Store multi-head latent attention's rows ``[T, rank + rope]`` at their slots (fp8: ``x / scale``)."""
+    if use_triton(latent):
+        from pagoda.kernels import triton_mla
+
+        return triton_mla.write_latent(latent, cache, slot_mapping, scale)
+    return reference_mla.write_latent(latent, cache, slot_mapping, scale)
+
+
+def mla_decode(q_lat, q_pe, cache, meta: AttentionMetadata, plan: MlaPlan, scale: float,
+               kv_scale: float = 1.0):
+    """Absorbed-form decode over the latent cache for ``plan``'s decode rows (``reference_mla``):
+    ``o_lat [D, H, rank]``; the Triton split-K kernel on CUDA, batched torch elsewhere."""
+    if use_triton(q_lat):
+        from pagoda.kernels import triton_mla
+
+        return triton_mla.mla_decode(q_lat, q_pe, cache, meta, plan.decode_seqs, scale, kv_scale)
+    return reference_mla.mla_decode_torch(q_lat, q_pe, cache, meta, plan, scale, kv_scale)
 
 
 def write_kv(k, v, k_cache, v_cache, slot_mapping, k_scale: float = 1.0, v_scale: float = 1.0) -> None:

@@ -304,6 +304,11 @@ class LlamaForCausalLM(nn.Module):
         ``models.cpu_gemm.pack_model`` made one (``lm_head_packed``)."""
         return linear(hidden, getattr(self, "lm_head_packed", None) or self.lm_head)
 
+    def mtp_layer_index(self) -> int:
+        """The layer index a checkpoint's MTP block's decoder layer is built as (its window, its MLP
+        kind; ``engine/spec_decode/mtp.py``): 0 here, a family whose block is another kind says so."""
+        return 0
+
     # ---- weights -------------------------------------------------------------------------
 
     def match_checkpoint(self, names: set[str]) -> None:

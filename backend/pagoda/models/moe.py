@@ -1,5 +1,9 @@
 """Sparse Mixture-of-Experts feed-forward block (Mixtral, Qwen3-MoE): routing, grouping, experts.
 
+DeepSeek-V3's router (``route_grouped``, ``GroupedRouter``) replaces step 1's softmax with
+sigmoid scores, a correction bias that only chooses, and a top-k limited to the best expert
+groups; its weights then take the same steps 2-3.
+
 One step, for ``T`` tokens, ``E`` experts, top-``k``:
 
 1. ``route``: router logits ``x @ gate^T`` in the model dtype, softmax in float32, top-k,
@@ -75,6 +79,47 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights.to(router_logits.dtype), ids
+
+
+@dataclass(frozen=True)
+class GroupedRouter:
+    """DeepSeek-V3's router: sigmoid scores plus a per-expert correction bias choose the experts
+    (only among the ``topk_groups`` of ``num_groups`` expert groups whose two best biased scores
+    sum highest); the chosen experts' unbiased scores, renormalised with ``norm_topk_prob``, times
+    ``routed_scaling_factor``, weigh them."""
+
+    num_groups: int
+    topk_groups: int
+    routed_scaling_factor: float
+
+    def check(self, num_experts: int, top_k: int) -> None:
+        """Raises ValueError naming a field whose value cannot route ``top_k`` of ``num_experts``."""
+        per_group = num_experts // max(self.num_groups, 1)
+        if self.num_groups < 1 or num_experts % self.num_groups or not 1 <= self.topk_groups <= self.num_groups:
+            raise ValueError(f"n_group={self.num_groups} must divide n_routed_experts={num_experts} and "
+                             f"1 <= topk_group={self.topk_groups} <= n_group")
+        if top_k > self.topk_groups * per_group or (per_group < 2 and self.num_groups > 1):
+            raise ValueError(f"num_experts_per_tok={top_k} must fit topk_group={self.topk_groups} groups of "
+                             f"{per_group} experts (at least 2 per group: a group scores its best two)")
+
+
+def route_grouped(router_logits: torch.Tensor, correction_bias: torch.Tensor, router: GroupedRouter, top_k: int,
+                  renormalize: bool, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's group-limited top-k over float32 ``[T, E]`` logits (``GroupedRouter``), as
+    transformers' ``DeepseekV3TopkRouter`` computes it: (weights ``[T, k]`` in ``dtype``, ids ``[T, k]``)."""
+    scores = router_logits.sigmoid()
+    biased = scores + correction_bias
+    num_tokens, num_experts = biased.shape
+    grouped = biased.view(num_tokens, router.num_groups, num_experts // router.num_groups)
+    group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)  # [T, groups]: each group's best two
+    chosen = torch.topk(group_scores, k=router.topk_groups, dim=-1, sorted=False)[1]
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, chosen, True)
+    biased = biased.masked_fill(~keep.repeat_interleave(num_experts // router.num_groups, dim=1), float("-inf"))
+    ids = torch.topk(biased, k=top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return (weights * router.routed_scaling_factor).to(dtype), ids
 
 
 def group_by_expert(topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int) -> ExpertGroups:
