@@ -26,7 +26,7 @@ from pagoda.kernels.reference_mla import prefill_attention as mla_prefill
 
 __all__ = ["AttentionMetadata", "LatentCache", "StateCache", "MlaPlan", "mla_plan", "mla_context", "mla_prefill",
            "write_latent", "mla_decode", "paged_attention", "write_kv", "rms_norm", "apply_rotary",
-           "lora_apply", "w8a16_linear", "moe_experts", "silu_mul", "use_triton", "causal_conv1d",
+           "lora_apply", "w8a16_linear", "fp8_block_linear", "moe_experts", "silu_mul", "use_triton", "causal_conv1d",
            "gated_delta_rule", "gated_rms_norm"]
 
 
@@ -133,16 +133,19 @@ def lora_apply(y, x, a_stack, b_stack, batch):
     return reference.lora_apply(y, x, a_stack, b_stack, batch.groups)
 
 
-def moe_experts(x, order, weights, offsets, w13, w2, top_k: int, b13=None, b2=None, clamped_swiglu=None):
+def moe_experts(x, order, weights, offsets, w13, w2, top_k: int, b13=None, b2=None, clamped_swiglu=None,
+                block_scales=None):
     """Each token's routing-weighted sum of its experts (assignments grouped as ``models.moe``
     makes them): the fused kernels of ``triton_moe`` on CUDA, the experts-with-tokens loop
     elsewhere. Neither computes an expert that received no token. gpt-oss: expert biases
-    ``b13 [E, 2 * inter]`` / ``b2 [E, hidden]`` and ``clamped_swiglu=(alpha, limit)``."""
+    ``b13 [E, 2 * inter]`` / ``b2 [E, hidden]`` and ``clamped_swiglu=(alpha, limit)``.
+    DeepSeek-V3's FP8 experts: e4m3 stacks with ``block_scales=(s13, s2, block)``."""
     if use_triton(x):
         from pagoda.kernels import triton_ops
 
-        return triton_ops.moe_experts(x, order, weights, offsets, w13, w2, top_k, b13, b2, clamped_swiglu)
-    return reference.moe_experts(x, order, weights, offsets, w13, w2, top_k, b13, b2, clamped_swiglu)
+        return triton_ops.moe_experts(x, order, weights, offsets, w13, w2, top_k, b13, b2, clamped_swiglu,
+                                      block_scales)
+    return reference.moe_experts(x, order, weights, offsets, w13, w2, top_k, b13, b2, clamped_swiglu, block_scales)
 
 
 def w8a16_linear(x, qweight, scale):
@@ -156,6 +159,17 @@ def w8a16_linear(x, qweight, scale):
 
         return triton_w8a16.w8a16_linear(x, qweight, scale)
     return w8a16.w8a16_linear_ref(x, qweight, scale)
+
+
+def fp8_block_linear(x, qweight, scale, block: int):
+    """``x @ W.T`` for a block-scaled e4m3 ``[N, K]`` weight, ``W[n, k] = Q[n, k] * scale[n // block,
+    k // block]`` (DeepSeek-V3's FP8 checkpoints): the Triton W8A16 kernel with block scales on CUDA
+    below ``w8a16.DEQUANT_ROWS`` rows, dequantize + ``F.linear`` otherwise (the CPU path)."""
+    if use_triton(x) and x.numel() < w8a16.DEQUANT_ROWS * x.shape[-1]:
+        from pagoda.kernels import triton_w8a16
+
+        return triton_w8a16.w8a16_linear(x, qweight, scale, block=block)
+    return w8a16.w8a16_block_linear_ref(x, qweight, scale, block)
 
 
 def causal_conv1d(x, weight, bias, conv_states, meta: AttentionMetadata):

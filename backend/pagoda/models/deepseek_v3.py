@@ -90,7 +90,8 @@ class DeepseekMoE(SparseMoE):
     def forward(self, x: torch.Tensor, lora: Optional[object] = None) -> torch.Tensor:  # [T, hidden]
         logits = F.linear(x.float(), self.gate_weight)  # [T, E] float32, as transformers' router
         weights, ids = route_grouped(logits, self.correction_bias, self.router, self.top_k, self.renormalize, x.dtype)
-        out = experts_forward(x, group_by_expert(ids, weights, self.num_experts), self.w13, self.w2)
+        out = experts_forward(x, group_by_expert(ids, weights, self.num_experts), self.w13, self.w2,
+                              self.block_scales)
         return out if self.shared_experts is None else out + self.shared_experts(x)
 
     def weight_targets(self) -> WeightTargets:

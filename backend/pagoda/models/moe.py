@@ -27,8 +27,11 @@ Weights are stacked per layer, never one module per expert: ``gate_weight [E, hi
 ``w13 [E, 2 * inter, hidden]`` (gate rows, then up rows) and ``w2 [E, hidden, inter]``.
 ``MoENames`` maps a family's Hugging Face tensor names onto them.
 
-Not supported (refused, never silently skipped): LoRA on expert weights (``models/lora``
-refuses the adapter) and int8/fp8 quantization of the experts (``quantize_model``).
+FP8 experts: a DeepSeek-format checkpoint's e4m3 experts with 128 x 128 block scales stay FP8
+(``SparseMoE.keep_fp8``, installed by ``models.int4.install_fp8_experts``): the fused kernels read
+one byte per weight. Not supported (refused, never silently skipped): LoRA on expert weights
+(``models/lora`` refuses the adapter) and int8/fp8 quantization of float experts at load
+(``quantize_model``).
 """
 
 from __future__ import annotations
@@ -132,15 +135,20 @@ def group_by_expert(topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_expe
     return ExpertGroups(order, topk_weights.reshape(-1)[order], offsets, topk_ids.shape[1])
 
 
-def experts_forward(x: torch.Tensor, groups: ExpertGroups, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    """``[T, hidden]`` -> ``[T, hidden]``: the routing-weighted sum of each token's experts."""
-    return kernels.moe_experts(x, groups.order, groups.weights, groups.offsets, w13, w2, groups.top_k)
+def experts_forward(x: torch.Tensor, groups: ExpertGroups, w13: torch.Tensor, w2: torch.Tensor,
+                    block_scales: Optional[tuple[torch.Tensor, torch.Tensor, int]] = None) -> torch.Tensor:
+    """``[T, hidden]`` -> ``[T, hidden]``: the routing-weighted sum of each token's experts
+    (``block_scales``: e4m3 stacks' scales, ``SparseMoE.keep_fp8``)."""
+    return kernels.moe_experts(x, groups.order, groups.weights, groups.offsets, w13, w2, groups.top_k,
+                               block_scales=block_scales)
 
 
 class SparseMoE(nn.Module):
     """Router plus stacked experts; ``forward(x)`` -> ``[T, hidden]``. Parameters uninitialised."""
 
-    quantization_unsupported = "MoE expert weights cannot be quantized yet (int8/fp8 experts are not implemented)"
+    quantization_unsupported = "MoE expert weights cannot be quantized at load (int8/fp8 --quantization of experts " \
+        "is not implemented; a DeepSeek-format FP8 checkpoint's experts are served as FP8)"
+    block_scales: Optional[tuple[torch.Tensor, torch.Tensor, int]] = None  # set by keep_fp8
 
     def __init__(self, config: ModelConfig, names: MoENames, renormalize: bool, dtype: torch.dtype,
                  device: torch.device | str) -> None:
@@ -159,7 +167,21 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor, lora: Optional[object] = None) -> torch.Tensor:
         """``lora`` is accepted for the layer's signature; adapters never target experts (refused at load)."""
         weights, ids = route(F.linear(x, self.gate_weight), self.top_k, self.renormalize)
-        return experts_forward(x, group_by_expert(ids, weights, self.num_experts), self.w13, self.w2)
+        return experts_forward(x, group_by_expert(ids, weights, self.num_experts), self.w13, self.w2,
+                               self.block_scales)
+
+    @torch.no_grad()
+    def keep_fp8(self, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, block: int) -> None:
+        """Serve the experts from e4m3 stacks with square block scales (a DeepSeek-format FP8
+        checkpoint's bytes: ``w13 [E, 2 * inter, hidden]``, ``s13 [E, 2 * inter / block,
+        cdiv(hidden, block)]``, ``w2``, ``s2`` likewise), in place of the float stacks."""
+        device = self.w13.device
+        del self.w13, self.w2
+        self.register_buffer("w13", w13.to(device))
+        self.register_buffer("w2", w2.to(device))
+        self.register_buffer("w13_scale", s13.float().to(device))
+        self.register_buffer("w2_scale", s2.float().to(device))
+        self.block_scales = (self.w13_scale, self.w2_scale, block)
 
     def weight_targets(self) -> dict[str, tuple[torch.Tensor, object]]:
         n, inter = self.names, self.intermediate_size
