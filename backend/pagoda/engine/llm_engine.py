@@ -49,6 +49,7 @@ from pagoda.engine.output_processor import OutputProcessor
 from pagoda.engine.parallel import make_executor
 from pagoda.engine.outputs import RequestOutput
 from pagoda.engine.request import EngineRequest, PromptType, RequestStatus
+from pagoda.engine.resume import resumed_output
 from pagoda.engine.sampling_params import SamplingParams
 from pagoda.engine.stats import EngineStats, collect_stats
 from pagoda.models.generation_config import generation_defaults
@@ -133,13 +134,15 @@ class LLMEngine:
 
         Its ``options.lora_name`` must name a loaded adapter; past its ``options.timeout``
         (seconds from arrival) it ends with a "deadline exceeded" error output
-        (``pagoda.engine.core.load_shedding``); ``params.n > 1`` runs ``n`` children.
+        (``pagoda.engine.core.load_shedding``); ``params.n > 1`` runs ``n`` children;
+        ``options.resume`` continues a request another replica began (``engine.resume``).
 
         Raises:
             ValueError: as ``InputProcessor.process`` (duplicate id, empty prompt, token ids
                 outside the vocabulary, a capability this engine lacks, an unknown
                 ``lora_name``), or a request that can never fit (prompt + max_tokens over
-                ``max_model_len`` or over the whole KV cache). Nothing is queued then.
+                ``max_model_len`` or over the whole KV cache), a ``resume`` it cannot continue.
+                Nothing is queued then.
             EngineOverloaded: the waiting queue is full (admission control); nothing is
                 queued, retry later.
         """
@@ -153,13 +156,18 @@ class LLMEngine:
                                            self.core.scheduler.num_running)
         if not verdict.admit:
             raise EngineOverloaded(verdict.reason, self.admission.retry_after_s)
+        resumed = resumed_output(request, processed.token_ids, self.tokenizer, self.input_processor.vocab_size)
         children = self.core.make_requests(request, processed.token_ids, processed.bad_words_token_ids)
+        if resumed is not None:  # its output so far, before anything reads the request (engine.resume)
+            children[0].append_output_token_ids(resumed.token_ids)
         # Validates fit (raises ValueError) before anything is tracked; a guided request
         # waits for its grammar in the core.
         self.core.add_requests(children, request.params.guided_decoding, request.request_id)
+        if resumed is not None and request.params.guided_decoding is not None:
+            self.core.guided.replay(request.request_id, resumed.token_ids)  # its matcher consumes them first
         self.output_processor.add_request(request.request_id, processed.text, processed.token_ids, request.params,
                                           child_request_ids(request.request_id, request.params.n),
-                                          request.arrival_time)
+                                          request.arrival_time, resumed)
         self._fail_requests({self.output_processor.group_of(v.request_id) for v in verdict.victims},
                             lambda child0: overload_message(
             "displaced from the waiting queue by a more urgent request", self.admission.retry_after_s))

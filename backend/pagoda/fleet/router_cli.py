@@ -83,6 +83,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--peer-pull-min-blocks", type=int, default=4,
                    help="pull a prefix a peer holds when it gains this many blocks and beats recomputing "
                         "(docs/kv_transfer.md); 0: never")
+    p.add_argument("--migration-limit", type=int, default=3, metavar="N",
+                   help="times one request may move to another replica when its replica fails mid-request "
+                        "(docs/reliability.md: restarted while nothing was sent, resumed once it streamed); 0: off")
     _add_tenant_flags(p)
     limits = p.add_argument_group("limits", "input limits; a request over one gets a 4xx naming it")
     for f in dataclasses.fields(RequestLimits):
@@ -108,7 +111,7 @@ def options_from_args(args: argparse.Namespace) -> RouterOptions:
     """The ``RouterOptions`` parsed flags describe.
 
     Raises:
-        ValueError: a ``--policy-knob`` that is not ``KEY=VALUE``.
+        ValueError: a ``--policy-knob`` that is not ``KEY=VALUE``, a negative ``--migration-limit``.
     """
     knobs = {}
     for item in args.policy_knob:
@@ -116,6 +119,8 @@ def options_from_args(args: argparse.Namespace) -> RouterOptions:
         if not sep:
             raise ValueError(f"--policy-knob: expected KEY=VALUE, got {item!r}")
         knobs[key] = float(value)
+    if args.migration_limit < 0:
+        raise ValueError(f"--migration-limit: must be >= 0 (0 turns migration off), got {args.migration_limit}")
     return RouterOptions(
         model_dir=args.model_dir, model_name=args.model_name, hash_model_id=args.hash_model_id,
         lora_names=tuple(args.lora), allow_runtime_lora=args.allow_runtime_lora,
@@ -127,6 +132,7 @@ def options_from_args(args: argparse.Namespace) -> RouterOptions:
         http_port=args.http_port, grpc_port=None if args.no_grpc else args.grpc_port,
         otlp_endpoint=args.otlp_endpoint, block_size=args.block_size, health_interval_s=args.health_interval,
         max_attempts=args.max_attempts, peer_pull_min_blocks=args.peer_pull_min_blocks,
+        migration_limit=args.migration_limit,
         api_keys_file=args.api_keys_file, share_prefix_cache=args.share_prefix_cache,
         router_secret_file=args.router_secret_file, tenant_requests_per_minute=args.tenant_rpm,
         tenant_tokens_per_minute=args.tenant_tpm, tenant_max_concurrent=args.tenant_max_concurrent,

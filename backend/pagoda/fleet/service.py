@@ -93,6 +93,7 @@ class RouterOptions:
     health_interval_s: float = 2.0
     max_attempts: int = 2
     peer_pull_min_blocks: int = 4  # pull a prefix a peer holds from this many blocks on; 0: never (routing.peer_pull)
+    migration_limit: int = 3  # migrations per request when its replica fails (api.migration); 0: off
     # Tenants (pagoda.fleet.gate.auth): keys file (else $PAGODA_API_KEYS; neither: open mode).
     api_keys_file: Optional[str] = None
     share_prefix_cache: bool = False
@@ -237,14 +238,17 @@ class RouterService:
         from pagoda.fleet.api.messages_api import MessagesApi
         from pagoda.fleet.api.openai_api import OpenAIApi
         from pagoda.fleet.api.responses_api import ResponsesApi
+        from pagoda.fleet.api.migration import Migrations
         from pagoda.fleet.api.upstream import GrpcUpstream
 
         o = self.options
-        upstream = self.upstream = GrpcUpstream(self.router, self.gate, o.max_attempts, o.peer_pull_min_blocks)
+        migrations = Migrations(o.migration_limit)  # one for every door: /metrics counts them all
+        upstream = self.upstream = GrpcUpstream(self.router, self.gate, o.max_attempts, o.peer_pull_min_blocks,
+                                                migrations)
         grpc_door = GrpcProxy(self.router, self.tracer, self.gate, upstream)
         openai_door = OpenAIApi(self.router, self.tracer, self.gate, self.lora_admin, upstream, self.model_name,
                                 parsers=(self.options.reasoning_parser, self.options.tool_call_parser))
-        app = make_app(self.router, self.tracer, self.gate, self.lora_admin, openai_door)
+        app = make_app(self.router, self.tracer, self.gate, self.lora_admin, openai_door, migrations)
         ResponsesApi(openai_door, self._response_store()).add_routes(app)
         MessagesApi(openai_door).add_routes(app)
         if o.grpc_port is not None:

@@ -86,6 +86,7 @@ from aiohttp import web
 from pagoda.contracts import json_input
 from pagoda.contracts.errors import ErrorKind, classify_replica_error, kind_of_http_status, spec_of
 from pagoda.fleet.gate.gate import TENANT_KEY, Gate, LimitError, RateLimited, retry_after_header
+from pagoda.fleet.gate.limits import openai_sampling_values
 from pagoda.fleet.api.lora_admin import LoRAAdmin, check_change
 from pagoda.fleet.api.upstream import GrpcUpstream, ReplicaFailed
 from pagoda.fleet.api.openai_answer import Answer, merge_final
@@ -273,6 +274,7 @@ class OpenAIApi:
             limits.check_messages(body["messages"])
         if not chat and isinstance(body.get("prompt"), str):
             limits.check_prompt(body["prompt"])
+        limits.check_sampling(openai_sampling_values(body, chat))  # before a tighter check of its own refuses it
         builts = ([build_chat_request(body, self.router.tokenizer, *self.parsers)] if chat
                   else build_completion_requests(body, self.router.tokenizer))
         for built in builts:

@@ -184,6 +184,7 @@ class _Common(_Strict):
     cache_salt: Optional[str] = None
     priority: Optional[int] = None
     timeout: Optional[Annotated[Number, Field(gt=0)]] = None  # seconds; engine.core.load_shedding deadlines
+    allow_migration: Optional[bool] = None  # false: not moved to another replica when its replica fails
     # beam search as vLLM's extras (best_of is the beam width then; docs/beam_search.md)
     use_beam_search: bool = False
     length_penalty: Optional[Number] = None

@@ -159,8 +159,11 @@ def split_values(values: dict[str, Any], from_parameters: bool = False) -> tuple
             values = {**values, "guided_decoding": json_input.loads(values["guided_decoding"], "guided_decoding")}
     values = dict(values)
     options = {key: values.pop(key) for key in OPTION_NAMES + WIRE_KEYS if key in values}
-    if isinstance(options.get("kv_transfer_params"), str):  # JSON text of the object (request parameters)
-        options["kv_transfer_params"] = json_input.loads(options["kv_transfer_params"], "kv_transfer_params")
+    for key in ("kv_transfer_params", "resume"):  # JSON text of the object (request parameters)
+        if isinstance(options.get(key), str):
+            options[key] = json_input.loads(options[key], key)
+    if "allow_migration" in options:
+        options["allow_migration"] = coerce("allow_migration", options["allow_migration"], bool)
     if "priority" in options:
         options["priority"] = coerce("priority", options["priority"], int)
     if "timeout" in options and options["timeout"] is not None:
