@@ -10,17 +10,22 @@ must equal transformers' ``generate``:
 - all prompts in one batch (three share a 40-token prefix), with chunked prefill at an odd
   budget (7 tokens) and a cache so small that requests are preempted (by recompute, and by swap
   to the CPU tier, which moves latent blocks); then
-- the same prompts again, served from prefix-cache hits.
+- the same prompts again, served from prefix-cache hits (also with async scheduling).
 
-Seeded sampling gives a request the same tokens alone and in a batch. The checkpoint's MTP
+Seeded sampling gives a request the same tokens alone and in a batch; beam search equals
+transformers' beams; a choice grammar holds; a prompt's latent blocks move to a peer replica
+(the TCP KV connector) and are hits there. The checkpoint's MTP
 block (``num_nextn_predict_layers``, written here in DeepSeek's layout: an MLA layer with a MoE
 block) drafts through the speculative-decoding registry, and verification keeps the outputs
-exact. Two pipeline stages equal one. What does not combine is refused naming why: LoRA adapters,
-tensor parallelism.
+exact, as do n-gram drafts and a draft model (the target's first layer). Two pipeline stages
+equal one. What does not combine is refused naming why: LoRA adapters, tensor parallelism,
+DeepSeek-V2's routers, ``attention_bias``, int8/fp8 quantization at load.
 """
 
 from __future__ import annotations
 
+import json
+import pathlib
 import shutil
 
 import pytest
@@ -90,10 +95,11 @@ def test_each_prompt_alone_equals_transformers(deepseek):
         assert _run(engine, [prompt]) == [tokens]
 
 
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("mode", ["recompute", "swap", "async"])
 def test_batched_chunked_preempted_then_served_from_prefix_hits(deepseek, mode):
     folder, prompts, expected, _ = deepseek
-    extra = dict(cpu_offload_bytes=1 << 20, preemption_mode="swap") if mode == "swap" else {}
+    extra = dict(cpu_offload_bytes=1 << 20, preemption_mode="swap") if mode == "swap" else \
+        dict(async_scheduling=True) if mode == "async" else {}
     engine = LLMEngine(EngineConfig(model=folder, block_size=8, max_num_batched_tokens=7, num_gpu_blocks_override=10,
                                     **extra))
     assert _run(engine, prompts) == expected
@@ -135,6 +141,66 @@ def test_mtp_block_drafts_and_verification_keeps_outputs_exact(deepseek, tmp_pat
     assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
 
 
+@pytest.mark.parametrize("method", [dict(speculative_method="ngram", num_speculative_tokens=3),
+                                    dict(speculative_method="draft", speculative_draft_num_layers=1)])
+def test_ngram_and_draft_model_drafts_keep_outputs_exact(deepseek, method):
+    """The other proposers verify through the same latent cache: n-gram drafts (a prompt that
+    repeats itself, so the n-grams match), and a draft model that is the target's first (dense,
+    MLA) layer, with its own latent cache. Outputs equal the plain engine's (== transformers)."""
+    folder, prompts, expected, plain = deepseek
+    repeats = prompts[1] + expected[1] + prompts[1]
+    engine = LLMEngine(EngineConfig(model=folder, spec_adaptive=False, **method))
+    assert _run(engine, prompts + [repeats]) == expected + _run(plain, [repeats], prefix="r")
+    assert engine.get_stats().spec_num_draft_tokens > 0
+
+
+def test_beam_search_equals_transformers_and_structured_output_holds(deepseek):
+    """Beams fork latent blocks (copy-on-write of the partial one): the two best of 2 beams equal
+    HF's ``generate(num_beams=2)``; a choice grammar constrains every sampled answer."""
+    from pagoda.engine.guided import GuidedDecodingParams
+
+    folder, prompts, _, engine = deepseek
+    hf = HFGreedy(folder).model
+    beams = SamplingParams(use_beam_search=True, beam_width=2, n=2, temperature=0.0, max_tokens=6, ignore_eos=True)
+    engine.add_request("beam", prompts[1], beams)
+    done = {}
+    while engine.has_unfinished_requests():
+        done |= {o.request_id: o for o in engine.step() if o.finished}
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompts[1]]), num_beams=2, num_return_sequences=2, max_new_tokens=6,
+                          do_sample=False, eos_token_id=None, pad_token_id=0, length_penalty=1.0)
+    assert [c.token_ids for c in done["beam"].outputs] == [s[len(prompts[1]):].tolist() for s in out]
+    choices = ["north", "south", "east", "west"]
+    guided = SamplingParams(temperature=1.0, seed=3, max_tokens=6, guided_decoding=GuidedDecodingParams(choice=choices))
+    assert all(engine.tokenizer.decode(tokens) in choices for tokens in _run(engine, prompts, guided, prefix="g"))
+    assert engine.get_stats().num_free_blocks == engine.get_stats().num_blocks
+
+
+def test_a_prefix_moves_between_replicas_as_latent_blocks(deepseek):
+    """P/D: the TCP connector sends a prompt's full blocks (one latent tensor per layer) to a
+    peer, whose request then hits them and generates the same tokens."""
+    from pagoda.contracts.block_hash import hash_prompt_blocks
+    from pagoda.engine.kv_transfer.tcp import TcpKVConnector
+
+    from tests.engine.test_kv_transfer import _wait
+
+    folder, prompts, expected, _ = deepseek
+    a, b = LLMEngine(EngineConfig(model=folder)), LLMEngine(EngineConfig(model=folder))
+    ca, cb = TcpKVConnector(a), TcpKVConnector(b, listen="127.0.0.1:0")
+    try:
+        assert _run(a, [prompts[2]]) == [expected[2]]
+        hashes = hash_prompt_blocks(prompts[2], a.config.block_size, a.model_id)
+        results = _wait([ca, cb], ca.send(cb.address, hashes))
+        assert results["receive"].ok and results["receive"].num_bytes == len(hashes) * cb.block_io.block_bytes
+        assert cb.block_io.block_bytes == 3 * 16 * (16 + 8) * 4
+        hits = b.get_stats().prefix_cache_hits
+        assert _run(b, [prompts[2]], prefix="b") == [expected[2]]
+        assert b.get_stats().prefix_cache_hits - hits == len(hashes) * 16
+    finally:
+        ca.close()
+        cb.close()
+
+
 def test_two_pipeline_stages_equal_one(deepseek):
     folder, prompts, expected, _ = deepseek
     engine = LLMEngine(EngineConfig(model=folder, pipeline_parallel_size=2))
@@ -154,3 +220,12 @@ def test_what_does_not_combine_is_refused(deepseek):
         LLMEngine(EngineConfig(model=folder, enable_lora=True))
     with pytest.raises(ValueError, match="tensor parallelism: layer 0 .* has MLAttention/MLP"):
         shard_model(engine.executor.runner.model, SimpleNamespace(size=2, rank=0))
+    with pytest.raises(ValueError, match="quantization 'int8': MoE expert weights"):
+        LLMEngine(EngineConfig(model=folder, quantization="int8"))
+    from pagoda.models.deepseek_v3 import parse_config
+
+    raw = json.loads((pathlib.Path(folder) / "config.json").read_text())
+    for field, value in (("scoring_func", "softmax"), ("topk_method", "greedy"), ("moe_layer_freq", 2),
+                         ("attention_bias", True)):
+        with pytest.raises(ValueError, match=f"{field}=.* is not supported"):
+            parse_config(raw | {field: value}, "DeepseekV3ForCausalLM")
