@@ -30,7 +30,9 @@ dimensions of each head rotate) is set by those families' parsers only: elsewher
 DeepSeek-V3 (``models/deepseek_v3.py``): ``mla`` holds multi-head latent attention's sizes
 (``MLAShape``; its layers cache one latent per token, ``engine.kv.specs.MLALatentSpec``) and
 ``grouped_router`` the router's group-limited top-k (``models.moe.GroupedRouter``); ``head_dim`` is then the
-rotary part of each head (``qk_rope_head_dim``, as transformers sets it).
+rotary part of each head (``qk_rope_head_dim``, as transformers sets it). GLM-4.5
+(``models/glm4_moe.py``) reads the same router into ``grouped_router``, a partial rotary and
+an optional q/k norm (``qk_norm``).
 
 Rotary frequencies: ``inv_freq()`` reproduces Hugging Face's computation bit for bit
 (float32 throughout), for the ``default``, ``linear``, ``llama3`` and ``yarn`` rope types;
@@ -104,6 +106,8 @@ class ModelConfig:
     # DeepSeek-V3 / Kimi K2: multi-head latent attention, the sigmoid router limited to groups
     mla: Optional["MLAShape"] = None
     grouped_router: Optional["GroupedRouter"] = None  # models.moe.GroupedRouter
+    # GLM-4.5 (use_qk_norm): a per-head RMSNorm of q and k before rotary, as Qwen3's, but optional
+    qk_norm: bool = False
 
     def __post_init__(self) -> None:
         if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:

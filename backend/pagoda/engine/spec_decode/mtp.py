@@ -3,7 +3,8 @@
 DeepSeek-V3, GLM-4.5 and Qwen3-Next train one extra block that predicts the token after
 next from the target's last hidden state and the next token's embedding. This is the loader
 path for a DeepSeek-V3 target (its block an MLA layer with a MoE block, built as the
-checkpoint's layer ``N``: ``mtp_layer_index``; its cache a latent cache) and for a
+checkpoint's layer ``N``: ``mtp_layer_index``; its cache a latent cache), a GLM-4.5 target
+(likewise: GLM attention with a MoE block) and for a
 Llama/Qwen3-family target whose checkpoint carries such a block, in either published layout:
 
 * DeepSeek-V3 (``num_nextn_predict_layers``: N_mtp in config.json): under
