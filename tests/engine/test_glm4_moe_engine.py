@@ -11,6 +11,8 @@ request the same tokens alone and in a batch. The checkpoint's MTP block (DeepSe
 weights: a GLM attention layer with a MoE block) drafts and verification keeps outputs exact. A
 LoRA adapter on q/v equals transformers + PEFT. Refused, naming why: tensor parallelism (the MoE
 block is not sharded), int8 at load (the experts), rope scaling, an adapter on the experts.
+GLM-4.7-Flash (``Glm4MoeLiteForCausalLM``, latent attention: the DeepSeek-V3 model) equals
+transformers through the engine too.
 """
 
 from __future__ import annotations
@@ -134,6 +136,22 @@ def test_a_lora_adapter_on_attention_equals_transformers_peft(glm, tmp_path):
                                     lora_modules={"qv": str(adapter)}))
     reference = peft_model(folder, str(adapter))
     assert _run(engine, prompts[:2], lora_name="qv") == [peft_greedy(reference, p, MAX_NEW) for p in prompts[:2]]
+
+
+def test_glm_lite_latent_attention_through_the_engine_equals_transformers(glm, tmp_path, smollm2_path):
+    """GLM-4.7-Flash (``Glm4MoeLiteForCausalLM``: DeepSeek-V3's latent attention and MoE, dense
+    layers by ``mlp_layer_types``): batched, chunked at 7 tokens, greedy == ``generate``."""
+    _, prompts, _, _ = glm
+    lite = dict(vocab_size=49152, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
+                num_attention_heads=4, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+                kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+                mlp_layer_types=["sparse", "dense", "sparse"], max_position_embeddings=512, initializer_range=0.2)
+    folder = str(save_random_model(tmp_path / "lite", smollm2_path, 0, "Glm4MoeLiteConfig",
+                                   edit_weights=_move_constants, **lite))
+    engine = LLMEngine(EngineConfig(model=folder, max_num_batched_tokens=7, block_size=8))
+    assert [g.spec.kind for g in engine.executor.kv_layout.groups] == ["mla_attention"]
+    hf = HFGreedy(folder)
+    assert _run(engine, prompts[:2]) == [hf.generate(p, MAX_NEW) for p in prompts[:2]]
 
 
 def test_what_does_not_combine_is_refused(glm, tmp_path):

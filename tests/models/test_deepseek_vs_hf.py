@@ -9,7 +9,9 @@ saved with ``save_pretrained`` and loaded by pagoda's loader:
   weights times ``routed_scaling_factor``;
 - ``yarn``: ``q_proj`` straight from the hidden state, rope in halves, YaRN (factor 4 over 32
   positions, ``mscale`` and ``mscale_all_dim``: the cos/sin factor and the softmax-scale
-  correction both count) on 48-token prompts, one group (Kimi K2's), no renormalisation.
+  correction both count) on 48-token prompts, one group (Kimi K2's), no renormalisation;
+- ``glm-lite``: ``Glm4MoeLiteConfig`` (GLM-4.7-Flash: the same architecture), its dense layer
+  in the middle (``mlp_layer_types``), one group.
 
 Checks (the harness of ``models.testing``: no engine), each within twice the derived rounding
 bound of the exact values (``mla_path_length``): a prompt's logits in one step (the expanded
@@ -44,15 +46,20 @@ CONFIGS = {
                  rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, mscale=0.8,
                                       mscale_all_dim=0.6, original_max_position_embeddings=32,
                                       beta_fast=32.0, beta_slow=1.0)),
+    # GLM-4.7-Flash: the same attention and MoE, its dense layer in the middle (mlp_layer_types).
+    "glm-lite": dict(q_lora_rank=24, n_group=1, topk_group=1, n_shared_experts=1, routed_scaling_factor=1.8,
+                     norm_topk_prob=True, rope_interleave=True, mlp_layer_types=["sparse", "dense", "sparse"]),
 }
+CLASSES = {"glm-lite": ("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM")}
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
 def pair(request, tmp_path_factory):
     """(transformers model, pagoda model) for one config."""
-    config = transformers.DeepseekV3Config(**COMMON, **CONFIGS[request.param])
+    config_class, model_class = CLASSES.get(request.param, ("DeepseekV3Config", "DeepseekV3ForCausalLM"))
+    config = getattr(transformers, config_class)(**COMMON, **CONFIGS[request.param])
     torch.manual_seed(0)
-    hf = transformers.DeepseekV3ForCausalLM(config).eval()
+    hf = getattr(transformers, model_class)(config).eval()
     with torch.no_grad():
         for name, param in hf.named_parameters():
             if "norm" in name:
@@ -106,6 +113,8 @@ def test_config_reads_the_latent_shape_and_the_router(pair):
     assert config.mla.latent_dim == 16 + 8 and config.head_dim == 8
     assert ours.layers[-1].mlp.router.num_groups in (1, 4)
     assert ours.layers[-1].mlp.gate_weight.dtype == torch.float32  # transformers keeps the router in fp32
+    dense = [i for i, layer in enumerate(ours.layers) if type(layer.mlp).__name__ == "MLP"]
+    assert dense == ([1] if config.architecture == "Glm4MoeLiteForCausalLM" else list(config.mlp_only_layers))
 
 
 def test_prompt_in_one_step_then_decodes(pair):
@@ -126,7 +135,7 @@ def test_sequences_of_different_lengths_share_flat_steps(pair, kernels, monkeypa
     """The torch path and the Triton kernels (interpreted: the latent write and the split-K
     decode) give transformers' logits; rows no sequence owns stay NaN and are never read."""
     hf, ours = pair
-    if kernels == "triton" and ours.config.mla.q_lora_rank is None:
+    if kernels == "triton" and (ours.config.mla.q_lora_rank is None or "Glm" in ours.config.architecture):
         pytest.skip("interpreter time: the q-lora case runs every Triton kernel")
     monkeypatch.setenv("PAGODA_KERNELS", kernels)
     seqs = {"a": prompt(4, 10), "b": prompt(5, 9), "c": prompt(6, 6)}

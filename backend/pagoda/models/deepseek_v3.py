@@ -19,6 +19,9 @@ As transformers' ``DeepseekV3Model``:
   the speculative proposer (``engine/spec_decode/mtp.py``), which builds its decoder layer as layer
   ``N`` (``mtp_layer_index``): an MLA layer with a MoE block, as the checkpoint holds it.
 
+GLM-4.7-Flash (``Glm4MoeLiteForCausalLM``) is this architecture with its dense layers listed in
+``mlp_layer_types`` (``parse_glm_lite_config``).
+
 Refused (``ValueError`` naming the field): DeepSeek-V2's routers (``scoring_func`` other than
 sigmoid, ``topk_method`` other than ``noaux_tc``), ``moe_layer_freq`` other than 1,
 ``attention_bias``, an activation other than SiLU.
@@ -71,6 +74,24 @@ def parse_config(raw: dict, architecture: str) -> ModelConfig:
                        shared_expert_intermediate_size=moe_inter * (raw.get("n_shared_experts") or 0),
                        norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
                        mlp_only_layers=tuple(range(raw.get("first_k_dense_replace") or 0)))
+
+
+def parse_glm_lite_config(raw: dict, architecture: str) -> ModelConfig:
+    """GLM-4.7-Flash (``Glm4MoeLiteForCausalLM``): DeepSeek-V3's attention and MoE block (as
+    transformers 5.24 builds it from both); which layers are dense is ``mlp_layer_types``
+    ("dense" / "sparse" per layer; default: the first dense) instead of ``first_k_dense_replace``.
+
+    Raises:
+        ValueError: ``mlp_layer_types`` not one of "dense" / "sparse" per layer; as ``parse_config``.
+    """
+    layers = raw["num_hidden_layers"]
+    types = list(raw.get("mlp_layer_types") or ["dense"] + ["sparse"] * (layers - 1))
+    if len(types) != layers or set(types) - {"dense", "sparse"}:
+        raise ValueError(f"{architecture}: mlp_layer_types must give 'dense' or 'sparse' per layer ({layers}), "
+                         f"got {types}")
+    raw = {k: v for k, v in raw.items() if k != "first_k_dense_replace"}
+    return dataclasses.replace(parse_config(raw, architecture),
+                               mlp_only_layers=tuple(i for i, t in enumerate(types) if t == "dense"))
 
 
 class DeepseekMoE(SparseMoE):

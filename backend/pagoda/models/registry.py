@@ -48,6 +48,9 @@ _FAMILIES = {f.architecture: f for f in (
                 qwen3_5.Qwen3_5MoeForCausalLM),
     # Kimi K2's config.json names this architecture too (model_type "kimi_k2").
     ModelFamily("DeepseekV3ForCausalLM", "deepseek_v3", deepseek_v3.parse_config, deepseek_v3.DeepseekV3ForCausalLM),
+    # GLM-4.7-Flash: multi-head latent attention and DeepSeek's MoE (the DeepSeek-V3 model).
+    ModelFamily("Glm4MoeLiteForCausalLM", "glm4_moe_lite", deepseek_v3.parse_glm_lite_config,
+                deepseek_v3.DeepseekV3ForCausalLM),
     # GLM-4.5, GLM-4.5-Air and GLM-4.6 (model_type "glm4_moe").
     ModelFamily("Glm4MoeForCausalLM", "glm4_moe", glm4_moe.parse_config, glm4_moe.Glm4MoeForCausalLM),
 )}
