@@ -59,11 +59,11 @@ class FakeClock:
     (b'{"text_input": "hi", "parameters": {"temperature": "0"}}', 'temperature: must be a number, got "0"'),
     (b'{"text_input": "hi", "n": "64"}', "n: 64 exceeds this server's limit of 16"),
     # Issue 25 defect 4: JSON that Python's parser takes and later code cannot.
-    (b'{"text_input": "hi", "max_tokens": Infinity}', "body: Infinity is not a JSON number"),
-    (b'{"text_input": "hi", "temperature": 1e999}', "body: the number 1e999 is out of range"),
+    (b'{"text_input": "hi", "max_tokens": Infinity}', "body.max_tokens: Infinity is not a JSON number"),
+    (b'{"text_input": "hi", "temperature": 1e999}', "body.temperature: the number 1e999 is out of range"),
     (b'{"text_input": "hi", "sampling_parameters": "{\\"max_tokens\\": NaN}"}',
-     "sampling_parameters: NaN is not a JSON number"),
-    (b'{"text_input": "hi", "sampling_parameters": {"max_tokens": -Infinity}}', "body: -Infinity is not a JSON"),
+     "sampling_parameters.max_tokens: NaN is not a JSON number"),
+    (b'{"text_input": "hi", "sampling_parameters": {"max_tokens": -Infinity}}', "body.sampling_parameters.max_tokens: -Infinity is not a JSON"),
     (b'{"text_input": "\\ud800 hi"}', "body.text_input: a lone surrogate (\\ud800)"),
     (b'{"text_input": "hi", "parameters": {"x": ' + b"[" * 100 + b"]" * 100 + b"}}", "nested too deeply"),
     (b"[" * 200000 + b"]" * 200000, "body: JSON nested too deeply"),
@@ -524,7 +524,7 @@ INFER_OK = {"id": "r1", "inputs": [
     ({"inputs": [{"name": "sampling_parameters", "datatype": "BYTES", "shape": [1], "data": ['{"n": 99}']}]},
      "n: 99 exceeds this server's limit"),
     ({"inputs": [{"name": "sampling_parameters", "datatype": "BYTES", "shape": [1], "data": ['{"n": Infinity}']}]},
-     "sampling_parameters: Infinity is not a JSON number"),
+     "sampling_parameters.n: Infinity is not a JSON number"),
     ({"outputs": [{"nom": "text_output"}]}, "outputs: must be a list of {name, parameters?} objects"),
 ])
 def test_infer_bodies_are_checked_before_they_are_forwarded(change, message):

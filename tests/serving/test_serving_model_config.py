@@ -111,6 +111,9 @@ def test_engine_flags_and_engine_args_reach_the_config(tmp_path):
     (["--tensor-parallel-size", "2", "--nodes", "2", "--leader-address", "h:port"], "tensor_parallel_leader"),
     (["--leader-address", "h:29500"], "--leader-address: only with --nodes > 1"),
     (["--kv-transfer-backend", "nixl"], "--kv-transfer-backend needs --kv-transfer-listen"),
+    # a decode replica without a connector would recompute every prompt, warning per request
+    (["--role", "decode"], "--role decode needs --kv-transfer-listen"),
+    (["--role", "prefill", "--redis-url", "redis://x:6379"], "--role prefill needs --kv-transfer-listen"),
     (["--kv-transfer-listen", "0.0.0.0:0", "--kv-transfer-backend", "shm"], "invalid choice: 'shm'"),
 ])
 def test_bad_engine_flags_are_refused_before_tritonserver_starts(args, message, capsys):

@@ -119,8 +119,8 @@ def test_logprob_flags_turn_on_engine_logprobs():
     ({"text_input": "Hi", "sampling_parameters": "{not json"}, "sampling_parameters: not valid JSON"),
     ({"text_input": "Hi", "sampling_parameters": "[1, 2]"}, "sampling_parameters: must be a JSON object"),
     # strict JSON on the replica too (contracts.json_input), as on the router's doors (issue 25)
-    ({"text_input": "Hi", "sampling_parameters": '{"temperature": NaN}'}, "sampling_parameters: NaN is not"),
-    ({"text_input": "Hi", "sampling_parameters": '{"top_p": 1e999}'}, "sampling_parameters: the number 1e999"),
+    ({"text_input": "Hi", "sampling_parameters": '{"temperature": NaN}'}, "sampling_parameters.temperature: NaN is not"),
+    ({"text_input": "Hi", "sampling_parameters": '{"top_p": 1e999}'}, "sampling_parameters.top_p: the number 1e999"),
     ({"text_input": "Hi", "sampling_parameters": '{"stop": ["\\ud800"]}'}, "sampling_parameters"),
     ({"text_input": "Hi", "sampling_parameters": '{"a": ' * 100 + '1' + '}' * 100},
      "sampling_parameters: JSON nested too deeply"),

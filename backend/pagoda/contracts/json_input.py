@@ -6,7 +6,8 @@ to exhaust the parser's recursion (a ``RecursionError``, not a ``ValueError``), 
 escapes that make lone surrogates (any later ``.encode("utf-8")`` raises). Each of those
 was a 500, or a lost gRPC request, at the router's doors. ``loads`` refuses all of them with
 a ``JSONInputError`` (a ``ValueError``) whose message names the field: ``what`` (the body or
-input), then the JSON path of the offending value.
+input), then the JSON path of the offending value (a non-finite number is parsed as a marker
+and refused by the walk over the document, which knows its path).
 
 Limits: at most ``MAX_DEPTH`` nested arrays/objects (OpenAI requests, JSON schemas for
 structured output and tools need far fewer; Envoy's and vLLM's servers refuse deeper
@@ -30,23 +31,28 @@ class JSONInputError(ValueError):
         self.param = param
 
 
+class _NonFinite:
+    """Where a non-finite number stood while parsing; ``check`` refuses it naming its path."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+
 def loads(text: Union[str, bytes, bytearray], what: str = "body") -> Any:
-    """Parse ``text`` strictly (module docstring); raises ``JSONInputError`` naming ``what``."""
+    """Parse ``text`` strictly (module docstring); raises ``JSONInputError`` naming ``what`` and
+    the JSON path of the offending value (``body.temperature: NaN is not a JSON number``)."""
 
-    def refuse_constant(name: str) -> Any:
-        raise JSONInputError(f"{what}: {name} is not a JSON number (only finite numbers are accepted)", what)
+    def constant(name: str) -> _NonFinite:
+        return _NonFinite(f"{name} is not a JSON number (only finite numbers are accepted)")
 
-    def finite(literal: str) -> float:
+    def finite(literal: str) -> Any:
         value = float(literal)
         if not math.isfinite(value):
-            raise JSONInputError(f"{what}: the number {literal} is out of range (only finite numbers are accepted)",
-                                 what)
+            return _NonFinite(f"the number {literal} is out of range (only finite numbers are accepted)")
         return value
 
     try:
-        value = json.loads(text, parse_constant=refuse_constant, parse_float=finite)
-    except JSONInputError:
-        raise
+        value = json.loads(text, parse_constant=constant, parse_float=finite)
     except RecursionError:
         raise JSONInputError(f"{what}: JSON nested too deeply (at most {MAX_DEPTH} levels)", what) from None
     except UnicodeDecodeError as exc:
@@ -58,12 +64,14 @@ def loads(text: Union[str, bytes, bytearray], what: str = "body") -> Any:
 
 
 def check(value: Any, what: str) -> None:
-    """Depth and Unicode of an already parsed document (``loads`` calls it)."""
+    """Depth, Unicode and finite numbers of a parsed document (``loads`` calls it)."""
     stack = [(value, 1, "")]
     while stack:
         item, depth, path = stack.pop()
         if isinstance(item, str):
             _check_text(item, what, path)
+        elif isinstance(item, _NonFinite):
+            raise JSONInputError(f"{what}{path}: {item.message}", what)
         elif isinstance(item, (dict, list)):
             if depth > MAX_DEPTH:
                 raise JSONInputError(f"{what}: JSON nested too deeply (at most {MAX_DEPTH} levels)", what)

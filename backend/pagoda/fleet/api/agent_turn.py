@@ -15,9 +15,10 @@ way. The tenant's quota keeps what the turn really used (``Ticket.settle``).
 
 from __future__ import annotations
 
+import json
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, AsyncIterator, Optional
+from typing import TYPE_CHECKING, AsyncIterator, Callable, Optional
 
 from aiohttp import web
 
@@ -150,3 +151,50 @@ class AgentTurn:
             events += [CallStart(k, call["id"], call["function"]["name"]),
                        CallArguments(k, call["function"]["arguments"])]
         return events
+
+
+async def stream_turn(request: web.Request, turn: AgentTurn, start: Callable[[], list[dict]],
+                      feed: Callable[[TurnUpdate], list[dict]], failed: Callable[[TurnFailed], list[dict]],
+                      finish: Callable[[TurnUpdate], list[dict]]) -> web.StreamResponse:
+    """A turn as server-sent events, each ``event: TYPE`` + its JSON (both APIs' framing).
+
+    The stream opens with the first update, so a failure before it raises ``TurnFailed`` (the door
+    answers it whole); a later one ends the stream with the API's error events (``failed``).
+
+    Args:
+        request: the client's request.
+        turn: the turn to run.
+        start: the events that open the stream.
+        feed: the events of one update.
+        failed: the events that end a stream the turn failed in.
+        finish: the closing events, given the last update that carried a finish reason (an empty
+            ``TurnUpdate`` when none did).
+
+    Returns:
+        The finished stream response.
+    """
+    response: Optional[web.StreamResponse] = None
+    last = TurnUpdate()
+    try:
+        async for update in turn.run(request):
+            if response is None:
+                response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+                await response.prepare(request)
+                await _send(response, start())
+            await _send(response, feed(update))
+            last = update if update.finish_reason is not None else last
+    except TurnFailed as exc:
+        if response is None:
+            raise
+        await _send(response, failed(exc))
+        await response.write_eof()
+        return response
+    await _send(response, finish(last))
+    await response.write_eof()
+    return response
+
+
+async def _send(response: web.StreamResponse, events: list[dict]) -> None:
+    for event in events:
+        await response.write(f"event: {event['type']}\ndata: {json.dumps(event, separators=(',', ':'))}\n\n"
+                             .encode())

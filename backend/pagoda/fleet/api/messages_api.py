@@ -19,7 +19,6 @@ anthropic SDK's header) or as ``Authorization: Bearer`` (``http_api.gate_middlew
 from __future__ import annotations
 
 import dataclasses
-import json
 import uuid
 from typing import TYPE_CHECKING, Optional
 
@@ -27,7 +26,7 @@ from aiohttp import web
 
 from pagoda.contracts import json_input
 from pagoda.contracts.errors import ErrorKind, spec_of
-from pagoda.fleet.api.agent_turn import AgentTurn, TurnFailed, TurnUpdate
+from pagoda.fleet.api.agent_turn import AgentTurn, TurnFailed, TurnUpdate, stream_turn
 from pagoda.fleet.api.messages_protocol import CountTokensRequest, MessagesRequest, chat_messages, to_chat_body, \
     tools_body
 from pagoda.fleet.api.messages_render import MessageRender
@@ -87,7 +86,11 @@ class MessagesApi:
         turn = AgentTurn(openai, built, "messages")
         try:
             if parsed.stream:
-                return await self._stream(request, turn, render)
+                return await stream_turn(
+                    request, turn, lambda: render.start(turn.usage), render.feed,
+                    lambda exc: [{"type": "error", "error": {
+                        "type": ERROR_TYPES.get(spec_of(exc.kind).http_status, "api_error"), "message": str(exc)}}],
+                    lambda last: render.finish(last, turn.usage))
             last = TurnUpdate()
             async for update in turn.run(request):
                 render.feed(update)
@@ -117,35 +120,8 @@ class MessagesApi:
         if model not in (openai.model_name, "pagoda", *openai.lora_names):
             raise _ModelNotFound(f"model: {model!r} is not served here (this server serves {openai.model_name!r})")
 
-    async def _stream(self, request: web.Request, turn: AgentTurn, render: MessageRender) -> web.StreamResponse:
-        response: Optional[web.StreamResponse] = None
-        last = TurnUpdate()
-        try:
-            async for update in turn.run(request):
-                if response is None:
-                    response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                                           "Cache-Control": "no-cache"})
-                    await response.prepare(request)
-                    await _send(response, render.start(turn.usage))
-                await _send(response, render.feed(update))
-                last = update if update.finish_reason is not None else last
-        except TurnFailed as exc:
-            if response is None:
-                raise
-            error = {"type": ERROR_TYPES.get(spec_of(exc.kind).http_status, "api_error"), "message": str(exc)}
-            await _send(response, [{"type": "error", "error": error}])
-            await response.write_eof()
-            return response
-        await _send(response, render.finish(last, turn.usage))
-        await response.write_eof()
-        return response
-
 
 class _ModelNotFound(Exception):
     pass
 
 
-async def _send(response: web.StreamResponse, events: list[dict]) -> None:
-    for event in events:
-        await response.write(f"event: {event['type']}\ndata: {json.dumps(event, separators=(',', ':'))}\n\n"
-                             .encode())

@@ -17,7 +17,6 @@ naming a ``previous_response_id`` is refused, naming the flag.
 
 from __future__ import annotations
 
-import json
 import uuid
 from typing import TYPE_CHECKING, Optional
 
@@ -25,7 +24,7 @@ from aiohttp import web
 
 from pagoda.contracts import json_input
 from pagoda.contracts.errors import ErrorKind
-from pagoda.fleet.api.agent_turn import AgentTurn, TurnFailed
+from pagoda.fleet.api.agent_turn import AgentTurn, TurnFailed, stream_turn
 from pagoda.fleet.api.openai_api import error_response, kind_response
 from pagoda.fleet.api.openai_io import OpenAIError, build_chat_request
 from pagoda.fleet.api.openai_protocol import parse
@@ -76,7 +75,10 @@ class ResponsesApi:
         turn = AgentTurn(openai, built, "responses")
         try:
             if parsed.stream:
-                answer = await self._stream(request, turn, render)
+                answer = await stream_turn(
+                    request, turn, render.start, render.feed,
+                    lambda exc: [render._event("error", code=exc.kind.value, message=str(exc), param=None)],
+                    lambda last: render.finish(last.finish_reason, turn.usage))
             else:
                 answer = await self._whole(request, turn, render)
         except RateLimited as exc:
@@ -106,38 +108,9 @@ class ResponsesApi:
             reason = update.finish_reason or reason
         return web.json_response(render.finish(reason, turn.usage)[-1]["response"])
 
-    async def _stream(self, request: web.Request, turn: AgentTurn, render: ResponseRender) -> web.StreamResponse:
-        """SSE events, the stream opened with the first update (an earlier failure is an error answer)."""
-        response: Optional[web.StreamResponse] = None
-        reason = None
-        try:
-            async for update in turn.run(request):
-                if response is None:
-                    response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                                           "Cache-Control": "no-cache"})
-                    await response.prepare(request)
-                    await _send(response, render.start())
-                await _send(response, render.feed(update))
-                reason = update.finish_reason or reason
-        except TurnFailed as exc:
-            if response is None:
-                raise
-            await _send(response, [render._event("error", code=exc.kind.value, message=str(exc), param=None)])
-            await response.write_eof()
-            return response
-        await _send(response, render.finish(reason, turn.usage))
-        await response.write_eof()
-        return response
-
 
 class _NotFound(Exception):
     pass
-
-
-async def _send(response: web.StreamResponse, events: list[dict]) -> None:
-    for event in events:
-        await response.write(f"event: {event['type']}\ndata: {json.dumps(event, separators=(',', ':'))}\n\n"
-                             .encode())
 
 
 def _tenant(request: web.Request) -> str:

@@ -165,20 +165,31 @@ def _typed(raw: str, schema: dict) -> Any:
     return raw
 
 
-class Llama3JsonParser:
-    """``{"name", "parameters"}`` objects joined by ``;``; an answer not beginning with one is text."""
-
-    TAG = "<|python_tag|>"
+class _JsonCalls:
+    """What the JSON-object formats share: the text not yet read, the call being read, the calls
+    read so far; ``feed`` reads on as far as the text allows (``_advance``)."""
 
     def __init__(self, tools: Optional[list[dict]] = None) -> None:
         self._buffer = ""
-        self._mode: Optional[str] = None  # None: undecided; "calls" or "text"
         self._call: Optional[CallObject] = None
         self._num_calls = 0
 
     def feed(self, text: str) -> list[Event]:
         self._buffer += text
         return self._advance(whole=False)
+
+    def _advance(self, whole: bool) -> list[Event]:
+        raise NotImplementedError
+
+
+class Llama3JsonParser(_JsonCalls):
+    """``{"name", "parameters"}`` objects joined by ``;``; an answer not beginning with one is text."""
+
+    TAG = "<|python_tag|>"
+
+    def __init__(self, tools: Optional[list[dict]] = None) -> None:
+        super().__init__(tools)
+        self._mode: Optional[str] = None  # None: undecided; "calls" or "text"
 
     def finish(self) -> list[Event]:
         events = self._advance(whole=True)
@@ -217,20 +228,14 @@ class Llama3JsonParser:
         return events
 
 
-class MistralParser:
+class MistralParser(_JsonCalls):
     """Text, then ``[TOOL_CALLS]`` and a JSON array of call objects."""
 
     TAG = "[TOOL_CALLS]"
 
     def __init__(self, tools: Optional[list[dict]] = None) -> None:
-        self._buffer = ""
+        super().__init__(tools)
         self._calls = False
-        self._call: Optional[CallObject] = None
-        self._num_calls = 0
-
-    def feed(self, text: str) -> list[Event]:
-        self._buffer += text
-        return self._advance(whole=False)
 
     def finish(self) -> list[Event]:
         events = self._advance(whole=True)

@@ -204,6 +204,10 @@ def engine_args_from(args: argparse.Namespace) -> dict[str, str]:
         except ValueError as error:
             raise SystemExit(f"pagoda serve: --kv-transfer-listen: {error}") from None
         values["kv_transfer_listen"] = listen
+    if args.role in ("prefill", "decode") and not args.kv_transfer_listen:
+        # without a connector the decode stage cannot pull the prompt's KV: it would recompute it
+        raise SystemExit(f"pagoda serve: --role {args.role} needs --kv-transfer-listen HOST:PORT (a {args.role} "
+                         "replica moves the prompt's KV blocks through its connector)")
     if args.kv_transfer_backend:
         if not args.kv_transfer_listen:
             raise SystemExit("pagoda serve: --kv-transfer-backend needs --kv-transfer-listen HOST:PORT")
