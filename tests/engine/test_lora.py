@@ -5,6 +5,7 @@ hits and a slot count smaller than the number of adapters; plus the refusals."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 
 import pytest
@@ -233,6 +234,21 @@ def test_bad_adapter_folders_are_refused_with_the_reason(lora_setup, tmp_path):
         with pytest.raises(ValueError, match=message) as info:
             engine.add_lora(label, str(poisoned))
         assert key in str(info.value)
+    # Configs that are not PEFT's shape, and rank 0, named (were AttributeError / ZeroDivisionError).
+    for label, config, weights_rank, message in (
+            ("listed", [{"r": 4}], 4, "adapter_config.json must be a JSON object, got a JSON array"),
+            ("alpha", {"r": 4, "lora_alpha": "8"}, 4, "lora_alpha must be a number, got '8'"),
+            ("pattern", {"r": 4, "lora_alpha": 8, "rank_pattern": {"q_proj": 0}}, 4,
+             "rank_pattern.q_proj must be a positive integer, got 0"),
+            ("rank0", {"r": 4, "lora_alpha": 8}, 0, "q_proj has rank 0")):
+        folder = tmp_path / label
+        shutil.copytree(adapters["attn-qv"], folder)
+        (folder / "adapter_config.json").write_text(json.dumps(config))
+        save_file({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(weights_rank, 576),
+                   "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.zeros(576, weights_rank)},
+                  str(folder / "adapter_model.safetensors"))
+        with pytest.raises(ValueError, match=re.escape(message)):
+            engine.add_lora(label, str(folder))
     assert engine.list_loras() == []
     with pytest.raises(ValueError, match="speculative decoding with LoRA"):
         EngineConfig(model=base, enable_lora=True, speculative_method="ngram")

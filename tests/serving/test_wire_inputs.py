@@ -119,7 +119,8 @@ def test_logprob_flags_turn_on_engine_logprobs():
     ({"text_input": "Hi", "sampling_parameters": "{not json"}, "sampling_parameters: not valid JSON"),
     ({"text_input": "Hi", "sampling_parameters": "[1, 2]"}, "sampling_parameters: must be a JSON object"),
     # strict JSON on the replica too (contracts.json_input), as on the router's doors (issue 25)
-    ({"text_input": "Hi", "sampling_parameters": '{"temperature": NaN}'}, "sampling_parameters.temperature: NaN is not"),
+    ({"text_input": "Hi", "sampling_parameters": '{"temperature": NaN}'},
+     "sampling_parameters.temperature: NaN is not"),
     ({"text_input": "Hi", "sampling_parameters": '{"top_p": 1e999}'}, "sampling_parameters.top_p: the number 1e999"),
     ({"text_input": "Hi", "sampling_parameters": '{"stop": ["\\ud800"]}'}, "sampling_parameters"),
     ({"text_input": "Hi", "sampling_parameters": '{"a": ' * 100 + '1' + '}' * 100},
@@ -294,6 +295,10 @@ def test_lora_control_requests_are_parsed_and_bad_ones_named():
         (dict(lora_action="unload"), "lora_name: required by lora_action 'unload'"),
         (dict(lora_action="unload", lora_name="sql", lora_path="/a"), "lora_path: only lora_action 'load'"),
         (dict(lora_action="list", lora_name="sql"), "lora_name: lora_action 'list' takes no lora_name"),
+        # the router's rule for names, on the replica's own door too (a 100,000-character name was accepted)
+        (dict(lora_action="load", lora_name="x" * 100_000, lora_path="/a"),
+         "lora_name: must be 1-128 letters, digits, '.', '_' or '-', starting with a letter or digit, got 'xxxx"),
+        (dict(lora_action="unload", lora_name="../sql"), "lora_name: must be 1-128 letters"),
         (dict(lora_action="", lora_name="sql"), "lora_action: must be a non-empty string"),
         (dict(lora_action="list", text_input="Hi", stream=True),
          "cannot be combined with generation inputs (text_input, stream)"),

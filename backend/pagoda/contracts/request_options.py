@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Mapping, Optional
@@ -165,6 +166,21 @@ class RequestOptions:
 
 
 OPTION_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(RequestOptions))
+
+
+MAX_ADAPTER_NAME_CHARS = 128
+_ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+def check_adapter_name(name: Any) -> None:
+    """The rule for the name of a LoRA adapter loaded or unloaded at run time (the router's
+    ``/v1/load_lora_adapter`` and a replica's Triton ``lora_action``): 1-128 letters, digits,
+    ``.``, ``_`` or ``-``, starting with a letter or digit. Raises ValueError naming
+    ``lora_name`` (a long name is shown cut to 40 characters)."""
+    if not isinstance(name, str) or len(name) > MAX_ADAPTER_NAME_CHARS or not _ADAPTER_NAME.match(name):
+        shown = name[:40] + "..." if isinstance(name, str) and len(name) > 40 else name
+        raise ValueError(f"lora_name: must be 1-{MAX_ADAPTER_NAME_CHARS} letters, digits, '.', '_' or '-', "
+                         f"starting with a letter or digit, got {shown!r}")
 
 
 def check_timeout(timeout: Any) -> None:

@@ -41,7 +41,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -95,11 +95,35 @@ def _read_config(folder: Path) -> dict:
         config = json.loads(config_path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"LoRA adapter {folder}: adapter_config.json is not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        kind = "array" if isinstance(config, list) else type(config).__name__
+        raise ValueError(f"LoRA adapter {folder}: adapter_config.json must be a JSON object, got a JSON {kind}")
+    _check_scaling_fields(folder, config)
     if str(config.get("peft_type", "LORA")).upper() != "LORA":
         raise ValueError(f"LoRA adapter {folder}: peft_type {config.get('peft_type')!r} is not LORA")
     if config.get("use_dora"):
         raise ValueError(f"LoRA adapter {folder}: DoRA adapters are not supported")
     return config
+
+
+def _check_scaling_fields(folder: Path, config: dict) -> None:
+    """``lora_alpha`` a number, ``alpha_pattern`` / ``rank_pattern`` objects of positive numbers
+    (``_scaling`` divides by a rank)."""
+    def number(value: Any) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+    if "lora_alpha" in config and not number(config["lora_alpha"]):
+        raise ValueError(f"LoRA adapter {folder}: lora_alpha must be a number, got {config['lora_alpha']!r}")
+    for field, positive_int in (("alpha_pattern", False), ("rank_pattern", True)):
+        pattern = config.get(field, {})
+        if not isinstance(pattern, dict):
+            raise ValueError(f"LoRA adapter {folder}: {field} must be an object of target -> number")
+        for target, value in pattern.items():
+            good = (isinstance(value, int) and not isinstance(value, bool) and value > 0) if positive_int \
+                else number(value)
+            if not good:
+                wanted = "a positive integer" if positive_int else "a number"
+                raise ValueError(f"LoRA adapter {folder}: {field}.{target} must be {wanted}, got {value!r}")
 
 
 def _target_name(key: str) -> tuple[int, str, str]:
@@ -171,6 +195,8 @@ def load_peft_adapter(name: str, path: str, config: ModelConfig, max_rank: int,
                     if set(pair) != {"A", "B"}:
                         raise ValueError(f"LoRA adapter {name!r}: layer {layer} {target} lacks lora_A or lora_B")
                     r = pair["A"].shape[0]
+                    if r == 0:
+                        raise ValueError(f"LoRA adapter {name!r}: layer {layer} {target} has rank 0 (empty lora_A)")
                     if r > max_rank:
                         raise ValueError(f"LoRA adapter {name!r}: rank {r} exceeds max_lora_rank {max_rank}")
                     if tuple(pair["A"].shape) != (r, in_f) or tuple(pair["B"].shape) != (out_f, r):

@@ -178,7 +178,8 @@ async def stream_turn(request: web.Request, turn: AgentTurn, start: Callable[[],
     try:
         async for update in turn.run(request):
             if response is None:
-                response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+                response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                                       "Cache-Control": "no-cache"})
                 await response.prepare(request)
                 await _send(response, start())
             await _send(response, feed(update))

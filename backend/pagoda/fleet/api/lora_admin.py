@@ -42,20 +42,18 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
 import aiohttp
 
+from pagoda.contracts.request_options import check_adapter_name
 from pagoda.serving.launch.lora_cli import control_body
 
 logger = logging.getLogger(__name__)
 
 MODEL_NAME = "pagoda"
 CONTROL_TIMEOUT_S = 300.0  # reading a large adapter from a slow disk
-MAX_ADAPTER_NAME_CHARS = 128
-_ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
 def check_change(tenant: Any, name: Any) -> Optional[tuple[str, str]]:
@@ -66,10 +64,10 @@ def check_change(tenant: Any, name: Any) -> Optional[tuple[str, str]]:
     if tenant is not None and not getattr(tenant, "is_admin", False):
         return "forbidden", ("loading and unloading LoRA adapters needs an admin key (the keys file's 'admin' "
                              "option); this key's tenant may only use the served adapters")
-    if not isinstance(name, str) or len(name) > MAX_ADAPTER_NAME_CHARS or not _ADAPTER_NAME.match(name):
-        shown = name[:40] + "..." if isinstance(name, str) and len(name) > 40 else name
-        return "invalid", (f"lora_name: must be 1-{MAX_ADAPTER_NAME_CHARS} letters, digits, '.', '_' or '-', "
-                           f"starting with a letter or digit, got {shown!r}")
+    try:
+        check_adapter_name(name)
+    except ValueError as exc:
+        return "invalid", str(exc)
     return None
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from pagoda.contracts.request_options import check_adapter_name
 from pagoda.serving.dialects import trtllm, vllm
 from pagoda.serving.dialects.tensors import DialectRequest, GetInput, decode_text, flag, one, text, token_ids
 
@@ -129,6 +130,8 @@ def read_lora_control(get_input: GetInput) -> Optional[LoRAControl]:
     path = text("lora_path", get_input("lora_path"))
     if action != "list" and name is None:
         raise ValueError(f"lora_name: required by lora_action {action!r}")
+    if action != "list":
+        check_adapter_name(name)
     if action == "list" and name is not None:
         raise ValueError("lora_name: lora_action 'list' takes no lora_name")
     if action == "load" and path is None:
