@@ -46,3 +46,17 @@ def test_hybrid_families_hold_four_times_the_tokens_and_price_a_checkpoint(capsy
     assert capacity[1] == "8 full_attention, 24 mamba"
     assert 3.9 < float(capacity[2].rstrip("k")) / float(capacity[3].rstrip("k")) < 4.1
     assert state[1] == "24" and state[2] == "49.1 MiB" and state[-1] == "528"
+
+
+def test_latent_attention_holds_seventy_times_the_tokens_of_its_expanded_cache(capsys):
+    """DeepSeek-V3 caches one 576-number latent per token and layer (61 x 576 x 2 bytes in bf16)
+    where the expanded K/V of its 128 heads take 128 x (192 + 128) numbers: 71x the tokens."""
+    assert kv_capacity.main(["--budget-gib", "8", "--contexts", "8192", "--families", "deepseek-v3",
+                             "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in out.splitlines()
+            if line.startswith("| deepseek-v3")]
+    capacity, latent = rows
+    assert capacity[1] == "61 mla_attention"
+    assert latent[2:] == ["70,272 B", f"{2**30 // 70272:,}", "4,997,120 B", f"{2**30 // 4997120:,}", "71.1x"]
+    assert float(capacity[2].rstrip("k")) / float(capacity[3].rstrip("k")) > 60

@@ -9,10 +9,12 @@ divisibility-by-16 hints a real launch gets (aligned pointers, integers % 16 == 
 machine code (e.g. vectorised loads) is what the GPU would run. So the compiled variants
 are the ones the wrappers really launch, not a hand-written list that can drift.
 
-Usage: python sm90_compile.py [--shard I/N] [--families rules|tuning|gdn]  -> one JSON line
+Usage: python sm90_compile.py [--shard I/N] [--families rules|tuning|gdn|deepseek]  -> one JSON line
 per variant on stdout. ``rules``: every kernel through the shapes the built-in rules pick;
 ``tuning``: every attention launch shape ``pagoda bench kernels --tune`` may write; ``gdn``:
-the Gated DeltaNet kernels (a family of their own: their chunked kernel is the slowest to compile).
+the Gated DeltaNet kernels (a family of their own: their chunked kernel is the slowest to compile);
+``deepseek``: DeepSeek-V3's launches (the MLA latent write and split-K decode, block-scaled FP8
+GEMMs and FP8 experts).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
-from pagoda.kernels import triton_attention, triton_conv1d, triton_gdn, triton_moe, triton_ops, triton_w4a16
+from pagoda.kernels import triton_attention, triton_conv1d, triton_gdn, triton_mla, triton_moe, triton_ops, triton_w4a16
 from pagoda.kernels import triton_w8a16, tuning
 from pagoda.kernels.metadata import AttentionMetadata
 
@@ -74,6 +76,9 @@ def record_launches(families: str = "rules") -> list[tuple[JITFunction, tuple, d
     if families == "gdn":
         for dtype in DTYPES:
             _gated_deltanet_launches(dtype)
+        return launches
+    if families == "deepseek":
+        _deepseek_launches()
         return launches
     for dtype in DTYPES:
         for head_dim in HEAD_DIMS:
@@ -249,6 +254,40 @@ def _gated_deltanet_launches(dtype: torch.dtype) -> None:
         triton_ops.gated_rms_norm(rows, rows, torch.empty(dim_v, dtype=dtype), 1e-6)
 
 
+# DeepSeek-V3 at TP=1: 128 heads, latent rank 512, rope 64, 16-token pages; hidden 7168; its MoE layer's
+# 256 experts (top-8) of intermediate 2048; o_proj 7168 x 16384 as the block-scaled GEMM's shape.
+DS_HEADS, DS_RANK, DS_ROPE, DS_HIDDEN, DS_INTER, DS_EXPERTS = 128, 512, 64, 7168, 2048, 256
+
+
+def _deepseek_launches() -> None:
+    """The latent write and the split-K decode (and its combine) in bf16 (served) at decode batch 1
+    (split) and 64 (one split: other strides' specialisation) and over an fp8 cache at batch 1;
+    the block-scaled FP8 GEMM in bf16 at every tile family (16 rows split-K, 64, 128) and the fp8
+    experts in bf16 (one variant per kernel whatever the tokens). Not fp32: a GPU serves DeepSeek in
+    16 bits, the fp32 decode variant takes ~20 s to compile, and its numerics are the interpreter's."""
+    for dtype, cache_dtype, keys in ((torch.bfloat16, torch.bfloat16, ("decode_b1", "decode_b64")),
+                                     (torch.bfloat16, FP8, ("decode_b1",))):
+        cache = torch.empty(2, 16, 1, DS_RANK + DS_ROPE, dtype=cache_dtype)
+        for key in keys:
+            query_lens, seq_lens = STEPS[key]
+            rows = len(query_lens)
+            triton_mla.mla_decode(torch.empty(rows, DS_HEADS, DS_RANK, dtype=dtype),
+                                  torch.empty(rows, DS_HEADS, DS_ROPE, dtype=dtype), cache, _meta(query_lens, seq_lens),
+                                  torch.zeros(rows, dtype=torch.int32), 0.1)
+            triton_mla.write_latent(torch.empty(rows, DS_RANK + DS_ROPE, dtype=dtype), cache,
+                                    torch.zeros(rows, dtype=torch.int64))
+    qweight, scale = torch.empty(DS_HIDDEN, 16384, dtype=FP8), torch.empty(DS_HIDDEN // 128, 16384 // 128)
+    for rows in (1, 64, 2047):
+        triton_w8a16.w8a16_linear(torch.empty(rows, 16384, dtype=torch.bfloat16), qweight, scale, block=128)
+    w13 = torch.empty(1, 2 * DS_INTER, DS_HIDDEN, dtype=FP8).expand(DS_EXPERTS, -1, -1)
+    w2 = torch.empty(1, DS_HIDDEN, DS_INTER, dtype=FP8).expand(DS_EXPERTS, -1, -1)
+    s13 = torch.empty(1, 2 * DS_INTER // 128, DS_HIDDEN // 128).expand(DS_EXPERTS, -1, -1)
+    s2 = torch.empty(1, DS_HIDDEN // 128, DS_INTER // 128).expand(DS_EXPERTS, -1, -1)
+    offsets = torch.zeros(DS_EXPERTS + 1, dtype=torch.int64)
+    triton_moe.moe_experts(torch.empty(1, DS_HIDDEN, dtype=torch.bfloat16), torch.arange(8),
+                           torch.empty(8, dtype=torch.bfloat16), offsets, w13, w2, 8, block_scales=(s13, s2, 128))
+
+
 def _arg_type(value) -> str:
     if isinstance(value, torch.Tensor):
         return "*" + TORCH_TO_TRITON[value.dtype]
@@ -288,7 +327,7 @@ def _divisible_by_16(value) -> bool:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shard", default="0/1")
-    parser.add_argument("--families", choices=("rules", "tuning", "gdn"), default="rules")
+    parser.add_argument("--families", choices=("rules", "tuning", "gdn", "deepseek"), default="rules")
     parsed = parser.parse_args(argv)
     shard, num_shards = map(int, parsed.shard.split("/"))
     seen: set[str] = set()

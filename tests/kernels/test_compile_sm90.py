@@ -9,7 +9,8 @@ dtype at a Qwen3-30B-A3B layer and gpt-oss-20b's (biases, clamped SwiGLU); every
 the shapes the built-in rules pick on an H100 (decode split and unsplit, mixed steps' two launches), gpt-oss attention
 sinks, the fp8 KV cache, and every launch shape ``pagoda bench kernels --tune`` may write to a configs JSON; and,
 a test of its own, the Gated DeltaNet kernels (chunked and recurrent delta rule, varlen and update conv1d, gated
-RMSNorm) in every dtype at Qwen3-Next's layer, in bf16 also at a TP=4 Qwen3.5 rank.
+RMSNorm) in every dtype at Qwen3-Next's layer, in bf16 also at a TP=4 Qwen3.5 rank; and another, DeepSeek-V3's
+launches (the MLA latent write, split-K decode and combine; block-scaled FP8 GEMMs and FP8 experts).
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ KERNELS = {
 }
 KERNELS_GDN = ("_gdn_chunk_kernel", "_gdn_recurrent_kernel", "_conv1d_kernel", "_conv1d_update_kernel",
                "_gated_rms_norm_kernel")
+KERNELS_DEEPSEEK = {"_write_latent_kernel", "_mla_decode_kernel", "_mla_combine_kernel", "_w8a16_kernel",
+                    "_w8a16_reduce_kernel", "_moe_gate_up_kernel", "_moe_down_kernel"}
 NUM_SHARDS = 2
 
 
@@ -166,3 +169,19 @@ def _candidate_shapes(quick: bool) -> set[tuple]:
             cfg = fam.config(entry, 132)
             shapes.add((cfg.block_q * 4, cfg.block_n, cfg.num_warps, cfg.num_stages, str(cfg.num_splits > 1)))
     return shapes
+
+
+@pytest.mark.skipif(_sm90_api_missing() is not None, reason=str(_sm90_api_missing()))
+def test_deepseek_kernel_variants_compile_for_sm90(tmp_path):
+    """DeepSeek-V3's shapes (128 heads, latent 512 + 64, 16-token pages; 7168 hidden, 256 experts of
+    2048): the MLA decode in bf16 (split and not) and over an fp8 cache; block scales on every
+    W8A16 tile family and on both MoE kernels."""
+    rows = _compile_rows(tmp_path, "deepseek")
+    assert {r["kernel"] for r in rows} == KERNELS_DEEPSEEK
+    decode = {(r["variant"]["dtype"], r["variant"]["KV_FP8"]) for r in rows if r["kernel"] == "_mla_decode_kernel"}
+    assert decode == {("*bf16", "False"), ("*bf16", "True")}
+    assert {r["variant"]["QUANTIZE"] for r in rows if r["kernel"] == "_write_latent_kernel"} == {"True", "False"}
+    blocks = {r["variant"]["SCALE_BLOCK"] for r in rows if r["kernel"] in ("_w8a16_kernel", "_moe_gate_up_kernel",
+                                                                          "_moe_down_kernel")}
+    assert blocks == {"128"}
+    assert {r["variant"]["BLOCK_M"] for r in rows if r["kernel"] == "_w8a16_kernel"} == {"16", "64", "128"}

@@ -158,6 +158,25 @@ RANDOM_CASES = {
              rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=4.0, beta_fast=32.0, beta_slow=1.0,
                                   truncate=False, original_max_position_embeddings=32)),
     ),
+    # GLM-4.5: q/k/v bias, per-head q/k norm, rotary on half of each head (48 -> 24), layer 0
+    # dense, layer 1 DeepSeek's router (8 experts in 4 groups, top-2 of 2 groups, a random
+    # correction bias, renormalised x 2.5) with a shared expert.
+    "glm4-moe-groups-qknorm-partial-rotary": (
+        "Glm4MoeConfig",
+        dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=48, attention_bias=True,
+             use_qk_norm=True, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+             moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
+             norm_topk_prob=True, num_nextn_predict_layers=0, tie_word_embeddings=False),
+    ),
+    # GLM-4.5-Air's switches: no q/k norm, no bias, one group, unnormalised, two shared experts,
+    # every layer sparse, a quarter of each head rotated.
+    "glm4-moe-air-no-norm-quarter-rotary": (
+        "Glm4MoeConfig",
+        dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=1, head_dim=32, n_routed_experts=4,
+             num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=2, first_k_dense_replace=0,
+             norm_topk_prob=False, partial_rotary_factor=0.25, num_nextn_predict_layers=0,
+             tie_word_embeddings=False),
+    ),
 }
 
 
@@ -174,6 +193,9 @@ def build_random_model(name: str, out_dir):
                 param.normal_(0.0, 2.0)
             elif "norm" in param_name:  # (Gemma scales by 1 + w: 1.5 to 2.5)
                 param.uniform_(0.5, 1.5)
+        for buffer_name, buffer in model.named_buffers():  # DeepSeek/GLM: a bias that changes choices
+            if buffer_name.endswith("e_score_correction_bias"):
+                buffer.normal_(0.0, 0.2)
     shard = "60KB" if "sharded" in name else "1GB"
     model.save_pretrained(out_dir, max_shard_size=shard)
     return model

@@ -13,7 +13,10 @@ sliding window's bound with a ``--max-chunk`` prefill chunk, the state slot) giv
 once for the grouped layout and once for a **uniform** block kind: every layer keeps K and
 V for every token (sliding windows keep every block; a linear-attention layer counted as
 one more attention layer, which is what an allocator with one kind of block must reserve
-for it). For hybrid families it also gives the **state checkpoint cost**: bytes of one
+for it). For multi-head latent attention (DeepSeek-V3, Kimi K2) the uniform kind is the
+**GQA-equivalent** cache: K and V per KV head (every head: their configs say 128 / 64 KV
+heads) as the latent expands to, and a second table gives bytes per token and tokens per
+GiB of both. For hybrid families it also gives the **state checkpoint cost**: bytes of one
 sequence's state (what each prefix-cache checkpoint takes), the same bytes in attention
 tokens, one checkpoint's device copy time measured here (``copy_state_slots``, best of 5)
 and computed at ``--hbm-bytes-per-s`` (a read and a write of the state), and the attention
@@ -51,6 +54,25 @@ FAMILIES = {
                          rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                        "truncate": False, "original_max_position_embeddings": 4096}),
 }
+# DeepSeek-V3 and Kimi K2 (config.json of deepseek-ai/DeepSeek-V3 and moonshotai/Kimi-K2-Instruct).
+_MLA = dict(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", hidden_size=7168,
+            intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61, kv_lora_rank=512,
+            q_lora_rank=1536, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, n_shared_experts=1,
+            num_experts_per_tok=8)
+MLA_FAMILIES = {
+    "deepseek-v3": dict(_MLA, num_attention_heads=128, num_key_value_heads=128, n_routed_experts=256, n_group=8,
+                        topk_group=4, first_k_dense_replace=3, routed_scaling_factor=2.5, vocab_size=129280,
+                        max_position_embeddings=163840,
+                        rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+                                      "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1},
+                        rope_theta=10000),
+    "kimi-k2": dict(_MLA, num_attention_heads=64, num_key_value_heads=64, n_routed_experts=384, n_group=1,
+                    topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.827, vocab_size=163840,
+                    max_position_embeddings=131072,
+                    rope_scaling={"type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096,
+                                  "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 1.0, "beta_slow": 1.0},
+                    rope_theta=50000.0),
+}
 _LINEAR = dict(linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
                linear_num_value_heads=32, head_dim=256, vocab_size=151936, max_position_embeddings=262144,
                full_attention_interval=4, partial_rotary_factor=0.25)
@@ -79,12 +101,25 @@ def family_specs(raw: dict, dtype: torch.dtype) -> list:
     return layer_specs(config, list(model.layers), dtype, config.num_key_value_heads)
 
 
-def uniform_specs(specs: list) -> list:
-    """Every layer as full attention with the model's attention shape (one block kind)."""
-    from pagoda.engine.kv.specs import FullAttentionSpec
+def uniform_specs(specs: list, raw: dict | None = None) -> list:
+    """Every layer as full attention with the model's attention shape (one block kind); a latent
+    (MLA) layer as the K and V per head it expands to (``expanded_spec``)."""
+    from pagoda.engine.kv.specs import FullAttentionSpec, MLALatentSpec
 
     attention = next(s for s in specs if s.is_paged)
+    if isinstance(attention, MLALatentSpec):
+        return [expanded_spec(raw, attention.dtype_bytes)] * len(specs)
     return [FullAttentionSpec(attention.num_kv_heads, attention.head_dim, attention.dtype_bytes)] * len(specs)
+
+
+def expanded_spec(raw: dict, dtype_bytes: int):
+    """A latent-attention model cached as GQA caches it: K (``qk_nope + qk_rope`` wide) and V
+    (``v_head_dim``) for each of its ``num_key_value_heads`` (DeepSeek: every head) per token and layer,
+    as a ``FullAttentionSpec`` of the same bytes (head size ``(qk + v) / 2``)."""
+    from pagoda.engine.kv.specs import FullAttentionSpec
+
+    width = raw["qk_nope_head_dim"] + raw["qk_rope_head_dim"] + raw["v_head_dim"]
+    return FullAttentionSpec(raw.get("num_key_value_heads") or raw["num_attention_heads"], width // 2, dtype_bytes)
 
 
 def max_tokens(layout, budget: int, max_chunk: int, limit: int = 1 << 30) -> float:
@@ -131,7 +166,7 @@ def _row(name: str, specs: list, args, budget: int, device: torch.device) -> str
     from pagoda.engine.kv.layout import group_layers
 
     grouped = group_layers(specs, args.block_size)
-    uniform = group_layers(uniform_specs(specs), args.block_size)
+    uniform = group_layers(uniform_specs(specs, _known().get(name)), args.block_size)
     cells = [name, ", ".join(f"{len(g.layer_ids)} {g.spec.kind}" for g in _merged(grouped))]
     for layout in (grouped, uniform):
         cells.append(_tokens(max_tokens(layout, budget, args.max_chunk)))
@@ -153,6 +188,19 @@ def _tokens(n: float) -> str:
     return "inf" if n == float("inf") else f"{n / 1000:.0f}k"
 
 
+def _mla_row(name: str, specs: list, args) -> str:
+    """Bytes per token and tokens per GiB: the latent cache vs the expanded (GQA-equivalent) K/V."""
+    latent = sum(s.page_bytes(1) for s in specs)
+    expanded = len(specs) * expanded_spec(MLA_FAMILIES[name], specs[0].dtype_bytes).page_bytes(1)
+    per_gib = lambda per_token: f"{2**30 // per_token:,}"  # noqa: E731
+    return (f"| {name} | {len(specs)} | {latent:,} B | {per_gib(latent)} | {expanded:,} B | {per_gib(expanded)} | "
+            f"{expanded / latent:.1f}x |")
+
+
+def _known() -> dict:
+    return {**FAMILIES, **MLA_FAMILIES, **HYBRID_FAMILIES}
+
+
 def _state_row(name: str, specs: list, args, device: torch.device, dtype: torch.dtype) -> str:
     state = [s for s in specs if s.is_state]
     attention = [s for s in specs if s.is_paged]
@@ -170,7 +218,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="pagoda bench kv-capacity", description=__doc__.split("\n")[0])
     parser.add_argument("--budget-gib", type=float, default=40.0, help="KV cache memory (GiB)")
     parser.add_argument("--contexts", default="8192,32768,131072", help="context lengths for seqs@C (tokens)")
-    parser.add_argument("--families", default=",".join([*FAMILIES, *HYBRID_FAMILIES]))
+    parser.add_argument("--families", default=",".join(_known()))
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-chunk", type=int, default=2048, help="prefill chunk (max_num_batched_tokens)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
@@ -183,7 +231,7 @@ def main(argv=None) -> int:
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if args.device == "auto" else args.device))
     budget = int(args.budget_gib * 2**30)
-    known = {**FAMILIES, **HYBRID_FAMILIES}
+    known = _known()
     names = [n for n in args.families.split(",") if n]
     unknown = [n for n in names if n not in known]
     if unknown:
@@ -198,6 +246,12 @@ def main(argv=None) -> int:
     specs = {name: family_specs(known[name], dtype) for name in names}
     for name in names:
         print(_row(name, specs[name], args, budget, device))
+    latent = [n for n in names if n in MLA_FAMILIES]
+    if latent:
+        print(f"\n| family | layers | latent per token | tokens per GiB | expanded K/V per token | tokens per GiB | "
+              f"latent holds |\n|---|---|---|---|---|---|---|")
+        for name in latent:
+            print(_mla_row(name, specs[name], args))
     hybrid = [n for n in names if any(s.is_state for s in specs[n])]
     if hybrid:
         print(f"\n| family | state layers | checkpoint | = attention tokens | copy here | copy at "

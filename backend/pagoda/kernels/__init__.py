@@ -1,6 +1,7 @@
 """The single dispatch point for hot-path kernels.
 
 The model calls only the functions below (attention, KV write, norm, rotary, LoRA, the
+latent write and absorbed decode of multi-head latent attention (``reference_mla``), the
 MoE experts, ``w8a16_linear`` for 8-bit weights, and Gated DeltaNet's causal conv1d, gated
 delta rule and gated RMSNorm, which read and write per-sequence state slots). Each picks an implementation per call:
 OpenAI-Triton kernels for CUDA tensors; on a CPU pagoda's C++ kernels where they apply
@@ -16,11 +17,16 @@ import os
 
 import torch
 
-from pagoda.kernels import cpu_native, reference, reference_gdn, w8a16
-from pagoda.kernels.metadata import AttentionMetadata, StateCache
+from pagoda.kernels import cpu_native, reference, reference_gdn, reference_mla, w8a16
+from pagoda.kernels.metadata import AttentionMetadata, LatentCache, StateCache
+# Multi-head latent attention's step plan and prefill (torch ops on every device: gathers and SDPA).
+from pagoda.kernels.reference_mla import MlaPlan, mla_plan
+from pagoda.kernels.reference_mla import gather_context as mla_context
+from pagoda.kernels.reference_mla import prefill_attention as mla_prefill
 
-__all__ = ["AttentionMetadata", "StateCache", "paged_attention", "write_kv", "rms_norm", "apply_rotary",
-           "lora_apply", "w8a16_linear", "moe_experts", "silu_mul", "use_triton", "causal_conv1d",
+__all__ = ["AttentionMetadata", "LatentCache", "StateCache", "MlaPlan", "mla_plan", "mla_context", "mla_prefill",
+           "write_latent", "mla_decode", "paged_attention", "write_kv", "rms_norm", "apply_rotary",
+           "lora_apply", "w8a16_linear", "fp8_block_linear", "moe_experts", "silu_mul", "use_triton", "causal_conv1d",
            "gated_delta_rule", "gated_rms_norm"]
 
 
@@ -52,6 +58,26 @@ def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, 
 
         return triton_ops.paged_attention(q, k_cache, v_cache, meta, scale, k_scale, v_scale, window, sinks)
     return reference.paged_attention_torch(q, k_cache, v_cache, meta, scale, k_scale, v_scale, window, sinks)
+
+
+def write_latent(latent, cache, slot_mapping, scale: float = 1.0) -> None:
+    """Store multi-head latent attention's rows ``[T, rank + rope]`` at their slots (fp8: ``x / scale``)."""
+    if use_triton(latent):
+        from pagoda.kernels import triton_mla
+
+        return triton_mla.write_latent(latent, cache, slot_mapping, scale)
+    return reference_mla.write_latent(latent, cache, slot_mapping, scale)
+
+
+def mla_decode(q_lat, q_pe, cache, meta: AttentionMetadata, plan: MlaPlan, scale: float,
+               kv_scale: float = 1.0):
+    """Absorbed-form decode over the latent cache for ``plan``'s decode rows (``reference_mla``):
+    ``o_lat [D, H, rank]``; the Triton split-K kernel on CUDA, batched torch elsewhere."""
+    if use_triton(q_lat):
+        from pagoda.kernels import triton_mla
+
+        return triton_mla.mla_decode(q_lat, q_pe, cache, meta, plan.decode_seqs, scale, kv_scale)
+    return reference_mla.mla_decode_torch(q_lat, q_pe, cache, meta, plan, scale, kv_scale)
 
 
 def write_kv(k, v, k_cache, v_cache, slot_mapping, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
@@ -107,16 +133,19 @@ def lora_apply(y, x, a_stack, b_stack, batch):
     return reference.lora_apply(y, x, a_stack, b_stack, batch.groups)
 
 
-def moe_experts(x, order, weights, offsets, w13, w2, top_k: int, b13=None, b2=None, clamped_swiglu=None):
+def moe_experts(x, order, weights, offsets, w13, w2, top_k: int, b13=None, b2=None, clamped_swiglu=None,
+                block_scales=None):
     """Each token's routing-weighted sum of its experts (assignments grouped as ``models.moe``
     makes them): the fused kernels of ``triton_moe`` on CUDA, the experts-with-tokens loop
     elsewhere. Neither computes an expert that received no token. gpt-oss: expert biases
-    ``b13 [E, 2 * inter]`` / ``b2 [E, hidden]`` and ``clamped_swiglu=(alpha, limit)``."""
+    ``b13 [E, 2 * inter]`` / ``b2 [E, hidden]`` and ``clamped_swiglu=(alpha, limit)``.
+    DeepSeek-V3's FP8 experts: e4m3 stacks with ``block_scales=(s13, s2, block)``."""
     if use_triton(x):
         from pagoda.kernels import triton_ops
 
-        return triton_ops.moe_experts(x, order, weights, offsets, w13, w2, top_k, b13, b2, clamped_swiglu)
-    return reference.moe_experts(x, order, weights, offsets, w13, w2, top_k, b13, b2, clamped_swiglu)
+        return triton_ops.moe_experts(x, order, weights, offsets, w13, w2, top_k, b13, b2, clamped_swiglu,
+                                      block_scales)
+    return reference.moe_experts(x, order, weights, offsets, w13, w2, top_k, b13, b2, clamped_swiglu, block_scales)
 
 
 def w8a16_linear(x, qweight, scale):
@@ -130,6 +159,17 @@ def w8a16_linear(x, qweight, scale):
 
         return triton_w8a16.w8a16_linear(x, qweight, scale)
     return w8a16.w8a16_linear_ref(x, qweight, scale)
+
+
+def fp8_block_linear(x, qweight, scale, block: int):
+    """``x @ W.T`` for a block-scaled e4m3 ``[N, K]`` weight, ``W[n, k] = Q[n, k] * scale[n // block,
+    k // block]`` (DeepSeek-V3's FP8 checkpoints): the Triton W8A16 kernel with block scales on CUDA
+    below ``w8a16.DEQUANT_ROWS`` rows, dequantize + ``F.linear`` otherwise (the CPU path)."""
+    if use_triton(x) and x.numel() < w8a16.DEQUANT_ROWS * x.shape[-1]:
+        from pagoda.kernels import triton_w8a16
+
+        return triton_w8a16.w8a16_linear(x, qweight, scale, block=block)
+    return w8a16.w8a16_block_linear_ref(x, qweight, scale, block)
 
 
 def causal_conv1d(x, weight, bias, conv_states, meta: AttentionMetadata):

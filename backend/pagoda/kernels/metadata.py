@@ -14,6 +14,11 @@ sequence ``s`` lives in block ``block_tables[s, p // block_size]`` at offset
 ``p % block_size``. ``slot_mapping[t] = block * block_size + offset`` is where query token
 ``t``'s new K/V are written.
 
+Latent cache (multi-head latent attention, DeepSeek-V3): such a layer caches one row per
+token, ``LatentCache.latent [num_blocks, block_size, 1, kv_lora_rank + rope_dim]`` (the
+normed latent, then the rotated rope key), paged exactly as a K cache is: the same
+``slot_mapping`` and ``block_tables``.
+
 Recurrent state (linear-attention layers: Gated DeltaNet): such a layer keeps no per-token
 cache but one fixed-size state per sequence, in a slot of its ``StateCache``
 (``conv_states[num_slots, conv_dim, kernel_size - 1]``, ``ssm_states[num_slots, ...]``).
@@ -43,6 +48,13 @@ class StateCache(NamedTuple):
 
     conv_states: torch.Tensor  # [num_slots, conv_dim, kernel_size - 1], the model dtype
     ssm_states: torch.Tensor  # [num_slots, num_v_heads, head_k_dim, head_v_dim], float32
+
+
+class LatentCache(NamedTuple):
+    """One multi-head-latent-attention layer's paged cache (a one-tensor "pair": code that moves
+    a layer's cache tensors block by block iterates it as it iterates a K/V pair)."""
+
+    latent: torch.Tensor  # [num_blocks, block_size, 1, kv_lora_rank + rope_dim]
 
 
 @dataclass

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from pagoda.kernels import cpu_native
 from pagoda.kernels.metadata import AttentionMetadata
+from pagoda.kernels.w8a16 import dequantize_blocks
 
 
 FP8 = torch.float8_e4m3fn
@@ -390,12 +391,14 @@ def moe_experts(
     b13: torch.Tensor | None = None,  # [E, 2 * inter]: gate/up biases (gpt-oss)
     b2: torch.Tensor | None = None,  # [E, hidden]: down biases
     clamped_swiglu: tuple[float, float] | None = None,  # (alpha, limit): gpt-oss's activation
+    block_scales: tuple[torch.Tensor, torch.Tensor, int] | None = None,  # e4m3 stacks' (s13, s2, block)
 ) -> torch.Tensor:  # [T, hidden]
     """Each token's routing-weighted sum of its experts' ``down(act(gate(x), up(x)))``.
 
     ``act`` is ``silu(g) * u``, or with ``clamped_swiglu`` gpt-oss's (``moe_activation``).
     Computes only the experts that received tokens (the offsets are read back once), and
-    adds each expert's rows into the output in expert order, as transformers does.
+    adds each expert's rows into the output in expert order, as transformers does. FP8
+    experts (``block_scales``): each expert's weights dequantized to ``x.dtype`` when used.
     """
     out = torch.zeros_like(x)
     bounds = offsets.tolist()
@@ -405,9 +408,14 @@ def moe_experts(
         if start == end:
             continue
         rows = order[start:end] // top_k
-        gate, up = F.linear(x[rows], w13[expert], None if b13 is None else b13[expert]).split(inter, dim=-1)
+        w_up, w_down = w13[expert], w2[expert]
+        if block_scales is not None:
+            s13, s2, block = block_scales
+            w_up = dequantize_blocks(w_up, s13[expert], block, x.dtype)
+            w_down = dequantize_blocks(w_down, s2[expert], block, x.dtype)
+        gate, up = F.linear(x[rows], w_up, None if b13 is None else b13[expert]).split(inter, dim=-1)
         h = moe_activation(gate, up, clamped_swiglu)
-        y = F.linear(h, w2[expert], None if b2 is None else b2[expert]) * weights[start:end, None]
+        y = F.linear(h, w_down, None if b2 is None else b2[expert]) * weights[start:end, None]
         # index_put_ rather than index_add_: the same sums (an expert's rows are distinct
         # tokens); on a 2-core CPU busy with other jobs index_add_ (an OpenMP parallel
         # region) took ~30 ms per call where index_put_ took microseconds (torch 2.13);

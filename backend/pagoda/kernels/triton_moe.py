@@ -24,6 +24,11 @@ the device (cumsum, searchsorted: no host read), for a grid sized from shapes al
 never read. fp32 inputs use true fp32 products (``input_precision="ieee"``), 16-bit inputs
 tensor-core products with fp32 accumulation; the intermediate is rounded to the input
 dtype (as the torch path does).
+
+FP8 experts (DeepSeek-V3's checkpoints, ``block_scales``): e4m3 ``w13`` / ``w2`` with square block
+scales (128 x 128). ``BLOCK_K`` (64) divides the block, so a K tile lies in one block column: the
+tile is converted to the activation dtype in registers (exact) and its product scaled per output
+column (the block row of each column, gate and up rows alike) before it is added.
 """
 
 from __future__ import annotations
@@ -38,6 +43,21 @@ BLOCK_M = 16  # rows per block (tl.dot's minimum); decode-sized groups waste the
 # The interpreter computes bf16 tl.dot wrongly (as triton_attention notes); under it, and
 # only there, bf16 operands are upcast to fp32. Compiled GPU code never takes that branch.
 _INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _fp8_tile(ptrs, mask, dtype: tl.constexpr):
+    """An e4m3 weight tile in ``dtype`` (exact); masked lanes zeroed after conversion (an unread
+    fp8 byte may be NaN, and 0 * NaN is NaN)."""
+    return tl.where(mask, tl.load(ptrs, mask=mask).to(tl.float32), 0.0).to(dtype)
+
+
+@triton.jit
+def _dot(a, b, PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    """A fresh ``a @ b`` in fp32 (upcast under the interpreter's bf16, as the float paths do)."""
+    if DOT_UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b, input_precision=PRECISION)
 
 
 @triton.jit
@@ -58,12 +78,16 @@ def _moe_gate_up_kernel(
     top_k,
     stride_we,
     stride_wn,
+    s13_ptr,  # [E, 2 * inter / SCALE_BLOCK, cdiv(hidden, SCALE_BLOCK)] float32 (fp8 weights only)
+    stride_se,
+    stride_sn,
     CLAMPED: tl.constexpr,
     PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr = 0,  # > 0: e4m3 weights with square block scales
 ):
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block)
@@ -71,6 +95,7 @@ def _moe_gate_up_kernel(
         rows = tl.load(block_start_ptr + block) + tl.arange(0, BLOCK_M)
         row_ok = rows < tl.load(block_end_ptr + block)
         tokens = tl.load(order_ptr + rows, mask=row_ok, other=0) // top_k
+        s_base = s13_ptr + expert * stride_se
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < inter
         w_base = w13_ptr + expert * stride_we
@@ -82,15 +107,24 @@ def _moe_gate_up_kernel(
             x = tl.load(x_ptr + tokens[:, None] * hidden + k[None, :], mask=row_ok[:, None] & k_ok[None, :],
                         other=0.0)
             w_mask = k_ok[:, None] & n_ok[None, :]
-            w_gate = tl.load(w_base + n[None, :] * stride_wn + k[:, None], mask=w_mask, other=0.0)
-            w_up = tl.load(w_base + (n[None, :] + inter) * stride_wn + k[:, None], mask=w_mask, other=0.0)
-            if DOT_UPCAST:
-                x = x.to(tl.float32)
-                acc_gate = tl.dot(x, w_gate.to(tl.float32), acc_gate, input_precision="ieee")
-                acc_up = tl.dot(x, w_up.to(tl.float32), acc_up, input_precision="ieee")
+            if SCALE_BLOCK > 0:  # BLOCK_K divides the block: the tile's k-block scale per column
+                w_gate = _fp8_tile(w_base + n[None, :] * stride_wn + k[:, None], w_mask, x.dtype)
+                w_up = _fp8_tile(w_base + (n[None, :] + inter) * stride_wn + k[:, None], w_mask, x.dtype)
+                s_gate = tl.load(s_base + (n // SCALE_BLOCK) * stride_sn + k0 // SCALE_BLOCK, mask=n_ok, other=0.0)
+                s_up = tl.load(s_base + ((n + inter) // SCALE_BLOCK) * stride_sn + k0 // SCALE_BLOCK, mask=n_ok,
+                               other=0.0)
+                acc_gate += _dot(x, w_gate, PRECISION, DOT_UPCAST) * s_gate[None, :]
+                acc_up += _dot(x, w_up, PRECISION, DOT_UPCAST) * s_up[None, :]
             else:
-                acc_gate = tl.dot(x, w_gate, acc_gate, input_precision=PRECISION)
-                acc_up = tl.dot(x, w_up, acc_up, input_precision=PRECISION)
+                w_gate = tl.load(w_base + n[None, :] * stride_wn + k[:, None], mask=w_mask, other=0.0)
+                w_up = tl.load(w_base + (n[None, :] + inter) * stride_wn + k[:, None], mask=w_mask, other=0.0)
+                if DOT_UPCAST:
+                    x = x.to(tl.float32)
+                    acc_gate = tl.dot(x, w_gate.to(tl.float32), acc_gate, input_precision="ieee")
+                    acc_up = tl.dot(x, w_up.to(tl.float32), acc_up, input_precision="ieee")
+                else:
+                    acc_gate = tl.dot(x, w_gate, acc_gate, input_precision=PRECISION)
+                    acc_up = tl.dot(x, w_up, acc_up, input_precision=PRECISION)
         if CLAMPED:
             b_base = b13_ptr + expert * 2 * inter
             gate = tl.minimum(acc_gate + tl.load(b_base + n, mask=n_ok, other=0.0).to(tl.float32)[None, :], limit)
@@ -119,12 +153,16 @@ def _moe_down_kernel(
     num_experts,
     stride_we,
     stride_wn,
+    s2_ptr,  # [E, cdiv(hidden, SCALE_BLOCK), cdiv(inter, SCALE_BLOCK)] float32 (fp8 weights only)
+    stride_se,
+    stride_sn,
     HAS_BIAS: tl.constexpr,
     PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr = 0,
 ):
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block)
@@ -139,11 +177,18 @@ def _moe_down_kernel(
             k = k0 + tl.arange(0, BLOCK_K)
             k_ok = k < inter
             h = tl.load(h_ptr + rows[:, None] * inter + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_base + n[None, :] * stride_wn + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            if DOT_UPCAST:
-                acc = tl.dot(h.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+            if SCALE_BLOCK > 0:
+                w = _fp8_tile(w_base + n[None, :] * stride_wn + k[:, None], k_ok[:, None] & n_ok[None, :], h.dtype)
+                s = tl.load(s2_ptr + expert * stride_se + (n // SCALE_BLOCK) * stride_sn + k0 // SCALE_BLOCK,
+                            mask=n_ok, other=0.0)
+                acc += _dot(h, w, PRECISION, DOT_UPCAST) * s[None, :]
             else:
-                acc = tl.dot(h, w, acc, input_precision=PRECISION)
+                w = tl.load(w_base + n[None, :] * stride_wn + k[:, None], mask=k_ok[:, None] & n_ok[None, :],
+                            other=0.0)
+                if DOT_UPCAST:
+                    acc = tl.dot(h.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(h, w, acc, input_precision=PRECISION)
         if HAS_BIAS:
             acc += tl.load(b2_ptr + expert * hidden + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         weight = tl.load(weights_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
@@ -174,7 +219,8 @@ def block_schedule(offsets: torch.Tensor, num_assignments: int,
 
 def moe_experts(x: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
                 w13: torch.Tensor, w2: torch.Tensor, top_k: int, b13: torch.Tensor | None = None,
-                b2: torch.Tensor | None = None, clamped_swiglu: tuple[float, float] | None = None) -> torch.Tensor:
+                b2: torch.Tensor | None = None, clamped_swiglu: tuple[float, float] | None = None,
+                block_scales: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> torch.Tensor:
     """``[T, hidden]``: each token's routing-weighted sum of its experts' SwiGLU outputs.
 
     Args:
@@ -183,6 +229,8 @@ def moe_experts(x: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, off
             as ``models.moe.group_by_expert`` makes them.
         b13, b2, clamped_swiglu: gpt-oss's expert biases (contiguous) and ``(alpha, limit)``;
             ``b13`` is read only with ``clamped_swiglu`` (no other model has gate/up biases).
+        block_scales: e4m3 ``w13`` / ``w2`` with square block scales ``(s13, s2, block)``
+            (DeepSeek-V3's FP8 experts; ``inter`` a multiple of ``block``, 64 dividing it).
     """
     if (b13 is not None) != (clamped_swiglu is not None):
         raise ValueError("gate/up biases come with clamped_swiglu (gpt-oss) and only with it")
@@ -199,13 +247,18 @@ def moe_experts(x: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, off
     h = torch.empty(num_assignments, inter, dtype=x.dtype, device=x.device)
     block_n, block_k = 64, 64
     alpha, limit = clamped_swiglu or (1.0, 0.0)
+    s13, s2, scale_block = block_scales or (h, h, 0)  # the scale pointers are not read without fp8
+    assert not scale_block or (scale_block % block_k == 0 and inter % scale_block == 0), "block scales' layout"
     _moe_gate_up_kernel[(expert.numel(), triton.cdiv(inter, block_n))](
         x, w13, order, expert, start, end, h, h if b13 is None else b13, alpha, limit, hidden, inter, w13.shape[0],
-        top_k, w13.stride(0), w13.stride(1), CLAMPED=clamped_swiglu is not None,
-        PRECISION=precision, DOT_UPCAST=upcast, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k)
+        top_k, w13.stride(0), w13.stride(1), s13, s13.stride(0) if scale_block else 0,
+        s13.stride(1) if scale_block else 0, CLAMPED=clamped_swiglu is not None,
+        PRECISION=precision, DOT_UPCAST=upcast, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
+        SCALE_BLOCK=scale_block)
     y = torch.empty(num_assignments, hidden, dtype=x.dtype, device=x.device)
     _moe_down_kernel[(expert.numel(), triton.cdiv(hidden, block_n))](
         h, w2, order, weights, expert, start, end, y, y if b2 is None else b2, hidden, inter, w2.shape[0],
-        w2.stride(0), w2.stride(1), HAS_BIAS=b2 is not None, PRECISION=precision, DOT_UPCAST=upcast,
-        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k)
+        w2.stride(0), w2.stride(1), s2, s2.stride(0) if scale_block else 0, s2.stride(1) if scale_block else 0,
+        HAS_BIAS=b2 is not None, PRECISION=precision, DOT_UPCAST=upcast,
+        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, SCALE_BLOCK=scale_block)
     return y.view(num_tokens, top_k, hidden).sum(dim=1)

@@ -9,7 +9,10 @@ blocks ``ks, ks + split_k, ...``. Per K block it loads the activation tile and t
 the weight to the activation dtype in registers — exact: every int8 value and every e4m3
 value is representable in fp16, bf16 and fp32 — and accumulates ``tl.dot`` in fp32
 (``ieee`` precision for fp32 activations, so no TF32 rounding). The per-channel scale is
-applied once to the fp32 sum. Without a split the scaled tile is stored in the output
+applied once to the fp32 sum. Block scales (``block``: DeepSeek-V3's FP8 checkpoints, 128 x 128
+``weight_scale_inv``): ``BLOCK_K`` divides the block, so each K tile lies in one block column and
+its partial product is scaled per output column before it is added (the scales are read per
+tile, ``[BLOCK_N]`` of them, not per weight). Without a split the scaled tile is stored in the output
 dtype; otherwise each split stores its fp32 partial to a ``[split_k, M, N]`` workspace and
 ``_w8a16_reduce_kernel`` adds the partials in split order (deterministic, no atomics),
 scales and casts. The split count is a run-time argument (one compiled variant per
@@ -33,7 +36,7 @@ from pagoda.kernels.w8a16 import W8A16Config, choose_config
 def _w8a16_kernel(
     x_ptr,  # [M, K] activations
     w_ptr,  # [N, K] int8 or float8e4nv
-    scale_ptr,  # [N] float32
+    scale_ptr,  # [N] float32; SCALE_BLOCK: [cdiv(N, SCALE_BLOCK), cdiv(K, SCALE_BLOCK)] float32
     out_ptr,  # [M, N] output dtype, or [split_k, M, N] float32 workspace (IS_SPLIT)
     M,
     N,
@@ -42,6 +45,7 @@ def _w8a16_kernel(
     stride_wn,
     stride_om,
     stride_os,
+    stride_sn,  # the block scales' row stride (SCALE_BLOCK only)
     split_k,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -50,6 +54,7 @@ def _w8a16_kernel(
     IEEE: tl.constexpr,
     W_FP8: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr = 0,  # 0: a scale per output channel; else square blocks of this size
 ):
     tile = tl.program_id(0)
     ks = tl.program_id(1)
@@ -73,7 +78,16 @@ def _w8a16_kernel(
             b = tl.where(b_ok, tl.load(w_cols + kk[:, None], mask=b_ok).to(tl.float32), 0.0)
         else:
             b = tl.load(w_cols + kk[:, None], mask=b_ok, other=0)
-        if DOT_UPCAST:
+        if SCALE_BLOCK > 0:  # BLOCK_K divides SCALE_BLOCK: one k-block per tile, its scale per column
+            s = tl.load(scale_ptr + (rn // SCALE_BLOCK).to(tl.int64) * stride_sn + k0 // SCALE_BLOCK, mask=n_ok,
+                        other=0.0)
+            if DOT_UPCAST:
+                acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee") * s[None, :]
+            elif IEEE:
+                acc += tl.dot(a, b.to(a.dtype), input_precision="ieee") * s[None, :]
+            else:
+                acc += tl.dot(a, b.to(a.dtype)) * s[None, :]
+        elif DOT_UPCAST:
             acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
         elif IEEE:
             acc = tl.dot(a, b.to(a.dtype), acc, input_precision="ieee")
@@ -82,8 +96,9 @@ def _w8a16_kernel(
     mask = m_ok[:, None] & n_ok[None, :]
     offsets = rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
     if not IS_SPLIT:
-        scale = tl.load(scale_ptr + rn, mask=n_ok, other=0.0)
-        out = acc * scale[None, :]
+        out = acc
+        if SCALE_BLOCK == 0:
+            out = acc * tl.load(scale_ptr + rn, mask=n_ok, other=0.0)[None, :]
         tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
     else:
         tl.store(out_ptr + ks.to(tl.int64) * stride_os + offsets, acc, mask=mask)
@@ -100,6 +115,7 @@ def _w8a16_reduce_kernel(
     stride_om,
     split_k,
     BLOCK_N: tl.constexpr,
+    SCALED: tl.constexpr = True,  # False: the partials are scaled already (block scales)
 ):
     row = tl.program_id(0).to(tl.int64)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -107,8 +123,9 @@ def _w8a16_reduce_kernel(
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for s in range(split_k):
         acc += tl.load(ws_ptr + s * stride_ws + row * stride_wm + rn, mask=n_ok, other=0.0)
-    scale = tl.load(scale_ptr + rn, mask=n_ok, other=0.0)
-    tl.store(out_ptr + row * stride_om + rn, (acc * scale).to(out_ptr.dtype.element_ty), mask=n_ok)
+    if SCALED:
+        acc = acc * tl.load(scale_ptr + rn, mask=n_ok, other=0.0)
+    tl.store(out_ptr + row * stride_om + rn, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
 # The interpreter computes bf16 tl.dot wrongly (as triton_attention notes); under it, and
@@ -130,14 +147,18 @@ def _num_sms(device: torch.device) -> int:
 def w8a16_linear(
     x: torch.Tensor,  # [..., K] fp16 / bf16 / fp32
     qweight: torch.Tensor,  # [N, K] int8 or float8_e4m3fn
-    scale: torch.Tensor,  # [N] float32
+    scale: torch.Tensor,  # [N] float32, or [cdiv(N, block), cdiv(K, block)] with ``block``
     config: W8A16Config | None = None,
+    block: int = 0,
 ) -> torch.Tensor:  # [..., N], x.dtype
-    """``x @ (Q * scale[:, None]).T`` without materialising the float weight."""
+    """``x @ (Q * scale[:, None]).T`` without materialising the float weight; ``block > 0``:
+    square block scales (DeepSeek's 128x128 ``weight_scale_inv``), ``W[n, k] = Q[n, k] *
+    scale[n // block, k // block]``."""
     n, k = qweight.shape
-    if x.shape[-1] != k or scale.shape != (n,) or qweight.stride(1) != 1:
+    want = (n,) if not block else (-(-n // block), -(-k // block))
+    if x.shape[-1] != k or tuple(scale.shape) != want or qweight.stride(1) != 1 or scale.stride(-1) != 1:
         raise ValueError(f"w8a16_linear: x {tuple(x.shape)}, weight {tuple(qweight.shape)} (strides "
-                         f"{qweight.stride()}, K must be contiguous), scale {tuple(scale.shape)}")
+                         f"{qweight.stride()}, K must be contiguous), scale {tuple(scale.shape)} (block {block})")
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
@@ -145,19 +166,22 @@ def w8a16_linear(
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out.view(*x.shape[:-1], n)
-    cfg = config or choose_config(m, n, k, _num_sms(x.device), x.element_size())
+    cfg = config or choose_config(m, n, k, _num_sms(x.device), x.element_size(), max_block_k=block or None)
+    assert not block or block % cfg.block_k == 0, f"BLOCK_K {cfg.block_k} must divide the scale block {block}"
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), cfg.split_k)
     target = out if cfg.split_k == 1 else torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device)
     _w8a16_kernel[grid](
         x2, qweight, scale, target, m, n, k,
-        x2.stride(0), qweight.stride(0), target.stride(-2), target.stride(0) if cfg.split_k > 1 else 0, cfg.split_k,
+        x2.stride(0), qweight.stride(0), target.stride(-2), target.stride(0) if cfg.split_k > 1 else 0,
+        scale.stride(0) if block else 0, cfg.split_k,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, IS_SPLIT=cfg.split_k > 1,
         IEEE=x.dtype == torch.float32, W_FP8=qweight.dtype != torch.int8,
-        DOT_UPCAST=_INTERPRETING and x.dtype == torch.bfloat16, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        DOT_UPCAST=_INTERPRETING and x.dtype == torch.bfloat16, SCALE_BLOCK=block, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )  # fmt: skip
     if cfg.split_k > 1:
         _w8a16_reduce_kernel[(m, triton.cdiv(n, _REDUCE_BLOCK_N))](
             target, scale, out, n, target.stride(0), target.stride(1), out.stride(0), cfg.split_k,
-            BLOCK_N=_REDUCE_BLOCK_N, num_warps=4,
+            BLOCK_N=_REDUCE_BLOCK_N, SCALED=not block, num_warps=4,
         )  # fmt: skip
     return out.view(*x.shape[:-1], n)

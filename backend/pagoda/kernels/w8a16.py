@@ -2,7 +2,9 @@
 
 ``out[m, n] = scale[n] * sum_k x[m, k] * Q[n, k]`` with ``Q`` an ``[N, K]`` int8 or
 float8 e4m3 weight, ``scale`` float32 per output channel, activations ``x`` in fp16,
-bf16 or fp32, and the result in the activation dtype. The reference dequantizes the
+bf16 or fp32, and the result in the activation dtype. Block-scaled FP8 (DeepSeek-V3's
+checkpoints: ``scale[n // 128, k // 128]``, ``dequantize_blocks``) takes the same kernel with
+its scales applied per K tile. The reference dequantizes the
 weight to the activation dtype and calls ``F.linear`` (the CPU path, and the emulation of
 fp8 on CPU); ``triton_w8a16`` is the GPU kernel (design in its docstring).
 
@@ -93,15 +95,30 @@ def w8a16_linear_ref(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor
     return F.linear(x, dequantize(qweight, scale, x.dtype))
 
 
+def dequantize_blocks(qweight: torch.Tensor, scale: torch.Tensor, block: int, dtype: torch.dtype) -> torch.Tensor:
+    """``W[n, k] = Q[n, k] * scale[n // block, k // block]`` in ``dtype`` (products in float32)."""
+    n, k = qweight.shape
+    expanded = scale.float().repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :k]
+    return (qweight.float() * expanded).to(dtype)
+
+
+def w8a16_block_linear_ref(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, block: int) -> torch.Tensor:
+    """``F.linear(x, dequantize_blocks(...))``: block-scaled FP8's CPU path (and, on CUDA, its path
+    from ``DEQUANT_ROWS`` rows: one dequantization, then cuBLAS)."""
+    return F.linear(x, dequantize_blocks(qweight, scale, block, x.dtype))
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def choose_config(m: int, n: int, k: int, num_sms: int, itemsize: int = 2) -> W8A16Config:
+def choose_config(m: int, n: int, k: int, num_sms: int, itemsize: int = 2,
+                  max_block_k: int | None = None) -> W8A16Config:
     """Tiles and split-K for an ``[m, k] x [n, k]^T`` product on a GPU with ``num_sms`` SMs.
 
     ``itemsize`` is the activation's element size: fp32 halves ``BLOCK_K`` so a stage's
-    tiles stay the size of the 16-bit ones in shared memory.
+    tiles stay the size of the 16-bit ones in shared memory. ``max_block_k``: block scales'
+    size (``BLOCK_K`` must divide it).
     """
     if m <= DECODE_ROWS:
         bm, bn, bk, warps, stages = 16, 64, 256, 4, 3
@@ -113,6 +130,8 @@ def choose_config(m: int, n: int, k: int, num_sms: int, itemsize: int = 2) -> W8
         bm, bn, bk, warps, stages = 128, 128, 64, 8, 3
     if itemsize == 4:
         bk = max(32, bk // 2)
+    if max_block_k is not None:
+        bk = min(bk, max_block_k)
     tiles = _cdiv(m, bm) * _cdiv(n, bn)
     k_blocks = _cdiv(k, bk)
     split = 1

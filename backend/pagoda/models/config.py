@@ -27,6 +27,13 @@ Gated DeltaNet's sizes (``LinearAttentionShape``), ``attention_output_gate``,
 dimensions of each head rotate) is set by those families' parsers only: elsewhere a
 ``partial_rotary_factor`` in the rope parameters is still refused.
 
+DeepSeek-V3 (``models/deepseek_v3.py``): ``mla`` holds multi-head latent attention's sizes
+(``MLAShape``; its layers cache one latent per token, ``engine.kv.specs.MLALatentSpec``) and
+``grouped_router`` the router's group-limited top-k (``models.moe.GroupedRouter``); ``head_dim`` is then the
+rotary part of each head (``qk_rope_head_dim``, as transformers sets it). GLM-4.5
+(``models/glm4_moe.py``) reads the same router into ``grouped_router``, a partial rotary and
+an optional q/k norm (``qk_norm``).
+
 Rotary frequencies: ``inv_freq()`` reproduces Hugging Face's computation bit for bit
 (float32 throughout), for the ``default``, ``linear``, ``llama3`` and ``yarn`` rope types;
 any other type raises ``ValueError`` naming it. YaRN (transformers' ``_compute_yarn_parameters``,
@@ -96,6 +103,11 @@ class ModelConfig:
     attention_output_gate: bool = False
     partial_rotary_factor: float = 1.0
     shared_expert_intermediate_size: int = 0
+    # DeepSeek-V3 / Kimi K2: multi-head latent attention, the sigmoid router limited to groups
+    mla: Optional["MLAShape"] = None
+    grouped_router: Optional["GroupedRouter"] = None  # models.moe.GroupedRouter
+    # GLM-4.5 (use_qk_norm): a per-head RMSNorm of q and k before rotary, as Qwen3's, but optional
+    qk_norm: bool = False
 
     def __post_init__(self) -> None:
         if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
@@ -246,6 +258,43 @@ class LinearAttentionShape:
     @property
     def conv_dim(self) -> int:  # the convolved channels: q, k and v
         return 2 * self.key_dim + self.value_dim
+
+
+@dataclass(frozen=True)
+class MLAShape:
+    """Multi-head latent attention's sizes (transformers' ``DeepseekV3Config`` fields).
+
+    Per token: ``q`` from ``hidden`` (through a rank-``q_lora_rank`` bottleneck unless it is
+    None), each head ``qk_nope_head_dim`` + ``qk_rope_head_dim`` wide; one latent of
+    ``kv_lora_rank`` (normed) and one rotary key of ``qk_rope_head_dim`` shared by every head:
+    the ``latent_dim`` numbers a layer caches per token. ``rope_interleave``: the rotary
+    dimensions come in adjacent pairs (DeepSeek's checkpoints), not in two halves.
+    """
+
+    q_lora_rank: Optional[int]
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool = True
+
+    def __post_init__(self) -> None:
+        sizes = {"kv_lora_rank": self.kv_lora_rank, "qk_nope_head_dim": self.qk_nope_head_dim,
+                 "qk_rope_head_dim": self.qk_rope_head_dim, "v_head_dim": self.v_head_dim}
+        bad = [f"{k}={v}" for k, v in sizes.items() if v < 1] + (
+            [] if self.q_lora_rank is None or self.q_lora_rank >= 1 else [f"q_lora_rank={self.q_lora_rank}"])
+        if bad or self.qk_rope_head_dim % 2:
+            raise ValueError(f"multi-head latent attention: {', '.join(bad) or 'qk_rope_head_dim'} must be positive "
+                             f"(qk_rope_head_dim even), got {sizes}")
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """Numbers cached per token and layer: the latent, then the rotary key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
 
 def read_config_json(path: Union[str, Path]) -> dict[str, Any]:

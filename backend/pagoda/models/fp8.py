@@ -22,6 +22,10 @@ Matmul (``Fp8Weight.matmul``), per call:
 * otherwise (CPU, fp32 activations, shapes ``_scaled_mm`` does not take): ``pagoda.kernels
   .w8a16_linear`` — on CPU the emulation: dequantize e4m3 to the activation dtype + F.linear.
 
+A DeepSeek-format checkpoint's block-scaled FP8 weights (``Fp8BlockWeight``: 128 x 128 scales)
+take the same Triton kernel with the block scales applied per K tile (``kernels.fp8_block_linear``),
+dequantize + ``F.linear`` on CPU and from ``w8a16.DEQUANT_ROWS`` rows.
+
 Refused (ValueError at load) on a CUDA device below compute capability 8.9 (no e4m3
 support in the tensor cores nor in Triton's conversions there) and on other device types.
 """
@@ -151,6 +155,35 @@ class Fp8Weight(nn.Module):
 
     def extra_repr(self) -> str:
         return f"out={self.shape[0]}, in={self.shape[1]}, scaled_mm={self.use_scaled_mm}"
+
+
+class Fp8BlockWeight(nn.Module):
+    """An e4m3 ``[out, in]`` weight with square block scales (a DeepSeek-format FP8 checkpoint's
+    ``weight`` and ``weight_scale_inv``, kept as they are): ``W[n, k] = Q[n, k] * scale[n // block,
+    k // block]``. ``matmul``: ``kernels.fp8_block_linear`` (the Triton W8A16 kernel with block
+    scales on CUDA, dequantize + ``F.linear`` elsewhere). One byte per weight plus 4 bytes per block."""
+
+    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, block: int) -> None:
+        super().__init__()
+        n, k = qweight.shape
+        if tuple(scale.shape) != (-(-n // block), -(-k // block)):
+            raise ValueError(f"block scales {tuple(scale.shape)} do not cover a {n} x {k} weight in {block}-blocks")
+        self.block = block
+        self.register_buffer("qweight", qweight.to(FP8_DTYPE).contiguous())
+        self.register_buffer("scale", scale.float().contiguous().to(qweight.device))
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.qweight.shape
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return w8a16.dequantize_blocks(self.qweight, self.scale, self.block, dtype)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, in] -> [num_tokens, out], x.dtype
+        return kernels.fp8_block_linear(x, self.qweight, self.scale, self.block)
+
+    def extra_repr(self) -> str:
+        return f"out={self.shape[0]}, in={self.shape[1]}, block={self.block}"
 
 
 def _scaled_mm_works(weight: Fp8Weight, dtype: torch.dtype) -> Optional[str]:

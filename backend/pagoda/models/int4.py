@@ -20,8 +20,11 @@ zero points), against 2 for bf16.
 
 FP8 checkpoints with per-tensor or per-channel scales (``Fp8Pieces``) become
 ``Fp8Weight.from_quantized`` the same way (the checkpoint's own e4m3 values and row scales,
-exact), served by the existing FP8 paths (W8A16 kernel, ``_scaled_mm``); block-scaled FP8
-(128x128) has no per-row form and stays dequantized.
+exact), served by the existing FP8 paths (W8A16 kernel, ``_scaled_mm``). Block-scaled FP8
+(DeepSeek's 128x128 ``weight_scale_inv``: ``Fp8BlockPieces``) becomes ``Fp8BlockWeight`` (the
+checkpoint's bytes and block scales as they are), when every shard of a fused projection but the
+last fills whole row blocks (else it stays float, logged); a MoE layer's experts become FP8
+stacks the same way (``install_fp8_experts``).
 """
 
 from __future__ import annotations
@@ -118,6 +121,27 @@ class Fp8Pieces:
     scale: torch.Tensor  # [N] float32
 
 
+@dataclass
+class Fp8BlockPieces:
+    """One module's FP8 checkpoint weight with square block scales (DeepSeek's ``weight_scale_inv``)."""
+
+    q: torch.Tensor  # [N, K] float8_e4m3fn
+    scale: torch.Tensor  # [cdiv(N, block), cdiv(K, block)] float32
+    block: int
+
+
+def _merged_blocks(parts: list) -> Optional[nn.Module]:
+    """Block-scaled shards concatenated along N: exact when every shard but the last fills whole
+    row blocks (DeepSeek's q_a | kv_a and gate | up do), else None (the projection stays float)."""
+    from pagoda.models.fp8 import Fp8BlockWeight
+
+    block = parts[0].block
+    if not all(isinstance(p, Fp8BlockPieces) and p.block == block for p in parts) or \
+            any(p.q.shape[0] % block for p in parts[:-1]):
+        return None
+    return Fp8BlockWeight(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]), block)
+
+
 def _projections(model: nn.Module):
     """(module, attribute, weight, [shard prefixes in row order]) of every linear projection."""
     shards: dict[int, list[tuple[int, str]]] = {}
@@ -134,6 +158,8 @@ def _projections(model: nn.Module):
 
 def _merged(parts: list) -> Optional[nn.Module]:
     """One quantized module for a projection's shards (concatenated along N), or None."""
+    if isinstance(parts[0], Fp8BlockPieces):
+        return _merged_blocks(parts)
     if isinstance(parts[0], Fp8Pieces):
         from pagoda.models.fp8 import Fp8Weight
 
@@ -147,6 +173,39 @@ def _merged(parts: list) -> Optional[nn.Module]:
         torch.cat([p.zeros if p.zeros is not None else torch.full_like(p.scales, 8.0) for p in parts])
     return Int4Pieces(torch.cat([p.q for p in parts]), torch.cat([p.scales for p in parts]), zeros,
                       parts[0].group_size, parts[0].perm)
+
+
+@torch.no_grad()
+def install_fp8_experts(model: nn.Module, pieces: dict[str, Any]) -> int:
+    """Stack each MoE layer's block-scaled FP8 experts (``SparseMoE.keep_fp8``) where every expert's
+    gate, up and down have ``Fp8BlockPieces`` of one block size dividing the intermediate size;
+    returns how many layers. A GPU below sm_89 keeps the float stacks (logged)."""
+    from pagoda.models.fp8 import check_fp8_device
+    from pagoda.models.moe import SparseMoE
+
+    count = 0
+    for i, layer in enumerate(getattr(model, "layers", ())):
+        moe = next((m for m in layer.modules() if isinstance(m, SparseMoE)), None)
+        if moe is None:
+            continue
+        n = moe.names
+        parts = [[pieces.get(f"model.layers.{i}.{n.block}.experts.{e}.{name}") for name in (n.gate, n.up, n.down)]
+                 for e in range(moe.num_experts)]
+        blocks = {p.block if isinstance(p, Fp8BlockPieces) else None for expert in parts for p in expert}
+        if len(blocks) != 1 or None in blocks or moe.intermediate_size % next(iter(blocks)):
+            continue
+        try:
+            check_fp8_device(moe.w13.device)
+        except ValueError as exc:
+            logger.info("fp8 experts kept as float: %s", exc)
+            return count
+        block = blocks.pop()
+        w13 = torch.stack([torch.cat([gate.q, up.q]) for gate, up, _ in parts])
+        s13 = torch.stack([torch.cat([gate.scale, up.scale]) for gate, up, _ in parts])
+        moe.keep_fp8(w13, s13, torch.stack([d.q for _, _, d in parts]), torch.stack([d.scale for _, _, d in parts]),
+                     block)
+        count += 1
+    return count
 
 
 @torch.no_grad()
@@ -166,7 +225,7 @@ def install_quantized_weights(model: nn.Module, pieces: dict[str, Any]) -> int:
         if isinstance(merged, Int4Pieces):
             merged = Int4Weight(merged, weight.device)
         else:
-            from pagoda.models.fp8 import check_fp8_device
+            from pagoda.models.fp8 import Fp8BlockWeight, check_fp8_device
 
             try:
                 check_fp8_device(weight.device)
@@ -174,10 +233,12 @@ def install_quantized_weights(model: nn.Module, pieces: dict[str, Any]) -> int:
                 logger.info("fp8 checkpoint weights kept as float: %s", exc)
                 continue
             merged = merged.to(weight.device)
-            fp8_weights.append(merged)
+            if not isinstance(merged, Fp8BlockWeight):  # row-scaled: _scaled_mm may serve it
+                fp8_weights.append(merged)
         delattr(module, attr)
         setattr(module, attr, merged)
         replaced += 1
+    replaced += install_fp8_experts(model, pieces)
     if fp8_weights:
         from pagoda.models.fp8 import select_fp8_kernel
 

@@ -78,6 +78,17 @@ def projection(owner: nn.Module, name: str, x: torch.Tensor, bias: Optional[torc
     return out
 
 
+def rotate_partial(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                   rotary_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary on the first ``rotary_dim`` dimensions of each head of q and k (halves style within
+    them, transformers' partial rotary); the other dimensions pass through."""
+    if rotary_dim == q.shape[-1]:
+        return kernels.apply_rotary(q, k, positions, cos_sin_cache)
+    q_rot, k_rot = kernels.apply_rotary(q[..., :rotary_dim].contiguous(), k[..., :rotary_dim].contiguous(), positions,
+                                        cos_sin_cache)
+    return torch.cat([q_rot, q[..., rotary_dim:]], dim=-1), torch.cat([k_rot, k[..., rotary_dim:]], dim=-1)
+
+
 class Attention(nn.Module):
     linear_weights = ("qkv_weight", "o_weight")  # what quantize_model may replace
     query_rows_per_head = 1  # qkv_weight rows per query channel (gated attention adds a gate row: 2)
@@ -303,6 +314,11 @@ class LlamaForCausalLM(nn.Module):
         """``hidden @ lm_head.T`` in the model dtype; through the CPU's prepacked copy when
         ``models.cpu_gemm.pack_model`` made one (``lm_head_packed``)."""
         return linear(hidden, getattr(self, "lm_head_packed", None) or self.lm_head)
+
+    def mtp_layer_index(self) -> int:
+        """The layer index a checkpoint's MTP block's decoder layer is built as (its window, its MLP
+        kind; ``engine/spec_decode/mtp.py``): 0 here, a family whose block is another kind says so."""
+        return 0
 
     # ---- weights -------------------------------------------------------------------------
 

@@ -61,7 +61,7 @@ from torch import nn
 from pagoda import kernels
 from pagoda.kernels.w8a16 import w8a16_linear_ref
 from pagoda.models.cpu_gemm import PackedWeight
-from pagoda.models.fp8 import Fp8Weight, select_fp8_kernel
+from pagoda.models.fp8 import Fp8BlockWeight, Fp8Weight, select_fp8_kernel
 from pagoda.models.int4 import Int4Weight
 from pagoda.models.int8_probe import ProbeResult, cpu_description, probe_packed_kernel
 
@@ -212,11 +212,11 @@ class Int8Weight(nn.Module):
 
 
 def linear(x: torch.Tensor, weight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``F.linear`` that also accepts an ``Int8Weight``, ``Fp8Weight``, ``Int4Weight`` or a CPU
-    ``PackedWeight`` (``models.cpu_gemm``); the model's projections call this."""
+    """``F.linear`` that also accepts an ``Int8Weight``, ``Fp8Weight``, ``Fp8BlockWeight``, ``Int4Weight``
+    or a CPU ``PackedWeight`` (``models.cpu_gemm``); the model's projections call this."""
     if isinstance(weight, PackedWeight):
         return weight.matmul(x, bias)
-    if isinstance(weight, (Int8Weight, Fp8Weight, Int4Weight)):
+    if isinstance(weight, (Int8Weight, Fp8Weight, Int4Weight, Fp8BlockWeight)):
         out = weight.matmul(x)
         return out if bias is None else out + bias
     return F.linear(x, weight, bias)

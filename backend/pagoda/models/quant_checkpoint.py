@@ -31,8 +31,10 @@ the model's own ``load_weights`` fuses it, so every model family and the fused q
 gate/up layouts work unchanged, and ``ignore`` / ``modules_to_not_convert`` need no list:
 a module the checkpoint left in float has a plain ``X.weight``. The model then holds
 float weights in its dtype (on CPU this is the torch path: dequantize + matmul, with the
-matmul in the model dtype); the 4-bit weights kept packed for the W4A16 kernel on a GPU are
-the next step (docs/quantization.md says what is measured and what is not).
+matmul in the model dtype). Where ``keep_quantized`` (on CUDA, or ``PAGODA_KEEP_QUANTIZED=1``)
+the 4-bit, row-scaled FP8 and square-block FP8 weights are also kept as pieces
+(``pagoda.models.int4``) and replace the float weights after loading, so their bytes stay
+quantized (docs/quantization.md says what is measured and what is not).
 ``model.layers.N.self_attn.k_scale`` / ``v_scale`` (``kv_scales``) become the layers' fp8
 KV-cache scales; ``input_scale`` (static FP8 activation scales) is read and not used: pagoda
 runs FP8 weights with 16-bit or fp32 activations (or dynamic e4m3 ones in ``_scaled_mm``).
@@ -45,7 +47,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from pagoda.models.int4 import Fp8Pieces, Int4Pieces, pieces_from_group_index
+from pagoda.models.int4 import Fp8BlockPieces, Fp8Pieces, Int4Pieces, pieces_from_group_index
 
 AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # column j of 8 is nibble AWQ_REVERSE_ORDER[j]
 # Suffixes of the tensors each format keeps per module (the float weight they replace: X.weight).
@@ -309,6 +311,9 @@ class QuantizedTensors:
         # A 2-D scale with fewer rows than the weight is per block (128 x 128 unless the config says).
         block = None if scale.numel() == 1 or scale.dim() < 2 or scale.shape[0] == weight.shape[0] \
             else (q.block or (128, 128))
+        if self.keep_quantized and weight.dtype == torch.float8_e4m3fn and block is not None \
+                and block[0] == block[1] and maybe("weight_zero_point") is None:
+            self.pieces[prefix] = Fp8BlockPieces(weight, scale.float(), block[0])
         if self.keep_quantized and weight.dtype == torch.float8_e4m3fn and block is None \
                 and maybe("weight_zero_point") is None and (scale.numel() == 1 or scale.shape[-1] == 1
                                                             or scale.dim() == 1):

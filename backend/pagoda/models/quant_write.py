@@ -26,7 +26,10 @@ from typing import Callable
 import torch
 from safetensors.torch import load_file, save_file
 
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The linear modules a checkpoint quantizes: Llama's, and DeepSeek-V3's attention (its experts and
+# shared experts are gate/up/down; the router ``mlp.gate`` stays float, as in DeepSeek's FP8 release).
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "q_a_proj", "q_b_proj",
+           "kv_a_proj_with_mqa", "kv_b_proj")
 
 
 def linear_names(state: dict) -> list[str]:

@@ -44,7 +44,8 @@ from pagoda import kernels
 from pagoda.kernels import AttentionMetadata
 from pagoda.models.config import LinearAttentionShape, ModelConfig, common_fields
 from pagoda.models.gated_deltanet import GatedDeltaNet
-from pagoda.models.llama import ALL, MLP, DecoderLayer, KVCache, LlamaForCausalLM, WeightTargets, projection
+from pagoda.models.llama import (ALL, MLP, DecoderLayer, KVCache, LlamaForCausalLM, WeightTargets, projection,
+                                 rotate_partial)
 from pagoda.models.moe import MoENames, SparseMoE
 from pagoda.models.qwen3 import Qwen3Attention
 
@@ -152,12 +153,7 @@ class GatedAttention(Qwen3Attention):
                cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q/k head norms, then rotary on the first ``rotary_dim`` dimensions of each head."""
         q, k = self._head_norm(q, self.q_norm), self._head_norm(k, self.k_norm)
-        rot = self.rotary_dim
-        if rot == self.head_dim:
-            return kernels.apply_rotary(q, k, positions, cos_sin_cache)
-        q_rot, k_rot = kernels.apply_rotary(q[..., :rot].contiguous(), k[..., :rot].contiguous(), positions,
-                                            cos_sin_cache)
-        return torch.cat([q_rot, q[..., rot:]], dim=-1), torch.cat([k_rot, k[..., rot:]], dim=-1)
+        return rotate_partial(q, k, positions, cos_sin_cache, self.rotary_dim)
 
     def weight_targets(self) -> WeightTargets:
         q_rows, kv = 2 * self.q_size, self.kv_size

@@ -20,7 +20,8 @@ from typing import Any, Callable, Union
 
 import torch
 
-from pagoda.models import gemma3, gpt_oss, llama, mixtral, qwen3, qwen3_5, qwen3_moe, qwen3_next
+from pagoda.models import (deepseek_v3, gemma3, glm4_moe, gpt_oss, llama, mixtral, qwen3, qwen3_5, qwen3_moe,
+                           qwen3_next)
 from pagoda.models.config import ModelConfig, read_config_json
 
 
@@ -45,6 +46,13 @@ _FAMILIES = {f.architecture: f for f in (
     ModelFamily("Qwen3_5ForCausalLM", "qwen3_5_text", qwen3_5.parse_config, qwen3_5.Qwen3_5ForCausalLM),
     ModelFamily("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", qwen3_5.parse_moe_config,
                 qwen3_5.Qwen3_5MoeForCausalLM),
+    # Kimi K2's config.json names this architecture too (model_type "kimi_k2").
+    ModelFamily("DeepseekV3ForCausalLM", "deepseek_v3", deepseek_v3.parse_config, deepseek_v3.DeepseekV3ForCausalLM),
+    # GLM-4.7-Flash: multi-head latent attention and DeepSeek's MoE (the DeepSeek-V3 model).
+    ModelFamily("Glm4MoeLiteForCausalLM", "glm4_moe_lite", deepseek_v3.parse_glm_lite_config,
+                deepseek_v3.DeepseekV3ForCausalLM),
+    # GLM-4.5, GLM-4.5-Air and GLM-4.6 (model_type "glm4_moe").
+    ModelFamily("Glm4MoeForCausalLM", "glm4_moe", glm4_moe.parse_config, glm4_moe.Glm4MoeForCausalLM),
 )}
 SUPPORTED_ARCHITECTURES = tuple(_FAMILIES)
 

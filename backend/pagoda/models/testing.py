@@ -9,6 +9,7 @@ Hybrid models (linear-attention layers, ``models/gated_deltanet.py``): ``make_la
 gives each such layer a ``StateCache`` of ``num_slots`` slots (the others a KV pair), and a
 ``StepInput`` names its sequence's ``state_slot``; the slot is read when the sequence has
 tokens cached (``num_computed_tokens > 0``), as the engine's allocator will arrange.
+Multi-head latent attention (``models/mla.py``): each layer gets a ``LatentCache``.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Optional, Union
 
 import torch
 
-from pagoda.kernels import AttentionMetadata, StateCache
+from pagoda.kernels import AttentionMetadata, LatentCache, StateCache
 from pagoda.models.config import ModelConfig
 from pagoda.models.llama import KVCache, LlamaForCausalLM
 
@@ -51,6 +52,9 @@ def make_layer_caches(
     config's), or for a linear-attention layer a ``StateCache`` of ``num_slots`` slots filled
     with ``state_fill`` (NaN: slots a step must never read), shaped as the (sharded) layer says."""
     config = model.config if kv_heads is None else dataclasses.replace(model.config, num_key_value_heads=kv_heads)
+    if config.mla is not None:
+        shape = (num_blocks, block_size, 1, config.mla.latent_dim)
+        return [LatentCache(torch.zeros(shape, dtype=dtype, device=model.device)) for _ in model.layers]
     kv = make_kv_caches(config, num_blocks, block_size, dtype, str(model.device))
     caches: list[Union[KVCache, StateCache]] = []
     for layer, pair in zip(model.layers, kv):

@@ -1,7 +1,8 @@
 """A block's KV as bytes: read from and written into the runner's per-layer caches.
 
 The bytes of block ``b`` are, layer by layer, ``K[b]`` then ``V[b]`` of the runner's caches
-(each ``[block_size, num_kv_heads, head_dim]`` contiguous), in the cache dtype's native
+(each ``[block_size, num_kv_heads, head_dim]`` contiguous; a multi-head-latent-attention layer's
+one latent tensor instead of the pair), in the cache dtype's native
 byte order. ``layout`` names everything that must agree between two replicas for those
 bytes to mean the same thing (dtype, shape, layer count); the receiver refuses an offer
 whose layout differs. Every dtype (fp8 included) is moved as its raw bytes (a ``uint8`` view).
@@ -27,8 +28,9 @@ class KVBlockIO:
         self.kv_caches = kv_caches
         k = kv_caches[0][0]
         self.block_shape = tuple(k.shape[1:])
-        self.part_bytes = k[0].numel() * k.element_size()  # one layer's K (or V) of one block
-        self.block_bytes = 2 * len(kv_caches) * self.part_bytes
+        # One block of each cache tensor in order (K then V per layer; a latent cache's one tensor).
+        self.part_bytes = [t[0].numel() * t.element_size() for kv in kv_caches for t in kv]
+        self.block_bytes = sum(self.part_bytes)
         self.layout = {"dtype": str(k.dtype).removeprefix("torch."), "num_layers": len(kv_caches),
                        "block_shape": list(self.block_shape), "block_bytes": self.block_bytes}
 
@@ -48,8 +50,7 @@ class KVBlockIO:
         assert len(data) == self.block_bytes, f"block payload of {len(data)} bytes, expected {self.block_bytes}"
         src = torch.frombuffer(data if isinstance(data, bytearray) else bytearray(data), dtype=torch.uint8)
         offset = 0
-        for kv in self.kv_caches:
-            for t in kv:
-                dst = t[block_id].view(torch.uint8).view(-1)  # contiguous: writes go through to the cache
-                dst.copy_(src[offset: offset + self.part_bytes].to(dst.device))
-                offset += self.part_bytes
+        for t, size in zip((t for kv in self.kv_caches for t in kv), self.part_bytes):
+            dst = t[block_id].view(torch.uint8).view(-1)  # contiguous: writes go through to the cache
+            dst.copy_(src[offset: offset + size].to(dst.device))
+            offset += size

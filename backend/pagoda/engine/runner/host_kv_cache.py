@@ -2,7 +2,8 @@
 
 ``HostKVCache`` preallocates, per layer, a K and a V tensor shaped like the runner's
 device caches but with ``num_blocks`` host blocks: ``[num_host_blocks, block_size,
-num_kv_heads, head_dim]``, pinned when the device is CUDA so copies can use DMA. On a
+num_kv_heads, head_dim]`` (a multi-head-latent-attention layer: its one latent tensor),
+pinned when the device is CUDA so copies can use DMA. On a
 CPU-only machine the "device" cache is host memory too, but the tier is still a separate
 pool and every copy is a real copy.
 
@@ -51,11 +52,10 @@ class HostKVCache:
         self.num_blocks = num_blocks
         self.device = device_caches[0][0].device
         pin = self.device.type == "cuda"
-        shape = (num_blocks, *device_caches[0][0].shape[1:])
-        dtype = device_caches[0][0].dtype
+        # Each device tensor's host twin (K and V, or a latent cache's one tensor: shapes may differ).
         self.host_caches: KVCaches = [
-            (torch.zeros(shape, dtype=dtype, pin_memory=pin), torch.zeros(shape, dtype=dtype, pin_memory=pin))
-            for _ in device_caches
+            tuple(torch.zeros((num_blocks, *t.shape[1:]), dtype=t.dtype, pin_memory=pin) for t in layer)
+            for layer in device_caches
         ]
         # Recurrent states (one (conv, ssm) pair per state layer), when the model has them.
         self.device_states = list(device_states)
@@ -73,8 +73,7 @@ class HostKVCache:
         Raises:
             ValueError: ``num_bytes`` is smaller than one block.
         """
-        k = runner.kv_tensors[0][0]
-        per_block = 2 * len(runner.kv_tensors) * k[0].numel() * k.element_size()
+        per_block = block_bytes(runner.kv_tensors)
         states = [c for c in runner.kv_caches if hasattr(c, "ssm_states")]
         slot_bytes = sum(t[0].numel() * t.element_size() for c in states for t in c)
         num_slots = min(runner.config.max_num_seqs, (num_bytes // 2) // slot_bytes) if states else 0
@@ -89,8 +88,7 @@ class HostKVCache:
 
     @property
     def bytes_per_block(self) -> int:
-        k = self.host_caches[0][0]
-        return 2 * len(self.host_caches) * k[0].numel() * k.element_size()
+        return block_bytes(self.host_caches)
 
     @torch.inference_mode()
     def execute(self, scheduler_output) -> None:
@@ -223,6 +221,11 @@ def copy_device_blocks(device_caches: KVCaches, pairs: BlockPairs) -> None:
     for layer in device_caches:
         for cache in layer:
             _raw(cache).index_copy_(0, dst, _raw(cache).index_select(0, src))
+
+
+def block_bytes(caches: KVCaches) -> int:
+    """Bytes one block id takes across the per-layer cache tensors."""
+    return sum(t[0].numel() * t.element_size() for layer in caches for t in layer)
 
 
 def _sync(device: torch.device) -> None:

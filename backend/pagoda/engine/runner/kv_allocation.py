@@ -8,6 +8,9 @@ scheduler's ``KVCacheLayout`` comes from them (``kv.layout.group_layers``), size
 - ``group_size`` K/V tensor pairs ``[num_blocks, block_size, kv_heads, head_dim]``, pair
   ``j`` shared by the ``j``-th layer of every paged group (a block id belongs to one
   group at a time, so no two layers ever write one page);
+- for multi-head latent attention (``ModelConfig.mla``: every DeepSeek-V3 layer), ``group_size``
+  ``LatentCache`` tensors ``[num_blocks, block_size, 1, kv_lora_rank + rope_dim]`` shared the
+  same way (one row per token: ``MLALatentSpec``);
 - per state layer, a ``StateCache(conv_states, ssm_states)`` with the slot first
   (``[num_state_slots, *shape]``), in the dtypes the layer keeps them in;
 - for a shared-KV layer, its target's entry.
@@ -28,9 +31,9 @@ import torch
 
 from pagoda.engine.kv.host_tier import BlockPairs
 from pagoda.engine.kv.layout import KVCacheLayout, group_layers, plan_capacity
-from pagoda.engine.kv.specs import (FullAttentionSpec, KVCacheSpec, RecurrentStateSpec, SharedKVSpec,
+from pagoda.engine.kv.specs import (FullAttentionSpec, KVCacheSpec, MLALatentSpec, RecurrentStateSpec, SharedKVSpec,
                                     SlidingWindowSpec)
-from pagoda.kernels import AttentionMetadata
+from pagoda.kernels import AttentionMetadata, LatentCache
 from pagoda.models.config import ModelConfig
 
 LINEAR_ATTENTION = "linear_attention"
@@ -46,6 +49,8 @@ def layer_specs(model_config: ModelConfig, layers: Sequence[torch.nn.Module], kv
         kind = model_config.layer_types[i] if model_config.layer_types else "full_attention"
         if kind == LINEAR_ATTENTION:
             specs.append(_state_spec(layers[i], i))
+        elif model_config.mla is not None:
+            specs.append(MLALatentSpec(model_config.mla.kv_lora_rank, model_config.mla.qk_rope_head_dim, elem))
         elif model_config.layer_window(i):
             specs.append(SlidingWindowSpec(kv_heads, model_config.head_dim, elem, model_config.layer_window(i)))
         else:
@@ -77,7 +82,7 @@ def state_dtypes(layer: torch.nn.Module) -> tuple[torch.dtype, torch.dtype]:
 def allocate_kv_caches(layout: KVCacheLayout, specs: Sequence[KVCacheSpec], layers: Sequence[torch.nn.Module],
                        own_layers: Sequence[int], kv_dtype: torch.dtype, device: torch.device) -> list[Any]:
     """The caches of ``own_layers`` (this stage's, in order), per ``layout`` (module docstring)."""
-    pairs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    pairs: dict[int, Any] = {}  # K/V pairs (or latent caches) by position in the paged groups
     caches: list[Any] = []
     for layer in own_layers:
         spec = specs[layer]
@@ -92,6 +97,12 @@ def allocate_kv_caches(layout: KVCacheLayout, specs: Sequence[KVCacheSpec], laye
             caches.append(StateCache(
                 torch.zeros((layout.num_state_slots, *spec.conv_shape), dtype=conv_dtype, device=device),
                 torch.zeros((layout.num_state_slots, *spec.ssm_shape), dtype=ssm_dtype, device=device)))
+            continue
+        if isinstance(spec, MLALatentSpec):
+            if position not in pairs:
+                shape = (layout.num_blocks, layout.block_size, 1, spec.kv_lora_rank + spec.rope_dim)
+                pairs[position] = LatentCache(torch.zeros(shape, dtype=kv_dtype, device=device))
+            caches.append(pairs[position])
             continue
         if not isinstance(spec, FullAttentionSpec):
             raise ValueError(f"layer {layer}: no device allocation for {type(spec).__name__} yet")
@@ -166,9 +177,10 @@ def check_state_features(config: Any, layout: KVCacheLayout) -> None:
                          "one per speculative token); turn speculative decoding off")
 
 
-def unique_pairs(kv_caches: Sequence[Any]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The distinct (K, V) tensor pairs among per-layer caches (shared pairs once, states left
-    out): what block copies, the host tier and connectors move."""
+def unique_pairs(kv_caches: Sequence[Any]) -> list[tuple[torch.Tensor, ...]]:
+    """The distinct paged caches among per-layer caches: (K, V) pairs, or one-tensor
+    ``LatentCache``s (shared ones once, states left out): what block copies, the host tier and
+    connectors move, tensor by tensor (each tensor's block is its own size)."""
     seen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for cache in kv_caches:
         if not hasattr(cache, "ssm_states"):

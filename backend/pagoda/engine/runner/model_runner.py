@@ -123,11 +123,12 @@ def resolve_kv_cache_dtype(config: EngineConfig, model_dtype: torch.dtype) -> to
 
 def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype,
                        kv_heads: Optional[int] = None, num_layers: Optional[int] = None) -> int:
-    """Bytes one block takes across the layers (K and V); ``kv_heads``, ``num_layers``: one
-    rank's (default: all the model's)."""
+    """Bytes one block takes across the layers (K and V, or multi-head latent attention's one
+    latent row per token); ``kv_heads``, ``num_layers``: one rank's (default: all the model's)."""
     elem = torch.tensor([], dtype=dtype).element_size()
     kv_heads = model_config.num_key_value_heads if kv_heads is None else kv_heads
-    per_layer = 2 * block_size * kv_heads * model_config.head_dim * elem
+    per_layer = 2 * block_size * kv_heads * model_config.head_dim * elem if model_config.mla is None else \
+        block_size * model_config.mla.latent_dim * elem
     return per_layer * (model_config.num_hidden_layers if num_layers is None else num_layers)
 
 

@@ -38,7 +38,7 @@ from torch import nn
 from pagoda.engine.kv.block_pool import BlockPool, KVCacheBlock
 from pagoda.engine.sampling.sampler import Sampler
 from pagoda.engine.spec_decode.draft import Draft, DraftRequest, VerifyMode, with_outputs
-from pagoda.kernels import AttentionMetadata
+from pagoda.kernels import AttentionMetadata, LatentCache
 from pagoda.models.config import ModelConfig
 from pagoda.models.llama import LlamaForCausalLM
 
@@ -100,12 +100,18 @@ class PagedDraftCache:
     states that hold its blocks (``_seqs``: id -> an object with ``blocks``); shared by the
     draft-model and hidden-state proposers."""
 
-    def _init_cache(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, num_layers: int,
+    def _init_cache(self, num_blocks: int, block_size: int, config: ModelConfig, num_layers: int,
                     dtype: torch.dtype, device: torch.device) -> None:
+        """``num_layers`` layers' caches of ``config``'s kind: K/V pairs, or latent caches
+        (multi-head latent attention: one ``[kv_lora_rank + rope]`` row per token)."""
         self.block_pool = BlockPool(num_blocks, enable_caching=False)
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
-                           torch.zeros(shape, dtype=dtype, device=device)) for _ in range(num_layers)]
+        if config.mla is not None:
+            shape = (num_blocks, block_size, 1, config.mla.latent_dim)
+            self.kv_caches = [LatentCache(torch.zeros(shape, dtype=dtype, device=device)) for _ in range(num_layers)]
+        else:
+            shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+            self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
+                               torch.zeros(shape, dtype=dtype, device=device)) for _ in range(num_layers)]
         self._seqs: dict = {}
 
     @property
@@ -146,8 +152,8 @@ class DraftModelProposer(PagedDraftCache):
         self.sampler = sampler
         self.max_num_batched_tokens = max_num_batched_tokens
         self.draft_cost = matmul_params(config) / matmul_params(target_config)
-        self._init_cache(num_blocks, block_size, config.num_key_value_heads, config.head_dim,
-                         config.num_hidden_layers, model.dtype, model.device)  # _seqs: id -> _DraftSeq
+        self._init_cache(num_blocks, block_size, config, config.num_hidden_layers, model.dtype,
+                         model.device)  # _seqs: id -> _DraftSeq
 
     @torch.inference_mode()
     def propose(self, batch: list[DraftRequest]) -> dict[str, Draft]:

@@ -89,8 +89,7 @@ class HiddenStateProposer(PagedDraftCache):
         self.vocab_size = target.config.vocab_size
         self.draft_cost = head.matmul_params() / matmul_params(target.config)
         cfg = head.config
-        self._init_cache(num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim, 1, head.dtype,
-                         head.device)  # one decoder layer; _seqs: id -> _HeadSeq
+        self._init_cache(num_blocks, block_size, cfg, 1, head.dtype, head.device)  # one layer; _seqs: id -> _HeadSeq
 
     # 1. after the target's step ---------------------------------------------------------
     @torch.inference_mode()

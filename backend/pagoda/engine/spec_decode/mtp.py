@@ -1,9 +1,11 @@
 """Multi-token-prediction (MTP) heads: the draft layer a checkpoint carries beside its decoder.
 
 DeepSeek-V3, GLM-4.5 and Qwen3-Next train one extra block that predicts the token after
-next from the target's last hidden state and the next token's embedding. pagoda serves
-neither family, so this is the loader path for a Llama/Qwen3-family target whose
-checkpoint carries such a block, in either published layout:
+next from the target's last hidden state and the next token's embedding. This is the loader
+path for a DeepSeek-V3 target (its block an MLA layer with a MoE block, built as the
+checkpoint's layer ``N``: ``mtp_layer_index``; its cache a latent cache), a GLM-4.5 target
+(likewise: GLM attention with a MoE block) and for a
+Llama/Qwen3-family target whose checkpoint carries such a block, in either published layout:
 
 * DeepSeek-V3 (``num_nextn_predict_layers``: N_mtp in config.json): under
   ``model.layers.{N}.`` (``N`` = ``num_hidden_layers``): ``enorm``, ``hnorm``,
@@ -72,7 +74,8 @@ class MtpHead(nn.Module):
         self.enorm = nn.Parameter(torch.empty(hidden, **kw), requires_grad=False)
         self.hnorm = nn.Parameter(torch.empty(hidden, **kw), requires_grad=False)
         self.eh_proj = nn.Parameter(torch.empty(hidden, 2 * hidden, **kw), requires_grad=False)
-        self.layer = target.layer_class(config, 0, target.dtype, target.device)  # full attention, as layer 0
+        # As the checkpoint's layer N (DeepSeek: MLA with a MoE block); full attention as layer 0 for Llama.
+        self.layer = target.layer_class(config, target.mtp_layer_index(), target.dtype, target.device)
         self.norm = nn.Parameter(torch.empty(hidden, **kw), requires_grad=False)
         self.embed_tokens = target.embed_tokens
         self.lm_head = target.lm_head
@@ -100,8 +103,8 @@ class MtpHead(nn.Module):
 
     def matmul_params(self) -> int:
         layer = self.layer
-        return sum(p.numel() for p in (self.eh_proj, layer.attn.qkv_weight, layer.attn.o_weight, self.lm_head)) + \
-            sum(p.numel() for p in layer.mlp.parameters())
+        return sum(p.numel() for p in (self.eh_proj, self.lm_head)) + \
+            sum(p.numel() for p in layer.attn.parameters()) + sum(p.numel() for p in layer.mlp.parameters())
 
 
 def load_mtp_head(path: Optional[str], target_path: str, target: LlamaForCausalLM) -> MtpHead:
