@@ -177,6 +177,27 @@ def test_every_door_needs_a_key(router):
             list(stub.ModelStreamInfer(iter([service_pb2.ModelInferRequest(model_name="pagoda")]),
                                        metadata=[("authorization", "Bearer sk-wrong")], timeout=30))
     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED and "invalid API key" in info.value.details()
+    # tritonclient's own stream: its request goes out (the stream is not broken under it) and its
+    # callback hears UNAUTHENTICATED naming the key (masked), even when it sends a moment after opening
+    import queue
+
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
+    heard: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(router.grpc_url)
+    try:
+        client.start_stream(callback=lambda result, error: heard.put(error),
+                            headers={"authorization": "Bearer sk-wrong-key-0042"})
+        text = grpcclient.InferInput("text_input", [1], "BYTES")
+        text.set_data_from_numpy(np.array([b"hi"], dtype=np.object_))
+        time.sleep(0.3)
+        client.async_stream_infer("pagoda", [text])
+        error = heard.get(timeout=30)
+        assert error.status() == "StatusCode.UNAUTHENTICATED" and error.message() == "invalid API key sk-wro...042"
+    finally:
+        client.stop_stream()
+        client.close()
     status, _, answer = post(router.http_url, "/v1/completions", {"prompt": "hi", "stop_token_ids": [10**9]}, KEY_A)
     assert status == 400 and "stop_token_ids" in answer["error"]["message"]
 

@@ -29,6 +29,7 @@ upstream client); the door keeps no state of its own.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from typing import Any, AsyncIterator, Optional
@@ -44,6 +45,9 @@ from pagoda.fleet.gate.gate import AuthError, Gate, LimitError, RateLimited
 from pagoda.fleet.gate.limits import sampling_of_infer_request
 from pagoda.fleet.routing.router import Analysis, NoReplicaAvailable, Router
 from pagoda.fleet.triton_wire import read_string_input
+
+# How long a stream refused for its key waits for its first request before ending (see ModelStreamInfer).
+AUTH_REFUSAL_READ_S = 5.0
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +109,10 @@ class GrpcProxy(service_pb2_grpc.GRPCInferenceServiceServicer):
         try:
             tenant = self.gate.authenticate(carrier.get("authorization"))
         except AuthError as exc:
+            # Refused once the first request is read: a client (tritonclient's stream) that is still
+            # sending it would otherwise find its stream broken instead of hearing why.
+            with contextlib.suppress(StopAsyncIteration, asyncio.TimeoutError):
+                await asyncio.wait_for(request_iterator.__anext__(), AUTH_REFUSAL_READ_S)
             await context.abort(grpc_status(ErrorKind.UNAUTHORIZED), str(exc))
         queue: asyncio.Queue = asyncio.Queue()
         end = object()

@@ -152,8 +152,14 @@ class ApiKeys:
             raise AuthError("malformed Authorization: expected 'Bearer <key>', the key in printable ASCII")
         tenant = self._tenants.get(_digest(key.strip()))
         if tenant is None:
-            raise AuthError("invalid API key")
+            raise AuthError(f"invalid API key {_masked(key.strip())}")
         return tenant
+
+
+def _masked(key: str) -> str:
+    """A wrong key as the client can recognise it without the message repeating it (OpenAI's way:
+    its first 6 and last 3 characters; a short key not at all)."""
+    return f"{key[:6]}...{key[-3:]}" if len(key) >= 12 else "(of " + str(len(key)) + " characters)"
 
 
 def load_api_keys(path: Optional[str], defaults: Optional[Tenant] = None,
