@@ -243,11 +243,13 @@ def test_serve_refuses_to_announce_a_server_whose_first_request_fails(tmp_path):
 
 @pytest.mark.server
 def test_a_dead_stub_is_restarted_not_ready_meanwhile_then_the_replica_stops_when_out_of_restarts():
+    """The first stub killed is a TensorRT-LLM front's (``ensemble``: supervised as pagoda's own,
+    its requests failed "not healthy" until a manual restart), the second pagoda's own."""
     serve = ServeProcess(*SMALL, "--max-stub-restarts", "1")
     try:
         serve.wait_serving()
         server_pid = serve.server_pid()
-        (first_stub,) = _stub_pids(server_pid)
+        (first_stub,) = process_tree.python_stubs(server_pid, "ensemble")
         assert _is_ready(serve.http)
         os.kill(first_stub, signal.SIGKILL)
         # tritonserver alone would stay READY; the launcher restarts it: not ready meanwhile.
@@ -259,7 +261,8 @@ def test_a_dead_stub_is_restarted_not_ready_meanwhile_then_the_replica_stops_whe
         new_server_pid = serve.server_pid()  # a new tritonserver, on the same ports
         assert new_server_pid != server_pid and not process_tree.group_members(server_pid)
         (second_stub,) = _stub_pids(new_server_pid)
-        assert second_stub != first_stub
+        (new_front_stub,) = process_tree.python_stubs(new_server_pid, "ensemble")
+        assert new_front_stub != first_stub
         os.kill(second_stub, signal.SIGKILL)  # out of restarts: the replica stops
         code = serve.proc.wait(60)
     finally:

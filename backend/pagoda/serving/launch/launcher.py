@@ -65,7 +65,7 @@ from typing import Optional
 from pagoda.serving import finalize_request, process_tree
 from pagoda.serving.launch import startup_check
 from pagoda.serving.model_config import rewrite_config_pbtxt
-from pagoda.serving.trtllm_front import configure_fronts
+from pagoda.serving.trtllm_front import FRONT_MODELS, configure_fronts
 from pagoda.serving.launch.triton_install import (TritonPaths, default_model_repository, find_tritonserver,
                                                   make_backend_dir)
 
@@ -298,8 +298,13 @@ class TritonServer:
                 message += f"\ncause: {cause}"
             raise startup_check.StartupCheckError(message + self._log_tail()) from None
 
-    def _find_stubs(self) -> list[int]:  # pagoda's stub (a TensorRT-LLM front's holds no engine)
-        return [] if self.process is None else process_tree.python_stubs(self.process.pid, MODEL_NAME)
+    def _find_stubs(self) -> list[int]:
+        """The stubs to supervise: pagoda's, and the TensorRT-LLM fronts' (they hold no engine, but
+        a dead one fails every request to its model until tritonserver restarts)."""
+        if self.process is None:
+            return []
+        pgid = self.process.pid
+        return [pid for name in (MODEL_NAME, *FRONT_MODELS) for pid in process_tree.python_stubs(pgid, name)]
 
     def log_text(self, num_chars: int = 20000) -> str:
         """The end of the server's output (empty if it is not kept)."""
