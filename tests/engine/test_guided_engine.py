@@ -131,10 +131,10 @@ def test_a_grammar_bomb_is_refused_before_it_compiles(llm):
     # issue 25 defect 2: ~2 KB of schema, 40 length-bounded strings (minutes of CPU on the
     # reporter's replica): refused at add_request with the limit's name, nothing queued.
     bomb = {"type": "object", "properties": {f"f{i}": {"type": "string", "minLength": 500, "maxLength": 1000}
-                                             for i in range(40)}}
+                                             for i in range(80)}}
     engine, compiles = llm.engine, llm.engine.guided.num_compilations
-    with pytest.raises(ValueError, match=r"guided_decoding.json: 40000 as repetition bound, over "
-                                         r"guided_max_length_bound=16384"):
+    with pytest.raises(ValueError, match=r"guided_decoding.json: 80000 as repetition bound, over "
+                                         r"guided_max_length_bound=65536"):
         engine.add_request("bomb", "Hello", SamplingParams(max_tokens=3, guided_decoding=GuidedDecodingParams(
             json=bomb)))
     assert engine.guided.num_compilations == compiles and engine.guided.num_waiting == 0

@@ -418,7 +418,7 @@ def test_structured_output_and_a_bad_grammar_gets_400(triton_server):
     jsonschema.validate(json.loads(result["text_output"]), schema)
     for spec, message in [({"regex": "a(b"}, "guided_decoding.regex: cannot be compiled"),  # fails on the pool
                           ({"regex": "a", "choice": ["a"]}, "give exactly one of"),  # fails at parsing
-                          ({"regex": "(a{100}){200}"}, "over guided_max_length_bound=16384")]:  # never compiled
+                          ({"regex": "(a{300}){300}"}, "over guided_max_length_bound=65536")]:  # never compiled
         status, result = http_post(triton_server, "/v2/models/pagoda/generate", {
             "text_input": "Hi", "sampling_parameters": json.dumps({"max_tokens": 4, "guided_decoding": spec})})
         assert status == 400 and message in result["error"], result

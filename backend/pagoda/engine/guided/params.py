@@ -26,7 +26,7 @@ from pagoda.contracts import json_input
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 # A specification longer than this is a mistake (or an attack on the compiler), not a format.
 MAX_SPEC_CHARS = 100_000
-MAX_CHOICES = 1_000
+MAX_CHOICES = 8_192  # 5,000 choices compile in 0.6 s (xgrammar, a loaded 2-core Xeon)
 BACKENDS = ("xgrammar",)
 
 
