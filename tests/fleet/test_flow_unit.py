@@ -410,3 +410,94 @@ def test_router_flags_make_the_flow_options():
     assert not options_from_args(make_parser().parse_args([])).flow.queue_size  # off by default
     with pytest.raises(ValueError, match="--queue-max-wait: must be a number of seconds > 0"):
         options_from_args(make_parser().parse_args(["--queue-max-wait", "0"]))
+
+
+class _Call:
+    """A replica's ``ModelStreamInfer`` call answering from a script."""
+
+    def __init__(self, responses):
+        self.responses, self.cancelled = list(responses), False
+
+    def __aiter__(self):
+        return self._iterate()
+
+    async def _iterate(self):
+        for response in self.responses:
+            yield response
+
+    def done(self):
+        return True
+
+    def cancel(self):
+        self.cancelled = True
+
+
+def test_a_request_refused_as_full_waits_in_the_queue_and_is_sent_again():
+    """With flow control, a replica's overload refusal sends the request back to the router's
+    queue (not to the client): it goes again once the replica's overload memory expires."""
+    from types import SimpleNamespace
+
+    from tritonclient.grpc import service_pb2
+
+    from pagoda.fleet.api.routed_request import RoutedRequest
+    from pagoda.fleet.api.upstream import GrpcUpstream
+    from pagoda.fleet.triton_wire import infer_inputs, request_parameters
+
+    clock = FakeClock()
+    gate = Gate(clock=clock, flow=FlowOptions(queue_size=2, max_in_flight_per_replica=2, poll_s=0.001))
+    replicas = replica_set("r")
+    router = Router(replicas, tokenizer=None, hash_model_id="m", policy_name="round_robin")
+    refused = service_pb2.ModelStreamInferResponse(error_message="overloaded: the waiting queue is full")
+    answer = service_pb2.ModelStreamInferResponse()
+    answer.infer_response.parameters["triton_final_response"].bool_param = True
+    calls = [_Call([refused]), _Call([answer])]
+    replicas.get("r")._grpc_stub = SimpleNamespace(ModelStreamInfer=lambda messages: calls[len(sent) - 1]
+                                                   if sent.append(list(messages)) is None else None)
+    sent: list = []
+    wire = WireRequest.from_json({"text_input": "hi", "max_tokens": 4, "sampling_parameters": {"timeout": 30}})
+    request = RoutedRequest("id", wire, turn=gate.turn(None, None, wire.params, wire.options))
+    span = SimpleNamespace(traceparent=None, set_decision=lambda decision: None)
+
+    async def scenario():
+        upstream = GrpcUpstream(router, gate, peer_pull_min_blocks=0)
+        stream = asyncio.create_task(_collect(upstream.stream(None, request, span)))
+        await asyncio.sleep(0.02)
+        assert len(sent) == 1 and gate.flow.queue.depth("-") == 1  # refused once: waiting, not answered
+        assert replicas.get("r").in_flight == 0
+        clock.now += 1.5  # the overload memory (Retry-After 1 s) expired: room again
+        return await asyncio.wait_for(stream, 1.0)
+
+    out = asyncio.run(scenario())
+    assert out == [answer] and len(sent) == 2 and request.turn.waited_s == pytest.approx(1.5)
+    # read as the replica reads it: the second attempt carried the timeout less the wait
+    timeouts = [WireRequest.from_triton_inputs(infer_inputs(m[0]).get, request_parameters(m[0])).options.timeout
+                for m in sent]
+    assert timeouts == [30, pytest.approx(28.5)]
+    assert gate.flow.released[("-", 0)] == 2 and gate.flow.refused == {}
+
+
+async def _collect(stream):
+    return [response async for response in stream]
+
+
+def test_the_http_doors_prefill_stage_waits_for_the_turn_too():
+    """Disaggregated serving on the Triton HTTP door: the request's turn is taken before its
+    prefill stage (it cannot skip the queue by being two-staged); one that cannot wait is refused."""
+    from types import SimpleNamespace
+
+    from pagoda.fleet.api import http_stages
+    from pagoda.fleet.api.generate_request import GenerateRequest
+    from pagoda.fleet.routing.replicas import parse_replicas_spec
+
+    gate = Gate(flow=FlowOptions(queue_size=1, max_wait_s=0.05, max_in_flight_per_replica=1, poll_s=0.001))
+    replicas = ReplicaSet("static")
+    replicas.set_members(parse_replicas_spec("id=p,grpc=p:1,http=p:2,role=prefill;id=d,grpc=d:1,http=d:2,role=decode"))
+    for replica in replicas.all():
+        replica.in_flight = 1  # saturated
+    router = Router(replicas, tokenizer=None, hash_model_id="m", policy_name="round_robin")
+    generate = GenerateRequest.of_document({"text_input": "hi", "max_tokens": 2}, "pagoda", False)
+    turn = gate.turn(None, None, generate.sampling, generate.wire.options)
+    client = SimpleNamespace(path="/v2/models/pagoda/generate")
+    with pytest.raises(QueueRefused, match="--queue-max-wait"):
+        asyncio.run(http_stages.prefill(None, router, gate, None, generate, client, turn))
+    assert gate.flow.refused[("-", 0, "max_wait")] == 1

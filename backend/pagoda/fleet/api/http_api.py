@@ -289,8 +289,11 @@ async def _route(request: web.Request, body: bytes, generate: Optional[GenerateR
     stage = http_stages.StageOne()
     if generate is not None and http_stages.is_disaggregated(router, generate):  # two stages (http_stages)
         tried = [r.replica_id for r in router.replicas.all() if r.role == "prefill"]
-        generate, stage = await http_stages.prefill(request.app[SESSION_KEY], router, gate, analysis, generate,
-                                                    request)
+        try:
+            generate, stage = await http_stages.prefill(request.app[SESSION_KEY], router, gate, analysis, generate,
+                                                        request, turn)
+        except QueueRefused as exc:
+            return _kind_error(ErrorKind.RATE_LIMITED, str(exc), retry_after_header(exc.retry_after_s))
     # An early first token's stream is relayed by http_stages (its own failure handling): not journaled.
     journal = migrations.journal(generate.wire if generate is not None and stage.response is None else None)
     relay, wire = Relay(request, journal, journal.hides_token_ids), journal.wire
