@@ -169,6 +169,9 @@ def test_saturation_reads_in_flight_overload_memory_and_heartbeats():
     unbounded = Saturation(FlowOptions(queue_size=4), lambda: [])
     a.in_flight = 1000
     assert unbounded.room(replicas, 50)
+    for replica in (a, b):  # no replica at all: nothing to wait for (routing answers 503 at once)
+        replicas.mark_unhealthy(replica, "test")
+    assert saturation.room(replicas, 0) and saturation.capacity(replicas) == 0
 
 
 # ---------------------------------------------------------------- the waiting room

@@ -75,6 +75,7 @@ class Turn:
     timeout_s: Optional[float] = None
     admitted: bool = False
     waited_s: float = 0.0  # time spent waiting at the router, over all its waits
+    queued_at: float = 0.0  # when its current wait began
     seq: int = 0
     requeued: bool = False
     unrouted: bool = False  # released, its routing decision not made yet (``FlowControl.num_unrouted``)

@@ -13,7 +13,8 @@ its overload memory (it refused a request as full within ``Retry-After``), its h
 ``--saturation-kv-usage``) and the router's own in-flight count against
 ``--max-in-flight-per-replica``. The fleet has room while some replica is not saturated and
 (with the in-flight bound) its free slots outnumber the turns released but not yet routed.
-Draining replicas count only when no other is left, as routing treats them.
+Draining replicas count only when no other is left, as routing treats them; with no replica
+at all the request is not held (routing answers it at once, 503 ``no replica``).
 
 Shares: with a capacity (``--max-in-flight-per-replica`` x the routable replicas), each
 active tenant (requests in flight or waiting, or one ended within ``--tenant-share-window``)
@@ -121,6 +122,8 @@ class Saturation:
     def room(self, replicas: Any, num_unrouted: int) -> bool:
         """``replicas``: the router's ``ReplicaSet``; ``num_unrouted``: turns released and not yet routed."""
         candidates = replicas.routable() or replicas.routable(include_draining=True)
+        if not candidates:
+            return True  # no replica at all is no saturation: routing answers it at once (503), not after a wait
         full = set(self.full_ids())
         bound = self.options.max_in_flight_per_replica
         free = 0
@@ -185,7 +188,7 @@ class FlowControl:
         """
         if turn.admitted:
             return
-        start = self.clock()
+        start = turn.queued_at = self.clock()
         if not turn.requeued and not len(self.queue) and self.saturation.room(replicas, self.num_unrouted) \
                 and turn.tenant not in self.over_share(replicas):
             turn.admitted, turn.unrouted = True, True  # its slot is held until it is routed
@@ -284,7 +287,7 @@ class FlowControl:
             entry = self._waiters.get(id(turn))
             if entry is None or entry[1].done():
                 continue  # its waiter is gone (cancelled between rounds)
-            self._released(turn, now - turn.arrival)
+            self._released(turn, turn.waited_s + now - turn.queued_at)
             turn.unrouted = True
             self.num_unrouted += 1
             entry[1].set_result(None)
