@@ -8,7 +8,9 @@ Rules (docs/reliability.md, "Flow control"):
 
 - **Bands.** A waiting request (a ``Turn``) sits in the band of its ``priority``; a smaller
   value is served first (vLLM's convention, the wire request's ``priority``). ``pop``
-  serves the lowest non-empty band; a lower band waits while a higher one has anyone.
+  serves the lowest non-empty band; a lower band waits while a higher one has anyone
+  ``pop`` may serve (the caller's ``skip``: tenants over their share of the fleet,
+  ``flow_control``, are passed over in every band).
 - **Bounds.** Each tenant holds at most ``queue_size`` waiting requests over all bands;
   one more is refused (``QueueFull``), never queued. A tenant's bound does not shrink
   another's.
