@@ -19,6 +19,7 @@ import signal
 import sys
 from typing import Optional
 
+from pagoda.fleet.gate.flow_control import FlowOptions
 from pagoda.fleet.gate.limits import RequestLimits
 from pagoda.fleet.parsers.reasoning import REASONING_PARSERS
 from pagoda.fleet.parsers.tool_calls import TOOL_PARSERS
@@ -87,6 +88,7 @@ def make_parser() -> argparse.ArgumentParser:
                    help="times one request may move to another replica when its replica fails mid-request "
                         "(docs/reliability.md: restarted while nothing was sent, resumed once it streamed); 0: off")
     _add_tenant_flags(p)
+    _add_flow_flags(p)
     limits = p.add_argument_group("limits", "input limits; a request over one gets a 4xx naming it")
     for f in dataclasses.fields(RequestLimits):
         limits.add_argument("--" + f.name.replace("_", "-"), type=int, default=f.default, help=f"default {f.default}")
@@ -107,11 +109,43 @@ def _add_tenant_flags(p: argparse.ArgumentParser) -> None:
     tenants.add_argument("--tenant-max-concurrent", type=int, help="requests in flight per tenant")
 
 
+def _add_flow_flags(p: argparse.ArgumentParser) -> None:
+    flow = p.add_argument_group("flow control", "requests wait at the router while the fleet is saturated, released "
+                                "fairly between tenants by tokens, priority bands first (docs/reliability.md)")
+    flow.add_argument("--queue-size-per-tenant", type=int, default=0, metavar="N",
+                      help="requests a tenant may have waiting at the router; one more is refused 429 (0: flow "
+                           "control off, a saturated fleet answers 429/503 at once)")
+    flow.add_argument("--queue-max-wait", type=float, default=30.0, metavar="SECONDS",
+                      help="the longest a request waits at the router before a 429 (a request's own timeout, when "
+                           "shorter, bounds it instead)")
+    flow.add_argument("--max-in-flight-per-replica", type=int, default=0, metavar="N",
+                      help="a replica with N of the router's requests in flight is saturated (0: no bound by count; "
+                           "its overload refusals and heartbeats still say so)")
+    flow.add_argument("--tenant-share-window", type=float, default=1.0, metavar="SECONDS",
+                      help="a tenant whose request ended this recently keeps its share of the fleet's in-flight "
+                           "capacity (with --max-in-flight-per-replica): another tenant cannot take its slot")
+    flow.add_argument("--saturation-waiting", type=int, default=0, metavar="N",
+                      help="a replica whose heartbeat (Redis) reports N waiting requests is saturated (0: not read)")
+    flow.add_argument("--saturation-kv-usage", type=float, default=0.0, metavar="FRACTION",
+                      help="a replica whose heartbeat (Redis) reports this KV usage is saturated (0: not read)")
+
+
+def flow_options(args: argparse.Namespace) -> FlowOptions:
+    """The flow-control flags. Raises ValueError naming the one out of range."""
+    options = FlowOptions(queue_size=args.queue_size_per_tenant, max_wait_s=args.queue_max_wait,
+                          max_in_flight_per_replica=args.max_in_flight_per_replica,
+                          saturation_waiting=args.saturation_waiting, saturation_kv_usage=args.saturation_kv_usage,
+                          share_window_s=args.tenant_share_window)
+    options.check()
+    return options
+
+
 def options_from_args(args: argparse.Namespace) -> RouterOptions:
     """The ``RouterOptions`` parsed flags describe.
 
     Raises:
-        ValueError: a ``--policy-knob`` that is not ``KEY=VALUE``, a negative ``--migration-limit``.
+        ValueError: a ``--policy-knob`` that is not ``KEY=VALUE``, a negative ``--migration-limit``, a
+            flow-control flag out of range.
     """
     knobs = {}
     for item in args.policy_knob:
@@ -136,7 +170,8 @@ def options_from_args(args: argparse.Namespace) -> RouterOptions:
         api_keys_file=args.api_keys_file, share_prefix_cache=args.share_prefix_cache,
         router_secret_file=args.router_secret_file, tenant_requests_per_minute=args.tenant_rpm,
         tenant_tokens_per_minute=args.tenant_tpm, tenant_max_concurrent=args.tenant_max_concurrent,
-        limits=RequestLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(RequestLimits)}))
+        limits=RequestLimits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(RequestLimits)}),
+        flow=flow_options(args))
 
 
 async def _serve(options: RouterOptions) -> None:

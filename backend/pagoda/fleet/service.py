@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
+from pagoda.fleet.gate.flow_control import FlowOptions
 from pagoda.fleet.gate.limits import RequestLimits
 from pagoda.fleet.shutdown import STOP_PHASE_S, bounded
 
@@ -102,6 +103,7 @@ class RouterOptions:
     tenant_tokens_per_minute: Optional[float] = None
     tenant_max_concurrent: Optional[int] = None
     limits: Optional[RequestLimits] = None  # None: the defaults
+    flow: Optional[FlowOptions] = None  # the router's queue (gate.flow_control); None: off
 
 
 def make_gate(options: RouterOptions) -> "Gate":
@@ -113,7 +115,7 @@ def make_gate(options: RouterOptions) -> "Gate":
                       options.tenant_max_concurrent)
     keys = load_api_keys(options.api_keys_file, defaults)
     secret = load_router_secret(options.router_secret_file, keys=keys) if keys is not None else None
-    return Gate(options.limits, keys, options.share_prefix_cache, salt_secret=secret)
+    return Gate(options.limits, keys, options.share_prefix_cache, salt_secret=secret, flow=options.flow)
 
 
 def resolve_redis_url(url: str, environ: Optional[dict[str, str]] = None) -> str:

@@ -27,7 +27,7 @@ from pagoda.fleet.api.openai_io import OpenAIRequest, read_outputs
 from pagoda.fleet.api.routed_request import RoutedRequest, analyzed
 from pagoda.fleet.api.tracing import TRACEPARENT
 from pagoda.fleet.api.upstream import ReplicaFailed
-from pagoda.fleet.gate.gate import TENANT_KEY
+from pagoda.fleet.gate.gate import TENANT_KEY, RateLimited
 from pagoda.fleet.api.openai_tools import parse_answer
 from pagoda.fleet.parsers.events import CallArguments, CallStart, Content, Event
 from pagoda.fleet.parsers.output import OutputParser
@@ -100,7 +100,9 @@ class AgentTurn:
     async def _stream(self, request: web.Request, analysis: object) -> AsyncIterator[TurnUpdate]:
         carrier = {TRACEPARENT: request.headers[TRACEPARENT]} if TRACEPARENT in request.headers else {}
         with self.door.tracer.route_span(self.protocol, carrier) as span:
-            routed = RoutedRequest(f"{self.protocol}-{uuid.uuid4().hex}", self.built.wire)
+            wire = self.built.wire
+            turn = self.door.gate.turn(request.get(TENANT_KEY), analysis, wire.params, wire.options)
+            routed = RoutedRequest(f"{self.protocol}-{uuid.uuid4().hex}", wire, turn=turn)
             responses = self.door.upstream.stream(analysis, routed, span)
             started = False
             try:
@@ -115,6 +117,9 @@ class AgentTurn:
             except NoReplicaAvailable as exc:
                 span.fail(str(exc))
                 raise TurnFailed(ErrorKind.UNAVAILABLE, str(exc)) from None
+            except RateLimited as exc:  # the router's queue (flow control) could not hold it
+                span.fail(str(exc))
+                raise TurnFailed(ErrorKind.RATE_LIMITED, str(exc)) from None
             except ReplicaFailed as exc:
                 span.fail(str(exc))
                 raise TurnFailed(ErrorKind.REPLICA_FAILED, str(exc)) from None

@@ -188,7 +188,9 @@ class GrpcProxy(service_pb2_grpc.GRPCInferenceServiceServicer):
         prompt = routed.prompt or read_string_input(request, "text_input") or ""
         analysis = await gate.analyze(len(prompt), analyze_routed, self.router, routed)
         sampling = routed.wire.params if routed.wire is not None else sampling_of_infer_request(request)
-        return routed, analysis, gate.charge(tenant, analysis.num_prompt_tokens if analysis else 0, sampling)
+        ticket = gate.charge(tenant, analysis.num_prompt_tokens if analysis else 0, sampling)
+        routed.turn = gate.turn(tenant, analysis, sampling, routed.wire.options if routed.wire is not None else None)
+        return routed, analysis, ticket
 
     def _read(self, request: Any, tenant: Any) -> RoutedRequest:
         """The client's request read (pagoda's model: into its wire request), checked against the
@@ -236,7 +238,10 @@ class GrpcProxy(service_pb2_grpc.GRPCInferenceServiceServicer):
         """One unary call, retried on another replica when the connection is refused."""
         for attempt in range(1, self.max_attempts + 1):
             try:
-                decision = await self.router.choose(analysis, exclude=tried, attempt=attempt)
+                decision = await self.gate.choose(self.router, analysis, tried, attempt, request.turn)
+            except RateLimited as exc:  # the router's queue (flow control) could not hold it
+                span.fail(str(exc))
+                await context.abort(grpc_status(ErrorKind.RATE_LIMITED), str(exc))
             except NoReplicaAvailable as exc:
                 span.fail(str(exc))
                 await context.abort(grpc_status(ErrorKind.UNAVAILABLE), str(exc))

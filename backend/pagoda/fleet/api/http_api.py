@@ -56,10 +56,12 @@ import aiohttp
 from aiohttp import web
 
 from pagoda.contracts.errors import ErrorKind, spec_of
-from pagoda.fleet.gate.gate import TENANT_KEY, AuthError, Gate, LimitError, RateLimited, retry_after_header
+from pagoda.fleet.gate.gate import (TENANT_KEY, AuthError, Gate, LimitError, QueueRefused, RateLimited, Turn,
+                                    retry_after_header)
 from pagoda.fleet.api import http_stages
 from pagoda.fleet.api.fleet_metrics import merge_vllm_series, scrape_replicas
 from pagoda.fleet.api.generate_request import GenerateRequest
+from pagoda.fleet.api.routed_request import kept_deadline
 from pagoda.fleet.api.http_relay import Broken, Relay
 from pagoda.fleet.api.migration import CONNECTION_LOST, NO_REPLICA, Journal, Migrations, Plan
 from pagoda.fleet.gate.infer_body import validate_infer_body
@@ -196,7 +198,7 @@ async def gate_middleware(request: web.Request, handler: Any) -> web.StreamRespo
 async def _generate(request: web.Request) -> web.StreamResponse:
     router, tracer, gate = request.app[ROUTER_KEY], request.app[TRACER_KEY], request.app[GATE_KEY]
     body = await request.read()
-    generate, analysis, ticket = None, None, None
+    generate, analysis, ticket, turn = None, None, None, None
     if request.path.endswith(("generate", "generate_stream")):
         try:
             model = request.match_info.get("model", "pagoda")
@@ -210,6 +212,7 @@ async def _generate(request: web.Request) -> web.StreamResponse:
                 generate = generate.salted(gate.salt(tenant, salt))
             analysis, generate = await gate.analyze(len(generate.prompt), generate.analyzed, router)
             ticket = gate.charge(tenant, analysis.num_prompt_tokens if analysis else 0, generate.sampling)
+            turn = gate.turn(tenant, analysis, generate.sampling, generate.wire.options if generate.wire else None)
         except LimitError as exc:
             gate.count("invalid_input")
             return _error(exc.status, str(exc))
@@ -224,7 +227,7 @@ async def _generate(request: web.Request) -> web.StreamResponse:
     carrier = {TRACEPARENT: request.headers[TRACEPARENT]} if TRACEPARENT in request.headers else {}
     try:
         with tracer.route_span("http", carrier) as span:
-            response = await _route(request, body, generate, analysis, span)
+            response = await _route(request, body, generate, analysis, span, turn)
         if ticket is not None and response.status != 200:
             ticket.settle(0)  # refused or failed before generating: the quota gets it all back
         return response
@@ -277,16 +280,20 @@ async def _lora_control(request: web.Request, router: Router, document: dict[str
 
 
 async def _route(request: web.Request, body: bytes, generate: Optional[GenerateRequest],
-                 analysis: Optional[Analysis], span: Any) -> web.StreamResponse:
+                 analysis: Optional[Analysis], span: Any, turn: Optional[Turn] = None) -> web.StreamResponse:
     """Choose a replica and relay its answer (``http_relay``); retry on a refused connection or an
-    overload; when the replica fails the request, migrate it (``api.migration``'s plan)."""
+    overload (with flow control: wait in the router's queue for ``turn``, again after an overload);
+    when the replica fails the request, migrate it (``api.migration``'s plan)."""
     router, gate, migrations = request.app[ROUTER_KEY], request.app[GATE_KEY], request.app[MIGRATIONS_KEY]
     tried: list[str] = []
     stage = http_stages.StageOne()
     if generate is not None and http_stages.is_disaggregated(router, generate):  # two stages (http_stages)
         tried = [r.replica_id for r in router.replicas.all() if r.role == "prefill"]
-        generate, stage = await http_stages.prefill(request.app[SESSION_KEY], router, gate, analysis, generate,
-                                                    request)
+        try:
+            generate, stage = await http_stages.prefill(request.app[SESSION_KEY], router, gate, analysis, generate,
+                                                        request, turn)
+        except QueueRefused as exc:
+            return _kind_error(ErrorKind.RATE_LIMITED, str(exc), retry_after_header(exc.retry_after_s))
     # An early first token's stream is relayed by http_stages (its own failure handling): not journaled.
     journal = migrations.journal(generate.wire if generate is not None and stage.response is None else None)
     relay, wire = Relay(request, journal, journal.hides_token_ids), journal.wire
@@ -303,13 +310,16 @@ async def _route(request: web.Request, body: bytes, generate: Optional[GenerateR
     payload = body
     for attempt in itertools.count(1):
         try:
-            decision = await gate.choose(router, analysis, tried + journal.failed_replicas, attempt)
+            decision = await gate.choose(router, analysis, tried + journal.failed_replicas, attempt, turn)
+        except QueueRefused as exc:
+            return await failed(ErrorKind.RATE_LIMITED, str(exc), retry_after_header(exc.retry_after_s))
         except NoReplicaAvailable as exc:
             return await failed(ErrorKind.REPLICA_FAILED if journal.failed_replicas else ErrorKind.UNAVAILABLE,
                                 _no_replica_left(migrations, journal, exc, span))
         span.set_decision(decision)
         if generate is not None:
-            payload = await _encoded(generate.body(span.traceparent, wire), gate, len(generate.prompt))
+            payload = await _encoded(generate.body(span.traceparent, wire and kept_deadline(wire, turn)), gate,
+                                     len(generate.prompt))
         replica = decision.replica
         try:
             headers = {"Content-Type": request.headers.get("Content-Type", "application/json")}
@@ -349,6 +359,8 @@ async def _route(request: web.Request, body: bytes, generate: Optional[GenerateR
         if not isinstance(answer, str):
             return answer
         gate.mark_full(replica.replica_id)
+        if gate.flow.requeue(turn):
+            continue  # back to the router's queue (flow control) until a replica has room or its deadline
         tried.append(replica.replica_id)
         if not router.replicas.routable(tried, include_draining=True):
             gate.count("overloaded")
@@ -422,6 +434,7 @@ def render_metrics(router: Router, gate: Gate) -> str:
         "# TYPE pagoda_router_replica_healthy gauge",
         *(f'pagoda_router_replica_healthy{{replica_id="{r.replica_id}"}} {int(r.healthy)}' for r in replicas),
         *router.metric_lines(),
+        *gate.flow.metric_lines(),
         "# TYPE pagoda_router_refused_total counter",
         *(f'pagoda_router_refused_total{{reason="{reason}"}} {count}'
           for reason, count in sorted(refused.items())),

@@ -60,20 +60,25 @@ class StageOne:
 
 
 async def prefill(session: aiohttp.ClientSession, router: Any, gate: Any, analysis: Any,
-                  generate: GenerateRequest, client: web.Request) -> tuple[GenerateRequest, StageOne]:
-    """Run the first stage on a prefill replica (module docstring).
+                  generate: GenerateRequest, client: web.Request,
+                  turn: Optional[Any] = None) -> tuple[GenerateRequest, StageOne]:
+    """Run the first stage on a prefill replica (module docstring); with flow control, the
+    request first waits for its ``turn`` in the router's queue (``Gate.choose``).
 
     Returns:
         The request for the decode stage (with the KV handle, and the seed both stages share
         when the router chose one), and the ``StageOne``; on failure (logged) the request
         without a handle.
+
+    Raises:
+        QueueRefused: the router's queue could not hold the request.
     """
     early = is_early(generate.wire) and client.path.endswith("generate_stream")
     generate = dataclasses.replace(generate, wire=seeded_for_stages(generate.wire, early))
     stage = StageOne()
     skip = [r.replica_id for r in router.replicas.all() if r.role != "prefill"]
     try:
-        decision = await gate.choose(router, analysis, skip, 1)
+        decision = await gate.choose(router, analysis, skip, 1, turn)
     except NoReplicaAvailable as exc:
         logger.warning("prefill stage: %s; the decode replica computes the prompt", exc)
         return generate, stage

@@ -322,9 +322,14 @@ class OpenAIApi:
         with self.tracer.route_span("openai", carrier) as span:
             span.set_attribute("pagoda.openai.endpoint", "chat.completions" if answer.chat else "completions")
             upstream_id = answer.request_id if number == 0 else f"{answer.request_id}-{number}"
-            responses = self.upstream.stream(analysis, RoutedRequest(upstream_id, answer.built.wire), span)
+            wire = answer.built.wire
+            turn = self.gate.turn(request.get(TENANT_KEY), analysis, wire.params, wire.options)
+            responses = self.upstream.stream(analysis, RoutedRequest(upstream_id, wire, turn=turn), span)
             try:
                 first = await anext(responses, None)
+            except RateLimited as exc:  # the router's queue (flow control) could not hold it
+                span.fail(str(exc))
+                return ErrorKind.RATE_LIMITED, str(exc)
             except NoReplicaAvailable as exc:
                 span.fail(str(exc))
                 return ErrorKind.UNAVAILABLE, str(exc)

@@ -22,6 +22,7 @@ from typing import Any, Optional
 from tritonclient.grpc import service_pb2
 
 from pagoda.fleet.api.tracing import TRACEPARENT
+from pagoda.fleet.gate.fair_queue import Turn
 from pagoda.fleet.routing.router import Analysis, Router
 from pagoda.fleet.triton_wire import infer_inputs, infer_request, request_parameters
 from pagoda.serving.dialects.trtllm import Encode
@@ -42,6 +43,7 @@ class RoutedRequest:
     model_name, model_version: the model addressed.
     parameters: request parameters kept beside the wire (tritonserver's own fields).
     outputs: the outputs the client asked for (empty: every one).
+    turn: its place in the router's queue (``gate.flow_control``; ``None``: flow control off).
     """
 
     request_id: str
@@ -51,6 +53,7 @@ class RoutedRequest:
     model_version: str = ""
     parameters: dict[str, Any] = field(default_factory=dict)
     outputs: tuple[str, ...] = ()
+    turn: Optional[Turn] = None
 
     @classmethod
     def of_infer_request(cls, request: Any, encode: Optional[Encode] = None) -> "RoutedRequest":
@@ -80,14 +83,22 @@ class RoutedRequest:
             request = service_pb2.ModelInferRequest()
             request.CopyFrom(self.raw)
         else:
-            request = infer_request(self.model_name, self.request_id, (wire or self.wire).to_triton_inputs(),
-                                    self.parameters)
+            request = infer_request(self.model_name, self.request_id,
+                                    kept_deadline(wire or self.wire, self.turn).to_triton_inputs(), self.parameters)
             request.model_version = self.model_version
             for name in self.outputs:
                 request.outputs.add().name = name
         if traceparent:
             request.parameters[TRACEPARENT].string_param = traceparent
         return request
+
+
+def kept_deadline(wire: WireRequest, turn: Optional[Turn]) -> WireRequest:
+    """``wire`` with its ``timeout`` less the time it waited in the router's queue (the replica
+    counts the timeout from its own arrival; the request keeps the deadline it came with)."""
+    if turn is None or not turn.waited_s or wire.options.timeout is None:
+        return wire
+    return wire.with_options(timeout=turn.remaining_timeout())
 
 
 def with_routing_ids(wire: WireRequest, analysis: Optional[Analysis]) -> WireRequest:

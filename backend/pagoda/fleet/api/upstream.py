@@ -10,7 +10,10 @@ the same instance by ``RouterService``; neither owns it.
 Overload: a replica whose first response is an overload refusal
 (``pagoda.contracts.errors.is_overloaded``) is remembered as full (``Gate.mark_full``) and
 the request goes to a replica not yet tried; the refusal reaches the caller only when no
-replica is left.
+replica is left. With flow control on (``gate.flow_control``) a request first waits for its
+``turn`` in the router's queue while the fleet is saturated (``Gate.choose``), and one a
+replica refuses as full goes back to that queue (``FlowControl.requeue``) instead, until its
+deadline.
 
 The request is a ``RoutedRequest``: pagoda's model's ``WireRequest`` (or another model's
 request, forwarded as it came, to which neither the two stages nor peer pulls apply); each
@@ -212,7 +215,7 @@ class GrpcUpstream:
         ``stage.splice`` then says what to cut from the decode stream)."""
         # Every output (no ``outputs``): the client's and the KV handle.
         first = RoutedRequest(request.request_id, prefill_stage(request.wire, early),
-                              model_version=request.model_version, parameters=request.parameters)
+                              model_version=request.model_version, parameters=request.parameters, turn=request.turn)
         skip = [r.replica_id for r in self.router.replicas.all() if r.role != "prefill"]
         responses = self._stream_on(analysis, first, span, skip)
         try:
@@ -242,7 +245,7 @@ class GrpcUpstream:
         tried: list[str] = list(skip)
         num_dead = 0
         for attempt in itertools.count(1):
-            decision = await gate.choose(router, analysis, tried, attempt)
+            decision = await gate.choose(router, analysis, tried, attempt, request.turn)
             span.set_decision(decision)
             replica = decision.replica
             wire = self._with_peer_pull(request, decision) if may_pull else None
@@ -254,6 +257,8 @@ class GrpcUpstream:
                 async for response in call:
                     if num_responses == 0 and is_overloaded(response.error_message):
                         gate.mark_full(replica.replica_id)
+                        if gate.flow.requeue(request.turn):
+                            break  # it waits in the router's queue again (flow control), then goes anywhere
                         tried.append(replica.replica_id)
                         if router.replicas.routable(tried, include_draining=True):
                             break  # another replica may have room

@@ -9,7 +9,9 @@ constructor (and to the upstream client, for the overload memory).
 Order at every door: body size (HTTP, from ``Content-Length``, before reading) ->
 API key (401) -> parse and validate (400 naming the field; the prompt's character cap,
 ``--max-prompt-chars``, before anything is tokenized) -> tenant salt -> routing analysis
-(tokens) -> rate limits (429 + ``Retry-After``) -> route.
+(tokens) -> rate limits (429 + ``Retry-After``) -> the router's queue while the fleet is
+saturated (``flow_control``, ``--queue-size-per-tenant``: a ``Turn`` per request, awaited by
+``choose``; 429 + ``Retry-After`` when it cannot wait) -> route.
 
 Routing analysis (tokenizing and hashing the prompt: about a second per 1 MB) of a prompt
 longer than ``INLINE_ANALYSIS_CHARS`` never runs on the event loop that relays every other
@@ -41,6 +43,8 @@ from aiohttp import web
 from pagoda.contracts.errors import DEFAULT_RETRY_AFTER_S
 from pagoda.fleet.gate.auth import (ApiKeys, AuthError, RateLimited, Tenant, TenantLimiter, Ticket, check_secret,
                                     tenant_salt)
+from pagoda.fleet.gate.fair_queue import OPEN_TENANT, QueueRefused, Turn
+from pagoda.fleet.gate.flow_control import FlowControl, FlowOptions, Saturation
 from pagoda.fleet.gate.limits import LimitError, RequestLimits, as_int
 
 logger = logging.getLogger(__name__)
@@ -64,11 +68,13 @@ class Gate:
         analysis_threads: threads that tokenize prompts off the event loop.
         salt_secret: the router secret tenant salts are keyed with (``auth.load_router_secret``;
             ``None``: random bytes for this gate, for tests and the open mode).
+        flow: the flow-control flags (``flow_control``; ``None``: off).
     """
 
     def __init__(self, limits: Optional[RequestLimits] = None, keys: Optional[ApiKeys] = None,
                  share_cache: bool = False, clock: Callable[[], float] = time.monotonic,
-                 analysis_threads: int = 2, salt_secret: Optional[bytes] = None) -> None:
+                 analysis_threads: int = 2, salt_secret: Optional[bytes] = None,
+                 flow: Optional[FlowOptions] = None) -> None:
         self.limits = limits or RequestLimits()
         self.keys = keys
         self.share_cache = share_cache
@@ -80,6 +86,8 @@ class Gate:
         self._full_until: dict[str, float] = {}
         self.num_refused: dict[str, int] = {}  # reason -> count (/metrics; never a key or tenant secret)
         self._analysis_pool = ThreadPoolExecutor(analysis_threads, thread_name_prefix="pagoda-tokenize")
+        flow = flow or FlowOptions()
+        self.flow = FlowControl(flow, Saturation(flow, self.full_replica_ids), clock)
 
     def announce(self) -> None:
         """Log the mode once at start: loudly when anyone may call."""
@@ -131,6 +139,18 @@ class Gate:
             self.count("rate_limited")
             raise
 
+    def turn(self, tenant: Optional[Tenant], analysis: Any, sampling: Any, options: Any = None) -> Optional[Turn]:
+        """A request's place in the router's queue (``flow_control``), or ``None`` while flow
+        control is off. ``analysis``: its routing analysis (prompt tokens); ``sampling`` as for
+        ``num_tokens`` (the cost: prompt + n x max_tokens); ``options``: its ``RequestOptions``
+        (priority band, timeout; ``None``: band 0, no timeout)."""
+        if not self.flow.enabled:
+            return None
+        cost = self.num_tokens(analysis.num_prompt_tokens if analysis is not None else 0, sampling)
+        return self.flow.turn(tenant.tenant_id if tenant is not None else OPEN_TENANT,
+                              options.priority if options is not None else 0, cost,
+                              options.timeout if options is not None else None)
+
     async def analyze(self, num_chars: int, analyze: Callable[..., Any], *args: Any) -> Any:
         """``analyze(*args)`` (``Router.analyze``, or a door's wrapper of it) for a prompt of
         ``num_chars`` characters: inline when it is short (``INLINE_ANALYSIS_CHARS``, a
@@ -150,8 +170,25 @@ class Gate:
             del self._full_until[replica_id]
         return list(self._full_until)
 
-    async def choose(self, router: Any, analysis: Any, tried: list[str], attempt: int) -> Any:
-        """``router.choose`` avoiding replicas known full while another has room."""
+    async def choose(self, router: Any, analysis: Any, tried: list[str], attempt: int,
+                     turn: Optional[Turn] = None) -> Any:
+        """``router.choose`` avoiding replicas known full while another has room; a request with
+        a ``turn`` not yet admitted first waits for it in the router's queue (``flow_control``).
+
+        Raises:
+            QueueRefused: it could not wait (its tenant's queue full, its deadline passed).
+            NoReplicaAvailable: as ``Router.choose``.
+        """
+        if turn is not None:
+            await self.flow.wait(turn, router.replicas)
+        try:
+            decision = await self._choose(router, analysis, tried, attempt)
+            self.flow.started(turn, decision)
+            return decision
+        finally:
+            self.flow.routed(turn)
+
+    async def _choose(self, router: Any, analysis: Any, tried: list[str], attempt: int) -> Any:
         from pagoda.fleet.routing.router import NoReplicaAvailable
 
         full = [r for r in self.full_replica_ids() if r not in tried]
@@ -167,5 +204,5 @@ def retry_after_header(seconds: float = DEFAULT_RETRY_AFTER_S) -> dict[str, str]
     return {"Retry-After": str(max(1, math.ceil(seconds)))}
 
 
-__all__ = ["Gate", "retry_after_header", "AuthError", "RateLimited",
+__all__ = ["Gate", "retry_after_header", "AuthError", "RateLimited", "QueueRefused", "Turn",
            "LimitError", "TENANT_KEY"]

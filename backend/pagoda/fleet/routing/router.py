@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence, Union
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence, Union
 
 from pagoda.contracts.block_hash import hash_prompt_blocks
 from pagoda.fleet.routing.affinity import PendingIndex
@@ -78,6 +78,8 @@ class Decision:
     pending_blocks: int = 0  # pending (routed, unconfirmed) blocks beyond matched_blocks
     peer: Optional[str] = None  # another replica holding more of the prompt (``peer_pull``)
     peer_blocks: int = 0  # how many of its blocks that one holds
+    # Called once when the decision is released (the router's queue counts a tenant's requests in flight).
+    on_release: Optional[Callable[[], None]] = field(default=None, repr=False)
 
     @property
     def match_kind(self) -> str:
@@ -247,6 +249,8 @@ class Router:
         if not decision.released:
             decision.released = True
             self.replicas.release(decision.replica)
+            if decision.on_release is not None:
+                decision.on_release()
 
     def _record(self, elapsed_s: float, fallback: bool) -> None:
         self.num_decisions += 1
