@@ -131,6 +131,9 @@ def validate_any(obj: dict) -> None:
     elif obj["kind"] == "ServiceMonitor":
         assert obj["apiVersion"] == "monitoring.coreos.com/v1"  # no schema offline
         assert set(obj["spec"]) <= {"namespaceSelector", "selector", "endpoints"}
+    elif obj["kind"] == "PodMonitor":
+        assert obj["apiVersion"] == "monitoring.coreos.com/v1"
+        assert set(obj["spec"]) == {"selector", "podMetricsEndpoints"}
     elif obj["kind"] == "PrometheusRule":  # promtool checks its groups (tests/chart/test_alerts.py)
         assert obj["apiVersion"] == "monitoring.coreos.com/v1" and set(obj["spec"]) == {"groups"}
     else:
