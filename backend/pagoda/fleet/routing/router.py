@@ -240,7 +240,7 @@ class Router:
                       "expired replicas whose index entries this router removed",
                       "# TYPE pagoda:router_reaped_replicas_total counter",
                       f"pagoda:router_reaped_replicas_total {self.fleet.num_reaped}"]
-            lines += self._index_lines(self.fleet.follower)
+            lines += self._index_lines(getattr(self.fleet, "follower", None))  # IndexView stand-ins have none
         return lines
 
     @staticmethod
