@@ -45,6 +45,7 @@ NON_DEFAULT = {
     "kserve": {"enabled": True},
     "serviceMonitor": {"enabled": True, "labels": {"release": "prom"}},
     "prometheusRule": {"enabled": True, "labels": {"release": "prom"}},
+    "grafanaDashboards": {"enabled": True},
     "example": {"enabled": True, "replicas": {"min": 2, "max": 5}},
 }
 
