@@ -107,7 +107,11 @@ def _import_model(argv: list[str]) -> int:
 
 def _generate(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="pagoda generate", description=_COMMANDS["generate"][2])
-    parser.add_argument("prompt", nargs="+")
+    parser.add_argument("prompt", nargs="*")
+    parser.add_argument("--prompts-file", default=None,
+                        help="a file of prompts, one per line (blank lines skipped), after any given as arguments")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress bar of finished prompts on stderr (LLM.generate's use_tqdm=False)")
     parser.add_argument("--model", default=None)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
@@ -120,11 +124,19 @@ def _generate(argv: list[str]) -> int:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     except ValueError as exc:
         parser.error(str(exc))
+    prompts = list(args.prompt)
+    if args.prompts_file:
+        try:
+            with open(args.prompts_file, encoding="utf-8") as f:
+                prompts += [line.rstrip("\n") for line in f if line.strip()]
+        except OSError as exc:
+            parser.error(f"--prompts-file: {exc}")
+    if not prompts:
+        parser.error("no prompt: give prompts as arguments or --prompts-file FILE")
     llm = LLM(model=args.model)
-    prompts = args.prompt
     if args.chat:
         prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
-    for out in llm.generate(prompts, params):
+    for out in llm.generate(prompts, params, use_tqdm=not args.no_progress):
         print(out.outputs[0].text)
     return 0
 

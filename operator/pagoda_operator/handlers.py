@@ -15,6 +15,9 @@ Memo keys (a `kopf.Memo`; per-object copies share these objects):
     kube           KubeClient (made at startup unless given)
     fleet_store    a FleetStore for every LLMService (optional; tests inject a fake)
     clock          time source for the policy and drain timing (default time.time)
+    metrics        the operator's OperatorMetrics (made at startup unless given)
+    metrics_port   serve them on this port (`pagoda operator --metrics-port`; None/0: not served;
+                   the server's runner is kept as `metrics_runner`)
 Per object: `policies` (an AutoscalerPolicy per scaled pool, pools.py), made on first tick.
 """
 
@@ -30,6 +33,7 @@ from pagoda_operator import crd
 from pagoda_operator.conditions import set_condition
 from pagoda_operator.kube import SERVICE_ACCOUNT_TOKEN, KubeClient, KubeError
 from pagoda_operator.load import FallbackFleetStore, MetricsScraper, RedisFleetStore
+from pagoda_operator.metrics import OperatorMetrics, start_server
 from pagoda_operator.render_redis import with_ca_file
 from pagoda_operator.reconcile import reconcile
 from pagoda_operator.scaling import autoscale_tick
@@ -95,6 +99,11 @@ def make_registry(autoscale_interval: float = DEFAULT_AUTOSCALE_INTERVAL_S) -> k
         settings.posting.level = 20  # logging.INFO: our decisions become events
         settings.watching.server_timeout = 300
         memo.setdefault("fleet_stores", {})
+        if getattr(memo, "metrics", None) is None:
+            memo.metrics = OperatorMetrics()
+        if getattr(memo, "metrics_port", None):
+            memo.metrics_runner = await start_server(memo.metrics, getattr(memo, "metrics_host", "0.0.0.0"),
+                                                     memo.metrics_port)
         if getattr(memo, "kube", None) is None:
             info = getattr(memo, "connection", None)
             token_path = None
@@ -116,6 +125,9 @@ def make_registry(autoscale_interval: float = DEFAULT_AUTOSCALE_INTERVAL_S) -> k
 
     @kopf.on.cleanup(registry=registry)
     async def close(memo: kopf.Memo, **_: Any) -> None:
+        runner = getattr(memo, "metrics_runner", None)
+        if runner is not None:
+            await runner.cleanup()
         kube = getattr(memo, "kube", None)
         if kube is not None and not getattr(memo, "keep_kube", False):
             await kube.close()
@@ -144,6 +156,10 @@ def make_registry(autoscale_interval: float = DEFAULT_AUTOSCALE_INTERVAL_S) -> k
         patch.status["replicas"] = replicas
         if result.prefill is not None:
             patch.status["prefill"] = {"replicas": result.prefill}
+            memo.metrics.set_replicas(svc.namespace, svc.name, "prefill", result.prefill.get("desired"),
+                                      result.prefill.get("ready"))
+        memo.metrics.set_replicas(svc.namespace, svc.name, "decode" if result.prefill is not None else "replicas",
+                                  result.desired_replicas, result.ready_replicas)
         changed = {k: v for k, v in result.actions.items() if v != "unchanged"}
         if changed:
             kopf.info(dict(body), reason="Reconciled",
@@ -168,10 +184,16 @@ def make_registry(autoscale_interval: float = DEFAULT_AUTOSCALE_INTERVAL_S) -> k
                                           clock=_clock(memo))
         except KubeError as error:
             logger.warning(f"autoscaler tick failed: {error}")
+            memo.metrics.record_tick(svc.namespace, svc.name, (), ok=False)
             return
+        memo.metrics.record_tick(svc.namespace, svc.name, result.reports)
         for key, value in result.status.items():
             patch.status[key] = value
         for reason, message in result.events:
             kopf.info(dict(body), reason=reason, message=message)
+
+    @kopf.on.delete(**resource, optional=True, registry=registry)  # optional: no finalizer
+    async def forget_llmservice(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+        memo.metrics.forget(body["metadata"].get("namespace", ""), body["metadata"]["name"])
 
     return registry

@@ -2,7 +2,7 @@
 
 Usage:
     pagoda operator [--namespace NS ...] [--autoscale-interval S] [--liveness URL]
-                    [--verbose]
+                    [--metrics-port PORT] [--verbose]
 
 Without --namespace it serves the whole cluster (needs the chart's ClusterRole); with
 one or more it serves only those (the chart's per-namespace Roles suffice). Credentials:
@@ -29,6 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds between autoscaler ticks (default: %(default)s)")
     parser.add_argument("--liveness", default=None,
                         help="liveness endpoint, e.g. http://0.0.0.0:8080/healthz")
+    parser.add_argument("--metrics-port", type=int, default=0,
+                        help="serve the operator's Prometheus metrics (pagoda_operator_*) on this port; "
+                             "0: off (default)")
     parser.add_argument("--verbose", "-v", action="store_true", help="debug logging")
     return parser
 
@@ -48,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
             clusterwide=not args.namespace,
             namespaces=args.namespace,
             liveness_endpoint=args.liveness,
-            memo=kopf.Memo(),
+            memo=kopf.Memo(metrics_port=args.metrics_port),
         ))
     except KeyboardInterrupt:
         return 130

@@ -27,6 +27,7 @@ from pagoda_operator.autoscaler import AutoscalerPolicy, FleetLoad
 from pagoda_operator.conditions import now_iso
 from pagoda_operator.kube import KubeClient
 from pagoda_operator.load import FleetStore
+from pagoda_operator.metrics import PoolReport
 from pagoda_operator.pools import Pool, scaled_pools
 from pagoda_operator.spec import LLMService
 
@@ -35,6 +36,7 @@ from pagoda_operator.spec import LLMService
 class TickResult:
     status: dict[str, Any] = field(default_factory=dict)
     events: list[tuple[str, str]] = field(default_factory=list)  # (reason, message)
+    reports: list[PoolReport] = field(default_factory=list)  # per pool, for the operator's /metrics
 
 
 def _observed(fleet: FleetLoad, source: str, now: float) -> dict[str, Any]:
@@ -133,6 +135,14 @@ class _PoolTick:
             self.events.append(("Draining", f"{self.pool.event_prefix}draining {victim} before {message}"))
 
 
+def _report(pool: Pool, tick: _PoolTick, pool_status: dict[str, Any]) -> PoolReport:
+    """What the tick did to the pool; a drain goes on until a tick writes ``drain: None``."""
+    replicas = tick.status.get("replicas") or {}
+    drain_status = tick.status["drain"] if "drain" in tick.status else pool_status.get("drain")
+    return PoolReport(pool.role, replicas.get("desired"), replicas.get("ready"), bool(drain_status),
+                      [reason for reason, _ in tick.events])
+
+
 async def autoscale_tick(*, kube: KubeClient, fleet: FleetStore, policies: dict[str, AutoscalerPolicy],
                          svc: LLMService, status: dict[str, Any],
                          clock: Callable[[], float]) -> TickResult:
@@ -154,6 +164,7 @@ async def autoscale_tick(*, kube: KubeClient, fleet: FleetStore, policies: dict[
                                                             pool.max_replicas, clock=clock)
         tick = _PoolTick(kube, fleet, svc, pool, clock)
         await tick.run(policy, pool.get_status(status))
+        result.reports.append(_report(pool, tick, pool.get_status(status)))
         if tick.status:
             if pool.status_key:
                 result.status[pool.status_key] = tick.status

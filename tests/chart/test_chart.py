@@ -44,6 +44,8 @@ NON_DEFAULT = {
                "routerSecret": {"existingSecret": "router-secret"}},
     "kserve": {"enabled": True},
     "serviceMonitor": {"enabled": True, "labels": {"release": "prom"}},
+    "prometheusRule": {"enabled": True, "labels": {"release": "prom"}},
+    "grafanaDashboards": {"enabled": True},
     "example": {"enabled": True, "replicas": {"min": 2, "max": 5}},
 }
 
@@ -130,6 +132,11 @@ def validate_any(obj: dict) -> None:
     elif obj["kind"] == "ServiceMonitor":
         assert obj["apiVersion"] == "monitoring.coreos.com/v1"  # no schema offline
         assert set(obj["spec"]) <= {"namespaceSelector", "selector", "endpoints"}
+    elif obj["kind"] == "PodMonitor":
+        assert obj["apiVersion"] == "monitoring.coreos.com/v1"
+        assert set(obj["spec"]) == {"selector", "podMetricsEndpoints"}
+    elif obj["kind"] == "PrometheusRule":  # promtool checks its groups (tests/chart/test_alerts.py)
+        assert obj["apiVersion"] == "monitoring.coreos.com/v1" and set(obj["spec"]) == {"groups"}
     else:
         validate_builtin(obj)
 
@@ -159,7 +166,7 @@ def test_rendered_objects_validate(values, tmp_path):
     kinds = sorted(o["kind"] for o in objects)
     assert "CustomResourceDefinition" in kinds and "StatefulSet" in kinds
     if values == "non-default":
-        assert {"LLMService", "ServingRuntime", "ServiceMonitor", "Secret", "Role"} <= set(kinds)
+        assert {"LLMService", "ServingRuntime", "ServiceMonitor", "PrometheusRule", "Secret", "Role"} <= set(kinds)
         assert kinds.count("Role") == 3  # two watched namespaces + the router
     for obj in objects:
         validate_any(obj)

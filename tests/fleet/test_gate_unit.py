@@ -408,6 +408,9 @@ async def _http_scenario(app, clock):
 
         status, _, metrics = await call("GET", "/metrics")
         assert b'pagoda_router_refused_total{reason="unauthenticated"} 7' in metrics
+        from pagoda.fleet.gate.gate import REFUSAL_REASONS  # every reason has its row, from 0
+
+        assert all(f'pagoda_router_refused_total{{reason="{r}"}} '.encode() in metrics for r in REFUSAL_REASONS)
         assert SECRET.encode() not in metrics
 
 

@@ -10,6 +10,7 @@ from pagoda.contracts.kv_events import AllBlocksCleared, BlockRemoved, BlockStor
 from pagoda.contracts import redis_keys as keys
 from pagoda.fleet.index.mirror import IndexFollower, LocalIndex
 from pagoda.fleet.index.prefix_index import PrefixIndex
+from pagoda.fleet.routing.router import Router
 
 from .conftest import count_round_trips
 
@@ -221,9 +222,13 @@ def test_follower_thread_and_redis_outage(redis_server, redis_client):
     try:
         index.apply("a", [BlockStored(chain[:3], None, [], BS)], epoch="e", first_seq=0)
         _wait(lambda: follower.match(chain) == {"a": 3})
+        assert "pagoda:router_index_synced 1" in Router._index_lines(follower)  # the router's /metrics
         redis_server.stop()
         _wait(lambda: not follower.is_synced)
         assert follower.match(chain) == {"a": 3}  # stale mirror still answers; caller checks is_synced
+        lines = Router._index_lines(follower)  # what PagodaIndexStale alerts on
+        assert "pagoda:router_index_synced 0" in lines
+        assert 'pagoda:router_index_resyncs_total{scope="full"} 1' in lines
         redis_server.start()  # empty: the data did not survive
         client = redis_server.client()
         PrefixIndex(client, MODEL).apply("b", [BlockStored(chain[:1], None, [], BS)], epoch="f", first_seq=0)

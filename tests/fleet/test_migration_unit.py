@@ -195,8 +195,11 @@ def test_a_stream_resumes_on_the_next_replica_with_no_token_lost_or_repeated():
     assert dict(upstream.migrations.counts) == {("connection_lost", RESUMED): 2}
     assert [(e[1]["pagoda.replica_id"], e[1]["pagoda.migration.outcome"]) for e in span.events] == \
         [("r0", RESUMED), ("r1", RESUMED)]
-    assert 'pagoda_router_migrations_total{reason="connection_lost",outcome="resumed"} 2' in \
-        upstream.migrations.metric_lines()
+    lines = upstream.migrations.metric_lines()
+    assert 'pagoda_router_migrations_total{reason="connection_lost",outcome="resumed"} 2' in lines
+    # Every row from the start, so rate() and PagodaMigrationsFailing see the series at 0.
+    assert 'pagoda_router_migrations_total{reason="replica_fault",outcome="no_replica"} 0' in lines
+    assert sum(line.startswith("pagoda_router_migrations_total{") for line in lines) == 2 * 6
 
 
 def test_a_client_that_listed_its_outputs_gets_only_those():

@@ -694,6 +694,14 @@ def test_traces_join_router_and_engine(router, otlp_receiver):
         assert engine[name][1].parent_span_id == root.span_id
     assert root.start_time_unix_nano <= engine["engine.prefill"][1].start_time_unix_nano
     assert engine["engine.decode"][1].end_time_unix_nano <= root.end_time_unix_nano
+    # OpenTelemetry's gen_ai attributes on the engine span, as they arrive over OTLP.
+    gen_ai = {kv.key: kv.value for kv in root.attributes if kv.key.startswith("gen_ai.")}
+    attributes = {kv.key: kv.value for kv in root.attributes}
+    assert gen_ai["gen_ai.request.max_tokens"].int_value == 4  # the model may stop sooner (EOS)
+    assert 1 <= gen_ai["gen_ai.usage.completion_tokens"].int_value == attributes["pagoda.num_output_tokens"].int_value
+    assert gen_ai["gen_ai.usage.prompt_tokens"].int_value == span.attributes["pagoda.num_prompt_tokens"]
+    assert gen_ai["gen_ai.response.model"].string_value and gen_ai["gen_ai.request.n"].int_value == 1
+    assert 0 < gen_ai["gen_ai.latency.time_to_first_token"].double_value <= gen_ai["gen_ai.latency.e2e"].double_value
 
     # Over HTTP generate_stream the context travels as a top-level body key, and arrives too.
     http_trace = os.urandom(16)

@@ -11,6 +11,7 @@ pytest.importorskip("opentelemetry.sdk")
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter  # noqa: E402
 
 from pagoda.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput  # noqa: E402
+from pagoda.engine.sampling_params import SamplingParams  # noqa: E402
 from pagoda.fleet.api.tracing import RouterTracer  # noqa: E402
 from pagoda.serving.tracing import RequestTracer, make_request_tracer, read_traceparent  # noqa: E402
 
@@ -71,6 +72,36 @@ def test_engine_spans_from_request_metrics():
     assert all(s.parent.span_id == root.context.span_id for n, s in spans.items() if n != "pagoda.engine.request")
     assert root.attributes["pagoda.num_prompt_tokens"] == 3 and root.attributes["pagoda.num_output_tokens"] == 2
     assert root.attributes["pagoda.num_cached_tokens"] == 2 and root.attributes["pagoda.finish_reason"] == "length"
+    # OpenTelemetry's gen_ai attributes, under vLLM's names (no params known: no gen_ai.request.* values).
+    gen_ai = {k: v for k, v in root.attributes.items() if k.startswith("gen_ai.")}
+    assert gen_ai == {"gen_ai.request.id": "req-1", "gen_ai.usage.prompt_tokens": 3,
+                      "gen_ai.usage.completion_tokens": 2, "gen_ai.usage.cached_tokens": 2,
+                      "gen_ai.usage.num_sequences": 1, "gen_ai.response.finish_reasons": ("length",),
+                      "gen_ai.latency.time_in_queue": 0.5, "gen_ai.latency.time_to_first_token": 1.0,
+                      "gen_ai.latency.e2e": 2.5, "gen_ai.latency.time_in_model_prefill": 0.5,
+                      "gen_ai.latency.time_in_model_decode": 1.5, "gen_ai.latency.time_in_model_inference": 2.0}
+    tracer.shutdown()
+
+
+def test_engine_span_gen_ai_request_values_and_model():
+    exporter = InMemorySpanExporter()
+    tracer = RequestTracer(exporter, batch=False, model_name="smol")
+    metrics = RequestMetrics(arrival_time=10.0, first_scheduled_time=10.25, first_token_time=None,
+                             last_token_time=None, finished_time=10.5)  # aborted before its first token
+    output = RequestOutput("req-2", None, [1], [CompletionOutput(0, "", [], "", [], finish_reason="abort")] * 2,
+                           True, metrics)
+    params = SamplingParams(n=2, temperature=0.7, top_p=0.9, top_k=20, max_tokens=33)
+    tracer.record(TRACEPARENT, output, params)
+    root = next(s for s in exporter.get_finished_spans() if s.name == "pagoda.engine.request")
+    assert root.attributes["gen_ai.response.model"] == "smol" and root.attributes["gen_ai.usage.num_sequences"] == 2
+    assert {k: root.attributes[k] for k in ("gen_ai.request.n", "gen_ai.request.temperature", "gen_ai.request.top_p",
+                                            "gen_ai.request.top_k", "gen_ai.request.max_tokens")} == \
+        {"gen_ai.request.n": 2, "gen_ai.request.temperature": 0.7, "gen_ai.request.top_p": 0.9,
+         "gen_ai.request.top_k": 20, "gen_ai.request.max_tokens": 33}
+    # No first token: no TTFT, prefill or decode latency (absent, not zero).
+    assert "gen_ai.latency.time_to_first_token" not in root.attributes
+    assert "gen_ai.latency.time_in_model_decode" not in root.attributes
+    assert root.attributes["gen_ai.latency.e2e"] == 0.5 and root.attributes["gen_ai.latency.time_in_queue"] == 0.25
     tracer.shutdown()
 
 
@@ -134,7 +165,8 @@ def test_engine_loop_traces_only_requests_with_a_traceparent(monkeypatch):
     recorded, delivered = [], queue.Queue()
 
     class Tracer:
-        def record(self, traceparent, output):
+        def record(self, traceparent, output, params):  # the request's own SamplingParams (gen_ai.request.*)
+            assert params.max_tokens == 1
             recorded.append((traceparent, output.request_id))
             if output.request_id == "boom":
                 raise RuntimeError("exporter broke")

@@ -121,7 +121,7 @@ def test_autoscaler_scales_up_then_down_after_window_draining_first(cluster):
                                           on_new_pod=lambda name: fleet.set_load(name, **busy))
     spec = dict(replicas={"min": 1, "max": 3},
                 autoscaling={"scaleDownStabilizationSeconds": 60, "drainTimeoutSeconds": 600})
-    with Operator(cluster, fleet=fleet, clock=clock, interval=0.1):
+    with Operator(cluster, fleet=fleet, clock=clock, interval=0.1) as operator:
         cluster.create(LLMS, llmservice("auto", **spec))
         step = controller.step
         # Synthetic load far above target: scale up, fast, but never above max.
@@ -172,6 +172,23 @@ def test_autoscaler_scales_up_then_down_after_window_draining_first(cluster):
         assert {"Draining", "ScaledDown"} <= {e["reason"] for e in cluster.events()}
         status = cluster.get(f"{LLMS}/auto")["status"]
         assert status["lastDecision"]["to"] == 1 and status["observedLoad"]["source"] == "redis"
+        # The operator's /metrics (pagoda_operator.metrics) counts the same decisions as its events.
+        pool = 'namespace="default",llmservice="auto",pool="replicas"'
+        series = operator_series(operator.memo.metrics.render())
+        scaled_up = series[f'pagoda_operator_scaling_events_total{{{pool},direction="up"}}']
+        assert scaled_up == len(cluster.events("ScaledUp")) >= 1
+        assert series[f'pagoda_operator_scaling_events_total{{{pool},direction="down"}}'] == \
+            len(cluster.events("ScaledDown")) == 2
+        assert series[f"pagoda_operator_drains_total{{{pool}}}"] == len(cluster.events("Draining")) == 2
+        assert series[f'pagoda_operator_replicas{{{pool},state="desired"}}'] == 1
+        assert series[f"pagoda_operator_draining{{{pool}}}"] == 0
+        assert series['pagoda_operator_autoscale_ticks_total{namespace="default",llmservice="auto",outcome="ok"}'] > 10
+
+
+def operator_series(text: str) -> dict[str, float]:
+    """Prometheus text -> {sample name with labels: value}."""
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line and not line.startswith("#")}
 
 
 def test_prefill_and_decode_pools_scale_independently_each_on_its_own_signal(cluster):

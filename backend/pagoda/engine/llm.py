@@ -1,7 +1,8 @@
 """The offline API, shaped like vLLM's: ``LLM(model=...).generate(prompts, params)``.
 
 ``generate`` queues every prompt at once and steps the engine until all finish, so the
-prompts are continuously batched together; results come back in input order.
+prompts are continuously batched together; results come back in input order. A progress
+bar counts finished prompts (``use_tqdm``, on by default as vLLM's; ``engine/progress.py``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from pagoda.engine.core.load_shedding import EngineOverloaded
 from pagoda.engine.config import EngineConfig
 from pagoda.engine.llm_engine import LLMEngine, PromptType
 from pagoda.engine.outputs import RequestOutput
+from pagoda.engine.progress import NoProgress, Progress, UseTqdm, make_progress
 from pagoda.engine.sampling_params import SamplingParams
 
 
@@ -39,16 +41,19 @@ class LLM:
         *,
         priority: Optional[Sequence[int]] = None,
         lora_name: Union[str, Sequence[Optional[str]], None] = None,
+        use_tqdm: UseTqdm = True,
     ) -> list[RequestOutput]:
         """Generate completions for one prompt or many (strings or token-id lists).
 
         ``lora_name``: one adapter for every prompt, or one per prompt (None: the base
         model); adapters come from ``LLM(enable_lora=True, lora_modules={name: folder})``
-        or ``llm.engine.add_lora(name, folder)``.
+        or ``llm.engine.add_lora(name, folder)``. ``use_tqdm``: a progress bar of finished
+        prompts on stderr (True), none (False), or a tqdm-like callable.
 
         Raises:
-            ValueError: for an invalid prompt or parameters (nothing is left queued), or
-                a guided-decoding format that does not compile (raised after the run).
+            ValueError: for an invalid prompt or parameters (nothing is left queued), an
+                invalid ``use_tqdm``, or a guided-decoding format that does not compile
+                (raised after the run).
         """
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -64,6 +69,7 @@ class LLM:
         loras = [lora_name] * len(prompts) if lora_name is None or isinstance(lora_name, str) else list(lora_name)
         if len(loras) != len(prompts):
             raise ValueError(f"lora_name: got {len(loras)} for {len(prompts)} prompts")
+        progress = make_progress(len(prompts), use_tqdm)
         ids: list[str] = []
         final: dict[str, RequestOutput] = {}
         try:
@@ -73,14 +79,18 @@ class LLM:
                 # A full waiting queue (admission control) is fed as it drains: offline
                 # batches of any size run, holding at most the queue's bound in memory.
                 while not self._try_add(request_id, prompt, params, prio, lora):
-                    self._step(final)
+                    self._step(final, progress)
                 ids.append(request_id)
         except ValueError:
+            progress.close()
             self.engine.abort_request(ids)
             while self.engine.has_unfinished_requests():
                 self.engine.step()
             raise
-        return self._run(ids, final)
+        try:
+            return self._run(ids, final, progress)
+        finally:
+            progress.close()
 
     def _try_add(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int,
                  lora_name: Optional[str]) -> bool:
@@ -90,19 +100,23 @@ class LLM:
             return False
         return True
 
-    def _step(self, final: dict[str, RequestOutput]) -> None:
+    def _step(self, final: dict[str, RequestOutput], progress: Union[Progress, NoProgress]) -> None:
         for out in self.engine.step():
             if out.finished:
                 final[out.request_id] = out
+                progress.finished(out)
 
-    def chat(self, messages: list[dict], sampling_params: Optional[SamplingParams] = None) -> RequestOutput:
+    def chat(self, messages: list[dict], sampling_params: Optional[SamplingParams] = None,
+             use_tqdm: UseTqdm = True) -> RequestOutput:
         """Generate a reply to one conversation using the tokenizer's chat template."""
         prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        return self.generate(self.tokenizer.encode(prompt, add_special_tokens=False), sampling_params)[0]
+        return self.generate(self.tokenizer.encode(prompt, add_special_tokens=False), sampling_params,
+                             use_tqdm=use_tqdm)[0]
 
-    def _run(self, ids: list[str], final: dict[str, RequestOutput]) -> list[RequestOutput]:
+    def _run(self, ids: list[str], final: dict[str, RequestOutput],
+             progress: Union[Progress, NoProgress]) -> list[RequestOutput]:
         while self.engine.has_unfinished_requests():
-            self._step(final)
+            self._step(final, progress)
         failed = [(i, final[request_id].error) for i, request_id in enumerate(ids) if final[request_id].error]
         if failed:  # e.g. a grammar that does not compile; the other prompts did run
             raise ValueError("; ".join(f"prompt {i}: {error}" for i, error in failed))

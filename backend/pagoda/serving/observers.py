@@ -139,7 +139,7 @@ class TracerObserver(StepObserver):
 
     def on_output(self, request: ServingRequest, output: RequestOutput) -> None:
         if output.finished and request.traceparent is not None:
-            self.tracer.record(request.traceparent, output)
+            self.tracer.record(request.traceparent, output, request.wire.params if request.wire else None)
 
 
 class PublisherObserver(StepObserver):

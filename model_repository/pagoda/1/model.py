@@ -74,7 +74,7 @@ class TritonPythonModel:
         self.metrics = ServingMetrics(pb_utils, labels, max_model_len=self.engine.max_model_len,
                                       report_vllm=report_custom_metrics(parameters))
         self.sender = ResponseSender(self._deliver, on_failure=lambda request_id: self.loop.abort(request_id))
-        self.tracer = make_request_tracer()  # None unless an OTLP endpoint is configured
+        self.tracer = make_request_tracer(model_name=labels["model_name"])  # None unless an OTLP endpoint is set
         kv_connector = _kv_connector(self.engine, parameters)
         observers = make_observers(self.metrics, self.tracer, _fleet_publisher(self.engine, kv_connector))
         observers += _kv_event_stream(parameters)

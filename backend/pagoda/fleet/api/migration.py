@@ -38,6 +38,7 @@ asks for no token ids) and the counts behind ``pagoda_router_migrations_total{re
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import logging
 from collections import Counter
@@ -57,6 +58,10 @@ RESTARTED, RESUMED = "restarted", "resumed"
 OPTED_OUT, LIMIT_REACHED, NOT_RESUMABLE, NO_REPLICA = "opted_out", "limit_reached", "not_resumable", "no_replica"
 # Reasons (the metric's ``reason`` label): what failed.
 CONNECTION_LOST, REPLICA_FAULT = "connection_lost", "replica_fault"
+# Every (reason, outcome) row is on /metrics from the start (at 0): rate() and the alert need
+# the series before the first failure.
+REASONS = (CONNECTION_LOST, REPLICA_FAULT)
+OUTCOMES = (RESTARTED, RESUMED, OPTED_OUT, LIMIT_REACHED, NOT_RESUMABLE, NO_REPLICA)
 
 
 def why_not_resumable(wire: Optional[WireRequest]) -> Optional[str]:
@@ -199,12 +204,12 @@ class Migrations:
                                                 "pagoda.migration.detail": plan.detail})
 
     def metric_lines(self) -> list[str]:
-        """Prometheus lines for ``/metrics``."""
+        """Prometheus lines for ``/metrics``: every (reason, outcome), zeros included."""
         return ["# HELP pagoda_router_migrations_total requests whose replica failed, by what failed and what "
                 "the router did (restarted, resumed, or not migrated and why)",
                 "# TYPE pagoda_router_migrations_total counter",
-                *(f'pagoda_router_migrations_total{{reason="{reason}",outcome="{outcome}"}} {count}'
-                  for (reason, outcome), count in sorted(self.counts.items()))]
+                *(f'pagoda_router_migrations_total{{reason="{r}",outcome="{o}"}} {self.counts[r, o]}'
+                  for r, o in itertools.product(REASONS, OUTCOMES))]
 
 
 def _token_ids(text: str) -> list[int]:

@@ -49,6 +49,8 @@ from pagoda.fleet.gate.limits import LimitError, RequestLimits, as_int
 
 logger = logging.getLogger(__name__)
 
+# The reasons of pagoda_router_refused_total (rate_limited_<bucket> rows come from the limiter).
+REFUSAL_REASONS = ("unauthenticated", "invalid_input", "body_too_large", "rate_limited", "overloaded")
 # Prompts up to this many characters are tokenized on the event loop (1-2 ms), longer ones
 # on the gate's thread pool.
 INLINE_ANALYSIS_CHARS = 1024
@@ -84,7 +86,9 @@ class Gate:
         self.clock = clock
         self.limiter = TenantLimiter(clock)
         self._full_until: dict[str, float] = {}
-        self.num_refused: dict[str, int] = {}  # reason -> count (/metrics; never a key or tenant secret)
+        # reason -> count (/metrics; never a key or tenant secret). Every reason starts at 0, so
+        # dashboards and alerts see the series before the first refusal (rate() needs two samples).
+        self.num_refused: dict[str, int] = dict.fromkeys(REFUSAL_REASONS, 0)
         self._analysis_pool = ThreadPoolExecutor(analysis_threads, thread_name_prefix="pagoda-tokenize")
         flow = flow or FlowOptions()
         self.flow = FlowControl(flow, Saturation(flow, self.full_replica_ids), clock)
@@ -99,6 +103,7 @@ class Gate:
                         len(self.keys.tenant_ids()), "shared" if self.share_cache else "isolated")
 
     def count(self, reason: str) -> None:
+        assert reason in REFUSAL_REASONS, f"unknown refusal reason {reason!r}: add it to REFUSAL_REASONS"
         self.num_refused[reason] = self.num_refused.get(reason, 0) + 1
 
     # ------------------------------------------------------------------ tenants

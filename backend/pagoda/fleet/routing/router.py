@@ -242,7 +242,21 @@ class Router:
                       "expired replicas whose index entries this router removed",
                       "# TYPE pagoda:router_reaped_replicas_total counter",
                       f"pagoda:router_reaped_replicas_total {self.fleet.num_reaped}"]
+            lines += self._index_lines(getattr(self.fleet, "follower", None))  # IndexView stand-ins have none
         return lines
+
+    @staticmethod
+    def _index_lines(follower: Any) -> list[str]:
+        """The index mirror's health: synced (0 means stale: matches fall back to Redis round trips)."""
+        if follower is None:  # index_mode "direct": every match is a Redis read, never stale
+            return []
+        return ["# HELP pagoda:router_index_synced 1 while the router's in-memory prefix index follows the stream",
+                "# TYPE pagoda:router_index_synced gauge",
+                f"pagoda:router_index_synced {int(follower.is_synced)}",
+                "# HELP pagoda:router_index_resyncs_total index snapshots taken (the first, then after lost events)",
+                "# TYPE pagoda:router_index_resyncs_total counter",
+                f'pagoda:router_index_resyncs_total{{scope="full"}} {follower.num_full_syncs}',
+                f'pagoda:router_index_resyncs_total{{scope="replica"}} {follower.num_replica_resyncs}']
 
     def release(self, decision: Decision) -> None:
         """End a decision's in-flight count (idempotent)."""
