@@ -31,10 +31,10 @@ if ! command -v redis-server >/dev/null 2>&1; then
     || echo "setup: could not install redis-server; Redis-backed tests will be skipped" >&2
 fi
 # Prometheus (Debian's 2.42): promtool checks and unit-tests the chart's alerts, and a real
-# server scrapes a live replica and router in tests/serving/test_prometheus_scrape.py.
+# server scrapes a live replica and router in tests/fleet/test_prometheus_scrape.py.
 if ! command -v promtool >/dev/null 2>&1; then
   SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
-  ($SUDO apt-get update -qq && $SUDO apt-get install -y -qq prometheus >/dev/null) \
+  ($SUDO apt-get update -qq && $SUDO apt-get install -y -qq --no-install-recommends prometheus >/dev/null) \
     || echo "setup: could not install prometheus; the alert and scrape tests will be skipped" >&2
 fi
 # pagoda's C++ CPU kernels (pagoda.kernels.cpu_native) compile on first use: g++ and Python's headers.
