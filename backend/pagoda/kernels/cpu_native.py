@@ -33,7 +33,8 @@ and says why once in the log.
 
 ``PAGODA_CPU_KERNELS``: ``auto`` (default: native where it builds), ``native`` (a build
 failure is an error), ``torch`` (never: the gather + SDPA path). ``PAGODA_KERNELS=torch``
-(the references everywhere, ``pagoda.kernels``) turns them off too.
+(the references everywhere, ``pagoda.kernels``) turns them off too. Both are read once
+(``reload_choice``, which ``kernels.reload_settings`` calls), not per call.
 """
 
 from __future__ import annotations
@@ -57,13 +58,22 @@ _SOURCES = [Path(__file__).with_name("csrc") / name for name in ("cpu_attention.
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
 
 _state: dict = {}  # "ops": the loaded torch.ops namespace, or "reason": why there is none
+_env: dict = {}  # the two variables as last read (``reload_choice``): read once, not per call
+
+
+def reload_choice() -> None:
+    """Read ``PAGODA_CPU_KERNELS`` and ``PAGODA_KERNELS`` again (``kernels.reload_settings`` calls it)."""
+    _env["choice"] = os.environ.get(KERNELS_ENV, "auto")
+    _env["kernels"] = os.environ.get("PAGODA_KERNELS")
 
 
 def _choice() -> str:
-    choice = os.environ.get(KERNELS_ENV, "auto")
+    if not _env:
+        reload_choice()
+    choice = _env["choice"]
     if choice not in _CHOICES:
         raise ValueError(f"{KERNELS_ENV}={choice!r}: must be one of {', '.join(_CHOICES)}")
-    return "torch" if os.environ.get("PAGODA_KERNELS") == "torch" else choice  # the references, everywhere
+    return "torch" if _env["kernels"] == "torch" else choice  # the references, everywhere
 
 
 def _build_name() -> str:
