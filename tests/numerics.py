@@ -120,3 +120,37 @@ def moe_rounding_bound(x, ids, weights, w13, w2, dtype, b13=None, b2=None, clamp
         weight = (w.abs() * (ids == e)).sum(dim=-1, keepdim=True)
         bound += weight * d_y + (1 + top_k) * u * weight * y.abs()
     return 2 * bound
+
+
+def delta_rule_error_bound(length: int, chunk: int, dim_k: int, dim_v: int, scale: float,
+                           dtype: torch.dtype = torch.float32) -> float:
+    """First-order bound on a gated delta rule output's (or state's) rounding error, after
+    ``length`` tokens of one sequence, computed in ``dtype`` against an exact reference.
+
+    Path: per token the state takes a decay, a length-``dim_k`` dot (``S^T k``), a rank-one
+    update and the output a length-``dim_k`` dot, ``dim_k + dim_v + 8`` in all (the q/k
+    L2 norms and the gate included); the transition ``exp(g) (I - beta k k^T)`` with unit
+    ``k`` and ``beta`` in ``[0, 1]`` is a contraction, so an error made at one token is not
+    amplified at later ones and the paths add up over the ``length`` tokens. The chunked
+    form adds, per chunk, the ``chunk``-row triangular solve and the ``chunk x (dim_k + dim_v)``
+    products. ``scale``: the magnitudes combined (max of 1, |v| and the reference's |S|).
+    """
+    path = length * (dim_k + dim_v + 8) + chunk * (chunk + dim_k + dim_v)
+    return path * UNIT_ROUNDOFF[dtype] * max(scale, 1.0)
+
+
+def hybrid_path_length(config, num_tokens: int, num_layers: int | None = None) -> int:
+    """``decoder_path_length`` for a hybrid model (Qwen3-Next, Qwen3.5): each layer's token
+    mixer is gated attention (as a Llama layer's, plus the output gate) or a Gated DeltaNet
+    (projection, conv, L2 norms, the delta rule's path as in ``delta_rule_error_bound``, the
+    gated norm, ``out_proj``); the MLP is dense or routed experts plus a shared expert."""
+    hidden, head_dim = config.hidden_size, config.head_dim
+    la = config.linear_attention
+    attention = head_dim + 2 * num_tokens + config.num_attention_heads * head_dim + 2
+    chunk = min(64, num_tokens)  # the default chunk; a shorter sequence's padding adds exact zeros
+    linear = (la.conv_kernel_size + la.key_head_dim + num_tokens * (la.key_head_dim + la.value_head_dim + 8)
+              + chunk * (chunk + la.key_head_dim + la.value_head_dim) + la.value_head_dim + la.value_dim)
+    mlp = max(config.intermediate_size, config.moe_intermediate_size + config.shared_expert_intermediate_size
+              + config.num_experts + 2 * hidden)
+    layers = config.num_hidden_layers if num_layers is None else num_layers
+    return layers * (4 * hidden + max(attention, linear) + mlp) + 2 * hidden

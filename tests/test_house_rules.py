@@ -21,7 +21,7 @@ MAX_LINE_CHARS = 120
 SOURCES = [REPO / "backend" / "pagoda", REPO / "operator" / "pagoda_operator", REPO / "model_repository"]
 TORCH_FREE = ["engine/core", "engine/request_groups", "engine/kv", "engine/client.py",
               "engine/scheduler_output.py", "engine/request.py", "engine/sampling_params.py", "engine/config.py",
-              "contracts",
+              "engine/cache_config.py", "contracts",
               # the KV connector's protocol, wire and TCP threads; only block_io.py touches tensors
               "engine/kv_transfer/connector.py", "engine/kv_transfer/wire.py", "engine/kv_transfer/offer.py",
               "engine/kv_transfer/tcp_sender.py", "engine/kv_transfer/tcp_receiver.py"]

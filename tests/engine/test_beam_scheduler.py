@@ -61,7 +61,7 @@ def test_a_group_forks_prunes_and_finishes_on_shared_blocks():
     output, done = _step(scheduler, beams, {"r#0": [(EOS, -0.2), (20, -1.0), (21, -4.0), (22, -4.0)],
                                             "r@beam1": [(21, -0.1), (22, -0.2), (23, -3.0), (24, -3.0)]})
     assert output.blocks_to_copy == [(partial, copy)] and not done
-    assert [(s.request_id, s.token_ids, s.is_new, s.new_block_ids) for s in output.scheduled] == \
+    assert [(s.request_id, s.token_ids, s.is_new, s.new_block_ids[0]) for s in output.scheduled] == \
         [("r#0", [10], False, []), ("r@beam1", [11], True, [full, copy])]
     # Candidates: r#0+EOS -0.3 (ends: a finished hypothesis, score -0.3 / 2), beam1+21 -0.6,
     # beam1+22 -0.7, r#0+20 -1.1. Beam 1 continues with 21 and forks 22; r#0 is pruned.

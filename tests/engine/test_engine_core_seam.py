@@ -60,6 +60,8 @@ class _FakeExecutor:
     is_async: bool = False
     num_blocks: int = 64
     num_host_blocks: int = 0
+    num_host_state_slots: int = 0
+    kv_layout: None = None
     swap_cost_model: None = None
     guided: _Guided = field(default_factory=_Guided)
     timer: _Timer = field(default_factory=_Timer)

@@ -56,7 +56,9 @@ def _check_model(path: str) -> None:
     for p, exp in zip(prompts, expected):
         _assert_matches_hf(_run(alone, [p])[0], exp, eos)
 
-    blocks_needed = max(-(-(len(p) + MAX_NEW) // 16) for p in prompts)
+    # The most blocks one request holds, over the KV cache groups (a sliding window's are bounded).
+    layout = alone.executor.kv_layout
+    blocks_needed = max(layout.max_blocks_per_request(len(p) + MAX_NEW, 24) for p in prompts)
     batched = LLMEngine(EngineConfig(model=path, max_num_batched_tokens=24, num_gpu_blocks_override=blocks_needed + 3))
     got = _run(batched, prompts)
     for ours, exp in zip(got, expected):

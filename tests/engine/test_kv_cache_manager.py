@@ -48,9 +48,9 @@ def test_prefix_hit_is_shared_and_capped():
     compute(manager, a, 8)
     # Fully cached prompt: the last token is recomputed, so only the first block hits.
     b = make_request("b", list(range(8)))
-    blocks, num_hit = manager.get_computed_blocks(b)
-    assert num_hit == 4 and blocks == manager.get_blocks("a")[:1]
-    assert manager.allocate_slots(b, 4, blocks) is not None
+    hit, num_hit = manager.get_computed_blocks(b)
+    assert num_hit == 4 and hit.device_blocks == manager.get_blocks("a")[:1]
+    assert manager.allocate_slots(b, 4, hit) is not None
     assert manager.get_block_ids("b")[0] == manager.get_block_ids("a")[0]
     assert manager.get_blocks("a")[0].ref_cnt == 2
     # A longer prompt hits both blocks.
@@ -68,12 +68,12 @@ def test_free_cached_blocks_are_revived_and_counted_against_free_space():
     manager.free(a)
     assert pool.num_free_blocks == 3
     b = make_request("b", list(range(8)) + [50, 51, 52, 53, 54])
-    blocks, num_hit = manager.get_computed_blocks(b)
+    hit, num_hit = manager.get_computed_blocks(b)
     assert num_hit == 8
     # 2 revived + 2 new > 3 free: refused without side effects.
-    assert manager.allocate_slots(b, 5, blocks) is None
-    assert pool.num_free_blocks == 3 and all(blk.ref_cnt == 0 for blk in blocks)
-    assert manager.allocate_slots(b, 4, blocks) is not None  # 2 revived + 1 new
+    assert manager.allocate_slots(b, 5, hit) is None
+    assert pool.num_free_blocks == 3 and all(blk.ref_cnt == 0 for blk in hit.device_blocks)
+    assert manager.allocate_slots(b, 4, hit) is not None  # 2 revived + 1 new
     assert pool.num_free_blocks == 0
 
 
@@ -81,7 +81,7 @@ def test_different_salts_never_share():
     pool, manager = make()
     a = make_request("a", list(range(12)), salt="tenant-1")
     compute(manager, a, 12)
-    assert manager.get_computed_blocks(make_request("b", list(range(12)), salt="tenant-2")) == ([], 0)
+    assert manager.get_computed_blocks(make_request("b", list(range(12)), salt="tenant-2"))[1] == 0
     assert manager.get_computed_blocks(make_request("c", list(range(12))))[1] == 0
     assert manager.get_computed_blocks(make_request("d", list(range(12)), salt="tenant-1"))[1] == 8
 
@@ -100,14 +100,14 @@ def test_hit_requires_matching_tokens():
     a = make_request("a", list(range(9)))
     compute(manager, a, 9)
     manager.get_blocks("a")[0].token_ids = (9, 9, 9, 9)  # simulate a hash collision
-    assert manager.get_computed_blocks(make_request("b", list(range(9)))) == ([], 0)
+    assert manager.get_computed_blocks(make_request("b", list(range(9))))[1] == 0
 
 
 def test_caching_disabled():
     pool, manager = make(caching=False)
     a = make_request("a", list(range(9)))
     compute(manager, a, 9)
-    assert manager.get_computed_blocks(make_request("b", list(range(9)))) == ([], 0)
+    assert manager.get_computed_blocks(make_request("b", list(range(9))))[1] == 0
     manager.record_prefix_lookup(9, 0)
     assert manager.prefix_cache_queries == 0
 

@@ -195,7 +195,7 @@ def test_evicted_prefix_blocks_move_to_host_and_come_back():
     prefix = [500 + i for i in range(16)]  # 4 full blocks
     a = make_request("a", prefix + [1], max_tokens=1)
     scheduler.add_request(a)
-    a_block_ids = step(scheduler)[0].scheduled[0].new_block_ids  # a new request: its whole table
+    a_block_ids = step(scheduler)[0].scheduled[0].new_block_ids[0]  # a new request: its whole table
     assert_all_free(scheduler)
     cached = {blk.block_id for blk in scheduler.block_pool.cached_block_hash_to_block.values()}
     assert len(cached) == 4
@@ -218,13 +218,13 @@ def test_evicted_prefix_blocks_move_to_host_and_come_back():
     assert c.num_computed_tokens == 16 and c.num_new_tokens == 2  # whole prefix from the host
     assert len(out.blocks_to_copy_back) == 4
     assert [src for src, _ in out.blocks_to_copy_back] == [host_of[d] for d in a_block_ids[:4]]
-    assert c.is_new and [dst for _, dst in out.blocks_to_copy_back] == c.new_block_ids[:4]
+    assert c.is_new and [dst for _, dst in out.blocks_to_copy_back] == c.new_block_ids[0][:4]
     assert scheduler.host_tier.prefix_cache_hits_host == 16
     assert scheduler.prefix_cache_hits == 16 and c.request.num_cached_tokens == 16
     # The copied-back blocks are cached on the device again, and advertised as such.
     stored = [h for e in scheduler.take_events() if isinstance(e.event, BlockStored) for h in e.event.block_hashes]
     assert stored[:4] == [h.hex() for h in a.block_hashes[:4]]
-    assert all(scheduler.block_pool.blocks[i].block_hash is not None for i in c.new_block_ids[:4])
+    assert all(scheduler.block_pool.blocks[i].block_hash is not None for i in c.new_block_ids[0][:4])
     while scheduler.has_unfinished_requests():
         step(scheduler)
     assert_all_free(scheduler)

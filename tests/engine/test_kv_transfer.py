@@ -372,3 +372,14 @@ def test_block_bytes_round_trip_through_the_caches(dtype):
     io.write_block(2, data)
     assert io.read_block(2) == data and io.read_block(1) == bytes(io.block_bytes), "only block 2 changed"
     assert io.layout == {"dtype": dtype, "num_layers": 3, "block_shape": [16, 2, 8], "block_bytes": io.block_bytes}
+
+
+def test_a_model_with_several_kv_cache_groups_is_refused_naming_why(tmp_path, smollm2_path):
+    """Gemma 3's sliding-window and full layers keep two block tables; a connector moves one.
+    With kv_cache_layout='uniform' (one table, every block kept) it connects."""
+    from tests.engine.hf_reference import make_random_model
+
+    path = str(make_random_model(tmp_path / "g3", "gemma3-window8", smollm2_path))
+    with pytest.raises(ValueError, match=r"2 groups \(full_attention, sliding_window\).*kv_cache_layout='uniform'"):
+        TcpKVConnector(_engine(path))
+    TcpKVConnector(_engine(path, kv_cache_layout="uniform")).close()

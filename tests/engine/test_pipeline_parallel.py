@@ -41,7 +41,7 @@ from pagoda.engine.runner.request_states import RequestStates
 from pagoda.engine.sampling_params import SamplingParams
 from pagoda.engine.scheduler_output import SchedulerOutput
 
-from tests.engine.hf_reference import save_random_model
+from tests.engine.hf_reference import make_random_model, save_random_model
 from tests.engine.test_tensor_parallel import _check_same, _item, kill_rank1_then_expect
 from tests.models.test_pipeline_stages import _in_threads
 
@@ -284,3 +284,13 @@ def test_bench_offline_compares_pp1_and_pp2(tmp_path, smollm2_path):
     assert results["tp2"]["micro_batches"] == 2 and results["tp2"]["max_steps_in_flight"] == 2
     with pytest.raises(SystemExit, match="--tensor-parallel-size and --pipeline-parallel-size each compare"):
         offline.main(["--pipeline-parallel-size", "2", "--tensor-parallel-size", "2"])
+
+
+def test_kv_cache_groups_pp2_match_pp1(tmp_path, smollm2_path):
+    """gpt-oss: layer 0 windowed (stage 0), layer 1 full attention (stage 1), so each stage holds
+    one KV cache group's layer; the wire carries both groups' tables, the batch queue included."""
+    path = str(make_random_model(tmp_path / "oss", "gpt-oss-window8", smollm2_path))
+    swap = dict(cpu_offload_bytes=64 << 20, preemption_mode="swap", min_shared_prefix_to_wait=16)
+    stats = _check_same(path, [dict(num_gpu_blocks_override=13), dict(num_gpu_blocks_override=13, **swap)], PP,
+                        reference=dict(num_gpu_blocks_override=13))
+    assert stats.num_swapped_out > 0, stats

@@ -92,7 +92,7 @@ def test_chunked_prefill_mixes_with_decodes():
     assert plan(out) == [("a", 3, 1, True), ("b", 0, 9, False)]
     assert out.total_num_scheduled_tokens == 10
     assert out.scheduled[1].token_ids == list(range(100, 109))
-    assert out.scheduled[1].is_new and len(out.scheduled[1].new_block_ids) == 3  # ceil(9 / 4)
+    assert out.scheduled[1].is_new and len(out.scheduled[1].new_block_ids[0]) == 3  # ceil(9 / 4)
     out, _ = step(scheduler)
     assert plan(out) == [("a", 4, 1, True), ("b", 9, 9, False)]
     out, updates = step(scheduler)
@@ -138,7 +138,7 @@ def test_prefix_hit_schedules_only_the_suffix():
     assert plan(out)[1] == ("b", 512, 5, True)
     assert out.scheduled[1].token_ids == [8, 9, 10, 11, 12]
     tables = scheduler.kv_cache_manager.get_block_ids
-    assert out.scheduled[1].new_block_ids[:32] == tables("a")[:32]  # shared blocks
+    assert out.scheduled[1].new_block_ids[0][:32] == tables("a")[:32]  # shared blocks
     assert scheduler.prefix_cache_queries == 515 + 517 and scheduler.prefix_cache_hits == 512
     assert scheduler.get_request("a").num_cached_tokens == 0
 
@@ -342,7 +342,7 @@ def check_invariants(scheduler, output, all_requests):
         assert s.num_runner_tokens == 0 or (not s.is_new and s.num_new_tokens == 1)
         table = manager.get_block_ids(r.request_id)
         assert len(table) * cfg.block_size >= s.num_computed_tokens + s.num_new_tokens
-        assert s.new_block_ids == (table if s.is_new else table[len(table) - len(s.new_block_ids):])
+        assert s.new_block_ids[0] == (table if s.is_new else table[len(table) - len(s.new_block_ids[0]):])
         assert s.is_sampling == (s.num_computed_tokens + s.num_new_tokens == r.num_tokens)
     # Reference counts equal the number of block tables holding each block.
     holders = Counter()

@@ -48,7 +48,7 @@ class FakeRunner:
 
 def delta(out) -> list[tuple]:
     """(id, is_new, new_block_ids, token_ids) per scheduled request."""
-    return [(s.request_id, s.is_new, s.new_block_ids, s.token_ids) for s in out.scheduled]
+    return [(s.request_id, s.is_new, s.new_block_ids[0], s.token_ids) for s in out.scheduled]
 
 
 def step(scheduler, runner, spec=None, **tokens):

@@ -141,6 +141,12 @@ def test_limits_and_deadlines_over_grpc(replica, router):
     status, _, answer = post(router.http_url, "/v2/models/pagoda/generate",
                              {"text_input": "hi", "stop_words": ["x"] * 20}, KEY_A)
     assert status == 400 and "stop: 20 stop strings exceed this server's limit of 16" in answer["error"]
+    # over the router's limit, not refused first as invalid by SamplingParams' own bound (64)
+    status, _, answer = post(router.http_url, "/v1/completions", {"prompt": "hi", "n": 100}, KEY_A)
+    assert status == 400 and answer["error"]["message"].startswith("n: 100 exceeds this server's limit of 16")
+    status, _, answer = post(router.http_url, "/v1/chat/completions",
+                             {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 10**6}, KEY_A)
+    assert status == 400 and "max_tokens: 1000000 exceeds this server's limit" in answer["error"]["message"]
     _idle(replica)
 
 

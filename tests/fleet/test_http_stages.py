@@ -42,7 +42,7 @@ def test_each_stage_sends_one_canonical_body_whatever_channels_the_client_used()
     assert {k: v for k, v in body.items() if k != "sampling_parameters"} == \
         {"text_input": "x", "stream": True, "id": "c1", "traceparent": "00-t"}
     late = request.body(wire=prefill_stage(request.wire, early=False))
-    assert json.loads(late["sampling_parameters"]) == {"temperature": 0.0, "max_tokens": 1,
+    assert json.loads(late["sampling_parameters"]) == {"temperature": 0.0, "max_tokens": 1, "min_tokens": 0,
                                                        "kv_transfer_params": {"do_remote_decode": True}}
     assert "stream" not in late and late["id"] == "c1"
     early = request.body(wire=prefill_stage(request.wire, early=True))

@@ -44,7 +44,7 @@ def test_completion_mapping():
                            "prompt_logprobs": 2}  # echo with logprobs: the prompt's too (vLLM's rule)
     assert built.wire.options.cache_salt == "tenant" and built.wire.params.n == 2
     default = build_completion_request({"prompt": "x"})
-    assert default.wire.params.max_tokens == 16 and sent(default) == {}  # OpenAI's default is the engine's
+    assert default.wire.params.max_tokens == 16 and sent(default) == {"max_tokens": 16}  # OpenAI's default
 
 
 def test_token_prompts_lists_of_prompts_and_echo_without_generation():

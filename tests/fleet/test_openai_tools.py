@@ -10,7 +10,10 @@ import pytest
 from pagoda.engine.guided.params import GuidedDecodingParams
 from pagoda.fleet.api.openai_io import OpenAIError, build_chat_request
 from pagoda.fleet.api.openai_protocol import ChatCompletionRequest, parse
-from pagoda.fleet.api.openai_tools import ToolPlan, detect_parser, finish_reason, parse_answer, tool_plan_from_body
+from pagoda.fleet.api.openai_tools import ToolPlan, finish_reason, parse_answer, tool_plan_from_body
+from pagoda.fleet.parsers import tool_calls
+from pagoda.fleet.parsers.events import Parsed
+from pagoda.fleet.parsers.output import OutputParser, ParserChoice
 from pagoda.models.tokenizer import Tokenizer
 
 WEATHER = {"type": "function", "function": {
@@ -68,36 +71,39 @@ def test_forced_calls_are_grammars_that_every_valid_answer_satisfies():
 
 def test_answers_parse_into_calls_and_finish_reasons():
     named = plan(tool_choice={"type": "function", "function": {"name": "get_weather"}})
-    content, [call] = parse_answer(' {"city": "Paris", "days": 2}', named, "hermes")
+    content, [call] = parse_answer(' {"city": "Paris", "days": 2}', named)
     assert content is None and call["type"] == "function" and call["id"].startswith("call_")
     assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris", "days": 2}'}
     assert finish_reason("stop", named, [call]) == "stop" and finish_reason("length", named, [call]) == "length"
     required = plan(tool_choice="required")
-    _, calls = parse_answer('[{"name": "get_time", "parameters": {"zone": "CET"}}]', required, "hermes")
+    _, calls = parse_answer('[{"name": "get_time", "parameters": {"zone": "CET"}}]', required)
     assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"zone": "CET"}]
     assert finish_reason("stop", required, calls) == "tool_calls"
-    assert parse_answer('[{"name": "get_ti', required, "hermes") == ('[{"name": "get_ti', [])  # cut short
+    assert parse_answer('[{"name": "get_ti', required) == ('[{"name": "get_ti', [])  # cut short
     auto = plan()
     cases = {
         "hermes": 'Sure.\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>',
         "llama3_json": '<|python_tag|>{"name": "get_time", "parameters": {"zone": "UTC"}}',
         "mistral": '[TOOL_CALLS][{"name": "get_time", "arguments": {"zone": "UTC"}}]',
     }
+    def auto_answer(text, parser):  # an auto answer is read by fleet.parsers
+        reader = OutputParser(ParserChoice(None, parser), auto.tools)
+        return Parsed().add(reader.feed(text) + reader.finish())
+
     for parser, text in cases.items():
-        content, calls = parse_answer(text, auto, parser)
-        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == \
-            [("get_time", {"zone": "UTC"})], parser
-    assert parse_answer(cases["hermes"], auto, "hermes")[0] == "Sure."
-    assert parse_answer("It is sunny.", auto, "hermes") == ("It is sunny.", [])
-    assert parse_answer("<tool_call>{not json</tool_call>", auto, "hermes") == ("<tool_call>{not json</tool_call>", [])
+        calls = auto_answer(text, parser).calls
+        assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_time", {"zone": "UTC"})], parser
+    assert auto_answer(cases["hermes"], "hermes").content.strip() == "Sure."
+    assert auto_answer("It is sunny.", "hermes").content == "It is sunny."
+    assert auto_answer("<tool_call>{not json</tool_call>", "hermes").content == "<tool_call>{not json</tool_call>"
     assert finish_reason("stop", auto, []) == "stop"
 
 
 def test_parser_is_detected_from_the_chat_template():
-    assert detect_parser("{{ '<tool_call>' }}") == "hermes"
-    assert detect_parser("{{ '[TOOL_CALLS]' }}") == "mistral"
-    assert detect_parser("{% if m.role == 'ipython' %}<|python_tag|>{% endif %}") == "llama3_json"
-    assert detect_parser(None) == "hermes"
+    assert tool_calls.detect("{{ '<tool_call>' }}") == "hermes"
+    assert tool_calls.detect("{{ '[TOOL_CALLS]' }}") == "mistral"
+    assert tool_calls.detect("{% if m.role == 'ipython' %}<|python_tag|>{% endif %}") == "llama3_json"
+    assert tool_calls.detect(None) == "hermes"
 
 
 def test_the_default_models_template_gets_the_tools_in_a_system_message(smollm2_path):

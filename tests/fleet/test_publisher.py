@@ -275,3 +275,16 @@ def test_index_lost_to_flushall_is_rebuilt_within_one_heartbeat(redis_client):
     assert [info.replica_id for info in ReplicaRegistry(redis_client, MODEL).list_replicas()] == ["r1"]
     clock.now += 1.0
     assert pub.flush() and pub.num_resyncs == resyncs + 1  # state present: no further resync
+
+
+def test_only_the_first_kv_cache_group_reaches_the_index(redis_client):
+    """A hybrid model caches the same hashes once per KV cache group (engine.kv.layout); the
+    index keys group 0's, so another group's stores and removals never touch it."""
+    pub = make_publisher(redis_client)
+    hashes = chain(2)
+    pub.submit_events(wrap([BlockStored(hashes, None, list(range(8)), 4),
+                            BlockStored(hashes, None, list(range(8)), 4, group_idx=1,
+                                        kv_cache_spec_kind="sliding_window", sliding_window=8),
+                            BlockRemoved(hashes, group_idx=1)]))
+    assert pub.num_blocks_held == 2 and pub.num_engine_gaps == 0
+    assert pub.flush() and PrefixIndex(redis_client, MODEL).match(hashes) == {"r1": 2}

@@ -771,7 +771,8 @@ VICTIM: dict[str, str] = {}  # the replica test_replica_dying_mid_stream killed
 
 
 def test_replica_dying_mid_stream(router, replicas):
-    """Kills a replica; the tests after it reap and restart it."""
+    """Kills a replica under a stream that opted out of migration (``allow_migration`` false:
+    test_migration_e2e.py has the streams that move); the tests after it reap and restart it."""
     import tritonclient.grpc as grpcclient
 
     client = grpcclient.InferenceServerClient(router.grpc_url)
@@ -779,7 +780,8 @@ def test_replica_dying_mid_stream(router, replicas):
     client.start_stream(callback=lambda result, error: results.put((result, error)))
     since = len(router.exporter.get_finished_spans())
     client.async_stream_infer("pagoda", make_inputs("Write a very long story about a dragon.",
-                                                    {"max_tokens": 400, "temperature": 0, "ignore_eos": True}),
+                                                    {"max_tokens": 400, "temperature": 0, "ignore_eos": True,
+                                                     "allow_migration": False}),
                               request_id="long")
     result, error = results.get(timeout=60)
     assert error is None
@@ -791,6 +793,7 @@ def test_replica_dying_mid_stream(router, replicas):
         result, error = results.get(timeout=60)
     client.stop_stream()
     assert f"replica {victim_id}" in str(error) and "while streaming" in str(error)
+    assert "Not migrated: the request asked not to be migrated" in str(error)
     failed = [s for s in router.exporter.get_finished_spans()[since:] if s.name == "pagoda.router.request"]
     assert failed and not failed[-1].status.is_ok
     assert not router.run(lambda: router.service.router.replicas.get(victim_id).healthy)

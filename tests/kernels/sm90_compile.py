@@ -9,9 +9,10 @@ divisibility-by-16 hints a real launch gets (aligned pointers, integers % 16 == 
 machine code (e.g. vectorised loads) is what the GPU would run. So the compiled variants
 are the ones the wrappers really launch, not a hand-written list that can drift.
 
-Usage: python sm90_compile.py [--shard I/N] [--families rules|tuning]  -> one JSON line
+Usage: python sm90_compile.py [--shard I/N] [--families rules|tuning|gdn]  -> one JSON line
 per variant on stdout. ``rules``: every kernel through the shapes the built-in rules pick;
-``tuning``: every attention launch shape ``pagoda bench kernels --tune`` may write.
+``tuning``: every attention launch shape ``pagoda bench kernels --tune`` may write; ``gdn``:
+the Gated DeltaNet kernels (a family of their own: their chunked kernel is the slowest to compile).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
-from pagoda.kernels import triton_attention, triton_moe, triton_ops, triton_w4a16, triton_w8a16, tuning
+from pagoda.kernels import triton_attention, triton_conv1d, triton_gdn, triton_moe, triton_ops, triton_w4a16
+from pagoda.kernels import triton_w8a16, tuning
 from pagoda.kernels.metadata import AttentionMetadata
 
 # A 16-byte asynchronous copy global -> shared: how the pipelined K/V tiles are loaded.
@@ -46,6 +48,7 @@ TORCH_TO_TRITON = {
     torch.int8: "i8",
     torch.uint8: "u8",
     torch.float8_e4m3fn: "fp8e4nv",
+    torch.bool: "i1",
 }
 # Llama-3-8B's o_proj (N = K = 4096) at rows from batch-1 decode to a prefill chunk below
 # w8a16.DEQUANT_ROWS: each tile family of the W8A16 kernel (16/32/64/128 rows), split-K
@@ -55,7 +58,8 @@ W8A16_ROWS = (1, 17, 64, 2047)
 
 
 def record_launches(families: str = "rules") -> list[tuple[JITFunction, tuple, dict]]:
-    """``rules``: every kernel with the built-in shapes; ``tuning``: the tunable shapes."""
+    """``rules``: every kernel with the built-in shapes; ``tuning``: the tunable shapes; ``gdn``:
+    the Gated DeltaNet kernels."""
     launches: list[tuple[JITFunction, tuple, dict]] = []
 
     def recorder(self, *args, grid, warmup, **kwargs):
@@ -66,6 +70,10 @@ def record_launches(families: str = "rules") -> list[tuple[JITFunction, tuple, d
     if families == "tuning":
         _tuning_candidate_launches(torch.bfloat16)
         _tuning_candidate_launches(FP8, quick=True)
+        return launches
+    if families == "gdn":
+        for dtype in DTYPES:
+            _gated_deltanet_launches(dtype)
         return launches
     for dtype in DTYPES:
         for head_dim in HEAD_DIMS:
@@ -210,6 +218,37 @@ def _moe_launches(dtype: torch.dtype) -> None:
                            offsets, w13, w2, top_k, b13, b2, (1.702, 7.0))
 
 
+# Gated DeltaNet at Qwen3-Next-80B's linear-attention layer (16 key heads, 32 value heads,
+# head dims 128, conv kernel 4: conv_dim 8192) and, in bf16, at a TP=4 rank of Qwen3.5-27B's
+# (4 key / 12 value heads: a gate stride not divisible by 16, another specialisation), through
+# a decode step (recurrent kernel, conv update kernel), a prefill step (chunked kernel, varlen
+# conv) and a mixed one (both, each skipping the other kind: one variant, ``only`` is not
+# specialised).
+GDN_SHAPES = ((16, 32, 128, 128), (4, 12, 128, 128))
+GDN_STEPS = {"decode": [1] * 8, "prefill": [300], "mixed": [1] * 7 + [300]}
+GDN_CHUNK_SIZES = (64,)  # the default chunk; the tests' 16 (they run under the interpreter) in float32 too
+
+
+def _gated_deltanet_launches(dtype: torch.dtype) -> None:
+    for num_k, num_v, dim_k, dim_v in GDN_SHAPES if dtype == torch.bfloat16 else GDN_SHAPES[:1]:
+        for query_lens in GDN_STEPS.values():
+            meta = AttentionMetadata.build(query_lens, query_lens, [[0] * 19] * len(query_lens), 16,
+                                           state_indices=list(range(len(query_lens))))
+            tokens = sum(query_lens)
+            q = torch.empty(tokens, num_k, dim_k, dtype=dtype)
+            v = torch.empty(tokens, num_v, dim_v, dtype=dtype)
+            g, beta = torch.empty(tokens, num_v), torch.empty(tokens, num_v, dtype=dtype)
+            states = torch.empty(8, num_v, dim_k, dim_v)
+            for chunk in GDN_CHUNK_SIZES + ((16,) if dtype == torch.float32 else ()):
+                triton_gdn.gated_delta_rule(q, q, v, g, beta, states, meta, chunk)
+            conv_dim = 2 * num_k * dim_k + num_v * dim_v
+            x = torch.empty(tokens, conv_dim + num_v * dim_v, dtype=dtype)[:, :conv_dim]  # a strided view
+            triton_conv1d.causal_conv1d(x, torch.empty(conv_dim, 4, dtype=dtype), None,
+                                        torch.empty(8, conv_dim, 3, dtype=dtype), meta)
+        rows = torch.empty(5 * num_v, dim_v, dtype=dtype)
+        triton_ops.gated_rms_norm(rows, rows, torch.empty(dim_v, dtype=dtype), 1e-6)
+
+
 def _arg_type(value) -> str:
     if isinstance(value, torch.Tensor):
         return "*" + TORCH_TO_TRITON[value.dtype]
@@ -233,7 +272,7 @@ def to_source(fn: JITFunction, args: tuple, kwargs: dict) -> tuple[ASTSource, di
             constexprs[param.name] = value
         else:
             signature[param.name] = _arg_type(value)
-            if _divisible_by_16(value):  # as the JIT specialises a real launch
+            if _divisible_by_16(value) and not param.do_not_specialize:  # as the JIT specialises a real launch
                 attrs[(i,)] = [["tt.divisibility", 16]]
     desc = {**constexprs, "dtype": signature[fn.arg_names[0]], "cache": signature.get("k_cache_ptr", "")}
     return ASTSource(fn, signature, constexprs, attrs), options, desc
@@ -249,7 +288,7 @@ def _divisible_by_16(value) -> bool:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shard", default="0/1")
-    parser.add_argument("--families", choices=("rules", "tuning"), default="rules")
+    parser.add_argument("--families", choices=("rules", "tuning", "gdn"), default="rules")
     parsed = parser.parse_args(argv)
     shard, num_shards = map(int, parsed.shard.split("/"))
     seen: set[str] = set()

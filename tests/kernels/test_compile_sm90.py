@@ -7,7 +7,9 @@ the launches the public wrappers make and compiles each distinct one; see its do
 Covered: the W4A16 kernel (zero points and symmetric, split and not, every dtype); the fused MoE kernels in every
 dtype at a Qwen3-30B-A3B layer and gpt-oss-20b's (biases, clamped SwiGLU); every dtype x head size x GQA family with
 the shapes the built-in rules pick on an H100 (decode split and unsplit, mixed steps' two launches), gpt-oss attention
-sinks, the fp8 KV cache, and every launch shape ``pagoda bench kernels --tune`` may write to a configs JSON.
+sinks, the fp8 KV cache, and every launch shape ``pagoda bench kernels --tune`` may write to a configs JSON; and,
+a test of its own, the Gated DeltaNet kernels (chunked and recurrent delta rule, varlen and update conv1d, gated
+RMSNorm) in every dtype at Qwen3-Next's layer, in bf16 also at a TP=4 Qwen3.5 rank.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ KERNELS = {
     "_moe_gate_up_kernel",
     "_moe_down_kernel",
 }
+KERNELS_GDN = ("_gdn_chunk_kernel", "_gdn_recurrent_kernel", "_conv1d_kernel", "_conv1d_update_kernel",
+               "_gated_rms_norm_kernel")
 NUM_SHARDS = 2
 
 
@@ -122,6 +126,19 @@ def test_every_kernel_variant_compiles_for_sm90(tmp_path):
     # The decode-only, unsplit family (CUDA graphs at large batch) and the 128-row prefill tile.
     assert (16, 64, 4, 2, "False") in _shapes(rows, "*bf16")
     assert any(shape[:4] == (128, 64, 8, 3) for shape in _shapes(rows, "*bf16"))
+
+
+@pytest.mark.skipif(_sm90_api_missing() is not None, reason=str(_sm90_api_missing()))
+def test_every_gated_deltanet_variant_compiles_for_sm90(tmp_path):
+    rows = _compile_rows(tmp_path, "gdn")
+    assert {r["kernel"] for r in rows} == set(KERNELS_GDN)
+    gdn = {(r["kernel"], r["variant"]["dtype"]) for r in rows}
+    assert gdn == {(k, d) for k in KERNELS_GDN for d in ("*fp16", "*bf16", "*fp32")}
+    chunks = {(r["variant"]["dtype"], r["variant"]["BT"]) for r in rows if r["kernel"] == "_gdn_chunk_kernel"}
+    assert chunks == {("*fp16", "64"), ("*bf16", "64"), ("*fp32", "64"), ("*fp32", "16")}
+    # one chunked variant per dtype and chunk, whatever the step's mix (``only``) or head grouping,
+    # but the TP=4 Qwen3.5 rank's gate stride (12) is its own specialisation
+    assert sum(r["kernel"] == "_gdn_chunk_kernel" for r in rows) == 5
 
 
 @pytest.mark.skipif(_sm90_api_missing() is not None, reason=str(_sm90_api_missing()))

@@ -114,6 +114,30 @@ def test_metadata_views_the_static_buffers_with_frozen_host_values():
     assert pick(inputs.metadata(4)) == first
 
 
+def test_kv_cache_groups_get_their_own_tables_slots_and_state_slots():
+    """A full group, a sliding-window group and a state group (engine.kv.layout): each paged
+    group's layers read their group's buffers; every layer sees the rows' state slots."""
+    from pagoda.engine.kv.layout import group_layers
+    from pagoda.engine.kv.specs import FullAttentionSpec, RecurrentStateSpec, SlidingWindowSpec
+
+    full, window = FullAttentionSpec(2, 16, 4), SlidingWindowSpec(2, 16, 4, window=6)
+    state = RecurrentStateSpec((8, 3), (2, 4, 4), 4, 4)
+    layout = group_layers([full, window, state], BLOCK_SIZE)  # groups: 0 full, 1 sliding, 2 state
+    inputs = DecodeInputs(max_batch=4, max_context=32, block_size=BLOCK_SIZE, device="cpu", layout=layout)
+    row = SimpleNamespace(token_ids=[5], num_computed_tokens=9, num_new_tokens=1, block_ids=[1, 2, 3],
+                          group_block_ids=([1, 2, 3], [0, 5, 6], [7]), is_sampling=True, spec_token_ids=[])
+    inputs.fill([row], 2)
+    meta = inputs.metadata(2)
+    assert meta.for_layer(0) is meta and meta.for_layer(2) is meta
+    sliding = meta.for_layer(1)
+    assert sliding.slot_mapping.tolist() == [6 * 4 + 1, -1] and sliding.block_tables[0, :3].tolist() == [0, 5, 6]
+    assert meta.slot_mapping.tolist() == [3 * 4 + 1, -1]  # group 0's own
+    assert sliding.seq_lens.data_ptr() == meta.seq_lens.data_ptr()  # the sequences are shared
+    assert sliding.slot_mapping.data_ptr() == inputs.groups.slots.data_ptr()  # replays read what fill() wrote
+    assert meta.state_indices.tolist() == [7, -1] and meta.has_initial_state.tolist() == [True, False]
+    assert sliding.state_indices.data_ptr() == meta.state_indices.data_ptr()
+
+
 def test_graphs_only_on_cuda_with_triton_kernels():
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert should_use_graphs(True, cuda, True)

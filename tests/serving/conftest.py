@@ -69,3 +69,29 @@ def read_metrics(triton_server):
         return values
 
     return read
+
+
+@pytest.fixture(scope="package")
+def openai_serve():
+    """``pagoda serve --openai-port`` (the replica and its OpenAI door, a ``pagoda router`` child)
+    for ``test_openai_door`` and ``test_openai_door_agents``: the door reads Qwen3's ``<think>``
+    and Hermes tool calls (``--reasoning-parser qwen3 --tool-call-parser hermes``) and keeps
+    Responses API turns (``--response-store``). ``openai_port`` is the door's port."""
+    import signal
+
+    from tests.serving.test_serving_lifecycle import ServeProcess
+
+    port = find_free_port()
+    process = ServeProcess("--openai-port", str(port), "--max-model-len", "512", "--reasoning-parser", "qwen3",
+                           "--tool-call-parser", "hermes", "--response-store")
+    try:
+        process.wait_serving()
+        assert f"OpenAI  http://127.0.0.1:{port}/v1" in process.output
+        process.openai_port = port
+        yield process
+    finally:
+        process.proc.send_signal(signal.SIGTERM)
+        try:
+            process.proc.wait(60)
+        finally:
+            process.kill()

@@ -12,8 +12,7 @@ import pytest
 
 from pagoda.engine.llm import LLM
 from pagoda.engine.sampling_params import SamplingParams
-from pagoda.serving.launch.launcher import find_free_port
-from tests.serving.test_serving_lifecycle import ServeProcess, _wait_until
+from tests.serving.test_serving_lifecycle import _wait_until
 
 openai = pytest.importorskip("openai")
 
@@ -23,20 +22,8 @@ PROMPT = "The capital of France is"
 
 
 @pytest.fixture(scope="module")
-def serve():
-    port = find_free_port()
-    process = ServeProcess("--openai-port", str(port), "--max-model-len", "512")
-    try:
-        process.wait_serving()
-        assert f"OpenAI  http://127.0.0.1:{port}/v1" in process.output
-        process.openai_port = port
-        yield process
-    finally:
-        process.proc.send_signal(signal.SIGTERM)
-        try:
-            process.proc.wait(60)
-        finally:
-            process.kill()
+def serve(openai_serve):
+    return openai_serve
 
 
 @pytest.fixture(scope="module")

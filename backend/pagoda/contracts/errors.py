@@ -154,15 +154,29 @@ def classify_replica_error(message: Optional[str], triton_code: Optional[str] = 
     return ErrorKind.INVALID_REQUEST
 
 
+# Triton's Python backend, when the model's stub process died under a request.
+STUB_DIED_MARKERS = ("Stub process", "is not healthy")
+
+
+def is_replica_fault(message: Optional[str]) -> bool:
+    """Whether a replica's error says the replica, not the request, failed: it is shutting
+    down or draining, or its model's stub died. The router may continue such a request on
+    another replica (request migration, docs/reliability.md); an engine fault is not one (the
+    same request could fail the next replica the same way)."""
+    text = message or ""
+    return text.startswith((SHUTDOWN_MESSAGE, DRAINING_PREFIX)) or all(m in text for m in STUB_DIED_MARKERS)
+
+
 def is_overloaded(message: Optional[str]) -> bool:
     """Whether a replica refused the request as overloaded (``classify_replica_error``)."""
     return classify_replica_error(message) is ErrorKind.OVERLOADED
 
 
 __all__ = ["ErrorKind", "ErrorSpec", "SPECS", "TritonCode", "TRITON_CODES", "classify_replica_error", "is_overloaded",
-           "kind_of_http_status", "spec_of", "triton_code_of", "OVERLOADED_PREFIX", "DEADLINE_PREFIX",
+           "is_replica_fault", "kind_of_http_status", "spec_of", "triton_code_of", "OVERLOADED_PREFIX",
+           "DEADLINE_PREFIX",
            "ENGINE_ERROR_PREFIX", "NO_OUTPUT_MESSAGE", "SHUTDOWN_MESSAGE", "DRAINING_PREFIX", "DRAINING_MESSAGE",
-           "DEFAULT_RETRY_AFTER_S"]
+           "DEFAULT_RETRY_AFTER_S", "STUB_DIED_MARKERS"]
 
 
 def error_text(data: bytes) -> str:

@@ -8,6 +8,14 @@ Three events, shaped like vLLM's KV events so external indexers can consume them
   carries the request's adapter name and cache salt for the vLLM-format stream
   (``contracts.vllm_kv_events``); the Redis form (``to_dict``) leaves the salt out.
 - ``BlockRemoved``: blocks left the hash map (evicted for reuse).
+
+KV cache groups (``engine.kv.layout``: a model whose layers keep different caches, e.g.
+sliding-window and full attention, or recurrent states) cache the same hashes once per
+group: every event names its ``group_idx`` (0 for a single-group model) and, in a
+multi-group model, its group's ``kv_cache_spec_kind`` (vLLM's words: ``full_attention``,
+``sliding_window`` with ``sliding_window`` tokens, ``mamba``). The Redis form writes
+``group_idx`` only when it is not 0, and the fleet's index keys group 0 (whose blocks
+cover every position: the routing signal); the vLLM stream carries every group.
 - ``AllBlocksCleared``: the whole prefix cache was reset.
 
 Hashes travel as lowercase hex strings (``BlockHash.hex()``). Every event is wrapped in a
@@ -39,9 +47,12 @@ class BlockStored:
     lora_id: Optional[int] = None
     lora_name: Optional[str] = None  # the request's adapter (part of every block's hash)
     cache_salt: Optional[str] = None  # the request's tenant salt (likewise); never in ``to_dict``
+    group_idx: int = 0  # the KV cache group whose hash map took the blocks
+    kv_cache_spec_kind: Optional[str] = None  # the group's kind (multi-group layouts only)
+    sliding_window: Optional[int] = None  # the group's window, for kind "sliding_window"
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "type": "BlockStored",
             "block_hashes": list(self.block_hashes),
             "parent_block_hash": self.parent_block_hash,
@@ -50,14 +61,23 @@ class BlockStored:
             "lora_id": self.lora_id,
             "medium": MEDIUM,
         }
+        return _with_group(out, self.group_idx)
 
 
 @dataclass(frozen=True)
 class BlockRemoved:
     block_hashes: list[str]
+    group_idx: int = 0
 
     def to_dict(self) -> dict[str, Any]:
-        return {"type": "BlockRemoved", "block_hashes": list(self.block_hashes), "medium": MEDIUM}
+        return _with_group({"type": "BlockRemoved", "block_hashes": list(self.block_hashes), "medium": MEDIUM},
+                           self.group_idx)
+
+
+def _with_group(event: dict[str, Any], group_idx: int) -> dict[str, Any]:
+    if group_idx:  # single-group replicas keep the form consumers already parse
+        event["group_idx"] = group_idx
+    return event
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,11 @@ functions below; ``pagoda_operator.fleet_keys`` re-exports them.
                                                        ``pagoda.fleet.routing.affinity``): router, replica,
                                                        ttl_ms, hashes (space-separated hex block
                                                        hashes of the prompt); trimmed to ~5k entries
+    pagoda:{model}:response:{tenant}:{response_id}
+                                                STRING a stored Responses API turn (JSON: its
+                                                       conversation as chat messages), for
+                                                       ``previous_response_id``; expires after the
+                                                       router's --response-store-ttl
 
 Invariants (kept by the atomic apply script in ``pagoda.fleet.index.prefix_index``):
 
@@ -150,3 +155,9 @@ def events_stream_key(model: str) -> str:
 
 def routed_stream_key(model: str) -> str:
     return fleet_key(model, "routed")
+
+
+def response_key(model: str, tenant: str, response_id: str) -> str:
+    """A stored Responses API turn, under its tenant (``""``: the open mode's one tenant): one
+    tenant's key never names another's response."""
+    return fleet_key(model, "response", tenant or "-", response_id)

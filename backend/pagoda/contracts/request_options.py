@@ -17,6 +17,11 @@ first; this type takes typed values only.
 ``kv_transfer_params`` (vLLM's disaggregated prefill/decode option) is checked here for its
 shape (an object of known keys and types); what the keys mean is the serving loop's
 (``serving.kv_transfer_control``).
+
+Migration (docs/reliability.md): ``allow_migration`` false asks the router not to move the
+request to another replica when its replica fails; ``resume`` is what the router sends when
+it does move a streaming request: the output its client already has (``Resume``), which
+the engine continues (``engine.resume``) as if the request had never left its first replica.
 """
 
 from __future__ import annotations
@@ -31,6 +36,68 @@ from typing import Any, Mapping, Optional
 KV_TRANSFER_PARAM_TYPES: dict[str, type] = {"do_remote_decode": bool, "do_remote_prefill": bool, "remote_host": str,
                                             "remote_port": int, "remote_block_count": int}
 _KIND_NAMES = {bool: "a boolean", str: "a string", int: "an integer"}
+# The longest output a resumed request may bring (far above any max_tokens a request is served with).
+MAX_RESUMED_TOKENS = 1 << 20
+
+
+@dataclass(frozen=True)
+class Resume:
+    """A request resumed on another replica after its first one failed mid-stream.
+
+    Attributes:
+        output_token_ids: the tokens the request generated so far, in order (its journal);
+            the engine takes them as this request's output already, not as prompt: the
+            sampler's seeded positions, penalties, ``min_tokens``/``max_tokens``, stop
+            strings and the grammar all continue from them.
+        num_sent_chars: characters of their text the client already has (the first
+            replica may have held text back: an incomplete character, a possible stop
+            string); the rest is sent with the next new token's text.
+        cumulative_logprob: the sum of their log-probabilities as the client last saw it
+            (``None``: it was not reported); the engine's sum continues from it.
+    """
+
+    output_token_ids: tuple[int, ...]
+    num_sent_chars: int = 0
+    cumulative_logprob: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        ids = self.output_token_ids
+        if not isinstance(ids, (list, tuple)) or not ids or len(ids) > MAX_RESUMED_TOKENS:
+            raise ValueError(f"resume.output_token_ids: must be a non-empty list of at most {MAX_RESUMED_TOKENS} "
+                             f"token ids, got {ids!r:.80}")
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
+            raise ValueError("resume.output_token_ids: every token id must be an integer >= 0")
+        object.__setattr__(self, "output_token_ids", tuple(ids))
+        chars = self.num_sent_chars
+        if isinstance(chars, bool) or not isinstance(chars, int) or chars < 0:
+            raise ValueError(f"resume.num_sent_chars: must be an integer >= 0, got {chars!r}")
+        value = self.cumulative_logprob
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not math.isfinite(value)):
+            raise ValueError(f"resume.cumulative_logprob: must be a finite number, got {value!r}")
+
+    @classmethod
+    def from_dict(cls, value: Any) -> "Resume":
+        """From its JSON object (or a ``Resume``). Raises ValueError naming the key."""
+        if isinstance(value, Resume):
+            return value
+        if not isinstance(value, Mapping):
+            raise ValueError(f"resume: must be a JSON object, got {value!r:.80}")
+        unknown = sorted(set(value) - set(_RESUME_KEYS))
+        if unknown:
+            raise ValueError(f"resume: unknown key(s) {', '.join(map(str, unknown))}; known: {', '.join(_RESUME_KEYS)}")
+        if "output_token_ids" not in value:
+            raise ValueError("resume.output_token_ids: required")
+        return cls(**value)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"output_token_ids": list(self.output_token_ids), "num_sent_chars": self.num_sent_chars}
+        if self.cumulative_logprob is not None:
+            out["cumulative_logprob"] = self.cumulative_logprob
+        return out
+
+
+_RESUME_KEYS = ("output_token_ids", "num_sent_chars", "cumulative_logprob")
 
 
 @dataclass(frozen=True)
@@ -44,6 +111,9 @@ class RequestOptions:
         kv_transfer_params: disaggregated prefill/decode (``serving.kv_transfer_control``).
         tenant: who sent it, as the router's API keys name it (traces; the replica does not
             schedule by it).
+        allow_migration: false: the router does not move this request to another replica
+            when its replica fails (the client gets the failure); the replica ignores it.
+        resume: the output a migrated request already has (``Resume``); ``None``: a new request.
     """
 
     priority: int = 0
@@ -52,6 +122,8 @@ class RequestOptions:
     timeout: Optional[float] = None
     kv_transfer_params: Optional[Mapping[str, Any]] = None
     tenant: Optional[str] = None
+    allow_migration: bool = True
+    resume: Optional[Resume] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.priority, bool) or not isinstance(self.priority, int):
@@ -64,6 +136,10 @@ class RequestOptions:
         if self.kv_transfer_params is not None:
             object.__setattr__(self, "kv_transfer_params",
                                MappingProxyType(check_kv_transfer_params(self.kv_transfer_params)))
+        if not isinstance(self.allow_migration, bool):
+            raise ValueError(f"allow_migration: must be a boolean, got {self.allow_migration!r}")
+        if self.resume is not None:
+            object.__setattr__(self, "resume", Resume.from_dict(self.resume))
 
     def replace(self, **changes: Any) -> "RequestOptions":
         """A copy with ``changes`` (checked as a new object). Raises ValueError naming the field."""
@@ -75,7 +151,8 @@ class RequestOptions:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if value != f.default:
-                out[f.name] = dict(value) if f.name == "kv_transfer_params" else value
+                out[f.name] = dict(value) if f.name == "kv_transfer_params" else \
+                    value.to_dict() if isinstance(value, Resume) else value
         return out
 
     @classmethod

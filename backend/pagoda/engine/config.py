@@ -24,6 +24,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional, TypeVar
 
+from pagoda.engine.cache_config import KV_CACHE_DTYPES, KV_CACHE_LAYOUTS, CacheConfig  # noqa: F401 (re-exported)
+
 SCHEDULING_POLICIES = ("fcfs", "priority")
 SPECULATIVE_METHODS = ("draft", "ngram", "eagle3", "mtp")
 MAX_SPECULATIVE_TOKENS = 16
@@ -31,7 +33,6 @@ MAX_SPECULATIVE_TOKENS = 16
 # here because this module, like the scheduler that imports it, stays free of torch.
 QUANTIZATION_METHODS = ("int8", "fp8")
 PREEMPTION_MODES = ("auto", "recompute", "swap")  # see pagoda.engine.kv.host_tier
-KV_CACHE_DTYPES = ("auto", "fp8_e4m3")  # auto: the model dtype; fp8_e4m3: see docs/kernels.md
 
 def _check_int(name: str, value, low: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -49,8 +50,11 @@ class LoadConfig:
     load_format: str
     seed: int
     enable_cuda_graphs: bool
+    generation_config: str
 
     def __post_init__(self) -> None:
+        if self.generation_config not in ("auto", "none"):
+            raise ValueError(f"generation_config: must be auto or none, got {self.generation_config!r}")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ValueError(f"dtype: must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):
@@ -59,31 +63,6 @@ class LoadConfig:
             raise ValueError(f"load_format: must be safetensors or dummy, got {self.load_format!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"quantization: must be None or one of {QUANTIZATION_METHODS}, got {self.quantization!r}")
-
-
-@dataclass(frozen=True)
-class CacheConfig:
-    """The paged KV cache: block size, storage dtype, memory budget, prefix caching."""
-
-    block_size: int
-    kv_cache_dtype: str
-    kv_cache_memory_bytes: int
-    gpu_memory_utilization: float
-    num_gpu_blocks_override: Optional[int]
-    enable_prefix_caching: bool
-    max_block_events: int
-
-    def __post_init__(self) -> None:
-        if self.block_size not in (8, 16, 32, 64, 128):
-            raise ValueError(f"block_size: must be one of 8, 16, 32, 64, 128, got {self.block_size}")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.kv_cache_memory_bytes <= 0:
-            raise ValueError(f"kv_cache_memory_bytes: must be > 0, got {self.kv_cache_memory_bytes}")
-        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
-            raise ValueError(f"num_gpu_blocks_override: must be >= 1, got {self.num_gpu_blocks_override}")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype: must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
 
 
 @dataclass(frozen=True)
@@ -294,6 +273,11 @@ class EngineConfig:
     kv_cache_memory_bytes: int = 512 * 2**20  # CPU budget
     gpu_memory_utilization: float = 0.90  # GPU budget, fraction of device memory
     num_gpu_blocks_override: Optional[int] = None
+    # KV cache groups (pagoda.engine.kv.layout, docs/engine.md): grouped (sliding-window blocks outside
+    # the window reused; recurrent states in slots) | uniform (every attention layer keeps every block)
+    kv_cache_layout: str = "grouped"
+    num_state_slots: Optional[int] = None  # recurrent-state slots, null slot included (None: 2 per sequence + 1)
+    state_checkpoint_interval: int = 0  # tokens between periodic state checkpoints (0: none; kv.state_manager)
     max_model_len: Optional[int] = None  # default: the model's max_position_embeddings
     max_num_seqs: int = 64
     # Cap for requests that leave max_tokens unset (None: what max_model_len leaves, as
@@ -318,6 +302,9 @@ class EngineConfig:
     quantization: Optional[str] = None  # None | int8 | fp8 (weights only; pagoda.models.quant, .fp8)
     enable_cuda_graphs: bool = True  # decode steps replay CUDA graphs (CUDA + Triton kernels only)
     load_format: str = "safetensors"  # safetensors | dummy (seeded random weights: benchmarks)
+    # Sampling defaults for fields a request leaves unset: auto (the model folder's
+    # generation_config.json, as vLLM's) | none (SamplingParams' own). models.config.generation_defaults.
+    generation_config: str = "auto"
     # Overlap the host's work (scheduling, outputs) with the device's, one step deep
     # (pagoda.engine.core.engine_core). Ignored, with a warning, under speculative decoding.
     async_scheduling: bool = False

@@ -54,7 +54,8 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if isinstance(sampling_params, SamplingParams) or sampling_params is None:
-            params_list = [sampling_params or SamplingParams()] * len(prompts)
+            # None: the model's sampling defaults (generation_config.json), as vLLM's LLM applies them.
+            params_list = [sampling_params or SamplingParams.from_dict({})] * len(prompts)
         else:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):

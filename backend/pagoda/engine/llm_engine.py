@@ -49,8 +49,10 @@ from pagoda.engine.output_processor import OutputProcessor
 from pagoda.engine.parallel import make_executor
 from pagoda.engine.outputs import RequestOutput
 from pagoda.engine.request import EngineRequest, PromptType, RequestStatus
+from pagoda.engine.resume import resumed_output
 from pagoda.engine.sampling_params import SamplingParams
 from pagoda.engine.stats import EngineStats, collect_stats
+from pagoda.models.generation_config import generation_defaults
 from pagoda.models.registry import config_from_pretrained
 from pagoda.models.gguf_import import ensure_default_model
 from pagoda.models.tokenizer import Tokenizer
@@ -70,6 +72,8 @@ class LLMEngine:
         self.model_path = model_path
         self.model_config = config_from_pretrained(model_path)
         self.tokenizer = Tokenizer.from_pretrained(model_path)
+        # The model's sampling defaults (generation_config.json) unless turned off; SamplingParams.with_defaults.
+        self.generation_defaults = generation_defaults(model_path) if self.config.generation_config == "auto" else {}
         vocab_size = self.model_config.vocab_size
         eos_ids = sorted(self.tokenizer.eos_token_ids)
         self.executor = make_executor(self.config, self.model_config, model_path,
@@ -130,16 +134,20 @@ class LLMEngine:
 
         Its ``options.lora_name`` must name a loaded adapter; past its ``options.timeout``
         (seconds from arrival) it ends with a "deadline exceeded" error output
-        (``pagoda.engine.core.load_shedding``); ``params.n > 1`` runs ``n`` children.
+        (``pagoda.engine.core.load_shedding``); ``params.n > 1`` runs ``n`` children;
+        ``options.resume`` continues a request another replica began (``engine.resume``).
 
         Raises:
             ValueError: as ``InputProcessor.process`` (duplicate id, empty prompt, token ids
                 outside the vocabulary, a capability this engine lacks, an unknown
                 ``lora_name``), or a request that can never fit (prompt + max_tokens over
-                ``max_model_len`` or over the whole KV cache). Nothing is queued then.
+                ``max_model_len`` or over the whole KV cache), a ``resume`` it cannot continue.
+                Nothing is queued then.
             EngineOverloaded: the waiting queue is full (admission control); nothing is
                 queued, retry later.
         """
+        if self.generation_defaults:  # the model's own, for what the request left unset (vLLM's "auto")
+            request = dataclasses.replace(request, params=request.params.with_defaults(self.generation_defaults))
         processed = self.input_processor.process(request)
         if request.arrival_time is None:
             request = dataclasses.replace(request, arrival_time=time.time())
@@ -148,13 +156,18 @@ class LLMEngine:
                                            self.core.scheduler.num_running)
         if not verdict.admit:
             raise EngineOverloaded(verdict.reason, self.admission.retry_after_s)
+        resumed = resumed_output(request, processed.token_ids, self.tokenizer, self.input_processor.vocab_size)
         children = self.core.make_requests(request, processed.token_ids, processed.bad_words_token_ids)
+        if resumed is not None:  # its output so far, before anything reads the request (engine.resume)
+            children[0].append_output_token_ids(resumed.token_ids)
         # Validates fit (raises ValueError) before anything is tracked; a guided request
         # waits for its grammar in the core.
         self.core.add_requests(children, request.params.guided_decoding, request.request_id)
+        if resumed is not None and request.params.guided_decoding is not None:
+            self.core.guided.replay(request.request_id, resumed.token_ids)  # its matcher consumes them first
         self.output_processor.add_request(request.request_id, processed.text, processed.token_ids, request.params,
                                           child_request_ids(request.request_id, request.params.n),
-                                          request.arrival_time)
+                                          request.arrival_time, resumed)
         self._fail_requests({self.output_processor.group_of(v.request_id) for v in verdict.victims},
                             lambda child0: overload_message(
             "displaced from the waiting queue by a more urgent request", self.admission.retry_after_s))
@@ -174,10 +187,12 @@ class LLMEngine:
         timeout: Optional[float] = None,
     ) -> None:
         """``add(EngineRequest(...))`` with the envelope's fields as arguments (the offline
-        API, tests and benches); ``params=None``: ``SamplingParams()``. Raises as ``add``, and
+        API, tests and benches); ``params=None``: the model's sampling defaults (``SamplingParams.from_dict({})``
+        then ``with_defaults``). Raises as ``add``, and
         ValueError naming an option that is not valid (``RequestOptions``)."""
         options = RequestOptions(priority=priority, cache_salt=cache_salt, lora_name=lora_name, timeout=timeout)
-        self.add(EngineRequest(request_id, prompt, params or SamplingParams(), options, arrival_time=arrival_time))
+        params = params if params is not None else SamplingParams.from_dict({})
+        self.add(EngineRequest(request_id, prompt, params, options, arrival_time=arrival_time))
 
     def tokenize_prompt(self, text: str, params: Optional[SamplingParams] = None) -> list[int]:
         """A text prompt's token ids, for ``EngineRequest.prompt_token_ids`` (any thread:

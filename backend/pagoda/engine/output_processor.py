@@ -23,6 +23,10 @@ Prompt log-probabilities (``SamplingParams.prompt_logprobs``) arrive with a chil
 output; the group keeps the first child's that came and every ``RequestOutput`` of the
 request carries them from then on (``None`` entry for the first prompt position).
 
+A resumed request (``engine.resume``: moved here from a replica that failed) starts with
+its earlier tokens and their text as its own, the characters its client has counted as
+emitted: stop strings see the whole text, deltas carry only what the client lacks.
+
 n > 1 (the fan-in; the fan-out is ``engine.request_groups.parallel_sampling``'s): a user request's
 ``n`` children are one *group*; their outputs are reported together under the user's
 request id, once any child progressed. The group is finished when every child is.
@@ -37,6 +41,7 @@ from typing import Iterable, Optional, Union
 from pagoda.engine.stats import LatencyWindow
 from pagoda.engine.core.engine_core import EngineCoreOutput
 from pagoda.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
+from pagoda.engine.resume import ResumedOutput
 from pagoda.engine.sampling_params import SamplingParams
 from pagoda.models.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -95,8 +100,10 @@ class OutputProcessor:
 
     # ----------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt: Optional[str], prompt_token_ids: list[int],
-                    params: SamplingParams, child_ids: list[str], arrival_time: float) -> None:
-        """Track a user request whose children (``child_ids``, ``params.n`` of them) the core runs."""
+                    params: SamplingParams, child_ids: list[str], arrival_time: float,
+                    resumed: Optional[ResumedOutput] = None) -> None:
+        """Track a user request whose children (``child_ids``, ``params.n`` of them) the core runs;
+        ``resumed``: the output its one completion has already (``engine.resume``)."""
         assert request_id not in self._groups, f"request {request_id!r} is already tracked"
         with_logprobs = params.logprobs is not None
         completions = [
@@ -104,6 +111,8 @@ class OutputProcessor:
                         logprobs=[] if with_logprobs else None, cumulative_logprob=0.0 if with_logprobs else None)
             for child_id in child_ids
         ]
+        if resumed is not None:
+            _continue(completions[0], resumed)
         group = _Group(request_id, prompt, list(prompt_token_ids), params, RequestMetrics(arrival_time=arrival_time),
                        completions)
         self._groups[request_id] = group
@@ -241,7 +250,8 @@ class OutputProcessor:
         if scheduled is not None and (m.first_scheduled_time is None or scheduled < m.first_scheduled_time):
             m.first_scheduled_time = scheduled
         if group.completions[0].request_id == core_output.request_id:
-            group.num_cached_tokens = core_output.num_cached_tokens
+            # Prompt tokens only: a resumed request's hit may cover its earlier output too.
+            group.num_cached_tokens = min(core_output.num_cached_tokens, len(group.prompt_token_ids))
         if not num_new:
             return
         self.num_generation_tokens += num_new
@@ -283,6 +293,18 @@ class OutputProcessor:
         self._groups.pop(group.request_id, None)
         for c in group.completions:
             self._child_of.pop(c.request_id, None)
+
+
+def _continue(completion: _Completion, resumed: ResumedOutput) -> None:
+    """A resumed completion: its earlier tokens and text are its own, and only what the
+    client lacks is emitted (the held-back text with the next delta, no earlier token)."""
+    completion.detokenizer = resumed.detokenizer
+    completion.token_ids = list(resumed.token_ids)
+    completion.num_emitted_tokens = len(resumed.token_ids)
+    completion.text = resumed.text
+    completion.num_emitted_chars = resumed.num_sent_chars
+    if completion.cumulative_logprob is not None and resumed.cumulative_logprob is not None:
+        completion.cumulative_logprob = resumed.cumulative_logprob
 
 
 def _apply_stop_strings(completion: _Completion, params: SamplingParams) -> bool:

@@ -84,8 +84,13 @@ class SamplingParams:
     beam_width: Optional[int] = None
     length_penalty: float = 1.0
     early_stopping: Union[bool, str] = False
+    # The fields a request gave (``from_dict``: its keys). ``None``: built in Python, every field
+    # meant as written. The model's sampling defaults fill the others (``with_defaults``).
+    given: Optional[frozenset] = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if self.given is not None and not isinstance(self.given, frozenset):
+            self.given = frozenset(self.given)
         self.stop = _as_list("stop", [self.stop] if isinstance(self.stop, str) else self.stop)
         self.stop_token_ids = _as_list("stop_token_ids", self.stop_token_ids)
         # Only the integer -1 means "disabled"; -1.0 or True must still fail validation.
@@ -211,24 +216,38 @@ class SamplingParams:
         """
         if not isinstance(values, dict):
             raise ValueError(f"sampling parameters must be a JSON object, got {type(values).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
+        known = {f.name for f in dataclasses.fields(cls)} - {"given"}
         # str(): JSON keys are strings, but a dict built in Python may mix key types.
         unknown = sorted(str(key) for key in set(values) - known)
         if unknown:
             raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-        return cls(**values)
+        return cls(**values, given=frozenset(values))
 
     def to_dict(self) -> dict[str, Any]:
-        """The fields that differ from their defaults, as JSON values (``from_dict`` reads them back)."""
+        """The fields given or differing from their defaults, as JSON values (``from_dict`` reads
+        them back, with the same ``given``)."""
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
+            if f.name == "given":
+                continue
             value = getattr(self, f.name)
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            if value != default:
+            if value != default or f.name in (self.given or ()):
                 out[f.name] = value.to_dict() if isinstance(value, GuidedDecodingParams) else value
         return out
 
+    def with_defaults(self, defaults: dict[str, Any]) -> "SamplingParams":
+        """These params with ``defaults`` (the model's: ``models.generation_config``) for the fields
+        the request did not give; built in Python (``given`` None), they are kept as written.
+
+        Raises:
+            ValueError: a default that is not valid for its field (naming it).
+        """
+        unset = {name: value for name, value in defaults.items() if self.given is not None and name not in self.given}
+        return self.clone(**unset) if unset else self
+
     def clone(self, **changes: Any) -> "SamplingParams":
+        """A copy with ``changes`` (checked again); what the request gave stays given."""
         return dataclasses.replace(self, **changes)
 
 

@@ -9,8 +9,12 @@ tensor-parallel step must broadcast and what a KV connector must know:
 
 * ``is_new``: the runner has not seen the request since its last (re)admission (first
   schedule, after a preemption or a failed step); it starts a fresh state for it.
-* ``new_block_ids``: blocks appended to the request's table since the runner last saw it
-  (the whole table when ``is_new``); tables only grow while a request runs.
+* ``new_block_ids``: per KV cache group (``engine.kv.layout``; one group for a model
+  whose layers are alike), blocks appended to the request's table since the runner last
+  saw it (the whole table when ``is_new``); tables only grow while a request runs. (A
+  sliding-window group frees blocks outside the window by nulling their entries on the
+  scheduler's side; the runner keeps the old ids there, which its kernels never read:
+  they read only the window.) The state group's table is the request's working slot.
 * ``token_ids``: the step's input tokens from ``num_computed_tokens`` on, then the drafts,
   less the first one when the runner sampled it (``num_runner_tokens == 1``: a decode of
   a request the runner has sampled for since its admission; the token is a placeholder of
@@ -37,10 +41,16 @@ class ScheduledRequest:
     # The step's tokens (all_token_ids[num_computed_tokens : num_computed_tokens + num_new_tokens], then the
     # drafts), less the first when the runner holds it (num_runner_tokens): see the module docstring.
     token_ids: list[int]
-    is_new: bool  # the runner starts a fresh state for the request (its table is new_block_ids)
-    new_block_ids: list[int]  # blocks appended to the request's table since the runner last saw it
+    is_new: bool  # the runner starts a fresh state for the request (its tables are new_block_ids)
+    # Per KV cache group: blocks appended to the request's table since the runner last saw it
+    # (a flat list is taken as the one group's).
+    new_block_ids: tuple[list[int], ...]
     is_sampling: bool  # this step reaches the end of the known tokens: sample one
     spec_token_ids: list[int] = field(default_factory=list)  # drafted tokens verified this step
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.new_block_ids, tuple):
+            self.new_block_ids = (list(self.new_block_ids),)
 
     @property
     def request_id(self) -> str:
@@ -63,6 +73,11 @@ class SchedulerOutput:
     blocks_to_swap_in: BlockPairs = field(default_factory=list)  # host -> device (swapped requests)
     blocks_to_copy_back: BlockPairs = field(default_factory=list)  # host -> device (prefix hits)
     blocks_to_copy: BlockPairs = field(default_factory=list)  # device -> device (a beam fork's partial block)
+    # Recurrent-state slots (engine.kv.state_manager), (src, dst) slot ids:
+    states_to_swap_out: BlockPairs = field(default_factory=list)  # device -> host, with blocks_to_swap_out
+    states_to_swap_in: BlockPairs = field(default_factory=list)  # host -> device, with blocks_to_swap_in
+    states_to_restore: BlockPairs = field(default_factory=list)  # checkpoint -> working slot, before the forward
+    states_to_checkpoint: BlockPairs = field(default_factory=list)  # working slot -> checkpoint, after the forward
     step_id: int = 0  # echoed by the runner in ``ModelRunnerOutput.step_id``
 
     @property
@@ -74,4 +89,5 @@ class SchedulerOutput:
         """Whether the device side must see this step: requests, KV copies, or runner
         states to drop (every plan that changes the runner's states reaches it)."""
         return bool(self.scheduled or self.blocks_to_swap_out or self.blocks_to_swap_in or self.blocks_to_copy_back
-                    or self.blocks_to_copy or self.preempted_request_ids or self.finished_request_ids)
+                    or self.blocks_to_copy or self.preempted_request_ids or self.finished_request_ids
+                    or self.states_to_swap_out or self.states_to_swap_in or self.states_to_restore)

@@ -60,6 +60,14 @@ class EngineStats:
     num_offloaded_blocks: int = 0  # cached blocks evicted from the device, copied to the host
     num_host_blocks: int = 0
     num_free_host_blocks: int = 0
+    # Recurrent states of a hybrid model (zero without; pagoda.engine.kv.state_manager): requests
+    # that resumed a state checkpoint instead of recomputing their prefix, the tokens skipped so,
+    # checkpoint copies taken, and the state pool (null slot excluded).
+    num_state_restores: int = 0
+    num_state_restored_tokens: int = 0
+    num_state_checkpoints: int = 0
+    num_state_slots: int = 0
+    num_free_state_slots: int = 0
     # LoRA (vLLM's lora_requests_info): adapters of running / waiting requests, and the slot count.
     running_lora_adapters: tuple = ()
     waiting_lora_adapters: tuple = ()
@@ -115,7 +123,7 @@ def collect_stats(engine: Any) -> EngineStats:
         step_wait_s=total.wait_s, last_step_host_s=last.host_s, last_step_device_s=last.device_s,
         last_step_device_idle_s=last.device_idle_s,
         **_spec_stats(engine.speculator),
-        **_offload_stats(s.host_tier),
+        **_offload_stats(s.host_tier), **s.kv_cache_manager.state_stats(),
         **_lora_stats(engine),
         **engine.admission.stats(),
         ttft_p90=ttft_p90, recent_ttfts=recent_ttfts, cache_config_info=_cache_config_info(engine),

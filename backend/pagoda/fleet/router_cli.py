@@ -20,9 +20,19 @@ import sys
 from typing import Optional
 
 from pagoda.fleet.gate.limits import RequestLimits
+from pagoda.fleet.parsers.reasoning import REASONING_PARSERS
+from pagoda.fleet.parsers.tool_calls import TOOL_PARSERS
 from pagoda.fleet.service import RouterOptions, RouterService
 
 POLICIES = ("random", "round_robin", "least_loaded", "prefix_aware", "precise", "approximate")
+
+
+def add_parser_flags(p: argparse.ArgumentParser) -> None:
+    """``--reasoning-parser`` and ``--tool-call-parser`` (``fleet.parsers``; ``pagoda serve`` has them too)."""
+    p.add_argument("--reasoning-parser", choices=("none", "harmony", *REASONING_PARSERS),
+                   help="how chat answers' reasoning is read (default: from the chat template; none: not at all)")
+    p.add_argument("--tool-call-parser", choices=("harmony", *TOOL_PARSERS),
+                   help="the tool-call format of tool_choice auto answers (default: from the chat template)")
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -40,6 +50,12 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-runtime-lora", action="store_true",
                    help="accept /v1/load_lora_adapter and /v1/unload_lora_adapter (and `pagoda lora` control "
                         "requests), applied to every replica (started with --allow-runtime-lora)")
+    add_parser_flags(p)
+    p.add_argument("--response-store", action="store_true",
+                   help="keep Responses API turns so a request can continue one (previous_response_id): in the "
+                        "fleet's Redis with --redis-url, else in the router's memory; off by default")
+    p.add_argument("--response-store-ttl", type=float, default=3600.0, metavar="SECONDS",
+                   help="how long a stored Responses API turn is kept (default 3600)")
     p.add_argument("--hash-model-id",
                    help="block-hash root (default: the model folder's name; replicas' heartbeats override)")
     p.add_argument("--replicas",
@@ -67,6 +83,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--peer-pull-min-blocks", type=int, default=4,
                    help="pull a prefix a peer holds when it gains this many blocks and beats recomputing "
                         "(docs/kv_transfer.md); 0: never")
+    p.add_argument("--migration-limit", type=int, default=3, metavar="N",
+                   help="times one request may move to another replica when its replica fails mid-request "
+                        "(docs/reliability.md: restarted while nothing was sent, resumed once it streamed); 0: off")
     _add_tenant_flags(p)
     limits = p.add_argument_group("limits", "input limits; a request over one gets a 4xx naming it")
     for f in dataclasses.fields(RequestLimits):
@@ -92,7 +111,7 @@ def options_from_args(args: argparse.Namespace) -> RouterOptions:
     """The ``RouterOptions`` parsed flags describe.
 
     Raises:
-        ValueError: a ``--policy-knob`` that is not ``KEY=VALUE``.
+        ValueError: a ``--policy-knob`` that is not ``KEY=VALUE``, a negative ``--migration-limit``.
     """
     knobs = {}
     for item in args.policy_knob:
@@ -100,15 +119,20 @@ def options_from_args(args: argparse.Namespace) -> RouterOptions:
         if not sep:
             raise ValueError(f"--policy-knob: expected KEY=VALUE, got {item!r}")
         knobs[key] = float(value)
+    if args.migration_limit < 0:
+        raise ValueError(f"--migration-limit: must be >= 0 (0 turns migration off), got {args.migration_limit}")
     return RouterOptions(
         model_dir=args.model_dir, model_name=args.model_name, hash_model_id=args.hash_model_id,
         lora_names=tuple(args.lora), allow_runtime_lora=args.allow_runtime_lora,
+        reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
+        response_store=args.response_store, response_store_ttl_s=args.response_store_ttl,
         replicas=args.replicas, k8s_selector=args.k8s_selector, k8s_namespace=args.k8s_namespace,
         k8s_api=args.k8s_api, redis_url=args.redis_url, policy=args.policy, policy_knobs=knobs,
         index_mode=args.index_mode, redis_timeout_s=args.redis_timeout_ms / 1e3, host=args.host,
         http_port=args.http_port, grpc_port=None if args.no_grpc else args.grpc_port,
         otlp_endpoint=args.otlp_endpoint, block_size=args.block_size, health_interval_s=args.health_interval,
         max_attempts=args.max_attempts, peer_pull_min_blocks=args.peer_pull_min_blocks,
+        migration_limit=args.migration_limit,
         api_keys_file=args.api_keys_file, share_prefix_cache=args.share_prefix_cache,
         router_secret_file=args.router_secret_file, tenant_requests_per_minute=args.tenant_rpm,
         tenant_tokens_per_minute=args.tenant_tpm, tenant_max_concurrent=args.tenant_max_concurrent,

@@ -46,6 +46,7 @@ from pagoda.fleet.shutdown import STOP_PHASE_S, bounded
 
 if TYPE_CHECKING:
     from pagoda.fleet.api.lora_admin import LoRAAdmin
+    from pagoda.fleet.api.response_store import ResponseStore
     from pagoda.fleet.api.tracing import RouterTracer
     from pagoda.fleet.gate.gate import Gate
     from pagoda.fleet.routing.replicas import Replica
@@ -69,6 +70,10 @@ class RouterOptions:
     model_name: Optional[str] = None
     lora_names: tuple = ()  # LoRA adapters the replicas serve (OpenAI model names)
     allow_runtime_lora: bool = False  # /v1/load_lora_adapter, /v1/unload_lora_adapter (lora_admin)
+    reasoning_parser: Optional[str] = None  # fleet.parsers: None detects it from the chat template
+    tool_call_parser: Optional[str] = None
+    response_store: bool = False  # keep Responses API turns for previous_response_id (fleet.api.response_store)
+    response_store_ttl_s: float = 3600.0
     hash_model_id: Optional[str] = None
     replicas: Optional[str] = None
     k8s_selector: Optional[str] = None
@@ -88,6 +93,7 @@ class RouterOptions:
     health_interval_s: float = 2.0
     max_attempts: int = 2
     peer_pull_min_blocks: int = 4  # pull a prefix a peer holds from this many blocks on; 0: never (routing.peer_pull)
+    migration_limit: int = 3  # migrations per request when its replica fails (api.migration); 0: off
     # Tenants (pagoda.fleet.gate.auth): keys file (else $PAGODA_API_KEYS; neither: open mode).
     api_keys_file: Optional[str] = None
     share_prefix_cache: bool = False
@@ -211,6 +217,17 @@ class RouterService:
         self._discovery = KubernetesDiscovery(self.router.replicas, o.k8s_selector, config)
         self._discovery.start()
 
+    def _response_store(self) -> Optional["ResponseStore"]:
+        """Where Responses API turns are kept: the fleet's Redis when the router has one, else memory."""
+        from pagoda.fleet.api.response_store import MemoryResponseStore, RedisResponseStore
+
+        o = self.options
+        if not o.response_store:
+            return None
+        if self._redis is not None:
+            return RedisResponseStore(self._redis, self.model_name, o.response_store_ttl_s)
+        return MemoryResponseStore(o.response_store_ttl_s)
+
     async def _serve_doors(self) -> None:
         """The doors over the composed pieces: gRPC, then HTTP with the OpenAI routes."""
         from aiohttp import web
@@ -218,14 +235,22 @@ class RouterService:
         from pagoda.fleet.api.grpc_proxy import GrpcProxy, make_grpc_server
         from pagoda.fleet.api.http_api import make_app
         from pagoda.fleet.api.http_runner import make_runner
+        from pagoda.fleet.api.messages_api import MessagesApi
         from pagoda.fleet.api.openai_api import OpenAIApi
+        from pagoda.fleet.api.responses_api import ResponsesApi
+        from pagoda.fleet.api.migration import Migrations
         from pagoda.fleet.api.upstream import GrpcUpstream
 
         o = self.options
-        upstream = self.upstream = GrpcUpstream(self.router, self.gate, o.max_attempts, o.peer_pull_min_blocks)
+        migrations = Migrations(o.migration_limit)  # one for every door: /metrics counts them all
+        upstream = self.upstream = GrpcUpstream(self.router, self.gate, o.max_attempts, o.peer_pull_min_blocks,
+                                                migrations)
         grpc_door = GrpcProxy(self.router, self.tracer, self.gate, upstream)
-        openai_door = OpenAIApi(self.router, self.tracer, self.gate, self.lora_admin, upstream, self.model_name)
-        app = make_app(self.router, self.tracer, self.gate, self.lora_admin, openai_door)
+        openai_door = OpenAIApi(self.router, self.tracer, self.gate, self.lora_admin, upstream, self.model_name,
+                                parsers=(self.options.reasoning_parser, self.options.tool_call_parser))
+        app = make_app(self.router, self.tracer, self.gate, self.lora_admin, openai_door, migrations)
+        ResponsesApi(openai_door, self._response_store()).add_routes(app)
+        MessagesApi(openai_door).add_routes(app)
         if o.grpc_port is not None:
             self._grpc_server, self.grpc_port = make_grpc_server(grpc_door, o.host, o.grpc_port)
             await self._grpc_server.start()

@@ -160,3 +160,9 @@ def keep_outputs(response: Any, names: set[str]) -> None:
             del response.outputs[index]
             if uses_raw:
                 del response.raw_output_contents[index]
+
+
+def drop_output(response: Any, name: str) -> None:
+    """Remove the output ``name`` of a ``ModelInferResponse`` (with its raw contents), if it has it."""
+    if any(tensor.name == name for tensor in response.outputs):
+        keep_outputs(response, {tensor.name for tensor in response.outputs} - {name})

@@ -1,7 +1,8 @@
 """The single dispatch point for hot-path kernels.
 
 The model calls only the functions below (attention, KV write, norm, rotary, LoRA, the
-MoE experts, and ``w8a16_linear`` for 8-bit weights). Each picks an implementation per call:
+MoE experts, ``w8a16_linear`` for 8-bit weights, and Gated DeltaNet's causal conv1d, gated
+delta rule and gated RMSNorm, which read and write per-sequence state slots). Each picks an implementation per call:
 OpenAI-Triton kernels for CUDA tensors; on a CPU pagoda's C++ kernels where they apply
 (``cpu_native``: decode attention, RMSNorm, rotary, silu * up; ``PAGODA_CPU_KERNELS``),
 torch references otherwise. ``PAGODA_KERNELS`` overrides the choice (``triton`` forces
@@ -20,11 +21,12 @@ import os
 
 import torch
 
-from pagoda.kernels import cpu_native, reference, w8a16
-from pagoda.kernels.metadata import AttentionMetadata
+from pagoda.kernels import cpu_native, reference, reference_gdn, w8a16
+from pagoda.kernels.metadata import AttentionMetadata, StateCache
 
-__all__ = ["AttentionMetadata", "paged_attention", "write_kv", "rms_norm", "apply_rotary", "lora_apply",
-           "w8a16_linear", "moe_experts", "silu_mul", "use_triton", "reload_settings"]
+__all__ = ["AttentionMetadata", "StateCache", "paged_attention", "write_kv", "rms_norm", "apply_rotary",
+           "lora_apply", "w8a16_linear", "moe_experts", "silu_mul", "use_triton", "causal_conv1d",
+           "gated_delta_rule", "gated_rms_norm", "reload_settings"]
 
 _settings = {"kernels": os.environ.get("PAGODA_KERNELS", "auto")}
 
@@ -141,3 +143,32 @@ def w8a16_linear(x, qweight, scale):
 
         return triton_w8a16.w8a16_linear(x, qweight, scale)
     return w8a16.w8a16_linear_ref(x, qweight, scale)
+
+
+def causal_conv1d(x, weight, bias, conv_states, meta: AttentionMetadata):
+    """Causal depthwise conv1d + SiLU per sequence of the step, continuing and updating each
+    sequence's conv state slot (``reference_gdn.causal_conv1d`` has the contract)."""
+    if use_triton(x):
+        from pagoda.kernels import triton_ops
+
+        return triton_ops.causal_conv1d(x, weight, bias, conv_states, meta)
+    return reference_gdn.causal_conv1d(x, weight, bias, conv_states, meta)
+
+
+def gated_delta_rule(q, k, v, g, beta, ssm_states, meta: AttentionMetadata, chunk_size: int = 64):
+    """The gated delta rule per sequence (recurrent for single tokens, chunked for longer
+    ones), from and to each sequence's state slot (``reference_gdn`` has the contract)."""
+    if use_triton(v):
+        from pagoda.kernels import triton_ops
+
+        return triton_ops.gated_delta_rule(q, k, v, g, beta, ssm_states, meta, chunk_size)
+    return reference_gdn.gated_delta_rule(q, k, v, g, beta, ssm_states, meta, chunk_size)
+
+
+def gated_rms_norm(x, gate, weight, eps: float):
+    """``rmsnorm(x) * weight * silu(gate)`` over the last dimension (Gated DeltaNet's output norm)."""
+    if use_triton(x):
+        from pagoda.kernels import triton_ops
+
+        return triton_ops.gated_rms_norm(x, gate, weight, eps)
+    return reference_gdn.gated_rms_norm(x, gate, weight, eps)

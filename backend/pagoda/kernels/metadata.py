@@ -13,14 +13,36 @@ KV cache layout, per layer: ``k_cache`` and ``v_cache`` are each
 sequence ``s`` lives in block ``block_tables[s, p // block_size]`` at offset
 ``p % block_size``. ``slot_mapping[t] = block * block_size + offset`` is where query token
 ``t``'s new K/V are written.
+
+Recurrent state (linear-attention layers: Gated DeltaNet): such a layer keeps no per-token
+cache but one fixed-size state per sequence, in a slot of its ``StateCache``
+(``conv_states[num_slots, conv_dim, kernel_size - 1]``, ``ssm_states[num_slots, ...]``).
+``state_indices[s]`` is sequence ``s``'s slot; with ``has_initial_state[s]`` false the
+layer starts from zeros (the slot's old contents are never read), else from the slot.
+After the step the slot holds the state after the sequence's last query token. A negative
+slot marks a padding row (CUDA graphs): nothing is read or written for it. Models without
+such layers leave both ``None``.
+
+KV cache groups (``engine.kv.layout``): layers whose caches differ (sliding-window and
+full attention) keep separate block tables, so each group has its own ``slot_mapping``
+and ``block_tables`` over the same sequences. The runner then sets ``layer_metadata``
+(per layer, its group's metadata) and a model's layer loop passes ``meta.for_layer(i)``
+to layer ``i``; with one group it is the metadata itself.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
+
+
+class StateCache(NamedTuple):
+    """One linear-attention layer's per-sequence state, the slot as first dimension of each."""
+
+    conv_states: torch.Tensor  # [num_slots, conv_dim, kernel_size - 1], the model dtype
+    ssm_states: torch.Tensor  # [num_slots, num_v_heads, head_k_dim, head_v_dim], float32
 
 
 @dataclass
@@ -39,6 +61,17 @@ class AttentionMetadata:
     # The torch (CPU) attention path's gather indices and masks for this step, made by the
     # first layer that needs them and reused by every other (``reference.cpu_plan``).
     cpu_plans: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
+    # Linear-attention state slots (module docstring); None for models without such layers.
+    state_indices: Optional[torch.Tensor] = None  # [num_seqs] int32, the slot of each sequence
+    has_initial_state: Optional[torch.Tensor] = None  # [num_seqs] bool: read the slot (else zeros)
+    state_indices_host: Optional[list[int]] = None
+    has_initial_state_host: Optional[list[bool]] = None
+    # Per layer, its KV cache group's metadata (None: one group, this one).
+    layer_metadata: Optional[list["AttentionMetadata"]] = field(default=None, repr=False, compare=False)
+
+    def for_layer(self, layer_idx: int) -> "AttentionMetadata":
+        """The metadata layer ``layer_idx`` reads (its KV cache group's block tables)."""
+        return self if self.layer_metadata is None else self.layer_metadata[layer_idx]
 
     @property
     def num_seqs(self) -> int:
@@ -58,6 +91,8 @@ class AttentionMetadata:
         block_tables: list[list[int]],
         block_size: int,
         device: torch.device | str = "cpu",
+        state_indices: Optional[list[int]] = None,
+        has_initial_state: Optional[list[bool]] = None,
     ) -> "AttentionMetadata":
         """Build metadata from host lists.
 
@@ -66,8 +101,20 @@ class AttentionMetadata:
             seq_lens: context length per sequence after this step (>= query_lens).
             block_tables: block ids per sequence, covering at least ``seq_lens`` tokens.
             block_size: tokens per block.
+            state_indices: the state slot of each sequence (models with linear-attention
+                layers; negative: a padding row), or None.
+            has_initial_state: per sequence, whether its slot holds the state to start from
+                (default when ``state_indices`` is given: ``seq_lens > query_lens``).
         """
         assert len(query_lens) == len(seq_lens) == len(block_tables), "ragged metadata"
+        if state_indices is None and has_initial_state is not None:
+            raise ValueError("has_initial_state needs state_indices")
+        if state_indices is not None:
+            if has_initial_state is None:
+                has_initial_state = [s > q for q, s in zip(query_lens, seq_lens)]
+            if not len(state_indices) == len(has_initial_state) == len(query_lens):
+                raise ValueError(f"state_indices ({len(state_indices)}) and has_initial_state "
+                                 f"({len(has_initial_state)}) need one entry per sequence ({len(query_lens)})")
         slots: list[int] = []
         for q_len, s_len, table in zip(query_lens, seq_lens, block_tables):
             assert 0 < q_len <= s_len, f"bad lengths q={q_len} s={s_len}"
@@ -89,4 +136,10 @@ class AttentionMetadata:
             query_lens_host=list(query_lens),
             seq_lens_host=list(seq_lens),
             num_decode_seqs=sum(1 for n in query_lens if n == 1),
+            state_indices=None if state_indices is None else torch.tensor(
+                state_indices, dtype=torch.int32, device=device),
+            has_initial_state=None if has_initial_state is None else torch.tensor(
+                has_initial_state, dtype=torch.bool, device=device),
+            state_indices_host=None if state_indices is None else list(state_indices),
+            has_initial_state_host=None if has_initial_state is None else [bool(b) for b in has_initial_state],
         )

@@ -11,13 +11,16 @@ import triton  # noqa: F401  (ImportError here selects the torch references)
 
 from pagoda.kernels import triton_attention
 from pagoda.kernels.metadata import AttentionMetadata
+from pagoda.kernels.triton_conv1d import causal_conv1d
+from pagoda.kernels.triton_gdn import gated_delta_rule
 from pagoda.kernels.triton_kv_write import write_kv
 from pagoda.kernels.triton_lora import lora_apply
 from pagoda.kernels.triton_moe import moe_experts
-from pagoda.kernels.triton_norm import rms_norm
+from pagoda.kernels.triton_norm import gated_rms_norm, rms_norm
 from pagoda.kernels.triton_rotary import apply_rotary
 
-__all__ = ["paged_attention", "write_kv", "rms_norm", "apply_rotary", "moe_experts"]
+__all__ = ["paged_attention", "write_kv", "rms_norm", "apply_rotary", "moe_experts", "causal_conv1d",
+           "gated_delta_rule", "gated_rms_norm"]
 
 
 def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_scale: float = 1.0,

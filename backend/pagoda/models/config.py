@@ -20,6 +20,13 @@ token, each of ``moe_intermediate_size``; ``is_moe_layer(i)`` says which layers 
 sparse (``decoder_sparse_step`` and ``mlp_only_layers``, as Qwen3-MoE defines them;
 Mixtral: every layer).
 
+Hybrid families (Qwen3-Next, Qwen3.5; ``models/qwen3_next.py``): ``layer_types`` entries
+"linear_attention" / "full_attention" (``is_linear_attention_layer``), ``linear_attention`` the
+Gated DeltaNet's sizes (``LinearAttentionShape``), ``attention_output_gate``,
+``shared_expert_intermediate_size``; ``partial_rotary_factor`` (``rotary_dim`` leading
+dimensions of each head rotate) is set by those families' parsers only: elsewhere a
+``partial_rotary_factor`` in the rope parameters is still refused.
+
 Rotary frequencies: ``inv_freq()`` reproduces Hugging Face's computation bit for bit
 (float32 throughout), for the ``default``, ``linear``, ``llama3`` and ``yarn`` rope types;
 any other type raises ``ValueError`` naming it. YaRN (transformers' ``_compute_yarn_parameters``,
@@ -81,6 +88,14 @@ class ModelConfig:
     # num_nextn_predict_layers, Qwen3-Next's mtp_num_hidden_layers): loaded only by the MTP
     # speculative proposer (engine/spec_decode/mtp.py); the target's loader skips them.
     num_mtp_layers: int = 0
+    # Hybrid families (Qwen3-Next, Qwen3.5): "linear_attention" entries of layer_types are Gated
+    # DeltaNet layers of this shape; full-attention layers gate their output (attention_output_gate)
+    # and rotate only the first partial_rotary_factor of each head; a shared expert beside the
+    # routed ones (its gate a sigmoid) when shared_expert_intermediate_size > 0.
+    linear_attention: Optional["LinearAttentionShape"] = None
+    attention_output_gate: bool = False
+    partial_rotary_factor: float = 1.0
+    shared_expert_intermediate_size: int = 0
 
     def __post_init__(self) -> None:
         if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
@@ -94,11 +109,22 @@ class ModelConfig:
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
-        if self.head_dim % 2 != 0:
-            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.rotary_dim % 2 != 0 or self.rotary_dim < 2:
+            raise ValueError(f"rotary dimension (head_dim {self.head_dim} x partial_rotary_factor "
+                             f"{self.partial_rotary_factor}) must be even and >= 2, got {self.rotary_dim}")
         self.rope_type  # validates rope_scaling
 
     # ---- derived values ------------------------------------------------------------------
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many leading dimensions of each head the rotary embedding turns (transformers'
+        ``int(head_dim * partial_rotary_factor)``); the rest pass through."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def is_linear_attention_layer(self, layer_idx: int) -> bool:
+        """Whether layer ``layer_idx`` is a linear-attention (Gated DeltaNet) layer."""
+        return self.layer_types is not None and self.layer_types[layer_idx] == "linear_attention"
 
     @property
     def rope_type(self) -> str:
@@ -159,8 +185,8 @@ class ModelConfig:
         return length
 
     def inv_freq(self) -> torch.Tensor:
-        """Rotary inverse frequencies [head_dim // 2], float32, computed as Hugging Face does."""
-        dim = self.head_dim
+        """Rotary inverse frequencies [rotary_dim // 2], float32, computed as Hugging Face does."""
+        dim = self.rotary_dim
         exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float) / dim
         inv_freq = 1.0 / (self.rope_theta**exponents)
         if self.rope_type == "llama3":
@@ -190,6 +216,36 @@ class ModelConfig:
         factor = self.rope_scaling["factor"]  # None: the context extension the config implies
         return factor if factor is not None else (
             self.max_position_embeddings / self.rope_scaling["original_max_position_embeddings"])
+
+
+@dataclass(frozen=True)
+class LinearAttentionShape:
+    """A Gated DeltaNet layer's sizes (transformers' ``linear_*`` config fields)."""
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel_size: int
+
+    def __post_init__(self) -> None:
+        if self.num_value_heads % self.num_key_heads:
+            raise ValueError(f"linear_num_value_heads ({self.num_value_heads}) must be a multiple of "
+                             f"linear_num_key_heads ({self.num_key_heads})")
+        if self.conv_kernel_size < 2:
+            raise ValueError(f"linear_conv_kernel_dim must be >= 2, got {self.conv_kernel_size}")
+
+    @property
+    def key_dim(self) -> int:  # q (and k) channels
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:  # v (and z) channels
+        return self.num_value_heads * self.value_head_dim
+
+    @property
+    def conv_dim(self) -> int:  # the convolved channels: q, k and v
+        return 2 * self.key_dim + self.value_dim
 
 
 def read_config_json(path: Union[str, Path]) -> dict[str, Any]:

@@ -138,9 +138,9 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         assert len(kv_caches) == len(self.layers), f"need {len(self.layers)} KV caches, got {len(kv_caches)}"
         h = F.embedding(input_ids, self.embed_tokens) * self.embed_scale
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for idx, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             table = self.local_cos_sin_cache if layer.is_local else self.cos_sin_cache
-            h, residual = layer(h, residual, positions, table, kv_cache, meta, lora)
+            h, residual = layer(h, residual, positions, table, kv_cache, meta.for_layer(idx), lora)
         h, _ = kernels.rms_norm(h, self.norm, self.config.rms_norm_eps, residual)
         return h
 

@@ -9,7 +9,9 @@ where 4-bit weights should stay packed (on CUDA, or with ``PAGODA_KEEP_QUANTIZED
 ``install_int4_weights`` replaces each fused projection (q/k/v, gate/up, o, down) by an
 ``Int4Weight`` made by concatenating its shards' pieces along N — exact, since groups run
 along K. A projection whose shards disagree (group size, or act-order permutations that
-differ between q, k and v) keeps its float weight, and the log says which.
+differ between q, k and v) keeps its float weight, and the log says which; so does a
+projection its module lists in ``packed_unsupported`` (Qwen3-Next's DeltaNet projection, whose
+rows the model reorders at load).
 
 ``Int4Weight.matmul``: the Triton W4A16 kernel when the kernels serve the call and ``M <
 DEQUANT_ROWS``, else dequantize to the activation dtype + ``F.linear`` (the CPU path).
@@ -124,6 +126,8 @@ def _projections(model: nn.Module):
         shards.setdefault(id(target), []).append((start, name.removesuffix(".weight")))
     for module in model.modules():
         for attr in getattr(module, "linear_weights", ()):
+            if attr in getattr(module, "packed_unsupported", ()):  # rows reordered at load: served as float
+                continue
             weight = getattr(module, attr)
             yield module, attr, weight, [prefix for _, prefix in sorted(shards.get(id(weight), []))]
 

@@ -80,6 +80,7 @@ def projection(owner: nn.Module, name: str, x: torch.Tensor, bias: Optional[torc
 
 class Attention(nn.Module):
     linear_weights = ("qkv_weight", "o_weight")  # what quantize_model may replace
+    query_rows_per_head = 1  # qkv_weight rows per query channel (gated attention adds a gate row: 2)
     tp = None  # the tensor-parallel group once sharded (models/tensor_parallel.py): o_proj's all-reduce
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str, window: int = 0) -> None:
@@ -277,7 +278,7 @@ class LlamaForCausalLM(nn.Module):
         for idx, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             if idx in self.aux_layer_ids:
                 aux[idx] = h if residual is None else h + residual
-            h, residual = layer(h, residual, positions, self.cos_sin_cache, kv_cache, meta, lora)
+            h, residual = layer(h, residual, positions, self.cos_sin_cache, kv_cache, meta.for_layer(idx), lora)
         if aux:
             self.aux_hidden = torch.cat([aux[idx] for idx in self.aux_layer_ids], dim=-1)
         h, _ = kernels.rms_norm(h, self.norm, self.config.rms_norm_eps, residual)
@@ -304,6 +305,10 @@ class LlamaForCausalLM(nn.Module):
         return linear(hidden, getattr(self, "lm_head_packed", None) or self.lm_head)
 
     # ---- weights -------------------------------------------------------------------------
+
+    def match_checkpoint(self, names: set[str]) -> None:
+        """Pick the checkpoint layout ``names`` (the checkpoint's tensor names) use, for a family
+        whose checkpoints come in more than one (the default: one layout, nothing to pick)."""
 
     def expected_weight_names(self) -> set[str]:
         """The Hugging Face parameter names this model needs from a checkpoint."""
@@ -345,7 +350,8 @@ class LlamaForCausalLM(nn.Module):
 
 
 def make_cos_sin_cache(config: ModelConfig, device: torch.device | str = "cpu") -> torch.Tensor:
-    """[max_position_embeddings, head_dim] float32: cos in the first half, sin in the second.
+    """[max_position_embeddings, rotary_dim] float32 (rotary_dim: head_dim unless a hybrid family
+    rotates part of each head): cos in the first half, sin in the second.
 
     Angles are computed in float32 the way Hugging Face computes them (position times
     inverse frequency), so the rotation matches transformers exactly.

@@ -11,6 +11,9 @@ the checkpoint must be used (apart from a few known leftovers, such as an ``lm_h
 saved next to tied embeddings); anything else is an error naming the tensors, because a
 silently half-loaded model produces plausible-looking garbage.
 
+A family whose checkpoints come in two layouts picks one from the checkpoint's names before the
+check (``match_checkpoint``: Qwen3.5-MoE's experts per expert or fused).
+
 MXFP4 tensors (gpt-oss experts: ``<name>_blocks`` + ``<name>_scales``) count as ``<name>``
 and are dequantized as they are read (``pagoda.models.mxfp4``).
 
@@ -78,12 +81,13 @@ def load_model(
                          "quantization_config in config.json); serve it without --quantization")
     model = build_model(config, dtype=dtype, device=device)
     files = checkpoint_files(path)
-    expected = model.expected_weight_names()
     file_of: dict[str, Path] = {}  # stored name -> its file
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             file_of |= dict.fromkeys(f.keys(), file)
     names_in_checkpoint = mxfp4.logical_names(set(file_of))
+    model.match_checkpoint(names_in_checkpoint)  # a family with two checkpoint layouts picks one
+    expected = model.expected_weight_names()
     with contextlib.ExitStack() as stack:
         quantized = None
         if checkpoint_quant is not None:

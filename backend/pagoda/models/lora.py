@@ -241,6 +241,12 @@ class LoRASlots:
     """
 
     def __init__(self, model, num_slots: int, max_rank: int) -> None:
+        """Raises:
+            ValueError: a hybrid model (Gated DeltaNet layers, gated attention): its projections
+                have other shapes than the PEFT targets' and no adapter path is checked yet."""
+        if model.config.linear_attention is not None or model.config.attention_output_gate:
+            raise ValueError(f"LoRA adapters are not supported for {model.config.architecture} yet: its "
+                             "linear-attention and gated-attention projections have no adapter path")
         self.model, self.num_slots, self.max_rank = model, num_slots, max_rank
         config, dtype, device = model.config, model.dtype, model.device
         shapes = target_shapes(config)

@@ -127,8 +127,8 @@ class PipelineStage(nn.Module):
             both = torch.empty(2, num_tokens, self.config.hidden_size, dtype=self.dtype, device=self.device)
             self.group.recv(both, self.group.rank - 1)
             h, residual = both[0], both[1]
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            h, residual = layer(h, residual, positions, self.cos_sin_cache, kv_cache, meta, lora)
+        for idx, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches), start=self.first_layer):
+            h, residual = layer(h, residual, positions, self.cos_sin_cache, kv_cache, meta.for_layer(idx), lora)
         if not self.is_last:
             self.group.send(torch.stack([h, residual]), self.group.rank + 1)  # [2, num_tokens, hidden]
             return h.new_empty(num_tokens, 0)

@@ -20,7 +20,7 @@ from typing import Any, Callable, Union
 
 import torch
 
-from pagoda.models import gemma3, gpt_oss, llama, mixtral, qwen3, qwen3_moe
+from pagoda.models import gemma3, gpt_oss, llama, mixtral, qwen3, qwen3_5, qwen3_moe, qwen3_next
 from pagoda.models.config import ModelConfig, read_config_json
 
 
@@ -41,6 +41,10 @@ _FAMILIES = {f.architecture: f for f in (
     ModelFamily("Qwen3MoeForCausalLM", "qwen3_moe", qwen3_moe.parse_config, qwen3_moe.Qwen3MoeForCausalLM),
     ModelFamily("Gemma3ForCausalLM", "gemma3_text", gemma3.parse_config, gemma3.Gemma3ForCausalLM),
     ModelFamily("GptOssForCausalLM", "gpt_oss", gpt_oss.parse_config, gpt_oss.GptOssForCausalLM),
+    ModelFamily("Qwen3NextForCausalLM", "qwen3_next", qwen3_next.parse_config, qwen3_next.Qwen3NextForCausalLM),
+    ModelFamily("Qwen3_5ForCausalLM", "qwen3_5_text", qwen3_5.parse_config, qwen3_5.Qwen3_5ForCausalLM),
+    ModelFamily("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", qwen3_5.parse_moe_config,
+                qwen3_5.Qwen3_5MoeForCausalLM),
 )}
 SUPPORTED_ARCHITECTURES = tuple(_FAMILIES)
 

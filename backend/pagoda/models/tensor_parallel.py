@@ -22,6 +22,11 @@ and one gather of the logits (Shoeybi et al., "Megatron-LM"; vLLM's ``ColumnPara
   slice read zeros, one all-reduce; the LM head (tied or not) likewise: each rank computes
   its vocabulary slice of the logits and rank 0 gathers the full rows.
 * norms, the rotary table and the residual stream are replicated.
+* hybrid models (Qwen3-Next, Qwen3.5): gated attention as above, its ``q_proj`` rows taken
+  per head with their gate rows (``query_rows_per_head`` 2); a Gated DeltaNet layer keeps
+  ``Hk / tp`` key heads and the ``Hv / tp`` value heads they serve (its rows of q, k, v, z, b
+  and a, its conv channels, ``A_log``, ``dt_bias``), ``out_proj`` row-parallel with one
+  all-reduce, and a rank's state slots hold its heads only (``state_shapes`` after sharding).
 
 Invariants: the shards are exact slices of the whole model's tensors (so a model drawn or
 loaded whole and then sharded computes what the whole model computes, up to the order of
@@ -34,7 +39,7 @@ projection (``lora_slices``): a column-parallel projection keeps B's rows of its
 (A whole), a row-parallel one keeps A's columns of its inputs (B whole), so each rank's
 delta is its partial product and the layer's one all-reduce sums it with the base (the
 slices are taken by ``models.lora.LoRASlots`` from ``tp_shards``, which this module sets). Families with other pieces
-(mixture of experts, Gemma 3, gpt-oss) and fp8/int4 weights are refused for now.
+(mixture of experts, Qwen3-Next and Qwen3.5-MoE included, Gemma 3, gpt-oss) and fp8/int4 weights are refused for now.
 
 This module never imports the engine: ``group`` is anything with ``rank``, ``size``,
 ``all_reduce(t)`` (in place, sum) and ``gather_logits(t)`` (rank 0: the slices
@@ -49,11 +54,13 @@ import torch
 from torch import nn
 
 from pagoda.models.config import ModelConfig
+from pagoda.models.gated_deltanet import GatedDeltaNet
 from pagoda.models.llama import MLP, Attention, LlamaForCausalLM
 from pagoda.models.qwen3 import Qwen3Attention
+from pagoda.models.qwen3_next import GatedAttention
 from pagoda.models.quant import Int8Weight
 
-_ATTENTION_TYPES = (Attention, Qwen3Attention)
+_ATTENTION_TYPES = (Attention, Qwen3Attention, GatedAttention)
 
 
 class TensorParallelGroup(Protocol):
@@ -76,6 +83,9 @@ def check_divisible(config: ModelConfig, tp: int) -> None:
                "be divisible by the tensor-parallel size"),
               ("vocab_size", config.vocab_size, config.vocab_size % tp == 0,
                "be divisible by the tensor-parallel size"))
+    if config.linear_attention is not None:
+        heads = config.linear_attention.num_key_heads
+        checks += (("linear_num_key_heads", heads, heads % tp == 0, "be divisible by the tensor-parallel size"),)
     for name, value, ok, rule in checks:
         if not ok:
             raise ValueError(f"tensor_parallel_size={tp}: {name}={value} must {rule}")
@@ -120,8 +130,9 @@ def _shard_attention(attn: Attention, group: TensorParallelGroup) -> None:
     rank, tp, dim = group.rank, group.size, attn.head_dim
     first_q, heads = q_head_range(attn.num_heads, attn.num_kv_heads, tp, rank)
     first_kv, kv_heads = kv_head_range(attn.num_kv_heads, tp, rank)
-    q = torch.arange(first_q * dim, (first_q + heads) * dim)
-    k = attn.q_size + torch.arange(first_kv * dim, (first_kv + kv_heads) * dim)
+    per = attn.query_rows_per_head  # gated attention: each head's query rows, then its gate rows
+    q = torch.arange(first_q * dim * per, (first_q + heads) * dim * per)
+    k = per * attn.q_size + torch.arange(first_kv * dim, (first_kv + kv_heads) * dim)
     rows = torch.cat([q, k, k + attn.kv_size])
     attn.qkv_weight = _rows(attn.qkv_weight, rows)
     if attn.qkv_bias is not None:
@@ -146,13 +157,37 @@ def _shard_mlp(mlp: MLP, group: TensorParallelGroup) -> None:
     mlp.tp = group
 
 
+def _shard_linear_attention(la: GatedDeltaNet, group: TensorParallelGroup) -> None:
+    rank, tp = group.rank, group.size
+    k_heads, v_heads = la.num_k_heads // tp, la.num_v_heads // tp
+    starts = [0]
+    for size in la.block_sizes():
+        starts.append(starts[-1] + size)
+
+    def heads(block: int, count: int, size: int) -> torch.Tensor:  # this rank's rows of one block
+        return starts[block] + torch.arange(rank * count * size, (rank + 1) * count * size)
+
+    q, k = heads(0, k_heads, la.head_k_dim), heads(1, k_heads, la.head_k_dim)
+    v, z = heads(2, v_heads, la.head_v_dim), heads(3, v_heads, la.head_v_dim)
+    b, a = heads(4, v_heads, 1), heads(5, v_heads, 1)
+    own = torch.arange(rank * v_heads, (rank + 1) * v_heads)  # this rank's value heads
+    la.in_proj_weight = _rows(la.in_proj_weight, torch.cat([q, k, v, z, b, a]))
+    la.conv_weight = _rows(la.conv_weight, torch.cat([q, k, v]))
+    la.dt_bias, la.A_log = _rows(la.dt_bias, own), _rows(la.A_log, own)
+    la.out_proj_weight = _cols(la.out_proj_weight, rank * v_heads * la.head_v_dim, (rank + 1) * v_heads * la.head_v_dim)
+    la.num_k_heads, la.num_v_heads = k_heads, v_heads
+    la.tp = group
+
+
 def _check_supported(model: LlamaForCausalLM) -> None:
     for i, layer in enumerate(model.layers):
-        if type(layer.attn) not in _ATTENTION_TYPES or type(layer.mlp) is not MLP or layer.attn.sinks is not None:
+        mixer = layer.linear_attn if getattr(layer, "is_linear", False) else layer.attn
+        known = type(mixer) is GatedDeltaNet or (type(mixer) in _ATTENTION_TYPES and mixer.sinks is None)
+        if not known or type(layer.mlp) is not MLP:
             raise ValueError(f"tensor parallelism: layer {i} of {type(model).__name__} has "
-                             f"{type(layer.attn).__name__}/{type(layer.mlp).__name__}; only dense Llama/Qwen "
-                             "attention and SwiGLU MLPs are sharded so far")
-        for piece in (layer.attn, layer.mlp):
+                             f"{type(mixer).__name__}/{type(layer.mlp).__name__}; only dense Llama/Qwen "
+                             "attention, Gated DeltaNet and SwiGLU MLPs are sharded so far (no MoE)")
+        for piece in (mixer, layer.mlp):
             for name in piece.linear_weights:
                 weight = getattr(piece, name)
                 if not isinstance(weight, (nn.Parameter, Int8Weight)):
@@ -170,7 +205,10 @@ def shard_model(model: LlamaForCausalLM, group: TensorParallelGroup) -> LlamaFor
     check_divisible(model.config, group.size)
     _check_supported(model)
     for layer in model.layers:
-        _shard_attention(layer.attn, group)
+        if getattr(layer, "is_linear", False):
+            _shard_linear_attention(layer.linear_attn, group)
+        else:
+            _shard_attention(layer.attn, group)
         _shard_mlp(layer.mlp, group)
     vocab = model.config.vocab_size // group.size
     lo = group.rank * vocab

@@ -4,15 +4,22 @@
 ``AttentionMetadata`` from per-sequence (new tokens, tokens already cached, block table)
 and returns the logits of every new token. Tests use it to compare prefill, decode and
 mixed batches against a full-sequence reference forward.
+
+Hybrid models (linear-attention layers, ``models/gated_deltanet.py``): ``make_layer_caches``
+gives each such layer a ``StateCache`` of ``num_slots`` slots (the others a KV pair), and a
+``StepInput`` names its sequence's ``state_slot``; the slot is read when the sequence has
+tokens cached (``num_computed_tokens > 0``), as the engine's allocator will arrange.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Optional, Union
 
 import torch
 
-from pagoda.kernels import AttentionMetadata
+from pagoda.kernels import AttentionMetadata, StateCache
 from pagoda.models.config import ModelConfig
 from pagoda.models.llama import KVCache, LlamaForCausalLM
 
@@ -22,6 +29,7 @@ class StepInput:
     token_ids: list[int]  # the sequence's new tokens this step
     num_computed_tokens: int  # tokens of this sequence already in the cache
     block_table: list[int]  # block ids covering at least num_computed_tokens + len(token_ids)
+    state_slot: Optional[int] = None  # hybrid models: the sequence's state slot
 
 
 def make_kv_caches(
@@ -35,8 +43,29 @@ def make_kv_caches(
     ]
 
 
+def make_layer_caches(
+    model: LlamaForCausalLM, num_blocks: int, block_size: int, num_slots: int, dtype: torch.dtype = torch.float32,
+    state_fill: float = 0.0, kv_heads: Optional[int] = None,
+) -> list[Union[KVCache, StateCache]]:
+    """Per layer a zeroed KV pair (``kv_heads`` heads: a tensor-parallel rank's; default the
+    config's), or for a linear-attention layer a ``StateCache`` of ``num_slots`` slots filled
+    with ``state_fill`` (NaN: slots a step must never read), shaped as the (sharded) layer says."""
+    config = model.config if kv_heads is None else dataclasses.replace(model.config, num_key_value_heads=kv_heads)
+    kv = make_kv_caches(config, num_blocks, block_size, dtype, str(model.device))
+    caches: list[Union[KVCache, StateCache]] = []
+    for layer, pair in zip(model.layers, kv):
+        mixer = getattr(layer, "linear_attn", None) if getattr(layer, "is_linear", False) else None
+        if mixer is None:
+            caches.append(pair)
+            continue
+        shapes, dtypes = mixer.state_shapes(), mixer.state_dtypes()
+        caches.append(StateCache(*(torch.full((num_slots, *shape), state_fill, dtype=dt, device=model.device)
+                                   for shape, dt in zip(shapes, dtypes))))
+    return caches
+
+
 def run_step(
-    model: LlamaForCausalLM, kv_caches: list[KVCache], seqs: list[StepInput], block_size: int
+    model: LlamaForCausalLM, kv_caches: list, seqs: list[StepInput], block_size: int
 ) -> torch.Tensor:  # [total new tokens, vocab] float32
     """Run one engine-like step over several sequences and return logits for every new token."""
     input_ids: list[int] = []
@@ -50,6 +79,7 @@ def run_step(
         block_tables=[s.block_table for s in seqs],
         block_size=block_size,
         device=model.device,
+        state_indices=None if seqs[0].state_slot is None else [s.state_slot for s in seqs],
     )
     hidden = model(
         torch.tensor(input_ids, dtype=torch.int64, device=model.device),

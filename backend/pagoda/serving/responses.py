@@ -5,7 +5,8 @@ Pure functions over numpy arrays (tested without a server); ``model.py`` only wr
 Outputs: one element per completion (``n``) in ``text_output``, ``finish_reason``,
 ``stop_reason`` (the stop string or token id that ended it, ``"None"`` otherwise),
 ``cumulative_logprob``, ``logprobs`` (JSON, in the request's output dialect:
-``serving.dialects.vllm``) and ``num_output_tokens``; ``num_input_tokens`` and
+``serving.dialects.vllm``), ``num_output_tokens`` and ``output_token_ids`` (a JSON list
+of token ids: the router's migration journal reads it); ``num_input_tokens`` and
 ``num_cached_tokens`` (the prompt tokens found in the prefix cache) have one element, and so
 does ``prompt_logprobs`` (JSON), sent once (with the first tokens when streaming) to a
 request that set the ``prompt_logprobs`` sampling parameter. Each optional output answers
@@ -96,6 +97,9 @@ def make_response(request: "ServingRequest", output: RequestOutput,
     if flags.return_num_output_tokens:
         tensors["num_output_tokens"] = np.array(
             [len(c.delta_token_ids) if flags.stream else len(c.token_ids) for c in completions], dtype=np.uint32)
+    if flags.return_output_token_ids:
+        tensors["output_token_ids"] = string_array([
+            json.dumps(c.delta_token_ids if flags.stream else c.token_ids) for c in completions])
     if flags.return_num_cached_tokens:  # prompt tokens served from the prefix cache (OpenAI's cached_tokens)
         tensors["num_cached_tokens"] = np.array([output.num_cached_tokens or 0], dtype=np.uint32)
     if output.prompt_logprobs is not None and not request.prompt_logprobs_sent:

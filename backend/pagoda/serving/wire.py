@@ -69,6 +69,7 @@ class OutputOptions:
     return_num_input_tokens: bool = False
     return_num_output_tokens: bool = False
     return_num_cached_tokens: bool = False  # prompt tokens served from the prefix cache
+    return_output_token_ids: bool = False  # each response's token ids (the router's migration journal)
     output_dialect: Optional[str] = None
 
     def __post_init__(self) -> None:
@@ -96,8 +97,9 @@ class WireRequest:
     options: RequestOptions = field(default_factory=RequestOptions)
     output: OutputOptions = field(default_factory=OutputOptions)
     prompt_tokenizer: Optional[str] = None  # the tokenizer (fingerprint) that made prompt_token_ids from prompt
-    # prompt_token_ids as the INT32 tensor they travel as, made once when the request is built.
-    _ids_tensor: Optional[np.ndarray] = field(default=None, init=False, repr=False, compare=False)
+    # prompt_token_ids as the INT32 tensor they travel as, made once when the request is built and
+    # carried by copies that keep the ids (``replace``: a 900k-token prompt's costs 0.1 s to make).
+    _ids_tensor: Optional[np.ndarray] = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.prompt is None and self.prompt_token_ids is None:
@@ -112,7 +114,10 @@ class WireRequest:
                                  f"at most {MAX_PROMPT_CHARS})")
         if self.prompt_token_ids is not None:
             object.__setattr__(self, "prompt_token_ids", tuple(self.prompt_token_ids))
-            object.__setattr__(self, "_ids_tensor", _ids_tensor(self.prompt_token_ids))
+            if self._ids_tensor is None or len(self._ids_tensor) != len(self.prompt_token_ids):
+                object.__setattr__(self, "_ids_tensor", _ids_tensor(self.prompt_token_ids))
+        else:
+            object.__setattr__(self, "_ids_tensor", None)
         if self.prompt is not None and self.prompt_token_ids is not None and not self.prompt_tokenizer:
             raise ValueError("input_ids: give the prompt as text_input or as input_ids, not both (a router that "
                              "tokenized text_input sends the ids with its tokenizer's prompt_tokenizer)")
@@ -169,7 +174,9 @@ class WireRequest:
         return cls.from_triton_inputs(arrays.get, parameters, encode)
 
     def replace(self, **changes: Any) -> "WireRequest":
-        """A copy with ``changes`` (checked as a new request)."""
+        """A copy with ``changes`` (checked as a new request; the ids' tensor kept unless they change)."""
+        if "prompt_token_ids" in changes:
+            changes["_ids_tensor"] = None
         return dataclasses.replace(self, **changes)
 
     def with_options(self, **changes: Any) -> "WireRequest":
@@ -178,7 +185,8 @@ class WireRequest:
 
     def with_prompt_token_ids(self, token_ids: list[int], tokenizer: str) -> "WireRequest":
         """A text request with its token ids as ``tokenizer`` (a fingerprint) encoded them."""
-        return dataclasses.replace(self, prompt_token_ids=tuple(token_ids), prompt_tokenizer=tokenizer)
+        return dataclasses.replace(self, prompt_token_ids=tuple(token_ids), prompt_tokenizer=tokenizer,
+                                   _ids_tensor=None)
 
     # ------------------------------------------------------------------ the wire
     def values(self) -> dict[str, Any]:

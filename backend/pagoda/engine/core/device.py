@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable, Iterable, Optional, Protocol
 
 from pagoda.engine.kv.host_tier import SwapCostModel
+from pagoda.engine.kv.layout import KVCacheLayout
 from pagoda.engine.request import Request
 from pagoda.engine.runner.runner_output import ModelRunnerOutput
 
@@ -43,6 +44,8 @@ class Executor(Protocol):
     is_async: jobs run on a worker thread (async scheduling), overlapping the host.
     num_blocks: device KV blocks (the scheduler's pool, null block included).
     num_host_blocks: host KV-tier blocks (0 without KV offload).
+    num_host_state_slots: host recurrent-state slots (0 without KV offload or states).
+    kv_layout: the KV cache groups and pool sizes (``engine.kv.layout``); None: one group.
     swap_cost_model: for ``preemption_mode="auto"``, else None.
     guided: the structured-output manager (grammar compiles and matchers).
     timer: device busy/idle time (``DeviceTimer``).
@@ -58,6 +61,12 @@ class Executor(Protocol):
 
     @property
     def num_host_blocks(self) -> int: ...
+
+    @property
+    def num_host_state_slots(self) -> int: ...
+
+    @property
+    def kv_layout(self) -> Optional[KVCacheLayout]: ...
 
     def propose_drafts(self, running: list[Request]) -> Optional[dict[str, list[int]]]:
         """Drafted tokens per request for the next ``schedule``; None without speculation."""

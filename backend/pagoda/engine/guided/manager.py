@@ -37,6 +37,11 @@ Life of a guided request (the engine calls each method from its one thread, exce
    forgets a request still waiting for its grammar (an abort: it stops waiting at once),
    and a queued compile that nobody waits for any more never starts.
 
+A resumed request (``engine.resume``) brings output tokens from another replica (``replay``,
+right after ``submit``): its matcher consumes them in ``poll`` before the request is
+scheduled (a token the grammar refuses fails the request, as a grammar that does not
+compile does).
+
 Preemption by recompute keeps a request's output tokens (only its KV is recomputed), so
 the matcher, which has consumed exactly those tokens, stays valid. Drafts are walked and
 rolled back within ``truncate_drafts`` and ``prepare_bitmask``; only the tokens a request
@@ -86,6 +91,7 @@ class GuidedDecodingManager:
         self._cache: "OrderedDict[tuple, CompileJob]" = OrderedDict()
         self._cache_size = cache_size
         self._waiting: dict[str, tuple[CompileJob, list[str]]] = {}
+        self._replay: dict[str, list[int]] = {}  # group id -> a resumed request's output (poll replays it)
         self._matchers: dict[str, Matcher] = {}
         self._grammar_of: dict[str, Any] = {}  # request id -> its compiled grammar (for ``fork``)
         self._width = bitmask_width(vocab_size)
@@ -116,6 +122,12 @@ class GuidedDecodingManager:
         job.num_waiters += 1
         self._waiting[group_id] = (job, list(child_ids))
 
+    def replay(self, group_id: str, token_ids: Sequence[int]) -> None:
+        """A resumed request's output so far (``engine.resume``), for ``group_id`` waiting for its
+        grammar (``submit`` just now): its matchers consume it when the grammar is ready (``poll``)."""
+        assert group_id in self._waiting, f"{group_id!r} is not waiting for a grammar"
+        self._replay[group_id] = list(token_ids)
+
     def poll(self) -> tuple[list[str], list[tuple[str, str]]]:
         """``(ready group ids, [(group id, error message)])`` since the last poll (compiles
         past their time budget fail here)."""
@@ -125,6 +137,7 @@ class GuidedDecodingManager:
             if not job.future.done():
                 continue
             del self._waiting[group_id]
+            replay = self._replay.pop(group_id, ())
             error = job.future.exception()
             if error is not None:
                 message = str(error) if isinstance(error, ValueError) else \
@@ -134,8 +147,24 @@ class GuidedDecodingManager:
             for child_id in child_ids:
                 self._grammar_of[child_id] = job.future.result()
                 self._matchers[child_id] = self._backend.make_matcher(self._grammar_of[child_id])
+            refused = self._replayed(child_ids, replay)
+            if refused is not None:
+                self.release(child_ids)
+                failed.append((group_id, refused))
+                continue
             ready.append(group_id)
         return ready, failed
+
+    def _replayed(self, child_ids: Sequence[str], token_ids: Sequence[int]) -> Optional[str]:
+        """Advance fresh matchers over a resumed request's output; the error when the grammar
+        refuses one of its tokens or ended before them (None: consumed)."""
+        for child_id in child_ids if token_ids else ():
+            matcher = self._matchers[child_id]
+            for i, token_id in enumerate(token_ids):
+                if matcher.is_terminated() or not matcher.accept_token(token_id):
+                    return (f"resume.output_token_ids: token {token_id} at output position {i} is outside the "
+                            "request's guided_decoding format")
+        return None
 
     @property
     def num_waiting(self) -> int:
@@ -160,6 +189,7 @@ class GuidedDecodingManager:
         """Stop waiting for ``group_id``'s grammar; a compile nobody waits for any more that
         has not started never starts."""
         entry = self._waiting.pop(group_id, None)
+        self._replay.pop(group_id, None)
         if entry is None:
             return
         job = entry[0]

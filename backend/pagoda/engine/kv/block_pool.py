@@ -17,6 +17,10 @@ Invariants:
 - The hash map has at most one block per hash. When two requests fill blocks with the
   same content concurrently, the first one cached wins; the other block stays unhashed
   and is simply freed later.
+- KV cache groups (``kv.layout``) share the pool: each group has its own hash map, since
+  the same tokens hash alike in every group but a full-attention block and a
+  sliding-window block of them hold different layers' KV. A cached block remembers its
+  group (``group_idx``); events carry it, with the group's spec kind (``group_tags``).
 
 Eviction order is LRU through the free queue: ``get_new_blocks`` pops from the head,
 freed blocks join the tail. Callers free a request's blocks tail-first, so a request's
@@ -42,12 +46,13 @@ NULL_BLOCK_ID = 0
 class KVCacheBlock:
     """One block of KV memory. ``prev_free``/``next_free`` link it in the free queue."""
 
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "token_ids", "prev_free", "next_free")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "group_idx", "token_ids", "prev_free", "next_free")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
         self.block_hash: Optional[BlockHash] = None
+        self.group_idx = 0  # the KV cache group whose hash map holds it while cached
         self.token_ids: tuple[int, ...] = ()  # the block's tokens while cached (checked on a hit)
         self.prev_free: Optional[KVCacheBlock] = None
         self.next_free: Optional[KVCacheBlock] = None
@@ -135,10 +140,25 @@ class BlockPool:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.null_block = self.blocks[NULL_BLOCK_ID]
         self.free_block_queue = FreeBlockQueue(self.blocks[1:])
-        self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
+        self._cached: dict[int, dict[BlockHash, KVCacheBlock]] = {0: {}}  # group index -> hash map
+        # Group index -> (vLLM spec kind, sliding window) for events; set for multi-group layouts only.
+        self.group_tags: dict[int, tuple[str, Optional[int]]] = {}
         # Called with each cached block about to be evicted, while it still holds its hash
         # and tokens (the KV offload tier copies it to host memory; kv/host_tier.py).
         self.on_evict: Optional[Callable[[KVCacheBlock], None]] = None
+
+    @property
+    def cached_block_hash_to_block(self) -> dict[BlockHash, KVCacheBlock]:
+        """Group 0's hash map (the only one of a single-group model)."""
+        return self._cached[0]
+
+    def hash_map(self, group_idx: int) -> dict[BlockHash, KVCacheBlock]:
+        """Group ``group_idx``'s hash map (created empty on first use)."""
+        return self._cached.setdefault(group_idx, {})
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return sum(len(m) for m in self._cached.values())
 
     @property
     def num_usable_blocks(self) -> int:
@@ -161,27 +181,42 @@ class BlockPool:
         """
         assert num_blocks <= self.num_free_blocks, f"asked for {num_blocks} blocks, {self.num_free_blocks} free"
         blocks = []
-        evicted: list[str] = []
+        evicted: dict[int, list[str]] = {}  # group -> hashes, one BlockRemoved per group
         for _ in range(num_blocks):
             block = self.free_block_queue.popleft()
             assert block.ref_cnt == 0, f"{block} in the free queue is referenced"
             if block.block_hash is not None:
-                evicted.append(self._evict(block))
+                group_idx = block.group_idx
+                evicted.setdefault(group_idx, []).append(self._evict(block))
             block.ref_cnt = 1
             blocks.append(block)
-        if evicted:
-            self.event_buffer.emit(BlockRemoved(evicted))
+        for group_idx, hashes in evicted.items():
+            self.event_buffer.emit(BlockRemoved(hashes, group_idx=group_idx))
         return blocks
 
     def _evict(self, block: KVCacheBlock) -> str:
-        block_hash = block.block_hash
-        assert self.cached_block_hash_to_block.get(block_hash) is block, f"{block} hashed but not in the hash map"
+        """Take ``block``'s hash out of its group's map (``on_evict`` sees it first)."""
+        block_hash, hash_map = block.block_hash, self.hash_map(block.group_idx)
+        assert hash_map.get(block_hash) is block, f"{block} hashed but not in the hash map"
         if self.on_evict is not None:
             self.on_evict(block)
-        del self.cached_block_hash_to_block[block_hash]
+        del hash_map[block_hash]
         block.block_hash = None
         block.token_ids = ()
         return block_hash.hex()
+
+    def uncache(self, block: KVCacheBlock) -> None:
+        """Forget ``block``'s hash now (``BlockRemoved``), whoever holds it; it stays where it is
+        (held, or free in its place in the eviction order). For contents no longer worth a
+        hit (``kv.state_manager``: a request's previous decode checkpoint); no lower tier is
+        offered them."""
+        if block.block_hash is None:
+            return
+        block_hash, hash_map = block.block_hash, self.hash_map(block.group_idx)
+        assert hash_map.get(block_hash) is block, f"{block} hashed but not in the hash map"
+        del hash_map[block_hash]
+        block.block_hash, block.token_ids = None, ()
+        self.event_buffer.emit(BlockRemoved([block_hash.hex()], group_idx=block.group_idx))
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take one more reference on each block, reviving free (cached) ones."""
@@ -203,9 +238,10 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_block_queue.append(block)
 
-    def get_cached_block(self, block_hash: BlockHash) -> Optional[KVCacheBlock]:
-        """The block holding ``block_hash``'s contents, or None."""
-        return self.cached_block_hash_to_block.get(block_hash)
+    def get_cached_block(self, block_hash: BlockHash, group_idx: int = 0) -> Optional[KVCacheBlock]:
+        """The block holding ``block_hash``'s contents for group ``group_idx``, or None."""
+        hash_map = self._cached.get(group_idx)
+        return hash_map.get(block_hash) if hash_map is not None else None
 
     def cache_full_blocks(
         self,
@@ -214,12 +250,14 @@ class BlockPool:
         num_cached_blocks: int,
         num_full_blocks: int,
         block_size: int,
+        group_idx: int = 0,
     ) -> None:
         """Make ``blocks[num_cached_blocks:num_full_blocks]`` findable by their hashes.
 
         Args:
             request: owner of ``blocks``; supplies ``block_hashes`` and token ids.
-            blocks: the request's block table.
+            blocks: the request's block table in group ``group_idx`` (null entries, blocks a
+                sliding window already let go, are skipped).
             num_cached_blocks: blocks already processed by an earlier call.
             num_full_blocks: blocks whose tokens are all computed now.
             block_size: tokens per block.
@@ -228,20 +266,33 @@ class BlockPool:
         if not self.enable_caching or num_full_blocks <= num_cached_blocks:
             return
         assert len(request.block_hashes) >= num_full_blocks, "request block hashes lag its computed tokens"
-        tokens = request.all_token_ids
         run: list[int] = []  # indices of the current run of newly stored blocks
         for i in range(num_cached_blocks, num_full_blocks):
-            block, block_hash = blocks[i], request.block_hashes[i]
-            if block.block_hash is not None or block_hash in self.cached_block_hash_to_block:
-                # Already cached (a prefix hit), or another block holds the same content.
-                self._emit_stored(request, run, block_size)
+            if not self.cache_block(request, blocks[i], i, block_size, group_idx, emit=False):
+                # Already cached (a prefix hit), another block holds the same content, or null.
+                self._emit_stored(request, run, block_size, group_idx)
                 run = []
                 continue
-            block.block_hash = block_hash
-            block.token_ids = tuple(tokens[i * block_size : (i + 1) * block_size])
-            self.cached_block_hash_to_block[block_hash] = block
             run.append(i)
-        self._emit_stored(request, run, block_size)
+        self._emit_stored(request, run, block_size, group_idx)
+
+    def cache_block(self, request: "Request", block: KVCacheBlock, index: int, block_size: int, group_idx: int = 0,
+                    emit: bool = True) -> bool:
+        """Enter ``block`` under ``request``'s hash of block ``index`` in group ``group_idx``'s map.
+
+        Returns:
+            False, changing nothing, when the block is null or hashed already, or the hash is
+            held by another block; True when entered (``emit``: with its ``BlockStored``).
+        """
+        block_hash, hash_map = request.block_hashes[index], self.hash_map(group_idx)
+        if block.is_null or block.block_hash is not None or block_hash in hash_map:
+            return False
+        block.block_hash, block.group_idx = block_hash, group_idx
+        block.token_ids = tuple(request.all_token_ids[index * block_size:(index + 1) * block_size])
+        hash_map[block_hash] = block
+        if emit:
+            self._emit_stored(request, [index], block_size, group_idx)
+        return True
 
     def cache_received_blocks(
         self,
@@ -257,7 +308,8 @@ class BlockPool:
         ``blocks[i]`` (held by the caller, written already) holds ``block_hashes[i]``'s
         tokens ``token_ids[i]``; the caller has checked the hash chain. A hash cached in
         the meantime keeps its block; the new one stays unhashed and is freed normally.
-        Emits one ``BlockStored`` per contiguous run of newly stored blocks.
+        Emits one ``BlockStored`` per contiguous run of newly stored blocks. Group 0 only:
+        connectors serve single-group layouts (``kv_transfer.connector.check_layout``).
 
         Returns:
             How many blocks were entered in the hash map.
@@ -266,14 +318,15 @@ class BlockPool:
             return 0
         run: list[int] = []  # indices of the current run of newly stored blocks
         stored = 0
+        hash_map = self.cached_block_hash_to_block
         for i, (block, block_hash) in enumerate(zip(blocks, block_hashes)):
-            if block.block_hash is not None or block_hash in self.cached_block_hash_to_block:
+            if block.block_hash is not None or block_hash in hash_map:
                 self._emit_received(run, block_hashes, token_ids, parent_block_hash, lora_name, cache_salt)
                 run = []
                 continue
-            block.block_hash = block_hash
+            block.block_hash, block.group_idx = block_hash, 0
             block.token_ids = tuple(token_ids[i])
-            self.cached_block_hash_to_block[block_hash] = block
+            hash_map[block_hash] = block
             run.append(i)
             stored += 1
         self._emit_received(run, block_hashes, token_ids, parent_block_hash, lora_name, cache_salt)
@@ -290,11 +343,12 @@ class BlockPool:
             token_ids=[t for i in run for t in token_ids[i]], block_size=len(token_ids[first]),
             lora_name=lora_name, cache_salt=cache_salt))
 
-    def _emit_stored(self, request: "Request", run: list[int], block_size: int) -> None:
+    def _emit_stored(self, request: "Request", run: list[int], block_size: int, group_idx: int = 0) -> None:
         if not run:
             return
         first, last = run[0], run[-1]
         parent = request.block_hashes[first - 1].hex() if first > 0 else None
+        kind, window = self.group_tags.get(group_idx, (None, None))
         self.event_buffer.emit(
             BlockStored(
                 block_hashes=[request.block_hashes[i].hex() for i in run],
@@ -303,6 +357,9 @@ class BlockPool:
                 block_size=block_size,
                 lora_name=request.adapter_id,
                 cache_salt=request.cache_salt,
+                group_idx=group_idx,
+                kv_cache_spec_kind=kind,
+                sliding_window=window,
             )
         )
 
@@ -315,10 +372,11 @@ class BlockPool:
         """
         if self.num_free_blocks != self.num_usable_blocks:
             return False
-        for block in self.cached_block_hash_to_block.values():
-            block.block_hash = None
-            block.token_ids = ()
-        self.cached_block_hash_to_block.clear()
+        for hash_map in self._cached.values():
+            for block in hash_map.values():
+                block.block_hash = None
+                block.token_ids = ()
+            hash_map.clear()
         if self.enable_caching:
             self.event_buffer.emit(AllBlocksCleared())
         return True

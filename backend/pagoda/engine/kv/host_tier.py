@@ -14,6 +14,15 @@ the bytes. Two uses share one pool of ``num_host_blocks`` host blocks:
    stops at block ``i`` continues the lookup here (``lookup_prefix``): host hits get new
    device blocks filled host -> device ("copy back") and count as computed.
 
+KV cache groups (``kv.layout``): a swap moves every group's live blocks (a sliding
+window's out-of-window blocks are freed first, so only the window travels) as one list,
+plus the request's recurrent-state slot into one of ``num_host_state_slots`` host state
+slots (``state_swap_out`` / ``state_swap_in`` pairs). The prefix tier keeps group 0's
+blocks only, and only for layouts with one paged group (the scheduler turns it off
+otherwise, naming why): a sliding-window group's hit needs its window's blocks beside
+group 0's, which the host tier does not track; a state group's hit needs a checkpoint,
+which stays on the device (``KVCacheManager.usable_loaded_blocks``).
+
 Host blocks reuse ``KVCacheBlock``/``FreeBlockQueue``: a host block is in use
 (``ref_cnt > 0``: owned by a swapped request, or pinned while a copy reads it this
 step) or free in LRU order; a free block may still hold a cached hash. Unlike the
@@ -173,10 +182,15 @@ class KVOffloadManager:
     is_enabled = True
 
     def __init__(self, num_host_blocks: int, block_size: int, preemption_mode: str = "auto",
-                 cost_model: Optional[SwapCostModel] = None, enable_prefix_tier: bool = True) -> None:
+                 cost_model: Optional[SwapCostModel] = None, enable_prefix_tier: bool = True,
+                 num_host_state_slots: int = 0) -> None:
         if preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode: must be one of {PREEMPTION_MODES}, got {preemption_mode!r}")
         self.pool = HostBlockPool(num_host_blocks)
+        self.free_state_slots = list(range(num_host_state_slots - 1, -1, -1))  # popped from the end
+        self.req_to_host_state: dict[str, int] = {}
+        self._state_out: list[tuple[int, int]] = []  # (device slot, host slot)
+        self._state_in: list[tuple[int, int]] = []  # (host slot, device slot)
         self.block_size = block_size
         self.preemption_mode = preemption_mode
         self.cost_model = cost_model
@@ -214,27 +228,36 @@ class KVOffloadManager:
             return True
         return self.cost_model is not None and self.cost_model.prefers_swap(num_tokens, num_blocks)
 
-    def swap_out(self, request_id: str, device_block_ids: Sequence[int]) -> bool:
-        """Record device -> host copies of a victim's blocks. False (nothing changes) if the
-        host pool is too full."""
+    def swap_out(self, request_id: str, device_block_ids: Sequence[int], state_slot: int = 0) -> bool:
+        """Record device -> host copies of a victim's blocks (and of its state slot, when not 0).
+        False (nothing changes) if the host pool is too full."""
         assert request_id not in self.req_to_host_blocks, f"{request_id!r} is already swapped out"
+        if state_slot and not self.free_state_slots:
+            return False
         host_blocks = self.pool.allocate(len(device_block_ids))
         if host_blocks is None:
             return False
         for device_id, host_block in zip(device_block_ids, host_blocks):
             self._swap_out[host_block.block_id] = device_id
         self.req_to_host_blocks[request_id] = host_blocks
+        if state_slot:
+            host_slot = self.req_to_host_state[request_id] = self.free_state_slots.pop()
+            self._state_out.append((state_slot, host_slot))
         self.num_swapped_out += 1
         return True
 
-    def swap_in(self, request_id: str, device_block_ids: Sequence[int]) -> None:
-        """Record host -> device copies into the first blocks of ``device_block_ids``; the
-        host blocks are freed when this step's copies are taken."""
+    def swap_in(self, request_id: str, device_block_ids: Sequence[int], state_slot: int = 0) -> None:
+        """Record host -> device copies into the first blocks of ``device_block_ids`` (and into
+        ``state_slot``); the host blocks are freed when this step's copies are taken."""
         host_blocks = self.req_to_host_blocks.pop(request_id)
         assert len(device_block_ids) >= len(host_blocks), "swap-in needs a device block per host block"
         for host_block, device_id in zip(host_blocks, device_block_ids):
             self._to_device[device_id] = (host_block.block_id, True)
         self._pinned.extend(host_blocks)  # already referenced once: released in take_copies
+        host_slot = self.req_to_host_state.pop(request_id, None)
+        if host_slot is not None:
+            assert state_slot, "swap-in of a state needs a device state slot"
+            self._state_in.append((host_slot, state_slot))  # the slot is free again once copies are taken
         self.num_swapped_in += 1
 
     def free_request(self, request_id: str) -> None:
@@ -242,12 +265,15 @@ class KVOffloadManager:
         host_blocks = self.req_to_host_blocks.pop(request_id, None)
         if host_blocks:
             self.pool.free(host_blocks)
+        host_slot = self.req_to_host_state.pop(request_id, None)
+        if host_slot is not None:
+            self.free_state_slots.append(host_slot)
 
     # Prefix tier ---------------------------------------------------------------------
 
     def on_device_evict(self, block: KVCacheBlock) -> None:
         """``BlockPool.on_evict`` hook: a cached device block is about to lose its hash."""
-        if not self.enable_prefix_tier:
+        if not self.enable_prefix_tier or block.group_idx != 0:
             return
         host_block = self.pool.store_cached(block.block_hash, block.token_ids)
         if host_block is not None:
@@ -302,6 +328,14 @@ class KVOffloadManager:
         self.pool.free(pinned)
         return swap_out, swap_in, copy_back
 
+    def take_state_copies(self) -> tuple[BlockPairs, BlockPairs]:
+        """This step's state slot copies: (device -> host, host -> device) as (src, dst)."""
+        pairs = self._state_out, self._state_in
+        # Host slots read this step are reusable only now: device -> host copies run first.
+        self.free_state_slots += [host for host, _ in self._state_in]
+        self._state_out, self._state_in = [], []
+        return pairs
+
     def reset_prefix_cache(self) -> None:
         self.pool.reset_prefix_cache()
 
@@ -320,10 +354,10 @@ class NoHostTier:
     def wants_swap(self, num_tokens: int, num_blocks: int) -> bool:  # noqa: ARG002
         return False
 
-    def swap_out(self, request_id: str, device_block_ids: Sequence[int]) -> bool:  # noqa: ARG002
+    def swap_out(self, request_id: str, device_block_ids: Sequence[int], state_slot: int = 0) -> bool:  # noqa: ARG002
         return False
 
-    def swap_in(self, request_id: str, device_block_ids: Sequence[int]) -> None:
+    def swap_in(self, request_id: str, device_block_ids: Sequence[int], state_slot: int = 0) -> None:
         raise AssertionError("no host tier: nothing is swapped out")
 
     def free_request(self, request_id: str) -> None:
@@ -344,6 +378,9 @@ class NoHostTier:
     def take_copies(self) -> tuple[BlockPairs, BlockPairs, BlockPairs]:
         return [], [], []
 
+    def take_state_copies(self) -> tuple[BlockPairs, BlockPairs]:
+        return [], []
+
     def reset_prefix_cache(self) -> None:
         pass
 
@@ -352,11 +389,13 @@ HostTier = Union[KVOffloadManager, NoHostTier]
 
 
 def make_host_tier(num_host_blocks: int, block_size: int, preemption_mode: str,
-                   cost_model: Optional[SwapCostModel], enable_prefix_tier: bool) -> HostTier:
+                   cost_model: Optional[SwapCostModel], enable_prefix_tier: bool,
+                   num_host_state_slots: int = 0) -> HostTier:
     """A ``KVOffloadManager`` with ``num_host_blocks`` host blocks, or ``NoHostTier`` for 0."""
     if num_host_blocks <= 0:
         return NoHostTier()
-    return KVOffloadManager(num_host_blocks, block_size, preemption_mode, cost_model, enable_prefix_tier)
+    return KVOffloadManager(num_host_blocks, block_size, preemption_mode, cost_model, enable_prefix_tier,
+                            num_host_state_slots)
 
 
 def blocks_for_tokens(num_tokens: int, block_size: int) -> int:

@@ -34,7 +34,7 @@ class KVBlockIO:
 
     @classmethod
     def for_runner(cls, runner) -> "KVBlockIO":
-        return cls(runner.kv_caches)
+        return cls(runner.kv_tensors)
 
     @torch.inference_mode()
     def read_block(self, block_id: int) -> bytes:

@@ -77,6 +77,23 @@ class KVConnector(Protocol):
         """Stop and join every thread; unpin what is still held. Idempotent."""
 
 
+def check_layout(layout) -> None:
+    """Refuse a model whose KV cache has more than one group (``engine.kv.layout``).
+
+    A connector names blocks by hash and moves one table's blocks, and the receiver enters
+    them as group 0's; a hit needs every group's (a sliding-window group's window, a
+    recurrent-state group's checkpoint: states no connector carries yet), so such blocks
+    would never be used. Raises ValueError naming the groups and what to do.
+    """
+    if layout is None or layout.num_groups == 1:
+        return
+    kinds = ", ".join(sorted({g.spec.kind for g in layout.groups}))
+    remedy = ("a recurrent-state model cannot use KV transfer yet" if layout.state_group is not None
+              else "serve it with kv_cache_layout='uniform' (one block table; sliding-window blocks are kept)")
+    raise ValueError(f"KV transfer: the model's KV cache has {layout.num_groups} groups ({kinds}) and a connector "
+                     f"moves one group's blocks, named by hash; {remedy}")
+
+
 def parse_peer(peer: str) -> tuple[str, int]:
     """``"host:port"`` -> ``(host, port)``; raises ValueError naming a bad address."""
     host, sep, port = peer.rpartition(":")

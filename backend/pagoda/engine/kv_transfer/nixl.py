@@ -64,7 +64,7 @@ class NixlKVConnector(TcpKVConnector):
     receiver_class = NixlReceiver
 
     def __init__(self, engine, listen: Optional[str] = None, ttl_s: float = DEFAULT_TTL_S, **kwargs) -> None:
-        self.memory = NixlKVMemory(engine.runner.kv_caches)
+        self.memory = NixlKVMemory(engine.runner.kv_tensors)
         try:
             super().__init__(engine, listen=listen, ttl_s=ttl_s, **kwargs)
         except BaseException:

@@ -18,7 +18,7 @@ from typing import Callable, Optional, Sequence
 
 from pagoda.contracts.block_hash import BlockHash
 from pagoda.engine.kv_transfer.block_io import KVBlockIO
-from pagoda.engine.kv_transfer.connector import TransferResult, parse_peer
+from pagoda.engine.kv_transfer.connector import TransferResult, check_layout, parse_peer
 from pagoda.engine.kv_transfer.offer import Offer
 from pagoda.engine.kv_transfer.tcp_receiver import TcpReceiver, take_all
 from pagoda.engine.kv_transfer.tcp_sender import TcpSender
@@ -55,6 +55,7 @@ class TcpKVConnector:
                             ("chunk_bytes", chunk_bytes)):
             if value <= 0:
                 raise ValueError(f"{name}: must be > 0, got {value!r}")
+        check_layout(engine.runner.kv_layout)
         if getattr(engine.config, "world_size", 1) > 1:
             raise ValueError("KV transfer: not supported with tensor_parallel_size or pipeline_parallel_size > 1 "
                              "yet (each rank holds only its KV heads or layers; the connector reads rank 0's)")

@@ -23,12 +23,16 @@ forgets when it is preempted or finished. Layout (int64 words)::
     dropped  slot * num_dropped                 (preempted and finished, dropped first)
     copies   n, (device src, host dst) * n      (KV tier: swap-outs, run first)
              m, (host src, device dst) * m      (swap-ins then prefix copy-backs)
+    states   four lists as the copies: state swap-outs, swap-ins (the KV tier, with the
+             blocks), restores (before the forward), checkpoints (after it); recurrent-state
+             slots of a hybrid model (``engine.kv.state_manager``), empty otherwise
     per scheduled request, in batch order:
              slot, flags (1: is_new, 2: is_sampling), adapter (0: none, else its number),
              num_spec (drafted tokens, the last of the inputs: prompt-lookup speculation),
              prompt_rows (0, or 1 + the rows of prompt log-probabilities it asks this step),
-             num_computed_tokens, num_new_tokens, num_new_blocks, new block ids...,
-             the step's num_new_tokens input tokens
+             num_computed_tokens, num_new_tokens,
+             per KV cache group (``engine.kv.layout``; one for most models): num_new_blocks,
+             new block ids...; then the step's num_new_tokens input tokens
 
 LoRA adapters are numbered on the wire too: before the first step that uses an adapter
 (or a re-registered one: a new ``LoRAAdapter`` object under an old name), rank 0 sends a
@@ -186,7 +190,9 @@ class StepSender:
                    if request_id in self._slots]
         words = [KIND_STEP, 0, len(inputs), len(dropped), *dropped]
         for pairs in (scheduler_output.blocks_to_swap_out,
-                      list(scheduler_output.blocks_to_swap_in) + list(scheduler_output.blocks_to_copy_back)):
+                      list(scheduler_output.blocks_to_swap_in) + list(scheduler_output.blocks_to_copy_back),
+                      scheduler_output.states_to_swap_out, scheduler_output.states_to_swap_in,
+                      scheduler_output.states_to_restore, scheduler_output.states_to_checkpoint):
             words += [len(pairs), *(block for pair in pairs for block in pair)]
         fill_at, fill_rows = [], []
         for row, (item, step_input) in enumerate(zip(scheduler_output.scheduled, inputs)):
@@ -196,8 +202,9 @@ class StepSender:
             flags = (_IS_NEW if item.is_new else 0) | (_IS_SAMPLING if item.is_sampling else 0)
             adapter = self._announced[step_input.adapter_id][0] if step_input.adapter_id is not None else 0
             words += [self._slots[item.request_id], flags, adapter, len(step_input.spec_token_ids),
-                      _prompt_rows(step_input), item.num_computed_tokens, item.num_new_tokens,
-                      len(item.new_block_ids), *item.new_block_ids]
+                      _prompt_rows(step_input), item.num_computed_tokens, item.num_new_tokens]
+            for ids in item.new_block_ids:
+                words += [len(ids), *ids]
             if step_input.num_device_tokens:
                 fill_at.append(len(words))
                 fill_rows.append(row)
@@ -223,14 +230,18 @@ class StepReceiver:
     ``path``: as the sender's."""
 
     def __init__(self, group, capacity: int, device: torch.device,
-                 on_adapter: Optional[Callable[[str, str], None]] = None, path=None) -> None:
+                 on_adapter: Optional[Callable[[str, str], None]] = None, path=None, num_groups: int = 1,
+                 copy_states: Optional[Callable[[list], None]] = None) -> None:
         self.group, self.device = group, device
         self.path = path if path is not None else BroadcastPath(group)
         self.buffer = torch.zeros(capacity, dtype=torch.int64, device=device)
         self.on_adapter = on_adapter
-        self._tables: dict[int, list[int]] = {}
+        self.num_groups = num_groups  # KV cache groups: block tables per request
+        self.copy_states = copy_states  # the runner's state slot copies (hybrid models)
+        self._tables: dict[int, list[list[int]]] = {}
         self._adapters: dict[int, str] = {}
         self.host = None
+        self.states_after: list = []  # this step's state checkpoints, copied after its forward (``finish``)
 
     def recv(self) -> Optional[list[StepInput]]:
         while True:
@@ -260,27 +271,47 @@ class StepReceiver:
         num_scheduled, num_dropped = words[2], words[3]
         for slot in words[HEADER:HEADER + num_dropped]:
             self._tables.pop(slot, None)
-        at, inputs = HEADER + num_dropped, []
-        for copy in ("swap_out", "swap_in"):
-            n = words[at]
-            pairs = [(words[at + 1 + 2 * i], words[at + 2 + 2 * i]) for i in range(n)]
-            at += 1 + 2 * n
-            if pairs:
-                getattr(self.host, copy)(pairs)
+        at, inputs = self._copies(words, HEADER + num_dropped), []
         for _ in range(num_scheduled):
-            slot, flags, adapter, num_spec, prompt_rows, computed, num_new, num_blocks = words[at:at + 8]
-            at += 8
+            slot, flags, adapter, num_spec, prompt_rows, computed, num_new = words[at:at + 7]
+            at += 7
             if flags & _IS_NEW:
-                self._tables[slot] = []
-            table = self._tables[slot]
-            table.extend(words[at:at + num_blocks])
-            at += num_blocks
+                self._tables[slot] = [[] for _ in range(self.num_groups)]
+            tables = self._tables[slot]
+            for table in tables:
+                table.extend(words[at + 1:at + 1 + words[at]])
+                at += 1 + words[at]
             tokens = words[at:at + num_new]
             at += num_new
-            inputs.append(StepInput(str(slot), computed, num_new, tokens, table, bool(flags & _IS_SAMPLING),
+            inputs.append(StepInput(str(slot), computed, num_new, tokens, tables[0], bool(flags & _IS_SAMPLING),
                                     tokens[num_new - num_spec:] if num_spec else [],
                                     adapter_id=self._adapters[adapter] if adapter else None,
                                     # a stand-in prompt whose length gives PromptRows the same rows
                                     prompt_logprobs=0 if prompt_rows else None,
-                                    prompt_token_ids=range(computed + prompt_rows) if prompt_rows else ()))
+                                    prompt_token_ids=range(computed + prompt_rows) if prompt_rows else (),
+                                    group_block_ids=tuple(tables) if self.num_groups > 1 else ()))
         return inputs
+
+    def _copies(self, words: list[int], at: int) -> int:
+        """Run the step's KV-tier and state copies that precede its forward; keep the state
+        checkpoints for ``finish``. Returns the position after them."""
+        lists = []
+        for _ in range(6):
+            n = words[at]
+            lists.append([(words[at + 1 + 2 * i], words[at + 2 + 2 * i]) for i in range(n)])
+            at += 1 + 2 * n
+        swap_out, swap_in, states_out, states_in, restores, self.states_after = lists
+        if self.host is not None:
+            self.host.swap_out(swap_out)
+            self.host.swap_states(states_out, to_host=True)
+            self.host.swap_in(swap_in)
+            self.host.swap_states(states_in, to_host=False)
+        if restores and self.copy_states is not None:
+            self.copy_states(restores)
+        return at
+
+    def finish(self) -> None:
+        """After the step's forward: its state checkpoints."""
+        if self.states_after and self.copy_states is not None:
+            self.copy_states(self.states_after)
+        self.states_after = []

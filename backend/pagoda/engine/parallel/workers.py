@@ -59,6 +59,7 @@ from pagoda.engine.config import EngineConfig
 from pagoda.engine.parallel.group import ProcessGroup, make_groups
 from pagoda.engine.parallel.step_wire import StepReceiver, StepSender, capacity_for, make_path
 from pagoda.engine.runner.host_kv_cache import HostKVCache, measure_prefill_s_per_token
+from pagoda.engine.runner.kv_allocation import copy_state_slots
 from pagoda.engine.runner.model_runner import ModelRunner, resolve_device
 from pagoda.models.config import ModelConfig
 
@@ -251,7 +252,9 @@ def worker_main(rank: int, host: str, port: int, config: EngineConfig, model_con
         runner = ModelRunner(config, model_config, model_path, **runner_groups(config, group))
         receiver = StepReceiver(group, capacity_for(config.max_num_seqs, config.max_num_batched_tokens), device,
                                 on_adapter=lambda name, path: _load_adapter(runner, name, path),
-                                path=make_path(group, config.micro_batches, runner.group, runner.tp))
+                                path=make_path(group, config.micro_batches, runner.group, runner.tp),
+                                num_groups=runner.kv_layout.num_groups,
+                                copy_states=lambda pairs: copy_state_slots(runner.state_caches, pairs))
         if config.cpu_offload_bytes:  # the same collectives, in the same order, as rank 0's _make_host_tier
             receiver.host = HostKVCache.for_runner(runner, config.cpu_offload_bytes)
             if config.preemption_mode == "auto" and config.prefill_s_per_token is None:
@@ -259,6 +262,7 @@ def worker_main(rank: int, host: str, port: int, config: EngineConfig, model_con
         while (inputs := receiver.recv()) is not None:
             if inputs:
                 runner.compute_logits(inputs)
+            receiver.finish()  # state checkpoints, after the forward
         group.flush()  # the stop message forwarded down the pipeline, the last logits
     except BaseException:  # noqa: BLE001 - the parent sees the exit code and names this rank
         traceback.print_exc()

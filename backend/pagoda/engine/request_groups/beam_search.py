@@ -239,6 +239,11 @@ class BeamSearch:
     def check(self, first: Request) -> None:
         """Raise ValueError when the group's worst case exceeds the KV cache (see the module docstring)."""
         scheduler = self.scheduler
+        layout = scheduler.config.layout
+        if layout.state_group is not None:
+            raise ValueError("use_beam_search: this model keeps recurrent states (linear-attention layers); each "
+                             "fork would need its own copy of the state at every step, which pagoda does not make "
+                             "yet; use n > 1 sampling instead")
         max_tokens = scheduler.check_request(first)
         block_size = scheduler.config.block_size
         width = first.beam_group.width
@@ -246,6 +251,7 @@ class BeamSearch:
             worst = -(-first.num_prompt_tokens // block_size) + width * (-(-max_tokens // block_size) + 1)
         else:  # a preempted group recomputes every beam's prompt into blocks of its own
             worst = width * -(-(first.num_prompt_tokens + max_tokens) // block_size)
+        worst *= len(layout.paged_groups)  # a block table per KV cache group (a bound: windows hold fewer)
         first.beam_group.worst_case_blocks = worst
         if worst > scheduler.block_pool.num_usable_blocks:
             raise ValueError(f"beam_width: {first.beam_group.width} beams of max_tokens {max_tokens} may need {worst} "

@@ -34,6 +34,13 @@ at shorter contexts the trailing slices hold no key and weigh nothing in the com
 Nothing else in the kernels reads host state (the host length lists are used only by
 the torch references, which is why graphs require the Triton kernels).
 
+KV cache groups (``engine.kv.layout``). Each paged group other than the first has its own
+``slot_mapping`` and ``block_tables`` buffers (its metadata shares the rest and goes to its
+layers through ``layer_metadata``), filled from the row's table in that group; a
+recurrent-state group's ``state_indices`` / ``has_initial_state`` buffers hold each row's
+working slot (-1 for a dummy row: nothing read or written). Under a graph the state kernels
+must read only these device tensors: their host copies are frozen at capture.
+
 When. Only on CUDA with ``EngineConfig.enable_cuda_graphs`` and the Triton kernels
 serving the model (``PAGODA_KERNELS=torch`` turns graphs off: the references read host
 lists and synchronise). All sizes share one memory pool and are captured largest first,
@@ -43,11 +50,13 @@ If capture fails, the error is logged and the runner serves every step eagerly.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Optional, Sequence
 
 import torch
 
+from pagoda.engine.kv.layout import KVCacheLayout
 from pagoda.kernels import AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -81,11 +90,13 @@ def is_graphable_step(scheduled: Sequence, max_batch: int, max_context: int) -> 
 class DecodeInputs:
     """The static input buffers of the decode graphs and how a step fills them."""
 
-    def __init__(self, max_batch: int, max_context: int, block_size: int, device: torch.device | str) -> None:
+    def __init__(self, max_batch: int, max_context: int, block_size: int, device: torch.device | str,
+                 layout: Optional[KVCacheLayout] = None) -> None:
         self.max_batch = max_batch
         self.max_context = max_context
         self.block_size = block_size
         self.max_blocks = -(-max_context // block_size)
+        self.groups = GroupBuffers(layout, max_batch, self.max_blocks, device)
         kw = dict(dtype=torch.int64, device=device)
         self.input_ids = torch.zeros(max_batch, **kw)  # [max_batch]
         self.positions = torch.zeros(max_batch, **kw)
@@ -106,7 +117,7 @@ class DecodeInputs:
         """Metadata over the first ``batch_size`` rows, with the host values frozen for
         capture (see the module docstring): ``max_seq_len`` is ``max_context``."""
         assert 0 < batch_size <= self.max_batch, f"batch {batch_size} outside 1..{self.max_batch}"
-        return AttentionMetadata(
+        meta = AttentionMetadata(
             slot_mapping=self.slot_mapping[:batch_size],
             query_start_loc=self.query_start_loc[: batch_size + 1],
             seq_lens=self.seq_lens[:batch_size],
@@ -116,6 +127,7 @@ class DecodeInputs:
             query_lens_host=[1] * batch_size,
             seq_lens_host=[self.max_context] * batch_size,
         )
+        return self.groups.metadata(meta, batch_size)
 
     def fill(self, scheduled: Sequence, batch_size: int) -> None:
         """Copy a decode-only step into the first ``batch_size`` rows, padding the rest.
@@ -142,6 +154,7 @@ class DecodeInputs:
         tokens[:, num_seqs:batch_size] = ((0,), (0,), (-1,))  # dummy: token 0, position 0, no write
         seq_lens[num_seqs:batch_size] = 1
         tables[num_seqs:batch_size, 0] = 0
+        self.groups.fill(scheduled, batch_size, bs, num_cols)
         self.input_ids[:batch_size].copy_(self._host_tokens[0, :batch_size])
         self.positions[:batch_size].copy_(self._host_tokens[1, :batch_size])
         self.slot_mapping[:batch_size].copy_(self._host_tokens[2, :batch_size])
@@ -149,14 +162,69 @@ class DecodeInputs:
         self.block_tables[:batch_size, :num_cols].copy_(self._host_tables[:batch_size, :num_cols])
 
 
+class GroupBuffers:
+    """The static buffers of the KV cache groups beyond the first (see the module docstring)."""
+
+    def __init__(self, layout: Optional[KVCacheLayout], max_batch: int, max_blocks: int,
+                 device: torch.device | str) -> None:
+        self.layout = layout
+        self.others = [g.index for g in layout.paged_groups[1:]] if layout is not None else []
+        self.state = layout.state_group.index if layout is not None and layout.state_group else None
+        n = len(self.others)
+        self.tables = torch.zeros(n, max_batch, max_blocks, dtype=torch.int32, device=device)
+        self.slots = torch.full((n, max_batch), -1, dtype=torch.int64, device=device)
+        self.state_indices = torch.full((max_batch,), -1, dtype=torch.int32, device=device)
+        self.has_initial_state = torch.zeros(max_batch, dtype=torch.bool, device=device)
+        self._host_tables = torch.zeros(n, max_batch, max_blocks, dtype=torch.int32)
+        self._host_slots = torch.full((n, max_batch), -1, dtype=torch.int64)
+        self._host_states = torch.zeros(2, max_batch, dtype=torch.int32)  # slot, has initial state
+
+    def fill(self, scheduled: Sequence, batch_size: int, block_size: int, num_cols: int) -> None:
+        """Rows of the other groups' tables and slots, and the state slots; dummies padded."""
+        if not self.others and self.state is None:
+            return
+        tables, slots, states = self._host_tables.numpy(), self._host_slots.numpy(), self._host_states.numpy()
+        for row, item in enumerate(scheduled):
+            pos = item.num_computed_tokens
+            for i, group in enumerate(self.others):
+                table = item.group_block_ids[group][:pos // block_size + 1]
+                tables[i, row, :len(table)] = table
+                slots[i, row] = table[pos // block_size] * block_size + pos % block_size
+            if self.state is not None:
+                states[:, row] = (item.group_block_ids[self.state][0], pos > 0)
+        tables[:, len(scheduled):batch_size, 0] = 0
+        slots[:, len(scheduled):batch_size] = -1
+        states[:, len(scheduled):batch_size] = ((-1,), (0,))  # a padding row: no state read or written
+        self.tables[:, :batch_size, :num_cols].copy_(self._host_tables[:, :batch_size, :num_cols])
+        self.slots[:, :batch_size].copy_(self._host_slots[:, :batch_size])
+        self.state_indices[:batch_size].copy_(self._host_states[0, :batch_size])
+        self.has_initial_state[:batch_size].copy_(self._host_states[1, :batch_size].bool())
+
+    def metadata(self, base: AttentionMetadata, batch_size: int) -> AttentionMetadata:
+        """``base`` (group 0's) with the other groups' metadata per layer and the state slots."""
+        if self.layout is None or self.layout.num_groups == 1:
+            return base
+        metas = {self.layout.paged_groups[0].index: base}
+        for i, group in enumerate(self.others):
+            metas[group] = dataclasses.replace(base, slot_mapping=self.slots[i, :batch_size],
+                                               block_tables=self.tables[i, :batch_size], cpu_plans={})
+        for meta in metas.values():
+            meta.state_indices = self.state_indices[:batch_size]
+            meta.has_initial_state = self.has_initial_state[:batch_size]
+            meta.state_indices_host, meta.has_initial_state_host = [-1] * batch_size, [False] * batch_size
+        base.layer_metadata = [metas.get(group, base) for group, _ in self.layout.layer_slots]
+        return base
+
+
 class DecodeGraphs:
     """One captured forward per padded batch size, over shared static inputs."""
 
-    def __init__(self, model, kv_caches, max_num_seqs: int, max_context: int, block_size: int) -> None:
+    def __init__(self, model, kv_caches, max_num_seqs: int, max_context: int, block_size: int,
+                 layout: Optional[KVCacheLayout] = None) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.sizes = capture_batch_sizes(max_num_seqs)
-        self.inputs = DecodeInputs(self.sizes[-1], max_context, block_size, model.device)
+        self.inputs = DecodeInputs(self.sizes[-1], max_context, block_size, model.device, layout)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     @classmethod
@@ -166,10 +234,11 @@ class DecodeGraphs:
         from pagoda import kernels
 
         config = runner.config
-        if not should_use_graphs(config.enable_cuda_graphs, runner.device, kernels.use_triton(runner.kv_caches[0][0])):
+        if not should_use_graphs(config.enable_cuda_graphs, runner.device, kernels.use_triton(runner.kv_tensors[0][0])):
             return None
         max_context = runner.model_config.check_max_model_len(config.max_model_len)
-        graphs = cls(runner.model, runner.kv_caches, config.max_num_seqs, max_context, runner.block_size)
+        graphs = cls(runner.model, runner.kv_caches, config.max_num_seqs, max_context, runner.block_size,
+                     runner.kv_layout)
         try:
             graphs.capture()
         except Exception:  # noqa: BLE001  (any capture failure: serve eagerly rather than not at all)

@@ -83,6 +83,15 @@ class Executor:
         return self.host_kv_cache.num_blocks if self.host_kv_cache is not None else 0
 
     @property
+    def num_host_state_slots(self) -> int:
+        return self.host_kv_cache.num_state_slots if self.host_kv_cache is not None else 0
+
+    @property
+    def kv_layout(self):
+        """The runner's ``engine.kv.layout.KVCacheLayout`` (groups, pool sizes)."""
+        return self.runner.kv_layout
+
+    @property
     def speculator(self) -> Optional[Speculator]:
         return self.runner.speculator
 
@@ -126,7 +135,7 @@ class Executor:
         if self.host_kv_cache is not None:  # KV offload copies run before the forward pass
             self.host_kv_cache.execute(scheduler_output)
         if scheduler_output.blocks_to_copy:  # beam forks: copy-on-write of a shared partial block
-            copy_device_blocks(self.runner.kv_caches, scheduler_output.blocks_to_copy)
+            copy_device_blocks(self.runner.kv_tensors, scheduler_output.blocks_to_copy)
         if self.parallel is not None:
             self.parallel.check()
 

@@ -12,6 +12,13 @@ device -> host pairs (``blocks_to_swap_out``), then all host -> device pairs
 ``index_select`` + ``index_copy_`` per layer and per K/V. Destinations within one batch
 are unique (the scheduler side guarantees it), as ``index_copy_`` requires.
 
+KV cache groups (``engine.kv.layout``): the copies run over the runner's distinct tensor
+pairs (``kv_tensors``: a pair shared by layers of several groups is copied once; a block
+id is one page in each), and a hybrid model's swaps also move recurrent states: host
+state slots (``[num_state_slots, *shape]`` per state layer, the budget's first half at
+most, one slot per sequence at most) take ``states_to_swap_out`` before the block copies'
+second half and give back ``states_to_swap_in`` with them.
+
 ``calibrate`` measures the cost model's inputs at start: a one-block and a many-block
 round trip give the fixed copy latency and the bandwidth; one prefill of up to 128
 tokens into unused blocks gives seconds per recomputed token.
@@ -26,7 +33,7 @@ from typing import Sequence
 import torch
 
 from pagoda.engine.kv.host_tier import BlockPairs, SwapCostModel
-from pagoda.engine.runner.model_runner import ModelRunner, kv_bytes_per_block
+from pagoda.engine.runner.model_runner import ModelRunner
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -37,7 +44,8 @@ class HostKVCache:
     num_blocks: host blocks to allocate.
     """
 
-    def __init__(self, device_caches: KVCaches, num_blocks: int) -> None:
+    def __init__(self, device_caches: KVCaches, num_blocks: int, device_states: Sequence = (),
+                 num_state_slots: int = 0) -> None:
         assert num_blocks >= 1, f"num_blocks must be >= 1, got {num_blocks}"
         self.device_caches = device_caches
         self.num_blocks = num_blocks
@@ -49,6 +57,11 @@ class HostKVCache:
             (torch.zeros(shape, dtype=dtype, pin_memory=pin), torch.zeros(shape, dtype=dtype, pin_memory=pin))
             for _ in device_caches
         ]
+        # Recurrent states (one (conv, ssm) pair per state layer), when the model has them.
+        self.device_states = list(device_states)
+        self.num_state_slots = num_state_slots if self.device_states else 0
+        self.host_states = [tuple(torch.zeros((self.num_state_slots, *t.shape[1:]), dtype=t.dtype, pin_memory=pin)
+                                  for t in layer) for layer in self.device_states]
 
     @classmethod
     def for_runner(cls, runner: ModelRunner, num_bytes: int) -> "HostKVCache":
@@ -60,15 +73,19 @@ class HostKVCache:
         Raises:
             ValueError: ``num_bytes`` is smaller than one block.
         """
-        per_block = kv_bytes_per_block(runner.model_config, runner.block_size, runner.kv_caches[0][0].dtype,
-                                       runner.kv_heads, len(runner.kv_caches))
-        num_blocks = num_bytes // per_block
+        k = runner.kv_tensors[0][0]
+        per_block = 2 * len(runner.kv_tensors) * k[0].numel() * k.element_size()
+        states = [c for c in runner.kv_caches if hasattr(c, "ssm_states")]
+        slot_bytes = sum(t[0].numel() * t.element_size() for c in states for t in c)
+        num_slots = min(runner.config.max_num_seqs, (num_bytes // 2) // slot_bytes) if states else 0
+        num_blocks = (num_bytes - num_slots * slot_bytes) // per_block
         if runner.group is not None:  # tensor- or pipeline-parallel ranks agree on the host block ids
             num_blocks = runner.group.min_int(int(num_blocks))
+            num_slots = runner.group.min_int(int(num_slots)) if states else 0
         if num_blocks < 1:
             raise ValueError(f"cpu_offload_bytes: {num_bytes} bytes is smaller than one KV block "
                              f"({per_block} bytes); raise it or set 0 to disable the CPU tier")
-        return cls(runner.kv_caches, int(num_blocks))
+        return cls(runner.kv_tensors, int(num_blocks), states, int(num_slots))
 
     @property
     def bytes_per_block(self) -> int:
@@ -79,7 +96,16 @@ class HostKVCache:
     def execute(self, scheduler_output) -> None:
         """Run a step's copies: device -> host first, then host -> device."""
         self.swap_out(scheduler_output.blocks_to_swap_out)
+        self.swap_states(scheduler_output.states_to_swap_out, to_host=True)
         self.swap_in(list(scheduler_output.blocks_to_swap_in) + list(scheduler_output.blocks_to_copy_back))
+        self.swap_states(scheduler_output.states_to_swap_in, to_host=False)
+
+    def swap_states(self, pairs: BlockPairs, to_host: bool) -> None:
+        """Copy recurrent-state slots, device -> host (``to_host``; pairs (device, host)) or back."""
+        if to_host:
+            _copy_rows(self.device_states, self.host_states, pairs, to_host=True)
+        else:
+            _copy_rows(self.host_states, self.device_states, pairs, to_host=False)
 
     @torch.inference_mode()
     def swap_out(self, pairs: BlockPairs) -> None:
@@ -173,6 +199,19 @@ def measure_prefill_s_per_token(runner: ModelRunner, max_tokens: int = 128, repe
         _sync(runner.device)
         best = min(best, time.perf_counter() - start)
     return best / num_tokens
+
+
+@torch.inference_mode()
+def _copy_rows(sources: Sequence, targets: Sequence, pairs: BlockPairs, to_host: bool) -> None:
+    """Copy slot rows between per-layer tensor tuples; ``pairs`` are (src slot, dst slot)."""
+    if not pairs or not sources:
+        return
+    src = torch.tensor([p[0] for p in pairs], dtype=torch.int64, device=sources[0][0].device)
+    dst = torch.tensor([p[1] for p in pairs], dtype=torch.int64, device=targets[0][0].device)
+    for source_layer, target_layer in zip(sources, targets):
+        for source, target in zip(source_layer, target_layer):
+            rows = source.index_select(0, src)
+            target.index_copy_(0, dst, rows.to("cpu") if to_host else rows.to(target.device))
 
 
 @torch.inference_mode()

@@ -1,9 +1,14 @@
 """ModelRunner: owns device memory (weights and the paged KV cache) and runs one step.
 
-The KV cache is one preallocated pair of tensors per layer,
-``[num_blocks, block_size, num_kv_heads, head_dim]`` each, sized from the memory budget in
+The KV cache follows the model's KV cache groups (``engine.kv.layout``, allocated by
+``runner.kv_allocation``): preallocated K/V tensor pairs ``[num_blocks, block_size,
+num_kv_heads, head_dim]``, one per layer of a model whose layers are alike (each shared by
+one layer of every group when sliding-window and full-attention layers keep separate block
+tables), and a ``StateCache`` per linear-attention layer; sized from the memory budget in
 ``EngineConfig``: on CPU ``kv_cache_memory_bytes``; on GPU ``gpu_memory_utilization`` of
 the device's memory minus what the weights took and a reserve for activations.
+``kv_caches`` is per layer (what the model reads), ``kv_tensors`` the distinct pairs (what
+block copies, the host tier and connectors move), ``kv_layout`` what the scheduler gets.
 
 ``execute(scheduled, before_sampling) -> ModelRunnerOutput`` runs one step:
 ``compute_logits`` turns the scheduled batch (a flat batch of decode tokens and prefill
@@ -69,6 +74,8 @@ import torch
 
 from pagoda.engine.config import EngineConfig
 from pagoda.engine.runner.cuda_graphs import DecodeGraphs
+from pagoda.engine.runner.kv_allocation import (allocate_kv_caches, build_group_metadata, copy_state_slots,
+                                                layer_specs, make_kv_layout, uniform_reason, unique_pairs)
 from pagoda.engine.lora.manager import LoRAManager
 from pagoda.engine.guided.bitmask import TokenBitmask
 from pagoda.engine.runner.prompt_logprobs import PromptRows
@@ -154,19 +161,12 @@ class ModelRunner:
         if tp is not None:
             shard_model(self.model, tp)
             self.kv_heads = kv_head_range(model_config.num_key_value_heads, tp.size, tp.rank)[1]
+        layers = list(self.model.layers)  # every layer (a pipeline stage keeps its own only)
         if pp is not None:
             self.model = PipelineStage(self.model, pp)
         self.group = pp if pp is not None else tp  # all ranks agree on the block count (pp's spans TP x PP)
         self.kv_dtype = resolve_kv_cache_dtype(config, self.dtype)
-        self.num_blocks = self._num_blocks_from_budget()
-        shape = (self.num_blocks, self.block_size, self.kv_heads, model_config.head_dim)
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
-             torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
-            for _ in self.model.layers
-        ]
-        logger.info("KV cache: %d blocks of %d tokens on %s (%s)", self.num_blocks, self.block_size,
-                    self.device, self.kv_dtype)
+        self._allocate_kv_cache(layers)
         self.lora = (LoRAManager(self.model, config.max_loras, config.max_lora_rank, config.max_cpu_loras)
                      if config.enable_lora else None)
         pack_model(self.model, self.device, self.dtype)  # CPU: oneDNN-prepacked float weights (models.cpu_gemm)
@@ -190,27 +190,29 @@ class ModelRunner:
     def speculator(self) -> Optional[Speculator]:
         return self.step_sampler.speculator
 
-    def _num_blocks_from_budget(self) -> int:
-        if self.config.num_gpu_blocks_override is not None:
-            return self.config.num_gpu_blocks_override
-        per_block = kv_bytes_per_block(self.model_config, self.block_size, self.kv_dtype, self.kv_heads,
-                                       len(self.model.layers))
-        if self.draft_config is not None:
-            per_block += kv_bytes_per_block(self.draft_config, self.block_size, self.dtype)
-        if self.device.type == "cuda":
-            total = torch.cuda.get_device_properties(self.device).total_memory
-            budget = int(total * self.config.gpu_memory_utilization) - torch.cuda.memory_allocated(self.device)
-            budget -= _GPU_ACTIVATION_RESERVE
-        else:
-            budget = self.config.kv_cache_memory_bytes
-        num_blocks = budget // per_block
-        if self.group is not None:  # block ids must mean the same on every rank
-            num_blocks = self.group.min_int(int(num_blocks))
-        if num_blocks < 1:
-            raise ValueError(
-                f"KV cache budget of {budget} bytes is smaller than one block ({per_block} bytes); "
-                "raise kv_cache_memory_bytes / gpu_memory_utilization")
-        return int(num_blocks)
+    def _allocate_kv_cache(self, layers: list) -> None:
+        """Group the layers' caches, size the pools from the budget, allocate (``kv_allocation``)."""
+        specs = layer_specs(self.model_config, layers, self.kv_dtype, self.kv_heads)
+        first = getattr(self.model, "first_layer", 0)
+        own = range(first, first + len(self.model.layers))
+        extra = kv_bytes_per_block(self.draft_config, self.block_size, self.dtype) if self.draft_config else 0
+        self.kv_layout = make_kv_layout(self.config, specs, self._kv_budget_bytes(), extra, own, self.group)
+        self.num_blocks = self.kv_layout.num_blocks
+        self.kv_caches = allocate_kv_caches(self.kv_layout, specs, layers, own, self.kv_dtype, self.device)
+        self.kv_tensors = unique_pairs(self.kv_caches)
+        self.state_caches = [c for c in self.kv_caches if hasattr(c, "ssm_states")]
+        reason = uniform_reason(self.config)
+        logger.info("KV cache: %d blocks of %d tokens, %d state slots, groups %s on %s (%s)%s", self.num_blocks,
+                    self.block_size, self.kv_layout.num_state_slots,
+                    [(g.spec.kind, len(g.layer_ids)) for g in self.kv_layout.groups], self.device, self.kv_dtype,
+                    f"; uniform: {reason}" if reason and self.model_config.sliding_window else "")
+
+    def _kv_budget_bytes(self) -> int:
+        if self.device.type != "cuda":
+            return self.config.kv_cache_memory_bytes
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        budget = int(total * self.config.gpu_memory_utilization) - torch.cuda.memory_allocated(self.device)
+        return budget - _GPU_ACTIVATION_RESERVE
 
     def execute(self, scheduler_output: SchedulerOutput,
                 before_sampling: Optional[Callable[[], Optional[TokenBitmask]]] = None) -> ModelRunnerOutput:
@@ -238,7 +240,11 @@ class ModelRunner:
         inputs = self.requests.update(scheduler_output, self.step_sampler.kept_request_ids)
         if self.step_sender is not None:  # tensor parallelism: the other ranks run the same forward
             self.step_sender.send(scheduler_output, inputs, self._placeholder_tokens)
-        return StartedStep(scheduler_output, self.forward(inputs) if inputs else None)
+        # Recurrent states (kv.state_manager): checkpoints restored before, taken after the forward.
+        copy_state_slots(self.state_caches, scheduler_output.states_to_restore)
+        forward = self.forward(inputs) if inputs else None
+        copy_state_slots(self.state_caches, scheduler_output.states_to_checkpoint)
+        return StartedStep(scheduler_output, forward)
 
     def finish_step(self, started: "StartedStep",
                     before_sampling: Optional[Callable[[], Optional[TokenBitmask]]] = None) -> ModelRunnerOutput:
@@ -289,7 +295,11 @@ class ModelRunner:
             logits = self.graphs.execute(scheduled, rows, self._placeholder_tokens(scheduled, rows) if rows else None)
             return Forward(logits=logits)
         flat = _FlatBatch(scheduled)
-        meta = AttentionMetadata.build(flat.query_lens, flat.seq_lens, flat.tables, self.block_size, self.device)
+        if self.kv_layout.num_groups > 1:
+            tables = [[item.group_block_ids[g] for item in scheduled] for g in range(self.kv_layout.num_groups)]
+            meta = build_group_metadata(self.kv_layout, flat.query_lens, flat.seq_lens, tables, self.device)
+        else:
+            meta = AttentionMetadata.build(flat.query_lens, flat.seq_lens, flat.tables, self.block_size, self.device)
         ids = torch.tensor(flat.input_ids, dtype=torch.int64, device=self.device)
         if flat.placeholder_items:
             index = torch.tensor(flat.placeholder_index, dtype=torch.int64, device=self.device)

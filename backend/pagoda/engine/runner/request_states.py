@@ -5,8 +5,8 @@ decided by ``core.sched.runner_view``); the runner keeps them here and builds it
 this cache. ``update(scheduler_output)`` runs first in every device job, in step order:
 
 1. drop the states of ``preempted_request_ids`` and ``finished_request_ids``;
-2. per scheduled request: a fresh state for ``is_new`` (its table is ``new_block_ids``),
-   else the table extended by ``new_block_ids``;
+2. per scheduled request: a fresh state for ``is_new`` (its tables, one per KV cache
+   group, are ``new_block_ids``), else each table extended by its ``new_block_ids``;
 3. one ``StepInput`` per scheduled request, in batch order: positions, the whole block
    table, and the input tokens. A token the runner supplies itself
    (``num_runner_tokens == 1``: the step's first) comes from the device when the
@@ -32,8 +32,13 @@ from pagoda.engine.scheduler_output import SchedulerOutput
 
 @dataclass
 class RequestState:
-    block_ids: list[int]  # the request's whole block table
+    tables: list[list[int]]  # the request's whole block table per KV cache group
     last_token_id: Optional[int] = None  # the last token the runner sampled for it
+
+    @property
+    def block_ids(self) -> list[int]:
+        """Group 0's table."""
+        return self.tables[0]
 
 
 @dataclass
@@ -44,12 +49,13 @@ class StepInput:
     num_computed_tokens: int  # start position
     num_new_tokens: int  # including spec_token_ids
     token_ids: list[int]  # input tokens on the host; one short when the first is gathered on the device
-    block_ids: list[int]  # the whole block table
+    block_ids: list[int]  # the whole block table (of KV cache group 0)
     is_sampling: bool
     spec_token_ids: list[int] = field(default_factory=list)
     adapter_id: Optional[str] = None
     prompt_logprobs: Optional[int] = None  # alternatives per prompt position; None: not asked
     prompt_token_ids: Sequence[int] = ()  # the request's prompt, when it asks for prompt logprobs
+    group_block_ids: tuple[list[int], ...] = ()  # every group's table, when there are several
 
     @property
     def num_device_tokens(self) -> int:
@@ -75,10 +81,11 @@ class RequestStates:
         for item in scheduler_output.scheduled:
             request_id = item.request_id
             if item.is_new:
-                state = self._states[request_id] = RequestState(list(item.new_block_ids))
+                state = self._states[request_id] = RequestState([list(ids) for ids in item.new_block_ids])
             else:
                 state = self._states[request_id]
-                state.block_ids.extend(item.new_block_ids)
+                for table, ids in zip(state.tables, item.new_block_ids, strict=True):
+                    table.extend(ids)
             tokens = item.token_ids
             if item.num_runner_tokens and request_id not in on_device:
                 assert state.last_token_id is not None, f"{request_id!r}: no sampled token to continue from"
@@ -87,7 +94,8 @@ class RequestStates:
             inputs.append(StepInput(request_id, item.num_computed_tokens, item.num_new_tokens, tokens,
                                     state.block_ids, item.is_sampling, item.spec_token_ids,
                                     item.request.adapter_id, num_prompt_top,
-                                    item.request.prompt_token_ids if num_prompt_top is not None else ()))
+                                    item.request.prompt_token_ids if num_prompt_top is not None else (),
+                                    tuple(state.tables) if len(state.tables) > 1 else ()))
         return inputs
 
     def record(self, output: ModelRunnerOutput) -> None:

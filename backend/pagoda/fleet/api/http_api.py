@@ -10,7 +10,8 @@
   of the prompt and one key added, ``traceparent`` (Triton turns top-level keys that are not
   inputs into request parameters, the channel that reaches the backend); a body for one of
   TensorRT-LLM's front models goes as it came, salted in its ``parameters``. The replica's status, body and SSE
-  events come back byte for byte, except an overload refusal: the request is tried on
+  events come back byte for byte (less the token ids the router asked for, ``http_relay``), except an
+  overload refusal: the request is tried on
   another replica, and only when all are full does the client get 503 + ``Retry-After``.
   With prefill and decode replicas, a generate body runs in two stages (``http_stages``;
   a streaming one gets the prefill replica's first token first).
@@ -33,9 +34,13 @@
   the body size from ``Content-Length`` (413 before reading a byte), then the API key
   (401). A client that disconnects mid-answer is logged at INFO, not as an error.
 
-Faults as in ``grpc_proxy``: a refused connection is retried on another replica; a stream
-broken mid-way ends with one SSE event ``data: {"error": "..."}`` (Triton's own SSE error
-shape) naming the replica, which is marked unhealthy; a non-streaming request gets 502.
+Faults as in ``grpc_proxy``: a refused connection is retried on another replica; a replica
+that fails a request (its connection breaks, or it answers with an error that is its own
+fault) is marked unhealthy and the request is migrated (``api.migration``): sent again whole
+when its client has nothing yet, resumed on another replica when it streamed (the SSE answer
+stays open, the next replica's events follow, ``http_relay``). Not migrated, a stream ends
+with one SSE event ``data: {"error": "..."}`` (Triton's own SSE error shape) naming the
+replica, and a non-streaming request gets 502 (or the replica's own error as it sent it).
 """
 
 from __future__ import annotations
@@ -45,19 +50,22 @@ import itertools
 import json
 import logging
 import re
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional
 
 import aiohttp
 from aiohttp import web
 
-from pagoda.contracts.errors import ErrorKind, error_text, is_overloaded, spec_of
+from pagoda.contracts.errors import ErrorKind, spec_of
 from pagoda.fleet.gate.gate import TENANT_KEY, AuthError, Gate, LimitError, RateLimited, retry_after_header
 from pagoda.fleet.api import http_stages
 from pagoda.fleet.api.fleet_metrics import merge_vllm_series, scrape_replicas
 from pagoda.fleet.api.generate_request import GenerateRequest
+from pagoda.fleet.api.http_relay import Broken, Relay
+from pagoda.fleet.api.migration import CONNECTION_LOST, NO_REPLICA, Journal, Migrations, Plan
 from pagoda.fleet.gate.infer_body import validate_infer_body
 from pagoda.fleet.gate.generate_body import FRONT_INPUTS, validate_generate_body
 from pagoda.fleet.api.lora_admin import LoRAAdmin, check_change
+from pagoda.fleet.api.messages_api import anthropic_error
 from pagoda.fleet.api.openai_responses import error_body
 from pagoda.fleet.routing.router import Analysis, NoReplicaAvailable, Router
 from pagoda.fleet.api.tracing import TRACEPARENT, RouterTracer
@@ -72,21 +80,24 @@ TRACER_KEY = web.AppKey("tracer", RouterTracer)
 GATE_KEY = web.AppKey("gate", Gate)
 LORA_KEY = web.AppKey("lora_admin", LoRAAdmin)
 SESSION_KEY = web.AppKey("session", aiohttp.ClientSession)
+MIGRATIONS_KEY = web.AppKey("migrations", Migrations)
 SCRAPE_FAILURES_KEY = web.AppKey("scrape_failures", list)  # [count]: replicas' /metrics that did not answer
 MAX_ATTEMPTS = 2
 _FORWARDED_HEADERS = ("Content-Type", "Content-Length")
 
 
 def make_app(router: Router, tracer: RouterTracer, gate: Gate, lora_admin: LoRAAdmin,
-             openai: Optional["OpenAIApi"] = None) -> web.Application:
+             openai: Optional["OpenAIApi"] = None, migrations: Optional[Migrations] = None) -> web.Application:
     """The HTTP application over the collaborators ``RouterService`` composed; ``openai``
-    (an ``OpenAIApi``) adds the ``/v1`` routes."""
+    (an ``OpenAIApi``) adds the ``/v1`` routes; ``migrations``: the router's (the upstream
+    client's, so ``/metrics`` counts every door's; a default one when ``None``)."""
     # A chunked body (no Content-Length) is cut off at the same size while it is read.
     app = web.Application(client_max_size=gate.limits.max_body_bytes, middlewares=[gate_middleware])
     app[ROUTER_KEY] = router
     app[TRACER_KEY] = tracer
     app[GATE_KEY] = gate
     app[LORA_KEY] = lora_admin
+    app[MIGRATIONS_KEY] = migrations if migrations is not None else Migrations()
     app[SCRAPE_FAILURES_KEY] = [0]
     app.cleanup_ctx.append(_client_session)
     app.router.add_get("/v2/health/live", _live)
@@ -128,9 +139,19 @@ def _kind_error(kind: ErrorKind, message: str, headers: Optional[dict[str, str]]
     return _error(spec_of(kind).triton_http_status, message, headers)
 
 
+def _authorization(request: web.Request) -> Optional[str]:
+    """The request's API key as an ``Authorization`` value: that header, or ``x-api-key`` (Anthropic's SDK)."""
+    if "Authorization" in request.headers or "x-api-key" not in request.headers:
+        return request.headers.get("Authorization")
+    return f"Bearer {request.headers['x-api-key']}"
+
+
 def _gate_error(request: web.Request, status: int, message: str, kind: str, param: Optional[str] = None,
                 headers: Optional[dict[str, str]] = None) -> web.Response:
-    """An error in the door's own shape: OpenAI's on ``/v1``, Triton's ``{"error"}`` elsewhere."""
+    """An error in the door's own shape: Anthropic's on ``/v1/messages``, OpenAI's on ``/v1``,
+    Triton's ``{"error"}`` elsewhere."""
+    if request.path.startswith("/v1/messages"):
+        return anthropic_error(status, message, headers)
     if request.path.startswith("/v1/"):
         return web.json_response(error_body(message, kind, param), status=status, headers=headers)
     return _error(status, message, headers)
@@ -155,7 +176,7 @@ async def gate_middleware(request: web.Request, handler: Any) -> web.StreamRespo
             gate.count("body_too_large")
             return _gate_error(request, exc.status, str(exc), "invalid_request_error", exc.param)
         try:
-            request[TENANT_KEY] = gate.authenticate(request.headers.get("Authorization"))
+            request[TENANT_KEY] = gate.authenticate(_authorization(request))
         except AuthError as exc:
             spec = spec_of(ErrorKind.UNAUTHORIZED)
             return _gate_error(request, spec.triton_http_status, str(exc), spec.openai_type,
@@ -257,37 +278,44 @@ async def _lora_control(request: web.Request, router: Router, document: dict[str
 
 async def _route(request: web.Request, body: bytes, generate: Optional[GenerateRequest],
                  analysis: Optional[Analysis], span: Any) -> web.StreamResponse:
-    """Choose a replica and relay its answer; retry on a refused connection or an overload."""
-    router, gate = request.app[ROUTER_KEY], request.app[GATE_KEY]
+    """Choose a replica and relay its answer (``http_relay``); retry on a refused connection or an
+    overload; when the replica fails the request, migrate it (``api.migration``'s plan)."""
+    router, gate, migrations = request.app[ROUTER_KEY], request.app[GATE_KEY], request.app[MIGRATIONS_KEY]
     tried: list[str] = []
     stage = http_stages.StageOne()
     if generate is not None and http_stages.is_disaggregated(router, generate):  # two stages (http_stages)
         tried = [r.replica_id for r in router.replicas.all() if r.role == "prefill"]
         generate, stage = await http_stages.prefill(request.app[SESSION_KEY], router, gate, analysis, generate,
                                                     request)
+    # An early first token's stream is relayed by http_stages (its own failure handling): not journaled.
+    journal = migrations.journal(generate.wire if generate is not None and stage.response is None else None)
+    relay, wire = Relay(request, journal, journal.hides_token_ids), journal.wire
 
     async def failed(kind: ErrorKind, message: str, headers: Optional[dict[str, str]] = None) -> web.StreamResponse:
         span.fail(message)
         if stage.response is not None:  # the early first token went out: the answer is open
             return await http_stages.end_with_error(stage.response, message)
+        if relay.response is not None:  # the replica's answer is open: an SSE error event
+            return await relay.finish_failed(message)
         return _kind_error(kind, message, headers)
 
     num_dead = 0
     payload = body
     for attempt in itertools.count(1):
         try:
-            decision = await gate.choose(router, analysis, tried, attempt)
+            decision = await gate.choose(router, analysis, tried + journal.failed_replicas, attempt)
         except NoReplicaAvailable as exc:
-            return await failed(ErrorKind.UNAVAILABLE, str(exc))
+            return await failed(ErrorKind.REPLICA_FAILED if journal.failed_replicas else ErrorKind.UNAVAILABLE,
+                                _no_replica_left(migrations, journal, exc, span))
         span.set_decision(decision)
         if generate is not None:
-            payload = await _encoded(generate.body(span.traceparent), gate, len(generate.prompt))
+            payload = await _encoded(generate.body(span.traceparent, wire), gate, len(generate.prompt))
         replica = decision.replica
         try:
             headers = {"Content-Type": request.headers.get("Content-Type", "application/json")}
             upstream = await request.app[SESSION_KEY].post(
                 f"http://{replica.endpoints['http']}{request.path_qs}", data=payload, headers=headers)
-        except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+        except (aiohttp.ClientConnectorError, asyncio.TimeoutError) as exc:  # never connected: not a migration
             router.release(decision)
             router.replicas.mark_unhealthy(replica, f"HTTP connection failed: {exc}")
             tried.append(replica.replica_id)
@@ -295,12 +323,29 @@ async def _route(request: web.Request, body: bytes, generate: Optional[GenerateR
             if num_dead < MAX_ATTEMPTS:
                 continue
             return await failed(ErrorKind.REPLICA_FAILED, f"replica {replica.replica_id} is unreachable: {exc}")
-        try:
-            answer = await (_relay(request, upstream, router, decision, span) if stage.response is None else
-                            http_stages.relay_into(stage, upstream, router, replica, span))
-        finally:
-            upstream.close()
+        except aiohttp.ClientConnectionError as exc:  # it took the request and died before answering
             router.release(decision)
+            answer: Any = Broken(f"replica {replica.replica_id} failed before answering: {type(exc).__name__}: {exc}")
+        else:
+            try:
+                answer = await (relay.relay(upstream, replica.replica_id) if stage.response is None else
+                                http_stages.relay_into(stage, upstream, router, replica, span))
+            finally:
+                upstream.close()
+                router.release(decision)
+        if isinstance(answer, Broken):
+            router.replicas.mark_unhealthy(replica, answer.message)
+            plan = journal.plan(replica.replica_id)
+            migrations.record(answer.reason, plan, replica.replica_id, span, len(journal.token_ids))
+            if plan.migrates:
+                wire = plan.wire
+                continue
+            if answer.answer is not None:  # the replica's own error, as it sent it
+                span.fail(answer.message)
+                return web.Response(status=answer.answer[0], body=answer.answer[1],
+                                    headers={"Content-Type": "application/json"})
+            return await failed(ErrorKind.REPLICA_FAILED, f"{answer.message}. The router avoids it until it is "
+                                f"healthy again; retry the request. Not migrated: {plan.detail}.")
         if not isinstance(answer, str):
             return answer
         gate.mark_full(replica.replica_id)
@@ -311,54 +356,18 @@ async def _route(request: web.Request, body: bytes, generate: Optional[GenerateR
     raise AssertionError("unreachable: the attempt loop always returns")
 
 
+def _no_replica_left(migrations: Migrations, journal: Journal, exc: NoReplicaAvailable, span: Any) -> str:
+    """The message when no replica can take the request (after a failure: counted as a migration that found none)."""
+    if not journal.failed_replicas:
+        return str(exc)
+    replica_id = journal.failed_replicas[-1]
+    migrations.record(CONNECTION_LOST, Plan(NO_REPLICA, None, str(exc)), replica_id, span, len(journal.token_ids))
+    return f"replica {replica_id} failed this request and no other replica could continue it: {exc}"
+
+
 async def _encoded(document: dict[str, Any], gate: Gate, num_chars: int) -> bytes:
     """A body as JSON bytes; a long prompt's (its text and token ids) off the event loop."""
     return await gate.analyze(num_chars, lambda: json.dumps(document).encode())
-
-
-async def _relay(request: web.Request, upstream: aiohttp.ClientResponse, router: Router, decision: Any,
-                 span: Any) -> Union[web.StreamResponse, str]:
-    """Copy the replica's answer to the client; an SSE answer chunk by chunk.
-
-    Returns the overload message instead when the replica refused the request as
-    overloaded (nothing has been sent to the client then)."""
-    replica = decision.replica
-    content_type = upstream.headers.get("Content-Type", "application/json")
-    is_sse = content_type.startswith("text/event-stream")
-    if not is_sse:
-        try:
-            data = await upstream.read()
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            failure = f"replica {replica.replica_id} failed before answering: {type(exc).__name__}: {exc}"
-            router.replicas.mark_unhealthy(replica, failure)
-            span.fail(failure)
-            return _kind_error(ErrorKind.REPLICA_FAILED,
-                               failure + ". The router avoids it until it is healthy again; retry the request.")
-        if upstream.status != 200 and is_overloaded(data.decode("utf-8", "replace")):
-            return error_text(data)
-        return web.Response(status=upstream.status, body=data, headers={"Content-Type": content_type})
-    first = b""
-    try:
-        first = await upstream.content.readany()
-    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError):
-        pass  # the loop below meets the same failure and reports it
-    if is_overloaded(first.decode("utf-8", "replace")) and b'"error"' in first:
-        return error_text(first.split(b"data:", 1)[-1])
-    response = web.StreamResponse(status=upstream.status, headers={"Content-Type": content_type,
-                                                                    "Cache-Control": "no-cache"})
-    await response.prepare(request)
-    await response.write(first)
-    try:
-        async for chunk in upstream.content.iter_any():
-            await response.write(chunk)
-    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
-        failure = (f"replica {replica.replica_id} failed while streaming this request: {type(exc).__name__}: "
-                   f"{exc}. The router avoids it until it is healthy again; retry the request.")
-        router.replicas.mark_unhealthy(replica, failure)
-        span.fail(failure)
-        await response.write(f"data: {json.dumps({'error': failure})}\n\n".encode())
-    await response.write_eof()
-    return response
 
 
 async def _forward_get(request: web.Request) -> web.Response:
@@ -381,6 +390,7 @@ async def _metrics(request: web.Request) -> web.Response:
     counters = request.app[SCRAPE_FAILURES_KEY]
     counters[0] += num_failed
     text = render_metrics(router, request.app[GATE_KEY]) + "\n".join([
+        *request.app[MIGRATIONS_KEY].metric_lines(),
         "# TYPE pagoda_router_metrics_scrape_failures_total counter",
         f"pagoda_router_metrics_scrape_failures_total {counters[0]}",
         *merge_vllm_series(scrapes)]) + "\n"

@@ -33,6 +33,8 @@ from pagoda.fleet.api.openai_io import OpenAIRequest, chat_logprobs, completion_
 from pagoda.fleet.api.openai_responses import (ChatCompletion, ChatCompletionChunk, Completion, CompletionChunk, Usage,
                                                dump)
 from pagoda.fleet.api.openai_tools import finish_reason as tool_finish_reason, parse_answer
+from pagoda.fleet.parsers.events import CallArguments, CallStart, Content, Event, Parsed
+from pagoda.fleet.parsers.output import OutputParser
 
 if TYPE_CHECKING:
     from pagoda.models.tokenizer import Tokenizer
@@ -62,6 +64,9 @@ class Answer:
         self.num_prompt_tokens = 0
         self.num_cached_tokens = 0
         self.num_completion_tokens = [0] * n
+        # Chat answers read by a reasoning and/or tool-call parser (``fleet.parsers``), one per choice.
+        self.parsers: list[Optional[OutputParser]] = [self._make_parser() for _ in range(n)]
+        self.num_calls = [0] * n  # calls streamed so far, per choice
 
     def add(self, outputs: dict[str, list]) -> list[tuple[int, str, Optional[str], list[dict]]]:
         """Fold one response in; returns (index, delta text, finish reason, delta logprobs) per completion."""
@@ -115,20 +120,39 @@ class Answer:
         return completion_logprobs(entries, self.tokenizer, offset)
 
     @property
-    def _tools_active(self) -> bool:
-        return self.chat and self.built.tools is not None and self.built.tools.active
-
-    def _tool_answer(self, i: int) -> tuple[Optional[str], list[dict], Optional[str]]:
-        """(content, tool_calls, finish_reason) of finished choice ``i`` (``openai_tools``)."""
+    def _forced_tools(self) -> bool:
+        """A named or required call: the grammar wrote it, ``openai_tools.parse_answer`` reads it whole."""
         plan = self.built.tools
-        content, calls = parse_answer(self.texts[i], plan, self.built.tool_parser)
+        return self.chat and plan is not None and plan.choice in ("named", "required")
+
+    def _make_parser(self) -> Optional[OutputParser]:
+        plan, choice = self.built.tools, self.built.parsers
+        tools = plan.tools if plan is not None and plan.choice == "auto" else None
+        if not self.chat or choice is None or self._forced_tools or (tools is None and choice.reasoning is None):
+            return None
+        return OutputParser(choice, tools)
+
+    def _forced_answer(self, i: int) -> tuple[Optional[str], list[dict], Optional[str]]:
+        """(content, tool_calls, finish_reason) of finished choice ``i`` with a forced call."""
+        plan = self.built.tools
+        content, calls = parse_answer(self.texts[i], plan)
         return content, calls, tool_finish_reason(self.finish_reasons[i], plan, calls)
 
     def _chat_choice(self, i: int, text: str) -> dict:
         message, reason = {"role": "assistant", "content": text}, self.finish_reasons[i]
-        if self._tools_active:
-            content, calls, reason = self._tool_answer(i)
+        if self._forced_tools:
+            content, calls, reason = self._forced_answer(i)
             message = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+        elif self.parsers[i] is not None:
+            parser = self._make_parser()
+            parsed = Parsed().add(parser.feed(text) + parser.finish())
+            calls = [{"id": c.call_id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                     for c in parsed.calls]
+            message = {"role": "assistant", "content": parsed.content.strip() or (None if calls else ""),
+                       **({"tool_calls": calls} if calls else {}),
+                       **({"reasoning": parsed.reasoning, "reasoning_content": parsed.reasoning}
+                          if parsed.reasoning else {})}
+            reason = tool_finish_reason(reason, self.built.tools, calls) if self.built.tools else reason
         return {"index": self.index_offset + i, "message": message, "logprobs": self._logprobs(self.logprobs[i]),
                 "finish_reason": reason}
 
@@ -164,13 +188,22 @@ class Answer:
             echo_now = self.built.echo and not self.echoed[i]
             if not text and reason is None and not echo_now:
                 continue
-            if self._tools_active:
+            if self._forced_tools:
                 if reason is None:
-                    continue  # held back until the choice finishes (openai_tools)
-                content, calls, reason = self._tool_answer(i)
+                    continue  # a forced call is read whole when the choice finishes (openai_tools)
+                content, calls, reason = self._forced_answer(i)
                 delta = {"tool_calls": [{"index": k, **call} for k, call in enumerate(calls)]} if calls else {}
                 choice = {"index": i, "delta": {**({"content": content} if content else {}), **delta},
                           "logprobs": self._logprobs(self.logprobs[i]), "finish_reason": reason}
+            elif self.parsers[i] is not None:
+                events = self.parsers[i].feed(text) + (self.parsers[i].finish() if reason is not None else [])
+                delta = self._delta(i, events)
+                if not delta and reason is None:
+                    continue  # held back: a tag may be beginning
+                if reason is not None and self.num_calls[i] and self.built.tools is not None:
+                    reason = tool_finish_reason(reason, self.built.tools, [None] * self.num_calls[i])
+                choice = {"index": i, "delta": delta, "logprobs": self._logprobs(step_logprobs),
+                          "finish_reason": reason}
             elif self.chat:
                 choice = {"index": i, "delta": {"content": text} if text else {},
                           "logprobs": self._logprobs(step_logprobs), "finish_reason": reason}
@@ -181,6 +214,28 @@ class Answer:
                           "logprobs": self._logprobs(step_logprobs, lengths[i], echo_now), "finish_reason": reason}
             out.append(self.chunk([choice]))
         return out
+
+    def _delta(self, i: int, events: list[Event]) -> dict:
+        """A chat chunk's delta of choice ``i`` from its parser's events: text, reasoning (under
+        both names), and each call's start (id, name) and argument fragments as they stream."""
+        delta: dict = {}
+        calls: list[dict] = []
+        for event in events:
+            if isinstance(event, Content):
+                delta["content"] = delta.get("content", "") + event.text
+            elif isinstance(event, CallStart):
+                self.num_calls[i] += 1
+                calls.append({"index": event.index, "id": event.call_id, "type": "function",
+                              "function": {"name": event.name, "arguments": ""}})
+            elif isinstance(event, CallArguments):
+                if calls and calls[-1]["index"] == event.index:
+                    calls[-1]["function"]["arguments"] += event.text
+                else:
+                    calls.append({"index": event.index, "function": {"arguments": event.text}})
+            else:
+                delta["reasoning"] = delta.get("reasoning", "") + event.text
+                delta["reasoning_content"] = delta["reasoning"]
+        return {**delta, **({"tool_calls": calls} if calls else {})}
 
     def usage_chunk(self, answers: Optional[list["Answer"]] = None) -> dict:
         return self.chunk([], summed_usage(answers or [self]))

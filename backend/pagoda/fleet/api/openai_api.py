@@ -86,6 +86,7 @@ from aiohttp import web
 from pagoda.contracts import json_input
 from pagoda.contracts.errors import ErrorKind, classify_replica_error, kind_of_http_status, spec_of
 from pagoda.fleet.gate.gate import TENANT_KEY, Gate, LimitError, RateLimited, retry_after_header
+from pagoda.fleet.gate.limits import openai_sampling_values
 from pagoda.fleet.api.lora_admin import LoRAAdmin, check_change
 from pagoda.fleet.api.upstream import GrpcUpstream, ReplicaFailed
 from pagoda.fleet.api.openai_answer import Answer, merge_final
@@ -130,11 +131,16 @@ class OpenAIApi:
         lora_admin: the served LoRA adapters and their run-time loading.
         upstream: the client that streams a routed request to a replica.
         model_name: the served model name (``/v1/models``; requests may also say ``pagoda``).
+        parsers: the reasoning and tool-call parsers chat answers are read with
+            (``fleet.parsers``: ``--reasoning-parser``, ``--tool-call-parser``); ``None``: the
+            ones the model's chat template calls for.
     """
 
     def __init__(self, router: Router, tracer: RouterTracer, gate: Gate, lora_admin: LoRAAdmin,
-                 upstream: GrpcUpstream, model_name: str) -> None:
+                 upstream: GrpcUpstream, model_name: str,
+                 parsers: tuple[Optional[str], Optional[str]] = (None, None)) -> None:
         self.router = router
+        self.parsers = parsers  # (--reasoning-parser, --tool-call-parser); None: from the chat template
         self.tracer = tracer
         self.gate = gate
         self.lora_admin = lora_admin
@@ -268,7 +274,8 @@ class OpenAIApi:
             limits.check_messages(body["messages"])
         if not chat and isinstance(body.get("prompt"), str):
             limits.check_prompt(body["prompt"])
-        builts = ([build_chat_request(body, self.router.tokenizer)] if chat
+        limits.check_sampling(openai_sampling_values(body, chat))  # before a tighter check of its own refuses it
+        builts = ([build_chat_request(body, self.router.tokenizer, *self.parsers)] if chat
                   else build_completion_requests(body, self.router.tokenizer))
         for built in builts:
             if isinstance(built.prompt, str):  # token prompts: the replica checks them against max_model_len

@@ -22,7 +22,8 @@ from pagoda.engine.sampling_params import SamplingParams
 from pagoda.fleet.api.openai_guided import guided_decoding_from_body
 from pagoda.fleet.api.openai_protocol import (CHAT_ROLES, ChatCompletionRequest, ChatMessage, CompletionRequest,
                                               OpenAIError, describe, parse)
-from pagoda.fleet.api.openai_tools import ToolPlan, detect_parser, render_prompt, tool_plan_from_body
+from pagoda.fleet.api.openai_tools import ToolPlan, render_prompt, tool_plan_from_body
+from pagoda.fleet.parsers.output import ParserChoice
 from pagoda.serving.wire import OutputOptions, WireRequest
 
 if TYPE_CHECKING:
@@ -55,7 +56,7 @@ class OpenAIRequest:
     echo: bool = False  # completions: the prompt comes first (text, and its tokens' logprobs)
     echo_only: bool = False  # echo with max_tokens=0: one token is generated and dropped (as vLLM)
     tools: Optional[ToolPlan] = None  # chat with tools (pagoda.fleet.api.openai_tools)
-    tool_parser: str = "hermes"
+    parsers: Optional[ParserChoice] = None  # chat: how the answer's reasoning and calls are read
 
     @property
     def prompt(self) -> PromptInput:
@@ -188,7 +189,8 @@ def _message_dict(message: ChatMessage) -> dict[str, Any]:
     return out
 
 
-def build_chat_request(body: dict, tokenizer: "Tokenizer") -> OpenAIRequest:
+def build_chat_request(body: dict, tokenizer: "Tokenizer", reasoning_parser: Optional[str] = None,
+                       tool_parser: Optional[str] = None) -> OpenAIRequest:
     """``/v1/chat/completions`` body -> ``OpenAIRequest``: the prompt is the chat template's
     rendering (with ``chat_template_kwargs``, as vLLM). Validated as ``ChatCompletionRequest``."""
     request = parse(ChatCompletionRequest, body)
@@ -213,9 +215,11 @@ def build_chat_request(body: dict, tokenizer: "Tokenizer") -> OpenAIRequest:
     except (ValueError, TypeError) as exc:
         raise OpenAIError(f"messages: {exc}", "chat_template_kwargs" if request.chat_template_kwargs else "messages") \
             from None
+    parsers = ParserChoice.detect(getattr(tokenizer, "chat_template", None), prompt, reasoning_parser, tool_parser)
+    if parsers.needs_special_tokens and request.skip_special_tokens is None:
+        sampling["skip_special_tokens"] = False  # gpt-oss's channels are special tokens (fleet.parsers.harmony)
     return OpenAIRequest(_wire(prompt, sampling, request.request_options(), logprobs is not None), request.stream,
-                         logprobs, include_usage, tools=plan,
-                         tool_parser=detect_parser(getattr(tokenizer, "chat_template", None)))
+                         logprobs, include_usage, tools=plan, parsers=parsers)
 
 
 # ------------------------------------------------------------------ Triton tensors

@@ -38,7 +38,7 @@ Number = float  # strict: an int is a number, a bool is not
 _MAPPED = frozenset({"max_tokens", "stop", "n", "logit_bias", "logprobs", "prompt_logprobs", "best_of",
                      "use_beam_search", "length_penalty", "early_stopping"})
 # Body fields that pass to SamplingParams under their own name: the one list is SamplingParams'.
-_SAMPLING_NAMES = frozenset(SamplingParams.__dataclass_fields__) - _MAPPED
+_SAMPLING_NAMES = frozenset(SamplingParams.__dataclass_fields__) - _MAPPED - {"given"}
 
 
 def one_of(hint: str) -> WrapValidator:
@@ -184,6 +184,7 @@ class _Common(_Strict):
     cache_salt: Optional[str] = None
     priority: Optional[int] = None
     timeout: Optional[Annotated[Number, Field(gt=0)]] = None  # seconds; engine.core.load_shedding deadlines
+    allow_migration: Optional[bool] = None  # false: not moved to another replica when its replica fails
     # beam search as vLLM's extras (best_of is the beam width then; docs/beam_search.md)
     use_beam_search: bool = False
     length_penalty: Optional[Number] = None

@@ -75,14 +75,27 @@ class ToolCall(_Out):
     function: FunctionCall
 
 
-class DeltaToolCall(ToolCall):
+class DeltaFunctionCall(_Out):
+    """A streamed call's piece: the name in its first delta, arguments fragments after it."""
+
+    name: Optional[str] = None
+    arguments: Optional[str] = None
+
+
+class DeltaToolCall(_Out):
     index: int
+    id: Optional[str] = None  # with the first delta of a call
+    type: Optional[Literal["function"]] = None
+    function: DeltaFunctionCall
 
 
 class AssistantMessage(_Out):
     role: Literal["assistant"]
     content: Optional[str]
     tool_calls: Optional[list[ToolCall]] = None
+    # The model's thinking (a reasoning parser's): vLLM's current name, and its former one.
+    reasoning: Optional[str] = None
+    reasoning_content: Optional[str] = None
 
 
 class CompletionChoice(_Out):
@@ -102,6 +115,8 @@ class ChatChoice(_Out):
 class Delta(_Out):
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
+    reasoning: Optional[str] = None
+    reasoning_content: Optional[str] = None
     tool_calls: Optional[list[DeltaToolCall]] = None
 
 

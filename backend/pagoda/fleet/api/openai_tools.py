@@ -17,11 +17,9 @@ Forced calls are enforced by the grammar engine, so they are always well-formed 
   one of the tools (``anyOf`` of the tools, the name an ``enum``), at least one item, at
   most one when ``parallel_tool_calls`` is false (vLLM's schema).
 
-``"auto"``: the model writes freely and its text is parsed by the model family's format,
-chosen from the chat template (vLLM asks for ``--tool-call-parser``; pagoda detects it):
-``hermes`` (``<tool_call>{json}</tool_call>``; Qwen 2/2.5/3, Hermes, and the fallback),
-``llama3_json`` (a JSON object ``{"name", "parameters"}`` after an optional
-``<|python_tag|>``, several joined by ``;``) and ``mistral`` (``[TOOL_CALLS][...]``). Text
+``"auto"``: the model writes freely and its text is read by the model family's format
+(``fleet.parsers``: Hermes, Qwen3-Coder XML, Llama 3 JSON, Mistral, gpt-oss harmony), chosen
+from the chat template unless the server names one (``--tool-call-parser``, as vLLM's). Text
 that does not parse is the answer's ``content`` (never an error), as in vLLM.
 
 Templates that ignore ``tools`` (SmolLM2's, for one: rendering with and without them gives
@@ -32,15 +30,14 @@ assistant tool calls written as ``<tool_call>`` text, so the model can still cal
 Answers: ``message.tool_calls`` (``id`` ``call_<hex>``, ``type`` ``function``, ``function:
 {name, arguments}`` with ``arguments`` a JSON string), ``content`` the text outside the calls
 (``null`` when none), ``finish_reason`` ``"tool_calls"`` (``"stop"`` for a named function, as
-OpenAI; ``"length"`` when cut). Streaming: with tools in play the answer is held back and
-sent as one delta when the choice finishes (vLLM streams argument fragments); the role chunk,
-usage and ``[DONE]`` are as without tools.
+OpenAI; ``"length"`` when cut). Streaming: an ``auto`` call streams as it is written (its id
+and name in one delta, its arguments in fragments, as vLLM's); a forced call is sent whole when
+its choice finishes; the role chunk, usage and ``[DONE]`` are as without tools.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -109,18 +106,6 @@ def tool_plan_from_body(request: Any, error: type) -> Optional[ToolPlan]:
 
 
 # ------------------------------------------------------------------ the prompt
-def detect_parser(chat_template: Optional[str]) -> str:
-    """The tool-call format a chat template teaches (module docstring); ``hermes`` by default."""
-    template = chat_template or ""
-    if "[TOOL_CALLS]" in template:
-        return "mistral"
-    if "<tool_call>" in template:
-        return "hermes"
-    if "<|python_tag|>" in template or "ipython" in template:
-        return "llama3_json"
-    return "hermes"
-
-
 def hermes_system_text(tools: list[dict]) -> str:
     """Hermes' tool instructions, for templates that ignore ``tools``."""
     listed = "\n".join(json.dumps(t, separators=(", ", ": ")) for t in tools)
@@ -178,38 +163,17 @@ def _call(name: str, arguments: Any) -> dict:
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name, "arguments": text}}
 
 
-def parse_answer(text: str, plan: ToolPlan, parser: str) -> tuple[Optional[str], list[dict]]:
-    """(content, tool_calls) of one finished choice; unparsable text is content."""
+def parse_answer(text: str, plan: ToolPlan) -> tuple[Optional[str], list[dict]]:
+    """(content, tool_calls) of one finished choice whose call was forced (``named`` or
+    ``required``: the grammar wrote it); ``auto`` answers are ``fleet.parsers``'. Text that does
+    not parse (cut by ``max_tokens``) is content."""
     if plan.choice == "named":
         return None, [_call(plan.name, text.strip())]
-    if plan.choice == "required":
-        try:
-            items = json.loads(text)
-            return None, [_call(item["name"], item["parameters"]) for item in items]
-        except (ValueError, TypeError, KeyError):
-            return text or None, []  # cut by max_tokens: finish_reason "length" says so
-    return _parse_auto(text, parser)
-
-
-def _parse_auto(text: str, parser: str) -> tuple[Optional[str], list[dict]]:
     try:
-        if parser == "mistral" and "[TOOL_CALLS]" in text:
-            content, _, rest = text.partition("[TOOL_CALLS]")
-            calls = [_call(c["name"], c.get("arguments", {})) for c in json.loads(rest.strip())]
-            return content.strip() or None, calls
-        if parser == "llama3_json":
-            body = text.strip().removeprefix("<|python_tag|>").strip()
-            if body.startswith("{"):
-                parts = [json.loads(p) for p in body.split(";") if p.strip()]
-                return None, [_call(p["name"], p.get("parameters", p.get("arguments", {}))) for p in parts]
-        if "<tool_call>" in text:
-            found = re.findall(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", text, flags=re.DOTALL)
-            calls = [json.loads(f) for f in found]
-            content = text[:text.index("<tool_call>")].strip()
-            return content or None, [_call(c["name"], c.get("arguments", {})) for c in calls]
-    except (ValueError, TypeError, KeyError, AttributeError):
-        pass
-    return text, []
+        items = json.loads(text)
+        return None, [_call(item["name"], item["parameters"]) for item in items]
+    except (ValueError, TypeError, KeyError):
+        return text or None, []  # cut by max_tokens: finish_reason "length" says so
 
 
 def finish_reason(reason: Optional[str], plan: ToolPlan, calls: list[dict]) -> Optional[str]:

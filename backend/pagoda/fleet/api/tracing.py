@@ -10,7 +10,10 @@ it until its last response leaves. Its attributes record the decision:
   (exact|pending|none), ``pagoda.num_prompt_tokens``, ``pagoda.num_prompt_blocks``,
   ``pagoda.redis_available``, ``pagoda.decision_ms``, ``pagoda.protocol`` and
   ``pagoda.num_attempts`` (more than one when a replica refused the connection);
-- an error status when the request failed (the replica died, no replica was available).
+- an error status when the request failed (the replica died, no replica was available);
+- a ``pagoda.migration`` event per replica failure the request met (``api.migration``):
+  the replica, the reason, the outcome (restarted, resumed, or why not migrated), the
+  tokens the client had.
 
 Propagation (W3C Trace Context): a ``traceparent`` the client sent (gRPC metadata or HTTP
 header) becomes the span's parent; the span's own ``traceparent`` is forwarded to the
@@ -60,6 +63,11 @@ class RouteSpan:
     def set_attribute(self, key: str, value: Any) -> None:
         if self._span is not None:
             self._span.set_attribute(key, value)
+
+    def add_event(self, name: str, attributes: dict[str, Any]) -> None:
+        """An event on the span (a migration: ``api.upstream``)."""
+        if self._span is not None:
+            self._span.add_event(name, attributes)
 
     def fail(self, message: str) -> None:
         if self._span is None:

@@ -35,15 +35,25 @@ another replica holds and pulling it is estimated faster than recomputing it, th
 goes with that holder as its ``kv_transfer_params`` handle; the replica pulls the blocks it
 lacks (a failed pull: it computes them). Set per attempt: a retry on another replica decides again.
 
-Faults: a replica that refuses the connection before answering is marked unhealthy and
-the request goes to another replica (``max_attempts`` in all). A replica that breaks a
-stream after it began (it died) cannot be retried transparently (tokens were already
-sent): ``ReplicaFailed`` names the replica, and the replica is marked unhealthy so new
-requests avoid it until the health prober sees it ready again.
+Faults: a replica that refuses the connection (gRPC: "failed to connect") is marked unhealthy
+and the request goes to another replica (``max_attempts`` in all). A replica that breaks the
+call once the request reached it (it died, before its first response or after), or answers
+with an error that is its own fault (``contracts.errors.is_replica_fault``: shutting down,
+its stub died), is marked unhealthy so new requests avoid it until the health prober sees
+it ready again, and the request is migrated (``api.migration``): sent again whole when its
+client has nothing yet, resumed (``RequestOptions.resume``) on another replica when it
+streamed, the client's stream continuing with no token lost or repeated; each migration is counted
+(``pagoda_router_migrations_total``) and is an event (``pagoda.migration``) on the router's
+span. The journal reads each response before the P/D splice cuts it (the decode stream's
+own tokens); a resume clears the splice (the new replica sends nothing the client has).
+Only when the request is not migrated (opted out, the limit spent, not resumable, no
+replica left) does the client get ``ReplicaFailed`` naming the replica (or, for a replica's
+own error, that error as it was sent).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import logging
@@ -51,15 +61,19 @@ import struct
 from typing import Any, AsyncIterator, Optional
 
 import grpc
+from tritonclient.grpc import service_pb2
 
-from pagoda.contracts.errors import is_overloaded
+from pagoda.contracts.errors import is_overloaded, is_replica_fault
 from pagoda.fleet.api.first_token import FirstTokenMismatch, Splice, is_early, prefill_stage, seeded_for_stages
+from pagoda.fleet.api.migration import (CONNECTION_LOST, NO_REPLICA, REPLICA_FAULT, RESUMED, TOKEN_IDS_OUTPUT, Journal,
+                                        Migrations, Plan)
 from pagoda.fleet.api.routed_request import RoutedRequest
 from pagoda.fleet.api.tracing import RouteSpan
 from pagoda.fleet.gate.gate import Gate
 from pagoda.fleet.routing.peer_pull import PeerPull
 from pagoda.fleet.routing.router import Analysis, NoReplicaAvailable, Router
-from pagoda.fleet.triton_wire import bytes_raw, keep_outputs, output_number, output_text, replace_output
+from pagoda.fleet.triton_wire import (bytes_raw, drop_output, keep_outputs, output_number, output_text,
+                                      replace_output)
 
 logger = logging.getLogger(__name__)
 
@@ -70,11 +84,21 @@ BROKEN_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.Statu
 
 
 class ReplicaFailed(RuntimeError):
-    """A replica failed while serving a request; the message is meant for the client."""
+    """A replica failed while serving a request; the message is meant for the client.
 
-    def __init__(self, message: str, code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE) -> None:
+    ``replica_id``: the replica (``None``: not one replica's failure); ``reason``: what
+    failed, when migration may help (``migration.CONNECTION_LOST`` or ``REPLICA_FAULT``; ""
+    for a failure another replica would repeat, e.g. an error status about the request);
+    ``response``: the replica's own error response, relayed as it was when not migrated."""
+
+    def __init__(self, message: str, code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE,
+                 replica_id: Optional[str] = None, reason: str = "",
+                 response: Optional[service_pb2.ModelStreamInferResponse] = None) -> None:
         super().__init__(message)
         self.code = code
+        self.replica_id = replica_id
+        self.reason = reason
+        self.response = response
 
 
 class GrpcUpstream:
@@ -86,10 +110,12 @@ class GrpcUpstream:
         max_attempts: replicas tried when a connection is refused.
     """
 
-    def __init__(self, router: Router, gate: Gate, max_attempts: int = 2, peer_pull_min_blocks: int = 4) -> None:
+    def __init__(self, router: Router, gate: Gate, max_attempts: int = 2, peer_pull_min_blocks: int = 4,
+                 migrations: Optional[Migrations] = None) -> None:
         self.router = router
         self.gate = gate
         self.max_attempts = max_attempts
+        self.migrations = migrations or Migrations()  # pagoda router --migration-limit
         # pagoda router --peer-pull-min-blocks (0: never pull)
         self.peer_pull = PeerPull(min_blocks=max(1, peer_pull_min_blocks), enabled=peer_pull_min_blocks > 0)
 
@@ -102,8 +128,8 @@ class GrpcUpstream:
 
         Raises:
             NoReplicaAvailable: no replica could be chosen.
-            ReplicaFailed: the chosen replica failed (after any retries that were safe), or
-                the decode replica's first token differs from the one already streamed.
+            ReplicaFailed: the chosen replica failed and the request was not migrated (module
+                docstring), or the decode replica's first token differs from the one already streamed.
         """
         skip, may_pull, stage = [], False, _StageOne()
         if self._is_disaggregated(request):
@@ -118,18 +144,60 @@ class GrpcUpstream:
         else:
             may_pull = self.peer_pull.enabled and request.wire is not None and \
                 request.wire.options.kv_transfer_params is None
-        responses = self._stream_on(analysis, request, span, skip, may_pull)
-        try:
-            async for response in responses:
-                if stage.splice is not None and not stage.splice.is_done and not response.error_message:
-                    _cut_front(response.infer_response, stage.splice)
-                yield response
-        except NoReplicaAvailable as exc:
-            if stage.splice is None:
-                raise
-            raise ReplicaFailed(str(exc)) from None  # the client already has a token: a mid-stream failure
-        finally:
-            await responses.aclose()
+        journal = self.migrations.journal(request.wire)
+        sent, failure = _journaled(request, journal), None
+        hides = journal.hides_token_ids or (journal.is_journaled and bool(request.outputs)
+                                            and TOKEN_IDS_OUTPUT not in request.outputs)
+        while True:
+            responses = self._stream_on(analysis, sent, span, skip + journal.failed_replicas, may_pull)
+            try:
+                async for response in responses:
+                    if not response.error_message:
+                        _observe(journal, response.infer_response)
+                    if stage.splice is not None and not stage.splice.is_done and not response.error_message:
+                        _cut_front(response.infer_response, stage.splice)
+                    if hides and not response.error_message:
+                        drop_output(response.infer_response, TOKEN_IDS_OUTPUT)
+                    yield response
+                return
+            except ReplicaFailed as exc:
+                if not exc.reason:
+                    raise
+                failure = exc
+                sent, may_pull = self._migrated(request, journal, exc, stage, span), False
+                if sent is None:
+                    yield exc.response  # the replica's own error, as it sent it (not migrated)
+                    return
+            except NoReplicaAvailable as exc:
+                if stage.splice is None and failure is None:
+                    raise
+                if failure is not None:
+                    self.migrations.record(failure.reason, Plan(NO_REPLICA, None, str(exc)), failure.replica_id or "",
+                                           span, len(journal.token_ids))
+                    raise ReplicaFailed(f"{failure} No other replica could continue it: {exc}", failure.code) from None
+                raise ReplicaFailed(str(exc)) from None  # the client already has a token: a mid-stream failure
+            finally:
+                await responses.aclose()
+
+    def _migrated(self, request: RoutedRequest, journal: Journal, failure: ReplicaFailed, stage: "_StageOne",
+                  span: RouteSpan) -> Optional[RoutedRequest]:
+        """The request to send after ``failure`` (``api.migration``'s plan, counted and traced);
+        ``None`` when the failure is the replica's own error response, relayed as it was.
+
+        Raises:
+            ReplicaFailed: ``failure`` (the request is not migrated).
+        """
+        splice = stage.splice if stage.splice is not None and not stage.splice.is_done else None
+        plan = journal.plan(failure.replica_id or "", len(splice.text) if splice is not None else 0)
+        self.migrations.record(failure.reason, plan, failure.replica_id or "", span, len(journal.token_ids))
+        if not plan.migrates:
+            if failure.response is not None:
+                return None
+            raise ReplicaFailed(f"{failure} Not migrated: {plan.detail}.", failure.code, failure.replica_id,
+                                failure.reason) from None
+        if plan.outcome == RESUMED:
+            stage.splice = None  # the resumed replica sends only what the client lacks
+        return _routed(request, plan.wire, journal)
 
     def _is_disaggregated(self, request: RoutedRequest) -> bool:
         roles = {r.role for r in self.router.replicas.routable()}
@@ -189,6 +257,10 @@ class GrpcUpstream:
                         tried.append(replica.replica_id)
                         if router.replicas.routable(tried, include_draining=True):
                             break  # another replica may have room
+                    if is_replica_fault(response.error_message):  # its own failure: migrated (stream())
+                        router.replicas.mark_unhealthy(replica, response.error_message)
+                        raise ReplicaFailed(f"replica {replica.replica_id} failed: {response.error_message}",
+                                            replica_id=replica.replica_id, reason=REPLICA_FAULT, response=response)
                     num_responses += 1
                     yield response
                 else:
@@ -199,13 +271,17 @@ class GrpcUpstream:
                 if code in BROKEN_CODES and not (code == grpc.StatusCode.CANCELLED and num_responses == 0):
                     router.replicas.mark_unhealthy(replica, f"{code.name}: {exc.details()}")
                 num_dead += 1
-                if num_responses == 0 and code in DEAD_CODES and num_dead < self.max_attempts:
+                # Never connected: another replica, as before (not a migration: the request never
+                # reached this one). Lost once sent: the migration plan (stream()).
+                if num_responses == 0 and code in DEAD_CODES and num_dead < self.max_attempts \
+                        and "failed to connect" in (exc.details() or "").lower():
                     tried.append(replica.replica_id)
                     continue
                 where = "while streaming this request" if num_responses else "before answering"
                 raise ReplicaFailed(f"replica {replica.replica_id} ({replica.endpoints['grpc']}) failed {where}: "
                                     f"{code.name}: {exc.details()}. The router avoids it until it is healthy "
-                                    "again; retry the request.", code) from None
+                                    "again; retry the request.", code, replica.replica_id,
+                                    CONNECTION_LOST if code in BROKEN_CODES else "") from None
             finally:
                 if call is not None and not call.done():
                     call.cancel()
@@ -218,6 +294,25 @@ class GrpcUpstream:
             return None
         self.router.num_peer_pulls += 1
         return request.wire.with_options(kv_transfer_params=params)
+
+
+def _journaled(request: RoutedRequest, journal: Journal) -> RoutedRequest:
+    """The request as sent: its wire asks for token ids when the router may resume it."""
+    return request if journal.wire is request.wire else _routed(request, journal.wire, journal)
+
+
+def _routed(request: RoutedRequest, wire: Optional[Any], journal: Journal) -> RoutedRequest:
+    """``request`` with ``wire``; a client that listed its outputs gets the token ids asked for too."""
+    outputs = request.outputs
+    if outputs and journal.is_journaled and TOKEN_IDS_OUTPUT not in outputs:
+        outputs = (*outputs, TOKEN_IDS_OUTPUT)
+    return dataclasses.replace(request, wire=wire, outputs=outputs)
+
+
+def _observe(journal: Journal, response: Any) -> None:
+    """One response relayed: what the journal keeps of it."""
+    journal.observe(output_text(response, "text_output"), output_text(response, TOKEN_IDS_OUTPUT),
+                    output_number(response, "cumulative_logprob"))
 
 
 class _StageOne:

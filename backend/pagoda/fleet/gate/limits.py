@@ -105,6 +105,17 @@ class RequestLimits:
                              f"{self.max_stop_token_ids} (router --max-stop-token-ids)", "stop_token_ids")
 
 
+def openai_sampling_values(body: dict, chat: bool) -> dict[str, Any]:
+    """The limited values of an OpenAI body as it came, under SamplingParams names, so that a
+    value past the router's limit is refused as over the limit (with the flag that raises
+    it) before the request's own validation refuses it as invalid (``n`` past
+    SamplingParams' 64)."""
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens")) if chat else body.get("max_tokens")
+    return {"max_tokens": max_tokens, "n": body.get("n"), "stop": body.get("stop"),
+            "logprobs": body.get("top_logprobs") if chat else body.get("logprobs"),
+            "stop_token_ids": body.get("stop_token_ids")}
+
+
 def as_int(value: Any) -> Optional[int]:
     if isinstance(value, bool):
         return None

@@ -22,11 +22,14 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 
 from pagoda.contracts import redis_keys as keys
 from pagoda.fleet.index.daemon import DaemonThread
 from pagoda.fleet.index.prefix_index import REMOVED_EPOCH, EventLike, PrefixIndex, as_hex, as_text, event_dict
+
+if TYPE_CHECKING:
+    import redis
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +123,7 @@ class IndexFollower(DaemonThread):
         retry_interval_s: pause after a Redis error before the thread tries again.
     """
 
-    def __init__(self, redis_client, model_id: str, *, poll_block_ms: int = 100, batch_size: int = 1000,
+    def __init__(self, redis_client: "redis.Redis", model_id: str, *, poll_block_ms: int = 100, batch_size: int = 1000,
                  retry_interval_s: float = 0.5) -> None:
         super().__init__("pagoda-index-follower")
         self.index = PrefixIndex(redis_client, model_id)

@@ -25,10 +25,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any, Iterable, Mapping, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional, Sequence, Union
 
 from pagoda.contracts.kv_events import BlockEvent, KVEvent
 from pagoda.contracts import redis_keys as keys
+
+if TYPE_CHECKING:
+    import redis
 
 STORED, REMOVED, CLEARED = "+", "-", "!"  # op markers in the apply script's ARGV
 
@@ -181,7 +184,7 @@ class PrefixIndex:
         stream_maxlen: about how many batches the events stream keeps.
     """
 
-    def __init__(self, redis_client, model_id: str, stream_maxlen: int = 10_000) -> None:
+    def __init__(self, redis_client: "redis.Redis", model_id: str, stream_maxlen: int = 10_000) -> None:
         self.client = redis_client
         self.model_id = model_id
         self.stream_maxlen = stream_maxlen

@@ -44,13 +44,16 @@ import os
 import threading
 import time
 from collections import deque
-from typing import Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from pagoda.contracts.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from pagoda.fleet.index.daemon import DaemonThread
 from pagoda.contracts import redis_keys as keys
 from pagoda.fleet.index.prefix_index import PrefixIndex, make_redis_client
 from pagoda.fleet.index.retry import Backoff, RateLimitedLog
+
+if TYPE_CHECKING:
+    import redis
 
 logger = logging.getLogger(__name__)
 
@@ -79,8 +82,9 @@ class Publisher(DaemonThread):
     def __init__(self, redis_url: str, model_id: str, replica_id: str, endpoints: dict[str, str],
                  heartbeat_interval_s: float = 1.0, ttl_s: float = 5.0, clock: Callable[[], float] = time.time,
                  *, hash_model_id: Optional[str] = None, block_size: int = 0, flush_interval_s: float = 0.02,
-                 max_pending_events: int = 50_000, stream_maxlen: int = 10_000, redis_client: Any = None,
-                 retry_initial_s: float = 0.1, retry_max_s: float = 5.0) -> None:
+                 max_pending_events: int = 50_000, stream_maxlen: int = 10_000,
+                 redis_client: Optional["redis.Redis"] = None, retry_initial_s: float = 0.1,
+                 retry_max_s: float = 5.0) -> None:
         super().__init__("pagoda-fleet-publisher")
         keys.check_replica_id(replica_id)
         if ttl_s <= heartbeat_interval_s:
@@ -134,6 +138,8 @@ class Publisher(DaemonThread):
                     self.num_engine_gaps += 1
                     self._needs_resync = True
                 self._last_engine_seq = event.seq
+                if getattr(event.event, "group_idx", 0):
+                    continue  # the index keys KV cache group 0, whose blocks cover every position
                 self._mirror_apply(event.event)
                 if not self._needs_resync:
                     self._pending.append(event.event)

@@ -13,10 +13,13 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from pagoda.contracts import redis_keys as keys
 from pagoda.fleet.index.prefix_index import PrefixIndex
+
+if TYPE_CHECKING:
+    import redis
 
 
 @dataclass
@@ -76,7 +79,7 @@ class ReplicaRegistry:
     model_id: the namespace (served model name).
     """
 
-    def __init__(self, redis_client, model_id: str) -> None:
+    def __init__(self, redis_client: "redis.Redis", model_id: str) -> None:
         self.client = redis_client
         self.model_id = model_id
         self.index = PrefixIndex(redis_client, model_id)

@@ -102,6 +102,8 @@ class KVEventSubscriber:
 
     def _apply(self, seq: int, batch: wire.KVEventBatch) -> None:
         for event in batch.events:
+            if getattr(event, "group_idx", None):
+                continue  # a hybrid model's other KV cache groups hold the same hashes again
             if isinstance(event, wire.BlockStored):
                 self.blocks.update(event.block_hashes)
             elif isinstance(event, wire.BlockRemoved):

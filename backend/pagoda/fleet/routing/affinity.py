@@ -38,11 +38,14 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Optional, Sequence
 
 from pagoda.fleet.index.daemon import DaemonThread
 from pagoda.contracts import redis_keys as keys
 from pagoda.fleet.index.retry import Backoff, RateLimitedLog
+
+if TYPE_CHECKING:
+    import redis
 
 logger = logging.getLogger(__name__)
 
@@ -151,8 +154,8 @@ class AffinityShare(DaemonThread):
         stream_maxlen: about how many decisions the stream keeps.
     """
 
-    def __init__(self, redis_client: Any, model_id: str, pending: PendingIndex, router_id: Optional[str] = None,
-                 *, poll_block_ms: int = 20, stream_maxlen: int = 5_000) -> None:
+    def __init__(self, redis_client: "redis.Redis", model_id: str, pending: PendingIndex,
+                 router_id: Optional[str] = None, *, poll_block_ms: int = 20, stream_maxlen: int = 5_000) -> None:
         super().__init__("pagoda-affinity-share")
         self.client = redis_client
         self.key = keys.routed_stream_key(model_id)

@@ -32,10 +32,13 @@ import asyncio
 import concurrent.futures
 import logging
 import time
-from typing import Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from pagoda.fleet.index.retry import RateLimitedLog
 from pagoda.fleet.routing.affinity import AffinityShare, PendingIndex
+
+if TYPE_CHECKING:
+    import redis
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +75,7 @@ class FleetView(IndexView):
         clock: monotonic seconds (when a reap is due).
     """
 
-    def __init__(self, redis_client: Any, model_name: str, index_mode: str = "follower",
+    def __init__(self, redis_client: "redis.Redis", model_name: str, index_mode: str = "follower",
                  timeout_s: float = 0.05, reap_interval_s: float = 5.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         from pagoda.fleet.index.mirror import IndexFollower

@@ -81,7 +81,7 @@ def request_parameter_vocabulary() -> frozenset[str]:
     """Every key a request's values may have (sampling fields, vLLM-only keys, request options,
     the wire's keys) or a request parameter may carry without effect: the one list a front
     door in pagoda's fleet checks against."""
-    fields = {f.name for f in dataclasses.fields(SamplingParams)}
+    fields = {f.name for f in dataclasses.fields(SamplingParams)} - {"given"}
     return frozenset(fields | set(VLLM_ONLY_KEYS) | set(OPTION_NAMES) | set(WIRE_KEYS) | TOLERATED_PARAMETERS)
 
 
@@ -148,7 +148,7 @@ def split_values(values: dict[str, Any], from_parameters: bool = False) -> tuple
     ``from_parameters``: the values are request parameters, which carry only scalars, so a
     list or object field may come as JSON text; an unknown key is refused here, naming it.
     """
-    field_types = {f.name: str(f.type) for f in dataclasses.fields(SamplingParams)}
+    field_types = {f.name: str(f.type) for f in dataclasses.fields(SamplingParams) if f.name != "given"}
     if from_parameters:
         unknown = sorted(set(values) - request_parameter_vocabulary())
         if unknown:
@@ -159,8 +159,11 @@ def split_values(values: dict[str, Any], from_parameters: bool = False) -> tuple
             values = {**values, "guided_decoding": json_input.loads(values["guided_decoding"], "guided_decoding")}
     values = dict(values)
     options = {key: values.pop(key) for key in OPTION_NAMES + WIRE_KEYS if key in values}
-    if isinstance(options.get("kv_transfer_params"), str):  # JSON text of the object (request parameters)
-        options["kv_transfer_params"] = json_input.loads(options["kv_transfer_params"], "kv_transfer_params")
+    for key in ("kv_transfer_params", "resume"):  # JSON text of the object (request parameters)
+        if isinstance(options.get(key), str):
+            options[key] = json_input.loads(options[key], key)
+    if "allow_migration" in options:
+        options["allow_migration"] = coerce("allow_migration", options["allow_migration"], bool)
     if "priority" in options:
         options["priority"] = coerce("priority", options["priority"], int)
     if "timeout" in options and options["timeout"] is not None:

@@ -40,10 +40,13 @@ class OpenAIDoor:
         allow_runtime_lora: pass ``--allow-runtime-lora`` (the replica allows it too).
         model_name: the OpenAI model name (default: the router's, ``$PAGODA_MODEL_NAME`` or the
             folder's name).
+        parsers: ``--reasoning-parser`` and ``--tool-call-parser`` for the door (``None``: detected).
+        response_store: keep Responses API turns (``--response-store``; in the door's memory).
     """
 
     def __init__(self, port: int, model_dir: str, grpc_url: str, http_url: str, metrics_url: str,
-                 allow_runtime_lora: bool = False, model_name: Optional[str] = None) -> None:
+                 allow_runtime_lora: bool = False, model_name: Optional[str] = None,
+                 parsers: tuple[Optional[str], Optional[str]] = (None, None), response_store: bool = False) -> None:
         self.port = port
         self.model_dir = model_dir
         self.command = [
@@ -53,6 +56,9 @@ class OpenAIDoor:
         ]
         self.command += ["--allow-runtime-lora"] if allow_runtime_lora else []
         self.command += ["--model-name", model_name] if model_name else []
+        for flag, name in zip(("--reasoning-parser", "--tool-call-parser"), parsers):
+            self.command += [flag, name] if name else []
+        self.command += ["--response-store"] if response_store else []
         self.process: Optional[subprocess.Popen] = None
         self.num_restarts = 0
 

@@ -45,7 +45,7 @@ STUB_RESTART_WINDOW_S = 600.0
 ENGINE_FLAGS = ("scheduling_policy", "speculative_method", "speculative_model", "num_speculative_tokens",
                 "cpu_offload_bytes", "preemption_mode", "default_max_tokens", "gpu_memory_utilization",
                 "max_waiting_requests", "max_waiting_prompt_tokens", "max_queue_delay_s", "kv_cache_dtype",
-                "tensor_parallel_size", "pipeline_parallel_size")
+                "tensor_parallel_size", "pipeline_parallel_size", "generation_config")
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -66,6 +66,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-memory-utilization", type=float, help="fraction of GPU memory the engine may use")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"))
     p.add_argument("--dtype", choices=("auto", "float32", "float16", "bfloat16"))
+    p.add_argument("--generation-config", choices=("auto", "none"),
+                   help="sampling defaults for what a request leaves unset: the model's generation_config.json "
+                        "(auto, the default, as vLLM) or SamplingParams' own (none)")
     p.add_argument("--quantization", choices=("int8", "fp8"),
                    help="int8 or fp8 (e4m3; CUDA sm_89+ or CPU emulation): 8-bit weights of the linear layers")
     p.add_argument("--kv-cache-dtype", choices=("auto", "fp8_e4m3"),
@@ -102,6 +105,15 @@ def make_parser() -> argparse.ArgumentParser:
                         "wait longer than this for a slot (default 30; 0: off)")
     p.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
                    help="serve a PEFT LoRA adapter under NAME (repeatable; requests pick it with lora_name)")
+    p.add_argument("--reasoning-parser", metavar="NAME",
+                   help="the OpenAI door's reasoning parser (pagoda router --reasoning-parser; default: from the "
+                        "chat template)")
+    p.add_argument("--tool-call-parser", metavar="NAME",
+                   help="the OpenAI door's tool-call parser (pagoda router --tool-call-parser; default: from the "
+                        "chat template)")
+    p.add_argument("--response-store", action="store_true",
+                   help="the OpenAI door keeps Responses API turns in memory for previous_response_id "
+                        "(pagoda router --response-store)")
     p.add_argument("--allow-runtime-lora", action="store_true",
                    help="accept LoRA control requests that load/unload adapters at run time (lora_action; "
                         "`pagoda lora`; turns LoRA on). Only for trusted clients: a load reads any folder "
@@ -341,7 +353,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.openai_port:
             door = OpenAIDoor(args.openai_port, model_dir_for(options.model), server.grpc_url, server.http_url,
                               f"{options.host}:{options.metrics_port}", allow_runtime_lora=args.allow_runtime_lora,
-                              model_name=args.served_model_name).start()
+                              model_name=args.served_model_name, parsers=(args.reasoning_parser,
+                                                                          args.tool_call_parser),
+                              response_store=args.response_store).start()
         starting[0] = False
         trtllm_mode = "decoupled (streaming)" if args.trtllm_decoupled == "true" else "unary infer()"
         print(f"pagoda is serving model '{MODEL_NAME}' ({options.model})\n"

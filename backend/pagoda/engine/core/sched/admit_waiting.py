@@ -34,14 +34,15 @@ from pagoda.engine.core.sched.request_queue import FcfsQueue, PriorityQueue
 from pagoda.engine.core.sched.step_plan import StepPlan
 from pagoda.engine.kv.block_pool import KVCacheBlock
 from pagoda.engine.kv.host_tier import HostTier
-from pagoda.engine.kv.kv_cache_manager import KVCacheManager
+from pagoda.engine.kv.kv_cache_manager import CacheHit, KVCacheManager
 from pagoda.engine.request import Request, RequestStatus
 
 
 class PrefixHit(NamedTuple):
-    """A waiting request's cached prefix: device blocks, host blocks continuing them, tokens."""
+    """A waiting request's cached prefix: the device hit (every KV cache group's tables), the
+    host blocks continuing group 0's, tokens in all."""
 
-    device_blocks: list[KVCacheBlock]
+    device: Optional[CacheHit]
     host_blocks: list[KVCacheBlock]
     num_tokens: int
 
@@ -117,6 +118,8 @@ class WaitingAdmitter:
         if self._ask_constraints(lambda c: c.after_lookup(request, step, hit.num_tokens)) is not Admit.YES:
             return False
         while (num_new := step.chunk(request.num_tokens - hit.num_tokens)) is not None:
+            if step.enable_chunked_prefill:  # a prefill chunk ends where a state checkpoint is due
+                num_new = self.kv_cache_manager.cut_at_checkpoint(request, hit.num_tokens, num_new, hit.device)
             new_blocks = self._allocate_with_hit(request, num_new, hit)
             if new_blocks is not None:
                 self._start_running(request, step, num_new, hit, new_blocks)
@@ -142,19 +145,21 @@ class WaitingAdmitter:
 
     def _lookup_prefix(self, request: Request) -> PrefixHit:
         if request.sampling_params.prompt_logprobs is not None:
-            return PrefixHit([], [], 0)  # cached positions have no logits: compute the whole prompt (as vLLM)
-        hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
+            return PrefixHit(None, [], 0)  # cached positions have no logits: compute the whole prompt (as vLLM)
+        hit = self.kv_cache_manager.find_cache_hit(request)
         if not self.kv_cache_manager.enable_caching:
-            return PrefixHit(hit_blocks, [], num_hit)
+            return PrefixHit(hit, [], hit.num_tokens)
         max_blocks = (request.num_tokens - 1) // self.block_size
-        host_hit = self.host_tier.lookup_prefix(request.block_hashes, request.all_token_ids, len(hit_blocks),
-                                                max_blocks)
-        return PrefixHit(hit_blocks, host_hit, num_hit + len(host_hit) * self.block_size)
+        host_hit = self.host_tier.lookup_prefix(request.block_hashes, request.all_token_ids,
+                                                len(hit.device_blocks), max_blocks)
+        # The other groups may follow only part of it (a state group: up to its last checkpoint).
+        hit, num_host = self.kv_cache_manager.usable_loaded_blocks(hit, len(host_hit), request)
+        return PrefixHit(hit, host_hit[:num_host], hit.num_tokens + num_host * self.block_size)
 
     def _allocate_with_hit(self, request: Request, num_new: int, hit: PrefixHit) -> Optional[list[KVCacheBlock]]:
         """``allocate_slots`` with a prefix hit; host hits stay pinned on success."""
         self.host_tier.pin(hit.host_blocks)  # evictions during allocation must not reuse the host blocks we read
-        new_blocks = self.kv_cache_manager.allocate_slots(request, num_new, hit.device_blocks, len(hit.host_blocks))
+        new_blocks = self.kv_cache_manager.allocate_slots(request, num_new, hit.device, len(hit.host_blocks))
         if new_blocks is None:
             self.host_tier.unpin(hit.host_blocks)
         return new_blocks
@@ -169,7 +174,7 @@ class WaitingAdmitter:
             if not self._preempt_for(request, step):
                 return False
         self.waiting.pop()
-        self.host_tier.swap_in(request.request_id, self.kv_cache_manager.get_block_ids(request.request_id))
+        self.host_tier.swap_in(request.request_id, *self.kv_cache_manager.get_swap_block_ids(request))
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         step.add(request, num_new)

@@ -79,5 +79,5 @@ class Preemption:
         num_blocks = blocks_for_tokens(request.num_computed_tokens, self.block_size)
         if not self.host_tier.wants_swap(request.num_computed_tokens, num_blocks):
             return False
-        return self.host_tier.swap_out(request.request_id,
-                                       self.kv_cache_manager.get_block_ids(request.request_id)[:num_blocks])
+        # Every KV cache group's live blocks, and a hybrid model's state slot (kv.host_tier).
+        return self.host_tier.swap_out(request.request_id, *self.kv_cache_manager.get_swap_block_ids(request))

@@ -10,10 +10,11 @@ once per scheduled request, in schedule order.
    (recompute or swap: the runner drops it on ``preempted_request_ids``) or after
    ``Scheduler.undo_step`` (a failed step: the runner may or may not have applied it).
    ``forget`` is called at each of those, and when a request is freed.
-2. **Blocks.** ``new_block_ids`` are the blocks appended to the request's table since the
-   runner last saw it; the whole table when new. A running request's table only grows
-   (``KVCacheManager`` frees a table only whole, at preemption or finish, both of which
-   forget the request here), so a count of the ids already sent is enough.
+2. **Blocks.** ``new_block_ids`` are, per KV cache group, the blocks appended to the
+   request's table since the runner last saw it; the whole table when new. A running
+   request's table only grows (``KVCacheManager`` frees a table only whole, at preemption
+   or finish, both of which forget the request here; a sliding window's freed entries
+   keep their place), so a count of the ids already sent per group is enough.
 3. **Tokens.** The runner holds a request's last token once a sampling step was scheduled
    for it since its (re)admission: that step's sample is the token (a placeholder while
    the step is unapplied, the appended token after; a request that stops there is freed,
@@ -33,7 +34,7 @@ from pagoda.engine.request import Request
 
 @dataclass
 class _Seen:
-    num_block_ids: int = 0  # the first ids of the request's table the runner has
+    num_block_ids: tuple[int, ...] = ()  # per group, the first ids of the request's table the runner has
     holds_last_token: bool = False  # a sampling step was scheduled since (re)admission
 
 
@@ -41,21 +42,23 @@ class RunnerView:
     def __init__(self) -> None:
         self._seen: dict[str, _Seen] = {}
 
-    def plan(self, request: Request, start: int, block_ids: list[int], is_sampling: bool,
-             ) -> tuple[bool, list[int], int]:
-        """One scheduled step of ``request``, starting at position ``start``.
+    def plan(self, request: Request, start: int, tables: tuple[list[int], ...], is_sampling: bool,
+             ) -> tuple[bool, tuple[list[int], ...], int]:
+        """One scheduled step of ``request``, starting at position ``start``; ``tables``: its
+        block table per KV cache group.
 
         Returns:
-            ``(is_new, new_block_ids, num_runner_tokens)``: the last is 1 when the step's
-            first token is the one the runner sampled for it (leave it out), else 0.
+            ``(is_new, new_block_ids, num_runner_tokens)``: per group the ids the runner lacks;
+            the last is 1 when the step's first token is the one the runner sampled for it
+            (leave it out), else 0.
         """
         seen = self._seen.get(request.request_id)
         is_new = seen is None
         if seen is None:
-            seen = self._seen[request.request_id] = _Seen()
-        assert len(block_ids) >= seen.num_block_ids, "a running request's block table shrank"
-        new_block_ids = block_ids[seen.num_block_ids:]
-        seen.num_block_ids = len(block_ids)
+            seen = self._seen[request.request_id] = _Seen((0,) * len(tables))
+        assert all(len(t) >= n for t, n in zip(tables, seen.num_block_ids)), "a running request's block table shrank"
+        new_block_ids = tuple(t[n:] for t, n in zip(tables, seen.num_block_ids))
+        seen.num_block_ids = tuple(len(t) for t in tables)
         last = request.num_tokens + request.num_output_placeholders - 1
         assert seen.holds_last_token or not request.num_output_placeholders, "a placeholder the runner lacks"
         num_runner_tokens = 1 if seen.holds_last_token and start == last and request.beam_group is None else 0

@@ -89,9 +89,8 @@ from pagoda.engine.core.sched.preemption import Preemption
 from pagoda.engine.core.sched.runner_view import RunnerView
 from pagoda.engine.core.sched.scheduler_config import SchedulerConfig
 from pagoda.engine.core.sched.step_plan import StepPlan
-from pagoda.engine.kv.block_pool import BlockPool
-from pagoda.engine.kv.host_tier import SwapCostModel, make_host_tier
-from pagoda.engine.kv.kv_cache_manager import KVCacheManager
+from pagoda.engine.kv.host_tier import SwapCostModel
+from pagoda.engine.kv.kv_cache_manager import make_kv_cache
 from pagoda.engine.request import Request, RequestStatus
 from pagoda.engine.runner.runner_output import ModelRunnerOutput
 from pagoda.engine.scheduler_output import ScheduledRequest, SchedulerOutput
@@ -115,16 +114,14 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, swap_cost_model: Optional[SwapCostModel] = None) -> None:
         self.config = config
         self.event_buffer = KVEventBuffer(max_events=config.max_block_events)
-        self.block_pool = BlockPool(config.num_blocks, config.enable_prefix_caching, self.event_buffer)
-        self.kv_cache_manager = KVCacheManager(self.block_pool, config.block_size, config.enable_prefix_caching)
+        self.kv_cache_manager, self.host_tier = make_kv_cache(
+            config.layout, config.enable_prefix_caching, self.event_buffer, config.state_checkpoint_interval,
+            config.num_host_blocks, config.num_host_state_slots, config.preemption_mode, swap_cost_model)
+        self.block_pool = self.kv_cache_manager.block_pool
         self.policy = get_policy(config.policy)
         self.waiting = self.policy.make_queue()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # live (unfinished) requests by id
-        self.host_tier = make_host_tier(config.num_host_blocks, config.block_size, config.preemption_mode,
-                                        swap_cost_model, enable_prefix_tier=config.enable_prefix_caching)
-        if self.host_tier.is_enabled:  # evicted cached blocks go to the host tier instead of away
-            self.block_pool.on_evict = self.host_tier.on_device_evict
         self._finished_request_ids: list[str] = []
         self._num_added = 0
         self._num_steps = 0
@@ -220,6 +217,8 @@ class Scheduler:
         self._finished_request_ids = []
         output.blocks_to_swap_out, output.blocks_to_swap_in, output.blocks_to_copy_back = self.host_tier.take_copies()
         output.blocks_to_copy = self.kv_cache_manager.take_copies()
+        output.states_to_restore, output.states_to_checkpoint = self.kv_cache_manager.take_state_copies()
+        output.states_to_swap_out, output.states_to_swap_in = self.host_tier.take_state_copies()
         for request in self.running:
             num_new = step.num_new_tokens.get(request.request_id)
             if num_new is None:
@@ -246,7 +245,7 @@ class Scheduler:
         is_sampling = end == request.num_tokens + request.num_output_placeholders
         # A delta: blocks and tokens the runner lacks (core.sched.runner_view).
         is_new, new_block_ids, skip = self.runner_view.plan(
-            request, start, self.kv_cache_manager.get_block_ids(request.request_id), is_sampling)
+            request, start, self.kv_cache_manager.get_group_block_ids(request.request_id), is_sampling)
         scheduled = ScheduledRequest(request, num_computed_tokens=start, num_new_tokens=num_new,
                                      token_ids=request.all_token_ids[start + skip:end] + drafts, is_new=is_new,
                                      new_block_ids=new_block_ids, is_sampling=is_sampling, spec_token_ids=drafts)
@@ -269,6 +268,7 @@ class Scheduler:
                 continue
             if self._schedule_with_drafts(request, spec_token_ids.get(request.request_id), step):
                 continue
+            num_new = self.kv_cache_manager.cut_at_checkpoint(request, request.num_computed_tokens, num_new)
             while self.kv_cache_manager.allocate_slots(request, num_new) is None:
                 self.preemption.preempt(self.policy.victim(self.running), step)
                 if request.status != RequestStatus.RUNNING:  # itself, or a beam of its group
@@ -378,6 +378,7 @@ class Scheduler:
             if self.requests.get(request.request_id) is not request:
                 continue
             self.runner_view.forget(request.request_id)  # the runner may not have applied the step
+            self.kv_cache_manager.undo(request)
             if scheduled.is_sampling:
                 request.num_output_placeholders -= 1
             if request.status == RequestStatus.RUNNING:

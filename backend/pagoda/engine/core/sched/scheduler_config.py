@@ -12,6 +12,7 @@ from typing import Optional
 from pagoda.engine.config import EngineConfig
 from pagoda.engine.core.sched.policy import get_policy
 from pagoda.engine.kv.host_tier import PREEMPTION_MODES
+from pagoda.engine.kv.layout import KVCacheLayout, single_group_layout
 from pagoda.engine.request import Request
 
 
@@ -39,6 +40,17 @@ class SchedulerConfig:
     # yet is not scheduled (nor admitted back after a preemption) until it is, and a step takes
     # at most ceil(min(live requests, max_num_seqs) / N) requests, so N steps share them.
     micro_batches: int = 1
+    # KV cache groups and pool sizes (engine.kv.layout, from the runner); None: one full-attention
+    # group of num_blocks blocks. num_blocks is the layout's when one is given.
+    kv_layout: Optional[KVCacheLayout] = None
+    num_host_state_slots: int = 0  # the CPU tier's recurrent-state slots (swaps of hybrid models)
+    state_checkpoint_interval: int = 0  # EngineConfig's (kv.state_manager)
+
+    @property
+    def layout(self) -> KVCacheLayout:
+        if self.kv_layout is not None:
+            return self.kv_layout
+        return single_group_layout(self.num_blocks, self.block_size)
 
     def __post_init__(self) -> None:
         get_policy(self.policy)  # raises ValueError naming the policies
@@ -57,10 +69,14 @@ class SchedulerConfig:
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig, num_blocks: int, max_model_len: int, model_id: str,
-                           num_host_blocks: int = 0) -> "SchedulerConfig":
+                           num_host_blocks: int = 0, kv_layout: Optional[KVCacheLayout] = None,
+                           num_host_state_slots: int = 0) -> "SchedulerConfig":
         sched, cache, lora, offload = config.scheduling, config.cache, config.lora, config.offload
         return cls(
-            num_blocks=num_blocks,
+            kv_layout=kv_layout,
+            num_host_state_slots=num_host_state_slots,
+            state_checkpoint_interval=cache.state_checkpoint_interval,
+            num_blocks=kv_layout.num_blocks if kv_layout is not None else num_blocks,
             max_model_len=max_model_len,
             block_size=cache.block_size,
             max_num_seqs=sched.max_num_seqs,
@@ -105,7 +121,8 @@ class SchedulerConfig:
                 f"request {request.request_id!r}: prompt of {prompt_len} tokens + max_tokens {max_tokens} = "
                 f"{prompt_len + max_tokens} exceeds max_model_len {cfg.max_model_len}"
             )
-        num_blocks_needed = -(-(prompt_len + max_tokens) // cfg.block_size)
+        # Summed over the KV cache groups (a sliding window's bounded by its window and a chunk).
+        num_blocks_needed = self.layout.max_blocks_per_request(prompt_len + max_tokens, cfg.max_num_batched_tokens)
         if num_blocks_needed > num_usable_blocks:
             raise ValueError(
                 f"request {request.request_id!r}: needs {num_blocks_needed} KV blocks for {prompt_len + max_tokens} "

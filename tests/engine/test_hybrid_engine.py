@@ -1,0 +1,156 @@
+"""Hybrid models (Gated DeltaNet + full attention) through the whole engine vs transformers.
+
+Qwen3-Next, Qwen3.5 and Qwen3.5-MoE, each a tiny random float32 config built by
+transformers here (SmolLM2's tokenizer, as ``tests/engine/hf_reference.py``), served by
+``LLMEngine`` with KV cache groups (``engine.kv.layout``: a full-attention group and a
+recurrent-state group, ``engine.kv.state_manager``). Greedy tokens must equal transformers'
+``generate``:
+
+- each prompt alone;
+- all prompts in one batch (three share a 40-token prefix), with chunked prefill at an odd
+  budget (7 tokens) and a cache so small that requests are preempted (by recompute, and by
+  swap to the CPU tier, which moves the state slot too); then
+- the same prompts again: served from prefix-cache hits, the recurrent state *restored*
+  from a checkpoint rather than recomputed (``num_state_restores`` counts it).
+
+Seeded sampling gives a request the same tokens alone and in a batch. What does not combine
+yet is refused naming why: speculative decoding, beam search, a KV connector.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagoda.engine.config import EngineConfig
+from pagoda.engine.llm_engine import LLMEngine
+from pagoda.engine.sampling_params import SamplingParams
+
+from tests.engine.hf_reference import HFGreedy, save_random_model
+
+MAX_NEW = 8
+SMALL = dict(vocab_size=49152, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+             linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+             max_position_embeddings=512, initializer_range=0.2, tie_word_embeddings=False)
+L, F = "linear_attention", "full_attention"
+ARCHS = {
+    "qwen3-next": ("Qwen3NextConfig", dict(num_hidden_layers=4, layer_types=[L, F, L, F], intermediate_size=40,
+                                           num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                                           shared_expert_intermediate_size=20)),
+    "qwen3.5": ("Qwen3_5TextConfig", dict(num_hidden_layers=4, intermediate_size=48, linear_conv_kernel_dim=3)),
+    "qwen3.5-moe": ("Qwen3_5MoeTextConfig", dict(num_hidden_layers=4, num_experts=4, num_experts_per_tok=2,
+                                                 moe_intermediate_size=24, shared_expert_intermediate_size=20)),
+}
+
+
+@torch.no_grad()
+def _move_constants(model) -> None:
+    """Norms and dt_bias off their initial constants, so every offset and gate counts."""
+    for name, param in model.named_parameters():
+        if "norm" in name or name.endswith("dt_bias"):
+            param.add_(0.3 * torch.randn(param.shape))
+
+
+@pytest.fixture(scope="module", params=sorted(ARCHS))
+def hybrid(request, tmp_path_factory, smollm2_path):
+    """(folder, prompts, HF's greedy tokens per prompt) for one architecture."""
+    config_class, overrides = ARCHS[request.param]
+    folder = save_random_model(tmp_path_factory.mktemp(request.param), smollm2_path, 0, config_class,
+                               edit_weights=_move_constants, **{**SMALL, **overrides})
+    engine = LLMEngine(EngineConfig(model=str(folder), enable_prefix_caching=False))
+    tok = engine.tokenizer
+    shared = tok.encode("In a quiet village by the sea, an old lighthouse keeper kept a journal of every ship "
+                        "that passed, noting the weather and the hour of the tide.")
+    prompts = [tok.encode("The capital of France is"), shared + tok.encode(" One morning he wrote"),
+               shared + tok.encode(" Years later, his granddaughter found it and"), shared + tok.encode(" The")]
+    hf = HFGreedy(str(folder))
+    return str(folder), prompts, [hf.generate(p, MAX_NEW) for p in prompts], engine
+
+
+def _run(engine: LLMEngine, prompts, params=None, prefix: str = "") -> list[list[int]]:
+    params = params or SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"{prefix}{i}", prompt, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    return [done[f"{prefix}{i}"] for i in range(len(prompts))]
+
+
+def test_each_prompt_alone_equals_transformers(hybrid):
+    _, prompts, expected, engine = hybrid
+    kinds = [g.spec.kind for g in engine.executor.kv_layout.groups]
+    assert kinds == ["full_attention", "mamba"]
+    for prompt, tokens in zip(prompts, expected):
+        assert _run(engine, [prompt]) == [tokens]
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap", "async"])
+def test_batched_chunked_preempted_then_served_from_state_checkpoints(hybrid, mode):
+    folder, prompts, expected, _ = hybrid
+    extra = dict(cpu_offload_bytes=8 << 20, preemption_mode="swap") if mode == "swap" else \
+        dict(async_scheduling=True) if mode == "async" else {}
+    engine = LLMEngine(EngineConfig(model=folder, block_size=8, max_num_batched_tokens=7,
+                                    num_gpu_blocks_override=12, **extra))
+    assert _run(engine, prompts) == expected
+    first = engine.get_stats()
+    assert first.num_preemptions > 0, "the tiny cache should have preempted"
+    if mode == "swap":
+        assert first.num_swapped_out > 0 and first.num_swapped_in > 0
+    assert first.num_state_checkpoints > 0
+    assert _run(engine, prompts, prefix="again-") == expected
+    second = engine.get_stats()
+    assert second.num_state_restores > first.num_state_restores, "the second pass resumed checkpoints"
+    assert second.prefix_cache_hits > first.prefix_cache_hits
+    assert second.num_free_blocks == second.num_blocks and second.num_free_state_slots == second.num_state_slots
+
+
+def test_seeded_sampling_is_the_same_alone_and_in_a_batch(hybrid):
+    folder, prompts, _, _ = hybrid
+    seeded = SamplingParams(temperature=0.9, top_p=0.9, seed=11, max_tokens=MAX_NEW, ignore_eos=True)
+    alone = _run(LLMEngine(EngineConfig(model=folder)), [prompts[1]], seeded)[0]
+    batch = LLMEngine(EngineConfig(model=folder, max_num_batched_tokens=9))
+    others = SamplingParams(temperature=1.0, seed=5, max_tokens=MAX_NEW, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        batch.add_request(f"o{i}", prompt, others)
+    assert _run(batch, [prompts[1]], seeded, prefix="s") == [alone]
+
+
+def test_what_does_not_combine_with_recurrent_states_is_refused(hybrid):
+    from pagoda.engine.kv_transfer.tcp import TcpKVConnector
+
+    folder, prompts, _, engine = hybrid
+    with pytest.raises(ValueError, match="recurrent states.*rejected draft token"):
+        LLMEngine(EngineConfig(model=folder, speculative_method="ngram"))
+    with pytest.raises(ValueError, match="use_beam_search: this model keeps recurrent states"):
+        engine.add_request("beam", prompts[0], SamplingParams(use_beam_search=True, n=2, temperature=0.0, max_tokens=4))
+    with pytest.raises(ValueError, match="recurrent-state model cannot use KV transfer"):
+        TcpKVConnector(engine)
+    assert not engine.has_unfinished_requests()
+
+
+def test_structured_output_constrains_a_hybrid_model(hybrid):
+    """The grammar bitmask is orthogonal to the caches: every sampled answer is a choice."""
+    from pagoda.engine.guided import GuidedDecodingParams
+
+    folder, prompts, _, _ = hybrid
+    engine = LLMEngine(EngineConfig(model=folder))
+    choices = ["north", "south", "east", "west"]
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=6, guided_decoding=GuidedDecodingParams(choice=choices))
+    outputs = _run(engine, prompts, params)
+    assert all(engine.tokenizer.decode(tokens) in choices for tokens in outputs)
+
+
+def test_parallel_samples_resume_the_first_ones_prompt_state(hybrid):
+    """n > 1: the siblings wait for the first's prompt (the shared-prefix wait), then resume its
+    state checkpoint at the prompt's last block boundary instead of recomputing the prompt."""
+    folder, prompts, _, _ = hybrid
+    engine = LLMEngine(EngineConfig(model=folder, block_size=8))
+    engine.add_request("n", prompts[1], SamplingParams(n=3, temperature=0.8, seed=1, max_tokens=4))
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += [o for o in engine.step() if o.finished]
+    assert len(outputs[0].outputs) == 3
+    assert engine.get_stats().num_state_restores >= 2
