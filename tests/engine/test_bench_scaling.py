@@ -26,6 +26,7 @@ def test_long_times_ttft_prefill_and_decode_apart():
     result = compare_scaling.run_scenarios(spec, _fake(calls))["12"]
     assert calls == [(1, 12, 1), (3, 12, 1), (3, 12, 5)]  # TTFT alone, the batch's prefill, prefill + decode
     assert result["ttft_s"] == 2.0 and result["decode_tokens_per_s"] == 3 * 4 / (6.0 - 2.0)
+    assert result["ttft_cpu_s"] >= 0 and result["decode_tokens_per_cpu_s"] > 0
     assert result["peak_rss_gib"] > 0 and result["outputs"] == [[7] * 5] * 3
 
 
@@ -34,6 +35,8 @@ def test_concurrency_and_the_refusals(smollm2_path):
     spec = {"workload": "concurrency", "vocab": 5000, "concurrency": [1, 4], "prompt_tokens": 8, "output_tokens": 2}
     result = compare_scaling.run_scenarios(spec, _fake(calls))
     assert calls == [(1, 8, 2), (4, 8, 2)] and result["4"]["tokens_per_s"] == 4 * 2 / 3.0
+    table = compare_scaling.format_table(spec, {"pagoda": result, "vllm": result}).splitlines()
+    assert len(table) == 4 and table[3].startswith("| 4 | 2.7 (") and "| 1.00x | 4/4 |" in table[3]
     with pytest.raises(ValueError, match=r"--long-lengths: \[8192\] plus 33 output tokens exceed"):
         compare_scaling.make_spec("long", smollm2_path, "float32", 1, [2048, 8192], 2048)
     assert compare_scaling.make_spec("long", smollm2_path, "float32", 1, [2048, 8100], 2048)["max_model_len"] == 8133

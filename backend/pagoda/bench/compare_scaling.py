@@ -16,6 +16,10 @@ seeded prompts, greedy, ``ignore_eos``, no prefix caching, a 2 GiB KV cache in b
   output tokens submitted at once, N in 1, 4, 16, 64: output tok/s; ``plot`` draws both
   engines' curves into a PNG (matplotlib, imported only there).
 
+Beside each wall-clock figure, the same per second of the process's CPU time (all its
+threads; the engine runs in-process in both): on a shared machine the wall time follows
+the other processes' load, the CPU time much less.
+
 ``run_scenarios`` is the measurement, the same code in both processes: the vLLM worker is
 its source plus a ``generate`` over ``LLM.generate``; pagoda's a ``generate`` over
 ``LLMEngine.step``. Model load and a warm-up request are not timed.
@@ -43,6 +47,12 @@ def run_scenarios(spec: dict, generate: Callable) -> dict:
     runs the prompts at once to ``max_tokens`` each. Runs in both engines' processes: stdlib only."""
     import random
     import resource
+    import time
+
+    def timed(batch: list[list[int]], max_tokens: int) -> tuple[float, float, list[list[int]]]:
+        cpu = time.process_time()  # the engine runs in this process in both: its CPU time, all threads
+        seconds, outputs = generate(batch, max_tokens)
+        return seconds, time.process_time() - cpu, outputs
 
     def prompts(count: int, length: int, seed: int) -> list[list[int]]:
         rng = random.Random(seed * 1_000_003 + length)
@@ -51,18 +61,21 @@ def run_scenarios(spec: dict, generate: Callable) -> dict:
     results: dict = {}
     if spec["workload"] == "long":
         for length in spec["lengths"]:
-            ttft, _ = generate(prompts(1, length, 0), 1)
+            ttft, ttft_cpu, _ = timed(prompts(1, length, 0), 1)
             batch = prompts(spec["decodes"], length, 1)
-            prefill, _ = generate(batch, 1)
-            total, outputs = generate(batch, 1 + spec["decode_tokens"])
-            results[str(length)] = {"ttft_s": ttft, "prefill_s": prefill, "total_s": total,
-                                    "decode_tokens_per_s": spec["decodes"] * spec["decode_tokens"] / (total - prefill),
+            prefill, prefill_cpu, _ = timed(batch, 1)
+            total, total_cpu, outputs = timed(batch, 1 + spec["decode_tokens"])
+            decoded = spec["decodes"] * spec["decode_tokens"]
+            results[str(length)] = {"ttft_s": ttft, "ttft_cpu_s": ttft_cpu, "prefill_s": prefill, "total_s": total,
+                                    "decode_tokens_per_s": decoded / (total - prefill),
+                                    "decode_tokens_per_cpu_s": decoded / max(total_cpu - prefill_cpu, 1e-9),
                                     "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
                                     "outputs": outputs}
     else:
         for count in spec["concurrency"]:
-            seconds, outputs = generate(prompts(count, spec["prompt_tokens"], 2), spec["output_tokens"])
+            seconds, cpu, outputs = timed(prompts(count, spec["prompt_tokens"], 2), spec["output_tokens"])
             results[str(count)] = {"seconds": seconds, "tokens_per_s": count * spec["output_tokens"] / seconds,
+                                   "tokens_per_cpu_s": count * spec["output_tokens"] / max(cpu, 1e-9),
                                    "outputs": outputs}
     return results
 
@@ -175,18 +188,22 @@ def format_table(spec: dict[str, Any], results: dict[str, Any]) -> str:
         p, v = pagoda[key], vllm[key]
         same = sum(a == b for a, b in zip(p["outputs"], v["outputs"]))
         if spec["workload"] == "long":
-            lines.append(f"| {key} | {p['ttft_s']:.2f} | {v['ttft_s']:.2f} | {p['decode_tokens_per_s']:.1f} | "
-                         f"{v['decode_tokens_per_s']:.1f} | {p['peak_rss_gib']:.2f} | {v['peak_rss_gib']:.2f} | "
-                         f"{same}/{len(p['outputs'])} |")
+            lines.append(f"| {key} | {p['ttft_s']:.2f} ({p['ttft_cpu_s']:.2f}) | "
+                         f"{v['ttft_s']:.2f} ({v['ttft_cpu_s']:.2f}) | "
+                         f"{p['decode_tokens_per_s']:.1f} ({p['decode_tokens_per_cpu_s']:.1f}) | "
+                         f"{v['decode_tokens_per_s']:.1f} ({v['decode_tokens_per_cpu_s']:.1f}) | "
+                         f"{p['peak_rss_gib']:.2f} | {v['peak_rss_gib']:.2f} | {same}/{len(p['outputs'])} |")
         else:
-            lines.append(f"| {key} | {p['tokens_per_s']:.1f} | {v['tokens_per_s']:.1f} | "
+            lines.append(f"| {key} | {p['tokens_per_s']:.1f} ({p['tokens_per_cpu_s']:.1f}) | "
+                         f"{v['tokens_per_s']:.1f} ({v['tokens_per_cpu_s']:.1f}) | "
                          f"{p['tokens_per_s'] / v['tokens_per_s']:.2f}x | {same}/{len(p['outputs'])} |")
     if spec["workload"] == "long":
-        head = ("| prompt tokens | TTFT pagoda (s) | TTFT vLLM (s) | decode tok/s pagoda | decode tok/s vLLM | "
-                "peak RSS pagoda (GiB) | peak RSS vLLM (GiB) | identical outputs |\n|---|---|---|---|---|---|---|---|")
+        head = ("| prompt tokens | TTFT pagoda, s (CPU s) | TTFT vLLM, s (CPU s) | decode tok/s pagoda (per CPU s) | "
+                "decode tok/s vLLM (per CPU s) | peak RSS pagoda (GiB) | peak RSS vLLM (GiB) | identical outputs |\n"
+                "|---|---|---|---|---|---|---|---|")
     else:
-        head = ("| concurrent sequences | pagoda tok/s | vLLM tok/s | pagoda / vLLM | identical outputs |\n"
-                "|---|---|---|---|---|")
+        head = ("| concurrent sequences | pagoda tok/s (per CPU s) | vLLM tok/s (per CPU s) | pagoda / vLLM | "
+                "identical outputs |\n|---|---|---|---|---|")
     return head + "\n" + "\n".join(lines)
 
 

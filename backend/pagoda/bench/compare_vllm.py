@@ -12,13 +12,15 @@ torch's intra-op threads in both, and vLLM's OpenMP threads are bound to cores 0
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so its CPU time is counted.
 
 Reported: output tokens/s of each, the ratio pagoda / vLLM, how many of the requests'
-outputs are token-identical, and each engine's ``token_hash`` (``output_hash``: the first 16
-hex digits of the SHA-256 of the outputs' token ids as JSON; a change of pagoda's fp32 hash
-on the same workload is a change of its outputs). In bfloat16 two engines that round differently part ways
-after a near-tie, so there (``--dtype bfloat16``) both are also compared with Hugging Face
-``transformers`` in bfloat16 (``hf_greedy``: one request at a time, greedy, EOS not
-stopping, as ``ignore_eos``): how many outputs equal HF's, and the mean length of the
-prefix they share with it. When ``PYTHON`` is missing or cannot import vllm the
+outputs are token-identical, output tokens per process CPU second (``cpu_seconds``: on a
+shared machine the wall time follows the load, the CPU time much less), and each engine's
+``token_hash`` (``output_hash``: the first 16 hex digits of the SHA-256 of the outputs'
+token ids as JSON; a change of pagoda's fp32 hash on the same workload is a change of its
+outputs). In bfloat16 two engines that round differently part ways after a near-tie, so
+there (``--dtype bfloat16``) both are also compared with Hugging Face ``transformers`` in
+bfloat16 (``hf_greedy``: one request at a time, greedy, EOS not stopping, as
+``ignore_eos``): how many outputs equal HF's, and the mean length of the prefix they share
+with it. When ``PYTHON`` is missing or cannot import vllm the
 comparison is skipped with a note (exit 0).
 """
 
@@ -143,6 +145,9 @@ def compare(python: str, model: str, items: list[WorkItem], threads: int, dtype:
               "vllm_tokens_per_s": best["vllm"]["tokens_per_s"],
               "ratio": best["pagoda"]["tokens_per_s"] / best["vllm"]["tokens_per_s"],
               "identical": same, "num_requests": len(items),
+              # on a shared machine wall time follows the load; the process's CPU time much less so
+              "tokens_per_cpu_s": {name: sum(len(o) for o in best[name]["outputs"]) / best[name]["cpu_seconds"]
+                                   for name in ("pagoda", "vllm")},
               "token_hash": {name: output_hash(best[name]["outputs"]) for name in ("pagoda", "vllm")}}
     if dtype == "bfloat16":  # after the timed rounds: HF's own bf16 run is the reference
         reference = hf_greedy(model, dtype, items, threads)
@@ -185,6 +190,9 @@ def agreement(outputs: list[list[int]], reference: list[list[int]]) -> tuple[int
 def format_result(r: dict[str, Any]) -> str:
     line = (f"| {r['threads']} | {r['dtype']} | {r['pagoda_tokens_per_s']:.1f} | {r['vllm_tokens_per_s']:.1f} | "
             f"{r['ratio']:.2f}x | {r['identical']}/{r['num_requests']} |")
+    if "tokens_per_cpu_s" in r:
+        line += "\noutput tokens per process CPU second: " + ", ".join(
+            f"{name} {value:.1f}" for name, value in r["tokens_per_cpu_s"].items())
     line += "\ntoken-id hash: " + ", ".join(f"{name} {h}" for name, h in r.get("token_hash", {}).items())
     for name, (equal, prefix) in r.get("vs_hf", {}).items():
         line += (f"\n{name} vs Hugging Face in {r['dtype']}: {equal}/{r['num_requests']} outputs equal, "
