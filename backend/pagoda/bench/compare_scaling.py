@@ -208,23 +208,26 @@ def format_table(spec: dict[str, Any], results: dict[str, Any]) -> str:
 
 
 def plot(results: dict[str, Any], title: str, path: str) -> None:
-    """Both engines' output tok/s against concurrent sequences, log-scaled x, into ``path`` (PNG)."""
+    """Both engines' output tokens per second and per CPU second against concurrent sequences
+    (log-scaled x), two panels, into ``path`` (PNG)."""
     import matplotlib
 
     matplotlib.use("Agg")
     from matplotlib import pyplot
 
-    figure, axes = pyplot.subplots(figsize=(6, 4), dpi=100)
-    for name, label in (("pagoda", "pagoda"), ("vllm", "vLLM")):
-        counts = [int(k) for k in results[name]]
-        axes.plot(counts, [results[name][str(c)]["tokens_per_s"] for c in counts], marker="o", label=label)
-    axes.set_xscale("log", base=2)
-    axes.set_xticks(counts, [str(c) for c in counts])
-    axes.set_xlabel("concurrent sequences")
-    axes.set_ylabel("output tokens/s")
-    axes.set_title(title, fontsize=9)
-    axes.grid(True, alpha=0.3)
-    axes.legend()
+    figure, panels = pyplot.subplots(1, 2, figsize=(10, 4), dpi=100)
+    for axes, key, label in ((panels[0], "tokens_per_s", "output tokens/s"),
+                             (panels[1], "tokens_per_cpu_s", "output tokens per process CPU second")):
+        for name, legend in (("pagoda", "pagoda"), ("vllm", "vLLM")):
+            counts = [int(k) for k in results[name] if key in results[name][k]]
+            axes.plot(counts, [results[name][str(c)][key] for c in counts], marker="o", label=legend)
+        axes.set_xscale("log", base=2)
+        axes.set_xticks(counts, [str(c) for c in counts])
+        axes.set_xlabel("concurrent sequences")
+        axes.set_ylabel(label)
+        axes.grid(True, alpha=0.3)
+        axes.legend()
+    figure.suptitle(title, fontsize=9)
     figure.tight_layout()
     figure.savefig(path)
 
