@@ -11,6 +11,8 @@ row-count edges of the tiles (8) and of AMX's (16, 32).
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -90,3 +92,19 @@ def test_the_features_are_this_cpus():
     assert ("avx512f" in features) == ("avx512f" in flags)
     assert ("avx512bf16" in features) == ("avx512_bf16" in flags)
     assert "amx" not in features or "amx_bf16" in flags
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("PAGODA_TEST_AVX2_BUILD") != "1",
+                    reason="PAGODA_TEST_AVX2_BUILD=1: compiles a second build (~1-2 min the first time)")
+def test_an_avx2_only_build_serves_with_the_plain_tiles():
+    """The build an AVX2-only EPYC makes (``-march=x86-64-v3``), compiled and run here in a
+    process of its own (tests/kernels/cpu_gemm_avx2_check.py; cached after the first time).
+    Opt-in so the suite does not pay the compile; the plain tiles' arithmetic is checked by
+    default above (bit for bit against the vector tiles)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "tests.kernels.cpu_gemm_avx2_check"], capture_output=True,
+                          text=True, timeout=800)
+    assert done.returncode == 0 and done.stdout.strip().endswith("OK"), done.stderr[-3000:]
