@@ -8,8 +8,8 @@ result does not depend on its batch), taken where its vector tiles run on this C
 CPU without AVX-512, e.g. an AVX2-only EPYC; or the C++ kernels off or not built). Why
 pagoda's: at the decode's few rows the matmul is memory-bound and oneDNN's inner product
 spends its time outside the FMAs (measured on the Intel Xeon dev VM, one thread, the
-default model's shapes: 1.3-1.5x faster at 1-8 rows in float32 and bfloat16;
-docs/benchmarks.md). At 64+ rows oneDNN is as fast or faster (bfloat16 at 256 rows: 0.7x,
+default model's shapes, a loaded machine: 1.3-1.5x faster at 1-8 rows in float32 and
+bfloat16; docs/benchmarks.md, issue 44). At 64+ rows oneDNN is as fast or faster (bfloat16 at 256 rows: 0.7x,
 its AMX blocking is better): the decode-heavy workloads are what this is for.
 
 The oneDNN packing, as it came first (issue 26):
