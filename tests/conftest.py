@@ -7,7 +7,25 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import sys
+
 import pytest
+
+
+@pytest.fixture(autouse=True)
+def kernel_settings():
+    """The kernels read ``PAGODA_KERNELS`` / ``PAGODA_CPU_KERNELS`` once, not per call
+    (``kernels.reload_settings``): every test starts, and leaves, with the settings of its
+    environment; a test that changes one mid-test reloads them itself."""
+    _reload_kernel_settings()
+    yield
+    _reload_kernel_settings()  # after monkeypatch has put the environment back (torn down first)
+
+
+def _reload_kernel_settings() -> None:
+    kernels = sys.modules.get("pagoda.kernels")  # not imported yet: it will read the environment then
+    if kernels is not None:
+        kernels.reload_settings()
 
 
 @pytest.fixture

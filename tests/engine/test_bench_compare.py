@@ -33,3 +33,9 @@ def test_the_pagoda_round_times_the_workload_and_returns_every_output(tmp_path, 
     reference = compare_vllm.hf_greedy(model_path, "float32", work, 1)
     assert compare_vllm.agreement(out["outputs"], reference) == (3, 4.0)
     assert compare_vllm.agreement([[1, 2, 3]], [[1, 2, 4]]) == (0, 2.0)
+
+
+def test_the_token_hash_changes_with_any_token():
+    assert compare_vllm.output_hash([[1, 2], [3]]) == compare_vllm.output_hash([[1, 2], [3]])
+    assert compare_vllm.output_hash([[1, 2], [3]]) != compare_vllm.output_hash([[1, 2], [4]])
+    assert compare_vllm.output_hash([[1, 2], [3]]) != compare_vllm.output_hash([[1], [2, 3]])

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from pagoda import kernels
-from pagoda.kernels import cpu_native, reference
+from pagoda.kernels import cpu_native, reference, reload_settings
 from tests.kernels.kernel_cases import assert_close_to_reference, attention_bound, make_paged_case, reference_attention
 
 pytestmark = pytest.mark.skipif(cpu_native.build() is not None, reason=f"no C++ kernels: {cpu_native.build()}")
@@ -55,6 +55,7 @@ def test_decode_attention_window_and_sinks(window, with_sinks):
 def test_torch_path_uses_it_on_mixed_steps(dtype, monkeypatch):
     """Prefill chunks keep the gather + SDPA path, the decode rows go to C++, one step."""
     monkeypatch.setenv(cpu_native.KERNELS_ENV, "auto")
+    reload_settings()
     case = make_paged_case([1, 7, 5, 1, 4, 1], [9, 7, 13, 4, 8, 1], 8, 2, 64, dtype, block_size=4, seed=5)
     case.k_cache.nan_to_num_(0), case.v_cache.nan_to_num_(0)  # SDPA's masked rows must stay finite
     out = reference.paged_attention_torch(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
@@ -127,11 +128,14 @@ def test_rotary_on_strided_heads(dtype):
 def test_the_environment_variable(monkeypatch):
     x = torch.randn(2, 8)
     monkeypatch.setenv(cpu_native.KERNELS_ENV, "torch")
+    reload_settings()
     assert cpu_native.native_ops(x) is None
     monkeypatch.setenv(cpu_native.KERNELS_ENV, "auto")
+    reload_settings()
     assert cpu_native.native_ops(x) is not None
     assert cpu_native.native_ops(x.double()) is None and cpu_native.native_ops(torch.empty(2, 8, device="meta")) is None
     monkeypatch.setenv(cpu_native.KERNELS_ENV, "fast")
+    reload_settings()
     with pytest.raises(ValueError, match="PAGODA_CPU_KERNELS='fast'"):
         cpu_native.native_ops(x)
 
@@ -143,11 +147,13 @@ def test_a_failed_build_falls_back_to_torch_naming_why(monkeypatch, tmp_path, ca
     monkeypatch.setattr(cpu_native, "_state", {})
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
     monkeypatch.setenv(cpu_native.KERNELS_ENV, "auto")
+    reload_settings()
     x = torch.randn(2, 8)
     assert cpu_native.native_ops(x) is None
     assert "the C++ kernels did not build" in caplog.text
     out, _ = kernels.rms_norm(x, torch.ones(8), 1e-6)  # the torch reference serves
     torch.testing.assert_close(out, reference.rms_norm(x, torch.ones(8), 1e-6)[0])
     monkeypatch.setenv(cpu_native.KERNELS_ENV, "native")
+    reload_settings()
     with pytest.raises(RuntimeError, match="PAGODA_CPU_KERNELS=native: the C.. kernels did not build"):
         cpu_native.native_ops(x)

@@ -26,7 +26,7 @@ from pagoda.engine.runner.cuda_graphs import (
 )
 from pagoda.engine.runner.model_runner import ModelRunner, make_random_model
 from pagoda.engine.runner.runner_output import ModelRunnerOutput
-from pagoda.kernels import AttentionMetadata, reference, triton_attention
+from pagoda.kernels import AttentionMetadata, reference, reload_settings, triton_attention
 from pagoda.kernels.triton_attention import AttentionConfig
 from pagoda.models.registry import config_from_dict
 from tests.numerics import assert_within, gamma, model_error_bound
@@ -156,6 +156,7 @@ def tiny_folder(tmp_path_factory):
 @pytest.mark.parametrize("kernels", ["torch", "triton"])
 def test_cpu_runner_never_captures(tiny_folder, kernels, monkeypatch):
     monkeypatch.setenv("PAGODA_KERNELS", kernels)
+    reload_settings()
     config = EngineConfig(model=tiny_folder, device="cpu", load_format="dummy", enable_cuda_graphs=True,
                           num_gpu_blocks_override=8)  # fmt: skip
     runner = ModelRunner(config, config_from_dict(TINY), tiny_folder)
@@ -208,6 +209,7 @@ def test_padded_replay_matches_eager_steps_through_the_triton_kernels(tiny_folde
     With ``placeholders`` (async scheduling) the graphed runner's decode rows carry no
     token id: it takes the previous step's samples it keeps on the device."""
     monkeypatch.setenv("PAGODA_KERNELS", "triton")
+    reload_settings()
     eager, graphed = _runner(tiny_folder, 4), _runner(tiny_folder, 4)
     assert torch.equal(eager.model.embed_tokens, graphed.model.embed_tokens)  # same seed, same weights
     graphed.graphs = DecodeGraphs(graphed.model, graphed.kv_caches, 4, 40, RUNNER_BLOCK_SIZE)

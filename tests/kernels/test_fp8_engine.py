@@ -24,6 +24,7 @@ from pagoda import kernels as kernel_ops
 from pagoda.engine.config import EngineConfig
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.engine.runner.model_runner import kv_bytes_per_block
+from pagoda.kernels import reload_settings
 from pagoda.kernels import write_kv as _write_kv
 from pagoda.models import load_model
 from pagoda.models.testing import StepInput, make_kv_caches, run_step
@@ -62,6 +63,7 @@ def test_fp8_pool_holds_more_blocks_for_the_same_bytes(model_path):
 
 def _engine_greedy(model_path: str, kernels: str, monkeypatch) -> tuple[dict, LLMEngine]:
     monkeypatch.setenv("PAGODA_KERNELS", kernels)
+    reload_settings()
     # A 24-token budget makes the 40-token prompt prefill in chunks beside decodes.
     engine = LLMEngine(EngineConfig(model=model_path, block_size=BLOCK_SIZE, max_num_batched_tokens=24,
                                     kv_cache_dtype="fp8_e4m3"))
@@ -87,6 +89,7 @@ def _logits(model, kernels: str, monkeypatch, kv_inputs: Optional[list] = None):
     and the caches' bytes; with ``kv_inputs`` those K/V are written instead of the step's own.
     """
     monkeypatch.setenv("PAGODA_KERNELS", kernels)
+    reload_settings()
     written = []
 
     def write_kv(k, v, *args, **kwargs):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pagoda import kernels
-from pagoda.kernels import reference, triton_ops
+from pagoda.kernels import reference, reload_settings, triton_ops
 from pagoda.models.lora import LoRABatch
 from tests.kernels.kernel_cases import poisoned_allocations
 from tests.numerics import UNIT_ROUNDOFF, assert_within, gamma
@@ -69,5 +69,6 @@ def test_dispatch_picks_by_device_and_override(monkeypatch):
     kernels.lora_apply(y.clone(), x, a, b, batch)  # CPU tensors: torch path
     assert calls == []
     monkeypatch.setenv("PAGODA_KERNELS", "triton")
+    reload_settings()
     kernels.lora_apply(y.clone(), x, a, b, batch)
     assert calls == ["triton"]

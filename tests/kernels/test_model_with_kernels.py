@@ -5,8 +5,8 @@ and greedy tokens with the Triton kernels (under the interpreter) as with the to
 references, at the model and at the engine level.
 
 The random models come from ``tests/engine/hf_reference.py`` (2 layers, initializer range
-0.3 so greedy choices are not near ties). ``PAGODA_KERNELS`` is read on every kernel call,
-so one process can run both paths on the same weights.
+0.3 so greedy choices are not near ties). Setting ``PAGODA_KERNELS`` and calling
+``reload_settings`` switches the path, so one process can run both on the same weights.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 from pagoda import SamplingParams
 from pagoda.engine.config import EngineConfig
 from pagoda.engine.llm_engine import LLMEngine
-from pagoda.kernels import triton_ops
+from pagoda.kernels import reload_settings, triton_ops
 from pagoda.models import config_from_pretrained, load_model
 from pagoda.models.testing import StepInput, make_kv_caches, run_step
 from tests.engine.driving import drain
@@ -65,6 +65,7 @@ def _ran_every_kernel(calls: dict[str, int], config) -> bool:
 def _scenario_logits(model, kernels: str, monkeypatch) -> list[torch.Tensor]:
     """Chunked prefill of A next to a prefill of B, then mixed and decode steps, greedy."""
     monkeypatch.setenv("PAGODA_KERNELS", kernels)
+    reload_settings()
     caches = make_kv_caches(model.config, num_blocks=16, block_size=BLOCK_SIZE)
     table_a, table_b = [3, 9, 1], [12, 0]  # shuffled, non-adjacent blocks
     gen = torch.Generator().manual_seed(0)
@@ -104,6 +105,7 @@ def test_model_logits_match_torch_references(model_path, monkeypatch, triton_cal
 
 def _engine_greedy(model_path: str, kernels: str, monkeypatch) -> dict[str, list[int]]:
     monkeypatch.setenv("PAGODA_KERNELS", kernels)
+    reload_settings()
     # A small token budget makes the 40-token prompt prefill in chunks beside decodes.
     engine = LLMEngine(EngineConfig(model=model_path, block_size=BLOCK_SIZE, max_num_batched_tokens=24))
     greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from pagoda import kernels
-from pagoda.kernels import reference, triton_ops
+from pagoda.kernels import reference, reload_settings, triton_ops
 from pagoda.kernels.triton_moe import BLOCK_M, block_schedule
 from pagoda.models.moe import group_by_expert, route
 from tests.kernels.kernel_cases import poisoned_allocations
@@ -133,5 +133,6 @@ def test_dispatch_picks_by_device_and_override(monkeypatch):
     kernels.moe_experts(*args)  # CPU tensors: the torch path
     assert calls == []
     monkeypatch.setenv("PAGODA_KERNELS", "triton")
+    reload_settings()
     kernels.moe_experts(*args)
     assert calls == ["triton"]

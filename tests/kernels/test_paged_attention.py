@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagoda.kernels import triton_attention
+from pagoda.kernels import reload_settings, triton_attention
 from pagoda.kernels.reference import paged_attention_torch
 from pagoda.kernels.triton_attention import AttentionConfig, choose_config
 from tests.kernels.kernel_cases import (
@@ -209,6 +209,7 @@ def test_torch_path_decodes_buckets_of_different_lengths(window, monkeypatch):
     from pagoda.kernels.reference import AttentionMetadata, cpu_plan
 
     monkeypatch.setenv("PAGODA_CPU_KERNELS", "torch")  # the buckets, not the C++ decode (test_cpu_native.py)
+    reload_settings()
     seq_lens = [3, 700, 4, 5, 6, 7, 400, 450, 500, 550, 8, 750]
     case = make_paged_case([1] * len(seq_lens), seq_lens, 6, 2, 64, torch.float32, block_size=16, seed=3)
     # Unowned slots hold NaN here; the engine's cache is zeroed at start and only ever holds

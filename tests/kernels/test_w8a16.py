@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pagoda import kernels
-from pagoda.kernels import triton_w8a16, w8a16
+from pagoda.kernels import reload_settings, triton_w8a16, w8a16
 from tests.kernels.kernel_cases import poisoned_allocations
 from tests.numerics import UNIT_ROUNDOFF, assert_within, gamma
 
@@ -112,9 +112,11 @@ def test_dispatch_point_picks_kernel_by_device_and_rows(monkeypatch):
     real = triton_w8a16.w8a16_linear
     monkeypatch.setattr(triton_w8a16, "w8a16_linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
     monkeypatch.delenv("PAGODA_KERNELS", raising=False)
+    reload_settings()
     kernels.w8a16_linear(x, q, scale)  # CPU tensor: the reference
     assert calls == []
     monkeypatch.setenv("PAGODA_KERNELS", "triton")
+    reload_settings()
     kernels.w8a16_linear(x, q, scale)
     assert calls == [5]
     monkeypatch.setattr(w8a16, "DEQUANT_ROWS", 5)  # from DEQUANT_ROWS rows: dequantize + BLAS

@@ -13,17 +13,21 @@ import pytest
 import torch
 from torch import nn
 
-from pagoda.models.cpu_gemm import GEMM_ENV, PackedWeight, pack_model, packing_reason
+from pagoda.kernels import cpu_native, reload_settings
+from pagoda.models.cpu_gemm import GEMM_ENV, PackedWeight, pack_model, packing_kind, packing_reason
 from pagoda.models.quant import linear
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+KINDS = ["onednn", pytest.param("pagoda", marks=pytest.mark.skipif(cpu_native.build() is not None,
+                                                                   reason="no C++ kernels"))]
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("rows", [1, 5, 64])
-def test_packed_matmul_equals_float64_within_the_fp32_bound(rows):
+def test_packed_matmul_equals_float64_within_the_fp32_bound(rows, kind):
     gen = torch.Generator().manual_seed(rows)
     x, w, b = torch.randn(rows, 576, generator=gen), torch.randn(960, 576, generator=gen), torch.randn(960)
-    out = PackedWeight(w).matmul(x, b)
+    out = PackedWeight(w, kind).matmul(x, b)
     exact = x.double() @ w.double().T + b.double()
     # Any summation order of K fp32 products: |error| <= K * 2^-23 * sum_k |x_k w_k| (+ the bias add).
     bound = 576 * 2.0**-23 * (x.double().abs() @ w.double().abs().T + b.double().abs())
@@ -31,14 +35,16 @@ def test_packed_matmul_equals_float64_within_the_fp32_bound(rows):
     assert ((out.double() - exact).abs() <= bound).all()
 
 
-def test_a_rows_result_does_not_depend_on_the_rows_beside_it():
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kind):
     gen = torch.Generator().manual_seed(0)
     x, w = torch.randn(100, 576, generator=gen), torch.randn(1536, 576, generator=gen)
-    packed = PackedWeight(w)
+    packed = PackedWeight(w, kind)
     whole = packed.matmul(x)
     for rows in (1, 7, 32):
         assert torch.equal(packed.matmul(x[:rows]), whole[:rows])
     assert torch.equal(packed.matmul(x.view(4, 25, 576)), whole.view(4, 25, 1536))  # leading dims kept
+    assert torch.equal(packed.dense(), w)
 
 
 class _Layer(nn.Module):
@@ -75,7 +81,7 @@ def test_the_switch_and_the_cases_that_stay_on_blas(monkeypatch):
     model = _Model()
     assert pack_model(model, cpu, torch.float32) == 0 and isinstance(model.layers[0].w, nn.Parameter)
     monkeypatch.setenv(GEMM_ENV, "mkl")
-    with pytest.raises(ValueError, match=f"{GEMM_ENV}='mkl': must be one of auto, onednn, blas"):
+    with pytest.raises(ValueError, match=f"{GEMM_ENV}='mkl': must be one of auto, pagoda, onednn, blas"):
         packing_reason(cpu, torch.float32)
     monkeypatch.setenv(GEMM_ENV, "auto")
     assert packing_reason(cpu, torch.float16) == "torch.float16 weights"
@@ -98,3 +104,26 @@ def test_the_engine_runs_on_packed_weights(monkeypatch, tmp_path, smollm2_path):
     model = llm.engine.runner.model
     assert isinstance(model.layers[0].attn.qkv_weight, PackedWeight) and isinstance(model.lm_head_packed, PackedWeight)
     assert len(llm.generate(["hello"], SamplingParams(max_tokens=2, temperature=0))[0].outputs[0].token_ids) == 2
+
+
+@pytest.mark.skipif(cpu_native.build() is not None, reason="no C++ kernels")
+def test_pagodas_matmul_only_where_its_vector_tiles_run(monkeypatch):
+    """Runtime dispatch: a CPU without AVX-512 (an AVX2-only EPYC) or without AVX512-BF16 for
+    bfloat16 packs for oneDNN; ``pagoda`` forces the plain C++ tiles there; without the C++
+    kernels ``auto`` takes oneDNN and ``pagoda`` is refused, naming why."""
+    monkeypatch.delenv(GEMM_ENV, raising=False)
+    monkeypatch.setattr(cpu_native, "gemm_features", lambda: frozenset({"avx512f"}))
+    assert packing_kind(torch.float32) == "pagoda" and packing_kind(torch.bfloat16) == "onednn"
+    monkeypatch.setattr(cpu_native, "gemm_features", lambda: frozenset())
+    assert packing_kind(torch.float32) == "onednn"
+    model = _Model()
+    pack_model(model, torch.device("cpu"), torch.float32)
+    assert model.layers[0].w.kind == "onednn" and model.lm_head_packed.kind == "onednn"
+    monkeypatch.setenv(GEMM_ENV, "pagoda")
+    assert packing_kind(torch.float32) == "pagoda"
+    monkeypatch.setenv(cpu_native.KERNELS_ENV, "torch")
+    reload_settings()
+    with pytest.raises(ValueError, match=f"{GEMM_ENV}=pagoda: pagoda's C.. kernels are off"):
+        packing_kind(torch.float32)
+    monkeypatch.setenv(GEMM_ENV, "auto")
+    assert packing_kind(torch.float32) == "onednn"

@@ -30,6 +30,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from pagoda.kernels import reload_settings
 from pagoda.models import config_from_dict, load_model
 from pagoda.models.testing import StepInput, make_kv_caches, make_layer_caches, run_step
 
@@ -152,6 +153,7 @@ def test_sequences_of_different_lengths_share_flat_steps(pair, kernels, monkeypa
         pytest.skip("interpreter time (~1 min a model): Qwen3-Next's case runs every kernel, the MoE ones too")
     calls = count_triton_calls(monkeypatch)
     monkeypatch.setenv("PAGODA_KERNELS", kernels)
+    reload_settings()
     set_chunk_size(ours, 16)
     seqs = {"a": prompt(4, 10), "b": prompt(5, 9), "c": prompt(6, 6)}
     refs = {name: hf_logits(hf, ids) for name, ids in seqs.items()}

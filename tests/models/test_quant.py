@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from pagoda.engine import config as engine_config
 from pagoda.engine.config import EngineConfig
+from pagoda.kernels import reload_settings
 from pagoda.models import load_model
 from pagoda.models import quant
 from pagoda.models.quant import Int8Weight, dequantize_int8, linear, quantize_int8, quantize_model, weight_bytes
@@ -137,6 +138,7 @@ def test_cuda_never_takes_the_packed_kernel_and_the_model_path_reaches_triton(mo
     decision = quant.choose_packed_kernel(torch.device("cuda"), torch.bfloat16, {(64, 64)})
     assert not decision.ok and "Triton W8A16" in decision.reason
     monkeypatch.setenv("PAGODA_KERNELS", "triton")
+    reload_settings()
     torch.manual_seed(0)
     weight = Int8Weight(torch.randn(40, 72) * 0.05)
     bias = torch.zeros(40, dtype=torch.bfloat16)

@@ -11,17 +11,22 @@ torch's intra-op threads in both, and vLLM's OpenMP threads are bound to cores 0
 (``VLLM_CPU_OMP_THREADS_BIND``); vLLM's engine core runs in-process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so its CPU time is counted.
 
-Reported: output tokens/s of each, the ratio pagoda / vLLM, and how many of the requests'
-outputs are token-identical. In bfloat16 two engines that round differently part ways
-after a near-tie, so there (``--dtype bfloat16``) both are also compared with Hugging Face
-``transformers`` in bfloat16 (``hf_greedy``: one request at a time, greedy, EOS not
-stopping, as ``ignore_eos``): how many outputs equal HF's, and the mean length of the
-prefix they share with it. When ``PYTHON`` is missing or cannot import vllm the
+Reported: output tokens/s of each, the ratio pagoda / vLLM, how many of the requests'
+outputs are token-identical, output tokens per process CPU second (``cpu_seconds``: on a
+shared machine the wall time follows the load, the CPU time much less), and each engine's
+``token_hash`` (``output_hash``: the first 16 hex digits of the SHA-256 of the outputs'
+token ids as JSON; a change of pagoda's fp32 hash on the same workload is a change of its
+outputs). In bfloat16 two engines that round differently part ways after a near-tie, so
+there (``--dtype bfloat16``) both are also compared with Hugging Face ``transformers`` in
+bfloat16 (``hf_greedy``: one request at a time, greedy, EOS not stopping, as
+``ignore_eos``): how many outputs equal HF's, and the mean length of the prefix they share
+with it. When ``PYTHON`` is missing or cannot import vllm the
 comparison is skipped with a note (exit 0).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -48,10 +53,11 @@ llm.generate([TokensPrompt(prompt_token_ids=spec["items"][0]["prompt"][:16])],
              SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
 prompts = [TokensPrompt(prompt_token_ids=it["prompt"]) for it in spec["items"]]
 params = [SamplingParams(temperature=0, max_tokens=it["max_tokens"], ignore_eos=True) for it in spec["items"]]
-start = time.perf_counter()
+start, cpu = time.perf_counter(), time.process_time()
 outs = llm.generate(prompts, params, use_tqdm=False)
-elapsed = time.perf_counter() - start
-json.dump({"seconds": elapsed, "outputs": [list(o.outputs[0].token_ids) for o in outs]}, open(sys.argv[2], "w"))
+elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
+json.dump({"seconds": elapsed, "cpu_seconds": cpu, "outputs": [list(o.outputs[0].token_ids) for o in outs]},
+          open(sys.argv[2], "w"))
 '''
 
 
@@ -73,7 +79,7 @@ def pagoda_worker(spec_path: str, out_path: str) -> None:
     while engine.has_unfinished_requests():
         engine.step()
     outputs: dict[str, list[int]] = {}
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     for i, item in enumerate(spec["items"]):
         engine.add_request(str(i), item["prompt"],
                            SamplingParams(temperature=0, max_tokens=item["max_tokens"], ignore_eos=True))
@@ -81,9 +87,9 @@ def pagoda_worker(spec_path: str, out_path: str) -> None:
         for out in engine.step():
             if out.finished:
                 outputs[out.request_id] = list(out.outputs[0].token_ids)
-    elapsed = time.perf_counter() - start
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
     engine.shutdown()
-    Path(out_path).write_text(json.dumps({"seconds": elapsed,
+    Path(out_path).write_text(json.dumps({"seconds": elapsed, "cpu_seconds": cpu,
                                           "outputs": [outputs[str(i)] for i in range(len(spec["items"]))]}))
 
 
@@ -98,7 +104,16 @@ def vllm_available(python: Optional[str]) -> Optional[str]:
     return None
 
 
-def _run(command: list[str], env: dict[str, str], out_path: str, timeout_s: float) -> dict[str, Any]:
+def worker_env(threads: int, kv_gib: int = 2) -> dict[str, str]:
+    """The workers' environment: ``threads`` OpenMP threads (vLLM's bound to cores 0..threads-1),
+    vLLM's engine core in-process (its CPU time counted), its KV cache ``kv_gib`` GiB."""
+    bind = f"0-{threads - 1}" if threads > 1 else "0"
+    return {**os.environ, "OMP_NUM_THREADS": str(threads), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+            "VLLM_CPU_KVCACHE_SPACE": str(kv_gib), "VLLM_CPU_OMP_THREADS_BIND": bind}
+
+
+def run_worker(command: list[str], env: dict[str, str], out_path: str, timeout_s: float) -> dict[str, Any]:
+    """Run one worker process; its JSON result (a ``RuntimeError`` with its stderr's tail if it failed)."""
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout_s)
     if done.returncode != 0:
         raise RuntimeError(f"{command[0]} failed ({done.returncode}): {done.stderr[-2000:]}")
@@ -115,14 +130,13 @@ def compare(python: str, model: str, items: list[WorkItem], threads: int, dtype:
         Path(spec_path).write_text(json.dumps(spec))
         worker = os.path.join(tmp, "vllm_worker.py")
         Path(worker).write_text(VLLM_WORKER)
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-               "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}" if threads > 1 else "0"}
+        env = worker_env(threads)
         best: dict[str, dict] = {}
         for r in range(rounds):
             for name, command in (("pagoda", [sys.executable, "-m", "pagoda.bench.compare_vllm", spec_path]),
                                   ("vllm", [python, worker, spec_path])):
                 out_path = os.path.join(tmp, f"{name}-{r}.json")
-                result = _run(command + [out_path], env, out_path, timeout_s)
+                result = run_worker(command + [out_path], env, out_path, timeout_s)
                 result["tokens_per_s"] = sum(len(o) for o in result["outputs"]) / result["seconds"]
                 if name not in best or result["tokens_per_s"] > best[name]["tokens_per_s"]:
                     best[name] = result
@@ -130,11 +144,20 @@ def compare(python: str, model: str, items: list[WorkItem], threads: int, dtype:
     result = {"threads": threads, "dtype": dtype, "pagoda_tokens_per_s": best["pagoda"]["tokens_per_s"],
               "vllm_tokens_per_s": best["vllm"]["tokens_per_s"],
               "ratio": best["pagoda"]["tokens_per_s"] / best["vllm"]["tokens_per_s"],
-              "identical": same, "num_requests": len(items)}
+              "identical": same, "num_requests": len(items),
+              # on a shared machine wall time follows the load; the process's CPU time much less so
+              "tokens_per_cpu_s": {name: sum(len(o) for o in best[name]["outputs"]) / best[name]["cpu_seconds"]
+                                   for name in ("pagoda", "vllm")},
+              "token_hash": {name: output_hash(best[name]["outputs"]) for name in ("pagoda", "vllm")}}
     if dtype == "bfloat16":  # after the timed rounds: HF's own bf16 run is the reference
         reference = hf_greedy(model, dtype, items, threads)
         result["vs_hf"] = {name: agreement(best[name]["outputs"], reference) for name in ("pagoda", "vllm")}
     return result
+
+
+def output_hash(outputs: list[list[int]]) -> str:
+    """The first 16 hex digits of the SHA-256 of the token ids (JSON): equal hashes, equal outputs."""
+    return hashlib.sha256(json.dumps(outputs).encode()).hexdigest()[:16]
 
 
 def hf_greedy(model: str, dtype: str, items: list[WorkItem], threads: int) -> list[list[int]]:
@@ -167,6 +190,10 @@ def agreement(outputs: list[list[int]], reference: list[list[int]]) -> tuple[int
 def format_result(r: dict[str, Any]) -> str:
     line = (f"| {r['threads']} | {r['dtype']} | {r['pagoda_tokens_per_s']:.1f} | {r['vllm_tokens_per_s']:.1f} | "
             f"{r['ratio']:.2f}x | {r['identical']}/{r['num_requests']} |")
+    if "tokens_per_cpu_s" in r:
+        line += "\noutput tokens per process CPU second: " + ", ".join(
+            f"{name} {value:.1f}" for name, value in r["tokens_per_cpu_s"].items())
+    line += "\ntoken-id hash: " + ", ".join(f"{name} {h}" for name, h in r.get("token_hash", {}).items())
     for name, (equal, prefix) in r.get("vs_hf", {}).items():
         line += (f"\n{name} vs Hugging Face in {r['dtype']}: {equal}/{r['num_requests']} outputs equal, "
                  f"mean shared prefix {prefix:.1f} tokens")

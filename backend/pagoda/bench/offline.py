@@ -190,6 +190,12 @@ def main(argv=None) -> int:
                              "fresh processes, alternating rounds, ratio and identical outputs (bench/compare_vllm.py)")
     parser.add_argument("--compare-rounds", type=int, default=2)
     parser.add_argument("--dtype", default="float32", help="with --compare: float32 or bfloat16")
+    parser.add_argument("--compare-workload", choices=("mixed", "long", "concurrency"), default="mixed",
+                        help="with --compare: the mixed workload (default), long prompts (TTFT, decode tok/s, "
+                             "memory) or 1-64 concurrent sequences (bench/compare_scaling.py)")
+    parser.add_argument("--long-lengths", default="2048,8100",
+                        help="with --compare-workload long: prompt lengths, comma-separated")
+    parser.add_argument("--plot", default=None, help="with --compare-workload concurrency: write a PNG here")
     args = parser.parse_args(argv)
     from pagoda.models.gguf_import import ensure_default_model
 
@@ -235,6 +241,8 @@ def _compare(args, model_path: str, items: list[WorkItem]) -> int:
         print(f"pagoda bench offline --compare vllm: skipped: {missing}")
         return 0
     threads = args.threads or torch.get_num_threads()
+    if args.compare_workload != "mixed":
+        return _compare_scaling(args, model_path, threads)
     result = compare_vllm.compare(args.compare[1], model_path, items, threads, args.dtype, args.compare_rounds,
                                   {"max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
                                    "max_num_batched_tokens": args.max_num_batched_tokens})
@@ -246,6 +254,26 @@ def _compare(args, model_path: str, items: list[WorkItem]) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
+    return 0
+
+
+def _compare_scaling(args, model_path: str, threads: int) -> int:
+    from pagoda.bench import compare_scaling
+
+    spec = compare_scaling.make_spec(args.compare_workload, model_path, args.dtype, threads,
+                                     [int(n) for n in args.long_lengths.split(",")], args.max_num_batched_tokens)
+    results = compare_scaling.compare(args.compare[1], spec)
+    machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"
+    print(f"machine: {machine}; {args.compare_workload}, {args.dtype}, {threads} threads")
+    print(compare_scaling.format_table(spec, results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"spec": {k: v for k, v in spec.items() if k != "model"}, "results": results}, f, indent=2)
+    if args.plot and args.compare_workload == "concurrency":
+        try:
+            compare_scaling.plot(results, f"{args.dtype}, {threads} threads, {machine}", args.plot)
+        except ImportError as exc:  # the measurement stands (and is in --json); only the picture needs it
+            print(f"--plot: not drawn, {exc} (pip install matplotlib)")
     return 0
 
 

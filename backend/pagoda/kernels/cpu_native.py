@@ -14,6 +14,10 @@
   the tensor's dtype where the torch expression it replaces does, so bfloat16 models keep
   torch's rounding steps; float32 results differ from torch's in the last bits only (sums
   in another order, a polynomial ``exp`` of torch's accuracy).
+- ``csrc/cpu_gemm.cpp``, ``csrc/cpu_amx.cpp``: the CPU matmul on weights packed once
+  (``pack_linear``, ``linear``; ``models/cpu_gemm.py`` packs a model's weights and chooses it
+  where ``gemm_features()`` says its vector tiles run: AVX-512 for float32, AVX512-BF16 for
+  bfloat16, AMX tiles for bfloat16 calls of 8+ rows where Linux grants them).
 
 Why C++: on the 2-core EPYC VM the gather + SDPA decode took ~2.3 s of a 10 s
 ``pagoda bench offline`` run at 2 threads (the gather alone 0.85 s), and the small ops
@@ -33,7 +37,8 @@ and says why once in the log.
 
 ``PAGODA_CPU_KERNELS``: ``auto`` (default: native where it builds), ``native`` (a build
 failure is an error), ``torch`` (never: the gather + SDPA path). ``PAGODA_KERNELS=torch``
-(the references everywhere, ``pagoda.kernels``) turns them off too.
+(the references everywhere, ``pagoda.kernels``) turns them off too. Both are read once
+(``reload_choice``, which ``kernels.reload_settings`` calls), not per call.
 """
 
 from __future__ import annotations
@@ -53,17 +58,27 @@ logger = logging.getLogger(__name__)
 
 KERNELS_ENV = "PAGODA_CPU_KERNELS"
 _CHOICES = ("auto", "native", "torch")
-_SOURCES = [Path(__file__).with_name("csrc") / name for name in ("cpu_attention.cpp", "cpu_elementwise.cpp")]
+_SOURCES = [Path(__file__).with_name("csrc") / name
+            for name in ("cpu_attention.cpp", "cpu_elementwise.cpp", "cpu_gemm.cpp", "cpu_amx.cpp")]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
 
 _state: dict = {}  # "ops": the loaded torch.ops namespace, or "reason": why there is none
+_env: dict = {}  # the two variables as last read (``reload_choice``): read once, not per call
+
+
+def reload_choice() -> None:
+    """Read ``PAGODA_CPU_KERNELS`` and ``PAGODA_KERNELS`` again (``kernels.reload_settings`` calls it)."""
+    _env["choice"] = os.environ.get(KERNELS_ENV, "auto")
+    _env["kernels"] = os.environ.get("PAGODA_KERNELS")
 
 
 def _choice() -> str:
-    choice = os.environ.get(KERNELS_ENV, "auto")
+    if not _env:
+        reload_choice()
+    choice = _env["choice"]
     if choice not in _CHOICES:
         raise ValueError(f"{KERNELS_ENV}={choice!r}: must be one of {', '.join(_CHOICES)}")
-    return "torch" if os.environ.get("PAGODA_KERNELS") == "torch" else choice  # the references, everywhere
+    return "torch" if _env["kernels"] == "torch" else choice  # the references, everywhere
 
 
 def _build_name() -> str:
@@ -137,6 +152,16 @@ def loaded_ops():
             logger.warning("CPU kernels: torch's (%s)", reason)
         return None
     return _state["ops"]
+
+
+def gemm_features() -> frozenset:
+    """What the C++ matmul runs on this machine (``cpu_gemm.cpp``'s ``gemm_features``):
+    ``avx512f`` (float32 vector tiles), ``avx512bf16`` (bfloat16 vector tiles), ``amx``;
+    empty without them (the plain C++ tiles) or without the C++ kernels. Asked once."""
+    if "features" not in _state:
+        ops = loaded_ops()
+        _state["features"] = frozenset(ops.gemm_features().split(",")) - {""} if ops is not None else frozenset()
+    return _state["features"]
 
 
 def native_ops(x: torch.Tensor):

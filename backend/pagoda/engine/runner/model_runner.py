@@ -85,6 +85,7 @@ from pagoda.engine.runner.step_sampler import StepSampler
 from pagoda.engine.sampling.sampler import Sampler
 from pagoda.engine.scheduler_output import SchedulerOutput
 from pagoda.engine.spec_decode import SpeculativePlan, Speculator
+from pagoda import kernels
 from pagoda.kernels import AttentionMetadata
 from pagoda.models.cpu_gemm import pack_model
 from pagoda.models.config import ModelConfig
@@ -145,6 +146,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, model_path: str,
                  spec_plan: Optional[SpeculativePlan] = None, tp: Optional[TensorParallelGroup] = None,
                  pp: Optional[PipelineGroup] = None) -> None:
+        kernels.reload_settings()  # the kernel choices follow the environment this engine is built in
         self.draft_config = spec_plan.draft_config if spec_plan else None
         self.config = config
         self.model_config = model_config

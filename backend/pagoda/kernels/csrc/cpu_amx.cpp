@@ -1,0 +1,136 @@
+// bfloat16 matmul on Intel AMX tiles, for calls with many rows (pagoda.kernels.cpu_gemm;
+// cpu_gemm.cpp's packed bfloat16 panels are AMX's B-tile layout as they are).
+//
+// One register block is 32 rows x 32 columns: two A tiles (16 rows x 32 k of x, read from x
+// in place), two B tiles (16 k pairs x 16 columns: 1 KB of one panel), four float32 C tiles.
+// TDPBF16PS accumulates in float32 over the whole K; the sums are rounded to bfloat16 once
+// (plus bias, as F.linear). AMX adds a k pair's two products in its own order (Intel's
+// definition), not vdpbf16ps's, so a row's bits may differ between a call this serves and
+// one cpu_gemm.cpp's vector tiles serve (both within the float32-accumulation bound).
+// Rows past a multiple of 16 run with tiles configured for fewer rows.
+//
+// Linux hands AMX's tile state to a process only once asked (arch_prctl
+// ARCH_REQ_XCOMP_PERM): amx_usable() asks once and says whether it was granted; without
+// it (or without AMX at build time) the vector tiles serve every call.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+#include "cpu_gemm.h"
+
+namespace pagoda_gemm {
+
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+
+namespace {
+
+constexpr int kArchReqXcompPerm = 0x1023;  // arch_prctl: ARCH_REQ_XCOMP_PERM
+constexpr int kXfeatureXtiledata = 18;
+
+struct TileConfig {  // the 64-byte operand of LDTILECFG (palette 1)
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0-3: C (rows x 16 float32), 4-5: A (rows x 32 bf16), 6-7: B (16 pairs x 16 columns x 2).
+void configure(int rows) {
+  TileConfig config;
+  for (int t = 0; t < 4; ++t) config.rows[t] = rows, config.colsb[t] = 64;
+  for (int t = 4; t < 6; ++t) config.rows[t] = rows, config.colsb[t] = 64;
+  for (int t = 6; t < 8; ++t) config.rows[t] = 16, config.colsb[t] = 64;
+  // GCC 12 does not see LDTILECFG read its operand and may drop the stores above: say it does.
+  asm volatile("" : : "r"(&config) : "memory");
+  _tile_loadconfig(&config);
+}
+
+// C[rows of two A tiles, two panels] over K: a0/a1 the first x rows of each half (row
+// stride ldx elements), w0 the first panel (the second at w0 + ldw), sums [32][32].
+template <bool two_halves, bool two_panels>
+void block(const uint16_t* a0, int64_t ldx, const uint16_t* w0, int64_t ldw, int64_t k, float* sums) {
+  _tile_zero(0);
+  if (two_panels) _tile_zero(1);
+  if (two_halves) _tile_zero(2);
+  if (two_halves && two_panels) _tile_zero(3);
+  const uint16_t* a1 = a0 + 16 * ldx;
+  for (int64_t i = 0; i < k; i += 32) {
+    _tile_loadd(4, a0 + i, ldx * 2);
+    _tile_loadd(6, w0 + i * 16, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if (two_panels) {
+      _tile_loadd(7, w0 + ldw + i * 16, 64);
+      _tile_dpbf16ps(1, 4, 7);
+    }
+    if (two_halves) {
+      _tile_loadd(5, a1 + i, ldx * 2);
+      _tile_dpbf16ps(2, 5, 6);
+      if (two_panels) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, sums, 32 * 4);
+  if (two_panels) _tile_stored(1, sums + 16, 32 * 4);
+  if (two_halves) _tile_stored(2, sums + 16 * 32, 32 * 4);
+  if (two_halves && two_panels) _tile_stored(3, sums + 16 * 32 + 16, 32 * 4);
+}
+
+}  // namespace
+
+bool amx_usable() {
+  static const bool granted = syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  return granted;
+}
+
+bool amx_linear_bf16(const uint16_t* x, int64_t ldx, const uint16_t* packed, int64_t ldw, int64_t rows, int64_t n,
+                     int64_t k, const float* bias, c10::BFloat16* out) {
+  if (k % 32 != 0 || !amx_usable()) return false;  // A tiles read 32 k at a time from x in place
+  const int64_t panels = (n + 15) / 16, pairs = (panels + 1) / 2;
+  const int64_t chunk_rows = std::max<int64_t>(32, (256 * 1024) / (k * 2) / 32 * 32);  // x rows kept in L2
+  const int64_t chunks = (rows + chunk_rows - 1) / chunk_rows;
+  at::parallel_for(0, chunks * pairs, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float sums[32 * 32];
+    int configured = 0;
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t pair = t % pairs, r0 = (t / pairs) * chunk_rows, r1 = std::min(rows, r0 + chunk_rows);
+      const int64_t p0 = pair * 2, col0 = p0 * 16, cols = std::min<int64_t>(32, n - col0);
+      const bool two_panels = p0 + 1 < panels;
+      for (int64_t r = r0; r < r1;) {
+        const int64_t left = r1 - r, take = left >= 32 ? 32 : std::min<int64_t>(16, left);
+        const int tile_rows = static_cast<int>(std::min<int64_t>(16, take));
+        if (tile_rows != configured) configure(configured = tile_rows);
+        auto run = take == 32 ? (two_panels ? &block<true, true> : &block<true, false>)
+                              : (two_panels ? &block<false, true> : &block<false, false>);
+        run(x + r * ldx, ldx, packed + p0 * ldw, ldw, k, sums);
+        store_sums(sums, 32, take, cols, bias ? bias + col0 : nullptr, out + r * n + col0, n);
+        r += take;
+      }
+    }
+    _tile_release();
+  });
+  return true;
+}
+
+#else
+
+bool amx_usable() { return false; }
+
+bool amx_linear_bf16(const uint16_t*, int64_t, const uint16_t*, int64_t, int64_t, int64_t, int64_t, const float*,
+                     c10::BFloat16*) {
+  return false;
+}
+
+#endif
+
+}  // namespace pagoda_gemm

@@ -1,0 +1,23 @@
+// What cpu_gemm.cpp (the vector tiles, the op) and cpu_amx.cpp (AMX tiles) share.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+
+#include <cstdint>
+
+namespace pagoda_gemm {
+
+// Finished float32 sums (c: rows x cols, row stride ldc) plus bias into out (row stride ldo).
+void store_sums(const float* c, int64_t ldc, int64_t rows, int64_t cols, const float* bias, float* out, int64_t ldo);
+void store_sums(const float* c, int64_t ldc, int64_t rows, int64_t cols, const float* bias, c10::BFloat16* out,
+                int64_t ldo);
+
+// Whether this process may use AMX tiles (asked of Linux once; false without AMX at build time).
+bool amx_usable();
+
+// out = x W^T + bias on AMX for bfloat16 panels (cpu_gemm.cpp's layout); false when it cannot
+// serve the call (no AMX, K not a multiple of 32), and then it did nothing.
+bool amx_linear_bf16(const uint16_t* x, int64_t ldx, const uint16_t* packed, int64_t ldw, int64_t rows, int64_t n,
+                     int64_t k, const float* bias, c10::BFloat16* out);
+
+}  // namespace pagoda_gemm

@@ -1,0 +1,53 @@
+"""``--compare-workload long|concurrency`` (bench/compare_scaling.py): the measurement on a fake
+engine (what it times and derives), the refusal of a length past the model's context, the
+vLLM script's composition, and the pagoda process's worker on a tiny model (vLLM's run
+needs a vLLM venv; the measured tables are in docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pagoda.bench import compare_scaling
+
+
+def _fake(calls):
+    def generate(prompts, max_tokens):
+        calls.append((len(prompts), len(prompts[0]), max_tokens))
+        return 1.0 + max_tokens, [[7] * max_tokens for _ in prompts]
+
+    return generate
+
+
+def test_long_times_ttft_prefill_and_decode_apart():
+    calls = []
+    spec = {"workload": "long", "vocab": 5000, "lengths": [12], "decodes": 3, "decode_tokens": 4}
+    result = compare_scaling.run_scenarios(spec, _fake(calls))["12"]
+    assert calls == [(1, 12, 1), (3, 12, 1), (3, 12, 5)]  # TTFT alone, the batch's prefill, prefill + decode
+    assert result["ttft_s"] == 2.0 and result["decode_tokens_per_s"] == 3 * 4 / (6.0 - 2.0)
+    assert result["ttft_cpu_s"] >= 0 and result["decode_tokens_per_cpu_s"] > 0
+    assert result["peak_rss_gib"] > 0 and result["outputs"] == [[7] * 5] * 3
+
+
+def test_concurrency_and_the_refusals(smollm2_path):
+    calls = []
+    spec = {"workload": "concurrency", "vocab": 5000, "concurrency": [1, 4], "prompt_tokens": 8, "output_tokens": 2}
+    result = compare_scaling.run_scenarios(spec, _fake(calls))
+    assert calls == [(1, 8, 2), (4, 8, 2)] and result["4"]["tokens_per_s"] == 4 * 2 / 3.0
+    table = compare_scaling.format_table(spec, {"pagoda": result, "vllm": result}).splitlines()
+    assert len(table) == 4 and table[3].startswith("| 4 | 2.7 (") and "| 1.00x | 4/4 |" in table[3]
+    with pytest.raises(ValueError, match=r"--long-lengths: \[8192\] plus 33 output tokens exceed"):
+        compare_scaling.make_spec("long", smollm2_path, "float32", 1, [2048, 8192], 2048)
+    assert compare_scaling.make_spec("long", smollm2_path, "float32", 1, [2048, 8100], 2048)["max_model_len"] == 8133
+    compile(compare_scaling.vllm_script(), "vllm_worker.py", "exec")  # run_scenarios' source travels whole
+
+
+def test_the_pagoda_process_runs_the_workload(tmp_path, model_path, restore_threads):
+    spec = {"workload": "long", "model": model_path, "dtype": "float32", "threads": 1, "vocab": 2000,
+            "lengths": [40], "decodes": 2, "decode_tokens": 3, "max_num_seqs": 2, "max_model_len": 64,
+            "max_num_batched_tokens": 16, "kv_gib": 0.01}  # 16-token chunks: the prompts prefill in pieces
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    compare_scaling.pagoda_worker(str(tmp_path / "spec.json"), str(tmp_path / "out.json"))
+    out = json.loads((tmp_path / "out.json").read_text())["40"]
+    assert out["ttft_s"] > 0 and out["decode_tokens_per_s"] > 0 and [len(o) for o in out["outputs"]] == [4, 4]
