@@ -29,8 +29,8 @@ from torch import nn
 
 from pagoda import kernels
 from pagoda.models.config import ModelConfig, common_fields
-from pagoda.models.deepseek_v3 import DeepseekMoE
-from pagoda.models.llama import ALL, MLP, Attention, DecoderLayer, LlamaForCausalLM, WeightTargets, rotate_partial
+from pagoda.models.deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3ForCausalLM
+from pagoda.models.llama import ALL, Attention, WeightTargets, rotate_partial
 from pagoda.models.moe import GroupedRouter
 
 
@@ -102,21 +102,14 @@ class Glm4MoeAttention(Attention):
         return table
 
 
-class Glm4MoeDecoderLayer(DecoderLayer):
+class Glm4MoeDecoderLayer(DeepseekV3DecoderLayer):
+    """DeepSeek-V3's layer (dense MLP for the first layers, then ``DeepseekMoE``) with GLM's
+    attention (full K/V, partial rotary, optional qk norm) instead of latent attention."""
+
     attention_class = Glm4MoeAttention
 
-    def make_mlp(self, config: ModelConfig, layer_idx: int, dtype: torch.dtype,
-                 device: torch.device | str) -> nn.Module:
-        if config.is_moe_layer(layer_idx):
-            return DeepseekMoE(config, dtype, device)
-        return MLP(config, dtype, device)
 
-
-class Glm4MoeForCausalLM(LlamaForCausalLM):
-    """The decoder; ``forward`` is Llama's."""
+class Glm4MoeForCausalLM(DeepseekV3ForCausalLM):
+    """The decoder; ``forward`` is Llama's, the MTP block's layer is DeepSeek's (layer ``N``)."""
 
     layer_class = Glm4MoeDecoderLayer
-
-    def mtp_layer_index(self) -> int:
-        """The MTP block's layer is checkpoint layer ``N`` (a MoE layer past the dense ones)."""
-        return self.config.num_hidden_layers
