@@ -105,18 +105,10 @@ def pagoda_worker(spec_path: str, out_path: str) -> None:
     """Runs in a fresh pagoda process (``python -m pagoda.bench.compare_scaling SPEC OUT``)."""
     import time
 
-    import torch
-
     spec = json.loads(Path(spec_path).read_text())
-    torch.set_num_threads(spec["threads"])
-    from pagoda.engine.config import EngineConfig
-    from pagoda.engine.llm_engine import LLMEngine
+    engine = compare_vllm.engine_for(spec)
     from pagoda.engine.sampling_params import SamplingParams
 
-    engine = LLMEngine(EngineConfig(model=spec["model"], dtype=spec["dtype"], max_model_len=spec["max_model_len"],
-                                    max_num_seqs=spec["max_num_seqs"],
-                                    max_num_batched_tokens=spec["max_num_batched_tokens"],
-                                    enable_prefix_caching=False, kv_cache_memory_bytes=int(spec["kv_gib"] * 2**30)))
     calls = [0]
 
     def generate(prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:

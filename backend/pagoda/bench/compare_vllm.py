@@ -61,20 +61,29 @@ json.dump({"seconds": elapsed, "cpu_seconds": cpu, "outputs": [list(o.outputs[0]
 '''
 
 
-def pagoda_worker(spec_path: str, out_path: str) -> None:
-    """Runs in a fresh pagoda process (``python -m pagoda.bench.compare_vllm SPEC OUT``)."""
+def engine_for(spec: dict[str, Any]) -> Any:
+    """The pagoda engine a worker measures: ``spec``'s model, dtype and limits, no prefix
+    caching (vLLM's worker turns it off too), the KV budget ``kv_gib`` when given. Sets torch's
+    threads first."""
     import torch
 
-    spec = json.loads(Path(spec_path).read_text())
     torch.set_num_threads(spec["threads"])
     from pagoda.engine.config import EngineConfig
     from pagoda.engine.llm_engine import LLMEngine
+
+    budget = {"kv_cache_memory_bytes": int(spec["kv_gib"] * 2**30)} if spec.get("kv_gib") else {}
+    return LLMEngine(EngineConfig(model=spec["model"], dtype=spec["dtype"], max_model_len=spec["max_model_len"],
+                                  max_num_seqs=spec["max_num_seqs"],
+                                  max_num_batched_tokens=spec["max_num_batched_tokens"],
+                                  enable_prefix_caching=False, **budget))
+
+
+def pagoda_worker(spec_path: str, out_path: str) -> None:
+    """Runs in a fresh pagoda process (``python -m pagoda.bench.compare_vllm SPEC OUT``)."""
+    spec = json.loads(Path(spec_path).read_text())
+    engine = engine_for(spec)
     from pagoda.engine.sampling_params import SamplingParams
 
-    engine = LLMEngine(EngineConfig(model=spec["model"], dtype=spec["dtype"], max_model_len=spec["max_model_len"],
-                                    max_num_seqs=spec["max_num_seqs"],
-                                    max_num_batched_tokens=spec["max_num_batched_tokens"],
-                                    enable_prefix_caching=False))
     engine.add_request("warmup", spec["items"][0]["prompt"][:16], SamplingParams(temperature=0, max_tokens=2))
     while engine.has_unfinished_requests():
         engine.step()
