@@ -54,3 +54,27 @@ def smollm2_lora(tmp_path_factory, smollm2_path):
     from tests.engine.lora_reference import make_peft_adapter
 
     return str(make_peft_adapter(smollm2_path, tmp_path_factory.mktemp("lora"), "attn-qv", seed=0))
+
+
+
+@pytest.hookimpl(trylast=True)  # after -k / -m have deselected
+def pytest_collection_modifyitems(config, items):
+    """Start the sm_90 compile runs of the selected tests in the background (idle CPU: see
+    tests/kernels/sm90_runs.py), in the order those tests run."""
+    if config.option.collectonly:
+        return
+    selected = [item for item in items if item.module.__name__.endswith("test_compile_sm90")
+                and item.name in item.module.FAMILIES]
+    if selected and selected[0].module._sm90_api_missing() is None:
+        from tests.kernels.sm90_runs import runs
+
+        runs().start([item.module.FAMILIES[item.name] for item in selected])
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """End the background compile runs a session did not wait for (and their Triton cache)."""
+    import sys
+
+    module = sys.modules.get("tests.kernels.sm90_runs")
+    if module is not None and module.RUNS is not None:
+        module.RUNS.stop()

@@ -2,7 +2,8 @@
 
 The tests run under ``TRITON_INTERPRET=1``, where ``@triton.jit`` yields interpreter
 functions that cannot be compiled, so ``sm90_compile.py`` runs in subprocesses without
-that variable (two shards in parallel, one per core), in a fresh Triton cache. It records
+that variable (two shards in parallel, one per core), in a fresh Triton cache, started in the
+background at the lowest priority when the session begins (``sm90_runs.py``). It records
 the launches the public wrappers make and compiles each distinct one; see its docstring.
 Covered: the W4A16 kernel (zero points and symmetric, split and not, every dtype); the fused MoE kernels in every
 dtype at a Qwen3-30B-A3B layer and gpt-oss-20b's (biases, clamped SwiGLU); every dtype x head size x GQA family with
@@ -16,14 +17,9 @@ launches (the MLA latent write, split-K decode and combine; block-scaled FP8 GEM
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).with_name("sm90_compile.py")
 KERNELS = {
     "_paged_attention_kernel",
     "_combine_splits_kernel",
@@ -43,7 +39,12 @@ KERNELS_GDN = ("_gdn_chunk_kernel", "_gdn_recurrent_kernel", "_conv1d_kernel", "
                "_gated_rms_norm_kernel")
 KERNELS_DEEPSEEK = {"_write_latent_kernel", "_mla_decode_kernel", "_mla_combine_kernel", "_w8a16_kernel",
                     "_w8a16_reduce_kernel", "_moe_gate_up_kernel", "_moe_down_kernel"}
-NUM_SHARDS = 2
+# Each test's family of sm90_compile.py, in the order the tests run (tests/conftest.py starts
+# the selected ones' runs in the background when the session begins: tests/kernels/sm90_runs.py).
+FAMILIES = {"test_every_kernel_variant_compiles_for_sm90": "rules",
+            "test_every_gated_deltanet_variant_compiles_for_sm90": "gdn",
+            "test_every_tunable_launch_shape_compiles_for_sm90": "tuning",
+            "test_deepseek_kernel_variants_compile_for_sm90": "deepseek"}
 
 
 def _sm90_api_missing() -> str | None:
@@ -58,32 +59,12 @@ def _sm90_api_missing() -> str | None:
     return None
 
 
-def _compile_rows(tmp_path, families: str) -> list[dict]:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"  # the default; set to silence triton 3.9's warning
-    repo_root = Path(__file__).resolve().parents[2]
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(repo_root), env.get("PYTHONPATH")]))
-    shards = [
-        subprocess.Popen(
-            [sys.executable, str(SCRIPT), "--shard", f"{i}/{NUM_SHARDS}", "--families", families],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for i in range(NUM_SHARDS)
-    ]
-    rows, totals = [], set()
-    for proc in shards:
-        stdout, stderr = proc.communicate(timeout=840)
-        assert proc.returncode == 0, f"compile script failed:\n{stderr[-4000:]}"
-        for line in stdout.splitlines():
-            row = json.loads(line)
-            if "total_variants" in row:
-                totals.add(row["total_variants"])
-            else:
-                rows.append(row)
+def _compile_rows(family: str) -> list[dict]:
+    """The family's compiled variants, from its run (started in the background when the session
+    began, ``sm90_runs``; run here when this test runs alone)."""
+    from tests.kernels.sm90_runs import runs
+
+    rows, totals = runs().rows(family)
     assert len(totals) == 1 and len(rows) == totals.pop(), "shards disagree on the variant list"
     failures = [r for r in rows if not r["ok"]]
     assert not failures, "variants failed to compile for sm_90:\n" + "\n".join(json.dumps(r) for r in failures)
@@ -92,8 +73,8 @@ def _compile_rows(tmp_path, families: str) -> list[dict]:
 
 
 @pytest.mark.skipif(_sm90_api_missing() is not None, reason=str(_sm90_api_missing()))
-def test_every_kernel_variant_compiles_for_sm90(tmp_path):
-    rows = _compile_rows(tmp_path, "rules")
+def test_every_kernel_variant_compiles_for_sm90():
+    rows = _compile_rows("rules")
     assert {r["kernel"] for r in rows} == KERNELS
     dtypes = {r["variant"]["dtype"] for r in rows if r["kernel"] == "_paged_attention_kernel"}
     head_dims = {r["variant"]["HEAD_DIM"] for r in rows if r["kernel"] == "_paged_attention_kernel"}
@@ -132,8 +113,8 @@ def test_every_kernel_variant_compiles_for_sm90(tmp_path):
 
 
 @pytest.mark.skipif(_sm90_api_missing() is not None, reason=str(_sm90_api_missing()))
-def test_every_gated_deltanet_variant_compiles_for_sm90(tmp_path):
-    rows = _compile_rows(tmp_path, "gdn")
+def test_every_gated_deltanet_variant_compiles_for_sm90():
+    rows = _compile_rows("gdn")
     assert {r["kernel"] for r in rows} == set(KERNELS_GDN)
     gdn = {(r["kernel"], r["variant"]["dtype"]) for r in rows}
     assert gdn == {(k, d) for k in KERNELS_GDN for d in ("*fp16", "*bf16", "*fp32")}
@@ -145,8 +126,8 @@ def test_every_gated_deltanet_variant_compiles_for_sm90(tmp_path):
 
 
 @pytest.mark.skipif(_sm90_api_missing() is not None, reason=str(_sm90_api_missing()))
-def test_every_tunable_launch_shape_compiles_for_sm90(tmp_path):
-    rows = _compile_rows(tmp_path, "tuning")
+def test_every_tunable_launch_shape_compiles_for_sm90():
+    rows = _compile_rows("tuning")
     assert _shapes(rows, "*bf16") >= _candidate_shapes(quick=False), "a tunable launch shape was not compiled"
     assert _shapes(rows, "*fp8e4nv") >= _candidate_shapes(quick=True)
 
@@ -172,11 +153,11 @@ def _candidate_shapes(quick: bool) -> set[tuple]:
 
 
 @pytest.mark.skipif(_sm90_api_missing() is not None, reason=str(_sm90_api_missing()))
-def test_deepseek_kernel_variants_compile_for_sm90(tmp_path):
+def test_deepseek_kernel_variants_compile_for_sm90():
     """DeepSeek-V3's shapes (128 heads, latent 512 + 64, 16-token pages; 7168 hidden, 256 experts of
     2048): the MLA decode in bf16 (split and not) and over an fp8 cache; block scales on every
     W8A16 tile family and on both MoE kernels."""
-    rows = _compile_rows(tmp_path, "deepseek")
+    rows = _compile_rows("deepseek")
     assert {r["kernel"] for r in rows} == KERNELS_DEEPSEEK
     decode = {(r["variant"]["dtype"], r["variant"]["KV_FP8"]) for r in rows if r["kernel"] == "_mla_decode_kernel"}
     assert decode == {("*bf16", "False"), ("*bf16", "True")}
