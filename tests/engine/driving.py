@@ -9,3 +9,34 @@ def drain(engine) -> dict:
             if out.finished:
                 finals[out.request_id] = out
     return finals
+
+
+def greedy_tokens(engine, prompts, params=None, prefix: str = "", lora_name=None, max_tokens: int = 8) -> list:
+    """Each prompt's generated token ids, all prompts in one batch (``params``: one
+    ``SamplingParams`` for all, a list of one per prompt, or greedy ``max_tokens`` ignoring EOS)."""
+    from pagoda.engine.sampling_params import SamplingParams
+
+    params = params if params is not None else SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        engine.add_request(f"{prefix}{i}", prompt, p, lora_name=lora_name)
+    finals = drain(engine)
+    return [finals[f"{prefix}{i}"].outputs[0].token_ids for i in range(len(prompts))]
+
+
+def family_case(folder, max_new: int):
+    """A random model folder's test case: (folder, four prompts — one alone, three sharing a
+    long prefix —, transformers' greedy tokens for each, an engine without prefix caching)."""
+    from pagoda.engine.config import EngineConfig
+    from pagoda.engine.llm_engine import LLMEngine
+
+    from tests.engine.hf_reference import HFGreedy
+
+    engine = LLMEngine(EngineConfig(model=str(folder), enable_prefix_caching=False))
+    tok = engine.tokenizer
+    shared = tok.encode("In a quiet village by the sea, an old lighthouse keeper kept a journal of every ship "
+                        "that passed, noting the weather and the hour of the tide.")
+    prompts = [tok.encode("The capital of France is"), shared + tok.encode(" One morning he wrote"),
+               shared + tok.encode(" Years later, his granddaughter found it and"), shared + tok.encode(" The")]
+    hf = HFGreedy(str(folder))
+    return str(folder), prompts, [hf.generate(p, max_new) for p in prompts], engine

@@ -29,6 +29,7 @@ from pagoda.engine.llm_engine import LLMEngine
 from pagoda.engine.sampling_params import SamplingParams
 from pagoda.engine.spec_decode.random_heads import add_random_mtp_layers
 
+from tests.engine.driving import family_case, greedy_tokens
 from tests.engine.hf_reference import HFGreedy, save_random_model
 
 MAX_NEW = 8
@@ -55,27 +56,11 @@ def glm(tmp_path_factory, smollm2_path):
     """(folder, prompts, HF's greedy tokens per prompt, an engine)."""
     folder = save_random_model(tmp_path_factory.mktemp("glm") / "glm45", smollm2_path, 0, "Glm4MoeConfig",
                                edit_weights=_move_constants, **SMALL)
-    engine = LLMEngine(EngineConfig(model=str(folder), enable_prefix_caching=False))
-    tok = engine.tokenizer
-    shared = tok.encode("In a quiet village by the sea, an old lighthouse keeper kept a journal of every ship "
-                        "that passed, noting the weather and the hour of the tide.")
-    prompts = [tok.encode("The capital of France is"), shared + tok.encode(" One morning he wrote"),
-               shared + tok.encode(" Years later, his granddaughter found it and"), shared + tok.encode(" The")]
-    hf = HFGreedy(str(folder))
-    return str(folder), prompts, [hf.generate(p, MAX_NEW) for p in prompts], engine
+    return family_case(folder, MAX_NEW)
 
 
 def _run(engine: LLMEngine, prompts, params=None, prefix: str = "", lora_name=None) -> list[list[int]]:
-    params = params if params is not None else SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
-    params = params if isinstance(params, list) else [params] * len(prompts)
-    for i, (prompt, p) in enumerate(zip(prompts, params)):
-        engine.add_request(f"{prefix}{i}", prompt, p, lora_name=lora_name)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
-    return [done[f"{prefix}{i}"] for i in range(len(prompts))]
+    return greedy_tokens(engine, prompts, params, prefix, lora_name, max_tokens=MAX_NEW)
 
 
 def test_each_prompt_alone_equals_transformers(glm):
