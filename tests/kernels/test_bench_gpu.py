@@ -36,12 +36,12 @@ def test_dry_run_walks_every_step_within_the_budget(tmp_path, quick, budget):
 def test_a_step_that_would_overrun_is_skipped_and_named():
     clock = FakeClock()
     steps = plan(quick=False)
-    run = run_suite(steps, 100.0, dry_runner(clock), clock, {"device": "cpu"}, dry_run=True)
+    run = run_suite(steps, 140.0, dry_runner(clock), clock, {"device": "cpu"}, dry_run=True)
     statuses = {r.name: r for r in run.results}
     assert [statuses[n].status for n in ("greedy-fp32", "kernels-bf16", "greedy-bf16")] == ["dry run"] * 3
     skipped = statuses["kernels-fp16"]
     assert skipped.status == "skipped" and skipped.note == "would overrun: needs 30 s, 20 s left"
-    assert all(r.status == "skipped" for r in run.results[5:]) and clock.now == 80.0
+    assert all(r.status == "skipped" for r in run.results[5:]) and clock.now == 120.0
 
 
 def test_arguments_a_command_no_longer_takes_fail_the_dry_run():
