@@ -37,6 +37,12 @@ if ! command -v promtool >/dev/null 2>&1; then
   ($SUDO apt-get update -qq && $SUDO apt-get install -y -qq --no-install-recommends prometheus >/dev/null) \
     || echo "setup: could not install prometheus; the alert and scrape tests will be skipped" >&2
 fi
+# tmux: tests/engine/test_progress.py reads the offline progress bar from a real terminal pane.
+if ! command -v tmux >/dev/null 2>&1; then
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  ($SUDO apt-get update -qq && $SUDO apt-get install -y -qq --no-install-recommends tmux >/dev/null) \
+    || echo "setup: could not install tmux; the terminal progress-bar test will be skipped" >&2
+fi
 # pagoda's C++ CPU kernels (pagoda.kernels.cpu_native) compile on first use: g++ and Python's headers.
 PYINC=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
 if ! command -v g++ >/dev/null 2>&1 || [ ! -f "$PYINC/Python.h" ]; then
