@@ -77,7 +77,7 @@ class ResponsesApi:
             if parsed.stream:
                 answer = await stream_turn(
                     request, turn, render.start, render.feed,
-                    lambda exc: [render._event("error", code=exc.kind.value, message=str(exc), param=None)],
+                    lambda exc: render.error(exc.kind.value, str(exc)),
                     lambda last: render.finish(last.finish_reason, turn.usage))
             else:
                 answer = await self._whole(request, turn, render)

@@ -128,6 +128,10 @@ class ResponseRender:
                                       output_index=index, arguments=item["arguments"], name=item["name"]))
         return events + [self._event("response.output_item.done", output_index=index, item=_shown(item))]
 
+    def error(self, code: str, message: str) -> list[dict]:
+        """The ``error`` event that ends a stream whose turn failed after it began."""
+        return [self._event("error", code=code, message=message, param=None)]
+
     def _event(self, kind: str, **fields: Any) -> dict:
         event = {"type": kind, "sequence_number": self._sequence, **fields}
         self._sequence += 1
