@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Optional, Union
 
 from pagoda.engine.stats import LatencyWindow
-from pagoda.engine.core.engine_core import EngineCoreOutput
+from pagoda.engine.core.core_output import EngineCoreOutput
 from pagoda.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from pagoda.engine.resume import ResumedOutput
 from pagoda.engine.sampling_params import SamplingParams

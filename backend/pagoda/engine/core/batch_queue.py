@@ -46,7 +46,8 @@ from __future__ import annotations
 
 from collections import deque
 from pagoda.engine.config import EngineConfig
-from pagoda.engine.core.engine_core import EngineCore, EngineCoreOutput, _InFlight
+from pagoda.engine.core.core_output import EngineCoreOutput
+from pagoda.engine.core.engine_core import EngineCore, _InFlight
 
 _MAX_EVENTS = 4096
 

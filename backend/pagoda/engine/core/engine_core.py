@@ -58,58 +58,26 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Optional, Protocol, Union
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Optional, Protocol
 
 from pagoda.engine.config import EngineConfig
+from pagoda.engine.core.core_output import EngineCoreOutput, beam_outputs, core_output, failed_outputs
 from pagoda.engine.core.load_shedding import EngineOverloaded, overload_message
 from pagoda.engine.core.device import Executor, StepHandle
 from pagoda.engine.core.sched.scheduler import RequestUpdate, Scheduler, SchedulerConfig, SchedulerOutput
 from pagoda.engine.guided.params import GuidedDecodingParams
 from pagoda.engine.guided.pool import CompilePoolFull
-from pagoda.engine.request_groups.beam_search import BeamGroup, BeamSearch, Hypothesis
+from pagoda.engine.request_groups.beam_search import BeamSearch
 from pagoda.engine.request_groups.parallel_sampling import child_request_ids
 from pagoda.engine.core.parked import ParkedRequests
 from pagoda.engine.request import EngineRequest, Request, RequestStatus
 from pagoda.engine.runner.runner_output import ModelRunnerOutput
-from pagoda.engine.sampling.row import SamplingRow, TokenLogprobs, make_seed
+from pagoda.engine.sampling.row import SamplingRow, make_seed
 
 if TYPE_CHECKING:
     from pagoda.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class EngineCoreOutput:
-    """What one request got from one step.
-
-    Attributes:
-        request_id: the scheduler request (a child id for ``n > 1``).
-        new_token_ids: tokens appended this step (several with speculative decoding).
-        logprobs: one raw ``TokenLogprobs`` per new token, ``None`` where not asked for.
-        finish_reason: "stop" | "length" | "abort", or None while running.
-        stop_reason: the stop token id that ended it, if any.
-        num_cached_tokens: its prefix-cache hit at first admission.
-        prompt_logprobs: on the request's first output only, when it asked for them: one
-            entry per prompt position (``None`` first), ``Request.prompt_logprobs``.
-        first_scheduled_time: when its first step was scheduled (``time.time()``).
-    """
-
-    request_id: str
-    new_token_ids: list[int]
-    logprobs: list[Optional[TokenLogprobs]] = field(default_factory=list)
-    finish_reason: Optional[str] = None
-    stop_reason: Optional[Union[int, str]] = None
-    num_cached_tokens: int = 0
-    first_scheduled_time: Optional[float] = None
-    prompt_logprobs: Optional[list[Optional[TokenLogprobs]]] = None
-    error: Optional[str] = None  # the request failed after it was accepted (a grammar that does not compile)
-    cumulative_logprob: Optional[float] = None  # a beam's summed log-probability (beam search only)
-    beam_score: Optional[float] = None  # a beam's cumulative_logprob / len ** length_penalty
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
 
 
 class StepHook(Protocol):
@@ -327,8 +295,8 @@ class EngineCore:
         finally:
             done.applied.set()
         orphans = self._release_pending()
-        return [_core_output(update, logprobs.get(update.request.request_id, [])) for update in updates] + \
-            [out for group, best in beams_done for out in _beam_outputs(group, best)] + orphans
+        return [core_output(update, logprobs.get(update.request.request_id, [])) for update in updates] + \
+            [out for group, best in beams_done for out in beam_outputs(group, best)] + orphans
 
     def _apply(self, runner_output: ModelRunnerOutput) -> list[RequestUpdate]:
         """The step's tokens into the scheduler, the grammar matchers and the hooks."""
@@ -361,11 +329,11 @@ class EngineCore:
         for group_id in ready:
             children = self.parked.take_grammar(group_id)
             if children and self._adapter_gone(children[0]):
-                outputs += _failed(children, _adapter_gone_message(children[0].adapter_id))
+                outputs += failed_outputs(children, _adapter_gone_message(children[0].adapter_id))
             elif children:
                 self.add_requests(children)
         for group_id, message in failed:
-            outputs += _failed(self.parked.take_grammar(group_id), message)
+            outputs += failed_outputs(self.parked.take_grammar(group_id), message)
         return outputs
 
     def _release_pending(self) -> list[EngineCoreOutput]:
@@ -374,7 +342,7 @@ class EngineCore:
         orphans = []
         for sibling in self.parked.release_siblings():
             if self._adapter_gone(sibling):
-                orphans += _failed([sibling], _adapter_gone_message(sibling.adapter_id))
+                orphans += failed_outputs([sibling], _adapter_gone_message(sibling.adapter_id))
             else:
                 self.scheduler.add_request(sibling)
         return orphans
@@ -405,25 +373,9 @@ class EngineCore:
         self.executor.shutdown()
 
 
-def _failed(requests: list[Request], message: str) -> list[EngineCoreOutput]:
-    """The only (final) outputs of requests that end before the scheduler saw them."""
-    return [EngineCoreOutput(r.request_id, [], finish_reason="abort", error=message) for r in requests]
-
-
 def _adapter_gone_message(adapter_id: Optional[str]) -> str:
     return (f"lora_name: adapter {adapter_id!r} was unloaded while this request waited to be scheduled; "
             "load it again and retry")
-
-
-def _beam_outputs(group: BeamGroup, best: list[Hypothesis]) -> list[EngineCoreOutput]:
-    """A done beam group's only outputs: its best beams under the user's output ids, best first."""
-    return [EngineCoreOutput(output_id, list(h.token_ids), finish_reason=h.finish_reason,
-                             stop_reason=h.stop_string or (h.stop_token if h.stop_token in group.params.stop_token_ids
-                                                           else None),
-                             cumulative_logprob=h.cumulative_logprob, beam_score=h.score, logprobs=h.logprobs or [],
-                             first_scheduled_time=group.first_scheduled_time,
-                             num_cached_tokens=group.num_cached_tokens)
-            for output_id, h in zip(group.output_ids, best)]
 
 
 def _record_prompt_logprobs(scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> None:
@@ -433,18 +385,3 @@ def _record_prompt_logprobs(scheduler_output: SchedulerOutput, runner_output: Mo
     requests = {item.request_id: item.request for item in scheduler_output.scheduled}
     for request_id, (start, entries) in runner_output.prompt_logprobs.items():
         requests[request_id].record_prompt_logprobs(start, entries)
-
-
-def _core_output(update: RequestUpdate, logprobs: list) -> EngineCoreOutput:
-    request = update.request
-    is_first = bool(update.new_token_ids) and request.num_output_tokens == len(update.new_token_ids)
-    return EngineCoreOutput(
-        request_id=request.request_id,
-        new_token_ids=update.new_token_ids,
-        logprobs=list(logprobs[: len(update.new_token_ids)]),
-        finish_reason=request.finish_reason if update.finished else None,
-        stop_reason=request.stop_reason if update.finished else None,
-        num_cached_tokens=max(request.num_cached_tokens, 0),
-        first_scheduled_time=request.metrics.first_scheduled_time,
-        prompt_logprobs=list(request.prompt_logprobs) if is_first and request.prompt_logprobs is not None else None,
-    )

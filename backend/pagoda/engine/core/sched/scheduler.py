@@ -81,13 +81,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Optional, Sequence, Union
 
-from pagoda.contracts.kv_events import KVEvent, KVEventBuffer
+from pagoda.contracts.kv_events import KVEventBuffer
 from pagoda.engine.core.sched.admit_waiting import WaitingAdmitter
 from pagoda.engine.core.sched.constraints import make_constraints
 from pagoda.engine.core.sched.policy import get_policy
 from pagoda.engine.core.sched.preemption import Preemption
 from pagoda.engine.core.sched.runner_view import RunnerView
 from pagoda.engine.core.sched.scheduler_config import SchedulerConfig
+from pagoda.engine.core.sched.scheduler_views import SchedulerViews
 from pagoda.engine.core.sched.step_plan import StepPlan
 from pagoda.engine.kv.host_tier import SwapCostModel
 from pagoda.engine.kv.kv_cache_manager import make_kv_cache
@@ -105,7 +106,7 @@ class RequestUpdate:
     finished: bool
 
 
-class Scheduler:
+class Scheduler(SchedulerViews):
     """Args:
     config: limits and features.
     swap_cost_model: swap-vs-recompute costs for ``preemption_mode="auto"`` (none: recompute).
@@ -383,65 +384,6 @@ class Scheduler:
                 request.num_output_placeholders -= 1
             if request.status == RequestStatus.RUNNING:
                 request.num_computed_tokens = min(request.num_computed_tokens, scheduled.num_computed_tokens)
-
-    # Introspection -------------------------------------------------------------------
-
-    def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
-
-    def get_request(self, request_id: str) -> Optional[Request]:
-        """The live request with this id, or None (unknown or finished)."""
-        return self.requests.get(request_id)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
-
-    @property
-    def num_running(self) -> int:
-        return len(self.running)
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.block_pool.num_free_blocks
-
-    @property
-    def kv_cache_usage(self) -> float:
-        """The fraction of usable KV blocks in use, in [0, 1]."""
-        return self.block_pool.usage
-
-    @property
-    def prefix_cache_queries(self) -> int:
-        """Prompt tokens looked up in the prefix cache so far."""
-        return self.kv_cache_manager.prefix_cache_queries
-
-    @property
-    def prefix_cache_hits(self) -> int:
-        """Of those, the tokens found cached."""
-        return self.kv_cache_manager.prefix_cache_hits
-
-    @property
-    def num_preemptions_total(self) -> int:
-        return self.preemption.num_preemptions_total
-
-    @property
-    def num_recomputed_preemptions(self) -> int:
-        """Preemptions that reset ``num_computed_tokens`` (the rest swapped out)."""
-        return self.preemption.num_recomputed_preemptions
-
-    def take_events(self) -> list[KVEvent]:
-        return self.event_buffer.take()
-
-    def reset_prefix_cache(self) -> bool:
-        """Forget cached blocks (both tiers); False (no change) while any request holds blocks."""
-        if not self.kv_cache_manager.reset_prefix_cache():
-            return False
-        self.host_tier.reset_prefix_cache()
-        return True
-
-    def is_swapped_out(self, request_id: str) -> bool:
-        """Whether a preempted request waits with its KV in host blocks."""
-        return self.host_tier.is_swapped_out(request_id)
 
 
 def _is_sure_to_finish(request: Request) -> bool:
