@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagoda.engine.core.engine_core import EngineCoreOutput
+from pagoda.engine.core.core_output import EngineCoreOutput
 from pagoda.engine.output_processor import OutputProcessor
 from pagoda.engine.sampling.sampler import TokenLogprobs
 from pagoda.engine.sampling_params import SamplingParams
