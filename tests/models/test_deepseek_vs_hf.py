@@ -29,6 +29,7 @@ from pagoda.kernels import LatentCache
 from pagoda.models import load_model
 from pagoda.models.testing import StepInput, make_layer_caches, run_step
 
+from tests.models.mixed_steps import check_mixed_steps
 from tests.numerics import UNIT_ROUNDOFF, assert_within
 
 transformers = pytest.importorskip("transformers")
@@ -146,21 +147,8 @@ def test_sequences_of_different_lengths_share_flat_steps(pair, kernels, monkeypa
     def piece(name: str, start: int, end: int) -> StepInput:
         return StepInput(seqs[name][start:end], start, tables[name])
 
-    steps = [[piece("a", 0, 6)],
-             [piece("a", 6, 7), piece("b", 0, 3)],  # a decode beside a first chunk
-             [piece("b", 3, 7), piece("a", 7, 8), piece("c", 0, 1)],  # a chunk, a decode, a one-token prompt
-             [piece("c", 1, 5), piece("a", 8, 9), piece("b", 7, 8)],
-             [piece("b", 8, 9), piece("c", 5, 6), piece("a", 9, 10)]]  # three decodes
     scale = max(float(r.abs().max()) for r in refs.values())
-    for number, step in enumerate(steps):
-        out = run_step(ours, caches, step, BLOCK_SIZE)
-        row = 0
-        for s in step:
-            name = next(n for n, t in tables.items() if t is s.block_table)
-            n = len(s.token_ids)
-            expected = refs[name][s.num_computed_tokens:s.num_computed_tokens + n]
-            assert_within(out[row:row + n], expected, bound(ours, 10, scale), f"step {number}: {name}")
-            row += n
+    check_mixed_steps(ours, caches, piece, refs, tables, BLOCK_SIZE, bound(ours, 10, scale))
     owned = [b for table in tables.values() for b in table]
     free = [b for b in range(NUM_BLOCKS) if b not in owned]
     assert all(cache.latent[free].isnan().all() for cache in caches)

@@ -14,19 +14,14 @@ the stub took: ``tests/models/test_fp8_block_checkpoint.py`` checks that.)
 
 from __future__ import annotations
 
-import asyncio
-import signal
-
 import pytest
 
 from pagoda.engine.llm import LLM
 from pagoda.engine.sampling_params import SamplingParams
 from pagoda.models.fp8 import Fp8BlockWeight
-from pagoda.serving.launch.launcher import find_free_port
-from tests.serving.test_serving_hybrid import MAX_TOKENS, PROMPTS, _grpc_texts
-from tests.serving.test_serving_lifecycle import ServeProcess
+from tests.serving.test_serving_hybrid import MAX_TOKENS, PROMPTS, assert_served_equals
 
-openai = pytest.importorskip("openai")
+pytest.importorskip("openai")
 
 pytestmark = pytest.mark.server
 
@@ -51,20 +46,4 @@ def test_served_deepseek_fp8_equals_offline_through_both_doors(fp8_folder, monke
     expected = [o.outputs[0].text for o in offline.generate(PROMPTS, greedy)]
     assert all(expected)
 
-    port = find_free_port()
-    process = ServeProcess("--model", fp8_folder, "--openai-port", str(port), "--max-model-len", "256",
-                           "--max-num-seqs", "8")
-    try:
-        process.wait_serving()
-        assert asyncio.run(_grpc_texts(f"127.0.0.1:{process.ports[1]}", PROMPTS)) == expected
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=300)
-        (card,) = client.models.list().data
-        for prompt, text in zip(PROMPTS, expected):
-            response = client.completions.create(model=card.id, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
-            assert response.choices[0].text == text
-    finally:
-        process.proc.send_signal(signal.SIGTERM)
-        try:
-            process.proc.wait(60)
-        finally:
-            process.kill()
+    assert_served_equals(fp8_folder, expected)

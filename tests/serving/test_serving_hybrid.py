@@ -61,8 +61,14 @@ def test_served_hybrid_moe_equals_offline_through_both_doors(hybrid_moe_folder):
     expected = [o.outputs[0].text for o in offline.generate(PROMPTS, greedy)]
     assert all(expected)
 
+    assert_served_equals(hybrid_moe_folder, expected)
+
+
+def assert_served_equals(folder: str, expected: list[str]) -> None:
+    """``pagoda serve`` over ``folder`` answers ``PROMPTS`` (greedy, ``MAX_TOKENS``) with the
+    ``expected`` texts through Triton's gRPC stream and the OpenAI door (the openai SDK)."""
     port = find_free_port()
-    process = ServeProcess("--model", hybrid_moe_folder, "--openai-port", str(port), "--max-model-len", "256",
+    process = ServeProcess("--model", folder, "--openai-port", str(port), "--max-model-len", "256",
                            "--max-num-seqs", "8")
     try:
         process.wait_serving()
