@@ -39,13 +39,13 @@ import triton.language as tl
 
 from pagoda.kernels.metadata import AttentionMetadata
 from pagoda.kernels.triton_kv_write import _to_cache
+from pagoda.kernels.triton_w8a16 import _num_sms  # one cache of the device's SM count
 
 BLOCK_H = 16  # heads per program (tl.dot's minimum rows)
 BLOCK_N = 32  # context positions per tile
 MIN_SPLIT_TOKENS = 256  # a split covers at least this many positions
 MAX_SPLITS = 64
 _INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
-_SMS: dict[int, int] = {}
 
 
 @triton.jit
@@ -175,15 +175,6 @@ def _mla_combine_kernel(part_out_ptr, part_lse_ptr, out_ptr, rank, num_splits, o
         weight_sum += weight
     tl.store(out_ptr + row * stride_o_row + head * stride_o_head + r,
              (acc * (out_scale / weight_sum)).to(out_ptr.dtype.element_ty), mask=r_ok)
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132  # interpreter / compile tests: shape the launch as for an H100
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SMS:
-        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SMS[index]
 
 
 def choose_splits(num_rows: int, num_heads: int, max_seq_len: int, num_sms: int) -> int:
