@@ -27,7 +27,7 @@ import pytest
 from pagoda.serving.launch.client import make_inputs
 from pagoda.serving.launch.launcher import ServeOptions, TritonServer, find_free_port
 
-from tests.fleet.test_router_e2e import read_metric
+from tests.fleet.test_router_e2e import _wait, otlp_receiver, read_metric  # noqa: F401 (a fixture)
 
 pytestmark = [pytest.mark.server]
 
@@ -41,8 +41,9 @@ SEEDED = {"temperature": 1.0, "seed": 4242}
 
 
 @pytest.fixture(scope="module")
-def fleet(redis_server, tmp_path_factory, smollm2_path):
-    """r0 and r1 (started together), and a router that sends each request to r0 while it is healthy."""
+def fleet(redis_server, tmp_path_factory, smollm2_path, otlp_receiver):
+    """r0 and r1 (started together, their engine spans to ``otlp_receiver``), and a router that
+    sends each request to r0 while it is healthy."""
     from pagoda.fleet.routing import policy as policies
     from pagoda.fleet.service import BackgroundRouter, RouterOptions
 
@@ -61,9 +62,15 @@ def fleet(redis_server, tmp_path_factory, smollm2_path):
     pool = concurrent.futures.ThreadPoolExecutor(2)
     saved = policies.POLICIES.get(FirstHealthy.name)
     policies.POLICIES[FirstHealthy.name] = FirstHealthy
+    saved_env = dict(os.environ)
+    os.environ.update({"OTEL_EXPORTER_OTLP_ENDPOINT": otlp_receiver.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "200"})
     try:
-        for start in [pool.submit(server.start) for server in servers.values()]:
-            start.result()
+        try:  # the launcher copies the environment into each replica's
+            for start in [pool.submit(server.start) for server in servers.values()]:
+                start.result()
+        finally:
+            os.environ.clear()
+            os.environ.update(saved_env)
         from tests.fleet.test_router_e2e import _memory_tracer, _replicas_spec
 
         tracer, exporter = _memory_tracer()
@@ -249,7 +256,7 @@ def collect(pool, futures):
     return answers
 
 
-def test_replica_killed_under_eight_streams_every_door_completes_exactly(fleet):
+def test_replica_killed_under_eight_streams_every_door_completes_exactly(fleet, otlp_receiver):
     router, servers = fleet
     reference = collect(*run_all(router, Progress()))
     assert all(answer[1] in (MAX_TOKENS, None) for answer in reference.values()), reference
@@ -283,4 +290,18 @@ def test_replica_killed_under_eight_streams_every_door_completes_exactly(fleet):
     events = [dict(e.attributes) for s in spans for e in s.events if e.name == "pagoda.migration"]
     assert {e["pagoda.replica_id"] for e in events} == {"r0"} and len(events) == sum(counts.values())
     assert all(e["pagoda.migration.num_tokens"] >= 2 for e in events if e["pagoda.migration.outcome"] == "resumed")
+    # One trace per migrated request: r1's engine span is a child of the router's span (r0's
+    # died with it), and the router's span counts the tokens its journal read, all of them.
+    resumed = [s for s in spans if any(e.name == "pagoda.migration" and e.attributes["pagoda.migration.outcome"]
+                                       == "resumed" for e in s.events)]
+    assert len(resumed) == 12 and all(s.attributes["gen_ai.request.max_tokens"] == MAX_TOKENS for s in resumed)
+    assert {s.attributes.get("gen_ai.usage.completion_tokens") for s in resumed} == {MAX_TOKENS}
+
+    def continued_on_r1(span):
+        trace_id = span.context.trace_id.to_bytes(16, "big")
+        return [s for _, s in otlp_receiver.spans_of_trace(trace_id) if s.name == "pagoda.engine.request"
+                and s.parent_span_id == span.context.span_id.to_bytes(8, "big")
+                and otlp_receiver.instances[s.span_id] == "r1"]
+
+    _wait(lambda: all(continued_on_r1(s) for s in resumed), "r1's engine span in each migrated request's trace", 20)
     assert read_metric(servers["r1"], "vllm:num_requests_running") == 0

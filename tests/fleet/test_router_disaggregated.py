@@ -304,6 +304,42 @@ def test_unseeded_sampled_streams_get_one_seed_for_both_stages(replicas, redis_s
         assert router.run(lambda: router.service.router.num_two_stage) == 5
 
 
+def test_a_two_stage_request_is_one_trace_across_the_router_and_both_replicas(replicas, redis_server, smollm2_path,
+                                                                               otlp_receiver):
+    """Issue 45: a P/D request's router span (the client's trace, ``gen_ai`` attributes set) is
+    the parent of an engine span on the prefill replica (its short stage) and one on the
+    decode replica (the answer), all three in one trace; the spans name their replica."""
+    trace_id, parent_id = os.urandom(16), os.urandom(8)
+    prompt = _prompt("grpc", "Traced")
+    with _make_router(replicas, redis_server, smollm2_path, replicas=_disaggregated_spec(replicas)) as router:
+        texts, errors = grpc_generate(router.grpc_url, [prompt], max_tokens=5, ignore_eos=True,
+                                      metadata={"traceparent": f"00-{trace_id.hex()}-{parent_id.hex()}-01"})
+        assert not errors and router.run(lambda: router.service.router.num_two_stage) == 1, errors
+        routed = lambda: [s for s in router.exporter.get_finished_spans() if s.name == "pagoda.router.request"]  # noqa
+        _wait(lambda: routed(), "the router's span ended")
+        [span] = routed()
+    assert span.context.trace_id == int.from_bytes(trace_id, "big") and span.parent.span_id == int.from_bytes(
+        parent_id, "big")
+    router_span_id = span.context.span_id.to_bytes(8, "big")
+
+    def engine_roots():
+        return {otlp_receiver.instances[s.span_id]: s for _, s in otlp_receiver.spans_of_trace(trace_id)
+                if s.name == "pagoda.engine.request"}
+
+    _wait(lambda: set(engine_roots()) == {"r0", "r1"}, "both replicas' engine spans", 20)
+    roots = engine_roots()
+    assert {root.parent_span_id for root in roots.values()} == {router_span_id}
+    usage = {rid: {kv.key: kv.value.int_value for kv in root.attributes if kv.key.startswith("gen_ai.")}
+             for rid, root in roots.items()}
+    # The prefill stage's own small max_tokens (first_token.prefill_stage: 2 when its first token is streamed early).
+    assert 1 <= usage["r0"]["gen_ai.usage.completion_tokens"] <= usage["r0"]["gen_ai.request.max_tokens"] <= 2
+    assert usage["r1"]["gen_ai.usage.completion_tokens"] == 5
+    assert usage["r1"]["gen_ai.usage.cached_tokens"] > 0, "the decode replica pulled the prompt's blocks"
+    attributes = span.attributes
+    assert attributes["gen_ai.request.max_tokens"] == 5 and attributes["gen_ai.request.n"] == 1
+    assert attributes["gen_ai.usage.prompt_tokens"] == usage["r1"]["gen_ai.usage.prompt_tokens"]
+
+
 def test_prefill_replica_killed_before_the_pull_costs_the_client_nothing(replicas, redis_server, smollm2_path,
                                                                           monkeypatch):
     prompts = {door: _prompt(door, "Killed prefill") for door in DOORS}

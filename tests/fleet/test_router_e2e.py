@@ -49,6 +49,7 @@ class OtlpReceiver:
 
         receiver = self
         self.spans: list = []
+        self.instances: dict[bytes, str] = {}  # span id -> its resource's service.instance.id
         self.lock = threading.Lock()
 
         class Servicer(trace_service_pb2_grpc.TraceServiceServicer):
@@ -59,6 +60,7 @@ class OtlpReceiver:
                         for scope_spans in resource_spans.scope_spans:
                             for span in scope_spans.spans:
                                 receiver.spans.append((service.get("service.name"), span))
+                                receiver.instances[span.span_id] = service.get("service.instance.id", "")
                 return trace_service_pb2.ExportTraceServiceResponse()
 
         self.server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=2))

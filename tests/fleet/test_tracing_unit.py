@@ -43,6 +43,35 @@ def test_router_span_records_the_decision_and_propagates():
     assert not exporter.get_finished_spans()[-1].status.is_ok
 
 
+def test_router_span_carries_the_gen_ai_request_and_usage():
+    """The router's span: the engine span's ``gen_ai.request.*`` names, the prompt tokens it
+    counted to route, and the completion tokens its migration journal read (a journaled stream)."""
+    from pagoda.fleet.api.migration import Migrations
+    from pagoda.serving.wire import OutputOptions, WireRequest
+
+    exporter = InMemorySpanExporter()
+    tracer = RouterTracer(exporter, batch=False)
+    wire = WireRequest(prompt="hi", params=SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, top_k=4, seed=1),
+                       output=OutputOptions(stream=True))
+    journal = Migrations(limit=1).journal(wire)
+    assert journal.is_journaled
+    decision = SimpleNamespace(policy="prefix_aware", replica=SimpleNamespace(replica_id="r0"), matched_blocks=0,
+                               num_prompt_tokens=3, num_prompt_blocks=1, redis_available=True, decision_s=0.0,
+                               attempt=1)
+    with tracer.route_span("grpc") as span:
+        span.set_request("req-9", journal.wire, journal)
+        span.set_decision(decision)
+        journal.observe("a b", "[11, 12]", None)
+    with tracer.route_span("grpc") as span:
+        span.set_request(None, None)  # another model's request: nothing of pagoda's sampling
+    journaled, front = (dict(s.attributes) for s in exporter.get_finished_spans())
+    assert {k: v for k, v in journaled.items() if k.startswith("gen_ai.")} == {
+        "gen_ai.request.id": "req-9", "gen_ai.request.n": 1, "gen_ai.request.max_tokens": 7,
+        "gen_ai.request.temperature": 0.5, "gen_ai.request.top_p": 0.9, "gen_ai.request.top_k": 4,
+        "gen_ai.usage.prompt_tokens": 3, "gen_ai.usage.completion_tokens": 2}
+    assert not any(k.startswith("gen_ai.") for k in front)
+
+
 def test_tracing_off_forwards_the_client_context():
     tracer = RouterTracer(None)
     with tracer.route_span("http", {"traceparent": TRACEPARENT}) as span:

@@ -24,6 +24,10 @@ The root span carries OpenTelemetry's ``gen_ai`` attributes under the names vLLM
 ``.finish_reasons``) and the latencies in seconds (``gen_ai.latency.time_in_queue``,
 ``.time_to_first_token``, ``.e2e``, ``.time_in_model_prefill`` / ``_decode`` / ``_inference``).
 
+Each replica's spans name it: the resource's ``service.instance.id`` is its replica id
+(``PAGODA_REPLICA_ID``), so a request traced through two replicas (a P/D request's two
+stages, a migrated stream) shows which did what.
+
 Tracing is on only when an OTLP endpoint is configured (``OTEL_EXPORTER_OTLP_ENDPOINT``
 or ``PAGODA_OTLP_ENDPOINT``) and the OpenTelemetry SDK is installed; requests without a
 ``traceparent`` are never traced. Spans leave through a ``BatchSpanProcessor`` (its own
@@ -68,6 +72,21 @@ def _seconds(begin: Optional[float], end: Optional[float]) -> Optional[float]:
     return None if begin is None or end is None else max(0.0, end - begin)
 
 
+def gen_ai_request_attributes(params: Any) -> dict[str, Any]:
+    """The ``gen_ai.request.*`` sampling values of a request's ``SamplingParams`` (the engine's
+    span and the router's carry the same names).
+
+    Returns:
+        ``n``, ``temperature``, ``top_p``, ``top_k`` and, when set, ``max_tokens``.
+    """
+    attributes: dict[str, Any] = {
+        "gen_ai.request.n": params.n, "gen_ai.request.temperature": float(params.temperature),
+        "gen_ai.request.top_p": float(params.top_p), "gen_ai.request.top_k": int(params.top_k)}
+    if params.max_tokens is not None:
+        attributes["gen_ai.request.max_tokens"] = int(params.max_tokens)
+    return attributes
+
+
 def gen_ai_attributes(output: Any, params: Any = None, model_name: Optional[str] = None) -> dict[str, Any]:
     """The ``gen_ai.*`` attributes of one finished request (module docstring).
 
@@ -92,10 +111,7 @@ def gen_ai_attributes(output: Any, params: Any = None, model_name: Optional[str]
     if model_name:
         attributes["gen_ai.response.model"] = model_name
     if params is not None:
-        attributes.update({"gen_ai.request.n": params.n, "gen_ai.request.temperature": float(params.temperature),
-                           "gen_ai.request.top_p": float(params.top_p), "gen_ai.request.top_k": int(params.top_k)})
-        if params.max_tokens is not None:
-            attributes["gen_ai.request.max_tokens"] = int(params.max_tokens)
+        attributes.update(gen_ai_request_attributes(params))
     latencies = {"time_in_queue": _seconds(m.arrival_time, m.first_scheduled_time),
                  "time_to_first_token": _seconds(m.arrival_time, m.first_token_time),
                  "e2e": _seconds(m.arrival_time, finished),
@@ -114,16 +130,20 @@ class RequestTracer:
         service_name: the ``service.name`` resource attribute.
         batch: export through a ``BatchSpanProcessor`` (else a synchronous one, for tests).
         model_name: the served model name, ``gen_ai.response.model`` on every request span.
+        instance_id: the ``service.instance.id`` resource attribute (the replica id).
     """
 
     def __init__(self, exporter: Any, service_name: str = "pagoda-replica", batch: bool = True,
-                 model_name: Optional[str] = None) -> None:
+                 model_name: Optional[str] = None, instance_id: Optional[str] = None) -> None:
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-        self._provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
+        resource = {"service.name": service_name}
+        if instance_id:
+            resource["service.instance.id"] = instance_id
+        self._provider = TracerProvider(resource=Resource.create(resource))
         self._provider.add_span_processor(BatchSpanProcessor(exporter) if batch else SimpleSpanProcessor(exporter))
         self._tracer = self._provider.get_tracer("pagoda.serving")
         self._propagator = TraceContextTextMapPropagator()
@@ -205,4 +225,4 @@ def make_request_tracer(endpoint: Optional[str] = None, model_name: Optional[str
     insecure = not endpoint.startswith("https://")
     exporter = OTLPSpanExporter(endpoint=endpoint, insecure=insecure)
     return RequestTracer(exporter, service_name=os.environ.get("OTEL_SERVICE_NAME", "pagoda-replica"),
-                         model_name=model_name)
+                         model_name=model_name, instance_id=os.environ.get("PAGODA_REPLICA_ID"))

@@ -297,6 +297,7 @@ async def _route(request: web.Request, body: bytes, generate: Optional[GenerateR
     # An early first token's stream is relayed by http_stages (its own failure handling): not journaled.
     journal = migrations.journal(generate.wire if generate is not None and stage.response is None else None)
     relay, wire = Relay(request, journal, journal.hides_token_ids), journal.wire
+    span.set_request(None, generate.wire if generate is not None else None, journal)
 
     async def failed(kind: ErrorKind, message: str, headers: Optional[dict[str, str]] = None) -> web.StreamResponse:
         span.fail(message)

@@ -10,6 +10,12 @@ it until its last response leaves. Its attributes record the decision:
   (exact|pending|none), ``pagoda.num_prompt_tokens``, ``pagoda.num_prompt_blocks``,
   ``pagoda.redis_available``, ``pagoda.decision_ms``, ``pagoda.protocol`` and
   ``pagoda.num_attempts`` (more than one when a replica refused the connection);
+- OpenTelemetry's ``gen_ai`` attributes under the names the engine's span uses
+  (``serving.tracing``): ``gen_ai.request.id`` and the sampling values (``.n``,
+  ``.max_tokens``, ``.temperature``, ``.top_p``, ``.top_k``) of pagoda's model's requests,
+  ``gen_ai.usage.prompt_tokens`` (the router's own count, from routing) and, for a request
+  the router journaled (``api.migration``: it reads every token id the client gets),
+  ``gen_ai.usage.completion_tokens``;
 - an error status when the request failed (the replica died, no replica was available);
 - a ``pagoda.migration`` event per replica failure the request met (``api.migration``):
   the replica, the reason, the outcome (restarted, resumed, or why not migrated), the
@@ -43,6 +49,22 @@ class RouteSpan:
     def __init__(self, span: Optional["Span"] = None, traceparent: Optional[str] = None) -> None:
         self._span = span
         self.traceparent = traceparent
+        self._journal: Any = None
+
+    def set_request(self, request_id: Optional[str], wire: Any, journal: Any = None) -> None:
+        """The ``gen_ai.request.*`` attributes of pagoda's model's request (``request_id``: the
+        client's, when it sent one; ``wire``: its ``WireRequest``, ``None`` for another model's);
+        ``journal``: the migration journal whose token ids become ``gen_ai.usage.completion_tokens``
+        at the end."""
+        if self._span is None:
+            return
+        from pagoda.serving.tracing import gen_ai_request_attributes
+
+        if request_id:
+            self._span.set_attribute("gen_ai.request.id", request_id)
+        if wire is not None:
+            self._span.set_attributes(gen_ai_request_attributes(wire.params))
+        self._journal = journal
 
     def set_decision(self, decision: Any) -> None:
         if self._span is None:
@@ -59,6 +81,14 @@ class RouteSpan:
             "pagoda.decision_ms": round(decision.decision_s * 1e3, 4),
             "pagoda.num_attempts": decision.attempt,
         })
+        if decision.num_prompt_tokens:
+            self._span.set_attribute("gen_ai.usage.prompt_tokens", decision.num_prompt_tokens)
+
+    def finish(self) -> None:
+        """The usage known when the request ends (``set_request``'s journal)."""
+        journal = self._journal
+        if self._span is not None and journal is not None and journal.is_journaled and journal.has_token_ids:
+            self._span.set_attribute("gen_ai.usage.completion_tokens", len(journal.token_ids))
 
     def set_attribute(self, key: str, value: Any) -> None:
         if self._span is not None:
@@ -132,6 +162,7 @@ class RouterTracer:
             handle.fail(f"{type(exc).__name__}: {exc}")
             raise
         finally:
+            handle.finish()
             span.end()
 
     def shutdown(self) -> None:

@@ -148,6 +148,7 @@ class GrpcUpstream:
             may_pull = self.peer_pull.enabled and request.wire is not None and \
                 request.wire.options.kv_transfer_params is None
         journal = self.migrations.journal(request.wire)
+        span.set_request(request.request_id, request.wire, journal)
         sent, failure = _journaled(request, journal), None
         hides = journal.hides_token_ids or (journal.is_journaled and bool(request.outputs)
                                             and TOKEN_IDS_OUTPUT not in request.outputs)
