@@ -109,6 +109,37 @@ def test_cli_runs_a_tiny_comparison_and_rejects_bad_policies(capsys):
         routing.main(["--policies", "fastest"])
 
 
+def _drawn(path) -> tuple[int, int]:
+    """A PNG's size in pixels, after checking it is one and has something drawn on it."""
+    from matplotlib import image
+
+    pixels = image.imread(str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and pixels.std() > 0.05, "a blank figure"
+    return pixels.shape[1], pixels.shape[0]
+
+
+def test_cli_plots_the_ladder_and_the_goodput_curves(tmp_path, capsys):
+    """``--plot`` draws the ladder (two rows: one per arrival process); ``--rates`` sweeps the
+    offered load and prints goodput per rate and policy (fractions, requests/s below the offer)."""
+    pytest.importorskip("matplotlib")
+    tiny = ["--replicas", "2", "--policies", "least_loaded,prefix_aware", "--requests-per-replica", "5"]
+    ladder = tmp_path / "ladder.png"
+    assert routing.main([*tiny, "--arrivals", "poisson,fanout", "--plot", str(ladder)]) == 0
+    assert f"wrote {ladder}" in capsys.readouterr().out
+    width, height = _drawn(ladder)
+    assert width > height > 600, "two rows of panels"
+
+    goodput = tmp_path / "goodput.png"
+    assert routing.main([*tiny, "--rates", "0.2,2", "--ttft-slo-s", "1", "--plot", str(goodput)]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.split()[1:2] in
+            (["least_loaded"], ["prefix_aware"])]
+    assert [(float(r[0]), r[1]) for r in rows] == [(0.4, "least_loaded"), (0.4, "prefix_aware"),
+                                                    (4.0, "least_loaded"), (4.0, "prefix_aware")]
+    for offered, _, good, fraction in rows:
+        assert 0 <= float(good) <= 1.5 * float(offered) and 0 <= float(fraction.rstrip("%")) <= 100
+    _drawn(goodput)
+
+
 def test_arrival_processes_bursts_and_ramps():
     from pagoda.fleet.sim.arrivals import arrivals
 

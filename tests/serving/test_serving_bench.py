@@ -63,3 +63,19 @@ def test_synthetic_lengths_follow_vllm_and_aiperf_rules():
         make_random_workload(1, 0, 10, 10, range_ratio=1.5)
     with pytest.raises(SystemExit, match="give one set"):
         workload_from_args(make_parser().parse_args(["--random-input-len", "8", "--output-tokens-mean", "4"]))
+
+
+@pytest.mark.server
+def test_bench_serve_draws_the_latency_cdfs(triton_server, tmp_path, capsys):
+    """``pagoda bench serve --plot``: the report, and the TTFT / end-to-end CDF figure of the run."""
+    pytest.importorskip("matplotlib")
+    from matplotlib import image
+
+    from pagoda.bench.serve import main
+
+    figure = tmp_path / "latency.png"
+    assert main(["--url", triton_server.grpc_url, "--num-requests", "3", "--concurrency", "2",
+                 "--max-output-tokens", "3", "--plot", str(figure)]) == 0
+    out = capsys.readouterr().out
+    assert "goodput" in out and f"wrote {figure}" in out
+    assert image.imread(str(figure)).std() > 0.05, "a blank figure"

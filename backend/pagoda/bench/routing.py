@@ -11,6 +11,14 @@ same-tenant requests, diurnal) and each policy of the ladder: random, least_load
 prefix_aware (both); print P50/P90 TTFT, P90 relative to random, output throughput and
 prefix hit rate per (arrival, N, policy).
 
+``--plot FILE``: the ladder as a figure (``bench.plots.routing_ladder``: P90 TTFT against N
+per arrival process, and the TTFT CDF of each policy at the largest N).
+
+``--rates R1,R2,...``: goodput against offered load instead of the ladder: at the first N of
+``--replicas``, the first arrival process, each rate (requests/s per replica) and policy,
+the requests per second whose TTFT met ``--ttft-slo-s``; with ``--plot`` as curves
+(``bench.plots.goodput_curve``).
+
 Other modes:
   --calibrate      time the real engine (SmolLM2 on this machine) over prefill and decode
                    steps of several shapes, fit ``a + b*tokens + c*context`` by least
@@ -29,6 +37,7 @@ import random
 import time
 from typing import Callable, Optional, Sequence
 
+from pagoda.bench import plots
 from pagoda.fleet.sim.arrivals import ARRIVALS
 from pagoda.fleet.routing.policy import POLICIES, Policy, ReplicaState, RoutingRequest, make_policy
 from pagoda.fleet.sim.simulator import (
@@ -82,6 +91,35 @@ def format_table(results: Sequence[SimResult]) -> str:
         lines.append(f"{r.arrival:<8} {r.num_replicas:>3} {r.policy:<13} {r.percentile(0.5):>10.3f} {p90:>10.3f} "
                      f"{ratio:>14.1f}x {r.throughput:>9.1f} {r.hit_rate:>8.1%} {r.busy_fraction:>5.0%} "
                      f"{r.num_preemptions:>7}")
+    return "\n".join(lines)
+
+
+def run_rate_sweep(num_replicas: int, rates_per_replica: Sequence[float], policies: Sequence[str], *,
+                   slo_s: float, **knobs) -> dict[str, list[tuple[float, float, float]]]:
+    """Goodput against offered load: ``run_comparison`` at each rate (``knobs``: its other
+    arguments, one arrival process).
+
+    Returns:
+        policy -> [(offered requests/s, requests/s with TTFT <= ``slo_s``, that fraction)].
+    """
+    curves: dict[str, list[tuple[float, float, float]]] = {name: [] for name in policies}
+    for rate in rates_per_replica:
+        for result in run_comparison([num_replicas], policies, rate_per_replica=rate, **knobs):
+            good = sum(1 for ttft in result.ttfts if ttft <= slo_s)
+            fraction = good / len(result.ttfts) if result.ttfts else 0.0
+            curves[result.policy].append((rate * num_replicas, good / result.makespan_s if result.makespan_s else 0.0,
+                                          fraction))
+    return curves
+
+
+def format_goodput(curves: dict[str, list[tuple[float, float, float]]], slo_s: float) -> str:
+    """One row per (offered rate, policy)."""
+    lines = [f"{'offered req/s':>13} {'policy':<13} {'goodput req/s':>13} {f'TTFT <= {slo_s:g} s':>14}"]
+    for rate in sorted({point[0] for points in curves.values() for point in points}):
+        for policy, points in curves.items():
+            for offered, goodput, fraction in points:
+                if offered == rate:
+                    lines.append(f"{offered:>13.2f} {policy:<13} {goodput:>13.2f} {fraction:>14.1%}")
     return "\n".join(lines)
 
 
@@ -260,6 +298,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--step-model-out", default=None, help="with --calibrate: write the fit to this JSON")
     p.add_argument("--overhead", action="store_true", help="time routing decisions against a real Redis")
     p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    p.add_argument("--plot", default=None, help="write the ladder (or with --rates, the goodput curves) as a PNG")
+    p.add_argument("--rates", default=None,
+                   help="comma-separated requests/s per replica: goodput against offered load instead of the ladder")
+    p.add_argument("--ttft-slo-s", type=float, default=2.0, help="with --rates: the TTFT objective goodput counts")
     p.add_argument("--real", action="store_true",
                    help="run the comparison on two real replicas instead (see pagoda.bench.routing_real --help)")
     args = p.parse_args(argv)
@@ -293,10 +335,30 @@ def main(argv: Optional[list[str]] = None) -> int:
     step_model = StepTimeModel.load(args.step_model) if args.step_model else DEFAULT_STEP_MODEL
     print(f"step model: {step_model.a} + {step_model.b} * tokens + {step_model.c} * context ({step_model.source})")
     start = time.perf_counter()
-    results = run_comparison(counts, policies, step_model=step_model, rate_per_replica=args.rate_per_replica,
-                             requests_per_replica=args.requests_per_replica, seed=args.seed, arrivals=arrival_kinds,
-                             on_result=lambda r: print(f"  simulated {r.arrival} N={r.num_replicas} {r.policy} "
-                                                       f"({time.perf_counter() - start:.0f}s)", flush=True))
-    print(format_table(results))
+    progress = lambda r: print(f"  simulated {r.arrival} N={r.num_replicas} {r.policy} "  # noqa: E731
+                               f"({time.perf_counter() - start:.0f}s)", flush=True)
+    knobs = dict(step_model=step_model, requests_per_replica=args.requests_per_replica, seed=args.seed,
+                 on_result=progress)
+    problem = plots.missing_matplotlib() if args.plot else None
+    if args.rates:
+        rates = [float(r) for r in args.rates.split(",") if r]
+        curves = run_rate_sweep(counts[0], rates, policies, slo_s=args.ttft_slo_s, arrivals=arrival_kinds[:1],
+                                **knobs)
+        print(format_goodput(curves, args.ttft_slo_s))
+        title = (f"goodput, N = {counts[0]}, {arrival_kinds[0]} arrivals, {args.requests_per_replica} requests per "
+                 f"replica, seed {args.seed}; simulated ({step_model.source})")
+        draw = lambda: plots.goodput_curve(curves, args.plot, title, args.ttft_slo_s)  # noqa: E731
+    else:
+        results = run_comparison(counts, policies, rate_per_replica=args.rate_per_replica, arrivals=arrival_kinds,
+                                 **knobs)
+        print(format_table(results))
+        title = (f"routing ladder, {args.rate_per_replica} req/s per replica, {args.requests_per_replica} requests "
+                 f"per replica, seed {args.seed}; simulated ({step_model.source})")
+        draw = lambda: plots.routing_ladder(results, args.plot, title)  # noqa: E731
+    if args.plot and problem:
+        print(problem)  # the numbers above stand; only the picture needs matplotlib
+    elif args.plot:
+        draw()
+        print(f"wrote {args.plot}")
     print(f"({time.perf_counter() - start:.0f}s wall)")
     return 0

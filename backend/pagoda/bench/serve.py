@@ -27,6 +27,8 @@ folder as theirs does. ``--endpoint-type openai`` drives an OpenAI door instead
 (``--url http://HOST:9000``: streaming ``/v1/completions`` with ``ignore_eos``, usage from
 the final chunk), the endpoint those tools measure, so their numbers and these compare.
 
+``--plot FILE`` draws the run's TTFT and end-to-end latency CDFs (``bench.plots.ttft_cdf``).
+
 ``--launch`` starts a server with ``pagoda serve``'s launcher on free ports first (and
 stops it after), so one command produces the numbers.
 """
@@ -245,6 +247,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--itl-slo-ms", type=float, default=250.0)
     p.add_argument("--max-num-seqs", type=int, help="with --launch: the engine's max_num_seqs")
     p.add_argument("--json", help="also write the summary as JSON to this path")
+    p.add_argument("--plot", help="also draw the TTFT and end-to-end latency CDFs into this PNG")
     return p
 
 
@@ -305,10 +308,28 @@ def main(argv: Optional[list[str]] = None) -> int:
                          "num_requests": args.num_requests, "max_output_tokens": args.max_output_tokens,
                          "machine": f"{platform.machine()} {platform.processor() or ''}".strip()}
     print(format_report(summary, args))
+    if args.plot:
+        _plot(results, args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(summary, f, indent=2)
     return 0 if summary["num_failed"] == 0 else 1
+
+
+def _plot(results: list[RequestResult], args: argparse.Namespace) -> None:
+    """``--plot``: the latency CDFs of this run (``bench.plots.ttft_cdf``)."""
+    from pagoda.bench import plots
+
+    problem = plots.missing_matplotlib()
+    if problem:
+        print(problem)  # the report above stands; only the picture needs matplotlib
+        return
+    done = [r for r in results if r.error is None]
+    plots.ttft_cdf({"TTFT": [r.ttft_s for r in done if r.ttft_s is not None],
+                    "end-to-end": [r.e2e_s for r in done if r.e2e_s is not None]}, args.plot,
+                   f"pagoda bench serve: {len(done)} requests, concurrency {args.concurrency}, "
+                   f"{args.endpoint_type} at {args.url}")
+    print(f"wrote {args.plot}")
 
 
 if __name__ == "__main__":
