@@ -59,7 +59,10 @@ def _check_model(path: str) -> None:
     # The most blocks one request holds, over the KV cache groups (a sliding window's are bounded).
     layout = alone.executor.kv_layout
     blocks_needed = max(layout.max_blocks_per_request(len(p) + MAX_NEW, 24) for p in prompts)
-    batched = LLMEngine(EngineConfig(model=path, max_num_batched_tokens=24, num_gpu_blocks_override=blocks_needed + 3))
+    # Chunks of at most 7 tokens a request (long_prefill_token_threshold) in 24-token steps: prompts
+    # cut at odd places, several prefilling in one step beside decodes.
+    batched = LLMEngine(EngineConfig(model=path, max_num_batched_tokens=24, long_prefill_token_threshold=7,
+                                     num_gpu_blocks_override=blocks_needed + 3))
     got = _run(batched, prompts)
     for ours, exp in zip(got, expected):
         _assert_matches_hf(ours, exp, eos)

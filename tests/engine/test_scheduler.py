@@ -101,6 +101,24 @@ def test_chunked_prefill_mixes_with_decodes():
     assert scheduler.get_request("b").num_computed_tokens == 25
 
 
+def test_long_prefill_token_threshold_leaves_the_step_to_the_prompts_behind():
+    """vLLM's ``long_prefill_token_threshold``: no request's chunk is longer, so a short prompt
+    arriving while a long one is prefilling runs in the next step, not after the long one."""
+    for threshold, expected in ((0, [("long", 20, 10, False)]), (4, [("long", 20, 4, False), ("short", 0, 3, True)])):
+        scheduler = make_scheduler(max_num_batched_tokens=10, long_prefill_token_threshold=threshold)
+        scheduler.add_request(make_request("long", 40))
+        while scheduler.get_request("long").num_computed_tokens < 20:
+            out, _ = step(scheduler)
+            assert all(s.num_new_tokens <= (threshold or 10) for s in out.scheduled)
+        scheduler.add_request(make_request("short", 3))
+        out, _ = step(scheduler)
+        assert plan(out) == expected, threshold
+    with pytest.raises(ValueError, match="long_prefill_token_threshold: must be >= 0"):
+        make_scheduler(long_prefill_token_threshold=-1)
+    with pytest.raises(ValueError, match="long_prefill_token_threshold: must be >= 0"):
+        EngineConfig(long_prefill_token_threshold=-1).scheduling
+
+
 def test_without_chunking_a_prompt_waits_for_a_whole_budget():
     scheduler = make_scheduler(max_num_batched_tokens=32, max_model_len=32, enable_chunked_prefill=False)
     for rid in ("a1", "a2", "a3"):
@@ -376,13 +394,14 @@ def check_invariants(scheduler, output, all_requests):
     assert scheduler.kv_cache_usage == pytest.approx(1 - pool.num_free_blocks / pool.num_usable_blocks)
 
 
-@pytest.mark.parametrize("seed,policy,chunked", [(0, "fcfs", True), (1, "priority", True), (2, "fcfs", False),
-                                                 (3, "priority", False), (4, "fcfs", True)])
-def test_randomized_simulation_keeps_invariants_and_terminates(seed, policy, chunked):
+@pytest.mark.parametrize("seed,policy,chunked,threshold", [
+    (0, "fcfs", True, 0), (1, "priority", True, 0), (2, "fcfs", False, 0), (3, "priority", False, 0),
+    (4, "fcfs", True, 0), (5, "fcfs", True, 5), (6, "priority", True, 8)])
+def test_randomized_simulation_keeps_invariants_and_terminates(seed, policy, chunked, threshold):
     rng = random.Random(seed)
     scheduler = make_scheduler(num_blocks=25, max_model_len=64, block_size=4, max_num_seqs=6,
                                max_num_batched_tokens=64 if not chunked else 24,
-                               enable_chunked_prefill=chunked, policy=policy)
+                               enable_chunked_prefill=chunked, policy=policy, long_prefill_token_threshold=threshold)
     prefixes = [[rng.randrange(3, 50) for _ in range(12)] for _ in range(3)]
     all_requests = []
     for step_index in range(5000):

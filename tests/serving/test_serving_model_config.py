@@ -89,13 +89,14 @@ def test_node_zero_of_a_multi_node_replica_gets_the_group_layout_in_its_config(t
 def test_engine_flags_and_engine_args_reach_the_config(tmp_path):
     args = ["--speculative-method", "ngram", "--num-speculative-tokens", "3", "--cpu-offload-bytes", "1048576",
             "--preemption-mode", "swap", "--scheduling-policy", "priority", "--engine-arg", "spec_adaptive=false",
-            "--max-waiting-requests", "16", "--max-waiting-prompt-tokens", "50000"]
+            "--max-waiting-requests", "16", "--max-waiting-prompt-tokens", "50000", "--long-prefill-token-threshold", "96"]
     options = options_from_args(make_parser().parse_args(args))
     repo = materialize_repository(REPOSITORY, tmp_path / "repo", options)
     config = engine_config_from_parameters(parameters_of((repo / "pagoda" / "config.pbtxt").read_text()))
     assert (config.speculative_method, config.num_speculative_tokens, config.spec_adaptive) == ("ngram", 3, False)
     assert (config.cpu_offload_bytes, config.preemption_mode, config.scheduling_policy) == (1048576, "swap", "priority")
     assert (config.max_waiting_requests, config.max_waiting_prompt_tokens) == (16, 50000)
+    assert config.scheduling.long_prefill_token_threshold == 96
 
 
 @pytest.mark.parametrize("args, message", [
@@ -104,6 +105,7 @@ def test_engine_flags_and_engine_args_reach_the_config(tmp_path):
     (["--preemption-mode", "swap"], "cpu_offload_bytes"),
     (["--num-speculative-tokens", "0"], "num_speculative_tokens"),
     (["--max-waiting-requests", "0"], "max_waiting_requests"),
+    (["--long-prefill-token-threshold", "-5"], "long_prefill_token_threshold: must be >= 0"),
     (["--kv-events-config", '{"enable_kv_cache_events": true, "endpont": "tcp://*:5557"}'],
      "--kv-events-config: unknown key(s) endpont"),
     (["--kv-events-config", "{oops"], "--kv-events-config: not JSON"),

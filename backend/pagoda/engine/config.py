@@ -77,6 +77,7 @@ class SchedulingConfig:
     scheduling_policy: str
     min_shared_prefix_to_wait: int
     async_scheduling: bool
+    long_prefill_token_threshold: int = 0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -85,6 +86,9 @@ class SchedulingConfig:
             raise ValueError(f"default_max_tokens: must be >= 1 when given, got {self.default_max_tokens}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens: must be >= 1, got {self.max_num_batched_tokens}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold: must be >= 0 (0: off), got "
+                             f"{self.long_prefill_token_threshold}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy: must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
 
@@ -290,6 +294,9 @@ class EngineConfig:
     # A waiting request whose next this-many tokens are being prefilled for another request
     # in the same step waits one step and hits them (bursts sharing a prompt); 0: off.
     min_shared_prefix_to_wait: int = 128
+    # Chunked prefill: a request's chunk in one step is at most this many tokens (vLLM's name), so
+    # one long prompt cannot take a step's whole budget from the prompts arriving behind it; 0: off.
+    long_prefill_token_threshold: int = 0
     seed: int = 0
     max_block_events: int = 100_000  # retained for the fleet layer before the oldest drop
     # Speculative decoding (pagoda.engine.spec_decode, docs/speculative.md).

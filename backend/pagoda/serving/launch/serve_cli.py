@@ -45,7 +45,7 @@ STUB_RESTART_WINDOW_S = 600.0
 ENGINE_FLAGS = ("scheduling_policy", "speculative_method", "speculative_model", "num_speculative_tokens",
                 "cpu_offload_bytes", "preemption_mode", "default_max_tokens", "gpu_memory_utilization",
                 "max_waiting_requests", "max_waiting_prompt_tokens", "max_queue_delay_s", "kv_cache_dtype",
-                "tensor_parallel_size", "pipeline_parallel_size", "generation_config")
+                "tensor_parallel_size", "pipeline_parallel_size", "generation_config", "long_prefill_token_threshold")
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -60,6 +60,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int)
     p.add_argument("--max-num-batched-tokens", type=int)
     p.add_argument("--no-chunked-prefill", action="store_true")
+    p.add_argument("--long-prefill-token-threshold", type=int,
+                   help="chunked prefill: at most this many tokens of one prompt per step (vLLM's; 0: off)")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="vLLM's spelling (--no-enable-prefix-caching turns it off)")

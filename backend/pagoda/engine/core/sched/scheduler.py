@@ -6,7 +6,8 @@ Every request has ``num_computed_tokens`` catching up with ``num_tokens``. Each 
 
 1. Running requests first, in admission order: each gets ``num_tokens -
    num_computed_tokens`` tokens (one for a decode, a chunk for an unfinished prompt),
-   capped by the remaining budget. If the KV cache cannot hold them, the scheduler
+   capped by the remaining budget and by ``long_prefill_token_threshold`` (when set: a long
+   prompt's chunk leaves the rest of the step to the requests behind it, waiting ones too). If the KV cache cannot hold them, the scheduler
    preempts by recompute: the victim is the running request with the largest policy key
    (lowest priority, then latest arrival); its blocks are freed, its
    ``num_computed_tokens`` reset to 0 and it returns to the waiting queue (FCFS: at the
@@ -204,7 +205,9 @@ class Scheduler(SchedulerViews):
             spec_token_ids: request id -> drafted tokens to verify after its next token
                 (speculative decoding); read only for running requests at a decode.
         """
-        step = StepPlan(self.config.max_num_batched_tokens, self.config.block_size, self.config.enable_chunked_prefill)
+        config = self.config
+        step = StepPlan(config.max_num_batched_tokens, config.block_size, config.enable_chunked_prefill,
+                        config.long_prefill_token_threshold)
         if self.config.micro_batches > 1:  # batch queue: requests in flight wait; N steps share the rest
             num_live = min(len(self.requests), self.config.max_num_seqs)
             step.share_with_queue(self._unapplied.values(), self._busy, num_live, self.config.micro_batches)
@@ -263,8 +266,8 @@ class Scheduler(SchedulerViews):
                 continue  # preempted earlier in this pass, or its step is in flight (batch queue)
             if request.num_output_placeholders and (request.beam_group or _is_sure_to_finish(request)):
                 continue  # its last token is being sampled, or its group must choose it (async scheduling)
-            num_new = min(request.num_tokens + request.num_output_placeholders - request.num_computed_tokens,
-                          step.budget)
+            num_new = step.capped(min(request.num_tokens + request.num_output_placeholders - request.num_computed_tokens,
+                                      step.budget))
             if num_new <= 0:
                 continue
             if self._schedule_with_drafts(request, spec_token_ids.get(request.request_id), step):

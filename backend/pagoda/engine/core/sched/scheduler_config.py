@@ -35,6 +35,9 @@ class SchedulerConfig:
     # A waiting request whose next this-many (or more) tokens are being prefilled for
     # another request in the same step waits one step to hit them; 0 disables.
     min_shared_prefix_to_wait: int = 128
+    # With chunked prefill, no request gets more than this many tokens in one step (0: no cap
+    # but the budget): EngineConfig's, vLLM's long_prefill_token_threshold.
+    long_prefill_token_threshold: int = 0
     # Steps in flight (EngineConfig.micro_batches). 1: async scheduling may run one step ahead on
     # placeholders. N > 1 (the batch queue, core.batch_queue): a request with a step not applied
     # yet is not scheduled (nor admitted back after a preemption) until it is, and a step takes
@@ -56,6 +59,8 @@ class SchedulerConfig:
         get_policy(self.policy)  # raises ValueError naming the policies
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode: must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold: must be >= 0, got {self.long_prefill_token_threshold}")
         if self.num_host_blocks < 0:
             raise ValueError(f"num_host_blocks: must be >= 0, got {self.num_host_blocks}")
         for name in ("num_blocks", "max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -91,6 +96,7 @@ class SchedulerConfig:
             default_max_tokens=sched.default_max_tokens,
             max_loras=lora.max_loras if lora.enable_lora else 0,
             min_shared_prefix_to_wait=sched.min_shared_prefix_to_wait,
+            long_prefill_token_threshold=sched.long_prefill_token_threshold,
             micro_batches=config.micro_batches,
         )
 

@@ -20,10 +20,14 @@ if TYPE_CHECKING:
 
 
 class StepPlan:
-    def __init__(self, budget: int, block_size: int = 16, enable_chunked_prefill: bool = True) -> None:
+    def __init__(self, budget: int, block_size: int = 16, enable_chunked_prefill: bool = True,
+                 long_prefill_token_threshold: int = 0) -> None:
         self.budget = budget
         self.block_size = block_size
         self.enable_chunked_prefill = enable_chunked_prefill
+        # The most tokens one request gets in this step when its prompt is chunked (0: the budget).
+        self.max_chunk = long_prefill_token_threshold if enable_chunked_prefill and long_prefill_token_threshold \
+            else None
         self.computing: set = set()  # hashes of the full blocks this step computes
         self.num_new_tokens: dict[str, int] = {}
         self.num_spec_tokens: dict[str, int] = {}  # of num_new_tokens, drafted tokens
@@ -40,10 +44,15 @@ class StepPlan:
 
     def chunk(self, num_tokens_left: int) -> Optional[int]:
         """How many of a request's ``num_tokens_left`` tokens this step can take: a chunk of
-        them with chunked prefill, else all or nothing (None: they do not fit)."""
+        them with chunked prefill (at most ``max_chunk``), else all or nothing (None: they do
+        not fit)."""
         if not self.enable_chunked_prefill and num_tokens_left > self.budget:
             return None
-        return min(num_tokens_left, self.budget)
+        return self.capped(min(num_tokens_left, self.budget))
+
+    def capped(self, num_tokens: int) -> int:
+        """``num_tokens`` at most ``max_chunk`` (the per-request cap of a step, when set)."""
+        return num_tokens if self.max_chunk is None else min(num_tokens, self.max_chunk)
 
     def add(self, request: Request, num_new_tokens: int, num_spec_tokens: int = 0) -> None:
         self.num_new_tokens[request.request_id] = num_new_tokens
