@@ -265,7 +265,11 @@ def test_a_turn_that_cannot_wait_is_refused_naming_the_limit():
     flow = asyncio.run(scenario())
     assert flow.refused == {("a", 0, "queue_full"): 1, ("b", 0, "timeout"): 1, ("a", 0, "max_wait"): 1}
     assert len(flow.queue) == 0
-    assert 'pagoda_router_queue_refused_total{tenant="a",priority="0",reason="max_wait"} 1' in flow.metric_lines()
+    lines = flow.metric_lines()
+    assert 'pagoda_router_queue_refused_total{tenant="a",priority="0",reason="max_wait"} 1' in lines
+    # every reason has a row for each tenant and band seen, zero until it happens (dashboards query them)
+    assert 'pagoda_router_queue_refused_total{tenant="b",priority="0",reason="queue_full"} 0' in lines
+    assert sum(line.startswith("pagoda_router_queue_refused_total{") for line in lines) == 2 * 3
 
 
 def test_a_cancelled_waiter_frees_its_place():
@@ -459,7 +463,9 @@ def test_a_request_refused_as_full_waits_in_the_queue_and_is_sent_again():
     sent: list = []
     wire = WireRequest.from_json({"text_input": "hi", "max_tokens": 4, "sampling_parameters": {"timeout": 30}})
     request = RoutedRequest("id", wire, turn=gate.turn(None, None, wire.params, wire.options))
-    span = SimpleNamespace(traceparent=None, set_decision=lambda decision: None)
+    from pagoda.fleet.api.tracing import RouteSpan
+
+    span = RouteSpan()  # tracing off: no span, nothing forwarded
 
     async def scenario():
         upstream = GrpcUpstream(router, gate, peer_pull_min_blocks=0)

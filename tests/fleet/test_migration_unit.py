@@ -22,6 +22,7 @@ from pagoda.fleet.api.http_relay import _TOKEN_IDS
 from pagoda.fleet.api.migration import (LIMIT_REACHED, NOT_RESUMABLE, OPTED_OUT, RESTARTED, RESUMED,
                                         TOKEN_IDS_OUTPUT, Migrations, why_not_resumable)
 from pagoda.fleet.api.routed_request import RoutedRequest
+from pagoda.fleet.api.tracing import RouteSpan
 from pagoda.fleet.api.upstream import GrpcUpstream, ReplicaFailed
 from pagoda.serving.wire import OutputOptions, WireRequest
 
@@ -154,8 +155,11 @@ class ScriptedUpstream(GrpcUpstream):
             yield item
 
 
-class Span:
+class Span(RouteSpan):
+    """A router span with tracing off that keeps its events (the migrations) for the test."""
+
     def __init__(self):
+        super().__init__()
         self.events = []
 
     def add_event(self, name, attributes):
