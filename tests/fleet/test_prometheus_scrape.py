@@ -30,6 +30,7 @@ from pathlib import Path
 
 import pytest
 
+from pagoda.fleet.gate.flow_control import FlowOptions
 from pagoda.serving.launch.launcher import ServeOptions, TritonServer, find_free_port
 from tests.chart.test_dashboards import dashboard_files, panel_queries, substitute
 
@@ -161,7 +162,8 @@ def scraped(redis_server, smollm2_path, tmp_path_factory):
         spec = f"id=r0,grpc={replica.grpc_url},http={replica.http_url},metrics={options.host}:{options.metrics_port}"
         router = stack.enter_context(BackgroundRouter(RouterOptions(
             model_dir=smollm2_path, model_name=MODEL_NAME, replicas=spec, redis_url=redis_server.url,
-            host="127.0.0.1", http_port=0, grpc_port=0, health_interval_s=0.5, registry_interval_s=0.2)))
+            host="127.0.0.1", http_port=0, grpc_port=0, health_interval_s=0.5, registry_interval_s=0.2,
+            flow=FlowOptions(queue_size=16))))  # flow control on: the fleet dashboard's tenant queues
         controller = stack.enter_context(_operator(operator_port))
         rules = _rendered_rules(folder)
         prometheus = Prometheus(folder, {"smol-replicas": f"{options.host}:{options.metrics_port}",

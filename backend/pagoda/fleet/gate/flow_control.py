@@ -41,7 +41,8 @@ Metrics (``metric_lines``, on the router's ``/metrics``), per tenant and band:
 ``pagoda_router_queue_depth`` (gauge), ``pagoda_router_queue_wait_seconds`` (histogram of
 the time each released request waited, 0 for those that passed at once),
 ``pagoda_router_queue_released_total`` and ``pagoda_router_queue_refused_total{reason}``
-(``queue_full``, ``max_wait``, ``timeout``).
+(``queue_full``, ``max_wait``, ``timeout``: a tenant and band seen has a row for each, zero
+until it happens, so a dashboard's refusal query has series before the first refusal).
 """
 
 from __future__ import annotations
@@ -339,9 +340,14 @@ class FlowControl:
                   for (t, p), n in sorted(self.released.items())]
         lines += ["# HELP pagoda_router_queue_refused_total requests the router's queue refused (429), by reason",
                   "# TYPE pagoda_router_queue_refused_total counter"]
-        lines += [f'pagoda_router_queue_refused_total{{{_labels(t, p)},reason="{r}"}} {n}'
-                  for (t, p, r), n in sorted(self.refused.items())]
+        seen = sorted(set(keys) | {(t, p) for t, p, _ in self.refused})
+        lines += [f'pagoda_router_queue_refused_total{{{_labels(t, p)},reason="{r}"}} {self.refused.get((t, p, r), 0)}'
+                  for t, p in seen for r in REFUSAL_REASONS]
         return lines
+
+
+# Why the queue refuses (QueueRefused.reason): its bound, the router's longest wait, the request's timeout.
+REFUSAL_REASONS = ("queue_full", "max_wait", "timeout")
 
 
 def _labels(tenant: str, priority: int) -> str:
