@@ -18,6 +18,10 @@ For each it prints the per-step timing from ``EngineStats``: host time inside
 ``step()``, device time (forward + sampling), device idle time between steps, and the
 device-idle share ``idle / (device + idle)``.
 
+Each pass of pagoda's shows ``LLM.generate``'s progress bar on stderr (finished prompts, token
+rates; ``engine/progress.py``) unless ``--no-progress``; a finished request costs the bar one
+update, no step does.
+
 Reported: output tokens/s of each and the ratios, and KV waste — allocated but unused
 token slots over allocated slots, averaged over engine steps — for our paged cache vs
 contiguous per-request allocation at ``max_model_len`` (what a static KV cache reserves).
@@ -52,8 +56,10 @@ def make_pagoda(model_path: str, items: list[WorkItem], args, async_scheduling: 
     return engine
 
 
-def run_pagoda(engine, items: list[WorkItem], run: int = 0) -> dict:
-    """One pass of the workload through ``engine``: throughput, KV waste, step timing."""
+def run_pagoda(engine, items: list[WorkItem], run: int = 0, progress: bool = False) -> dict:
+    """One pass of the workload through ``engine``: throughput, KV waste, step timing
+    (``progress``: the offline progress bar over the pass's requests)."""
+    from pagoda.engine.progress import NoProgress, Progress
     from pagoda.engine.sampling_params import SamplingParams
 
     before = engine.get_stats()
@@ -64,14 +70,17 @@ def run_pagoda(engine, items: list[WorkItem], run: int = 0) -> dict:
     num_tokens = 0
     allocated = used = 0
     block_size = engine.config.block_size
+    bar = Progress(len(items)) if progress else NoProgress()
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
                 num_tokens += len(out.outputs[0].token_ids)
+                bar.finished(out)
         for request in engine.scheduler.running:
             allocated += len(engine.scheduler.kv_cache_manager.get_block_ids(request.request_id)) * block_size
             used += request.num_computed_tokens
     elapsed = time.perf_counter() - start
+    bar.close()
     stats = engine.get_stats()
     steps = stats.num_steps - before.num_steps
     timing = {name: (getattr(stats, f"step_{name}") - getattr(before, f"step_{name}")) / max(steps, 1)
@@ -93,7 +102,7 @@ def run_pagoda_modes(model_path: str, items: list[WorkItem], args) -> dict:
     try:
         for run in range(args.repeats):
             for mode in modes:
-                result = run_pagoda(engines[mode], items, run)
+                result = run_pagoda(engines[mode], items, run, progress=not args.no_progress)
                 result["all_tokens_per_s"] = best.get(mode, {}).get("all_tokens_per_s", []) + [result["tokens_per_s"]]
                 if mode not in best or result["tokens_per_s"] > best[mode]["tokens_per_s"]:
                     best[mode] = result
@@ -174,6 +183,7 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=1,
                         help="passes of the workload per pagoda mode, modes alternating; the fastest is reported")
     parser.add_argument("--json", default=None, help="also write the results to this file")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar of each pass on stderr")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="N > 1: run the workload at TP=1 and TP=N instead (bench/tensor_parallel.py)")
     parser.add_argument("--pipeline-parallel-size", type=int, default=1,
