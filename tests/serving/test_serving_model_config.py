@@ -89,7 +89,8 @@ def test_node_zero_of_a_multi_node_replica_gets_the_group_layout_in_its_config(t
 def test_engine_flags_and_engine_args_reach_the_config(tmp_path):
     args = ["--speculative-method", "ngram", "--num-speculative-tokens", "3", "--cpu-offload-bytes", "1048576",
             "--preemption-mode", "swap", "--scheduling-policy", "priority", "--engine-arg", "spec_adaptive=false",
-            "--max-waiting-requests", "16", "--max-waiting-prompt-tokens", "50000", "--long-prefill-token-threshold", "96"]
+            "--max-waiting-requests", "16", "--max-waiting-prompt-tokens", "50000",
+            "--long-prefill-token-threshold", "96"]
     options = options_from_args(make_parser().parse_args(args))
     repo = materialize_repository(REPOSITORY, tmp_path / "repo", options)
     config = engine_config_from_parameters(parameters_of((repo / "pagoda" / "config.pbtxt").read_text()))

@@ -7,10 +7,10 @@ Every request has ``num_computed_tokens`` catching up with ``num_tokens``. Each 
 1. Running requests first, in admission order: each gets ``num_tokens -
    num_computed_tokens`` tokens (one for a decode, a chunk for an unfinished prompt),
    capped by the remaining budget and by ``long_prefill_token_threshold`` (when set: a long
-   prompt's chunk leaves the rest of the step to the requests behind it, waiting ones too). If the KV cache cannot hold them, the scheduler
-   preempts by recompute: the victim is the running request with the largest policy key
-   (lowest priority, then latest arrival); its blocks are freed, its
-   ``num_computed_tokens`` reset to 0 and it returns to the waiting queue (FCFS: at the
+   prompt's chunk leaves the rest of the step to the requests behind it, waiting ones too).
+   If the KV cache cannot hold them, the scheduler preempts by recompute: the victim is the
+   running request with the largest policy key (lowest priority, then latest arrival); its
+   blocks are freed, its ``num_computed_tokens`` reset to 0 and it returns to the waiting queue (FCFS: at the
    front). A request that is its own victim is preempted and the pass moves on: later
    running requests have smaller keys and may still fit (e.g. in a partly filled block).
 2. Then, if nothing was preempted this step, waiting requests in policy order
@@ -266,8 +266,8 @@ class Scheduler(SchedulerViews):
                 continue  # preempted earlier in this pass, or its step is in flight (batch queue)
             if request.num_output_placeholders and (request.beam_group or _is_sure_to_finish(request)):
                 continue  # its last token is being sampled, or its group must choose it (async scheduling)
-            num_new = step.capped(min(request.num_tokens + request.num_output_placeholders - request.num_computed_tokens,
-                                      step.budget))
+            num_left = request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
+            num_new = step.capped(min(num_left, step.budget))
             if num_new <= 0:
                 continue
             if self._schedule_with_drafts(request, spec_token_ids.get(request.request_id), step):
