@@ -1,5 +1,5 @@
 """Tenant-fair flow control end to end: one real tritonserver replica (default SmolLM2 on CPU,
-``max_num_seqs=2``, chunked prefill at 64 tokens a step) behind ``pagoda router`` with two
+``max_num_seqs=2``, chunked prefill at 64 tokens a step, 16 a request) behind ``pagoda router`` with two
 tenants and flow control on (``--queue-size-per-tenant 16``, ``--max-in-flight-per-replica 2``).
 
 Covers (docs/reliability.md, "Flow control"): a tenant flooding the fleet with long prompts
@@ -10,9 +10,11 @@ without flow control gets the quiet tenant refused. A higher priority band is re
 before a lower one queued earlier; a request whose timeout passes while it waits is refused
 429 naming it. Every client call has a timeout.
 
-Why 64 tokens a step: a CPU step's time grows with its tokens, so a quiet request's prefill
-in the same step as a flood request's 300-token prefill takes that prefill's time; the
-router cannot help that (it is the replica's batching), and the test measures the router.
+Why 64 tokens a step, and at most 16 a request (``long_prefill_token_threshold``): a CPU
+step's time grows with its tokens, so a quiet request's prefill in the same step as a flood
+request's 300-token prefill takes that prefill's time, and without the cap a flood request's
+chunk takes the step's whole budget while the quiet request waits for its last chunk. The
+router cannot help either (it is the replica's batching); the test measures the router.
 """
 
 from __future__ import annotations
@@ -46,7 +48,8 @@ def long_prompt(i: int) -> str:
 def replica(tmp_path_factory, smollm2_path):
     options = ServeOptions(model=smollm2_path, http_port=find_free_port(), grpc_port=find_free_port(),
                            metrics_port=find_free_port(), max_model_len=512, max_num_seqs=2, startup_timeout_s=600,
-                           engine_args={"max_waiting_requests": "4", "max_num_batched_tokens": "64"})
+                           engine_args={"max_waiting_requests": "4", "max_num_batched_tokens": "64",
+                                        "long_prefill_token_threshold": "16"})
     server = TritonServer(options, log_path=str(tmp_path_factory.mktemp("replica") / "replica.log"))
     server.start()
     yield server
