@@ -9,8 +9,8 @@ greedy tokens must equal transformers' ``generate``: each prompt alone; all prom
 requests are preempted; then the same prompts again from prefix-cache hits. Seeded sampling gives a
 request the same tokens alone and in a batch. The checkpoint's MTP block (DeepSeek's layout, random
 weights: a GLM attention layer with a MoE block) drafts and verification keeps outputs exact. A
-LoRA adapter on q/v equals transformers + PEFT. Refused, naming why: tensor parallelism (the MoE
-block is not sharded), int8 at load (the experts), rope scaling, an adapter on the experts.
+LoRA adapter on q/v equals transformers + PEFT (tensor parallelism: tests/engine/test_tensor_parallel_moe.py).
+Refused, naming why: int8 at load (the experts), rope scaling, an adapter on the experts.
 GLM-4.7-Flash (``Glm4MoeLiteForCausalLM``, latent attention: the DeepSeek-V3 model) equals
 transformers through the engine too.
 """
@@ -140,17 +140,12 @@ def test_glm_lite_latent_attention_through_the_engine_equals_transformers(glm, t
 
 
 def test_what_does_not_combine_is_refused(glm, tmp_path):
-    from types import SimpleNamespace
-
     from pagoda.models.glm4_moe import parse_config
     from pagoda.models.lora import load_peft_adapter
-    from pagoda.models.tensor_parallel import shard_model
 
     from tests.models.test_moe import write_adapter
 
     folder, _, _, engine = glm
-    with pytest.raises(ValueError, match="tensor parallelism: layer 0 of Glm4MoeForCausalLM has Glm4MoeAttention/MLP"):
-        shard_model(engine.executor.runner.model, SimpleNamespace(size=2, rank=0))
     with pytest.raises(ValueError, match="quantization 'int8': MoE expert weights"):
         LLMEngine(EngineConfig(model=folder, quantization="int8"))
     config = engine.executor.runner.model.config

@@ -113,7 +113,9 @@ class DeepseekMoE(SparseMoE):
         weights, ids = route_grouped(logits, self.correction_bias, self.router, self.top_k, self.renormalize, x.dtype)
         out = experts_forward(x, group_by_expert(ids, weights, self.num_experts), self.w13, self.w2,
                               self.block_scales)
-        return out if self.shared_experts is None else out + self.shared_experts(x)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)  # sharded: both partial sums, reduced once below
+        return self.tp.all_reduce(out) if self.tp is not None else out
 
     def weight_targets(self) -> WeightTargets:
         table = {**super().weight_targets(), "mlp.gate.e_score_correction_bias": (self.correction_bias, ALL)}

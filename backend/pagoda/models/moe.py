@@ -149,6 +149,7 @@ class SparseMoE(nn.Module):
     quantization_unsupported = "MoE expert weights cannot be quantized at load (int8/fp8 --quantization of experts " \
         "is not implemented; a DeepSeek-format FP8 checkpoint's experts are served as FP8)"
     block_scales: Optional[tuple[torch.Tensor, torch.Tensor, int]] = None  # set by keep_fp8
+    tp = None  # the tensor-parallel group once sharded (models.tensor_parallel): the block's all-reduce
 
     def __init__(self, config: ModelConfig, names: MoENames, renormalize: bool, dtype: torch.dtype,
                  device: torch.device | str) -> None:
@@ -167,8 +168,9 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor, lora: Optional[object] = None) -> torch.Tensor:
         """``lora`` is accepted for the layer's signature; adapters never target experts (refused at load)."""
         weights, ids = route(F.linear(x, self.gate_weight), self.top_k, self.renormalize)
-        return experts_forward(x, group_by_expert(ids, weights, self.num_experts), self.w13, self.w2,
-                               self.block_scales)
+        out = experts_forward(x, group_by_expert(ids, weights, self.num_experts), self.w13, self.w2,
+                              self.block_scales)
+        return self.tp.all_reduce(out) if self.tp is not None else out
 
     @torch.no_grad()
     def keep_fp8(self, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, block: int) -> None:

@@ -180,10 +180,12 @@ class SharedExpertMoE(nn.Module):
                                                requires_grad=False)
 
     fused_checkpoint = False  # the checkpoint stacks the experts (``experts.gate_up_proj``), as transformers 5 does
+    tp = None  # the tensor-parallel group once sharded: one all-reduce of routed + gated shared partial sums
 
     def forward(self, x: torch.Tensor, lora: Optional[object] = None) -> torch.Tensor:  # [T, hidden]
         routed = self.experts(x)
-        return routed + torch.sigmoid(F.linear(x, self.shared_gate_weight)) * self.shared_expert(x)
+        out = routed + torch.sigmoid(F.linear(x, self.shared_gate_weight)) * self.shared_expert(x)
+        return self.tp.all_reduce(out) if self.tp is not None else out
 
     def weight_targets(self) -> WeightTargets:
         """Per-expert names (``experts.<e>.gate_proj.weight``, what ``save_pretrained`` writes), or

@@ -27,6 +27,13 @@ and one gather of the logits (Shoeybi et al., "Megatron-LM"; vLLM's ``ColumnPara
   ``Hk / tp`` key heads and the ``Hv / tp`` value heads they serve (its rows of q, k, v, z, b
   and a, its conv channels, ``A_log``, ``dt_bias``), ``out_proj`` row-parallel with one
   all-reduce, and a rank's state slots hold its heads only (``state_shapes`` after sharding).
+* mixture of experts (Mixtral, Qwen3-MoE, Qwen3-Next / Qwen3.5-MoE, GLM-4.5's DeepSeek MoE
+  block): every expert is split as a SwiGLU MLP is, by intermediate rows (``w13``'s gate and up
+  rows of the rank's slice, ``w2``'s columns of it), the router (and DeepSeek's correction bias,
+  Qwen3-Next's shared-expert gate) replicated, so every rank routes every token alike and
+  computes its slice of each chosen expert; a shared expert is split the same way, and the
+  block's output (routed + shared partial sums) is summed by one all-reduce (``tp`` on the
+  block, not on its shared MLP).
 
 Invariants: the shards are exact slices of the whole model's tensors (so a model drawn or
 loaded whole and then sharded computes what the whole model computes, up to the order of
@@ -39,7 +46,8 @@ projection (``lora_slices``): a column-parallel projection keeps B's rows of its
 (A whole), a row-parallel one keeps A's columns of its inputs (B whole), so each rank's
 delta is its partial product and the layer's one all-reduce sums it with the base (the
 slices are taken by ``models.lora.LoRASlots`` from ``tp_shards``, which this module sets). Families with other pieces
-(mixture of experts, Qwen3-Next and Qwen3.5-MoE included, Gemma 3, gpt-oss) and fp8/int4 weights are refused for now.
+(latent attention: DeepSeek-V3 / Kimi K2 / GLM-4.7-Flash; Gemma 3, gpt-oss), FP8 experts and fp8/int4 weights are
+refused for now.
 
 This module never imports the engine: ``group`` is anything with ``rank``, ``size``,
 ``all_reduce(t)`` (in place, sum) and ``gather_logits(t)`` (rank 0: the slices
@@ -54,13 +62,17 @@ import torch
 from torch import nn
 
 from pagoda.models.config import ModelConfig
+from pagoda.models.deepseek_v3 import DeepseekMoE
 from pagoda.models.gated_deltanet import GatedDeltaNet
+from pagoda.models.glm4_moe import Glm4MoeAttention
 from pagoda.models.llama import MLP, Attention, LlamaForCausalLM
+from pagoda.models.moe import SparseMoE
 from pagoda.models.qwen3 import Qwen3Attention
-from pagoda.models.qwen3_next import GatedAttention
+from pagoda.models.qwen3_next import GatedAttention, SharedExpertMoE
 from pagoda.models.quant import Int8Weight
 
-_ATTENTION_TYPES = (Attention, Qwen3Attention, GatedAttention)
+_ATTENTION_TYPES = (Attention, Qwen3Attention, GatedAttention, Glm4MoeAttention)
+_FEED_FORWARD_TYPES = (MLP, SparseMoE, DeepseekMoE, SharedExpertMoE)
 
 
 class TensorParallelGroup(Protocol):
@@ -83,6 +95,10 @@ def check_divisible(config: ModelConfig, tp: int) -> None:
                "be divisible by the tensor-parallel size"),
               ("vocab_size", config.vocab_size, config.vocab_size % tp == 0,
                "be divisible by the tensor-parallel size"))
+    if config.num_experts:
+        checks += tuple((name, value, value % tp == 0, "be divisible by the tensor-parallel size") for name, value in
+                        (("moe_intermediate_size", config.moe_intermediate_size),
+                         ("shared_expert_intermediate_size", config.shared_expert_intermediate_size)))
     if config.linear_attention is not None:
         heads = config.linear_attention.num_key_heads
         checks += (("linear_num_key_heads", heads, heads % tp == 0, "be divisible by the tensor-parallel size"),)
@@ -157,6 +173,31 @@ def _shard_mlp(mlp: MLP, group: TensorParallelGroup) -> None:
     mlp.tp = group
 
 
+def _shard_experts(moe: SparseMoE, group: TensorParallelGroup) -> None:
+    """Every expert's slice of intermediate rows, as ``_shard_mlp`` cuts one MLP."""
+    inter = moe.intermediate_size // group.size
+    lo = group.rank * inter
+    rows = torch.cat([torch.arange(lo, lo + inter), moe.intermediate_size + torch.arange(lo, lo + inter)])
+    moe.w13 = nn.Parameter(moe.w13.data[:, rows].contiguous(), requires_grad=False)
+    moe.w2 = nn.Parameter(moe.w2.data[:, :, lo:lo + inter].contiguous(), requires_grad=False)
+    moe.intermediate_size = inter
+
+
+def _shard_feed_forward(mlp: nn.Module, group: TensorParallelGroup) -> None:
+    """A dense MLP (its own all-reduce), or an MoE block: its experts and shared expert split,
+    one all-reduce for the block (the shared MLP's own left off)."""
+    if type(mlp) is MLP:
+        _shard_mlp(mlp, group)
+        return
+    routed = mlp.experts if isinstance(mlp, SharedExpertMoE) else mlp
+    _shard_experts(routed, group)
+    shared = getattr(mlp, "shared_expert", None) or getattr(mlp, "shared_experts", None)
+    if shared is not None:
+        _shard_mlp(shared, group)
+        shared.tp = None  # summed with the routed experts' partial sums, by the block
+    mlp.tp = group
+
+
 def _shard_linear_attention(la: GatedDeltaNet, group: TensorParallelGroup) -> None:
     rank, tp = group.rank, group.size
     k_heads, v_heads = la.num_k_heads // tp, la.num_v_heads // tp
@@ -183,12 +224,16 @@ def _check_supported(model: LlamaForCausalLM) -> None:
     for i, layer in enumerate(model.layers):
         mixer = layer.linear_attn if getattr(layer, "is_linear", False) else layer.attn
         known = type(mixer) is GatedDeltaNet or (type(mixer) in _ATTENTION_TYPES and mixer.sinks is None)
-        if not known or type(layer.mlp) is not MLP:
+        if not known or type(layer.mlp) not in _FEED_FORWARD_TYPES:
             raise ValueError(f"tensor parallelism: layer {i} of {type(model).__name__} has "
-                             f"{type(mixer).__name__}/{type(layer.mlp).__name__}; only dense Llama/Qwen "
-                             "attention, Gated DeltaNet and SwiGLU MLPs are sharded so far (no MoE)")
+                             f"{type(mixer).__name__}/{type(layer.mlp).__name__}; only Llama/Qwen/GLM "
+                             "attention, Gated DeltaNet, SwiGLU MLPs and SwiGLU experts are sharded so far")
+        routed = layer.mlp.experts if isinstance(layer.mlp, SharedExpertMoE) else layer.mlp
+        if isinstance(routed, SparseMoE) and routed.block_scales is not None:
+            raise ValueError(f"tensor parallelism: layer {i}'s experts are served as FP8 (block scales); "
+                             "FP8 experts are not sharded yet")
         for piece in (mixer, layer.mlp):
-            for name in piece.linear_weights:
+            for name in getattr(piece, "linear_weights", ()):
                 weight = getattr(piece, name)
                 if not isinstance(weight, (nn.Parameter, Int8Weight)):
                     raise ValueError(f"tensor parallelism: {type(weight).__name__} weights ({name}) are not "
@@ -209,7 +254,7 @@ def shard_model(model: LlamaForCausalLM, group: TensorParallelGroup) -> LlamaFor
             _shard_linear_attention(layer.linear_attn, group)
         else:
             _shard_attention(layer.attn, group)
-        _shard_mlp(layer.mlp, group)
+        _shard_feed_forward(layer.mlp, group)
     vocab = model.config.vocab_size // group.size
     lo = group.rank * vocab
     tied = model.lm_head is model.embed_tokens

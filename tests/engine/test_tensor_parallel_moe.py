@@ -1,0 +1,74 @@
+"""Tensor parallelism of mixture-of-experts blocks (``models.tensor_parallel``): TP=2 equals TP=1.
+
+Every expert split by intermediate rows on two ranks (the router replicated), a shared expert
+likewise, one all-reduce per block: greedy, seeded and prompt-log-probability requests through
+the whole engine at TP=2 give TP=1's tokens and log-probabilities (within 1e-4), with chunked
+prefill, prefix hits and preemption (``test_tensor_parallel._check_same``). One tiny random
+float32 model per kind of block: Qwen3-MoE (``SparseMoE``, a dense first layer), GLM-4.5
+(DeepSeek's grouped router with a shared expert, GLM's partial-rotary attention), Qwen3.5-MoE
+(Gated DeltaNet layers; routed + sigmoid-gated shared expert). Refused, naming why: a moe
+intermediate size the ranks cannot split, FP8 experts.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from pagoda.models.tensor_parallel import check_divisible
+
+from tests.engine.hf_reference import save_random_model
+from tests.engine.test_tensor_parallel import _check_same, _config
+
+# A Qwen3-MoE as small as the other families' random configs here (hidden 32, 8 experts of 16
+# rows, a dense first layer), SmolLM2's vocabulary and tokenizer.
+QWEN3_MOE = dict(vocab_size=49152, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+                 norm_topk_prob=True, mlp_only_layers=[0], max_position_embeddings=512, initializer_range=0.2,
+                 tie_word_embeddings=False)
+
+
+def test_qwen3_moe_tp2_matches_tp1(tmp_path, smollm2_path):
+    _check_same(str(save_random_model(tmp_path / "q3moe", smollm2_path, 0, "Qwen3MoeConfig", **QWEN3_MOE)), [{}])
+
+
+def test_glm45_tp2_matches_tp1(tmp_path, smollm2_path):
+    from tests.engine.test_glm4_moe_engine import SMALL, _move_constants
+
+    folder = save_random_model(tmp_path / "glm45", smollm2_path, 0, "Glm4MoeConfig", edit_weights=_move_constants,
+                               **SMALL)
+    _check_same(str(folder), [{}])
+
+
+def test_hybrid_moe_tp2_matches_tp1(tmp_path, smollm2_path):
+    from tests.engine.test_hybrid_engine import ARCHS, SMALL, _move_constants
+
+    config_class, overrides = ARCHS["qwen3.5-moe"]
+    folder = save_random_model(tmp_path / "q35moe", smollm2_path, 0, config_class, edit_weights=_move_constants,
+                               **{**SMALL, **overrides})
+    # (Its prompts share prefixes only as they arrive together: a hit needs a state checkpoint.)
+    _check_same(str(folder), [dict(block_size=8)], expect_hits=False)
+
+
+def test_expert_shapes_that_do_not_divide_and_fp8_experts_are_refused():
+    import dataclasses
+
+    import torch
+
+    from pagoda.models import tensor_parallel
+    from pagoda.models.llama import Attention
+    from pagoda.models.moe import MoENames, SparseMoE
+
+    config = _config(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=10, shared_expert_intermediate_size=8)
+    with pytest.raises(ValueError, match="moe_intermediate_size=10 must be divisible"):
+        check_divisible(config, 4)
+    check_divisible(config, 2)
+    with pytest.raises(ValueError, match="shared_expert_intermediate_size=9 must be divisible"):
+        check_divisible(dataclasses.replace(config, moe_intermediate_size=12, shared_expert_intermediate_size=9), 2)
+
+    moe = SparseMoE(config, MoENames("mlp", "w1", "w3", "w2"), True, torch.float32, "meta")
+    moe.block_scales = (torch.ones(1), torch.ones(1), 128)  # as keep_fp8 leaves a DeepSeek FP8 checkpoint's
+    layer = SimpleNamespace(attn=Attention(config, torch.float32, "meta"), mlp=moe)
+    with pytest.raises(ValueError, match="layer 0's experts are served as FP8"):
+        tensor_parallel._check_supported(SimpleNamespace(layers=[layer]))
