@@ -180,8 +180,11 @@ def test_a_flood_does_not_starve_or_slow_the_quiet_tenant(replica, router, keys,
     assert min(depths) >= 1, depths  # every quiet request was sent while the flooder had requests queued
     assert flood_.outcomes and set(flood_.outcomes) == {200}  # the flooder waited; nothing refused
     assert flow.released[("quiet", 0)] == 22 and flow.refused == {}
-    # the router's part of the quiet tenant's latency: never more than a pump round or two
-    assert quiet_waits[WAIT_BUCKETS_S.index(0.05)] == quiet_waits[-1], quiet_waits
+    # The router's part of the quiet tenant's latency: each request under 0.1 s, most under 0.05 s.
+    # (With the replica's chunk cap a flood request holds its slot longer; on a loaded box one or two
+    # of the 22 were seen at 0.05-0.1 s, a few pump rounds, against 0.2-1.5 s less TTFT at p99.)
+    assert quiet_waits[WAIT_BUCKETS_S.index(0.1)] == quiet_waits[-1], quiet_waits
+    assert quiet_waits[WAIT_BUCKETS_S.index(0.05)] >= quiet_waits[-1] - 3, quiet_waits
     # End to end the rest is the replica's batching on a shared 2-core CPU box (module docstring,
     # docs/reliability.md): 2-3x at p50 measured; a gross bound only, the router's part is above.
     assert p50(flooded) <= 5 * p50(solo), (solo, flooded)
