@@ -13,8 +13,11 @@ completion, a Triton gRPC stream, a Triton HTTP generate, a bad input (malformed
 JSON array, unknown field, ``"stream": "yes"``, ``role: "wizard"``, a wrong key), and an
 over-limit request (``max_tokens``/``n`` past the cap, a 5 MB body).
 
-Faults on a timeline: Redis killed and restarted (at 25%), replica r1 killed with SIGKILL
-(at 45%) and started again.
+Faults (``pagoda.bench.soak_faults``): on a timeline, Redis killed and restarted (at 25%),
+replica r1 killed with SIGKILL (at 45%) and started again; with ``--kill-replica-every S``, a
+replica killed every S seconds in turn (the hostile mode too), and then no request may fail
+(the router migrates them). ``--queue-size-per-tenant N`` turns the router's flow control on
+(tenant queues, docs/reliability.md).
 
 Invariants (``Report.violations`` lists every breach; the command exits 1 on any):
 - every request got exactly one terminal answer: a finish (``finish_reason`` once per
@@ -60,7 +63,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from pagoda.bench import soak_hostile
+from pagoda.bench import soak_faults, soak_hostile
 from pagoda.bench.soak_clients import BURST_PROMPT, Endpoints, run_action, stream_ttft
 
 KEYS = {"sk-soak-tenant-a": "tenant-a", "sk-soak-tenant-b": "tenant-b"}
@@ -82,6 +85,8 @@ class SoakConfig:
     hostile_clients: int = 1
     hostile_actions: tuple[str, ...] = ()  # a subset of soak_hostile.actions' names (empty: all)
     max_ttft_ratio: float = 1.5  # tenant A's TTFT p99, hostile phase / quiet phase
+    kill_every_s: float = 0.0  # a replica killed every this many seconds (soak_faults.periodic_kills); 0: off
+    queue_size_per_tenant: int = 0  # the router's flow control (its tenant queues' bound); 0: off
     log_dir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="pagoda-soak-"))
 
 
@@ -199,6 +204,7 @@ class Fleet:
         self.router: Any = None
 
     def start(self) -> None:
+        from pagoda.fleet.gate.flow_control import FlowOptions
         from pagoda.fleet.service import BackgroundRouter, RouterOptions
 
         self.redis.start()
@@ -222,10 +228,11 @@ class Fleet:
                 adapter_dir = Path(self.config.log_dir) / "adapter"
                 self.adapter_path = soak_hostile.write_adapter(adapter_dir, model_dir_for(None))
         spec = ";".join(f"id={rid},grpc={s.grpc_url},http={s.http_url}" for rid, s in self.servers.items())
+        flow = FlowOptions(queue_size=self.config.queue_size_per_tenant) if self.config.queue_size_per_tenant else None
         self.router = BackgroundRouter(RouterOptions(
             replicas=spec, redis_url=self.redis.url, model_name="soak", host="127.0.0.1", http_port=0, grpc_port=0,
             health_interval_s=0.5, registry_interval_s=0.5, api_keys_file=keys,
-            allow_runtime_lora=self.config.hostile)).__enter__()
+            allow_runtime_lora=self.config.hostile, flow=flow)).__enter__()
 
     def start_replica(self, rid: str) -> None:
         from pagoda.serving.launch.launcher import TritonServer
@@ -251,26 +258,6 @@ class Fleet:
         self.redis.stop()
 
 
-def _faults(fleet: Fleet, config: SoakConfig, start: float, report: Report, stop: threading.Event) -> None:
-    def at(fraction: float) -> bool:
-        # A fault is never skipped: if the traffic ended early (max_requests reached before
-        # this point of duration_s), it is injected at once, before the invariants are checked.
-        stop.wait(max(0.0, start + fraction * config.duration_s - time.monotonic()))
-        return True
-
-    if at(0.25):
-        fleet.redis.stop()
-        time.sleep(1.0)
-        fleet.redis.start()
-        report.faults.append("Redis killed (SIGKILL) and restarted after 1 s")
-    if at(0.45):
-        fleet.kill_replica("r1")
-        report.faults.append("replica r1 killed (SIGKILL)")
-        t0 = time.monotonic()
-        fleet.start_replica("r1")
-        report.faults.append(f"replica r1 restarted (ready after {time.monotonic() - t0:.0f} s)")
-
-
 def run_soak(config: SoakConfig, fleet: Optional[Fleet] = None) -> Report:
     """Run the soak; returns the report (see the module docstring)."""
     report = Report()
@@ -281,23 +268,24 @@ def run_soak(config: SoakConfig, fleet: Optional[Fleet] = None) -> Report:
             fleet.start()
         if config.burst:
             report.burst = run_burst(fleet, config.burst)
-        if config.hostile:
-            start = time.monotonic()
-            soak_hostile.run_phases(fleet, config, report, _traffic, _rss_mb)
-            report.wall_s = time.monotonic() - start
-            _check_replicas(fleet, fleet.rss_start, config, report)
-            return _finish(report)
         start = time.monotonic()
         stop = threading.Event()
-        faults = threading.Thread(target=_faults, args=(fleet, config, start, report, stop), daemon=True)
-        if config.faults:
-            faults.start()
-        _traffic(fleet.endpoints(), config, start, report)
+        injectors = [soak_faults.periodic_kills] if config.kill_every_s else []
+        if config.faults and not config.hostile:  # the hostile phases lose Redis their own way
+            injectors.append(soak_faults.timeline)
+        faults = [threading.Thread(target=f, args=(fleet, config, start, report, stop), daemon=True) for f in injectors]
+        for thread in faults:
+            thread.start()
+        if config.hostile:
+            soak_hostile.run_phases(fleet, config, report, _traffic, _rss_mb)
+        else:
+            _traffic(fleet.endpoints(), config, start, report)
         stop.set()
-        if faults.is_alive():
-            faults.join()  # a restart in progress completes
+        for thread in faults:
+            thread.join()  # a restart in progress completes
         report.wall_s = time.monotonic() - start
         _check_replicas(fleet, fleet.rss_start, config, report)
+        soak_faults.check_nothing_failed(config, report)
     finally:
         if own:
             fleet.stop()
@@ -400,6 +388,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                    help="comma-separated subset of grammar_bomb,big_prompt,grpc_oversized,lora_churn,tenant_lora_load "
                         "(default: all), e.g. to find which one a replica's RSS grows with")
     p.add_argument("--max-ttft-ratio", type=float, default=1.5)
+    p.add_argument("--kill-replica-every", type=float, default=0.0, metavar="S",
+                   help="SIGKILL a replica every S seconds (r0, r1, ...; each restarted): no request may fail")
+    p.add_argument("--queue-size-per-tenant", type=int, default=0,
+                   help="the router's flow control: tenant queues of this bound (0: off)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     config = SoakConfig(duration_s=args.duration, max_requests=args.max_requests, num_clients=args.clients,
@@ -407,7 +399,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                         max_tokens=args.max_tokens, burst=args.burst, faults=not args.no_faults, seed=args.seed,
                         hostile=args.hostile, hostile_clients=args.hostile_clients,
                         hostile_actions=tuple(a for a in args.hostile_actions.split(",") if a),
-                        max_ttft_ratio=args.max_ttft_ratio)
+                        max_ttft_ratio=args.max_ttft_ratio, kill_every_s=args.kill_replica_every,
+                        queue_size_per_tenant=args.queue_size_per_tenant)
     print(f"pagoda bench soak: {json.dumps({k: v for k, v in vars(args).items()})}; logs in {config.log_dir}",
           flush=True)
     report = run_soak(config)
