@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Optional, TypeVar
 
 from pagoda.engine.cache_config import KV_CACHE_DTYPES, KV_CACHE_LAYOUTS, CacheConfig  # noqa: F401 (re-exported)
+from pagoda.engine.multimodal import MultiModalLimits
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
 SPECULATIVE_METHODS = ("draft", "ngram", "eagle3", "mtp")
@@ -365,10 +366,16 @@ class EngineConfig:
     # applies); > 1: rank 0 issues a step before the previous ones' logits are back
     # (async_scheduling is then ignored, with a warning).
     pipeline_micro_batches: Optional[int] = None
+    # Images (docs/multimodal.md): per prompt, pixels of one image as sent, and the encoder
+    # cache's bytes (image embeddings by content hash, LRU; engine/runner/encoder_cache.py).
+    limit_images_per_prompt: int = 4
+    max_image_pixels: int = 4096 * 4096
+    mm_encoder_cache_bytes: int = 256 * 2**20
 
     def __post_init__(self) -> None:
         for group in GROUPS:  # each validates its own fields
             self._group(group)
+        self.multimodal_limits  # validates the image limits
         if self.enable_lora and self.speculative_method is not None:
             raise ValueError("enable_lora: speculative decoding with LoRA adapters is not supported yet; "
                              "turn one of them off")
@@ -428,3 +435,7 @@ class EngineConfig:
     @property
     def parallel(self) -> ParallelConfig:
         return self._group(ParallelConfig)
+
+    @property
+    def multimodal_limits(self) -> MultiModalLimits:
+        return MultiModalLimits(self.limit_images_per_prompt, self.max_image_pixels)

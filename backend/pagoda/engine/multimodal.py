@@ -1,0 +1,69 @@
+"""A request's images as the engine keeps them: ``MultiModalFeature`` and the limits on them.
+
+One ``MultiModalFeature`` per image of a prompt, made by the input processor
+(``engine/image_inputs.py``) after the model's own image processor ran: its content hash, where
+its placeholder tokens lie in the prompt, and the processor's output for the encoder
+(``data``: opaque here, the model's ``encode_image`` reads it). Torch-free: the core and the KV
+bookkeeping carry features without looking inside ``data``.
+
+Invariants: features of one request are in prompt order and their placeholder ranges
+``[offset, offset + length)`` are disjoint and inside the prompt; ``mm_hash`` depends on the
+image's pixels, size and mode only (never on the file's encoding or name), so the same picture
+sent twice hashes the same and hits the encoder cache and the prefix cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+
+@dataclass(frozen=True)
+class MultiModalFeature:
+    """One image of a request.
+
+    Attributes:
+        mm_hash: lowercase hex SHA-256 of the image's content (mode, size, pixels).
+        offset: the index of its first placeholder token in the prompt.
+        length: its number of placeholder tokens.
+        data: what the model's encoder takes (``{"pixel_values": ..., "grid_thw": ...}`` for Qwen3-VL).
+        modality: "image" (the only one served).
+    """
+
+    mm_hash: str
+    offset: int
+    length: int
+    data: Any = field(default=None, compare=False, repr=False)
+    modality: str = "image"
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+@dataclass(frozen=True)
+class MultiModalLimits:
+    """What one request may bring (``EngineConfig``'s ``limit_images_per_prompt``, ``max_image_pixels``).
+
+    Attributes:
+        max_images: images per prompt.
+        max_pixels: width x height of one image as sent (checked before decoding it fully; a larger
+            one is refused as too big or a decompression bomb).
+        max_bytes: encoded bytes of one image payload.
+    """
+
+    max_images: int = 4
+    max_pixels: int = 4096 * 4096
+    max_bytes: int = 20 * 2**20
+
+    def __post_init__(self) -> None:
+        for name, field_name in (("max_images", "limit_images_per_prompt"), ("max_pixels", "max_image_pixels"),
+                                 ("max_bytes", "max_image_bytes")):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{field_name}: must be >= 1, got {getattr(self, name)}")
+
+
+def block_mm_keys(features: Sequence[MultiModalFeature], start: int, end: int) -> tuple[tuple[str, int], ...]:
+    """(hash, offset) of each feature whose placeholders overlap tokens ``[start, end)`` (a block's
+    extra keys, ``contracts.block_hash``)."""
+    return tuple((f.mm_hash, f.offset) for f in features if f.offset < end and f.end > start)
