@@ -27,10 +27,10 @@ BLOCK = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def vl(tmp_path_factory, smollm2_path):
+@pytest.fixture(scope="module", params=["qwen3-vl", "qwen3.5"])
+def vl(request, tmp_path_factory, smollm2_path):
     """(folder, transformers' reference, the tokenizer's ids of a long shared text)."""
-    folder = save_qwen3_vl(tmp_path_factory.mktemp("qwen3-vl"), smollm2_path)
+    folder = save_qwen3_vl(tmp_path_factory.mktemp(request.param), smollm2_path, arch=request.param)
     engine = LLMEngine(EngineConfig(model=str(folder), enable_prefix_caching=False))
     shared = engine.tokenizer.encode("In a quiet village by the sea, an old lighthouse keeper kept a journal of "
                                      "every ship that passed, noting the weather and the hour of the tide.")
@@ -119,6 +119,12 @@ def test_the_offline_api_takes_vllms_prompt_dict(vl):
     assert out[0].outputs[0].token_ids == hf.generate(prompt, [image], MAX_NEW)
 
 
+@pytest.fixture(scope="module")
+def strict_engine(vl):
+    """One engine (per architecture) for every bad input: it must keep serving after each."""
+    return LLMEngine(EngineConfig(model=str(vl[0]), max_image_pixels=500 * 500))
+
+
 def _bomb() -> bytes:
     from PIL import Image
 
@@ -143,9 +149,8 @@ def _truncated() -> bytes:
     ([random_image(1)], 2, r"prompt: 2 image placeholders \(token id 49000\) for 1 images"),
     ([], 0, r"multi_modal_data.image: no image given"),
 ])
-def test_bad_images_are_refused_naming_the_limit_and_nothing_leaks(vl, images, prompt_images, match):
-    folder, _, _ = vl
-    engine = LLMEngine(EngineConfig(model=str(folder), max_image_pixels=500 * 500))
+def test_bad_images_are_refused_naming_the_limit_and_nothing_leaks(strict_engine, images, prompt_images, match):
+    engine = strict_engine
     prompt = _image_prompt([1, 504], [2226], num_images=prompt_images)
     with pytest.raises(ValueError, match=match):
         engine.add_request("bad", {"prompt_token_ids": prompt, "multi_modal_data": {"image": images}}, GREEDY)

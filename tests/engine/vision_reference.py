@@ -29,6 +29,22 @@ QWEN3_VL = dict(
                        deepstack_visual_indexes=[0], initializer_range=0.25),
     image_token_id=IMAGE, vision_start_token_id=VISION_START, vision_end_token_id=VISION_END, video_token_id=49003,
     tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+# Qwen3.5: the hybrid decoder (3 DeltaNet layers, 1 gated full-attention layer rotating half of
+# each head: M-RoPE over 4 frequencies), the tower without DeepStack.
+QWEN3_5_VL = dict(
+    text_config=dict(vocab_size=49152, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                     linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                     max_position_embeddings=1024, initializer_range=0.25, num_hidden_layers=4, intermediate_size=48,
+                     linear_conv_kernel_dim=3, tie_word_embeddings=False,
+                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1],
+                                      "partial_rotary_factor": 0.5, "mrope_interleaved": True}),
+    vision_config=dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=32, patch_size=16,
+                       spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16, initializer_range=0.25),
+    image_token_id=IMAGE, vision_start_token_id=VISION_START, vision_end_token_id=VISION_END, video_token_id=49003,
+    tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+# name -> (transformers config class, model class, config)
+ARCHS = {"qwen3-vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration", QWEN3_VL),
+         "qwen3.5": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration", QWEN3_5_VL)}
 
 
 def random_image(seed: int, width: int = 64, height: int = 64):
@@ -40,15 +56,20 @@ def random_image(seed: int, width: int = 64, height: int = 64):
     return Image.fromarray(small).resize((width, height), Image.BILINEAR)
 
 
-def save_qwen3_vl(out_dir: Path, tokenizer_dir: str, seed: int = 0) -> Path:
-    """A random ``Qwen3VLForConditionalGeneration`` folder (see the module docstring)."""
+def save_qwen3_vl(out_dir: Path, tokenizer_dir: str, seed: int = 0, arch: str = "qwen3-vl") -> Path:
+    """A random vision-language folder of ``ARCHS[arch]`` (see the module docstring)."""
     import shutil
 
     import transformers
 
-    config = transformers.Qwen3VLConfig(**QWEN3_VL)
+    config_class, model_class, fields = ARCHS[arch]
+    config = getattr(transformers, config_class)(**fields)
     torch.manual_seed(seed)
-    model = transformers.Qwen3VLForConditionalGeneration(config).eval()
+    model = getattr(transformers, model_class)(config).eval()
+    with torch.no_grad():  # norms off their constants (Qwen3.5's are zero-centred), so every offset counts
+        for name, param in model.named_parameters():
+            if "norm" in name or name.endswith("dt_bias"):
+                param.add_(0.3 * torch.randn(param.shape))
     out_dir = Path(out_dir)
     model.save_pretrained(out_dir)
     transformers.Qwen2VLImageProcessorPil(**PROCESSOR).save_pretrained(out_dir)
@@ -63,9 +84,12 @@ class HFVision:
     """transformers' greedy ``generate`` of a prompt with images (never stopping early)."""
 
     def __init__(self, path: Path) -> None:
+        import json
+
         import transformers
 
-        self.model = transformers.Qwen3VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+        model_class = json.loads((Path(path) / "config.json").read_text())["architectures"][0]
+        self.model = getattr(transformers, model_class).from_pretrained(path, dtype=torch.float32).eval()
         self.processor = transformers.Qwen2VLImageProcessorPil.from_pretrained(path)
 
     def expand(self, token_ids: list[int], images: list) -> tuple[list[int], dict]:
