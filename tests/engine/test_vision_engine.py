@@ -71,6 +71,23 @@ def test_image_split_across_prefill_chunks_equals_transformers(vl):
     assert engine.get_stats().mm_encoder_runs == 2, "each image encoded once, though its rows came in several chunks"
 
 
+@pytest.mark.parametrize("mode", ["recompute", "async"])
+def test_images_batched_chunked_and_preempted_equal_transformers(vl, mode):
+    """Three image requests at a 7-token budget in a cache so small that requests are preempted:
+    a readmitted request's image rows come back from the encoder cache, its positions recomputed."""
+    folder, hf, shared = vl
+    engine = LLMEngine(EngineConfig(model=str(folder), block_size=BLOCK, max_num_batched_tokens=7,
+                                    num_gpu_blocks_override=8, async_scheduling=mode == "async"))
+    prompts = [_image_prompt(shared[:20], [2226, 314]), _image_prompt([1, 504], [3375], num_images=2),
+               _image_prompt(shared[:20], [2226])]
+    images = [[random_image(11)], [random_image(12, 96, 64), random_image(13)], [random_image(11)]]
+    assert _run(engine, list(zip(prompts, images))) == [hf.generate(p, i, MAX_NEW) for p, i in zip(prompts, images)]
+    stats = engine.get_stats()
+    assert stats.num_preemptions > 0, "the tiny cache should have preempted"
+    assert stats.mm_encoder_runs == 3, "three distinct images, each encoded once across chunks and readmissions"
+    assert stats.num_free_blocks == stats.num_blocks
+
+
 def test_prefix_cache_is_keyed_by_image_content(vl):
     folder, hf, shared = vl
     engine = LLMEngine(EngineConfig(model=str(folder), block_size=BLOCK))
