@@ -189,3 +189,22 @@ def test_a_placeholder_without_an_image_and_an_image_for_a_text_model_are_refuse
     with pytest.raises(ValueError, match="multi_modal_data: this model takes text only"):
         text_only.add_request("y", {"prompt": "Hello", "multi_modal_data": {"image": random_image(1)}}, GREEDY)
     assert not engine.has_unfinished_requests() and not text_only.has_unfinished_requests()
+
+
+def test_kv_events_carry_the_image_hashes_of_the_blocks_that_overlap_an_image(vl):
+    from pagoda.contracts.kv_events import BlockStored
+    from pagoda.contracts.vllm_kv_events import to_vllm_event
+    from pagoda.engine.image_inputs import image_hash
+
+    folder, _, shared = vl
+    engine = LLMEngine(EngineConfig(model=str(folder), block_size=BLOCK))
+    engine.take_block_events()
+    image = random_image(6)
+    _run(engine, [(_image_prompt(shared, [2226, 314, 3375]), [image])])
+    events = [e.event for e in engine.take_block_events()]
+    stored = [e for e in events if isinstance(e, BlockStored) and e.group_idx == 0]
+    keys = [k for event in stored for k in to_vllm_event(event).extra_keys]
+    start, end = len(shared) + 1, len(shared) + 1 + 4  # a 64x64 image: 4 placeholders
+    assert len(keys) >= end // BLOCK + 1
+    assert keys == [(image_hash(image),) if i * BLOCK < end and (i + 1) * BLOCK > start else None
+                    for i in range(len(keys))]

@@ -272,6 +272,11 @@ class Request:
         self._extra = encode_extra_keys(self.cache_salt, self.adapter_id)
         self._extend_block_hashes()
 
+    def block_mm_keys(self, index: int) -> tuple[tuple[str, int], ...]:
+        """(hash, offset) of each image that full block ``index`` overlaps (its hash's image keys)."""
+        size = self._block_size
+        return block_mm_keys(self.mm_features, index * size, (index + 1) * size)
+
     def _extend_block_hashes(self) -> None:
         size = self._block_size
         if size == 0:
@@ -279,7 +284,7 @@ class Request:
         while (len(self.block_hashes) + 1) * size <= len(self._all_token_ids):
             start = len(self.block_hashes) * size
             parent = self.block_hashes[-1] if self.block_hashes else self._root
-            mm_keys = block_mm_keys(self.mm_features, start, start + size) if self.mm_features else ()
+            mm_keys = self.block_mm_keys(len(self.block_hashes)) if self.mm_features else ()
             extra = encode_extra_keys(self.cache_salt, self.adapter_id, mm_keys) if mm_keys else self._extra
             self.block_hashes.append(hash_block(parent, self._all_token_ids[start : start + size], extra))
 
