@@ -185,6 +185,9 @@ def test_a_placeholder_without_an_image_and_an_image_for_a_text_model_are_refuse
     with pytest.raises(ValueError, match="truncate_prompt_tokens: not supported with images"):
         engine.add_request("t", {"prompt_token_ids": _image_prompt([1], [2]), "multi_modal_data": {
             "image": random_image(1)}}, SamplingParams(max_tokens=2, truncate_prompt_tokens=4))
+    with pytest.raises(ValueError, match="multi_modal_data: images are not served with .* beam search"):
+        engine.add_request("b", {"prompt_token_ids": _image_prompt([1], [2]), "multi_modal_data": {
+            "image": random_image(1)}}, SamplingParams(use_beam_search=True, n=2, temperature=0.0, max_tokens=2))
     text_only = LLMEngine(EngineConfig(model=model_path))
     with pytest.raises(ValueError, match="multi_modal_data: this model takes text only"):
         text_only.add_request("y", {"prompt": "Hello", "multi_modal_data": {"image": random_image(1)}}, GREEDY)
@@ -208,3 +211,15 @@ def test_kv_events_carry_the_image_hashes_of_the_blocks_that_overlap_an_image(vl
     assert len(keys) >= end // BLOCK + 1
     assert keys == [(image_hash(image),) if i * BLOCK < end and (i + 1) * BLOCK > start else None
                     for i in range(len(keys))]
+
+
+def test_qwen3_5_moe_with_images_equals_transformers(tmp_path_factory, smollm2_path):
+    """Qwen3.5-MoE's decoder (4 experts top-2 and a shared expert per layer) with the same image path."""
+    folder = save_qwen3_vl(tmp_path_factory.mktemp("qwen3.5-moe"), smollm2_path, arch="qwen3.5-moe")
+    hf = HFVision(folder)
+    engine = LLMEngine(EngineConfig(model=str(folder), max_num_batched_tokens=5))
+    prompt = _image_prompt([1, 504], [2226], num_images=2)
+    images = [random_image(14), random_image(15, 96, 64)]
+    got = _run(engine, [(prompt, images), (prompt, images[::-1])])
+    assert got == [hf.generate(prompt, images, MAX_NEW), hf.generate(prompt, images[::-1], MAX_NEW)]
+    assert got[0] != got[1], "the images' order must matter"

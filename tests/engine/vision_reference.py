@@ -42,9 +42,12 @@ QWEN3_5_VL = dict(
                        spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16, initializer_range=0.25),
     image_token_id=IMAGE, vision_start_token_id=VISION_START, vision_end_token_id=VISION_END, video_token_id=49003,
     tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+QWEN3_5_MOE_VL = {**QWEN3_5_VL, "text_config": {**QWEN3_5_VL["text_config"], "num_experts": 4, "num_experts_per_tok": 2,
+                                                 "moe_intermediate_size": 24, "shared_expert_intermediate_size": 20}}
 # name -> (transformers config class, model class, config)
 ARCHS = {"qwen3-vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration", QWEN3_VL),
-         "qwen3.5": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration", QWEN3_5_VL)}
+         "qwen3.5": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration", QWEN3_5_VL),
+         "qwen3.5-moe": ("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration", QWEN3_5_MOE_VL)}
 
 
 def random_image(seed: int, width: int = 64, height: int = 64):

@@ -14,8 +14,9 @@ the core takes it. What a door checked already is not checked again: ``SamplingP
 - ``bad_words`` become token sequences; ``truncate_prompt_tokens`` keeps the prompt's tail;
 - images (``EngineRequest.multi_modal_data``): checked, hashed and preprocessed by the model's
   own image processor, placeholders expanded (``image_inputs.py``); refused for a text-only
-  model, with ``truncate_prompt_tokens`` (it could cut an image's placeholders) and on an
-  engine of several ranks (the step's broadcast carries no images yet).
+  model, with ``truncate_prompt_tokens`` (it could cut an image's placeholders), with beam
+  search or speculative decoding, and on an engine of several ranks (the step's broadcast
+  carries no images yet).
 
 Thread safety: ``tokenize_prompt`` touches no engine state (a server calls it off the
 engine's thread); ``process`` runs on the engine's thread. ``num_prompts_tokenized`` counts
@@ -91,9 +92,9 @@ class InputProcessor:
             raise ValueError(f"multi_modal_data: only the 'image' modality is served, got {sorted(data)}")
         if request.params.truncate_prompt_tokens is not None:
             raise ValueError("truncate_prompt_tokens: not supported with images (it could cut an image's placeholders)")
-        if self.capabilities.world_size > 1 or request.params.use_beam_search:
-            raise ValueError("multi_modal_data: images are not served with tensor/pipeline parallelism or beam "
-                             "search yet (neither carries an image's embeddings)")
+        if self.capabilities.world_size > 1 or request.params.use_beam_search or self.capabilities.has_speculator:
+            raise ValueError("multi_modal_data: images are not served with tensor/pipeline parallelism, beam search "
+                             "or speculative decoding yet (none carries an image's embeddings or M-RoPE positions)")
         return self.images.process(token_ids, data.get("image"))
 
     def tokenize_prompt(self, text: str, params: Optional[SamplingParams] = None) -> list[int]:
