@@ -370,6 +370,7 @@ class EngineConfig:
     # cache's bytes (image embeddings by content hash, LRU; engine/runner/encoder_cache.py).
     limit_images_per_prompt: int = 4
     max_image_pixels: int = 4096 * 4096
+    max_image_bytes: int = 20 * 2**20  # one encoded image as sent (a door's decoded base64 / data URL)
     mm_encoder_cache_bytes: int = 256 * 2**20
 
     def __post_init__(self) -> None:
@@ -438,4 +439,4 @@ class EngineConfig:
 
     @property
     def multimodal_limits(self) -> MultiModalLimits:
-        return MultiModalLimits(self.limit_images_per_prompt, self.max_image_pixels)
+        return MultiModalLimits(self.limit_images_per_prompt, self.max_image_pixels, self.max_image_bytes)

@@ -43,7 +43,8 @@ class MultiModalFeature:
 
 @dataclass(frozen=True)
 class MultiModalLimits:
-    """What one request may bring (``EngineConfig``'s ``limit_images_per_prompt``, ``max_image_pixels``).
+    """What one request may bring (``EngineConfig``'s ``limit_images_per_prompt``, ``max_image_pixels``,
+    ``max_image_bytes``).
 
     Attributes:
         max_images: images per prompt.
