@@ -229,3 +229,20 @@ def test_qwen3_5_moe_with_images_equals_transformers(tmp_path_factory, smollm2_p
     got = _run(engine, [(prompt, images), (prompt, images[::-1])])
     assert got == [hf.generate(prompt, images, MAX_NEW), hf.generate(prompt, images[::-1], MAX_NEW)]
     assert got[0] != got[1], "the images' order must matter"
+
+
+def test_a_step_encodes_images_within_the_encoder_budget(vl):
+    """Two 4-token images and a 6-token one, an encoder budget of 8: the first step stops before
+    the third image (its chunk ends at the image's first placeholder), the next step takes it."""
+    folder, hf, _ = vl
+    engine = LLMEngine(EngineConfig(model=str(folder), enable_prefix_caching=False, max_num_encoder_tokens=8))
+    prompt = _image_prompt([1, 504], [2226], num_images=3)
+    images = [random_image(16), random_image(17), random_image(18, 96, 64)]
+    engine.add_request("e", {"prompt_token_ids": prompt, "multi_modal_data": {"image": images}}, GREEDY)
+    engine.step()
+    (request,) = engine.scheduler.running
+    third = request.mm_features[2]
+    assert request.num_computed_tokens == third.offset and engine.get_stats().mm_encoder_runs == 2
+    finals = drain(engine)
+    assert finals["e"].outputs[0].token_ids == hf.generate(prompt, images, MAX_NEW)
+    assert engine.get_stats().mm_encoder_runs == 3

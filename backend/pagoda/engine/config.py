@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Optional, TypeVar
 
 from pagoda.engine.cache_config import KV_CACHE_DTYPES, KV_CACHE_LAYOUTS, CacheConfig  # noqa: F401 (re-exported)
-from pagoda.engine.multimodal import MultiModalLimits
+from pagoda.engine.multimodal import MultiModalConfig
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
 SPECULATIVE_METHODS = ("draft", "ngram", "eagle3", "mtp")
@@ -78,8 +78,11 @@ class SchedulingConfig:
     scheduling_policy: str
     min_shared_prefix_to_wait: int
     async_scheduling: bool
+    max_num_encoder_tokens: Optional[int]
 
     def __post_init__(self) -> None:
+        if self.max_num_encoder_tokens is not None and self.max_num_encoder_tokens < 1:
+            raise ValueError(f"max_num_encoder_tokens: must be >= 1 when given, got {self.max_num_encoder_tokens}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs: must be >= 1, got {self.max_num_seqs}")
         if self.default_max_tokens is not None and self.default_max_tokens < 1:
@@ -258,7 +261,7 @@ def _check_micro_batches(micro_batches: int, pp: int) -> None:
 
 
 GROUPS = (LoadConfig, CacheConfig, SchedulingConfig, SpeculativeConfig, OffloadConfig, LoRAConfig, AdmissionConfig,
-          GuidedConfig, ParallelConfig)
+          GuidedConfig, ParallelConfig, MultiModalConfig)
 _Group = TypeVar("_Group")
 
 
@@ -372,11 +375,11 @@ class EngineConfig:
     max_image_pixels: int = 4096 * 4096
     max_image_bytes: int = 20 * 2**20  # one encoded image as sent (a door's decoded base64 / data URL)
     mm_encoder_cache_bytes: int = 256 * 2**20
+    max_num_encoder_tokens: Optional[int] = None  # image placeholders encoded per step (None: max_num_batched_tokens)
 
     def __post_init__(self) -> None:
         for group in GROUPS:  # each validates its own fields
             self._group(group)
-        self.multimodal_limits  # validates the image limits
         if self.enable_lora and self.speculative_method is not None:
             raise ValueError("enable_lora: speculative decoding with LoRA adapters is not supported yet; "
                              "turn one of them off")
@@ -438,5 +441,5 @@ class EngineConfig:
         return self._group(ParallelConfig)
 
     @property
-    def multimodal_limits(self) -> MultiModalLimits:
-        return MultiModalLimits(self.limit_images_per_prompt, self.max_image_pixels, self.max_image_bytes)
+    def multimodal(self) -> MultiModalConfig:
+        return self._group(MultiModalConfig)

@@ -4,7 +4,7 @@
 processor, off the step), for a model whose config declares a ``VisionSpec``:
 
 1. each image is a PIL image or its encoded bytes; bytes are opened lazily and the header's
-   size is checked against ``MultiModalLimits.max_pixels`` *before* decoding, so a
+   size is checked against ``MultiModalConfig.max_image_pixels`` *before* decoding, so a
    decompression bomb is refused without being expanded (PIL's own ``MAX_IMAGE_PIXELS``
    guard stays on too); a payload that is not an image, or is truncated, is refused;
 2. the image is converted to RGB and hashed: ``SHA-256(b"pagoda-image-v1" || mode || u32le(w)
@@ -29,7 +29,7 @@ import struct
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from pagoda.engine.multimodal import MultiModalFeature, MultiModalLimits
+from pagoda.engine.multimodal import MultiModalFeature, MultiModalConfig
 
 _IMAGE_TAG = b"pagoda-image-v1"
 
@@ -51,7 +51,7 @@ class ImageInputs:
     limits: what one request may bring.
     """
 
-    def __init__(self, spec: Any, model_path: str, limits: MultiModalLimits) -> None:
+    def __init__(self, spec: Any, model_path: str, limits: MultiModalConfig) -> None:
         self.spec = spec
         self.model_path = model_path
         self.limits = limits
@@ -88,9 +88,10 @@ class ImageInputs:
         images = list(images) if isinstance(images, (list, tuple)) else [images]
         if not images:
             raise ValueError("multi_modal_data.image: no image given")
-        if len(images) > self.limits.max_images:
-            raise ValueError(f"multi_modal_data.image: {len(images)} images; at most {self.limits.max_images} "
-                             "per prompt (limit_images_per_prompt)")
+        limit = self.limits.limit_images_per_prompt
+        if len(images) > limit:
+            raise ValueError(f"multi_modal_data.image: {len(images)} images; at most {limit} per prompt "
+                             "(limit_images_per_prompt)")
         token_id = self.spec.image_token_id
         slots = [i for i, t in enumerate(token_ids) if t == token_id]
         if len(slots) != len(images):
@@ -120,8 +121,9 @@ class ImageInputs:
 
         field = f"multi_modal_data.image[{index}]"
         if isinstance(value, (bytes, bytearray, memoryview)):
-            if len(value) > self.limits.max_bytes:
-                raise ValueError(f"{field}: {len(value)} bytes; at most {self.limits.max_bytes}")
+            most = self.limits.max_image_bytes
+            if len(value) > most:
+                raise ValueError(f"{field}: {len(value)} bytes; at most {most} (max_image_bytes)")
             try:
                 image = Image.open(io.BytesIO(bytes(value)))
             except (UnidentifiedImageError, Image.DecompressionBombError) as e:
@@ -142,12 +144,12 @@ class ImageInputs:
         width, height = size
         if width < 1 or height < 1:
             raise ValueError(f"{field}: empty image ({width}x{height})")
-        if width * height > self.limits.max_pixels:
+        if width * height > self.limits.max_image_pixels:
             raise ValueError(f"{field}: {width}x{height} = {width * height} pixels; at most "
-                             f"{self.limits.max_pixels} (max_image_pixels)")
+                             f"{self.limits.max_image_pixels} (max_image_pixels)")
 
 
-def make_image_inputs(model_config: Any, model_path: str, limits: MultiModalLimits) -> Optional[ImageInputs]:
+def make_image_inputs(model_config: Any, model_path: str, limits: MultiModalConfig) -> Optional[ImageInputs]:
     """``ImageInputs`` for a vision-language model, None for a text-only one."""
     spec = getattr(model_config, "vision", None)
     return ImageInputs(spec, model_path, limits) if spec is not None else None

@@ -85,7 +85,7 @@ class LLMEngine:
         self.input_processor = InputProcessor(self.tokenizer, vocab_size, self.max_model_len, EngineCapabilities(
             has_speculator=self.speculator is not None, world_size=self.config.world_size,
             check_lora_name=self._check_lora_name, has_request=self.output_processor.has_request),
-            make_image_inputs(self.model_config, model_path, self.config.multimodal_limits))
+            make_image_inputs(self.model_config, model_path, self.config.multimodal))
         self.core.beams.find_stop_string = self._find_stop_string  # beams end at stop strings too
         self.admission = Admission(self.config.max_waiting_requests, self.config.max_waiting_prompt_tokens,
                                    max_queue_delay_s=self.config.max_queue_delay_s, slots=self.config.max_num_seqs)

@@ -42,26 +42,29 @@ class MultiModalFeature:
 
 
 @dataclass(frozen=True)
-class MultiModalLimits:
-    """What one request may bring (``EngineConfig``'s ``limit_images_per_prompt``, ``max_image_pixels``,
-    ``max_image_bytes``).
+class MultiModalConfig:
+    """Images: what one request may bring and what the encoder cache keeps (``EngineConfig``'s
+    fields of the same names; one of its groups, ``EngineConfig.multimodal``).
 
     Attributes:
-        max_images: images per prompt.
-        max_pixels: width x height of one image as sent (checked before decoding it fully; a larger
-            one is refused as too big or a decompression bomb).
-        max_bytes: encoded bytes of one image payload.
+        limit_images_per_prompt: images per prompt.
+        max_image_pixels: width x height of one image as sent (checked before decoding it fully;
+            a larger one is refused as too big or a decompression bomb).
+        max_image_bytes: encoded bytes of one image payload.
+        mm_encoder_cache_bytes: the encoder cache's cap (``engine/runner/encoder_cache.py``).
     """
 
-    max_images: int = 4
-    max_pixels: int = 4096 * 4096
-    max_bytes: int = 20 * 2**20
+    limit_images_per_prompt: int = 4
+    max_image_pixels: int = 4096 * 4096
+    max_image_bytes: int = 20 * 2**20
+    mm_encoder_cache_bytes: int = 256 * 2**20
 
     def __post_init__(self) -> None:
-        for name, field_name in (("max_images", "limit_images_per_prompt"), ("max_pixels", "max_image_pixels"),
-                                 ("max_bytes", "max_image_bytes")):
+        for name in ("limit_images_per_prompt", "max_image_pixels", "max_image_bytes"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{field_name}: must be >= 1, got {getattr(self, name)}")
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.mm_encoder_cache_bytes < 0:
+            raise ValueError(f"mm_encoder_cache_bytes: must be >= 0, got {self.mm_encoder_cache_bytes}")
 
 
 def block_mm_keys(features: Sequence[MultiModalFeature], start: int, end: int) -> tuple[tuple[str, int], ...]:

@@ -178,7 +178,7 @@ class ModelRunner:
             logger.warning("CUDA graphs off: %s", reason)
         # Images (runner.mm_inputs): their rows and M-RoPE positions are per step, which a replayed graph lacks.
         # (Not under TP/PP: the step's broadcast carries no images; the input processor refuses them there.)
-        self.mm = (MultiModalInputs(self.model, self.device, config.mm_encoder_cache_bytes)
+        self.mm = (MultiModalInputs(self.model, self.device, config.multimodal.mm_encoder_cache_bytes)
                    if model_config.vision is not None and self.group is None else None)
         no_graphs = self.keeps_hidden or self.group is not None or self.mm is not None
         self.graphs = None if no_graphs else DecodeGraphs.maybe_capture(self)  # None on CPU or when disabled

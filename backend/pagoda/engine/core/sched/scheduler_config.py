@@ -45,6 +45,7 @@ class SchedulerConfig:
     kv_layout: Optional[KVCacheLayout] = None
     num_host_state_slots: int = 0  # the CPU tier's recurrent-state slots (swaps of hybrid models)
     state_checkpoint_interval: int = 0  # EngineConfig's (kv.state_manager)
+    max_num_encoder_tokens: Optional[int] = None  # images' placeholders a step encodes (None: the token budget)
 
     @property
     def layout(self) -> KVCacheLayout:
@@ -92,6 +93,7 @@ class SchedulerConfig:
             max_loras=lora.max_loras if lora.enable_lora else 0,
             min_shared_prefix_to_wait=sched.min_shared_prefix_to_wait,
             micro_batches=config.micro_batches,
+            max_num_encoder_tokens=sched.max_num_encoder_tokens,
         )
 
     def resolve_max_tokens(self, request: Request, num_usable_blocks: int) -> int:
