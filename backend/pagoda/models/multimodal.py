@@ -33,14 +33,15 @@ class VisionSpec:
     """A vision-language family's multimodal rules (``ModelConfig.vision``).
 
     Attributes:
-        family: the family's name (``"qwen3_vl"``), for messages.
+        family: the family's name (``"qwen3_vl"``, ``"qwen3_5"``), for messages.
         image_token_id: the placeholder token; each one in a prompt stands for one image and
             expands into ``num_image_tokens`` copies.
         spatial_merge_size: patches merged per side into one placeholder token.
         mrope_section: M-RoPE's (temporal, height, width) split of the rotary half-dimension,
-            interleaved (Qwen3-VL); empty: plain 1-D rotary.
+            interleaved (Qwen3-VL, Qwen3.5); empty: plain 1-D rotary.
         image_processor: the Hugging Face image processor's class name (its PIL variant: no
-            torchvision) and its defaults when the folder has no preprocessor_config.json.
+            torchvision).
+        processor_defaults: its settings when the folder has no preprocessor_config.json.
         vision_config: the checkpoint's vision tower settings (the raw config.json entry).
     """
 
