@@ -42,8 +42,9 @@ def _image_prompt(text_ids: list[int], tail: list[int], num_images: int = 1) -> 
 
 
 def _run(engine: LLMEngine, requests: list[tuple[list[int], list]], prefix: str = "r") -> list[list[int]]:
-    for i, (ids, images) in enumerate(requests):
-        engine.add_request(f"{prefix}{i}", {"prompt_token_ids": ids, "multi_modal_data": {"image": images}}, GREEDY)
+    for i, (ids, images) in enumerate(requests):  # no images: a text-only request
+        prompt = {"prompt_token_ids": ids, "multi_modal_data": {"image": images}} if images else ids
+        engine.add_request(f"{prefix}{i}", prompt, GREEDY)
     finals = drain(engine)
     return [finals[f"{prefix}{i}"].outputs[0].token_ids for i in range(len(requests))]
 
@@ -54,9 +55,12 @@ def test_one_and_two_images_equal_transformers_and_depend_on_the_image(vl):
     one = _image_prompt([1, 504, 3375], [2226, 314])
     two = _image_prompt([1, 504], [2226], num_images=2)
     a, b, wide = random_image(1), random_image(2), random_image(3, 96, 64)
-    got = _run(engine, [(one, [a]), (one, [b]), (two, [a, wide])])
-    assert got == [hf.generate(one, [a], MAX_NEW), hf.generate(one, [b], MAX_NEW), hf.generate(two, [a, wide], MAX_NEW)]
+    text = [1, 504, 3375, 2226, 314]
+    got = _run(engine, [(one, [a]), (one, [b]), (text, []), (two, [a, wide])])  # a text-only request among them
+    assert got == [hf.generate(one, [a], MAX_NEW), hf.generate(one, [b], MAX_NEW), hf.generate(text, [], MAX_NEW),
+                   hf.generate(two, [a, wide], MAX_NEW)]
     assert got[0] != got[1], "the tiny model's greedy output must depend on the image"
+    assert _run(engine, [(text, [])], "alone") == [got[2]], "a text request alone: as in a batch with images"
     stats = engine.get_stats()
     assert stats.mm_encoder_runs == 3 and stats.mm_encoder_cache_hits == 1  # a: encoded once, read again
     assert stats.num_free_blocks == stats.num_blocks

@@ -96,7 +96,9 @@ class HFVision:
         self.processor = transformers.Qwen2VLImageProcessorPil.from_pretrained(path)
 
     def expand(self, token_ids: list[int], images: list) -> tuple[list[int], dict]:
-        """The prompt with each ``IMAGE`` expanded, and the processor's tensors."""
+        """The prompt with each ``IMAGE`` expanded, and the processor's tensors (none without images)."""
+        if not images:
+            return list(token_ids), {}
         out = self.processor(images=images, return_tensors="pt")
         counts = iter((out["image_grid_thw"].prod(-1) // 4).tolist())
         expanded: list[int] = []
