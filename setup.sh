@@ -18,7 +18,7 @@ fi
 .venv/bin/pip install -q --upgrade pip
 # Pin torch first: an unpinned torch pulls a multi-GB CUDA build.
 .venv/bin/pip install -q torch==2.13.0 'numpy<2'
-.venv/bin/pip install -q -e '.[serve,import,kernels,operator,test]'
+.venv/bin/pip install -q -e '.[serve,import,kernels,operator,test,vision]'
 # Optional: the NIXL KV connector (~130 MB of wheels, UCX bundled); its tests skip without it.
 .venv/bin/pip install -q -e '.[nixl]' \
   || echo "setup: could not install nixl; the NIXL KV connector's tests will be skipped" >&2

@@ -83,3 +83,28 @@ def test_model_id_and_salt_isolation():
     assert hash_prompt_blocks(tokens, 4, "m1") != hash_prompt_blocks(tokens, 4, "m2")
     assert hash_prompt_blocks(tokens, 4, MODEL, cache_salt="a") != hash_prompt_blocks(tokens, 4, MODEL, cache_salt="b")
     assert encode_extra_keys() == b""
+
+
+def test_image_keys_enter_only_the_blocks_that_overlap_the_image():
+    """``mm`` extra keys (the module docstring's byte form): the blocks that overlap an image's
+    placeholders carry its content hash and offset; the blocks before it stay as plain text."""
+    from pagoda.engine.multimodal import MultiModalFeature
+    from pagoda.engine.request import Request
+    from pagoda.engine.sampling_params import SamplingParams
+
+    assert encode_extra_keys("t", None, [("ab12", 5)]) == b'{"mm":[["ab12",5]],"salt":"t"}'
+    tokens = list(range(4)) + [7] + [99] * 6 + list(range(20, 25))  # an image at 5..10, 16 tokens
+
+    def hashes(mm_hash: str) -> list:
+        request = Request("r", tokens, SamplingParams(), mm_features=(MultiModalFeature(mm_hash, 5, 6),))
+        request.init_block_hashes(4, MODEL)
+        return request.block_hashes
+
+    plain = hash_prompt_blocks(tokens, 4, MODEL)
+    first, same, other = hashes("aa"), hashes("aa"), hashes("bb")
+    assert first == same and first[0] == other[0] == plain[0]  # block 0 (tokens 0..3) ends before the image
+    assert all(a != b for a, b in zip(first[1:], other[1:]))  # blocks 1, 2 overlap it; block 3 chains after
+    root = root_hash(MODEL)
+    extra = encode_extra_keys(mm_keys=[("aa", 5)])
+    assert first[1] == hash_block(hash_block(root, tokens[:4]), tokens[4:8], extra)
+    assert first[3] == hash_block(first[2], tokens[12:16])  # past the image: no image key, but its chain

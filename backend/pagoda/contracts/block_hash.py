@@ -13,10 +13,16 @@ Only *full* blocks are hashed. For a request whose token ids are split into bloc
 
     root_hash(model_id) = SHA-256( b"pagoda-root-v1" || utf8(model_id) )
 
-``extra`` encodes the request's ``cache_salt`` (tenant isolation) and adapter id; it is
-empty when both are absent, otherwise ``utf8(json.dumps({"adapter": a, "salt": s},
-sort_keys=True, separators=(",", ":")))`` with absent keys omitted. Every block of a
-salted request carries the salt, so two tenants never share any block.
+``extra`` encodes the request's ``cache_salt`` (tenant isolation), adapter id and the images
+whose placeholder tokens the block overlaps; it is empty when all are absent, otherwise
+``utf8(json.dumps({"adapter": a, "mm": [[h, o], ...], "salt": s}, sort_keys=True,
+separators=(",", ":")))`` with absent keys omitted. Every block of a salted request carries
+the salt, so two tenants never share any block. ``mm`` (vLLM's ``mm_hash`` extra keys): for
+each image overlapping the block, in prompt order, its content hash ``h`` (lowercase hex
+SHA-256, made where the request is built: ``engine/image_inputs.py``) and ``o``, the index
+of its first placeholder token in the request. Placeholder tokens are the same for every
+image, so without ``mm`` two prompts with equal text and different images would share
+blocks; with it they never do, and the same image at the same place hits.
 
 Hashes are 32-byte ``bytes`` (``BlockHash``); ``hex()`` gives the form used in Redis and
 block events. Python's ``hash()`` is never used: it is salted per process.
@@ -41,11 +47,15 @@ def root_hash(model_id: str) -> BlockHash:
     return BlockHash(hashlib.sha256(_ROOT_TAG + model_id.encode("utf-8")).digest())
 
 
-def encode_extra_keys(cache_salt: Optional[str] = None, adapter_id: Optional[str] = None) -> bytes:
-    """Canonical byte encoding of a request's extra keys (empty when there are none)."""
-    keys = {}
+def encode_extra_keys(cache_salt: Optional[str] = None, adapter_id: Optional[str] = None,
+                      mm_keys: Sequence[tuple[str, int]] = ()) -> bytes:
+    """Canonical byte encoding of a block's extra keys (empty when there are none); ``mm_keys``:
+    (content hash, first placeholder index) of each image the block overlaps."""
+    keys: dict = {}
     if adapter_id is not None:
         keys["adapter"] = adapter_id
+    if mm_keys:
+        keys["mm"] = [[h, o] for h, o in mm_keys]
     if cache_salt is not None:
         keys["salt"] = cache_salt
     if not keys:

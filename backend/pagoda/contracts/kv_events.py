@@ -50,6 +50,9 @@ class BlockStored:
     group_idx: int = 0  # the KV cache group whose hash map took the blocks
     kv_cache_spec_kind: Optional[str] = None  # the group's kind (multi-group layouts only)
     sliding_window: Optional[int] = None  # the group's window, for kind "sliding_window"
+    # Per stored block, the (image content hash, offset) of each image it overlaps (part of its
+    # hash, contracts.block_hash's "mm"); None when no block overlaps an image. Never in ``to_dict``.
+    mm_keys: Optional[list[tuple[tuple[str, int], ...]]] = None
 
     def to_dict(self) -> dict[str, Any]:
         out = {

@@ -19,8 +19,9 @@ The shape, as vLLM 0.32.0 writes it:
   that recompute vLLM's hash from ``token_ids`` (llm-d) key by tokens and parent, which
   pagoda gives exactly.
 - ``extra_keys`` has one entry per stored block: the LoRA name (when the request has an
-  adapter), then the cache salt on the first block of a sequence only (vLLM hashes the
-  salt into the first block and lets the chain carry it), or ``None`` when empty.
+  adapter), then the content hash of each image the block overlaps (vLLM's ``mm_hash`` keys),
+  then the cache salt on the first block of a sequence only (vLLM hashes the salt into the
+  first block and lets the chain carry it), or ``None`` when empty.
 - ``lora_id`` (deprecated in vLLM, kept for old consumers) is ``lora_int_id(name)``: a
   stable 31-bit number from the adapter name, since pagoda names adapters and does not
   number them. ``group_idx`` is the event's KV cache group (0 for a single-group model);
@@ -115,6 +116,8 @@ def _extra_keys(event: pagoda_events.BlockStored) -> list[Optional[tuple[Any, ..
     keys: list[Optional[tuple[Any, ...]]] = []
     for i in range(len(event.block_hashes)):
         parts: list[Any] = [] if event.lora_name is None else [event.lora_name]
+        if event.mm_keys is not None:
+            parts += [mm_hash for mm_hash, _ in event.mm_keys[i]]
         if i == 0 and event.parent_block_hash is None and event.cache_salt:
             parts.append(event.cache_salt)
         keys.append(tuple(parts) if parts else None)

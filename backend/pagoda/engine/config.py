@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Optional, TypeVar
 
 from pagoda.engine.cache_config import KV_CACHE_DTYPES, KV_CACHE_LAYOUTS, CacheConfig  # noqa: F401 (re-exported)
+from pagoda.engine.multimodal import MultiModalConfig
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
 SPECULATIVE_METHODS = ("draft", "ngram", "eagle3", "mtp")
@@ -77,9 +78,12 @@ class SchedulingConfig:
     scheduling_policy: str
     min_shared_prefix_to_wait: int
     async_scheduling: bool
+    max_num_encoder_tokens: Optional[int]
     long_prefill_token_threshold: int = 0
 
     def __post_init__(self) -> None:
+        if self.max_num_encoder_tokens is not None and self.max_num_encoder_tokens < 1:
+            raise ValueError(f"max_num_encoder_tokens: must be >= 1 when given, got {self.max_num_encoder_tokens}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs: must be >= 1, got {self.max_num_seqs}")
         if self.default_max_tokens is not None and self.default_max_tokens < 1:
@@ -261,7 +265,7 @@ def _check_micro_batches(micro_batches: int, pp: int) -> None:
 
 
 GROUPS = (LoadConfig, CacheConfig, SchedulingConfig, SpeculativeConfig, OffloadConfig, LoRAConfig, AdmissionConfig,
-          GuidedConfig, ParallelConfig)
+          GuidedConfig, ParallelConfig, MultiModalConfig)
 _Group = TypeVar("_Group")
 
 
@@ -372,6 +376,13 @@ class EngineConfig:
     # applies); > 1: rank 0 issues a step before the previous ones' logits are back
     # (async_scheduling is then ignored, with a warning).
     pipeline_micro_batches: Optional[int] = None
+    # Images (docs/multimodal.md): per prompt, pixels of one image as sent, and the encoder
+    # cache's bytes (image embeddings by content hash, LRU; engine/runner/encoder_cache.py).
+    limit_images_per_prompt: int = 4
+    max_image_pixels: int = 4096 * 4096
+    max_image_bytes: int = 20 * 2**20  # one encoded image as sent (a door's decoded base64 / data URL)
+    mm_encoder_cache_bytes: int = 256 * 2**20
+    max_num_encoder_tokens: Optional[int] = None  # image placeholders encoded per step (None: max_num_batched_tokens)
 
     def __post_init__(self) -> None:
         for group in GROUPS:  # each validates its own fields
@@ -435,3 +446,7 @@ class EngineConfig:
     @property
     def parallel(self) -> ParallelConfig:
         return self._group(ParallelConfig)
+
+    @property
+    def multimodal(self) -> MultiModalConfig:
+        return self._group(MultiModalConfig)

@@ -11,7 +11,12 @@ the core takes it. What a door checked already is not checked again: ``SamplingP
   ids, given or made, lie in the vocabulary; a text too long to ever fit ``max_model_len``
   is refused before it is encoded (the tokenizer's characters-per-token bound);
 - token ids in ``stop_token_ids``, ``allowed_token_ids`` and ``logit_bias`` lie in the vocabulary;
-- ``bad_words`` become token sequences; ``truncate_prompt_tokens`` keeps the prompt's tail.
+- ``bad_words`` become token sequences; ``truncate_prompt_tokens`` keeps the prompt's tail;
+- images (``EngineRequest.multi_modal_data``): checked, hashed and preprocessed by the model's
+  own image processor, placeholders expanded (``image_inputs.py``); refused for a text-only
+  model, with ``truncate_prompt_tokens`` (it could cut an image's placeholders), with beam
+  search or speculative decoding, and on an engine of several ranks (the step's broadcast
+  carries no images yet).
 
 Thread safety: ``tokenize_prompt`` touches no engine state (a server calls it off the
 engine's thread); ``process`` runs on the engine's thread. ``num_prompts_tokenized`` counts
@@ -24,6 +29,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+from pagoda.engine.image_inputs import ImageInputs
+from pagoda.engine.multimodal import MultiModalFeature
 from pagoda.engine.request import EngineRequest, PromptType
 from pagoda.engine.sampling_params import SamplingParams
 
@@ -35,6 +42,7 @@ class ProcessedInput:
     text: Optional[str]  # the prompt's text (None: given as token ids)
     token_ids: list[int]  # truncated as ``truncate_prompt_tokens`` says
     bad_words_token_ids: tuple[tuple[int, ...], ...]
+    mm_features: tuple[MultiModalFeature, ...] = ()  # the prompt's images, in prompt order
 
 
 class InputProcessor:
@@ -43,11 +51,13 @@ class InputProcessor:
     vocab_size: the model's vocabulary size.
     max_model_len: the longest sequence the engine runs.
     capabilities: ``EngineCapabilities`` of the engine this processor feeds.
+    images: the model's image preparation (``image_inputs.ImageInputs``); None: a text-only model.
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int,
-                 capabilities: "EngineCapabilities") -> None:
+                 capabilities: "EngineCapabilities", images: Optional[ImageInputs] = None) -> None:
         self.tokenizer = tokenizer
+        self.images = images
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.capabilities = capabilities
@@ -64,8 +74,28 @@ class InputProcessor:
         self.capabilities.check(request)
         text, token_ids = self._prompt(request.prompt, request.prompt_token_ids, request.params)
         self._check_token_ids(request.params)
+        token_ids, features = self._images(token_ids, request)
         return ProcessedInput(text, self._truncate(token_ids, request.params.truncate_prompt_tokens),
-                              self._bad_words_token_ids(request.params.bad_words))
+                              self._bad_words_token_ids(request.params.bad_words), features)
+
+    def _images(self, token_ids: list[int], request: EngineRequest) -> tuple[list[int], tuple[MultiModalFeature, ...]]:
+        """The prompt with its image placeholders expanded and the images' features (``image_inputs``)."""
+        data = request.multi_modal_data
+        if not data:
+            if self.images is not None and self.images.spec.image_token_id in token_ids:
+                raise ValueError(f"prompt: holds the image placeholder token {self.images.spec.image_token_id} "
+                                 "but multi_modal_data has no image")
+            return token_ids, ()
+        if self.images is None:
+            raise ValueError("multi_modal_data: this model takes text only (its architecture has no vision tower)")
+        if not isinstance(data, dict) or set(data) - {"image"}:
+            raise ValueError(f"multi_modal_data: only the 'image' modality is served, got {sorted(data)}")
+        if request.params.truncate_prompt_tokens is not None:
+            raise ValueError("truncate_prompt_tokens: not supported with images (it could cut an image's placeholders)")
+        if self.capabilities.world_size > 1 or request.params.use_beam_search or self.capabilities.has_speculator:
+            raise ValueError("multi_modal_data: images are not served with tensor/pipeline parallelism, beam search "
+                             "or speculative decoding yet (none carries an image's embeddings or M-RoPE positions)")
+        return self.images.process(token_ids, data.get("image"))
 
     def tokenize_prompt(self, text: str, params: Optional[SamplingParams] = None) -> list[int]:
         """A text prompt's token ids (any thread). A text that cannot fit ``max_model_len`` is

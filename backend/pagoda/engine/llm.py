@@ -43,7 +43,9 @@ class LLM:
         lora_name: Union[str, Sequence[Optional[str]], None] = None,
         use_tqdm: UseTqdm = True,
     ) -> list[RequestOutput]:
-        """Generate completions for one prompt or many (strings or token-id lists).
+        """Generate completions for one prompt or many (strings or token-id lists, or vLLM's dicts:
+        ``{"prompt": text, "multi_modal_data": {"image": image or [images]}}``, or with
+        ``"prompt_token_ids"``; each image a PIL image or its encoded bytes, docs/multimodal.md).
 
         ``lora_name``: one adapter for every prompt, or one per prompt (None: the base
         model); adapters come from ``LLM(enable_lora=True, lora_modules={name: folder})``
@@ -55,7 +57,7 @@ class LLM:
                 invalid ``use_tqdm``, or a guided-decoding format that does not compile
                 (raised after the run).
         """
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
         if isinstance(sampling_params, SamplingParams) or sampling_params is None:

@@ -44,11 +44,12 @@ from pagoda.engine.config import EngineConfig
 from pagoda.engine.core.batch_queue import make_engine_core
 from pagoda.engine.request_groups.parallel_sampling import child_request_ids
 from pagoda.engine.guided.backend import XGrammarBackend
+from pagoda.engine.image_inputs import make_image_inputs
 from pagoda.engine.input_processor import EngineCapabilities, InputProcessor
 from pagoda.engine.output_processor import OutputProcessor
 from pagoda.engine.parallel import make_executor
 from pagoda.engine.outputs import RequestOutput
-from pagoda.engine.request import EngineRequest, PromptType, RequestStatus
+from pagoda.engine.request import EngineRequest, PromptType, RequestStatus, split_prompt
 from pagoda.engine.resume import resumed_output
 from pagoda.engine.sampling_params import SamplingParams
 from pagoda.engine.stats import EngineStats, collect_stats
@@ -83,7 +84,8 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.input_processor = InputProcessor(self.tokenizer, vocab_size, self.max_model_len, EngineCapabilities(
             has_speculator=self.speculator is not None, world_size=self.config.world_size,
-            check_lora_name=self._check_lora_name, has_request=self.output_processor.has_request))
+            check_lora_name=self._check_lora_name, has_request=self.output_processor.has_request),
+            make_image_inputs(self.model_config, model_path, self.config.multimodal))
         self.core.beams.find_stop_string = self._find_stop_string  # beams end at stop strings too
         self.admission = Admission(self.config.max_waiting_requests, self.config.max_waiting_prompt_tokens,
                                    max_queue_delay_s=self.config.max_queue_delay_s, slots=self.config.max_num_seqs)
@@ -157,7 +159,8 @@ class LLMEngine:
         if not verdict.admit:
             raise EngineOverloaded(verdict.reason, self.admission.retry_after_s)
         resumed = resumed_output(request, processed.token_ids, self.tokenizer, self.input_processor.vocab_size)
-        children = self.core.make_requests(request, processed.token_ids, processed.bad_words_token_ids)
+        children = self.core.make_requests(request, processed.token_ids, processed.bad_words_token_ids,
+                                           processed.mm_features)
         if resumed is not None:  # its output so far, before anything reads the request (engine.resume)
             children[0].append_output_token_ids(resumed.token_ids)
         # Validates fit (raises ValueError) before anything is tracked; a guided request
@@ -188,11 +191,14 @@ class LLMEngine:
     ) -> None:
         """``add(EngineRequest(...))`` with the envelope's fields as arguments (the offline
         API, tests and benches); ``params=None``: the model's sampling defaults (``SamplingParams.from_dict({})``
-        then ``with_defaults``). Raises as ``add``, and
+        then ``with_defaults``). ``prompt`` may be vLLM's dict form (``split_prompt``: with
+        ``multi_modal_data``). Raises as ``add``, and
         ValueError naming an option that is not valid (``RequestOptions``)."""
         options = RequestOptions(priority=priority, cache_salt=cache_salt, lora_name=lora_name, timeout=timeout)
         params = params if params is not None else SamplingParams.from_dict({})
-        self.add(EngineRequest(request_id, prompt, params, options, arrival_time=arrival_time))
+        prompt, multi_modal_data = split_prompt(prompt)
+        self.add(EngineRequest(request_id, prompt, params, options, arrival_time=arrival_time,
+                               multi_modal_data=multi_modal_data))
 
     def tokenize_prompt(self, text: str, params: Optional[SamplingParams] = None) -> list[int]:
         """A text prompt's token ids, for ``EngineRequest.prompt_token_ids`` (any thread:

@@ -18,7 +18,10 @@ Block hashes: ``init_block_hashes(block_size, model_id)`` (the scheduler calls i
 ``add_request``; the model id seeds the chain's root, see ``block_hash``) hashes every
 full block of the prompt; afterwards ``append_output_token_ids`` extends
 ``block_hashes`` whenever output tokens complete another block. Before that call
-``block_hashes`` is empty and stays so (prefix caching off).
+``block_hashes`` is empty and stays so (prefix caching off). A block that overlaps an
+image's placeholder tokens (``mm_features``) carries the image's content hash and offset in
+its extra keys (``engine.multimodal.block_mm_keys``), so equal text with another image never
+matches it.
 
 Prompt log-probabilities (``SamplingParams.prompt_logprobs``): ``prompt_logprobs`` is one
 slot per prompt position (``None`` for the first, and until the runner computed it); each
@@ -37,10 +40,25 @@ from typing import Any, Iterable, Optional, Union
 
 from pagoda.contracts.block_hash import BlockHash, encode_extra_keys, hash_block, root_hash
 from pagoda.contracts.request_options import RequestOptions
+from pagoda.engine.multimodal import MultiModalFeature, block_mm_keys
 from pagoda.engine.sampling_params import SamplingParams
 
 
 PromptType = Union[str, list[int]]
+
+
+def split_prompt(prompt: Any) -> tuple[PromptType, Optional[dict[str, Any]]]:
+    """vLLM's prompt forms: a text or token ids as they are, or a dict with ``"prompt"`` (text) or
+    ``"prompt_token_ids"`` and optionally ``"multi_modal_data"``; returns (prompt, multi_modal_data).
+    Raises ValueError for a dict with neither prompt key, or with unknown keys."""
+    if not isinstance(prompt, dict):
+        return prompt, None
+    unknown = set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data"}
+    if unknown or ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+        raise ValueError("prompt: a dict needs exactly one of 'prompt' or 'prompt_token_ids' (and optionally "
+                         f"'multi_modal_data'); got keys {sorted(prompt)}")
+    text_or_ids = prompt["prompt"] if "prompt" in prompt else list(prompt["prompt_token_ids"])
+    return text_or_ids, prompt.get("multi_modal_data")
 
 
 @dataclass(frozen=True)
@@ -58,6 +76,8 @@ class EngineRequest:
             router, for routing; or ``LLMEngine.tokenize_prompt`` off the engine's thread, so
             a huge prompt does not stall every other request's step); ``None``: the engine
             encodes ``prompt``.
+        multi_modal_data: ``{"image": image or list of images}`` (vLLM's offline form): each a
+            PIL image or its encoded bytes; checked and hashed by the input processor.
     """
 
     request_id: str
@@ -66,6 +86,7 @@ class EngineRequest:
     options: RequestOptions = field(default_factory=RequestOptions)
     arrival_time: Optional[float] = None
     prompt_token_ids: Optional[list[int]] = None
+    multi_modal_data: Optional[dict[str, Any]] = None
 
 
 class RequestStatus(enum.IntEnum):
@@ -114,6 +135,7 @@ class Request:
         priority: smaller runs first (vLLM convention) under the priority policy.
         cache_salt: tenant key; requests with different salts never share KV blocks.
         adapter_id: adapter identity, also part of every block hash.
+        mm_features: the prompt's images (``engine.multimodal``), in prompt order.
     """
 
     def __init__(
@@ -127,8 +149,10 @@ class Request:
         priority: int = 0,
         cache_salt: Optional[str] = None,
         adapter_id: Optional[str] = None,
+        mm_features: tuple[MultiModalFeature, ...] = (),
     ) -> None:
         self.request_id = request_id
+        self.mm_features = tuple(mm_features)
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -164,14 +188,14 @@ class Request:
 
     @classmethod
     def from_engine_request(cls, envelope: EngineRequest, request_id: str, prompt_token_ids: list[int],
-                            eos_token_ids: frozenset[int]) -> Request:
+                            eos_token_ids: frozenset[int], mm_features: tuple[MultiModalFeature, ...] = ()) -> Request:
         """The scheduler request for one child of ``envelope`` (``request_id``: the child's id),
         with the envelope's sampling params and scheduling keys; its ``arrival_time`` must be resolved."""
         assert envelope.arrival_time is not None, "the engine resolves arrival_time before making requests"
         options = envelope.options
         return cls(request_id, prompt_token_ids, envelope.params, eos_token_ids=eos_token_ids,
                    arrival_time=envelope.arrival_time, priority=options.priority, cache_salt=options.cache_salt,
-                   adapter_id=options.lora_name)
+                   adapter_id=options.lora_name, mm_features=mm_features)
 
     # Tokens -----------------------------------------------------------------
 
@@ -248,6 +272,11 @@ class Request:
         self._extra = encode_extra_keys(self.cache_salt, self.adapter_id)
         self._extend_block_hashes()
 
+    def block_mm_keys(self, index: int) -> tuple[tuple[str, int], ...]:
+        """(hash, offset) of each image that full block ``index`` overlaps (its hash's image keys)."""
+        size = self._block_size
+        return block_mm_keys(self.mm_features, index * size, (index + 1) * size)
+
     def _extend_block_hashes(self) -> None:
         size = self._block_size
         if size == 0:
@@ -255,7 +284,9 @@ class Request:
         while (len(self.block_hashes) + 1) * size <= len(self._all_token_ids):
             start = len(self.block_hashes) * size
             parent = self.block_hashes[-1] if self.block_hashes else self._root
-            self.block_hashes.append(hash_block(parent, self._all_token_ids[start : start + size], self._extra))
+            mm_keys = self.block_mm_keys(len(self.block_hashes)) if self.mm_features else ()
+            extra = encode_extra_keys(self.cache_salt, self.adapter_id, mm_keys) if mm_keys else self._extra
+            self.block_hashes.append(hash_block(parent, self._all_token_ids[start : start + size], extra))
 
     def __repr__(self) -> str:
         return (

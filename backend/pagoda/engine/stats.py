@@ -58,6 +58,11 @@ class EngineStats:
     num_recomputed_preemptions: int = 0  # preemptions by recompute (with or without the tier)
     prefix_cache_hits_host: int = 0  # tokens, included in prefix_cache_hits
     num_offloaded_blocks: int = 0  # cached blocks evicted from the device, copied to the host
+    # Images (engine/runner/encoder_cache.py; zero for a text-only model): encoder runs, asks
+    # answered from the encoder cache (an image sent again, a later chunk of one), bytes kept.
+    mm_encoder_runs: int = 0
+    mm_encoder_cache_hits: int = 0
+    mm_encoder_cache_bytes: int = 0
     num_host_blocks: int = 0
     num_free_host_blocks: int = 0
     # Recurrent states of a hybrid model (zero without; pagoda.engine.kv.state_manager): requests
@@ -124,10 +129,18 @@ def collect_stats(engine: Any) -> EngineStats:
         last_step_device_idle_s=last.device_idle_s,
         **_spec_stats(engine.speculator),
         **_offload_stats(s.host_tier), **s.kv_cache_manager.state_stats(),
-        **_lora_stats(engine),
+        **_lora_stats(engine), **_mm_stats(runner),
         **engine.admission.stats(),
         ttft_p90=ttft_p90, recent_ttfts=recent_ttfts, cache_config_info=_cache_config_info(engine),
     )
+
+
+def _mm_stats(runner: Any) -> dict:
+    cache = runner.mm.cache if getattr(runner, "mm", None) is not None else None
+    if cache is None:
+        return {}
+    return dict(mm_encoder_runs=cache.num_encoded, mm_encoder_cache_hits=cache.num_hits,
+                mm_encoder_cache_bytes=cache.num_bytes)
 
 
 def _cache_config_info(engine: Any) -> tuple:

@@ -108,6 +108,8 @@ class ModelConfig:
     grouped_router: Optional["GroupedRouter"] = None  # models.moe.GroupedRouter
     # GLM-4.5 (use_qk_norm): a per-head RMSNorm of q and k before rotary, as Qwen3's, but optional
     qk_norm: bool = False
+    # Vision-language families (Qwen3-VL): images in, their rules (models.multimodal.VisionSpec); None: text only
+    vision: Optional[Any] = None
 
     def __post_init__(self) -> None:
         if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:

@@ -12,7 +12,7 @@ transformers 5's ``Qwen3_5TextModel`` / ``Qwen3_5MoeTextModel``:
   (its config has no ``norm_topk_prob``, ``decoder_sparse_step`` or ``mlp_only_layers``).
 
 Text positions only: the M-RoPE keys of the config are dropped (``qwen3_next`` says why).
-The multimodal ``Qwen3_5ForConditionalGeneration`` is not registered.
+With images: ``models/qwen3_5_vl.py`` (``Qwen3_5ForConditionalGeneration``).
 """
 
 from __future__ import annotations

@@ -19,16 +19,17 @@ As transformers 5's ``Qwen3NextModel``, on the Llama skeleton:
   * shared_expert(x)``); the others a dense SwiGLU MLP of ``intermediate_size``.
 
 Rope: ``rope_parameters`` with ``partial_rotary_factor`` (read here into the config's field)
-and, in Qwen3.5 configs, ``mrope_section`` / ``mrope_interleaved``: pagoda serves text, where the
-three multimodal position streams are the same position, so M-RoPE is the ordinary rotary
-embedding and those keys are dropped. Other rope types than ``default`` are refused (transformers'
-tiny configs and the released models use it; the scaled variants are untested here).
+and, in Qwen3.5 configs, ``mrope_section`` / ``mrope_interleaved``: for text the three multimodal
+position streams are the same position, so M-RoPE is the ordinary rotary embedding and those keys
+are dropped here (the image path, ``models/vision_language.py``, reads them itself). Other rope
+types than ``default`` are refused (transformers' tiny configs and the released models use it; the
+scaled variants are untested here).
 
 Refused (``ValueError`` naming why): LoRA adapters (``models.lora``), a pipeline stage or a
 tensor-parallel MoE (``models.pipeline_parallel`` / ``models.tensor_parallel``), a checkpoint's
 packed 4-bit/FP8 Qwen3-Next ``in_proj_qkvz`` (served dequantized instead: its rows are reordered
 at load). MTP tensors (``mtp.*``) are left to the MTP proposer. Multimodal Qwen3.5 folders
-(``Qwen3_5ForConditionalGeneration``, ``model.language_model.*`` names) are not registered.
+(``Qwen3_5ForConditionalGeneration``, ``model.language_model.*`` names) are ``models/qwen3_5_vl.py``.
 """
 
 from __future__ import annotations

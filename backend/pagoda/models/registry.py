@@ -21,7 +21,7 @@ from typing import Any, Callable, Union
 import torch
 
 from pagoda.models import (deepseek_v3, gemma3, glm4_moe, gpt_oss, llama, mixtral, qwen3, qwen3_5, qwen3_moe,
-                           qwen3_next)
+                           qwen3_5_vl, qwen3_next, qwen3_vl)
 from pagoda.models.config import ModelConfig, read_config_json
 
 
@@ -46,6 +46,13 @@ _FAMILIES = {f.architecture: f for f in (
     ModelFamily("Qwen3_5ForCausalLM", "qwen3_5_text", qwen3_5.parse_config, qwen3_5.Qwen3_5ForCausalLM),
     ModelFamily("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", qwen3_5.parse_moe_config,
                 qwen3_5.Qwen3_5MoeForCausalLM),
+    # Images in (models/multimodal.py): the vision tower, M-RoPE and DeepStack beside Qwen3's decoder.
+    ModelFamily("Qwen3VLForConditionalGeneration", "qwen3_vl", qwen3_vl.parse_config,
+                qwen3_vl.Qwen3VLForConditionalGeneration),
+    ModelFamily("Qwen3_5ForConditionalGeneration", "qwen3_5", qwen3_5_vl.parse_config,
+                qwen3_5_vl.Qwen3_5ForConditionalGeneration),
+    ModelFamily("Qwen3_5MoeForConditionalGeneration", "qwen3_5_moe", qwen3_5_vl.parse_moe_config,
+                qwen3_5_vl.Qwen3_5MoeForConditionalGeneration),
     # Kimi K2's config.json names this architecture too (model_type "kimi_k2").
     ModelFamily("DeepseekV3ForCausalLM", "deepseek_v3", deepseek_v3.parse_config, deepseek_v3.DeepseekV3ForCausalLM),
     # GLM-4.7-Flash: multi-head latent attention and DeepSeek's MoE (the DeepSeek-V3 model).

@@ -144,9 +144,11 @@ class EngineCore:
 
     # ----------------------------------------------------------------- requests
     def make_requests(self, request: EngineRequest, prompt_token_ids: list[int],
-                      bad_words_token_ids: tuple[tuple[int, ...], ...] = ()) -> list[Request]:
+                      bad_words_token_ids: tuple[tuple[int, ...], ...] = (),
+                      mm_features: tuple = ()) -> list[Request]:
         """The scheduler requests of one user request (``arrival_time`` resolved): itself for
-        ``n == 1``, else children ``"{id}#{i}"``, child ``i`` seeded by ``make_seed(seed, i)``."""
+        ``n == 1``, else children ``"{id}#{i}"``, child ``i`` seeded by ``make_seed(seed, i)``;
+        each with the prompt's images (``mm_features``)."""
         params = request.params
         blocked = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         if params.use_beam_search:  # one first beam; its group forks the others (beam_search.py)
@@ -155,7 +157,8 @@ class EngineCore:
             return [self.beams.make_first_beam(first, request.request_id, self.eos_token_ids)]
         children = []
         for index, child_id in enumerate(child_request_ids(request.request_id, params.n)):
-            child = Request.from_engine_request(request, child_id, list(prompt_token_ids), self.eos_token_ids)
+            child = Request.from_engine_request(request, child_id, list(prompt_token_ids), self.eos_token_ids,
+                                                mm_features)
             child.sampling_state = SamplingRow(params=params, seed=make_seed(params.seed, index),
                                                prompt_token_ids=child.prompt_token_ids,
                                                output_token_ids=child.output_token_ids, min_tokens_blocked_ids=blocked,

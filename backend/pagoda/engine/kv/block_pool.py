@@ -360,6 +360,7 @@ class BlockPool:
                 group_idx=group_idx,
                 kv_cache_spec_kind=kind,
                 sliding_window=window,
+                mm_keys=[request.block_mm_keys(i) for i in run] if request.mm_features else None,
             )
         )
 

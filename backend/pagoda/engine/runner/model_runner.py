@@ -77,6 +77,7 @@ from pagoda.engine.runner.cuda_graphs import DecodeGraphs
 from pagoda.engine.runner.kv_allocation import (allocate_kv_caches, build_group_metadata, copy_state_slots,
                                                 layer_specs, make_kv_layout, uniform_reason, unique_pairs)
 from pagoda.engine.lora.manager import LoRAManager
+from pagoda.engine.runner.mm_inputs import MultiModalInputs
 from pagoda.engine.guided.bitmask import TokenBitmask
 from pagoda.engine.runner.prompt_logprobs import PromptRows
 from pagoda.engine.runner.request_states import RequestStates
@@ -175,7 +176,11 @@ class ModelRunner:
         reason = cuda_graphs_off_reason(config, self.keeps_hidden, self.device)
         if reason is not None:
             logger.warning("CUDA graphs off: %s", reason)
-        no_graphs = self.keeps_hidden or self.group is not None
+        # Images (runner.mm_inputs): their rows and M-RoPE positions are per step, which a replayed graph lacks.
+        # (Not under TP/PP: the step's broadcast carries no images; the input processor refuses them there.)
+        self.mm = (MultiModalInputs(self.model, self.device, config.multimodal.mm_encoder_cache_bytes)
+                   if model_config.vision is not None and self.group is None else None)
+        no_graphs = self.keeps_hidden or self.group is not None or self.mm is not None
         self.graphs = None if no_graphs else DecodeGraphs.maybe_capture(self)  # None on CPU or when disabled
         self._step_hidden: Optional[torch.Tensor] = None
         self.sampler = Sampler(vocab_size=model_config.vocab_size, seed=config.seed)
@@ -239,6 +244,8 @@ class ModelRunner:
         logits come back in ``finish_step``, so several steps can be started before the first
         is finished (``core.batch_queue``; steps are finished in the order they started)."""
         inputs = self.requests.update(scheduler_output, self.step_sampler.kept_request_ids)
+        if self.mm is not None:
+            self.mm.drop(scheduler_output.preempted_request_ids + scheduler_output.finished_request_ids)
         if self.step_sender is not None:  # tensor parallelism: the other ranks run the same forward
             self.step_sender.send(scheduler_output, inputs, self._placeholder_tokens)
         # Recurrent states (kv.state_manager): checkpoints restored before, taken after the forward.
@@ -306,7 +313,8 @@ class ModelRunner:
             index = torch.tensor(flat.placeholder_index, dtype=torch.int64, device=self.device)
             ids.index_copy_(0, index, self._placeholder_tokens(scheduled, flat.placeholder_items))
         pos = torch.tensor(flat.positions, dtype=torch.int64, device=self.device)
-        hidden = self.model(ids, pos, self.kv_caches, meta, lora)  # [num_tokens, hidden]
+        mm = self.mm.build(scheduled, flat.offsets) if self.mm is not None else None
+        hidden = self.model(ids, pos, self.kv_caches, meta, lora, **({"mm": mm} if mm is not None else {}))
         if self.keeps_hidden:
             self._step_hidden = hidden
         return Forward(hidden=hidden, sample_rows=flat.sample_rows,

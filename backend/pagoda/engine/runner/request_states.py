@@ -12,7 +12,8 @@ this cache. ``update(scheduler_output)`` runs first in every device job, in step
    (``num_runner_tokens == 1``: the step's first) comes from the device when the
    previous job sampled it and keeps it there (``on_device``: async scheduling, see
    ``StepSampler.keep_last``), else from the host copy kept by ``record``. A request
-   that asks for prompt log-probabilities also hands on its prompt (read-only).
+   that asks for prompt log-probabilities also hands on its prompt (read-only); one with
+   images its ``mm_features`` (references, no copy).
 
 ``record(output)`` keeps each sampling request's last token (the last of its accepted
 drafts plus one) after the job sampled. Both run on the device worker's one thread, so no
@@ -56,6 +57,8 @@ class StepInput:
     prompt_logprobs: Optional[int] = None  # alternatives per prompt position; None: not asked
     prompt_token_ids: Sequence[int] = ()  # the request's prompt, when it asks for prompt logprobs
     group_block_ids: tuple[list[int], ...] = ()  # every group's table, when there are several
+    mm_features: tuple = ()  # the request's images (engine.multimodal), read by runner.mm_inputs
+    num_prompt_tokens: int = 0
 
     @property
     def num_device_tokens(self) -> int:
@@ -95,7 +98,8 @@ class RequestStates:
                                     state.block_ids, item.is_sampling, item.spec_token_ids,
                                     item.request.adapter_id, num_prompt_top,
                                     item.request.prompt_token_ids if num_prompt_top is not None else (),
-                                    tuple(state.tables) if len(state.tables) > 1 else ()))
+                                    tuple(state.tables) if len(state.tables) > 1 else (),
+                                    item.request.mm_features, item.request.num_prompt_tokens))
         return inputs
 
     def record(self, output: ModelRunnerOutput) -> None:

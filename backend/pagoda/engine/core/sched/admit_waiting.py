@@ -120,6 +120,8 @@ class WaitingAdmitter:
         while (num_new := step.chunk(request.num_tokens - hit.num_tokens)) is not None:
             if step.enable_chunked_prefill:  # a prefill chunk ends where a state checkpoint is due
                 num_new = self.kv_cache_manager.cut_at_checkpoint(request, hit.num_tokens, num_new, hit.device)
+            if (num_new := step.cut_at_images(request, hit.num_tokens, num_new)) <= 0:
+                return False  # its first image waits for the next step's encoder budget
             new_blocks = self._allocate_with_hit(request, num_new, hit)
             if new_blocks is not None:
                 self._start_running(request, step, num_new, hit, new_blocks)

@@ -208,6 +208,7 @@ class Scheduler(SchedulerViews):
         config = self.config
         step = StepPlan(config.max_num_batched_tokens, config.block_size, config.enable_chunked_prefill,
                         config.long_prefill_token_threshold)
+        step.encoder_budget = config.max_num_encoder_tokens or config.max_num_batched_tokens
         if self.config.micro_batches > 1:  # batch queue: requests in flight wait; N steps share the rest
             num_live = min(len(self.requests), self.config.max_num_seqs)
             step.share_with_queue(self._unapplied.values(), self._busy, num_live, self.config.micro_batches)
@@ -273,6 +274,8 @@ class Scheduler(SchedulerViews):
             if self._schedule_with_drafts(request, spec_token_ids.get(request.request_id), step):
                 continue
             num_new = self.kv_cache_manager.cut_at_checkpoint(request, request.num_computed_tokens, num_new)
+            if (num_new := step.cut_at_images(request, request.num_computed_tokens, num_new)) <= 0:
+                continue  # its next image waits for the next step's encoder budget
             while self.kv_cache_manager.allocate_slots(request, num_new) is None:
                 self.preemption.preempt(self.policy.victim(self.running), step)
                 if request.status != RequestStatus.RUNNING:  # itself, or a beam of its group

@@ -48,6 +48,7 @@ class SchedulerConfig:
     kv_layout: Optional[KVCacheLayout] = None
     num_host_state_slots: int = 0  # the CPU tier's recurrent-state slots (swaps of hybrid models)
     state_checkpoint_interval: int = 0  # EngineConfig's (kv.state_manager)
+    max_num_encoder_tokens: Optional[int] = None  # images' placeholders a step encodes (None: the token budget)
 
     @property
     def layout(self) -> KVCacheLayout:
@@ -98,6 +99,7 @@ class SchedulerConfig:
             min_shared_prefix_to_wait=sched.min_shared_prefix_to_wait,
             long_prefill_token_threshold=sched.long_prefill_token_threshold,
             micro_batches=config.micro_batches,
+            max_num_encoder_tokens=sched.max_num_encoder_tokens,
         )
 
     def resolve_max_tokens(self, request: Request, num_usable_blocks: int) -> int:

@@ -7,6 +7,13 @@ waits one step and then hits them instead of prefilling the same prefix again be
 first owner (bursts sharing a prompt: an agent's fan-out, n parallel completions; see
 ``core.sched.constraints.SharedPrefixWait``). Under the batch queue (``core.batch_queue``) a step
 also takes at most ``max_requests`` requests, so N steps in flight share the running ones.
+
+The encoder budget (images, docs/multimodal.md): an image whose first placeholder a step
+schedules is encoded in that step, so a step takes images whose placeholders sum to at most
+``encoder_budget`` tokens (``cut_at_images`` ends a chunk before the first image that does not
+fit; the step's first image always fits, so none waits forever). An image whose first
+placeholders a prefix hit covered is not counted (the runner encodes it uncounted, or finds it
+in the encoder cache).
 """
 
 from __future__ import annotations
@@ -36,6 +43,8 @@ class StepPlan:
         # blocks that do), so they are never swapped out in this step.
         self.admitted: set[str] = set()
         self.max_requests: Optional[int] = None  # the batch queue's share of the requests per step
+        self.encoder_budget: Optional[int] = None  # image placeholder tokens this step may encode; None: any
+        self.num_encoder_tokens = 0  # of which scheduled so far
 
     @property
     def is_full(self) -> bool:
@@ -54,7 +63,23 @@ class StepPlan:
         """``num_tokens`` at most ``max_chunk`` (the per-request cap of a step, when set)."""
         return num_tokens if self.max_chunk is None else min(num_tokens, self.max_chunk)
 
+    def cut_at_images(self, request: Request, start: int, num_new: int) -> int:
+        """``num_new`` tokens from ``start``, or fewer: up to the first image starting among them
+        that would pass the encoder budget (0: the request waits for the next step)."""
+        if self.encoder_budget is None or not request.mm_features or not self.enable_chunked_prefill:
+            return num_new  # (without chunked prefill a prompt runs whole, images and all)
+        used = self.num_encoder_tokens
+        for image in request.mm_features:
+            if start <= image.offset < start + num_new:
+                if used and used + image.length > self.encoder_budget:
+                    return image.offset - start
+                used += image.length
+        return num_new
+
     def add(self, request: Request, num_new_tokens: int, num_spec_tokens: int = 0) -> None:
+        start = request.num_computed_tokens
+        self.num_encoder_tokens += sum(image.length for image in request.mm_features
+                                       if start <= image.offset < start + num_new_tokens)
         self.num_new_tokens[request.request_id] = num_new_tokens
         if num_spec_tokens:
             self.num_spec_tokens[request.request_id] = num_spec_tokens

@@ -1,0 +1,108 @@
+"""What a vision-language model declares and takes beside token ids: its ``VisionSpec`` and one
+step's ``MultiModalBatch``.
+
+A family with a vision tower (``models/qwen3_vl.py``) sets ``ModelConfig.vision`` to a
+``VisionSpec``: the placeholder token an image expands into, how many placeholders an image
+gets (``num_image_tokens``, the model's own rule, as its Hugging Face processor counts them),
+the Hugging Face image processor that prepares pixels (``image_processor``), and its rotary
+kind (M-RoPE sections, or none). The engine's input processor reads it; the runner hands the
+model a ``MultiModalBatch`` per step.
+
+``MultiModalBatch`` invariants:
+- ``rows`` are flat rows of this step's tokens (the runner's ``_FlatBatch`` order), each a
+  placeholder token whose input embedding is replaced by the matching row of ``embeds``;
+  rows are distinct and ``embeds.shape[0] == len(rows)``;
+- ``deepstack`` (Qwen3-VL): one ``[len(rows), hidden]`` tensor per early decoder layer, added
+  to that layer's output at ``rows`` (empty for a model without it);
+- ``mrope_positions``: ``[3, num_tokens]`` (temporal, height, width) positions of every token
+  of the step, or None (the step's 1-D positions are the rotary positions).
+
+The engine's torch-free rooms (the core, ``engine/kv``) never import this module; the runner does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+
+@dataclass(frozen=True)
+class VisionSpec:
+    """A vision-language family's multimodal rules (``ModelConfig.vision``).
+
+    Attributes:
+        family: the family's name (``"qwen3_vl"``, ``"qwen3_5"``), for messages.
+        image_token_id: the placeholder token; each one in a prompt stands for one image and
+            expands into ``num_image_tokens`` copies.
+        spatial_merge_size: patches merged per side into one placeholder token.
+        mrope_section: M-RoPE's (temporal, height, width) split of the rotary half-dimension,
+            interleaved (Qwen3-VL, Qwen3.5); empty: plain 1-D rotary.
+        image_processor: the Hugging Face image processor's class name (its PIL variant: no
+            torchvision).
+        processor_defaults: its settings when the folder has no preprocessor_config.json.
+        vision_config: the checkpoint's vision tower settings (the raw config.json entry).
+    """
+
+    family: str
+    image_token_id: int
+    spatial_merge_size: int
+    mrope_section: tuple[int, ...]
+    image_processor: str
+    processor_defaults: dict = field(default_factory=dict)
+    vision_config: dict = field(default_factory=dict)
+
+    def num_image_tokens(self, grid_thw: tuple[int, int, int]) -> int:
+        """Placeholder tokens of one image whose patch grid is ``grid_thw`` (Qwen's rule:
+        ``t * h * w / merge_size**2``)."""
+        t, h, w = grid_thw
+        return t * h * w // (self.spatial_merge_size**2)
+
+
+@dataclass
+class ImageEmbedding:
+    """One image's encoder output: what the encoder cache keeps per content hash."""
+
+    embeds: torch.Tensor  # [num_image_tokens, hidden]
+    deepstack: tuple[torch.Tensor, ...] = ()  # per early decoder layer, each [num_image_tokens, hidden]
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.embeds, *self.deepstack))
+
+
+@dataclass
+class MultiModalBatch:
+    """One step's image embeddings and positions (see the module docstring)."""
+
+    rows: torch.Tensor  # [k] int64, flat rows of the step's tokens
+    embeds: torch.Tensor  # [k, hidden]
+    deepstack: tuple[torch.Tensor, ...] = ()  # per early layer, [k, hidden]
+    mrope_positions: Optional[torch.Tensor] = None  # [3, num_tokens] int64
+
+
+def mrope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, section: tuple[int, ...]) -> torch.Tensor:
+    """Per-token rotary table of interleaved M-RoPE (transformers' Qwen3-VL ``recomposition_frequencies``).
+
+    Frequency ``j`` of the half-dimension turns with the height position when ``j % 3 == 1``
+    and ``j < 3 * section[1]``, with the width position when ``j % 3 == 2`` and
+    ``j < 3 * section[2]``, else with the temporal one.
+
+    Args:
+        positions: [3, num_tokens] int64 (temporal, height, width).
+        inv_freq: [rotary_dim // 2] float32.
+        section: the (t, h, w) split.
+    Returns:
+        [num_tokens, rotary_dim] float32: cos then sin, the layout of ``make_cos_sin_cache``
+        (so ``kernels.apply_rotary`` reads row ``i`` for token ``i``).
+    """
+    freqs = positions.to(torch.float32)[..., None] * inv_freq.to(positions.device)  # [3, T, half]
+    half = inv_freq.shape[0]
+    axis = torch.zeros(half, dtype=torch.int64, device=positions.device)
+    j = torch.arange(half, device=positions.device)
+    axis[(j % 3 == 1) & (j < 3 * section[1])] = 1
+    axis[(j % 3 == 2) & (j < 3 * section[2])] = 2
+    chosen = freqs.gather(0, axis.view(1, 1, half).expand(1, freqs.shape[1], half))[0]  # [T, half]
+    return torch.cat((chosen.cos(), chosen.sin()), dim=-1)
+
