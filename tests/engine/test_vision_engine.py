@@ -235,6 +235,19 @@ def test_qwen3_5_moe_with_images_equals_transformers(tmp_path_factory, smollm2_p
     assert got[0] != got[1], "the images' order must matter"
 
 
+def test_qwen3_vl_moe_with_images_equals_transformers(tmp_path_factory, smollm2_path):
+    """Qwen3-VL-MoE (``Qwen3VLMoeForConditionalGeneration``): Qwen3-VL's image path on Qwen3-MoE's decoder,
+    the checkpoint's stacked experts (``experts.gate_up_proj``) read as they are."""
+    folder = save_qwen3_vl(tmp_path_factory.mktemp("qwen3-vl-moe"), smollm2_path, arch="qwen3-vl-moe")
+    hf = HFVision(folder)
+    engine = LLMEngine(EngineConfig(model=str(folder), max_num_batched_tokens=5))
+    prompt = _image_prompt([1, 504], [2226], num_images=2)
+    images = [random_image(16), random_image(17, 96, 64)]
+    got = _run(engine, [(prompt, images), (prompt, images[::-1])])
+    assert got == [hf.generate(prompt, images, MAX_NEW), hf.generate(prompt, images[::-1], MAX_NEW)]
+    assert got[0] != got[1], "the images' order must matter"
+
+
 def test_a_step_encodes_images_within_the_encoder_budget(vl):
     """Two 4-token images and a 6-token one, an encoder budget of 8: the first step stops before
     the third image (its chunk ends at the image's first placeholder), the next step takes it."""

@@ -44,8 +44,12 @@ QWEN3_5_VL = dict(
     tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
 QWEN3_5_MOE_VL = {**QWEN3_5_VL, "text_config": {**QWEN3_5_VL["text_config"], "num_experts": 4, "num_experts_per_tok": 2,
                                                  "moe_intermediate_size": 24, "shared_expert_intermediate_size": 20}}
+# Qwen3-VL-MoE: Qwen3-VL with 4 experts top-2 in every layer but the first (stacked in its checkpoint).
+QWEN3_VL_MOE = {**QWEN3_VL, "text_config": {**QWEN3_VL["text_config"], "num_experts": 4, "num_experts_per_tok": 2,
+                                             "moe_intermediate_size": 32, "mlp_only_layers": [0]}}
 # name -> (transformers config class, model class, config)
 ARCHS = {"qwen3-vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration", QWEN3_VL),
+         "qwen3-vl-moe": ("Qwen3VLMoeConfig", "Qwen3VLMoeForConditionalGeneration", QWEN3_VL_MOE),
          "qwen3.5": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration", QWEN3_5_VL),
          "qwen3.5-moe": ("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration", QWEN3_5_MOE_VL)}
 

@@ -150,6 +150,9 @@ class SparseMoE(nn.Module):
         "is not implemented; a DeepSeek-format FP8 checkpoint's experts are served as FP8)"
     block_scales: Optional[tuple[torch.Tensor, torch.Tensor, int]] = None  # set by keep_fp8
     tp = None  # the tensor-parallel group once sharded (models.tensor_parallel): the block's all-reduce
+    # The checkpoint stacks the experts (``experts.gate_up_proj`` / ``experts.down_proj``, as
+    # Qwen3-VL-MoE's does) instead of one tensor per expert; set by the model's ``match_checkpoint``.
+    fused_checkpoint = False
 
     def __init__(self, config: ModelConfig, names: MoENames, renormalize: bool, dtype: torch.dtype,
                  device: torch.device | str) -> None:
@@ -188,6 +191,9 @@ class SparseMoE(nn.Module):
     def weight_targets(self) -> dict[str, tuple[torch.Tensor, object]]:
         n, inter = self.names, self.intermediate_size
         table: dict[str, tuple[torch.Tensor, object]] = {f"{n.block}.gate.weight": (self.gate_weight, slice(None))}
+        if self.fused_checkpoint:  # [E, 2 * inter, hidden] (gate rows first) and [E, hidden, inter]: w13 and w2
+            return {**table, f"{n.block}.experts.gate_up_proj": (self.w13, slice(None)),
+                    f"{n.block}.experts.down_proj": (self.w2, slice(None))}
         for e in range(self.num_experts):
             p = f"{n.block}.experts.{e}."
             table[p + f"{n.gate}.weight"] = (self.w13, (e, slice(0, inter)))

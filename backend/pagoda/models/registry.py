@@ -49,6 +49,8 @@ _FAMILIES = {f.architecture: f for f in (
     # Images in (models/multimodal.py): the vision tower, M-RoPE and DeepStack beside Qwen3's decoder.
     ModelFamily("Qwen3VLForConditionalGeneration", "qwen3_vl", qwen3_vl.parse_config,
                 qwen3_vl.Qwen3VLForConditionalGeneration),
+    ModelFamily("Qwen3VLMoeForConditionalGeneration", "qwen3_vl_moe", qwen3_vl.parse_moe_config,
+                qwen3_vl.Qwen3VLMoeForConditionalGeneration),
     ModelFamily("Qwen3_5ForConditionalGeneration", "qwen3_5", qwen3_5_vl.parse_config,
                 qwen3_5_vl.Qwen3_5ForConditionalGeneration),
     ModelFamily("Qwen3_5MoeForConditionalGeneration", "qwen3_5_moe", qwen3_5_vl.parse_moe_config,
