@@ -60,6 +60,7 @@ _BENCHES = {
     "moe": ("pagoda.bench.moe", "main", "one MoE layer's experts: experts-with-tokens vs dense (CPU) or fused (GPU)"),
     "router-request": ("pagoda.bench.router_request", "main",
                        "one long-prompt request through the router vs straight to a replica"),
+    "mm": ("pagoda.bench.mm", "main", "an image request's TTFT cold, from the encoder cache and the prefix cache"),
 }
 
 
