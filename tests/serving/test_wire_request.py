@@ -3,6 +3,7 @@
 Its forms must not lose or change anything: typed -> Triton tensors -> typed, typed -> JSON
 (generate body) -> typed, and the engine's envelope it becomes."""
 
+import base64
 import json
 import pathlib
 import re
@@ -34,6 +35,8 @@ REQUESTS = [
                 output=OutputOptions(exclude_input_in_output=True, return_cumulative_logprob=True)),
     WireRequest(prompt="json", params=SamplingParams(guided_decoding={"json": {"type": "object"}}, min_tokens=2,
                                                      prompt_logprobs=1, truncate_prompt_tokens=-1)),
+    WireRequest(prompt="<img> and <img>: which?", images=(b"\x89PNG first", b"second\x00\xff"),
+                output=OutputOptions(stream=True)),
 ]
 
 
@@ -59,6 +62,28 @@ def test_the_vocabularies_are_one_list_each():
     declared = set(re.findall(r'name: "(\w+)"', inputs_block))
     assert declared == set(pagoda_inputs.INPUTS)
     assert set(FLAG_NAMES) == set(pagoda_inputs.FLAG_INPUTS)
+
+
+def test_images_travel_as_the_vllm_backends_base64_image_input_and_reach_the_engine():
+    """The ``image`` input is one base64 string per image (the vLLM backend's); the engine gets
+    the decoded bytes as ``multi_modal_data``; bad base64 is refused naming the element."""
+    wire = REQUESTS[-1]
+    assert wire.to_triton_inputs()["image"].tolist() == [base64.b64encode(b) for b in wire.images]
+    assert wire.to_json()["image"] == [base64.b64encode(b).decode() for b in wire.images]
+    assert "second" not in repr(wire)  # images are not logged with the request
+    engine_request = wire.to_engine_request("r", None)
+    assert engine_request.multi_modal_data == {"image": list(wire.images)}
+    assert WireRequest(prompt="text").to_engine_request("r", None).multi_modal_data is None
+    sent = {"text_input": np.array([b"x"], dtype=object),
+            "image": np.array([base64.b64encode(b"one"), b" " + base64.b64encode(b"two") + b"\n"], dtype=object)}
+    assert WireRequest.from_triton_inputs(sent.get).images == (b"one", b"two")
+    for bad, where in ((b"not base64!", "image[0]"), (b"", "image[0]"), ("a\u00e9==", "image[0]")):
+        with pytest.raises(ValueError, match=re.escape(where)):
+            WireRequest.from_triton_inputs({**sent, "image": np.array([bad], dtype=object)}.get)
+    with pytest.raises(ValueError, match=r"image\[1\]: not valid base64"):
+        WireRequest.from_json({"text_input": "x", "image": [base64.b64encode(b"ok").decode(), "%%%"]})
+    with pytest.raises(ValueError, match="image: each image must be its encoded bytes"):
+        WireRequest(prompt="x", images=("text",))
 
 
 def test_router_token_ids_are_used_only_with_the_engines_tokenizer():
