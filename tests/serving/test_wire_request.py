@@ -152,3 +152,19 @@ def test_a_generate_body_reads_as_tritonserver_hands_it_over():
     assert not readme.output.stream  # a parameter that names an input is that input, as tritonserver makes it
     assert np.array_equal(WireRequest(prompt_token_ids=(3, 4)).to_triton_inputs()["input_ids"],
                           np.array([3, 4], dtype=np.int32))
+
+
+def test_the_routers_generate_door_passes_images_on_unchanged():
+    """A generate body's ``image`` list passes the router's gate and comes out in the body the
+    router sends the replica, byte for byte (the router does not hash images yet)."""
+    from pagoda.fleet.api.generate_request import GenerateRequest
+    from pagoda.fleet.gate.generate_body import validate_generate_body
+    from pagoda.fleet.gate.limits import RequestLimits
+
+    images = [base64.b64encode(b"\x89PNG one").decode(), base64.b64encode(b"two").decode()]
+    raw = json.dumps({"text_input": "<img><img>", "image": images, "max_tokens": 2}).encode()
+    document = validate_generate_body(raw, RequestLimits())
+    request = GenerateRequest.of_document(document, "pagoda", is_front=False)
+    assert request.wire.images == (b"\x89PNG one", b"two")
+    assert request.body()["image"] == images
+    assert WireRequest.from_json(request.body()) == request.wire
