@@ -254,3 +254,72 @@ def test_beam_search_passes_as_vllms_extra_parameters():
         with pytest.raises(OpenAIError) as info:
             build_completion_request(body)
         assert info.value.param == param
+
+
+class VisionTokenizer(FakeTokenizer):
+    """A template that writes ``<image>`` for each image part, as a vision model's does."""
+
+    def apply_chat_template(self, messages, add_generation_prompt=True):
+        def text(content):
+            if isinstance(content, str):
+                return content
+            return "".join("<image>" if part["type"] == "image" else part["text"] for part in content)
+        return "".join(f"<{m['role']}>{text(m['content'])}" for m in messages) + "<assistant>"
+
+
+PNG_A, PNG_B = b"\x89PNG first image", b"\x89PNG second image"
+
+
+def _data_url(data: bytes, media_type: str = "image/png") -> str:
+    import base64
+
+    return f"data:{media_type};base64,{base64.b64encode(data).decode()}"
+
+
+def _image_part(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url, "detail": "low"}}
+
+
+def test_chat_image_url_data_parts_become_the_wires_images_in_order():
+    body = {"messages": [{"role": "system", "content": "Be brief."},
+                         {"role": "user", "content": [_image_part(_data_url(PNG_A)), {"type": "text", "text": "and"},
+                                                      _image_part(_data_url(PNG_B, "image/jpeg"))]},
+                         {"role": "assistant", "content": "ok"},
+                         {"role": "user", "content": [{"type": "text", "text": "again"}]}]}
+    built = build_chat_request(body, VisionTokenizer())
+    assert built.prompt == "<system>Be brief.<user><image>and<image><assistant>ok<user>again<assistant>"
+    assert built.wire.images == (PNG_A, PNG_B)
+    assert built.wire.to_engine_request("r", None).multi_modal_data == {"image": [PNG_A, PNG_B]}
+    assert build_chat_request({"messages": [{"role": "user", "content": "x"}]}, VisionTokenizer()).wire.images == ()
+
+
+@pytest.mark.parametrize("url, match", [
+    ("https://example.com/cat.png", r"content\[0\]\.image_url\.url: http\(s\) image URLs are not fetched"),
+    ("http://169.254.169.254/latest", "http\\(s\\) image URLs are not fetched"),
+    ("file:///etc/passwd", "unsupported image URL scheme 'file'"),
+    ("cat.png", "unsupported image URL scheme"),
+    ("data:image/png,rawbytes", "must be base64"),
+    ("data:text/plain;base64,aGk=", "media type must be image/"),
+    ("data:image/png;base64,not base64!", "payload is not valid base64"),
+    ("data:image/png;base64,", "holds no image"),
+])
+def test_chat_image_urls_other_than_base64_data_are_refused_naming_the_part(url, match):
+    body = {"messages": [{"role": "user", "content": [_image_part(url), {"type": "text", "text": "what?"}]}]}
+    with pytest.raises(OpenAIError, match=match) as info:
+        build_chat_request(body, VisionTokenizer())
+    assert info.value.param == "messages" and "messages[0]" in str(info.value)
+
+
+def test_chat_images_outside_user_messages_and_templates_without_images_are_refused():
+    image = [_image_part(_data_url(PNG_A))]
+    with pytest.raises(OpenAIError, match=r"messages\[0\]\.content: image_url parts are taken in user messages only"):
+        build_chat_request({"messages": [{"role": "system", "content": image}]}, VisionTokenizer())
+
+    class TextOnly(FakeTokenizer):  # a text model's template: content + string
+        def apply_chat_template(self, messages, add_generation_prompt=True):
+            return "".join("<" + m["role"] + ">" + m["content"] for m in messages)
+
+    with pytest.raises(OpenAIError, match="chat template cannot render image parts"):
+        build_chat_request({"messages": [{"role": "user", "content": image}]}, TextOnly())
+    with pytest.raises(OpenAIError, match=r"messages\[0\]\.content: must be a string or a list of text and image_url"):
+        build_chat_request({"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}, VisionTokenizer())

@@ -104,6 +104,19 @@ def test_bad_request_is_a_400_naming_the_field(client):
         client.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT, max_tokens=-3)
 
 
+def test_an_image_for_the_text_only_model_is_a_400_and_the_door_keeps_serving(client):
+    """SmolLM2's chat template concatenates content as a string: an image part is a 400 naming
+    ``messages`` (no replica is asked); the next chat is answered."""
+    png = ("iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg==")
+    with pytest.raises(openai.BadRequestError, match="chat template cannot render image parts"):
+        client.chat.completions.create(model="SmolLM2-135M-Instruct", max_tokens=2, timeout=60, messages=[
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + png}},
+                                         {"type": "text", "text": "What is it?"}]}])
+    answer = client.chat.completions.create(model="SmolLM2-135M-Instruct", max_tokens=2, timeout=60,
+                                            messages=[{"role": "user", "content": "Hi"}])
+    assert answer.choices[0].message.content is not None
+
+
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather forecast for a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo", "Rome"]},

@@ -13,12 +13,15 @@ The session's server (tests/serving/conftest.py) runs with ``output_dialect=vllm
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import queue
 
 import numpy as np
 import pytest
 
+from tests.engine.vision_reference import random_image
 from tests.serving.test_serving_triton_server import http_post
 
 pytestmark = pytest.mark.server
@@ -26,8 +29,9 @@ pytestmark = pytest.mark.server
 PROMPT = "In this example,"
 
 
-def grpc_stream(server, prompt, *, sampling=None, parameters=None, priority=0, timeout=None, **flags):
-    """One request on a tritonclient gRPC stream, as the backend's tests send it.
+def grpc_stream(server, prompt, *, sampling=None, parameters=None, priority=0, timeout=None, images=(), **flags):
+    """One request on a tritonclient gRPC stream, as the backend's tests send it (``images``:
+    the ``image`` input's elements, base64 text, as the backend's clients send them).
 
     Returns:
         (list of result objects, error text or None).
@@ -43,6 +47,10 @@ def grpc_stream(server, prompt, *, sampling=None, parameters=None, priority=0, t
     if sampling is not None:
         inputs.append(tensor("sampling_parameters", json.dumps(sampling).encode(), "BYTES"))
     inputs += [tensor(name, value, "BOOL") for name, value in flags.items()]
+    if images:
+        image = grpcclient.InferInput("image", [len(images)], "BYTES")
+        image.set_data_from_numpy(np.array(list(images), dtype=np.object_))
+        inputs.append(image)
     results: "queue.Queue" = queue.Queue()
     client = grpcclient.InferenceServerClient(server.grpc_url)
     client.start_stream(callback=lambda result, error: results.put((result, error)))
@@ -228,6 +236,19 @@ def test_vllm_request_histograms_under_both_latency_names(triton_server, read_me
     assert delta("vllm:time_per_output_token_seconds_count") == delta("vllm:inter_token_latency_seconds_count") >= 4
     assert delta("vllm:time_per_output_token_seconds_sum") == pytest.approx(
         delta("vllm:inter_token_latency_seconds_sum"))
+
+
+def test_an_image_for_the_text_only_model_is_a_400_and_the_server_keeps_serving(triton_server):
+    """The session's model (SmolLM2) takes text only: an ``image`` input is refused naming it;
+    so is an element that is not base64; the next request is served."""
+    png = io.BytesIO()
+    random_image(0).save(png, format="PNG")
+    _, error = grpc_stream(triton_server, PROMPT, sampling={"max_tokens": 2}, images=[base64.b64encode(png.getvalue())])
+    assert error is not None and "multi_modal_data: this model takes text only" in error
+    _, error = grpc_stream(triton_server, PROMPT, sampling={"max_tokens": 2}, images=[b"not base64!"])
+    assert error is not None and "image[0]: not valid base64" in error
+    results, error = grpc_stream(triton_server, PROMPT, sampling={"max_tokens": 2, "temperature": 0})
+    assert error is None and texts(results)
 
 
 def test_read_only_repository_calls(triton_server):

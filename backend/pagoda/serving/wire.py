@@ -25,6 +25,11 @@ Who builds one, and how it travels (docs/architecture.md draws the whole path):
   tokenizer (``prompt_tokenizer`` names it: ``Tokenizer.fingerprint``) are used as they are,
   so the prompt is not encoded twice.
 
+Images (``images``: each image's encoded bytes, in prompt order) travel as the vLLM dialect's
+``image`` input (one base64 string per image, ``serving.dialects.vllm.read_images``) in the
+Triton and JSON forms, and reach the engine as ``EngineRequest.multi_modal_data["image"]``;
+the engine checks them (limits, placeholders, a text-only model: docs/multimodal.md).
+
 Invariants: a prompt is text (non-empty, at most ``MAX_PROMPT_CHARS`` characters), token ids
 (non-empty, each >= 0), or both with ``prompt_tokenizer`` set; ``to_triton_inputs`` then
 reading it back gives an equal ``WireRequest`` (tests/serving/test_wire_request.py).
@@ -32,6 +37,7 @@ reading it back gives an equal ``WireRequest`` (tests/serving/test_wire_request.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import json
 from dataclasses import dataclass, field
@@ -97,6 +103,7 @@ class WireRequest:
     options: RequestOptions = field(default_factory=RequestOptions)
     output: OutputOptions = field(default_factory=OutputOptions)
     prompt_tokenizer: Optional[str] = None  # the tokenizer (fingerprint) that made prompt_token_ids from prompt
+    images: tuple[bytes, ...] = field(default=(), repr=False)  # each image's encoded bytes, in prompt order
     # prompt_token_ids as the INT32 tensor they travel as, made once when the request is built and
     # carried by copies that keep the ids (``replace``: a 900k-token prompt's costs 0.1 s to make).
     _ids_tensor: Optional[np.ndarray] = field(default=None, repr=False, compare=False)
@@ -118,6 +125,9 @@ class WireRequest:
                 object.__setattr__(self, "_ids_tensor", _ids_tensor(self.prompt_token_ids))
         else:
             object.__setattr__(self, "_ids_tensor", None)
+        object.__setattr__(self, "images", tuple(self.images))
+        if not all(isinstance(image, bytes) and image for image in self.images):
+            raise ValueError("image: each image must be its encoded bytes (non-empty)")
         if self.prompt is not None and self.prompt_token_ids is not None and not self.prompt_tokenizer:
             raise ValueError("input_ids: give the prompt as text_input or as input_ids, not both (a router that "
                              "tokenized text_input sends the ids with its tokenizer's prompt_tokenizer)")
@@ -141,7 +151,7 @@ class WireRequest:
         return cls(prompt=read.prompt, prompt_token_ids=read.prompt_token_ids, params=params,
                    options=RequestOptions.from_dict(options),
                    output=OutputOptions(**read.flags, output_dialect=output_dialect),
-                   prompt_tokenizer=prompt_tokenizer)
+                   prompt_tokenizer=prompt_tokenizer, images=tuple(read.images))
 
     @classmethod
     def from_triton_inputs(cls, get_input: GetInput, parameters: Any = None,
@@ -207,6 +217,8 @@ class WireRequest:
         if self._ids_tensor is not None:
             inputs["input_ids"] = self._ids_tensor
         inputs["sampling_parameters"] = string_array([json.dumps(self.values())])
+        if self.images:
+            inputs["image"] = np.array([base64.b64encode(image) for image in self.images], dtype=np.object_)
         for name in FLAG_NAMES:
             if getattr(self.output, name):
                 inputs[name] = np.array([True])
@@ -220,6 +232,8 @@ class WireRequest:
         if self.prompt_token_ids is not None:
             body["input_ids"] = list(self.prompt_token_ids)
         body["sampling_parameters"] = json.dumps(self.values())
+        if self.images:
+            body["image"] = [base64.b64encode(image).decode("ascii") for image in self.images]
         body.update({name: True for name in FLAG_NAMES if getattr(self.output, name)})
         return body
 
@@ -252,8 +266,9 @@ class WireRequest:
         if ids is None and self.prompt is not None and self.prompt_token_ids is not None \
                 and self.prompt_tokenizer == tokenizer:
             ids = list(self.prompt_token_ids)
+        images = {"image": list(self.images)} if self.images else None
         return EngineRequest(request_id, prompt, self.engine_params(), self.options, arrival_time=arrival_time,
-                             prompt_token_ids=ids)
+                             prompt_token_ids=ids, multi_modal_data=images)
 
     def uses_given_token_ids(self, tokenizer: Optional[str]) -> bool:
         """Whether the engine takes the prompt's token ids as sent (no encoding on the replica)."""

@@ -20,6 +20,7 @@ from pydantic import ValidationError
 from pagoda.contracts.request_options import RequestOptions
 from pagoda.engine.sampling_params import SamplingParams
 from pagoda.fleet.api.openai_guided import guided_decoding_from_body
+from pagoda.fleet.api.openai_images import message_for_template
 from pagoda.fleet.api.openai_protocol import (CHAT_ROLES, ChatCompletionRequest, ChatMessage, CompletionRequest,
                                               OpenAIError, describe, parse)
 from pagoda.fleet.api.openai_tools import ToolPlan, render_prompt, tool_plan_from_body
@@ -73,7 +74,8 @@ _OUTPUTS = dict(stream=True, exclude_input_in_output=True, return_finish_reason=
                 return_num_output_tokens=True, return_num_cached_tokens=True, output_dialect="pagoda")
 
 
-def _wire(prompt: PromptInput, sampling: dict[str, Any], options: dict[str, Any], logprobs: bool) -> WireRequest:
+def _wire(prompt: PromptInput, sampling: dict[str, Any], options: dict[str, Any], logprobs: bool,
+          images: tuple[bytes, ...] = ()) -> WireRequest:
     """A prompt's wire request; a value ``SamplingParams`` or ``RequestOptions`` refuses is an
     ``OpenAIError`` naming it (their messages start with the field's name)."""
     try:
@@ -81,7 +83,7 @@ def _wire(prompt: PromptInput, sampling: dict[str, Any], options: dict[str, Any]
         return WireRequest(prompt=prompt if isinstance(prompt, str) else None,
                            prompt_token_ids=None if isinstance(prompt, str) else tuple(prompt), params=params,
                            options=RequestOptions(**options),
-                           output=OutputOptions(**_OUTPUTS, return_logprobs=logprobs))
+                           output=OutputOptions(**_OUTPUTS, return_logprobs=logprobs), images=images)
     except ValueError as exc:
         raise OpenAIError(str(exc), str(exc).split(":", 1)[0]) from None
 
@@ -180,8 +182,9 @@ def build_completion_request(body: dict, tokenizer: Optional["Tokenizer"] = None
     return built[0]
 
 
-def _message_dict(message: ChatMessage) -> dict[str, Any]:
-    out: dict[str, Any] = {"role": CHAT_ROLES[message.role], "content": message.text()}
+def _message_dict(message: ChatMessage, index: int, images: list[bytes]) -> dict[str, Any]:
+    """The message the chat template renders; its images' bytes go to ``images`` (``openai_images``)."""
+    out: dict[str, Any] = {"role": CHAT_ROLES[message.role], "content": message_for_template(message, index, images)}
     if message.tool_calls is not None and out["role"] == "assistant":
         out["tool_calls"] = [call.model_dump(exclude_none=True) for call in message.tool_calls]
     if out["role"] == "tool" and message.tool_call_id is not None:
@@ -209,17 +212,21 @@ def build_chat_request(body: dict, tokenizer: "Tokenizer", reasoning_parser: Opt
             raise OpenAIError("tool_choice: a forced tool call is an output format; do not combine it with "
                               "response_format or guided_*", "tool_choice")
         sampling["guided_decoding"] = forced
-    checked = [_message_dict(m) for m in request.messages]
+    images: list[bytes] = []
+    checked = [_message_dict(m, i, images) for i, m in enumerate(request.messages)]
     try:
         prompt = render_prompt(tokenizer, checked, plan, request.chat_template_kwargs or {})
     except (ValueError, TypeError) as exc:
+        if images:  # a text-only model's template concatenates content as a string
+            raise OpenAIError(f"messages: the model's chat template cannot render image parts (does this model "
+                              f"take images?): {exc}", "messages") from None
         raise OpenAIError(f"messages: {exc}", "chat_template_kwargs" if request.chat_template_kwargs else "messages") \
             from None
     parsers = ParserChoice.detect(getattr(tokenizer, "chat_template", None), prompt, reasoning_parser, tool_parser)
     if parsers.needs_special_tokens and request.skip_special_tokens is None:
         sampling["skip_special_tokens"] = False  # gpt-oss's channels are special tokens (fleet.parsers.harmony)
-    return OpenAIRequest(_wire(prompt, sampling, request.request_options(), logprobs is not None), request.stream,
-                         logprobs, include_usage, tools=plan, parsers=parsers)
+    wire = _wire(prompt, sampling, request.request_options(), logprobs is not None, tuple(images))
+    return OpenAIRequest(wire, request.stream, logprobs, include_usage, tools=plan, parsers=parsers)
 
 
 # ------------------------------------------------------------------ Triton tensors

@@ -15,6 +15,8 @@ accepted and ignored on purpose, because they carry no generation semantics: ``u
 ``metadata``, ``store``, ``service_tier``. Messages accept the fields the openai SDK writes
 back when a caller appends a response's message to the conversation (``refusal``,
 ``audio``, ``function_call``, ``annotations``, ``reasoning_content``) when they are ``null``.
+A message's content is a string or a list of ``text`` and ``image_url`` parts (the images'
+URLs are read by ``openai_images``).
 """
 
 from __future__ import annotations
@@ -113,6 +115,19 @@ class TextPart(_Strict):
     text: str
 
 
+class ImageURL(_Strict):
+    url: str
+    detail: Optional[Literal["auto", "low", "high"]] = None  # accepted; the model's processor decides the size
+
+
+class ImageURLPart(_Strict):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[Union[TextPart, ImageURLPart], Field(discriminator="type")]
+
+
 class ToolCallFunction(_Strict):
     name: str
     arguments: Annotated[Union[str, dict[str, Any]], one_of("a JSON string or an object")] = "{}"
@@ -126,7 +141,8 @@ class ToolCall(_Strict):
 
 class ChatMessage(_Strict):
     role: str
-    content: Annotated[Union[str, list[TextPart], None], one_of("a string or a list of text parts")] = None
+    content: Annotated[Union[str, list[ContentPart], None],
+                       one_of("a string or a list of text and image_url parts")] = None
     name: Optional[str] = None
     tool_calls: Optional[list[ToolCall]] = None
     tool_call_id: Annotated[Optional[Union[str, int]], one_of("a string")] = None
@@ -145,9 +161,9 @@ class ChatMessage(_Strict):
         return role
 
     def text(self) -> str:
-        """The content as one string (text parts joined; ``null`` is empty)."""
+        """The content as one string (text parts joined, images left out; ``null`` is empty)."""
         if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
+            return "".join(part.text for part in self.content if isinstance(part, TextPart))
         return self.content or ""
 
 

@@ -12,6 +12,8 @@ The model takes (all optional but the prompt):
 - TensorRT-LLM style scalars and word lists (``serving.dialects.trtllm``: ``PAGODA_SCALARS``,
   ``WORD_INPUTS``), which win over the same key in the JSON (the more specific, per-tensor
   statement; TensorRT-LLM clients never send the JSON); ``end_id`` adds a stop token id;
+- ``image`` (STRING, one base64 image per element: the vLLM backend's input,
+  ``vllm.read_images``);
 - ``lora_name`` (STRING, the vLLM backend's input), or the same key in the JSON;
 - the output flags (``OutputOptions.FLAGS``: ``stream``, ``exclude_input_in_output``,
   ``return_*``).
@@ -41,7 +43,7 @@ INPUTS: dict[str, str] = {
        for name, (_, kind) in trtllm.SCALARS.items() if name in trtllm.PAGODA_SCALARS},
     "stop_words": "strings", "bad_words": "strings", "embedding_bias_words": "strings",
     "embedding_bias_weights": "numbers", "end_id": "int", "beam_width": "int",
-    "lora_name": "string", "lora_action": "string", "lora_path": "string",
+    "image": "strings", "lora_name": "string", "lora_action": "string", "lora_path": "string",
 }
 # Every input of a generation request, so a control request can refuse them.
 GENERATION_INPUTS = tuple(name for name in INPUTS if name not in ("lora_name", "lora_action", "lora_path"))
@@ -99,7 +101,8 @@ def read_request(get_input: GetInput, parameters: Any = None,
     if flags["stream"] and get_input("exclude_input_in_output") is not None and not flags["exclude_input_in_output"]:
         # streamed responses carry only the new text (Triton's vLLM backend refuses this too, in these words)
         raise ValueError("exclude_input_in_output: When streaming, `exclude_input_in_output` = False is not allowed.")
-    return DialectRequest(prompt=prompt, prompt_token_ids=ids, sampling=sampling, options=options, flags=flags)
+    return DialectRequest(prompt=prompt, prompt_token_ids=ids, sampling=sampling, options=options, flags=flags,
+                          images=vllm.read_images(get_input("image")))
 
 
 def _prompt_text(array: Any) -> Optional[str]:

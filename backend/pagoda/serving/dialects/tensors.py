@@ -34,6 +34,7 @@ class DialectRequest:
         options: ``RequestOptions`` field name -> value (and ``output_dialect``,
             ``prompt_tokenizer``: the wire's own keys).
         flags: ``OutputOptions`` flag name -> bool.
+        images: each image's encoded bytes (the vLLM dialect's ``image`` input, decoded).
     """
 
     prompt: Optional[str] = None
@@ -41,6 +42,7 @@ class DialectRequest:
     sampling: dict[str, Any] = field(default_factory=dict)
     options: dict[str, Any] = field(default_factory=dict)
     flags: dict[str, bool] = field(default_factory=dict)
+    images: list[bytes] = field(default_factory=list)
 
 
 def decode_text(name: str, value: Any) -> str:

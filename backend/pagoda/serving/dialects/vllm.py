@@ -26,6 +26,11 @@ accepted (one grammar backend, nothing to fall back to); ``structural_tag``,
 ``whitespace_pattern`` and ``disable_additional_properties`` are refused when set. ``null``
 values mean "not given", as in vLLM.
 
+Images: the ``image`` input (BYTES, one element per image, several per request), each the
+base64 of an encoded image (PNG, JPEG, ...), as the vLLM backend takes it; ``read_images``
+decodes it strictly (standard alphabet, padding; whitespace ignored). Whether the bytes are
+an image, and the limits, are the engine's checks (``engine.image_inputs``).
+
 Outputs (``output_dialect``: ``"vllm"``, the backend's shapes; ``"pagoda"``, the shapes the
 router's OpenAI door reads; the model's ``output_dialect`` config parameter, or the request's):
 
@@ -41,10 +46,14 @@ router's OpenAI door reads; the model's ``output_dialect`` config parameter, or 
 
 from __future__ import annotations
 
+import base64
+import binascii
 import dataclasses
 import functools
 import json
 from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
 
 from pagoda.contracts import json_input
 from pagoda.contracts.request_options import OPTION_NAMES
@@ -239,6 +248,31 @@ def apply_structured_outputs(values: dict[str, Any]) -> None:
         values["guided_decoding"] = GuidedDecodingParams.from_dict(guided)
     except ValueError as exc:
         raise ValueError(str(exc).replace("guided_decoding", "structured_outputs", 1)) from None
+
+
+def read_images(array: Optional[np.ndarray]) -> list[bytes]:
+    """The ``image`` input's images (``[]`` when absent): each element base64 text -> its bytes.
+
+    Raises:
+        ValueError: naming ``image`` (and the element): not text, not base64, or empty.
+    """
+    if array is None:
+        return []
+    images = []
+    for index, value in enumerate(array.reshape(-1)):
+        if isinstance(value, str):
+            value = value.encode("ascii", errors="replace")
+        if not isinstance(value, (bytes, bytearray)):
+            raise ValueError(f"image[{index}]: must be a base64 string, got {type(value).__name__}")
+        try:
+            data = base64.b64decode(b"".join(bytes(value).split()), validate=True)
+        except (binascii.Error, ValueError):
+            raise ValueError(f"image[{index}]: not valid base64 (send each image's encoded bytes, PNG or JPEG, "
+                             f"base64-encoded)") from None
+        if not data:
+            raise ValueError(f"image[{index}]: empty image")
+        images.append(data)
+    return images
 
 
 def check_output_dialect(name: str, value: Any) -> str:

@@ -1,0 +1,80 @@
+"""OpenAI chat ``image_url`` content parts -> the images a ``WireRequest`` carries.
+
+A chat message's content may be a list of parts: ``{"type": "text", "text": ...}`` and
+``{"type": "image_url", "image_url": {"url": ..., "detail": ...}}`` (OpenAI's and vLLM's
+form). Each image part becomes
+
+- its encoded bytes, in the order the parts come over the whole conversation (the engine
+  pairs the n-th image with the n-th placeholder of the prompt), and
+- ``{"type": "image"}`` in the message the chat template renders (transformers' form: a
+  vision model's template, Qwen3-VL's for one, writes the model's image placeholder there).
+
+URLs: ``data:image/<subtype>;base64,<payload>`` is decoded here (strict base64). ``http(s)``
+URLs are refused: fetching them would let a request make the server connect to any address,
+and pagoda has no allow-list, size or time limits for that yet, so a client sends the image
+inline. Every other scheme is refused. Whether the bytes are an image, and the image limits
+(count, bytes, pixels, decompression bombs), are the engine's checks (``engine.image_inputs``,
+docs/multimodal.md); they come back as 400s naming ``multi_modal_data.image[i]``.
+
+Images are taken in ``user`` messages only (a system or assistant turn with an image has no
+meaning a template agrees on).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from typing import Any
+
+from pagoda.fleet.api.openai_protocol import CHAT_ROLES, ChatMessage, ImageURLPart, OpenAIError
+
+
+def message_for_template(message: ChatMessage, index: int, images: list[bytes]) -> Any:
+    """The content a chat template renders for ``message`` (``messages[index]``): its text, or,
+    when it holds images, transformers' list of ``text`` / ``image`` parts; the images' bytes are
+    appended to ``images``.
+
+    Raises:
+        OpenAIError: naming ``messages[i].content[j]...``: an image outside a user message, a URL
+            that is not a base64 ``data:`` URL of an image.
+    """
+    parts = message.content if isinstance(message.content, list) else None
+    if parts is None or not any(isinstance(part, ImageURLPart) for part in parts):
+        return message.text()
+    if CHAT_ROLES[message.role] != "user":
+        raise OpenAIError(f"messages[{index}].content: image_url parts are taken in user messages only, "
+                          f"not in a {message.role} message", "messages")
+    content: list[dict[str, Any]] = []
+    for number, part in enumerate(parts):
+        if isinstance(part, ImageURLPart):
+            images.append(image_bytes(part.image_url.url, f"messages[{index}].content[{number}].image_url.url"))
+            content.append({"type": "image"})
+        else:
+            content.append({"type": "text", "text": part.text})
+    return content
+
+
+def image_bytes(url: str, where: str) -> bytes:
+    """The encoded image a ``data:`` URL carries. Raises OpenAIError naming ``where``."""
+    scheme = url.split(":", 1)[0].lower() if ":" in url else ""
+    if scheme in ("http", "https"):
+        raise OpenAIError(f"{where}: http(s) image URLs are not fetched: this server has no allow-list of hosts, "
+                          f"size or time limits for fetching (no option enables it yet); send the image inline as "
+                          f"a data: URL (data:image/png;base64,...)", "messages")
+    if scheme != "data":
+        shown = scheme or url[:16]
+        raise OpenAIError(f"{where}: unsupported image URL scheme {shown!r}; send a data: URL "
+                          f"(data:image/png;base64,...)", "messages")
+    header, comma, payload = url[len("data:"):].partition(",")
+    media_type, *params = header.split(";")
+    if not comma or "base64" not in (p.strip().lower() for p in params):
+        raise OpenAIError(f"{where}: a data: URL must be base64 (data:image/png;base64,...)", "messages")
+    if not media_type.strip().lower().startswith("image/"):
+        raise OpenAIError(f"{where}: the data: URL's media type must be image/..., got {media_type!r}", "messages")
+    try:
+        data = base64.b64decode("".join(payload.split()), validate=True)
+    except (binascii.Error, ValueError):
+        raise OpenAIError(f"{where}: the data: URL's payload is not valid base64", "messages") from None
+    if not data:
+        raise OpenAIError(f"{where}: the data: URL holds no image", "messages")
+    return data

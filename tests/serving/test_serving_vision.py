@@ -1,0 +1,138 @@
+"""Images through the doors: a tiny random Qwen3-VL served by a real tritonserver equals the
+offline engine, through the vLLM dialect's ``image`` input (tritonclient, gRPC stream) and the
+OpenAI door's ``image_url`` data URLs (the openai SDK; ``pagoda serve``'s door is a ``pagoda
+router`` child, so the images also pass through the router).
+
+The folder is ``tests/engine/vision_reference.save_qwen3_vl``'s (whose engine output equals
+transformers', tests/engine/test_vision_engine.py) with two edits so text can hold the image
+placeholder: ``image_token_id`` is 49001 (SmolLM2's `` Salvation``, one token wherever it is
+written) instead of 49000 (which SmolLM2 does not write back as one token), and a chat template
+that writes that token for each image part, as Qwen3-VL's writes ``<|image_pad|>``. The engine
+ignores ``vision_start_token_id``; the weights do not depend on either id. One server for the
+module; every client call has a timeout.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import re
+import signal
+
+import pytest
+
+from pagoda.engine.llm import LLM
+from pagoda.engine.sampling_params import SamplingParams
+from tests.engine.vision_reference import random_image, save_qwen3_vl
+from tests.serving.test_serving_lifecycle import ServeProcess
+from tests.serving.test_serving_vllm_dialect import grpc_stream, texts
+
+openai = pytest.importorskip("openai")
+
+pytestmark = pytest.mark.server
+
+IMAGE_TEXT = " Salvation"  # token 49001 of SmolLM2's vocabulary: the placeholder in this folder
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content is string %}{{ m.content }}"
+            "{% else %}{% for p in m.content %}{% if p.type == 'image' %}" + IMAGE_TEXT + "{% else %}{{ p.text }}"
+            "{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+MAX_TOKENS = 6
+GREEDY = {"temperature": 0, "max_tokens": MAX_TOKENS}
+
+
+def _png(seed: int) -> bytes:
+    out = io.BytesIO()
+    random_image(seed).save(out, format="PNG")
+    return out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def vl_folder(tmp_path_factory, smollm2_path):
+    folder = save_qwen3_vl(tmp_path_factory.mktemp("vision") / "qwen3-vl", smollm2_path)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(image_token_id=49001, vision_start_token_id=49000)
+    (folder / "config.json").write_text(json.dumps(config))
+    tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**tokenizer_config, "chat_template": TEMPLATE}))
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def served(vl_folder):
+    from pagoda.serving.launch.launcher import find_free_port
+
+    port = find_free_port()
+    process = ServeProcess("--model", vl_folder, "--openai-port", str(port), "--max-model-len", "256",
+                           "--max-num-seqs", "4")
+    try:
+        process.wait_serving()
+        process.grpc_url = f"127.0.0.1:{process.ports[1]}"
+        process.openai = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0,
+                                       timeout=120)
+        yield process
+    finally:
+        process.proc.send_signal(signal.SIGTERM)
+        try:
+            process.proc.wait(60)
+        finally:
+            process.kill()
+
+
+def _offline(folder: str, requests: list[tuple[str, list[bytes]]]) -> list[str]:
+    llm = LLM(model=folder, max_model_len=256)
+    outputs = llm.generate([{"prompt": p, "multi_modal_data": {"image": images}} for p, images in requests],
+                           SamplingParams(**GREEDY))
+    return [o.outputs[0].text for o in outputs]
+
+
+def _chat_prompt(text_parts: list[str], images: int) -> str:
+    user = IMAGE_TEXT * images + "".join(text_parts)
+    return f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_images_through_the_vllm_dialect_and_the_openai_door_equal_the_offline_engine(vl_folder, served):
+    one, two = _png(1), _png(2)
+    prompts = [("<|im_start|>user\n" + IMAGE_TEXT + " What is it?<|im_end|>\n<|im_start|>assistant\n", [one]),
+               ("<|im_start|>user\n" + IMAGE_TEXT + " or" + IMAGE_TEXT + "?<|im_end|>\n<|im_start|>assistant\n",
+                [two, one]),
+               (_chat_prompt([" Describe."], 1), [two])]
+    expected = _offline(vl_folder, prompts)
+    assert len(set(expected[:2])) == 2 and all(expected)
+
+    for (prompt, images), text in zip(prompts[:2], expected):
+        results, error = grpc_stream(served, prompt, sampling=GREEDY, stream=True,
+                                     exclude_input_in_output=True, images=[base64.b64encode(i) for i in images])
+        assert error is None and "".join(texts(results)) == text
+
+    url = "data:image/png;base64," + base64.b64encode(two).decode()
+    response = served.openai.chat.completions.create(
+        model=served.openai.models.list().data[0].id, temperature=0, max_tokens=MAX_TOKENS,
+        messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                               {"type": "text", "text": " Describe."}]}])
+    assert response.choices[0].message.content == expected[2]
+
+
+def test_bad_images_are_400s_naming_the_field_and_the_server_keeps_serving(served):
+    prompt = "<|im_start|>user\n" + IMAGE_TEXT + " What?<|im_end|>\n"
+    for images, field in (([b"%%% not base64"], "image[0]: not valid base64"),
+                          ([base64.b64encode(b"not an image at all")], "multi_modal_data.image[0]"),
+                          ([base64.b64encode(_png(1))] * 2, "prompt: 1 image placeholders")):
+        _, error = grpc_stream(served, prompt, sampling=GREEDY, images=images)
+        assert error is not None and field in error, error
+    model = served.openai.models.list().data[0].id
+
+    def chat(url):
+        return served.openai.chat.completions.create(model=model, max_tokens=2, messages=[
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}])
+
+    for url, field in (("data:image/png;base64,%%%", "payload is not valid base64"),
+                       ("data:image/png;base64," + base64.b64encode(b"GIF? no").decode(), "multi_modal_data.image[0]"),
+                       ("https://example.com/cat.png", "http(s) image URLs are not fetched"),
+                       ("ftp://example.com/cat.png", "unsupported image URL scheme 'ftp'")):
+        with pytest.raises(openai.BadRequestError, match=re.escape(field)):
+            chat(url)
+    assert chat("data:image/png;base64," + base64.b64encode(_png(3)).decode()).choices[0].message.content
+    results, error = grpc_stream(served, prompt, sampling=GREEDY,
+                                 images=[base64.b64encode(_png(3))])
+    assert error is None and texts(results)
