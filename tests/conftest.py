@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+from tests import xdist_support
+
 
 @pytest.fixture(autouse=True)
 def kernel_settings():
@@ -57,11 +59,22 @@ def smollm2_lora(tmp_path_factory, smollm2_path):
 
 
 
+def _is_xdist_worker(config) -> bool:
+    return hasattr(config, "workerinput")
+
+
 @pytest.hookimpl(trylast=True)  # after -k / -m have deselected
 def pytest_collection_modifyitems(config, items):
     """Start the sm_90 compile runs of the selected tests in the background (idle CPU: see
-    tests/kernels/sm90_runs.py), in the order those tests run."""
+    tests/kernels/sm90_runs.py), in the order those tests run. An xdist worker starts none:
+    it reads the runs the controller started (``pytest_xdist_node_collection_finished``)."""
     if config.option.collectonly:
+        return
+    if _is_xdist_worker(config):  # tests/xdist_support.py
+        from tests.kernels.sm90_runs import runs
+
+        xdist_support.write_groups(config, items)
+        runs(shared_dir=config.workerinput.get(xdist_support.FOLDER_KEY))  # none: a test runs its family
         return
     selected = [item for item in items if item.module.__name__.endswith("test_compile_sm90")
                 and item.name in item.module.FAMILIES]
@@ -71,10 +84,42 @@ def pytest_collection_modifyitems(config, items):
         runs().start([item.module.FAMILIES[item.name] for item in selected])
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """xdist controller: its folder (the workers' groups, the sm_90 runs' outputs), for every worker."""
+    node.workerinput[xdist_support.FOLDER_KEY] = xdist_support.controller_folder(node.config)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """xdist controller: ``--dist loadgroup`` by the workers' groups (tests/xdist_support.py)."""
+    return xdist_support.make_scheduler(config, log)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids):
+    """xdist controller: start the sm_90 runs of the selected tests once, when a worker has
+    collected (every worker collects the same tests, ``-k``/``-m`` applied), in their order."""
+    if node.config.option.collectonly:
+        return
+    import importlib
+
+    module = importlib.import_module("tests.kernels.test_compile_sm90")
+    names = [i.split("@")[0].split("::")[-1] for i in ids if i.split("::")[0].endswith("test_compile_sm90.py")]
+    families = [module.FAMILIES[name] for name in names if name in module.FAMILIES]
+    if families and module._sm90_api_missing() is None:
+        from tests.kernels.sm90_runs import runs
+
+        runs(results_dir=xdist_support.controller_folder(node.config)).start(families)
+
+
 def pytest_sessionfinish(session, exitstatus):
     """End the background compile runs a session did not wait for (and their Triton cache)."""
+    import shutil
     import sys
 
     module = sys.modules.get("tests.kernels.sm90_runs")
-    if module is not None and module.RUNS is not None:
+    if module is not None and module.RUNS is not None and not _is_xdist_worker(session.config):
         module.RUNS.stop()
+    if hasattr(session.config, "_pagoda_xdist_dir"):  # the xdist controller's, even if nothing started
+        shutil.rmtree(session.config._pagoda_xdist_dir, ignore_errors=True)

@@ -11,6 +11,13 @@ kernel's scheduler gives a nice-19 process ~1.5% of a core against a nice-0 one)
 reads its family's output (``rows``), waiting for what is left of the run; a test run alone
 (nothing started) runs its family there and then. ``stop`` ends whatever still runs when the
 session ends. Every variant is compiled exactly as before; only when does it change.
+
+Under pytest-xdist the runs belong to the controller, not to a worker (each worker collects
+every test but runs only some: a worker's runs would compile each family once per worker, and
+end with that worker's session while the other may still need them): the controller starts
+them once its first worker has collected (tests/conftest.py), and writes each family's output
+as ``<family>.json`` into the folder it hands every worker (tests/xdist_support.py), with
+``started.json``, the families started; a worker's ``rows`` waits for that file.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -39,12 +47,13 @@ class _Run:
 
 
 class Sm90Runs:
-    def __init__(self) -> None:
+    def __init__(self, results_dir: Optional[str] = None) -> None:
         self._runs: dict[str, _Run] = {}
         self._lock = threading.Lock()
         self._procs: list[subprocess.Popen] = []
         self._stopped = False
         self._cache = tempfile.mkdtemp(prefix="pagoda-sm90-")
+        self._results_dir = results_dir  # the xdist controller's: each family's outputs written there
 
     def start(self, families: list[str]) -> None:
         """Run ``families`` (in this order) in the background at the lowest priority."""
@@ -53,6 +62,8 @@ class Sm90Runs:
             for family in todo:
                 self._runs[family] = _Run()
         if todo:
+            if self._results_dir is not None:
+                _write_json(Path(self._results_dir) / "started.json", list(self._runs))
             threading.Thread(target=self._run_all, args=(todo, True), daemon=True, name="sm90-compile").start()
 
     def rows(self, family: str) -> tuple[list[dict], set[int]]:
@@ -86,6 +97,8 @@ class Sm90Runs:
                 if proc.poll() is None:
                     proc.kill()
         shutil.rmtree(self._cache, ignore_errors=True)
+        if self._results_dir is not None:
+            shutil.rmtree(self._results_dir, ignore_errors=True)
 
     def _run_all(self, families: list[str], background: bool) -> None:
         for family in families:
@@ -95,6 +108,8 @@ class Sm90Runs:
             except Exception as exc:  # noqa: BLE001 - reported by the test that reads it
                 run.outputs = [(-1, "", f"{type(exc).__name__}: {exc}")]
             finally:
+                if self._results_dir is not None:
+                    _write_json(Path(self._results_dir) / f"{family}.json", run.outputs)
                 run.done.set()
 
     def _run_family(self, family: str, background: bool) -> list[tuple[int, str, str]]:
@@ -120,12 +135,44 @@ def _finish(proc: subprocess.Popen) -> tuple[int, str, str]:
     return proc.returncode, stdout, stderr
 
 
+def _write_json(path: Path, value) -> None:
+    """Whole or not at all: a reader polling for ``path`` never sees half of it."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(value))
+    os.replace(tmp, path)
+
+
+class ControllerRuns(Sm90Runs):
+    """An xdist worker's view: the controller's runs, read from ``results_dir``; a family the
+    controller did not start (not in its ``started.json``) runs here."""
+
+    def __init__(self, results_dir: str) -> None:
+        super().__init__()
+        self._shared = Path(results_dir)
+
+    def rows(self, family: str) -> tuple[list[dict], set[int]]:
+        started = self._shared / "started.json"
+        if not started.exists() or family not in json.loads(started.read_text()):
+            return super().rows(family)
+        result = self._shared / f"{family}.json"
+        deadline = time.monotonic() + SHARD_TIMEOUT_S
+        while not result.exists():
+            assert time.monotonic() < deadline, f"the controller's sm_90 run of {family} did not finish"
+            time.sleep(1.0)
+        with self._lock:
+            run = self._runs[family] = _Run()
+            run.outputs = [tuple(output) for output in json.loads(result.read_text())]
+            run.done.set()
+        return super().rows(family)
+
+
 RUNS: Optional[Sm90Runs] = None
 
 
-def runs() -> Sm90Runs:
-    """The session's runs (made on first use)."""
+def runs(results_dir: Optional[str] = None, shared_dir: Optional[str] = None) -> Sm90Runs:
+    """The session's runs (made on first use): the xdist controller's writing into
+    ``results_dir``, a worker's reading the controller's ``shared_dir``, else this process's."""
     global RUNS
     if RUNS is None:
-        RUNS = Sm90Runs()
+        RUNS = ControllerRuns(shared_dir) if shared_dir else Sm90Runs(results_dir)
     return RUNS
