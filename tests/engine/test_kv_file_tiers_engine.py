@@ -7,12 +7,15 @@ counted and recomputed, never served.
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import struct
 
 import pytest
 
 from pagoda.engine.config import EngineConfig
+from pagoda.engine.kv.block_file import encode_block
 from pagoda.engine.sampling_params import SamplingParams
 from tests.engine.driving import drain
 
@@ -68,3 +71,68 @@ def test_a_restarted_engine_serves_the_prefix_from_the_disk_tier(model_path, col
     assert stats.num_rejected_block_files == 0
     assert stats.num_free_blocks == stats.num_blocks and stats.num_free_host_blocks == stats.num_host_blocks
     engine.shutdown()
+
+
+def _file_of_block(directory, block_index):
+    """The path of the file holding PREFIX's block ``block_index`` (read from the headers)."""
+    wanted = PREFIX[block_index * 16:(block_index + 1) * 16]
+    for root, _, names in os.walk(directory):
+        for name in names:
+            data = open(os.path.join(root, name), "rb").read()
+            header = json.loads(data[10:10 + struct.unpack_from("<I", data, 6)[0]])
+            if header["token_ids"] == wanted:
+                return os.path.join(root, name)
+    raise AssertionError(f"no file holds block {block_index}")
+
+
+def _foreign(data):
+    header_len = struct.unpack_from("<I", data, 6)[0]
+    header = json.loads(data[10:10 + header_len])
+    payload = data[10 + header_len:-4]
+    return encode_block("0123456789abcdef", bytes.fromhex(header["block_hash"]), header["token_ids"], payload)
+
+
+@pytest.mark.parametrize("damage, reason", [
+    (lambda d: d[: len(d) - 1000], "truncated"),
+    (lambda d: d[:5000] + bytes([d[5000] ^ 0x10]) + d[5001:], "checksum"),
+    (_foreign, "fingerprint"),
+])
+def test_a_bad_block_file_is_counted_and_recomputed_never_served(model_path, cold, tmp_path, damage, reason):
+    tiers = dict(kv_disk_dir=str(tmp_path), kv_disk_bytes=2**24)
+    _write_prefix(model_path, **tiers)
+    path = _file_of_block(tmp_path, 3)
+    data = open(path, "rb").read()
+    open(path, "wb").write(damage(data))
+    engine = _engine(model_path, **tiers)
+    out = _generate(engine, QUERY)
+    stats = engine.get_stats()
+    assert out.num_cached_tokens == stats.prefix_cache_hits_disk == 3 * 16  # the hit ends before the bad block
+    assert stats.num_rejected_block_files == 1 and not os.path.exists(path)
+    assert engine.core.scheduler.host_tier.file_tiers.stores[0].num_rejected[reason] == 1
+    assert out.outputs[0].token_ids == cold
+    engine.shutdown()
+
+
+def test_a_second_replica_serves_the_first_ones_prefix_from_the_shared_tier(model_path, cold, tmp_path):
+    shared = str(tmp_path / "shared")
+    written = _write_prefix(model_path, kv_disk_dir=str(tmp_path / "a"), kv_disk_bytes=2**24, kv_shared_dir=shared)
+    assert written.num_shared_blocks_written == written.num_disk_blocks_written >= 6
+    engine = _engine(model_path, kv_disk_dir=str(tmp_path / "b"), kv_disk_bytes=2**24, kv_shared_dir=shared)
+    out = _generate(engine, QUERY)
+    stats = engine.get_stats()
+    assert out.num_cached_tokens == stats.prefix_cache_hits_shared == 96 and stats.prefix_cache_hits_disk == 0
+    assert out.outputs[0].token_ids == cold
+    engine.shutdown()
+
+
+def test_layouts_the_file_tiers_cannot_serve_are_refused(tmp_path, smollm2_path):
+    from pagoda.engine.llm_engine import LLMEngine
+    from tests.engine.hf_reference import make_random_model
+
+    folder = str(make_random_model(tmp_path / "m", "qwen3-window12-layer1", smollm2_path))
+    with pytest.raises(ValueError, match="kv_disk_dir/kv_shared_dir: the file tiers hold prefix blocks .* 2 paged"):
+        LLMEngine(EngineConfig(model=folder, cpu_offload_bytes=2**22, preemption_mode="recompute",
+                               kv_shared_dir=str(tmp_path / "s")))
+    with pytest.raises(ValueError, match="need enable_prefix_caching"):
+        LLMEngine(EngineConfig(model=folder, cpu_offload_bytes=2**22, preemption_mode="recompute",
+                               kv_shared_dir=str(tmp_path / "s"), enable_prefix_caching=False))
