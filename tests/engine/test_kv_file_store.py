@@ -8,10 +8,11 @@ import time
 import pytest
 
 from pagoda.contracts.block_hash import hash_block, root_hash
+from pagoda.contracts.kv_events import KVEventBuffer
 from pagoda.engine.config import EngineConfig
 from pagoda.engine.kv.block_file import BlockFileError, decode_block, encode_block, make_fingerprint
 from pagoda.engine.kv.block_pool import KVCacheBlock
-from pagoda.engine.kv.file_tier import BlockFileStore, FileTiers
+from pagoda.engine.kv.file_tier import BlockFileStore, FileTiers, emit_events
 from pagoda.engine.kv.host_tier import KVOffloadManager
 
 FP = make_fingerprint({"model": "tiny", "block_size": 4})
@@ -150,6 +151,20 @@ def test_promotion_loads_verified_blocks_into_host_blocks_and_a_reused_block_can
     writes, loads = manager.take_file_copies()
     assert [host for host, _ in loads] == [hit[1].block_id]
     assert [(host, w.block_hash) for host, w in writes] == [(hit[0].block_id, HASHES[2])]
+
+
+def test_writes_and_the_disk_tiers_removals_are_kv_events_with_their_medium(tmp_path):
+    events = KVEventBuffer()
+    disk = _store(tmp_path / "d", max_bytes=_size(1) + _size(2))
+    shared = _store(tmp_path / "s", is_shared=True)
+    emit_events(FileTiers([disk, shared], block_size=4), events, block_size=4)
+    for i in range(3):
+        _put(disk, i)  # the third evicts the first
+    _put(shared, 0)
+    got = [(type(e.event).__name__, e.event.block_hashes, e.event.medium) for e in events.take()]
+    assert got == [("BlockStored", [HASHES[0].hex()], "DISK"), ("BlockStored", [HASHES[1].hex()], "DISK"),
+                   ("BlockStored", [HASHES[2].hex()], "DISK"), ("BlockRemoved", [HASHES[0].hex()], "DISK"),
+                   ("BlockStored", [HASHES[0].hex()], "SHARED")]
 
 
 def _evicted(block_id, block_hash, tokens):

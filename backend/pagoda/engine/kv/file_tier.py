@@ -31,6 +31,11 @@ step cancels them: its rows no longer hold that block), and ``promote``: a prefi
 that ran past the CPU tier continues in the stores, in order (disk, then shared), and each
 verified block found is loaded into a fresh host block under its hash, from where the
 usual copy back moves it to the device.
+
+KV events (``emit_events``): a written file is a ``BlockStored`` with medium ``"DISK"`` or
+``"SHARED"`` (vLLM's field), a disk file evicted or refused a ``BlockRemoved`` with medium
+``"DISK"``; emitted from the writer thread into the thread-safe ``KVEventBuffer``. The
+fleet's Redis index ignores them (it keys device blocks); the vLLM-format stream carries them.
 """
 
 from __future__ import annotations
@@ -39,9 +44,10 @@ import logging
 import os
 import threading
 from collections import OrderedDict
-from typing import NamedTuple, Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 from pagoda.contracts.block_hash import BlockHash
+from pagoda.contracts.kv_events import BlockRemoved, BlockStored, KVEventBuffer
 from pagoda.engine.kv.block_file import (REJECT_REASONS, SUFFIX, BlockFileError, decode_block, encode_block,
                                          file_name)
 
@@ -76,6 +82,9 @@ class BlockFileStore:
         self.num_bytes = 0
         self.num_written = self.num_loaded = self.num_write_errors = self.num_evicted = 0
         self.num_rejected = dict.fromkeys(REJECT_REASONS, 0)
+        # Told (hash, token ids) after a file is written, (hash) after one is evicted or refused: KV events.
+        self.on_stored: Optional[Callable[[BlockHash, Sequence[int]], None]] = None
+        self.on_removed: Optional[Callable[[BlockHash], None]] = None
         self._scan()
 
     def _scan(self) -> None:
@@ -153,16 +162,27 @@ class BlockFileStore:
             self._index[key] = len(data)
             self.num_bytes += len(data)
             self.num_written += 1
-            self._evict_over_cap()
+            evicted = self._evict_over_cap()
+        if self.on_stored is not None:
+            self.on_stored(block_hash, token_ids)
+        self._tell_removed(evicted)
         return True
 
-    def _evict_over_cap(self) -> None:
-        """Delete least recently used files until the bytes fit the cap (lock held)."""
+    def _evict_over_cap(self) -> list[str]:
+        """Delete least recently used files until the bytes fit the cap (lock held); their keys."""
+        evicted = []
         while self.max_bytes and self.num_bytes > self.max_bytes and self._index:
             key, size = self._index.popitem(last=False)
             self.num_bytes -= size
             self.num_evicted += 1
             _remove(self._path(key))
+            evicted.append(key)
+        return evicted
+
+    def _tell_removed(self, keys: Sequence[str]) -> None:
+        if self.on_removed is not None:
+            for key in keys:
+                self.on_removed(BlockHash(bytes.fromhex(key)))
 
     def read(self, block_hash: BlockHash, token_ids: Sequence[int]) -> Optional[bytes]:
         """The verified payload of the block, or None (a miss, or a file rejected and deleted)."""
@@ -185,6 +205,7 @@ class BlockFileStore:
             self._forget(key)
             with self._lock:
                 self.num_rejected[exc.reason] += 1
+            self._tell_removed([key])
             return None
         with self._lock:
             if key in self._index:
@@ -197,6 +218,16 @@ class BlockFileStore:
     def _forget(self, key: str) -> None:
         with self._lock:
             self.num_bytes -= self._index.pop(key, 0)
+
+
+def emit_events(tiers: FileTiers, event_buffer: KVEventBuffer, block_size: int) -> None:
+    """Publish the stores' writes (and the disk tier's removals) as KV events with their medium."""
+    for store in tiers.stores:
+        medium = store.name.upper()  # "DISK" | "SHARED" (contracts.kv_events.MEDIA)
+        store.on_stored = lambda h, tokens, m=medium: event_buffer.emit(
+            BlockStored([h.hex()], None, list(tokens), block_size, medium=m))
+        if not store.is_shared:  # a shared file outlives this replica's view of it: never "removed" by it
+            store.on_removed = lambda h, m=medium: event_buffer.emit(BlockRemoved([h.hex()], medium=m))
 
 
 def check_layout(layout) -> None:

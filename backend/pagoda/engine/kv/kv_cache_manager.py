@@ -43,7 +43,7 @@ from typing import Optional
 
 from pagoda.contracts.kv_events import KVEventBuffer
 from pagoda.engine.kv.block_pool import BlockPool, KVCacheBlock
-from pagoda.engine.kv.file_tier import FileTiers, check_layout
+from pagoda.engine.kv.file_tier import FileTiers, check_layout, emit_events
 from pagoda.engine.kv.group_managers import MANAGERS, PagedGroupManager
 from pagoda.engine.kv.host_tier import BlockPairs, HostTier, SwapCostModel, make_host_tier
 from pagoda.engine.kv.layout import KVCacheLayout, single_group_layout
@@ -345,6 +345,7 @@ def make_kv_cache(layout: KVCacheLayout, enable_caching: bool, event_buffer: KVE
                        "full-attention ones for a hit, which the tier does not track", len(layout.paged_groups))
     if file_tiers is not None:
         check_layout(layout)
+        emit_events(file_tiers, event_buffer, layout.block_size)
     host_tier = make_host_tier(num_host_blocks, layout.block_size, preemption_mode, cost_model, prefix_tier,
                                num_host_state_slots, file_tiers)
     if host_tier.is_enabled:  # evicted cached blocks go to the host tier instead of away
