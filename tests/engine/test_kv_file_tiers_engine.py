@@ -26,10 +26,10 @@ QUERY = PREFIX + [RNG.randrange(1000, 30000) for _ in range(10)]
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 
 
-def _engine(model_path, **tiers):
+def _engine(model_path, cpu_offload_bytes=2**22, **tiers):
     from pagoda.engine.llm_engine import LLMEngine
 
-    return LLMEngine(EngineConfig(model=model_path, num_gpu_blocks_override=10, cpu_offload_bytes=2**22,
+    return LLMEngine(EngineConfig(model=model_path, num_gpu_blocks_override=10, cpu_offload_bytes=cpu_offload_bytes,
                                   preemption_mode="recompute", **tiers))
 
 
@@ -136,3 +136,18 @@ def test_layouts_the_file_tiers_cannot_serve_are_refused(tmp_path, smollm2_path)
     with pytest.raises(ValueError, match="need enable_prefix_caching"):
         LLMEngine(EngineConfig(model=folder, cpu_offload_bytes=2**22, preemption_mode="recompute",
                                kv_shared_dir=str(tmp_path / "s"), enable_prefix_caching=False))
+
+
+@pytest.mark.slow  # three SmolLM2-135M engines: ~15 s on 2 idle cores
+def test_the_default_model_from_the_shared_tier_equals_it_cold(smollm2_path, tmp_path):
+    """SmolLM2-135M: a 96-token prefix written by one engine, served to another from the shared tier."""
+    from pagoda.engine.llm_engine import LLMEngine
+
+    written = _write_prefix(smollm2_path, cpu_offload_bytes=2**24, kv_shared_dir=str(tmp_path))
+    assert written.num_shared_blocks_written >= 6
+    engine = _engine(smollm2_path, cpu_offload_bytes=2**24, kv_shared_dir=str(tmp_path))
+    out = _generate(engine, QUERY)
+    assert out.num_cached_tokens == engine.get_stats().prefix_cache_hits_shared == 96
+    engine.shutdown()
+    cold = _generate(LLMEngine(EngineConfig(model=smollm2_path, enable_prefix_caching=False)), QUERY)
+    assert out.outputs[0].token_ids == cold.outputs[0].token_ids

@@ -52,6 +52,11 @@ ones. Numbers come from ``runner.host_kv_cache.calibrate`` at start or from ``En
 Attention makes true recompute superlinear in ``n``; the linear model is conservative
 (it under-estimates recompute for long contexts, i.e. errs towards recompute).
 
+File tiers (``kv.file_tier``, optional): a block entering the prefix side is also written
+to the disk and shared tiers (write-through, on the runner's writer thread), and a lookup
+that runs past the host blocks continues there, loading verified blocks into host blocks
+(``FileTiers.promote``); a host block reused within the step cancels its pending file I/O.
+
 The scheduler holds a ``HostTier`` either way: ``KVOffloadManager`` when the tier exists,
 ``NoHostTier`` (answers "nothing swapped, nothing cached, no copies") when it does not,
 so no scheduler path asks whether the tier is on.
