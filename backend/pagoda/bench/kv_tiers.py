@@ -134,7 +134,8 @@ def main(argv=None) -> int:
     print(f"model: {model_path}; block {BLOCK_SIZE} tokens = {per_block / 2**10:.0f} KiB of KV; "
           f"query = prefix + {SUFFIX_TOKENS} tokens, 1 output token\n")
     tiers = ("device", "cpu", "disk", "shared", "recompute")
-    print("| prefix tokens | " + " | ".join(f"{t} TTFT ms" for t in tiers) + " | disk / recompute | shared / recompute |")
+    header = " | ".join(f"{t} TTFT ms" for t in tiers)
+    print(f"| prefix tokens | {header} | disk / recompute | shared / recompute |")
     print("|---:|" + "---:|" * (len(tiers) + 2))
     for n, t in rows:
         cells = " | ".join(f"{t[k] * 1e3:.1f}" for k in tiers)
