@@ -9,7 +9,7 @@ def test_every_tier_serves_the_prefix_and_the_table_has_a_row(model_path, capsys
     # _ttft raises when a tier's hit counter does not grow by the prefix: reaching the table is the check.
     assert kv_tiers.main(["--model", model_path, "--lengths", "32", "--dir", str(tmp_path)]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 32 |")]
-    assert len(rows) == 1 and len(rows[0].strip("|").split("|")) == 8
+    assert len(rows) == 1 and len(rows[0].strip("|").split("|")) == 9
     assert list(tmp_path.iterdir()) == []  # the tiers' files are removed
 
 

@@ -14,10 +14,12 @@ writes it through to the disk and shared tiers (``engine.kv.file_tier``). Then:
   (another replica): every block comes from the shared tier;
 * **recompute**: a new engine without tiers: the whole prefix is prefilled.
 
-Every engine runs a short warm-up prompt first. Each row checks that the tier served the
+Engines keep the serving defaults otherwise (chunked prefill, a 2048-token step budget: an
+8k recompute takes four steps). Every engine runs a short warm-up prompt first. Each row checks that the tier served the
 prefix (its hit counter grew by the prefix's tokens) and fails otherwise. Files go to a
 temporary directory (``--dir`` to choose one: the disk's speed is part of the result),
-removed afterwards. Output: the machine, then a markdown table.
+removed afterwards. Output: the machine, then a markdown table, a row per length as measured
+(with the load average then: the machine may be shared).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ def _engine(model_path: str, n: int, per_block: int, **tiers):
     num_blocks = -(-n // BLOCK_SIZE) + 3  # one query (prefix, suffix, output) and no more: another evicts it
     host = dict(cpu_offload_bytes=2 * (num_blocks + 1) * per_block, preemption_mode="recompute") if tiers else {}
     return LLMEngine(EngineConfig(model=model_path, block_size=BLOCK_SIZE, num_gpu_blocks_override=num_blocks + 1,
-                                  max_num_batched_tokens=n + 64, max_model_len=n + 64, **host, **tiers))
+                                  max_model_len=n + 64, **host, **tiers))
 
 
 def _ttft(engine, prompt: list[int], counter: str, expect: int) -> float:
@@ -123,23 +125,24 @@ def main(argv=None) -> int:
     probe = EngineConfig(model=model_path)
     model_config = config_from_pretrained(model_path)
     per_block = kv_bytes_per_block(model_config, BLOCK_SIZE, resolve_dtype(probe, resolve_device(probe)))
-    directory = tempfile.mkdtemp(prefix="pagoda-kv-tiers-", dir=args.dir)
-    try:
-        rows = [(n, measure(model_path, n, directory, per_block, model_config.vocab_size)) for n in lengths]
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads; load average at the end {load:.1f}; files under {args.dir or '/tmp'}")
+          f"{torch.get_num_threads()} threads; files under {args.dir or tempfile.gettempdir()}")
     print(f"model: {model_path}; block {BLOCK_SIZE} tokens = {per_block / 2**10:.0f} KiB of KV; "
           f"query = prefix + {SUFFIX_TOKENS} tokens, 1 output token\n")
     tiers = ("device", "cpu", "disk", "shared", "recompute")
     header = " | ".join(f"{t} TTFT ms" for t in tiers)
-    print(f"| prefix tokens | {header} | disk / recompute | shared / recompute |")
-    print("|---:|" + "---:|" * (len(tiers) + 2))
-    for n, t in rows:
-        cells = " | ".join(f"{t[k] * 1e3:.1f}" for k in tiers)
-        print(f"| {n} | {cells} | {t['disk'] / t['recompute']:.2f} | {t['shared'] / t['recompute']:.2f} |")
+    print(f"| prefix tokens | {header} | disk / recompute | shared / recompute | load average |", flush=True)
+    print("|---:|" + "---:|" * (len(tiers) + 3), flush=True)
+    directory = tempfile.mkdtemp(prefix="pagoda-kv-tiers-", dir=args.dir)
+    try:
+        for n in lengths:  # a row as soon as it is measured: long prefixes take minutes on a CPU
+            t = measure(model_path, n, directory, per_block, model_config.vocab_size)
+            cells = " | ".join(f"{t[k] * 1e3:.1f}" for k in tiers)
+            load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+            print(f"| {n} | {cells} | {t['disk'] / t['recompute']:.2f} | {t['shared'] / t['recompute']:.2f} "
+                  f"| {load:.1f} |", flush=True)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
     return 0
 
 
