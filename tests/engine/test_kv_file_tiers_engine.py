@@ -138,7 +138,7 @@ def test_layouts_the_file_tiers_cannot_serve_are_refused(tmp_path, smollm2_path)
                                kv_shared_dir=str(tmp_path / "s"), enable_prefix_caching=False))
 
 
-@pytest.mark.slow  # three SmolLM2-135M engines: ~15 s on 2 idle cores
+@pytest.mark.slow  # three SmolLM2-135M engines: ~20 s on 2 cores at load 2.5
 def test_the_default_model_from_the_shared_tier_equals_it_cold(smollm2_path, tmp_path):
     """SmolLM2-135M: a 96-token prefix written by one engine, served to another from the shared tier."""
     from pagoda.engine.llm_engine import LLMEngine
