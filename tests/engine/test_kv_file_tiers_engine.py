@@ -57,8 +57,9 @@ def _write_prefix(model_path, **tiers):
     return stats
 
 
-def test_a_restarted_engine_serves_the_prefix_from_the_disk_tier(model_path, cold, tmp_path):
-    tiers = dict(kv_disk_dir=str(tmp_path), kv_disk_bytes=2**24)
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_restarted_engine_serves_the_prefix_from_the_disk_tier(model_path, cold, tmp_path, async_scheduling):
+    tiers = dict(kv_disk_dir=str(tmp_path), kv_disk_bytes=2**24, async_scheduling=async_scheduling)
     written = _write_prefix(model_path, **tiers)
     assert written.num_disk_blocks_written >= 6
     engine = _engine(model_path, **tiers)  # empty device and CPU tiers: every hit comes from the files
