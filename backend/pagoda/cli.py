@@ -10,7 +10,7 @@
     pagoda bench NAME [...]                                     benchmarks: offline, serve, kernels, kernel-check,
                                                                 gpu, routing, autoscale, quant, spec, offload, lora,
                                                                 structured, soak, throughput, moe, disagg, disagg-live,
-                                                                kv-capacity
+                                                                kv-capacity, kv-tiers
 
 Subcommands import their modules lazily so ``pagoda --help`` stays fast and a missing
 optional dependency only affects the subcommand that needs it.
@@ -48,6 +48,8 @@ _BENCHES = {
     "offload": ("pagoda.bench.offload", "main", "KV swap to the CPU tier vs recompute, by context length"),
     "kv-transfer": ("pagoda.bench.kv_transfer", "main",
                     "a prefix's KV over loopback TCP between two engines vs recompute"),
+    "kv-tiers": ("pagoda.bench.kv_tiers", "main",
+                 "a prefix's time to first token from the device, CPU, disk and shared tiers vs recomputed"),
     "kv-capacity": ("pagoda.bench.kv_capacity", "main",
                     "tokens and sequences a KV budget holds per family: KV cache groups vs one block kind"),
     "disagg": ("pagoda.bench.disagg", "main", "goodput of disaggregated prefill/decode vs colocated, simulated"),

@@ -458,3 +458,39 @@ def test_example_parallelism_reaches_the_replicas(tmp_path, mode):
     result = subprocess.run([helm(), "template", "pagoda", str(CHART), "-f", str(path)],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode != 0 and "tensors" in result.stderr
+
+
+def _serving_runtime(tmp_path, kv_cache):
+    path = tmp_path / "kv.yaml"
+    path.write_text(yaml.safe_dump({"kserve": {"enabled": True, "kvCache": kv_cache}}))
+    objects = [d for d in yaml.safe_load_all(run_helm("template", "pagoda", str(CHART), "-f", str(path))) if d]
+    runtime = next(o for o in objects if o["kind"] == "ServingRuntime")
+    validate_any(runtime)
+    return runtime["spec"]
+
+
+@pytest.mark.parametrize("disk", [{"enabled": True, "bytes": 1000}, {"enabled": True, "bytes": 1000,
+                                                                      "hostPath": "/var/lib/pagoda-kv"}])
+def test_kv_cache_tiers_reach_the_serving_runtime_with_their_volumes(tmp_path, disk):
+    spec = _serving_runtime(tmp_path, {"cpuOffloadBytes": 2**30, "disk": disk,
+                                       "shared": {"enabled": True, "claimName": "kv-shared"}})
+    container = spec["containers"][0]
+    assert {"--cpu-offload-bytes=1073741824", "--kv-disk-dir=/var/cache/pagoda-kv/disk", "--kv-disk-bytes=1000",
+            "--kv-shared-dir=/var/cache/pagoda-kv/shared"} <= set(container["args"])
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    assert mounts["kv-disk"] == "/var/cache/pagoda-kv/disk" and mounts["kv-shared"] == "/var/cache/pagoda-kv/shared"
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert volumes["kv-shared"]["persistentVolumeClaim"] == {"claimName": "kv-shared"}
+    local = volumes["kv-disk"]
+    assert (local["hostPath"]["path"] == disk["hostPath"]) if "hostPath" in disk else ("emptyDir" in local)
+
+
+def test_kv_cache_tiers_off_by_default_and_refused_without_a_cpu_tier_or_a_claim(tmp_path):
+    spec = _serving_runtime(tmp_path, {})
+    assert not any(a.startswith(("--kv-", "--cpu-offload")) for a in spec["containers"][0]["args"])
+    for kv_cache in ({"disk": {"enabled": True}}, {"cpuOffloadBytes": 1, "shared": {"enabled": True}}):
+        path = tmp_path / "bad.yaml"
+        path.write_text(yaml.safe_dump({"kserve": {"enabled": True, "kvCache": kv_cache}}))
+        result = subprocess.run([helm(), "template", "pagoda", str(CHART), "-f", str(path)], capture_output=True,
+                                text=True, timeout=120)
+        assert result.returncode != 0 and "kvCache" in result.stderr, result.stderr

@@ -63,6 +63,7 @@ class _FakeExecutor:
     num_host_state_slots: int = 0
     kv_layout: None = None
     swap_cost_model: None = None
+    file_tiers: None = None  # no disk or shared KV tier
     guided: _Guided = field(default_factory=_Guided)
     timer: _Timer = field(default_factory=_Timer)
     gates: list = field(default_factory=list)  # per launch: whether a gate was passed

@@ -288,3 +288,14 @@ def test_only_the_first_kv_cache_group_reaches_the_index(redis_client):
                             BlockRemoved(hashes, group_idx=1)]))
     assert pub.num_blocks_held == 2 and pub.num_engine_gaps == 0
     assert pub.flush() and PrefixIndex(redis_client, MODEL).match(hashes) == {"r1": 2}
+
+
+def test_file_tier_blocks_never_reach_the_index(redis_client):
+    """A block written to the disk or shared tier is not a device hit: the index keys the device tier."""
+    pub = make_publisher(redis_client)
+    hashes = chain(2)
+    pub.submit_events(wrap([BlockStored(hashes, None, list(range(8)), 4, medium="DISK"),
+                            BlockStored(hashes[:1], None, list(range(4)), 4, medium="SHARED"),
+                            BlockRemoved(hashes, medium="DISK")]))
+    assert pub.num_blocks_held == 0 and pub.num_engine_gaps == 0
+    assert pub.flush() and PrefixIndex(redis_client, MODEL).match(hashes) == {}

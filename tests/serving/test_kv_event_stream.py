@@ -119,6 +119,14 @@ def test_block_pool_events_carry_lora_and_salt_in_vllm_shape():
     assert second.token_ids == [8, 9, 10, 11] and second.group_idx == 0 and second.medium == "GPU"
 
 
+def test_file_tier_events_keep_their_medium_in_vllm_shape():
+    stored = KVEventBuffer()
+    stored.emit(BlockStored([sha(1)], None, [1, 2, 3, 4], 4, medium="SHARED"))
+    stored.emit(BlockRemoved([sha(1)], medium="DISK"))
+    first, second = wire.make_batch(stored.take(), ts=0.0).events
+    assert first.medium == "SHARED" and second.medium == "DISK"
+
+
 def test_config_is_vllms_and_bad_config_names_the_problem():
     assert kv_events_config({}, environ={}) is None
     config = kv_events_config({"kv_events_config": {"string_value": '{"enable_kv_cache_events": true}'}}, environ={})

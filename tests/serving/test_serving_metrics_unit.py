@@ -74,7 +74,8 @@ def test_counters_follow_cumulative_stats_and_gauges_are_set():
     m.update_engine(stats())
     m.record_step(stats())
     m.update_engine(stats(num_generation_tokens=9, num_running=0, kv_cache_usage=0.0,
-                          spec_num_accepted_tokens=7, num_swapped_out=2))
+                          spec_num_accepted_tokens=7, num_swapped_out=2, prefix_cache_hits_disk=32,
+                          prefix_cache_hits_shared=16, num_rejected_block_files=1))
     m.record_step(stats(num_steps=3))  # no new step: not counted again
     m.record_step(stats(num_steps=4, last_step_num_decode_seqs=1))
     assert value("vllm:generation_tokens_total") == 9
@@ -84,6 +85,9 @@ def test_counters_follow_cumulative_stats_and_gauges_are_set():
     assert value("pagoda:batched_decode_steps_total") == 1
     assert value("vllm:spec_decode_num_accepted_tokens_total") == 7
     assert value("pagoda:kv_swapped_out_total") == 2
+    assert value("pagoda:prefix_cache_hits_disk_total") == 32
+    assert value("pagoda:prefix_cache_hits_shared_total") == 16
+    assert value("pagoda:kv_block_files_rejected_total") == 1
 
 
 def test_request_latencies_observed_once_each():

@@ -100,10 +100,19 @@ def test_engine_flags_and_engine_args_reach_the_config(tmp_path):
     assert config.scheduling.long_prefill_token_threshold == 96
 
 
+def test_file_tier_flags_reach_the_config(tmp_path):
+    args = ["--cpu-offload-bytes", "1048576", "--kv-disk-dir", "/cache/kv", "--kv-disk-bytes", "4096",
+            "--kv-shared-dir", "/shared/kv"]
+    repo = materialize_repository(REPOSITORY, tmp_path / "repo", options_from_args(make_parser().parse_args(args)))
+    config = engine_config_from_parameters(parameters_of((repo / "pagoda" / "config.pbtxt").read_text()))
+    assert (config.kv_disk_dir, config.kv_disk_bytes, config.kv_shared_dir) == ("/cache/kv", 4096, "/shared/kv")
+
+
 @pytest.mark.parametrize("args, message", [
     (["--engine-arg", "bogus=1"], "bogus: unknown"),
     (["--engine-arg", "novalue"], "FIELD=VALUE"),
     (["--preemption-mode", "swap"], "cpu_offload_bytes"),
+    (["--kv-disk-dir", "/cache/kv", "--kv-disk-bytes", "4096"], "kv_disk_dir: the file tiers are written from"),
     (["--num-speculative-tokens", "0"], "num_speculative_tokens"),
     (["--max-waiting-requests", "0"], "max_waiting_requests"),
     (["--long-prefill-token-threshold", "-5"], "long_prefill_token_threshold: must be >= 0"),

@@ -18,6 +18,14 @@ multi-group model, its group's ``kv_cache_spec_kind`` (vLLM's words: ``full_atte
 cover every position: the routing signal); the vLLM stream carries every group.
 - ``AllBlocksCleared``: the whole prefix cache was reset.
 
+Storage medium (vLLM's ``medium`` field): ``"GPU"`` for the device tier (on a CPU too, as
+vLLM names it), ``"DISK"`` for a replica's disk tier and ``"SHARED"`` for the shared tier
+that several replicas mount (``engine.kv.file_tier``): those are emitted when a block file
+is written (and, for the disk tier, ``BlockRemoved`` when the file is evicted or refused).
+A file-tier ``BlockStored`` has ``parent_block_hash`` null: the file tier keeps no chain,
+so there it does not mean "starts a sequence" (each block hash names its whole prefix
+anyway). The fleet's Redis index keys device blocks only (``fleet.index.publisher``).
+
 Hashes travel as lowercase hex strings (``BlockHash.hex()``). Every event is wrapped in a
 ``KVEvent`` carrying a per-replica sequence number that increases by one per event, so a
 consumer that sees a gap knows it missed events and must resync.
@@ -35,7 +43,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union
 
-MEDIUM = "GPU"  # vLLM's field for the storage tier; pagoda keeps one tier
+MEDIUM = "GPU"  # vLLM's field for the storage tier: the device tier
+MEDIA = (MEDIUM, "DISK", "SHARED")  # the device, a replica's disk tier, the replicas' shared tier
 
 
 @dataclass(frozen=True)
@@ -53,6 +62,7 @@ class BlockStored:
     # Per stored block, the (image content hash, offset) of each image it overlaps (part of its
     # hash, contracts.block_hash's "mm"); None when no block overlaps an image. Never in ``to_dict``.
     mm_keys: Optional[list[tuple[tuple[str, int], ...]]] = None
+    medium: str = MEDIUM  # one of MEDIA
 
     def to_dict(self) -> dict[str, Any]:
         out = {
@@ -62,7 +72,7 @@ class BlockStored:
             "token_ids": list(self.token_ids),
             "block_size": self.block_size,
             "lora_id": self.lora_id,
-            "medium": MEDIUM,
+            "medium": self.medium,
         }
         return _with_group(out, self.group_idx)
 
@@ -71,9 +81,10 @@ class BlockStored:
 class BlockRemoved:
     block_hashes: list[str]
     group_idx: int = 0
+    medium: str = MEDIUM  # one of MEDIA
 
     def to_dict(self) -> dict[str, Any]:
-        return _with_group({"type": "BlockRemoved", "block_hashes": list(self.block_hashes), "medium": MEDIUM},
+        return _with_group({"type": "BlockRemoved", "block_hashes": list(self.block_hashes), "medium": self.medium},
                            self.group_idx)
 
 

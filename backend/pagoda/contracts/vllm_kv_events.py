@@ -28,7 +28,8 @@ The shape, as vLLM 0.32.0 writes it:
   in a multi-group model (``engine.kv.layout``) ``BlockStored`` also writes its group's
   ``kv_cache_spec_kind`` (``full_attention``, ``sliding_window`` with
   ``kv_cache_spec_sliding_window``, ``mamba``), as vLLM does for its hybrid models;
-  ``medium`` is ``"GPU"`` (vLLM's word for the device tier, on a CPU too).
+  ``medium`` is the event's (``"GPU"``: vLLM's word for the device tier, on a CPU too;
+  ``"DISK"`` / ``"SHARED"``: pagoda's file tiers).
 
 Fields that vLLM 0.32.0 added and pagoda has no value for (``locality``, ``ownership``,
 ``session_id``) are declared so decoding vLLM's own batches works, and never written.
@@ -132,12 +133,12 @@ def to_vllm_event(event: pagoda_events.BlockEvent) -> VLLMEvent:
             block_hashes=[external_block_hash(h) for h in event.block_hashes],
             parent_block_hash=None if parent is None else external_block_hash(parent),
             token_ids=list(event.token_ids), block_size=event.block_size,
-            lora_id=lora_int_id(event.lora_name), medium=MEDIUM_GPU, lora_name=event.lora_name,
+            lora_id=lora_int_id(event.lora_name), medium=event.medium, lora_name=event.lora_name,
             extra_keys=_extra_keys(event), group_idx=event.group_idx, kv_cache_spec_kind=event.kv_cache_spec_kind,
             kv_cache_spec_sliding_window=event.sliding_window)
     if isinstance(event, pagoda_events.BlockRemoved):
         return BlockRemoved(block_hashes=[external_block_hash(h) for h in event.block_hashes],
-                            medium=MEDIUM_GPU, group_idx=event.group_idx)
+                            medium=event.medium, group_idx=event.group_idx)
     if isinstance(event, pagoda_events.AllBlocksCleared):
         return AllBlocksCleared()
     raise TypeError(f"not a block event: {type(event).__name__}")

@@ -24,7 +24,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional, TypeVar
 
-from pagoda.engine.cache_config import KV_CACHE_DTYPES, KV_CACHE_LAYOUTS, CacheConfig  # noqa: F401 (re-exported)
+from pagoda.engine.cache_config import (KV_CACHE_DTYPES, KV_CACHE_LAYOUTS, PREEMPTION_MODES,  # noqa: F401 (re-exported)
+                                        CacheConfig, OffloadConfig)
 from pagoda.engine.multimodal import MultiModalConfig
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -33,7 +34,7 @@ MAX_SPECULATIVE_TOKENS = 16
 # Mirrors pagoda.models.quant.QUANTIZATION_METHODS (a test keeps them equal); repeated
 # here because this module, like the scheduler that imports it, stays free of torch.
 QUANTIZATION_METHODS = ("int8", "fp8")
-PREEMPTION_MODES = ("auto", "recompute", "swap")  # see pagoda.engine.kv.host_tier
+
 
 def _check_int(name: str, value, low: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -131,32 +132,6 @@ class SpeculativeConfig:
             raise ValueError("speculative_draft_num_layers is only used with speculative_method='draft'")
         if method in (None, "ngram") and self.speculative_model is not None:
             raise ValueError("speculative_model is only used with speculative_method 'draft', 'eagle3' or 'mtp'")
-
-
-@dataclass(frozen=True)
-class OffloadConfig:
-    """The CPU tier of the KV cache (pagoda.engine.kv.host_tier, docs/kv_offload.md)."""
-
-    cpu_offload_bytes: int
-    preemption_mode: str
-    offload_copy_bandwidth: Optional[float]
-    offload_copy_latency_s: Optional[float]
-    prefill_s_per_token: Optional[float]
-
-    def __post_init__(self) -> None:
-        if isinstance(self.cpu_offload_bytes, bool) or not isinstance(self.cpu_offload_bytes, int) \
-                or self.cpu_offload_bytes < 0:
-            raise ValueError(f"cpu_offload_bytes: must be an integer >= 0 (0 disables), got {self.cpu_offload_bytes!r}")
-        if self.preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(f"preemption_mode: must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
-        if self.preemption_mode == "swap" and self.cpu_offload_bytes == 0:
-            raise ValueError("preemption_mode: 'swap' needs a CPU tier; set cpu_offload_bytes > 0")
-        for name in ("offload_copy_bandwidth", "prefill_s_per_token"):
-            value = getattr(self, name)
-            if value is not None and not value > 0:
-                raise ValueError(f"{name}: must be > 0 when given, got {value!r}")
-        if self.offload_copy_latency_s is not None and not self.offload_copy_latency_s >= 0:
-            raise ValueError(f"offload_copy_latency_s: must be >= 0 when given, got {self.offload_copy_latency_s!r}")
 
 
 @dataclass(frozen=True)
@@ -327,6 +302,11 @@ class EngineConfig:
     offload_copy_bandwidth: Optional[float] = None  # bytes/s, one direction
     offload_copy_latency_s: Optional[float] = None  # fixed cost of one batched copy
     prefill_s_per_token: Optional[float] = None  # seconds per recomputed token
+    # File tiers below the CPU tier (pagoda.engine.kv.file_tier, docs/kv_offload.md): a node-local
+    # directory capped at kv_disk_bytes, and a directory shared by replicas. None: off.
+    kv_disk_dir: Optional[str] = None
+    kv_disk_bytes: int = 0
+    kv_shared_dir: Optional[str] = None
     # Multi-LoRA (pagoda.engine.lora.manager, docs/lora.md): adapters in PEFT's format.
     enable_lora: bool = False
     max_loras: int = 4  # device adapter slots = most distinct adapters in one step

@@ -73,6 +73,10 @@ class SchedulerOutput:
     blocks_to_swap_in: BlockPairs = field(default_factory=list)  # host -> device (swapped requests)
     blocks_to_copy_back: BlockPairs = field(default_factory=list)  # host -> device (prefix hits)
     blocks_to_copy: BlockPairs = field(default_factory=list)  # device -> device (a beam fork's partial block)
+    # File tiers (engine.kv.file_tier), by host block id: after the device -> host copies, the
+    # stored blocks' rows are captured for the writer thread, then the loads fill host blocks.
+    blocks_to_store: list = field(default_factory=list)  # (host block, FileWrite)
+    blocks_to_load: list = field(default_factory=list)  # (host block, verified payload bytes)
     # Recurrent-state slots (engine.kv.state_manager), (src, dst) slot ids:
     states_to_swap_out: BlockPairs = field(default_factory=list)  # device -> host, with blocks_to_swap_out
     states_to_swap_in: BlockPairs = field(default_factory=list)  # host -> device, with blocks_to_swap_in
@@ -90,4 +94,5 @@ class SchedulerOutput:
         states to drop (every plan that changes the runner's states reaches it)."""
         return bool(self.scheduled or self.blocks_to_swap_out or self.blocks_to_swap_in or self.blocks_to_copy_back
                     or self.blocks_to_copy or self.preempted_request_ids or self.finished_request_ids
-                    or self.states_to_swap_out or self.states_to_swap_in or self.states_to_restore)
+                    or self.states_to_swap_out or self.states_to_swap_in or self.states_to_restore
+                    or self.blocks_to_store or self.blocks_to_load)

@@ -65,6 +65,15 @@ class EngineStats:
     mm_encoder_cache_bytes: int = 0
     num_host_blocks: int = 0
     num_free_host_blocks: int = 0
+    # File tiers below the CPU tier (zero without; pagoda.engine.kv.file_tier): tokens of blocks
+    # loaded from the disk / shared tier into the CPU tier (then served as host hits), blocks
+    # written, the disk tier's files, and files refused (truncated, corrupt, foreign: recomputed).
+    prefix_cache_hits_disk: int = 0
+    prefix_cache_hits_shared: int = 0
+    num_disk_blocks_written: int = 0
+    num_shared_blocks_written: int = 0
+    num_disk_files: int = 0
+    num_rejected_block_files: int = 0
     # Recurrent states of a hybrid model (zero without; pagoda.engine.kv.state_manager): requests
     # that resumed a state checkpoint instead of recomputing their prefix, the tokens skipped so,
     # checkpoint copies taken, and the state pool (null slot excluded).
@@ -169,7 +178,8 @@ def _offload_stats(tier: Any) -> dict:
     return dict(num_swapped_out=tier.num_swapped_out, num_swapped_in=tier.num_swapped_in,
                 prefix_cache_hits_host=tier.prefix_cache_hits_host,
                 num_offloaded_blocks=tier.num_offloaded_blocks,
-                num_host_blocks=tier.num_blocks, num_free_host_blocks=tier.num_free_blocks)
+                num_host_blocks=tier.num_blocks, num_free_host_blocks=tier.num_free_blocks,
+                **(tier.file_tiers.stats() if getattr(tier, "file_tiers", None) is not None else {}))
 
 
 def _spec_stats(speculator: Any) -> dict:

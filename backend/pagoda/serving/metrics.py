@@ -38,12 +38,16 @@ Prometheus registry does not add one. Labels: ``model_name`` (vLLM's), plus Trit
 | pagoda:kv_swapped_in_total             | counter   | EngineStats.num_swapped_in               |
 | pagoda:recomputed_preemptions_total    | counter   | EngineStats.num_recomputed_preemptions   |
 | pagoda:prefix_cache_hits_host_total    | counter   | EngineStats.prefix_cache_hits_host (b)   |
+| pagoda:prefix_cache_hits_disk_total    | counter   | EngineStats.prefix_cache_hits_disk (f)   |
+| pagoda:prefix_cache_hits_shared_total  | counter   | EngineStats.prefix_cache_hits_shared (f) |
+| pagoda:kv_block_files_rejected_total   | counter   | EngineStats.num_rejected_block_files     |
 | pagoda:prompts_tokenized_total         | counter   | EngineStats.num_prompts_tokenized (e)    |
 | vllm:cache_config_info                 | gauge     | value 1; labels: the cache configuration (c) |
 | vllm:lora_requests_info                | gauge     | the time (s) the adapter set was last seen (d) |
 
 (a) the same gaps as ``inter_token_latency``, under vLLM's older name, which the vLLM backend reports.
 (b) tokens, CPU tier; part of ``vllm:prefix_cache_hits_total``.
+(f) tokens loaded from the disk / shared file tier into the CPU tier (then part of (b)).
 (c) as strings, as vLLM: block_size, num_gpu_blocks, cache_dtype, enable_prefix_caching,
 gpu_memory_utilization, num_cpu_blocks; set once, at the first engine update.
 (d) labels running_lora_adapters, waiting_lora_adapters (comma-separated), max_lora; as vLLM (LoRA
@@ -104,6 +108,12 @@ COUNTERS = {
     "pagoda:recomputed_preemptions_total": ("Preemptions resolved by recomputation.", "num_recomputed_preemptions"),
     "pagoda:prefix_cache_hits_host_total": ("Prefix cache hits served from the CPU tier, in tokens.",
                                             "prefix_cache_hits_host"),
+    "pagoda:prefix_cache_hits_disk_total": ("Prefix blocks loaded from the disk tier, in tokens.",
+                                            "prefix_cache_hits_disk"),
+    "pagoda:prefix_cache_hits_shared_total": ("Prefix blocks loaded from the shared tier, in tokens.",
+                                              "prefix_cache_hits_shared"),
+    "pagoda:kv_block_files_rejected_total": ("Block files refused (truncated, corrupt, foreign) and recomputed.",
+                                             "num_rejected_block_files"),
     "pagoda:prompts_tokenized_total": ("Text prompts this replica encoded (a router's token ids are used as sent).",
                                        "num_prompts_tokenized"),
     "pagoda:admission_refused_total": ("Requests refused at once: the waiting queue was full.",

@@ -128,7 +128,8 @@ class EngineCore:
         self.scheduler = Scheduler(SchedulerConfig.from_engine_config(
             config, num_blocks=executor.num_blocks, max_model_len=self.max_model_len, model_id=model_id,
             num_host_blocks=executor.num_host_blocks, kv_layout=executor.kv_layout,
-            num_host_state_slots=executor.num_host_state_slots), swap_cost_model=executor.swap_cost_model)
+            num_host_state_slots=executor.num_host_state_slots), swap_cost_model=executor.swap_cost_model,
+            file_tiers=executor.file_tiers)
         self.is_async = executor.is_async
         self.timer = executor.timer
         self.guided = executor.guided

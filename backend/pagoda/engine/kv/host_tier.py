@@ -52,6 +52,11 @@ ones. Numbers come from ``runner.host_kv_cache.calibrate`` at start or from ``En
 Attention makes true recompute superlinear in ``n``; the linear model is conservative
 (it under-estimates recompute for long contexts, i.e. errs towards recompute).
 
+File tiers (``kv.file_tier``, optional): a block entering the prefix side is also written
+to the disk and shared tiers (write-through, on the runner's writer thread), and a lookup
+that runs past the host blocks continues there, loading verified blocks into host blocks
+(``FileTiers.promote``); a host block reused within the step cancels its pending file I/O.
+
 The scheduler holds a ``HostTier`` either way: ``KVOffloadManager`` when the tier exists,
 ``NoHostTier`` (answers "nothing swapped, nothing cached, no copies") when it does not,
 so no scheduler path asks whether the tier is on.
@@ -60,10 +65,11 @@ so no scheduler path asks whether the tier is on.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 from pagoda.contracts.block_hash import BlockHash
 from pagoda.engine.kv.block_pool import FreeBlockQueue, KVCacheBlock
+from pagoda.engine.kv.file_tier import FileTiers
 from pagoda.engine.config import PREEMPTION_MODES
 
 BlockPairs = list[tuple[int, int]]  # (src block id, dst block id)
@@ -99,6 +105,7 @@ class HostBlockPool:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_block_queue = FreeBlockQueue(self.blocks)
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
+        self.on_reuse: Optional[Callable[[int], None]] = None  # file tiers: the block's pending I/O is void
 
     @property
     def num_free_blocks(self) -> int:
@@ -107,6 +114,8 @@ class HostBlockPool:
     def pop_free(self) -> KVCacheBlock:
         """The least recently freed block with ``ref_cnt`` 0, its old hash evicted."""
         block = self.free_block_queue.popleft()
+        if self.on_reuse is not None:
+            self.on_reuse(block.block_id)
         if block.block_hash is not None:
             del self.cached_block_hash_to_block[block.block_hash]
             block.block_hash = None
@@ -177,13 +186,14 @@ class KVOffloadManager:
             (swap whenever the host pool has room).
         cost_model: required to swap in ``auto`` mode; without it ``auto`` recomputes.
         enable_prefix_tier: keep blocks evicted from the device (prefix caching on).
+        file_tiers: the disk and shared tiers below (``kv.file_tier``), prefix tier only.
     """
 
     is_enabled = True
 
     def __init__(self, num_host_blocks: int, block_size: int, preemption_mode: str = "auto",
                  cost_model: Optional[SwapCostModel] = None, enable_prefix_tier: bool = True,
-                 num_host_state_slots: int = 0) -> None:
+                 num_host_state_slots: int = 0, file_tiers: Optional[FileTiers] = None) -> None:
         if preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode: must be one of {PREEMPTION_MODES}, got {preemption_mode!r}")
         self.pool = HostBlockPool(num_host_blocks)
@@ -195,6 +205,9 @@ class KVOffloadManager:
         self.preemption_mode = preemption_mode
         self.cost_model = cost_model
         self.enable_prefix_tier = enable_prefix_tier
+        self.file_tiers = file_tiers if enable_prefix_tier else None
+        if self.file_tiers is not None:
+            self.pool.on_reuse = self.file_tiers.cancel
         self.req_to_host_blocks: dict[str, list[KVCacheBlock]] = {}
         # This step's copies. Keyed by destination so a destination is written once.
         self._swap_out: dict[int, int] = {}  # host dst -> device src
@@ -279,10 +292,13 @@ class KVOffloadManager:
         if host_block is not None:
             self._swap_out[host_block.block_id] = block.block_id
             self.num_offloaded_blocks += 1
+            if self.file_tiers is not None:  # write-through: the files get what the CPU tier gets
+                self.file_tiers.record_write(host_block.block_id, block.block_hash, block.token_ids)
 
     def lookup_prefix(self, block_hashes: Sequence[BlockHash], token_ids: Sequence[int], start: int,
                       max_blocks: int) -> list[KVCacheBlock]:
-        """Host blocks continuing a device prefix hit of ``start`` blocks (a pure lookup).
+        """Host blocks continuing a device prefix hit of ``start`` blocks. Pure, but where the
+        file tiers continue the hit: their blocks are loaded into host blocks (promoted) this step.
 
         Args:
             block_hashes: the request's block hashes.
@@ -294,11 +310,17 @@ class KVOffloadManager:
             return []
         size = self.block_size
         hit = []
-        for i in range(start, min(max_blocks, len(block_hashes))):
+        end = min(max_blocks, len(block_hashes))
+        for i in range(start, end):
             block = self.pool.get_cached_block(block_hashes[i])
             if block is None or list(block.token_ids) != list(token_ids[i * size : (i + 1) * size]):
                 break
             hit.append(block)
+        if self.file_tiers is not None and start + len(hit) < end:
+            found = list(hit)
+            self.pool.touch(found)  # promotions must not evict the hit found so far
+            hit += self.file_tiers.promote(self.pool, block_hashes, token_ids, start + len(found), end)
+            self.pool.free(found)
         return hit
 
     def pin(self, host_blocks: Sequence[KVCacheBlock]) -> None:
@@ -327,6 +349,10 @@ class KVOffloadManager:
         pinned, self._pinned = self._pinned, []
         self.pool.free(pinned)
         return swap_out, swap_in, copy_back
+
+    def take_file_copies(self) -> tuple[list, list]:
+        """This step's (writes, loads) of the file tiers by host block id (``FileTiers.take``)."""
+        return self.file_tiers.take() if self.file_tiers is not None else ([], [])
 
     def take_state_copies(self) -> tuple[BlockPairs, BlockPairs]:
         """This step's state slot copies: (device -> host, host -> device) as (src, dst)."""
@@ -381,6 +407,9 @@ class NoHostTier:
     def take_state_copies(self) -> tuple[BlockPairs, BlockPairs]:
         return [], []
 
+    def take_file_copies(self) -> tuple[list, list]:
+        return [], []
+
     def reset_prefix_cache(self) -> None:
         pass
 
@@ -390,12 +419,13 @@ HostTier = Union[KVOffloadManager, NoHostTier]
 
 def make_host_tier(num_host_blocks: int, block_size: int, preemption_mode: str,
                    cost_model: Optional[SwapCostModel], enable_prefix_tier: bool,
-                   num_host_state_slots: int = 0) -> HostTier:
+                   num_host_state_slots: int = 0, file_tiers: Optional[FileTiers] = None) -> HostTier:
     """A ``KVOffloadManager`` with ``num_host_blocks`` host blocks, or ``NoHostTier`` for 0."""
     if num_host_blocks <= 0:
+        assert file_tiers is None, "the file tiers sit below a CPU tier"
         return NoHostTier()
     return KVOffloadManager(num_host_blocks, block_size, preemption_mode, cost_model, enable_prefix_tier,
-                            num_host_state_slots)
+                            num_host_state_slots, file_tiers)
 
 
 def blocks_for_tokens(num_tokens: int, block_size: int) -> int:

@@ -43,6 +43,7 @@ from typing import Optional
 
 from pagoda.contracts.kv_events import KVEventBuffer
 from pagoda.engine.kv.block_pool import BlockPool, KVCacheBlock
+from pagoda.engine.kv.file_tier import FileTiers, check_layout, emit_events
 from pagoda.engine.kv.group_managers import MANAGERS, PagedGroupManager
 from pagoda.engine.kv.host_tier import BlockPairs, HostTier, SwapCostModel, make_host_tier
 from pagoda.engine.kv.layout import KVCacheLayout, single_group_layout
@@ -329,7 +330,7 @@ class KVCacheManager:
 def make_kv_cache(layout: KVCacheLayout, enable_caching: bool, event_buffer: KVEventBuffer,
                   checkpoint_interval: int = 0, num_host_blocks: int = 0, num_host_state_slots: int = 0,
                   preemption_mode: str = "auto", cost_model: Optional[SwapCostModel] = None,
-                  ) -> tuple[KVCacheManager, HostTier]:
+                  file_tiers: Optional[FileTiers] = None) -> tuple[KVCacheManager, HostTier]:
     """The scheduler's KV cache: pools sized by ``layout``, the manager over them, and the host
     tier (``kv.host_tier``; ``NoHostTier`` for 0 host blocks) receiving evicted cached blocks.
     The host tier's prefix side needs one paged group (its module docstring says why); a
@@ -342,8 +343,11 @@ def make_kv_cache(layout: KVCacheLayout, enable_caching: bool, event_buffer: KVE
         logger.warning("KV offload: the CPU tier holds swapped requests only, no evicted prefix blocks: the model's "
                        "%d paged KV cache groups (sliding-window layers) need their windows' blocks beside the "
                        "full-attention ones for a hit, which the tier does not track", len(layout.paged_groups))
+    if file_tiers is not None:
+        check_layout(layout)
+        emit_events(file_tiers, event_buffer, layout.block_size)
     host_tier = make_host_tier(num_host_blocks, layout.block_size, preemption_mode, cost_model, prefix_tier,
-                               num_host_state_slots)
+                               num_host_state_slots, file_tiers)
     if host_tier.is_enabled:  # evicted cached blocks go to the host tier instead of away
         block_pool.on_evict = host_tier.on_device_evict
     return manager, host_tier

@@ -36,9 +36,11 @@ from typing import Any, Callable, Iterable, Optional
 from pagoda.engine.config import EngineConfig
 from pagoda.engine.guided.bitmask import TokenBitmask
 from pagoda.engine.guided.manager import GuidedDecodingManager
+from pagoda.engine.kv.file_tier import FileTiers
 from pagoda.engine.kv.host_tier import SwapCostModel
 from pagoda.engine.request import Request
 from pagoda.engine.runner.device_worker import DeviceTimer, InlineWorker, SplitStepHandle, StepHandle, ThreadWorker
+from pagoda.engine.runner.file_tier_io import make_file_tiers
 from pagoda.engine.runner.host_kv_cache import HostKVCache, calibrate, copy_device_blocks
 from pagoda.engine.runner.model_runner import ModelRunner, StartedStep, resolve_device, resolve_dtype
 from pagoda.engine.runner.runner_output import ModelRunnerOutput
@@ -81,6 +83,12 @@ class Executor:
     @property
     def num_host_blocks(self) -> int:
         return self.host_kv_cache.num_blocks if self.host_kv_cache is not None else 0
+
+    @property
+    def file_tiers(self) -> Optional[FileTiers]:
+        """The disk and shared tiers' books (the scheduler's), or None."""
+        file_io = self.host_kv_cache.file_io if self.host_kv_cache is not None else None
+        return file_io.tiers if file_io is not None else None
 
     @property
     def num_host_state_slots(self) -> int:
@@ -174,6 +182,9 @@ class Executor:
     def shutdown(self) -> None:
         """Finish the queued jobs and stop the worker thread (if any), then the tensor-parallel workers."""
         self.worker.shutdown()
+        if self.host_kv_cache is not None and self.host_kv_cache.file_io is not None:
+            self.host_kv_cache.file_io.close()  # queued block files are written first
+            self.host_kv_cache.file_io = None
         if self.parallel is not None:
             self.parallel.stop()
             self.parallel = None
@@ -200,6 +211,8 @@ def make_executor(config: EngineConfig, model_config: ModelConfig, model_path: s
         logger.warning("async_scheduling is ignored with pipeline_micro_batches=%d: the batch queue overlaps "
                        "the steps instead (core.batch_queue)", config.micro_batches)
     host_kv_cache, cost_model = _make_host_tier(config, runner)
+    if host_kv_cache is not None:
+        host_kv_cache.file_io = make_file_tiers(config, runner, host_kv_cache.host_caches, model_path)
     guided = GuidedDecodingManager(make_grammar_backend, model_config.vocab_size, config.guided,
                                    pin_memory=device.type == "cuda")
     is_async = config.async_scheduling and spec_plan is None and not splits_steps

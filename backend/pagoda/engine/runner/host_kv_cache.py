@@ -62,6 +62,7 @@ class HostKVCache:
         self.num_state_slots = num_state_slots if self.device_states else 0
         self.host_states = [tuple(torch.zeros((self.num_state_slots, *t.shape[1:]), dtype=t.dtype, pin_memory=pin)
                                   for t in layer) for layer in self.device_states]
+        self.file_io = None  # runner.file_tier_io.FileTierIO, with the disk or shared tier
 
     @classmethod
     def for_runner(cls, runner: ModelRunner, num_bytes: int) -> "HostKVCache":
@@ -92,9 +93,12 @@ class HostKVCache:
 
     @torch.inference_mode()
     def execute(self, scheduler_output) -> None:
-        """Run a step's copies: device -> host first, then host -> device."""
+        """Run a step's copies: device -> host first, then the file tiers' captures and loads
+        (so a captured row is the one just copied in), then host -> device."""
         self.swap_out(scheduler_output.blocks_to_swap_out)
         self.swap_states(scheduler_output.states_to_swap_out, to_host=True)
+        if self.file_io is not None:
+            self.file_io.execute(scheduler_output.blocks_to_store, scheduler_output.blocks_to_load)
         self.swap_in(list(scheduler_output.blocks_to_swap_in) + list(scheduler_output.blocks_to_copy_back))
         self.swap_states(scheduler_output.states_to_swap_in, to_host=False)
 

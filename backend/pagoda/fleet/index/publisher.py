@@ -46,7 +46,7 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
-from pagoda.contracts.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from pagoda.contracts.kv_events import MEDIUM, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from pagoda.fleet.index.daemon import DaemonThread
 from pagoda.contracts import redis_keys as keys
 from pagoda.fleet.index.prefix_index import PrefixIndex, make_redis_client
@@ -140,6 +140,8 @@ class Publisher(DaemonThread):
                 self._last_engine_seq = event.seq
                 if getattr(event.event, "group_idx", 0):
                     continue  # the index keys KV cache group 0, whose blocks cover every position
+                if getattr(event.event, "medium", MEDIUM) != MEDIUM:
+                    continue  # and the device tier: a file tier's blocks are not a device hit
                 self._mirror_apply(event.event)
                 if not self._needs_resync:
                     self._pending.append(event.event)

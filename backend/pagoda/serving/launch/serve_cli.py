@@ -43,7 +43,8 @@ HEALTH_INTERVAL_S = 0.5
 STUB_RESTART_WINDOW_S = 600.0
 # Flags whose value goes into config.pbtxt as the EngineConfig field of the same name.
 ENGINE_FLAGS = ("scheduling_policy", "speculative_method", "speculative_model", "num_speculative_tokens",
-                "cpu_offload_bytes", "preemption_mode", "default_max_tokens", "gpu_memory_utilization",
+                "cpu_offload_bytes", "kv_disk_dir", "kv_disk_bytes", "kv_shared_dir", "preemption_mode",
+                "default_max_tokens", "gpu_memory_utilization",
                 "max_waiting_requests", "max_waiting_prompt_tokens", "max_queue_delay_s", "kv_cache_dtype",
                 "tensor_parallel_size", "pipeline_parallel_size", "generation_config", "long_prefill_token_threshold")
 
@@ -97,6 +98,11 @@ def make_parser() -> argparse.ArgumentParser:
                    help="with --nodes > 1: node 0's address; it opens the group's store on PORT, "
                         "the other nodes connect to HOST:PORT")
     p.add_argument("--cpu-offload-bytes", type=int, help="size of the CPU tier of the KV cache (0: off)")
+    p.add_argument("--kv-disk-dir", help="disk tier of the KV cache below the CPU tier: a node-local directory "
+                   "(needs --cpu-offload-bytes and --kv-disk-bytes); a restart with it serves its prefixes")
+    p.add_argument("--kv-disk-bytes", type=int, help="size cap of --kv-disk-dir's block files")
+    p.add_argument("--kv-shared-dir", help="shared tier of the KV cache: a directory several replicas mount "
+                   "(a PVC, NFS); blocks named by content hash, read by any replica")
     p.add_argument("--preemption-mode", choices=("auto", "recompute", "swap"))
     p.add_argument("--max-waiting-requests", type=int,
                    help="admission control: refuse new requests (overload error) past this many waiting")

@@ -91,6 +91,7 @@ from pagoda.engine.core.sched.runner_view import RunnerView
 from pagoda.engine.core.sched.scheduler_config import SchedulerConfig
 from pagoda.engine.core.sched.scheduler_views import SchedulerViews
 from pagoda.engine.core.sched.step_plan import StepPlan
+from pagoda.engine.kv.file_tier import FileTiers
 from pagoda.engine.kv.host_tier import SwapCostModel
 from pagoda.engine.kv.kv_cache_manager import make_kv_cache
 from pagoda.engine.request import Request, RequestStatus
@@ -111,14 +112,17 @@ class Scheduler(SchedulerViews):
     """Args:
     config: limits and features.
     swap_cost_model: swap-vs-recompute costs for ``preemption_mode="auto"`` (none: recompute).
+    file_tiers: the disk and shared tiers below the CPU tier (``kv.file_tier``), if configured.
     """
 
-    def __init__(self, config: SchedulerConfig, swap_cost_model: Optional[SwapCostModel] = None) -> None:
+    def __init__(self, config: SchedulerConfig, swap_cost_model: Optional[SwapCostModel] = None,
+                 file_tiers: Optional[FileTiers] = None) -> None:
         self.config = config
         self.event_buffer = KVEventBuffer(max_events=config.max_block_events)
         self.kv_cache_manager, self.host_tier = make_kv_cache(
             config.layout, config.enable_prefix_caching, self.event_buffer, config.state_checkpoint_interval,
-            config.num_host_blocks, config.num_host_state_slots, config.preemption_mode, swap_cost_model)
+            config.num_host_blocks, config.num_host_state_slots, config.preemption_mode, swap_cost_model,
+            file_tiers)
         self.block_pool = self.kv_cache_manager.block_pool
         self.policy = get_policy(config.policy)
         self.waiting = self.policy.make_queue()
@@ -221,6 +225,7 @@ class Scheduler(SchedulerViews):
         )
         self._finished_request_ids = []
         output.blocks_to_swap_out, output.blocks_to_swap_in, output.blocks_to_copy_back = self.host_tier.take_copies()
+        output.blocks_to_store, output.blocks_to_load = self.host_tier.take_file_copies()
         output.blocks_to_copy = self.kv_cache_manager.take_copies()
         output.states_to_restore, output.states_to_checkpoint = self.kv_cache_manager.take_state_copies()
         output.states_to_swap_out, output.states_to_swap_in = self.host_tier.take_state_copies()
