@@ -77,8 +77,6 @@ def openai_serve():
     for ``test_openai_door`` and ``test_openai_door_agents``: the door reads Qwen3's ``<think>``
     and Hermes tool calls (``--reasoning-parser qwen3 --tool-call-parser hermes``) and keeps
     Responses API turns (``--response-store``). ``openai_port`` is the door's port."""
-    import signal
-
     from tests.serving.test_serving_lifecycle import ServeProcess
 
     port = find_free_port()
@@ -90,8 +88,4 @@ def openai_serve():
         process.openai_port = port
         yield process
     finally:
-        process.proc.send_signal(signal.SIGTERM)
-        try:
-            process.proc.wait(60)
-        finally:
-            process.kill()
+        process.stop()

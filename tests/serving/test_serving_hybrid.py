@@ -12,7 +12,6 @@ must give the offline ``LLM``'s texts.
 from __future__ import annotations
 
 import asyncio
-import signal
 
 import pytest
 
@@ -79,8 +78,4 @@ def assert_served_equals(folder: str, expected: list[str]) -> None:
             response = client.completions.create(model=card.id, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
             assert response.choices[0].text == text
     finally:
-        process.proc.send_signal(signal.SIGTERM)
-        try:
-            process.proc.wait(60)
-        finally:
-            process.kill()
+        process.stop()

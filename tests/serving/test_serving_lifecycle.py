@@ -102,6 +102,14 @@ class ServeProcess:
         self.proc.wait(30)
         self._reader.join(10)
 
+    def stop(self, grace_s: float = 60) -> None:
+        """SIGTERM (a clean drain), then ``kill`` whatever is left after ``grace_s``."""
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(grace_s)
+        finally:
+            self.kill()
+
 
 def _pids() -> list[int]:
     return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()]

@@ -18,7 +18,6 @@ import base64
 import io
 import json
 import re
-import signal
 
 import pytest
 
@@ -72,11 +71,7 @@ def served(vl_folder):
                                        timeout=120)
         yield process
     finally:
-        process.proc.send_signal(signal.SIGTERM)
-        try:
-            process.proc.wait(60)
-        finally:
-            process.kill()
+        process.stop()
 
 
 def _offline(folder: str, requests: list[tuple[str, list[bytes]]]) -> list[str]:

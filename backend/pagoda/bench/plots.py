@@ -39,6 +39,17 @@ def _pyplot() -> Any:
     return pyplot
 
 
+def _save(pyplot: Any, figure: Any, panels: Sequence[Any], title: str, path: str) -> None:
+    """Every panel gridded with its legend, the title on top, the PNG written, the figure freed."""
+    for axes in panels:
+        axes.grid(True, alpha=0.3)
+        axes.legend(fontsize=8)
+    figure.suptitle(title, fontsize=9)
+    figure.tight_layout()
+    figure.savefig(path)
+    pyplot.close(figure)
+
+
 def _cdf(axes: Any, values: Sequence[float], label: str) -> None:
     """An empirical CDF: the fraction of values <= x, as steps."""
     ordered = sorted(values)
@@ -75,13 +86,7 @@ def routing_ladder(results: Sequence[Any], path: str, title: str) -> None:
         row[0].set(xlabel="replicas", ylabel="P90 TTFT (s, log)", title=f"{arrival}: P90 TTFT by fleet size")
         row[1].set_xscale("log")
         row[1].set(xlabel="TTFT (s, log)", ylabel="fraction of requests", title=f"{arrival}: TTFT CDF, N = {largest}")
-        for axes in row:
-            axes.grid(True, alpha=0.3)
-            axes.legend(fontsize=8)
-    figure.suptitle(title, fontsize=9)
-    figure.tight_layout()
-    figure.savefig(path)
-    pyplot.close(figure)
+    _save(pyplot, figure, [axes for row in panels for axes in row], title, path)
 
 
 def goodput_curve(curves: dict[str, list[tuple[float, float, float]]], path: str, title: str,
@@ -103,13 +108,7 @@ def goodput_curve(curves: dict[str, list[tuple[float, float, float]]], path: str
     panels[0].set(xlabel="offered load (requests/s)", ylabel=f"goodput (requests/s with TTFT <= {slo_s:g} s)")
     panels[1].set(xlabel="offered load (requests/s)", ylabel=f"% of requests with TTFT <= {slo_s:g} s")
     panels[1].set_ylim(0, 105)
-    for axes in panels:
-        axes.grid(True, alpha=0.3)
-        axes.legend(fontsize=8)
-    figure.suptitle(title, fontsize=9)
-    figure.tight_layout()
-    figure.savefig(path)
-    pyplot.close(figure)
+    _save(pyplot, figure, list(panels), title, path)
 
 
 def ttft_cdf(series: dict[str, Sequence[float]], path: str, title: str) -> None:
@@ -126,9 +125,4 @@ def ttft_cdf(series: dict[str, Sequence[float]], path: str, title: str) -> None:
         _cdf(axes, values, label)
     axes.set_xscale("log")
     axes.set(xlabel="seconds (log)", ylabel="fraction of requests")
-    axes.grid(True, alpha=0.3)
-    axes.legend(fontsize=8)
-    figure.suptitle(title, fontsize=9)
-    figure.tight_layout()
-    figure.savefig(path)
-    pyplot.close(figure)
+    _save(pyplot, figure, [axes], title, path)
