@@ -223,26 +223,16 @@ def test_kv_events_carry_the_image_hashes_of_the_blocks_that_overlap_an_image(vl
                     for i in range(len(keys))]
 
 
-def test_qwen3_5_moe_with_images_equals_transformers(tmp_path_factory, smollm2_path):
-    """Qwen3.5-MoE's decoder (4 experts top-2 and a shared expert per layer) with the same image path."""
-    folder = save_qwen3_vl(tmp_path_factory.mktemp("qwen3.5-moe"), smollm2_path, arch="qwen3.5-moe")
+@pytest.mark.parametrize("arch,seed", [("qwen3.5-moe", 14), ("qwen3-vl-moe", 16)])
+def test_moe_decoders_with_images_equal_transformers(arch, seed, tmp_path_factory, smollm2_path):
+    """The image path on MoE decoders: Qwen3.5-MoE's (4 experts top-2 and a shared expert per layer)
+    and Qwen3-VL-MoE's (``Qwen3VLMoeForConditionalGeneration``: Qwen3-MoE's decoder, the checkpoint's
+    stacked experts ``experts.gate_up_proj`` read as they are)."""
+    folder = save_qwen3_vl(tmp_path_factory.mktemp(arch), smollm2_path, arch=arch)
     hf = HFVision(folder)
     engine = LLMEngine(EngineConfig(model=str(folder), max_num_batched_tokens=5))
     prompt = _image_prompt([1, 504], [2226], num_images=2)
-    images = [random_image(14), random_image(15, 96, 64)]
-    got = _run(engine, [(prompt, images), (prompt, images[::-1])])
-    assert got == [hf.generate(prompt, images, MAX_NEW), hf.generate(prompt, images[::-1], MAX_NEW)]
-    assert got[0] != got[1], "the images' order must matter"
-
-
-def test_qwen3_vl_moe_with_images_equals_transformers(tmp_path_factory, smollm2_path):
-    """Qwen3-VL-MoE (``Qwen3VLMoeForConditionalGeneration``): Qwen3-VL's image path on Qwen3-MoE's decoder,
-    the checkpoint's stacked experts (``experts.gate_up_proj``) read as they are."""
-    folder = save_qwen3_vl(tmp_path_factory.mktemp("qwen3-vl-moe"), smollm2_path, arch="qwen3-vl-moe")
-    hf = HFVision(folder)
-    engine = LLMEngine(EngineConfig(model=str(folder), max_num_batched_tokens=5))
-    prompt = _image_prompt([1, 504], [2226], num_images=2)
-    images = [random_image(16), random_image(17, 96, 64)]
+    images = [random_image(seed), random_image(seed + 1, 96, 64)]
     got = _run(engine, [(prompt, images), (prompt, images[::-1])])
     assert got == [hf.generate(prompt, images, MAX_NEW), hf.generate(prompt, images[::-1], MAX_NEW)]
     assert got[0] != got[1], "the images' order must matter"
