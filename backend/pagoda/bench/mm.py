@@ -132,7 +132,7 @@ def encoder_rate(engine: Any, args: argparse.Namespace) -> tuple[float, int]:
 
     inputs = engine.input_processor.images  # the request builder's own (engine/image_inputs.py)
     model = engine.executor.runner.model
-    prepared = [inputs._prepare(i, image(5000 + i, args.image_size)) for i in range(args.images + 1)]
+    prepared = [inputs.prepare(i, image(5000 + i, args.image_size)) for i in range(args.images + 1)]
     with torch.inference_mode():
         model.encode_image(prepared[0][1])  # warm-up
         start = time.perf_counter()

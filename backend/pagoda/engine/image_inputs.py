@@ -97,7 +97,7 @@ class ImageInputs:
         if len(slots) != len(images):
             raise ValueError(f"prompt: {len(slots)} image placeholders (token id {token_id}) for {len(images)} "
                              "images; put one placeholder where each image goes, in order")
-        prepared = [self._prepare(i, image) for i, image in enumerate(images)]
+        prepared = [self.prepare(i, image) for i, image in enumerate(images)]
         out: list[int] = []
         features = []
         previous = 0
@@ -108,7 +108,13 @@ class ImageInputs:
             previous = slot + 1
         return out + token_ids[previous:], tuple(features)
 
-    def _prepare(self, index: int, value: Any) -> tuple[str, dict, int]:
+    def prepare(self, index: int, value: Any) -> tuple[str, dict, int]:
+        """One image (``value``, the request's ``index``-th) checked, hashed and run through the
+        model's processor: (content hash, the encoder's input, placeholder tokens).
+
+        Raises:
+            ValueError: as ``process``, naming ``multi_modal_data.image[index]``.
+        """
         image = self._load(index, value)
         processed = self.processor(images=[image], return_tensors="pt")
         grid = tuple(int(v) for v in processed["image_grid_thw"][0].tolist())
