@@ -231,7 +231,8 @@ def _engine_config(args, method):
     from pagoda.engine.config import EngineConfig
 
     if not args.llama3_8b:
-        return EngineConfig(model=args.model, quantization=method, max_num_seqs=16, enable_prefix_caching=False)
+        return EngineConfig(model=args.model, quantization=method, max_num_seqs=16, enable_prefix_caching=False,
+                            dtype=args.dtype)
     max_len = 64 + args.num_tokens
     return EngineConfig(model=args.llama3_8b_folder, quantization=method, max_num_seqs=16,
                         enable_prefix_caching=False, load_format="dummy", max_model_len=max_len,
@@ -265,11 +266,14 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--llama3-8b", action="store_true",
                         help="Llama-3-8B shape with dummy weights (GPU timing; quality rows skipped)")
     parser.add_argument("--methods", default="int8,fp8",
-                        help="comma-separated: int8, fp8 (quantized at load), awq, gptq (4-bit checkpoints, kept "
-                             "packed), fp8-channel, fp8-block (FP8 checkpoints)")
+                        help="comma-separated: int8, fp8, w8a8 (quantized at load; w8a8: CPU, int8 activations "
+                             "too), awq, gptq (4-bit checkpoints, kept packed), fp8-channel, fp8-block "
+                             "(FP8 checkpoints)")
     parser.add_argument("--num-tokens", type=int, default=64, help="greedy tokens per prompt and per timed request")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per variant (best kept)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                        help="the model dtype: the reference's and the quantized models' activations")
     return parser
 
 

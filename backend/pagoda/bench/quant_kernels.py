@@ -3,7 +3,7 @@
 
 ``kernels_used`` names the path of a model's first quantized weight at batch 1, batch 16
 and a 256-row prefill chunk (what ``Int8Weight.kernel_for`` / ``Fp8Weight.kernel_for``
-report). ``linear_timings`` times one ``[M, K] x [N, K]^T`` product per row count on
+report, and ``W8A8Weight.kernel_for``). ``linear_timings`` times one ``[M, K] x [N, K]^T`` product per row count on
 Llama-3-8B's projection shapes (o_proj 4096x4096, gate_up 28672x4096, down 4096x14336)
 with CUDA events (median of ``iters`` after a warm-up): bf16 cuBLAS, the int8 W8A16
 path, and the fp8 path (W8A16 or ``_scaled_mm`` by rows), each through ``quant.linear``
@@ -25,14 +25,15 @@ PROBE_ROWS = {"batch 1": 1, "batch 16": 16, "prefill 256": 256}
 def first_quantized_weight(model):
     from pagoda.models.fp8 import Fp8Weight
     from pagoda.models.quant import Int8Weight
+    from pagoda.models.w8a8 import W8A8Weight
 
-    return next(m for m in model.modules() if isinstance(m, (Int8Weight, Fp8Weight)))
+    return next(m for m in model.modules() if isinstance(m, (Int8Weight, Fp8Weight, W8A8Weight)))
 
 
 def kernels_used(model) -> str:
     """``"batch 1: <path>; batch 16: <path>; prefill 256: <path>"`` for the model's activations."""
     weight = first_quantized_weight(model)
-    device, k = weight.qweight.device, weight.shape[1]
+    device, k = next(weight.buffers()).device, weight.shape[1]
     parts = [f"{name}: {weight.kernel_for(torch.empty(rows, k, dtype=model.dtype, device=device))}"
              for name, rows in PROBE_ROWS.items()]
     return "; ".join(parts)

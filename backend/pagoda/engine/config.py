@@ -33,7 +33,7 @@ SPECULATIVE_METHODS = ("draft", "ngram", "eagle3", "mtp")
 MAX_SPECULATIVE_TOKENS = 16
 # Mirrors pagoda.models.quant.QUANTIZATION_METHODS (a test keeps them equal); repeated
 # here because this module, like the scheduler that imports it, stays free of torch.
-QUANTIZATION_METHODS = ("int8", "fp8")
+QUANTIZATION_METHODS = ("int8", "fp8", "w8a8")
 
 
 def _check_int(name: str, value, low: int) -> None:

@@ -18,6 +18,10 @@
   (``pack_linear``, ``linear``; ``models/cpu_gemm.py`` packs a model's weights and chooses it
   where ``gemm_features()`` says its vector tiles run: AVX-512 for float32, AVX512-BF16 for
   bfloat16, AMX tiles for bfloat16 calls of 8+ rows where Linux grants them).
+- ``csrc/cpu_int8.cpp`` (with the AMX-INT8 tiles in ``cpu_amx.cpp``): the W8A8 matmul of
+  ``quantization="w8a8"`` (``models/w8a8.py``): activations quantized per row on every call,
+  int8 x int8 summed exactly in int32 on AVX512-VNNI or AMX-INT8 tiles (``pack_int8``,
+  ``linear_w8a8``, ``int8_features``).
 
 Why C++: on the 2-core EPYC VM the gather + SDPA decode took ~2.3 s of a 10 s
 ``pagoda bench offline`` run at 2 threads (the gather alone 0.85 s), and the small ops
@@ -59,7 +63,7 @@ logger = logging.getLogger(__name__)
 KERNELS_ENV = "PAGODA_CPU_KERNELS"
 _CHOICES = ("auto", "native", "torch")
 _SOURCES = [Path(__file__).with_name("csrc") / name
-            for name in ("cpu_attention.cpp", "cpu_elementwise.cpp", "cpu_gemm.cpp", "cpu_amx.cpp")]
+            for name in ("cpu_attention.cpp", "cpu_elementwise.cpp", "cpu_gemm.cpp", "cpu_amx.cpp", "cpu_int8.cpp")]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
 
 _state: dict = {}  # "ops": the loaded torch.ops namespace, or "reason": why there is none

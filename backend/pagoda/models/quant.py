@@ -45,7 +45,8 @@ On CUDA the packed kernel is never used (it made batch-1 decode 9x slower than b
 H100): every call goes through ``pagoda.kernels.w8a16_linear``, the Triton W8A16 kernel
 (split-K streaming of the int8 weight for decode, tensor-core tiles above) below
 ``W8A16_DEQUANT_ROWS`` rows and dequantize + cuBLAS from there. ``quantization="fp8"``
-(e4m3 weights) lives in ``pagoda.models.fp8``; ``quantize_model`` and ``linear`` serve both.
+(e4m3 weights) lives in ``pagoda.models.fp8``, ``quantization="w8a8"`` (int8 activations too,
+CPU) in ``pagoda.models.w8a8``; ``quantize_model`` and ``linear`` serve all three.
 """
 
 from __future__ import annotations
@@ -59,15 +60,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda import kernels
+from pagoda.kernels import cpu_native
 from pagoda.kernels.w8a16 import w8a16_linear_ref
 from pagoda.models.cpu_gemm import PackedWeight
 from pagoda.models.fp8 import Fp8BlockWeight, Fp8Weight, select_fp8_kernel
 from pagoda.models.int4 import Int4Weight
 from pagoda.models.int8_probe import ProbeResult, cpu_description, probe_packed_kernel
+from pagoda.models.w8a8 import W8A8Weight
 
 logger = logging.getLogger(__name__)
 
-QUANTIZATION_METHODS = ("int8", "fp8")
+QUANTIZATION_METHODS = ("int8", "fp8", "w8a8")
 KERNEL_ENV = "PAGODA_INT8_KERNEL"
 # The probe proves the packed kernel at every row count it may be called with
 # (1..MAX_PACKED_ROWS): on a CPU where it misbehaves, it does so for some shapes and row
@@ -212,9 +215,9 @@ class Int8Weight(nn.Module):
 
 
 def linear(x: torch.Tensor, weight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``F.linear`` that also accepts an ``Int8Weight``, ``Fp8Weight``, ``Fp8BlockWeight``, ``Int4Weight``
-    or a CPU ``PackedWeight`` (``models.cpu_gemm``); the model's projections call this."""
-    if isinstance(weight, PackedWeight):
+    """``F.linear`` that also accepts an ``Int8Weight``, ``Fp8Weight``, ``Fp8BlockWeight``, ``Int4Weight``,
+    a CPU ``W8A8Weight`` or a CPU ``PackedWeight`` (``models.cpu_gemm``); the model's projections call this."""
+    if isinstance(weight, (PackedWeight, W8A8Weight)):
         return weight.matmul(x, bias)
     if isinstance(weight, (Int8Weight, Fp8Weight, Int4Weight, Fp8BlockWeight)):
         out = weight.matmul(x)
@@ -225,22 +228,24 @@ def linear(x: torch.Tensor, weight, bias: Optional[torch.Tensor] = None) -> torc
 @torch.no_grad()
 def quantize_model(model: nn.Module, method: str = "int8") -> nn.Module:
     """Replace, in place, every weight named in a submodule's ``linear_weights`` by an
-    ``Int8Weight`` (``"int8"``) or an ``Fp8Weight`` (``"fp8"``, see ``pagoda.models.fp8``).
+    ``Int8Weight`` (``"int8"``), an ``Fp8Weight`` (``"fp8"``, see ``pagoda.models.fp8``) or a
+    ``W8A8Weight`` (``"w8a8"``, CPU only, see ``pagoda.models.w8a8``).
 
     Call after the weights are loaded; the float weights are released.
 
     Args:
         model: e.g. a loaded ``LlamaForCausalLM``.
-        method: ``"int8"`` or ``"fp8"``.
+        method: ``"int8"``, ``"fp8"`` or ``"w8a8"``.
     Returns:
         ``model``.
     Raises:
         ValueError: unknown ``method``; ``"fp8"`` on a device that cannot run it (CUDA below
-            sm_89); a model already quantized with the other method; a module that declares
-            ``quantization_unsupported`` (MoE experts), checked before anything is converted.
+            sm_89); ``"w8a8"`` off the CPU or without pagoda's C++ kernels; a model already
+            quantized with another method; a module that declares ``quantization_unsupported``
+            (MoE experts), checked before anything is converted.
     """
     check_quantization(method)
-    cls = Fp8Weight if method == "fp8" else Int8Weight
+    cls = {"fp8": Fp8Weight, "w8a8": W8A8Weight}.get(method, Int8Weight)
     weights = []
     for module in model.modules():
         if getattr(module, "quantization_unsupported", None):
@@ -248,7 +253,7 @@ def quantize_model(model: nn.Module, method: str = "int8") -> nn.Module:
     for module in model.modules():
         for name in getattr(module, "linear_weights", ()):
             weight = getattr(module, name)
-            if isinstance(weight, (Int8Weight, Fp8Weight)) and not isinstance(weight, cls):
+            if isinstance(weight, (Int8Weight, Fp8Weight, W8A8Weight)) and not isinstance(weight, cls):
                 raise ValueError(f"quantize_model: {name} is already {type(weight).__name__}; cannot apply {method!r}")
             if not isinstance(weight, cls):
                 if cls is Fp8Weight and not weights:
@@ -261,6 +266,9 @@ def quantize_model(model: nn.Module, method: str = "int8") -> nn.Module:
             weights.append(weight)
     if cls is Int8Weight:
         select_int8_kernel(weights)
+    elif cls is W8A8Weight:
+        features = cpu_native.loaded_ops().int8_features() or "plain C++ (no AVX512-VNNI or AMX-INT8)"
+        _log_once(logging.INFO, f"w8a8 matmul on {cpu_description()}: {features}")
     else:
         dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
         where = cpu_description() if not weights or weights[0].qweight.device.type == "cpu" else \
@@ -270,6 +278,8 @@ def quantize_model(model: nn.Module, method: str = "int8") -> nn.Module:
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of the model's state (parameters and persistent buffers), tied tensors counted once."""
+    """Bytes of the model's state (parameters and persistent buffers, and the CPU's prepacked weights,
+    ``PackedWeight.packed``, which are neither), tied tensors counted once."""
     tensors = {t.data_ptr(): t for t in model.state_dict(keep_vars=True).values()}
+    tensors.update({m.packed.data_ptr(): m.packed for m in model.modules() if isinstance(m, PackedWeight)})
     return sum(t.numel() * t.element_size() for t in tensors.values())

@@ -8,6 +8,9 @@
 // definition), not vdpbf16ps's, so a row's bits may differ between a call this serves and
 // one cpu_gemm.cpp's vector tiles serve (both within the float32-accumulation bound).
 // Rows past a multiple of 16 run with tiles configured for fewer rows.
+// int8 (W8A8, cpu_int8.cpp): the same blocking with TDPBSSD (int8 x int8 summed in int32,
+// exactly: every kernel gives the same sums), A tiles 16 rows x 64 k of the quantized x, B
+// tiles 16 k quads x 16 columns (cpu_int8.cpp's panels as they are).
 //
 // Linux hands AMX's tile state to a process only once asked (arch_prctl
 // ARCH_REQ_XCOMP_PERM): amx_usable() asks once and says whether it was granted; without
@@ -86,11 +89,82 @@ void block(const uint16_t* a0, int64_t ldx, const uint16_t* w0, int64_t ldw, int
   if (two_halves && two_panels) _tile_stored(3, sums + 16 * 32 + 16, 32 * 4);
 }
 
+
+#if defined(__AMX_INT8__)
+// The int8 block: as block() with TDPBSSD; a0/a1 rows of the quantized x (row stride ldx
+// bytes), w0 the first int8 panel ([Kp / 4][16][4]), int32 sums [32][32].
+template <bool two_halves, bool two_panels>
+void block_int8(const int8_t* a0, int64_t ldx, const int8_t* w0, int64_t ldw, int64_t k, int32_t* sums) {
+  _tile_zero(0);
+  if (two_panels) _tile_zero(1);
+  if (two_halves) _tile_zero(2);
+  if (two_halves && two_panels) _tile_zero(3);
+  const int8_t* a1 = a0 + 16 * ldx;
+  for (int64_t i = 0; i < k; i += 64) {
+    _tile_loadd(4, a0 + i, ldx);
+    _tile_loadd(6, w0 + i * 16, 64);
+    _tile_dpbssd(0, 4, 6);
+    if (two_panels) {
+      _tile_loadd(7, w0 + ldw + i * 16, 64);
+      _tile_dpbssd(1, 4, 7);
+    }
+    if (two_halves) {
+      _tile_loadd(5, a1 + i, ldx);
+      _tile_dpbssd(2, 5, 6);
+      if (two_panels) _tile_dpbssd(3, 5, 7);
+    }
+  }
+  _tile_stored(0, sums, 32 * 4);
+  if (two_panels) _tile_stored(1, sums + 16, 32 * 4);
+  if (two_halves) _tile_stored(2, sums + 16 * 32, 32 * 4);
+  if (two_halves && two_panels) _tile_stored(3, sums + 16 * 32 + 16, 32 * 4);
+}
+
+template <typename T>
+bool run_int8(const int8_t* xq, const float* xs, int64_t rows, int64_t kp, const int8_t* packed, int64_t ldw,
+              int64_t n, const float* ws, const float* bias, T* out) {
+  if (kp % 64 != 0 || !amx_int8_usable()) return false;
+  const int64_t panels = (n + 15) / 16, pairs = (panels + 1) / 2;
+  const int64_t chunk_rows = std::max<int64_t>(32, (256 * 1024) / kp / 32 * 32);  // x rows kept in L2
+  const int64_t chunks = (rows + chunk_rows - 1) / chunk_rows;
+  at::parallel_for(0, chunks * pairs, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) int32_t sums[32 * 32];
+    int configured = 0;
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t pair = t % pairs, r0 = (t / pairs) * chunk_rows, r1 = std::min(rows, r0 + chunk_rows);
+      const int64_t p0 = pair * 2, col0 = p0 * 16, cols = std::min<int64_t>(32, n - col0);
+      const bool two_panels = p0 + 1 < panels;
+      for (int64_t r = r0; r < r1;) {
+        const int64_t left = r1 - r, take = left >= 32 ? 32 : std::min<int64_t>(16, left);
+        const int tile_rows = static_cast<int>(std::min<int64_t>(16, take));
+        if (tile_rows != configured) configure(configured = tile_rows);
+        auto run = take == 32 ? (two_panels ? &block_int8<true, true> : &block_int8<true, false>)
+                              : (two_panels ? &block_int8<false, true> : &block_int8<false, false>);
+        run(xq + r * kp, kp, packed + p0 * ldw, ldw, kp, sums);
+        finish_int8(sums, 32, take, cols, nullptr, xs + r, ws + col0, bias ? bias + col0 : nullptr, out + r * n + col0,
+                    n);
+        r += take;
+      }
+    }
+    _tile_release();
+  });
+  return true;
+}
+#endif
+
 }  // namespace
 
 bool amx_usable() {
   static const bool granted = syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
   return granted;
+}
+
+bool amx_int8_usable() {
+#if defined(__AMX_INT8__)
+  return amx_usable();
+#else
+  return false;
+#endif
 }
 
 bool amx_linear_bf16(const uint16_t* x, int64_t ldx, const uint16_t* packed, int64_t ldw, int64_t rows, int64_t n,
@@ -122,12 +196,42 @@ bool amx_linear_bf16(const uint16_t* x, int64_t ldx, const uint16_t* packed, int
   return true;
 }
 
+bool amx_linear_int8(const int8_t* xq, const float* xs, int64_t rows, int64_t kp, const int8_t* packed, int64_t ldw,
+                     int64_t n, const float* ws, const float* bias, float* out) {
+#if defined(__AMX_INT8__)
+  return run_int8(xq, xs, rows, kp, packed, ldw, n, ws, bias, out);
+#else
+  return false;
+#endif
+}
+
+bool amx_linear_int8(const int8_t* xq, const float* xs, int64_t rows, int64_t kp, const int8_t* packed, int64_t ldw,
+                     int64_t n, const float* ws, const float* bias, c10::BFloat16* out) {
+#if defined(__AMX_INT8__)
+  return run_int8(xq, xs, rows, kp, packed, ldw, n, ws, bias, out);
+#else
+  return false;
+#endif
+}
+
 #else
 
 bool amx_usable() { return false; }
 
 bool amx_linear_bf16(const uint16_t*, int64_t, const uint16_t*, int64_t, int64_t, int64_t, int64_t, const float*,
                      c10::BFloat16*) {
+  return false;
+}
+
+bool amx_int8_usable() { return false; }
+
+bool amx_linear_int8(const int8_t*, const float*, int64_t, int64_t, const int8_t*, int64_t, int64_t, const float*,
+                     const float*, float*) {
+  return false;
+}
+
+bool amx_linear_int8(const int8_t*, const float*, int64_t, int64_t, const int8_t*, int64_t, int64_t, const float*,
+                     const float*, c10::BFloat16*) {
   return false;
 }
 

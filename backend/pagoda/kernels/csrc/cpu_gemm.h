@@ -20,4 +20,21 @@ bool amx_usable();
 bool amx_linear_bf16(const uint16_t* x, int64_t ldx, const uint16_t* packed, int64_t ldw, int64_t rows, int64_t n,
                      int64_t k, const float* bias, c10::BFloat16* out);
 
+// W8A8 (cpu_int8.cpp): out = float(sums - comp) * (xs[row] * ws[col]) + bias, rounded to out's
+// dtype once; comp may be null (sums of signed x signed products need none).
+void finish_int8(const int32_t* c, int64_t ldc, int64_t rows, int64_t cols, const int32_t* comp, const float* xs,
+                 const float* ws, const float* bias, float* out, int64_t ldo);
+void finish_int8(const int32_t* c, int64_t ldc, int64_t rows, int64_t cols, const int32_t* comp, const float* xs,
+                 const float* ws, const float* bias, c10::BFloat16* out, int64_t ldo);
+
+// Whether AMX-INT8 tiles serve here (built with them, and AMX granted by Linux).
+bool amx_int8_usable();
+
+// out = the W8A8 matmul of the quantized rows xq [rows, kp] (scales xs) by cpu_int8.cpp's
+// packed int8 panels on AMX-INT8; false when it cannot serve (then it did nothing).
+bool amx_linear_int8(const int8_t* xq, const float* xs, int64_t rows, int64_t kp, const int8_t* packed, int64_t ldw,
+                     int64_t n, const float* ws, const float* bias, float* out);
+bool amx_linear_int8(const int8_t* xq, const float* xs, int64_t rows, int64_t kp, const int8_t* packed, int64_t ldw,
+                     int64_t n, const float* ws, const float* bias, c10::BFloat16* out);
+
 }  // namespace pagoda_gemm

@@ -72,8 +72,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--generation-config", choices=("auto", "none"),
                    help="sampling defaults for what a request leaves unset: the model's generation_config.json "
                         "(auto, the default, as vLLM) or SamplingParams' own (none)")
-    p.add_argument("--quantization", choices=("int8", "fp8"),
-                   help="int8 or fp8 (e4m3; CUDA sm_89+ or CPU emulation): 8-bit weights of the linear layers")
+    p.add_argument("--quantization", choices=("int8", "fp8", "w8a8"),
+                   help="int8 or fp8 (e4m3; CUDA sm_89+ or CPU emulation): 8-bit weights of the linear layers; "
+                        "w8a8 (CPU): int8 weights and per-token int8 activations")
     p.add_argument("--kv-cache-dtype", choices=("auto", "fp8_e4m3"),
                    help="KV cache storage: auto (the model dtype) or fp8_e4m3 (twice the tokens of bf16)")
     p.add_argument("--scheduling-policy", choices=("fcfs", "priority"))
