@@ -4,7 +4,8 @@ AVX-512, no AMX, as on an AMD EPYC before Zen 4), the matmul's sources only, int
 extension cache under a name that hashes them. Checks that the build reports no vector-tile feature (so
 ``models.cpu_gemm`` packs for oneDNN there) and that its matmul, the plain C++ tiles, is
 within the float32-accumulation bound of float64 (plus one bfloat16 rounding) and the same
-whatever kernel is asked for. Prints OK."""
+whatever kernel is asked for; and that its W8A8 matmul (plain C++ int8 sums) equals the float64
+definition within its bound (tests/kernels/test_cpu_int8.py's). Prints OK."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from pagoda.kernels import cpu_native
 from tests.numerics import UNIT_ROUNDOFF, gamma
 
 FLAGS = [f for f in cpu_native._FLAGS if f != "-march=native"] + ["-march=x86-64-v3"]
-SOURCES = [p for p in cpu_native._SOURCES if p.name in ("cpu_gemm.cpp", "cpu_amx.cpp")]
+SOURCES = [p for p in cpu_native._SOURCES if p.name in ("cpu_gemm.cpp", "cpu_amx.cpp", "cpu_int8.cpp")]
 
 
 def load() -> None:
@@ -48,7 +49,24 @@ def main() -> None:
                     bound = bound + UNIT_ROUNDOFF[dtype] * exact.abs()
                 assert ((out.double() - exact).abs() <= bound + 1e-30).all(), (dtype, n, k, rows)
                 assert torch.equal(out, ops.linear(x, packed, n, None, "vector"))
+    check_w8a8(ops, gen)
     print("OK")
+
+
+def check_w8a8(ops, gen: torch.Generator) -> None:
+    from pagoda.models.w8a8 import quantize_rows, w8a8_linear_ref
+
+    assert ops.int8_features() == "", ops.int8_features()
+    for dtype in (torch.float32, torch.bfloat16):
+        w = torch.randn(100, 70, generator=gen)
+        qweight, w_scale = quantize_rows(w)
+        packed, comp = ops.pack_int8(qweight)
+        for rows in (1, 17):
+            x = torch.randn(rows, 70, generator=gen).to(dtype)
+            out = ops.linear_w8a8(x, packed, comp, w_scale, 100, None, "auto")
+            ref = w8a8_linear_ref(x, qweight, w_scale)
+            bound = 5 * 2.0**-24 * ref.abs() + (2.0**-8 * 1.01 if dtype == torch.bfloat16 else 0.0) * ref.abs()
+            assert ((out.double() - ref).abs() <= bound + 1e-30).all(), (dtype, rows)
 
 
 if __name__ == "__main__":

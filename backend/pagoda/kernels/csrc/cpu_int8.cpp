@@ -55,7 +55,7 @@ inline float widen(float x) { return x; }
 inline float widen(c10::BFloat16 x) { return static_cast<float>(x); }
 
 // One row of x to int8 (q, Kp long: zeros past k) and its scale (the header's definition).
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
 inline __m512 load16(const c10::BFloat16* p, __mmask16 m) {  // bfloat16 bits to the top of float32
   const __m256i half = _mm256_maskz_loadu_epi16(m, p);
