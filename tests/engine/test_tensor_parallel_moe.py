@@ -6,7 +6,8 @@ the whole engine at TP=2 give TP=1's tokens and log-probabilities (within 1e-4),
 prefill, prefix hits and preemption (``test_tensor_parallel._check_same``). One tiny random
 float32 model per kind of block: Qwen3-MoE (``SparseMoE``, a dense first layer), GLM-4.5
 (DeepSeek's grouped router with a shared expert, GLM's partial-rotary attention), Qwen3.5-MoE
-(Gated DeltaNet layers; routed + sigmoid-gated shared expert). Refused, naming why: a moe
+(Gated DeltaNet layers; routed + sigmoid-gated shared expert), DeepSeek-V3 (latent attention split
+by query heads, with and without a q rank). Refused, naming why: a moe
 intermediate size the ranks cannot split, FP8 experts.
 """
 
@@ -39,6 +40,18 @@ def test_glm45_tp2_matches_tp1(tmp_path, smollm2_path):
     folder = save_random_model(tmp_path / "glm45", smollm2_path, 0, "Glm4MoeConfig", edit_weights=_move_constants,
                                **SMALL)
     _check_same(str(folder), [{}])
+
+
+def test_deepseek_latent_attention_tp2_matches_tp1(tmp_path, smollm2_path):
+    """DeepSeek-V3's latent attention split by query heads (latent replicated, each rank its own
+    latent cache), its MoE block as GLM's; with a q rank (q_b split) and without (q_proj's rows
+    of the fused q/latent projection split)."""
+    from tests.engine.test_deepseek_engine import SMALL, _move_constants
+
+    for q_rank in (24, None):
+        folder = save_random_model(tmp_path / f"ds{q_rank}", smollm2_path, 0, "DeepseekV3Config",
+                                   edit_weights=_move_constants, **{**SMALL, "q_lora_rank": q_rank})
+        _check_same(str(folder), [{}])
 
 
 def test_hybrid_moe_tp2_matches_tp1(tmp_path, smollm2_path):

@@ -23,8 +23,9 @@ As transformers' ``DeepseekV3Attention``, per token ``x`` (``H`` heads; sizes in
 
 Quantization: ``qkv_a_weight``, ``q_b_weight`` and ``o_weight`` may become 8-bit or FP8 (block)
 weights; ``kv_b_weight`` stays in the model dtype (the absorbed matmuls read it as views, as
-vLLM dequantizes it at load). Not supported (refused where they are set up): LoRA adapters
-(``models.lora``), tensor parallelism (``models.tensor_parallel``), ``attention_bias``.
+vLLM dequantizes it at load). Tensor parallelism splits the heads (``models.tensor_parallel``:
+``num_heads`` is then the rank's, ``tp`` its group: ``o_proj``'s partial sums are all-reduced).
+Not supported (refused where they are set up): LoRA adapters (``models.lora``), ``attention_bias``.
 """
 
 from __future__ import annotations

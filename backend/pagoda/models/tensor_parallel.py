@@ -27,6 +27,12 @@ and one gather of the logits (Shoeybi et al., "Megatron-LM"; vLLM's ``ColumnPara
   ``Hk / tp`` key heads and the ``Hv / tp`` value heads they serve (its rows of q, k, v, z, b
   and a, its conv channels, ``A_log``, ``dt_bias``), ``out_proj`` row-parallel with one
   all-reduce, and a rank's state slots hold its heads only (``state_shapes`` after sharding).
+* multi-head latent attention (DeepSeek-V3 / Kimi K2 / GLM-4.7-Flash, ``models.mla``): split by
+  query heads (``H % tp == 0``): a rank keeps its heads' rows of ``q_b`` (or of the q part of
+  ``qkv_a`` without a q rank) and of ``kv_b`` (``W_UK`` / ``W_UV``: the absorbed decode needs
+  nothing else), its heads' columns of ``o_proj`` (one all-reduce); ``q_a``/``kv_a`` (the
+  latent) are replicated, so every rank writes the same latent rows into its own latent cache
+  (as vLLM: the latent is not split by heads; each rank holds the whole cache).
 * mixture of experts (Mixtral, Qwen3-MoE, Qwen3-Next / Qwen3.5-MoE, GLM-4.5's DeepSeek MoE
   block): every expert is split as a SwiGLU MLP is, by intermediate rows (``w13``'s gate and up
   rows of the rank's slice, ``w2``'s columns of it), the router (and DeepSeek's correction bias,
@@ -46,8 +52,7 @@ projection (``lora_slices``): a column-parallel projection keeps B's rows of its
 (A whole), a row-parallel one keeps A's columns of its inputs (B whole), so each rank's
 delta is its partial product and the layer's one all-reduce sums it with the base (the
 slices are taken by ``models.lora.LoRASlots`` from ``tp_shards``, which this module sets). Families with other pieces
-(latent attention: DeepSeek-V3 / Kimi K2 / GLM-4.7-Flash; Gemma 3, gpt-oss), FP8 experts and fp8/int4 weights are
-refused for now.
+(Gemma 3, gpt-oss), FP8 experts and fp8/int4 weights are refused for now.
 
 This module never imports the engine: ``group`` is anything with ``rank``, ``size``,
 ``all_reduce(t)`` (in place, sum) and ``gather_logits(t)`` (rank 0: the slices
@@ -66,12 +71,13 @@ from pagoda.models.deepseek_v3 import DeepseekMoE
 from pagoda.models.gated_deltanet import GatedDeltaNet
 from pagoda.models.glm4_moe import Glm4MoeAttention
 from pagoda.models.llama import MLP, Attention, LlamaForCausalLM
+from pagoda.models.mla import MLAttention
 from pagoda.models.moe import SparseMoE
 from pagoda.models.qwen3 import Qwen3Attention
 from pagoda.models.qwen3_next import GatedAttention, SharedExpertMoE
 from pagoda.models.quant import Int8Weight
 
-_ATTENTION_TYPES = (Attention, Qwen3Attention, GatedAttention, Glm4MoeAttention)
+_ATTENTION_TYPES = (Attention, Qwen3Attention, GatedAttention, Glm4MoeAttention, MLAttention)
 _FEED_FORWARD_TYPES = (MLP, SparseMoE, DeepseekMoE, SharedExpertMoE)
 
 
@@ -99,6 +105,8 @@ def check_divisible(config: ModelConfig, tp: int) -> None:
         checks += tuple((name, value, value % tp == 0, "be divisible by the tensor-parallel size") for name, value in
                         (("moe_intermediate_size", config.moe_intermediate_size),
                          ("shared_expert_intermediate_size", config.shared_expert_intermediate_size)))
+    if config.mla is not None:  # latent attention is split by query heads alone
+        checks += (("num_attention_heads", heads, heads % tp == 0, "be divisible by the tensor-parallel size"),)
     if config.linear_attention is not None:
         heads = config.linear_attention.num_key_heads
         checks += (("linear_num_key_heads", heads, heads % tp == 0, "be divisible by the tensor-parallel size"),)
@@ -159,6 +167,28 @@ def _shard_attention(attn: Attention, group: TensorParallelGroup) -> None:
     attn.tp_shards = {"qkv_weight": ("rows", rows), "o_weight": ("cols", (first_q * dim, (first_q + heads) * dim))}
     attn.num_heads, attn.num_kv_heads = heads, kv_heads
     attn.q_size, attn.kv_size = heads * dim, kv_heads * dim
+    attn.tp = group
+
+
+def _shard_latent_attention(attn: MLAttention, group: TensorParallelGroup) -> None:
+    """Query heads ``[r*H/tp, (r+1)*H/tp)``: their rows of q and ``kv_b``, their ``o_proj`` columns."""
+    mla, rank = attn.shape, group.rank
+    heads = attn.num_heads // group.size
+    first = rank * heads
+
+    def per_head(size: int) -> torch.Tensor:  # this rank's rows of a [H * size, ...] weight
+        return torch.arange(first * size, (first + heads) * size)
+
+    q_rows = per_head(mla.qk_head_dim)
+    if mla.q_lora_rank is not None:
+        attn.q_b_weight = _rows(attn.q_b_weight, q_rows)
+    else:  # qkv_a holds q_proj's rows, then the latent's (replicated)
+        latent = attn.q_rows + torch.arange(mla.latent_dim)
+        attn.qkv_a_weight = _rows(attn.qkv_a_weight, torch.cat([q_rows, latent]))
+        attn.q_rows = heads * mla.qk_head_dim
+    attn.kv_b_weight = _rows(attn.kv_b_weight, per_head(mla.qk_nope_head_dim + mla.v_head_dim))
+    attn.o_weight = _cols(attn.o_weight, first * mla.v_head_dim, (first + heads) * mla.v_head_dim)
+    attn.num_heads = heads
     attn.tp = group
 
 
@@ -223,11 +253,12 @@ def _shard_linear_attention(la: GatedDeltaNet, group: TensorParallelGroup) -> No
 def _check_supported(model: LlamaForCausalLM) -> None:
     for i, layer in enumerate(model.layers):
         mixer = layer.linear_attn if getattr(layer, "is_linear", False) else layer.attn
-        known = type(mixer) is GatedDeltaNet or (type(mixer) in _ATTENTION_TYPES and mixer.sinks is None)
+        known = type(mixer) in (GatedDeltaNet, MLAttention) or (type(mixer) in _ATTENTION_TYPES and mixer.sinks is None)
         if not known or type(layer.mlp) not in _FEED_FORWARD_TYPES:
             raise ValueError(f"tensor parallelism: layer {i} of {type(model).__name__} has "
                              f"{type(mixer).__name__}/{type(layer.mlp).__name__}; only Llama/Qwen/GLM "
-                             "attention, Gated DeltaNet, SwiGLU MLPs and SwiGLU experts are sharded so far")
+                             "attention, latent attention, Gated DeltaNet, SwiGLU MLPs and SwiGLU experts are "
+                             "sharded so far")
         routed = layer.mlp.experts if isinstance(layer.mlp, SharedExpertMoE) else layer.mlp
         if isinstance(routed, SparseMoE) and routed.block_scales is not None:
             raise ValueError(f"tensor parallelism: layer {i}'s experts are served as FP8 (block scales); "
@@ -252,6 +283,8 @@ def shard_model(model: LlamaForCausalLM, group: TensorParallelGroup) -> LlamaFor
     for layer in model.layers:
         if getattr(layer, "is_linear", False):
             _shard_linear_attention(layer.linear_attn, group)
+        elif isinstance(layer.attn, MLAttention):
+            _shard_latent_attention(layer.attn, group)
         else:
             _shard_attention(layer.attn, group)
         _shard_feed_forward(layer.mlp, group)
