@@ -182,6 +182,7 @@ class RouterService:
     def _make_router(self) -> "Router":
         """The ``Router`` over the options' replicas, tokenizer and (with Redis) ``FleetView``."""
         from pagoda.fleet.routing.fleet_view import FleetView
+        from pagoda.fleet.routing.image_routing import RouterImages
         from pagoda.fleet.routing.replicas import ReplicaSet, parse_replicas_spec
         from pagoda.fleet.routing.router import Router
         from pagoda.models.tokenizer import Tokenizer
@@ -208,7 +209,7 @@ class RouterService:
             fleet = FleetView(self._redis, self.model_name, o.index_mode, o.redis_timeout_s)
             fleet.start()
         return Router(replicas, tokenizer, o.hash_model_id or folder, o.policy, fleet,
-                      block_size=o.block_size, **o.policy_knobs)
+                      block_size=o.block_size, images=RouterImages.from_model_dir(model_dir), **o.policy_knobs)
 
     def _start_discovery(self) -> None:
         from pagoda.fleet.routing.k8s_discovery import KubernetesConfig, KubernetesDiscovery

@@ -116,5 +116,5 @@ def analyzed(router: Router, wire: WireRequest) -> tuple[Optional[Analysis], Wir
     if wire.prompt is not None and len(wire.prompt) > MAX_ROUTED_PROMPT_CHARS:
         return None, wire
     prompt = wire.prompt if wire.prompt is not None else list(wire.prompt_token_ids)
-    analysis = router.analyze(prompt, wire.options.cache_salt, wire.options.lora_name)
+    analysis = router.analyze(prompt, wire.options.cache_salt, wire.options.lora_name, wire.images)
     return analysis, with_routing_ids(wire, analysis)
