@@ -131,3 +131,70 @@ def test_bad_images_are_400s_naming_the_field_and_the_server_keeps_serving(serve
     results, error = grpc_stream(served, prompt, sampling=GREEDY,
                                  images=[base64.b64encode(_png(3))])
     assert error is None and texts(results)
+
+
+def _anthropic(served):
+    anthropic = pytest.importorskip("anthropic")
+    base = str(served.openai.base_url).rstrip("/").removesuffix("/v1")
+    return anthropic, anthropic.Anthropic(base_url=base, api_key="unused", max_retries=0, timeout=120)
+
+
+def _b64(image: bytes) -> str:
+    return base64.b64encode(image).decode()
+
+
+def test_images_through_the_messages_and_responses_doors_equal_the_offline_engine(vl_folder, served):
+    """Anthropic's ``image`` blocks (base64 and data: URL sources; the anthropic SDK) and the
+    Responses API's ``input_image`` parts (the openai SDK) answer the offline engine's text."""
+    one, two = _png(1), _png(2)
+    prompts = [(_chat_prompt([" Describe."], 1), [one]), (_chat_prompt([" or", "?"], 2), [one, two])]
+    expected = _offline(vl_folder, prompts)
+    _, client = _anthropic(served)
+    model = served.openai.models.list().data[0].id
+    base64_block = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": _b64(one)}}
+    url_block = {"type": "image", "source": {"type": "url", "url": "data:image/png;base64," + _b64(two)}}
+    answers = [client.messages.create(model=model, max_tokens=MAX_TOKENS, extra_body={"temperature": 0}, messages=[
+        {"role": "user", "content": content}]) for content in (
+        [base64_block, {"type": "text", "text": " Describe."}],
+        [base64_block, url_block, {"type": "text", "text": " or"}, {"type": "text", "text": "?"}])]
+    assert [answer.content[0].text for answer in answers] == expected
+
+    response = served.openai.responses.create(model=model, max_output_tokens=MAX_TOKENS, temperature=0, input=[
+        {"role": "user", "content": [{"type": "input_image", "image_url": "data:image/png;base64," + _b64(one)},
+                                     {"type": "input_text", "text": " Describe."}]}])
+    assert response.output_text == expected[0]
+
+
+def test_bad_images_on_the_messages_and_responses_doors_are_400s_naming_the_field(served):
+    anthropic, client = _anthropic(served)
+    model = served.openai.models.list().data[0].id
+    png = _b64(_png(3))
+    for content, field in (
+            ([{"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "%%%"}}],
+             "messages[0].content[0].source.data: the data: URL's payload is not valid base64"),
+            ([{"type": "image", "source": {"type": "base64", "media_type": "text/plain", "data": png}}],
+             "messages[0].content[0].source.media_type: must be image/"),
+            ([{"type": "text", "text": "x"}, {"type": "image", "source": {"type": "url", "url": "ftp://h/a.png"}}],
+             "messages[0].content[1].source.url: unsupported image URL scheme 'ftp'"),
+            ([{"type": "image", "source": {"type": "file", "file_id": "file_1"}}],
+             "messages[0].content[0].source.type: file sources are not served"),
+            ([{"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": _b64(b"no")}}],
+             "multi_modal_data.image[0]")):
+        with pytest.raises(anthropic.BadRequestError, match=re.escape(field)):
+            client.messages.create(model=model, max_tokens=2, messages=[{"role": "user", "content": content}])
+    with pytest.raises(anthropic.BadRequestError, match=re.escape("messages[1].content[0]: image blocks are taken")):
+        client.messages.create(model=model, max_tokens=2, messages=[
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": [{"type": "image", "source": {
+                "type": "base64", "media_type": "image/png", "data": png}}]}])
+    for part, field in (({"type": "input_image", "image_url": "data:image/png;base64,%%%"},
+                         "input[0].content[0].image_url: the data: URL's payload is not valid base64"),
+                        ({"type": "input_image", "file_id": "file_1"}, "input[0].content[0].image_url: required"),
+                        ({"type": "input_image", "image_url": "https://example.com/a.png"},
+                         "input[0].content[0].image_url: http(s) image URLs are not fetched")):
+        with pytest.raises(openai.BadRequestError, match=re.escape(field)):
+            served.openai.responses.create(model=model, max_output_tokens=2, input=[
+                {"role": "user", "content": [part]}])
+    answer = client.messages.create(model=model, max_tokens=2, messages=[{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": png}}]}])
+    assert answer.content and answer.content[0].text

@@ -54,27 +54,35 @@ def message_for_template(message: ChatMessage, index: int, images: list[bytes]) 
     return content
 
 
-def image_bytes(url: str, where: str) -> bytes:
-    """The encoded image a ``data:`` URL carries. Raises OpenAIError naming ``where``."""
+def image_url_part(url: str, where: str, param: str = "messages") -> dict[str, Any]:
+    """Chat's ``image_url`` part for ``url``, checked here so a bad one is refused naming ``where``
+    (another door's field: the Messages and Responses doors translate into chat). Raises OpenAIError."""
+    image_bytes(url, where, param)
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def image_bytes(url: str, where: str, param: str = "messages") -> bytes:
+    """The encoded image a ``data:`` URL carries. Raises OpenAIError naming ``where`` (its top-level
+    field: ``param``)."""
     scheme = url.split(":", 1)[0].lower() if ":" in url else ""
     if scheme in ("http", "https"):
         raise OpenAIError(f"{where}: http(s) image URLs are not fetched: this server has no allow-list of hosts, "
                           f"size or time limits for fetching (no option enables it yet); send the image inline as "
-                          f"a data: URL (data:image/png;base64,...)", "messages")
+                          f"a data: URL (data:image/png;base64,...)", param)
     if scheme != "data":
         shown = scheme or url[:16]
         raise OpenAIError(f"{where}: unsupported image URL scheme {shown!r}; send a data: URL "
-                          f"(data:image/png;base64,...)", "messages")
+                          f"(data:image/png;base64,...)", param)
     header, comma, payload = url[len("data:"):].partition(",")
     media_type, *params = header.split(";")
     if not comma or "base64" not in (p.strip().lower() for p in params):
-        raise OpenAIError(f"{where}: a data: URL must be base64 (data:image/png;base64,...)", "messages")
+        raise OpenAIError(f"{where}: a data: URL must be base64 (data:image/png;base64,...)", param)
     if not media_type.strip().lower().startswith("image/"):
-        raise OpenAIError(f"{where}: the data: URL's media type must be image/..., got {media_type!r}", "messages")
+        raise OpenAIError(f"{where}: the data: URL's media type must be image/..., got {media_type!r}", param)
     try:
         data = base64.b64decode("".join(payload.split()), validate=True)
     except (binascii.Error, ValueError):
-        raise OpenAIError(f"{where}: the data: URL's payload is not valid base64", "messages") from None
+        raise OpenAIError(f"{where}: the data: URL's payload is not valid base64", param) from None
     if not data:
-        raise OpenAIError(f"{where}: the data: URL holds no image", "messages")
+        raise OpenAIError(f"{where}: the data: URL holds no image", param)
     return data
