@@ -198,3 +198,47 @@ def test_bad_images_on_the_messages_and_responses_doors_are_400s_naming_the_fiel
     answer = client.messages.create(model=model, max_tokens=2, messages=[{"role": "user", "content": [
         {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": png}}]}])
     assert answer.content and answer.content[0].text
+
+
+def _llmapi(served, prompt: str, urls: list[str], max_tokens: int = MAX_TOKENS):
+    """TensorRT-LLM's LLM-API ``tensorrt_llm`` model (unary, as ``pagoda serve`` ships it) over gRPC:
+    (text, None) or (None, the error's message)."""
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    arrays = {"text_input": (np.array([prompt.encode()], dtype=np.object_), "BYTES"),
+              "sampling_param_temperature": (np.array([0.0], dtype=np.float32), "FP32"),
+              "sampling_param_max_tokens": (np.array([max_tokens], dtype=np.int32), "INT32"),
+              "sampling_param_exclude_input_from_output": (np.array([True]), "BOOL")}
+    if urls:
+        arrays["image_url"] = (np.array([u.encode() for u in urls], dtype=np.object_), "BYTES")
+    inputs = []
+    for name, (array, dtype) in arrays.items():
+        inputs.append(grpcclient.InferInput(name, list(array.shape), dtype))
+        inputs[-1].set_data_from_numpy(array)
+    client = grpcclient.InferenceServerClient(served.grpc_url)
+    try:
+        result = client.infer("tensorrt_llm", inputs, client_timeout=120)
+        return result.as_numpy("text_output")[0].decode(), None
+    except InferenceServerException as exc:
+        return None, str(exc)
+    finally:
+        client.close()
+
+
+def test_image_urls_through_tensorrt_llms_llm_api_input_equal_the_offline_engine(vl_folder, served):
+    """The LLM-API model's ``image_url`` input (data: URLs, one per placeholder) through
+    tritonclient, and its refusals naming ``image_url[i]``; the server keeps serving."""
+    one, two = _png(1), _png(2)
+    prompt = "<|im_start|>user\n" + IMAGE_TEXT + " or" + IMAGE_TEXT + "?<|im_end|>\n<|im_start|>assistant\n"
+    [expected] = _offline(vl_folder, [(prompt, [two, one])])
+    urls = ["data:image/png;base64," + _b64(image) for image in (two, one)]
+    assert _llmapi(served, prompt, urls) == (expected, None)
+    for bad, message in ((["data:image/png;base64,%%%"], "image_url[0]: the data: URL's payload is not valid"),
+                         ([urls[0], "file:///etc/passwd"], "image_url[1]: unsupported image URL scheme 'file'"),
+                         (["https://example.com/a.png"], "image_url[0]: http(s) image URLs are not fetched"),
+                         ([urls[0]], "prompt: 2 image placeholders")):
+        text, error = _llmapi(served, prompt, bad, max_tokens=2)
+        assert text is None and message in error, error
+    assert _llmapi(served, prompt, urls)[0] == expected

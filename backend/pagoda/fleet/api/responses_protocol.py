@@ -9,10 +9,10 @@ the door builds into its wire request like any chat (``openai_io.build_chat_requ
   ``input_text`` / ``output_text`` parts, and in user messages ``input_image`` parts: their
   ``image_url`` a ``data:`` URL, or ``http(s)`` as the chat door's URL rules say, becoming chat
   ``image_url`` parts checked here so a bad one is a 400 naming ``input[i].content[j].image_url``
-  (``openai_images``); ``file_id`` is refused: no Files API here; ``detail`` is ignored), ``function_call`` items (an assistant's earlier
-  calls, consecutive ones one message) and ``function_call_output`` items (a tool message
-  each); ``reasoning`` items written back are dropped (the model does not read its old thinking,
-  as vLLM);
+  (``openai_images``); ``file_id`` is refused: no Files API here; ``detail`` is ignored),
+  ``function_call`` items (an assistant's earlier calls, consecutive ones one message) and
+  ``function_call_output`` items (a tool message each); ``reasoning`` items written back are
+  dropped (the model does not read its old thinking, as vLLM);
 - ``tools``: function tools (``{"type": "function", "name", "parameters", ...}``); other
   tool types (web search, file search, ...) are refused naming them; ``tool_choice``:
   ``auto`` / ``none`` / ``required`` / ``{"type": "function", "name"}``;
