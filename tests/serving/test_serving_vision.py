@@ -9,7 +9,8 @@ placeholder: ``image_token_id`` is 49001 (SmolLM2's `` Salvation``, one token wh
 written) instead of 49000 (which SmolLM2 does not write back as one token), and a chat template
 that writes that token for each image part, as Qwen3-VL's writes ``<|image_pad|>``. The engine
 ignores ``vision_start_token_id``; the weights do not depend on either id. One server for the
-module; every client call has a timeout.
+module, fetching ``http(s)`` image URLs from 127.0.0.1 only (``--allowed-media-domains``); every
+client call has a timeout.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def served(vl_folder):
 
     port = find_free_port()
     process = ServeProcess("--model", vl_folder, "--openai-port", str(port), "--max-model-len", "256",
-                           "--max-num-seqs", "4")
+                           "--max-num-seqs", "4", "--allowed-media-domains", "127.0.0.1")
     try:
         process.wait_serving()
         process.grpc_url = f"127.0.0.1:{process.ports[1]}"
@@ -123,7 +124,7 @@ def test_bad_images_are_400s_naming_the_field_and_the_server_keeps_serving(serve
 
     for url, field in (("data:image/png;base64,%%%", "payload is not valid base64"),
                        ("data:image/png;base64," + base64.b64encode(b"GIF? no").decode(), "multi_modal_data.image[0]"),
-                       ("https://example.com/cat.png", "http(s) image URLs are not fetched"),
+                       ("https://example.com/cat.png", "the host 'example.com' is not on this server's allow-list"),
                        ("ftp://example.com/cat.png", "unsupported image URL scheme 'ftp'")):
         with pytest.raises(openai.BadRequestError, match=re.escape(field)):
             chat(url)
@@ -191,7 +192,7 @@ def test_bad_images_on_the_messages_and_responses_doors_are_400s_naming_the_fiel
                          "input[0].content[0].image_url: the data: URL's payload is not valid base64"),
                         ({"type": "input_image", "file_id": "file_1"}, "input[0].content[0].image_url: required"),
                         ({"type": "input_image", "image_url": "https://example.com/a.png"},
-                         "input[0].content[0].image_url: http(s) image URLs are not fetched")):
+                         "input[0].content[0].image_url: the host 'example.com' is not on this server's allow-list")):
         with pytest.raises(openai.BadRequestError, match=re.escape(field)):
             served.openai.responses.create(model=model, max_output_tokens=2, input=[
                 {"role": "user", "content": [part]}])
@@ -237,8 +238,74 @@ def test_image_urls_through_tensorrt_llms_llm_api_input_equal_the_offline_engine
     assert _llmapi(served, prompt, urls) == (expected, None)
     for bad, message in ((["data:image/png;base64,%%%"], "image_url[0]: the data: URL's payload is not valid"),
                          ([urls[0], "file:///etc/passwd"], "image_url[1]: unsupported image URL scheme 'file'"),
-                         (["https://example.com/a.png"], "image_url[0]: http(s) image URLs are not fetched"),
+                         (["https://example.com/a.png"], "image_url[0]: the host 'example.com' is not on"),
                          ([urls[0]], "prompt: 2 image placeholders")):
         text, error = _llmapi(served, prompt, bad, max_tokens=2)
         assert text is None and message in error, error
     assert _llmapi(served, prompt, urls)[0] == expected
+
+
+@pytest.fixture(scope="module")
+def image_host():
+    """A local HTTP server with two PNGs and redirects (on and off the allow-list)."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    files = {"/one.png": _png(1), "/two.png": _png(2)}
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            if self.path in ("/hop", "/off"):
+                self.send_response(302)
+                self.send_header("Location", "/two.png" if self.path == "/hop" else "http://example.com/two.png")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
+            body = files.get(self.path)
+            self.send_response(200 if body else 404)
+            self.send_header("Content-Length", str(len(body or b"")))
+            self.end_headers()
+            self.wfile.write(body or b"")
+
+        def log_message(self, *args):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join(timeout=5)
+
+
+def test_http_image_urls_from_an_allow_listed_host_equal_the_offline_engine(vl_folder, served, image_host):
+    """``--allowed-media-domains 127.0.0.1``: an http URL (and one redirected on that host) through the
+    OpenAI chat door, the Messages API's url source and the LLM-API ``image_url`` input answers as
+    the image sent inline; a redirect off the list and a missing file are 400s naming the field."""
+    chat_prompt = _chat_prompt([" Describe."], 1)
+    llmapi_prompt = "<|im_start|>user\n" + IMAGE_TEXT + " or" + IMAGE_TEXT + "?<|im_end|>\n<|im_start|>assistant\n"
+    expected = _offline(vl_folder, [(chat_prompt, [_png(2)]), (llmapi_prompt, [_png(2), _png(1)])])
+    model = served.openai.models.list().data[0].id
+
+    def chat(url, max_tokens=MAX_TOKENS):
+        return served.openai.chat.completions.create(model=model, temperature=0, max_tokens=max_tokens, messages=[
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                         {"type": "text", "text": " Describe."}]}]).choices[0].message.content
+
+    assert chat(image_host + "/two.png") == chat(image_host + "/hop") == expected[0]
+    _, client = _anthropic(served)
+    answer = client.messages.create(model=model, max_tokens=MAX_TOKENS, extra_body={"temperature": 0}, messages=[
+        {"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": image_host + "/two.png"}},
+                                     {"type": "text", "text": " Describe."}]}])
+    assert answer.content[0].text == expected[0]
+    assert _llmapi(served, llmapi_prompt, [image_host + "/two.png", image_host + "/one.png"]) == (expected[1], None)
+    for path, message in (("/off", "the host 'example.com' is not on this server's allow-list"),
+                          ("/missing.png", "answered HTTP 404")):
+        with pytest.raises(openai.BadRequestError,
+                           match=re.escape("messages[0].content[0].image_url.url: ") + ".*" + re.escape(message)):
+            chat(image_host + path, max_tokens=2)
+        text, error = _llmapi(served, llmapi_prompt, [image_host + path, image_host + "/one.png"], max_tokens=2)
+        assert text is None and "image_url[0]: " in error and message in error, error

@@ -75,6 +75,9 @@ class RouterOptions:
     tool_call_parser: Optional[str] = None
     response_store: bool = False  # keep Responses API turns for previous_response_id (fleet.api.response_store)
     response_store_ttl_s: float = 3600.0
+    allowed_media_domains: Optional[str] = None  # http(s) image URLs fetched from these hosts (serving.media_fetch)
+    media_fetch_timeout_s: float = 5.0
+    max_media_bytes: int = 20 * 2**20
     hash_model_id: Optional[str] = None
     replicas: Optional[str] = None
     k8s_selector: Optional[str] = None
@@ -242,9 +245,12 @@ class RouterService:
         from pagoda.fleet.api.openai_api import OpenAIApi
         from pagoda.fleet.api.responses_api import ResponsesApi
         from pagoda.fleet.api.migration import Migrations
+        from pagoda.fleet.api.openai_images import MEDIA
         from pagoda.fleet.api.upstream import GrpcUpstream
+        from pagoda.serving.media_fetch import make_fetcher
 
         o = self.options
+        MEDIA.fetcher = make_fetcher(o.allowed_media_domains, o.max_media_bytes, o.media_fetch_timeout_s)
         migrations = Migrations(o.migration_limit)  # one for every door: /metrics counts them all
         upstream = self.upstream = GrpcUpstream(self.router, self.gate, o.max_attempts, o.peer_pull_min_blocks,
                                                 migrations)

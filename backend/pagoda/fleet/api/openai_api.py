@@ -92,6 +92,7 @@ from pagoda.fleet.api.upstream import GrpcUpstream, ReplicaFailed
 from pagoda.fleet.api.openai_answer import Answer, merge_final
 from pagoda.fleet.api.openai_responses import ModelCard, ModelList, dump, error_body
 from pagoda.fleet.api.openai_protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest, parse
+from pagoda.fleet.api.openai_images import off_the_loop
 from pagoda.fleet.api.openai_io import (OpenAIError, OpenAIRequest, build_chat_request, build_completion_requests,
                                         read_outputs)
 from pagoda.fleet.api.routed_request import RoutedRequest, analyzed
@@ -232,7 +233,7 @@ class OpenAIApi:
                 served = ", ".join(repr(m) for m in (self.model_name, *self.lora_names))
                 return error_response(404, f"the model '{model}' does not exist; this server serves {served}",
                                       param="model", code="model_not_found")
-            builts = self._build(body, chat)
+            builts = await off_the_loop(self._build, body, chat)
         except (OpenAIError, LimitError) as exc:
             self.gate.count("invalid_input")
             return error_response(getattr(exc, "status", 400), str(exc), param=exc.param)

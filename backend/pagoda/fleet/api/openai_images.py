@@ -22,8 +22,10 @@ meaning a template agrees on).
 
 from __future__ import annotations
 
+import asyncio
+import base64
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional, TypeVar
 
 from pagoda.fleet.api.openai_protocol import CHAT_ROLES, ChatMessage, ImageURLPart, OpenAIError
 from pagoda.serving.dialects.media import image_url_bytes
@@ -36,6 +38,7 @@ class MediaSettings:
     fetcher: Optional[Any] = None
 
 
+T = TypeVar("T")
 MEDIA = MediaSettings()  # one per process: set once at the door's start (pagoda router --allowed-media-domains)
 
 
@@ -66,9 +69,20 @@ def message_for_template(message: ChatMessage, index: int, images: list[bytes]) 
 
 def image_url_part(url: str, where: str, param: str = "messages") -> dict[str, Any]:
     """Chat's ``image_url`` part for ``url``, checked here so a bad one is refused naming ``where``
-    (another door's field: the Messages and Responses doors translate into chat). Raises OpenAIError."""
-    image_bytes(url, where, param)
+    (another door's field: the Messages and Responses doors translate into chat); an ``http(s)``
+    URL is fetched here, once, and handed on as a data: URL. Raises OpenAIError."""
+    data = image_bytes(url, where, param)
+    if not url.lower().startswith("data:"):
+        url = "data:image/*;base64," + base64.b64encode(data).decode("ascii")
     return {"type": "image_url", "image_url": {"url": url}}
+
+
+async def off_the_loop(build: Callable[..., T], *args: Any) -> T:
+    """``build(*args)`` on a worker thread when this door fetches images (a fetch may take up to
+    its time limit, which must not stall the event loop), else inline."""
+    if MEDIA.fetcher is None:
+        return build(*args)
+    return await asyncio.to_thread(build, *args)
 
 
 def image_bytes(url: str, where: str, param: str = "messages") -> bytes:

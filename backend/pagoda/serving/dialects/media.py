@@ -7,7 +7,7 @@ message starts with the field it names (``where``); a door turns it into its 400
 
 - ``data:image/<subtype>;base64,<payload>``: decoded here (strict base64, whitespace
   ignored); a data URL that is not base64 or not ``image/...`` is refused.
-- ``http(s)``: fetched only through a ``fetcher`` (``media_fetch.MediaFetcher``: an
+- ``http(s)``: fetched only through a ``fetcher`` (``serving.media_fetch.MediaFetcher``: an
   allow-list of hosts, a size and a time limit; off unless the server was started with
   ``--allowed-media-domains``); without one they are refused, naming the flag.
 - any other scheme (``file:``, ``ftp:``, ...) is refused.
