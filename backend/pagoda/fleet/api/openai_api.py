@@ -95,7 +95,7 @@ from pagoda.fleet.api.openai_protocol import LoadLoRAAdapterRequest, UnloadLoRAA
 from pagoda.fleet.api.openai_images import off_the_loop
 from pagoda.fleet.api.openai_io import (OpenAIError, OpenAIRequest, build_chat_request, build_completion_requests,
                                         read_outputs)
-from pagoda.fleet.api.routed_request import RoutedRequest, analyzed
+from pagoda.fleet.api.routed_request import RoutedRequest, analysis_chars, analyzed
 from pagoda.fleet.routing.router import NoReplicaAvailable, Router
 from pagoda.fleet.api.tracing import TRACEPARENT, RouterTracer
 
@@ -263,7 +263,7 @@ class OpenAIApi:
         tenant = request.get(TENANT_KEY)
         if tenant is not None:
             built.wire = built.wire.with_options(cache_salt=gate.salt(tenant, built.wire.options.cache_salt))
-        analysis, built.wire = await gate.analyze(len(built.prompt), analyzed, self.router, built.wire)
+        analysis, built.wire = await gate.analyze(analysis_chars(built.prompt, built.wire), analyzed, self.router, built.wire)
         num_prompt_tokens = analysis.num_prompt_tokens if analysis is not None else 0
         return analysis, gate.charge(tenant, num_prompt_tokens, built.wire.params)
 
