@@ -1,6 +1,7 @@
 """The router hashes an image prompt as the replica does (``fleet.routing.image_routing``).
 
-A tiny random Qwen3-VL folder (``tests.engine.vision_reference``); the router over it hashes a
+A tiny random Qwen3-VL folder and a Qwen3.5 one (``tests.engine.vision_reference``; Qwen3.5's
+blocks live in KV cache groups, hashed alike); the router over it hashes a
 prompt with an image; the engine serving the same folder stores the same prompt's blocks and
 reports their hashes in its KV events. Same image: the router's hashes equal the events'
 (every full block, the ones overlapping the image and after it included). Another image with
@@ -31,9 +32,9 @@ TEXT = [1, 504, 3375, 2226, 314, 1070, 281, 260, 1345, 3658, 28]  # 11 tokens: t
 PROMPT = TEXT + [VISION_START, IMAGE, VISION_END] + [2226, 314, 3375, 504, 281, 260, 1345, 28, 1070, 314]
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory, smollm2_path):
-    return str(save_qwen3_vl(tmp_path_factory.mktemp("qwen3-vl"), smollm2_path))
+@pytest.fixture(scope="module", params=["qwen3-vl", "qwen3.5"])
+def folder(request, tmp_path_factory, smollm2_path):
+    return str(save_qwen3_vl(tmp_path_factory.mktemp(request.param), smollm2_path, arch=request.param))
 
 
 @pytest.fixture(scope="module")
