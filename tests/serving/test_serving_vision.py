@@ -309,3 +309,27 @@ def test_http_image_urls_from_an_allow_listed_host_equal_the_offline_engine(vl_f
             chat(image_host + path, max_tokens=2)
         text, error = _llmapi(served, llmapi_prompt, [image_host + path, image_host + "/one.png"], max_tokens=2)
         assert text is None and "image_url[0]: " in error and message in error, error
+
+
+def test_the_vllm_dialects_image_input_through_the_router_equals_the_offline_engine(vl_folder, served):
+    """The door's router (``pagoda serve``'s OpenAI door is a ``pagoda router`` child) takes the
+    vLLM dialect's ``image`` input on its Triton HTTP generate route, hashes the images to route
+    the request (``routing.image_routing``) and passes them on: the replica's answer is the offline
+    engine's; a non-image is the replica's 400, and the next request is served."""
+    from tests.serving.test_serving_triton_server import http_post
+
+    prompt = "<|im_start|>user\n" + IMAGE_TEXT + " What is it?<|im_end|>\n<|im_start|>assistant\n"
+    [expected] = _offline(vl_folder, [(prompt, [_png(4)])])
+    door = type("Door", (), {"http_url": str(served.openai.base_url).split("//")[1].split("/")[0]})()
+    sampling = json.dumps({"temperature": 0, "max_tokens": MAX_TOKENS})
+
+    def generate(images):
+        return http_post(door, "/v2/models/pagoda/generate", {
+            "text_input": prompt, "image": images, "exclude_input_in_output": True, "sampling_parameters": sampling})
+
+    status, body = generate([_b64(_png(4))])
+    assert status == 200 and body["text_output"] == expected, body
+    status, body = generate([_b64(b"not an image")])
+    assert status == 400 and "multi_modal_data.image[0]" in json.dumps(body), body
+    status, body = generate([_b64(_png(4))])
+    assert status == 200 and body["text_output"] == expected
