@@ -88,7 +88,8 @@ class AgentTurn:
         if tenant is not None:
             salt = gate.salt(tenant, self.built.wire.options.cache_salt)
             self.built.wire = self.built.wire.with_options(cache_salt=salt)
-        analysis, self.built.wire = await gate.analyze(analysis_chars(self.built.prompt, self.built.wire), analyzed, door.router, self.built.wire)
+        size = analysis_chars(self.built.prompt, self.built.wire)
+        analysis, self.built.wire = await gate.analyze(size, analyzed, door.router, self.built.wire)
         ticket = gate.charge(tenant, analysis.num_prompt_tokens if analysis else 0, self.built.wire.params)
         try:
             async for update in self._stream(request, analysis):

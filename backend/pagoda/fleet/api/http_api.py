@@ -210,7 +210,8 @@ async def _generate(request: web.Request) -> web.StreamResponse:
             if tenant is not None:
                 salt = generate.wire.options.cache_salt if generate.wire is not None else None
                 generate = generate.salted(gate.salt(tenant, salt))
-            analysis, generate = await gate.analyze(analysis_chars(generate.prompt, generate.wire), generate.analyzed, router)
+            size = analysis_chars(generate.prompt, generate.wire)
+            analysis, generate = await gate.analyze(size, generate.analyzed, router)
             ticket = gate.charge(tenant, analysis.num_prompt_tokens if analysis else 0, generate.sampling)
             turn = gate.turn(tenant, analysis, generate.sampling, generate.wire.options if generate.wire else None)
         except LimitError as exc:

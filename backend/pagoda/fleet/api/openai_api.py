@@ -263,7 +263,8 @@ class OpenAIApi:
         tenant = request.get(TENANT_KEY)
         if tenant is not None:
             built.wire = built.wire.with_options(cache_salt=gate.salt(tenant, built.wire.options.cache_salt))
-        analysis, built.wire = await gate.analyze(analysis_chars(built.prompt, built.wire), analyzed, self.router, built.wire)
+        size = analysis_chars(built.prompt, built.wire)
+        analysis, built.wire = await gate.analyze(size, analyzed, self.router, built.wire)
         num_prompt_tokens = analysis.num_prompt_tokens if analysis is not None else 0
         return analysis, gate.charge(tenant, num_prompt_tokens, built.wire.params)
 
