@@ -108,3 +108,5 @@ def test_image_keys_enter_only_the_blocks_that_overlap_the_image():
     extra = encode_extra_keys(mm_keys=[("aa", 5)])
     assert first[1] == hash_block(hash_block(root, tokens[:4]), tokens[4:8], extra)
     assert first[3] == hash_block(first[2], tokens[12:16])  # past the image: no image key, but its chain
+    assert hash_prompt_blocks(tokens, 4, MODEL, mm_spans=[("aa", 5, 6)]) == first  # the router's form, same hashes
+    assert hash_prompt_blocks(tokens, 4, MODEL, mm_spans=[("bb", 5, 6)]) == other

@@ -6,6 +6,7 @@ the unstreamed answer. Stored turns are per tenant and expire (memory, and a rea
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -189,6 +190,26 @@ def test_message_blocks_become_chat_messages():
 def test_messages_bad_bodies_name_the_field(body, field):
     with pytest.raises(OpenAIError, match=field):
         messages_chat_body(parse(MessagesRequest, {"model": "m", **body}))
+
+
+def test_image_blocks_and_input_image_parts_become_chat_image_url_parts():
+    """Both doors translate images into chat's ``image_url`` parts in place, the text around them kept."""
+    png = "iVBORw0KGgo="  # any base64: the bytes are checked as an image by the engine
+    request = parse(MessagesRequest, {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "A"}, {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                                                     "data": png}},
+        {"type": "image", "source": {"type": "url", "url": "data:image/jpeg;base64," + png}}]}]})
+    assert messages_chat_body(request)["messages"] == [{"role": "user", "content": [
+        {"type": "text", "text": "A"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64," + png}},
+        {"type": "image_url", "image_url": {"url": "data:image/jpeg;base64," + png}}]}]
+    responses = parse(ResponsesRequest, {"model": "m", "input": [{"role": "user", "content": [
+        {"type": "input_image", "image_url": "data:image/png;base64," + png, "detail": "low"},
+        {"type": "input_text", "text": "B"}]}]})
+    assert to_chat_body(responses, [])["messages"] == [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + png}}, {"type": "text", "text": "B"}]}]
+    with pytest.raises(OpenAIError, match=re.escape("input[0].content[0]: input_image parts are taken in user")):
+        to_chat_body(parse(ResponsesRequest, {"input": [{"role": "system", "content": [
+            {"type": "input_image", "image_url": "data:image/png;base64," + png}]}]}), [])
 
 
 def fold_message(events):

@@ -249,7 +249,7 @@ def test_messages_errors_are_anthropics_shape(where):
         client.messages.create(model=MODEL, max_tokens=0, messages=[{"role": "user", "content": "Hi"}])
     assert bad.value.body["type"] == "error" and bad.value.body["error"]["type"] == "invalid_request_error"
     assert "max_tokens" in bad.value.body["error"]["message"]
-    with pytest.raises(anthropic.BadRequestError, match="image blocks are not served"):
+    with pytest.raises(anthropic.BadRequestError, match="chat template cannot render image parts"):  # a text model
         client.messages.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": [
             {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}]}])
     with pytest.raises(anthropic.NotFoundError, match="claude-opus"):

@@ -412,7 +412,10 @@ def test_llmapi_stop_request_cancels_by_request_id_and_refusals_name_the_input(t
         client.close()
     for name, value, dtype, message in [("sampling_param_best_of", 2, np.int32, "sampling_param_best_of: only 1"),
                                         ("lora_path", "/x", np.object_, "lora_path: not supported"),
-                                        ("image_url", "http://x", np.object_, "image_url: not supported")]:
+                                        ("image_url", "http://x", np.object_,
+                                         "image_url[0]: http(s) image URLs are not fetched"),
+                                        ("image_url", "data:image/png;base64,iVBORw0KGgo=", np.object_,
+                                         "this model takes text only")]:
         results, errors = grpc_stream(triton_server, "tensorrt_llm", llmapi_inputs(PROMPT, **{name: (value, dtype)}),
                                       ("text_output",))
         assert len(errors) == 1 and message in errors[0], (name, errors)

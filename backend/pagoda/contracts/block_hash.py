@@ -82,6 +82,7 @@ def hash_prompt_blocks(
     cache_salt: Optional[str] = None,
     adapter_id: Optional[str] = None,
     parent: Optional[BlockHash] = None,
+    mm_spans: Sequence[tuple[str, int, int]] = (),
 ) -> list[BlockHash]:
     """Hashes of every full block of ``token_ids`` (a trailing partial block is not hashed).
 
@@ -91,6 +92,9 @@ def hash_prompt_blocks(
         model_id: identity of the model (seeds the root hash) when ``parent`` is None.
         cache_salt / adapter_id: extra keys, see the module docstring.
         parent: hash of the block before ``token_ids[0]``, to continue a chain.
+        mm_spans: (content hash, first placeholder index, number of placeholders) of each image
+            of the (expanded) prompt, in prompt order, indices counted from ``token_ids[0]``;
+            each block overlapping an image's placeholders carries its ``mm`` key.
     Returns:
         One hash per full block, in order.
     """
@@ -98,6 +102,9 @@ def hash_prompt_blocks(
     prev = parent if parent is not None else root_hash(model_id)
     hashes: list[BlockHash] = []
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        prev = hash_block(prev, token_ids[start : start + block_size], extra)
+        end = start + block_size
+        mm_keys = [(h, o) for h, o, n in mm_spans if o < end and o + n > start]
+        block_extra = encode_extra_keys(cache_salt, adapter_id, mm_keys) if mm_keys else extra
+        prev = hash_block(prev, token_ids[start:end], block_extra)
         hashes.append(prev)
     return hashes

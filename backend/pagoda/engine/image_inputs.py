@@ -86,6 +86,47 @@ class ImageInputs:
                 that do not match the images.
         """
         images = list(images) if isinstance(images, (list, tuple)) else [images]
+        slots = self._check_slots(token_ids, images)
+        token_id = self.spec.image_token_id
+        prepared = [self.prepare(i, image) for i, image in enumerate(images)]
+        out: list[int] = []
+        features = []
+        previous = 0
+        for slot, (mm_hash, data, length) in zip(slots, prepared):
+            out += token_ids[previous:slot]
+            features.append(MultiModalFeature(mm_hash, len(out), length, data))
+            out += [token_id] * length
+            previous = slot + 1
+        return out + token_ids[previous:], tuple(features)
+
+    def spans(self, token_ids: list[int], images: Any) -> tuple[int, list[tuple[str, int, int]]]:
+        """What ``process`` would make of the prompt for its block hashes, without the encoder's
+        input (the router's view: ``fleet.routing.image_routing``): the expanded prompt's length
+        and (content hash, first placeholder index, placeholder tokens) per image, in order.
+
+        The placeholder count comes from the processor's own size rule
+        (``get_number_of_image_patches``, the resize ``process`` runs) without resizing pixels.
+
+        Raises:
+            ValueError: as ``process``.
+        """
+        images = list(images) if isinstance(images, (list, tuple)) else [images]
+        slots = self._check_slots(token_ids, images)
+        counter = getattr(self.processor, "get_number_of_image_patches", None)
+        spans, grown = [], 0
+        for index, (slot, value) in enumerate(zip(slots, images)):
+            if counter is None:
+                mm_hash, _, length = self.prepare(index, value)
+            else:
+                image = self._load(index, value)
+                mm_hash = image_hash(image)
+                length = counter(image.height, image.width) // self.spec.spatial_merge_size**2
+            spans.append((mm_hash, slot + grown, length))
+            grown += length - 1
+        return len(token_ids) + grown, spans
+
+    def _check_slots(self, token_ids: list[int], images: list) -> list[int]:
+        """The placeholders' indices, one per image (raises ValueError: the count or the limit)."""
         if not images:
             raise ValueError("multi_modal_data.image: no image given")
         limit = self.limits.limit_images_per_prompt
@@ -97,16 +138,7 @@ class ImageInputs:
         if len(slots) != len(images):
             raise ValueError(f"prompt: {len(slots)} image placeholders (token id {token_id}) for {len(images)} "
                              "images; put one placeholder where each image goes, in order")
-        prepared = [self.prepare(i, image) for i, image in enumerate(images)]
-        out: list[int] = []
-        features = []
-        previous = 0
-        for slot, (mm_hash, data, length) in zip(slots, prepared):
-            out += token_ids[previous:slot]
-            features.append(MultiModalFeature(mm_hash, len(out), length, data))
-            out += [token_id] * length
-            previous = slot + 1
-        return out + token_ids[previous:], tuple(features)
+        return slots
 
     def prepare(self, index: int, value: Any) -> tuple[str, dict, int]:
         """One image (``value``, the request's ``index``-th) checked, hashed and run through the

@@ -24,6 +24,7 @@ from pagoda.fleet.gate.limits import RequestLimits
 from pagoda.fleet.parsers.reasoning import REASONING_PARSERS
 from pagoda.fleet.parsers.tool_calls import TOOL_PARSERS
 from pagoda.fleet.service import RouterOptions, RouterService
+from pagoda.serving.media_fetch import media_flags
 
 POLICIES = ("random", "round_robin", "least_loaded", "prefix_aware", "precise", "approximate")
 
@@ -57,6 +58,7 @@ def make_parser() -> argparse.ArgumentParser:
                         "fleet's Redis with --redis-url, else in the router's memory; off by default")
     p.add_argument("--response-store-ttl", type=float, default=3600.0, metavar="SECONDS",
                    help="how long a stored Responses API turn is kept (default 3600)")
+    media_flags(p)
     p.add_argument("--hash-model-id",
                    help="block-hash root (default: the model folder's name; replicas' heartbeats override)")
     p.add_argument("--replicas",
@@ -160,6 +162,8 @@ def options_from_args(args: argparse.Namespace) -> RouterOptions:
         lora_names=tuple(args.lora), allow_runtime_lora=args.allow_runtime_lora,
         reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
         response_store=args.response_store, response_store_ttl_s=args.response_store_ttl,
+        allowed_media_domains=args.allowed_media_domains, media_fetch_timeout_s=args.media_fetch_timeout,
+        max_media_bytes=args.max_media_bytes,
         replicas=args.replicas, k8s_selector=args.k8s_selector, k8s_namespace=args.k8s_namespace,
         k8s_api=args.k8s_api, redis_url=args.redis_url, policy=args.policy, policy_knobs=knobs,
         index_mode=args.index_mode, redis_timeout_s=args.redis_timeout_ms / 1e3, host=args.host,

@@ -75,6 +75,9 @@ class RouterOptions:
     tool_call_parser: Optional[str] = None
     response_store: bool = False  # keep Responses API turns for previous_response_id (fleet.api.response_store)
     response_store_ttl_s: float = 3600.0
+    allowed_media_domains: Optional[str] = None  # http(s) image URLs fetched from these hosts (serving.media_fetch)
+    media_fetch_timeout_s: float = 5.0
+    max_media_bytes: int = 20 * 2**20
     hash_model_id: Optional[str] = None
     replicas: Optional[str] = None
     k8s_selector: Optional[str] = None
@@ -182,6 +185,7 @@ class RouterService:
     def _make_router(self) -> "Router":
         """The ``Router`` over the options' replicas, tokenizer and (with Redis) ``FleetView``."""
         from pagoda.fleet.routing.fleet_view import FleetView
+        from pagoda.fleet.routing.image_routing import RouterImages
         from pagoda.fleet.routing.replicas import ReplicaSet, parse_replicas_spec
         from pagoda.fleet.routing.router import Router
         from pagoda.models.tokenizer import Tokenizer
@@ -208,7 +212,7 @@ class RouterService:
             fleet = FleetView(self._redis, self.model_name, o.index_mode, o.redis_timeout_s)
             fleet.start()
         return Router(replicas, tokenizer, o.hash_model_id or folder, o.policy, fleet,
-                      block_size=o.block_size, **o.policy_knobs)
+                      block_size=o.block_size, images=RouterImages.from_model_dir(model_dir), **o.policy_knobs)
 
     def _start_discovery(self) -> None:
         from pagoda.fleet.routing.k8s_discovery import KubernetesConfig, KubernetesDiscovery
@@ -241,9 +245,12 @@ class RouterService:
         from pagoda.fleet.api.openai_api import OpenAIApi
         from pagoda.fleet.api.responses_api import ResponsesApi
         from pagoda.fleet.api.migration import Migrations
+        from pagoda.fleet.api.openai_images import MEDIA
         from pagoda.fleet.api.upstream import GrpcUpstream
+        from pagoda.serving.media_fetch import make_fetcher
 
         o = self.options
+        MEDIA.fetcher = make_fetcher(o.allowed_media_domains, o.max_media_bytes, o.media_fetch_timeout_s)
         migrations = Migrations(o.migration_limit)  # one for every door: /metrics counts them all
         upstream = self.upstream = GrpcUpstream(self.router, self.gate, o.max_attempts, o.peer_pull_min_blocks,
                                                 migrations)

@@ -250,7 +250,7 @@ class EngineLoop:
         params = request.wire.options.kv_transfer_params if request.wire is not None else None
         if params:
             try:
-                self._kv.check(params)
+                self._kv.check(params, bool(request.wire.images))
             except ValueError as exc:
                 self._sender.put(request, make_error_response(str(exc)))
                 return

@@ -25,6 +25,12 @@ and returns the requests ready to add; an abort takes it back (``take``); a stop
 The prefill side holds nothing for the pull: the prompt's blocks stay in its prefix cache
 (LRU) after the request ends and are pinned only while a pull reads them, so a handle used
 after heavy traffic evicted them pulls fewer blocks (the decode side computes the rest).
+
+Image prompts are refused (``check``, a 400 naming ``kv_transfer_params``): the blocks that
+overlap an image are hashed with its content hash (``contracts.block_hash``'s ``mm`` keys), and
+neither the pull (which names blocks by hashes of the prompt's text) nor an offer (which the
+receiver verifies by rehashing token ids, ``engine.kv_transfer.offer``) carries those keys yet.
+The router runs an image request in one stage and never with a peer pull.
 """
 
 from __future__ import annotations
@@ -57,8 +63,13 @@ class KVTransferControl:
     def num_parked(self) -> int:
         return len(self._parked)
 
-    def check(self, params: Optional[dict[str, Any]]) -> None:
-        """Refuse a transfer this replica cannot do (no connector). Raises ValueError."""
+    def check(self, params: Optional[dict[str, Any]], has_images: bool = False) -> None:
+        """Refuse a transfer this replica cannot do (no connector, an image prompt: module
+        docstring). Raises ValueError."""
+        if params and has_images and (params.get("do_remote_decode") or params.get("do_remote_prefill")):
+            raise ValueError("kv_transfer_params: prompts with images do not take part in KV transfers yet (the "
+                             "blocks overlapping an image are keyed by its content, which transfers do not carry); "
+                             "send the request without kv_transfer_params")
         if params and (params.get("do_remote_decode") or params.get("do_remote_prefill")) and self._connector is None:
             raise ValueError("kv_transfer_params: this replica has no KV connector (start it with pagoda serve "
                              "--kv-transfer-listen HOST:PORT)")

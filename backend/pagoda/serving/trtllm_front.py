@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Optional
 
 from pagoda.serving.dialects import llmapi
+from pagoda.serving.media_fetch import fetcher_from_env
 from pagoda.serving.dialects import trtllm as dialect
 from pagoda.serving.wire import WireRequest
 
@@ -218,6 +219,7 @@ class LLMAPIFront(TritonPythonModel):
         super().initialize(args)
         self.lock = threading.Lock()
         self.in_flight = {}  # request id -> the stop events of its requests
+        self.fetcher = fetcher_from_env()  # http(s) image_url fetching: pagoda serve --allowed-media-domains
 
     def execute(self, requests):
         for request in requests:
@@ -229,7 +231,8 @@ class LLMAPIFront(TritonPythonModel):
                 if llmapi.is_stop_request(arrays):
                     self._stop(request.request_id(), sender)
                     continue
-                wire = WireRequest.from_dialect(llmapi.read_item(arrays, self.decoupled)).with_options(**options)
+                read = llmapi.read_item(arrays, self.decoupled, self.fetcher)
+                wire = WireRequest.from_dialect(read).with_options(**options)
                 inputs, asked = wire.to_triton_inputs(), llmapi.requested(arrays)
             except ValueError as exc:
                 sender.send(self._error(str(exc)), flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)

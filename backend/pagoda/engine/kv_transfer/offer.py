@@ -10,6 +10,11 @@ hash) and refuses the offer unless every hash matches: so a received block is en
 the prefix cache only under the hash the receiver would have computed itself, and two
 replicas of different models, block sizes or KV layouts never exchange blocks.
 
+Blocks that overlap an image are hashed with the image's content (``mm`` extra keys), which
+an offer does not carry: their recomputed hashes never match, so such an offer is refused
+here, and replicas refuse image prompts with ``kv_transfer_params`` before any transfer
+(``serving.kv_transfer_control``).
+
 ``nixl`` (optional): where the sender's blocks lie in its NIXL-registered KV memory
 (``nixl_memory.NixlKVMemory.describe``); a receiver that speaks NIXL reads them itself, any
 other receiver ignores it and the blocks come as CHUNKs.

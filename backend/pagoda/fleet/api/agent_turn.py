@@ -24,7 +24,7 @@ from aiohttp import web
 
 from pagoda.contracts.errors import ErrorKind, classify_replica_error
 from pagoda.fleet.api.openai_io import OpenAIRequest, read_outputs
-from pagoda.fleet.api.routed_request import RoutedRequest, analyzed
+from pagoda.fleet.api.routed_request import RoutedRequest, analysis_chars, analyzed
 from pagoda.fleet.api.tracing import TRACEPARENT
 from pagoda.fleet.api.upstream import ReplicaFailed
 from pagoda.fleet.gate.gate import TENANT_KEY, RateLimited
@@ -88,7 +88,8 @@ class AgentTurn:
         if tenant is not None:
             salt = gate.salt(tenant, self.built.wire.options.cache_salt)
             self.built.wire = self.built.wire.with_options(cache_salt=salt)
-        analysis, self.built.wire = await gate.analyze(len(self.built.prompt), analyzed, door.router, self.built.wire)
+        size = analysis_chars(self.built.prompt, self.built.wire)
+        analysis, self.built.wire = await gate.analyze(size, analyzed, door.router, self.built.wire)
         ticket = gate.charge(tenant, analysis.num_prompt_tokens if analysis else 0, self.built.wire.params)
         try:
             async for update in self._stream(request, analysis):

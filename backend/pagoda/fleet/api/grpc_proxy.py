@@ -38,7 +38,7 @@ import grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from pagoda.contracts.errors import ErrorKind, spec_of
-from pagoda.fleet.api.routed_request import MAX_ROUTED_PROMPT_CHARS, RoutedRequest, analyzed
+from pagoda.fleet.api.routed_request import MAX_ROUTED_PROMPT_CHARS, RoutedRequest, analysis_chars, analyzed
 from pagoda.fleet.api.tracing import RouterTracer
 from pagoda.fleet.api.upstream import DEAD_CODES, GrpcUpstream, ReplicaFailed
 from pagoda.fleet.gate.gate import AuthError, Gate, LimitError, RateLimited
@@ -186,7 +186,7 @@ class GrpcProxy(service_pb2_grpc.GRPCInferenceServiceServicer):
             gate.count("invalid_input")
             raise
         prompt = routed.prompt or read_string_input(request, "text_input") or ""
-        analysis = await gate.analyze(len(prompt), analyze_routed, self.router, routed)
+        analysis = await gate.analyze(analysis_chars(prompt, routed.wire), analyze_routed, self.router, routed)
         sampling = routed.wire.params if routed.wire is not None else sampling_of_infer_request(request)
         ticket = gate.charge(tenant, analysis.num_prompt_tokens if analysis else 0, sampling)
         routed.turn = gate.turn(tenant, analysis, sampling, routed.wire.options if routed.wire is not None else None)

@@ -61,7 +61,7 @@ from pagoda.fleet.gate.gate import (TENANT_KEY, AuthError, Gate, LimitError, Que
 from pagoda.fleet.api import http_stages
 from pagoda.fleet.api.fleet_metrics import merge_vllm_series, scrape_replicas
 from pagoda.fleet.api.generate_request import GenerateRequest
-from pagoda.fleet.api.routed_request import kept_deadline
+from pagoda.fleet.api.routed_request import analysis_chars, kept_deadline
 from pagoda.fleet.api.http_relay import Broken, Relay
 from pagoda.fleet.api.migration import CONNECTION_LOST, NO_REPLICA, Journal, Migrations, Plan
 from pagoda.fleet.gate.infer_body import validate_infer_body
@@ -210,7 +210,8 @@ async def _generate(request: web.Request) -> web.StreamResponse:
             if tenant is not None:
                 salt = generate.wire.options.cache_salt if generate.wire is not None else None
                 generate = generate.salted(gate.salt(tenant, salt))
-            analysis, generate = await gate.analyze(len(generate.prompt), generate.analyzed, router)
+            size = analysis_chars(generate.prompt, generate.wire)
+            analysis, generate = await gate.analyze(size, generate.analyzed, router)
             ticket = gate.charge(tenant, analysis.num_prompt_tokens if analysis else 0, generate.sampling)
             turn = gate.turn(tenant, analysis, generate.sampling, generate.wire.options if generate.wire else None)
         except LimitError as exc:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from aiohttp import web
 
@@ -30,6 +30,7 @@ from pagoda.fleet.api.agent_turn import AgentTurn, TurnFailed, TurnUpdate, strea
 from pagoda.fleet.api.messages_protocol import CountTokensRequest, MessagesRequest, chat_messages, to_chat_body, \
     tools_body
 from pagoda.fleet.api.messages_render import MessageRender
+from pagoda.fleet.api.openai_images import off_the_loop
 from pagoda.fleet.api.openai_io import OpenAIError, build_chat_request
 from pagoda.fleet.api.openai_protocol import parse
 from pagoda.fleet.gate.gate import LimitError, RateLimited, retry_after_header
@@ -73,7 +74,7 @@ class MessagesApi:
         try:
             parsed = parse(MessagesRequest, json_input.loads(await request.read(), "body"))
             self._check_model(parsed.model)
-            built = build_chat_request(to_chat_body(parsed), openai.router.tokenizer, *openai.parsers)
+            built = await off_the_loop(_built, parsed, openai)
             openai.gate.limits.check_prompt(built.wire.prompt or "", "messages")
             openai.gate.limits.check_params(built.wire.params)
             built.wire = built.wire.replace(output=dataclasses.replace(built.wire.output, return_stop_reason=True))
@@ -108,7 +109,7 @@ class MessagesApi:
             parsed = parse(CountTokensRequest, json_input.loads(await request.read(), "body"))
             self._check_model(parsed.model)
             body = {"messages": chat_messages(parsed), "max_tokens": 1, **tools_body(parsed)}
-            built = build_chat_request(body, openai.router.tokenizer, *openai.parsers)
+            built = await off_the_loop(build_chat_request, body, openai.router.tokenizer, *openai.parsers)
         except _ModelNotFound as exc:
             return anthropic_error(404, str(exc))
         except (json_input.JSONInputError, OpenAIError, LimitError) as exc:
@@ -125,3 +126,6 @@ class _ModelNotFound(Exception):
     pass
 
 
+def _built(parsed: MessagesRequest, openai: "OpenAIApi") -> Any:
+    """The chat request of a Messages request (its images decoded, or fetched: ``off_the_loop``)."""
+    return build_chat_request(to_chat_body(parsed), openai.router.tokenizer, *openai.parsers)

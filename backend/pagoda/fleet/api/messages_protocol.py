@@ -7,8 +7,12 @@ and translated into a chat-completions body (``to_chat_body``) the door builds l
   string or blocks: ``text``; an assistant's ``tool_use`` (``id``, ``name``, ``input``) is a
   tool call of its message; a user's ``tool_result`` (``tool_use_id``, ``content`` a string or
   text blocks, ``is_error``) is a tool message; ``thinking`` / ``redacted_thinking`` blocks
-  written back are dropped (the model does not read its old thinking); ``image`` and
-  ``document`` blocks are refused, naming them (pagoda serves text);
+  written back are dropped (the model does not read its old thinking); a user's ``image``
+  blocks (``source`` ``base64`` with an ``image/...`` ``media_type``, or ``url``: a ``data:`` URL,
+  or ``http(s)`` as the chat door's URL rules say) become chat ``image_url`` parts in their
+  place, checked here so a bad one is a 400 naming ``messages[i].content[j].source...``
+  (``openai_images``); ``file`` sources (no Files API here) and ``document`` blocks are refused,
+  naming them;
 - ``tools`` (``name``, ``description``, ``input_schema``) are function tools; ``tool_choice``
   ``auto`` / ``any`` (a call is required) / ``tool`` (that one) / ``none``, and
   ``disable_parallel_tool_use``;
@@ -33,6 +37,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import Field
 
+from pagoda.fleet.api.openai_images import image_url_part
 from pagoda.fleet.api.openai_protocol import Number, OpenAIError, _Strict, one_of
 from pagoda.fleet.api.responses_protocol import GUIDED_EXTRAS
 
@@ -70,12 +75,34 @@ class ThinkingBlock(_Strict):
 
 
 class MediaBlock(_Strict):
-    type: Literal["image", "document"]
+    type: Literal["document"]
     source: dict[str, Any]
     cache_control: Optional[dict[str, Any]] = None
 
 
-Block = Annotated[Union[TextBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock, MediaBlock],
+class Base64Source(_Strict):
+    type: Literal["base64"]
+    media_type: str
+    data: str
+
+
+class URLSource(_Strict):
+    type: Literal["url"]
+    url: str
+
+
+class FileSource(_Strict):
+    type: Literal["file"]
+    file_id: str
+
+
+class ImageBlock(_Strict):
+    type: Literal["image"]
+    source: Annotated[Union[Base64Source, URLSource, FileSource], Field(discriminator="type")]
+    cache_control: Optional[dict[str, Any]] = None
+
+
+Block = Annotated[Union[TextBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock, ImageBlock, MediaBlock],
                   Field(discriminator="type")]
 
 
@@ -166,10 +193,13 @@ def chat_messages(request: Union[MessagesRequest, CountTokensRequest]) -> list[d
     for m, message in enumerate(request.messages):
         blocks = [TextBlock(type="text", text=message.content)] if isinstance(message.content, str) \
             else message.content
-        text, calls = "", []
+        text, calls, parts = "", [], []
         for b, block in enumerate(blocks):
             if isinstance(block, TextBlock):
                 text += block.text
+                parts.append({"type": "text", "text": block.text})
+            elif isinstance(block, ImageBlock):
+                parts.append(_image_part(block, message.role, f"messages[{m}].content[{b}]"))
             elif isinstance(block, ToolUseBlock):
                 calls.append({"id": block.id, "type": "function",
                               "function": {"name": block.name, "arguments": json.dumps(block.input)}})
@@ -179,12 +209,30 @@ def chat_messages(request: Union[MessagesRequest, CountTokensRequest]) -> list[d
                                  "content": prefix + _text(block.content)})
             elif isinstance(block, MediaBlock):
                 raise OpenAIError(f"messages[{m}].content[{b}].type: {block.type} blocks are not served (pagoda "
-                                  "takes text)", "messages")
+                                  "takes text and images)", "messages")
         if calls:
             messages.append({"role": "assistant", "content": text or None, "tool_calls": calls})
+        elif any(part["type"] == "image_url" for part in parts):
+            messages.append({"role": message.role, "content": parts})
         elif text or message.role == "assistant":
             messages.append({"role": message.role, "content": text})
     return messages
+
+
+def _image_part(block: ImageBlock, role: str, where: str) -> dict[str, Any]:
+    """Chat's ``image_url`` part of an image block (module docstring). Raises OpenAIError naming ``where``."""
+    if role != "user":
+        raise OpenAIError(f"{where}: image blocks are taken in user messages only, not in an {role} message",
+                          "messages")
+    source = block.source
+    if isinstance(source, FileSource):
+        raise OpenAIError(f"{where}.source.type: file sources are not served (this server has no Files API); "
+                          "send the image as base64 or a data: URL", "messages")
+    if isinstance(source, URLSource):
+        return image_url_part(source.url, f"{where}.source.url")
+    if not source.media_type.lower().startswith("image/"):
+        raise OpenAIError(f"{where}.source.media_type: must be image/..., got {source.media_type!r}", "messages")
+    return image_url_part(f"data:{source.media_type};base64,{source.data}", f"{where}.source.data")
 
 
 def tools_body(request: Union[MessagesRequest, CountTokensRequest]) -> dict[str, Any]:

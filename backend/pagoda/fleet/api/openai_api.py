@@ -92,9 +92,10 @@ from pagoda.fleet.api.upstream import GrpcUpstream, ReplicaFailed
 from pagoda.fleet.api.openai_answer import Answer, merge_final
 from pagoda.fleet.api.openai_responses import ModelCard, ModelList, dump, error_body
 from pagoda.fleet.api.openai_protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest, parse
+from pagoda.fleet.api.openai_images import off_the_loop
 from pagoda.fleet.api.openai_io import (OpenAIError, OpenAIRequest, build_chat_request, build_completion_requests,
                                         read_outputs)
-from pagoda.fleet.api.routed_request import RoutedRequest, analyzed
+from pagoda.fleet.api.routed_request import RoutedRequest, analysis_chars, analyzed
 from pagoda.fleet.routing.router import NoReplicaAvailable, Router
 from pagoda.fleet.api.tracing import TRACEPARENT, RouterTracer
 
@@ -232,7 +233,7 @@ class OpenAIApi:
                 served = ", ".join(repr(m) for m in (self.model_name, *self.lora_names))
                 return error_response(404, f"the model '{model}' does not exist; this server serves {served}",
                                       param="model", code="model_not_found")
-            builts = self._build(body, chat)
+            builts = await off_the_loop(self._build, body, chat)
         except (OpenAIError, LimitError) as exc:
             self.gate.count("invalid_input")
             return error_response(getattr(exc, "status", 400), str(exc), param=exc.param)
@@ -262,7 +263,8 @@ class OpenAIApi:
         tenant = request.get(TENANT_KEY)
         if tenant is not None:
             built.wire = built.wire.with_options(cache_salt=gate.salt(tenant, built.wire.options.cache_salt))
-        analysis, built.wire = await gate.analyze(len(built.prompt), analyzed, self.router, built.wire)
+        size = analysis_chars(built.prompt, built.wire)
+        analysis, built.wire = await gate.analyze(size, analyzed, self.router, built.wire)
         num_prompt_tokens = analysis.num_prompt_tokens if analysis is not None else 0
         return analysis, gate.charge(tenant, num_prompt_tokens, built.wire.params)
 

@@ -9,10 +9,10 @@ form). Each image part becomes
 - ``{"type": "image"}`` in the message the chat template renders (transformers' form: a
   vision model's template, Qwen3-VL's for one, writes the model's image placeholder there).
 
-URLs: ``data:image/<subtype>;base64,<payload>`` is decoded here (strict base64). ``http(s)``
-URLs are refused: fetching them would let a request make the server connect to any address,
-and pagoda has no allow-list, size or time limits for that yet, so a client sends the image
-inline. Every other scheme is refused. Whether the bytes are an image, and the image limits
+URLs follow ``serving.dialects.media``'s rules: ``data:image/<subtype>;base64,<payload>`` is
+decoded; ``http(s)`` URLs are refused unless the door has a fetcher (``MEDIA.fetcher``, set
+from ``--allowed-media-domains``: an allow-list, size and time limits); every other scheme is
+refused. Whether the bytes are an image, and the image limits
 (count, bytes, pixels, decompression bombs), are the engine's checks (``engine.image_inputs``,
 docs/multimodal.md); they come back as 400s naming ``multi_modal_data.image[i]``.
 
@@ -22,11 +22,24 @@ meaning a template agrees on).
 
 from __future__ import annotations
 
+import asyncio
 import base64
-import binascii
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, TypeVar
 
 from pagoda.fleet.api.openai_protocol import CHAT_ROLES, ChatMessage, ImageURLPart, OpenAIError
+from pagoda.serving.dialects.media import image_url_bytes
+
+
+@dataclass
+class MediaSettings:
+    """The door's ``http(s)`` image fetcher (``serving.media_fetch.MediaFetcher``); None: not fetched."""
+
+    fetcher: Optional[Any] = None
+
+
+T = TypeVar("T")
+MEDIA = MediaSettings()  # one per process: set once at the door's start (pagoda router --allowed-media-domains)
 
 
 def message_for_template(message: ChatMessage, index: int, images: list[bytes]) -> Any:
@@ -54,27 +67,28 @@ def message_for_template(message: ChatMessage, index: int, images: list[bytes]) 
     return content
 
 
-def image_bytes(url: str, where: str) -> bytes:
-    """The encoded image a ``data:`` URL carries. Raises OpenAIError naming ``where``."""
-    scheme = url.split(":", 1)[0].lower() if ":" in url else ""
-    if scheme in ("http", "https"):
-        raise OpenAIError(f"{where}: http(s) image URLs are not fetched: this server has no allow-list of hosts, "
-                          f"size or time limits for fetching (no option enables it yet); send the image inline as "
-                          f"a data: URL (data:image/png;base64,...)", "messages")
-    if scheme != "data":
-        shown = scheme or url[:16]
-        raise OpenAIError(f"{where}: unsupported image URL scheme {shown!r}; send a data: URL "
-                          f"(data:image/png;base64,...)", "messages")
-    header, comma, payload = url[len("data:"):].partition(",")
-    media_type, *params = header.split(";")
-    if not comma or "base64" not in (p.strip().lower() for p in params):
-        raise OpenAIError(f"{where}: a data: URL must be base64 (data:image/png;base64,...)", "messages")
-    if not media_type.strip().lower().startswith("image/"):
-        raise OpenAIError(f"{where}: the data: URL's media type must be image/..., got {media_type!r}", "messages")
+def image_url_part(url: str, where: str, param: str = "messages") -> dict[str, Any]:
+    """Chat's ``image_url`` part for ``url``, checked here so a bad one is refused naming ``where``
+    (another door's field: the Messages and Responses doors translate into chat); an ``http(s)``
+    URL is fetched here, once, and handed on as a data: URL. Raises OpenAIError."""
+    data = image_bytes(url, where, param)
+    if not url.lower().startswith("data:"):
+        url = "data:image/*;base64," + base64.b64encode(data).decode("ascii")
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+async def off_the_loop(build: Callable[..., T], *args: Any) -> T:
+    """``build(*args)`` on a worker thread when this door fetches images (a fetch may take up to
+    its time limit, which must not stall the event loop), else inline."""
+    if MEDIA.fetcher is None:
+        return build(*args)
+    return await asyncio.to_thread(build, *args)
+
+
+def image_bytes(url: str, where: str, param: str = "messages") -> bytes:
+    """The encoded image ``url`` names (``serving.dialects.media``: data: URLs; http(s) only through
+    the door's fetcher). Raises OpenAIError naming ``where`` (its top-level field: ``param``)."""
     try:
-        data = base64.b64decode("".join(payload.split()), validate=True)
-    except (binascii.Error, ValueError):
-        raise OpenAIError(f"{where}: the data: URL's payload is not valid base64", "messages") from None
-    if not data:
-        raise OpenAIError(f"{where}: the data: URL holds no image", "messages")
-    return data
+        return image_url_bytes(url, where, MEDIA.fetcher)
+    except ValueError as exc:
+        raise OpenAIError(str(exc), param) from None

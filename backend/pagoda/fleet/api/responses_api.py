@@ -18,7 +18,7 @@ naming a ``previous_response_id`` is refused, naming the flag.
 from __future__ import annotations
 
 import uuid
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from aiohttp import web
 
@@ -26,6 +26,7 @@ from pagoda.contracts import json_input
 from pagoda.contracts.errors import ErrorKind
 from pagoda.fleet.api.agent_turn import AgentTurn, TurnFailed, stream_turn
 from pagoda.fleet.api.openai_api import error_response, kind_response
+from pagoda.fleet.api.openai_images import off_the_loop
 from pagoda.fleet.api.openai_io import OpenAIError, build_chat_request
 from pagoda.fleet.api.openai_protocol import parse
 from pagoda.fleet.api.response_store import ResponseStore
@@ -60,8 +61,7 @@ class ResponsesApi:
                 return error_response(404, f"the model '{model}' does not exist", param="model",
                                       code="model_not_found")
             history = await self._history(request, parsed)
-            chat_body = to_chat_body(parsed, history)
-            built = build_chat_request(chat_body, openai.router.tokenizer, *openai.parsers)
+            chat_body, built = await off_the_loop(_built, parsed, history, openai)
             openai.gate.limits.check_prompt(built.wire.prompt or "", "input")
             openai.gate.limits.check_params(built.wire.params)
             if model in openai.lora_names:
@@ -125,3 +125,9 @@ def _as_messages(render: ResponseRender) -> list[dict]:
                                                                        "arguments": item["arguments"]}}
              for item in render.items if item["type"] == "function_call"]
     return [{"role": "assistant", "content": text or None, **({"tool_calls": calls} if calls else {})}]
+
+
+def _built(parsed: ResponsesRequest, history: list[dict], openai: "OpenAIApi") -> tuple[dict, Any]:
+    """The chat body and request of a Responses turn (its images decoded, or fetched: ``off_the_loop``)."""
+    chat_body = to_chat_body(parsed, history)
+    return chat_body, build_chat_request(chat_body, openai.router.tokenizer, *openai.parsers)

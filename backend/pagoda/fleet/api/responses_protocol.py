@@ -6,10 +6,13 @@ the door builds into its wire request like any chat (``openai_io.build_chat_requ
 
 - ``instructions`` is the system message; ``input`` a string (one user message) or items:
   messages (``role`` user / system / developer / assistant; content a string or
-  ``input_text`` / ``output_text`` parts), ``function_call`` items (an assistant's earlier
-  calls, consecutive ones one message) and ``function_call_output`` items (a tool message
-  each); ``reasoning`` items written back are dropped (the model does not read its old thinking,
-  as vLLM);
+  ``input_text`` / ``output_text`` parts, and in user messages ``input_image`` parts: their
+  ``image_url`` a ``data:`` URL, or ``http(s)`` as the chat door's URL rules say, becoming chat
+  ``image_url`` parts checked here so a bad one is a 400 naming ``input[i].content[j].image_url``
+  (``openai_images``); ``file_id`` is refused: no Files API here; ``detail`` is ignored),
+  ``function_call`` items (an assistant's earlier calls, consecutive ones one message) and
+  ``function_call_output`` items (a tool message each); ``reasoning`` items written back are
+  dropped (the model does not read its old thinking, as vLLM);
 - ``tools``: function tools (``{"type": "function", "name", "parameters", ...}``); other
   tool types (web search, file search, ...) are refused naming them; ``tool_choice``:
   ``auto`` / ``none`` / ``required`` / ``{"type": "function", "name"}``;
@@ -31,6 +34,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BeforeValidator, Discriminator, Field, Tag
 
+from pagoda.fleet.api.openai_images import image_url_part
 from pagoda.fleet.api.openai_protocol import MAX_LOGPROBS, JsonSchemaFormat, Number, OpenAIError, _Strict, one_of
 
 
@@ -44,10 +48,20 @@ class InputText(_Strict):
     logprobs: Optional[list[Any]] = None
 
 
+class InputImage(_Strict):
+    type: Literal["input_image"]
+    image_url: Optional[str] = None
+    file_id: Optional[str] = None
+    detail: Optional[Literal["low", "high", "auto", "original"]] = None
+
+
+InputPart = Annotated[Union[InputText, InputImage], Field(discriminator="type")]
+
+
 class MessageItem(_Strict):
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
-    content: Annotated[Union[str, list[InputText]], one_of("a string or a list of input_text parts")]
+    content: Annotated[Union[str, list[InputPart]], one_of("a string or a list of input_text / input_image parts")]
     id: Optional[str] = None
     status: Optional[str] = None
 
@@ -178,10 +192,10 @@ def function_tools(tools: Optional[list[dict[str, Any]]]) -> Optional[list[dict]
 def input_messages(request: ResponsesRequest) -> list[dict]:
     """The turn's conversation as chat messages (``instructions`` first, ``reasoning`` items dropped)."""
     messages: list[dict] = [{"role": "system", "content": request.instructions}] if request.instructions else []
-    for item in request.input:
+    for i, item in enumerate(request.input):
         if isinstance(item, MessageItem):
-            text = item.content if isinstance(item.content, str) else "".join(p.text for p in item.content)
-            messages.append({"role": "system" if item.role == "developer" else item.role, "content": text})
+            messages.append({"role": "system" if item.role == "developer" else item.role,
+                             "content": _content(item, f"input[{i}]")})
         elif isinstance(item, FunctionCallItem):
             function = {"name": item.name, "arguments": item.arguments}
             call = {"id": item.call_id, "type": "function", "function": function}
@@ -193,6 +207,29 @@ def input_messages(request: ResponsesRequest) -> list[dict]:
         elif isinstance(item, FunctionCallOutputItem):
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
     return messages
+
+
+def _content(item: MessageItem, where: str) -> Union[str, list[dict[str, Any]]]:
+    """A message item's chat content: its text, or chat's parts when it holds images (module
+    docstring). Raises OpenAIError naming ``where``'s part."""
+    if isinstance(item.content, str):
+        return item.content
+    if not any(isinstance(part, InputImage) for part in item.content):
+        return "".join(part.text for part in item.content)
+    parts = []
+    for j, part in enumerate(item.content):
+        if isinstance(part, InputText):
+            parts.append({"type": "text", "text": part.text})
+            continue
+        field = f"{where}.content[{j}]"
+        if item.role != "user":
+            raise OpenAIError(f"{field}: input_image parts are taken in user messages only, not in a {item.role} "
+                              "message", "input")
+        if part.file_id is not None or not part.image_url:
+            raise OpenAIError(f"{field}.image_url: required (file_id is not served: this server has no Files "
+                              "API); send the image as a data: URL", "input")
+        parts.append(image_url_part(part.image_url, f"{field}.image_url", "input"))
+    return parts
 
 
 def to_chat_body(request: ResponsesRequest, history: list[dict]) -> dict[str, Any]:

@@ -109,6 +109,13 @@ def with_routing_ids(wire: WireRequest, analysis: Optional[Analysis]) -> WireReq
     return wire.with_prompt_token_ids(analysis.token_ids, analysis.tokenizer)
 
 
+def analysis_chars(prompt: Any, wire: Optional[WireRequest]) -> int:
+    """What analyzing a request costs, counted as prompt characters for ``Gate.analyze``: the
+    prompt's length, and each image's encoded bytes (the router decodes and hashes an image to
+    route it: ``routing.image_routing``), so a request with images is analyzed off the event loop."""
+    return len(prompt or "") + sum(len(image) for image in (wire.images if wire is not None else ()))
+
+
 def analyzed(router: Router, wire: WireRequest) -> tuple[Optional[Analysis], WireRequest]:
     """The routing analysis of a wire request's prompt, and the wire with the token ids it made
     (``with_routing_ids``). Costs O(prompt): doors run it through ``Gate.analyze``, which keeps
@@ -116,5 +123,5 @@ def analyzed(router: Router, wire: WireRequest) -> tuple[Optional[Analysis], Wir
     if wire.prompt is not None and len(wire.prompt) > MAX_ROUTED_PROMPT_CHARS:
         return None, wire
     prompt = wire.prompt if wire.prompt is not None else list(wire.prompt_token_ids)
-    analysis = router.analyze(prompt, wire.options.cache_salt, wire.options.lora_name)
+    analysis = router.analyze(prompt, wire.options.cache_salt, wire.options.lora_name, wire.images)
     return analysis, with_routing_ids(wire, analysis)

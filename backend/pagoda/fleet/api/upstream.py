@@ -145,8 +145,7 @@ class GrpcUpstream:
                 request.wire = request.wire.with_options(kv_transfer_params=stage.handle)
                 self.router.num_two_stage += 1
         else:
-            may_pull = self.peer_pull.enabled and request.wire is not None and \
-                request.wire.options.kv_transfer_params is None
+            may_pull = self._may_pull(request)
         journal = self.migrations.journal(request.wire)
         span.set_request(request.request_id, request.wire, journal)
         sent, failure = _journaled(request, journal), None
@@ -205,8 +204,13 @@ class GrpcUpstream:
 
     def _is_disaggregated(self, request: RoutedRequest) -> bool:
         roles = {r.role for r in self.router.replicas.routable()}
+        # Images take no part in KV transfers yet (serving.kv_transfer_control): one stage.
         return "prefill" in roles and "decode" in roles and request.wire is not None and \
-            request.wire.options.kv_transfer_params is None
+            request.wire.options.kv_transfer_params is None and not request.wire.images
+
+    def _may_pull(self, request: RoutedRequest) -> bool:
+        return self.peer_pull.enabled and request.wire is not None and \
+            request.wire.options.kv_transfer_params is None and not request.wire.images
 
     async def _prefill(self, analysis: Optional[Analysis], request: RoutedRequest, span: RouteSpan,
                        stage: "_StageOne", early: bool) -> AsyncIterator[Any]:

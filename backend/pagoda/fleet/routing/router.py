@@ -40,6 +40,7 @@ from pagoda.fleet.routing.fleet_view import IndexView
 from pagoda.fleet.routing.replicas import Replica, ReplicaSet
 
 if TYPE_CHECKING:
+    from pagoda.fleet.routing.image_routing import RouterImages
     from pagoda.models.tokenizer import Tokenizer
 
 FALLBACK_POLICY = "least_loaded"
@@ -99,12 +100,14 @@ class Router:
         fleet: the Redis view (an ``IndexView``), or ``None`` (no Redis: load-only routing
             always, and the router keeps its own pending index).
         block_size: used until a heartbeat reports the replicas' block size.
+        images: the served model's image rules (``RouterImages``), so an image prompt's block
+            hashes carry its images' keys as the replica's do; None: a text model.
         policy_knobs: keyword arguments for ``make_policy``.
     """
 
     def __init__(self, replicas: ReplicaSet, tokenizer: "Tokenizer", hash_model_id: str,
                  policy_name: str = "prefix_aware", fleet: Optional[IndexView] = None, block_size: int = 16,
-                 **policy_knobs: Any) -> None:
+                 images: Optional["RouterImages"] = None, **policy_knobs: Any) -> None:
         from pagoda.fleet.routing.policy import make_policy
 
         self.replicas = replicas
@@ -115,6 +118,7 @@ class Router:
         self.fallback_policy = make_policy(FALLBACK_POLICY)
         self.fleet = fleet
         self.block_size = block_size
+        self.images = images
         self._request_numbers = itertools.count()
         self.decision_times_s: list[float] = []  # bounded ring, read by /metrics and the bench
         self.num_decisions = 0
@@ -139,15 +143,20 @@ class Router:
 
     # --------------------------------------------------------------- decisions
     def analyze(self, prompt: Union[str, list[int]], cache_salt: Optional[str] = None,
-                adapter_id: Optional[str] = None) -> Analysis:
+                adapter_id: Optional[str] = None, images: Sequence[Any] = ()) -> Analysis:
         """Tokenize and hash a prompt, text or token ids (the engine's tokenization and block
         hashes; a LoRA adapter is part of them, so an adapter's traffic goes where its
-        prefixes live)."""
+        prefixes live; ``images``, the prompt's encoded images in order, are too, by content:
+        ``image_routing``). ``Analysis.token_ids`` stays the prompt as sent (one placeholder
+        per image: the replica expands it); ``num_prompt_tokens`` counts the expanded prompt."""
         token_ids = list(prompt) if isinstance(prompt, list) else self._encode(prompt)
-        hashes = hash_prompt_blocks(token_ids, self.block_size, self.hash_model_id, cache_salt=cache_salt,
-                                    adapter_id=adapter_id)
+        hashed, spans = (self.images.expand(token_ids, images) if images and self.images is not None
+                         else (token_ids, []))
+        hashes = hash_prompt_blocks(hashed, self.block_size, self.hash_model_id, cache_salt=cache_salt,
+                                    adapter_id=adapter_id, mm_spans=spans)
         tokenizer = None if isinstance(prompt, list) else getattr(self.tokenizer, "fingerprint", None)
-        return Analysis(len(token_ids), [h.hex() for h in hashes], self.block_size, token_ids, tokenizer)
+        num_tokens = len(hashed) if spans else len(token_ids)
+        return Analysis(num_tokens, [h.hex() for h in hashes], self.block_size, token_ids, tokenizer)
 
     def _encode(self, prompt: str) -> list[int]:
         # The engine's encode(prompt) ids; the batch "fast" path skips offset tracking, which

@@ -16,6 +16,11 @@ Invariants:
   so a streaming response repeats the text before it (cumulative, not a delta); with
   ``sampling_param_exclude_input_from_output`` false (the interface's default) the prompt
   is in front, as the input's name says;
+- ``image_url`` (STRING ``[-1]``, optional; TensorRT-LLM's 2026 multimodal input): one URL
+  per image, in prompt order, read by ``dialects.media`` (``data:image/...;base64,`` URLs;
+  ``http(s)`` only with the server's allow-list, ``--allowed-media-domains``); the text holds
+  the model's image placeholder once per image (as the vLLM dialect's ``image`` input: the
+  engine expands and checks them); a bad URL is refused naming ``image_url[i]``;
 - ``finish_reason`` and ``stop_reason`` are ``str()`` of the LLM API's values (``"None"``
   until a completion finishes; ``stop_reason`` is the stop string or token id): the vLLM
   output dialect.
@@ -27,6 +32,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from pagoda.serving.dialects.media import image_url_bytes
 from pagoda.serving.dialects.tensors import DialectRequest, Item, flag, number, one, strings, string_array, text
 from pagoda.serving.dialects.trtllm import kv_cache_metrics
 
@@ -38,14 +44,13 @@ SCALAR_KEYS: dict[str, tuple[str, type]] = {
 FLAGS = ("streaming", "sampling_param_exclude_input_from_output", "sampling_param_return_perf_metrics",
          "return_finish_reason", "return_stop_reason", "return_cumulative_logprob", "stop")
 REFUSED = {
-    "image_url": "multimodal prompts are not served",
     "lora_path": "adapters are loaded by name (pagoda serve --lora NAME=PATH, or pagoda lora load); "
                  "give lora_name only",
     "lora_ckpt_source": "adapters are loaded by name (pagoda serve --lora NAME=PATH, or pagoda lora load); "
                         "give lora_name only",
     "sampling_param_logits_post_processor_name": "named logits post-processors are not configurable",
 }
-OTHER_INPUTS = ("text_input", "sampling_param_stop", "sampling_param_best_of", "lora_id", "lora_name")
+OTHER_INPUTS = ("text_input", "image_url", "sampling_param_stop", "sampling_param_best_of", "lora_id", "lora_name")
 INPUTS = (*OTHER_INPUTS, *SCALAR_KEYS, *FLAGS, *REFUSED)
 
 
@@ -53,8 +58,9 @@ def is_stop_request(item: Item) -> bool:
     return flag("stop", item.get("stop"))
 
 
-def read_item(item: Item, decoupled: bool) -> DialectRequest:
-    """One LLM-API request in pagoda's names. Raises ValueError naming the input."""
+def read_item(item: Item, decoupled: bool, fetcher: Optional[Any] = None) -> DialectRequest:
+    """One LLM-API request in pagoda's names (``fetcher``: fetches ``http(s)`` image URLs, None:
+    refused). Raises ValueError naming the input."""
     for name, why in REFUSED.items():
         if name in item:
             raise ValueError(f"{name}: not supported: {why}")
@@ -89,7 +95,9 @@ def read_item(item: Item, decoupled: bool) -> DialectRequest:
              "return_num_input_tokens": True, "return_num_output_tokens": True,
              "return_num_cached_tokens": flag("sampling_param_return_perf_metrics",
                                               item.get("sampling_param_return_perf_metrics"))}
-    return DialectRequest(prompt=prompt, sampling=values, options=options, flags=flags)
+    urls = strings("image_url", item.get("image_url")) or []
+    images = [image_url_bytes(url, f"image_url[{i}]", fetcher) for i, url in enumerate(urls)]
+    return DialectRequest(prompt=prompt, sampling=values, options=options, flags=flags, images=images)
 
 
 def requested(item: Item) -> dict[str, bool]:

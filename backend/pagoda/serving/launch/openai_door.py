@@ -25,7 +25,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 from pagoda.serving import process_tree
 
@@ -42,11 +42,13 @@ class OpenAIDoor:
             folder's name).
         parsers: ``--reasoning-parser`` and ``--tool-call-parser`` for the door (``None``: detected).
         response_store: keep Responses API turns (``--response-store``; in the door's memory).
+        router_args: more ``pagoda router`` flags (image fetching: ``--allowed-media-domains``, ...).
     """
 
     def __init__(self, port: int, model_dir: str, grpc_url: str, http_url: str, metrics_url: str,
                  allow_runtime_lora: bool = False, model_name: Optional[str] = None,
-                 parsers: tuple[Optional[str], Optional[str]] = (None, None), response_store: bool = False) -> None:
+                 parsers: tuple[Optional[str], Optional[str]] = (None, None), response_store: bool = False,
+                 router_args: Sequence[str] = ()) -> None:
         self.port = port
         self.model_dir = model_dir
         self.command = [
@@ -59,6 +61,7 @@ class OpenAIDoor:
         for flag, name in zip(("--reasoning-parser", "--tool-call-parser"), parsers):
             self.command += [flag, name] if name else []
         self.command += ["--response-store"] if response_store else []
+        self.command += list(router_args)
         self.process: Optional[subprocess.Popen] = None
         self.num_restarts = 0
 

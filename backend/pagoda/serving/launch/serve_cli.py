@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import os
 import signal
 import sys
 import threading
@@ -37,6 +38,7 @@ from pagoda.serving.launch.launcher import MODEL_NAME, ServeOptions, TritonServe
 from pagoda.serving.trtllm_front import FRONT_MODELS
 from pagoda.serving.launch.openai_door import DEFAULT_PORT as DEFAULT_OPENAI_PORT
 from pagoda.serving.launch.openai_door import OpenAIDoor, model_dir_for
+from pagoda.serving.media_fetch import media_env, media_flags
 from pagoda.serving.model_config import engine_config_from_parameters
 
 HEALTH_INTERVAL_S = 0.5
@@ -175,9 +177,18 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", metavar="NAME",
                    help="the model's name on the OpenAI door and in metrics labels (default: the model folder's "
                         "name, or $PAGODA_MODEL_NAME)")
+    media_flags(p)  # the OpenAI door's and the LLM-API model's http(s) image URLs
     p.add_argument("--skip-first-request-check", action="store_true",
                    help="announce the server without sending it one request first")
     return p
+
+
+def media_args(args: argparse.Namespace) -> list[str]:
+    """The OpenAI door's (a ``pagoda router`` child's) image-fetching flags, as given."""
+    if not args.allowed_media_domains:
+        return []
+    return ["--allowed-media-domains", args.allowed_media_domains, "--media-fetch-timeout",
+            str(args.media_fetch_timeout), "--max-media-bytes", str(args.max_media_bytes)]
 
 
 def engine_args_from(args: argparse.Namespace) -> dict[str, str]:
@@ -362,13 +373,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     # Install both explicitly: a launcher started in the background inherits SIGINT ignored.
     previous = {signum: signal.signal(signum, on_signal) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
+        # The LLM-API model's stub reads the fetch settings from its environment (media_fetch.fetcher_from_env).
+        os.environ.update(media_env(args.allowed_media_domains, args.media_fetch_timeout, args.max_media_bytes))
         server.start()
         if args.openai_port:
             door = OpenAIDoor(args.openai_port, model_dir_for(options.model), server.grpc_url, server.http_url,
                               f"{options.host}:{options.metrics_port}", allow_runtime_lora=args.allow_runtime_lora,
                               model_name=args.served_model_name, parsers=(args.reasoning_parser,
                                                                           args.tool_call_parser),
-                              response_store=args.response_store).start()
+                              response_store=args.response_store, router_args=media_args(args)).start()
         starting[0] = False
         trtllm_mode = "decoupled (streaming)" if args.trtllm_decoupled == "true" else "unary infer()"
         print(f"pagoda is serving model '{MODEL_NAME}' ({options.model})\n"
