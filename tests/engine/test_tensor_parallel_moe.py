@@ -8,12 +8,11 @@ float32 model per kind of block: Qwen3-MoE (``SparseMoE``, a dense first layer),
 (DeepSeek's grouped router with a shared expert, GLM's partial-rotary attention), Qwen3.5-MoE
 (Gated DeltaNet layers; routed + sigmoid-gated shared expert), DeepSeek-V3 (latent attention split
 by query heads, with and without a q rank). Refused, naming why: a moe
-intermediate size the ranks cannot split, FP8 experts.
+intermediate size the ranks cannot split, an FP8 slice that would cut a scale block. A DeepSeek-format
+FP8 checkpoint kept as FP8 (block scales sliced with the weights) gives TP=1's outputs at TP=2.
 """
 
 from __future__ import annotations
-
-from types import SimpleNamespace
 
 import pytest
 
@@ -54,6 +53,41 @@ def test_deepseek_latent_attention_tp2_matches_tp1(tmp_path, smollm2_path):
         _check_same(str(folder), [{}])
 
 
+# FP8 with 128x128 block scales, shaped so that every rank's slice falls on whole blocks at TP 2:
+# q_b rows 2 heads x 64, o_proj columns 2 x 64, dense and expert intermediate 256 / 2.
+FP8_SHAPE = dict(vocab_size=49152, hidden_size=160, intermediate_size=256, moe_intermediate_size=256,
+                 num_hidden_layers=2, num_attention_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_group=2,
+                 topk_group=1, n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=96, q_lora_rank=128,
+                 qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=64, max_position_embeddings=256,
+                 tie_word_embeddings=False)
+
+
+def test_deepseek_fp8_block_checkpoint_kept_as_fp8_tp2_matches_tp1(tmp_path, smollm2_path, monkeypatch):
+    """A DeepSeek-format FP8 folder served as FP8 (``PAGODA_KEEP_QUANTIZED``): each rank keeps its
+    slices of the e4m3 weights and of their block scales (dense projections and expert stacks)."""
+    from tests.models.test_quant_checkpoints import quantized_and_dequantized
+
+    float_dir = save_random_model(tmp_path / "float", smollm2_path, 3, "DeepseekV3Config", **FP8_SHAPE)
+    quantized, _ = quantized_and_dequantized("fp8-block", float_dir, tmp_path)
+    monkeypatch.setenv("PAGODA_KEEP_QUANTIZED", "1")
+    _check_same(str(quantized), [{}])
+
+
+def test_an_fp8_slice_that_cuts_a_scale_block_is_refused():
+    import torch
+
+    from pagoda.models import tensor_parallel
+    from pagoda.models.fp8 import Fp8BlockWeight
+
+    weight = Fp8BlockWeight(torch.zeros(256, 160), torch.ones(2, 2), 128)
+    tensor_parallel._rows(weight, torch.arange(128, 256))  # a whole block row
+    assert weight.shape == (128, 160) and weight.scale.shape == (1, 2)
+    tensor_parallel._cols(weight, 128, 160)  # the last, partial, block column
+    assert weight.shape == (128, 32) and weight.scale.shape == (1, 1)
+    with pytest.raises(ValueError, match="this rank's 64 rows of 256 do not fall on whole blocks"):
+        tensor_parallel._rows(Fp8BlockWeight(torch.zeros(256, 160), torch.ones(2, 2), 128), torch.arange(64))
+
+
 def test_hybrid_moe_tp2_matches_tp1(tmp_path, smollm2_path):
     from tests.engine.test_hybrid_engine import ARCHS, SMALL, _move_constants
 
@@ -64,14 +98,8 @@ def test_hybrid_moe_tp2_matches_tp1(tmp_path, smollm2_path):
     _check_same(str(folder), [dict(block_size=8)], expect_hits=False)
 
 
-def test_expert_shapes_that_do_not_divide_and_fp8_experts_are_refused():
+def test_expert_shapes_that_do_not_divide_are_refused():
     import dataclasses
-
-    import torch
-
-    from pagoda.models import tensor_parallel
-    from pagoda.models.llama import Attention
-    from pagoda.models.moe import MoENames, SparseMoE
 
     config = _config(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=10, shared_expert_intermediate_size=8)
     with pytest.raises(ValueError, match="moe_intermediate_size=10 must be divisible"):
@@ -79,9 +107,3 @@ def test_expert_shapes_that_do_not_divide_and_fp8_experts_are_refused():
     check_divisible(config, 2)
     with pytest.raises(ValueError, match="shared_expert_intermediate_size=9 must be divisible"):
         check_divisible(dataclasses.replace(config, moe_intermediate_size=12, shared_expert_intermediate_size=9), 2)
-
-    moe = SparseMoE(config, MoENames("mlp", "w1", "w3", "w2"), True, torch.float32, "meta")
-    moe.block_scales = (torch.ones(1), torch.ones(1), 128)  # as keep_fp8 leaves a DeepSeek FP8 checkpoint's
-    layer = SimpleNamespace(attn=Attention(config, torch.float32, "meta"), mlp=moe)
-    with pytest.raises(ValueError, match="layer 0's experts are served as FP8"):
-        tensor_parallel._check_supported(SimpleNamespace(layers=[layer]))

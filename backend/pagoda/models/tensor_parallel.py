@@ -51,8 +51,12 @@ quantized shards equal slices of the quantized whole. LoRA adapters follow their
 projection (``lora_slices``): a column-parallel projection keeps B's rows of its outputs
 (A whole), a row-parallel one keeps A's columns of its inputs (B whole), so each rank's
 delta is its partial product and the layer's one all-reduce sums it with the base (the
-slices are taken by ``models.lora.LoRASlots`` from ``tp_shards``, which this module sets). Families with other pieces
-(Gemma 3, gpt-oss), FP8 experts and fp8/int4 weights are refused for now.
+slices are taken by ``models.lora.LoRASlots`` from ``tp_shards``, which this module sets). A
+DeepSeek-format FP8 checkpoint kept as FP8 (``Fp8BlockWeight``, and experts with block scales)
+is sharded as it is: a slice keeps its blocks' scales, so every slice must start and end on a
+block boundary (``block``, 128: DeepSeek-V3's every per-rank slice at TP 8 does); one that does
+not is refused naming the weight and the sizes. Families with other pieces (Gemma 3, gpt-oss),
+per-tensor fp8 and int4 weights are refused for now.
 
 This module never imports the engine: ``group`` is anything with ``rank``, ``size``,
 ``all_reduce(t)`` (in place, sum) and ``gather_logits(t)`` (rank 0: the slices
@@ -68,6 +72,7 @@ from torch import nn
 
 from pagoda.models.config import ModelConfig
 from pagoda.models.deepseek_v3 import DeepseekMoE
+from pagoda.models.fp8 import Fp8BlockWeight
 from pagoda.models.gated_deltanet import GatedDeltaNet
 from pagoda.models.glm4_moe import Glm4MoeAttention
 from pagoda.models.llama import MLP, Attention, LlamaForCausalLM
@@ -133,21 +138,44 @@ def q_head_range(num_heads: int, num_kv_heads: int, tp: int, rank: int) -> tuple
 
 
 def _rows(tensor, rows: torch.Tensor):
-    """Output rows ``rows`` of a weight or bias (an int8 weight keeps those rows' scales)."""
+    """Output rows ``rows`` of a weight or bias (an int8 weight keeps those rows' scales, an FP8
+    block weight its row blocks' scales)."""
     if isinstance(tensor, Int8Weight):
         tensor.qweight = tensor.qweight[rows].contiguous()
         tensor.scale = tensor.scale[rows].contiguous()
         tensor.packed_scale = tensor.packed_scale[rows].contiguous()
         return tensor
+    if isinstance(tensor, Fp8BlockWeight):
+        tensor.scale = tensor.scale[_whole_blocks(rows, tensor.block, tensor.shape[0], "rows")].contiguous()
+        tensor.qweight = tensor.qweight[rows].contiguous()
+        return tensor
     return nn.Parameter(tensor.data[rows].contiguous(), requires_grad=False)
 
 
 def _cols(tensor, lo: int, hi: int):
-    """Input columns ``[lo, hi)`` of a weight (an int8 weight keeps every per-row scale)."""
+    """Input columns ``[lo, hi)`` of a weight (an int8 weight keeps every per-row scale, an FP8
+    block weight its column blocks' scales)."""
     if isinstance(tensor, Int8Weight):
         tensor.qweight = tensor.qweight[:, lo:hi].contiguous()
         return tensor
+    if isinstance(tensor, Fp8BlockWeight):
+        blocks = _whole_blocks(torch.arange(lo, hi), tensor.block, tensor.shape[1], "columns")
+        tensor.scale = tensor.scale[:, blocks].contiguous()
+        tensor.qweight = tensor.qweight[:, lo:hi].contiguous()
+        return tensor
     return nn.Parameter(tensor.data[:, lo:hi].contiguous(), requires_grad=False)
+
+
+def _whole_blocks(index: torch.Tensor, block: int, size: int, what: str) -> torch.Tensor:
+    """The blocks ``index`` (ascending runs) covers, each whole (the last block of ``size`` may be
+    partial); raises ValueError naming the first slice that cuts a block."""
+    blocks = torch.unique_consecutive(index // block)
+    expected = sum(min(block, size - b * block) for b in blocks.tolist())
+    if expected != index.numel():
+        raise ValueError(f"tensor parallelism: an FP8 weight's {block}x{block} scale blocks cannot be split: this "
+                         f"rank's {index.numel()} {what} of {size} do not fall on whole blocks (each rank's "
+                         f"slice of heads / intermediate rows must be a multiple of {block})")
+    return blocks
 
 
 def _shard_attention(attn: Attention, group: TensorParallelGroup) -> None:
@@ -208,8 +236,16 @@ def _shard_experts(moe: SparseMoE, group: TensorParallelGroup) -> None:
     inter = moe.intermediate_size // group.size
     lo = group.rank * inter
     rows = torch.cat([torch.arange(lo, lo + inter), moe.intermediate_size + torch.arange(lo, lo + inter)])
-    moe.w13 = nn.Parameter(moe.w13.data[:, rows].contiguous(), requires_grad=False)
-    moe.w2 = nn.Parameter(moe.w2.data[:, :, lo:lo + inter].contiguous(), requires_grad=False)
+    if moe.block_scales is not None:  # e4m3 stacks: their scale blocks of the same rows / columns
+        s13, s2, block = moe.block_scales
+        moe.w13_scale = s13[:, _whole_blocks(rows, block, s13.shape[1] * block, "expert rows")].contiguous()
+        moe.w2_scale = s2[:, :, _whole_blocks(torch.arange(lo, lo + inter), block, moe.intermediate_size,
+                                              "expert columns")].contiguous()
+        moe.block_scales = (moe.w13_scale, moe.w2_scale, block)
+        moe.w13, moe.w2 = moe.w13[:, rows].contiguous(), moe.w2[:, :, lo:lo + inter].contiguous()
+    else:
+        moe.w13 = nn.Parameter(moe.w13.data[:, rows].contiguous(), requires_grad=False)
+        moe.w2 = nn.Parameter(moe.w2.data[:, :, lo:lo + inter].contiguous(), requires_grad=False)
     moe.intermediate_size = inter
 
 
@@ -259,16 +295,13 @@ def _check_supported(model: LlamaForCausalLM) -> None:
                              f"{type(mixer).__name__}/{type(layer.mlp).__name__}; only Llama/Qwen/GLM "
                              "attention, latent attention, Gated DeltaNet, SwiGLU MLPs and SwiGLU experts are "
                              "sharded so far")
-        routed = layer.mlp.experts if isinstance(layer.mlp, SharedExpertMoE) else layer.mlp
-        if isinstance(routed, SparseMoE) and routed.block_scales is not None:
-            raise ValueError(f"tensor parallelism: layer {i}'s experts are served as FP8 (block scales); "
-                             "FP8 experts are not sharded yet")
         for piece in (mixer, layer.mlp):
             for name in getattr(piece, "linear_weights", ()):
                 weight = getattr(piece, name)
-                if not isinstance(weight, (nn.Parameter, Int8Weight)):
+                if not isinstance(weight, (nn.Parameter, Int8Weight, Fp8BlockWeight)):
                     raise ValueError(f"tensor parallelism: {type(weight).__name__} weights ({name}) are not "
-                                     "sharded yet; use quantization=None or 'int8'")
+                                     "sharded yet; use quantization=None or 'int8', or a block-scaled FP8 "
+                                     "checkpoint")
 
 
 @torch.no_grad()
