@@ -374,7 +374,7 @@ def publisher_from_env(engine: Any, environ: Optional[dict[str, str]] = None) ->
     ports = {name: env.get(f"PAGODA_{name.upper()}_PORT", default)
              for name, default in (("http", "8000"), ("grpc", "8001"), ("metrics", "8002"))}
     model_id = getattr(engine, "model_id", "") or "pagoda"
-    return Publisher(
+    publisher = Publisher(
         url, env.get("PAGODA_MODEL_NAME") or model_id,
         env.get("PAGODA_REPLICA_ID") or os.uname().nodename.replace(":", "-"),
         {name: f"{host}:{port}" for name, port in ports.items()},
@@ -383,3 +383,9 @@ def publisher_from_env(engine: Any, environ: Optional[dict[str, str]] = None) ->
         hash_model_id=model_id,
         block_size=getattr(getattr(engine, "config", None), "block_size", 0),
     )
+    # The first heartbeat already describes the replica (its KV shared tier above all): an idle
+    # replica submits no stats until its first step.
+    get_stats = getattr(engine, "get_stats", None)
+    if get_stats is not None:
+        publisher.submit_stats(get_stats())
+    return publisher
