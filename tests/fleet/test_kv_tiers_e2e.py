@@ -4,7 +4,8 @@ SIGKILLed replica's warm restart from its disk tier.
 A tiny random Llama (2 layers, hidden 64; seeded dummy weights, SmolLM2's tokenizer) keeps
 each tritonserver start short. Blocks reach the files when the device evicts them into the CPU
 tier (write-through on entering it), so each replica has an 8-block device pool: after a 64-token
-prompt ``A``, two other prompts evict A's four full blocks, which are then written to the files.
+prompt ``A``, two other prompts evict A's four full blocks, which are then written to the files;
+the shared-tier test instead runs ``kv_write_through`` (blocks written as their request ends).
 Outputs are compared as text of greedy, ``ignore_eos`` continuations. A hit leaves the prompt's
 last token to compute, so A's hit is its first 3 blocks (``HIT_TOKENS``).
 """
@@ -62,11 +63,12 @@ def generate(server_or_url, prompt: str) -> str:
     return texts["0"]
 
 
-def serve_and_evict(server: TritonServer, directory: str, num_files: int = 4) -> str:
-    """Serve A, then the evictors (A's blocks leave the device into the CPU tier and are
-    written); wait until ``directory`` holds at least ``num_files`` block files. Returns A's text."""
+def serve_and_write(server: TritonServer, directory: str, evict: bool = True, num_files: int = 4) -> str:
+    """Serve A, then (``evict``) the evictors (A's blocks leave the device into the CPU tier and are
+    written; without, ``kv_write_through`` writes them as A ends); wait until ``directory`` holds
+    at least ``num_files`` block files. Returns A's text."""
     text = generate(server, PROMPT_A)
-    for prompt in EVICTORS:
+    for prompt in EVICTORS if evict else ():
         generate(server, prompt)
     _wait(lambda: len(glob.glob(os.path.join(directory, "*", "*.kvb"))) >= num_files,
           f"{num_files} block files in {directory}", timeout_s=30)
@@ -78,16 +80,18 @@ def start(opts: ServeOptions, log_path) -> TritonServer:
 
 
 def test_second_replica_serves_the_first_ones_prefix_from_the_shared_tier(tiny_model, tmp_path, redis_server):
-    """r1 serves A and its device evicts it: A's blocks land on the shared tier, and the index
-    credits them to every replica mounting it. r1 drains (a rolling upgrade); the router sends A
-    to r2, which loads A's prefix from the shared tier (counted) and answers exactly as r1 did."""
+    """r1 serves A, and with ``kv_write_through`` A's blocks land on the shared tier as A ends
+    (still cached on r1's device); the index credits them to every replica mounting it. r1 drains
+    (a rolling upgrade); the router sends A to r2, which loads A's prefix from the shared tier
+    (counted) and answers exactly as r1 did."""
     from pagoda.fleet.index.registry import ReplicaRegistry
 
     shared = str(tmp_path / "shared")
-    servers = {rid: start(options(tiny_model, tmp_path, rid, redis_server.url, kv_shared_dir=shared),
+    servers = {rid: start(options(tiny_model, tmp_path, rid, redis_server.url, kv_shared_dir=shared,
+                                  kv_write_through="true"),
                           tmp_path / f"{rid}.log") for rid in ("r1", "r2")}
     try:
-        reference = serve_and_evict(servers["r1"], shared)
+        reference = serve_and_write(servers["r1"], shared, evict=False)  # write-through: A is still on r1's device
         registry = ReplicaRegistry(redis_server.client(), MODEL_NAME)
         tiers = {info.replica_id: info.extra.get("shared_tier") for info in registry.list_replicas()}
         assert tiers["r1"] and tiers["r1"] == tiers["r2"], tiers  # one volume, one fingerprint: one tier
@@ -119,7 +123,7 @@ def test_sigkilled_replica_restarts_warm_from_its_disk_tier(tiny_model, tmp_path
     tiers = dict(kv_disk_dir=disk, kv_disk_bytes=16 << 20)
     server = start(options(tiny_model, tmp_path, "r1", **tiers), tmp_path / "first.log")
     try:
-        reference = serve_and_evict(server, disk)
+        reference = serve_and_write(server, disk)
     finally:
         os.killpg(server.process.pid, signal.SIGKILL)  # no drain, no finalize: queued writes are lost
         server.process.wait(30)

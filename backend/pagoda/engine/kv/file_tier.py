@@ -291,12 +291,15 @@ class FileTiers:
     Args:
         stores: disk first, then shared (either may be absent).
         block_size: tokens per block.
+        write_through: write a cached block also when its last request frees it, not only when
+            the device evicts it (``EngineConfig.kv_write_through``; ``kv_cache_manager`` wires it).
     """
 
-    def __init__(self, stores: Sequence[BlockFileStore], block_size: int) -> None:
+    def __init__(self, stores: Sequence[BlockFileStore], block_size: int, write_through: bool = False) -> None:
         assert stores, "FileTiers needs at least one store"
         self.stores = tuple(stores)
         self.block_size = block_size
+        self.write_through = write_through  # also when a block's last request frees it (kv_write_through)
         self._writes: dict[int, FileWrite] = {}  # host block id -> what its rows are written as
         self._loads: dict[int, bytes] = {}  # host block id -> verified payload to fill it with
         self.loaded_tokens = {store.name: 0 for store in self.stores}
