@@ -4,8 +4,9 @@ The engine's tiers (docs/kv_offload.md): a CPU tier of `cpuOffloadBytes` (`pagod
 --cpu-offload-bytes`), and below it a **disk tier** (`--kv-disk-dir`, capped at `disk.bytes`)
 on a node-local volume, and a **shared tier** (`--kv-shared-dir`) on a ReadWriteMany
 PersistentVolumeClaim every replica mounts (NFS, CephFS, ...), whose blocks the router credits to
-every replica that mounts it. The chart's KServe ServingRuntime takes the same settings as
-`kserve.kvCache`.
+every replica that mounts it; `writeThrough` (`--kv-write-through`) writes a block to them when its
+last request ends, not only when the device evicts it. The chart's KServe ServingRuntime takes the
+same settings as `kserve.kvCache`.
 
 Volumes: the disk tier is an `emptyDir` of `disk.sizeLimit` (lost with the pod), or with
 `disk.hostPath` a directory on the node (`DirectoryOrCreate`), so a replica restarted on the
@@ -35,7 +36,7 @@ from typing import Any
 
 DISK_MOUNT = "/var/cache/pagoda-kv/disk"
 SHARED_MOUNT = "/var/cache/pagoda-kv/shared"
-RENDERED_FLAGS = ("--cpu-offload-bytes", "--kv-disk-dir", "--kv-disk-bytes", "--kv-shared-dir")
+RENDERED_FLAGS = ("--cpu-offload-bytes", "--kv-disk-dir", "--kv-disk-bytes", "--kv-shared-dir", "--kv-write-through")
 _QUANTITY = r"^[0-9]+(\.[0-9]+)?([KMGTPE]i?|[eE][0-9]+)?$"
 
 SCHEMA: dict[str, Any] = {
@@ -46,6 +47,9 @@ SCHEMA: dict[str, Any] = {
     "properties": {
         "cpuOffloadBytes": {"type": "integer", "format": "int64", "minimum": 0, "default": 0,
                             "description": "Host memory for KV blocks (`--cpu-offload-bytes`); 0: off."},
+        "writeThrough": {"type": "boolean", "default": False,
+                         "description": "Write a block to the disk/shared tier when its last request ends, "
+                                        "not only when the device evicts it (`--kv-write-through`)."},
         "disk": {
             "type": "object",
             "description": "A node-local disk tier (`--kv-disk-dir`): an emptyDir of sizeLimit, or hostPath.",
@@ -80,6 +84,7 @@ class KVCacheSpec:
     disk_size_limit: str = "10Gi"
     disk_host_path: str = ""
     shared_claim: str = ""  # "": no shared tier
+    write_through: bool = False
 
 
 def check(spec: dict[str, Any]) -> list[tuple[str, str]]:
@@ -115,7 +120,7 @@ def parse(raw: dict[str, Any] | None) -> KVCacheSpec | None:
     disk, shared = raw.get("disk") or {}, raw.get("shared") or {}
     return KVCacheSpec(cpu_offload_bytes=raw["cpuOffloadBytes"], disk_bytes=disk.get("bytes", 0),
                        disk_size_limit=disk.get("sizeLimit", "10Gi"), disk_host_path=disk.get("hostPath", ""),
-                       shared_claim=shared.get("claimName", ""))
+                       shared_claim=shared.get("claimName", ""), write_through=raw["writeThrough"])
 
 
 def serve_args(kv: KVCacheSpec | None) -> list[str]:
@@ -127,6 +132,8 @@ def serve_args(kv: KVCacheSpec | None) -> list[str]:
         args += ["--kv-disk-dir", DISK_MOUNT, "--kv-disk-bytes", str(kv.disk_bytes)]
     if kv.shared_claim:
         args += ["--kv-shared-dir", SHARED_MOUNT]
+    if kv.write_through and (kv.disk_bytes or kv.shared_claim):
+        args.append("--kv-write-through")
     return args
 
 

@@ -12,7 +12,7 @@ from pagoda_operator.reconcile import render_children
 from pagoda_operator.render_llmisvc import render_llm_inference_service
 from pagoda_operator.spec import SpecError, parse_llmservice
 
-KV = {"cpuOffloadBytes": 1 << 30, "disk": {"bytes": 8 << 30, "hostPath": "/var/lib/pagoda-kv"},
+KV = {"cpuOffloadBytes": 1 << 30, "writeThrough": True, "disk": {"bytes": 8 << 30, "hostPath": "/var/lib/pagoda-kv"},
       "shared": {"claimName": "kv-shared"}}
 
 
@@ -30,7 +30,7 @@ def check_pod(pod: dict) -> dict:
     args = make_parser().parse_args(container["args"])
     mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
     volumes = {v["name"]: v for v in pod["volumes"]}
-    assert args.cpu_offload_bytes == 1 << 30 and args.kv_disk_bytes == 8 << 30
+    assert args.cpu_offload_bytes == 1 << 30 and args.kv_disk_bytes == 8 << 30 and args.kv_write_through == "true"
     assert volumes[mounts[args.kv_disk_dir]]["hostPath"] == {"path": "/var/lib/pagoda-kv", "type": "DirectoryOrCreate"}
     assert volumes[mounts[args.kv_shared_dir]]["persistentVolumeClaim"] == {"claimName": "kv-shared"}
     return volumes
