@@ -22,7 +22,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from pagoda_operator import parallelism
+from pagoda_operator import kv_tiers, parallelism
 from pagoda_operator.crd_status import STATUS_SCHEMA
 from pagoda_operator.schema_nodes import boolean, integer, number, obj, string
 
@@ -146,6 +146,7 @@ SPEC_SCHEMA: dict[str, Any] = obj(
             description="Compute resources of one replica container.",
         ),
         "parallelism": parallelism.SCHEMA,
+        "kvCache": kv_tiers.SCHEMA,
         "replicas": obj(
             {
                 "min": integer("Fewest replicas.", minimum=1, maximum=1000, default=1),

@@ -66,7 +66,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pagoda_operator import naming, render_security
+from pagoda_operator import kv_tiers, naming, render_security
 from pagoda_operator.render_groups import render_worker_container, store_port
 from pagoda_operator.render_redis import redis_ca_volume
 from pagoda_operator.render_replicas import model_volume, render_replica_container
@@ -127,7 +127,8 @@ def _serve_for_llm_d(container: dict[str, Any], svc: LLMService) -> None:
 def _volumes(svc: LLMService) -> list[dict[str, Any]]:
     ca_volumes, _ = redis_ca_volume(svc)
     writable, _ = render_security.writable_volumes()
-    return [*ca_volumes, *writable, {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}}]
+    return [*ca_volumes, *writable, {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}},
+            *kv_tiers.volumes(svc.spec.kv_cache)[0]]
 
 
 def _route(svc: LLMService) -> dict[str, Any]:

@@ -39,7 +39,7 @@ import json
 
 from typing import Any
 
-from pagoda_operator import naming, parallelism
+from pagoda_operator import kv_tiers, naming, parallelism
 from pagoda_operator import render_security
 from pagoda_operator.render_redis import redis_ca_volume, redis_env, redis_url_arg
 from pagoda_operator.spec import EngineSpec, LLMService
@@ -134,6 +134,7 @@ def render_replica_container(svc: LLMService, pool: str | None = None) -> dict[s
             *engine_args(svc.spec.engine),
             *parallelism.serve_args(svc.spec.parallelism),
             *lora_args(svc, model_path(svc)),
+            *kv_tiers.serve_args(svc.spec.kv_cache),
         ],
         "env": replica_env(svc),
         "ports": [
@@ -148,7 +149,8 @@ def render_replica_container(svc: LLMService, pool: str | None = None) -> dict[s
                           "periodSeconds": 10, "failureThreshold": 6},
         "startupProbe": {"httpGet": {"path": "/v2/health/live", "port": "http"},
                          "periodSeconds": 10, "failureThreshold": 90},
-        "volumeMounts": [*mounts, *ca_mounts, *writable_mounts, {"name": "dshm", "mountPath": "/dev/shm"}],
+        "volumeMounts": [*mounts, *ca_mounts, *writable_mounts, {"name": "dshm", "mountPath": "/dev/shm"},
+                         *kv_tiers.volumes(svc.spec.kv_cache)[1]],
         "securityContext": render_security.container_security_context(),
     }
     resources = parallelism.pod_resources(svc.spec.resources, svc.spec.parallelism)
@@ -211,7 +213,7 @@ def render_pod_template(svc: LLMService, pool: str | None = None) -> dict[str, A
         "spec": {
             "securityContext": render_security.pod_security_context(),
             "containers": [render_replica_container(svc, pool)],
-            "volumes": [*volumes, *ca_volumes, *writable, dshm_volume()],
+            "volumes": [*volumes, *ca_volumes, *writable, dshm_volume(), *kv_tiers.volumes(svc.spec.kv_cache)[0]],
             "terminationGracePeriodSeconds": svc.spec.termination_grace_period_seconds,
         },
     }

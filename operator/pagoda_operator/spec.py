@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from pagoda_operator import crd, parallelism
+from pagoda_operator import crd, kv_tiers, parallelism
+from pagoda_operator.kv_tiers import KVCacheSpec
 from pagoda_operator.parallelism import ParallelismSpec
 
 
@@ -135,6 +136,7 @@ class LLMServiceSpec:
     kv_events: KVEventsSpec | None = None
     disaggregation: DisaggregationSpec | None = None
     parallelism: ParallelismSpec | None = None  # spec.parallelism (parallelism.py); None: no GPU request
+    kv_cache: KVCacheSpec | None = None  # spec.kvCache (kv_tiers.py): CPU, disk and shared KV tiers
 
 
 @dataclass(frozen=True)
@@ -246,7 +248,7 @@ def _check_cross_fields(spec: dict[str, Any]) -> None:
                         "set either a password in spec.redis.url or a passwordSecretRef, not both")
     if "disaggregation" in spec:
         _check_disaggregation(spec)
-    for field_path, message in parallelism.check(spec):
+    for field_path, message in (*parallelism.check(spec), *kv_tiers.check(spec)):
         raise SpecError(field_path, message)
     if "kvEvents" in spec and spec["mode"] == "KServeLLM" and spec["kserve"].get("scheduler") == "llm-d":
         raise SpecError("spec.kvEvents", "the llm-d scheduler configures the replicas' KV events itself "
@@ -358,6 +360,7 @@ def parse_spec(raw_spec: dict[str, Any]) -> LLMServiceSpec:
         kv_events=_kv_events(spec.get("kvEvents")),
         disaggregation=_disaggregation(spec.get("disaggregation")),
         parallelism=parallelism.parse(spec.get("parallelism")),
+        kv_cache=kv_tiers.parse(spec.get("kvCache")),
     )
 
 

@@ -472,11 +472,11 @@ def _serving_runtime(tmp_path, kv_cache):
 @pytest.mark.parametrize("disk", [{"enabled": True, "bytes": 1000}, {"enabled": True, "bytes": 1000,
                                                                       "hostPath": "/var/lib/pagoda-kv"}])
 def test_kv_cache_tiers_reach_the_serving_runtime_with_their_volumes(tmp_path, disk):
-    spec = _serving_runtime(tmp_path, {"cpuOffloadBytes": 2**30, "disk": disk,
+    spec = _serving_runtime(tmp_path, {"cpuOffloadBytes": 2**30, "disk": disk, "writeThrough": True,
                                        "shared": {"enabled": True, "claimName": "kv-shared"}})
     container = spec["containers"][0]
     assert {"--cpu-offload-bytes=1073741824", "--kv-disk-dir=/var/cache/pagoda-kv/disk", "--kv-disk-bytes=1000",
-            "--kv-shared-dir=/var/cache/pagoda-kv/shared"} <= set(container["args"])
+            "--kv-shared-dir=/var/cache/pagoda-kv/shared", "--kv-write-through"} <= set(container["args"])
     mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
     assert mounts["kv-disk"] == "/var/cache/pagoda-kv/disk" and mounts["kv-shared"] == "/var/cache/pagoda-kv/shared"
     volumes = {v["name"]: v for v in spec["volumes"]}

@@ -128,6 +128,19 @@ def test_shared_store_sees_another_replicas_files_and_writes_once(tmp_path):
     assert [n for n in os.listdir(first.root)] == [HASHES[0].hex() + ".kvb"]  # no temp file left
 
 
+def test_the_shared_tier_id_names_the_volume_and_fingerprint_alike_on_every_mount(tmp_path):
+    """Two replicas mounting one volume (under different paths) announce one id; another volume or
+    fingerprint, another id; the disk tier has none. The fleet's index keys the tier by it."""
+    (tmp_path / "vol").mkdir()
+    os.symlink(tmp_path / "vol", tmp_path / "mount2")
+    first, second = _store(tmp_path / "vol", is_shared=True), _store(tmp_path / "mount2", is_shared=True)
+    assert first.tier_id == second.tier_id and len(first.tier_id) == 16
+    assert _store(tmp_path / "other", is_shared=True).tier_id != first.tier_id
+    assert BlockFileStore(str(tmp_path / "vol"), "f" * 16, len(PAYLOAD), is_shared=True).tier_id != first.tier_id
+    assert _store(tmp_path / "disk").tier_id == ""
+    assert FileTiers([first], 4).stats()["kv_shared_tier_id"] == first.tier_id
+
+
 def test_a_failed_write_is_counted_and_releases_its_reservation(tmp_path):
     store = _store(tmp_path)
     assert store.reserve(HASHES[0])

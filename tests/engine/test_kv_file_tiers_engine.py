@@ -126,6 +126,30 @@ def test_a_second_replica_serves_the_first_ones_prefix_from_the_shared_tier(mode
     engine.shutdown()
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_write_through_publishes_a_finished_prefix_without_an_eviction(model_path, cold, tmp_path, async_scheduling):
+    """kv_write_through: PREFIX reaches the shared tier when its request ends, while it is still
+    cached on the device (no other request evicted it); a second replica serves it from there."""
+    shared = str(tmp_path / "shared")
+    tiers = dict(kv_shared_dir=shared, kv_write_through=True, async_scheduling=async_scheduling)
+    first = _engine(model_path, **tiers)
+    _generate(first, PREFIX, "p")
+    first.core.executor.host_kv_cache.file_io.flush()
+    stats = first.get_stats()
+    assert stats.num_shared_blocks_written == 6 and stats.num_offloaded_blocks == 6
+    again = _generate(first, QUERY, "again")  # still cached on the device: a device hit, nothing loaded
+    assert again.num_cached_tokens == 96 and first.get_stats().prefix_cache_hits_host == 0
+    assert again.outputs[0].token_ids == cold
+    first.shutdown()
+    second = _engine(model_path, **tiers)
+    out = _generate(second, QUERY)
+    assert out.num_cached_tokens == second.get_stats().prefix_cache_hits_shared == 96
+    assert out.outputs[0].token_ids == cold
+    second.shutdown()
+    with pytest.raises(ValueError, match="kv_write_through"):
+        EngineConfig(model=model_path, cpu_offload_bytes=2**22, kv_write_through=True)
+
+
 def test_layouts_the_file_tiers_cannot_serve_are_refused(tmp_path, smollm2_path):
     from pagoda.engine.llm_engine import LLMEngine
     from tests.engine.hf_reference import make_random_model

@@ -133,7 +133,7 @@ def test_burst_lands_on_one_replica_until_the_guard_spills():
     assert max(loads) - min(loads) <= 7 and sum(loads) == 24
     num_pending = sum(d.match_kind == "pending" for d in decisions)
     assert num_pending >= 24 - 4  # only the first request on each replica had nothing to follow
-    assert router.num_match_tokens == {"exact": 0, "pending": num_pending * 500}
+    assert router.num_match_tokens == {"exact": 0, "pending": num_pending * 500, "shared": 0}
     assert f'pagoda:router_prefix_match_tokens{{kind="pending"}} {num_pending * 500}' in router.metric_lines()
 
     spread, _ = asyncio.run(route_burst("precise"))  # no affinity: load alone while the index is empty
@@ -159,7 +159,7 @@ def test_confirmed_blocks_take_over_from_pending():
         return router
 
     router = asyncio.run(scenario())
-    assert router.num_match_tokens == {"exact": 64, "pending": 0}
+    assert router.num_match_tokens == {"exact": 64, "pending": 0, "shared": 0}
 
 
 def test_two_routers_sharing_redis_agree(redis_server, redis_client):

@@ -248,6 +248,14 @@ def test_publisher_from_env():
     assert (pub.model_id, pub.replica_id, pub.hash_model_id, pub.block_size) == \
         ("chat", "pod-7", "SmolLM2-135M-Instruct", 16)
     assert pub.endpoints == {"grpc": "10.1.2.3:9001", "http": "10.1.2.3:8000", "metrics": "10.1.2.3:8002"}
+    assert "shared_tier" not in pub.heartbeat_fields(pub._stats, 0.0)
+
+    class SharedTierEngine(Engine):  # an idle replica's first heartbeat already names its shared tier
+        def get_stats(self):
+            return type("Stats", (), {"kv_shared_tier_id": "0123abcd"})()
+
+    pub = publisher_from_env(SharedTierEngine(), {"PAGODA_REDIS_URL": "redis://127.0.0.1:1/0"})
+    assert pub.heartbeat_fields(pub._stats, 0.0)["shared_tier"] == "0123abcd"
     with pytest.raises(ValueError):
         Publisher("redis://x", "m", "a:b", {}, redis_client=object())
     with pytest.raises(ValueError, match="ttl_s"):

@@ -102,10 +102,11 @@ def test_engine_flags_and_engine_args_reach_the_config(tmp_path):
 
 def test_file_tier_flags_reach_the_config(tmp_path):
     args = ["--cpu-offload-bytes", "1048576", "--kv-disk-dir", "/cache/kv", "--kv-disk-bytes", "4096",
-            "--kv-shared-dir", "/shared/kv"]
+            "--kv-shared-dir", "/shared/kv", "--kv-write-through"]
     repo = materialize_repository(REPOSITORY, tmp_path / "repo", options_from_args(make_parser().parse_args(args)))
     config = engine_config_from_parameters(parameters_of((repo / "pagoda" / "config.pbtxt").read_text()))
     assert (config.kv_disk_dir, config.kv_disk_bytes, config.kv_shared_dir) == ("/cache/kv", 4096, "/shared/kv")
+    assert config.kv_write_through is True
 
 
 @pytest.mark.parametrize("args, message", [

@@ -125,6 +125,25 @@ def test_publisher_is_started_fed_each_step_and_stopped_with_the_loop():
     assert publisher.calls == ["start", ("events", (0,)), ("stats", 1), ("events", (1,)), ("stats", 2), "stop"]
 
 
+def test_block_events_emitted_while_idle_reach_the_publisher_without_a_step():
+    """The KV file tiers' writer thread emits its events after the step that queued the write:
+    the idle loop hands them over (``on_block_events``), no step is counted."""
+    publisher, engine = FakePublisher(), FakeEngine()
+    loop = EngineLoop(engine, ResponseSender(lambda handle, response: None), make_observers(publisher=publisher),
+                      idle_wait_s=0.01)
+    loop.start()
+    try:
+        engine.num_steps = 1  # as if a writer thread emitted one event, no request in flight
+        deadline = threading.Event()
+        for _ in range(500):
+            if ("events", (0,)) in publisher.calls:
+                break
+            deadline.wait(0.01)
+    finally:
+        loop.stop()
+    assert publisher.calls == ["start", ("events", (0,)), "stop"]
+
+
 def test_drain_has_the_publisher_set_the_drain_flag_before_it_stops(tmp_path):
     """The drain flag is the publisher's (``FleetPublisher.mark_draining``), set off the loop
     thread when the drain file appears, and set before the publisher stops (deregisters)."""

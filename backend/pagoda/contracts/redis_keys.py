@@ -18,13 +18,18 @@ functions below; ``pagoda_operator.fleet_keys`` re-exports them.
                                                        endpoints (JSON {"grpc": "h:p", ...}),
                                                        hash_model_id (seeds block hashes),
                                                        epoch, num_dropped_events, role
-                                                       (prefill | decode | mixed)
+                                                       (prefill | decode | mixed), shared_tier
+                                                       (the KV shared tier it mounts, or absent)
     pagoda:{model}:drain:{replica_id}           STRING present = draining: routers send it no
                                                        new requests (value: when it was set)
     pagoda:{model}:replica:{replica_id}:blocks  SET    block hashes (hex) the replica holds
     pagoda:{model}:replica:{replica_id}:seq     STRING "{epoch}:{seq}" of the last event applied
                                                        to the index for that replica
-    pagoda:{model}:block:{block_hash}           SET    replica ids holding that block
+    pagoda:{model}:block:{block_hash}           SET    replica ids holding that block (and the
+                                                       shared tiers' pseudo ids, below)
+    pagoda:{model}:shared_tiers                 SET    pseudo replica ids ``~shared-{tier}`` of the KV
+                                                       shared tiers that published blocks; each has
+                                                       ``replica:{id}:blocks`` / ``:seq`` like a replica
     pagoda:{model}:events                       STREAM one entry per published batch: replica,
                                                        epoch, first_seq, last_seq, events (JSON
                                                        list of contract-3 event dicts, each with
@@ -54,6 +59,11 @@ Invariants (kept by the atomic apply script in ``pagoda.fleet.index.prefix_index
   periodically; it is idempotent, so several routers reaping at once is harmless), or
   ``remove_replica`` (the operator after a drain). Routers ignore matches on replicas
   without a heartbeat, so stale entries cost memory, not correctness.
+- A KV shared tier (a directory several replicas mount; ``engine.kv.file_tier``) is indexed as
+  the pseudo replica ``shared_tier_replica_id(tier)``: its blocks are loadable by every replica
+  whose heartbeat names ``shared_tier``. It never heartbeats and is not in the registry, so the
+  reaper never removes it; any replica mounting it adds to it (``PrefixIndex.apply_shared``:
+  idempotent set adds, stream entries with epoch ``shared``).
 - ``routed`` entries are hints with a TTL, never state: losing them (Redis restarted,
   trimmed) only costs routing-time affinity for the decisions of the last few seconds.
 """
@@ -67,6 +77,7 @@ HEARTBEAT_FIELDS = (
     "waiting", "running", "kv_usage", "prefix_hit_rate", "block_size", "num_blocks",
     "ttft_p90", "ttft_buckets", "ts", "endpoints", "hash_model_id", "epoch", "num_dropped_events",
 )
+SHARED_TIER_PREFIX = "~shared-"  # pseudo replica ids of shared tiers ("~" is never in a pod name)
 
 # Upper bounds (s) of the heartbeat's TTFT buckets: those of vllm:time_to_first_token_seconds.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -161,3 +172,19 @@ def response_key(model: str, tenant: str, response_id: str) -> str:
     """A stored Responses API turn, under its tenant (``""``: the open mode's one tenant): one
     tenant's key never names another's response."""
     return fleet_key(model, "response", tenant or "-", response_id)
+
+
+def shared_tiers_key(model: str) -> str:
+    return fleet_key(model, "shared_tiers")
+
+
+def shared_tier_replica_id(tier_id: str) -> str:
+    """The index's pseudo replica id of the KV shared tier ``tier_id`` (module docstring)."""
+    if not tier_id or ":" in tier_id:
+        raise ValueError(f"shared tier id: must be non-empty and contain no ':', got {tier_id!r}")
+    return SHARED_TIER_PREFIX + tier_id
+
+
+def shared_tier_of(replica_id: str) -> str:
+    """The tier id of a shared tier's pseudo replica id; ``""`` for a real replica's id."""
+    return replica_id[len(SHARED_TIER_PREFIX):] if replica_id.startswith(SHARED_TIER_PREFIX) else ""

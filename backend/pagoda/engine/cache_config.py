@@ -67,6 +67,7 @@ class OffloadConfig:
     kv_disk_dir: Optional[str] = None
     kv_disk_bytes: int = 0
     kv_shared_dir: Optional[str] = None
+    kv_write_through: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.cpu_offload_bytes, bool) or not isinstance(self.cpu_offload_bytes, int) \
@@ -99,5 +100,10 @@ class OffloadConfig:
             if value is not None and self.cpu_offload_bytes == 0:
                 raise ValueError(f"{name}: the file tiers are written from and read into the CPU tier; "
                                  "set cpu_offload_bytes > 0")
+        if not isinstance(self.kv_write_through, bool):
+            raise ValueError(f"kv_write_through: must be a boolean, got {self.kv_write_through!r}")
+        if self.kv_write_through and self.kv_disk_dir is None and self.kv_shared_dir is None:
+            raise ValueError("kv_write_through: writes freed blocks to the disk or shared tier; set kv_disk_dir "
+                             "or kv_shared_dir")
         if self.kv_disk_dir is not None and self.kv_disk_dir == self.kv_shared_dir:
             raise ValueError("kv_shared_dir: must differ from kv_disk_dir (the disk tier evicts its files)")

@@ -307,6 +307,7 @@ class EngineConfig:
     kv_disk_dir: Optional[str] = None
     kv_disk_bytes: int = 0
     kv_shared_dir: Optional[str] = None
+    kv_write_through: bool = False  # also write a full cached block when its last request frees it
     # Multi-LoRA (pagoda.engine.lora.manager, docs/lora.md): adapters in PEFT's format.
     enable_lora: bool = False
     max_loras: int = 4  # device adapter slots = most distinct adapters in one step

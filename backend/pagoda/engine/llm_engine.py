@@ -293,7 +293,8 @@ class LLMEngine:
             self.core.abort_requests(self.output_processor.abort(request_id))
 
     def has_unfinished_requests(self) -> bool:
-        return self.output_processor.has_unfinished_requests()
+        """Requests in flight, or device work the core still has to run (``EngineCore.has_pending_device_work``)."""
+        return self.output_processor.has_unfinished_requests() or self.core.has_pending_device_work
 
     # --------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:

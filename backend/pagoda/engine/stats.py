@@ -74,6 +74,7 @@ class EngineStats:
     num_shared_blocks_written: int = 0
     num_disk_files: int = 0
     num_rejected_block_files: int = 0
+    kv_shared_tier_id: str = ""  # the shared tier's id (file_tier.shared_tier_id; the heartbeat's shared_tier)
     # Recurrent states of a hybrid model (zero without; pagoda.engine.kv.state_manager): requests
     # that resumed a state checkpoint instead of recomputing their prefix, the tokens skipped so,
     # checkpoint copies taken, and the state pool (null slot excluded).

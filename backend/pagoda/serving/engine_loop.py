@@ -210,6 +210,8 @@ class EngineLoop:
             self._poll_cancellations()
             if self._engine.has_unfinished_requests():
                 self._step()
+            elif self._observers:
+                self._observe_idle_events()
         self._fail_all(SHUTDOWN_MESSAGE, "UNAVAILABLE")
 
     def _drain_commands(self, block: bool) -> None:
@@ -372,6 +374,17 @@ class EngineLoop:
             self._observers.on_step(stats, block_events)
         else:
             self._observers.on_refresh(stats)
+
+    def _observe_idle_events(self) -> None:
+        """Block events emitted since the last step while idle (the KV file tiers' writer thread),
+        so the fleet's index learns a file written after the step that queued it."""
+        try:
+            block_events = self._engine.take_block_events()
+        except Exception:  # noqa: BLE001 - reading events must never fail the loop
+            logger.exception("reading the engine's block events failed")
+            return
+        if block_events:
+            self._observers.on_block_events(block_events)
 
     def _engine_request(self, request: ServingRequest) -> EngineRequest:
         """The engine's envelope for a generation request."""

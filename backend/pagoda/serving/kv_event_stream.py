@@ -222,6 +222,9 @@ class ZmqEventsObserver(StepObserver):
         self.publisher.start()
 
     def on_step(self, stats: EngineStats, block_events: Sequence[KVEvent]) -> None:
+        self.on_block_events(block_events)
+
+    def on_block_events(self, block_events: Sequence[KVEvent]) -> None:
         if not block_events:
             return
         if self._next_seq is not None and block_events[0].seq != self._next_seq:

@@ -11,6 +11,8 @@ loop's thread unless noted:
    sees its step counted);
 4. ``on_refresh(stats)``: the engine changed without a step (the loop started; requests
    in flight were failed);
+   ``on_block_events(block_events)``: block events emitted while no step ran (the KV file
+   tiers' writer thread writes files after the step that queued them), given while idle;
 5. ``on_drain()``: the replica started draining (``pagoda serve``'s drain file);
 6. ``on_stop()``: the loop ended (the caller's thread, after the loop's was joined).
 
@@ -64,6 +66,9 @@ class StepObserver(Protocol):
     def on_refresh(self, stats: EngineStats) -> None:
         """The engine changed without a step."""
 
+    def on_block_events(self, block_events: Sequence[KVEvent]) -> None:
+        """Block events emitted while no step ran (non-empty; in order with the steps' ones)."""
+
     def on_drain(self) -> None:
         """The replica started draining."""
 
@@ -110,6 +115,9 @@ class Observers(StepObserver):
     def on_refresh(self, stats: EngineStats) -> None:
         self._each(lambda o: o.on_refresh(stats))
 
+    def on_block_events(self, block_events: Sequence[KVEvent]) -> None:
+        self._each(lambda o: o.on_block_events(block_events))
+
     def on_drain(self) -> None:
         self._each(lambda o: o.on_drain())
 
@@ -155,6 +163,9 @@ class PublisherObserver(StepObserver):
     def on_step(self, stats: EngineStats, block_events: Sequence[KVEvent]) -> None:
         self.publisher.submit_events(block_events)
         self.publisher.submit_stats(stats)
+
+    def on_block_events(self, block_events: Sequence[KVEvent]) -> None:
+        self.publisher.submit_events(block_events)
 
     def on_drain(self) -> None:
         self._drain_thread = threading.Thread(target=self._mark_draining, name="pagoda-drain-flag", daemon=True)

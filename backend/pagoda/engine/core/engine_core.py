@@ -205,7 +205,13 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, status)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self.parked)
+        return self.scheduler.has_unfinished_requests() or bool(self.parked) or self.has_pending_device_work
+
+    @property
+    def has_pending_device_work(self) -> bool:
+        """KV copies recorded since the last step (``kv_write_through``: a finished request's blocks
+        go to the files with one more step), or a launched step not finished yet (async scheduling)."""
+        return self.scheduler.host_tier.has_pending_copies or self._in_flight is not None
 
     def queued_requests(self) -> Iterator[Request]:
         """Every request not admitted yet: the scheduler's waiting queue, siblings held

@@ -146,6 +146,9 @@ class BlockPool:
         # Called with each cached block about to be evicted, while it still holds its hash
         # and tokens (the KV offload tier copies it to host memory; kv/host_tier.py).
         self.on_evict: Optional[Callable[[KVCacheBlock], None]] = None
+        # Called with each cached block its last holder frees (it stays cached here): the file
+        # tiers' write-through (kv_write_through) copies it to the host tier and the files at once.
+        self.on_free_cached: Optional[Callable[[KVCacheBlock], None]] = None
 
     @property
     def cached_block_hash_to_block(self) -> dict[BlockHash, KVCacheBlock]:
@@ -237,6 +240,8 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self.free_block_queue.append(block)
+                if self.on_free_cached is not None and block.block_hash is not None:
+                    self.on_free_cached(block)
 
     def get_cached_block(self, block_hash: BlockHash, group_idx: int = 0) -> Optional[KVCacheBlock]:
         """The block holding ``block_hash``'s contents for group ``group_idx``, or None."""

@@ -35,11 +35,15 @@ usual copy back moves it to the device.
 KV events (``emit_events``): a written file is a ``BlockStored`` with medium ``"DISK"`` or
 ``"SHARED"`` (vLLM's field), a disk file evicted or refused a ``BlockRemoved`` with medium
 ``"DISK"``; emitted from the writer thread into the thread-safe ``KVEventBuffer``. The
-fleet's Redis index ignores them (it keys device blocks); the vLLM-format stream carries them.
+vLLM-format stream carries them all; the fleet's Redis index skips ``DISK`` (a node-local file
+is this replica's alone and not a device hit) and indexes ``SHARED`` under the shared tier's id
+(``shared_tier_id``: the volume's id and the fingerprint), which the replica's heartbeat
+announces, so a router credits those blocks to every replica mounting the tier.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -85,6 +89,9 @@ class BlockFileStore:
         # Told (hash, token ids) after a file is written, (hash) after one is evicted or refused: KV events.
         self.on_stored: Optional[Callable[[BlockHash, Sequence[int]], None]] = None
         self.on_removed: Optional[Callable[[BlockHash], None]] = None
+        # The shared tier's identity in the fleet's prefix index: replicas announcing the same id load
+        # each other's files (same volume, same fingerprint); "" for the disk tier.
+        self.tier_id = shared_tier_id(directory, fingerprint) if is_shared else ""
         self._scan()
 
     def _scan(self) -> None:
@@ -220,6 +227,33 @@ class BlockFileStore:
             self.num_bytes -= self._index.pop(key, 0)
 
 
+VOLUME_ID_FILE = "pagoda-volume-id"
+
+
+def shared_tier_id(directory: str, fingerprint: str) -> str:
+    """16 hex digits naming (this shared volume, this fingerprint) alike on every replica mounting it.
+
+    The volume's id is a random one kept in ``directory/pagoda-volume-id``, created once: linked
+    into place whole (``os.link`` fails if another replica's is there; that one is read). A path
+    would not do: pods mount one volume under different paths, and two nodes' ``hostPath`` of one
+    path are different volumes.
+    """
+    path = os.path.join(directory, VOLUME_ID_FILE)
+    if not os.path.exists(path):
+        tmp = os.path.join(directory, f"{_TMP}{os.getpid()}-{threading.get_ident()}-volume-id")
+        with open(tmp, "w") as f:
+            f.write(os.urandom(8).hex())
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            pass  # another replica created it first
+        finally:
+            _remove(tmp)
+    with open(path) as f:
+        volume = f.read().strip()
+    return hashlib.sha256(f"{volume}:{fingerprint}".encode()).hexdigest()[:16]
+
+
 def emit_events(tiers: FileTiers, event_buffer: KVEventBuffer, block_size: int) -> None:
     """Publish the stores' writes (and the disk tier's removals) as KV events with their medium."""
     for store in tiers.stores:
@@ -257,12 +291,15 @@ class FileTiers:
     Args:
         stores: disk first, then shared (either may be absent).
         block_size: tokens per block.
+        write_through: write a cached block also when its last request frees it, not only when
+            the device evicts it (``EngineConfig.kv_write_through``; ``kv_cache_manager`` wires it).
     """
 
-    def __init__(self, stores: Sequence[BlockFileStore], block_size: int) -> None:
+    def __init__(self, stores: Sequence[BlockFileStore], block_size: int, write_through: bool = False) -> None:
         assert stores, "FileTiers needs at least one store"
         self.stores = tuple(stores)
         self.block_size = block_size
+        self.write_through = write_through  # also when a block's last request frees it (kv_write_through)
         self._writes: dict[int, FileWrite] = {}  # host block id -> what its rows are written as
         self._loads: dict[int, bytes] = {}  # host block id -> verified payload to fill it with
         self.loaded_tokens = {store.name: 0 for store in self.stores}
@@ -325,8 +362,9 @@ class FileTiers:
         self._writes, self._loads = {}, {}
         return writes, loads
 
-    def stats(self) -> dict[str, int]:
-        """Counters for ``EngineStats`` (tokens loaded, blocks written, files rejected, files held)."""
+    def stats(self) -> dict[str, int | str]:
+        """Counters for ``EngineStats`` (tokens loaded, blocks written, files rejected, files held), and
+        the shared tier's id (``shared_tier_id``; the fleet heartbeat announces it)."""
         by_name = {store.name: store for store in self.stores}
         disk, shared = by_name.get("disk"), by_name.get("shared")
         return dict(prefix_cache_hits_disk=self.loaded_tokens.get("disk", 0),
@@ -334,7 +372,8 @@ class FileTiers:
                     num_disk_blocks_written=disk.num_written if disk else 0,
                     num_shared_blocks_written=shared.num_written if shared else 0,
                     num_disk_files=disk.num_files if disk else 0,
-                    num_rejected_block_files=sum(sum(s.num_rejected.values()) for s in self.stores))
+                    num_rejected_block_files=sum(sum(s.num_rejected.values()) for s in self.stores),
+                    kv_shared_tier_id=shared.tier_id if shared else "")
 
 
 def _remove(path: str) -> None:

@@ -285,7 +285,9 @@ class KVOffloadManager:
     # Prefix tier ---------------------------------------------------------------------
 
     def on_device_evict(self, block: KVCacheBlock) -> None:
-        """``BlockPool.on_evict`` hook: a cached device block is about to lose its hash."""
+        """``BlockPool.on_evict`` hook: a cached device block is about to lose its hash (and, with
+        ``kv_write_through``, ``on_free_cached``: its last request freed it; it stays cached on the
+        device, and the copy runs before the device block can be reused, as for an eviction)."""
         if not self.enable_prefix_tier or block.group_idx != 0:
             return
         host_block = self.pool.store_cached(block.block_hash, block.token_ids)
@@ -339,6 +341,11 @@ class KVOffloadManager:
 
     # Step boundary -------------------------------------------------------------------
 
+    @property
+    def has_pending_copies(self) -> bool:
+        """Copies recorded after the last step (a write-through on free): one more step runs them."""
+        return bool(self._swap_out)
+
     def take_copies(self) -> tuple[BlockPairs, BlockPairs, BlockPairs]:
         """This step's (swap_out, swap_in, copy_back) pairs as (src, dst); clears them and
         releases the host blocks pinned for reading."""
@@ -369,7 +376,7 @@ class KVOffloadManager:
 class NoHostTier:
     """The host tier of an engine without one: every question gets the "no tier" answer."""
 
-    is_enabled = False
+    is_enabled = has_pending_copies = False
     num_swapped_out = num_swapped_in = num_offloaded_blocks = prefix_cache_hits_host = 0
     num_blocks = num_free_blocks = 0
     cost_model: Optional[SwapCostModel] = None

@@ -350,4 +350,6 @@ def make_kv_cache(layout: KVCacheLayout, enable_caching: bool, event_buffer: KVE
                                num_host_state_slots, file_tiers)
     if host_tier.is_enabled:  # evicted cached blocks go to the host tier instead of away
         block_pool.on_evict = host_tier.on_device_evict
+        if file_tiers is not None and file_tiers.write_through:  # and freed ones at once, on to the files
+            block_pool.on_free_cached = host_tier.on_device_evict
     return manager, host_tier

@@ -145,4 +145,4 @@ def make_file_tiers(config: EngineConfig, runner, host_caches, model_path: str) 
     if config.kv_shared_dir is not None:
         stores.append(BlockFileStore(config.kv_shared_dir, fingerprint, payload_bytes, is_shared=True))
     logger.info("KV file tiers: %s, fingerprint %s", ", ".join(f"{s.name} {s.root}" for s in stores), fingerprint)
-    return FileTierIO(host_caches, FileTiers(stores, runner.block_size))
+    return FileTierIO(host_caches, FileTiers(stores, runner.block_size, config.kv_write_through))

@@ -6,7 +6,8 @@ it until its last response leaves. Its attributes record the decision:
 - ``pagoda.policy`` (the policy that decided: the configured one, or ``least_loaded``
   when Redis is unavailable and routing fell back to load only), ``pagoda.replica_id``,
   ``pagoda.matched_blocks`` (exact: the KV-event index), ``pagoda.pending_blocks``
-  (routing-time affinity beyond the exact match), ``pagoda.match_kind``
+  (routing-time affinity beyond the exact match), ``pagoda.shared_blocks`` (the KV shared tier
+  the replica mounts, beyond the exact match), ``pagoda.match_kind``
   (exact|pending|none), ``pagoda.num_prompt_tokens``, ``pagoda.num_prompt_blocks``,
   ``pagoda.redis_available``, ``pagoda.decision_ms``, ``pagoda.protocol`` and
   ``pagoda.num_attempts`` (more than one when a replica refused the connection);
@@ -74,6 +75,7 @@ class RouteSpan:
             "pagoda.replica_id": decision.replica.replica_id,
             "pagoda.matched_blocks": decision.matched_blocks,
             "pagoda.pending_blocks": getattr(decision, "pending_blocks", 0),
+            "pagoda.shared_blocks": getattr(decision, "shared_blocks", 0),
             "pagoda.match_kind": getattr(decision, "match_kind", "exact" if decision.matched_blocks else "none"),
             "pagoda.num_prompt_tokens": decision.num_prompt_tokens,
             "pagoda.num_prompt_blocks": decision.num_prompt_blocks,

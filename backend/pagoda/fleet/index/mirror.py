@@ -9,7 +9,9 @@ replica's blocks, then tails the stream from the stream id it read *before* the
 snapshot, skipping entries the snapshot already holds (``last_seq < next_seq``). A
 replica whose next entry does not start at the expected seq (the follower missed
 entries, the stream was trimmed past it, or the replica restarted with a new epoch
-without starting at 0) is resynced alone from its snapshot. ``match`` is then served from
+without starting at 0) is resynced alone from its snapshot. A KV shared tier's entries (epoch
+``shared``, ``PrefixIndex.apply_shared``) carry no sequence: they are set adds, applied as
+they come; the snapshot covers the registered replicas and the shared tiers. ``match`` is then served from
 memory without a round trip. ``is_synced`` is False until the first snapshot and after a
 Redis error, until the next successful snapshot.
 
@@ -26,7 +28,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Optional, Se
 
 from pagoda.contracts import redis_keys as keys
 from pagoda.fleet.index.daemon import DaemonThread
-from pagoda.fleet.index.prefix_index import REMOVED_EPOCH, EventLike, PrefixIndex, as_hex, as_text, event_dict
+from pagoda.fleet.index.prefix_index import (REMOVED_EPOCH, SHARED_EPOCH, EventLike, PrefixIndex, as_hex, as_text,
+                                             event_dict)
 
 if TYPE_CHECKING:
     import redis
@@ -152,6 +155,7 @@ class IndexFollower(DaemonThread):
         """Full resync: remember the stream position, then snapshot every replica."""
         last_id, num_added, _ = self.index.stream_info()
         registered = {as_text(r) for r in self.client.smembers(keys.registry_key(self.model_id))}
+        registered |= {as_text(r) for r in self.client.smembers(keys.shared_tiers_key(self.model_id))}
         replica_ids = sorted(registered | set(self._next) | set(self.local.replica_ids))
         self._install(self.index.snapshot(replica_ids))
         self.last_id, self._num_seen = last_id, num_added
@@ -196,6 +200,10 @@ class IndexFollower(DaemonThread):
         if epoch == REMOVED_EPOCH:
             self.local.remove_replica(rid)
             self._next.pop(rid, None)
+            return 1
+        if epoch == SHARED_EPOCH:  # a shared tier: idempotent adds from any replica, no sequence
+            self.local.apply(rid, entry["events"])
+            self.num_entries_applied += 1
             return 1
         if expected is not None and expected[0] == epoch and last < expected[1]:
             return 0  # already part of the snapshot

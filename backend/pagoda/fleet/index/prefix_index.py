@@ -17,6 +17,11 @@ Writes. ``apply`` runs one Lua script per batch that updates both SET sides, rec
 batch's last seq, registers the replica and appends the batch to the stream, atomically; so the snapshot
 (blocks SET, seq) and the stream never disagree (see the invariants in ``keys``).
 
+Shared tiers. A KV shared tier's blocks are indexed under a pseudo replica id
+(``keys.shared_tier_replica_id``) by ``apply_shared``: set adds without a sequence, because
+every replica mounting the tier writes to it; ``match`` answers for it like for a replica,
+and the router credits its leading blocks to the replicas that mount it.
+
 Mirrors (``pagoda.fleet.index.mirror``): ``LocalIndex`` is the same index in memory and
 ``IndexFollower`` keeps one in a router, fed by the event stream this module writes.
 """
@@ -103,6 +108,22 @@ return redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[3], '*', 'replica', ARGV[
 """
 REMOVED_EPOCH = "removed"
 
+# KEYS: blocks_key, seq_key, stream_key, shared_tiers_key. ARGV: block_prefix, pseudo_id, stream_maxlen,
+# events_json, then the block hashes stored. Set adds only: idempotent, so any number of replicas
+# mounting the tier may apply in any order without a sequence (followers apply SHARED_EPOCH entries as
+# they come).
+_SHARED_LUA = """
+for i = 5, #ARGV do
+  redis.call('SADD', ARGV[1] .. ARGV[i], ARGV[2])
+  redis.call('SADD', KEYS[1], ARGV[i])
+end
+redis.call('SET', KEYS[2], 'shared:0')
+redis.call('SADD', KEYS[4], ARGV[2])
+return redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[3], '*', 'replica', ARGV[2], 'epoch', 'shared',
+                  'first_seq', '-1', 'last_seq', '-1', 'events', ARGV[4])
+"""
+SHARED_EPOCH = "shared"
+
 
 class _Script:
     """A Lua script run with EVALSHA, falling back to EVAL once if Redis forgot it."""
@@ -127,6 +148,7 @@ class _Script:
 APPLY_SCRIPT = _Script(_APPLY_LUA)
 MATCH_SCRIPT = _Script(_MATCH_LUA)
 CLEAR_SCRIPT = _Script(_CLEAR_LUA)
+SHARED_SCRIPT = _Script(_SHARED_LUA)
 
 EventLike = Union[KVEvent, BlockEvent, Mapping[str, Any]]
 
@@ -230,6 +252,27 @@ class PrefixIndex:
             APPLY_SCRIPT.queue(pipeline, script_keys, args)
         else:
             APPLY_SCRIPT(self.client, script_keys, args)
+
+    def apply_shared(self, tier_id: str, block_hashes: Sequence[Union[str, bytes]], pipeline=None) -> None:
+        """Record blocks written to the KV shared tier ``tier_id`` under its pseudo replica id
+        (``keys.shared_tier_replica_id``), and append them to the stream (epoch ``SHARED_EPOCH``).
+
+        Idempotent and order-free (set adds), so every replica mounting the tier publishes its
+        own writes without coordinating sequence numbers.
+        """
+        if not block_hashes:
+            return
+        pseudo = keys.shared_tier_replica_id(tier_id)
+        hashes = [as_hex(h) for h in block_hashes]
+        events = json.dumps([{"type": "BlockStored", "block_hashes": hashes, "medium": "SHARED"}],
+                            separators=(",", ":"))
+        script_keys = [keys.replica_blocks_key(self.model_id, pseudo), keys.replica_seq_key(self.model_id, pseudo),
+                       keys.events_stream_key(self.model_id), keys.shared_tiers_key(self.model_id)]
+        args = [self._block_prefix, pseudo, self.stream_maxlen, events, *hashes]
+        if pipeline is not None:
+            SHARED_SCRIPT.queue(pipeline, script_keys, args)
+        else:
+            SHARED_SCRIPT(self.client, script_keys, args)
 
     def remove_replica(self, replica_id: str, pipeline=None) -> None:
         """Drop every index entry of ``replica_id`` (its blocks and its seq)."""

@@ -24,6 +24,14 @@ next flush publishes a *resync* batch, ``AllBlocksCleared`` followed by one
 - when the engine's event sequence numbers show a gap (its own buffer overflowed; the
   mirror is then the best knowledge available and ``num_engine_gaps`` counts it).
 
+KV shared tier. Blocks the engine wrote to a shared tier (``BlockStored`` with medium
+``SHARED``) are published under the tier's pseudo replica id (``PrefixIndex.apply_shared``,
+idempotent set adds) once the engine's stats name the tier (``kv_shared_tier_id``), which the
+heartbeat also announces as ``shared_tier``: routers credit the tier's blocks to every replica
+announcing it. They are not part of the resync mirror (the tier is unbounded and outlives the
+replica): a failed flush sends them again, but a Redis that lost its data forgets them until a
+block is written again.
+
 Sequence numbers in Redis are the publisher's own, per epoch (see ``pagoda.contracts.redis_keys``);
 a failed flush still consumes its numbers, so a batch that did land is never followed by
 a different batch reusing its seqs.
@@ -110,6 +118,7 @@ class Publisher(DaemonThread):
         self._lock = threading.Lock()
         self._mirror: dict[str, tuple[Optional[str], tuple[int, ...]]] = {}  # hash -> (parent, tokens)
         self._pending: deque = deque()
+        self._shared_pending: list[str] = []  # block hashes this replica wrote to the KV shared tier
         self._needs_resync = True
         self._last_engine_seq: Optional[int] = None
         self._stats: Any = None
@@ -140,11 +149,17 @@ class Publisher(DaemonThread):
                 self._last_engine_seq = event.seq
                 if getattr(event.event, "group_idx", 0):
                     continue  # the index keys KV cache group 0, whose blocks cover every position
-                if getattr(event.event, "medium", MEDIUM) != MEDIUM:
-                    continue  # and the device tier: a file tier's blocks are not a device hit
+                medium = getattr(event.event, "medium", MEDIUM)
+                if medium == "SHARED" and isinstance(event.event, BlockStored):
+                    self._shared_pending.extend(event.event.block_hashes)  # under the tier's pseudo id
+                if medium != MEDIUM:
+                    continue  # and the device tier: a disk tier's blocks are not a device hit
                 self._mirror_apply(event.event)
                 if not self._needs_resync:
                     self._pending.append(event.event)
+            if len(self._shared_pending) > self.max_pending_events:
+                self.num_dropped_events += len(self._shared_pending)
+                self._shared_pending.clear()
             if len(self._pending) > self.max_pending_events:
                 self.num_dropped_events += len(self._pending)
                 self._pending.clear()
@@ -175,6 +190,16 @@ class Publisher(DaemonThread):
             return len(self._mirror)
 
     # ------------------------------------------------------- the publisher thread
+    def _take_shared(self, stats: Any) -> tuple[str, list[str]]:
+        """The shared tier's id (from the engine's stats) and the blocks written there since the last flush;
+        none until the id is known (the first stats)."""
+        tier_id = getattr(stats, "kv_shared_tier_id", "") or ""
+        with self._lock:
+            if not tier_id or not self._shared_pending:
+                return tier_id, []
+            hashes, self._shared_pending = self._shared_pending, []
+            return tier_id, hashes
+
     def _take_batch(self) -> tuple[list[Any], bool, Any]:
         with self._lock:
             resync = self._needs_resync
@@ -204,8 +229,9 @@ class Publisher(DaemonThread):
                 self._failed(exc)
                 return False
         batch, resync, stats = self._take_batch()
+        tier_id, shared = self._take_shared(stats)
         heartbeat_due = now >= self._next_heartbeat
-        if not batch and not heartbeat_due:
+        if not batch and not shared and not heartbeat_due:
             return False
         first_seq = self._next_seq
         self._next_seq += len(batch)  # consumed even if the flush fails (module docstring)
@@ -219,12 +245,15 @@ class Publisher(DaemonThread):
             if batch:
                 self.index.apply(self.replica_id, [e.to_dict() for e in batch], epoch=self.epoch,
                                  first_seq=first_seq, pipeline=pipe)
+            if shared:
+                self.index.apply_shared(tier_id, shared, pipeline=pipe)
             if heartbeat_due:
                 self._queue_heartbeat(pipe, stats, now)
             results = pipe.execute()
         except Exception as exc:  # noqa: BLE001 - any Redis failure: resync later
             with self._lock:
                 self._needs_resync = True
+                self._shared_pending[:0] = shared  # idempotent adds: sent again with the next flush
             self._failed(exc)
             return False
         if check_state and not results[0]:
@@ -273,6 +302,7 @@ class Publisher(DaemonThread):
             "epoch": self.epoch,
             "num_dropped_events": str(self.num_dropped_events),
             "role": self.role,
+            **({"shared_tier": tier} if (tier := getattr(stats, "kv_shared_tier_id", "")) else {}),
         }
 
     def _queue_heartbeat(self, pipe, stats: Any, now: float) -> None:
@@ -344,7 +374,7 @@ def publisher_from_env(engine: Any, environ: Optional[dict[str, str]] = None) ->
     ports = {name: env.get(f"PAGODA_{name.upper()}_PORT", default)
              for name, default in (("http", "8000"), ("grpc", "8001"), ("metrics", "8002"))}
     model_id = getattr(engine, "model_id", "") or "pagoda"
-    return Publisher(
+    publisher = Publisher(
         url, env.get("PAGODA_MODEL_NAME") or model_id,
         env.get("PAGODA_REPLICA_ID") or os.uname().nodename.replace(":", "-"),
         {name: f"{host}:{port}" for name, port in ports.items()},
@@ -353,3 +383,9 @@ def publisher_from_env(engine: Any, environ: Optional[dict[str, str]] = None) ->
         hash_model_id=model_id,
         block_size=getattr(getattr(engine, "config", None), "block_size", 0),
     )
+    # The first heartbeat already describes the replica (its KV shared tier above all): an idle
+    # replica submits no stats until its first step.
+    get_stats = getattr(engine, "get_stats", None)
+    if get_stats is not None:
+        publisher.submit_stats(get_stats())
+    return publisher

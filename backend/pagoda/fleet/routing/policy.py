@@ -26,6 +26,10 @@ Inputs
 router increments it right after ``choose`` returns and decrements it when the response
 stream ends), ``healthy`` (the router could reach it) and ``draining`` (the drain flag).
 
+``RoutingRequest.shared_blocks`` is the index's answer for the KV shared tiers (tier id ->
+leading blocks there; the index keeps each tier under a pseudo replica id, which the router
+moves out of ``matched_blocks``), credited to the replicas that mount the tier.
+
 ``RoutingRequest.matched_blocks`` is the prefix index's answer for the request's block
 hashes (``PrefixIndex.match`` / ``IndexFollower.match``): replica id -> leading blocks
 it holds. It is empty when the index is unavailable; every policy then still routes by
@@ -54,10 +58,12 @@ Policies
 ``least_loaded``  smallest load; ties: smaller ``kv_usage``, then ``replica_id``.
 ``prefix_aware``  cache-aware with load balance, from both signals ("combined"). For each
     eligible replica ``r``, with ``exact(r)`` and ``pending(r)`` the matched prompt tokens
-    of ``matched_blocks`` and ``pending_blocks`` (each capped at the prompt's length) and
-    ``known = max over all replicas of exact``::
+    of ``matched_blocks`` and ``pending_blocks`` (each capped at the prompt's length),
+    ``shared(r)`` those of ``shared_blocks`` on the KV shared tier ``r`` mounts (its heartbeat's
+    ``shared_tier``; 0 for none) and ``known`` the longest of any exact or shared match::
 
-        cached(r)   = exact(r) + pending_discount * max(0, pending(r) - max(exact(r), known))
+        cached(r)   = exact(r) + shared_discount * max(0, shared(r) - exact(r))
+                    + pending_discount * max(0, pending(r) - max(exact(r), known))
         uncached(r) = num_prompt_tokens - cached(r)
         cost(r)     = uncached(r) + load_cost_tokens * load(r) + waiting_cost_tokens * waiting(r)
 
@@ -109,13 +115,21 @@ Policies
       ``pending_discount`` (default 0.8): credit for a pending (routed, unconfirmed)
           block relative to a confirmed one; below 1 so a confirmed copy wins a tie, above
           ``load_cost_tokens / prefix_tokens`` so a burst follows its first request.
+      ``shared_discount`` (default 0.75, ``SHARED_DISCOUNT``; in [0, 1)): credit for a block on
+          the shared tier the replica mounts (a directory several replicas mount: the replica
+          reads and verifies the file instead of recomputing) relative to one on its device.
+          Below 1 so a replica holding the prefix on its device wins over one that would read
+          it; above 0 so a replica that can read it beats one that would recompute. 0.75 is
+          below what ``pagoda bench kv-tiers`` measured on a CPU (a shared-tier hit took 2-15% of
+          the recompute's TTFT, i.e. 0.85-0.98) because those files were read from the page
+          cache; a cold read from a networked volume costs more, and on a GPU prefill is fast.
       ``pending_ttl_s`` (default 10): how long the router keeps a decision as pending
           ownership (read by the router, which records it): long enough to cover queueing
           plus prefill of the first request of a burst, short enough that a decision whose
           blocks never arrived (failed request, immediate eviction) stops attracting.
 
 ``precise``       ``prefix_aware`` on the KV-event index alone (``pending_discount`` 0; no
-    decisions recorded): llm-d's "precise prefix-cache" scorer.
+    decisions recorded; shared tiers credited as above): llm-d's "precise prefix-cache" scorer.
 ``approximate``   ``prefix_aware`` on routing-time affinity alone (the exact index is
     ignored; ``pending_discount`` 1, ``pending_ttl_s`` 120): llm-d's "approximate" scorer,
     which assumes a replica holds what was recently routed to it.
@@ -132,6 +146,7 @@ from typing import Callable, Protocol, Sequence
 
 LOAD_COST_TOKENS = 64.0  # default price of one unit of load, in prompt tokens (module docstring)
 WAITING_COST_TOKENS = 256.0  # default extra price of a request waiting in a replica's queue
+SHARED_DISCOUNT = 0.75  # default credit of a shared-tier block relative to a device block (module docstring)
 
 
 class NoReplicaError(RuntimeError):
@@ -148,6 +163,7 @@ class ReplicaState:
     in_flight: int = 0
     healthy: bool = True
     draining: bool = False
+    shared_tier: str = ""  # the KV shared tier it mounts (heartbeat ``shared_tier``), "" for none
 
     @property
     def load(self) -> int:
@@ -163,9 +179,13 @@ class RoutingRequest:
     block_size: int
     matched_blocks: dict[str, int] = field(default_factory=dict)
     pending_blocks: dict[str, int] = field(default_factory=dict)
+    shared_blocks: dict[str, int] = field(default_factory=dict)  # shared tier id -> leading blocks there
 
     def matched_tokens(self, replica_id: str) -> int:
         return min(self.matched_blocks.get(replica_id, 0) * self.block_size, self.num_prompt_tokens)
+
+    def shared_tokens(self, tier_id: str) -> int:
+        return min(self.shared_blocks.get(tier_id, 0) * self.block_size, self.num_prompt_tokens) if tier_id else 0
 
     def pending_tokens(self, replica_id: str) -> int:
         return min(self.pending_blocks.get(replica_id, 0) * self.block_size, self.num_prompt_tokens)
@@ -234,11 +254,15 @@ class PrefixAwarePolicy(Policy):
 
     def __init__(self, load_cost_tokens: float = LOAD_COST_TOKENS, imbalance_abs: float = 8.0,
                  imbalance_rel: float = 1.5, pending_discount: float = 0.8, pending_ttl_s: float = 10.0,
-                 waiting_cost_tokens: float = WAITING_COST_TOKENS) -> None:
+                 waiting_cost_tokens: float = WAITING_COST_TOKENS, shared_discount: float = SHARED_DISCOUNT) -> None:
         if min(load_cost_tokens, imbalance_abs, imbalance_rel, pending_discount, pending_ttl_s,
                waiting_cost_tokens) < 0:
             raise ValueError(f"{self.name}: load_cost_tokens, imbalance_abs, imbalance_rel, pending_discount, "
                              "pending_ttl_s and waiting_cost_tokens must be >= 0")
+        if not 0 <= shared_discount < 1:
+            raise ValueError(f"{self.name}: shared_discount must be in [0, 1) (a device copy beats a shared-tier "
+                             f"copy), got {shared_discount}")
+        self.shared_discount = shared_discount
         self.load_cost_tokens = load_cost_tokens
         self.imbalance_abs = imbalance_abs
         self.imbalance_rel = imbalance_rel
@@ -251,13 +275,17 @@ class PrefixAwarePolicy(Policy):
         """Whether decisions are recorded and ``pending_blocks`` filled (both knobs > 0)."""
         return self.pending_discount > 0 and self.pending_ttl_s > 0
 
-    def cached_tokens(self, request: RoutingRequest, replica_id: str) -> float:
-        """Prompt tokens credited as cached on ``replica_id`` (module docstring)."""
-        exact = request.matched_tokens(replica_id) if self.uses_exact else 0
+    def cached_tokens(self, request: RoutingRequest, replica_id: str, shared_tier: str = "") -> float:
+        """Prompt tokens credited as cached on ``replica_id``, which mounts ``shared_tier`` (module docstring)."""
+        if not self.uses_exact:
+            return self.pending_discount * request.pending_tokens(replica_id) if self.uses_pending else 0
+        exact = request.matched_tokens(replica_id)
+        cached = exact + self.shared_discount * max(0, request.shared_tokens(shared_tier) - exact)
         if not self.uses_pending:
-            return exact
-        known = max(map(request.matched_tokens, request.matched_blocks), default=0) if self.uses_exact else 0
-        return exact + self.pending_discount * max(0, request.pending_tokens(replica_id) - max(exact, known))
+            return cached
+        known = max(max(map(request.matched_tokens, request.matched_blocks), default=0),
+                    max(map(request.shared_tokens, request.shared_blocks), default=0))
+        return cached + self.pending_discount * max(0, request.pending_tokens(replica_id) - max(exact, known))
 
     def choose(self, replicas: Sequence[ReplicaState], request: RoutingRequest) -> ReplicaState:
         candidates = eligible(replicas)
@@ -266,7 +294,7 @@ class PrefixAwarePolicy(Policy):
         balanced = [r for r in candidates if r.load <= min_load + margin]
 
         def cost(r: ReplicaState) -> tuple[float, int, str]:
-            uncached = request.num_prompt_tokens - self.cached_tokens(request, r.replica_id)
+            uncached = request.num_prompt_tokens - self.cached_tokens(request, r.replica_id, r.shared_tier)
             return (uncached + self.load_cost_tokens * r.load + self.waiting_cost_tokens * r.waiting, r.load,
                     r.replica_id)
 
@@ -277,9 +305,10 @@ class PrecisePolicy(PrefixAwarePolicy):
     name = "precise"
 
     def __init__(self, load_cost_tokens: float = LOAD_COST_TOKENS, imbalance_abs: float = 8.0,
-                 imbalance_rel: float = 1.5, waiting_cost_tokens: float = WAITING_COST_TOKENS) -> None:
+                 imbalance_rel: float = 1.5, waiting_cost_tokens: float = WAITING_COST_TOKENS,
+                 shared_discount: float = SHARED_DISCOUNT) -> None:
         super().__init__(load_cost_tokens, imbalance_abs, imbalance_rel, pending_discount=0.0, pending_ttl_s=0.0,
-                         waiting_cost_tokens=waiting_cost_tokens)
+                         waiting_cost_tokens=waiting_cost_tokens, shared_discount=shared_discount)
 
 
 class ApproximatePolicy(PrefixAwarePolicy):

@@ -102,6 +102,7 @@ class Replica:
     role: str = "mixed"  # ROLES: from --replicas' role= (which wins), else the replica's heartbeat
     role_from_spec: bool = False
     heartbeat_kv: Optional[str] = None  # the KV connector its heartbeat advertises (routing.peer_pull)
+    shared_tier: str = ""  # the KV shared tier its heartbeat says it mounts (policy: shared credit)
     _grpc_stub: Any = field(default=None, repr=False)
     _grpc_channel: Any = field(default=None, repr=False)
     _probe_stub: Any = field(default=None, repr=False)
@@ -245,6 +246,7 @@ class ReplicaSet:
             if role in ROLES and not replica.role_from_spec:
                 replica.role = role
             replica.heartbeat_kv = info.endpoints.get("kv")
+            replica.shared_tier = (getattr(info, "extra", None) or {}).get("shared_tier", "")
 
     def _apply_registry(self, infos: list[Any], now: float) -> None:
         """Redis restarted empty, or was flushed, forgets every heartbeat at once although

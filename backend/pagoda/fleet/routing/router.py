@@ -21,8 +21,12 @@ recorded as pending ownership of the prompt's blocks on the chosen replica
 (``policy.pending_ttl_s``), in the router's ``PendingIndex`` and, with Redis, on the shared
 ``routed`` stream for the other routers; the next requests see it as ``pending_blocks``
 before the replica's KV events arrive.
+KV shared tiers: the index answers for each under a pseudo replica id; ``split_shared_tiers``
+moves them to ``RoutingRequest.shared_blocks`` and every replica state carries the tier its
+heartbeat announces (``shared_tier``), so the policy credits them to the replicas mounting it.
 Each decision counts the prompt tokens matched on the chosen replica by kind: ``exact``
-(the KV-event index) and ``pending`` (pending beyond the exact match), exported as
+(the KV-event index), ``shared`` (its shared tier beyond the exact match) and ``pending``
+(pending beyond the exact match), exported as
 ``pagoda:router_prefix_match_tokens{kind=...}`` and as span attributes.
 """
 
@@ -33,6 +37,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence, Union
 
+from pagoda.contracts import redis_keys as keys
 from pagoda.contracts.block_hash import hash_prompt_blocks
 from pagoda.fleet.routing.affinity import PendingIndex
 from pagoda.fleet.routing.decide import confirms_pending, decide
@@ -44,6 +49,19 @@ if TYPE_CHECKING:
     from pagoda.models.tokenizer import Tokenizer
 
 FALLBACK_POLICY = "least_loaded"
+
+
+def split_shared_tiers(matched: dict[str, int]) -> tuple[dict[str, int], dict[str, int]]:
+    """An index answer split into (replica id -> blocks, shared tier id -> blocks): the index keeps
+    each KV shared tier under a pseudo replica id (``keys.shared_tier_replica_id``)."""
+    replicas, tiers = {}, {}
+    for rid, n in matched.items():
+        tier = keys.shared_tier_of(rid)
+        if tier:
+            tiers[tier] = n
+        else:
+            replicas[rid] = n
+    return replicas, tiers
 
 
 class NoReplicaAvailable(RuntimeError):
@@ -79,13 +97,16 @@ class Decision:
     pending_blocks: int = 0  # pending (routed, unconfirmed) blocks beyond matched_blocks
     peer: Optional[str] = None  # another replica holding more of the prompt (``peer_pull``)
     peer_blocks: int = 0  # how many of its blocks that one holds
+    shared_blocks: int = 0  # blocks beyond matched_blocks on the KV shared tier the replica mounts
     # Called once when the decision is released (the router's queue counts a tenant's requests in flight).
     on_release: Optional[Callable[[], None]] = field(default=None, repr=False)
 
     @property
     def match_kind(self) -> str:
-        """``exact``, ``pending`` (only routing-time affinity pointed here) or ``none``."""
-        return "exact" if self.matched_blocks else "pending" if self.pending_blocks else "none"
+        """``exact``, ``shared`` (only the KV shared tier it mounts holds the prefix), ``pending``
+        (only routing-time affinity pointed here) or ``none``."""
+        return ("exact" if self.matched_blocks else "shared" if self.shared_blocks
+                else "pending" if self.pending_blocks else "none")
 
 
 class Router:
@@ -126,7 +147,7 @@ class Router:
         self.pending = fleet.pending if fleet is not None else PendingIndex()
         if fleet is not None and confirms_pending(self.policy):
             fleet.confirm_pending_on_kv_events()
-        self.num_match_tokens = {"exact": 0, "pending": 0}
+        self.num_match_tokens = {"exact": 0, "pending": 0, "shared": 0}
         self.num_two_stage = 0  # requests the doors ran prefill -> decode (disaggregated)
         self.num_peer_pulls = 0  # requests sent with a peer to pull their prefix from (routing.peer_pull)
 
@@ -189,11 +210,12 @@ class Router:
         if self.fleet is not None and analysis is not None:
             matched = await self.fleet.match(analysis.block_hashes)
         redis_available = matched is not None
+        matched, shared = split_shared_tiers(matched or {})
         by_load_only = not redis_available
         states = [ReplicaState(replica_id=r.replica_id, endpoints=r.endpoints,
                                waiting=0 if by_load_only else r.waiting, running=0 if by_load_only else r.running,
                                kv_usage=0.0 if by_load_only else r.kv_usage, in_flight=r.in_flight,
-                               healthy=True, draining=r.draining) for r in candidates]
+                               healthy=True, draining=r.draining, shared_tier=r.shared_tier) for r in candidates]
         # Without the index the policies that read it need a stand-in; the others route as asked.
         policy, policy_name = ((self.fallback_policy, FALLBACK_POLICY) if by_load_only and self.policy.uses_exact
                                else (self.policy, self.policy_name))
@@ -202,7 +224,7 @@ class Router:
             block_hashes=analysis.block_hashes if analysis else [],
             num_prompt_tokens=analysis.num_prompt_tokens if analysis else 0,
             block_size=analysis.block_size if analysis else self.block_size,
-            matched_blocks=matched or {})
+            matched_blocks=matched, shared_blocks=shared)
         try:
             chosen = decide(policy, states, request, self.pending, record=self._remember)
         except NoReplicaError as exc:
@@ -215,6 +237,9 @@ class Router:
         self.num_match_tokens["exact"] += request.matched_tokens(replica.replica_id)
         self.num_match_tokens["pending"] += max(0, request.pending_tokens(replica.replica_id)
                                                 - request.matched_tokens(replica.replica_id))
+        shared_blocks = max(0, int(shared.get(replica.shared_tier, 0) if replica.shared_tier else 0) - exact_blocks)
+        self.num_match_tokens["shared"] += max(0, request.shared_tokens(replica.shared_tier)
+                                               - request.matched_tokens(replica.replica_id))
         holders = {rid: int(n) for rid, n in request.matched_blocks.items() if rid != replica.replica_id}
         peer = max(holders, key=holders.get, default=None)
         if peer is not None and holders[peer] <= exact_blocks:
@@ -224,7 +249,8 @@ class Router:
         return Decision(replica=replica, policy=policy_name, matched_blocks=exact_blocks,
                         num_prompt_tokens=request.num_prompt_tokens, num_prompt_blocks=len(request.block_hashes),
                         redis_available=redis_available, decision_s=elapsed, attempt=attempt,
-                        pending_blocks=pending_blocks, peer=peer, peer_blocks=holders.get(peer, 0) if peer else 0)
+                        pending_blocks=pending_blocks, peer=peer, peer_blocks=holders.get(peer, 0) if peer else 0,
+                        shared_blocks=shared_blocks)
 
     def _remember(self, replica_id: str, block_hashes: Sequence[str], ttl_s: float) -> None:
         """Record a decision as pending ownership, here and (with Redis) for the other routers."""

@@ -45,7 +45,8 @@ HEALTH_INTERVAL_S = 0.5
 STUB_RESTART_WINDOW_S = 600.0
 # Flags whose value goes into config.pbtxt as the EngineConfig field of the same name.
 ENGINE_FLAGS = ("scheduling_policy", "speculative_method", "speculative_model", "num_speculative_tokens",
-                "cpu_offload_bytes", "kv_disk_dir", "kv_disk_bytes", "kv_shared_dir", "preemption_mode",
+                "cpu_offload_bytes", "kv_disk_dir", "kv_disk_bytes", "kv_shared_dir", "kv_write_through",
+                "preemption_mode",
                 "default_max_tokens", "gpu_memory_utilization",
                 "max_waiting_requests", "max_waiting_prompt_tokens", "max_queue_delay_s", "kv_cache_dtype",
                 "tensor_parallel_size", "pipeline_parallel_size", "generation_config", "long_prefill_token_threshold")
@@ -106,6 +107,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-disk-bytes", type=int, help="size cap of --kv-disk-dir's block files")
     p.add_argument("--kv-shared-dir", help="shared tier of the KV cache: a directory several replicas mount "
                    "(a PVC, NFS); blocks named by content hash, read by any replica")
+    p.add_argument("--kv-write-through", action="store_const", const="true",
+                   help="with --kv-disk-dir/--kv-shared-dir: write a full block when its last request ends, not only "
+                        "when the device evicts it (a hot prefix reaches the shared tier at once)")
     p.add_argument("--preemption-mode", choices=("auto", "recompute", "swap"))
     p.add_argument("--max-waiting-requests", type=int,
                    help="admission control: refuse new requests (overload error) past this many waiting")
