@@ -20,12 +20,12 @@ def _fake(calls):
     return generate
 
 
-def test_long_times_ttft_prefill_and_decode_apart():
+def test_long_times_ttft_and_the_steady_decode_apart():
     calls = []
     spec = {"workload": "long", "vocab": 5000, "lengths": [12], "decodes": 3, "decode_tokens": 4}
     result = compare_scaling.run_scenarios(spec, _fake(calls))["12"]
-    assert calls == [(1, 12, 1), (3, 12, 1), (3, 12, 5)]  # TTFT alone, the batch's prefill, prefill + decode
-    assert result["ttft_s"] == 2.0 and result["decode_tokens_per_s"] == 3 * 4 / (6.0 - 2.0)
+    assert calls == [(1, 12, 1), (3, 12, 3), (3, 12, 5)]  # TTFT alone, the batch to half its decode, to all of it
+    assert result["ttft_s"] == 2.0 and result["decode_tokens_per_s"] == 3 * 2 / (6.0 - 4.0)  # the second half
     assert result["ttft_cpu_s"] >= 0 and result["decode_tokens_per_cpu_s"] > 0
     assert result["peak_rss_gib"] > 0 and result["outputs"] == [[7] * 5] * 3
 

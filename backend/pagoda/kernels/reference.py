@@ -147,9 +147,11 @@ def paged_attention_torch(
         qh = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
         kh, vh = _dequantize(kh, q.dtype, k_scale), _dequantize(vh, q.dtype, v_scale)
         if sinks is None:
-            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale,
+            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=mask is None, scale=scale,
                                                enable_gqa=kh.shape[1] != qh.shape[1])
         else:
+            if mask is None:
+                mask = torch.ones(qh.shape[2], kh.shape[2], dtype=torch.bool, device=q.device).tril()
             group = qh.shape[1] // kh.shape[1]
             o = _attend_with_sinks(qh, kh.repeat_interleave(group, 1), vh.repeat_interleave(group, 1), mask, scale,
                                    sinks.view(1, -1, 1, 1))
@@ -172,7 +174,8 @@ class DecodePlan:
 @dataclass
 class CpuPlan:
     decodes: list[DecodePlan]  # the one-token queries, in buckets of similar context length
-    prefills: list[tuple[slice, torch.Tensor, torch.Tensor]]  # (query rows, context slots, [q_len, S] mask)
+    # (query rows, context slots, [q_len, S] mask; None: plain causal, a chunk with no context before it)
+    prefills: list[tuple[slice, torch.Tensor, Optional[torch.Tensor]]]
     decode_rows: Optional[torch.Tensor] = None  # native decode (then no buckets): the one-token queries' rows
     decode_seqs: Optional[torch.Tensor] = None  # and their sequences
 
@@ -224,8 +227,11 @@ def _make_plan(meta: AttentionMetadata, block_size: int, window: int, device: to
             continue
         s_len = seq_lens[s]
         slots = _context_slots(meta.block_tables[s:s + 1], s_len, block_size, device).view(-1)
-        # Causal with an offset: query i sits at position s_len - q_len + i.
-        mask = torch.ones(q_len, s_len, dtype=torch.bool, device=device).tril(diagonal=s_len - q_len)
+        # Causal with an offset: query i sits at position s_len - q_len + i. A chunk with no
+        # context before it (and no window) is plain causal: None, and SDPA's is_causal skips the
+        # masked half (a 2k-token first chunk in half the time; the same result bit for bit).
+        mask = None if s_len == q_len and window == 0 else \
+            torch.ones(q_len, s_len, dtype=torch.bool, device=device).tril(diagonal=s_len - q_len)
         if window > 0:  # and not more than window - 1 positions back
             mask &= ~torch.ones_like(mask).tril(diagonal=s_len - q_len - window)
         prefills.append((slice(starts[s], starts[s] + q_len), slots, mask))
