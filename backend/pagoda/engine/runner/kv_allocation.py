@@ -201,6 +201,10 @@ def make_kv_layout(config: Any, specs: Sequence[KVCacheSpec], budget_bytes: int,
     ranks (block and slot ids mean the same on every rank; a collective)."""
     layout = group_layers(specs, config.block_size, uniform=uniform_reason(config) is not None)
     check_state_features(config, layout)
+    if config.speculative_method is not None and (layout.is_padded or any(isinstance(s, SharedKVSpec) for s in specs)):
+        raise ValueError(f"speculative_method {config.speculative_method!r}: this model's layers differ in KV shape "
+                         "or share KV caches (Gemma 4); drafts and their verification are not checked over padded "
+                         "pages and shared layers yet; turn speculative decoding off")
     layout = plan_capacity(layout, budget_bytes, config.max_num_seqs, extra_block_bytes, config.num_state_slots,
                            config.num_gpu_blocks_override, own_layers)
     if group is not None:
