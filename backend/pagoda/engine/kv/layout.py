@@ -13,7 +13,7 @@ per group (``kv.kv_cache_manager``). There are two pools:
   group frees can next hold a full-attention group's tokens, with no fragmentation
   and no budget split between them. A block id takes the largest page of any paged spec
   (``page_bytes``) in each tensor. Specs with smaller pages (Gemma 4: sliding layers of
-  ``head_dim`` 256 beside full ones of 512) are *padded*, as vLLM pads pages to one size:
+  ``head_dim`` 256 beside full ones of 512) are *padded* to the largest page:
   the runner views each shared tensor, per spec, as ``page_stride`` (largest page / its
   page) sub-blocks per block id and addresses block ``b`` as sub-block ``b * page_stride``
   (``KVCacheGroup.page_stride``; only the step's metadata changes, the scheduler's ids do
