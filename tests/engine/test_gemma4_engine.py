@@ -13,8 +13,9 @@ Greedy tokens must equal transformers' ``generate``:
 - each prompt alone;
 - all prompts in one batch (three share a 30-token prefix) with chunked prefill at a 7-token
   budget and a cache small enough to preempt (recompute, swap to the CPU tier, async
-  scheduling); then the same prompts again from prefix-cache hits (not after swap: see the
-  test), every block free at the end.
+  scheduling; at 20 blocks a swapped request's swap-in does not fit even alone, and is
+  recomputed instead: ``admit_waiting._recompute_swapped``); then the same prompts again from
+  prefix-cache hits, every block free at the end.
 
 An fp8 KV cache runs (greedy not compared: fp8 rounding). Refused, naming why: tensor and
 pipeline parallelism, speculative decoding, LoRA adapters, int8 at load.
@@ -84,21 +85,16 @@ def test_batched_chunked_preempted_then_served_from_prefix_hits(gemma4, mode):
     folder, prompts, expected, _ = gemma4
     extra = dict(cpu_offload_bytes=1 << 20, preemption_mode="swap") if mode == "swap" else \
         dict(async_scheduling=True) if mode == "async" else {}
-    # Swap: 28 blocks, not 20. A swapped-in request allocates every sliding-window block from position 0
-    # before the out-of-window ones are freed; at 20 blocks that peak never fits and admission waits forever
-    # (every sliding-window model; noted in docs/models.md).
-    blocks = 28 if mode == "swap" else 20
-    engine = LLMEngine(EngineConfig(model=folder, block_size=8, max_num_batched_tokens=7,
-                                    num_gpu_blocks_override=blocks, **extra))
+    engine = LLMEngine(EngineConfig(model=folder, block_size=8, max_num_batched_tokens=7, num_gpu_blocks_override=20,
+                                    **extra))
     assert _run(engine, prompts) == expected
     first = engine.get_stats()
     assert first.num_preemptions > 0, "the tiny cache should have preempted"
-    if mode == "swap":
-        assert first.num_swapped_out > 0 and first.num_swapped_in > 0
+    if mode == "swap":  # one swapped request could not come back even alone: recomputed instead
+        assert 0 < first.num_swapped_in < first.num_swapped_out
     assert _run(engine, prompts, prefix="again-") == expected
     second = engine.get_stats()
-    # Swap: the second pass gets no new hit here (not investigated yet; the tokens are still exact).
-    assert second.prefix_cache_hits > first.prefix_cache_hits or mode == "swap"
+    assert second.prefix_cache_hits > first.prefix_cache_hits
     assert second.num_free_blocks == second.num_blocks
 
 
