@@ -80,6 +80,16 @@ def test_each_prompt_alone_equals_transformers(gemma4):
         assert _run(engine, [prompt]) == [tokens]
 
 
+def test_uniform_layout_keeps_every_block_and_the_same_tokens(gemma4):
+    """``kv_cache_layout="uniform"``: the sliding layers keep every block (full-attention specs of
+    their own shape, still padded; group 0 is then a padded group, its ids scaled too)."""
+    folder, prompts, expected, _ = gemma4
+    engine = LLMEngine(EngineConfig(model=folder, kv_cache_layout="uniform"))
+    layout = engine.executor.kv_layout
+    assert {g.spec.kind for g in layout.groups} == {"full_attention"} and layout.groups[0].page_stride == 2
+    assert _run(engine, prompts[:2]) == expected[:2]
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap", "async"])
 def test_batched_chunked_preempted_then_served_from_prefix_hits(gemma4, mode):
     folder, prompts, expected, _ = gemma4
