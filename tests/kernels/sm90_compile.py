@@ -293,9 +293,9 @@ def _deepseek_launches() -> None:
 
 
 def _gemma4_launches() -> None:
-    """Gemma 4 31B's attention in bf16: sliding layers 32 heads over 16 KV heads of 256 with a
-    1024-token window, full layers 32 over 4 of 512 (E2B's 8 over 1 at both sizes); the bf16 and
-    fp8 caches; the KV write and the rotary at both head sizes."""
+    """Gemma 4-shaped attention in bf16 (shapes as recalled from the released configs): sliding
+    layers 32 heads over 16 KV heads of 256 with a 1024-token window, full layers 32 over 4 of 512,
+    and 8 over 1 at both sizes; the bf16 and fp8 caches; the KV write and the rotary at both sizes."""
     for head_dim, groups, window in ((256, [(32, 16), (8, 1)], 1024), (512, [(32, 4), (8, 1)], 0)):
         for cache_dtype in (torch.bfloat16, FP8):
             for num_heads, num_kv_heads in groups:
