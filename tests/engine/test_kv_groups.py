@@ -81,10 +81,24 @@ def test_hybrid_groups_put_states_in_their_own_pool():
         plan_capacity(group_layers(specs, BS), budget_bytes=layout.slot_bytes, max_num_seqs=4)
 
 
-def test_grouping_refuses_what_cannot_share_the_pool():
+def test_unequal_pages_are_padded_to_the_largest():
+    """Gemma 4's shape: sliding layers of head_dim 8 beside full ones of 16 share the pool; the
+    sliding group's pages are padded (two sub-blocks per block id), the block takes the largest."""
     wide = FullAttentionSpec(num_kv_heads=2, head_dim=16, dtype_bytes=4)
-    with pytest.raises(ValueError, match="same bytes per block"):
-        group_layers([FULL, wide], BS)
+    layout = plan_capacity(group_layers([SLIDE, SLIDE, wide, SharedKVSpec(0), SharedKVSpec(2)], BS), 10_000, 4)
+    assert [(g.spec.kind, g.layer_ids, g.page_stride) for g in layout.groups] == [
+        ("full_attention", (2,), 1), ("sliding_window", (0,), 2), ("sliding_window", (1,), 2)]
+    assert layout.is_padded and layout.page_bytes == wide.page_bytes(BS) == 2 * SLIDE.page_bytes(BS)
+    assert layout.block_bytes == wide.page_bytes(BS)  # group_size 1: one tensor position
+    assert layout.num_blocks == 10_000 // layout.block_bytes
+    assert layout.layer_slots[3:] == ((1, 0), (0, 0))  # the shared layers read their targets' slots
+    assert not group_layers([FULL, SLIDE], BS).is_padded
+
+
+def test_grouping_refuses_what_cannot_share_the_pool():
+    odd = FullAttentionSpec(num_kv_heads=3, head_dim=8, dtype_bytes=4)
+    with pytest.raises(ValueError, match="which every page must divide"):
+        group_layers([FULL, odd], BS)
     with pytest.raises(ValueError, match="layer 1 shares layer 2's cache, which has none"):
         group_layers([FULL, SharedKVSpec(2), SharedKVSpec(0)], BS)
     with pytest.raises(ValueError, match="without an attention layer"):

@@ -9,12 +9,13 @@ divisibility-by-16 hints a real launch gets (aligned pointers, integers % 16 == 
 machine code (e.g. vectorised loads) is what the GPU would run. So the compiled variants
 are the ones the wrappers really launch, not a hand-written list that can drift.
 
-Usage: python sm90_compile.py [--shard I/N] [--families rules|tuning|gdn|deepseek]  -> one JSON line
+Usage: python sm90_compile.py [--shard I/N] [--families rules|tuning|gdn|deepseek|gemma4]  -> one JSON line
 per variant on stdout. ``rules``: every kernel through the shapes the built-in rules pick;
 ``tuning``: every attention launch shape ``pagoda bench kernels --tune`` may write; ``gdn``:
 the Gated DeltaNet kernels (a family of their own: their chunked kernel is the slowest to compile);
 ``deepseek``: DeepSeek-V3's launches (the MLA latent write and split-K decode, block-scaled FP8
-GEMMs and FP8 experts).
+GEMMs and FP8 experts); ``gemma4``: Gemma 4's head sizes (256 on sliding layers, 512 on full
+ones) through the attention, KV write and rotary kernels.
 """
 
 from __future__ import annotations
@@ -79,6 +80,9 @@ def record_launches(families: str = "rules") -> list[tuple[JITFunction, tuple, d
         return launches
     if families == "deepseek":
         _deepseek_launches()
+        return launches
+    if families == "gemma4":
+        _gemma4_launches()
         return launches
     for dtype in DTYPES:
         for head_dim in HEAD_DIMS:
@@ -288,6 +292,21 @@ def _deepseek_launches() -> None:
                            torch.empty(8, dtype=torch.bfloat16), offsets, w13, w2, 8, block_scales=(s13, s2, 128))
 
 
+def _gemma4_launches() -> None:
+    """Gemma 4-shaped attention in bf16 (shapes as recalled from the released configs): sliding
+    layers 32 heads over 16 KV heads of 256 with a 1024-token window, full layers 32 over 4 of 512,
+    and 8 over 1 at both sizes; the bf16 and fp8 caches; the KV write and the rotary at both sizes."""
+    for head_dim, groups, window in ((256, [(32, 16), (8, 1)], 1024), (512, [(32, 4), (8, 1)], 0)):
+        for cache_dtype in (torch.bfloat16, FP8):
+            for num_heads, num_kv_heads in groups:
+                for query_lens, seq_lens in (STEPS["decode_b1"], STEPS["mixed_b64"]):
+                    q = torch.empty(sum(query_lens), num_heads, head_dim, dtype=torch.bfloat16)
+                    cache = torch.empty(2, 16, num_kv_heads, head_dim, dtype=cache_dtype)
+                    triton_attention.paged_attention(q, cache, cache, _meta(query_lens, seq_lens), 1.0,
+                                                     window=window)
+            _small_launches(torch.bfloat16, head_dim, cache_dtype)
+
+
 def _arg_type(value) -> str:
     if isinstance(value, torch.Tensor):
         return "*" + TORCH_TO_TRITON[value.dtype]
@@ -327,7 +346,8 @@ def _divisible_by_16(value) -> bool:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shard", default="0/1")
-    parser.add_argument("--families", choices=("rules", "tuning", "gdn", "deepseek"), default="rules")
+    parser.add_argument("--families", choices=("rules", "tuning", "gdn", "deepseek", "gemma4"),
+                        default="rules")
     parsed = parser.parse_args(argv)
     shard, num_shards = map(int, parsed.shard.split("/"))
     seen: set[str] = set()

@@ -123,7 +123,8 @@ def choose_config(
     Built-in rules: decode launches use the smallest tile that fills ``tl.dot``'s 16 rows,
     64-key steps; prefill launches use up to 128 rows with 8 warps and 3 stages once a
     chunk fills them (64 rows, 4 warps, 2 stages below that; fp32 inputs, whose tiles take
-    twice the registers and shared memory, 32 rows and 32-key steps). Split-K per
+    twice the registers and shared memory, 32 rows and 32-key steps; heads wider than 256, Gemma 4's
+512, at most 64 rows and 32-key steps, which keeps their shared memory under sm_90's). Split-K per
     ``_split_count``; the tile count is an upper bound, ``num_tokens / block_q + num_seqs``
     per KV head.
     """
@@ -134,7 +135,7 @@ def choose_config(
     if decode:
         block_m = max(gpad, 16)
     else:
-        max_block_m = 32 if element_size > 2 else (entry or {}).get("block_m", 128)
+        max_block_m = 32 if element_size > 2 else (entry or {}).get("block_m", 64 if head_dim > 256 else 128)
         block_m = max(gpad, min(max_block_m, max(16, next_pow2(max_query_len) * gpad)))
     block_q = block_m // gpad
     tiles = min(num_tokens, num_tokens // block_q + num_seqs) * num_kv_heads
@@ -145,7 +146,7 @@ def choose_config(
             num_splits = 1 if split_len <= 0 else max(1, min(MAX_SPLITS, cdiv(max_seq_len, split_len)))
         return AttentionConfig(block_q, entry["block_n"], num_splits, entry["num_warps"], entry["num_stages"])
     num_splits = _split_count(tiles, max_seq_len, num_sms, decode)
-    if element_size > 2:
+    if element_size > 2 or head_dim > 256:  # Gemma 4's 512-wide heads: 128 x 64 tiles overflow sm_90's 227 KiB
         return AttentionConfig(block_q, 32, num_splits)
     if block_m >= 128:
         return AttentionConfig(block_q, 64, num_splits, num_warps=8, num_stages=3)

@@ -290,13 +290,14 @@ def _decode_batch(q, k_cache, v_cache, plan: DecodePlan, scale, out, k_scale=1.0
     vs = v_cache.view(-1, num_kv_heads * head_dim).index_select(0, plan.slots).view(batch, max_len, num_kv_heads,
                                                                                     head_dim)
     qh = q.index_select(0, plan.rows).view(batch, num_kv_heads, group, head_dim)  # [B, KVH, G, D]
+    ks, vs = _dequantize(ks, q.dtype, k_scale), _dequantize(vs, q.dtype, v_scale)  # (fp8 has no masked_fill)
     if plan.window > 0 or sinks is not None:
         # SDPA (and P @ V) may still combine masked rows (padding past a shorter context)
         # into the result: keep them finite.
         ks = ks.masked_fill(~plan.mask[:, :, None, None], 0)
         vs = vs.masked_fill(~plan.mask[:, :, None, None], 0)
     mask = plan.mask.view(batch, 1, 1, max_len)
-    kh, vh = _dequantize(ks.transpose(1, 2), q.dtype, k_scale), _dequantize(vs.transpose(1, 2), q.dtype, v_scale)
+    kh, vh = ks.transpose(1, 2), vs.transpose(1, 2)
     if sinks is None:
         o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)  # [B, KVH, G, D]
     else:

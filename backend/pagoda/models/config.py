@@ -110,6 +110,11 @@ class ModelConfig:
     qk_norm: bool = False
     # Vision-language families (Qwen3-VL): images in, their rules (models.multimodal.VisionSpec); None: text only
     vision: Optional[Any] = None
+    # Layers that differ in KV shape or share another layer's cache (Gemma 4): per layer (kv_heads,
+    # head_dim) (None: the config's for every layer), and the layer whose cache each reads (None: its own)
+    layer_kv_shapes: Optional[tuple[tuple[int, int], ...]] = None
+    kv_source_layers: Optional[tuple[int, ...]] = None
+    gemma4: Optional[Any] = None  # models.gemma4.Gemma4Options: the family's own switches
 
     def __post_init__(self) -> None:
         if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
@@ -164,6 +169,16 @@ class ModelConfig:
         if self.layer_types is not None and self.layer_types[layer_idx] != "sliding_attention":
             return 0
         return self.sliding_window
+
+    def layer_kv_shape(self, layer_idx: int) -> tuple[int, int]:
+        """(KV heads, head_dim) of layer ``layer_idx``'s attention (Gemma 4's full layers differ)."""
+        if self.layer_kv_shapes is None:
+            return self.num_key_value_heads, self.head_dim
+        return self.layer_kv_shapes[layer_idx]
+
+    def kv_source(self, layer_idx: int) -> int:
+        """The layer whose KV cache layer ``layer_idx`` reads (itself unless it shares one)."""
+        return layer_idx if self.kv_source_layers is None else self.kv_source_layers[layer_idx]
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         """Whether decoder layer ``layer_idx`` has a sparse MoE block (else a dense MLP)."""

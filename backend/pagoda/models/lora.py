@@ -277,6 +277,9 @@ class LoRASlots:
         if model.config.mla is not None:
             raise ValueError(f"LoRA adapters are not supported for {model.config.architecture} yet: its "
                              "multi-head latent attention projections (q_a/q_b, kv_a/kv_b) have no adapter path")
+        if model.config.gemma4 is not None:
+            raise ValueError(f"LoRA adapters are not supported for {model.config.architecture} yet: its attention "
+                             "projections differ per layer (head_dim, KV heads, KV-shared and k=v layers)")
         self.model, self.num_slots, self.max_rank = model, num_slots, max_rank
         config, dtype, device = model.config, model.dtype, model.device
         shapes = target_shapes(config)

@@ -72,7 +72,10 @@ def stage_layers(num_layers: int, pp: int, rank: int) -> range:
 
 
 def check_stages(config: ModelConfig, pp: int) -> None:
-    """Raise ``ValueError`` when ``pp`` stages cannot each get a layer."""
+    """Raise ``ValueError`` when ``pp`` stages cannot each get a layer, or the family is not split yet."""
+    if config.gemma4 is not None:
+        raise ValueError(f"pipeline_parallel_size={pp}: {config.architecture} runs its own layer loop (per-layer "
+                         "inputs, KV-shared layers reading earlier layers' caches); it is not split into stages yet")
     if config.num_hidden_layers < pp:
         raise ValueError(f"pipeline_parallel_size={pp}: num_hidden_layers={config.num_hidden_layers} must be at "
                          "least the pipeline-parallel size (each stage runs one layer or more)")

@@ -20,7 +20,7 @@ from typing import Any, Callable, Union
 
 import torch
 
-from pagoda.models import (deepseek_v3, gemma3, glm4_moe, gpt_oss, llama, mixtral, qwen3, qwen3_5, qwen3_moe,
+from pagoda.models import (deepseek_v3, gemma3, gemma4, glm4_moe, gpt_oss, llama, mixtral, qwen3, qwen3_5, qwen3_moe,
                            qwen3_5_vl, qwen3_next, qwen3_vl)
 from pagoda.models.config import ModelConfig, read_config_json
 
@@ -41,6 +41,8 @@ _FAMILIES = {f.architecture: f for f in (
     ModelFamily("MixtralForCausalLM", "mixtral", mixtral.parse_config, mixtral.MixtralForCausalLM),
     ModelFamily("Qwen3MoeForCausalLM", "qwen3_moe", qwen3_moe.parse_config, qwen3_moe.Qwen3MoeForCausalLM),
     ModelFamily("Gemma3ForCausalLM", "gemma3_text", gemma3.parse_config, gemma3.Gemma3ForCausalLM),
+    # Gemma 4 text: per-layer KV shapes, KV-shared layers, per-layer inputs, the MoE block (models/gemma4.py).
+    ModelFamily("Gemma4ForCausalLM", "gemma4_text", gemma4.parse_config, gemma4.Gemma4ForCausalLM),
     ModelFamily("GptOssForCausalLM", "gpt_oss", gpt_oss.parse_config, gpt_oss.GptOssForCausalLM),
     ModelFamily("Qwen3NextForCausalLM", "qwen3_next", qwen3_next.parse_config, qwen3_next.Qwen3NextForCausalLM),
     ModelFamily("Qwen3_5ForCausalLM", "qwen3_5_text", qwen3_5.parse_config, qwen3_5.Qwen3_5ForCausalLM),

@@ -97,6 +97,9 @@ class TensorParallelGroup(Protocol):
 
 def check_divisible(config: ModelConfig, tp: int) -> None:
     """Raise ``ValueError`` naming the first dimension that ``tp`` ranks cannot split."""
+    if config.layer_kv_shapes is not None or config.kv_source_layers is not None:
+        raise ValueError(f"tensor_parallel_size={tp}: {config.architecture}'s layers differ in KV shape or share "
+                         "KV caches (Gemma 4); its attention, per-layer inputs and MoE block are not sharded yet")
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     few_kv = kv_heads < tp
     checks = (("num_key_value_heads", kv_heads, not few_kv or tp % kv_heads == 0,

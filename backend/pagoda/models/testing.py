@@ -9,7 +9,9 @@ Hybrid models (linear-attention layers, ``models/gated_deltanet.py``): ``make_la
 gives each such layer a ``StateCache`` of ``num_slots`` slots (the others a KV pair), and a
 ``StepInput`` names its sequence's ``state_slot``; the slot is read when the sequence has
 tokens cached (``num_computed_tokens > 0``), as the engine's allocator will arrange.
-Multi-head latent attention (``models/mla.py``): each layer gets a ``LatentCache``.
+Multi-head latent attention (``models/mla.py``): each layer gets a ``LatentCache``. Layers with
+their own KV shapes (``ModelConfig.layer_kv_shapes``, Gemma 4) get pairs of their shape; a layer
+that shares another's cache (``kv_source_layers``) gets that layer's pair.
 """
 
 from __future__ import annotations
@@ -56,6 +58,9 @@ def make_layer_caches(
         shape = (num_blocks, block_size, 1, config.mla.latent_dim)
         return [LatentCache(torch.zeros(shape, dtype=dtype, device=model.device)) for _ in model.layers]
     kv = make_kv_caches(config, num_blocks, block_size, dtype, str(model.device))
+    if config.layer_kv_shapes is not None or config.kv_source_layers is not None:  # per-layer shapes (Gemma 4)
+        kv = [_kv_pair(config, i, num_blocks, block_size, dtype, model.device) for i in range(len(kv))]
+        kv = [kv[config.kv_source(i)] for i in range(len(kv))]  # a KV-shared layer reads its source's pair
     caches: list[Union[KVCache, StateCache]] = []
     for layer, pair in zip(model.layers, kv):
         mixer = getattr(layer, "linear_attn", None) if getattr(layer, "is_linear", False) else None
@@ -66,6 +71,12 @@ def make_layer_caches(
         caches.append(StateCache(*(torch.full((num_slots, *shape), state_fill, dtype=dt, device=model.device)
                                    for shape, dt in zip(shapes, dtypes))))
     return caches
+
+
+def _kv_pair(config: ModelConfig, layer: int, num_blocks: int, block_size: int, dtype: torch.dtype,
+             device: torch.device) -> KVCache:
+    shape = (num_blocks, block_size, *config.layer_kv_shape(layer))
+    return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
 
 
 def run_step(

@@ -11,10 +11,21 @@ per group (``kv.kv_cache_manager``). There are two pools:
   ``j``-th layer of every group. A block id is therefore one page in each of the
   ``group_size`` tensors, used by exactly one group at a time; a block a sliding-window
   group frees can next hold a full-attention group's tokens, with no fragmentation
-  and no budget split between them. This needs every paged spec to take the same bytes
-  per page (``page_bytes``); a model whose paged layers differ (e.g. a head dimension per
-  kind) is refused by ``group_layers``, naming the layers. A group with fewer layers than
-  ``group_size`` (the last of a kind) leaves its share of the other tensors unused.
+  and no budget split between them. A block id takes the largest page of any paged spec
+  (``page_bytes``) in each tensor. Specs with smaller pages (Gemma 4: sliding layers of
+  ``head_dim`` 256 beside full ones of 512) are *padded* to the largest page:
+  the runner views each shared tensor, per spec, as ``page_stride`` (largest page / its
+  page) sub-blocks per block id and addresses block ``b`` as sub-block ``b * page_stride``
+  (``KVCacheGroup.page_stride``; only the step's metadata changes, the scheduler's ids do
+  not); the other sub-blocks are the padding. A page that does not divide the largest is
+  refused by ``group_layers``, naming the layers. The padding costs ``1 - 1/page_stride``
+  of a padded group's blocks; the alternatives cost more code: more tokens per block for the
+  small pages (one block size per group: block hashes, the scheduler and the events assume
+  one) or one pool per page size (a budget split and a second free queue). A group with fewer
+  layers than ``group_size`` (the last of a kind) leaves its share of the other tensors unused.
+- **Shared-KV layers** (``SharedKVSpec``, Gemma 4's ``num_kv_shared_layers``) join no group and
+  take no memory: their slot in ``layer_slots`` is their target's, so they read its blocks
+  through its group's metadata.
 - **The state pool** (recurrent-state groups). ``num_state_slots`` slots, each one
   sequence's state in every state layer (one tensor pair per layer, the slot first): a
   running request holds one *working* slot; free slots may hold *checkpoints* of the state
@@ -52,6 +63,7 @@ class KVCacheGroup:
     index: int
     spec: KVCacheSpec
     layer_ids: tuple[int, ...]
+    page_stride: int = 1  # sub-blocks of the spec's page per block id (padded pages, module docstring)
 
 
 @dataclass(frozen=True)
@@ -88,10 +100,19 @@ class KVCacheLayout:
         return len(self.groups)
 
     @property
+    def page_bytes(self) -> int:
+        """Bytes one block id takes in one shared tensor position: the largest paged spec's page."""
+        return max((g.spec.page_bytes(self.block_size) for g in self.paged_groups), default=0)
+
+    @property
+    def is_padded(self) -> bool:
+        """Whether some paged group's pages are padded to a larger page (``page_stride > 1``)."""
+        return any(g.page_stride > 1 for g in self.paged_groups)
+
+    @property
     def block_bytes(self) -> int:
         """Bytes one block id takes across the shared tensors."""
-        paged = self.paged_groups
-        return self.group_size * paged[0].spec.page_bytes(self.block_size) if paged else 0
+        return self.group_size * self.page_bytes
 
     @property
     def slot_bytes(self) -> int:
@@ -110,9 +131,7 @@ class KVCacheLayout:
                 positions.add(position)
             elif spec.is_state and layer in self.groups[group].layer_ids:
                 slot_bytes += spec.slot_bytes()
-        paged = self.paged_groups
-        page = paged[0].spec.page_bytes(self.block_size) if paged else 0
-        return len(positions) * page, slot_bytes
+        return len(positions) * self.page_bytes, slot_bytes
 
     def max_blocks_per_request(self, num_tokens: int, max_chunk: int) -> int:
         """Blocks of the block pool a request of ``num_tokens`` tokens may hold at once, over
@@ -147,7 +166,7 @@ def group_layers(specs: Sequence[KVCacheSpec], block_size: int, uniform: bool = 
             by_spec.setdefault(spec, []).append(layer)
     if not by_spec:
         raise ValueError("KV cache: no layer keeps a cache")
-    _check_pages(by_spec, block_size)
+    strides = _page_strides(by_spec, block_size)
     paged = {s: ids for s, ids in by_spec.items() if s.is_paged}
     if not paged:  # group 0's table is what the scheduler, the events and a draft read
         raise ValueError("KV cache: every layer keeps a recurrent state; a model without an attention layer "
@@ -158,7 +177,7 @@ def group_layers(specs: Sequence[KVCacheSpec], block_size: int, uniform: bool = 
         ids = by_spec[spec]
         chunk = group_size if spec.is_paged else len(ids)
         for start in range(0, len(ids), chunk):
-            groups.append(KVCacheGroup(len(groups), spec, tuple(ids[start:start + chunk])))
+            groups.append(KVCacheGroup(len(groups), spec, tuple(ids[start:start + chunk]), strides.get(spec, 1)))
     slots: dict[int, tuple[int, int]] = {}
     for group in groups:
         for position, layer in enumerate(group.layer_ids):
@@ -177,14 +196,18 @@ def _uniform(spec: KVCacheSpec) -> KVCacheSpec:
     return spec
 
 
-def _check_pages(by_spec: dict[KVCacheSpec, list[int]], block_size: int) -> None:
-    pages = {s.page_bytes(block_size): ids for s, ids in by_spec.items() if s.is_paged}
-    if len(pages) > 1:
-        detail = "; ".join(f"layers {ids[:4]}{'...' if len(ids) > 4 else ''}: {size} bytes"
-                           for size, ids in pages.items())
-        raise ValueError(f"KV cache: paged layers must take the same bytes per block to share the block pool "
-                         f"({detail}); a family whose kinds differ in head size needs a pool per page size, "
-                         "which pagoda does not have yet")
+def _page_strides(by_spec: dict[KVCacheSpec, list[int]], block_size: int) -> dict[KVCacheSpec, int]:
+    """Each paged spec's ``page_stride`` (the largest page over its own); refuses a page that does
+    not divide the largest (the padded views need whole sub-blocks)."""
+    pages = {s: s.page_bytes(block_size) for s in by_spec if s.is_paged}
+    largest = max(pages.values(), default=0)
+    uneven = {s: size for s, size in pages.items() if largest % size}
+    if uneven:
+        detail = "; ".join(f"layers {ids[:4]}{'...' if len(ids) > 4 else ''}: {pages[s]} bytes"
+                           for s, ids in by_spec.items() if s.is_paged)
+        raise ValueError(f"KV cache: paged layers share the block pool with pages padded to the largest "
+                         f"({largest} bytes), which every page must divide ({detail})")
+    return {s: largest // size for s, size in pages.items()}
 
 
 def plan_capacity(layout: KVCacheLayout, budget_bytes: int, max_num_seqs: int, extra_block_bytes: int = 0,

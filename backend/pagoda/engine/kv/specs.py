@@ -20,9 +20,9 @@ spec                   kind        memory                                       
 ``kind`` is vLLM's ``KVCacheSpecKind`` word (``full_attention``, ``sliding_window``,
 ``mla_attention``, ``mamba``): KV events carry it for groups other than the first
 (``contracts.vllm_kv_events``). A paged spec's ``page_bytes(block_size)`` is what one
-block of one layer takes; every paged group of a model must agree on it so that their
-layers can share tensors (``kv.layout``). A state spec's ``slot_bytes`` is one
-sequence's state for one layer. ``manager_kind`` names the group manager
+block of one layer takes; the block pool gives every block id the largest page of the model's
+paged specs and pads the smaller ones (``kv.layout``: each must divide the largest). A state
+spec's ``slot_bytes`` is one sequence's state for one layer. ``manager_kind`` names the group manager
 (``kv.group_managers``) that allocates, looks up and frees the group's blocks.
 
 No torch here: dtypes are element sizes in bytes (the runner reads them from tensors).
@@ -155,7 +155,8 @@ class RecurrentStateSpec(KVCacheSpec):
 @dataclass(frozen=True)
 class SharedKVSpec(KVCacheSpec):
     """A layer that reads the cache another layer (``target_layer``) wrote (cross-layer KV
-    sharing): it joins no group and takes no memory; the runner hands it the target's cache."""
+    sharing, Gemma 4's ``num_kv_shared_layers``): it joins no group and takes no memory; the
+    runner hands it the target's cache and the target group's metadata."""
 
     target_layer: int
 

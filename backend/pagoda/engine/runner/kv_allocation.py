@@ -13,7 +13,14 @@ scheduler's ``KVCacheLayout`` comes from them (``kv.layout.group_layers``), size
   same way (one row per token: ``MLALatentSpec``);
 - per state layer, a ``StateCache(conv_states, ssm_states)`` with the slot first
   (``[num_state_slots, *shape]``), in the dtypes the layer keeps them in;
-- for a shared-KV layer, its target's entry.
+- for a shared-KV layer (``ModelConfig.kv_source_layers``, Gemma 4), its target's entry.
+
+Layers of different KV shapes (``ModelConfig.layer_kv_shape``, Gemma 4's sliding and full
+layers) make padded pages (``kv.layout``): position ``j`` is then one raw K and one raw V buffer
+``[num_blocks, largest page / 2]``, each group's layers viewing it as
+``[num_blocks * page_stride, block_size, kv_heads, head_dim]`` (a ``PaddedKV`` pair that also
+holds the raw buffers, which block copies, the CPU tier and connectors move whole);
+``build_group_metadata`` multiplies such a group's block ids by its ``page_stride``.
 
 ``build_group_metadata`` turns a step's per-group tables into one ``AttentionMetadata``
 per paged group (the first built in full; the others share its sequence tensors and
@@ -47,14 +54,18 @@ def layer_specs(model_config: ModelConfig, layers: Sequence[torch.nn.Module], kv
     specs: list[KVCacheSpec] = []
     for i in range(model_config.num_hidden_layers):
         kind = model_config.layer_types[i] if model_config.layer_types else "full_attention"
-        if kind == LINEAR_ATTENTION:
+        heads, dim = (kv_heads, model_config.head_dim) if model_config.layer_kv_shapes is None else \
+            model_config.layer_kv_shape(i)  # per-layer shapes: tensor parallelism refuses these models
+        if model_config.kv_source(i) != i:
+            specs.append(SharedKVSpec(model_config.kv_source(i)))
+        elif kind == LINEAR_ATTENTION:
             specs.append(_state_spec(layers[i], i))
         elif model_config.mla is not None:
             specs.append(MLALatentSpec(model_config.mla.kv_lora_rank, model_config.mla.qk_rope_head_dim, elem))
         elif model_config.layer_window(i):
-            specs.append(SlidingWindowSpec(kv_heads, model_config.head_dim, elem, model_config.layer_window(i)))
+            specs.append(SlidingWindowSpec(heads, dim, elem, model_config.layer_window(i)))
         else:
-            specs.append(FullAttentionSpec(kv_heads, model_config.head_dim, elem))
+            specs.append(FullAttentionSpec(heads, dim, elem))
     return specs
 
 
@@ -99,6 +110,8 @@ def allocate_kv_caches(layout: KVCacheLayout, specs: Sequence[KVCacheSpec], laye
                 torch.zeros((layout.num_state_slots, *spec.ssm_shape), dtype=ssm_dtype, device=device)))
             continue
         if isinstance(spec, MLALatentSpec):
+            if layout.is_padded:
+                raise ValueError("KV cache: latent (MLA) layers beside layers of another page size are not supported")
             if position not in pairs:
                 shape = (layout.num_blocks, layout.block_size, 1, spec.kv_lora_rank + spec.rope_dim)
                 pairs[position] = LatentCache(torch.zeros(shape, dtype=kv_dtype, device=device))
@@ -106,12 +119,36 @@ def allocate_kv_caches(layout: KVCacheLayout, specs: Sequence[KVCacheSpec], laye
             continue
         if not isinstance(spec, FullAttentionSpec):
             raise ValueError(f"layer {layer}: no device allocation for {type(spec).__name__} yet")
+        if layout.is_padded:
+            caches.append(_padded_view(layout, spec, pairs, position, kv_dtype, device))
+            continue
         if position not in pairs:
             shape = (layout.num_blocks, layout.block_size, spec.num_kv_heads, spec.head_dim)
             pairs[position] = (torch.zeros(shape, dtype=kv_dtype, device=device),
                                torch.zeros(shape, dtype=kv_dtype, device=device))
         caches.append(pairs[position])
     return caches
+
+
+class PaddedKV(tuple):
+    """A layer's (K, V) views of padded pages; ``raw`` is the pair of buffers they view
+    (``[num_blocks, largest page / 2]`` each: what moves a whole block)."""
+
+    raw: tuple[torch.Tensor, torch.Tensor]
+
+
+def _padded_view(layout: KVCacheLayout, spec: FullAttentionSpec, pairs: dict[int, Any], position: int,
+                 kv_dtype: torch.dtype, device: torch.device) -> PaddedKV:
+    elem = torch.tensor([], dtype=kv_dtype).element_size()
+    if position not in pairs:
+        shape = (layout.num_blocks, layout.page_bytes // 2 // elem)
+        pairs[position] = (torch.zeros(shape, dtype=kv_dtype, device=device),
+                           torch.zeros(shape, dtype=kv_dtype, device=device))
+    stride = layout.page_bytes // spec.page_bytes(layout.block_size)
+    view = (layout.num_blocks * stride, layout.block_size, spec.num_kv_heads, spec.head_dim)
+    cache = PaddedKV(raw.view(view) for raw in pairs[position])
+    cache.raw = pairs[position]
+    return cache
 
 
 def spec_owner(specs: Sequence[KVCacheSpec], layer: int) -> int:
@@ -127,16 +164,23 @@ def build_group_metadata(layout: KVCacheLayout, query_lens: list[int], seq_lens:
     table in group ``g``); see the module docstring."""
     paged, state = layout.paged_groups, layout.state_group
     slots = [table[0] for table in group_tables[state.index]] if state is not None else None
-    base = AttentionMetadata.build(query_lens, seq_lens, group_tables[paged[0].index], layout.block_size, device,
-                                   state_indices=slots)
+    base = AttentionMetadata.build(query_lens, seq_lens, _strided(group_tables, paged[0]), layout.block_size,
+                                   device, state_indices=slots)
     metas: dict[int, AttentionMetadata] = {paged[0].index: base}
     for group in paged[1:]:  # the same sequences (and state slots); their own slots and tables
-        other = AttentionMetadata.build(query_lens, seq_lens, group_tables[group.index], layout.block_size, device)
+        other = AttentionMetadata.build(query_lens, seq_lens, _strided(group_tables, group), layout.block_size,
+                                        device)
         metas[group.index] = dataclasses.replace(base, slot_mapping=other.slot_mapping,
                                                  block_tables=other.block_tables, cpu_plans={})
     if len(metas) > 1:
         base.layer_metadata = [metas.get(group, base) for group, _ in layout.layer_slots]
     return base
+
+
+def _strided(group_tables: list[list[list[int]]], group: Any) -> list[list[int]]:
+    """``group``'s tables in its tensors' sub-blocks (block ``b`` is sub-block ``b * page_stride``)."""
+    tables = group_tables[group.index]
+    return tables if group.page_stride == 1 else [[b * group.page_stride for b in t] for t in tables]
 
 
 def uniform_reason(config: Any) -> Optional[str]:
@@ -157,6 +201,10 @@ def make_kv_layout(config: Any, specs: Sequence[KVCacheSpec], budget_bytes: int,
     ranks (block and slot ids mean the same on every rank; a collective)."""
     layout = group_layers(specs, config.block_size, uniform=uniform_reason(config) is not None)
     check_state_features(config, layout)
+    if config.speculative_method is not None and (layout.is_padded or any(isinstance(s, SharedKVSpec) for s in specs)):
+        raise ValueError(f"speculative_method {config.speculative_method!r}: this model's layers differ in KV shape "
+                         "or share KV caches (Gemma 4); drafts and their verification are not checked over padded "
+                         "pages and shared layers yet; turn speculative decoding off")
     layout = plan_capacity(layout, budget_bytes, config.max_num_seqs, extra_block_bytes, config.num_state_slots,
                            config.num_gpu_blocks_override, own_layers)
     if group is not None:
@@ -184,6 +232,7 @@ def unique_pairs(kv_caches: Sequence[Any]) -> list[tuple[torch.Tensor, ...]]:
     seen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for cache in kv_caches:
         if not hasattr(cache, "ssm_states"):
+            cache = getattr(cache, "raw", cache)  # padded pages: the buffers, whole blocks
             seen.setdefault(id(cache[0]), cache)
     return list(seen.values())
 

@@ -180,7 +180,9 @@ class ModelRunner:
         # (Not under TP/PP: the step's broadcast carries no images; the input processor refuses them there.)
         self.mm = (MultiModalInputs(self.model, self.device, config.multimodal.mm_encoder_cache_bytes)
                    if model_config.vision is not None and self.group is None else None)
-        no_graphs = self.keeps_hidden or self.group is not None or self.mm is not None
+        # Padded pages (kv.layout) scale a group's block ids in the step's metadata; the graphs' static
+        # tables hold the scheduler's ids, so such a model decodes eagerly.
+        no_graphs = self.keeps_hidden or self.group is not None or self.mm is not None or self.kv_layout.is_padded
         self.graphs = None if no_graphs else DecodeGraphs.maybe_capture(self)  # None on CPU or when disabled
         self._step_hidden: Optional[torch.Tensor] = None
         self.sampler = Sampler(vocab_size=model_config.vocab_size, seed=config.seed)

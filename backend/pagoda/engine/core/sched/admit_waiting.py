@@ -174,7 +174,7 @@ class WaitingAdmitter:
             return False
         while self.kv_cache_manager.allocate_slots(request, num_new) is None:
             if not self._preempt_for(request, step):
-                return False
+                return False if self.running else self._recompute_swapped(request, step)
         self.waiting.pop()
         self.host_tier.swap_in(request.request_id, *self.kv_cache_manager.get_swap_block_ids(request))
         request.status = RequestStatus.RUNNING
@@ -182,6 +182,15 @@ class WaitingAdmitter:
         step.add(request, num_new)
         step.admitted.add(request.request_id)
         return True
+
+    def _recompute_swapped(self, request: Request, step: StepPlan) -> bool:
+        """Nothing runs, so no block will come free, yet the swap-in does not fit: allocating a
+        sliding window's table from position 0 peaks above what the request holds once the
+        blocks before its window are freed. Drop the host copy and admit it to recompute, as a
+        recompute preemption would have (else admission would wait for it forever)."""
+        self.host_tier.free_request(request.request_id)
+        request.num_computed_tokens = 0
+        return self._admit_fresh(request, step)
 
     def _preempt_for(self, request: Request, step: StepPlan) -> bool:
         """Preempt the policy's victim if the policy lets waiting ``request`` displace it
