@@ -17,8 +17,10 @@ Greedy tokens must equal transformers' ``generate``:
   recomputed instead: ``admit_waiting._recompute_swapped``); then the same prompts again from
   prefix-cache hits, every block free at the end.
 
-An fp8 KV cache runs (greedy not compared: fp8 rounding). Refused, naming why: tensor and
-pipeline parallelism, speculative decoding, LoRA adapters, int8 at load.
+Seeded sampling gives a request the same tokens alone and in a batch; beam search equals
+transformers' beams; a choice grammar holds. An fp8 KV cache runs (greedy not compared: fp8
+rounding). Refused, naming why: tensor and pipeline parallelism, speculative decoding, LoRA
+adapters, int8 at load, a KV connector (the grouped layout). Served: tests/serving/test_serving_gemma4.py.
 """
 
 from __future__ import annotations
@@ -129,3 +131,52 @@ def test_fp8_kv_cache_runs_over_padded_pages(gemma4):
     tokens = _run(engine, prompts[:2])
     assert [len(t) for t in tokens] == [MAX_NEW, MAX_NEW]
     assert engine.get_stats().num_free_blocks == engine.get_stats().num_blocks
+
+
+def test_seeded_sampling_is_the_same_alone_and_in_a_batch(gemma4):
+    from pagoda.engine.sampling_params import SamplingParams
+
+    folder, prompts, _, _ = gemma4
+    seeded = SamplingParams(temperature=0.9, top_p=0.9, seed=11, max_tokens=MAX_NEW, ignore_eos=True)
+    alone = greedy_tokens(LLMEngine(EngineConfig(model=folder)), [prompts[1]], seeded)[0]
+    batch = LLMEngine(EngineConfig(model=folder, max_num_batched_tokens=9))
+    others = SamplingParams(temperature=1.0, seed=5, max_tokens=MAX_NEW, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        batch.add_request(f"o{i}", prompt, others)
+    assert greedy_tokens(batch, [prompts[1]], seeded, prefix="s") == [alone]
+
+
+def test_beam_search_equals_transformers_and_structured_output_holds(gemma4):
+    """Beams fork every group's blocks (sliding groups padded, shared layers reading their
+    sources): the two best of 2 beams equal HF's ``generate(num_beams=2)``; a choice grammar
+    constrains every sampled answer."""
+    from pagoda.engine.guided import GuidedDecodingParams
+    from pagoda.engine.sampling_params import SamplingParams
+
+    from tests.engine.hf_reference import HFGreedy
+
+    folder, prompts, _, engine = gemma4
+    hf = HFGreedy(folder).model
+    beams = SamplingParams(use_beam_search=True, beam_width=2, n=2, temperature=0.0, max_tokens=6, ignore_eos=True)
+    engine.add_request("beam", prompts[1], beams)
+    done = {}
+    while engine.has_unfinished_requests():
+        done |= {o.request_id: o for o in engine.step() if o.finished}
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompts[1]]), num_beams=2, num_return_sequences=2, max_new_tokens=6,
+                          do_sample=False, eos_token_id=None, pad_token_id=0, length_penalty=1.0)
+    assert [c.token_ids for c in done["beam"].outputs] == [s[len(prompts[1]):].tolist() for s in out]
+    choices = ["north", "south", "east", "west"]
+    guided = SamplingParams(temperature=1.0, seed=3, max_tokens=6, guided_decoding=GuidedDecodingParams(choice=choices))
+    answers = greedy_tokens(engine, prompts, guided, prefix="g")
+    assert all(engine.tokenizer.decode(tokens) in choices for tokens in answers)
+    assert engine.get_stats().num_free_blocks == engine.get_stats().num_blocks
+
+
+def test_kv_transfer_refuses_the_grouped_layout_naming_why(gemma4):
+    """A connector moves one group's blocks by hash; Gemma 4's cache has sliding and full groups."""
+    from pagoda.engine.kv_transfer.connector import check_layout
+
+    with pytest.raises(ValueError, match=r"KV transfer: the model's KV cache has 4 groups \(full_attention, "
+                                         r"sliding_window\)"):
+        check_layout(gemma4[3].executor.kv_layout)
