@@ -64,9 +64,12 @@ def assert_within(actual: torch.Tensor, reference: torch.Tensor, bound, what: st
                              f"(max |err| {float(err.nan_to_num(float('inf')).max()):.3g})")
 
 
-def _moe_act64(gate, up, clamped_swiglu):
+def _moe_act64(gate, up, clamped_swiglu, activation="silu"):
     """The experts' activation in float64 and the factors its error bound needs:
-    (h, |d h / d gate| bound factor, |d h / d up| factor)."""
+    (h, |d h / d gate| bound factor, |d h / d up| factor). |silu'| <= 1.1, |gelu_tanh'| <= 1.13."""
+    if clamped_swiglu is None and activation == "gelu_tanh":
+        gelu = torch.nn.functional.gelu(gate, approximate="tanh")
+        return gelu * up, 1.13 * up.abs(), gelu.abs()
     if clamped_swiglu is None:
         silu = torch.nn.functional.silu(gate)
         return silu * up, 1.1 * up.abs(), silu.abs()
@@ -76,21 +79,23 @@ def _moe_act64(gate, up, clamped_swiglu):
     return (u + 1) * glu, 1.1 * (u + 1).abs(), glu.abs()
 
 
-def moe_dense_reference(x, ids, weights, w13, w2, b13=None, b2=None, clamped_swiglu=None) -> torch.Tensor:
+def moe_dense_reference(x, ids, weights, w13, w2, b13=None, b2=None, clamped_swiglu=None,
+                        activation="silu") -> torch.Tensor:
     """Every expert on every token in float64, masked by the routing: what the sparse path must equal.
-    gpt-oss: expert biases and ``clamped_swiglu=(alpha, limit)``."""
+    gpt-oss: expert biases and ``clamped_swiglu=(alpha, limit)``; Gemma 4: ``activation="gelu_tanh"``."""
     x, w13, w2 = x.double(), w13.double(), w2.double()
     inter = w2.shape[2]
     out = torch.zeros_like(x)
     for e in range(w13.shape[0]):
         gate, up = (x @ w13[e].T + (0 if b13 is None else b13[e].double())).split(inter, dim=-1)
-        y = _moe_act64(gate, up, clamped_swiglu)[0] @ w2[e].T + (0 if b2 is None else b2[e].double())
+        y = _moe_act64(gate, up, clamped_swiglu, activation)[0] @ w2[e].T + (0 if b2 is None else b2[e].double())
         weight = (weights.double() * (ids == e)).sum(dim=-1, keepdim=True)
         out += weight * y
     return out
 
 
-def moe_rounding_bound(x, ids, weights, w13, w2, dtype, b13=None, b2=None, clamped_swiglu=None) -> torch.Tensor:
+def moe_rounding_bound(x, ids, weights, w13, w2, dtype, b13=None, b2=None, clamped_swiglu=None,
+                       activation="silu") -> torch.Tensor:
     """First-order bound on the sparse path's rounding error, element-wise (its inputs are exact).
 
     Model: a matmul accumulates in float32 and rounds its output once to ``dtype`` (unit
@@ -101,11 +106,13 @@ def moe_rounding_bound(x, ids, weights, w13, w2, dtype, b13=None, b2=None, clamp
     weighted outputs. Doubled for the second-order terms. gpt-oss: a bias add rounds once
     more (u |result|); its clamped SwiGLU ``(u + 1) g sigmoid(alpha g)`` has the same
     derivative bound in g (clamps are 1-Lipschitz) and rounds up to 6 times (u |h| each).
+    GELU-tanh (``activation="gelu_tanh"``): |gelu_tanh'| <= 1.13, and the kernel's tanh through
+    ``exp`` and a division rounds up to 4 times (u |h| each).
     """
     x, w13, w2, w = x.double(), w13.double(), w2.double(), weights.double()
     u, u32 = UNIT_ROUNDOFF[dtype], UNIT_ROUNDOFF[torch.float32]
     inter, top_k, hidden = w2.shape[2], ids.shape[1], x.shape[1]
-    act_roundings = 2 if clamped_swiglu is None else 6
+    act_roundings = 6 if clamped_swiglu is not None else 4 if activation == "gelu_tanh" else 2
     bias_roundings = 0 if b13 is None else 1
     bound = torch.zeros_like(x)
     for e in range(w13.shape[0]):
@@ -113,7 +120,7 @@ def moe_rounding_bound(x, ids, weights, w13, w2, dtype, b13=None, b2=None, clamp
         gate_mag, up_mag = (x.abs() @ w13[e].abs().T).split(inter, dim=-1)
         d_gate = (1 + bias_roundings) * u * gate.abs() + hidden * u32 * gate_mag
         d_up = (1 + bias_roundings) * u * up.abs() + hidden * u32 * up_mag
-        h, dh_dgate, dh_dup = _moe_act64(gate, up, clamped_swiglu)
+        h, dh_dgate, dh_dup = _moe_act64(gate, up, clamped_swiglu, activation)
         d_h = dh_dgate * d_gate + dh_dup * d_up + act_roundings * u * h.abs()
         y = h @ w2[e].T + (0 if b2 is None else b2[e].double())
         d_y = d_h @ w2[e].abs().T + (1 + (b2 is not None)) * u * y.abs() + inter * u32 * (h.abs() @ w2[e].abs().T)

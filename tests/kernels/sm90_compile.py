@@ -295,7 +295,8 @@ def _deepseek_launches() -> None:
 def _gemma4_launches() -> None:
     """Gemma 4-shaped attention in bf16 (shapes as recalled from the released configs): sliding
     layers 32 heads over 16 KV heads of 256 with a 1024-token window, full layers 32 over 4 of 512,
-    and 8 over 1 at both sizes; the bf16 and fp8 caches; the KV write and the rotary at both sizes."""
+    and 8 over 1 at both sizes; the bf16 and fp8 caches; the KV write and the rotary at both sizes;
+    the MoE block's GELU-tanh experts."""
     for head_dim, groups, window in ((256, [(32, 16), (8, 1)], 1024), (512, [(32, 4), (8, 1)], 0)):
         for cache_dtype in (torch.bfloat16, FP8):
             for num_heads, num_kv_heads in groups:
@@ -305,6 +306,16 @@ def _gemma4_launches() -> None:
                     triton_attention.paged_attention(q, cache, cache, _meta(query_lens, seq_lens), 1.0,
                                                      window=window)
             _small_launches(torch.bfloat16, head_dim, cache_dtype)
+    # The MoE block's GELU-tanh experts (128 experts, top-8, hidden 2816, intermediate 704: as
+    # recalled for the 26B-A4B), one decode token and a 512-token chunk; one expert broadcast.
+    num_experts, top_k, hidden, inter = 128, 8, 2816, 704
+    w13 = torch.empty(1, 2 * inter, hidden, dtype=torch.bfloat16).expand(num_experts, -1, -1)
+    w2 = torch.empty(1, hidden, inter, dtype=torch.bfloat16).expand(num_experts, -1, -1)
+    for tokens in (1, 512):
+        offsets = torch.zeros(num_experts + 1, dtype=torch.int64)
+        triton_moe.moe_experts(torch.empty(tokens, hidden, dtype=torch.bfloat16), torch.arange(tokens * top_k),
+                               torch.empty(tokens * top_k, dtype=torch.bfloat16), offsets, w13, w2, top_k,
+                               activation="gelu_tanh")
 
 
 def _arg_type(value) -> str:

@@ -27,5 +27,5 @@ def test_dense_baseline_equals_the_sparse_path():
     w13, w2 = torch.randn(4, 32, 32, generator=gen), torch.randn(4, 32, 16, generator=gen)
     weights, ids = route(torch.randn(6, 4, generator=gen), 2, True)
     groups = group_by_expert(ids, weights, 4)
-    sparse = bench_moe.reference.moe_experts(x, groups.order, groups.weights, groups.offsets, w13, w2, 2)
+    sparse = bench_moe.reference_moe.moe_experts(x, groups.order, groups.weights, groups.offsets, w13, w2, 2)
     assert torch.allclose(bench_moe.dense_all_experts(x, ids, weights, w13, w2), sparse, atol=1e-4)

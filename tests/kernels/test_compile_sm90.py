@@ -172,11 +172,13 @@ def test_deepseek_kernel_variants_compile_for_sm90():
 @pytest.mark.skipif(_sm90_api_missing() is not None, reason=str(_sm90_api_missing()))
 def test_gemma4_head_sizes_compile_for_sm90():
     """Gemma 4's heads (256 sliding, 512 full; GQA 2, 8 and 8 over 1), decode and a mixed step, bf16
-    and fp8 caches: every attention variant fits sm_90's shared memory (the built-in rules give
+    and fp8 caches, and its MoE block's GELU-tanh experts: every variant compiles, and every attention
+    variant fits sm_90's shared memory (the built-in rules give
     heads wider than 256 at most 64 rows and 32-key steps; 128 x 64 tiles needed 384 KiB)."""
     rows = _compile_rows("gemma4")
     attention = [r for r in rows if r["kernel"] == "_paged_attention_kernel"]
     assert {r["variant"]["HEAD_DIM"] for r in attention} == {"256", "512"}
     assert {r["kernel"] for r in rows} == {"_paged_attention_kernel", "_combine_splits_kernel", "_write_kv_kernel",
-                                           "_rotary_kernel"}
+                                           "_rotary_kernel", "_moe_gate_up_kernel", "_moe_down_kernel"}
     assert max(r["shared"] for r in attention if r["variant"]["HEAD_DIM"] == "512") <= 227 * 1024
+    assert any(r["variant"].get("GELU") in ("True", True) for r in rows if r["kernel"] == "_moe_gate_up_kernel")

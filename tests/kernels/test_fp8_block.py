@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagoda.kernels import reference, triton_moe, triton_w8a16, w8a16
+from pagoda.kernels import reference_moe, triton_moe, triton_w8a16, w8a16
 from pagoda.models.moe import group_by_expert, route
 from tests.kernels.kernel_cases import poisoned_allocations
 from tests.numerics import assert_within, gamma, moe_dense_reference, moe_rounding_bound
@@ -75,5 +75,5 @@ def test_fp8_experts_equal_float64(dtype):
     expected = moe_dense_reference(x, ids, weights, float13, float2)
     bound = moe_rounding_bound(x, ids, weights, float13, float2, dtype)
     assert_within(out, expected, bound, "fused fp8 experts")
-    cpu = reference.moe_experts(*args, block_scales=(s13, s2, BLOCK))
+    cpu = reference_moe.moe_experts(*args, block_scales=(s13, s2, BLOCK))
     assert_within(cpu, expected, bound, "fp8 experts, CPU path")

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from pagoda import kernels
-from pagoda.kernels import reference, reload_settings, triton_ops
+from pagoda.kernels import reference_moe, reload_settings, triton_ops
 from pagoda.kernels.triton_moe import BLOCK_M, block_schedule
 from pagoda.models.moe import group_by_expert, route
 from tests.kernels.kernel_cases import poisoned_allocations
@@ -58,8 +58,32 @@ def test_fused_moe_matches_float64(name, dtype):
     assert out.dtype == dtype and out.shape == x.shape
     bound = moe_rounding_bound(x, ids, weights, w13, w2, dtype)
     assert_within(out, moe_dense_reference(x, ids, weights, w13, w2), bound, f"triton moe {name} {dtype}")
-    torch_path = reference.moe_experts(x, groups.order, groups.weights, groups.offsets, w13, w2, top_k)
+    torch_path = reference_moe.moe_experts(x, groups.order, groups.weights, groups.offsets, w13, w2, top_k)
     assert_within(torch_path, moe_dense_reference(x, ids, weights, w13, w2), bound, f"torch moe {name} {dtype}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", ["decode-1-token", "odd-33-tokens", "idle-experts"])
+def test_gelu_tanh_experts_match_float64(name, dtype):
+    """Gemma 4's experts: ``gelu_tanh(gate) * up`` (the kernel's tanh as ``2 sigmoid(2 z) - 1``),
+    gate/up scaled so that the GELU's curved region and its negative tail both occur."""
+    num_tokens, num_experts, top_k, routing = CASES[name]
+    x, w13, w2, weights, ids = _case(num_tokens, num_experts, top_k, dtype, routing, seed=num_tokens + 7)
+    w13 = (w13.float() * 3).to(dtype)
+    groups = group_by_expert(ids, weights, num_experts)
+    args = (x, groups.order, groups.weights, groups.offsets, w13, w2, top_k)
+    with poisoned_allocations():
+        out = triton_ops.moe_experts(*args, activation="gelu_tanh")
+    expected = moe_dense_reference(x, ids, weights, w13, w2, activation="gelu_tanh")
+    bound = moe_rounding_bound(x, ids, weights, w13, w2, dtype, activation="gelu_tanh")
+    assert_within(out, expected, bound, f"triton gelu moe {name} {dtype}")
+    assert_within(reference_moe.moe_experts(*args, activation="gelu_tanh"), expected, bound,
+                  f"torch gelu moe {name} {dtype}")
+    if dtype == torch.float32:  # (bf16's bound is wider than the two activations' difference)
+        silu = moe_dense_reference(x, ids, weights, w13, w2)
+        assert ((expected - silu).abs() > bound).any(), "the activation must matter beyond the bound"
+    with pytest.raises(ValueError, match="MoE activation 'relu'"):
+        triton_ops.moe_experts(*args, activation="relu")
 
 
 ALPHA_LIMIT = (1.702, 7.0)  # gpt-oss
@@ -85,7 +109,7 @@ def test_gpt_oss_experts_match_float64(name, dtype):
     expected = moe_dense_reference(x, ids, weights, w13, w2, b13, b2, ALPHA_LIMIT)
     bound = moe_rounding_bound(x, ids, weights, w13, w2, dtype, b13, b2, ALPHA_LIMIT)
     assert_within(out, expected, bound, f"triton gpt-oss moe {name} {dtype}")
-    assert_within(reference.moe_experts(*args), expected, bound, f"torch gpt-oss moe {name} {dtype}")
+    assert_within(reference_moe.moe_experts(*args), expected, bound, f"torch gpt-oss moe {name} {dtype}")
     plain = moe_dense_reference(x, ids, weights, w13, w2)
     assert not torch.allclose(expected, plain), "biases and the clamped SwiGLU change the result"
 

@@ -4,7 +4,7 @@ Random weights and random router logits (softmax, top-k, renormalised), grouped 
 ``models.moe.group_by_expert``; only the experts' computation is timed (the grouping is
 the same for every path). Paths:
 
-- ``sparse``: the experts-with-tokens loop (``kernels.reference.moe_experts``), what CPUs
+- ``sparse``: the experts-with-tokens loop (``kernels.reference_moe.moe_experts``), what CPUs
   run and the per-expert torch loop a GPU would run without the fused kernel;
 - ``dense`` (CPU): every expert on every token, weighted by the routing mask (what a
   sparse block must never degenerate to);
@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 
 from pagoda.bench.common import machine_line
-from pagoda.kernels import reference
+from pagoda.kernels import reference_moe
 from pagoda.models.moe import ExpertGroups, group_by_expert, route
 
 GPU_SHAPE = dict(experts=128, top_k=8, hidden=2048, inter=768, dtype="bfloat16")
@@ -80,7 +80,7 @@ def measure(num_tokens: int, shape: dict, device: torch.device, repeats: int, pe
     args = (x, groups.order, groups.weights, groups.offsets, w13, w2, top_k)
     cuda = device.type == "cuda"
     row = {"tokens": num_tokens, "active_experts": int((groups.counts > 0).sum())}
-    row["sparse_tok_s"] = num_tokens / _time_s(lambda: reference.moe_experts(*args), repeats, cuda)
+    row["sparse_tok_s"] = num_tokens / _time_s(lambda: reference_moe.moe_experts(*args), repeats, cuda)
     if cuda:
         from pagoda.kernels import triton_moe
 

@@ -22,7 +22,7 @@ import os
 
 import torch
 
-from pagoda.kernels import cpu_native, reference, reference_gdn, reference_mla, w8a16
+from pagoda.kernels import cpu_native, reference, reference_gdn, reference_mla, reference_moe, w8a16
 from pagoda.kernels.metadata import AttentionMetadata, LatentCache, StateCache
 # Multi-head latent attention's step plan and prefill (torch ops on every device: gathers and SDPA).
 from pagoda.kernels.reference_mla import MlaPlan, mla_plan
@@ -147,18 +147,20 @@ def lora_apply(y, x, a_stack, b_stack, batch):
 
 
 def moe_experts(x, order, weights, offsets, w13, w2, top_k: int, b13=None, b2=None, clamped_swiglu=None,
-                block_scales=None):
+                block_scales=None, activation: str = "silu"):
     """Each token's routing-weighted sum of its experts (assignments grouped as ``models.moe``
     makes them): the fused kernels of ``triton_moe`` on CUDA, the experts-with-tokens loop
-    elsewhere. Neither computes an expert that received no token. gpt-oss: expert biases
-    ``b13 [E, 2 * inter]`` / ``b2 [E, hidden]`` and ``clamped_swiglu=(alpha, limit)``.
-    DeepSeek-V3's FP8 experts: e4m3 stacks with ``block_scales=(s13, s2, block)``."""
+    (``reference_moe``) elsewhere. Neither computes an expert that received no token. gpt-oss:
+    expert biases ``b13 [E, 2 * inter]`` / ``b2 [E, hidden]`` and ``clamped_swiglu=(alpha, limit)``.
+    DeepSeek-V3's FP8 experts: e4m3 stacks with ``block_scales=(s13, s2, block)``. Gemma 4's:
+    ``activation="gelu_tanh"``."""
     if use_triton(x):
         from pagoda.kernels import triton_ops
 
         return triton_ops.moe_experts(x, order, weights, offsets, w13, w2, top_k, b13, b2, clamped_swiglu,
-                                      block_scales)
-    return reference.moe_experts(x, order, weights, offsets, w13, w2, top_k, b13, b2, clamped_swiglu, block_scales)
+                                      block_scales, activation)
+    return reference_moe.moe_experts(x, order, weights, offsets, w13, w2, top_k, b13, b2, clamped_swiglu,
+                                     block_scales, activation)
 
 
 def w8a16_linear(x, qweight, scale):

@@ -28,7 +28,6 @@ import torch.nn.functional as F
 
 from pagoda.kernels import cpu_native
 from pagoda.kernels.metadata import AttentionMetadata
-from pagoda.kernels.w8a16 import dequantize_blocks
 
 
 FP8 = torch.float8_e4m3fn
@@ -385,59 +384,3 @@ def lora_apply(y: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, b_stack:
         delta = (xs @ a_stack[slot].T) @ b_stack[slot].T  # [len(idx), out]
         y.index_add_(0, idx, delta.to(y.dtype))
     return y
-
-
-def moe_experts(
-    x: torch.Tensor,  # [T, hidden]
-    order: torch.Tensor,  # [T * k] int64: assignment ids (t * k + j) sorted by expert
-    weights: torch.Tensor,  # [T * k]: their routing weights, same order
-    offsets: torch.Tensor,  # [E + 1] int64: expert e's assignments are order[offsets[e]:offsets[e + 1]]
-    w13: torch.Tensor,  # [E, 2 * inter, hidden]: gate rows, then up rows
-    w2: torch.Tensor,  # [E, hidden, inter]
-    top_k: int,
-    b13: torch.Tensor | None = None,  # [E, 2 * inter]: gate/up biases (gpt-oss)
-    b2: torch.Tensor | None = None,  # [E, hidden]: down biases
-    clamped_swiglu: tuple[float, float] | None = None,  # (alpha, limit): gpt-oss's activation
-    block_scales: tuple[torch.Tensor, torch.Tensor, int] | None = None,  # e4m3 stacks' (s13, s2, block)
-) -> torch.Tensor:  # [T, hidden]
-    """Each token's routing-weighted sum of its experts' ``down(act(gate(x), up(x)))``.
-
-    ``act`` is ``silu(g) * u``, or with ``clamped_swiglu`` gpt-oss's (``moe_activation``).
-    Computes only the experts that received tokens (the offsets are read back once), and
-    adds each expert's rows into the output in expert order, as transformers does. FP8
-    experts (``block_scales``): each expert's weights dequantized to ``x.dtype`` when used.
-    """
-    out = torch.zeros_like(x)
-    bounds = offsets.tolist()
-    inter = w2.shape[2]
-    for expert in range(len(bounds) - 1):
-        start, end = bounds[expert], bounds[expert + 1]
-        if start == end:
-            continue
-        rows = order[start:end] // top_k
-        w_up, w_down = w13[expert], w2[expert]
-        if block_scales is not None:
-            s13, s2, block = block_scales
-            w_up = dequantize_blocks(w_up, s13[expert], block, x.dtype)
-            w_down = dequantize_blocks(w_down, s2[expert], block, x.dtype)
-        gate, up = F.linear(x[rows], w_up, None if b13 is None else b13[expert]).split(inter, dim=-1)
-        h = moe_activation(gate, up, clamped_swiglu)
-        y = F.linear(h, w_down, None if b2 is None else b2[expert]) * weights[start:end, None]
-        # index_put_ rather than index_add_: the same sums (an expert's rows are distinct
-        # tokens); on a 2-core CPU busy with other jobs index_add_ (an OpenMP parallel
-        # region) took ~30 ms per call where index_put_ took microseconds (torch 2.13);
-        # unloaded, both take microseconds.
-        out.index_put_((rows,), y, accumulate=True)
-    return out
-
-
-def moe_activation(gate: torch.Tensor, up: torch.Tensor, clamped_swiglu: tuple[float, float] | None) -> torch.Tensor:
-    """``silu(gate) * up``; with ``(alpha, limit)`` gpt-oss's clamped SwiGLU (transformers'
-    ``GptOssExperts._apply_gate``): ``g = min(gate, limit)``, ``u = clamp(up, -limit, limit)``,
-    ``(u + 1) * g * sigmoid(alpha * g)``."""
-    if clamped_swiglu is None:
-        return F.silu(gate) * up
-    alpha, limit = clamped_swiglu
-    gate = gate.clamp(max=limit)
-    up = up.clamp(min=-limit, max=limit)
-    return (up + 1) * (gate * torch.sigmoid(gate * alpha))

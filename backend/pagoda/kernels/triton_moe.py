@@ -11,6 +11,7 @@ Two launches, then a sum:
    (fp32 accumulation, ``tl.dot``), writing the [T * k, inter] intermediate in sorted order.
    gpt-oss (``CLAMPED``, compile time): the products plus their biases, then
    ``(clamp(up, +-limit) + 1) * g * sigmoid(alpha * g)`` with ``g = min(gate, limit)``.
+   Gemma 4 (``GELU``): ``gelu_tanh(g) * up``, the tanh taken as ``2 sigmoid(2 z) - 1``.
 2. ``_moe_down_kernel``: per (row block, tile of hidden): ``(h @ W_down^T [+ bias]) * weight``,
    stored at the assignment's own row of a ``[T * k, hidden]`` buffer.
 3. ``view(T, k, hidden).sum(1)``: each token's top-k partial results, in a fixed order
@@ -82,6 +83,7 @@ def _moe_gate_up_kernel(
     stride_se,
     stride_sn,
     CLAMPED: tl.constexpr,
+    GELU: tl.constexpr,  # gelu_tanh(gate) * up (Gemma 4) instead of silu(gate) * up
     PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -131,6 +133,9 @@ def _moe_gate_up_kernel(
             up = acc_up + tl.load(b_base + inter + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
             up = tl.minimum(tl.maximum(up, -limit), limit)
             h = (up + 1.0) * (gate / (1.0 + tl.exp(-alpha * gate)))
+        elif GELU:  # 0.5 g (1 + tanh(z)) = g * sigmoid(2 z), z = sqrt(2 / pi) (g + 0.044715 g^3)
+            z = 0.7978845608028654 * (acc_gate + 0.044715 * acc_gate * acc_gate * acc_gate)
+            h = acc_gate / (1.0 + tl.exp(-2.0 * z)) * acc_up
         else:
             h = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
         tl.store(h_ptr + rows[:, None] * inter + n[None, :], h.to(h_ptr.dtype.element_ty),
@@ -220,8 +225,10 @@ def block_schedule(offsets: torch.Tensor, num_assignments: int,
 def moe_experts(x: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor,
                 w13: torch.Tensor, w2: torch.Tensor, top_k: int, b13: torch.Tensor | None = None,
                 b2: torch.Tensor | None = None, clamped_swiglu: tuple[float, float] | None = None,
-                block_scales: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> torch.Tensor:
-    """``[T, hidden]``: each token's routing-weighted sum of its experts' SwiGLU outputs.
+                block_scales: tuple[torch.Tensor, torch.Tensor, int] | None = None,
+                activation: str = "silu") -> torch.Tensor:
+    """``[T, hidden]``: each token's routing-weighted sum of its experts' SwiGLU outputs
+    (``activation="gelu_tanh"``: GELU-tanh GLU, Gemma 4's experts).
 
     Args:
         x: ``[T, hidden]`` contiguous; w13 ``[E, 2 * inter, hidden]``, w2 ``[E, hidden, inter]``
@@ -234,6 +241,8 @@ def moe_experts(x: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, off
     """
     if (b13 is not None) != (clamped_swiglu is not None):
         raise ValueError("gate/up biases come with clamped_swiglu (gpt-oss) and only with it")
+    if activation not in ("silu", "gelu_tanh") or (activation != "silu" and clamped_swiglu is not None):
+        raise ValueError(f"MoE activation {activation!r}: silu, or gelu_tanh without clamped_swiglu")
     num_tokens, hidden = x.shape
     inter = w2.shape[2]
     assert x.stride(1) == 1 and w13.stride(2) == 1 and w2.stride(2) == 1
@@ -252,7 +261,7 @@ def moe_experts(x: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, off
     _moe_gate_up_kernel[(expert.numel(), triton.cdiv(inter, block_n))](
         x, w13, order, expert, start, end, h, h if b13 is None else b13, alpha, limit, hidden, inter, w13.shape[0],
         top_k, w13.stride(0), w13.stride(1), s13, s13.stride(0) if scale_block else 0,
-        s13.stride(1) if scale_block else 0, CLAMPED=clamped_swiglu is not None,
+        s13.stride(1) if scale_block else 0, CLAMPED=clamped_swiglu is not None, GELU=activation == "gelu_tanh",
         PRECISION=precision, DOT_UPCAST=upcast, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
         SCALE_BLOCK=scale_block)
     y = torch.empty(num_assignments, hidden, dtype=x.dtype, device=x.device)

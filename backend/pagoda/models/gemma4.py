@@ -29,9 +29,8 @@ Differences from Gemma 3 (``models/gemma3.py``), every switch read from the conf
 
 Refused, each naming why: another activation, bidirectional attention, other rope types, any
 ``per_layer_config`` override besides head_dim / num_key_value_heads, a layer type without a
-producing layer, int8/fp8 at load and LoRA adapters (not checked for these shapes), the MoE block
-on CUDA (the fused MoE kernel computes SiLU experts; the GELU-tanh loop here reads expert offsets
-back to the host), tensor and pipeline parallelism (``models.tensor_parallel`` /
+producing layer, int8/fp8 at load and LoRA adapters (not checked for these shapes), tensor and
+pipeline parallelism (``models.tensor_parallel`` /
 ``pipeline_parallel`` accept only the families they know).
 """
 
@@ -176,13 +175,6 @@ def proportional_cos_sin(config: ModelConfig, head_dim: int, device: torch.devic
     return torch.cat((table.cos(), table.sin()), dim=-1).to(device)
 
 
-def check_device(config: ModelConfig, device: torch.device) -> None:
-    """Raises ValueError where a switch does not run on ``device`` yet (the MoE block on CUDA)."""
-    if config.gemma4.moe and device.type == "cuda":
-        raise ValueError("Gemma 4 enable_moe_block on CUDA: the fused MoE kernel computes SiLU experts and "
-                         "Gemma 4's are GELU-tanh; the torch loop reads expert offsets to the host every layer")
-
-
 class Gemma4Attention(Attention):
     """q (and, unless the layer shares a cache, k and v) projections, per-head norms, scale 1.
 
@@ -295,7 +287,6 @@ class Gemma4ForCausalLM(LlamaForCausalLM):
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
         super().__init__(config, dtype, device)
         options: Gemma4Options = config.gemma4
-        check_device(config, self.device)
         sliding = [i for i, t in enumerate(config.layer_types) if t == "sliding_attention"]
         full = [i for i, t in enumerate(config.layer_types) if t == "full_attention"]
         if sliding:  # default rope over the sliding layers' head_dim (the base table has the config's)

@@ -11,9 +11,8 @@ post-attention stream ``s``:
    summed per token (``models.moe.group_by_expert`` groups the assignments);
 3. ``post_feedforward_layernorm_2`` of the sum (the layer adds it to the dense MLP's normed output).
 
-The experts run as a loop over the experts with tokens (their offsets read back once per layer):
-the fused kernel (``kernels.moe_experts``) computes SiLU experts only, so the model refuses this
-block on CUDA rather than read offsets to the host in the step.
+The experts run through ``kernels.moe_experts`` with ``activation="gelu_tanh"``: the fused Triton
+kernels on CUDA (no host read in the step), the experts-with-tokens loop elsewhere.
 """
 
 from __future__ import annotations
@@ -62,16 +61,7 @@ class Gemma4MoE(nn.Module):
         weights, ids = self.route(stream)
         x, _ = kernels.rms_norm(stream, norms["pre_feedforward_layernorm_2"], self.eps)
         groups = group_by_expert(ids, weights, self.num_experts)
-        out = torch.zeros_like(x)
-        bounds = groups.offsets.tolist()
-        inter = self.w2.shape[2]
-        for expert in range(self.num_experts):
-            start, end = bounds[expert], bounds[expert + 1]
-            if start == end:
-                continue
-            rows = groups.token_index[start:end]
-            gate, up = F.linear(x[rows], self.w13[expert]).split(inter, dim=-1)
-            y = F.linear(F.gelu(gate, approximate="tanh") * up, self.w2[expert])
-            out.index_put_((rows,), (y * groups.weights[start:end, None]).to(x.dtype), accumulate=True)
+        out = kernels.moe_experts(x, groups.order, groups.weights, groups.offsets, self.w13, self.w2, self.top_k,
+                                  activation="gelu_tanh")
         normed, _ = kernels.rms_norm(out, norms["post_feedforward_layernorm_2"], self.eps)
         return normed
