@@ -105,3 +105,18 @@ def test_refusals_name_the_field(model_path):
         engine.add_request("x", list(range(5, 5 + too_many)), SamplingParams(return_context_logits=True, max_tokens=1))
     out = _run(engine, {"y": ([5, 6, 7], SamplingParams(max_tokens=2, return_context_logits=True))})["y"]
     assert out.context_logits.shape == (3, engine.model_config.vocab_size)
+
+
+def test_generation_logits_with_speculative_decoding_keep_the_accepted_rows(model_path):
+    """Self-drafting (every draft accepted, several tokens a step): one row per kept token, each
+    the float64 logits predicting it, as without speculation."""
+    ref = Float64Logits(model_path)
+    engine = LLMEngine(EngineConfig(model=model_path, speculative_method="draft", speculative_model=model_path,
+                                    spec_adaptive=False, num_speculative_tokens=3))
+    prompt = list(range(300, 320))
+    params = SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True, return_generation_logits=True)
+    out = _run(engine, {"s": (prompt, params)})["s"].outputs[0]
+    stats = engine.get_stats()
+    assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens > 0  # drafts were verified and kept
+    logits, bound = ref(prompt + out.token_ids, engine.model_config.vocab_size)
+    _assert_close(out.generation_logits, logits[len(prompt) - 1:len(prompt) - 1 + len(out.token_ids)], bound)
