@@ -30,6 +30,8 @@ BAD_VALUES = [
     *[("include_stop_str_in_output", v) for v in (1, 0, "yes", None)],
     *[("ignore_eos", v) for v in (1, "true", None)],
     *[("skip_special_tokens", v) for v in (0, "false", None)],
+    *[("return_context_logits", v) for v in (1, "true", None)],
+    *[("return_generation_logits", v) for v in (0, "false", None)],
     *[("logprobs", v) for v in (-1, MAX_LOGPROBS + 1, 1.5, "5", True)],
     *[("prompt_logprobs", v) for v in (-1, MAX_LOGPROBS + 1, 1.5, "5", True)],
     *[("speculative", v) for v in (1, 0, "true")],

@@ -232,3 +232,31 @@ def test_the_router_salts_a_front_body_through_its_request_parameters():
     assert options == {"cache_salt": "tenant-salt"}
     wire = WireRequest.from_dialect(dialect.read_item(item(), decoupled=False)).with_options(**options)
     assert wire.options.cache_salt == "tenant-salt"
+
+
+def test_logits_flags_reach_the_engine_and_come_back_in_trtllm_shapes():
+    """``return_*_logits`` become the wire's output flags and the engine's params; pagoda's
+    ``[L, V]`` / ``[n, T, V]`` come back as ``[1, L, V]`` / ``[1, n, T, V]`` (one sequence:
+    ``[1, 1, T, V]``), items stacked with the shorter prompt's rows 0.0-padded."""
+    wire = WireRequest.from_dialect(dialect.read_item(item(return_context_logits=True, return_generation_logits=True),
+                                                      decoupled=False))
+    assert wire.output.return_context_logits and wire.output.return_generation_logits
+    params = wire.engine_params()
+    assert params.return_context_logits and params.return_generation_logits
+    assert set(wire.to_triton_inputs()) >= {"return_context_logits", "return_generation_logits"}
+    plain = WireRequest.from_dialect(dialect.read_item(item(), decoupled=False)).engine_params()
+    assert not plain.return_context_logits and not plain.return_generation_logits
+    with pytest.raises(ValueError, match="return_generation_logits: not supported with stop strings"):
+        WireRequest.from_dialect(dialect.read_item(item(return_generation_logits=True, stop_words=[b"."]), False))
+    asked = dialect.requested(item(return_context_logits=True, return_generation_logits=True))
+    tensors = {"text_output": np.array([b"a", b"b"], dtype=np.object_),
+               "num_input_tokens": np.array([3], dtype=np.uint32), "num_output_tokens": np.array([2, 2], np.uint32),
+               "context_logits": np.ones((3, 5), np.float32), "generation_logits": np.ones((2, 2, 5), np.float32)}
+    one = dialect.to_trtllm_outputs(tensors, asked, batch_index=0, sequence=1)
+    assert one["context_logits"].shape == (1, 3, 5) and one["generation_logits"].shape == (1, 1, 2, 5)
+    both = dialect.to_trtllm_outputs(tensors, asked, batch_index=0, sequence=None)
+    assert both["generation_logits"].shape == (1, 2, 2, 5)
+    shorter = {**tensors, "context_logits": np.ones((2, 5), np.float32)}
+    stacked = dialect.stack_items([both, dialect.to_trtllm_outputs(shorter, asked, 1, None)])
+    assert stacked["context_logits"].shape == (2, 3, 5) and not stacked["context_logits"][1, 2].any()
+    assert stacked["generation_logits"].shape == (2, 2, 2, 5)

@@ -295,8 +295,6 @@ def test_lora_task_id_picks_the_adapter_loaded_under_that_number(triton_server, 
 
 @pytest.mark.parametrize("name, value, dtype, message", [
     ("beam_width", 0, np.int32, "beam_width: must be an integer >= 1"),
-    ("return_context_logits", True, bool, "return_context_logits: pagoda returns no logits"),
-    ("return_generation_logits", True, bool, "return_generation_logits: pagoda returns no logits"),
     ("decoder_text_input", "x", np.object_, "decoder_text_input: not supported"),
     ("num_draft_tokens", 2, np.int32, "num_draft_tokens: not supported"),
     ("guided_decoding_guide_type", "structural_tag", np.object_, "guided_decoding_guide_type: must be one of"),

@@ -11,6 +11,8 @@ the core takes it. What a door checked already is not checked again: ``SamplingP
   ids, given or made, lie in the vocabulary; a text too long to ever fit ``max_model_len``
   is refused before it is encoded (the tokenizer's characters-per-token bound);
 - token ids in ``stop_token_ids``, ``allowed_token_ids`` and ``logit_bias`` lie in the vocabulary;
+- raw logits (``return_context_logits`` / ``return_generation_logits``) within their size bound
+  (``engine.logits_output``); context logits on one rank only;
 - ``bad_words`` become token sequences; ``truncate_prompt_tokens`` keeps the prompt's tail;
 - images (``EngineRequest.multi_modal_data``): checked, hashed and preprocessed by the model's
   own image processor, placeholders expanded (``image_inputs.py``); refused for a text-only
@@ -30,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from pagoda.engine.image_inputs import ImageInputs
+from pagoda.engine.logits_output import check_logits_size
 from pagoda.engine.multimodal import MultiModalFeature
 from pagoda.engine.request import EngineRequest, PromptType
 from pagoda.engine.sampling_params import SamplingParams
@@ -75,8 +78,9 @@ class InputProcessor:
         text, token_ids = self._prompt(request.prompt, request.prompt_token_ids, request.params)
         self._check_token_ids(request.params)
         token_ids, features = self._images(token_ids, request)
-        return ProcessedInput(text, self._truncate(token_ids, request.params.truncate_prompt_tokens),
-                              self._bad_words_token_ids(request.params.bad_words), features)
+        token_ids = self._truncate(token_ids, request.params.truncate_prompt_tokens)
+        check_logits_size(request.params, len(token_ids), self.max_model_len, self.vocab_size)
+        return ProcessedInput(text, token_ids, self._bad_words_token_ids(request.params.bad_words), features)
 
     def _images(self, token_ids: list[int], request: EngineRequest) -> tuple[list[int], tuple[MultiModalFeature, ...]]:
         """The prompt with its image placeholders expanded and the images' features (``image_inputs``)."""
@@ -184,6 +188,10 @@ class EngineCapabilities:
         if params.use_beam_search and self.world_size > 1:
             raise ValueError("use_beam_search: not supported with tensor_parallel_size or pipeline_parallel_size "
                              "> 1 yet (a fork's copy-on-write block copy is not broadcast to the workers' KV caches)")
+        if params.return_context_logits and self.world_size > 1:
+            raise ValueError("return_context_logits: not supported with tensor_parallel_size or "
+                             "pipeline_parallel_size > 1 yet (the other ranks would have to run the same LM-head "
+                             "calls for the prompt's rows)")
         if params.speculative and not self.has_speculator:
             raise ValueError("speculative: this server has no speculative decoding configured "
                              "(EngineConfig.speculative_method is None)")

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Iterable, Optional, Union
+from typing import Any, Iterable, Optional, Union
 
 from pagoda.engine.stats import LatencyWindow
 from pagoda.engine.core.core_output import EngineCoreOutput
@@ -60,6 +60,7 @@ class _Completion:
     num_emitted_logprobs: int = 0
     cumulative_logprob: Optional[float] = None
     beam_score: Optional[float] = None  # beam search: the beam's length-penalised score
+    generation_logits: Any = None  # float32 [tokens, vocab], with the child's last output (engine.logits_output)
     finish_reason: Optional[str] = None
     stop_reason: Optional[Union[int, str]] = None
     num_kept_tokens: Optional[int] = None  # set when a stop string ends the output before the last token
@@ -77,6 +78,7 @@ class _Group:
     completions: list[_Completion]
     num_cached_tokens: int = 0
     prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None  # from the first child output that has them
+    context_logits: Any = None  # float32 [prompt tokens, vocab], from the first child output that has them
     error: Optional[str] = None  # the core failed the request (e.g. its grammar did not compile)
 
     @property
@@ -197,6 +199,10 @@ class OutputProcessor:
         if core_output.prompt_logprobs is not None and group.prompt_logprobs is None:
             group.prompt_logprobs = [lp and TokenLogprob(lp.token_id, lp.logprob, lp.rank, list(lp.top))
                                      for lp in core_output.prompt_logprobs]
+        if core_output.context_logits is not None and group.context_logits is None:
+            group.context_logits = core_output.context_logits
+        if core_output.generation_logits is not None:
+            completion.generation_logits = core_output.generation_logits
         completion.token_ids.extend(new_ids)
         if core_output.cumulative_logprob is not None:  # a beam (whole, at once): its scores come with it
             completion.cumulative_logprob = core_output.cumulative_logprob
@@ -283,11 +289,13 @@ class OutputProcessor:
                 index=i, text=c.text[:visible], token_ids=list(token_ids), delta_text=delta_text,
                 delta_token_ids=list(delta_ids), cumulative_logprob=c.cumulative_logprob,
                 logprobs=list(c.logprobs) if c.logprobs is not None else None, delta_logprobs=delta_lp,
-                finish_reason=c.finish_reason, stop_reason=c.stop_reason, beam_score=c.beam_score))
+                finish_reason=c.finish_reason, stop_reason=c.stop_reason, beam_score=c.beam_score,
+                generation_logits=c.generation_logits if finished else None))
         return RequestOutput(
             request_id=group.request_id, prompt=group.prompt, prompt_token_ids=group.prompt_token_ids,
             outputs=completions, finished=group.finished, metrics=group.metrics,
-            num_cached_tokens=group.num_cached_tokens, prompt_logprobs=group.prompt_logprobs, error=group.error)
+            num_cached_tokens=group.num_cached_tokens, prompt_logprobs=group.prompt_logprobs, error=group.error,
+            context_logits=group.context_logits)
 
     def _forget(self, group: _Group) -> None:
         self._groups.pop(group.request_id, None)

@@ -11,7 +11,7 @@ from which servers compute TTFT, inter-token latency and end-to-end latency.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 
 @dataclass
@@ -61,6 +61,8 @@ class CompletionOutput:
     stop_reason: Optional[int | str] = None  # the stop token id or stop string that ended it
     # Beam search: cumulative_logprob / len(token_ids) ** length_penalty (cumulative_logprob is the beam's sum).
     beam_score: Optional[float] = None
+    # SamplingParams.return_generation_logits: float32 [len(token_ids), vocab], once finished (engine.logits_output).
+    generation_logits: Optional[Any] = None
 
     @property
     def finished(self) -> bool:
@@ -83,3 +85,5 @@ class RequestOutput:
     # output, finished, with finish_reason "abort": a grammar that does not compile, or
     # admission control ended it (displaced by a more urgent request, its deadline passed).
     error: Optional[str] = None
+    # SamplingParams.return_context_logits: float32 [len(prompt_token_ids), vocab] (engine.logits_output).
+    context_logits: Optional[Any] = None

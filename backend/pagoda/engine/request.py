@@ -27,6 +27,8 @@ Prompt log-probabilities (``SamplingParams.prompt_logprobs``): ``prompt_logprobs
 slot per prompt position (``None`` for the first, and until the runner computed it); each
 prompt chunk's step fills its positions (``record_prompt_logprobs``), so a chunk that is
 computed again after a preemption writes the same values twice. ``None`` when not asked.
+Raw logits (``return_context_logits`` / ``return_generation_logits``) are kept the same way in
+``kept_logits`` (``engine.logits_output.KeptLogits``; ``None`` when neither is asked).
 
 Engine-owned slots: ``sampling_state``, ``detokenizer`` and ``metrics`` belong to the
 engine layer; this module only creates them.
@@ -40,6 +42,7 @@ from typing import Any, Iterable, Optional, Union
 
 from pagoda.contracts.block_hash import BlockHash, encode_extra_keys, hash_block, root_hash
 from pagoda.contracts.request_options import RequestOptions
+from pagoda.engine.logits_output import KeptLogits
 from pagoda.engine.multimodal import MultiModalFeature, block_mm_keys
 from pagoda.engine.sampling_params import SamplingParams
 
@@ -173,6 +176,10 @@ class Request:
         self.num_cached_tokens = -1  # prefix-cache hit at first schedule; -1 before
         self.prompt_logprobs: Optional[list[Any]] = (
             [None] * len(self.prompt_token_ids) if sampling_params.prompt_logprobs is not None else None)
+        self.kept_logits: Optional[KeptLogits] = (
+            KeptLogits(len(self.prompt_token_ids), sampling_params.return_context_logits,
+                       sampling_params.return_generation_logits)
+            if sampling_params.return_context_logits or sampling_params.return_generation_logits else None)
         self.num_preemptions = 0
         self.insertion_index = 0  # set by the scheduler; breaks ties between equal keys
 

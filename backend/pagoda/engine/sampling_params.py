@@ -84,6 +84,9 @@ class SamplingParams:
     beam_width: Optional[int] = None
     length_penalty: float = 1.0
     early_stopping: Union[bool, str] = False
+    # TensorRT-LLM's raw logits outputs (engine.logits_output): the prompt's, the generated tokens'.
+    return_context_logits: bool = False
+    return_generation_logits: bool = False
     # The fields a request gave (``from_dict``: its keys). ``None``: built in Python, every field
     # meant as written. The model's sampling defaults fill the others (``with_defaults``).
     given: Optional[frozenset] = field(default=None, repr=False, compare=False)
@@ -128,6 +131,11 @@ class SamplingParams:
         _check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
         _check_bool("ignore_eos", self.ignore_eos)
         _check_bool("skip_special_tokens", self.skip_special_tokens)
+        _check_bool("return_context_logits", self.return_context_logits)
+        _check_bool("return_generation_logits", self.return_generation_logits)
+        if self.return_generation_logits and self.stop:
+            raise ValueError("return_generation_logits: not supported with stop strings yet (a stop string ends the "
+                             "request after the engine's last output, which carries the logits); use stop_token_ids")
         if self.speculative is not None:
             _check_bool("speculative", self.speculative)
         if self.guided_decoding is not None:
@@ -172,6 +180,10 @@ class SamplingParams:
                              "token is chosen among all its group's candidates after each step, so there is no one "
                              "token per position to verify drafts against); "
                              "leave speculative out or false")
+        for name in ("return_context_logits", "return_generation_logits"):
+            if getattr(self, name):
+                raise ValueError(f"{name}: not supported with beam search yet (a beam's rows would have to follow "
+                                 "its forks and reorderings); ask for log-probabilities (logprobs) instead")
         for name, neutral in _BEAM_NEUTRAL:
             if getattr(self, name) != neutral:
                 raise ValueError(f"{name}: must be {neutral!r} with use_beam_search (beam search ranks the raw "

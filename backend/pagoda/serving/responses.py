@@ -9,8 +9,10 @@ Outputs: one element per completion (``n``) in ``text_output``, ``finish_reason`
 of token ids: the router's migration journal reads it); ``num_input_tokens`` and
 ``num_cached_tokens`` (the prompt tokens found in the prefix cache) have one element, and so
 does ``prompt_logprobs`` (JSON), sent once (with the first tokens when streaming) to a
-request that set the ``prompt_logprobs`` sampling parameter. Each optional output answers
-its ``return_*`` flag (``OutputOptions``). Streaming responses carry this step's deltas; a
+request that set the ``prompt_logprobs`` sampling parameter. ``context_logits`` (FP32
+``[prompt tokens, vocab]``) and ``generation_logits`` (FP32 ``[n, output tokens, vocab]``) come on
+the final response of a request that set ``return_context_logits`` / ``return_generation_logits``.
+Each optional output answers its ``return_*`` flag (``OutputOptions``). Streaming responses carry this step's deltas; a
 non-streaming response carries the whole text, with the prompt in front unless
 ``exclude_input_in_output`` is true (the vLLM backend's behaviour). ``finish_reason`` is
 ``""`` (pagoda dialect) or ``"None"`` (vLLM) until a completion finishes.
@@ -102,11 +104,30 @@ def make_response(request: "ServingRequest", output: RequestOutput,
             json.dumps(c.delta_token_ids if flags.stream else c.token_ids) for c in completions])
     if flags.return_num_cached_tokens:  # prompt tokens served from the prefix cache (OpenAI's cached_tokens)
         tensors["num_cached_tokens"] = np.array([output.num_cached_tokens or 0], dtype=np.uint32)
+    tensors.update(_logits(flags, output))
     if output.prompt_logprobs is not None and not request.prompt_logprobs_sent:
         tensors["prompt_logprobs"] = string_array([prompt_logprobs_text(output.prompt_logprobs, dialect,
                                                                         decode_token)])
         request.prompt_logprobs_sent = True
     return Response(tensors=tensors, is_final=output.finished)
+
+
+def _logits(flags, output: RequestOutput) -> dict[str, np.ndarray]:
+    """The raw logits asked for, on the final response: ``context_logits`` ``[prompt tokens, vocab]``,
+    ``generation_logits`` ``[n, output tokens, vocab]`` (a shorter completion's rows padded with 0.0)."""
+    out: dict[str, np.ndarray] = {}
+    if not output.finished:
+        return out
+    if flags.return_context_logits and output.context_logits is not None:
+        out["context_logits"] = np.ascontiguousarray(output.context_logits, dtype=np.float32)
+    rows = [c.generation_logits for c in output.outputs]
+    if flags.return_generation_logits and rows and all(r is not None for r in rows):
+        width, vocab = max(len(r) for r in rows), max(r.shape[1] for r in rows)
+        stacked = np.zeros((len(rows), width, vocab), dtype=np.float32)
+        for i, r in enumerate(rows):
+            stacked[i, :len(r), :r.shape[1]] = r
+        out["generation_logits"] = stacked
+    return out
 
 
 def make_control_response(document: dict[str, Any]) -> Response:

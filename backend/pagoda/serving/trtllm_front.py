@@ -45,7 +45,8 @@ from pagoda.serving.wire import WireRequest
 # pagoda's optional outputs, each behind its return_* input.
 PAGODA_OUTPUTS = {"return_finish_reason": "finish_reason", "return_stop_reason": "stop_reason",
                   "return_cumulative_logprob": "cumulative_logprob", "return_logprobs": "logprobs",
-                  "return_num_cached_tokens": "num_cached_tokens"}
+                  "return_num_cached_tokens": "num_cached_tokens", "return_context_logits": "context_logits",
+                  "return_generation_logits": "generation_logits"}
 
 
 class TritonPythonModel:
@@ -142,7 +143,8 @@ class TritonPythonModel:
             try:
                 for tensors, perf in self._forward(inputs, asked, sender.is_cancelled):
                     for s, text in enumerate(tensors["text_output"]):
-                        if "stream" in inputs and not text and not tensors["num_output_tokens"][s]:
+                        empty = not text and not tensors["num_output_tokens"][s]
+                        if "stream" in inputs and empty and "generation_logits" not in tensors:
                             continue
                         out = dialect.to_trtllm_outputs(tensors, asked, b, s, perf)
                         with lock:

@@ -76,6 +76,8 @@ class OutputOptions:
     return_num_output_tokens: bool = False
     return_num_cached_tokens: bool = False  # prompt tokens served from the prefix cache
     return_output_token_ids: bool = False  # each response's token ids (the router's migration journal)
+    return_context_logits: bool = False  # the prompt's raw logits (engine.logits_output)
+    return_generation_logits: bool = False  # the generated tokens' raw logits
     output_dialect: Optional[str] = None
 
     def __post_init__(self) -> None:
@@ -131,6 +133,8 @@ class WireRequest:
         if self.prompt is not None and self.prompt_token_ids is not None and not self.prompt_tokenizer:
             raise ValueError("input_ids: give the prompt as text_input or as input_ids, not both (a router that "
                              "tokenized text_input sends the ids with its tokenizer's prompt_tokenizer)")
+        if self.output.return_context_logits or self.output.return_generation_logits:
+            self.engine_params()  # raises ValueError naming the field where the engine cannot keep them
 
     # ------------------------------------------------------------------ building
     @classmethod
@@ -246,10 +250,20 @@ class WireRequest:
 
     def engine_params(self) -> SamplingParams:
         """The params the engine runs: log-probabilities tracked when an output flag needs them
-        (0 alternatives suffice; beams carry their sums)."""
+        (0 alternatives suffice; beams carry their sums), raw logits kept when asked for.
+
+        Raises:
+            ValueError: naming ``return_*_logits`` where the engine cannot keep them (beam search,
+                stop strings: ``SamplingParams``).
+        """
         output, params = self.output, self.params
         needs = output.return_logprobs or (output.return_cumulative_logprob and not params.use_beam_search)
-        return params.clone(logprobs=0) if needs and params.logprobs is None else params
+        params = params.clone(logprobs=0) if needs and params.logprobs is None else params
+        if output.return_context_logits or output.return_generation_logits:
+            params = params.clone(return_context_logits=params.return_context_logits or output.return_context_logits,
+                                  return_generation_logits=params.return_generation_logits
+                                  or output.return_generation_logits)
+        return params
 
     def to_engine_request(self, request_id: str, arrival_time: Optional[float], tokenizer: Optional[str] = None,
                           prompt_token_ids: Optional[list[int]] = None) -> EngineRequest:

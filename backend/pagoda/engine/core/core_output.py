@@ -6,7 +6,7 @@ that end before the scheduler saw them (``failed_outputs``). Plain data; no torc
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 from pagoda.engine.core.sched.scheduler import RequestUpdate
 from pagoda.engine.request import Request
@@ -28,6 +28,9 @@ class EngineCoreOutput:
         prompt_logprobs: on the request's first output only, when it asked for them: one
             entry per prompt position (``None`` first), ``Request.prompt_logprobs``.
         first_scheduled_time: when its first step was scheduled (``time.time()``).
+        context_logits: on the request's first output, when it asked: float32
+            ``[num_prompt_tokens, vocab]`` (``engine.logits_output``).
+        generation_logits: on its final output, when it asked: float32 ``[num_output_tokens, vocab]``.
     """
 
     request_id: str
@@ -41,6 +44,8 @@ class EngineCoreOutput:
     error: Optional[str] = None  # the request failed after it was accepted (a grammar that does not compile)
     cumulative_logprob: Optional[float] = None  # a beam's summed log-probability (beam search only)
     beam_score: Optional[float] = None  # a beam's cumulative_logprob / len ** length_penalty
+    context_logits: Optional[Any] = None
+    generation_logits: Optional[Any] = None
 
     @property
     def finished(self) -> bool:
@@ -75,4 +80,12 @@ def core_output(update: RequestUpdate, logprobs: list) -> EngineCoreOutput:
         num_cached_tokens=max(request.num_cached_tokens, 0),
         first_scheduled_time=request.metrics.first_scheduled_time,
         prompt_logprobs=list(request.prompt_logprobs) if is_first and request.prompt_logprobs is not None else None,
+        **(_logits(request, is_first, update.finished) if request.kept_logits is not None else {}),
     )
+
+
+def _logits(request: Request, is_first: bool, finished: bool) -> dict[str, Any]:
+    """Context logits with the first output (the prompt is done then), generation logits with the last."""
+    kept = request.kept_logits
+    return {"context_logits": kept.take_context() if is_first else None,
+            "generation_logits": kept.take_generation(request.num_output_tokens) if finished else None}

@@ -389,9 +389,13 @@ def _adapter_gone_message(adapter_id: Optional[str]) -> str:
 
 
 def _record_prompt_logprobs(scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> None:
-    """The step's prompt log-probabilities into their requests (before their outputs are made)."""
-    if not runner_output.prompt_logprobs:
+    """The step's prompt log-probabilities and raw logits into their requests (before their outputs are made)."""
+    if not (runner_output.prompt_logprobs or runner_output.context_logits or runner_output.generation_logits):
         return
     requests = {item.request_id: item.request for item in scheduler_output.scheduled}
     for request_id, (start, entries) in runner_output.prompt_logprobs.items():
         requests[request_id].record_prompt_logprobs(start, entries)
+    for request_id, (start, rows) in runner_output.context_logits.items():
+        requests[request_id].kept_logits.add_context(start, rows)
+    for request_id, rows in runner_output.generation_logits.items():
+        requests[request_id].kept_logits.add_generation(rows)

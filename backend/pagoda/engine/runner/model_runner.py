@@ -80,6 +80,7 @@ from pagoda.engine.lora.manager import LoRAManager
 from pagoda.engine.runner.mm_inputs import MultiModalInputs
 from pagoda.engine.guided.bitmask import TokenBitmask
 from pagoda.engine.runner.prompt_logprobs import PromptRows
+from pagoda.engine.runner.raw_logits import ContextRows, copy_sampled_rows, kept_rows
 from pagoda.engine.runner.request_states import RequestStates
 from pagoda.engine.runner.runner_output import ModelRunnerOutput
 from pagoda.engine.runner.step_sampler import StepSampler
@@ -260,12 +261,15 @@ class ModelRunner:
                     before_sampling: Optional[Callable[[], Optional[TokenBitmask]]] = None) -> ModelRunnerOutput:
         """The second half of ``execute``: the logits (received from the last stage on rank 0
         of a pipeline), the gate, sampling."""
-        scheduler_output, prompt_logprobs = started.scheduler_output, {}
-        logits = self.finish_logits(started.forward, prompt_logprobs) if started.forward is not None else None
+        scheduler_output, prompt_logprobs, context = started.scheduler_output, {}, {}
+        forward = started.forward
+        logits = self.finish_logits(forward, prompt_logprobs, context) if forward is not None else None
         # Sampling reads state that applying the previous step changes (histories, matchers).
         token_bitmask = before_sampling() if before_sampling is not None else None
         items = [item for item in scheduler_output.scheduled if item.is_sampling]
+        raw = copy_sampled_rows(logits, items, self.model_config.vocab_size) if logits is not None else {}
         output = self.step_sampler(logits, items, token_bitmask)
+        output.context_logits, output.generation_logits = context, kept_rows(raw, output)
         if self._step_hidden is not None:
             self.speculator.observe_target(scheduler_output.scheduled,
                                            dict(zip(output.req_ids, output.sampled_token_ids)), self._step_hidden)
@@ -299,8 +303,10 @@ class ModelRunner:
         """The model's forward over ``scheduled`` (``compute_logits``' first half)."""
         lora = self._lora_batch(scheduled)
         wants_prompt = any(getattr(item, "prompt_logprobs", None) is not None for item in scheduled)
-        if lora is None and not wants_prompt and self.graphs is not None and self.graphs.can_run(scheduled):
-            # Graphs hold no LoRA (nor prompt logits): such steps run eagerly.
+        wants_context = any(getattr(item, "context_logits", False) for item in scheduled)
+        eager = lora is not None or wants_prompt or wants_context
+        if not eager and self.graphs is not None and self.graphs.can_run(scheduled):
+            # Graphs hold no LoRA (nor prompt or context logits): such steps run eagerly.
             rows = [row for row, item in enumerate(scheduled) if _num_device_tokens(item)]
             logits = self.graphs.execute(scheduled, rows, self._placeholder_tokens(scheduled, rows) if rows else None)
             return Forward(logits=logits)
@@ -320,14 +326,18 @@ class ModelRunner:
         if self.keeps_hidden:
             self._step_hidden = hidden
         return Forward(hidden=hidden, sample_rows=flat.sample_rows,
-                       plan=PromptRows.build(scheduled, flat.offsets) if wants_prompt else None)
+                       plan=PromptRows.build(scheduled, flat.offsets) if wants_prompt else None,
+                       context=ContextRows.build(scheduled, flat.offsets) if wants_context else None)
 
     @torch.inference_mode()
-    def finish_logits(self, forward: "Forward", prompt_logprobs: Optional[dict] = None) -> torch.Tensor:
-        """The logits of ``forward``'s sampled rows (and its prompt log-probabilities)."""
+    def finish_logits(self, forward: "Forward", prompt_logprobs: Optional[dict] = None,
+                      context: Optional[dict] = None) -> torch.Tensor:
+        """The logits of ``forward``'s sampled rows (and its prompt log-probabilities, context logits)."""
         if forward.logits is not None:
             return forward.logits
         hidden, plan = forward.hidden, forward.plan
+        if forward.context is not None and context is not None:
+            context.update(forward.context.compute(self.model, hidden, self.model_config.vocab_size))
         if plan is not None and prompt_logprobs is not None:
             prompt_logprobs.update(plan.compute(self.model, hidden, self.model_config.vocab_size))
         elif plan is not None:  # a tensor-parallel worker: rank 0 computes them from the gathered logits
@@ -363,6 +373,7 @@ class Forward:
     sample_rows: list = field(default_factory=list)
     plan: Optional[PromptRows] = None
     logits: Optional[torch.Tensor] = None
+    context: Optional[ContextRows] = None  # context logits' rows (runner.raw_logits)
 
 
 @dataclass

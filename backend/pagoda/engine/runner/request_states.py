@@ -59,6 +59,7 @@ class StepInput:
     group_block_ids: tuple[list[int], ...] = ()  # every group's table, when there are several
     mm_features: tuple = ()  # the request's images (engine.multimodal), read by runner.mm_inputs
     num_prompt_tokens: int = 0
+    context_logits: bool = False  # SamplingParams.return_context_logits (runner.raw_logits)
 
     @property
     def num_device_tokens(self) -> int:
@@ -99,7 +100,8 @@ class RequestStates:
                                     item.request.adapter_id, num_prompt_top,
                                     item.request.prompt_token_ids if num_prompt_top is not None else (),
                                     tuple(state.tables) if len(state.tables) > 1 else (),
-                                    item.request.mm_features, item.request.num_prompt_tokens))
+                                    item.request.mm_features, item.request.num_prompt_tokens,
+                                    item.request.sampling_params.return_context_logits))
         return inputs
 
     def record(self, output: ModelRunnerOutput) -> None:

@@ -29,6 +29,10 @@ class ModelRunnerOutput:
             ``TokenLogprobs`` per position from there) for the requests that asked for
             prompt log-probabilities and had prompt positions in this step, sampling or not
             (``engine.runner.prompt_logprobs``).
+        context_logits: request id -> (prompt position of the first row, float32 rows
+            ``[n, vocab]``) for the requests that asked (``engine.logits_output``).
+        generation_logits: request id -> float32 rows ``[k, vocab]``, one per token sampled this
+            step, for the requests that asked.
     """
 
     req_ids: list[str] = field(default_factory=list)
@@ -36,6 +40,8 @@ class ModelRunnerOutput:
     logprobs: list[list[Optional[Any]]] = field(default_factory=list)
     step_id: int = 0
     prompt_logprobs: dict[str, tuple[int, list[Any]]] = field(default_factory=dict)
+    context_logits: dict[str, tuple[int, Any]] = field(default_factory=dict)
+    generation_logits: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_tokens(cls, step_id: int, tokens: Mapping[str, Sequence[int]]) -> "ModelRunnerOutput":

@@ -33,7 +33,8 @@ from pagoda.serving.dialects.tensors import DialectRequest, GetInput, decode_tex
 
 FLAG_INPUTS = ("stream", "exclude_input_in_output", "return_finish_reason", "return_stop_reason",
                "return_cumulative_logprob", "return_logprobs", "return_num_input_tokens",
-               "return_num_output_tokens", "return_num_cached_tokens", "return_output_token_ids")
+               "return_num_output_tokens", "return_num_cached_tokens", "return_output_token_ids",
+               "return_context_logits", "return_generation_logits")
 # Every input of model_repository/pagoda/config.pbtxt -> its kind (a test keeps them equal):
 # the one list the router's generate-body schema and the JSON form read.
 INPUTS: dict[str, str] = {

@@ -19,9 +19,12 @@ ignored); ``embedding_bias_words`` / ``_weights`` become a ``logit_bias`` (each 
 get its weight, as TensorRT-LLM's preprocessing builds its embedding bias).
 
 Front invariants: every input of the interface (``INPUTS``) is applied or refused with a
-``ValueError`` whose message starts with its name (``REFUSED``, ``return_*_logits`` when set to
-anything but their neutral value); nothing is dropped but ``length_penalty`` at beam width 1,
-which changes nothing there (as in TensorRT-LLM, which accepts it).
+``ValueError`` whose message starts with its name (``REFUSED``); nothing is dropped but
+``length_penalty`` at beam width 1, which changes nothing there (as in TensorRT-LLM, which
+accepts it). ``return_context_logits`` / ``return_generation_logits`` ask pagoda's model for the
+raw logits (``engine.logits_output``), sent as TensorRT-LLM's backend sends them: FP32
+``context_logits`` ``[1, prompt tokens, vocab]`` and ``generation_logits`` ``[1, sequences,
+tokens, vocab]`` per item, on the item's final response.
 A beam search returns ``num_return_sequences`` beams (default: all, as TensorRT-LLM does), best
 first, each with its ``cum_log_probs`` and ``output_log_probs`` (``[1, beams, tokens]``, 0.0
 padded). Outputs carry a batch dimension: one row per item (``batch_index``), one response per
@@ -228,6 +231,8 @@ def read_item(item: Item, decoupled: bool, encode: Optional[Encode] = None) -> D
         options["lora_name"] = str(task)  # the adapter loaded under that name (docs/serving.md)
     flags = {"stream": stream, "exclude_input_in_output": flag("exclude_input_in_output",
                                                                get_input("exclude_input_in_output")),
+             "return_context_logits": flag("return_context_logits", get_input("return_context_logits")),
+             "return_generation_logits": flag("return_generation_logits", get_input("return_generation_logits")),
              "return_cumulative_logprob": log_probs, "return_logprobs": log_probs,
              "return_num_input_tokens": True, "return_num_output_tokens": True,
              "return_num_cached_tokens": flag("return_perf_metrics", get_input("return_perf_metrics"))}
@@ -235,13 +240,6 @@ def read_item(item: Item, decoupled: bool, encode: Optional[Encode] = None) -> D
 
 
 def _check_neutral(item: Item) -> None:
-    for name, neutral, why in (
-            ("return_context_logits", False, "pagoda returns no logits (prompt log-probabilities: "
-                                             "the OpenAI door's echo with logprobs)"),
-            ("return_generation_logits", False, "pagoda returns no logits; use return_log_probs")):
-        value = one(name, item.get(name))
-        if value is not None and value != neutral:
-            raise ValueError(f"{name}: {why} (got {value!r}, only {neutral!r} is accepted)")
     for name, why in REFUSED.items():
         if name in item:
             raise ValueError(f"{name}: not supported: {why}")
@@ -273,7 +271,8 @@ def requested(item: Item, outputs: Collection[str] = ()) -> dict[str, bool]:
     names) without ``return_log_probs`` (``log_prob_outputs``: they are sent as zeros)."""
     asked = {name: flag(flag_name, item.get(flag_name)) for name, flag_name in (
         ("log_probs", "return_log_probs"), ("perf", "return_perf_metrics"),
-        ("num_input_tokens", "return_num_input_tokens"), ("num_output_tokens", "return_num_output_tokens"))}
+        ("num_input_tokens", "return_num_input_tokens"), ("num_output_tokens", "return_num_output_tokens"),
+        ("context_logits", "return_context_logits"), ("generation_logits", "return_generation_logits"))}
     asked["log_prob_outputs"] = bool({"cum_log_probs", "output_log_probs"} & set(outputs))
     return asked
 
@@ -310,6 +309,10 @@ def to_trtllm_outputs(tensors: dict[str, np.ndarray], asked: dict[str, bool], ba
     for name in ("num_input_tokens", "num_output_tokens"):
         if asked[name]:
             out[name] = np.array([[counts[name]]], dtype=np.int32)
+    if asked.get("context_logits") and "context_logits" in tensors:  # [1, prompt tokens, vocab]
+        out["context_logits"] = tensors["context_logits"].astype(np.float32)[None]
+    if asked.get("generation_logits") and "generation_logits" in tensors:  # [1, sequences (beams), tokens, vocab]
+        out["generation_logits"] = pick(tensors["generation_logits"]).astype(np.float32)[None]
     if asked["perf"] and perf is not None:
         out.update({name: np.array([[value]], dtype=_perf_dtype(name, value)) for name, value in perf.items()})
     return out

@@ -146,7 +146,8 @@ class WaitingAdmitter:
         step.add(request, num_new)
 
     def _lookup_prefix(self, request: Request) -> PrefixHit:
-        if request.sampling_params.prompt_logprobs is not None:
+        params = request.sampling_params
+        if params.prompt_logprobs is not None or params.return_context_logits:
             return PrefixHit(None, [], 0)  # cached positions have no logits: compute the whole prompt (as vLLM)
         hit = self.kv_cache_manager.find_cache_hit(request)
         if not self.kv_cache_manager.enable_caching:

@@ -1,0 +1,93 @@
+"""Raw logits a request asked for: TensorRT-LLM's ``return_context_logits`` and
+``return_generation_logits`` (``SamplingParams`` fields of the same names), their size bound, and
+how a request keeps them until it finishes.
+
+What they are (TensorRT-LLM's definitions): context logits are the model's logits at every prompt
+position (``[num_prompt_tokens, vocab_size]``: row ``q`` scores the token after ``prompt[:q + 1]``,
+so the last row is the first generated token's distribution); generation logits are, per
+generated token, the logits it was sampled from (``[num_output_tokens, vocab_size]``). Both are
+the raw model's, float32, padding columns cut off: before temperature, penalties, biases and
+grammar masks (as TensorRT-LLM's, which gathers them from the engine's output).
+
+Cost: opt-in per request. A step none of whose requests asks computes and copies nothing more.
+A request asking for context logits never takes its prefix from the prefix cache (cached
+positions have no logits, as with ``prompt_logprobs``) and runs eagerly (no CUDA graph); one
+asking for generation logits copies its sampled rows to the host once per step, before sampling.
+
+Bound: each output of one request holds at most ``MAX_LOGITS_VALUES`` float32 values (256 MiB):
+``num_prompt_tokens * vocab_size`` and ``max_tokens * vocab_size`` (``max_tokens`` unset: what
+``max_model_len`` leaves) are checked when the request arrives, and a request over it is refused
+naming the field, before it runs. Invariants: context rows are kept by prompt position (a chunk
+computed again after a preemption overwrites its rows); generation rows past the request's output
+tokens (a step scheduled before its stop was known) are cut when the request's logits are taken.
+Context logits go out with a request's first output, generation logits with its last; so stop
+strings (which the output processor applies, ending a request before the core's last output) do
+not combine with generation logits, and ``SamplingParams`` refuses the two together.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+MAX_LOGITS_VALUES = 1 << 26  # float32 values per output of one request (256 MiB)
+
+
+def check_logits_size(params, num_prompt_tokens: int, max_model_len: int, vocab_size: int) -> None:
+    """Refuse a request whose asked-for logits would exceed ``MAX_LOGITS_VALUES``.
+
+    Raises:
+        ValueError: naming ``return_context_logits`` or ``return_generation_logits``.
+    """
+    if params.return_context_logits and num_prompt_tokens * vocab_size > MAX_LOGITS_VALUES:
+        raise ValueError(f"return_context_logits: {num_prompt_tokens} prompt tokens x vocabulary {vocab_size} "
+                         f"= {num_prompt_tokens * vocab_size} values, over the limit of {MAX_LOGITS_VALUES} "
+                         f"({MAX_LOGITS_VALUES // vocab_size} prompt tokens for this model)")
+    if params.return_generation_logits:
+        max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len - num_prompt_tokens
+        if max_tokens * vocab_size > MAX_LOGITS_VALUES:
+            raise ValueError(f"return_generation_logits: max_tokens {max_tokens} x vocabulary {vocab_size} = "
+                             f"{max_tokens * vocab_size} values, over the limit of {MAX_LOGITS_VALUES} (set "
+                             f"max_tokens to at most {MAX_LOGITS_VALUES // vocab_size} for this model)")
+
+
+class KeptLogits:
+    """One request's logits rows, as the runner computes them (module docstring)."""
+
+    def __init__(self, num_prompt_tokens: int, context: bool, generation: bool) -> None:
+        self.num_prompt_tokens = num_prompt_tokens
+        self.context: Optional[list[tuple[int, np.ndarray]]] = [] if context else None
+        self.generation: Optional[list[np.ndarray]] = [] if generation else None
+
+    def add_context(self, start: int, rows: np.ndarray) -> None:
+        """Rows ``[n, vocab]`` of prompt positions ``start .. start + n - 1``."""
+        assert self.context is not None, "context logits were not asked for"
+        assert 0 <= start and start + len(rows) <= self.num_prompt_tokens, "context logits past the prompt"
+        self.context.append((start, rows))
+
+    def add_generation(self, rows: np.ndarray) -> None:
+        """One step's rows ``[k, vocab]``: one per token the step sampled for this request."""
+        assert self.generation is not None, "generation logits were not asked for"
+        self.generation.append(rows)
+
+    def take_context(self) -> Optional[np.ndarray]:
+        """``[num_prompt_tokens, vocab]`` float32; None when not asked for, or not all computed (an
+        aborted request)."""
+        if not self.context:
+            return None
+        vocab = self.context[0][1].shape[1]
+        out = np.empty((self.num_prompt_tokens, vocab), dtype=np.float32)
+        covered = np.zeros(self.num_prompt_tokens, dtype=bool)
+        for start, rows in self.context:  # in step order: a recomputed chunk overwrites
+            out[start:start + len(rows)] = rows
+            covered[start:start + len(rows)] = True
+        return out if covered.all() else None
+
+    def take_generation(self, num_output_tokens: int) -> Optional[np.ndarray]:
+        """``[num_output_tokens, vocab]`` float32; None when not asked for, or rows are missing (an
+        aborted request)."""
+        if not self.generation:
+            return None
+        rows = np.concatenate(self.generation)
+        return rows[:num_output_tokens] if len(rows) >= num_output_tokens else None
