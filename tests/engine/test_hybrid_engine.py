@@ -14,7 +14,8 @@ recurrent-state group, ``engine.kv.state_manager``). Greedy tokens must equal tr
   from a checkpoint rather than recomputed (``num_state_restores`` counts it).
 
 Seeded sampling gives a request the same tokens alone and in a batch. What does not combine
-yet is refused naming why: speculative decoding, beam search, a KV connector.
+yet is refused naming why: speculative decoding, beam search, a KV connector. A prefix evicted
+from the device to the CPU tier (blocks and state checkpoint) comes back from it.
 """
 
 from __future__ import annotations
@@ -140,3 +141,28 @@ def test_parallel_samples_resume_the_first_ones_prompt_state(hybrid):
         outputs += [o for o in engine.step() if o.finished]
     assert len(outputs[0].outputs) == 3
     assert engine.get_stats().num_state_restores >= 2
+
+
+def test_a_prefix_evicted_to_the_cpu_tier_comes_back_with_its_state(hybrid):
+    """The device cache is forced to evict a prompt's blocks and its state checkpoint (a tiny
+    block pool, few state slots, other prompts meanwhile); both go to the CPU tier, and the same
+    prompt again resumes there (host blocks copied back, the host checkpoint restored into its
+    working slot: counted as a CPU-tier hit, no device restore) with transformers' tokens. The
+    default preemption_mode "auto" calibrates its cost model with a prefill through both groups."""
+    folder, prompts, expected, _ = hybrid
+    engine = LLMEngine(EngineConfig(model=folder, block_size=8, num_gpu_blocks_override=12, max_num_seqs=1,
+                                    num_state_slots=3, cpu_offload_bytes=1 << 20))
+    assert _run(engine, [prompts[1]]) == [expected[1]]
+    for i in range(3):  # unrelated prompts: their blocks and checkpoints push prompt 1's out of the device
+        _run(engine, [[1000 + 37 * i + j for j in range(40)]], prefix=f"filler{i}-")
+    first = engine.get_stats()
+    assert first.num_offloaded_states > 0 and first.num_offloaded_blocks > 0
+    assert _run(engine, [prompts[1]], prefix="again-") == [expected[1]]
+    second = engine.get_stats()
+    assert second.num_host_state_restores == first.num_host_state_restores + 1
+    assert second.num_state_restores == first.num_state_restores, "the checkpoint came from the host, not the device"
+    boundary = (len(prompts[1]) - 1) // 8 * 8  # the prompt's last block boundary: its checkpoint
+    assert second.prefix_cache_hits_host - first.prefix_cache_hits_host == boundary
+    assert second.num_free_blocks == second.num_blocks and second.num_free_state_slots == second.num_state_slots
+    assert second.num_free_host_blocks == second.num_host_blocks
+
