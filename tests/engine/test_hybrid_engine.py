@@ -14,8 +14,10 @@ recurrent-state group, ``engine.kv.state_manager``). Greedy tokens must equal tr
   from a checkpoint rather than recomputed (``num_state_restores`` counts it).
 
 Seeded sampling gives a request the same tokens alone and in a batch. What does not combine
-yet is refused naming why: speculative decoding, beam search, a KV connector. A prefix evicted
-from the device to the CPU tier (blocks and state checkpoint) comes back from it.
+yet is refused naming why: speculative decoding, beam search, the NIXL connector. The TCP
+connector moves a prompt's blocks and its state checkpoint to a peer (sent and pulled), and the
+peer's request hits in both groups. A prefix evicted from the device to the CPU tier (blocks and
+state checkpoint) comes back from it.
 """
 
 from __future__ import annotations
@@ -106,15 +108,15 @@ def test_seeded_sampling_is_the_same_alone_and_in_a_batch(hybrid):
 
 
 def test_what_does_not_combine_with_recurrent_states_is_refused(hybrid):
-    from pagoda.engine.kv_transfer.tcp import TcpKVConnector
+    from pagoda.engine.kv_transfer.connector import check_layout
 
     folder, prompts, _, engine = hybrid
     with pytest.raises(ValueError, match="recurrent states.*rejected draft token"):
         LLMEngine(EngineConfig(model=folder, speculative_method="ngram"))
     with pytest.raises(ValueError, match="use_beam_search: this model keeps recurrent states"):
         engine.add_request("beam", prompts[0], SamplingParams(use_beam_search=True, n=2, temperature=0.0, max_tokens=4))
-    with pytest.raises(ValueError, match="recurrent-state model cannot use KV transfer"):
-        TcpKVConnector(engine)
+    with pytest.raises(ValueError, match="moves no recurrent-state checkpoint.*over the TCP connector"):
+        check_layout(engine.runner.kv_layout, carries_states=False)  # the NIXL connector's check
     assert not engine.has_unfinished_requests()
 
 
@@ -166,3 +168,36 @@ def test_a_prefix_evicted_to_the_cpu_tier_comes_back_with_its_state(hybrid):
     assert second.num_free_blocks == second.num_blocks and second.num_free_state_slots == second.num_state_slots
     assert second.num_free_host_blocks == second.num_host_blocks
 
+
+def test_a_prefix_moves_between_replicas_with_its_state_checkpoint(hybrid):
+    """P/D over TCP: A sends prompt 1's cached run (cut at its last state checkpoint) and B pulls
+    prompt 2's from A; each offer carries the attention blocks and the state after the last one,
+    and B's requests then hit in both groups (a state restore, no recompute of the prefix)."""
+    from pagoda.contracts.block_hash import hash_prompt_blocks
+    from pagoda.engine.kv_transfer.tcp import TcpKVConnector
+
+    from tests.engine.test_kv_transfer import _wait
+
+    folder, prompts, expected, _ = hybrid
+    a, b = (LLMEngine(EngineConfig(model=folder, block_size=8)) for _ in range(2))
+    ca, cb = TcpKVConnector(a, listen="127.0.0.1:0"), TcpKVConnector(b, listen="127.0.0.1:0")
+    try:
+        assert _run(a, [prompts[1], prompts[2]]) == [expected[1], expected[2]]
+        block_bytes, state_bytes = cb.block_io.block_bytes, cb.state_io.slot_bytes
+        for i, move in ((1, lambda h: ca.send(cb.address, h)), (2, lambda h: cb.pull(ca.address, h))):
+            results = _wait([ca, cb], move(hash_prompt_blocks(prompts[i], 8, a.model_id)))
+            sent, received = results["send"], results["receive"]
+            assert sent.ok and received.ok and sent.num_blocks >= 1
+            before = b.get_stats()
+            assert _run(b, [prompts[i]], prefix=f"b{i}-") == [expected[i]]
+            after = b.get_stats()
+            # The run ends at A's checkpoint at the prompt's last block boundary; B lacked its state and
+            # the blocks past the prefix it had (prompt 2 shares prompt 1's first blocks).
+            assert after.prefix_cache_hits - before.prefix_cache_hits == (len(prompts[i]) - 1) // 8 * 8
+            assert after.num_state_restores == before.num_state_restores + 1
+            assert received.num_bytes == sent.num_bytes == sent.num_blocks * block_bytes + state_bytes
+        assert ca.num_pinned_blocks == 0 and a.get_stats().num_free_state_slots == a.get_stats().num_state_slots
+        assert b.get_stats().num_free_blocks == b.get_stats().num_blocks
+    finally:
+        ca.close()
+        cb.close()
