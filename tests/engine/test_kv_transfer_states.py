@@ -42,3 +42,27 @@ def test_an_offer_with_a_state_round_trips_and_sizes_its_payloads():
     no_state = {"dtype": "float32", "block_bytes": 64}
     stray = Offer("t", "m", BS, no_state, offer.block_hashes, offer.token_ids, has_state=True)
     assert "carries a recurrent state" in check_offer(stray, "m", BS, no_state)
+
+
+def test_blocks_taken_for_a_commit_drop_what_they_evict_instead_of_offloading_it():
+    """A received block is written at once, between steps; the CPU tier's copy of a block it
+    evicts would run only at the next step, after the write, so the commit drops evicted blocks."""
+    from pagoda.engine.kv.block_pool import BlockPool
+    from pagoda.engine.kv_transfer.tcp_receiver import new_blocks_dropping_evicted
+
+    from tests.engine.test_kv_state_group import make_request
+
+    pool = BlockPool(3)
+    offered = []
+    pool.on_evict = offered.append
+    request = make_request("a", range(2 * BS))
+    blocks = pool.get_new_blocks(2)
+    for i, block in enumerate(blocks):
+        assert pool.cache_block(request, block, i, BS)
+    pool.free_blocks(blocks)
+    taken = new_blocks_dropping_evicted(pool, 2)
+    assert offered == [] and pool.on_evict == offered.append
+    assert pool.get_cached_block(request.block_hashes[0]) is None  # evicted, and gone
+    pool.free_blocks(taken)
+    pool.get_new_blocks(1)
+    assert offered == []  # freed uncached: nothing left to offer

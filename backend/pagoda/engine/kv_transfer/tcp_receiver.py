@@ -19,6 +19,8 @@ sender, from the engine thread). Invariants:
   blocks, enters them in the prefix cache and frees them (they stay cached), then wakes
   the connection thread to answer DONE. A commit that does not happen within ``ttl_s``
   answers ERROR and is dropped.
+- Blocks (and state slots) taken for a commit evict cached ones without offering them to the
+  CPU tier (``new_blocks_dropping_evicted``: the tier's copy would run after the write).
 - A hybrid model's offer (``Offer.has_state``) carries the recurrent-state checkpoint at the
   run's last block boundary as payload ``len(block_hashes)``: needed when this replica's
   state group lacks it, committed into a free state slot and entered under the run's last
@@ -144,7 +146,7 @@ class TcpReceiver:
         if len(missing) > pool.num_free_blocks:
             t.error = f"no free blocks: {len(missing)} needed, {pool.num_free_blocks} free"
             return
-        blocks = pool.get_new_blocks(len(missing))
+        blocks = new_blocks_dropping_evicted(pool, len(missing))
         by_index = dict(zip(missing, blocks))
         for i, block in by_index.items():
             self.write_block(block.block_id, t.data[i])
@@ -162,7 +164,7 @@ class TcpReceiver:
         if not pool.num_free_blocks:  # every slot is a working one: the blocks alone stay (an error says so)
             t.error = "no free recurrent-state slot for the checkpoint; the blocks were entered without it"
             return
-        slot = pool.get_new_blocks(1)[0]
+        slot = new_blocks_dropping_evicted(pool, 1)[0]
         self.write_state(slot.block_id, t.data[last + 1])
         parent = offer.block_hashes[last - 1] if last > 0 else offer.parent_block_hash
         pool.cache_received_blocks([slot], [offer.block_hashes[last]], [offer.token_ids[last]], parent,
@@ -337,6 +339,17 @@ class TcpReceiver:
             self._results.append(TransferResult(transfer_id, "receive", num_blocks, num_bytes,
                                                 time.monotonic() - started, error))
         self.wake()
+
+
+def new_blocks_dropping_evicted(pool: BlockPool, num_blocks: int) -> list[KVCacheBlock]:
+    """``pool.get_new_blocks`` for blocks written at once, between steps: cached blocks it evicts
+    are dropped, not offered to the CPU tier (``on_evict``), whose copy would run only at the
+    next step, after the received bytes overwrote them, and keep them under the old hash."""
+    hook, pool.on_evict = pool.on_evict, None
+    try:
+        return pool.get_new_blocks(num_blocks)
+    finally:
+        pool.on_evict = hook
 
 
 def take_all(items: queue.SimpleQueue) -> list:
