@@ -147,7 +147,7 @@ def test_swap_moves_the_state_slot_with_the_blocks():
     new_blocks, new_slot = manager.get_swap_block_ids(a)
     tier.swap_in("a", new_blocks, new_slot)
     assert tier.take_state_copies() == ([], [(0, new_slot)])
-    assert tier.free_state_slots == [1, 0]
+    assert tier.states.num_free_slots == 2
     assert tier.swap_out("b", [], 5) and tier.swap_out("c", [], 6)
     assert not tier.swap_out("d", [], 7)  # no host state slot left: the victim recomputes instead
 
@@ -180,8 +180,9 @@ def test_host_tier_blocks_extend_a_hit_only_up_to_a_checkpoint():
     assert hit.num_tokens == 12
     device_only = manager.find_cache_hit(make_request("c", list(range(14)) + [1]))
     device_only.blocks[0] = device_only.blocks[0][:1]  # as if blocks 1-2 now lived in the host tier
-    extended, num_host = manager.usable_loaded_blocks(device_only, 2, b)
-    assert num_host == 2 and len(extended.blocks[1]) == 3  # up to the checkpoint at 12
+    device_only.num_attention_tokens = 4
+    extended, num_host, host_state = manager.usable_loaded_blocks(device_only, 2, b)
+    assert num_host == 2 and len(extended.blocks[1]) == 3 and host_state is None  # up to the checkpoint at 12
     assert manager.usable_loaded_blocks(device_only, 1, b)[1] == 0  # no checkpoint at 8: no host blocks
 
 

@@ -58,6 +58,8 @@ class EngineStats:
     num_recomputed_preemptions: int = 0  # preemptions by recompute (with or without the tier)
     prefix_cache_hits_host: int = 0  # tokens, included in prefix_cache_hits
     num_offloaded_blocks: int = 0  # cached blocks evicted from the device, copied to the host
+    num_offloaded_states: int = 0  # state checkpoints evicted from the device, copied to the host
+    num_host_state_restores: int = 0  # requests that resumed a host state checkpoint (kv.host_states)
     # Images (engine/runner/encoder_cache.py; zero for a text-only model): encoder runs, asks
     # answered from the encoder cache (an image sent again, a later chunk of one), bytes kept.
     mm_encoder_runs: int = 0
@@ -179,6 +181,7 @@ def _offload_stats(tier: Any) -> dict:
     return dict(num_swapped_out=tier.num_swapped_out, num_swapped_in=tier.num_swapped_in,
                 prefix_cache_hits_host=tier.prefix_cache_hits_host,
                 num_offloaded_blocks=tier.num_offloaded_blocks,
+                num_offloaded_states=tier.states.num_offloaded, num_host_state_restores=tier.states.num_restored,
                 num_host_blocks=tier.num_blocks, num_free_host_blocks=tier.num_free_blocks,
                 **(tier.file_tiers.stats() if getattr(tier, "file_tiers", None) is not None else {}))
 

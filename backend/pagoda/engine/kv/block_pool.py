@@ -307,14 +307,16 @@ class BlockPool:
         parent_block_hash: Optional[BlockHash],
         lora_name: Optional[str] = None,
         cache_salt: Optional[str] = None,
+        group_idx: int = 0,
     ) -> int:
         """Enter one contiguous run of blocks whose KV came from a peer (``engine.kv_transfer``).
 
         ``blocks[i]`` (held by the caller, written already) holds ``block_hashes[i]``'s
         tokens ``token_ids[i]``; the caller has checked the hash chain. A hash cached in
         the meantime keeps its block; the new one stays unhashed and is freed normally.
-        Emits one ``BlockStored`` per contiguous run of newly stored blocks. Group 0 only:
-        connectors serve single-group layouts (``kv_transfer.connector.check_layout``).
+        Emits one ``BlockStored`` per contiguous run of newly stored blocks. Group ``group_idx``'s
+        map: group 0's blocks, or a recurrent-state group's checkpoint slot (in the state pool;
+        ``kv_transfer.connector.check_layout`` says which layouts a connector serves).
 
         Returns:
             How many blocks were entered in the hash map.
@@ -323,30 +325,34 @@ class BlockPool:
             return 0
         run: list[int] = []  # indices of the current run of newly stored blocks
         stored = 0
-        hash_map = self.cached_block_hash_to_block
+        hash_map = self.hash_map(group_idx)
+        keys = (block_hashes, token_ids, parent_block_hash, lora_name, cache_salt, group_idx)
         for i, (block, block_hash) in enumerate(zip(blocks, block_hashes)):
             if block.block_hash is not None or block_hash in hash_map:
-                self._emit_received(run, block_hashes, token_ids, parent_block_hash, lora_name, cache_salt)
+                self._emit_received(run, *keys)
                 run = []
                 continue
-            block.block_hash, block.group_idx = block_hash, 0
+            block.block_hash, block.group_idx = block_hash, group_idx
             block.token_ids = tuple(token_ids[i])
             hash_map[block_hash] = block
             run.append(i)
             stored += 1
-        self._emit_received(run, block_hashes, token_ids, parent_block_hash, lora_name, cache_salt)
+        self._emit_received(run, *keys)
         return stored
 
-    def _emit_received(self, run, block_hashes, token_ids, parent_block_hash, lora_name, cache_salt) -> None:
+    def _emit_received(self, run, block_hashes, token_ids, parent_block_hash, lora_name, cache_salt,
+                       group_idx: int) -> None:
         if not run:
             return
         first = run[0]
         parent = block_hashes[first - 1] if first > 0 else parent_block_hash
+        kind, window = self.group_tags.get(group_idx, (None, None))
         self.event_buffer.emit(BlockStored(
             block_hashes=[block_hashes[i].hex() for i in run],
             parent_block_hash=parent.hex() if parent is not None else None,
             token_ids=[t for i in run for t in token_ids[i]], block_size=len(token_ids[first]),
-            lora_name=lora_name, cache_salt=cache_salt))
+            lora_name=lora_name, cache_salt=cache_salt, group_idx=group_idx, kv_cache_spec_kind=kind,
+            sliding_window=window))
 
     def _emit_stored(self, request: "Request", run: list[int], block_size: int, group_idx: int = 0) -> None:
         if not run:

@@ -17,11 +17,13 @@ the bytes. Two uses share one pool of ``num_host_blocks`` host blocks:
 KV cache groups (``kv.layout``): a swap moves every group's live blocks (a sliding
 window's out-of-window blocks are freed first, so only the window travels) as one list,
 plus the request's recurrent-state slot into one of ``num_host_state_slots`` host state
-slots (``state_swap_out`` / ``state_swap_in`` pairs). The prefix tier keeps group 0's
-blocks only, and only for layouts with one paged group (the scheduler turns it off
-otherwise, naming why): a sliding-window group's hit needs its window's blocks beside
-group 0's, which the host tier does not track; a state group's hit needs a checkpoint,
-which stays on the device (``KVCacheManager.usable_loaded_blocks``).
+slots (``states_to_swap_out`` / ``states_to_swap_in`` pairs; ``kv.host_states``). The prefix
+tier keeps group 0's blocks, and only for layouts with one paged group (the scheduler turns
+it off otherwise, naming why: a sliding-window group's hit needs its window's blocks beside
+group 0's, which the host tier does not track). A state group's evicted checkpoints go to the
+host state slots too (``kv.host_states``), so a hybrid's prefix evicted from the device comes
+back whole: group 0's blocks and the state at the boundary where they end
+(``KVCacheManager.usable_loaded_blocks`` picks the last checkpoint, device or host).
 
 Host blocks reuse ``KVCacheBlock``/``FreeBlockQueue``: a host block is in use
 (``ref_cnt > 0``: owned by a swapped request, or pinned while a copy reads it this
@@ -70,6 +72,7 @@ from typing import Callable, Optional, Sequence, Union
 from pagoda.contracts.block_hash import BlockHash
 from pagoda.engine.kv.block_pool import FreeBlockQueue, KVCacheBlock
 from pagoda.engine.kv.file_tier import FileTiers
+from pagoda.engine.kv.host_states import HostStates
 from pagoda.engine.config import PREEMPTION_MODES
 
 BlockPairs = list[tuple[int, int]]  # (src block id, dst block id)
@@ -197,10 +200,8 @@ class KVOffloadManager:
         if preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode: must be one of {PREEMPTION_MODES}, got {preemption_mode!r}")
         self.pool = HostBlockPool(num_host_blocks)
-        self.free_state_slots = list(range(num_host_state_slots - 1, -1, -1))  # popped from the end
-        self.req_to_host_state: dict[str, int] = {}
-        self._state_out: list[tuple[int, int]] = []  # (device slot, host slot)
-        self._state_in: list[tuple[int, int]] = []  # (host slot, device slot)
+        self.states = HostStates(HostBlockPool(num_host_state_slots) if num_host_state_slots > 0 else None,
+                                 block_size, enable_prefix_tier)
         self.block_size = block_size
         self.preemption_mode = preemption_mode
         self.cost_model = cost_model
@@ -245,7 +246,7 @@ class KVOffloadManager:
         """Record device -> host copies of a victim's blocks (and of its state slot, when not 0).
         False (nothing changes) if the host pool is too full."""
         assert request_id not in self.req_to_host_blocks, f"{request_id!r} is already swapped out"
-        if state_slot and not self.free_state_slots:
+        if state_slot and not self.states.has_room():
             return False
         host_blocks = self.pool.allocate(len(device_block_ids))
         if host_blocks is None:
@@ -254,8 +255,7 @@ class KVOffloadManager:
             self._swap_out[host_block.block_id] = device_id
         self.req_to_host_blocks[request_id] = host_blocks
         if state_slot:
-            host_slot = self.req_to_host_state[request_id] = self.free_state_slots.pop()
-            self._state_out.append((state_slot, host_slot))
+            self.states.swap_out(request_id, state_slot)
         self.num_swapped_out += 1
         return True
 
@@ -267,10 +267,7 @@ class KVOffloadManager:
         for host_block, device_id in zip(host_blocks, device_block_ids):
             self._to_device[device_id] = (host_block.block_id, True)
         self._pinned.extend(host_blocks)  # already referenced once: released in take_copies
-        host_slot = self.req_to_host_state.pop(request_id, None)
-        if host_slot is not None:
-            assert state_slot, "swap-in of a state needs a device state slot"
-            self._state_in.append((host_slot, state_slot))  # the slot is free again once copies are taken
+        self.states.swap_in(request_id, state_slot)  # its host slot is free again once copies are taken
         self.num_swapped_in += 1
 
     def free_request(self, request_id: str) -> None:
@@ -278,9 +275,7 @@ class KVOffloadManager:
         host_blocks = self.req_to_host_blocks.pop(request_id, None)
         if host_blocks:
             self.pool.free(host_blocks)
-        host_slot = self.req_to_host_state.pop(request_id, None)
-        if host_slot is not None:
-            self.free_state_slots.append(host_slot)
+        self.states.free_request(request_id)
 
     # Prefix tier ---------------------------------------------------------------------
 
@@ -339,6 +334,13 @@ class KVOffloadManager:
         self._pinned.extend(host_blocks)
         self.prefix_cache_hits_host += len(host_blocks) * self.block_size
 
+    def restore_state(self, host_slot: KVCacheBlock, device_slot: int, num_tokens: int, num_host_tokens: int) -> None:
+        """Record the host -> device copy of a pinned state checkpoint into a request's new
+        working slot (``kv.host_states``); ``num_host_tokens``: hit tokens it alone made usable
+        (beyond the copied-back blocks), counted as host hits."""
+        self.states.restore(host_slot, device_slot, num_tokens)
+        self.prefix_cache_hits_host += num_host_tokens
+
     # Step boundary -------------------------------------------------------------------
 
     @property
@@ -363,14 +365,11 @@ class KVOffloadManager:
 
     def take_state_copies(self) -> tuple[BlockPairs, BlockPairs]:
         """This step's state slot copies: (device -> host, host -> device) as (src, dst)."""
-        pairs = self._state_out, self._state_in
-        # Host slots read this step are reusable only now: device -> host copies run first.
-        self.free_state_slots += [host for host, _ in self._state_in]
-        self._state_out, self._state_in = [], []
-        return pairs
+        return self.states.take_copies()
 
     def reset_prefix_cache(self) -> None:
         self.pool.reset_prefix_cache()
+        self.states.reset_prefix_cache()
 
 
 class NoHostTier:
@@ -380,6 +379,9 @@ class NoHostTier:
     num_swapped_out = num_swapped_in = num_offloaded_blocks = prefix_cache_hits_host = 0
     num_blocks = num_free_blocks = 0
     cost_model: Optional[SwapCostModel] = None
+
+    def __init__(self) -> None:
+        self.states = HostStates(None, 1, False)  # no slots: finds nothing, offloads nothing
 
     def is_swapped_out(self, request_id: str) -> bool:  # noqa: ARG002
         return False
@@ -407,6 +409,9 @@ class NoHostTier:
 
     def copy_back(self, host_blocks: Sequence[KVCacheBlock], device_block_ids: Sequence[int]) -> None:
         assert not host_blocks, "no host tier: nothing to copy back"
+
+    def restore_state(self, host_slot: KVCacheBlock, device_slot: int, num_tokens: int, num_host_tokens: int) -> None:
+        raise AssertionError("no host tier: no state checkpoint to restore")
 
     def take_copies(self) -> tuple[BlockPairs, BlockPairs, BlockPairs]:
         return [], [], []

@@ -45,6 +45,7 @@ from pagoda.contracts.kv_events import KVEventBuffer
 from pagoda.engine.kv.block_pool import BlockPool, KVCacheBlock
 from pagoda.engine.kv.file_tier import FileTiers, check_layout, emit_events
 from pagoda.engine.kv.group_managers import MANAGERS, PagedGroupManager
+from pagoda.engine.kv.host_states import HostStates
 from pagoda.engine.kv.host_tier import BlockPairs, HostTier, SwapCostModel, make_host_tier
 from pagoda.engine.kv.layout import KVCacheLayout, single_group_layout
 from pagoda.engine.kv.specs import SlidingWindowSpec
@@ -145,25 +146,41 @@ class KVCacheManager:
         hit = self.find_cache_hit(request)
         return hit, hit.num_tokens
 
-    def usable_loaded_blocks(self, hit: CacheHit, num_host_blocks: int, request: Request) -> tuple[CacheHit, int]:
-        """How many of ``num_host_blocks`` host-tier blocks continuing group 0's hit the other
-        groups can follow: all (one paged group, no state), up to the last state checkpoint
-        among them (the state group's table then ends there), or none.
+    def usable_loaded_blocks(self, hit: CacheHit, num_host_blocks: int, request: Request,
+                             host_states: Optional[HostStates] = None) -> tuple[CacheHit, int, Optional[KVCacheBlock]]:
+        """How much of a prefix continued by ``num_host_blocks`` host-tier blocks every group can
+        follow. The host blocks continue group 0's own device hit (``hit.num_attention_tokens``).
+        One paged group without state: all of them. With a state group: up to the last state
+        checkpoint, on the device or in ``host_states`` (``kv.host_states``), past the device hit;
+        group 0's table and the host blocks are cut there. More paged groups: none.
 
         Returns:
-            (the hit with the state group's table updated, usable host blocks).
+            (the hit with group 0's and the state group's tables updated, usable host blocks, the
+            host checkpoint to restore into the working slot, or None: the state table has it).
         """
-        if num_host_blocks == 0 or len(self.paged) > 1:
-            return hit, 0
+        if len(self.paged) > 1 or (self.state is None and num_host_blocks == 0):
+            return hit, 0, None
         if self.state is None:
-            return hit, num_host_blocks
-        start = len(hit.device_blocks)
-        table = self.state.find_hit(request, start + num_host_blocks)
-        if len(table) <= start:
-            return hit, 0
+            return hit, num_host_blocks, None
+        attention_end = hit.num_attention_tokens // self.block_size
+        end, start = attention_end + num_host_blocks, len(hit.device_blocks)
+        if end <= start:
+            return hit, 0, None
+        state_table = self.state.find_hit(request, end)
+        host_end, host_slot = (0, None) if host_states is None else host_states.find_checkpoint(
+            request.block_hashes, request.all_token_ids, max(start, len(state_table)), end)
+        best = max(len(state_table), host_end)
+        if best <= start:
+            return hit, 0, None
         tables = list(hit.blocks)
-        tables[self.state.group_idx] = table
-        return CacheHit(tables, hit.num_tokens, hit.num_attention_tokens), len(table) - start
+        tables[0] = self.paged[0].find_hit(request, min(best, attention_end))
+        tables[self.state.group_idx] = state_table if len(state_table) == best else []
+        restored = CacheHit(tables, len(tables[0]) * self.block_size, hit.num_attention_tokens)
+        return restored, max(0, best - attention_end), None if len(state_table) == best else host_slot
+
+    def working_slot(self, request_id: str) -> int:
+        """The request's recurrent-state working slot (0: none, or no state group)."""
+        return self.state.slot_id(request_id) if self.state is not None else 0
 
     def record_prefix_lookup(self, num_queried_tokens: int, num_hit_tokens: int) -> None:
         """Count one admitted request's prefix-cache lookup, in tokens."""
@@ -350,6 +367,8 @@ def make_kv_cache(layout: KVCacheLayout, enable_caching: bool, event_buffer: KVE
                                num_host_state_slots, file_tiers)
     if host_tier.is_enabled:  # evicted cached blocks go to the host tier instead of away
         block_pool.on_evict = host_tier.on_device_evict
+        if state_pool is not None and prefix_tier:  # and evicted state checkpoints (kv.host_states)
+            state_pool.on_evict = host_tier.states.on_device_evict
         if file_tiers is not None and file_tiers.write_through:  # and freed ones at once, on to the files
             block_pool.on_free_cached = host_tier.on_device_evict
     return manager, host_tier

@@ -7,7 +7,11 @@ byte order. ``layout`` names everything that must agree between two replicas for
 bytes to mean the same thing (dtype, shape, layer count); the receiver refuses an offer
 whose layout differs. Every dtype (fp8 included) is moved as its raw bytes (a ``uint8`` view).
 
-Only full, hashed blocks are read (they are immutable while pinned) and only freshly
+A hybrid model's recurrent-state checkpoint travels beside its blocks (``KVStateIO``): the
+bytes of slot ``s`` are, state layer by state layer, ``conv[s]`` then ``ssm[s]``, and its
+``layout`` (dtypes, shapes, layer count) must agree too.
+
+Only full, hashed blocks (and cached checkpoints) are read (they are immutable while pinned) and only freshly
 allocated, unreferenced blocks are written, so neither races the forward pass on CPU.
 On CUDA the copies are synchronous (``.cpu()`` / ``copy_`` on the default stream).
 """
@@ -52,5 +56,39 @@ class KVBlockIO:
         offset = 0
         for t, size in zip((t for kv in self.kv_caches for t in kv), self.part_bytes):
             dst = t[block_id].view(torch.uint8).view(-1)  # contiguous: writes go through to the cache
+            dst.copy_(src[offset: offset + size].to(dst.device))
+            offset += size
+
+
+class KVStateIO:
+    """Args:
+    state_caches: the runner's per-state-layer ``(conv_states, ssm_states)``, slot first.
+    """
+
+    def __init__(self, state_caches) -> None:
+        self.tensors = [t for cache in state_caches for t in cache]
+        self.part_bytes = [t[0].numel() * t.element_size() for t in self.tensors]
+        self.slot_bytes = sum(self.part_bytes)
+        self.layout = {"state_dtypes": [str(t.dtype).removeprefix("torch.") for t in self.tensors],
+                       "state_shapes": [list(t.shape[1:]) for t in self.tensors], "state_bytes": self.slot_bytes}
+
+    @classmethod
+    def for_runner(cls, runner) -> "KVStateIO":
+        return cls(runner.state_caches)
+
+    @torch.inference_mode()
+    def read_slot(self, slot: int) -> bytes:
+        """Slot ``slot``'s bytes (``slot_bytes`` long)."""
+        parts = [t[slot].view(torch.uint8).reshape(-1) for t in self.tensors]
+        return torch.cat(parts).cpu().numpy().tobytes()
+
+    @torch.inference_mode()
+    def write_slot(self, slot: int, data: bytes) -> None:
+        """Write ``data`` (from ``read_slot`` on a replica of the same layout) into ``slot``."""
+        assert len(data) == self.slot_bytes, f"state payload of {len(data)} bytes, expected {self.slot_bytes}"
+        src = torch.frombuffer(data if isinstance(data, bytearray) else bytearray(data), dtype=torch.uint8)
+        offset = 0
+        for t, size in zip(self.tensors, self.part_bytes):
+            dst = t[slot].view(torch.uint8).view(-1)  # a slot's row is contiguous: writes reach the cache
             dst.copy_(src[offset: offset + size].to(dst.device))
             offset += size

@@ -77,21 +77,30 @@ class KVConnector(Protocol):
         """Stop and join every thread; unpin what is still held. Idempotent."""
 
 
-def check_layout(layout) -> None:
-    """Refuse a model whose KV cache has more than one group (``engine.kv.layout``).
+def check_layout(layout, carries_states: bool = False) -> None:
+    """Refuse a KV cache layout (``engine.kv.layout``) the connector cannot serve hits for.
 
-    A connector names blocks by hash and moves one table's blocks, and the receiver enters
-    them as group 0's; a hit needs every group's (a sliding-window group's window, a
-    recurrent-state group's checkpoint: states no connector carries yet), so such blocks
-    would never be used. Raises ValueError naming the groups and what to do.
+    A connector names blocks by hash and moves group 0's blocks, and the receiver enters them
+    as group 0's; a hit needs every group's. A recurrent-state group's part is the checkpoint
+    at the run's last block boundary, which a connector with ``carries_states`` (TCP) moves
+    beside the blocks (``offer.Offer.has_state``); a sliding-window group's part is its
+    window's blocks, which no connector tracks, so such layouts are refused (the uniform
+    layout keeps every block in one table and is served). Raises ValueError naming the
+    groups, why, and what to do.
     """
     if layout is None or layout.num_groups == 1:
         return
+    if len(layout.paged_groups) == 1 and layout.state_group is not None and carries_states:
+        return
     kinds = ", ".join(sorted({g.spec.kind for g in layout.groups}))
-    remedy = ("a recurrent-state model cannot use KV transfer yet" if layout.state_group is not None
-              else "serve it with kv_cache_layout='uniform' (one block table; sliding-window blocks are kept)")
+    if len(layout.paged_groups) == 1:
+        remedy = ("this connector moves no recurrent-state checkpoint (its reads address paged blocks only); "
+                  "a recurrent-state model can use KV transfer over the TCP connector")
+    else:
+        remedy = ("a sliding-window group's hit needs its window's blocks, which no connector tracks; "
+                  "serve it with kv_cache_layout='uniform' (one block table; sliding-window blocks are kept)")
     raise ValueError(f"KV transfer: the model's KV cache has {layout.num_groups} groups ({kinds}) and a connector "
-                     f"moves one group's blocks, named by hash; {remedy}")
+                     f"moves group 0's blocks, named by hash; {remedy}")
 
 
 def parse_peer(peer: str) -> tuple[str, int]:

@@ -62,6 +62,7 @@ class NixlKVConnector(TcpKVConnector):
 
     sender_class = NixlSender
     receiver_class = NixlReceiver
+    carries_states = False  # its READs address the registered paged KV memory only
 
     def __init__(self, engine, listen: Optional[str] = None, ttl_s: float = DEFAULT_TTL_S, **kwargs) -> None:
         self.memory = NixlKVMemory(engine.runner.kv_tensors)

@@ -37,7 +37,7 @@ from pagoda.engine.kv.block_pool import KVCacheBlock
 from pagoda.engine.kv_transfer import wire
 from pagoda.engine.kv_transfer.nixl_memory import NixlKVMemory, NixlReadError
 from pagoda.engine.kv_transfer.offer import Offer
-from pagoda.engine.kv_transfer.tcp_receiver import IncomingTransfer, TcpReceiver, take_all
+from pagoda.engine.kv_transfer.tcp_receiver import IncomingTransfer, TcpReceiver, new_blocks_dropping_evicted, take_all
 from pagoda.engine.kv_transfer.wire import FrameType, WireError
 
 logger = logging.getLogger(__name__)
@@ -89,7 +89,7 @@ class NixlReceiver(TcpReceiver):
                 elif a.num_blocks > free:
                     a.error = f"no free blocks: {a.num_blocks} needed, {free} free"
                 else:
-                    a.blocks = self.block_pool.get_new_blocks(a.num_blocks)
+                    a.blocks = new_blocks_dropping_evicted(self.block_pool, a.num_blocks)
                 a.done.set()
 
     def _free_released(self) -> None:

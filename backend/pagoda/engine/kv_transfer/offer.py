@@ -15,6 +15,11 @@ an offer does not carry: their recomputed hashes never match, so such an offer i
 here, and replicas refuse image prompts with ``kv_transfer_params`` before any transfer
 (``serving.kv_transfer_control``).
 
+``has_state`` (a hybrid model's offer, ``connector.check_layout``): the recurrent-state
+checkpoint at the run's last block boundary comes too, as payload index ``len(block_hashes)``
+(``state_bytes`` of the layout long); the receiver enters it in its state group under the
+run's last hash, so a request with that prefix hits in every group.
+
 ``nixl`` (optional): where the sender's blocks lie in its NIXL-registered KV memory
 (``nixl_memory.NixlKVMemory.describe``); a receiver that speaks NIXL reads them itself, any
 other receiver ignores it and the blocks come as CHUNKs.
@@ -41,6 +46,15 @@ class Offer:
     cache_salt: Optional[str] = None
     adapter_id: Optional[str] = None
     nixl: Optional[dict] = None
+    has_state: bool = False
+
+    def payload_bytes(self, index: int) -> int:
+        """Bytes of payload ``index``: a block, or (past the blocks) the state checkpoint."""
+        return int(self.layout["state_bytes"] if index == len(self.block_hashes) else self.layout["block_bytes"])
+
+    @property
+    def num_payloads(self) -> int:
+        return len(self.block_hashes) + (1 if self.has_state else 0)
 
     def to_json(self) -> dict:
         obj = {"version": PROTOCOL_VERSION, "transfer_id": self.transfer_id, "model_id": self.model_id,
@@ -50,6 +64,8 @@ class Offer:
                "cache_salt": self.cache_salt, "adapter_id": self.adapter_id}
         if self.nixl is not None:
             obj["nixl"] = self.nixl
+        if self.has_state:
+            obj["has_state"] = True
         return obj
 
     @classmethod
@@ -65,7 +81,8 @@ class Offer:
                        token_ids=[[int(t) for t in block] for block in obj["token_ids"]],
                        parent_block_hash=BlockHash(bytes.fromhex(parent)) if parent else None,
                        cache_salt=obj.get("cache_salt"), adapter_id=obj.get("adapter_id"),
-                       nixl=dict(obj["nixl"]) if obj.get("nixl") is not None else None)
+                       nixl=dict(obj["nixl"]) if obj.get("nixl") is not None else None,
+                       has_state=bool(obj.get("has_state", False)))
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"malformed OFFER: {type(e).__name__}: {e}") from None
 
@@ -78,6 +95,8 @@ def check_offer(offer: Offer, model_id: str, block_size: int, layout: dict) -> O
         return f"KV layout {offer.layout} differs from this replica's {layout}"
     if not offer.block_hashes or len(offer.block_hashes) != len(offer.token_ids):
         return f"{len(offer.block_hashes)} block hashes for {len(offer.token_ids)} token blocks"
+    if offer.has_state and "state_bytes" not in layout:
+        return "the offer carries a recurrent state and this replica's model keeps none"
     if any(len(block) != block_size for block in offer.token_ids):
         return f"every offered block must hold exactly {block_size} tokens"
     tokens = [t for block in offer.token_ids for t in block]

@@ -19,6 +19,14 @@ sender, from the engine thread). Invariants:
   blocks, enters them in the prefix cache and frees them (they stay cached), then wakes
   the connection thread to answer DONE. A commit that does not happen within ``ttl_s``
   answers ERROR and is dropped.
+- Blocks (and state slots) taken for a commit evict cached ones without offering them to the
+  CPU tier (``new_blocks_dropping_evicted``: the tier's copy would run after the write).
+- A hybrid model's offer (``Offer.has_state``) carries the recurrent-state checkpoint at the
+  run's last block boundary as payload ``len(block_hashes)``: needed when this replica's
+  state group lacks it, committed into a free state slot and entered under the run's last
+  hash with the blocks (``carry_states``), so the next request with the prefix hits in every
+  group. No state slot free at the commit: the blocks are entered, the state is not, and the
+  transfer ends in ERROR saying so (a hit then stops at an earlier checkpoint: never a wrong one).
 """
 
 from __future__ import annotations
@@ -79,6 +87,9 @@ class TcpReceiver:
         self.wake: Callable[[], None] = lambda: None  # the engine thread has work: a commit, a result
         self.max_connections = max_connections
         self.num_inflight_bytes = 0
+        self.state_pool: Optional[BlockPool] = None  # carry_states: the recurrent-state group's slots
+        self.state_group_idx = 0
+        self.write_state: Optional[Callable[[int, bytes], None]] = None
         self._lock = threading.Lock()
         self._ready: "queue.SimpleQueue[IncomingTransfer]" = queue.SimpleQueue()
         self._results: list[TransferResult] = []
@@ -90,6 +101,10 @@ class TcpReceiver:
         self.address = f"{host}:{self._listener.getsockname()[1]}"
         self._accept_thread = threading.Thread(target=self._accept_loop, name="kv-recv-accept", daemon=True)
         self._accept_thread.start()
+
+    def carry_states(self, state_pool: BlockPool, group_idx: int, write_state: Callable[[int, bytes], None]) -> None:
+        """Receive state checkpoints too, into ``state_pool``'s slots (group ``group_idx``)."""
+        self.state_pool, self.state_group_idx, self.write_state = state_pool, group_idx, write_state
 
     def close(self) -> None:
         """Stop accepting, wake every connection thread and join them all."""
@@ -127,15 +142,35 @@ class TcpReceiver:
 
     def _commit(self, t: IncomingTransfer) -> None:
         pool, hashes = self.block_pool, t.offer.block_hashes
-        missing = [i for i in t.need if pool.get_cached_block(hashes[i]) is None]
+        missing = [i for i in t.need if i < len(hashes) and pool.get_cached_block(hashes[i]) is None]
         if len(missing) > pool.num_free_blocks:
             t.error = f"no free blocks: {len(missing)} needed, {pool.num_free_blocks} free"
             return
-        blocks = pool.get_new_blocks(len(missing))
+        blocks = new_blocks_dropping_evicted(pool, len(missing))
         by_index = dict(zip(missing, blocks))
         for i, block in by_index.items():
             self.write_block(block.block_id, t.data[i])
         self._cache_and_free(t, by_index)
+        if len(t.offer.block_hashes) in t.need:
+            self._commit_state(t)
+
+    def _commit_state(self, t: IncomingTransfer) -> None:
+        """Engine thread: write the offer's state checkpoint into a free state slot and enter it
+        under the run's last hash (unless one is cached meanwhile; no slot free: ``t.error``)."""
+        offer, pool = t.offer, self.state_pool
+        last = len(offer.block_hashes) - 1
+        if pool.get_cached_block(offer.block_hashes[last], self.state_group_idx) is not None:
+            return
+        if not pool.num_free_blocks:  # every slot is a working one: the blocks alone stay (an error says so)
+            t.error = "no free recurrent-state slot for the checkpoint; the blocks were entered without it"
+            return
+        slot = new_blocks_dropping_evicted(pool, 1)[0]
+        self.write_state(slot.block_id, t.data[last + 1])
+        parent = offer.block_hashes[last - 1] if last > 0 else offer.parent_block_hash
+        pool.cache_received_blocks([slot], [offer.block_hashes[last]], [offer.token_ids[last]], parent,
+                                   lora_name=offer.adapter_id, cache_salt=offer.cache_salt,
+                                   group_idx=self.state_group_idx)
+        pool.free_blocks([slot])
 
     def _cache_and_free(self, t: IncomingTransfer, by_index: dict[int, KVCacheBlock]) -> None:
         """Engine thread: enter written blocks (offer index -> block) in the prefix cache under
@@ -228,7 +263,12 @@ class TcpReceiver:
         # the engine thread; a block "had" here but evicted before the commit leaves a gap,
         # and the prefix hit then stops at it (never a wrong hit).
         need = [i for i, h in enumerate(offer.block_hashes) if self.block_pool.get_cached_block(h) is None]
-        num_bytes = len(need) * self.block_bytes
+        if reason is None and offer.has_state:
+            if self.state_pool is None:
+                reason = "the offer carries a recurrent state and this replica keeps none"
+            elif self.state_pool.get_cached_block(offer.block_hashes[-1], self.state_group_idx) is None:
+                need.append(len(offer.block_hashes))
+        num_bytes = sum(offer.payload_bytes(i) for i in need)
         with self._lock:
             if reason is None and self.num_inflight_bytes + num_bytes > self.max_inflight_bytes:
                 reason = (f"busy: {num_bytes} bytes needed, {self.num_inflight_bytes} of "
@@ -253,6 +293,7 @@ class TcpReceiver:
     def _receive_blocks(self, conn: socket.socket, t: IncomingTransfer) -> None:
         limit = wire.chunk_frame_limit(self.chunk_bytes)
         pending = {i: bytearray() for i in t.need}
+        sizes = {i: t.offer.payload_bytes(i) for i in t.need}
         while True:
             kind, body = wire.recv_frame(conn, limit)
             if kind == FrameType.END:
@@ -261,10 +302,10 @@ class TcpReceiver:
                 raise WireError(f"expected CHUNK or END, got {kind.name}")
             chunk = wire.read_chunk(body)
             buf = pending.get(chunk.block_index)
-            if buf is None or chunk.offset != len(buf) or len(buf) + len(chunk.payload) > self.block_bytes:
+            if buf is None or chunk.offset != len(buf) or len(buf) + len(chunk.payload) > sizes[chunk.block_index]:
                 raise WireError(f"unexpected chunk of block {chunk.block_index} at offset {chunk.offset}")
             buf += chunk.payload
-        short = [i for i, buf in pending.items() if len(buf) != self.block_bytes]
+        short = [i for i, buf in pending.items() if len(buf) != sizes[i]]
         if short:
             raise WireError(f"END before blocks {short} were complete")
         t.data = pending
@@ -285,7 +326,7 @@ class TcpReceiver:
         if not self._hand_to_engine(self._ready, t, t.committed):
             t.error = f"the engine did not commit within the TTL of {self.ttl_s:g} s"
         t.data = {}
-        num_bytes = len(t.need) * self.block_bytes
+        num_bytes = sum(t.offer.payload_bytes(i) for i in t.need)
         if t.error is None:
             _try_send_json(conn, FrameType.DONE, {"num_blocks_stored": t.num_stored})
         else:
@@ -298,6 +339,17 @@ class TcpReceiver:
             self._results.append(TransferResult(transfer_id, "receive", num_blocks, num_bytes,
                                                 time.monotonic() - started, error))
         self.wake()
+
+
+def new_blocks_dropping_evicted(pool: BlockPool, num_blocks: int) -> list[KVCacheBlock]:
+    """``pool.get_new_blocks`` for blocks written at once, between steps: cached blocks it evicts
+    are dropped, not offered to the CPU tier (``on_evict``), whose copy would run only at the
+    next step, after the received bytes overwrote them, and keep them under the old hash."""
+    hook, pool.on_evict = pool.on_evict, None
+    try:
+        return pool.get_new_blocks(num_blocks)
+    finally:
+        pool.on_evict = hook
 
 
 def take_all(items: queue.SimpleQueue) -> list:

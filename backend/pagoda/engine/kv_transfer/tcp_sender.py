@@ -9,6 +9,8 @@ Invariants:
   transfer is not cancelled; unpinning takes the lock after cancelling, so a block is
   never read after it could be reused.
 - Cancelling shuts the socket down, which wakes the thread from any blocking call.
+- A hybrid model's transfer also pins its state checkpoint slot (``carry_states``) in the
+  state pool, read and released under the same rules, as payload ``len(blocks)``.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class OutgoingTransfer:
     cancelled: bool = False
     sock: Optional[socket.socket] = None
     thread: Optional[threading.Thread] = None
+    state_slot: Optional[KVCacheBlock] = None  # the checkpoint after the last block (hybrid models)
     num_blocks_sent: int = 0
     num_bytes_sent: int = 0
     error: Optional[str] = None
@@ -60,23 +63,32 @@ class TcpSender:
         self.ttl_s = ttl_s
         self.clock = clock
         self.transfers: dict[str, OutgoingTransfer] = {}
+        self.state_pool: Optional[BlockPool] = None
+        self.read_state: Optional[Callable[[int], bytes]] = None
         self._threads: list[threading.Thread] = []  # joined in close, expired ones included
+
+    def carry_states(self, state_pool: BlockPool, read_state: Callable[[int], bytes]) -> None:
+        """Send state checkpoints too: slots of ``state_pool``, read by ``read_state``."""
+        self.state_pool, self.read_state = state_pool, read_state
 
     @property
     def num_pinned_blocks(self) -> int:
         return sum(len(t.blocks) for t in self.transfers.values())
 
     def start(self, peer: str, offer: Offer, blocks: list[KVCacheBlock],
-              sock: Optional[socket.socket] = None) -> None:
-        """Engine thread: pin ``blocks`` and start the transfer's thread (over ``sock``, a
-        connection the peer opened to pull, or a new connection to ``peer``)."""
+              sock: Optional[socket.socket] = None, state_slot: Optional[KVCacheBlock] = None) -> None:
+        """Engine thread: pin ``blocks`` (and ``state_slot``) and start the transfer's thread (over
+        ``sock``, a connection the peer opened to pull, or a new connection to ``peer``)."""
         if sock is None:
             parse_peer(peer)
         if offer.transfer_id in self.transfers:
             raise ValueError(f"transfer id {offer.transfer_id!r} is already in flight")
+        assert (state_slot is not None) == offer.has_state, "an offer with a state needs its checkpoint slot"
         self.block_pool.touch(blocks)
+        if state_slot is not None:
+            self.state_pool.touch([state_slot])
         now = self.clock()
-        t = OutgoingTransfer(offer, peer, blocks, now, now + self.ttl_s, sock=sock)
+        t = OutgoingTransfer(offer, peer, blocks, now, now + self.ttl_s, sock=sock, state_slot=state_slot)
         self.transfers[offer.transfer_id] = t
         t.thread = threading.Thread(target=self._run, args=(t,), name=f"kv-send-{offer.transfer_id}", daemon=True)
         self._threads = [th for th in self._threads if th.is_alive()] + [t.thread]
@@ -110,6 +122,8 @@ class TcpSender:
             t.cancelled = True
         _shutdown(t.sock)
         self.block_pool.free_blocks(reversed(t.blocks))
+        if t.state_slot is not None:
+            self.state_pool.free_blocks([t.state_slot])
         return TransferResult(t.offer.transfer_id, "send", t.num_blocks_sent, t.num_bytes_sent,
                               now - t.started, t.error)
 
@@ -135,8 +149,8 @@ class TcpSender:
             raise WireError(f"receiver refused: {reply.get('reason')}")
         need = reply.get("need", [])
         for index in need:
-            if not isinstance(index, int) or not 0 <= index < len(t.blocks):
-                raise WireError(f"receiver asked for block {index} of {len(t.blocks)}")
+            if not isinstance(index, int) or not 0 <= index < t.offer.num_payloads:
+                raise WireError(f"receiver asked for payload {index} of {t.offer.num_payloads}")
         if not self._send_blocks(t, need, reply):
             return
         kind, reply = wire.recv_json(t.sock, (FrameType.DONE, FrameType.ERROR))
@@ -150,10 +164,11 @@ class TcpSender:
             with t.lock:
                 if t.cancelled:
                     return False
-                data = self.read_block(t.blocks[index].block_id)
+                data = (self.read_block(t.blocks[index].block_id) if index < len(t.blocks)
+                        else self.read_state(t.state_slot.block_id))
             for offset in range(0, len(data), self.chunk_bytes):
                 wire.send_chunk(t.sock, index, offset, data[offset: offset + self.chunk_bytes])
-            t.num_blocks_sent += 1
+            t.num_blocks_sent += 1 if index < len(t.blocks) else 0  # blocks; the bytes count the state too
             t.num_bytes_sent += len(data)
         wire.send_frame(t.sock, FrameType.END)
         return True

@@ -16,9 +16,11 @@ are unique (the scheduler side guarantees it), as ``index_copy_`` requires.
 KV cache groups (``engine.kv.layout``): the copies run over the runner's distinct tensor
 pairs (``kv_tensors``: a pair shared by layers of several groups is copied once; a block
 id is one page in each), and a hybrid model's swaps also move recurrent states: host
-state slots (``[num_state_slots, *shape]`` per state layer, the budget's first half at
-most, one slot per sequence at most) take ``states_to_swap_out`` before the block copies'
-second half and give back ``states_to_swap_in`` with them.
+state slots (``[num_state_slots, *shape]`` per state layer: the budget's first half at
+most; one slot per sequence at most without prefix caching, else the whole half, whose
+slots beyond the swaps' hold state checkpoints the device evicted, ``kv.host_states``) take
+``states_to_swap_out`` (swaps and evicted checkpoints) before the block copies' second half
+and give back ``states_to_swap_in`` (swaps and restored checkpoints) with them.
 
 ``calibrate`` measures the cost model's inputs at start: a one-block and a many-block
 round trip give the fixed copy latency and the bandwidth; one prefill of up to 128
@@ -77,7 +79,10 @@ class HostKVCache:
         per_block = block_bytes(runner.kv_tensors)
         states = [c for c in runner.kv_caches if hasattr(c, "ssm_states")]
         slot_bytes = sum(t[0].numel() * t.element_size() for c in states for t in c)
-        num_slots = min(runner.config.max_num_seqs, (num_bytes // 2) // slot_bytes) if states else 0
+        # Swaps need one slot per sequence; with prefix caching the rest of the half holds evicted checkpoints.
+        max_slots = (num_bytes // 2) // slot_bytes if states else 0
+        num_slots = max_slots if runner.config.enable_prefix_caching else \
+            min(runner.config.max_num_seqs, max_slots)
         num_blocks = (num_bytes - num_slots * slot_bytes) // per_block
         if runner.group is not None:  # tensor- or pipeline-parallel ranks agree on the host block ids
             num_blocks = runner.group.min_int(int(num_blocks))
@@ -174,11 +179,12 @@ def calibrate(host: HostKVCache, runner: ModelRunner, bandwidth: float | None = 
 class PrefillItem:
     """A stand-in for ``StepInput`` (``compute_logits`` reads only these fields)."""
 
-    def __init__(self, token_ids: list[int], block_ids: list[int]) -> None:
+    def __init__(self, token_ids: list[int], block_ids: list[int], group_block_ids: tuple[list[int], ...] = ()) -> None:
         self.token_ids = token_ids
         self.num_computed_tokens = 0
         self.num_new_tokens = len(token_ids)
         self.block_ids = block_ids
+        self.group_block_ids = group_block_ids
         self.is_sampling = True
         self.spec_token_ids: list[int] = []
         self.adapter_id = None
@@ -190,8 +196,12 @@ def measure_prefill_s_per_token(runner: ModelRunner, max_tokens: int = 128, repe
     into the runner's first blocks."""
     num_tokens = max(1, min(max_tokens, (runner.num_blocks - 1) * runner.block_size))
     num_blocks = -(-num_tokens // runner.block_size)
-    item = PrefillItem([(7 * i) % runner.model_config.vocab_size for i in range(num_tokens)],
-                            list(range(1, num_blocks + 1)))
+    block_ids = list(range(1, num_blocks + 1))
+    # KV cache groups: every paged group writes the same (unused) blocks, a state group slot 1 (unused
+    # before serving; a fresh state, as num_computed_tokens is 0): a timing, not a result.
+    groups = runner.kv_layout.groups
+    item = PrefillItem([(7 * i) % runner.model_config.vocab_size for i in range(num_tokens)], block_ids,
+                       tuple([1] if g.spec.is_state else block_ids for g in groups) if len(groups) > 1 else ())
     runner.compute_logits([item])  # warm-up
     best = float("inf")
     for _ in range(repeats):

@@ -40,11 +40,14 @@ from pagoda.engine.request import Request, RequestStatus
 
 class PrefixHit(NamedTuple):
     """A waiting request's cached prefix: the device hit (every KV cache group's tables), the
-    host blocks continuing group 0's, tokens in all."""
+    host blocks continuing group 0's, tokens in all; a hybrid's host state checkpoint where the
+    hit ends (``kv.host_states``) and the hit's tokens only the CPU tier made usable."""
 
     device: Optional[CacheHit]
     host_blocks: list[KVCacheBlock]
     num_tokens: int
+    host_state: Optional[KVCacheBlock] = None
+    num_host_tokens: int = 0
 
 
 class WaitingAdmitter:
@@ -136,6 +139,9 @@ class WaitingAdmitter:
         self.waiting.pop()
         if hit.host_blocks:
             self.host_tier.copy_back(hit.host_blocks, [b.block_id for b in new_blocks[:len(hit.host_blocks)]])
+        if hit.host_state is not None:  # counted as host hits: the tokens beyond the host blocks' own
+            self.host_tier.restore_state(hit.host_state, self.kv_cache_manager.working_slot(request.request_id),
+                                         hit.num_tokens, hit.num_host_tokens - len(hit.host_blocks) * self.block_size)
         step.admitted.add(request.request_id)
         self.kv_cache_manager.record_prefix_lookup(request.num_tokens, hit.num_tokens)
         if request.num_cached_tokens < 0:
@@ -154,17 +160,22 @@ class WaitingAdmitter:
             return PrefixHit(hit, [], hit.num_tokens)
         max_blocks = (request.num_tokens - 1) // self.block_size
         host_hit = self.host_tier.lookup_prefix(request.block_hashes, request.all_token_ids,
-                                                len(hit.device_blocks), max_blocks)
-        # The other groups may follow only part of it (a state group: up to its last checkpoint).
-        hit, num_host = self.kv_cache_manager.usable_loaded_blocks(hit, len(host_hit), request)
-        return PrefixHit(hit, host_hit[:num_host], hit.num_tokens + num_host * self.block_size)
+                                                hit.num_attention_tokens // self.block_size, max_blocks)
+        # The other groups may follow only part of it (a state group: up to its last checkpoint,
+        # on the device or in the CPU tier).
+        extended, num_host, host_state = self.kv_cache_manager.usable_loaded_blocks(
+            hit, len(host_hit), request, self.host_tier.states)
+        num_tokens = extended.num_tokens + num_host * self.block_size
+        return PrefixHit(extended, host_hit[:num_host], num_tokens, host_state, num_tokens - hit.num_tokens)
 
     def _allocate_with_hit(self, request: Request, num_new: int, hit: PrefixHit) -> Optional[list[KVCacheBlock]]:
         """``allocate_slots`` with a prefix hit; host hits stay pinned on success."""
         self.host_tier.pin(hit.host_blocks)  # evictions during allocation must not reuse the host blocks we read
+        self.host_tier.states.pin(hit.host_state)
         new_blocks = self.kv_cache_manager.allocate_slots(request, num_new, hit.device, len(hit.host_blocks))
         if new_blocks is None:
             self.host_tier.unpin(hit.host_blocks)
+            self.host_tier.states.unpin(hit.host_state)
         return new_blocks
 
     def _admit_swapped(self, request: Request, step: StepPlan) -> bool:
