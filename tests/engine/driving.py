@@ -40,3 +40,28 @@ def family_case(folder, max_new: int):
                shared + tok.encode(" Years later, his granddaughter found it and"), shared + tok.encode(" The")]
     hf = HFGreedy(str(folder))
     return str(folder), prompts, [hf.generate(p, max_new) for p in prompts], engine
+
+
+def check_beams_and_a_grammar(engine, folder, prompts) -> None:
+    """The two best of 2 beams on ``prompts[1]`` equal transformers' ``generate(num_beams=2)``; a
+    choice grammar constrains every sampled answer; every block is free afterwards."""
+    import torch
+
+    from pagoda.engine.guided import GuidedDecodingParams
+    from pagoda.engine.sampling_params import SamplingParams
+
+    from tests.engine.hf_reference import HFGreedy
+
+    beams = SamplingParams(use_beam_search=True, beam_width=2, n=2, temperature=0.0, max_tokens=6, ignore_eos=True)
+    engine.add_request("beam", prompts[1], beams)
+    done = drain(engine)
+    with torch.no_grad():
+        out = HFGreedy(folder).model.generate(torch.tensor([prompts[1]]), num_beams=2, num_return_sequences=2,
+                                              max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0,
+                                              length_penalty=1.0)
+    assert [c.token_ids for c in done["beam"].outputs] == [s[len(prompts[1]):].tolist() for s in out]
+    choices = ["north", "south", "east", "west"]
+    guided = SamplingParams(temperature=1.0, seed=3, max_tokens=6, guided_decoding=GuidedDecodingParams(choice=choices))
+    answers = greedy_tokens(engine, prompts, guided, prefix="g")
+    assert all(engine.tokenizer.decode(tokens) in choices for tokens in answers)
+    assert engine.get_stats().num_free_blocks == engine.get_stats().num_blocks

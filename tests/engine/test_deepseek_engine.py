@@ -37,8 +37,8 @@ from pagoda.engine.llm_engine import LLMEngine
 from pagoda.engine.sampling_params import SamplingParams
 from pagoda.engine.spec_decode.random_heads import add_random_mtp_layers
 
-from tests.engine.driving import family_case, greedy_tokens
-from tests.engine.hf_reference import HFGreedy, save_random_model
+from tests.engine.driving import check_beams_and_a_grammar, family_case, greedy_tokens
+from tests.engine.hf_reference import save_random_model
 
 MAX_NEW = 8
 SMALL = dict(vocab_size=49152, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
@@ -143,23 +143,8 @@ def test_ngram_and_draft_model_drafts_keep_outputs_exact(deepseek, method):
 def test_beam_search_equals_transformers_and_structured_output_holds(deepseek):
     """Beams fork latent blocks (copy-on-write of the partial one): the two best of 2 beams equal
     HF's ``generate(num_beams=2)``; a choice grammar constrains every sampled answer."""
-    from pagoda.engine.guided import GuidedDecodingParams
-
     folder, prompts, _, engine = deepseek
-    hf = HFGreedy(folder).model
-    beams = SamplingParams(use_beam_search=True, beam_width=2, n=2, temperature=0.0, max_tokens=6, ignore_eos=True)
-    engine.add_request("beam", prompts[1], beams)
-    done = {}
-    while engine.has_unfinished_requests():
-        done |= {o.request_id: o for o in engine.step() if o.finished}
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([prompts[1]]), num_beams=2, num_return_sequences=2, max_new_tokens=6,
-                          do_sample=False, eos_token_id=None, pad_token_id=0, length_penalty=1.0)
-    assert [c.token_ids for c in done["beam"].outputs] == [s[len(prompts[1]):].tolist() for s in out]
-    choices = ["north", "south", "east", "west"]
-    guided = SamplingParams(temperature=1.0, seed=3, max_tokens=6, guided_decoding=GuidedDecodingParams(choice=choices))
-    assert all(engine.tokenizer.decode(tokens) in choices for tokens in _run(engine, prompts, guided, prefix="g"))
-    assert engine.get_stats().num_free_blocks == engine.get_stats().num_blocks
+    check_beams_and_a_grammar(engine, folder, prompts)
 
 
 def test_a_prefix_moves_between_replicas_as_latent_blocks(deepseek):

@@ -32,7 +32,7 @@ from pagoda.engine.config import EngineConfig
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.engine.runner.kv_allocation import unique_pairs
 
-from tests.engine.driving import family_case, greedy_tokens
+from tests.engine.driving import check_beams_and_a_grammar, family_case, greedy_tokens
 from tests.engine.hf_reference import save_random_model
 
 MAX_NEW = 8
@@ -150,27 +150,8 @@ def test_beam_search_equals_transformers_and_structured_output_holds(gemma4):
     """Beams fork every group's blocks (sliding groups padded, shared layers reading their
     sources): the two best of 2 beams equal HF's ``generate(num_beams=2)``; a choice grammar
     constrains every sampled answer."""
-    from pagoda.engine.guided import GuidedDecodingParams
-    from pagoda.engine.sampling_params import SamplingParams
-
-    from tests.engine.hf_reference import HFGreedy
-
     folder, prompts, _, engine = gemma4
-    hf = HFGreedy(folder).model
-    beams = SamplingParams(use_beam_search=True, beam_width=2, n=2, temperature=0.0, max_tokens=6, ignore_eos=True)
-    engine.add_request("beam", prompts[1], beams)
-    done = {}
-    while engine.has_unfinished_requests():
-        done |= {o.request_id: o for o in engine.step() if o.finished}
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([prompts[1]]), num_beams=2, num_return_sequences=2, max_new_tokens=6,
-                          do_sample=False, eos_token_id=None, pad_token_id=0, length_penalty=1.0)
-    assert [c.token_ids for c in done["beam"].outputs] == [s[len(prompts[1]):].tolist() for s in out]
-    choices = ["north", "south", "east", "west"]
-    guided = SamplingParams(temperature=1.0, seed=3, max_tokens=6, guided_decoding=GuidedDecodingParams(choice=choices))
-    answers = greedy_tokens(engine, prompts, guided, prefix="g")
-    assert all(engine.tokenizer.decode(tokens) in choices for tokens in answers)
-    assert engine.get_stats().num_free_blocks == engine.get_stats().num_blocks
+    check_beams_and_a_grammar(engine, folder, prompts)
 
 
 def test_kv_transfer_refuses_the_grouped_layout_naming_why(gemma4):
