@@ -60,58 +60,56 @@ void configure(int rows) {
   _tile_loadconfig(&config);
 }
 
-// C[rows of two A tiles, two panels] over K: a0/a1 the first x rows of each half (row
-// stride ldx elements), w0 the first panel (the second at w0 + ldw), sums [32][32].
-template <bool two_halves, bool two_panels>
-void block(const uint16_t* a0, int64_t ldx, const uint16_t* w0, int64_t ldw, int64_t k, float* sums) {
-  _tile_zero(0);
-  if (two_panels) _tile_zero(1);
-  if (two_halves) _tile_zero(2);
-  if (two_halves && two_panels) _tile_zero(3);
-  const uint16_t* a1 = a0 + 16 * ldx;
-  for (int64_t i = 0; i < k; i += 32) {
-    _tile_loadd(4, a0 + i, ldx * 2);
-    _tile_loadd(6, w0 + i * 16, 64);
-    _tile_dpbf16ps(0, 4, 6);
-    if (two_panels) {
-      _tile_loadd(7, w0 + ldw + i * 16, 64);
-      _tile_dpbf16ps(1, 4, 7);
-    }
-    if (two_halves) {
-      _tile_loadd(5, a1 + i, ldx * 2);
-      _tile_dpbf16ps(2, 5, 6);
-      if (two_panels) _tile_dpbf16ps(3, 5, 7);
-    }
-  }
-  _tile_stored(0, sums, 32 * 4);
-  if (two_panels) _tile_stored(1, sums + 16, 32 * 4);
-  if (two_halves) _tile_stored(2, sums + 16 * 32, 32 * 4);
-  if (two_halves && two_panels) _tile_stored(3, sums + 16 * 32 + 16, 32 * 4);
-}
-
+// The two kinds of tiles: bfloat16 pairs summed in float32 (TDPBF16PS, 32 k per step) and int8
+// quads summed in int32 (TDPBSSD, 64 k per step); a step reads 64 bytes of each A row. The four
+// products of a block are spelled out: GCC's intrinsics are macros that paste the tile numbers
+// into the instruction text, so they must be literals.
+struct Bf16Tiles {
+  using In = uint16_t;
+  using Sum = float;
+  static constexpr int64_t kStep = 32;
+  static void dot_0_4_6() { _tile_dpbf16ps(0, 4, 6); }
+  static void dot_1_4_7() { _tile_dpbf16ps(1, 4, 7); }
+  static void dot_2_5_6() { _tile_dpbf16ps(2, 5, 6); }
+  static void dot_3_5_7() { _tile_dpbf16ps(3, 5, 7); }
+};
 
 #if defined(__AMX_INT8__)
-// The int8 block: as block() with TDPBSSD; a0/a1 rows of the quantized x (row stride ldx
-// bytes), w0 the first int8 panel ([Kp / 4][16][4]), int32 sums [32][32].
-template <bool two_halves, bool two_panels>
-void block_int8(const int8_t* a0, int64_t ldx, const int8_t* w0, int64_t ldw, int64_t k, int32_t* sums) {
+struct Int8Tiles {
+  using In = int8_t;
+  using Sum = int32_t;
+  static constexpr int64_t kStep = 64;
+  static void dot_0_4_6() { _tile_dpbssd(0, 4, 6); }
+  static void dot_1_4_7() { _tile_dpbssd(1, 4, 7); }
+  static void dot_2_5_6() { _tile_dpbssd(2, 5, 6); }
+  static void dot_3_5_7() { _tile_dpbssd(3, 5, 7); }
+};
+#endif
+
+// C[rows of two A tiles, two panels] over K: a0/a1 the first x rows of each half (row
+// stride ldx elements), w0 the first panel (the second at w0 + ldw: 64 bytes per k step and
+// column group, so w0 + i * 16 elements at k = i for both kinds), sums [32][32].
+template <typename Tiles, bool two_halves, bool two_panels>
+void block(const typename Tiles::In* a0, int64_t ldx, const typename Tiles::In* w0, int64_t ldw, int64_t k,
+           typename Tiles::Sum* sums) {
+  constexpr int64_t row_bytes = sizeof(typename Tiles::In);
   _tile_zero(0);
   if (two_panels) _tile_zero(1);
   if (two_halves) _tile_zero(2);
   if (two_halves && two_panels) _tile_zero(3);
-  const int8_t* a1 = a0 + 16 * ldx;
-  for (int64_t i = 0; i < k; i += 64) {
-    _tile_loadd(4, a0 + i, ldx);
+  const typename Tiles::In* a1 = a0 + 16 * ldx;
+  for (int64_t i = 0; i < k; i += Tiles::kStep) {
+    _tile_loadd(4, a0 + i, ldx * row_bytes);
     _tile_loadd(6, w0 + i * 16, 64);
-    _tile_dpbssd(0, 4, 6);
+    Tiles::dot_0_4_6();
     if (two_panels) {
       _tile_loadd(7, w0 + ldw + i * 16, 64);
-      _tile_dpbssd(1, 4, 7);
+      Tiles::dot_1_4_7();
     }
     if (two_halves) {
-      _tile_loadd(5, a1 + i, ldx);
-      _tile_dpbssd(2, 5, 6);
-      if (two_panels) _tile_dpbssd(3, 5, 7);
+      _tile_loadd(5, a1 + i, ldx * row_bytes);
+      Tiles::dot_2_5_6();
+      if (two_panels) Tiles::dot_3_5_7();
     }
   }
   _tile_stored(0, sums, 32 * 4);
@@ -120,15 +118,17 @@ void block_int8(const int8_t* a0, int64_t ldx, const int8_t* w0, int64_t ldw, in
   if (two_halves && two_panels) _tile_stored(3, sums + 16 * 32 + 16, 32 * 4);
 }
 
-template <typename T>
-bool run_int8(const int8_t* xq, const float* xs, int64_t rows, int64_t kp, const int8_t* packed, int64_t ldw,
-              int64_t n, const float* ws, const float* bias, T* out) {
-  if (kp % 64 != 0 || !amx_int8_usable()) return false;
+// out's blocks of up to 32 rows x 32 columns, split across torch's threads by row chunk and
+// panel pair; finish(sums, first row, rows, first column, columns) writes each block's sums.
+template <typename Tiles, typename Finish>
+void run_blocks(const typename Tiles::In* x, int64_t ldx, const typename Tiles::In* packed, int64_t ldw, int64_t rows,
+                int64_t n, int64_t k, const Finish& finish) {
   const int64_t panels = (n + 15) / 16, pairs = (panels + 1) / 2;
-  const int64_t chunk_rows = std::max<int64_t>(32, (256 * 1024) / kp / 32 * 32);  // x rows kept in L2
+  const int64_t row_bytes = k * static_cast<int64_t>(sizeof(typename Tiles::In));
+  const int64_t chunk_rows = std::max<int64_t>(32, (256 * 1024) / row_bytes / 32 * 32);  // x rows kept in L2
   const int64_t chunks = (rows + chunk_rows - 1) / chunk_rows;
   at::parallel_for(0, chunks * pairs, 1, [&](int64_t begin, int64_t end) {
-    alignas(64) int32_t sums[32 * 32];
+    alignas(64) typename Tiles::Sum sums[32 * 32];
     int configured = 0;
     for (int64_t t = begin; t < end; ++t) {
       const int64_t pair = t % pairs, r0 = (t / pairs) * chunk_rows, r1 = std::min(rows, r0 + chunk_rows);
@@ -138,16 +138,27 @@ bool run_int8(const int8_t* xq, const float* xs, int64_t rows, int64_t kp, const
         const int64_t left = r1 - r, take = left >= 32 ? 32 : std::min<int64_t>(16, left);
         const int tile_rows = static_cast<int>(std::min<int64_t>(16, take));
         if (tile_rows != configured) configure(configured = tile_rows);
-        auto run = take == 32 ? (two_panels ? &block_int8<true, true> : &block_int8<true, false>)
-                              : (two_panels ? &block_int8<false, true> : &block_int8<false, false>);
-        run(xq + r * kp, kp, packed + p0 * ldw, ldw, kp, sums);
-        finish_int8(sums, 32, take, cols, nullptr, xs + r, ws + col0, bias ? bias + col0 : nullptr, out + r * n + col0,
-                    n);
+        auto run = take == 32 ? (two_panels ? &block<Tiles, true, true> : &block<Tiles, true, false>)
+                              : (two_panels ? &block<Tiles, false, true> : &block<Tiles, false, false>);
+        run(x + r * ldx, ldx, packed + p0 * ldw, ldw, k, sums);
+        finish(sums, r, take, col0, cols);
         r += take;
       }
     }
     _tile_release();
   });
+}
+
+#if defined(__AMX_INT8__)
+template <typename T>
+bool run_int8(const int8_t* xq, const float* xs, int64_t rows, int64_t kp, const int8_t* packed, int64_t ldw,
+              int64_t n, const float* ws, const float* bias, T* out) {
+  if (kp % 64 != 0 || !amx_int8_usable()) return false;
+  run_blocks<Int8Tiles>(xq, kp, packed, ldw, rows, n, kp,
+                        [&](const int32_t* sums, int64_t r, int64_t take, int64_t col0, int64_t cols) {
+                          finish_int8(sums, 32, take, cols, nullptr, xs + r, ws + col0, bias ? bias + col0 : nullptr,
+                                      out + r * n + col0, n);
+                        });
   return true;
 }
 #endif
@@ -170,29 +181,10 @@ bool amx_int8_usable() {
 bool amx_linear_bf16(const uint16_t* x, int64_t ldx, const uint16_t* packed, int64_t ldw, int64_t rows, int64_t n,
                      int64_t k, const float* bias, c10::BFloat16* out) {
   if (k % 32 != 0 || !amx_usable()) return false;  // A tiles read 32 k at a time from x in place
-  const int64_t panels = (n + 15) / 16, pairs = (panels + 1) / 2;
-  const int64_t chunk_rows = std::max<int64_t>(32, (256 * 1024) / (k * 2) / 32 * 32);  // x rows kept in L2
-  const int64_t chunks = (rows + chunk_rows - 1) / chunk_rows;
-  at::parallel_for(0, chunks * pairs, 1, [&](int64_t begin, int64_t end) {
-    alignas(64) float sums[32 * 32];
-    int configured = 0;
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t pair = t % pairs, r0 = (t / pairs) * chunk_rows, r1 = std::min(rows, r0 + chunk_rows);
-      const int64_t p0 = pair * 2, col0 = p0 * 16, cols = std::min<int64_t>(32, n - col0);
-      const bool two_panels = p0 + 1 < panels;
-      for (int64_t r = r0; r < r1;) {
-        const int64_t left = r1 - r, take = left >= 32 ? 32 : std::min<int64_t>(16, left);
-        const int tile_rows = static_cast<int>(std::min<int64_t>(16, take));
-        if (tile_rows != configured) configure(configured = tile_rows);
-        auto run = take == 32 ? (two_panels ? &block<true, true> : &block<true, false>)
-                              : (two_panels ? &block<false, true> : &block<false, false>);
-        run(x + r * ldx, ldx, packed + p0 * ldw, ldw, k, sums);
-        store_sums(sums, 32, take, cols, bias ? bias + col0 : nullptr, out + r * n + col0, n);
-        r += take;
-      }
-    }
-    _tile_release();
-  });
+  run_blocks<Bf16Tiles>(x, ldx, packed, ldw, rows, n, k,
+                        [&](const float* sums, int64_t r, int64_t take, int64_t col0, int64_t cols) {
+                          store_sums(sums, 32, take, cols, bias ? bias + col0 : nullptr, out + r * n + col0, n);
+                        });
   return true;
 }
 

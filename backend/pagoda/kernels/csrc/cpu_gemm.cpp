@@ -166,22 +166,6 @@ struct Tile {
   }
 };
 
-// The tile kernel for mr rows and np panels (templates 1..8 x 1..3).
-template <typename E, bool plain>
-TileFn<E> pick_tile(int64_t mr, int64_t np) {
-  using T = Tile<E, plain>;
-  static const TileFn<E> table[kMaxRows][kMaxPanels] = {
-      {T::template fn<1, 1>, T::template fn<1, 2>, T::template fn<1, 3>},
-      {T::template fn<2, 1>, T::template fn<2, 2>, T::template fn<2, 3>},
-      {T::template fn<3, 1>, T::template fn<3, 2>, T::template fn<3, 3>},
-      {T::template fn<4, 1>, T::template fn<4, 2>, T::template fn<4, 3>},
-      {T::template fn<5, 1>, T::template fn<5, 2>, T::template fn<5, 3>},
-      {T::template fn<6, 1>, T::template fn<6, 2>, T::template fn<6, 3>},
-      {T::template fn<7, 1>, T::template fn<7, 2>, T::template fn<7, 3>},
-      {T::template fn<8, 1>, T::template fn<8, 2>, T::template fn<8, 3>}};
-  return table[mr - 1][np - 1];
-}
-
 }  // namespace
 
 namespace pagoda_gemm {
@@ -244,10 +228,11 @@ void run_linear(const E* x, int64_t ldx, const E* packed, int64_t ldb, int64_t r
       const int64_t p0 = g * kMaxPanels, np = std::min(kMaxPanels, panels - p0);
       const int64_t col0 = p0 * kPanel, cols = std::min(n - col0, np * kPanel);
       for (int64_t k0 = 0; k0 < k; k0 += kBlockK)
-        for (int64_t r = r0; r < r1; r += kMaxRows)
-          pick_tile<E, plain>(std::min(kMaxRows, r1 - r), np)(x + r * ldx, ldx, packed + p0 * ldb, ldb, k0,
-                                                              std::min(k, k0 + kBlockK),
-                                                              sums.data() + (r - r0) * kTileCols, k0 == 0);
+        for (int64_t r = r0; r < r1; r += kMaxRows) {
+          const TileFn<E> tile = pagoda_gemm::tile_table<TileFn<E>, Tile<E, plain>>(std::min(kMaxRows, r1 - r), np);
+          tile(x + r * ldx, ldx, packed + p0 * ldb, ldb, k0, std::min(k, k0 + kBlockK),
+               sums.data() + (r - r0) * kTileCols, k0 == 0);
+        }
       store_sums(sums.data(), kTileCols, r1 - r0, cols, bias ? bias + col0 : nullptr, out + r0 * n + col0, n);
     }
   });

@@ -7,6 +7,22 @@
 
 namespace pagoda_gemm {
 
+// The register-tile kernel for mr rows and np panels (1..8 x 1..3): Tile::fn<MR, NP>, one table
+// per Tile (cpu_gemm.cpp's float/bfloat16 tiles, cpu_int8.cpp's int8 ones).
+template <typename Fn, typename Tile>
+Fn tile_table(int64_t mr, int64_t np) {
+  static const Fn table[8][3] = {
+      {Tile::template fn<1, 1>, Tile::template fn<1, 2>, Tile::template fn<1, 3>},
+      {Tile::template fn<2, 1>, Tile::template fn<2, 2>, Tile::template fn<2, 3>},
+      {Tile::template fn<3, 1>, Tile::template fn<3, 2>, Tile::template fn<3, 3>},
+      {Tile::template fn<4, 1>, Tile::template fn<4, 2>, Tile::template fn<4, 3>},
+      {Tile::template fn<5, 1>, Tile::template fn<5, 2>, Tile::template fn<5, 3>},
+      {Tile::template fn<6, 1>, Tile::template fn<6, 2>, Tile::template fn<6, 3>},
+      {Tile::template fn<7, 1>, Tile::template fn<7, 2>, Tile::template fn<7, 3>},
+      {Tile::template fn<8, 1>, Tile::template fn<8, 2>, Tile::template fn<8, 3>}};
+  return table[mr - 1][np - 1];
+}
+
 // Finished float32 sums (c: rows x cols, row stride ldc) plus bias into out (row stride ldo).
 void store_sums(const float* c, int64_t ldc, int64_t rows, int64_t cols, const float* bias, float* out, int64_t ldo);
 void store_sums(const float* c, int64_t ldc, int64_t rows, int64_t cols, const float* bias, c10::BFloat16* out,

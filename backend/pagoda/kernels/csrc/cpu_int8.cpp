@@ -151,21 +151,6 @@ struct Tile {
   }
 };
 
-template <bool plain>
-TileFn pick_tile(int64_t mr, int64_t np) {
-  using T = Tile<plain>;
-  static const TileFn table[kMaxRows][kMaxPanels] = {
-      {T::template fn<1, 1>, T::template fn<1, 2>, T::template fn<1, 3>},
-      {T::template fn<2, 1>, T::template fn<2, 2>, T::template fn<2, 3>},
-      {T::template fn<3, 1>, T::template fn<3, 2>, T::template fn<3, 3>},
-      {T::template fn<4, 1>, T::template fn<4, 2>, T::template fn<4, 3>},
-      {T::template fn<5, 1>, T::template fn<5, 2>, T::template fn<5, 3>},
-      {T::template fn<6, 1>, T::template fn<6, 2>, T::template fn<6, 3>},
-      {T::template fn<7, 1>, T::template fn<7, 2>, T::template fn<7, 3>},
-      {T::template fn<8, 1>, T::template fn<8, 2>, T::template fn<8, 3>}};
-  return table[mr - 1][np - 1];
-}
-
 }  // namespace
 
 namespace pagoda_gemm {
@@ -240,10 +225,11 @@ void run_tiles(const int8_t* xq, const float* xs, int64_t rows, int64_t kp, cons
       const int64_t p0 = g * kMaxPanels, np = std::min(kMaxPanels, panels - p0);
       const int64_t col0 = p0 * kPanel, cols = std::min(n - col0, np * kPanel);
       for (int64_t k0 = 0; k0 < kp; k0 += kBlockK)
-        for (int64_t r = r0; r < r1; r += kMaxRows)
-          pick_tile<plain>(std::min(kMaxRows, r1 - r), np)(xq + r * kp, kp, packed + p0 * ldw, ldw, k0,
-                                                           std::min(kp, k0 + kBlockK),
-                                                           sums.data() + (r - r0) * kTileCols, k0 == 0);
+        for (int64_t r = r0; r < r1; r += kMaxRows) {
+          const TileFn tile = pagoda_gemm::tile_table<TileFn, Tile<plain>>(std::min(kMaxRows, r1 - r), np);
+          tile(xq + r * kp, kp, packed + p0 * ldw, ldw, k0, std::min(kp, k0 + kBlockK),
+               sums.data() + (r - r0) * kTileCols, k0 == 0);
+        }
       pagoda_gemm::finish_int8(sums.data(), kTileCols, r1 - r0, cols, comp + col0, xs + r0, ws + col0,
                                bias ? bias + col0 : nullptr, out + r0 * n + col0, n);
     }
