@@ -9,13 +9,15 @@ seeded prompts, greedy, ``ignore_eos``, no prefix caching, a 2 GiB KV cache in b
 - ``long``: for each prompt length L (``--long-lengths``, default 2048 and 8100: the
   default model's context is 8,192 tokens; a length past the model's is refused): TTFT, one
   prompt of L tokens alone (``max_tokens=1``, submit to its token); decode tok/s, ``DECODES``
-  prompts of L tokens at once run to ``1 + DECODE_TOKENS / 2`` tokens each (once as a warm-up at
-  those shapes, not timed: without it vLLM's first run paid for its warm-up and the rate came out
-  negative), then again, and to ``1 + DECODE_TOKENS``: ``DECODES * (DECODE_TOKENS / 2) / (T - S)`` with T and S those runs' times. The
-  difference cancels the prefills, the first tokens and the first half of the decode, so an
-  engine that overlaps decodes with the other prompts' prefill chunks is measured on its
+  prompts of L tokens at once run to ``1 + DECODE_TOKENS / 2`` tokens each (once untimed, a
+  warm-up at those shapes), then again, and to ``1 + DECODE_TOKENS``:
+  ``DECODES * (DECODE_TOKENS / 2) / (T - S)`` with T and S those runs' times. The difference
+  cancels the prefills, the first tokens and the first half of the decode, so an engine that
+  overlaps decodes with the other prompts' prefill chunks is measured on its
   steady decode alone (a difference against a separate ``max_tokens=1`` prefill run, as
-  before, credited such overlap to the decode); and the process's peak resident memory after L.
+  before, credited such overlap to the decode). Where the decode costs less than the runs'
+  noise (vLLM at 2k tokens on the 2-core Xeon) the rate comes out negative: not measured by
+  this workload (docs/benchmarks.md). And the process's peak resident memory after L.
 - ``concurrency``: N sequences of ``PROMPT_TOKENS`` prompt tokens and ``OUTPUT_TOKENS``
   output tokens submitted at once, N in 1, 4, 16, 64: output tok/s; ``plot`` draws both
   engines' curves into a PNG (matplotlib, imported only there).
