@@ -23,7 +23,7 @@ from pagoda import LLM, SamplingParams
 from pagoda import kernels as kernel_ops
 from pagoda.engine.config import EngineConfig
 from pagoda.engine.llm_engine import LLMEngine
-from pagoda.engine.runner.model_runner import kv_bytes_per_block
+from pagoda.engine.runner.placement import kv_bytes_per_block
 from pagoda.kernels import reload_settings
 from pagoda.kernels import write_kv as _write_kv
 from pagoda.models import load_model

@@ -117,7 +117,7 @@ def main(argv=None) -> int:
     import torch
 
     from pagoda.engine.config import EngineConfig
-    from pagoda.engine.runner.model_runner import kv_bytes_per_block, resolve_device, resolve_dtype
+    from pagoda.engine.runner.placement import kv_bytes_per_block, resolve_device, resolve_dtype
     from pagoda.models.gguf_import import ensure_default_model
     from pagoda.models.registry import config_from_pretrained
 

@@ -54,7 +54,7 @@ def main(argv=None) -> int:
     from pagoda.engine.config import EngineConfig
     from pagoda.engine.runner.host_kv_cache import PrefillItem
     from pagoda.engine.llm_engine import LLMEngine
-    from pagoda.engine.runner.model_runner import kv_bytes_per_block, resolve_device, resolve_dtype
+    from pagoda.engine.runner.placement import kv_bytes_per_block, resolve_device, resolve_dtype
     from pagoda.models.registry import config_from_pretrained
     from pagoda.models.gguf_import import ensure_default_model
 

@@ -144,14 +144,6 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         h, _ = kernels.rms_norm(h, self.norm, self.config.rms_norm_eps, residual)
         return h
 
-    @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.head(hidden)
-        cap = self.config.final_logit_softcapping
-        if cap is not None:
-            logits = torch.tanh(logits / cap) * cap
-        return logits.float()
-
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """As Llama's, then 1 added to every norm weight loaded (Gemma norms scale by ``1 + w``)."""

@@ -326,14 +326,6 @@ class Gemma4ForCausalLM(LlamaForCausalLM):
         normed, _ = kernels.rms_norm(projected.reshape(-1, options.ple_dim), self.ple_norm, self.config.rms_norm_eps)
         return (normed.view(shape) + tokens) * 2.0**-0.5
 
-    @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.head(hidden)
-        cap = self.config.final_logit_softcapping
-        if cap is not None:
-            logits = torch.tanh(logits / cap) * cap
-        return logits.float()
-
     def _weight_table(self) -> WeightTargets:
         table = super()._weight_table()
         if self.config.gemma4.ple_dim:

@@ -306,8 +306,13 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [num_rows, hidden] -> [num_rows, vocab] fp32
-        """Sharded: every rank computes its vocabulary slice, rank 0 gets the whole rows (others: empty)."""
-        logits = self.head(hidden).float()
+        """Sharded: every rank computes its vocabulary slice, rank 0 gets the whole rows (others: empty).
+        ``config.final_logit_softcapping`` (Gemma): ``cap * tanh(logits / cap)``, element-wise."""
+        logits = self.head(hidden)
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        logits = logits.float()
         return self.tp.gather_logits(logits) if self.tp is not None else logits
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,7 @@ from pagoda.engine.parallel.step_wire import StepSender, capacity_for, make_path
 from pagoda.engine.parallel.workers import (TensorParallelWorkerDied, TensorParallelWorkers, parallel_kind,
                                             runner_groups)
 from pagoda.engine.runner import executor as single
-from pagoda.engine.runner.model_runner import resolve_device
+from pagoda.engine.runner.placement import resolve_device
 from pagoda.models.config import ModelConfig
 from pagoda.models.pipeline_parallel import check_stages
 from pagoda.models.tensor_parallel import check_divisible

@@ -60,7 +60,8 @@ from pagoda.engine.parallel.group import ProcessGroup, make_groups
 from pagoda.engine.parallel.step_wire import StepReceiver, StepSender, capacity_for, make_path
 from pagoda.engine.runner.host_kv_cache import HostKVCache, measure_prefill_s_per_token
 from pagoda.engine.runner.kv_allocation import copy_state_slots
-from pagoda.engine.runner.model_runner import ModelRunner, resolve_device
+from pagoda.engine.runner.model_runner import ModelRunner
+from pagoda.engine.runner.placement import resolve_device
 from pagoda.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)

@@ -42,7 +42,8 @@ from pagoda.engine.request import Request
 from pagoda.engine.runner.device_worker import DeviceTimer, InlineWorker, SplitStepHandle, StepHandle, ThreadWorker
 from pagoda.engine.runner.file_tier_io import make_file_tiers
 from pagoda.engine.runner.host_kv_cache import HostKVCache, calibrate, copy_device_blocks
-from pagoda.engine.runner.model_runner import ModelRunner, StartedStep, resolve_device, resolve_dtype
+from pagoda.engine.runner.model_runner import ModelRunner, StartedStep
+from pagoda.engine.runner.placement import resolve_device, resolve_dtype
 from pagoda.engine.runner.runner_output import ModelRunnerOutput
 from pagoda.engine.spec_decode import SpeculativePlan, Speculator
 from pagoda.models.config import ModelConfig

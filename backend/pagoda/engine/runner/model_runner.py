@@ -82,6 +82,7 @@ from pagoda.engine.guided.bitmask import TokenBitmask
 from pagoda.engine.runner.prompt_logprobs import PromptRows
 from pagoda.engine.runner.raw_logits import ContextRows, copy_sampled_rows, kept_rows
 from pagoda.engine.runner.request_states import RequestStates
+from pagoda.engine.runner.placement import kv_bytes_per_block, resolve_device, resolve_dtype, resolve_kv_cache_dtype
 from pagoda.engine.runner.runner_output import ModelRunnerOutput
 from pagoda.engine.runner.step_sampler import StepSampler
 from pagoda.engine.sampling.sampler import Sampler
@@ -100,39 +101,8 @@ from pagoda.models.registry import build_model
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # Memory kept free on a GPU for activations and the sampler (bytes).
 _GPU_ACTIVATION_RESERVE = 2 * 2**30
-
-
-def resolve_device(config: EngineConfig) -> torch.device:
-    if config.device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if config.device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device: cuda was requested but no CUDA device is available")
-    return torch.device(config.device)
-
-
-def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
-    if config.dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[config.dtype]
-
-
-def resolve_kv_cache_dtype(config: EngineConfig, model_dtype: torch.dtype) -> torch.dtype:
-    """The KV cache's storage dtype: the model's, or float8_e4m3fn (per-tensor scale 1.0)."""
-    return torch.float8_e4m3fn if config.kv_cache_dtype == "fp8_e4m3" else model_dtype
-
-
-def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype,
-                       kv_heads: Optional[int] = None, num_layers: Optional[int] = None) -> int:
-    """Bytes one block takes across the layers (K and V, or multi-head latent attention's one
-    latent row per token); ``kv_heads``, ``num_layers``: one rank's (default: all the model's)."""
-    elem = torch.tensor([], dtype=dtype).element_size()
-    kv_heads = model_config.num_key_value_heads if kv_heads is None else kv_heads
-    per_layer = 2 * block_size * kv_heads * model_config.head_dim * elem if model_config.mla is None else \
-        block_size * model_config.mla.latent_dim * elem
-    return per_layer * (model_config.num_hidden_layers if num_layers is None else num_layers)
 
 
 class ModelRunner:
