@@ -65,3 +65,20 @@ def check_beams_and_a_grammar(engine, folder, prompts) -> None:
     answers = greedy_tokens(engine, prompts, guided, prefix="g")
     assert all(engine.tokenizer.decode(tokens) in choices for tokens in answers)
     assert engine.get_stats().num_free_blocks == engine.get_stats().num_blocks
+
+
+def check_seeded_alone_equals_batch(folder, prompts, max_tokens: int, alone=None) -> None:
+    """A seeded request (``prompts[1]``, temperature 0.9, top-p 0.9) gets the same tokens alone (in
+    ``alone``, or a fresh engine) as behind every prompt sampled with another seed, in 9-token steps."""
+    from pagoda.engine.config import EngineConfig
+    from pagoda.engine.llm_engine import LLMEngine
+    from pagoda.engine.sampling_params import SamplingParams
+
+    seeded = SamplingParams(temperature=0.9, top_p=0.9, seed=11, max_tokens=max_tokens, ignore_eos=True)
+    engine = alone if alone is not None else LLMEngine(EngineConfig(model=str(folder)))
+    expected = greedy_tokens(engine, [prompts[1]], seeded, prefix="alone")[0]
+    batch = LLMEngine(EngineConfig(model=str(folder), max_num_batched_tokens=9))
+    others = SamplingParams(temperature=1.0, seed=5, max_tokens=max_tokens, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        batch.add_request(f"o{i}", prompt, others)
+    assert greedy_tokens(batch, [prompts[1]], seeded, prefix="s") == [expected]

@@ -32,7 +32,8 @@ from pagoda.engine.config import EngineConfig
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.engine.runner.kv_allocation import unique_pairs
 
-from tests.engine.driving import check_beams_and_a_grammar, family_case, greedy_tokens
+from tests.engine.driving import (check_beams_and_a_grammar, check_seeded_alone_equals_batch, family_case,
+                                  greedy_tokens)
 from tests.engine.hf_reference import save_random_model
 
 MAX_NEW = 8
@@ -134,16 +135,8 @@ def test_fp8_kv_cache_runs_over_padded_pages(gemma4):
 
 
 def test_seeded_sampling_is_the_same_alone_and_in_a_batch(gemma4):
-    from pagoda.engine.sampling_params import SamplingParams
-
     folder, prompts, _, _ = gemma4
-    seeded = SamplingParams(temperature=0.9, top_p=0.9, seed=11, max_tokens=MAX_NEW, ignore_eos=True)
-    alone = greedy_tokens(LLMEngine(EngineConfig(model=folder)), [prompts[1]], seeded)[0]
-    batch = LLMEngine(EngineConfig(model=folder, max_num_batched_tokens=9))
-    others = SamplingParams(temperature=1.0, seed=5, max_tokens=MAX_NEW, ignore_eos=True)
-    for i, prompt in enumerate(prompts):
-        batch.add_request(f"o{i}", prompt, others)
-    assert greedy_tokens(batch, [prompts[1]], seeded, prefix="s") == [alone]
+    check_seeded_alone_equals_batch(folder, prompts, MAX_NEW)
 
 
 def test_beam_search_equals_transformers_and_structured_output_holds(gemma4):

@@ -29,7 +29,7 @@ from pagoda.engine.config import EngineConfig
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.engine.sampling_params import SamplingParams
 
-from tests.engine.driving import family_case, greedy_tokens
+from tests.engine.driving import check_seeded_alone_equals_batch, family_case, greedy_tokens
 from tests.engine.hf_reference import save_random_model
 
 MAX_NEW = 8
@@ -98,13 +98,7 @@ def test_batched_chunked_preempted_then_served_from_state_checkpoints(hybrid, mo
 
 def test_seeded_sampling_is_the_same_alone_and_in_a_batch(hybrid):
     folder, prompts, _, _ = hybrid
-    seeded = SamplingParams(temperature=0.9, top_p=0.9, seed=11, max_tokens=MAX_NEW, ignore_eos=True)
-    alone = _run(LLMEngine(EngineConfig(model=folder)), [prompts[1]], seeded)[0]
-    batch = LLMEngine(EngineConfig(model=folder, max_num_batched_tokens=9))
-    others = SamplingParams(temperature=1.0, seed=5, max_tokens=MAX_NEW, ignore_eos=True)
-    for i, prompt in enumerate(prompts):
-        batch.add_request(f"o{i}", prompt, others)
-    assert _run(batch, [prompts[1]], seeded, prefix="s") == [alone]
+    check_seeded_alone_equals_batch(folder, prompts, MAX_NEW)
 
 
 def test_what_does_not_combine_with_recurrent_states_is_refused(hybrid):
