@@ -13,9 +13,14 @@ from pagoda.bench import compare_scaling
 
 
 def _fake(calls):
+    """An engine whose requests prefill one per second (each its first token), then decode one
+    token each per half second together: steps (seconds, cpu, tokens so far, started)."""
     def generate(prompts, max_tokens):
         calls.append((len(prompts), len(prompts[0]), max_tokens))
-        return 1.0 + max_tokens, [[7] * max_tokens for _ in prompts]
+        count = len(prompts)
+        steps = [(1.0 + i, 0.5 + i, i + 1, i + 1) for i in range(count)]
+        steps += [(count + 0.5 * j, count + 0.25 * j, count * (1 + j), count) for j in range(1, max_tokens)]
+        return steps[-1][0], [[7] * max_tokens for _ in prompts], steps
 
     return generate
 
@@ -24,10 +29,12 @@ def test_long_times_ttft_and_the_steady_decode_apart():
     calls = []
     spec = {"workload": "long", "vocab": 5000, "lengths": [12], "decodes": 3, "decode_tokens": 4}
     result = compare_scaling.run_scenarios(spec, _fake(calls))["12"]
-    # TTFT alone, the batch to half its decode (a warm-up, then timed), to all of it
-    assert calls == [(1, 12, 1), (3, 12, 3), (3, 12, 3), (3, 12, 5)]
-    assert result["ttft_s"] == 2.0 and result["decode_tokens_per_s"] == 3 * 2 / (6.0 - 4.0)  # the second half
-    assert result["ttft_cpu_s"] >= 0 and result["decode_tokens_per_cpu_s"] > 0
+    # TTFT alone, the batch to half its decode (a warm-up), to all of it (timed step by step)
+    assert calls == [(1, 12, 1), (3, 12, 3), (3, 12, 5)]
+    # the steady decode starts once all three have a token (t = 3 s, not the prefill steps before)
+    assert result["ttft_s"] == 1.0 and result["total_s"] == 5.0
+    assert result["decode_tokens_per_s"] == 3 * 4 / 2.0 and result["decode_tokens_per_cpu_s"] == 3 * 4 / 1.5
+    assert result["ttft_cpu_s"] >= 0
     assert result["peak_rss_gib"] > 0 and result["outputs"] == [[7] * 5] * 3
 
 
@@ -35,9 +42,9 @@ def test_concurrency_and_the_refusals(smollm2_path):
     calls = []
     spec = {"workload": "concurrency", "vocab": 5000, "concurrency": [1, 4], "prompt_tokens": 8, "output_tokens": 2}
     result = compare_scaling.run_scenarios(spec, _fake(calls))
-    assert calls == [(1, 8, 2), (4, 8, 2)] and result["4"]["tokens_per_s"] == 4 * 2 / 3.0
+    assert calls == [(1, 8, 2), (4, 8, 2)] and result["4"]["tokens_per_s"] == 4 * 2 / 4.5
     table = compare_scaling.format_table(spec, {"pagoda": result, "vllm": result}).splitlines()
-    assert len(table) == 4 and table[3].startswith("| 4 | 2.7 (") and "| 1.00x | 4/4 |" in table[3]
+    assert len(table) == 4 and table[3].startswith("| 4 | 1.8 (") and "| 1.00x | 4/4 |" in table[3]
     with pytest.raises(ValueError, match=r"--long-lengths: \[8192\] plus 33 output tokens exceed"):
         compare_scaling.make_spec("long", smollm2_path, "float32", 1, [2048, 8192], 2048)
     assert compare_scaling.make_spec("long", smollm2_path, "float32", 1, [2048, 8100], 2048)["max_model_len"] == 8133

@@ -9,15 +9,12 @@ seeded prompts, greedy, ``ignore_eos``, no prefix caching, a 2 GiB KV cache in b
 - ``long``: for each prompt length L (``--long-lengths``, default 2048 and 8100: the
   default model's context is 8,192 tokens; a length past the model's is refused): TTFT, one
   prompt of L tokens alone (``max_tokens=1``, submit to its token); decode tok/s, ``DECODES``
-  prompts of L tokens at once run to ``1 + DECODE_TOKENS / 2`` tokens each (once untimed, a
-  warm-up at those shapes), then again, and to ``1 + DECODE_TOKENS``:
-  ``DECODES * (DECODE_TOKENS / 2) / (T - S)`` with T and S those runs' times. The difference
-  cancels the prefills, the first tokens and the first half of the decode, so an engine that
-  overlaps decodes with the other prompts' prefill chunks is measured on its
-  steady decode alone (a difference against a separate ``max_tokens=1`` prefill run, as
-  before, credited such overlap to the decode). Where the decode costs less than the runs'
-  noise (vLLM at 2k tokens on the 2-core Xeon) the rate comes out negative: not measured by
-  this workload (docs/benchmarks.md). And the process's peak resident memory after L.
+  prompts of L tokens at once run to ``1 + DECODE_TOKENS`` tokens each (once untimed to half
+  that, a warm-up at those shapes), timed step by step: the rate is the tokens the steps made
+  after every prompt had its first token, over those steps' time (``steady_decode``), so the
+  prefills and any decode overlapped with another prompt's prefill chunks are left out, in
+  both engines alike (vLLM's ``LLMEngine.step``, pagoda's). And the process's peak resident
+  memory after L.
 - ``concurrency``: N sequences of ``PROMPT_TOKENS`` prompt tokens and ``OUTPUT_TOKENS``
   output tokens submitted at once, N in 1, 4, 16, 64: output tok/s; ``plot`` draws both
   engines' curves into a PNG (matplotlib, imported only there).
@@ -27,8 +24,9 @@ threads; the engine runs in-process in both): on a shared machine the wall time 
 the other processes' load, the CPU time much less.
 
 ``run_scenarios`` is the measurement, the same code in both processes: the vLLM worker is
-its source plus a ``generate`` over ``LLM.generate``; pagoda's a ``generate`` over
-``LLMEngine.step``. Model load and a warm-up request are not timed.
+its source plus a ``generate`` over vLLM's ``LLMEngine.step``; pagoda's a ``generate`` over
+its own ``LLMEngine.step``; each records after every step its time, process CPU time, the
+tokens made so far and how many requests have one (the step trace). Model load and a warm-up request are not timed.
 """
 
 from __future__ import annotations
@@ -49,16 +47,24 @@ KV_GIB = 2
 
 
 def run_scenarios(spec: dict, generate: Callable) -> dict:
-    """The workload of ``spec["workload"]``; ``generate(prompts, max_tokens) -> (seconds, outputs)``
-    runs the prompts at once to ``max_tokens`` each. Runs in both engines' processes: stdlib only."""
+    """The workload of ``spec["workload"]``; ``generate(prompts, max_tokens) -> (seconds, outputs, steps)``
+    runs the prompts at once to ``max_tokens`` each, ``steps`` the trace: after each engine step
+    ``(seconds, cpu_seconds, tokens, started)`` since the submit (tokens made by every request so
+    far, how many requests have one). Runs in both engines' processes: stdlib only."""
     import random
     import resource
     import time
 
-    def timed(batch: list[list[int]], max_tokens: int) -> tuple[float, float, list[list[int]]]:
+    def timed(batch: list[list[int]], max_tokens: int) -> tuple[float, float, list[list[int]], list]:
         cpu = time.process_time()  # the engine runs in this process in both: its CPU time, all threads
-        seconds, outputs = generate(batch, max_tokens)
-        return seconds, time.process_time() - cpu, outputs
+        seconds, outputs, steps = generate(batch, max_tokens)
+        return seconds, time.process_time() - cpu, outputs, steps
+
+    def steady_decode(steps: list, count: int) -> tuple[float, float]:
+        """Tokens per second and per CPU second of the steps after every request had a token."""
+        start = next(i for i, step in enumerate(steps) if step[3] == count)
+        (t0, c0, n0, _), (t1, c1, n1, _) = steps[start], steps[-1]
+        return (n1 - n0) / max(t1 - t0, 1e-9), (n1 - n0) / max(c1 - c0, 1e-9)
 
     def prompts(count: int, length: int, seed: int) -> list[list[int]]:
         rng = random.Random(seed * 1_000_003 + length)
@@ -67,20 +73,18 @@ def run_scenarios(spec: dict, generate: Callable) -> dict:
     results: dict = {}
     if spec["workload"] == "long":
         for length in spec["lengths"]:
-            ttft, ttft_cpu, _ = timed(prompts(1, length, 0), 1)
-            batch, half = prompts(spec["decodes"], length, 1), spec["decode_tokens"] // 2
-            timed(batch, 1 + half)  # warm-up at these shapes: a first run paid for it (vLLM's went negative)
-            short, short_cpu, _ = timed(batch, 1 + half)
-            total, total_cpu, outputs = timed(batch, 1 + spec["decode_tokens"])
-            decoded = spec["decodes"] * (spec["decode_tokens"] - half)
-            results[str(length)] = {"ttft_s": ttft, "ttft_cpu_s": ttft_cpu, "short_s": short, "total_s": total,
-                                    "decode_tokens_per_s": decoded / (total - short),
-                                    "decode_tokens_per_cpu_s": decoded / max(total_cpu - short_cpu, 1e-9),
+            ttft, ttft_cpu, _, _ = timed(prompts(1, length, 0), 1)
+            batch = prompts(spec["decodes"], length, 1)
+            timed(batch, 1 + spec["decode_tokens"] // 2)  # warm-up at these shapes: a first run pays for them
+            total, _, outputs, steps = timed(batch, 1 + spec["decode_tokens"])
+            rate, rate_cpu = steady_decode(steps, len(batch))
+            results[str(length)] = {"ttft_s": ttft, "ttft_cpu_s": ttft_cpu, "total_s": total,
+                                    "decode_tokens_per_s": rate, "decode_tokens_per_cpu_s": rate_cpu,
                                     "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
                                     "outputs": outputs}
     else:
         for count in spec["concurrency"]:
-            seconds, cpu, outputs = timed(prompts(count, spec["prompt_tokens"], 2), spec["output_tokens"])
+            seconds, cpu, outputs, _ = timed(prompts(count, spec["prompt_tokens"], 2), spec["output_tokens"])
             results[str(count)] = {"seconds": seconds, "tokens_per_s": count * spec["output_tokens"] / seconds,
                                    "tokens_per_cpu_s": count * spec["output_tokens"] / max(cpu, 1e-9),
                                    "outputs": outputs}
@@ -100,11 +104,20 @@ llm = LLM(model=spec["model"], dtype=spec["dtype"], max_model_len=spec["max_mode
 llm.generate([TokensPrompt(prompt_token_ids=[1000 + i for i in range(16)])],
              SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
 
+calls = [0]
+
 def generate(prompts, max_tokens):
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    start = time.perf_counter()
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-    return time.perf_counter() - start, [list(o.outputs[0].token_ids) for o in outs]
+    calls[0] += 1
+    engine, params = llm.llm_engine, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    start, cpu, tokens, steps = time.perf_counter(), time.process_time(), {}, []
+    for i, p in enumerate(prompts):
+        engine.add_request(f"{calls[0]}-{i}", TokensPrompt(prompt_token_ids=p), params)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id] = list(out.outputs[0].token_ids)
+        steps.append((time.perf_counter() - start, time.process_time() - cpu, sum(map(len, tokens.values())),
+                      sum(1 for t in tokens.values() if t)))
+    return time.perf_counter() - start, [tokens[f"{calls[0]}-{i}"] for i in range(len(prompts))], steps
 '''
 
 
@@ -118,18 +131,20 @@ def pagoda_worker(spec_path: str, out_path: str) -> None:
 
     calls = [0]
 
-    def generate(prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
+    def generate(prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]], list]:
         calls[0] += 1
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-        outputs: dict[str, list[int]] = {}
-        start = time.perf_counter()
+        tokens: dict[str, list[int]] = {}
+        steps = []
+        start, cpu = time.perf_counter(), time.process_time()
         for i, prompt in enumerate(prompts):
             engine.add_request(f"{calls[0]}-{i}", prompt, params)
         while engine.has_unfinished_requests():
             for out in engine.step():
-                if out.finished:
-                    outputs[out.request_id] = list(out.outputs[0].token_ids)
-        return time.perf_counter() - start, [outputs[f"{calls[0]}-{i}"] for i in range(len(prompts))]
+                tokens[out.request_id] = list(out.outputs[0].token_ids)
+            steps.append((time.perf_counter() - start, time.process_time() - cpu, sum(map(len, tokens.values())),
+                          sum(1 for t in tokens.values() if t)))
+        return time.perf_counter() - start, [tokens[f"{calls[0]}-{i}"] for i in range(len(prompts))], steps
 
     generate([[1000 + i for i in range(16)]], 2)  # warm-up, not timed
     Path(out_path).write_text(json.dumps(run_scenarios(spec, generate)))
