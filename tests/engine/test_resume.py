@@ -130,6 +130,9 @@ def test_resume_refusals_name_the_field(engine):
         add(SamplingParams(n=2, max_tokens=8), Resume((5,)), "n2")
     with pytest.raises(ValueError, match="^resume: prompt_logprobs"):
         add(SamplingParams(prompt_logprobs=1, max_tokens=8), Resume((5,)), "plp")
+    for flag in ("return_context_logits", "return_generation_logits"):  # the earlier rows are not recomputed
+        with pytest.raises(ValueError, match=f"^resume: {flag}"):
+            add(SamplingParams(max_tokens=8, **{flag: True}), Resume((5,)), flag)
     with pytest.raises(ValueError, match="^resume.output_token_ids: 8 tokens leave nothing"):
         add(SamplingParams(max_tokens=8), Resume(tuple(range(8))), "full")
     with pytest.raises(ValueError, match="^resume.output_token_ids: token id 999999 is not in the vocabulary"):

@@ -24,7 +24,9 @@ had never moved:
 
 Refused (``ValueError`` naming ``resume``): ``n`` > 1 or beam search (several completions; the
 router does not migrate them), ``prompt_logprobs`` (sent with the first tokens: the router
-clears it), K >= ``max_tokens`` (nothing left to generate), a token id outside the
+clears it), ``return_context_logits`` / ``return_generation_logits`` (their rows come with the
+last response; those computed before the move are lost with the failed replica, so the router
+does not resume such a request), K >= ``max_tokens`` (nothing left to generate), a token id outside the
 vocabulary, ``num_sent_chars`` past the text of the K tokens.
 """
 
@@ -80,6 +82,10 @@ def resumed_output(request: EngineRequest, prompt_token_ids: list[int], tokenize
     if params.prompt_logprobs is not None:
         raise ValueError("resume: prompt_logprobs were sent with the first tokens; a resumed request does not ask "
                          "for them again")
+    for flag in ("return_context_logits", "return_generation_logits"):
+        if getattr(params, flag):
+            raise ValueError(f"resume: {flag} cannot resume (the rows computed before the move are on the failed "
+                             f"replica; the router does not migrate such a request)")
     token_ids = list(resume.output_token_ids)
     if params.max_tokens is not None and len(token_ids) >= params.max_tokens:
         raise ValueError(f"resume.output_token_ids: {len(token_ids)} tokens leave nothing to generate under "

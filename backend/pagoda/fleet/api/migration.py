@@ -72,6 +72,10 @@ def why_not_resumable(wire: Optional[WireRequest]) -> Optional[str]:
     params = wire.params
     if params.n > 1 or params.use_beam_search:
         return "several completions (n > 1 or beam search): a resumed request has one"
+    for flag in ("return_context_logits", "return_generation_logits"):
+        if getattr(params, flag):
+            return (f"raw logits ({flag}): they come with the last response, and the rows computed before the move "
+                    f"stay on the failed replica")
     if wire.options.kv_transfer_params and wire.options.kv_transfer_params.get("do_remote_decode"):
         return "a prefill stage (kv_transfer_params.do_remote_decode): its KV handle lives on the failed replica"
     if not wire.output.stream:
