@@ -1,8 +1,13 @@
 """``http(s)`` image URLs: fetched only from allow-listed hosts, within size and time limits
-(``serving.media_fetch``), against a local HTTP server on 127.0.0.1 (listed explicitly)."""
+(``serving.media_fetch``), against local HTTP and HTTPS servers on 127.0.0.1 (listed explicitly;
+the HTTPS one with a self-signed certificate made by ``openssl``), name resolution included."""
 
 from __future__ import annotations
 
+import shutil
+import socket
+import ssl
+import subprocess
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -95,3 +100,51 @@ def test_the_flag_makes_a_fetcher_only_when_it_names_hosts():
     assert make_fetcher(None) is None and make_fetcher(" ,") is None
     fetcher = make_fetcher("a.example.com, 127.0.0.1", max_bytes=10, timeout_s=1.5)
     assert fetcher.allowed == {"a.example.com", "127.0.0.1"} and fetcher.max_bytes == 10
+
+
+def test_name_resolution_is_inside_the_time_limit(monkeypatch):
+    def stuck(*args, **kwargs):  # a resolver that does not answer in time
+        time.sleep(1.0)
+        raise OSError("gave up")
+
+    monkeypatch.setattr(socket, "getaddrinfo", stuck)
+    fetcher = MediaFetcher(["images.example"], timeout_s=0.2)
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=r"^u: resolving the host 'images\.example' took over 0\.2 s"):
+        fetcher.fetch("https://images.example/cat.png", "u")
+    assert time.monotonic() - start < 0.8  # refused at the limit, not when the lookup gave up
+
+
+@pytest.fixture(scope="module")
+def tls_server(tmp_path_factory):
+    """An https server on 127.0.0.1 with a self-signed certificate for that address."""
+    if shutil.which("openssl") is None:
+        pytest.skip("the openssl command makes the test certificate")
+    folder = tmp_path_factory.mktemp("tls")
+    cert, key = folder / "cert.pem", folder / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
+                    str(cert), "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True, timeout=60)
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    httpd.socket = context.wrap_socket(httpd.socket, server_side=True)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"https://127.0.0.1:{httpd.server_address[1]}", str(cert)
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join(timeout=5)
+
+
+def test_https_verifies_the_certificate_on_the_pinned_connection(server, tls_server, monkeypatch):
+    base, cert = tls_server
+    untrusted = MediaFetcher(["127.0.0.1"], max_bytes=4096, timeout_s=2)  # the system's CAs only
+    with pytest.raises(ValueError, match=r"^u: fetching the image failed \(SSLCertVerificationError"):
+        untrusted.fetch(base + "/cat.png", "u")
+    monkeypatch.setenv("SSL_CERT_FILE", cert)  # trusted: OpenSSL's default verify paths read it
+    trusted = MediaFetcher(["127.0.0.1"], max_bytes=4096, timeout_s=2)
+    assert trusted.fetch(base + "/cat.png", "u") == IMAGE
+    assert trusted.fetch(base + "/hop", "u") == IMAGE  # a relative redirect stays on https

@@ -19,8 +19,9 @@ service, a cloud metadata endpoint). ``MediaFetcher.fetch(url, where)`` refuses 
    target checked by rules 1-2 again: a redirect off the allow-list is refused;
 4. the body is at most ``max_bytes`` (a larger ``Content-Length`` is refused before reading;
    a body without one is read to ``max_bytes + 1`` and refused if it gets there);
-5. the whole fetch, redirects included, ends within ``timeout_s`` (a socket timeout of the
-   time left on every connect and read);
+5. the whole fetch, redirects included, ends within ``timeout_s`` (name resolution waits at
+   most the time left, in a resolver thread; a socket timeout of the time left on every
+   connect and read);
 6. the answer is ``200``.
 
 Whether the bytes are an image, and the image limits, are the engine's checks.
@@ -33,10 +34,15 @@ import ipaddress
 import socket
 import ssl
 import time
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as ResolveTimeout
 from typing import Iterable, Optional
 from urllib.parse import urljoin, urlsplit
 
 REDIRECTS = (301, 302, 303, 307, 308)
+# getaddrinfo cannot be interrupted: it runs here and the fetch stops waiting when its time is
+# up (a stuck lookup then ends on the resolver's own timeout, holding one of these threads).
+_RESOLVER = ThreadPoolExecutor(max_workers=4, thread_name_prefix="pagoda-media-dns")
 
 
 class MediaFetcher:
@@ -64,7 +70,7 @@ class MediaFetcher:
         deadline = time.monotonic() + self.timeout_s
         for _ in range(self.max_redirects + 1):
             parts = urlsplit(url)
-            address = self._checked_address(parts, where)
+            address = self._checked_address(parts, where, deadline)
             status, location, body = self._get(parts, address, deadline, where)
             if status not in REDIRECTS:
                 if status != 200:
@@ -75,7 +81,7 @@ class MediaFetcher:
             url = urljoin(url, location)
         raise ValueError(f"{where}: more than {self.max_redirects} redirects")
 
-    def _checked_address(self, parts, where: str) -> str:
+    def _checked_address(self, parts, where: str, deadline: float) -> str:
         """The address to connect to for ``parts``'s host (rules 1-2)."""
         scheme, host = parts.scheme.lower(), (parts.hostname or "").lower()
         if scheme not in ("http", "https"):
@@ -86,9 +92,12 @@ class MediaFetcher:
         literal = _ip(host)
         if literal is not None:  # listed as an address: that address, even a private one
             return str(literal)
+        lookup = _RESOLVER.submit(socket.getaddrinfo, host, parts.port or (443 if scheme == "https" else 80),
+                                  type=socket.SOCK_STREAM)
         try:
-            infos = socket.getaddrinfo(host, parts.port or (443 if scheme == "https" else 80),
-                                       type=socket.SOCK_STREAM)
+            infos = lookup.result(timeout=_left(deadline, where))
+        except ResolveTimeout:
+            raise ValueError(f"{where}: resolving the host {host!r} took over {self.timeout_s} s") from None
         except (OSError, UnicodeError) as exc:
             raise ValueError(f"{where}: the host {host!r} does not resolve ({exc})") from None
         addresses = [info[4][0] for info in infos]
