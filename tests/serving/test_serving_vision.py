@@ -159,6 +159,11 @@ def test_images_through_the_messages_and_responses_doors_equal_the_offline_engin
         [base64_block, {"type": "text", "text": " Describe."}],
         [base64_block, url_block, {"type": "text", "text": " or"}, {"type": "text", "text": "?"}])]
     assert [answer.content[0].text for answer in answers] == expected
+    counted = client.messages.count_tokens(model=model, messages=[  # the placeholders as the replica expands them
+        {"role": "user", "content": [base64_block, url_block, {"type": "text", "text": " or"}]}])
+    usage = client.messages.create(model=model, max_tokens=1, messages=[
+        {"role": "user", "content": [base64_block, url_block, {"type": "text", "text": " or"}]}]).usage
+    assert counted.input_tokens == usage.input_tokens > 2 * 4
 
     response = served.openai.responses.create(model=model, max_output_tokens=MAX_TOKENS, temperature=0, input=[
         {"role": "user", "content": [{"type": "input_image", "image_url": "data:image/png;base64," + _b64(one)},

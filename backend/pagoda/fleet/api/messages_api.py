@@ -103,7 +103,9 @@ class MessagesApi:
             return kind_error(exc.kind, str(exc))
 
     async def count_tokens(self, request: web.Request) -> web.Response:
-        """The prompt a Messages request makes, counted with the model's tokenizer."""
+        """The prompt a Messages request makes, counted with the model's tokenizer; an image counts
+        the placeholder tokens the replica expands it into (the router's ``RouterImages``, given
+        the model folder; without it, one placeholder per image)."""
         openai = self.openai
         try:
             parsed = parse(CountTokensRequest, json_input.loads(await request.read(), "body"))
@@ -114,7 +116,14 @@ class MessagesApi:
             return anthropic_error(404, str(exc))
         except (json_input.JSONInputError, OpenAIError, LimitError) as exc:
             return anthropic_error(400, str(exc))
-        return web.json_response({"input_tokens": len(openai.router.tokenizer.encode(built.wire.prompt))})
+        token_ids = openai.router.tokenizer.encode(built.wire.prompt)
+        images = openai.router.images
+        if built.wire.images and images is not None:  # each placeholder counts the tokens its image becomes
+            try:
+                return web.json_response({"input_tokens": images.count(token_ids, built.wire.images)})
+            except ValueError as exc:
+                return anthropic_error(400, str(exc))
+        return web.json_response({"input_tokens": len(token_ids)})
 
     def _check_model(self, model: str) -> None:
         openai = self.openai

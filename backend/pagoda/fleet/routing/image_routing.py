@@ -53,6 +53,15 @@ class RouterImages:
         inputs = make_image_inputs(config_from_pretrained(path), str(path), limits or MultiModalConfig())
         return cls(inputs) if inputs is not None else None
 
+    def count(self, token_ids: list[int], images: Sequence[Any]) -> int:
+        """The prompt's length once the replica expands its placeholders (Messages ``count_tokens``).
+
+        Raises:
+            ValueError: an image the replica would refuse, naming it (``ImageInputs.spans``).
+        """
+        length, _ = self.inputs.spans(token_ids, list(images))
+        return length
+
     def expand(self, token_ids: list[int], images: Sequence[Any]) -> tuple[list[int], list[Span]]:
         """The prompt as the replica will hash it.
 
