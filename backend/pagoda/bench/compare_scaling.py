@@ -91,6 +91,24 @@ def run_scenarios(spec: dict, generate: Callable) -> dict:
     return results
 
 
+def traced_run(prompts: list[list[int]], submit: Callable, engine: Any) -> tuple[float, list[list[int]], list]:
+    """Submit the prompts (``submit(request_id, prompt)``) and step ``engine`` (either engine's
+    ``LLMEngine``: ``step``, ``has_unfinished_requests``) until idle: (seconds, the outputs in
+    prompt order, the step trace of ``run_scenarios``). Runs in both processes: stdlib only."""
+    import time
+
+    tag = str(time.monotonic_ns())
+    start, cpu, tokens, steps = time.perf_counter(), time.process_time(), {}, []
+    for i, prompt in enumerate(prompts):
+        submit(f"{tag}-{i}", prompt)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id] = list(out.outputs[0].token_ids)
+        steps.append((time.perf_counter() - start, time.process_time() - cpu, sum(map(len, tokens.values())),
+                      sum(1 for t in tokens.values() if t)))
+    return time.perf_counter() - start, [tokens[f"{tag}-{i}"] for i in range(len(prompts))], steps
+
+
 VLLM_WORKER = r'''from __future__ import annotations
 import json, sys, time
 spec = json.load(open(sys.argv[1]))
@@ -104,47 +122,23 @@ llm = LLM(model=spec["model"], dtype=spec["dtype"], max_model_len=spec["max_mode
 llm.generate([TokensPrompt(prompt_token_ids=[1000 + i for i in range(16)])],
              SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
 
-calls = [0]
 
 def generate(prompts, max_tokens):
-    calls[0] += 1
-    engine, params = llm.llm_engine, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    start, cpu, tokens, steps = time.perf_counter(), time.process_time(), {}, []
-    for i, p in enumerate(prompts):
-        engine.add_request(f"{calls[0]}-{i}", TokensPrompt(prompt_token_ids=p), params)
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            tokens[out.request_id] = list(out.outputs[0].token_ids)
-        steps.append((time.perf_counter() - start, time.process_time() - cpu, sum(map(len, tokens.values())),
-                      sum(1 for t in tokens.values() if t)))
-    return time.perf_counter() - start, [tokens[f"{calls[0]}-{i}"] for i in range(len(prompts))], steps
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return traced_run(prompts, lambda request_id, p: llm.llm_engine.add_request(
+        request_id, TokensPrompt(prompt_token_ids=p), params), llm.llm_engine)
 '''
 
 
 def pagoda_worker(spec_path: str, out_path: str) -> None:
     """Runs in a fresh pagoda process (``python -m pagoda.bench.compare_scaling SPEC OUT``)."""
-    import time
-
     spec = json.loads(Path(spec_path).read_text())
     engine = compare_vllm.engine_for(spec)
     from pagoda.engine.sampling_params import SamplingParams
 
-    calls = [0]
-
     def generate(prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]], list]:
-        calls[0] += 1
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-        tokens: dict[str, list[int]] = {}
-        steps = []
-        start, cpu = time.perf_counter(), time.process_time()
-        for i, prompt in enumerate(prompts):
-            engine.add_request(f"{calls[0]}-{i}", prompt, params)
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                tokens[out.request_id] = list(out.outputs[0].token_ids)
-            steps.append((time.perf_counter() - start, time.process_time() - cpu, sum(map(len, tokens.values())),
-                          sum(1 for t in tokens.values() if t)))
-        return time.perf_counter() - start, [tokens[f"{calls[0]}-{i}"] for i in range(len(prompts))], steps
+        return traced_run(prompts, lambda request_id, prompt: engine.add_request(request_id, prompt, params), engine)
 
     generate([[1000 + i for i in range(16)]], 2)  # warm-up, not timed
     Path(out_path).write_text(json.dumps(run_scenarios(spec, generate)))
@@ -152,8 +146,8 @@ def pagoda_worker(spec_path: str, out_path: str) -> None:
 
 
 def vllm_script() -> str:
-    """The vLLM process's script: ``VLLM_WORKER``, then ``run_scenarios``'s own source."""
-    return (VLLM_WORKER + "\n" + inspect.getsource(run_scenarios) + "\n"
+    """The vLLM process's script: ``VLLM_WORKER``, then ``traced_run``'s and ``run_scenarios``' own source."""
+    return (VLLM_WORKER + "\n" + inspect.getsource(traced_run) + "\n" + inspect.getsource(run_scenarios) + "\n"
             "json.dump(run_scenarios(spec, generate), open(sys.argv[2], 'w'))\n")
 
 
