@@ -17,7 +17,7 @@ from pagoda.engine.llm_engine import LLMEngine
 from pagoda.engine.sampling_params import SamplingParams
 
 from tests.engine.driving import drain
-from tests.engine.gemma3_vision_reference import BOI, SOFT, TOKENS_PER_IMAGE, HFGemma3, save_gemma3
+from tests.engine.gemma3_vision_reference import BOI, EOI, SOFT, TOKENS_PER_IMAGE, HFGemma3, save_gemma3
 from tests.engine.vision_reference import random_image
 
 MAX_NEW = 5
@@ -139,3 +139,33 @@ def test_bad_inputs_are_refused_naming_the_field(gemma, model_path):
     assert not engine.has_unfinished_requests() and not text_only.has_unfinished_requests()
     assert len(_run(engine, [([1, 504, 2226], [])])[0]) == MAX_NEW, "the engine keeps serving"
     assert engine.get_stats().num_free_blocks == engine.get_stats().num_blocks
+
+
+def test_the_wrap_merges_with_neighbouring_newlines_and_the_routers_view_agrees(gemma, tmp_path):
+    """A newline token beside ``<start_of_image>`` joins the wrap's ``"\\n\\n"`` into one run token (as
+    vLLM's Gemma 3 merges them for Gemma's tokenizer, whose runs of newlines are single tokens);
+    ``spans`` (the router's view) places the image where ``process`` does. Pan-and-scan is refused."""
+    import json
+    import shutil
+
+    from pagoda.engine.image_inputs import make_image_inputs
+    from pagoda.engine.multimodal import MultiModalConfig
+    from pagoda.models.registry import config_from_pretrained
+
+    folder, hf, _ = gemma
+    config = config_from_pretrained(folder)
+    inputs = make_image_inputs(config, str(folder), MultiModalConfig())
+    runs = inputs.newline_runs  # SmolLM2's: "\n" * n for n = 1..4 are single tokens
+    prompt = [1, 504, runs[1], BOI, runs[1], 2226, BOI, 314]
+    image = random_image(9)
+    ids, features = inputs.process(prompt, [image, image])
+    soft = [SOFT] * TOKENS_PER_IMAGE
+    assert ids == [1, 504, runs[3], BOI, *soft, EOI, runs[3], 2226, runs[2], BOI, *soft, EOI, runs[2], 314]
+    assert [f.offset for f in features] == [4, 13] and all(f.is_bidirectional for f in features)
+    assert inputs.spans(prompt, [image, image]) == (len(ids), [(f.mm_hash, f.offset, f.length) for f in features])
+    panned = tmp_path / "panned"
+    shutil.copytree(folder, panned)
+    processor = json.loads((panned / "preprocessor_config.json").read_text())
+    (panned / "preprocessor_config.json").write_text(json.dumps({**processor, "do_pan_and_scan": True}))
+    with pytest.raises(ValueError, match="do_pan_and_scan"):
+        make_image_inputs(config, str(panned), MultiModalConfig()).process([1, BOI], [image])
