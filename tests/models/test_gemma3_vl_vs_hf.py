@@ -90,3 +90,27 @@ def test_checkpoint_names_and_refusals(pair, tmp_path):
         (folder / "config.json").write_text(json.dumps({**raw, **broken}))
         with pytest.raises(ValueError, match=match):
             build_model(config_from_pretrained(folder))
+
+
+def test_a_released_config_is_completed_with_transformers_defaults():
+    """google/gemma-3-4b-it's config.json (as recalled) names only what differs from the defaults."""
+    from pagoda.models.gemma3_vl import parse_config
+
+    raw = {"architectures": ["Gemma3ForConditionalGeneration"], "boi_token_index": 255999, "eoi_token_index": 256000,
+           "eos_token_id": [1, 106], "image_token_index": 262144, "mm_tokens_per_image": 256, "model_type": "gemma3",
+           "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                           "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                           "sliding_window": 1024},
+           "vision_config": {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304,
+                             "model_type": "siglip_vision_model", "num_attention_heads": 16, "num_hidden_layers": 27,
+                             "patch_size": 14, "vision_use_head": False}}
+    config = parse_config(raw, "Gemma3ForConditionalGeneration")
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.vocab_size) == (
+        8, 4, 256, 262208)
+    assert config.layer_types[:6] == ("sliding_attention",) * 5 + ("full_attention",)
+    assert (config.rope_theta, config.local_rope_theta, config.rope_scaling["factor"]) == (1e6, 1e4, 8.0)
+    assert config.query_pre_attn_scalar == 256 and config.tie_word_embeddings
+    spec = config.vision
+    assert (spec.tokens_per_image, spec.image_token_id, spec.prompt_token_id, spec.end_token_id) == (
+        256, 262144, 255999, 256000)
+    assert spec.vision_config["layer_norm_eps"] == 1e-6 and spec.processor_defaults["size"]["height"] == 896

@@ -17,7 +17,9 @@ As transformers' ``Gemma3Model``:
   same image))): ``VisionSpec.is_bidirectional``, carried to the kernels as per-query key
   limits (``kernels.AttentionMetadata.key_limits``: a query inside an image sees keys up to
   the image's last position, within its layer's window);
-- positions are 1-D (no M-RoPE).
+- positions are 1-D (no M-RoPE);
+- ``text_config`` / ``vision_config`` are completed with transformers' defaults, as transformers
+  reads them (the released configs leave most fields to them).
 
 Checkpoint names: transformers 5 writes the text model under ``language_model.model.*`` (the
 released checkpoints too; ``model.language_model.*`` is read as well), the tower under
@@ -56,11 +58,14 @@ def parse_config(raw: dict, architecture: str) -> ModelConfig:
     """
     if not isinstance(raw.get("text_config"), dict) or not isinstance(raw.get("vision_config"), dict):
         raise ValueError(f"{architecture}: config.json needs text_config and vision_config")
-    text = dict(raw["text_config"])
+    text, vision = _with_defaults(raw["text_config"], "Gemma3TextConfig"), \
+        _with_defaults(raw["vision_config"], "SiglipVisionConfig")
     text["tie_word_embeddings"] = raw.get("tie_word_embeddings", text.get("tie_word_embeddings", True))
+    for key in ("bos_token_id", "eos_token_id"):  # the top level's, where the text section left them to defaults
+        if key in raw and key not in raw["text_config"]:
+            text[key] = raw[key]
     config = gemma3.parse_config(text, architecture)
     config.architectures = list(raw.get("architectures") or [architecture])
-    vision = dict(raw["vision_config"])
     size = int(vision.get("image_size", 224))
     config.vision = VisionSpec(
         family="gemma3", image_token_id=int(raw.get("image_token_index", 262144)), spatial_merge_size=1,
@@ -70,6 +75,17 @@ def parse_config(raw: dict, architecture: str) -> ModelConfig:
         begin_token_id=int(raw.get("boi_token_index", 255999)), end_token_id=int(raw.get("eoi_token_index", 256000)),
         is_bidirectional=True)
     return config
+
+
+def _with_defaults(section: dict, config_class: str) -> dict:
+    """A config.json section completed with transformers' defaults, as transformers reads it: the
+    released checkpoints' ``text_config`` names only what differs from ``Gemma3TextConfig``'s
+    defaults (no head counts, no vocabulary size). As written when transformers is not installed."""
+    try:
+        import transformers
+    except ImportError:  # pragma: no cover - the vision extra installs it
+        return dict(section)
+    return getattr(transformers, config_class)(**section).to_dict()
 
 
 class Gemma3ForConditionalGeneration(gemma3.Gemma3ForCausalLM):
