@@ -18,7 +18,7 @@ from pagoda.engine.sampling_params import SamplingParams
 
 from tests.engine.driving import drain
 from tests.engine.gemma3_vision_reference import BOI, EOI, SOFT, TOKENS_PER_IMAGE, HFGemma3, save_gemma3
-from tests.engine.vision_reference import random_image
+from tests.engine.vision_reference import random_image, run_image_requests
 
 MAX_NEW = 5
 BLOCK = 8
@@ -36,11 +36,7 @@ def gemma(tmp_path_factory, smollm2_path):
 
 
 def _run(engine: LLMEngine, requests: list[tuple[list[int], list]], prefix: str = "r") -> list[list[int]]:
-    for i, (ids, images) in enumerate(requests):  # no images: a text-only request
-        prompt = {"prompt_token_ids": ids, "multi_modal_data": {"image": images}} if images else ids
-        engine.add_request(f"{prefix}{i}", prompt, GREEDY)
-    finals = drain(engine)
-    return [finals[f"{prefix}{i}"].outputs[0].token_ids for i in range(len(requests))]
+    return run_image_requests(engine, requests, GREEDY, prefix)
 
 
 def test_one_and_two_images_equal_transformers_and_an_image_is_encoded_once(gemma):
