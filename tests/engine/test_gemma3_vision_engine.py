@@ -75,6 +75,20 @@ def test_a_small_token_budget_never_splits_an_image(gemma):
     assert engine.get_stats().num_free_blocks == engine.get_stats().num_blocks
 
 
+def test_images_batched_chunked_and_preempted_under_async_scheduling_equal_transformers(gemma):
+    """Three image requests at a 6-token budget (an image is 4) in a cache so small that requests are
+    preempted and readmitted (their prefix hits may end inside an image), scheduled asynchronously."""
+    folder, hf, shared = gemma
+    engine = LLMEngine(EngineConfig(model=str(folder), block_size=BLOCK, max_num_batched_tokens=6,
+                                    num_gpu_blocks_override=10, async_scheduling=True))
+    prompts = [shared[:18] + [BOI, 2226, 314], [1, 504, BOI, 3375, BOI, 2226], shared[:18] + [BOI, 2226]]
+    images = [[random_image(11)], [random_image(12, 96, 64), random_image(13)], [random_image(11)]]
+    assert _run(engine, list(zip(prompts, images))) == [hf.generate(p, i, MAX_NEW) for p, i in zip(prompts, images)]
+    stats = engine.get_stats()
+    assert stats.num_preemptions > 0, "the tiny cache should have preempted"
+    assert stats.num_free_blocks == stats.num_blocks
+
+
 def test_prefix_cache_is_keyed_by_image_content(gemma):
     folder, hf, shared = gemma
     engine = LLMEngine(EngineConfig(model=str(folder), block_size=BLOCK))

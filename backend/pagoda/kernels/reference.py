@@ -226,6 +226,9 @@ def _make_plan(meta: AttentionMetadata, block_size: int, window: int, device: to
     query_lens, seq_lens = meta.query_lens_host, meta.seq_lens_host
     starts = meta.query_start_loc.tolist()
     decode = [s for s, n in enumerate(query_lens) if n == 1]
+    limits = meta.key_limits_host
+    assert limits is None or all(limits[starts[s]] == seq_lens[s] - 1 for s in decode), \
+        "a one-token query's key limit is its own position (a chunk never ends inside an image)"
     prefills = []
     for s, q_len in enumerate(query_lens):
         if q_len == 1:

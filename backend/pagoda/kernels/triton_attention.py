@@ -221,7 +221,7 @@ def _paged_attention_kernel(
     if HAS_KEY_LIMITS:  # a query inside an image sees keys up to the image's end (never past seq_len)
         q_lim = tl.load(key_limits_ptr + tok_idx, mask=row_ok, other=0).to(tl.int32)
         q_lim = tl.where(row_ok, tl.maximum(q_lim, q_pos), q_pos)
-        kv_hi = tl.maximum(kv_hi, tl.max(tl.where(row_ok, q_lim, 0), 0) + 1)
+        kv_hi = tl.minimum(tl.maximum(kv_hi, tl.max(tl.where(row_ok, q_lim, 0), 0) + 1), seq_len)
     kv_lo = tl.where(window > 0, tl.maximum(first_q_pos - window + 1, 0), 0)
     if IS_SPLIT:
         kv_lo = tl.maximum(kv_lo, split * split_len)
