@@ -20,7 +20,8 @@ from pagoda.engine.llm_engine import LLMEngine
 from pagoda.engine.sampling_params import SamplingParams
 
 from tests.engine.driving import drain
-from tests.engine.vision_reference import IMAGE, VISION_END, VISION_START, HFVision, random_image, save_qwen3_vl
+from tests.engine.vision_reference import (IMAGE, VISION_END, VISION_START, HFVision, random_image, run_image_requests,
+                                          save_qwen3_vl)
 
 MAX_NEW = 6
 BLOCK = 8
@@ -42,11 +43,7 @@ def _image_prompt(text_ids: list[int], tail: list[int], num_images: int = 1) -> 
 
 
 def _run(engine: LLMEngine, requests: list[tuple[list[int], list]], prefix: str = "r") -> list[list[int]]:
-    for i, (ids, images) in enumerate(requests):  # no images: a text-only request
-        prompt = {"prompt_token_ids": ids, "multi_modal_data": {"image": images}} if images else ids
-        engine.add_request(f"{prefix}{i}", prompt, GREEDY)
-    finals = drain(engine)
-    return [finals[f"{prefix}{i}"].outputs[0].token_ids for i in range(len(requests))]
+    return run_image_requests(engine, requests, GREEDY, prefix)
 
 
 def test_one_and_two_images_equal_transformers_and_depend_on_the_image(vl):

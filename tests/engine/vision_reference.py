@@ -54,6 +54,18 @@ ARCHS = {"qwen3-vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration", QWEN3_
          "qwen3.5-moe": ("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration", QWEN3_5_MOE_VL)}
 
 
+def run_image_requests(engine, requests: list[tuple[list[int], list]], params, prefix: str = "r") -> list[list[int]]:
+    """Each ``(token ids, images)`` as vLLM's prompt dict (no images: a text-only request) through
+    ``engine`` to the end; their output token ids in order."""
+    from tests.engine.driving import drain
+
+    for i, (ids, images) in enumerate(requests):
+        prompt = {"prompt_token_ids": ids, "multi_modal_data": {"image": images}} if images else ids
+        engine.add_request(f"{prefix}{i}", prompt, params)
+    finals = drain(engine)
+    return [finals[f"{prefix}{i}"].outputs[0].token_ids for i in range(len(requests))]
+
+
 def random_image(seed: int, width: int = 64, height: int = 64):
     """A PIL RGB image of smooth random colour blobs (so resizing keeps it distinct)."""
     from PIL import Image

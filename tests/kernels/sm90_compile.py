@@ -15,7 +15,7 @@ per variant on stdout. ``rules``: every kernel through the shapes the built-in r
 the Gated DeltaNet kernels (a family of their own: their chunked kernel is the slowest to compile);
 ``deepseek``: DeepSeek-V3's launches (the MLA latent write and split-K decode, block-scaled FP8
 GEMMs and FP8 experts); ``gemma4``: Gemma 4's head sizes (256 on sliding layers, 512 on full
-ones) through the attention, KV write and rotary kernels.
+ones) through the attention, KV write and rotary kernels, and Gemma 3's image steps at 256.
 """
 
 from __future__ import annotations
@@ -93,6 +93,7 @@ def record_launches(families: str = "rules") -> list[tuple[JITFunction, tuple, d
                 _attention_launches(dtype, head_dim, FP8, head_groups=[(32, 8)])
                 _small_launches(dtype, head_dim, FP8)
         _sink_launches(dtype)
+        _key_limit_launches(dtype, 128, [(32, 16)])
         _lora_launches(dtype)
         _w8a16_launches(dtype)
         _w4a16_launches(dtype)
@@ -146,6 +147,21 @@ def _sink_launches(dtype: torch.dtype) -> None:
         for window in (0, 128):
             triton_attention.paged_attention(q, cache, cache, _meta(query_lens, seq_lens), 0.1, window=window,
                                              sinks=sinks)
+
+
+def _key_limit_launches(dtype: torch.dtype, head_dim: int, groups: list[tuple[int, int]],
+                        cache_dtype: torch.dtype | None = None) -> None:
+    """Gemma 3's image steps (its images' tokens see each other: per-query key limits) at the
+    given heads, sliding (1024) and full layers: a decode beside a 64-token chunk and 63 decodes
+    beside a 512-token chunk (both launches, split and not)."""
+    for num_heads, num_kv_heads in groups:
+        for query_lens, seq_lens in (STEPS["mixed_b2"], STEPS["mixed_b64"]):
+            q = torch.empty(sum(query_lens), num_heads, head_dim, dtype=dtype)
+            cache = torch.empty(2, 16, num_kv_heads, head_dim, dtype=cache_dtype or dtype)
+            meta = _meta(query_lens, seq_lens)
+            meta.set_key_limits(list(range(sum(query_lens))), "cpu")
+            for window in (0, 1024):
+                triton_attention.paged_attention(q, cache, cache, meta, 0.1, window=window)
 
 
 def _tuning_candidate_launches(cache_dtype: torch.dtype, quick: bool = False) -> None:
@@ -306,6 +322,9 @@ def _gemma4_launches() -> None:
                     triton_attention.paged_attention(q, cache, cache, _meta(query_lens, seq_lens), 1.0,
                                                      window=window)
             _small_launches(torch.bfloat16, head_dim, cache_dtype)
+    # Gemma 3 4B/12B's images (8 over 4 and 16 over 8 heads of 256; the bf16 and fp8 caches).
+    for cache_dtype in (torch.bfloat16, FP8):
+        _key_limit_launches(torch.bfloat16, 256, [(8, 4), (16, 8)], cache_dtype)
     # The MoE block's GELU-tanh experts (128 experts, top-8, hidden 2816, intermediate 704: as
     # recalled for the 26B-A4B), one decode token and a 512-token chunk; one expert broadcast.
     num_experts, top_k, hidden, inter = 128, 8, 2816, 704

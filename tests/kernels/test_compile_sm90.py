@@ -8,10 +8,11 @@ the launches the public wrappers make and compiles each distinct one; see its do
 Covered: the W4A16 kernel (zero points and symmetric, split and not, every dtype); the fused MoE kernels in every
 dtype at a Qwen3-30B-A3B layer and gpt-oss-20b's (biases, clamped SwiGLU); every dtype x head size x GQA family with
 the shapes the built-in rules pick on an H100 (decode split and unsplit, mixed steps' two launches), gpt-oss attention
-sinks, the fp8 KV cache, and every launch shape ``pagoda bench kernels --tune`` may write to a configs JSON; and,
-a test of its own, the Gated DeltaNet kernels (chunked and recurrent delta rule, varlen and update conv1d, gated
-RMSNorm) in every dtype at Qwen3-Next's layer, in bf16 also at a TP=4 Qwen3.5 rank; and another, DeepSeek-V3's
-launches (the MLA latent write, split-K decode and combine; block-scaled FP8 GEMMs and FP8 experts).
+sinks, Gemma 3's image steps (per-query key limits), the fp8 KV cache, and every launch shape ``pagoda bench
+kernels --tune`` may write to a configs JSON; and, a test of its own, the Gated DeltaNet kernels (chunked and
+recurrent delta rule, varlen and update conv1d, gated RMSNorm) in every dtype at Qwen3-Next's layer, in bf16 also at
+a TP=4 Qwen3.5 rank; and another, DeepSeek-V3's launches (the MLA latent write, split-K decode and combine;
+block-scaled FP8 GEMMs and FP8 experts).
 """
 
 from __future__ import annotations
@@ -89,6 +90,9 @@ def test_every_kernel_variant_compiles_for_sm90():
              if r["kernel"] == "_paged_attention_kernel"}
     assert sinks >= {(d, split, "True") for d in ("*fp16", "*bf16", "*fp32") for split in ("True", "False")}
     assert {r["variant"]["HAS_SINKS"] for r in rows if r["kernel"] == "_combine_splits_kernel"} == {"True", "False"}
+    limits = {(r["variant"]["dtype"], r["variant"]["IS_SPLIT"]) for r in rows
+              if r["kernel"] == "_paged_attention_kernel" and r["variant"]["HAS_KEY_LIMITS"] == "True"}
+    assert limits == {(d, split) for d in ("*fp16", "*bf16", "*fp32") for split in ("True", "False")}
     w8a16 = [r["variant"] for r in rows if r["kernel"] == "_w8a16_kernel"]
     assert {(v["dtype"], v["W_FP8"], v["IS_SPLIT"]) for v in w8a16} == {
         (d, fp8, split) for d in ("*fp16", "*bf16", "*fp32") for fp8 in ("True", "False") for split in ("True", "False")
@@ -181,4 +185,5 @@ def test_gemma4_head_sizes_compile_for_sm90():
     assert {r["kernel"] for r in rows} == {"_paged_attention_kernel", "_combine_splits_kernel", "_write_kv_kernel",
                                            "_rotary_kernel", "_moe_gate_up_kernel", "_moe_down_kernel"}
     assert max(r["shared"] for r in attention if r["variant"]["HEAD_DIM"] == "512") <= 227 * 1024
+    assert {r["variant"]["HEAD_DIM"] for r in attention if r["variant"]["HAS_KEY_LIMITS"] == "True"} == {"256"}
     assert any(r["variant"].get("GELU") in ("True", True) for r in rows if r["kernel"] == "_moe_gate_up_kernel")

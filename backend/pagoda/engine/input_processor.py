@@ -86,8 +86,8 @@ class InputProcessor:
         """The prompt with its image placeholders expanded and the images' features (``image_inputs``)."""
         data = request.multi_modal_data
         if not data:
-            if self.images is not None and self.images.spec.image_token_id in token_ids:
-                raise ValueError(f"prompt: holds the image placeholder token {self.images.spec.image_token_id} "
+            if self.images is not None and self.images.spec.prompt_token_id in token_ids:
+                raise ValueError(f"prompt: holds the image placeholder token {self.images.spec.prompt_token_id} "
                                  "but multi_modal_data has no image")
             return token_ids, ()
         if self.images is None:

@@ -85,7 +85,7 @@ class LLMEngine:
         self.input_processor = InputProcessor(self.tokenizer, vocab_size, self.max_model_len, EngineCapabilities(
             has_speculator=self.speculator is not None, world_size=self.config.world_size,
             check_lora_name=self._check_lora_name, has_request=self.output_processor.has_request),
-            make_image_inputs(self.model_config, model_path, self.config.multimodal))
+            make_image_inputs(self.model_config, model_path, self.config.multimodal, _max_step_tokens(self.config)))
         self.core.beams.find_stop_string = self._find_stop_string  # beams end at stop strings too
         self.admission = Admission(self.config.max_waiting_requests, self.config.max_waiting_prompt_tokens,
                                    max_queue_delay_s=self.config.max_queue_delay_s, slots=self.config.max_num_seqs)
@@ -334,3 +334,11 @@ class LLMEngine:
 
 def _folder_name(path: str) -> str:
     return path.rstrip("/").rsplit("/", 1)[-1]
+
+
+def _max_step_tokens(config: EngineConfig) -> Optional[int]:
+    """The most prompt tokens one step prefills with chunked prefill (None without: a prompt runs whole)."""
+    if not config.enable_chunked_prefill:
+        return None
+    threshold = config.long_prefill_token_threshold
+    return min(config.max_num_batched_tokens, threshold) if threshold else config.max_num_batched_tokens

@@ -28,6 +28,10 @@ class MultiModalFeature:
         length: its number of placeholder tokens.
         data: what the model's encoder takes (``{"pixel_values": ..., "grid_thw": ...}`` for Qwen3-VL).
         modality: "image" (the only one served).
+        is_bidirectional: its placeholders attend to each other both ways (Gemma 3): a query inside
+            it sees keys up to ``end - 1``, so a prefill chunk never ends inside it
+            (``core.sched.step_plan``) and the runner gives its rows a key limit
+            (``kernels.AttentionMetadata.key_limits``).
     """
 
     mm_hash: str
@@ -35,6 +39,7 @@ class MultiModalFeature:
     length: int
     data: Any = field(default=None, compare=False, repr=False)
     modality: str = "image"
+    is_bidirectional: bool = False
 
     @property
     def end(self) -> int:

@@ -65,7 +65,9 @@ def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, 
                     v_scale: float = 1.0, window: int = 0, sinks=None):
     """Paged causal GQA attention; an fp8 (float8_e4m3fn) cache is dequantised with the scales.
     ``window > 0``: sliding window, a query at p sees keys in ``(p - window, p]``. ``sinks``
-    (``[num_heads]`` float32, gpt-oss): one learned logit per head in each softmax denominator."""
+    (``[num_heads]`` float32, gpt-oss): one learned logit per head in each softmax denominator.
+    ``meta.key_limits`` (Gemma 3's images attending to each other both ways): a query sees keys
+    up to its limit instead of its own position (``kernels.metadata``)."""
     if use_triton(q):
         from pagoda.kernels import triton_ops
 

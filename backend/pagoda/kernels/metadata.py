@@ -28,6 +28,14 @@ After the step the slot holds the state after the sequence's last query token. A
 slot marks a padding row (CUDA graphs): nothing is read or written for it. Models without
 such layers leave both ``None``.
 
+Key limits (bidirectional image attention, Gemma 3): with ``key_limits`` set, query token ``t``
+sees keys up to position ``key_limits[t]`` instead of its own position (``key_limits[t] >= `` its
+position; a token inside an image: the image's last position, every other token: its own).
+With a sliding window it still sees no key at or below ``p - window``. A query's limit never
+passes its sequence's ``seq_lens`` (a prefill chunk never ends inside such an image), and a
+one-token query's limit is its own position (decode paths ignore the limits). ``set_key_limits``
+puts the same limits on every KV cache group's metadata.
+
 KV cache groups (``engine.kv.layout``): layers whose caches differ (sliding-window and
 full attention) keep separate block tables, so each group has its own ``slot_mapping``
 and ``block_tables`` over the same sequences. The runner then sets ``layer_metadata``
@@ -78,12 +86,23 @@ class AttentionMetadata:
     has_initial_state: Optional[torch.Tensor] = None  # [num_seqs] bool: read the slot (else zeros)
     state_indices_host: Optional[list[int]] = None
     has_initial_state_host: Optional[list[bool]] = None
+    # Per query token, the last key position it sees (module docstring); None: causal everywhere.
+    key_limits: Optional[torch.Tensor] = None  # [num_tokens] int64
+    key_limits_host: Optional[list[int]] = None
     # Per layer, its KV cache group's metadata (None: one group, this one).
     layer_metadata: Optional[list["AttentionMetadata"]] = field(default=None, repr=False, compare=False)
 
     def for_layer(self, layer_idx: int) -> "AttentionMetadata":
         """The metadata layer ``layer_idx`` reads (its KV cache group's block tables)."""
         return self if self.layer_metadata is None else self.layer_metadata[layer_idx]
+
+    def set_key_limits(self, limits: list[int], device: torch.device | str) -> None:
+        """Give every query token its last visible key position (module docstring), on this
+        metadata and on each KV cache group's."""
+        tensor = torch.tensor(limits, dtype=torch.int64, device=device)
+        for meta in {id(m): m for m in [self, *(self.layer_metadata or [])]}.values():
+            meta.key_limits, meta.key_limits_host = tensor, list(limits)
+            meta.cpu_plans.clear()
 
     @property
     def num_seqs(self) -> int:

@@ -11,6 +11,10 @@ FP8 KV cache (``float8_e4m3fn`` cache tensors): ``write_kv`` stores
 ``clamp(x / scale, +-448)`` rounded to e4m3, the attention functions upcast the gathered
 context and multiply by the scale, emulating the Triton kernels on CPU.
 
+Key limits (``AttentionMetadata.key_limits``, Gemma 3's images): a query sees keys up to its
+limit instead of its own position (within the sliding window, when there is one); the prefill
+chunks take them in their masks, one-token queries never have one past their position.
+
 Attention sinks (gpt-oss; ``sinks [num_heads]``, None for every other model): a learned
 per-head logit joins each query row's softmax denominator and contributes no value,
 ``out = sum_j e^(s_j) v_j / (sum_j e^(s_j) + e^(sink))`` (transformers' ``eager_attention_forward``
@@ -103,7 +107,9 @@ def paged_attention_ref(
         scores = torch.einsum("qhd,khd->hqk", qs, ks) * scale  # [H, q_len, S]
         q_pos = torch.arange(s_len - q_len, s_len).unsqueeze(1)
         k_pos = torch.arange(s_len).unsqueeze(0)
-        hidden = (k_pos > q_pos) | ((k_pos <= q_pos - window) if window > 0 else False)
+        limit = q_pos if meta.key_limits_host is None else \
+            torch.tensor(meta.key_limits_host[start:start + q_len]).unsqueeze(1)
+        hidden = (k_pos > limit) | ((k_pos <= q_pos - window) if window > 0 else False)
         scores = scores.masked_fill(hidden, float("-inf"))
         if sinks is not None:  # one more logit per head in the denominator, dropped after
             sink = sinks.to(acc_dtype).view(num_heads, 1, 1).expand(num_heads, q_len, 1)
@@ -220,6 +226,9 @@ def _make_plan(meta: AttentionMetadata, block_size: int, window: int, device: to
     query_lens, seq_lens = meta.query_lens_host, meta.seq_lens_host
     starts = meta.query_start_loc.tolist()
     decode = [s for s, n in enumerate(query_lens) if n == 1]
+    limits = meta.key_limits_host
+    assert limits is None or all(limits[starts[s]] == seq_lens[s] - 1 for s in decode), \
+        "a one-token query's key limit is its own position (a chunk never ends inside an image)"
     prefills = []
     for s, q_len in enumerate(query_lens):
         if q_len == 1:
@@ -229,8 +238,13 @@ def _make_plan(meta: AttentionMetadata, block_size: int, window: int, device: to
         # Causal with an offset: query i sits at position s_len - q_len + i. A chunk with no
         # context before it (and no window) is plain causal: None, and SDPA's is_causal skips the
         # masked half (a 2k-token first chunk in half the time; the same result bit for bit).
-        mask = None if s_len == q_len and window == 0 else \
-            torch.ones(q_len, s_len, dtype=torch.bool, device=device).tril(diagonal=s_len - q_len)
+        limits = _chunk_key_limits(meta, starts[s], q_len, s_len)
+        if limits is not None:  # keys up to each query's limit (an image's tokens see the whole image)
+            mask = torch.arange(s_len).unsqueeze(0) <= torch.tensor(limits).unsqueeze(1)
+            mask = mask.to(device)
+        else:
+            mask = None if s_len == q_len and window == 0 else \
+                torch.ones(q_len, s_len, dtype=torch.bool, device=device).tril(diagonal=s_len - q_len)
         if window > 0:  # and not more than window - 1 positions back
             mask &= ~torch.ones_like(mask).tril(diagonal=s_len - q_len - window)
         prefills.append((slice(starts[s], starts[s] + q_len), slots, mask))
@@ -240,6 +254,16 @@ def _make_plan(meta: AttentionMetadata, block_size: int, window: int, device: to
     decodes = [_decode_plan(meta, bucket, starts, block_size, window, device)
                for bucket in decode_buckets(seq_lens, decode)]
     return CpuPlan(decodes, prefills)
+
+
+def _chunk_key_limits(meta: AttentionMetadata, row: int, q_len: int, s_len: int) -> Optional[list[int]]:
+    """The key limits of one chunk's queries (rows ``row..row + q_len``), or None when every query
+    sees keys up to its own position only (plain causal)."""
+    if meta.key_limits_host is None:
+        return None
+    limits = meta.key_limits_host[row:row + q_len]
+    first = s_len - q_len
+    return None if all(limit == first + i for i, limit in enumerate(limits)) else limits
 
 
 def _context_slots(tables: torch.Tensor, max_len: int, block_size: int, device: torch.device) -> torch.Tensor:

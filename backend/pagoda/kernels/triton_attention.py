@@ -24,7 +24,7 @@ scale folded into ``log2(e)``), fp32 accumulators; the head dimension is padded 
 Split-K ("flash decoding"). When the step has too few tiles to fill the GPU (decode at
 small batch, long context), the key range is cut into ``num_splits`` equal slices: each
 program writes its unnormalised partial (acc, max, sum) to a fp32 workspace, and
-``_combine_splits_kernel`` merges them per (token, head). A slice that holds no visible
+``_combine_splits_kernel`` (``triton_split_combine``) merges them per (token, head). A slice that holds no visible
 key for a row leaves ``max = -inf, sum = 0`` and weighs nothing in the merge.
 
 Two launches per mixed step. A step with both decode tokens and prefill chunks launches
@@ -40,6 +40,10 @@ Sliding window (``window > 0``, run time): a query at p sees keys in ``(p - wind
 A tile's keys start at ``first_q_pos - window + 1``; the unmasked whole tiles start at
 ``last_q_pos - window + 1`` (inside every row's window); keys below that (the window's
 lower edge) go through the masks; split-K slices wholly below the window stay empty.
+Key limits (Gemma 3's images; ``HAS_KEY_LIMITS`` compile-time, other steps launch without): a
+query sees keys up to its limit (``AttentionMetadata.key_limits``, at least its position, within
+its window) instead of its own position; a tile's keys then end one past its largest limit. Keys
+below the first query position stay unmasked (every limit is at least that position).
 Sinks (gpt-oss; ``HAS_SINKS`` compile-time, other models launch without): each head's fp32
 sink logit joins the softmax denominator once, after the key loop or in the split merge.
 
@@ -73,6 +77,7 @@ from pagoda.kernels.attention_config import (  # noqa: F401  (re-exported for ca
     next_pow2,
 )
 from pagoda.kernels.metadata import AttentionMetadata
+from pagoda.kernels.triton_split_combine import _combine_splits_kernel
 
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
@@ -85,7 +90,7 @@ _INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 @triton.jit
 def _attend_key_range(
-    acc, m_i, l_i, q, q_pos, k_base, v_base, table_row, lo, hi, kv_hi, window, qk_scale, dims, dim_ok,
+    acc, m_i, l_i, q, q_pos, q_lim, k_base, v_base, table_row, lo, hi, kv_hi, window, qk_scale, dims, dim_ok,
     stride_bt_col, stride_k_block, stride_k_slot, stride_v_block, stride_v_slot,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr,
     PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, OUT_DTYPE: tl.constexpr,
@@ -93,8 +98,9 @@ def _attend_key_range(
     """Online-softmax update of (acc, m_i, l_i) over keys [lo, hi), gathered via the table.
 
     MASKED=False is only for keys every row may see (all below the first query position,
-    below kv_hi and inside every row's window); MASKED=True applies the causal, length and
-    (``window > 0``) sliding-window masks.
+    below kv_hi and inside every row's window); MASKED=True applies the causal (a row sees keys
+    up to its key limit ``q_lim``, its own position unless key limits are given), length and
+    (``window > 0``, from the row's position ``q_pos``) sliding-window masks.
     """
     for start in range(lo, hi, BLOCK_N):
         k_pos = start + tl.arange(0, BLOCK_N)
@@ -111,7 +117,7 @@ def _attend_key_range(
         k = tl.load(k_base + k_offs, mask=kv_mask, other=0.0).to(q.dtype)  # fp8 cache: dequantise here
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
         if MASKED:
-            visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
+            visible = (k_pos[None, :] <= q_lim[:, None]) & k_ok[None, :]
             if window > 0:
                 visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
             s = tl.where(visible, s, float("-inf"))
@@ -153,6 +159,7 @@ def _paged_attention_kernel(
     part_by_seq,  # 1: split-K workspace rows are sequences (decode launches), 0: tokens
     window,  # > 0: sliding window, a query at p sees keys in (p - window, p]; 0: none
     sinks_ptr,  # [num_heads] fp32 sink logits (read only when HAS_SINKS)
+    key_limits_ptr,  # [num_tokens] int64: each query's last visible key position (read only when HAS_KEY_LIMITS)
     stride_q_tok,
     stride_q_head,
     stride_k_block,
@@ -176,6 +183,7 @@ def _paged_attention_kernel(
     PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
     HAS_SINKS: tl.constexpr,
+    HAS_KEY_LIMITS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     q_block = tl.program_id(1)
@@ -209,6 +217,11 @@ def _paged_attention_kernel(
     kv_hi = ctx_len + tl.minimum(q_len, (q_block + 1) * BLOCK_Q)
     first_q_pos = ctx_len + q_block * BLOCK_Q
     last_q_pos = kv_hi - 1
+    q_lim = q_pos
+    if HAS_KEY_LIMITS:  # a query inside an image sees keys up to the image's end (never past seq_len)
+        q_lim = tl.load(key_limits_ptr + tok_idx, mask=row_ok, other=0).to(tl.int32)
+        q_lim = tl.where(row_ok, tl.maximum(q_lim, q_pos), q_pos)
+        kv_hi = tl.minimum(tl.maximum(kv_hi, tl.max(tl.where(row_ok, q_lim, 0), 0) + 1), seq_len)
     kv_lo = tl.where(window > 0, tl.maximum(first_q_pos - window + 1, 0), 0)
     if IS_SPLIT:
         kv_lo = tl.maximum(kv_lo, split * split_len)
@@ -227,20 +240,20 @@ def _paged_attention_kernel(
     # lower edge (keys some rows no longer see) and the diagonal/tail go through the masks.
     full_lo = tl.where(window > 0, tl.minimum(tl.maximum(kv_lo, last_q_pos - window + 1), kv_hi), kv_lo)
     acc, m_i, l_i = _attend_key_range(  # the window's lower edge (empty without a window), keys < full_lo
-        acc, m_i, l_i, q, q_pos, k_base, v_base, table_row, kv_lo, full_lo, full_lo, window, qk_scale, dims, dim_ok,
-        stride_bt_col, stride_k_block, stride_k_slot, stride_v_block, stride_v_slot,
+        acc, m_i, l_i, q, q_pos, q_lim, k_base, v_base, table_row, kv_lo, full_lo, full_lo, window, qk_scale, dims,
+        dim_ok, stride_bt_col, stride_k_block, stride_k_slot, stride_v_block, stride_v_slot,
         BLOCK_N, BLOCK_SIZE, True, PRECISION, DOT_UPCAST, out_ptr.dtype.element_ty,
     )  # fmt: skip
     num_full = tl.maximum(tl.minimum(kv_hi, first_q_pos) - full_lo, 0) // BLOCK_N
     full_end = full_lo + num_full * BLOCK_N
     acc, m_i, l_i = _attend_key_range(
-        acc, m_i, l_i, q, q_pos, k_base, v_base, table_row, full_lo, full_end, kv_hi, window, qk_scale, dims, dim_ok,
-        stride_bt_col, stride_k_block, stride_k_slot, stride_v_block, stride_v_slot,
+        acc, m_i, l_i, q, q_pos, q_lim, k_base, v_base, table_row, full_lo, full_end, kv_hi, window, qk_scale, dims,
+        dim_ok, stride_bt_col, stride_k_block, stride_k_slot, stride_v_block, stride_v_slot,
         BLOCK_N, BLOCK_SIZE, False, PRECISION, DOT_UPCAST, out_ptr.dtype.element_ty,
     )  # fmt: skip
     acc, m_i, l_i = _attend_key_range(
-        acc, m_i, l_i, q, q_pos, k_base, v_base, table_row, full_end, kv_hi, kv_hi, window, qk_scale, dims, dim_ok,
-        stride_bt_col, stride_k_block, stride_k_slot, stride_v_block, stride_v_slot,
+        acc, m_i, l_i, q, q_pos, q_lim, k_base, v_base, table_row, full_end, kv_hi, kv_hi, window, qk_scale, dims,
+        dim_ok, stride_bt_col, stride_k_block, stride_k_slot, stride_v_block, stride_v_slot,
         BLOCK_N, BLOCK_SIZE, True, PRECISION, DOT_UPCAST, out_ptr.dtype.element_ty,
     )  # fmt: skip
 
@@ -260,51 +273,6 @@ def _paged_attention_kernel(
         out = acc / l_i[:, None]
         o_offs = tok_idx[:, None] * stride_o_tok + head[:, None] * stride_o_head + dims[None, :]
         tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
-
-
-@triton.jit
-def _combine_splits_kernel(
-    part_acc_ptr,  # [num_tokens, num_heads, num_splits, HEAD_PAD] fp32
-    part_ml_ptr,  # [num_tokens, num_heads, num_splits, 2] fp32 (max in log2 units, sum)
-    out_ptr,  # [num_tokens, num_heads, head_dim]
-    query_start_loc_ptr,  # [num_seqs + 1] int32 (read when part_by_seq)
-    num_heads,
-    num_splits,
-    part_by_seq,  # 1: program 0 indexes sequences (decode launch); skip those with q_len != 1
-    sinks_ptr,  # [num_heads] fp32 (HAS_SINKS)
-    stride_o_tok,
-    stride_o_head,
-    HEAD_DIM: tl.constexpr,
-    HEAD_PAD: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
-    HAS_SINKS: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1).to(tl.int64)
-    tok = row
-    if part_by_seq != 0:
-        tok = tl.load(query_start_loc_ptr + row).to(tl.int64)
-        if tl.load(query_start_loc_ptr + row + 1) - tok != 1:
-            return
-    splits = tl.arange(0, SPLITS_PAD)
-    split_ok = splits < num_splits
-    part = (row * num_heads + head) * num_splits + splits
-    m = tl.load(part_ml_ptr + part * 2, mask=split_ok, other=float("-inf"))
-    l = tl.load(part_ml_ptr + part * 2 + 1, mask=split_ok, other=0.0)
-    m_max = tl.max(m, 0)
-    if HAS_SINKS:
-        sink = tl.load(sinks_ptr + head) * 1.4426950408889634
-        m_max = tl.maximum(m_max, sink)
-    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
-    weight = tl.exp2(m - m_safe)  # [SPLITS_PAD]; empty slices weigh 0
-    dims = tl.arange(0, HEAD_PAD)
-    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_PAD + dims[None, :], mask=split_ok[:, None], other=0.0)
-    denominator = tl.sum(l * weight, 0)
-    if HAS_SINKS:
-        denominator += tl.exp2(sink - m_safe)
-    out = tl.sum(acc * weight[:, None], 0) / denominator
-    o_offs = tok * stride_o_tok + head * stride_o_head + dims
-    tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -424,7 +392,7 @@ def _launch(q, k_cache, v_cache, out, meta, qk_scale, v_scale, window, sinks, cf
         q, k_cache, v_cache, out, part_acc, part_ml,
         meta.query_start_loc, meta.seq_lens, tables,
         qk_scale, v_scale, num_heads, num_splits, split_len, q_len_lo, q_len_hi, int(by_seq), window,
-        out if sinks is None else sinks,
+        out if sinks is None else sinks, tables if meta.key_limits is None else meta.key_limits,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -433,7 +401,7 @@ def _launch(q, k_cache, v_cache, out, meta, qk_scale, v_scale, window, sinks, cf
         GROUP=group, GROUP_PAD=next_pow2(group), BLOCK_Q=cfg.block_q, BLOCK_N=cfg.block_n,
         HEAD_DIM=head_dim, HEAD_PAD=head_pad, BLOCK_SIZE=block_size,
         IS_SPLIT=is_split, PRECISION=_precision(q.dtype), DOT_UPCAST=_INTERPRETING and q.dtype == torch.bfloat16,
-        HAS_SINKS=sinks is not None,
+        HAS_SINKS=sinks is not None, HAS_KEY_LIMITS=meta.key_limits is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if is_split:

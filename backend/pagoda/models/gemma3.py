@@ -136,7 +136,12 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata, lora: Optional["LoRABatch"] = None) -> torch.Tensor:
         assert len(kv_caches) == len(self.layers), f"need {len(self.layers)} KV caches, got {len(kv_caches)}"
-        h = F.embedding(input_ids, self.embed_tokens) * self.embed_scale
+        return self.run_layers(F.embedding(input_ids, self.embed_tokens) * self.embed_scale, positions, kv_caches,
+                               meta, lora)
+
+    def run_layers(self, h: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata,
+                   lora: Optional["LoRABatch"] = None) -> torch.Tensor:
+        """The decoder over input embeddings ``h`` ``[num_tokens, hidden]``, final norm included."""
         residual = None
         for idx, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             table = self.local_cos_sin_cache if layer.is_local else self.cos_sin_cache

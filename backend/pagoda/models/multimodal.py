@@ -43,6 +43,14 @@ class VisionSpec:
             torchvision).
         processor_defaults: its settings when the folder has no preprocessor_config.json.
         vision_config: the checkpoint's vision tower settings (the raw config.json entry).
+        tokens_per_image: a fixed number of placeholder tokens per image (Gemma 3's
+            ``mm_tokens_per_image``); 0: the count follows the image's patch grid (Qwen).
+        begin_token_id, end_token_id: tokens wrapped around an image's placeholders (Gemma 3's
+            ``<start_of_image>`` / ``<end_of_image>``, with a ``"\\n\\n"`` token outside each, as its
+            processor writes them); None: no wrapping (Qwen's prompt holds them itself).
+        is_bidirectional: an image's placeholder tokens attend to each other both ways (Gemma 3:
+            a query inside an image sees keys up to the image's last position), so a prefill chunk
+            never splits an image.
     """
 
     family: str
@@ -52,10 +60,22 @@ class VisionSpec:
     image_processor: str
     processor_defaults: dict = field(default_factory=dict)
     vision_config: dict = field(default_factory=dict)
+    tokens_per_image: int = 0
+    begin_token_id: Optional[int] = None
+    end_token_id: Optional[int] = None
+    is_bidirectional: bool = False
 
-    def num_image_tokens(self, grid_thw: tuple[int, int, int]) -> int:
-        """Placeholder tokens of one image whose patch grid is ``grid_thw`` (Qwen's rule:
-        ``t * h * w / merge_size**2``)."""
+    @property
+    def prompt_token_id(self) -> int:
+        """The token a prompt holds once per image: ``begin_token_id`` when the model wraps its
+        images (Gemma 3's ``<start_of_image>``), else ``image_token_id`` (Qwen's ``<|image_pad|>``)."""
+        return self.begin_token_id if self.begin_token_id is not None else self.image_token_id
+
+    def num_image_tokens(self, grid_thw: Optional[tuple[int, int, int]]) -> int:
+        """Placeholder tokens of one image: ``tokens_per_image`` when the model has a fixed count
+        (Gemma 3), else Qwen's rule for the patch grid ``grid_thw``: ``t * h * w / merge_size**2``."""
+        if self.tokens_per_image:
+            return self.tokens_per_image
         t, h, w = grid_thw
         return t * h * w // (self.spatial_merge_size**2)
 

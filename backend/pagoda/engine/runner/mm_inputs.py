@@ -14,6 +14,11 @@ model's ``mrope_positions``, computed once per request and kept until it finishe
 preempted), a later token its index plus the request's ``delta``, a text-only request's tokens
 their index thrice. A step without image requests returns None (1-D positions are right:
 text-only requests have ``delta`` 0).
+
+Key limits (images whose tokens attend to each other both ways, Gemma 3): ``key_limits`` gives
+each row of the step the last key position it sees, its own position but inside such an image,
+where it is the image's last position (``kernels.AttentionMetadata.key_limits``); None when no
+such image overlaps the step (plain causal).
 """
 
 from __future__ import annotations
@@ -71,6 +76,22 @@ class MultiModalInputs:
             embeds=torch.cat(embeds) if embeds else torch.empty(0, hidden, dtype=self.model.dtype, device=self.device),
             deepstack=tuple(torch.cat(layer) for layer in zip(*deepstack)) if deepstack else (),
             mrope_positions=self._positions(scheduled) if self.uses_mrope else None)
+
+    @staticmethod
+    def key_limits(scheduled: list) -> Optional[list[int]]:
+        """Per row of the step, its last visible key position, or None (module docstring)."""
+        spans = [[(max(item.num_computed_tokens, f.offset), min(item.num_computed_tokens + item.num_new_tokens, f.end),
+                   f.end - 1) for f in item.mm_features if f.is_bidirectional] for item in scheduled]
+        if not any(lo < hi for item_spans in spans for lo, hi, _ in item_spans):
+            return None
+        limits: list[int] = []
+        for item, item_spans in zip(scheduled, spans):
+            start = item.num_computed_tokens
+            row = list(range(start, start + item.num_new_tokens))
+            for lo, hi, last in item_spans:
+                row[lo - start:max(hi, lo) - start] = [last] * max(hi - lo, 0)
+            limits += row
+        return limits
 
     def _positions(self, scheduled: list) -> torch.Tensor:  # [3, num_tokens]
         parts = []

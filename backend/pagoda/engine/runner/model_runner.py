@@ -292,6 +292,8 @@ class ModelRunner:
             ids.index_copy_(0, index, self._placeholder_tokens(scheduled, flat.placeholder_items))
         pos = torch.tensor(flat.positions, dtype=torch.int64, device=self.device)
         mm = self.mm.build(scheduled, flat.offsets) if self.mm is not None else None
+        if mm is not None and (limits := self.mm.key_limits(scheduled)) is not None:
+            meta.set_key_limits(limits, self.device)
         hidden = self.model(ids, pos, self.kv_caches, meta, lora, **({"mm": mm} if mm is not None else {}))
         if self.keeps_hidden:
             self._step_hidden = hidden

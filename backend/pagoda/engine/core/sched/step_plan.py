@@ -14,6 +14,12 @@ schedules is encoded in that step, so a step takes images whose placeholders sum
 fit; the step's first image always fits, so none waits forever). An image whose first
 placeholders a prefix hit covered is not counted (the runner encodes it uncounted, or finds it
 in the encoder cache).
+
+Images whose tokens attend to each other both ways (Gemma 3, ``MultiModalFeature.is_bidirectional``):
+a chunk never ends inside one (``_cut_before_bidirectional``): it ends before the image, or the
+request waits when its chunk began inside the image (a prefix hit ending there) and the rest of the
+image does not fit this step. The input processor refuses an image larger than a step's prefill
+(``ImageInputs.max_step_tokens``), so every image fits a step of its own.
 """
 
 from __future__ import annotations
@@ -64,10 +70,14 @@ class StepPlan:
         return num_tokens if self.max_chunk is None else min(num_tokens, self.max_chunk)
 
     def cut_at_images(self, request: Request, start: int, num_new: int) -> int:
-        """``num_new`` tokens from ``start``, or fewer: up to the first image starting among them
-        that would pass the encoder budget (0: the request waits for the next step)."""
-        if self.encoder_budget is None or not request.mm_features or not self.enable_chunked_prefill:
+        """``num_new`` tokens from ``start``, or fewer: never ending inside an image whose tokens
+        attend to each other both ways, and up to the first image starting among them that would
+        pass the encoder budget (0: the request waits for the next step)."""
+        if not request.mm_features or not self.enable_chunked_prefill:
             return num_new  # (without chunked prefill a prompt runs whole, images and all)
+        num_new = _cut_before_bidirectional(request, start, num_new)
+        if self.encoder_budget is None:
+            return num_new
         used = self.num_encoder_tokens
         for image in request.mm_features:
             if start <= image.offset < start + num_new:
@@ -114,3 +124,15 @@ class StepPlan:
     def remove(self, request: Request) -> None:
         self.budget += self.num_new_tokens.pop(request.request_id, 0)
         self.num_spec_tokens.pop(request.request_id, None)
+
+
+def _cut_before_bidirectional(request: Request, start: int, num_new: int) -> int:
+    """``num_new``, or fewer so that the chunk ``[start, start + num_new)`` does not end inside an
+    image whose tokens attend to each other both ways (its queries need the keys of its later
+    tokens in the same step): it ends before the image, or at ``start`` (0 tokens) when it began
+    inside it (after a prefix hit) and the rest of the image does not fit this step."""
+    end = start + num_new
+    for image in request.mm_features:
+        if image.is_bidirectional and image.offset < end < image.end:
+            return max(image.offset, start) - start
+    return num_new
