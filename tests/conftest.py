@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tests import xdist_support
+from tests import memory_hygiene, xdist_support
 
 
 @pytest.fixture(autouse=True)
@@ -82,6 +82,18 @@ def pytest_collection_modifyitems(config, items):
         from tests.kernels.sm90_runs import runs
 
         runs().start([item.module.FAMILIES[item.name] for item in selected])
+
+
+def pytest_collection_finish(session):
+    """Every test module imported: freeze what survives a full collection (tests/memory_hygiene.py)."""
+    memory_hygiene.freeze_survivors()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """Free what the test dropped (engines are reference cycles) once its fixtures are torn down."""
+    yield
+    memory_hygiene.after_teardown(item, nextitem)
 
 
 @pytest.hookimpl(optionalhook=True)
