@@ -90,10 +90,12 @@ def pytest_collection_finish(session):
 
 
 @pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_teardown(item, nextitem):
-    """Free what the test dropped (engines are reference cycles) once its fixtures are torn down."""
+def pytest_runtest_protocol(item, nextitem):
+    """Free what the test dropped (engines are reference cycles) once it has run: after its
+    teardown pytest also drops the test's fixture values (``item.funcargs``), which the
+    teardown hook still sees; freezing those would keep a module fixture's engine for good."""
     yield
-    memory_hygiene.after_teardown(item, nextitem)
+    memory_hygiene.after_test(item, nextitem)
 
 
 @pytest.hookimpl(optionalhook=True)

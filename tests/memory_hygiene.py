@@ -11,13 +11,18 @@ pytest-xdist worker running a share of the suite to ~9.5 GB (two of them overran
 
 How: when collection has imported every test module, the survivors of a full collection are
 frozen (``gc.freeze``: the cycle collector no longer walks them), so a later full collection
-walks only what was made since. After a test's teardown one runs when the process grew by
-``GROWTH_BYTES`` since the last (a test that built an engine always does; the many small
-tests don't pay the ~10-200 ms a collection takes while a module's own imports are not frozen
-yet). When a module ends (its fixtures torn down) one always runs and the survivors are
-frozen again, so the objects of a library one module imported are not walked by later ones.
+walks only what was made since. After a test has run (torn down, and its fixture values
+dropped by pytest: they are still held during the teardown hooks) one runs when the process
+grew by ``GROWTH_BYTES`` since the last: a test that built an engine always does, the many
+small tests don't pay the ~10-200 ms a collection takes while a module's own imports are not
+frozen yet. When a module ends (its fixtures torn down) one always runs and the survivors are
+frozen again, so the objects of a library one module imported are not walked by later ones,
+and glibc is asked to hand its free heap pages back (``malloc_trim``): it keeps what torch
+frees in its heaps, so a process that freed a float64 transformers model and an engine
+twice stayed at 1.74 GB resident, 0.54 GB after the trim.
 
-Invariant: only objects that survived a full collection are frozen. Freezing hides an object
+Invariant: only objects that survived a full collection are frozen, and never a fixture value
+a test still holds (that would keep a module fixture's engine for good). Freezing hides an object
 from the cycle collector only: one whose count drops to zero is still freed at once; a frozen
 object that later becomes cyclic garbage stays (session fixtures, module globals: alive
 until the end anyway).
@@ -25,6 +30,7 @@ until the end anyway).
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import os
 
@@ -42,19 +48,34 @@ def _resident_bytes():
         return None
 
 
-def _collect() -> None:
+def _malloc_trim():
+    """glibc's ``malloc_trim``, or None (another C library)."""
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+_TRIM = _malloc_trim()
+
+
+def _collect(trim: bool = False) -> None:
     gc.collect()
+    if trim and _TRIM is not None:
+        _TRIM(0)
     _since["rss"] = _resident_bytes()
 
 
 def freeze_survivors() -> None:
-    """Collect everything, then freeze what is left (alive) out of later collections."""
-    _collect()
+    """Collect everything, hand free heap pages back, then freeze what is left (alive) out
+    of later collections."""
+    _collect(trim=True)
     gc.freeze()
 
 
-def after_teardown(item, nextitem) -> None:
-    """After ``item``'s teardown: at its module's end collect and freeze the survivors; else
+def after_test(item, nextitem) -> None:
+    """After ``item`` ran (torn down, its fixture values dropped): at its module's end collect
+    and freeze the survivors; else
     collect if the process grew by ``GROWTH_BYTES`` since the last collection."""
     if nextitem is None or nextitem.path != item.path:
         freeze_survivors()
