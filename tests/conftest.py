@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tests import xdist_support
+from tests import memory_hygiene, xdist_support
 
 
 @pytest.fixture(autouse=True)
@@ -82,6 +82,20 @@ def pytest_collection_modifyitems(config, items):
         from tests.kernels.sm90_runs import runs
 
         runs().start([item.module.FAMILIES[item.name] for item in selected])
+
+
+def pytest_collection_finish(session):
+    """Every test module imported: freeze what survives a full collection (tests/memory_hygiene.py)."""
+    memory_hygiene.freeze_survivors()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Free what the test dropped (engines are reference cycles) once it has run: after its
+    teardown pytest also drops the test's fixture values (``item.funcargs``), which the
+    teardown hook still sees; freezing those would keep a module fixture's engine for good."""
+    yield
+    memory_hygiene.after_test(item, nextitem)
 
 
 @pytest.hookimpl(optionalhook=True)
