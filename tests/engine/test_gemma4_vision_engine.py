@@ -110,6 +110,23 @@ def test_prefix_cache_is_keyed_by_image_content(gemma):
     assert after_other.num_free_blocks == after_other.num_blocks
 
 
+def test_a_prefix_hit_ending_inside_an_image_gives_transformers_tokens(gemma):
+    """The first request's prompt ends with the image, so its blocks after the image hold its own
+    output; the second's prompt goes on. The hit ends inside the image: the rest of the image is
+    prefilled against cached keys computed with the whole image in view (on the sliding layers)."""
+    folder, hf, shared = gemma
+    engine = LLMEngine(EngineConfig(model=str(folder), block_size=BLOCK))
+    image = random_image(8)
+    short, long = shared[:20] + [IMAGE], shared[:20] + [IMAGE, 2226, 314, 3375, 504]
+    offset = hf.expand(short, [image]).index(IMAGE)
+    assert _run(engine, [(short, [image])], "s") == [hf.generate(short, [image], MAX_NEW)]
+    hits = engine.get_stats().prefix_cache_hits
+    assert _run(engine, [(long, [image])], "l") == [hf.generate(long, [image], MAX_NEW)]
+    hit = engine.get_stats().prefix_cache_hits - hits
+    assert offset < hit < offset + 64, f"the hit ({hit}) must end inside the image at {offset}"
+    assert engine.get_stats().num_free_blocks == engine.get_stats().num_blocks
+
+
 def test_bad_inputs_are_refused_naming_the_field(gemma):
     folder, _, _ = gemma
     engine = LLMEngine(EngineConfig(model=str(folder), max_num_batched_tokens=40, limit_images_per_prompt=2))
