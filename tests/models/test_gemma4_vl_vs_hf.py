@@ -154,3 +154,21 @@ def test_an_audio_tower_in_the_checkpoint_is_left_unread(tmp_path, smollm2_path)
     hf.save_pretrained(tmp_path)
     model = load_model(str(tmp_path), dtype=torch.float32)
     assert not any("audio" in n for n in model.expected_weight_names())
+
+
+def test_a_sparse_config_is_completed_with_transformers_defaults():
+    """A config.json that leaves most fields to transformers' defaults (as the released ones do)
+    is completed as transformers reads it: Gemma4TextConfig's and Gemma4VisionConfig's defaults."""
+    from pagoda.models.gemma4_vl import parse_config
+
+    raw = {"architectures": ["Gemma4ForConditionalGeneration"], "model_type": "gemma4",
+           "text_config": {"use_bidirectional_attention": "vision", "num_hidden_layers": 6},
+           "vision_config": {"model_type": "gemma4_vision"}, "eos_token_id": [1, 106]}
+    config = parse_config(raw, "Gemma4ForConditionalGeneration")
+    assert (config.hidden_size, config.vocab_size, config.num_hidden_layers) == (2304, 262144, 6)
+    assert config.layer_types == ("sliding_attention",) * 5 + ("full_attention",)
+    assert config.gemma4.ple_dim == 256 and config.gemma4.media_token_ids == (258880, 258884, 258881)
+    spec = config.vision
+    assert (spec.prompt_token_id, spec.begin_token_id, spec.end_token_id) == (258880, 255999, 258882)
+    assert spec.processor_defaults == {"patch_size": 16, "pooling_kernel_size": 3} and spec.counted_by_processor
+    assert spec.vision_config["position_embedding_size"] == 10240 and spec.is_bidirectional

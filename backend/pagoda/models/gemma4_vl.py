@@ -75,7 +75,8 @@ def parse_config(raw: dict, architecture: str) -> ModelConfig:
         end_token_id=int(raw.get("eoi_token_id", 258_882)),
         is_bidirectional=text.get("use_bidirectional_attention") == "vision", prompt_token=image,
         wrap_newlines=False, counted_by_processor=True)
-    media = (image, *(int(raw[k]) for k in ("video_token_id", "audio_token_id") if raw.get(k) is not None))
+    others = (raw.get(key, default) for key, default in (("video_token_id", 258_884), ("audio_token_id", 258_881)))
+    media = (image, *(int(token) for token in others if token is not None))  # Gemma4Config's defaults
     config.gemma4 = dataclasses.replace(config.gemma4, media_token_ids=media, pad_token_id=int(text.get("pad_token_id")
                                                                                                or 0))
     return config
