@@ -109,13 +109,20 @@ class ImageInputs:
                           for offset, (mm_hash, data, length) in zip(offsets, prepared))
 
     def spans(self, token_ids: list[int], images: Any) -> tuple[int, list[tuple[str, int, int]]]:
+        """``expanded``'s prompt length and spans (Messages ``count_tokens``). Raises as ``process``."""
+        out, spans = self.expanded(token_ids, images)
+        return len(out), spans
+
+    def expanded(self, token_ids: list[int], images: Any) -> tuple[list[int], list[tuple[str, int, int]]]:
         """What ``process`` would make of the prompt for its block hashes, without the encoder's
-        input (the router's view: ``fleet.routing.image_routing``): the expanded prompt's length
-        and (content hash, first placeholder index, placeholder tokens) per image, in order.
+        input (the router's view: ``fleet.routing.image_routing``): the expanded prompt (its wrap
+        tokens included) and (content hash, first placeholder index, placeholder tokens) per image,
+        in order.
 
         The placeholder count comes from the processor's own size rule
         (``get_number_of_image_patches``, the resize ``process`` runs) without resizing pixels,
-        or is the model's fixed count (``VisionSpec.tokens_per_image``).
+        or is the model's fixed count (``VisionSpec.tokens_per_image``), or (Gemma 4) the
+        processor's own output.
 
         Raises:
             ValueError: as ``process``.
@@ -135,7 +142,7 @@ class ImageInputs:
             hashes.append(mm_hash)
             lengths.append(length)
         out, offsets = self._expand(token_ids, slots, lengths)
-        return len(out), list(zip(hashes, offsets, lengths))
+        return out, list(zip(hashes, offsets, lengths))
 
     def _expand(self, token_ids: list[int], slots: list[int], lengths: list[int]) -> tuple[list[int], list[int]]:
         """The prompt with the placeholder at each of ``slots`` replaced by its image's tokens, and
