@@ -5,7 +5,8 @@ One prefill of a prompt with two images of different shapes (55 and 64 soft toke
 processor keeps each image's aspect ratio) on a paged KV cache (``models.testing``), the image
 rows from ``encode_image`` and their key limits on the metadata (a soft token sees keys up to its
 image's last position; the model keeps them on its sliding layers only): every position's
-logits match ``Gemma4ForConditionalGeneration``'s.
+logits match ``Gemma4ForConditionalGeneration``'s; also with KV-shared layers and k=v full layers
+(``VARIANTS``).
 
 The bound is derived, not chosen: transformers' own float32 logits differ from its float64 ones by
 ``d``; two float32 computations of the same function differ from each other by at most about the
@@ -32,9 +33,15 @@ PROMPT = [1, 504, IMAGE, 2226, 3375, 314, IMAGE, 504, 2226]
 BLOCK = 16
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory, smollm2_path):
-    folder = save_gemma4(tmp_path_factory.mktemp("gemma4-vl-logits"), smollm2_path, seed=3)
+# The released large models' k=v full layers and the small ones' KV-shared layers (not the MoE block:
+# transformers' experts do not run in float64, which the bound needs; it does not touch the image path).
+VARIANTS = {"base": {}, "shared-k-eq-v": dict(num_kv_shared_layers=2, use_double_wide_mlp=True, attention_k_eq_v=True,
+                                              num_global_key_value_heads=1)}
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def pair(request, tmp_path_factory, smollm2_path):
+    folder = save_gemma4(tmp_path_factory.mktemp("gemma4-vl-logits"), smollm2_path, seed=3, **VARIANTS[request.param])
     return load_model(str(folder), dtype=torch.float32), HFGemma4(folder)
 
 
