@@ -179,3 +179,17 @@ def test_a_sparse_config_is_completed_with_transformers_defaults():
     assert (spec.prompt_token_id, spec.begin_token_id, spec.end_token_id) == (258880, 255999, 258882)
     assert spec.processor_defaults == {"patch_size": 16, "pooling_kernel_size": 3} and spec.counted_by_processor
     assert spec.vision_config["position_embedding_size"] == 10240 and spec.is_bidirectional
+
+
+def test_the_tower_reads_nothing_back_from_its_device(pair):
+    """On the meta device (where any read of a value raises) the tower and embedder run on the
+    processor's host tensors: the real patches and pooling squares are chosen on the host."""
+    from pagoda.models.gemma4_vision import Gemma4VisionEmbedder, Gemma4VisionTower
+
+    model, hf = pair
+    vision = model.config.vision.vision_config
+    tower, embedder = Gemma4VisionTower(vision, torch.float32, "meta"), Gemma4VisionEmbedder(vision, 64, torch.float32,
+                                                                                          "meta")
+    inputs = hf.inputs([IMAGE], [random_image(1, 64, 32)])
+    out = embedder(tower(inputs["pixel_values"], inputs["image_position_ids"]))
+    assert out.device.type == "meta" and tuple(out.shape) == (55, 64)

@@ -164,28 +164,39 @@ class Gemma4VisionTower(nn.Module):
         self.requires_grad_(False)
 
     def forward(self, pixel_values: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        """``[1, max_patches, 3 p p]`` and ``[1, max_patches, 2]`` -> ``[soft tokens, hidden]`` (float32)."""
+        """``[1, max_patches, 3 p p]`` and ``[1, max_patches, 2]`` (the processor's, on the host) ->
+        ``[soft tokens, hidden]`` float32 on the tower's device. The real patches and their pooling
+        squares are chosen on the host, so the step reads nothing back from the device."""
+        position_ids = position_ids.cpu()
         real = (position_ids[0] != -1).all(dim=-1)
         pos = position_ids[0][real].long()  # [P, 2] (x, y)
+        k = self.kernel
+        if pos.shape[0] % (k * k):
+            raise ValueError(f"image_position_ids: {pos.shape[0]} patches do not pool into {k}x{k} squares")
+        width = int(pos[:, 0].max()) + 1
+        squares = (pos[:, 0] // k + (width // k) * (pos[:, 1] // k)).to(self.device)
         weight = self.patch_embedder.input_proj.weight
-        x = F.linear(2 * (pixel_values[0][real].to(weight.dtype) - 0.5), weight)
+        pixels = pixel_values[0][real.to(pixel_values.device)].to(self.device)
+        x = F.linear((2 * (pixels - 0.5)).to(weight.dtype), weight)  # Gemma 4 scales pixels in the model
+        pos = pos.to(self.device)
         table = self.patch_embedder.position_embedding_table
         x = x + table[0][pos[:, 0]] + table[1][pos[:, 1]]
         cos, sin = axial_cos_sin(pos, self.head_dim, self.theta)
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         for block in self.encoder.layers:
             x = block(x, cos, sin)
-        return self.pool(x, pos)
+        return self.pool(x, squares)
 
-    def pool(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """Average over ``k x k`` squares by position, scaled by ``sqrt(hidden)``, standardized (float32)."""
+    @property
+    def device(self) -> torch.device:
+        return self.patch_embedder.input_proj.weight.device
+
+    def pool(self, x: torch.Tensor, squares: torch.Tensor) -> torch.Tensor:
+        """Average over ``k x k`` squares (``squares``: each patch's soft token), scaled by
+        ``sqrt(hidden)``, standardized (float32)."""
         k = self.kernel
-        if x.shape[0] % (k * k):
-            raise ValueError(f"image_position_ids: {x.shape[0]} patches do not pool into {k}x{k} squares")
-        width = int(pos[:, 0].max()) + 1
-        index = pos[:, 0] // k + (width // k) * (pos[:, 1] // k)
         pooled = torch.zeros(x.shape[0] // (k * k), x.shape[1], dtype=torch.float32, device=x.device)
-        pooled = pooled.index_add_(0, index, x.float()) / (k * k)
+        pooled = pooled.index_add_(0, squares, x.float()) / (k * k)
         pooled = pooled.to(x.dtype).float() * x.shape[1] ** 0.5
         if self.standardize:
             pooled = (pooled - self.std_bias.float()) * self.std_scale.float()

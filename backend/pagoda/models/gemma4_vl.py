@@ -131,7 +131,7 @@ class Gemma4ForConditionalGeneration(gemma4.Gemma4ForCausalLM):
         """One image's soft-token rows ``[n, hidden]``: ``data`` is the input processor's
         ``{"pixel_values": [1, max_patches, 3 p p], "image_position_ids": [1, max_patches, 2]}``."""
         with torch.inference_mode():
-            soft = self.vision_tower(data["pixel_values"].to(self.device), data["image_position_ids"].to(self.device))
+            soft = self.vision_tower(data["pixel_values"], data["image_position_ids"])  # positions stay on the host
             return ImageEmbedding(self.embed_vision(soft.to(self.dtype)))
 
     # ---- weights: the checkpoint's names <-> the decoder's --------------------------------
