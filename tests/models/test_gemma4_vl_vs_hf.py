@@ -193,3 +193,19 @@ def test_the_tower_reads_nothing_back_from_its_device(pair):
     inputs = hf.inputs([IMAGE], [random_image(1, 64, 32)])
     out = embedder(tower(inputs["pixel_values"], inputs["image_position_ids"]))
     assert out.device.type == "meta" and tuple(out.shape) == (55, 64)
+
+
+def test_without_vision_bidirectional_attention_images_are_causal(tmp_path, smollm2_path):
+    """``use_bidirectional_attention: null`` (the small Gemma 4s): transformers' mask is causal even
+    with the image token types, and the spec asks for no key limits; the logits match causal ones."""
+    folder = save_gemma4(tmp_path, smollm2_path, seed=5, use_bidirectional_attention=None)
+    model, hf = load_model(str(folder), dtype=torch.float32), HFGemma4(folder)
+    assert not model.config.vision.is_bidirectional
+    inputs = hf.inputs(PROMPT, [random_image(1, 64, 32), random_image(2)])
+    with torch.inference_mode():
+        expected = hf.model(**inputs).logits[0]
+        wide = hf.model.to(torch.float64)(**{k: v.double() if v.is_floating_point() else v
+                                              for k, v in inputs.items()}).logits[0]
+    bound = 4 * (expected.double() - wide).abs().max().item()  # as the first test's
+    got = _logits(model, inputs["input_ids"][0].tolist(), inputs, limits="causal")
+    assert (got - expected).abs().max().item() <= bound
