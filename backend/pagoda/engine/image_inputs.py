@@ -19,7 +19,7 @@ processor, off the step), for a model whose config declares a ``VisionSpec``:
    Gemma 4's prompt holds ``<|image|>`` itself, wrapped in ``<|image>`` / ``<image|>`` alone, and
    its count varies per image: the processor's ``num_soft_tokens_per_image``);
    their number must equal the number of images. An image whose tokens attend to each other both
-   ways (Gemma 3) must fit in one step's prefill (``max_step_tokens``).
+   ways (Gemma 3, Gemma 4) must fit in one step's prefill (``max_step_tokens``).
 
 Every refusal is a ``ValueError`` naming the field (``multi_modal_data.image[i]``, ``prompt``)
 and the limit; nothing is kept of a refused request.

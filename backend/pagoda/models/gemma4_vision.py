@@ -41,7 +41,15 @@ def _param(*shape: int, dtype: torch.dtype, device) -> nn.Parameter:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """Gemma 4's RMS norm: float32, times ``weight`` (not ``1 + weight``), None: no scale."""
+    """Gemma 4's RMS norm over the last dimension, in float32, times ``weight`` (not ``1 + weight``).
+
+    Args:
+        x: any shape ``[..., d]``.
+        weight: ``[d]``, or None: no scale (``v_norm``, the embedder's pre-projection norm).
+        eps: added to the mean square.
+    Returns:
+        ``x``'s shape and dtype.
+    """
     wide = x.float()
     normed = wide * torch.pow(wide.pow(2).mean(-1, keepdim=True) + eps, -0.5)
     return (normed if weight is None else normed * weight.float()).to(x.dtype)
@@ -67,7 +75,15 @@ class ClippableLinear(nn.Module):
 
 
 def axial_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per patch ``[P, head_dim]`` cos and sin: ``[x, x, y, y]`` blocks of ``head_dim / 4`` angles."""
+    """The 2-D axial rotary tables (module docstring).
+
+    Args:
+        positions: ``[P, 2]`` int64, each patch's (x, y).
+        head_dim: the tower's head size.
+        theta: ``rope_parameters["rope_theta"]``.
+    Returns:
+        (cos, sin), each ``[P, head_dim]`` float32: ``[x, x, y, y]`` blocks of ``head_dim / 4`` angles.
+    """
     spatial = head_dim // 2
     inv_freq = 1.0 / (theta ** (torch.arange(0, spatial, 2, dtype=torch.float32, device=positions.device) / spatial))
     angles = positions.float()[..., None] * inv_freq  # [P, 2, head_dim / 4]
