@@ -100,3 +100,25 @@ def test_images_the_replica_will_refuse_are_routed_by_the_text_before_them(route
 
 def test_a_text_models_folder_has_no_image_rules(smollm2_path):
     assert RouterImages.from_model_dir(smollm2_path) is None
+
+
+@pytest.mark.parametrize("family", ["gemma3", "gemma4"])
+def test_gemma_wrapped_images_hash_as_the_replica_expands_them(family, tmp_path, smollm2_path):
+    """Gemma 3 and 4 wrap an image's soft tokens (Gemma 3 in newlines and ``<start_of_image>`` /
+    ``<end_of_image>``, Gemma 4 in ``<|image>`` / ``<image|>``; Gemma 4's count by its processor):
+    the router's expanded prompt and hashes are the replica's (its KV events)."""
+    from tests.engine.gemma3_vision_reference import save_gemma3
+    from tests.engine.gemma4_vision_reference import save_gemma4
+
+    folder = str((save_gemma3 if family == "gemma3" else save_gemma4)(tmp_path / family, smollm2_path))
+    replicas = ReplicaSet("static")
+    replicas.set_members([("a", {"grpc": "a:1", "http": "a:2"})])
+    router = Router(replicas, Tokenizer.from_pretrained(folder), Path(folder).name, block_size=BLOCK,
+                    images=RouterImages.from_model_dir(folder))
+    image = _png(random_image(7, 96, 64))
+    analysis = router.analyze(list(PROMPT), images=[image])
+    engine = _engine_hashes(folder, [image])
+    expanded, _ = RouterImages.from_model_dir(folder).expand(list(PROMPT), [image])
+    assert analysis.num_prompt_tokens == len(expanded) > len(PROMPT) + 2
+    assert len(analysis.block_hashes) == analysis.num_prompt_tokens // BLOCK
+    assert analysis.block_hashes == engine[:len(analysis.block_hashes)]

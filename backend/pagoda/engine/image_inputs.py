@@ -15,9 +15,11 @@ processor, off the step), for a model whose config declares a ``VisionSpec``:
    (``VisionSpec.num_image_tokens``) says how many placeholder tokens the image takes;
 4. the prompt's placeholder tokens (one ``VisionSpec.prompt_token_id`` per image, as the model's
    chat template writes them: Qwen's ``<|image_pad|>``, Gemma 3's ``<start_of_image>``) expand into
-   that many ``image_token_id`` copies (Gemma 3 wraps them as its processor does: ``_expand``);
+   that many ``image_token_id`` copies (Gemma 3 wraps them as its processor does: ``_expand``;
+   Gemma 4's prompt holds ``<|image|>`` itself, wrapped in ``<|image>`` / ``<image|>`` alone, and
+   its count varies per image: the processor's ``num_soft_tokens_per_image``);
    their number must equal the number of images. An image whose tokens attend to each other both
-   ways (Gemma 3) must fit in one step's prefill (``max_step_tokens``).
+   ways (Gemma 3, Gemma 4) must fit in one step's prefill (``max_step_tokens``).
 
 Every refusal is a ``ValueError`` naming the field (``multi_modal_data.image[i]``, ``prompt``)
 and the limit; nothing is kept of a refused request.
@@ -107,20 +109,28 @@ class ImageInputs:
                           for offset, (mm_hash, data, length) in zip(offsets, prepared))
 
     def spans(self, token_ids: list[int], images: Any) -> tuple[int, list[tuple[str, int, int]]]:
+        """``expanded``'s prompt length and spans (Messages ``count_tokens``). Raises as ``process``."""
+        out, spans = self.expanded(token_ids, images)
+        return len(out), spans
+
+    def expanded(self, token_ids: list[int], images: Any) -> tuple[list[int], list[tuple[str, int, int]]]:
         """What ``process`` would make of the prompt for its block hashes, without the encoder's
-        input (the router's view: ``fleet.routing.image_routing``): the expanded prompt's length
-        and (content hash, first placeholder index, placeholder tokens) per image, in order.
+        input (the router's view: ``fleet.routing.image_routing``): the expanded prompt (its wrap
+        tokens included) and (content hash, first placeholder index, placeholder tokens) per image,
+        in order.
 
         The placeholder count comes from the processor's own size rule
         (``get_number_of_image_patches``, the resize ``process`` runs) without resizing pixels,
-        or is the model's fixed count (``VisionSpec.tokens_per_image``).
+        or is the model's fixed count (``VisionSpec.tokens_per_image``), or (Gemma 4) the
+        processor's own output.
 
         Raises:
             ValueError: as ``process``.
         """
         images = list(images) if isinstance(images, (list, tuple)) else [images]
         slots = self._check_slots(token_ids, images)
-        counter = None if self.spec.tokens_per_image else getattr(self.processor, "get_number_of_image_patches", None)
+        counter = None if self.spec.tokens_per_image or self.spec.counted_by_processor else \
+            getattr(self.processor, "get_number_of_image_patches", None)
         hashes, lengths = [], []
         for index, value in enumerate(images):
             if counter is None:
@@ -132,7 +142,7 @@ class ImageInputs:
             hashes.append(mm_hash)
             lengths.append(length)
         out, offsets = self._expand(token_ids, slots, lengths)
-        return len(out), list(zip(hashes, offsets, lengths))
+        return out, list(zip(hashes, offsets, lengths))
 
     def _expand(self, token_ids: list[int], slots: list[int], lengths: list[int]) -> tuple[list[int], list[int]]:
         """The prompt with the placeholder at each of ``slots`` replaced by its image's tokens, and
@@ -165,12 +175,16 @@ class ImageInputs:
         """The tokens before and after an image's placeholders (none for Qwen)."""
         if self.spec.begin_token_id is None:
             return [], []
+        if not self.spec.wrap_newlines:  # Gemma 4: <|image> soft tokens <image|>, nothing around them
+            return [self.spec.begin_token_id], [self.spec.end_token_id]
         runs = self.newline_runs
         newlines = [runs[2]] if 2 in runs else self._tokenizer.encode("\n\n", add_special_tokens=False)
         return newlines + [self.spec.begin_token_id], [self.spec.end_token_id] + newlines
 
     def _merge(self, first: int, second: int) -> Optional[int]:
         """The one token of two newline runs joined, when both are runs and the joined run is a token."""
+        if not self.spec.wrap_newlines:
+            return None
         counts = {token: count for count, token in self.newline_runs.items()}
         if first in counts and second in counts:
             return self.newline_runs.get(counts[first] + counts[second])
@@ -227,7 +241,12 @@ class ImageInputs:
         data = {"pixel_values": processed["pixel_values"]}
         if "image_grid_thw" in processed:
             data["grid_thw"] = tuple(int(v) for v in processed["image_grid_thw"][0].tolist())
-        length = self.spec.num_image_tokens(data.get("grid_thw"))
+        if "image_position_ids" in processed:  # Gemma 4: each patch's (x, y), -1 for padding
+            data["image_position_ids"] = processed["image_position_ids"]
+        if self.spec.counted_by_processor:
+            length = int(processed["num_soft_tokens_per_image"][0])
+        else:
+            length = self.spec.num_image_tokens(data.get("grid_thw"))
         if self.spec.is_bidirectional and self.max_step_tokens is not None and length > self.max_step_tokens:
             raise ValueError(f"multi_modal_data.image[{index}]: {length} placeholder tokens that attend to each other "
                              f"both ways must be prefilled in one step; at most {self.max_step_tokens} tokens per step "

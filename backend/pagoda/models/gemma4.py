@@ -27,7 +27,8 @@ Differences from Gemma 3 (``models/gemma3.py``), every switch read from the conf
 - ``layer_scalar`` multiplies the whole stream at the end of each layer, so a layer returns the
   stream itself (no fused residual).
 
-Refused, each naming why: another activation, bidirectional attention, other rope types, any
+Refused, each naming why: another activation, bidirectional attention beyond images (``"all"``;
+``"vision"`` is causal for text), other rope types, any
 ``per_layer_config`` override besides head_dim / num_key_value_heads, a layer type without a
 producing layer, int8/fp8 at load and LoRA adapters (not checked for these shapes), tensor and
 pipeline parallelism (``models.tensor_parallel`` /
@@ -69,6 +70,8 @@ class Gemma4Options:
     double_wide_mlp: bool
     moe: bool  # enable_moe_block
     global_rope: tuple[float, float, float]  # full layers' (theta, partial_rotary_factor, factor)
+    media_token_ids: tuple[int, ...] = ()  # with images (gemma4_vl): tokens that read the pad token's rows
+    pad_token_id: int = 0
 
 
 def parse_config(raw: dict, architecture: str) -> ModelConfig:
@@ -80,8 +83,9 @@ def parse_config(raw: dict, architecture: str) -> ModelConfig:
     act = raw.get("hidden_activation") or ACTIVATION
     if act != ACTIVATION:
         raise ValueError(f"Gemma 4 hidden_activation {act!r} is not supported; only {ACTIVATION!r}")
-    if raw.get("use_bidirectional_attention"):
-        raise ValueError("use_bidirectional_attention is not supported (causal attention only)")
+    if raw.get("use_bidirectional_attention") not in (None, "vision"):  # "vision": images only (gemma4_vl)
+        raise ValueError(f"use_bidirectional_attention={raw['use_bidirectional_attention']!r} is not supported "
+                         "(causal attention; 'vision': an image's tokens both ways, Gemma4ForConditionalGeneration)")
     fields = common_fields({k: v for k, v in raw.items() if k not in ("hidden_act", "rope_scaling")}, architecture)
     layers = fields["num_hidden_layers"]
     types = list(raw.get("layer_types") or ["sliding_attention" if (i + 1) % 6 else "full_attention"
@@ -307,11 +311,16 @@ class Gemma4ForCausalLM(LlamaForCausalLM):
                 meta: AttentionMetadata, lora: Optional["LoRABatch"] = None) -> torch.Tensor:
         assert len(kv_caches) == len(self.layers), f"need {len(self.layers)} KV caches, got {len(kv_caches)}"
         h = F.embedding(input_ids, self.embed_tokens) * self.embed_scale
-        per_layer = self.per_layer_inputs(input_ids, h)
+        metas = [meta.for_layer(idx) for idx in range(len(self.layers))]
+        return self.run_layers(h, self.per_layer_inputs(input_ids, h), positions, kv_caches, metas, lora)
+
+    def run_layers(self, h: torch.Tensor, per_layer: Optional[torch.Tensor], positions: torch.Tensor,
+                   kv_caches: list[KVCache], metas: list[AttentionMetadata],
+                   lora: Optional["LoRABatch"] = None) -> torch.Tensor:
+        """The decoder over the input embeddings ``h``, each layer with its metadata; the final norm's output."""
         for idx, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             table = self.cos_sin_cache if layer.is_local else self.global_cos_sin_cache
-            h = layer(h, None if per_layer is None else per_layer[:, idx], positions, table, kv_cache,
-                      meta.for_layer(idx), lora)
+            h = layer(h, None if per_layer is None else per_layer[:, idx], positions, table, kv_cache, metas[idx], lora)
         h, _ = kernels.rms_norm(h, self.norm, self.config.rms_norm_eps)
         return h
 

@@ -96,7 +96,8 @@ def load_model(
                                          lambda name: handles[file_of[name]].get_tensor(name),
                                          keep_quantized=keep_packed(torch.device(device)))
             names_in_checkpoint = quantized.names
-        _check_names(path, config, expected, names_in_checkpoint)
+        ignored = getattr(model, "ignored_checkpoint_prefixes", ())  # parts a family does not serve (audio)
+        _check_names(path, config, expected, {n for n in names_in_checkpoint if not n.startswith(ignored)})
         tensors = _read_tensors(files, expected, file_of, dtype)
         loaded = model.load_weights(quantized.tensors(tensors) if quantized else tensors)
         for layer, (k_scale, v_scale) in (quantized.kv_scales() if quantized else {}).items():

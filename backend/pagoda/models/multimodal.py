@@ -49,8 +49,16 @@ class VisionSpec:
             ``<start_of_image>`` / ``<end_of_image>``, with a ``"\\n\\n"`` token outside each, as its
             processor writes them); None: no wrapping (Qwen's prompt holds them itself).
         is_bidirectional: an image's placeholder tokens attend to each other both ways (Gemma 3:
-            a query inside an image sees keys up to the image's last position), so a prefill chunk
+            a query inside an image sees keys up to the image's last position; Gemma 4: on its
+            sliding layers only, the model drops the limits on the others), so a prefill chunk
             never splits an image.
+        prompt_token: the token a prompt holds once per image when the model wraps its images but
+            the prompt holds the placeholder itself (Gemma 4's ``<|image|>``); None: see
+            ``prompt_token_id``.
+        wrap_newlines: a wrapped image has a ``"\\n\\n"`` run outside each wrap token (Gemma 3's
+            processor); False: the wrap tokens only (Gemma 4's ``<|image>`` ... ``<image|>``).
+        counted_by_processor: the number of placeholder tokens varies per image and is the image
+            processor's ``num_soft_tokens_per_image`` (Gemma 4's aspect-ratio-preserving resize).
     """
 
     family: str
@@ -64,11 +72,17 @@ class VisionSpec:
     begin_token_id: Optional[int] = None
     end_token_id: Optional[int] = None
     is_bidirectional: bool = False
+    prompt_token: Optional[int] = None
+    wrap_newlines: bool = True
+    counted_by_processor: bool = False
 
     @property
     def prompt_token_id(self) -> int:
-        """The token a prompt holds once per image: ``begin_token_id`` when the model wraps its
-        images (Gemma 3's ``<start_of_image>``), else ``image_token_id`` (Qwen's ``<|image_pad|>``)."""
+        """The token a prompt holds once per image: ``prompt_token`` when set (Gemma 4's
+        ``<|image|>``), else ``begin_token_id`` when the model wraps its images (Gemma 3's
+        ``<start_of_image>``), else ``image_token_id`` (Qwen's ``<|image_pad|>``)."""
+        if self.prompt_token is not None:
+            return self.prompt_token
         return self.begin_token_id if self.begin_token_id is not None else self.image_token_id
 
     def num_image_tokens(self, grid_thw: Optional[tuple[int, int, int]]) -> int:

@@ -20,8 +20,8 @@ from typing import Any, Callable, Union
 
 import torch
 
-from pagoda.models import (deepseek_v3, gemma3, gemma3_vl, gemma4, glm4_moe, gpt_oss, llama, mixtral, qwen3, qwen3_5,
-                           qwen3_moe, qwen3_5_vl, qwen3_next, qwen3_vl)
+from pagoda.models import (deepseek_v3, gemma3, gemma3_vl, gemma4, gemma4_vl, glm4_moe, gpt_oss, llama, mixtral, qwen3,
+                           qwen3_5, qwen3_moe, qwen3_5_vl, qwen3_next, qwen3_vl)
 from pagoda.models.config import ModelConfig, read_config_json
 
 
@@ -60,6 +60,9 @@ _FAMILIES = {f.architecture: f for f in (
     # Gemma 3 with images: SigLIP, the projector, an image's tokens attending to each other both ways.
     ModelFamily("Gemma3ForConditionalGeneration", "gemma3", gemma3_vl.parse_config,
                 gemma3_vl.Gemma3ForConditionalGeneration),
+    # Gemma 4 with images: its own tower and embedder, images both ways on sliding layers only; no audio.
+    ModelFamily("Gemma4ForConditionalGeneration", "gemma4", gemma4_vl.parse_config,
+                gemma4_vl.Gemma4ForConditionalGeneration),
     # Kimi K2's config.json names this architecture too (model_type "kimi_k2").
     ModelFamily("DeepseekV3ForCausalLM", "deepseek_v3", deepseek_v3.parse_config, deepseek_v3.DeepseekV3ForCausalLM),
     # GLM-4.7-Flash: multi-head latent attention and DeepSeek's MoE (the DeepSeek-V3 model).

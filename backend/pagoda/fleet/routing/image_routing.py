@@ -8,14 +8,15 @@ request is routed by its text alone: the prefix index would send two requests wi
 text and different images to the same replica as if they shared blocks, and would not find
 the replica that really holds an image's blocks.
 
-``RouterImages.expand`` runs the engine's own rules (``engine.image_inputs.ImageInputs.spans``:
+``RouterImages.expand`` runs the engine's own rules (``engine.image_inputs.ImageInputs.expanded``:
 the same content hash, the processor's own size rule for the placeholder count, the same
-limits) on the model folder the router serves, without the encoder's input (no pixels are
-resized), and gives the expanded token ids and each image's (hash, offset, length) for
-``hash_prompt_blocks``. An image the router cannot read (not an image, over a limit, a
-placeholder count that does not match) is not the router's to refuse: the replica answers
-it with its 400; the router hashes only the blocks before the first placeholder (they do not
-depend on any image) and routes by those.
+limits, the same expansion: Gemma's wrap tokens included) on the model folder the router serves,
+without the encoder's input (no pixels are resized where the processor has a size rule), and
+gives the expanded token ids and each image's (hash, offset, length) for ``hash_prompt_blocks``.
+An image the router cannot read (not an image, over a limit, a placeholder count that does not
+match) is not the router's to refuse: the replica answers it with its 400; the router hashes
+only the blocks before the first placeholder (they do not depend on any image; for Gemma 3 the
+token before it too, which its newline wrap may merge with) and routes by those.
 """
 
 from __future__ import annotations
@@ -73,17 +74,11 @@ class RouterImages:
             first placeholder and no spans (module docstring).
         """
         try:
-            _, spans = self.inputs.spans(token_ids, list(images))
+            return self.inputs.expanded(token_ids, list(images))
         except ValueError:
-            token_id = self.inputs.spec.image_token_id
+            spec = self.inputs.spec
+            token_id = spec.prompt_token_id
             first = token_ids.index(token_id) if token_id in token_ids else len(token_ids)
+            if spec.begin_token_id is not None and spec.wrap_newlines:  # a newline there may merge with the wrap's
+                first = max(first - 1, 0)
             return token_ids[:first], []
-        expanded: list[int] = []
-        previous = 0
-        token_id = self.inputs.spec.image_token_id
-        for (_, offset, length), slot in zip(spans, (i for i, t in enumerate(token_ids) if t == token_id)):
-            expanded += token_ids[previous:slot]
-            assert len(expanded) == offset, "spans are offsets into the expanded prompt"
-            expanded += [token_id] * length
-            previous = slot + 1
-        return expanded + token_ids[previous:], spans
