@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from pagoda.kernels import AttentionMetadata
 from pagoda.models import gemma3
 from pagoda.models.config import ModelConfig
+from pagoda.models.llama import copy_checked
 from pagoda.models.multimodal import ImageEmbedding, MultiModalBatch, VisionSpec
 from pagoda.models.siglip_vision import Gemma3Projector, SiglipVisionTower
 
@@ -158,10 +159,7 @@ class Gemma3ForConditionalGeneration(gemma3.Gemma3ForCausalLM):
         def text_weights():
             for name, tensor in weights:
                 if name in image:
-                    if tuple(image[name].shape) != tuple(tensor.shape):
-                        raise ValueError(f"{name}: shape {tuple(tensor.shape)} does not match the config's "
-                                         f"{tuple(image[name].shape)}")
-                    image[name].copy_(tensor)
+                    copy_checked(name, image[name], tensor)
                     loaded.add(name)
                 elif name == head:
                     yield "lm_head.weight", tensor

@@ -39,6 +39,7 @@ from pagoda.kernels import AttentionMetadata
 from pagoda.models import gemma4
 from pagoda.models.config import ModelConfig
 from pagoda.models.gemma4_vision import Gemma4VisionEmbedder, Gemma4VisionTower
+from pagoda.models.llama import copy_checked
 from pagoda.models.multimodal import ImageEmbedding, MultiModalBatch, VisionSpec
 
 if TYPE_CHECKING:
@@ -153,10 +154,7 @@ class Gemma4ForConditionalGeneration(gemma4.Gemma4ForCausalLM):
         def text_weights():
             for name, tensor in weights:
                 if name in image:
-                    if tuple(image[name].shape) != tuple(tensor.shape):
-                        raise ValueError(f"{name}: shape {tuple(tensor.shape)} does not match the config's "
-                                         f"{tuple(image[name].shape)}")
-                    image[name].copy_(tensor)
+                    copy_checked(name, image[name], tensor)
                     loaded.add(name)
                 elif name.startswith(_TEXT):
                     yield "model." + name[len(_TEXT):], tensor

@@ -244,6 +244,17 @@ class DecoderLayer(nn.Module):
         return kernels.rms_norm(x, self.input_norm, self.eps, residual)
 
 
+
+def copy_checked(name: str, target: torch.Tensor, tensor: torch.Tensor) -> None:
+    """Copy checkpoint tensor ``name`` into ``target`` (a parameter or a view of its rows).
+
+    Raises:
+        ValueError: naming the tensor, when its shape is not the config's.
+    """
+    if tuple(target.shape) != tuple(tensor.shape):
+        raise ValueError(f"{name}: shape {tuple(tensor.shape)} does not match the config's {tuple(target.shape)}")
+    target.copy_(tensor)
+
 class LlamaForCausalLM(nn.Module):
     """The decoder plus the LM head. Parameters are uninitialised until ``load_weights``."""
 
@@ -352,10 +363,7 @@ class LlamaForCausalLM(nn.Module):
             if name not in table:
                 continue
             target, rows = table[name]
-            want = tuple(target[rows].shape)
-            if want != tuple(tensor.shape):
-                raise ValueError(f"{name}: shape {tuple(tensor.shape)} does not match the config's {want}")
-            target[rows].copy_(tensor)
+            copy_checked(name, target[rows], tensor)
             loaded.add(name)
         return loaded
 

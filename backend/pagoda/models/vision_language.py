@@ -29,6 +29,7 @@ import torch
 from pagoda import kernels
 from pagoda.kernels import AttentionMetadata
 from pagoda.models.config import ModelConfig
+from pagoda.models.llama import copy_checked
 from pagoda.models.multimodal import ImageEmbedding, MultiModalBatch, VisionSpec, mrope_cos_sin
 from pagoda.models.qwen3_vl_vision import Qwen3VLVisionTower
 
@@ -162,10 +163,7 @@ class QwenVisionLanguage:
             for name, tensor in weights:
                 if name.startswith(_VISUAL) and name[len(_VISUAL):] in visual:
                     target, rows = visual[name[len(_VISUAL):]]
-                    if tuple(target[rows].shape) != tuple(tensor.shape):
-                        raise ValueError(f"{name}: shape {tuple(tensor.shape)} does not match the config's "
-                                         f"{tuple(target[rows].shape)}")
-                    target[rows].copy_(tensor)
+                    copy_checked(name, target[rows], tensor)
                     loaded.add(name)
                 elif name.startswith(_TEXT):
                     yield "model." + name[len(_TEXT):], tensor
