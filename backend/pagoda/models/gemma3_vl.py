@@ -38,7 +38,7 @@ from pagoda.kernels import AttentionMetadata
 from pagoda.models import gemma3
 from pagoda.models.config import ModelConfig
 from pagoda.models.llama import copy_checked
-from pagoda.models.multimodal import ImageEmbedding, MultiModalBatch, VisionSpec
+from pagoda.models.multimodal import ImageEmbedding, MultiModalBatch, VisionSpec, text_and_vision_sections
 from pagoda.models.siglip_vision import Gemma3Projector, SiglipVisionTower
 
 if TYPE_CHECKING:
@@ -59,12 +59,7 @@ def parse_config(raw: dict, architecture: str) -> ModelConfig:
     """
     if not isinstance(raw.get("text_config"), dict) or not isinstance(raw.get("vision_config"), dict):
         raise ValueError(f"{architecture}: config.json needs text_config and vision_config")
-    text, vision = _with_defaults(raw["text_config"], "Gemma3TextConfig"), \
-        _with_defaults(raw["vision_config"], "SiglipVisionConfig")
-    text["tie_word_embeddings"] = raw.get("tie_word_embeddings", text.get("tie_word_embeddings", True))
-    for key in ("bos_token_id", "eos_token_id"):  # the top level's, where the text section left them to defaults
-        if key in raw and key not in raw["text_config"]:
-            text[key] = raw[key]
+    text, vision = text_and_vision_sections(raw, "Gemma3TextConfig", "SiglipVisionConfig")
     config = gemma3.parse_config(text, architecture)
     config.architectures = list(raw.get("architectures") or [architecture])
     size = int(vision.get("image_size", 224))
@@ -76,17 +71,6 @@ def parse_config(raw: dict, architecture: str) -> ModelConfig:
         begin_token_id=int(raw.get("boi_token_index", 255999)), end_token_id=int(raw.get("eoi_token_index", 256000)),
         is_bidirectional=True)
     return config
-
-
-def _with_defaults(section: dict, config_class: str) -> dict:
-    """A config.json section completed with transformers' defaults, as transformers reads it: the
-    released checkpoints' ``text_config`` names only what differs from ``Gemma3TextConfig``'s
-    defaults (no head counts, no vocabulary size). As written when transformers is not installed."""
-    try:
-        import transformers
-    except ImportError:  # pragma: no cover - the vision extra installs it
-        return dict(section)
-    return getattr(transformers, config_class)(**section).to_dict()
 
 
 class Gemma3ForConditionalGeneration(gemma3.Gemma3ForCausalLM):

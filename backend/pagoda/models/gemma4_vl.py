@@ -40,7 +40,7 @@ from pagoda.models import gemma4
 from pagoda.models.config import ModelConfig
 from pagoda.models.gemma4_vision import Gemma4VisionEmbedder, Gemma4VisionTower
 from pagoda.models.llama import copy_checked
-from pagoda.models.multimodal import ImageEmbedding, MultiModalBatch, VisionSpec
+from pagoda.models.multimodal import ImageEmbedding, MultiModalBatch, VisionSpec, text_and_vision_sections
 
 if TYPE_CHECKING:
     from pagoda.models.lora import LoRABatch
@@ -58,12 +58,7 @@ def parse_config(raw: dict, architecture: str) -> ModelConfig:
     if not isinstance(raw.get("text_config"), dict) or not isinstance(raw.get("vision_config"), dict):
         raise ValueError(f"{architecture}: config.json needs text_config and vision_config (images are served; "
                          "a Gemma 4 without a vision tower is Gemma4ForCausalLM)")
-    text, vision = _with_defaults(raw["text_config"], "Gemma4TextConfig"), \
-        _with_defaults(raw["vision_config"], "Gemma4VisionConfig")
-    text["tie_word_embeddings"] = raw.get("tie_word_embeddings", text.get("tie_word_embeddings", True))
-    for key in ("bos_token_id", "eos_token_id"):  # the top level's, where the text section left them to defaults
-        if key in raw and key not in raw["text_config"]:
-            text[key] = raw[key]
+    text, vision = text_and_vision_sections(raw, "Gemma4TextConfig", "Gemma4VisionConfig")
     config = gemma4.parse_config(text, architecture)
     config.architectures = list(raw.get("architectures") or [architecture])
     image = int(raw.get("image_token_id", 258_880))
@@ -81,16 +76,6 @@ def parse_config(raw: dict, architecture: str) -> ModelConfig:
     config.gemma4 = dataclasses.replace(config.gemma4, media_token_ids=media, pad_token_id=int(text.get("pad_token_id")
                                                                                                or 0))
     return config
-
-
-def _with_defaults(section: dict, config_class: str) -> dict:
-    """A config.json section completed with transformers' defaults, as transformers reads it
-    (as written when transformers is not installed)."""
-    try:
-        import transformers
-    except ImportError:  # pragma: no cover - the vision extra installs it
-        return dict(section)
-    return getattr(transformers, config_class)(**section).to_dict()
 
 
 class Gemma4ForConditionalGeneration(gemma4.Gemma4ForCausalLM):

@@ -140,3 +140,23 @@ def mrope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, section: tupl
     chosen = freqs.gather(0, axis.view(1, 1, half).expand(1, freqs.shape[1], half))[0]  # [T, half]
     return torch.cat((chosen.cos(), chosen.sin()), dim=-1)
 
+
+
+def text_and_vision_sections(raw: dict, text_class: str, vision_class: str) -> tuple[dict, dict]:
+    """A vision-language ``config.json``'s ``text_config`` and ``vision_config``, each completed
+    with transformers' defaults as transformers reads them (released checkpoints name only what
+    differs: no head counts, no vocabulary size; as written when transformers is not installed),
+    the text section given the top level's ``tie_word_embeddings`` and, where it left them to
+    defaults, ``bos_token_id`` / ``eos_token_id``. The caller checked both sections are dicts."""
+    try:
+        import transformers
+    except ImportError:  # pragma: no cover - the vision extra installs it
+        text, vision = dict(raw["text_config"]), dict(raw["vision_config"])
+    else:
+        text = getattr(transformers, text_class)(**raw["text_config"]).to_dict()
+        vision = getattr(transformers, vision_class)(**raw["vision_config"]).to_dict()
+    text["tie_word_embeddings"] = raw.get("tie_word_embeddings", text.get("tie_word_embeddings", True))
+    for key in ("bos_token_id", "eos_token_id"):  # the top level's, where the text section left them to defaults
+        if key in raw and key not in raw["text_config"]:
+            text[key] = raw[key]
+    return text, vision
