@@ -1,5 +1,6 @@
 """Raw logits (``return_context_logits`` / ``return_generation_logits``, engine.logits_output):
-checked against a float64 Hugging Face forward of the same weights.
+checked against a float64 Hugging Face forward of the same weights, whole (``CUMULATIVE``) and
+streamed step by step (``DELTA``: each output carries its own tokens' rows, nothing is kept).
 
 The bound: the engine computes the logits in float32; ``model_error_bound`` (tests/numerics.py)
 bounds one logit's rounding error for the sequence length and the logits' scale.
@@ -13,7 +14,7 @@ import torch
 from pagoda.engine.config import EngineConfig
 from pagoda.engine.llm_engine import LLMEngine
 from pagoda.engine.logits_output import MAX_LOGITS_VALUES, check_logits_size
-from pagoda.engine.sampling_params import SamplingParams
+from pagoda.engine.sampling_params import RequestOutputKind, SamplingParams
 
 from tests.engine.test_prompt_logprobs import TEXT, _run
 from tests.numerics import model_error_bound
@@ -84,8 +85,6 @@ def test_context_logits_skip_the_prefix_cache_and_n_children_share_them(model_pa
 
 
 def test_refusals_name_the_field(model_path):
-    with pytest.raises(ValueError, match="return_generation_logits: not supported with stop strings"):
-        SamplingParams(return_generation_logits=True, stop=["."])
     with pytest.raises(ValueError, match="return_context_logits: not supported with beam search"):
         SamplingParams(use_beam_search=True, n=2, temperature=0.0, return_context_logits=True)
     with pytest.raises(ValueError, match="return_generation_logits: must be a boolean"):
@@ -120,3 +119,88 @@ def test_generation_logits_with_speculative_decoding_keep_the_accepted_rows(mode
     assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens > 0  # drafts were verified and kept
     logits, bound = ref(prompt + out.token_ids, engine.model_config.vocab_size)
     _assert_close(out.generation_logits, logits[len(prompt) - 1:len(prompt) - 1 + len(out.token_ids)], bound)
+
+
+def _stream(engine: LLMEngine, request_id: str, prompt: list[int], params: SamplingParams) -> list:
+    """Every output of one request, step by step; with ``DELTA``, checks after each step that the
+    output processor holds no rows (they left with the output)."""
+    engine.add_request(request_id, prompt, params)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += [out for out in engine.step() if out.request_id == request_id]
+        for group in engine.output_processor._groups.values():
+            if group.params.output_kind == RequestOutputKind.DELTA:
+                assert all(not c.new_rows and c.all_rows is None for c in group.completions)
+    return outputs
+
+
+def test_streamed_rows_leave_with_each_output_under_async_speculation(model_path):
+    """``DELTA`` with async scheduling and self-drafting (several tokens a step): each output's
+    ``delta_generation_logits`` has one row per ``delta_token_ids`` token, their concatenation ==
+    the float64 logits predicting each token; nothing is kept for the end (no ``generation_logits``,
+    the output processor holds no rows once an output is made); context logits with the first tokens."""
+    ref = Float64Logits(model_path)
+    engine = LLMEngine(EngineConfig(model=model_path, speculative_method="draft", speculative_model=model_path,
+                                    spec_adaptive=False, num_speculative_tokens=3, async_scheduling=True))
+    prompt, vocab = list(range(300, 320)), engine.model_config.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True, return_generation_logits=True,
+                            return_context_logits=True, output_kind=RequestOutputKind.DELTA)
+    outputs = _stream(engine, "s", prompt, params)
+    rows, tokens = [], []
+    for out in outputs:
+        completion = out.outputs[0]
+        delta = completion.delta_generation_logits
+        assert (0 if delta is None else len(delta)) == len(completion.delta_token_ids)
+        assert completion.generation_logits is None  # DELTA: the finished output holds none either
+        rows += [delta] if delta is not None else []
+        tokens += completion.delta_token_ids
+    assert max(len(r) for r in rows) > 1  # a step kept several drafted tokens: their rows came together
+    assert outputs[-1].finished and tokens == outputs[-1].outputs[0].token_ids and len(tokens) == 9
+    logits, bound = ref(prompt + tokens, vocab)
+    _assert_close(torch.cat([torch.as_tensor(r) for r in rows]), logits[len(prompt) - 1:len(prompt) + 8], bound)
+    first = next(out for out in outputs if out.outputs[0].delta_token_ids)
+    _assert_close(first.context_logits, logits[:len(prompt)], bound)
+
+
+def test_cumulative_keeps_every_row_and_delta_keeps_none(model_path):
+    """The same request twice: ``CUMULATIVE`` (the default) gives the finished output all rows, the
+    concatenated deltas of ``DELTA``; the output processor's completions keep rows only for it."""
+    engine = LLMEngine(EngineConfig(model=model_path, max_num_batched_tokens=8))
+    prompt = list(range(40, 52))
+    base = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, return_generation_logits=True)
+    engine.add_request("c", prompt, base)
+    engine.add_request("d", prompt, base.clone(output_kind=RequestOutputKind.DELTA))
+    kept = {c.request_id: c.all_rows for g in engine.output_processor._groups.values() for c in g.completions}
+    assert kept == {"c": [], "d": None}
+    deltas, final = [], {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == "d" and out.outputs[0].delta_generation_logits is not None:
+                deltas.append(out.outputs[0].delta_generation_logits)
+            final[out.request_id] = out
+    whole = final["c"].outputs[0].generation_logits
+    assert whole.shape == (5, engine.model_config.vocab_size) and final["d"].outputs[0].generation_logits is None
+    # the same logits up to the batch's float32 summation order (the two share steps at other rows)
+    torch.testing.assert_close(torch.as_tensor(whole), torch.cat([torch.as_tensor(r) for r in deltas]),
+                               atol=1e-4, rtol=0)
+
+
+def test_stop_strings_keep_the_rows_of_the_tokens_they_keep(model_path):
+    """A stop string ends the output inside a step's tokens (self-drafting: several a step): the
+    rows are those of the kept tokens, each == the float64 logits predicting it."""
+    ref = Float64Logits(model_path)
+    engine = LLMEngine(EngineConfig(model=model_path, speculative_method="draft", speculative_model=model_path,
+                                    spec_adaptive=False, num_speculative_tokens=3))
+    prompt, vocab = list(range(300, 320)), engine.model_config.vocab_size
+    free = _stream(engine, "free", prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[-1]
+    tokens = free.outputs[0].token_ids
+    # the text of a token past the first step's: the stop falls inside a later step's tokens (or earlier)
+    stop = next(piece for t in tokens[3:7] if (piece := engine.tokenizer.decode([t]).strip()))
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, stop=[stop],
+                            return_generation_logits=True)
+    out = _stream(engine, "stopped", prompt, params)[-1].outputs[0]
+    assert out.finish_reason == "stop" and len(out.token_ids) < 8
+    rows = out.generation_logits
+    assert len(rows) == len(out.token_ids)
+    logits, bound = ref(prompt + out.token_ids, vocab)
+    _assert_close(rows, logits[len(prompt) - 1:len(prompt) - 1 + len(out.token_ids)], bound)

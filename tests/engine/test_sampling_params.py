@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 import pytest
 
-from pagoda.engine.sampling_params import MAX_LOGPROBS, MAX_N, MAX_STOP_STRINGS, SamplingParams
+from pagoda.engine.sampling_params import MAX_LOGPROBS, MAX_N, MAX_STOP_STRINGS, RequestOutputKind, SamplingParams
 
 NAN = float("nan")
 INF = float("inf")
@@ -32,6 +33,7 @@ BAD_VALUES = [
     *[("skip_special_tokens", v) for v in (0, "false", None)],
     *[("return_context_logits", v) for v in (1, "true", None)],
     *[("return_generation_logits", v) for v in (0, "false", None)],
+    *[("output_kind", v) for v in (2, -1, 1.0, "delta", True, None)],
     *[("logprobs", v) for v in (-1, MAX_LOGPROBS + 1, 1.5, "5", True)],
     *[("prompt_logprobs", v) for v in (-1, MAX_LOGPROBS + 1, 1.5, "5", True)],
     *[("speculative", v) for v in (1, 0, "true")],
@@ -183,3 +185,10 @@ def test_from_dict_valid_json_values():
     )
     assert params.n == 2 and math.isclose(params.temperature, 0.7) and params.top_k == 0
     assert params.stop == ["\n"] and params.seed == 42 and params.logprobs == 5 and params.max_tokens == 32
+
+
+def test_output_kind_reads_vllm_values_and_round_trips():
+    """``output_kind`` (vLLM's ``RequestOutputKind`` values; pagoda: 0 cumulative, 1 delta)."""
+    delta = SamplingParams.from_dict({"output_kind": 1})
+    assert delta.output_kind is RequestOutputKind.DELTA and SamplingParams().output_kind is RequestOutputKind.CUMULATIVE
+    assert SamplingParams.from_dict(json.loads(json.dumps(delta.to_dict()))) == delta

@@ -45,8 +45,10 @@ def test_which_requests_are_journaled_and_resumable():
     assert why_not_resumable(wire(stream=False)).startswith("not streaming")
     assert why_not_resumable(wire(options={"kv_transfer_params": {"do_remote_decode": True}})).startswith(
         "a prefill stage")
-    for flag in ("return_context_logits", "return_generation_logits"):  # their rows come with the last response
+    for flag in ("return_context_logits", "return_generation_logits"):  # asked as a sampling field or an output
         assert why_not_resumable(wire(**{flag: True})).startswith(f"raw logits ({flag})")
+        as_output = WireRequest(prompt_token_ids=(1, 2, 3), output=OutputOptions(stream=True, **{flag: True}))
+        assert why_not_resumable(as_output).startswith(f"raw logits ({flag})")
     front = Migrations().journal(None)  # a front model's request: restarted as it came, never resumed
     assert front.plan("r0").migrates and front.plan("r1").wire is None
     for unjournaled in (Migrations().journal(wire(n=2)), Migrations(0).journal(wire()),

@@ -246,8 +246,9 @@ def test_logits_flags_reach_the_engine_and_come_back_in_trtllm_shapes():
     assert set(wire.to_triton_inputs()) >= {"return_context_logits", "return_generation_logits"}
     plain = WireRequest.from_dialect(dialect.read_item(item(), decoupled=False)).engine_params()
     assert not plain.return_context_logits and not plain.return_generation_logits
-    with pytest.raises(ValueError, match="return_generation_logits: not supported with stop strings"):
-        WireRequest.from_dialect(dialect.read_item(item(return_generation_logits=True, stop_words=[b"."]), False))
+    stopped = WireRequest.from_dialect(dialect.read_item(item(return_generation_logits=True, stop_words=[b"."]),
+                                                         False)).engine_params()
+    assert stopped.stop == ["."] and stopped.return_generation_logits  # the kept tokens' rows (engine test)
     asked = dialect.requested(item(return_context_logits=True, return_generation_logits=True))
     tensors = {"text_output": np.array([b"a", b"b"], dtype=np.object_),
                "num_input_tokens": np.array([3], dtype=np.uint32), "num_output_tokens": np.array([2, 2], np.uint32),
@@ -260,3 +261,24 @@ def test_logits_flags_reach_the_engine_and_come_back_in_trtllm_shapes():
     stacked = dialect.stack_items([both, dialect.to_trtllm_outputs(shorter, asked, 1, None)])
     assert stacked["context_logits"].shape == (2, 3, 5) and not stacked["context_logits"][1, 2].any()
     assert stacked["generation_logits"].shape == (2, 2, 2, 5)
+
+
+def test_streamed_logits_take_tensorrt_llms_streaming_shapes():
+    """A stream asks the engine for ``DELTA`` (rows leave with each response; unary: ``CUMULATIVE``);
+    a streamed pagoda response ``[n, T, V]`` becomes, for sequence s, its own ``num_output_tokens``
+    rows token-major, ``[1, T_s, 1, V]`` (TensorRT-LLM's streaming layout); not streamed, ``[1, 1, T_s, V]``."""
+    from pagoda.engine.sampling_params import RequestOutputKind
+
+    streamed = WireRequest.from_dialect(dialect.read_item(item(stream=True, return_generation_logits=True), True))
+    assert streamed.engine_params().output_kind == RequestOutputKind.DELTA
+    unary = WireRequest.from_dialect(dialect.read_item(item(return_generation_logits=True), True))
+    assert unary.engine_params().output_kind == RequestOutputKind.CUMULATIVE
+    asked = dialect.requested(item(return_generation_logits=True))
+    rows = np.arange(2 * 3 * 5, dtype=np.float32).reshape(2, 3, 5)  # sequence 1 has 1 token: its rows 1, 2 padding
+    tensors = {"text_output": np.array([b"a", b"b"], dtype=np.object_), "num_input_tokens": np.array([3], np.uint32),
+               "num_output_tokens": np.array([3, 1], np.uint32), "generation_logits": rows}
+    for s, count in ((0, 3), (1, 1)):
+        out = dialect.to_trtllm_outputs(tensors, asked, 0, s, stream=True)["generation_logits"]
+        assert out.shape == (1, count, 1, 5) and np.array_equal(out[0, :, 0], rows[s, :count])
+        out = dialect.to_trtllm_outputs(tensors, asked, 0, s)["generation_logits"]
+        assert out.shape == (1, 1, count, 5) and np.array_equal(out[0, 0], rows[s, :count])

@@ -1,15 +1,19 @@
-"""TensorRT-LLM's ``return_context_logits`` / ``return_generation_logits`` on the fronts, through
-tritonclient against the session's tritonserver (tests/serving/conftest.py: ``ensemble``
-non-decoupled, ``tensorrt_llm_bls`` decoupled), checked against a float64 transformers forward of
-the served model (engine.logits_output says what the rows are; tests/numerics.py bounds one
-float32 logit's error).
+"""TensorRT-LLM's ``return_context_logits`` / ``return_generation_logits`` on the fronts and on
+pagoda's own (decoupled) model, through tritonclient against the session's tritonserver
+(tests/serving/conftest.py: ``ensemble`` non-decoupled, ``tensorrt_llm_bls`` decoupled), checked
+against a float64 transformers forward of the served model (engine.logits_output says what the rows
+are; tests/numerics.py bounds one float32 logit's error).
 
 Shapes as TensorRT-LLM's backend sends them: FP32 ``context_logits`` ``[1, prompt tokens, vocab]``
 and ``generation_logits`` ``[1, sequences, tokens, vocab]`` per item (the non-decoupled answer
-stacks items on the first dimension).
+stacks items on the first dimension); streamed (gRPC stream, decoupled), every response carries the
+context logits and its own tokens' rows token-major, ``[1, tokens in this response, 1, vocab]``.
+pagoda's own model streams ``[n, tokens in this response, vocab]`` and the context logits once.
 """
 
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import pytest
@@ -69,19 +73,88 @@ def test_ensemble_logits_equal_transformers(triton_server, reference):
     assert plain.as_numpy("context_logits") is None and plain.as_numpy("generation_logits") is None
 
 
-def test_decoupled_bls_sends_the_same_logits_streaming_or_not(triton_server):
-    """``tensorrt_llm_bls`` (decoupled): without ``stream`` one response with both; streaming, the
-    last response of the item carries them; both equal the unary answer's."""
-    inputs = trt_inputs([PROMPT], max_tokens=MAX_TOKENS, **LOGITS)
+def test_decoupled_bls_streams_each_responses_rows(triton_server, reference):
+    """``tensorrt_llm_bls`` (decoupled): without ``stream`` one response with both, as the unary
+    ``ensemble``'s; streaming, each response carries ``[1, its tokens, 1, vocab]`` rows (as many as
+    its ``num_output_tokens``) and the context logits; concatenated, the rows == the float64 forward
+    and the unary answer's."""
+    tokenizer, logits = reference
+    inputs = trt_inputs([PROMPT], max_tokens=MAX_TOKENS, return_num_output_tokens=(True, bool), **LOGITS)
+    names = (*OUTPUTS, "num_output_tokens", "batch_index", "sequence_index")
     unary = grpc_infer(triton_server, "ensemble", inputs, OUTPUTS)
-    for stream in (False, True):
-        results, errors = grpc_stream(triton_server, "tensorrt_llm_bls", {**inputs, "stream": batch([stream], bool)},
-                                      (*OUTPUTS, "batch_index", "sequence_index"))
-        assert not errors, errors
-        last = [r for r in results if r.as_numpy("generation_logits") is not None]
-        assert len(last) == 1, stream
-        for name in ("context_logits", "generation_logits"):
-            np.testing.assert_allclose(last[0].as_numpy(name), unary.as_numpy(name), atol=1e-4)
+    whole, errors = grpc_stream(triton_server, "tensorrt_llm_bls", {**inputs, "stream": batch([False], bool)}, names)
+    assert not errors and len(whole) == 1, errors
+    for name in ("context_logits", "generation_logits"):
+        np.testing.assert_allclose(whole[0].as_numpy(name), unary.as_numpy(name), atol=1e-4)
+    results, errors = grpc_stream(triton_server, "tensorrt_llm_bls", {**inputs, "stream": batch([True], bool)}, names)
+    assert not errors and results, errors
+    rows = []
+    for result in results:
+        generation = result.as_numpy("generation_logits")
+        assert generation.shape[0] == 1 and generation.shape[2] == 1, generation.shape
+        assert generation.shape[1] == result.as_numpy("num_output_tokens")[0][0]
+        np.testing.assert_allclose(result.as_numpy("context_logits"), unary.as_numpy("context_logits"), atol=1e-4)
+        rows.append(generation[0, :, 0])
+    streamed = np.concatenate(rows)
+    assert streamed.shape[0] == MAX_TOKENS
+    np.testing.assert_allclose(streamed, unary.as_numpy("generation_logits")[0, 0], atol=1e-4)
+    prompt = tokenizer.encode(PROMPT)
+    tokens = streamed.argmax(axis=-1).tolist()
+    expected, bound = logits(prompt + tokens)
+    _within(streamed, expected[len(prompt) - 1:len(prompt) - 1 + MAX_TOKENS], bound)
+
+
+def test_bls_stream_with_two_sequences_sends_each_its_own_rows(triton_server):
+    """``num_return_sequences`` 2 (seeded sampling), streamed: each sequence's responses carry its
+    own tokens' rows; both start from the prompt (row 0 == the context logits' last row)."""
+    inputs = trt_inputs([PROMPT], max_tokens=MAX_TOKENS, num_return_sequences=(2, np.int32), seed=(11, np.uint64),
+                        temperature=(1.0, np.float32), stream=(True, bool), return_num_output_tokens=(True, bool),
+                        **LOGITS)
+    results, errors = grpc_stream(triton_server, "tensorrt_llm_bls", inputs,
+                                  (*OUTPUTS, "num_output_tokens", "batch_index", "sequence_index"))
+    assert not errors, errors
+    rows: dict[int, list] = {0: [], 1: []}
+    for result in results:
+        generation = result.as_numpy("generation_logits")
+        assert generation.shape[1] == result.as_numpy("num_output_tokens")[0][0]
+        rows[int(result.as_numpy("sequence_index")[0][0])].append(generation[0, :, 0])
+    context = results[0].as_numpy("context_logits")[0]
+    for sequence in (0, 1):
+        mine = np.concatenate(rows[sequence])
+        assert 1 <= mine.shape[0] <= MAX_TOKENS  # sampled: an end token may come early
+        np.testing.assert_allclose(mine[0], context[-1], atol=1e-4)
+
+
+def test_pagoda_model_streams_rows_with_their_tokens(triton_server, reference):
+    """pagoda's own decoupled model (the ``tensorrt_llm`` model's place), gRPC stream, ``n`` 2:
+    each response's ``generation_logits`` ``[2, tokens, vocab]`` holds each completion's rows of
+    that response's tokens (``output_token_ids``), the context logits come once with the first;
+    each completion's concatenated rows == the float64 forward of its own tokens."""
+    tokenizer, logits = reference
+    sampling = {"max_tokens": MAX_TOKENS, "n": 2, "seed": 5, "temperature": 1.0, "ignore_eos": True}
+    inputs = {"text_input": np.array([PROMPT.encode()], np.object_), "stream": np.array([True]),
+              "sampling_parameters": np.array([json.dumps(sampling).encode()], np.object_),
+              **{flag: np.array([True]) for flag in ("return_context_logits", "return_generation_logits",
+                                                      "return_output_token_ids")}}
+    results, errors = grpc_stream(triton_server, "pagoda", inputs,
+                                  ("text_output", "output_token_ids", "context_logits", "generation_logits"))
+    assert not errors and results, errors
+    rows, tokens = {0: [], 1: []}, {0: [], 1: []}
+    contexts = [r.as_numpy("context_logits") for r in results]
+    assert contexts[0] is not None and all(c is None for c in contexts[1:])
+    for result in results:
+        generation = result.as_numpy("generation_logits")
+        for i, ids in enumerate(json.loads(text) for text in result.as_numpy("output_token_ids")):
+            assert generation is not None or not ids
+            rows[i] += list(generation[i, :len(ids)]) if ids else []
+            tokens[i] += ids
+            assert generation is None or not generation[i, len(ids):].any()  # padding, not rows
+    prompt = tokenizer.encode(PROMPT)
+    for i in (0, 1):
+        assert len(rows[i]) == len(tokens[i]) == MAX_TOKENS
+        expected, bound = logits(prompt + tokens[i])
+        _within(np.array(rows[i]), expected[len(prompt) - 1:len(prompt) - 1 + MAX_TOKENS], bound)
+        _within(contexts[0], expected[:len(prompt)], bound)
 
 
 def test_batch_and_sequences_stack_on_the_first_dimensions(triton_server):
@@ -97,14 +170,16 @@ def test_batch_and_sequences_stack_on_the_first_dimensions(triton_server):
     assert not context[shorter, min(lengths):].any() and context[shorter, :min(lengths)].any()
 
 
-@pytest.mark.parametrize("extra, message", [
-    ({"stop_words": (".", np.object_)}, "return_generation_logits: not supported with stop strings"),
-    ({"beam_width": (2, np.int32)}, "return_context_logits: not supported with beam search"),
-])
-def test_refusals_name_the_field_and_the_server_keeps_serving(triton_server, extra, message):
+def test_refusals_name_the_field_and_the_server_keeps_serving(triton_server):
     from tritonclient.utils import InferenceServerException
 
-    with pytest.raises(InferenceServerException, match=message):
-        grpc_infer(triton_server, "ensemble", trt_inputs([PROMPT], max_tokens=2, **LOGITS, **extra), OUTPUTS)
+    with pytest.raises(InferenceServerException, match="return_context_logits: not supported with beam search"):
+        grpc_infer(triton_server, "ensemble", trt_inputs([PROMPT], max_tokens=2, beam_width=(2, np.int32), **LOGITS),
+                   OUTPUTS)
     ok = grpc_infer(triton_server, "ensemble", trt_inputs([PROMPT], max_tokens=2, **LOGITS), OUTPUTS)
     assert ok.as_numpy("generation_logits").shape[:3] == (1, 1, 2)
+    # stop words combine now: the rows of the tokens the output keeps
+    stopped = grpc_infer(triton_server, "ensemble", trt_inputs([PROMPT], max_tokens=2, stop_words=(".", np.object_),
+                                                               return_num_output_tokens=(True, bool), **LOGITS),
+                         (*OUTPUTS, "num_output_tokens"))
+    assert stopped.as_numpy("generation_logits").shape[2] == stopped.as_numpy("num_output_tokens")[0][0]

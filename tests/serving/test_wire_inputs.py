@@ -424,3 +424,32 @@ def test_beam_search_from_either_dialect_with_cumulative_logprobs():
     assert params.num_beams == 3 and params.temperature == 0.0 and params.n == 1
     width_1 = parse_request(inputs(text_input="Hi", beam_width=np.array([1], dtype=np.int32)))
     assert width_1.wire.engine_params().num_beams == 0
+
+
+def test_streamed_raw_logits_go_with_their_tokens():
+    """Streaming: ``context_logits`` once, with the first tokens; each response's
+    ``generation_logits`` ``[n, tokens, vocab]`` holds its own tokens' rows (a completion with fewer
+    padded with 0.0; none: absent). Not streaming: both on the final response, all rows."""
+    context, rows = np.ones((3, 4), np.float32), np.arange(12, dtype=np.float32).reshape(3, 4)
+
+    def output(finished, deltas, whole=None):
+        out = _output(finished, ["x"] * len(deltas), ["x"] * len(deltas), [[5]] * len(deltas),
+                      [[5] * (0 if d is None else len(d)) for d in deltas])
+        for completion, delta in zip(out.outputs, deltas):
+            completion.delta_generation_logits, completion.generation_logits = delta, whole
+        out.context_logits = context
+        return out
+
+    flags = dict(text_input="Say:", return_context_logits=True, return_generation_logits=True)
+    parsed = parse_request(inputs(stream=True, **flags))
+    first = make_response(parsed, output(False, [rows[:1], rows[:2]])).tensors
+    assert np.array_equal(first["context_logits"], context)
+    assert first["generation_logits"].shape == (2, 2, 4) and not first["generation_logits"][0, 1].any()
+    assert np.array_equal(first["generation_logits"][1], rows[:2])
+    later = make_response(parsed, output(True, [rows[2:], None])).tensors
+    assert "context_logits" not in later and np.array_equal(later["generation_logits"], [rows[2:], np.zeros((1, 4))])
+    assert "generation_logits" not in make_response(parsed, output(True, [None, None])).tensors
+    unary = parse_request(inputs(**flags))
+    assert make_response(unary, output(False, [rows[:1]], rows[:1])) is None
+    final = make_response(unary, output(True, [rows[2:]], rows)).tensors
+    assert np.array_equal(final["context_logits"], context) and np.array_equal(final["generation_logits"], [rows])

@@ -1,6 +1,6 @@
 """Raw logits a request asked for: TensorRT-LLM's ``return_context_logits`` and
 ``return_generation_logits`` (``SamplingParams`` fields of the same names), their size bound, and
-how a request keeps them until it finishes.
+how they travel from the runner to the request's outputs.
 
 What they are (TensorRT-LLM's definitions): context logits are the model's logits at every prompt
 position (``[num_prompt_tokens, vocab_size]``: row ``q`` scores the token after ``prompt[:q + 1]``,
@@ -17,12 +17,18 @@ asking for generation logits copies its sampled rows to the host once per step, 
 Bound: each output of one request holds at most ``MAX_LOGITS_VALUES`` float32 values (256 MiB):
 ``num_prompt_tokens * vocab_size`` and ``max_tokens * vocab_size`` (``max_tokens`` unset: what
 ``max_model_len`` leaves) are checked when the request arrives, and a request over it is refused
-naming the field, before it runs. Invariants: context rows are kept by prompt position (a chunk
-computed again after a preemption overwrites its rows); generation rows past the request's output
-tokens (a step scheduled before its stop was known) are cut when the request's logits are taken.
-Context logits go out with a request's first output, generation logits with its last; so stop
-strings (which the output processor applies, ending a request before the core's last output) do
-not combine with generation logits, and ``SamplingParams`` refuses the two together.
+naming the field, before it runs.
+
+How they travel. Context rows are kept on the request (``KeptLogits``) by prompt position (a chunk
+computed again after a preemption overwrites its rows) until the prompt is done; they go out with
+the request's first output. Generation rows are never kept on the request: each step's rows of the
+tokens it kept (``runner.raw_logits.kept_rows``: accepted drafts and the bonus token) leave with
+that step's ``EngineCoreOutput``, cut to the tokens the scheduler appended (a stop token or
+``max_tokens`` inside a speculative run ends it early). The output processor hands each output its
+new tokens' rows (``CompletionOutput.delta_generation_logits``, cut where a stop string ends the
+text) and, for ``RequestOutputKind.CUMULATIVE``, keeps every row for the finished output
+(``generation_logits``); for ``DELTA`` (a server's streamed request) it keeps none, so a stream's
+memory is one step's rows, as TensorRT-LLM's streaming responses each carry their own tokens' rows.
 """
 
 from __future__ import annotations
@@ -53,27 +59,20 @@ def check_logits_size(params, num_prompt_tokens: int, max_model_len: int, vocab_
 
 
 class KeptLogits:
-    """One request's logits rows, as the runner computes them (module docstring)."""
+    """One request's context-logit rows, as the runner computes them (module docstring)."""
 
-    def __init__(self, num_prompt_tokens: int, context: bool, generation: bool) -> None:
+    def __init__(self, num_prompt_tokens: int) -> None:
         self.num_prompt_tokens = num_prompt_tokens
-        self.context: Optional[list[tuple[int, np.ndarray]]] = [] if context else None
-        self.generation: Optional[list[np.ndarray]] = [] if generation else None
+        self.context: list[tuple[int, np.ndarray]] = []
 
     def add_context(self, start: int, rows: np.ndarray) -> None:
         """Rows ``[n, vocab]`` of prompt positions ``start .. start + n - 1``."""
-        assert self.context is not None, "context logits were not asked for"
         assert 0 <= start and start + len(rows) <= self.num_prompt_tokens, "context logits past the prompt"
         self.context.append((start, rows))
 
-    def add_generation(self, rows: np.ndarray) -> None:
-        """One step's rows ``[k, vocab]``: one per token the step sampled for this request."""
-        assert self.generation is not None, "generation logits were not asked for"
-        self.generation.append(rows)
-
     def take_context(self) -> Optional[np.ndarray]:
-        """``[num_prompt_tokens, vocab]`` float32; None when not asked for, or not all computed (an
-        aborted request)."""
+        """``[num_prompt_tokens, vocab]`` float32, and the kept chunks dropped; None when not all
+        computed (an aborted request)."""
         if not self.context:
             return None
         vocab = self.context[0][1].shape[1]
@@ -82,12 +81,26 @@ class KeptLogits:
         for start, rows in self.context:  # in step order: a recomputed chunk overwrites
             out[start:start + len(rows)] = rows
             covered[start:start + len(rows)] = True
+        self.context = []
         return out if covered.all() else None
 
-    def take_generation(self, num_output_tokens: int) -> Optional[np.ndarray]:
-        """``[num_output_tokens, vocab]`` float32; None when not asked for, or rows are missing (an
-        aborted request)."""
-        if not self.generation:
-            return None
-        rows = np.concatenate(self.generation)
-        return rows[:num_output_tokens] if len(rows) >= num_output_tokens else None
+
+def step_rows(rows: Optional[np.ndarray], num_new_tokens: int) -> Optional[np.ndarray]:
+    """One step's generation rows cut to the ``num_new_tokens`` tokens the scheduler appended
+    (``None``: none asked, or no token this step).
+
+    Raises:
+        AssertionError: fewer rows than tokens (the runner lost a step's rows).
+    """
+    if rows is None or not num_new_tokens:
+        return None
+    assert len(rows) >= num_new_tokens, f"{len(rows)} generation-logit rows for {num_new_tokens} new tokens"
+    return rows[:num_new_tokens]
+
+
+def join_rows(parts: Optional[list[np.ndarray]]) -> Optional[np.ndarray]:
+    """Rows kept step by step as one ``[rows, vocab]`` array (``None`` for none)."""
+    parts = [part for part in parts or () if len(part)]
+    if not parts:
+        return None
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)

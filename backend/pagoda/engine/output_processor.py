@@ -21,7 +21,12 @@ grammar) keeps its last token's text.
 
 Prompt log-probabilities (``SamplingParams.prompt_logprobs``) arrive with a child's first
 output; the group keeps the first child's that came and every ``RequestOutput`` of the
-request carries them from then on (``None`` entry for the first prompt position).
+request carries them from then on (``None`` entry for the first prompt position). Context
+logits likewise. Generation logits (``engine.logits_output``) arrive with each core output, one
+row per new token: the rows of the tokens a stop string leaves in the output are kept, each
+``RequestOutput`` carries its completions' rows since the last one (``delta_generation_logits``),
+and with ``RequestOutputKind.CUMULATIVE`` the finished completion carries all of them
+(``generation_logits``); with ``DELTA`` none are kept once handed out.
 
 A resumed request (``engine.resume``: moved here from a replica that failed) starts with
 its earlier tokens and their text as its own, the characters its client has counted as
@@ -40,9 +45,10 @@ from typing import Any, Iterable, Optional, Union
 
 from pagoda.engine.stats import LatencyWindow
 from pagoda.engine.core.core_output import EngineCoreOutput
+from pagoda.engine.logits_output import join_rows
 from pagoda.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from pagoda.engine.resume import ResumedOutput
-from pagoda.engine.sampling_params import SamplingParams
+from pagoda.engine.sampling_params import RequestOutputKind, SamplingParams
 from pagoda.models.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -60,7 +66,10 @@ class _Completion:
     num_emitted_logprobs: int = 0
     cumulative_logprob: Optional[float] = None
     beam_score: Optional[float] = None  # beam search: the beam's length-penalised score
-    generation_logits: Any = None  # float32 [tokens, vocab], with the child's last output (engine.logits_output)
+    # Generation-logit rows (engine.logits_output): of the tokens not yet handed out; of every kept token
+    # (RequestOutputKind.CUMULATIVE only, else None).
+    new_rows: list = field(default_factory=list)
+    all_rows: Optional[list] = None
     finish_reason: Optional[str] = None
     stop_reason: Optional[Union[int, str]] = None
     num_kept_tokens: Optional[int] = None  # set when a stop string ends the output before the last token
@@ -108,9 +117,11 @@ class OutputProcessor:
         ``resumed``: the output its one completion has already (``engine.resume``)."""
         assert request_id not in self._groups, f"request {request_id!r} is already tracked"
         with_logprobs = params.logprobs is not None
+        keeps_rows = params.return_generation_logits and params.output_kind == RequestOutputKind.CUMULATIVE
         completions = [
             _Completion(child_id, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens),
-                        logprobs=[] if with_logprobs else None, cumulative_logprob=0.0 if with_logprobs else None)
+                        logprobs=[] if with_logprobs else None, cumulative_logprob=0.0 if with_logprobs else None,
+                        all_rows=[] if keeps_rows else None)
             for child_id in child_ids
         ]
         if resumed is not None:
@@ -201,8 +212,6 @@ class OutputProcessor:
                                      for lp in core_output.prompt_logprobs]
         if core_output.context_logits is not None and group.context_logits is None:
             group.context_logits = core_output.context_logits
-        if core_output.generation_logits is not None:
-            completion.generation_logits = core_output.generation_logits
         completion.token_ids.extend(new_ids)
         if core_output.cumulative_logprob is not None:  # a beam (whole, at once): its scores come with it
             completion.cumulative_logprob = core_output.cumulative_logprob
@@ -235,6 +244,7 @@ class OutputProcessor:
             completion.logprobs.append(TokenLogprob(lp.token_id, lp.logprob, lp.rank, list(lp.top)))
             if core_output.cumulative_logprob is None:  # a beam's sum came whole, above
                 completion.cumulative_logprob += lp.logprob
+        _keep_rows(completion, core_output, num_new_kept)
         if core_output.finished and not stopped:
             completion.finish_reason = core_output.finish_reason
             completion.stop_reason = core_output.stop_reason
@@ -285,12 +295,18 @@ class OutputProcessor:
             if c.logprobs is not None:
                 delta_lp = c.logprobs[c.num_emitted_logprobs:]
                 c.num_emitted_logprobs = len(c.logprobs)
+            delta_rows = None
+            if c.new_rows:  # only a request that asked for generation logits has any
+                delta_rows, c.new_rows = join_rows(c.new_rows), []
+            if finished and c.all_rows:
+                c.all_rows = [join_rows(c.all_rows)]  # joined once; later outputs of the group reuse it
             completions.append(CompletionOutput(
                 index=i, text=c.text[:visible], token_ids=list(token_ids), delta_text=delta_text,
                 delta_token_ids=list(delta_ids), cumulative_logprob=c.cumulative_logprob,
                 logprobs=list(c.logprobs) if c.logprobs is not None else None, delta_logprobs=delta_lp,
                 finish_reason=c.finish_reason, stop_reason=c.stop_reason, beam_score=c.beam_score,
-                generation_logits=c.generation_logits if finished else None))
+                generation_logits=c.all_rows[0] if finished and c.all_rows else None,
+                delta_generation_logits=delta_rows))
         return RequestOutput(
             request_id=group.request_id, prompt=group.prompt, prompt_token_ids=group.prompt_token_ids,
             outputs=completions, finished=group.finished, metrics=group.metrics,
@@ -301,6 +317,17 @@ class OutputProcessor:
         self._groups.pop(group.request_id, None)
         for c in group.completions:
             self._child_of.pop(c.request_id, None)
+
+
+def _keep_rows(completion: _Completion, core_output: EngineCoreOutput, num_new_kept: int) -> None:
+    """A core output's generation-logit rows of the tokens the output keeps (``num_new_kept``)."""
+    rows = core_output.generation_logits
+    if rows is None:
+        return
+    kept = rows[:num_new_kept]
+    completion.new_rows.append(kept)
+    if completion.all_rows is not None:
+        completion.all_rows.append(kept)
 
 
 def _continue(completion: _Completion, resumed: ResumedOutput) -> None:

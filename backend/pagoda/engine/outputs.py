@@ -3,8 +3,8 @@
 ``LLMEngine.step()`` returns one ``RequestOutput`` for every request that produced new
 tokens (or finished) in that step. Each completion carries both the cumulative state
 (``text``, ``token_ids``) and this step's delta (``delta_text``, ``delta_token_ids``,
-``delta_logprobs``), so a streaming server sends deltas and an offline caller reads the
-final cumulative values. ``RequestMetrics`` holds wall-clock timestamps (``time.time()``)
+``delta_logprobs``, ``delta_generation_logits``), so a streaming server sends deltas and an
+offline caller reads the final cumulative values. ``RequestMetrics`` holds wall-clock timestamps (``time.time()``)
 from which servers compute TTFT, inter-token latency and end-to-end latency.
 """
 
@@ -61,8 +61,10 @@ class CompletionOutput:
     stop_reason: Optional[int | str] = None  # the stop token id or stop string that ended it
     # Beam search: cumulative_logprob / len(token_ids) ** length_penalty (cumulative_logprob is the beam's sum).
     beam_score: Optional[float] = None
-    # SamplingParams.return_generation_logits: float32 [len(token_ids), vocab], once finished (engine.logits_output).
+    # SamplingParams.return_generation_logits (engine.logits_output): float32 [len(token_ids), vocab], once
+    # finished, with output_kind CUMULATIVE (None with DELTA); the rows of delta_token_ids, on every output.
     generation_logits: Optional[Any] = None
+    delta_generation_logits: Optional[Any] = None
 
     @property
     def finished(self) -> bool:

@@ -27,8 +27,9 @@ Prompt log-probabilities (``SamplingParams.prompt_logprobs``): ``prompt_logprobs
 slot per prompt position (``None`` for the first, and until the runner computed it); each
 prompt chunk's step fills its positions (``record_prompt_logprobs``), so a chunk that is
 computed again after a preemption writes the same values twice. ``None`` when not asked.
-Raw logits (``return_context_logits`` / ``return_generation_logits``) are kept the same way in
-``kept_logits`` (``engine.logits_output.KeptLogits``; ``None`` when neither is asked).
+Context logits (``return_context_logits``) are kept the same way in ``kept_logits``
+(``engine.logits_output.KeptLogits``; ``None`` when not asked); generation logits are never kept
+here (each step's rows leave with its output: ``engine.logits_output``).
 
 Engine-owned slots: ``sampling_state``, ``detokenizer`` and ``metrics`` belong to the
 engine layer; this module only creates them.
@@ -177,9 +178,7 @@ class Request:
         self.prompt_logprobs: Optional[list[Any]] = (
             [None] * len(self.prompt_token_ids) if sampling_params.prompt_logprobs is not None else None)
         self.kept_logits: Optional[KeptLogits] = (
-            KeptLogits(len(self.prompt_token_ids), sampling_params.return_context_logits,
-                       sampling_params.return_generation_logits)
-            if sampling_params.return_context_logits or sampling_params.return_generation_logits else None)
+            KeptLogits(len(self.prompt_token_ids)) if sampling_params.return_context_logits else None)
         self.num_preemptions = 0
         self.insertion_index = 0  # set by the scheduler; breaks ties between equal keys
 

@@ -24,10 +24,10 @@ had never moved:
 
 Refused (``ValueError`` naming ``resume``): ``n`` > 1 or beam search (several completions; the
 router does not migrate them), ``prompt_logprobs`` (sent with the first tokens: the router
-clears it), ``return_context_logits`` / ``return_generation_logits`` (their rows come with the
-last response; those computed before the move are lost with the failed replica, so the router
-does not resume such a request), K >= ``max_tokens`` (nothing left to generate), a token id outside the
-vocabulary, ``num_sent_chars`` past the text of the K tokens.
+clears it), ``return_context_logits`` / ``return_generation_logits`` (not supported: the K tokens
+would be recomputed as prompt, without generation rows, and the context logits went with the first
+response; the router does not resume such a request), K >= ``max_tokens`` (nothing left to
+generate), a token id outside the vocabulary, ``num_sent_chars`` past the text of the K tokens.
 """
 
 from __future__ import annotations
@@ -84,8 +84,8 @@ def resumed_output(request: EngineRequest, prompt_token_ids: list[int], tokenize
                          "for them again")
     for flag in ("return_context_logits", "return_generation_logits"):
         if getattr(params, flag):
-            raise ValueError(f"resume: {flag} cannot resume (the rows computed before the move are on the failed "
-                             f"replica; the router does not migrate such a request)")
+            raise ValueError(f"resume: {flag} cannot resume (the earlier tokens would be recomputed as prompt, "
+                             f"without their rows; the router does not migrate such a request)")
     token_ids = list(resume.output_token_ids)
     if params.max_tokens is not None and len(token_ids) >= params.max_tokens:
         raise ValueError(f"resume.output_token_ids: {len(token_ids)} tokens leave nothing to generate under "

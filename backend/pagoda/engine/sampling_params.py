@@ -9,6 +9,7 @@ Every invalid field raises ``ValueError`` whose message starts with the field's 
 from __future__ import annotations
 
 import dataclasses
+import enum
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
@@ -20,6 +21,21 @@ MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 64
 MAX_BEAM_WIDTH = MAX_LOGPROBS // 2  # each beam's step reads its top 2 * beam_width log-probabilities
 _MAX_SEED = 2**64 - 1
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What a request's outputs carry of what is not cheap to repeat (vLLM's name and values).
+
+    pagoda's outputs always hold both the whole and the new tokens, text and log-probabilities;
+    ``output_kind`` decides only for the raw generation logits (``return_generation_logits``,
+    ``engine.logits_output``): each output carries its new tokens' rows either way
+    (``CompletionOutput.delta_generation_logits``); ``CUMULATIVE`` also keeps every row for the
+    finished output (``generation_logits``), ``DELTA`` keeps none past the output that carries
+    them (a stream's memory stays one step's rows). vLLM's ``FINAL_ONLY`` is not offered.
+    """
+
+    CUMULATIVE = 0
+    DELTA = 1
 
 
 @dataclass
@@ -87,6 +103,9 @@ class SamplingParams:
     # TensorRT-LLM's raw logits outputs (engine.logits_output): the prompt's, the generated tokens'.
     return_context_logits: bool = False
     return_generation_logits: bool = False
+    # Whether the finished output keeps every generation-logit row (RequestOutputKind); a server sets it
+    # from its stream flag (serving.wire.WireRequest.engine_params).
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # The fields a request gave (``from_dict``: its keys). ``None``: built in Python, every field
     # meant as written. The model's sampling defaults fill the others (``with_defaults``).
     given: Optional[frozenset] = field(default=None, repr=False, compare=False)
@@ -133,9 +152,9 @@ class SamplingParams:
         _check_bool("skip_special_tokens", self.skip_special_tokens)
         _check_bool("return_context_logits", self.return_context_logits)
         _check_bool("return_generation_logits", self.return_generation_logits)
-        if self.return_generation_logits and self.stop:
-            raise ValueError("return_generation_logits: not supported with stop strings yet (a stop string ends the "
-                             "request after the engine's last output, which carries the logits); use stop_token_ids")
+        if not isinstance(self.output_kind, RequestOutputKind):  # JSON: its value
+            _check_int("output_kind", self.output_kind, min(RequestOutputKind), max(RequestOutputKind))
+            self.output_kind = RequestOutputKind(self.output_kind)
         if self.speculative is not None:
             _check_bool("speculative", self.speculative)
         if self.guided_decoding is not None:

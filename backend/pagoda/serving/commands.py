@@ -50,6 +50,7 @@ class ServingRequest:
     # engine loop's thread never tokenizes: a huge prompt would stall every stream's step).
     prompt_token_ids: Optional[list[int]] = None
     prompt_logprobs_sent: bool = False  # set by make_response once the prompt_logprobs output went
+    context_logits_sent: bool = False  # set by make_response once the context_logits output went
 
 
 @dataclass(frozen=True)

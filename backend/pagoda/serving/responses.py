@@ -9,9 +9,13 @@ Outputs: one element per completion (``n``) in ``text_output``, ``finish_reason`
 of token ids: the router's migration journal reads it); ``num_input_tokens`` and
 ``num_cached_tokens`` (the prompt tokens found in the prefix cache) have one element, and so
 does ``prompt_logprobs`` (JSON), sent once (with the first tokens when streaming) to a
-request that set the ``prompt_logprobs`` sampling parameter. ``context_logits`` (FP32
-``[prompt tokens, vocab]``) and ``generation_logits`` (FP32 ``[n, output tokens, vocab]``) come on
-the final response of a request that set ``return_context_logits`` / ``return_generation_logits``.
+request that set the ``prompt_logprobs`` sampling parameter. Raw logits
+(``return_context_logits`` / ``return_generation_logits``, ``engine.logits_output``):
+``context_logits`` (FP32 ``[prompt tokens, vocab]``) comes once, on the final response, or when
+streaming on the first (with the first tokens, as ``prompt_logprobs``); ``generation_logits`` (FP32
+``[n, tokens, vocab]``, a completion with fewer rows padded with 0.0) holds every output token's
+row on the final response, or when streaming each response's own tokens' rows (those of its
+``num_output_tokens``: several with speculative decoding), so the rows leave with their response.
 Each optional output answers its ``return_*`` flag (``OutputOptions``). Streaming responses carry this step's deltas; a
 non-streaming response carries the whole text, with the prompt in front unless
 ``exclude_input_in_output`` is true (the vLLM backend's behaviour). ``finish_reason`` is
@@ -104,7 +108,7 @@ def make_response(request: "ServingRequest", output: RequestOutput,
             json.dumps(c.delta_token_ids if flags.stream else c.token_ids) for c in completions])
     if flags.return_num_cached_tokens:  # prompt tokens served from the prefix cache (OpenAI's cached_tokens)
         tensors["num_cached_tokens"] = np.array([output.num_cached_tokens or 0], dtype=np.uint32)
-    tensors.update(_logits(flags, output))
+    tensors.update(_logits(request, flags, output))
     if output.prompt_logprobs is not None and not request.prompt_logprobs_sent:
         tensors["prompt_logprobs"] = string_array([prompt_logprobs_text(output.prompt_logprobs, dialect,
                                                                         decode_token)])
@@ -112,20 +116,23 @@ def make_response(request: "ServingRequest", output: RequestOutput,
     return Response(tensors=tensors, is_final=output.finished)
 
 
-def _logits(flags, output: RequestOutput) -> dict[str, np.ndarray]:
-    """The raw logits asked for, on the final response: ``context_logits`` ``[prompt tokens, vocab]``,
-    ``generation_logits`` ``[n, output tokens, vocab]`` (a shorter completion's rows padded with 0.0)."""
+def _logits(request: "ServingRequest", flags, output: RequestOutput) -> dict[str, np.ndarray]:
+    """The raw logits asked for (module docstring): whole on the final response, or a stream's
+    context logits once and each response's own generation rows."""
     out: dict[str, np.ndarray] = {}
-    if not output.finished:
+    if not (flags.stream or output.finished):
         return out
-    if flags.return_context_logits and output.context_logits is not None:
+    if flags.return_context_logits and output.context_logits is not None and not request.context_logits_sent:
         out["context_logits"] = np.ascontiguousarray(output.context_logits, dtype=np.float32)
-    rows = [c.generation_logits for c in output.outputs]
-    if flags.return_generation_logits and rows and all(r is not None for r in rows):
-        width, vocab = max(len(r) for r in rows), max(r.shape[1] for r in rows)
+        request.context_logits_sent = True
+    rows = [c.delta_generation_logits if flags.stream else c.generation_logits for c in output.outputs]
+    if flags.return_generation_logits and any(r is not None for r in rows):
+        width = max(len(r) for r in rows if r is not None)
+        vocab = max(r.shape[1] for r in rows if r is not None)
         stacked = np.zeros((len(rows), width, vocab), dtype=np.float32)
         for i, r in enumerate(rows):
-            stacked[i, :len(r), :r.shape[1]] = r
+            if r is not None:
+                stacked[i, :len(r), :r.shape[1]] = r
         out["generation_logits"] = stacked
     return out
 

@@ -12,9 +12,11 @@ first use). The dialects turn pagoda's responses back into their outputs.
 
 - decoupled front (``decoupled: true``): one response per (item, sequence) as pagoda's
   responses arrive, each with ``batch_index`` / ``sequence_index``; then an empty final
-  response. A cancelled client request gets no further responses; tritonserver 2.51's BLS
-  cannot cancel the request made to pagoda, so the engine finishes it (measured: the
-  running count stays 1 after an LLM-API stop request).
+  response. Streaming, each response carries its own tokens' generation-logit rows and, as
+  TensorRT-LLM's do, the item's context logits (pagoda sends them once; the front repeats them:
+  ``serving.dialects.trtllm``). A cancelled client request gets no further responses;
+  tritonserver 2.51's BLS cannot cancel the request made to pagoda, so the engine finishes it
+  (measured: the running count stays 1 after an LLM-API stop request).
 - non-decoupled front (``decoupled: false``, TensorRT-LLM's ``decoupled_mode: false``):
   unary ``infer()`` gets one response holding every item's whole answer (texts ``[B * n]``),
   sent with the FINAL flag through the response sender (allowed in default mode), so
@@ -140,13 +142,16 @@ class TritonPythonModel:
         remaining = [len(items)]
 
         def run(b, inputs, asked):
+            stream, context = "stream" in inputs, None
             try:
                 for tensors, perf in self._forward(inputs, asked, sender.is_cancelled):
+                    if stream and ("context_logits" in tensors or context is not None):
+                        # pagoda sends them once; each of TensorRT-LLM's streamed responses carries them
+                        context = tensors["context_logits"] = tensors.get("context_logits", context)
                     for s, text in enumerate(tensors["text_output"]):
-                        empty = not text and not tensors["num_output_tokens"][s]
-                        if "stream" in inputs and empty and "generation_logits" not in tensors:
+                        if stream and not text and not tensors["num_output_tokens"][s]:
                             continue
-                        out = dialect.to_trtllm_outputs(tensors, asked, b, s, perf)
+                        out = dialect.to_trtllm_outputs(tensors, asked, b, s, perf, stream)
                         with lock:
                             sender.send(self.pb.InferenceResponse(
                                 output_tensors=[self.pb.Tensor(n, a) for n, a in out.items()]))

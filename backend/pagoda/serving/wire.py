@@ -47,7 +47,7 @@ import numpy as np
 
 from pagoda.contracts.request_options import RequestOptions
 from pagoda.engine.request import EngineRequest
-from pagoda.engine.sampling_params import SamplingParams
+from pagoda.engine.sampling_params import RequestOutputKind, SamplingParams
 from pagoda.serving.dialects import pagoda as pagoda_inputs
 from pagoda.serving.dialects.tensors import DialectRequest, GetInput, string_array
 from pagoda.serving.dialects.trtllm import Encode
@@ -250,19 +250,22 @@ class WireRequest:
 
     def engine_params(self) -> SamplingParams:
         """The params the engine runs: log-probabilities tracked when an output flag needs them
-        (0 alternatives suffice; beams carry their sums), raw logits kept when asked for.
+        (0 alternatives suffice; beams carry their sums), raw logits computed when asked for; a
+        stream's generation-logit rows leave with each response, nothing keeps them for the end
+        (``RequestOutputKind.DELTA``).
 
         Raises:
-            ValueError: naming ``return_*_logits`` where the engine cannot keep them (beam search,
-                stop strings: ``SamplingParams``).
+            ValueError: naming ``return_*_logits`` where the engine cannot compute them (beam
+                search: ``SamplingParams``).
         """
         output, params = self.output, self.params
         needs = output.return_logprobs or (output.return_cumulative_logprob and not params.use_beam_search)
         params = params.clone(logprobs=0) if needs and params.logprobs is None else params
         if output.return_context_logits or output.return_generation_logits:
+            kind = RequestOutputKind.DELTA if output.stream else RequestOutputKind.CUMULATIVE
             params = params.clone(return_context_logits=params.return_context_logits or output.return_context_logits,
                                   return_generation_logits=params.return_generation_logits
-                                  or output.return_generation_logits)
+                                  or output.return_generation_logits, output_kind=kind)
         return params
 
     def to_engine_request(self, request_id: str, arrival_time: Optional[float], tokenizer: Optional[str] = None,

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 from pagoda.engine.core.sched.scheduler import RequestUpdate
+from pagoda.engine.logits_output import step_rows
 from pagoda.engine.request import Request
 from pagoda.engine.request_groups.beam_search import BeamGroup, Hypothesis
 from pagoda.engine.sampling.row import TokenLogprobs
@@ -30,7 +31,8 @@ class EngineCoreOutput:
         first_scheduled_time: when its first step was scheduled (``time.time()``).
         context_logits: on the request's first output, when it asked: float32
             ``[num_prompt_tokens, vocab]`` (``engine.logits_output``).
-        generation_logits: on its final output, when it asked: float32 ``[num_output_tokens, vocab]``.
+        generation_logits: on every output with new tokens, when it asked: float32
+            ``[len(new_token_ids), vocab]``, the rows these tokens were sampled from.
     """
 
     request_id: str
@@ -68,7 +70,9 @@ def beam_outputs(group: BeamGroup, best: list[Hypothesis]) -> list[EngineCoreOut
             for output_id, h in zip(group.output_ids, best)]
 
 
-def core_output(update: RequestUpdate, logprobs: list) -> EngineCoreOutput:
+def core_output(update: RequestUpdate, logprobs: list, generation_rows: Optional[Any] = None) -> EngineCoreOutput:
+    """A scheduler update as an output; ``generation_rows``: the step's rows of this request's
+    kept tokens (``ModelRunnerOutput.generation_logits``), when it asked for them."""
     request = update.request
     is_first = bool(update.new_token_ids) and request.num_output_tokens == len(update.new_token_ids)
     return EngineCoreOutput(
@@ -80,12 +84,7 @@ def core_output(update: RequestUpdate, logprobs: list) -> EngineCoreOutput:
         num_cached_tokens=max(request.num_cached_tokens, 0),
         first_scheduled_time=request.metrics.first_scheduled_time,
         prompt_logprobs=list(request.prompt_logprobs) if is_first and request.prompt_logprobs is not None else None,
-        **(_logits(request, is_first, update.finished) if request.kept_logits is not None else {}),
+        # Context logits with the first output (the prompt is done then).
+        context_logits=request.kept_logits.take_context() if is_first and request.kept_logits is not None else None,
+        generation_logits=step_rows(generation_rows, len(update.new_token_ids)),
     )
-
-
-def _logits(request: Request, is_first: bool, finished: bool) -> dict[str, Any]:
-    """Context logits with the first output (the prompt is done then), generation logits with the last."""
-    kept = request.kept_logits
-    return {"context_logits": kept.take_context() if is_first else None,
-            "generation_logits": kept.take_generation(request.num_output_tokens) if finished else None}

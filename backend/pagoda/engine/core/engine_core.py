@@ -305,7 +305,9 @@ class EngineCore:
         finally:
             done.applied.set()
         orphans = self._release_pending()
-        return [core_output(update, logprobs.get(update.request.request_id, [])) for update in updates] + \
+        rows = runner_output.generation_logits  # each step's rows leave with its outputs (engine.logits_output)
+        return [core_output(update, logprobs.get(update.request.request_id, []), rows.get(update.request.request_id))
+                for update in updates] + \
             [out for group, best in beams_done for out in beam_outputs(group, best)] + orphans
 
     def _apply(self, runner_output: ModelRunnerOutput) -> list[RequestUpdate]:
@@ -389,13 +391,11 @@ def _adapter_gone_message(adapter_id: Optional[str]) -> str:
 
 
 def _record_prompt_logprobs(scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> None:
-    """The step's prompt log-probabilities and raw logits into their requests (before their outputs are made)."""
-    if not (runner_output.prompt_logprobs or runner_output.context_logits or runner_output.generation_logits):
+    """The step's prompt log-probabilities and context logits into their requests (before their outputs are made)."""
+    if not (runner_output.prompt_logprobs or runner_output.context_logits):
         return
     requests = {item.request_id: item.request for item in scheduler_output.scheduled}
     for request_id, (start, entries) in runner_output.prompt_logprobs.items():
         requests[request_id].record_prompt_logprobs(start, entries)
     for request_id, (start, rows) in runner_output.context_logits.items():
         requests[request_id].kept_logits.add_context(start, rows)
-    for request_id, rows in runner_output.generation_logits.items():
-        requests[request_id].kept_logits.add_generation(rows)

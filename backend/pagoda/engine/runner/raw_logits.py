@@ -93,4 +93,6 @@ def kept_rows(copied: dict[str, np.ndarray], output) -> dict[str, np.ndarray]:
     if not copied:
         return {}
     kept = output.tokens_by_id()
-    return {request_id: rows[:len(kept.get(request_id, ()))] for request_id, rows in copied.items()}
+    # Copies: a view would keep the whole step's host array (every asking request's rows) alive for
+    # as long as any one request keeps its rows (a non-streaming request: until it finishes).
+    return {request_id: rows[:len(kept.get(request_id, ()))].copy() for request_id, rows in copied.items()}

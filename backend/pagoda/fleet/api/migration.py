@@ -73,9 +73,9 @@ def why_not_resumable(wire: Optional[WireRequest]) -> Optional[str]:
     if params.n > 1 or params.use_beam_search:
         return "several completions (n > 1 or beam search): a resumed request has one"
     for flag in ("return_context_logits", "return_generation_logits"):
-        if getattr(params, flag):
-            return (f"raw logits ({flag}): they come with the last response, and the rows computed before the move "
-                    f"stay on the failed replica")
+        if getattr(params, flag) or getattr(wire.output, flag):  # a sampling field, or the Triton input
+            return (f"raw logits ({flag}): each response carried its tokens' rows and the first the context "
+                    f"logits; resuming them is not supported (the engine refuses a resume that asks for them)")
     if wire.options.kv_transfer_params and wire.options.kv_transfer_params.get("do_remote_decode"):
         return "a prefill stage (kv_transfer_params.do_remote_decode): its KV handle lives on the failed replica"
     if not wire.output.stream:

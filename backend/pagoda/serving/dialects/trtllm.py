@@ -22,9 +22,12 @@ Front invariants: every input of the interface (``INPUTS``) is applied or refuse
 ``ValueError`` whose message starts with its name (``REFUSED``); nothing is dropped but
 ``length_penalty`` at beam width 1, which changes nothing there (as in TensorRT-LLM, which
 accepts it). ``return_context_logits`` / ``return_generation_logits`` ask pagoda's model for the
-raw logits (``engine.logits_output``), sent as TensorRT-LLM's backend sends them: FP32
-``context_logits`` ``[1, prompt tokens, vocab]`` and ``generation_logits`` ``[1, sequences,
-tokens, vocab]`` per item, on the item's final response.
+raw logits (``engine.logits_output``), sent as TensorRT-LLM's backend sends them (its
+``LlmRequest::createResponse`` and ``fillTritonResponse``): FP32 ``context_logits`` ``[1, prompt
+tokens, vocab]`` and ``generation_logits`` ``[1, sequences, tokens, vocab]`` per item on its one
+answer; streaming, every response of a sequence carries ``context_logits`` and its own tokens'
+generation rows as ``[1, tokens in this response, 1, vocab]`` (TensorRT-LLM keeps a stream's rows
+token-major: ``[tokens, beams, vocab]``, with one beam here: beam search refuses raw logits).
 A beam search returns ``num_return_sequences`` beams (default: all, as TensorRT-LLM does), best
 first, each with its ``cum_log_probs`` and ``output_log_probs`` (``[1, beams, tokens]``, 0.0
 padded). Outputs carry a batch dimension: one row per item (``batch_index``), one response per
@@ -278,13 +281,14 @@ def requested(item: Item, outputs: Collection[str] = ()) -> dict[str, bool]:
 
 
 def to_trtllm_outputs(tensors: dict[str, np.ndarray], asked: dict[str, bool], batch_index: int,
-                      sequence: Optional[int], perf: Optional[dict[str, Any]] = None) -> Item:
+                      sequence: Optional[int], perf: Optional[dict[str, Any]] = None, stream: bool = False) -> Item:
     """TensorRT-LLM outputs of one batch item from one pagoda response.
 
     ``sequence``: the one completion this response carries (decoupled: one response per
     sequence), or ``None`` for all of them. ``text_output`` is flat (``[n]``), as
     TensorRT-LLM's postprocessing model sends it and its clients read it (``output[0]``);
-    the others have a leading batch dimension of 1, as its C++ backend sends them.
+    the others have a leading batch dimension of 1, as its C++ backend sends them. ``stream``:
+    a streamed response (its generation rows token-major, module docstring).
     """
     pick = (lambda a: a[sequence:sequence + 1]) if sequence is not None else (lambda a: a)
     texts = pick(tensors["text_output"])
@@ -311,11 +315,22 @@ def to_trtllm_outputs(tensors: dict[str, np.ndarray], asked: dict[str, bool], ba
             out[name] = np.array([[counts[name]]], dtype=np.int32)
     if asked.get("context_logits") and "context_logits" in tensors:  # [1, prompt tokens, vocab]
         out["context_logits"] = tensors["context_logits"].astype(np.float32)[None]
-    if asked.get("generation_logits") and "generation_logits" in tensors:  # [1, sequences (beams), tokens, vocab]
-        out["generation_logits"] = pick(tensors["generation_logits"]).astype(np.float32)[None]
+    if asked.get("generation_logits") and "generation_logits" in tensors:
+        out["generation_logits"] = _generation_logits(tensors, sequence, stream)
     if asked["perf"] and perf is not None:
         out.update({name: np.array([[value]], dtype=_perf_dtype(name, value)) for name, value in perf.items()})
     return out
+
+
+def _generation_logits(tensors: dict[str, np.ndarray], sequence: Optional[int], stream: bool) -> np.ndarray:
+    """pagoda's ``[n, tokens, vocab]`` as TensorRT-LLM's ``[1, sequences, tokens, vocab]``; one
+    sequence's own rows (its ``num_output_tokens``, padding cut) as ``[1, 1, tokens, vocab]``, or
+    streamed as ``[1, tokens, 1, vocab]``."""
+    rows = tensors["generation_logits"].astype(np.float32)
+    if sequence is None:
+        return rows[None]
+    mine = rows[sequence, :int(tensors["num_output_tokens"].reshape(-1)[sequence])]
+    return mine[None, :, None] if stream else mine[None, None]
 
 
 def _perf_dtype(name: str, value: Any) -> type:
