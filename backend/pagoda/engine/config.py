@@ -27,6 +27,7 @@ from typing import Optional, TypeVar
 from pagoda.engine.cache_config import (KV_CACHE_DTYPES, KV_CACHE_LAYOUTS, PREEMPTION_MODES,  # noqa: F401 (re-exported)
                                         CacheConfig, OffloadConfig)
 from pagoda.engine.multimodal import MultiModalConfig
+from pagoda.engine.thread_placement import check_spec as check_cpu_threads_bind
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
 SPECULATIVE_METHODS = ("draft", "ngram", "eagle3", "mtp")
@@ -53,8 +54,10 @@ class LoadConfig:
     seed: int
     enable_cuda_graphs: bool
     generation_config: str
+    cpu_threads_bind: Optional[str]
 
     def __post_init__(self) -> None:
+        check_cpu_threads_bind(self.cpu_threads_bind)
         if self.generation_config not in ("auto", "none"):
             raise ValueError(f"generation_config: must be auto or none, got {self.generation_config!r}")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
@@ -291,6 +294,8 @@ class EngineConfig:
     # Sampling defaults for fields a request leaves unset: auto (the model folder's
     # generation_config.json, as vLLM's) | none (SamplingParams' own). models.config.generation_defaults.
     generation_config: str = "auto"
+    # Bind torch's CPU threads, one per CPU (engine.thread_placement): None (unbound) | auto | "0-3".
+    cpu_threads_bind: Optional[str] = None
     # Overlap the host's work (scheduling, outputs) with the device's, one step deep
     # (pagoda.engine.core.engine_core). Ignored, with a warning, under speculative decoding.
     async_scheduling: bool = False
@@ -372,6 +377,9 @@ class EngineConfig:
             raise ValueError("enable_lora: speculative decoding with LoRA adapters is not supported yet; "
                              "turn one of them off")
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if getattr(self, name) > 1 and self.cpu_threads_bind is not None:
+                raise ValueError(f"cpu_threads_bind: not supported with {name} > 1 yet (each rank would bind "
+                                 "the same CPUs)")
             if getattr(self, name) > 1 and self.speculative_method in ("draft", "eagle3", "mtp"):
                 raise ValueError(f"speculative_method: {self.speculative_method!r} is not supported with "
                                  f"{name} > 1 yet; use 'ngram' or turn one of them off")

@@ -22,6 +22,8 @@
   ``quantization="w8a8"`` (``models/w8a8.py``): activations quantized per row on every call,
   int8 x int8 summed exactly in int32 on AVX512-VNNI or AMX-INT8 tiles (``pack_int8``,
   ``linear_w8a8``, ``int8_features``).
+- ``csrc/cpu_threads.cpp``: ``bind_threads``, each of torch's OpenMP threads bound to one CPU
+  (``EngineConfig.cpu_threads_bind``, ``engine/thread_placement.py``).
 
 Why C++: on the 2-core EPYC VM the gather + SDPA decode took ~2.3 s of a 10 s
 ``pagoda bench offline`` run at 2 threads (the gather alone 0.85 s), and the small ops
@@ -63,7 +65,8 @@ logger = logging.getLogger(__name__)
 KERNELS_ENV = "PAGODA_CPU_KERNELS"
 _CHOICES = ("auto", "native", "torch")
 _SOURCES = [Path(__file__).with_name("csrc") / name
-            for name in ("cpu_attention.cpp", "cpu_elementwise.cpp", "cpu_gemm.cpp", "cpu_amx.cpp", "cpu_int8.cpp")]
+            for name in ("cpu_attention.cpp", "cpu_elementwise.cpp", "cpu_gemm.cpp", "cpu_amx.cpp", "cpu_int8.cpp",
+                         "cpu_threads.cpp")]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
 
 _state: dict = {}  # "ops": the loaded torch.ops namespace, or "reason": why there is none
@@ -166,6 +169,21 @@ def gemm_features() -> frozenset:
         ops = loaded_ops()
         _state["features"] = frozenset(ops.gemm_features().split(",")) - {""} if ops is not None else frozenset()
     return _state["features"]
+
+
+def bind_threads(cpus: list[int]) -> list[int]:
+    """Bind torch's threads of the calling thread's team to ``cpus``, thread t to ``cpus[t]``
+    (``csrc/cpu_threads.cpp``; torch's thread count becomes ``len(cpus)``).
+
+    Returns:
+        the CPU each thread runs on once bound (equal to ``cpus``).
+    Raises:
+        RuntimeError: without pagoda's C++ kernels (naming why), or when a CPU cannot be bound.
+    """
+    ops = loaded_ops()
+    if ops is None:
+        raise RuntimeError(f"cpu_threads_bind needs pagoda's C++ CPU kernels: {build() or KERNELS_ENV + '=torch'}")
+    return list(ops.bind_threads(list(cpus)))
 
 
 def native_ops(x: torch.Tensor):

@@ -46,6 +46,7 @@ from pagoda.engine.runner.model_runner import ModelRunner, StartedStep
 from pagoda.engine.runner.placement import resolve_device, resolve_dtype
 from pagoda.engine.runner.runner_output import ModelRunnerOutput
 from pagoda.engine.spec_decode import SpeculativePlan, Speculator
+from pagoda.engine.thread_placement import ThreadPlacement
 from pagoda.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -76,6 +77,8 @@ class Executor:
         self.timer = DeviceTimer()
         self.parallel = parallel
         self.splits_steps = splits_steps
+        spec = runner.config.cpu_threads_bind  # bound by the thread that runs the jobs (engine.thread_placement)
+        self.placement = ThreadPlacement(spec) if spec is not None else None
 
     @property
     def num_blocks(self) -> int:
@@ -141,6 +144,8 @@ class Executor:
                             wait_previous, time.perf_counter())
 
     def _before_forward(self, scheduler_output) -> None:
+        if self.placement is not None:
+            self.placement.ensure()
         if self.host_kv_cache is not None:  # KV offload copies run before the forward pass
             self.host_kv_cache.execute(scheduler_output)
         if scheduler_output.blocks_to_copy:  # beam forks: copy-on-write of a shared partial block

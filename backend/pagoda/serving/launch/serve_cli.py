@@ -49,7 +49,8 @@ ENGINE_FLAGS = ("scheduling_policy", "speculative_method", "speculative_model", 
                 "preemption_mode",
                 "default_max_tokens", "gpu_memory_utilization",
                 "max_waiting_requests", "max_waiting_prompt_tokens", "max_queue_delay_s", "kv_cache_dtype",
-                "tensor_parallel_size", "pipeline_parallel_size", "generation_config", "long_prefill_token_threshold")
+                "tensor_parallel_size", "pipeline_parallel_size", "generation_config", "long_prefill_token_threshold",
+                "cpu_threads_bind")
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -66,6 +67,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-chunked-prefill", action="store_true")
     p.add_argument("--long-prefill-token-threshold", type=int,
                    help="chunked prefill: at most this many tokens of one prompt per step (vLLM's; 0: off)")
+    p.add_argument("--cpu-threads-bind", help="CPU: bind torch's threads, one per CPU ('0-3', '0,2' or auto; "
+                   "vLLM's VLLM_CPU_OMP_THREADS_BIND); default unbound, for a machine shared with other work")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="vLLM's spelling (--no-enable-prefix-caching turns it off)")
