@@ -362,6 +362,39 @@ def test_a_tenant_at_its_share_leaves_the_last_slot_to_an_active_tenant():
     assert flow_control(FakeClock(), max_in_flight_per_replica=0).over_share(replica_set("r")) == set()
 
 
+def test_two_slots_freed_at_once_leave_one_for_the_active_tenant():
+    """Both tenants' requests end in the same pump round (two slots free): the flooder's first
+    release counts toward its share before it is routed, so the pump does not give it the
+    quiet tenant's slot too."""
+    async def scenario():
+        clock, replicas = FakeClock(), replica_set("r")
+        flow = flow_control(clock, queue_size=8, max_in_flight_per_replica=2, share_window_s=1.0, poll_s=0.05)
+        router = Router(replicas, tokenizer=None, hash_model_id="m", policy_name="round_robin")
+
+        async def routed(tenant):
+            t = flow.turn(tenant, 0, 100, None)
+            await flow.wait(t, replicas)
+            decision = await router.choose(None)
+            flow.started(t, decision)
+            flow.routed(t)
+            return decision
+
+        quiet = await routed("quiet")
+        flood = await routed("flood")
+        waiting = [asyncio.create_task(routed("flood")) for _ in range(3)]
+        await asyncio.sleep(0.01)
+        router.release(quiet)  # both end before the pump's next round
+        router.release(flood)
+        await asyncio.sleep(0.2)
+        in_flight = dict(flow.in_flight)
+        for task in waiting:
+            task.cancel()
+        await asyncio.gather(*waiting, return_exceptions=True)
+        return in_flight
+
+    assert asyncio.run(scenario()) == {"flood": 1}
+
+
 def test_the_replica_gets_the_timeout_less_the_wait():
     wire = WireRequest.from_json({"text_input": "hi", "sampling_parameters": {"timeout": 4.0}})
     t = Turn("a", 0, 10, arrival=0.0, timeout_s=4.0)

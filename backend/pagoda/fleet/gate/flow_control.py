@@ -19,13 +19,14 @@ at all the request is not held (routing answers it at once, 503 ``no replica``).
 Shares: with a capacity (``--max-in-flight-per-replica`` x the routable replicas), each
 active tenant (requests in flight or waiting, or one ended within ``--tenant-share-window``)
 is entitled to ``ceil(capacity / active tenants)`` of it. A tenant holding its share or more
-is passed over while another active tenant holds less (``over_share``): the slot stays for
-the other, so a quiet tenant's next request finds room at once instead of waiting for one
-of the flooder's to end (at small capacities, such as a CPU replica's two sequences, that
-wait is a whole long request). The flooder keeps its share and takes every slot again once
-the others have been idle for the window; without a capacity (no in-flight bound) there
-are no shares, only the queue's order. The virtual token counters then order the turns of
-the tenants not passed over.
+(its requests in flight, and those released and not yet routed: two slots freed in one pump
+round do not both go to the flooder) is passed over while another active tenant holds less
+(``over_share``): the slot stays for the other, so a quiet tenant's next request finds room
+at once instead of waiting for one of the flooder's to end (at small capacities, such as a
+CPU replica's two sequences, that wait is a whole long request). The flooder keeps its
+share and takes every slot again once the others have been idle for the window; without a
+capacity (no in-flight bound) there are no shares, only the queue's order. The virtual token
+counters then order the turns of the tenants not passed over.
 
 The pump runs while anyone waits: it drops turns whose deadline passed (429, naming the
 limit that ended the wait: ``--queue-max-wait`` or the request's own ``timeout``) and
@@ -161,6 +162,7 @@ class FlowControl:
         self.clock = clock
         self.queue = FairQueue(max(1, options.queue_size))
         self.num_unrouted = 0  # turns released that have not made their routing decision yet
+        self.unrouted: Counter = Counter()  # tenant -> of those, its (they count toward its share)
         self._waiters: dict[int, tuple[Turn, asyncio.Future]] = {}
         self._pump: Optional[asyncio.Task] = None
         self.released: Counter = Counter()  # (tenant, priority) -> released
@@ -192,8 +194,8 @@ class FlowControl:
         start = turn.queued_at = self.clock()
         if not turn.requeued and not len(self.queue) and self.saturation.room(replicas, self.num_unrouted) \
                 and turn.tenant not in self.over_share(replicas):
-            turn.admitted, turn.unrouted = True, True  # its slot is held until it is routed
-            self.num_unrouted += 1
+            turn.admitted = True  # its slot is held until it is routed
+            self._hold_slot(turn)
             self._released(turn, 0.0)
             return
         try:
@@ -224,6 +226,15 @@ class FlowControl:
         if turn is not None and turn.unrouted:
             turn.unrouted = False
             self.num_unrouted = max(0, self.num_unrouted - 1)
+            self.unrouted[turn.tenant] -= 1
+            if self.unrouted[turn.tenant] <= 0:
+                del self.unrouted[turn.tenant]
+
+    def _hold_slot(self, turn: Turn) -> None:
+        """A released turn holds a slot until it is routed, and counts toward its tenant's share."""
+        turn.unrouted = True
+        self.num_unrouted += 1
+        self.unrouted[turn.tenant] += 1
 
     def started(self, turn: Optional[Turn], decision: Any) -> None:
         """``turn``'s request was routed (``decision``): it counts in its tenant's share until the
@@ -245,13 +256,18 @@ class FlowControl:
         capacity = self.saturation.capacity(replicas)
         if not capacity:
             return set()
+        active = self.active_tenants()
+        share = -(-capacity // max(1, len(active)))
+        holding = {t: self.in_flight[t] + self.unrouted[t] for t in active}  # released, not yet routed: counted
+        under = [t for t in active if holding[t] < share]
+        return {t for t in active if holding[t] >= share} if under else set()
+
+    def active_tenants(self) -> set[str]:
+        """Tenants with requests in flight, released or waiting, or one ended within ``--tenant-share-window``."""
         now, window = self.clock(), self.options.share_window_s
         for tenant in [t for t, at in self._last_end.items() if now - at > window and not self.in_flight[t]]:
             del self._last_end[tenant]  # bounded by the tenants active within the window
-        active = set(self.in_flight) | set(self._last_end) | set(self.queue.tenants())
-        share = -(-capacity // max(1, len(active)))
-        under = [t for t in active if self.in_flight[t] < share]
-        return {t for t in active if self.in_flight[t] >= share} if under else set()
+        return set(self.in_flight) | set(self.unrouted) | set(self._last_end) | set(self.queue.tenants())
 
     def requeue(self, turn: Optional[Turn]) -> bool:
         """A released turn refused by a replica as full: ``wait`` queues it again (``True``),
@@ -289,8 +305,7 @@ class FlowControl:
             if entry is None or entry[1].done():
                 continue  # its waiter is gone (cancelled between rounds)
             self._released(turn, turn.waited_s + now - turn.queued_at)
-            turn.unrouted = True
-            self.num_unrouted += 1
+            self._hold_slot(turn)
             entry[1].set_result(None)
 
     def _refuse_expired(self, turn: Turn, now: float) -> None:
