@@ -33,6 +33,12 @@ limit that ended the wait: ``--queue-max-wait`` or the request's own ``timeout``
 releases turns one by one while the fleet has room, re-checking every ``poll_s`` (the
 in-flight counts change as requests end; heartbeats and overload memory age).
 
+Rank at the replica: each released turn records whether its tenant still had requests waiting
+in its band while another tenant was active (``Turn.backlogged``); the doors send the replica
+``Turn.replica_priority`` (the band scaled, plus that standing: ``fair_queue``), so a replica
+running ``--scheduling-policy priority`` admits, batches and preempts by the same fairness
+(docs/reliability.md).
+
 A request released and then refused by a replica as full goes back (``requeue``: the front
 of its tenant's queue, its cost given back) instead of being answered 429, as long as its
 deadline allows. Its waits add up; the replica is sent its ``timeout`` less them
@@ -41,7 +47,9 @@ deadline allows. Its waits add up; the replica is sent its ``timeout`` less them
 Metrics (``metric_lines``, on the router's ``/metrics``), per tenant and band:
 ``pagoda_router_queue_depth`` (gauge), ``pagoda_router_queue_wait_seconds`` (histogram of
 the time each released request waited, 0 for those that passed at once),
-``pagoda_router_queue_released_total`` and ``pagoda_router_queue_refused_total{reason}``
+``pagoda_router_queue_released_total``, ``pagoda_router_queue_released_backlogged_total`` (of those,
+released while their tenant still had requests waiting in the band: ranked after the band's
+others at the replica) and ``pagoda_router_queue_refused_total{reason}``
 (``queue_full``, ``max_wait``, ``timeout``: a tenant and band seen has a row for each, zero
 until it happens, so a dashboard's refusal query has series before the first refusal).
 """
@@ -166,6 +174,7 @@ class FlowControl:
         self._waiters: dict[int, tuple[Turn, asyncio.Future]] = {}
         self._pump: Optional[asyncio.Task] = None
         self.released: Counter = Counter()  # (tenant, priority) -> released
+        self.released_backlogged: Counter = Counter()  # (tenant, priority) -> released with more waiting
         self.refused: Counter = Counter()  # (tenant, priority, reason) -> refused
         self.waits: dict[tuple[str, int], list] = {}  # (tenant, priority) -> [bucket counts..., sum, count]
         self.in_flight: Counter = Counter()  # tenant -> its requests routed and not yet ended
@@ -323,6 +332,12 @@ class FlowControl:
     def _released(self, turn: Turn, waited_s: float) -> None:
         key = (turn.tenant, turn.priority)
         self.released[key] += 1
+        # Its standing at the replica (fair_queue, "Rank at the replica"): was its tenant left waiting
+        # while another tenant is active? (A lone tenant is at its share: its requests keep their order.)
+        turn.backlogged = self.queue.depth_in(turn.tenant, turn.priority) > 0 \
+            and bool(self.active_tenants() - {turn.tenant})
+        if turn.backlogged:
+            self.released_backlogged[key] += 1
         counts = self.waits.setdefault(key, [0] * (len(WAIT_BUCKETS_S) + 2))
         for k, bound in enumerate(WAIT_BUCKETS_S):
             if waited_s <= bound:
@@ -353,6 +368,11 @@ class FlowControl:
                   "# TYPE pagoda_router_queue_released_total counter"]
         lines += [f"pagoda_router_queue_released_total{{{_labels(t, p)}}} {n}"
                   for (t, p), n in sorted(self.released.items())]
+        lines += ["# HELP pagoda_router_queue_released_backlogged_total released requests whose tenant still had "
+                  "requests waiting in their band (sent to the replica ranked after the band's others)",
+                  "# TYPE pagoda_router_queue_released_backlogged_total counter"]
+        lines += [f"pagoda_router_queue_released_backlogged_total{{{_labels(t, p)}}} {self.released_backlogged[(t, p)]}"
+                  for (t, p) in sorted(self.released)]
         lines += ["# HELP pagoda_router_queue_refused_total requests the router's queue refused (429), by reason",
                   "# TYPE pagoda_router_queue_refused_total counter"]
         seen = sorted(set(keys) | {(t, p) for t, p, _ in self.refused})
