@@ -1,6 +1,7 @@
 """Tenant-fair flow control end to end: one real tritonserver replica (default SmolLM2 on CPU,
-``max_num_seqs=2``, chunked prefill at 64 tokens a step, 16 a request) behind ``pagoda router`` with two
-tenants and flow control on (``--queue-size-per-tenant 16``, ``--max-in-flight-per-replica 2``).
+``max_num_seqs=2``, chunked prefill at 64 tokens a step, 16 a request, ``--scheduling-policy priority``)
+behind ``pagoda router`` with two tenants and flow control on (``--queue-size-per-tenant 16``,
+``--max-in-flight-per-replica 2``).
 
 Covers (docs/reliability.md, "Flow control"): a tenant flooding the fleet with long prompts
 through every door (OpenAI, Triton HTTP generate, gRPC stream) waits at the router while a
@@ -13,8 +14,10 @@ before a lower one queued earlier; a request whose timeout passes while it waits
 Why 64 tokens a step, and at most 16 a request (``long_prefill_token_threshold``): a CPU
 step's time grows with its tokens, so a quiet request's prefill in the same step as a flood
 request's 300-token prefill takes that prefill's time, and without the cap a flood request's
-chunk takes the step's whole budget while the quiet request waits for its last chunk. The
-router cannot help either (it is the replica's batching); the test measures the router.
+chunk takes the step's whole budget while the quiet request waits for its last chunk. Why the
+priority policy: the router ranks the flooder's requests (released while it had more waiting) after
+the quiet tenant's, and the replica then holds the flood's prefill chunk out of the quiet prompt's
+step (docs/reliability.md, "Flow control", rule 7): the quiet prompt's step is as short as alone.
 """
 
 from __future__ import annotations
@@ -49,7 +52,8 @@ def replica(tmp_path_factory, smollm2_path):
     options = ServeOptions(model=smollm2_path, http_port=find_free_port(), grpc_port=find_free_port(),
                            metrics_port=find_free_port(), max_model_len=512, max_num_seqs=2, startup_timeout_s=600,
                            engine_args={"max_waiting_requests": "4", "max_num_batched_tokens": "64",
-                                        "long_prefill_token_threshold": "16"})
+                                        "long_prefill_token_threshold": "16",
+                                        "scheduling_policy": "priority"})
     server = TritonServer(options, log_path=str(tmp_path_factory.mktemp("replica") / "replica.log"))
     server.start()
     yield server
@@ -160,6 +164,16 @@ def test_a_flood_does_not_starve_or_slow_the_quiet_tenant(replica, router, keys,
         while flow.queue.depth("flood") < 3:  # the flooder is queued at the router: the fleet is saturated
             assert time.monotonic() < deadline, "the flood never queued"
             time.sleep(0.05)
+        # The flood's steady state: its requests that passed before it was backlogged (rank 0 at the
+        # replica, as the quiet tenant's) have ended and two have left its queue ranked after the
+        # quiet tenant's (docs/reliability.md, "Flow control", rule 7). The quiet tenant keeps
+        # sending meanwhile (idle past --tenant-share-window, it would leave the flood every slot).
+        passed, before_warmup = flow.released[("flood", 0)], list(flow.waits[("quiet", 0)])
+        warmup = 0
+        while flow.released[("flood", 0)] < passed + 2:
+            assert time.monotonic() < deadline, "the flood never reached its steady state"
+            warmup += len(quiet_run(router, 1))
+        warmup_waits = [n - m for n, m in zip(flow.waits[("quiet", 0)], before_warmup)]
         flooded = []
         for _ in range(10):
             depths.append(flow.queue.depth("flood"))
@@ -172,26 +186,33 @@ def test_a_flood_does_not_starve_or_slow_the_quiet_tenant(replica, router, keys,
         without = quiet_run(unfair, 10, refused_without)
     _idle(replica)
     p50, p99 = (lambda xs: sorted(xs)[len(xs) // 2]), max
-    quiet_waits = flow.waits[("quiet", 0)]
+    quiet_waits = [n - m for n, m in zip(flow.waits[("quiet", 0)], warmup_waits)]  # the 22 measured
     print(f"\nquiet TTFT solo p50 {p50(solo):.3f} p99 {p99(solo):.3f} s; with the flood p50 {p50(flooded):.3f} "
-          f"p99 {p99(flooded):.3f} s; its wait at the router: {quiet_waits[-2]:.3f} s over {quiet_waits[-1]} requests; "
+          f"p99 {p99(flooded):.3f} s (p99 ratio {p99(flooded) / p99(solo):.2f}, p50 ratio "
+          f"{p50(flooded) / p50(solo):.2f}); its wait at the router: {quiet_waits[-2]:.3f} s over {quiet_waits[-1]} "
+          f"requests (and {warmup_waits[-2]:.3f} s over {warmup} in the flood's warm-up); flood released ranked "
+          f"after it {flow.released_backlogged[('flood', 0)]} of {flow.released[('flood', 0)]}; "
           f"flood queued {depths}, answered {sorted(set(flood_.outcomes))} x{len(flood_.outcomes)}; without flow "
           f"control: quiet refused {len(refused_without)} of 10, TTFT of the rest {[round(t, 2) for t in without]}")
     assert min(depths) >= 1, depths  # every quiet request was sent while the flooder had requests queued
     assert flood_.outcomes and set(flood_.outcomes) == {200}  # the flooder waited; nothing refused
-    assert flow.released[("quiet", 0)] == 22 and flow.refused == {}
+    assert flow.released[("quiet", 0)] == 22 + warmup and flow.refused == {}
+    assert not flow.released_backlogged[("quiet", 0)]  # never ranked after anyone; the flood's, after it:
+    assert flow.released_backlogged[("flood", 0)] >= 2, flow.released_backlogged
     # The router's part of the quiet tenant's latency: each request under 0.1 s, most under 0.05 s.
     # (With the replica's chunk cap a flood request holds its slot longer; on a loaded box one or two
     # of the 22 were seen at 0.05-0.1 s, a few pump rounds, against 0.2-1.5 s less TTFT at p99.)
     assert quiet_waits[WAIT_BUCKETS_S.index(0.1)] == quiet_waits[-1], quiet_waits
     assert quiet_waits[WAIT_BUCKETS_S.index(0.05)] >= quiet_waits[-1] - 3, quiet_waits
-    # End to end the rest is the replica's batching on a shared 2-core CPU box (module docstring,
-    # docs/reliability.md): 2-3x at p50 measured; a gross bound only, the router's part is above.
-    assert p50(flooded) <= 5 * p50(solo), (solo, flooded)
+    # End to end, on a shared 2-core CPU box (docs/reliability.md): with the rank and the priority
+    # policy 1.1-2.1x at p50 and 1.1-2.0x at p99 (fcfs replica, same router: 2.5-3.7x, 2.5-3.4x); what is
+    # left is mostly the flood's step already running when a quiet request arrives. A loaded CI box moves
+    # the solo run too, so this bound keeps a margin; the printed ratios are the measurement.
+    assert p50(flooded) <= 3 * p50(solo), (solo, flooded)
     # without flow control the same flood gets the quiet tenant refused (or stuck behind it)
     assert refused_without or p50(without) > 3 * p50(flooded), (refused_without, without)
     metrics = urllib.request.urlopen(f"http://{router.http_url}/metrics", timeout=10).read().decode()
-    assert 'pagoda_router_queue_released_total{tenant="quiet",priority="0"} 22' in metrics
+    assert f'pagoda_router_queue_released_total{{tenant="quiet",priority="0"}} {22 + warmup}' in metrics
     assert 'pagoda_router_queue_wait_seconds_count{tenant="flood",priority="0"}' in metrics
 
 

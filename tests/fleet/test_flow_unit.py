@@ -5,11 +5,12 @@ and the gate's ``choose`` with a turn (docs/reliability.md, "Flow control")."""
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 
-from pagoda.fleet.api.routed_request import kept_deadline
-from pagoda.fleet.gate.fair_queue import FairQueue, QueueFull, QueueRefused, Turn
+from pagoda.fleet.api.routed_request import as_released, kept_deadline
+from pagoda.fleet.gate.fair_queue import NUM_STANDINGS, FairQueue, QueueFull, QueueRefused, Turn
 from pagoda.fleet.gate.flow_control import FlowControl, FlowOptions, Saturation
 from pagoda.fleet.gate.gate import Gate
 from pagoda.fleet.routing.replicas import ReplicaSet
@@ -362,6 +363,39 @@ def test_a_tenant_at_its_share_leaves_the_last_slot_to_an_active_tenant():
     assert flow_control(FakeClock(), max_in_flight_per_replica=0).over_share(replica_set("r")) == set()
 
 
+def test_two_slots_freed_at_once_leave_one_for_the_active_tenant():
+    """Both tenants' requests end in the same pump round (two slots free): the flooder's first
+    release counts toward its share before it is routed, so the pump does not give it the
+    quiet tenant's slot too."""
+    async def scenario():
+        clock, replicas = FakeClock(), replica_set("r")
+        flow = flow_control(clock, queue_size=8, max_in_flight_per_replica=2, share_window_s=1.0, poll_s=0.05)
+        router = Router(replicas, tokenizer=None, hash_model_id="m", policy_name="round_robin")
+
+        async def routed(tenant):
+            t = flow.turn(tenant, 0, 100, None)
+            await flow.wait(t, replicas)
+            decision = await router.choose(None)
+            flow.started(t, decision)
+            flow.routed(t)
+            return decision
+
+        quiet = await routed("quiet")
+        flood = await routed("flood")
+        waiting = [asyncio.create_task(routed("flood")) for _ in range(3)]
+        await asyncio.sleep(0.01)
+        router.release(quiet)  # both end before the pump's next round
+        router.release(flood)
+        await asyncio.sleep(0.2)
+        in_flight = dict(flow.in_flight)
+        for task in waiting:
+            task.cancel()
+        await asyncio.gather(*waiting, return_exceptions=True)
+        return in_flight
+
+    assert asyncio.run(scenario()) == {"flood": 1}
+
+
 def test_the_replica_gets_the_timeout_less_the_wait():
     wire = WireRequest.from_json({"text_input": "hi", "sampling_parameters": {"timeout": 4.0}})
     t = Turn("a", 0, 10, arrival=0.0, timeout_s=4.0)
@@ -369,6 +403,75 @@ def test_the_replica_gets_the_timeout_less_the_wait():
     t.waited_s = 1.25
     assert kept_deadline(wire, t).options.timeout == pytest.approx(2.75)
     assert kept_deadline(WireRequest.from_json({"text_input": "hi"}), t).options.timeout is None
+
+
+def test_a_released_turn_is_ranked_at_the_replica_by_its_tenants_standing():
+    """A tenant still waiting in its band when a turn of its is released (above its fair share)
+    ranks after one that is not, within the band; the band stays first."""
+    async def scenario():
+        clock, replicas = FakeClock(), replica_set("r")
+        flow = flow_control(clock, queue_size=8)
+        replica = replicas.get("r")
+        replica.in_flight = 1  # saturated
+        released: list[Turn] = []
+
+        async def one(tenant, cost, priority=0):
+            t = flow.turn(tenant, priority, cost, None)
+            await flow.wait(t, replicas)
+            released.append(t)
+            flow.started(t, SimpleNamespace())  # in flight until the end of the test: its tenant stays active
+            flow.routed(t)
+
+        async def alone(t):
+            await flow.wait(t, replicas)
+            flow.routed(t)
+
+        solo = [flow.turn("solo", 0, 10, None) for _ in range(3)]  # a lone tenant is at its share: all 0
+        waiters = [asyncio.create_task(alone(t)) for t in solo]
+        await asyncio.sleep(0.01)
+        replica.in_flight = 0
+        await asyncio.gather(*waiters)
+        assert [t.backlogged for t in solo] == [False] * 3 and not flow.released_backlogged
+        replica.in_flight = 1
+        tasks = [asyncio.create_task(one("flood", 500)) for _ in range(3)]
+        tasks += [asyncio.create_task(one("quiet", 50)), asyncio.create_task(one("flood", 500, priority=2))]
+        await asyncio.sleep(0.01)
+        for _ in range(5):
+            replica.in_flight = 0  # a request ended: one slot
+            await asyncio.sleep(0.01)
+        await asyncio.gather(*tasks)
+        return released, flow
+
+    released, flow = asyncio.run(scenario())
+    ranks = [(t.tenant, t.priority, t.backlogged, t.replica_priority) for t in released]
+    # flood's first two left with more of theirs waiting in band 0; its last and quiet's did not;
+    # band 2's one was alone in its band (its tenant's band-0 requests do not count)
+    assert ranks == [("flood", 0, True, 1), ("quiet", 0, False, 0), ("flood", 0, True, 1),
+                     ("flood", 0, False, 0), ("flood", 2, False, 2 * NUM_STANDINGS)], ranks
+    assert flow.released_backlogged == {("flood", 0): 2}
+    lines = flow.metric_lines()
+    assert 'pagoda_router_queue_released_backlogged_total{tenant="flood",priority="0"} 2' in lines
+    assert 'pagoda_router_queue_released_backlogged_total{tenant="quiet",priority="0"} 0' in lines
+
+
+def test_the_replica_gets_the_rank_and_bands_keep_their_order():
+    wire = WireRequest.from_json({"text_input": "hi", "sampling_parameters": {"priority": 3}})
+    assert as_released(wire, None) is wire  # flow control off: the client's priority as it came
+    t = Turn("a", 3, 10, arrival=0.0)
+    assert as_released(wire, t).options.priority == 3 * NUM_STANDINGS
+    t.backlogged = True
+    assert as_released(wire, t).options.priority == 3 * NUM_STANDINGS + 1
+    ranks = {(band, backlogged): Turn("a", band, 1, 0.0, backlogged=backlogged).replica_priority
+             for band in (-2, 0, 1, 7) for backlogged in (False, True)}
+    for (band, _), rank in ranks.items():  # every rank of a band comes before every rank of a later band
+        assert all(rank < other for (later, _), other in ranks.items() if later > band)
+    # as a replica reads it, from the gRPC request the upstream client builds
+    from pagoda.fleet.api.routed_request import RoutedRequest
+    from pagoda.fleet.triton_wire import infer_inputs, request_parameters
+
+    message = RoutedRequest("id", wire, turn=t).infer_request()
+    read = WireRequest.from_triton_inputs(infer_inputs(message).get, request_parameters(message))
+    assert read.options.priority == 3 * NUM_STANDINGS + 1
 
 
 def test_flow_options_are_checked_naming_the_flag():

@@ -61,7 +61,7 @@ from pagoda.fleet.gate.gate import (TENANT_KEY, AuthError, Gate, LimitError, Que
 from pagoda.fleet.api import http_stages
 from pagoda.fleet.api.fleet_metrics import merge_vllm_series, scrape_replicas
 from pagoda.fleet.api.generate_request import GenerateRequest
-from pagoda.fleet.api.routed_request import analysis_chars, kept_deadline
+from pagoda.fleet.api.routed_request import analysis_chars, as_released
 from pagoda.fleet.api.http_relay import Broken, Relay
 from pagoda.fleet.api.migration import CONNECTION_LOST, NO_REPLICA, Journal, Migrations, Plan
 from pagoda.fleet.gate.infer_body import validate_infer_body
@@ -320,7 +320,7 @@ async def _route(request: web.Request, body: bytes, generate: Optional[GenerateR
                                 _no_replica_left(migrations, journal, exc, span))
         span.set_decision(decision)
         if generate is not None:
-            payload = await _encoded(generate.body(span.traceparent, wire and kept_deadline(wire, turn)), gate,
+            payload = await _encoded(generate.body(span.traceparent, wire and as_released(wire, turn)), gate,
                                      len(generate.prompt))
         replica = decision.replica
         try:

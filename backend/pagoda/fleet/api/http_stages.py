@@ -34,6 +34,7 @@ from aiohttp import web
 from pagoda.contracts.errors import error_text, is_overloaded
 from pagoda.fleet.api.first_token import FirstTokenMismatch, Splice, is_early, prefill_stage, seeded_for_stages
 from pagoda.fleet.api.generate_request import GenerateRequest
+from pagoda.fleet.api.routed_request import as_released
 from pagoda.fleet.routing.router import NoReplicaAvailable
 
 logger = logging.getLogger(__name__)
@@ -85,7 +86,8 @@ async def prefill(session: aiohttp.ClientSession, router: Any, gate: Any, analys
     path = "generate_stream" if early else "generate"
     url = f"http://{decision.replica.endpoints['http']}/v2/models/{generate.model}/{path}"
     try:
-        async with session.post(url, json=generate.body(wire=prefill_stage(generate.wire, early))) as response:
+        stage_wire = prefill_stage(as_released(generate.wire, turn), early)  # ranked as the decode stage is
+        async with session.post(url, json=generate.body(wire=stage_wire)) as response:
             if early and response.status == 200:
                 await _stream_first_stage(response, stage, client)
             else:

@@ -84,7 +84,7 @@ class RoutedRequest:
             request.CopyFrom(self.raw)
         else:
             request = infer_request(self.model_name, self.request_id,
-                                    kept_deadline(wire or self.wire, self.turn).to_triton_inputs(), self.parameters)
+                                    as_released(wire or self.wire, self.turn).to_triton_inputs(), self.parameters)
             request.model_version = self.model_version
             for name in self.outputs:
                 request.outputs.add().name = name
@@ -99,6 +99,18 @@ def kept_deadline(wire: WireRequest, turn: Optional[Turn]) -> WireRequest:
     if turn is None or not turn.waited_s or wire.options.timeout is None:
         return wire
     return wire.with_options(timeout=turn.remaining_timeout())
+
+
+def as_released(wire: WireRequest, turn: Optional[Turn]) -> WireRequest:
+    """``wire`` as the router sends it once the router's queue released it: its ``timeout`` less
+    the wait (``kept_deadline``) and its ``priority`` the turn's rank at the replica
+    (``Turn.replica_priority``: the band scaled, plus its tenant's standing), so a replica running
+    the priority policy carries the router's fairness into its batch. Unchanged without a turn
+    (flow control off)."""
+    wire = kept_deadline(wire, turn)
+    if turn is None or wire.options.priority == turn.replica_priority:
+        return wire
+    return wire.with_options(priority=turn.replica_priority)
 
 
 def with_routing_ids(wire: WireRequest, analysis: Optional[Analysis]) -> WireRequest:

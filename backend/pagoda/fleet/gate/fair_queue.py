@@ -27,6 +27,14 @@ Rules (docs/reliability.md, "Flow control"):
   goes to the front of its tenant's queue with its cost given back.
 - **Leaving without being served**: ``remove`` (its client hung up, its deadline passed)
   frees its place at once; its cost was never charged.
+- **Rank at the replica** (``Turn.replica_priority``): the router's fairness does not stop at
+  the replica's door. A released turn is *backlogged* when its tenant still has requests
+  waiting here in its band and another tenant is active (``flow_control`` sets
+  ``Turn.backlogged``: the tenant asks more than the fleet gives it, above its fair share; a lone
+  tenant is at its share, so its requests keep their order); the replica is sent ``priority x NUM_STANDINGS + standing``
+  (standing 1 when backlogged, else 0), so the band stays first and, within a band, a tenant
+  below its fair share ranks before one above it; equal standing is equal rank (the replica's
+  priority policy preempts only for a strictly more urgent request, so equals never thrash).
 """
 
 from __future__ import annotations
@@ -40,6 +48,9 @@ from typing import Collection, Optional
 from pagoda.fleet.gate.auth import RateLimited
 
 OPEN_TENANT = "-"  # the tenant of every request in open mode (no API keys)
+# Standings within a band at the replica: 0, the tenant had nothing else waiting when the turn
+# was released; 1, it was backlogged (``Turn.replica_priority``).
+NUM_STANDINGS = 2
 
 
 class QueueRefused(RateLimited):
@@ -67,6 +78,8 @@ class Turn:
         deadline: when it must have left the queue (the earlier of its ``timeout`` and
             ``--queue-max-wait``); ``timeout_s``: its own timeout, if any (which one bounds it).
         admitted: released by the queue (or never needed it); ``requeue`` clears it.
+        backlogged: its tenant still had requests waiting here in its band, and another tenant was
+            active, when it was released (its standing at the replica: ``replica_priority``).
     """
 
     tenant: str
@@ -81,6 +94,13 @@ class Turn:
     seq: int = 0
     requeued: bool = False
     unrouted: bool = False  # released, its routing decision not made yet (``FlowControl.num_unrouted``)
+    backlogged: bool = False
+
+    @property
+    def replica_priority(self) -> int:
+        """The ``priority`` the replica is sent: the band scaled, plus the tenant's standing at
+        release (module docstring), so ``a < b`` between bands holds for every standing."""
+        return self.priority * NUM_STANDINGS + int(self.backlogged)
 
     def remaining_timeout(self) -> Optional[float]:
         """Its own timeout less the time it waited at the router (``None``: it has none); the
@@ -122,6 +142,12 @@ class FairQueue:
     def depth(self, tenant: str) -> int:
         """Requests ``tenant`` has waiting."""
         return self._depth.get(tenant, 0)
+
+    def depth_in(self, tenant: str, priority: int) -> int:
+        """Requests ``tenant`` has waiting in band ``priority``."""
+        band = self._bands.get(priority)
+        queue = band.queues.get(tenant) if band is not None else None
+        return len(queue) if queue is not None else 0
 
     def tenants(self) -> list[str]:
         """The tenants with requests waiting."""

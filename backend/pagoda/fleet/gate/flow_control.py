@@ -19,18 +19,25 @@ at all the request is not held (routing answers it at once, 503 ``no replica``).
 Shares: with a capacity (``--max-in-flight-per-replica`` x the routable replicas), each
 active tenant (requests in flight or waiting, or one ended within ``--tenant-share-window``)
 is entitled to ``ceil(capacity / active tenants)`` of it. A tenant holding its share or more
-is passed over while another active tenant holds less (``over_share``): the slot stays for
-the other, so a quiet tenant's next request finds room at once instead of waiting for one
-of the flooder's to end (at small capacities, such as a CPU replica's two sequences, that
-wait is a whole long request). The flooder keeps its share and takes every slot again once
-the others have been idle for the window; without a capacity (no in-flight bound) there
-are no shares, only the queue's order. The virtual token counters then order the turns of
-the tenants not passed over.
+(its requests in flight, and those released and not yet routed: two slots freed in one pump
+round do not both go to the flooder) is passed over while another active tenant holds less
+(``over_share``): the slot stays for the other, so a quiet tenant's next request finds room
+at once instead of waiting for one of the flooder's to end (at small capacities, such as a
+CPU replica's two sequences, that wait is a whole long request). The flooder keeps its
+share and takes every slot again once the others have been idle for the window; without a
+capacity (no in-flight bound) there are no shares, only the queue's order. The virtual token
+counters then order the turns of the tenants not passed over.
 
 The pump runs while anyone waits: it drops turns whose deadline passed (429, naming the
 limit that ended the wait: ``--queue-max-wait`` or the request's own ``timeout``) and
 releases turns one by one while the fleet has room, re-checking every ``poll_s`` (the
 in-flight counts change as requests end; heartbeats and overload memory age).
+
+Rank at the replica: each released turn records whether its tenant still had requests waiting
+in its band while another tenant was active (``Turn.backlogged``); the doors send the replica
+``Turn.replica_priority`` (the band scaled, plus that standing: ``fair_queue``), so a replica
+running ``--scheduling-policy priority`` admits, batches and preempts by the same fairness
+(docs/reliability.md).
 
 A request released and then refused by a replica as full goes back (``requeue``: the front
 of its tenant's queue, its cost given back) instead of being answered 429, as long as its
@@ -40,7 +47,9 @@ deadline allows. Its waits add up; the replica is sent its ``timeout`` less them
 Metrics (``metric_lines``, on the router's ``/metrics``), per tenant and band:
 ``pagoda_router_queue_depth`` (gauge), ``pagoda_router_queue_wait_seconds`` (histogram of
 the time each released request waited, 0 for those that passed at once),
-``pagoda_router_queue_released_total`` and ``pagoda_router_queue_refused_total{reason}``
+``pagoda_router_queue_released_total``, ``pagoda_router_queue_released_backlogged_total`` (of those,
+released while their tenant still had requests waiting in the band: ranked after the band's
+others at the replica) and ``pagoda_router_queue_refused_total{reason}``
 (``queue_full``, ``max_wait``, ``timeout``: a tenant and band seen has a row for each, zero
 until it happens, so a dashboard's refusal query has series before the first refusal).
 """
@@ -161,9 +170,11 @@ class FlowControl:
         self.clock = clock
         self.queue = FairQueue(max(1, options.queue_size))
         self.num_unrouted = 0  # turns released that have not made their routing decision yet
+        self.unrouted: Counter = Counter()  # tenant -> of those, its (they count toward its share)
         self._waiters: dict[int, tuple[Turn, asyncio.Future]] = {}
         self._pump: Optional[asyncio.Task] = None
         self.released: Counter = Counter()  # (tenant, priority) -> released
+        self.released_backlogged: Counter = Counter()  # (tenant, priority) -> released with more waiting
         self.refused: Counter = Counter()  # (tenant, priority, reason) -> refused
         self.waits: dict[tuple[str, int], list] = {}  # (tenant, priority) -> [bucket counts..., sum, count]
         self.in_flight: Counter = Counter()  # tenant -> its requests routed and not yet ended
@@ -192,8 +203,8 @@ class FlowControl:
         start = turn.queued_at = self.clock()
         if not turn.requeued and not len(self.queue) and self.saturation.room(replicas, self.num_unrouted) \
                 and turn.tenant not in self.over_share(replicas):
-            turn.admitted, turn.unrouted = True, True  # its slot is held until it is routed
-            self.num_unrouted += 1
+            turn.admitted = True  # its slot is held until it is routed
+            self._hold_slot(turn)
             self._released(turn, 0.0)
             return
         try:
@@ -224,6 +235,15 @@ class FlowControl:
         if turn is not None and turn.unrouted:
             turn.unrouted = False
             self.num_unrouted = max(0, self.num_unrouted - 1)
+            self.unrouted[turn.tenant] -= 1
+            if self.unrouted[turn.tenant] <= 0:
+                del self.unrouted[turn.tenant]
+
+    def _hold_slot(self, turn: Turn) -> None:
+        """A released turn holds a slot until it is routed, and counts toward its tenant's share."""
+        turn.unrouted = True
+        self.num_unrouted += 1
+        self.unrouted[turn.tenant] += 1
 
     def started(self, turn: Optional[Turn], decision: Any) -> None:
         """``turn``'s request was routed (``decision``): it counts in its tenant's share until the
@@ -245,13 +265,18 @@ class FlowControl:
         capacity = self.saturation.capacity(replicas)
         if not capacity:
             return set()
+        active = self.active_tenants()
+        share = -(-capacity // max(1, len(active)))
+        holding = {t: self.in_flight[t] + self.unrouted[t] for t in active}  # released, not yet routed: counted
+        under = [t for t in active if holding[t] < share]
+        return {t for t in active if holding[t] >= share} if under else set()
+
+    def active_tenants(self) -> set[str]:
+        """Tenants with requests in flight, released or waiting, or one ended within ``--tenant-share-window``."""
         now, window = self.clock(), self.options.share_window_s
         for tenant in [t for t, at in self._last_end.items() if now - at > window and not self.in_flight[t]]:
             del self._last_end[tenant]  # bounded by the tenants active within the window
-        active = set(self.in_flight) | set(self._last_end) | set(self.queue.tenants())
-        share = -(-capacity // max(1, len(active)))
-        under = [t for t in active if self.in_flight[t] < share]
-        return {t for t in active if self.in_flight[t] >= share} if under else set()
+        return set(self.in_flight) | set(self.unrouted) | set(self._last_end) | set(self.queue.tenants())
 
     def requeue(self, turn: Optional[Turn]) -> bool:
         """A released turn refused by a replica as full: ``wait`` queues it again (``True``),
@@ -289,8 +314,7 @@ class FlowControl:
             if entry is None or entry[1].done():
                 continue  # its waiter is gone (cancelled between rounds)
             self._released(turn, turn.waited_s + now - turn.queued_at)
-            turn.unrouted = True
-            self.num_unrouted += 1
+            self._hold_slot(turn)
             entry[1].set_result(None)
 
     def _refuse_expired(self, turn: Turn, now: float) -> None:
@@ -308,6 +332,12 @@ class FlowControl:
     def _released(self, turn: Turn, waited_s: float) -> None:
         key = (turn.tenant, turn.priority)
         self.released[key] += 1
+        # Its standing at the replica (fair_queue, "Rank at the replica"): was its tenant left waiting
+        # while another tenant is active? (A lone tenant is at its share: its requests keep their order.)
+        turn.backlogged = self.queue.depth_in(turn.tenant, turn.priority) > 0 \
+            and bool(self.active_tenants() - {turn.tenant})
+        if turn.backlogged:
+            self.released_backlogged[key] += 1
         counts = self.waits.setdefault(key, [0] * (len(WAIT_BUCKETS_S) + 2))
         for k, bound in enumerate(WAIT_BUCKETS_S):
             if waited_s <= bound:
@@ -338,6 +368,11 @@ class FlowControl:
                   "# TYPE pagoda_router_queue_released_total counter"]
         lines += [f"pagoda_router_queue_released_total{{{_labels(t, p)}}} {n}"
                   for (t, p), n in sorted(self.released.items())]
+        lines += ["# HELP pagoda_router_queue_released_backlogged_total released requests whose tenant still had "
+                  "requests waiting in their band (sent to the replica ranked after the band's others)",
+                  "# TYPE pagoda_router_queue_released_backlogged_total counter"]
+        lines += [f"pagoda_router_queue_released_backlogged_total{{{_labels(t, p)}}} {self.released_backlogged[(t, p)]}"
+                  for (t, p) in sorted(self.released)]
         lines += ["# HELP pagoda_router_queue_refused_total requests the router's queue refused (429), by reason",
                   "# TYPE pagoda_router_queue_refused_total counter"]
         seen = sorted(set(keys) | {(t, p) for t, p, _ in self.refused})

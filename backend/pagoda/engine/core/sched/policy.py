@@ -5,7 +5,9 @@ waiting request may preempt a running one. Looked up once (``get_policy``) by th
   never preempts.
 - ``priority``: the smallest ``(priority, arrival_time, insertion_index)`` first (a
   smaller ``priority`` value is more urgent, as in vLLM); a waiting request preempts the
-  least urgent running one when that one is strictly less urgent.
+  least urgent running one when that one is strictly less urgent; and a running request's
+  prefill chunk waits while a strictly more urgent prompt prefills in the same step
+  (``prefill_hold``), so the urgent one's step is not lengthened by the other's chunk.
 
 Either way the running request with the largest ``key`` is the preemption victim when the
 KV cache runs out.
@@ -21,6 +23,7 @@ from pagoda.engine.request import Request
 
 class FcfsPolicy:
     name = "fcfs"
+    holds_prefill = False  # whether a more urgent prompt holds back less urgent prefill chunks (prefill_hold)
 
     @staticmethod
     def key(request: Request) -> tuple:
@@ -40,6 +43,7 @@ class FcfsPolicy:
 
 class PriorityPolicy(FcfsPolicy):
     name = "priority"
+    holds_prefill = True
 
     @staticmethod
     def key(request: Request) -> tuple:

@@ -13,6 +13,9 @@ Every request has ``num_computed_tokens`` catching up with ``num_tokens``. Each 
    blocks are freed, its ``num_computed_tokens`` reset to 0 and it returns to the waiting queue (FCFS: at the
    front). A request that is its own victim is preempted and the pass moves on: later
    running requests have smaller keys and may still fit (e.g. in a partly filled block).
+   Under the priority policy a running request's prefill chunk may be held back for a
+   strictly more urgent prompt (``core.sched.prefill_hold``: scheduled after admission
+   after all, without preempting, unless such a prompt does prefill in this step).
 2. Then, if nothing was preempted this step, waiting requests in policy order
    (``core.sched.admit_waiting``): prefix-cache lookup, the rest of the prompt (or a chunk of
    it), preemption of a strictly less urgent running request under the priority policy;
@@ -87,6 +90,7 @@ from pagoda.engine.core.sched.admit_waiting import WaitingAdmitter
 from pagoda.engine.core.sched.constraints import make_constraints
 from pagoda.engine.core.sched.policy import get_policy
 from pagoda.engine.core.sched.preemption import Preemption
+from pagoda.engine.core.sched.prefill_hold import PrefillHold
 from pagoda.engine.core.sched.runner_view import RunnerView
 from pagoda.engine.core.sched.scheduler_config import SchedulerConfig
 from pagoda.engine.core.sched.scheduler_views import SchedulerViews
@@ -216,9 +220,17 @@ class Scheduler(SchedulerViews):
         if self.config.micro_batches > 1:  # batch queue: requests in flight wait; N steps share the rest
             num_live = min(len(self.requests), self.config.max_num_seqs)
             step.share_with_queue(self._unapplied.values(), self._busy, num_live, self.config.micro_batches)
-        self._schedule_running(step, spec_token_ids or {})
+        spec_token_ids = spec_token_ids or {}
+        hold = PrefillHold(self.running, self.waiting.peek() if len(self.waiting) else None, self._busy) \
+            if self.policy.holds_prefill else None  # core.sched.prefill_hold
+        self._schedule_running(step, spec_token_ids, hold)
         if not step.preempted:
             self.admitter.admit(step)  # core.sched.admit_waiting
+        if hold is not None:
+            for request in hold.take_released(r for r in self.running if r.request_id in step.num_new_tokens):
+                if step.is_full:
+                    break
+                self._schedule_one(request, step, spec_token_ids, may_preempt=False)
         output = SchedulerOutput(
             preempted_request_ids=[r.request_id for r in step.preempted],
             finished_request_ids=self._finished_request_ids,
@@ -264,7 +276,8 @@ class Scheduler(SchedulerViews):
             request.num_output_placeholders += 1
         return scheduled
 
-    def _schedule_running(self, step: StepPlan, spec_token_ids: Mapping[str, Sequence[int]]) -> None:
+    def _schedule_running(self, step: StepPlan, spec_token_ids: Mapping[str, Sequence[int]],
+                          hold: Optional[PrefillHold]) -> None:
         for request in list(self.running):
             if step.is_full:
                 break
@@ -272,21 +285,30 @@ class Scheduler(SchedulerViews):
                 continue  # preempted earlier in this pass, or its step is in flight (batch queue)
             if request.num_output_placeholders and (request.beam_group or _is_sure_to_finish(request)):
                 continue  # its last token is being sampled, or its group must choose it (async scheduling)
-            num_left = request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
-            num_new = step.capped(min(num_left, step.budget))
-            if num_new <= 0:
-                continue
-            if self._schedule_with_drafts(request, spec_token_ids.get(request.request_id), step):
-                continue
-            num_new = self.kv_cache_manager.cut_at_checkpoint(request, request.num_computed_tokens, num_new)
-            if (num_new := step.cut_at_images(request, request.num_computed_tokens, num_new)) <= 0:
-                continue  # its next image waits for the next step's encoder budget
-            while self.kv_cache_manager.allocate_slots(request, num_new) is None:
-                self.preemption.preempt(self.policy.victim(self.running), step)
-                if request.status != RequestStatus.RUNNING:  # itself, or a beam of its group
-                    break
-            else:
-                step.add(request, num_new)
+            if hold is not None and hold.holds(request):
+                continue  # a more urgent prompt may prefill in this step (core.sched.prefill_hold)
+            self._schedule_one(request, step, spec_token_ids, may_preempt=True)
+
+    def _schedule_one(self, request: Request, step: StepPlan, spec_token_ids: Mapping[str, Sequence[int]],
+                      may_preempt: bool) -> None:
+        """A running request's tokens for this step: its chunk, or its decode (with drafts); when
+        the KV cache cannot hold them, preempt the policy's victims (``may_preempt``) or skip it."""
+        num_left = request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
+        num_new = step.capped(min(num_left, step.budget))
+        if num_new <= 0:
+            return
+        if self._schedule_with_drafts(request, spec_token_ids.get(request.request_id), step):
+            return
+        num_new = self.kv_cache_manager.cut_at_checkpoint(request, request.num_computed_tokens, num_new)
+        if (num_new := step.cut_at_images(request, request.num_computed_tokens, num_new)) <= 0:
+            return  # its next image waits for the next step's encoder budget
+        while self.kv_cache_manager.allocate_slots(request, num_new) is None:
+            if not may_preempt:
+                return
+            self.preemption.preempt(self.policy.victim(self.running), step)
+            if request.status != RequestStatus.RUNNING:  # itself, or a beam of its group
+                return
+        step.add(request, num_new)
 
     def _schedule_with_drafts(self, request: Request, drafts: Optional[Sequence[int]], step: StepPlan) -> bool:
         """Schedule a decode plus as many of its drafted tokens as the budget leaves.
