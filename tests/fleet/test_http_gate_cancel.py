@@ -1,4 +1,4 @@
-"""A router handler cancelled under it (not by its client) still answers its client.
+"""A router handler cancelled under it (not by its client) still answers its client; the soak says which prompt met a hang-up.
 
 grpc.aio raises ``asyncio.CancelledError`` from a call whose channel was closed; before
 ``http_gate`` answered it, the CancelledError left the handler, aiohttp closed the connection
@@ -72,3 +72,38 @@ async def _streams_then_cancelled(request: web.Request) -> web.StreamResponse:
 def test_a_started_answer_cancelled_under_it_is_cut_not_answered_twice():
     status, body = asyncio.run(_served(_streams_then_cancelled, b"{}"))
     assert (status, body) == (200, b"data: 1\n\n")  # cut after what it sent; no second status line follows
+
+
+def test_the_soaks_big_prompt_names_which_prompt_met_a_closed_connection():
+    """The hostile soak's record of such a hang-up says which of its two prompt sizes it was
+    (issue 43's report could not: only a 900k-character prompt reaches a replica)."""
+    import random
+    import socket
+    import threading
+
+    from pagoda.bench.soak_clients import Endpoints
+    from pagoda.bench.soak_hostile import big_prompt
+
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def hang_up_after_reading() -> None:
+        connection, _ = listener.accept()
+        with connection:
+            head = b""
+            while b"\r\n\r\n" not in head:
+                head += connection.recv(65536)
+            length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"content-length")))
+            received = len(head.split(b"\r\n\r\n", 1)[1])
+            while received < length:
+                received += len(connection.recv(65536))
+
+    server = threading.Thread(target=hang_up_after_reading)
+    server.start()
+    endpoint = Endpoints(http=f"127.0.0.1:{listener.getsockname()[1]}", grpc="", key="k", other_key="k2")
+    rng = random.Random(0)
+    size = random.Random(0).choice([3 * 2**20, 900_000])
+    outcome = big_prompt(endpoint, rng, 2)
+    server.join(10)
+    listener.close()
+    assert outcome == f"unexpected:connection RemoteDisconnected ({size}-character prompt)"
