@@ -1,4 +1,5 @@
-"""A router handler cancelled under it (not by its client) still answers its client; the soak says which prompt met a hang-up.
+"""A router handler cancelled under it (not by its client) still answers its client; the
+soak says which prompt met a hang-up.
 
 grpc.aio raises ``asyncio.CancelledError`` from a call whose channel was closed; before
 ``http_gate`` answered it, the CancelledError left the handler, aiohttp closed the connection
