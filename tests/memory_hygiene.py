@@ -1,13 +1,18 @@
 """Memory between tests: what a test dropped is freed when the test ends, not minutes later.
 
-Why: an ``LLMEngine`` is a reference cycle (its parts keep bound methods and closures of one
-another: the beam search's stop-string finder, the input processor's capability checks, the
-scheduler's callbacks), so losing its last name frees nothing. Its weights and KV cache (the
-512 MiB CPU default) wait for CPython's full collection, which the test process's heap
+Why: test objects that are reference cycles (fixtures, tracebacks, torch modules, what a
+library builds) are freed only by CPython's full collection, which the test process's heap
 (~300k objects once torch and transformers are imported) makes both rare and slow (~1 s).
-Modules building an engine per test piled them up: tests/engine/test_admission.py took the
-process from 0.5 to 3.3 GB resident, the first seven modules of tests/engine to 6.2 GB, and a
-pytest-xdist worker running a share of the suite to ~9.5 GB (two of them overran 24 GiB).
+An ``LLMEngine`` was one (its parts kept bound methods and closures of one another: the beam
+search's stop-string finder, the input processor's capability checks, the scheduler's
+callbacks), so its weights and KV cache (the 512 MiB CPU default) waited for that collection:
+tests/engine/test_admission.py took the process from 0.5 to 3.3 GB resident, the first seven
+modules of tests/engine to 6.2 GB, and a pytest-xdist worker running a share of the suite to
+~9.5 GB (two of them overran 24 GiB). The engine is no cycle any more (its callbacks hold the
+parts they read; tests/engine/test_engine_freed.py checks that a dropped engine and ``LLM``
+free their KV cache with the collector off), but a test can still keep one alive through a
+cycle of its own (an exception's traceback, a fixture's closure), and other heavy objects are
+cyclic; these measures stay for them.
 
 How: when collection has imported every test module, the survivors of a full collection are
 frozen (``gc.freeze``: the cycle collector no longer walks them), so a later full collection

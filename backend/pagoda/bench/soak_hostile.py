@@ -83,7 +83,10 @@ def grammar_bomb(ep: Endpoints, rng: random.Random, max_tokens: int) -> str:
 
 def big_prompt(ep: Endpoints, rng: random.Random, max_tokens: int) -> str:
     size = rng.choice([3 * 2**20, 900_000])
-    return _outcome(*_post("/v1/completions", {"prompt": "tea " * (size // 4), "max_tokens": 2}, ep, HOSTILE_KEY))
+    try:
+        return _outcome(*_post("/v1/completions", {"prompt": "tea " * (size // 4), "max_tokens": 2}, ep, HOSTILE_KEY))
+    except (ConnectionError, urllib.error.URLError, TimeoutError) as exc:  # which of the two, for the report
+        return f"unexpected:connection {type(exc).__name__} ({size}-character prompt)"
 
 
 def grpc_oversized(ep: Endpoints, rng: random.Random, max_tokens: int) -> str:

@@ -29,11 +29,18 @@ device time (copies, forward, sampling) and device idle time (see ``device_worke
 The engine is single-threaded: a server drives it from one thread (see
 ``pagoda.serving``); with async scheduling the core owns one extra worker thread for the
 device, joined by ``shutdown()``.
+
+Invariant: the engine is no reference cycle. The callbacks its parts hold (the beam search's
+stop-string finder, the input processor's LoRA check, the core's adapter check, the grammar
+backend's factory) hold the parts they read, never the engine, so an engine dropped without
+``shutdown()`` frees its weights and KV cache at once by reference counting
+(tests/engine/test_engine_freed.py), not at CPython's next full collection.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from typing import TYPE_CHECKING, Iterable, Optional, Union
@@ -77,16 +84,22 @@ class LLMEngine:
         self.generation_defaults = generation_defaults(model_path) if self.config.generation_config == "auto" else {}
         vocab_size = self.model_config.vocab_size
         eos_ids = sorted(self.tokenizer.eos_token_ids)
+        # The callbacks handed to the parts hold the parts they read, never the engine: the
+        # engine is then no reference cycle, and dropping it frees its weights and KV cache at
+        # once (a cycle would wait for CPython's rare full collection).
         self.executor = make_executor(self.config, self.model_config, model_path,
-                                      make_grammar_backend=lambda: XGrammarBackend(self.tokenizer, vocab_size, eos_ids))
+                                      make_grammar_backend=functools.partial(XGrammarBackend, self.tokenizer,
+                                                                             vocab_size, eos_ids))
         self.core = make_engine_core(self.config, self.model_config, self.model_id, eos_ids, self.executor,
-                                     has_adapter=lambda name: name in self.list_loras())
+                                     has_adapter=functools.partial(_has_lora, self.executor))
         self.output_processor = OutputProcessor(self.tokenizer)
         self.input_processor = InputProcessor(self.tokenizer, vocab_size, self.max_model_len, EngineCapabilities(
             has_speculator=self.speculator is not None, world_size=self.config.world_size,
-            check_lora_name=self._check_lora_name, has_request=self.output_processor.has_request),
+            check_lora_name=functools.partial(_check_lora_name, self.executor),
+            has_request=self.output_processor.has_request),
             make_image_inputs(self.model_config, model_path, self.config.multimodal, _max_step_tokens(self.config)))
-        self.core.beams.find_stop_string = self._find_stop_string  # beams end at stop strings too
+        # Beams end at stop strings too.
+        self.core.beams.find_stop_string = functools.partial(_find_stop_string, self.tokenizer)
         self.admission = Admission(self.config.max_waiting_requests, self.config.max_waiting_prompt_tokens,
                                    max_queue_delay_s=self.config.max_queue_delay_s, slots=self.config.max_num_seqs)
         for lora_name, lora_path in self.config.lora_modules.items():
@@ -205,21 +218,7 @@ class LLMEngine:
         ``InputProcessor.tokenize_prompt``). Raises ValueError for a text that can never fit."""
         return self.input_processor.tokenize_prompt(text, params)
 
-    def _find_stop_string(self, params: SamplingParams, output_token_ids: list[int]) -> Optional[str]:
-        """The stop string a beam's output text holds (the earliest), or None (``request_groups.beam_search``)."""
-        text = self.tokenizer.decode(output_token_ids, skip_special_tokens=params.skip_special_tokens)
-        found = [(text.find(stop), stop) for stop in params.stop if stop in text]
-        return min(found)[1] if found else None
-
     # ---- LoRA adapters (engine/lora/manager.py) ----------------------------------------
-
-    def _check_lora_name(self, lora_name: Optional[str]) -> None:
-        if lora_name is None:
-            return
-        if self.runner.lora is None:
-            raise ValueError(f"lora_name: {lora_name!r} was requested but this engine serves no LoRA adapters "
-                             "(start it with enable_lora / --lora)")
-        self.runner.lora.check(lora_name)
 
     def add_lora(self, name: str, path: str) -> None:
         """Load a PEFT LoRA adapter under ``name``. Raises ValueError (LoRA off, bad adapter, name taken)."""
@@ -258,7 +257,7 @@ class LLMEngine:
         self.runner.lora.remove(name)
 
     def list_loras(self) -> list[str]:
-        return self.runner.lora.names() if self.runner.lora is not None else []
+        return _lora_names(self.executor)
 
     def lora_paths(self) -> dict[str, str]:
         """Loaded adapter name -> the folder it came from (empty with LoRA off)."""
@@ -342,3 +341,30 @@ def _max_step_tokens(config: EngineConfig) -> Optional[int]:
         return None
     threshold = config.long_prefill_token_threshold
     return min(config.max_num_batched_tokens, threshold) if threshold else config.max_num_batched_tokens
+
+
+def _find_stop_string(tokenizer: Tokenizer, params: SamplingParams, output_token_ids: list[int]) -> Optional[str]:
+    """The stop string a beam's output text holds (the earliest), or None (``request_groups.beam_search``)."""
+    text = tokenizer.decode(output_token_ids, skip_special_tokens=params.skip_special_tokens)
+    found = [(text.find(stop), stop) for stop in params.stop if stop in text]
+    return min(found)[1] if found else None
+
+
+def _lora_names(executor) -> list[str]:
+    """The adapters the executor's runner serves (none with LoRA off)."""
+    return executor.runner.lora.names() if executor.runner.lora is not None else []
+
+
+def _has_lora(executor, name: str) -> bool:
+    return name in _lora_names(executor)
+
+
+def _check_lora_name(executor, lora_name: Optional[str]) -> None:
+    """Refuse a request's ``lora_name`` the engine does not serve (ValueError naming it)."""
+    if lora_name is None:
+        return
+    lora = executor.runner.lora
+    if lora is None:
+        raise ValueError(f"lora_name: {lora_name!r} was requested but this engine serves no LoRA adapters "
+                         "(start it with enable_lora / --lora)")
+    lora.check(lora_name)

@@ -82,9 +82,7 @@ class GuidedDecodingManager:
 
     def __init__(self, make_backend: Callable[[], GrammarBackend], vocab_size: int,
                  config: Optional[GuidedConfig] = None, cache_size: int = 256, pin_memory: bool = False) -> None:
-        self._make_backend = make_backend
-        self._backend: Optional[GrammarBackend] = None
-        self._backend_lock = threading.Lock()
+        self._lazy = _LazyBackend(make_backend)  # what a compile job holds: not the manager (no cycle)
         self._config = config = config or EngineConfig().guided
         self._pool = CompilePool(config.guided_compile_workers, config.guided_compile_timeout_s,
                                  config.guided_max_stuck_compiles)
@@ -111,8 +109,8 @@ class GuidedDecodingManager:
         job = self._cache.get(key)
         if job is None:
             check_complexity(params, self._config)
-            job = self._pool.submit(partial(self._compile, params.kind, params.spec, not params.disable_any_whitespace),
-                                    tenant or "")
+            job = self._pool.submit(partial(self._lazy.compile, params.kind, params.spec,
+                                            not params.disable_any_whitespace), tenant or "")
             self.num_compilations += 1
             self._cache[key] = job
             if len(self._cache) > self._cache_size:
@@ -199,11 +197,9 @@ class GuidedDecodingManager:
             if key is not None:
                 del self._cache[key]
 
-    def _compile(self, kind: str, spec: str, any_whitespace: bool) -> Any:
-        with self._backend_lock:
-            if self._backend is None:
-                self._backend = self._make_backend()
-        return self._backend.compile(kind, spec, any_whitespace)
+    @property
+    def _backend(self) -> Optional[GrammarBackend]:
+        return self._lazy.backend
 
     # 3-5. per step ---------------------------------------------------------------------
     def truncate_drafts(self, drafts: dict[str, list[int]]) -> dict[str, list[int]]:
@@ -296,3 +292,19 @@ class GuidedDecodingManager:
             self._matchers.pop(request_id, None)
             self._grammar_of.pop(request_id, None)
 
+
+class _LazyBackend:
+    """The grammar backend, built on first use by a compile (on the pool's thread: a slow import
+    never blocks the engine's). The cached compile jobs hold this, not the manager that holds
+    them, so the manager (and the engine above it) is no reference cycle."""
+
+    def __init__(self, make_backend: Callable[[], GrammarBackend]) -> None:
+        self._make_backend = make_backend
+        self._lock = threading.Lock()
+        self.backend: Optional[GrammarBackend] = None
+
+    def compile(self, kind: str, spec: str, any_whitespace: bool) -> Any:
+        with self._lock:
+            if self.backend is None:
+                self.backend = self._make_backend()
+        return self.backend.compile(kind, spec, any_whitespace)

@@ -30,9 +30,11 @@
 - Collaborators (router, tracer, ``Gate``, ``LoRAAdmin``) are given to ``make_app`` by
   ``RouterService`` and kept on the application (``ROUTER_KEY``, ``GATE_KEY``, ...); the
   door creates none of them. Its own upstream client is the aiohttp session it opens.
-- ``gate_middleware`` runs first on every ``/v1`` request and every ``POST /v2/models``:
+- ``http_gate.gate_middleware`` runs first on every ``/v1`` request and every ``POST /v2/models``:
   the body size from ``Content-Length`` (413 before reading a byte), then the API key
-  (401). A client that disconnects mid-answer is logged at INFO, not as an error.
+  (401). A client that disconnects mid-answer is logged at INFO, not as an error. A handler
+  that ends in ``CancelledError`` its client did not cause (a gRPC call whose channel closed
+  under it) answers 502 naming it, rather than a connection closed without a response.
 
 Faults as in ``grpc_proxy``: a refused connection is retried on another replica; a replica
 that fails a request (its connection breaks, or it answers with an error that is its own
@@ -49,16 +51,16 @@ import asyncio
 import itertools
 import json
 import logging
-import re
 from typing import TYPE_CHECKING, Any, Optional
 
 import aiohttp
 from aiohttp import web
 
 from pagoda.contracts.errors import ErrorKind, spec_of
-from pagoda.fleet.gate.gate import (TENANT_KEY, AuthError, Gate, LimitError, QueueRefused, RateLimited, Turn,
+from pagoda.fleet.gate.gate import (TENANT_KEY, Gate, LimitError, QueueRefused, RateLimited, Turn,
                                     retry_after_header)
 from pagoda.fleet.api import http_stages
+from pagoda.fleet.api.http_gate import GATE_KEY, gate_middleware, triton_error as _error
 from pagoda.fleet.api.fleet_metrics import merge_vllm_series, scrape_replicas
 from pagoda.fleet.api.generate_request import GenerateRequest
 from pagoda.fleet.api.routed_request import analysis_chars, as_released
@@ -67,8 +69,6 @@ from pagoda.fleet.api.migration import CONNECTION_LOST, NO_REPLICA, Journal, Mig
 from pagoda.fleet.gate.infer_body import validate_infer_body
 from pagoda.fleet.gate.generate_body import FRONT_INPUTS, validate_generate_body
 from pagoda.fleet.api.lora_admin import LoRAAdmin, check_change
-from pagoda.fleet.api.messages_api import anthropic_error
-from pagoda.fleet.api.openai_responses import error_body
 from pagoda.fleet.routing.router import Analysis, NoReplicaAvailable, Router
 from pagoda.fleet.api.tracing import TRACEPARENT, RouterTracer
 
@@ -79,7 +79,6 @@ logger = logging.getLogger(__name__)
 
 ROUTER_KEY = web.AppKey("router", Router)
 TRACER_KEY = web.AppKey("tracer", RouterTracer)
-GATE_KEY = web.AppKey("gate", Gate)
 LORA_KEY = web.AppKey("lora_admin", LoRAAdmin)
 SESSION_KEY = web.AppKey("session", aiohttp.ClientSession)
 MIGRATIONS_KEY = web.AppKey("migrations", Migrations)
@@ -132,67 +131,9 @@ async def _ready(request: web.Request) -> web.Response:
     return web.Response(status=200 if request.app[ROUTER_KEY].replicas.routable() else 503)
 
 
-def _error(status: int, message: str, headers: Optional[dict[str, str]] = None) -> web.Response:
-    return web.json_response({"error": message}, status=status, headers=headers)
-
-
 def _kind_error(kind: ErrorKind, message: str, headers: Optional[dict[str, str]] = None) -> web.Response:
     """Triton's ``{"error"}`` answer with the status ``pagoda.contracts.errors`` gives ``kind``."""
     return _error(spec_of(kind).triton_http_status, message, headers)
-
-
-def _authorization(request: web.Request) -> Optional[str]:
-    """The request's API key as an ``Authorization`` value: that header, or ``x-api-key`` (Anthropic's SDK)."""
-    if "Authorization" in request.headers or "x-api-key" not in request.headers:
-        return request.headers.get("Authorization")
-    return f"Bearer {request.headers['x-api-key']}"
-
-
-def _gate_error(request: web.Request, status: int, message: str, kind: str, param: Optional[str] = None,
-                headers: Optional[dict[str, str]] = None) -> web.Response:
-    """An error in the door's own shape: Anthropic's on ``/v1/messages``, OpenAI's on ``/v1``,
-    Triton's ``{"error"}`` elsewhere."""
-    if request.path.startswith("/v1/messages"):
-        return anthropic_error(status, message, headers)
-    if request.path.startswith("/v1/"):
-        return web.json_response(error_body(message, kind, param), status=status, headers=headers)
-    return _error(status, message, headers)
-
-
-# GETs anyone may make (liveness, readiness, server and model metadata); every other /v2
-# GET (model configuration, statistics, logging and trace settings, the repository) needs
-# a key when the router has keys, like the generation doors.
-_OPEN_GET = re.compile(r"^/v2(/health/(live|ready))?/?$|^/v2/models/[^/]+(/versions/[^/]+)?(/ready)?/?$")
-
-
-@web.middleware
-async def gate_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
-    """Body size and API key before the handler; a client disconnect is an INFO line."""
-    guarded = request.path.startswith("/v1/") or (request.method == "POST" and request.path.startswith("/v2/models/")) \
-        or (request.path.startswith("/v2") and not _OPEN_GET.match(request.path))
-    if guarded:
-        gate = request.app[GATE_KEY]
-        try:
-            gate.limits.check_body_size(request.content_length)
-        except LimitError as exc:
-            gate.count("body_too_large")
-            return _gate_error(request, exc.status, str(exc), "invalid_request_error", exc.param)
-        try:
-            request[TENANT_KEY] = gate.authenticate(_authorization(request))
-        except AuthError as exc:
-            spec = spec_of(ErrorKind.UNAUTHORIZED)
-            return _gate_error(request, spec.triton_http_status, str(exc), spec.openai_type,
-                               headers={"WWW-Authenticate": "Bearer"})
-    try:
-        return await handler(request)
-    except ConnectionResetError as exc:  # aiohttp's ClientConnectionResetError is one too
-        logger.info("client disconnected during %s %s: %s", request.method, request.path, exc)
-        return web.Response(status=499)  # never sent: the connection is gone
-    except asyncio.CancelledError:
-        # The router runs with handler_cancellation: a client that hangs up cancels its
-        # handler (and so its upstream stream). An ordinary event: INFO, then let it unwind.
-        logger.info("client disconnected during %s %s: request cancelled", request.method, request.path)
-        raise
 
 
 async def _generate(request: web.Request) -> web.StreamResponse:

@@ -40,7 +40,9 @@ lacks (a failed pull: it computes them). Set per attempt: a retry on another rep
 
 Faults: a replica that refuses the connection (gRPC: "failed to connect") is marked unhealthy
 and the request goes to another replica (``max_attempts`` in all). A replica that breaks the
-call once the request reached it (it died, before its first response or after), or answers
+call once the request reached it (it died, before its first response or after; or the router's
+channel to it closed under the call, which ``grpc.aio`` reports as ``CancelledError``, told from
+the caller's own cancellation by ``Task.cancelling``), or answers
 with an error that is its own fault (``contracts.errors.is_replica_fault``: shutting down,
 its stub died), is marked unhealthy so new requests avoid it until the health prober sees
 it ready again, and the request is migrated (``api.migration``): sent again whole when its
@@ -56,6 +58,7 @@ own error, that error as it was sent).
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import itertools
 import json
@@ -276,6 +279,14 @@ class GrpcUpstream:
                 else:
                     return
                 continue
+            except asyncio.CancelledError:
+                if _cancelled_by_caller():
+                    raise  # its client went (or a sibling prompt failed): the call is cancelled below
+                # grpc.aio raises CancelledError from a call cancelled under it, its channel closed
+                # (a replica's channel replaced, the fleet closing): the connection was lost.
+                raise ReplicaFailed(f"replica {replica.replica_id} ({replica.endpoints['grpc']}): the router's "
+                                    "channel to it closed under this request; retry the request",
+                                    grpc.StatusCode.CANCELLED, replica.replica_id, CONNECTION_LOST) from None
             except grpc.aio.AioRpcError as exc:
                 code = exc.code()
                 if code in BROKEN_CODES and not (code == grpc.StatusCode.CANCELLED and num_responses == 0):
@@ -304,6 +315,13 @@ class GrpcUpstream:
             return None
         self.router.num_peer_pulls += 1
         return request.wire.with_options(kv_transfer_params=params)
+
+
+def _cancelled_by_caller() -> bool:
+    """Whether the running task is being cancelled (its client went, a deadline, a sibling's
+    failure) rather than handed a ``CancelledError`` by something it awaited."""
+    task = asyncio.current_task()
+    return task is None or task.cancelling() > 0
 
 
 def _journaled(request: RoutedRequest, journal: Journal) -> RoutedRequest:

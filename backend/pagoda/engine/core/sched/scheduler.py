@@ -140,8 +140,9 @@ class Scheduler(SchedulerViews):
         self.runner_view = RunnerView()  # what the runner holds: the step plan is a delta
         self.preemption = Preemption(self.running, self.waiting, self.kv_cache_manager, self.host_tier,
                                      self.runner_view, config.block_size)
+        block_pool = self.block_pool  # not self: a scheduler holding a closure over itself would be a cycle
         self.constraints = make_constraints(config.max_loras, config.min_shared_prefix_to_wait,
-                                            lambda: self.block_pool.num_free_blocks, config.block_size)
+                                            lambda: block_pool.num_free_blocks, config.block_size)
         self.admitter = WaitingAdmitter(self.waiting, self.running, self.kv_cache_manager, self.host_tier,
                                         self.policy, self.constraints, self.preemption.preempt, config.max_num_seqs,
                                         config.block_size, self._busy)
