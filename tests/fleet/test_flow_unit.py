@@ -321,6 +321,17 @@ def test_a_turn_refused_by_a_full_replica_waits_again_within_its_deadline():
     assert not off.enabled and not off.requeue(t) and off.metric_lines() == []
 
 
+
+async def routed_turn(flow, router, replicas, tenant: str):
+    """One request of ``tenant`` through the flow control and the router: waits its turn, is
+    routed, and returns the router's decision (``router.release`` ends it)."""
+    t = flow.turn(tenant, 0, 100, None)
+    await flow.wait(t, replicas)
+    decision = await router.choose(None)
+    flow.started(t, decision)
+    flow.routed(t)
+    return decision
+
 def test_a_tenant_at_its_share_leaves_the_last_slot_to_an_active_tenant():
     """Capacity 2 (one replica, two in flight), two active tenants: a share each. The flooder,
     holding one, is passed over while the quiet tenant (its last request ended within the
@@ -331,13 +342,8 @@ def test_a_tenant_at_its_share_leaves_the_last_slot_to_an_active_tenant():
         flow = flow_control(clock, queue_size=8, max_in_flight_per_replica=2, share_window_s=1.0)
         router = Router(replicas, tokenizer=None, hash_model_id="m", policy_name="round_robin")
 
-        async def routed(tenant):
-            t = flow.turn(tenant, 0, 100, None)
-            await flow.wait(t, replicas)
-            decision = await router.choose(None)
-            flow.started(t, decision)
-            flow.routed(t)
-            return decision
+        def routed(tenant):
+            return routed_turn(flow, router, replicas, tenant)
 
         quiet = await routed("quiet")
         flood = [await routed("flood")]
@@ -372,13 +378,8 @@ def test_two_slots_freed_at_once_leave_one_for_the_active_tenant():
         flow = flow_control(clock, queue_size=8, max_in_flight_per_replica=2, share_window_s=1.0, poll_s=0.05)
         router = Router(replicas, tokenizer=None, hash_model_id="m", policy_name="round_robin")
 
-        async def routed(tenant):
-            t = flow.turn(tenant, 0, 100, None)
-            await flow.wait(t, replicas)
-            decision = await router.choose(None)
-            flow.started(t, decision)
-            flow.routed(t)
-            return decision
+        def routed(tenant):
+            return routed_turn(flow, router, replicas, tenant)
 
         quiet = await routed("quiet")
         flood = await routed("flood")
