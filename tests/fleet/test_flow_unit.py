@@ -321,7 +321,6 @@ def test_a_turn_refused_by_a_full_replica_waits_again_within_its_deadline():
     assert not off.enabled and not off.requeue(t) and off.metric_lines() == []
 
 
-
 async def routed_turn(flow, router, replicas, tenant: str):
     """One request of ``tenant`` through the flow control and the router: waits its turn, is
     routed, and returns the router's decision (``router.release`` ends it)."""
@@ -331,6 +330,7 @@ async def routed_turn(flow, router, replicas, tenant: str):
     flow.started(t, decision)
     flow.routed(t)
     return decision
+
 
 def test_a_tenant_at_its_share_leaves_the_last_slot_to_an_active_tenant():
     """Capacity 2 (one replica, two in flight), two active tenants: a share each. The flooder,
