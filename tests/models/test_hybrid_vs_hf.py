@@ -294,8 +294,9 @@ def test_two_pipeline_stages_equal_the_whole_model(pair):
     """A stage runs the very layers the whole model runs, each with its own cache kind: the
     logits are bit-identical."""
     _, ours, folder = pair
-    from pagoda.engine.parallel.group import ProcessGroup
     from pagoda.models.pipeline_parallel import PipelineStage
+
+    from tests.models.test_pipeline_stages import _in_threads
 
     ids = prompt(10, 9)
 
@@ -305,23 +306,8 @@ def test_two_pipeline_stages_equal_the_whole_model(pair):
         return torch.cat([first, run_step(model, caches, [StepInput(ids[6:], 6, [1, 4, 7], state_slot=3)], BLOCK_SIZE)])
 
     expected = steps(ours)
-    store = dist.HashStore()
-    results, errors = {}, []
-
-    def rank(r: int) -> None:
-        try:
-            # a generous timeout: on a loaded 2-core machine one rank may load its model a minute later
-            results[r] = steps(PipelineStage(load_model(folder), ProcessGroup(r, 2, store, torch.device("cpu"),
-                                                                                timeout_s=300)))
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=360)
-    assert not errors, errors
+    # a generous timeout: on a loaded 2-core machine one rank may load its model a minute later
+    results = _in_threads(2, lambda group: steps(PipelineStage(load_model(folder), group)), timeout_s=300)
     assert torch.equal(results[0], expected) and results[1].numel() == 0
 
 

@@ -46,22 +46,37 @@ def _step(model, num_layers: int, config) -> torch.Tensor:
 
 
 def _in_threads(size: int, run, timeout_s: float = 60) -> dict:
-    """``run(world_group)`` for each rank of a gloo world of ``size``, one thread each; the results by rank."""
+    """``run(world_group)`` for each rank of a gloo world of ``size``, one thread each; the results by rank.
+
+    A rank keeps its group until every rank is done: the last stage's logits leave by an
+    ``isend`` that completes only once rank 0 posted its receive, and a group dropped before
+    that closes the connection under it (rank 0 then reads "connection closed by peer", seen
+    on a loaded CI machine). So each rank flushes its sends, then waits for the others.
+    """
     store = dist.HashStore()
     results, errors = {}, []
+    everyone_done = threading.Barrier(size)
 
     def rank(r: int) -> None:
         try:
-            results[r] = run(ProcessGroup(r, size, store, torch.device("cpu"), timeout_s=timeout_s))
+            group = ProcessGroup(r, size, store, torch.device("cpu"), timeout_s=timeout_s)
+            results[r] = run(group)
+            group.flush()
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
+            everyone_done.abort()  # the others stop waiting for this rank
+        try:
+            everyone_done.wait(timeout=2 * timeout_s)
+        except threading.BrokenBarrierError:
+            pass
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(size)]
     for t in threads:
         t.start()
     for t in threads:
-        t.join(timeout=120)
+        t.join(timeout=3 * timeout_s)
     assert not errors, errors
+    assert len(results) == size, f"ranks {sorted(set(range(size)) - set(results))} did not finish"
     return results
 
 
