@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 
 import pytest
@@ -55,6 +56,27 @@ def test_three_dashboards_with_unique_uids_and_panel_ids():
         assert len(ids) == len(set(ids)) and 0 not in ids, name
         assert [v["name"] for v in board["templating"]["list"]] == ["datasource", "job"]
         assert len(panel_queries(board)) >= 10, name
+
+
+def test_every_tenant_queue_series_has_a_fleet_panel():
+    """Each series the router's flow control exports (``FlowControl.metric_lines``, every one
+    present once a tenant's request was released) is read by some panel of the fleet dashboard."""
+    import asyncio
+
+    from pagoda.fleet.gate.flow_control import FlowControl, FlowOptions, Saturation
+    from pagoda.fleet.routing.replicas import ReplicaSet
+
+    options = FlowOptions(queue_size=4)
+    flow = FlowControl(options, Saturation(options, lambda: []))
+    replicas = ReplicaSet("static")
+    replicas.set_members([("r0", {"grpc": "h:1", "http": "h:2"})])
+    asyncio.run(flow.wait(flow.turn("tenant", 0, 10, None), replicas))  # room: released at once
+    exported = {line.split()[2] for line in flow.metric_lines() if line.startswith("# TYPE")}
+    assert len(exported) >= 5, exported
+    read = {name for _, expr in panel_queries(dashboard_files()["pagoda-fleet.json"])
+            for name in re.findall(r"[a-zA-Z_:][a-zA-Z0-9_:]*", expr)}
+    missing = {name for name in exported if not {name, f"{name}_bucket", f"{name}_count"} & read}
+    assert not missing, f"router queue series no fleet panel reads: {sorted(missing)}"
 
 
 def test_every_panel_query_is_valid_promql(tmp_path):

@@ -5,11 +5,12 @@ Covers: prefix affinity (the replica holding a long prefix gets the requests sha
 its ``vllm:prefix_cache_hits`` rises, the other's stays put) while unrelated requests
 spread; a router started late resyncs from the event stream; Redis killed or frozen
 mid-test -> load-only routing with no failed request, prefix routing back once Redis is;
-tritonclient gRPC stream + HTTP and the ``openai`` SDK unchanged against the router; bad
-input errors; traces (router spans in memory, the replicas' engine spans over OTLP to an
-in-test receiver, one trace id); a LoRA adapter loaded and unloaded at run time through
-the router (r0 allows it, r1 does not: a load on both is refused by r1 and rolled back on
-r0); a replica killed mid-stream (last: it kills a replica).
+tritonclient gRPC stream + HTTP and the ``openai`` SDK unchanged against the router; a stream
+asking for raw logits relayed as from the replica (not journaled for migration); bad input
+errors; traces (router spans in memory, the replicas' engine spans over OTLP to an in-test
+receiver, one trace id); a LoRA adapter loaded and unloaded at run time through the router
+(r0 allows it, r1 does not: a load on both is refused by r1 and rolled back on r0); a replica
+killed mid-stream (last: it kills a replica).
 """
 
 from __future__ import annotations
@@ -514,6 +515,111 @@ def test_router_http_door_takes_tensorrt_llm_bodies_for_the_fronts(router, repli
     for url in (replica_url, router.http_url):
         status, answer = _post_json(f"http://{url}/v2/models/ensemble/generate", {**body, "min_lenght": 6})
         assert status == 400 and "min_lenght" in answer["error"], (url, answer)
+
+
+LOGITS_PROMPT = "The three primary colors are"
+LOGITS_FLAGS = {"return_context_logits": True, "return_generation_logits": True, "return_output_token_ids": True}
+LOGITS_SAMPLING = {"max_tokens": 4, "temperature": 0, "ignore_eos": True}
+
+
+def grpc_logits_stream(url):
+    """One gRPC stream to pagoda's model asking for raw logits through the Triton inputs
+    (``LOGITS_FLAGS``): ([token ids of each response], [generation rows of each response,
+    ``[its tokens, vocab]``], the context logits, errors)."""
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
+    names = ("text_output", "output_token_ids", "context_logits", "generation_logits")
+    client = grpcclient.InferenceServerClient(url)
+    results: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    tokens, rows, contexts, errors = [], [], [], []
+    try:
+        client.async_stream_infer("pagoda", make_inputs(LOGITS_PROMPT, LOGITS_SAMPLING, **LOGITS_FLAGS),
+                                  request_id="logits", outputs=[grpcclient.InferRequestedOutput(n) for n in names],
+                                  enable_empty_final_response=True)
+        while True:
+            result, error = results.get(timeout=300)  # a loaded machine: generous
+            if error is not None:
+                errors.append(str(error))
+                break
+            response = result.get_response()
+            if response.outputs:
+                (ids,) = [json.loads(text) for text in result.as_numpy("output_token_ids")]  # n = 1
+                generation = result.as_numpy("generation_logits")
+                assert (generation is None) == (not ids), (ids, None if generation is None else generation.shape)
+                if ids:
+                    assert generation.shape[:2] == (1, len(ids)), (generation.shape, ids)  # its own rows only
+                    tokens.append(ids)
+                    rows.append(generation[0])
+                if result.as_numpy("context_logits") is not None:
+                    contexts.append(result.as_numpy("context_logits"))
+            if response.parameters["triton_final_response"].bool_param:
+                break
+    finally:
+        client.stop_stream()
+        client.close()
+    assert len(contexts) <= 1, "the context logits come once"
+    return tokens, rows, (contexts[0] if contexts else np.empty(0)), errors
+
+
+def test_raw_logits_stream_through_the_router_as_from_the_replica(router, replicas):
+    """A stream asking for raw logits (``return_context_logits`` / ``return_generation_logits`` as
+    Triton inputs) is not one the router may resume (``migration.why_not_resumable``): it is not
+    journaled (the router asks no token ids of its own: no ``gen_ai.usage.completion_tokens`` on
+    its span) but flows through unchanged. gRPC stream: each response carries its own tokens'
+    rows, the context logits come once, and the concatenation equals what the replica that
+    served it gives directly (greedy; another batch may move a float32 logit by rounding: 1e-4).
+    HTTP ``generate_stream`` (the router relays it): the same events as from the replica."""
+    import numpy as np
+
+    since = len(decisions(router))
+    routed = grpc_logits_stream(router.grpc_url)
+    _wait(lambda: len(decisions(router, since)) == 1, "the router's span of the stream ends")
+    [decision] = decisions(router, since)
+    assert "gen_ai.usage.completion_tokens" not in decision, decision  # not journaled: not migratable
+    direct = grpc_logits_stream(replicas[decision["pagoda.replica_id"]].grpc_url)
+    for answer in (routed, direct):
+        tokens, rows, context, errors = answer
+        assert not errors and sum(map(len, tokens)) == LOGITS_SAMPLING["max_tokens"], (errors, tokens)
+        assert context.shape[-2] == decision["pagoda.num_prompt_tokens"], context.shape
+    assert len(routed[1]) > 1 and sum(routed[0], []) == sum(direct[0], [])  # streamed: several responses
+    np.testing.assert_allclose(np.concatenate(routed[1]), np.concatenate(direct[1]), atol=1e-4)
+    np.testing.assert_allclose(routed[2], direct[2], atol=1e-4)
+    assert np.concatenate(routed[1]).argmax(axis=-1).tolist() == sum(routed[0], [])  # greedy: the rows' argmax
+
+    body = {"text_input": LOGITS_PROMPT, "stream": True, **LOGITS_SAMPLING, **LOGITS_FLAGS}
+    events = {}
+    for name, url in (("routed", router.http_url), ("direct", replicas[decision["pagoda.replica_id"]].http_url)):
+        events[name] = list(_sse_events(url, "/v2/models/pagoda/generate_stream", body))
+        assert events[name] and not any("error" in event for event in events[name]), events[name][:1]
+    assert [e.get("output_token_ids") for e in events["routed"]] == [e.get("output_token_ids") for e in
+                                                                      events["direct"]]
+    vocab = routed[1][0].shape[-1]
+    for routed_event, direct_event in zip(events["routed"], events["direct"]):
+        assert routed_event.keys() == direct_event.keys()
+        ids = json.loads(routed_event["output_token_ids"]) if "output_token_ids" in routed_event else []
+        if ids:  # its own tokens' rows, flattened as Triton's generate sends a tensor
+            assert np.size(routed_event["generation_logits"]) == len(ids) * vocab
+            np.testing.assert_allclose(np.asarray(routed_event["generation_logits"], np.float32).reshape(-1),
+                                       np.asarray(direct_event["generation_logits"], np.float32).reshape(-1),
+                                       atol=1e-4)
+    streamed = [np.asarray(e["generation_logits"], np.float32).reshape(-1, vocab)
+                for e in events["routed"] if "generation_logits" in e]
+    assert len(streamed) > 1
+    streamed = np.concatenate(streamed)
+    np.testing.assert_allclose(streamed, np.concatenate(direct[1]), atol=1e-4)
+
+
+def _sse_events(url, path, body):
+    """The ``data:`` payloads of an SSE answer, as JSON."""
+    request = urllib.request.Request(f"http://{url}{path}", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=300) as response:
+        assert response.status == 200
+        for block in response.read().split(b"\n\n"):
+            if block.startswith(b"data:") and block.strip() != b"data: [DONE]":
+                yield json.loads(block[5:])
 
 
 def test_disaggregated_prefill_then_decode_through_the_router(replicas, redis_server, smollm2_path):

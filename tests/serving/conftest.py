@@ -76,15 +76,19 @@ def openai_serve():
     """``pagoda serve --openai-port`` (the replica and its OpenAI door, a ``pagoda router`` child)
     for ``test_openai_door`` and ``test_openai_door_agents``: the door reads Qwen3's ``<think>``
     and Hermes tool calls (``--reasoning-parser qwen3 --tool-call-parser hermes``) and keeps
-    Responses API turns (``--response-store``). ``openai_port`` is the door's port."""
+    Responses API turns (``--response-store``). ``openai_port`` is the door's port. Its
+    TensorRT-LLM fronts are decoupled (``--trtllm-decoupled true``), so the decoupled ``ensemble``
+    is served too (``test_serving_trtllm_logits``), where ``triton_server`` keeps it unary: a
+    model's transaction policy is one per server, and no client may reload a model."""
     from tests.serving.test_serving_lifecycle import ServeProcess
 
     port = find_free_port()
     process = ServeProcess("--openai-port", str(port), "--max-model-len", "512", "--reasoning-parser", "qwen3",
-                           "--tool-call-parser", "hermes", "--response-store")
+                           "--tool-call-parser", "hermes", "--response-store", "--trtllm-decoupled", "true")
     try:
         process.wait_serving()
         assert f"OpenAI  http://127.0.0.1:{port}/v1" in process.output
+        assert "tensorrt_llm: decoupled (streaming)" in process.output
         process.openai_port = port
         yield process
     finally:

@@ -1,8 +1,10 @@
 """TensorRT-LLM's ``return_context_logits`` / ``return_generation_logits`` on the fronts and on
 pagoda's own (decoupled) model, through tritonclient against the session's tritonserver
-(tests/serving/conftest.py: ``ensemble`` non-decoupled, ``tensorrt_llm_bls`` decoupled), checked
-against a float64 transformers forward of the served model (engine.logits_output says what the rows
-are; tests/numerics.py bounds one float32 logit's error).
+(tests/serving/conftest.py: ``ensemble`` non-decoupled, ``tensorrt_llm_bls`` decoupled) and, for the
+decoupled ``ensemble``, the package's ``pagoda serve`` (``openai_serve``, run with
+``--trtllm-decoupled true``: no server of its own), checked against a float64 transformers forward
+of the served model, the default one (engine.logits_output says what the rows are;
+tests/numerics.py bounds one float32 logit's error).
 
 Shapes as TensorRT-LLM's backend sends them: FP32 ``context_logits`` ``[1, prompt tokens, vocab]``
 and ``generation_logits`` ``[1, sequences, tokens, vocab]`` per item (the non-decoupled answer
@@ -14,6 +16,7 @@ pagoda's own model streams ``[n, tokens in this response, vocab]`` and the conte
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -31,11 +34,13 @@ OUTPUTS = ("text_output", "num_input_tokens", "context_logits", "generation_logi
 
 
 @pytest.fixture(scope="module")
-def reference(triton_server):
-    """Token ids and float64 logits of the served model (transformers), with the bound."""
+def reference(smollm2_path):
+    """Token ids and float64 logits of the served model (transformers), with the bound: the default
+    model, which both servers serve (not ``triton_server.options.model``, so a test on the other
+    server does not start this one: tests/xdist_support.py groups tests by the server they use)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = triton_server.options.model
+    path = smollm2_path
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
 
@@ -102,6 +107,43 @@ def test_decoupled_bls_streams_each_responses_rows(triton_server, reference):
     tokens = streamed.argmax(axis=-1).tolist()
     expected, bound = logits(prompt + tokens)
     _within(streamed, expected[len(prompt) - 1:len(prompt) - 1 + MAX_TOKENS], bound)
+
+
+def test_decoupled_ensemble_streams_each_responses_rows(openai_serve, reference):
+    """``ensemble`` decoupled (``pagoda serve --trtllm-decoupled true``), as TensorRT-LLM's
+    end_to_end_grpc_client.py streams it (``--streaming --return-generation-logits
+    --return-context-logits``: outputs ``text_output``, ``context_logits``, ``generation_logits``,
+    one stream): each response carries only its own tokens' rows ``[1, tokens, 1, vocab]`` and the
+    context logits; the client's concatenation is the text and, within the bound, the float64
+    forward; it equals the same server's one-response answer (``stream`` false)."""
+    tokenizer, logits = reference
+    server = SimpleNamespace(grpc_url=f"127.0.0.1:{openai_serve.ports[1]}")
+    inputs = trt_inputs([PROMPT], max_tokens=MAX_TOKENS, exclude_input_in_output=(True, bool),
+                        return_context_logits=(True, bool), return_generation_logits=(True, bool))
+    names = ("text_output", "context_logits", "generation_logits")
+    whole, errors = grpc_stream(server, "ensemble", {**inputs, "stream": batch([False], bool)}, names)
+    assert not errors and len(whole) == 1, errors
+    results, errors = grpc_stream(server, "ensemble", {**inputs, "stream": batch([True], bool)}, names)
+    assert not errors and len(results) > 1, (errors, len(results))  # greedy, one token per step: streamed
+    rows, text = [], ""
+    for result in results:
+        generation = result.as_numpy("generation_logits")
+        assert generation.dtype == np.float32 and generation.shape[0] == 1 and generation.shape[2] == 1
+        assert generation.shape[1] >= 1, generation.shape  # no response without a token of its own
+        np.testing.assert_allclose(result.as_numpy("context_logits"), whole[0].as_numpy("context_logits"),
+                                   atol=1e-4)
+        rows.append(generation[0, :, 0])
+        text += result.as_numpy("text_output")[0].decode()
+    streamed = np.concatenate(rows)
+    assert streamed.shape[0] == MAX_TOKENS
+    assert whole[0].as_numpy("generation_logits").shape[:3] == (1, 1, MAX_TOKENS)
+    np.testing.assert_allclose(streamed, whole[0].as_numpy("generation_logits")[0, 0], atol=1e-4)
+    tokens = streamed.argmax(axis=-1).tolist()
+    assert text == tokenizer.decode(tokens) == whole[0].as_numpy("text_output")[0].decode()
+    prompt = tokenizer.encode(PROMPT)
+    expected, bound = logits(prompt + tokens)
+    _within(streamed, expected[len(prompt) - 1:len(prompt) - 1 + MAX_TOKENS], bound)
+    _within(whole[0].as_numpy("context_logits")[0], expected[:len(prompt)], bound)
 
 
 def test_bls_stream_with_two_sequences_sends_each_its_own_rows(triton_server):

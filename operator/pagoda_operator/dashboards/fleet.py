@@ -4,7 +4,8 @@ Rows: traffic (decisions, per-replica in-flight and routed requests, replica hea
 other refusals), routing (prefix-match tokens by kind, load-only decisions, decision time,
 pending affinity entries), KV movement (peer prefix pulls, two-stage prefill/decode), failures
 (migrations by outcome, replicas' metrics scrape failures), tenant queues (flow control:
-depth, wait p99, released and refused per tenant; series only on a router started with
+depth, wait p99, released, released behind their band (ranked after the band's others at the
+replica) and refused per tenant; series only on a router started with
 ``--queue-size-per-tenant``), and Redis (availability, the index mirror's sync, resyncs,
 reaped replicas). The replicas' ``vllm:`` series the router
 re-exports are left to the replica dashboard (the chart's router ServiceMonitor drops them).
@@ -72,6 +73,12 @@ QUEUES = Row("Tenant queues (flow control)", (
           "fleet, by priority band.",
           (Query(_rate("pagoda_router_queue_released_total", "tenant, priority"), "{{tenant}} p{{priority}}"),),
           "reqps"),
+    Graph("Released behind their band", "pagoda_router_queue_released_backlogged_total per second: of the "
+          "released requests, those whose tenant still had requests waiting in the band while another tenant "
+          "was active, sent ranked after the band's others (replicas with --scheduling-policy priority run "
+          "them after). Beside Released per tenant: near all of a flooder's, none of a quiet tenant's.",
+          (Query(_rate("pagoda_router_queue_released_backlogged_total", "tenant, priority"),
+                 "{{tenant}} p{{priority}}"),), "reqps"),
     Graph("Refused by the queue", "pagoda_router_queue_refused_total per second: 429s for a full tenant queue, "
           "the longest wait (--queue-max-wait) or the request's own timeout.",
           (Query(_rate("pagoda_router_queue_refused_total", "tenant, reason"), "{{tenant}} {{reason}}"),), "reqps"),
