@@ -1,4 +1,4 @@
-"""Compile every launch variant of the Triton kernels for sm_90 on a machine without a GPU.
+"""Record every launch variant of the Triton kernels and compile them for sm_90 without a GPU.
 
 Run as a script *without* ``TRITON_INTERPRET`` (the test runs it in a subprocess): the
 kernels must be real ``JITFunction``s. ``JITFunction.run`` is replaced by a recorder, the
@@ -7,11 +7,15 @@ each recorded launch (the exact arguments the wrapper passes) becomes an ``ASTSo
 compiled with ``triton.compile(..., target=GPUTarget("cuda", 90, 32))``, with the
 divisibility-by-16 hints a real launch gets (aligned pointers, integers % 16 == 0), so the
 machine code (e.g. vectorised loads) is what the GPU would run. So the compiled variants
-are the ones the wrappers really launch, not a hand-written list that can drift.
+are the ones the wrappers really launch, not a hand-written list that can drift. Every
+variant is reported; a covering subset of them is compiled (``sm90_cover.py``: every pair of
+parameter values the wrappers launch together, and each kernel's largest launches), or all
+of them with ``--all`` (``PAGODA_SM90_ALL=1`` in the tests).
 
-Usage: python sm90_compile.py [--shard I/N] [--families rules|tuning|gdn|deepseek|gemma4]  -> one JSON line
-per variant on stdout. ``rules``: every kernel through the shapes the built-in rules pick;
-``tuning``: every attention launch shape ``pagoda bench kernels --tune`` may write; ``gdn``:
+Usage: python sm90_compile.py [--shard I/N] [--families rules|tuning|gdn|deepseek|gemma4] [--all]  -> one
+JSON line per variant on stdout (``compiled`` false: recorded only, reported by shard 0). ``rules``: every
+kernel through the shapes the built-in rules pick; ``tuning``: every attention launch shape
+``pagoda bench kernels --tune`` may write; ``gdn``:
 the Gated DeltaNet kernels (a family of their own: their chunked kernel is the slowest to compile);
 ``deepseek``: DeepSeek-V3's launches (the MLA latent write and split-K decode, block-scaled FP8
 GEMMs and FP8 experts); ``gemma4``: Gemma 4's head sizes (256 on sliding layers, 512 on full
@@ -35,6 +39,8 @@ from triton.runtime.jit import JITFunction
 from pagoda.kernels import triton_attention, triton_conv1d, triton_gdn, triton_mla, triton_moe, triton_ops, triton_w4a16
 from pagoda.kernels import triton_w8a16, tuning
 from pagoda.kernels.metadata import AttentionMetadata
+
+from tests.kernels.sm90_cover import covering
 
 # A 16-byte asynchronous copy global -> shared: how the pipelined K/V tiles are loaded.
 VECTOR_16B = re.compile(r"cp\.async\.cg\.shared\.global \[[^\]]*\], \[[^\]]*\], 0x10")
@@ -378,6 +384,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--shard", default="0/1")
     parser.add_argument("--families", choices=("rules", "tuning", "gdn", "deepseek", "gemma4"),
                         default="rules")
+    parser.add_argument("--all", action="store_true", help="compile every variant, not the covering subset")
     parsed = parser.parse_args(argv)
     shard, num_shards = map(int, parsed.shard.split("/"))
     seen: set[str] = set()
@@ -388,25 +395,40 @@ def main(argv: list[str]) -> int:
         if key not in seen:
             seen.add(key)
             variants.append((fn, src, options, desc))
+    if parsed.all:
+        compiled = list(range(len(variants)))
+    else:  # tests/kernels/sm90_cover.py
+        compiled = covering([(fn.__name__, desc, options) for fn, _, options, desc in variants])
+    position = {index: k for k, index in enumerate(compiled)}  # shards split what is compiled
     target = GPUTarget("cuda", 90, 32)
     for i, (fn, src, options, desc) in enumerate(variants):
-        if i % num_shards != shard:
+        row = {"kernel": fn.__name__, "variant": {k: str(v) for k, v in desc.items()}, "options": options,
+               "compiled": i in position}
+        if i not in position:
+            if shard == 0:  # recorded, not compiled: reported once
+                print(json.dumps(row), flush=True)
             continue
-        start = time.perf_counter()
-        row = {"kernel": fn.__name__, "variant": {k: str(v) for k, v in desc.items()}, "options": options}
-        try:
-            compiled = triton.compile(src, target=target, options=options)
-            shared = compiled.metadata.shared
-            row.update(ok=shared <= H100_MAX_SHARED, shared=shared, has_cubin="cubin" in compiled.asm,
-                       vector16=bool(VECTOR_16B.search(compiled.asm.get("ptx", ""))))
-            if shared > H100_MAX_SHARED:
-                row["error"] = f"needs {shared} bytes of shared memory"
-        except Exception as exc:  # reported per variant; the test fails on any
-            row.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:2000])
-        row["seconds"] = round(time.perf_counter() - start, 2)
-        print(json.dumps(row), flush=True)
+        if position[i] % num_shards != shard:
+            continue
+        print(json.dumps(_compile(src, target, options, row)), flush=True)
     print(json.dumps({"total_variants": len(variants)}), flush=True)
     return 0
+
+
+def _compile(src: ASTSource, target: GPUTarget, options: dict, row: dict) -> dict:
+    """``row`` with the compile's result: ok, shared bytes, has_cubin, vector16, seconds (or the error)."""
+    start = time.perf_counter()
+    try:
+        compiled = triton.compile(src, target=target, options=options)
+        shared = compiled.metadata.shared
+        row.update(ok=shared <= H100_MAX_SHARED, shared=shared, has_cubin="cubin" in compiled.asm,
+                   vector16=bool(VECTOR_16B.search(compiled.asm.get("ptx", ""))))
+        if shared > H100_MAX_SHARED:
+            row["error"] = f"needs {shared} bytes of shared memory"
+    except Exception as exc:  # reported per variant; the test fails on any
+        row.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:2000])
+    row["seconds"] = round(time.perf_counter() - start, 2)
+    return row
 
 
 if __name__ == "__main__":

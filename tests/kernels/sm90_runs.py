@@ -122,8 +122,9 @@ class Sm90Runs:
         for i in range(NUM_SHARDS):
             if self._stopped:
                 break
+            every = ["--all"] if os.environ.get("PAGODA_SM90_ALL") == "1" else []  # else a covering subset
             procs.append(subprocess.Popen(
-                [sys.executable, str(SCRIPT), "--shard", f"{i}/{NUM_SHARDS}", "--families", family],
+                [sys.executable, str(SCRIPT), "--shard", f"{i}/{NUM_SHARDS}", "--families", family, *every],
                 env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                 preexec_fn=(lambda: os.nice(19)) if background else None))
         self._procs += procs
