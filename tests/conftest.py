@@ -63,6 +63,12 @@ def _is_xdist_worker(config) -> bool:
     return hasattr(config, "workerinput")
 
 
+def pytest_configure(config):
+    """An xdist worker shares the cores with the others (tests/xdist_support.py)."""
+    if _is_xdist_worker(config):
+        xdist_support.share_cores(config)
+
+
 @pytest.hookimpl(trylast=True)  # after -k / -m have deselected
 def pytest_collection_modifyitems(config, items):
     """Start the sm_90 compile runs of the selected tests in the background (idle CPU: see

@@ -16,6 +16,11 @@ collects every test and runs only those the controller sends it, so:
 - **the sm_90 compile runs** (tests/kernels/sm90_runs.py) belong to the controller: it starts
   them once its first worker has collected, writes each family's output into the same folder,
   and removes the folder when the session ends.
+- **threads.** Each worker's torch, and what it starts (tritonserver's stubs, bench and
+  parallel workers, which read ``OMP_NUM_THREADS``), gets ``cores / workers`` intra-op threads
+  (at least one), not every core: two workers of two threads each on two cores spin at each
+  other's OpenMP barriers (an ``-n 2`` run spent as much CPU as the serial one while compiling
+  a third of the sm_90 variants). A test that needs its own count sets it (``restore_threads``).
 """
 
 from __future__ import annotations
@@ -45,6 +50,17 @@ def write_groups(config, items) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps({item.nodeid: group_of(item) for item in items}))
     os.replace(tmp, path)
+
+
+def share_cores(config) -> None:
+    """A worker's intra-op threads: the cores (its affinity) over the workers, at least one; also
+    ``OMP_NUM_THREADS`` for the processes it starts (unless the user set it)."""
+    import torch
+
+    workers = int(config.workerinput.get("workercount", 1))
+    threads = max(1, len(os.sched_getaffinity(0)) // workers)
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 def controller_folder(config) -> str:

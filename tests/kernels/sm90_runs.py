@@ -1,23 +1,27 @@
 """The sm_90 compile runs of ``test_compile_sm90.py``, started when the session starts and
-run in the background at the lowest CPU priority.
+run in the background (at the lowest CPU priority in a serial session).
 
-Compiling every launch variant for sm_90 is minutes of CPU that needs no GPU and no other
-test: on a 2-core machine the rest of the suite leaves one core or both idle for much of its
-time (servers starting, clients waiting on streams, single-threaded steps). So when the
-session has selected any of those tests, ``start`` launches the families' runs of
-``sm90_compile.py`` at once, one family after another, two shards each, at ``nice 19``: they
-take only the cycles the other tests leave, and the foreground tests keep their speed (the
-kernel's scheduler gives a nice-19 process ~1.5% of a core against a nice-0 one). A test then
-reads its family's output (``rows``), waiting for what is left of the run; a test run alone
-(nothing started) runs its family there and then. ``stop`` ends whatever still runs when the
-session ends. Every variant is compiled exactly as before; only when does it change.
+Compiling the launch variants for sm_90 (a covering subset: ``sm90_cover.py``) is minutes of
+CPU that needs no GPU and no other test: on a 2-core machine the rest of the suite leaves
+one core or both idle for much of its time (servers starting, clients waiting on streams,
+single-threaded steps). So when the session has selected any of those tests, ``start``
+launches the families' runs of ``sm90_compile.py`` at once, one family after another, two
+shards each, at ``nice 19``: they take only the cycles the other tests leave, and the
+foreground tests keep their speed (the kernel's scheduler gives a nice-19 process ~1.5% of a
+core against a nice-0 one). A test then reads its family's output (``rows``), waiting for
+what is left of the run; a test run alone (nothing started) runs its family there and then.
+``stop`` ends whatever still runs when the session ends. What is compiled does not depend on
+when; only when does.
 
 Under pytest-xdist the runs belong to the controller, not to a worker (each worker collects
 every test but runs only some: a worker's runs would compile each family once per worker, and
 end with that worker's session while the other may still need them): the controller starts
 them once its first worker has collected (tests/conftest.py), and writes each family's output
 as ``<family>.json`` into the folder it hands every worker (tests/xdist_support.py), with
-``started.json``, the families started; a worker's ``rows`` waits for that file.
+``started.json``, the families started; a worker's ``rows`` waits for that file. There the
+runs take normal priority: two workers leave no idle core, so a nice-19 run would get its
+cycles only at the end while the worker that needs it waits (measured: 8 minutes of waiting
+in a 36-minute ``-n 2`` run).
 """
 
 from __future__ import annotations
@@ -56,7 +60,8 @@ class Sm90Runs:
         self._results_dir = results_dir  # the xdist controller's: each family's outputs written there
 
     def start(self, families: list[str]) -> None:
-        """Run ``families`` (in this order) in the background at the lowest priority."""
+        """Run ``families`` (in this order) in the background: at the lowest priority beside a
+        serial session, at normal priority beside xdist's workers."""
         with self._lock:
             todo = [f for f in dict.fromkeys(families) if f not in self._runs]
             for family in todo:
@@ -64,7 +69,10 @@ class Sm90Runs:
         if todo:
             if self._results_dir is not None:
                 _write_json(Path(self._results_dir) / "started.json", list(self._runs))
-            threading.Thread(target=self._run_all, args=(todo, True), daemon=True, name="sm90-compile").start()
+            # xdist's controller (results_dir): two workers keep both cores busy, so a nice-19 run
+            # would get no cycles until the end and the worker waiting for it would idle meanwhile
+            lowest = self._results_dir is None
+            threading.Thread(target=self._run_all, args=(todo, lowest), daemon=True, name="sm90-compile").start()
 
     def rows(self, family: str) -> tuple[list[dict], set[int]]:
         """The family's rows (one per variant) and the variant totals its shards reported;
