@@ -1,6 +1,7 @@
 """Running the suite under pytest-xdist (``-n 2 --dist loadgroup``) without building anything twice.
 
-Optional: the README's command runs the suite in one process. Under xdist every worker
+The README's command (and so CI's) runs the suite in two workers; ``-n 0`` runs it in one
+process. Under xdist every worker
 collects every test and runs only those the controller sends it, so:
 
 - **groups.** A test goes with the others of its module (its module fixtures are built once,
