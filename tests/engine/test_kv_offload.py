@@ -14,7 +14,8 @@ import torch
 
 from pagoda.engine.config import EngineConfig
 from pagoda.contracts.kv_events import BlockRemoved, BlockStored
-from pagoda.engine.kv.host_tier import HostBlockPool, KVOffloadManager, SwapCostModel
+from pagoda.engine.kv.host_tier import HostBlockPool, KVOffloadManager
+from pagoda.engine.kv.swap_cost import SwapCostModel
 from pagoda.engine.request import Request, RequestStatus
 from pagoda.engine.sampling_params import SamplingParams
 from pagoda.engine.runner.runner_output import ModelRunnerOutput

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable, Iterable, Optional, Protocol
 
-from pagoda.engine.kv.host_tier import SwapCostModel
+from pagoda.engine.kv.swap_cost import SwapCostModel
 from pagoda.engine.kv.layout import KVCacheLayout
 from pagoda.engine.request import Request
 from pagoda.engine.runner.runner_output import ModelRunnerOutput

@@ -42,17 +42,8 @@ Block events: only the device tier is advertised (ARCHITECTURE contract 3 unchan
 Host-tier blocks emit no events: the fleet index has no notion of a storage medium, and
 a replica that advertised CPU blocks as ``medium: "GPU"`` would overstate its hits.
 
-Cost model (``SwapCostModel``), per preempted request with ``n`` computed tokens in
-``b`` blocks of ``bytes_per_block`` bytes::
-
-    swap      = 2 * (copy_latency_s + b * bytes_per_block / copy_bandwidth)   # out + in
-    recompute = n * prefill_s_per_token
-
-Swap when ``swap < recompute``. The fixed latency (launches, synchronisation, per-layer
-loop) makes recompute win for short contexts; bandwidth vs prefill speed decides long
-ones. Numbers come from ``runner.host_kv_cache.calibrate`` at start or from ``EngineConfig``.
-Attention makes true recompute superlinear in ``n``; the linear model is conservative
-(it under-estimates recompute for long contexts, i.e. errs towards recompute).
+Whether a preempted request swaps or recomputes is ``kv.swap_cost.SwapCostModel``'s
+prediction (``wants_swap``).
 
 File tiers (``kv.file_tier``, optional): a block entering the prefix side is also written
 to the disk and shared tiers (write-through, on the runner's writer thread), and a lookup
@@ -66,36 +57,16 @@ so no scheduler path asks whether the tier is on.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, Union
 
 from pagoda.contracts.block_hash import BlockHash
 from pagoda.engine.kv.block_pool import FreeBlockQueue, KVCacheBlock
 from pagoda.engine.kv.file_tier import FileTiers
 from pagoda.engine.kv.host_states import HostStates
+from pagoda.engine.kv.swap_cost import SwapCostModel
 from pagoda.engine.config import PREEMPTION_MODES
 
 BlockPairs = list[tuple[int, int]]  # (src block id, dst block id)
-
-
-@dataclass(frozen=True)
-class SwapCostModel:
-    """Predicted seconds to restore a preempted request's KV, by swap or by recompute."""
-
-    bytes_per_block: int
-    copy_bandwidth_bytes_per_s: float
-    copy_latency_s: float
-    prefill_s_per_token: float
-
-    def swap_cost(self, num_blocks: int) -> float:
-        one_way = self.copy_latency_s + num_blocks * self.bytes_per_block / self.copy_bandwidth_bytes_per_s
-        return 2.0 * one_way
-
-    def recompute_cost(self, num_tokens: int) -> float:
-        return num_tokens * self.prefill_s_per_token
-
-    def prefers_swap(self, num_tokens: int, num_blocks: int) -> bool:
-        return self.swap_cost(num_blocks) < self.recompute_cost(num_tokens)
 
 
 class HostBlockPool:

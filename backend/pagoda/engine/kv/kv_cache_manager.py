@@ -46,7 +46,8 @@ from pagoda.engine.kv.block_pool import BlockPool, KVCacheBlock
 from pagoda.engine.kv.file_tier import FileTiers, check_layout, emit_events
 from pagoda.engine.kv.group_managers import MANAGERS, PagedGroupManager
 from pagoda.engine.kv.host_states import HostStates
-from pagoda.engine.kv.host_tier import BlockPairs, HostTier, SwapCostModel, make_host_tier
+from pagoda.engine.kv.host_tier import BlockPairs, HostTier, make_host_tier
+from pagoda.engine.kv.swap_cost import SwapCostModel
 from pagoda.engine.kv.layout import KVCacheLayout, single_group_layout
 from pagoda.engine.kv.specs import SlidingWindowSpec
 from pagoda.engine.kv.state_manager import StateGroupManager

@@ -37,7 +37,7 @@ from pagoda.engine.config import EngineConfig
 from pagoda.engine.guided.bitmask import TokenBitmask
 from pagoda.engine.guided.manager import GuidedDecodingManager
 from pagoda.engine.kv.file_tier import FileTiers
-from pagoda.engine.kv.host_tier import SwapCostModel
+from pagoda.engine.kv.swap_cost import SwapCostModel
 from pagoda.engine.request import Request
 from pagoda.engine.runner.device_worker import DeviceTimer, InlineWorker, SplitStepHandle, StepHandle, ThreadWorker
 from pagoda.engine.runner.file_tier_io import make_file_tiers

@@ -35,7 +35,8 @@ from typing import Sequence
 
 import torch
 
-from pagoda.engine.kv.host_tier import BlockPairs, SwapCostModel
+from pagoda.engine.kv.host_tier import BlockPairs
+from pagoda.engine.kv.swap_cost import SwapCostModel
 from pagoda.engine.runner.model_runner import ModelRunner
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]

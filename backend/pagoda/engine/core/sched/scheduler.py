@@ -96,7 +96,7 @@ from pagoda.engine.core.sched.scheduler_config import SchedulerConfig
 from pagoda.engine.core.sched.scheduler_views import SchedulerViews
 from pagoda.engine.core.sched.step_plan import StepPlan
 from pagoda.engine.kv.file_tier import FileTiers
-from pagoda.engine.kv.host_tier import SwapCostModel
+from pagoda.engine.kv.swap_cost import SwapCostModel
 from pagoda.engine.kv.kv_cache_manager import make_kv_cache
 from pagoda.engine.request import Request, RequestStatus
 from pagoda.engine.runner.runner_output import ModelRunnerOutput
