@@ -39,17 +39,19 @@ Rotary frequencies: ``inv_freq()`` reproduces Hugging Face's computation bit for
 any other type raises ``ValueError`` naming it. YaRN (transformers' ``_compute_yarn_parameters``,
 gpt-oss) also scales cos and sin by ``rope_attention_factor`` (1 for the other types). ``rope_parameters`` keyed by
 layer type (Gemma 3) is read per layer type (``read_rope``); the shared fields take ``full_attention``'s.
+The llama3 and YaRN scalings themselves are ``models/rope_scaling.py``.
 """
 
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
+
+from pagoda.models.rope_scaling import llama3_scale, yarn_inv_freq, yarn_mscale
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 _LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -219,11 +221,11 @@ class ModelConfig:
         exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float) / dim
         inv_freq = 1.0 / (self.rope_theta**exponents)
         if self.rope_type == "llama3":
-            inv_freq = _llama3_scale(inv_freq, self.rope_scaling)
+            inv_freq = llama3_scale(inv_freq, self.rope_scaling)
         elif self.rope_type == "linear":
             inv_freq = inv_freq / self.rope_scaling["factor"]
         elif self.rope_type == "yarn":
-            inv_freq = _yarn_inv_freq(self.rope_theta ** (exponents), dim, self.rope_theta, self._yarn_factor(),
+            inv_freq = yarn_inv_freq(self.rope_theta ** (exponents), dim, self.rope_theta, self._yarn_factor(),
                                       self.rope_scaling)
         return inv_freq
 
@@ -238,8 +240,8 @@ class ModelConfig:
         factor, mscale, mscale_all_dim = (self._yarn_factor(), self.rope_scaling.get("mscale"),
                                           self.rope_scaling.get("mscale_all_dim"))
         if mscale and mscale_all_dim:
-            return float(_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim))
-        return _yarn_mscale(factor)
+            return float(yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim))
+        return yarn_mscale(factor)
 
     def _yarn_factor(self) -> float:
         factor = self.rope_scaling["factor"]  # None: the context extension the config implies
@@ -396,44 +398,3 @@ def read_rope(raw: dict[str, Any], layer_type: str = "full_attention") -> tuple[
     if rope_type in (None, "default") and not set(scaling) - {"rope_type", "type"}:
         return float(theta), None
     return float(theta), scaling
-
-
-def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
-    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
-
-
-def _yarn_inv_freq(pos_freqs: torch.Tensor, dim: int, base: float, factor: float,
-                   scaling: dict[str, Any]) -> torch.Tensor:
-    """YaRN: interpolate (divide by ``factor``) the low frequencies, keep the high ones, blend
-    linearly between the correction dimensions of ``beta_fast`` / ``beta_slow`` rotations."""
-    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
-    original = scaling["original_max_position_embeddings"]
-
-    def correction_dim(rotations: float) -> float:
-        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
-
-    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
-    if scaling.get("truncate", True):
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001  # as transformers: no division by zero
-    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
-    extrapolation = 1 - ramp
-    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
-
-
-def _llama3_scale(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
-    """Llama 3.1 frequency scaling: slow down low frequencies, keep high, blend between."""
-    factor = scaling["factor"]
-    low_freq_factor = scaling["low_freq_factor"]
-    high_freq_factor = scaling["high_freq_factor"]
-    old_context_len = scaling["original_max_position_embeddings"]
-    low_freq_wavelen = old_context_len / low_freq_factor
-    high_freq_wavelen = old_context_len / high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
