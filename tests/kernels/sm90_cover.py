@@ -37,7 +37,8 @@ def features(desc: dict, options: dict) -> tuple:
     return tuple(sorted((str(k), str(v)) for k, v in {**desc, **options}.items()))
 
 
-def _pairs(feats: tuple) -> set:
+def pairs(feats: tuple) -> set:
+    """The pairs of parameter values in ``feats`` (the lone one of a one-parameter variant)."""
     return set(itertools.combinations(feats, 2)) if len(feats) > 1 else {feats}
 
 
@@ -67,7 +68,7 @@ def covering(variants: Sequence[tuple[str, dict, dict]]) -> list[int]:
     chosen: set[int] = set()
     for indices in by_kernel.values():
         feats = {i: features(variants[i][1], variants[i][2]) for i in indices}
-        needed = set().union(*(_pairs(feats[i]) for i in indices))
+        needed = set().union(*(pairs(feats[i]) for i in indices))
         largest: dict[tuple, int] = {}
         for i in indices:
             _, desc, options = variants[i]
@@ -76,10 +77,10 @@ def covering(variants: Sequence[tuple[str, dict, dict]]) -> list[int]:
                 largest[key] = i
         picked = set(largest.values())
         for i in picked:
-            needed -= _pairs(feats[i])
+            needed -= pairs(feats[i])
         while needed:
-            best = max(indices, key=lambda i: (len(needed & _pairs(feats[i])), -i))
+            best = max(indices, key=lambda i: (len(needed & pairs(feats[i])), -i))
             picked.add(best)
-            needed -= _pairs(feats[best])
+            needed -= pairs(feats[best])
         chosen |= picked
     return sorted(chosen)

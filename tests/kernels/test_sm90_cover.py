@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import itertools
 
-from tests.kernels.sm90_cover import covering, features
+from tests.kernels.sm90_cover import covering, features, pairs
 
 
 def _pairs(variant) -> set:
-    return set(itertools.combinations(features(variant[1], variant[2]), 2))
+    return pairs(features(variant[1], variant[2]))
 
 
 def _grid() -> list[tuple[str, dict, dict]]:
