@@ -54,6 +54,25 @@ def test_vector_tiles_within_the_bound_and_equal_to_the_plain_ones(dtype, n, k):
         assert torch.equal(ops().linear(x[-1:].contiguous(), packed, n, bias, "vector"), out[-1:])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_packing_puts_every_element_where_the_layout_says(dtype, n, k):
+    """float32 ``[P, K, 16]``: ``packed[p, kk, j] = w[16p + j, kk]``; bfloat16 ``[P, Kp/2, 16, 2]``
+    (Kp: K rounded up to 32): ``packed[p, kk // 2, j, kk % 2] = w[16p + j, kk]``; zero past N
+    and K. Also from a transposed (non-contiguous) weight."""
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(n + k)).to(dtype)  # no zero: padding shows
+    assert (w != 0).all()
+    panels, kp = -(-n // 16), (k if dtype == torch.float32 else -(-k // 32) * 32)
+    padded = torch.zeros(panels * 16, kp, dtype=dtype)
+    padded[:n, :k] = w
+    expected = padded.view(panels, 16, kp).transpose(1, 2)  # [P, Kp, 16]
+    if dtype == torch.bfloat16:
+        expected = expected.reshape(panels, kp // 2, 2, 16).transpose(2, 3)
+    for weight in (w, w.T.contiguous().T):
+        packed = ops().pack_linear(weight)
+        assert packed.is_contiguous() and torch.equal(packed, expected)
+
+
 @pytest.mark.skipif(not cpu_native.loaded_ops() or not torch.cpu._is_amx_tile_supported(), reason="no AMX here")
 @pytest.mark.parametrize("n,k", [(208, 576), (50, 64), (33, 96)])
 def test_amx_within_the_bound(n, k):

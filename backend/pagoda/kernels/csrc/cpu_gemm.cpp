@@ -238,19 +238,40 @@ void run_linear(const E* x, int64_t ldx, const E* packed, int64_t ldb, int64_t r
   });
 }
 
+// Writes the [n, k] weight w (rows ldw apart) as panels of kPanel rows, one pass: panel p is
+// [kp / PAIR][kPanel][PAIR] with out[p][kk / PAIR][j][kk % PAIR] = w[p * kPanel + j][kk], zero
+// where a row is past n or kk past k. The writes run in order, the reads down the panel's
+// kPanel rows side by side; panels are split across the intra-op threads.
+template <int64_t PAIR, typename T>
+void pack_panels(const T* w, int64_t ldw, int64_t n, int64_t k, int64_t kp, T* out) {
+  at::parallel_for(0, ceil_div(n, kPanel), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t rows = std::min(kPanel, n - p * kPanel);
+      const T* src = w + p * kPanel * ldw;
+      T* dst = out + p * kp * kPanel;
+      for (int64_t kk = 0; kk < kp; kk += PAIR)
+        for (int64_t j = 0; j < kPanel; ++j)
+          for (int64_t t = 0; t < PAIR; ++t)
+            *dst++ = j < rows && kk + t < k ? src[j * ldw + kk + t] : T(0);
+    }
+  });
+}
+
 at::Tensor pack_linear(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2, "pack_linear: a [N, K] weight");
-  const int64_t n = weight.size(0), k = weight.size(1), panels = ceil_div(n, kPanel);
-  if (weight.scalar_type() == at::kFloat) {  // [panels, K, 16]
-    at::Tensor padded = at::zeros({panels * kPanel, k}, weight.options());
-    padded.narrow(0, 0, n).copy_(weight);
-    return padded.view({panels, kPanel, k}).transpose(1, 2).contiguous();
+  const at::Tensor w = weight.contiguous();
+  const int64_t n = w.size(0), k = w.size(1), panels = ceil_div(n, kPanel);
+  if (w.scalar_type() == at::kFloat) {  // [panels, K, 16]
+    at::Tensor packed = at::empty({panels, k, kPanel}, w.options());
+    pack_panels<1>(w.data_ptr<float>(), k, n, k, k, packed.data_ptr<float>());
+    return packed;
   }
-  TORCH_CHECK(weight.scalar_type() == at::kBFloat16, "pack_linear: float32 or bfloat16, got ", weight.scalar_type());
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16, "pack_linear: float32 or bfloat16, got ", w.scalar_type());
   const int64_t kp = ceil_div(k, 32) * 32;  // [panels, Kp / 2, 16, 2]
-  at::Tensor padded = at::zeros({panels * kPanel, kp}, weight.options());
-  padded.narrow(0, 0, n).narrow(1, 0, k).copy_(weight);
-  return padded.view({panels, kPanel, kp / 2, 2}).permute({0, 2, 1, 3}).contiguous();
+  at::Tensor packed = at::empty({panels, kp / 2, kPanel, 2}, w.options());
+  auto bits = [](const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); };
+  pack_panels<2>(static_cast<const uint16_t*>(bits(w)), k, n, k, kp, bits(packed));
+  return packed;
 }
 
 // kernel: "auto" (AMX for bfloat16 from kAmxRows rows where it can serve, else the vector
