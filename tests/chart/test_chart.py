@@ -25,7 +25,7 @@ jsonschema = pytest.importorskip("jsonschema")
 from pagoda_operator import crd  # noqa: E402
 from pagoda_operator.reconcile import render_children  # noqa: E402
 from pagoda_operator.spec import parse_llmservice  # noqa: E402
-from tests.crd_schema import KSERVE, lws_errors, tighten  # noqa: E402
+from tests.crd_schema import KSERVE, load_yaml, lws_errors, tighten  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "pagoda"
@@ -96,7 +96,7 @@ def _kserve_validators() -> dict:
     result = {}
     for name in ("serving.kserve.io_inferenceservices.yaml",
                  "serving.kserve.io_servingruntimes.yaml"):
-        kind, api_version, validator = crd_validator(yaml.safe_load((KSERVE / name).read_text()))
+        kind, api_version, validator = crd_validator(load_yaml(KSERVE / name))
         result[kind] = (api_version, validator)
     return result
 
@@ -324,8 +324,7 @@ def render_with(tmp_path: Path, values: dict) -> list[dict]:
 def test_inference_pool_validates_against_gie_crd_and_selects_the_replicas_pods(tmp_path):
     objects = render_with(tmp_path, POOL_VALUES)
     [pool] = [o for o in objects if o["kind"] == "InferencePool"]
-    kind, api_version, validator = crd_validator(
-        yaml.safe_load((GIE / "inference.networking.k8s.io_inferencepools.yaml").read_text()))
+    kind, api_version, validator = crd_validator(load_yaml(GIE / "inference.networking.k8s.io_inferencepools.yaml"))
     validate_custom(pool, {kind: (api_version, validator)})
     spec = pool["spec"]
     assert pool["metadata"]["name"] == "smollm2-pool"

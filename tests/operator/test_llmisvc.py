@@ -6,7 +6,6 @@ the reconciler applies and deletes."""
 from __future__ import annotations
 
 import copy
-import functools
 from pathlib import Path
 
 import pytest
@@ -17,9 +16,9 @@ from pagoda_operator.reconcile import render_children, stale_children
 from pagoda_operator.render_llmisvc import llmisvc_pod_selector, render_llm_inference_service
 from pagoda_operator.render_router import render_router_deployment
 from pagoda_operator.spec import SpecError, parse_llmservice
-from tests.crd_schema import KSERVE, tighten  # noqa: E402
+from tests.crd_schema import KSERVE, storage_version_validator  # noqa: E402
 
-jsonschema = pytest.importorskip("jsonschema")
+pytest.importorskip("jsonschema")
 
 
 def body(**spec):
@@ -29,13 +28,8 @@ def body(**spec):
     return {"metadata": {"name": "chat", "namespace": "llm", "uid": "u1"}, "spec": base}
 
 
-@functools.lru_cache(maxsize=None)
 def llmisvc_validator():
-    crd = yaml.safe_load((KSERVE / "serving.kserve.io_llminferenceservices.yaml").read_text())
-    [storage] = [v for v in crd["spec"]["versions"] if v.get("storage")]
-    schema = tighten(storage["schema"]["openAPIV3Schema"])
-    schema["properties"]["metadata"] = {"type": "object"}  # the API server's
-    return f"{crd['spec']['group']}/{storage['name']}", crd["spec"]["names"]["kind"], jsonschema.Draft7Validator(schema)
+    return storage_version_validator(KSERVE / "serving.kserve.io_llminferenceservices.yaml")
 
 
 def errors_of(obj: dict) -> list[str]:
