@@ -152,3 +152,14 @@ def to_fp8_case(case: PagedCase, k_scale: float, v_scale: float) -> PagedCase:
 
     return PagedCase(case.q, quantize_fp8(case.k_cache, k_scale), quantize_fp8(case.v_cache, v_scale),
                      case.meta, case.scale)
+
+
+def pairwise(first: list, second: list, third: list) -> list[tuple]:
+    """A pairwise covering of three parameters: every pair of values of any two of them occurs
+    in some case, in ``len(first) * len(second)`` cases instead of the full product (the third
+    is chosen by a Latin square: ``third[(i + j) % len(third)]``, which meets every value of
+    ``first`` and of ``second`` when neither is shorter than ``third``). For interpreter-run
+    kernel matrices, where each case costs seconds: a failure caused by one value, or by two
+    together, still shows."""
+    assert len(third) <= min(len(first), len(second)), "the Latin square needs the third to be shortest"
+    return [(a, b, third[(i + j) % len(third)]) for i, a in enumerate(first) for j, b in enumerate(second)]

@@ -1,5 +1,9 @@
 """Triton paged attention (interpreter) vs the float64 reference across the test matrix.
 
+The matrices of three parameters run a pairwise covering (``kernel_cases.pairwise``: every
+pair of values together in some case), not their whole product: each case is seconds of
+interpreter time.
+
 Each case is a whole engine step. ``MIXED_STEP`` holds, with block size 4: a decode whose
 context ends on a block boundary, a prefill chunk with no cached context ending off a
 boundary, a chunk after 8 cached tokens, a decode that fills its last block exactly, a
@@ -18,6 +22,7 @@ from tests.kernels.kernel_cases import (
     assert_close_to_reference,
     attention_bound,
     make_paged_case,
+    pairwise,
     poisoned_allocations,
     reference_attention,
 )
@@ -36,9 +41,12 @@ def run_kernel(case, config=None) -> torch.Tensor:
         )
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("head_dim", HEAD_DIMS)
-@pytest.mark.parametrize("heads", HEAD_GROUPS, ids=lambda h: f"h{h[0]}kv{h[1]}")
+def _ids(value) -> str:
+    return f"h{value[0]}kv{value[1]}" if isinstance(value, tuple) else str(value)
+
+
+# Every pair of (GQA group, head size, dtype) values, not the whole product (kernel_cases.pairwise).
+@pytest.mark.parametrize("heads,head_dim,dtype", pairwise(HEAD_GROUPS, HEAD_DIMS, DTYPES), ids=_ids)
 def test_mixed_step_matrix(dtype, head_dim, heads):
     seed = hash((str(dtype), head_dim, heads)) % 2**31
     case = make_paged_case(*MIXED_STEP, *heads, head_dim, dtype, block_size=4, seed=seed)
@@ -71,9 +79,8 @@ def test_decode_batch_with_split(dtype):
     assert_close_to_reference(run_kernel(case, config), reference_attention(case), dtype, attention_bound(case))
 
 
-@pytest.mark.parametrize("window", [1, 7, 20])
-@pytest.mark.parametrize("name", [None, "small_tiles", "split3"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("window,name,dtype", pairwise([1, 7, 20], [None, "small_tiles", "split3"],
+                                                      [torch.float32, torch.bfloat16]), ids=str)
 def test_sliding_window(window, name, dtype):
     """A query at p sees keys in (p - window, p]: decodes and chunks whose contexts reach past
     the window, through the unmasked middle tiles, the window's masked edge and split-K
@@ -92,9 +99,8 @@ def test_sliding_window(window, name, dtype):
         assert not torch.allclose(expected, reference_attention(case).to(expected.dtype))
 
 
-@pytest.mark.parametrize("window", [0, 7])
-@pytest.mark.parametrize("name", [None, "small_tiles", "split3"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name,window,dtype", pairwise([None, "small_tiles", "split3"], [0, 7],
+                                                      [torch.float32, torch.bfloat16]), ids=str)
 def test_attention_sinks(window, name, dtype):
     """gpt-oss sinks: one logit per head in each row's softmax denominator (no value), with
     and without a window, unsplit and through the split-K merge; the torch path too. The
