@@ -32,7 +32,8 @@ import urllib.request
 import pytest
 
 from pagoda.fleet.gate.flow_control import WAIT_BUCKETS_S, FlowOptions
-from pagoda.serving.launch.launcher import ServeOptions, TritonServer, find_free_port
+from pagoda.serving.launch.launcher import TritonServer, find_free_port
+from pagoda.serving.launch.serve_options import ServeOptions
 
 from tests.fleet.test_admission_e2e import _idle, post
 from tests.fleet.test_router_e2e import grpc_generate

@@ -20,7 +20,9 @@ import signal
 
 import pytest
 
-from pagoda.serving.launch.launcher import ServeOptions, TritonServer, find_free_port
+from pagoda.serving.launch.launcher import TritonServer, find_free_port
+
+from pagoda.serving.launch.serve_options import ServeOptions
 
 from tests.fleet.test_router_e2e import _make_router, _wait, decisions, grpc_generate, read_metric
 

@@ -25,7 +25,8 @@ import urllib.request
 import pytest
 
 from pagoda.serving.launch.client import make_inputs
-from pagoda.serving.launch.launcher import ServeOptions, TritonServer, find_free_port
+from pagoda.serving.launch.launcher import TritonServer, find_free_port
+from pagoda.serving.launch.serve_options import ServeOptions
 
 from tests.fleet.test_router_e2e import _wait, otlp_receiver, read_metric  # noqa: F401 (a fixture)
 

@@ -31,7 +31,8 @@ from pathlib import Path
 import pytest
 
 from pagoda.fleet.gate.flow_control import FlowOptions
-from pagoda.serving.launch.launcher import ServeOptions, TritonServer, find_free_port
+from pagoda.serving.launch.launcher import TritonServer, find_free_port
+from pagoda.serving.launch.serve_options import ServeOptions
 from tests.chart.test_dashboards import dashboard_files, panel_queries, substitute
 
 pytestmark = [pytest.mark.server, pytest.mark.redis]

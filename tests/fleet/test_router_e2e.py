@@ -29,7 +29,8 @@ import pytest
 
 from pagoda.fleet.index.registry import ReplicaRegistry
 from pagoda.serving.launch.client import make_inputs
-from pagoda.serving.launch.launcher import ServeOptions, TritonServer, find_free_port
+from pagoda.serving.launch.launcher import TritonServer, find_free_port
+from pagoda.serving.launch.serve_options import ServeOptions
 
 pytestmark = [pytest.mark.server, pytest.mark.redis]
 

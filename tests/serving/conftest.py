@@ -12,7 +12,9 @@ import urllib.request
 
 import pytest
 
-from pagoda.serving.launch.launcher import ServeOptions, TritonServer, find_free_port
+from pagoda.serving.launch.launcher import TritonServer, find_free_port
+
+from pagoda.serving.launch.serve_options import ServeOptions
 
 MAX_MODEL_LEN = 1024
 

@@ -147,7 +147,8 @@ def test_two_tritonservers_prefill_then_decode_over_http(triton_server, tmp_path
     prefills (``do_remote_decode``, max_tokens 1) and answers the KV handle as its
     ``kv_transfer_params`` output; a second replica decodes with that handle, pulling the
     prompt's blocks, and answers what the session server answers alone."""
-    from pagoda.serving.launch.launcher import ServeOptions, TritonServer, find_free_port
+    from pagoda.serving.launch.launcher import TritonServer, find_free_port
+    from pagoda.serving.launch.serve_options import ServeOptions
 
     from tests.serving.test_serving_triton_server import http_post
 

@@ -33,7 +33,8 @@ import pytest
 
 from pagoda.serving import process_tree
 from pagoda.serving.launch import startup_check
-from pagoda.serving.launch.launcher import ServeOptions, TritonServer, default_model_repository, find_free_port
+from pagoda.serving.launch.launcher import TritonServer, default_model_repository, find_free_port
+from pagoda.serving.launch.serve_options import ServeOptions
 
 SMALL = ["--max-model-len", "512", "--max-num-seqs", "4", "--kv-cache-memory-bytes", str(64 * 2**20)]
 

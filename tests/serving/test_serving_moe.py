@@ -15,7 +15,8 @@ import pytest
 from pagoda.engine.llm import LLM
 from pagoda.engine.sampling_params import SamplingParams
 from pagoda.serving.launch.client import stream_generate
-from pagoda.serving.launch.launcher import ServeOptions, TritonServer, find_free_port
+from pagoda.serving.launch.launcher import TritonServer, find_free_port
+from pagoda.serving.launch.serve_options import ServeOptions
 from tests.engine.hf_reference import make_random_model
 
 pytestmark = pytest.mark.server

@@ -15,7 +15,8 @@ import pytest
 
 from pagoda.engine.llm import LLM
 from pagoda.engine.sampling_params import SamplingParams
-from pagoda.serving.launch.launcher import ServeOptions, TritonServer, find_free_port
+from pagoda.serving.launch.launcher import TritonServer, find_free_port
+from pagoda.serving.launch.serve_options import ServeOptions
 from tests.engine.hf_reference import save_random_model
 from pagoda.models.quant_write import write_variant
 from tests.models.test_quant_checkpoints import VARIANTS

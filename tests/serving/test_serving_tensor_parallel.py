@@ -28,7 +28,8 @@ import pytest
 from pagoda import LLM, SamplingParams
 from pagoda.serving import process_tree
 from pagoda.serving.launch.client import stream_generate
-from pagoda.serving.launch.launcher import ServeOptions, TritonServer, find_free_port
+from pagoda.serving.launch.launcher import TritonServer, find_free_port
+from pagoda.serving.launch.serve_options import ServeOptions
 
 from tests.serving.test_serving_lifecycle import SMALL, ServeProcess
 

@@ -86,7 +86,8 @@ def run_fleet(mode: str, args: argparse.Namespace, log_dir: str) -> dict[str, An
     """One fleet (``colocated`` or ``disaggregated``): start, measure, stop."""
     from pagoda.bench.soak import RedisProcess
     from pagoda.fleet.service import BackgroundRouter, RouterOptions
-    from pagoda.serving.launch.launcher import ServeOptions, TritonServer, find_free_port
+    from pagoda.serving.launch.launcher import TritonServer, find_free_port
+    from pagoda.serving.launch.serve_options import ServeOptions
 
     rng = random.Random(args.seed)
     redis = RedisProcess(find_free_port(), log_dir)

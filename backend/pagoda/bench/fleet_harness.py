@@ -32,7 +32,8 @@ def words(rng: random.Random, count: int) -> str:
 @contextlib.contextmanager
 def two_replicas(redis_url: str, namespace: str, kv_cache_memory_bytes: int, log_dir: str):
     """Two replicas publishing to ``redis_url`` under ``namespace`` (ids r0, r1)."""
-    from pagoda.serving.launch.launcher import ServeOptions, TritonServer, find_free_port
+    from pagoda.serving.launch.launcher import TritonServer, find_free_port
+    from pagoda.serving.launch.serve_options import ServeOptions
 
     servers, saved = [], dict(os.environ)
     try:

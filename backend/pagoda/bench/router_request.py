@@ -48,7 +48,8 @@ def _words(rng: random.Random, chars: int) -> str:
 @contextlib.contextmanager
 def _fleet(log_dir: str) -> Iterator[tuple[Any, str, str]]:
     """One replica and a router in front of it: (replica, router HTTP address, router gRPC address)."""
-    from pagoda.serving.launch.launcher import ServeOptions, TritonServer, find_free_port
+    from pagoda.serving.launch.launcher import TritonServer, find_free_port
+    from pagoda.serving.launch.serve_options import ServeOptions
 
     options = ServeOptions(http_port=find_free_port(), grpc_port=find_free_port(), metrics_port=find_free_port(),
                            max_model_len=2048, max_num_seqs=4, startup_timeout_s=600)

@@ -280,7 +280,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                for item in items]
     server = door = None
     if args.launch:
-        from pagoda.serving.launch.launcher import ServeOptions, TritonServer, find_free_port
+        from pagoda.serving.launch.launcher import TritonServer, find_free_port
+        from pagoda.serving.launch.serve_options import ServeOptions
 
         server = TritonServer(ServeOptions(model=args.model, http_port=find_free_port(), grpc_port=find_free_port(),
                                            metrics_port=find_free_port(), max_num_seqs=args.max_num_seqs),

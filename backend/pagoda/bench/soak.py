@@ -188,7 +188,8 @@ class Fleet:
     """Redis + two replicas + the router, with the fault operations the soak uses."""
 
     def __init__(self, config: SoakConfig) -> None:
-        from pagoda.serving.launch.launcher import ServeOptions, find_free_port
+        from pagoda.serving.launch.launcher import find_free_port
+        from pagoda.serving.launch.serve_options import ServeOptions
 
         self.config = config
         self.redis = RedisProcess(find_free_port(), config.log_dir)

@@ -34,7 +34,8 @@ from pathlib import Path
 from typing import Optional
 
 from pagoda.engine.kv_transfer.registry import KV_CONNECTOR_BACKENDS
-from pagoda.serving.launch.launcher import MODEL_NAME, ServeOptions, TritonServer
+from pagoda.serving.launch.launcher import TritonServer
+from pagoda.serving.launch.serve_options import MODEL_NAME, ServeOptions
 from pagoda.serving.trtllm_front import FRONT_MODELS
 from pagoda.serving.launch.openai_door import DEFAULT_PORT as DEFAULT_OPENAI_PORT
 from pagoda.serving.launch.openai_door import OpenAIDoor, model_dir_for
