@@ -98,11 +98,11 @@ def test_binding_with_parallel_ranks_is_refused():
 
 
 def test_the_serve_flag_reaches_the_engine_config():
-    from pagoda.serving.launch import serve_cli
+    from pagoda.serving.launch import serve_flags
     from pagoda.serving.model_config import engine_config_from_parameters
 
-    assert "cpu_threads_bind" in serve_cli.ENGINE_FLAGS
-    assert serve_cli.make_parser().parse_args(["--cpu-threads-bind", "0-1"]).cpu_threads_bind == "0-1"
+    assert "cpu_threads_bind" in serve_flags.ENGINE_FLAGS
+    assert serve_flags.make_parser().parse_args(["--cpu-threads-bind", "0-1"]).cpu_threads_bind == "0-1"
     cpu = str(min(os.sched_getaffinity(0)))
     assert engine_config_from_parameters({"cpu_threads_bind": {"string_value": cpu}}).cpu_threads_bind == cpu
     with pytest.raises(ValueError, match="cpu_threads_bind"):

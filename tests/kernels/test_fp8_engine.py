@@ -128,7 +128,7 @@ def test_llm_and_server_flag_take_kv_cache_dtype(model_path, tmp_path):
         LLM(model_path, kv_cache_dtype="int8")
 
     from pagoda.serving.launch.serve_options import materialize_repository
-    from pagoda.serving.launch.serve_cli import make_parser, options_from_args
+    from pagoda.serving.launch.serve_flags import make_parser, options_from_args
     from pagoda.serving.model_config import engine_config_from_parameters
     from tests.serving.test_serving_model_config import REPOSITORY, parameters_of
 

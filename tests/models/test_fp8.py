@@ -133,7 +133,7 @@ def test_llm_fp8_generates_and_frees_every_block(tiny_path):
 
 
 def test_fp8_is_accepted_by_config_and_serve_flags():
-    from pagoda.serving.launch.serve_cli import make_parser
+    from pagoda.serving.launch.serve_flags import make_parser
 
     assert EngineConfig(quantization="fp8").quantization == "fp8"
     args = make_parser().parse_args(["--quantization", "fp8"])

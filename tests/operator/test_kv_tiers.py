@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagoda.serving.launch.serve_cli import make_parser
+from pagoda.serving.launch.serve_flags import make_parser
 from pagoda_operator import kv_tiers
 from pagoda_operator.reconcile import render_children
 from pagoda_operator.render_llmisvc import render_llm_inference_service

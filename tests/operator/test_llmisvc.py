@@ -105,7 +105,7 @@ def test_llm_d_scheduler_wires_kserves_picker_to_pagodas_openai_door_and_kv_even
     import json
 
     from pagoda.serving.kv_event_stream import KVEventsConfig
-    from pagoda.serving.launch.serve_cli import make_parser
+    from pagoda.serving.launch.serve_flags import make_parser
 
     svc = parse_llmservice(body(kserve={"scheduler": "llm-d"}))
     isvc = render_llm_inference_service(svc)
@@ -141,7 +141,7 @@ def test_disaggregation_renders_kserves_prefill_section():
     serve` accepts (role, KV connector), both workloads carry the pool label the router reads the
     role from, and the object validates against KServe's CRD."""
     from pagoda.fleet.routing.k8s_discovery import pod_to_member
-    from pagoda.serving.launch.serve_cli import make_parser
+    from pagoda.serving.launch.serve_flags import make_parser
 
     svc = parse_llmservice(body(disaggregation={"prefill": {"replicas": {"min": 2, "max": 4}}, "kvTransferPort": 5700}))
     isvc = render_llm_inference_service(svc)

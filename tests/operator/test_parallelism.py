@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from pagoda.serving.launch.serve_cli import make_parser
+from pagoda.serving.launch.serve_flags import make_parser
 from pagoda_operator import naming
 from pagoda_operator.pools import scaled_pools
 from pagoda_operator.reconcile import render_children, stale_children

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagoda.serving.launch.serve_cli import make_parser, options_from_args
+from pagoda.serving.launch.serve_flags import make_parser, options_from_args
 from pagoda_operator import naming
 from pagoda_operator.reconcile import render_children, stale_children
 from pagoda_operator.render_kserve import render_inference_service

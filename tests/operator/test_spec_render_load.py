@@ -62,7 +62,7 @@ def test_lora_adapters_reach_replicas_router_and_kserve():
     assert args[-4:] == ["--lora", f"sql={model_path(svc)}/adapters/sql", "--lora", "chat2=/opt/chat2"]
     router_args = render_router_deployment(svc)["spec"]["template"]["spec"]["containers"][0]["args"]
     assert router_args[-4:] == ["--lora", "sql", "--lora", "chat2"]
-    from pagoda.serving.launch.serve_cli import make_parser, options_from_args
+    from pagoda.serving.launch.serve_flags import make_parser, options_from_args
 
     parsed = options_from_args(make_parser().parse_args(args))  # `pagoda serve` accepts what is rendered
     assert parsed.engine_args["lora_modules"] == f"sql={model_path(svc)}/adapters/sql,chat2=/opt/chat2"
@@ -82,7 +82,7 @@ def test_runtime_lora_reaches_replicas_and_router_when_allowed():
     router_args = render_router_deployment(svc)["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[-1] == "--allow-runtime-lora" and router_args[-1] == "--allow-runtime-lora"
     from pagoda.fleet.router_cli import make_parser as router_parser
-    from pagoda.serving.launch.serve_cli import make_parser, options_from_args
+    from pagoda.serving.launch.serve_flags import make_parser, options_from_args
 
     assert options_from_args(make_parser().parse_args(args)).engine_args["enable_lora"] == "true"
     assert router_parser().parse_args(router_args).allow_runtime_lora

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from pagoda.serving.launch.serve_options import ServeOptions, materialize_repository
-from pagoda.serving.launch.serve_cli import make_parser, options_from_args
+from pagoda.serving.launch.serve_flags import make_parser, options_from_args
 from pagoda.serving.model_config import engine_config_from_parameters, rewrite_config_pbtxt
 
 REPOSITORY = Path(__file__).resolve().parents[2] / "model_repository"
