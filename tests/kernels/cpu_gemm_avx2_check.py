@@ -4,8 +4,10 @@ AVX-512, no AMX, as on an AMD EPYC before Zen 4), the matmul's sources only, int
 extension cache under a name that hashes them. Checks that the build reports no vector-tile feature (so
 ``models.cpu_gemm`` packs for oneDNN there) and that its matmul, the plain C++ tiles, is
 within the float32-accumulation bound of float64 (plus one bfloat16 rounding) and the same
-whatever kernel is asked for; and that its W8A8 matmul (plain C++ int8 sums) equals the float64
-definition within its bound (tests/kernels/test_cpu_int8.py's). Prints OK."""
+whatever kernel is asked for; that its W8A8 matmul (plain C++ int8 sums) equals the float64
+definition within its bound (tests/kernels/test_cpu_int8.py's); and that its decode attention (the
+portable loops, not the AVX-512 tiles) equals the float64 reference within the attention bound.
+Prints OK."""
 
 from __future__ import annotations
 
@@ -18,7 +20,8 @@ from pagoda.kernels import cpu_native
 from tests.numerics import UNIT_ROUNDOFF, gamma
 
 FLAGS = [f for f in cpu_native._FLAGS if f != "-march=native"] + ["-march=x86-64-v3"]
-SOURCES = [p for p in cpu_native._SOURCES if p.name in ("cpu_gemm.cpp", "cpu_amx.cpp", "cpu_int8.cpp")]
+SOURCES = [p for p in cpu_native._SOURCES if p.name in ("cpu_attention.cpp", "cpu_gemm.cpp", "cpu_amx.cpp",
+                                                          "cpu_int8.cpp")]
 
 
 def load() -> None:
@@ -50,6 +53,7 @@ def main() -> None:
                 assert ((out.double() - exact).abs() <= bound + 1e-30).all(), (dtype, n, k, rows)
                 assert torch.equal(out, ops.linear(x, packed, n, None, "vector"))
     check_w8a8(ops, gen)
+    check_decode(ops)
     print("OK")
 
 
@@ -67,6 +71,18 @@ def check_w8a8(ops, gen: torch.Generator) -> None:
             ref = w8a8_linear_ref(x, qweight, w_scale)
             bound = 5 * 2.0**-24 * ref.abs() + (2.0**-8 * 1.01 if dtype == torch.bfloat16 else 0.0) * ref.abs()
             assert ((out.double() - ref).abs() <= bound + 1e-30).all(), (dtype, rows)
+
+
+def check_decode(ops) -> None:
+    from tests.kernels.kernel_cases import assert_close_to_reference, attention_bound, make_paged_case, \
+        reference_attention
+
+    for dtype in (torch.float32, torch.bfloat16):
+        case = make_paged_case([1, 1, 1], [1000, 17, 3], 9, 3, 64, dtype, block_size=16, seed=3)
+        out = torch.full_like(case.q, float("nan"))
+        ops.decode_attention(case.q, case.k_cache, case.v_cache, case.meta.block_tables, case.meta.seq_lens,
+                             torch.arange(3), torch.arange(3), case.scale, 0, None, out)
+        assert_close_to_reference(out, reference_attention(case), dtype, attention_bound(case))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """pagoda's C++ CPU kernels (pagoda.kernels.cpu_native) against their definitions.
 
 Decode attention against the float64 reference on poisoned paged caches (a read past a
-context or through the wrong block is NaN); RMSNorm, rotary and silu(gate) * up against
+context or through the wrong block is NaN): the AVX-512 tiles for head sizes that are a
+multiple of 16 (a long context cut into parts among them), the portable loops for others
+(head size 40; tests/kernels/cpu_gemm_avx2_check.py runs them in an AVX2 build); RMSNorm, rotary and silu(gate) * up against
 the torch expressions they replace, in float32 and bfloat16; the torch path with the
 native decode against the reference on mixed steps; ``PAGODA_CPU_KERNELS``.
 """
@@ -32,7 +34,7 @@ def native_decode(case, window=0, sinks=None) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("head_dim,heads", [(64, (9, 3)), (128, (8, 1)), (80, (4, 4))], ids=str)
+@pytest.mark.parametrize("head_dim,heads", [(64, (9, 3)), (128, (8, 1)), (80, (4, 4)), (40, (4, 2))], ids=str)
 @pytest.mark.parametrize("strided", [False, True], ids=["tables", "strided_tables"])
 def test_decode_attention_matches_reference(dtype, head_dim, heads, strided):
     seq_lens = [1, 16, 17, 300, 5, 64]
@@ -49,6 +51,17 @@ def test_decode_attention_window_and_sinks(window, with_sinks):
     sinks = torch.randn(6) if with_sinks else None
     expected = reference_attention(case, window=window, sinks=sinks)
     assert_close_to_reference(native_decode(case, window, sinks), expected, torch.float32, attention_bound(case))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("window,with_sinks", [(0, False), (700, True)])
+def test_a_long_context_split_into_parts(dtype, window, with_sinks):
+    """One sequence of 1,000 positions is cut into parts that threads share, merged by log-sum-exp
+    (the AVX-512 path; the portable one reads it whole): same result, sinks counted once."""
+    case = make_paged_case([1, 1], [1000, 3], 8, 2, 64, dtype, block_size=16, seed=11)
+    sinks = torch.randn(8) if with_sinks else None
+    expected = reference_attention(case, window=window, sinks=sinks)
+    assert_close_to_reference(native_decode(case, window, sinks), expected, dtype, attention_bound(case))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

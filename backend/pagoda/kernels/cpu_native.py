@@ -3,10 +3,13 @@
 - ``csrc/cpu_attention.cpp``: the paged decode attention of the torch (CPU) path. Each
   one-token query reads its context's K/V rows where they lie in the paged cache (no gather
   into a padded copy, no padding, no per-bucket SDPA call), all heads of a sequence per
-  cached row, in float32 or bfloat16, with the sliding window and attention sinks;
-  sequences are handed to threads longest first. ``reference.paged_attention_ref`` is its
-  definition (tests/kernels/test_cpu_native.py checks it against that in float64). The
-  torch path uses it for every decode row of a step whose cache is float32 or bfloat16 (an
+  cached row, in float32 or bfloat16, with the sliding window and attention sinks. Built
+  with AVX-512 and a head size that is a multiple of 16, it runs ``csrc/cpu_decode_tiles.h``
+  (16 rows at a time, the next rows prefetched through the block table, a long context cut
+  into parts that threads share and merged by log-sum-exp); otherwise portable loops, one
+  sequence per work item. Work items go to threads longest first.
+  ``reference.paged_attention_ref`` is its definition (tests/kernels/test_cpu_native.py
+  checks it against that in float64). The torch path uses it for every decode row of a step whose cache is float32 or bfloat16 (an
   fp8 cache keeps the gather + SDPA path; prefill chunks keep SDPA).
 - ``csrc/cpu_elementwise.cpp``: the per-layer small ops, one call each instead of a chain
   of 5-12 torch ops: RMSNorm with the residual add, rotary embedding (reading q and k as

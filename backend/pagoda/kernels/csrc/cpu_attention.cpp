@@ -1,11 +1,13 @@
 // Paged decode attention for CPUs, reading K/V from the paged cache in place
 // (pagoda.kernels.cpu_native builds it; the contract is reference.paged_attention_ref's).
 //
-// One work item is one (decode sequence, KV head): the query heads that share that KV
-// head are scored together, so grouped-query attention reads each cached row once. Scores
-// are kept for the whole visible context (two passes: scores, then the softmax-weighted sum
-// of V), accumulated in float32 whatever the cache dtype (float32 or bfloat16).
-// Work items are split across torch's intra-op threads.
+// Built with AVX-512 and a head size that is a multiple of 16 (64, 128, ...), it runs
+// cpu_decode_tiles.h: (sequence, KV head, context part) items, 16 rows at a time, the next
+// rows prefetched through the block table. Otherwise this file's portable loops: one work
+// item is one decode sequence, all its heads; the query heads that share a KV head read each
+// cached row once. Both keep scores for the whole visible context (two passes: scores, then
+// the softmax-weighted sum of V), accumulated in float32 whatever the cache dtype (float32 or
+// bfloat16). Work items are split across torch's intra-op threads.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -20,6 +22,7 @@
 #include <vector>
 
 #include "cpu_common.h"
+#include "cpu_decode_tiles.h"
 
 namespace {
 
@@ -114,6 +117,20 @@ void decode_typed(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   const int64_t* sp = seqs.data_ptr<int64_t>();
   const float* sink = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
   const int64_t table_stride = tables.stride(0);
+#if defined(__AVX512F__)
+  auto tiled = head_dim == 64    ? &decode_tiled<T, 4>
+               : head_dim == 128 ? &decode_tiled<T, 8>
+               : head_dim == 32  ? &decode_tiled<T, 2>
+               : head_dim == 80  ? &decode_tiled<T, 5>
+               : head_dim == 96  ? &decode_tiled<T, 6>
+               : head_dim == 256 ? &decode_tiled<T, 16>
+                                 : nullptr;
+  if (tiled) {
+    tiled(qp, kp, vp, tp, table_stride, lp, rp, sp, batch, heads, kv_heads, block_size, static_cast<float>(scale),
+          window, sink, op);
+    return;
+  }
+#endif
   auto fn = head_dim == 64 ? &decode_sequence<T, 64> : head_dim == 128 ? &decode_sequence<T, 128> : &decode_sequence<T, 0>;
   // Longest contexts first, handed out one at a time: contexts of very different lengths
   // keep every thread busy to the end (a static split would not).
