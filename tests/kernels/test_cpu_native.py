@@ -3,9 +3,11 @@
 Decode attention against the float64 reference on poisoned paged caches (a read past a
 context or through the wrong block is NaN): the AVX-512 tiles for head sizes that are a
 multiple of 16 (a long context cut into parts among them), the portable loops for others
-(head size 40; tests/kernels/cpu_gemm_avx2_check.py runs them in an AVX2 build); RMSNorm, rotary and silu(gate) * up against
-the torch expressions they replace, in float32 and bfloat16; the torch path with the
-native decode against the reference on mixed steps; ``PAGODA_CPU_KERNELS``.
+(head size 40; tests/kernels/cpu_gemm_avx2_check.py runs them in an AVX2 build); prefill
+attention (AVX-512) on first chunks, chunks after context, windows and sinks; RMSNorm,
+rotary and silu(gate) * up against the torch expressions they replace, in float32 and
+bfloat16; the torch path with the native kernels against the reference on mixed steps;
+``PAGODA_CPU_KERNELS``.
 """
 
 from __future__ import annotations
@@ -64,15 +66,57 @@ def test_a_long_context_split_into_parts(dtype, window, with_sinks):
     assert_close_to_reference(native_decode(case, window, sinks), expected, dtype, attention_bound(case))
 
 
+needs_avx512 = pytest.mark.skipif("avx512f" not in cpu_native.gemm_features(), reason="no AVX-512 in this build")
+
+
+def native_prefill(case, s, window=0, sinks=None) -> torch.Tensor:
+    """Sequence ``s``'s chunk through ``prefill_attention``: its rows of the output."""
+    start, q_len = case.meta.query_start_loc.tolist()[s], case.meta.query_lens_host[s]
+    rows = slice(start, start + q_len)
+    out = torch.full_like(case.q, float("nan"))
+    cpu_native.loaded_ops().prefill_attention(case.q[rows], case.k_cache, case.v_cache,
+                                              case.meta.block_tables[s].contiguous(), case.meta.seq_lens_host[s],
+                                              case.scale, window, sinks, out[rows])
+    return out[rows]
+
+
+@needs_avx512
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("q_len,s_len,heads,head_dim,window,with_sinks", [
+    (37, 37, (9, 3), 64, 0, False),  # a first chunk: plain causal, a tail of 5 rows past the 32-row block
+    (70, 300, (9, 3), 64, 0, False),  # a chunk after 230 positions of context
+    (50, 120, (8, 1), 128, 0, False),
+    (33, 200, (6, 2), 64, 40, True),  # the window's edge crosses tiles; sinks join the denominator
+    (5, 90, (4, 4), 80, 7, False),
+], ids=str)
+def test_prefill_attention_matches_reference(dtype, q_len, s_len, heads, head_dim, window, with_sinks):
+    case = make_paged_case([q_len, 1], [s_len, 9], *heads, head_dim, dtype, block_size=16, seed=q_len)
+    sinks = torch.randn(heads[0]) if with_sinks else None
+    expected = reference_attention(case, window=window, sinks=sinks)[:q_len]
+    assert_close_to_reference(native_prefill(case, 0, window, sinks), expected, dtype, attention_bound(case))
+
+
+@needs_avx512
+def test_prefill_attention_refuses_a_chunk_past_its_table():
+    case = make_paged_case([6], [6], 4, 2, 64, torch.float32, block_size=4, seed=0)
+    with pytest.raises(RuntimeError, match="must end at s_len inside the block table"):
+        cpu_native.loaded_ops().prefill_attention(case.q, case.k_cache, case.v_cache,
+                                                  case.meta.block_tables[0, :1].contiguous(), 6, 0.1, 0, None,
+                                                  torch.empty_like(case.q))
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_torch_path_uses_it_on_mixed_steps(dtype, monkeypatch):
-    """Prefill chunks keep the gather + SDPA path, the decode rows go to C++, one step."""
+    """Decode rows and (an AVX-512 build) prompt chunks go to C++ in one step with the rest."""
     monkeypatch.setenv(cpu_native.KERNELS_ENV, "auto")
     reload_settings()
     case = make_paged_case([1, 7, 5, 1, 4, 1], [9, 7, 13, 4, 8, 1], 8, 2, 64, dtype, block_size=4, seed=5)
     case.k_cache.nan_to_num_(0), case.v_cache.nan_to_num_(0)  # SDPA's masked rows must stay finite
     out = reference.paged_attention_torch(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
     assert cpu_native.native_decode(case.q, case.k_cache, case.v_cache)
+    native = "avx512f" in cpu_native.gemm_features()
+    plan = reference.cpu_plan(case.meta, 4, 0, case.q.device, True, native)
+    assert len(plan.native_prefills) == (3 if native else 0) and len(plan.prefills) == (0 if native else 3)
     assert_close_to_reference(out, reference_attention(case), dtype, attention_bound(case))
 
 

@@ -9,8 +9,14 @@
   into parts that threads share and merged by log-sum-exp); otherwise portable loops, one
   sequence per work item. Work items go to threads longest first.
   ``reference.paged_attention_ref`` is its definition (tests/kernels/test_cpu_native.py
-  checks it against that in float64). The torch path uses it for every decode row of a step whose cache is float32 or bfloat16 (an
-  fp8 cache keeps the gather + SDPA path; prefill chunks keep SDPA).
+  checks it against that in float64). The torch path uses it for every decode row of a
+  step whose cache is float32 or bfloat16 (an fp8 cache keeps the gather + SDPA path).
+- ``csrc/cpu_prefill_attention.cpp`` (AVX-512 builds, head sizes 32-128): a prompt chunk's
+  attention over its sequence's paged cache in place, flash-style (16-key tiles, an online
+  softmax per query row, the heads of a KV group sharing each tile; tiles past a block's
+  last key never read), with the window and sinks. The torch path uses it for every chunk
+  that is plain causal (``native_prefill``); a chunk with an image's key limits keeps the
+  gather + masked SDPA.
 - ``csrc/cpu_elementwise.cpp``: the per-layer small ops, one call each instead of a chain
   of 5-12 torch ops: RMSNorm with the residual add, rotary embedding (reading q and k as
   strided views of the fused projection) and SwiGLU's ``silu(gate) * up``. Each rounds to
@@ -68,8 +74,8 @@ logger = logging.getLogger(__name__)
 KERNELS_ENV = "PAGODA_CPU_KERNELS"
 _CHOICES = ("auto", "native", "torch")
 _SOURCES = [Path(__file__).with_name("csrc") / name
-            for name in ("cpu_attention.cpp", "cpu_elementwise.cpp", "cpu_gemm.cpp", "cpu_amx.cpp", "cpu_int8.cpp",
-                         "cpu_threads.cpp")]
+            for name in ("cpu_attention.cpp", "cpu_prefill_attention.cpp", "cpu_elementwise.cpp", "cpu_gemm.cpp",
+                         "cpu_amx.cpp", "cpu_int8.cpp", "cpu_threads.cpp")]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
 
 _state: dict = {}  # "ops": the loaded torch.ops namespace, or "reason": why there is none
@@ -203,6 +209,18 @@ def native_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor)
     if k_cache.dtype != q.dtype or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         return None
     return native_ops(q)
+
+
+PREFILL_HEAD_SIZES = (32, 64, 80, 96, 128)  # csrc/cpu_prefill_attention.cpp's
+
+
+def native_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor):
+    """The ops to run this call's prompt chunks with (``prefill_attention``), or ``None``: as
+    ``native_decode``, and the build has AVX-512 and the head size is one the kernel has."""
+    ops = native_decode(q, k_cache, v_cache)
+    if ops is None or q.shape[-1] not in PREFILL_HEAD_SIZES or "avx512f" not in gemm_features():
+        return None
+    return ops
 
 
 if __name__ == "__main__":  # setup.sh: build now, so the first request does not wait for it

@@ -24,7 +24,7 @@ with ``s_aux``). SDPA has no such input, so the torch path computes those rows e
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -133,18 +133,25 @@ def paged_attention_torch(
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Same result as ``paged_attention_ref`` (``window``, ``sinks`` too), batched for speed on CPU.
 
-    The gather indices and masks depend only on the step (``cpu_plan``, made once and kept
-    on ``meta``), so each layer only gathers its cache rows and attends."""
+    With pagoda's C++ kernels (``kernels.cpu_native``) the one-token queries and, on an
+    AVX-512 build, the plain causal prompt chunks read the paged cache in place; the rest
+    (an image's chunk, an fp8 cache, no C++ kernels) gathers its context and runs SDPA. The
+    gather indices and masks depend only on the step (``cpu_plan``, made once and kept on
+    ``meta``), so each layer only gathers its cache rows and attends."""
     ops = cpu_native.native_decode(q, k_cache, v_cache)
+    prefill_ops = cpu_native.native_prefill(q, k_cache, v_cache)
     q = q.contiguous() if ops is not None else q
     out = torch.empty_like(q)
-    plan = cpu_plan(meta, k_cache.shape[1], window, q.device, ops is not None)
+    plan = cpu_plan(meta, k_cache.shape[1], window, q.device, ops is not None, prefill_ops is not None)
     if ops is not None and plan.decode_rows is not None:  # every one-token query, read in place (kernels.cpu_native)
         ops.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, plan.decode_rows,
                              plan.decode_seqs, scale, window, None if sinks is None else sinks.float().contiguous(),
                              out)
     for decode in plan.decodes:
         _decode_batch(q, k_cache, v_cache, decode, scale, out, k_scale, v_scale, sinks)
+    for rows, s, s_len in plan.native_prefills:  # causal chunks, read in place (kernels.cpu_native)
+        prefill_ops.prefill_attention(q[rows], k_cache, v_cache, meta.block_tables[s].contiguous(), s_len, scale,
+                                      window, None if sinks is None else sinks.float().contiguous(), out[rows])
     flat_k, flat_v = k_cache.flatten(0, 1), v_cache.flatten(0, 1)  # [slots, KVH, D]
     for rows, slots, mask in plan.prefills:
         kh = flat_k.index_select(0, slots).transpose(0, 1).unsqueeze(0)  # [1, KVH, S, D]
@@ -183,6 +190,8 @@ class CpuPlan:
     prefills: list[tuple[slice, torch.Tensor, Optional[torch.Tensor]]]
     decode_rows: Optional[torch.Tensor] = None  # native decode (then no buckets): the one-token queries' rows
     decode_seqs: Optional[torch.Tensor] = None  # and their sequences
+    # native prefill: the chunks whose queries see up to their own position (query rows, sequence, s_len)
+    native_prefills: list[tuple[slice, int, int]] = field(default_factory=list)
 
 
 # Decode buckets: a batched decode pads every context to the longest, so contexts of very
@@ -211,34 +220,38 @@ def decode_buckets(seq_lens: list[int], decode: list[int]) -> list[list[int]]:
 
 
 def cpu_plan(meta: AttentionMetadata, block_size: int, window: int, device: torch.device,
-             native: bool = False) -> CpuPlan:
+             native: bool = False, native_prefill: bool = False) -> CpuPlan:
     """The step's gather indices and masks for ``window`` (made once per step, kept on ``meta``);
-    ``native``: the one-token queries go to the C++ kernel (rows and sequences, no buckets)."""
-    key = (block_size, window, device, native)
+    ``native``: the one-token queries go to the C++ kernel (rows and sequences, no buckets);
+    ``native_prefill``: so do the prompt chunks that are plain causal (no image's key limits)."""
+    key = (block_size, window, device, native, native_prefill)
     plan = meta.cpu_plans.get(key)
     if plan is None:
-        plan = meta.cpu_plans[key] = _make_plan(meta, block_size, window, device, native)
+        plan = meta.cpu_plans[key] = _make_plan(meta, block_size, window, device, native, native_prefill)
     return plan
 
 
 def _make_plan(meta: AttentionMetadata, block_size: int, window: int, device: torch.device,
-               native: bool) -> CpuPlan:
+               native: bool, native_prefill: bool = False) -> CpuPlan:
     query_lens, seq_lens = meta.query_lens_host, meta.seq_lens_host
     starts = meta.query_start_loc.tolist()
     decode = [s for s, n in enumerate(query_lens) if n == 1]
     limits = meta.key_limits_host
     assert limits is None or all(limits[starts[s]] == seq_lens[s] - 1 for s in decode), \
         "a one-token query's key limit is its own position (a chunk never ends inside an image)"
-    prefills = []
+    prefills, native_prefills = [], []
     for s, q_len in enumerate(query_lens):
         if q_len == 1:
             continue
         s_len = seq_lens[s]
-        slots = _context_slots(meta.block_tables[s:s + 1], s_len, block_size, device).view(-1)
         # Causal with an offset: query i sits at position s_len - q_len + i. A chunk with no
         # context before it (and no window) is plain causal: None, and SDPA's is_causal skips the
         # masked half (a 2k-token first chunk in half the time; the same result bit for bit).
         limits = _chunk_key_limits(meta, starts[s], q_len, s_len)
+        if native_prefill and limits is None:
+            native_prefills.append((slice(starts[s], starts[s] + q_len), s, s_len))
+            continue
+        slots = _context_slots(meta.block_tables[s:s + 1], s_len, block_size, device).view(-1)
         if limits is not None:  # keys up to each query's limit (an image's tokens see the whole image)
             mask = torch.arange(s_len).unsqueeze(0) <= torch.tensor(limits).unsqueeze(1)
             mask = mask.to(device)
@@ -250,10 +263,10 @@ def _make_plan(meta: AttentionMetadata, block_size: int, window: int, device: to
         prefills.append((slice(starts[s], starts[s] + q_len), slots, mask))
     if native:
         rows = torch.tensor([starts[s] for s in decode], dtype=torch.long, device=device) if decode else None
-        return CpuPlan([], prefills, rows, torch.tensor(decode, dtype=torch.long, device=device))
+        return CpuPlan([], prefills, rows, torch.tensor(decode, dtype=torch.long, device=device), native_prefills)
     decodes = [_decode_plan(meta, bucket, starts, block_size, window, device)
                for bucket in decode_buckets(seq_lens, decode)]
-    return CpuPlan(decodes, prefills)
+    return CpuPlan(decodes, prefills, native_prefills=native_prefills)
 
 
 def _chunk_key_limits(meta: AttentionMetadata, row: int, q_len: int, s_len: int) -> Optional[list[int]]:
