@@ -34,8 +34,9 @@
 
 namespace {
 
-constexpr int64_t kKeys = 16;  // keys per tile: one vector of scores per row
-constexpr int64_t kBlock = 64;  // query positions per work item
+constexpr int kVecs = 2;                // score vectors per row and tile
+constexpr int64_t kKeys = 16 * kVecs;  // keys per tile
+constexpr int64_t kBlock = 64;         // query positions per work item
 
 inline __m512 exp16(__m512 x) {  // exp_approx on 16 lanes (cpu_common.h's polynomial)
   x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
@@ -60,86 +61,117 @@ template <int C>
 struct Rows {
   static constexpr int D = C * 16;
   int64_t count = 0;
-  std::vector<float> q, acc, top, sums, probs;  // [rows][D], [rows][D], [rows], [rows][16], [rows][16]
+  std::vector<float> q, acc, top, sums, probs;  // [rows][D], [rows][D], [rows], [rows][16], [rows][kKeys]
   std::vector<int64_t> pos;                     // each row's position
   void reset(int64_t n) {
     count = n;
     q.resize(n * D), acc.assign(n * D, 0.0f), top.assign(n, -std::numeric_limits<float>::infinity());
-    sums.assign(n * 16, 0.0f), probs.resize(n * 16), pos.resize(n);
+    sums.assign(n * 16, 0.0f), probs.resize(n * kKeys), pos.resize(n);
   }
 };
 
-// Scores of rows [r0, r0 + R) against a tile (kt: [D][16]), masked to each row's keys
+// Scores of rows [r0, r0 + R) against a tile (kt: [D][kKeys]), masked to each row's keys
 // [lo, pos] (first: the tile's first key), folded into the rows' online softmax: probs get
 // exp(score - new max), the accumulator and partial sums are rescaled.
 template <int C, int R>
 inline void score_rows(Rows<C>& rows, int64_t r0, const float* kt, int64_t first, int64_t keys, int64_t window,
                        bool masked) {
   constexpr int D = C * 16;
-  float scores[R * 16];  // kept in registers over d, stored once (an indexed array would be spilled every d)
+  float scores[R * kKeys];  // kept in registers over d, stored once (an indexed array would be spilled every d)
   {
-    __m512 s[R];
+    __m512 s[R][kVecs];
     const float* q = rows.q.data() + r0 * D;
 #pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) s[r] = _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int v = 0; v < kVecs; ++v) s[r][v] = _mm512_setzero_ps();
     for (int d = 0; d < D; ++d) {
-      const __m512 k = _mm512_loadu_ps(kt + d * 16);
+      __m512 k[kVecs];
+#pragma GCC unroll 4
+      for (int v = 0; v < kVecs; ++v) k[v] = _mm512_loadu_ps(kt + d * kKeys + v * 16);
 #pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) s[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * D + d]), k, s[r]);
+      for (int r = 0; r < R; ++r) {
+        const __m512 qd = _mm512_set1_ps(q[r * D + d]);
+#pragma GCC unroll 4
+        for (int v = 0; v < kVecs; ++v) s[r][v] = _mm512_fmadd_ps(qd, k[v], s[r][v]);
+      }
     }
 #pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) _mm512_storeu_ps(scores + r * 16, s[r]);
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int v = 0; v < kVecs; ++v) _mm512_storeu_ps(scores + r * kKeys + v * 16, s[r][v]);
   }
-  const __m512i lane = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(first)),
-                                        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+  const __m512i step = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __m512 neg = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __mmask16 valid[kVecs];  // the tile's keys that exist (a last tile may be short)
+  for (int v = 0; v < kVecs; ++v) {
+    const int64_t n = std::min<int64_t>(16, std::max<int64_t>(0, keys - 16 * v));
+    valid[v] = static_cast<__mmask16>((1u << n) - 1);
+  }
   for (int r = 0; r < R; ++r) {
     const int64_t row = r0 + r;
-    __mmask16 visible = static_cast<__mmask16>((1u << keys) - 1);
-    if (masked) {
-      const int64_t p = rows.pos[row], lo = window > 0 ? p - window + 1 : 0;
-      visible &= _mm512_cmple_epi32_mask(lane, _mm512_set1_epi32(static_cast<int32_t>(p)));
-      visible &= _mm512_cmpge_epi32_mask(lane, _mm512_set1_epi32(static_cast<int32_t>(lo)));
+    __mmask16 visible[kVecs];
+    bool any = false;
+    for (int v = 0; v < kVecs; ++v) {
+      visible[v] = valid[v];
+      if (masked) {
+        const int64_t p = rows.pos[row], lo = window > 0 ? p - window + 1 : 0;
+        const __m512i lane = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(first + 16 * v)), step);
+        visible[v] &= _mm512_cmple_epi32_mask(lane, _mm512_set1_epi32(static_cast<int32_t>(p)));
+        visible[v] &= _mm512_cmpge_epi32_mask(lane, _mm512_set1_epi32(static_cast<int32_t>(lo)));
+      }
+      any = any || visible[v];
     }
-    float* probs = rows.probs.data() + row * 16;
-    if (!visible) {  // nothing this row may see here
-      _mm512_storeu_ps(probs, _mm512_setzero_ps());
+    float* probs = rows.probs.data() + row * kKeys;
+    if (!any) {  // nothing this row may see here
+      for (int v = 0; v < kVecs; ++v) _mm512_storeu_ps(probs + v * 16, _mm512_setzero_ps());
       continue;
     }
-    const __m512 score = _mm512_mask_mov_ps(neg, visible, _mm512_loadu_ps(scores + r * 16));
-    const float top = std::max(rows.top[row], _mm512_reduce_max_ps(score));
-    const float shrink = exp_approx(rows.top[row] - top);  // 0 for the first visible tile
+    __m512 score[kVecs], most = neg;
+    for (int v = 0; v < kVecs; ++v) {
+      score[v] = _mm512_mask_mov_ps(neg, visible[v], _mm512_loadu_ps(scores + r * kKeys + v * 16));
+      most = _mm512_max_ps(most, score[v]);
+    }
+    const float top = std::max(rows.top[row], _mm512_reduce_max_ps(most));
+    const float shrink = top > rows.top[row] ? exp_approx(rows.top[row] - top) : 1.0f;  // ~0 on a first tile
     rows.top[row] = top;
-    const __m512 p = _mm512_maskz_mov_ps(visible, exp16(_mm512_sub_ps(score, _mm512_set1_ps(top))));
-    _mm512_storeu_ps(probs, p);
     float* sums = rows.sums.data() + row * 16;
-    _mm512_storeu_ps(sums, _mm512_fmadd_ps(_mm512_loadu_ps(sums), _mm512_set1_ps(shrink), p));
+    __m512 total = _mm512_mul_ps(_mm512_loadu_ps(sums), _mm512_set1_ps(shrink));
+    for (int v = 0; v < kVecs; ++v) {
+      const __m512 p = _mm512_maskz_mov_ps(visible[v], exp16(_mm512_sub_ps(score[v], _mm512_set1_ps(top))));
+      _mm512_storeu_ps(probs + v * 16, p);
+      total = _mm512_add_ps(total, p);
+    }
+    _mm512_storeu_ps(sums, total);
     if (shrink != 1.0f) {
       float* a = rows.acc.data() + row * D;
       const __m512 factor = _mm512_set1_ps(shrink);
-      for (int c = 0; c < C; ++c) _mm512_storeu_ps(a + c * 16, _mm512_mul_ps(_mm512_loadu_ps(a + c * 16), factor));
+      for (int c = 0; c < C; ++c)
+        _mm512_storeu_ps(a + c * 16, _mm512_mul_ps(_mm512_loadu_ps(a + c * 16), factor));
     }
   }
 }
 
-// acc += probs V for rows [r0, r0 + R) (vt: the tile's V rows, [16][D]): a row's probability
-// for key j is broadcast from its vector of 16 by a lane permute, each V vector loaded once
-// for the R rows.
+// acc += probs V for rows [r0, r0 + R) (vt: the tile's V rows, [kKeys][D]): a row's
+// probability for key j is broadcast from its vector by a lane permute, each V vector loaded
+// once for the R rows.
 template <int C, int R>
 inline void add_values(Rows<C>& rows, int64_t r0, const float* vt, int64_t keys) {
   constexpr int D = C * 16;
-  __m512 a[R][C], p[R];
-  for (int r = 0; r < R; ++r) {
-    p[r] = _mm512_loadu_ps(rows.probs.data() + (r0 + r) * 16);
+  __m512 a[R][C];
+  for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) a[r][c] = _mm512_loadu_ps(rows.acc.data() + (r0 + r) * D + c * 16);
-  }
-  for (int64_t j = 0; j < keys; ++j) {
-    const __m512i lane = _mm512_set1_epi32(static_cast<int32_t>(j));
-    __m512 w[R];
-    for (int r = 0; r < R; ++r) w[r] = _mm512_permutexvar_ps(lane, p[r]);
-    for (int c = 0; c < C; ++c) {
-      const __m512 v = _mm512_loadu_ps(vt + j * D + c * 16);
-      for (int r = 0; r < R; ++r) a[r][c] = _mm512_fmadd_ps(w[r], v, a[r][c]);
+  for (int v = 0; v < kVecs && 16 * v < keys; ++v) {
+    __m512 p[R];
+    for (int r = 0; r < R; ++r) p[r] = _mm512_loadu_ps(rows.probs.data() + (r0 + r) * kKeys + v * 16);
+    for (int64_t j = 16 * v; j < std::min<int64_t>(keys, 16 * v + 16); ++j) {
+      const __m512i lane = _mm512_set1_epi32(static_cast<int32_t>(j - 16 * v));
+      __m512 w[R];
+      for (int r = 0; r < R; ++r) w[r] = _mm512_permutexvar_ps(lane, p[r]);
+      for (int c = 0; c < C; ++c) {
+        const __m512 x = _mm512_loadu_ps(vt + j * D + c * 16);
+        for (int r = 0; r < R; ++r) a[r][c] = _mm512_fmadd_ps(w[r], x, a[r][c]);
+      }
     }
   }
   for (int r = 0; r < R; ++r)
