@@ -67,6 +67,9 @@ void tile_f32(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t 
   load_sums<MR, NP>(acc, c, first);
   for (int64_t i = k0; i < k1; ++i) {
     __m512 b[NP];
+    if constexpr (MR >= 2)  // weights 64 k ahead: the tile's first pass over them reads memory
+      for (int p = 0; p < NP; ++p)
+        _mm_prefetch(reinterpret_cast<const char*>(w + p * ldw + (i + 64) * kPanel), _MM_HINT_T0);
     for (int p = 0; p < NP; ++p) b[p] = _mm512_loadu_ps(w + p * ldw + i * kPanel);
     for (int m = 0; m < MR; ++m) {
       const __m512 a = _mm512_set1_ps(x[m * ldx + i]);
@@ -216,10 +219,12 @@ template <typename E, typename T, bool plain>
 void run_linear(const E* x, int64_t ldx, const E* packed, int64_t ldb, int64_t rows, int64_t n, int64_t k,
                 const float* bias, T* out) {
   const int64_t panels = ceil_div(n, kPanel), groups = ceil_div(panels, kMaxPanels);
-  // A row chunk's x (~kChunkBytes) stays in L2 while every panel group's weight passes by;
-  // the weight is read once per chunk (a decode step: one chunk, the weight read once).
-  const int64_t chunk_rows = std::max<int64_t>(kMaxRows, kChunkBytes / (k * sizeof(E)) / kMaxRows * kMaxRows);
-  const int64_t chunks = ceil_div(rows, chunk_rows);
+  // A row chunk's x (~kChunkBytes at most) stays in L2 while every panel group's weight passes
+  // by; the weight is read once per chunk (a decode step: one chunk, the weight read once).
+  // Chunks are of equal size (to a tile), so that the threads' shares of tasks are too.
+  const int64_t most_rows = std::max<int64_t>(kMaxRows, kChunkBytes / (k * sizeof(E)) / kMaxRows * kMaxRows);
+  const int64_t chunks = ceil_div(rows, most_rows);
+  const int64_t chunk_rows = ceil_div(ceil_div(rows, chunks), kMaxRows) * kMaxRows;
   // Tasks in chunk-major order: threads split the chunks, or one chunk's panel groups.
   at::parallel_for(0, groups * chunks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> sums(chunk_rows * kTileCols);
