@@ -88,6 +88,9 @@ void tile_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, i
   load_sums<MR, NP>(acc, c, first);
   auto step = [&](int64_t i, auto&& pair_of) {  // products of k = i, i + 1 (i even: blocks are kBlockK long)
     __m512bh b[NP];
+    if constexpr (MR >= 2)  // weights 64 k ahead, as in tile_f32
+      for (int p = 0; p < NP; ++p)
+        _mm_prefetch(reinterpret_cast<const char*>(w + p * ldw + (i + 64) * kPanel), _MM_HINT_T0);
     for (int p = 0; p < NP; ++p) b[p] = (__m512bh)_mm512_loadu_si512(w + p * ldw + i * kPanel);
     for (int m = 0; m < MR; ++m) {
       const __m512bh a = (__m512bh)_mm512_set1_epi32(pair_of(x + m * ldx + i));
