@@ -177,6 +177,61 @@ def test_a_taken_port_is_refused_naming_it():
             process_tree.check_ports_free([port])
 
 
+def test_a_port_is_never_handed_out_twice(monkeypatch):
+    """The kernel may give a just-closed port again (a fleet test once got one port for a
+    server's gRPC and metrics listeners): find_free_port skips ports it handed out before."""
+    from pagoda.serving.launch import launcher
+
+    given = iter([41001, 41001, 41001, 41002])
+
+    class Socket:  # the kernel's bind-to-0 answer, scripted: the same port thrice, then another
+        def __init__(self, *args):
+            self.port = next(given)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def bind(self, address):
+            pass
+
+        def getsockname(self):
+            return ("127.0.0.1", self.port)
+
+    monkeypatch.setattr(launcher, "_handed_out", set())
+    monkeypatch.setattr(launcher.socket, "socket", Socket)
+    assert [launcher.find_free_port(), launcher.find_free_port()] == [41001, 41002]
+
+
+def test_a_stop_beside_a_failing_starts_stop_is_not_broken(monkeypatch):
+    """A start that fails stops its server; the fixture that started it may stop it at the same
+    time (tests/fleet/test_migration_e2e.py's did): one stop waits for the other, neither fails."""
+    server = TritonServer(ServeOptions(http_port=0, grpc_port=0, metrics_port=0))
+    server.process = process_tree.spawn(["sleep", "60"], start_new_session=True)  # as _spawn does
+    kill_group, other, errors = process_tree.kill_group, [], []
+
+    def second_stop_meanwhile(pid):  # the other stop arrives while this one kills the group
+        if not other:
+            other.append(threading.Thread(target=lambda: _record(errors, server.stop, grace_s=0)))
+            other[0].start()
+            other[0].join(1.0)
+        return kill_group(pid)
+
+    monkeypatch.setattr(process_tree, "kill_group", second_stop_meanwhile)
+    code = server.stop(grace_s=0)
+    other[0].join(10.0)
+    assert code == -signal.SIGKILL and not other[0].is_alive() and errors == [] and server.process is None
+
+
+def _record(errors: list, fn, **kwargs) -> None:
+    try:
+        fn(**kwargs)
+    except Exception as exc:  # noqa: BLE001 - the test asserts there was none
+        errors.append(exc)
+
+
 def test_a_child_spawned_from_a_short_lived_thread_outlives_the_thread_not_the_process():
     # The parent-death signal follows the forking thread: spawn() forks from a long-lived one.
     children = []

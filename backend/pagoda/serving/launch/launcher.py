@@ -76,10 +76,22 @@ EXIT_TIMEOUT_S = 5
 FINALIZE_TIMEOUT_S = 30.0  # the model's finalize after the drain
 
 
+_handed_out: set[int] = set()
+_ports_lock = threading.Lock()
+
+
 def find_free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port free on 127.0.0.1 now, and never one this process was given before: the
+    kernel may hand a just-closed port out again, and a server once got the same port for its
+    gRPC and metrics listeners (tritonserver refused to start)."""
+    with _ports_lock:
+        while True:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            if port not in _handed_out:
+                _handed_out.add(port)
+                return port
 
 
 class TritonServer:
@@ -96,6 +108,7 @@ class TritonServer:
         self.log_path = log_path
         self.workdir: Optional[Path] = None
         self.process: Optional[subprocess.Popen] = None
+        self._stopping = threading.RLock()  # one stop at a time (a failed start stops too)
         self.stub_pids: list[int] = []
         self._log_file = None
         self._log_tail_lines: "collections.deque[str]" = collections.deque(maxlen=400)
@@ -302,6 +315,10 @@ class TritonServer:
         Returns:
             tritonserver's exit code (``None`` if it was never started).
         """
+        with self._stopping:
+            return self._stop(grace_s, force)
+
+    def _stop(self, grace_s: Optional[float], force: Optional[threading.Event]) -> Optional[int]:
         code = None
         if self.process is not None:
             if grace_s is None:
