@@ -8,9 +8,9 @@
     pagoda kv-events --endpoint tcp://HOST:5557 [...]           print a replica's vLLM-format KV events
     pagoda operator [...]                                       the Kubernetes operator (kopf)
     pagoda bench NAME [...]                                     benchmarks: offline, serve, kernels, kernel-check,
-                                                                gpu, routing, autoscale, quant, spec, offload, lora,
-                                                                structured, soak, throughput, moe, disagg, disagg-live,
-                                                                kv-capacity, kv-tiers
+                                                                cpu-kernels, gpu, routing, autoscale, quant, spec,
+                                                                offload, lora, structured, soak, throughput, moe,
+                                                                disagg, disagg-live, kv-capacity, kv-tiers
 
 Subcommands import their modules lazily so ``pagoda --help`` stays fast and a missing
 optional dependency only affects the subcommand that needs it.
@@ -39,6 +39,8 @@ _BENCHES = {
     "serve": ("pagoda.bench.serve", "main", "streaming clients against a running server"),
     "kernels": ("pagoda.bench.kernels", "main", "GPU kernel bandwidth and latency"),
     "kernel-check": ("pagoda.bench.kernel_check", "main", "every Triton kernel family vs its float64 reference"),
+    "cpu-kernels": ("pagoda.bench.cpu_kernels", "main",
+                    "pagoda's C++ CPU kernels (decode/prefill attention, matmul) vs what they replace"),
     "gpu": ("pagoda.bench.gpu_suite", "main",
             "the whole GPU measurement in one budgeted run (report in docs/gpu-runs)"),
     "routing": ("pagoda.bench.routing", "main", "routing policies compared in a calibrated simulator"),
