@@ -106,6 +106,9 @@ void tile_vnni(const int8_t* x, int64_t ldx, const int8_t* w, int64_t ldw, int64
   const __m512i flip = _mm512_set1_epi32(static_cast<int32_t>(0x80808080u));  // q -> q + 128, unsigned
   for (int64_t i = k0; i < k1; i += 4) {
     __m512i b[NP];
+    if constexpr (MR >= 2)  // weights 128 k (2 KB) ahead: a tile's first pass over a block reads memory
+      for (int p = 0; p < NP; ++p)
+        _mm_prefetch(reinterpret_cast<const char*>(w + p * ldw + (i + 128) * kPanel), _MM_HINT_T0);
     for (int p = 0; p < NP; ++p) b[p] = _mm512_loadu_si512(w + p * ldw + i * kPanel);
     for (int m = 0; m < MR; ++m) {
       int32_t four;
