@@ -75,16 +75,8 @@ void decode_sequence(const T* q, const T* k_cache, const T* v_cache, const int32
     }
   });
   for (int64_t h = 0; h < heads; ++h) {  // softmax numerators and denominators
-    float* s = scores + h * n;
-    float top = sinks ? sinks[h] : -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : top)
-    for (int64_t j = 0; j < n; ++j) top = std::max(top, s[j]);
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t j = 0; j < n; ++j) {
-      s[j] = exp_approx(s[j] - top);
-      sum += s[j];
-    }
+    const float floor = sinks ? sinks[h] : -std::numeric_limits<float>::infinity();
+    auto [top, sum] = softmax_numerators(scores + h * n, n, floor);
     if (sinks) sum += exp_approx(sinks[h] - top);
     inv_sum[h] = 1.0f / sum;
   }

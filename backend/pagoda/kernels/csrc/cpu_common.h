@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 
 namespace {
 
@@ -40,6 +41,21 @@ inline float exp_approx(float x) {
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
   return y * scale;
+}
+
+// The softmax's numerators in place: s[j] = exp(s[j] - top), top the max of s's n values and
+// `floor` (-inf, or an attention sink's logit); returns {top, the sum of the new s[j]}.
+inline std::pair<float, float> softmax_numerators(float* s, int64_t n, float floor) {
+  float top = floor;
+#pragma omp simd reduction(max : top)
+  for (int64_t j = 0; j < n; ++j) top = std::max(top, s[j]);
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < n; ++j) {
+    s[j] = exp_approx(s[j] - top);
+    sum += s[j];
+  }
+  return {top, sum};
 }
 
 }  // namespace

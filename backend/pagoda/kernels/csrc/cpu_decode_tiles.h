@@ -111,16 +111,7 @@ void decode_part(const float* qf, const PagedRows<T>& k, const PagedRows<T>& v, 
     }
   }
   for (int64_t h = 0; h < heads; ++h) {  // softmax numerators, their max and sum
-    float* s = scores + h * n;
-    float top = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : top)
-    for (int64_t j = 0; j < n; ++j) top = std::max(top, s[j]);
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t j = 0; j < n; ++j) {
-      s[j] = exp_approx(s[j] - top);
-      sum += s[j];
-    }
+    const auto [top, sum] = softmax_numerators(scores + h * n, n, -std::numeric_limits<float>::infinity());
     float* r = result + h * (D + 2);
     r[0] = top, r[1] = sum;
     for (int64_t d = 0; d < D; ++d) r[2 + d] = 0.0f;
