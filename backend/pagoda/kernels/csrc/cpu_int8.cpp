@@ -219,8 +219,10 @@ template <typename T, bool plain>
 void run_tiles(const int8_t* xq, const float* xs, int64_t rows, int64_t kp, const int8_t* packed, int64_t ldw,
                int64_t n, const int32_t* comp, const float* ws, const float* bias, T* out) {
   const int64_t panels = ceil_div(n, kPanel), groups = ceil_div(panels, kMaxPanels);
-  const int64_t chunk_rows = std::max<int64_t>(kMaxRows, kChunkBytes / kp / kMaxRows * kMaxRows);
-  const int64_t chunks = ceil_div(rows, chunk_rows);
+  // Row chunks of equal size (to a tile), as cpu_gemm.cpp's: the threads' shares of tasks are too.
+  const int64_t most_rows = std::max<int64_t>(kMaxRows, kChunkBytes / kp / kMaxRows * kMaxRows);
+  const int64_t chunks = ceil_div(rows, most_rows);
+  const int64_t chunk_rows = ceil_div(ceil_div(rows, chunks), kMaxRows) * kMaxRows;
   at::parallel_for(0, groups * chunks, 1, [&](int64_t begin, int64_t end) {
     std::vector<int32_t> sums(chunk_rows * kTileCols);
     for (int64_t t = begin; t < end; ++t) {
