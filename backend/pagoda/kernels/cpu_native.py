@@ -12,7 +12,7 @@
   checks it against that in float64). The torch path uses it for every decode row of a
   step whose cache is float32 or bfloat16 (an fp8 cache keeps the gather + SDPA path).
 - ``csrc/cpu_prefill_attention.cpp`` (AVX-512 builds, head sizes 32-128): a prompt chunk's
-  attention over its sequence's paged cache in place, flash-style (16-key tiles, an online
+  attention over its sequence's paged cache in place, flash-style (32-key tiles, an online
   softmax per query row, the heads of a KV group sharing each tile; tiles past a block's
   last key never read), with the window and sinks. The torch path uses it for every chunk
   that is plain causal (``native_prefill``); a chunk with an image's key limits keeps the
@@ -214,13 +214,13 @@ def native_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor)
 PREFILL_HEAD_SIZES = (32, 64, 80, 96, 128)  # csrc/cpu_prefill_attention.cpp's
 
 
-def native_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor):
-    """The ops to run this call's prompt chunks with (``prefill_attention``), or ``None``: as
-    ``native_decode``, and the build has AVX-512 and the head size is one the kernel has."""
-    ops = native_decode(q, k_cache, v_cache)
-    if ops is None or q.shape[-1] not in PREFILL_HEAD_SIZES or "avx512f" not in gemm_features():
+def native_prefill(decode_ops, head_size: int):
+    """The ops to run this call's prompt chunks with (``prefill_attention``), or ``None``:
+    ``decode_ops`` is ``native_decode``'s answer for the call (the same cache conditions), and
+    the build has AVX-512 and the head size is one the kernel has."""
+    if decode_ops is None or head_size not in PREFILL_HEAD_SIZES or "avx512f" not in gemm_features():
         return None
-    return ops
+    return decode_ops
 
 
 if __name__ == "__main__":  # setup.sh: build now, so the first request does not wait for it

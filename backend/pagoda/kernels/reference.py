@@ -139,19 +139,18 @@ def paged_attention_torch(
     gather indices and masks depend only on the step (``cpu_plan``, made once and kept on
     ``meta``), so each layer only gathers its cache rows and attends."""
     ops = cpu_native.native_decode(q, k_cache, v_cache)
-    prefill_ops = cpu_native.native_prefill(q, k_cache, v_cache)
+    prefill_ops = cpu_native.native_prefill(ops, q.shape[-1])
     q = q.contiguous() if ops is not None else q
     out = torch.empty_like(q)
     plan = cpu_plan(meta, k_cache.shape[1], window, q.device, ops is not None, prefill_ops is not None)
+    native_sinks = None if sinks is None or ops is None else sinks.float().contiguous()
     if ops is not None and plan.decode_rows is not None:  # every one-token query, read in place (kernels.cpu_native)
         ops.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, plan.decode_rows,
-                             plan.decode_seqs, scale, window, None if sinks is None else sinks.float().contiguous(),
-                             out)
+                             plan.decode_seqs, scale, window, native_sinks, out)
     for decode in plan.decodes:
         _decode_batch(q, k_cache, v_cache, decode, scale, out, k_scale, v_scale, sinks)
-    for rows, s, s_len in plan.native_prefills:  # causal chunks, read in place (kernels.cpu_native)
-        prefill_ops.prefill_attention(q[rows], k_cache, v_cache, meta.block_tables[s].contiguous(), s_len, scale,
-                                      window, None if sinks is None else sinks.float().contiguous(), out[rows])
+    for rows, table, s_len in plan.native_prefills:  # causal chunks, read in place (kernels.cpu_native)
+        prefill_ops.prefill_attention(q[rows], k_cache, v_cache, table, s_len, scale, window, native_sinks, out[rows])
     flat_k, flat_v = k_cache.flatten(0, 1), v_cache.flatten(0, 1)  # [slots, KVH, D]
     for rows, slots, mask in plan.prefills:
         kh = flat_k.index_select(0, slots).transpose(0, 1).unsqueeze(0)  # [1, KVH, S, D]
@@ -190,8 +189,8 @@ class CpuPlan:
     prefills: list[tuple[slice, torch.Tensor, Optional[torch.Tensor]]]
     decode_rows: Optional[torch.Tensor] = None  # native decode (then no buckets): the one-token queries' rows
     decode_seqs: Optional[torch.Tensor] = None  # and their sequences
-    # native prefill: the chunks whose queries see up to their own position (query rows, sequence, s_len)
-    native_prefills: list[tuple[slice, int, int]] = field(default_factory=list)
+    # native prefill: the chunks whose queries see up to their own position (query rows, block table row, s_len)
+    native_prefills: list[tuple[slice, torch.Tensor, int]] = field(default_factory=list)
 
 
 # Decode buckets: a batched decode pads every context to the longest, so contexts of very
@@ -249,7 +248,7 @@ def _make_plan(meta: AttentionMetadata, block_size: int, window: int, device: to
         # masked half (a 2k-token first chunk in half the time; the same result bit for bit).
         limits = _chunk_key_limits(meta, starts[s], q_len, s_len)
         if native_prefill and limits is None:
-            native_prefills.append((slice(starts[s], starts[s] + q_len), s, s_len))
+            native_prefills.append((slice(starts[s], starts[s] + q_len), meta.block_tables[s].contiguous(), s_len))
             continue
         slots = _context_slots(meta.block_tables[s:s + 1], s_len, block_size, device).view(-1)
         if limits is not None:  # keys up to each query's limit (an image's tokens see the whole image)
