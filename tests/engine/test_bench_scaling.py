@@ -6,6 +6,7 @@ needs a vLLM venv; the measured tables are in docs/benchmarks.md)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -49,6 +50,23 @@ def test_concurrency_and_the_refusals(smollm2_path):
         compare_scaling.make_spec("long", smollm2_path, "float32", 1, [2048, 8192], 2048)
     assert compare_scaling.make_spec("long", smollm2_path, "float32", 1, [2048, 8100], 2048)["max_model_len"] == 8133
     compile(compare_scaling.vllm_script(), "vllm_worker.py", "exec")  # run_scenarios' source travels whole
+    with pytest.raises(ValueError, match=r"--long-context: 4096 is below the model's own context of 8192"):
+        compare_scaling.make_spec("long", smollm2_path, "float32", 1, [2048], 2048, context=4096)
+
+
+def test_a_longer_context_is_a_stretched_copy_with_the_cache_it_needs(smollm2_path, tmp_path):
+    spec = compare_scaling.make_spec("long", smollm2_path, "float32", 2, [2048, 32000], 2048, context=32768)
+    assert spec["context"] == 32768 and spec["trained_context"] == 8192 and spec["max_model_len"] == 32033
+    # SmolLM2-135M: 30 layers x 3 KV heads x 64 x K and V x 4 bytes = 46,080 bytes a position; 4 x 32,033 of them
+    assert spec["kv_gib"] == 7 == 1 + -(-4 * 32033 * 46080 // 2**30)
+    bf16 = compare_scaling.make_spec("long", smollm2_path, "bfloat16", 2, [32000], 2048, context=32768)["kv_gib"]
+    assert bf16 == 4 and compare_scaling.make_spec("long", smollm2_path, "float32", 1, [2048], 2048)["kv_gib"] == 2
+    copy = Path(compare_scaling.stretched_model(smollm2_path, 32768, str(tmp_path)))
+    config, original = (json.loads((d / "config.json").read_text()) for d in (copy, Path(smollm2_path)))
+    assert config == {**original, "max_position_embeddings": 32768} and original["max_position_embeddings"] == 8192
+    assert {p.name for p in copy.iterdir()} == {p.name for p in Path(smollm2_path).iterdir()}
+    weights = copy / "model.safetensors"
+    assert weights.is_symlink() and weights.resolve() == (Path(smollm2_path) / "model.safetensors").resolve()
 
 
 def test_the_pagoda_process_runs_the_workload(tmp_path, model_path, restore_threads):

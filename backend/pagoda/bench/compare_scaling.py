@@ -3,11 +3,13 @@
 Two workloads beside ``compare_vllm``'s mixed one, both engines in one run, each in a fresh
 process (``compare_vllm``'s environment: threads, vLLM's in-process engine core), the same
 seeded prompts, greedy, ``ignore_eos``, no prefix caching, a 2 GiB KV cache in both
-(``VLLM_CPU_KVCACHE_SPACE=2``, pagoda's ``kv_cache_memory_bytes``), prefill chunks of
+(``VLLM_CPU_KVCACHE_SPACE=2``, pagoda's ``kv_cache_memory_bytes``; more where the long
+workload's ``DECODES`` prompts need it, ``kv_gib_for``), prefill chunks of
 ``--max-num-batched-tokens`` tokens:
 
 - ``long``: for each prompt length L (``--long-lengths``, default 2048 and 8100: the
-  default model's context is 8,192 tokens; a length past the model's is refused): TTFT, one
+  default model's context is 8,192 tokens; a length past the model's is refused unless
+  ``--long-context N`` raises it, see ``stretched_model``): TTFT, one
   prompt of L tokens alone (``max_tokens=1``, submit to its token); decode tok/s, ``DECODES``
   prompts of L tokens at once run to ``1 + DECODE_TOKENS`` tokens each (once untimed to half
   that, a warm-up at those shapes), timed step by step: the rate is the tokens the steps made
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import math
 import os
 import sys
 import tempfile
@@ -152,29 +155,67 @@ def vllm_script() -> str:
 
 
 def make_spec(workload: str, model: str, dtype: str, threads: int, lengths: list[int],
-              max_num_batched_tokens: int) -> dict[str, Any]:
-    """The workers' spec; a long-context length past the model's context is refused."""
+              max_num_batched_tokens: int, context: int | None = None) -> dict[str, Any]:
+    """The workers' spec; a long-context length past the model's context (or ``context``, the
+    one ``stretched_model`` gives it) is refused."""
     config = json.loads((Path(model) / "config.json").read_text())
-    context = config.get("max_position_embeddings", 2048)
+    trained = config.get("max_position_embeddings", 2048)
     spec: dict[str, Any] = {"workload": workload, "model": model, "dtype": dtype, "threads": threads,
                             "vocab": config["vocab_size"], "max_num_batched_tokens": max_num_batched_tokens,
                             "kv_gib": KV_GIB}
     if workload == "long":
-        too_long = [n for n in lengths if n + 1 + DECODE_TOKENS > context]
+        if context is not None and context < trained:
+            raise ValueError(f"--long-context: {context} is below the model's own context of {trained} tokens")
+        limit = context or trained
+        too_long = [n for n in lengths if n + 1 + DECODE_TOKENS > limit]
         if too_long:
+            hint = "" if context else " (--long-context N raises it)"
             raise ValueError(f"--long-lengths: {too_long} plus {1 + DECODE_TOKENS} output tokens exceed the "
-                             f"model's context of {context} tokens")
+                             f"model's context of {limit} tokens{hint}")
         spec.update(lengths=lengths, decodes=DECODES, decode_tokens=DECODE_TOKENS, max_num_seqs=DECODES,
-                    max_model_len=max(lengths) + 1 + DECODE_TOKENS)
+                    max_model_len=max(lengths) + 1 + DECODE_TOKENS, trained_context=trained)
+        spec["kv_gib"] = kv_gib_for(config, dtype, DECODES * spec["max_model_len"])
+        if context is not None and context > trained:
+            spec["context"] = context
     else:
         spec.update(concurrency=list(CONCURRENCY), prompt_tokens=PROMPT_TOKENS, output_tokens=OUTPUT_TOKENS,
                     max_num_seqs=max(CONCURRENCY), max_model_len=PROMPT_TOKENS + OUTPUT_TOKENS)
     return spec
 
 
+def kv_gib_for(config: dict[str, Any], dtype: str, tokens: int) -> int:
+    """Whole GiB of KV cache (at least ``KV_GIB``) for ``tokens`` positions of ``config``'s model
+    in ``dtype``, with a spare GiB: both engines get that budget, so neither preempts."""
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    per_token = 2 * config["num_hidden_layers"] * config.get("num_key_value_heads", heads) * head_dim
+    size = 2 if dtype in ("bfloat16", "float16") else 4
+    return max(KV_GIB, math.ceil(tokens * per_token * size / 2**30) + 1)
+
+
+def stretched_model(model: str, context: int, into: str) -> str:
+    """A copy of ``model``'s directory in ``into`` whose ``config.json`` says a context of ``context``
+    tokens (``max_position_embeddings``), every other file a link to the original: both engines
+    load it, so prompts past the model's trained context can be timed. The weights and RoPE are
+    unchanged, so positions past that context are computed as any other but are not what the
+    model learned: rows measured on it are about speed, not quality (both engines compute the
+    same thing; their outputs are still compared)."""
+    source, target = Path(model), Path(into) / (Path(model).name + f"-context-{context}")
+    target.mkdir(parents=True)
+    for item in source.iterdir():
+        if item.name != "config.json":
+            (target / item.name).symlink_to(item.resolve())
+    config = json.loads((source / "config.json").read_text())
+    config["max_position_embeddings"] = context
+    (target / "config.json").write_text(json.dumps(config, indent=2))
+    return str(target)
+
+
 def compare(python: str, spec: dict[str, Any], timeout_s: float = 3600) -> dict[str, Any]:
     """Both engines on ``spec``'s workload, pagoda first, each in a fresh process."""
     with tempfile.TemporaryDirectory(prefix="pagoda-scaling-") as tmp:
+        if spec.get("context"):
+            spec = {**spec, "model": stretched_model(spec["model"], spec["context"], tmp)}
         spec_path = os.path.join(tmp, "spec.json")
         Path(spec_path).write_text(json.dumps(spec))
         worker = os.path.join(tmp, "vllm_worker.py")

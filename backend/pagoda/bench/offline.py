@@ -207,6 +207,10 @@ def main(argv=None) -> int:
                              "memory) or 1-64 concurrent sequences (bench/compare_scaling.py)")
     parser.add_argument("--long-lengths", default="2048,8100",
                         help="with --compare-workload long: prompt lengths, comma-separated")
+    parser.add_argument("--long-context", type=int, default=None,
+                        help="with --compare-workload long: time prompts past the model's context (8,192 for the "
+                             "default model) on a copy of it whose config says this many tokens (weights and RoPE "
+                             "unchanged: such rows measure speed, not quality)")
     parser.add_argument("--plot", default=None, help="with --compare-workload concurrency: write a PNG here")
     args = parser.parse_args(argv)
     from pagoda.models.gguf_import import ensure_default_model
@@ -273,11 +277,17 @@ def _compare_scaling(args, model_path: str, threads: int) -> int:
     from pagoda.bench import compare_scaling
 
     spec = compare_scaling.make_spec(args.compare_workload, model_path, args.dtype, threads,
-                                     [int(n) for n in args.long_lengths.split(",")], args.max_num_batched_tokens)
+                                     [int(n) for n in args.long_lengths.split(",")], args.max_num_batched_tokens,
+                                     args.long_context)
     spec["bind"] = not args.no_bind
     results = compare_scaling.compare(args.compare[1], spec)
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"
-    print(f"machine: {machine}; {args.compare_workload}, {args.dtype}, {threads} threads")
+    print(f"machine: {machine}; {args.compare_workload}, {args.dtype}, {threads} threads, "
+          f"KV cache {spec['kv_gib']} GiB in each engine")
+    if spec.get("context"):
+        trained = spec["trained_context"]
+        print(f"model: a copy of {os.path.basename(model_path)} whose config says {spec['context']} tokens of "
+              f"context (its own: {trained}); rows past {trained} measure speed, not quality")
     print(compare_scaling.format_table(spec, results))
     if args.json:
         with open(args.json, "w") as f:
