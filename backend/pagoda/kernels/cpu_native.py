@@ -12,7 +12,7 @@
   checks it against that in float64). The torch path uses it for every decode row of a
   step whose cache is float32 or bfloat16 (an fp8 cache keeps the gather + SDPA path).
 - ``csrc/cpu_prefill_attention.cpp`` (AVX-512 builds, head sizes 32-128): a prompt chunk's
-  attention over its sequence's paged cache in place, flash-style (32-key tiles, an online
+  attention over its sequence's paged cache in place, flash-style (48-key tiles, an online
   softmax per query row, the heads of a KV group sharing each tile; tiles past a block's
   last key never read), with the window and sinks. The torch path uses it for every chunk
   that is plain causal (``native_prefill``); a chunk with an image's key limits keeps the

@@ -4,15 +4,17 @@
 // instead; this streams the cache once per block of queries and skips what the mask hides.
 //
 // Query i of the chunk sits at position s_len - q_len + i and sees keys [lo, i's position]
-// (lo: 0, or the sliding window's start). One work item is one (KV head, block of 32 query
+// (lo: 0, or the sliding window's start). One work item is one (KV head, block of 64 query
 // positions): the block's rows of every query head of that KV head (grouped-query attention
-// reads each K/V tile once for them all) run a flash-attention loop over 16-key tiles: the
-// tile's K transposed to [D][16] so a row's 16 scores are one vector (each query element
-// broadcast against a K^T row), an online softmax per row (running max and a vector of
-// partial sums), then P V into the row's accumulator, 4 rows at a time. Every accumulation
-// is float32 whatever the cache dtype (float32 or bfloat16). Tiles past every row's last key
-// are never read; only the diagonal tiles (and the window's edge) are masked. Items go to
-// torch's threads longest first (the last blocks of a causal chunk see the most keys).
+// reads each K/V tile once for them all) run a flash-attention loop over 48-key tiles: the
+// tile's K transposed to [D][48] so a row's 48 scores are three vectors (each query element
+// broadcast against a K^T row; 8 rows at a time, 24 accumulators), an online softmax per row
+// (running max and a vector of partial sums), then P V into the row's accumulator, 4 rows at
+// a time (2 at D = 128): each V vector loaded into a register once for them, each row's
+// probability broadcast from memory. Every accumulation is float32 whatever the cache dtype
+// (float32 or bfloat16). Tiles past every row's last key are never read; only the diagonal
+// tiles (and the window's edge) are masked. Items go to torch's threads longest first (the
+// last blocks of a causal chunk see the most keys).
 //
 // AVX-512 only (head sizes a multiple of 16); cpu_native.native_prefill says when to use it.
 
@@ -34,7 +36,7 @@
 
 namespace {
 
-constexpr int kVecs = 2;                // score vectors per row and tile
+constexpr int kVecs = 3;                // score vectors per row and tile
 constexpr int64_t kKeys = 16 * kVecs;  // keys per tile
 constexpr int64_t kBlock = 64;         // query positions per work item
 
@@ -152,26 +154,31 @@ inline void score_rows(Rows<C>& rows, int64_t r0, const float* kt, int64_t first
   }
 }
 
-// acc += probs V for rows [r0, r0 + R) (vt: the tile's V rows, [kKeys][D]): a row's
-// probability for key j is broadcast from its vector by a lane permute, each V vector loaded
-// once for the R rows.
+// A vector loaded into a register by an instruction of its own: used by several FMAs, GCC
+// would fold the load into each of them (one load per use: the load ports become the limit).
+inline __m512 load_once(const float* p) {
+  __m512 x;
+  asm("vmovups %1, %0" : "=v"(x) : "m"(*reinterpret_cast<const __m512_u*>(p)));
+  return x;
+}
+
+// acc += probs V for rows [r0, r0 + R) (vt: the tile's V rows, [kKeys][D]): each V vector
+// loaded once for the R rows, a row's probability for key j broadcast from memory (a lane
+// permute of the row's probability vector instead was 1.3x slower: permutes and the FMAs'
+// folded V loads took the ports the FMAs need).
 template <int C, int R>
 inline void add_values(Rows<C>& rows, int64_t r0, const float* vt, int64_t keys) {
   constexpr int D = C * 16;
   __m512 a[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) a[r][c] = _mm512_loadu_ps(rows.acc.data() + (r0 + r) * D + c * 16);
-  for (int v = 0; v < kVecs && 16 * v < keys; ++v) {
-    __m512 p[R];
-    for (int r = 0; r < R; ++r) p[r] = _mm512_loadu_ps(rows.probs.data() + (r0 + r) * kKeys + v * 16);
-    for (int64_t j = 16 * v; j < std::min<int64_t>(keys, 16 * v + 16); ++j) {
-      const __m512i lane = _mm512_set1_epi32(static_cast<int32_t>(j - 16 * v));
-      __m512 w[R];
-      for (int r = 0; r < R; ++r) w[r] = _mm512_permutexvar_ps(lane, p[r]);
-      for (int c = 0; c < C; ++c) {
-        const __m512 x = _mm512_loadu_ps(vt + j * D + c * 16);
-        for (int r = 0; r < R; ++r) a[r][c] = _mm512_fmadd_ps(w[r], x, a[r][c]);
-      }
+  const float* p = rows.probs.data() + r0 * kKeys;
+  for (int64_t j = 0; j < keys; ++j) {
+    __m512 x[C];
+    for (int c = 0; c < C; ++c) x[c] = load_once(vt + j * D + c * 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512 w = _mm512_set1_ps(p[r * kKeys + j]);
+      for (int c = 0; c < C; ++c) a[r][c] = _mm512_fmadd_ps(w, x[c], a[r][c]);
     }
   }
   for (int r = 0; r < R; ++r)
