@@ -41,13 +41,15 @@ constexpr int64_t kMaxPanels = 3;  // NP: panels per register tile
 constexpr int64_t kTileCols = kMaxPanels * kPanel;  // a tile's float32 sums: [rows][kTileCols]
 constexpr int64_t kChunkBytes = 256 * 1024;  // x rows per task when a call has many: about this much
 constexpr int64_t kAmxRows = 8;  // bfloat16 calls with this many rows go to AMX where it can serve them
-constexpr int64_t kBlockK = 128;  // k per pass over a row chunk: the weight block (24 KB) stays in L1
+constexpr int64_t kBlockK = 256;  // k per pass over a row chunk: the weight block (48 KB f32, 24 KB bf16) in L1
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // A tile kernel adds MR rows x NP panels of products over k in [k0, k1) to the float32 sums c
 // (zeroed first when `first`); c is [MR][kTileCols]. Sums in k order, one rounding per product
-// added: the k blocks only pause the chain (the sums wait in c, exactly).
+// added: the k blocks only pause the chain (the sums wait in c, exactly). `fetch`: prefetch the
+// weights ahead (the block's first row tile; the next ones find them in L1: prefetching there
+// too cost 5-10% at 256-2,048 rows).
 #if defined(__AVX512F__)
 template <int MR, int NP>
 inline void load_sums(__m512 (&acc)[MR][NP], const float* c, bool first) {
@@ -62,12 +64,13 @@ inline void keep_sums(__m512 (&acc)[MR][NP], float* c) {
 }
 
 template <int MR, int NP>
-void tile_f32(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t k0, int64_t k1, float* c, bool first) {
+void tile_f32(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t k0, int64_t k1, float* c,
+              bool first, bool fetch) {
   __m512 acc[MR][NP];
   load_sums<MR, NP>(acc, c, first);
   for (int64_t i = k0; i < k1; ++i) {
     __m512 b[NP];
-    if constexpr (MR >= 2)  // weights 64 k ahead: the tile's first pass over them reads memory
+    if (MR >= 2 && fetch)  // weights 64 k ahead: a block's first row tile reads them from memory
       for (int p = 0; p < NP; ++p)
         _mm_prefetch(reinterpret_cast<const char*>(w + p * ldw + (i + 64) * kPanel), _MM_HINT_T0);
     for (int p = 0; p < NP; ++p) b[p] = _mm512_loadu_ps(w + p * ldw + i * kPanel);
@@ -83,12 +86,12 @@ void tile_f32(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t 
 #if defined(__AVX512BF16__)
 template <int MR, int NP>
 void tile_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, int64_t k0, int64_t k1, float* c,
-               bool first) {
+               bool first, bool fetch) {
   __m512 acc[MR][NP];
   load_sums<MR, NP>(acc, c, first);
   auto step = [&](int64_t i, auto&& pair_of) {  // products of k = i, i + 1 (i even: blocks are kBlockK long)
     __m512bh b[NP];
-    if constexpr (MR >= 2)  // weights 64 k ahead, as in tile_f32
+    if (MR >= 2 && fetch)  // weights 64 k ahead, as in tile_f32
       for (int p = 0; p < NP; ++p)
         _mm_prefetch(reinterpret_cast<const char*>(w + p * ldw + (i + 64) * kPanel), _MM_HINT_T0);
     for (int p = 0; p < NP; ++p) b[p] = (__m512bh)_mm512_loadu_si512(w + p * ldw + i * kPanel);
@@ -122,7 +125,8 @@ inline float widen(uint16_t bits) {
 }
 
 template <int MR, int NP, typename E>
-void tile_plain(const E* x, int64_t ldx, const E* w, int64_t ldw, int64_t k0, int64_t k1, float* c, bool first) {
+void tile_plain(const E* x, int64_t ldx, const E* w, int64_t ldw, int64_t k0, int64_t k1, float* c,
+              bool first, bool fetch) {
   constexpr int64_t pair = sizeof(E) == 2 ? 2 : 1;  // bfloat16 panels hold k pairs
   if (first)
     for (int m = 0; m < MR; ++m) std::fill(c + m * kTileCols, c + m * kTileCols + NP * kPanel, 0.0f);
@@ -143,31 +147,33 @@ void tile_plain(const E* x, int64_t ldx, const E* w, int64_t ldw, int64_t k0, in
 
 #if !defined(__AVX512F__)
 template <int MR, int NP>
-void tile_f32(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t k0, int64_t k1, float* c, bool first) {
-  tile_plain<MR, NP, float>(x, ldx, w, ldw, k0, k1, c, first);
+void tile_f32(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t k0, int64_t k1, float* c,
+              bool first, bool fetch) {
+  tile_plain<MR, NP, float>(x, ldx, w, ldw, k0, k1, c, first, fetch);
 }
 #endif
 #if !defined(__AVX512BF16__)
 template <int MR, int NP>
 void tile_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, int64_t k0, int64_t k1, float* c,
-               bool first) {
-  tile_plain<MR, NP, uint16_t>(x, ldx, w, ldw, k0, k1, c, first);
+               bool first, bool fetch) {
+  tile_plain<MR, NP, uint16_t>(x, ldx, w, ldw, k0, k1, c, first, fetch);
 }
 #endif
 
 template <typename E>
-using TileFn = void (*)(const E*, int64_t, const E*, int64_t, int64_t, int64_t, float*, bool);
+using TileFn = void (*)(const E*, int64_t, const E*, int64_t, int64_t, int64_t, float*, bool, bool);
 
 template <typename E, bool plain>
 struct Tile {
   template <int MR, int NP>
-  static void fn(const E* x, int64_t ldx, const E* w, int64_t ldw, int64_t k0, int64_t k1, float* c, bool first) {
+  static void fn(const E* x, int64_t ldx, const E* w, int64_t ldw, int64_t k0, int64_t k1, float* c,
+              bool first, bool fetch) {
     if constexpr (plain) {
-      tile_plain<MR, NP, E>(x, ldx, w, ldw, k0, k1, c, first);
+      tile_plain<MR, NP, E>(x, ldx, w, ldw, k0, k1, c, first, fetch);
     } else if constexpr (sizeof(E) == 4) {
-      tile_f32<MR, NP>(x, ldx, w, ldw, k0, k1, c, first);
+      tile_f32<MR, NP>(x, ldx, w, ldw, k0, k1, c, first, fetch);
     } else {
-      tile_bf16<MR, NP>(x, ldx, w, ldw, k0, k1, c, first);
+      tile_bf16<MR, NP>(x, ldx, w, ldw, k0, k1, c, first, fetch);
     }
   }
 };
@@ -239,7 +245,7 @@ void run_linear(const E* x, int64_t ldx, const E* packed, int64_t ldb, int64_t r
         for (int64_t r = r0; r < r1; r += kMaxRows) {
           const TileFn<E> tile = pagoda_gemm::tile_table<TileFn<E>, Tile<E, plain>>(std::min(kMaxRows, r1 - r), np);
           tile(x + r * ldx, ldx, packed + p0 * ldb, ldb, k0, std::min(k, k0 + kBlockK),
-               sums.data() + (r - r0) * kTileCols, k0 == 0);
+               sums.data() + (r - r0) * kTileCols, k0 == 0, r == r0);
         }
       store_sums(sums.data(), kTileCols, r1 - r0, cols, bias ? bias + col0 : nullptr, out + r0 * n + col0, n);
     }
