@@ -88,6 +88,8 @@ def native_prefill(case, s, window=0, sinks=None) -> torch.Tensor:
     (50, 120, (8, 1), 128, 0, False),
     (33, 200, (6, 2), 64, 40, True),  # the window's edge crosses tiles; sinks join the denominator
     (5, 90, (4, 4), 80, 7, False),
+    (600, 4600, (4, 2), 64, 0, False),  # a long context: 256-position items (query_block), a tail of 88
+    (300, 2400, (6, 3), 64, 500, True),  # 128-position items, the window across several of them
 ], ids=str)
 def test_prefill_attention_matches_reference(dtype, q_len, s_len, heads, head_dim, window, with_sinks):
     case = make_paged_case([q_len, 1], [s_len, 9], *heads, head_dim, dtype, block_size=16, seed=q_len)

@@ -4,17 +4,17 @@
 // instead; this streams the cache once per block of queries and skips what the mask hides.
 //
 // Query i of the chunk sits at position s_len - q_len + i and sees keys [lo, i's position]
-// (lo: 0, or the sliding window's start). One work item is one (KV head, block of 64 query
-// positions): the block's rows of every query head of that KV head (grouped-query attention
-// reads each K/V tile once for them all) run a flash-attention loop over 48-key tiles: the
-// tile's K transposed to [D][48] so a row's 48 scores are three vectors (each query element
-// broadcast against a K^T row; 8 rows at a time, 24 accumulators), an online softmax per row
-// (running max and a vector of partial sums), then P V into the row's accumulator, 4 rows at
-// a time (2 at D = 128): each V vector loaded into a register once for them, each row's
-// probability broadcast from memory. Every accumulation is float32 whatever the cache dtype
-// (float32 or bfloat16). Tiles past every row's last key are never read; only the diagonal
-// tiles (and the window's edge) are masked. Items go to torch's threads longest first (the
-// last blocks of a causal chunk see the most keys).
+// (lo: 0, or the sliding window's start). One work item is one (KV head, block of 64-256 query
+// positions, more the longer the context: query_block): the block's rows of every query head
+// of that KV head (grouped-query attention reads each K/V tile once for them all) run a
+// flash-attention loop over 48-key tiles: the tile's K transposed to [D][48] so a row's 48
+// scores are three vectors (each query element broadcast against a K^T row; 8 rows at a time,
+// 24 accumulators), an online softmax per row (running max and a vector of partial sums), then
+// P V into the row's accumulator, 4 rows at a time (2 at D = 128): each V vector loaded into a
+// register once for them, each row's probability broadcast from memory. Every accumulation is
+// float32 whatever the cache dtype (float32 or bfloat16). Tiles past every row's last key are
+// never read; only the diagonal tiles (and the window's edge) are masked. Items go to torch's
+// threads longest first (the last blocks of a causal chunk see the most keys).
 //
 // AVX-512 only (head sizes a multiple of 16); cpu_native.native_prefill says when to use it.
 
@@ -38,7 +38,6 @@ namespace {
 
 constexpr int kVecs = 3;                // score vectors per row and tile
 constexpr int64_t kKeys = 16 * kVecs;  // keys per tile
-constexpr int64_t kBlock = 64;         // query positions per work item
 
 inline __m512 exp16(__m512 x) {  // exp_approx on 16 lanes (cpu_common.h's polynomial)
   x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
@@ -185,6 +184,16 @@ inline void add_values(Rows<C>& rows, int64_t r0, const float* vt, int64_t keys)
     for (int c = 0; c < C; ++c) _mm512_storeu_ps(rows.acc.data() + (r0 + r) * D + c * 16, a[r][c]);
 }
 
+// Query positions per work item. An item transposes every K tile its rows see, so a long
+// context wants many rows per item (after 30,000 positions of context, 64 -> 256 positions
+// took a 2,048-token chunk from 449 to 373 ms at 2 threads); but never fewer than 2 items a
+// thread (causal items differ in length).
+inline int64_t query_block(int64_t q_len, int64_t s_len, int64_t kv_heads) {
+  int64_t block = s_len >= 4096 ? 256 : s_len >= 2048 ? 128 : 64;
+  while (block > 16 && kv_heads * ((q_len + block - 1) / block) < 2 * at::get_num_threads()) block /= 2;
+  return block;
+}
+
 template <typename T, int C>
 void prefill_typed(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& table,
                    int64_t s_len, double scale, int64_t window, const c10::optional<at::Tensor>& sinks,
@@ -198,7 +207,8 @@ void prefill_typed(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
   const int32_t* tp = table.data_ptr<int32_t>();
   const float* sink = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
   T* op = out.data_ptr<T>();
-  const int64_t blocks = (q_len + kBlock - 1) / kBlock, items = kv_heads * blocks;
+  const int64_t block = query_block(q_len, s_len, kv_heads);
+  const int64_t blocks = (q_len + block - 1) / block, items = kv_heads * blocks;
   std::vector<int64_t> order(items);
   for (int64_t i = 0; i < items; ++i) order[i] = i;
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return a % blocks > b % blocks; });
@@ -207,7 +217,7 @@ void prefill_typed(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
     Rows<C> rows;
     std::vector<float> kt(D * kKeys), vt(kKeys * D);
     for (int64_t i = next++; i < items; i = next++) {
-      const int64_t g = order[i] / blocks, b0 = order[i] % blocks * kBlock, b1 = std::min(q_len, b0 + kBlock);
+      const int64_t g = order[i] / blocks, b0 = order[i] % blocks * block, b1 = std::min(q_len, b0 + block);
       const int64_t n = b1 - b0;
       rows.reset(group * n);  // row = h * n + (i - b0)
       for (int64_t h = 0; h < group; ++h)
