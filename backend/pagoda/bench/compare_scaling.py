@@ -174,7 +174,7 @@ def make_spec(workload: str, model: str, dtype: str, threads: int, lengths: list
                              f"model's context of {limit} tokens{hint}")
         spec.update(lengths=lengths, decodes=DECODES, decode_tokens=DECODE_TOKENS, max_num_seqs=DECODES,
                     max_model_len=max(lengths) + 1 + DECODE_TOKENS, trained_context=trained)
-        spec["kv_gib"] = kv_gib_for(config, dtype, DECODES * spec["max_model_len"])
+        spec["kv_gib"] = kv_gib_for(model, dtype, DECODES * spec["max_model_len"])
         if context is not None and context > trained:
             spec["context"] = context
     else:
@@ -183,14 +183,17 @@ def make_spec(workload: str, model: str, dtype: str, threads: int, lengths: list
     return spec
 
 
-def kv_gib_for(config: dict[str, Any], dtype: str, tokens: int) -> int:
-    """Whole GiB of KV cache (at least ``KV_GIB``) for ``tokens`` positions of ``config``'s model
-    in ``dtype``, with a spare GiB: both engines get that budget, so neither preempts."""
-    heads = config["num_attention_heads"]
-    head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    per_token = 2 * config["num_hidden_layers"] * config.get("num_key_value_heads", heads) * head_dim
-    size = 2 if dtype in ("bfloat16", "float16") else 4
-    return max(KV_GIB, math.ceil(tokens * per_token * size / 2**30) + 1)
+def kv_gib_for(model: str, dtype: str, tokens: int) -> int:
+    """Whole GiB of KV cache (at least ``KV_GIB``) for ``tokens`` positions of ``model`` in ``dtype``
+    (the engine's own ``kv_bytes_per_block``), with a spare GiB: both engines get that budget, so
+    neither preempts."""
+    import torch
+
+    from pagoda.engine.runner.placement import kv_bytes_per_block
+    from pagoda.models.registry import config_from_pretrained
+
+    per_token = kv_bytes_per_block(config_from_pretrained(model), 1, getattr(torch, dtype))
+    return max(KV_GIB, math.ceil(tokens * per_token / 2**30) + 1)
 
 
 def stretched_model(model: str, context: int, into: str) -> str:

@@ -126,7 +126,7 @@ inline float widen(uint16_t bits) {
 
 template <int MR, int NP, typename E>
 void tile_plain(const E* x, int64_t ldx, const E* w, int64_t ldw, int64_t k0, int64_t k1, float* c,
-              bool first, bool fetch) {
+                bool first, bool /*fetch: nothing to prefetch*/) {
   constexpr int64_t pair = sizeof(E) == 2 ? 2 : 1;  // bfloat16 panels hold k pairs
   if (first)
     for (int m = 0; m < MR; ++m) std::fill(c + m * kTileCols, c + m * kTileCols + NP * kPanel, 0.0f);
@@ -167,7 +167,7 @@ template <typename E, bool plain>
 struct Tile {
   template <int MR, int NP>
   static void fn(const E* x, int64_t ldx, const E* w, int64_t ldw, int64_t k0, int64_t k1, float* c,
-              bool first, bool fetch) {
+                 bool first, bool fetch) {
     if constexpr (plain) {
       tile_plain<MR, NP, E>(x, ldx, w, ldw, k0, k1, c, first, fetch);
     } else if constexpr (sizeof(E) == 4) {
